@@ -1,0 +1,62 @@
+"""kvbroker: a node-local KV-cache broker for disaggregated LLM serving.
+
+The daemon (``kvbroker serve``) owns shared-memory pools and hands out leases on slices of
+them; engines publish prefill KV and claim it for decode through :class:`Client`, moving the
+bytes themselves through their own mapping of the pools. See ``kvbroker._broker`` for the
+lease and claim semantics, ``kvbroker._protocol`` for the wire protocol.
+"""
+
+from ._client import Client, EvictResult, ReadLease, WriteLease
+from ._stats import (
+    ClientStatistics,
+    Counters,
+    LeaseInfo,
+    ObjectInfo,
+    PoolStatistics,
+    Statistics,
+    TransferRecord,
+)
+from ._version import __version__
+from .errors import (
+    BadRequest,
+    BrokerUnavailable,
+    Exists,
+    Forbidden,
+    Incomplete,
+    InternalError,
+    KVBrokerError,
+    LayoutMismatch,
+    LeaseExpired,
+    NotFound,
+    PoolFull,
+    ProtocolError,
+    Timeout,
+)
+
+__all__ = [
+    "Client",
+    "WriteLease",
+    "ReadLease",
+    "EvictResult",
+    "Statistics",
+    "PoolStatistics",
+    "ClientStatistics",
+    "LeaseInfo",
+    "TransferRecord",
+    "Counters",
+    "ObjectInfo",
+    "KVBrokerError",
+    "BadRequest",
+    "ProtocolError",
+    "NotFound",
+    "Exists",
+    "Incomplete",
+    "PoolFull",
+    "LeaseExpired",
+    "Timeout",
+    "Forbidden",
+    "LayoutMismatch",
+    "BrokerUnavailable",
+    "InternalError",
+    "__version__",
+]

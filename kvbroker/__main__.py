@@ -1,0 +1,3 @@
+from kvbroker.cli import main
+
+main()

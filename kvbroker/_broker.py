@@ -1,0 +1,680 @@
+"""The broker's state machine: objects, leases, eviction, statistics. No I/O, no asyncio.
+
+Primitives, and who owns and frees what
+---------------------------------------
+
+*Pool extent* — a run of pages of one host pool. The broker owns every extent; a client only
+ever borrows one through a lease, and the broker alone returns it to the allocator.
+
+*Write lease* (``reserve``) — fresh extents for ``(namespace, key)``, laid out as the named
+buffers asked for. The holder writes into its mapping, then:
+
+- ``seal``: the object becomes visible atomically (replacing the old one when asked); the
+  lease ends and the extents now belong to the sealed object;
+- ``abort`` or the connection closing: the object is discarded, its extents freed;
+- TTL expiry with the writer still connected: the object is discarded, but its extents are
+  *quarantined* on the writer's session, not reused, until that connection ends — a slow
+  writer may still be writing into them.
+
+*Read lease* (``claim``) — while held, the object's extents are neither evicted nor reused.
+It ends on ``release``, on TTL expiry, or when the connection closes. A claim with
+``consume`` unlinks the object when that lease is released; its extents are freed once the
+last read lease on it ends.
+
+*Fencing* — lease ids are never reused. Using an ended lease raises
+:class:`~kvbroker.errors.LeaseExpired` saying why it ended; a reader that gets it on
+``release`` must assume what it read may have been overwritten.
+
+*Eviction* — least recently used among sealed objects with no read lease, when a reservation
+does not fit, or after a seal pushes a pool past its high watermark (down to the low one).
+Leased and unsealed objects are never evicted. A reservation that cannot fit even after
+evicting everything evictable fails at once with :class:`~kvbroker.errors.PoolFull`, and then
+nothing is evicted for it.
+"""
+
+from __future__ import annotations
+
+import heapq
+import os
+import re
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from itertools import count
+from typing import Any
+
+import msgpack
+
+from ._version import __version__
+from ._pool import HostPool
+from ._protocol import MAX_BUFFERS, MAX_META, MAX_NAME, PROTOCOL_VERSION, validate_args
+from .errors import BadRequest, Exists, Forbidden, LeaseExpired, NotFound, PoolFull, ProtocolError
+
+__all__ = ["Broker", "Session", "WouldWait", "BUFFER_ALIGN"]
+
+# Buffers inside an object start on this boundary: enough for any dtype and for DMA engines.
+BUFFER_ALIGN = 256
+_MAX_ENDED = 1 << 16
+_MAX_LIST = 10_000
+_MAX_REPORTED_LEASES = 256
+_MAX_REGEX = 1024
+
+
+class WouldWait(Exception):
+    """Raised by ``claim`` with ``wait``: the async layer retries after the key is sealed."""
+
+    def __init__(self, key: tuple[str, str], timeout: float) -> None:
+        self.key = key
+        self.timeout = timeout
+
+
+class Session:
+    """One client connection, as the broker sees it."""
+
+    __slots__ = (
+        "id", "pid", "uid", "gid", "name", "role", "connected_at", "leases", "quarantine",
+        "bytes_published", "bytes_claimed", "greeted",
+    )  # fmt: skip
+
+    def __init__(self, sid: int, pid: int, uid: int, gid: int) -> None:
+        self.id = sid
+        self.pid, self.uid, self.gid = pid, uid, gid
+        self.name = ""
+        self.role = ""
+        self.connected_at = time.time()
+        self.leases: dict[int, Lease] = {}
+        self.quarantine: list[tuple[HostPool, int, int]] = []
+        self.bytes_published = 0
+        self.bytes_claimed = 0
+        self.greeted = False
+
+
+class StoredObject:
+    __slots__ = (
+        "namespace", "key", "pool", "start", "npages", "nbytes", "buffers", "meta",
+        "created_at", "last_access", "sealed", "readers", "linked", "serial",
+    )  # fmt: skip
+
+    def __init__(self, namespace, key, pool, start, npages, nbytes, buffers, meta, serial):
+        self.namespace: str = namespace
+        self.key: str = key
+        self.pool: HostPool = pool
+        self.start: int = start
+        self.npages: int = npages
+        self.nbytes: int = nbytes
+        self.buffers: dict[str, tuple[int, int]] = buffers  # name -> (pool offset, nbytes)
+        self.meta: dict | None = meta
+        self.created_at = time.time()
+        self.last_access = self.created_at
+        self.sealed = False
+        self.readers = 0
+        self.linked = False  # reachable through Broker.objects
+        self.serial: int = serial
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "namespace": self.namespace,
+            "key": self.key,
+            "nbytes": self.nbytes,
+            "buffers": len(self.buffers),
+            "pool": self.pool.index,
+            "readers": self.readers,
+            "created_at": self.created_at,
+            "last_access": self.last_access,
+            "meta": self.meta,
+        }
+
+
+class Lease:
+    __slots__ = ("id", "kind", "session", "obj", "ttl", "expires_at", "consume")
+
+    def __init__(self, lid, kind, session, obj, ttl, expires_at, consume=False):
+        self.id: int = lid
+        self.kind: str = kind
+        self.session: Session = session
+        self.obj: StoredObject = obj
+        self.ttl: float = ttl
+        self.expires_at: float = expires_at
+        self.consume: bool = consume
+
+
+class Broker:
+    """Owns the directory of objects and every lease; the daemon drives it."""
+
+    def __init__(
+        self,
+        pools: list[HostPool],
+        *,
+        lease_ttl: float = 30.0,
+        max_lease_ttl: float = 3600.0,
+        high_watermark: float = 0.95,
+        low_watermark: float = 0.90,
+        socket_path: str = "",
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not pools:
+            raise ValueError("a broker needs at least one pool")
+        if not 0.0 < low_watermark <= high_watermark <= 1.0:
+            raise ValueError("watermarks must satisfy 0 < low <= high <= 1")
+        self.pools = pools
+        self.lease_ttl = lease_ttl
+        self.max_lease_ttl = max_lease_ttl
+        self.high_watermark = high_watermark
+        self.low_watermark = low_watermark
+        self.socket_path = socket_path
+        self.clock = clock
+        self.started_at = time.time()
+        self.sessions: dict[int, Session] = {}
+        self.objects: dict[tuple[str, str], StoredObject] = {}
+        self.pending: dict[tuple[str, str], StoredObject] = {}
+        self.leases: dict[int, Lease] = {}
+        self._lru: OrderedDict[int, StoredObject] = OrderedDict()  # sealed, linked, unleased
+        self._owners: list[dict[int, Any]] = [{} for _ in pools]  # start -> object | ("q", n)
+        self._expiry: list[tuple[float, int]] = []
+        self._ended: OrderedDict[int, str] = OrderedDict()
+        self._ids = count(1)
+        self._serials = count(1)
+        self._regex_cache: dict[str, re.Pattern] = {}
+        self.counters: dict[str, int] = dict.fromkeys(
+            ("publishes", "claims", "bytes_in", "bytes_out", "hits", "misses", "evictions",
+             "evicted_bytes", "aborts", "expired_leases", "requests", "errors"),
+            0,
+        )  # fmt: skip
+        self.transfers: deque[dict[str, Any]] = deque(maxlen=64)
+        # Called with (namespace, key) after each seal; the daemon wakes waiting claims.
+        self.on_sealed: Callable[[tuple[str, str]], None] | None = None
+
+    # ------------------------------------------------------------------ sessions
+    def open_session(self, pid: int = 0, uid: int = -1, gid: int = -1) -> Session:
+        s = Session(next(self._ids), pid, uid, gid)
+        self.sessions[s.id] = s
+        return s
+
+    def close_session(self, session: Session) -> None:
+        """A connection ended (cleanly or not): its leases end, its quarantine is freed."""
+        for lease in list(session.leases.values()):
+            if lease.kind == "write":
+                self._discard_pending(lease, quarantine=False)
+                self._end_lease(lease, "its connection closed")
+            else:
+                self._end_read(lease, "its connection closed", consume=False)
+        for pool, start, npages in session.quarantine:
+            self._free_extent(pool, start, npages)
+        session.quarantine.clear()
+        self.sessions.pop(session.id, None)
+
+    # ------------------------------------------------------------------ dispatch
+    def handle(self, session: Session, op: str, raw_args: Any) -> Any:
+        """Run one request; returns its result or raises a KVBrokerError (or WouldWait)."""
+        self.counters["requests"] += 1
+        args = validate_args(op, raw_args)
+        if op != "hello" and not session.greeted:
+            raise ProtocolError("the first request on a connection must be hello")
+        return getattr(self, "_op_" + op)(session, **args)
+
+    def _op_hello(self, session: Session, version: int, name: str, role: str) -> dict:
+        if version != PROTOCOL_VERSION:
+            raise ProtocolError(
+                f"protocol version {version} is not supported (daemon speaks {PROTOCOL_VERSION})"
+            )
+        session.name, session.role, session.greeted = name[:MAX_NAME], role[:MAX_NAME], True
+        return {
+            "version": PROTOCOL_VERSION,
+            "server_version": __version__,
+            "server_pid": os.getpid(),
+            "session": session.id,
+            "lease_ttl": self.lease_ttl,
+            "pools": [p.describe() for p in self.pools],
+        }
+
+    # ------------------------------------------------------------------ publish
+    def _op_reserve(self, session, namespace, key, buffers, meta, replace, ttl) -> dict:
+        ident = (_check_name("namespace", namespace), _check_name("key", key))
+        if not buffers:
+            raise BadRequest("reserve: an object needs at least one buffer")
+        if len(buffers) > MAX_BUFFERS:
+            raise BadRequest(f"reserve: at most {MAX_BUFFERS} buffers per object")
+        if meta is not None and len(msgpack.packb(meta)) > MAX_META:
+            raise BadRequest(f"reserve: meta must pack to at most {MAX_META} bytes")
+        layout: dict[str, tuple[int, int]] = {}
+        offset = 0
+        for name, nbytes in buffers.items():
+            _check_name("buffer name", name)
+            if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
+                raise BadRequest(f"reserve: size of buffer {name!r} must be a non-negative int")
+            layout[name] = (offset, nbytes)
+            offset += -(-nbytes // BUFFER_ALIGN) * BUFFER_ALIGN
+        nbytes_total = sum(n for _, n in layout.values())
+        ttl = self._ttl(ttl)
+        if ident in self.pending:
+            raise Exists(f"{namespace}/{key} is being published by another writer")
+        if ident in self.objects and not replace:
+            raise Exists(f"{namespace}/{key} is already published")
+        pool, start, npages = self._allocate(max(offset, 1))
+        base = start * pool.page_size
+        obj = StoredObject(
+            namespace, key, pool, start, npages, nbytes_total,
+            {name: (base + off, n) for name, (off, n) in layout.items()}, meta,
+            next(self._serials),
+        )  # fmt: skip
+        self._owners[pool.index][start] = obj
+        self.pending[ident] = obj
+        lease = self._new_lease("write", session, obj, ttl)
+        return {"lease": lease.id, "ttl": ttl, "buffers": _extents(obj, obj.buffers)}
+
+    def _op_seal(self, session, lease) -> dict:
+        ls = self._lease(session, lease, "write")
+        obj = ls.obj
+        ident = (obj.namespace, obj.key)
+        del self.pending[ident]
+        self._end_lease(ls, "it was sealed")
+        old = self.objects.get(ident)
+        if old is not None:
+            self._unlink(old)
+        obj.sealed = True
+        obj.linked = True
+        obj.last_access = time.time()
+        self.objects[ident] = obj
+        self._lru[obj.serial] = obj
+        self.counters["publishes"] += 1
+        self.counters["bytes_in"] += obj.nbytes
+        session.bytes_published += obj.nbytes
+        self._record("publish", session, obj, obj.nbytes)
+        self._enforce_watermark(obj.pool)
+        if self.on_sealed is not None:
+            self.on_sealed(ident)
+        return {"namespace": obj.namespace, "key": obj.key, "nbytes": obj.nbytes}
+
+    def _op_abort(self, session, lease) -> dict:
+        ls = self._lease(session, lease, "write")
+        self._discard_pending(ls, quarantine=False)
+        self._end_lease(ls, "it was aborted")
+        self.counters["aborts"] += 1
+        return {}
+
+    # ------------------------------------------------------------------ claim
+    def _op_claim(self, session, namespace, key, select, consume, wait, ttl) -> dict:
+        ident = (namespace, key)
+        obj = self.objects.get(ident)
+        if obj is None:
+            if wait is not None and wait > 0:
+                raise WouldWait(ident, float(wait))
+            self.counters["misses"] += 1
+            raise NotFound(f"{namespace}/{key} is not published")
+        if select is None:
+            chosen = obj.buffers
+        else:
+            pattern = self._regex(select)
+            chosen = {n: e for n, e in obj.buffers.items() if pattern.fullmatch(n)}
+        ttl = self._ttl(ttl)
+        self._pin(obj)
+        lease = self._new_lease("read", session, obj, ttl, consume=consume)
+        nbytes = sum(n for _, n in chosen.values())
+        self.counters["claims"] += 1
+        self.counters["hits"] += 1
+        self.counters["bytes_out"] += nbytes
+        session.bytes_claimed += nbytes
+        self._record("claim", session, obj, nbytes)
+        return {
+            "lease": lease.id,
+            "ttl": ttl,
+            "meta": obj.meta,
+            "buffers": _extents(obj, chosen),
+        }
+
+    def _op_release(self, session, lease) -> dict:
+        ls = self._lease(session, lease, "read")
+        self._end_read(ls, "it was released", consume=ls.consume)
+        return {}
+
+    def _op_renew(self, session, leases, ttl) -> dict:
+        out = []
+        for lid in leases:
+            if not isinstance(lid, int) or isinstance(lid, bool):
+                raise BadRequest("renew: leases must be a list of lease ids")
+            ls = self._lease(session, lid, None)
+            ls.ttl = self._ttl(ttl) if ttl is not None else ls.ttl
+            ls.expires_at = self.clock() + ls.ttl
+            heapq.heappush(self._expiry, (ls.expires_at, ls.id))
+            out.append([lid, ls.ttl])
+        return {"expires_in": out}
+
+    # ------------------------------------------------------------------ directory
+    def _op_lookup(self, session, namespace, key) -> dict | None:
+        obj = self.objects.get((namespace, key))
+        return None if obj is None else obj.info()
+
+    def _op_list(self, session, namespace, match, limit) -> dict:
+        limit = _MAX_LIST if limit is None else max(0, min(limit, _MAX_LIST))
+        pattern = self._regex(match) if match is not None else None
+        out, truncated = [], False
+        for obj in self.objects.values():
+            if namespace is not None and obj.namespace != namespace:
+                continue
+            if pattern is not None and not pattern.search(obj.key):
+                continue
+            if len(out) == limit:
+                truncated = True
+                break
+            out.append(obj.info())
+        return {"objects": out, "truncated": truncated}
+
+    def _op_evict(self, session, namespace, key, match, match_buffers, older_than, all, dry_run):
+        if not (all or key is not None or match is not None or match_buffers is not None
+                or older_than is not None or namespace is not None):  # fmt: skip
+            raise BadRequest("evict: name what to evict (key, match, namespace, ...) or all")
+        key_re = self._regex(match) if match is not None else None
+        buf_re = self._regex(match_buffers) if match_buffers is not None else None
+        now = time.time()
+        victims, skipped = [], 0
+        candidates = (
+            [o for o in (self.objects.get((ns, key)) for ns in self._namespaces(namespace)) if o]
+            if key is not None
+            else list(self.objects.values())
+        )
+        for obj in candidates:
+            if namespace is not None and obj.namespace != namespace:
+                continue
+            if key_re is not None and not key_re.search(obj.key):
+                continue
+            if buf_re is not None and not any(buf_re.search(b) for b in obj.buffers):
+                continue
+            if older_than is not None and now - obj.created_at < older_than:
+                continue
+            if obj.readers:
+                skipped += 1
+                continue
+            victims.append(obj)
+        reported = [o.info() for o in victims[:_MAX_LIST]]
+        nbytes = sum(o.nbytes for o in victims)
+        if not dry_run:
+            for obj in victims:
+                self._evict(obj)
+        return {
+            "evicted": reported,
+            "count": len(victims),
+            "bytes": nbytes,
+            "skipped_leased": skipped,
+            "dry_run": dry_run,
+        }
+
+    def _namespaces(self, namespace: str | None):
+        if namespace is not None:
+            return (namespace,)
+        return {ns for ns, _ in self.objects}
+
+    def _op_stat(self, session) -> dict:
+        return self.snapshot()
+
+    def _op_watch(self, session, interval) -> dict:
+        # The daemon schedules the pushes; the broker only validates.
+        if interval < 0 or (0 < interval < 0.05):
+            raise BadRequest("watch: interval must be 0 (stop) or at least 0.05 s")
+        return {"interval": interval}
+
+    # ------------------------------------------------------------------ expiry
+    def expire(self, now: float | None = None) -> int:
+        """End every lease whose TTL passed; returns how many ended."""
+        now = self.clock() if now is None else now
+        ended = 0
+        while self._expiry and self._expiry[0][0] <= now:
+            at, lid = heapq.heappop(self._expiry)
+            ls = self.leases.get(lid)
+            if ls is None or ls.expires_at != at:
+                continue  # released, or renewed (a later heap entry stands for it)
+            reason = f"its {ls.ttl:g} s TTL passed without renewal"
+            if ls.kind == "write":
+                self._discard_pending(ls, quarantine=True)
+                self._end_lease(ls, reason)
+            else:
+                self._end_read(ls, reason, consume=False)
+            self.counters["expired_leases"] += 1
+            ended += 1
+        return ended
+
+    # ------------------------------------------------------------------ statistics
+    def snapshot(self, occupancy_cells: int = 64) -> dict[str, Any]:
+        now_wall, now = time.time(), self.clock()
+        per_pool = [
+            {"read": 0, "write": 0, "objects": 0, "quarantined": 0} for _ in self.pools
+        ]
+        for obj in self.objects.values():
+            per_pool[obj.pool.index]["objects"] += 1
+        for ls in self.leases.values():
+            if ls.kind == "write":
+                per_pool[ls.obj.pool.index]["write"] += ls.obj.npages
+        for obj in self._pinned_objects():
+            per_pool[obj.pool.index]["read"] += obj.npages
+        for s in self.sessions.values():
+            for pool, _, npages in s.quarantine:
+                per_pool[pool.index]["quarantined"] += npages
+        pools = []
+        for p, acc in zip(self.pools, per_pool):
+            a, ps = p.allocator, p.page_size
+            pools.append({
+                "index": p.index, "name": p.name, "capacity": p.size, "page_size": ps,
+                "used": a.used * ps, "free": a.free * ps,
+                "leased_read": acc["read"] * ps, "leased_write": acc["write"] * ps,
+                "quarantined": acc["quarantined"] * ps, "objects": acc["objects"],
+                "largest_free": a.largest_free * ps, "fragmentation": a.fragmentation,
+                "high_watermark": self.high_watermark, "low_watermark": self.low_watermark,
+                "occupancy": self._occupancy(p, occupancy_cells) if occupancy_cells else "",
+            })  # fmt: skip
+        clients = []
+        for s in self.sessions.values():
+            reads = sum(1 for ls in s.leases.values() if ls.kind == "read")
+            clients.append({
+                "session": s.id, "pid": s.pid, "uid": s.uid, "gid": s.gid, "name": s.name,
+                "role": s.role, "connected_at": s.connected_at, "read_leases": reads,
+                "write_leases": len(s.leases) - reads, "bytes_published": s.bytes_published,
+                "bytes_claimed": s.bytes_claimed,
+            })  # fmt: skip
+        leases = [
+            {"lease": ls.id, "kind": ls.kind, "session": ls.session.id,
+             "namespace": ls.obj.namespace, "key": ls.obj.key, "nbytes": ls.obj.nbytes,
+             "expires_in": ls.expires_at - now}
+            for ls in list(self.leases.values())[-_MAX_REPORTED_LEASES:]
+        ]  # fmt: skip
+        reads = sum(1 for ls in self.leases.values() if ls.kind == "read")
+        return {
+            "taken_at": now_wall,
+            "version": __version__,
+            "pid": os.getpid(),
+            "started_at": self.started_at,
+            "socket": self.socket_path,
+            "objects": len(self.objects),
+            "pending": len(self.pending),
+            "read_leases": reads,
+            "write_leases": len(self.leases) - reads,
+            "pools": pools,
+            "clients": clients,
+            "counters": dict(self.counters),
+            "leases": leases,
+            "transfers": list(self.transfers),
+        }
+
+    def _pinned_objects(self):
+        seen = set()
+        for ls in self.leases.values():
+            if ls.kind == "read" and ls.obj.serial not in seen:
+                seen.add(ls.obj.serial)
+                yield ls.obj
+
+    def _occupancy(self, pool: HostPool, cells: int) -> str:
+        npages = pool.allocator.capacity
+        cells = max(1, min(cells, npages))
+        rank = {".": 0, "s": 1, "r": 2, "w": 3, "q": 4}
+        out = ["."] * cells
+        for start, owner in self._owners[pool.index].items():
+            if isinstance(owner, tuple):
+                state, length = owner
+            else:
+                length = owner.npages
+                state = "w" if not owner.sealed else ("r" if owner.readers else "s")
+            first, last = start * cells // npages, (start + length - 1) * cells // npages
+            for c in range(first, last + 1):
+                if rank[state] > rank[out[c]]:
+                    out[c] = state
+        return "".join(out)
+
+    # ------------------------------------------------------------------ internals
+    def _ttl(self, ttl: float | None) -> float:
+        if ttl is None:
+            return self.lease_ttl
+        if not 0 < ttl <= self.max_lease_ttl:
+            raise BadRequest(f"ttl must be in (0, {self.max_lease_ttl:g}] seconds")
+        return float(ttl)
+
+    def _regex(self, text: str) -> re.Pattern:
+        pattern = self._regex_cache.get(text)
+        if pattern is None:
+            if len(text) > _MAX_REGEX:
+                raise BadRequest(f"regex longer than {_MAX_REGEX} characters")
+            try:
+                pattern = re.compile(text)
+            except re.error as exc:
+                raise BadRequest(f"bad regex {text!r}: {exc}") from None
+            if len(self._regex_cache) > 256:
+                self._regex_cache.clear()
+            self._regex_cache[text] = pattern
+        return pattern
+
+    def _new_lease(self, kind, session, obj, ttl, consume=False) -> Lease:
+        ls = Lease(next(self._ids), kind, session, obj, ttl, self.clock() + ttl, consume)
+        self.leases[ls.id] = ls
+        session.leases[ls.id] = ls
+        heapq.heappush(self._expiry, (ls.expires_at, ls.id))
+        return ls
+
+    def _lease(self, session: Session, lid: int, kind: str | None) -> Lease:
+        ls = self.leases.get(lid)
+        if ls is None:
+            reason = self._ended.get(lid)
+            if reason is not None:
+                raise LeaseExpired(f"lease {lid} has ended: {reason}")
+            raise BadRequest(f"no lease {lid}")
+        if ls.session is not session:
+            raise Forbidden(f"lease {lid} is held by another connection")
+        if kind is not None and ls.kind != kind:
+            raise BadRequest(f"lease {lid} is a {ls.kind} lease, not a {kind} lease")
+        return ls
+
+    def _end_lease(self, ls: Lease, reason: str) -> None:
+        del self.leases[ls.id]
+        ls.session.leases.pop(ls.id, None)
+        self._ended[ls.id] = reason
+        if len(self._ended) > _MAX_ENDED:
+            self._ended.popitem(last=False)
+
+    def _end_read(self, ls: Lease, reason: str, consume: bool) -> None:
+        self._end_lease(ls, reason)
+        obj = ls.obj
+        obj.readers -= 1
+        if consume and obj.linked:
+            self._unlink(obj)  # frees now, or when the last other reader leaves
+        elif obj.linked:
+            if obj.readers == 0:
+                self._lru[obj.serial] = obj  # most recently used
+        elif obj.readers == 0:
+            self._free_object(obj)  # unlinked earlier; the last reader just left
+
+    def _pin(self, obj: StoredObject) -> None:
+        obj.readers += 1
+        obj.last_access = time.time()
+        self._lru.pop(obj.serial, None)
+
+    def _discard_pending(self, ls: Lease, quarantine: bool) -> None:
+        obj = ls.obj
+        del self.pending[(obj.namespace, obj.key)]
+        if quarantine:
+            self._owners[obj.pool.index][obj.start] = ("q", obj.npages)
+            ls.session.quarantine.append((obj.pool, obj.start, obj.npages))
+        else:
+            self._free_object(obj)
+
+    def _unlink(self, obj: StoredObject) -> None:
+        """Make an object unreachable; its extents go once no reader holds them."""
+        if not obj.linked:
+            return
+        obj.linked = False
+        del self.objects[(obj.namespace, obj.key)]
+        self._lru.pop(obj.serial, None)
+        if obj.readers == 0:
+            self._free_object(obj)
+
+    def _evict(self, obj: StoredObject) -> None:
+        assert obj.readers == 0 and obj.sealed
+        self.counters["evictions"] += 1
+        self.counters["evicted_bytes"] += obj.nbytes
+        self._unlink(obj)
+
+    def _free_object(self, obj: StoredObject) -> None:
+        self._owners[obj.pool.index].pop(obj.start, None)
+        obj.pool.allocator.free_extent(obj.start, obj.npages)
+
+    def _free_extent(self, pool: HostPool, start: int, npages: int) -> None:
+        self._owners[pool.index].pop(start, None)
+        pool.allocator.free_extent(start, npages)
+
+    def _allocate(self, nbytes: int) -> tuple[HostPool, int, int]:
+        fits = [p for p in self.pools if nbytes <= p.size]
+        if not fits:
+            biggest = max(p.size for p in self.pools)
+            raise PoolFull(f"an object of {nbytes} bytes is larger than any pool ({biggest} bytes)")
+        # Emptiest pool first, which spreads objects and keeps fragmentation down.
+        for pool in sorted(fits, key=lambda p: -p.allocator.free):
+            npages = -(-nbytes // pool.page_size)
+            start = pool.allocator.alloc(npages)
+            if start is not None:
+                return pool, start, npages
+        # Evict only if it can succeed: free + evictable pages must cover the request.
+        evictable = {p.index: p.allocator.free for p in fits}
+        for obj in self._lru.values():
+            if obj.pool.index in evictable:
+                evictable[obj.pool.index] += obj.npages
+        feasible = {
+            p.index for p in fits if evictable[p.index] >= -(-nbytes // p.page_size)
+        }
+        if not feasible:
+            raise PoolFull(
+                f"no room for {nbytes} bytes: the pools are held by leased or unsealed objects"
+            )
+        while True:
+            victim = next((o for o in self._lru.values() if o.pool.index in feasible), None)
+            if victim is None:
+                raise PoolFull(f"no room for {nbytes} bytes even after eviction (fragmented)")
+            pool = victim.pool
+            self._evict(victim)
+            npages = -(-nbytes // pool.page_size)
+            start = pool.allocator.alloc(npages)
+            if start is not None:
+                return pool, start, npages
+
+    def _enforce_watermark(self, pool: HostPool) -> None:
+        a = pool.allocator
+        if a.used <= self.high_watermark * a.capacity:
+            return
+        target = self.low_watermark * a.capacity
+        for obj in [o for o in self._lru.values() if o.pool is pool]:
+            if a.used <= target:
+                break
+            self._evict(obj)
+
+    def _record(self, op: str, session: Session, obj: StoredObject, nbytes: int) -> None:
+        self.transfers.append({
+            "at": time.time(), "op": op, "session": session.id,
+            "namespace": obj.namespace, "key": obj.key, "nbytes": nbytes,
+        })  # fmt: skip
+
+
+def _check_name(what: str, value: str) -> str:
+    if not value:
+        raise BadRequest(f"{what} must not be empty")
+    if len(value) > MAX_NAME:
+        raise BadRequest(f"{what} longer than {MAX_NAME} characters")
+    return value
+
+
+def _extents(obj: StoredObject, chosen: dict[str, tuple[int, int]]) -> dict[str, list[int]]:
+    idx = obj.pool.index
+    return {name: [idx, off, n] for name, (off, n) in chosen.items()}

@@ -1,0 +1,471 @@
+"""The synchronous client: the facade engines and tools use.
+
+Ownership, from the client's side
+---------------------------------
+
+- A :class:`WriteLease` (``reserve``) lends you writable views of fresh extents. You own the
+  writing; the broker owns the memory. ``seal`` publishes, ``abort`` discards. Leaving the
+  ``with`` block seals, or aborts when it is left by an exception. After either, the views
+  must not be touched: the extents belong to the object (or to the next owner).
+- A :class:`ReadLease` (``claim``) lends you read-only views of a sealed object. They are
+  valid until ``release`` (the end of the ``with`` block), TTL expiry or the connection
+  closing. Copy out what you need to keep. ``release`` raising
+  :class:`~kvbroker.errors.LeaseExpired` means the lease ended early and what you read may
+  have been overwritten.
+- ``put`` and ``get`` do the above for you, copying each byte exactly once.
+- Pools are mapped once per process and shared by every client in it.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from ._framing import MessageStream
+from ._paths import default_socket_path
+from ._pool import PoolMapping
+from ._session import Session
+from ._stats import ObjectInfo, Statistics
+from ._transport import UnixTransport
+from .errors import Exists, KVBrokerError
+
+__all__ = ["Client", "WriteLease", "ReadLease", "EvictResult"]
+
+_maps_lock = threading.Lock()
+_process_maps: dict[str, list] = {}  # segment name -> [PoolMapping, refcount]
+
+
+def _acquire_mapping(index: int, name: str, size: int) -> PoolMapping:
+    with _maps_lock:
+        entry = _process_maps.get(name)
+        if entry is None:
+            entry = _process_maps[name] = [PoolMapping(index, name, size), 0]
+        entry[1] += 1
+        return entry[0]
+
+
+def _release_mapping(name: str) -> None:
+    with _maps_lock:
+        entry = _process_maps.get(name)
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] <= 0:
+            del _process_maps[name]
+            entry[0].close()
+
+
+def _np():
+    import numpy
+
+    return numpy
+
+
+def _torch_tensor(obj: Any) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(obj, torch.Tensor)
+
+
+def nbytes_of(obj: Any) -> int:
+    """Size in bytes of a numpy array, torch tensor or bytes-like object."""
+    if _torch_tensor(obj):
+        return obj.numel() * obj.element_size()
+    n = getattr(obj, "nbytes", None)
+    if isinstance(n, int):
+        return n
+    return memoryview(obj).nbytes
+
+
+def copy_into(dst, src: Any) -> None:
+    """Copy ``src`` into the uint8 view ``dst`` with one pass over memory, bit for bit."""
+    np = _np()
+    if _torch_tensor(src):
+        torch = sys.modules["torch"]
+        if src.numel():
+            target = torch.from_numpy(dst).view(src.dtype).view(src.shape)
+            target.copy_(src.detach())
+        return
+    if isinstance(src, np.ndarray):
+        if src.flags.c_contiguous:
+            np.copyto(dst, src.reshape(-1).view(np.uint8))
+        else:  # strided: let numpy walk the strides while writing, still one pass
+            np.copyto(dst.view(src.dtype).reshape(src.shape), src)
+        return
+    np.copyto(dst, np.frombuffer(memoryview(src).cast("B"), dtype=np.uint8))
+
+
+class _Lease:
+    """Common part of read and write leases: views over extents, renew, context manager."""
+
+    _writable = False
+
+    def __init__(
+        self, client: Client, namespace: str, key: str, reply: dict, asked_at: float = 0.0
+    ) -> None:
+        self.client = client
+        self.namespace = namespace
+        self.key = key
+        self.id: int = reply["lease"]
+        self.ttl: float = reply["ttl"]
+        self._extents: dict[str, list[int]] = reply["buffers"]
+        self._views: dict[str, Any] = {}
+        self.ended = False
+        # The daemon started the TTL after we asked, so it cannot expire before this.
+        self._safe_until = asked_at + 0.9 * self.ttl
+
+    def __getitem__(self, name: str):
+        view = self._views.get(name)
+        if view is None:
+            if self.ended:
+                raise KVBrokerError(f"lease {self.id} has ended; its views are gone")
+            pool, offset, nbytes = self._extents[name]
+            view = _np().frombuffer(
+                self.client._mapping(pool).mm, dtype="uint8", count=nbytes, offset=offset
+            )
+            if not self._writable:
+                view.flags.writeable = False
+            self._views[name] = view
+        return view
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._extents
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._extents)
+
+    def __len__(self) -> int:
+        return len(self._extents)
+
+    def keys(self):
+        return self._extents.keys()
+
+    def items(self):
+        return [(name, self[name]) for name in self._extents]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e[2] for e in self._extents.values())
+
+    def extents(self) -> dict[str, tuple[int, int, int]]:
+        """``{name: (pool, offset, nbytes)}``: for DMA engines that address the pools directly."""
+        return {n: tuple(e) for n, e in self._extents.items()}
+
+    def renew(self, ttl: float | None = None) -> float:
+        asked_at = time.monotonic()
+        ((_, granted),) = self.client._call("renew", leases=[self.id], ttl=ttl)["expires_in"]
+        self.ttl = granted
+        self._safe_until = asked_at + 0.9 * granted
+        return granted
+
+    def _drop_views(self) -> None:
+        self.ended = True
+        self._views.clear()
+
+    def __enter__(self):
+        return self
+
+
+class WriteLease(_Lease):
+    """Writable views of a reservation; ``seal`` publishes it, ``abort`` discards it."""
+
+    _writable = True
+
+    def seal(self) -> None:
+        self._drop_views()
+        self.client._call("seal", lease=self.id)
+
+    def abort(self) -> None:
+        if not self.ended:
+            self._drop_views()
+            self.client._call("abort", lease=self.id)
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if self.ended:
+            return
+        if exc_type is None:
+            self.seal()
+        else:
+            try:
+                self.abort()
+            except KVBrokerError:
+                pass  # the original exception matters more; the lease ends with the session
+
+
+class ReadLease(_Lease):
+    """Read-only views of a sealed object; valid until ``release``."""
+
+    def __init__(
+        self, client: Client, namespace: str, key: str, reply: dict, asked_at: float = 0.0
+    ) -> None:
+        super().__init__(client, namespace, key, reply, asked_at)
+        self.meta: dict | None = reply.get("meta")
+
+    def release(self) -> None:
+        """End the lease. Raises LeaseExpired if it had already ended (see the module doc)."""
+        if self.ended:
+            return
+        self._drop_views()
+        if time.monotonic() < self._safe_until:
+            # A read lease ends early only by TTL or by its connection closing: well inside
+            # its TTL the release cannot fail, so its reply is checked by the next call.
+            self.client._session.send_only("release", lease=self.id)
+        else:
+            self.client._call("release", lease=self.id)
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.release()
+        elif not self.ended:
+            try:
+                self.release()
+            except KVBrokerError:
+                pass
+
+
+class EvictResult:
+    """What ``evict`` freed (or, with ``dry_run``, would free)."""
+
+    def __init__(self, reply: dict) -> None:
+        self.objects = [ObjectInfo.from_dict(o) for o in reply["evicted"]]
+        self.count: int = reply["count"]
+        self.bytes: int = reply["bytes"]
+        self.skipped_leased: int = reply["skipped_leased"]
+        self.dry_run: bool = reply["dry_run"]
+
+    def __repr__(self) -> str:
+        verb = "would evict" if self.dry_run else "evicted"
+        return f"<EvictResult {verb} {self.count} objects, {self.bytes} bytes>"
+
+
+class Client:
+    """A connection to the node's kvbroker daemon.
+
+    ``socket_path`` None means ``$KVBROKER_SOCKET`` or the default path. ``map_pools`` maps
+    (and pre-faults) every pool at connect, as an engine wants; tools that only look at the
+    daemon pass False and never touch the pools. ``busy_poll``: seconds to poll for a reply
+    before sleeping (lower latency for a little CPU; 0 turns it off).
+    """
+
+    def __init__(
+        self,
+        socket_path: str | None = None,
+        *,
+        name: str = "",
+        role: str = "",
+        timeout: float | None = 30.0,
+        map_pools: bool = True,
+        busy_poll: float = 100e-6,
+    ) -> None:
+        self.socket_path = socket_path or default_socket_path()
+        self._timeout = timeout
+        stream = MessageStream(UnixTransport(self.socket_path, timeout, busy_poll))
+        try:
+            self._session = Session(stream, name=name or _default_name(), role=role)
+        except BaseException:
+            stream.close()
+            raise
+        hello = self._session.hello
+        self.session_id: int = hello["session"]
+        self.server_pid: int = hello["server_pid"]
+        self.pools: list[dict] = hello["pools"]
+        self._maps: dict[int, PoolMapping] = {}
+        self._closed = False
+        if map_pools:
+            for pool in self.pools:
+                self._mapping(pool["index"])
+
+    # -- plumbing --------------------------------------------------------------------------
+    def _call(self, op: str, **args: Any) -> Any:
+        return self._session.call(op, **args)
+
+    def _mapping(self, index: int) -> PoolMapping:
+        m = self._maps.get(index)
+        if m is None:
+            p = self.pools[index]
+            m = self._maps[index] = _acquire_mapping(index, p["name"], p["size"])
+        return m
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._session.close()  # the daemon ends every lease of this connection
+        for m in self._maps.values():
+            _release_mapping(m.name)
+        self._maps.clear()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- publish ---------------------------------------------------------------------------
+    def reserve(
+        self,
+        key: str,
+        sizes: Mapping[str, int],
+        *,
+        namespace: str = "default",
+        meta: dict | None = None,
+        replace: bool = False,
+        ttl: float | None = None,
+    ) -> WriteLease:
+        """A write lease with one writable view per named buffer; raises Exists if published."""
+        reply = self._call(
+            "reserve", namespace=namespace, key=key, buffers=dict(sizes), meta=meta,
+            replace=replace, ttl=ttl,
+        )  # fmt: skip
+        return WriteLease(self, namespace, key, reply)
+
+    def put(
+        self,
+        key: str,
+        buffers: Mapping[str, Any],
+        *,
+        namespace: str = "default",
+        meta: dict | None = None,
+        replace: bool = False,
+        ttl: float | None = None,
+    ) -> bool:
+        """Publish ``buffers`` (numpy arrays, torch CPU tensors or bytes-like) under ``key``.
+
+        Copies each byte once into the pool, then seals. Returns False, copying nothing,
+        when the key is already published and ``replace`` is False.
+        """
+        sizes = {name: nbytes_of(b) for name, b in buffers.items()}
+        try:
+            lease = self.reserve(key, sizes, namespace=namespace, meta=meta, replace=replace,
+                                 ttl=ttl)  # fmt: skip
+        except Exists:
+            if replace:
+                raise
+            return False
+        with lease:
+            for name, src in buffers.items():
+                if sizes[name]:
+                    copy_into(lease[name], src)
+        return True
+
+    # -- claim -----------------------------------------------------------------------------
+    def claim(
+        self,
+        key: str,
+        *,
+        namespace: str = "default",
+        select: str | None = None,
+        consume: bool = False,
+        wait: float | None = None,
+        ttl: float | None = None,
+    ) -> ReadLease:
+        """A read lease on a sealed object.
+
+        ``select``: a regex that buffer names must match in full; ``consume``: free the
+        object when this lease is released; ``wait``: seconds to wait for the key to be
+        sealed (else NotFound at once; Timeout when the wait runs out).
+        """
+        if wait is not None and self._timeout is not None:
+            self._session._stream.transport.settimeout(self._timeout + wait)
+        asked_at = time.monotonic()
+        try:
+            reply = self._call(
+                "claim", namespace=namespace, key=key, select=select, consume=consume,
+                wait=wait, ttl=ttl,
+            )  # fmt: skip
+        finally:
+            if wait is not None and self._timeout is not None:
+                self._session._stream.transport.settimeout(self._timeout)
+        return ReadLease(self, namespace, key, reply, asked_at)
+
+    def get(
+        self,
+        key: str,
+        out: Mapping[str, Any] | None = None,
+        *,
+        namespace: str = "default",
+        select: str | None = None,
+        consume: bool = False,
+        wait: float | None = None,
+    ) -> dict[str, Any]:
+        """Claim, copy every selected buffer out once, release.
+
+        ``out`` maps buffer names to destinations (numpy arrays, torch tensors, writable
+        bytes-like) of the right size; buffers not in ``out`` get fresh uint8 arrays.
+        """
+        np = _np()
+        result: dict[str, Any] = {}
+        with self.claim(key, namespace=namespace, select=select, consume=consume,
+                        wait=wait) as lease:  # fmt: skip
+            for name in lease:
+                src = lease[name]
+                dst = None if out is None else out.get(name)
+                if dst is None:
+                    result[name] = src.copy()
+                    continue
+                if _torch_tensor(dst):
+                    torch = sys.modules["torch"]
+                    dst.view(-1).view(torch.uint8).copy_(torch.from_numpy(src))
+                elif isinstance(dst, np.ndarray):
+                    np.copyto(dst.reshape(-1).view(np.uint8), src)
+                else:
+                    np.copyto(np.frombuffer(dst, dtype=np.uint8), src)
+                result[name] = dst
+        return result
+
+    # -- directory -------------------------------------------------------------------------
+    def exists(self, key: str, *, namespace: str = "default") -> bool:
+        return self._call("lookup", namespace=namespace, key=key) is not None
+
+    def lookup(self, key: str, *, namespace: str = "default") -> ObjectInfo | None:
+        info = self._call("lookup", namespace=namespace, key=key)
+        return None if info is None else ObjectInfo.from_dict(info)
+
+    def list(
+        self, match: str | None = None, *, namespace: str | None = None, limit: int | None = None
+    ) -> list[ObjectInfo]:
+        reply = self._call("list", namespace=namespace, match=match, limit=limit)
+        return [ObjectInfo.from_dict(o) for o in reply["objects"]]
+
+    def evict(
+        self,
+        key: str | None = None,
+        *,
+        match: str | None = None,
+        namespace: str | None = None,
+        match_buffers: str | None = None,
+        older_than: float | None = None,
+        all: bool = False,
+        dry_run: bool = False,
+    ) -> EvictResult:
+        """Free sealed objects matching every filter given; leased ones are skipped.
+
+        With ``key`` and no ``namespace``, the key is evicted from every namespace.
+        """
+        return EvictResult(self._call(
+            "evict", key=key, match=match, namespace=namespace, match_buffers=match_buffers,
+            older_than=older_than, all=all, dry_run=dry_run,
+        ))  # fmt: skip
+
+    def renew(self, *leases: _Lease, ttl: float | None = None) -> None:
+        self._call("renew", leases=[ls.id for ls in leases], ttl=ttl)
+
+    # -- statistics ------------------------------------------------------------------------
+    def stat(self) -> Statistics:
+        return Statistics.from_dict(self._call("stat"))
+
+    def watch(self, interval: float = 1.0) -> Iterator[Statistics]:
+        """Snapshots pushed by the daemon every ``interval`` seconds, forever."""
+        self._call("watch", interval=interval)
+        self._session._stream.transport.settimeout(max(30.0, interval * 10))
+        while True:
+            msg = self._session.next_push()
+            yield Statistics.from_dict(msg["result"])
+
+
+def _default_name() -> str:
+    import os
+
+    return f"{os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else 'python'}:{os.getpid()}"

@@ -1,0 +1,465 @@
+"""The daemon: one asyncio process serving the broker on a Unix socket.
+
+Transport and framing live here (an ``asyncio.Protocol`` per connection feeding msgpack's
+streaming ``Unpacker`` with hard limits); the state lives in :class:`~kvbroker._broker.Broker`.
+Requests of one connection are answered in order; a connection waiting in a blocking
+``claim`` stops reading until it is answered, and never holds up another connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import fcntl
+import logging
+import os
+import signal
+import socket
+import struct
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+from ._broker import Broker, Session, WouldWait
+from ._paths import default_socket_path, format_size
+from ._pool import HostPool, segment_prefix
+from ._protocol import unpacker_limits
+from .errors import KVBrokerError, Timeout
+
+__all__ = ["DaemonConfig", "Daemon", "DaemonError", "run_daemon"]
+
+log = logging.getLogger("kvbroker.daemon")
+
+_SO_PEERCRED_FMT = "3i"
+_WRITE_HIGH_WATER = 4 * 1024 * 1024  # per connection: stop reading a peer that won't read
+_EXPIRY_TICK = 0.1
+_READ_SIZE = 64 * 1024
+
+
+class DaemonError(Exception):
+    """The daemon cannot start (socket held, shared memory too small, ...)."""
+
+
+@dataclass
+class DaemonConfig:
+    socket_path: str = field(default_factory=default_socket_path)
+    pool_size: int | None = None  # None: 1 GiB, or less to fit the free space in /dev/shm
+    pools: int = 1
+    page_size: int = 64 * 1024
+    lease_ttl: float = 30.0
+    high_watermark: float = 0.95
+    low_watermark: float = 0.90
+    group: int | None = None  # gid allowed to connect and map pools (mode 0660)
+    # Keep the loop polling this long after the last request instead of sleeping in epoll:
+    # a wake-up across CPUs costs more than serving a request. 0 turns it off.
+    busy_poll: float = 100e-6
+    max_connections: int = 1024
+
+    def resolved_pool_size(self) -> int:
+        if self.pool_size is not None:
+            return self.pool_size
+        default = 1 << 30
+        try:
+            st = os.statvfs("/dev/shm")
+            free = st.f_bavail * st.f_frsize
+        except OSError:
+            return default
+        # Leave room for everything else that lives in /dev/shm.
+        fit = (free // 2) // max(1, self.pools)
+        return max(self.page_size, min(default, fit - fit % self.page_size))
+
+
+class _Connection(asyncio.BufferedProtocol):
+    # A BufferedProtocol reads into one reused buffer: plain Protocol allocates a fresh
+    # 256 KiB bytes object per read, which costs more than the request itself.
+    def __init__(self, daemon: Daemon) -> None:
+        self._rbuf = memoryview(bytearray(_READ_SIZE))
+        self.daemon = daemon
+        self.broker = daemon.broker
+        self.transport: asyncio.Transport | None = None
+        self.session: Session | None = None
+        self.unpacker = msgpack.Unpacker(raw=False, **unpacker_limits())
+        self.queue: deque[Any] = deque()
+        self.busy = False
+        self.closed = False
+        self.write_paused = False
+        self.waiter: asyncio.Task | None = None
+        self.watch_handle: asyncio.TimerHandle | None = None
+        self.watch_interval = 0.0
+
+    # -- asyncio.Protocol ----------------------------------------------------------------
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        sock = transport.get_extra_info("socket")
+        pid = uid = gid = -1
+        try:
+            raw = sock.getsockopt(
+                socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize(_SO_PEERCRED_FMT)
+            )
+            pid, uid, gid = struct.unpack(_SO_PEERCRED_FMT, raw)
+        except OSError:
+            pass
+        if len(self.daemon.connections) >= self.daemon.config.max_connections:
+            self._send({"id": None, "ok": False,
+                        "error": {"code": "forbidden", "message": "too many connections"}})
+            transport.close()
+            self.closed = True
+            return
+        self.session = self.broker.open_session(pid, uid, gid)
+        self.daemon.connections.add(self)
+        log.debug("session %d: connected pid=%d uid=%d", self.session.id, pid, uid)
+
+    def connection_lost(self, exc) -> None:
+        if self.session is None or self.session.id not in self.broker.sessions:
+            self.closed = True
+            return
+        self.closed = True
+        if self.waiter is not None:
+            self.waiter.cancel()
+        if self.watch_handle is not None:
+            self.watch_handle.cancel()
+        self.daemon.connections.discard(self)
+        self.broker.close_session(self.session)
+        log.debug("session %d: closed", self.session.id)
+
+    def pause_writing(self) -> None:
+        self.write_paused = True
+        self.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        self.write_paused = False
+        if not self.busy and not self.closed:
+            self.transport.resume_reading()
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self._rbuf
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self.closed:
+            return
+        self.daemon.note_activity()
+        try:
+            self.unpacker.feed(self._rbuf[:nbytes])
+        except msgpack.BufferFull:
+            self._fatal("frame exceeds the size limit")
+            return
+        while not self.closed:
+            try:
+                msg = next(self.unpacker)
+            except StopIteration:
+                return
+            except Exception as exc:  # any decoding failure: the stream cannot resync
+                self._fatal(f"malformed frame: {type(exc).__name__}: {exc}")
+                return
+            if self.busy:
+                self.queue.append(msg)
+            else:
+                self._handle(msg)
+
+    # -- requests ------------------------------------------------------------------------
+    def _handle(self, msg: Any) -> None:
+        if not isinstance(msg, dict):
+            self._error(None, "bad_request", "a request must be a map with id, op and args")
+            return
+        rid, op, args = msg.get("id"), msg.get("op"), msg.get("args")
+        if not isinstance(rid, int) or isinstance(rid, bool) or not isinstance(op, str):
+            self._error(rid if isinstance(rid, int) else None, "bad_request",
+                        "a request needs an integer id and a string op")
+            return
+        try:
+            result = self.broker.handle(self.session, op, args)
+        except WouldWait as ww:
+            self._start_wait(rid, op, args, ww)
+            return
+        except KVBrokerError as exc:
+            self._error(rid, exc.code, exc.message or str(exc))
+            return
+        except Exception as exc:
+            log.exception("session %d: %s failed", self.session.id, op)
+            self._error(rid, "internal", f"{type(exc).__name__}: {exc}")
+            return
+        self._send({"id": rid, "ok": True, "result": result})
+        if op == "watch":
+            self._set_watch(result["interval"])
+
+    def _start_wait(self, rid: int, op: str, args: Any, ww: WouldWait) -> None:
+        self.busy = True
+        self.transport.pause_reading()
+        self.waiter = asyncio.get_running_loop().create_task(self._wait(rid, op, args, ww))
+
+    async def _wait(self, rid: int, op: str, args: dict, ww: WouldWait) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + ww.timeout
+        try:
+            while True:
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    raise Timeout(
+                        f"{ww.key[0]}/{ww.key[1]} was not published within {ww.timeout:g} s"
+                    )
+                try:
+                    await asyncio.wait_for(self.daemon.sealed_future(ww.key), remaining)
+                except asyncio.TimeoutError:
+                    continue
+                try:
+                    result = self.broker.handle(self.session, op, {**args, "wait": None})
+                except KVBrokerError as exc:
+                    if exc.code == "not_found":
+                        continue  # sealed then gone again before we ran: keep waiting
+                    raise
+                self._send({"id": rid, "ok": True, "result": result})
+                break
+        except KVBrokerError as exc:
+            self.broker.counters["errors"] += 1
+            self._error(rid, exc.code, exc.message)
+        except asyncio.CancelledError:
+            return
+        finally:
+            self.waiter = None
+        self.busy = False
+        while self.queue and not self.busy and not self.closed:
+            self._handle(self.queue.popleft())
+        if not self.busy and not self.closed and not self.write_paused:
+            self.transport.resume_reading()
+
+    # -- watch ---------------------------------------------------------------------------
+    def _set_watch(self, interval: float) -> None:
+        if self.watch_handle is not None:
+            self.watch_handle.cancel()
+            self.watch_handle = None
+        self.watch_interval = interval
+        if interval > 0:
+            self._push_stats()
+
+    def _push_stats(self) -> None:
+        if self.closed or self.watch_interval <= 0:
+            return
+        # A TUI that stopped reading gets fewer snapshots rather than an ever-growing buffer.
+        if self.transport.get_write_buffer_size() < _WRITE_HIGH_WATER // 4:
+            self._send({"push": "stats", "result": self.broker.snapshot()})
+        self.watch_handle = asyncio.get_running_loop().call_later(
+            self.watch_interval, self._push_stats
+        )
+
+    # -- output --------------------------------------------------------------------------
+    def _error(self, rid: int | None, code: str, message: str) -> None:
+        self.broker.counters["errors"] += 1
+        self._send({"id": rid, "ok": False, "error": {"code": code, "message": message}})
+
+    def _send(self, obj: dict) -> None:
+        if not self.closed:
+            self.transport.write(msgpack.packb(obj))
+
+    def _fatal(self, message: str) -> None:
+        sid = self.session.id if self.session else -1
+        log.warning("session %d: protocol error, closing: %s", sid, message)
+        self._error(None, "protocol", message)
+        self.closed = True
+        self.transport.close()
+
+
+class Daemon:
+    """Owns the pools, the broker and the listening socket for one ``serve``."""
+
+    def __init__(self, config: DaemonConfig) -> None:
+        self.config = config
+        self.pools: list[HostPool] = []
+        self.broker: Broker | None = None
+        self.connections: set[_Connection] = set()
+        self._waiters: dict[tuple[str, str], asyncio.Future] = {}
+        self._stop: asyncio.Event | None = None
+        self._lock_fd: int | None = None
+        self._server: asyncio.AbstractServer | None = None
+        self._owns_socket_file = False
+        self._last_activity = 0.0
+        self._polling = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    # -- start ---------------------------------------------------------------------------
+    def _acquire_lock(self) -> None:
+        path = self.config.socket_path
+        parent = os.path.dirname(os.path.abspath(path))
+        os.makedirs(parent, exist_ok=True)
+        lock_path = path + ".lock"
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                os.close(fd)
+                raise
+            holder = os.pread(fd, 64, 0).split(b"\n", 1)[0].decode(errors="replace").strip()
+            os.close(fd)
+            raise DaemonError(
+                f"another kvbroker daemon (pid {holder or '?'}) is serving {path}; "
+                "stop it first or choose another --socket"
+            ) from None
+        # The lock was free, so whoever wrote this file is gone: drop the segments it left.
+        previous = os.pread(fd, 1 << 16, 0).decode(errors="replace").split("\n")[1:]
+        for name in filter(None, (n.strip() for n in previous)):
+            try:
+                import posix_ipc
+
+                posix_ipc.unlink_shared_memory(name)
+                log.info("removed shared memory %s left by a dead daemon", name)
+            except Exception:
+                pass
+        self._lock_fd = fd
+
+    def _write_lock_record(self) -> None:
+        record = "\n".join([str(os.getpid())] + [p.name for p in self.pools]) + "\n"
+        os.ftruncate(self._lock_fd, 0)
+        os.pwrite(self._lock_fd, record.encode(), 0)
+
+    def _bind(self) -> socket.socket:
+        path = self.config.socket_path
+        if os.path.exists(path):
+            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                probe.connect(path)
+            except OSError:
+                os.unlink(path)  # stale: its daemon died without cleaning up
+                log.info("removed stale socket %s", path)
+            else:
+                raise DaemonError(f"something is already listening on {path}")
+            finally:
+                probe.close()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old_umask = os.umask(0o177 if self.config.group is None else 0o117)
+        try:
+            sock.bind(path)
+        finally:
+            os.umask(old_umask)
+        self._owns_socket_file = True
+        if self.config.group is not None:
+            os.chown(path, -1, self.config.group)
+            os.chmod(path, 0o660)
+        sock.listen(512)
+        sock.setblocking(False)
+        return sock
+
+    def _create_pools(self) -> None:
+        cfg = self.config
+        size = cfg.resolved_pool_size()
+        prefix = segment_prefix()
+        mode = 0o600 if cfg.group is None else 0o660
+        for i in range(cfg.pools):
+            self.pools.append(
+                HostPool(i, f"{prefix}.{i}", size, cfg.page_size, mode=mode, gid=cfg.group)
+            )
+
+    def note_activity(self) -> None:
+        if self.config.busy_poll <= 0:
+            return
+        self._last_activity = time.monotonic()
+        if not self._polling:
+            self._polling = True
+            self._loop.call_soon(self._keep_polling)
+
+    def _keep_polling(self) -> None:
+        # A ready callback makes asyncio poll epoll with a zero timeout instead of sleeping.
+        if time.monotonic() - self._last_activity < self.config.busy_poll:
+            self._loop.call_soon(self._keep_polling)
+        else:
+            self._polling = False
+
+    def sealed_future(self, key: tuple[str, str]) -> asyncio.Future:
+        fut = self._waiters.get(key)
+        if fut is None or fut.done():
+            fut = asyncio.get_running_loop().create_future()
+            self._waiters[key] = fut
+        return asyncio.shield(fut)
+
+    def _on_sealed(self, key: tuple[str, str]) -> None:
+        fut = self._waiters.pop(key, None)
+        if fut is not None and not fut.done():
+            fut.set_result(None)
+
+    def request_stop(self) -> None:
+        if self._stop is not None:
+            self._stop.set()
+
+    async def serve(
+        self,
+        listen_socket: socket.socket | None = None,
+        on_ready: Callable[[Daemon], None] | None = None,
+    ) -> None:
+        """Serve until SIGTERM/SIGINT or :meth:`request_stop`; cleans up everything it made."""
+        loop = self._loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        try:
+            if listen_socket is None:
+                self._acquire_lock()
+            self._create_pools()
+            self.broker = Broker(
+                self.pools,
+                lease_ttl=self.config.lease_ttl,
+                high_watermark=self.config.high_watermark,
+                low_watermark=self.config.low_watermark,
+                socket_path=self.config.socket_path,
+            )
+            self.broker.on_sealed = self._on_sealed
+            if self._lock_fd is not None:
+                self._write_lock_record()
+            sock = listen_socket if listen_socket is not None else self._bind()
+            self._server = await loop.create_unix_server(lambda: _Connection(self), sock=sock)
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, self.request_stop)
+            ticker = loop.create_task(self._expiry_loop())
+            log.info(
+                "serving on %s: %d pool(s) of %s, pages of %s",
+                self.config.socket_path, len(self.pools),
+                format_size(self.pools[0].size), format_size(self.config.page_size),
+            )  # fmt: skip
+            if on_ready is not None:
+                on_ready(self)
+            await self._stop.wait()
+            ticker.cancel()
+        finally:
+            await self._shutdown()
+
+    async def _expiry_loop(self) -> None:
+        while True:
+            await asyncio.sleep(_EXPIRY_TICK)
+            try:
+                self.broker.expire()
+            except Exception:
+                log.exception("lease expiry failed")
+
+    async def _shutdown(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+        if self._server is not None:
+            self._server.close()
+        for conn in list(self.connections):
+            conn.transport.close()
+            conn.connection_lost(None)
+        if self._server is not None:
+            await self._server.wait_closed()
+        for pool in self.pools:
+            pool.unlink()
+        if self._owns_socket_file:
+            try:
+                os.unlink(self.config.socket_path)
+            except FileNotFoundError:
+                pass
+        if self._lock_fd is not None:
+            os.ftruncate(self._lock_fd, 0)
+            os.close(self._lock_fd)
+            self._lock_fd = None
+        log.info("stopped")
+
+
+def run_daemon(config: DaemonConfig) -> int:
+    """Run the daemon in the foreground; returns the process exit status."""
+    try:
+        asyncio.run(Daemon(config).serve())
+    except (DaemonError, KVBrokerError) as exc:
+        log.error("%s", exc)
+        return 1
+    return 0

@@ -1,0 +1,220 @@
+"""The wire protocol: limits, message shapes, and the one table of operations.
+
+Transport: a Unix stream socket. Framing: consecutive msgpack maps, decoded with msgpack's
+streaming ``Unpacker`` under the hard limits below, so a bad peer cannot make either side
+allocate without bound.
+
+Request  ``{"id": int, "op": str, "args": {...}}``
+Reply    ``{"id": int, "ok": true, "result": ...}``
+         ``{"id": int, "ok": false, "error": {"code": str, "message": str}}``
+Push     ``{"push": "stats", "result": <Statistics dict>}`` (only after ``watch``)
+
+The first request on a connection must be ``hello``. Requests on one connection are answered
+in order. Only control messages travel here: KV bytes move through the shared-memory pools.
+
+Extent triples ``[pool, offset, nbytes]`` name a byte range of pool ``pool`` (an index into
+the ``pools`` list of the hello reply); the client maps each pool once and views the range.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+PROTOCOL_VERSION = 1
+
+# Hard limits on what one frame may hold. Control messages are small: the biggest are
+# `list`/`stat` replies and reservations naming many buffers.
+MAX_FRAME = 16 * 1024 * 1024
+MAX_STR = 64 * 1024
+MAX_BIN = 1024 * 1024
+MAX_ARRAY = 1 << 20
+MAX_MAP = 1 << 16
+MAX_BUFFERS = 8192
+MAX_NAME = 512
+MAX_META = 64 * 1024
+
+
+def unpacker_limits() -> dict[str, int]:
+    """Keyword arguments for ``msgpack.Unpacker`` enforcing the limits above."""
+    return {
+        "max_buffer_size": MAX_FRAME,
+        "max_str_len": MAX_STR,
+        "max_bin_len": MAX_BIN,
+        "max_array_len": MAX_ARRAY,
+        "max_map_len": MAX_MAP,
+        "max_ext_len": 0,
+    }
+
+
+_NUMBER = (int, float)
+_OPT_STR = (str, type(None))
+_OPT_NUM = (int, float, type(None))
+
+
+@dataclass(frozen=True)
+class Arg:
+    types: tuple[type, ...]
+    required: bool = False
+    default: Any = None
+
+
+@dataclass(frozen=True)
+class Op:
+    args: dict[str, Arg]
+    reply: str
+    doc: str
+    needs_hello: bool = True
+
+
+def _a(*types: type, required: bool = False, default: Any = None) -> Arg:
+    return Arg(tuple(types), required, default)
+
+
+# The one table: every operation, its arguments (name -> accepted types, default) and reply.
+OPS: dict[str, Op] = {
+    "hello": Op(
+        {
+            "version": _a(int, required=True),
+            "name": _a(str, default=""),
+            "role": _a(str, default=""),
+        },
+        "{version, server_pid, session, lease_ttl, pools: [{index, name, size, page_size}]}",
+        "Open the session: protocol version check, client name and role.",
+        needs_hello=False,
+    ),
+    "reserve": Op(
+        {
+            "namespace": _a(str, default="default"),
+            "key": _a(str, required=True),
+            "buffers": _a(dict, required=True),
+            "meta": _a(dict, type(None)),
+            "replace": _a(bool, default=False),
+            "ttl": _a(*_OPT_NUM),
+        },
+        "{lease, ttl, buffers: {name: [pool, offset, nbytes]}}",
+        "Write lease on fresh extents for a new object; nothing is visible until seal.",
+    ),
+    "seal": Op(
+        {"lease": _a(int, required=True)},
+        "{key, namespace, nbytes}",
+        "Make the written object visible atomically; ends the write lease.",
+    ),
+    "abort": Op(
+        {"lease": _a(int, required=True)},
+        "{}",
+        "Discard an unsealed object and free its extents.",
+    ),
+    "claim": Op(
+        {
+            "namespace": _a(str, default="default"),
+            "key": _a(str, required=True),
+            "select": _a(*_OPT_STR),
+            "consume": _a(bool, default=False),
+            "wait": _a(*_OPT_NUM),
+            "ttl": _a(*_OPT_NUM),
+        },
+        "{lease, ttl, meta, buffers: {name: [pool, offset, nbytes]}}",
+        "Read lease on a sealed object; `select` is a regex over buffer names; `wait` seconds "
+        "to wait for the key to be sealed; `consume` frees the object once released.",
+    ),
+    "release": Op(
+        {"lease": _a(int, required=True)},
+        "{}",
+        "End a read lease (frees the object if it was claimed with consume).",
+    ),
+    "renew": Op(
+        {"leases": _a(list, required=True), "ttl": _a(*_OPT_NUM)},
+        "{expires_in: {lease: seconds}}",
+        "Extend leases by their TTL; an ended lease answers lease_expired.",
+    ),
+    "lookup": Op(
+        {"namespace": _a(str, default="default"), "key": _a(str, required=True)},
+        "ObjectInfo dict or None",
+        "Describe one sealed object, without leasing it.",
+    ),
+    "list": Op(
+        {
+            "namespace": _a(*_OPT_STR),
+            "match": _a(*_OPT_STR),
+            "limit": _a(int, type(None)),
+        },
+        "{objects: [ObjectInfo dict], truncated: bool}",
+        "Sealed objects, optionally filtered by namespace and a regex over keys.",
+    ),
+    "evict": Op(
+        {
+            "namespace": _a(*_OPT_STR),
+            "key": _a(*_OPT_STR),
+            "match": _a(*_OPT_STR),
+            "match_buffers": _a(*_OPT_STR),
+            "older_than": _a(*_OPT_NUM),
+            "all": _a(bool, default=False),
+            "dry_run": _a(bool, default=False),
+        },
+        "{evicted: [ObjectInfo dict], bytes: int, skipped_leased: int}",
+        "Free sealed objects matching every given filter; leased ones are skipped.",
+    ),
+    "stat": Op({}, "Statistics dict", "One statistics snapshot."),
+    "watch": Op(
+        {"interval": _a(*_NUMBER, default=1.0)},
+        "{interval}, then pushes {push: 'stats', result: Statistics dict}",
+        "Stream statistics snapshots on this connection; interval 0 stops the stream.",
+    ),
+}
+
+# Connections are answered with these codes (see kvbroker.errors for the classes).
+ERROR_CODES = (
+    "bad_request",
+    "protocol",
+    "not_found",
+    "exists",
+    "incomplete",
+    "pool_full",
+    "lease_expired",
+    "timeout",
+    "forbidden",
+    "layout_mismatch",
+    "internal",
+)
+
+
+def validate_args(op_name: str, raw: Any) -> dict[str, Any]:
+    """Check a request's arguments against the table; returns them with defaults filled in.
+
+    Raises :class:`~kvbroker.errors.BadRequest` naming the offending argument.
+    """
+    from .errors import BadRequest
+
+    op = OPS.get(op_name)
+    if op is None:
+        raise BadRequest(f"unknown op {op_name!r}")
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise BadRequest(f"{op_name}: args must be a map, not {type(raw).__name__}")
+    spec = op.args
+    out: dict[str, Any] = {}
+    for name in raw:
+        if name not in spec:
+            raise BadRequest(f"{op_name}: unexpected argument {name!r}")
+    for name, arg in spec.items():
+        if name in raw:
+            value = raw[name]
+            # bool is an int subclass: never accept True where a count is meant.
+            if isinstance(value, bool) and bool not in arg.types:
+                raise BadRequest(f"{op_name}: {name} must be {_type_names(arg)}, not bool")
+            if not isinstance(value, arg.types):
+                raise BadRequest(
+                    f"{op_name}: {name} must be {_type_names(arg)}, not {type(value).__name__}"
+                )
+            out[name] = value
+        elif arg.required:
+            raise BadRequest(f"{op_name}: missing argument {name!r}")
+        else:
+            out[name] = arg.default
+    return out
+
+
+def _type_names(arg: Arg) -> str:
+    return " or ".join("null" if t is type(None) else t.__name__ for t in arg.types)

@@ -1,0 +1,98 @@
+"""Session: request ids, replies matched to requests, errors turned into exceptions.
+
+Every call the client makes funnels through :meth:`Session.call`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from ._framing import MessageStream
+from ._protocol import PROTOCOL_VERSION
+from .errors import ProtocolError, error_for_code
+
+__all__ = ["Session"]
+
+log = logging.getLogger("kvbroker.client")
+
+
+class Session:
+    """One greeted connection; thread-safe (one request in flight at a time)."""
+
+    def __init__(self, stream: MessageStream, *, name: str = "", role: str = "") -> None:
+        self._stream = stream
+        self._next_id = 1
+        self._lock = threading.Lock()
+        self._pushes: deque[dict] = deque(maxlen=64)
+        self._unanswered: set[int] = set()  # ids sent with send_only, replies not read yet
+        self.on_push: Callable[[dict], None] | None = None
+        self.hello: dict = self.call("hello", version=PROTOCOL_VERSION, name=name, role=role)
+
+    def call(self, op: str, **args: Any) -> Any:
+        with self._lock:
+            rid = self._send(op, args)
+            while True:
+                msg = self._stream.receive()
+                if not isinstance(msg, dict):
+                    raise ProtocolError(f"unexpected message from the daemon: {msg!r:.80}")
+                if "push" in msg:
+                    self._deliver(msg)
+                    continue
+                if msg.get("id") in self._unanswered:
+                    self._settle(msg)
+                    continue
+                if msg.get("id") not in (rid, None):
+                    raise ProtocolError(f"reply {msg.get('id')} does not answer request {rid}")
+                if msg.get("ok"):
+                    return msg.get("result")
+                err = msg.get("error") or {}
+                raise error_for_code(str(err.get("code", "error")), str(err.get("message", "")))
+
+    def send_only(self, op: str, **args: Any) -> None:
+        """Send a request whose reply is read (and checked) by a later call, saving a round
+        trip. Only for requests that cannot fail short of a daemon bug or a lost connection:
+        a failure then is logged, not raised."""
+        with self._lock:
+            self._unanswered.add(self._send(op, args))
+
+    def _send(self, op: str, args: dict) -> int:
+        rid = self._next_id
+        self._next_id += 1
+        self._stream.send({"id": rid, "op": op, "args": args})
+        return rid
+
+    def _settle(self, msg: dict) -> None:
+        self._unanswered.discard(msg["id"])
+        if not msg.get("ok"):
+            err = msg.get("error") or {}
+            log.warning("request %s failed after the fact: %s: %s",
+                        msg["id"], err.get("code"), err.get("message"))
+
+    def next_push(self) -> dict:
+        """Block until the daemon pushes a message (after ``watch``)."""
+        with self._lock:
+            if self._pushes:
+                return self._pushes.popleft()
+            while True:
+                msg = self._stream.receive()
+                if isinstance(msg, dict) and "push" in msg:
+                    return msg
+                if isinstance(msg, dict) and msg.get("id") in self._unanswered:
+                    self._settle(msg)
+                    continue
+                if isinstance(msg, dict) and not msg.get("ok", True):
+                    err = msg.get("error") or {}
+                    raise error_for_code(str(err.get("code")), str(err.get("message", "")))
+
+    def _deliver(self, msg: dict) -> None:
+        if self.on_push is not None:
+            self.on_push(msg)
+        else:
+            self._pushes.append(msg)
+
+    def close(self) -> None:
+        self._stream.close()

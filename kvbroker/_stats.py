@@ -1,0 +1,164 @@
+"""Frozen snapshot types: one :class:`Statistics` feeds ``stat --json``, ``watch`` and the TUI.
+
+The daemon builds a plain dict (:meth:`Statistics.to_dict` shape) and sends it; clients get
+it back as these immutable objects with :meth:`Statistics.from_dict`. Sizes are bytes,
+times are seconds (wall-clock Unix time where a point in time is meant).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+__all__ = [
+    "PoolStatistics",
+    "ClientStatistics",
+    "LeaseInfo",
+    "TransferRecord",
+    "Counters",
+    "Statistics",
+    "ObjectInfo",
+]
+
+
+def _build(cls, data: dict[str, Any]):
+    known = {f.name for f in fields(cls)}
+    return cls(**{k: v for k, v in data.items() if k in known})
+
+
+@dataclass(frozen=True)
+class PoolStatistics:
+    index: int
+    name: str
+    capacity: int
+    page_size: int
+    used: int
+    free: int
+    leased_read: int
+    leased_write: int
+    quarantined: int
+    objects: int
+    largest_free: int
+    fragmentation: float
+    high_watermark: float
+    low_watermark: float
+    # Coarse occupancy map: one character per cell, '.' free, 's' sealed, 'r' read-leased,
+    # 'w' write-leased, 'q' quarantined (the busiest state in the cell wins).
+    occupancy: str = ""
+
+
+@dataclass(frozen=True)
+class ClientStatistics:
+    session: int
+    pid: int
+    uid: int
+    gid: int
+    name: str
+    role: str
+    connected_at: float
+    read_leases: int
+    write_leases: int
+    bytes_published: int
+    bytes_claimed: int
+
+
+@dataclass(frozen=True)
+class LeaseInfo:
+    lease: int
+    kind: str  # "read" | "write"
+    session: int
+    namespace: str
+    key: str
+    nbytes: int
+    expires_in: float
+
+
+@dataclass(frozen=True)
+class TransferRecord:
+    at: float
+    op: str  # "publish" | "claim"
+    session: int
+    namespace: str
+    key: str
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Counters:
+    publishes: int = 0
+    claims: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    evicted_bytes: int = 0
+    aborts: int = 0
+    expired_leases: int = 0
+    requests: int = 0
+    errors: int = 0
+
+
+@dataclass(frozen=True)
+class Statistics:
+    taken_at: float
+    version: str
+    pid: int
+    started_at: float
+    socket: str
+    objects: int
+    pending: int
+    read_leases: int
+    write_leases: int
+    pools: tuple[PoolStatistics, ...]
+    clients: tuple[ClientStatistics, ...]
+    counters: Counters
+    leases: tuple[LeaseInfo, ...] = ()
+    transfers: tuple[TransferRecord, ...] = ()
+    rings: tuple[dict, ...] = ()
+
+    @property
+    def capacity(self) -> int:
+        return sum(p.capacity for p in self.pools)
+
+    @property
+    def used(self) -> int:
+        return sum(p.used for p in self.pools)
+
+    @property
+    def uptime(self) -> float:
+        return self.taken_at - self.started_at
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Statistics:
+        d = dict(data)
+        d["pools"] = tuple(_build(PoolStatistics, p) for p in d.get("pools", ()))
+        d["clients"] = tuple(_build(ClientStatistics, c) for c in d.get("clients", ()))
+        d["leases"] = tuple(_build(LeaseInfo, x) for x in d.get("leases", ()))
+        d["transfers"] = tuple(_build(TransferRecord, x) for x in d.get("transfers", ()))
+        d["rings"] = tuple(d.get("rings", ()))
+        d["counters"] = _build(Counters, d.get("counters", {}))
+        return _build(cls, d)
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    namespace: str
+    key: str
+    nbytes: int
+    buffers: int
+    pool: int
+    readers: int
+    created_at: float
+    last_access: float
+    meta: dict | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ObjectInfo:
+        return _build(cls, data)

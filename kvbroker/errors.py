@@ -1,0 +1,139 @@
+"""The exceptions kvbroker raises, one flat hierarchy.
+
+Every error the daemon reports travels as a ``code`` string plus a message; the client turns
+the code back into the class below with the same ``code``. Catch :class:`KVBrokerError` for
+all of them.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "KVBrokerError",
+    "BadRequest",
+    "ProtocolError",
+    "NotFound",
+    "Exists",
+    "Incomplete",
+    "PoolFull",
+    "LeaseExpired",
+    "Timeout",
+    "Forbidden",
+    "LayoutMismatch",
+    "BrokerUnavailable",
+    "InternalError",
+    "error_for_code",
+]
+
+
+class KVBrokerError(Exception):
+    """Base class of every kvbroker error."""
+
+    code = "error"
+
+    def __init__(self, message: str = "", *, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        if code is not None:
+            self.code = code
+
+
+class BadRequest(KVBrokerError):
+    """The request was understood but its arguments are invalid (wrong type, bad name...)."""
+
+    code = "bad_request"
+
+
+class ProtocolError(KVBrokerError):
+    """The peer broke the wire protocol: malformed or oversized frame, version mismatch."""
+
+    code = "protocol"
+
+
+class NotFound(KVBrokerError):
+    """No sealed object under that namespace and key."""
+
+    code = "not_found"
+
+
+class Exists(KVBrokerError):
+    """The key is already published (or being published) and replace was not asked for."""
+
+    code = "exists"
+
+
+class Incomplete(KVBrokerError):
+    """A sharded request is not complete yet: not every prefill shard has been sealed."""
+
+    code = "incomplete"
+
+
+class PoolFull(KVBrokerError):
+    """The reservation does not fit, even after evicting every unleased object."""
+
+    code = "pool_full"
+
+
+class LeaseExpired(KVBrokerError):
+    """The lease ended (TTL, eviction of its object, fencing): the holder must stop using it.
+
+    Data read through an expired read lease may have been overwritten by the next owner.
+    """
+
+    code = "lease_expired"
+
+
+class Timeout(KVBrokerError):
+    """A bounded wait ended without the awaited event (e.g. a claim with ``wait=``)."""
+
+    code = "timeout"
+
+
+class Forbidden(KVBrokerError):
+    """The peer's credentials do not allow this operation on this namespace."""
+
+    code = "forbidden"
+
+
+class LayoutMismatch(KVBrokerError):
+    """The claimer's KV layout is incompatible with the published one (dtype, heads, ...)."""
+
+    code = "layout_mismatch"
+
+
+class BrokerUnavailable(KVBrokerError):
+    """No daemon answers on the socket (it names the path that was tried)."""
+
+    code = "unavailable"
+
+
+class InternalError(KVBrokerError):
+    """A bug in the daemon; the request failed but the daemon and other clients carry on."""
+
+    code = "internal"
+
+
+_BY_CODE: dict[str, type[KVBrokerError]] = {
+    cls.code: cls
+    for cls in (
+        BadRequest,
+        ProtocolError,
+        NotFound,
+        Exists,
+        Incomplete,
+        PoolFull,
+        LeaseExpired,
+        Timeout,
+        Forbidden,
+        LayoutMismatch,
+        BrokerUnavailable,
+        InternalError,
+    )
+}
+
+
+def error_for_code(code: str, message: str) -> KVBrokerError:
+    """The exception instance for an error code received from the daemon."""
+    cls = _BY_CODE.get(code)
+    if cls is None:
+        return KVBrokerError(message, code=code)
+    return cls(message)

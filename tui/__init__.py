@@ -1,0 +1,1 @@
+"""``kvbroker tui``: a live Textual monitor. Installed as ``kvbroker.tui``."""
