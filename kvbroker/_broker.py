@@ -18,8 +18,10 @@ buffers asked for. The holder writes into its mapping, then:
 
 *Read lease* (``claim``) — while held, the object's extents are neither evicted nor reused.
 It ends on ``release``, on TTL expiry, or when the connection closes. A claim with
-``consume`` unlinks the object when that lease is released; its extents are freed once the
-last read lease on it ends.
+``consume`` counts down the object's ``consumers`` (set at reserve, default 1) when that lease
+is released; at zero the object is unlinked, and its extents are freed once the last read
+lease on it ends. A consumer that crashes before releasing does not count: the object stays
+for a retry (or for eviction).
 
 *Fencing* — lease ids are never reused. Using an ended lease raises
 :class:`~kvbroker.errors.LeaseExpired` saying why it ended; a reader that gets it on
@@ -92,7 +94,7 @@ class Session:
 class StoredObject:
     __slots__ = (
         "namespace", "key", "pool", "start", "npages", "nbytes", "buffers", "meta",
-        "created_at", "last_access", "sealed", "readers", "linked", "serial",
+        "created_at", "last_access", "sealed", "readers", "linked", "serial", "consumers",
     )  # fmt: skip
 
     def __init__(self, namespace, key, pool, start, npages, nbytes, buffers, meta, serial):
@@ -110,6 +112,7 @@ class StoredObject:
         self.readers = 0
         self.linked = False  # reachable through Broker.objects
         self.serial: int = serial
+        self.consumers = 1  # consume-claims still to be released before the object goes
 
     def info(self) -> dict[str, Any]:
         return {
@@ -228,10 +231,12 @@ class Broker:
         }
 
     # ------------------------------------------------------------------ publish
-    def _op_reserve(self, session, namespace, key, buffers, meta, replace, ttl) -> dict:
+    def _op_reserve(self, session, namespace, key, buffers, meta, replace, ttl, consumers):
         ident = (_check_name("namespace", namespace), _check_name("key", key))
         if not buffers:
             raise BadRequest("reserve: an object needs at least one buffer")
+        if not 1 <= consumers <= 1 << 16:
+            raise BadRequest("reserve: consumers must be between 1 and 65536")
         if len(buffers) > MAX_BUFFERS:
             raise BadRequest(f"reserve: at most {MAX_BUFFERS} buffers per object")
         if meta is not None and len(msgpack.packb(meta)) > MAX_META:
@@ -257,6 +262,7 @@ class Broker:
             {name: (base + off, n) for name, (off, n) in layout.items()}, meta,
             next(self._serials),
         )  # fmt: skip
+        obj.consumers = consumers
         self._owners[pool.index][start] = obj
         self.pending[ident] = obj
         lease = self._new_lease("write", session, obj, ttl)
@@ -571,6 +577,8 @@ class Broker:
         obj = ls.obj
         obj.readers -= 1
         if consume and obj.linked:
+            obj.consumers -= 1
+        if consume and obj.linked and obj.consumers <= 0:
             self._unlink(obj)  # frees now, or when the last other reader leaves
         elif obj.linked:
             if obj.readers == 0:

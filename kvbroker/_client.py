@@ -313,11 +313,15 @@ class Client:
         meta: dict | None = None,
         replace: bool = False,
         ttl: float | None = None,
+        consumers: int = 1,
     ) -> WriteLease:
-        """A write lease with one writable view per named buffer; raises Exists if published."""
+        """A write lease with one writable view per named buffer; raises Exists if published.
+
+        ``consumers``: how many consume-claims must be released before the object is freed.
+        """
         reply = self._call(
             "reserve", namespace=namespace, key=key, buffers=dict(sizes), meta=meta,
-            replace=replace, ttl=ttl,
+            replace=replace, ttl=ttl, consumers=consumers,
         )  # fmt: skip
         return WriteLease(self, namespace, key, reply)
 
@@ -330,6 +334,7 @@ class Client:
         meta: dict | None = None,
         replace: bool = False,
         ttl: float | None = None,
+        consumers: int = 1,
     ) -> bool:
         """Publish ``buffers`` (numpy arrays, torch CPU tensors or bytes-like) under ``key``.
 
@@ -339,7 +344,7 @@ class Client:
         sizes = {name: nbytes_of(b) for name, b in buffers.items()}
         try:
             lease = self.reserve(key, sizes, namespace=namespace, meta=meta, replace=replace,
-                                 ttl=ttl)  # fmt: skip
+                                 ttl=ttl, consumers=consumers)  # fmt: skip
         except Exists:
             if replace:
                 raise

@@ -91,9 +91,11 @@ OPS: dict[str, Op] = {
             "meta": _a(dict, type(None)),
             "replace": _a(bool, default=False),
             "ttl": _a(*_OPT_NUM),
+            "consumers": _a(int, default=1),
         },
         "{lease, ttl, buffers: {name: [pool, offset, nbytes]}}",
-        "Write lease on fresh extents for a new object; nothing is visible until seal.",
+        "Write lease on fresh extents for a new object; nothing is visible until seal. "
+        "`consumers`: how many releases of consume-claims free the object (default 1).",
     ),
     "seal": Op(
         {"lease": _a(int, required=True)},
