@@ -412,7 +412,7 @@ class Client:
                     continue
                 if _torch_tensor(dst):
                     torch = sys.modules["torch"]
-                    dst.view(-1).view(torch.uint8).copy_(torch.from_numpy(src))
+                    np.copyto(dst.view(-1).view(torch.uint8).numpy(), src)
                 elif isinstance(dst, np.ndarray):
                     np.copyto(dst.reshape(-1).view(np.uint8), src)
                 else:

@@ -24,7 +24,10 @@ from typing import Any
 PROTOCOL_VERSION = 1
 
 # Hard limits on what one frame may hold. Control messages are small: the biggest are
-# `list`/`stat` replies and reservations naming many buffers.
+# `list`/`stat` replies and reservations naming many buffers. msgpack checks the string and
+# array limits only once a whole object has arrived, so the buffer limit is what bounds the
+# memory a peer can make us hold: 1 MiB per connection in the daemon.
+MAX_REQUEST = 1024 * 1024
 MAX_FRAME = 16 * 1024 * 1024
 MAX_STR = 64 * 1024
 MAX_BIN = 1024 * 1024
@@ -35,10 +38,10 @@ MAX_NAME = 512
 MAX_META = 64 * 1024
 
 
-def unpacker_limits() -> dict[str, int]:
+def unpacker_limits(max_frame: int = MAX_FRAME) -> dict[str, int]:
     """Keyword arguments for ``msgpack.Unpacker`` enforcing the limits above."""
     return {
-        "max_buffer_size": MAX_FRAME,
+        "max_buffer_size": max_frame,
         "max_str_len": MAX_STR,
         "max_bin_len": MAX_BIN,
         "max_array_len": MAX_ARRAY,
