@@ -25,9 +25,10 @@ from typing import Any
 import msgpack
 
 from ._broker import Broker, Session, WouldWait
+from ._systemd import Notifier, listen_fds
 from ._paths import default_socket_path, format_size
 from ._pool import HostPool, segment_prefix
-from ._protocol import unpacker_limits
+from ._protocol import MAX_REQUEST, unpacker_limits
 from .errors import KVBrokerError, Timeout
 
 __all__ = ["DaemonConfig", "Daemon", "DaemonError", "run_daemon"]
@@ -38,6 +39,12 @@ _SO_PEERCRED_FMT = "3i"
 _WRITE_HIGH_WATER = 4 * 1024 * 1024  # per connection: stop reading a peer that won't read
 _EXPIRY_TICK = 0.1
 _READ_SIZE = 64 * 1024
+_STATUS_PERIOD = 5.0  # seconds between STATUS= updates to systemd
+# Refused while draining: a daemon on its way out hands out no new leases.
+_LEASE_TAKING_OPS = frozenset({"reserve", "claim", "match"})
+# What SIGHUP can change in a running daemon; everything else needs a restart.
+_RELOADABLE = ("lease_ttl", "high_watermark", "low_watermark", "log_level", "drain_timeout",
+               "max_connections", "busy_poll")
 
 
 class DaemonError(Exception):
@@ -58,6 +65,11 @@ class DaemonConfig:
     # a wake-up across CPUs costs more than serving a request. 0 turns it off.
     busy_poll: float = 100e-6
     max_connections: int = 1024
+    # SIGTERM stops accepting, then waits this long for held leases to end before closing.
+    drain_timeout: float = 10.0
+    log_level: str = "info"
+    metrics: tuple[str, int] | None = None  # (host, port) of the Prometheus endpoint
+    config_path: str | None = None  # the file this came from, re-read on SIGHUP
 
     def resolved_pool_size(self) -> int:
         if self.pool_size is not None:
@@ -82,7 +94,7 @@ class _Connection(asyncio.BufferedProtocol):
         self.broker = daemon.broker
         self.transport: asyncio.Transport | None = None
         self.session: Session | None = None
-        self.unpacker = msgpack.Unpacker(raw=False, **unpacker_limits())
+        self.unpacker = msgpack.Unpacker(raw=False, **unpacker_limits(MAX_REQUEST))
         self.queue: deque[Any] = deque()
         self.busy = False
         self.closed = False
@@ -170,6 +182,11 @@ class _Connection(asyncio.BufferedProtocol):
             self._error(rid if isinstance(rid, int) else None, "bad_request",
                         "a request needs an integer id and a string op")
             return
+        if self.daemon.draining and op in _LEASE_TAKING_OPS:
+            self._error(rid, "unavailable",
+                        "kvbroker is shutting down: finish what you hold, take new leases "
+                        "from the next daemon")
+            return
         try:
             result = self.broker.handle(self.session, op, args)
         except WouldWait as ww:
@@ -188,8 +205,18 @@ class _Connection(asyncio.BufferedProtocol):
 
     def _start_wait(self, rid: int, op: str, args: Any, ww: WouldWait) -> None:
         self.busy = True
+        self.wait_rid = rid
         self.transport.pause_reading()
         self.waiter = asyncio.get_running_loop().create_task(self._wait(rid, op, args, ww))
+
+    def cancel_wait(self, code: str, message: str) -> None:
+        """Answer a waiting claim with an error now (the daemon is draining)."""
+        if self.waiter is None or self.closed:
+            return
+        self.waiter.cancel()
+        self.waiter = None
+        self._error(self.wait_rid, code, message)
+        self._wait_done()
 
     async def _wait(self, rid: int, op: str, args: dict, ww: WouldWait) -> None:
         loop = asyncio.get_running_loop()
@@ -220,6 +247,9 @@ class _Connection(asyncio.BufferedProtocol):
             return
         finally:
             self.waiter = None
+        self._wait_done()
+
+    def _wait_done(self) -> None:
         self.busy = False
         while self.queue and not self.busy and not self.closed:
             self._handle(self.queue.popleft())
@@ -265,7 +295,13 @@ class _Connection(asyncio.BufferedProtocol):
 class Daemon:
     """Owns the pools, the broker and the listening socket for one ``serve``."""
 
-    def __init__(self, config: DaemonConfig) -> None:
+    def __init__(
+        self,
+        config: DaemonConfig,
+        *,
+        notifier: Notifier | None = None,
+        reload_config: Callable[[], DaemonConfig] | None = None,
+    ) -> None:
         self.config = config
         self.pools: list[HostPool] = []
         self.broker: Broker | None = None
@@ -278,6 +314,11 @@ class Daemon:
         self._last_activity = 0.0
         self._polling = False
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.notifier = notifier or Notifier()
+        self._reload_config = reload_config
+        self.draining = False
+        self._force_stop: asyncio.Event | None = None
+        self._metrics = None
 
     # -- start ---------------------------------------------------------------------------
     def _acquire_lock(self) -> None:
