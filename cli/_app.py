@@ -237,5 +237,16 @@ def evict(
         raise _fail(f"no object {key!r}")
 
 
+@app.command()
+def tui(
+    socket: Optional[str] = SocketOpt,
+    interval: float = typer.Option(1.0, min=0.05, help="Seconds between snapshots."),
+) -> None:
+    """Live monitor: pools, rates, clients, leases, transfers and objects."""
+    from kvbroker.tui import run  # Textual loads here, never for the other commands
+
+    run(socket, interval)
+
+
 def main() -> None:
     app()
