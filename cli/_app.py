@@ -1,4 +1,4 @@
-"""``kvbroker`` command line: serve, stat, ls, evict (and what later issues add).
+"""``kvbroker`` command line: serve, doctor, stat, ls, evict (and what later issues add).
 
 Exit codes: 0 ok, 1 error, 2 usage error, 3 daemon not running.
 This module must stay cheap to import: no torch, no numpy, no textual at import time.
@@ -68,58 +68,107 @@ def _size(value: str | None, what: str) -> int | None:
         raise typer.BadParameter(str(exc), param_hint=what) from None
 
 
+ConfigOpt = typer.Option(
+    None, "--config", "-c", envvar="KVBROKER_CONFIG",
+    help="TOML configuration file (KVBROKER_* variables and flags override it).",
+    show_default="/etc/kvbroker/kvbroker.toml if it exists",
+)  # fmt: skip
+
+
 @app.command()
 def serve(
-    socket: Optional[str] = SocketOpt,
+    config: Optional[str] = ConfigOpt,
+    socket: Optional[str] = typer.Option(
+        None, "--socket", "-s", help="Daemon socket path (ignored when systemd passes one).",
+        show_default="$XDG_RUNTIME_DIR/kvbroker.sock",
+    ),  # fmt: skip
     pool_size: Optional[str] = typer.Option(
         None, help="Bytes per pool, e.g. 1G, 512M.", show_default="1G, less to fit /dev/shm"
     ),
-    pools: int = typer.Option(1, min=1, max=64, help="Number of host pools."),
-    page_size: str = typer.Option("64K", help="Allocation granule (a power of two)."),
-    lease_ttl: str = typer.Option("30s", help="Default lease TTL."),
-    high_watermark: float = typer.Option(0.95, min=0.01, max=1.0, help="Evict above this use."),
-    low_watermark: float = typer.Option(0.90, min=0.01, max=1.0, help="...down to this use."),
+    pools: Optional[int] = typer.Option(None, help="Number of host pools.", show_default="1"),
+    page_size: Optional[str] = typer.Option(
+        None, help="Allocation granule (a power of two).", show_default="64K"
+    ),
+    lease_ttl: Optional[str] = typer.Option(None, help="Default lease TTL.", show_default="30s"),
+    high_watermark: Optional[float] = typer.Option(
+        None, help="Evict above this use.", show_default="0.95"
+    ),
+    low_watermark: Optional[float] = typer.Option(
+        None, help="...down to this use.", show_default="0.90"
+    ),
     group: Optional[str] = typer.Option(
         None, help="Group whose members may connect (socket and pools mode 0660)."
     ),
-    log_level: str = typer.Option("info", help="debug, info, warning, error."),
+    log_level: Optional[str] = typer.Option(
+        None, help="debug, info, warning, error.", show_default="info"
+    ),
+    drain_timeout: Optional[str] = typer.Option(
+        None, help="On SIGTERM, wait this long for held leases to end.", show_default="10s"
+    ),
+    max_connections: Optional[int] = typer.Option(
+        None, help="Most client connections at once.", show_default="1024"
+    ),
+    metrics: Optional[str] = typer.Option(
+        None, help="Serve Prometheus metrics on HOST:PORT (a bare PORT means loopback).",
+        show_default="off",
+    ),  # fmt: skip
 ) -> None:
-    """Run the broker daemon in the foreground."""
+    """Run the broker daemon in the foreground (as systemd's kvbroker.service does).
+
+    Settings come from the configuration file, then KVBROKER_<KEY> variables, then these
+    flags. SIGHUP re-reads them; SIGTERM drains leases, then stops.
+    """
+    import functools
     import logging
 
-    from kvbroker._daemon import DaemonConfig, run_daemon
+    from kvbroker._config import ConfigError, load_config
+    from kvbroker._daemon import run_daemon
+    from kvbroker._systemd import JournalFormatter, under_journal
 
-    logging.basicConfig(
-        level=getattr(logging, log_level.upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
-    if low_watermark > high_watermark:
-        raise typer.BadParameter("must not exceed --high-watermark", param_hint="--low-watermark")
-    gid = None
-    if group is not None:
-        import grp
-
-        try:
-            gid = int(group) if group.isdigit() else grp.getgrnam(group).gr_gid
-        except KeyError:
-            raise typer.BadParameter(f"no group {group!r}", param_hint="--group") from None
+    flags = {
+        "socket": socket, "pool_size": pool_size, "pools": pools, "page_size": page_size,
+        "lease_ttl": lease_ttl, "high_watermark": high_watermark,
+        "low_watermark": low_watermark, "group": group, "log_level": log_level,
+        "drain_timeout": drain_timeout, "max_connections": max_connections, "metrics": metrics,
+    }  # fmt: skip
+    reload_config = functools.partial(load_config, config, flags=flags)
     try:
-        ttl = parse_duration(lease_ttl)
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc), param_hint="--lease-ttl") from None
-    cfg = DaemonConfig(
-        pool_size=_size(pool_size, "--pool-size"),
-        pools=pools,
-        page_size=_size(page_size, "--page-size"),
-        lease_ttl=ttl,
-        high_watermark=high_watermark,
-        low_watermark=low_watermark,
-        group=gid,
-    )
-    if socket:
-        cfg.socket_path = socket
-    raise typer.Exit(run_daemon(cfg))
+        cfg = reload_config()
+    except ConfigError as exc:
+        raise _fail(f"configuration: {exc}", 2) from None
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(
+        JournalFormatter() if under_journal()
+        else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+    )  # fmt: skip
+    logging.basicConfig(level=cfg.log_level.upper(), handlers=[handler])
+    raise typer.Exit(run_daemon(cfg, reload_config))
+
+
+@app.command()
+def doctor(
+    config: Optional[str] = ConfigOpt,
+    socket: Optional[str] = typer.Option(None, "--socket", "-s", help="Socket path to check."),
+    as_json: bool = JsonOpt,
+) -> None:
+    """Check this host for what the service needs, and say how to fix what is missing.
+
+    Exit status 1 when a check fails (warnings alone exit 0).
+    """
+    from kvbroker._config import ConfigError, load_config
+    from kvbroker._doctor import render, run_checks
+
+    try:
+        cfg = load_config(config, flags={"socket": socket})
+    except ConfigError as exc:
+        raise _fail(f"configuration: {exc}", 2) from None
+    checks = run_checks(cfg)
+    if as_json:
+        typer.echo(json.dumps([c.to_dict() for c in checks], indent=2))
+    else:
+        typer.echo(render(checks))
+    if any(c.status == "fail" for c in checks):
+        raise typer.Exit(EXIT_ERROR)
 
 
 @app.command()
@@ -250,3 +299,41 @@ def tui(
 
 def main() -> None:
     app()
+
+
+@app.command()
+def bench(
+    scenario: str = typer.Argument("transfer", help="transfer or rpc."),
+    socket: Optional[str] = typer.Option(
+        None, "--socket", "-s", help="Benchmark this daemon (default: start a private one)."
+    ),
+    sizes: Optional[str] = typer.Option(None, help="Comma-separated sizes, e.g. 256K,4M,32M."),
+    json_out: Optional[str] = typer.Option(None, help="Write the results here as JSON."),
+    pool_size: str = typer.Option("1G", help="Pool size of the private daemon."),
+) -> None:
+    """Measure kvbroker against this machine's limits (ratios measured in the same run)."""
+    import contextlib
+
+    from kvbroker import _bench
+
+    if scenario not in ("transfer", "rpc"):
+        raise typer.BadParameter(f"unknown scenario {scenario!r}", param_hint="SCENARIO")
+    size_list = _bench.DEFAULT_SIZES
+    if sizes:
+        size_list = tuple(_size(s.strip(), "--sizes") for s in sizes.split(","))
+    daemon = contextlib.nullcontext(socket) if socket else _bench.spawned_daemon(pool_size)
+    with daemon as path:
+        if scenario == "transfer":
+            rows = _bench.transfer(path, size_list)
+            cols = [("size", "size", "size"), ("memcpy_gbps", "memcpy GB/s", ".2f"),
+                    ("publish_gbps", "publish GB/s", ".2f"), ("claim_gbps", "claim GB/s", ".2f"),
+                    ("publish_claim_gbps", "pub+claim GB/s", ".2f"),
+                    ("ratio_vs_memcpy", "x memcpy", ".2f"),
+                    ("roundtrip_p50_us", "p50 us", ".1f"), ("roundtrip_p99_us", "p99 us", ".1f")]
+        else:
+            rows = _bench.rpc(path)
+            cols = [("clients", "clients", "d"), ("ops_per_s", "ops/s", ".0f"),
+                    ("p50_us", "p50 us", ".1f"), ("p99_us", "p99 us", ".1f")]
+    typer.echo(_bench.print_table(rows, cols))
+    if json_out:
+        _bench.dump(json_out, scenario, rows)

@@ -19,7 +19,7 @@ import struct
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import msgpack
@@ -100,6 +100,7 @@ class _Connection(asyncio.BufferedProtocol):
         self.closed = False
         self.write_paused = False
         self.waiter: asyncio.Task | None = None
+        self.wait_rid: int | None = None
         self.watch_handle: asyncio.TimerHandle | None = None
         self.watch_interval = 0.0
 
@@ -421,19 +422,32 @@ class Daemon:
             fut.set_result(None)
 
     def request_stop(self) -> None:
-        if self._stop is not None:
-            self._stop.set()
+        """First call: drain and stop. A second one (another SIGTERM/^C): stop without waiting."""
+        if self._stop is None:
+            return
+        if self._stop.is_set():
+            self._force_stop.set()
+        self._stop.set()
 
     async def serve(
         self,
         listen_socket: socket.socket | None = None,
         on_ready: Callable[[Daemon], None] | None = None,
     ) -> None:
-        """Serve until SIGTERM/SIGINT or :meth:`request_stop`; cleans up everything it made."""
+        """Serve until SIGTERM/SIGINT or :meth:`request_stop`; cleans up everything it made.
+
+        Without ``listen_socket``, a socket passed by systemd (socket activation) is used if
+        there is one, else the daemon binds ``config.socket_path`` itself.
+        """
         loop = self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
+        self._force_stop = asyncio.Event()
+        tasks: list[asyncio.Task] = []
         try:
+            lock = listen_socket is None
             if listen_socket is None:
+                listen_socket = self._activated_socket()
+            if lock:
                 self._acquire_lock()
             self._create_pools()
             self.broker = Broker(
@@ -450,18 +464,158 @@ class Daemon:
             self._server = await loop.create_unix_server(lambda: _Connection(self), sock=sock)
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self.request_stop)
-            ticker = loop.create_task(self._expiry_loop())
+            loop.add_signal_handler(signal.SIGHUP, self.reload)
+            if self.config.metrics is not None:
+                from ._metrics import MetricsServer
+
+                self._metrics = MetricsServer(self.config.metrics, self.snapshot_threadsafe)
+                log.info("metrics on %s", self._metrics.url)
+            tasks.append(loop.create_task(self._expiry_loop()))
+            tasks.append(loop.create_task(self._status_loop()))
+            if self.notifier.watchdog_interval:
+                tasks.append(loop.create_task(self._watchdog_loop()))
             log.info(
                 "serving on %s: %d pool(s) of %s, pages of %s",
                 self.config.socket_path, len(self.pools),
                 format_size(self.pools[0].size), format_size(self.config.page_size),
             )  # fmt: skip
+            # Only now: the socket is listening and the pools exist, so clients may come.
+            self.notifier.ready(self.summary())
             if on_ready is not None:
                 on_ready(self)
             await self._stop.wait()
-            ticker.cancel()
+            await self._drain()
         finally:
+            for task in tasks:
+                task.cancel()
             await self._shutdown()
+
+    def _activated_socket(self) -> socket.socket | None:
+        socks = listen_fds()
+        if not socks:
+            return None
+        usable = [s for s in socks if s.family == socket.AF_UNIX and s.type == socket.SOCK_STREAM]
+        for extra in socks:
+            if extra not in usable[:1]:
+                log.warning("ignoring socket fd %d passed by systemd: not a Unix stream "
+                            "socket, or not the first", extra.fileno())
+                extra.close()
+        if not usable:
+            raise DaemonError("systemd passed sockets but none is a Unix stream socket "
+                              "(ListenStream=/path in kvbroker.socket)")
+        sock = usable[0]
+        sock.setblocking(False)
+        name = sock.getsockname()
+        if isinstance(name, bytes):
+            name = name.decode(errors="replace")
+        if name and not name.startswith("\0") and name != self.config.socket_path:
+            # The socket unit decides where clients connect; report that path, lock next to it.
+            log.info("socket activation: serving %s (not %s)", name, self.config.socket_path)
+            self.config.socket_path = name
+        log.info("socket activation: using the socket passed by systemd")
+        return sock
+
+    def summary(self) -> str:
+        """One line for systemd's STATUS= (shown by ``systemctl status``)."""
+        b = self.broker
+        if b is None:
+            return "starting"
+        used = sum(p.allocator.used * p.page_size for p in self.pools)
+        cap = sum(p.size for p in self.pools)
+        state = "draining" if self.draining else "serving"
+        return (
+            f"{state}: {len(b.sessions)} client(s), {len(b.objects)} object(s), "
+            f"{len(b.leases)} lease(s), {format_size(used)} of {format_size(cap)} used"
+        )
+
+    def snapshot_threadsafe(self, timeout: float = 5.0) -> dict[str, Any]:
+        """Broker.snapshot() taken on the event loop, for callers in other threads (metrics):
+        the broker's dicts change under any thread that iterates them off the loop."""
+        import concurrent.futures
+
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+
+        def take() -> None:
+            try:
+                fut.set_result(self.broker.snapshot(occupancy_cells=0))
+            except Exception as exc:
+                fut.set_exception(exc)
+
+        self._loop.call_soon_threadsafe(take)
+        return fut.result(timeout)
+
+    async def _status_loop(self) -> None:
+        while True:
+            await asyncio.sleep(_STATUS_PERIOD)
+            self.notifier.status(self.summary())
+
+    async def _watchdog_loop(self) -> None:
+        # Pinged from the event loop itself: a loop that stops turning stops the pings.
+        while True:
+            self.notifier.watchdog()
+            await asyncio.sleep(self.notifier.watchdog_interval)
+
+    async def _drain(self) -> None:
+        """Stop accepting; let held leases end (seal, release, expire) for drain_timeout."""
+        self.draining = True
+        if self._server is not None:
+            self._server.close()  # under socket activation, systemd keeps queueing new clients
+        for conn in list(self.connections):
+            conn.cancel_wait("unavailable", "kvbroker is shutting down")
+        held = len(self.broker.leases) if self.broker else 0
+        self.notifier.stopping(self.summary())
+        if not held or self.config.drain_timeout <= 0:
+            return
+        log.info("stopping: waiting up to %gs for %d lease(s) to end",
+                 self.config.drain_timeout, held)
+        deadline = self._loop.time() + self.config.drain_timeout
+        while self.broker.leases and not self._force_stop.is_set():
+            remaining = deadline - self._loop.time()
+            if remaining <= 0:
+                log.warning("drain timed out after %gs: ending %d lease(s) still held",
+                            self.config.drain_timeout, len(self.broker.leases))
+                return
+            try:
+                await asyncio.wait_for(self._force_stop.wait(), min(0.05, remaining))
+            except asyncio.TimeoutError:
+                pass
+        if self.broker.leases:
+            log.warning("stopping now: ending %d lease(s) still held", len(self.broker.leases))
+        else:
+            log.info("drained: every lease ended")
+
+    def reload(self) -> None:
+        """SIGHUP: re-read the configuration; apply what can change while running."""
+        if self._reload_config is None:
+            log.warning("SIGHUP: this daemon was not started from a configuration; nothing to reload")
+            return
+        self.notifier.reloading()
+        try:
+            new = self._reload_config()
+        except Exception as exc:  # a bad edit must not take the daemon down
+            log.error("reload failed, keeping the running configuration: %s", exc)
+            self.notifier.ready(self.summary())
+            return
+        old = self.config
+        changed = []
+        for name in _RELOADABLE:
+            if getattr(new, name) != getattr(old, name):
+                changed.append(f"{name} {getattr(old, name)!r} -> {getattr(new, name)!r}")
+                setattr(old, name, getattr(new, name))
+        if self.broker is not None:
+            self.broker.lease_ttl = old.lease_ttl
+            self.broker.high_watermark = old.high_watermark
+            self.broker.low_watermark = old.low_watermark
+        logging.getLogger().setLevel(old.log_level.upper())
+        for f in fields(DaemonConfig):
+            if f.name in _RELOADABLE or f.name == "config_path":
+                continue
+            if getattr(new, f.name) != getattr(old, f.name):
+                log.warning("reload: %s changed (%r -> %r) but needs a restart to take effect",
+                            f.name, getattr(old, f.name), getattr(new, f.name))
+        log.info("reloaded %s: %s", old.config_path or "the configuration",
+                 "; ".join(changed) if changed else "nothing changed")
+        self.notifier.ready(self.summary())
 
     async def _expiry_loop(self) -> None:
         while True:
@@ -473,8 +627,11 @@ class Daemon:
 
     async def _shutdown(self) -> None:
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             loop.remove_signal_handler(sig)
+        if self._metrics is not None:
+            self._metrics.close()
+            self._metrics = None
         if self._server is not None:
             self._server.close()
         for conn in list(self.connections):
@@ -496,10 +653,13 @@ class Daemon:
         log.info("stopped")
 
 
-def run_daemon(config: DaemonConfig) -> int:
+def run_daemon(
+    config: DaemonConfig, reload_config: Callable[[], DaemonConfig] | None = None
+) -> int:
     """Run the daemon in the foreground; returns the process exit status."""
+    notifier = Notifier.from_environ()
     try:
-        asyncio.run(Daemon(config).serve())
+        asyncio.run(Daemon(config, notifier=notifier, reload_config=reload_config).serve())
     except (DaemonError, KVBrokerError) as exc:
         log.error("%s", exc)
         return 1
