@@ -21,6 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from .errors import BadRequest
+
 PROTOCOL_VERSION = 1
 
 # Hard limits on what one frame may hold. Control messages are small: the biggest are
@@ -184,40 +186,42 @@ ERROR_CODES = (
 )
 
 
+_MISSING = object()
+
+
 def validate_args(op_name: str, raw: Any) -> dict[str, Any]:
     """Check a request's arguments against the table; returns them with defaults filled in.
 
     Raises :class:`~kvbroker.errors.BadRequest` naming the offending argument.
     """
-    from .errors import BadRequest
-
     op = OPS.get(op_name)
     if op is None:
         raise BadRequest(f"unknown op {op_name!r}")
     if raw is None:
         raw = {}
-    if not isinstance(raw, dict):
+    elif not isinstance(raw, dict):
         raise BadRequest(f"{op_name}: args must be a map, not {type(raw).__name__}")
-    spec = op.args
     out: dict[str, Any] = {}
-    for name in raw:
-        if name not in spec:
-            raise BadRequest(f"{op_name}: unexpected argument {name!r}")
-    for name, arg in spec.items():
-        if name in raw:
-            value = raw[name]
-            # bool is an int subclass: never accept True where a count is meant.
-            if isinstance(value, bool) and bool not in arg.types:
-                raise BadRequest(f"{op_name}: {name} must be {_type_names(arg)}, not bool")
-            if not isinstance(value, arg.types):
-                raise BadRequest(
-                    f"{op_name}: {name} must be {_type_names(arg)}, not {type(value).__name__}"
-                )
-            out[name] = value
-        elif arg.required:
-            raise BadRequest(f"{op_name}: missing argument {name!r}")
-        else:
+    seen = 0
+    for name, arg in op.args.items():
+        value = raw.get(name, _MISSING)
+        if value is _MISSING:
+            if arg.required:
+                raise BadRequest(f"{op_name}: missing argument {name!r}")
             out[name] = arg.default
+            continue
+        seen += 1
+        # bool is an int subclass: never accept True where a count is meant.
+        if not isinstance(value, arg.types) or (
+            value.__class__ is bool and bool not in arg.types
+        ):
+            raise BadRequest(
+                f"{op_name}: {name} must be {_type_names(arg)}, not {type(value).__name__}"
+            )
+        out[name] = value
+    if seen != len(raw):
+        extra = next(k for k in raw if k not in op.args)
+        raise BadRequest(f"{op_name}: unexpected argument {extra!r}")
     return out
 
 
