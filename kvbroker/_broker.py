@@ -49,6 +49,7 @@ import msgpack
 
 from ._version import __version__
 from ._pool import HostPool
+from ._names import check_buffer_name
 from ._protocol import MAX_BUFFERS, MAX_META, MAX_NAME, PROTOCOL_VERSION, validate_args
 from .errors import BadRequest, Exists, Forbidden, LeaseExpired, NotFound, PoolFull, ProtocolError
 
@@ -245,6 +246,7 @@ class Broker:
         offset = 0
         for name, nbytes in buffers.items():
             _check_name("buffer name", name)
+            check_buffer_name(name)  # malformed KV names would never match a claim
             if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
                 raise BadRequest(f"reserve: size of buffer {name!r} must be a non-negative int")
             layout[name] = (offset, nbytes)
