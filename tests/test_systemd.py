@@ -1,0 +1,287 @@
+"""kvbroker under systemd: the unit files, sd_notify, socket activation, drain and reload."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import DaemonProcess
+from kvbroker import BrokerUnavailable, Client
+from kvbroker._systemd import Notifier, listen_fds
+
+UNITS = Path(__file__).resolve().parent.parent / "systemd"
+
+
+# -- unit files ----------------------------------------------------------------------------
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None,
+                    reason="systemd-analyze not installed (apt-get install systemd)")
+def test_units_verify_cleanly(tmp_path):
+    # ExecStart must name an existing executable for verify; point it at this checkout's.
+    kvbroker = shutil.which("kvbroker", path=os.path.dirname(sys.executable)) or "/bin/true"
+    service = (UNITS / "kvbroker.service").read_text()
+    assert "ExecStart=/usr/bin/kvbroker serve" in service
+    (tmp_path / "kvbroker.service").write_text(service.replace("/usr/bin/kvbroker", kvbroker))
+    shutil.copy(UNITS / "kvbroker.socket", tmp_path)
+    res = subprocess.run(
+        ["systemd-analyze", "verify", str(tmp_path / "kvbroker.service"),
+         str(tmp_path / "kvbroker.socket")],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    out = res.stdout + res.stderr
+    # verify exits 0 on unknown keys and bad values, so its output is the verdict.
+    assert res.returncode == 0, out
+    ours = [line for line in out.splitlines() if "kvbroker" in line]
+    assert not ours, out
+
+
+def test_units_say_what_the_service_needs():
+    service = (UNITS / "kvbroker.service").read_text()
+    sock = (UNITS / "kvbroker.socket").read_text()
+    keys = dict(
+        line.split("=", 1) for line in service.splitlines()
+        if "=" in line and not line.startswith("#")
+    )  # fmt: skip
+    assert keys["Type"] == "notify"
+    assert keys["User"] == keys["Group"] == "kvbroker"
+    assert keys["RuntimeDirectory"] == "kvbroker"
+    assert keys["LimitMEMLOCK"] == "infinity"
+    assert keys["Restart"] == "on-failure"
+    assert keys["WatchdogSec"]
+    assert "PrivateDevices" not in keys  # it would hide /dev/nvidia* and /dev/shm
+    assert "DeviceAllow=char-nvidia* rwm" in service
+    assert "RemoveIPC" in service
+    assert "SocketMode=0660" in sock and "SocketGroup=kvbroker" in sock
+    assert "ListenStream=/run/kvbroker/kvbroker.sock" in sock
+    toml = (UNITS / "kvbroker.toml").read_text()
+    assert 'socket = "/run/kvbroker/kvbroker.sock"' in toml
+
+
+def test_sample_config_is_valid(tmp_path):
+    from kvbroker._config import load_config
+
+    # This host has no kvbroker group (sysusers creates it on a real install).
+    text = (UNITS / "kvbroker.toml").read_text()
+    assert 'group = "kvbroker"' in text
+    (tmp_path / "k.toml").write_text(text.replace('group = "kvbroker"', 'group = "root"'))
+    cfg = load_config(str(tmp_path / "k.toml"), env={})
+    assert cfg.group == 0
+    assert cfg.socket_path == "/run/kvbroker/kvbroker.sock"
+    assert cfg.lease_ttl == 30 and cfg.drain_timeout == 10 and cfg.metrics is None
+
+
+# -- sd_notify -----------------------------------------------------------------------------
+@pytest.fixture
+def notify_socket(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("ntf") / "notify")
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    s.bind(path)
+    s.settimeout(15)
+    yield path, s
+    s.close()
+
+
+def _states(sock: socket.socket, until: str, timeout: float = 15) -> list[str]:
+    lines: list[str] = []
+    deadline = time.monotonic() + timeout
+    while until not in lines:
+        sock.settimeout(max(0.01, deadline - time.monotonic()))
+        lines += sock.recv(4096).decode().split("\n")
+    return lines
+
+
+def test_notify_ready_status_watchdog_stopping(notify_socket, tmp_path):
+    path, ns = notify_socket
+    sock_path = str(tmp_path / "kvb.sock")
+    env = {**os.environ, "NOTIFY_SOCKET": path, "WATCHDOG_USEC": "200000"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvbroker", "serve", "--socket", sock_path,
+         "--pool-size", "16M", "--page-size", "4K"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        first = ns.recv(4096).decode().split("\n")
+        assert first[0] == "READY=1", first
+        # READY=1 means clients can connect now: no retry loop.
+        with Client(sock_path, map_pools=False, timeout=5) as c:
+            assert c.server_pid == proc.pid
+        assert first[1].startswith("STATUS=serving: ") and "of 16.0 MiB used" in first[1]
+        after = _states(ns, "WATCHDOG=1", timeout=5)
+        proc.send_signal(signal.SIGTERM)
+        after += _states(ns, "STOPPING=1", timeout=10)
+        assert proc.wait(15) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    lines = first + after
+    order = [lines.index(s) for s in ("READY=1", "WATCHDOG=1", "STOPPING=1")]
+    assert order == sorted(order), lines
+    assert sum(line == "WATCHDOG=1" for line in lines) >= 1
+    assert any(line.startswith("STATUS=draining") for line in lines[order[2]:]), lines
+
+
+def test_notifier_takes_its_variables_out_of_the_environment(monkeypatch, notify_socket):
+    path, ns = notify_socket
+    monkeypatch.setenv("NOTIFY_SOCKET", path)
+    monkeypatch.setenv("WATCHDOG_USEC", "3000000")
+    monkeypatch.setenv("WATCHDOG_PID", str(os.getpid()))
+    n = Notifier.from_environ()
+    assert n.watchdog_interval == 1.5
+    assert "NOTIFY_SOCKET" not in os.environ and "WATCHDOG_USEC" not in os.environ
+    child = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.environ.get('NOTIFY_SOCKET'))"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    assert child.stdout.strip() == "None"
+    assert n.watchdog() and ns.recv(100) == b"WATCHDOG=1"
+
+
+def test_notifier_ignores_a_watchdog_meant_for_another_process(monkeypatch):
+    monkeypatch.setenv("NOTIFY_SOCKET", "@kvbroker-test")
+    monkeypatch.setenv("WATCHDOG_USEC", "3000000")
+    monkeypatch.setenv("WATCHDOG_PID", "1")
+    n = Notifier.from_environ()
+    assert n.watchdog_interval is None
+    assert n.address == "\0kvbroker-test"
+    assert not Notifier().notify("READY=1")  # outside systemd: nothing to tell
+
+
+def test_listen_fds_is_for_our_pid_only(monkeypatch):
+    monkeypatch.setenv("LISTEN_FDS", "1")
+    monkeypatch.setenv("LISTEN_PID", str(os.getpid() + 1))
+    assert listen_fds() == []
+    assert "LISTEN_FDS" not in os.environ and "LISTEN_PID" not in os.environ
+
+
+# -- socket activation ---------------------------------------------------------------------
+@pytest.mark.skipif(shutil.which("systemd-socket-activate") is None,
+                    reason="systemd-socket-activate not installed (apt-get install systemd)")
+def test_socket_activation_serves_on_the_passed_socket(tmp_path):
+    sock_path = str(tmp_path / "act.sock")
+    conf = tmp_path / "kvbroker.toml"
+    conf.write_text('pool_size = "16M"\npage_size = "4K"\n')
+    log = open(tmp_path / "daemon.log", "wb")
+    # --socket names another path on purpose: the passed socket wins.
+    proc = subprocess.Popen(
+        ["systemd-socket-activate", "-l", sock_path, sys.executable, "-m", "kvbroker",
+         "serve", "--config", str(conf), "--socket", str(tmp_path / "unused.sock")],
+        stdout=log, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 10
+        while not os.path.exists(sock_path):
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.02)
+        # The first connection starts the daemon; it waits in the backlog meanwhile.
+        with Client(sock_path, timeout=30) as c:
+            data = np.arange(1024, dtype=np.int64)
+            c.put("k", {"x": data})
+            with c.claim("k") as lease:
+                assert np.array_equal(lease["x"].view(np.int64), data)
+            snap = c.stat()
+        assert snap.socket == sock_path
+        assert snap.pools[0].capacity == 16 << 20
+        assert not os.path.exists(tmp_path / "unused.sock")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(15) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
+    text = (tmp_path / "daemon.log").read_text()
+    assert "socket activation" in text, text
+    # The socket file belongs to whoever passed it (systemd): the daemon leaves it alone.
+    assert os.path.exists(sock_path)
+
+
+# -- SIGTERM drain -------------------------------------------------------------------------
+def test_sigterm_drains_a_held_lease_then_exits_0(make_daemon):
+    d = make_daemon("--pool-size", "16M", "--page-size", "4K", "--drain-timeout", "20s")
+    writer = d.client()
+    lease = writer.reserve("k", {"x": 4096})
+    t0 = time.monotonic()
+    d.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    assert d.proc.poll() is None, "stopped without waiting for the write lease"
+    with pytest.raises(BrokerUnavailable):  # no longer accepting
+        Client(d.socket_path, map_pools=False, timeout=2)
+    with pytest.raises(BrokerUnavailable, match="shutting down"):
+        writer.reserve("other", {"x": 4096})  # no new leases while draining
+    lease["x"][:] = 7
+    lease.seal()  # the in-flight lease finishes...
+    assert d.proc.wait(10) == 0  # ...and the daemon ends at once
+    assert time.monotonic() - t0 < 8
+    writer.close()
+    assert "drained: every lease ended" in d.log()
+
+
+def test_drain_is_bounded_by_drain_timeout(make_daemon):
+    d = make_daemon("--pool-size", "16M", "--page-size", "4K", "--drain-timeout", "1s")
+    c = d.client()
+    c.put("k", {"x": b"abc"})
+    held = c.claim("k")  # never released
+    t0 = time.monotonic()
+    d.proc.send_signal(signal.SIGTERM)
+    assert d.proc.wait(10) == 0
+    assert 0.9 < time.monotonic() - t0 < 6
+    assert re.search(r"drain timed out after 1s: ending 1 lease", d.log())
+    del held
+    c.close()
+
+
+def test_second_sigterm_stops_without_waiting(make_daemon):
+    d = make_daemon("--pool-size", "16M", "--page-size", "4K", "--drain-timeout", "60s")
+    c = d.client()
+    c.reserve("k", {"x": 4096})
+    d.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.3)
+    d.proc.send_signal(signal.SIGTERM)
+    assert d.proc.wait(10) == 0
+    c.close()
+
+
+# -- SIGHUP reload -------------------------------------------------------------------------
+def _hello_ttl(d: DaemonProcess) -> float:
+    with d.client(map_pools=False) as c:
+        return c._session.hello["lease_ttl"]
+
+
+def _wait_for(predicate, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.05)
+
+
+def test_sighup_reloads_what_can_change(make_daemon, tmp_path):
+    conf = tmp_path / "kvbroker.toml"
+    conf.write_text('pool_size = "16M"\npage_size = "4K"\nlease_ttl = "30s"\n')
+    d = make_daemon("--config", str(conf))
+    assert _hello_ttl(d) == 30
+    conf.write_text('pool_size = "32M"\npage_size = "4K"\nlease_ttl = "5s"\n'
+                    "high_watermark = 0.8\nlow_watermark = 0.5\nlog_level = \"debug\"\n")
+    d.proc.send_signal(signal.SIGHUP)
+    _wait_for(lambda: _hello_ttl(d) == 5)
+    with d.client(map_pools=False) as c:
+        pool = c.stat().pools[0]
+    assert (pool.high_watermark, pool.low_watermark) == (0.8, 0.5)
+    assert pool.capacity == 16 << 20  # pool_size needs a restart...
+    log = d.log()
+    assert "pool_size changed" in log and "needs a restart" in log  # ...and says so
+    assert "lease_ttl 30.0 -> 5.0" in log
+
+    conf.write_text('pools = "many"\n')  # a bad edit keeps the running configuration
+    d.proc.send_signal(signal.SIGHUP)
+    _wait_for(lambda: "reload failed" in d.log())
+    assert "pools: expected an integer" in d.log()
+    assert _hello_ttl(d) == 5
+    assert d.stop() == 0
