@@ -25,6 +25,9 @@ from ._throughput import ThroughputPanel
 
 __all__ = ["MonitorApp"]
 
+# Which widget takes the keys when a tab is shown.
+_TAB_FOCUS = {"tab-pools": "#pools", "tab-clients": "#clients", "tab-objects": "#objects-table"}
+
 
 class MonitorApp(App):
     CSS_PATH = "monitor.tcss"
@@ -147,7 +150,9 @@ class MonitorApp(App):
         self.push_screen(HelpScreen())
 
     def action_show_tab(self, tab: str) -> None:
+        # A widget left focused in the old pane would pull TabbedContent back to it.
+        self.screen.set_focus(None)
         self.query_one(TabbedContent).active = tab
+        self.query_one(_TAB_FOCUS[tab]).focus()
         if tab == "tab-objects":
             self.query_one(ObjectsView).refresh_objects()
-            self.query_one("#objects-table").focus()
