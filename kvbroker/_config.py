@@ -69,8 +69,6 @@ def _positive_duration(value: Any) -> float:
 
 def _int_in(lo: int, hi: int) -> Callable[[Any], int]:
     def parse(value: Any) -> int:
-        if isinstance(value, str) and value.strip().isdigit():  # from an env var
-            value = int(value)
         if isinstance(value, bool) or not isinstance(value, int):
             raise ValueError(f"expected an integer, got {value!r}")
         if not lo <= value <= hi:
@@ -81,11 +79,6 @@ def _int_in(lo: int, hi: int) -> Callable[[Any], int]:
 
 
 def _ratio(value: Any) -> float:
-    if isinstance(value, str):  # from an env var
-        try:
-            value = float(value)
-        except ValueError:
-            raise ValueError(f"expected a fraction like 0.9, got {value!r}") from None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"expected a fraction like 0.9, got {value!r}")
     if not 0 < value <= 1:
@@ -153,18 +146,30 @@ class Key:
     field: str  # the DaemonConfig attribute it sets
     help: str
 
+    def parse_text(self, text: str) -> Any:
+        """An environment variable's value: numbers arrive as text there, unlike in TOML."""
+        if self.parse in _NUMERIC:
+            try:
+                return self.parse(float(text) if self.parse is _ratio else int(text))
+            except ValueError:
+                pass  # let parse() word the error about the text itself
+        return self.parse(text)
+
+
+_POOLS, _CONNECTIONS = _int_in(1, 64), _int_in(1, 1 << 20)
+_NUMERIC = (_POOLS, _CONNECTIONS, _ratio)
 
 KEYS: dict[str, Key] = {
     "socket": Key(_socket, "socket_path", "Unix socket the daemon listens on"),
     "pool_size": Key(_size, "pool_size", "bytes per host pool, e.g. 1G"),
-    "pools": Key(_int_in(1, 64), "pools", "number of host pools"),
+    "pools": Key(_POOLS, "pools", "number of host pools"),
     "page_size": Key(_page_size, "page_size", "allocation granule, a power of two"),
     "lease_ttl": Key(_positive_duration, "lease_ttl", "default lease TTL"),
     "high_watermark": Key(_ratio, "high_watermark", "evict above this fraction of a pool"),
     "low_watermark": Key(_ratio, "low_watermark", "...down to this fraction"),
     "group": Key(_group, "group", "group whose members may connect"),
     "log_level": Key(_log_level, "log_level", "debug, info, warning or error"),
-    "max_connections": Key(_int_in(1, 1 << 20), "max_connections", "client connections"),
+    "max_connections": Key(_CONNECTIONS, "max_connections", "client connections"),
     "busy_poll": Key(_duration, "busy_poll", "keep polling this long after a request"),
     "drain_timeout": Key(_duration, "drain_timeout", "SIGTERM waits this long for leases"),
     "metrics": Key(parse_listen_address, "metrics", "HOST:PORT for Prometheus, off if empty"),
@@ -225,7 +230,10 @@ def load_config(
             if key not in KEYS:
                 raise ConfigError(f"{name(key)}: unknown setting")
             try:
-                values[key] = KEYS[key].parse(raw)
+                if name is env_name:
+                    values[key] = KEYS[key].parse_text(raw)
+                else:
+                    values[key] = KEYS[key].parse(raw)
             except ValueError as exc:
                 raise ConfigError(f"{name(key)}: {exc}") from None
             where[key] = name(key)

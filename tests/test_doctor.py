@@ -1,0 +1,94 @@
+"""``kvbroker doctor``: each check finds what it is about and says how to fix it."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+from kvbroker._daemon import DaemonConfig
+from kvbroker._doctor import check_memlock, check_shm, check_socket_dir, render, run_checks
+
+
+def test_shm_too_small_fails_with_a_fix():
+    c = check_shm(DaemonConfig(pool_size=1 << 50, pools=2))
+    assert c.status == "fail"
+    assert "pools need 2048.0 TiB (2 x 1024.0 TiB)" in c.detail
+    assert "--shm-size" in c.fix and "remount" in c.fix
+
+
+def test_shm_big_enough_passes():
+    c = check_shm(DaemonConfig(pool_size=1 << 20, pools=1))
+    assert c.status == "ok", c
+
+
+def test_memlock_compares_against_the_pools():
+    assert check_memlock(DaemonConfig(pool_size=4096, page_size=4096)).status == "ok"
+    c = check_memlock(DaemonConfig(pool_size=1 << 50))
+    if c.detail != "unlimited":
+        assert c.status in ("warn", "fail") and "LimitMEMLOCK=infinity" in c.fix
+
+
+def test_socket_dir_checks(tmp_path):
+    loose = tmp_path / "loose"
+    loose.mkdir()
+    os.chmod(loose, 0o777)
+    c = check_socket_dir(DaemonConfig(socket_path=str(loose / "k.sock")))
+    assert c.status == "fail" and "anyone may replace the socket" in c.detail
+
+    fresh = check_socket_dir(DaemonConfig(socket_path=str(tmp_path / "new" / "k.sock")))
+    assert fresh.status == "ok" and "will be created" in fresh.detail
+
+    tight = tmp_path / "tight"
+    tight.mkdir(mode=0o755)
+    path = str(tight / "k.sock")
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(path)
+        os.chmod(path, 0o666)
+        c = check_socket_dir(DaemonConfig(socket_path=path))
+        assert c.status == "fail" and "every user may connect" in c.detail
+        os.chmod(path, 0o660)
+        assert check_socket_dir(DaemonConfig(socket_path=path)).status == "ok"
+
+
+def test_render_prints_fixes_for_failures():
+    checks = run_checks(DaemonConfig(pool_size=1 << 50))
+    text = render(checks)
+    assert "FAIL  /dev/shm" in text and "fix: grow it" in text
+    assert text.splitlines()[-1].startswith(f"{sum(c.status == 'fail' for c in checks)} failed")
+
+
+def _doctor(tmp_path, *args):
+    env = {**os.environ, "KVBROKER_CONFIG": ""}
+    return subprocess.run(
+        [sys.executable, "-m", "kvbroker", "doctor", "--socket", str(tmp_path / "k.sock"), *args],
+        capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+
+
+def test_doctor_command_exit_status(tmp_path):
+    conf = tmp_path / "big.toml"
+    conf.write_text('pool_size = "1000T"\n')
+    bad = _doctor(tmp_path, "--config", str(conf))
+    assert bad.returncode == 1, bad.stdout + bad.stderr
+    assert "FAIL  /dev/shm" in bad.stdout
+    conf.write_text('pool_size = "1M"\npage_size = "4K"\n')
+    ok = _doctor(tmp_path, "--config", str(conf), "--json")
+    checks = {c["name"]: c for c in json.loads(ok.stdout)}
+    assert checks["/dev/shm"]["status"] == "ok"
+    assert set(checks) >= {"memlock", "/dev/shm", "socket directory", "GPU visibility",
+                           "cudaHostRegister", "service user"}
+    assert ok.returncode == (1 if any(c["status"] == "fail" for c in checks.values()) else 0)
+
+
+def test_doctor_imports_torch_only_for_a_gpu():
+    code = ("import sys; from kvbroker._doctor import run_checks; "
+            "from kvbroker._daemon import DaemonConfig; run_checks(DaemonConfig(pool_size=1<<20)); "
+            "import glob; print('torch' in sys.modules, bool(glob.glob('/dev/nvidia[0-9]*')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True).stdout.split()
+    imported, gpu = (word == "True" for word in out)
+    if not gpu:
+        assert not imported, "torch imported on a host without a GPU"

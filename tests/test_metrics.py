@@ -1,0 +1,66 @@
+"""``serve --metrics``: the statistics snapshot in Prometheus' text format, over loopback."""
+
+from __future__ import annotations
+
+import re
+import time
+import urllib.request
+
+from prometheus_client.parser import text_string_to_metric_families
+
+
+def _metrics_url(d) -> str:
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        m = re.search(r"metrics on (http://\S+)", d.log())
+        if m:
+            return m.group(1)
+        time.sleep(0.05)
+    raise AssertionError(d.log())
+
+
+def _scrape(url: str) -> dict[str, list]:
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        assert resp.headers["Content-Type"].startswith("text/plain")
+        text = resp.read().decode()
+    samples: dict[str, list] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            samples.setdefault(s.name, []).append(s)
+    return samples
+
+
+def _value(samples, name, **labels) -> float:
+    for s in samples[name]:
+        if all(s.labels.get(k) == v for k, v in labels.items()):
+            return s.value
+    raise KeyError((name, labels))
+
+
+def test_metrics_scraped_over_loopback(make_daemon):
+    d = make_daemon("--pool-size", "16M", "--page-size", "4K", "--pools", "2",
+                    "--metrics", ":0")  # a bare port: loopback, any free port for the test
+    url = _metrics_url(d)
+    assert url.startswith("http://127.0.0.1:")
+    with d.client() as c:
+        c.put("a", {"x": b"x" * 10000})
+        lease = c.claim("a")
+        s = _scrape(url)
+        lease.release()
+    assert _value(s, "kvbroker_publishes_total") == 1
+    assert _value(s, "kvbroker_claims_total") == 1
+    assert _value(s, "kvbroker_objects") == 1
+    assert _value(s, "kvbroker_clients") == 1
+    assert _value(s, "kvbroker_leases", kind="read") == 1
+    assert _value(s, "kvbroker_pool_capacity_bytes", pool="1") == 16 << 20
+    used = _value(s, "kvbroker_pool_used_bytes", pool="0") + _value(
+        s, "kvbroker_pool_used_bytes", pool="1")
+    assert used == 12288  # 10000 bytes in 4 KiB pages
+    assert _value(s, "kvbroker_pool_high_watermark_ratio", pool="0") == 0.95
+    assert s["kvbroker_info"][0].labels["socket"] == d.socket_path
+    assert "python_info" not in s  # only the daemon's own families
+    assert d.stop() == 0
+
+
+def test_metrics_are_off_by_default(daemon):
+    assert "metrics on" not in daemon.log()
