@@ -96,6 +96,7 @@ class StoredObject:
     __slots__ = (
         "namespace", "key", "pool", "start", "npages", "nbytes", "buffers", "meta",
         "created_at", "last_access", "sealed", "readers", "linked", "serial", "consumers",
+        "parent", "parent_key", "children",
     )  # fmt: skip
 
     def __init__(self, namespace, key, pool, start, npages, nbytes, buffers, meta, serial):
@@ -114,6 +115,9 @@ class StoredObject:
         self.linked = False  # reachable through Broker.objects
         self.serial: int = serial
         self.consumers = 1  # consume-claims still to be released before the object goes
+        self.parent: StoredObject | None = None  # previous block of a prefix chain
+        self.parent_key: str | None = None
+        self.children = 0  # sealed blocks naming this one as parent: not evictable before them
 
     def info(self) -> dict[str, Any]:
         return {
@@ -181,7 +185,8 @@ class Broker:
         self._regex_cache: dict[str, re.Pattern] = {}
         self.counters: dict[str, int] = dict.fromkeys(
             ("publishes", "claims", "bytes_in", "bytes_out", "hits", "misses", "evictions",
-             "evicted_bytes", "aborts", "expired_leases", "requests", "errors"),
+             "evicted_bytes", "aborts", "expired_leases", "requests", "errors",
+             "prefix_queries", "prefix_hit_blocks", "prefix_miss_blocks", "prefix_hit_tokens"),
             0,
         )  # fmt: skip
         self.transfers: deque[dict[str, Any]] = deque(maxlen=64)
@@ -233,42 +238,71 @@ class Broker:
 
     # ------------------------------------------------------------------ publish
     def _op_reserve(self, session, namespace, key, buffers, meta, replace, ttl, consumers):
-        ident = (_check_name("namespace", namespace), _check_name("key", key))
-        if not buffers:
-            raise BadRequest("reserve: an object needs at least one buffer")
         if not 1 <= consumers <= 1 << 16:
             raise BadRequest("reserve: consumers must be between 1 and 65536")
-        if len(buffers) > MAX_BUFFERS:
-            raise BadRequest(f"reserve: at most {MAX_BUFFERS} buffers per object")
-        if meta is not None and len(msgpack.packb(meta)) > MAX_META:
-            raise BadRequest(f"reserve: meta must pack to at most {MAX_META} bytes")
-        layout: dict[str, tuple[int, int]] = {}
-        offset = 0
-        for name, nbytes in buffers.items():
-            _check_name("buffer name", name)
-            check_buffer_name(name)  # malformed KV names would never match a claim
-            if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
-                raise BadRequest(f"reserve: size of buffer {name!r} must be a non-negative int")
-            layout[name] = (offset, nbytes)
-            offset += -(-nbytes // BUFFER_ALIGN) * BUFFER_ALIGN
-        nbytes_total = sum(n for _, n in layout.values())
         ttl = self._ttl(ttl)
+        ident = (_check_name("namespace", namespace), _check_name("key", key))
+        layout, span = _buffer_layout(buffers, meta)
         if ident in self.pending:
             raise Exists(f"{namespace}/{key} is being published by another writer")
         if ident in self.objects and not replace:
             raise Exists(f"{namespace}/{key} is already published")
-        pool, start, npages = self._allocate(max(offset, 1))
+        lease = self._reserve(session, ident, layout, span, meta, ttl)
+        lease.obj.consumers = consumers
+        return {"lease": lease.id, "ttl": ttl, "buffers": _extents(lease.obj, lease.obj.buffers)}
+
+    def _reserve(self, session, ident, layout, span, meta, ttl) -> Lease:
+        pool, start, npages = self._allocate(max(span, 1))
         base = start * pool.page_size
         obj = StoredObject(
-            namespace, key, pool, start, npages, nbytes_total,
+            ident[0], ident[1], pool, start, npages, sum(n for _, n in layout.values()),
             {name: (base + off, n) for name, (off, n) in layout.items()}, meta,
             next(self._serials),
         )  # fmt: skip
-        obj.consumers = consumers
         self._owners[pool.index][start] = obj
         self.pending[ident] = obj
-        lease = self._new_lease("write", session, obj, ttl)
-        return {"lease": lease.id, "ttl": ttl, "buffers": _extents(obj, obj.buffers)}
+        return self._new_lease("write", session, obj, ttl)
+
+    def _op_reserve_blocks(self, session, namespace, blocks, ttl) -> dict:
+        ttl = self._ttl(ttl)
+        _check_name("namespace", namespace)
+        if len(blocks) > MAX_BUFFERS:
+            raise BadRequest(f"reserve_blocks: at most {MAX_BUFFERS} blocks per request")
+        plans = []
+        for i, blk in enumerate(blocks):  # validate everything before reserving anything
+            if not isinstance(blk, dict) or not isinstance(blk.get("key"), str):
+                raise BadRequest(f"reserve_blocks: block {i} must be a map with a string key")
+            parent = blk.get("parent")
+            if parent is not None and not isinstance(parent, str):
+                raise BadRequest(f"reserve_blocks: block {i}: parent must be a key or null")
+            bufs, meta = blk.get("buffers"), blk.get("meta")
+            if not isinstance(bufs, dict) or (meta is not None and not isinstance(meta, dict)):
+                raise BadRequest(f"reserve_blocks: block {i}: buffers (and meta) must be maps")
+            ident = (namespace, _check_name("key", blk["key"]))
+            plans.append((ident, parent, *_buffer_layout(bufs, meta), meta))
+        results, taken = [], []
+        try:
+            for ident, parent, layout, span, meta in plans:
+                if ident in self.objects or ident in self.pending:
+                    results.append({"exists": True})
+                    continue
+                lease = self._reserve(session, ident, layout, span, meta, ttl)
+                lease.obj.parent_key = parent  # resolved at seal: it may be in this batch
+                taken.append(lease)
+                results.append({"lease": lease.id, "buffers": _extents(lease.obj, lease.obj.buffers)})
+        except BaseException:
+            for lease in taken:  # all or nothing: a failed batch holds no pages
+                self._discard_pending(lease, quarantine=False)
+                self._end_lease(lease, "its batch failed")
+            raise
+        return {"ttl": ttl, "results": results}
+
+    def _op_seal_many(self, session, leases) -> dict:
+        for lid in leases:
+            if not isinstance(lid, int) or isinstance(lid, bool):
+                raise BadRequest("seal_many: leases must be a list of lease ids")
+            self._op_seal(session, lid)
+        return {"sealed": len(leases)}
 
     def _op_seal(self, session, lease) -> dict:
         ls = self._lease(session, lease, "write")
@@ -284,6 +318,13 @@ class Broker:
         obj.last_access = time.time()
         self.objects[ident] = obj
         self._lru[obj.serial] = obj
+        if obj.parent_key is not None:
+            # An absent parent (evicted while we wrote) leaves nothing to keep whole.
+            parent = self.objects.get((obj.namespace, obj.parent_key))
+            if parent is not None and parent is not obj:
+                obj.parent = parent
+                parent.children += 1
+                self._lru.pop(parent.serial, None)  # a parent goes only after its children
         self.counters["publishes"] += 1
         self.counters["bytes_in"] += obj.nbytes
         session.bytes_published += obj.nbytes
@@ -334,6 +375,36 @@ class Broker:
         ls = self._lease(session, lease, "read")
         self._end_read(ls, "it was released", consume=ls.consume)
         return {}
+
+    def _op_release_many(self, session, leases) -> dict:
+        for lid in leases:
+            if not isinstance(lid, int) or isinstance(lid, bool):
+                raise BadRequest("release_many: leases must be a list of lease ids")
+            self._op_release(session, lid)
+        return {}
+
+    def _op_match_prefix(self, session, namespace, keys, block_tokens, ttl) -> dict:
+        ttl = self._ttl(ttl)
+        if len(keys) > MAX_BUFFERS:
+            raise BadRequest(f"match_prefix: at most {MAX_BUFFERS} keys per request")
+        blocks = []
+        for key in keys:
+            obj = self.objects.get((namespace, key)) if isinstance(key, str) else None
+            if obj is None:
+                break
+            self._pin(obj)
+            lease = self._new_lease("read", session, obj, ttl)
+            blocks.append({"lease": lease.id, "meta": obj.meta,
+                           "buffers": _extents(obj, obj.buffers)})  # fmt: skip
+            self.counters["bytes_out"] += obj.nbytes
+            session.bytes_claimed += obj.nbytes
+        c = self.counters
+        c["prefix_queries"] += 1
+        c["prefix_hit_blocks"] += len(blocks)
+        c["prefix_miss_blocks"] += len(keys) - len(blocks)
+        c["prefix_hit_tokens"] += len(blocks) * block_tokens
+        c["hits" if blocks else "misses"] += 1
+        return {"ttl": ttl, "matched": len(blocks), "blocks": blocks}
 
     def _op_renew(self, session, leases, ttl) -> dict:
         out = []
@@ -393,6 +464,7 @@ class Broker:
                 skipped += 1
                 continue
             victims.append(obj)
+        victims, kept_parents = _leaves_first(victims)
         reported = [o.info() for o in victims[:_MAX_LIST]]
         nbytes = sum(o.nbytes for o in victims)
         if not dry_run:
@@ -403,6 +475,7 @@ class Broker:
             "count": len(victims),
             "bytes": nbytes,
             "skipped_leased": skipped,
+            "skipped_parents": kept_parents,
             "dry_run": dry_run,
         }
 
@@ -583,7 +656,7 @@ class Broker:
         if consume and obj.linked and obj.consumers <= 0:
             self._unlink(obj)  # frees now, or when the last other reader leaves
         elif obj.linked:
-            if obj.readers == 0:
+            if obj.readers == 0 and obj.children == 0:
                 self._lru[obj.serial] = obj  # most recently used
         elif obj.readers == 0:
             self._free_object(obj)  # unlinked earlier; the last reader just left
@@ -609,11 +682,18 @@ class Broker:
         obj.linked = False
         del self.objects[(obj.namespace, obj.key)]
         self._lru.pop(obj.serial, None)
+        parent, obj.parent = obj.parent, None
+        if parent is not None and parent.linked:
+            parent.children -= 1
+            if parent.children == 0 and parent.readers == 0:
+                # Oldest end: the chain keeps shrinking from its leaf under pressure.
+                self._lru[parent.serial] = parent
+                self._lru.move_to_end(parent.serial, last=False)
         if obj.readers == 0:
             self._free_object(obj)
 
     def _evict(self, obj: StoredObject) -> None:
-        assert obj.readers == 0 and obj.sealed
+        assert obj.readers == 0 and obj.sealed and obj.children == 0
         self.counters["evictions"] += 1
         self.counters["evicted_bytes"] += obj.nbytes
         self._unlink(obj)
@@ -675,6 +755,48 @@ class Broker:
             "at": time.time(), "op": op, "session": session.id,
             "namespace": obj.namespace, "key": obj.key, "nbytes": nbytes,
         })  # fmt: skip
+
+
+def _buffer_layout(buffers: dict, meta: dict | None) -> tuple[dict[str, tuple[int, int]], int]:
+    """Offsets of the named buffers inside one extent (aligned), and the extent's span."""
+    if not buffers:
+        raise BadRequest("reserve: an object needs at least one buffer")
+    if len(buffers) > MAX_BUFFERS:
+        raise BadRequest(f"reserve: at most {MAX_BUFFERS} buffers per object")
+    if meta is not None and len(msgpack.packb(meta)) > MAX_META:
+        raise BadRequest(f"reserve: meta must pack to at most {MAX_META} bytes")
+    layout: dict[str, tuple[int, int]] = {}
+    offset = 0
+    for name, nbytes in buffers.items():
+        if not isinstance(name, str):
+            raise BadRequest("reserve: buffer names must be strings")
+        _check_name("buffer name", name)
+        check_buffer_name(name)  # malformed KV names would never match a claim
+        if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
+            raise BadRequest(f"reserve: size of buffer {name!r} must be a non-negative int")
+        layout[name] = (offset, nbytes)
+        offset += -(-nbytes // BUFFER_ALIGN) * BUFFER_ALIGN
+    return layout, offset
+
+
+def _leaves_first(victims: list[StoredObject]) -> tuple[list[StoredObject], int]:
+    """Order victims so children go before parents; keep parents whose children stay.
+
+    Returns the ordered victims and how many were kept for having children outside the batch.
+    """
+    chosen = {o.serial: o for o in victims}
+    children_left = {o.serial: o.children for o in victims}
+    ready = [o for o in victims if o.children == 0]
+    ordered = []
+    while ready:
+        o = ready.pop()
+        ordered.append(o)
+        p = o.parent
+        if p is not None and p.serial in chosen:
+            children_left[p.serial] -= 1
+            if children_left[p.serial] == 0:
+                ready.append(p)
+    return ordered, len(victims) - len(ordered)
 
 
 def _check_name(what: str, value: str) -> str:

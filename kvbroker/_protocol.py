@@ -162,6 +162,37 @@ OPS: dict[str, Op] = {
         "{evicted: [ObjectInfo dict], bytes: int, skipped_leased: int}",
         "Free sealed objects matching every given filter; leased ones are skipped.",
     ),
+    "reserve_blocks": Op(
+        {
+            "namespace": _a(str, default="default"),
+            "blocks": _a(list, required=True),
+            "ttl": _a(*_OPT_NUM),
+        },
+        "{results: [{lease, buffers} | {exists: true}]} in the order of `blocks`",
+        "Write leases for many prefix blocks in one round trip. Each block is "
+        "{key, parent: key|null, buffers: {name: nbytes}, meta?}; a block already published "
+        "answers exists and costs no copy. A block is evicted only after its children.",
+    ),
+    "seal_many": Op(
+        {"leases": _a(list, required=True)},
+        "{sealed: int}",
+        "Seal several write leases in order (parents before children).",
+    ),
+    "match_prefix": Op(
+        {
+            "namespace": _a(str, default="default"),
+            "keys": _a(list, required=True),
+            "block_tokens": _a(int, default=0),
+            "ttl": _a(*_OPT_NUM),
+        },
+        "{matched: int, blocks: [{lease, meta, buffers}]}",
+        "Longest run of leading `keys` that are published, each under a read lease.",
+    ),
+    "release_many": Op(
+        {"leases": _a(list, required=True)},
+        "{}",
+        "End several read leases.",
+    ),
     "stat": Op({}, "Statistics dict", "One statistics snapshot."),
     "watch": Op(
         {"interval": _a(*_NUMBER, default=1.0)},

@@ -97,6 +97,10 @@ class Counters:
     expired_leases: int = 0
     requests: int = 0
     errors: int = 0
+    prefix_queries: int = 0
+    prefix_hit_blocks: int = 0
+    prefix_miss_blocks: int = 0
+    prefix_hit_tokens: int = 0
 
 
 @dataclass(frozen=True)
