@@ -68,7 +68,7 @@ async def test_snapshots_fill_pools_rates_and_tables():
         rates = app.history.latest
         assert rates.publish_gbps == pytest.approx(1.0)
         assert rates.claim_gbps == pytest.approx(2.0)
-        assert rates.hit_rate == pytest.approx(250 / 275)
+        assert rates.hit_rate == pytest.approx(250 / (250 + 50))  # step 2: 50 misses
         assert app.query_one(ClientsTable).keys_shown == ["1", "2"]
         transfers = app.query_one(TransfersTable)
         assert transfers.row_count == 6  # steps 0..2, a publish and a claim each

@@ -161,7 +161,6 @@ class ObjectsView(Vertical):
             self._status(
                 f"{len(objects)} objects{more}, {format_size(shown)}"
                 f"{'  matching ' + repr(self.pattern) if self.pattern else ''}"
-                f"   sorted by {self.table.sort_by}{' ▼' if self.table.descending else ''}"
             )
         finally:
             self._listing = False

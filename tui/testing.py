@@ -99,7 +99,7 @@ def make_object(key: str, nbytes: int, *, namespace: str = "default", age: float
 
 def make_snapshot(step: int = 0, *, interval: float = 1.0, pools: int = 1,
                   rings: Iterable[dict] = ()) -> Statistics:  # fmt: skip
-    """Snapshot number ``step`` of a steady, made-up workload: 1 GB/s in, 2 GB/s out.
+    """Snapshot number ``step`` of a made-up workload: claims move twice what publishes do.
 
     Everything follows from ``step``, so two runs draw the very same screen.
     """
@@ -137,9 +137,13 @@ def make_snapshot(step: int = 0, *, interval: float = 1.0, pools: int = 1,
         for k in range(3, -1, -1) if step - k >= 0
         for op, s in (("publish", 1), ("claim", 2))
     )  # fmt: skip
+    # Per-interval load rises and falls (0.5..1.25 GB in), so sparklines have a shape.
+    load = [0.5 + 0.25 * (k % 4) for k in range(1, step + 1)]
     counters = Counters(
-        publishes=125 * step, claims=250 * step, bytes_in=step * 10**9,
-        bytes_out=step * 2 * 10**9, hits=250 * step, misses=25 * step, evictions=3 * step,
+        publishes=sum(round(125 * x) for x in load), claims=sum(round(250 * x) for x in load),
+        bytes_in=round(sum(load) * 10**9), bytes_out=round(sum(load) * 2 * 10**9),
+        hits=250 * step, misses=sum(25 * (k % 3) for k in range(1, step + 1)),
+        evictions=sum(3 * (k % 3) for k in range(1, step + 1)),
         evicted_bytes=3 * step * 8 * mib, requests=1000 * step,
     )  # fmt: skip
     return Statistics(

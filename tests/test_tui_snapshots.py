@@ -1,0 +1,85 @@
+"""Screenshots of the monitor (pytest-textual-snapshot), fed fixed snapshots by a fake source.
+
+Regenerate after an intended change with ``--snapshot-update`` and look at the SVGs.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("pytest_textual_snapshot")
+
+from kvbroker.tui._app import MonitorApp  # noqa: E402
+from kvbroker.tui.testing import FakeSource, make_object, make_snapshot  # noqa: E402
+
+MIB = 1 << 20
+STEPS = 12  # enough history for the sparklines to show a shape
+
+
+def _app_with_history() -> tuple[MonitorApp, FakeSource]:
+    source = FakeSource([
+        make_object(f"llama/req-{i}", (i % 4 + 1) * 4 * MIB, age=60 - i * 5) for i in range(8)
+    ])  # fmt: skip
+    return MonitorApp(source), source
+
+
+async def _feed(pilot, source: FakeSource, app: MonitorApp) -> None:
+    source.feed(*(make_snapshot(step) for step in range(STEPS)))
+    for _ in range(250):
+        if app.snapshots_seen == STEPS:
+            break
+        await pilot.pause(0.02)
+    await pilot.pause()
+
+
+@pytest.mark.parametrize("size", [(100, 34), (160, 50)], ids=["100x34", "160x50"])
+def test_pools_tab(snap_compare, size):
+    app, source = _app_with_history()
+
+    async def run_before(pilot) -> None:
+        await _feed(pilot, source, app)
+
+    assert snap_compare(app, terminal_size=size, run_before=run_before)
+
+
+def test_clients_tab(snap_compare):
+    app, source = _app_with_history()
+
+    async def run_before(pilot) -> None:
+        await _feed(pilot, source, app)
+        await pilot.press("2")
+        await pilot.pause()
+
+    assert snap_compare(app, terminal_size=(120, 40), run_before=run_before)
+
+
+def test_objects_tab_sorted_by_size(snap_compare):
+    app, source = _app_with_history()
+
+    async def run_before(pilot) -> None:
+        await _feed(pilot, source, app)
+        await pilot.press("3")
+        for _ in range(100):
+            if app.query_one("#objects-table").row_count == 8:
+                break
+            await pilot.pause(0.02)
+        await pilot.press("s", "r")
+        await pilot.pause()
+
+    assert snap_compare(app, terminal_size=(120, 40), run_before=run_before)
+
+
+def test_disconnected(snap_compare):
+    app, source = _app_with_history()
+
+    async def run_before(pilot) -> None:
+        await _feed(pilot, source, app)
+        app.retry_delay = 3600  # stay on the first failed attempt for the picture
+        source.drop("the daemon closed the connection")
+        for _ in range(100):
+            if app.screen.has_class("-disconnected"):
+                break
+            await pilot.pause(0.02)
+        await pilot.pause()
+
+    assert snap_compare(app, terminal_size=(100, 34), run_before=run_before)
