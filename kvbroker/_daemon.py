@@ -318,6 +318,7 @@ class Daemon:
         self.notifier = notifier or Notifier()
         self._reload_config = reload_config
         self.draining = False
+        self._activated = False  # serving a socket systemd passed: its path is not ours to set
         self._force_stop: asyncio.Event | None = None
         self._metrics = None
 
@@ -512,7 +513,9 @@ class Daemon:
             # The socket unit decides where clients connect; report that path, lock next to it.
             log.info("socket activation: serving %s (not %s)", name, self.config.socket_path)
             self.config.socket_path = name
-        log.info("socket activation: using the socket passed by systemd")
+        else:
+            log.info("socket activation: serving %s", self.config.socket_path)
+        self._activated = True
         return sock
 
     def summary(self) -> str:
@@ -610,6 +613,8 @@ class Daemon:
         for f in fields(DaemonConfig):
             if f.name in _RELOADABLE or f.name == "config_path":
                 continue
+            if f.name == "socket_path" and self._activated:
+                continue  # kvbroker.socket decides the path, not the configuration
             if getattr(new, f.name) != getattr(old, f.name):
                 log.warning("reload: %s changed (%r -> %r) but needs a restart to take effect",
                             f.name, getattr(old, f.name), getattr(new, f.name))

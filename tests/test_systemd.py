@@ -191,6 +191,8 @@ def test_socket_activation_serves_on_the_passed_socket(tmp_path):
         assert snap.socket == sock_path
         assert snap.pools[0].capacity == 16 << 20
         assert not os.path.exists(tmp_path / "unused.sock")
+        proc.send_signal(signal.SIGHUP)  # the unit's path is not a configuration change
+        _wait_for(lambda: "reloaded" in (tmp_path / "daemon.log").read_text())
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(15) == 0
     finally:
@@ -198,7 +200,8 @@ def test_socket_activation_serves_on_the_passed_socket(tmp_path):
             proc.kill()
         log.close()
     text = (tmp_path / "daemon.log").read_text()
-    assert "socket activation" in text, text
+    assert f"socket activation: serving {sock_path}" in text, text
+    assert "socket_path changed" not in text, text
     # The socket file belongs to whoever passed it (systemd): the daemon leaves it alone.
     assert os.path.exists(sock_path)
 
