@@ -303,7 +303,7 @@ def main() -> None:
 
 @app.command()
 def bench(
-    scenario: str = typer.Argument("transfer", help="transfer or rpc."),
+    scenario: str = typer.Argument("transfer", help="transfer, rpc or prefix."),
     socket: Optional[str] = typer.Option(
         None, "--socket", "-s", help="Benchmark this daemon (default: start a private one)."
     ),
@@ -316,7 +316,7 @@ def bench(
 
     from kvbroker import _bench
 
-    if scenario not in ("transfer", "rpc"):
+    if scenario not in ("transfer", "rpc", "prefix"):
         raise typer.BadParameter(f"unknown scenario {scenario!r}", param_hint="SCENARIO")
     size_list = _bench.DEFAULT_SIZES
     if sizes:
@@ -330,6 +330,15 @@ def bench(
                     ("publish_claim_gbps", "pub+claim GB/s", ".2f"),
                     ("ratio_vs_memcpy", "x memcpy", ".2f"),
                     ("roundtrip_p50_us", "p50 us", ".1f"), ("roundtrip_p99_us", "p99 us", ".1f")]
+        elif scenario == "prefix":
+            rows = _bench.prefix(path)
+            cols = [("tokens", "tokens", "d"), ("blocks", "blocks", "d"),
+                    ("put_claim_p50_us", "put+claim p50 us", ".1f"),
+                    ("match_p50_us", "match p50 us", ".1f"),
+                    ("match_p99_us", "match p99 us", ".1f"),
+                    ("match_vs_put_claim", "x put+claim", ".2f"),
+                    ("hash_p50_us", "hash p50 us", ".1f"),
+                    ("load_gbps", "load GB/s", ".2f")]
         else:
             rows = _bench.rpc(path)
             cols = [("clients", "clients", "d"), ("ops_per_s", "ops/s", ".0f"),

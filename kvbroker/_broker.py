@@ -134,16 +134,21 @@ class StoredObject:
 
 
 class Lease:
-    __slots__ = ("id", "kind", "session", "obj", "ttl", "expires_at", "consume")
+    __slots__ = ("id", "kind", "session", "obj", "more", "ttl", "expires_at", "consume")
 
     def __init__(self, lid, kind, session, obj, ttl, expires_at, consume=False):
         self.id: int = lid
         self.kind: str = kind
         self.session: Session = session
         self.obj: StoredObject = obj
+        # A prefix match reads many blocks under one lease: the blocks after the first.
+        self.more: tuple[StoredObject, ...] = ()
         self.ttl: float = ttl
         self.expires_at: float = expires_at
         self.consume: bool = consume
+
+    def objects(self):
+        return (self.obj, *self.more) if self.more else (self.obj,)
 
 
 class Broker:
@@ -387,24 +392,43 @@ class Broker:
         ttl = self._ttl(ttl)
         if len(keys) > MAX_BUFFERS:
             raise BadRequest(f"match_prefix: at most {MAX_BUFFERS} keys per request")
-        blocks = []
+        objects = self.objects
+        found = []
         for key in keys:
-            obj = self.objects.get((namespace, key)) if isinstance(key, str) else None
+            obj = objects.get((namespace, key)) if key.__class__ is str else None
             if obj is None:
                 break
-            self._pin(obj)
-            lease = self._new_lease("read", session, obj, ttl)
-            blocks.append({"lease": lease.id, "meta": obj.meta,
-                           "buffers": _extents(obj, obj.buffers)})  # fmt: skip
-            self.counters["bytes_out"] += obj.nbytes
-            session.bytes_claimed += obj.nbytes
+            found.append(obj)
         c = self.counters
         c["prefix_queries"] += 1
-        c["prefix_hit_blocks"] += len(blocks)
-        c["prefix_miss_blocks"] += len(keys) - len(blocks)
-        c["prefix_hit_tokens"] += len(blocks) * block_tokens
-        c["hits" if blocks else "misses"] += 1
-        return {"ttl": ttl, "matched": len(blocks), "blocks": blocks}
+        c["prefix_hit_blocks"] += len(found)
+        c["prefix_miss_blocks"] += len(keys) - len(found)
+        c["prefix_hit_tokens"] += len(found) * block_tokens
+        c["hits" if found else "misses"] += 1
+        if not found:
+            return {"ttl": ttl, "matched": 0, "lease": None, "names": [], "blocks": []}
+        for obj in found:
+            self._pin(obj)
+        lease = self._new_lease("read", session, found[0], ttl)
+        lease.more = tuple(found[1:])
+        # Compact reply: blocks share their buffer names, so each block is one flat list
+        # [pool, offset, nbytes, offset, nbytes, ...] in the order of `names`.
+        names = list(found[0].buffers)
+        blocks = []
+        nbytes = 0
+        for obj in found:
+            if list(obj.buffers) != names:
+                blocks.append(_extents(obj, obj.buffers))  # a block shaped differently
+            else:
+                flat = [obj.pool.index]
+                for off, n in obj.buffers.values():
+                    flat += (off, n)
+                blocks.append(flat)
+            nbytes += obj.nbytes
+        c["bytes_out"] += nbytes
+        session.bytes_claimed += nbytes
+        return {"ttl": ttl, "matched": len(found), "lease": lease.id, "names": names,
+                "blocks": blocks, "metas": [found[0].meta]}  # fmt: skip
 
     def _op_renew(self, session, leases, ttl) -> dict:
         out = []
@@ -552,7 +576,8 @@ class Broker:
             })  # fmt: skip
         leases = [
             {"lease": ls.id, "kind": ls.kind, "session": ls.session.id,
-             "namespace": ls.obj.namespace, "key": ls.obj.key, "nbytes": ls.obj.nbytes,
+             "namespace": ls.obj.namespace, "key": ls.obj.key,
+             "nbytes": sum(o.nbytes for o in ls.objects()),
              "expires_in": ls.expires_at - now}
             for ls in list(self.leases.values())[-_MAX_REPORTED_LEASES:]
         ]  # fmt: skip
@@ -577,9 +602,12 @@ class Broker:
     def _pinned_objects(self):
         seen = set()
         for ls in self.leases.values():
-            if ls.kind == "read" and ls.obj.serial not in seen:
-                seen.add(ls.obj.serial)
-                yield ls.obj
+            if ls.kind != "read":
+                continue
+            for obj in ls.objects():
+                if obj.serial not in seen:
+                    seen.add(obj.serial)
+                    yield obj
 
     def _occupancy(self, pool: HostPool, cells: int) -> str:
         npages = pool.allocator.capacity
@@ -649,17 +677,17 @@ class Broker:
 
     def _end_read(self, ls: Lease, reason: str, consume: bool) -> None:
         self._end_lease(ls, reason)
-        obj = ls.obj
-        obj.readers -= 1
-        if consume and obj.linked:
-            obj.consumers -= 1
-        if consume and obj.linked and obj.consumers <= 0:
-            self._unlink(obj)  # frees now, or when the last other reader leaves
-        elif obj.linked:
-            if obj.readers == 0 and obj.children == 0:
-                self._lru[obj.serial] = obj  # most recently used
-        elif obj.readers == 0:
-            self._free_object(obj)  # unlinked earlier; the last reader just left
+        for obj in reversed(ls.objects()):  # leaves first, for chains
+            obj.readers -= 1
+            if consume and obj.linked:
+                obj.consumers -= 1
+            if consume and obj.linked and obj.consumers <= 0:
+                self._unlink(obj)  # frees now, or when the last other reader leaves
+            elif obj.linked:
+                if obj.readers == 0 and obj.children == 0:
+                    self._lru[obj.serial] = obj  # most recently used
+            elif obj.readers == 0:
+                self._free_object(obj)  # unlinked earlier; the last reader just left
 
     def _pin(self, obj: StoredObject) -> None:
         obj.readers += 1

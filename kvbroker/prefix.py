@@ -9,8 +9,8 @@ Ownership
 ---------
 - :meth:`PrefixCache.publish` reserves every missing block in one round trip, copies each
   byte once, and seals them in a second; blocks already published cost no copy.
-- :meth:`PrefixCache.match` returns a :class:`PrefixMatch` holding one read lease per matched
-  block (one round trip for all of them). Its views stay valid until ``release`` (the end of
+- :meth:`PrefixCache.match` returns a :class:`PrefixMatch`: one read lease covering every
+  matched block (one round trip for all of them). Its views stay valid until ``release`` (the end of
   the ``with`` block): copy what you need into your own cache first. While held, the blocks
   are never evicted — many DP ranks may hold the same blocks at once.
 - The broker evicts a chain from its leaf: a block goes only after every block that extends it.
@@ -23,7 +23,8 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from ._client import Client, WriteLease, _Lease, copy_into, nbytes_of
+from ._client import Client, WriteLease, _np, copy_into, nbytes_of
+from .errors import KVBrokerError
 
 __all__ = ["PrefixCache", "PrefixMatch", "block_hashes"]
 
@@ -46,55 +47,102 @@ def block_hashes(
     prev = seed.digest()
     out = []
     n_full = len(token_ids) // block_size
+    # Tokens as little-endian int64, converted once: per-token Python would dominate.
+    raw = memoryview(_token_bytes(token_ids[: n_full * block_size]))
+    step = 8 * block_size
+    blake2b = hashlib.blake2b
     for b in range(n_full):
-        block = token_ids[b * block_size : (b + 1) * block_size]
-        h = hashlib.blake2b(prev, digest_size=_DIGEST)
-        h.update(b"".join(int(t).to_bytes(8, "little", signed=True) for t in block))
+        h = blake2b(prev, digest_size=_DIGEST)
+        h.update(raw[b * step : (b + 1) * step])
         prev = h.digest()
         out.append(prev.hex())
     return out
 
 
-class _BlockLease(_Lease):
-    pass
+def _token_bytes(token_ids: Sequence[int]) -> bytes:
+    import numpy as np
+
+    return np.asarray(token_ids, dtype="<i8").tobytes()
+
+
+class MatchedBlock:
+    """Read-only views of one matched block, valid while its :class:`PrefixMatch` is held."""
+
+    __slots__ = ("_match", "_extents")
+
+    def __init__(self, match: PrefixMatch, extents: dict[str, tuple[int, int, int]]) -> None:
+        self._match = match
+        self._extents = extents
+
+    def __getitem__(self, name: str):
+        if self._match.released:
+            raise KVBrokerError("the prefix match was released; its views are gone")
+        pool, offset, nbytes = self._extents[name]
+        view = _np().frombuffer(self._match.client._mapping(pool).mm, dtype="uint8",
+                                count=nbytes, offset=offset)  # fmt: skip
+        view.flags.writeable = False
+        return view
+
+    def __iter__(self):
+        return iter(self._extents)
+
+    def keys(self):
+        return self._extents.keys()
 
 
 class PrefixMatch:
-    """Read leases on the longest published prefix; release them when copied."""
+    """One read lease on the longest published prefix; release it once copied."""
 
-    def __init__(self, client: Client, namespace: str, reply: dict, block_size: int,
-                 asked_at: float) -> None:  # fmt: skip
+    def __init__(self, client: Client, reply: dict, block_size: int, asked_at: float) -> None:
         self.client = client
         self.block_size = block_size
-        ttl = reply["ttl"]
-        self.blocks: list[_BlockLease] = [
-            _BlockLease(client, namespace, "", {"lease": b["lease"], "ttl": ttl,
-                                                "buffers": b["buffers"]}, asked_at)
-            for b in reply["blocks"]
-        ]  # fmt: skip
-        self.metas = [b.get("meta") for b in reply["blocks"]]
-        self._safe_until = asked_at + 0.9 * ttl
-        self.released = not self.blocks
+        self.lease: int | None = reply["lease"]
+        self.ttl: float = reply["ttl"]
+        self.meta: dict | None = (reply.get("metas") or [None])[0]
+        names = reply["names"]
+        self._raw = reply["blocks"]
+        self._names = names
+        self._blocks: list[MatchedBlock] | None = None
+        self._safe_until = asked_at + 0.9 * self.ttl
+        self.released = self.lease is None
+
+    @property
+    def blocks(self) -> list[MatchedBlock]:
+        if self._blocks is None:  # built on first use: a caller may only want the count
+            out = []
+            for raw in self._raw:
+                if isinstance(raw, dict):
+                    ext = {n: tuple(e) for n, e in raw.items()}
+                else:
+                    pool = raw[0]
+                    ext = {n: (pool, raw[1 + 2 * i], raw[2 + 2 * i])
+                           for i, n in enumerate(self._names)}  # fmt: skip
+                out.append(MatchedBlock(self, ext))
+            self._blocks = out
+        return self._blocks
 
     @property
     def num_blocks(self) -> int:
-        return len(self.blocks)
+        return len(self._raw)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.blocks) * self.block_size
+        return len(self._raw) * self.block_size
+
+    def renew(self, ttl: float | None = None) -> None:
+        if self.lease is not None:
+            asked_at = time.monotonic()
+            ((_, granted),) = self.client._call("renew", leases=[self.lease], ttl=ttl)["expires_in"]
+            self._safe_until = asked_at + 0.9 * granted
 
     def release(self) -> None:
         if self.released:
             return
         self.released = True
-        ids = [b.id for b in self.blocks]
-        for b in self.blocks:
-            b._drop_views()
         if time.monotonic() < self._safe_until:
-            self.client._session.send_only("release_many", leases=ids)
+            self.client._session.send_only("release", lease=self.lease)
         else:
-            self.client._call("release_many", leases=ids)
+            self.client._call("release", lease=self.lease)
 
     def __enter__(self) -> PrefixMatch:
         return self
@@ -179,15 +227,24 @@ class PrefixCache:
             self.client._call("seal_many", leases=leases)
         return len(leases)
 
-    def match(self, token_ids: Sequence[int], *, ttl: float | None = None) -> PrefixMatch:
-        """Read leases on the longest run of leading blocks the node holds.
+    def match(
+        self,
+        token_ids: Sequence[int],
+        *,
+        hashes: list[str] | None = None,
+        ttl: float | None = None,
+    ) -> PrefixMatch:
+        """One read lease on the longest run of leading blocks the node holds.
 
         Never more than ``len(token_ids) - 1`` tokens: the engine must prefill at least one
-        token to get logits.
+        token to get logits. ``hashes``: this prompt's block hashes if the engine already
+        computed them (e.g. when the request arrived).
         """
         usable = max(0, len(token_ids) - 1) // self.block_size
-        keys = self.hashes(token_ids[: usable * self.block_size])
+        if hashes is None:
+            hashes = self.hashes(token_ids[: usable * self.block_size])
+        keys = hashes[:usable]
         asked_at = time.monotonic()
         reply = self.client._call("match_prefix", namespace=self.namespace, keys=keys,
                                   block_tokens=self.block_size, ttl=ttl)  # fmt: skip
-        return PrefixMatch(self.client, self.namespace, reply, self.block_size, asked_at)
+        return PrefixMatch(self.client, reply, self.block_size, asked_at)
