@@ -268,16 +268,17 @@ def _gather(src, ids, num_tokens: int, dst) -> int:
     return ops
 
 
-def _scatter(src, dst, ids, num_tokens: int, dst_head: int) -> int:
+def _scatter(src, dst, ids, full_index, num_tokens: int, dst_head: int) -> int:
     """Write ``src [head, token, dim]`` into heads ``dst_head..`` of blocks ``ids`` of ``dst
-    [block, token, head, dim]``, with no temporary. Returns the copy operations (at most 2)."""
+    [block, token, head, dim]``, with no temporary. ``full_index``: ``_as_index`` of the
+    blocks filled completely. Returns the copy operations (at most 2)."""
     slots, ops = dst.shape[1], 0
     full, tail = divmod(num_tokens, slots)
     heads, _, dim = src.shape
     h = slice(dst_head, dst_head + heads)
     if full:
         val = _split_view(src[:, : full * slots], (heads, full, slots, dim)).transpose(1, 2, 0, 3)
-        dst[_as_index(ids[:full]), :, h, :] = val
+        dst[full_index, :, h, :] = val
         ops += 1
     if tail:
         dst[ids[full], :tail, h, :] = src[:, full * slots :].transpose(1, 0, 2)
@@ -494,6 +495,7 @@ def claim_shards(
             raise LayoutMismatch(f"layout mismatch on num_tokens: published {total}, "
                                  f"local {num_tokens}")  # fmt: skip
         ids = _block_index(block_ids, total, cache.block_size, cache.num_blocks)
+        full_index = _as_index(ids[: total // cache.block_size])
         names = _buffer_names(cache, infix)
         int_dtype = cache._canonical[0].dtype
         for piece in plan:
@@ -510,8 +512,8 @@ def claim_shards(
                     for offset, nbytes in runs:
                         src = _split_view(buf[offset : offset + nbytes].view(int_dtype),
                                           (piece.count, total, cache.head_dim))  # fmt: skip
-                        result.copy_ops += _scatter(src, cache.component(layer, c), ids, total,
-                                                    piece.dst_head)  # fmt: skip
+                        result.copy_ops += _scatter(src, cache.component(layer, c), ids, full_index,
+                                                    total, piece.dst_head)  # fmt: skip
                         result.source_runs += 1
                         result.nbytes += nbytes
         result.num_tokens = total
