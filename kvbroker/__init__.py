@@ -60,3 +60,10 @@ __all__ = [
     "InternalError",
     "__version__",
 ]
+
+# KV layouts and heterogeneous tensor parallelism (kvbroker.layout, kvbroker.kv); no torch import.
+from .kv import ClaimResult, PagedKV, PublishResult, claim_shards, publish_shard, shard_key  # noqa: E402
+from .layout import Layout  # noqa: E402
+
+__all__ += ["Layout", "PagedKV", "PublishResult", "ClaimResult", "publish_shard", "claim_shards",
+            "shard_key"]  # fmt: skip
