@@ -39,6 +39,8 @@ from .errors import KVBrokerError
 __all__ = ["gather", "scatter", "triton_available", "select_backend"]
 
 _INT_BY_WIDTH = {1: "int8", 2: "int16", 4: "int32", 8: "int64"}
+TILE_BYTES = 16384  # bytes one Triton program moves per (layer, kv, head) tile
+NUM_WARPS = 4
 
 
 @lru_cache(maxsize=1)
@@ -187,8 +189,9 @@ def _run(cache, staging, block_table, num_tokens, head_start, backend, to_stagin
     layers, kv, heads, _, dim = s.shape
     table = block_table[: -(-num_tokens // page)].to(device=cache.device, dtype=torch.int32)
     block_d = triton.next_power_of_2(dim)
-    # about 16 KiB per tile: enough bytes in flight per program, few programs per run
-    block_t = max(1, min(256, triton.next_power_of_2(max(1, (16384 // width) // block_d))))
+    # about TILE_BYTES per tile: enough bytes in flight per program, few programs per run
+    tile = max(1, (TILE_BYTES // width) // block_d)
+    block_t = max(1, min(1024, triton.next_power_of_2(tile)))
     block_t = min(block_t, triton.next_power_of_2(num_tokens))
     grid = (layers * kv * heads, triton.cdiv(num_tokens, block_t))
     kernel[grid](
@@ -196,7 +199,7 @@ def _run(cache, staging, block_table, num_tokens, head_start, backend, to_stagin
         c.stride(0), c.stride(1), c.stride(2), c.stride(3), c.stride(4),
         s.stride(0), s.stride(1), s.stride(2), s.stride(3),
         kv=kv, dim=dim, block_t=block_t, block_d=block_d, to_staging=to_staging,
-        num_warps=4,
+        num_warps=NUM_WARPS,
     )  # fmt: skip
 
 
