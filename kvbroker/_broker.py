@@ -735,6 +735,12 @@ class Broker:
         pool.allocator.free_extent(start, npages)
 
     def _allocate(self, nbytes: int) -> tuple[HostPool, int, int]:
+        if len(self.pools) == 1:  # the common case, on the hot path of every publish
+            pool = self.pools[0]
+            npages = -(-nbytes // pool.page_size)
+            start = pool.allocator.alloc(npages) if nbytes <= pool.size else None
+            if start is not None:
+                return pool, start, npages
         fits = [p for p in self.pools if nbytes <= p.size]
         if not fits:
             biggest = max(p.size for p in self.pools)
