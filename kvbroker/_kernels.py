@@ -181,6 +181,8 @@ def _run(cache, staging, block_table, num_tokens, head_start, backend, to_stagin
     if found is None:
         raise KVBrokerError("backend 'triton' asked for, but triton is not importable")
     triton, kernel = found
+    if not (cache.is_cuda or _interpret()):
+        raise KVBrokerError("backend 'triton' needs CUDA tensors (or TRITON_INTERPRET=1 on CPU)")
     import torch
 
     width = _width([cache, staging], cache.shape[-1])
