@@ -8,6 +8,7 @@ from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical
+from textual.css.query import NoMatches
 from textual.widgets import Input, Label
 
 from kvbroker._paths import format_size
@@ -155,7 +156,10 @@ class ObjectsView(Vertical):
         except KVBrokerError as exc:
             self._status(f"cannot list objects: {exc}")
         else:
-            self.table.show(objects, self.now)
+            try:
+                self.table.show(objects, self.now)
+            except NoMatches:
+                return  # the app shut down while the list was on its way
             more = f" (first {LIST_LIMIT})" if len(objects) >= LIST_LIMIT else ""
             shown = sum(o.nbytes for o in objects)
             self._status(
@@ -200,4 +204,7 @@ class ObjectsView(Vertical):
         self.refresh_objects()
 
     def _status(self, text: str) -> None:
-        self.query_one("#objects-status", Label).update(Text(text))
+        try:
+            self.query_one("#objects-status", Label).update(Text(text))
+        except NoMatches:
+            pass  # the view is being torn down
