@@ -19,7 +19,6 @@ Ownership, from the client's side
 from __future__ import annotations
 
 import sys
-import threading
 import time
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -28,34 +27,15 @@ from ._framing import MessageStream
 from ._paths import default_socket_path
 from ._pool import PoolMapping
 from ._session import Session
+from ._shared import PerProcess
 from ._stats import ObjectInfo, Statistics
 from ._transport import UnixTransport
 from .errors import Exists, KVBrokerError
 
 __all__ = ["Client", "WriteLease", "ReadLease", "EvictResult"]
 
-_maps_lock = threading.Lock()
-_process_maps: dict[str, list] = {}  # segment name -> [PoolMapping, refcount]
-
-
-def _acquire_mapping(index: int, name: str, size: int) -> PoolMapping:
-    with _maps_lock:
-        entry = _process_maps.get(name)
-        if entry is None:
-            entry = _process_maps[name] = [PoolMapping(index, name, size), 0]
-        entry[1] += 1
-        return entry[0]
-
-
-def _release_mapping(name: str) -> None:
-    with _maps_lock:
-        entry = _process_maps.get(name)
-        if entry is None:
-            return
-        entry[1] -= 1
-        if entry[1] <= 0:
-            del _process_maps[name]
-            entry[0].close()
+# segment name -> this process's one mapping of it
+_process_maps: PerProcess[PoolMapping] = PerProcess(PoolMapping.close)
 
 
 def _np():
@@ -285,7 +265,9 @@ class Client:
         m = self._maps.get(index)
         if m is None:
             p = self.pools[index]
-            m = self._maps[index] = _acquire_mapping(index, p["name"], p["size"])
+            m = self._maps[index] = _process_maps.acquire(
+                p["name"], lambda: PoolMapping(index, p["name"], p["size"])
+            )
         return m
 
     def close(self) -> None:
@@ -294,7 +276,7 @@ class Client:
         self._closed = True
         self._session.close()  # the daemon ends every lease of this connection
         for m in self._maps.values():
-            _release_mapping(m.name)
+            _process_maps.release(m.name)
         self._maps.clear()
 
     def __enter__(self) -> Client:

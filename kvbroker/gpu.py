@@ -30,19 +30,19 @@ saying so.
 from __future__ import annotations
 
 import ctypes
-import threading
 from collections.abc import Mapping
 from typing import Any
 
 from ._client import Client, _Lease
+from ._shared import PerProcess
 from .errors import Exists, KVBrokerError
 
 __all__ = ["GpuClient", "host_tensors", "cuda_available", "registered_segments"]
 
 _CUDA_HOST_REGISTER_PORTABLE = 1  # pinned for every CUDA context, not only the current one
 
-_reg_lock = threading.Lock()
-_registered: dict[str, list] = {}  # segment name -> [address, size, refcount]
+# segment name -> (address, size) of this process's one registration of its mapping
+_registered: PerProcess[tuple[int, int]] = PerProcess(lambda reg: _unregister_address(*reg))
 
 
 def cuda_available() -> bool:
@@ -84,32 +84,25 @@ def _cuda_check(torch, code, what: str) -> None:
 
 
 def _register(torch, name: str, mm, size: int) -> None:
-    with _reg_lock:
-        entry = _registered.get(name)
-        if entry is None:
-            addr = _address(mm)
-            err = torch.cuda.cudart().cudaHostRegister(addr, size, _CUDA_HOST_REGISTER_PORTABLE)
-            _cuda_check(torch, err, f"cudaHostRegister of pool {name} ({size} bytes)")
-            entry = _registered[name] = [addr, size, 0]
-        entry[2] += 1
+    def register() -> tuple[int, int]:
+        addr = _address(mm)
+        err = torch.cuda.cudart().cudaHostRegister(addr, size, _CUDA_HOST_REGISTER_PORTABLE)
+        _cuda_check(torch, err, f"cudaHostRegister of pool {name} ({size} bytes)")
+        return addr, size
+
+    _registered.acquire(name, register)
 
 
-def _unregister(torch, name: str) -> None:
-    with _reg_lock:
-        entry = _registered.get(name)
-        if entry is None:
-            return
-        entry[2] -= 1
-        if entry[2] <= 0:
-            del _registered[name]
-            _cuda_check(torch, torch.cuda.cudart().cudaHostUnregister(entry[0]),
-                        f"cudaHostUnregister of pool {name}")  # fmt: skip
+def _unregister_address(addr: int, size: int) -> None:
+    import torch
+
+    _cuda_check(torch, torch.cuda.cudart().cudaHostUnregister(addr),
+                f"cudaHostUnregister of {size} bytes at {addr:#x}")  # fmt: skip
 
 
 def registered_segments() -> dict[str, int]:
     """``{segment name: number of GpuClients holding its registration}`` in this process."""
-    with _reg_lock:
-        return {name: e[2] for name, e in _registered.items()}
+    return _registered.holders()
 
 
 def host_tensors(lease: _Lease) -> dict[str, Any]:
@@ -184,7 +177,7 @@ class GpuClient:
             self.stream.synchronize()
         names, self._names = self._names, []
         for name in names:
-            _unregister(self._torch, name)
+            _registered.release(name)
         if self._own:
             self.client.close()
 

@@ -342,5 +342,5 @@ def test_pool_mapped_once_per_process(daemon):
     with daemon.client() as a, daemon.client() as b:
         name = a.pools[0]["name"]
         assert a._mapping(0) is b._mapping(0)
-        assert _client._process_maps[name][1] == 2
-    assert name not in _client._process_maps
+        assert _client._process_maps.holders()[name] == 2
+    assert name not in _client._process_maps.holders()
