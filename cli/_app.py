@@ -112,6 +112,18 @@ def serve(
         None, help="Serve Prometheus metrics on HOST:PORT (a bare PORT means loopback).",
         show_default="off",
     ),  # fmt: skip
+    gpu_ring: Optional[str] = typer.Option(
+        None, help="Allocate a GPU staging ring of this size on each visible GPU, shared "
+        "with clients through CUDA IPC (e.g. 1G).", show_default="off",
+    ),  # fmt: skip
+    keep_pools_on_exit: Optional[bool] = typer.Option(
+        None, "--keep-pools-on-exit/--drop-pools-on-exit",
+        help="On a clean stop, keep the pools and their index for the next daemon "
+        "(after a crash the next daemon always adopts them).", show_default="drop",
+    ),  # fmt: skip
+    cold: bool = typer.Option(
+        False, "--cold", help="Start empty: drop the pools and objects a previous daemon left."
+    ),
 ) -> None:
     """Run the broker daemon in the foreground (as systemd's kvbroker.service does).
 
@@ -130,6 +142,7 @@ def serve(
         "lease_ttl": lease_ttl, "high_watermark": high_watermark,
         "low_watermark": low_watermark, "group": group, "log_level": log_level,
         "drain_timeout": drain_timeout, "max_connections": max_connections, "metrics": metrics,
+        "gpu_ring": gpu_ring,
     }  # fmt: skip
     reload_config = functools.partial(load_config, config, flags=flags)
     try:
@@ -197,6 +210,17 @@ def _render_stat(s) -> str:
             f"{format_size(p.free):>12}{format_size(p.leased_read + p.leased_write):>12}"
             f"{p.objects:>9}{p.fragmentation:>7.1%}"
         )
+    if s.rings:
+        lines += ["", f"{'RING':<5}{'CAPACITY':>12}{'USED':>12}{'FREE':>12}{'LEASED':>12}"
+                      f"{'OBJECTS':>9}  DEVICE"]  # fmt: skip
+        for i, r in enumerate(s.rings):
+            cap, used = int(r.get("capacity", 0)), int(r.get("used", 0))
+            leased = int(r.get("leased_read", 0)) + int(r.get("leased_write", 0))
+            lines.append(
+                f"{r.get('index', i):<5}{format_size(cap):>12}{format_size(used):>12}"
+                f"{format_size(int(r.get('free', cap - used))):>12}{format_size(leased):>12}"
+                f"{int(r.get('objects', 0)):>9}  {r.get('device', '')} {r.get('name', '')}"
+            )
     lines += [
         "",
         f"publishes {c.publishes}  claims {c.claims}  in {format_size(c.bytes_in)}  "

@@ -197,6 +197,8 @@ class Broker:
         self.transfers: deque[dict[str, Any]] = deque(maxlen=64)
         # Called with (namespace, key) after each seal; the daemon wakes waiting claims.
         self.on_sealed: Callable[[tuple[str, str]], None] | None = None
+        # GPU staging rings (kvbroker._gpu_ring.RingService) when serving with --gpu-ring.
+        self.rings: Any = None
 
     # ------------------------------------------------------------------ sessions
     def open_session(self, pid: int = 0, uid: int = -1, gid: int = -1) -> Session:
@@ -215,6 +217,8 @@ class Broker:
         for pool, start, npages in session.quarantine:
             self._free_extent(pool, start, npages)
         session.quarantine.clear()
+        if self.rings is not None:
+            self.rings.close_session(session)
         self.sessions.pop(session.id, None)
 
     # ------------------------------------------------------------------ dispatch
@@ -224,6 +228,10 @@ class Broker:
         args = validate_args(op, raw_args)
         if op != "hello" and not session.greeted:
             raise ProtocolError("the first request on a connection must be hello")
+        if op.startswith("ring"):
+            if self.rings is None:
+                raise BadRequest(f"{op}: this daemon has no GPU rings (serve --gpu-ring SIZE)")
+            return self.rings.handle(session, op, args)
         return getattr(self, "_op_" + op)(session, **args)
 
     def _op_hello(self, session: Session, version: int, name: str, role: str) -> dict:
@@ -597,6 +605,7 @@ class Broker:
             "counters": dict(self.counters),
             "leases": leases,
             "transfers": list(self.transfers),
+            "rings": self.rings.snapshot(occupancy_cells) if self.rings is not None else [],
         }
 
     def _pinned_objects(self):

@@ -44,6 +44,16 @@ def _size(value: Any) -> int:
     return n
 
 
+def _gpu_ring(value: Any) -> int | None:
+    """Bytes of GPU staging ring per GPU; 0, "off" or "" turn rings off."""
+    if value in (0, "0", "", "off"):
+        return None
+    n = _size(value)
+    if n < 1 << 20:
+        raise ValueError(f"a GPU ring needs at least 1M, got {value!r}")
+    return n
+
+
 def _page_size(value: Any) -> int:
     n = _size(value)
     if n < 4096 or n & (n - 1):
@@ -173,6 +183,7 @@ KEYS: dict[str, Key] = {
     "busy_poll": Key(_duration, "busy_poll", "keep polling this long after a request"),
     "drain_timeout": Key(_duration, "drain_timeout", "SIGTERM waits this long for leases"),
     "metrics": Key(parse_listen_address, "metrics", "HOST:PORT for Prometheus, off if empty"),
+    "gpu_ring": Key(_gpu_ring, "gpu_ring", "GPU staging ring per visible GPU, e.g. 1G; off"),
 }
 
 

@@ -41,7 +41,7 @@ _EXPIRY_TICK = 0.1
 _READ_SIZE = 64 * 1024
 _STATUS_PERIOD = 5.0  # seconds between STATUS= updates to systemd
 # Refused while draining: a daemon on its way out hands out no new leases.
-_LEASE_TAKING_OPS = frozenset({"reserve", "claim", "match"})
+_LEASE_TAKING_OPS = frozenset({"reserve", "claim", "match", "ring_reserve", "ring_claim"})
 # What SIGHUP can change in a running daemon; everything else needs a restart.
 _RELOADABLE = ("lease_ttl", "high_watermark", "low_watermark", "log_level", "drain_timeout",
                "max_connections", "busy_poll")
@@ -69,6 +69,9 @@ class DaemonConfig:
     drain_timeout: float = 10.0
     log_level: str = "info"
     metrics: tuple[str, int] | None = None  # (host, port) of the Prometheus endpoint
+    # Bytes of GPU staging ring per visible GPU (kvbroker._gpu_ring); None: no rings, and
+    # the daemon never loads the CUDA driver.
+    gpu_ring: int | None = None
     config_path: str | None = None  # the file this came from, re-read on SIGHUP
 
     def resolved_pool_size(self) -> int:
@@ -395,6 +398,19 @@ class Daemon:
                 HostPool(i, f"{prefix}.{i}", size, cfg.page_size, mode=mode, gid=cfg.group)
             )
 
+    def _open_rings(self) -> None:
+        from ._gpu_ring import RingService, open_backend
+
+        backend = open_backend()
+        rings = RingService(backend, self.config.gpu_ring, object_ttl=self.config.lease_ttl,
+                            on_sealed=self._on_sealed)  # fmt: skip
+        self.broker.rings = rings
+        if not rings.rings:
+            log.warning("--gpu-ring: no GPU is visible; serving without GPU rings")
+        for r in rings.rings:
+            log.info("GPU ring %d: %s on %s (%s)", r.index, format_size(rings.size), r.bus_id,
+                     r.name)  # fmt: skip
+
     def note_activity(self) -> None:
         if self.config.busy_poll <= 0:
             return
@@ -459,6 +475,8 @@ class Daemon:
                 socket_path=self.config.socket_path,
             )
             self.broker.on_sealed = self._on_sealed
+            if self.config.gpu_ring:
+                self._open_rings()
             if self._lock_fd is not None:
                 self._write_lock_record()
             sock = listen_socket if listen_socket is not None else self._bind()
@@ -644,6 +662,9 @@ class Daemon:
             conn.connection_lost(None)
         if self._server is not None:
             await self._server.wait_closed()
+        if self.broker is not None and self.broker.rings is not None:
+            self.broker.rings.close()  # every connection is gone: no lease holds a region
+            self.broker.rings = None
         for pool in self.pools:
             pool.unlink()
         if self._owns_socket_file:

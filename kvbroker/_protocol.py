@@ -193,6 +193,48 @@ OPS: dict[str, Op] = {
         "{}",
         "End several read leases.",
     ),
+    # GPU staging rings (kvbroker._gpu_ring); a daemon without --gpu-ring answers bad_request.
+    "rings": Op(
+        {},
+        "{rings: [{index, device: PCI bus id, name, capacity, align, handle: 64-byte CUDA IPC "
+        "handle}]}",
+        "The daemon's GPU staging rings, one per GPU, and the handles to map them.",
+    ),
+    "ring_reserve": Op(
+        {
+            "device": _a(int, required=True),
+            "nbytes": _a(int, required=True),
+            "namespace": _a(str, default="default"),
+            "key": _a(*_OPT_STR),
+            "meta": _a(dict, type(None)),
+            "ttl": _a(*_OPT_NUM),
+        },
+        "{lease, device, offset, nbytes, kind: 'scratch' | 'write'}",
+        "A region of ring `device`, bound to this connection: scratch staging (no key), or "
+        "a ring-located object to publish under `key` (seal it; `ttl`: how long it waits "
+        "for a claimer once sealed). A full ring answers pool_full at once.",
+    ),
+    "ring_seal": Op(
+        {"lease": _a(int, required=True)},
+        "{namespace, key, nbytes}",
+        "Make a written ring object visible; the object now owns its region.",
+    ),
+    "ring_claim": Op(
+        {
+            "namespace": _a(str, default="default"),
+            "key": _a(str, required=True),
+            "consume": _a(bool, default=True),
+            "wait": _a(*_OPT_NUM),
+        },
+        "{lease, device, offset, nbytes, meta}",
+        "Read lease on a sealed ring object (`consume`: one-shot, freed once released); "
+        "`wait` seconds for it to be sealed.",
+    ),
+    "ring_release": Op(
+        {"lease": _a(int, required=True)},
+        "{}",
+        "End a ring lease: frees a scratch region, discards an unsealed object, ends a read.",
+    ),
     "stat": Op({}, "Statistics dict", "One statistics snapshot."),
     "watch": Op(
         {"interval": _a(*_NUMBER, default=1.0)},

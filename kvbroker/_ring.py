@@ -107,6 +107,23 @@ class RingAllocator:
         with self._cond:
             return sum(r.size for r in self._live)
 
+    @property
+    def largest_free(self) -> int:
+        """The largest request that would be granted now without waiting."""
+        with self._cond:
+            if not self._live:
+                return self.size
+            tail = self._live[0].offset
+            if self._live[-1].offset < tail:  # wrapped: only the gap up to the oldest region
+                return tail - self._head
+            return max(self.size - self._head, tail)
+
+    def held(self) -> list[Region]:
+        """Every region not yet reusable, in allocation order (freed ones behind the frontier
+        included: their ``freed`` is True)."""
+        with self._cond:
+            return list(self._live)
+
     def live(self) -> list[Region]:
         with self._cond:
             return [r for r in self._live if not r.freed]
