@@ -325,48 +325,7 @@ def main() -> None:
     app()
 
 
-@app.command()
-def bench(
-    scenario: str = typer.Argument("transfer", help="transfer, rpc or prefix."),
-    socket: Optional[str] = typer.Option(
-        None, "--socket", "-s", help="Benchmark this daemon (default: start a private one)."
-    ),
-    sizes: Optional[str] = typer.Option(None, help="Comma-separated sizes, e.g. 256K,4M,32M."),
-    json_out: Optional[str] = typer.Option(None, help="Write the results here as JSON."),
-    pool_size: str = typer.Option("1G", help="Pool size of the private daemon."),
-) -> None:
-    """Measure kvbroker against this machine's limits (ratios measured in the same run)."""
-    import contextlib
+# `kvbroker bench SCENARIO ...`: one subcommand per scenario (cli/_bench.py).
+from kvbroker.cli._bench import bench_app  # noqa: E402  (typer only; scenarios load lazily)
 
-    from kvbroker import _bench
-
-    if scenario not in ("transfer", "rpc", "prefix"):
-        raise typer.BadParameter(f"unknown scenario {scenario!r}", param_hint="SCENARIO")
-    size_list = _bench.DEFAULT_SIZES
-    if sizes:
-        size_list = tuple(_size(s.strip(), "--sizes") for s in sizes.split(","))
-    daemon = contextlib.nullcontext(socket) if socket else _bench.spawned_daemon(pool_size)
-    with daemon as path:
-        if scenario == "transfer":
-            rows = _bench.transfer(path, size_list)
-            cols = [("size", "size", "size"), ("memcpy_gbps", "memcpy GB/s", ".2f"),
-                    ("publish_gbps", "publish GB/s", ".2f"), ("claim_gbps", "claim GB/s", ".2f"),
-                    ("publish_claim_gbps", "pub+claim GB/s", ".2f"),
-                    ("ratio_vs_memcpy", "x memcpy", ".2f"),
-                    ("roundtrip_p50_us", "p50 us", ".1f"), ("roundtrip_p99_us", "p99 us", ".1f")]
-        elif scenario == "prefix":
-            rows = _bench.prefix(path)
-            cols = [("tokens", "tokens", "d"), ("blocks", "blocks", "d"),
-                    ("put_claim_p50_us", "put+claim p50 us", ".1f"),
-                    ("match_p50_us", "match p50 us", ".1f"),
-                    ("match_p99_us", "match p99 us", ".1f"),
-                    ("match_vs_put_claim", "x put+claim", ".2f"),
-                    ("hash_p50_us", "hash p50 us", ".1f"),
-                    ("load_gbps", "load GB/s", ".2f")]
-        else:
-            rows = _bench.rpc(path)
-            cols = [("clients", "clients", "d"), ("ops_per_s", "ops/s", ".0f"),
-                    ("p50_us", "p50 us", ".1f"), ("p99_us", "p99 us", ".1f")]
-    typer.echo(_bench.print_table(rows, cols))
-    if json_out:
-        _bench.dump(json_out, scenario, rows)
+app.add_typer(bench_app, name="bench")

@@ -1,0 +1,226 @@
+"""``kvbroker bench SCENARIO``: one subcommand per scenario of :mod:`kvbroker._bench`.
+
+Each prints a table and the targets it checks, writes JSON with ``--json-out`` and PNG charts
+with ``--plot DIR`` (matplotlib, from the ``bench`` extra). Without ``--socket`` a scenario
+starts a private daemon sized for it and stops it afterwards.
+
+Exit codes as for every command (0 ok, 1 error, 2 usage, 3 daemon not running), and 4 when
+the scenario needs hardware or software this machine lacks (``gpu`` without CUDA).
+A missed target does not fail the command: the figures are the output.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+from typing import Optional
+
+import typer
+
+from kvbroker._paths import parse_size
+
+EXIT_UNSUPPORTED = 4
+
+bench_app = typer.Typer(
+    help="Measure kvbroker against this machine's limits and a peer (ratios from one run).",
+    no_args_is_help=True,
+)
+
+SocketOpt = typer.Option(
+    None, "--socket", "-s", help="Benchmark this daemon (default: start a private one)."
+)
+JsonOutOpt = typer.Option(None, "--json-out", help="Write the results here as JSON.")
+PlotOpt = typer.Option(None, "--plot", help="Write PNG charts into this folder (matplotlib).")
+
+
+def _sizes(text: str, what: str = "--sizes") -> tuple[int, ...]:
+    try:
+        out = tuple(parse_size(s.strip()) for s in text.split(",") if s.strip())
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint=what) from None
+    if not out or any(n <= 0 for n in out):
+        raise typer.BadParameter("give one or more sizes above 0, e.g. 256K,4M", param_hint=what)
+    return out
+
+
+def _ints(text: str, what: str) -> tuple[int, ...]:
+    try:
+        out = tuple(int(float(s)) for s in text.split(",") if s.strip())
+    except ValueError:
+        raise typer.BadParameter(f"expected numbers like 1,4,16 or 1e3, got {text!r}",
+                                 param_hint=what) from None  # fmt: skip
+    if not out or any(n <= 0 for n in out):
+        raise typer.BadParameter("give one or more numbers above 0", param_hint=what)
+    return out
+
+
+def _execute(socket, json_out, plot, run, pool_size="1G", daemon_args=(), daemon=True) -> None:
+    """Run one scenario (``run(socket_path) -> Result``), print, write JSON and charts.
+
+    ``daemon`` False: the scenario starts what it needs itself (``run`` gets None)."""
+    from kvbroker import _bench
+    from kvbroker.errors import BrokerUnavailable
+
+    if plot and importlib.util.find_spec("matplotlib") is None:  # fail before measuring
+        typer.echo("kvbroker: --plot needs matplotlib: pip install 'kvbroker[bench]'", err=True)
+        raise typer.Exit(1)
+    if socket or not daemon:
+        context = contextlib.nullcontext(socket)
+    else:
+        context = _bench.spawned_daemon(pool_size, *daemon_args)
+    try:
+        with context as path:
+            result = run(path)
+    except BrokerUnavailable as exc:
+        typer.echo(f"kvbroker: {exc}", err=True)
+        raise typer.Exit(3) from None
+    typer.echo(result.text())
+    data = result.as_dict()
+    if json_out:
+        with open(json_out, "w") as f:
+            json.dump(data, f, indent=2)
+            f.write("\n")
+        typer.echo(f"wrote {json_out}")
+    if plot:
+        for path in _bench.plot_result(data, plot):
+            typer.echo(f"wrote {path}")
+
+
+@bench_app.command()
+def transfer(
+    socket: Optional[str] = SocketOpt,
+    sizes: str = typer.Option("4K,16K,64K,256K,1M,4M,16M,64M,256M",
+                              help="Object sizes, comma-separated."),
+    budget: str = typer.Option("2G", help="About this many bytes moved per size."),
+    pool_size: str = typer.Option("1G", help="Pool of the private daemon."),
+    json_out: Optional[str] = JsonOutOpt,
+    plot: Optional[str] = PlotOpt,
+) -> None:
+    """Publish+claim GB/s and p50/p99 latency per object size, memcpy in the same loop."""
+    from kvbroker._bench import transfer as t
+
+    size_list, budget_bytes = _sizes(sizes), _sizes(budget, "--budget")[0]
+    _execute(socket, json_out, plot, lambda p: t.run(p, size_list, budget_bytes), pool_size)
+
+
+@bench_app.command()
+def rpc(
+    socket: Optional[str] = SocketOpt,
+    clients: str = typer.Option("1,4,16", help="Concurrent client processes, per run."),
+    seconds: float = typer.Option(2.0, min=0.05, help="Measuring window per run."),
+    json_out: Optional[str] = JsonOutOpt,
+    plot: Optional[str] = PlotOpt,
+) -> None:
+    """Control-plane operations/s and latency with N concurrent client processes."""
+    from kvbroker._bench import rpc as r
+
+    n = _ints(clients, "--clients")
+    _execute(socket, json_out, plot, lambda p: r.run(p, n, seconds), "64M")
+
+
+@bench_app.command()
+def scale(
+    socket: Optional[str] = SocketOpt,
+    counts: str = typer.Option("1e3,1e4,1e5,1e6", help="Directory sizes, filled in turn."),
+    ops: int = typer.Option(2000, min=10, help="Operations timed at each size."),
+    json_out: Optional[str] = JsonOutOpt,
+    plot: Optional[str] = PlotOpt,
+) -> None:
+    """Lookup/claim latency and daemon memory with 10^3..10^6 objects in the directory."""
+    from kvbroker._bench import scale as s
+
+    n = _ints(counts, "--counts")
+    _execute(socket, json_out, plot, lambda p: s.run(p, n, ops), s.pool_size_for(n),
+             ("--page-size", str(s.PAGE)))  # fmt: skip
+
+
+@bench_app.command()
+def prefix(
+    socket: Optional[str] = SocketOpt,
+    lengths: str = typer.Option("64,256,1024,4096,8192", help="Prefix lengths in tokens."),
+    reps: int = typer.Option(200, min=1, help="Matches timed per length."),
+    prompts: int = typer.Option(200, min=2, help="Requests of the hit-rate workload."),
+    json_out: Optional[str] = JsonOutOpt,
+    plot: Optional[str] = PlotOpt,
+) -> None:
+    """match_prefix latency against prefix length, and a hit-rate workload."""
+    from kvbroker._bench import prefix as px
+
+    n = _ints(lengths, "--lengths")
+    _execute(socket, json_out, plot, lambda p: px.run(p, n, reps=reps, prompts=prompts))
+
+
+@bench_app.command()
+def tp(
+    socket: Optional[str] = SocketOpt,
+    repeats: int = typer.Option(5, min=1, help="Requests timed per configuration."),
+    layout: Optional[list[str]] = typer.Option(None, help="Decode cache layout(s); default all."),
+    json_out: Optional[str] = JsonOutOpt,
+    plot: Optional[str] = PlotOpt,
+) -> None:
+    """Heterogeneous vs homogeneous TP claims (benchmarks/bench_tp.py): copies, GB/s."""
+    from kvbroker._bench import tp as t
+
+    try:
+        t.load_bench_tp()
+    except FileNotFoundError as exc:
+        typer.echo(f"kvbroker: {exc}", err=True)
+        raise typer.Exit(EXIT_UNSUPPORTED) from None
+    _execute(socket, json_out, plot, lambda p: t.run(p, repeats, layout), "2G")
+
+
+@bench_app.command()
+def gpu(
+    reps: int = typer.Option(10, min=1, help="Repetitions per figure."),
+    json_out: Optional[str] = JsonOutOpt,
+    plot: Optional[str] = PlotOpt,
+) -> None:
+    """CUDA only: D2H/H2D vs pinned, gather/scatter vs D2D (benchmarks/bench_gpu.py)."""
+    from kvbroker._bench import gpu as g
+
+    try:
+        g.cuda_device()
+        g.repo_script("bench_gpu.py")
+    except (g.NoCuda, FileNotFoundError) as exc:
+        typer.echo(f"kvbroker: {exc}", err=True)
+        raise typer.Exit(EXIT_UNSUPPORTED) from None
+    # bench_gpu.py starts its own daemon, sized for its 1 GiB transfers
+    _execute(None, json_out, plot, lambda _: g.run(None, reps), daemon=False)
+
+
+@bench_app.command()
+def peer(
+    mooncake_python: str = typer.Option(
+        ..., help="Python of the environment with Mooncake installed, e.g. /tmp/mc/bin/python."
+    ),
+    peer_script: Optional[str] = typer.Option(
+        None, help="The peer benchmark.", show_default="../shared/peers/mooncake_bench.py"
+    ),
+    socket: Optional[str] = SocketOpt,
+    sizes: str = typer.Option("256K,4M,32M", help="Object sizes (the peer's defaults)."),
+    modes: str = typer.Option("dummy,embedded", help="Mooncake modes to run."),
+    ops: int = typer.Option(50, min=3, help="Timed operations per size, both sides."),
+    rounds: int = typer.Option(1, min=1, help="Peer-then-kvbroker rounds (ranges reported)."),
+    json_out: Optional[str] = JsonOutOpt,
+    plot: Optional[str] = PlotOpt,
+) -> None:
+    """kvbroker and Mooncake Store side by side in one session, with ratios."""
+    from kvbroker._bench import peer as pr
+
+    size_list = _sizes(sizes)
+    mode_list = tuple(m.strip() for m in modes.split(",") if m.strip())
+    bad = set(mode_list) - {"dummy", "embedded", "tcp"}
+    if not mode_list or bad:
+        raise typer.BadParameter(f"modes are dummy, embedded, tcp; got {modes!r}",
+                                 param_hint="--modes")  # fmt: skip
+    script = peer_script or pr.default_peer_script()
+
+    def run(path):
+        try:
+            return pr.run(path, mooncake_python, script, size_list, mode_list, ops, rounds)
+        except pr.PeerFailed as exc:
+            typer.echo(f"kvbroker: {exc}", err=True)
+            raise typer.Exit(1) from None
+
+    _execute(socket, json_out, plot, run, "1G")

@@ -1,0 +1,239 @@
+"""What every benchmark scenario shares: the machine description, a private daemon, the
+result record (rows + targets), the text table and the JSON file.
+
+Every scenario measures its own baseline in the same run (memcpy for transfers, a small
+put+claim for prefix matches, the smallest directory for scale), so the figures that matter
+are ratios: these machines are shared and noisy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+
+
+def machine_info() -> dict[str, Any]:
+    """CPU model, core count and the versions that shape the figures."""
+    cpu = platform.processor()
+    with contextlib.suppress(OSError):
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    import msgpack
+    import numpy
+
+    from .._version import __version__
+
+    mem = None
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        with open("/proc/meminfo") as f:
+            mem = int(f.readline().split()[1]) * 1024
+    return {
+        "host": platform.node(),
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "memory_bytes": mem,
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "numpy": numpy.__version__,
+        "msgpack": ".".join(map(str, msgpack.version)),
+        "kvbroker": __version__,
+        "when": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+    }
+
+
+@contextlib.contextmanager
+def spawned_daemon(pool_size: str = "1G", *extra: str) -> Iterator[str]:
+    """A private daemon for the benchmark, stopped on exit; yields its socket path."""
+    from .. import BrokerUnavailable, Client
+
+    d = tempfile.mkdtemp(prefix="kvb-bench-")
+    path = os.path.join(d, "kvb.sock")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvbroker", "serve", "--socket", path, "--pool-size", pool_size,
+         "--log-level", "warning", *extra],
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120  # a big pool is pre-faulted before the socket opens
+        while True:
+            try:
+                Client(path, map_pools=False).close()
+                break
+            except BrokerUnavailable:
+                if proc.poll() is not None:
+                    raise RuntimeError("the benchmark daemon failed to start") from None
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the benchmark daemon did not open its socket") from None
+                time.sleep(0.02)
+        yield path
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+        with contextlib.suppress(OSError):
+            os.rmdir(d)
+
+
+def pct(xs: Sequence[float], q: float) -> float:
+    """The q-quantile (nearest rank) of ``xs``."""
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+def median(xs: Sequence[float]) -> float:
+    return statistics.median(xs)
+
+
+def timed(fn, reps: int) -> list[float]:
+    """Seconds of each of ``reps`` calls of ``fn``."""
+    out = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t)
+    return out
+
+
+@dataclass
+class Target:
+    """One figure the project promises: ``measured`` compared with ``goal`` (``op``: >= or <=)."""
+
+    name: str
+    measured: float
+    goal: float
+    op: str = ">="
+    unit: str = "x"
+
+    @property
+    def met(self) -> bool:
+        return self.measured >= self.goal if self.op == ">=" else self.measured <= self.goal
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "measured": self.measured, "goal": self.goal, "op": self.op,
+                "unit": self.unit, "met": self.met}  # fmt: skip
+
+    def line(self) -> str:
+        mark = "met" if self.met else "MISSED"
+        return (f"{self.name}: {self.measured:.3g}{self.unit} "
+                f"(target {self.op} {self.goal:.3g}{self.unit}) {mark}")
+
+
+@dataclass
+class Result:
+    """What one scenario measured: rows for the table and the JSON, targets, parameters.
+
+    ``columns``: (row key, header, format) triples; format "size" prints bytes as KiB/MiB.
+    ``tables``: further named row sets (e.g. the hit-rate workload of ``prefix``).
+    """
+
+    scenario: str
+    rows: list[dict[str, Any]]
+    columns: list[tuple[str, str, str]]
+    params: dict[str, Any] = field(default_factory=dict)
+    targets: list[Target] = field(default_factory=list)
+    tables: dict[str, tuple[list[dict[str, Any]], list[tuple[str, str, str]]]] = field(
+        default_factory=dict
+    )
+    notes: list[str] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def text(self) -> str:
+        parts = [format_table(self.rows, self.columns)]
+        for name, (rows, cols) in self.tables.items():
+            parts += ["", f"{name}:", format_table(rows, cols)]
+        if self.targets:
+            parts += ["", *(t.line() for t in self.targets)]
+        parts += self.notes
+        return "\n".join(parts)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "scenario": self.scenario,
+            "machine": machine_info(),
+            "params": self.params,
+            "rows": self.rows,
+            **{name: rows for name, (rows, _) in self.tables.items()},
+            "targets": [t.as_dict() for t in self.targets],
+            "notes": self.notes,
+            **self.extra,
+        }
+
+    def dump(self, path: str) -> None:
+        with open(path, "w") as f:
+            json.dump(self.as_dict(), f, indent=2)
+            f.write("\n")
+
+
+def format_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
+    """A fixed-width text table; ``columns``: (key, header, format) triples."""
+    widths = [max(len(h), 10) for _, h, _ in columns]
+    lines = ["  ".join(f"{h:>{w}}" for (_, h, _), w in zip(columns, widths))]
+    for row in rows:
+        cells = []
+        for (key, _, fmt), w in zip(columns, widths):
+            v = row.get(key)
+            if v is None:
+                s = "-"
+            elif fmt == "size":
+                s = human_size(v)
+            else:
+                s = format(v, fmt)
+            cells.append(f"{s:>{w}}")
+        lines.append("  ".join(cells))
+    return "\n".join(lines)
+
+
+def human_size(n: int) -> str:
+    for unit, f in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+        if n >= f:
+            return f"{n / f:g} {unit}"
+    return f"{n} B"
+
+
+def process_memory(pid: int) -> dict[str, int]:
+    """VmRSS, RssAnon and RssShmem of ``pid`` in bytes (from /proc/<pid>/status)."""
+    out = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            name, _, rest = line.partition(":")
+            if name in ("VmRSS", "RssAnon", "RssShmem", "VmHWM"):
+                out[name] = int(rest.split()[0]) * 1024
+    return out
+
+
+def repo_script(name: str) -> str:
+    """Path of ``benchmarks/<name>`` in a source checkout; FileNotFoundError otherwise."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    path = os.path.join(root, "benchmarks", name)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(
+            f"{name} ships with the kvbroker source tree (benchmarks/), not with an installed "
+            f"package; run this scenario from a checkout (looked for {path})"
+        )
+    return path
+
+
+def save_figure(fig, plt, out_dir: str, name: str) -> str:
+    """Write ``fig`` as ``out_dir/name`` (PNG) and close it; returns the path."""
+    path = os.path.join(out_dir, name)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

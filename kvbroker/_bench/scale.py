@@ -1,0 +1,141 @@
+"""``kvbroker bench scale``: per-operation cost and daemon memory as the directory grows.
+
+The directory is filled to 10^3, 10^4, 10^5 and 10^6 objects (cumulatively) with batched
+``reserve_blocks`` + ``seal_many`` (8192 objects per round trip, one page each). At each
+level: ``lookup`` and ``claim``+``release`` latency of random present keys, and the daemon's
+memory from /proc/<pid>/status (RssAnon: its heap; the pool's shared memory is RssShmem and
+is left out of the per-object figure). Per-operation cost should stay flat: the ratio of the
+largest level to the smallest is the figure.
+
+It needs a daemon of its own (its pool must hold every object, and its memory must be the
+directory's alone): it starts one with 4 KiB pages, the smallest the daemon allows.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+from ._common import Result, Target, median, pct, process_memory, save_figure
+
+DEFAULT_COUNTS = (10**3, 10**4, 10**5, 10**6)
+PAGE = 4096
+BATCH = 8192
+COLUMNS = [
+    ("objects", "objects", ",d"), ("lookup_p50_us", "lookup p50 us", ".1f"),
+    ("lookup_p99_us", "lookup p99 us", ".1f"), ("claim_p50_us", "claim+rel p50 us", ".1f"),
+    ("claim_p99_us", "claim+rel p99 us", ".1f"), ("rss_anon_mib", "daemon heap MiB", ".1f"),
+    ("bytes_per_object", "bytes/object", ".0f"), ("fill_objects_per_s", "fill obj/s", ".0f"),
+]  # fmt: skip
+
+
+def pool_size_for(counts) -> str:
+    """A pool that holds the largest level with 5% to spare (eviction stays off)."""
+    pages = int(max(counts) / 0.9) + 1024
+    return str(pages * PAGE)
+
+
+def _fill(client, namespace: str, start: int, stop: int) -> None:
+    for lo in range(start, stop, BATCH):
+        hi = min(stop, lo + BATCH)
+        blocks = [{"key": f"o{i}", "parent": None, "buffers": {"b": 1}} for i in range(lo, hi)]
+        reply = client._call("reserve_blocks", namespace=namespace, blocks=blocks, ttl=60.0)
+        leases = [r["lease"] for r in reply["results"] if "lease" in r]
+        client._call("seal_many", leases=leases)
+
+
+def measure(socket_path: str, counts=DEFAULT_COUNTS, ops: int = 2000) -> list[dict]:
+    from .. import Client
+
+    ns = "bench-scale"
+    rng = random.Random(0)
+    rows = []
+    with Client(socket_path, map_pools=False, name="bench-scale", role="bench") as c:
+        c.evict(namespace=ns)
+        pid = c.server_pid
+        base = process_memory(pid)
+        have = 0
+        for n in sorted(counts):
+            t0 = time.perf_counter()
+            _fill(c, ns, have, n)
+            fill_s = time.perf_counter() - t0
+            added, have = n - have, n
+            keys = [f"o{rng.randrange(n)}" for _ in range(ops)]
+            for k in keys[:50]:  # warm the client's code paths, not the keys measured
+                c.exists(k, namespace=ns)
+            look, claim = [], []
+            for k in keys:
+                t = time.perf_counter()
+                found = c.exists(k, namespace=ns)
+                look.append(time.perf_counter() - t)
+                if not found:
+                    raise AssertionError(f"{k} missing from a directory of {n} objects")
+            for k in keys:
+                t = time.perf_counter()
+                c.claim(k, namespace=ns).release()
+                claim.append(time.perf_counter() - t)
+            c.stat()  # one more round trip: the last release has been processed
+            mem = process_memory(pid)
+            rows.append({
+                "objects": n,
+                "lookup_p50_us": median(look) * 1e6,
+                "lookup_p99_us": pct(look, 0.99) * 1e6,
+                "claim_p50_us": median(claim) * 1e6,
+                "claim_p99_us": pct(claim, 0.99) * 1e6,
+                "rss_bytes": mem.get("VmRSS", 0),
+                "rss_anon_bytes": mem.get("RssAnon", 0),
+                "rss_anon_mib": mem.get("RssAnon", 0) / (1 << 20),
+                "bytes_per_object": (mem.get("RssAnon", 0) - base.get("RssAnon", 0)) / n,
+                "fill_seconds": fill_s,
+                "fill_objects_per_s": added / fill_s if fill_s > 0 else None,
+            })  # fmt: skip
+        t0 = time.perf_counter()
+        c.evict(namespace=ns)
+        evict_s = time.perf_counter() - t0
+    rows[-1]["evict_all_seconds"] = evict_s
+    return rows
+
+
+def targets(rows: list[dict]) -> list[Target]:
+    if len(rows) < 2:
+        return []
+    lo, hi = rows[0], rows[-1]
+    label = f"{hi['objects']:.0e} vs {lo['objects']:.0e} objects".replace("+0", "")
+    return [
+        Target(f"lookup p50, {label}", hi["lookup_p50_us"] / lo["lookup_p50_us"], 1.5, "<="),
+        Target(f"claim+release p50, {label}", hi["claim_p50_us"] / lo["claim_p50_us"], 1.5, "<="),
+    ]
+
+
+def run(socket_path: str, counts=DEFAULT_COUNTS, ops: int = 2000) -> Result:
+    rows = measure(socket_path, counts, ops)
+    ts = targets(rows)
+    notes = []
+    if rows:
+        notes.append(f"daemon heap per object at {rows[-1]['objects']:,} objects: "
+                     f"{rows[-1]['bytes_per_object']:.0f} bytes")  # fmt: skip
+    return Result("scale", rows, COLUMNS, params={"counts": list(counts), "ops": ops,
+                                                  "page_size": PAGE, "batch": BATCH},
+                  targets=ts, notes=notes)  # fmt: skip
+
+
+def plot(result: dict, plt, out_dir: str) -> list[str]:
+    rows = result["rows"]
+    n = [r["objects"] for r in rows]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
+    a.plot(n, [r["lookup_p50_us"] for r in rows], marker="o", label="lookup p50")
+    a.plot(n, [r["claim_p50_us"] for r in rows], marker="o", label="claim+release p50")
+    a.plot(n, [r["lookup_p99_us"] for r in rows], ls="--", label="lookup p99")
+    a.set_xscale("log")
+    a.set_ylim(bottom=0)
+    a.set_xlabel("objects in the directory")
+    a.set_ylabel("µs")
+    a.set_title("per-operation latency")
+    a.legend(fontsize=8)
+    b.plot(n, [r["bytes_per_object"] for r in rows], marker="o")
+    b.set_xscale("log")
+    b.set_ylim(bottom=0)
+    b.set_xlabel("objects in the directory")
+    b.set_ylabel("bytes of daemon heap per object")
+    b.set_title("daemon memory")
+    return [save_figure(fig, plt, out_dir, "scale.png")]

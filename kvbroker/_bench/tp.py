@@ -1,0 +1,92 @@
+"""``kvbroker bench tp``: heterogeneous against homogeneous tensor-parallel claims.
+
+The measurement is benchmarks/bench_tp.py's (owned with the TP code; see its docstring for
+the request shape): this module loads that script and calls its ``run_config`` for every
+(P prefill ranks → D decode ranks) configuration and layout, against the daemon given, and
+reports copy operations per claim, claim GB/s and the ratio to the homogeneous P=D=1 claim.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+from ._common import Result, Target, repo_script, save_figure
+
+COLUMNS = [
+    ("layout", "decode layout", "s"), ("P", "P", "d"), ("D", "D", "d"),
+    ("copy_ops", "copies/claim", "s"), ("source_runs", "runs/claim", "s"),
+    ("claim_GBps", "claim GB/s", ".2f"), ("claim_vs_homogeneous", "x P=D=1", ".2f"),
+    ("publish_GBps", "publish GB/s", ".2f"),
+]  # fmt: skip
+
+
+def load_bench_tp():
+    """benchmarks/bench_tp.py as a module (it needs torch)."""
+    path = repo_script("bench_tp.py")
+    spec = importlib.util.spec_from_file_location("kvbroker_bench_tp", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def run(socket_path: str, repeats: int = 5, layouts=None, shape: dict | None = None) -> Result:
+    """``shape``: overrides of bench_tp's request constants (LAYERS, HEADS, DIM, TOKENS,
+    BLOCK), for quick runs; the default is its full request (256 MiB of K+V)."""
+    import numpy as np
+    import torch
+
+    from .. import Client
+
+    bt = load_bench_tp()
+    for name, value in (shape or {}).items():
+        if not hasattr(bt, name):
+            raise ValueError(f"bench_tp has no request constant {name}")
+        setattr(bt, name, value)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # numpy does the copies; keep torch off the other cores
+    rng = np.random.default_rng(0)
+    rows = []
+    try:
+        with Client(socket_path, name="bench-tp", role="bench") as c:
+            for layout in layouts or sorted(bt.LAYOUTS):
+                got = [bt.run_config(c, P, D, bt.LAYOUTS[layout], repeats, rng)
+                       for P, D in bt.CONFIGS]  # fmt: skip
+                homo = next(r for r in got if r["P"] == r["D"] == 1)["claim_GBps"]
+                for r in got:
+                    rows.append({
+                        "layout": layout, "P": r["P"], "D": r["D"],
+                        "bytes_per_request": r["bytes_per_request"],
+                        "copy_ops": "/".join(map(str, r["copy_ops_per_claim"])),
+                        "source_runs": "/".join(map(str, r["source_runs_per_claim"])),
+                        "copy_ops_per_claim": r["copy_ops_per_claim"],
+                        "claim_GBps": r["claim_GBps"],
+                        "claim_vs_homogeneous": r["claim_GBps"] / homo,
+                        "publish_GBps": r["publish_GBps"],
+                    })  # fmt: skip
+    finally:
+        torch.set_num_threads(threads)
+    targets = [Target(f"{r['layout']} P={r['P']}→D={r['D']} claim vs P=D=1",
+                      r["claim_vs_homogeneous"], 0.8)
+               for r in rows if (r["P"], r["D"]) != (1, 1)]  # fmt: skip
+    request = {k: getattr(bt, k) for k in ("LAYERS", "HEADS", "DIM", "TOKENS", "BLOCK")}
+    return Result("tp", rows, COLUMNS, params={"repeats": repeats, "request": request,
+                                               "source": "benchmarks/bench_tp.py"},
+                  targets=targets)  # fmt: skip
+
+
+def plot(result: dict, plt, out_dir: str) -> list[str]:
+    rows = result["rows"]
+    layouts = sorted({r["layout"] for r in rows})
+    configs = sorted({(r["P"], r["D"]) for r in rows})
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    width = 0.8 / max(1, len(layouts))
+    for i, layout in enumerate(layouts):
+        by = {(r["P"], r["D"]): r["claim_GBps"] for r in rows if r["layout"] == layout}
+        ax.bar([j + i * width for j in range(len(configs))], [by.get(c, 0) for c in configs],
+               width, label=layout)  # fmt: skip
+    ax.set_xticks([j + width * (len(layouts) - 1) / 2 for j in range(len(configs))])
+    ax.set_xticklabels([f"P={p}→D={d}" for p, d in configs])
+    ax.set_ylabel("claim GB/s")
+    ax.set_title("heterogeneous vs homogeneous TP claims")
+    ax.legend(fontsize=8)
+    return [save_figure(fig, plt, out_dir, "tp.png")]

@@ -1,0 +1,119 @@
+"""``kvbroker bench transfer``: publish + claim of one buffer per object against memcpy.
+
+``put`` copies the source once into the pool; ``get`` copies the pool once into the
+destination. "publish+claim GB/s" counts both copies (2 × size bytes over the put+get time)
+and is compared with memcpy of the same size, measured in the same loop: memcpy and put+get
+alternate, so a noisy neighbour hits both alike.
+"""
+
+from __future__ import annotations
+
+import time
+
+from ._common import KiB, MiB, Result, Target, median, pct, save_figure
+
+# Powers of 4 from 4 KiB to 256 MiB.
+DEFAULT_SIZES = tuple(4 * KiB * 4**i for i in range(9))
+COLUMNS = [
+    ("size", "size", "size"), ("memcpy_gbps", "memcpy GB/s", ".2f"),
+    ("publish_gbps", "publish GB/s", ".2f"), ("claim_gbps", "claim GB/s", ".2f"),
+    ("publish_claim_gbps", "pub+claim GB/s", ".2f"), ("ratio_vs_memcpy", "x memcpy", ".2f"),
+    ("roundtrip_p50_us", "p50 us", ".1f"), ("roundtrip_p99_us", "p99 us", ".1f"),
+]  # fmt: skip
+
+
+def measure(socket_path: str, sizes=DEFAULT_SIZES, budget_bytes: int = 2 << 30,
+            min_reps: int = 20, reps: int | None = None) -> list[dict]:  # fmt: skip
+    """One row per size; the bytes claimed are checked against the bytes published.
+
+    ``reps`` fixes the timed round trips per size; by default about ``budget_bytes`` are
+    moved per size (at least ``min_reps``, at most 2000 round trips)."""
+    fixed_reps = reps
+    import numpy as np
+
+    from .. import Client
+
+    rows = []
+    with Client(socket_path, name="bench-transfer", role="bench") as c:
+        for size in sizes:
+            reps = fixed_reps or int(max(min_reps, min(2000, budget_bytes // (4 * size))))
+            src = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
+            dst = np.empty_like(src)
+            dst.fill(0)  # fault the destination in before timing
+            np.copyto(dst, src)
+            memcpy, put_t, get_t, rt = [], [], [], []
+            for i in range(reps + 3):
+                key = f"bench-{size}-{i}"
+                tm = time.perf_counter()
+                np.copyto(dst, src)
+                t0 = time.perf_counter()
+                c.put(key, {"kv": src})
+                t1 = time.perf_counter()
+                c.get(key, {"kv": dst}, consume=True)
+                t2 = time.perf_counter()
+                if i >= 3:  # warm-up
+                    memcpy.append(t0 - tm)
+                    put_t.append(t1 - t0)
+                    get_t.append(t2 - t1)
+                    rt.append(t2 - t0)
+            if not np.array_equal(dst, src):
+                raise AssertionError(f"bytes differ at size {size}")
+            m, p, g, r = (median(x) for x in (memcpy, put_t, get_t, rt))
+            rows.append({
+                "size": size, "reps": reps,
+                "memcpy_gbps": size / m / 1e9,
+                "publish_gbps": size / p / 1e9,
+                "claim_gbps": size / g / 1e9,
+                "publish_claim_gbps": 2 * size / r / 1e9,
+                # put+get moves the bytes twice; memcpy once: 2 memcpys is the physical limit.
+                "ratio_vs_memcpy": (2 * m) / r,
+                "memcpy_p50_us": m * 1e6,
+                "roundtrip_p50_us": r * 1e6,
+                "roundtrip_p99_us": pct(rt, 0.99) * 1e6,
+                "put_p50_us": p * 1e6,
+                "put_p99_us": pct(put_t, 0.99) * 1e6,
+                "get_p50_us": g * 1e6,
+                "get_p99_us": pct(get_t, 0.99) * 1e6,
+            })  # fmt: skip
+    return rows
+
+
+def targets(rows: list[dict]) -> list[Target]:
+    out = []
+    for row in rows:
+        if row["size"] == 32 * MiB:
+            out.append(Target("32 MiB publish+claim vs memcpy", row["ratio_vs_memcpy"], 0.9))
+    return out
+
+
+def run(socket_path: str, sizes=DEFAULT_SIZES, budget_bytes: int = 2 << 30) -> Result:
+    rows = measure(socket_path, sizes, budget_bytes)
+    return Result("transfer", rows, COLUMNS,
+                  params={"sizes": list(sizes), "budget_bytes": budget_bytes},
+                  targets=targets(rows))  # fmt: skip
+
+
+def plot(result: dict, plt, out_dir: str) -> list[str]:
+    rows = result["rows"]
+    sizes = [r["size"] for r in rows]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    for key, label in (("memcpy_gbps", "memcpy (same loop)"),
+                       ("publish_claim_gbps", "publish+claim (2 copies)"),
+                       ("publish_gbps", "publish"), ("claim_gbps", "claim")):  # fmt: skip
+        a.plot(sizes, [r[key] for r in rows], marker="o", label=label)
+    a.set_xscale("log", base=2)
+    a.set_xlabel("object size (bytes)")
+    a.set_ylabel("GB/s")
+    a.set_title("transfer throughput")
+    a.legend(fontsize=8)
+    b.plot(sizes, [r["roundtrip_p50_us"] for r in rows], marker="o", label="put+get p50")
+    b.plot(sizes, [r["roundtrip_p99_us"] for r in rows], marker="x", label="put+get p99")
+    b.plot(sizes, [r["memcpy_p50_us"] * 2 for r in rows], ls="--", label="2 x memcpy p50")
+    b.set_xscale("log", base=2)
+    b.set_yscale("log")
+    b.set_xlabel("object size (bytes)")
+    b.set_ylabel("µs")
+    b.set_title("put+get latency")
+    b.legend(fontsize=8)
+    return [save_figure(fig, plt, out_dir, "transfer.png")]
+

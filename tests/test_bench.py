@@ -1,0 +1,266 @@
+"""`kvbroker bench`: every scenario on tiny sizes, through the CLI where it has one.
+
+These check structure and arithmetic (JSON shape, positive figures, ratios computed from the
+measured numbers), never speed: speed targets are shown by the benchmarks themselves.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import textwrap
+
+import pytest
+from typer.testing import CliRunner
+
+from kvbroker import _bench
+from kvbroker.cli import app
+
+runner = CliRunner()
+KiB, MiB = 1 << 10, 1 << 20
+
+
+def invoke(*args: str):
+    res = runner.invoke(app, ["bench", *args])
+    return res
+
+
+def load(path) -> dict:
+    with open(path) as f:
+        data = json.load(f)
+    for key in ("scenario", "machine", "params", "rows", "targets"):
+        assert key in data, key
+    assert data["machine"]["cores"] >= 1 and data["machine"]["python"]
+    for t in data["targets"]:
+        assert t["met"] == (t["measured"] >= t["goal"] if t["op"] == ">="
+                            else t["measured"] <= t["goal"])  # fmt: skip
+    return data
+
+
+def positive(row: dict, *keys: str) -> None:
+    for k in keys:
+        assert row[k] > 0 and math.isfinite(row[k]), (k, row[k])
+
+
+def test_transfer_cli_json_and_plot(daemon, tmp_path):
+    out, plots = tmp_path / "t.json", tmp_path / "plots"
+    res = invoke("transfer", "--socket", daemon.socket_path, "--sizes", "4K,64K",
+                 "--budget", "256K", "--json-out", str(out), "--plot", str(plots))  # fmt: skip
+    assert res.exit_code == 0, res.output
+    assert "pub+claim GB/s" in res.output
+    data = load(out)
+    assert data["scenario"] == "transfer"
+    assert [r["size"] for r in data["rows"]] == [4 * KiB, 64 * KiB]
+    for r in data["rows"]:
+        positive(r, "memcpy_gbps", "publish_gbps", "claim_gbps", "publish_claim_gbps",
+                 "roundtrip_p50_us", "roundtrip_p99_us", "ratio_vs_memcpy")  # fmt: skip
+        assert r["reps"] >= 20
+        assert r["roundtrip_p99_us"] >= r["roundtrip_p50_us"]
+        # ratios come from the medians measured in the same loop
+        assert r["ratio_vs_memcpy"] == pytest.approx(2 * r["memcpy_p50_us"] / r["roundtrip_p50_us"])
+        assert r["publish_claim_gbps"] == pytest.approx(
+            2 * r["size"] / (r["roundtrip_p50_us"] * 1e-6) / 1e9)
+    png = plots / "transfer.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_transfer_target_from_the_32m_row():
+    rows = [{"size": 32 * MiB, "ratio_vs_memcpy": 0.85}, {"size": 4 * KiB, "ratio_vs_memcpy": 0.1}]
+    (t,) = _bench.scenario("transfer").targets(rows)
+    assert t.measured == 0.85 and t.goal == 0.9 and not t.met
+
+
+def test_rpc_cli(daemon, tmp_path):
+    out = tmp_path / "r.json"
+    res = invoke("rpc", "--socket", daemon.socket_path, "--clients", "1,2", "--seconds", "0.3",
+                 "--json-out", str(out))  # fmt: skip
+    assert res.exit_code == 0, res.output
+    data = load(out)
+    assert [r["clients"] for r in data["rows"]] == [1, 2]
+    for r in data["rows"]:
+        positive(r, "ops_per_s", "p50_us", "p99_us")
+        assert r["ops_per_s"] == pytest.approx(r["ops"] / r["seconds"])
+        assert r["per_client_ops_per_s"] == pytest.approx(r["ops_per_s"] / r["clients"])
+    assert data["targets"] == []  # the 4-client target only applies when 4 clients ran
+
+
+def test_scale_cli(tmp_path):
+    out, plots = tmp_path / "s.json", tmp_path / "p"
+    res = invoke("scale", "--counts", "200,1000", "--ops", "50", "--json-out", str(out),
+                 "--plot", str(plots))  # fmt: skip
+    assert res.exit_code == 0, res.output
+    data = load(out)
+    lo, hi = data["rows"]
+    assert (lo["objects"], hi["objects"]) == (200, 1000)
+    for r in data["rows"]:
+        positive(r, "lookup_p50_us", "claim_p50_us", "rss_anon_bytes", "fill_objects_per_s")
+    assert hi["rss_anon_bytes"] >= lo["rss_anon_bytes"] * 0.5
+    look, claim = data["targets"]
+    assert look["measured"] == pytest.approx(hi["lookup_p50_us"] / lo["lookup_p50_us"])
+    assert claim["measured"] == pytest.approx(hi["claim_p50_us"] / lo["claim_p50_us"])
+    assert look["goal"] == 1.5 and look["op"] == "<="
+    assert (plots / "scale.png").stat().st_size > 1000
+
+
+def test_prefix_cli(daemon, tmp_path):
+    out = tmp_path / "p.json"
+    res = invoke("prefix", "--socket", daemon.socket_path, "--lengths", "32,128", "--reps", "5",
+                 "--prompts", "12", "--json-out", str(out))  # fmt: skip
+    assert res.exit_code == 0, res.output
+    data = load(out)
+    assert [(r["tokens"], r["blocks"]) for r in data["rows"]] == [(32, 2), (128, 8)]
+    for r in data["rows"]:
+        positive(r, "match_p50_us", "put_claim_p50_us", "hash_p50_us", "load_gbps")
+        assert r["match_vs_put_claim"] == pytest.approx(r["match_p50_us"] / r["put_claim_p50_us"])
+    (hit,) = data["hit_rate"]
+    assert hit["hit_rate"] == pytest.approx(hit["matched_tokens"] / hit["prompt_tokens"])
+    # 12 requests over 8 system prompts: some repeat, so the workload allows hits
+    assert 0 < hit["expected_hit_rate"] < 1
+    assert hit["hit_rate"] == pytest.approx(hit["expected_hit_rate"])
+
+
+def test_tp_wraps_bench_tp(daemon):
+    pytest.importorskip("torch")
+    tp = _bench.scenario("tp")
+    res = tp.run(daemon.socket_path, repeats=1, layouts=["kv-first-HND"],
+                 shape={"LAYERS": 2, "TOKENS": 32})  # fmt: skip
+    rows = res.rows
+    assert [(r["P"], r["D"]) for r in rows] == [(1, 1), (4, 1), (1, 4)]
+    homo = rows[0]["claim_GBps"]
+    for r in rows:
+        positive(r, "claim_GBps", "publish_GBps")
+        assert r["claim_vs_homogeneous"] == pytest.approx(r["claim_GBps"] / homo)
+        assert all(n > 0 for n in r["copy_ops_per_claim"])
+    assert res.params["request"]["LAYERS"] == 2
+    assert len(res.targets) == 2
+    with pytest.raises(ValueError, match="no request constant"):
+        tp.run(daemon.socket_path, shape={"NOPE": 1})
+
+
+def _cuda() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+@pytest.mark.skipif(_cuda(), reason="checks the message shown without CUDA")
+def test_gpu_without_cuda_exits_clearly():
+    res = invoke("gpu")
+    assert res.exit_code == 4
+    assert "CUDA" in res.output
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda(), reason="needs CUDA")
+def test_gpu_rows(tmp_path):
+    out = tmp_path / "g.json"
+    res = invoke("gpu", "--reps", "2", "--json-out", str(out))
+    assert res.exit_code == 0, res.output
+    data = load(out)
+    for r in data["rows"]:
+        assert r["ratio"] == pytest.approx(r["GBps"] / r["limit_GBps"])
+
+
+def test_gpu_rows_from_bench_gpu_json():
+    raw = {"pinned": {"pinned_d2h_GBps": 50.0, "pinned_h2d_GBps": 40.0},
+           "broker": {"publish_d2h_one_buffer_GBps": 45.0, "claim_h2d_one_buffer_GBps": 36.0,
+                      "publish_d2h_128_buffers_GBps": 25.0, "claim_h2d_128_buffers_GBps": 20.0},
+           "kernels": {"d2d_copy_GBps": 2000.0, "triton_gather_GBps": 1800.0,
+                       "triton_scatter_GBps": 1900.0, "torch_gather_GBps": 500.0,
+                       "torch_scatter_GBps": 400.0}}  # fmt: skip
+    rows = {r["path"]: r for r in _bench.scenario("gpu").rows_from(raw)}
+    assert rows["publish D2H, one_buffer"]["ratio"] == pytest.approx(0.9)
+    assert rows["claim H2D, 128_buffers"]["ratio"] == pytest.approx(0.5)
+    assert rows["triton gather"]["ratio"] == pytest.approx(0.9)
+
+
+FAKE_PEER = textwrap.dedent('''
+    import argparse, json, sys
+    ap = argparse.ArgumentParser()
+    for a in ("--modes", "--sizes", "--ops", "--json-out", "--workdir", "--budget"):
+        ap.add_argument(a)
+    a = ap.parse_args()
+    if a.modes == "fail":
+        sys.exit("peer set-up failed: libibverbs.so.1 not found")
+    out = []
+    for i, mode in enumerate(a.modes.split(",")):
+        sizes = []
+        for size in map(int, a.sizes.split(",")):
+            ms = size / 1e6 * (i + 1)  # 1 GB/s for the first mode, 0.5 GB/s for the second
+            st = {"n": int(a.ops), "median_ms": ms, "p90_ms": ms, "GBps_at_median": size / ms / 1e6,
+                  "GBps_aggregate": size / ms / 1e6}
+            sizes.append({"size": size, "put": st, "get": dict(st), "is_exist_median_us": 50.0,
+                          "plain_remove_after_get_rc": -706, "data_ok": True, "errors": []})
+        out.append({"mode": mode, "setup_s": 0.1, "sizes": sizes, "loopback_bytes": 0})
+    json.dump(out, open(a.json_out, "w"))
+''')
+
+
+def test_peer_runner_with_a_fake_peer(daemon, tmp_path):
+    script = tmp_path / "fake_peer.py"
+    script.write_text(FAKE_PEER)
+    out, plots = tmp_path / "peer.json", tmp_path / "plots"
+    res = invoke("peer", "--mooncake-python", sys.executable, "--peer-script", str(script),
+                 "--socket", daemon.socket_path, "--sizes", "256K,1M", "--ops", "5",
+                 "--rounds", "2", "--json-out", str(out), "--plot", str(plots))  # fmt: skip
+    assert res.exit_code == 0, res.output
+    data = load(out)
+    assert data["params"]["modes"] == ["dummy", "embedded"]
+    assert len(data["raw_rounds"]) == 2
+    for r in data["rows"]:
+        size = r["size"]
+        assert r["dummy_roundtrip_ms"] == pytest.approx(2 * size / 1e6)
+        assert r["embedded_roundtrip_ms"] == pytest.approx(4 * size / 1e6)
+        positive(r, "kvb_put_ms", "kvb_get_ms", "kvb_roundtrip_ms")
+        assert r["rounds"] == 2
+        lo, hi = r["speedup_vs_dummy_range"]
+        assert lo <= r["speedup_vs_dummy"] <= hi
+    # the 256 KiB target compares kvbroker's median time with the peer's, from this run
+    (t,) = [t for t in data["targets"] if t["name"].startswith("256 KiB")]
+    row = data["rows"][0]
+    assert t["measured"] == pytest.approx(row["time_vs_dummy"])
+    # rounds are reported as medians: check one ratio against the raw rounds it came from
+    per_round = [
+        (2 * size / 1e6) / ((k["put_p50_us"] + k["get_p50_us"]) / 1e3)
+        for rnd in data["raw_rounds"]
+        for k in rnd["kvbroker"] if k["size"] == (size := 256 * KiB)
+    ]  # fmt: skip
+    assert row["speedup_vs_dummy"] == pytest.approx(sorted(per_round)[0] / 2 + sorted(per_round)[1] / 2)
+    assert (plots / "peer.png").exists()
+
+
+def test_peer_runner_reports_a_failing_peer(daemon, tmp_path):
+    script = tmp_path / "fake_peer.py"
+    script.write_text(FAKE_PEER)
+    res = invoke("peer", "--mooncake-python", sys.executable, "--peer-script", str(script),
+                 "--socket", daemon.socket_path, "--modes", "fail")  # fmt: skip
+    assert res.exit_code == 2  # not a mode the peer has
+    res = invoke("peer", "--mooncake-python", sys.executable,
+                 "--peer-script", str(tmp_path / "missing.py"), "--socket", daemon.socket_path)
+    assert res.exit_code == 1
+    assert "peer script not found" in res.output
+
+
+def test_peer_failure_message(tmp_path):
+    script = tmp_path / "fake_peer.py"
+    script.write_text(FAKE_PEER)
+    peer = _bench.scenario("peer")
+    with pytest.raises(peer.PeerFailed, match="libibverbs"):
+        peer.run_peer(sys.executable, str(script), [4096], ["fail"], 3, 60)
+
+
+def test_plot_without_matplotlib(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import raises ImportError
+    with pytest.raises(_bench.MissingMatplotlib, match="kvbroker\\[bench\\]"):
+        _bench.plot_result({"scenario": "rpc", "rows": []}, str(tmp_path))
+
+
+def test_bad_arguments():
+    assert invoke("transfer", "--sizes", "4Q").exit_code == 2
+    assert invoke("rpc", "--clients", "0").exit_code == 2
+    assert invoke("scale", "--counts", "lots").exit_code == 2
+    with pytest.raises(ValueError, match="unknown scenario"):
+        _bench.scenario("nope")
