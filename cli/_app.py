@@ -321,6 +321,50 @@ def tui(
     run(socket, interval)
 
 
+@app.command()
+def verify(
+    match: Optional[str] = typer.Option(None, "--match", "-m", help="Regex over keys."),
+    namespace: Optional[str] = typer.Option(None, "--namespace", "-n"),
+    socket: Optional[str] = SocketOpt,
+    as_json: bool = JsonOpt,
+) -> None:
+    """Re-hash sealed objects against the checksums recorded at seal; exit 1 on a mismatch.
+
+    Maps the pools like any client and reads each object under a read lease (which also
+    refreshes its place in the LRU order). Objects sealed without checksums are reported
+    as unchecked, objects freed meanwhile as gone; neither fails the run.
+    """
+    from kvbroker import Client
+    from kvbroker._integrity import verify_objects
+
+    try:
+        client = Client(socket, name="kvbroker-verify", role="admin", map_pools=False,
+                        timeout=30)  # fmt: skip
+    except BrokerUnavailable as exc:
+        raise _fail(f"{exc} (start it with 'kvbroker serve')", EXIT_UNAVAILABLE) from None
+    try:
+        checks = list(verify_objects(client, match=match, namespace=namespace))
+    except BrokerUnavailable as exc:
+        raise _fail(str(exc), EXIT_UNAVAILABLE) from None
+    except KVBrokerError as exc:
+        raise _fail(f"{exc.code}: {exc}") from None
+    finally:
+        client.close()
+    tally = {s: sum(1 for c in checks if c.status == s)
+             for s in ("ok", "mismatch", "unchecked", "gone")}  # fmt: skip
+    if as_json:
+        typer.echo(json.dumps({"objects": [c.to_dict() for c in checks], **tally}, indent=2))
+    else:
+        typer.echo(f"{'NAMESPACE':<16}{'KEY':<40}{'SIZE':>11}{'BUFS':>6}  STATUS")
+        for c in checks:
+            bad = f" ({', '.join(c.bad[:4])}{', ...' if len(c.bad) > 4 else ''})" if c.bad else ""
+            typer.echo(f"{c.namespace[:15]:<16}{c.key[:39]:<40}{format_size(c.nbytes):>11}"
+                       f"{c.buffers:>6}  {c.status.upper() if c.bad else c.status}{bad}")  # fmt: skip
+        typer.echo(", ".join(f"{n} {s}" for s, n in tally.items()))
+    if tally["mismatch"]:
+        raise typer.Exit(EXIT_ERROR)
+
+
 def main() -> None:
     app()
 

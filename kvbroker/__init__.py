@@ -20,6 +20,7 @@ from ._version import __version__
 from .errors import (
     BadRequest,
     BrokerUnavailable,
+    ChecksumMismatch,
     Exists,
     Forbidden,
     Incomplete,
@@ -27,9 +28,11 @@ from .errors import (
     KVBrokerError,
     LayoutMismatch,
     LeaseExpired,
+    LimitExceeded,
     NotFound,
     PoolFull,
     ProtocolError,
+    QuotaExceeded,
     Timeout,
 )
 
@@ -55,6 +58,9 @@ __all__ = [
     "LeaseExpired",
     "Timeout",
     "Forbidden",
+    "QuotaExceeded",
+    "LimitExceeded",
+    "ChecksumMismatch",
     "LayoutMismatch",
     "BrokerUnavailable",
     "InternalError",

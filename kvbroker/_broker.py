@@ -48,6 +48,7 @@ from typing import Any
 import msgpack
 
 from ._version import __version__
+from . import _integrity
 from ._pool import HostPool
 from ._names import check_buffer_name
 from ._protocol import MAX_BUFFERS, MAX_META, MAX_NAME, PROTOCOL_VERSION, validate_args
@@ -96,7 +97,7 @@ class StoredObject:
     __slots__ = (
         "namespace", "key", "pool", "start", "npages", "nbytes", "buffers", "meta",
         "created_at", "last_access", "sealed", "readers", "linked", "serial", "consumers",
-        "parent", "parent_key", "children",
+        "parent", "parent_key", "children", "checksums",
     )  # fmt: skip
 
     def __init__(self, namespace, key, pool, start, npages, nbytes, buffers, meta, serial):
@@ -118,6 +119,8 @@ class StoredObject:
         self.parent: StoredObject | None = None  # previous block of a prefix chain
         self.parent_key: str | None = None
         self.children = 0  # sealed blocks naming this one as parent: not evictable before them
+        # {buffer: xxh3_64} computed by the writer, recorded at seal (kvbroker._integrity).
+        self.checksums: dict[str, int] | None = None
 
     def info(self) -> dict[str, Any]:
         return {
@@ -164,6 +167,7 @@ class Broker:
         low_watermark: float = 0.90,
         socket_path: str = "",
         clock: Callable[[], float] = time.monotonic,
+        require_checksums: bool = False,
     ) -> None:
         if not pools:
             raise ValueError("a broker needs at least one pool")
@@ -176,6 +180,7 @@ class Broker:
         self.low_watermark = low_watermark
         self.socket_path = socket_path
         self.clock = clock
+        self.require_checksums = require_checksums  # seal without {buffer: digest} refused
         self.started_at = time.time()
         self.sessions: dict[int, Session] = {}
         self.objects: dict[tuple[str, str], StoredObject] = {}
@@ -310,16 +315,28 @@ class Broker:
             raise
         return {"ttl": ttl, "results": results}
 
-    def _op_seal_many(self, session, leases) -> dict:
-        for lid in leases:
+    def _op_seal_many(self, session, leases, checksums) -> dict:
+        if checksums is not None and len(checksums) != len(leases):
+            raise BadRequest("seal_many: checksums must have one entry (map or null) per lease")
+        for i, lid in enumerate(leases):
             if not isinstance(lid, int) or isinstance(lid, bool):
                 raise BadRequest("seal_many: leases must be a list of lease ids")
-            self._op_seal(session, lid)
+            self._op_seal(session, lid, None if checksums is None else checksums[i])
         return {"sealed": len(leases)}
 
-    def _op_seal(self, session, lease) -> dict:
+    def _op_seal(self, session, lease, checksums=None) -> dict:
         ls = self._lease(session, lease, "write")
         obj = ls.obj
+        if checksums is not None:
+            try:
+                obj.checksums = _integrity.validate(checksums, obj.buffers)
+            except ValueError as exc:
+                raise BadRequest(f"seal of {obj.namespace}/{obj.key}: {exc}") from None
+        elif self.require_checksums:
+            raise BadRequest(
+                f"seal of {obj.namespace}/{obj.key}: this daemon requires a checksum per "
+                "buffer (require_checksums); seal with checksums"
+            )
         ident = (obj.namespace, obj.key)
         del self.pending[ident]
         self._end_lease(ls, "it was sealed")
@@ -377,11 +394,13 @@ class Broker:
         self.counters["bytes_out"] += nbytes
         session.bytes_claimed += nbytes
         self._record("claim", session, obj, nbytes)
+        sums = obj.checksums
         return {
             "lease": lease.id,
             "ttl": ttl,
             "meta": obj.meta,
             "buffers": _extents(obj, chosen),
+            "checksums": None if sums is None else {n: sums[n] for n in chosen},
         }
 
     def _op_release(self, session, lease) -> dict:
@@ -453,7 +472,12 @@ class Broker:
     # ------------------------------------------------------------------ directory
     def _op_lookup(self, session, namespace, key) -> dict | None:
         obj = self.objects.get((namespace, key))
-        return None if obj is None else obj.info()
+        if obj is None:
+            return None
+        info = obj.info()
+        info["checksums"] = obj.checksums
+        return info
+
 
     def _op_list(self, session, namespace, match, limit) -> dict:
         limit = _MAX_LIST if limit is None else max(0, min(limit, _MAX_LIST))

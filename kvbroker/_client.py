@@ -30,12 +30,14 @@ from ._session import Session
 from ._shared import PerProcess
 from ._stats import ObjectInfo, Statistics
 from ._transport import UnixTransport
-from .errors import Exists, KVBrokerError
+from . import _integrity
+from .errors import BadRequest, Exists, KVBrokerError, ProtocolError
 
 __all__ = ["Client", "WriteLease", "ReadLease", "EvictResult"]
 
 # segment name -> this process's one mapping of it
 _process_maps: PerProcess[PoolMapping] = PerProcess(PoolMapping.close)
+_EMPTY_DIGEST = _integrity.digest(b"")
 
 
 def _np():
@@ -149,13 +151,35 @@ class _Lease:
 
 
 class WriteLease(_Lease):
-    """Writable views of a reservation; ``seal`` publishes it, ``abort`` discards it."""
+    """Writable views of a reservation; ``seal`` publishes it, ``abort`` discards it.
+
+    With ``checksum`` (the default), ``seal`` hashes every buffer as written (one extra read
+    of the bytes) and records the digests with the object, unless ``checksums`` was already
+    set by whoever filled the views (``put`` hashes while copying).
+    """
 
     _writable = True
 
+    def __init__(self, client: Client, namespace: str, key: str, reply: dict,
+                 checksum: bool = True) -> None:  # fmt: skip
+        super().__init__(client, namespace, key, reply)
+        self.checksum = checksum
+        self.checksums: dict[str, int] | None = None
+
     def seal(self) -> None:
+        sums = self.checksums
+        if sums is None and self.checksum and not self.ended:
+            sums = {name: _integrity.digest(self[name]) for name in self._extents}
         self._drop_views()
-        self.client._call("seal", lease=self.id)
+        try:
+            self.client._call("seal", lease=self.id, checksums=sums)
+        except (BadRequest, ProtocolError):
+            # Refused (bad or missing checksums...): the views are gone, so free the pages.
+            try:
+                self.client._call("abort", lease=self.id)
+            except KVBrokerError:
+                pass
+            raise
 
     def abort(self) -> None:
         if not self.ended:
@@ -182,6 +206,16 @@ class ReadLease(_Lease):
     ) -> None:
         super().__init__(client, namespace, key, reply, asked_at)
         self.meta: dict | None = reply.get("meta")
+        # {buffer: xxh3_64} recorded at seal, for the buffers of this lease; None if the
+        # writer sealed without checksums.
+        self.checksums: dict[str, int] | None = reply.get("checksums")
+
+    def verify(self) -> None:
+        """Re-hash the leased buffers; raise ChecksumMismatch naming those that differ from
+        the checksums recorded at seal (buffers sealed without one are not checked)."""
+        if self.checksums:
+            bad = _integrity.mismatched({n: self[n] for n in self._extents}, self.checksums)
+            _integrity.check(self.namespace, self.key, bad)
 
     def release(self) -> None:
         """End the lease. Raises LeaseExpired if it had already ended (see the module doc)."""
@@ -296,16 +330,20 @@ class Client:
         replace: bool = False,
         ttl: float | None = None,
         consumers: int = 1,
+        checksum: bool = True,
     ) -> WriteLease:
         """A write lease with one writable view per named buffer; raises Exists if published.
 
         ``consumers``: how many consume-claims must be released before the object is freed.
+        ``checksum``: hash the buffers at seal so claimers can verify them (costs one extra
+        read of the written bytes; False skips it, and a daemon with require_checksums then
+        refuses the seal).
         """
         reply = self._call(
             "reserve", namespace=namespace, key=key, buffers=dict(sizes), meta=meta,
             replace=replace, ttl=ttl, consumers=consumers,
         )  # fmt: skip
-        return WriteLease(self, namespace, key, reply)
+        return WriteLease(self, namespace, key, reply, checksum)
 
     def put(
         self,
@@ -317,24 +355,33 @@ class Client:
         replace: bool = False,
         ttl: float | None = None,
         consumers: int = 1,
+        checksum: bool = True,
     ) -> bool:
         """Publish ``buffers`` (numpy arrays, torch CPU tensors or bytes-like) under ``key``.
 
         Copies each byte once into the pool, then seals. Returns False, copying nothing,
-        when the key is already published and ``replace`` is False.
+        when the key is already published and ``replace`` is False. ``checksum``: hash each
+        chunk right after copying it (still one pass over memory) and record the digests.
         """
         sizes = {name: nbytes_of(b) for name, b in buffers.items()}
         try:
             lease = self.reserve(key, sizes, namespace=namespace, meta=meta, replace=replace,
-                                 ttl=ttl, consumers=consumers)  # fmt: skip
+                                 ttl=ttl, consumers=consumers, checksum=checksum)  # fmt: skip
         except Exists:
             if replace:
                 raise
             return False
         with lease:
-            for name, src in buffers.items():
-                if sizes[name]:
-                    copy_into(lease[name], src)
+            if checksum:
+                lease.checksums = {
+                    name: _integrity.copy_hashed(lease[name], src, copy_into)
+                    if sizes[name] else _EMPTY_DIGEST
+                    for name, src in buffers.items()
+                }  # fmt: skip
+            else:
+                for name, src in buffers.items():
+                    if sizes[name]:
+                        copy_into(lease[name], src)
         return True
 
     # -- claim -----------------------------------------------------------------------------
@@ -347,12 +394,15 @@ class Client:
         consume: bool = False,
         wait: float | None = None,
         ttl: float | None = None,
+        verify: bool = False,
     ) -> ReadLease:
         """A read lease on a sealed object.
 
         ``select``: a regex that buffer names must match in full; ``consume``: free the
         object when this lease is released; ``wait``: seconds to wait for the key to be
-        sealed (else NotFound at once; Timeout when the wait runs out).
+        sealed (else NotFound at once; Timeout when the wait runs out). ``verify``: re-hash
+        the buffers before returning (one read of them) and raise ChecksumMismatch, with the
+        lease released, if any differs from its checksum recorded at seal.
         """
         if wait is not None and self._timeout is not None:
             self._session._stream.transport.settimeout(self._timeout + wait)
@@ -365,7 +415,15 @@ class Client:
         finally:
             if wait is not None and self._timeout is not None:
                 self._session._stream.transport.settimeout(self._timeout)
-        return ReadLease(self, namespace, key, reply, asked_at)
+        lease = ReadLease(self, namespace, key, reply, asked_at)
+        if verify:
+            try:
+                lease.verify()
+            except BaseException:
+                lease.__exit__(*sys.exc_info())
+                raise
+        return lease
+
 
     def get(
         self,
@@ -376,30 +434,42 @@ class Client:
         select: str | None = None,
         consume: bool = False,
         wait: float | None = None,
+        verify: bool = False,
     ) -> dict[str, Any]:
         """Claim, copy every selected buffer out once, release.
 
         ``out`` maps buffer names to destinations (numpy arrays, torch tensors, writable
         bytes-like) of the right size; buffers not in ``out`` get fresh uint8 arrays.
+        ``verify``: hash each chunk as it is copied out (still one pass) and raise
+        ChecksumMismatch instead of returning bytes that differ from those sealed (the
+        destinations in ``out`` then hold the bad bytes: do not use them).
         """
         np = _np()
         result: dict[str, Any] = {}
         with self.claim(key, namespace=namespace, select=select, consume=consume,
                         wait=wait) as lease:  # fmt: skip
+            sums = lease.checksums if verify else None
+            bad = []
             for name in lease:
                 src = lease[name]
                 dst = None if out is None else out.get(name)
                 if dst is None:
-                    result[name] = src.copy()
-                    continue
-                if _torch_tensor(dst):
+                    target = result[name] = np.empty(src.nbytes, dtype=np.uint8)
+                elif _torch_tensor(dst):
                     torch = sys.modules["torch"]
-                    np.copyto(dst.view(-1).view(torch.uint8).numpy(), src)
+                    target = dst.view(-1).view(torch.uint8).numpy()
                 elif isinstance(dst, np.ndarray):
-                    np.copyto(dst.reshape(-1).view(np.uint8), src)
+                    target = dst.reshape(-1).view(np.uint8)
                 else:
-                    np.copyto(np.frombuffer(dst, dtype=np.uint8), src)
-                result[name] = dst
+                    target = np.frombuffer(dst, dtype=np.uint8)
+                if sums and name in sums:
+                    if _integrity.copy_out_hashed(target, src) != sums[name]:
+                        bad.append(name)
+                else:
+                    np.copyto(target, src)
+                if dst is not None:
+                    result[name] = dst
+            _integrity.check(namespace, key, bad)
         return result
 
     # -- directory -------------------------------------------------------------------------

@@ -111,6 +111,14 @@ def _group(value: Any) -> int | None:
         raise ValueError(f"no group {value!r} on this host") from None
 
 
+def _bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+        return value.lower() in ("1", "true", "yes", "on")
+    raise ValueError(f"expected true or false, got {value!r}")
+
+
 def _log_level(value: Any) -> str:
     if not isinstance(value, str) or value.lower() not in LOG_LEVELS:
         raise ValueError(f"expected one of {', '.join(LOG_LEVELS)}, got {value!r}")
@@ -167,7 +175,15 @@ class Key:
 
 
 _POOLS, _CONNECTIONS = _int_in(1, 64), _int_in(1, 1 << 20)
-_NUMERIC = (_POOLS, _CONNECTIONS, _ratio)
+_LEASES = _int_in(1, 1 << 24)
+_NUMERIC = (_POOLS, _CONNECTIONS, _LEASES, _ratio)
+
+
+def _write_buffer(value: Any) -> int:
+    n = _size(value)
+    if n < 64 * 1024:
+        raise ValueError(f"must be at least 64K (replies must fit), got {value!r}")
+    return n
 
 KEYS: dict[str, Key] = {
     "socket": Key(_socket, "socket_path", "Unix socket the daemon listens on"),
@@ -183,6 +199,13 @@ KEYS: dict[str, Key] = {
     "busy_poll": Key(_duration, "busy_poll", "keep polling this long after a request"),
     "drain_timeout": Key(_duration, "drain_timeout", "SIGTERM waits this long for leases"),
     "metrics": Key(parse_listen_address, "metrics", "HOST:PORT for Prometheus, off if empty"),
+    "require_checksums": Key(_bool, "require_checksums",
+                             "refuse seals that carry no checksum per buffer"),
+    "max_leases_per_client": Key(_LEASES, "max_leases_per_client",
+                                 "leases one connection may hold at once"),
+    "max_write_buffer": Key(_write_buffer, "max_write_buffer",
+                            "unread replies a connection may pile up before it is cut off"),
+
     "gpu_ring": Key(_gpu_ring, "gpu_ring", "GPU staging ring per visible GPU, e.g. 1G; off"),
 }
 

@@ -69,6 +69,12 @@ class DaemonConfig:
     drain_timeout: float = 10.0
     log_level: str = "info"
     metrics: tuple[str, int] | None = None  # (host, port) of the Prometheus endpoint
+    # Integrity and limits (issue 8): refuse seals without checksums; leases one connection
+    # may hold; bytes of replies/pushes a peer may leave unread before it is disconnected
+    # (above the largest reply: 16 MiB frames).
+    require_checksums: bool = False
+    max_leases_per_client: int = 65536
+    max_write_buffer: int = 32 * 1024 * 1024
     # Bytes of GPU staging ring per visible GPU (kvbroker._gpu_ring); None: no rings, and
     # the daemon never loads the CUDA driver.
     gpu_ring: int | None = None
@@ -473,6 +479,7 @@ class Daemon:
                 high_watermark=self.config.high_watermark,
                 low_watermark=self.config.low_watermark,
                 socket_path=self.config.socket_path,
+                require_checksums=self.config.require_checksums,
             )
             self.broker.on_sealed = self._on_sealed
             if self.config.gpu_ring:

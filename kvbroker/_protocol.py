@@ -103,9 +103,11 @@ OPS: dict[str, Op] = {
         "`consumers`: how many releases of consume-claims free the object (default 1).",
     ),
     "seal": Op(
-        {"lease": _a(int, required=True)},
+        {"lease": _a(int, required=True), "checksums": _a(dict, type(None))},
         "{key, namespace, nbytes}",
-        "Make the written object visible atomically; ends the write lease.",
+        "Make the written object visible atomically; ends the write lease. `checksums`: "
+        "{buffer: xxh3_64 of its bytes} for every buffer, kept with the object and returned "
+        "by claim and lookup (required when the daemon sets require_checksums).",
     ),
     "abort": Op(
         {"lease": _a(int, required=True)},
@@ -121,7 +123,8 @@ OPS: dict[str, Op] = {
             "wait": _a(*_OPT_NUM),
             "ttl": _a(*_OPT_NUM),
         },
-        "{lease, ttl, meta, buffers: {name: [pool, offset, nbytes]}}",
+        "{lease, ttl, meta, buffers: {name: [pool, offset, nbytes]}, checksums: {name: "
+        "digest} | null}",
         "Read lease on a sealed object; `select` is a regex over buffer names; `wait` seconds "
         "to wait for the key to be sealed; `consume` frees the object once released.",
     ),
@@ -137,7 +140,8 @@ OPS: dict[str, Op] = {
     ),
     "lookup": Op(
         {"namespace": _a(str, default="default"), "key": _a(str, required=True)},
-        "ObjectInfo dict or None",
+        "ObjectInfo dict (with checksums) or None",
+
         "Describe one sealed object, without leasing it.",
     ),
     "list": Op(
@@ -174,9 +178,10 @@ OPS: dict[str, Op] = {
         "answers exists and costs no copy. A block is evicted only after its children.",
     ),
     "seal_many": Op(
-        {"leases": _a(list, required=True)},
+        {"leases": _a(list, required=True), "checksums": _a(list, type(None))},
         "{sealed: int}",
-        "Seal several write leases in order (parents before children).",
+        "Seal several write leases in order (parents before children); `checksums`, when "
+        "given, holds one {buffer: digest} map (or null) per lease.",
     ),
     "match_prefix": Op(
         {
@@ -254,6 +259,8 @@ ERROR_CODES = (
     "lease_expired",
     "timeout",
     "forbidden",
+    "quota_exceeded",
+    "limit_exceeded",
     "layout_mismatch",
     "internal",
 )

@@ -159,10 +159,13 @@ class ObjectInfo:
     created_at: float
     last_access: float
     meta: dict | None = None
+    # {buffer: xxh3_64} recorded at seal; only ``lookup`` fills it (None: sealed without).
+    checksums: dict | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ObjectInfo:
+
         return _build(cls, data)

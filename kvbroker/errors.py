@@ -18,6 +18,9 @@ __all__ = [
     "LeaseExpired",
     "Timeout",
     "Forbidden",
+    "QuotaExceeded",
+    "LimitExceeded",
+    "ChecksumMismatch",
     "LayoutMismatch",
     "BrokerUnavailable",
     "InternalError",
@@ -94,6 +97,36 @@ class Forbidden(KVBrokerError):
     code = "forbidden"
 
 
+class QuotaExceeded(KVBrokerError):
+    """A reservation would take a namespace past its byte quota (the message says how far),
+    even after evicting that namespace's own unleased objects."""
+
+    code = "quota_exceeded"
+
+
+class LimitExceeded(KVBrokerError):
+    """A per-daemon or per-connection limit was hit: connections, leases per client.
+
+    The message names the limit and its configuration key."""
+
+    code = "limit_exceeded"
+
+
+class ChecksumMismatch(KVBrokerError):
+    """The bytes of a buffer no longer match the checksum recorded when it was sealed.
+
+    Raised by the client (``claim(..., verify=True)``, ``get(..., verify=True)``); the data is
+    never served. ``buffers`` names the buffers that failed.
+    """
+
+    code = "checksum_mismatch"
+
+    def __init__(self, message: str = "", *, code: str | None = None,
+                 buffers: tuple[str, ...] = ()) -> None:
+        super().__init__(message, code=code)
+        self.buffers = tuple(buffers)
+
+
 class LayoutMismatch(KVBrokerError):
     """The claimer's KV layout is incompatible with the published one (dtype, heads, ...)."""
 
@@ -124,6 +157,9 @@ _BY_CODE: dict[str, type[KVBrokerError]] = {
         LeaseExpired,
         Timeout,
         Forbidden,
+        QuotaExceeded,
+        LimitExceeded,
+        ChecksumMismatch,
         LayoutMismatch,
         BrokerUnavailable,
         InternalError,

@@ -1,0 +1,173 @@
+"""Buffer checksums: recorded at seal, verified on claim/get and by `kvbroker verify`.
+
+Corruption is made the way it happens in real life: through another mapping of the pool's
+shared-memory segment, behind the broker's back.
+"""
+
+import json
+import mmap
+
+import numpy as np
+import posix_ipc
+import pytest
+import xxhash
+from typer.testing import CliRunner
+
+from kvbroker import BadRequest, ChecksumMismatch, KVBrokerError
+from kvbroker._integrity import CHUNK, copy_hashed
+from kvbroker._client import copy_into
+from kvbroker.cli import app
+
+runner = CliRunner()
+
+
+def corrupt(client, key, buffer, at=0, namespace="default"):
+    """Flip one byte of a sealed buffer through a second mapping of its pool."""
+    with client.claim(key, namespace=namespace) as lease:
+        pool, offset, nbytes = lease.extents()[buffer]
+    assert at < nbytes
+    info = client.pools[pool]
+    shm = posix_ipc.SharedMemory(info["name"])
+    try:
+        mm = mmap.mmap(shm.fd, info["size"])
+    finally:
+        shm.close_fd()
+    try:
+        mm[offset + at] ^= 0x5A
+    finally:
+        mm.close()
+
+
+@pytest.mark.parametrize("nbytes", [0, 1, 4095, CHUNK, 3 * CHUNK + 17])
+def test_copy_hashed_equals_one_shot_hash(nbytes):
+    src = np.random.default_rng(nbytes).integers(0, 256, nbytes, dtype=np.uint8)
+    dst = np.zeros(nbytes, dtype=np.uint8)
+    assert copy_hashed(dst, src, copy_into) == xxhash.xxh3_64_intdigest(src.tobytes())
+    assert np.array_equal(dst, src)
+
+
+def test_copy_hashed_strided_and_bytes():
+    src = np.arange(4096, dtype=np.int32).reshape(64, 64)[:, ::2]  # not contiguous
+    dst = np.zeros(src.nbytes, dtype=np.uint8)
+    assert copy_hashed(dst, src, copy_into) == xxhash.xxh3_64_intdigest(
+        np.ascontiguousarray(src).tobytes()
+    )
+    raw = b"abc" * 1000
+    dst = np.zeros(len(raw), dtype=np.uint8)
+    assert copy_hashed(dst, raw, copy_into) == xxhash.xxh3_64_intdigest(raw)
+
+
+def test_put_records_checksums_returned_by_lookup_and_claim(client):
+    a = np.random.default_rng(1).integers(0, 256, 3 * CHUNK + 5, dtype=np.uint8)
+    client.put("k", {"past_key.0": a, "past_value.0": b"xyz", "empty": b""})
+    sums = client.lookup("k").checksums
+    assert sums == {
+        "past_key.0": xxhash.xxh3_64_intdigest(a.tobytes()),
+        "past_value.0": xxhash.xxh3_64_intdigest(b"xyz"),
+        "empty": xxhash.xxh3_64_intdigest(b""),
+    }
+    with client.claim("k", select=r"past_value\.\d+", verify=True) as lease:
+        assert lease.checksums == {"past_value.0": sums["past_value.0"]}
+    got = client.get("k", verify=True)
+    assert np.array_equal(got["past_key.0"], a) and bytes(got["past_value.0"]) == b"xyz"
+
+
+def test_reserve_hashes_the_written_view_at_seal(client):
+    with client.reserve("w", {"x": 10_000}) as lease:
+        lease["x"][:] = 7
+    assert client.lookup("w").checksums == {"x": xxhash.xxh3_64_intdigest(b"\x07" * 10_000)}
+    with client.reserve("nosum", {"x": 10}, checksum=False) as lease:
+        lease["x"][:] = 1
+    assert client.lookup("nosum").checksums is None
+    with client.claim("nosum", verify=True) as lease:  # nothing recorded: nothing to check
+        assert lease.checksums is None
+
+
+def test_corrupted_byte_is_never_served(client):
+    a = np.arange(2 * CHUNK, dtype=np.uint8)
+    client.put("k", {"a": a, "b": b"fine"})
+    corrupt(client, "k", "a", at=CHUNK + 3)
+    with pytest.raises(ChecksumMismatch) as err:
+        client.claim("k", verify=True)
+    assert err.value.buffers == ("a",) and err.value.code == "checksum_mismatch"
+    assert "default/k" in str(err.value)
+    out = {"a": np.zeros(a.nbytes, dtype=np.uint8)}
+    with pytest.raises(ChecksumMismatch):
+        client.get("k", out, verify=True)
+    # The lease of the failed claim was released; the good buffer still verifies alone.
+    assert client.stat().read_leases == 0
+    with client.claim("k", select="b", verify=True) as lease:
+        assert bytes(lease["b"]) == b"fine"
+    # Without verify the bytes are served as they are (the caller did not ask).
+    assert client.get("k")["a"][CHUNK + 3] != a[CHUNK + 3]
+
+
+def test_seal_rejects_malformed_checksums(client):
+    lease = client.reserve("k", {"a": 4, "b": 4})
+    lease.checksums = {"a": 1}  # b missing
+    with pytest.raises(BadRequest, match="missing"):
+        lease.seal()
+    assert client.lookup("k") is None  # nothing half-sealed
+    assert client.stat().write_leases == 0  # the refused lease was aborted, pages freed
+
+    lease2 = client.reserve("k2", {"a": 4})
+    with pytest.raises(BadRequest, match="64-bit"):
+        client._call("seal", lease=lease2.id, checksums={"a": -1})
+    with pytest.raises(BadRequest, match="checksums must"):
+        client._call("seal", lease=lease2.id, checksums={"a": 1, "zz": 2})
+    client._call("seal", lease=lease2.id, checksums={"a": (1 << 64) - 1})
+    assert client.lookup("k2").checksums == {"a": (1 << 64) - 1}
+
+
+def test_daemon_requiring_checksums_refuses_seal_without(make_daemon):
+    d = make_daemon("--pool-size", "8M", "--page-size", "4K",
+                    env={"KVBROKER_REQUIRE_CHECKSUMS": "true"})  # fmt: skip
+    with d.client() as c:
+        with pytest.raises(BadRequest, match="require_checksums"):
+            c.put("k", {"a": b"x"}, checksum=False)
+        assert c.put("k", {"a": b"x"})
+        assert c.lookup("k").checksums is not None
+
+
+def _verify(socket_path, *args):
+    return runner.invoke(app, ["verify", "--socket", socket_path, *args])
+
+
+def test_cli_verify_table_json_and_exit_code(daemon, client):
+    client.put("good", {"a": b"1" * 5000}, namespace="pd")
+    client.put("bad", {"a": b"2" * 5000, "b": b"3"}, namespace="pd")
+    client.put("other", {"a": b"4"}, namespace="prefix")
+    client.put("plain", {"a": b"5"}, namespace="pd", checksum=False)
+    r = _verify(daemon.socket_path)
+    assert r.exit_code == 0, r.output
+    assert "3 ok, 0 mismatch, 1 unchecked, 0 gone" in r.output
+
+    corrupt(client, "bad", "a", at=4999, namespace="pd")
+    r = _verify(daemon.socket_path)
+    assert r.exit_code == 1, r.output
+    line = next(ln for ln in r.output.splitlines() if " bad " in f" {ln} ")
+    assert "MISMATCH (a)" in line
+    r = _verify(daemon.socket_path, "--json", "--namespace", "pd")
+    assert r.exit_code == 1
+    report = json.loads(r.output)
+    assert report["mismatch"] == 1 and report["ok"] == 1 and report["unchecked"] == 1
+    assert {o["key"]: o["status"] for o in report["objects"]} == {
+        "good": "ok", "bad": "mismatch", "plain": "unchecked"
+    }
+    assert next(o for o in report["objects"] if o["key"] == "bad")["bad"] == ["a"]
+    # Selecting around the bad object passes.
+    r = _verify(daemon.socket_path, "--match", "^(good|other)$", "--json")
+    assert r.exit_code == 0 and json.loads(r.output)["ok"] == 2
+    assert client.stat().read_leases == 0  # verify released everything it read
+
+
+def test_cli_verify_without_daemon(tmp_path):
+    r = _verify(str(tmp_path / "none.sock"))
+    assert r.exit_code == 3
+
+
+def test_checksum_mismatch_is_a_kvbroker_error():
+    assert issubclass(ChecksumMismatch, KVBrokerError)
+    from kvbroker.errors import error_for_code
+
+    assert isinstance(error_for_code("checksum_mismatch", "x"), ChecksumMismatch)
