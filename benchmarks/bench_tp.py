@@ -2,10 +2,12 @@
 
 One request of 1024 tokens, 64 layers, 8 KV heads, head_dim 128, bf16 (256 MiB of K+V),
 paged in blocks of 16 tokens at scattered block ids. Configurations P=1→D=1 (homogeneous),
-P=4→D=1 and P=1→D=4, against a daemon this script starts (2 GiB pool). For each: copy
+P=4→D=1 and P=1→D=4, against a daemon this script starts (1 GiB pool). For each: copy
 operations and contiguous source runs per claim, claim GB/s (bytes written into the decode
-caches / wall time of the claims, round trips included), publish GB/s. Medians over
-``--repeats``. Writes benchmarks/results/tp-cpu.json.
+caches / wall time of the claims, round trips included), publish GB/s. The configurations
+are interleaved within each repeat (the machine is shared: load falls on all alike); medians
+over ``--repeats``; the last repeat is checked bit for bit. Writes
+benchmarks/results/tp-cpu.json.
 
     .venv/bin/python benchmarks/bench_tp.py [--repeats 5] [--layout kv-first-HND]
 """
@@ -41,7 +43,7 @@ CONFIGS = [(1, 1), (4, 1), (1, 4)]
 def start_daemon(tmp: str) -> subprocess.Popen:
     sock = os.path.join(tmp, "kvb.sock")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvbroker", "serve", "--socket", sock, "--pool-size", "2G"],
+        [sys.executable, "-m", "kvbroker", "serve", "--socket", sock, "--pool-size", "1G"],
         stdout=open(os.path.join(tmp, "daemon.log"), "wb"), stderr=subprocess.STDOUT,
     )  # fmt: skip
     deadline = time.monotonic() + 60
@@ -73,41 +75,72 @@ def make_cache(axes, heads: int, rng, fill: bool):
     return PagedKV(layers, axes), ids
 
 
-def run_config(client, P, D, axes, repeats, rng):
-    prefill = [make_cache(axes, len(shard_heads(p, P, HEADS)), rng, True) for p in range(P)]
-    decode = [make_cache(axes, len(shard_heads(d, D, HEADS)), rng, False) for d in range(D)]
-    claim_s, publish_s, ops, runs, shards, nbytes = [], [], set(), set(), set(), 0
+def run_layout(client, axes, repeats, rng):
+    """Every configuration, interleaved: repeat r runs P=D=1, then P=4→D=1, then P=1→D=4, so
+    load from other processes on this shared machine falls on all of them alike. Caches of the
+    same (TP size, side) are shared between configurations."""
+    caches = {}
+
+    def ranks(side, tp):
+        if (side, tp) not in caches:
+            caches[side, tp] = [make_cache(axes, len(shard_heads(r, tp, HEADS)), rng, side == "prefill")
+                                for r in range(tp)]  # fmt: skip
+        return caches[side, tp]
+
+    rows = {cfg: {"P": cfg[0], "D": cfg[1], "claim_s": [], "publish_s": [], "ops": set(),
+                  "runs": set(), "shards": set(), "nbytes": 0} for cfg in CONFIGS}  # fmt: skip
     for rep in range(repeats + 1):  # the first round warms page mappings and is dropped
-        request = f"bench-P{P}-D{D}-{rep}"
-        t0 = time.perf_counter()
-        for p, (cache, ids) in enumerate(prefill):
-            publish_shard(client, request, cache, ids, TOKENS, tp_rank=p, tp_size=P,
-                          total_kv_heads=HEADS, decode_tp_size=D)  # fmt: skip
-        t1 = time.perf_counter()
-        total = 0
-        for d, (cache, ids) in enumerate(decode):
-            res = claim_shards(client, request, cache, ids, tp_rank=d, tp_size=D,
-                               prefill_tp_size=P, total_kv_heads=HEADS)  # fmt: skip
-            ops.add(res.copy_ops)
-            runs.add(res.source_runs)
-            shards.add(len(res.keys))
-            total += res.nbytes
-        t2 = time.perf_counter()
-        assert not client.list(match=f"{request}/.*"), "request not freed after its claims"
-        if rep:
-            publish_s.append(t1 - t0)
-            claim_s.append(t2 - t1)
-            nbytes = total
-    # Spot-check exactness: decode rank 0's first head of layer 0 equals prefill's copy.
-    return {
-        "P": P, "D": D, "bytes_per_request": nbytes,
-        "copy_ops_per_claim": sorted(ops), "source_runs_per_claim": sorted(runs),
-        "shards_per_claim": sorted(shards),
-        "claim_seconds_median": statistics.median(claim_s),
-        "claim_GBps": nbytes / statistics.median(claim_s) / 1e9,
-        "publish_seconds_median": statistics.median(publish_s),
-        "publish_GBps": nbytes / statistics.median(publish_s) / 1e9,
-    }
+        for P, D in CONFIGS:
+            row = rows[P, D]
+            request = f"bench-P{P}-D{D}-{rep}"
+            t0 = time.perf_counter()
+            for p, (cache, ids) in enumerate(ranks("prefill", P)):
+                publish_shard(client, request, cache, ids, TOKENS, tp_rank=p, tp_size=P,
+                              total_kv_heads=HEADS, decode_tp_size=D)  # fmt: skip
+            t1 = time.perf_counter()
+            total = 0
+            for d, (cache, ids) in enumerate(ranks("decode", D)):
+                res = claim_shards(client, request, cache, ids, tp_rank=d, tp_size=D,
+                                   prefill_tp_size=P, total_kv_heads=HEADS)  # fmt: skip
+                row["ops"].add(res.copy_ops)
+                row["runs"].add(res.source_runs)
+                row["shards"].add(len(res.keys))
+                total += res.nbytes
+            t2 = time.perf_counter()
+            assert not client.list(match=f"{request}/.*"), "request not freed after its claims"
+            if rep == repeats:
+                check_exact(ranks("prefill", P), ranks("decode", D), f"P={P} D={D}")
+            if rep:
+                row["publish_s"].append(t1 - t0)
+                row["claim_s"].append(t2 - t1)
+                row["nbytes"] = total
+    out = []
+    for row in rows.values():
+        claim, publish, nbytes = (statistics.median(row["claim_s"]),
+                                  statistics.median(row["publish_s"]), row["nbytes"])  # fmt: skip
+        out.append({
+            "P": row["P"], "D": row["D"], "bytes_per_request": nbytes,
+            "copy_ops_per_claim": sorted(row["ops"]), "source_runs_per_claim": sorted(row["runs"]),
+            "shards_per_claim": sorted(row["shards"]),
+            "claim_seconds_median": claim, "claim_GBps": nbytes / claim / 1e9,
+            "claim_seconds_all": row["claim_s"],
+            "publish_seconds_median": publish, "publish_GBps": nbytes / publish / 1e9,
+        })  # fmt: skip
+    return out
+
+
+def check_exact(prefill, decode, label):
+    """Every decode rank's tokens equal the prefill ranks' tokens, bit for bit (first and last
+    layer: the copies of every layer are the same code)."""
+
+    def tokens(cache, ids, layer):  # [kv, token, head, dim] of one layer, in token order
+        c = np.stack([cache.component(layer, k) for k in range(2)])  # [kv, block, slot, head, dim]
+        return c[:, ids].reshape(2, TOKENS, c.shape[3], DIM)
+
+    for layer in (0, LAYERS - 1):
+        want = np.concatenate([tokens(c, i, layer) for c, i in prefill], axis=2)
+        got = np.concatenate([tokens(c, i, layer) for c, i in decode], axis=2)
+        assert np.array_equal(want, got), f"{label}: layer {layer} differs"
 
 
 def main() -> None:
@@ -124,8 +157,7 @@ def main() -> None:
         try:
             with Client(os.path.join(tmp, "kvb.sock")) as client:
                 for layout in args.layout or sorted(LAYOUTS):
-                    rows = [run_config(client, P, D, LAYOUTS[layout], args.repeats, rng)
-                            for P, D in CONFIGS]  # fmt: skip
+                    rows = run_layout(client, LAYOUTS[layout], args.repeats, rng)
                     homo = rows[0]["claim_GBps"]
                     for row in rows:
                         row["claim_vs_homogeneous"] = row["claim_GBps"] / homo

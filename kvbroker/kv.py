@@ -45,7 +45,8 @@ partial last block if ``num_tokens`` is not a multiple of the decode block size 
 
 Torch is never imported here: a tensor argument means the caller already imported it, and
 CPU tensors are viewed as numpy arrays of integers (zero-copy). Device tensors go through the
-GPU staging path, not this host path.
+GPU staging path, not this host path (:func:`kvbroker.gpu.publish_shard_cuda`,
+:func:`kvbroker.gpu.claim_shards_cuda`: same objects, Triton gather/scatter, bulk DMA).
 """
 
 from __future__ import annotations
@@ -97,7 +98,7 @@ def _int_view(array: Any):
         if array.device.type != "cpu":
             raise BadRequest(
                 f"kvbroker.kv moves host memory; a {array.device} tensor goes through the GPU "
-                "staging path"
+                "staging path: kvbroker.gpu.publish_shard_cuda / claim_shards_cuda"
             )
         ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
         return array.detach().view(ints[array.element_size()]).numpy()
@@ -277,8 +278,13 @@ def _scatter(src, dst, ids, full_index, num_tokens: int, dst_head: int) -> int:
     heads, _, dim = src.shape
     h = slice(dst_head, dst_head + heads)
     if full:
-        val = _split_view(src[:, : full * slots], (heads, full, slots, dim)).transpose(1, 2, 0, 3)
-        dst[full_index, :, h, :] = val
+        # Head-major, like the source: numpy walks head, block, slot and copies one head_dim row
+        # per step, reading each head's tokens in order. The dst-order assignment
+        # (``dst[blocks, :, h] = src.transpose(...)``) interleaves the heads of a row from
+        # several source streams, and numpy runs that 2-3x slower once ``h`` is part of a row
+        # (NHD caches fed by several shards, or sliced out of a larger shard).
+        dst.transpose(2, 0, 1, 3)[h, full_index] = _split_view(src[:, : full * slots],
+                                                               (heads, full, slots, dim))  # fmt: skip
         ops += 1
     if tail:
         dst[ids[full], :tail, h, :] = src[:, full * slots :].transpose(1, 0, 2)
@@ -498,24 +504,30 @@ def claim_shards(
         full_index = _as_index(ids[: total // cache.block_size])
         names = _buffer_names(cache, infix)
         int_dtype = cache._canonical[0].dtype
+        # Every piece's source run per (layer, K/V), checked before the first byte moves.
+        sources = []
         for piece in plan:
             key = shard_key(request, piece.prefill_rank, prefill_tp_size)
             lease = pins[key]
             stored = Layout.from_dict(lease.meta["layout"])
             # One contiguous run per (layer, K/V): heads are outermost in a stored buffer.
-            runs = stored.narrow("head", piece.src_head, piece.count).descriptors()
-            for layer, row in enumerate(names):
-                for c, name in enumerate(row):
-                    if name not in lease:
-                        raise LayoutMismatch(f"layout mismatch on buffers: {key} has no {name}")
-                    buf = lease[name]
-                    for offset, nbytes in runs:
-                        src = _split_view(buf[offset : offset + nbytes].view(int_dtype),
-                                          (piece.count, total, cache.head_dim))  # fmt: skip
-                        result.copy_ops += _scatter(src, cache.component(layer, c), ids, full_index,
-                                                    total, piece.dst_head)  # fmt: skip
-                        result.source_runs += 1
-                        result.nbytes += nbytes
+            (run,) = stored.narrow("head", piece.src_head, piece.count).descriptors()
+            missing = [n for row in names for n in row if n not in lease]
+            if missing:
+                raise LayoutMismatch(f"layout mismatch on buffers: {key} has no {missing[0]}")
+            sources.append((piece, lease, run))
+        # (layer, K/V) outermost, shards innermost: the pieces of one destination component
+        # land back to back while its cache lines are still hot (an NHD row is written by
+        # every contributing shard; shard-outermost order went to DRAM once per shard).
+        for layer, row in enumerate(names):
+            for c, name in enumerate(row):
+                dst = cache.component(layer, c)
+                for piece, lease, (offset, nbytes) in sources:
+                    src = _split_view(lease[name][offset : offset + nbytes].view(int_dtype),
+                                      (piece.count, total, cache.head_dim))  # fmt: skip
+                    result.copy_ops += _scatter(src, dst, ids, full_index, total, piece.dst_head)
+                    result.source_runs += 1
+                    result.nbytes += nbytes
         result.num_tokens = total
         if consume:
             for key in keys:
