@@ -142,6 +142,7 @@ def serve(
         "lease_ttl": lease_ttl, "high_watermark": high_watermark,
         "low_watermark": low_watermark, "group": group, "log_level": log_level,
         "drain_timeout": drain_timeout, "max_connections": max_connections, "metrics": metrics,
+        "keep_pools_on_exit": keep_pools_on_exit, "cold": True if cold else None,
         "gpu_ring": gpu_ring,
     }  # fmt: skip
     reload_config = functools.partial(load_config, config, flags=flags)

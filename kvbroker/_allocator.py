@@ -26,6 +26,27 @@ class ExtentAllocator:
         self._live: dict[int, int] = {}
         self._used = 0
 
+    @classmethod
+    def with_live(cls, capacity: int, live: list[tuple[int, int]]) -> ExtentAllocator:
+        """An allocator whose live extents are exactly ``live`` (a warm restart rebuilding a
+        dead daemon's state); everything between them is free. Overlaps raise ValueError."""
+        a = cls(capacity)
+        a._free_by_start.clear()
+        a._free_by_end.clear()
+        a._free_sizes.clear()
+        pos = 0
+        for start, npages in sorted(live):
+            if npages <= 0 or start < pos or start + npages > capacity:
+                raise ValueError(f"extent ({start}, {npages}) overlaps another or the end")
+            if start > pos:
+                a._add_free(pos, start - pos)
+            a._live[start] = npages
+            a._used += npages
+            pos = start + npages
+        if pos < capacity:
+            a._add_free(pos, capacity - pos)
+        return a
+
     # -- queries --------------------------------------------------------------------------
     @property
     def used(self) -> int:

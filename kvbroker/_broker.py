@@ -41,13 +41,14 @@ import os
 import re
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from itertools import count
 from typing import Any
 
 import msgpack
 
 from ._version import __version__
+from ._allocator import ExtentAllocator
 from . import _integrity
 from ._pool import HostPool
 from ._names import check_buffer_name
@@ -122,6 +123,35 @@ class StoredObject:
         # {buffer: xxh3_64} computed by the writer, recorded at seal (kvbroker._integrity).
         self.checksums: dict[str, int] | None = None
 
+    # The fields that survive a warm restart (see _journal.py). A new per-object field that a
+    # restarted daemon must still know goes here; ``pool`` and ``parent`` travel as indices.
+    PERSISTED = (
+        "serial", "namespace", "key", "start", "npages", "nbytes", "meta", "created_at",
+        "consumers", "parent_key", "checksums",
+    )  # fmt: skip
+
+    def to_record(self) -> dict[str, Any]:
+        """This sealed object as a journal record (msgpack-able)."""
+        rec = {name: getattr(self, name) for name in self.PERSISTED}
+        rec["pool"] = self.pool.index
+        rec["buffers"] = self.buffers
+        rec["parent"] = self.parent.serial if self.parent is not None else None
+        return rec
+
+    @classmethod
+    def from_record(cls, rec: dict[str, Any], pools: list[HostPool]) -> StoredObject:
+        """A sealed object back from its journal record; ``parent`` is resolved by the
+        caller (it names a serial)."""
+        buffers = {name: (int(off), int(n)) for name, (off, n) in rec["buffers"].items()}
+        obj = cls(rec["namespace"], rec["key"], pools[rec["pool"]], rec["start"],
+                  rec["npages"], rec["nbytes"], buffers, rec["meta"], rec["serial"])  # fmt: skip
+        for name in cls.PERSISTED:
+            if name in rec:
+                setattr(obj, name, rec[name])
+        obj.last_access = obj.created_at
+        obj.sealed = True
+        return obj
+
     def info(self) -> dict[str, Any]:
         return {
             "namespace": self.namespace,
@@ -191,6 +221,11 @@ class Broker:
         self._expiry: list[tuple[float, int]] = []
         self._ended: OrderedDict[int, str] = OrderedDict()
         self._ids = count(1)
+        # Warm restart (_journal.py): the daemon sets these when it keeps a journal.
+        self.journal: Any = None  # kvbroker._journal.Journal, or None
+        self.epoch = 1  # starts of this socket's daemon that adopted the previous one's pools
+        self._first_id = 1  # ids below were handed out by an earlier daemon
+        self._id_limit = 1 << 62
         self._serials = count(1)
         self._regex_cache: dict[str, re.Pattern] = {}
         self.counters: dict[str, int] = dict.fromkeys(
@@ -205,9 +240,57 @@ class Broker:
         # GPU staging rings (kvbroker._gpu_ring.RingService) when serving with --gpu-ring.
         self.rings: Any = None
 
+    # ------------------------------------------------------------------ warm restart
+    def attach_journal(self, journal: Any, next_id: int) -> None:
+        """Journal every change of the index from now on; ids continue from ``next_id``."""
+        self.journal = journal
+        self.epoch = journal.epoch
+        self._first_id = next_id
+        self._ids = count(next_id)
+        journal.rewrite(self.journal_records(), next_id)
+        self._id_limit = journal.id_limit
+
+    def compact_journal(self) -> None:
+        """Rewrite the journal as the live objects only (the daemon calls this off the
+        request path, when the log has grown to twice what is live)."""
+        self.journal.rewrite(self.journal_records(), next(self._ids))
+        self._id_limit = self.journal.id_limit
+
+    def journal_records(self) -> list[dict[str, Any]]:
+        """Every sealed, linked object as a journal record, in seal order."""
+        return [obj.to_record() for obj in self.objects.values()]
+
+    def restore(self, records: Iterable[dict[str, Any]]) -> int:
+        """Adopt the sealed objects of a previous daemon (records in seal order) into an
+        empty broker: the allocators are rebuilt from their extents, everything else is
+        free. Returns how many objects came back."""
+        if self.objects or self.pending:
+            raise RuntimeError("restore needs an empty broker")
+        by_serial: dict[int, StoredObject] = {}
+        live: list[list[tuple[int, int]]] = [[] for _ in self.pools]
+        for rec in records:
+            obj = StoredObject.from_record(rec, self.pools)
+            parent = by_serial.get(rec.get("parent"))
+            if parent is not None:
+                obj.parent = parent
+                parent.children += 1
+                self._lru.pop(parent.serial, None)
+            obj.linked = True
+            by_serial[obj.serial] = obj
+            self.objects[(obj.namespace, obj.key)] = obj
+            self._owners[obj.pool.index][obj.start] = obj
+            if obj.children == 0:
+                self._lru[obj.serial] = obj
+            live[obj.pool.index].append((obj.start, obj.npages))
+        for pool, extents in zip(self.pools, live):
+            pool.allocator = ExtentAllocator.with_live(pool.allocator.capacity, extents)
+        top = max(by_serial, default=0)
+        self._serials = count(top + 1)
+        return len(by_serial)
+
     # ------------------------------------------------------------------ sessions
     def open_session(self, pid: int = 0, uid: int = -1, gid: int = -1) -> Session:
-        s = Session(next(self._ids), pid, uid, gid)
+        s = Session(self._next_id(), pid, uid, gid)
         self.sessions[s.id] = s
         return s
 
@@ -252,6 +335,7 @@ class Broker:
             "session": session.id,
             "lease_ttl": self.lease_ttl,
             "pools": [p.describe() for p in self.pools],
+            "epoch": self.epoch,
         }
 
     # ------------------------------------------------------------------ publish
@@ -355,6 +439,8 @@ class Broker:
                 obj.parent = parent
                 parent.children += 1
                 self._lru.pop(parent.serial, None)  # a parent goes only after its children
+        if self.journal is not None:  # before the reply: a sealed object survives a crash
+            self.journal.sealed(obj.to_record())
         self.counters["publishes"] += 1
         self.counters["bytes_in"] += obj.nbytes
         session.bytes_published += obj.nbytes
@@ -682,11 +768,17 @@ class Broker:
         return pattern
 
     def _new_lease(self, kind, session, obj, ttl, consume=False) -> Lease:
-        ls = Lease(next(self._ids), kind, session, obj, ttl, self.clock() + ttl, consume)
+        ls = Lease(self._next_id(), kind, session, obj, ttl, self.clock() + ttl, consume)
         self.leases[ls.id] = ls
         session.leases[ls.id] = ls
         heapq.heappush(self._expiry, (ls.expires_at, ls.id))
         return ls
+
+    def _next_id(self) -> int:
+        lid = next(self._ids)
+        if lid >= self._id_limit:  # once per block of ids: a restart must not reuse them
+            self._id_limit = self.journal.reserve_ids(lid)
+        return lid
 
     def _lease(self, session: Session, lid: int, kind: str | None) -> Lease:
         ls = self.leases.get(lid)
@@ -694,6 +786,11 @@ class Broker:
             reason = self._ended.get(lid)
             if reason is not None:
                 raise LeaseExpired(f"lease {lid} has ended: {reason}")
+            if 0 < lid < self._first_id:
+                raise LeaseExpired(
+                    f"lease {lid} has ended: it died with the previous daemon, which restarted "
+                    f"(this is epoch {self.epoch})"
+                )
             raise BadRequest(f"no lease {lid}")
         if ls.session is not session:
             raise Forbidden(f"lease {lid} is held by another connection")
@@ -714,6 +811,8 @@ class Broker:
             obj.readers -= 1
             if consume and obj.linked:
                 obj.consumers -= 1
+                if self.journal is not None and obj.consumers > 0:
+                    self.journal.consumers(obj.serial, obj.consumers)
             if consume and obj.linked and obj.consumers <= 0:
                 self._unlink(obj)  # frees now, or when the last other reader leaves
             elif obj.linked:
@@ -741,6 +840,8 @@ class Broker:
         if not obj.linked:
             return
         obj.linked = False
+        if self.journal is not None:
+            self.journal.unlinked(obj.serial)
         del self.objects[(obj.namespace, obj.key)]
         self._lru.pop(obj.serial, None)
         parent, obj.parent = obj.parent, None

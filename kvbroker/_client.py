@@ -18,7 +18,9 @@ Ownership, from the client's side
 
 from __future__ import annotations
 
+import logging
 import sys
+import threading
 import time
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -31,9 +33,16 @@ from ._shared import PerProcess
 from ._stats import ObjectInfo, Statistics
 from ._transport import UnixTransport
 from . import _integrity
-from .errors import BadRequest, Exists, KVBrokerError, ProtocolError
+from .errors import BadRequest, BrokerUnavailable, Exists, KVBrokerError, LeaseExpired
+from .errors import ProtocolError, Timeout
+
 
 __all__ = ["Client", "WriteLease", "ReadLease", "EvictResult"]
+
+log = logging.getLogger("kvbroker.client")
+
+# Requests that name a lease: after a reconnect they are not resent (the lease is gone).
+_LEASE_OPS = frozenset({"seal", "abort", "release", "renew", "seal_many", "release_many"})
 
 # segment name -> this process's one mapping of it
 _process_maps: PerProcess[PoolMapping] = PerProcess(PoolMapping.close)
@@ -97,6 +106,7 @@ class _Lease:
         self.ended = False
         # The daemon started the TTL after we asked, so it cannot expire before this.
         self._safe_until = asked_at + 0.9 * self.ttl
+        self._generation = client.generation  # the connection this lease lives and dies with
 
     def __getitem__(self, name: str):
         view = self._views.get(name)
@@ -136,6 +146,7 @@ class _Lease:
         return {n: tuple(e) for n, e in self._extents.items()}
 
     def renew(self, ttl: float | None = None) -> float:
+        self._check_alive()
         asked_at = time.monotonic()
         ((_, granted),) = self.client._call("renew", leases=[self.id], ttl=ttl)["expires_in"]
         self.ttl = granted
@@ -145,6 +156,12 @@ class _Lease:
     def _drop_views(self) -> None:
         self.ended = True
         self._views.clear()
+
+    def _check_alive(self) -> None:
+        """Raise LeaseExpired for a lease of a connection the client has since replaced."""
+        if self._generation != self.client.generation:
+            self._drop_views()
+            raise LeaseExpired(self.client._lost_lease_message(self.id))
 
     def __enter__(self):
         return self
@@ -167,6 +184,7 @@ class WriteLease(_Lease):
         self.checksums: dict[str, int] | None = None
 
     def seal(self) -> None:
+        self._check_alive()
         sums = self.checksums
         if sums is None and self.checksum and not self.ended:
             sums = {name: _integrity.digest(self[name]) for name in self._extents}
@@ -182,6 +200,8 @@ class WriteLease(_Lease):
             raise
 
     def abort(self) -> None:
+        if not self.ended and self._generation != self.client.generation:
+            self._drop_views()  # the reservation went with the old connection
         if not self.ended:
             self._drop_views()
             self.client._call("abort", lease=self.id)
@@ -221,11 +241,12 @@ class ReadLease(_Lease):
         """End the lease. Raises LeaseExpired if it had already ended (see the module doc)."""
         if self.ended:
             return
+        self._check_alive()
         self._drop_views()
         if time.monotonic() < self._safe_until:
             # A read lease ends early only by TTL or by its connection closing: well inside
             # its TTL the release cannot fail, so its reply is checked by the next call.
-            self.client._session.send_only("release", lease=self.id)
+            self.client._send_only("release", lease=self.id)
         else:
             self.client._call("release", lease=self.id)
 
@@ -261,6 +282,13 @@ class Client:
     (and pre-faults) every pool at connect, as an engine wants; tools that only look at the
     daemon pass False and never touch the pools. ``busy_poll``: seconds to poll for a reply
     before sleeping (lower latency for a little CPU; 0 turns it off).
+
+    ``reconnect``: when an established connection breaks (the daemon crashed or restarted),
+    the next call reconnects by itself, retrying with exponential backoff for at most this
+    many seconds (0: raise BrokerUnavailable at once). Pools are re-mapped if the new daemon
+    names them differently. Leases die with their connection: using one afterwards raises
+    LeaseExpired saying whether the daemon restarted; a call that was in flight is sent
+    again on the new connection, unless it used a lease.
     """
 
     def __init__(
@@ -272,28 +300,103 @@ class Client:
         timeout: float | None = 30.0,
         map_pools: bool = True,
         busy_poll: float = 100e-6,
+        reconnect: float = 5.0,
     ) -> None:
         self.socket_path = socket_path or default_socket_path()
         self._timeout = timeout
-        stream = MessageStream(UnixTransport(self.socket_path, timeout, busy_poll))
+        self._busy_poll = busy_poll
+        self._name, self._role = name or _default_name(), role
+        self._map_pools = map_pools
+        self.reconnect = reconnect
+        # Connections replaced after a break; a lease of an older one is dead.
+        self.generation = 0
+        self.restarts = 0  # of those, how many found a restarted daemon
+        self._lost = ""  # why the last connection was replaced, for LeaseExpired messages
+        self._reconnect_lock = threading.Lock()
+        self.pools: list[dict] = []
+        self._maps: dict[int, PoolMapping] = {}
+        self._closed = False
+        self._connect()
+
+    # -- plumbing --------------------------------------------------------------------------
+    def _connect(self) -> None:
+        """Open and greet a connection; (re-)map the pools the daemon names."""
+        stream = MessageStream(UnixTransport(self.socket_path, self._timeout, self._busy_poll))
         try:
-            self._session = Session(stream, name=name or _default_name(), role=role)
+            session = Session(stream, name=self._name, role=self._role)
         except BaseException:
             stream.close()
             raise
-        hello = self._session.hello
+        hello = session.hello
+        self._session = session
         self.session_id: int = hello["session"]
         self.server_pid: int = hello["server_pid"]
-        self.pools: list[dict] = hello["pools"]
-        self._maps: dict[int, PoolMapping] = {}
-        self._closed = False
-        if map_pools:
+        self.epoch: int | None = hello.get("epoch")
+        if hello["pools"] != self.pools:  # a cold restart made new segments
+            for m in self._maps.values():
+                _process_maps.release(m.name)
+            self._maps.clear()
+            self.pools = hello["pools"]
+        if self._map_pools:
             for pool in self.pools:
                 self._mapping(pool["index"])
 
-    # -- plumbing --------------------------------------------------------------------------
     def _call(self, op: str, **args: Any) -> Any:
+        generation = self.generation
+        try:
+            return self._session.call(op, **args)
+        except BrokerUnavailable:
+            if not self._session.broken or not self._recover(generation):
+                raise  # a reply saying so (a draining daemon), or reconnecting is off
+        if op in _LEASE_OPS:  # the lease went with the old connection
+            raise LeaseExpired(self._lost_lease_message(args.get("lease")))
         return self._session.call(op, **args)
+
+    def _send_only(self, op: str, **args: Any) -> None:
+        generation = self.generation
+        try:
+            self._session.send_only(op, **args)
+        except BrokerUnavailable:
+            if not self._session.broken or not self._recover(generation):
+                raise
+            raise LeaseExpired(self._lost_lease_message(args.get("lease"))) from None
+
+    def _recover(self, generation: int) -> bool:
+        """Replace a broken connection, backing off exponentially for at most ``reconnect``
+        seconds. False when reconnecting is off; BrokerUnavailable when it keeps failing."""
+        if self.reconnect <= 0 or self._closed:
+            return False
+        with self._reconnect_lock:
+            if self.generation != generation:
+                return True  # another thread already reconnected
+            old_pid, old_epoch = self.server_pid, self.epoch
+            self._session.close()
+            deadline = time.monotonic() + self.reconnect
+            delay = 0.01
+            while True:
+                try:
+                    self._connect()
+                    break
+                except (BrokerUnavailable, Timeout) as exc:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise BrokerUnavailable(
+                            f"{exc.message}; gave up reconnecting after {self.reconnect:g} s"
+                        ) from None
+                    time.sleep(min(delay, left))
+                    delay = min(delay * 2, 0.5)
+            self.generation += 1
+            if self.server_pid != old_pid or self.epoch != old_epoch:
+                self.restarts += 1
+                self._lost = (f"the daemon restarted (pid {old_pid} -> {self.server_pid}, "
+                              f"epoch {old_epoch} -> {self.epoch})")  # fmt: skip
+            else:
+                self._lost = "the connection to the daemon was lost"
+            log.warning("reconnected to %s: %s", self.socket_path, self._lost)
+            return True
+
+    def _lost_lease_message(self, lease: Any) -> str:
+        return f"lease {lease} died with its connection: {self._lost}"
 
     def _mapping(self, index: int) -> PoolMapping:
         m = self._maps.get(index)
@@ -515,11 +618,17 @@ class Client:
 
     def watch(self, interval: float = 1.0) -> Iterator[Statistics]:
         """Snapshots pushed by the daemon every ``interval`` seconds, forever."""
-        self._call("watch", interval=interval)
-        self._session._stream.transport.settimeout(max(30.0, interval * 10))
         while True:
-            msg = self._session.next_push()
-            yield Statistics.from_dict(msg["result"])
+            self._call("watch", interval=interval)
+            self._session._stream.transport.settimeout(max(30.0, interval * 10))
+            generation = self.generation
+            try:
+                while True:
+                    msg = self._session.next_push()
+                    yield Statistics.from_dict(msg["result"])
+            except BrokerUnavailable:
+                if not self._session.broken or not self._recover(generation):
+                    raise  # else subscribe again on the new connection
 
 
 def _default_name() -> str:

@@ -207,6 +207,10 @@ KEYS: dict[str, Key] = {
                             "unread replies a connection may pile up before it is cut off"),
 
     "gpu_ring": Key(_gpu_ring, "gpu_ring", "GPU staging ring per visible GPU, e.g. 1G; off"),
+    "keep_pools_on_exit": Key(_bool, "keep_pools_on_exit",
+                              "a clean stop keeps pools and index for the next daemon"),
+    "cold": Key(_bool, "cold", "start empty: drop what a previous daemon left"),
+    "journal": Key(_bool, "journal", "keep the index in a journal for warm restarts"),
 }
 
 

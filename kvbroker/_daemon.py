@@ -27,6 +27,7 @@ import msgpack
 from ._broker import Broker, Session, WouldWait
 from ._systemd import Notifier, listen_fds
 from ._paths import default_socket_path, format_size
+from ._journal import Journal, JournalError, journal_path
 from ._pool import HostPool, segment_prefix
 from ._protocol import MAX_REQUEST, unpacker_limits
 from .errors import KVBrokerError, Timeout
@@ -78,6 +79,11 @@ class DaemonConfig:
     # Bytes of GPU staging ring per visible GPU (kvbroker._gpu_ring); None: no rings, and
     # the daemon never loads the CUDA driver.
     gpu_ring: int | None = None
+    # Warm restart (kvbroker._journal): a clean stop keeps the pools and the journal for the
+    # next daemon when True; after a crash the next daemon always adopts them unless `cold`.
+    keep_pools_on_exit: bool = False
+    cold: bool = False  # start empty: drop what a previous daemon of this socket left
+    journal: bool = True  # False: no warm restart (every start is cold), no journal writes
     config_path: str | None = None  # the file this came from, re-read on SIGHUP
 
     def resolved_pool_size(self) -> int:
@@ -319,6 +325,7 @@ class Daemon:
         self._waiters: dict[tuple[str, str], asyncio.Future] = {}
         self._stop: asyncio.Event | None = None
         self._lock_fd: int | None = None
+        self._previous_segments: list[str] = []
         self._server: asyncio.AbstractServer | None = None
         self._owns_socket_file = False
         self._last_activity = 0.0
@@ -350,17 +357,105 @@ class Daemon:
                 f"another kvbroker daemon (pid {holder or '?'}) is serving {path}; "
                 "stop it first or choose another --socket"
             ) from None
-        # The lock was free, so whoever wrote this file is gone: drop the segments it left.
+        # The lock was free, so whoever wrote this file is gone: the segments it left are
+        # adopted (warm restart) or dropped once the journal has been read.
         previous = os.pread(fd, 1 << 16, 0).decode(errors="replace").split("\n")[1:]
-        for name in filter(None, (n.strip() for n in previous)):
-            try:
-                import posix_ipc
+        self._previous_segments = [n for n in (n.strip() for n in previous) if n]
+        self._lock_fd = fd
 
+    def _drop_segments(self, names, keep=()) -> None:
+        import posix_ipc
+
+        for name in names:
+            if name in keep:
+                continue
+            try:
                 posix_ipc.unlink_shared_memory(name)
-                log.info("removed shared memory %s left by a dead daemon", name)
+                log.info("removed shared memory %s left by a previous daemon", name)
             except Exception:
                 pass
-        self._lock_fd = fd
+
+    def _start_broker(self) -> None:
+        """Pools and broker: adopted from the journal a previous daemon left (warm restart),
+        or fresh. Only a daemon holding the socket's lock keeps a journal."""
+        cfg = self.config
+        recovered = None
+        cold = cfg.cold or not cfg.journal
+        if self._lock_fd is not None:
+            path = journal_path(cfg.socket_path)
+            try:
+                recovered = Journal.load(path)
+            except JournalError as exc:
+                if not cold:
+                    raise DaemonError(f"{exc}; start with --cold to discard it") from None
+                os.unlink(path)
+            if recovered is not None and cold:
+                log.info("--cold: dropping the %d object(s) a previous daemon left",
+                         len(recovered.objects))
+                self._drop_segments(p["name"] for p in recovered.pools)
+                os.unlink(path)
+                recovered = None
+        adopted = recovered is not None and self._adopt_pools(recovered)
+        self._drop_segments(self._previous_segments, keep={p.name for p in self.pools})
+        if not adopted:
+            self._create_pools()
+        self.broker = Broker(
+            self.pools,
+            lease_ttl=self.config.lease_ttl,
+            high_watermark=self.config.high_watermark,
+            low_watermark=self.config.low_watermark,
+            socket_path=self.config.socket_path,
+            require_checksums=self.config.require_checksums,
+        )
+
+        if adopted:
+            try:
+                n = self.broker.restore(recovered.objects.values())
+            except (ValueError, KeyError, TypeError, IndexError) as exc:
+                self.pools.clear()  # not ours to drop: the operator decides (--cold)
+                raise DaemonError(
+                    f"{journal_path(cfg.socket_path)} does not describe its pools consistently "
+                    f"({type(exc).__name__}: {exc}); start with --cold to discard it"
+                ) from None
+            used = sum(p.allocator.used * p.page_size for p in self.pools)
+            log.info("warm restart (epoch %d): adopted %d pool(s) and %d sealed object(s), "
+                     "%s in use%s", recovered.epoch + 1, len(self.pools), n, format_size(used),
+                     f"; cut a torn record of {recovered.torn_bytes} bytes"
+                     if recovered.torn_bytes else "")  # fmt: skip
+        if self._lock_fd is not None and cfg.journal:
+            epoch = recovered.epoch + 1 if adopted else 1
+            journal = Journal(journal_path(cfg.socket_path), epoch,
+                              [p.describe() for p in self.pools])  # fmt: skip
+            self.broker.attach_journal(journal, recovered.next_id if adopted else 1)
+
+    def _adopt_pools(self, rec) -> bool:
+        """Map the recovered geometry onto pools; False (start cold) when the segments are
+        gone, DaemonError when the configuration asks for different pools."""
+        cfg = self.config
+        old = rec.pools
+        want_size = cfg.pool_size - cfg.pool_size % cfg.page_size if cfg.pool_size else None
+        sizes = {p["size"] for p in old}
+        pages = {p["page_size"] for p in old}
+        if (len(old) != cfg.pools or pages != {cfg.page_size}
+                or (want_size is not None and sizes != {want_size})):  # fmt: skip
+            raise DaemonError(
+                f"the previous daemon of {cfg.socket_path} left {len(rec.objects)} sealed "
+                f"object(s) in {len(old)} pool(s) of {format_size(max(sizes))} with pages of "
+                f"{format_size(max(pages))}, but this configuration asks for {cfg.pools} "
+                f"pool(s) of {format_size(want_size) if want_size else 'default size'} with "
+                f"pages of {format_size(cfg.page_size)}: start with the same geometry to keep "
+                "them, or with --cold to drop them"
+            )
+        try:
+            for i, p in enumerate(old):
+                self.pools.append(HostPool.adopt(i, p["name"], p["size"], p["page_size"]))
+        except KVBrokerError as exc:
+            log.warning("cannot adopt the previous daemon's pools (%s): starting cold, its "
+                        "%d object(s) are lost", exc, len(rec.objects))
+            self.pools.clear()
+            self._drop_segments(p["name"] for p in old)
+            return False
+        return True
 
     def _write_lock_record(self) -> None:
         record = "\n".join([str(os.getpid())] + [p.name for p in self.pools]) + "\n"
@@ -472,15 +567,7 @@ class Daemon:
                 listen_socket = self._activated_socket()
             if lock:
                 self._acquire_lock()
-            self._create_pools()
-            self.broker = Broker(
-                self.pools,
-                lease_ttl=self.config.lease_ttl,
-                high_watermark=self.config.high_watermark,
-                low_watermark=self.config.low_watermark,
-                socket_path=self.config.socket_path,
-                require_checksums=self.config.require_checksums,
-            )
+            self._start_broker()
             self.broker.on_sealed = self._on_sealed
             if self.config.gpu_ring:
                 self._open_rings()
@@ -654,6 +741,9 @@ class Daemon:
                 self.broker.expire()
             except Exception:
                 log.exception("lease expiry failed")
+            journal = self.broker.journal
+            if journal is not None and journal.wants_compaction():
+                self.broker.compact_journal()
 
     async def _shutdown(self) -> None:
         loop = asyncio.get_running_loop()
@@ -672,8 +762,18 @@ class Daemon:
         if self.broker is not None and self.broker.rings is not None:
             self.broker.rings.close()  # every connection is gone: no lease holds a region
             self.broker.rings = None
-        for pool in self.pools:
-            pool.unlink()
+        journal = self.broker.journal if self.broker is not None else None
+        if self.config.keep_pools_on_exit and journal is not None:
+            # Every lease has ended: what is left is the sealed objects, for the next daemon.
+            self.broker.compact_journal()
+            journal.close()
+            log.info("kept %d pool(s) and %d object(s) for the next daemon",
+                     len(self.pools), len(self.broker.objects))
+        else:
+            if journal is not None:
+                journal.remove()
+            for pool in self.pools:
+                pool.unlink()
         if self._owns_socket_file:
             try:
                 os.unlink(self.config.socket_path)

@@ -73,6 +73,30 @@ class HostPool:
         self._shm.close_fd()
         self.allocator = ExtentAllocator(size // page_size)
 
+    @classmethod
+    def adopt(cls, index: int, name: str, size: int, page_size: int) -> HostPool:
+        """Take over the segment a previous daemon of this socket created (warm restart).
+
+        Its bytes are kept as they are; the caller rebuilds the allocator from its journal.
+        Raises KVBrokerError when the segment is gone or its size is not ``size``.
+        """
+        try:
+            shm = posix_ipc.SharedMemory(name)
+        except posix_ipc.ExistentialError:
+            raise KVBrokerError(f"shared memory {name} of pool {index} is gone") from None
+        try:
+            actual = os.fstat(shm.fd).st_size
+        finally:
+            shm.close_fd()
+        if actual != size:
+            raise KVBrokerError(
+                f"shared memory {name} of pool {index} holds {actual} bytes, not {size}"
+            )
+        pool = cls.__new__(cls)
+        pool.index, pool.name, pool.size, pool.page_size = index, name, size, page_size
+        pool.allocator = ExtentAllocator(size // page_size)
+        return pool
+
     def describe(self) -> dict:
         return {"index": self.index, "name": self.name, "size": self.size, "page_size": self.page_size}
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from ._framing import MessageStream
 from ._protocol import PROTOCOL_VERSION
-from .errors import ProtocolError, error_for_code
+from .errors import BrokerUnavailable, ProtocolError, error_for_code
 
 __all__ = ["Session"]
 
@@ -30,34 +30,46 @@ class Session:
         self._pushes: deque[dict] = deque(maxlen=64)
         self._unanswered: set[int] = set()  # ids sent with send_only, replies not read yet
         self.on_push: Callable[[dict], None] | None = None
+        self.broken = False  # the connection failed: the client may replace this session
         self.hello: dict = self.call("hello", version=PROTOCOL_VERSION, name=name, role=role)
 
     def call(self, op: str, **args: Any) -> Any:
         with self._lock:
-            rid = self._send(op, args)
-            while True:
-                msg = self._stream.receive()
-                if not isinstance(msg, dict):
-                    raise ProtocolError(f"unexpected message from the daemon: {msg!r:.80}")
-                if "push" in msg:
-                    self._deliver(msg)
-                    continue
-                if msg.get("id") in self._unanswered:
-                    self._settle(msg)
-                    continue
-                if msg.get("id") not in (rid, None):
-                    raise ProtocolError(f"reply {msg.get('id')} does not answer request {rid}")
-                if msg.get("ok"):
-                    return msg.get("result")
-                err = msg.get("error") or {}
-                raise error_for_code(str(err.get("code", "error")), str(err.get("message", "")))
+            try:
+                rid = self._send(op, args)
+                while True:
+                    msg = self._stream.receive()
+                    if not isinstance(msg, dict):
+                        raise ProtocolError(f"unexpected message from the daemon: {msg!r:.80}")
+                    if "push" in msg:
+                        self._deliver(msg)
+                        continue
+                    if msg.get("id") in self._unanswered:
+                        self._settle(msg)
+                        continue
+                    if msg.get("id") not in (rid, None):
+                        raise ProtocolError(
+                            f"reply {msg.get('id')} does not answer request {rid}"
+                        )
+                    if msg.get("ok"):
+                        return msg.get("result")
+                    err = msg.get("error") or {}
+                    break
+            except BrokerUnavailable:
+                self.broken = True  # the transport failed, as opposed to a reply saying so
+                raise
+        raise error_for_code(str(err.get("code", "error")), str(err.get("message", "")))
 
     def send_only(self, op: str, **args: Any) -> None:
         """Send a request whose reply is read (and checked) by a later call, saving a round
         trip. Only for requests that cannot fail short of a daemon bug or a lost connection:
         a failure then is logged, not raised."""
         with self._lock:
-            self._unanswered.add(self._send(op, args))
+            try:
+                self._unanswered.add(self._send(op, args))
+            except BrokerUnavailable:
+                self.broken = True
+                raise
 
     def _send(self, op: str, args: dict) -> int:
         rid = self._next_id
@@ -78,7 +90,11 @@ class Session:
             if self._pushes:
                 return self._pushes.popleft()
             while True:
-                msg = self._stream.receive()
+                try:
+                    msg = self._stream.receive()
+                except BrokerUnavailable:
+                    self.broken = True
+                    raise
                 if isinstance(msg, dict) and "push" in msg:
                     return msg
                 if isinstance(msg, dict) and msg.get("id") in self._unanswered:
