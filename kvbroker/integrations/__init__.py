@@ -1,0 +1,11 @@
+"""Adapters between kvbroker and inference engines.
+
+Each adapter is its own module and imports its engine lazily: ``import kvbroker`` and
+``import kvbroker.integrations`` import neither torch nor any engine.
+
+- :mod:`kvbroker.integrations.transformers`: Hugging Face transformers ``Cache`` objects
+  (publish under a request key, as head shards for heterogeneous TP, or as prefix blocks;
+  rebuild a ``DynamicCache`` from a claim).
+"""
+
+__all__: list[str] = []

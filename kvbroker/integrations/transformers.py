@@ -1,0 +1,684 @@
+"""Hugging Face transformers adapter: a model's KV ``Cache`` through the broker and back.
+
+``model(input_ids, use_cache=True).past_key_values`` is a ``DynamicCache``: one layer object
+per decoder layer, each holding ``keys`` and ``values`` tensors ``[batch, kv_heads, seq,
+head_dim]``. This module publishes those tensors and rebuilds a ``DynamicCache`` from a claim,
+for any decoder-only architecture whose layers are full attention (``DynamicLayer``) or
+sliding-window attention (``DynamicSlidingWindowLayer``): Llama, Qwen2, Mistral, GPT-NeoX,
+Phi, Gemma... with the model's real head counts (GQA/MQA included) and any dtype (bf16, fp16,
+fp32, ...). Bytes move through integer views of the same item size, never through float
+arithmetic, so a rebuilt cache is bit-identical to the published one.
+
+Three ways through the broker:
+
+- **Under a request key** (:func:`publish_cache` / :func:`claim_cache`): one object, buffers
+  ``past_key.{i}`` / ``past_value.{i}`` holding layer ``i``'s tensors as they are
+  (``[batch][head][token][head_dim]``), meta with the model facts (:class:`KVSpec`: layers,
+  KV heads, head_dim, dtype), ``seq_len``, the tokens each layer holds, and the caller's own
+  ``extra`` meta (e.g. the first sampled token).
+- **As head shards for heterogeneous TP** (:func:`publish_tp_shard` / :func:`claim_tp_shard`,
+  through :mod:`kvbroker.kv`): prefill rank ``p`` of ``P`` publishes the heads it holds, decode
+  rank ``d`` of ``D`` claims exactly its own heads. :func:`head_shard` and
+  :func:`merge_head_shards` emulate TP ranks in one process (tests, examples).
+- **As prefix blocks** (:func:`publish_prefix` / :func:`claim_prefix`, through
+  :class:`kvbroker.prefix.PrefixCache`): full blocks of ``block_size`` tokens keyed by chained
+  token hashes, so another DP rank sharing a system prompt prefills only its suffix.
+
+A claimer states what its model expects (``config`` + ``dtype``, or ``model``); a published
+cache that differs in layers, KV heads, head_dim, dtype or sliding window raises
+:class:`~kvbroker.errors.LayoutMismatch` naming the field, and nothing is consumed.
+
+Who owns each buffer, and who frees it
+--------------------------------------
+
+- **End of prefill** (``publish_*``): the engine keeps owning its ``Cache`` and every tensor
+  in it; publishing only reads them. Each byte is copied once, straight from the cache
+  tensors (CPU or CUDA) into the broker's pool; when the call returns, the broker owns the
+  object (sealed) and the engine may free, reuse or keep extending its cache at once.
+  :func:`publish_tp_shard` is the exception to "once": ``kvbroker.kv`` takes one tensor per
+  layer with a K/V axis while transformers keeps K and V in separate tensors, so the shard is
+  first gathered into a host staging tensor that the call allocates and drops on return.
+- **Start of decode** (``claim_*``): the call allocates fresh tensors (on ``device``), copies
+  the published bytes into them once, and returns a ``DynamicCache`` that owns them: the
+  engine owns the cache from then on, and the model's next forward extends it as usual. The
+  broker's read lease ends inside the call; with ``consume=True`` (the default) the claim
+  counts towards freeing the object (``consumers`` set at publish) only after every copy
+  succeeded, so a failed or mismatched claim consumes nothing and can be retried.
+  :func:`claim_prefix` never consumes: prefix blocks are shared, the broker evicts them.
+- **Request abort**: an exception inside ``publish_*`` aborts the write lease (nothing is left
+  on the node). A request aborted after publication and before its claim is dropped with
+  :func:`discard`, which evicts its object and its TP shards; an object nobody claims is also
+  reclaimed by eviction (LRU under pressure, ``kvbroker evict``). A claimed cache is the
+  engine's: dropping the ``DynamicCache`` frees it.
+
+``import kvbroker.integrations.transformers`` imports neither torch nor transformers; they are
+imported on first use, by the functions that handle tensors.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .._client import Client, copy_into
+from .._names import kv_buffer_name, kv_select_regex
+from .._tp import claim_plan, shard_heads
+from ..errors import BadRequest, LayoutMismatch
+from ..kv import ClaimResult, PagedKV, PublishResult, claim_shards, publish_shard, shard_key
+from ..layout import itemsize_of
+from ..prefix import PrefixCache
+
+__all__ = [
+    "KVSpec",
+    "PublishedCache",
+    "ClaimedCache",
+    "publish_cache",
+    "claim_cache",
+    "publish_tp_shard",
+    "claim_tp_shard",
+    "publish_prefix",
+    "claim_prefix",
+    "head_shard",
+    "merge_head_shards",
+    "discard",
+]
+
+META_TAG = "kvbroker.transformers"  # meta key marking (and versioning) what this module published
+# One block holding every token: the whole sequence of a layer as kvbroker.kv's paged cache.
+_STAGED_AXES = ("layer", "kv", "block", "head", "token", "head_dim")
+_SELECT_NOTHING = "(?!)"
+_DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32",
+                  "float": "float32"}  # fmt: skip
+
+
+def _torch():
+    import torch
+
+    return torch
+
+
+def _dtype_name(dtype: Any) -> str:
+    """``torch.bfloat16`` / ``"bf16"`` / ``"bfloat16"`` -> ``"bfloat16"``."""
+    name = str(dtype)
+    name = name[len("torch.") :] if name.startswith("torch.") else name
+    name = _DTYPE_ALIASES.get(name, name)
+    itemsize_of(name)  # BadRequest for an unknown dtype
+    return name
+
+
+def _torch_dtype(name: str):
+    return getattr(_torch(), name)
+
+
+def _int_dtype(itemsize: int):
+    torch = _torch()
+    return {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[itemsize]
+
+
+def _ints(tensor):
+    """``tensor``'s memory as integers of its item size: a view, bytes rather than values."""
+    return tensor.view(_int_dtype(tensor.element_size()))
+
+
+def _pool_tensor(view):
+    """A torch tensor over a read-only pool view (uint8 numpy); only ever read from."""
+    with warnings.catch_warnings():  # torch warns that the array is not writable: we only read
+        warnings.simplefilter("ignore", UserWarning)
+        return _torch().from_numpy(view)
+
+
+def _copy_from_pool(dst, view) -> None:
+    """Copy the uint8 pool ``view`` into tensor ``dst`` (any device, any strides), bit for bit."""
+    if view.nbytes != dst.numel() * dst.element_size():
+        raise LayoutMismatch(
+            f"layout mismatch on buffer size: published {view.nbytes} bytes, local "
+            f"{tuple(dst.shape)} × {dst.element_size()} bytes"
+        )
+    ints = _int_dtype(dst.element_size())
+    _ints(dst).copy_(_pool_tensor(view).view(ints).view(dst.shape))
+
+
+# -- model facts ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class KVSpec:
+    """What a model's KV cache looks like: layers, KV heads (all of them), head_dim, dtype."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    model_type: str = ""
+
+    @classmethod
+    def from_config(cls, config: Any, dtype: Any = None) -> KVSpec:
+        """The spec of a transformers config (``dtype``: defaults to the config's ``dtype``)."""
+        text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        try:
+            heads = int(text.num_attention_heads)
+            kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
+            head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
+            layers = int(text.num_hidden_layers)
+        except AttributeError as exc:
+            raise BadRequest(f"config {type(config).__name__} lacks a KV cache fact: {exc}") from None
+        if dtype is None:
+            dtype = getattr(text, "dtype", None) or getattr(text, "torch_dtype", None)
+            if dtype is None:
+                raise BadRequest("KVSpec.from_config: the config names no dtype; pass dtype=")
+        return cls(layers, kv_heads, head_dim, _dtype_name(dtype),
+                   str(getattr(text, "model_type", "") or ""))  # fmt: skip
+
+    @classmethod
+    def from_model(cls, model: Any) -> KVSpec:
+        return cls.from_config(model.config, model.dtype)
+
+    def to_meta(self) -> dict[str, Any]:
+        return {"num_layers": self.num_layers, "num_kv_heads": self.num_kv_heads,
+                "head_dim": self.head_dim, "dtype": self.dtype, "model_type": self.model_type}  # fmt: skip
+
+    @classmethod
+    def from_meta(cls, meta: Mapping[str, Any]) -> KVSpec:
+        return cls(int(meta["num_layers"]), int(meta["num_kv_heads"]), int(meta["head_dim"]),
+                   str(meta["dtype"]), str(meta.get("model_type", "")))  # fmt: skip
+
+    def check_published(self, published: KVSpec, what: str) -> None:
+        """Raise LayoutMismatch naming the first fact where ``published`` differs from self."""
+        for label, attr in (("layers", "num_layers"), ("KV heads", "num_kv_heads"),
+                            ("head_dim", "head_dim"), ("dtype", "dtype")):  # fmt: skip
+            theirs, mine = getattr(published, attr), getattr(self, attr)
+            if theirs != mine:
+                model = f", published by a {published.model_type!r} model" if published.model_type else ""
+                raise LayoutMismatch(
+                    f"layout mismatch on {label} ({what}{model}): published {theirs}, local {mine}"
+                )
+
+
+def _local_spec(model: Any, config: Any, dtype: Any) -> tuple[KVSpec, Any]:
+    if model is not None:
+        return KVSpec.from_model(model), model.config
+    if config is None:
+        raise BadRequest("pass the claiming model (model=) or its config (config=, dtype=)")
+    return KVSpec.from_config(config, dtype), config
+
+
+# -- reading and building Cache objects ------------------------------------------------------
+
+
+@dataclass
+class _Layer:
+    keys: Any
+    values: Any
+    seen: int  # tokens this layer has processed (a sliding-window layer stores fewer)
+
+    @property
+    def stored(self) -> int:
+        return self.keys.shape[-2]
+
+
+def _read_layers(cache: Any) -> list[_Layer]:
+    """The per-layer K/V tensors of a transformers Cache (or a sequence of (K, V) pairs)."""
+    layers = []
+    if hasattr(cache, "layers"):
+        from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+        for i, layer in enumerate(cache.layers):
+            if type(layer) not in (DynamicLayer, DynamicSlidingWindowLayer):
+                raise BadRequest(
+                    f"layer {i} is a {type(layer).__name__}: only DynamicLayer and "
+                    "DynamicSlidingWindowLayer caches (the DynamicCache that model(..., "
+                    "use_cache=True) returns) can be published"
+                )
+            if not layer.is_initialized or layer.keys is None or layer.keys.numel() == 0:
+                raise BadRequest(f"layer {i} of the cache is empty: run the prefill first")
+            seen = getattr(layer, "cumulative_length", None)
+            layers.append(_Layer(layer.keys, layer.values,
+                                 layer.keys.shape[-2] if seen is None else int(seen)))  # fmt: skip
+    else:
+        for pair in cache:
+            k, v = pair[0], pair[1]
+            layers.append(_Layer(k, v, k.shape[-2]))
+    if not layers:
+        raise BadRequest("the cache has no layers")
+    first = layers[0]
+    for i, layer in enumerate(layers):
+        k, v = layer.keys, layer.values
+        if k.dim() != 4 or k.shape != v.shape:
+            raise BadRequest(
+                f"layer {i}: keys {tuple(k.shape)} and values {tuple(v.shape)} must both be "
+                "[batch, kv_heads, seq, head_dim]"
+            )
+        if (k.dtype, k.shape[:2], k.shape[3]) != (first.keys.dtype, first.keys.shape[:2],
+                                                   first.keys.shape[3]) or v.dtype != k.dtype:  # fmt: skip
+            raise BadRequest(
+                f"layer {i} is {k.dtype} {tuple(k.shape)}, layer 0 is {first.keys.dtype} "
+                f"{tuple(first.keys.shape)}: every layer must share dtype, batch, heads, head_dim"
+            )
+        if layer.seen != first.seen:
+            raise BadRequest(f"layer {i} has seen {layer.seen} tokens, layer 0 {first.seen}")
+    return layers
+
+
+def _spec_of(layers: list[_Layer], config: Any) -> KVSpec:
+    k = layers[0].keys
+    model_type = ""
+    mine = KVSpec(len(layers), int(k.shape[1]), int(k.shape[3]), _dtype_name(k.dtype))
+    if config is not None:
+        # The cache must be the config's: catches a config from another model at publish time.
+        said = KVSpec.from_config(config, k.dtype)
+        model_type = said.model_type
+        for label, attr in (("layers", "num_layers"), ("KV heads", "num_kv_heads"),
+                            ("head_dim", "head_dim")):  # fmt: skip
+            if getattr(mine, attr) != getattr(said, attr):
+                raise LayoutMismatch(
+                    f"layout mismatch on {label}: the cache has {getattr(mine, attr)}, its "
+                    f"config ({said.model_type or type(config).__name__}) says {getattr(said, attr)}"
+                )
+    return KVSpec(mine.num_layers, mine.num_kv_heads, mine.head_dim, mine.dtype, model_type)
+
+
+def _build_cache(config: Any, kvs: Sequence[tuple[Any, Any]], seq_len: int):
+    """A DynamicCache (layer types from ``config``) whose layers own the given tensors."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+    cache = DynamicCache(config=config) if config is not None else DynamicCache()
+    if not cache.layers:  # no config: plain full-attention layers
+        cache.layers = [DynamicLayer() for _ in kvs]
+    if len(cache.layers) != len(kvs):
+        raise LayoutMismatch(
+            f"layout mismatch on layers: published {len(kvs)}, the local config makes "
+            f"{len(cache.layers)} cache layers"
+        )
+    for i, (layer, (k, v)) in enumerate(zip(cache.layers, kvs)):
+        kind = type(layer)
+        if kind not in (DynamicLayer, DynamicSlidingWindowLayer):
+            raise BadRequest(f"the local config makes layer {i} a {kind.__name__}, which this "
+                             "adapter cannot fill")  # fmt: skip
+        stored = k.shape[-2]
+        if kind is DynamicLayer and stored != seq_len:
+            raise LayoutMismatch(
+                f"layout mismatch on sliding window (layer {i}): published {stored} of "
+                f"{seq_len} tokens (a sliding-window layer), local layer is full attention"
+            )
+        # Setting the tensors directly: update() would concatenate, i.e. copy them again.
+        layer.lazy_initialization(k, v)
+        layer.keys, layer.values = k, v
+        if kind is DynamicSlidingWindowLayer:
+            # DynamicSlidingWindowLayer.update keeps the last window - 1 tokens.
+            if stored != min(seq_len, layer.sliding_window - 1):
+                raise LayoutMismatch(
+                    f"layout mismatch on sliding window (layer {i}): published {stored} stored "
+                    f"tokens of {seq_len}, local window {layer.sliding_window}"
+                )
+            layer.cumulative_length = seq_len
+    return cache
+
+
+# -- under a request key ---------------------------------------------------------------------
+
+
+@dataclass
+class PublishedCache:
+    """What :func:`publish_cache` published: the key, bytes copied, wall time."""
+
+    key: str
+    seq_len: int
+    nbytes: int
+    seconds: float
+
+
+@dataclass
+class ClaimedCache:
+    """A rebuilt ``DynamicCache`` (owned by the caller) and what came with it.
+
+    ``seq_len``: tokens the cache has seen (the position of the next token). ``meta``: the
+    publisher's ``extra`` meta. ``result``: kvbroker.kv's ClaimResult for TP claims.
+    """
+
+    cache: Any
+    seq_len: int
+    spec: KVSpec
+    meta: dict = field(default_factory=dict)
+    nbytes: int = 0
+    seconds: float = 0.0
+    result: ClaimResult | None = None
+
+
+def _buffer_names(num_layers: int) -> list[tuple[str, str]]:
+    return [(kv_buffer_name("key", i), kv_buffer_name("value", i)) for i in range(num_layers)]
+
+
+def publish_cache(
+    client: Client,
+    request: str,
+    cache: Any,
+    *,
+    config: Any = None,
+    namespace: str = "default",
+    extra: Mapping[str, Any] | None = None,
+    consumers: int = 1,
+    ttl: float | None = None,
+    replace: bool = False,
+) -> PublishedCache:
+    """Publish ``cache`` (a DynamicCache or (K, V) pairs) under ``request``, one copy per byte.
+
+    ``config``: the model's config, checked against the cache and recorded (model_type).
+    ``extra``: msgpack-able meta handed to the claimer (e.g. ``{"next_token": 42}``).
+    ``consumers``: consume-claims that free the object (one per decode instance).
+    """
+    started = time.perf_counter()
+    layers = _read_layers(cache)
+    spec = _spec_of(layers, config)
+    meta = {
+        META_TAG: 1,
+        **spec.to_meta(),
+        "batch": int(layers[0].keys.shape[0]),
+        "seq_len": layers[0].seen,
+        "layer_tokens": [layer.stored for layer in layers],
+        "extra": dict(extra or {}),
+    }
+    names = _buffer_names(len(layers))
+    tensors = {}
+    for (kname, vname), layer in zip(names, layers):
+        tensors[kname], tensors[vname] = layer.keys, layer.values
+    sizes = {name: t.numel() * t.element_size() for name, t in tensors.items()}
+    with client.reserve(request, sizes, namespace=namespace, meta=meta, replace=replace, ttl=ttl,
+                        consumers=consumers) as lease:  # fmt: skip
+        for name, t in tensors.items():
+            if sizes[name]:
+                copy_into(lease[name], _ints(t))  # a strided or CUDA tensor is copied in one pass
+    return PublishedCache(request, layers[0].seen, sum(sizes.values()),
+                          time.perf_counter() - started)  # fmt: skip
+
+
+def _consume(client: Client, key: str, namespace: str) -> None:
+    """Count one consume-claim of ``key`` without mapping any buffer (frees it if last)."""
+    client.claim(key, namespace=namespace, select=_SELECT_NOTHING, consume=True).release()
+
+
+def claim_cache(
+    client: Client,
+    request: str,
+    *,
+    model: Any = None,
+    config: Any = None,
+    dtype: Any = None,
+    namespace: str = "default",
+    wait: float | None = None,
+    consume: bool = True,
+    device: Any = None,
+) -> ClaimedCache:
+    """Rebuild the DynamicCache published under ``request`` for ``model`` (or config + dtype).
+
+    ``wait``: seconds to wait for the request to be sealed (NotFound / Timeout otherwise).
+    ``device``: where the new tensors live (default CPU); bytes go straight from the pool.
+    """
+    torch = _torch()
+    started = time.perf_counter()
+    local, config = _local_spec(model, config, dtype)
+    with client.claim(request, namespace=namespace, select=kv_select_regex(), wait=wait) as lease:
+        meta = lease.meta
+        if not isinstance(meta, dict) or meta.get(META_TAG) != 1:
+            raise LayoutMismatch(f"{request!r} was not published by {__name__} (no model facts "
+                                 "in its meta)")  # fmt: skip
+        published = KVSpec.from_meta(meta)
+        local.check_published(published, request)
+        batch, heads, dim = int(meta["batch"]), local.num_kv_heads, local.head_dim
+        dt = _torch_dtype(local.dtype)
+        kvs, nbytes = [], 0
+        for i, (kname, vname) in enumerate(_buffer_names(local.num_layers)):
+            both = torch.empty((2, batch, heads, int(meta["layer_tokens"][i]), dim), dtype=dt,
+                               device=device)  # fmt: skip
+            for c, name in enumerate((kname, vname)):
+                if name not in lease:
+                    raise LayoutMismatch(f"layout mismatch on buffers: {request!r} has no {name}")
+                _copy_from_pool(both[c], lease[name])
+                nbytes += lease[name].nbytes
+            kvs.append((both[0], both[1]))
+        seq_len = int(meta["seq_len"])
+        rebuilt = _build_cache(config, kvs, seq_len)
+    if consume:  # only now: a claim that failed above consumed nothing
+        _consume(client, request, namespace)
+    return ClaimedCache(rebuilt, seq_len, published, dict(meta.get("extra") or {}), nbytes,
+                        time.perf_counter() - started)  # fmt: skip
+
+
+# -- heterogeneous TP (kvbroker.kv) ----------------------------------------------------------
+
+
+def publish_tp_shard(
+    client: Client,
+    request: str,
+    cache: Any,
+    *,
+    tp_rank: int,
+    tp_size: int,
+    total_kv_heads: int,
+    decode_tp_size: int | None = None,
+    namespace: str = "default",
+    ttl: float | None = None,
+) -> PublishResult:
+    """Publish TP rank ``tp_rank``'s cache (holding its heads only) as a ``kvbroker.kv`` shard.
+
+    ``cache``: this rank's DynamicCache, batch 1, full-attention layers; its KV heads must be
+    ``shard_heads(tp_rank, tp_size, total_kv_heads)``. The shard is staged once into a host
+    tensor (see the module doc), then copied into the pool.
+    """
+    layers = _read_layers(cache)
+    k0 = layers[0].keys
+    if k0.shape[0] != 1:
+        raise BadRequest(f"a TP shard holds one request: batch must be 1, not {k0.shape[0]}")
+    if any(layer.stored != layer.seen for layer in layers):
+        raise BadRequest("a TP shard needs full-attention layers (a sliding-window layer has "
+                         "dropped tokens); publish it with publish_cache")  # fmt: skip
+    torch = _torch()
+    staged = torch.empty((len(layers), 2, 1, k0.shape[1], k0.shape[2], k0.shape[3]),
+                         dtype=k0.dtype)  # fmt: skip
+    for i, layer in enumerate(layers):
+        _ints(staged[i, 0]).copy_(_ints(layer.keys))
+        _ints(staged[i, 1]).copy_(_ints(layer.values))
+    return publish_shard(
+        client, request, PagedKV(staged, _STAGED_AXES), [0], layers[0].seen, tp_rank=tp_rank,
+        tp_size=tp_size, total_kv_heads=total_kv_heads, decode_tp_size=decode_tp_size,
+        namespace=namespace, ttl=ttl,
+    )  # fmt: skip
+
+
+def claim_tp_shard(
+    client: Client,
+    request: str,
+    *,
+    tp_rank: int,
+    tp_size: int,
+    prefill_tp_size: int,
+    model: Any = None,
+    config: Any = None,
+    dtype: Any = None,
+    num_tokens: int | None = None,
+    namespace: str = "default",
+    wait: float | None = None,
+    consume: bool = True,
+    device: Any = None,
+) -> ClaimedCache:
+    """Decode rank ``tp_rank`` of ``tp_size``: a DynamicCache holding exactly its KV heads.
+
+    Reads the heads it needs from whichever of the ``prefill_tp_size`` shards hold them
+    (:func:`kvbroker.kv.claim_shards`), straight into the new cache's memory. ``num_tokens``:
+    the prompt length if known; else one extra round trip reads it from a shard's meta.
+    """
+    torch = _torch()
+    started = time.perf_counter()
+    spec, config = _local_spec(model, config, dtype)
+    mine = shard_heads(tp_rank, tp_size, spec.num_kv_heads)
+    if num_tokens is None:
+        first = claim_plan(spec.num_kv_heads, prefill_tp_size, tp_size, tp_rank)[0].prefill_rank
+        with client.claim(shard_key(request, first, prefill_tp_size), namespace=namespace,
+                          select=_SELECT_NOTHING, wait=wait) as peek:  # fmt: skip
+            if not isinstance(peek.meta, dict) or "num_tokens" not in peek.meta:
+                raise LayoutMismatch(f"{request!r}: shard meta has no num_tokens")
+            num_tokens = int(peek.meta["num_tokens"])
+    staged = torch.empty((spec.num_layers, 2, 1, len(mine), num_tokens, spec.head_dim),
+                         dtype=_torch_dtype(spec.dtype))  # fmt: skip
+    result = claim_shards(
+        client, request, PagedKV(staged, _STAGED_AXES), [0], tp_rank=tp_rank, tp_size=tp_size,
+        prefill_tp_size=prefill_tp_size, total_kv_heads=spec.num_kv_heads,
+        num_tokens=num_tokens, namespace=namespace, wait=wait, consume=consume,
+    )  # fmt: skip
+    if device is not None and torch.device(device).type != "cpu":
+        staged = staged.to(device)
+    kvs = [(staged[i, 0], staged[i, 1]) for i in range(spec.num_layers)]  # [1, heads, seq, dim]
+    rebuilt = _build_cache(config, kvs, num_tokens)
+    return ClaimedCache(rebuilt, num_tokens, spec, {}, result.nbytes,
+                        time.perf_counter() - started, result)  # fmt: skip
+
+
+def head_shard(cache: Any, tp_rank: int, tp_size: int, *, config: Any = None):
+    """Emulation: the DynamicCache TP rank ``tp_rank`` of ``tp_size`` would hold (views of
+    ``cache``'s heads, no copy; the caller's ``cache`` keeps owning the memory)."""
+    layers = _read_layers(cache)
+    total = layers[0].keys.shape[1]
+    heads = shard_heads(tp_rank, tp_size, total)
+    kvs = [(layer.keys[:, heads.start : heads.stop], layer.values[:, heads.start : heads.stop])
+           for layer in layers]  # fmt: skip
+    return _build_cache(config, kvs, layers[0].seen)
+
+
+def merge_head_shards(caches: Sequence[Any], *, total_kv_heads: int, config: Any = None):
+    """Emulation: reassemble the full-head DynamicCache from decode ranks ``0..D-1``'s caches.
+
+    Copies (a real TP engine never reassembles); with replicated heads (D > heads), each head
+    is taken from the first rank holding it.
+    """
+    torch = _torch()
+    shards = [_read_layers(c) for c in caches]
+    tp = len(shards)
+    sources = {}  # head -> (rank, index within the rank's shard)
+    for rank in range(tp):
+        held = shard_heads(rank, tp, total_kv_heads)
+        for j, head in enumerate(held):
+            sources.setdefault(head, (rank, j))
+    kvs = []
+    for i in range(len(shards[0])):
+        parts_k, parts_v = [], []
+        for head in range(total_kv_heads):
+            rank, j = sources[head]
+            parts_k.append(shards[rank][i].keys[:, j : j + 1])
+            parts_v.append(shards[rank][i].values[:, j : j + 1])
+        kvs.append((torch.cat(parts_k, dim=1), torch.cat(parts_v, dim=1)))
+    return _build_cache(config, kvs, shards[0][0].seen)
+
+
+# -- prefix blocks (kvbroker.prefix) ---------------------------------------------------------
+
+
+def _check_prefix_cache(layers: list[_Layer]) -> None:
+    k0 = layers[0].keys
+    if k0.shape[0] != 1:
+        raise BadRequest(f"prefix blocks come from one sequence: batch must be 1, not {k0.shape[0]}")
+    if any(layer.stored != layer.seen for layer in layers):
+        raise BadRequest("prefix blocks need full-attention layers (a sliding-window layer has "
+                         "dropped tokens)")  # fmt: skip
+
+
+def publish_prefix(
+    prefix_cache: PrefixCache, token_ids: Sequence[int], cache: Any, *, config: Any = None
+) -> int:
+    """Publish the full blocks of ``token_ids`` whose KV ``cache`` holds; returns how many
+    blocks were new (blocks the node already has are neither gathered nor copied).
+
+    ``cache`` must hold at least the first ``len(token_ids)`` positions... of those, only
+    whole blocks of ``prefix_cache.block_size`` tokens are published.
+    """
+    layers = _read_layers(cache)
+    _check_prefix_cache(layers)
+    spec = _spec_of(layers, config)
+    seen = layers[0].seen
+    tokens = list(token_ids)[:seen]
+    bs = prefix_cache.block_size
+    names = _buffer_names(len(layers))
+    k0 = layers[0].keys
+    block_nbytes = k0.shape[1] * bs * k0.shape[3] * k0.element_size()
+    sizes = {name: block_nbytes for pair in names for name in pair}
+    meta = {META_TAG: 1, **spec.to_meta(), "block_size": bs}
+
+    def block(b: int) -> dict[str, Any]:
+        span = slice(b * bs, (b + 1) * bs)
+        out = {}
+        for (kname, vname), layer in zip(names, layers):
+            out[kname] = _ints(layer.keys[0, :, span])  # [head, token, dim], strided: one pass
+            out[vname] = _ints(layer.values[0, :, span])
+        return out
+
+    return prefix_cache.publish(tokens, block, block_sizes=sizes, meta=meta)
+
+
+def claim_prefix(
+    prefix_cache: PrefixCache,
+    token_ids: Sequence[int],
+    *,
+    model: Any = None,
+    config: Any = None,
+    dtype: Any = None,
+    device: Any = None,
+) -> ClaimedCache:
+    """A DynamicCache holding the longest published prefix of ``token_ids`` (at most
+    ``len(token_ids) - 1`` tokens); ``seq_len`` says how many. The engine prefills
+    ``token_ids[seq_len:]`` on top of it. No match: an empty cache, ``seq_len`` 0.
+    """
+    torch = _torch()
+    started = time.perf_counter()
+    spec, config = _local_spec(model, config, dtype)
+    bs = prefix_cache.block_size
+    nbytes = 0
+    with prefix_cache.match(token_ids) as m:
+        total = m.num_tokens
+        if total == 0:
+            return ClaimedCache(_empty_cache(config), 0, spec, {}, 0,
+                                time.perf_counter() - started)  # fmt: skip
+        meta = m.meta
+        if not isinstance(meta, dict) or meta.get(META_TAG) != 1:
+            raise LayoutMismatch("the matched prefix blocks were not published by "
+                                 f"{__name__} (no model facts in their meta)")  # fmt: skip
+        spec.check_published(KVSpec.from_meta(meta), f"prefix namespace {prefix_cache.namespace!r}")
+        if meta.get("block_size") != bs:
+            raise LayoutMismatch(f"layout mismatch on block size: published "
+                                 f"{meta.get('block_size')}, local {bs}")  # fmt: skip
+        names = _buffer_names(spec.num_layers)
+        dt = _torch_dtype(spec.dtype)
+        kvs = []
+        for kname, vname in names:
+            both = torch.empty((2, 1, spec.num_kv_heads, total, spec.head_dim), dtype=dt,
+                               device=device)  # fmt: skip
+            kvs.append((both[0], both[1]))
+        for b, blk in enumerate(m.blocks):
+            span = slice(b * bs, (b + 1) * bs)
+            for (kname, vname), (k, v) in zip(names, kvs):
+                _copy_from_pool(k[0, :, span], blk[kname])
+                _copy_from_pool(v[0, :, span], blk[vname])
+                nbytes += 2 * blk[kname].nbytes
+    return ClaimedCache(_build_cache(config, kvs, total), total, spec, {}, nbytes,
+                        time.perf_counter() - started)  # fmt: skip
+
+
+def _empty_cache(config: Any):
+    from transformers import DynamicCache
+
+    return DynamicCache(config=config) if config is not None else DynamicCache()
+
+
+# -- abort -----------------------------------------------------------------------------------
+
+
+def discard(client: Client, request: str, *, namespace: str = "default") -> int:
+    """Request abort after publication: evict ``request``'s object and its TP shards.
+
+    Returns how many objects were freed; objects a claimer holds a lease on are skipped (the
+    claimer's release or consume frees them, eviction reclaims them otherwise).
+    """
+    pattern = rf"{re.escape(request)}(?:/tp\d+of\d+)?"
+    return client.evict(match=f"^{pattern}$", namespace=namespace).count
