@@ -42,8 +42,12 @@ def machine_info() -> dict[str, Any]:
     with contextlib.suppress(OSError, ValueError, IndexError):
         with open("/proc/meminfo") as f:
             mem = int(f.readline().split()[1]) * 1024
+    load = None
+    with contextlib.suppress(OSError):
+        load = os.getloadavg()[0]  # other work on the same cores moves every absolute figure
     return {
         "host": platform.node(),
+        "loadavg_1min": load,
         "cpu": cpu,
         "cores": os.cpu_count(),
         "memory_bytes": mem,
@@ -172,6 +176,8 @@ class Result:
             **{name: rows for name, (rows, _) in self.tables.items()},
             "targets": [t.as_dict() for t in self.targets],
             "notes": self.notes,
+            # how the table is printed, so a report can be rebuilt from the JSON alone
+            "columns": {"rows": self.columns, **{n: c for n, (_, c) in self.tables.items()}},
             **self.extra,
         }
 

@@ -1,8 +1,9 @@
 """``kvbroker bench tp``: heterogeneous against homogeneous tensor-parallel claims.
 
 The measurement is benchmarks/bench_tp.py's (owned with the TP code; see its docstring for
-the request shape): this module loads that script and calls its ``run_config`` for every
-(P prefill ranks → D decode ranks) configuration and layout, against the daemon given, and
+the request shape): this module loads that script and calls its ``run_layout`` (or, in older
+versions, ``run_config``) for every (P prefill ranks → D decode ranks) configuration and
+layout, against the daemon given, and
 reports copy operations per claim, claim GB/s and the ratio to the homogeneous P=D=1 claim.
 """
 
@@ -49,8 +50,11 @@ def run(socket_path: str, repeats: int = 5, layouts=None, shape: dict | None = N
     try:
         with Client(socket_path, name="bench-tp", role="bench") as c:
             for layout in layouts or sorted(bt.LAYOUTS):
-                got = [bt.run_config(c, P, D, bt.LAYOUTS[layout], repeats, rng)
-                       for P, D in bt.CONFIGS]  # fmt: skip
+                axes = bt.LAYOUTS[layout]
+                if hasattr(bt, "run_layout"):  # every configuration, interleaved per repeat
+                    got = bt.run_layout(c, axes, repeats, rng)
+                else:
+                    got = [bt.run_config(c, P, D, axes, repeats, rng) for P, D in bt.CONFIGS]
                 homo = next(r for r in got if r["P"] == r["D"] == 1)["claim_GBps"]
                 for r in got:
                     rows.append({
