@@ -64,6 +64,18 @@ def run(name: str, args: list[str]) -> None:
     out.write_text(json.dumps(data, indent=2) + "\n")
 
 
+def plot_gpu() -> None:
+    """docs/gpu.png from the committed GPU results (benchmarks/bench_gpu.py on a GPU host)."""
+    from kvbroker._bench import plot_result, scenario
+
+    path = RESULTS / "gpu-h100.json"
+    if path.exists():
+        raw = json.loads(path.read_text())
+        rows = scenario("gpu").rows_from(raw)
+        print("wrote", *plot_result({"scenario": "gpu", "rows": rows,
+                                     "params": {"device": raw["device"]}}, str(DOCS)))
+
+
 def section(data: dict) -> list[str]:
     m = data["machine"]
     cols = {k: [tuple(c) for c in v] for k, v in data["columns"].items()}
@@ -129,6 +141,7 @@ def main() -> None:
             if not a.only or name in a.only:
                 wait_for_quiet(a.max_load)
                 run(name, args)
+    plot_gpu()
     profiles = []
     missed = set()
     for n in ("transfer", "peer"):
