@@ -92,6 +92,18 @@ class ExtentAllocator:
         self._used += npages
         return start
 
+    def split(self, start: int, npages: int, head: int) -> int:
+        """Cut the live extent ``(start, npages)`` into two live extents, ``(start, head)``
+        and the rest; returns the rest's start. Nothing is freed or allocated (a write arena
+        hands its first pages to an object this way)."""
+        if self._live.get(start) != npages:
+            raise ValueError(f"extent ({start}, {npages}) is not live")
+        if not 0 < head < npages:
+            raise ValueError(f"cannot split {npages} pages after {head}")
+        self._live[start] = head
+        self._live[start + head] = npages - head
+        return start + head
+
     def free_extent(self, start: int, npages: int) -> None:
         if self._live.get(start) != npages:
             raise ValueError(f"extent ({start}, {npages}) is not live")

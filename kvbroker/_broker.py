@@ -64,6 +64,10 @@ _MAX_LIST = 10_000
 _MAX_REPORTED_LEASES = 256
 _MAX_REGEX = 1024
 
+# A write arena is at most this fraction of its pool: idle arenas of many clients must not
+# hold the pool hostage (they are not evictable).
+_ARENA_POOL_FRACTION = 16
+
 
 class WouldWait(Exception):
     """Raised by ``claim`` with ``wait``: the async layer retries after the key is sealed."""
@@ -78,7 +82,7 @@ class Session:
 
     __slots__ = (
         "id", "pid", "uid", "gid", "name", "role", "connected_at", "leases", "quarantine",
-        "bytes_published", "bytes_claimed", "greeted",
+        "bytes_published", "bytes_claimed", "greeted", "arenas",
     )  # fmt: skip
 
     def __init__(self, sid: int, pid: int, uid: int, gid: int) -> None:
@@ -89,6 +93,7 @@ class Session:
         self.connected_at = time.time()
         self.leases: dict[int, Lease] = {}
         self.quarantine: list[tuple[HostPool, int, int]] = []
+        self.arenas: dict[int, Arena] = {}
         self.bytes_published = 0
         self.bytes_claimed = 0
         self.greeted = False
@@ -184,6 +189,29 @@ class Lease:
         return (self.obj, *self.more) if self.more else (self.obj,)
 
 
+class Arena:
+    """A write arena: pages a session may fill before naming them (``publish``).
+
+    Owned by the broker like every extent; lent to one session until that session publishes
+    all of it, aborts it, or disconnects (then it is freed: its writer is gone). It has no
+    TTL: an expired arena would be quarantined until disconnect anyway, which frees nothing
+    sooner. Its pages count as used and as leased for writing; it is never evicted.
+    """
+
+    __slots__ = ("id", "session", "pool", "start", "npages")
+
+    def __init__(self, aid: int, session: Session, pool: HostPool, start: int, npages: int):
+        self.id = aid
+        self.session = session
+        self.pool = pool
+        self.start = start
+        self.npages = npages
+
+    def extent(self) -> list[int]:
+        ps = self.pool.page_size
+        return [self.pool.index, self.start * ps, self.npages * ps]
+
+
 class Broker:
     """Owns the directory of objects and every lease; the daemon drives it."""
 
@@ -216,6 +244,7 @@ class Broker:
         self.objects: dict[tuple[str, str], StoredObject] = {}
         self.pending: dict[tuple[str, str], StoredObject] = {}
         self.leases: dict[int, Lease] = {}
+        self.arenas: dict[int, Arena] = {}  # write arenas of every session, by id
         self._lru: OrderedDict[int, StoredObject] = OrderedDict()  # sealed, linked, unleased
         self._owners: list[dict[int, Any]] = [{} for _ in pools]  # start -> object | ("q", n)
         self._expiry: list[tuple[float, int]] = []
@@ -302,6 +331,8 @@ class Broker:
                 self._end_lease(lease, "its connection closed")
             else:
                 self._end_read(lease, "its connection closed", consume=False)
+        for arena in list(session.arenas.values()):
+            self._end_arena(arena, "its connection closed")
         for pool, start, npages in session.quarantine:
             self._free_extent(pool, start, npages)
         session.quarantine.clear()
@@ -411,6 +442,12 @@ class Broker:
     def _op_seal(self, session, lease, checksums=None) -> dict:
         ls = self._lease(session, lease, "write")
         obj = ls.obj
+        self._accept_checksums(obj, checksums)
+        del self.pending[(obj.namespace, obj.key)]
+        self._end_lease(ls, "it was sealed")
+        return self._link_sealed(session, obj)
+
+    def _accept_checksums(self, obj: StoredObject, checksums: dict | None) -> None:
         if checksums is not None:
             try:
                 obj.checksums = _integrity.validate(checksums, obj.buffers)
@@ -421,9 +458,10 @@ class Broker:
                 f"seal of {obj.namespace}/{obj.key}: this daemon requires a checksum per "
                 "buffer (require_checksums); seal with checksums"
             )
+
+    def _link_sealed(self, session: Session, obj: StoredObject) -> dict:
+        """Make a fully written object visible (replacing an older one of its key)."""
         ident = (obj.namespace, obj.key)
-        del self.pending[ident]
-        self._end_lease(ls, "it was sealed")
         old = self.objects.get(ident)
         if old is not None:
             self._unlink(old)
@@ -450,7 +488,103 @@ class Broker:
             self.on_sealed(ident)
         return {"namespace": obj.namespace, "key": obj.key, "nbytes": obj.nbytes}
 
+    # ------------------------------------------------------------------ write arenas
+    def _op_arena(self, session, nbytes) -> dict:
+        if nbytes <= 0:
+            raise BadRequest("arena: nbytes must be positive")
+        arena = self._new_arena(session, nbytes)
+        return {"lease": arena.id, "arena": arena.extent()}
+
+    def _new_arena(self, session: Session, nbytes: int) -> Arena:
+        cap = max(p.size for p in self.pools) // _ARENA_POOL_FRACTION
+        pool, start, npages = self._allocate(max(1, min(nbytes, cap)))
+        arena = Arena(self._next_id(), session, pool, start, npages)
+        self._owners[pool.index][start] = ("w", npages)
+        self.arenas[arena.id] = arena
+        session.arenas[arena.id] = arena
+        return arena
+
+    def _end_arena(self, arena: Arena, reason: str) -> None:
+        del self.arenas[arena.id]
+        del arena.session.arenas[arena.id]
+        self._free_extent(arena.pool, arena.start, arena.npages)
+        self._ended[arena.id] = reason
+        if len(self._ended) > _MAX_ENDED:
+            self._ended.popitem(last=False)
+
+    def _arena(self, session: Session, aid: int) -> Arena:
+        arena = self.arenas.get(aid)
+        if arena is None:
+            reason = self._ended.get(aid)
+            if reason is not None:
+                raise LeaseExpired(f"arena {aid} has ended: {reason}")
+            raise BadRequest(f"no arena {aid}")
+        if arena.session is not session:
+            raise Forbidden(f"arena {aid} is held by another connection")
+        return arena
+
+    def _op_publish(self, session, arena, namespace, key, buffers, meta, replace, consumers,
+                    checksums, next_arena) -> dict:  # fmt: skip
+        ar = self._arena(session, arena)
+        if not 1 <= consumers <= 1 << 16:
+            raise BadRequest("publish: consumers must be between 1 and 65536")
+        if next_arena < 0:
+            raise BadRequest("publish: next_arena must be a size in bytes, or 0")
+        ident = (_check_name("namespace", namespace), _check_name("key", key))
+        layout, span = _buffer_layout(buffers, meta)
+        pool, ps = ar.pool, ar.pool.page_size
+        npages = max(1, -(-span // ps))
+        if npages > ar.npages:
+            raise BadRequest(f"publish: {span} bytes do not fit arena {arena} "
+                             f"({ar.npages * ps} bytes); reserve instead")  # fmt: skip
+        if ident in self.pending:
+            raise Exists(f"{namespace}/{key} is being published by another writer")
+        if ident in self.objects and not replace:
+            raise Exists(f"{namespace}/{key} is already published")
+        base = ar.start * ps
+        obj = StoredObject(
+            ident[0], ident[1], pool, ar.start, npages, sum(n for _, n in layout.values()),
+            {name: (base + off, n) for name, (off, n) in layout.items()}, meta,
+            next(self._serials),
+        )  # fmt: skip
+        self._accept_checksums(obj, checksums)
+        obj.consumers = consumers
+
+        # Everything is checked: the arena's first pages become the object.
+        owners = self._owners[pool.index]
+        if npages < ar.npages:
+            ar.start = pool.allocator.split(ar.start, ar.npages, npages)
+            ar.npages -= npages
+            owners[ar.start] = ("w", ar.npages)
+        else:
+            del self.arenas[ar.id], session.arenas[ar.id]
+            self._ended[ar.id] = "it was published whole"
+            ar = None
+        owners[obj.start] = obj
+        # Keep what is left while it is at least half the size asked for: a fresh arena
+        # every few publishes amortises its allocation, and the rest is never tiny.
+        wanted = min(next_arena, pool.size // _ARENA_POOL_FRACTION)
+        if ar is not None and 2 * ar.npages * ps < wanted:
+            self._end_arena(ar, "it was used up; a fresh arena replaced it")
+            ar = None
+        if next_arena and ar is None:
+            # Before the object is linked, so making room for the arena cannot evict it.
+            try:
+                ar = self._new_arena(session, next_arena)
+            except PoolFull:
+                ar = None  # the client falls back to reserve + seal
+        elif not next_arena and ar is not None:
+            self._end_arena(ar, "its holder asked for no further arena")
+            ar = None
+        reply = self._link_sealed(session, obj)
+        reply["lease"] = None if ar is None else ar.id
+        reply["arena"] = None if ar is None else ar.extent()
+        return reply
+
     def _op_abort(self, session, lease) -> dict:
+        if lease in self.arenas:
+            self._end_arena(self._arena(session, lease), "it was aborted")
+            return {}
         ls = self._lease(session, lease, "write")
         self._discard_pending(ls, quarantine=False)
         self._end_lease(ls, "it was aborted")
@@ -671,6 +805,8 @@ class Broker:
         for s in self.sessions.values():
             for pool, _, npages in s.quarantine:
                 per_pool[pool.index]["quarantined"] += npages
+        for arena in self.arenas.values():  # lent for writing, like a reservation
+            per_pool[arena.pool.index]["write"] += arena.npages
         pools = []
         for p, acc in zip(self.pools, per_pool):
             a, ps = p.allocator, p.page_size
@@ -710,6 +846,7 @@ class Broker:
             "pending": len(self.pending),
             "read_leases": reads,
             "write_leases": len(self.leases) - reads,
+            "arenas": len(self.arenas),
             "pools": pools,
             "clients": clients,
             "counters": dict(self.counters),

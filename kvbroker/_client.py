@@ -31,6 +31,7 @@ from ._pool import PoolMapping
 from ._session import Session
 from ._shared import PerProcess
 from ._stats import ObjectInfo, Statistics
+from ._arena import WriteArena
 from ._transport import UnixTransport
 from . import _integrity
 from .errors import BadRequest, BrokerUnavailable, Exists, KVBrokerError, LeaseExpired
@@ -42,7 +43,8 @@ __all__ = ["Client", "WriteLease", "ReadLease", "EvictResult"]
 log = logging.getLogger("kvbroker.client")
 
 # Requests that name a lease: after a reconnect they are not resent (the lease is gone).
-_LEASE_OPS = frozenset({"seal", "abort", "release", "renew", "seal_many", "release_many"})
+_LEASE_OPS = frozenset({"seal", "abort", "release", "renew", "seal_many", "release_many",
+                        "publish"})
 
 # segment name -> this process's one mapping of it
 _process_maps: PerProcess[PoolMapping] = PerProcess(PoolMapping.close)
@@ -281,7 +283,9 @@ class Client:
     ``socket_path`` None means ``$KVBROKER_SOCKET`` or the default path. ``map_pools`` maps
     (and pre-faults) every pool at connect, as an engine wants; tools that only look at the
     daemon pass False and never touch the pools. ``busy_poll``: seconds to poll for a reply
-    before sleeping (lower latency for a little CPU; 0 turns it off).
+    before sleeping (lower latency for a little CPU; 0 turns it off). ``arena_size``: bytes
+    of the write arena this client holds so that a put of up to half of it is one round
+    trip (0: every put reserves, then seals).
 
     ``reconnect``: when an established connection breaks (the daemon crashed or restarted),
     the next call reconnects by itself, retrying with exponential backoff for at most this
@@ -301,6 +305,7 @@ class Client:
         map_pools: bool = True,
         busy_poll: float = 100e-6,
         reconnect: float = 5.0,
+        arena_size: int = 8 << 20,
     ) -> None:
         self.socket_path = socket_path or default_socket_path()
         self._timeout = timeout
@@ -316,6 +321,8 @@ class Client:
         self.pools: list[dict] = []
         self._maps: dict[int, PoolMapping] = {}
         self._closed = False
+        # Puts of objects up to half this size take one round trip (see _arena.py); 0: off.
+        self._arena = WriteArena(self, arena_size if map_pools else 0)
         self._connect()
 
     # -- plumbing --------------------------------------------------------------------------
@@ -462,11 +469,18 @@ class Client:
     ) -> bool:
         """Publish ``buffers`` (numpy arrays, torch CPU tensors or bytes-like) under ``key``.
 
-        Copies each byte once into the pool, then seals. Returns False, copying nothing,
-        when the key is already published and ``replace`` is False. ``checksum``: hash each
+        Copies each byte once into the pool, then seals. Returns False when the key is
+        already published and ``replace`` is False; nothing is copied then, except for an
+        object small enough for the write arena (half of ``arena_size``), which is copied
+        into this client's arena first and published in one round trip (see _arena.py). ``checksum``: hash each
         chunk right after copying it (still one pass over memory) and record the digests.
         """
         sizes = {name: nbytes_of(b) for name, b in buffers.items()}
+        if self._arena.fits(sum(sizes.values())):
+            done = self._arena.put(key, buffers, sizes, namespace=namespace, meta=meta,
+                                   replace=replace, consumers=consumers, checksum=checksum)
+            if done is not None:
+                return done
         try:
             lease = self.reserve(key, sizes, namespace=namespace, meta=meta, replace=replace,
                                  ttl=ttl, consumers=consumers, checksum=checksum)  # fmt: skip

@@ -114,6 +114,31 @@ OPS: dict[str, Op] = {
         "{}",
         "Discard an unsealed object and free its extents.",
     ),
+    "arena": Op(
+        {"nbytes": _a(int, required=True)},
+        "{lease, arena: [pool, offset, nbytes]}",
+        "A write arena: fresh pages this connection may fill before naming them with "
+        "`publish` (a put in one round trip). Capped at 1/16 of a pool; no TTL; freed by "
+        "`abort`, by being published whole, or when the connection closes.",
+    ),
+    "publish": Op(
+        {
+            "arena": _a(int, required=True),
+            "namespace": _a(str, default="default"),
+            "key": _a(str, required=True),
+            "buffers": _a(dict, required=True),
+            "meta": _a(dict, type(None)),
+            "replace": _a(bool, default=False),
+            "consumers": _a(int, default=1),
+            "checksums": _a(dict, type(None)),
+            "next_arena": _a(int, default=0),
+        },
+        "{key, namespace, nbytes, lease: arena id | null, arena: [pool, offset, nbytes] | null}",
+        "Seal the arena's first pages as a new object, buffers laid out as `reserve` lays "
+        "them out; the rest stays the arena. `next_arena` bytes: the arena to hold next "
+        "(the rest, while it is at least half that size, else a fresh one of that size; 0 "
+        "frees the rest). Exists leaves the arena untouched.",
+    ),
     "claim": Op(
         {
             "namespace": _a(str, default="default"),

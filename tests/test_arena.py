@@ -1,0 +1,369 @@
+"""Write arenas: a put in one round trip (``arena`` + ``publish``), in the broker and end to end.
+
+The invariants: an arena's pages belong to one connection until published, aborted or the
+connection ends; no two live extents overlap; publish either makes the whole object visible
+or changes nothing; a client killed with SIGKILL leaves the pool as it found it.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import secrets
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvbroker import Client
+from kvbroker._arena import layout_of
+from kvbroker._broker import Broker, _buffer_layout
+from kvbroker._pool import HostPool
+from kvbroker.errors import BadRequest, Exists, Forbidden, LeaseExpired, NotFound, PoolFull
+
+PAGE = 4096
+
+
+@pytest.fixture
+def make_broker():
+    pools = []
+
+    def make(npages=256, **kw):
+        pool = HostPool(0, f"/kvba.{os.getpid()}.{secrets.token_hex(3)}", npages * PAGE, PAGE)
+        pools.append(pool)
+        return Broker([pool], **kw)
+
+    yield make
+    for p in pools:
+        p.unlink()
+
+
+def session(b):
+    s = b.open_session(pid=1, uid=0, gid=0)
+    b.handle(s, "hello", {"version": 1, "name": "t"})
+    return s
+
+
+def used(b):
+    return b.pools[0].allocator.used
+
+
+def assert_no_overlap(b):
+    """Every page is owned by at most one object, arena, lease or quarantine entry, and the
+    allocator's live extents are exactly those owners."""
+    live = b.pools[0].allocator.live_extents()
+    owners = sorted((start, owner[1] if isinstance(owner, tuple) else owner.npages)
+                    for start, owner in b._owners[0].items())  # fmt: skip
+    assert live == owners
+    for (s1, n1), (s2, _) in zip(live, live[1:]):
+        assert s1 + n1 <= s2
+
+
+# -- broker ----------------------------------------------------------------------------------
+
+
+def test_publish_carves_the_arena_front_and_keeps_the_rest(make_broker):
+    b = make_broker()
+    s = session(b)
+    a = b.handle(s, "arena", {"nbytes": 16 * PAGE})
+    assert a["arena"] == [0, a["arena"][1], 16 * PAGE]
+    base = a["arena"][1]
+    assert used(b) == 16
+    r = b.handle(s, "publish", {"arena": a["lease"], "key": "k",
+                                "buffers": {"x": 1000, "y": 2 * PAGE}, "next_arena": 16 * PAGE})
+    # the object took the first pages, laid out exactly as reserve lays it out
+    layout, span = _buffer_layout({"x": 1000, "y": 2 * PAGE}, None)
+    assert (layout_of({"x": 1000, "y": 2 * PAGE})[0], span) == (
+        {n: off for n, (off, _) in layout.items()}, span)
+    c = b.handle(s, "claim", {"key": "k"})
+    assert c["buffers"] == {"x": [0, base, 1000], "y": [0, base + 1024, 2 * PAGE]}
+    # the rest (13 pages, at least half of 16) stays the arena, same id
+    assert r["lease"] == a["lease"] and r["arena"] == [0, base + 3 * PAGE, 13 * PAGE]
+    assert used(b) == 16
+    assert_no_overlap(b)
+    st_ = b.snapshot()
+    assert st_["pools"][0]["leased_write"] == 13 * PAGE and st_["arenas"] == 1
+
+
+def test_used_up_arena_is_replaced_and_whole_publish_ends_it(make_broker):
+    b = make_broker()
+    s = session(b)
+    a = b.handle(s, "arena", {"nbytes": 8 * PAGE})
+    r = b.handle(s, "publish", {"arena": a["lease"], "key": "k1", "buffers": {"x": 5 * PAGE},
+                                "next_arena": 8 * PAGE})  # fmt: skip
+    # 3 pages left < half of 8: a fresh arena replaces them
+    assert r["lease"] != a["lease"] and r["arena"][2] == 8 * PAGE
+    with pytest.raises(LeaseExpired, match="used up"):
+        b.handle(s, "publish", {"arena": a["lease"], "key": "k2", "buffers": {"x": 1}})
+    assert used(b) == 5 + 8
+    # publishing it whole without asking for another leaves no arena
+    r2 = b.handle(s, "publish", {"arena": r["lease"], "key": "k2", "buffers": {"x": 8 * PAGE}})
+    assert r2["lease"] is None and r2["arena"] is None
+    assert used(b) == 5 + 8 and not b.arenas
+    with pytest.raises(LeaseExpired, match="published whole"):
+        b.handle(s, "abort", {"lease": r["lease"]})
+    assert_no_overlap(b)
+
+
+def test_next_arena_zero_frees_the_rest(make_broker):
+    b = make_broker()
+    s = session(b)
+    a = b.handle(s, "arena", {"nbytes": 8 * PAGE})
+    r = b.handle(s, "publish", {"arena": a["lease"], "key": "k", "buffers": {"x": PAGE}})
+    assert r["arena"] is None and used(b) == 1 and not s.arenas
+
+
+def test_failed_publish_changes_nothing(make_broker):
+    b = make_broker()
+    s = session(b)
+    a = b.handle(s, "arena", {"nbytes": 4 * PAGE})
+    aid = a["lease"]
+    b.handle(s, "publish", {"arena": aid, "key": "old", "buffers": {"x": 1}, "next_arena": 4 * PAGE})
+    before = (used(b), dict(b.pools[0].allocator.live_extents()), b.arenas[aid].start)
+    bad = [
+        ({"key": "big", "buffers": {"x": 5 * PAGE}}, BadRequest, "do not fit"),
+        ({"key": "old", "buffers": {"x": 1}}, Exists, "already published"),
+        ({"key": "k", "buffers": {"past_key.x": 1}}, BadRequest, "KV buffer"),
+        ({"key": "k", "buffers": {"x": 8}, "checksums": {"y": 1}}, BadRequest, "checksum"),
+        ({"key": "k", "buffers": {"x": 8}, "consumers": 0}, BadRequest, "consumers"),
+        ({"key": "k", "buffers": {"x": 8}, "next_arena": -1}, BadRequest, "next_arena"),
+        ({"key": "", "buffers": {"x": 8}}, BadRequest, "key"),
+    ]
+    for args, exc, match in bad:
+        with pytest.raises(exc, match=match):
+            b.handle(s, "publish", {"arena": aid, **args})
+        assert (used(b), dict(b.pools[0].allocator.live_extents()), b.arenas[aid].start) == before
+    with pytest.raises(NotFound):
+        b.handle(s, "claim", {"key": "k"})
+    # replace=True does replace, from the same arena
+    b.handle(s, "publish", {"arena": aid, "key": "old", "buffers": {"x": 2}, "replace": True,
+                            "next_arena": 4 * PAGE})  # fmt: skip
+    assert b.handle(s, "lookup", {"key": "old"})["nbytes"] == 2
+    assert_no_overlap(b)
+
+
+def test_pending_reservation_of_the_key_blocks_publish(make_broker):
+    b = make_broker()
+    s, t = session(b), session(b)
+    b.handle(t, "reserve", {"key": "k", "buffers": {"x": 1}})
+    a = b.handle(s, "arena", {"nbytes": 4 * PAGE})
+    with pytest.raises(Exists, match="another writer"):
+        b.handle(s, "publish", {"arena": a["lease"], "key": "k", "buffers": {"x": 1},
+                                "replace": True})  # fmt: skip
+
+
+def test_arena_belongs_to_its_connection_and_goes_with_it(make_broker):
+    b = make_broker()
+    s, t = session(b), session(b)
+    a = b.handle(s, "arena", {"nbytes": 4 * PAGE})
+    with pytest.raises(Forbidden):
+        b.handle(t, "publish", {"arena": a["lease"], "key": "k", "buffers": {"x": 1}})
+    with pytest.raises(Forbidden):
+        b.handle(t, "abort", {"lease": a["lease"]})
+    with pytest.raises(BadRequest, match="no arena"):
+        b.handle(s, "publish", {"arena": 999999, "key": "k", "buffers": {"x": 1}})
+    # not a read or write lease: the lease ops refuse it
+    with pytest.raises(BadRequest):
+        b.handle(s, "seal", {"lease": a["lease"]})
+    with pytest.raises(BadRequest):
+        b.handle(s, "release", {"lease": a["lease"]})
+    b.handle(s, "arena", {"nbytes": 2 * PAGE})
+    assert used(b) == 6
+    b.close_session(s)
+    assert used(b) == 0 and not b.arenas
+    b.handle(t, "abort", {"lease": b.handle(t, "arena", {"nbytes": PAGE})["lease"]})
+    assert used(b) == 0
+
+
+def test_arena_never_expires_and_is_never_evicted(make_broker):
+    b = make_broker(npages=16)
+    s = session(b)
+    a = b.handle(s, "arena", {"nbytes": PAGE})  # capped at 1/16 of the pool: one page
+    assert a["arena"][2] == PAGE
+    b.clock = lambda: 1e12  # far past any TTL
+    b.expire()
+    assert a["lease"] in b.arenas
+    r = b.handle(s, "evict", {"all": True})
+    assert r["count"] == 0 and used(b) == 1
+
+
+def test_arena_allocation_evicts_lru_and_fails_cleanly_when_full(make_broker):
+    b = make_broker(npages=32)
+    s = session(b)
+    for i in range(30):
+        r = b.handle(s, "reserve", {"key": f"o{i}", "buffers": {"x": PAGE}})
+        b.handle(s, "seal", {"lease": r["lease"]})
+    b.handle(s, "arena", {"nbytes": 2 * PAGE})  # 2 pages free: fits
+    b.handle(s, "arena", {"nbytes": 2 * PAGE})  # evicts the two oldest objects
+    assert b.handle(s, "lookup", {"key": "o0"}) is None
+    assert b.handle(s, "lookup", {"key": "o2"}) is not None
+    for i in range(2, 30):  # pin everything left
+        b.handle(s, "claim", {"key": f"o{i}"})
+    with pytest.raises(PoolFull):
+        b.handle(s, "arena", {"nbytes": PAGE})
+    assert_no_overlap(b)
+
+
+def test_publish_keeps_the_object_when_no_next_arena_fits(make_broker):
+    b = make_broker(npages=32, high_watermark=1.0, low_watermark=1.0)
+    s = session(b)
+    a = b.handle(s, "arena", {"nbytes": 2 * PAGE})
+    for i in range(30):
+        r = b.handle(s, "reserve", {"key": f"o{i}", "buffers": {"x": PAGE}})
+        b.handle(s, "seal", {"lease": r["lease"]})
+        b.handle(s, "claim", {"key": f"o{i}"})  # leased: not evictable
+    r = b.handle(s, "publish", {"arena": a["lease"], "key": "k", "buffers": {"x": 2 * PAGE},
+                                "next_arena": 2 * PAGE})  # fmt: skip
+    assert r["arena"] is None and b.handle(s, "lookup", {"key": "k"}) is not None
+    assert used(b) == 32
+
+
+def test_publish_obeys_the_high_watermark(make_broker):
+    b = make_broker(npages=64, high_watermark=0.5, low_watermark=0.25)
+    s = session(b)
+    for i in range(30):
+        r = b.handle(s, "reserve", {"key": f"o{i}", "buffers": {"x": PAGE}})
+        b.handle(s, "seal", {"lease": r["lease"]})
+    a = b.handle(s, "arena", {"nbytes": 4 * PAGE})
+    assert used(b) == 34  # past the high watermark (32 pages), nothing sealed yet
+    b.handle(s, "publish", {"arena": a["lease"], "key": "k", "buffers": {"x": 4 * PAGE}})
+    assert used(b) <= 16  # evicted down to the low watermark, arena pages counted as used
+    assert b.handle(s, "lookup", {"key": "k"}) is not None
+
+
+ops = st.lists(
+    st.tuples(st.sampled_from(["arena", "publish", "claim", "release", "abort", "close"]),
+              st.integers(0, 2), st.integers(1, 6 * PAGE)),  # fmt: skip
+    max_size=60,
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops)
+def test_property_no_overlap_and_nothing_leaks(make_broker, script):
+    b = make_broker(npages=64)
+    sessions = [session(b) for _ in range(3)]
+    reads: list[list[int]] = [[], [], []]
+    n = 0
+    for op, who, size in script:
+        s = sessions[who]
+        try:
+            if op == "arena":
+                b.handle(s, "arena", {"nbytes": size})
+            elif op == "publish" and s.arenas:
+                aid = next(iter(s.arenas))
+                n += 1
+                b.handle(s, "publish", {"arena": aid, "key": f"k{n}", "buffers": {"x": size},
+                                        "next_arena": size * (n % 3)})  # fmt: skip
+            elif op == "claim" and b.objects:
+                key = next(iter(b.objects))[1]
+                reads[who].append(b.handle(s, "claim", {"key": key, "consume": size % 2 == 0})["lease"])
+            elif op == "release" and reads[who]:
+                b.handle(s, "release", {"lease": reads[who].pop()})
+            elif op == "abort" and s.arenas:
+                b.handle(s, "abort", {"lease": next(iter(s.arenas))})
+            elif op == "close":
+                b.close_session(s)
+                sessions[who] = session(b)
+                reads[who] = []
+        except (PoolFull, BadRequest):
+            pass
+        assert_no_overlap(b)
+    for s in sessions:
+        b.close_session(s)
+    assert used(b) == sum(o.npages for o in b.objects.values())
+    b.handle(session(b), "evict", {"all": True})
+    assert used(b) == 0
+
+
+# -- end to end --------------------------------------------------------------------------
+
+
+def test_put_takes_one_round_trip_and_another_process_reads_it(daemon):
+    with daemon.client() as w, daemon.client(arena_size=0) as r:
+        calls = []
+        real = w._session.call
+        w._session.call = lambda op, **a: calls.append(op) or real(op, **a)
+        data = {"past_key.0": np.arange(1000, dtype=np.float32), "x": b"abc" * 1000}
+        assert w.put("k1", data, meta={"m": 1})
+        assert calls == ["arena", "publish"]  # the arena is opened once, lazily
+        calls.clear()
+        assert w.put("k2", {"x": b"\x07" * 300_000})
+        assert calls == ["publish"]
+        got = r.get("k1")
+        assert np.array_equal(got["past_key.0"].view(np.float32), data["past_key.0"])
+        assert bytes(got["x"]) == data["x"]
+        with r.claim("k1", verify=True) as lease:  # checksums were recorded while copying
+            assert lease.meta == {"m": 1}
+        assert bytes(r.get("k2", consume=True)["x"]) == b"\x07" * 300_000
+        # an existing key: False, nothing replaced; replace=True replaces
+        assert not w.put("k1", {"x": b"new"})
+        assert bytes(r.get("k1")["x"]) == data["x"]
+        assert w.put("k1", {"x": b"new"}, replace=True)
+        assert bytes(r.get("k1")["x"]) == b"new"
+        # larger than half the arena: reserve + seal
+        calls.clear()
+        assert w.put("big", {"x": np.ones(5 << 20, np.uint8)})
+        assert calls == ["reserve", "seal"]
+        assert r.stat().pools[0].leased_write > 0  # the writer's arena is counted as leased
+
+
+def test_bad_source_mid_copy_publishes_nothing(client):
+    class Boom:  # claims a size but exposes no bytes
+        nbytes = 4096
+
+    with pytest.raises(Exception):
+        client.put("half", {"a": b"x" * 4096, "b": Boom()})
+    assert not client.exists("half")
+    assert client.put("half", {"a": b"x" * 4096})  # the arena is still usable
+
+
+def test_threads_share_one_client(client):
+    def work(t):
+        for i in range(40):
+            client.put(f"t{t}-{i}", {"x": np.full(10000 + i, t, np.uint8)})
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    for t in range(4):
+        for i in range(40):
+            x = client.get(f"t{t}-{i}")["x"]
+            assert len(x) == 10000 + i and (x == t).all()
+
+
+def _put_then_hang(sock: str, ready) -> None:
+    c = Client(sock)
+    for i in range(5):
+        c.put(f"killed-{i}", {"x": np.full(50_000, i, np.uint8)})
+    ready.set()
+    time.sleep(60)
+
+
+def test_sigkill_frees_the_arena(daemon):
+    with daemon.client(arena_size=0) as c:
+        before = c.stat().pools[0].used
+        ctx = mp.get_context("spawn")
+        ready = ctx.Event()
+        p = ctx.Process(target=_put_then_hang, args=(daemon.socket_path, ready))
+        p.start()
+        assert ready.wait(30)
+        mid = c.stat()
+        assert mid.pools[0].leased_write > 0  # the arena
+        os.kill(p.pid, signal.SIGKILL)
+        p.join(10)
+        deadline = time.monotonic() + 1.0
+        while c.stat().pools[0].leased_write and time.monotonic() < deadline:
+            time.sleep(0.01)
+        after = c.stat()
+        assert after.pools[0].leased_write == 0 and len(after.clients) == 1
+        # what it published stays; nothing else is held
+        assert all(c.exists(f"killed-{i}") for i in range(5))
+        c.evict(all=True)
+        assert c.stat().pools[0].used == before
