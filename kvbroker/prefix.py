@@ -14,6 +14,33 @@ Ownership
   the ``with`` block): copy what you need into your own cache first. While held, the blocks
   are never evicted — many DP ranks may hold the same blocks at once.
 - The broker evicts a chain from its leaf: a block goes only after every block that extends it.
+
+Tensor parallelism
+------------------
+With ``PrefixCache(..., tp_rank=r, tp_size=T, total_kv_heads=H)`` each TP rank publishes and
+matches its own head shard, ``shard_heads(r, T, H)``. A block's key is its chained hash plus
+the shard, ``{h_i}/h{H}.tp{r}of{T}`` (:func:`shard_block_key`), and its parent is the previous
+block of the *same* shard, so ranks never collide and each shard is a chain of its own,
+evicted leaf first like any other. The hash itself does not depend on the layout: a DP rank
+with another TP size computes the same ``h_i`` and reads another layout's shards.
+
+- :meth:`PrefixCache.publish_kv` copies this rank's heads of every full block out of the
+  engine's paged cache (:class:`kvbroker.kv.PagedKV`) into buffers ``past_key.{l}`` /
+  ``past_value.{l}`` (``past_latent.{l}`` for MLA) laid out ``[head][token][head_dim]``, so
+  any head range of a block's (layer, K/V) is one contiguous run. Blocks the node holds cost
+  nothing; each new byte is copied once.
+- :meth:`PrefixCache.match_kv` asks, in one round trip, for the blocks of exactly the shards
+  this rank's heads come from (:func:`kvbroker._tp.claim_plan`): with the same TP size that is
+  the shard of the same TP rank; with another TP size it is every contributing shard of that
+  layout (``source_tp_size``, or this rank's own TP size and then ``peer_tp_sizes``, longest
+  match wins). The match length is the run of leading blocks that *every* needed shard holds,
+  never more (one TP rank's shard evicted early shortens everybody's match). The returned
+  :class:`KVPrefixMatch` holds one read lease over those blocks; :meth:`KVPrefixMatch.load`
+  writes this rank's heads into its paged cache at the given block ids, bit for bit: per
+  matched block, one copy per (layer, K/V, contributing shard), never per token.
+- The TP ranks of one DP rank each run their own match, and may see different lengths when
+  blocks are published or evicted in between: agree on the minimum (the engine's scheduler
+  usually matches once per DP rank) and pass it as ``load(..., num_blocks=)``.
 """
 
 from __future__ import annotations
@@ -24,9 +51,14 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ._client import Client, WriteLease, _np, copy_into, nbytes_of
-from .errors import KVBrokerError
+from ._names import check_infix, kv_buffer_name
+from ._tp import Piece, claim_plan, shard_heads
+from .errors import BadRequest, KVBrokerError, LayoutMismatch
+from .layout import Layout, check_compatible
 
-__all__ = ["PrefixCache", "PrefixMatch", "block_hashes"]
+__all__ = ["KVPrefixMatch", "PrefixCache", "PrefixMatch", "block_hashes", "shard_block_key"]
+
+SHARD_META_TAG = "kvbroker.prefix.kv"  # meta key marking (and versioning) a publish_kv block
 
 _DIGEST = 16
 
@@ -63,6 +95,14 @@ def _token_bytes(token_ids: Sequence[int]) -> bytes:
     import numpy as np
 
     return np.asarray(token_ids, dtype="<i8").tobytes()
+
+
+def shard_block_key(block_hash: str, tp_rank: int, tp_size: int, total_kv_heads: int | None) -> str:
+    """The key of TP rank ``tp_rank`` of ``tp_size``'s shard of the block ``block_hash``.
+
+    ``total_kv_heads`` None (an MLA latent cache: every rank holds the same bytes) names the
+    shard ``h0``."""
+    return f"{block_hash}/h{total_kv_heads or 0}.tp{tp_rank}of{tp_size}"
 
 
 class MatchedBlock:
@@ -152,7 +192,13 @@ class PrefixMatch:
 
 
 class PrefixCache:
-    """A DP rank's view of the node's prefix cache for one namespace and cache salt."""
+    """A DP rank's view of the node's prefix cache for one namespace and cache salt.
+
+    Unsharded (``total_kv_heads`` None, ``tp_size`` 1): a block's key is its chained hash and
+    its buffers are whatever the engine publishes. Sharded: see "Tensor parallelism" above;
+    ``peer_tp_sizes`` names the TP sizes of the other DP ranks sharing this node, tried by
+    :meth:`match_kv` after this rank's own when that does not cover the prompt.
+    """
 
     def __init__(
         self,
@@ -161,15 +207,39 @@ class PrefixCache:
         namespace: str = "prefix",
         block_size: int = 16,
         cache_salt: str = "",
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        total_kv_heads: int | None = None,
+        peer_tp_sizes: Sequence[int] = (),
     ) -> None:
+        if not isinstance(block_size, int) or block_size < 1:
+            raise BadRequest(f"block_size must be a positive int, not {block_size!r}")
+        shard_heads(tp_rank, tp_size, total_kv_heads)  # validates the TP facts
+        for peer in peer_tp_sizes:
+            shard_heads(0, peer, total_kv_heads)
         self.client = client
         self.namespace = namespace
         self.block_size = block_size
         self.cache_salt = cache_salt
+        self.tp_rank = tp_rank
+        self.tp_size = tp_size
+        self.total_kv_heads = total_kv_heads
+        self.peer_tp_sizes = tuple(peer_tp_sizes)
+        # Legacy unsharded keys are the bare hashes; publish_kv/match_kv always use shard keys.
+        self.sharded = total_kv_heads is not None or tp_size != 1
 
     def hashes(self, token_ids: Sequence[int]) -> list[str]:
         return block_hashes(token_ids, self.block_size, namespace=self.namespace,
                             cache_salt=self.cache_salt)  # fmt: skip
+
+    def keys(self, hashes: Sequence[str], *, tp_rank: int | None = None,
+             tp_size: int | None = None) -> list[str]:  # fmt: skip
+        """The broker keys of ``hashes`` for one shard (default: this rank's)."""
+        if not self.sharded:
+            return list(hashes)
+        r = self.tp_rank if tp_rank is None else tp_rank
+        t = self.tp_size if tp_size is None else tp_size
+        return [shard_block_key(h, r, t, self.total_kv_heads) for h in hashes]
 
     def publish(
         self,
@@ -184,9 +254,13 @@ class PrefixCache:
         ``blocks``: block ``i``'s buffers ({name: array/tensor/bytes}), as a sequence, or as
         a function of ``i`` together with ``block_sizes`` ({name: nbytes}, the same for every
         block): the function is then called only for blocks the node lacks, so nothing is
-        gathered for blocks that are already there.
+        gathered for blocks that are already there. A sharded cache publishes under this TP
+        rank's shard keys; the bytes are the engine's business (use :meth:`publish_kv` for
+        blocks other TP layouts can reshard).
         """
-        keys = self.hashes(token_ids)
+        return self._publish(self.keys(self.hashes(token_ids)), blocks, block_sizes, meta)
+
+    def _publish(self, keys: list[str], blocks, block_sizes, meta) -> int:
         if not keys:
             return 0
         if callable(blocks):
@@ -238,13 +312,252 @@ class PrefixCache:
 
         Never more than ``len(token_ids) - 1`` tokens: the engine must prefill at least one
         token to get logits. ``hashes``: this prompt's block hashes if the engine already
-        computed them (e.g. when the request arrived).
+        computed them (e.g. when the request arrived). A sharded cache matches this TP rank's
+        own shard keys only (see :meth:`match_kv` for every shard this rank needs).
         """
         usable = max(0, len(token_ids) - 1) // self.block_size
         if hashes is None:
             hashes = self.hashes(token_ids[: usable * self.block_size])
-        keys = hashes[:usable]
+        keys = self.keys(hashes[:usable])
         asked_at = time.monotonic()
         reply = self.client._call("match_prefix", namespace=self.namespace, keys=keys,
                                   block_tokens=self.block_size, ttl=ttl)  # fmt: skip
         return PrefixMatch(self.client, reply, self.block_size, asked_at)
+
+    # -- KV blocks that any TP layout can read -------------------------------------------------
+    def _kv_heads(self, cache) -> int | None:
+        if cache.latent:
+            return None
+        if self.total_kv_heads is None:
+            raise BadRequest("publish_kv/match_kv of a per-head cache need total_kv_heads "
+                             "(from the model config)")  # fmt: skip
+        return self.total_kv_heads
+
+    def publish_kv(self, token_ids: Sequence[int], cache, block_ids: Any, *,
+                   infix: str | None = None) -> int:  # fmt: skip
+        """Publish this TP rank's heads of every full block of ``token_ids``; returns how
+        many blocks were new. ``cache``: a :class:`kvbroker.kv.PagedKV` whose block size is
+        this cache's; ``block_ids``: the engine blocks holding the prompt, in order."""
+        from .kv import _block_index
+
+        check_infix(infix)
+        heads = self._kv_heads(cache)
+        mine = shard_heads(self.tp_rank, self.tp_size, heads)
+        _check_kv_cache(cache, self.block_size, len(mine), self.tp_rank, self.tp_size)
+        n = len(token_ids) // self.block_size
+        if n == 0:
+            return 0
+        ids = _block_index(block_ids, n * self.block_size, cache.block_size, cache.num_blocks)
+        buffer = _block_layout(cache, len(mine))
+        names = _names(cache, infix)
+        sizes = {name: buffer.nbytes for row in names for name in row}
+        meta = {
+            SHARD_META_TAG: 1, "tp_rank": self.tp_rank, "tp_size": self.tp_size,
+            "total_kv_heads": heads, "heads": [mine.start, mine.stop],
+            "num_layers": cache.num_layers, "components": list(cache.components),
+            "infix": infix, "layout": buffer.to_dict(),
+        }  # fmt: skip
+
+        def block(i: int) -> dict:
+            # [token, head, dim] of engine block ids[i] seen as [head, token, dim]: copy_into
+            # walks the strides while writing the pool, so each byte moves once.
+            return {name: cache.component(layer, c)[ids[i]].transpose(1, 0, 2)
+                    for layer, row in enumerate(names) for c, name in enumerate(row)}  # fmt: skip
+
+        keys = [shard_block_key(h, self.tp_rank, self.tp_size, heads)
+                for h in self.hashes(token_ids[: n * self.block_size])]  # fmt: skip
+        return self._publish(keys, block, sizes, meta)
+
+    def match_kv(
+        self,
+        token_ids: Sequence[int],
+        *,
+        source_tp_size: int | None = None,
+        hashes: list[str] | None = None,
+        ttl: float | None = None,
+        latent: bool = False,
+    ) -> KVPrefixMatch:
+        """The longest prefix every shard this rank needs holds, under one read lease.
+
+        ``source_tp_size``: the TP size of the layout to read; None tries this rank's own,
+        then ``peer_tp_sizes``, and keeps the longest match (one round trip each, stopping at
+        the first that covers every usable block). ``latent``: the engine cache is an MLA
+        latent cache (no head axis). Never more than ``len(token_ids) - 1`` tokens.
+        """
+        usable = max(0, len(token_ids) - 1) // self.block_size
+        if hashes is None:
+            hashes = self.hashes(token_ids[: usable * self.block_size])
+        hashes = hashes[:usable]
+        heads = None if latent else self.total_kv_heads
+        if heads is None and not latent:
+            raise BadRequest("match_kv of a per-head cache needs total_kv_heads")
+        if source_tp_size is not None:
+            sizes = [source_tp_size]
+        else:
+            sizes = [self.tp_size, *self.peer_tp_sizes]
+        best: KVPrefixMatch | None = None
+        for source in dict.fromkeys(sizes):
+            found = self._match_layout(hashes, source, heads, ttl)
+            if best is None or found.num_blocks > best.num_blocks:
+                if best is not None:
+                    best.release()
+                best = found
+            else:
+                found.release()
+            if best.num_blocks == len(hashes):
+                break
+        assert best is not None
+        return best
+
+    def _match_layout(self, hashes: list[str], source: int, heads: int | None,
+                      ttl: float | None) -> KVPrefixMatch:  # fmt: skip
+        plan = claim_plan(heads, source, self.tp_size, self.tp_rank)
+        ranks = list(dict.fromkeys(p.prefill_rank for p in plan))
+        # Block-major, shard-minor: the broker's longest run of present keys, divided by the
+        # shard count, is the run of blocks every needed shard holds. A partial last row is
+        # pinned by the same lease and ignored.
+        per_shard = [[shard_block_key(h, r, source, heads) for h in hashes] for r in ranks]
+        keys = [k for row in zip(*per_shard) for k in row]
+        asked_at = time.monotonic()
+        # The broker counts hit tokens per key found: a key is 1/len(ranks) of a block here.
+        reply = self.client._call("match_prefix", namespace=self.namespace, keys=keys,
+                                  block_tokens=self.block_size // len(ranks), ttl=ttl)  # fmt: skip
+        return KVPrefixMatch(self.client, reply, self.block_size, asked_at, source=source,
+                             heads=heads, ranks=ranks, plan=plan, tp_rank=self.tp_rank,
+                             tp_size=self.tp_size)  # fmt: skip
+
+
+def _names(cache, infix: str | None) -> list[list[str]]:
+    return [[kv_buffer_name(kind, layer, infix) for kind in cache.components]
+            for layer in range(cache.num_layers)]  # fmt: skip
+
+
+def _block_layout(cache, heads: int) -> Layout:
+    """One published block buffer: ``[head][token][head_dim]`` of one (layer, K/V)."""
+    return Layout.contiguous(cache.dtype, (heads, cache.block_size, cache.head_dim),
+                             ("head", "token", "head_dim"), iterated=("head",),
+                             sharded="head")  # fmt: skip
+
+
+def _check_kv_cache(cache, block_size: int, heads: int, tp_rank: int, tp_size: int) -> None:
+    if cache.block_size != block_size:
+        raise LayoutMismatch(
+            f"layout mismatch on block size: the prefix cache pages {block_size} tokens, the "
+            f"engine cache {cache.block_size}"
+        )
+    if cache.local_heads != heads:
+        raise LayoutMismatch(
+            f"layout mismatch on KV heads: TP rank {tp_rank} of {tp_size} holds {heads} "
+            f"heads, but its cache has {cache.local_heads}"
+        )
+
+
+class KVPrefixMatch(PrefixMatch):
+    """A :meth:`PrefixCache.match_kv` result: one read lease on ``num_blocks`` leading blocks
+    of every shard in ``ranks`` (TP ranks of the ``source`` TP size). Load them with
+    :meth:`load` before releasing; the views die with the lease."""
+
+    def __init__(self, client: Client, reply: dict, block_size: int, asked_at: float, *,
+                 source: int, heads: int | None, ranks: list[int], plan: list[Piece],
+                 tp_rank: int, tp_size: int) -> None:  # fmt: skip
+        super().__init__(client, reply, block_size, asked_at)
+        self.source_tp_size = source
+        self.total_kv_heads = heads
+        self.ranks = ranks
+        self.plan = plan
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self._rows = len(self._raw) // len(ranks)
+
+    @property
+    def num_blocks(self) -> int:
+        return self._rows
+
+    @property
+    def num_tokens(self) -> int:
+        return self._rows * self.block_size
+
+    def _extent(self, row: int, shard: int, name: str) -> tuple[int, int, int]:
+        raw = self._raw[row * len(self.ranks) + shard]
+        if isinstance(raw, dict):
+            if name not in raw:
+                raise LayoutMismatch(f"layout mismatch on buffers: a matched block has no {name}")
+            return tuple(raw[name])
+        try:
+            i = self._names.index(name)
+        except ValueError:
+            raise LayoutMismatch(f"layout mismatch on buffers: matched blocks have no {name} "
+                                 f"(they hold {', '.join(self._names)})") from None  # fmt: skip
+        return raw[0], raw[1 + 2 * i], raw[2 + 2 * i]
+
+    def _check(self, cache, infix: str | None) -> Layout:
+        meta = self.meta
+        where = f"prefix blocks of TP size {self.source_tp_size}"
+        if not isinstance(meta, dict) or meta.get(SHARD_META_TAG) != 1:
+            raise LayoutMismatch(f"{where} were not published by publish_kv (no layout in meta)")
+        for what, published, local in (
+            ("TP size", meta["tp_size"], self.source_tp_size),
+            ("total KV heads", meta["total_kv_heads"], self.total_kv_heads),
+            ("layers", meta["num_layers"], cache.num_layers),
+            ("K/V components (latent vs per-head cache)", meta["components"],
+             list(cache.components)),
+            ("buffer infix", meta["infix"], infix),
+        ):  # fmt: skip
+            if published != local:
+                raise LayoutMismatch(f"layout mismatch on {what} ({where}): published "
+                                     f"{published!r}, local {local!r}")  # fmt: skip
+        stored = Layout.from_dict(meta["layout"])
+        check_compatible(stored, _block_layout(cache, stored.size("head")),
+                         ("token", "head_dim"), what=where)  # fmt: skip
+        return stored
+
+    def load(self, cache, block_ids: Any, *, num_blocks: int | None = None,
+             infix: str | None = None) -> int:  # fmt: skip
+        """Write this rank's heads of the first ``num_blocks`` matched blocks (default all)
+        into ``cache`` (a :class:`kvbroker.kv.PagedKV`) at engine blocks ``block_ids``, bit
+        for bit. Returns the number of copy operations: blocks × layers × K/V × shards."""
+        from .kv import _block_index
+
+        n = self._rows if num_blocks is None else num_blocks
+        if not 0 <= n <= self._rows:
+            raise BadRequest(f"load: num_blocks {n} outside [0, {self._rows}] matched")
+        if n == 0:
+            return 0
+        if self.released:
+            raise KVBrokerError("the prefix match was released; its blocks are gone")
+        check_infix(infix)
+        mine = shard_heads(self.tp_rank, self.tp_size, self.total_kv_heads)
+        _check_kv_cache(cache, self.block_size, len(mine), self.tp_rank, self.tp_size)
+        stored = self._check(cache, infix)
+        ids = _block_index(block_ids, n * self.block_size, cache.block_size, cache.num_blocks)
+        names = _names(cache, infix)
+        np = _np()
+        int_dtype = cache.component(0, 0).dtype
+        pools: dict[int, Any] = {}
+        runs = []  # per plan piece: (shard index, (byte offset, nbytes) of its head range)
+        for piece in self.plan:
+            shard = self.ranks.index(piece.prefill_rank)
+            (run,) = stored.narrow("head", piece.src_head, piece.count).descriptors()
+            runs.append((shard, piece, run))
+        ops = 0
+        for row in range(n):
+            block = ids[row]
+            for layer, comps in enumerate(names):
+                for c, name in enumerate(comps):
+                    dst = cache.component(layer, c)[block]  # [token, head, dim]
+                    for shard, piece, (offset, nbytes) in runs:
+                        pool, start, size = self._extent(row, shard, name)
+                        if size != stored.nbytes:
+                            raise LayoutMismatch(
+                                f"layout mismatch on buffer size of {name}: {size} bytes, "
+                                f"{stored.nbytes} expected"
+                            )
+                        mem = pools.get(pool)
+                        if mem is None:
+                            mem = pools[pool] = np.frombuffer(self.client._mapping(pool).mm,
+                                                              dtype=np.uint8)  # fmt: skip
+                        src = mem[start + offset : start + offset + nbytes].view(int_dtype)
+                        src = src.reshape(piece.count, self.block_size, cache.head_dim)
+                        heads = slice(piece.dst_head, piece.dst_head + piece.count)
+                        dst[:, heads] = src.transpose(1, 0, 2)
+                        ops += 1
+        return ops

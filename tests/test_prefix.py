@@ -1,5 +1,6 @@
 """Prefix reuse across DP ranks: chained hashes, longest-prefix match, isolation, eviction."""
 
+import itertools
 import multiprocessing as mp
 import os
 import subprocess
@@ -7,9 +8,14 @@ import sys
 
 import numpy as np
 import pytest
+from conftest import DaemonProcess
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from kvbroker import Client
-from kvbroker.prefix import PrefixCache, block_hashes
+from kvbroker import BadRequest, Client, KVBrokerError, LayoutMismatch
+from kvbroker._tp import shard_heads
+from kvbroker.kv import PagedKV
+from kvbroker.prefix import PrefixCache, block_hashes, shard_block_key
 
 BLOCK = 16
 LAYERS = 2
@@ -199,3 +205,215 @@ def test_concurrent_matches_under_eviction_pressure(make_daemon):
     with d.client() as c:
         s = c.stat()
         assert s.read_leases == 0 and s.counters.evictions > 0
+
+
+# -- tensor parallelism: shard-wise reuse and resharding across TP layouts ----------------------
+KV_LAYOUTS = {
+    "NHD": ("block", "kv", "token", "head", "head_dim"),
+    "HND": ("kv", "block", "head", "token", "head_dim"),
+}
+_CANON = ("kv", "block", "token", "head", "head_dim")
+_namespaces = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def tp_daemon(tmp_path_factory):
+    d = DaemonProcess(str(tmp_path_factory.mktemp("pfxtp") / "kvb.sock"), "--pool-size", "64M",
+                      "--page-size", "4K")  # fmt: skip
+    yield d
+    assert d.stop() == 0, d.log()
+
+
+def full_kv(seed, layers, tokens, heads, dim):
+    """Reference KV bits [layer, kv, token, head, dim]: random patterns, NaNs and all."""
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, 2**16, (layers, 2, tokens, heads, dim), dtype=np.uint16)
+
+
+def rank_cache(full, heads: range, axes, block, rng, fill=True):
+    """An engine cache in ``axes`` holding ``full[..., heads, :]`` (or garbage) at scattered
+    block ids; returns (PagedKV over float16 views, block ids, per-layer uint16 arrays)."""
+    layers, _, tokens, _, dim = full.shape
+    needed = -(-tokens // block)
+    num_blocks = needed + 3
+    ids = rng.permutation(num_blocks)[:needed]
+    canon = rng.integers(0, 2**16, (layers, 2, num_blocks, block, len(heads), dim), dtype=np.uint16)
+    if fill:
+        for t in range(tokens):
+            canon[:, :, ids[t // block], t % block] = full[:, :, t, heads.start : heads.stop]
+    order = [_CANON.index(a) for a in axes]
+    bits = [np.ascontiguousarray(canon[i].transpose(order)) for i in range(layers)]
+    return PagedKV([b.view(np.float16) for b in bits], axes), ids, bits
+
+
+def assert_loaded(full, heads: range, axes, bits, ids, block, tokens):
+    for layer, b in enumerate(bits):
+        canon = b.transpose([axes.index(a) for a in _CANON])  # [kv, block, token, head, dim]
+        got = canon[:, ids[: tokens // block]].reshape(2, tokens, len(heads), full.shape[-1])
+        want = full[layer, :, :tokens, heads.start : heads.stop]
+        assert np.array_equal(got, want), f"layer {layer} differs"
+
+
+def publish_layout(client, full, tokens_ids, T, H, axes, ns, block=BLOCK, salt=""):
+    rng = np.random.default_rng(T)
+    new = []
+    for r in range(T):
+        cache, ids, _ = rank_cache(full, shard_heads(r, T, H), axes, block, rng)
+        pc = PrefixCache(client, namespace=ns, block_size=block, cache_salt=salt, tp_rank=r,
+                         tp_size=T, total_kv_heads=H)  # fmt: skip
+        new.append(pc.publish_kv(tokens_ids, cache, ids))
+    return new
+
+
+def reuse(client, full, prompt_ids, T, H, axes, ns, *, block=BLOCK, peers=(), salt="",
+          source=None):  # fmt: skip
+    """Every TP rank of a DP rank matches and loads; returns [(match facts, rank bits ok)]."""
+    rng = np.random.default_rng(100 + T)
+    out = []
+    for r in range(T):
+        mine = shard_heads(r, T, H)
+        cache, ids, bits = rank_cache(np.zeros_like(full), mine, axes, block, rng, fill=False)
+        pc = PrefixCache(client, namespace=ns, block_size=block, cache_salt=salt, tp_rank=r,
+                         tp_size=T, total_kv_heads=H, peer_tp_sizes=peers)  # fmt: skip
+        with pc.match_kv(prompt_ids, source_tp_size=source) as m:
+            ops = m.load(cache, ids)
+            assert ops == m.num_blocks * full.shape[0] * 2 * len(m.ranks)
+            assert_loaded(full, mine, axes, bits, ids, block, m.num_tokens)
+            out.append((m.num_tokens, m.source_tp_size, list(m.ranks)))
+    return out
+
+
+def test_two_dp_ranks_with_tp2_reuse_shard_wise(tp_daemon):
+    H, T, layers, dim, ns = 8, 2, 3, 16, f"tp{next(_namespaces)}"
+    tokens = prompt(6 * BLOCK, 21)
+    full = full_kv(21, layers, len(tokens), H, dim)
+    with tp_daemon.client(name="dp0") as c0, tp_daemon.client(name="dp1") as c1:
+        assert publish_layout(c0, full, tokens, T, H, KV_LAYOUTS["NHD"], ns) == [6, 6]
+        # DP rank 1 shares the first 4 blocks; its own cache pages them as HND.
+        p1 = tokens[: 4 * BLOCK] + prompt(3 * BLOCK, 22)
+        got = reuse(c1, full, p1, T, H, KV_LAYOUTS["HND"], ns)
+        assert got == [(4 * BLOCK, T, [0]), (4 * BLOCK, T, [1])]  # each rank: its own shard
+        # Publishing the same prompt again (DP rank 1 after its prefill) copies nothing.
+        assert publish_layout(c1, full, tokens, T, H, KV_LAYOUTS["HND"], ns) == [0, 0]
+        keys = {o.key for o in c1.list(namespace=ns)}
+        hashes = block_hashes(tokens, BLOCK, namespace=ns)
+        assert keys == {shard_block_key(h, r, T, H) for h in hashes for r in range(T)}
+
+
+@pytest.mark.parametrize("H,src,dst", [(8, 2, 1), (8, 1, 2), (8, 4, 2), (8, 2, 8), (4, 8, 2),
+                                       (2, 4, 1), (40, 8, 4)])  # fmt: skip
+def test_a_different_tp_layout_reuses_through_resharding(tp_daemon, H, src, dst):
+    layers, dim, ns = 2, 8, f"tp{next(_namespaces)}"
+    tokens = prompt(5 * BLOCK + 3, H * 100 + src * 10 + dst)
+    full = full_kv(H + src + dst, layers, len(tokens), H, dim)
+    with tp_daemon.client() as c:
+        publish_layout(c, full, tokens, src, H, KV_LAYOUTS["NHD"], ns)
+        got = reuse(c, full, tokens, dst, H, KV_LAYOUTS["HND"], ns, peers=(src,))
+    for d, (n, source, ranks) in enumerate(got):
+        assert n == 5 * BLOCK and source == src  # own layout (dst) has nothing: peers tried
+        need = set(shard_heads(d, dst, H))
+        want = {p for p in range(src) if set(shard_heads(p, src, H)) & need}
+        copies = len(want) if src <= H else len(shard_heads(d, dst, H))  # one copy per head
+        assert len(ranks) == copies and set(ranks) <= set(want)
+
+
+@settings(max_examples=25, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(H=st.sampled_from([1, 2, 4, 8]), src=st.sampled_from([1, 2, 4, 8]),
+       dst=st.sampled_from([1, 2, 4, 8]), a=st.sampled_from(sorted(KV_LAYOUTS)),
+       b=st.sampled_from(sorted(KV_LAYOUTS)), block=st.sampled_from([1, 4, 16]),
+       n=st.integers(2, 40), seed=st.integers(0, 2**31))  # fmt: skip
+def test_resharded_prefix_is_bit_exact(tp_daemon, H, src, dst, a, b, block, n, seed):
+    ns = f"tp{next(_namespaces)}"
+    tokens = prompt(n, seed)
+    full = full_kv(seed, 2, n, H, 4)
+    with tp_daemon.client() as c:
+        publish_layout(c, full, tokens, src, H, KV_LAYOUTS[a], ns, block=block)
+        got = reuse(c, full, tokens, dst, H, KV_LAYOUTS[b], ns, block=block, source=src)
+        c.evict(namespace=ns)
+    assert {g[0] for g in got} == {(n - 1) // block * block}
+
+
+def test_shard_keys_never_collide_and_salts_isolate(tp_daemon):
+    h = block_hashes(prompt(16, 1), 16)[0]
+    keys = {shard_block_key(h, r, t, H) for H in (4, 8) for t in (1, 2, 4) for r in range(t)}
+    assert len(keys) == 2 * (1 + 2 + 4)
+    H, ns = 4, f"tp{next(_namespaces)}"
+    tokens = prompt(4 * BLOCK, 31)
+    full = full_kv(31, 1, len(tokens), H, 8)
+    with tp_daemon.client() as c:
+        publish_layout(c, full, tokens, 2, H, KV_LAYOUTS["NHD"], ns, salt="tenant-a")
+        for salt, other_ns in (("tenant-b", ns), ("", ns), ("tenant-a", ns + "x")):
+            for T in (1, 2):
+                pc = PrefixCache(c, namespace=other_ns, block_size=BLOCK, cache_salt=salt,
+                                 tp_rank=0, tp_size=T, total_kv_heads=H,
+                                 peer_tp_sizes=(1, 2))  # fmt: skip
+                with pc.match_kv(tokens + [0]) as m:
+                    assert m.num_tokens == 0
+        assert [g[0] for g in reuse(c, full, tokens + [0], 1, H, KV_LAYOUTS["NHD"], ns,
+                                    peers=(2,), salt="tenant-a")] == [4 * BLOCK]  # fmt: skip
+
+
+def test_partial_availability_returns_the_common_length(tp_daemon):
+    H, ns = 4, f"tp{next(_namespaces)}"
+    tokens = prompt(6 * BLOCK + 1, 41)
+    full = full_kv(41, 2, len(tokens), H, 8)
+    hashes = block_hashes(tokens, BLOCK, namespace=ns)
+    with tp_daemon.client() as c:
+        publish_layout(c, full, tokens, 2, H, KV_LAYOUTS["NHD"], ns)
+        for b in (5, 4):  # TP rank 1 lost its last two blocks (leaf first)
+            assert c.evict(key=shard_block_key(hashes[b], 1, 2, H), namespace=ns).count == 1
+        # A TP=1 rank needs both shards: it gets the 4 blocks both hold, never 6.
+        got = reuse(c, full, tokens, 1, H, KV_LAYOUTS["HND"], ns, source=2)
+        assert got == [(4 * BLOCK, 2, [0, 1])]
+        # Same layout: each rank reads its own shard; the ranks see 6 and 4 blocks and the DP
+        # rank loads the minimum in both.
+        lengths = []
+        for r in range(2):
+            pc = PrefixCache(c, namespace=ns, block_size=BLOCK, tp_rank=r, tp_size=2,
+                             total_kv_heads=H)  # fmt: skip
+            with pc.match_kv(tokens) as m:
+                lengths.append(m.num_blocks)
+                cache, ids, bits = rank_cache(np.zeros_like(full), shard_heads(r, 2, H),
+                                              KV_LAYOUTS["NHD"], BLOCK, np.random.default_rng(r),
+                                              fill=False)  # fmt: skip
+                assert m.load(cache, ids, num_blocks=4) == 4 * 2 * 2
+                assert_loaded(full, shard_heads(r, 2, H), KV_LAYOUTS["NHD"], bits, ids, BLOCK,
+                              4 * BLOCK)  # fmt: skip
+        assert lengths == [6, 4]
+        # Rank 0's shard gone (a chain goes leaf first, so all of it): nothing is common,
+        # even though rank 1 still holds 4 blocks.
+        assert c.evict(match=r"\.tp0of2$", namespace=ns).count == 6
+        assert reuse(c, full, tokens, 1, H, KV_LAYOUTS["HND"], ns, source=2) == [(0, 2, [0, 1])]
+
+
+def test_kv_match_errors_are_clear(tp_daemon):
+    H, ns = 4, f"tp{next(_namespaces)}"
+    tokens = prompt(3 * BLOCK + 1, 51)
+    full = full_kv(51, 2, len(tokens), H, 8)
+    with tp_daemon.client() as c:
+        publish_layout(c, full, tokens, 1, H, KV_LAYOUTS["NHD"], ns)
+        pc = PrefixCache(c, namespace=ns, block_size=BLOCK, total_kv_heads=H)
+        rng = np.random.default_rng(0)
+        with pc.match_kv(tokens) as m:
+            assert m.num_blocks == 3
+            wrong_dim, ids, _ = rank_cache(full_kv(0, 2, len(tokens), H, 4), range(H),
+                                           KV_LAYOUTS["NHD"], BLOCK, rng)  # fmt: skip
+            with pytest.raises(LayoutMismatch, match="head_dim"):
+                m.load(wrong_dim, ids)
+            wrong_layers, ids, _ = rank_cache(full_kv(0, 3, len(tokens), H, 8), range(H),
+                                              KV_LAYOUTS["NHD"], BLOCK, rng)  # fmt: skip
+            with pytest.raises(LayoutMismatch, match="layers"):
+                m.load(wrong_layers, ids)
+            with pytest.raises(BadRequest, match="num_blocks"):
+                m.load(wrong_layers, ids, num_blocks=4)
+        good, ids, _ = rank_cache(full, range(H), KV_LAYOUTS["NHD"], BLOCK, rng)
+        with pytest.raises(KVBrokerError, match="released"):
+            m.load(good, ids)
+        with pytest.raises(BadRequest, match="total_kv_heads"):
+            PrefixCache(c, namespace=ns, block_size=BLOCK).match_kv(tokens)
+        with pytest.raises(BadRequest):
+            PrefixCache(c, tp_rank=2, tp_size=2, total_kv_heads=H)
+        with pytest.raises(LayoutMismatch, match="block size"):
+            PrefixCache(c, namespace=ns, block_size=8, total_kv_heads=H).publish_kv(
+                tokens, good, ids)
