@@ -230,7 +230,14 @@ def _render_stat(s) -> str:
         f"({format_size(c.evicted_bytes)})  expired leases {c.expired_leases}  "
         f"aborts {c.aborts}",
     ]
+    if s.namespaces:
+        lines += ["", f"{'NAMESPACE':<24}{'OBJECTS':>9}{'BYTES':>12}{'USED':>12}{'QUOTA':>12}"]
+        for n in s.namespaces:
+            quota = format_size(n.quota) if n.quota is not None else "-"
+            lines.append(f"{n.namespace[:23]:<24}{n.objects:>9}{format_size(n.bytes):>12}"
+                         f"{format_size(n.used):>12}{quota:>12}")  # fmt: skip
     if s.clients:
+
         lines += ["", f"{'SESSION':<9}{'PID':>8}{'UID':>7}  {'ROLE':<10}{'LEASES':>7}  NAME"]
         for cl in s.clients:
             lines.append(

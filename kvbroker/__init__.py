@@ -11,6 +11,7 @@ from ._stats import (
     ClientStatistics,
     Counters,
     LeaseInfo,
+    NamespaceUsage,
     ObjectInfo,
     PoolStatistics,
     Statistics,
@@ -48,7 +49,9 @@ __all__ = [
     "TransferRecord",
     "Counters",
     "ObjectInfo",
+    "NamespaceUsage",
     "KVBrokerError",
+
     "BadRequest",
     "ProtocolError",
     "NotFound",

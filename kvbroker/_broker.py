@@ -53,7 +53,9 @@ from . import _integrity
 from ._pool import HostPool
 from ._names import check_buffer_name
 from ._protocol import MAX_BUFFERS, MAX_META, MAX_NAME, PROTOCOL_VERSION, validate_args
+from ._policy import Access, Policy, Quotas
 from .errors import BadRequest, Exists, Forbidden, LeaseExpired, NotFound, PoolFull, ProtocolError
+from .errors import LimitExceeded, QuotaExceeded
 
 __all__ = ["Broker", "Session", "WouldWait", "BUFFER_ALIGN"]
 
@@ -63,6 +65,8 @@ _MAX_ENDED = 1 << 16
 _MAX_LIST = 10_000
 _MAX_REPORTED_LEASES = 256
 _MAX_REGEX = 1024
+_MAX_NAMESPACES = 1000  # rows of per-namespace usage in a snapshot
+_OPEN = Policy()
 
 # A write arena is at most this fraction of its pool: idle arenas of many clients must not
 # hold the pool hostage (they are not evictable).
@@ -82,7 +86,7 @@ class Session:
 
     __slots__ = (
         "id", "pid", "uid", "gid", "name", "role", "connected_at", "leases", "quarantine",
-        "bytes_published", "bytes_claimed", "greeted", "arenas",
+        "bytes_published", "bytes_claimed", "greeted", "arenas", "access",
     )  # fmt: skip
 
     def __init__(self, sid: int, pid: int, uid: int, gid: int) -> None:
@@ -94,6 +98,7 @@ class Session:
         self.leases: dict[int, Lease] = {}
         self.quarantine: list[tuple[HostPool, int, int]] = []
         self.arenas: dict[int, Arena] = {}
+        self.access: Access = _OPEN.access(uid, gid)  # what the policy lets it do
         self.bytes_published = 0
         self.bytes_claimed = 0
         self.greeted = False
@@ -103,7 +108,7 @@ class StoredObject:
     __slots__ = (
         "namespace", "key", "pool", "start", "npages", "nbytes", "buffers", "meta",
         "created_at", "last_access", "sealed", "readers", "linked", "serial", "consumers",
-        "parent", "parent_key", "children", "checksums",
+        "parent", "parent_key", "children", "checksums", "charged",
     )  # fmt: skip
 
     def __init__(self, namespace, key, pool, start, npages, nbytes, buffers, meta, serial):
@@ -127,6 +132,7 @@ class StoredObject:
         self.children = 0  # sealed blocks naming this one as parent: not evictable before them
         # {buffer: xxh3_64} computed by the writer, recorded at seal (kvbroker._integrity).
         self.checksums: dict[str, int] | None = None
+        self.charged = 0  # bytes counted against its namespace's quota until freed
 
     # The fields that survive a warm restart (see _journal.py). A new per-object field that a
     # restarted daemon must still know goes here; ``pool`` and ``parent`` travel as indices.
@@ -226,6 +232,9 @@ class Broker:
         socket_path: str = "",
         clock: Callable[[], float] = time.monotonic,
         require_checksums: bool = False,
+        policy: Policy | None = None,
+        quotas: Quotas | None = None,
+        max_leases_per_client: int = 65536,
     ) -> None:
         if not pools:
             raise ValueError("a broker needs at least one pool")
@@ -239,6 +248,10 @@ class Broker:
         self.socket_path = socket_path
         self.clock = clock
         self.require_checksums = require_checksums  # seal without {buffer: digest} refused
+        self.policy = policy or _OPEN  # who may use which namespace (kvbroker._policy)
+        self.quotas = quotas or Quotas()
+        self.max_leases_per_client = max_leases_per_client
+        self._usage: dict[str, int] = {}  # namespace -> bytes charged (pages of its objects)
         self.started_at = time.time()
         self.sessions: dict[int, Session] = {}
         self.objects: dict[tuple[str, str], StoredObject] = {}
@@ -311,6 +324,7 @@ class Broker:
             if obj.children == 0:
                 self._lru[obj.serial] = obj
             live[obj.pool.index].append((obj.start, obj.npages))
+            obj.charged = self._charge(obj.namespace, obj.npages * obj.pool.page_size, False)
         for pool, extents in zip(self.pools, live):
             pool.allocator = ExtentAllocator.with_live(pool.allocator.capacity, extents)
         top = max(by_serial, default=0)
@@ -320,8 +334,15 @@ class Broker:
     # ------------------------------------------------------------------ sessions
     def open_session(self, pid: int = 0, uid: int = -1, gid: int = -1) -> Session:
         s = Session(self._next_id(), pid, uid, gid)
+        s.access = self.policy.access(uid, gid)
         self.sessions[s.id] = s
         return s
+
+    def set_policy(self, policy: Policy, quotas: Quotas) -> None:
+        """A reload: new rules apply to every connection from its next request on."""
+        self.policy, self.quotas = policy, quotas
+        for s in self.sessions.values():
+            s.access = policy.access(s.uid, s.gid)
 
     def close_session(self, session: Session) -> None:
         """A connection ended (cleanly or not): its leases end, its quarantine is freed."""
@@ -375,6 +396,7 @@ class Broker:
             raise BadRequest("reserve: consumers must be between 1 and 65536")
         ttl = self._ttl(ttl)
         ident = (_check_name("namespace", namespace), _check_name("key", key))
+        session.access.check(namespace, True, "reserve")
         layout, span = _buffer_layout(buffers, meta)
         if ident in self.pending:
             raise Exists(f"{namespace}/{key} is being published by another writer")
@@ -385,13 +407,21 @@ class Broker:
         return {"lease": lease.id, "ttl": ttl, "buffers": _extents(lease.obj, lease.obj.buffers)}
 
     def _reserve(self, session, ident, layout, span, meta, ttl) -> Lease:
-        pool, start, npages = self._allocate(max(span, 1))
+        self._check_lease_limit(session)
+        ps = self.pools[0].page_size  # every pool has the same page size
+        charged = self._charge(ident[0], -(-max(span, 1) // ps) * ps)
+        try:
+            pool, start, npages = self._allocate(max(span, 1))
+        except BaseException:
+            self._uncharge(ident[0], charged)
+            raise
         base = start * pool.page_size
         obj = StoredObject(
             ident[0], ident[1], pool, start, npages, sum(n for _, n in layout.values()),
             {name: (base + off, n) for name, (off, n) in layout.items()}, meta,
             next(self._serials),
         )  # fmt: skip
+        obj.charged = charged
         self._owners[pool.index][start] = obj
         self.pending[ident] = obj
         return self._new_lease("write", session, obj, ttl)
@@ -399,6 +429,7 @@ class Broker:
     def _op_reserve_blocks(self, session, namespace, blocks, ttl) -> dict:
         ttl = self._ttl(ttl)
         _check_name("namespace", namespace)
+        session.access.check(namespace, True, "reserve_blocks")
         if len(blocks) > MAX_BUFFERS:
             raise BadRequest(f"reserve_blocks: at most {MAX_BUFFERS} blocks per request")
         plans = []
@@ -531,6 +562,7 @@ class Broker:
         if next_arena < 0:
             raise BadRequest("publish: next_arena must be a size in bytes, or 0")
         ident = (_check_name("namespace", namespace), _check_name("key", key))
+        session.access.check(namespace, True, "publish")
         layout, span = _buffer_layout(buffers, meta)
         pool, ps = ar.pool, ar.pool.page_size
         npages = max(1, -(-span // ps))
@@ -549,6 +581,7 @@ class Broker:
         )  # fmt: skip
         self._accept_checksums(obj, checksums)
         obj.consumers = consumers
+        obj.charged = self._charge(ident[0], npages * ps)
 
         # Everything is checked: the arena's first pages become the object.
         owners = self._owners[pool.index]
@@ -593,6 +626,7 @@ class Broker:
 
     # ------------------------------------------------------------------ claim
     def _op_claim(self, session, namespace, key, select, consume, wait, ttl) -> dict:
+        session.access.check(namespace, False, "claim")
         ident = (namespace, key)
         obj = self.objects.get(ident)
         if obj is None:
@@ -606,6 +640,7 @@ class Broker:
             pattern = self._regex(select)
             chosen = {n: e for n, e in obj.buffers.items() if pattern.fullmatch(n)}
         ttl = self._ttl(ttl)
+        self._check_lease_limit(session)
         self._pin(obj)
         lease = self._new_lease("read", session, obj, ttl, consume=consume)
         nbytes = sum(n for _, n in chosen.values())
@@ -639,6 +674,8 @@ class Broker:
         ttl = self._ttl(ttl)
         if len(keys) > MAX_BUFFERS:
             raise BadRequest(f"match_prefix: at most {MAX_BUFFERS} keys per request")
+        if not session.access.can(namespace):  # another tenant's prefixes: invisible
+            keys = ()
         objects = self.objects
         found = []
         for key in keys:
@@ -654,6 +691,7 @@ class Broker:
         c["hits" if found else "misses"] += 1
         if not found:
             return {"ttl": ttl, "matched": 0, "lease": None, "names": [], "blocks": []}
+        self._check_lease_limit(session)
         for obj in found:
             self._pin(obj)
         lease = self._new_lease("read", session, found[0], ttl)
@@ -692,19 +730,21 @@ class Broker:
     # ------------------------------------------------------------------ directory
     def _op_lookup(self, session, namespace, key) -> dict | None:
         obj = self.objects.get((namespace, key))
-        if obj is None:
+        if obj is None or not session.access.can(namespace):
             return None
         info = obj.info()
         info["checksums"] = obj.checksums
         return info
 
-
     def _op_list(self, session, namespace, match, limit) -> dict:
         limit = _MAX_LIST if limit is None else max(0, min(limit, _MAX_LIST))
         pattern = self._regex(match) if match is not None else None
         out, truncated = [], False
+        can = session.access.can
         for obj in self.objects.values():
             if namespace is not None and obj.namespace != namespace:
+                continue
+            if not can(obj.namespace):
                 continue
             if pattern is not None and not pattern.search(obj.key):
                 continue
@@ -720,6 +760,9 @@ class Broker:
             raise BadRequest("evict: name what to evict (key, match, namespace, ...) or all")
         key_re = self._regex(match) if match is not None else None
         buf_re = self._regex(match_buffers) if match_buffers is not None else None
+        access = session.access
+        if namespace is not None and access.can(namespace):
+            access.check(namespace, True, "evict")  # readable but not writable: say so
         now = time.time()
         victims, skipped = [], 0
         candidates = (
@@ -730,6 +773,8 @@ class Broker:
         for obj in candidates:
             if namespace is not None and obj.namespace != namespace:
                 continue
+            if not access.can(obj.namespace, write=True):
+                continue  # another tenant's (or read-only shared) objects are not ours to free
             if key_re is not None and not key_re.search(obj.key):
                 continue
             if buf_re is not None and not any(buf_re.search(b) for b in obj.buffers):
@@ -761,7 +806,24 @@ class Broker:
         return {ns for ns, _ in self.objects}
 
     def _op_stat(self, session) -> dict:
-        return self.snapshot()
+        return self.snapshot_for(session)
+
+    def snapshot_for(self, session: Session, occupancy_cells: int = 64) -> dict[str, Any]:
+        """A snapshot as this connection may see it: under a tenant policy, the names of
+        namespaces it cannot read (their objects, leases, transfers, usage) and other users'
+        connections are left out; pool-wide figures and counters stay."""
+        snap = self.snapshot(occupancy_cells)
+        access = session.access
+        if access.admin:
+            return snap
+        can = access.can
+        snap["objects"] = sum(1 for ns, _ in self.objects if can(ns))
+        snap["pending"] = sum(1 for ns, _ in self.pending if can(ns))
+        snap["leases"] = [x for x in snap["leases"] if can(x["namespace"])]
+        snap["transfers"] = [x for x in snap["transfers"] if can(x["namespace"])]
+        snap["clients"] = [c for c in snap["clients"] if c["uid"] == session.uid]
+        snap["namespaces"] = [x for x in snap.get("namespaces", ()) if can(x["namespace"])]
+        return snap
 
     def _op_watch(self, session, interval) -> dict:
         # The daemon schedules the pushes; the broker only validates.
@@ -852,6 +914,7 @@ class Broker:
             "counters": dict(self.counters),
             "leases": leases,
             "transfers": list(self.transfers),
+            "namespaces": self._namespace_usage(),
             "rings": self.rings.snapshot(occupancy_cells) if self.rings is not None else [],
         }
 
@@ -967,6 +1030,9 @@ class Broker:
         obj = ls.obj
         del self.pending[(obj.namespace, obj.key)]
         if quarantine:
+            # The pages now count against the writer's connection, not the namespace.
+            self._uncharge(obj.namespace, obj.charged)
+            obj.charged = 0
             self._owners[obj.pool.index][obj.start] = ("q", obj.npages)
             ls.session.quarantine.append((obj.pool, obj.start, obj.npages))
         else:
@@ -1000,6 +1066,62 @@ class Broker:
     def _free_object(self, obj: StoredObject) -> None:
         self._owners[obj.pool.index].pop(obj.start, None)
         obj.pool.allocator.free_extent(obj.start, obj.npages)
+        if obj.charged:
+            self._uncharge(obj.namespace, obj.charged)
+            obj.charged = 0
+
+    # ------------------------------------------------------------------ quotas, limits
+    def _charge(self, namespace: str, nbytes: int, enforce: bool = True) -> int:
+        """Count ``nbytes`` against ``namespace``; over its quota, evict that namespace's own
+        least recently used unleased objects first, then raise QuotaExceeded. Returns the
+        bytes charged (the caller stores them on the object, freeing uncharges them)."""
+        used = self._usage.get(namespace, 0)
+        limit = self.quotas.limit(namespace) if enforce and self.quotas else None
+        if limit is not None and used + nbytes > limit:
+            mine = [o for o in self._lru.values() if o.namespace == namespace]
+            evictable = sum(o.charged for o in mine)
+            if used - evictable + nbytes > limit:
+                raise QuotaExceeded(
+                    f"namespace {namespace!r}: {nbytes} more bytes would make {used + nbytes} "
+                    f"of its quota of {limit} ({used} used, {evictable} of them evictable); "
+                    "free some (release leases, evict) or raise [quotas]"
+                )
+            for obj in mine:
+                if self._usage.get(namespace, 0) + nbytes <= limit:
+                    break
+                self._evict(obj)
+            used = self._usage.get(namespace, 0)
+        self._usage[namespace] = used + nbytes
+        return nbytes
+
+    def _uncharge(self, namespace: str, nbytes: int) -> None:
+        left = self._usage.get(namespace, 0) - nbytes
+        if left > 0:
+            self._usage[namespace] = left
+        else:
+            self._usage.pop(namespace, None)
+
+    def _check_lease_limit(self, session: Session) -> None:
+        if len(session.leases) >= self.max_leases_per_client:
+            raise LimitExceeded(
+                f"session {session.id} ({session.name or 'pid ' + str(session.pid)}) holds "
+                f"{len(session.leases)} leases, the most one connection may hold "
+                "(max_leases_per_client): release some first"
+            )
+
+    def _namespace_usage(self, top: int = _MAX_NAMESPACES) -> list[dict[str, Any]]:
+        """Per namespace: sealed objects, their bytes, bytes charged, quota (largest first)."""
+        per: dict[str, list[int]] = {}
+        for (ns, _), obj in self.objects.items():
+            acc = per.setdefault(ns, [0, 0])
+            acc[0] += 1
+            acc[1] += obj.nbytes
+        names = set(per) | set(self._usage)
+        rows = [{"namespace": ns, "objects": per.get(ns, (0, 0))[0],
+                 "bytes": per.get(ns, (0, 0))[1], "used": self._usage.get(ns, 0),
+                 "quota": self.quotas.limit(ns)} for ns in names]  # fmt: skip
+        rows.sort(key=lambda r: (-r["used"], r["namespace"]))
+        return rows[:top]
 
     def _free_extent(self, pool: HostPool, start: int, npages: int) -> None:
         self._owners[pool.index].pop(start, None)

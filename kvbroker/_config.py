@@ -119,7 +119,24 @@ def _bool(value: Any) -> bool:
     raise ValueError(f"expected true or false, got {value!r}")
 
 
+def _isolation(value: Any):
+    from ._policy import parse_isolation
+
+    if not isinstance(value, dict):  # an environment variable or a flag
+        raise ValueError("set it as an [isolation] table in the configuration file")
+    return parse_isolation(value, where="")
+
+
+def _quotas(value: Any):
+    from ._policy import parse_quotas
+
+    if not isinstance(value, dict):
+        raise ValueError("set it as a [quotas] table in the configuration file")
+    return parse_quotas(value, _size, where="")
+
+
 def _log_level(value: Any) -> str:
+
     if not isinstance(value, str) or value.lower() not in LOG_LEVELS:
         raise ValueError(f"expected one of {', '.join(LOG_LEVELS)}, got {value!r}")
     return value.lower()
@@ -199,6 +216,8 @@ KEYS: dict[str, Key] = {
     "busy_poll": Key(_duration, "busy_poll", "keep polling this long after a request"),
     "drain_timeout": Key(_duration, "drain_timeout", "SIGTERM waits this long for leases"),
     "metrics": Key(parse_listen_address, "metrics", "HOST:PORT for Prometheus, off if empty"),
+    "isolation": Key(_isolation, "isolation", "[isolation] namespace access policy"),
+    "quotas": Key(_quotas, "quotas", "[quotas] namespace = byte limit"),
     "require_checksums": Key(_bool, "require_checksums",
                              "refuse seals that carry no checksum per buffer"),
     "max_leases_per_client": Key(_LEASES, "max_leases_per_client",
@@ -239,7 +258,8 @@ def _read_file(path: str, required: bool) -> dict[str, Any]:
             hint = difflib.get_close_matches(key, KEYS, n=1)
             extra = f" (did you mean {hint[0]!r}?)" if hint else ""
             if isinstance(value, dict):
-                extra += "; the file has no sections, put every key at the top"
+                extra += ("; the only sections are [isolation] and [quotas], put every other "
+                          "key at the top")  # fmt: skip
             raise ConfigError(f"{path}: unknown key {key!r}{extra}")
     return data
 

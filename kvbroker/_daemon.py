@@ -28,6 +28,7 @@ from ._broker import Broker, Session, WouldWait
 from ._systemd import Notifier, listen_fds
 from ._paths import default_socket_path, format_size
 from ._journal import Journal, JournalError, journal_path
+from ._policy import Policy, Quotas
 from ._pool import HostPool, segment_prefix
 from ._protocol import MAX_REQUEST, unpacker_limits
 from .errors import KVBrokerError, Timeout
@@ -37,7 +38,6 @@ __all__ = ["DaemonConfig", "Daemon", "DaemonError", "run_daemon"]
 log = logging.getLogger("kvbroker.daemon")
 
 _SO_PEERCRED_FMT = "3i"
-_WRITE_HIGH_WATER = 4 * 1024 * 1024  # per connection: stop reading a peer that won't read
 _EXPIRY_TICK = 0.1
 _READ_SIZE = 64 * 1024
 _STATUS_PERIOD = 5.0  # seconds between STATUS= updates to systemd
@@ -45,7 +45,8 @@ _STATUS_PERIOD = 5.0  # seconds between STATUS= updates to systemd
 _LEASE_TAKING_OPS = frozenset({"reserve", "claim", "match", "ring_reserve", "ring_claim", "arena"})
 # What SIGHUP can change in a running daemon; everything else needs a restart.
 _RELOADABLE = ("lease_ttl", "high_watermark", "low_watermark", "log_level", "drain_timeout",
-               "max_connections", "busy_poll")
+               "max_connections", "busy_poll", "require_checksums", "max_leases_per_client",
+               "max_write_buffer", "isolation", "quotas")
 
 
 class DaemonError(Exception):
@@ -76,6 +77,10 @@ class DaemonConfig:
     require_checksums: bool = False
     max_leases_per_client: int = 65536
     max_write_buffer: int = 32 * 1024 * 1024
+    # Who may use which namespace, and namespace byte quotas ([isolation], [quotas]).
+    isolation: Policy = field(default_factory=Policy)
+    quotas: Quotas = field(default_factory=Quotas)
+
     # Bytes of GPU staging ring per visible GPU (kvbroker._gpu_ring); None: no rings, and
     # the daemon never loads the CUDA driver.
     gpu_ring: int | None = None
@@ -131,12 +136,20 @@ class _Connection(asyncio.BufferedProtocol):
             pid, uid, gid = struct.unpack(_SO_PEERCRED_FMT, raw)
         except OSError:
             pass
-        if len(self.daemon.connections) >= self.daemon.config.max_connections:
-            self._send({"id": None, "ok": False,
-                        "error": {"code": "forbidden", "message": "too many connections"}})
+        limit = self.daemon.config.max_connections
+        if len(self.daemon.connections) >= limit:
+            log.warning("refused a connection of pid %d uid %d: %d connections already "
+                        "(max_connections)", pid, uid, limit)  # fmt: skip
+            self._send({"id": None, "ok": False, "error": {
+                "code": "limit_exceeded",
+                "message": f"kvbroker serves at most {limit} connections (max_connections); "
+                           "try again when one closes"}})  # fmt: skip
             transport.close()
             self.closed = True
             return
+        # Replies and pushes a peer leaves unread pile up here; past this, pause_writing
+        # cuts the peer off instead of letting its buffer grow without bound.
+        transport.set_write_buffer_limits(high=self.daemon.config.max_write_buffer)
         self.session = self.broker.open_session(pid, uid, gid)
         self.daemon.connections.add(self)
         log.debug("session %d: connected pid=%d uid=%d", self.session.id, pid, uid)
@@ -155,8 +168,18 @@ class _Connection(asyncio.BufferedProtocol):
         log.debug("session %d: closed", self.session.id)
 
     def pause_writing(self) -> None:
+        # The peer stopped reading (a stuck watcher, a client pipelining requests without
+        # reading replies): max_write_buffer bytes wait for it. Writes never block the loop,
+        # so the only bound left is to drop the peer; its leases end with the connection.
         self.write_paused = True
-        self.transport.pause_reading()
+        s = self.session
+        log.warning(
+            "session %d (pid %d, uid %d, %s): disconnected: %d bytes of replies left unread "
+            "(max_write_buffer %d)", s.id, s.pid, s.uid, s.name or "unnamed",
+            self.transport.get_write_buffer_size(), self.daemon.config.max_write_buffer,
+        )  # fmt: skip
+        self.closed = True
+        self.transport.abort()
 
     def resume_writing(self) -> None:
         self.write_paused = False
@@ -284,9 +307,8 @@ class _Connection(asyncio.BufferedProtocol):
     def _push_stats(self) -> None:
         if self.closed or self.watch_interval <= 0:
             return
-        # A TUI that stopped reading gets fewer snapshots rather than an ever-growing buffer.
-        if self.transport.get_write_buffer_size() < _WRITE_HIGH_WATER // 4:
-            self._send({"push": "stats", "result": self.broker.snapshot()})
+        # A watcher that stops reading is cut off once max_write_buffer is unread.
+        self._send({"push": "stats", "result": self.broker.snapshot_for(self.session)})
         self.watch_handle = asyncio.get_running_loop().call_later(
             self.watch_interval, self._push_stats
         )
@@ -406,6 +428,9 @@ class Daemon:
             low_watermark=self.config.low_watermark,
             socket_path=self.config.socket_path,
             require_checksums=self.config.require_checksums,
+            policy=self.config.isolation,
+            quotas=self.config.quotas,
+            max_leases_per_client=self.config.max_leases_per_client,
         )
 
         if adopted:
@@ -721,6 +746,12 @@ class Daemon:
             self.broker.lease_ttl = old.lease_ttl
             self.broker.high_watermark = old.high_watermark
             self.broker.low_watermark = old.low_watermark
+            self.broker.require_checksums = old.require_checksums
+            self.broker.max_leases_per_client = old.max_leases_per_client
+            self.broker.set_policy(old.isolation, old.quotas)
+            for conn in self.connections:  # the new bound applies to every connection
+                if conn.transport is not None and not conn.closed:
+                    conn.transport.set_write_buffer_limits(high=old.max_write_buffer)
         logging.getLogger().setLevel(old.log_level.upper())
         for f in fields(DaemonConfig):
             if f.name in _RELOADABLE or f.name == "config_path":

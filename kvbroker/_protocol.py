@@ -166,7 +166,6 @@ OPS: dict[str, Op] = {
     "lookup": Op(
         {"namespace": _a(str, default="default"), "key": _a(str, required=True)},
         "ObjectInfo dict (with checksums) or None",
-
         "Describe one sealed object, without leasing it.",
     ),
     "list": Op(

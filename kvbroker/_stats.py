@@ -16,6 +16,7 @@ __all__ = [
     "LeaseInfo",
     "TransferRecord",
     "Counters",
+    "NamespaceUsage",
     "Statistics",
     "ObjectInfo",
 ]
@@ -84,6 +85,19 @@ class TransferRecord:
 
 
 @dataclass(frozen=True)
+class NamespaceUsage:
+    """One namespace: sealed objects and their bytes; ``used``: bytes of pool pages charged
+    to it (reserved, sealed, or freed only once the last reader leaves), ``quota``: its
+    byte limit, None when it has none."""
+
+    namespace: str
+    objects: int
+    bytes: int
+    used: int
+    quota: int | None = None
+
+
+@dataclass(frozen=True)
 class Counters:
     publishes: int = 0
     claims: int = 0
@@ -120,6 +134,7 @@ class Statistics:
     leases: tuple[LeaseInfo, ...] = ()
     transfers: tuple[TransferRecord, ...] = ()
     rings: tuple[dict, ...] = ()
+    namespaces: tuple[NamespaceUsage, ...] = ()  # largest use first (at most 1000)
 
     @property
     def capacity(self) -> int:
@@ -144,6 +159,8 @@ class Statistics:
         d["leases"] = tuple(_build(LeaseInfo, x) for x in d.get("leases", ()))
         d["transfers"] = tuple(_build(TransferRecord, x) for x in d.get("transfers", ()))
         d["rings"] = tuple(d.get("rings", ()))
+        d["namespaces"] = tuple(_build(NamespaceUsage, x) for x in d.get("namespaces", ()))
+
         d["counters"] = _build(Counters, d.get("counters", {}))
         return _build(cls, d)
 
