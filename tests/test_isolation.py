@@ -429,3 +429,20 @@ def test_another_uid_under_a_tenant_policy(open_dir_daemon, tmp_path):
     with d.client() as root:  # root is admin: sees both tenants, its object intact
         assert root.get("secret")["a"].tobytes() == b"root's"
         assert {o.namespace for o in root.list()} == {"default", me, f"{me}/pd"}
+
+
+def test_sample_config_tables_are_valid_when_uncommented(tmp_path):
+    from pathlib import Path
+
+    text = (Path(__file__).parent.parent / "systemd" / "kvbroker.toml").read_text()
+    lines = text.replace('"kvbroker"', '"root"').splitlines()
+    start = lines.index("# [isolation]")
+    for i in range(start, len(lines)):
+        body = lines[i][2:]
+        if lines[i].startswith("# ") and (body.startswith("[") or " = " in body):
+            lines[i] = body
+    (tmp_path / "k.toml").write_text("\n".join(lines) + "\n")
+    cfg = load_config(str(tmp_path / "k.toml"), env={})
+    assert cfg.isolation.mode == "open" and cfg.isolation.shared[0].pattern == "prefix-cache"
+    assert cfg.quotas.limit("prefix-cache") == 64 << 30 and cfg.quotas.limit("x") == 16 << 30
+    assert cfg.max_write_buffer == 32 << 20 and cfg.max_leases_per_client == 65536
