@@ -96,6 +96,8 @@ def test_scale_cli(tmp_path):
     for r in data["rows"]:
         positive(r, "lookup_p50_us", "claim_p50_us", "rss_anon_bytes", "fill_objects_per_s")
     assert hi["rss_anon_bytes"] >= lo["rss_anon_bytes"] * 0.5
+    assert hi["marginal_bytes_per_object"] == pytest.approx(
+        (hi["rss_anon_bytes"] - lo["rss_anon_bytes"]) / 800)
     look, claim = data["targets"]
     assert look["measured"] == pytest.approx(hi["lookup_p50_us"] / lo["lookup_p50_us"])
     assert claim["measured"] == pytest.approx(hi["claim_p50_us"] / lo["claim_p50_us"])
