@@ -108,7 +108,7 @@ class StoredObject:
     __slots__ = (
         "namespace", "key", "pool", "start", "npages", "nbytes", "buffers", "meta",
         "created_at", "last_access", "sealed", "readers", "linked", "serial", "consumers",
-        "parent", "parent_key", "children", "checksums", "charged",
+        "parent", "parent_key", "children", "checksums", "charged", "extents",
     )  # fmt: skip
 
     def __init__(self, namespace, key, pool, start, npages, nbytes, buffers, meta, serial):
@@ -133,6 +133,17 @@ class StoredObject:
         # {buffer: xxh3_64} computed by the writer, recorded at seal (kvbroker._integrity).
         self.checksums: dict[str, int] | None = None
         self.charged = 0  # bytes counted against its namespace's quota until freed
+        self.extents: tuple[tuple[str, ...], list[int]] | None = None  # see compact_extents
+
+    def compact_extents(self) -> tuple[tuple[str, ...], list[int]]:
+        """(buffer names, [pool, offset, nbytes, offset, nbytes, ...]), the form a prefix
+        match replies in; built on first use and kept (buffers never move once reserved)."""
+        if self.extents is None:
+            flat = [self.pool.index]
+            for off, n in self.buffers.values():
+                flat += (off, n)
+            self.extents = (tuple(self.buffers), flat)
+        return self.extents
 
     # The fields that survive a warm restart (see _journal.py). A new per-object field that a
     # restarted daemon must still know goes here; ``pool`` and ``parent`` travel as indices.
@@ -692,27 +703,25 @@ class Broker:
         if not found:
             return {"ttl": ttl, "matched": 0, "lease": None, "names": [], "blocks": []}
         self._check_lease_limit(session)
+        now = time.time()
         for obj in found:
-            self._pin(obj)
+            self._pin(obj, now)
         lease = self._new_lease("read", session, found[0], ttl)
         lease.more = tuple(found[1:])
         # Compact reply: blocks share their buffer names, so each block is one flat list
-        # [pool, offset, nbytes, offset, nbytes, ...] in the order of `names`.
-        names = list(found[0].buffers)
+        # [pool, offset, nbytes, offset, nbytes, ...] in the order of `names` (cached on the
+        # object: a hot prefix is matched again and again).
+        names = found[0].compact_extents()[0]
         blocks = []
         nbytes = 0
         for obj in found:
-            if list(obj.buffers) != names:
-                blocks.append(_extents(obj, obj.buffers))  # a block shaped differently
-            else:
-                flat = [obj.pool.index]
-                for off, n in obj.buffers.values():
-                    flat += (off, n)
-                blocks.append(flat)
+            shape, flat = obj.extents or obj.compact_extents()
+            # a block shaped differently answers in full
+            blocks.append(flat if shape == names else _extents(obj, obj.buffers))
             nbytes += obj.nbytes
         c["bytes_out"] += nbytes
         session.bytes_claimed += nbytes
-        return {"ttl": ttl, "matched": len(found), "lease": lease.id, "names": names,
+        return {"ttl": ttl, "matched": len(found), "lease": lease.id, "names": list(names),
                 "blocks": blocks, "metas": [found[0].meta]}  # fmt: skip
 
     def _op_renew(self, session, leases, ttl) -> dict:
@@ -1021,9 +1030,9 @@ class Broker:
             elif obj.readers == 0:
                 self._free_object(obj)  # unlinked earlier; the last reader just left
 
-    def _pin(self, obj: StoredObject) -> None:
+    def _pin(self, obj: StoredObject, now: float | None = None) -> None:
         obj.readers += 1
-        obj.last_access = time.time()
+        obj.last_access = time.time() if now is None else now
         self._lru.pop(obj.serial, None)
 
     def _discard_pending(self, ls: Lease, quarantine: bool) -> None:
