@@ -367,3 +367,21 @@ def test_sigkill_frees_the_arena(daemon):
         assert all(c.exists(f"killed-{i}") for i in range(5))
         c.evict(all=True)
         assert c.stat().pools[0].used == before
+
+
+# -- the daemon's busy-poll gate -------------------------------------------------------------
+
+
+def test_busy_poll_only_while_cpus_are_spare(monkeypatch):
+    from kvbroker._daemon import _CpuPressure
+
+    assert _CpuPressure(max_waiting=101.0).spare() is True  # PSI is a percentage
+    assert _CpuPressure(max_waiting=-1.0).spare() is (
+        os.path.exists("/proc/pressure/cpu") or os.getloadavg()[0] < -1)
+    # without PSI: the load average against the CPUs this process may use
+    gate = _CpuPressure()
+    gate._fd = None
+    monkeypatch.setattr(os, "getloadavg", lambda: (gate.cpus + 0.5, 0.0, 0.0))
+    assert gate.spare() is False
+    monkeypatch.setattr(os, "getloadavg", lambda: (gate.cpus - 0.5, 0.0, 0.0))
+    assert gate.spare() is True
