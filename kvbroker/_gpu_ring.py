@@ -83,7 +83,8 @@ def _check(lib, code: int, what: str) -> None:
 
 
 class IpcHandle(ctypes.Structure):
-    _fields_ = [("reserved", ctypes.c_char * IPC_HANDLE_BYTES)]
+    # bytes, not c_char: a c_char array field reads back cut at its first NUL byte
+    _fields_ = [("reserved", ctypes.c_ubyte * IPC_HANDLE_BYTES)]
 
 
 def device_identity(lib, ordinal: int) -> tuple[str, str]:
