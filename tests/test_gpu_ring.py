@@ -322,3 +322,22 @@ def test_client_without_a_gpu_cannot_map_rings_but_plumbing_works(ring_daemon):
                              timeout=60)  # fmt: skip
         assert out.stdout.strip() == "False", out.stderr
         assert len(c.stat().rings) == 2
+
+
+def test_tui_draws_ring_snapshots_as_pool_panels():
+    from kvbroker._stats import Statistics
+    from tui._pool_view import PoolView
+
+    svc = _service(size=64 * RING_ALIGN, devices=2)
+    w = _Session(1)
+    _reserve(svc, w, 16 * RING_ALIGN, device=1)
+    snap = Statistics.from_dict({"taken_at": 0.0, "version": "x", "pid": 1, "started_at": 0.0,
+                                 "socket": "s", "objects": 0, "pending": 0, "read_leases": 0,
+                                 "write_leases": 0, "pools": [], "clients": [],
+                                 "counters": {}, "rings": svc.snapshot(occupancy_cells=4)})
+    views = [PoolView.from_ring(i, r) for i, r in enumerate(snap.rings)]
+    assert [v.key for v in views] == ["ring-0", "ring-1"]
+    assert (views[1].capacity, views[1].used, views[1].leased_write) == (
+        64 * RING_ALIGN, 16 * RING_ALIGN, 16 * RING_ALIGN)
+    assert views[1].occupancy == "w..." and views[0].occupancy == "...."
+    assert views[1].title == "ring 1  fake GPU (KVBROKER_FAKE_GPUS)"
