@@ -84,8 +84,9 @@ def role_prefill(args) -> dict:
     with Client(args.socket, name="example-prefill") as client:
         # The decode side waits on the plain request, so it is published last.
         if "prefix" in args.variants:
-            report["prefix_blocks_new"] = kvt.publish_prefix(_prefix_cache(client, args), prompt_a,
-                                                             cache, config=model.config)  # fmt: skip
+            pc = _prefix_cache(client, args)
+            report["prefix_blocks_new"] = kvt.publish_prefix(pc, prompt_a, cache,
+                                                             config=model.config)  # fmt: skip
         if "tp" in args.variants:
             for rank in range(args.prefill_tp):  # each emulated prefill TP rank holds its heads
                 shard = kvt.head_shard(cache, rank, args.prefill_tp, config=model.config)
@@ -128,8 +129,9 @@ def role_decode(args) -> dict:
             claimed = kvt.claim_cache(client, args.request, model=model, wait=args.wait)
             claim_s = time.perf_counter() - started
             tokens, logits = greedy(model, claimed.cache, claimed.meta["next_token"], args.steps)
-            report["plain"] = _save(out_dir, "plain", tokens, logits, claimed_tokens=claimed.seq_len,
-                                    claim_s=round(claim_s, 4), bytes=claimed.nbytes)  # fmt: skip
+            report["plain"] = _save(out_dir, "plain", tokens, logits,
+                                    claimed_tokens=claimed.seq_len, claim_s=round(claim_s, 4),
+                                    bytes=claimed.nbytes)  # fmt: skip
         if "tp" in args.variants:
             first = client.get(f"{args.request}/first", consume=True, wait=args.wait)["token"]
             first = int(np.frombuffer(first, dtype=np.int64)[0])
@@ -220,8 +222,9 @@ def role_demo(args) -> dict:
                                        args.steps)  # fmt: skip
             same = got["tokens"] == tokens and torch.equal(got["logits"], logits)
             ok &= same
-            print(f"{variant:>6}: tokens {got['tokens']} "
-                  f"{'== single-process generation, first-step logits bit-identical' if same else 'DIFFER'}")  # fmt: skip
+            verdict = ("== single-process generation, first-step logits bit-identical" if same
+                       else "DIFFER from the single-process generation")  # fmt: skip
+            print(f"{variant:>6}: tokens {got['tokens']} {verdict}")
     finally:
         if daemon is not None:
             daemon.terminate()

@@ -30,7 +30,8 @@ TINY = {
 # ~110M parameters (Llama-style, GQA 12/4): a prefill of a few thousand tokens costs seconds
 # on a CPU, so time to first token measures something.
 BENCH = ("LlamaConfig", dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
-                             num_attention_heads=12, num_key_value_heads=4, vocab_size=32000))  # fmt: skip
+                             num_attention_heads=12, num_key_value_heads=4,
+                             vocab_size=32000))  # fmt: skip
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 VOCAB = 256

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -105,7 +107,8 @@ def test_claim_with_another_model_config_raises_layout_mismatch_and_consumes_not
 ):
     kvt.publish_cache(client, "req-2", _random_cache(batch=1), config=_config(dtype="bfloat16"))
     dtype = torch.float16 if field == "dtype" else torch.bfloat16
-    with pytest.raises(LayoutMismatch, match=f"layout mismatch on {field} .*published by a 'llama'"):
+    expected = f"layout mismatch on {field} .*published by a 'llama'"
+    with pytest.raises(LayoutMismatch, match=expected):
         kvt.claim_cache(client, "req-2", config=_config(**local), dtype=dtype)
     assert client.exists("req-2")  # nothing lost: the right model can still claim it
     kvt.claim_cache(client, "req-2", config=_config(), dtype=torch.bfloat16)
@@ -114,7 +117,8 @@ def test_claim_with_another_model_config_raises_layout_mismatch_and_consumes_not
 
 def test_publish_checks_the_cache_against_its_config(client):
     with pytest.raises(LayoutMismatch, match="layout mismatch on KV heads"):
-        kvt.publish_cache(client, "req-3", _random_cache(heads=2), config=_config(num_key_value_heads=1))
+        kvt.publish_cache(client, "req-3", _random_cache(heads=2),
+                          config=_config(num_key_value_heads=1))  # fmt: skip
     assert not client.exists("req-3")
 
 
@@ -177,12 +181,49 @@ def test_tp_reshard_reassembles_the_cache_bit_exactly(client, prefill_tp, decode
     for d, shard in enumerate(shards):
         assert shard.cache.layers[0].keys.shape == (1, 4 // decode_tp, 21, 16)
         heads = slice(d * 4 // decode_tp, (d + 1) * 4 // decode_tp)
-        assert torch.equal(_bits(shard.cache.layers[1].values), _bits(cache.layers[1].values[:, heads]))
+        want = cache.layers[1].values[:, heads]
+        assert torch.equal(_bits(shard.cache.layers[1].values), _bits(want))
     merged = kvt.merge_head_shards([s.cache for s in shards], total_kv_heads=4)
     for mine, theirs in zip(cache.layers, merged.layers):
         assert torch.equal(_bits(theirs.keys), _bits(mine.keys))
         assert torch.equal(_bits(theirs.values), _bits(mine.values))
     assert client.list(match=f"^{request}") == []  # every shard freed by its last reader
+
+
+_TP_SIZES = st.sampled_from([1, 2, 4, 8])
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(heads=st.sampled_from([1, 2, 4, 8]), prefill_tp=_TP_SIZES, decode_tp=_TP_SIZES,
+       layers=st.integers(1, 3), seq=st.integers(1, 40), dim=st.sampled_from([8, 16]),
+       dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32]),
+       seed=st.integers(0, 2**16))  # fmt: skip
+def test_any_p_to_d_reshard_is_bit_exact(client, heads, prefill_tp, decode_tp, layers, seq,
+                                         dim, dtype, seed):  # fmt: skip
+    """Any head count, any P and D (split or replicated heads), any length: bit for bit."""
+    assume(_divides(prefill_tp, heads) and _divides(decode_tp, heads))
+    cache = _random_cache(layers=layers, batch=1, heads=heads, seq=seq, dim=dim, dtype=dtype,
+                          seed=seed)  # fmt: skip
+    config = _config(num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=heads,
+                     hidden_size=8 * dim)  # fmt: skip
+    request = f"prop-{seed}-{heads}-{prefill_tp}-{decode_tp}-{layers}-{seq}"
+    for rank in range(prefill_tp):
+        kvt.publish_tp_shard(client, request, kvt.head_shard(cache, rank, prefill_tp),
+                             tp_rank=rank, tp_size=prefill_tp, total_kv_heads=heads,
+                             decode_tp_size=decode_tp, replace=True)  # fmt: skip
+    shards = [kvt.claim_tp_shard(client, request, tp_rank=d, tp_size=decode_tp,
+                                 prefill_tp_size=prefill_tp, config=config, dtype=dtype)
+              for d in range(decode_tp)]  # fmt: skip
+    merged = kvt.merge_head_shards([s.cache for s in shards], total_kv_heads=heads)
+    assert merged.get_seq_length() == seq
+    for mine, theirs in zip(cache.layers, merged.layers):
+        assert torch.equal(_bits(theirs.keys), _bits(mine.keys))
+        assert torch.equal(_bits(theirs.values), _bits(mine.values))
+    assert client.list(match=f"^{request}/") == []
+
+
+def _divides(tp, heads):
+    return heads % tp == 0 if tp <= heads else tp % heads == 0
 
 
 def test_tp_claim_with_another_dtype_raises_and_consumes_nothing(client):

@@ -40,7 +40,9 @@ Who owns each buffer, and who frees it
   first gathered into a host staging tensor that the call allocates and drops on return.
 - **Start of decode** (``claim_*``): the call allocates fresh tensors (on ``device``), copies
   the published bytes into them once, and returns a ``DynamicCache`` that owns them: the
-  engine owns the cache from then on, and the model's next forward extends it as usual. The
+  engine owns the cache from then on, and the model's next forward extends it as usual
+  (:func:`claim_tp_shard` fills a host tensor through ``kvbroker.kv``'s host path, then moves
+  it to a non-CPU ``device``: one copy more there). The
   broker's read lease ends inside the call; with ``consume=True`` (the default) the claim
   counts towards freeing the object (``consumers`` set at publish) only after every copy
   succeeded, so a failed or mismatched claim consumes nothing and can be retried.
@@ -158,14 +160,18 @@ class KVSpec:
     @classmethod
     def from_config(cls, config: Any, dtype: Any = None) -> KVSpec:
         """The spec of a transformers config (``dtype``: defaults to the config's ``dtype``)."""
-        text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        text = config
+        if hasattr(config, "get_text_config"):  # multimodal configs nest the decoder's
+            text = config.get_text_config(decoder=True)
         try:
             heads = int(text.num_attention_heads)
             kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
             head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
             layers = int(text.num_hidden_layers)
         except AttributeError as exc:
-            raise BadRequest(f"config {type(config).__name__} lacks a KV cache fact: {exc}") from None
+            raise BadRequest(
+                f"config {type(config).__name__} lacks a KV cache fact: {exc}"
+            ) from None
         if dtype is None:
             dtype = getattr(text, "dtype", None) or getattr(text, "torch_dtype", None)
             if dtype is None:
@@ -178,8 +184,10 @@ class KVSpec:
         return cls.from_config(model.config, model.dtype)
 
     def to_meta(self) -> dict[str, Any]:
-        return {"num_layers": self.num_layers, "num_kv_heads": self.num_kv_heads,
-                "head_dim": self.head_dim, "dtype": self.dtype, "model_type": self.model_type}  # fmt: skip
+        return {
+            "num_layers": self.num_layers, "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim, "dtype": self.dtype, "model_type": self.model_type,
+        }  # fmt: skip
 
     @classmethod
     def from_meta(cls, meta: Mapping[str, Any]) -> KVSpec:
@@ -192,7 +200,7 @@ class KVSpec:
                             ("head_dim", "head_dim"), ("dtype", "dtype")):  # fmt: skip
             theirs, mine = getattr(published, attr), getattr(self, attr)
             if theirs != mine:
-                model = f", published by a {published.model_type!r} model" if published.model_type else ""
+                model = published.model_type and f", published by a {published.model_type!r} model"
                 raise LayoutMismatch(
                     f"layout mismatch on {label} ({what}{model}): published {theirs}, local {mine}"
                 )
@@ -252,8 +260,9 @@ def _read_layers(cache: Any) -> list[_Layer]:
                 f"layer {i}: keys {tuple(k.shape)} and values {tuple(v.shape)} must both be "
                 "[batch, kv_heads, seq, head_dim]"
             )
-        if (k.dtype, k.shape[:2], k.shape[3]) != (first.keys.dtype, first.keys.shape[:2],
-                                                   first.keys.shape[3]) or v.dtype != k.dtype:  # fmt: skip
+        f = first.keys
+        if (k.dtype, k.shape[:2], k.shape[3]) != (f.dtype, f.shape[:2], f.shape[3]) \
+                or v.dtype != k.dtype:  # fmt: skip
             raise BadRequest(
                 f"layer {i} is {k.dtype} {tuple(k.shape)}, layer 0 is {first.keys.dtype} "
                 f"{tuple(first.keys.shape)}: every layer must share dtype, batch, heads, head_dim"
@@ -276,7 +285,8 @@ def _spec_of(layers: list[_Layer], config: Any) -> KVSpec:
             if getattr(mine, attr) != getattr(said, attr):
                 raise LayoutMismatch(
                     f"layout mismatch on {label}: the cache has {getattr(mine, attr)}, its "
-                    f"config ({said.model_type or type(config).__name__}) says {getattr(said, attr)}"
+                    f"config ({said.model_type or type(config).__name__}) says "
+                    f"{getattr(said, attr)}"
                 )
     return KVSpec(mine.num_layers, mine.num_kv_heads, mine.head_dim, mine.dtype, model_type)
 
@@ -462,6 +472,7 @@ def publish_tp_shard(
     decode_tp_size: int | None = None,
     namespace: str = "default",
     ttl: float | None = None,
+    replace: bool = False,
 ) -> PublishResult:
     """Publish TP rank ``tp_rank``'s cache (holding its heads only) as a ``kvbroker.kv`` shard.
 
@@ -485,7 +496,7 @@ def publish_tp_shard(
     return publish_shard(
         client, request, PagedKV(staged, _STAGED_AXES), [0], layers[0].seen, tp_rank=tp_rank,
         tp_size=tp_size, total_kv_heads=total_kv_heads, decode_tp_size=decode_tp_size,
-        namespace=namespace, ttl=ttl,
+        namespace=namespace, ttl=ttl, replace=replace,
     )  # fmt: skip
 
 
@@ -579,7 +590,9 @@ def merge_head_shards(caches: Sequence[Any], *, total_kv_heads: int, config: Any
 def _check_prefix_cache(layers: list[_Layer]) -> None:
     k0 = layers[0].keys
     if k0.shape[0] != 1:
-        raise BadRequest(f"prefix blocks come from one sequence: batch must be 1, not {k0.shape[0]}")
+        raise BadRequest(
+            f"prefix blocks come from one sequence: batch must be 1, not {k0.shape[0]}"
+        )
     if any(layer.stored != layer.seen for layer in layers):
         raise BadRequest("prefix blocks need full-attention layers (a sliding-window layer has "
                          "dropped tokens)")  # fmt: skip
@@ -588,11 +601,9 @@ def _check_prefix_cache(layers: list[_Layer]) -> None:
 def publish_prefix(
     prefix_cache: PrefixCache, token_ids: Sequence[int], cache: Any, *, config: Any = None
 ) -> int:
-    """Publish the full blocks of ``token_ids`` whose KV ``cache`` holds; returns how many
-    blocks were new (blocks the node already has are neither gathered nor copied).
-
-    ``cache`` must hold at least the first ``len(token_ids)`` positions... of those, only
-    whole blocks of ``prefix_cache.block_size`` tokens are published.
+    """Publish the whole blocks of ``token_ids`` that ``cache`` holds KV for (its first
+    ``seq_len`` positions; a partial last block is not published). Returns how many blocks
+    were new: blocks the node already has are neither gathered nor copied.
     """
     layers = _read_layers(cache)
     _check_prefix_cache(layers)
