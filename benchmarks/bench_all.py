@@ -126,14 +126,36 @@ def report(profiles: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def summary() -> str:
+    """The README's table of targets, from the result files: figure, measured, target, command."""
+    lines = ["| figure | measured | target | reproduce |", "|---|---|---|---|"]
+    for n in ORDER:
+        p = RESULTS / f"bench-{n}-cpu.json"
+        if not p.exists():
+            continue
+        data = json.loads(p.read_text())
+        cmd = data.get("command", f"kvbroker bench {n}").split(" --json-out")[0]
+        for t in data["targets"]:
+            mark = "" if t["met"] else " **(missed)**"
+            unit = "×" if t["unit"] == "x" else t["unit"]
+            lines.append(f"| {t['name']} | {t['measured']:.3g}{unit}{mark} | "
+                         f"{t['op'].replace('>=', '≥').replace('<=', '≤')} {t['goal']:.3g}{unit} "
+                         f"| `{cmd}` |")  # fmt: skip
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mooncake-python", help="Python with Mooncake installed (peer scenario)")
     ap.add_argument("--only", action="append", choices=ORDER)
     ap.add_argument("--report-only", action="store_true", help="only rebuild bench-cpu.md")
+    ap.add_argument("--summary", action="store_true", help="print the README's target table")
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--max-load", type=float, help="wait (up to 10 min) for a load this low")
     a = ap.parse_args()
+    if a.summary:
+        print(summary())
+        return
     RESULTS.mkdir(parents=True, exist_ok=True)
     DOCS.mkdir(exist_ok=True)
     if not a.report_only:

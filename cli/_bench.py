@@ -90,7 +90,7 @@ def _execute(socket, json_out, plot, run, pool_size="1G", daemon_args=(), daemon
 @bench_app.command()
 def transfer(
     socket: Optional[str] = SocketOpt,
-    sizes: str = typer.Option("4K,16K,64K,256K,1M,4M,16M,64M,256M",
+    sizes: str = typer.Option("4K,16K,64K,256K,1M,4M,16M,32M,64M,256M",
                               help="Object sizes, comma-separated."),
     budget: str = typer.Option("2G", help="About this many bytes moved per size."),
     pool_size: str = typer.Option("1G", help="Pool of the private daemon."),

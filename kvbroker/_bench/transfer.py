@@ -12,8 +12,8 @@ import time
 
 from ._common import KiB, MiB, Result, Target, median, pct, save_figure
 
-# Powers of 4 from 4 KiB to 256 MiB.
-DEFAULT_SIZES = tuple(4 * KiB * 4**i for i in range(9))
+# Powers of 4 from 4 KiB to 256 MiB, and 32 MiB (the size of the targets).
+DEFAULT_SIZES = tuple(sorted({4 * KiB * 4**i for i in range(9)} | {32 * MiB}))
 COLUMNS = [
     ("size", "size", "size"), ("memcpy_gbps", "memcpy GB/s", ".2f"),
     ("publish_gbps", "publish GB/s", ".2f"), ("claim_gbps", "claim GB/s", ".2f"),
