@@ -25,6 +25,7 @@ from typing import Any
 import msgpack
 
 from ._broker import Broker, Session, WouldWait
+from ._cpu import cpu_spare
 from ._systemd import Notifier, listen_fds
 from ._paths import default_socket_path, format_size
 from ._journal import Journal, JournalError, journal_path
@@ -47,29 +48,6 @@ _LEASE_TAKING_OPS = frozenset({"reserve", "claim", "match", "ring_reserve", "rin
 _RELOADABLE = ("lease_ttl", "high_watermark", "low_watermark", "log_level", "drain_timeout",
                "max_connections", "busy_poll", "require_checksums", "max_leases_per_client",
                "max_write_buffer", "isolation", "quotas")
-
-
-class _CpuPressure:
-    """Whether this host has CPU to spare: Linux PSI (``/proc/pressure/cpu``, share of the last
-    10 s in which runnable tasks waited for a CPU), else the load average against the CPUs."""
-
-    def __init__(self, max_waiting: float = 10.0) -> None:
-        self.max_waiting = max_waiting
-        self.cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
-            os.cpu_count() or 1)  # fmt: skip
-        try:
-            self._fd: int | None = os.open("/proc/pressure/cpu", os.O_RDONLY | os.O_CLOEXEC)
-        except OSError:
-            self._fd = None
-
-    def spare(self) -> bool:
-        try:
-            if self._fd is not None:
-                line = os.pread(self._fd, 128, 0).split(b"\n", 1)[0]  # some avg10=... avg60=...
-                return float(line.split()[1].split(b"=")[1]) < self.max_waiting
-            return os.getloadavg()[0] < self.cpus
-        except (OSError, ValueError, IndexError):
-            return True
 
 
 class DaemonError(Exception):
@@ -375,9 +353,8 @@ class Daemon:
         self._owns_socket_file = False
         self._last_activity = 0.0
         self._polling = False
-        # Busy-poll only while CPUs are spare: on a saturated host the spinning daemon takes
-        # the CPU its own clients need (measured on a 2-core VM at load 6: p50 262 -> 227 us).
-        self._cpu_pressure = _CpuPressure()
+        # Busy-poll only while CPUs are spare (kvbroker._cpu): on a saturated host the
+        # spinning daemon takes the CPU its own clients need.
         self._cpu_spare = True
         self._loop: asyncio.AbstractEventLoop | None = None
         self.notifier = notifier or Notifier()
@@ -795,7 +772,7 @@ class Daemon:
     async def _expiry_loop(self) -> None:
         while True:
             await asyncio.sleep(_EXPIRY_TICK)
-            self._cpu_spare = self._cpu_pressure.spare()
+            self._cpu_spare = cpu_spare()
             try:
                 self.broker.expire()
             except Exception:

@@ -373,7 +373,7 @@ def test_sigkill_frees_the_arena(daemon):
 
 
 def test_busy_poll_only_while_cpus_are_spare(monkeypatch):
-    from kvbroker._daemon import _CpuPressure
+    from kvbroker._cpu import CpuPressure as _CpuPressure
 
     assert _CpuPressure(max_waiting=101.0).spare() is True  # PSI is a percentage
     try:
@@ -391,3 +391,32 @@ def test_busy_poll_only_while_cpus_are_spare(monkeypatch):
     assert gate.spare() is False
     monkeypatch.setattr(os, "getloadavg", lambda: (gate.cpus - 0.5, 0.0, 0.0))
     assert gate.spare() is True
+
+
+def test_client_poll_returns_instead_of_waiting_for_the_timeout(tmp_path, monkeypatch):
+    import socket
+
+    from kvbroker import _transport
+
+    path = str(tmp_path / "s")
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen(1)
+    t = _transport.UnixTransport(path, timeout=30.0, busy_poll=0.001)
+    peer, _ = server.accept()
+    try:
+        monkeypatch.setattr(_transport, "cpu_spare", lambda: True)
+        assert t._poll() is None  # nothing came: give up polling, do not wait 30 s
+        assert t._sock.gettimeout() == 30.0  # the blocking recv keeps its timeout
+        peer.sendall(b"hello")
+        while (n := t._poll()) is None:
+            pass
+        assert bytes(t._buf[:n]) == b"hello"
+        monkeypatch.setattr(_transport, "cpu_spare", lambda: False)
+        assert t._poll() is None  # no spare CPU: straight to the blocking recv
+        peer.sendall(b"x")
+        assert bytes(t.recv()) == b"x"
+    finally:
+        t.close()
+        peer.close()
+        server.close()
