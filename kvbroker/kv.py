@@ -192,6 +192,11 @@ class PagedKV:
         # Every axis but head_dim is walked; one head's head_dim row is the smallest run.
         return tuple(a for a in axes if a != "head_dim")
 
+    def layer(self, layer: int):
+        """Integer view ``[kv, block, token, head, head_dim]`` of one layer (size-1 kv and
+        head axes for a latent cache)."""
+        return self._canonical[layer]
+
     def component(self, layer: int, index: int):
         """Integer view ``[block, token, head, head_dim]`` of one layer's K (0), V (1) or latent."""
         return self._canonical[layer][index]
@@ -283,8 +288,8 @@ def _scatter(src, dst, ids, full_index, num_tokens: int, dst_head: int) -> int:
         # (``dst[blocks, :, h] = src.transpose(...)``) interleaves the heads of a row from
         # several source streams, and numpy runs that 2-3x slower once ``h`` is part of a row
         # (NHD caches fed by several shards, or sliced out of a larger shard).
-        dst.transpose(2, 0, 1, 3)[h, full_index] = _split_view(src[:, : full * slots],
-                                                               (heads, full, slots, dim))  # fmt: skip
+        by_head = _split_view(src[:, : full * slots], (heads, full, slots, dim))
+        dst.transpose(2, 0, 1, 3)[h, full_index] = by_head
         ops += 1
     if tail:
         dst[ids[full], :tail, h, :] = src[:, full * slots :].transpose(1, 0, 2)

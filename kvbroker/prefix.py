@@ -46,6 +46,7 @@ with another TP size computes the same ``h_i`` and reads another layout's shards
 from __future__ import annotations
 
 import hashlib
+import itertools
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -239,7 +240,8 @@ class PrefixCache:
             return list(hashes)
         r = self.tp_rank if tp_rank is None else tp_rank
         t = self.tp_size if tp_size is None else tp_size
-        return [shard_block_key(h, r, t, self.total_kv_heads) for h in hashes]
+        suffix = shard_block_key("", r, t, self.total_kv_heads)
+        return [h + suffix for h in hashes]
 
     def publish(
         self,
@@ -364,8 +366,8 @@ class PrefixCache:
             return {name: cache.component(layer, c)[ids[i]].transpose(1, 0, 2)
                     for layer, row in enumerate(names) for c, name in enumerate(row)}  # fmt: skip
 
-        keys = [shard_block_key(h, self.tp_rank, self.tp_size, heads)
-                for h in self.hashes(token_ids[: n * self.block_size])]  # fmt: skip
+        suffix = shard_block_key("", self.tp_rank, self.tp_size, heads)
+        keys = [h + suffix for h in self.hashes(token_ids[: n * self.block_size])]
         return self._publish(keys, block, sizes, meta)
 
     def match_kv(
@@ -416,8 +418,8 @@ class PrefixCache:
         # Block-major, shard-minor: the broker's longest run of present keys, divided by the
         # shard count, is the run of blocks every needed shard holds. A partial last row is
         # pinned by the same lease and ignored.
-        per_shard = [[shard_block_key(h, r, source, heads) for h in hashes] for r in ranks]
-        keys = [k for row in zip(*per_shard) for k in row]
+        suffixes = [shard_block_key("", r, source, heads) for r in ranks]
+        keys = [h + suffix for h in hashes for suffix in suffixes]
         asked_at = time.monotonic()
         # The broker counts hit tokens per key found: a key is 1/len(ranks) of a block here.
         reply = self.client._call("match_prefix", namespace=self.namespace, keys=keys,
@@ -476,19 +478,6 @@ class KVPrefixMatch(PrefixMatch):
     def num_tokens(self) -> int:
         return self._rows * self.block_size
 
-    def _extent(self, row: int, shard: int, name: str) -> tuple[int, int, int]:
-        raw = self._raw[row * len(self.ranks) + shard]
-        if isinstance(raw, dict):
-            if name not in raw:
-                raise LayoutMismatch(f"layout mismatch on buffers: a matched block has no {name}")
-            return tuple(raw[name])
-        try:
-            i = self._names.index(name)
-        except ValueError:
-            raise LayoutMismatch(f"layout mismatch on buffers: matched blocks have no {name} "
-                                 f"(they hold {', '.join(self._names)})") from None  # fmt: skip
-        return raw[0], raw[1 + 2 * i], raw[2 + 2 * i]
-
     def _check(self, cache, infix: str | None) -> Layout:
         meta = self.meta
         where = f"prefix blocks of TP size {self.source_tp_size}"
@@ -510,11 +499,45 @@ class KVPrefixMatch(PrefixMatch):
                          ("token", "head_dim"), what=where)  # fmt: skip
         return stored
 
+    def _starts(self, count: int, names: list[str], nbytes: int) -> tuple[list, int | None]:
+        """Where each of ``names`` lies in each of the first ``count`` matched keys, after
+        checking every buffer is there and ``nbytes`` long: ``[(pool, [byte offset per
+        name])]``, and the byte stride between consecutive buffers if it is the same
+        everywhere (the broker lays a block's buffers out back to back), else None."""
+        out = []
+        where = {name: i for i, name in enumerate(self._names)}
+        slots = [where.get(name) for name in names]  # position in a compact block list
+        strides = set()
+        for i in range(count):
+            raw = self._raw[i]
+            offsets, pools = [], set()
+            for name, j in zip(names, slots):
+                if isinstance(raw, dict):
+                    ext = raw.get(name)
+                else:
+                    ext = None if j is None else (raw[0], raw[1 + 2 * j], raw[2 + 2 * j])
+                if ext is None:
+                    raise LayoutMismatch(f"layout mismatch on buffers: a matched block has no "
+                                         f"{name}")  # fmt: skip
+                pool, offset, size = ext
+                if size != nbytes:
+                    raise LayoutMismatch(f"layout mismatch on buffer size of {name}: {size} "
+                                         f"bytes, {nbytes} expected")  # fmt: skip
+                pools.add(pool)
+                offsets.append(offset)
+            steps = {b - a for a, b in itertools.pairwise(offsets)}
+            strides.add(steps.pop() if len(steps) == 1 and len(pools) == 1 else None)
+            out.append((pool, offsets))
+        stride = strides.pop() if len(strides) == 1 else None
+        return out, stride if stride is not None and stride >= nbytes else None
+
     def load(self, cache, block_ids: Any, *, num_blocks: int | None = None,
              infix: str | None = None) -> int:  # fmt: skip
         """Write this rank's heads of the first ``num_blocks`` matched blocks (default all)
         into ``cache`` (a :class:`kvbroker.kv.PagedKV`) at engine blocks ``block_ids``, bit
-        for bit. Returns the number of copy operations: blocks × layers × K/V × shards."""
+        for bit. Returns the number of copy operations: blocks × layers × contributing shards
+        (K and V move in one copy when the block's buffers lie back to back, as the broker
+        lays them out; × K/V otherwise) — never per token."""
         from .kv import _block_index
 
         n = self._rows if num_blocks is None else num_blocks
@@ -529,35 +552,52 @@ class KVPrefixMatch(PrefixMatch):
         _check_kv_cache(cache, self.block_size, len(mine), self.tp_rank, self.tp_size)
         stored = self._check(cache, infix)
         ids = _block_index(block_ids, n * self.block_size, cache.block_size, cache.num_blocks)
-        names = _names(cache, infix)
+        flat = [name for row in _names(cache, infix) for name in row]  # (layer, K/V) order
+        layers, kinds = cache.num_layers, len(cache.components)
         np = _np()
         int_dtype = cache.component(0, 0).dtype
-        pools: dict[int, Any] = {}
-        runs = []  # per plan piece: (shard index, (byte offset, nbytes) of its head range)
+        isz = int_dtype.itemsize
+        # Where every (block, shard, buffer) lies, resolved and checked once, so the copy loop
+        # below does nothing but copy.
+        shards = len(self.ranks)
+        starts, stride = self._starts(n * shards, flat, stored.nbytes)
+        maps = {pool: self.client._mapping(pool).mm for pool, _ in starts}
+        pieces = []  # (shard, byte offset of its head range in a buffer, heads, dst heads)
         for piece in self.plan:
-            shard = self.ranks.index(piece.prefill_rank)
-            (run,) = stored.narrow("head", piece.src_head, piece.count).descriptors()
-            runs.append((shard, piece, run))
+            (offset, _) = stored.narrow("head", piece.src_head, piece.count).descriptors()[0]
+            pieces.append((self.ranks.index(piece.prefill_rank), offset, piece.count,
+                           slice(piece.dst_head, piece.dst_head + piece.count)))  # fmt: skip
+        bs, dim = self.block_size, cache.head_dim
         ops = 0
+        if stride is not None:
+            # Buffers back to back: one strided view reaches a block's whole shard, [layer, K/V,
+            # token, head, dim], and one copy per layer moves its K and V heads together.
+            # Head-major on both sides, like the stored shard: numpy then copies whole head_dim
+            # rows in order instead of interleaving heads from strided sources (see
+            # kvbroker.kv._scatter), which matters once a copy fills only part of a row.
+            canon = [cache.layer(layer).transpose(1, 0, 3, 2, 4)  # [block, kv, head, tok, dim]
+                     for layer in range(layers)]  # fmt: skip
+            for row in range(n):
+                block = ids[row]
+                dsts = [c[block] for c in canon]
+                for shard, first, count, heads in pieces:
+                    pool, offsets = starts[row * shards + shard]
+                    steps = (kinds * stride, stride, bs * dim * isz, dim * isz, isz)
+                    src = np.ndarray((layers, kinds, count, bs, dim), int_dtype, maps[pool],
+                                     offsets[0] + first, steps)  # fmt: skip
+                    for layer in range(layers):
+                        dsts[layer][:, heads] = src[layer]
+                    ops += layers
+            return ops
+        comps = [cache.component(layer, c) for layer in range(layers) for c in range(kinds)]
         for row in range(n):
             block = ids[row]
-            for layer, comps in enumerate(names):
-                for c, name in enumerate(comps):
-                    dst = cache.component(layer, c)[block]  # [token, head, dim]
-                    for shard, piece, (offset, nbytes) in runs:
-                        pool, start, size = self._extent(row, shard, name)
-                        if size != stored.nbytes:
-                            raise LayoutMismatch(
-                                f"layout mismatch on buffer size of {name}: {size} bytes, "
-                                f"{stored.nbytes} expected"
-                            )
-                        mem = pools.get(pool)
-                        if mem is None:
-                            mem = pools[pool] = np.frombuffer(self.client._mapping(pool).mm,
-                                                              dtype=np.uint8)  # fmt: skip
-                        src = mem[start + offset : start + offset + nbytes].view(int_dtype)
-                        src = src.reshape(piece.count, self.block_size, cache.head_dim)
-                        heads = slice(piece.dst_head, piece.dst_head + piece.count)
-                        dst[:, heads] = src.transpose(1, 0, 2)
-                        ops += 1
+            for k, comp in enumerate(comps):
+                dst = comp[block]  # [token, head, dim] of this engine block
+                for shard, first, count, heads in pieces:
+                    pool, offsets = starts[row * shards + shard]
+                    src = np.ndarray((bs, count, dim), int_dtype, maps[pool], offsets[k] + first,
+                                     (dim * isz, bs * dim * isz, isz))  # fmt: skip
+                    dst[:, heads] = src
+                    ops += 1
         return ops

@@ -266,7 +266,7 @@ def publish_layout(client, full, tokens_ids, T, H, axes, ns, block=BLOCK, salt="
 
 
 def reuse(client, full, prompt_ids, T, H, axes, ns, *, block=BLOCK, peers=(), salt="",
-          source=None):  # fmt: skip
+          source=None, per_buffer=False):  # fmt: skip
     """Every TP rank of a DP rank matches and loads; returns [(match facts, rank bits ok)]."""
     rng = np.random.default_rng(100 + T)
     out = []
@@ -276,8 +276,11 @@ def reuse(client, full, prompt_ids, T, H, axes, ns, *, block=BLOCK, peers=(), sa
         pc = PrefixCache(client, namespace=ns, block_size=block, cache_salt=salt, tp_rank=r,
                          tp_size=T, total_kv_heads=H, peer_tp_sizes=peers)  # fmt: skip
         with pc.match_kv(prompt_ids, source_tp_size=source) as m:
+            if per_buffer:  # as if the buffers were not back to back: one copy per buffer
+                m._starts = lambda *a, resolve=m._starts: (resolve(*a)[0], None)
             ops = m.load(cache, ids)
-            assert ops == m.num_blocks * full.shape[0] * 2 * len(m.ranks)
+            copies = m.num_blocks * full.shape[0] * len(m.ranks)  # K+V in one copy
+            assert ops == copies * (2 if per_buffer else 1)
             assert_loaded(full, mine, axes, bits, ids, block, m.num_tokens)
             out.append((m.num_tokens, m.source_tp_size, list(m.ranks)))
     return out
@@ -377,7 +380,7 @@ def test_partial_availability_returns_the_common_length(tp_daemon):
                 cache, ids, bits = rank_cache(np.zeros_like(full), shard_heads(r, 2, H),
                                               KV_LAYOUTS["NHD"], BLOCK, np.random.default_rng(r),
                                               fill=False)  # fmt: skip
-                assert m.load(cache, ids, num_blocks=4) == 4 * 2 * 2
+                assert m.load(cache, ids, num_blocks=4) == 4 * 2  # blocks x layers
                 assert_loaded(full, shard_heads(r, 2, H), KV_LAYOUTS["NHD"], bits, ids, BLOCK,
                               4 * BLOCK)  # fmt: skip
         assert lengths == [6, 4]
@@ -417,3 +420,14 @@ def test_kv_match_errors_are_clear(tp_daemon):
         with pytest.raises(LayoutMismatch, match="block size"):
             PrefixCache(c, namespace=ns, block_size=8, total_kv_heads=H).publish_kv(
                 tokens, good, ids)
+
+
+@pytest.mark.parametrize("src,dst", [(1, 1), (2, 1), (1, 4)])
+def test_per_buffer_copies_when_buffers_are_not_back_to_back(tp_daemon, src, dst):
+    H, ns = 4, f"tp{next(_namespaces)}"
+    tokens = prompt(3 * BLOCK + 5, 61)
+    full = full_kv(61, 3, len(tokens), H, 8)
+    with tp_daemon.client() as c:
+        publish_layout(c, full, tokens, src, H, KV_LAYOUTS["HND"], ns)
+        got = reuse(c, full, tokens, dst, H, KV_LAYOUTS["NHD"], ns, source=src, per_buffer=True)
+    assert [g[0] for g in got] == [3 * BLOCK] * dst
