@@ -16,6 +16,13 @@ buffers asked for. The holder writes into its mapping, then:
   *quarantined* on the writer's session, not reused, until that connection ends — a slow
   writer may still be writing into them.
 
+*Write arena* (``arena``, then ``publish``) — fresh pages lent to one session with no TTL, so
+a put can be one round trip: the client copies into them first, then ``publish`` turns the
+arena's first pages into a sealed object (the extent is split, nothing is copied) and the rest
+stays the arena, or a fresh one replaces it. An arena is freed by ``abort``, by being published
+whole, or when its connection closes (its writer is gone: no quarantine needed). It counts as
+used and write-leased, is never evicted, and is at most 1/16 of a pool.
+
 *Read lease* (``claim``) — while held, the object's extents are neither evicted nor reused.
 It ends on ``release``, on TTL expiry, or when the connection closes. A claim with
 ``consume`` counts down the object's ``consumers`` (set at reserve, default 1) when that lease
