@@ -75,7 +75,9 @@ __all__ = [
 
 META_TAG = "kvbroker.kv"  # meta key marking (and versioning) a shard published by this module
 UNKNOWN_CONSUMERS = 1 << 16  # the broker's maximum: consume-claims never free it, eviction does
-_SELECT_NOTHING = "(?!)"  # a consume-claim that maps no buffer: it only counts down
+# A consume-claim that maps no buffer: it only counts down. A class that matches no character,
+# valid for RE2 (the daemon's regex engine: no lookarounds) and Python's re alike.
+_SELECT_NOTHING = r"[^\s\S]"
 _CANONICAL = ("kv", "block", "token", "head", "head_dim")
 
 
@@ -274,6 +276,24 @@ def _gather(src, ids, num_tokens: int, dst) -> int:
     return ops
 
 
+# Smallest [head][head_dim] row for which writing whole rows in destination order beats
+# walking the source head by head (numpy, this repo's 2-core CPU machine: 0.99-0.69x at 256 B
+# to 1 KiB rows, 1.15x at 2 KiB, 1.23x at 4 KiB; benchmarks/results/tp-cpu.md).
+WHOLE_ROW_MIN_BYTES = 2048
+
+
+def _whole_rows(dst, heads: int) -> bool:
+    """Whether a copy of ``heads`` heads into ``dst [block, token, head, dim]`` writes whole,
+    contiguous token rows big enough to copy in destination order. Otherwise (part of a row:
+    an NHD cache fed by several shards or sliced out of a larger one; or HND, whose rows are
+    not contiguous) the copy goes head-major like the source: interleaving a row's heads
+    from strided sources runs numpy 1.5-2.5x slower."""
+    _, _, n, dim = dst.shape
+    size = dst.itemsize
+    return (heads == n and dst.strides[3] == size and dst.strides[2] == dim * size
+            and n * dim * size >= WHOLE_ROW_MIN_BYTES)  # fmt: skip
+
+
 def _scatter(src, dst, ids, full_index, num_tokens: int, dst_head: int) -> int:
     """Write ``src [head, token, dim]`` into heads ``dst_head..`` of blocks ``ids`` of ``dst
     [block, token, head, dim]``, with no temporary. ``full_index``: ``_as_index`` of the
@@ -283,13 +303,11 @@ def _scatter(src, dst, ids, full_index, num_tokens: int, dst_head: int) -> int:
     heads, _, dim = src.shape
     h = slice(dst_head, dst_head + heads)
     if full:
-        # Head-major, like the source: numpy walks head, block, slot and copies one head_dim row
-        # per step, reading each head's tokens in order. The dst-order assignment
-        # (``dst[blocks, :, h] = src.transpose(...)``) interleaves the heads of a row from
-        # several source streams, and numpy runs that 2-3x slower once ``h`` is part of a row
-        # (NHD caches fed by several shards, or sliced out of a larger shard).
         by_head = _split_view(src[:, : full * slots], (heads, full, slots, dim))
-        dst.transpose(2, 0, 1, 3)[h, full_index] = by_head
+        if _whole_rows(dst, heads):
+            dst[full_index, :, h, :] = by_head.transpose(1, 2, 0, 3)
+        else:
+            dst.transpose(2, 0, 1, 3)[h, full_index] = by_head
         ops += 1
     if tail:
         dst[ids[full], :tail, h, :] = src[:, full * slots :].transpose(1, 0, 2)

@@ -538,7 +538,7 @@ class KVPrefixMatch(PrefixMatch):
         for bit. Returns the number of copy operations: blocks × layers × contributing shards
         (K and V move in one copy when the block's buffers lie back to back, as the broker
         lays them out; × K/V otherwise) — never per token."""
-        from .kv import _block_index
+        from .kv import _block_index, _whole_rows
 
         n = self._rows if num_blocks is None else num_blocks
         if not 0 <= n <= self._rows:
@@ -575,18 +575,29 @@ class KVPrefixMatch(PrefixMatch):
             # Head-major on both sides, like the stored shard: numpy then copies whole head_dim
             # rows in order instead of interleaving heads from strided sources (see
             # kvbroker.kv._scatter), which matters once a copy fills only part of a row.
-            canon = [cache.layer(layer).transpose(1, 0, 3, 2, 4)  # [block, kv, head, tok, dim]
-                     for layer in range(layers)]  # fmt: skip
+            # Whole contiguous rows of enough heads copy in destination order; otherwise
+            # head-major like the stored shard (see kvbroker.kv._whole_rows).
+            by_row = [c.transpose(1, 0, 2, 3, 4) for c in map(cache.layer, range(layers))]
+            by_head = [c.transpose(0, 1, 3, 2, 4) for c in by_row]  # [block, kv, head, tok, dim]
+            plans = []
+            for shard, first, count, heads in pieces:
+                if _whole_rows(cache.component(0, 0), count):  # [layer, kv, tok, head, dim]
+                    plans.append((shard, first, heads, by_row, (layers, kinds, bs, count, dim),
+                                  (kinds * stride, stride, dim * isz, bs * dim * isz, isz)))
+                else:  # [layer, kv, head, tok, dim]
+                    plans.append((shard, first, heads, by_head, (layers, kinds, count, bs, dim),
+                                  (kinds * stride, stride, bs * dim * isz, dim * isz, isz)))
             for row in range(n):
                 block = ids[row]
-                dsts = [c[block] for c in canon]
-                for shard, first, count, heads in pieces:
+                for shard, first, heads, canon, shape, steps in plans:
                     pool, offsets = starts[row * shards + shard]
-                    steps = (kinds * stride, stride, bs * dim * isz, dim * isz, isz)
-                    src = np.ndarray((layers, kinds, count, bs, dim), int_dtype, maps[pool],
-                                     offsets[0] + first, steps)  # fmt: skip
-                    for layer in range(layers):
-                        dsts[layer][:, heads] = src[layer]
+                    src = np.ndarray(shape, int_dtype, maps[pool], offsets[0] + first, steps)
+                    if canon is by_row:
+                        for layer in range(layers):
+                            canon[layer][block][:, :, heads] = src[layer]
+                    else:
+                        for layer in range(layers):
+                            canon[layer][block][:, heads] = src[layer]
                     ops += layers
             return ops
         comps = [cache.component(layer, c) for layer in range(layers) for c in range(kinds)]

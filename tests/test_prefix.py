@@ -431,3 +431,16 @@ def test_per_buffer_copies_when_buffers_are_not_back_to_back(tp_daemon, src, dst
         publish_layout(c, full, tokens, src, H, KV_LAYOUTS["HND"], ns)
         got = reuse(c, full, tokens, dst, H, KV_LAYOUTS["NHD"], ns, source=src, per_buffer=True)
     assert [g[0] for g in got] == [3 * BLOCK] * dst
+
+
+@pytest.mark.parametrize("src,per_buffer", [(1, False), (1, True), (2, False)])
+def test_whole_row_copies_are_exact(tp_daemon, src, per_buffer):
+    # 8 heads x head_dim 128 x 2 bytes = 2 KiB NHD rows: big enough to copy in row order.
+    H, ns = 8, f"tp{next(_namespaces)}"
+    tokens = prompt(3 * BLOCK + 1, 71)
+    full = full_kv(71, 2, len(tokens), H, 128)
+    with tp_daemon.client() as c:
+        publish_layout(c, full, tokens, src, H, KV_LAYOUTS["NHD"], ns)
+        got = reuse(c, full, tokens, 1, H, KV_LAYOUTS["NHD"], ns, source=src,
+                    per_buffer=per_buffer)  # fmt: skip
+    assert got == [(3 * BLOCK, src, list(range(src)))]

@@ -182,6 +182,15 @@ def test_named_configurations(tp_client, H, P, D):
                 LAYOUTS["kv-first HND"], 4, 16, 2, 37, 8, seed=H * 100 + P * 10 + D)  # fmt: skip
 
 
+@pytest.mark.parametrize("P,D,axes", [(1, 1, "blocks-first NHD"), (2, 1, "blocks-first NHD"),
+                                      (1, 2, "blocks-first NHD"), (1, 1, "kv-first HND")])  # fmt: skip
+def test_whole_row_and_head_major_scatters(tp_client, P, D, axes):
+    # head_dim 128 x 8 heads x 2 bytes = 2 KiB rows: a full-row NHD claim copies in row order,
+    # a partial one (or HND) head by head. Both must be bit-exact.
+    run_handoff(tp_client, 8, P, D, "torch", "bfloat16", LAYOUTS["blocks-first NHD"],
+                LAYOUTS[axes], 4, 16, 2, 37, 128, seed=P * 10 + D)  # fmt: skip
+
+
 def test_copy_ops_do_not_grow_with_tokens(tp_client):
     ops = set()
     for tokens in (16, 160, 1600):
