@@ -444,3 +444,48 @@ def test_whole_row_copies_are_exact(tp_daemon, src, per_buffer):
         got = reuse(c, full, tokens, 1, H, KV_LAYOUTS["NHD"], ns, source=src,
                     per_buffer=per_buffer)  # fmt: skip
     assert got == [(3 * BLOCK, src, list(range(src)))]
+
+
+def _tp_rank_process(sock, ns, role, r, T, H, seed, queue):
+    """One TP rank of a DP rank in its own process: "prefill" publishes its shard of the
+    4-block prompt; "reuse" matches a prompt sharing 3 blocks and loads its heads."""
+    try:
+        tokens = prompt(4 * BLOCK, seed)
+        full = full_kv(seed, 2, len(tokens), H, 16)
+        rng = np.random.default_rng(seed + 10 * r + (role == "reuse"))
+        mine = shard_heads(r, T, H)
+        with Client(sock, name=f"{role}{r}") as c:
+            pc = PrefixCache(c, namespace=ns, block_size=BLOCK, tp_rank=r, tp_size=T,
+                             total_kv_heads=H)  # fmt: skip
+            if role == "prefill":
+                cache, ids, _ = rank_cache(full, mine, KV_LAYOUTS["NHD"], BLOCK, rng)
+                queue.put((role, r, pc.publish_kv(tokens, cache, ids)))
+                return
+            cache, ids, bits = rank_cache(np.zeros_like(full), mine, KV_LAYOUTS["HND"], BLOCK,
+                                          rng, fill=False)  # fmt: skip
+            with pc.match_kv(tokens[: 3 * BLOCK] + prompt(2 * BLOCK, seed + 1)) as m:
+                m.load(cache, ids)
+                assert_loaded(full, mine, KV_LAYOUTS["HND"], bits, ids, BLOCK, m.num_tokens)
+                queue.put((role, r, (m.num_tokens, m.ranks)))
+    except Exception as exc:  # reported to the test, which fails on it
+        queue.put((role, r, repr(exc)))
+
+
+def test_dp_rank_processes_with_tp2_reuse_shard_wise(tp_daemon):
+    ns, T, H, seed = f"tp{next(_namespaces)}", 2, 4, 81
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    for role in ("prefill", "reuse"):
+        procs = [ctx.Process(target=_tp_rank_process,
+                             args=(tp_daemon.socket_path, ns, role, r, T, H, seed, queue))
+                 for r in range(T)]  # fmt: skip
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(60)
+            assert p.exitcode == 0
+        got = sorted(queue.get(timeout=5) for _ in range(T))
+        if role == "prefill":
+            assert got == [("prefill", 0, 4), ("prefill", 1, 4)]
+        else:  # each TP rank of the second DP rank read its own TP rank's shard, bytes equal
+            assert got == [("reuse", 0, (3 * BLOCK, [0])), ("reuse", 1, (3 * BLOCK, [1]))]
