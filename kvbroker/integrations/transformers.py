@@ -70,6 +70,7 @@ from .._client import Client, copy_into
 from .._names import kv_buffer_name, kv_select_regex
 from .._tp import claim_plan, shard_heads
 from ..errors import BadRequest, LayoutMismatch
+from ..kv import _SELECT_NOTHING  # a claim selecting no buffer: it only counts a consume
 from ..kv import ClaimResult, PagedKV, PublishResult, claim_shards, publish_shard, shard_key
 from ..layout import itemsize_of
 from ..prefix import PrefixCache
@@ -92,7 +93,6 @@ __all__ = [
 META_TAG = "kvbroker.transformers"  # meta key marking (and versioning) what this module published
 # One block holding every token: the whole sequence of a layer as kvbroker.kv's paged cache.
 _STAGED_AXES = ("layer", "kv", "block", "head", "token", "head_dim")
-_SELECT_NOTHING = "(?!)"
 _DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32",
                   "float": "float32"}  # fmt: skip
 
@@ -112,6 +112,19 @@ def _dtype_name(dtype: Any) -> str:
     return name
 
 
+def _np_int_dtype(itemsize: int):
+    """The numpy twin of :func:`_int_dtype` (same signedness: copies never cast)."""
+    import numpy
+
+    return numpy.dtype("u1" if itemsize == 1 else f"i{itemsize}")
+
+
+def _np_copyto(dst, src) -> None:
+    import numpy
+
+    numpy.copyto(dst, src, casting="no")  # same integer type: a byte copy, never a conversion
+
+
 def _torch_dtype(name: str):
     return getattr(_torch(), name)
 
@@ -124,6 +137,14 @@ def _int_dtype(itemsize: int):
 def _ints(tensor):
     """``tensor``'s memory as integers of its item size: a view, bytes rather than values."""
     return tensor.view(_int_dtype(tensor.element_size()))
+
+
+def _copy_source(tensor):
+    """What to hand to ``copy_into``: host memory as a numpy integer view, so the copy is one
+    single-threaded numpy pass (torch's multi-threaded ``copy_`` stalls on a busy host: a
+    barrier waits for a descheduled worker); device memory as a torch view (one D2H copy)."""
+    ints = _ints(tensor)
+    return ints.numpy() if ints.device.type == "cpu" else ints
 
 
 def _pool_tensor(view):
@@ -140,8 +161,12 @@ def _copy_from_pool(dst, view) -> None:
             f"layout mismatch on buffer size: published {view.nbytes} bytes, local "
             f"{tuple(dst.shape)} × {dst.element_size()} bytes"
         )
+    if dst.device.type == "cpu":  # numpy: one single-threaded pass (see _copy_source)
+        np_ints = _np_int_dtype(dst.element_size())
+        _np_copyto(_ints(dst).numpy(), view.view(np_ints).reshape(tuple(dst.shape)))
+        return
     ints = _int_dtype(dst.element_size())
-    _ints(dst).copy_(_pool_tensor(view).view(ints).view(dst.shape))
+    _ints(dst).copy_(_pool_tensor(view).view(ints).view(dst.shape))  # one H2D copy
 
 
 # -- model facts ----------------------------------------------------------------------------
@@ -401,7 +426,7 @@ def publish_cache(
                         consumers=consumers) as lease:  # fmt: skip
         for name, t in tensors.items():
             if sizes[name]:
-                copy_into(lease[name], _ints(t))  # a strided or CUDA tensor is copied in one pass
+                copy_into(lease[name], _copy_source(t))  # strided or CUDA: still one pass
     return PublishedCache(request, layers[0].seen, sum(sizes.values()),
                           time.perf_counter() - started)  # fmt: skip
 
@@ -491,8 +516,8 @@ def publish_tp_shard(
     staged = torch.empty((len(layers), 2, 1, k0.shape[1], k0.shape[2], k0.shape[3]),
                          dtype=k0.dtype)  # fmt: skip
     for i, layer in enumerate(layers):
-        _ints(staged[i, 0]).copy_(_ints(layer.keys))
-        _ints(staged[i, 1]).copy_(_ints(layer.values))
+        _np_copyto(_ints(staged[i, 0]).numpy(), _copy_source(layer.keys.cpu()))
+        _np_copyto(_ints(staged[i, 1]).numpy(), _copy_source(layer.values.cpu()))
     return publish_shard(
         client, request, PagedKV(staged, _STAGED_AXES), [0], layers[0].seen, tp_rank=tp_rank,
         tp_size=tp_size, total_kv_heads=total_kv_heads, decode_tp_size=decode_tp_size,
@@ -621,8 +646,8 @@ def publish_prefix(
         span = slice(b * bs, (b + 1) * bs)
         out = {}
         for (kname, vname), layer in zip(names, layers):
-            out[kname] = _ints(layer.keys[0, :, span])  # [head, token, dim], strided: one pass
-            out[vname] = _ints(layer.values[0, :, span])
+            out[kname] = _copy_source(layer.keys[0, :, span])  # [head, token, dim], strided
+            out[vname] = _copy_source(layer.values[0, :, span])
         return out
 
     return prefix_cache.publish(tokens, block, block_sizes=sizes, meta=meta)
