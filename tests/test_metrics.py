@@ -42,7 +42,7 @@ def test_metrics_scraped_over_loopback(make_daemon):
                     "--metrics", ":0")  # a bare port: loopback, any free port for the test
     url = _metrics_url(d)
     assert url.startswith("http://127.0.0.1:")
-    with d.client() as c:
+    with d.client(arena_size=0) as c:  # no write arena: the pool holds the object alone
         c.put("a", {"x": b"x" * 10000})
         lease = c.claim("a")
         s = _scrape(url)
