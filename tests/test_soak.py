@@ -1,0 +1,38 @@
+"""Soak (benchmarks/soak.py): 16 clients publishing, claiming, matching prefixes and evicting
+under memory pressure. A short run always; the full 10 minutes with KVBROKER_SOAK_LONG=1."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+
+import soak  # noqa: E402
+
+
+def check(res: dict) -> None:
+    assert res["errors"] == 0, res["error_samples"]
+    assert res["mismatches"] == 0, res["mismatch_samples"]
+    assert res["daemon_alive_at_end"] and res["daemon_exit_status"] == 0
+    acc = res["accounting"]
+    assert acc["exact"], acc
+    # It really ran under pressure, on every path.
+    assert acc["daemon_counters"]["evictions"] > 0
+    assert acc["daemon_counters"]["prefix_hit_blocks"] > 0
+    assert all(res["ops_by_kind"].get(k, 0) > 0 for k in ("put", "get", "prefix", "evict"))
+    assert res["bytes_claimed"] > 0
+
+
+def test_soak_short():
+    check(soak.run(clients=16, duration=float(os.environ.get("KVBROKER_SOAK_SECONDS", "15"))))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("KVBROKER_SOAK_LONG"), reason="10-minute soak: set "
+                    "KVBROKER_SOAK_LONG=1 (or run benchmarks/soak.py)")
+@pytest.mark.timeout(900)
+def test_soak_ten_minutes():
+    check(soak.run(clients=16, duration=600.0))
