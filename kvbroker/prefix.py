@@ -228,6 +228,7 @@ class PrefixCache:
         self.peer_tp_sizes = tuple(peer_tp_sizes)
         # Legacy unsharded keys are the bare hashes; publish_kv/match_kv always use shard keys.
         self.sharded = total_kv_heads is not None or tp_size != 1
+        self._plans: dict[tuple, tuple] = {}  # (source TP size, heads) -> plan, ranks, key suffixes
 
     def hashes(self, token_ids: Sequence[int]) -> list[str]:
         return block_hashes(token_ids, self.block_size, namespace=self.namespace,
@@ -413,13 +414,20 @@ class PrefixCache:
 
     def _match_layout(self, hashes: list[str], source: int, heads: int | None,
                       ttl: float | None) -> KVPrefixMatch:  # fmt: skip
-        plan = claim_plan(heads, source, self.tp_size, self.tp_rank)
-        ranks = list(dict.fromkeys(p.prefill_rank for p in plan))
+        cached = self._plans.get((source, heads))
+        if cached is None:  # the same few layouts, match after match
+            plan = claim_plan(heads, source, self.tp_size, self.tp_rank)
+            ranks = list(dict.fromkeys(p.prefill_rank for p in plan))
+            suffixes = [shard_block_key("", r, source, heads) for r in ranks]
+            cached = self._plans[source, heads] = (plan, ranks, suffixes)
+        plan, ranks, suffixes = cached
         # Block-major, shard-minor: the broker's longest run of present keys, divided by the
         # shard count, is the run of blocks every needed shard holds. A partial last row is
         # pinned by the same lease and ignored.
-        suffixes = [shard_block_key("", r, source, heads) for r in ranks]
-        keys = [h + suffix for h in hashes for suffix in suffixes]
+        if len(suffixes) == 1:
+            keys = [h + suffixes[0] for h in hashes]
+        else:
+            keys = [h + suffix for h in hashes for suffix in suffixes]
         asked_at = time.monotonic()
         # The broker counts hit tokens per key found: a key is 1/len(ranks) of a block here.
         reply = self.client._call("match_prefix", namespace=self.namespace, keys=keys,
