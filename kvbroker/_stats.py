@@ -135,6 +135,7 @@ class Statistics:
     transfers: tuple[TransferRecord, ...] = ()
     rings: tuple[dict, ...] = ()
     namespaces: tuple[NamespaceUsage, ...] = ()  # largest use first (at most 1000)
+    arenas: int = 0  # write arenas lent to clients (their pages are in pools' leased_write)
 
     @property
     def capacity(self) -> int:

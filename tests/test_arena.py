@@ -309,7 +309,15 @@ def test_put_takes_one_round_trip_and_another_process_reads_it(daemon):
         calls.clear()
         assert w.put("big", {"x": np.ones(5 << 20, np.uint8)})
         assert calls == ["reserve", "seal"]
-        assert r.stat().pools[0].leased_write > 0  # the writer's arena is counted as leased
+        st = r.stat()
+        assert st.pools[0].leased_write > 0 and st.arenas == 1  # the writer's arena
+        assert st.to_dict()["arenas"] == 1  # and `stat --json` shows it
+        w._arena.close()  # given back early
+        st = r.stat()
+        assert st.pools[0].leased_write == 0 and st.arenas == 0
+        calls.clear()
+        assert w.put("k3", {"x": b"3"})  # a later put opens a fresh one
+        assert calls == ["arena", "publish"] and bytes(r.get("k3")["x"]) == b"3"
 
 
 def test_bad_source_mid_copy_publishes_nothing(client):
