@@ -24,6 +24,7 @@ import threading
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from . import _integrity
 from ._broker import BUFFER_ALIGN
 from .errors import BadRequest, Exists, LeaseExpired, PoolFull
 
@@ -31,6 +32,8 @@ if TYPE_CHECKING:
     from ._client import Client
 
 __all__ = ["WriteArena", "layout_of"]
+
+_EMPTY_DIGEST = _integrity.digest(b"")
 
 
 def layout_of(sizes: Mapping[str, int]) -> tuple[dict[str, int], int]:
@@ -73,7 +76,7 @@ class WriteArena:
             self._lock.release()
 
     def _put(self, key, buffers, sizes, namespace, meta, replace, consumers, checksum):
-        from ._client import _EMPTY_DIGEST, copy_into, _integrity, _np
+        from ._client import _np, copy_into  # (a cycle at import time: _client imports us)
 
         client = self.client
         offsets, span = layout_of(sizes)
