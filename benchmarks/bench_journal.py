@@ -41,6 +41,20 @@ def one_round(client, size: int, ops: int, tag: str) -> float:
     return (time.perf_counter() - t0) / ops
 
 
+def _fs_type(path: str) -> str:
+    """The filesystem type holding ``path`` (from /proc/mounts), e.g. ext4 or tmpfs."""
+    best, kind = "", "?"
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                _, mnt, fs = line.split()[:3]
+                if os.path.realpath(path).startswith(mnt) and len(mnt) > len(best):
+                    best, kind = mnt, fs
+    except OSError:
+        pass
+    return kind
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size", type=int, default=4096)
@@ -48,8 +62,11 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
                                                   "journal-cpu.json"))
+    ap.add_argument("--dir", default=None,
+                    help="where the sockets and the journal live (default: a temp dir; "
+                         "/run, where the service keeps them, is a tmpfs: try /dev/shm)")
     args = ap.parse_args()
-    tmp = tempfile.mkdtemp(prefix="kvbj")
+    tmp = tempfile.mkdtemp(prefix="kvbj", dir=args.dir)
     geometry = ("--pool-size", "64M", "--page-size", "4K")
     daemons = {
         "journal": DaemonProcess(os.path.join(tmp, "on.sock"), *geometry),
@@ -76,6 +93,7 @@ def main() -> int:
         "benchmark": "journal overhead: put + consuming claim + release",
         "machine": f"{platform.node()} ({os.cpu_count()} CPUs, {platform.machine()})",
         "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+        "journal_dir": f"{tmp} ({_fs_type(tmp)})",
         "object_bytes": args.size,
         "ops_per_round": args.ops,
         "rounds": args.rounds,

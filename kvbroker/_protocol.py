@@ -84,7 +84,8 @@ OPS: dict[str, Op] = {
             "name": _a(str, default=""),
             "role": _a(str, default=""),
         },
-        "{version, server_pid, session, lease_ttl, pools: [{index, name, size, page_size}]}",
+        "{version, server_pid, session, lease_ttl, pools: [{index, name, size, page_size}], "
+        "epoch: starts of this socket's daemon that adopted the previous one's pools}",
         "Open the session: protocol version check, client name and role.",
         needs_hello=False,
     ),
