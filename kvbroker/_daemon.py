@@ -799,7 +799,7 @@ class Daemon:
             self.broker.rings.close()  # every connection is gone: no lease holds a region
             self.broker.rings = None
         journal = self.broker.journal if self.broker is not None else None
-        if self.config.keep_pools_on_exit and journal is not None:
+        if self.config.keep_pools_on_exit and journal is not None and not journal.failed:
             # Every lease has ended: what is left is the sealed objects, for the next daemon.
             self.broker.compact_journal()
             journal.close()

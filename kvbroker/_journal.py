@@ -78,6 +78,7 @@ class Journal:
         self.id_limit = 0
         self.records = 0  # appended since start, for statistics
         self.compactions = 0
+        self.failed: str | None = None  # why journaling stopped (a write failed)
 
     # -- reading ---------------------------------------------------------------------------
     @staticmethod
@@ -130,6 +131,14 @@ class Journal:
     # -- writing ---------------------------------------------------------------------------
     def rewrite(self, records: Iterable[dict[str, Any]], next_id: int) -> None:
         """Replace the file with the header and ``records`` (the live objects), atomically."""
+        if self.failed:
+            return
+        try:
+            self._rewrite(records, next_id)
+        except OSError as exc:
+            self._fail(exc)
+
+    def _rewrite(self, records: Iterable[dict[str, Any]], next_id: int) -> None:
         tmp = self.path + ".tmp"
         pack = self._packer.pack
         live = 0
@@ -153,9 +162,25 @@ class Journal:
         self.compactions += 1
 
     def _append(self, entry: dict[str, Any]) -> None:
-        os.write(self._fd, self._packer.pack(entry))
+        if self.failed:
+            return
+        data = self._packer.pack(entry)
+        try:
+            if os.write(self._fd, data) != len(data):
+                raise OSError(28, "short write (no space left?)")
+        except OSError as exc:
+            self._fail(exc)
+            return
         self._appended += 1
         self.records += 1
+
+    def _fail(self, exc: OSError) -> None:
+        """A journal missing a record could bring back objects whose pages were reused:
+        rather than that, no journal at all (the next start is cold)."""
+        self.failed = f"{exc.strerror or exc}"
+        log.error("cannot write the journal %s (%s): warm restart is off until the daemon "
+                  "restarts; the next start will be cold", self.path, self.failed)
+        self.remove()
 
     def sealed(self, record: dict[str, Any]) -> None:
         self._append({"t": "s", "o": record})
@@ -175,7 +200,7 @@ class Journal:
         return self.id_limit
 
     def wants_compaction(self) -> bool:
-        return self._appended > _COMPACT_MIN and self._appended > 2 * self._live
+        return not self.failed and self._appended > _COMPACT_MIN and self._appended > 2 * self._live
 
     def close(self) -> None:
         if self._fd is not None:

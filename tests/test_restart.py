@@ -300,3 +300,26 @@ def test_allocator_with_live_rejects_overlaps():
         ExtentAllocator.with_live(100, [(0, 10), (5, 10)])
     with pytest.raises(ValueError):
         ExtentAllocator.with_live(100, [(95, 10)])
+
+
+def test_a_failing_journal_turns_itself_off(tmp_path):
+    """A journal that cannot be written is removed (the next start is cold) rather than left
+    missing records; the broker carries on serving."""
+    name = segment_prefix() + ".0"
+    pool = HostPool(0, name, 1 << 20, 4096)
+    try:
+        b = Broker([pool])
+        path = str(tmp_path / "j")
+        b.attach_journal(Journal(path, 1, [pool.describe()]), 1)
+        s = b.open_session()
+        b.handle(s, "hello", {"version": 1})
+        r = b.handle(s, "reserve", {"key": "a", "buffers": {"x": 10}})
+        os.close(b.journal._fd)  # every later write fails (EBADF)
+        b.journal._fd = os.open(os.devnull, os.O_RDONLY)
+        b.handle(s, "seal", {"lease": r["lease"]})
+        assert b.journal.failed and not os.path.exists(path)
+        assert b.handle(s, "lookup", {"key": "a"})["nbytes"] == 10
+        b.compact_journal()  # a no-op now
+        assert not os.path.exists(path)
+    finally:
+        pool.unlink()
