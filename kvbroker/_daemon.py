@@ -778,8 +778,11 @@ class Daemon:
             except Exception:
                 log.exception("lease expiry failed")
             journal = self.broker.journal
-            if journal is not None and journal.wants_compaction():
-                self.broker.compact_journal()
+            try:
+                if journal is not None and journal.wants_compaction():
+                    self.broker.compact_journal()
+            except Exception:
+                log.exception("journal compaction failed")
 
     async def _shutdown(self) -> None:
         loop = asyncio.get_running_loop()
