@@ -122,6 +122,26 @@ def test_publish_checks_the_cache_against_its_config(client):
     assert not client.exists("req-3")
 
 
+def test_an_error_mid_publish_aborts_and_leaves_nothing(client, monkeypatch):
+    """Request abort during publish (here: the third buffer copy fails)."""
+    calls = []
+    real = kvt.copy_into
+
+    def failing(dst, src):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt("request aborted")
+        real(dst, src)
+
+    monkeypatch.setattr(kvt, "copy_into", failing)
+    with pytest.raises(KeyboardInterrupt):
+        kvt.publish_cache(client, "aborted", _random_cache())
+    monkeypatch.setattr(kvt, "copy_into", real)
+    assert not client.exists("aborted") and client.list() == []
+    kvt.publish_cache(client, "aborted", _random_cache())  # the key is free again
+    assert client.exists("aborted")
+
+
 def test_claim_of_an_object_not_published_by_the_adapter(client):
     client.put("raw", {"past_key.0": np.zeros(16, np.uint8)})
     with pytest.raises(LayoutMismatch, match="not published by"):
