@@ -358,3 +358,18 @@ def test_a_failing_journal_turns_itself_off(tmp_path):
         assert not os.path.exists(path)
     finally:
         pool.unlink()
+
+
+def test_client_remaps_pools_after_a_cold_restart(daemons):
+    d = daemons()
+    c = d.client(reconnect=10)
+    c.put("a", {"kv": pattern("a", 5000)})
+    old = c.pools[0]["name"]
+    d.stop(signal.SIGKILL)
+    daemons(*ARGS, "--cold")
+    assert not c.exists("a")  # reconnects; the cold daemon has nothing
+    assert c.pools[0]["name"] != old and c.epoch == 1
+    c.put("b", {"kv": pattern("b", 5000)})  # through the new segment
+    assert np.array_equal(c.get("b")["kv"], pattern("b", 5000))
+    c.close()
+    assert not segment_exists(old)
