@@ -825,13 +825,28 @@ class Daemon:
         log.info("stopped")
 
 
+def _uvloop() -> Any:
+    """The uvloop module when it is installed: its event loop serves a request in ~10 % less
+    time than asyncio's own (an ``exists`` round trip: 49-56 against 55-66 us on the 2-core VM,
+    interleaved). ``KVBROKER_EVENT_LOOP=asyncio`` keeps asyncio's loop; None means that one."""
+    if os.environ.get("KVBROKER_EVENT_LOOP", "").lower() == "asyncio":
+        return None
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop
+
+
 def run_daemon(
     config: DaemonConfig, reload_config: Callable[[], DaemonConfig] | None = None
 ) -> int:
     """Run the daemon in the foreground; returns the process exit status."""
     notifier = Notifier.from_environ()
     try:
-        asyncio.run(Daemon(config, notifier=notifier, reload_config=reload_config).serve())
+        serving = Daemon(config, notifier=notifier, reload_config=reload_config).serve()
+        uvloop = _uvloop()
+        (asyncio.run if uvloop is None else uvloop.run)(serving)
     except (DaemonError, KVBrokerError) as exc:
         log.error("%s", exc)
         return 1
