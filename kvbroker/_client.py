@@ -283,7 +283,8 @@ class Client:
     ``socket_path`` None means ``$KVBROKER_SOCKET`` or the default path. ``map_pools`` maps
     (and pre-faults) every pool at connect, as an engine wants; tools that only look at the
     daemon pass False and never touch the pools. ``busy_poll``: seconds to poll for a reply
-    before sleeping (lower latency for a little CPU; 0 turns it off). ``arena_size``: bytes
+    before sleeping, while the host has a CPU to spare (lower latency for a little CPU; 0
+    turns it off). ``arena_size``: bytes
     of the write arena this client holds so that a put of up to half of it is one round
     trip (0: every put reserves, then seals).
 

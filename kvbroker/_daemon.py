@@ -64,8 +64,9 @@ class DaemonConfig:
     high_watermark: float = 0.95
     low_watermark: float = 0.90
     group: int | None = None  # gid allowed to connect and map pools (mode 0660)
-    # Keep the loop polling this long after the last request instead of sleeping in epoll:
-    # a wake-up across CPUs costs more than serving a request. 0 turns it off.
+    # Keep the loop polling this long after the last request instead of sleeping in epoll,
+    # while the host has a CPU to spare (kvbroker._cpu): a wake-up across CPUs costs more
+    # than serving a request. 0 turns it off.
     busy_poll: float = 100e-6
     max_connections: int = 1024
     # SIGTERM stops accepting, then waits this long for held leases to end before closing.
