@@ -39,13 +39,14 @@ crashes mid-claim therefore consumes nothing.
 
 Copies are bit-exact: bytes move through unsigned integer views of the same item size
 (bf16/fp16 as 16-bit ints, fp8 as bytes), never through float arithmetic. A claim issues, per
-contributing shard and per layer, one scatter of the whole blocks and one of the partial last
-block if ``num_tokens`` is not a multiple of the decode block size; K and V go together, as
-one strided view over the shard's two (back to back) buffers — so ``ClaimResult.copy_ops <=
-2 × layers × shards``, independent of the token count (× components if a shard's buffers were
-ever not back to back). A copy that fills whole NHD rows of >= 2 KiB runs in row order; one
-that fills part of a row (several shards feed each row) or an HND cache runs head-major, like
-the source: numpy is 1.5-2.5x slower interleaving a row's heads from strided sources.
+contributing shard and per (layer, K/V), one scatter of the whole blocks and one of the
+partial last block if ``num_tokens`` is not a multiple of the decode block size — so
+``ClaimResult.copy_ops <= 2 × layers × components × shards``, independent of the token count.
+A copy that fills whole NHD rows of >= 2 KiB runs in row order; one that fills part of a row
+(several shards feed each row) or an HND cache runs head-major, like the source: numpy is
+1.5-2.5x slower interleaving a row's heads from strided sources. The shards of one (layer,
+K/V) are copied back to back, while that destination is still in cache. (Copying K and V in
+one strided view halves the calls but measured ~7 % slower for partial rows: not done.)
 
 Torch is never imported here: a tensor argument means the caller already imported it, and
 CPU tensors are viewed as numpy arrays of integers (zero-copy). Device tensors go through the
@@ -224,8 +225,7 @@ class PublishResult:
 class ClaimResult:
     """What ``claim_shards`` did: the shards read, copy operations issued, bytes written.
 
-    ``source_runs`` counts contiguous runs read from the pool: one per (shard, layer, K/V);
-    ``copy_ops`` the copy calls issued (K and V of a layer in one).
+    ``source_runs`` counts contiguous runs read from the pool: one per (shard, layer, K/V).
     """
 
     keys: list[str]
@@ -300,43 +300,24 @@ def _whole_rows(dst, heads: int) -> bool:
 
 
 def _scatter(src, dst, ids, full_index, num_tokens: int, dst_head: int) -> int:
-    """Write ``src [kv, head, token, dim]`` into heads ``dst_head..`` of blocks ``ids`` of
-    ``dst [kv, block, token, head, dim]`` (K and V together, or one component with kv size
-    1), with no temporary. ``full_index``: ``_as_index`` of the blocks filled completely.
-    Returns the copy operations (at most 2)."""
-    slots, ops = dst.shape[2], 0
+    """Write ``src [head, token, dim]`` into heads ``dst_head..`` of blocks ``ids`` of ``dst
+    [block, token, head, dim]``, with no temporary. ``full_index``: ``_as_index`` of the
+    blocks filled completely. Returns the copy operations (at most 2)."""
+    slots, ops = dst.shape[1], 0
     full, tail = divmod(num_tokens, slots)
-    kv, heads, _, dim = src.shape
+    heads, _, dim = src.shape
     h = slice(dst_head, dst_head + heads)
     if full:
-        by_head = _split_view(src[:, :, : full * slots], (kv, heads, full, slots, dim))
-        if _whole_rows(dst[0], heads):
-            dst[:, full_index, :, h, :] = by_head.transpose(0, 2, 3, 1, 4)
+        by_head = _split_view(src[:, : full * slots], (heads, full, slots, dim))
+        if _whole_rows(dst, heads):
+            dst[full_index, :, h, :] = by_head.transpose(1, 2, 0, 3)
         else:
-            dst.transpose(0, 3, 1, 2, 4)[:, h, full_index] = by_head
+            dst.transpose(2, 0, 1, 3)[h, full_index] = by_head
         ops += 1
     if tail:
-        dst[:, ids[full], :tail, h, :] = src[:, :, full * slots :].transpose(0, 2, 1, 3)
+        dst[ids[full], :tail, h, :] = src[:, full * slots :].transpose(1, 0, 2)
         ops += 1
     return ops
-
-
-def _kv_source(client: Client, extents: Mapping, names: Sequence[str], offset: int, heads: int,
-               tokens: int, dim: int, dtype):  # fmt: skip
-    """One read-only view ``[kv, head, token, dim]`` of a head range (``offset``: its byte
-    offset in each buffer) across the buffers ``names`` of one layer, when they lie in one
-    pool in order (the broker lays an object's buffers out back to back); else None."""
-    np = _np()
-    first = extents[names[0]]
-    step = extents[names[-1]][1] - first[1] if len(names) > 1 else 0
-    if any(extents[n][0] != first[0] or extents[n][1] != first[1] + i * step
-           for i, n in enumerate(names)) or (len(names) > 1 and step <= 0):  # fmt: skip
-        return None
-    size = dtype.itemsize
-    view = np.ndarray((len(names), heads, tokens, dim), dtype, client._mapping(first[0]).mm,
-                      first[1] + offset, (step, tokens * dim * size, dim * size, size))  # fmt: skip
-    view.flags.writeable = False
-    return view
 
 
 def _buffer_names(cache: PagedKV, infix: str | None) -> list[list[str]]:
@@ -563,26 +544,18 @@ def claim_shards(
             if missing:
                 raise LayoutMismatch(f"layout mismatch on buffers: {key} has no {missing[0]}")
             sources.append((piece, lease, run))
-        # Layer outermost, shards innermost: the pieces of one destination layer land back to
-        # back while its cache lines are still hot (an NHD row is written by every
-        # contributing shard). K and V of a layer move in one strided copy.
-        extents = {key: lease.extents() for key, lease in pins.items()}
-        dim = cache.head_dim
+        # (layer, K/V) outermost, shards innermost: the pieces of one destination component
+        # land back to back while its cache lines are still hot (an NHD row is written by
+        # every contributing shard; shard-outermost order went to DRAM once per shard).
         for layer, row in enumerate(names):
-            dst = cache.layer(layer)  # [kv, block, token, head, dim]
-            for piece, lease, (offset, nbytes) in sources:
-                src = _kv_source(client, extents[lease.key], row, offset, piece.count, total,
-                                 dim, int_dtype)  # fmt: skip
-                if src is not None:
+            for c, name in enumerate(row):
+                dst = cache.component(layer, c)
+                for piece, lease, (offset, nbytes) in sources:
+                    src = _split_view(lease[name][offset : offset + nbytes].view(int_dtype),
+                                      (piece.count, total, cache.head_dim))  # fmt: skip
                     result.copy_ops += _scatter(src, dst, ids, full_index, total, piece.dst_head)
-                else:  # buffers not back to back: one copy per component
-                    for c, name in enumerate(row):
-                        one = _split_view(lease[name][offset : offset + nbytes].view(int_dtype),
-                                          (1, piece.count, total, dim))  # fmt: skip
-                        result.copy_ops += _scatter(one, dst[c : c + 1], ids, full_index, total,
-                                                    piece.dst_head)  # fmt: skip
-                result.source_runs += len(row)
-                result.nbytes += nbytes * len(row)
+                    result.source_runs += 1
+                    result.nbytes += nbytes
         result.num_tokens = total
         if consume:
             for key in keys:

@@ -125,7 +125,7 @@ def run_handoff(client, H, P, D, kind, dtype, axes_p, axes_d, bs_p, bs_d, layers
         assert shards == (max(1, P * len(mine) // H) if P <= H else len(mine))  # one copy per head
         assert res.source_runs == layers * 2 * shards
         per_shard = int(tokens >= bs_d) + int(tokens % bs_d != 0)
-        assert res.copy_ops == layers * shards * per_shard <= 2 * layers * shards  # K+V as one
+        assert res.copy_ops == layers * 2 * shards * per_shard <= 2 * layers * 2 * shards
         assert res.nbytes == layers * 2 * tokens * len(mine) * dim * itemsize
         assert_decode_rank_exact(full, mine, axes_d, bits, bs_d, ids)
     leftover = [o.key for o in client.list(match=f"{request}/.*")]
@@ -207,7 +207,7 @@ def test_copy_ops_do_not_grow_with_tokens(tp_client):
         res = claim_shards(tp_client, f"grow{tokens}", PagedKV(t, LAYOUTS["kv-first HND"]), ids,
                            tp_rank=0, tp_size=1, prefill_tp_size=2, total_kv_heads=4)  # fmt: skip
         ops.add(res.copy_ops)
-    assert ops == {2 * 2}  # layers x shards: K and V move in one copy
+    assert ops == {2 * 2 * 2}
 
 
 def test_mla_latent_any_one_copy_serves_every_rank(tp_client):
