@@ -21,6 +21,7 @@ reserve + seal path, where an existing key costs no copy.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
 __all__ = ["WriteArena", "layout_of"]
 
 _EMPTY_DIGEST = _integrity.digest(b"")
+_RETRY_AFTER = 0.5  # seconds without arena after the daemon had no room for one
 
 
 def layout_of(sizes: Mapping[str, int]) -> tuple[dict[str, int], int]:
@@ -58,9 +60,14 @@ class WriteArena:
         self.extent: list[int] | None = None  # [pool, offset, nbytes]
         self._generation = -1  # the connection the arena lives on
         self._unavailable = False  # the daemon could not give one: stop asking
+        # After "no room for an arena", puts take reserve + seal until then (monotonic
+        # seconds), rather than paying a failed ``arena`` round trip each.
+        self._retry_at = 0.0
 
     def fits(self, span: int) -> bool:
-        return 0 < self.size and span <= self.size // 2 and not self._unavailable
+        if not (0 < self.size and span <= self.size // 2 and not self._unavailable):
+            return False
+        return self.id is not None or time.monotonic() >= self._retry_at
 
     def put(self, key: str, buffers: Mapping[str, Any], sizes: Mapping[str, int], *,
             namespace: str, meta: dict | None, replace: bool, consumers: int,
@@ -124,7 +131,8 @@ class WriteArena:
         try:
             reply = client._call("arena", nbytes=self.size)
         except PoolFull:
-            return False  # try again later: memory may free up
+            self._retry_at = time.monotonic() + _RETRY_AFTER  # memory may free up later
+            return False
         except BadRequest:
             self._unavailable = True  # a daemon without arenas: reserve + seal from now on
             return False

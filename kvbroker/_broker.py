@@ -78,9 +78,12 @@ _RE2_OPTIONS.log_errors = False  # a bad pattern is the client's error, answered
 _MAX_NAMESPACES = 1000  # rows of per-namespace usage in a snapshot
 _OPEN = Policy()
 
-# A write arena is at most this fraction of its pool: idle arenas of many clients must not
-# hold the pool hostage (they are not evictable).
+# A write arena is at most this fraction of its pool, and all arenas together at most
+# _ARENA_BUDGET_FRACTION of the pools: idle arenas of many clients must not hold the pool
+# hostage (they are not evictable). An arena never evicts a sealed object either: it is an
+# optimisation, and a client without one falls back to reserve + seal.
 _ARENA_POOL_FRACTION = 16
+_ARENA_BUDGET_FRACTION = 4
 
 
 class WouldWait(Exception):
@@ -549,7 +552,12 @@ class Broker:
 
     def _new_arena(self, session: Session, nbytes: int) -> Arena:
         cap = max(p.size for p in self.pools) // _ARENA_POOL_FRACTION
-        pool, start, npages = self._allocate(max(1, min(nbytes, cap)))
+        nbytes = max(1, min(nbytes, cap))
+        held = sum(a.npages * a.pool.page_size for a in self.arenas.values())
+        budget = sum(p.size for p in self.pools) // _ARENA_BUDGET_FRACTION
+        if held + nbytes > budget:
+            raise PoolFull(f"write arenas already hold {held} of their {budget} bytes")
+        pool, start, npages = self._allocate(nbytes, evict=False)
         arena = Arena(self._next_id(), session, pool, start, npages)
         self._owners[pool.index][start] = ("w", npages)
         self.arenas[arena.id] = arena
@@ -1151,7 +1159,7 @@ class Broker:
         self._owners[pool.index].pop(start, None)
         pool.allocator.free_extent(start, npages)
 
-    def _allocate(self, nbytes: int) -> tuple[HostPool, int, int]:
+    def _allocate(self, nbytes: int, *, evict: bool = True) -> tuple[HostPool, int, int]:
         if len(self.pools) == 1:  # the common case, on the hot path of every publish
             pool = self.pools[0]
             npages = -(-nbytes // pool.page_size)
@@ -1168,6 +1176,8 @@ class Broker:
             start = pool.allocator.alloc(npages)
             if start is not None:
                 return pool, start, npages
+        if not evict:
+            raise PoolFull(f"no free extent of {nbytes} bytes (not evicting for it)")
         # Evict only if it can succeed: free + evictable pages must cover the request.
         evictable = {p.index: p.allocator.free for p in fits}
         for obj in self._lru.values():

@@ -191,20 +191,34 @@ def test_arena_never_expires_and_is_never_evicted(make_broker):
     assert r["count"] == 0 and used(b) == 1
 
 
-def test_arena_allocation_evicts_lru_and_fails_cleanly_when_full(make_broker):
+def test_arena_allocation_never_evicts_and_fails_cleanly_when_full(make_broker):
     b = make_broker(npages=32)
     s = session(b)
     for i in range(30):
         r = b.handle(s, "reserve", {"key": f"o{i}", "buffers": {"x": PAGE}})
         b.handle(s, "seal", {"lease": r["lease"]})
     b.handle(s, "arena", {"nbytes": 2 * PAGE})  # 2 pages free: fits
-    b.handle(s, "arena", {"nbytes": 2 * PAGE})  # evicts the two oldest objects
-    assert b.handle(s, "lookup", {"key": "o0"}) is None
-    assert b.handle(s, "lookup", {"key": "o2"}) is not None
-    for i in range(2, 30):  # pin everything left
-        b.handle(s, "claim", {"key": f"o{i}"})
+    # No free page left: an arena is an optimisation and must not cost a sealed object.
     with pytest.raises(PoolFull):
-        b.handle(s, "arena", {"nbytes": PAGE})
+        b.handle(s, "arena", {"nbytes": 2 * PAGE})
+    assert all(b.handle(s, "lookup", {"key": f"o{i}"}) is not None for i in range(30))
+    assert b.counters["evictions"] == 0
+    assert_no_overlap(b)
+
+
+def test_all_arenas_together_stay_within_a_quarter_of_the_pool(make_broker):
+    b = make_broker(npages=256)  # one arena: at most 16 pages; all arenas: at most 64
+    sessions = [session(b) for _ in range(8)]
+    got = []
+    for s in sessions:
+        try:
+            got.append(b.handle(s, "arena", {"nbytes": 16 * PAGE}))
+        except PoolFull as e:
+            assert "write arenas already hold" in str(e)
+    assert len(got) == 4 and used(b) == 64
+    b.close_session(sessions[0])  # its arena is freed, so another client may have one
+    b.handle(sessions[-1], "arena", {"nbytes": 16 * PAGE})
+    assert used(b) == 64
     assert_no_overlap(b)
 
 
