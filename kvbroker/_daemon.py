@@ -228,6 +228,8 @@ class _Connection(asyncio.BufferedProtocol):
                         "kvbroker is shutting down: finish what you hold, take new leases "
                         "from the next daemon")
             return
+        if self.daemon.draining and op == "publish" and isinstance(args, dict):
+            args = {**args, "next_arena": 0}  # publishes what it holds; no fresh arena
         try:
             result = self.broker.handle(self.session, op, args)
         except WouldWait as ww:

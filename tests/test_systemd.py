@@ -227,6 +227,22 @@ def test_sigterm_drains_a_held_lease_then_exits_0(make_daemon):
     assert "drained: every lease ended" in d.log()
 
 
+def test_draining_publish_uses_the_arena_it_holds_and_gets_no_fresh_one(make_daemon):
+    d = make_daemon("--pool-size", "16M", "--page-size", "4K", "--drain-timeout", "20s")
+    c = d.client()
+    assert c.put("before", {"x": b"a" * 4096})  # opens this client's write arena
+    assert c._arena.id is not None
+    lease = c.reserve("held", {"x": 4096})  # keeps the daemon draining
+    d.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    assert c.put("during", {"x": b"b" * 4096})  # pages it already held
+    assert c._arena.id is None  # the daemon handed out no fresh arena
+    assert c.lookup("during") is not None
+    lease.seal()
+    assert d.proc.wait(10) == 0
+    c.close()
+
+
 def test_drain_is_bounded_by_drain_timeout(make_daemon):
     d = make_daemon("--pool-size", "16M", "--page-size", "4K", "--drain-timeout", "1s")
     c = d.client()
