@@ -116,7 +116,7 @@ def _int_view(array: Any):
 
 def _split_view(array, shape):
     """``array`` reshaped as a view; raises instead of silently copying (writes must land)."""
-    return _np().reshape(array, shape, copy=False)
+    return array.reshape(shape, copy=False)
 
 
 def shard_key(request: str, tp_rank: int, tp_size: int) -> str:
@@ -542,19 +542,29 @@ def claim_shards(
             stored = Layout.from_dict(lease.meta["layout"])
             # One contiguous run per (layer, K/V): heads are outermost in a stored buffer.
             (run,) = stored.narrow("head", piece.src_head, piece.count).descriptors()
-            missing = [n for row in names for n in row if n not in lease]
+            extents = lease.extents()
+            missing = [n for row in names for n in row if n not in extents]
             if missing:
                 raise LayoutMismatch(f"layout mismatch on buffers: {key} has no {missing[0]}")
-            sources.append((piece, lease, run))
+            if any(extents[n][2] != stored.nbytes for row in names for n in row):
+                raise LayoutMismatch(f"layout mismatch on buffer sizes: {key} does not hold "
+                                     f"{stored.nbytes} bytes per buffer")  # fmt: skip
+            sources.append((piece, extents, run))
+        # Read-only use of the pinned pool bytes, viewed straight from the mapping: one
+        # constructor call per copy instead of view + slice + reshape.
+        np = _np()
+        maps = {e[0]: client._mapping(e[0]).mm for _, ext, _ in sources for e in ext.values()}
+        dim = cache.head_dim
         # (layer, K/V) outermost, shards innermost: the pieces of one destination component
         # land back to back while its cache lines are still hot (an NHD row is written by
         # every contributing shard; shard-outermost order went to DRAM once per shard).
         for layer, row in enumerate(names):
             for c, name in enumerate(row):
                 dst = cache.component(layer, c)
-                for piece, lease, (offset, nbytes) in sources:
-                    src = _split_view(lease[name][offset : offset + nbytes].view(int_dtype),
-                                      (piece.count, total, cache.head_dim))  # fmt: skip
+                for piece, ext, (offset, nbytes) in sources:
+                    pool, start, _ = ext[name]
+                    src = np.ndarray((piece.count, total, dim), int_dtype, maps[pool],
+                                     start + offset)  # fmt: skip
                     result.copy_ops += _scatter(src, dst, ids, full_index, total, piece.dst_head)
                     result.source_runs += 1
                     result.nbytes += nbytes
