@@ -687,9 +687,9 @@ class Broker:
             "checksums": None if sums is None else {n: sums[n] for n in chosen},
         }
 
-    def _op_release(self, session, lease) -> dict:
+    def _op_release(self, session, lease, consume=True) -> dict:
         ls = self._lease(session, lease, "read")
-        self._end_read(ls, "it was released", consume=ls.consume)
+        self._end_read(ls, "it was released", consume=ls.consume and consume)
         return {}
 
     def _op_release_many(self, session, leases) -> dict:

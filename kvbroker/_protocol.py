@@ -155,9 +155,10 @@ OPS: dict[str, Op] = {
         "to wait for the key to be sealed; `consume` frees the object once released.",
     ),
     "release": Op(
-        {"lease": _a(int, required=True)},
+        {"lease": _a(int, required=True), "consume": _a(bool, default=True)},
         "{}",
-        "End a read lease (frees the object if it was claimed with consume).",
+        "End a read lease (frees the object if it was claimed with consume). `consume` "
+        "false ends a consume claim without counting it: the reader gave up unused.",
     ),
     "renew": Op(
         {"leases": _a(list, required=True), "ttl": _a(*_OPT_NUM)},

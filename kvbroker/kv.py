@@ -28,14 +28,16 @@ Claim
 
 A decode rank needs ``shard_D(d)``; :func:`kvbroker._tp.claim_plan` says which prefill shards
 hold those heads (one copy per head when heads are replicated; for MLA, the copy of prefill
-rank ``d mod P``). The claim first *pins* every contributing shard with a plain read lease,
-waiting at most ``wait`` seconds in total for them to be sealed. If some are still missing it
-releases the pins and raises :class:`~kvbroker.errors.NotFound` (no shard of the request is
-published: unknown request) or :class:`~kvbroker.errors.Incomplete` (naming the missing
-shards); nothing was consumed, so a retry can succeed. Then it copies, straight from the
-pool mapping into the decode cache's blocks, and only after every copy succeeded does it
-consume each shard (a consume-claim selecting no buffer, released at once). A decode rank that
-crashes mid-claim therefore consumes nothing.
+rank ``d mod P``). The claim first *pins* every contributing shard with a consume claim
+(a plain read lease when ``consume=False``), waiting at most ``wait`` seconds in total for
+them to be sealed. If some are still missing it ends the pins uncounted
+(``release(consume=False)``) and raises :class:`~kvbroker.errors.NotFound` (no shard of the
+request is published: unknown request) or :class:`~kvbroker.errors.Incomplete` (naming the
+missing shards); nothing was consumed, so a retry can succeed. Then it copies, straight from
+the pool mapping into the decode cache's blocks. Only once every copy succeeded are the pins
+released counted — one round trip per shard in all, the release pipelined; a mismatch or an
+error mid-copy ends them uncounted, and a decode rank that crashes mid-claim loses its
+connection, which ends its leases uncounted too. Either way nothing is consumed.
 
 Copies are bit-exact: bytes move through unsigned integer views of the same item size
 (bf16/fp16 as 16-bit ints, fp8 as bytes), never through float arithmetic. A claim issues, per
@@ -80,9 +82,6 @@ __all__ = [
 
 META_TAG = "kvbroker.kv"  # meta key marking (and versioning) a shard published by this module
 UNKNOWN_CONSUMERS = 1 << 16  # the broker's maximum: consume-claims never free it, eviction does
-# A consume-claim that maps no buffer: it only counts down. A class that matches no character,
-# valid for RE2 (the daemon's regex engine: no lookarounds) and Python's re alike.
-_SELECT_NOTHING = r"[^\s\S]"
 _CANONICAL = ("kv", "block", "token", "head", "head_dim")
 
 
@@ -412,11 +411,13 @@ def publish_shard(
 
 
 def _pin_shards(
-    client: Client, request: str, keys: list[str], namespace: str, select: str | None,
-    wait: float | None,
+    client: Client, request: str, keys: list[str], namespace: str, wait: float | None,
+    consume: bool,
 ) -> dict[str, ReadLease]:
-    """Read leases on every key, waiting at most ``wait`` seconds in all; NotFound/Incomplete
-    (and every pin released) if some are not sealed by then."""
+    """Read leases (consume claims if ``consume``) on every key, waiting at most ``wait``
+    seconds in all; NotFound/Incomplete (and every pin released uncounted) if some are not
+    sealed by then. The pins map every buffer (no select regex): a lease holds the whole
+    object anyway, and a regex costs the daemon one RE2 match per buffer name."""
     deadline = None if not wait else time.monotonic() + wait
     pins: dict[str, ReadLease] = {}
     missing: list[str] = []
@@ -424,14 +425,14 @@ def _pin_shards(
         for key in keys:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
-                pins[key] = client.claim(key, namespace=namespace, select=select, wait=left)
+                pins[key] = client.claim(key, namespace=namespace, wait=left, consume=consume)
             except (NotFound, Timeout):
                 missing.append(key)
     except BaseException:
-        _release_all(pins.values())
+        _release_all(pins.values(), counted=False)
         raise
     if missing:
-        _release_all(pins.values())
+        _release_all(pins.values(), counted=False)
         waited = f" after waiting {wait:g} s" if wait else ""
         if len(missing) == len(keys):
             raise NotFound(
@@ -445,10 +446,16 @@ def _pin_shards(
     return pins
 
 
-def _release_all(leases: Iterable[ReadLease]) -> None:
+def _release_all(leases: Iterable[ReadLease], *, counted: bool = True) -> None:
+    """End the pins. ``counted`` False: a consume claim ends without counting towards freeing
+    the shard (``release(consume=False)``, one round trip; failure paths only)."""
     for lease in leases:
         try:
-            lease.release()
+            if counted:
+                lease.release()  # pipelined: its reply is checked by the next call
+            elif not lease.ended:
+                lease._drop_views()
+                lease.client._call("release", lease=lease.id, consume=False)
         except KVBrokerError:
             pass  # the lease ended already (TTL, connection): nothing left to release
 
@@ -518,7 +525,8 @@ def claim_shards(
     # The pin maps every buffer (select None): a lease holds the whole object anyway, the KV
     # names are looked up by name below, and a KV select regex costs the daemon one regex
     # match per buffer (~2.5 µs each under RE2: a third of a ms for 64 layers).
-    pins = _pin_shards(client, request, keys, namespace, None, wait)
+    pins = _pin_shards(client, request, keys, namespace, wait, consume)
+    claimed = False
     waited = time.perf_counter() - started
     result = ClaimResult(keys, pieces=plan, wait_seconds=waited)
     try:
@@ -569,11 +577,10 @@ def claim_shards(
                     result.source_runs += 1
                     result.nbytes += nbytes
         result.num_tokens = total
-        if consume:
-            for key in keys:
-                client.claim(key, namespace=namespace, select=_SELECT_NOTHING,
-                             consume=True).release()  # fmt: skip
+        claimed = True
     finally:
-        _release_all(pins.values())
+        # Every copy landed: releasing the consume claims counts them. Anything else (a
+        # mismatch, an error mid-copy) ends them uncounted, so nothing is consumed.
+        _release_all(pins.values(), counted=claimed)
     result.seconds = time.perf_counter() - started
     return result

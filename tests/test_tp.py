@@ -364,3 +364,13 @@ def test_prefill_and_decode_in_separate_processes(shared_daemon, tp_client, P, D
     assert [r[2] for r in results] == [shards] * D
     assert all(ops <= 2 * 2 * 2 * shards for _, ops, _ in results)
     assert tp_client.list(match=f"{request}/.*") == []
+
+
+def test_a_consume_claim_released_uncounted_consumes_nothing(tp_client):
+    tp_client.put("uncounted", {"x": b"abc"}, consumers=1)
+    lease = tp_client.claim("uncounted", consume=True)
+    tp_client._call("release", lease=lease.id, consume=False)  # the reader gave up, unused
+    assert tp_client.exists("uncounted")
+    tp_client.claim("uncounted", consume=True).release()
+    tp_client.stat()  # the pipelined release is answered before this, in order
+    assert not tp_client.exists("uncounted")
