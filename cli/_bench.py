@@ -55,7 +55,8 @@ def _ints(text: str, what: str) -> tuple[int, ...]:
     return out
 
 
-def _execute(socket, json_out, plot, run, pool_size="1G", daemon_args=(), daemon=True) -> None:
+def _execute(socket, json_out, plot, run, pool_size="1G", daemon_args=(), daemon=True,
+             daemon_env=None) -> None:  # fmt: skip
     """Run one scenario (``run(socket_path) -> Result``), print, write JSON and charts.
 
     ``daemon`` False: the scenario starts what it needs itself (``run`` gets None)."""
@@ -68,7 +69,7 @@ def _execute(socket, json_out, plot, run, pool_size="1G", daemon_args=(), daemon
     if socket or not daemon:
         context = contextlib.nullcontext(socket)
     else:
-        context = _bench.spawned_daemon(pool_size, *daemon_args)
+        context = _bench.spawned_daemon(pool_size, *daemon_args, env=daemon_env)
     try:
         with context as path:
             result = run(path)
@@ -132,7 +133,7 @@ def scale(
 
     n = _ints(counts, "--counts")
     _execute(socket, json_out, plot, lambda p: s.run(p, n, ops), s.pool_size_for(n),
-             ("--page-size", str(s.PAGE)))  # fmt: skip
+             ("--page-size", str(s.PAGE)), daemon_env=s.DAEMON_ENV)  # fmt: skip
 
 
 @bench_app.command()

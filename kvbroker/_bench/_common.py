@@ -61,8 +61,9 @@ def machine_info() -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def spawned_daemon(pool_size: str = "1G", *extra: str) -> Iterator[str]:
-    """A private daemon for the benchmark, stopped on exit; yields its socket path."""
+def spawned_daemon(pool_size: str = "1G", *extra: str, env: dict | None = None) -> Iterator[str]:
+    """A private daemon for the benchmark, stopped on exit; yields its socket path.
+    ``env``: extra environment (``KVBROKER_*`` settings)."""
     from .. import BrokerUnavailable, Client
 
     d = tempfile.mkdtemp(prefix="kvb-bench-")
@@ -70,6 +71,7 @@ def spawned_daemon(pool_size: str = "1G", *extra: str) -> Iterator[str]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvbroker", "serve", "--socket", path, "--pool-size", pool_size,
          "--log-level", "warning", *extra],
+        env={**os.environ, **(env or {})},
     )  # fmt: skip
     try:
         deadline = time.monotonic() + 120  # a big pool is pre-faulted before the socket opens
