@@ -82,6 +82,9 @@ __all__ = [
 
 META_TAG = "kvbroker.kv"  # meta key marking (and versioning) a shard published by this module
 UNKNOWN_CONSUMERS = 1 << 16  # the broker's maximum: consume-claims never free it, eviction does
+# A select that maps no buffer (a claim that only pins or counts down), for other modules: a
+# class that matches no character, valid for RE2 (the daemon's engine: no lookarounds) and re.
+_SELECT_NOTHING = r"[^\s\S]"
 _CANONICAL = ("kv", "block", "token", "head", "head_dim")
 
 
