@@ -46,6 +46,7 @@ from __future__ import annotations
 import heapq
 import os
 import re
+import struct
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
@@ -146,16 +147,17 @@ class StoredObject:
         # {buffer: xxh3_64} computed by the writer, recorded at seal (kvbroker._integrity).
         self.checksums: dict[str, int] | None = None
         self.charged = 0  # bytes counted against its namespace's quota until freed
-        self.extents: tuple[tuple[str, ...], list[int]] | None = None  # see compact_extents
+        self.extents: tuple[tuple[str, ...], bytes] | None = None  # see compact_extents
 
-    def compact_extents(self) -> tuple[tuple[str, ...], list[int]]:
-        """(buffer names, [pool, offset, nbytes, offset, nbytes, ...]), the form a prefix
-        match replies in; built on first use and kept (buffers never move once reserved)."""
+    def compact_extents(self) -> tuple[tuple[str, ...], bytes]:
+        """(buffer names, little-endian int64 [pool, offset, nbytes, offset, nbytes, ...]),
+        the form a prefix match replies in; built on first use and kept (buffers never move
+        once reserved)."""
         if self.extents is None:
             flat = [self.pool.index]
             for off, n in self.buffers.values():
                 flat += (off, n)
-            self.extents = (tuple(self.buffers), flat)
+            self.extents = (tuple(self.buffers), struct.pack(f"<{len(flat)}q", *flat))
         return self.extents
 
     # The fields that survive a warm restart (see _journal.py). A new per-object field that a
@@ -721,26 +723,36 @@ class Broker:
         if not found:
             return {"ttl": ttl, "matched": 0, "lease": None, "names": [], "blocks": []}
         self._check_lease_limit(session)
+        # Compact reply: when every block has the same buffer names (the usual case), one
+        # bytes string `packed` of little-endian int64 rows [pool, offset, nbytes, offset,
+        # nbytes, ...] in the order of `names`, a row per block, each cached on its object (a
+        # hot prefix is matched again and again); otherwise `blocks`, one extents map each.
         now = time.time()
-        for obj in found:
-            self._pin(obj, now)
+        lru_pop = self._lru.pop
+        names = found[0].compact_extents()[0]
+        rows = []
+        nbytes = 0
+        for obj in found:  # pins each block (as _pin does, inline: this loop is per block)
+            obj.readers += 1
+            obj.last_access = now
+            lru_pop(obj.serial, None)
+            shape, row = obj.extents or obj.compact_extents()
+            if shape != names:
+                rows = None
+            elif rows is not None:
+                rows.append(row)
+            nbytes += obj.nbytes
         lease = self._new_lease("read", session, found[0], ttl)
         lease.more = tuple(found[1:])
-        # Compact reply: blocks share their buffer names, so each block is one flat list
-        # [pool, offset, nbytes, offset, nbytes, ...] in the order of `names` (cached on the
-        # object: a hot prefix is matched again and again).
-        names = found[0].compact_extents()[0]
-        blocks = []
-        nbytes = 0
-        for obj in found:
-            shape, flat = obj.extents or obj.compact_extents()
-            # a block shaped differently answers in full
-            blocks.append(flat if shape == names else _extents(obj, obj.buffers))
-            nbytes += obj.nbytes
         c["bytes_out"] += nbytes
         session.bytes_claimed += nbytes
-        return {"ttl": ttl, "matched": len(found), "lease": lease.id, "names": list(names),
-                "blocks": blocks, "metas": [found[0].meta]}  # fmt: skip
+        reply = {"ttl": ttl, "matched": len(found), "lease": lease.id, "names": list(names),
+                 "metas": [found[0].meta]}  # fmt: skip
+        if rows is not None:
+            reply["packed"], reply["blocks"] = b"".join(rows), []
+        else:
+            reply["blocks"] = [_extents(obj, obj.buffers) for obj in found]
+        return reply
 
     def _op_renew(self, session, leases, ttl) -> dict:
         out = []

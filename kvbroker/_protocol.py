@@ -216,8 +216,11 @@ OPS: dict[str, Op] = {
             "block_tokens": _a(int, default=0),
             "ttl": _a(*_OPT_NUM),
         },
-        "{matched: int, blocks: [{lease, meta, buffers}]}",
-        "Longest run of leading `keys` that are published, each under a read lease.",
+        "{matched, lease, ttl, names, metas: [meta of the first block], packed: bytes | "
+        "blocks: [{name: [pool, offset, nbytes]}]}",
+        "Longest run of leading `keys` that are published, all under one read lease. When "
+        "every block has the buffers `names`, `packed` holds a little-endian int64 row "
+        "[pool, offset, nbytes, offset, nbytes, ...] per block; else `blocks` a map each.",
     ),
     "release_many": Op(
         {"leases": _a(list, required=True)},

@@ -141,11 +141,26 @@ class PrefixMatch:
         self.ttl: float = reply["ttl"]
         self.meta: dict | None = (reply.get("metas") or [None])[0]
         names = reply["names"]
-        self._raw = reply["blocks"]
         self._names = names
+        self._packed: bytes | None = reply.get("packed")
+        if self._packed is not None:  # one int64 row per block, parsed on first use
+            self._count = len(self._packed) // (8 * (1 + 2 * len(names)))
+            self._rows: list | None = None
+        else:
+            self._rows = reply["blocks"]
+            self._count = len(self._rows)
         self._blocks: list[MatchedBlock] | None = None
         self._safe_until = asked_at + 0.9 * self.ttl
         self.released = self.lease is None
+
+    @property
+    def _raw(self) -> list:
+        """Per block: a flat list [pool, offset, nbytes, ...] in ``names`` order, or a map."""
+        if self._rows is None:
+            width = 1 + 2 * len(self._names)
+            table = _np().frombuffer(self._packed, dtype="<i8").reshape(-1, width)
+            self._rows = table.tolist()
+        return self._rows
 
     @property
     def blocks(self) -> list[MatchedBlock]:
@@ -164,11 +179,11 @@ class PrefixMatch:
 
     @property
     def num_blocks(self) -> int:
-        return len(self._raw)
+        return self._count
 
     @property
     def num_tokens(self) -> int:
-        return len(self._raw) * self.block_size
+        return self._count * self.block_size
 
     def renew(self, ttl: float | None = None) -> None:
         if self.lease is not None:
@@ -476,15 +491,15 @@ class KVPrefixMatch(PrefixMatch):
         self.ranks = ranks
         self.plan = plan
         self.tp_rank, self.tp_size = tp_rank, tp_size
-        self._rows = len(self._raw) // len(ranks)
+        self._full = self._count // len(ranks)  # blocks every needed shard holds
 
     @property
     def num_blocks(self) -> int:
-        return self._rows
+        return self._full
 
     @property
     def num_tokens(self) -> int:
-        return self._rows * self.block_size
+        return self._full * self.block_size
 
     def _check(self, cache, infix: str | None) -> Layout:
         meta = self.meta
@@ -548,9 +563,9 @@ class KVPrefixMatch(PrefixMatch):
         lays them out; × K/V otherwise) — never per token."""
         from .kv import _block_index, _whole_rows
 
-        n = self._rows if num_blocks is None else num_blocks
-        if not 0 <= n <= self._rows:
-            raise BadRequest(f"load: num_blocks {n} outside [0, {self._rows}] matched")
+        n = self._full if num_blocks is None else num_blocks
+        if not 0 <= n <= self._full:
+            raise BadRequest(f"load: num_blocks {n} outside [0, {self._full}] matched")
         if n == 0:
             return 0
         if self.released:
