@@ -83,7 +83,8 @@ def run_layout(client, axes, repeats, rng):
 
     def ranks(side, tp):
         if (side, tp) not in caches:
-            caches[side, tp] = [make_cache(axes, len(shard_heads(r, tp, HEADS)), rng, side == "prefill")
+            fill = side == "prefill"
+            caches[side, tp] = [make_cache(axes, len(shard_heads(r, tp, HEADS)), rng, fill)
                                 for r in range(tp)]  # fmt: skip
         return caches[side, tp]
 
