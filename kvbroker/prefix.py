@@ -37,7 +37,7 @@ with another TP size computes the same ``h_i`` and reads another layout's shards
   never more (one TP rank's shard evicted early shortens everybody's match). The returned
   :class:`KVPrefixMatch` holds one read lease over those blocks; :meth:`KVPrefixMatch.load`
   writes this rank's heads into its paged cache at the given block ids, bit for bit: per
-  matched block, one copy per (layer, K/V, contributing shard), never per token.
+  matched block, one copy per (layer, contributing shard), K and V together, never per token.
 - The TP ranks of one DP rank each run their own match, and may see different lengths when
   blocks are published or evicted in between: agree on the minimum (the engine's scheduler
   usually matches once per DP rank) and pass it as ``load(..., num_blocks=)``.
