@@ -165,7 +165,7 @@ def test_plan_covers_each_needed_head_once_from_a_holder(H, P, D):
     dtype=st.sampled_from(DTYPES), axes_p=st.sampled_from(sorted(LAYOUTS)),
     axes_d=st.sampled_from(sorted(LAYOUTS)), bs_p=st.sampled_from([1, 4, 16]),
     bs_d=st.sampled_from([1, 4, 16]), layers=st.integers(1, 3), tokens=st.integers(1, 40),
-    dim=st.sampled_from([1, 4, 8]), seed=st.integers(0, 2**32 - 1),
+    dim=st.sampled_from([1, 4, 8, 128]), seed=st.integers(0, 2**32 - 1),
 )  # fmt: skip
 def test_every_decode_rank_gets_exactly_its_heads(tp_client, H, P, D, dtype, axes_p, axes_d, bs_p,
                                                   bs_d, layers, tokens, dim, seed):  # fmt: skip
