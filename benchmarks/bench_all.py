@@ -68,8 +68,9 @@ def plot_gpu() -> None:
     """docs/gpu.png from the committed GPU results (benchmarks/bench_gpu.py on a GPU host)."""
     from kvbroker._bench import plot_result, scenario
 
-    path = RESULTS / "gpu-h100.json"
-    if path.exists():
+    path = next((p for p in (RESULTS / "gpu-h200.json", RESULTS / "gpu-h100.json") if p.exists()),
+                None)  # fmt: skip
+    if path is not None:
         raw = json.loads(path.read_text())
         rows = scenario("gpu").rows_from(raw)
         print("wrote", *plot_result({"scenario": "gpu", "rows": rows,
@@ -138,9 +139,9 @@ def summary() -> str:
         for t in data["targets"]:
             mark = "" if t["met"] else " **(missed)**"
             unit = "×" if t["unit"] == "x" else t["unit"]
+            op = t["op"].replace(">=", "≥").replace("<=", "≤")
             lines.append(f"| {t['name']} | {t['measured']:.3g}{unit}{mark} | "
-                         f"{t['op'].replace('>=', '≥').replace('<=', '≤')} {t['goal']:.3g}{unit} "
-                         f"| `{cmd}` |")  # fmt: skip
+                         f"{op} {t['goal']:.3g}{unit} | `{cmd}` |")  # fmt: skip
     return "\n".join(lines)
 
 

@@ -22,11 +22,11 @@ import time
 import numpy as np
 
 os.environ.setdefault("PYINSTRUMENT_IGNORE_OVERHEAD_WARNING", "1")
-from pyinstrument import Profiler  # noqa: E402
+from pyinstrument import Profiler
 
-from kvbroker import Client  # noqa: E402
-from kvbroker._bench import spawned_daemon  # noqa: E402
-from kvbroker._paths import parse_size  # noqa: E402
+from kvbroker import Client
+from kvbroker._bench import spawned_daemon
+from kvbroker._paths import parse_size
 
 
 def top_frames(raw_path: str, n: int = 15) -> tuple[list, list]:

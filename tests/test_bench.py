@@ -174,11 +174,14 @@ def test_gpu_rows_from_bench_gpu_json():
                       "publish_d2h_128_buffers_GBps": 25.0, "claim_h2d_128_buffers_GBps": 20.0},
            "kernels": {"d2d_copy_GBps": 2000.0, "triton_gather_GBps": 1800.0,
                        "triton_scatter_GBps": 1900.0, "torch_gather_GBps": 500.0,
-                       "torch_scatter_GBps": 400.0}}  # fmt: skip
+                       "torch_scatter_GBps": 400.0},
+           "rings": {"peer_copy_GBps": 400.0, "ring_claim_GBps": 300.0}}  # fmt: skip
     rows = {r["path"]: r for r in _bench.scenario("gpu").rows_from(raw)}
     assert rows["publish D2H, one_buffer"]["ratio"] == pytest.approx(0.9)
     assert rows["claim H2D, 128_buffers"]["ratio"] == pytest.approx(0.5)
     assert rows["triton gather"]["ratio"] == pytest.approx(0.9)
+    assert rows["ring claim on the peer GPU"]["ratio"] == pytest.approx(0.75)
+    assert "ring publish + claim" not in rows  # not measured, not invented
 
 
 FAKE_PEER = textwrap.dedent('''
@@ -232,7 +235,7 @@ def test_peer_runner_with_a_fake_peer(daemon, tmp_path):
         for rnd in data["raw_rounds"]
         for k in rnd["kvbroker"] if k["size"] == (size := 256 * KiB)
     ]  # fmt: skip
-    assert row["speedup_vs_dummy"] == pytest.approx(sorted(per_round)[0] / 2 + sorted(per_round)[1] / 2)
+    assert row["speedup_vs_dummy"] == pytest.approx(sum(per_round) / 2)  # median of two
     assert (plots / "peer.png").exists()
 
 

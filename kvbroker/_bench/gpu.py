@@ -2,7 +2,8 @@
 
 The measurement is benchmarks/bench_gpu.py's (owned with the GPU code): D2H/H2D publish and
 claim through a registered pool against pinned memory, gather/scatter kernels against a
-device-to-device copy. This module runs that script (it starts its own daemon) and turns its
+device-to-device copy, and (with two GPUs) the handoff through the daemon's staging rings
+against a peer copy. This module runs that script (it starts its own daemon) and turns its
 JSON into rows with the ratio of each path to its limit.
 """
 
@@ -57,6 +58,13 @@ def rows_from(r: dict) -> list[dict]:
     if k:
         for name in ("triton_gather", "triton_scatter", "torch_gather", "torch_scatter"):
             add(name.replace("_", " "), k[f"{name}_GBps"], "D2D copy", k["d2d_copy_GBps"])
+    g = r.get("rings")
+    if g and "peer_copy_GBps" in g:  # GPU0 -> GPU1 through the daemon's staging rings
+        for key, label in (("ring_claim_GBps", "ring claim on the peer GPU"),
+                           ("ring_zero_copy_handoff_GBps", "ring handoff, written in place"),
+                           ("ring_end_to_end_GBps", "ring publish + claim")):  # fmt: skip
+            if key in g:
+                add(label, g[key], "peer copy", g["peer_copy_GBps"])
     return rows
 
 
@@ -65,8 +73,8 @@ def run(socket_path: str | None = None, reps: int = 10, timeout: float = 900.0) 
     device = cuda_device()
     script = repo_script("bench_gpu.py")
     with tempfile.TemporaryDirectory(prefix="kvb-gpu-") as d:
-        p = subprocess.run([sys.executable, script, "--out", d, "--reps", str(reps)],
-                           capture_output=True, text=True, timeout=timeout)  # fmt: skip
+        cmd = [sys.executable, script, "--out", d, "--reps", str(reps), "--name", "gpu"]
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
         path = os.path.join(d, "gpu.json")
         if p.returncode != 0 or not os.path.isfile(path):
             raise RuntimeError(f"bench_gpu.py exited with {p.returncode}:\n"
@@ -90,7 +98,7 @@ def plot(result: dict, plt, out_dir: str) -> list[str]:
     fig, ax = plt.subplots(figsize=(8, 4))
     ax.barh([r["path"] for r in rows], [r["ratio"] for r in rows])
     ax.axvline(1.0, color="k", lw=0.8)
-    ax.set_xlabel("x its limit (pinned copy or D2D copy)")
+    ax.set_xlabel("x its limit (pinned copy, D2D copy or peer copy)")
     ax.set_title(f"GPU data path, {result['params'].get('device', '')}")
     ax.invert_yaxis()
     return [save_figure(fig, plt, out_dir, "gpu.png")]

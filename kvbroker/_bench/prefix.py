@@ -51,7 +51,7 @@ def latency_rows(c, lengths, block: int, reps: int, layers: int, block_bytes: in
     pc = PrefixCache(c, namespace=ns, block_size=block)
     t = time.perf_counter()
     pc.publish(toks[: nblocks * block],
-               [{f"past_key.{l}": data[b, l] for l in range(layers)} for b in range(nblocks)])
+               [{f"past_key.{j}": data[b, j] for j in range(layers)} for b in range(nblocks)])
     publish_s = time.perf_counter() - t
     small = b"x" * 4096
     rows = []
@@ -70,8 +70,8 @@ def latency_rows(c, lengths, block: int, reps: int, layers: int, block_bytes: in
             with pc.match(prompt, hashes=hs) as m:
                 t2 = time.perf_counter()
                 for b, blk in enumerate(m.blocks):
-                    for l in range(layers):
-                        np.copyto(sink[b, l], blk[f"past_key.{l}"])
+                    for j in range(layers):
+                        np.copyto(sink[b, j], blk[f"past_key.{j}"])
                 t3 = time.perf_counter()
             if m.num_blocks != want:
                 raise AssertionError(f"matched {m.num_blocks} blocks of {want}")
@@ -127,7 +127,8 @@ def hit_rate_row(c, systems: int, system_tokens: int, user_tokens: int, prompts:
             matched += m.num_tokens
         (hit_t if m.num_blocks else miss_t).append(t1 - t0)
         t0 = time.perf_counter()
-        pc.publish(prompt, lambda i: {"past_key.0": payload}, block_sizes={"past_key.0": block_bytes})
+        pc.publish(prompt, lambda i: {"past_key.0": payload},
+                   block_sizes={"past_key.0": block_bytes})
         pub_t.append(time.perf_counter() - t0)
     c.evict(namespace=ns)
     return {
@@ -143,7 +144,8 @@ def hit_rate_row(c, systems: int, system_tokens: int, user_tokens: int, prompts:
 
 def run(socket_path: str, lengths=DEFAULT_LENGTHS, block: int = 16, reps: int = 200,
         layers: int = 2, block_bytes: int = 16 * 1024, systems: int = 8,
-        system_tokens: int = 1024, user_tokens: int = 256, prompts: int = 200) -> Result:  # fmt: skip
+        system_tokens: int = 1024, user_tokens: int = 256,
+        prompts: int = 200) -> Result:  # fmt: skip
     from .. import Client
 
     with Client(socket_path, name="bench-prefix", role="bench") as c:

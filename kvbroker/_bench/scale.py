@@ -34,7 +34,8 @@ COLUMNS = [
     ("lookup_p99_us", "lookup p99 us", ".1f"), ("claim_p50_us", "claim+rel p50 us", ".1f"),
     ("claim_p99_us", "claim+rel p99 us", ".1f"), ("rss_anon_mib", "daemon heap MiB", ".1f"),
     ("bytes_per_object", "bytes/object", ".0f"),
-    ("marginal_bytes_per_object", "bytes/added obj", ".0f"), ("fill_objects_per_s", "fill obj/s", ".0f"),
+    ("marginal_bytes_per_object", "bytes/added obj", ".0f"),
+    ("fill_objects_per_s", "fill obj/s", ".0f"),
 ]  # fmt: skip
 
 
@@ -54,7 +55,8 @@ def _fill(client, namespace: str, start: int, stop: int) -> None:
 
 
 def measure(socket_path: str, counts=DEFAULT_COUNTS, ops: int = 2000,
-            busy_poll: float = 0.0, bursts: int = 10, pause: float = 0.2) -> list[dict]:  # fmt: skip
+            busy_poll: float = 0.0, bursts: int = 10,
+            pause: float = 0.2) -> list[dict]:  # fmt: skip
     """One row per directory size. The ``ops`` timed operations run in ``bursts`` bursts
     ``pause`` seconds apart; besides the p50 of all, the p50 of the quietest burst."""
     from .. import Client
@@ -148,7 +150,8 @@ def run(socket_path: str, counts=DEFAULT_COUNTS, ops: int = 2000,
     if rows:
         last = rows[-1]
         notes.append(f"daemon heap per object at {last['objects']:,} objects: "
-                     f"{last['bytes_per_object']:.0f} bytes ({last['marginal_bytes_per_object']:.0f} "
+                     f"{last['bytes_per_object']:.0f} bytes "
+                     f"({last['marginal_bytes_per_object']:.0f} "
                      "per object added at the last step; RssAnon, the pool's shared memory "
                      "excluded; includes the expiry-heap entries of the fill's write leases, "
                      "dropped when their TTL passes)")  # fmt: skip
@@ -163,7 +166,8 @@ def plot(result: dict, plt, out_dir: str) -> list[str]:
     rows = result["rows"]
     n = [r["objects"] for r in rows]
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
-    a.plot(n, [r["lookup_best_p50_us"] for r in rows], marker="o", label="lookup p50, quietest burst")
+    a.plot(n, [r["lookup_best_p50_us"] for r in rows], marker="o",
+           label="lookup p50, quietest burst")
     a.plot(n, [r["claim_best_p50_us"] for r in rows], marker="o",
            label="claim+release p50, quietest burst")
     a.plot(n, [r["lookup_p50_us"] for r in rows], ls="--", label="lookup p50, all")
