@@ -51,6 +51,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from . import _integrity
 from ._client import Client, WriteLease, _np, copy_into, nbytes_of
 from ._names import check_infix, kv_buffer_name
 from ._tp import Piece, claim_plan, shard_heads
@@ -196,7 +197,7 @@ class PrefixMatch:
             return
         self.released = True
         if time.monotonic() < self._safe_until:
-            self.client._session.send_only("release", lease=self.lease)
+            self.client._send_only("release", lease=self.lease)
         else:
             self.client._call("release", lease=self.lease)
 
@@ -227,6 +228,7 @@ class PrefixCache:
         tp_size: int = 1,
         total_kv_heads: int | None = None,
         peer_tp_sizes: Sequence[int] = (),
+        checksum: bool = True,
     ) -> None:
         if not isinstance(block_size, int) or block_size < 1:
             raise BadRequest(f"block_size must be a positive int, not {block_size!r}")
@@ -241,6 +243,9 @@ class PrefixCache:
         self.tp_size = tp_size
         self.total_kv_heads = total_kv_heads
         self.peer_tp_sizes = tuple(peer_tp_sizes)
+        # Like put: each block's buffers are hashed chunk by chunk as they are copied in, and
+        # the digests are recorded at seal (claim(verify=True), `kvbroker verify`).
+        self.checksum = checksum
         # Legacy unsharded keys are the bare hashes; publish_kv/match_kv always use shard keys.
         self.sharded = total_kv_heads is not None or tp_size != 1
         self._plans: dict[tuple, tuple] = {}  # (source TP size, heads) -> plan, ranks, key suffixes
@@ -297,7 +302,8 @@ class PrefixCache:
             for i, k in enumerate(keys)
         ]
         reply = self.client._call("reserve_blocks", namespace=self.namespace, blocks=request)
-        leases = []
+        leases: list[int] = []
+        sums: list[dict[str, int]] = []
         try:
             for i, res in enumerate(reply["results"]):
                 if res.get("exists"):
@@ -305,18 +311,38 @@ class PrefixCache:
                 lease = WriteLease(self.client, self.namespace, keys[i],
                                    {"lease": res["lease"], "ttl": reply["ttl"],
                                     "buffers": res["buffers"]})  # fmt: skip
+                digests = {}
                 for name, src in get(i).items():
-                    if sizes[i][name]:
+                    if not sizes[i][name]:
+                        digests[name] = _integrity.digest(b"")
+                    elif self.checksum:
+                        digests[name] = _integrity.copy_hashed(lease[name], src, copy_into)
+                    else:
                         copy_into(lease[name], src)
                 lease._drop_views()
                 leases.append(lease.id)
+                sums.append(digests)
         except BaseException:
             for res in reply["results"]:
                 if "lease" in res:
-                    self.client._session.send_only("abort", lease=res["lease"])
+                    try:
+                        self.client._send_only("abort", lease=res["lease"])
+                    except KVBrokerError:
+                        break  # the connection is gone, and its leases with it
             raise
         if leases:
-            self.client._call("seal_many", leases=leases)
+            try:
+                self.client._call("seal_many", leases=leases,
+                                  checksums=sums if self.checksum else None)  # fmt: skip
+            except BadRequest:
+                # Refused (e.g. a daemon requiring checksums): what was not sealed is aborted
+                # now rather than held until its TTL.
+                for lease_id in leases:
+                    try:
+                        self.client._call("abort", lease=lease_id)
+                    except KVBrokerError:
+                        pass  # sealed before the refusal, or already gone
+                raise
         return len(leases)
 
     def match(

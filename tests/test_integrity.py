@@ -171,3 +171,30 @@ def test_checksum_mismatch_is_a_kvbroker_error():
     from kvbroker.errors import error_for_code
 
     assert isinstance(error_for_code("checksum_mismatch", "x"), ChecksumMismatch)
+
+
+def test_prefix_blocks_carry_checksums_and_corruption_is_caught(make_daemon):
+    from kvbroker.prefix import PrefixCache
+
+    d = make_daemon("--pool-size", "8M", "--page-size", "4K",
+                    env={"KVBROKER_REQUIRE_CHECKSUMS": "true"})  # fmt: skip
+    with d.client() as c:
+        pc = PrefixCache(c, namespace="pfx", block_size=4)
+        tokens = list(range(13))  # three full blocks
+        blocks = [{"kv": np.full(5000, i, dtype=np.uint8), "empty": b""} for i in range(3)]
+        assert pc.publish(tokens, blocks) == 3  # accepted by a daemon requiring checksums
+        keys = pc.keys(pc.hashes(tokens))
+        for i, key in enumerate(keys):
+            assert c.lookup(key, namespace="pfx").checksums == {
+                "kv": xxhash.xxh3_64_intdigest(bytes([i]) * 5000),
+                "empty": xxhash.xxh3_64_intdigest(b""),
+            }
+        corrupt(c, keys[1], "kv", at=4999, namespace="pfx")
+        with pytest.raises(ChecksumMismatch):
+            c.claim(keys[1], namespace="pfx", verify=True)
+        c.claim(keys[0], namespace="pfx", verify=True).release()
+        # checksum=False publishes unchecked blocks, which this daemon refuses
+        with pytest.raises(BadRequest, match="require_checksums"):
+            PrefixCache(c, namespace="pfx2", block_size=4, checksum=False).publish(tokens, blocks)
+        assert c.list(namespace="pfx2") == []
+        assert c.stat().write_leases == 0  # the refused blocks' leases were aborted
