@@ -1,0 +1,134 @@
+"""A real broker for your tests: a private ``kvbroker serve`` in a subprocess.
+
+Engine code that talks to kvbroker is best tested against the real daemon (it is small and
+starts in well under a second), on a private socket with a small pool, so tests never touch
+the node's production broker::
+
+    from kvbroker.testing import running_daemon
+
+    def test_my_connector():
+        with running_daemon(pool_size="64M") as daemon, daemon.client() as client:
+            my_connector(client).save_kv(...)
+            assert client.exists("req-1")
+
+With pytest, ``pytest_plugins = ["kvbroker.testing"]`` in a ``conftest.py`` adds two
+fixtures: ``kvbroker_daemon`` (a :class:`DaemonProcess` with one 64 MiB pool of 4 KiB pages,
+stopped after the test, which fails if the daemon did not exit cleanly) and
+``kvbroker_client`` (a :class:`~kvbroker.Client` of it).
+
+Ownership: the daemon, its socket, journal and shared-memory pools belong to the
+:class:`DaemonProcess`; :meth:`DaemonProcess.stop` (or leaving ``running_daemon``) ends the
+daemon with SIGTERM, which unlinks the pools, and removes the temporary directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from ._client import Client
+from .errors import BrokerUnavailable
+
+__all__ = ["DaemonProcess", "running_daemon"]
+
+
+class DaemonProcess:
+    """A ``kvbroker serve --socket SOCKET_PATH ARGS...`` subprocess, ready when constructed.
+
+    Its output goes to ``SOCKET_PATH`` with the suffix ``.log`` (:meth:`log`).
+    """
+
+    def __init__(self, socket_path: str, *args: str, env: dict | None = None,
+                 ready_timeout: float = 15.0) -> None:  # fmt: skip
+        self.socket_path = socket_path
+        self.log_path = Path(socket_path).with_suffix(".log")
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvbroker", "serve", "--socket", socket_path, *args],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+        )
+        self.wait_ready(ready_timeout)
+
+    def wait_ready(self, timeout: float = 15.0) -> None:
+        """Return once a client can connect; RuntimeError (with the log) if it exits first."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"daemon exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                Client(self.socket_path, map_pools=False, timeout=5).close()
+                return
+            except BrokerUnavailable:
+                time.sleep(0.02)
+        raise RuntimeError(f"daemon not ready within {timeout} s:\n{self.log()}")
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def client(self, **kw) -> Client:
+        """A new client of this daemon (the caller closes it)."""
+        return Client(self.socket_path, **kw)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> int:
+        """Send ``sig`` and wait (SIGKILL after ``timeout``); returns the exit status."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
+
+@contextlib.contextmanager
+def running_daemon(*args: str, pool_size: str = "64M", page_size: str = "4K",
+                   env: dict | None = None) -> Iterator[DaemonProcess]:  # fmt: skip
+    """A private daemon on a socket in a fresh temporary directory, stopped on exit.
+
+    ``args`` are more ``kvbroker serve`` flags. Raises RuntimeError if the daemon does not
+    exit cleanly (status 0) when stopped, so a test cannot pass over a daemon that crashed.
+    """
+    # Unix socket paths are limited to ~107 bytes: a short directory under /tmp.
+    tmp = tempfile.mkdtemp(prefix="kvb-", dir="/tmp")
+    daemon = DaemonProcess(os.path.join(tmp, "kvb.sock"), "--pool-size", pool_size,
+                           "--page-size", page_size, *args, env=env)  # fmt: skip
+    try:
+        yield daemon
+    finally:
+        status = daemon.stop()
+        log = daemon.log_path.read_text(errors="replace")
+        shutil.rmtree(tmp, ignore_errors=True)
+    if status != 0:
+        raise RuntimeError(f"kvbroker daemon exited with {status}:\n{log}")
+
+
+try:  # pytest fixtures, for `pytest_plugins = ["kvbroker.testing"]`
+    import pytest
+except ImportError:  # pragma: no cover - pytest is not a runtime dependency
+    pass
+else:
+
+    @pytest.fixture
+    def kvbroker_daemon() -> Iterator[DaemonProcess]:
+        """A private daemon with one 64 MiB pool of 4 KiB pages."""
+        with running_daemon() as daemon:
+            yield daemon
+
+    @pytest.fixture
+    def kvbroker_client(kvbroker_daemon: DaemonProcess) -> Iterator[Client]:
+        """A client of ``kvbroker_daemon``."""
+        with kvbroker_daemon.client() as client:
+            yield client

@@ -1,0 +1,48 @@
+"""kvbroker.testing: what users' own test suites get (a private daemon, pytest fixtures)."""
+
+import os
+
+import pytest
+
+from kvbroker.testing import running_daemon
+
+
+def test_running_daemon_serves_a_private_socket_and_cleans_up():
+    with running_daemon(pool_size="8M") as daemon, daemon.client() as c:
+        assert c.put("k", {"x": b"abc"})
+        assert bytes(c.get("k")["x"]) == b"abc"
+        assert c.stat().pools[0].capacity == 8 << 20
+        names = [p["name"] for p in c.pools]
+        sock_dir = os.path.dirname(daemon.socket_path)
+    assert not os.path.exists(sock_dir)  # the temporary directory went with it
+    for name in names:  # and the pools were unlinked
+        assert not os.path.exists("/dev/shm" + name)
+
+
+def test_running_daemon_reports_a_daemon_that_did_not_exit_cleanly():
+    with pytest.raises(RuntimeError, match="exited with"):
+        with running_daemon() as daemon:
+            daemon.proc.kill()
+            daemon.proc.wait()
+
+
+def test_bad_arguments_fail_with_the_daemons_message():
+    with pytest.raises(RuntimeError, match="pool"):
+        with running_daemon(pool_size="nonsense"):
+            pass
+
+
+def test_pytest_plugin_fixtures_in_a_users_suite(pytester):
+    pytester.makeconftest('pytest_plugins = ["kvbroker.testing"]\n')
+    pytester.makepyfile(
+        """
+        def test_engine_connector(kvbroker_client, kvbroker_daemon):
+            kvbroker_client.put("req-1", {"past_key.0": b"k" * 100})
+            with kvbroker_daemon.client() as other:
+                with other.claim("req-1", consume=True) as lease:
+                    assert bytes(lease["past_key.0"]) == b"k" * 100
+            assert not kvbroker_client.exists("req-1")
+        """
+    )
+    result = pytester.runpytest_subprocess("-q", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1)
