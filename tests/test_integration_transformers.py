@@ -93,6 +93,25 @@ def test_publish_claim_is_bit_exact_for_every_dtype(client, dtype):
     assert not client.exists("req-1")  # consumed by its one consumer: the broker freed it
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_cache_through_a_gpu_client_is_bit_exact(client):
+    from kvbroker.gpu import GpuClient
+
+    cpu = _random_cache(dtype=torch.bfloat16, seq=301, dim=64)
+    on_gpu = transformers.DynamicCache()
+    for i, layer in enumerate(cpu.layers):
+        on_gpu.update(layer.keys.cuda(), layer.values.cuda(), i)
+    with GpuClient(client) as g:  # registered pool mappings: the copies below are DMA
+        kvt.publish_cache(g, "req-cuda", on_gpu)
+        claimed = kvt.claim_cache(g, "req-cuda", config=_config(head_dim=64),
+                                  dtype=torch.bfloat16, device="cuda")  # fmt: skip
+    for mine, theirs in zip(cpu.layers, claimed.cache.layers):
+        assert theirs.keys.is_cuda and theirs.values.is_cuda
+        assert torch.equal(_bits(theirs.keys.cpu()), _bits(mine.keys))
+        assert torch.equal(_bits(theirs.values.cpu()), _bits(mine.values))
+    assert not client.exists("req-cuda")
+
+
 @pytest.mark.parametrize(
     ("local", "field"),
     [

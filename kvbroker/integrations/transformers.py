@@ -405,8 +405,11 @@ def publish_cache(
     ``config``: the model's config, checked against the cache and recorded (model_type).
     ``extra``: msgpack-able meta handed to the claimer (e.g. ``{"next_token": 42}``).
     ``consumers``: consume-claims that free the object (one per decode instance).
+    ``client``: a Client, or a ``kvbroker.gpu.GpuClient`` for CUDA caches (DMA, see
+    :func:`_broker_client`).
     """
     started = time.perf_counter()
+    client = _broker_client(client)
     layers = _read_layers(cache)
     spec = _spec_of(layers, config)
     meta = {
@@ -429,6 +432,15 @@ def publish_cache(
                 copy_into(lease[name], _copy_source(t))  # strided or CUDA: still one pass
     return PublishedCache(request, layers[0].seen, sum(sizes.values()),
                           time.perf_counter() - started)  # fmt: skip
+
+
+def _broker_client(client: Any) -> Client:
+    """Accept a :class:`kvbroker.gpu.GpuClient` wherever a Client is taken: its pool mappings
+    are CUDA-registered (once per process), so the copies below between the pool and CUDA
+    tensors run as DMA at pinned-memory speed instead of through pageable staging."""
+    from ..gpu import GpuClient  # no torch import at module level
+
+    return client.client if isinstance(client, GpuClient) else client
 
 
 def _consume(client: Client, key: str, namespace: str) -> None:
@@ -455,6 +467,7 @@ def claim_cache(
     """
     torch = _torch()
     started = time.perf_counter()
+    client = _broker_client(client)
     local, config = _local_spec(model, config, dtype)
     with client.claim(request, namespace=namespace, select=kv_select_regex(), wait=wait) as lease:
         meta = lease.meta
