@@ -839,7 +839,6 @@ def claim_shards_cuda(
 
     from . import _kernels
     from . import kv as _kv
-    from ._names import kv_select_regex
     from ._tp import claim_plan, shard_heads
     from .errors import LayoutMismatch
     from .layout import Layout
@@ -856,8 +855,9 @@ def claim_shards_cuda(
     plan = claim_plan(heads, prefill_tp_size, tp_size, tp_rank)
     keys = list(dict.fromkeys(_kv.shard_key(request, p.prefill_rank, prefill_tp_size)
                               for p in plan))  # fmt: skip
-    pins = _kv._pin_shards(g.client, request, keys, namespace,
-                           kv_select_regex(infix, components), wait)  # fmt: skip
+    # Consume claims when consuming: counted only once every copy landed (see kv.claim_shards).
+    pins = _kv._pin_shards(g.client, request, keys, namespace, wait, consume)
+    claimed = False
     result = _kv.ClaimResult(keys, pieces=plan, wait_seconds=time.perf_counter() - started)
     local = SimpleNamespace(
         components=components, num_layers=L,
@@ -911,14 +911,11 @@ def claim_shards_cuda(
         g._caller_stream(stream).wait_event(done)  # the engine reads nothing before this
         done.synchronize()  # the pins and stagings outlive the copies
         result.num_tokens = total
-        if consume:
-            for key in keys:
-                g.client.claim(key, namespace=namespace, select=_kv._SELECT_NOTHING,
-                               consume=True).release()  # fmt: skip
+        claimed = True
     finally:
         g.stream.synchronize()
         for s in stagings:
             s.close()
-        _kv._release_all(pins.values())
+        _kv._release_all(pins.values(), counted=claimed)
     result.seconds = time.perf_counter() - started
     return result
