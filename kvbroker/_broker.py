@@ -657,7 +657,8 @@ class Broker:
 
     # ------------------------------------------------------------------ claim
     def _op_claim(self, session, namespace, key, select, consume, wait, ttl) -> dict:
-        session.access.check(namespace, False, "claim")
+        # A consume-claim frees the object when released: as much a write as evict is.
+        session.access.check(namespace, bool(consume), "consume-claim" if consume else "claim")
         ident = (namespace, key)
         obj = self.objects.get(ident)
         if obj is None:

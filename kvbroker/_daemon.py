@@ -43,7 +43,8 @@ _EXPIRY_TICK = 0.1
 _READ_SIZE = 64 * 1024
 _STATUS_PERIOD = 5.0  # seconds between STATUS= updates to systemd
 # Refused while draining: a daemon on its way out hands out no new leases.
-_LEASE_TAKING_OPS = frozenset({"reserve", "claim", "match", "ring_reserve", "ring_claim", "arena"})
+_LEASE_TAKING_OPS = frozenset({"reserve", "reserve_blocks", "claim", "match_prefix",
+                               "ring_reserve", "ring_claim", "arena"})
 # What SIGHUP can change in a running daemon; everything else needs a restart.
 _RELOADABLE = ("lease_ttl", "high_watermark", "low_watermark", "log_level", "drain_timeout",
                "max_connections", "busy_poll", "require_checksums", "max_leases_per_client",

@@ -280,6 +280,8 @@ class RingService:
         if key is not None:
             if not key or len(key) > _MAX_KEY or not namespace or len(namespace) > _MAX_KEY:
                 raise BadRequest(f"ring_reserve: key and namespace must be 1..{_MAX_KEY} chars")
+            # Before any lookup: an Exists answer would tell another tenant which keys exist.
+            session.access.check(namespace, True, "ring_reserve")
             ident = (namespace, key)
             if ident in self.pending:
                 raise Exists(f"{namespace}/{key} is being published into a ring by another writer")
@@ -322,6 +324,9 @@ class RingService:
         return {"namespace": obj.namespace, "key": obj.key, "nbytes": obj.nbytes}
 
     def _op_ring_claim(self, session, namespace, key, consume, wait) -> dict:
+        # As for host objects: reading needs read access, a consume-claim (it frees) write.
+        session.access.check(namespace, bool(consume), "ring consume-claim" if consume
+                             else "ring_claim")  # fmt: skip
         ident = (namespace, key)
         obj = self.objects.get(ident)
         if obj is None:

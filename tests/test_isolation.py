@@ -130,6 +130,42 @@ def test_shared_namespaces_by_group(broker):
         put(b, member, "team/a", "mine")  # read-only grant
 
 
+def test_a_read_only_grant_cannot_free_through_a_consume_claim(broker):
+    b = broker(isolation=TENANT)
+    member, reader = connect(b, ALICE, TEAM), connect(b, BOB)
+    put(b, member, "shared-prefix", "sys")
+    with pytest.raises(Forbidden, match="consume-claim: uid 50002 .* may not write"):
+        b.handle(reader, "claim", {"namespace": "shared-prefix", "key": "sys", "consume": True})
+    lease = b.handle(reader, "claim", {"namespace": "shared-prefix", "key": "sys"})  # reading is fine
+    b.handle(reader, "release", {"lease": lease["lease"]})
+    assert ("shared-prefix", "sys") in b.objects
+    lease = b.handle(member, "claim", {"namespace": "shared-prefix", "key": "sys", "consume": True})
+    b.handle(member, "release", {"lease": lease["lease"]})  # a writer may consume it
+    assert ("shared-prefix", "sys") not in b.objects
+
+
+def test_gpu_ring_ops_obey_the_namespace_policy(broker):
+    from kvbroker._gpu_ring import FakeRings, RingService
+
+    b = broker(isolation=TENANT)
+    b.rings = RingService(FakeRings(1), 1 << 20)
+    alice, bob = connect(b, ALICE), connect(b, BOB)
+    mine = user_name(ALICE)
+    r = b.handle(alice, "ring_reserve", {"device": 0, "nbytes": 4096, "namespace": mine,
+                                         "key": "req1"})  # fmt: skip
+    b.handle(alice, "ring_seal", {"lease": r["lease"]})
+    for consume in (False, True):
+        with pytest.raises(Forbidden):
+            b.handle(bob, "ring_claim", {"namespace": mine, "key": "req1", "consume": consume})
+    with pytest.raises(Forbidden):  # no squatting, and no Exists telling which keys exist
+        b.handle(bob, "ring_reserve", {"device": 0, "nbytes": 4096, "namespace": mine,
+                                       "key": "req1"})  # fmt: skip
+    got = b.handle(alice, "ring_claim", {"namespace": mine, "key": "req1", "consume": True})
+    b.handle(alice, "ring_release", {"lease": got["lease"]})
+    r = b.handle(bob, "ring_reserve", {"device": 0, "nbytes": 4096})  # keyless scratch: allowed
+    b.handle(bob, "ring_release", {"lease": r["lease"]})
+
+
 def test_reload_applies_a_new_policy_to_connected_clients(broker):
     b = broker()
     c = connect(b, BOB)

@@ -243,6 +243,27 @@ def test_draining_publish_uses_the_arena_it_holds_and_gets_no_fresh_one(make_dae
     c.close()
 
 
+def test_draining_refuses_every_lease_taking_op_by_its_real_name(make_daemon):
+    from kvbroker._daemon import _LEASE_TAKING_OPS
+    from kvbroker._protocol import OPS
+
+    assert _LEASE_TAKING_OPS <= set(OPS)  # a misspelt op name would silently not be refused
+    d = make_daemon("--pool-size", "16M", "--page-size", "4K", "--drain-timeout", "20s")
+    c = d.client()
+    assert c.put("k", {"x": b"abc"})
+    lease = c.reserve("held", {"x": 4096})  # keeps the daemon draining
+    d.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    for op, args in [("match_prefix", {"keys": ["k"]}),
+                     ("reserve_blocks", {"blocks": [{"key": "b", "buffers": {"x": 8}}]}),
+                     ("claim", {"key": "k"})]:  # fmt: skip
+        with pytest.raises(BrokerUnavailable, match="shutting down"):
+            c._call(op, **args)
+    lease.seal()
+    assert d.proc.wait(10) == 0
+    c.close()
+
+
 def test_drain_is_bounded_by_drain_timeout(make_daemon):
     d = make_daemon("--pool-size", "16M", "--page-size", "4K", "--drain-timeout", "1s")
     c = d.client()
