@@ -100,7 +100,7 @@ class Session:
 
     __slots__ = (
         "id", "pid", "uid", "gid", "name", "role", "connected_at", "leases", "quarantine",
-        "bytes_published", "bytes_claimed", "greeted", "arenas", "access",
+        "bytes_published", "bytes_claimed", "greeted", "arenas", "access", "quarantine_charges",
     )  # fmt: skip
 
     def __init__(self, sid: int, pid: int, uid: int, gid: int) -> None:
@@ -111,6 +111,9 @@ class Session:
         self.connected_at = time.time()
         self.leases: dict[int, Lease] = {}
         self.quarantine: list[tuple[HostPool, int, int]] = []
+        # (namespace, bytes) still charged for quarantined pages: a tenant must not get
+        # its quota back by letting write leases expire; uncharged when the session ends.
+        self.quarantine_charges: list[tuple[str, int]] = []
         self.arenas: dict[int, Arena] = {}
         self.access: Access = _OPEN.access(uid, gid)  # what the policy lets it do
         self.bytes_published = 0
@@ -383,6 +386,9 @@ class Broker:
         for pool, start, npages in session.quarantine:
             self._free_extent(pool, start, npages)
         session.quarantine.clear()
+        for namespace, charged in session.quarantine_charges:
+            self._uncharge(namespace, charged)
+        session.quarantine_charges.clear()
         if self.rings is not None:
             self.rings.close_session(session)
         self.sessions.pop(session.id, None)
@@ -549,6 +555,10 @@ class Broker:
     def _op_arena(self, session, nbytes) -> dict:
         if nbytes <= 0:
             raise BadRequest("arena: nbytes must be positive")
+        if session.arenas:  # one a connection: arenas are neither quota-charged nor evictable
+            held = next(iter(session.arenas))
+            raise BadRequest(f"arena: this connection already holds write arena {held}; "
+                             "abort it first")  # fmt: skip
         arena = self._new_arena(session, nbytes)
         return {"lease": arena.id, "arena": arena.extent()}
 
@@ -1075,8 +1085,8 @@ class Broker:
         obj = ls.obj
         del self.pending[(obj.namespace, obj.key)]
         if quarantine:
-            # The pages now count against the writer's connection, not the namespace.
-            self._uncharge(obj.namespace, obj.charged)
+            # The pages stay charged to the namespace until the writer's connection ends.
+            ls.session.quarantine_charges.append((obj.namespace, obj.charged))
             obj.charged = 0
             self._owners[obj.pool.index][obj.start] = ("q", obj.npages)
             ls.session.quarantine.append((obj.pool, obj.start, obj.npages))

@@ -171,8 +171,9 @@ def test_arena_belongs_to_its_connection_and_goes_with_it(make_broker):
         b.handle(s, "seal", {"lease": a["lease"]})
     with pytest.raises(BadRequest):
         b.handle(s, "release", {"lease": a["lease"]})
-    b.handle(s, "arena", {"nbytes": 2 * PAGE})
-    assert used(b) == 6
+    with pytest.raises(BadRequest, match="already holds write arena"):  # one a connection
+        b.handle(s, "arena", {"nbytes": 2 * PAGE})
+    assert used(b) == 4
     b.close_session(s)
     assert used(b) == 0 and not b.arenas
     b.handle(t, "abort", {"lease": b.handle(t, "arena", {"nbytes": PAGE})["lease"]})
@@ -200,7 +201,7 @@ def test_arena_allocation_never_evicts_and_fails_cleanly_when_full(make_broker):
     b.handle(s, "arena", {"nbytes": 2 * PAGE})  # 2 pages free: fits
     # No free page left: an arena is an optimisation and must not cost a sealed object.
     with pytest.raises(PoolFull):
-        b.handle(s, "arena", {"nbytes": 2 * PAGE})
+        b.handle(session(b), "arena", {"nbytes": 2 * PAGE})
     assert all(b.handle(s, "lookup", {"key": f"o{i}"}) is not None for i in range(30))
     assert b.counters["evictions"] == 0
     assert_no_overlap(b)

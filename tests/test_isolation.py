@@ -11,7 +11,7 @@ import textwrap
 import posix_ipc
 import pytest
 
-from kvbroker import Client, Forbidden, QuotaExceeded
+from kvbroker import BadRequest, Client, Forbidden, QuotaExceeded
 from kvbroker._broker import Broker
 from kvbroker._config import ConfigError, load_config
 from kvbroker._policy import Policy, Quotas, parse_isolation, parse_quotas, user_name
@@ -219,6 +219,27 @@ def test_quota_evicts_the_namespaces_own_lru_objects_first(broker):
     assert usage["capped"]["used"] == 3 * PAGE and usage["capped"]["quota"] == 12 * 1024
     assert usage["capped"]["objects"] == 2 and usage["other"]["quota"] is None
     b.handle(s, "release", {"lease": held["lease"]})
+
+
+def test_expired_write_leases_stay_charged_until_their_connection_ends(broker):
+    now = [0.0]
+    b = broker(isolation={"mode": "tenant"}, quotas={str(ALICE): "32K"}, clock=lambda: now[0])
+    alice = connect(b, ALICE)
+    for i in range(8):  # the whole quota, reserved and then left to expire (quarantined)
+        b.handle(alice, "reserve", {"namespace": str(ALICE), "key": f"k{i}",
+                                    "buffers": {"x": PAGE}, "ttl": 1})  # fmt: skip
+    now[0] += 2
+    b.expire()
+    assert b.pools[0].allocator.used == 8  # quarantined, not reused
+    with pytest.raises(QuotaExceeded):  # the quota is not handed back by letting leases expire
+        b.handle(alice, "reserve", {"namespace": str(ALICE), "key": "more", "buffers": {"x": PAGE}})
+    b.handle(alice, "arena", {"nbytes": 4 * PAGE})
+    with pytest.raises(BadRequest, match="already holds write arena"):
+        b.handle(alice, "arena", {"nbytes": 4 * PAGE})
+    b.close_session(alice)
+    assert b.pools[0].allocator.used == 0 and b._usage == {}
+    again = connect(b, ALICE)
+    put(b, again, str(ALICE), "fresh", 32 * 1024)  # the whole quota is usable again
 
 
 def test_quota_accounting_is_exact_after_churn(broker):
