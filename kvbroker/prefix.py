@@ -440,16 +440,21 @@ class PrefixCache:
         else:
             sizes = [self.tp_size, *self.peer_tp_sizes]
         best: KVPrefixMatch | None = None
-        for source in dict.fromkeys(sizes):
-            found = self._match_layout(hashes, source, heads, ttl)
-            if best is None or found.num_blocks > best.num_blocks:
-                if best is not None:
-                    best.release()
-                best = found
-            else:
-                found.release()
-            if best.num_blocks == len(hashes):
-                break
+        try:
+            for source in dict.fromkeys(sizes):
+                found = self._match_layout(hashes, source, heads, ttl)
+                if best is None or found.num_blocks > best.num_blocks:
+                    if best is not None:
+                        best.release()
+                    best = found
+                else:
+                    found.release()
+                if best.num_blocks == len(hashes):
+                    break
+        except BaseException:
+            if best is not None:
+                best.release()  # not held until its TTL because a later layout's match failed
+            raise
         assert best is not None
         return best
 

@@ -12,7 +12,7 @@ from conftest import DaemonProcess
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvbroker import BadRequest, Client, KVBrokerError, LayoutMismatch
+from kvbroker import BadRequest, BrokerUnavailable, Client, KVBrokerError, LayoutMismatch
 from kvbroker._tp import shard_heads
 from kvbroker.kv import PagedKV
 from kvbroker.prefix import PrefixCache, block_hashes, shard_block_key
@@ -489,3 +489,29 @@ def test_dp_rank_processes_with_tp2_reuse_shard_wise(tp_daemon):
             assert got == [("prefill", 0, 4), ("prefill", 1, 4)]
         else:  # each TP rank of the second DP rank read its own TP rank's shard, bytes equal
             assert got == [("reuse", 0, (3 * BLOCK, [0])), ("reuse", 1, (3 * BLOCK, [1]))]
+
+
+def test_match_kv_releases_the_best_match_when_a_later_layout_fails(tp_daemon, monkeypatch):
+    H, ns = 4, f"tp{next(_namespaces)}"
+    tokens = prompt(4 * BLOCK, 51)
+    half = tokens[: 2 * BLOCK]
+    with tp_daemon.client() as c:
+        # TP=1 shards of the first 2 of 4 blocks: the TP=2 layout is tried next
+        publish_layout(c, full_kv(51, 1, len(half), H, 8), half, 1, H, KV_LAYOUTS["NHD"], ns)
+        pc = PrefixCache(c, namespace=ns, block_size=BLOCK, tp_rank=0, tp_size=1,
+                         total_kv_heads=H, peer_tp_sizes=(2,))  # fmt: skip
+        real, calls = pc._match_layout, []
+
+        def flaky(hashes, source, heads, ttl):
+            calls.append(source)
+            if source == 2:
+                raise BrokerUnavailable("the daemon went away mid-match")
+            found = real(hashes, source, heads, ttl)
+            assert found.num_blocks == 2
+            return found
+
+        monkeypatch.setattr(pc, "_match_layout", flaky)
+        with pytest.raises(BrokerUnavailable):
+            pc.match_kv(tokens + [0])
+        assert calls == [1, 2]
+        assert c.stat().read_leases == 0  # the first layout's lease was not left to its TTL
