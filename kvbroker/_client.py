@@ -115,6 +115,8 @@ class _Lease:
         if view is None:
             if self.ended:
                 raise KVBrokerError(f"lease {self.id} has ended; its views are gone")
+            # After a reconnect the pools may be new segments: never map old extents there.
+            self._check_alive()
             pool, offset, nbytes = self._extents[name]
             view = _np().frombuffer(
                 self.client._mapping(pool).mm, dtype="uint8", count=nbytes, offset=offset
@@ -329,63 +331,84 @@ class Client:
         self._connect()
 
     # -- plumbing --------------------------------------------------------------------------
-    def _connect(self) -> None:
-        """Open and greet a connection; (re-)map the pools the daemon names."""
+    def _connect(self, generation: int = 0) -> None:
+        """Open and greet a connection, (re-)map the pools the daemon names, and only then
+        make it this client's connection number ``generation``.
+
+        Other threads must never see the new session before the generation is bumped and
+        the pools are mapped: a lease or arena they got on it would be stamped with the old
+        generation (and die at once), or be addressed through old mappings after a cold
+        restart. So everything is built first and ``self._session`` is assigned last, in one
+        step; until then other threads see the old, broken session and wait in ``_recover``.
+        """
         stream = MessageStream(UnixTransport(self.socket_path, self._timeout, self._busy_poll))
         try:
             session = Session(stream, name=self._name, role=self._role)
         except BaseException:
             stream.close()
             raise
-        hello = session.hello
-        self._session = session
+        try:
+            hello = session.hello
+            if hello["pools"] != self.pools:  # a cold restart made new segments
+                for m in self._maps.values():
+                    _process_maps.release(m.name)
+                self._maps.clear()
+                self.pools = hello["pools"]
+            if self._map_pools:
+                for pool in self.pools:
+                    self._mapping(pool["index"])
+        except BaseException:
+            session.close()
+            raise
+        if generation:  # replacing a connection: say why, for LeaseExpired messages
+            if hello["server_pid"] != self.server_pid or hello.get("epoch") != self.epoch:
+                self.restarts += 1
+                self._lost = (f"the daemon restarted (pid {self.server_pid} -> "
+                              f"{hello['server_pid']}, epoch {self.epoch} -> "
+                              f"{hello.get('epoch')})")  # fmt: skip
+            else:
+                self._lost = "the connection to the daemon was lost"
         self.session_id: int = hello["session"]
         self.server_pid: int = hello["server_pid"]
         self.epoch: int | None = hello.get("epoch")
-        if hello["pools"] != self.pools:  # a cold restart made new segments
-            for m in self._maps.values():
-                _process_maps.release(m.name)
-            self._maps.clear()
-            self.pools = hello["pools"]
-        if self._map_pools:
-            for pool in self.pools:
-                self._mapping(pool["index"])
+        self.generation = generation
+        self._session = session  # publish: last
 
     def _call(self, op: str, **args: Any) -> Any:
-        generation = self.generation
+        session = self._session
         try:
-            return self._session.call(op, **args)
+            return session.call(op, **args)
         except BrokerUnavailable:
-            if not self._session.broken or not self._recover(generation):
+            if not session.broken or not self._recover(session):
                 raise  # a reply saying so (a draining daemon), or reconnecting is off
         if op in _LEASE_OPS:  # the lease went with the old connection
             raise LeaseExpired(self._lost_lease_message(args.get("lease")))
         return self._session.call(op, **args)
 
     def _send_only(self, op: str, **args: Any) -> None:
-        generation = self.generation
+        session = self._session
         try:
-            self._session.send_only(op, **args)
+            session.send_only(op, **args)
         except BrokerUnavailable:
-            if not self._session.broken or not self._recover(generation):
+            if not session.broken or not self._recover(session):
                 raise
             raise LeaseExpired(self._lost_lease_message(args.get("lease"))) from None
 
-    def _recover(self, generation: int) -> bool:
-        """Replace a broken connection, backing off exponentially for at most ``reconnect``
-        seconds. False when reconnecting is off; BrokerUnavailable when it keeps failing."""
+    def _recover(self, broken: Session) -> bool:
+        """Replace the broken connection ``broken``, backing off exponentially for at most
+        ``reconnect`` seconds. False when reconnecting is off; BrokerUnavailable when it
+        keeps failing. True at once when another thread already replaced it."""
         if self.reconnect <= 0 or self._closed:
             return False
         with self._reconnect_lock:
-            if self.generation != generation:
+            if self._session is not broken:
                 return True  # another thread already reconnected
-            old_pid, old_epoch = self.server_pid, self.epoch
-            self._session.close()
+            broken.close()
             deadline = time.monotonic() + self.reconnect
             delay = 0.01
             while True:
                 try:
-                    self._connect()
+                    self._connect(self.generation + 1)
                     break
                 except (BrokerUnavailable, Timeout) as exc:
                     left = deadline - time.monotonic()
@@ -395,13 +418,6 @@ class Client:
                         ) from None
                     time.sleep(min(delay, left))
                     delay = min(delay * 2, 0.5)
-            self.generation += 1
-            if self.server_pid != old_pid or self.epoch != old_epoch:
-                self.restarts += 1
-                self._lost = (f"the daemon restarted (pid {old_pid} -> {self.server_pid}, "
-                              f"epoch {old_epoch} -> {self.epoch})")  # fmt: skip
-            else:
-                self._lost = "the connection to the daemon was lost"
             log.warning("reconnected to %s: %s", self.socket_path, self._lost)
             return True
 
@@ -638,13 +654,13 @@ class Client:
         while True:
             self._call("watch", interval=interval)
             self._session._stream.transport.settimeout(max(30.0, interval * 10))
-            generation = self.generation
+            session = self._session
             try:
                 while True:
-                    msg = self._session.next_push()
+                    msg = session.next_push()
                     yield Statistics.from_dict(msg["result"])
             except BrokerUnavailable:
-                if not self._session.broken or not self._recover(generation):
+                if not session.broken or not self._recover(session):
                     raise  # else subscribe again on the new connection
 
 
