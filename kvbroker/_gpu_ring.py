@@ -403,8 +403,12 @@ class RingService:
             obj = ls.obj
             obj.readers -= 1
             if consume is False and ls.consume and not obj.linked:
-                # the reader went away before finishing: put the object back for a retry
-                if (obj.namespace, obj.key) not in self.objects:
+                # The reader went away before finishing: put the object back for a retry,
+                # unless the key was published again or is being so (a writer reserved it
+                # after the consume unlinked it): that writer's seal would replace the
+                # re-linked object without freeing it, and its region would jam the ring.
+                ident = (obj.namespace, obj.key)
+                if ident not in self.objects and ident not in self.pending:
                     obj.linked = True
                     obj.expires_at = self.clock() + obj.ttl
                     self.objects[(obj.namespace, obj.key)] = obj

@@ -15,14 +15,19 @@ from hypothesis import strategies as st
 
 from kvbroker import Client
 from kvbroker._gpu_ring import RING_ALIGN, FakeRings, RingService
+from kvbroker._policy import Policy
 from kvbroker.errors import BadRequest, Exists, LeaseExpired, NotFound, PoolFull, Timeout
 
 RING = 1 << 20  # the smallest ring `--gpu-ring` accepts
 
 
 class _Session:
+    """What RingService needs of a broker session: an id and the policy's access rights
+    (the default policy: every namespace open)."""
+
     def __init__(self, sid: int) -> None:
         self.id = sid
+        self.access = Policy().access(0, 0)
 
 
 class _Clock:
@@ -170,6 +175,46 @@ def test_keyed_objects_seal_claim_consume_and_reader_crash():
     assert svc.snapshot()[0]["leased_read"] == 1024
     svc.handle(r2, "ring_release", {"lease": got["lease"]})
     assert svc.rings[0].allocator.used == 0 and svc.objects == {}
+
+
+def test_reader_crash_after_the_key_was_reserved_again_leaks_nothing():
+    # A consume-claim unlinks the key, so a second writer may reserve it; if the reader then
+    # disconnects, its object must not come back under that key (the second seal would
+    # replace it in no dict, its region never freed: the FIFO ring jams for good).
+    svc = _service(devices=1)
+    w, reader, w2, s = _Session(1), _Session(2), _Session(3), _Session(4)
+    svc.handle(w, "ring_seal", {"lease": _reserve(svc, w, 1000, key="k")["lease"]})
+    _claim(svc, reader, "k")
+    second = _reserve(svc, w2, 2000, key="k")["lease"]
+    svc.close_session(reader)
+    # the old object was freed, not re-linked: only the second writer's region is held
+    assert len(_held_regions(svc)) == 1 and svc.rings[0].allocator.used == 2048
+    svc.handle(w2, "ring_seal", {"lease": second})
+    got = _claim(svc, s, "k")
+    assert got["nbytes"] == 2000  # the second writer's object
+    svc.handle(s, "ring_release", {"lease": got["lease"]})
+    assert svc.objects == {} and svc.leases == {} and svc.pending == {}
+    assert svc.rings[0].allocator.used == 0
+    for _ in range(3 * 64):  # laps of the whole ring: nothing left behind blocks the FIFO
+        lease = _reserve(svc, s, 16 * RING_ALIGN)["lease"]
+        svc.handle(s, "ring_release", {"lease": lease})
+    assert svc.rings[0].allocator.used == 0 and _held_regions(svc) == []
+
+
+def test_reader_crash_with_no_new_writer_still_leaves_the_object_for_a_retry():
+    svc = _service(devices=1)
+    w, reader, w2, r2 = _Session(1), _Session(2), _Session(3), _Session(4)
+    svc.handle(w, "ring_seal", {"lease": _reserve(svc, w, 1000, key="k")["lease"]})
+    _claim(svc, reader, "k")
+    # a writer that reserved the key and gave up before the reader died changes nothing
+    svc.handle(w2, "ring_release", {"lease": _reserve(svc, w2, 500, key="k")["lease"]})
+    svc.close_session(reader)
+    with pytest.raises(Exists, match="already published"):
+        _reserve(svc, w2, 500, key="k")
+    got = _claim(svc, r2, "k")
+    assert got["nbytes"] == 1000
+    svc.handle(r2, "ring_release", {"lease": got["lease"]})
+    assert svc.objects == {} and svc.rings[0].allocator.used == 0
 
 
 def test_writer_disconnect_discards_and_unclaimed_objects_expire():
