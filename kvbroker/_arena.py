@@ -7,7 +7,9 @@ arena from then on (the rest, or a fresh one). See ``Broker._op_publish``.
 
 Ownership: the daemon owns the arena's pages and lends them to this connection alone, with no
 TTL, until they are published, the arena is aborted (``close``), or the connection closes —
-a client killed mid-copy leaves nothing behind. The pages count as used and write-leased in
+a client killed mid-copy leaves nothing behind. (When the daemon, not the client, ended the
+connection, or the daemon died, the pages are quarantined for ``restart_quarantine`` seconds
+first: this client may still be copying into them.) The pages count as used and write-leased in
 ``stat`` and are never evicted, so an arena is kept small (``Client(arena_size=...)``, and
 the daemon caps it at 1/16 of a pool).
 

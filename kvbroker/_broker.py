@@ -14,13 +14,24 @@ buffers asked for. The holder writes into its mapping, then:
 - ``abort`` or the connection closing: the object is discarded, its extents freed;
 - TTL expiry with the writer still connected: the object is discarded, but its extents are
   *quarantined* on the writer's session, not reused, until that connection ends — a slow
-  writer may still be writing into them.
+  writer may still be writing into them;
+- the daemon cutting the writer off (replies left unread past ``max_write_buffer``, a
+  protocol error, a stop): the writer's process may still be copying, so its write-leased
+  pages (reservations, arenas, its quarantine) go into the *timed quarantine*: not
+  allocatable for ``restart_quarantine`` seconds, then freed by ``expire``.
+
+*Restart quarantine* — pages lent for writing are journaled (``_journal.py``, ``w`` records,
+ended by the seal or an ``e`` record). A daemon adopting a dead one's pools puts the pages
+still lent at the crash into the timed quarantine too: the writer may outlive the daemon and
+finish its copy into pages a new owner would already hold. Quarantined pages count as used
+and as ``quarantined`` in ``stat``; they are freed by the broker alone, at the deadline.
 
 *Write arena* (``arena``, then ``publish``) — fresh pages lent to one session with no TTL, so
 a put can be one round trip: the client copies into them first, then ``publish`` turns the
 arena's first pages into a sealed object (the extent is split, nothing is copied) and the rest
 stays the arena, or a fresh one replaces it. An arena is freed by ``abort``, by being published
-whole, or when its connection closes (its writer is gone: no quarantine needed). It counts as
+whole, or when its client closes the connection (its writer is gone: no quarantine needed; if
+the daemon cut it off, it goes into the timed quarantine, see below). It counts as
 used and write-leased, is never evicted, and is at most 1/16 of a pool.
 
 *Read lease* (``claim``) — while held, the object's extents are neither evicted nor reused.
@@ -43,6 +54,7 @@ nothing is evicted for it.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import os
 import re
@@ -228,7 +240,8 @@ class Arena:
     """A write arena: pages a session may fill before naming them (``publish``).
 
     Owned by the broker like every extent; lent to one session until that session publishes
-    all of it, aborts it, or disconnects (then it is freed: its writer is gone). It has no
+    all of it, aborts it, or disconnects (then it is freed: its writer is gone; or, when the
+    daemon cut it off, held in the timed quarantine, since its writer may still be copying). It has no
     TTL: an expired arena would be quarantined until disconnect anyway, which frees nothing
     sooner. Its pages count as used and as leased for writing; it is never evicted.
     """
@@ -264,6 +277,7 @@ class Broker:
         policy: Policy | None = None,
         quotas: Quotas | None = None,
         max_leases_per_client: int = 65536,
+        restart_quarantine: float = 10.0,
     ) -> None:
         if not pools:
             raise ValueError("a broker needs at least one pool")
@@ -280,6 +294,10 @@ class Broker:
         self.policy = policy or _OPEN  # who may use which namespace (kvbroker._policy)
         self.quotas = quotas or Quotas()
         self.max_leases_per_client = max_leases_per_client
+        # Timed quarantine: a heap of (deadline, pool index, start, npages, charges) — pages a
+        # writer may still be copying into although it lost them (daemon restart, cut off).
+        self.restart_quarantine = restart_quarantine
+        self._held: list[tuple[float, int, int, int, tuple[tuple[str, int], ...]]] = []
         self._usage: dict[str, int] = {}  # namespace -> bytes charged (pages of its objects)
         self.started_at = time.time()
         self.sessions: dict[int, Session] = {}
@@ -318,23 +336,36 @@ class Broker:
         self.epoch = journal.epoch
         self._first_id = next_id
         self._ids = count(next_id)
-        journal.rewrite(self.journal_records(), next_id)
+        journal.rewrite(self.journal_records(), next_id, self.journal_lent())
         self._id_limit = journal.id_limit
 
     def compact_journal(self) -> None:
         """Rewrite the journal as the live objects only (the daemon calls this off the
         request path, when the log has grown to twice what is live)."""
-        self.journal.rewrite(self.journal_records(), next(self._ids))
+        self.journal.rewrite(self.journal_records(), next(self._ids), self.journal_lent())
         self._id_limit = self.journal.id_limit
 
     def journal_records(self) -> list[dict[str, Any]]:
         """Every sealed, linked object as a journal record, in seal order."""
         return [obj.to_record() for obj in self.objects.values()]
 
-    def restore(self, records: Iterable[dict[str, Any]]) -> int:
+    def journal_lent(self) -> list[tuple[int, int, int]]:
+        """Every extent not free and not a sealed object's, as (pool, start, npages):
+        reservations, write arenas, quarantined pages. A restart quarantines them."""
+        out = [(o.pool.index, o.start, o.npages) for o in self.pending.values()]
+        out += [(a.pool.index, a.start, a.npages) for a in self.arenas.values()]
+        for s in self.sessions.values():
+            out += [(pool.index, start, n) for pool, start, n in s.quarantine]
+        out += [(idx, start, n) for _, idx, start, n, _ in self._held]
+        return out
+
+    def restore(self, records: Iterable[dict[str, Any]],
+                lent: Iterable[tuple[int, int, int]] = ()) -> int:  # fmt: skip
         """Adopt the sealed objects of a previous daemon (records in seal order) into an
-        empty broker: the allocators are rebuilt from their extents, everything else is
-        free. Returns how many objects came back."""
+        empty broker: the allocators are rebuilt from their extents; ``lent`` (pool, start,
+        npages), the pages it had lent for writing, go into the timed quarantine (their
+        writers may still be copying); everything else is free. Returns how many objects
+        came back."""
         if self.objects or self.pending:
             raise RuntimeError("restore needs an empty broker")
         by_serial: dict[int, StoredObject] = {}
@@ -354,6 +385,12 @@ class Broker:
                 self._lru[obj.serial] = obj
             live[obj.pool.index].append((obj.start, obj.npages))
             obj.charged = self._charge(obj.namespace, obj.npages * obj.pool.page_size, False)
+        held = _disjoint(lent, live, [p.allocator.capacity for p in self.pools])
+        deadline = self.clock() + self.restart_quarantine
+        for idx, start, npages in held:
+            live[idx].append((start, npages))
+            self._owners[idx][start] = ("q", npages)
+            heapq.heappush(self._held, (deadline, idx, start, npages, ()))
         for pool, extents in zip(self.pools, live):
             pool.allocator = ExtentAllocator.with_live(pool.allocator.capacity, extents)
         top = max(by_serial, default=0)
@@ -373,20 +410,30 @@ class Broker:
         for s in self.sessions.values():
             s.access = policy.access(s.uid, s.gid)
 
-    def close_session(self, session: Session) -> None:
-        """A connection ended (cleanly or not): its leases end, its quarantine is freed."""
+    def close_session(self, session: Session, cut_off: bool = False) -> None:
+        """A connection ended: its leases end. When the client closed it, its writer is gone
+        and its write-leased pages and quarantine are freed now. When the daemon cut it off
+        (``cut_off``: a peer not reading, a protocol error, a stop), its process may still
+        be copying: those pages go into the timed quarantine instead."""
         for lease in list(session.leases.values()):
             if lease.kind == "write":
-                self._discard_pending(lease, quarantine=False)
+                self._discard_pending(lease, quarantine=cut_off)
                 self._end_lease(lease, "its connection closed")
             else:
                 self._end_read(lease, "its connection closed", consume=False)
         for arena in list(session.arenas.values()):
-            self._end_arena(arena, "its connection closed")
+            self._end_arena(arena, "its connection closed", hold=cut_off)
+        charges = tuple(session.quarantine_charges)
         for pool, start, npages in session.quarantine:
-            self._free_extent(pool, start, npages)
+            if cut_off:
+                self._hold(pool, start, npages, charges)
+                charges = ()  # uncharged with the first extent (they share a deadline)
+            else:
+                self._free_extent(pool, start, npages)
+                if self.journal is not None:
+                    self.journal.returned(pool.index, start)
         session.quarantine.clear()
-        for namespace, charged in session.quarantine_charges:
+        for namespace, charged in charges:
             self._uncharge(namespace, charged)
         session.quarantine_charges.clear()
         if self.rings is not None:
@@ -456,6 +503,8 @@ class Broker:
         obj.charged = charged
         self._owners[pool.index][start] = obj
         self.pending[ident] = obj
+        if self.journal is not None:  # a restart must not hand these pages to another writer
+            self.journal.lent(pool.index, start, npages)
         return self._new_lease("write", session, obj, ttl)
 
     def _op_reserve_blocks(self, session, namespace, blocks, ttl) -> dict:
@@ -571,15 +620,22 @@ class Broker:
             raise PoolFull(f"write arenas already hold {held} of their {budget} bytes")
         pool, start, npages = self._allocate(nbytes, evict=False)
         arena = Arena(self._next_id(), session, pool, start, npages)
+        if self.journal is not None:
+            self.journal.lent(pool.index, start, npages)
         self._owners[pool.index][start] = ("w", npages)
         self.arenas[arena.id] = arena
         session.arenas[arena.id] = arena
         return arena
 
-    def _end_arena(self, arena: Arena, reason: str) -> None:
+    def _end_arena(self, arena: Arena, reason: str, hold: bool = False) -> None:
         del self.arenas[arena.id]
         del arena.session.arenas[arena.id]
-        self._free_extent(arena.pool, arena.start, arena.npages)
+        if hold:  # its writer may still be copying (see close_session)
+            self._hold(arena.pool, arena.start, arena.npages)
+        else:
+            self._free_extent(arena.pool, arena.start, arena.npages)
+            if self.journal is not None:
+                self.journal.returned(arena.pool.index, arena.start)
         self._ended[arena.id] = reason
         if len(self._ended) > _MAX_ENDED:
             self._ended.popitem(last=False)
@@ -883,8 +939,17 @@ class Broker:
 
     # ------------------------------------------------------------------ expiry
     def expire(self, now: float | None = None) -> int:
-        """End every lease whose TTL passed; returns how many ended."""
+        """End every lease whose TTL passed, and free the timed quarantine whose deadline
+        passed; returns how many leases ended."""
         now = self.clock() if now is None else now
+        held = self._held
+        while held and held[0][0] <= now:
+            _, idx, start, npages, charges = heapq.heappop(held)
+            self._free_extent(self.pools[idx], start, npages)
+            for namespace, charged in charges:
+                self._uncharge(namespace, charged)
+            if self.journal is not None:
+                self.journal.returned(idx, start)
         ended = 0
         while self._expiry and self._expiry[0][0] <= now:
             at, lid = heapq.heappop(self._expiry)
@@ -917,6 +982,8 @@ class Broker:
         for s in self.sessions.values():
             for pool, _, npages in s.quarantine:
                 per_pool[pool.index]["quarantined"] += npages
+        for _, idx, _, npages, _ in self._held:
+            per_pool[idx]["quarantined"] += npages
         for arena in self.arenas.values():  # lent for writing, like a reservation
             per_pool[arena.pool.index]["write"] += arena.npages
         pools = []
@@ -1121,6 +1188,8 @@ class Broker:
     def _free_object(self, obj: StoredObject) -> None:
         self._owners[obj.pool.index].pop(obj.start, None)
         obj.pool.allocator.free_extent(obj.start, obj.npages)
+        if not obj.sealed and self.journal is not None:  # a reservation's pages came back
+            self.journal.returned(obj.pool.index, obj.start)
         if obj.charged:
             self._uncharge(obj.namespace, obj.charged)
             obj.charged = 0
@@ -1177,6 +1246,14 @@ class Broker:
                  "quota": self.quotas.limit(ns)} for ns in names]  # fmt: skip
         rows.sort(key=lambda r: (-r["used"], r["namespace"]))
         return rows[:top]
+
+    def _hold(self, pool: HostPool, start: int, npages: int,
+              charges: tuple[tuple[str, int], ...] = ()) -> None:  # fmt: skip
+        """Put pages a writer may still be copying into in the timed quarantine: used, not
+        allocatable, freed (and ``charges`` uncharged) by ``expire`` after the deadline."""
+        self._owners[pool.index][start] = ("q", npages)
+        deadline = self.clock() + self.restart_quarantine
+        heapq.heappush(self._held, (deadline, pool.index, start, npages, charges))
 
     def _free_extent(self, pool: HostPool, start: int, npages: int) -> None:
         self._owners[pool.index].pop(start, None)
@@ -1261,6 +1338,28 @@ def _buffer_layout(buffers: dict, meta: dict | None) -> tuple[dict[str, tuple[in
         layout[name] = (offset, nbytes)
         offset += -(-nbytes // BUFFER_ALIGN) * BUFFER_ALIGN
     return layout, offset
+
+
+def _disjoint(lent: Iterable[tuple[int, int, int]], live: list[list[tuple[int, int]]],
+              capacities: list[int]) -> list[tuple[int, int, int]]:  # fmt: skip
+    """The ``lent`` extents (pool, start, npages) that lie inside their pool and overlap no
+    ``live`` extent (per pool: (start, npages)) nor each other; a journal that says
+    otherwise is wrong, and the sealed objects win."""
+    taken = [sorted(ext) for ext in live]
+    out = []
+    for idx, start, npages in sorted(lent):
+        if not (0 <= idx < len(capacities) and 0 <= start and 0 < npages
+                and start + npages <= capacities[idx]):  # fmt: skip
+            continue
+        ext = taken[idx]
+        i = bisect.bisect_left(ext, (start, 0))
+        if i < len(ext) and ext[i][0] < start + npages:
+            continue
+        if i > 0 and ext[i - 1][0] + ext[i - 1][1] > start:
+            continue
+        ext.insert(i, (start, npages))
+        out.append((idx, start, npages))
+    return out
 
 
 def _leaves_first(victims: list[StoredObject]) -> tuple[list[StoredObject], int]:

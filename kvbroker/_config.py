@@ -230,6 +230,8 @@ KEYS: dict[str, Key] = {
                               "a clean stop keeps pools and index for the next daemon"),
     "cold": Key(_bool, "cold", "start empty: drop what a previous daemon left"),
     "journal": Key(_bool, "journal", "keep the index in a journal for warm restarts"),
+    "restart_quarantine": Key(_duration, "restart_quarantine",
+                              "pages lent at a crash or cut-off wait this long before reuse"),
 }
 
 

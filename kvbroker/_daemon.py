@@ -92,6 +92,9 @@ class DaemonConfig:
     keep_pools_on_exit: bool = False
     cold: bool = False  # start empty: drop what a previous daemon of this socket left
     journal: bool = True  # False: no warm restart (every start is cold), no journal writes
+    # Pages a writer may still be copying into although it lost them (lent at a crash, or
+    # its connection cut off by the daemon) are not reused for this many seconds.
+    restart_quarantine: float = 10.0
     config_path: str | None = None  # the file this came from, re-read on SIGHUP
 
     def resolved_pool_size(self) -> int:
@@ -122,6 +125,9 @@ class _Connection(asyncio.BufferedProtocol):
         self.busy = False
         self.closed = False
         self.write_paused = False
+        # The daemon, not the peer, ended the connection: the peer may still be writing into
+        # its write-leased pages, which then go into the broker's timed quarantine.
+        self.cut_off = False
         self.waiter: asyncio.Task | None = None
         self.wait_rid: int | None = None
         self.watch_handle: asyncio.TimerHandle | None = None
@@ -167,7 +173,7 @@ class _Connection(asyncio.BufferedProtocol):
         if self.watch_handle is not None:
             self.watch_handle.cancel()
         self.daemon.connections.discard(self)
-        self.broker.close_session(self.session)
+        self.broker.close_session(self.session, cut_off=self.cut_off)
         log.debug("session %d: closed", self.session.id)
 
     def pause_writing(self) -> None:
@@ -181,7 +187,7 @@ class _Connection(asyncio.BufferedProtocol):
             "(max_write_buffer %d)", s.id, s.pid, s.uid, s.name or "unnamed",
             self.transport.get_write_buffer_size(), self.daemon.config.max_write_buffer,
         )  # fmt: skip
-        self.closed = True
+        self.closed = self.cut_off = True
         self.transport.abort()
 
     def resume_writing(self) -> None:
@@ -331,7 +337,7 @@ class _Connection(asyncio.BufferedProtocol):
         sid = self.session.id if self.session else -1
         log.warning("session %d: protocol error, closing: %s", sid, message)
         self._error(None, "protocol", message)
-        self.closed = True
+        self.closed = self.cut_off = True
         self.transport.close()
 
 
@@ -439,11 +445,13 @@ class Daemon:
             policy=self.config.isolation,
             quotas=self.config.quotas,
             max_leases_per_client=self.config.max_leases_per_client,
+            restart_quarantine=self.config.restart_quarantine,
         )
 
         if adopted:
             try:
-                n = self.broker.restore(recovered.objects.values())
+                n = self.broker.restore(recovered.objects.values(),
+                                        [(p, s, n) for (p, s), n in recovered.lent.items()])
             except (ValueError, KeyError, TypeError, IndexError) as exc:
                 self.pools.clear()  # not ours to drop: the operator decides (--cold)
                 raise DaemonError(
@@ -452,7 +460,9 @@ class Daemon:
                 ) from None
             used = sum(p.allocator.used * p.page_size for p in self.pools)
             log.info("warm restart (epoch %d): adopted %d pool(s) and %d sealed object(s), "
-                     "%s in use%s", recovered.epoch + 1, len(self.pools), n, format_size(used),
+                     "%s in use (%d extent(s) lent for writing quarantined for %g s)%s",
+                     recovered.epoch + 1, len(self.pools), n, format_size(used),
+                     len(recovered.lent), cfg.restart_quarantine,
                      f"; cut a torn record of {recovered.torn_bytes} bytes"
                      if recovered.torn_bytes else "")  # fmt: skip
         if self._lock_fd is not None and cfg.journal:
@@ -798,6 +808,7 @@ class Daemon:
         if self._server is not None:
             self._server.close()
         for conn in list(self.connections):
+            conn.cut_off = True  # a writer left past drain_timeout may still be copying
             conn.transport.close()
             conn.connection_lost(None)
         if self._server is not None:

@@ -12,9 +12,17 @@ sequence of msgpack maps, appended as the index changes.
 - ``{"t": "u", "s": serial}`` — a sealed object was unlinked (evicted, replaced, consumed);
   its extents are free once the daemon restarts, whoever was still reading them;
 - ``{"t": "c", "s": serial, "n": consumers}`` — a consume-claim was released;
-- ``{"t": "i", "n": id}`` — lease and session ids below ``n`` may have been handed out.
+- ``{"t": "i", "n": id}`` — lease and session ids below ``n`` may have been handed out;
+- ``{"t": "w", "p": pool, "s": start, "n": npages}`` — pages were lent for writing (a
+  reservation or a write arena): a client may be copying into them;
+- ``{"t": "e", "p": pool, "s": start}`` — pages lent for writing came back (aborted,
+  expired and released, their connection gone). A seal ends them too: the ``s`` record of an
+  object whose extent starts where lent pages start ends those pages, or, for a write arena
+  whose first pages were published, leaves the rest lent.
 
-Unsealed (reserved) objects are never written: after a crash their extents are free again.
+Unsealed (reserved) objects are not written as objects. Pages still lent for writing when the
+daemon died are not free for the next daemon at once: the writer may still be mid-copy, so
+they are quarantined for ``restart_quarantine`` seconds first (``Broker.restore``).
 A record is appended (one ``write``) before the request that caused it is answered, so what a
 client was told is sealed survives a SIGKILL of the daemon (the page cache outlives the
 process; the pools in /dev/shm would not outlive the machine anyway). A torn last record is
@@ -61,7 +69,21 @@ class Recovered:
     pools: list[dict[str, Any]]  # [{index, name, size, page_size}]
     objects: dict[int, dict[str, Any]] = field(default_factory=dict)  # serial -> record, seal order
     next_id: int = 1
+    # (pool, start page) -> npages: lent for writing and not back when the daemon stopped.
+    lent: dict[tuple[int, int], int] = field(default_factory=dict)
     torn_bytes: int = 0  # an incomplete last record that was cut off
+
+
+def _returned(lent: dict[tuple[int, int], int], pool: int, start: int) -> None:
+    """Pages lent from ``start`` came back. Not the start of a lent extent: the rest of a
+    write arena whose first pages are being published (their ``s`` record follows), so the
+    extent holding ``start`` keeps only its pages before it."""
+    if lent.pop((pool, start), None) is not None:
+        return
+    for (p, first), n in lent.items():  # rare (a journal holds few lent extents): a scan
+        if p == pool and first < start < first + n:
+            lent[(p, first)] = start - first
+            return
 
 
 class Journal:
@@ -106,12 +128,22 @@ class Journal:
                 elif t == "s":
                     o = entry["o"]
                     rec.objects[o["serial"]] = o
+                    # The object's pages were lent for writing until now (an arena whose
+                    # first pages were published stays lent past them).
+                    where = (o["pool"], o["start"])
+                    n = rec.lent.pop(where, None)
+                    if n is not None and n > o["npages"]:
+                        rec.lent[(where[0], where[1] + o["npages"])] = n - o["npages"]
                 elif t == "u":
                     rec.objects.pop(entry["s"], None)
                 elif t == "c":
                     o = rec.objects.get(entry["s"])
                     if o is not None:
                         o["consumers"] = entry["n"]
+                elif t == "w":
+                    rec.lent[(int(entry["p"]), int(entry["s"]))] = int(entry["n"])
+                elif t == "e":
+                    _returned(rec.lent, int(entry["p"]), int(entry["s"]))
                 elif t == "i":
                     rec.next_id = max(rec.next_id, int(entry["n"]))
                 else:
@@ -129,16 +161,19 @@ class Journal:
         return rec
 
     # -- writing ---------------------------------------------------------------------------
-    def rewrite(self, records: Iterable[dict[str, Any]], next_id: int) -> None:
-        """Replace the file with the header and ``records`` (the live objects), atomically."""
+    def rewrite(self, records: Iterable[dict[str, Any]], next_id: int,
+                lent: Iterable[tuple[int, int, int]] = ()) -> None:  # fmt: skip
+        """Replace the file with the header, ``records`` (the live objects) and ``lent``
+        (``(pool, start, npages)`` lent for writing or quarantined), atomically."""
         if self.failed:
             return
         try:
-            self._rewrite(records, next_id)
+            self._rewrite(records, next_id, lent)
         except OSError as exc:
             self._fail(exc)
 
-    def _rewrite(self, records: Iterable[dict[str, Any]], next_id: int) -> None:
+    def _rewrite(self, records: Iterable[dict[str, Any]], next_id: int,
+                 lent: Iterable[tuple[int, int, int]]) -> None:  # fmt: skip
         tmp = self.path + ".tmp"
         pack = self._packer.pack
         live = 0
@@ -148,6 +183,8 @@ class Journal:
         for r in records:
             chunks.append(pack({"t": "s", "o": r}))
             live += 1
+        for p, start, npages in lent:
+            chunks.append(pack({"t": "w", "p": p, "s": start, "n": npages}))
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         try:
             os.write(fd, b"".join(chunks))
@@ -192,6 +229,14 @@ class Journal:
 
     def consumers(self, serial: int, n: int) -> None:
         self._append({"t": "c", "s": serial, "n": n})
+
+    def lent(self, pool: int, start: int, npages: int) -> None:
+        """Pages were lent for writing: until ``returned`` (or a seal starting there), a
+        restarted daemon quarantines them."""
+        self._append({"t": "w", "p": pool, "s": start, "n": npages})
+
+    def returned(self, pool: int, start: int) -> None:
+        self._append({"t": "e", "p": pool, "s": start})
 
     def reserve_ids(self, upto: int) -> int:
         """Record that ids below ``upto + ID_BLOCK`` may be handed out; returns that limit."""

@@ -241,7 +241,8 @@ def test_sigkill_daemon_mid_traffic_every_sealed_object_survives(socket_path):
         with Client(socket_path, map_pools=False) as probe:
             assert probe.stat().counters.evictions == 0, "the pool is too small for this test"
         d.stop(signal.SIGKILL)
-        d2 = DaemonProcess(socket_path, *args)
+        # pages lent for writing at the kill are quarantined this long (restart_quarantine)
+        d2 = DaemonProcess(socket_path, *args, env={"KVBROKER_RESTART_QUARANTINE": "1"})
         deadline = time.monotonic() + 60
         while sum(ln.startswith(("ok", "fail")) for ln in lines) < len(workers):
             assert time.monotonic() < deadline, lines[-5:]
@@ -263,7 +264,11 @@ def test_sigkill_daemon_mid_traffic_every_sealed_object_survives(socket_path):
             got = c.get(key, verify=True)  # checksums recorded at seal
             assert np.array_equal(got["kv"], pattern(key, n // 2)), key
             assert np.array_equal(got["tail"], pattern(key + "/t", n - n // 2)), key
+        deadline = time.monotonic() + 20
+        while c.stat().pools[0].quarantined and time.monotonic() < deadline:
+            time.sleep(0.05)
         st = c.stat()
+        assert st.pools[0].quarantined == 0
         assert st.counters.evictions == 0
         assert st.objects == len(sealed)
         assert st.pools[0].leased_write == 0
