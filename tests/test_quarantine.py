@@ -326,3 +326,28 @@ def test_restore_drops_lent_extents_a_wrong_journal_puts_over_objects(pool, tmp_
     bogus = [(0, start + 2, 4), (0, 60, 10), (3, 0, 1), (0, 50, 2), (0, 51, 1)]
     assert b2.restore(rec.objects.values(), bogus) == 1
     assert sorted((i, st, n) for _, i, st, n, _ in b2._held) == [(0, 50, 2)]
+
+
+def test_a_client_that_stops_reading_is_cut_off_and_its_write_pages_quarantined(make_daemon):
+    d = make_daemon(*ARGS, env={**ENV, "KVBROKER_MAX_WRITE_BUFFER": "64K"})
+    s, call = raw_client(d.socket_path)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    lease = call(2, "reserve", key="slow", buffers={"x": 1 << 20})
+    mine = pages_of(lease["buffers"])
+    with d.client(arena_size=0) as b:
+        req = msgpack.packb({"id": 3, "op": "stat", "args": {}})
+        s.settimeout(30)  # a daemon that never cuts it off fails the test, not hangs it
+        try:
+            for _ in range(200_000):  # pipelined, never read: past max_write_buffer
+                s.sendall(req)
+        except OSError:
+            pass  # cut off
+        assert wait_until(lambda: b.stat().pools[0].leased_write == 0)
+        assert b.stat().pools[0].quarantined == 1 << 20
+        assert "bytes of replies left unread" in d.log()
+        lb = b.reserve("b-obj", {"x": 15 << 20})  # all that is free
+        assert not pages_of(lb.extents()) & mine
+        lb.abort()
+        assert wait_until(lambda: b.stat().pools[0].quarantined == 0)
+        assert exact(b.stat())
+    s.close()
