@@ -185,30 +185,26 @@ class Quotas:
 
 
 # -- configuration --------------------------------------------------------------------------
-def _uid(value: Any, where: str) -> int:
+def _numeric_id(value: Any, where: str, kind: str, lookup) -> int:
+    """A uid/gid from an int, a string of digits, or a name ``lookup`` resolves."""
     if isinstance(value, int) and not isinstance(value, bool):
         return value
     if isinstance(value, str) and value.isdigit():
         return int(value)
     if isinstance(value, str):
         try:
-            return pwd.getpwnam(value).pw_uid
+            return lookup(value)
         except KeyError:
-            raise ValueError(f"{where}: no user {value!r} on this host") from None
-    raise ValueError(f"{where}: expected a user name or uid, got {value!r}")
+            raise ValueError(f"{where}: no {kind} {value!r} on this host") from None
+    raise ValueError(f"{where}: expected a {kind} name or {kind[0]}id, got {value!r}")
+
+
+def _uid(value: Any, where: str) -> int:
+    return _numeric_id(value, where, "user", lambda name: pwd.getpwnam(name).pw_uid)
 
 
 def _gid(value: Any, where: str) -> int:
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.isdigit():
-        return int(value)
-    if isinstance(value, str):
-        try:
-            return grp.getgrnam(value).gr_gid
-        except KeyError:
-            raise ValueError(f"{where}: no group {value!r} on this host") from None
-    raise ValueError(f"{where}: expected a group name or gid, got {value!r}")
+    return _numeric_id(value, where, "group", lambda name: grp.getgrnam(name).gr_gid)
 
 
 def _list(value: Any, where: str) -> list:
