@@ -19,32 +19,15 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from kvbroker import Client  # noqa: E402
+from kvbroker.testing import running_daemon  # noqa: E402
 from kvbroker._paths import format_size, parse_size  # noqa: E402
-
-
-def start_daemon(sock: str, pool: str) -> subprocess.Popen:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvbroker", "serve", "--socket", sock, "--pool-size", pool,
-         "--log-level", "warning"],
-    )  # fmt: skip
-    for _ in range(300):
-        try:
-            Client(sock, map_pools=False).close()
-            return proc
-        except Exception:
-            time.sleep(0.05)
-    proc.kill()
-    raise SystemExit("daemon did not start")
 
 
 def main() -> None:
@@ -54,12 +37,9 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="also write the figures here")
     args = ap.parse_args()
     size = parse_size(args.size)
-    tmp = tempfile.mkdtemp(prefix="kvb-bench-")
-    sock = os.path.join(tmp, "kvb.sock")
-    daemon = start_daemon(sock, str(max(8 * size, 256 << 20)))
-
-    try:
-        c = Client(sock)
+    with running_daemon("--log-level", "warning", pool_size=str(max(8 * size, 256 << 20)),
+                        page_size=None) as daemon:  # fmt: skip
+        c = daemon.client()
         src = np.random.default_rng(0).integers(0, 256, size, dtype=np.uint8)
         out = np.empty_like(src)
         variants = {
@@ -110,9 +90,6 @@ def main() -> None:
             with open(args.json, "w") as f:
                 json.dump(report, f, indent=2)
         c.close()
-    finally:
-        daemon.terminate()
-        daemon.wait()
 
 
 if __name__ == "__main__":

@@ -19,18 +19,15 @@ import json
 import os
 import platform
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from kvbroker import BrokerUnavailable, Client
 from kvbroker._tp import shard_heads
 from kvbroker.kv import PagedKV, claim_shards, publish_shard
+from kvbroker.testing import running_daemon
 
 LAYERS, HEADS, DIM, TOKENS, BLOCK = 64, 8, 128, 1024, 16
 LAYOUTS = {
@@ -38,23 +35,6 @@ LAYOUTS = {
     "kv-first-HND": ("kv", "block", "head", "token", "head_dim"),
 }
 CONFIGS = [(1, 1), (4, 1), (1, 4)]
-
-
-def start_daemon(tmp: str) -> subprocess.Popen:
-    sock = os.path.join(tmp, "kvb.sock")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvbroker", "serve", "--socket", sock, "--pool-size", "1G"],
-        stdout=open(os.path.join(tmp, "daemon.log"), "wb"), stderr=subprocess.STDOUT,
-    )  # fmt: skip
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            Client(sock, map_pools=False).close()
-            return proc
-        except BrokerUnavailable:
-            time.sleep(0.05)
-    proc.kill()
-    raise RuntimeError("daemon did not start")
 
 
 def make_cache(axes, heads: int, rng, fill: bool):
@@ -153,24 +133,19 @@ def main() -> None:
     torch.set_num_threads(1)  # numpy does the copies; keep torch from competing for 2 cores
     rng = np.random.default_rng(0)
     results = {}
-    with tempfile.TemporaryDirectory(prefix="kvbtp") as tmp:
-        daemon = start_daemon(tmp)
-        try:
-            with Client(os.path.join(tmp, "kvb.sock")) as client:
-                for layout in args.layout or sorted(LAYOUTS):
-                    rows = run_layout(client, LAYOUTS[layout], args.repeats, rng)
-                    homo = rows[0]["claim_GBps"]
-                    for row in rows:
-                        row["claim_vs_homogeneous"] = row["claim_GBps"] / homo
-                        print(f"{layout:17s} P={row['P']} D={row['D']}: "
-                              f"{row['copy_ops_per_claim']} copy ops/claim, "
-                              f"{row['source_runs_per_claim']} runs/claim, claim "
-                              f"{row['claim_GBps']:.2f} GB/s ({row['claim_vs_homogeneous']:.2f}x), "
-                              f"publish {row['publish_GBps']:.2f} GB/s", flush=True)  # fmt: skip
-                    results[layout] = rows
-        finally:
-            daemon.terminate()
-            daemon.wait(30)
+    with running_daemon(pool_size="1G", page_size=None) as daemon:
+        with daemon.client() as client:
+            for layout in args.layout or sorted(LAYOUTS):
+                rows = run_layout(client, LAYOUTS[layout], args.repeats, rng)
+                homo = rows[0]["claim_GBps"]
+                for row in rows:
+                    row["claim_vs_homogeneous"] = row["claim_GBps"] / homo
+                    print(f"{layout:17s} P={row['P']} D={row['D']}: "
+                          f"{row['copy_ops_per_claim']} copy ops/claim, "
+                          f"{row['source_runs_per_claim']} runs/claim, claim "
+                          f"{row['claim_GBps']:.2f} GB/s ({row['claim_vs_homogeneous']:.2f}x), "
+                          f"publish {row['publish_GBps']:.2f} GB/s", flush=True)  # fmt: skip
+                results[layout] = rows
     report = {
         "request": {"tokens": TOKENS, "layers": LAYERS, "kv_heads": HEADS, "head_dim": DIM,
                     "dtype": "bfloat16", "block_size": BLOCK, "block_ids": "scattered"},

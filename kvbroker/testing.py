@@ -94,17 +94,18 @@ class DaemonProcess:
 
 
 @contextlib.contextmanager
-def running_daemon(*args: str, pool_size: str = "64M", page_size: str = "4K",
+def running_daemon(*args: str, pool_size: str = "64M", page_size: str | None = "4K",
                    env: dict | None = None) -> Iterator[DaemonProcess]:  # fmt: skip
     """A private daemon on a socket in a fresh temporary directory, stopped on exit.
 
-    ``args`` are more ``kvbroker serve`` flags. Raises RuntimeError if the daemon does not
-    exit cleanly (status 0) when stopped, so a test cannot pass over a daemon that crashed.
+    ``args`` are more ``kvbroker serve`` flags; ``page_size`` None keeps the daemon's default.
+    Raises RuntimeError if the daemon does not exit cleanly (status 0) when stopped, so a test
+    cannot pass over a daemon that crashed.
     """
     # Unix socket paths are limited to ~107 bytes: a short directory under /tmp.
     tmp = tempfile.mkdtemp(prefix="kvb-", dir="/tmp")
-    daemon = DaemonProcess(os.path.join(tmp, "kvb.sock"), "--pool-size", pool_size,
-                           "--page-size", page_size, *args, env=env)  # fmt: skip
+    sizes = ("--pool-size", pool_size) + (("--page-size", page_size) if page_size else ())
+    daemon = DaemonProcess(os.path.join(tmp, "kvb.sock"), *sizes, *args, env=env)
     try:
         yield daemon
     finally:
