@@ -110,5 +110,30 @@ class Session:
         else:
             self._pushes.append(msg)
 
-    def close(self) -> None:
+    def close(self, drain_timeout: float = 5.0) -> None:
+        """Close the connection, first reading the replies to ``send_only`` requests: a
+        pipelined release has then taken effect in the daemon before ``close`` returns, so a
+        consume-claim's freeing is visible to every other client afterwards. A daemon that
+        does not answer within ``drain_timeout`` seconds is not waited for further."""
+        # Not waiting on the lock: a thread blocked in a call (``next_push`` of a watcher) is
+        # woken by the close instead, as before.
+        if self._lock.acquire(blocking=False):
+            try:
+                if self._unanswered and not self.broken:
+                    self._drain(drain_timeout)
+            finally:
+                self._lock.release()
         self._stream.close()
+
+    def _drain(self, timeout: float) -> None:
+        try:
+            self._stream.transport.settimeout(timeout)
+            while self._unanswered:
+                msg = self._stream.receive()
+                if isinstance(msg, dict) and msg.get("id") in self._unanswered:
+                    self._settle(msg)
+                elif isinstance(msg, dict) and "push" in msg:
+                    self._deliver(msg)
+        except Exception as exc:  # closing regardless: the daemon ends what is left
+            log.debug("closing without the replies to %d requests: %s", len(self._unanswered),
+                      exc)

@@ -103,6 +103,19 @@ def test_reserve_view_fill_and_seal_on_exit(client):
             r["past_key.0"][0] = 1  # read-only view
 
 
+def test_close_lands_pipelined_releases_before_returning(daemon, client):
+    # A consume-claim's release is pipelined (its reply read by the next call). Closing the
+    # client must still land it: once close returns, every other client sees the key freed.
+    for i in range(20):
+        client.put(f"once-{i}", {"x": b"kv"}, consumers=1)
+        with Client(daemon.socket_path) as decoder:
+            with decoder.claim(f"once-{i}", consume=True) as lease:
+                assert bytes(lease["x"]) == b"kv"
+            assert decoder._session._unanswered  # the release went out unanswered...
+        assert not decoder._session._unanswered  # ...and close read its reply
+        assert not client.exists(f"once-{i}")
+
+
 def test_exception_in_reserve_block_aborts(client):
     with pytest.raises(RuntimeError):
         with client.reserve("boom", {"x": 4096}):
