@@ -11,7 +11,9 @@ Ownership, from the client's side
   valid until ``release`` (the end of the ``with`` block), TTL expiry or the connection
   closing. Copy out what you need to keep. ``release`` raising
   :class:`~kvbroker.errors.LeaseExpired` means the lease ended early and what you read may
-  have been overwritten.
+  have been overwritten. A release well inside the lease's TTL is pipelined: it takes effect
+  in the daemon before the client's next call is answered, and at the latest before
+  ``close`` returns (which is when a consume-claim's freeing is visible to other clients).
 - ``put`` and ``get`` do the above for you, copying each byte exactly once.
 - Pools are mapped once per process and shared by every client in it.
 """
