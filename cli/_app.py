@@ -116,6 +116,10 @@ def serve(
         None, help="Allocate a GPU staging ring of this size on each visible GPU, shared "
         "with clients through CUDA IPC (e.g. 1G).", show_default="off",
     ),  # fmt: skip
+    restart_quarantine: Optional[str] = typer.Option(
+        None, help="Keep pages a writer may still be copying into (after a daemon restart or a "
+        "cut-off) out of use this long.", show_default="10s",
+    ),  # fmt: skip
     keep_pools_on_exit: Optional[bool] = typer.Option(
         None, "--keep-pools-on-exit/--drop-pools-on-exit",
         help="On a clean stop, keep the pools and their index for the next daemon "
@@ -143,7 +147,7 @@ def serve(
         "low_watermark": low_watermark, "group": group, "log_level": log_level,
         "drain_timeout": drain_timeout, "max_connections": max_connections, "metrics": metrics,
         "keep_pools_on_exit": keep_pools_on_exit, "cold": True if cold else None,
-        "gpu_ring": gpu_ring,
+        "gpu_ring": gpu_ring, "restart_quarantine": restart_quarantine,
     }  # fmt: skip
     reload_config = functools.partial(load_config, config, flags=flags)
     try:

@@ -48,7 +48,7 @@ _LEASE_TAKING_OPS = frozenset({"reserve", "reserve_blocks", "claim", "match_pref
 # What SIGHUP can change in a running daemon; everything else needs a restart.
 _RELOADABLE = ("lease_ttl", "high_watermark", "low_watermark", "log_level", "drain_timeout",
                "max_connections", "busy_poll", "require_checksums", "max_leases_per_client",
-               "max_write_buffer", "isolation", "quotas")
+               "max_write_buffer", "isolation", "quotas", "restart_quarantine")
 
 
 class DaemonError(Exception):
@@ -766,6 +766,8 @@ class Daemon:
             self.broker.low_watermark = old.low_watermark
             self.broker.require_checksums = old.require_checksums
             self.broker.max_leases_per_client = old.max_leases_per_client
+            # Deadlines already set keep their length; pages quarantined from now on get the new one.
+            self.broker.restart_quarantine = old.restart_quarantine
             self.broker.set_policy(old.isolation, old.quotas)
             for conn in self.connections:  # the new bound applies to every connection
                 if conn.transport is not None and not conn.closed:

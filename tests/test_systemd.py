@@ -308,7 +308,8 @@ def test_sighup_reloads_what_can_change(make_daemon, tmp_path):
     d = make_daemon("--config", str(conf))
     assert _hello_ttl(d) == 30
     conf.write_text('pool_size = "32M"\npage_size = "4K"\nlease_ttl = "5s"\n'
-                    "high_watermark = 0.8\nlow_watermark = 0.5\nlog_level = \"debug\"\n")
+                    "high_watermark = 0.8\nlow_watermark = 0.5\nlog_level = \"debug\"\n"
+                    'restart_quarantine = "45s"\n')
     d.proc.send_signal(signal.SIGHUP)
     _wait_for(lambda: _hello_ttl(d) == 5)
     with d.client(map_pools=False) as c:
@@ -318,6 +319,7 @@ def test_sighup_reloads_what_can_change(make_daemon, tmp_path):
     log = d.log()
     assert "pool_size changed" in log and "needs a restart" in log  # ...and says so
     assert "lease_ttl 30.0 -> 5.0" in log
+    assert "restart_quarantine 10.0 -> 45.0" in log and "restart_quarantine changed" not in log
 
     conf.write_text('pools = "many"\n')  # a bad edit keeps the running configuration
     d.proc.send_signal(signal.SIGHUP)
