@@ -207,13 +207,19 @@ def test_socket_activation_serves_on_the_passed_socket(tmp_path):
 
 
 # -- SIGTERM drain -------------------------------------------------------------------------
+def _wait_until_draining(d: DaemonProcess) -> None:
+    """Until the daemon has acted on SIGTERM: it logs this once it stopped accepting and
+    refuses new leases. (A fixed sleep is not enough on a loaded machine.)"""
+    _wait_for(lambda: "stopping: waiting up to" in d.log())
+
+
 def test_sigterm_drains_a_held_lease_then_exits_0(make_daemon):
     d = make_daemon("--pool-size", "16M", "--page-size", "4K", "--drain-timeout", "20s")
     writer = d.client()
     lease = writer.reserve("k", {"x": 4096})
     t0 = time.monotonic()
     d.proc.send_signal(signal.SIGTERM)
-    time.sleep(0.5)
+    _wait_until_draining(d)
     assert d.proc.poll() is None, "stopped without waiting for the write lease"
     with pytest.raises(BrokerUnavailable):  # no longer accepting
         Client(d.socket_path, map_pools=False, timeout=2)
@@ -234,7 +240,7 @@ def test_draining_publish_uses_the_arena_it_holds_and_gets_no_fresh_one(make_dae
     assert c._arena.id is not None
     lease = c.reserve("held", {"x": 4096})  # keeps the daemon draining
     d.proc.send_signal(signal.SIGTERM)
-    time.sleep(0.5)
+    _wait_until_draining(d)
     assert c.put("during", {"x": b"b" * 4096})  # pages it already held
     assert c._arena.id is None  # the daemon handed out no fresh arena
     assert c.lookup("during") is not None
@@ -253,7 +259,7 @@ def test_draining_refuses_every_lease_taking_op_by_its_real_name(make_daemon):
     assert c.put("k", {"x": b"abc"})
     lease = c.reserve("held", {"x": 4096})  # keeps the daemon draining
     d.proc.send_signal(signal.SIGTERM)
-    time.sleep(0.5)
+    _wait_until_draining(d)
     for op, args in [("match_prefix", {"keys": ["k"]}),
                      ("reserve_blocks", {"blocks": [{"key": "b", "buffers": {"x": 8}}]}),
                      ("claim", {"key": "k"})]:  # fmt: skip
@@ -283,7 +289,9 @@ def test_second_sigterm_stops_without_waiting(make_daemon):
     c = d.client()
     c.reserve("k", {"x": 4096})
     d.proc.send_signal(signal.SIGTERM)
-    time.sleep(0.3)
+    # A second SIGTERM sent before the first was delivered would merge with it (a pending
+    # signal is not queued twice): wait until the daemon is draining.
+    _wait_until_draining(d)
     d.proc.send_signal(signal.SIGTERM)
     assert d.proc.wait(10) == 0
     c.close()
