@@ -79,7 +79,9 @@ def test_sigkill_with_leases_leaves_pool_as_before(daemon):
         assert mid.write_leases == 1 and mid.read_leases == 1
         os.kill(p.pid, signal.SIGKILL)
         p.join(10)
-        deadline = time.monotonic() + 1.0
+        # The daemon ends the dead connection's leases when it reads the EOF: soon, but on a
+        # loaded machine not within any fixed second.
+        deadline = time.monotonic() + 10
         while True:
             after = c.stat()
             if after.write_leases == after.read_leases == 0 or time.monotonic() > deadline:
