@@ -18,7 +18,10 @@ stopped after the test, which fails if the daemon did not exit cleanly) and
 
 Ownership: the daemon, its socket, journal and shared-memory pools belong to the
 :class:`DaemonProcess`; :meth:`DaemonProcess.stop` (or leaving ``running_daemon``) ends the
-daemon with SIGTERM, which unlinks the pools, and removes the temporary directory.
+daemon with SIGTERM, which unlinks the pools, and removes the temporary directory. A daemon
+that was killed instead leaves its pools to the next daemon of its socket (a warm restart);
+a test's private socket gets none, so :func:`drop_leftover_pools` frees them at teardown
+(``running_daemon`` does it for you).
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from pathlib import Path
 from ._client import Client
 from .errors import BrokerUnavailable
 
-__all__ = ["DaemonProcess", "running_daemon"]
+__all__ = ["DaemonProcess", "drop_leftover_pools", "running_daemon"]
 
 
 class DaemonProcess:
@@ -93,6 +96,33 @@ class DaemonProcess:
         return self.proc.returncode
 
 
+def drop_leftover_pools(socket_path: str) -> list[str]:
+    """Unlink the pools a dead daemon of ``socket_path`` left for its successor, and its
+    journal, as ``kvbroker serve --cold`` would; returns the segment names removed.
+
+    Only once no daemon serves ``socket_path`` and none will: for a test's private socket
+    at teardown, where a killed daemon's pools (they outlive it, in /dev/shm) would
+    otherwise stay until the machine reboots.
+    """
+    import posix_ipc
+
+    from ._journal import Journal, JournalError, journal_path
+
+    path = journal_path(socket_path)
+    try:
+        recovered = Journal.load(path)
+    except JournalError:
+        recovered = None
+    removed = []
+    for pool in recovered.pools if recovered else ():
+        with contextlib.suppress(posix_ipc.ExistentialError):
+            posix_ipc.unlink_shared_memory(pool["name"])
+            removed.append(pool["name"])
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    return removed
+
+
 @contextlib.contextmanager
 def running_daemon(*args: str, pool_size: str = "64M", page_size: str | None = "4K",
                    env: dict | None = None) -> Iterator[DaemonProcess]:  # fmt: skip
@@ -111,6 +141,7 @@ def running_daemon(*args: str, pool_size: str = "64M", page_size: str | None = "
     finally:
         status = daemon.stop()
         log = daemon.log_path.read_text(errors="replace")
+        drop_leftover_pools(daemon.socket_path)
         shutil.rmtree(tmp, ignore_errors=True)
     if status != 0:
         raise RuntimeError(f"kvbroker daemon exited with {status}:\n{log}")

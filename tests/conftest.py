@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import settings
 
-from kvbroker.testing import DaemonProcess
+from kvbroker.testing import DaemonProcess, drop_leftover_pools
 
 # pytester: tests/test_testing.py runs a user's test file against kvbroker.testing's fixtures.
 pytest_plugins = ["pytester"]
@@ -52,3 +52,4 @@ def make_daemon(tmp_path_factory):
     yield make
     for proc in made:
         proc.stop()
+        drop_leftover_pools(proc.socket_path)  # one socket each: no successor will adopt them

@@ -17,7 +17,7 @@ import time
 import msgpack
 import numpy as np
 import pytest
-from conftest import DaemonProcess
+from conftest import DaemonProcess, drop_leftover_pools
 
 from kvbroker._broker import Broker
 from kvbroker._journal import Journal
@@ -68,6 +68,7 @@ def daemons(socket_path):
     yield start
     for d in started:
         d.stop()
+    drop_leftover_pools(socket_path)  # a daemon killed last left its pools
 
 
 # -- warm restart ---------------------------------------------------------------------------

@@ -12,7 +12,7 @@ import numpy as np
 import posix_ipc
 import pytest
 
-from conftest import DaemonProcess
+from conftest import DaemonProcess, drop_leftover_pools
 from kvbroker import BrokerUnavailable, Client, LeaseExpired, NotFound
 from kvbroker._allocator import ExtentAllocator
 from kvbroker._broker import Broker
@@ -41,6 +41,7 @@ def daemons(socket_path):
     yield start
     for d in started:
         d.stop()
+    drop_leftover_pools(socket_path)  # a daemon killed last left its pools
 
 
 def segment_exists(name: str) -> bool:

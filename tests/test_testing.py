@@ -1,10 +1,11 @@
 """kvbroker.testing: what users' own test suites get (a private daemon, pytest fixtures)."""
 
 import os
+import signal
 
 import pytest
 
-from kvbroker.testing import running_daemon
+from kvbroker.testing import drop_leftover_pools, running_daemon
 
 
 def test_running_daemon_serves_a_private_socket_and_cleans_up():
@@ -22,8 +23,24 @@ def test_running_daemon_serves_a_private_socket_and_cleans_up():
 def test_running_daemon_reports_a_daemon_that_did_not_exit_cleanly():
     with pytest.raises(RuntimeError, match="exited with"):
         with running_daemon() as daemon:
+            with daemon.client() as c:
+                names = [p["name"] for p in c.pools]
             daemon.proc.kill()
             daemon.proc.wait()
+            assert all(os.path.exists("/dev/shm" + n) for n in names)  # kept for a successor
+    for name in names:  # which a private socket never gets: they went with it
+        assert not os.path.exists("/dev/shm" + name)
+
+
+def test_drop_leftover_pools_frees_what_a_killed_daemon_left(make_daemon):
+    d = make_daemon("--pool-size", "4M")
+    with d.client() as c:
+        names = [p["name"] for p in c.pools]
+        c.put("k", {"x": b"kv"})
+    d.stop(signal.SIGKILL)
+    assert drop_leftover_pools(d.socket_path) == names
+    assert not any(os.path.exists("/dev/shm" + n) for n in names)
+    assert drop_leftover_pools(d.socket_path) == []  # nothing left: a no-op
 
 
 def test_bad_arguments_fail_with_the_daemons_message():
