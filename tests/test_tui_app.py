@@ -16,6 +16,7 @@ from kvbroker.tui._objects import ObjectsTable  # noqa: E402
 from kvbroker.tui._pool_panel import PoolPanel  # noqa: E402
 from kvbroker.tui._status import StatusLine  # noqa: E402
 from kvbroker.tui._tables import ClientsTable, TransfersTable  # noqa: E402
+from kvbroker.errors import BrokerUnavailable  # noqa: E402
 from kvbroker.tui.testing import FakeSource, make_object, make_snapshot  # noqa: E402
 
 SIZE = (140, 45)
@@ -255,3 +256,39 @@ async def test_help_screen_lists_keys_and_closes():
             assert key in help_text
         await pilot.press("escape")
         await until(pilot, lambda: not isinstance(app.screen, HelpScreen))
+
+
+
+class _PushDuringShutdown(FakeSource):
+    """A daemon whose next snapshot (or lost connection) arrives while the app shuts down,
+    once the status line is gone: Textual removes the widgets before it stops the workers."""
+
+    def __init__(self, fail: bool) -> None:
+        super().__init__()
+        self.fail = fail
+        self.app: MonitorApp | None = None
+
+    async def next_snapshot(self):
+        if not self.app.snapshots_seen:
+            return await super().next_snapshot()
+        status = self.app.query_one(StatusLine)
+        while status.is_attached:
+            await asyncio.sleep(0.001)
+        if self.fail:
+            raise BrokerUnavailable("the daemon closed the connection")
+        return make_snapshot(1)
+
+
+@pytest.mark.parametrize("fail", [False, True], ids=["snapshot", "disconnect"])
+def test_a_push_arriving_during_shutdown_is_not_drawn(fail):
+    # Drawing it failed the app on exit (NoMatches: no StatusLine), which a user quitting
+    # the monitor saw as a traceback, and the live-daemon test as a flake.
+    async def scenario() -> None:
+        source = _PushDuringShutdown(fail)
+        app = source.app = MonitorApp(source, retry_delay=3600)
+        async with app.run_test(size=SIZE) as pilot:
+            source.feed(make_snapshot(0))
+            await until(pilot, lambda: app.snapshots_seen == 1)
+        assert app.snapshots_seen == 1 and app.connected
+
+    asyncio.run(asyncio.wait_for(scenario(), 60))

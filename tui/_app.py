@@ -79,14 +79,21 @@ class MonitorApp(App):
         self.run_worker(self._stream(), exclusive=True, group="stream", name="stream")
 
     async def _stream(self) -> None:
+        # On exit Textual removes the widgets before it cancels this worker: what arrives in
+        # between (a snapshot, a lost connection) is not drawn, or the app fails (NoMatches).
         attempt = 0
         while True:
             try:
                 await self.source.connect(self.interval)
                 attempt = 0
                 while True:
-                    self._take(await self.source.next_snapshot())
+                    snap = await self.source.next_snapshot()
+                    if not self.is_running:
+                        return
+                    self._take(snap)
             except (KVBrokerError, OSError) as exc:
+                if not self.is_running:
+                    return
                 attempt += 1
                 self._lost(str(exc) or type(exc).__name__, attempt)
             await self.source.close()
