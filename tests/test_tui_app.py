@@ -9,6 +9,7 @@ import pytest
 
 pytest.importorskip("textual")
 
+from kvbroker.errors import BrokerUnavailable  # noqa: E402
 from kvbroker.tui._app import MonitorApp  # noqa: E402
 from kvbroker.tui._meter import Meter  # noqa: E402
 from kvbroker.tui._modals import ConfirmScreen, HelpScreen  # noqa: E402
@@ -16,7 +17,6 @@ from kvbroker.tui._objects import ObjectsTable  # noqa: E402
 from kvbroker.tui._pool_panel import PoolPanel  # noqa: E402
 from kvbroker.tui._status import StatusLine  # noqa: E402
 from kvbroker.tui._tables import ClientsTable, TransfersTable  # noqa: E402
-from kvbroker.errors import BrokerUnavailable  # noqa: E402
 from kvbroker.tui.testing import FakeSource, make_object, make_snapshot  # noqa: E402
 
 SIZE = (140, 45)
@@ -256,7 +256,6 @@ async def test_help_screen_lists_keys_and_closes():
             assert key in help_text
         await pilot.press("escape")
         await until(pilot, lambda: not isinstance(app.screen, HelpScreen))
-
 
 
 class _PushDuringShutdown(FakeSource):
