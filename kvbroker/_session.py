@@ -13,7 +13,7 @@ from typing import Any
 
 from ._framing import MessageStream
 from ._protocol import PROTOCOL_VERSION
-from .errors import BrokerUnavailable, ProtocolError, error_for_code
+from .errors import BrokerUnavailable, KVBrokerError, ProtocolError, error_for_code
 
 __all__ = ["Session"]
 
@@ -74,8 +74,29 @@ class Session:
     def _send(self, op: str, args: dict) -> int:
         rid = self._next_id
         self._next_id += 1
-        self._stream.send({"id": rid, "op": op, "args": args})
+        try:
+            self._stream.send({"id": rid, "op": op, "args": args})
+        except BrokerUnavailable:
+            self.broken = True
+            self._raise_parting_error()
+            raise
         return rid
+
+    def _raise_parting_error(self) -> None:
+        """The write failed: the daemon hung up. If it said why first (a connection refused
+        for max_connections, a protocol error), raise that typed error rather than a broken
+        pipe: the daemon may close before this request even went out (a client slow between
+        connect and hello), yet its last message is still there to read."""
+        try:
+            self._stream.transport.settimeout(1.0)  # the daemon is gone: EOF comes at once
+            while True:
+                msg = self._stream.receive()
+                if isinstance(msg, dict) and msg.get("id") is None and msg.get("ok") is False:
+                    err = msg.get("error") or {}
+                    break
+        except (KVBrokerError, OSError):  # OSError: another thread closed the socket
+            return  # it said nothing more: the broken pipe stands
+        raise error_for_code(str(err.get("code", "error")), str(err.get("message", "")))
 
     def _settle(self, msg: dict) -> None:
         self._unanswered.discard(msg["id"])

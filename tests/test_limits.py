@@ -147,6 +147,29 @@ def test_connection_limit(make_daemon):
                 c.close()
 
 
+def test_refused_connection_says_why_even_when_hello_goes_out_late(make_daemon, monkeypatch):
+    # The daemon refuses a connection past max_connections at once, then hangs up. A client
+    # that sends its hello only after that (it was descheduled) gets a broken pipe writing:
+    # it must still report the refusal, not "lost the daemon".
+    import select
+
+    from kvbroker import _transport
+
+    d = make_daemon("--pool-size", "8M", "--page-size", "4K",
+                    env={"KVBROKER_MAX_CONNECTIONS": "1"})  # fmt: skip
+    real_send = _transport.UnixTransport.send
+
+    def send_after_the_refusal(self, data):
+        assert select.select([self._sock], [], [], 10)[0], "no refusal came"
+        time.sleep(0.1)  # and the hang-up after it
+        return real_send(self, data)
+
+    with _retry_connect(d):
+        monkeypatch.setattr(_transport.UnixTransport, "send", send_after_the_refusal)
+        with pytest.raises(LimitExceeded, match="max_connections"):
+            Client(d.socket_path, map_pools=False, timeout=5)
+
+
 def _try_connect(d):
     try:
         c = d.client(map_pools=False)
