@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -147,9 +148,13 @@ class Session:
         self._stream.close()
 
     def _drain(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout  # pushes (a watch) must not keep it waiting
         try:
-            self._stream.transport.settimeout(timeout)
             while self._unanswered:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"no reply within {timeout:g} s")
+                self._stream.transport.settimeout(left)
                 msg = self._stream.receive()
                 if isinstance(msg, dict) and msg.get("id") in self._unanswered:
                     self._settle(msg)

@@ -1,0 +1,62 @@
+"""Session: the layer that matches replies to requests, here over a scripted stream."""
+
+import time
+
+from kvbroker._protocol import PROTOCOL_VERSION
+from kvbroker._session import Session
+
+
+class _Transport:
+    def __init__(self) -> None:
+        self.timeouts: list[float | None] = []
+
+    def settimeout(self, timeout: float | None) -> None:
+        self.timeouts.append(timeout)
+
+
+class ScriptedStream:
+    """Answers hello, then plays ``script`` (a callable giving the next message)."""
+
+    def __init__(self, script) -> None:
+        self.transport = _Transport()
+        self.sent: list[dict] = []
+        self.closed = False
+        self._script = script
+
+    def send(self, message: dict) -> None:
+        self.sent.append(message)
+
+    def receive(self) -> dict:
+        last = self.sent[-1]
+        if last["op"] == "hello" and len(self.sent) == 1 and not getattr(self, "_greeted", 0):
+            self._greeted = 1
+            return {"id": last["id"], "ok": True,
+                    "result": {"version": PROTOCOL_VERSION, "session": 1}}  # fmt: skip
+        return self._script(self)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_close_reads_the_replies_to_pipelined_requests():
+    stream = ScriptedStream(lambda s: {"id": s.sent[-1]["id"], "ok": True, "result": None})
+    session = Session(stream)
+    session.send_only("release", lease=7)
+    assert session._unanswered
+    session.close()
+    assert not session._unanswered and stream.closed
+
+
+def test_close_is_bounded_when_only_pushes_arrive():
+    # A watch connection whose pipelined reply never comes: the pushes every interval must
+    # not keep close waiting past its bound.
+    def pushes(s):
+        time.sleep(0.01)
+        return {"push": "stat", "result": {}}
+
+    session = Session(ScriptedStream(pushes))
+    session.send_only("release", lease=7)
+    started = time.monotonic()
+    session.close(drain_timeout=0.2)
+    assert time.monotonic() - started < 2
+    assert session._stream.closed
