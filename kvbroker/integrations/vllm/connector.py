@@ -17,8 +17,12 @@ longest prefix of each prompt the node holds instead of computing it; ``kv_both`
 - ``peer_tp_sizes``: TP sizes of the other engines whose blocks this one may read (a decode
   engine with TP 2 reading a prefill engine with TP 4: ``[4]``);
 - ``timeout`` (seconds, default 5): the longest a broker call may take before the broker
-  is treated as down; ``retry_max`` (seconds, default 30): the longest backoff between
-  reconnection attempts.
+  is treated as down; ``retry_min`` / ``retry_max`` (seconds, default 1 / 30): the first and
+  the longest wait between reconnection attempts while it is down;
+- ``kv_load_failure_policy`` (default ``"recompute"``): what vLLM does with blocks that could
+  not be loaded (evicted since the lookup, broker down). The connector sets vLLM's
+  ``kv_transfer_config.kv_load_failure_policy`` to this, because vLLM's own default,
+  ``"fail"``, fails the request, which suits a transfer that must arrive, not a cache.
 
 Which parts run where, what they hold, and who owns every buffer: :mod:`._scheduler`
 (lookups and the per-step plan, in the scheduler process), :mod:`._worker` and
@@ -131,15 +135,23 @@ class KVBrokerConnector(KVConnectorBase_V1):
         peers = tuple(int(p) for p in extra.get("peer_tp_sizes", ()))
         socket = extra.get("socket") or os.environ.get("KVBROKER_SOCKET") or None
         timeout = float(extra.get("timeout", 5.0))
-        retry_max = float(extra.get("retry_max", 30.0))
+        retry = {"retry_min": float(extra.get("retry_min", 1.0)),
+                 "retry_max": float(extra.get("retry_max", 30.0))}
         self._warnings = Warnings()
         kv_role = config.kv_role
+        # vLLM fails a request whose KV did not load by default ("fail"): right for a P/D
+        # transfer that must arrive, wrong for a cache, where a block evicted since the lookup
+        # is a miss. The blocks are recomputed instead, unless the extra config insists.
+        policy = extra.get("kv_load_failure_policy", "recompute")
+        if policy not in ("recompute", "fail"):
+            raise ValueError(f"kv_load_failure_policy must be 'recompute' or 'fail', not {policy!r}")
+        config.kv_load_failure_policy = policy
         save, load = kv_role in ("kv_producer", "kv_both"), kv_role in ("kv_consumer", "kv_both")
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             link = BrokerLink(socket, name=f"vllm-scheduler-{os.getpid()}", role=kv_role,
-                              map_pools=False, timeout=timeout, retry_max=retry_max,
+                              map_pools=False, timeout=timeout, **retry,
                               warnings=self._warnings)  # fmt: skip
             self._scheduler = SchedulerSide(
                 link=link, namespace=self._namespace, block_size=self._block_size,
@@ -149,8 +161,8 @@ class KVBrokerConnector(KVConnectorBase_V1):
         else:
             tp_rank = _tp_rank()
             link = BrokerLink(socket, name=f"vllm-worker-tp{tp_rank}of{self._tp_size}",
-                              role=kv_role, map_pools=True, timeout=timeout,
-                              retry_max=retry_max, warnings=self._warnings)  # fmt: skip
+                              role=kv_role, map_pools=True, timeout=timeout, **retry,
+                              warnings=self._warnings)  # fmt: skip
             self._worker = WorkerSide(
                 link=link, namespace=self._namespace, block_size=self._block_size,
                 total_kv_heads=self._total_kv_heads, latent=self._latent, tp_rank=tp_rank,

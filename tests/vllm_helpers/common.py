@@ -34,7 +34,7 @@ needs_vllm = pytest.mark.skipif(vllm_skip_reason() is not None, reason=vllm_skip
 
 
 def engine_process(spec: dict, workdir: str | os.PathLike) -> subprocess.Popen:
-    """Start ``tests/vllm/engine.py`` on ``spec`` in its own process (returns at once)."""
+    """Start ``tests/vllm_helpers/engine.py`` on ``spec`` in its own process (returns at once)."""
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "spec.json").write_text(json.dumps(spec))
@@ -43,7 +43,7 @@ def engine_process(spec: dict, workdir: str | os.PathLike) -> subprocess.Popen:
            "TOKENIZERS_PARALLELISM": "false", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}  # fmt: skip
     return subprocess.Popen(
-        [sys.executable, "-m", "tests.vllm.engine", str(workdir / "spec.json"),
+        [sys.executable, "-m", "tests.vllm_helpers.engine", str(workdir / "spec.json"),
          str(workdir / "out.json")], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env,
     )  # fmt: skip
 
@@ -70,7 +70,7 @@ def run_engine(spec: dict, workdir: str | os.PathLike, timeout: float = 240) -> 
 
 
 def tiny_model(directory: str | os.PathLike, arch: str = "llama") -> str:
-    from tests.vllm.engine import make_model
+    from tests.vllm_helpers.engine import make_model
 
     path = str(Path(directory) / f"tiny-{arch}")
     if not os.path.exists(os.path.join(path, "config.json")):

@@ -2,7 +2,7 @@
 
 A helper of tests/test_vllm_e2e.py (run as a separate process, as a deployment would):
 
-    python -m tests.vllm.engine SPEC.json OUT.json
+    python -m tests.vllm_helpers.engine SPEC.json OUT.json
 
 SPEC: {"model": dir, "prompts": [[ids...]...], "max_tokens": n, "role": null |
 "kv_producer" | "kv_consumer" | "kv_both", "socket": path, "extra": {...},
