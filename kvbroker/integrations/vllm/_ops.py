@@ -76,3 +76,21 @@ def pool_address(client, pool: int) -> int:
         return ctypes.addressof(anchor)
     finally:
         del anchor
+
+
+def match_extents(match) -> tuple[list[str], object]:
+    """The extents of every key a prefix match leases, without making a view per buffer:
+    ``(names, rows)`` where ``rows`` is an int64 array ``[keys, 1 + 2·len(names)]`` of
+    ``pool, offset, nbytes, offset, nbytes, ...`` in ``names`` order (the daemon's compact
+    reply), or a per-key list of ``{name: (pool, offset, nbytes)}`` maps when the keys'
+    buffers differ."""
+    import numpy as np
+
+    names = list(match._names)
+    packed = match._packed
+    if packed is not None:
+        return names, np.frombuffer(packed, dtype="<i8").reshape(-1, 1 + 2 * len(names))
+    raw = match._raw
+    if raw and isinstance(raw[0], dict):
+        return names, [{n: tuple(e) for n, e in r.items()} for r in raw]
+    return names, np.asarray(raw, dtype=np.int64).reshape(-1, 1 + 2 * len(names))

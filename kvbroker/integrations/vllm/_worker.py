@@ -146,9 +146,10 @@ class WorkerSide:
                 else:
                     from ._cuda import load_cuda
 
-                    loaded = load_cuda(self._gpu_client(client), self.namespace, self.fmt,
-                                       self.cache, spec.hashes, spec.block_ids,
-                                       self.peer_tp_sizes)  # fmt: skip
+                    g = self._gpu_client(client)
+                    loaded = load_cuda(client, self.namespace, self.fmt, self.cache, spec.hashes,
+                                       spec.block_ids, self.peer_tp_sizes,
+                                       stream=g.stream)  # fmt: skip
                 if loaded < n_want:
                     why = "blocks were evicted since the lookup"
             except KVBrokerError as exc:
@@ -282,8 +283,9 @@ class WorkerSide:
             self._skip(len(items), "the broker is unavailable")
             return
         try:
-            new, existing = save_cuda(self._gpu_client(client), self.namespace, self.fmt,
-                                      self.cache, items)  # fmt: skip
+            g = self._gpu_client(client)
+            new, existing = save_cuda(client, self.namespace, self.fmt, self.cache, items,
+                                      stream=g.stream)  # fmt: skip
         except (PoolFull, QuotaExceeded) as exc:
             self._skip(len(items), f"{type(exc).__name__}: {exc}")
             return
