@@ -93,6 +93,31 @@ def _copy_from_pool(dst, view) -> None:
 # -- model facts ----------------------------------------------------------------------------
 
 
+def cached_kv_heads(config: Any) -> int:
+    """KV heads per layer in the model's cache, counted the way its attention counts them.
+
+    Most configs say it (``num_key_value_heads``; Falcon's ``num_kv_heads``). Multi-query
+    models whose config keeps no such count cache ONE head: Falcon with ``multi_query`` and
+    not ``new_decoder_architecture`` (its attention uses ``num_kv_heads`` only in the new
+    architecture or without multi-query), GPT-BigCode with ``multi_query``. Falcon's new
+    decoder architecture broadcasts its ``num_kv_heads`` K/V heads to every query head before
+    caching, so its cache holds ``num_attention_heads`` heads.
+    """
+    heads = int(config.num_attention_heads)
+    model_type = str(getattr(config, "model_type", "") or "")
+    multi_query = bool(getattr(config, "multi_query", False))
+    if model_type == "falcon":
+        if getattr(config, "new_decoder_architecture", False):
+            return heads
+        if multi_query:
+            return 1
+        return int(getattr(config, "num_kv_heads", None) or heads)
+    explicit = getattr(config, "num_key_value_heads", None) or getattr(config, "num_kv_heads", None)
+    if explicit:
+        return int(explicit)
+    return 1 if multi_query else heads
+
+
 @dataclass(frozen=True)
 class KVSpec:
     """What a model's KV cache looks like: layers, KV heads (all of them), head_dim, dtype."""
@@ -111,7 +136,7 @@ class KVSpec:
             text = config.get_text_config(decoder=True)
         try:
             heads = int(text.num_attention_heads)
-            kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
+            kv_heads = cached_kv_heads(text)
             head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
             layers = int(text.num_hidden_layers)
         except AttributeError as exc:
