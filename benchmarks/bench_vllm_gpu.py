@@ -39,10 +39,10 @@ import torch
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 
-from kvbroker import Client  # noqa: E402
-from kvbroker.integrations.vllm._cuda import load_cuda, save_cuda  # noqa: E402
-from kvbroker.integrations.vllm._format import BlockFormat  # noqa: E402
-from kvbroker.integrations.vllm._paged import SaveItem, copier_for, cuda_cache  # noqa: E402
+from kvbroker import Client
+from kvbroker.integrations.vllm._cuda import load_cuda, save_cuda
+from kvbroker.integrations.vllm._format import BlockFormat
+from kvbroker.integrations.vllm._paged import SaveItem, copier_for, cuda_cache
 
 NS = "vllm/bench"
 

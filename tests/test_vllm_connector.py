@@ -171,7 +171,7 @@ def test_daemon_down_lookups_return_zero_saves_are_skipped_then_it_reconnects(
             monkeypatch.setattr(w._worker.link, "socket", d.socket_path)
         time.sleep(0.2)
         q = _tokens(3, 70)
-        req2, steps2 = _consume(both, q)
+        _req2, steps2 = _consume(both, q)
         assert _stat(steps2, "saved_blocks") == 3  # 2 blocks + tail
         with d.client() as c:
             assert len(c.list()) == 3

@@ -18,7 +18,13 @@ import random
 
 import pytest
 
-from tests.vllm_helpers.common import engine_process, engine_result, needs_vllm, run_engine, tiny_model
+from tests.vllm_helpers.common import (
+    engine_process,
+    engine_result,
+    needs_vllm,
+    run_engine,
+    tiny_model,
+)
 
 pytestmark = [needs_vllm, pytest.mark.timeout(900)]
 

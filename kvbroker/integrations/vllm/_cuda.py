@@ -30,7 +30,7 @@ from . import _ops
 from ._format import BlockFormat
 from ._paged import STAGING_BYTES, SaveItem, _reserve, copier_for, match
 
-__all__ = ["save_cuda", "load_cuda"]
+__all__ = ["load_cuda", "save_cuda"]
 
 
 def _torch():

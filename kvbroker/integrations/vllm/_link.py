@@ -24,7 +24,7 @@ from kvbroker.errors import BrokerUnavailable, KVBrokerError, LeaseExpired, Prot
 
 log = logging.getLogger("kvbroker.integrations.vllm")
 
-__all__ = ["BrokerLink", "Warnings", "CONNECTION_ERRORS"]
+__all__ = ["CONNECTION_ERRORS", "BrokerLink", "Warnings"]
 
 # Errors that mean the connection (or the daemon) is gone: the link goes down.
 CONNECTION_ERRORS = (BrokerUnavailable, Timeout, ProtocolError, LeaseExpired, OSError, EOFError)

@@ -21,8 +21,14 @@ from __future__ import annotations
 from kvbroker._tp import shard_heads
 from kvbroker.errors import KVBrokerError
 
-__all__ = ["reserve_blocks", "seal_many", "abort_leases", "extent_view", "pool_address",
-           "shard_heads"]  # fmt: skip
+__all__ = [
+    "abort_leases",
+    "extent_view",
+    "pool_address",
+    "reserve_blocks",
+    "seal_many",
+    "shard_heads",
+]  # fmt: skip
 
 
 def reserve_blocks(client, namespace: str, blocks: list[dict], ttl: float | None = None) -> list:

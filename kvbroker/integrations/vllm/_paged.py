@@ -45,8 +45,15 @@ from kvbroker.prefix import PrefixCache
 from . import _ops
 from ._format import BlockFormat
 
-__all__ = ["INTERPRETATIONS", "interpret", "host_cache", "cuda_cache", "HostSave", "load_host",
-           "STAGING_BYTES"]  # fmt: skip
+__all__ = [
+    "INTERPRETATIONS",
+    "STAGING_BYTES",
+    "HostSave",
+    "cuda_cache",
+    "host_cache",
+    "interpret",
+    "load_host",
+]  # fmt: skip
 
 INTERPRETATIONS = ("packed", "cpu", "latent")
 # Backends whose per-token row is K then V (vLLM 0.32 names); the CPU one has its own layout.

@@ -29,7 +29,7 @@ from kvbroker.prefix import PrefixCache
 from ._format import PromptKeys, prompt_keys
 from ._link import BrokerLink, Warnings
 
-__all__ = ["LoadSpec", "SaveSpec", "StepPlan", "SchedulerSide"]
+__all__ = ["LoadSpec", "SaveSpec", "SchedulerSide", "StepPlan"]
 
 
 @dataclass

@@ -79,7 +79,7 @@ class WorkerSide:
             raise KVBrokerError("register_kv_caches: no KV cache tensors")
         how = interpret(backend, latent=self.latent)
         first = tensors[0]
-        blocks, heads, slots, content = first.shape
+        _blocks, heads, slots, content = first.shape
         if slots != self.block_size:
             raise LayoutMismatch(f"the cache pages {slots} tokens per block, vLLM's block size "
                                  f"is {self.block_size}")  # fmt: skip
