@@ -250,3 +250,35 @@ def test_cache_salt_separates_prompts(model, broker, monkeypatch):
     same = cons.add(P, cache_salt="tenant-a")
     steps = cons.run()
     assert steps[0]["output"].num_scheduled_tokens[same] == 1
+
+
+def test_kv_both_never_publishes_blocks_whose_load_failed(model, broker, monkeypatch):
+    """A kv_both engine whose load of blocks 2 and 3 fails (evicted since the lookup) must not
+    save them in that step (they hold whatever was there) nor anything computed from them;
+    once vLLM recomputed them they are saved, right, and a fresh consumer loads the exact KV."""
+    from kvbroker.integrations.vllm._format import prompt_keys
+
+    _produce(model, broker.socket_path, monkeypatch, [P])
+    both = _engine(model, broker.socket_path, "kv_both", monkeypatch)
+    # blocks this engine will write into hold garbage beforehand
+    for cache in both.caches:
+        cache.normal_(generator=__import__("torch").Generator().manual_seed(1))
+
+    def evict_block_2_and_tail(_out):
+        with broker.client() as c:
+            (ns,) = {o.namespace for o in c.list()}
+            keys = prompt_keys(P, BLOCK, namespace=ns, cache_salt="").keys
+            for key in reversed(keys[2:]):
+                for o in c.list(namespace=ns):
+                    if o.key.split("/")[0] == key:
+                        c.evict(o.key, namespace=ns)
+
+    req = both.add(P)
+    steps = [both.step(before_load=evict_block_2_and_tail)]
+    steps += both.run()
+    _assert_exact(both, req, P)
+    assert _stat(steps, "saved_blocks") == 2  # block 2 and the tail, after the recompute
+    cons = _engine(model, broker.socket_path, "kv_consumer", monkeypatch)
+    req2, steps2 = _consume(cons, P)
+    assert _stat(steps2, "loaded_blocks") == 4
+    _assert_exact(cons, req2, P)

@@ -177,6 +177,17 @@ class SchedulerSide:
             return
         self.pending_loads.append(LoadSpec(request.request_id, hashes, ids))
 
+    def load_failed(self, invalid_block_ids: set[int]) -> None:
+        """Workers could not load these blocks: vLLM recomputes them, and from the first of
+        them on a request's blocks are saved again once recomputed (the workers dropped the
+        failed step's saves of that request)."""
+        for st in self.reqs.values():
+            hit = [i for i, b in enumerate(st.block_ids) if b in invalid_block_ids]
+            if hit:
+                st.saved = min(st.saved, hit[0])
+                if st.keys is not None and st.keys.tail and hit[0] <= st.keys.num_tokens // self.block_size:
+                    st.tail_saved = False
+
     # -- the step's plan ------------------------------------------------------------------
     def build(self, scheduler_output: Any) -> StepPlan:
         plan = StepPlan(loads=self.pending_loads)

@@ -55,6 +55,7 @@ class WorkerSide:
         self.layer_index: dict[str, int | None] = {}
         self.stats: Counter[str] = Counter()
         self._invalid: set[int] = set()
+        self._failed_reqs: set[str] = set()
         self._plan = None
         self._save: HostSave | None = None
         self._layers_seen: set[int] = set()
@@ -106,6 +107,7 @@ class WorkerSide:
         self._plan = plan
         self._save = None
         self._layers_seen = set()
+        self._failed_reqs: set[str] = set()
 
     def unbind(self) -> None:
         if self._save is not None and not self._save.done:
@@ -164,6 +166,7 @@ class WorkerSide:
         self.stats["loaded_tokens"] += loaded * self.block_size
         self.stats["loaded_bytes"] += loaded * self.fmt.block_nbytes
         if loaded < n_want:
+            self._failed_reqs.add(spec.req_id)
             failed = spec.block_ids[loaded:]
             self._invalid.update(failed)
             self.stats["load_failed_blocks"] += len(failed)
@@ -177,7 +180,11 @@ class WorkerSide:
 
     # -- saving ----------------------------------------------------------------------------
     def _items(self) -> list[SaveItem]:
+        # A request whose load failed this step holds unloaded blocks, and KV computed after
+        # them from garbage: none of it is saved (vLLM recomputes it; the scheduler plans
+        # those blocks' saves again, see SchedulerSide.load_failed).
         return [SaveItem(h, parent, block) for spec in self._plan.saves
+                if spec.req_id not in self._failed_reqs
                 for h, parent, block in spec.items]  # fmt: skip
 
     def _begin_save(self) -> HostSave | None:

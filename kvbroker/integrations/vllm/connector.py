@@ -189,6 +189,10 @@ class KVBrokerConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         return KVBrokerMetadata(self._scheduler.build(scheduler_output))
 
+    def update_connector_output(self, connector_output) -> None:
+        if connector_output.invalid_block_ids:
+            self._scheduler.load_failed(set(connector_output.invalid_block_ids))
+
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._scheduler.finished(request.request_id)
         return False, None
