@@ -173,3 +173,42 @@ def test_cuda_save_and_load_are_bit_exact(client, order):
     for layer in range(L):
         kv = host[layer].view(B, H, 2, N, D)[0].permute(1, 2, 0, 3)
         assert torch.equal(kv.view(torch.int16), s6[layer, :, 20].cpu().view(torch.int16))
+
+
+def test_mla_latent_blocks_are_replicated_not_split(client):
+    """An MLA cache (one latent row per token, ``[blocks, 1, page, C]`` per layer): each TP
+    rank of a prefill engine publishes the same latent under its own shard key, and a decode
+    rank of another TP size loads one copy, bit for bit, on the host and the staging path."""
+    from kvbroker.integrations.vllm._cuda import load_cuda, save_cuda
+    from kvbroker.integrations.vllm._paged import copier_for
+
+    L, B, N, C = 2, 6, 16, 96
+    memmove = copier_for("cpu")
+    g = torch.Generator().manual_seed(0)
+    raw = torch.randn(L * B * N * C, generator=g).to(torch.bfloat16)
+    layers = list(raw.view(L, B, 1, N, C))
+
+    def fmt(rank, size):
+        return BlockFormat(dtype="bfloat16", num_layers=L, block_size=N, head_dim=C,
+                           local_heads=1, total_kv_heads=None, tp_rank=rank, tp_size=size,
+                           heads=(0, 1))  # fmt: skip
+
+    host = host_cache(layers, "latent")
+    for rank in range(2):  # prefill TP 2: both ranks hold (and publish) the whole latent
+        save = HostSave(client, NS, fmt(rank, 2), host, _items(HASHES[:3], [0, 1, 2]))
+        save.reserve()
+        for layer in range(L):
+            save.copy_layer(layer)
+        save.seal()
+    assert len(client.list(namespace=NS)) == 6
+    out = list(torch.zeros(L * B * N * C, dtype=torch.bfloat16).view(L, B, 1, N, C))
+    o6 = cuda_cache(out, "latent")
+    assert load_cuda(client, NS, fmt(0, 1), o6, HASHES[:3], [3, 4, 5], peer_tp_sizes=(2,),
+                     copier=memmove) == 3  # fmt: skip
+    for a, b in zip([0, 1, 2], [3, 4, 5]):
+        assert torch.equal(_bits(out[0][b]), _bits(layers[0][a]))
+        assert torch.equal(_bits(out[1][b]), _bits(layers[1][a]))
+    back = list(torch.zeros(L * B * N * C, dtype=torch.bfloat16).view(L, B, 1, N, C))
+    save_cuda(client, NS, fmt(0, 1), o6, _items(["a" * 32], [3]), copier=memmove)
+    assert load_host(client, NS, fmt(0, 1), host_cache(back, "latent"), ["a" * 32], [1]) == 1
+    assert torch.equal(_bits(back[0][1]), _bits(layers[0][0]))

@@ -62,6 +62,9 @@ def run(spec: dict) -> dict:
     for batch in spec.get("batches") or [spec["prompts"]]:
         got = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
         outputs += [list(o.outputs[0].token_ids) for o in got]
+    # An engine core in its own process (in_process False) is shut down here: os._exit below
+    # would leave it running.
+    llm.llm_engine.engine_core.shutdown()
     return {"outputs": outputs, "seconds": time.perf_counter() - started}
 
 
