@@ -282,3 +282,23 @@ def test_kv_both_never_publishes_blocks_whose_load_failed(model, broker, monkeyp
     req2, steps2 = _consume(cons, P)
     assert _stat(steps2, "loaded_blocks") == 4
     _assert_exact(cons, req2, P)
+
+
+def test_worker_stats_travel_through_vllms_connector_stats_hook(model, broker, monkeypatch):
+    """What the workers count reaches vLLM's stats logger: get_kv_connector_stats ->
+    (serialized) -> build_kv_connector_stats -> aggregate over workers and steps -> reduce."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogging
+
+    _produce(model, broker.socket_path, monkeypatch, [P])
+    cons = _engine(model, broker.socket_path, "kv_consumer", monkeypatch, tp=2,
+                   extra={"peer_tp_sizes": [1]})
+    _req, steps = _consume(cons, P)
+    logging_ = KVConnectorLogging(cons.config.kv_transfer_config)
+    for step in steps:
+        for stats in step["stats"]:
+            if stats is not None:
+                logging_.observe(stats.to_dict())
+    reduced = logging_.transfer_stats_accumulator.reduce()
+    assert reduced["loaded_blocks"] == 8  # 4 blocks on each of 2 ranks
+    assert reduced["load_failed_blocks"] == 0
+    assert reduced["loaded_MiB"] > 0
