@@ -31,7 +31,9 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from kvbroker import Client, _kernels, gpu  # noqa: E402
+from kvbroker import Client, gpu
+
+from kvbroker._client import kernels as _kernels
 
 GiB = 1 << 30
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvbroker._tp import shard_heads
+from kvbroker._client.tp import shard_heads
 from kvbroker.kv import PagedKV, claim_shards, publish_shard
 from kvbroker.testing import running_daemon
 

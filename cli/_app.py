@@ -13,7 +13,7 @@ from typing import Optional
 
 import typer
 
-from kvbroker._paths import format_size, parse_duration, parse_size
+from kvbroker._wire.paths import format_size, parse_duration, parse_size
 from kvbroker.errors import BrokerUnavailable, KVBrokerError
 
 EXIT_OK, EXIT_ERROR, EXIT_UNAVAILABLE = 0, 1, 3
@@ -137,9 +137,9 @@ def serve(
     import functools
     import logging
 
-    from kvbroker._config import ConfigError, load_config
-    from kvbroker._daemon import run_daemon
-    from kvbroker._systemd import JournalFormatter, under_journal
+    from kvbroker._server.config import ConfigError, load_config
+    from kvbroker._server.daemon import run_daemon
+    from kvbroker._server.systemd import JournalFormatter, under_journal
 
     flags = {
         "socket": socket, "pool_size": pool_size, "pools": pools, "page_size": page_size,
@@ -173,8 +173,8 @@ def doctor(
 
     Exit status 1 when a check fails (warnings alone exit 0).
     """
-    from kvbroker._config import ConfigError, load_config
-    from kvbroker._doctor import render, run_checks
+    from kvbroker._server.config import ConfigError, load_config
+    from kvbroker._server.doctor import render, run_checks
 
     try:
         cfg = load_config(config, flags={"socket": socket})
@@ -347,7 +347,7 @@ def verify(
     as unchecked, objects freed meanwhile as gone; neither fails the run.
     """
     from kvbroker import Client
-    from kvbroker._integrity import verify_objects
+    from kvbroker._client.integrity import verify_objects
 
     try:
         client = Client(socket, name="kvbroker-verify", role="admin", map_pools=False,

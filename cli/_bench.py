@@ -18,7 +18,7 @@ from typing import Optional
 
 import typer
 
-from kvbroker._paths import parse_size
+from kvbroker._wire.paths import parse_size
 
 EXIT_UNSUPPORTED = 4
 

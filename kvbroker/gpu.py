@@ -22,7 +22,7 @@ Who owns and frees what
   then releases the lease.
 - :func:`host_tensors` gives torch CPU tensors over a lease's slices (zero-copy, valid only
   while the lease is); they are writable even for read leases: do not write through them.
-- GPU staging rings (``kvbroker serve --gpu-ring SIZE``, :mod:`kvbroker._gpu_ring`): the
+- GPU staging rings (``kvbroker serve --gpu-ring SIZE``, :mod:`kvbroker._server.rings`): the
   daemon owns the device memory; a process maps each ring once (``cuIpcOpenMemHandle`` in the
   ring GPU's context; unmapped when its last GpuClient closes). :class:`RingRegion` is a region
   under a ring lease: scratch (staging for a gather or a scatter, given back on release),
@@ -44,8 +44,9 @@ import ctypes
 from collections.abc import Mapping
 from typing import Any
 
-from ._client import Client, _Lease
-from ._shared import PerProcess
+from ._client.client import Client, _Lease
+from ._client.shared import PerProcess
+from ._wire.objects import aligned
 from .errors import Exists, KVBrokerError
 
 __all__ = ["GpuClient", "RingRegion", "host_tensors", "cuda_available", "registered_segments",
@@ -152,7 +153,7 @@ def _span(tensor) -> tuple[int, int]:
     if not tensor.is_contiguous():
         raise KVBrokerError(
             f"tensor of shape {tuple(tensor.shape)} is not contiguous: one DMA needs one run "
-            "(gather it first, e.g. with kvbroker._kernels.gather)"
+            "(gather it first, e.g. with kvbroker._client.kernels.gather)"
         )
     return tensor.data_ptr(), tensor.numel() * tensor.element_size()
 
@@ -324,7 +325,7 @@ class GpuClient:
         return dict(out)
 
 
-    # -- GPU rings (kvbroker._gpu_ring): staging and GPU-to-GPU handoff -------------------
+    # -- GPU rings (kvbroker._server.rings): staging and GPU-to-GPU handoff -------------------
     def rings(self) -> list[dict]:
         """The daemon's GPU rings (index, PCI bus id, name, capacity); [] without rings."""
         if self._rings is None:
@@ -350,7 +351,7 @@ class GpuClient:
 
     def local_ring(self, device: Any = None) -> int:
         """The index of the ring on ``device`` (default: this client's device)."""
-        from ._gpu_ring import device_identity
+        from ._cuda import device_identity
 
         dev = self.device if device is None else self._torch.device(device)
         bus = device_identity(_driver(), dev.index)[0]
@@ -410,7 +411,7 @@ class GpuClient:
         for name, (_, n) in flat.items():
             layout[name] = [at, n, str(tensors[name].dtype).removeprefix("torch."),
                             list(tensors[name].shape)]  # fmt: skip
-            at += -(-n // 256) * 256
+            at += aligned(n)
         full_meta = {"kvbroker.ring": 1, "buffers": layout, "user": meta}
         region = self.ring_reserve(max(at, 1), key=key, ring=ring, namespace=namespace,
                                    meta=full_meta, ttl=ttl, wait=wait)  # fmt: skip
@@ -479,7 +480,7 @@ def _driver():
     torch's per-call dispatch (which costs more than an 8 MiB DMA's setup at 128 buffers)."""
     global _LIBCUDA
     if _LIBCUDA is None:
-        from ._gpu_ring import load_libcuda
+        from ._cuda import load_libcuda
 
         lib = load_libcuda()
         lib.cuMemcpyAsync.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t,
@@ -518,7 +519,7 @@ def copy_runs(runs: list[tuple[int, int, int]], stream) -> int:
         for dst, src, n in merged:
             code = lib.cuMemcpyAsync(dst, src, n, handle)
             if code:
-                from ._gpu_ring import _check
+                from ._cuda import _check
 
                 _check(lib, code, f"cuMemcpyAsync of {n} bytes")
     return len(merged)
@@ -545,7 +546,7 @@ def _enable_peer(torch, device, peer) -> None:
             lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev)  # held for the process
             code = lib.cuCtxEnablePeerAccess(ctx, 0)
             if code not in (0, _CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED):
-                from ._gpu_ring import _check
+                from ._cuda import _check
 
                 _check(lib, code, f"cuCtxEnablePeerAccess cuda:{a} -> cuda:{b}")
         _peers_enabled.add((a, b))
@@ -566,7 +567,7 @@ class _RingMapping:
     ring's own GPU), with a uint8 tensor over all of it. Unmapped by the last holder."""
 
     def __init__(self, torch, info: dict) -> None:
-        from ._gpu_ring import IpcHandle, _check, device_identity
+        from ._cuda import IpcHandle, _check, device_identity
 
         lib = _driver()
         self.index, self.capacity = info["index"], info["capacity"]
@@ -658,7 +659,7 @@ _AXES6 = ("layer", "kv", "block", "token", "head", "head_dim")
 
 
 def _paged_facts(cache, total_kv_heads):
-    """(components, heads total or None) of a 6-axis paged CUDA cache (see kvbroker._kernels)."""
+    """(components, heads total or None) of a 6-axis paged CUDA cache (see kvbroker._client.kernels)."""
     from .errors import BadRequest
 
     if not getattr(cache, "is_cuda", False) or cache.dim() != 6:
@@ -738,9 +739,9 @@ def publish_shard_cuda(
     """
     import time
 
-    from . import _kernels
+    from ._client import kernels as _kernels
     from . import kv as _kv
-    from ._tp import readers_of, shard_heads
+    from ._client.tp import readers_of, shard_heads
     from .errors import BadRequest, LayoutMismatch
     from .layout import Layout, dtype_name, shard_storage
 
@@ -837,9 +838,9 @@ def claim_shards_cuda(
     import time
     from types import SimpleNamespace
 
-    from . import _kernels
+    from ._client import kernels as _kernels
     from . import kv as _kv
-    from ._tp import claim_plan, shard_heads
+    from ._client.tp import claim_plan, shard_heads
     from .errors import LayoutMismatch
     from .layout import Layout
 

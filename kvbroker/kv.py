@@ -15,7 +15,7 @@ Who owns what
   on the block size, so prefill and decode may page with different block sizes.
 - The broker owns the object. It is freed after every decode rank that reads it has claimed
   it: the prefill rank sets ``consumers`` to that number, computed from (H, P, D) by
-  :func:`kvbroker._tp.readers_of`. If the prefill rank does not know the decode TP size
+  :func:`kvbroker._client.tp.readers_of`. If the prefill rank does not know the decode TP size
   (``decode_tp_size=None``), the shard is published with the maximum count, so consume-claims
   never free it and eviction (LRU under pressure, ``kvbroker evict``) does. A shard nobody
   reads (an unused replica, when D is known) is not published at all.
@@ -26,7 +26,7 @@ Who owns what
 Claim
 -----
 
-A decode rank needs ``shard_D(d)``; :func:`kvbroker._tp.claim_plan` says which prefill shards
+A decode rank needs ``shard_D(d)``; :func:`kvbroker._client.tp.claim_plan` says which prefill shards
 hold those heads (one copy per head when heads are replicated; for MLA, the copy of prefill
 rank ``d mod P``). The claim first *pins* every contributing shard with a consume claim
 (a plain read lease when ``consume=False``), waiting at most ``wait`` seconds in total for
@@ -64,9 +64,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._client import Client, ReadLease, copy_into, nbytes_of
-from ._names import check_infix, kv_buffer_name
-from ._tp import claim_plan, readers_of, shard_heads
+from ._client.client import Client, ReadLease
+from ._client.copy import copy_into, nbytes_of
+from ._wire.names import check_infix, kv_buffer_name
+from ._client.tp import claim_plan, readers_of, shard_heads
 from .errors import BadRequest, Incomplete, KVBrokerError, LayoutMismatch, NotFound, Timeout
 from .layout import Layout, check_compatible, shard_storage
 

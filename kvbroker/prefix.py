@@ -30,7 +30,7 @@ with another TP size computes the same ``h_i`` and reads another layout's shards
   any head range of a block's (layer, K/V) is one contiguous run. Blocks the node holds cost
   nothing; each new byte is copied once.
 - :meth:`PrefixCache.match_kv` asks, in one round trip, for the blocks of exactly the shards
-  this rank's heads come from (:func:`kvbroker._tp.claim_plan`): with the same TP size that is
+  this rank's heads come from (:func:`kvbroker._client.tp.claim_plan`): with the same TP size that is
   the shard of the same TP rank; with another TP size it is every contributing shard of that
   layout (``source_tp_size``, or this rank's own TP size and then ``peer_tp_sizes``, longest
   match wins). The match length is the run of leading blocks that *every* needed shard holds,
@@ -51,10 +51,11 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from . import _integrity
-from ._client import Client, WriteLease, _np, copy_into, nbytes_of
-from ._names import check_infix, kv_buffer_name
-from ._tp import Piece, claim_plan, shard_heads
+from ._client import integrity as _integrity
+from ._client.client import Client, WriteLease
+from ._client.copy import _np, copy_into, nbytes_of
+from ._wire.names import check_infix, kv_buffer_name
+from ._client.tp import Piece, claim_plan, shard_heads
 from .errors import BadRequest, KVBrokerError, LayoutMismatch
 from .layout import Layout, check_compatible
 

@@ -37,7 +37,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from ._client import Client
+from ._client.client import Client
 from .errors import BrokerUnavailable
 
 __all__ = ["DaemonProcess", "drop_leftover_pools", "running_daemon"]
@@ -106,7 +106,7 @@ def drop_leftover_pools(socket_path: str) -> list[str]:
     """
     import posix_ipc
 
-    from ._journal import Journal, JournalError, journal_path
+    from ._server.journal import Journal, JournalError, journal_path
 
     path = journal_path(socket_path)
     try:

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from kvbroker._config import ConfigError, load_config, parse_listen_address
+from kvbroker._server.config import ConfigError, load_config, parse_listen_address
 
 
 def _write(tmp_path, text: str) -> str:

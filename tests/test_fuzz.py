@@ -28,8 +28,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvbroker import BadRequest, Client, NotFound, PoolFull
-from kvbroker._broker import BUFFER_ALIGN
-from kvbroker._protocol import ERROR_CODES, OPS, PROTOCOL_VERSION
+from kvbroker._wire.objects import BUFFER_ALIGN
+from kvbroker._wire.protocol import ERROR_CODES, OPS, PROTOCOL_VERSION
 
 FRAMES = int(os.environ.get("KVBROKER_FUZZ_FRAMES", "100000"))
 PAGE = 4096

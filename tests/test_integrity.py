@@ -14,8 +14,9 @@ import xxhash
 from typer.testing import CliRunner
 
 from kvbroker import BadRequest, ChecksumMismatch, KVBrokerError
-from kvbroker._integrity import CHUNK, copy_hashed
-from kvbroker._client import copy_into
+from kvbroker._wire.checksum import CHUNK
+from kvbroker._client.integrity import copy_hashed
+from kvbroker._client.copy import copy_into
 from kvbroker.cli import app
 
 runner = CliRunner()

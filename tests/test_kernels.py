@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from kvbroker import _kernels  # noqa: E402
+from kvbroker._client import kernels as _kernels
 from kvbroker.errors import KVBrokerError  # noqa: E402
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

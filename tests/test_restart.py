@@ -14,10 +14,10 @@ import pytest
 
 from conftest import DaemonProcess, drop_leftover_pools
 from kvbroker import BrokerUnavailable, Client, LeaseExpired, NotFound
-from kvbroker._allocator import ExtentAllocator
-from kvbroker._broker import Broker
-from kvbroker._journal import Journal, journal_path
-from kvbroker._pool import HostPool, segment_prefix
+from kvbroker._server.allocator import ExtentAllocator
+from kvbroker._server.broker import Broker
+from kvbroker._server.journal import Journal, journal_path
+from kvbroker._server.pool import HostPool, segment_prefix
 from kvbroker.prefix import PrefixCache
 
 ARGS = ("--pool-size", "16M", "--page-size", "4K")

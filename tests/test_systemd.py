@@ -17,7 +17,7 @@ import pytest
 
 from conftest import DaemonProcess
 from kvbroker import BrokerUnavailable, Client
-from kvbroker._systemd import Notifier, listen_fds
+from kvbroker._server.systemd import Notifier, listen_fds
 
 UNITS = Path(__file__).resolve().parent.parent / "systemd"
 
@@ -67,7 +67,7 @@ def test_units_say_what_the_service_needs():
 
 
 def test_sample_config_is_valid(tmp_path):
-    from kvbroker._config import load_config
+    from kvbroker._server.config import load_config
 
     # This host has no kvbroker group (sysusers creates it on a real install).
     text = (UNITS / "kvbroker.toml").read_text()
@@ -250,8 +250,8 @@ def test_draining_publish_uses_the_arena_it_holds_and_gets_no_fresh_one(make_dae
 
 
 def test_draining_refuses_every_lease_taking_op_by_its_real_name(make_daemon):
-    from kvbroker._daemon import _LEASE_TAKING_OPS
-    from kvbroker._protocol import OPS
+    from kvbroker._server.daemon import _LEASE_TAKING_OPS
+    from kvbroker._wire.protocol import OPS
 
     assert _LEASE_TAKING_OPS <= set(OPS)  # a misspelt op name would silently not be refused
     d = make_daemon("--pool-size", "16M", "--page-size", "4K", "--drain-timeout", "20s")

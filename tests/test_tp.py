@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from conftest import DaemonProcess
 from kvbroker import Client, Incomplete, LayoutMismatch, NotFound
-from kvbroker._tp import claim_plan, readers_of, shard_heads
+from kvbroker._client.tp import claim_plan, readers_of, shard_heads
 from kvbroker.kv import UNKNOWN_CONSUMERS, PagedKV, claim_shards, publish_shard, shard_key
 
 HEADS = [1, 2, 4, 8, 32, 40, 64]

@@ -10,7 +10,7 @@ from textual.containers import Horizontal, VerticalScroll
 from textual.reactive import reactive
 from textual.widgets import Footer, TabbedContent, TabPane
 
-from kvbroker._stats import Statistics
+from kvbroker._wire.stats import Statistics
 from kvbroker.errors import KVBrokerError
 
 from ._modals import HelpScreen

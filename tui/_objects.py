@@ -11,8 +11,8 @@ from textual.containers import Vertical
 from textual.css.query import NoMatches
 from textual.widgets import Input, Label
 
-from kvbroker._paths import format_size
-from kvbroker._stats import ObjectInfo
+from kvbroker._wire.paths import format_size
+from kvbroker._wire.stats import ObjectInfo
 from kvbroker.errors import KVBrokerError
 
 from ._cells import Bytes, Seconds, plain

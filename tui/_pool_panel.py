@@ -6,7 +6,7 @@ from textual.app import ComposeResult
 from textual.containers import Vertical
 from textual.widgets import Static
 
-from kvbroker._paths import format_size
+from kvbroker._wire.paths import format_size
 
 from ._meter import Meter
 from ._occupancy import OccupancyMap

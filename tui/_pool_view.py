@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kvbroker._stats import PoolStatistics
+from kvbroker._wire.stats import PoolStatistics
 
 __all__ = ["PoolView"]
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from kvbroker._stats import Counters, Statistics
+from kvbroker._wire.stats import Counters, Statistics
 
 __all__ = ["Rates", "RateHistory"]
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from rich.text import Text
 from textual.widgets import Static
 
-from kvbroker._paths import format_size
-from kvbroker._stats import Statistics
+from kvbroker._wire.paths import format_size
+from kvbroker._wire.stats import Statistics
 
 from ._cells import Seconds
 

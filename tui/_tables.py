@@ -7,7 +7,7 @@ from collections.abc import Hashable, Mapping, Sequence
 
 from textual.widgets import DataTable
 
-from kvbroker._stats import Statistics
+from kvbroker._wire.stats import Statistics
 
 from ._cells import Bytes, Seconds, plain
 

@@ -10,7 +10,7 @@ import asyncio
 import re
 from collections.abc import Iterable
 
-from kvbroker._stats import (
+from kvbroker._wire.stats import (
     ClientStatistics,
     Counters,
     LeaseInfo,

@@ -6,8 +6,8 @@ from typing import Any, Protocol
 
 import msgpack
 
-from ._protocol import unpacker_limits
-from .errors import ProtocolError
+from .._wire.protocol import unpacker_limits
+from ..errors import ProtocolError
 
 __all__ = ["MessageStream"]
 

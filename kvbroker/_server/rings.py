@@ -2,7 +2,7 @@
 
 ``kvbroker serve --gpu-ring SIZE`` makes the daemon allocate one ring of SIZE bytes on each
 visible GPU and share it with its clients through a CUDA IPC handle (op ``rings``). The
-allocator of each ring (:class:`~kvbroker._ring.RingAllocator`, DESIGN.md §3: strict, FIFO
+allocator of each ring (:class:`~kvbroker._server.ring_allocator.RingAllocator`, DESIGN.md §3: strict, FIFO
 recycling, wrap, oversize fails at once, an empty ring restarts at 0) runs here, in the
 daemon; clients only ever borrow a region through a *ring lease*.
 
@@ -45,8 +45,9 @@ from dataclasses import dataclass, field
 from itertools import count
 from typing import Any
 
-from ._ring import Region, RingAllocator, RingOversize
-from .errors import BadRequest, Exists, KVBrokerError, LeaseExpired, NotFound, PoolFull
+from .ring_allocator import Region, RingAllocator, RingOversize
+from .._cuda import IpcHandle, _check, device_identity, load_libcuda
+from ..errors import BadRequest, Exists, KVBrokerError, LeaseExpired, NotFound, PoolFull
 
 __all__ = ["RingService", "CudaDriverRings", "FakeRings", "open_backend", "RING_OPS"]
 
@@ -54,51 +55,12 @@ log = logging.getLogger("kvbroker.rings")
 
 RING_OPS = frozenset({"rings", "ring_reserve", "ring_seal", "ring_claim", "ring_release"})
 RING_ALIGN = 256  # regions start on this boundary (DMA engines, vector loads)
-IPC_HANDLE_BYTES = 64
 _MAX_KEY = 512
 _MAX_ENDED = 1 << 14
 _OCCUPANCY_CELLS = 64
 
 
 # ------------------------------------------------------------------------------- backends
-class CudaError(KVBrokerError):
-    """A CUDA driver call failed."""
-
-
-def load_libcuda():
-    """The CUDA driver library (ctypes), initialised; raises KVBrokerError where there is none."""
-    try:
-        lib = ctypes.CDLL("libcuda.so.1")
-    except OSError as exc:
-        raise KVBrokerError(f"GPU rings need the CUDA driver (libcuda.so.1): {exc}") from None
-    _check(lib, lib.cuInit(0), "cuInit")
-    return lib
-
-
-def _check(lib, code: int, what: str) -> None:
-    if code != 0:
-        name = ctypes.c_char_p()
-        lib.cuGetErrorName(code, ctypes.byref(name))
-        raise CudaError(f"{what} failed: {(name.value or b'?').decode()} ({code})")
-
-
-class IpcHandle(ctypes.Structure):
-    # bytes, not c_char: a c_char array field reads back cut at its first NUL byte
-    _fields_ = [("reserved", ctypes.c_ubyte * IPC_HANDLE_BYTES)]
-
-
-def device_identity(lib, ordinal: int) -> tuple[str, str]:
-    """(PCI bus id, name) of device ``ordinal``: the bus id matches devices across processes
-    whose CUDA_VISIBLE_DEVICES differ."""
-    dev = ctypes.c_int()
-    _check(lib, lib.cuDeviceGet(ctypes.byref(dev), ordinal), f"cuDeviceGet({ordinal})")
-    bus = ctypes.create_string_buffer(64)
-    _check(lib, lib.cuDeviceGetPCIBusId(bus, 64, dev), "cuDeviceGetPCIBusId")
-    name = ctypes.create_string_buffer(256)
-    _check(lib, lib.cuDeviceGetName(name, 256, dev), "cuDeviceGetName")
-    return bus.value.decode().lower(), name.value.decode()
-
-
 class CudaDriverRings:
     """One ``cuMemAlloc`` per visible device, exported with ``cuIpcGetMemHandle``."""
 
@@ -331,7 +293,7 @@ class RingService:
         obj = self.objects.get(ident)
         if obj is None:
             if wait:
-                from ._broker import WouldWait
+                from .broker import WouldWait
 
                 raise WouldWait(ident, float(wait))
             raise NotFound(f"{namespace}/{key} is not published in a GPU ring")

@@ -12,9 +12,9 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from ._framing import MessageStream
-from ._protocol import PROTOCOL_VERSION
-from .errors import BrokerUnavailable, KVBrokerError, ProtocolError, error_for_code
+from .framing import MessageStream
+from .._wire.protocol import PROTOCOL_VERSION
+from ..errors import BrokerUnavailable, KVBrokerError, ProtocolError, error_for_code
 
 __all__ = ["Session"]
 

@@ -19,8 +19,8 @@ try:
 except ImportError:  # Python 3.10
     import tomli as tomllib
 
-from ._daemon import DaemonConfig
-from ._paths import default_socket_path, parse_duration, parse_size
+from .daemon import DaemonConfig
+from .._wire.paths import default_socket_path, parse_duration, parse_size
 
 __all__ = ["DEFAULT_CONFIG_PATH", "ConfigError", "load_config", "parse_listen_address", "KEYS"]
 
@@ -120,7 +120,7 @@ def _bool(value: Any) -> bool:
 
 
 def _isolation(value: Any):
-    from ._policy import parse_isolation
+    from .policy import parse_isolation
 
     if not isinstance(value, dict):  # an environment variable or a flag
         raise ValueError("set it as an [isolation] table in the configuration file")
@@ -128,7 +128,7 @@ def _isolation(value: Any):
 
 
 def _quotas(value: Any):
-    from ._policy import parse_quotas
+    from .policy import parse_quotas
 
     if not isinstance(value, dict):
         raise ValueError("set it as a [quotas] table in the configuration file")

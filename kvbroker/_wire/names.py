@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 
-from .errors import BadRequest
+from ..errors import BadRequest
 
 __all__ = [
     "KV_KINDS",

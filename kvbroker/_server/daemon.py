@@ -1,7 +1,7 @@
 """The daemon: one asyncio process serving the broker on a Unix socket.
 
 Transport and framing live here (an ``asyncio.Protocol`` per connection feeding msgpack's
-streaming ``Unpacker`` with hard limits); the state lives in :class:`~kvbroker._broker.Broker`.
+streaming ``Unpacker`` with hard limits); the state lives in :class:`~kvbroker._server.broker.Broker`.
 Requests of one connection are answered in order; a connection waiting in a blocking
 ``claim`` stops reading until it is answered, and never holds up another connection.
 """
@@ -24,15 +24,15 @@ from typing import Any
 
 import msgpack
 
-from ._broker import Broker, Session, WouldWait
-from ._cpu import cpu_spare
-from ._systemd import Notifier, listen_fds
-from ._paths import default_socket_path, format_size
-from ._journal import Journal, JournalError, journal_path
-from ._policy import Policy, Quotas
-from ._pool import HostPool, segment_prefix
-from ._protocol import MAX_REQUEST, unpacker_limits
-from .errors import KVBrokerError, Timeout
+from .broker import Broker, Session, WouldWait
+from .._cpu import cpu_spare
+from .systemd import Notifier, listen_fds
+from .._wire.paths import default_socket_path, format_size
+from .journal import Journal, JournalError, journal_path
+from .policy import Policy, Quotas
+from .pool import HostPool, segment_prefix
+from .._wire.protocol import MAX_REQUEST, unpacker_limits
+from ..errors import KVBrokerError, Timeout
 
 __all__ = ["DaemonConfig", "Daemon", "DaemonError", "run_daemon"]
 
@@ -84,10 +84,10 @@ class DaemonConfig:
     isolation: Policy = field(default_factory=Policy)
     quotas: Quotas = field(default_factory=Quotas)
 
-    # Bytes of GPU staging ring per visible GPU (kvbroker._gpu_ring); None: no rings, and
+    # Bytes of GPU staging ring per visible GPU (kvbroker._server.rings); None: no rings, and
     # the daemon never loads the CUDA driver.
     gpu_ring: int | None = None
-    # Warm restart (kvbroker._journal): a clean stop keeps the pools and the journal for the
+    # Warm restart (kvbroker._server.journal): a clean stop keeps the pools and the journal for the
     # next daemon when True; after a crash the next daemon always adopts them unless `cold`.
     keep_pools_on_exit: bool = False
     cold: bool = False  # start empty: drop what a previous daemon of this socket left
@@ -543,7 +543,7 @@ class Daemon:
             )
 
     def _open_rings(self) -> None:
-        from ._gpu_ring import RingService, open_backend
+        from .rings import RingService, open_backend
 
         backend = open_backend()
         rings = RingService(backend, self.config.gpu_ring, object_ttl=self.config.lease_ttl,
@@ -622,7 +622,7 @@ class Daemon:
                 loop.add_signal_handler(sig, self.request_stop)
             loop.add_signal_handler(signal.SIGHUP, self.reload)
             if self.config.metrics is not None:
-                from ._metrics import MetricsServer
+                from .metrics import MetricsServer
 
                 self._metrics = MetricsServer(self.config.metrics, self.snapshot_threadsafe)
                 log.info("metrics on %s", self._metrics.url)

@@ -27,17 +27,18 @@ import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from ._framing import MessageStream
-from ._paths import default_socket_path
-from ._pool import PoolMapping
-from ._session import Session
-from ._shared import PerProcess
-from ._stats import ObjectInfo, Statistics
-from ._arena import WriteArena
-from ._transport import UnixTransport
-from . import _integrity
-from .errors import BadRequest, BrokerUnavailable, Exists, KVBrokerError, LeaseExpired
-from .errors import ProtocolError, Timeout
+from .framing import MessageStream
+from .._wire.paths import default_socket_path
+from .mappings import PoolMapping
+from .session import Session
+from .shared import PerProcess
+from .._wire.stats import ObjectInfo, Statistics
+from .arena import WriteArena
+from .copy import _np, _torch_tensor, copy_into, nbytes_of
+from .transport import UnixTransport
+from . import integrity as _integrity
+from ..errors import BadRequest, BrokerUnavailable, Exists, KVBrokerError, LeaseExpired
+from ..errors import ProtocolError, Timeout
 
 
 __all__ = ["Client", "WriteLease", "ReadLease", "EvictResult"]
@@ -51,45 +52,6 @@ _LEASE_OPS = frozenset({"seal", "abort", "release", "renew", "seal_many", "relea
 # segment name -> this process's one mapping of it
 _process_maps: PerProcess[PoolMapping] = PerProcess(PoolMapping.close)
 _EMPTY_DIGEST = _integrity.digest(b"")
-
-
-def _np():
-    import numpy
-
-    return numpy
-
-
-def _torch_tensor(obj: Any) -> bool:
-    torch = sys.modules.get("torch")
-    return torch is not None and isinstance(obj, torch.Tensor)
-
-
-def nbytes_of(obj: Any) -> int:
-    """Size in bytes of a numpy array, torch tensor or bytes-like object."""
-    if _torch_tensor(obj):
-        return obj.numel() * obj.element_size()
-    n = getattr(obj, "nbytes", None)
-    if isinstance(n, int):
-        return n
-    return memoryview(obj).nbytes
-
-
-def copy_into(dst, src: Any) -> None:
-    """Copy ``src`` into the uint8 view ``dst`` with one pass over memory, bit for bit."""
-    np = _np()
-    if _torch_tensor(src):
-        torch = sys.modules["torch"]
-        if src.numel():
-            target = torch.from_numpy(dst).view(src.dtype).view(src.shape)
-            target.copy_(src.detach())
-        return
-    if isinstance(src, np.ndarray):
-        if src.flags.c_contiguous:
-            np.copyto(dst, src.reshape(-1).view(np.uint8))
-        else:  # strided: let numpy walk the strides while writing, still one pass
-            np.copyto(dst.view(src.dtype).reshape(src.shape), src)
-        return
-    np.copyto(dst, np.frombuffer(memoryview(src).cast("B"), dtype=np.uint8))
 
 
 class _Lease:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import socket
 import time
 
-from ._cpu import cpu_spare
-from .errors import BrokerUnavailable, Timeout
+from .._cpu import cpu_spare
+from ..errors import BrokerUnavailable, Timeout
 
 __all__ = ["UnixTransport"]
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import BadRequest
+from ..errors import BadRequest
 
 __all__ = ["Piece", "shard_heads", "claim_plan", "readers_of", "contributing_ranks"]
 

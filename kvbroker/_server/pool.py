@@ -1,4 +1,5 @@
-"""Host shared-memory pools: the daemon creates them, clients map them.
+"""Host shared-memory pools, created and owned by the daemon (clients map them:
+:mod:`kvbroker._client.mappings`).
 
 The daemon creates one POSIX shared-memory segment per pool (posix_ipc), mode 0600 (0660
 with a group), and reserves its pages with ``posix_fallocate`` so the segment is backed
@@ -11,17 +12,16 @@ first transfers do not pay a page fault per 4 KiB page.
 
 from __future__ import annotations
 
-import mmap
 import os
 import secrets
 import shutil
 
 import posix_ipc
 
-from ._allocator import ExtentAllocator
-from .errors import KVBrokerError
+from .allocator import ExtentAllocator
+from ..errors import KVBrokerError
 
-__all__ = ["HostPool", "PoolMapping", "segment_prefix"]
+__all__ = ["HostPool", "segment_prefix"]
 
 
 def segment_prefix(pid: int | None = None) -> str:
@@ -104,28 +104,4 @@ class HostPool:
         try:
             posix_ipc.unlink_shared_memory(self.name)
         except posix_ipc.ExistentialError:
-            pass
-
-
-class PoolMapping:
-    """A client's one mapping of a pool, populated at map time."""
-
-    __slots__ = ("index", "name", "size", "mm")
-
-    def __init__(self, index: int, name: str, size: int) -> None:
-        self.index = index
-        self.name = name
-        self.size = size
-        shm = posix_ipc.SharedMemory(name)
-        try:
-            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-            self.mm = mmap.mmap(shm.fd, size, flags=flags)
-        finally:
-            shm.close_fd()
-
-    def close(self) -> None:
-        try:
-            self.mm.close()
-        except BufferError:
-            # A caller still holds a view past its lease; the mapping goes with the last one.
             pass

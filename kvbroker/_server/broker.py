@@ -68,20 +68,20 @@ from typing import Any
 import msgpack
 import re2
 
-from ._version import __version__
-from ._allocator import ExtentAllocator
-from . import _integrity
-from ._pool import HostPool
-from ._names import check_buffer_name
-from ._protocol import MAX_BUFFERS, MAX_META, MAX_NAME, PROTOCOL_VERSION, validate_args
-from ._policy import Access, Policy, Quotas
-from .errors import BadRequest, Exists, Forbidden, LeaseExpired, NotFound, PoolFull, ProtocolError
-from .errors import LimitExceeded, QuotaExceeded
+from .._version import __version__
+from .allocator import ExtentAllocator
+from .._wire import checksum as _checksum
+from .._wire.objects import buffer_offsets
+from .pool import HostPool
+from .._wire.names import check_buffer_name
+from .._wire.protocol import MAX_BUFFERS, MAX_META, MAX_NAME, PROTOCOL_VERSION, validate_args
+from .policy import Access, Policy, Quotas
+from ..errors import BadRequest, Exists, Forbidden, LeaseExpired, NotFound, PoolFull, ProtocolError
+from ..errors import LimitExceeded, QuotaExceeded
 
-__all__ = ["Broker", "Session", "WouldWait", "BUFFER_ALIGN"]
+__all__ = ["Broker", "Session", "WouldWait"]
 
 # Buffers inside an object start on this boundary: enough for any dtype and for DMA engines.
-BUFFER_ALIGN = 256
 _MAX_ENDED = 1 << 16
 _MAX_LIST = 10_000
 _MAX_REPORTED_LEASES = 256
@@ -291,7 +291,7 @@ class Broker:
         self.socket_path = socket_path
         self.clock = clock
         self.require_checksums = require_checksums  # seal without {buffer: digest} refused
-        self.policy = policy or _OPEN  # who may use which namespace (kvbroker._policy)
+        self.policy = policy or _OPEN  # who may use which namespace (kvbroker._server.policy)
         self.quotas = quotas or Quotas()
         self.max_leases_per_client = max_leases_per_client
         # Timed quarantine: a heap of (deadline, pool index, start, npages, charges) — pages a
@@ -311,7 +311,7 @@ class Broker:
         self._ended: OrderedDict[int, str] = OrderedDict()
         self._ids = count(1)
         # Warm restart (_journal.py): the daemon sets these when it keeps a journal.
-        self.journal: Any = None  # kvbroker._journal.Journal, or None
+        self.journal: Any = None  # kvbroker._server.journal.Journal, or None
         self.epoch = 1  # starts of this socket's daemon that adopted the previous one's pools
         self._first_id = 1  # ids below were handed out by an earlier daemon
         self._id_limit = 1 << 62
@@ -326,7 +326,7 @@ class Broker:
         self.transfers: deque[dict[str, Any]] = deque(maxlen=64)
         # Called with (namespace, key) after each seal; the daemon wakes waiting claims.
         self.on_sealed: Callable[[tuple[str, str]], None] | None = None
-        # GPU staging rings (kvbroker._gpu_ring.RingService) when serving with --gpu-ring.
+        # GPU staging rings (kvbroker._server.rings.RingService) when serving with --gpu-ring.
         self.rings: Any = None
 
     # ------------------------------------------------------------------ warm restart
@@ -562,7 +562,7 @@ class Broker:
     def _accept_checksums(self, obj: StoredObject, checksums: dict | None) -> None:
         if checksums is not None:
             try:
-                obj.checksums = _integrity.validate(checksums, obj.buffers)
+                obj.checksums = _checksum.validate(checksums, obj.buffers)
             except ValueError as exc:
                 raise BadRequest(f"seal of {obj.namespace}/{obj.key}: {exc}") from None
         elif self.require_checksums:
@@ -1326,8 +1326,6 @@ def _buffer_layout(buffers: dict, meta: dict | None) -> tuple[dict[str, tuple[in
         raise BadRequest(f"reserve: at most {MAX_BUFFERS} buffers per object")
     if meta is not None and len(msgpack.packb(meta)) > MAX_META:
         raise BadRequest(f"reserve: meta must pack to at most {MAX_META} bytes")
-    layout: dict[str, tuple[int, int]] = {}
-    offset = 0
     for name, nbytes in buffers.items():
         if not isinstance(name, str):
             raise BadRequest("reserve: buffer names must be strings")
@@ -1335,9 +1333,8 @@ def _buffer_layout(buffers: dict, meta: dict | None) -> tuple[dict[str, tuple[in
         check_buffer_name(name)  # malformed KV names would never match a claim
         if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
             raise BadRequest(f"reserve: size of buffer {name!r} must be a non-negative int")
-        layout[name] = (offset, nbytes)
-        offset += -(-nbytes // BUFFER_ALIGN) * BUFFER_ALIGN
-    return layout, offset
+    offsets, span = buffer_offsets(buffers)
+    return {name: (offsets[name], nbytes) for name, nbytes in buffers.items()}, span
 
 
 def _disjoint(lent: Iterable[tuple[int, int, int]], live: list[list[tuple[int, int]]],

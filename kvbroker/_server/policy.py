@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
-from .errors import Forbidden
+from ..errors import Forbidden
 
 __all__ = ["Policy", "Access", "Quotas", "parse_isolation", "parse_quotas", "user_name"]
 

@@ -21,8 +21,8 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-from ._daemon import DaemonConfig
-from ._paths import format_size
+from .daemon import DaemonConfig
+from .._wire.paths import format_size
 
 __all__ = ["Check", "run_checks", "render", "SERVICE_USER"]
 

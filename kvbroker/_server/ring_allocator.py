@@ -17,7 +17,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from .errors import KVBrokerError, Timeout
+from ..errors import KVBrokerError, Timeout
 
 __all__ = ["RingAllocator", "Region", "RingOversize"]
 

@@ -34,7 +34,7 @@ import os
 from functools import lru_cache
 from typing import Any
 
-from .errors import KVBrokerError
+from ..errors import KVBrokerError
 
 __all__ = ["gather", "scatter", "triton_available", "select_backend"]
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import BadRequest
+from ..errors import BadRequest
 
 PROTOCOL_VERSION = 1
 
@@ -227,7 +227,7 @@ OPS: dict[str, Op] = {
         "{}",
         "End several read leases.",
     ),
-    # GPU staging rings (kvbroker._gpu_ring); a daemon without --gpu-ring answers bad_request.
+    # GPU staging rings (kvbroker._server.rings); a daemon without --gpu-ring answers bad_request.
     "rings": Op(
         {},
         "{rings: [{index, device: PCI bus id, name, capacity, align, handle: 64-byte CUDA IPC "

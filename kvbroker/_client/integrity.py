@@ -1,6 +1,6 @@
-"""Buffer checksums: computed by clients, recorded by the daemon at seal, checked on claim.
+"""Buffer checksums on the client side: hashed while copying, checked on claim.
 
-The checksum of a buffer is xxh3_64 of its bytes (an unsigned 64-bit integer on the wire).
+The checksum itself is defined once, in :mod:`kvbroker._wire.checksum`.
 The daemon never maps the pools, so clients compute every digest:
 
 - ``put`` copies each buffer in chunks of :data:`CHUNK` bytes and hashes each chunk right
@@ -25,7 +25,8 @@ from typing import Any
 
 import xxhash
 
-from .errors import ChecksumMismatch, NotFound
+from .._wire.checksum import CHUNK, digest
+from ..errors import ChecksumMismatch, NotFound
 
 __all__ = [
     "CHUNK",
@@ -37,19 +38,6 @@ __all__ = [
     "ObjectCheck",
     "verify_objects",
 ]
-
-# Big enough that the per-call overhead vanishes, small enough that source and destination
-# chunks stay in L2 between the copy and the hash (measured on a 1 MiB-L2 core: 256 KiB
-# chunks hash for free, 1 MiB chunks cost ~12%; see benchmarks/bench_integrity.py).
-CHUNK = 256 * 1024
-
-_MAX_U64 = (1 << 64) - 1
-
-
-def digest(view: Any) -> int:
-    """xxh3_64 of a C-contiguous buffer (numpy uint8 view, bytes, memoryview)."""
-    return xxhash.xxh3_64_intdigest(view)
-
 
 def _flat_bytes(src: Any):
     """``src`` as a flat uint8 numpy array over the same memory, or None when that needs a
@@ -123,25 +111,6 @@ def check(namespace: str, key: str, bad: list[str]) -> None:
             f"seal: {shown}",
             buffers=tuple(bad),
         )
-
-
-def validate(checksums: Any, buffers: Mapping[str, Any]) -> dict[str, int]:
-    """The daemon's check of a seal's ``{buffer: digest}``: one unsigned 64-bit digest for
-    every buffer of the object, nothing else. Raises ValueError saying what is wrong."""
-    if not isinstance(checksums, dict):
-        raise ValueError("checksums must be a map {buffer name: digest}")
-    if checksums.keys() != buffers.keys():
-        missing = sorted(set(buffers) - set(checksums))[:3]
-        extra = sorted(set(checksums) - set(buffers), key=str)[:3]
-        raise ValueError(
-            "checksums must name every buffer of the object and nothing else"
-            + (f"; missing {missing}" if missing else "")
-            + (f"; unknown {extra}" if extra else "")
-        )
-    for name, value in checksums.items():
-        if value.__class__ is not int or not 0 <= value <= _MAX_U64:
-            raise ValueError(f"checksum of {name!r} must be an unsigned 64-bit integer")
-    return checksums
 
 
 @dataclass(frozen=True)

@@ -27,28 +27,18 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from . import _integrity
-from ._broker import BUFFER_ALIGN
-from .errors import BadRequest, Exists, LeaseExpired, PoolFull
+from . import integrity as _integrity
+from .copy import _np, copy_into
+from .._wire.objects import buffer_offsets
+from ..errors import BadRequest, Exists, LeaseExpired, PoolFull
 
 if TYPE_CHECKING:
-    from ._client import Client
+    from .client import Client
 
-__all__ = ["WriteArena", "layout_of"]
+__all__ = ["WriteArena"]
 
 _EMPTY_DIGEST = _integrity.digest(b"")
 _RETRY_AFTER = 0.5  # seconds without arena after the daemon had no room for one
-
-
-def layout_of(sizes: Mapping[str, int]) -> tuple[dict[str, int], int]:
-    """Offsets of the named buffers inside an object, and its span: exactly the layout the
-    daemon gives a reservation (``_broker._buffer_layout``), so the client can write before
-    asking."""
-    offsets, offset = {}, 0
-    for name, nbytes in sizes.items():
-        offsets[name] = offset
-        offset += -(-nbytes // BUFFER_ALIGN) * BUFFER_ALIGN
-    return offsets, offset
 
 
 class WriteArena:
@@ -85,10 +75,9 @@ class WriteArena:
             self._lock.release()
 
     def _put(self, key, buffers, sizes, namespace, meta, replace, consumers, checksum):
-        from ._client import _np, copy_into  # (a cycle at import time: _client imports us)
 
         client = self.client
-        offsets, span = layout_of(sizes)
+        offsets, span = buffer_offsets(sizes)
         if self._generation != client.generation:
             self.id = self.extent = None  # it died with an earlier connection
         if self.id is None and not self._open():
