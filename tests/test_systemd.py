@@ -116,6 +116,19 @@ def test_notify_ready_status_watchdog_stopping(notify_socket, tmp_path):
             assert c.server_pid == proc.pid
         assert first[1].startswith("STATUS=serving: ") and "of 16.0 MiB used" in first[1]
         after = _states(ns, "WATCHDOG=1", timeout=5)
+        # The watchdog keeps pinging (every WATCHDOG_USEC/2 = 0.1 s), not just once: a daemon
+        # whose pings stop is restarted by systemd although it serves.
+        pings = [time.monotonic()]
+        deadline = pings[0] + 1.5
+        while time.monotonic() < deadline:
+            ns.settimeout(max(0.01, deadline - time.monotonic()))
+            try:
+                got = ns.recv(4096).decode().split("\n")
+            except TimeoutError:
+                break
+            after += got
+            pings += [time.monotonic()] * got.count("WATCHDOG=1")
+        assert len(pings) >= 4 and pings[-1] - pings[0] >= 0.7, (len(pings), after)
         proc.send_signal(signal.SIGTERM)
         after += _states(ns, "STOPPING=1", timeout=10)
         assert proc.wait(15) == 0
