@@ -149,36 +149,36 @@ class AllBlocksCleared:
 Event = BlockStored | BlockRemoved | AllBlocksCleared
 
 
-def _event_fields(ev: Event) -> tuple[str, list[tuple[str, object]]]:
-    if isinstance(ev, BlockStored):
-        return "BlockStored", [
-            ("block_hashes", [int(h) for h in ev.block_hashes]),
-            ("parent_block_hash", None if ev.parent_block_hash is None else int(ev.parent_block_hash)),
-            ("token_ids", [int(t) for t in ev.token_ids]),
-            ("block_size", int(ev.block_size)),
-            ("lora_id", ev.lora_id),
-            ("medium", ev.medium),
-            ("lora_name", ev.lora_name),
-        ]
-    if isinstance(ev, BlockRemoved):
-        return "BlockRemoved", [
-            ("block_hashes", [int(h) for h in ev.block_hashes]),
-            ("medium", ev.medium),
-        ]
-    if isinstance(ev, AllBlocksCleared):
-        return "AllBlocksCleared", []
-    raise TypeError(f"not a KV event: {ev!r}")
+def _ints(xs: Sequence[int]) -> list[int]:
+    # msgpack packs only Python ints: numpy integers (token ids often are) become ints here.
+    return xs if type(xs) is list and all(type(x) is int for x in xs) else list(map(int, xs))
 
 
 def _wire_event(ev: Event, fmt: str) -> list | dict:
-    tag, fields = _event_fields(ev)
     if fmt == "positional":
-        return [tag, *(v for _, v in fields)]
+        if type(ev) is BlockStored:
+            p = ev.parent_block_hash
+            return ["BlockStored", _ints(ev.block_hashes), None if p is None else int(p),
+                    _ints(ev.token_ids), int(ev.block_size), ev.lora_id, ev.medium,
+                    ev.lora_name]
+        if type(ev) is BlockRemoved:
+            return ["BlockRemoved", _ints(ev.block_hashes), ev.medium]
+        if type(ev) is AllBlocksCleared:
+            return ["AllBlocksCleared"]
+        raise TypeError(f"not a KV event: {ev!r}")
     if fmt == "tagged":
-        out: dict = {"type": tag}
-        out.update(fields)
-        return out
+        out = _wire_event(ev, "positional")
+        return {"type": out[0], **dict(zip(_FIELDS[out[0]], out[1:]))}
     raise ValueError(f"unknown event format {fmt!r} (one of {', '.join(FORMATS)})")
+
+
+# vLLM's declaration order, which the positional layout follows
+_FIELDS = {
+    "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
+                    "medium", "lora_name"),
+    "BlockRemoved": ("block_hashes", "medium"),
+    "AllBlocksCleared": (),
+}
 
 
 def encode_event(ev: Event, fmt: str = "positional") -> bytes:
@@ -297,11 +297,11 @@ class EventPublisher:
     def stored(self, block_hashes: Sequence[int], parent_block_hash: int | None,
                token_ids: Sequence[int], block_size: int, *, medium: str | None = MEDIUM_CPU,
                lora_name: str | None = None) -> bool:
-        return self.publish([BlockStored(list(block_hashes), parent_block_hash, list(token_ids),
-                                         block_size, None, medium, lora_name)])
+        return self.publish([BlockStored(block_hashes, parent_block_hash, token_ids, block_size,
+                                         None, medium, lora_name)])
 
     def removed(self, block_hashes: Sequence[int], *, medium: str | None = MEDIUM_CPU) -> bool:
-        return self.publish([BlockRemoved(list(block_hashes), medium)])
+        return self.publish([BlockRemoved(block_hashes, medium)])
 
     def cleared(self) -> bool:
         return self.publish([AllBlocksCleared()])

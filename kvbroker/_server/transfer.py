@@ -101,8 +101,10 @@ def load_nixl():
         except ImportError as e:
             errors.append(f"{name}: {e}")
             continue
-        # NIXL logs every agent and backend creation at INFO on stdout; keep its warnings.
-        logging.getLogger(api.__name__).setLevel(logging.WARNING)
+        # NIXL logs every agent and backend creation at INFO on stdout (its "nixl" logger);
+        # keep its warnings unless NIXL_LOG_LEVEL asks for more.
+        if not os.environ.get("NIXL_LOG_LEVEL"):
+            logging.getLogger("nixl").setLevel(logging.WARNING)
         return api
     raise ImportError(
         f"broker-to-broker transfer needs NIXL: pip install 'kvbroker[{EXTRA}]' "
@@ -352,6 +354,7 @@ class PeerServer:
         self._server: asyncio.base_events.Server | None = None
         self._ids = itertools.count(1)
         self._conns: dict[int, asyncio.StreamWriter] = {}
+        self._tasks: set[asyncio.Task] = set()
         self.refused = 0
         self.served_pins = 0
 
@@ -364,14 +367,30 @@ class PeerServer:
         return self._server.sockets[0].getsockname()[:2]
 
     async def close(self) -> None:
+        """Stop listening, end every peer connection (their leases are dropped)."""
         if self._server is not None:
             self._server.close()
-        for w in list(self._conns.values()):
-            w.close()
+        tasks = list(self._tasks)
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=5)
         if self._server is not None:
             await self._server.wait_closed()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        self._tasks.add(task)
+        try:
+            await self._serve_one(reader, writer)
+        except asyncio.CancelledError:
+            pass  # close(): the connection ends like any other (asyncio's stream callback
+            # would log a cancelled handler as an error)
+        finally:
+            self._tasks.discard(task)
+
+    async def _serve_one(self, reader: asyncio.StreamReader,
+                         writer: asyncio.StreamWriter) -> None:
         peer_addr = writer.get_extra_info("peername") or ("?", 0)
         pid = None
         try:
