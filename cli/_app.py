@@ -160,13 +160,11 @@ def _render_stat(s) -> str:
     if s.rings:
         lines += ["", f"{'RING':<5}{'CAPACITY':>12}{'USED':>12}{'FREE':>12}{'LEASED':>12}"
                       f"{'OBJECTS':>9}  DEVICE"]  # fmt: skip
-        for i, r in enumerate(s.rings):
-            cap, used = int(r.get("capacity", 0)), int(r.get("used", 0))
-            leased = int(r.get("leased_read", 0)) + int(r.get("leased_write", 0))
+        for r in s.rings:
             lines.append(
-                f"{r.get('index', i):<5}{format_size(cap):>12}{format_size(used):>12}"
-                f"{format_size(int(r.get('free', cap - used))):>12}{format_size(leased):>12}"
-                f"{int(r.get('objects', 0)):>9}  {r.get('device', '')} {r.get('name', '')}"
+                f"{r.index:<5}{format_size(r.capacity):>12}{format_size(r.used):>12}"
+                f"{format_size(r.free):>12}{format_size(r.leased_read + r.leased_write):>12}"
+                f"{r.objects:>9}  {r.device} {r.name}"
             )
     lines += [
         "",

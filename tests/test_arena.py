@@ -21,7 +21,8 @@ from hypothesis import strategies as st
 
 from kvbroker import Client
 from kvbroker._wire.objects import buffer_offsets as layout_of
-from kvbroker._server.broker import Broker, _buffer_layout
+from kvbroker._server.broker import Broker
+from kvbroker._server.handlers import _buffer_layout
 from kvbroker._server.pool import HostPool
 from kvbroker.errors import BadRequest, Exists, Forbidden, LeaseExpired, NotFound, PoolFull
 

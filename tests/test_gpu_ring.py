@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from kvbroker import Client
 from kvbroker._server.rings import RING_ALIGN, FakeRings, RingService
 from kvbroker._server.policy import Policy
-from kvbroker.errors import BadRequest, Exists, LeaseExpired, NotFound, PoolFull, Timeout
+from kvbroker.errors import BadRequest, Exists, Forbidden, LeaseExpired, NotFound, PoolFull, Timeout
 
 RING = 1 << 20  # the smallest ring `--gpu-ring` accepts
 
@@ -142,7 +142,7 @@ def test_fifo_wrap_and_bad_requests():
     svc.handle(s, "ring_release", {"lease": a["lease"]})
     c = _reserve(svc, s, 3 * RING_ALIGN)  # does not fit before the end: wraps to 0
     assert c["offset"] == 0
-    with pytest.raises(NotFound, match="on this connection"):
+    with pytest.raises(Forbidden, match="another connection"):
         svc.handle(other, "ring_release", {"lease": c["lease"]})
     svc.handle(s, "ring_release", {"lease": c["lease"]})
     with pytest.raises(LeaseExpired, match="released"):

@@ -272,7 +272,7 @@ def test_draining_publish_uses_the_arena_it_holds_and_gets_no_fresh_one(make_dae
 
 
 def test_draining_refuses_every_lease_taking_op_by_its_real_name(make_daemon):
-    from kvbroker._server.daemon import _LEASE_TAKING_OPS
+    from kvbroker._wire.protocol import REFUSED_WHILE_DRAINING as _LEASE_TAKING_OPS
     from kvbroker._wire.protocol import OPS
 
     assert _LEASE_TAKING_OPS <= set(OPS)  # a misspelt op name would silently not be refused

@@ -29,6 +29,7 @@ from typing import Any
 
 from .framing import MessageStream
 from .._wire.paths import default_socket_path
+from .._wire.protocol import LEASE_NAMING_OPS
 from .mappings import PoolMapping
 from .session import Session
 from .shared import PerProcess
@@ -46,8 +47,7 @@ __all__ = ["Client", "WriteLease", "ReadLease", "EvictResult"]
 log = logging.getLogger("kvbroker.client")
 
 # Requests that name a lease: after a reconnect they are not resent (the lease is gone).
-_LEASE_OPS = frozenset({"seal", "abort", "release", "renew", "seal_many", "release_many",
-                        "publish"})
+_LEASE_OPS = LEASE_NAMING_OPS
 
 # segment name -> this process's one mapping of it
 _process_maps: PerProcess[PoolMapping] = PerProcess(PoolMapping.close)

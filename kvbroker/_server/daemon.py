@@ -1,9 +1,10 @@
 """The daemon: one asyncio process serving the broker on a Unix socket.
 
-Transport and framing live here (an ``asyncio.Protocol`` per connection feeding msgpack's
-streaming ``Unpacker`` with hard limits); the state lives in :class:`~kvbroker._server.broker.Broker`.
-Requests of one connection are answered in order; a connection waiting in a blocking
-``claim`` stops reading until it is answered, and never holds up another connection.
+It owns the pools, the broker and the listening socket: start (lock, warm restart from the
+journal, pools), the periodic work (lease expiry, journal compaction, systemd status and
+watchdog), drain and shutdown, SIGHUP reload. Each connection is a
+:class:`~kvbroker._server.connection.Connection` (transport and framing); the state lives in
+:class:`~kvbroker._server.broker.Broker`.
 """
 
 from __future__ import annotations
@@ -15,269 +16,33 @@ import logging
 import os
 import signal
 import socket
-import struct
 import time
-from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-import msgpack
-
-from .broker import Broker, Session, WouldWait
+from .broker import Broker
+from .connection import Connection
 from .._cpu import cpu_spare
 from .config import DaemonConfig, reload_into
 from .systemd import Notifier, listen_fds
 from .._wire.paths import format_size
+from .._wire.stats import Statistics
 from .journal import Journal, JournalError, journal_path
 from .pool import HostPool, segment_prefix
-from .._wire.protocol import MAX_REQUEST, unpacker_limits
-from ..errors import KVBrokerError, Timeout
+from ..errors import BrokerUnavailable, KVBrokerError
 
 __all__ = ["DaemonConfig", "Daemon", "DaemonError", "run_daemon"]
 
 log = logging.getLogger("kvbroker.daemon")
 
-_SO_PEERCRED_FMT = "3i"
 _EXPIRY_TICK = 0.1
-_READ_SIZE = 64 * 1024
 _STATUS_PERIOD = 5.0  # seconds between STATUS= updates to systemd
-# Refused while draining: a daemon on its way out hands out no new leases.
-_LEASE_TAKING_OPS = frozenset({"reserve", "reserve_blocks", "claim", "match_prefix",
-                               "ring_reserve", "ring_claim", "arena"})
 
 
 class DaemonError(Exception):
     """The daemon cannot start (socket held, shared memory too small, ...)."""
 
 
-class _Connection(asyncio.BufferedProtocol):
-    # A BufferedProtocol reads into one reused buffer: plain Protocol allocates a fresh
-    # 256 KiB bytes object per read, which costs more than the request itself.
-    def __init__(self, daemon: Daemon) -> None:
-        self._rbuf = memoryview(bytearray(_READ_SIZE))
-        self.daemon = daemon
-        self.broker = daemon.broker
-        self.transport: asyncio.Transport | None = None
-        self.session: Session | None = None
-        self.unpacker = msgpack.Unpacker(raw=False, **unpacker_limits(MAX_REQUEST))
-        self.queue: deque[Any] = deque()
-        self.busy = False
-        self.closed = False
-        self.write_paused = False
-        # The daemon, not the peer, ended the connection: the peer may still be writing into
-        # its write-leased pages, which then go into the broker's timed quarantine.
-        self.cut_off = False
-        self.waiter: asyncio.Task | None = None
-        self.wait_rid: int | None = None
-        self.watch_handle: asyncio.TimerHandle | None = None
-        self.watch_interval = 0.0
-
-    # -- asyncio.Protocol ----------------------------------------------------------------
-    def connection_made(self, transport) -> None:
-        self.transport = transport
-        sock = transport.get_extra_info("socket")
-        pid = uid = gid = -1
-        try:
-            raw = sock.getsockopt(
-                socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize(_SO_PEERCRED_FMT)
-            )
-            pid, uid, gid = struct.unpack(_SO_PEERCRED_FMT, raw)
-        except OSError:
-            pass
-        limit = self.daemon.config.max_connections
-        if len(self.daemon.connections) >= limit:
-            log.warning("refused a connection of pid %d uid %d: %d connections already "
-                        "(max_connections)", pid, uid, limit)  # fmt: skip
-            self._send({"id": None, "ok": False, "error": {
-                "code": "limit_exceeded",
-                "message": f"kvbroker serves at most {limit} connections (max_connections); "
-                           "try again when one closes"}})  # fmt: skip
-            transport.close()
-            self.closed = True
-            return
-        # Replies and pushes a peer leaves unread pile up here; past this, pause_writing
-        # cuts the peer off instead of letting its buffer grow without bound.
-        transport.set_write_buffer_limits(high=self.daemon.config.max_write_buffer)
-        self.session = self.broker.open_session(pid, uid, gid)
-        self.daemon.connections.add(self)
-        log.debug("session %d: connected pid=%d uid=%d", self.session.id, pid, uid)
-
-    def connection_lost(self, exc) -> None:
-        if self.session is None or self.session.id not in self.broker.sessions:
-            self.closed = True
-            return
-        self.closed = True
-        if self.waiter is not None:
-            self.waiter.cancel()
-        if self.watch_handle is not None:
-            self.watch_handle.cancel()
-        self.daemon.connections.discard(self)
-        self.broker.close_session(self.session, cut_off=self.cut_off)
-        log.debug("session %d: closed", self.session.id)
-
-    def pause_writing(self) -> None:
-        # The peer stopped reading (a stuck watcher, a client pipelining requests without
-        # reading replies): max_write_buffer bytes wait for it. Writes never block the loop,
-        # so the only bound left is to drop the peer; its leases end with the connection.
-        self.write_paused = True
-        s = self.session
-        log.warning(
-            "session %d (pid %d, uid %d, %s): disconnected: %d bytes of replies left unread "
-            "(max_write_buffer %d)", s.id, s.pid, s.uid, s.name or "unnamed",
-            self.transport.get_write_buffer_size(), self.daemon.config.max_write_buffer,
-        )  # fmt: skip
-        self.closed = self.cut_off = True
-        self.transport.abort()
-
-    def resume_writing(self) -> None:
-        self.write_paused = False
-        if not self.busy and not self.closed:
-            self.transport.resume_reading()
-
-    def get_buffer(self, sizehint: int) -> memoryview:
-        return self._rbuf
-
-    def buffer_updated(self, nbytes: int) -> None:
-        if self.closed:
-            return
-        self.daemon.note_activity()
-        try:
-            self.unpacker.feed(self._rbuf[:nbytes])
-        except msgpack.BufferFull:
-            self._fatal("frame exceeds the size limit")
-            return
-        while not self.closed:
-            try:
-                msg = next(self.unpacker)
-            except StopIteration:
-                return
-            except Exception as exc:  # any decoding failure: the stream cannot resync
-                self._fatal(f"malformed frame: {type(exc).__name__}: {exc}")
-                return
-            if self.busy:
-                self.queue.append(msg)
-            else:
-                self._handle(msg)
-
-    # -- requests ------------------------------------------------------------------------
-    def _handle(self, msg: Any) -> None:
-        if not isinstance(msg, dict):
-            self._error(None, "bad_request", "a request must be a map with id, op and args")
-            return
-        rid, op, args = msg.get("id"), msg.get("op"), msg.get("args")
-        if not isinstance(rid, int) or isinstance(rid, bool) or not isinstance(op, str):
-            self._error(rid if isinstance(rid, int) else None, "bad_request",
-                        "a request needs an integer id and a string op")
-            return
-        if self.daemon.draining and op in _LEASE_TAKING_OPS:
-            self._error(rid, "unavailable",
-                        "kvbroker is shutting down: finish what you hold, take new leases "
-                        "from the next daemon")
-            return
-        if self.daemon.draining and op == "publish" and isinstance(args, dict):
-            args = {**args, "next_arena": 0}  # publishes what it holds; no fresh arena
-        try:
-            result = self.broker.handle(self.session, op, args)
-        except WouldWait as ww:
-            self._start_wait(rid, op, args, ww)
-            return
-        except KVBrokerError as exc:
-            self._error(rid, exc.code, exc.message or str(exc))
-            return
-        except Exception as exc:
-            log.exception("session %d: %s failed", self.session.id, op)
-            self._error(rid, "internal", f"{type(exc).__name__}: {exc}")
-            return
-        self._send({"id": rid, "ok": True, "result": result})
-        if op == "watch":
-            self._set_watch(result["interval"])
-
-    def _start_wait(self, rid: int, op: str, args: Any, ww: WouldWait) -> None:
-        self.busy = True
-        self.wait_rid = rid
-        self.transport.pause_reading()
-        self.waiter = asyncio.get_running_loop().create_task(self._wait(rid, op, args, ww))
-
-    def cancel_wait(self, code: str, message: str) -> None:
-        """Answer a waiting claim with an error now (the daemon is draining)."""
-        if self.waiter is None or self.closed:
-            return
-        self.waiter.cancel()
-        self.waiter = None
-        self._error(self.wait_rid, code, message)
-        self._wait_done()
-
-    async def _wait(self, rid: int, op: str, args: dict, ww: WouldWait) -> None:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + ww.timeout
-        try:
-            while True:
-                remaining = deadline - loop.time()
-                if remaining <= 0:
-                    raise Timeout(
-                        f"{ww.key[0]}/{ww.key[1]} was not published within {ww.timeout:g} s"
-                    )
-                try:
-                    await asyncio.wait_for(self.daemon.sealed_future(ww.key), remaining)
-                except asyncio.TimeoutError:
-                    continue
-                try:
-                    result = self.broker.handle(self.session, op, {**args, "wait": None})
-                except KVBrokerError as exc:
-                    if exc.code == "not_found":
-                        continue  # sealed then gone again before we ran: keep waiting
-                    raise
-                self._send({"id": rid, "ok": True, "result": result})
-                break
-        except KVBrokerError as exc:
-            self.broker.counters["errors"] += 1
-            self._error(rid, exc.code, exc.message)
-        except asyncio.CancelledError:
-            return
-        finally:
-            self.waiter = None
-        self._wait_done()
-
-    def _wait_done(self) -> None:
-        self.busy = False
-        while self.queue and not self.busy and not self.closed:
-            self._handle(self.queue.popleft())
-        if not self.busy and not self.closed and not self.write_paused:
-            self.transport.resume_reading()
-
-    # -- watch ---------------------------------------------------------------------------
-    def _set_watch(self, interval: float) -> None:
-        if self.watch_handle is not None:
-            self.watch_handle.cancel()
-            self.watch_handle = None
-        self.watch_interval = interval
-        if interval > 0:
-            self._push_stats()
-
-    def _push_stats(self) -> None:
-        if self.closed or self.watch_interval <= 0:
-            return
-        # A watcher that stops reading is cut off once max_write_buffer is unread.
-        self._send({"push": "stats", "result": self.broker.snapshot_for(self.session)})
-        self.watch_handle = asyncio.get_running_loop().call_later(
-            self.watch_interval, self._push_stats
-        )
-
-    # -- output --------------------------------------------------------------------------
-    def _error(self, rid: int | None, code: str, message: str) -> None:
-        self.broker.counters["errors"] += 1
-        self._send({"id": rid, "ok": False, "error": {"code": code, "message": message}})
-
-    def _send(self, obj: dict) -> None:
-        if not self.closed:
-            self.transport.write(msgpack.packb(obj))
-
-    def _fatal(self, message: str) -> None:
-        sid = self.session.id if self.session else -1
-        log.warning("session %d: protocol error, closing: %s", sid, message)
-        self._error(None, "protocol", message)
-        self.closed = self.cut_off = True
-        self.transport.close()
 
 
 class Daemon:
@@ -293,7 +58,7 @@ class Daemon:
         self.config = config
         self.pools: list[HostPool] = []
         self.broker: Broker | None = None
-        self.connections: set[_Connection] = set()
+        self.connections: set[Connection] = set()
         self._waiters: dict[tuple[str, str], asyncio.Future] = {}
         self._stop: asyncio.Event | None = None
         self._lock_fd: int | None = None
@@ -556,14 +321,14 @@ class Daemon:
             if self._lock_fd is not None:
                 self._write_lock_record()
             sock = listen_socket if listen_socket is not None else self._bind()
-            self._server = await loop.create_unix_server(lambda: _Connection(self), sock=sock)
+            self._server = await loop.create_unix_server(lambda: Connection(self), sock=sock)
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self.request_stop)
             loop.add_signal_handler(signal.SIGHUP, self.reload)
             if self.config.metrics is not None:
                 from .metrics import MetricsServer
 
-                self._metrics = MetricsServer(self.config.metrics, self.snapshot_threadsafe)
+                self._metrics = MetricsServer(self.config.metrics, self.statistics_threadsafe)
                 log.info("metrics on %s", self._metrics.url)
             tasks.append(loop.create_task(self._expiry_loop()))
             tasks.append(loop.create_task(self._status_loop()))
@@ -625,16 +390,17 @@ class Daemon:
             f"{len(b.leases)} lease(s), {format_size(used)} of {format_size(cap)} used"
         )
 
-    def snapshot_threadsafe(self, timeout: float = 5.0) -> dict[str, Any]:
-        """Broker.snapshot() taken on the event loop, for callers in other threads (metrics):
-        the broker's dicts change under any thread that iterates them off the loop."""
+    def statistics_threadsafe(self, timeout: float = 5.0) -> Statistics:
+        """Broker.statistics() taken on the event loop, for callers in other threads
+        (metrics): the broker's dicts change under any thread that iterates them off the
+        loop."""
         import concurrent.futures
 
         fut: concurrent.futures.Future = concurrent.futures.Future()
 
         def take() -> None:
             try:
-                fut.set_result(self.broker.snapshot(occupancy_cells=0))
+                fut.set_result(self.broker.statistics(occupancy_cells=0))
             except Exception as exc:
                 fut.set_exception(exc)
 
@@ -658,7 +424,7 @@ class Daemon:
         if self._server is not None:
             self._server.close()  # under socket activation, systemd keeps queueing new clients
         for conn in list(self.connections):
-            conn.cancel_wait("unavailable", "kvbroker is shutting down")
+            conn.cancel_wait(BrokerUnavailable.code, "kvbroker is shutting down")
         held = len(self.broker.leases) if self.broker else 0
         self.notifier.stopping(self.summary())
         if not held or self.config.drain_timeout <= 0:

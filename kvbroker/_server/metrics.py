@@ -1,6 +1,7 @@
 """Prometheus endpoint: the statistics snapshot in the text exposition format.
 
-A custom collector turns one :meth:`Broker.snapshot` into metric families at scrape time, so
+A custom collector turns one :class:`~kvbroker._wire.stats.Statistics` (the objects ``stat``
+sends, built by :mod:`kvbroker._server.snapshot`) into metric families at scrape time, so
 nothing is counted twice and the hot path pays nothing between scrapes. prometheus-client's
 HTTP server runs in its own thread; the snapshot itself is taken on the event loop.
 """
@@ -9,7 +10,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
-from typing import Any
 
 from prometheus_client import start_http_server
 from prometheus_client.core import (
@@ -21,11 +21,13 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from .._wire.stats import Statistics
+
 __all__ = ["BrokerCollector", "MetricsServer"]
 
 log = logging.getLogger("kvbroker.metrics")
 
-# snapshot counter -> (metric name without _total, help)
+# Counters field -> (metric name without _total, help)
 _COUNTERS = {
     "publishes": ("kvbroker_publishes", "Objects sealed."),
     "claims": ("kvbroker_claims", "Read leases granted."),
@@ -41,7 +43,7 @@ _COUNTERS = {
     "errors": ("kvbroker_errors", "Requests answered with an error."),
 }
 
-# pool field -> (metric name, help)
+# PoolStatistics field -> (metric name, help)
 _POOL_GAUGES = {
     "capacity": ("kvbroker_pool_capacity_bytes", "Size of the pool."),
     "used": ("kvbroker_pool_used_bytes", "Bytes allocated to objects and leases."),
@@ -59,53 +61,51 @@ _POOL_GAUGES = {
 class BrokerCollector(Collector):
     """Yields kvbroker_* metric families from a fresh snapshot at every scrape."""
 
-    def __init__(self, snapshot: Callable[[], dict[str, Any]]) -> None:
-        self._snapshot = snapshot
+    def __init__(self, statistics: Callable[[], Statistics]) -> None:
+        self._statistics = statistics
 
     def collect(self) -> Iterator[Metric]:
-        s = self._snapshot()
+        s = self._statistics()
         info = InfoMetricFamily("kvbroker", "Daemon version and socket.")
-        info.add_metric([], {"version": s["version"], "socket": s["socket"]})
+        info.add_metric([], {"version": s.version, "socket": s.socket})
         yield info
         yield GaugeMetricFamily(
             "kvbroker_start_time_seconds", "When the daemon started (Unix time).",
-            value=s["started_at"],
+            value=s.started_at,
         )  # fmt: skip
-        yield GaugeMetricFamily("kvbroker_objects", "Sealed objects.", value=s["objects"])
+        yield GaugeMetricFamily("kvbroker_objects", "Sealed objects.", value=s.objects)
         yield GaugeMetricFamily(
-            "kvbroker_pending_objects", "Objects reserved, not sealed yet.", value=s["pending"]
+            "kvbroker_pending_objects", "Objects reserved, not sealed yet.", value=s.pending
         )
-        yield GaugeMetricFamily(
-            "kvbroker_clients", "Connected clients.", value=len(s["clients"])
-        )
+        yield GaugeMetricFamily("kvbroker_clients", "Connected clients.", value=len(s.clients))
         leases = GaugeMetricFamily("kvbroker_leases", "Leases held.", labels=["kind"])
-        leases.add_metric(["read"], s["read_leases"])
-        leases.add_metric(["write"], s["write_leases"])
+        leases.add_metric(["read"], s.read_leases)
+        leases.add_metric(["write"], s.write_leases)
         yield leases
         for field, (name, doc) in _POOL_GAUGES.items():
             g = GaugeMetricFamily(name, doc, labels=["pool"])
-            for p in s["pools"]:
-                g.add_metric([str(p["index"])], p[field])
+            for p in s.pools:
+                g.add_metric([str(p.index)], getattr(p, field))
             yield g
         leased = GaugeMetricFamily(
             "kvbroker_pool_leased_bytes", "Bytes under leases.", labels=["pool", "kind"]
         )
-        for p in s["pools"]:
-            leased.add_metric([str(p["index"]), "read"], p["leased_read"])
-            leased.add_metric([str(p["index"]), "write"], p["leased_write"])
+        for p in s.pools:
+            leased.add_metric([str(p.index), "read"], p.leased_read)
+            leased.add_metric([str(p.index), "write"], p.leased_write)
         yield leased
-        for key, (name, doc) in _COUNTERS.items():
-            yield CounterMetricFamily(name, doc, value=s["counters"].get(key, 0))
+        for field, (name, doc) in _COUNTERS.items():
+            yield CounterMetricFamily(name, doc, value=getattr(s.counters, field))
 
 
 class MetricsServer:
     """``GET /metrics`` on (host, port) in a daemon thread; :meth:`close` stops it."""
 
-    def __init__(self, address: tuple[str, int], snapshot: Callable[[], dict[str, Any]]):
+    def __init__(self, address: tuple[str, int], statistics: Callable[[], Statistics]):
         host, port = address
         # A private registry: no process/platform collectors of this interpreter mixed in.
         registry = CollectorRegistry(auto_describe=False)
-        registry.register(BrokerCollector(snapshot))
+        registry.register(BrokerCollector(statistics))
         self._server, self._thread = start_http_server(port, addr=host, registry=registry)
         self.host, self.port = host, self._server.server_address[1]
 

@@ -1,4 +1,4 @@
-"""The strict staging-ring allocator (DESIGN.md §3), pure Python, thread-safe.
+"""The strict staging-ring allocator (docs/design.md), pure Python, thread-safe.
 
 Who owns and frees what: the ring owns only offsets (the memory behind them belongs to
 whoever created the ring). :meth:`RingAllocator.alloc` hands the caller a :class:`Region`; the

@@ -2,28 +2,16 @@
 
 ``kvbroker serve --gpu-ring SIZE`` makes the daemon allocate one ring of SIZE bytes on each
 visible GPU and share it with its clients through a CUDA IPC handle (op ``rings``). The
-allocator of each ring (:class:`~kvbroker._server.ring_allocator.RingAllocator`, DESIGN.md §3: strict, FIFO
+allocator of each ring (:class:`~kvbroker._server.ring_allocator.RingAllocator`: strict, FIFO
 recycling, wrap, oversize fails at once, an empty ring restarts at 0) runs here, in the
-daemon; clients only ever borrow a region through a *ring lease*.
+daemon; clients only ever borrow a region through a *ring lease*. Who owns and frees what
+(rings included) is the ownership contract in :mod:`kvbroker._server.state`; ring leases
+take their ids from the broker's lease registry (:mod:`kvbroker._server.leases`), so they
+are fenced and answered like pool leases.
 
-Who owns and frees what
------------------------
-
-- The daemon owns the device memory (``cuMemAlloc`` through the CUDA driver API, loaded with
-  ctypes only when rings are asked for: the daemon never imports torch) and frees it at
-  shutdown. A client maps each ring once per process (``cuIpcOpenMemHandle``, see
-  :mod:`kvbroker.gpu`) and unmaps it when its last :class:`~kvbroker.gpu.GpuClient` closes.
-- ``ring_reserve`` hands out a region under a lease bound to the connection:
-  *scratch* (no key) — staging for a gather before a bulk copy; freed by ``ring_release``;
-  *write* (a key) — a ring-located object being published; ``ring_seal`` makes it visible
-  (the object then owns the region), ``ring_release`` discards it.
-- ``ring_claim`` gives a *read* lease on a sealed ring object; while it is held the region is
-  not reused. ``ring_release`` ends it; with ``consume`` (the default: a GPU→GPU handoff is
-  one-shot) the object is freed once its last reader is gone.
-- A connection that closes ends every ring lease it holds: scratch and write regions are freed
-  at once; a read lease ends without consuming (the object stays for a retry).
-- A sealed object nobody claims within its ``ttl`` is freed (checked on every ring request and
-  snapshot): a ring is FIFO, so a forgotten object would hold back all space behind it.
+The device memory is ``cuMemAlloc``'d through the CUDA driver API, loaded with ctypes only
+when rings are asked for: the daemon never imports torch. A client maps each ring once per
+process (``cuIpcOpenMemHandle``, see :mod:`kvbroker.gpu`).
 
 Waiting for ring space is the client's, bounded by its ``wait`` (see
 :meth:`kvbroker.gpu.GpuClient.ring_scratch`); waiting for a ring object to be sealed uses the
@@ -36,27 +24,29 @@ tests of the plumbing on machines without a GPU; selected by ``KVBROKER_FAKE_GPU
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import hashlib
 import logging
 import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from itertools import count
 from typing import Any
 
+from .leases import LeaseRegistry
 from .ring_allocator import Region, RingAllocator, RingOversize
+from .state import WouldWait
 from .._cuda import IpcHandle, _check, device_identity, load_libcuda
-from ..errors import BadRequest, Exists, KVBrokerError, LeaseExpired, NotFound, PoolFull
+from .._wire import replies as R
+from .._wire.stats import RingStatistics
+from ..errors import BadRequest, Exists, KVBrokerError, NotFound, PoolFull
 
-__all__ = ["RingService", "CudaDriverRings", "FakeRings", "open_backend", "RING_OPS"]
+__all__ = ["RingService", "CudaDriverRings", "FakeRings", "open_backend"]
 
 log = logging.getLogger("kvbroker.rings")
 
-RING_OPS = frozenset({"rings", "ring_reserve", "ring_seal", "ring_claim", "ring_release"})
 RING_ALIGN = 256  # regions start on this boundary (DMA engines, vector loads)
 _MAX_KEY = 512
-_MAX_ENDED = 1 << 14
 _OCCUPANCY_CELLS = 64
 
 
@@ -180,7 +170,8 @@ def _align(n: int) -> int:
 
 
 class RingService:
-    """The rings of one daemon and every ring lease; driven by the broker's dispatch."""
+    """The rings of one daemon and every ring lease: the service of the op table's
+    ``Service.RINGS`` rows, one ``op_<name>`` handler each, driven by the broker's dispatch."""
 
     def __init__(
         self,
@@ -191,6 +182,7 @@ class RingService:
         max_ttl: float = 3600.0,
         clock: Callable[[], float] = time.monotonic,
         on_sealed: Callable[[tuple[str, str]], None] | None = None,
+        registry: LeaseRegistry | None = None,
     ) -> None:
         if size < RING_ALIGN:
             raise KVBrokerError(f"a GPU ring needs at least {RING_ALIGN} bytes, not {size}")
@@ -206,10 +198,10 @@ class RingService:
             self.rings.append(_Ring(i, bus, name, RingAllocator(self.size), handle))
         self.objects: dict[tuple[str, str], _RingObject] = {}
         self.pending: dict[tuple[str, str], _RingObject] = {}
-        self.leases: dict[int, _RingLease] = {}
+        self.leases: dict[int, _RingLease] = {}  # live ring leases; ids from the registry
         self._by_session: dict[int, dict[int, _RingLease]] = {}
-        self._ended: dict[int, str] = {}
-        self._ids = count(1)
+        # The broker's, once attached to one (Broker.rings): one id space for every lease.
+        self.registry = registry or LeaseRegistry()
         self.counters = dict.fromkeys(
             ("reserves", "seals", "claims", "releases", "aborts", "expired", "bytes"), 0
         )
@@ -220,9 +212,9 @@ class RingService:
     # ---------------------------------------------------------------- dispatch
     def handle(self, session: Any, op: str, args: dict) -> Any:
         self.expire()
-        return getattr(self, "_op_" + op)(session, **args)
+        return getattr(self, "op_" + op)(session, **args)
 
-    def _op_rings(self, session) -> dict:
+    def op_rings(self, session) -> R.Rings:
         return {"rings": [
             {"index": r.index, "device": r.bus_id, "name": r.name, "capacity": self.size,
              "align": RING_ALIGN, "handle": r.handle}
@@ -234,7 +226,8 @@ class RingService:
             raise BadRequest(f"no GPU ring {device}: this daemon has {len(self.rings)}")
         return self.rings[device]
 
-    def _op_ring_reserve(self, session, device, nbytes, namespace, key, meta, ttl) -> dict:
+    def op_ring_reserve(self, session, device, nbytes, namespace, key, meta,
+                        ttl) -> R.RingRegion:  # fmt: skip
         ring = self._ring(device)
         if nbytes <= 0:
             raise BadRequest(f"ring_reserve: nbytes must be positive, not {nbytes}")
@@ -258,7 +251,7 @@ class RingService:
             raise PoolFull(f"ring {device}: {exc} (never fits: publish through a host pool)") from None
         except KVBrokerError as exc:  # Timeout: no contiguous space now; the client may wait
             raise PoolFull(f"ring {device} is full for now: {exc}") from None
-        lease = _RingLease(next(self._ids), "scratch" if ident is None else "write",
+        lease = _RingLease(self.registry.next_id(), "scratch" if ident is None else "write",
                            session.id, ring, region, nbytes=nbytes)  # fmt: skip
         if ident is not None:
             lease.obj = _RingObject(namespace, key, ring, region, nbytes, meta, ttl)
@@ -268,7 +261,7 @@ class RingService:
         return {"lease": lease.id, "device": device, "offset": region.offset, "nbytes": nbytes,
                 "kind": lease.kind}  # fmt: skip
 
-    def _op_ring_seal(self, session, lease) -> dict:
+    def op_ring_seal(self, session, lease) -> R.Sealed:
         ls = self._lease(session, lease)
         if ls.kind != "write":
             raise BadRequest(f"ring lease {lease} is a {ls.kind} lease: only a write lease seals")
@@ -285,7 +278,7 @@ class RingService:
             self.on_sealed(ident)
         return {"namespace": obj.namespace, "key": obj.key, "nbytes": obj.nbytes}
 
-    def _op_ring_claim(self, session, namespace, key, consume, wait) -> dict:
+    def op_ring_claim(self, session, namespace, key, consume, wait) -> R.RingClaimed:
         # As for host objects: reading needs read access, a consume-claim (it frees) write.
         session.access.check(namespace, bool(consume), "ring consume-claim" if consume
                              else "ring_claim")  # fmt: skip
@@ -293,22 +286,20 @@ class RingService:
         obj = self.objects.get(ident)
         if obj is None:
             if wait:
-                from .broker import WouldWait
-
                 raise WouldWait(ident, float(wait))
             raise NotFound(f"{namespace}/{key} is not published in a GPU ring")
         obj.readers += 1
         if consume:
             # one-shot handoff: nobody else may claim it; it goes once this reader is done
             self._unlink(obj)
-        ls = _RingLease(next(self._ids), "read", session.id, obj.ring, obj.region, obj,
+        ls = _RingLease(self.registry.next_id(), "read", session.id, obj.ring, obj.region, obj,
                         consume, obj.nbytes)  # fmt: skip
         self._add(ls)
         self.counters["claims"] += 1
         return {"lease": ls.id, "device": obj.ring.index, "offset": obj.region.offset,
                 "nbytes": obj.nbytes, "meta": obj.meta}  # fmt: skip
 
-    def _op_ring_release(self, session, lease) -> dict:
+    def op_ring_release(self, session, lease) -> R.Empty:
         ls = self._lease(session, lease)
         if ls.kind == "write":
             self.counters["aborts"] += 1
@@ -333,12 +324,9 @@ class RingService:
     def _lease(self, session, lid: int) -> _RingLease:
         ls = self.leases.get(lid)
         if ls is None:
-            why = self._ended.get(lid)
-            if why is not None:
-                raise LeaseExpired(f"ring lease {lid} has ended: {why}")
-            raise NotFound(f"no ring lease {lid}")
+            raise self.registry.gone(lid, "ring lease")
         if ls.session != session.id:
-            raise NotFound(f"no ring lease {lid} on this connection")
+            raise self.registry.foreign(lid, "ring lease")
         return ls
 
     def _end(self, ls: _RingLease, why: str, *, free: bool = True, consume: bool | None = None) -> None:
@@ -351,9 +339,7 @@ class RingService:
             held.pop(ls.id, None)
             if not held:
                 del self._by_session[ls.session]
-        self._ended[ls.id] = why
-        if len(self._ended) > _MAX_ENDED:
-            self._ended.pop(next(iter(self._ended)))
+        self.registry.ended(ls.id, why)
         if not free:
             return
         if ls.kind == "scratch":
@@ -399,6 +385,10 @@ class RingService:
 
     # ---------------------------------------------------------------- statistics
     def snapshot(self, occupancy_cells: int = _OCCUPANCY_CELLS) -> list[dict[str, Any]]:
+        """The statistics as sent on the wire."""
+        return [dataclasses.asdict(r) for r in self.statistics(occupancy_cells)]
+
+    def statistics(self, occupancy_cells: int = _OCCUPANCY_CELLS) -> tuple[RingStatistics, ...]:
         self.expire()
         out = []
         for ring in self.rings:
@@ -420,19 +410,19 @@ class RingService:
                     states.setdefault(obj.region.offset, "s")
             a = ring.allocator
             used = a.used
-            out.append({
-                "index": ring.index, "device": ring.bus_id, "name": ring.name,
-                "capacity": self.size, "used": used, "free": self.size - used,
-                "leased_read": read, "leased_write": write,
+            out.append(RingStatistics(
+                index=ring.index, device=ring.bus_id, name=ring.name,
+                capacity=self.size, used=used, free=self.size - used,
+                leased_read=read, leased_write=write,
                 # freed regions the FIFO frontier has not passed yet: not reusable until it does
-                "quarantined": used - sum(r.size for r in a.live()),
-                "objects": objects, "largest_free": a.largest_free,
-                "fragmentation": 0.0 if used == self.size else
-                                 1.0 - a.largest_free / (self.size - used),
-                "high_watermark": 1.0, "low_watermark": 1.0,
-                "occupancy": self._occupancy(a, states, occupancy_cells),
-            })  # fmt: skip
-        return out
+                quarantined=used - sum(r.size for r in a.live()),
+                objects=objects, largest_free=a.largest_free,
+                fragmentation=0.0 if used == self.size else
+                              1.0 - a.largest_free / (self.size - used),
+                high_watermark=1.0, low_watermark=1.0,
+                occupancy=self._occupancy(a, states, occupancy_cells),
+            ))  # fmt: skip
+        return tuple(out)
 
     def _occupancy(self, a: RingAllocator, states: dict[int, str], cells: int) -> str:
         if cells <= 0:

@@ -9,7 +9,10 @@ Reply    ``{"id": int, "ok": true, "result": ...}``
          ``{"id": int, "ok": false, "error": {"code": str, "message": str}}``
 Push     ``{"push": "stats", "result": <Statistics dict>}`` (only after ``watch``)
 
-The first request on a connection must be ``hello``. Requests on one connection are answered
+Every op is one row of :data:`OPS`: its arguments, its reply type (``replies``), which
+service answers it, what it does with leases and what a draining daemon does with it; the
+rest of the code derives what it needs from that row. The first request on a connection
+must be ``hello`` (the ops whose row says ``needs_hello``). Requests on one connection are answered
 in order. Only control messages travel here: KV bytes move through the shared-memory pools.
 
 Extent triples ``[pool, offset, nbytes]`` name a byte range of pool ``pool`` (an index into
@@ -18,10 +21,15 @@ the ``pools`` list of the hello reply); the client maps each pool once and views
 
 from __future__ import annotations
 
+import enum
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import BadRequest
+from . import replies as R
+from ..errors import ERROR_CLASSES, BadRequest
+from .replies import mismatch
+from .stats import ObjectInfo, Statistics
 
 PROTOCOL_VERSION = 1
 
@@ -64,11 +72,44 @@ class Arg:
     default: Any = None
 
 
+class Service(enum.Enum):
+    """Which part of the daemon answers an op: where its one handler lives."""
+
+    BROKER = "broker"  # kvbroker._server.handlers: op_<name>(broker, session, **args)
+    RINGS = "rings"  # kvbroker._server.rings.RingService.op_<name>(session, **args)
+    DAEMON = "daemon"  # kvbroker._server.connection.Connection.op_<name>(session, **args)
+
+
+class LeaseRole(enum.Flag):
+    """What an op does with leases (write arenas and ring leases included)."""
+
+    NONE = 0
+    TAKES = enum.auto()  # hands one out: a draining daemon must not (see Drain)
+    NAMES = enum.auto()  # acts on one the caller holds: gone with its connection
+
+
+@dataclass(frozen=True)
+class Drain:
+    """What a draining daemon (stopping, waiting for held leases to end) does with an op:
+    serve it, refuse it (``unavailable``), or serve it with ``args`` overriding the
+    request's (so that it takes no new lease)."""
+
+    refuse: bool = False
+    args: tuple[tuple[str, Any], ...] = ()
+
+
+SERVE = Drain()
+REFUSE = Drain(refuse=True)
+
+
 @dataclass(frozen=True)
 class Op:
     args: dict[str, Arg]
-    reply: str
+    reply: Any  # a type of kvbroker._wire.replies (or stats); checked by check_reply
     doc: str
+    service: Service = Service.BROKER
+    lease: LeaseRole = LeaseRole.NONE
+    draining: Drain = SERVE
     needs_hello: bool = True
 
 
@@ -76,7 +117,11 @@ def _a(*types: type, required: bool = False, default: Any = None) -> Arg:
     return Arg(tuple(types), required, default)
 
 
-# The one table: every operation, its arguments (name -> accepted types, default) and reply.
+_TAKES, _NAMES = LeaseRole.TAKES, LeaseRole.NAMES
+
+# The one table: every operation, its arguments (name -> accepted types, default), its reply
+# type, which service handles it, what it does with leases, what a draining daemon does with
+# it. Adding an op: a row here, its handler (see Service), a client stub.
 OPS: dict[str, Op] = {
     "hello": Op(
         {
@@ -84,8 +129,7 @@ OPS: dict[str, Op] = {
             "name": _a(str, default=""),
             "role": _a(str, default=""),
         },
-        "{version, server_pid, session, lease_ttl, pools: [{index, name, size, page_size}], "
-        "epoch: starts of this socket's daemon that adopted the previous one's pools}",
+        R.Hello,
         "Open the session: protocol version check, client name and role.",
         needs_hello=False,
     ),
@@ -99,28 +143,32 @@ OPS: dict[str, Op] = {
             "ttl": _a(*_OPT_NUM),
             "consumers": _a(int, default=1),
         },
-        "{lease, ttl, buffers: {name: [pool, offset, nbytes]}}",
+        R.Reserved,
         "Write lease on fresh extents for a new object; nothing is visible until seal. "
         "`consumers`: how many releases of consume-claims free the object (default 1).",
+        lease=_TAKES, draining=REFUSE,
     ),
     "seal": Op(
         {"lease": _a(int, required=True), "checksums": _a(dict, type(None))},
-        "{key, namespace, nbytes}",
+        R.Sealed,
         "Make the written object visible atomically; ends the write lease. `checksums`: "
         "{buffer: xxh3_64 of its bytes} for every buffer, kept with the object and returned "
         "by claim and lookup (required when the daemon sets require_checksums).",
+        lease=_NAMES,
     ),
     "abort": Op(
         {"lease": _a(int, required=True)},
-        "{}",
-        "Discard an unsealed object and free its extents.",
+        R.Empty,
+        "Discard an unsealed object (or a write arena) and free its extents.",
+        lease=_NAMES,
     ),
     "arena": Op(
         {"nbytes": _a(int, required=True)},
-        "{lease, arena: [pool, offset, nbytes]}",
+        R.ArenaLent,
         "A write arena: fresh pages this connection may fill before naming them with "
         "`publish` (a put in one round trip). Capped at 1/16 of a pool; no TTL; freed by "
         "`abort`, by being published whole, or when the connection closes.",
+        lease=_TAKES, draining=REFUSE,
     ),
     "publish": Op(
         {
@@ -134,11 +182,12 @@ OPS: dict[str, Op] = {
             "checksums": _a(dict, type(None)),
             "next_arena": _a(int, default=0),
         },
-        "{key, namespace, nbytes, lease: arena id | null, arena: [pool, offset, nbytes] | null}",
+        R.Published,
         "Seal the arena's first pages as a new object, buffers laid out as `reserve` lays "
         "them out; the rest stays the arena. `next_arena` bytes: the arena to hold next "
         "(the rest, while it is at least half that size, else a fresh one of that size; 0 "
         "frees the rest). Exists leaves the arena untouched.",
+        lease=_NAMES | _TAKES, draining=Drain(args=(("next_arena", 0),)),
     ),
     "claim": Op(
         {
@@ -149,26 +198,28 @@ OPS: dict[str, Op] = {
             "wait": _a(*_OPT_NUM),
             "ttl": _a(*_OPT_NUM),
         },
-        "{lease, ttl, meta, buffers: {name: [pool, offset, nbytes]}, checksums: {name: "
-        "digest} | null}",
+        R.Claimed,
         "Read lease on a sealed object; `select` is a regex over buffer names; `wait` seconds "
         "to wait for the key to be sealed; `consume` frees the object once released.",
+        lease=_TAKES, draining=REFUSE,
     ),
     "release": Op(
         {"lease": _a(int, required=True), "consume": _a(bool, default=True)},
-        "{}",
+        R.Empty,
         "End a read lease (frees the object if it was claimed with consume). `consume` "
         "false ends a consume claim without counting it: the reader gave up unused.",
+        lease=_NAMES,
     ),
     "renew": Op(
         {"leases": _a(list, required=True), "ttl": _a(*_OPT_NUM)},
-        "{expires_in: {lease: seconds}}",
+        R.Renewed,
         "Extend leases by their TTL; an ended lease answers lease_expired.",
+        lease=_NAMES,
     ),
     "lookup": Op(
         {"namespace": _a(str, default="default"), "key": _a(str, required=True)},
-        "ObjectInfo dict (with checksums) or None",
-        "Describe one sealed object, without leasing it.",
+        ObjectInfo | None,
+        "Describe one sealed object (with its checksums), without leasing it.",
     ),
     "list": Op(
         {
@@ -176,7 +227,7 @@ OPS: dict[str, Op] = {
             "match": _a(*_OPT_STR),
             "limit": _a(int, type(None)),
         },
-        "{objects: [ObjectInfo dict], truncated: bool}",
+        R.Listed,
         "Sealed objects, optionally filtered by namespace and a regex over keys.",
     ),
     "evict": Op(
@@ -189,7 +240,7 @@ OPS: dict[str, Op] = {
             "all": _a(bool, default=False),
             "dry_run": _a(bool, default=False),
         },
-        "{evicted: [ObjectInfo dict], bytes: int, skipped_leased: int}",
+        R.Evicted,
         "Free sealed objects matching every given filter; leased ones are skipped.",
     ),
     "reserve_blocks": Op(
@@ -198,16 +249,18 @@ OPS: dict[str, Op] = {
             "blocks": _a(list, required=True),
             "ttl": _a(*_OPT_NUM),
         },
-        "{results: [{lease, buffers} | {exists: true}]} in the order of `blocks`",
+        R.BlocksReserved,
         "Write leases for many prefix blocks in one round trip. Each block is "
         "{key, parent: key|null, buffers: {name: nbytes}, meta?}; a block already published "
         "answers exists and costs no copy. A block is evicted only after its children.",
+        lease=_TAKES, draining=REFUSE,
     ),
     "seal_many": Op(
         {"leases": _a(list, required=True), "checksums": _a(list, type(None))},
-        "{sealed: int}",
+        R.SealedMany,
         "Seal several write leases in order (parents before children); `checksums`, when "
         "given, holds one {buffer: digest} map (or null) per lease.",
+        lease=_NAMES,
     ),
     "match_prefix": Op(
         {
@@ -216,23 +269,24 @@ OPS: dict[str, Op] = {
             "block_tokens": _a(int, default=0),
             "ttl": _a(*_OPT_NUM),
         },
-        "{matched, lease, ttl, names, metas: [meta of the first block], packed: bytes | "
-        "blocks: [{name: [pool, offset, nbytes]}]}",
+        R.PrefixMatch,
         "Longest run of leading `keys` that are published, all under one read lease. When "
         "every block has the buffers `names`, `packed` holds a little-endian int64 row "
         "[pool, offset, nbytes, offset, nbytes, ...] per block; else `blocks` a map each.",
+        lease=_TAKES, draining=REFUSE,
     ),
     "release_many": Op(
         {"leases": _a(list, required=True)},
-        "{}",
+        R.Empty,
         "End several read leases.",
+        lease=_NAMES,
     ),
     # GPU staging rings (kvbroker._server.rings); a daemon without --gpu-ring answers bad_request.
     "rings": Op(
         {},
-        "{rings: [{index, device: PCI bus id, name, capacity, align, handle: 64-byte CUDA IPC "
-        "handle}]}",
+        R.Rings,
         "The daemon's GPU staging rings, one per GPU, and the handles to map them.",
+        service=Service.RINGS,
     ),
     "ring_reserve": Op(
         {
@@ -243,15 +297,17 @@ OPS: dict[str, Op] = {
             "meta": _a(dict, type(None)),
             "ttl": _a(*_OPT_NUM),
         },
-        "{lease, device, offset, nbytes, kind: 'scratch' | 'write'}",
+        R.RingRegion,
         "A region of ring `device`, bound to this connection: scratch staging (no key), or "
         "a ring-located object to publish under `key` (seal it; `ttl`: how long it waits "
         "for a claimer once sealed). A full ring answers pool_full at once.",
+        service=Service.RINGS, lease=_TAKES, draining=REFUSE,
     ),
     "ring_seal": Op(
         {"lease": _a(int, required=True)},
-        "{namespace, key, nbytes}",
+        R.Sealed,
         "Make a written ring object visible; the object now owns its region.",
+        service=Service.RINGS, lease=_NAMES,
     ),
     "ring_claim": Op(
         {
@@ -260,39 +316,46 @@ OPS: dict[str, Op] = {
             "consume": _a(bool, default=True),
             "wait": _a(*_OPT_NUM),
         },
-        "{lease, device, offset, nbytes, meta}",
+        R.RingClaimed,
         "Read lease on a sealed ring object (`consume`: one-shot, freed once released); "
         "`wait` seconds for it to be sealed.",
+        service=Service.RINGS, lease=_TAKES, draining=REFUSE,
     ),
     "ring_release": Op(
         {"lease": _a(int, required=True)},
-        "{}",
+        R.Empty,
         "End a ring lease: frees a scratch region, discards an unsealed object, ends a read.",
+        service=Service.RINGS, lease=_NAMES,
     ),
-    "stat": Op({}, "Statistics dict", "One statistics snapshot."),
+    "stat": Op({}, Statistics, "One statistics snapshot."),
     "watch": Op(
         {"interval": _a(*_NUMBER, default=1.0)},
-        "{interval}, then pushes {push: 'stats', result: Statistics dict}",
-        "Stream statistics snapshots on this connection; interval 0 stops the stream.",
+        R.Watching,
+        "Stream statistics snapshots on this connection ({push: 'stats', result: "
+        "Statistics} every `interval` seconds); interval 0 stops the stream.",
+        service=Service.DAEMON,
     ),
 }
 
-# Connections are answered with these codes (see kvbroker.errors for the classes).
-ERROR_CODES = (
-    "bad_request",
-    "protocol",
-    "not_found",
-    "exists",
-    "incomplete",
-    "pool_full",
-    "lease_expired",
-    "timeout",
-    "forbidden",
-    "quota_exceeded",
-    "limit_exceeded",
-    "layout_mismatch",
-    "internal",
-)
+
+def ops_where(test: Callable[[Op], bool]) -> frozenset[str]:
+    """The names of the ops whose row passes ``test``: how the rest of the code asks the
+    table (which ops name a lease, which a draining daemon refuses, ...)."""
+    return frozenset(name for name, op in OPS.items() if test(op))
+
+
+# Requests that act on a lease the caller holds: after a reconnect the lease is gone.
+LEASE_NAMING_OPS = ops_where(lambda op: LeaseRole.NAMES in op.lease)
+# Refused by a draining daemon, which hands out no new leases.
+REFUSED_WHILE_DRAINING = ops_where(lambda op: op.draining.refuse)
+
+# Connections are answered with these codes (kvbroker.errors holds their classes).
+ERROR_CODES = tuple(cls.code for cls in ERROR_CLASSES)
+
+
+def check_reply(op_name: str, result: Any) -> str | None:
+    """Why ``result`` is not the reply ``op_name`` declares, or None when it is."""
+    return mismatch(result, OPS[op_name].reply, f"{op_name} reply")
 
 
 _MISSING = object()

@@ -1,8 +1,10 @@
-"""Frozen snapshot types: one :class:`Statistics` feeds ``stat --json``, ``watch`` and the TUI.
+"""Frozen snapshot types: one :class:`Statistics` feeds ``stat --json``, ``watch``, the TUI
+and Prometheus.
 
-The daemon builds a plain dict (:meth:`Statistics.to_dict` shape) and sends it; clients get
-it back as these immutable objects with :meth:`Statistics.from_dict`. Sizes are bytes,
-times are seconds (wall-clock Unix time where a point in time is meant).
+The daemon builds these objects itself (``kvbroker._server.snapshot``) and sends their
+:meth:`Statistics.to_dict`; clients get them back with :meth:`Statistics.from_dict`. Every
+counter and field is named once, here. Sizes are bytes, times are seconds (wall-clock Unix
+time where a point in time is meant).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from typing import Any
 
 __all__ = [
     "PoolStatistics",
+    "RingStatistics",
     "ClientStatistics",
     "LeaseInfo",
     "TransferRecord",
@@ -46,6 +49,39 @@ class PoolStatistics:
     # Coarse occupancy map: one character per cell, '.' free, 's' sealed, 'r' read-leased,
     # 'w' write-leased, 'q' quarantined (the busiest state in the cell wins).
     occupancy: str = ""
+
+
+@dataclass(frozen=True)
+class RingStatistics:
+    """One GPU staging ring (``serve --gpu-ring``), in the shape of a pool: ``quarantined``
+    is freed space the ring's FIFO frontier has not passed yet (not reusable until it does)."""
+
+    index: int
+    device: str  # PCI bus id
+    name: str
+    capacity: int
+    used: int
+    free: int
+    leased_read: int
+    leased_write: int
+    quarantined: int
+    objects: int
+    largest_free: int
+    fragmentation: float
+    high_watermark: float
+    low_watermark: float
+    occupancy: str = ""  # as PoolStatistics.occupancy
+
+    # Rings reached clients as plain dicts before they were typed: reading one by key
+    # (``stat().rings[0]["used"]``) keeps working.
+    def __getitem__(self, name: str) -> Any:
+        try:
+            return getattr(self, name)
+        except AttributeError:
+            raise KeyError(name) from None
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return getattr(self, name, default)
 
 
 @dataclass(frozen=True)
@@ -133,7 +169,7 @@ class Statistics:
     counters: Counters
     leases: tuple[LeaseInfo, ...] = ()
     transfers: tuple[TransferRecord, ...] = ()
-    rings: tuple[dict, ...] = ()
+    rings: tuple[RingStatistics, ...] = ()
     namespaces: tuple[NamespaceUsage, ...] = ()  # largest use first (at most 1000)
     arenas: int = 0  # write arenas lent to clients (their pages are in pools' leased_write)
 
@@ -159,9 +195,8 @@ class Statistics:
         d["clients"] = tuple(_build(ClientStatistics, c) for c in d.get("clients", ()))
         d["leases"] = tuple(_build(LeaseInfo, x) for x in d.get("leases", ()))
         d["transfers"] = tuple(_build(TransferRecord, x) for x in d.get("transfers", ()))
-        d["rings"] = tuple(d.get("rings", ()))
+        d["rings"] = tuple(_build(RingStatistics, x) for x in d.get("rings", ()))
         d["namespaces"] = tuple(_build(NamespaceUsage, x) for x in d.get("namespaces", ()))
-
         d["counters"] = _build(Counters, d.get("counters", {}))
         return _build(cls, d)
 
@@ -185,5 +220,4 @@ class ObjectInfo:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ObjectInfo:
-
         return _build(cls, data)
