@@ -383,7 +383,7 @@ class PrefixCache:
         """Publish this TP rank's heads of every full block of ``token_ids``; returns how
         many blocks were new. ``cache``: a :class:`kvbroker.kv.PagedKV` whose block size is
         this cache's; ``block_ids``: the engine blocks holding the prompt, in order."""
-        from .kv import _block_index
+        from ._client.paged import _block_index
 
         check_infix(infix)
         heads = self._kv_heads(cache)
@@ -593,7 +593,7 @@ class KVPrefixMatch(PrefixMatch):
         for bit. Returns the number of copy operations: blocks × layers × contributing shards
         (K and V move in one copy when the block's buffers lie back to back, as the broker
         lays them out; × K/V otherwise) — never per token."""
-        from .kv import _block_index, _whole_rows
+        from ._client.paged import _block_index, _whole_rows
 
         n = self._full if num_blocks is None else num_blocks
         if not 0 <= n <= self._full:
