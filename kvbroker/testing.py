@@ -76,7 +76,9 @@ class DaemonProcess:
         raise RuntimeError(f"daemon not ready within {timeout} s:\n{self.log()}")
 
     def log(self) -> str:
-        self._log.flush()
+        """What the daemon has printed so far (also after :meth:`stop`)."""
+        if not self._log.closed:
+            self._log.flush()
         return self.log_path.read_text(errors="replace")
 
     def client(self, **kw) -> Client:

@@ -116,6 +116,19 @@ def test_notify_ready_status_watchdog_stopping(notify_socket, tmp_path):
             assert c.server_pid == proc.pid
         assert first[1].startswith("STATUS=serving: ") and "of 16.0 MiB used" in first[1]
         after = _states(ns, "WATCHDOG=1", timeout=5)
+        # The watchdog keeps pinging (every WATCHDOG_USEC/2 = 0.1 s), not just once: a daemon
+        # whose pings stop is restarted by systemd although it serves.
+        pings = [time.monotonic()]
+        deadline = pings[0] + 1.5
+        while time.monotonic() < deadline:
+            ns.settimeout(max(0.01, deadline - time.monotonic()))
+            try:
+                got = ns.recv(4096).decode().split("\n")
+            except TimeoutError:
+                break
+            after += got
+            pings += [time.monotonic()] * got.count("WATCHDOG=1")
+        assert len(pings) >= 4 and pings[-1] - pings[0] >= 0.7, (len(pings), after)
         proc.send_signal(signal.SIGTERM)
         after += _states(ns, "STOPPING=1", timeout=10)
         assert proc.wait(15) == 0
@@ -165,6 +178,13 @@ def test_listen_fds_is_for_our_pid_only(monkeypatch):
 # -- socket activation ---------------------------------------------------------------------
 @pytest.mark.skipif(shutil.which("systemd-socket-activate") is None,
                     reason="systemd-socket-activate not installed (apt-get install systemd)")
+def _connect_or_none(path: str) -> Client | None:
+    try:
+        return Client(path, timeout=30)
+    except BrokerUnavailable:
+        return None
+
+
 def test_socket_activation_serves_on_the_passed_socket(tmp_path):
     sock_path = str(tmp_path / "act.sock")
     conf = tmp_path / "kvbroker.toml"
@@ -181,8 +201,10 @@ def test_socket_activation_serves_on_the_passed_socket(tmp_path):
         while not os.path.exists(sock_path):
             assert proc.poll() is None and time.monotonic() < deadline
             time.sleep(0.02)
-        # The first connection starts the daemon; it waits in the backlog meanwhile.
-        with Client(sock_path, timeout=30) as c:
+        # The first connection starts the daemon; it waits in the backlog meanwhile. The path
+        # exists from bind(), a moment before listen(): refused until then.
+        c = _wait_for(lambda: _connect_or_none(sock_path), timeout=10)
+        with c:
             data = np.arange(1024, dtype=np.int64)
             c.put("k", {"x": data})
             with c.claim("k") as lease:
@@ -303,11 +325,13 @@ def _hello_ttl(d: DaemonProcess) -> float:
         return c._session.hello["lease_ttl"]
 
 
-def _wait_for(predicate, timeout: float = 10) -> None:
+def _wait_for(predicate, timeout: float = 10):
+    """The first truthy value of ``predicate()``, polled until ``timeout``."""
     deadline = time.monotonic() + timeout
-    while not predicate():
+    while not (value := predicate()):
         assert time.monotonic() < deadline, "condition not met in time"
         time.sleep(0.05)
+    return value
 
 
 def test_sighup_reloads_what_can_change(make_daemon, tmp_path):
