@@ -14,6 +14,7 @@ from typing import Optional
 import typer
 
 from kvbroker._wire.paths import format_size, parse_duration, parse_size
+from kvbroker.cli._settings import with_setting_flags
 from kvbroker.errors import BrokerUnavailable, KVBrokerError
 
 EXIT_OK, EXIT_ERROR, EXIT_UNAVAILABLE = 0, 1, 3
@@ -76,59 +77,8 @@ ConfigOpt = typer.Option(
 
 
 @app.command()
-def serve(
-    config: Optional[str] = ConfigOpt,
-    socket: Optional[str] = typer.Option(
-        None, "--socket", "-s", help="Daemon socket path (ignored when systemd passes one).",
-        show_default="$XDG_RUNTIME_DIR/kvbroker.sock",
-    ),  # fmt: skip
-    pool_size: Optional[str] = typer.Option(
-        None, help="Bytes per pool, e.g. 1G, 512M.", show_default="1G, less to fit /dev/shm"
-    ),
-    pools: Optional[int] = typer.Option(None, help="Number of host pools.", show_default="1"),
-    page_size: Optional[str] = typer.Option(
-        None, help="Allocation granule (a power of two).", show_default="64K"
-    ),
-    lease_ttl: Optional[str] = typer.Option(None, help="Default lease TTL.", show_default="30s"),
-    high_watermark: Optional[float] = typer.Option(
-        None, help="Evict above this use.", show_default="0.95"
-    ),
-    low_watermark: Optional[float] = typer.Option(
-        None, help="...down to this use.", show_default="0.90"
-    ),
-    group: Optional[str] = typer.Option(
-        None, help="Group whose members may connect (socket and pools mode 0660)."
-    ),
-    log_level: Optional[str] = typer.Option(
-        None, help="debug, info, warning, error.", show_default="info"
-    ),
-    drain_timeout: Optional[str] = typer.Option(
-        None, help="On SIGTERM, wait this long for held leases to end.", show_default="10s"
-    ),
-    max_connections: Optional[int] = typer.Option(
-        None, help="Most client connections at once.", show_default="1024"
-    ),
-    metrics: Optional[str] = typer.Option(
-        None, help="Serve Prometheus metrics on HOST:PORT (a bare PORT means loopback).",
-        show_default="off",
-    ),  # fmt: skip
-    gpu_ring: Optional[str] = typer.Option(
-        None, help="Allocate a GPU staging ring of this size on each visible GPU, shared "
-        "with clients through CUDA IPC (e.g. 1G).", show_default="off",
-    ),  # fmt: skip
-    restart_quarantine: Optional[str] = typer.Option(
-        None, help="Keep pages a writer may still be copying into (after a daemon restart or a "
-        "cut-off) out of use this long.", show_default="10s",
-    ),  # fmt: skip
-    keep_pools_on_exit: Optional[bool] = typer.Option(
-        None, "--keep-pools-on-exit/--drop-pools-on-exit",
-        help="On a clean stop, keep the pools and their index for the next daemon "
-        "(after a crash the next daemon always adopts them).", show_default="drop",
-    ),  # fmt: skip
-    cold: bool = typer.Option(
-        False, "--cold", help="Start empty: drop the pools and objects a previous daemon left."
-    ),
-) -> None:
+@with_setting_flags  # one option per setting with a flag (kvbroker/_server/config.py)
+def serve(config: Optional[str] = ConfigOpt, *, flags: dict) -> None:
     """Run the broker daemon in the foreground (as systemd's kvbroker.service does).
 
     Settings come from the configuration file, then KVBROKER_<KEY> variables, then these
@@ -141,14 +91,6 @@ def serve(
     from kvbroker._server.daemon import run_daemon
     from kvbroker._server.systemd import JournalFormatter, under_journal
 
-    flags = {
-        "socket": socket, "pool_size": pool_size, "pools": pools, "page_size": page_size,
-        "lease_ttl": lease_ttl, "high_watermark": high_watermark,
-        "low_watermark": low_watermark, "group": group, "log_level": log_level,
-        "drain_timeout": drain_timeout, "max_connections": max_connections, "metrics": metrics,
-        "keep_pools_on_exit": keep_pools_on_exit, "cold": True if cold else None,
-        "gpu_ring": gpu_ring, "restart_quarantine": restart_quarantine,
-    }  # fmt: skip
     reload_config = functools.partial(load_config, config, flags=flags)
     try:
         cfg = reload_config()

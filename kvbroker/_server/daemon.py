@@ -19,17 +19,16 @@ import struct
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
 from typing import Any
 
 import msgpack
 
 from .broker import Broker, Session, WouldWait
 from .._cpu import cpu_spare
+from .config import DaemonConfig, reload_into
 from .systemd import Notifier, listen_fds
-from .._wire.paths import default_socket_path, format_size
+from .._wire.paths import format_size
 from .journal import Journal, JournalError, journal_path
-from .policy import Policy, Quotas
 from .pool import HostPool, segment_prefix
 from .._wire.protocol import MAX_REQUEST, unpacker_limits
 from ..errors import KVBrokerError, Timeout
@@ -45,70 +44,10 @@ _STATUS_PERIOD = 5.0  # seconds between STATUS= updates to systemd
 # Refused while draining: a daemon on its way out hands out no new leases.
 _LEASE_TAKING_OPS = frozenset({"reserve", "reserve_blocks", "claim", "match_prefix",
                                "ring_reserve", "ring_claim", "arena"})
-# What SIGHUP can change in a running daemon; everything else needs a restart.
-_RELOADABLE = ("lease_ttl", "high_watermark", "low_watermark", "log_level", "drain_timeout",
-               "max_connections", "busy_poll", "require_checksums", "max_leases_per_client",
-               "max_write_buffer", "isolation", "quotas", "restart_quarantine")
 
 
 class DaemonError(Exception):
     """The daemon cannot start (socket held, shared memory too small, ...)."""
-
-
-@dataclass
-class DaemonConfig:
-    socket_path: str = field(default_factory=default_socket_path)
-    pool_size: int | None = None  # None: 1 GiB, or less to fit the free space in /dev/shm
-    pools: int = 1
-    page_size: int = 64 * 1024
-    lease_ttl: float = 30.0
-    high_watermark: float = 0.95
-    low_watermark: float = 0.90
-    group: int | None = None  # gid allowed to connect and map pools (mode 0660)
-    # Keep the loop polling this long after the last request instead of sleeping in epoll,
-    # while the host has a CPU to spare (kvbroker._cpu): a wake-up across CPUs costs more
-    # than serving a request. 0 turns it off.
-    busy_poll: float = 100e-6
-    max_connections: int = 1024
-    # SIGTERM stops accepting, then waits this long for held leases to end before closing.
-    drain_timeout: float = 10.0
-    log_level: str = "info"
-    metrics: tuple[str, int] | None = None  # (host, port) of the Prometheus endpoint
-    # Integrity and limits (issue 8): refuse seals without checksums; leases one connection
-    # may hold; bytes of replies/pushes a peer may leave unread before it is disconnected
-    # (above the largest reply: 16 MiB frames).
-    require_checksums: bool = False
-    max_leases_per_client: int = 65536
-    max_write_buffer: int = 32 * 1024 * 1024
-    # Who may use which namespace, and namespace byte quotas ([isolation], [quotas]).
-    isolation: Policy = field(default_factory=Policy)
-    quotas: Quotas = field(default_factory=Quotas)
-
-    # Bytes of GPU staging ring per visible GPU (kvbroker._server.rings); None: no rings, and
-    # the daemon never loads the CUDA driver.
-    gpu_ring: int | None = None
-    # Warm restart (kvbroker._server.journal): a clean stop keeps the pools and the journal for the
-    # next daemon when True; after a crash the next daemon always adopts them unless `cold`.
-    keep_pools_on_exit: bool = False
-    cold: bool = False  # start empty: drop what a previous daemon of this socket left
-    journal: bool = True  # False: no warm restart (every start is cold), no journal writes
-    # Pages a writer may still be copying into although it lost them (lent at a crash, or
-    # its connection cut off by the daemon) are not reused for this many seconds.
-    restart_quarantine: float = 10.0
-    config_path: str | None = None  # the file this came from, re-read on SIGHUP
-
-    def resolved_pool_size(self) -> int:
-        if self.pool_size is not None:
-            return self.pool_size
-        default = 1 << 30
-        try:
-            st = os.statvfs("/dev/shm")
-            free = st.f_bavail * st.f_frsize
-        except OSError:
-            return default
-        # Leave room for everything else that lives in /dev/shm.
-        fit = (free // 2) // max(1, self.pools)
-        return max(self.page_size, min(default, fit - fit % self.page_size))
 
 
 class _Connection(asyncio.BufferedProtocol):
@@ -755,32 +694,12 @@ class Daemon:
             self.notifier.ready(self.summary())
             return
         old = self.config
-        changed = []
-        for name in _RELOADABLE:
-            if getattr(new, name) != getattr(old, name):
-                changed.append(f"{name} {getattr(old, name)!r} -> {getattr(new, name)!r}")
-                setattr(old, name, getattr(new, name))
-        if self.broker is not None:
-            self.broker.lease_ttl = old.lease_ttl
-            self.broker.high_watermark = old.high_watermark
-            self.broker.low_watermark = old.low_watermark
-            self.broker.require_checksums = old.require_checksums
-            self.broker.max_leases_per_client = old.max_leases_per_client
-            # Deadlines already set keep their length; pages quarantined from now on get the new one.
-            self.broker.restart_quarantine = old.restart_quarantine
-            self.broker.set_policy(old.isolation, old.quotas)
-            for conn in self.connections:  # the new bound applies to every connection
-                if conn.transport is not None and not conn.closed:
-                    conn.transport.set_write_buffer_limits(high=old.max_write_buffer)
-        logging.getLogger().setLevel(old.log_level.upper())
-        for f in fields(DaemonConfig):
-            if f.name in _RELOADABLE or f.name == "config_path":
-                continue
-            if f.name == "socket_path" and self._activated:
-                continue  # kvbroker.socket decides the path, not the configuration
-            if getattr(new, f.name) != getattr(old, f.name):
-                log.warning("reload: %s changed (%r -> %r) but needs a restart to take effect",
-                            f.name, getattr(old, f.name), getattr(new, f.name))
+        # What changes where is declared with each setting (kvbroker._server.config).
+        changed, restart = reload_into(old, new, self,
+                                       keep=("socket_path",) if self._activated else ())
+        for name, before, after in restart:  # the socket under activation is kvbroker.socket's
+            log.warning("reload: %s changed (%r -> %r) but needs a restart to take effect",
+                        name, before, after)
         log.info("reloaded %s: %s", old.config_path or "the configuration",
                  "; ".join(changed) if changed else "nothing changed")
         self.notifier.ready(self.summary())

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-from .daemon import DaemonConfig
+from .config import DaemonConfig
 from .._wire.paths import format_size
 
 __all__ = ["Check", "run_checks", "render", "SERVICE_USER"]
