@@ -3,7 +3,8 @@
 A plain put is ``reserve`` (round trip) + copy + ``seal`` (round trip). With an arena the
 client already holds fresh pages (opened once with the ``arena`` op), copies into them, and
 one ``publish`` names their first pages as the object; the reply says which pages are the
-arena from then on (the rest, or a fresh one). See ``Broker._op_publish``.
+arena from then on (the rest, or a fresh one). See the ``arena`` and ``publish`` rows of the
+op table (:mod:`kvbroker._wire.protocol`) and ``docs/design.md``.
 
 Ownership: the daemon owns the arena's pages and lends them to this connection alone, with no
 TTL, until they are published, the arena is aborted (``close``), or the connection closes —
@@ -101,10 +102,9 @@ class WriteArena:
                 copy_into(dst, src)
             del dst
         try:
-            reply = client._call(
-                "publish", arena=self.id, namespace=namespace, key=key, buffers=dict(sizes),
-                meta=meta, replace=replace, consumers=consumers, checksums=sums,
-                next_arena=self.size,
+            reply = client.ops.publish(
+                self.id, key, sizes, namespace=namespace, meta=meta, replace=replace,
+                consumers=consumers, checksums=sums, next_arena=self.size,
             )  # fmt: skip
         except Exists:
             if replace:
@@ -120,7 +120,7 @@ class WriteArena:
     def _open(self) -> bool:
         client = self.client
         try:
-            reply = client._call("arena", nbytes=self.size)
+            reply = client.ops.arena(self.size)
         except PoolFull:
             self._retry_at = time.monotonic() + _RETRY_AFTER  # memory may free up later
             return False
@@ -135,5 +135,5 @@ class WriteArena:
         """Give the arena back now (the connection closing does it too)."""
         with self._lock:
             if self.id is not None and self._generation == self.client.generation:
-                self.client._call("abort", lease=self.id)
+                self.client.ops.abort(self.id)
             self.id = self.extent = None

@@ -1,21 +1,12 @@
 """The synchronous client: the facade engines and tools use.
 
-Ownership, from the client's side
----------------------------------
-
-- A :class:`WriteLease` (``reserve``) lends you writable views of fresh extents. You own the
-  writing; the broker owns the memory. ``seal`` publishes, ``abort`` discards. Leaving the
-  ``with`` block seals, or aborts when it is left by an exception. After either, the views
-  must not be touched: the extents belong to the object (or to the next owner).
-- A :class:`ReadLease` (``claim``) lends you read-only views of a sealed object. They are
-  valid until ``release`` (the end of the ``with`` block), TTL expiry or the connection
-  closing. Copy out what you need to keep. ``release`` raising
-  :class:`~kvbroker.errors.LeaseExpired` means the lease ended early and what you read may
-  have been overwritten. A release well inside the lease's TTL is pipelined: it takes effect
-  in the daemon before the client's next call is answered, and at the latest before
-  ``close`` returns (which is when a consume-claim's freeing is visible to other clients).
-- ``put`` and ``get`` do the above for you, copying each byte exactly once.
-- Pools are mapped once per process and shared by every client in it.
+One :class:`Client` is one connection to the daemon (reconnected after a break), the pools
+it maps, and the calls engines make: publish (``reserve``, ``put``), claim (``claim``,
+``get``), the directory and statistics. What a lease lends and when it ends:
+:mod:`kvbroker._client.leases`. The requests themselves: :mod:`kvbroker._client.ops`
+(``client.ops``). ``put`` and ``get`` copy each byte exactly once. Pools are mapped once per
+process and shared by every client in it (:mod:`kvbroker._client.mappings`). See
+``docs/design.md``.
 """
 
 from __future__ import annotations
@@ -29,203 +20,25 @@ from typing import Any
 
 from .framing import MessageStream
 from .._wire.paths import default_socket_path
-from .._wire.protocol import LEASE_NAMING_OPS
-from .mappings import PoolMapping
+from .leases import ReadLease, WriteLease, _Lease
+from .mappings import ClientMappings, PoolMapping
+from .mappings import process_maps as _process_maps  # noqa: F401  (tests count its holders)
+from .ops import LEASE_OPS as _LEASE_OPS
+from .ops import Ops
 from .session import Session
-from .shared import PerProcess
 from .._wire.stats import ObjectInfo, Statistics
 from .arena import WriteArena
 from .copy import _np, _torch_tensor, copy_into, nbytes_of
 from .transport import UnixTransport
 from . import integrity as _integrity
-from ..errors import BadRequest, BrokerUnavailable, Exists, KVBrokerError, LeaseExpired
-from ..errors import ProtocolError, Timeout
+from ..errors import BrokerUnavailable, Exists, LeaseExpired, Timeout
 
 
 __all__ = ["Client", "WriteLease", "ReadLease", "EvictResult"]
 
 log = logging.getLogger("kvbroker.client")
 
-# Requests that name a lease: after a reconnect they are not resent (the lease is gone).
-_LEASE_OPS = LEASE_NAMING_OPS
-
-# segment name -> this process's one mapping of it
-_process_maps: PerProcess[PoolMapping] = PerProcess(PoolMapping.close)
 _EMPTY_DIGEST = _integrity.digest(b"")
-
-
-class _Lease:
-    """Common part of read and write leases: views over extents, renew, context manager."""
-
-    _writable = False
-
-    def __init__(
-        self, client: Client, namespace: str, key: str, reply: dict, asked_at: float = 0.0
-    ) -> None:
-        self.client = client
-        self.namespace = namespace
-        self.key = key
-        self.id: int = reply["lease"]
-        self.ttl: float = reply["ttl"]
-        self._extents: dict[str, list[int]] = reply["buffers"]
-        self._views: dict[str, Any] = {}
-        self.ended = False
-        # The daemon started the TTL after we asked, so it cannot expire before this.
-        self._safe_until = asked_at + 0.9 * self.ttl
-        self._generation = client.generation  # the connection this lease lives and dies with
-
-    def __getitem__(self, name: str):
-        view = self._views.get(name)
-        if view is None:
-            if self.ended:
-                raise KVBrokerError(f"lease {self.id} has ended; its views are gone")
-            # After a reconnect the pools may be new segments: never map old extents there.
-            self._check_alive()
-            pool, offset, nbytes = self._extents[name]
-            view = _np().frombuffer(
-                self.client._mapping(pool).mm, dtype="uint8", count=nbytes, offset=offset
-            )
-            if not self._writable:
-                view.flags.writeable = False
-            self._views[name] = view
-        return view
-
-    def __contains__(self, name: str) -> bool:
-        return name in self._extents
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._extents)
-
-    def __len__(self) -> int:
-        return len(self._extents)
-
-    def keys(self):
-        return self._extents.keys()
-
-    def items(self):
-        return [(name, self[name]) for name in self._extents]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(e[2] for e in self._extents.values())
-
-    def extents(self) -> dict[str, tuple[int, int, int]]:
-        """``{name: (pool, offset, nbytes)}``: for DMA engines that address the pools directly."""
-        return {n: tuple(e) for n, e in self._extents.items()}
-
-    def renew(self, ttl: float | None = None) -> float:
-        self._check_alive()
-        asked_at = time.monotonic()
-        ((_, granted),) = self.client._call("renew", leases=[self.id], ttl=ttl)["expires_in"]
-        self.ttl = granted
-        self._safe_until = asked_at + 0.9 * granted
-        return granted
-
-    def _drop_views(self) -> None:
-        self.ended = True
-        self._views.clear()
-
-    def _check_alive(self) -> None:
-        """Raise LeaseExpired for a lease of a connection the client has since replaced."""
-        if self._generation != self.client.generation:
-            self._drop_views()
-            raise LeaseExpired(self.client._lost_lease_message(self.id))
-
-    def __enter__(self):
-        return self
-
-
-class WriteLease(_Lease):
-    """Writable views of a reservation; ``seal`` publishes it, ``abort`` discards it.
-
-    With ``checksum`` (the default), ``seal`` hashes every buffer as written (one extra read
-    of the bytes) and records the digests with the object, unless ``checksums`` was already
-    set by whoever filled the views (``put`` hashes while copying).
-    """
-
-    _writable = True
-
-    def __init__(self, client: Client, namespace: str, key: str, reply: dict,
-                 checksum: bool = True) -> None:  # fmt: skip
-        super().__init__(client, namespace, key, reply)
-        self.checksum = checksum
-        self.checksums: dict[str, int] | None = None
-
-    def seal(self) -> None:
-        self._check_alive()
-        sums = self.checksums
-        if sums is None and self.checksum and not self.ended:
-            sums = {name: _integrity.digest(self[name]) for name in self._extents}
-        self._drop_views()
-        try:
-            self.client._call("seal", lease=self.id, checksums=sums)
-        except (BadRequest, ProtocolError):
-            # Refused (bad or missing checksums...): the views are gone, so free the pages.
-            try:
-                self.client._call("abort", lease=self.id)
-            except KVBrokerError:
-                pass
-            raise
-
-    def abort(self) -> None:
-        if not self.ended and self._generation != self.client.generation:
-            self._drop_views()  # the reservation went with the old connection
-        if not self.ended:
-            self._drop_views()
-            self.client._call("abort", lease=self.id)
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if self.ended:
-            return
-        if exc_type is None:
-            self.seal()
-        else:
-            try:
-                self.abort()
-            except KVBrokerError:
-                pass  # the original exception matters more; the lease ends with the session
-
-
-class ReadLease(_Lease):
-    """Read-only views of a sealed object; valid until ``release``."""
-
-    def __init__(
-        self, client: Client, namespace: str, key: str, reply: dict, asked_at: float = 0.0
-    ) -> None:
-        super().__init__(client, namespace, key, reply, asked_at)
-        self.meta: dict | None = reply.get("meta")
-        # {buffer: xxh3_64} recorded at seal, for the buffers of this lease; None if the
-        # writer sealed without checksums.
-        self.checksums: dict[str, int] | None = reply.get("checksums")
-
-    def verify(self) -> None:
-        """Re-hash the leased buffers; raise ChecksumMismatch naming those that differ from
-        the checksums recorded at seal (buffers sealed without one are not checked)."""
-        if self.checksums:
-            bad = _integrity.mismatched({n: self[n] for n in self._extents}, self.checksums)
-            _integrity.check(self.namespace, self.key, bad)
-
-    def release(self) -> None:
-        """End the lease. Raises LeaseExpired if it had already ended (see the module doc)."""
-        if self.ended:
-            return
-        self._check_alive()
-        self._drop_views()
-        if time.monotonic() < self._safe_until:
-            # A read lease ends early only by TTL or by its connection closing: well inside
-            # its TTL the release cannot fail, so its reply is checked by the next call.
-            self.client._send_only("release", lease=self.id)
-        else:
-            self.client._call("release", lease=self.id)
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.release()
-        elif not self.ended:
-            try:
-                self.release()
-            except KVBrokerError:
-                pass
 
 
 class EvictResult:
@@ -286,8 +99,11 @@ class Client:
         self._lost = ""  # why the last connection was replaced, for LeaseExpired messages
         self._reconnect_lock = threading.Lock()
         self.pools: list[dict] = []
-        self._maps: dict[int, PoolMapping] = {}
+        self._maps = ClientMappings()
         self._closed = False
+        # The daemon's operations, typed (kvbroker._client.ops): leases, the arena,
+        # kvbroker.prefix and kvbroker.gpu make their requests through these.
+        self.ops = Ops(self._call, self._send_only)
         # Puts of objects up to half this size take one round trip (see _arena.py); 0: off.
         # Small on purpose: measured, a 2 MiB arena beats 8 MiB at 256 KiB-4 MiB puts (its
         # pages are reused while still in cache; big objects gain little from one round trip).
@@ -314,9 +130,7 @@ class Client:
         try:
             hello = session.hello
             if hello["pools"] != self.pools:  # a cold restart made new segments
-                for m in self._maps.values():
-                    _process_maps.release(m.name)
-                self._maps.clear()
+                self._maps.release_all()
                 self.pools = hello["pools"]
             if self._map_pools:
                 for pool in self.pools:
@@ -389,22 +203,14 @@ class Client:
         return f"lease {lease} died with its connection: {self._lost}"
 
     def _mapping(self, index: int) -> PoolMapping:
-        m = self._maps.get(index)
-        if m is None:
-            p = self.pools[index]
-            m = self._maps[index] = _process_maps.acquire(
-                p["name"], lambda: PoolMapping(index, p["name"], p["size"])
-            )
-        return m
+        return self._maps.get(index, self.pools)
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
         self._session.close()  # the daemon ends every lease of this connection
-        for m in self._maps.values():
-            _process_maps.release(m.name)
-        self._maps.clear()
+        self._maps.release_all()
 
     def __enter__(self) -> Client:
         return self
@@ -432,10 +238,8 @@ class Client:
         read of the written bytes; False skips it, and a daemon with require_checksums then
         refuses the seal).
         """
-        reply = self._call(
-            "reserve", namespace=namespace, key=key, buffers=dict(sizes), meta=meta,
-            replace=replace, ttl=ttl, consumers=consumers,
-        )  # fmt: skip
+        reply = self.ops.reserve(key, sizes, namespace=namespace, meta=meta, replace=replace,
+                                 ttl=ttl, consumers=consumers)  # fmt: skip
         return WriteLease(self, namespace, key, reply, checksum)
 
     def put(
@@ -505,16 +309,14 @@ class Client:
         lease released, if any differs from its checksum recorded at seal.
         """
         if wait is not None and self._timeout is not None:
-            self._session._stream.transport.settimeout(self._timeout + wait)
+            self._session.settimeout(self._timeout + wait)
         asked_at = time.monotonic()
         try:
-            reply = self._call(
-                "claim", namespace=namespace, key=key, select=select, consume=consume,
-                wait=wait, ttl=ttl,
-            )  # fmt: skip
+            reply = self.ops.claim(key, namespace=namespace, select=select, consume=consume,
+                                   wait=wait, ttl=ttl)  # fmt: skip
         finally:
             if wait is not None and self._timeout is not None:
-                self._session._stream.transport.settimeout(self._timeout)
+                self._session.settimeout(self._timeout)
         lease = ReadLease(self, namespace, key, reply, asked_at)
         if verify:
             try:
@@ -574,16 +376,16 @@ class Client:
 
     # -- directory -------------------------------------------------------------------------
     def exists(self, key: str, *, namespace: str = "default") -> bool:
-        return self._call("lookup", namespace=namespace, key=key) is not None
+        return self.ops.lookup(key, namespace=namespace) is not None
 
     def lookup(self, key: str, *, namespace: str = "default") -> ObjectInfo | None:
-        info = self._call("lookup", namespace=namespace, key=key)
+        info = self.ops.lookup(key, namespace=namespace)
         return None if info is None else ObjectInfo.from_dict(info)
 
     def list(
         self, match: str | None = None, *, namespace: str | None = None, limit: int | None = None
     ) -> list[ObjectInfo]:
-        reply = self._call("list", namespace=namespace, match=match, limit=limit)
+        reply = self.ops.list(namespace=namespace, match=match, limit=limit)
         return [ObjectInfo.from_dict(o) for o in reply["objects"]]
 
     def evict(
@@ -601,23 +403,23 @@ class Client:
 
         With ``key`` and no ``namespace``, the key is evicted from every namespace.
         """
-        return EvictResult(self._call(
-            "evict", key=key, match=match, namespace=namespace, match_buffers=match_buffers,
+        return EvictResult(self.ops.evict(
+            key=key, match=match, namespace=namespace, match_buffers=match_buffers,
             older_than=older_than, all=all, dry_run=dry_run,
         ))  # fmt: skip
 
     def renew(self, *leases: _Lease, ttl: float | None = None) -> None:
-        self._call("renew", leases=[ls.id for ls in leases], ttl=ttl)
+        self.ops.renew([ls.id for ls in leases], ttl)
 
     # -- statistics ------------------------------------------------------------------------
     def stat(self) -> Statistics:
-        return Statistics.from_dict(self._call("stat"))
+        return Statistics.from_dict(self.ops.stat())
 
     def watch(self, interval: float = 1.0) -> Iterator[Statistics]:
         """Snapshots pushed by the daemon every ``interval`` seconds, forever."""
         while True:
-            self._call("watch", interval=interval)
-            self._session._stream.transport.settimeout(max(30.0, interval * 10))
+            self.ops.watch(interval)
+            self._session.settimeout(max(30.0, interval * 10))
             session = self._session
             try:
                 while True:

@@ -11,7 +11,9 @@ import mmap
 
 import posix_ipc
 
-__all__ = ["PoolMapping"]
+from .shared import PerProcess
+
+__all__ = ["PoolMapping", "ClientMappings", "process_maps"]
 
 
 class PoolMapping:
@@ -36,3 +38,34 @@ class PoolMapping:
         except BufferError:
             # A caller still holds a view past its lease; the mapping goes with the last one.
             pass
+
+
+# segment name -> this process's one mapping of it, shared by every client in the process
+process_maps: PerProcess[PoolMapping] = PerProcess(PoolMapping.close)
+
+
+class ClientMappings:
+    """The pools one client has mapped, pool index -> the process's one mapping of it.
+
+    A client holds each pool's mapping from its first use until :meth:`release_all` (its
+    close, or a cold restart of the daemon that made new segments)."""
+
+    __slots__ = ("_held",)
+
+    def __init__(self) -> None:
+        self._held: dict[int, PoolMapping] = {}
+
+    def get(self, index: int, pools: list[dict]) -> PoolMapping:
+        """The mapping of pool ``index`` of ``pools`` (the hello reply's), mapped on first use."""
+        m = self._held.get(index)
+        if m is None:
+            p = pools[index]
+            m = self._held[index] = process_maps.acquire(
+                p["name"], lambda: PoolMapping(index, p["name"], p["size"])
+            )
+        return m
+
+    def release_all(self) -> None:
+        for m in self._held.values():
+            process_maps.release(m.name)
+        self._held.clear()

@@ -1,6 +1,7 @@
 """Session: request ids, replies matched to requests, errors turned into exceptions.
 
-Every call the client makes funnels through :meth:`Session.call`.
+Every call the client makes funnels through :meth:`Session.call`; which calls there are is
+:mod:`kvbroker._client.ops`'s business (the session greets through :meth:`Ops.hello`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from collections.abc import Callable
 from typing import Any
 
 from .framing import MessageStream
+from .._wire.replies import Hello as HelloReply
+from .ops import Ops
 from .._wire.protocol import PROTOCOL_VERSION
 from ..errors import BrokerUnavailable, KVBrokerError, ProtocolError, error_for_code
 
@@ -32,7 +35,8 @@ class Session:
         self._unanswered: set[int] = set()  # ids sent with send_only, replies not read yet
         self.on_push: Callable[[dict], None] | None = None
         self.broken = False  # the connection failed: the client may replace this session
-        self.hello: dict = self.call("hello", version=PROTOCOL_VERSION, name=name, role=role)
+        self.hello: HelloReply = Ops(self.call, self.send_only).hello(PROTOCOL_VERSION, name,
+                                                                        role)  # fmt: skip
 
     def call(self, op: str, **args: Any) -> Any:
         with self._lock:
@@ -71,6 +75,11 @@ class Session:
             except BrokerUnavailable:
                 self.broken = True
                 raise
+
+    def settimeout(self, timeout: float | None) -> None:
+        """Seconds to wait for the daemon from now on (None: forever), e.g. for a claim that
+        waits, or between the pushes of a watch."""
+        self._stream.transport.settimeout(timeout)
 
     def _send(self, op: str, args: dict) -> int:
         rid = self._next_id

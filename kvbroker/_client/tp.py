@@ -1,4 +1,4 @@
-"""Head-sharding arithmetic for tensor parallelism (DESIGN.md §5). Pure functions, no I/O.
+"""Head-sharding arithmetic for tensor parallelism (``docs/design.md``). Pure functions, no I/O.
 
 H is the model's number of KV heads, from the model config (never heads-per-rank × TP).
 

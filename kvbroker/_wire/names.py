@@ -1,5 +1,5 @@
 """Names of KV buffers: ``past_key.{i}``, ``past_value.{i}``, ``past_latent.{i}``, with an
-optional engine infix ``past_key.{i}_{P}`` (the QEfficient convention, docs/design.md).
+optional engine infix ``past_key.{i}_{P}`` (the QEfficient convention; see ``docs/design.md``).
 
 The daemon calls :func:`check_buffer_name` on every buffer of a reservation, so a malformed KV
 name is refused at publish time instead of silently never matching a claimer's regex. Names
