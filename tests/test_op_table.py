@@ -141,3 +141,17 @@ def test_every_reply_is_its_declared_type(ring_daemon):
         call("stat")
         call("watch", interval=0)
     assert seen == set(OPS)
+
+
+def test_the_design_doc_shows_the_current_op_table():
+    """docs/design.md's op table is generated from OPS; a row added or changed in the table
+    must show there too (regenerate between the markers with markdown_table())."""
+    import pathlib
+    import re
+
+    from kvbroker._wire.protocol import markdown_table
+
+    doc = (pathlib.Path(__file__).resolve().parent.parent / "docs" / "design.md").read_text()
+    m = re.search(r"<!-- op-table[^\n]*-->\n(.*?)<!-- /op-table -->", doc, re.S)
+    assert m, "docs/design.md has lost its op-table markers"
+    assert m.group(1) == markdown_table()

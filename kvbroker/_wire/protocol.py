@@ -399,3 +399,39 @@ def validate_args(op_name: str, raw: Any) -> dict[str, Any]:
 
 def _type_names(arg: Arg) -> str:
     return " or ".join("null" if t is type(None) else t.__name__ for t in arg.types)
+
+
+_HANDLER = {
+    Service.BROKER: "handlers.op_{}",
+    Service.RINGS: "RingService.op_{}",
+    Service.DAEMON: "Connection.op_{}",
+}
+
+
+def markdown_table() -> str:
+    """The op table as Markdown: the one in ``docs/design.md`` is this (regenerate it with
+    ``python -c "from kvbroker._wire.protocol import markdown_table as t; print(t(), end='')"``;
+    ``tests/test_op_table.py`` keeps the two equal)."""
+
+    def args(op: Op) -> str:
+        return ", ".join(f"`{n}`" if a.required else f"{n}" for n, a in op.args.items()) or "—"
+
+    def lease(op: Op) -> str:
+        roles = [r.name.lower() for r in (LeaseRole.TAKES, LeaseRole.NAMES) if r in op.lease]
+        return " + ".join(roles) or "—"
+
+    def draining(op: Op) -> str:
+        if op.draining.refuse:
+            return "refused"
+        if op.draining.args:
+            return "served with " + ", ".join(f"{k}={v!r}" for k, v in op.draining.args)
+        return "served"
+
+    rows = ["| op | args (`required`) | reply | handler | lease | while draining |",
+            "|---|---|---|---|---|---|"]
+    for name, op in OPS.items():
+        reply = getattr(op.reply, "__name__", None) or str(op.reply).rpartition(".")[2]
+        reply = reply.replace(" | ", " or ")  # a bar would end the Markdown cell
+        rows.append(f"| `{name}` | {args(op)} | `{reply}` | `{_HANDLER[op.service].format(name)}`"
+                    f" | {lease(op)} | {draining(op)} |")
+    return "\n".join(rows) + "\n"
