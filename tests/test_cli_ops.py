@@ -240,10 +240,23 @@ def test_socket_default_in_help_is_the_real_one(monkeypatch):
     assert f"default: ({user_default_socket()})" in " ".join(r.stdout.split()), r.stdout
 
 
-def test_shell_completion_script():
-    r = run("--show-completion", "bash")
-    assert r.exit_code == 0, r.output
-    assert "_KVBROKER_COMPLETE" in r.stdout
+def test_shell_completion():
+    import shutil
+
+    exe = shutil.which("kvbroker", path=os.path.dirname(sys.executable))
+    if exe is None:
+        pytest.skip("the kvbroker script is not installed beside this Python")
+
+    def complete(words: str, cword: int, kind: str = "complete_bash") -> str:
+        env = {**os.environ, "_KVBROKER_COMPLETE": kind, "COMP_WORDS": words,
+               "COMP_CWORD": str(cword)}  # fmt: skip
+        return subprocess.run([exe], env=env, capture_output=True, text=True,
+                              timeout=30).stdout  # fmt: skip
+
+    assert "_kvbroker_completion" in complete("", 0, "source_bash")  # the script to source
+    assert complete("kvbroker st", 1).split() == ["stat"]
+    assert {"--sort", "--socket"} <= set(complete("kvbroker ls --so", 2).split())
+    assert "--install-completion" in run("--help").stdout
 
 
 # -- bench against a running daemon ----------------------------------------------------------
