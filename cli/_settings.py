@@ -25,7 +25,7 @@ def _parameter(key: Key) -> inspect.Parameter:
     else:
         annotation = Optional[key.text]  # None: not given, the file or a variable decides
         shown = key.shown_default()
-        option = typer.Option(None, *key.flags, help=key.help,
+        option = typer.Option(None, *key.flags, help=key.help, metavar=key.metavar,
                               show_default=shown if shown is not None else False)  # fmt: skip
     return inspect.Parameter(key.name, inspect.Parameter.POSITIONAL_OR_KEYWORD,
                              default=option, annotation=annotation)  # fmt: skip

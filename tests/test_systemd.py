@@ -359,3 +359,67 @@ def test_sighup_reloads_what_can_change(make_daemon, tmp_path):
     assert "pools: expected an integer" in d.log()
     assert _hello_ttl(d) == 5
     assert d.stop() == 0
+
+
+# -- issue 19: what an operator meets installing the units ---------------------------------
+def test_unit_needs_no_network_and_documents_an_installed_file():
+    service = (UNITS / "kvbroker.service").read_text()
+    assert "network.target" not in service.replace("# ", "")
+    readme = (UNITS.parent / "README.md").read_text()
+    for unit in ("kvbroker.service", "kvbroker.socket"):
+        text = (UNITS / unit).read_text()
+        docs = [line.split("=", 1)[1] for line in text.splitlines()
+                if line.startswith("Documentation=")]  # fmt: skip
+        assert docs, unit
+        for doc in docs:
+            assert doc.startswith("file:/usr/share/doc/kvbroker/")
+            # the README's install steps put that very file there
+            assert f"README.md {doc[len('file:'):]}" in readme, doc
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None,
+                    reason="systemd-analyze not installed (apt-get install systemd)")
+def test_shipped_drop_in_makes_verify_pass_with_kvbroker_elsewhere(tmp_path):
+    # The shipped unit as is, with the drop-in pointing at where kvbroker really is (the
+    # drop-in shipped for /usr/local/bin, with its path replaced by this checkout's).
+    kvbroker = shutil.which("kvbroker", path=os.path.dirname(sys.executable)) or "/bin/true"
+    shutil.copy(UNITS / "kvbroker.service", tmp_path)
+    shutil.copy(UNITS / "kvbroker.socket", tmp_path)
+    drop = (UNITS / "usr-local-bin.conf").read_text()
+    assert "ExecStart=\nExecStart=/usr/local/bin/kvbroker serve" in drop
+    (tmp_path / "kvbroker.service.d").mkdir()
+    (tmp_path / "kvbroker.service.d" / "usr-local-bin.conf").write_text(
+        drop.replace("/usr/local/bin/kvbroker", kvbroker)
+    )
+    args = ["systemd-analyze", "verify", str(tmp_path / "kvbroker.service"),
+            str(tmp_path / "kvbroker.socket")]  # fmt: skip
+    res = subprocess.run(args, capture_output=True, text=True, timeout=60)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0 and "kvbroker" not in out, out
+    if not os.path.exists("/usr/bin/kvbroker"):  # without the drop-in: the failure it fixes
+        (tmp_path / "kvbroker.service.d" / "usr-local-bin.conf").unlink()
+        res = subprocess.run(args, capture_output=True, text=True, timeout=60)
+        assert "/usr/bin/kvbroker is not executable" in res.stdout + res.stderr
+
+
+def test_socket_unit_check(tmp_path):
+    from kvbroker._server.config import load_config
+    from kvbroker._unitcheck import check_socket_unit, listen_streams
+
+    toml = (UNITS / "kvbroker.toml").read_text().replace('group = "kvbroker"', 'group = "root"')
+    (tmp_path / "k.toml").write_text(toml)
+    configured = load_config(str(tmp_path / "k.toml"), env={}).socket_path
+    shipped = UNITS / "kvbroker.socket"
+    assert listen_streams(shipped.read_text()) == [configured]  # the shipped pair agrees
+    assert check_socket_unit(configured, [str(shipped)]).status == "ok"
+    bad = check_socket_unit("/run/other.sock", [str(shipped)])
+    assert bad.status == "fail" and "/run/kvbroker/kvbroker.sock" in bad.detail and bad.fix
+    # a drop-in that resets and replaces ListenStream= is what systemd uses
+    unit = tmp_path / "kvbroker.socket"
+    unit.write_text(shipped.read_text())
+    (tmp_path / "kvbroker.socket.d").mkdir()
+    (tmp_path / "kvbroker.socket.d" / "x.conf").write_text(
+        "[Socket]\nListenStream=\nListenStream=/run/other.sock\n"
+    )
+    assert check_socket_unit("/run/other.sock", [str(unit)]).status == "ok"
+    assert check_socket_unit("/x", [str(tmp_path / "none.socket")]).status == "skip"

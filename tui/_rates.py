@@ -76,6 +76,10 @@ class RateHistory:
     def latest(self) -> Rates | None:
         return self.samples[-1] if self.samples else None
 
+    def raw_series(self, field: str) -> list[float | None]:
+        """One rate over time, None where it was not measured (no lookups: no hit rate)."""
+        return [getattr(r, field) for r in self.samples]
+
     def series(self, field: str) -> list[float]:
         """One rate over time; hit-rate gaps (no lookups) count as 0 so the line stays whole."""
         return [getattr(r, field) or 0.0 for r in self.samples]

@@ -47,6 +47,9 @@ OTHER_VARIABLES = {
     "KVBROKER_FUZZ_FRAMES": "tests/test_fuzz.py",
     "KVBROKER_SOAK_LONG": "tests/test_soak.py",
     "KVBROKER_SOAK_SECONDS": "tests/test_soak.py",
+    "KVBROKER_DEBUG": "tracebacks instead of one-line CLI errors (cli/_common.py)",
+    # Click's shell-completion variable for the `kvbroker` program (`_KVBROKER_COMPLETE`).
+    "KVBROKER_COMPLETE": "shell completion (tests/test_cli_ops.py)",
 }
 
 
@@ -258,7 +261,10 @@ class Key:
     # The type of the value a flag gives (int, float, bool or str); a variable's text is
     # converted to int or float before ``parse`` when it is one of those.
     text: type = str
-    shown: str | None = None  # the default as help shows it, when the default does not say
+    # the default as help shows it, when the default does not say (a callable: worked out
+    # when the help is shown, e.g. the socket path, which depends on who asks)
+    shown: str | Callable[[], str] | None = None
+    metavar: str | None = None  # what a flag's value is, in help (SIZE, DURATION, ...)
     field: str = ""  # the DaemonConfig attribute, when it is not ``name``
     example: Any = None  # a valid value other than the default, as TOML would hold it
 
@@ -300,6 +306,8 @@ class Key:
         return self.parse(text)
 
     def shown_default(self) -> str | None:
+        if callable(self.shown):
+            return self.shown()
         if self.shown is not None:
             return self.shown
         if self.default is None or callable(self.default) or self.table:
@@ -318,39 +326,51 @@ class Key:
         return dataclasses.field(default=self.parse(self.default))
 
 
+def _socket_for_this_user() -> str:
+    """The socket ``serve`` takes without ``--socket`` or ``$KVBROKER_SOCKET``, for whoever
+    reads the help (root gets the system service's path)."""
+    saved = os.environ.pop("KVBROKER_SOCKET", None)
+    try:
+        return default_socket_path()
+    finally:
+        if saved is not None:
+            os.environ["KVBROKER_SOCKET"] = saved
+
+
 # -- THE settings: one declaration each ----------------------------------------------------
 SETTINGS: tuple[Key, ...] = (
     Key("socket", _socket, default_socket_path, field="socket_path", flag=("--socket", "-s"),
-        help="Daemon socket path (ignored when systemd passes one).",
-        shown="$XDG_RUNTIME_DIR/kvbroker.sock", example="/tmp/kvbroker-example.sock"),
+        help="Daemon socket path (ignored when systemd passes one; KVBROKER_SOCKET sets it "
+             "too).", metavar="PATH", shown=_socket_for_this_user,
+        example="/tmp/kvbroker-example.sock"),
     # None: 1 GiB, or less to fit the free space in /dev/shm (DaemonConfig.resolved_pool_size).
-    Key("pool_size", _size, None, flag=(), help="Bytes per pool, e.g. 1G, 512M.",
+    Key("pool_size", _size, None, flag=(), metavar="SIZE", help="Bytes per pool, e.g. 1G, 512M.",
         shown="1G, less to fit /dev/shm", example="256M"),
-    Key("pools", _POOLS, 1, flag=(), text=int, help="Number of host pools.", example=2),
-    Key("page_size", _page_size, "64K", flag=(), help="Allocation granule (a power of two).",
+    Key("pools", _POOLS, 1, flag=(), metavar="N", text=int, help="Number of host pools.", example=2),
+    Key("page_size", _page_size, "64K", flag=(), metavar="SIZE", help="Allocation granule (a power of two).",
         example="4K"),
-    Key("lease_ttl", _positive_duration, "30s", reload=TO_BROKER, flag=(),
+    Key("lease_ttl", _positive_duration, "30s", reload=TO_BROKER, flag=(), metavar="DURATION",
         help="Default lease TTL.", example="90s"),
-    Key("high_watermark", _ratio, 0.95, reload=TO_BROKER, flag=(), text=float,
+    Key("high_watermark", _ratio, 0.95, reload=TO_BROKER, flag=(), metavar="FRACTION", text=float,
         help="Evict above this use.", example=0.97),
-    Key("low_watermark", _ratio, 0.90, reload=TO_BROKER, flag=(), text=float,
+    Key("low_watermark", _ratio, 0.90, reload=TO_BROKER, flag=(), metavar="FRACTION", text=float,
         help="...down to this use.", shown="0.90", example=0.5),
     # A gid: its members may connect and map the pools (mode 0660); None: the owner only.
-    Key("group", _group, None, flag=(), example=0,
+    Key("group", _group, None, flag=(), metavar="GROUP", example=0,
         help="Group whose members may connect (socket and pools mode 0660)."),
     # While the host has a CPU to spare (kvbroker._cpu): a wake-up across CPUs costs more
     # than serving a request.
     Key("busy_poll", _duration, 100e-6, reload=LIVE, example="1ms",
         help="Keep the loop polling this long after the last request instead of sleeping in "
              "epoll; 0 turns it off."),
-    Key("max_connections", _CONNECTIONS, 1024, reload=LIVE, flag=(), text=int,
+    Key("max_connections", _CONNECTIONS, 1024, reload=LIVE, flag=(), metavar="N", text=int,
         help="Most client connections at once.", example=16),
-    Key("drain_timeout", _duration, "10s", reload=LIVE, flag=(), example="1m",
+    Key("drain_timeout", _duration, "10s", reload=LIVE, flag=(), metavar="DURATION", example="1m",
         help="On SIGTERM, wait this long for held leases to end."),
-    Key("log_level", _log_level, "info", reload=_set_log_level, flag=(), example="debug",
+    Key("log_level", _log_level, "info", reload=_set_log_level, flag=(), metavar="LEVEL", example="debug",
         help="debug, info, warning, error."),
     # (host, port) of the Prometheus endpoint, None when off.
-    Key("metrics", parse_listen_address, "off", flag=(), example="127.0.0.1:9464",
+    Key("metrics", parse_listen_address, "off", flag=(), metavar="HOST:PORT", example="127.0.0.1:9464",
         help="Serve Prometheus metrics on HOST:PORT (a bare PORT means loopback)."),
     # Integrity and limits (issue 8).
     Key("require_checksums", _bool, False, reload=TO_BROKER, text=bool, example=True,
@@ -366,7 +386,7 @@ SETTINGS: tuple[Key, ...] = (
     Key("quotas", _quotas, {}, reload=_set_policy, example={"team/*": "1G"},
         help="[quotas] namespace = byte limit."),
     # kvbroker._server.rings; off: no rings, and the daemon never loads the CUDA driver.
-    Key("gpu_ring", _gpu_ring, "off", flag=(), example="2G",
+    Key("gpu_ring", _gpu_ring, "off", flag=(), metavar="SIZE", example="2G",
         help="Allocate a GPU staging ring of this size on each visible GPU, shared with "
              "clients through CUDA IPC (e.g. 1G)."),
     # Warm restart (kvbroker._server.journal): after a crash the next daemon always adopts the
@@ -382,7 +402,7 @@ SETTINGS: tuple[Key, ...] = (
     # Pages a writer may still be copying into although it lost them (lent at a crash, or its
     # connection cut off by the daemon). On reload, deadlines already set keep their length;
     # pages quarantined from then on get the new one.
-    Key("restart_quarantine", _duration, "10s", reload=TO_BROKER, flag=(), example="45s",
+    Key("restart_quarantine", _duration, "10s", reload=TO_BROKER, flag=(), metavar="DURATION", example="45s",
         help="Keep pages a writer may still be copying into (after a daemon restart or a "
              "cut-off) out of use this long."),
 )
