@@ -203,9 +203,16 @@ def show(
         else:
             lines.append("  meta        -")
         if info.checksums:
-            lines.append("  checksums   xxh3_64 per buffer:")
-            lines += [f"    {clean(name)}  {digest:016x}"
-                      for name, digest in sorted(info.checksums.items())]  # fmt: skip
+            from kvbroker._wire.checksum import KINDS, parse
+
+            lines.append("  checksums   per buffer (kind: xxh3 whole buffer, xxh3c per chunk):")
+            for name, recorded in sorted(info.checksums.items()):
+                try:
+                    kind, value = parse(recorded)
+                    shown = f"{KINDS[kind]} {value:016x}"
+                except (ValueError, KeyError):
+                    shown = f"unreadable {clean(repr(recorded))}"
+                lines.append(f"    {clean(name)}  {shown}")
         else:
             lines.append("  checksums   none (sealed without)")
         if leases:
