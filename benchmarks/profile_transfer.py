@@ -26,7 +26,7 @@ from pyinstrument import Profiler
 
 from kvbroker import Client
 from kvbroker._bench import spawned_daemon
-from kvbroker._paths import parse_size
+from kvbroker._wire.paths import parse_size
 
 
 def top_frames(raw_path: str, n: int = 15) -> tuple[list, list]:

@@ -44,7 +44,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
 from kvbroker import ChecksumMismatch, Client, NotFound  # noqa: E402
-from kvbroker._broker import BUFFER_ALIGN  # noqa: E402
+from kvbroker._wire.objects import BUFFER_ALIGN
 from kvbroker.prefix import PrefixCache  # noqa: E402
 
 BLOCK = 16  # tokens per prefix block

@@ -1,6 +1,7 @@
-"""``kvbroker`` command line: serve, doctor, stat, ls, evict (and what later issues add).
+"""``kvbroker`` command line: serve, doctor, stat, ls, show, evict, verify, tui, bench.
 
-Exit codes: 0 ok, 1 error, 2 usage error, 3 daemon not running.
+Exit codes: 0 ok, 1 error, 2 usage error, 3 daemon not running, 4 missing hardware or
+software (``bench gpu`` without CUDA). Every error is one line on stderr.
 This module must stay cheap to import: no torch, no numpy, no textual at import time.
 """
 
@@ -8,127 +9,72 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from typing import Optional
 
 import typer
 
-from kvbroker._paths import format_size, parse_duration, parse_size
+from kvbroker._version import __version__
+from kvbroker._wire.paths import format_size
+from kvbroker.cli._settings import with_setting_flags
 from kvbroker.errors import BrokerUnavailable, KVBrokerError
 
-EXIT_OK, EXIT_ERROR, EXIT_UNAVAILABLE = 0, 1, 3
+from ._common import (
+    EXIT_ERROR,
+    EXIT_UNAVAILABLE,
+    EXIT_USAGE,
+    JsonOpt,
+    OneLineGroup,
+    SocketOpt,
+    clean,
+    fail,
+    namespace_opt,
+    user_default_socket,
+)
+from ._objects import evict, ls_, object_table, show
+from ._stat import stat
 
 app = typer.Typer(
     name="kvbroker",
+    cls=OneLineGroup,
     help="Node-local KV-cache broker for disaggregated LLM serving.",
     no_args_is_help=True,
-    add_completion=False,
+    # Plain Click help: readable at 80 columns, no boxes, no <bool> metavars on flags.
+    rich_markup_mode=None,
     pretty_exceptions_enable=False,
+    context_settings={"max_content_width": 100},
 )
 
-SocketOpt = typer.Option(
-    None, "--socket", "-s", envvar="KVBROKER_SOCKET", help="Daemon socket path.",
-    show_default="$XDG_RUNTIME_DIR/kvbroker.sock",
-)  # fmt: skip
-JsonOpt = typer.Option(False, "--json", help="Print JSON for scripts.")
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"kvbroker {__version__}")
+        raise typer.Exit()
 
 
-def _fail(message: str, code: int = EXIT_ERROR) -> typer.Exit:
-    typer.echo(f"kvbroker: {message}", err=True)
-    return typer.Exit(code)
+@app.callback()
+def _main(
+    version: bool = typer.Option(
+        False, "--version", "-V", callback=_version, is_eager=True,
+        help="Print the version and exit.",
+    ),  # fmt: skip
+) -> None:
+    """Node-local KV-cache broker for disaggregated LLM serving.
 
-
-def _connect(socket: str | None):
-    from kvbroker import Client
-
-    try:
-        return Client(socket, name="kvbroker-cli", role="admin", map_pools=False, timeout=10)
-    except BrokerUnavailable as exc:
-        raise _fail(f"{exc} (start it with 'kvbroker serve')", EXIT_UNAVAILABLE) from None
-
-
-def _run(socket: str | None, fn):
-    client = _connect(socket)
-    try:
-        return fn(client)
-    except BrokerUnavailable as exc:
-        raise _fail(str(exc), EXIT_UNAVAILABLE) from None
-    except KVBrokerError as exc:
-        raise _fail(f"{exc.code}: {exc}") from None
-    finally:
-        client.close()
-
-
-def _size(value: str | None, what: str) -> int | None:
-    if value is None:
-        return None
-    try:
-        return parse_size(value)
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc), param_hint=what) from None
+    Exit codes: 0 ok, 1 error, 2 usage error, 3 daemon not running, 4 the command needs
+    hardware or software this machine lacks. Every command honours KVBROKER_SOCKET.
+    """
 
 
 ConfigOpt = typer.Option(
-    None, "--config", "-c", envvar="KVBROKER_CONFIG",
+    None, "--config", "-c", envvar="KVBROKER_CONFIG", metavar="FILE",
     help="TOML configuration file (KVBROKER_* variables and flags override it).",
     show_default="/etc/kvbroker/kvbroker.toml if it exists",
 )  # fmt: skip
 
 
 @app.command()
-def serve(
-    config: Optional[str] = ConfigOpt,
-    socket: Optional[str] = typer.Option(
-        None, "--socket", "-s", help="Daemon socket path (ignored when systemd passes one).",
-        show_default="$XDG_RUNTIME_DIR/kvbroker.sock",
-    ),  # fmt: skip
-    pool_size: Optional[str] = typer.Option(
-        None, help="Bytes per pool, e.g. 1G, 512M.", show_default="1G, less to fit /dev/shm"
-    ),
-    pools: Optional[int] = typer.Option(None, help="Number of host pools.", show_default="1"),
-    page_size: Optional[str] = typer.Option(
-        None, help="Allocation granule (a power of two).", show_default="64K"
-    ),
-    lease_ttl: Optional[str] = typer.Option(None, help="Default lease TTL.", show_default="30s"),
-    high_watermark: Optional[float] = typer.Option(
-        None, help="Evict above this use.", show_default="0.95"
-    ),
-    low_watermark: Optional[float] = typer.Option(
-        None, help="...down to this use.", show_default="0.90"
-    ),
-    group: Optional[str] = typer.Option(
-        None, help="Group whose members may connect (socket and pools mode 0660)."
-    ),
-    log_level: Optional[str] = typer.Option(
-        None, help="debug, info, warning, error.", show_default="info"
-    ),
-    drain_timeout: Optional[str] = typer.Option(
-        None, help="On SIGTERM, wait this long for held leases to end.", show_default="10s"
-    ),
-    max_connections: Optional[int] = typer.Option(
-        None, help="Most client connections at once.", show_default="1024"
-    ),
-    metrics: Optional[str] = typer.Option(
-        None, help="Serve Prometheus metrics on HOST:PORT (a bare PORT means loopback).",
-        show_default="off",
-    ),  # fmt: skip
-    gpu_ring: Optional[str] = typer.Option(
-        None, help="Allocate a GPU staging ring of this size on each visible GPU, shared "
-        "with clients through CUDA IPC (e.g. 1G).", show_default="off",
-    ),  # fmt: skip
-    restart_quarantine: Optional[str] = typer.Option(
-        None, help="Keep pages a writer may still be copying into (after a daemon restart or a "
-        "cut-off) out of use this long.", show_default="10s",
-    ),  # fmt: skip
-    keep_pools_on_exit: Optional[bool] = typer.Option(
-        None, "--keep-pools-on-exit/--drop-pools-on-exit",
-        help="On a clean stop, keep the pools and their index for the next daemon "
-        "(after a crash the next daemon always adopts them).", show_default="drop",
-    ),  # fmt: skip
-    cold: bool = typer.Option(
-        False, "--cold", help="Start empty: drop the pools and objects a previous daemon left."
-    ),
-) -> None:
+@with_setting_flags  # one option per setting with a flag (kvbroker/_server/config.py)
+def serve(config: Optional[str] = ConfigOpt, *, flags: dict) -> None:
     """Run the broker daemon in the foreground (as systemd's kvbroker.service does).
 
     Settings come from the configuration file, then KVBROKER_<KEY> variables, then these
@@ -137,23 +83,15 @@ def serve(
     import functools
     import logging
 
-    from kvbroker._config import ConfigError, load_config
-    from kvbroker._daemon import run_daemon
-    from kvbroker._systemd import JournalFormatter, under_journal
+    from kvbroker._server.config import ConfigError, load_config
+    from kvbroker._server.daemon import run_daemon
+    from kvbroker._server.systemd import JournalFormatter, under_journal
 
-    flags = {
-        "socket": socket, "pool_size": pool_size, "pools": pools, "page_size": page_size,
-        "lease_ttl": lease_ttl, "high_watermark": high_watermark,
-        "low_watermark": low_watermark, "group": group, "log_level": log_level,
-        "drain_timeout": drain_timeout, "max_connections": max_connections, "metrics": metrics,
-        "keep_pools_on_exit": keep_pools_on_exit, "cold": True if cold else None,
-        "gpu_ring": gpu_ring, "restart_quarantine": restart_quarantine,
-    }  # fmt: skip
     reload_config = functools.partial(load_config, config, flags=flags)
     try:
         cfg = reload_config()
     except ConfigError as exc:
-        raise _fail(f"configuration: {exc}", 2) from None
+        raise fail(f"configuration: {exc}", 2) from None
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(
         JournalFormatter() if under_journal()
@@ -166,20 +104,23 @@ def serve(
 @app.command()
 def doctor(
     config: Optional[str] = ConfigOpt,
-    socket: Optional[str] = typer.Option(None, "--socket", "-s", help="Socket path to check."),
+    socket: Optional[str] = typer.Option(
+        None, "--socket", "-s", metavar="PATH", help="Socket path to check.",
+        show_default=user_default_socket(),
+    ),
     as_json: bool = JsonOpt,
 ) -> None:
     """Check this host for what the service needs, and say how to fix what is missing.
 
     Exit status 1 when a check fails (warnings alone exit 0).
     """
-    from kvbroker._config import ConfigError, load_config
-    from kvbroker._doctor import render, run_checks
+    from kvbroker._server.config import ConfigError, load_config
+    from kvbroker._server.doctor import render, run_checks
 
     try:
         cfg = load_config(config, flags={"socket": socket})
     except ConfigError as exc:
-        raise _fail(f"configuration: {exc}", 2) from None
+        raise fail(f"configuration: {exc}", 2) from None
     checks = run_checks(cfg)
     if as_json:
         typer.echo(json.dumps([c.to_dict() for c in checks], indent=2))
@@ -189,143 +130,18 @@ def doctor(
         raise typer.Exit(EXIT_ERROR)
 
 
-@app.command()
-def stat(socket: Optional[str] = SocketOpt, as_json: bool = JsonOpt) -> None:
-    """Pools, objects, leases, clients and counters of the running daemon."""
-    snap = _run(socket, lambda c: c.stat())
-    if as_json:
-        typer.echo(json.dumps(snap.to_dict(), indent=2))
-        return
-    typer.echo(_render_stat(snap))
-
-
-def _render_stat(s) -> str:
-    c = s.counters
-    lines = [
-        f"kvbroker {s.version}  pid {s.pid}  socket {s.socket}  up {s.uptime:.0f} s",
-        f"objects {s.objects}  pending {s.pending}  "
-        f"leases: {s.read_leases} read, {s.write_leases} write  clients {len(s.clients)}",
-        "",
-        f"{'POOL':<5}{'CAPACITY':>12}{'USED':>12}{'FREE':>12}{'LEASED':>12}"
-        f"{'OBJECTS':>9}{'FRAG':>7}",
-    ]
-    for p in s.pools:
-        lines.append(
-            f"{p.index:<5}{format_size(p.capacity):>12}{format_size(p.used):>12}"
-            f"{format_size(p.free):>12}{format_size(p.leased_read + p.leased_write):>12}"
-            f"{p.objects:>9}{p.fragmentation:>7.1%}"
-        )
-    if s.rings:
-        lines += ["", f"{'RING':<5}{'CAPACITY':>12}{'USED':>12}{'FREE':>12}{'LEASED':>12}"
-                      f"{'OBJECTS':>9}  DEVICE"]  # fmt: skip
-        for i, r in enumerate(s.rings):
-            cap, used = int(r.get("capacity", 0)), int(r.get("used", 0))
-            leased = int(r.get("leased_read", 0)) + int(r.get("leased_write", 0))
-            lines.append(
-                f"{r.get('index', i):<5}{format_size(cap):>12}{format_size(used):>12}"
-                f"{format_size(int(r.get('free', cap - used))):>12}{format_size(leased):>12}"
-                f"{int(r.get('objects', 0)):>9}  {r.get('device', '')} {r.get('name', '')}"
-            )
-    lines += [
-        "",
-        f"publishes {c.publishes}  claims {c.claims}  in {format_size(c.bytes_in)}  "
-        f"out {format_size(c.bytes_out)}",
-        f"hits {c.hits}  misses {c.misses}  evictions {c.evictions} "
-        f"({format_size(c.evicted_bytes)})  expired leases {c.expired_leases}  "
-        f"aborts {c.aborts}",
-    ]
-    if s.namespaces:
-        lines += ["", f"{'NAMESPACE':<24}{'OBJECTS':>9}{'BYTES':>12}{'USED':>12}{'QUOTA':>12}"]
-        for n in s.namespaces:
-            quota = format_size(n.quota) if n.quota is not None else "-"
-            lines.append(f"{n.namespace[:23]:<24}{n.objects:>9}{format_size(n.bytes):>12}"
-                         f"{format_size(n.used):>12}{quota:>12}")  # fmt: skip
-    if s.clients:
-
-        lines += ["", f"{'SESSION':<9}{'PID':>8}{'UID':>7}  {'ROLE':<10}{'LEASES':>7}  NAME"]
-        for cl in s.clients:
-            lines.append(
-                f"{cl.session:<9}{cl.pid:>8}{cl.uid:>7}  {cl.role[:10]:<10}"
-                f"{cl.read_leases + cl.write_leases:>7}  {cl.name}"
-            )
-    return "\n".join(lines)
-
-
-def _age(t: float) -> str:
-    d = max(0.0, time.time() - t)
-    for unit, secs in (("d", 86400), ("h", 3600), ("m", 60)):
-        if d >= secs:
-            return f"{d / secs:.0f}{unit}"
-    return f"{d:.0f}s"
-
-
-@app.command("ls")
-def ls_(
-    match: Optional[str] = typer.Option(None, "--match", "-m", help="Regex over keys."),
-    namespace: Optional[str] = typer.Option(None, "--namespace", "-n"),
-    limit: int = typer.Option(1000, min=0, help="At most this many objects."),
-    socket: Optional[str] = SocketOpt,
-    as_json: bool = JsonOpt,
-) -> None:
-    """List sealed objects."""
-    objs = _run(socket, lambda c: c.list(match, namespace=namespace, limit=limit))
-    if as_json:
-        typer.echo(json.dumps([o.to_dict() for o in objs], indent=2))
-        return
-    typer.echo(f"{'NAMESPACE':<16}{'KEY':<40}{'SIZE':>11}{'BUFS':>6}{'READERS':>8}{'AGE':>6}")
-    for o in objs:
-        typer.echo(
-            f"{o.namespace[:15]:<16}{o.key[:39]:<40}{format_size(o.nbytes):>11}"
-            f"{o.buffers:>6}{o.readers:>8}{_age(o.created_at):>6}"
-        )
-
-
-@app.command()
-def evict(
-    key: Optional[str] = typer.Argument(None, help="Evict this key."),
-    match: Optional[str] = typer.Option(None, "--match", "-m", help="Regex over keys."),
-    namespace: Optional[str] = typer.Option(None, "--namespace", "-n"),
-    match_buffers: Optional[str] = typer.Option(None, help="Regex over buffer names."),
-    older_than: Optional[str] = typer.Option(None, help="Age, e.g. 10m, 2h."),
-    all_: bool = typer.Option(False, "--all", help="Every unleased object."),
-    dry_run: bool = typer.Option(False, "--dry-run", help="Show what would go; free nothing."),
-    socket: Optional[str] = SocketOpt,
-    as_json: bool = JsonOpt,
-) -> None:
-    """Free sealed objects (leased ones are never evicted)."""
-    if not (key or match or namespace or match_buffers or older_than or all_):
-        raise typer.BadParameter(
-            "say what to evict: KEY, --match, --namespace, --match-buffers, --older-than or --all"
-        )
-    age = None
-    if older_than is not None:
-        try:
-            age = parse_duration(older_than)
-        except ValueError as exc:
-            raise typer.BadParameter(str(exc), param_hint="--older-than") from None
-    res = _run(socket, lambda c: c.evict(
-        key, match=match, namespace=namespace, match_buffers=match_buffers, older_than=age,
-        all=all_, dry_run=dry_run,
-    ))  # fmt: skip
-    if as_json:
-        typer.echo(json.dumps({
-            "count": res.count, "bytes": res.bytes, "skipped_leased": res.skipped_leased,
-            "dry_run": res.dry_run, "objects": [o.to_dict() for o in res.objects],
-        }, indent=2))  # fmt: skip
-        return
-    verb = "would evict" if dry_run else "evicted"
-    for o in res.objects:
-        typer.echo(f"{verb} {o.namespace}/{o.key} ({format_size(o.nbytes)})")
-    typer.echo(f"{verb} {res.count} object(s), {format_size(res.bytes)}"
-               + (f"; {res.skipped_leased} leased object(s) kept" if res.skipped_leased else ""))
-    if key and res.count == 0 and not res.skipped_leased:
-        raise _fail(f"no object {key!r}")
+app.command()(stat)
+app.command("ls")(ls_)
+app.command()(show)
+app.command()(evict)
 
 
 @app.command()
 def tui(
     socket: Optional[str] = SocketOpt,
-    interval: float = typer.Option(1.0, min=0.05, help="Seconds between snapshots."),
+    interval: float = typer.Option(
+        1.0, min=0.05, metavar="SECONDS", help="Seconds between snapshots."
+    ),
 ) -> None:
     """Live monitor: pools, rates, clients, leases, transfers and objects."""
     from kvbroker.tui import run  # Textual loads here, never for the other commands
@@ -335,8 +151,13 @@ def tui(
 
 @app.command()
 def verify(
-    match: Optional[str] = typer.Option(None, "--match", "-m", help="Regex over keys."),
-    namespace: Optional[str] = typer.Option(None, "--namespace", "-n"),
+    match: Optional[str] = typer.Option(
+        None, "--match", "-m", metavar="REGEX", help="Only keys this regex (RE2) matches."
+    ),
+    namespace: Optional[str] = namespace_opt("Only objects of this namespace."),
+    wide: bool = typer.Option(
+        False, "--wide", "-w", help="Never cut namespaces and keys to fit the terminal."
+    ),
     socket: Optional[str] = SocketOpt,
     as_json: bool = JsonOpt,
 ) -> None:
@@ -347,19 +168,26 @@ def verify(
     as unchecked, objects freed meanwhile as gone; neither fails the run.
     """
     from kvbroker import Client
-    from kvbroker._integrity import verify_objects
+    from kvbroker._client.integrity import verify_objects
+    from kvbroker.errors import BadRequest
 
     try:
         client = Client(socket, name="kvbroker-verify", role="admin", map_pools=False,
                         timeout=30)  # fmt: skip
     except BrokerUnavailable as exc:
-        raise _fail(f"{exc} (start it with 'kvbroker serve')", EXIT_UNAVAILABLE) from None
+        raise fail(f"{exc} (start it with 'kvbroker serve')", EXIT_UNAVAILABLE) from None
+    except KVBrokerError as exc:
+        raise fail(f"{exc.code}: {exc}") from None
     try:
         checks = list(verify_objects(client, match=match, namespace=namespace))
     except BrokerUnavailable as exc:
-        raise _fail(str(exc), EXIT_UNAVAILABLE) from None
+        raise fail(str(exc), EXIT_UNAVAILABLE) from None
+    except BadRequest as exc:
+        if str(exc).startswith("bad regex"):
+            raise fail(f"--match: {exc}", EXIT_USAGE) from None
+        raise fail(f"{exc.code}: {exc}") from None
     except KVBrokerError as exc:
-        raise _fail(f"{exc.code}: {exc}") from None
+        raise fail(f"{exc.code}: {exc}") from None
     finally:
         client.close()
     tally = {s: sum(1 for c in checks if c.status == s)
@@ -367,11 +195,15 @@ def verify(
     if as_json:
         typer.echo(json.dumps({"objects": [c.to_dict() for c in checks], **tally}, indent=2))
     else:
-        typer.echo(f"{'NAMESPACE':<16}{'KEY':<40}{'SIZE':>11}{'BUFS':>6}  STATUS")
+        rows = []
         for c in checks:
-            bad = f" ({', '.join(c.bad[:4])}{', ...' if len(c.bad) > 4 else ''})" if c.bad else ""
-            typer.echo(f"{c.namespace[:15]:<16}{c.key[:39]:<40}{format_size(c.nbytes):>11}"
-                       f"{c.buffers:>6}  {c.status.upper() if c.bad else c.status}{bad}")  # fmt: skip
+            bad = [clean(b) for b in c.bad]
+            bad = f" ({', '.join(bad[:4])}{', ...' if len(bad) > 4 else ''})" if bad else ""
+            status = (c.status.upper() if c.bad else c.status) + bad
+            rows.append((c.namespace, c.key, [format_size(c.nbytes), str(c.buffers),
+                                              "  " + status]))  # fmt: skip
+        lines = object_table(rows, [("SIZE", 11), ("BUFS", 6), ("  STATUS", 10)], wide=wide)
+        typer.echo("\n".join(line.rstrip() for line in lines))
         typer.echo(", ".join(f"{n} {s}" for s, n in tally.items()))
     if tally["mismatch"]:
         raise typer.Exit(EXIT_ERROR)

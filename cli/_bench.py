@@ -1,11 +1,12 @@
 """``kvbroker bench SCENARIO``: one subcommand per scenario of :mod:`kvbroker._bench`.
 
 Each prints a table and the targets it checks, writes JSON with ``--json-out`` and PNG charts
-with ``--plot DIR`` (matplotlib, from the ``bench`` extra). Without ``--socket`` a scenario
-starts a private daemon sized for it and stops it afterwards.
+with ``--plot DIR`` (matplotlib, from the ``bench`` extra). Without ``--socket`` (or
+``$KVBROKER_SOCKET``) a scenario starts a private daemon sized for it and stops it afterwards.
 
 Exit codes as for every command (0 ok, 1 error, 2 usage, 3 daemon not running), and 4 when
-the scenario needs hardware or software this machine lacks (``gpu`` without CUDA).
+the scenario needs hardware or software this machine lacks (``gpu`` without CUDA, ``tp``
+without torch).
 A missed target does not fail the command: the figures are the output.
 """
 
@@ -18,20 +19,29 @@ from typing import Optional
 
 import typer
 
-from kvbroker._paths import parse_size
+from kvbroker._wire.paths import parse_size
 
 EXIT_UNSUPPORTED = 4
 
 bench_app = typer.Typer(
-    help="Measure kvbroker against this machine's limits and a peer (ratios from one run).",
+    rich_markup_mode=None,
+    help="Measure kvbroker against this machine's limits and a peer (ratios from one run).\n\n"
+    "Exit codes: 0 ok (a missed target is reported, not failed), 1 error, 2 usage error, "
+    "3 daemon not running, 4 this machine lacks what the scenario needs (CUDA, torch).",
     no_args_is_help=True,
 )
 
 SocketOpt = typer.Option(
-    None, "--socket", "-s", help="Benchmark this daemon (default: start a private one)."
+    None, "--socket", "-s", envvar="KVBROKER_SOCKET", metavar="PATH",
+    help="Benchmark this daemon (it is left as found).",
+    show_default="start a private daemon",
+)  # fmt: skip
+JsonOutOpt = typer.Option(
+    None, "--json-out", metavar="FILE", help="Write the results here as JSON."
 )
-JsonOutOpt = typer.Option(None, "--json-out", help="Write the results here as JSON.")
-PlotOpt = typer.Option(None, "--plot", help="Write PNG charts into this folder (matplotlib).")
+PlotOpt = typer.Option(
+    None, "--plot", metavar="DIR", help="Write PNG charts into this folder (matplotlib)."
+)
 
 
 def _sizes(text: str, what: str = "--sizes") -> tuple[int, ...]:
@@ -160,12 +170,12 @@ def tp(
     json_out: Optional[str] = JsonOutOpt,
     plot: Optional[str] = PlotOpt,
 ) -> None:
-    """Heterogeneous vs homogeneous TP claims (benchmarks/bench_tp.py): copies, GB/s."""
+    """Heterogeneous vs homogeneous TP claims: copies per claim, GB/s (needs torch)."""
     from kvbroker._bench import tp as t
 
     try:
         t.load_bench_tp()
-    except FileNotFoundError as exc:
+    except t.NoTorch as exc:
         typer.echo(f"kvbroker: {exc}", err=True)
         raise typer.Exit(EXIT_UNSUPPORTED) from None
     _execute(socket, json_out, plot, lambda p: t.run(p, repeats, layout), "2G")
@@ -177,27 +187,31 @@ def gpu(
     json_out: Optional[str] = JsonOutOpt,
     plot: Optional[str] = PlotOpt,
 ) -> None:
-    """CUDA only: D2H/H2D vs pinned, gather/scatter vs D2D (benchmarks/bench_gpu.py)."""
+    """CUDA only: D2H/H2D vs pinned, gather/scatter vs D2D, GPU-to-GPU through the rings.
+
+    Starts its own daemon (sized for its 1 GiB transfers).
+    """
     from kvbroker._bench import gpu as g
 
     try:
         g.cuda_device()
-        g.repo_script("bench_gpu.py")
-    except (g.NoCuda, FileNotFoundError) as exc:
+    except g.NoCuda as exc:
         typer.echo(f"kvbroker: {exc}", err=True)
         raise typer.Exit(EXIT_UNSUPPORTED) from None
-    # bench_gpu.py starts its own daemon, sized for its 1 GiB transfers
     _execute(None, json_out, plot, lambda _: g.run(None, reps), daemon=False)
 
 
 @bench_app.command()
 def peer(
     mooncake_python: str = typer.Option(
-        ..., help="Python of the environment with Mooncake installed, e.g. /tmp/mc/bin/python."
+        ..., metavar="PYTHON",
+        help="Python of the environment with Mooncake installed, e.g. /tmp/mc/bin/python."
     ),
     peer_script: Optional[str] = typer.Option(
-        None, help="The peer benchmark.", show_default="../shared/peers/mooncake_bench.py"
-    ),
+        None, metavar="FILE", envvar="KVBROKER_PEER_SCRIPT",
+        help="The peer's benchmark script (mooncake_bench.py).",
+        show_default="shared/peers/mooncake_bench.py beside the source tree",
+    ),  # fmt: skip
     socket: Optional[str] = SocketOpt,
     sizes: str = typer.Option("256K,4M,32M", help="Object sizes (the peer's defaults)."),
     modes: str = typer.Option("dummy,embedded", help="Mooncake modes to run."),

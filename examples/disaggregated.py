@@ -161,7 +161,7 @@ def role_decode(args) -> dict:
 def _daemon(socket_path: str | None):
     """The running daemon's socket, or a private daemon started for the demo (and its process)."""
     from kvbroker import BrokerUnavailable, Client
-    from kvbroker._paths import default_socket_path
+    from kvbroker._wire.paths import default_socket_path
 
     path = socket_path or default_socket_path()
     try:

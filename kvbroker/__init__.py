@@ -2,12 +2,12 @@
 
 The daemon (``kvbroker serve``) owns shared-memory pools and hands out leases on slices of
 them; engines publish prefill KV and claim it for decode through :class:`Client`, moving the
-bytes themselves through their own mapping of the pools. See ``kvbroker._broker`` for the
-lease and claim semantics, ``kvbroker._protocol`` for the wire protocol.
+bytes themselves through their own mapping of the pools. See ``kvbroker._server.broker`` for the
+lease and claim semantics, ``kvbroker._wire.protocol`` for the wire protocol.
 """
 
-from ._client import Client, EvictResult, ReadLease, WriteLease
-from ._stats import (
+from ._client.client import Client, EvictResult, ReadLease, WriteLease
+from ._wire.stats import (
     ClientStatistics,
     Counters,
     LeaseInfo,

@@ -145,26 +145,26 @@ class InternalError(KVBrokerError):
     code = "internal"
 
 
-_BY_CODE: dict[str, type[KVBrokerError]] = {
-    cls.code: cls
-    for cls in (
-        BadRequest,
-        ProtocolError,
-        NotFound,
-        Exists,
-        Incomplete,
-        PoolFull,
-        LeaseExpired,
-        Timeout,
-        Forbidden,
-        QuotaExceeded,
-        LimitExceeded,
-        ChecksumMismatch,
-        LayoutMismatch,
-        BrokerUnavailable,
-        InternalError,
-    )
-}
+# Every error that travels by code, once: the wire's ``ERROR_CODES`` derive from this, and
+# ``error_for_code`` turns a received code back into its class.
+ERROR_CLASSES: tuple[type[KVBrokerError], ...] = (
+    BadRequest,
+    ProtocolError,
+    NotFound,
+    Exists,
+    Incomplete,
+    PoolFull,
+    LeaseExpired,
+    Timeout,
+    Forbidden,
+    QuotaExceeded,
+    LimitExceeded,
+    ChecksumMismatch,
+    LayoutMismatch,
+    BrokerUnavailable,
+    InternalError,
+)
+_BY_CODE: dict[str, type[KVBrokerError]] = {cls.code: cls for cls in ERROR_CLASSES}
 
 
 def error_for_code(code: str, message: str) -> KVBrokerError:

@@ -1,12 +1,12 @@
 """Layout descriptors: where every element of a KV cache lives, as msgpack-able data.
 
-A :class:`Layout` is a meta-tensor in the spirit of vLLM's NIXL ``CacheLayout`` (DESIGN.md §5):
-a dtype name, a shape and strides in *elements*, a storage offset in elements, one name per
-axis, the axes a transfer walks (``iterated``, outer to inner) and the axis tensor parallelism
-shards (``sharded``, normally ``head``). The axes that are not iterated form the *leaf*: each
-leaf is one contiguous run of bytes, so they must be C-contiguous among themselves. That is
-checked at construction and therefore after every :meth:`narrow`, :meth:`select` and
-:meth:`sub_block`, which all return new layouts.
+A :class:`Layout` is a meta-tensor in the spirit of vLLM's NIXL ``CacheLayout`` (see
+``docs/design.md``): a dtype name, a shape and strides in *elements*, a storage offset in
+elements, one name per axis, the axes a transfer walks (``iterated``, outer to inner) and the
+axis tensor parallelism shards (``sharded``, normally ``head``). The axes that are not
+iterated form the *leaf*: each leaf is one contiguous run of bytes, so they must be
+C-contiguous among themselves. That is checked at construction and therefore after every
+:meth:`narrow`, :meth:`select` and :meth:`sub_block`, which all return new layouts.
 
 It describes an engine's paged cache, e.g. per layer
 

@@ -30,7 +30,7 @@ with another TP size computes the same ``h_i`` and reads another layout's shards
   any head range of a block's (layer, K/V) is one contiguous run. Blocks the node holds cost
   nothing; each new byte is copied once.
 - :meth:`PrefixCache.match_kv` asks, in one round trip, for the blocks of exactly the shards
-  this rank's heads come from (:func:`kvbroker._tp.claim_plan`): with the same TP size that is
+  this rank's heads come from (:func:`kvbroker._client.tp.claim_plan`): with the same TP size that is
   the shard of the same TP rank; with another TP size it is every contributing shard of that
   layout (``source_tp_size``, or this rank's own TP size and then ``peer_tp_sizes``, longest
   match wins). The match length is the run of leading blocks that *every* needed shard holds,
@@ -46,21 +46,23 @@ with another TP size computes the same ``h_i`` and reads another layout's shards
 from __future__ import annotations
 
 import hashlib
-import itertools
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from . import _integrity
-from ._client import Client, WriteLease, _np, copy_into, nbytes_of
-from ._names import check_infix, kv_buffer_name
-from ._tp import Piece, claim_plan, shard_heads
-from .errors import BadRequest, KVBrokerError, LayoutMismatch
-from .layout import Layout, check_compatible
+from ._client import integrity as _integrity
+from ._client.client import Client
+from ._client.copy import copy_into, nbytes_of
+from ._client.leases import WriteLease, seal_many
+from ._client.paged import _block_index
+from ._client.prefix_match import SHARD_META_TAG, KVPrefixMatch, PrefixMatch
+from ._client.prefix_match import MatchedBlock  # noqa: F401  (PrefixMatch.blocks' items)
+from ._client.prefix_match import _block_layout, _check_kv_cache, _names
+from ._wire.names import check_infix
+from ._client.tp import claim_plan, shard_heads
+from .errors import BadRequest, KVBrokerError
 
 __all__ = ["KVPrefixMatch", "PrefixCache", "PrefixMatch", "block_hashes", "shard_block_key"]
-
-SHARD_META_TAG = "kvbroker.prefix.kv"  # meta key marking (and versioning) a publish_kv block
 
 _DIGEST = 16
 
@@ -105,107 +107,6 @@ def shard_block_key(block_hash: str, tp_rank: int, tp_size: int, total_kv_heads:
     ``total_kv_heads`` None (an MLA latent cache: every rank holds the same bytes) names the
     shard ``h0``."""
     return f"{block_hash}/h{total_kv_heads or 0}.tp{tp_rank}of{tp_size}"
-
-
-class MatchedBlock:
-    """Read-only views of one matched block, valid while its :class:`PrefixMatch` is held."""
-
-    __slots__ = ("_match", "_extents")
-
-    def __init__(self, match: PrefixMatch, extents: dict[str, tuple[int, int, int]]) -> None:
-        self._match = match
-        self._extents = extents
-
-    def __getitem__(self, name: str):
-        if self._match.released:
-            raise KVBrokerError("the prefix match was released; its views are gone")
-        pool, offset, nbytes = self._extents[name]
-        view = _np().frombuffer(self._match.client._mapping(pool).mm, dtype="uint8",
-                                count=nbytes, offset=offset)  # fmt: skip
-        view.flags.writeable = False
-        return view
-
-    def __iter__(self):
-        return iter(self._extents)
-
-    def keys(self):
-        return self._extents.keys()
-
-
-class PrefixMatch:
-    """One read lease on the longest published prefix; release it once copied."""
-
-    def __init__(self, client: Client, reply: dict, block_size: int, asked_at: float) -> None:
-        self.client = client
-        self.block_size = block_size
-        self.lease: int | None = reply["lease"]
-        self.ttl: float = reply["ttl"]
-        self.meta: dict | None = (reply.get("metas") or [None])[0]
-        names = reply["names"]
-        self._names = names
-        self._packed: bytes | None = reply.get("packed")
-        if self._packed is not None:  # one int64 row per block, parsed on first use
-            self._count = len(self._packed) // (8 * (1 + 2 * len(names)))
-            self._rows: list | None = None
-        else:
-            self._rows = reply["blocks"]
-            self._count = len(self._rows)
-        self._blocks: list[MatchedBlock] | None = None
-        self._safe_until = asked_at + 0.9 * self.ttl
-        self.released = self.lease is None
-
-    @property
-    def _raw(self) -> list:
-        """Per block: a flat list [pool, offset, nbytes, ...] in ``names`` order, or a map."""
-        if self._rows is None:
-            width = 1 + 2 * len(self._names)
-            table = _np().frombuffer(self._packed, dtype="<i8").reshape(-1, width)
-            self._rows = table.tolist()
-        return self._rows
-
-    @property
-    def blocks(self) -> list[MatchedBlock]:
-        if self._blocks is None:  # built on first use: a caller may only want the count
-            out = []
-            for raw in self._raw:
-                if isinstance(raw, dict):
-                    ext = {n: tuple(e) for n, e in raw.items()}
-                else:
-                    pool = raw[0]
-                    ext = {n: (pool, raw[1 + 2 * i], raw[2 + 2 * i])
-                           for i, n in enumerate(self._names)}  # fmt: skip
-                out.append(MatchedBlock(self, ext))
-            self._blocks = out
-        return self._blocks
-
-    @property
-    def num_blocks(self) -> int:
-        return self._count
-
-    @property
-    def num_tokens(self) -> int:
-        return self._count * self.block_size
-
-    def renew(self, ttl: float | None = None) -> None:
-        if self.lease is not None:
-            asked_at = time.monotonic()
-            ((_, granted),) = self.client._call("renew", leases=[self.lease], ttl=ttl)["expires_in"]
-            self._safe_until = asked_at + 0.9 * granted
-
-    def release(self) -> None:
-        if self.released:
-            return
-        self.released = True
-        if time.monotonic() < self._safe_until:
-            self.client._send_only("release", lease=self.lease)
-        else:
-            self.client._call("release", lease=self.lease)
-
-    def __enter__(self) -> PrefixMatch:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.release()
 
 
 class PrefixCache:
@@ -301,16 +202,15 @@ class PrefixCache:
             {"key": k, "parent": keys[i - 1] if i else None, "buffers": sizes[i], "meta": meta}
             for i, k in enumerate(keys)
         ]
-        reply = self.client._call("reserve_blocks", namespace=self.namespace, blocks=request)
-        leases: list[int] = []
-        sums: list[dict[str, int]] = []
+        reply = self.client.ops.reserve_blocks(request, namespace=self.namespace)
+        leases: list[WriteLease] = []
         try:
             for i, res in enumerate(reply["results"]):
                 if res.get("exists"):
                     continue
                 lease = WriteLease(self.client, self.namespace, keys[i],
                                    {"lease": res["lease"], "ttl": reply["ttl"],
-                                    "buffers": res["buffers"]})  # fmt: skip
+                                    "buffers": res["buffers"]}, self.checksum)  # fmt: skip
                 digests = {}
                 for name, src in get(i).items():
                     if not sizes[i][name]:
@@ -319,30 +219,19 @@ class PrefixCache:
                         digests[name] = _integrity.copy_hashed(lease[name], src, copy_into)
                     else:
                         copy_into(lease[name], src)
-                lease._drop_views()
-                leases.append(lease.id)
-                sums.append(digests)
+                lease.checksums = digests if self.checksum else None
+                leases.append(lease)
         except BaseException:
             for res in reply["results"]:
                 if "lease" in res:
                     try:
-                        self.client._send_only("abort", lease=res["lease"])
+                        self.client.ops.abort_later(res["lease"])
                     except KVBrokerError:
                         break  # the connection is gone, and its leases with it
             raise
-        if leases:
-            try:
-                self.client._call("seal_many", leases=leases,
-                                  checksums=sums if self.checksum else None)  # fmt: skip
-            except BadRequest:
-                # Refused (e.g. a daemon requiring checksums): what was not sealed is aborted
-                # now rather than held until its TTL.
-                for lease_id in leases:
-                    try:
-                        self.client._call("abort", lease=lease_id)
-                    except KVBrokerError:
-                        pass  # sealed before the refusal, or already gone
-                raise
+        # One round trip, parents first; a refusal (e.g. a daemon requiring checksums) aborts
+        # what was not sealed now rather than holding it until its TTL.
+        seal_many(leases)
         return len(leases)
 
     def match(
@@ -364,8 +253,8 @@ class PrefixCache:
             hashes = self.hashes(token_ids[: usable * self.block_size])
         keys = self.keys(hashes[:usable])
         asked_at = time.monotonic()
-        reply = self.client._call("match_prefix", namespace=self.namespace, keys=keys,
-                                  block_tokens=self.block_size, ttl=ttl)  # fmt: skip
+        reply = self.client.ops.match_prefix(keys, namespace=self.namespace,
+                                             block_tokens=self.block_size, ttl=ttl)  # fmt: skip
         return PrefixMatch(self.client, reply, self.block_size, asked_at)
 
     # -- KV blocks that any TP layout can read -------------------------------------------------
@@ -382,8 +271,6 @@ class PrefixCache:
         """Publish this TP rank's heads of every full block of ``token_ids``; returns how
         many blocks were new. ``cache``: a :class:`kvbroker.kv.PagedKV` whose block size is
         this cache's; ``block_ids``: the engine blocks holding the prompt, in order."""
-        from .kv import _block_index
-
         check_infix(infix)
         heads = self._kv_heads(cache)
         mine = shard_heads(self.tp_rank, self.tp_size, heads)
@@ -476,193 +363,9 @@ class PrefixCache:
             keys = [h + suffix for h in hashes for suffix in suffixes]
         asked_at = time.monotonic()
         # The broker counts hit tokens per key found: a key is 1/len(ranks) of a block here.
-        reply = self.client._call("match_prefix", namespace=self.namespace, keys=keys,
-                                  block_tokens=self.block_size // len(ranks), ttl=ttl)  # fmt: skip
+        reply = self.client.ops.match_prefix(keys, namespace=self.namespace,
+                                             block_tokens=self.block_size // len(ranks),
+                                             ttl=ttl)  # fmt: skip
         return KVPrefixMatch(self.client, reply, self.block_size, asked_at, source=source,
                              heads=heads, ranks=ranks, plan=plan, tp_rank=self.tp_rank,
                              tp_size=self.tp_size)  # fmt: skip
-
-
-def _names(cache, infix: str | None) -> list[list[str]]:
-    return [[kv_buffer_name(kind, layer, infix) for kind in cache.components]
-            for layer in range(cache.num_layers)]  # fmt: skip
-
-
-def _block_layout(cache, heads: int) -> Layout:
-    """One published block buffer: ``[head][token][head_dim]`` of one (layer, K/V)."""
-    return Layout.contiguous(cache.dtype, (heads, cache.block_size, cache.head_dim),
-                             ("head", "token", "head_dim"), iterated=("head",),
-                             sharded="head")  # fmt: skip
-
-
-def _check_kv_cache(cache, block_size: int, heads: int, tp_rank: int, tp_size: int) -> None:
-    if cache.block_size != block_size:
-        raise LayoutMismatch(
-            f"layout mismatch on block size: the prefix cache pages {block_size} tokens, the "
-            f"engine cache {cache.block_size}"
-        )
-    if cache.local_heads != heads:
-        raise LayoutMismatch(
-            f"layout mismatch on KV heads: TP rank {tp_rank} of {tp_size} holds {heads} "
-            f"heads, but its cache has {cache.local_heads}"
-        )
-
-
-class KVPrefixMatch(PrefixMatch):
-    """A :meth:`PrefixCache.match_kv` result: one read lease on ``num_blocks`` leading blocks
-    of every shard in ``ranks`` (TP ranks of the ``source`` TP size). Load them with
-    :meth:`load` before releasing; the views die with the lease."""
-
-    def __init__(self, client: Client, reply: dict, block_size: int, asked_at: float, *,
-                 source: int, heads: int | None, ranks: list[int], plan: list[Piece],
-                 tp_rank: int, tp_size: int) -> None:  # fmt: skip
-        super().__init__(client, reply, block_size, asked_at)
-        self.source_tp_size = source
-        self.total_kv_heads = heads
-        self.ranks = ranks
-        self.plan = plan
-        self.tp_rank, self.tp_size = tp_rank, tp_size
-        self._full = self._count // len(ranks)  # blocks every needed shard holds
-
-    @property
-    def num_blocks(self) -> int:
-        return self._full
-
-    @property
-    def num_tokens(self) -> int:
-        return self._full * self.block_size
-
-    def _check(self, cache, infix: str | None) -> Layout:
-        meta = self.meta
-        where = f"prefix blocks of TP size {self.source_tp_size}"
-        if not isinstance(meta, dict) or meta.get(SHARD_META_TAG) != 1:
-            raise LayoutMismatch(f"{where} were not published by publish_kv (no layout in meta)")
-        for what, published, local in (
-            ("TP size", meta["tp_size"], self.source_tp_size),
-            ("total KV heads", meta["total_kv_heads"], self.total_kv_heads),
-            ("layers", meta["num_layers"], cache.num_layers),
-            ("K/V components (latent vs per-head cache)", meta["components"],
-             list(cache.components)),
-            ("buffer infix", meta["infix"], infix),
-        ):  # fmt: skip
-            if published != local:
-                raise LayoutMismatch(f"layout mismatch on {what} ({where}): published "
-                                     f"{published!r}, local {local!r}")  # fmt: skip
-        stored = Layout.from_dict(meta["layout"])
-        check_compatible(stored, _block_layout(cache, stored.size("head")),
-                         ("token", "head_dim"), what=where)  # fmt: skip
-        return stored
-
-    def _starts(self, count: int, names: list[str], nbytes: int) -> tuple[list, int | None]:
-        """Where each of ``names`` lies in each of the first ``count`` matched keys, after
-        checking every buffer is there and ``nbytes`` long: ``[(pool, [byte offset per
-        name])]``, and the byte stride between consecutive buffers if it is the same
-        everywhere (the broker lays a block's buffers out back to back), else None."""
-        out = []
-        where = {name: i for i, name in enumerate(self._names)}
-        slots = [where.get(name) for name in names]  # position in a compact block list
-        strides = set()
-        for i in range(count):
-            raw = self._raw[i]
-            offsets, pools = [], set()
-            for name, j in zip(names, slots):
-                if isinstance(raw, dict):
-                    ext = raw.get(name)
-                else:
-                    ext = None if j is None else (raw[0], raw[1 + 2 * j], raw[2 + 2 * j])
-                if ext is None:
-                    raise LayoutMismatch(f"layout mismatch on buffers: a matched block has no "
-                                         f"{name}")  # fmt: skip
-                pool, offset, size = ext
-                if size != nbytes:
-                    raise LayoutMismatch(f"layout mismatch on buffer size of {name}: {size} "
-                                         f"bytes, {nbytes} expected")  # fmt: skip
-                pools.add(pool)
-                offsets.append(offset)
-            steps = {b - a for a, b in itertools.pairwise(offsets)}
-            strides.add(steps.pop() if len(steps) == 1 and len(pools) == 1 else None)
-            out.append((pool, offsets))
-        stride = strides.pop() if len(strides) == 1 else None
-        return out, stride if stride is not None and stride >= nbytes else None
-
-    def load(self, cache, block_ids: Any, *, num_blocks: int | None = None,
-             infix: str | None = None) -> int:  # fmt: skip
-        """Write this rank's heads of the first ``num_blocks`` matched blocks (default all)
-        into ``cache`` (a :class:`kvbroker.kv.PagedKV`) at engine blocks ``block_ids``, bit
-        for bit. Returns the number of copy operations: blocks × layers × contributing shards
-        (K and V move in one copy when the block's buffers lie back to back, as the broker
-        lays them out; × K/V otherwise) — never per token."""
-        from .kv import _block_index, _whole_rows
-
-        n = self._full if num_blocks is None else num_blocks
-        if not 0 <= n <= self._full:
-            raise BadRequest(f"load: num_blocks {n} outside [0, {self._full}] matched")
-        if n == 0:
-            return 0
-        if self.released:
-            raise KVBrokerError("the prefix match was released; its blocks are gone")
-        check_infix(infix)
-        mine = shard_heads(self.tp_rank, self.tp_size, self.total_kv_heads)
-        _check_kv_cache(cache, self.block_size, len(mine), self.tp_rank, self.tp_size)
-        stored = self._check(cache, infix)
-        ids = _block_index(block_ids, n * self.block_size, cache.block_size, cache.num_blocks)
-        flat = [name for row in _names(cache, infix) for name in row]  # (layer, K/V) order
-        layers, kinds = cache.num_layers, len(cache.components)
-        np = _np()
-        int_dtype = cache.component(0, 0).dtype
-        isz = int_dtype.itemsize
-        # Where every (block, shard, buffer) lies, resolved and checked once, so the copy loop
-        # below does nothing but copy.
-        shards = len(self.ranks)
-        starts, stride = self._starts(n * shards, flat, stored.nbytes)
-        maps = {pool: self.client._mapping(pool).mm for pool, _ in starts}
-        pieces = []  # (shard, byte offset of its head range in a buffer, heads, dst heads)
-        for piece in self.plan:
-            (offset, _) = stored.narrow("head", piece.src_head, piece.count).descriptors()[0]
-            pieces.append((self.ranks.index(piece.prefill_rank), offset, piece.count,
-                           slice(piece.dst_head, piece.dst_head + piece.count)))  # fmt: skip
-        bs, dim = self.block_size, cache.head_dim
-        ops = 0
-        if stride is not None:
-            # Buffers back to back: one strided view reaches a block's whole shard, [layer, K/V,
-            # token, head, dim], and one copy per layer moves its K and V heads together.
-            # Head-major on both sides, like the stored shard: numpy then copies whole head_dim
-            # rows in order instead of interleaving heads from strided sources (see
-            # kvbroker.kv._scatter), which matters once a copy fills only part of a row.
-            # Whole contiguous rows of enough heads copy in destination order; otherwise
-            # head-major like the stored shard (see kvbroker.kv._whole_rows).
-            by_row = [c.transpose(1, 0, 2, 3, 4) for c in map(cache.layer, range(layers))]
-            by_head = [c.transpose(0, 1, 3, 2, 4) for c in by_row]  # [block, kv, head, tok, dim]
-            plans = []
-            for shard, first, count, heads in pieces:
-                if _whole_rows(cache.component(0, 0), count):  # [layer, kv, tok, head, dim]
-                    plans.append((shard, first, heads, by_row, (layers, kinds, bs, count, dim),
-                                  (kinds * stride, stride, dim * isz, bs * dim * isz, isz)))
-                else:  # [layer, kv, head, tok, dim]
-                    plans.append((shard, first, heads, by_head, (layers, kinds, count, bs, dim),
-                                  (kinds * stride, stride, bs * dim * isz, dim * isz, isz)))
-            for row in range(n):
-                block = ids[row]
-                for shard, first, heads, canon, shape, steps in plans:
-                    pool, offsets = starts[row * shards + shard]
-                    src = np.ndarray(shape, int_dtype, maps[pool], offsets[0] + first, steps)
-                    if canon is by_row:
-                        for layer in range(layers):
-                            canon[layer][block][:, :, heads] = src[layer]
-                    else:
-                        for layer in range(layers):
-                            canon[layer][block][:, heads] = src[layer]
-                    ops += layers
-            return ops
-        comps = [cache.component(layer, c) for layer in range(layers) for c in range(kinds)]
-        for row in range(n):
-            block = ids[row]
-            for k, comp in enumerate(comps):
-                dst = comp[block]  # [token, head, dim] of this engine block
-                for shard, first, count, heads in pieces:
-                    pool, offsets = starts[row * shards + shard]
-                    src = np.ndarray((bs, count, dim), int_dtype, maps[pool], offsets[k] + first,
-                                     (dim * isz, bs * dim * isz, isz))  # fmt: skip
-                    dst[:, heads] = src
-                    ops += 1
-        return ops

@@ -37,7 +37,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from ._client import Client
+from ._client.client import Client
 from .errors import BrokerUnavailable
 
 __all__ = ["DaemonProcess", "drop_leftover_pools", "running_daemon"]
@@ -76,7 +76,9 @@ class DaemonProcess:
         raise RuntimeError(f"daemon not ready within {timeout} s:\n{self.log()}")
 
     def log(self) -> str:
-        self._log.flush()
+        """What the daemon has printed so far (also after :meth:`stop`)."""
+        if not self._log.closed:
+            self._log.flush()
         return self.log_path.read_text(errors="replace")
 
     def client(self, **kw) -> Client:
@@ -106,7 +108,7 @@ def drop_leftover_pools(socket_path: str) -> list[str]:
     """
     import posix_ipc
 
-    from ._journal import Journal, JournalError, journal_path
+    from ._server.journal import Journal, JournalError, journal_path
 
     path = journal_path(socket_path)
     try:

@@ -50,6 +50,13 @@ def make_daemon(tmp_path_factory):
         return proc
 
     yield make
+    unclean = []
     for proc in made:
-        proc.stop()
+        # A daemon the test stopped or killed itself is the test's to judge; one still
+        # running here must stop cleanly, or the test passed over a broken daemon.
+        running = proc.proc.poll() is None
+        status = proc.stop()
         drop_leftover_pools(proc.socket_path)  # one socket each: no successor will adopt them
+        if running and status != 0:
+            unclean.append(f"daemon {proc.socket_path} exited with {status}:\n{proc.log()}")
+    assert not unclean, "\n".join(unclean)

@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvbroker._allocator import ExtentAllocator
+from kvbroker._server.allocator import ExtentAllocator
 
 
 def test_best_fit_and_coalescing():

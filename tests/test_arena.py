@@ -20,9 +20,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvbroker import Client
-from kvbroker._arena import layout_of
-from kvbroker._broker import Broker, _buffer_layout
-from kvbroker._pool import HostPool
+from kvbroker._wire.objects import buffer_offsets as layout_of
+from kvbroker._server.broker import Broker
+from kvbroker._server.handlers import _buffer_layout
+from kvbroker._server.pool import HostPool
 from kvbroker.errors import BadRequest, Exists, Forbidden, LeaseExpired, NotFound, PoolFull
 
 PAGE = 4096
@@ -419,7 +420,7 @@ def test_busy_poll_only_while_cpus_are_spare(monkeypatch):
 def test_client_poll_returns_instead_of_waiting_for_the_timeout(tmp_path, monkeypatch):
     import socket
 
-    from kvbroker import _transport
+    from kvbroker._client import transport as _transport
 
     path = str(tmp_path / "s")
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

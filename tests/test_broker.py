@@ -5,8 +5,8 @@ import secrets
 
 import pytest
 
-from kvbroker._broker import Broker, WouldWait
-from kvbroker._pool import HostPool
+from kvbroker._server.broker import Broker, WouldWait
+from kvbroker._server.pool import HostPool
 from kvbroker.errors import (
     BadRequest,
     Exists,

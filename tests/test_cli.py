@@ -78,7 +78,7 @@ def test_usage_errors(loaded):
     r = run("evict", "--older-than", "soon", "--socket", loaded.socket_path)
     assert r.exit_code == 2 and "not a duration" in r.output
     r = run("ls", "--match", "(", "--socket", loaded.socket_path)
-    assert r.exit_code == 1 and "bad regex" in r.output
+    assert r.exit_code == 2 and "bad regex" in r.output  # a usage error (issue 19)
     assert run("serve", "--pool-size", "lots").exit_code == 2
 
 

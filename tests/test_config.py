@@ -1,13 +1,32 @@
-"""The TOML configuration: precedence file < KVBROKER_* < flags, and errors naming the key."""
+"""The TOML configuration: precedence file < KVBROKER_* < flags, and errors naming the key;
+every setting declared once (config.SETTINGS) shows up in TOML, the environment, `serve`'s
+options and the SIGHUP reload."""
 
 from __future__ import annotations
 
+import json
+import logging
+import os
+import pathlib
+import re
+import secrets
 import subprocess
 import sys
 
 import pytest
+from typer.testing import CliRunner
 
-from kvbroker._config import ConfigError, load_config, parse_listen_address
+from kvbroker._server.config import (
+    KEYS,
+    OTHER_VARIABLES,
+    SETTINGS,
+    TO_BROKER,
+    ConfigError,
+    DaemonConfig,
+    load_config,
+    parse_listen_address,
+)
+from kvbroker.cli import app
 
 
 def _write(tmp_path, text: str) -> str:
@@ -104,3 +123,176 @@ def test_env_numbers_arrive_as_text():
                                  "KVBROKER_METRICS": "9464", "KVBROKER_LOG_LEVEL": "DEBUG"})
     assert (cfg.pools, cfg.high_watermark, cfg.metrics) == (3, 0.99, ("127.0.0.1", 9464))
     assert cfg.log_level == "debug"
+
+
+# -- one declaration per setting: every surface comes from config.SETTINGS ------------------
+_FLAGGED = [k for k in SETTINGS if k.flags]
+_ids = lambda k: k.name  # noqa: E731
+
+
+def _toml(key) -> str:
+    """``key = <its example>`` as TOML (a table for [isolation] and [quotas])."""
+    if key.table:
+        body = "".join(f"{json.dumps(k)} = {json.dumps(v)}\n" for k, v in key.example.items())
+        return f"[{key.name}]\n{body}"
+    return f"{key.name} = {json.dumps(key.example)}\n"  # JSON strings, numbers and bools are TOML
+
+
+def _text(value) -> str:
+    return json.dumps(value) if isinstance(value, bool) else str(value)
+
+
+@pytest.mark.parametrize("key", SETTINGS, ids=_ids)
+def test_a_declared_setting_is_a_field_a_toml_key_and_a_variable(tmp_path, key):
+    default, want = getattr(DaemonConfig(), key.attr), key.parse(key.example)
+    assert want != default, "the example must differ from the default"
+    cfg = load_config(_write(tmp_path, _toml(key)), env={})
+    assert getattr(cfg, key.attr) == want
+    if key.table:  # a table has no one-line form: the variable says where to put it
+        with pytest.raises(ConfigError, match=rf"^{key.env}: set it as an? \[{key.name}\] table"):
+            load_config(None, env={key.env: "x"})
+    else:
+        assert getattr(load_config(None, env={key.env: _text(key.example)}), key.attr) == want
+    assert key.help
+
+
+def test_serve_has_one_option_per_flagged_setting_and_no_other():
+    r = CliRunner().invoke(app, ["serve", "--help"], env={"COLUMNS": "250"})
+    assert r.exit_code == 0, r.output
+    shown = set(re.findall(r"(?<![\w-])--[a-z][a-z-]+", r.output)) - {"--config", "--help"}
+    declared = {f for k in _FLAGGED for decl in k.flags for f in decl.split("/")
+                if f.startswith("--")}  # fmt: skip
+    assert shown == declared
+    assert {k.name for k in _FLAGGED} >= {"socket", "pool_size", "lease_ttl", "cold"}
+
+
+@pytest.mark.parametrize("key", _FLAGGED, ids=_ids)
+def test_a_flag_reaches_the_daemons_configuration(tmp_path, monkeypatch, key):
+    import kvbroker._server.daemon as daemon_mod
+
+    got = []
+    monkeypatch.setattr(daemon_mod, "run_daemon", lambda cfg, reload: got.append(cfg) or 0)
+    flag = key.flags[0].split("/")[0]
+    args = [flag] if key.text is bool else [flag, _text(key.example)]
+    r = CliRunner().invoke(app, ["serve", "--config", _write(tmp_path, ""), *args])
+    assert r.exit_code == 0, r.output
+    assert getattr(got[0], key.attr) == key.parse(key.example)
+    others = [k for k in SETTINGS if k is not key and k.attr != "socket_path"]
+    assert all(getattr(got[0], k.attr) == getattr(DaemonConfig(), k.attr) for k in others)
+
+
+@pytest.mark.parametrize("key", SETTINGS, ids=_ids)
+def test_sighup_applies_a_reloadable_setting_and_names_the_others(caplog, key):
+    from kvbroker._server.daemon import Daemon
+
+    new = DaemonConfig()
+    setattr(new, key.attr, key.parse(key.example))
+    d = Daemon(DaemonConfig(), reload_config=lambda: new)
+    before = getattr(d.config, key.attr)
+    level = logging.getLogger().level
+    try:
+        with caplog.at_level(logging.INFO, logger="kvbroker.daemon"):
+            d.reload()
+    finally:
+        logging.getLogger().setLevel(level)
+    if key.reloadable:
+        assert getattr(d.config, key.attr) == getattr(new, key.attr)
+        assert f"{key.attr} {before!r} -> " in caplog.text and "needs a restart" not in caplog.text
+    else:
+        assert getattr(d.config, key.attr) == before
+        assert f"{key.attr} changed" in caplog.text and "needs a restart" in caplog.text
+
+
+def test_sighup_reaches_the_broker_and_the_connections(tmp_path):
+    """Each reloadable setting's ``reload`` lands where the running daemon reads it."""
+    from kvbroker._server.broker import Broker
+    from kvbroker._server.daemon import Daemon
+    from kvbroker._server.pool import HostPool
+
+    class Transport:
+        limit = None
+
+        def set_write_buffer_limits(self, high):
+            self.limit = high
+
+    class Conn:
+        transport, closed = Transport(), False
+
+    new = DaemonConfig()
+    for key in SETTINGS:
+        if key.reloadable:
+            setattr(new, key.attr, key.parse(key.example))
+    to_broker = [k.attr for k in SETTINGS if k.reload is TO_BROKER]
+    assert to_broker
+    pool = HostPool(0, f"/kvbcfg.{os.getpid()}.{secrets.token_hex(3)}", 1 << 20, 4096)
+    level = logging.getLogger().level
+    try:
+        d = Daemon(DaemonConfig(), reload_config=lambda: new)
+        d.broker = Broker([pool])
+        conn = Conn()
+        d.connections.add(conn)
+        missing = [a for a in to_broker if not hasattr(d.broker, a)]
+        assert not missing, f"Broker has no attribute {missing}"  # setattr would invent one
+        d.reload()
+        assert {a: getattr(d.broker, a) for a in to_broker} == {
+            a: getattr(new, a) for a in to_broker}
+        assert (d.broker.policy, d.broker.quotas) == (new.isolation, new.quotas)
+        assert conn.transport.limit == new.max_write_buffer
+        assert logging.getLogger().level == getattr(logging, new.log_level.upper())
+        assert d.config == new
+    finally:
+        logging.getLogger().setLevel(level)
+        pool.unlink()
+
+
+def test_an_unknown_toml_key_is_refused(tmp_path):
+    path = _write(tmp_path, 'max_conections = 10\n')
+    with pytest.raises(ConfigError, match=r"unknown key 'max_conections' \(did you mean "
+                                          r"'max_connections'\?\)"):  # fmt: skip
+        load_config(path, env={})
+
+
+def test_an_unknown_variable_is_refused_like_an_unknown_key():
+    with pytest.raises(ConfigError) as exc:
+        load_config(None, env={"KVBROKER_POOLSIZE": "1G"})
+    assert str(exc.value) == ("unknown variable 'KVBROKER_POOLSIZE' "
+                              "(did you mean 'KVBROKER_POOL_SIZE'?)")  # fmt: skip
+    with pytest.raises(ConfigError, match=r"^unknown variable 'KVBROKER_XYZZY'$"):
+        load_config(None, env={"KVBROKER_XYZZY": ""})
+    # variables other parts of kvbroker read are not settings, and not unknown either
+    cfg = load_config(None, env={**dict.fromkeys(OTHER_VARIABLES, "1"), "KVBROKER_CONFIG": "",
+                                 "OTHER_PREFIX_POOLSIZE": "x"})  # fmt: skip
+    assert cfg == load_config(None, env={})
+
+
+def test_serve_and_doctor_refuse_an_unknown_variable(tmp_path):
+    env = {**os.environ, "KVBROKER_POOLSIZE": "1G"}
+    res = subprocess.run([sys.executable, "-m", "kvbroker", "serve", "--config",
+                          _write(tmp_path, ""), "--socket", str(tmp_path / "k.sock")],
+                         capture_output=True, text=True, timeout=60, env=env)  # fmt: skip
+    assert res.returncode == 2
+    assert ("kvbroker: configuration: unknown variable 'KVBROKER_POOLSIZE' (did you mean "
+            "'KVBROKER_POOL_SIZE'?)") in res.stderr
+    assert not (tmp_path / "k.sock").exists()
+    r = CliRunner().invoke(app, ["doctor", "--config", _write(tmp_path, "")],
+                           env={"KVBROKER_POOLSIZE": "1G"})  # fmt: skip
+    assert r.exit_code == 2 and "did you mean 'KVBROKER_POOL_SIZE'?" in r.output
+
+
+def test_every_kvbroker_variable_in_the_repository_is_known():
+    """A new KVBROKER_* knob elsewhere must be declared (a setting, or OTHER_VARIABLES), or
+    every daemon started under it would refuse to start."""
+    root = pathlib.Path(__file__).resolve().parent.parent
+    known = {k.env for k in SETTINGS} | OTHER_VARIABLES.keys()
+    paths = [root / "README.md", root / "Makefile"] + [
+        p for folder in ("kvbroker", "cli", "tui", "tests", "benchmarks", "examples", "systemd",
+                         "docs")
+        for p in (root / folder).rglob("*")
+        if p.suffix in (".py", ".md", ".toml", ".service", ".socket", ".sh")
+        and p != pathlib.Path(__file__).resolve()  # this file names unknown ones on purpose
+    ]  # fmt: skip
+    found = {name: str(p.relative_to(root)) for p in paths
+             for name in re.findall(r"KVBROKER_[A-Z0-9_]*[A-Z0-9]", p.read_text())}  # fmt: skip
+    unknown = {n: where for n, where in found.items() if n not in known}
+    assert not unknown, f"undeclared KVBROKER_* variables: {unknown}"
+    assert len(KEYS) == len(SETTINGS)

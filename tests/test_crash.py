@@ -24,7 +24,7 @@ import pytest
 
 from conftest import DaemonProcess
 from kvbroker import Client, KVBrokerError, LeaseExpired, NotFound
-from kvbroker._broker import BUFFER_ALIGN
+from kvbroker._wire.objects import BUFFER_ALIGN
 
 CYCLES = int(os.environ.get("KVBROKER_CRASH_CYCLES", "1000"))
 PAGE = 4096

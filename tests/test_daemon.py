@@ -23,7 +23,7 @@ from kvbroker import (
     PoolFull,
     Timeout,
 )
-from kvbroker._protocol import MAX_REQUEST
+from kvbroker._wire.protocol import MAX_REQUEST
 
 SIZES = [1024, 64 * 1024, 1 << 20, 32 << 20, 256 << 20]
 
@@ -354,7 +354,7 @@ def test_sigkilled_daemon_segments_reclaimed_by_next_one(make_daemon, tmp_path):
 
 
 def test_pool_mapped_once_per_process(daemon):
-    from kvbroker import _client
+    from kvbroker._client import client as _client
 
     with daemon.client() as a, daemon.client() as b:
         name = a.pools[0]["name"]

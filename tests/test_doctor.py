@@ -8,8 +8,8 @@ import socket
 import subprocess
 import sys
 
-from kvbroker._daemon import DaemonConfig
-from kvbroker._doctor import check_memlock, check_shm, check_socket_dir, render, run_checks
+from kvbroker._server.daemon import DaemonConfig
+from kvbroker._server.doctor import check_memlock, check_shm, check_socket_dir, render, run_checks
 
 
 def test_shm_too_small_fails_with_a_fix():
@@ -84,8 +84,8 @@ def test_doctor_command_exit_status(tmp_path):
 
 
 def test_doctor_imports_torch_only_for_a_gpu():
-    code = ("import sys; from kvbroker._doctor import run_checks; "
-            "from kvbroker._daemon import DaemonConfig; run_checks(DaemonConfig(pool_size=1<<20)); "
+    code = ("import sys; from kvbroker._server.doctor import run_checks; "
+            "from kvbroker._server.daemon import DaemonConfig; run_checks(DaemonConfig(pool_size=1<<20)); "
             "import glob; print('torch' in sys.modules, bool(glob.glob('/dev/nvidia[0-9]*')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120, check=True).stdout.split()

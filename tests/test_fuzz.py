@@ -28,8 +28,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvbroker import BadRequest, Client, NotFound, PoolFull
-from kvbroker._broker import BUFFER_ALIGN
-from kvbroker._protocol import ERROR_CODES, OPS, PROTOCOL_VERSION
+from kvbroker._wire.objects import BUFFER_ALIGN
+from kvbroker._wire.protocol import ERROR_CODES, OPS, PROTOCOL_VERSION, check_reply as declared
 
 FRAMES = int(os.environ.get("KVBROKER_FUZZ_FRAMES", "100000"))
 PAGE = 4096
@@ -212,11 +212,16 @@ class Hostile:
         self.sock.close()
 
 
-def check_reply(msg) -> None:
+def check_reply(msg, op: str | None = None) -> None:
+    """A well-formed reply; a successful one to ``op`` (when known) is of the type the op
+    table declares for it."""
     assert isinstance(msg, dict) and "ok" in msg, msg
     if not msg["ok"]:
         assert msg["error"]["code"] in ERROR_CODES, msg
         assert msg["error"]["code"] != "internal", msg  # an unhandled exception in the daemon
+    elif op in OPS:
+        reason = declared(op, msg["result"])
+        assert reason is None, (reason, msg)
 
 
 # -- the well-behaved client ---------------------------------------------------------------
@@ -304,6 +309,7 @@ def test_random_frames_daemon_survives_and_honest_client_unaffected(fuzz_daemon)
     sent = replies = fatal = 0
     t0 = time.monotonic()
     leases: list[int] = []
+    op_of: dict = {}  # request id -> op, for the replies' declared types (None: ambiguous)
     while sent < FRAMES:
         conn = Hostile(fuzz_daemon.socket_path)
         greet = rng.random() < 0.9
@@ -318,12 +324,17 @@ def test_random_frames_daemon_survives_and_honest_client_unaffected(fuzz_daemon)
                 if rng.random() < 0.05:
                     batch.append(msgpack.packb(junk(rng)))  # not a map: an error, no close
                 else:
-                    batch.append(msgpack.packb(request(rng, sent, leases)))
+                    msg = request(rng, sent, leases)
+                    rid = msg.get("id")
+                    if isinstance(rid, int) and not isinstance(rid, bool):
+                        op_of[rid] = msg.get("op") if rid == sent and rid not in op_of else None
+                    batch.append(msgpack.packb(msg))
             conn.exchange(b"".join(batch), len(batch))
             if conn.closed:
                 break
         for msg in conn.replies:
-            check_reply(msg)
+            rid = msg.get("id") if isinstance(msg, dict) else None
+            check_reply(msg, op_of.get(rid) if isinstance(rid, int) else None)
             res = msg.get("result") if isinstance(msg, dict) else None
             if isinstance(res, dict) and isinstance(res.get("lease"), int):
                 leases.append(res["lease"])
@@ -392,8 +403,8 @@ def test_every_request_gets_one_wellformed_reply(shared_daemon, batch):
         conn.exchange(frames, len(batch))
         assert not conn.closed, conn.replies[-1:]
         assert [m["id"] for m in conn.replies[1:]] == list(range(1, len(batch) + 1))
-        for msg in conn.replies:
-            check_reply(msg)
+        for msg, op in zip(conn.replies, ["hello"] + [op for op, _ in batch]):
+            check_reply(msg, op)
     finally:
         conn.close()
     assert shared_daemon.proc.poll() is None

@@ -16,7 +16,7 @@ CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 def test_import_kvbroker_does_not_import_torch():
-    code = "import sys, kvbroker, kvbroker.gpu, kvbroker._kernels; print('torch' in sys.modules)"
+    code = "import sys, kvbroker, kvbroker.gpu, kvbroker._client.kernels; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"

@@ -14,9 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvbroker import Client
-from kvbroker._gpu_ring import RING_ALIGN, FakeRings, RingService
-from kvbroker._policy import Policy
-from kvbroker.errors import BadRequest, Exists, LeaseExpired, NotFound, PoolFull, Timeout
+from kvbroker._server.rings import RING_ALIGN, FakeRings, RingService
+from kvbroker._server.policy import Policy
+from kvbroker.errors import BadRequest, Exists, Forbidden, LeaseExpired, NotFound, PoolFull, Timeout
 
 RING = 1 << 20  # the smallest ring `--gpu-ring` accepts
 
@@ -142,7 +142,7 @@ def test_fifo_wrap_and_bad_requests():
     svc.handle(s, "ring_release", {"lease": a["lease"]})
     c = _reserve(svc, s, 3 * RING_ALIGN)  # does not fit before the end: wraps to 0
     assert c["offset"] == 0
-    with pytest.raises(NotFound, match="on this connection"):
+    with pytest.raises(Forbidden, match="another connection"):
         svc.handle(other, "ring_release", {"lease": c["lease"]})
     svc.handle(s, "ring_release", {"lease": c["lease"]})
     with pytest.raises(LeaseExpired, match="released"):
@@ -347,7 +347,7 @@ def test_stat_cli_shows_ring_occupancy(ring_daemon):
 
 
 def test_gpu_ring_config_key(tmp_path):
-    from kvbroker._config import ConfigError, load_config
+    from kvbroker._server.config import ConfigError, load_config
 
     cfg = tmp_path / "k.toml"
     cfg.write_text('gpu_ring = "2G"\n')
@@ -362,7 +362,7 @@ def test_gpu_ring_config_key(tmp_path):
 def test_client_without_a_gpu_cannot_map_rings_but_plumbing_works(ring_daemon):
     # the wire ops need no torch: an operator tool can read ring state on any host
     with Client(ring_daemon.socket_path, map_pools=False) as c:
-        code = "import sys, kvbroker._gpu_ring; print('torch' in sys.modules)"
+        code = "import sys, kvbroker._server.rings; print('torch' in sys.modules)"
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                              timeout=60)  # fmt: skip
         assert out.stdout.strip() == "False", out.stderr
@@ -370,7 +370,7 @@ def test_client_without_a_gpu_cannot_map_rings_but_plumbing_works(ring_daemon):
 
 
 def test_tui_draws_ring_snapshots_as_pool_panels():
-    from kvbroker._stats import Statistics
+    from kvbroker._wire.stats import Statistics
     from tui._pool_view import PoolView
 
     svc = _service(size=64 * RING_ALIGN, devices=2)

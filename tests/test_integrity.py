@@ -14,8 +14,10 @@ import xxhash
 from typer.testing import CliRunner
 
 from kvbroker import BadRequest, ChecksumMismatch, KVBrokerError
-from kvbroker._integrity import CHUNK, copy_hashed
-from kvbroker._client import copy_into
+from kvbroker._wire import checksum as cs
+from kvbroker._wire.checksum import CHUNK
+from kvbroker._client.integrity import copy_hashed
+from kvbroker._client.copy import copy_into
 from kvbroker.cli import app
 
 runner = CliRunner()
@@ -42,19 +44,18 @@ def corrupt(client, key, buffer, at=0, namespace="default"):
 def test_copy_hashed_equals_one_shot_hash(nbytes):
     src = np.random.default_rng(nbytes).integers(0, 256, nbytes, dtype=np.uint8)
     dst = np.zeros(nbytes, dtype=np.uint8)
-    assert copy_hashed(dst, src, copy_into) == xxhash.xxh3_64_intdigest(src.tobytes())
+    assert copy_hashed(dst, src, copy_into) == [cs.KIND_XXH3C, cs.digest(src.tobytes())]
     assert np.array_equal(dst, src)
 
 
 def test_copy_hashed_strided_and_bytes():
     src = np.arange(4096, dtype=np.int32).reshape(64, 64)[:, ::2]  # not contiguous
     dst = np.zeros(src.nbytes, dtype=np.uint8)
-    assert copy_hashed(dst, src, copy_into) == xxhash.xxh3_64_intdigest(
-        np.ascontiguousarray(src).tobytes()
-    )
+    assert copy_hashed(dst, src, copy_into) == cs.encode(cs.digest(np.ascontiguousarray(src)))
+    assert np.array_equal(dst.view(np.int32), np.ascontiguousarray(src).reshape(-1))
     raw = b"abc" * 1000
     dst = np.zeros(len(raw), dtype=np.uint8)
-    assert copy_hashed(dst, raw, copy_into) == xxhash.xxh3_64_intdigest(raw)
+    assert copy_hashed(dst, raw, copy_into) == cs.encode(cs.digest(raw))
 
 
 def test_put_records_checksums_returned_by_lookup_and_claim(client):
@@ -62,9 +63,9 @@ def test_put_records_checksums_returned_by_lookup_and_claim(client):
     client.put("k", {"past_key.0": a, "past_value.0": b"xyz", "empty": b""})
     sums = client.lookup("k").checksums
     assert sums == {
-        "past_key.0": xxhash.xxh3_64_intdigest(a.tobytes()),
-        "past_value.0": xxhash.xxh3_64_intdigest(b"xyz"),
-        "empty": xxhash.xxh3_64_intdigest(b""),
+        "past_key.0": [cs.KIND_XXH3C, cs.digest(a)],
+        "past_value.0": [cs.KIND_XXH3C, cs.digest(b"xyz")],
+        "empty": [cs.KIND_XXH3C, cs.digest(b"")],
     }
     with client.claim("k", select=r"past_value\.\d+", verify=True) as lease:
         assert lease.checksums == {"past_value.0": sums["past_value.0"]}
@@ -75,7 +76,7 @@ def test_put_records_checksums_returned_by_lookup_and_claim(client):
 def test_reserve_hashes_the_written_view_at_seal(client):
     with client.reserve("w", {"x": 10_000}) as lease:
         lease["x"][:] = 7
-    assert client.lookup("w").checksums == {"x": xxhash.xxh3_64_intdigest(b"\x07" * 10_000)}
+    assert client.lookup("w").checksums == {"x": cs.encode(cs.digest(b"\x07" * 10_000))}
     with client.reserve("nosum", {"x": 10}, checksum=False) as lease:
         lease["x"][:] = 1
     assert client.lookup("nosum").checksums is None
@@ -115,8 +116,73 @@ def test_seal_rejects_malformed_checksums(client):
         client._call("seal", lease=lease2.id, checksums={"a": -1})
     with pytest.raises(BadRequest, match="checksums must"):
         client._call("seal", lease=lease2.id, checksums={"a": 1, "zz": 2})
+    with pytest.raises(BadRequest, match="unknown checksum kind"):
+        client._call("seal", lease=lease2.id, checksums={"a": [7, 1]})
+    for bad in ([1, -1], [1], [1, 2, 3], [True, 5], ["1", 5], True, 1.5, "12"):
+        with pytest.raises(BadRequest, match="checksum of 'a'"):
+            client._call("seal", lease=lease2.id, checksums={"a": bad})
     client._call("seal", lease=lease2.id, checksums={"a": (1 << 64) - 1})
     assert client.lookup("k2").checksums == {"a": (1 << 64) - 1}
+    lease3 = client.reserve("k3", {"a": 4})
+    client._call("seal", lease=lease3.id, checksums={"a": [1, (1 << 64) - 1]})
+    assert client.lookup("k3").checksums == {"a": [1, (1 << 64) - 1]}
+
+
+def _seal_legacy(client, key, buffers, namespace="default"):
+    """Seal ``buffers`` with kind-0 checksums (xxh3_64 of each whole buffer), as clients from
+    before kind 1 did."""
+    lease = client.reserve(key, {n: len(b) for n, b in buffers.items()}, namespace=namespace)
+    for name, data in buffers.items():
+        lease[name][:] = np.frombuffer(data, dtype=np.uint8)
+    lease.checksums = {n: xxhash.xxh3_64_intdigest(b) for n, b in buffers.items()}
+    lease.seal()
+
+
+def test_objects_sealed_with_legacy_whole_buffer_checksums_still_verify(daemon, client):
+    big = np.random.default_rng(5).integers(0, 256, 2 * CHUNK + 99, dtype=np.uint8).tobytes()
+    _seal_legacy(client, "old", {"a": big, "b": b"small"})
+    assert client.lookup("old").checksums == {
+        "a": xxhash.xxh3_64_intdigest(big), "b": xxhash.xxh3_64_intdigest(b"small")
+    }
+    client.claim("old", verify=True).release()
+    got = client.get("old", verify=True)
+    assert bytes(got["a"]) == big and bytes(got["b"]) == b"small"
+    out = {"a": np.zeros(len(big), dtype=np.uint8)}
+    client.get("old", out, verify=True)
+    assert out["a"].tobytes() == big
+    assert "1 ok, 0 mismatch" in _verify(daemon.socket_path).output
+
+    corrupt(client, "old", "a", at=CHUNK + 5)
+    with pytest.raises(ChecksumMismatch) as err:
+        client.claim("old", verify=True)
+    assert err.value.buffers == ("a",)
+    with pytest.raises(ChecksumMismatch):
+        client.get("old", verify=True)
+    r = _verify(daemon.socket_path, "--json")
+    assert r.exit_code == 1 and json.loads(r.output)["objects"][0]["bad"] == ["a"]
+
+
+def test_a_swapped_chunk_pair_is_caught(client):
+    """Two chunks exchanged: every byte is still there, each chunk still hashes the same; the
+    combined checksum must not."""
+    a = np.random.default_rng(9).integers(0, 256, 3 * CHUNK, dtype=np.uint8)
+    client.put("k", {"a": a})
+    swapped = a.copy()
+    swapped[:CHUNK], swapped[CHUNK : 2 * CHUNK] = a[CHUNK : 2 * CHUNK], a[:CHUNK]
+    with client.claim("k") as lease:
+        pool, offset, nbytes = lease.extents()["a"]
+    info = client.pools[pool]
+    shm = posix_ipc.SharedMemory(info["name"])
+    try:
+        mm = mmap.mmap(shm.fd, info["size"])
+    finally:
+        shm.close_fd()
+    try:
+        mm[offset : offset + nbytes] = swapped.tobytes()
+    finally:
+        mm.close()
+    with pytest.raises(ChecksumMismatch):
+        client.claim("k", verify=True)
 
 
 def test_daemon_requiring_checksums_refuses_seal_without(make_daemon):
@@ -186,8 +252,8 @@ def test_prefix_blocks_carry_checksums_and_corruption_is_caught(make_daemon):
         keys = pc.keys(pc.hashes(tokens))
         for i, key in enumerate(keys):
             assert c.lookup(key, namespace="pfx").checksums == {
-                "kv": xxhash.xxh3_64_intdigest(bytes([i]) * 5000),
-                "empty": xxhash.xxh3_64_intdigest(b""),
+                "kv": cs.encode(cs.digest(bytes([i]) * 5000)),
+                "empty": cs.encode(cs.digest(b"")),
             }
         corrupt(c, keys[1], "kv", at=4999, namespace="pfx")
         with pytest.raises(ChecksumMismatch):

@@ -12,13 +12,13 @@ import posix_ipc
 import pytest
 
 from kvbroker import BadRequest, Client, Forbidden, QuotaExceeded
-from kvbroker._broker import Broker
-from kvbroker._config import ConfigError, load_config
-from kvbroker._policy import Policy, Quotas, parse_isolation, parse_quotas, user_name
-from kvbroker._paths import parse_size
-from kvbroker._pool import HostPool
-from kvbroker._protocol import PROTOCOL_VERSION
-from kvbroker._stats import Statistics
+from kvbroker._server.broker import Broker
+from kvbroker._server.config import ConfigError, load_config
+from kvbroker._server.policy import Policy, Quotas, parse_isolation, parse_quotas, user_name
+from kvbroker._wire.paths import parse_size
+from kvbroker._server.pool import HostPool
+from kvbroker._wire.protocol import PROTOCOL_VERSION
+from kvbroker._wire.stats import Statistics
 
 PAGE = 4096
 ALICE, BOB, CAROL = 50001, 50002, 50003  # uids with no passwd entry: they own "<uid>/..."
@@ -145,7 +145,7 @@ def test_a_read_only_grant_cannot_free_through_a_consume_claim(broker):
 
 
 def test_gpu_ring_ops_obey_the_namespace_policy(broker):
-    from kvbroker._gpu_ring import FakeRings, RingService
+    from kvbroker._server.rings import FakeRings, RingService
 
     b = broker(isolation=TENANT)
     b.rings = RingService(FakeRings(1), 1 << 20)

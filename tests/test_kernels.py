@@ -15,14 +15,20 @@ torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from kvbroker import _kernels  # noqa: E402
+from kvbroker._client import kernels as _kernels
 from kvbroker.errors import KVBrokerError  # noqa: E402
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-# CPU tensors: Triton runs them only under the interpreter (CUDA hosts test it on the GPU below)
-BACKENDS = ["torch"] + (
-    ["triton"] if _kernels.triton_available() and os.environ.get("TRITON_INTERPRET") == "1" else []
-)
+# CPU tensors: Triton runs them only under the interpreter (CUDA hosts test it on the GPU below).
+# Without Triton its cases show as skipped, with the reason, instead of vanishing.
+_TRITON_ON_CPU = _kernels.triton_available() and os.environ.get("TRITON_INTERPRET") == "1"
+BACKENDS = [
+    "torch",
+    pytest.param("triton", marks=pytest.mark.skipif(
+        not _TRITON_ON_CPU,
+        reason="Triton is not installed" if not _kernels.triton_available()
+        else "CPU tensors need TRITON_INTERPRET=1 for Triton (CUDA hosts test it on the GPU)")),
+]
 
 # (layers, kv, blocks, page, heads, head_dim, dtype, tokens, head_start, nheads)
 SHAPES = [

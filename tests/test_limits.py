@@ -10,7 +10,7 @@ import msgpack
 import pytest
 
 from kvbroker import Client, LimitExceeded
-from kvbroker._protocol import PROTOCOL_VERSION
+from kvbroker._wire.protocol import PROTOCOL_VERSION
 
 
 def raw_connect(path, rcvbuf=None):
@@ -153,7 +153,7 @@ def test_refused_connection_says_why_even_when_hello_goes_out_late(make_daemon, 
     # it must still report the refusal, not "lost the daemon".
     import select
 
-    from kvbroker import _transport
+    from kvbroker._client import transport as _transport
 
     d = make_daemon("--pool-size", "8M", "--page-size", "4K",
                     env={"KVBROKER_MAX_CONNECTIONS": "1"})  # fmt: skip

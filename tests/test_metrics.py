@@ -6,6 +6,7 @@ import re
 import time
 import urllib.request
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 
@@ -64,3 +65,42 @@ def test_metrics_scraped_over_loopback(make_daemon):
 
 def test_metrics_are_off_by_default(daemon):
     assert "metrics on" not in daemon.log()
+
+
+# Every counter family and the `stat` counter it must show, written out here (not read from
+# the exporter's own table, so a family wired to the wrong or a missing counter is caught).
+_COUNTER_FAMILIES = {
+    "kvbroker_publishes_total": "publishes",
+    "kvbroker_claims_total": "claims",
+    "kvbroker_published_bytes_total": "bytes_in",
+    "kvbroker_claimed_bytes_total": "bytes_out",
+    "kvbroker_hits_total": "hits",
+    "kvbroker_misses_total": "misses",
+    "kvbroker_evictions_total": "evictions",
+    "kvbroker_evicted_bytes_total": "evicted_bytes",
+    "kvbroker_aborts_total": "aborts",
+    "kvbroker_errors_total": "errors",
+}
+
+
+def test_counter_families_equal_the_stat_counters(make_daemon):
+    from kvbroker.errors import BadRequest, NotFound
+
+    d = make_daemon("--pool-size", "1M", "--page-size", "4K", "--metrics", ":0")
+    url = _metrics_url(d)
+    with d.client(arena_size=0) as c:
+        for i in range(40):  # 40 x 64 KiB through a 1 MiB pool: evictions
+            c.put(f"k{i}", {"x": b"x" * (64 << 10)})
+        with c.claim("k39"):
+            pass
+        with pytest.raises(NotFound):
+            c.claim("nope")
+        c.reserve("aborted", {"x": 4096}).abort()
+        with pytest.raises(BadRequest):
+            c.claim("k39", select="(")  # a bad regex: an error reply
+        stat = c.stat().counters
+        s = _scrape(url)
+    for family, counter in _COUNTER_FAMILIES.items():
+        want = getattr(stat, counter)
+        assert want > 0, f"the test did not exercise {counter}"
+        assert _value(s, family) == want, (family, counter)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from kvbroker import BadRequest
-from kvbroker._names import check_buffer_name, check_infix, kv_buffer_name, kv_select_regex
+from kvbroker._wire.names import check_buffer_name, check_infix, kv_buffer_name, kv_select_regex
 
 
 @pytest.mark.parametrize("infix", ["P", "prefill0", "A1b2"])

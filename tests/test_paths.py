@@ -1,6 +1,6 @@
 import pytest
 
-from kvbroker._paths import default_socket_path, format_size, parse_duration, parse_size
+from kvbroker._wire.paths import default_socket_path, format_size, parse_duration, parse_size
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvbroker import BadRequest, BrokerUnavailable, Client, KVBrokerError, LayoutMismatch
-from kvbroker._tp import shard_heads
+from kvbroker._client.tp import shard_heads
 from kvbroker.kv import PagedKV
 from kvbroker.prefix import PrefixCache, block_hashes, shard_block_key
 

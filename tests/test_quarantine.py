@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 from conftest import DaemonProcess, drop_leftover_pools
 
-from kvbroker._broker import Broker
-from kvbroker._journal import Journal
-from kvbroker._pool import HostPool
-from kvbroker._protocol import PROTOCOL_VERSION
+from kvbroker._server.broker import Broker
+from kvbroker._server.journal import Journal
+from kvbroker._server.pool import HostPool
+from kvbroker._wire.protocol import PROTOCOL_VERSION
 from kvbroker.errors import PoolFull
 
 PAGE = 4096

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvbroker._ring import RingAllocator, RingOversize
+from kvbroker._server.ring_allocator import RingAllocator, RingOversize
 from kvbroker.errors import Timeout
 
 

@@ -2,8 +2,8 @@
 
 import time
 
-from kvbroker._protocol import PROTOCOL_VERSION
-from kvbroker._session import Session
+from kvbroker._wire.protocol import PROTOCOL_VERSION
+from kvbroker._client.session import Session
 
 
 class _Transport:

@@ -17,7 +17,7 @@ import pytest
 
 from conftest import DaemonProcess
 from kvbroker import BrokerUnavailable, Client
-from kvbroker._systemd import Notifier, listen_fds
+from kvbroker._server.systemd import Notifier, listen_fds
 
 UNITS = Path(__file__).resolve().parent.parent / "systemd"
 
@@ -67,7 +67,7 @@ def test_units_say_what_the_service_needs():
 
 
 def test_sample_config_is_valid(tmp_path):
-    from kvbroker._config import load_config
+    from kvbroker._server.config import load_config
 
     # This host has no kvbroker group (sysusers creates it on a real install).
     text = (UNITS / "kvbroker.toml").read_text()
@@ -116,6 +116,19 @@ def test_notify_ready_status_watchdog_stopping(notify_socket, tmp_path):
             assert c.server_pid == proc.pid
         assert first[1].startswith("STATUS=serving: ") and "of 16.0 MiB used" in first[1]
         after = _states(ns, "WATCHDOG=1", timeout=5)
+        # The watchdog keeps pinging (every WATCHDOG_USEC/2 = 0.1 s), not just once: a daemon
+        # whose pings stop is restarted by systemd although it serves.
+        pings = [time.monotonic()]
+        deadline = pings[0] + 1.5
+        while time.monotonic() < deadline:
+            ns.settimeout(max(0.01, deadline - time.monotonic()))
+            try:
+                got = ns.recv(4096).decode().split("\n")
+            except TimeoutError:
+                break
+            after += got
+            pings += [time.monotonic()] * got.count("WATCHDOG=1")
+        assert len(pings) >= 4 and pings[-1] - pings[0] >= 0.7, (len(pings), after)
         proc.send_signal(signal.SIGTERM)
         after += _states(ns, "STOPPING=1", timeout=10)
         assert proc.wait(15) == 0
@@ -165,6 +178,13 @@ def test_listen_fds_is_for_our_pid_only(monkeypatch):
 # -- socket activation ---------------------------------------------------------------------
 @pytest.mark.skipif(shutil.which("systemd-socket-activate") is None,
                     reason="systemd-socket-activate not installed (apt-get install systemd)")
+def _connect_or_none(path: str) -> Client | None:
+    try:
+        return Client(path, timeout=30)
+    except BrokerUnavailable:
+        return None
+
+
 def test_socket_activation_serves_on_the_passed_socket(tmp_path):
     sock_path = str(tmp_path / "act.sock")
     conf = tmp_path / "kvbroker.toml"
@@ -181,8 +201,10 @@ def test_socket_activation_serves_on_the_passed_socket(tmp_path):
         while not os.path.exists(sock_path):
             assert proc.poll() is None and time.monotonic() < deadline
             time.sleep(0.02)
-        # The first connection starts the daemon; it waits in the backlog meanwhile.
-        with Client(sock_path, timeout=30) as c:
+        # The first connection starts the daemon; it waits in the backlog meanwhile. The path
+        # exists from bind(), a moment before listen(): refused until then.
+        c = _wait_for(lambda: _connect_or_none(sock_path), timeout=10)
+        with c:
             data = np.arange(1024, dtype=np.int64)
             c.put("k", {"x": data})
             with c.claim("k") as lease:
@@ -250,8 +272,8 @@ def test_draining_publish_uses_the_arena_it_holds_and_gets_no_fresh_one(make_dae
 
 
 def test_draining_refuses_every_lease_taking_op_by_its_real_name(make_daemon):
-    from kvbroker._daemon import _LEASE_TAKING_OPS
-    from kvbroker._protocol import OPS
+    from kvbroker._wire.protocol import REFUSED_WHILE_DRAINING as _LEASE_TAKING_OPS
+    from kvbroker._wire.protocol import OPS
 
     assert _LEASE_TAKING_OPS <= set(OPS)  # a misspelt op name would silently not be refused
     d = make_daemon("--pool-size", "16M", "--page-size", "4K", "--drain-timeout", "20s")
@@ -303,11 +325,13 @@ def _hello_ttl(d: DaemonProcess) -> float:
         return c._session.hello["lease_ttl"]
 
 
-def _wait_for(predicate, timeout: float = 10) -> None:
+def _wait_for(predicate, timeout: float = 10):
+    """The first truthy value of ``predicate()``, polled until ``timeout``."""
     deadline = time.monotonic() + timeout
-    while not predicate():
+    while not (value := predicate()):
         assert time.monotonic() < deadline, "condition not met in time"
         time.sleep(0.05)
+    return value
 
 
 def test_sighup_reloads_what_can_change(make_daemon, tmp_path):
@@ -335,3 +359,67 @@ def test_sighup_reloads_what_can_change(make_daemon, tmp_path):
     assert "pools: expected an integer" in d.log()
     assert _hello_ttl(d) == 5
     assert d.stop() == 0
+
+
+# -- issue 19: what an operator meets installing the units ---------------------------------
+def test_unit_needs_no_network_and_documents_an_installed_file():
+    service = (UNITS / "kvbroker.service").read_text()
+    assert "network.target" not in service.replace("# ", "")
+    readme = (UNITS.parent / "README.md").read_text()
+    for unit in ("kvbroker.service", "kvbroker.socket"):
+        text = (UNITS / unit).read_text()
+        docs = [line.split("=", 1)[1] for line in text.splitlines()
+                if line.startswith("Documentation=")]  # fmt: skip
+        assert docs, unit
+        for doc in docs:
+            assert doc.startswith("file:/usr/share/doc/kvbroker/")
+            # the README's install steps put that very file there
+            assert f"README.md {doc[len('file:'):]}" in readme, doc
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None,
+                    reason="systemd-analyze not installed (apt-get install systemd)")
+def test_shipped_drop_in_makes_verify_pass_with_kvbroker_elsewhere(tmp_path):
+    # The shipped unit as is, with the drop-in pointing at where kvbroker really is (the
+    # drop-in shipped for /usr/local/bin, with its path replaced by this checkout's).
+    kvbroker = shutil.which("kvbroker", path=os.path.dirname(sys.executable)) or "/bin/true"
+    shutil.copy(UNITS / "kvbroker.service", tmp_path)
+    shutil.copy(UNITS / "kvbroker.socket", tmp_path)
+    drop = (UNITS / "usr-local-bin.conf").read_text()
+    assert "ExecStart=\nExecStart=/usr/local/bin/kvbroker serve" in drop
+    (tmp_path / "kvbroker.service.d").mkdir()
+    (tmp_path / "kvbroker.service.d" / "usr-local-bin.conf").write_text(
+        drop.replace("/usr/local/bin/kvbroker", kvbroker)
+    )
+    args = ["systemd-analyze", "verify", str(tmp_path / "kvbroker.service"),
+            str(tmp_path / "kvbroker.socket")]  # fmt: skip
+    res = subprocess.run(args, capture_output=True, text=True, timeout=60)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0 and "kvbroker" not in out, out
+    if not os.path.exists("/usr/bin/kvbroker"):  # without the drop-in: the failure it fixes
+        (tmp_path / "kvbroker.service.d" / "usr-local-bin.conf").unlink()
+        res = subprocess.run(args, capture_output=True, text=True, timeout=60)
+        assert "/usr/bin/kvbroker is not executable" in res.stdout + res.stderr
+
+
+def test_socket_unit_check(tmp_path):
+    from kvbroker._server.config import load_config
+    from kvbroker._unitcheck import check_socket_unit, listen_streams
+
+    toml = (UNITS / "kvbroker.toml").read_text().replace('group = "kvbroker"', 'group = "root"')
+    (tmp_path / "k.toml").write_text(toml)
+    configured = load_config(str(tmp_path / "k.toml"), env={}).socket_path
+    shipped = UNITS / "kvbroker.socket"
+    assert listen_streams(shipped.read_text()) == [configured]  # the shipped pair agrees
+    assert check_socket_unit(configured, [str(shipped)]).status == "ok"
+    bad = check_socket_unit("/run/other.sock", [str(shipped)])
+    assert bad.status == "fail" and "/run/kvbroker/kvbroker.sock" in bad.detail and bad.fix
+    # a drop-in that resets and replaces ListenStream= is what systemd uses
+    unit = tmp_path / "kvbroker.socket"
+    unit.write_text(shipped.read_text())
+    (tmp_path / "kvbroker.socket.d").mkdir()
+    (tmp_path / "kvbroker.socket.d" / "x.conf").write_text(
+        "[Socket]\nListenStream=\nListenStream=/run/other.sock\n"
+    )
+    assert check_socket_unit("/run/other.sock", [str(unit)]).status == "ok"
+    assert check_socket_unit("/x", [str(tmp_path / "none.socket")]).status == "skip"

@@ -63,3 +63,13 @@ def test_pytest_plugin_fixtures_in_a_users_suite(pytester):
     )
     result = pytester.runpytest_subprocess("-q", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=1)
+
+
+def test_daemon_log_is_readable_after_stop(tmp_path):
+    from kvbroker.testing import DaemonProcess
+
+    d = DaemonProcess(str(tmp_path / "kvb.sock"), "--pool-size", "4M")
+    assert d.stop() == 0
+    log = d.log()  # the log file is closed now; reading it must still work
+    assert "stopped" in log
+    drop_leftover_pools(d.socket_path)

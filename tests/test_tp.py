@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from conftest import DaemonProcess
 from kvbroker import Client, Incomplete, LayoutMismatch, NotFound
-from kvbroker._tp import claim_plan, readers_of, shard_heads
+from kvbroker._client.tp import claim_plan, readers_of, shard_heads
 from kvbroker.kv import UNKNOWN_CONSUMERS, PagedKV, claim_shards, publish_shard, shard_key
 
 HEADS = [1, 2, 4, 8, 32, 40, 64]
@@ -374,3 +374,43 @@ def test_a_consume_claim_released_uncounted_consumes_nothing(tp_client):
     tp_client.claim("uncounted", consume=True).release()
     tp_client.stat()  # the pipelined release is answered before this, in order
     assert not tp_client.exists("uncounted")
+
+
+class _CountingArray(np.ndarray):
+    """An engine cache that counts the writes into it, through any view of it: the claim's
+    copy operations counted from the outside, not by what the claim reports of itself."""
+
+    writes = 0
+
+    def __setitem__(self, index, value):
+        _CountingArray.writes += 1
+        super().__setitem__(index, value)
+
+
+@pytest.mark.parametrize("axes", ["kv-first HND", "blocks-first NHD"])
+def test_claim_writes_do_not_grow_with_tokens_counted_independently(tp_client, axes):
+    """Token counts with a 15-token tail block: a scatter that wrote the tail (or any part)
+    token by token would write 15x more often at every size."""
+    layers, comps, shards, kv_heads = 2, 2, 2, 4
+    seen = {}
+    for tokens in (31, 175, 1711):
+        rng = np.random.default_rng(tokens)
+        full = random_bits(rng, (layers, comps, tokens, kv_heads, 8), 2)
+        for p in range(shards):
+            ids, nb = block_ids(rng, tokens, 16)
+            t, _ = engine_cache(full, shard_heads(p, shards, kv_heads), LAYOUTS["kv-first HND"],
+                                16, nb, ids, rng, "numpy", "float16")  # fmt: skip
+            publish_shard(tp_client, f"count{axes}{tokens}", PagedKV(t, LAYOUTS["kv-first HND"]),
+                          ids, tokens, tp_rank=p, tp_size=shards, total_kv_heads=kv_heads,
+                          decode_tp_size=1)  # fmt: skip
+        ids, nb = block_ids(rng, tokens, 16)
+        t, bits = engine_cache(full, range(kv_heads), LAYOUTS[axes], 16, nb, ids, rng, "numpy",
+                               "float16")  # fmt: skip
+        counted = [a.view(_CountingArray) for a in t]
+        _CountingArray.writes = 0
+        claim_shards(tp_client, f"count{axes}{tokens}", PagedKV(counted, LAYOUTS[axes]), ids,
+                     tp_rank=0, tp_size=1, prefill_tp_size=shards, total_kv_heads=kv_heads)  # fmt: skip
+        seen[tokens] = _CountingArray.writes
+        assert_decode_rank_exact(full, range(kv_heads), LAYOUTS[axes], bits, 16, ids)
+    # one write for the full blocks and one for the tail, per layer, component and shard
+    assert seen == {n: layers * comps * shards * 2 for n in seen}, seen

@@ -234,7 +234,7 @@ async def test_disconnected_state_then_reconnects_by_itself():
         await until(pilot, lambda: app.snapshots_seen == 1)
         source.drop()
         await until(pilot, lambda: app.screen.has_class("-disconnected"))
-        assert "disconnected — retrying" in status_text(app)
+        assert "disconnected  retrying every" in status_text(app)
         await pilot.pause(0.2)  # several failed attempts while the daemon is away
         assert "attempt" in status_text(app) and source.connects == 1
         source.restore()

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvbroker._stats import Counters
+from kvbroker._wire.stats import Counters
 from kvbroker.tui._rates import RateHistory, Rates
 from kvbroker.tui.testing import make_snapshot
 

@@ -32,7 +32,10 @@ async def _feed(pilot, source: FakeSource, app: MonitorApp) -> None:
     await pilot.pause()
 
 
-@pytest.mark.parametrize("size", [(100, 34), (160, 50)], ids=["100x34", "160x50"])
+SIZES = pytest.mark.parametrize("size", [(80, 24), (120, 40)], ids=["80x24", "120x40"])
+
+
+@SIZES
 def test_pools_tab(snap_compare, size):
     app, source = _app_with_history()
 
@@ -42,7 +45,8 @@ def test_pools_tab(snap_compare, size):
     assert snap_compare(app, terminal_size=size, run_before=run_before)
 
 
-def test_clients_tab(snap_compare):
+@SIZES
+def test_clients_tab(snap_compare, size):
     app, source = _app_with_history()
 
     async def run_before(pilot) -> None:
@@ -50,10 +54,11 @@ def test_clients_tab(snap_compare):
         await pilot.press("2")
         await pilot.pause()
 
-    assert snap_compare(app, terminal_size=(120, 40), run_before=run_before)
+    assert snap_compare(app, terminal_size=size, run_before=run_before)
 
 
-def test_objects_tab_sorted_by_size(snap_compare):
+@SIZES
+def test_objects_tab_sorted_by_size(snap_compare, size):
     app, source = _app_with_history()
 
     async def run_before(pilot) -> None:
@@ -66,10 +71,11 @@ def test_objects_tab_sorted_by_size(snap_compare):
         await pilot.press("s", "r")
         await pilot.pause()
 
-    assert snap_compare(app, terminal_size=(120, 40), run_before=run_before)
+    assert snap_compare(app, terminal_size=size, run_before=run_before)
 
 
-def test_disconnected(snap_compare):
+@SIZES
+def test_disconnected(snap_compare, size):
     app, source = _app_with_history()
 
     async def run_before(pilot) -> None:
@@ -82,4 +88,15 @@ def test_disconnected(snap_compare):
             await pilot.pause(0.02)
         await pilot.pause()
 
-    assert snap_compare(app, terminal_size=(100, 34), run_before=run_before)
+    assert snap_compare(app, terminal_size=size, run_before=run_before)
+
+
+def test_paused_at_80x24(snap_compare):
+    app, source = _app_with_history()
+
+    async def run_before(pilot) -> None:
+        await _feed(pilot, source, app)
+        await pilot.press("p")
+        await pilot.pause()
+
+    assert snap_compare(app, terminal_size=(80, 24), run_before=run_before)

@@ -8,9 +8,10 @@ from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, VerticalScroll
 from textual.reactive import reactive
-from textual.widgets import Footer, TabbedContent, TabPane
+from textual import events
+from textual.widgets import Footer, TabbedContent, TabPane, Tabs
 
-from kvbroker._stats import Statistics
+from kvbroker._wire.stats import Statistics
 from kvbroker.errors import KVBrokerError
 
 from ._modals import HelpScreen
@@ -36,10 +37,14 @@ class MonitorApp(App):
         Binding("q", "quit", "quit"),
         Binding("p", "toggle_pause", "pause"),
         Binding("question_mark", "help", "help"),
-        Binding("1", "show_tab('tab-pools')", "pools"),
-        Binding("2", "show_tab('tab-clients')", "clients"),
-        Binding("3", "show_tab('tab-objects')", "objects"),
+        # The tab labels carry their keys ("1 pools"...): the footer leaves them out, so the
+        # objects bindings fit at 80 columns.
+        Binding("1", "show_tab('tab-pools')", "pools", show=False),
+        Binding("2", "show_tab('tab-clients')", "clients", show=False),
+        Binding("3", "show_tab('tab-objects')", "objects", show=False),
     ]
+    ENABLE_COMMAND_PALETTE = False
+    NARROW = 100  # columns: below this the pools tab stacks pools above throughput
 
     paused: reactive[bool] = reactive(False)
 
@@ -75,6 +80,10 @@ class MonitorApp(App):
                                 ("transfers", "recent transfers")):  # fmt: skip
             self.query_one(f"#{table_id}").border_title = title
         self.query_one(StatusLine).connecting(self.source.label)
+        # Tab moves between the widgets of a tab (the filter and the objects table), never to
+        # the tab bar, where the tab's bindings would vanish; 1/2/3 and the mouse switch tabs.
+        self.query_one(Tabs).can_focus = False
+        self.screen.set_class(self.size.width < self.NARROW, "-narrow")
         # exclusive: there is only ever one stream, so snapshots never overlap or interleave.
         self.run_worker(self._stream(), exclusive=True, group="stream", name="stream")
 
@@ -98,6 +107,9 @@ class MonitorApp(App):
                 self._lost(str(exc) or type(exc).__name__, attempt)
             await self.source.close()
             await asyncio.sleep(self.retry_delay)
+
+    def on_resize(self, event: events.Resize) -> None:
+        self.screen.set_class(event.size.width < self.NARROW, "-narrow")
 
     # -- state changes ---------------------------------------------------------------------
     def _take(self, snap: Statistics) -> None:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from rich.text import Text
 
-from kvbroker._paths import format_size
+from kvbroker._wire.paths import format_size
 
 __all__ = ["Bytes", "Seconds", "plain"]
 

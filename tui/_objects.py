@@ -11,8 +11,8 @@ from textual.containers import Vertical
 from textual.css.query import NoMatches
 from textual.widgets import Input, Label
 
-from kvbroker._paths import format_size
-from kvbroker._stats import ObjectInfo
+from kvbroker._wire.paths import format_size
+from kvbroker._wire.stats import ObjectInfo
 from kvbroker.errors import KVBrokerError
 
 from ._cells import Bytes, Seconds, plain
@@ -24,6 +24,21 @@ __all__ = ["ObjectsView", "ObjectsTable"]
 
 LIST_LIMIT = 1000
 SORTS = ("key", "size", "age", "readers")
+
+
+# Longer names end in "…" so that the size, readers and age columns stay on screen (80
+# columns included); `kvbroker show KEY` and `kvbroker ls --wide` give them whole.
+_OTHER_COLUMNS = 44  # SIZE, BUFS, READERS, POOL, AGE with their padding, and the scrollbar
+
+
+def name_widths(screen_width: int) -> tuple[int, int]:
+    """(namespace, key) widths that leave the other columns on a screen this wide."""
+    ns = 12 if screen_width < 100 else 20
+    return ns, max(16, screen_width - _OTHER_COLUMNS - ns - 4)
+
+
+def _cut(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 1] + "…"
 
 
 def _sort_value(value: object) -> object:
@@ -50,8 +65,10 @@ class ObjectsTable(KeyedTable):
 
     def show(self, objects: list[ObjectInfo], now: float) -> None:
         self.infos = {f"{o.namespace}\x00{o.key}": o for o in objects}
+        ns_w, key_w = name_widths(self.app.size.width)
         self.sync({
-            k: (plain(o.namespace), plain(o.key), Bytes(o.nbytes), o.buffers, o.readers, o.pool,
+            k: (plain(_cut(o.namespace, ns_w)), plain(_cut(o.key, key_w)),
+                Bytes(o.nbytes), o.buffers, o.readers, o.pool,
                 Seconds(max(0.0, now - o.created_at)))
             for k, o in self.infos.items()
         })  # fmt: skip

@@ -22,7 +22,20 @@ STATES = {
     "q": ("occupancy--quarantined", "quarantined"),
 }
 
-_LEGEND_WIDTH = sum(len(f"▇ {name}  ") for _, name in STATES.values())
+
+
+def legend_lines(width: int) -> list[list[tuple[str, str]]]:
+    """The legend's (component class, name) items, line by line: an item is never split."""
+    lines: list[list[tuple[str, str]]] = [[]]
+    used = 0
+    for cls, name in STATES.values():
+        need = len(f"▇ {name}") + (2 if lines[-1] else 0)
+        if lines[-1] and used + need > width:
+            lines.append([])
+            used, need = 0, len(f"▇ {name}")
+        lines[-1].append((cls, name))
+        used += need
+    return lines
 
 
 class OccupancyMap(Widget):
@@ -44,14 +57,15 @@ class OccupancyMap(Widget):
             text.append("▇" * per_cell, self.get_component_rich_style(cls))
         if not cells:
             text.append("(no occupancy map)")
-        text.append("\n")
-        for cls, name in STATES.values():
-            text.append("▇ ", self.get_component_rich_style(cls))
-            text.append(f"{name}  ")
+        for items in legend_lines(width):
+            text.append("\n")
+            for i, (cls, name) in enumerate(items):
+                text.append(("  " if i else "") + "▇ ", self.get_component_rich_style(cls))
+                text.append(name)
         return text
 
     def get_content_height(self, container, viewport, width: int) -> int:
         n = len(self.occupancy)
         per_cell = max(1, width // n) if n else 1
         map_lines = max(1, -(-n * per_cell // max(1, width)))
-        return map_lines + -(-_LEGEND_WIDTH // max(1, width))
+        return map_lines + len(legend_lines(max(1, width)))

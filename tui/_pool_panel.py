@@ -6,7 +6,7 @@ from textual.app import ComposeResult
 from textual.containers import Vertical
 from textual.widgets import Static
 
-from kvbroker._paths import format_size
+from kvbroker._wire.paths import format_size
 
 from ._meter import Meter
 from ._occupancy import OccupancyMap
@@ -33,7 +33,7 @@ class PoolPanel(Vertical):
         yield Meter("used", classes="meter-used")
         yield Meter("leased", classes="meter-leased")
         yield Meter("free", classes="meter-free")
-        yield Meter("fragmentation", classes="meter-frag")
+        yield Meter("fragmentation", "frag", classes="meter-frag")
         yield OccupancyMap()
 
     def on_mount(self) -> None:
@@ -48,9 +48,9 @@ class PoolPanel(Vertical):
         self.border_title = v.title
         self.border_subtitle = f"{format_size(cap)}  ·  {v.objects} objects"
         self.query_one(".pool-figures", Static).update(
-            f"watermarks: evict above {v.high_watermark:.0%} down to {v.low_watermark:.0%}   "
-            f"largest free extent {format_size(v.largest_free)}"
-            + (f"   quarantined {format_size(v.quarantined)}" if v.quarantined else "")
+            f"evicts above {v.high_watermark:.0%} down to {v.low_watermark:.0%} · "
+            f"largest free {format_size(v.largest_free)}"
+            + (f" · quarantined {format_size(v.quarantined)}" if v.quarantined else "")
         )
         used = _share(v.used, cap)
         self.set_class(used >= v.high_watermark, "-over-high")
@@ -59,7 +59,7 @@ class PoolPanel(Vertical):
         )
         self.query_one(".meter-leased", Meter).show(
             _share(v.leased, cap),
-            f"r {format_size(v.leased_read)} · w {format_size(v.leased_write)}",
+            f"r {format_size(v.leased_read)}  w {format_size(v.leased_write)}",
         )
         self.query_one(".meter-free", Meter).show(
             _share(v.free, cap), f"{format_size(v.free)}  {_share(v.free, cap):6.1%}"

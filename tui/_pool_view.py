@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
-
-from kvbroker._stats import PoolStatistics
+from kvbroker._wire.stats import PoolStatistics, RingStatistics
 
 __all__ = ["PoolView"]
 
@@ -42,20 +40,14 @@ class PoolView:
         )  # fmt: skip
 
     @classmethod
-    def from_ring(cls, position: int, r: dict[str, Any]) -> PoolView:
-        # Rings arrive as plain dicts (GPU support is optional); read them forgivingly.
-        index = r.get("index", position)
-        capacity = int(r.get("capacity", 0))
-        used = int(r.get("used", 0))
-        label = r.get("name") or r.get("device") or ""
+    def from_ring(cls, position: int, r: RingStatistics) -> PoolView:
+        # `position` (the ring's place in the snapshot) only mattered while rings came
+        # untyped and might lack their index; a RingStatistics carries it.
         return cls(
-            key=f"ring-{index}", title=f"ring {index}  {label}".rstrip(), capacity=capacity,
-            used=used, free=int(r.get("free", capacity - used)),
-            leased_read=int(r.get("leased_read", 0)), leased_write=int(r.get("leased_write", 0)),
-            quarantined=int(r.get("quarantined", 0)), objects=int(r.get("objects", 0)),
-            largest_free=int(r.get("largest_free", capacity - used)),
-            fragmentation=float(r.get("fragmentation", 0.0)),
-            high_watermark=float(r.get("high_watermark", 1.0)),
-            low_watermark=float(r.get("low_watermark", 1.0)),
-            occupancy=str(r.get("occupancy", "")),
+            key=f"ring-{r.index}", title=f"ring {r.index}  {r.name or r.device}".rstrip(),
+            capacity=r.capacity, used=r.used, free=r.free, leased_read=r.leased_read,
+            leased_write=r.leased_write, quarantined=r.quarantined, objects=r.objects,
+            largest_free=r.largest_free, fragmentation=r.fragmentation,
+            high_watermark=r.high_watermark, low_watermark=r.low_watermark,
+            occupancy=r.occupancy,
         )  # fmt: skip

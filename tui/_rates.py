@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from kvbroker._stats import Counters, Statistics
+from kvbroker._wire.stats import Counters, Statistics
 
 __all__ = ["Rates", "RateHistory"]
 
@@ -75,6 +75,10 @@ class RateHistory:
     @property
     def latest(self) -> Rates | None:
         return self.samples[-1] if self.samples else None
+
+    def raw_series(self, field: str) -> list[float | None]:
+        """One rate over time, None where it was not measured (no lookups: no hit rate)."""
+        return [getattr(r, field) for r in self.samples]
 
     def series(self, field: str) -> list[float]:
         """One rate over time; hit-rate gaps (no lookups) count as 0 so the line stays whole."""

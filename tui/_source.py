@@ -10,8 +10,8 @@ import os
 from abc import ABC, abstractmethod
 from typing import NamedTuple
 
-from kvbroker._paths import default_socket_path
-from kvbroker._stats import ObjectInfo, Statistics
+from kvbroker._wire.paths import default_socket_path
+from kvbroker._wire.stats import ObjectInfo, Statistics
 from kvbroker.errors import BrokerUnavailable
 
 from ._wire import AsyncConnection

@@ -1,41 +1,89 @@
-"""The status line: what the monitor is connected to, or that it is not and is retrying."""
+"""The status line: what the monitor is connected to, or that it is not and is retrying.
+
+It is one row however narrow the terminal: its parts have priorities, and those that do not
+fit are left out, least important first. PAUSED comes first, so it is never the part cut.
+"""
 
 from __future__ import annotations
 
 from rich.text import Text
 from textual.widgets import Static
 
-from kvbroker._paths import format_size
-from kvbroker._stats import Statistics
+from kvbroker._wire.paths import format_size
+from kvbroker._wire.stats import Statistics
 
 from ._cells import Seconds
 
-__all__ = ["StatusLine"]
+__all__ = ["StatusLine", "fit_parts"]
+
+_GAP = "  "
+
+
+def _shorten_path(path: str, width: int) -> str:
+    """``path`` with its start replaced by "…" to fit ``width`` (the socket's name stays)."""
+    if len(path) <= width:
+        return path
+    return "…" + path[len(path) - max(1, width - 1):]
+
+
+def fit_parts(parts: list[tuple[int, str, str]], width: int) -> Text:
+    """``parts``: (priority, text, style) in display order; lower priority numbers matter more.
+    The parts that fit in ``width`` (by priority), in display order."""
+    keep: set[int] = set()
+    used = 0
+    for i in sorted(range(len(parts)), key=lambda i: parts[i][0]):
+        need = len(parts[i][1]) + (len(_GAP) if keep else 0)
+        if used + need <= width:
+            keep.add(i)
+            used += need
+    text = Text(no_wrap=True, overflow="ellipsis")
+    for i in sorted(keep):
+        if len(text):
+            text.append(_GAP)
+        text.append(parts[i][1], parts[i][2])
+    return text
 
 
 class StatusLine(Static):
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self._parts: list[tuple[int, str, str]] = []
+
+    def _show(self, parts: list[tuple[int, str, str]]) -> None:
+        self._parts = parts
+        self.refresh()
+
+    def render(self) -> Text:
+        width = max(10, self.content_size.width or self.size.width or 80)
+        return fit_parts(self._parts, width)
+
     def connecting(self, label: str) -> None:
         self.set_classes("-connecting")
-        self.update(Text(f"◌ connecting to {label} …"))
+        self._show([(0, f"◌ connecting to {label} …", "")])
 
     def connected(self, snap: Statistics, label: str, interval: float, paused: bool) -> None:
         self.set_classes("-connected")
-        text = Text()
-        text.append("● ", "bold")
-        text.append(
-            f"{label}  daemon {snap.pid} v{snap.version}  up {Seconds(snap.uptime)}  "
-            f"objects {snap.objects}  pending {snap.pending}  "
-            f"leases {snap.read_leases}r/{snap.write_leases}w  clients {len(snap.clients)}  "
-            f"used {format_size(snap.used)} of {format_size(snap.capacity)}  "
-            f"every {interval:g}s"
-        )
+        parts = []
         if paused:
-            text.append("   ❚❚ PAUSED (p resumes)", "bold reverse")
-        self.update(text)
+            parts.append((0, "❚❚ PAUSED (p resumes)", "bold reverse"))
+        parts += [
+            (1, f"● {_shorten_path(label, 40)}", "bold"),
+            (2, f"used {format_size(snap.used)} of {format_size(snap.capacity)}", ""),
+            (3, f"objects {snap.objects}", ""),
+            (4, f"leases {snap.read_leases}r/{snap.write_leases}w", ""),
+            (5, f"clients {len(snap.clients)}", ""),
+            (6, f"pending {snap.pending}", ""),
+            (7, f"up {Seconds(snap.uptime)}", ""),
+            (8, f"daemon {snap.pid} v{snap.version}", ""),
+            (9, f"every {interval:g}s", ""),
+        ]
+        self._show(parts)
 
     def disconnected(self, label: str, reason: str, retry_in: float, attempt: int) -> None:
         self.set_classes("-disconnected")
-        self.update(Text(
-            f"✖ disconnected — retrying every {retry_in:g}s (attempt {attempt}): {reason}   "
-            f"[{label}]"
-        ))  # fmt: skip
+        self._show([
+            (0, f"✖ {label}", "bold"),
+            (1, "disconnected", "bold"),
+            (3, f"retrying every {retry_in:g}s (attempt {attempt}):", ""),
+            (2, reason, ""),
+        ])  # fmt: skip

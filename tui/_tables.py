@@ -7,7 +7,7 @@ from collections.abc import Hashable, Mapping, Sequence
 
 from textual.widgets import DataTable
 
-from kvbroker._stats import Statistics
+from kvbroker._wire.stats import Statistics
 
 from ._cells import Bytes, Seconds, plain
 
@@ -59,19 +59,21 @@ class KeyedTable(DataTable):
 
 
 class ClientsTable(KeyedTable):
+    # Most telling first: at 80 columns what is cut is the uid, not how long a client has been
+    # connected.
     COLUMNS = (
-        ("session", "SESSION"), ("pid", "PID"), ("uid", "UID"), ("name", "NAME"),
-        ("role", "ROLE"), ("leases", "LEASES"), ("published", "PUBLISHED"),
-        ("claimed", "CLAIMED"), ("age", "CONNECTED"),
+        ("session", "SESSION"), ("pid", "PID"), ("name", "NAME"), ("role", "ROLE"),
+        ("age", "CONNECTED"), ("leases", "LEASES"), ("published", "PUBLISHED"),
+        ("claimed", "CLAIMED"), ("uid", "UID"),
     )  # fmt: skip
     ORDER_BY = "session"
 
     def show(self, snap: Statistics) -> None:
         self.sync({
             c.session: (
-                c.session, c.pid, c.uid, plain(c.name), plain(c.role or "-"),
-                c.read_leases + c.write_leases, Bytes(c.bytes_published),
-                Bytes(c.bytes_claimed), Seconds(snap.taken_at - c.connected_at),
+                c.session, c.pid, plain(c.name), plain(c.role or "-"),
+                Seconds(snap.taken_at - c.connected_at), c.read_leases + c.write_leases,
+                Bytes(c.bytes_published), Bytes(c.bytes_claimed), c.uid,
             )
             for c in snap.clients
         })  # fmt: skip

@@ -13,7 +13,7 @@ from typing import Any
 
 import msgpack
 
-from kvbroker._protocol import PROTOCOL_VERSION, unpacker_limits
+from kvbroker._wire.protocol import PROTOCOL_VERSION, unpacker_limits
 from kvbroker.errors import BrokerUnavailable, ProtocolError, error_for_code
 
 __all__ = ["AsyncConnection"]

@@ -10,12 +10,13 @@ import asyncio
 import re
 from collections.abc import Iterable
 
-from kvbroker._stats import (
+from kvbroker._wire.stats import (
     ClientStatistics,
     Counters,
     LeaseInfo,
     ObjectInfo,
     PoolStatistics,
+    RingStatistics,
     Statistics,
     TransferRecord,
 )
@@ -23,7 +24,7 @@ from kvbroker.errors import BrokerUnavailable
 
 from ._source import Evicted, MonitorSource
 
-__all__ = ["FakeSource", "make_snapshot", "make_object"]
+__all__ = ["FakeSource", "make_snapshot", "make_object", "make_ring"]
 
 T0 = 1_700_000_000.0  # fixed wall time: snapshots (and their SVGs) never depend on the clock
 
@@ -97,8 +98,20 @@ def make_object(key: str, nbytes: int, *, namespace: str = "default", age: float
     )  # fmt: skip
 
 
+def make_ring(index: int = 0, *, capacity: int = 1 << 30, used: int = 0, device: str = "",
+              name: str = "", occupancy: str = "", **rest) -> RingStatistics:  # fmt: skip
+    """A GPU ring's statistics from the few figures a test cares about; the rest follow
+    (free space is one free extent, nothing leased)."""
+    figures = dict(free=capacity - used, leased_read=0, leased_write=0, quarantined=0,
+                   objects=0, largest_free=capacity - used, fragmentation=0.0,
+                   high_watermark=1.0, low_watermark=1.0)  # fmt: skip
+    figures.update(rest)
+    return RingStatistics(index=index, device=device, name=name, capacity=capacity,
+                          used=used, occupancy=occupancy, **figures)  # fmt: skip
+
+
 def make_snapshot(step: int = 0, *, interval: float = 1.0, pools: int = 1,
-                  rings: Iterable[dict] = ()) -> Statistics:  # fmt: skip
+                  rings: Iterable[RingStatistics | dict] = ()) -> Statistics:  # fmt: skip
     """Snapshot number ``step`` of a made-up workload: claims move twice what publishes do.
 
     Everything follows from ``step``, so two runs draw the very same screen.
@@ -150,5 +163,5 @@ def make_snapshot(step: int = 0, *, interval: float = 1.0, pools: int = 1,
         taken_at=at, version="0.1.0", pid=4000, started_at=T0 - 3600, socket="fake.sock",
         objects=40 + step, pending=1, read_leases=2, write_leases=1, pools=pool_stats,
         clients=clients, counters=counters, leases=leases, transfers=transfers,
-        rings=tuple(rings),
+        rings=tuple(r if isinstance(r, RingStatistics) else make_ring(**r) for r in rings),
     )  # fmt: skip

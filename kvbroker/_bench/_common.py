@@ -226,18 +226,6 @@ def process_memory(pid: int) -> dict[str, int]:
     return out
 
 
-def repo_script(name: str) -> str:
-    """Path of ``benchmarks/<name>`` in a source checkout; FileNotFoundError otherwise."""
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    path = os.path.join(root, "benchmarks", name)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(
-            f"{name} ships with the kvbroker source tree (benchmarks/), not with an installed "
-            f"package; run this scenario from a checkout (looked for {path})"
-        )
-    return path
-
-
 def save_figure(fig, plt, out_dir: str, name: str) -> str:
     """Write ``fig`` as ``out_dir/name`` (PNG) and close it; returns the path."""
     path = os.path.join(out_dir, name)

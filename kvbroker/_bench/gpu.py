@@ -1,9 +1,9 @@
 """``kvbroker bench gpu`` (CUDA hosts only): the GPU data path against its limits.
 
-The measurement is benchmarks/bench_gpu.py's (owned with the GPU code): D2H/H2D publish and
+The measurement is :mod:`kvbroker._bench.gpu_run`'s (owned with the GPU code): D2H/H2D publish and
 claim through a registered pool against pinned memory, gather/scatter kernels against a
 device-to-device copy, and (with two GPUs) the handoff through the daemon's staging rings
-against a peer copy. This module runs that script (it starts its own daemon) and turns its
+against a peer copy. This module runs it in a child process (it starts its own daemon) and turns its
 JSON into rows with the ratio of each path to its limit.
 """
 
@@ -15,7 +15,7 @@ import subprocess
 import sys
 import tempfile
 
-from ._common import Result, Target, repo_script, save_figure
+from ._common import Result, Target, save_figure
 
 COLUMNS = [("path", "path", "s"), ("GBps", "GB/s", ".1f"), ("limit", "limit", "s"),
            ("limit_GBps", "limit GB/s", ".1f"), ("ratio", "x limit", ".2f")]  # fmt: skip
@@ -37,7 +37,7 @@ def cuda_device() -> str:
 
 
 def rows_from(r: dict) -> list[dict]:
-    """Rows (path, GB/s, limit, ratio) from bench_gpu.py's JSON."""
+    """Rows (path, GB/s, limit, ratio) from gpu_run's JSON."""
     rows = []
     p = r["pinned"]
 
@@ -69,15 +69,15 @@ def rows_from(r: dict) -> list[dict]:
 
 
 def run(socket_path: str | None = None, reps: int = 10, timeout: float = 900.0) -> Result:
-    """``socket_path`` is unused: bench_gpu.py starts a daemon sized for its 1 GiB transfers."""
+    """``socket_path`` is unused: gpu_run starts a daemon sized for its 1 GiB transfers."""
     device = cuda_device()
-    script = repo_script("bench_gpu.py")
     with tempfile.TemporaryDirectory(prefix="kvb-gpu-") as d:
-        cmd = [sys.executable, script, "--out", d, "--reps", str(reps), "--name", "gpu"]
+        cmd = [sys.executable, "-m", "kvbroker._bench.gpu_run", "--out", d, "--reps", str(reps),
+               "--name", "gpu"]  # fmt: skip
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
         path = os.path.join(d, "gpu.json")
         if p.returncode != 0 or not os.path.isfile(path):
-            raise RuntimeError(f"bench_gpu.py exited with {p.returncode}:\n"
+            raise RuntimeError(f"kvbroker._bench.gpu_run exited with {p.returncode}:\n"
                                f"{(p.stdout + p.stderr)[-2000:]}")  # fmt: skip
         with open(path) as f:
             raw = json.load(f)
@@ -89,7 +89,7 @@ def run(socket_path: str | None = None, reps: int = 10, timeout: float = 900.0) 
         elif row["path"].startswith("triton"):
             targets.append(Target(f"{row['path']} vs D2D", row["ratio"], 0.8))
     return Result("gpu", rows, COLUMNS, params={"device": device, "reps": reps,
-                                                "source": "benchmarks/bench_gpu.py"},
+                                                "source": "kvbroker._bench.gpu_run"},
                   targets=targets, extra={"raw": raw})  # fmt: skip
 
 

@@ -3,11 +3,15 @@
 Each client is its own process (a Python client is single-threaded, and engines are separate
 processes): they connect, meet at a barrier, then issue ``exists`` round trips for the same
 wall-clock window. ops/s is the sum over clients of operations finished in the window.
+The probe they look up is published once, under a key of this run, and evicted afterwards:
+a daemon benchmarked with ``--socket`` is left as it was found.
 """
 
 from __future__ import annotations
 
+import os
 import time
+import uuid
 
 from ._common import Result, Target, pct, save_figure
 
@@ -17,17 +21,19 @@ COLUMNS = [("clients", "clients", "d"), ("ops_per_s", "ops/s", ".0f"),
            ("p50_us", "p50 us", ".1f"), ("p99_us", "p99 us", ".1f")]  # fmt: skip
 
 
-def _client_process(socket_path: str, seconds: float, barrier, results) -> None:
+PROBE_NAMESPACE = "kvbroker-bench"
+
+
+def _client_process(socket_path: str, seconds: float, barrier, results, probe: str) -> None:
     from .. import Client
 
     lat = []
     try:
         with Client(socket_path, map_pools=False, name="bench-rpc", role="bench") as c:
-            c.put("rpc-probe", {"x": b"1"})  # one of the clients publishes it; others see Exists
             barrier.wait(60)
             end = time.perf_counter() + seconds
             while (t := time.perf_counter()) < end:
-                c.exists("rpc-probe")
+                c.exists(probe, namespace=PROBE_NAMESPACE)
                 lat.append(time.perf_counter() - t)
         results.put(("ok", lat))
     except BaseException as exc:  # the parent reports it; never leave it waiting
@@ -36,13 +42,26 @@ def _client_process(socket_path: str, seconds: float, barrier, results) -> None:
 
 
 def measure(socket_path: str, clients=DEFAULT_CLIENTS, seconds: float = 2.0) -> list[dict]:
+    from .. import Client
+
+    probe = f"rpc-probe-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    with Client(socket_path, name="bench-rpc", role="bench") as c:
+        c.put(probe, {"x": b"1"}, namespace=PROBE_NAMESPACE)
+        try:
+            return _measure(socket_path, clients, seconds, probe)
+        finally:
+            c.evict(probe, namespace=PROBE_NAMESPACE)
+
+
+def _measure(socket_path: str, clients, seconds: float, probe: str) -> list[dict]:
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     rows = []
     for n in clients:
         barrier, results = ctx.Barrier(n), ctx.Queue()
-        procs = [ctx.Process(target=_client_process, args=(socket_path, seconds, barrier, results))
+        procs = [ctx.Process(target=_client_process, args=(socket_path, seconds, barrier, results,
+                                                             probe))
                  for _ in range(n)]  # fmt: skip
         for p in procs:
             p.start()

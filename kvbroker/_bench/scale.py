@@ -49,9 +49,9 @@ def _fill(client, namespace: str, start: int, stop: int) -> None:
     for lo in range(start, stop, BATCH):
         hi = min(stop, lo + BATCH)
         blocks = [{"key": f"o{i}", "parent": None, "buffers": {"b": 1}} for i in range(lo, hi)]
-        reply = client._call("reserve_blocks", namespace=namespace, blocks=blocks, ttl=60.0)
+        reply = client.ops.reserve_blocks(blocks, namespace=namespace, ttl=60.0)
         leases = [r["lease"] for r in reply["results"] if "lease" in r]
-        client._call("seal_many", leases=leases)
+        client.ops.seal_many(leases)
 
 
 def measure(socket_path: str, counts=DEFAULT_COUNTS, ops: int = 2000,

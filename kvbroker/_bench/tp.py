@@ -1,17 +1,17 @@
 """``kvbroker bench tp``: heterogeneous against homogeneous tensor-parallel claims.
 
-The measurement is benchmarks/bench_tp.py's (owned with the TP code; see its docstring for
-the request shape): this module loads that script and calls its ``run_layout`` (or, in older
-versions, ``run_config``) for every (P prefill ranks → D decode ranks) configuration and
-layout, against the daemon given, and
+The measurement is :mod:`kvbroker._bench.tp_request`'s (owned with the TP code; see its
+docstring for the request shape): this module calls its ``run_layout`` for every (P prefill
+ranks → D decode ranks) configuration and layout, against the daemon given, and
 reports copy operations per claim, claim GB/s and the ratio to the homogeneous P=D=1 claim.
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 
-from ._common import Result, Target, repo_script, save_figure
+from ._common import Result, Target, save_figure
 
 COLUMNS = [
     ("layout", "decode layout", "s"), ("P", "P", "d"), ("D", "D", "d"),
@@ -21,13 +21,15 @@ COLUMNS = [
 ]  # fmt: skip
 
 
+class NoTorch(RuntimeError):
+    """This scenario needs torch (``pip install 'kvbroker[torch]'``)."""
+
+
 def load_bench_tp():
-    """benchmarks/bench_tp.py as a module (it needs torch)."""
-    path = repo_script("bench_tp.py")
-    spec = importlib.util.spec_from_file_location("kvbroker_bench_tp", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    """:mod:`kvbroker._bench.tp_request` (it needs torch: NoTorch without it)."""
+    if importlib.util.find_spec("torch") is None:
+        raise NoTorch("the tp scenario needs torch: pip install 'kvbroker[torch]'")
+    return importlib.import_module("kvbroker._bench.tp_request")
 
 
 def run(socket_path: str, repeats: int = 5, layouts=None, shape: dict | None = None) -> Result:
@@ -74,7 +76,7 @@ def run(socket_path: str, repeats: int = 5, layouts=None, shape: dict | None = N
                for r in rows if (r["P"], r["D"]) != (1, 1)]  # fmt: skip
     request = {k: getattr(bt, k) for k in ("LAYERS", "HEADS", "DIM", "TOKENS", "BLOCK")}
     return Result("tp", rows, COLUMNS, params={"repeats": repeats, "request": request,
-                                               "source": "benchmarks/bench_tp.py"},
+                                               "source": "kvbroker._bench.tp_request"},
                   targets=targets)  # fmt: skip
 
 

@@ -65,9 +65,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..._client import Client, copy_into
-from ..._names import kv_buffer_name, kv_select_regex
-from ..._tp import claim_plan, shard_heads
+from ..._client.client import Client
+from ..._client.copy import copy_into
+from ..._client.tp import claim_plan, shard_heads
+from ..._wire.names import kv_buffer_name, kv_select_regex
 from ...errors import BadRequest, LayoutMismatch
 from ...kv import _SELECT_NOTHING  # a claim selecting no buffer: it only counts a consume
 from ...kv import ClaimResult, PagedKV, PublishResult, claim_shards, publish_shard, shard_key

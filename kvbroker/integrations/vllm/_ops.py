@@ -18,7 +18,7 @@ address of a pool mapping (for DMA).
 
 from __future__ import annotations
 
-from kvbroker._tp import shard_heads
+from kvbroker._client.tp import shard_heads
 from kvbroker.errors import KVBrokerError
 
 __all__ = [

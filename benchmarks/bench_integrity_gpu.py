@@ -1,0 +1,353 @@
+"""Integrity at the speed of the copies: the GPU checksum and the host copy engine, measured.
+
+GPU part (a CUDA device, or ``--smoke`` on CPU with the torch fallback on a small buffer):
+- the chunk kernel alone over ``--gpu-size`` (2 GiB) with the shipped launch settings
+  (``gpu_checksum.NUM_WARPS``/``GROUP``), and ``checksums()`` end to end (table upload,
+  kernel, digests back, combine) for one tensor and for 64 tensors of the same total;
+- against a read-only pass over the same bytes (``int64`` sum: the "D2D read") and a
+  device-to-device copy (which reads the same bytes and writes as many);
+- overlap: a pinned device-to-host copy of the same bytes alone, and with the checksum
+  running beside it on another stream (what a publish would do), and the reverse for a claim
+  (host-to-device, then verify on the GPU);
+- every value checked against the CPU definition once (``kvbroker._wire.checksum.digest``).
+  ``--sweep`` adds a best-of over other launch settings, labelled as such.
+
+Host part, against a private daemon (``kvbroker.testing.running_daemon``), ``--host-size``
+(32 MiB) buffers, variants interleaved rep by rep so that drift hits them alike:
+- ``put`` (checksum on, the default) + ``get`` with the copy engine on 1 thread and on N
+  (``--threads``, default: what the engine would pick here, at least 2 to compare), and
+  ``get(verify=True)``;
+- a multi-threaded memcpy of the same bytes with the same thread count (two copies: one for
+  the put, one for the get), as the baseline.
+
+Writes ``--out`` (default ``benchmarks/results/integrity-gpu-<device>``) ``.json`` and ``.md``
+recording the commit, the machine and the command. Ratios are printed with two decimals.
+
+Usage: ``python benchmarks/bench_integrity_gpu.py [--smoke] [--gpu-size 2G] [--host-size 32M]
+[--threads N] [--reps 30] [--sweep] [--out PATH]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, ROOT)
+
+from kvbroker._client import engine as E  # noqa: E402
+from kvbroker._wire import checksum as cs  # noqa: E402
+from kvbroker._wire.paths import parse_size  # noqa: E402
+
+
+def machine() -> dict:
+    try:
+        from kvbroker._bench._common import machine_info
+
+        return machine_info()
+    except ImportError:  # a checkout without the client's dependencies (GPU part only)
+        return {"cpu": platform.processor(), "cores": os.cpu_count(),
+                "loadavg_1min": os.getloadavg()[0], "when": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+
+
+def commit() -> str:
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
+                              text=True, check=True).stdout.strip()  # fmt: skip
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=ROOT, capture_output=True, text=True).stdout.strip()  # fmt: skip
+        return head + ("+dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def median_time(fn, reps: int, sync=lambda: None) -> float:
+    fn()
+    sync()
+    xs = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        sync()
+        xs.append(time.perf_counter() - t)
+    return statistics.median(xs)
+
+
+# -- GPU ---------------------------------------------------------------------------------------
+def gpu_part(args, rows: list, notes: list) -> dict:
+    import torch
+
+    from kvbroker._client import gpu_checksum as G
+
+    cuda = torch.cuda.is_available() and not args.smoke
+    if not cuda and not args.smoke:
+        notes.append("no CUDA device: GPU part skipped (use --smoke for a CPU run)")
+        return {}
+    dev = torch.device("cuda" if cuda else "cpu")
+    n = args.gpu_size if cuda else min(args.gpu_size, 8 << 20)
+    backend = "triton" if cuda else "torch"
+    x = torch.randint(-(2**31), 2**31 - 1, (n // 4,), dtype=torch.int32, device=dev)
+    x = x.view(torch.uint8)
+    parts = list(x.view(64, -1))
+
+    if cuda:
+        from triton.testing import do_bench
+
+        def gtime(fn, reps=None):  # median of CUDA-event timings, in seconds
+            return do_bench(fn, warmup=25, rep=200, return_mode="median") / 1e3
+    else:
+        def gtime(fn, reps=None):
+            return median_time(fn, 3)
+
+    # correctness first: every figure below is of a kernel that gives the CPU's values
+    want = cs.digest(x.cpu().numpy())
+    want_parts = [cs.digest(p.cpu().numpy()) for p in parts]
+    got = G.checksums([x], backend=backend)[0]
+    got_parts = G.checksums(parts, backend=backend)
+    ok = got == want and got_parts == want_parts
+    if not ok:
+        notes.append("GPU CHECKSUM DIFFERS FROM THE CPU DEFINITION")
+
+    out: dict = {"device": torch.cuda.get_device_name() if cuda else "cpu (torch fallback)",
+                 "bytes": n, "backend": backend, "num_warps": G.NUM_WARPS, "group": G.GROUP,
+                 "chunk": cs.CHUNK, "correct": ok, "torch": torch.__version__}  # fmt: skip
+    if cuda:
+        import triton
+
+        out["triton"] = triton.__version__
+        _, kernel = G._triton()
+        count = -(-n // cs.CHUNK)
+        starts = np.arange(count, dtype=np.int64) * cs.CHUNK
+        table = torch.from_numpy(np.stack([x.data_ptr() + starts,
+                                           np.minimum(n - starts, cs.CHUNK)])).to(dev)  # fmt: skip
+        digests = torch.empty(count, dtype=torch.int64, device=dev)
+        keys = G._keys(dev)
+
+        def launch(nw=G.NUM_WARPS, group=G.GROUP):
+            return lambda: kernel[(count,)](table[0], table[1], keys, digests, GROUP=group,
+                                            num_warps=nw)  # fmt: skip
+
+        t_kernel = gtime(launch())
+    else:
+        t_kernel = None
+    t_one = gtime(lambda: G.checksums([x], backend=backend))
+    t_many = gtime(lambda: G.checksums(parts, backend=backend))
+    v64 = x.view(torch.int64)
+    t_read = gtime(lambda: v64.sum())
+    y = torch.empty_like(x)
+    t_copy = gtime(lambda: y.copy_(x))
+    out.update(kernel_s=t_kernel, checksums_1_s=t_one, checksums_64_s=t_many, read_s=t_read,
+               d2d_copy_s=t_copy)  # fmt: skip
+
+    def row(what, t, base, base_name):
+        rows.append({"part": "gpu", "what": what, "ms": t * 1e3, "GB/s": n / t / 1e9,
+                     "vs": f"{base / t:.2f}x of {base_name}"})  # fmt: skip
+
+    if t_kernel is not None:
+        row("checksum kernel (shipped settings)", t_kernel, t_read, "read")
+    row("checksums(), 1 tensor, end to end", t_one, t_read, "read")
+    row("checksums(), 64 tensors, end to end", t_many, t_read, "read")
+    row("read-only pass (int64 sum)", t_read, t_read, "read")
+    rows.append({"part": "gpu", "what": "D2D copy (reads as many bytes)", "ms": t_copy * 1e3,
+                 "GB/s": n / t_copy / 1e9, "vs": f"{t_read / t_copy:.2f}x of read"})  # fmt: skip
+    if t_kernel is not None:
+        rows[-1]["vs"] += f"; kernel is {t_copy / t_kernel:.2f}x faster"
+
+    if cuda:
+        # overlap: what a publish (D2H + hash) and a claim (H2D + verify) would cost
+        host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+        side = torch.cuda.Stream()
+        main = torch.cuda.current_stream()
+
+        # interleaved rep by rep; the claim's two segments timed apart (a 2 GiB DMA varies by
+        # about 1 ms from rep to rep, as much as the verify itself)
+        sync = torch.cuda.synchronize
+        seg: dict[str, list[float]] = {k: [] for k in ("d2h", "d2h+hash", "h2d", "verify")}
+        for rep in range(args.reps + 2):
+            sync()
+            t0 = time.perf_counter()
+            host.copy_(x, non_blocking=True)
+            sync()
+            t1 = time.perf_counter()
+            side.wait_stream(main)
+            pending = G.start(parts, stream=side)  # the publish: hash beside the DMA
+            host.copy_(x, non_blocking=True)
+            main.synchronize()
+            pending.result()
+            t2 = time.perf_counter()
+            x.copy_(host, non_blocking=True)
+            sync()
+            t3 = time.perf_counter()
+            G.checksums(parts)  # the claim's verify, once the bytes are on the GPU
+            t4 = time.perf_counter()
+            if rep >= 2:
+                for k, v in (("d2h", t1 - t0), ("d2h+hash", t2 - t1), ("h2d", t3 - t2),
+                             ("verify", t4 - t3)):  # fmt: skip
+                    seg[k].append(v)
+        med = {k: statistics.median(v) for k, v in seg.items()}
+        t_d2h, t_pub, t_h2d, t_ver = med["d2h"], med["d2h+hash"], med["h2d"], med["verify"]
+        out.update(d2h_s=t_d2h, d2h_with_hash_s=t_pub, h2d_s=t_h2d, verify_after_h2d_s=t_ver)
+        rows.append({"part": "gpu", "what": "pinned D2H alone", "ms": t_d2h * 1e3,
+                     "GB/s": n / t_d2h / 1e9, "vs": ""})  # fmt: skip
+        rows.append({"part": "gpu", "what": "pinned D2H + GPU checksum beside it (64 tensors)",
+                     "ms": t_pub * 1e3, "GB/s": n / t_pub / 1e9,
+                     "vs": f"{t_d2h / t_pub:.2f}x of D2H alone"})  # fmt: skip
+        rows.append({"part": "gpu", "what": "pinned H2D alone", "ms": t_h2d * 1e3,
+                     "GB/s": n / t_h2d / 1e9, "vs": ""})  # fmt: skip
+        rows.append({"part": "gpu", "what": "GPU verify after the H2D (64 tensors)",
+                     "ms": t_ver * 1e3, "GB/s": n / t_ver / 1e9,
+                     "vs": f"H2D + verify = {t_h2d / (t_h2d + t_ver):.2f}x of H2D alone"})
+        if args.sweep:
+            best = []
+            for group in (1, 2, 4, 8):
+                for nw in (1, 2, 4):
+                    best.append((gtime(launch(nw, group)), nw, group))
+            best.sort()
+            t, nw, group = best[0]
+            out["sweep_best"] = {"s": t, "num_warps": nw, "group": group}
+            rows.append({"part": "gpu", "what": f"kernel, BEST-OF sweep (nw={nw}, group={group})",
+                         "ms": t * 1e3, "GB/s": n / t / 1e9, "vs": f"{t_read / t:.2f}x of read"})
+    return out
+
+
+# -- host --------------------------------------------------------------------------------------
+def host_part(args, rows: list, notes: list) -> dict:
+    from kvbroker.testing import running_daemon
+
+    size = args.host_size
+    threads = args.threads or max(2, E.default_threads())
+    src = np.random.default_rng(0).integers(0, 256, size, dtype=np.uint8)
+    out = np.empty_like(src)
+    scratch = np.empty_like(src)
+    engines = {1: E.CopyEngine(1), threads: E.CopyEngine(threads)}
+    saved = E._default
+    times: dict[str, list[float]] = {}
+    try:
+        with running_daemon("--log-level", "warning", pool_size=str(max(16 * size, 256 << 20)),
+                            page_size=None) as daemon, daemon.client() as c:  # fmt: skip
+            variants = {}
+            for t, eng in engines.items():
+                variants[f"put+get, {t} thread(s)"] = (eng, False)
+                variants[f"put+get(verify), {t} thread(s)"] = (eng, True)
+            for rep in range(args.reps + 3):  # 3 warm-up reps
+                for name, (eng, verify) in variants.items():
+                    E._default = eng
+                    key = f"k{rep}"
+                    t0 = time.perf_counter()
+                    c.put(key, {"a": src})
+                    c.get(key, {"a": out}, verify=verify)
+                    dt = time.perf_counter() - t0
+                    c.evict(key)
+                    if rep >= 3:
+                        times.setdefault(name, []).append(dt)
+                for t, eng in engines.items():  # the baseline: two plain copies per rep
+                    t0 = time.perf_counter()
+                    eng.copy(scratch, src)
+                    eng.copy(out, scratch)
+                    if rep >= 3:
+                        times.setdefault(f"2x memcpy, {t} thread(s)", []).append(
+                            time.perf_counter() - t0)
+                    t0 = time.perf_counter()
+                    eng.copy_hashed(scratch, src)
+                    if rep >= 3:
+                        times.setdefault(f"copy_hashed alone, {t} thread(s)", []).append(
+                            time.perf_counter() - t0)
+                    t0 = time.perf_counter()
+                    eng.copy(scratch, src)
+                    if rep >= 3:
+                        times.setdefault(f"memcpy alone, {t} thread(s)", []).append(
+                            time.perf_counter() - t0)
+            if not np.array_equal(out, src):
+                notes.append("HOST COPY DIFFERS")
+    finally:
+        E._default = saved
+        for eng in engines.values():
+            eng.close()
+    med = {k: statistics.median(v) for k, v in times.items()}
+    for t in engines:
+        base = med[f"2x memcpy, {t} thread(s)"]
+        for name in (f"put+get, {t} thread(s)", f"put+get(verify), {t} thread(s)",
+                     f"2x memcpy, {t} thread(s)"):  # fmt: skip
+            rows.append({"part": "host", "what": name, "ms": med[name] * 1e3,
+                         "GB/s": 2 * size / med[name] / 1e9,
+                         "vs": f"{base / med[name]:.2f}x of 2x memcpy ({t} thread(s))"})
+        cp, ch = med[f"memcpy alone, {t} thread(s)"], med[f"copy_hashed alone, {t} thread(s)"]
+        rows.append({"part": "host", "what": f"copy_hashed alone, {t} thread(s)",
+                     "ms": ch * 1e3, "GB/s": size / ch / 1e9,
+                     "vs": f"{cp / ch:.2f}x of memcpy ({cp * 1e3:.2f} ms)"})  # fmt: skip
+    t1, tn = med["put+get, 1 thread(s)"], med[f"put+get, {threads} thread(s)"]
+    rows.append({"part": "host", "what": f"put+get: {threads} threads vs 1", "ms": tn * 1e3,
+                 "GB/s": 2 * size / tn / 1e9, "vs": f"{t1 / tn:.2f}x faster than 1 thread"})
+    return {"bytes": size, "threads": threads, "default_threads": E.default_threads(),
+            "median_s": med, "reps": args.reps}
+
+
+def table(rows: list) -> str:
+    lines = ["| part | what | ms | GB/s | ratio |", "|---|---|---:|---:|---|"]
+    for r in rows:
+        lines.append(f"| {r['part']} | {r['what']} | {r['ms']:.3f} | {r['GB/s']:.1f} | {r['vs']} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--smoke", action="store_true", help="small sizes; GPU part on the CPU")
+    ap.add_argument("--gpu-size", default="2G")
+    ap.add_argument("--host-size", default="32M")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--sweep", action="store_true", help="also a best-of over launch settings")
+    ap.add_argument("--no-gpu", action="store_true")
+    ap.add_argument("--no-host", action="store_true")
+    ap.add_argument("--out", default=None, help="path prefix for .json and .md")
+    ap.add_argument("--commit", default=None, help="record this commit (a copy without .git)")
+    args = ap.parse_args()
+    args.gpu_size = parse_size(args.gpu_size)
+    args.host_size = parse_size(args.host_size)
+    if args.smoke:
+        args.reps = min(args.reps, 5)
+        args.host_size = min(args.host_size, 8 << 20)
+    rows: list = []
+    notes: list = []
+    report = {"commit": args.commit or commit(),
+              "command": " ".join(shlex.quote(a) for a in sys.argv), "machine": machine(), "platform": platform.platform(),
+              "affinity_cpus": len(os.sched_getaffinity(0))}  # fmt: skip
+    if not args.no_gpu:
+        try:
+            report["gpu"] = gpu_part(args, rows, notes)
+        except ImportError as exc:
+            notes.append(f"GPU part skipped: {exc}")
+    if not args.no_host:
+        report["host"] = host_part(args, rows, notes)
+    report["rows"] = rows
+    report["notes"] = notes
+    dev = report.get("gpu", {}).get("device", "cpu")
+    tag = "smoke" if args.smoke else "".join(ch if ch.isalnum() else "-" for ch in dev.lower())
+    prefix = args.out or os.path.join(ROOT, "benchmarks", "results", f"integrity-gpu-{tag}")
+    md = [f"# bench_integrity_gpu: {dev}", "",
+          f"- commit: `{report['commit']}`", f"- command: `{report['command']}`",
+          f"- machine: {report['machine']['cpu']}, {report['affinity_cpus']} CPUs usable, "
+          f"load {report['machine']['loadavg_1min']}, {report['machine']['when']}",
+          f"- GPU settings: {json.dumps({k: report.get('gpu', {}).get(k) for k in ('num_warps', 'group', 'chunk', 'correct')})}",  # noqa: E501
+          "", table(rows), ""] + [f"- NOTE: {n}" for n in notes]  # fmt: skip
+    with open(prefix + ".json", "w") as f:
+        json.dump(report, f, indent=1, default=str)
+    with open(prefix + ".md", "w") as f:
+        f.write("\n".join(md) + "\n")
+    print("\n".join(md))
+    print(f"\nwrote {prefix}.json and {prefix}.md")
+    if notes and any(n.isupper() or "DIFFERS" in n for n in notes):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

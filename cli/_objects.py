@@ -1,0 +1,295 @@
+"""``kvbroker ls``, ``show`` and ``evict``: the objects of the running daemon."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import sys
+import time
+from typing import Optional
+
+import typer
+
+from kvbroker._wire.paths import format_size, parse_duration
+
+from ._common import (
+    EXIT_ERROR,
+    EXIT_USAGE,
+    JsonOpt,
+    SocketOpt,
+    clean,
+    fail,
+    fit,
+    namespace_opt,
+    output_width,
+    run,
+    usage_error,
+)
+
+DEFAULT_LIMIT = 1000
+# What each --sort orders by, and whether larger comes first by default.
+SORTS = {
+    "namespace": (lambda o: (o.namespace, o.key), False),
+    "key": (lambda o: (o.key, o.namespace), False),
+    "size": (lambda o: o.nbytes, True),
+    "age": (lambda o: -o.created_at, True),  # oldest first
+    "readers": (lambda o: o.readers, True),
+    "buffers": (lambda o: o.buffers, True),
+    "pool": (lambda o: o.pool, False),
+}
+
+
+SortBy = enum.Enum("SortBy", {name: name for name in SORTS}, type=str)
+
+
+def age(t: float, now: float | None = None) -> str:
+    d = max(0.0, (time.time() if now is None else now) - t)
+    for unit, secs in (("d", 86400), ("h", 3600), ("m", 60)):
+        if d >= secs:
+            return f"{d / secs:.0f}{unit}"
+    return f"{d:.0f}s"
+
+
+def object_table(rows: list[tuple[str, str, list[str]]], tail_headers: list[tuple[str, int]],
+                 *, header: bool = True, wide: bool = False) -> list[str]:  # fmt: skip
+    """Lines of a NAMESPACE KEY ... table. ``rows``: (namespace, key, right-aligned cells);
+    ``tail_headers``: (header, width) of those cells. Names are shown whole unless stdout is a
+    terminal too narrow for them (then cut with "…"; ``wide`` never cuts)."""
+    names = [(clean(ns), clean(key), cells) for ns, key, cells in rows]
+    ns_w = max([9] + [len(ns) for ns, _, _ in names]) + 2
+    key_w = max([3] + [len(k) for _, k, _ in names]) + 2
+    tail_w = sum(w for _, w in tail_headers)
+    width = None if wide else output_width()
+    if width is not None and ns_w + key_w + tail_w > width:
+        spare = max(0, width - tail_w)
+        ns_w = min(ns_w, max(12, spare // 3))
+        key_w = max(22, spare - ns_w)
+    lines = []
+    if header:
+        lines.append(f"{'NAMESPACE':<{ns_w}}{'KEY':<{key_w}}"
+                     + "".join(f"{h:>{w}}" for h, w in tail_headers))  # fmt: skip
+    for ns, key, cells in names:
+        lines.append(
+            f"{fit(ns, ns_w - 2):<{ns_w}}{fit(key, key_w - 2):<{key_w}}"
+            + "".join(f"{c:>{w}}" for c, (_, w) in zip(cells, tail_headers))
+        )
+    return lines
+
+
+def ls_(
+    match: Optional[str] = typer.Option(
+        None, "--match", "-m", metavar="REGEX", help="Only keys this regex (RE2) matches."
+    ),
+    namespace: Optional[str] = namespace_opt("Only objects of this namespace."),
+    limit: int = typer.Option(
+        DEFAULT_LIMIT, min=0, metavar="N",
+        help="At most N objects; 0: as many as the daemon lists in one reply (10,000).",
+    ),  # fmt: skip
+    sort: Optional[SortBy] = typer.Option(
+        None, "--sort",
+        help="Order the objects listed (size, age, readers, buffers: largest/oldest first).",
+        show_default="the daemon's order",
+    ),  # fmt: skip
+    reverse: bool = typer.Option(False, "--reverse", "-r", help="Reverse the --sort order."),
+    no_header: bool = typer.Option(False, "--no-header", help="No header line (for scripts)."),
+    wide: bool = typer.Option(
+        False, "--wide", "-w", help="Never cut namespaces and keys to fit the terminal."
+    ),
+    socket: Optional[str] = SocketOpt,
+    as_json: bool = JsonOpt,
+) -> None:
+    """List sealed objects.
+
+    On a terminal, names too long for it end in "…" (use --wide or --json for whole names);
+    a pipe gets them whole. When more objects match than were listed, a note on stderr
+    says so.
+    """
+    reply = run(socket, lambda c: c._call(
+        "list", namespace=namespace, match=match, limit=limit or None
+    ))  # fmt: skip
+    from kvbroker._wire.stats import ObjectInfo
+
+    raw = reply["objects"]
+    objs = [ObjectInfo.from_dict(o) for o in raw]
+    if sort is not None:
+        key, largest_first = SORTS[sort.value]
+        objs.sort(key=key, reverse=largest_first != reverse)
+    elif reverse:
+        objs.reverse()
+    if as_json:
+        by_id = {(o["namespace"], o["key"]): o for o in raw}
+        out = []
+        for o in objs:
+            d = o.to_dict()
+            if "checksums" not in by_id[(o.namespace, o.key)]:
+                del d["checksums"]  # `list` does not carry them: `kvbroker show` does
+            out.append(d)
+        typer.echo(json.dumps(out, indent=2))
+    else:
+        now = time.time()
+        lines = object_table(
+            [(o.namespace, o.key, [format_size(o.nbytes), str(o.buffers), str(o.readers),
+                                   age(o.created_at, now)]) for o in objs],
+            [("SIZE", 11), ("BUFS", 6), ("READERS", 8), ("AGE", 6)],
+            header=not no_header, wide=wide,
+        )  # fmt: skip
+        if lines:
+            typer.echo("\n".join(lines))
+    if reply.get("truncated"):
+        more = (
+            f"--limit {limit} reached" if limit
+            else "the daemon lists at most this many per call"
+        )
+        typer.echo(f"kvbroker: listed the first {len(objs)} objects; more match ({more}; "
+                   "narrow with --match or --namespace)", err=True)  # fmt: skip
+
+
+def show(
+    key: str = typer.Argument(..., help="The object's key."),
+    namespace: Optional[str] = namespace_opt(
+        "The object's namespace (default: look in every namespace)."
+    ),
+    socket: Optional[str] = SocketOpt,
+    as_json: bool = JsonOpt,
+) -> None:
+    """One object in full: size, buffers, pool, readers, age, meta, checksums and leases.
+
+    Exit status 1 when no namespace holds KEY.
+    """
+
+    def fetch(c):
+        snap = c.stat()
+        spaces = [namespace] if namespace is not None else sorted(
+            {n.namespace for n in snap.namespaces} | {"default"}
+        )  # fmt: skip
+        found = [i for i in (c.lookup(key, namespace=ns) for ns in spaces) if i is not None]
+        return found, snap
+
+    found, snap = run(socket, fetch)
+    where = f"{namespace}/{key}" if namespace is not None else key
+    if not found:
+        if as_json:
+            typer.echo("[]")
+        raise fail(f"no object {clean(where)!r}")
+    views = []
+    for info in found:
+        leases = [ls for ls in snap.leases if (ls.namespace, ls.key) == (info.namespace, key)]
+        views.append((info, leases))
+    if as_json:
+        out = []
+        for info, leases in views:
+            d = info.to_dict()
+            d["leases"] = [dataclasses.asdict(ls) for ls in leases]
+            out.append(d)
+        typer.echo(json.dumps(out, indent=2, default=repr))
+        return
+    now = time.time()
+    blocks = []
+    for info, leases in views:
+        lines = [
+            f"{clean(info.namespace)}/{clean(info.key)}",
+            f"  size        {format_size(info.nbytes)} ({info.nbytes} bytes) in "
+            f"{info.buffers} buffer(s), pool {info.pool}",
+            f"  created     {age(info.created_at, now)} ago, last read {age(info.last_access, now)}"
+            f" ago",
+            f"  readers     {info.readers}",
+        ]
+        if info.meta:
+            # JSON escapes control characters inside strings: each line is safe to print.
+            meta = json.dumps(info.meta, indent=2, sort_keys=True, default=repr).splitlines()
+            lines.append("  meta        " + meta[0])
+            lines += ["              " + line for line in meta[1:]]
+        else:
+            lines.append("  meta        -")
+        if info.checksums:
+            from kvbroker._wire.checksum import KINDS, parse
+
+            lines.append("  checksums   per buffer (kind: xxh3 whole buffer, xxh3c per chunk):")
+            for name, recorded in sorted(info.checksums.items()):
+                try:
+                    kind, value = parse(recorded)
+                    shown = f"{KINDS[kind]} {value:016x}"
+                except (ValueError, KeyError):
+                    shown = f"unreadable {clean(repr(recorded))}"
+                lines.append(f"    {clean(name)}  {shown}")
+        else:
+            lines.append("  checksums   none (sealed without)")
+        if leases:
+            lines.append(f"  leases      {len(leases)}:")
+            lines += [f"    #{ls.lease} {ls.kind} by session {ls.session}, "
+                      f"expires in {ls.expires_in:.1f}s" for ls in leases]  # fmt: skip
+        else:
+            lines.append("  leases      none")
+        blocks.append("\n".join(lines))
+    typer.echo("\n\n".join(blocks))
+
+
+def _confirm_on_terminal() -> bool:
+    """Whether to ask before ``evict --all`` (both ends are a terminal)."""
+    return sys.stdin.isatty() and sys.stdout.isatty()
+
+
+def evict(
+    key: Optional[str] = typer.Argument(None, help="Evict this key (from every namespace "
+                                        "unless --namespace)."),  # fmt: skip
+    match: Optional[str] = typer.Option(
+        None, "--match", "-m", metavar="REGEX", help="Keys this regex (RE2) matches."
+    ),
+    namespace: Optional[str] = namespace_opt("Only objects of this namespace."),
+    match_buffers: Optional[str] = typer.Option(
+        None, metavar="REGEX", help="Objects with a buffer name this regex matches."
+    ),
+    older_than: Optional[str] = typer.Option(None, metavar="AGE", help="Age, e.g. 10m, 2h."),
+    all_: bool = typer.Option(False, "--all", help="Every unleased object (nothing else)."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Show what would go; free nothing."),
+    yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask before --all."),
+    socket: Optional[str] = SocketOpt,
+    as_json: bool = JsonOpt,
+) -> None:
+    """Free sealed objects matching every filter given (leased ones are never evicted).
+
+    Exit status 1 when KEY names no object, with or without --json. --all takes no other
+    selector, and asks first on a terminal (--yes does not ask).
+    """
+    cmd = "kvbroker evict"
+    filters = {"KEY": key, "--match": match, "--namespace": namespace,
+               "--match-buffers": match_buffers, "--older-than": older_than}  # fmt: skip
+    given = [name for name, value in filters.items() if value is not None]
+    if not (given or all_):
+        raise usage_error("say what to evict: KEY, --match, --namespace, --match-buffers, "
+                          "--older-than or --all", cmd)  # fmt: skip
+    if all_ and given:
+        raise usage_error(f"--all evicts every object; it takes no {' or '.join(given)}", cmd)
+    if key is not None and match is not None:
+        raise usage_error("give KEY or --match, not both", cmd)
+    age_s = None
+    if older_than is not None:
+        try:
+            age_s = parse_duration(older_than)
+        except ValueError as exc:
+            raise usage_error(f"--older-than: {exc}", cmd) from None
+    if all_ and not dry_run and not yes and _confirm_on_terminal():
+        if not typer.confirm("Evict every unleased object?", default=False, err=True):
+            raise fail("nothing evicted", EXIT_ERROR)
+    res = run(socket, lambda c: c.evict(
+        key, match=match, namespace=namespace, match_buffers=match_buffers, older_than=age_s,
+        all=all_, dry_run=dry_run,
+    ), regex_option="--match or --match-buffers")  # fmt: skip
+    if as_json:
+        typer.echo(json.dumps({
+            "count": res.count, "bytes": res.bytes, "skipped_leased": res.skipped_leased,
+            "dry_run": res.dry_run, "objects": [o.to_dict() for o in res.objects],
+        }, indent=2))  # fmt: skip
+    else:
+        verb = "would evict" if dry_run else "evicted"
+        for o in res.objects:
+            typer.echo(f"{verb} {clean(o.namespace)}/{clean(o.key)} ({format_size(o.nbytes)})")
+        typer.echo(f"{verb} {res.count} object(s), {format_size(res.bytes)}"
+                   + (f"; {res.skipped_leased} leased object(s) kept"
+                      if res.skipped_leased else ""))  # fmt: skip
+    if key is not None and res.count == 0 and not res.skipped_leased:
+        raise fail(f"no object {clean(key)!r}")
+
+
+__all__ = ["ls_", "show", "evict", "object_table", "age", "EXIT_USAGE"]

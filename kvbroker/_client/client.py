@@ -1,0 +1,436 @@
+"""The synchronous client: the facade engines and tools use.
+
+One :class:`Client` is one connection to the daemon (reconnected after a break), the pools
+it maps, and the calls engines make: publish (``reserve``, ``put``), claim (``claim``,
+``get``), the directory and statistics. What a lease lends and when it ends:
+:mod:`kvbroker._client.leases`. The requests themselves: :mod:`kvbroker._client.ops`
+(``client.ops``). ``put`` and ``get`` copy each byte exactly once. Pools are mapped once per
+process and shared by every client in it (:mod:`kvbroker._client.mappings`). See
+``docs/design.md``.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from .framing import MessageStream
+from .._wire.paths import default_socket_path
+from .leases import ReadLease, WriteLease, _Lease
+from .mappings import ClientMappings, PoolMapping
+from .mappings import process_maps as _process_maps  # noqa: F401  (tests count its holders)
+from .ops import LEASE_OPS as _LEASE_OPS
+from .ops import Ops
+from .session import Session
+from .._wire.stats import ObjectInfo, Statistics
+from .arena import WriteArena
+from .copy import _np, _torch_tensor, copy_into, nbytes_of
+from .transport import UnixTransport
+from . import integrity as _integrity
+from ..errors import BrokerUnavailable, Exists, LeaseExpired, Timeout
+
+
+__all__ = ["Client", "WriteLease", "ReadLease", "EvictResult"]
+
+log = logging.getLogger("kvbroker.client")
+
+_EMPTY_DIGEST = _integrity.digest(b"")
+
+
+class EvictResult:
+    """What ``evict`` freed (or, with ``dry_run``, would free)."""
+
+    def __init__(self, reply: dict) -> None:
+        self.objects = [ObjectInfo.from_dict(o) for o in reply["evicted"]]
+        self.count: int = reply["count"]
+        self.bytes: int = reply["bytes"]
+        self.skipped_leased: int = reply["skipped_leased"]
+        self.dry_run: bool = reply["dry_run"]
+
+    def __repr__(self) -> str:
+        verb = "would evict" if self.dry_run else "evicted"
+        return f"<EvictResult {verb} {self.count} objects, {self.bytes} bytes>"
+
+
+class Client:
+    """A connection to the node's kvbroker daemon.
+
+    ``socket_path`` None means ``$KVBROKER_SOCKET`` or the default path. ``map_pools`` maps
+    (and pre-faults) every pool at connect, as an engine wants; tools that only look at the
+    daemon pass False and never touch the pools. ``busy_poll``: seconds to poll for a reply
+    before sleeping, while the host has a CPU to spare (lower latency for a little CPU; 0
+    turns it off). ``arena_size``: bytes
+    of the write arena this client holds so that a put of up to half of it is one round
+    trip (0: every put reserves, then seals).
+
+    ``reconnect``: when an established connection breaks (the daemon crashed or restarted),
+    the next call reconnects by itself, retrying with exponential backoff for at most this
+    many seconds (0: raise BrokerUnavailable at once). Pools are re-mapped if the new daemon
+    names them differently. Leases die with their connection: using one afterwards raises
+    LeaseExpired saying whether the daemon restarted; a call that was in flight is sent
+    again on the new connection, unless it used a lease.
+    """
+
+    def __init__(
+        self,
+        socket_path: str | None = None,
+        *,
+        name: str = "",
+        role: str = "",
+        timeout: float | None = 30.0,
+        map_pools: bool = True,
+        busy_poll: float = 100e-6,
+        reconnect: float = 5.0,
+        arena_size: int = 2 << 20,
+    ) -> None:
+        self.socket_path = socket_path or default_socket_path()
+        self._timeout = timeout
+        self._busy_poll = busy_poll
+        self._name, self._role = name or _default_name(), role
+        self._map_pools = map_pools
+        self.reconnect = reconnect
+        # Connections replaced after a break; a lease of an older one is dead.
+        self.generation = 0
+        self.restarts = 0  # of those, how many found a restarted daemon
+        self._lost = ""  # why the last connection was replaced, for LeaseExpired messages
+        self._reconnect_lock = threading.Lock()
+        self.pools: list[dict] = []
+        self._maps = ClientMappings()
+        self._closed = False
+        # The daemon's operations, typed (kvbroker._client.ops): leases, the arena,
+        # kvbroker.prefix and kvbroker.gpu make their requests through these.
+        self.ops = Ops(self._call, self._send_only)
+        # Puts of objects up to half this size take one round trip (see _arena.py); 0: off.
+        # Small on purpose: measured, a 2 MiB arena beats 8 MiB at 256 KiB-4 MiB puts (its
+        # pages are reused while still in cache; big objects gain little from one round trip).
+        self._arena = WriteArena(self, arena_size if map_pools else 0)
+        self._connect()
+
+    # -- plumbing --------------------------------------------------------------------------
+    def _connect(self, generation: int = 0) -> None:
+        """Open and greet a connection, (re-)map the pools the daemon names, and only then
+        make it this client's connection number ``generation``.
+
+        Other threads must never see the new session before the generation is bumped and
+        the pools are mapped: a lease or arena they got on it would be stamped with the old
+        generation (and die at once), or be addressed through old mappings after a cold
+        restart. So everything is built first and ``self._session`` is assigned last, in one
+        step; until then other threads see the old, broken session and wait in ``_recover``.
+        """
+        stream = MessageStream(UnixTransport(self.socket_path, self._timeout, self._busy_poll))
+        try:
+            session = Session(stream, name=self._name, role=self._role)
+        except BaseException:
+            stream.close()
+            raise
+        try:
+            hello = session.hello
+            if hello["pools"] != self.pools:  # a cold restart made new segments
+                self._maps.release_all()
+                self.pools = hello["pools"]
+            if self._map_pools:
+                for pool in self.pools:
+                    self._mapping(pool["index"])
+        except BaseException:
+            session.close()
+            raise
+        if generation:  # replacing a connection: say why, for LeaseExpired messages
+            if hello["server_pid"] != self.server_pid or hello.get("epoch") != self.epoch:
+                self.restarts += 1
+                self._lost = (f"the daemon restarted (pid {self.server_pid} -> "
+                              f"{hello['server_pid']}, epoch {self.epoch} -> "
+                              f"{hello.get('epoch')})")  # fmt: skip
+            else:
+                self._lost = "the connection to the daemon was lost"
+        self.session_id: int = hello["session"]
+        self.server_pid: int = hello["server_pid"]
+        self.epoch: int | None = hello.get("epoch")
+        self.generation = generation
+        self._session = session  # publish: last
+
+    def _call(self, op: str, **args: Any) -> Any:
+        session = self._session
+        try:
+            return session.call(op, **args)
+        except BrokerUnavailable:
+            if not session.broken or not self._recover(session):
+                raise  # a reply saying so (a draining daemon), or reconnecting is off
+        if op in _LEASE_OPS:  # the lease went with the old connection
+            raise LeaseExpired(self._lost_lease_message(args.get("lease")))
+        return self._session.call(op, **args)
+
+    def _send_only(self, op: str, **args: Any) -> None:
+        session = self._session
+        try:
+            session.send_only(op, **args)
+        except BrokerUnavailable:
+            if not session.broken or not self._recover(session):
+                raise
+            raise LeaseExpired(self._lost_lease_message(args.get("lease"))) from None
+
+    def _recover(self, broken: Session) -> bool:
+        """Replace the broken connection ``broken``, backing off exponentially for at most
+        ``reconnect`` seconds. False when reconnecting is off; BrokerUnavailable when it
+        keeps failing. True at once when another thread already replaced it."""
+        if self.reconnect <= 0 or self._closed:
+            return False
+        with self._reconnect_lock:
+            if self._session is not broken:
+                return True  # another thread already reconnected
+            broken.close()
+            deadline = time.monotonic() + self.reconnect
+            delay = 0.01
+            while True:
+                try:
+                    self._connect(self.generation + 1)
+                    break
+                except (BrokerUnavailable, Timeout) as exc:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise BrokerUnavailable(
+                            f"{exc.message}; gave up reconnecting after {self.reconnect:g} s"
+                        ) from None
+                    time.sleep(min(delay, left))
+                    delay = min(delay * 2, 0.5)
+            log.warning("reconnected to %s: %s", self.socket_path, self._lost)
+            return True
+
+    def _lost_lease_message(self, lease: Any) -> str:
+        return f"lease {lease} died with its connection: {self._lost}"
+
+    def _mapping(self, index: int) -> PoolMapping:
+        return self._maps.get(index, self.pools)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._session.close()  # the daemon ends every lease of this connection
+        self._maps.release_all()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- publish ---------------------------------------------------------------------------
+    def reserve(
+        self,
+        key: str,
+        sizes: Mapping[str, int],
+        *,
+        namespace: str = "default",
+        meta: dict | None = None,
+        replace: bool = False,
+        ttl: float | None = None,
+        consumers: int = 1,
+        checksum: bool = True,
+    ) -> WriteLease:
+        """A write lease with one writable view per named buffer; raises Exists if published.
+
+        ``consumers``: how many consume-claims must be released before the object is freed.
+        ``checksum``: hash the buffers at seal so claimers can verify them (costs one extra
+        read of the written bytes; False skips it, and a daemon with require_checksums then
+        refuses the seal).
+        """
+        reply = self.ops.reserve(key, sizes, namespace=namespace, meta=meta, replace=replace,
+                                 ttl=ttl, consumers=consumers)  # fmt: skip
+        return WriteLease(self, namespace, key, reply, checksum)
+
+    def put(
+        self,
+        key: str,
+        buffers: Mapping[str, Any],
+        *,
+        namespace: str = "default",
+        meta: dict | None = None,
+        replace: bool = False,
+        ttl: float | None = None,
+        consumers: int = 1,
+        checksum: bool = True,
+    ) -> bool:
+        """Publish ``buffers`` (numpy arrays, torch CPU tensors or bytes-like) under ``key``.
+
+        Copies each byte once into the pool, then seals. Returns False when the key is
+        already published and ``replace`` is False; nothing is copied then, except for an
+        object small enough for the write arena (half of ``arena_size``), which is copied
+        into this client's arena first and published in one round trip (see _arena.py). ``checksum``: hash each
+        chunk right after copying it (still one pass over memory) and record the digests.
+        """
+        sizes = {name: nbytes_of(b) for name, b in buffers.items()}
+        if self._arena.fits(sum(sizes.values())):
+            done = self._arena.put(key, buffers, sizes, namespace=namespace, meta=meta,
+                                   replace=replace, consumers=consumers, checksum=checksum)
+            if done is not None:
+                return done
+        try:
+            lease = self.reserve(key, sizes, namespace=namespace, meta=meta, replace=replace,
+                                 ttl=ttl, consumers=consumers, checksum=checksum)  # fmt: skip
+        except Exists:
+            if replace:
+                raise
+            return False
+        with lease:
+            if checksum:
+                lease.checksums = {
+                    name: _integrity.copy_hashed(lease[name], src, copy_into)
+                    if sizes[name] else _EMPTY_DIGEST
+                    for name, src in buffers.items()
+                }  # fmt: skip
+            else:
+                for name, src in buffers.items():
+                    if sizes[name]:
+                        copy_into(lease[name], src)
+        return True
+
+    # -- claim -----------------------------------------------------------------------------
+    def claim(
+        self,
+        key: str,
+        *,
+        namespace: str = "default",
+        select: str | None = None,
+        consume: bool = False,
+        wait: float | None = None,
+        ttl: float | None = None,
+        verify: bool = False,
+    ) -> ReadLease:
+        """A read lease on a sealed object.
+
+        ``select``: a regex that buffer names must match in full; ``consume``: free the
+        object when this lease is released; ``wait``: seconds to wait for the key to be
+        sealed (else NotFound at once; Timeout when the wait runs out). ``verify``: re-hash
+        the buffers before returning (one read of them) and raise ChecksumMismatch, with the
+        lease released, if any differs from its checksum recorded at seal.
+        """
+        if wait is not None and self._timeout is not None:
+            self._session.settimeout(self._timeout + wait)
+        asked_at = time.monotonic()
+        try:
+            reply = self.ops.claim(key, namespace=namespace, select=select, consume=consume,
+                                   wait=wait, ttl=ttl)  # fmt: skip
+        finally:
+            if wait is not None and self._timeout is not None:
+                self._session.settimeout(self._timeout)
+        lease = ReadLease(self, namespace, key, reply, asked_at)
+        if verify:
+            try:
+                lease.verify()
+            except BaseException:
+                lease.__exit__(*sys.exc_info())
+                raise
+        return lease
+
+
+    def get(
+        self,
+        key: str,
+        out: Mapping[str, Any] | None = None,
+        *,
+        namespace: str = "default",
+        select: str | None = None,
+        consume: bool = False,
+        wait: float | None = None,
+        verify: bool = False,
+    ) -> dict[str, Any]:
+        """Claim, copy every selected buffer out once, release.
+
+        ``out`` maps buffer names to destinations (numpy arrays, torch tensors, writable
+        bytes-like) of the right size; buffers not in ``out`` get fresh uint8 arrays.
+        ``verify``: hash each chunk as it is copied out (still one pass) and raise
+        ChecksumMismatch instead of returning bytes that differ from those sealed (the
+        destinations in ``out`` then hold the bad bytes: do not use them).
+        """
+        np = _np()
+        result: dict[str, Any] = {}
+        with self.claim(key, namespace=namespace, select=select, consume=consume,
+                        wait=wait) as lease:  # fmt: skip
+            sums = lease.checksums if verify else None
+            bad = []
+            for name in lease:
+                src = lease[name]
+                dst = None if out is None else out.get(name)
+                if dst is None:
+                    target = result[name] = np.empty(src.nbytes, dtype=np.uint8)
+                elif _torch_tensor(dst):
+                    torch = sys.modules["torch"]
+                    target = dst.view(-1).view(torch.uint8).numpy()
+                elif isinstance(dst, np.ndarray):
+                    target = dst.reshape(-1).view(np.uint8)
+                else:
+                    target = np.frombuffer(dst, dtype=np.uint8)
+                if sums and name in sums:
+                    if _integrity.copy_out_hashed(target, src) != sums[name]:
+                        bad.append(name)
+                else:
+                    np.copyto(target, src)
+                if dst is not None:
+                    result[name] = dst
+            _integrity.check(namespace, key, bad)
+        return result
+
+    # -- directory -------------------------------------------------------------------------
+    def exists(self, key: str, *, namespace: str = "default") -> bool:
+        return self.ops.lookup(key, namespace=namespace) is not None
+
+    def lookup(self, key: str, *, namespace: str = "default") -> ObjectInfo | None:
+        info = self.ops.lookup(key, namespace=namespace)
+        return None if info is None else ObjectInfo.from_dict(info)
+
+    def list(
+        self, match: str | None = None, *, namespace: str | None = None, limit: int | None = None
+    ) -> list[ObjectInfo]:
+        reply = self.ops.list(namespace=namespace, match=match, limit=limit)
+        return [ObjectInfo.from_dict(o) for o in reply["objects"]]
+
+    def evict(
+        self,
+        key: str | None = None,
+        *,
+        match: str | None = None,
+        namespace: str | None = None,
+        match_buffers: str | None = None,
+        older_than: float | None = None,
+        all: bool = False,
+        dry_run: bool = False,
+    ) -> EvictResult:
+        """Free sealed objects matching every filter given; leased ones are skipped.
+
+        With ``key`` and no ``namespace``, the key is evicted from every namespace.
+        """
+        return EvictResult(self.ops.evict(
+            key=key, match=match, namespace=namespace, match_buffers=match_buffers,
+            older_than=older_than, all=all, dry_run=dry_run,
+        ))  # fmt: skip
+
+    def renew(self, *leases: _Lease, ttl: float | None = None) -> None:
+        self.ops.renew([ls.id for ls in leases], ttl)
+
+    # -- statistics ------------------------------------------------------------------------
+    def stat(self) -> Statistics:
+        return Statistics.from_dict(self.ops.stat())
+
+    def watch(self, interval: float = 1.0) -> Iterator[Statistics]:
+        """Snapshots pushed by the daemon every ``interval`` seconds, forever."""
+        while True:
+            self.ops.watch(interval)
+            self._session.settimeout(max(30.0, interval * 10))
+            session = self._session
+            try:
+                while True:
+                    msg = session.next_push()
+                    yield Statistics.from_dict(msg["result"])
+            except BrokerUnavailable:
+                if not session.broken or not self._recover(session):
+                    raise  # else subscribe again on the new connection
+
+
+def _default_name() -> str:
+    import os
+
+    return f"{os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else 'python'}:{os.getpid()}"

@@ -1,0 +1,72 @@
+"""Moving bytes between a caller's arrays and leased pool views, one pass over memory.
+
+Sources and destinations are numpy arrays, torch CPU tensors or bytes-like objects; numpy and
+torch are imported only when a caller already uses them (``import kvbroker`` stays light).
+Contiguous sources of :data:`kvbroker._client.engine.SPLIT_MIN` bytes or more per thread are
+copied by the host copy engine (:mod:`kvbroker._client.engine`), over several threads where
+the machine has the CPUs.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+__all__ = ["copy_into", "nbytes_of", "flat_bytes"]
+
+
+def _np():
+    import numpy
+
+    return numpy
+
+
+def _torch_tensor(obj: Any) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(obj, torch.Tensor)
+
+
+def nbytes_of(obj: Any) -> int:
+    """Size in bytes of a numpy array, torch tensor or bytes-like object."""
+    if _torch_tensor(obj):
+        return obj.numel() * obj.element_size()
+    n = getattr(obj, "nbytes", None)
+    if isinstance(n, int):
+        return n
+    return memoryview(obj).nbytes
+
+
+def flat_bytes(src: Any):
+    """``src`` as a flat uint8 numpy array over the same memory, or None when that would need
+    a copy (strided arrays, tensors not in CPU memory)."""
+    np = _np()
+    if _torch_tensor(src):
+        if src.device.type != "cpu" or not src.is_contiguous():
+            return None
+        torch = sys.modules["torch"]
+        return src.detach().reshape(-1).view(torch.uint8).numpy()
+    if isinstance(src, np.ndarray):
+        if not src.flags.c_contiguous:
+            return None
+        return src.reshape(-1).view(np.uint8)
+    return np.frombuffer(memoryview(src).cast("B"), dtype=np.uint8)
+
+
+def copy_into(dst, src: Any) -> None:
+    """Copy ``src`` into the uint8 view ``dst`` with one pass over memory, bit for bit."""
+    np = _np()
+    flat = flat_bytes(src)
+    if flat is not None:
+        if flat.nbytes:
+            from .engine import default_engine
+
+            default_engine().copy(dst, flat)
+        return
+    if _torch_tensor(src):  # strided, or on a GPU: torch walks the strides / runs the DMA
+        torch = sys.modules["torch"]
+        if src.numel():
+            target = torch.from_numpy(dst).view(src.dtype).view(src.shape)
+            target.copy_(src.detach())
+        return
+    # a strided numpy array: let numpy walk the strides while writing, still one pass
+    np.copyto(dst.view(src.dtype).reshape(src.shape), src)

@@ -1,0 +1,47 @@
+"""Framing: msgpack maps over a transport, decoded by a streaming Unpacker under limits."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import msgpack
+
+from .._wire.protocol import unpacker_limits
+from ..errors import ProtocolError
+
+__all__ = ["MessageStream"]
+
+
+class _Transport(Protocol):
+    def send(self, data: bytes) -> None: ...
+    def recv(self) -> bytes: ...
+    def close(self) -> None: ...
+
+
+class MessageStream:
+    """Whole msgpack messages to and from a byte transport."""
+
+    def __init__(self, transport: _Transport) -> None:
+        self.transport = transport
+        self._packer = msgpack.Packer()
+        self._unpacker = msgpack.Unpacker(raw=False, **unpacker_limits())
+
+    def send(self, message: dict[str, Any]) -> None:
+        self.transport.send(self._packer.pack(message))
+
+    def receive(self) -> Any:
+        while True:
+            try:
+                return next(self._unpacker)
+            except StopIteration:
+                pass
+            except Exception as exc:
+                raise ProtocolError(f"malformed frame from the daemon: {exc}") from None
+            data = self.transport.recv()
+            try:
+                self._unpacker.feed(data)
+            except msgpack.BufferFull:
+                raise ProtocolError("the daemon sent a frame over the size limit") from None
+
+    def close(self) -> None:
+        self.transport.close()

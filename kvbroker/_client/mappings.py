@@ -1,0 +1,71 @@
+"""A client's mappings of the daemon's host pools: one per pool per process.
+
+The daemon creates the segments (:mod:`kvbroker._server.pool`); a client maps each pool once
+per process with ``MAP_POPULATE`` so the first transfers do not pay a page fault per 4 KiB
+page.
+"""
+
+from __future__ import annotations
+
+import mmap
+
+import posix_ipc
+
+from .shared import PerProcess
+
+__all__ = ["PoolMapping", "ClientMappings", "process_maps"]
+
+
+class PoolMapping:
+    """A client's one mapping of a pool, populated at map time."""
+
+    __slots__ = ("index", "name", "size", "mm")
+
+    def __init__(self, index: int, name: str, size: int) -> None:
+        self.index = index
+        self.name = name
+        self.size = size
+        shm = posix_ipc.SharedMemory(name)
+        try:
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            self.mm = mmap.mmap(shm.fd, size, flags=flags)
+        finally:
+            shm.close_fd()
+
+    def close(self) -> None:
+        try:
+            self.mm.close()
+        except BufferError:
+            # A caller still holds a view past its lease; the mapping goes with the last one.
+            pass
+
+
+# segment name -> this process's one mapping of it, shared by every client in the process
+process_maps: PerProcess[PoolMapping] = PerProcess(PoolMapping.close)
+
+
+class ClientMappings:
+    """The pools one client has mapped, pool index -> the process's one mapping of it.
+
+    A client holds each pool's mapping from its first use until :meth:`release_all` (its
+    close, or a cold restart of the daemon that made new segments)."""
+
+    __slots__ = ("_held",)
+
+    def __init__(self) -> None:
+        self._held: dict[int, PoolMapping] = {}
+
+    def get(self, index: int, pools: list[dict]) -> PoolMapping:
+        """The mapping of pool ``index`` of ``pools`` (the hello reply's), mapped on first use."""
+        m = self._held.get(index)
+        if m is None:
+            p = pools[index]
+            m = self._held[index] = process_maps.acquire(
+                p["name"], lambda: PoolMapping(index, p["name"], p["size"])
+            )
+        return m
+
+    def release_all(self) -> None:
+        for m in self._held.values():
+            process_maps.release(m.name)
+        self._held.clear()

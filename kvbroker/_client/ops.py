@@ -1,0 +1,155 @@
+"""Typed op stubs: the only client code that names an op of the wire protocol.
+
+One method per row of :data:`kvbroker._wire.protocol.OPS`, taking that row's arguments
+(same names, same defaults) and returning its reply, typed. Everything on the client side
+that talks to the daemon (the :class:`~kvbroker.Client` facade, leases, the write arena,
+:mod:`kvbroker.prefix`, :mod:`kvbroker.gpu`, the benchmarks) goes through these, reached as
+``client.ops``; the session greets through :meth:`Ops.hello`. Adding an op: a row in the
+table, a handler in the daemon, one method here (``tests/test_client_ops.py`` checks that
+the stubs and the table agree). See ``docs/design.md``.
+
+Every stub sends all of its op's arguments, as given. Requests that name a lease
+(:data:`LEASE_OPS`) are not resent after a reconnect: the lease went with the old connection.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from .._wire import replies as R
+from .._wire.protocol import LEASE_NAMING_OPS
+
+__all__ = ["Ops", "LEASE_OPS"]
+
+# Requests that name a lease of this connection (the table's lease column): after a
+# reconnect they are not resent (the lease is gone), the client raises LeaseExpired instead.
+LEASE_OPS = LEASE_NAMING_OPS
+
+
+class Ops:
+    """The daemon's operations as methods. ``call(op, **args)`` sends a request and returns
+    its reply (raising the error a failed reply names); ``send_only(op, **args)`` sends one
+    whose reply a later call reads and checks (see :meth:`Session.send_only`)."""
+
+    __slots__ = ("_call", "_send")
+
+    def __init__(self, call: Callable[..., Any], send_only: Callable[..., None]) -> None:
+        self._call = call
+        self._send = send_only
+
+    # -- session ---------------------------------------------------------------------------
+    def hello(self, version: int, name: str = "", role: str = "") -> R.Hello:
+        return self._call("hello", version=version, name=name, role=role)
+
+    # -- publish ---------------------------------------------------------------------------
+    def reserve(self, key: str, buffers: Mapping[str, int], *, namespace: str = "default",
+                meta: dict | None = None, replace: bool = False, ttl: float | None = None,
+                consumers: int = 1) -> R.Reserved:  # fmt: skip
+        return self._call("reserve", namespace=namespace, key=key, buffers=dict(buffers),
+                          meta=meta, replace=replace, ttl=ttl, consumers=consumers)
+
+    def seal(self, lease: int, checksums: dict[str, int] | None = None) -> R.Sealed:
+        return self._call("seal", lease=lease, checksums=checksums)
+
+    def abort(self, lease: int) -> None:
+        self._call("abort", lease=lease)
+
+    def abort_later(self, lease: int) -> None:
+        """``abort``, its reply read by the next call (failure paths: saves a round trip)."""
+        self._send("abort", lease=lease)
+
+    def arena(self, nbytes: int) -> R.ArenaLent:
+        return self._call("arena", nbytes=nbytes)
+
+    def publish(self, arena: int, key: str, buffers: Mapping[str, int], *,
+                namespace: str = "default", meta: dict | None = None, replace: bool = False,
+                consumers: int = 1, checksums: dict[str, int] | None = None,
+                next_arena: int = 0) -> R.Published:  # fmt: skip
+        return self._call("publish", arena=arena, namespace=namespace, key=key,
+                          buffers=dict(buffers), meta=meta, replace=replace,
+                          consumers=consumers, checksums=checksums,
+                          next_arena=next_arena)  # fmt: skip
+
+    # -- claim -----------------------------------------------------------------------------
+    def claim(self, key: str, *, namespace: str = "default", select: str | None = None,
+              consume: bool = False, wait: float | None = None,
+              ttl: float | None = None) -> R.Claimed:  # fmt: skip
+        return self._call("claim", namespace=namespace, key=key, select=select,
+                          consume=consume, wait=wait, ttl=ttl)  # fmt: skip
+
+    def release(self, lease: int, consume: bool = True) -> None:
+        self._call("release", lease=lease, consume=consume)
+
+    def release_later(self, lease: int) -> None:
+        """``release``, pipelined: its reply is read and checked by the next call."""
+        self._send("release", lease=lease, consume=True)
+
+    def renew(self, leases: list[int], ttl: float | None = None) -> R.Renewed:
+        return self._call("renew", leases=leases, ttl=ttl)
+
+    # -- directory -------------------------------------------------------------------------
+    def lookup(self, key: str, *, namespace: str = "default") -> dict | None:
+        """An ObjectInfo dict (with checksums), or None."""
+        return self._call("lookup", namespace=namespace, key=key)
+
+    def list(self, *, namespace: str | None = None, match: str | None = None,
+             limit: int | None = None) -> R.Listed:  # fmt: skip
+        return self._call("list", namespace=namespace, match=match, limit=limit)
+
+    def evict(self, *, namespace: str | None = None, key: str | None = None,
+              match: str | None = None, match_buffers: str | None = None,
+              older_than: float | None = None, all: bool = False,
+              dry_run: bool = False) -> R.Evicted:  # fmt: skip
+        return self._call("evict", namespace=namespace, key=key, match=match,
+                          match_buffers=match_buffers, older_than=older_than, all=all,
+                          dry_run=dry_run)  # fmt: skip
+
+    # -- prefix blocks ---------------------------------------------------------------------
+    def reserve_blocks(self, blocks: list[dict[str, Any]], *,
+                       namespace: str = "default",
+                       ttl: float | None = None) -> R.BlocksReserved:  # fmt: skip
+        """``blocks``: ``{key, parent: key | None, buffers: {name: nbytes}, meta?}`` each."""
+        return self._call("reserve_blocks", namespace=namespace, blocks=blocks, ttl=ttl)
+
+    def seal_many(self, leases: list[int],
+                  checksums: list[dict[str, int] | None] | None = None) -> R.SealedMany:
+        return self._call("seal_many", leases=leases, checksums=checksums)
+
+    def match_prefix(self, keys: list[str], *, namespace: str = "default",
+                     block_tokens: int = 0, ttl: float | None = None) -> R.PrefixMatch:
+        return self._call("match_prefix", namespace=namespace, keys=keys,
+                          block_tokens=block_tokens, ttl=ttl)  # fmt: skip
+
+    def release_many(self, leases: list[int]) -> None:
+        self._call("release_many", leases=leases)
+
+    # -- GPU staging rings -----------------------------------------------------------------
+    def rings(self) -> R.Rings:
+        return self._call("rings")
+
+    def ring_reserve(self, device: int, nbytes: int, *, namespace: str = "default",
+                     key: str | None = None, meta: dict | None = None,
+                     ttl: float | None = None) -> R.RingRegion:  # fmt: skip
+        return self._call("ring_reserve", device=device, nbytes=nbytes, namespace=namespace,
+                          key=key, meta=meta, ttl=ttl)  # fmt: skip
+
+    def ring_seal(self, lease: int) -> R.Sealed:
+        return self._call("ring_seal", lease=lease)
+
+    def ring_claim(self, key: str, *, namespace: str = "default", consume: bool = True,
+                   wait: float | None = None) -> R.RingClaimed:  # fmt: skip
+        return self._call("ring_claim", namespace=namespace, key=key, consume=consume,
+                          wait=wait)  # fmt: skip
+
+    def ring_release(self, lease: int) -> None:
+        self._call("ring_release", lease=lease)
+
+    # -- statistics ------------------------------------------------------------------------
+    def stat(self) -> dict:
+        """A Statistics dict (:meth:`Statistics.from_dict`)."""
+        return self._call("stat")
+
+    def watch(self, interval: float = 1.0) -> R.Watching:
+        """Subscribe to pushed snapshots (:meth:`Session.next_push`); 0 stops them."""
+        return self._call("watch", interval=interval)

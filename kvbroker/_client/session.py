@@ -1,0 +1,174 @@
+"""Session: request ids, replies matched to requests, errors turned into exceptions.
+
+Every call the client makes funnels through :meth:`Session.call`; which calls there are is
+:mod:`kvbroker._client.ops`'s business (the session greets through :meth:`Ops.hello`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from .framing import MessageStream
+from .._wire.replies import Hello as HelloReply
+from .ops import Ops
+from .._wire.protocol import PROTOCOL_VERSION
+from ..errors import BrokerUnavailable, KVBrokerError, ProtocolError, error_for_code
+
+__all__ = ["Session"]
+
+log = logging.getLogger("kvbroker.client")
+
+
+class Session:
+    """One greeted connection; thread-safe (one request in flight at a time)."""
+
+    def __init__(self, stream: MessageStream, *, name: str = "", role: str = "") -> None:
+        self._stream = stream
+        self._next_id = 1
+        self._lock = threading.Lock()
+        self._pushes: deque[dict] = deque(maxlen=64)
+        self._unanswered: set[int] = set()  # ids sent with send_only, replies not read yet
+        self.on_push: Callable[[dict], None] | None = None
+        self.broken = False  # the connection failed: the client may replace this session
+        self.hello: HelloReply = Ops(self.call, self.send_only).hello(PROTOCOL_VERSION, name,
+                                                                        role)  # fmt: skip
+
+    def call(self, op: str, **args: Any) -> Any:
+        with self._lock:
+            try:
+                rid = self._send(op, args)
+                while True:
+                    msg = self._stream.receive()
+                    if not isinstance(msg, dict):
+                        raise ProtocolError(f"unexpected message from the daemon: {msg!r:.80}")
+                    if "push" in msg:
+                        self._deliver(msg)
+                        continue
+                    if msg.get("id") in self._unanswered:
+                        self._settle(msg)
+                        continue
+                    if msg.get("id") not in (rid, None):
+                        raise ProtocolError(
+                            f"reply {msg.get('id')} does not answer request {rid}"
+                        )
+                    if msg.get("ok"):
+                        return msg.get("result")
+                    err = msg.get("error") or {}
+                    break
+            except BrokerUnavailable:
+                self.broken = True  # the transport failed, as opposed to a reply saying so
+                raise
+        raise error_for_code(str(err.get("code", "error")), str(err.get("message", "")))
+
+    def send_only(self, op: str, **args: Any) -> None:
+        """Send a request whose reply is read (and checked) by a later call, saving a round
+        trip. Only for requests that cannot fail short of a daemon bug or a lost connection:
+        a failure then is logged, not raised."""
+        with self._lock:
+            try:
+                self._unanswered.add(self._send(op, args))
+            except BrokerUnavailable:
+                self.broken = True
+                raise
+
+    def settimeout(self, timeout: float | None) -> None:
+        """Seconds to wait for the daemon from now on (None: forever), e.g. for a claim that
+        waits, or between the pushes of a watch."""
+        self._stream.transport.settimeout(timeout)
+
+    def _send(self, op: str, args: dict) -> int:
+        rid = self._next_id
+        self._next_id += 1
+        try:
+            self._stream.send({"id": rid, "op": op, "args": args})
+        except BrokerUnavailable:
+            self.broken = True
+            self._raise_parting_error()
+            raise
+        return rid
+
+    def _raise_parting_error(self) -> None:
+        """The write failed: the daemon hung up. If it said why first (a connection refused
+        for max_connections, a protocol error), raise that typed error rather than a broken
+        pipe: the daemon may close before this request even went out (a client slow between
+        connect and hello), yet its last message is still there to read."""
+        try:
+            self._stream.transport.settimeout(1.0)  # the daemon is gone: EOF comes at once
+            while True:
+                msg = self._stream.receive()
+                if isinstance(msg, dict) and msg.get("id") is None and msg.get("ok") is False:
+                    err = msg.get("error") or {}
+                    break
+        except (KVBrokerError, OSError):  # OSError: another thread closed the socket
+            return  # it said nothing more: the broken pipe stands
+        raise error_for_code(str(err.get("code", "error")), str(err.get("message", "")))
+
+    def _settle(self, msg: dict) -> None:
+        self._unanswered.discard(msg["id"])
+        if not msg.get("ok"):
+            err = msg.get("error") or {}
+            log.warning("request %s failed after the fact: %s: %s",
+                        msg["id"], err.get("code"), err.get("message"))
+
+    def next_push(self) -> dict:
+        """Block until the daemon pushes a message (after ``watch``)."""
+        with self._lock:
+            if self._pushes:
+                return self._pushes.popleft()
+            while True:
+                try:
+                    msg = self._stream.receive()
+                except BrokerUnavailable:
+                    self.broken = True
+                    raise
+                if isinstance(msg, dict) and "push" in msg:
+                    return msg
+                if isinstance(msg, dict) and msg.get("id") in self._unanswered:
+                    self._settle(msg)
+                    continue
+                if isinstance(msg, dict) and not msg.get("ok", True):
+                    err = msg.get("error") or {}
+                    raise error_for_code(str(err.get("code")), str(err.get("message", "")))
+
+    def _deliver(self, msg: dict) -> None:
+        if self.on_push is not None:
+            self.on_push(msg)
+        else:
+            self._pushes.append(msg)
+
+    def close(self, drain_timeout: float = 5.0) -> None:
+        """Close the connection, first reading the replies to ``send_only`` requests: a
+        pipelined release has then taken effect in the daemon before ``close`` returns, so a
+        consume-claim's freeing is visible to every other client afterwards. A daemon that
+        does not answer within ``drain_timeout`` seconds is not waited for further."""
+        # Not waiting on the lock: a thread blocked in a call (``next_push`` of a watcher) is
+        # woken by the close instead, as before.
+        if self._lock.acquire(blocking=False):
+            try:
+                if self._unanswered and not self.broken:
+                    self._drain(drain_timeout)
+            finally:
+                self._lock.release()
+        self._stream.close()
+
+    def _drain(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout  # pushes (a watch) must not keep it waiting
+        try:
+            while self._unanswered:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"no reply within {timeout:g} s")
+                self._stream.transport.settimeout(left)
+                msg = self._stream.receive()
+                if isinstance(msg, dict) and msg.get("id") in self._unanswered:
+                    self._settle(msg)
+                elif isinstance(msg, dict) and "push" in msg:
+                    self._deliver(msg)
+        except Exception as exc:  # closing regardless: the daemon ends what is left
+            log.debug("closing without the replies to %d requests: %s", len(self._unanswered),
+                      exc)

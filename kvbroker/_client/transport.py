@@ -1,0 +1,92 @@
+"""Transport: a blocking Unix stream socket to the daemon, with timeouts."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+from .._cpu import cpu_spare
+from ..errors import BrokerUnavailable, Timeout
+
+__all__ = ["UnixTransport"]
+
+_RECV_SIZE = 64 * 1024
+
+
+class UnixTransport:
+    """Bytes in and out of the daemon's socket. Knows nothing of messages."""
+
+    def __init__(
+        self, path: str, timeout: float | None = 30.0, busy_poll: float = 100e-6
+    ) -> None:
+        self.path = path
+        # Poll for the reply this long before sleeping in recv, while the host has a CPU to
+        # spare (kvbroker._cpu): on VMs a cross-CPU wake-up costs more than a whole request
+        # (a bare round trip: 12 us sleeping, 5 us polling). 0 turns it off.
+        self.busy_poll = busy_poll
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(min(timeout, 5.0) if timeout else 5.0)
+        try:
+            sock.connect(path)
+        except FileNotFoundError:
+            sock.close()
+            raise BrokerUnavailable(f"no kvbroker daemon: {path} does not exist") from None
+        except (ConnectionRefusedError, socket.timeout) as exc:
+            sock.close()
+            raise BrokerUnavailable(f"no kvbroker daemon answers on {path} ({exc})") from None
+        except PermissionError:
+            sock.close()
+            raise BrokerUnavailable(f"permission denied connecting to {path}") from None
+        sock.settimeout(timeout)
+        self._sock = sock
+        # recv_into one reused buffer: recv(n) would allocate n bytes on every call.
+        self._buf = bytearray(_RECV_SIZE)
+        self._view = memoryview(self._buf)
+
+    def send(self, data: bytes) -> None:
+        try:
+            self._sock.sendall(data)
+        except socket.timeout:
+            raise Timeout(f"sending to the daemon on {self.path} timed out") from None
+        except OSError as exc:
+            raise BrokerUnavailable(f"lost the daemon on {self.path}: {exc}") from None
+
+    def recv(self) -> memoryview:
+        """Some bytes (never empty), valid until the next call; raises BrokerUnavailable
+        when the daemon hung up."""
+        try:
+            n = self._poll() if self.busy_poll > 0 else None
+            if n is None:
+                n = self._sock.recv_into(self._buf)
+        except socket.timeout:
+            raise Timeout(f"the daemon on {self.path} did not answer in time") from None
+        except OSError as exc:
+            raise BrokerUnavailable(f"lost the daemon on {self.path}: {exc}") from None
+        if not n:
+            raise BrokerUnavailable(f"the daemon on {self.path} closed the connection")
+        return self._view[:n]
+
+    def _poll(self) -> int | None:
+        if not cpu_spare():
+            return None  # spinning would take the CPU the daemon needs to answer
+        # On a socket with a timeout Python waits in poll() before every recv, MSG_DONTWAIT or
+        # not: only a timeout of 0 makes recv_into return at once.
+        sock = self._sock
+        timeout = sock.gettimeout()
+        sock.settimeout(0.0)
+        try:
+            deadline = time.perf_counter() + self.busy_poll
+            while True:
+                try:
+                    return sock.recv_into(self._buf)
+                except BlockingIOError:
+                    if time.perf_counter() > deadline:
+                        return None
+        finally:
+            sock.settimeout(timeout)
+
+    def settimeout(self, timeout: float | None) -> None:
+        self._sock.settimeout(timeout)
+
+    def close(self) -> None:
+        self._sock.close()

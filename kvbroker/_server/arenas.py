@@ -1,0 +1,98 @@
+"""Write arenas: pages lent to one connection to fill before naming them (``arena``,
+``publish``), so a put is one round trip.
+
+What an arena is and who frees it: the ownership contract in :mod:`kvbroker._server.state`.
+These are the broker's transitions for them (lend, publish from, end); the handlers
+(:mod:`kvbroker._server.handlers`) call them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ..errors import PoolFull
+from .state import Arena, Session, StoredObject
+
+if TYPE_CHECKING:
+    from .broker import Broker
+
+__all__ = ["new_arena", "end_arena", "arena_of", "publish_from_arena"]
+
+# A write arena is at most this fraction of its pool, and all arenas together at most
+# _ARENA_BUDGET_FRACTION of the pools: idle arenas of many clients must not hold the pool
+# hostage (they are not evictable). An arena never evicts a sealed object either: it is an
+# optimisation, and a client without one falls back to reserve + seal.
+_ARENA_POOL_FRACTION = 16
+_ARENA_BUDGET_FRACTION = 4
+
+
+def new_arena(b: Broker, session: Session, nbytes: int) -> Arena:
+    cap = max(p.size for p in b.pools) // _ARENA_POOL_FRACTION
+    nbytes = max(1, min(nbytes, cap))
+    held = sum(a.npages * a.pool.page_size for a in b.arenas.values())
+    budget = sum(p.size for p in b.pools) // _ARENA_BUDGET_FRACTION
+    if held + nbytes > budget:
+        raise PoolFull(f"write arenas already hold {held} of their {budget} bytes")
+    pool, start, npages = b.allocate(nbytes, evict=False)
+    arena = Arena(b.registry.next_id(), session, pool, start, npages)
+    if b.journal is not None:
+        b.journal.lent(pool.index, start, npages)
+    b._owners[pool.index][start] = ("w", npages)
+    b.arenas[arena.id] = arena
+    session.arenas[arena.id] = arena
+    return arena
+
+
+def end_arena(b: Broker, arena: Arena, reason: str, hold: bool = False) -> None:
+    del b.arenas[arena.id]
+    del arena.session.arenas[arena.id]
+    if hold:  # its writer may still be copying (see close_session)
+        b.hold(arena.pool, arena.start, arena.npages)
+    else:
+        b.free_extent(arena.pool, arena.start, arena.npages)
+        if b.journal is not None:
+            b.journal.returned(arena.pool.index, arena.start)
+    b.registry.ended(arena.id, reason)
+
+
+def arena_of(b: Broker, session: Session, aid: int) -> Arena:
+    arena = b.arenas.get(aid)
+    if arena is None:
+        raise b.registry.gone(aid, "arena", fenced=False)
+    if arena.session is not session:
+        raise b.registry.foreign(aid, "arena")
+    return arena
+
+
+def publish_from_arena(b: Broker, session: Session, ar: Arena, obj: StoredObject,
+                       next_arena: int) -> tuple[dict, Arena | None]:  # fmt: skip
+    """Turn the arena's first pages into ``obj`` (checked, charged) and seal it; keep
+    the rest as the arena, or hold a fresh one of ``next_arena`` bytes (0: none).
+    Returns the seal's reply and the arena now held."""
+    pool, npages = ar.pool, obj.npages
+    owners = b._owners[pool.index]
+    if npages < ar.npages:
+        ar.start = pool.allocator.split(ar.start, ar.npages, npages)
+        ar.npages -= npages
+        owners[ar.start] = ("w", ar.npages)
+    else:
+        del b.arenas[ar.id], session.arenas[ar.id]
+        b.registry.ended(ar.id, "it was published whole")
+        ar = None
+    owners[obj.start] = obj
+    # Keep what is left while it is at least half the size asked for: a fresh arena
+    # every few publishes amortises its allocation, and the rest is never tiny.
+    wanted = min(next_arena, pool.size // _ARENA_POOL_FRACTION)
+    if ar is not None and 2 * ar.npages * pool.page_size < wanted:
+        end_arena(b, ar, "it was used up; a fresh arena replaced it")
+        ar = None
+    if next_arena and ar is None:
+        # Before the object is linked, so making room for the arena cannot evict it.
+        try:
+            ar = new_arena(b, session, next_arena)
+        except PoolFull:
+            ar = None  # the client falls back to reserve + seal
+    elif not next_arena and ar is not None:
+        end_arena(b, ar, "its holder asked for no further arena")
+        ar = None
+    return b.link_sealed(session, obj), ar

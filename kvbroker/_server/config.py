@@ -1,0 +1,570 @@
+"""The daemon's configuration: one :class:`Key` declaration per setting, everything else derived.
+
+A setting is declared once, in :data:`SETTINGS`: its name, parser, default, help, whether and
+how SIGHUP applies it, and its ``serve`` flag. From that list come :class:`DaemonConfig`, the
+TOML keys (with "did you mean" for a misspelt one), the ``KVBROKER_<KEY>`` variables (an
+unknown ``KVBROKER_*`` variable is refused the same way), the ``serve`` options
+(``cli/_settings.py``), the reload (:func:`reload_into`, called by ``Daemon.reload``) and the
+configuration ``doctor`` checks against. Adding a setting is one ``Key(...)`` here, plus the
+code that uses it.
+
+Precedence: the TOML file, then ``KVBROKER_*`` variables, then flags (``pool_size`` <->
+``KVBROKER_POOL_SIZE`` <-> ``--pool-size``). Each value is checked where it is read, so an
+error names the file and key, the variable or the flag that holds the bad value, never just
+"invalid configuration".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from .._wire.paths import default_socket_path, parse_duration, parse_size
+
+if TYPE_CHECKING:
+    from .daemon import Daemon
+
+__all__ = ["DEFAULT_CONFIG_PATH", "ConfigError", "DaemonConfig", "Key", "KEYS", "SETTINGS",
+           "load_config", "parse_listen_address", "reload_into"]
+
+DEFAULT_CONFIG_PATH = "/etc/kvbroker/kvbroker.toml"
+CONFIG_ENV = "KVBROKER_CONFIG"
+ENV_PREFIX = "KVBROKER_"
+LOG_LEVELS = ("debug", "info", "warning", "error")
+# KVBROKER_* variables that are not settings: read elsewhere, so not "unknown" to the daemon
+# (which inherits them from the shell that runs the tests or a benchmark).
+OTHER_VARIABLES = {
+    CONFIG_ENV: "the configuration file (here)",
+    "KVBROKER_EVENT_LOOP": "asyncio keeps asyncio's event loop (_server/daemon.py)",
+    "KVBROKER_FAKE_GPUS": "fake GPUs for the ring tests (_server/rings.py)",
+    "KVBROKER_PEER_SCRIPT": "the Mooncake peer script (_bench/peer.py)",
+    "KVBROKER_CRASH_CYCLES": "tests/test_crash.py",
+    "KVBROKER_FUZZ_FRAMES": "tests/test_fuzz.py",
+    "KVBROKER_SOAK_LONG": "tests/test_soak.py",
+    "KVBROKER_SOAK_SECONDS": "tests/test_soak.py",
+    "KVBROKER_COPY_THREADS": "threads of a client's host copy engine (_client/engine.py)",
+    "KVBROKER_DEBUG": "tracebacks instead of one-line CLI errors (cli/_common.py)",
+    # Click's shell-completion variable for the `kvbroker` program (`_KVBROKER_COMPLETE`).
+    "KVBROKER_COMPLETE": "shell completion (tests/test_cli_ops.py)",
+}
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, unknown or invalid; the message says where."""
+
+
+# -- value parsers: raise ValueError with what was wrong; the caller adds where ------------
+def _size(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ValueError(f"expected a size like 1G, 512M or a byte count, got {value!r}")
+    n = parse_size(value)
+    if n <= 0:
+        raise ValueError(f"must be more than 0 bytes, got {value!r}")
+    return n
+
+
+def _gpu_ring(value: Any) -> int | None:
+    """Bytes of GPU staging ring per GPU; 0, "off" or "" turn rings off."""
+    if value in (0, "0", "", "off"):
+        return None
+    n = _size(value)
+    if n < 1 << 20:
+        raise ValueError(f"a GPU ring needs at least 1M, got {value!r}")
+    return n
+
+
+def _page_size(value: Any) -> int:
+    n = _size(value)
+    if n < 4096 or n & (n - 1):
+        raise ValueError(f"must be a power of two of at least 4K, got {value!r}")
+    return n
+
+
+def _duration(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ValueError(f"expected a duration like 30s, 5m or a number of seconds, got {value!r}")
+    seconds = parse_duration(value)
+    if seconds < 0:
+        raise ValueError(f"must not be negative, got {value!r}")
+    return seconds
+
+
+def _positive_duration(value: Any) -> float:
+    seconds = _duration(value)
+    if seconds <= 0:
+        raise ValueError(f"must be more than 0 seconds, got {value!r}")
+    return seconds
+
+
+def _int_in(lo: int, hi: int) -> Callable[[Any], int]:
+    def parse(value: Any) -> int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"expected an integer, got {value!r}")
+        if not lo <= value <= hi:
+            raise ValueError(f"must be between {lo} and {hi}, got {value}")
+        return value
+
+    return parse
+
+
+def _ratio(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"expected a fraction like 0.9, got {value!r}")
+    if not 0 < value <= 1:
+        raise ValueError(f"must be in (0, 1], got {value}")
+    return float(value)
+
+
+def _group(value: Any) -> int | None:
+    import grp
+
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ValueError(f"expected a group name or gid, got {value!r}")
+    if isinstance(value, int) or value.isdigit():
+        return int(value)
+    if value == "":
+        return None
+    try:
+        return grp.getgrnam(value).gr_gid
+    except KeyError:
+        raise ValueError(f"no group {value!r} on this host") from None
+
+
+def _bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+        return value.lower() in ("1", "true", "yes", "on")
+    raise ValueError(f"expected true or false, got {value!r}")
+
+
+def _isolation(value: Any):
+    from .policy import parse_isolation
+
+    if not isinstance(value, dict):  # an environment variable or a flag
+        raise ValueError("set it as an [isolation] table in the configuration file")
+    return parse_isolation(value, where="")
+
+
+def _quotas(value: Any):
+    from .policy import parse_quotas
+
+    if not isinstance(value, dict):
+        raise ValueError("set it as a [quotas] table in the configuration file")
+    return parse_quotas(value, _size, where="")
+
+
+def _log_level(value: Any) -> str:
+
+    if not isinstance(value, str) or value.lower() not in LOG_LEVELS:
+        raise ValueError(f"expected one of {', '.join(LOG_LEVELS)}, got {value!r}")
+    return value.lower()
+
+
+def _socket(value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"expected a socket path, got {value!r}")
+    if len(os.fsencode(value)) > 107:
+        raise ValueError(f"Unix socket paths are limited to 107 bytes, got {len(value)}")
+    return value
+
+
+_ADDRESS_RE = re.compile(r"^(?:\[(?P<v6>[^\]]+)\]|(?P<host>[^:\[\]]*)):(?P<port>\d+)$")
+
+
+def parse_listen_address(value: Any) -> tuple[str, int] | None:
+    """'HOST:PORT', '[::1]:PORT', ':PORT' or 'PORT' -> (host, port); '' or 'off' -> None.
+    A missing host means loopback: metrics are not for the whole network unless asked."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = str(value)
+    if not isinstance(value, str):
+        raise ValueError(f"expected HOST:PORT, got {value!r}")
+    text = value.strip()
+    if text.lower() in ("", "off", "no", "false"):
+        return None
+    if text.isdigit():
+        text = ":" + text
+    m = _ADDRESS_RE.match(text)
+    if not m:
+        raise ValueError(f"expected HOST:PORT (e.g. 127.0.0.1:9464), got {value!r}")
+    host = m.group("v6") or m.group("host") or "127.0.0.1"
+    port = int(m.group("port"))
+    if port > 65535:
+        raise ValueError(f"port must be at most 65535, got {port}")
+    return host, port
+
+
+def _write_buffer(value: Any) -> int:
+    n = _size(value)
+    if n < 64 * 1024:
+        raise ValueError(f"must be at least 64K (replies must fit), got {value!r}")
+    return n
+
+
+_POOLS, _CONNECTIONS, _LEASES = _int_in(1, 64), _int_in(1, 1 << 20), _int_in(1, 1 << 24)
+
+
+# -- how SIGHUP applies a setting: f(daemon, running configuration, field) -----------------
+def LIVE(daemon: Daemon, cfg: DaemonConfig, field: str) -> None:
+    """Nothing to push: the daemon reads ``daemon.config.<field>`` each time it needs it."""
+
+
+def TO_BROKER(daemon: Daemon, cfg: DaemonConfig, field: str) -> None:
+    """The broker keeps its own copy, under the same name."""
+    if daemon.broker is not None:
+        setattr(daemon.broker, field, getattr(cfg, field))
+
+
+def _set_policy(daemon: Daemon, cfg: DaemonConfig, field: str) -> None:
+    # One call for both tables (the reload calls each function once): every connection's
+    # access is recomputed from its next request on.
+    if daemon.broker is not None:
+        daemon.broker.set_policy(cfg.isolation, cfg.quotas)
+
+
+def _set_write_buffers(daemon: Daemon, cfg: DaemonConfig, field: str) -> None:
+    if daemon.broker is None:
+        return
+    for conn in daemon.connections:  # the new bound applies to every open connection
+        if conn.transport is not None and not conn.closed:
+            conn.transport.set_write_buffer_limits(high=cfg.max_write_buffer)
+
+
+def _set_log_level(daemon: Daemon, cfg: DaemonConfig, field: str) -> None:
+    logging.getLogger().setLevel(cfg.log_level.upper())
+
+
+Apply = Callable[["Daemon", "DaemonConfig", str], None]
+
+
+@dataclass(frozen=True, eq=False)
+class Key:
+    """One setting: a TOML key, a ``KVBROKER_<NAME>`` variable, maybe a ``serve`` flag, and
+    a :class:`DaemonConfig` field."""
+
+    name: str  # the TOML key
+    parse: Callable[[Any], Any]  # a TOML value (or text, or a flag's value) -> the setting
+    # As written in TOML ("64K", "30s", 0.95): parsed by ``parse`` into DaemonConfig's default.
+    # None stays None; a callable is a default factory; a table ({}) is parsed per instance.
+    default: Any
+    help: str
+    # How SIGHUP applies a new value (LIVE, TO_BROKER or a function); None: needs a restart.
+    reload: Apply | None = None
+    # ``serve``'s option declarations: () is --<name-with-dashes>; None: no flag (file and
+    # environment only). A bool key with one declaration is a switch (--cold): absent means
+    # "not given", never false.
+    flag: tuple[str, ...] | None = None
+    # The type of the value a flag gives (int, float, bool or str); a variable's text is
+    # converted to int or float before ``parse`` when it is one of those.
+    text: type = str
+    # the default as help shows it, when the default does not say (a callable: worked out
+    # when the help is shown, e.g. the socket path, which depends on who asks)
+    shown: str | Callable[[], str] | None = None
+    metavar: str | None = None  # what a flag's value is, in help (SIZE, DURATION, ...)
+    field: str = ""  # the DaemonConfig attribute, when it is not ``name``
+    example: Any = None  # a valid value other than the default, as TOML would hold it
+
+    @property
+    def attr(self) -> str:
+        return self.field or self.name
+
+    @property
+    def env(self) -> str:
+        return env_name(self.name)
+
+    @property
+    def flags(self) -> tuple[str, ...]:
+        """``serve``'s option declarations; () when the key has no flag."""
+        if self.flag is None:
+            return ()
+        return self.flag or (flag_name(self.name),)
+
+    @property
+    def switch(self) -> bool:
+        """A flag that can only say yes (--cold): absent is "not given", never false."""
+        return self.text is bool and len(self.flags) == 1 and "/" not in self.flags[0]
+
+    @property
+    def reloadable(self) -> bool:
+        return self.reload is not None
+
+    @property
+    def table(self) -> bool:
+        return isinstance(self.default, dict)
+
+    def parse_text(self, text: str) -> Any:
+        """An environment variable's value: numbers arrive as text there, unlike in TOML."""
+        if self.text in (int, float):
+            try:
+                return self.parse(self.text(text))
+            except ValueError:
+                pass  # let parse() word the error about the text itself
+        return self.parse(text)
+
+    def shown_default(self) -> str | None:
+        if callable(self.shown):
+            return self.shown()
+        if self.shown is not None:
+            return self.shown
+        if self.default is None or callable(self.default) or self.table:
+            return None
+        if isinstance(self.default, bool):
+            return "true" if self.default else "false"
+        return str(self.default)
+
+    def dataclass_field(self) -> Any:
+        if self.default is None:
+            return dataclasses.field(default=None)
+        if callable(self.default):
+            return dataclasses.field(default_factory=self.default)
+        if self.table:  # parsed when first needed: policy's imports stay off the CLI's path
+            return dataclasses.field(default_factory=lambda: self.parse(dict(self.default)))
+        return dataclasses.field(default=self.parse(self.default))
+
+
+def _socket_for_this_user() -> str:
+    """The socket ``serve`` takes without ``--socket`` or ``$KVBROKER_SOCKET``, for whoever
+    reads the help (root gets the system service's path)."""
+    saved = os.environ.pop("KVBROKER_SOCKET", None)
+    try:
+        return default_socket_path()
+    finally:
+        if saved is not None:
+            os.environ["KVBROKER_SOCKET"] = saved
+
+
+# -- THE settings: one declaration each ----------------------------------------------------
+SETTINGS: tuple[Key, ...] = (
+    Key("socket", _socket, default_socket_path, field="socket_path", flag=("--socket", "-s"),
+        help="Daemon socket path (ignored when systemd passes one; KVBROKER_SOCKET sets it "
+             "too).", metavar="PATH", shown=_socket_for_this_user,
+        example="/tmp/kvbroker-example.sock"),
+    # None: 1 GiB, or less to fit the free space in /dev/shm (DaemonConfig.resolved_pool_size).
+    Key("pool_size", _size, None, flag=(), metavar="SIZE", help="Bytes per pool, e.g. 1G, 512M.",
+        shown="1G, less to fit /dev/shm", example="256M"),
+    Key("pools", _POOLS, 1, flag=(), metavar="N", text=int, help="Number of host pools.", example=2),
+    Key("page_size", _page_size, "64K", flag=(), metavar="SIZE", help="Allocation granule (a power of two).",
+        example="4K"),
+    Key("lease_ttl", _positive_duration, "30s", reload=TO_BROKER, flag=(), metavar="DURATION",
+        help="Default lease TTL.", example="90s"),
+    Key("high_watermark", _ratio, 0.95, reload=TO_BROKER, flag=(), metavar="FRACTION", text=float,
+        help="Evict above this use.", example=0.97),
+    Key("low_watermark", _ratio, 0.90, reload=TO_BROKER, flag=(), metavar="FRACTION", text=float,
+        help="...down to this use.", shown="0.90", example=0.5),
+    # A gid: its members may connect and map the pools (mode 0660); None: the owner only.
+    Key("group", _group, None, flag=(), metavar="GROUP", example=0,
+        help="Group whose members may connect (socket and pools mode 0660)."),
+    # While the host has a CPU to spare (kvbroker._cpu): a wake-up across CPUs costs more
+    # than serving a request.
+    Key("busy_poll", _duration, 100e-6, reload=LIVE, example="1ms",
+        help="Keep the loop polling this long after the last request instead of sleeping in "
+             "epoll; 0 turns it off."),
+    Key("max_connections", _CONNECTIONS, 1024, reload=LIVE, flag=(), metavar="N", text=int,
+        help="Most client connections at once.", example=16),
+    Key("drain_timeout", _duration, "10s", reload=LIVE, flag=(), metavar="DURATION", example="1m",
+        help="On SIGTERM, wait this long for held leases to end."),
+    Key("log_level", _log_level, "info", reload=_set_log_level, flag=(), metavar="LEVEL", example="debug",
+        help="debug, info, warning, error."),
+    # (host, port) of the Prometheus endpoint, None when off.
+    Key("metrics", parse_listen_address, "off", flag=(), metavar="HOST:PORT", example="127.0.0.1:9464",
+        help="Serve Prometheus metrics on HOST:PORT (a bare PORT means loopback)."),
+    # Integrity and limits (issue 8).
+    Key("require_checksums", _bool, False, reload=TO_BROKER, text=bool, example=True,
+        help="Refuse seals that carry no checksum per buffer."),
+    Key("max_leases_per_client", _LEASES, 65536, reload=TO_BROKER, text=int, example=100,
+        help="Leases one connection may hold at once."),
+    Key("max_write_buffer", _write_buffer, "32M", reload=_set_write_buffers, example="64M",
+        help="Bytes of replies and pushes a peer may leave unread before it is disconnected "
+             "(above the largest reply: 16 MiB frames)."),
+    # Who may use which namespace, and namespace byte quotas (kvbroker._server.policy).
+    Key("isolation", _isolation, {}, reload=_set_policy, example={"mode": "tenant"},
+        help="[isolation] namespace access policy."),
+    Key("quotas", _quotas, {}, reload=_set_policy, example={"team/*": "1G"},
+        help="[quotas] namespace = byte limit."),
+    # kvbroker._server.rings; off: no rings, and the daemon never loads the CUDA driver.
+    Key("gpu_ring", _gpu_ring, "off", flag=(), metavar="SIZE", example="2G",
+        help="Allocate a GPU staging ring of this size on each visible GPU, shared with "
+             "clients through CUDA IPC (e.g. 1G)."),
+    # Warm restart (kvbroker._server.journal): after a crash the next daemon always adopts the
+    # pools and the journal unless `cold`; a clean stop keeps them only with keep_pools_on_exit.
+    Key("keep_pools_on_exit", _bool, False, text=bool, shown="drop", example=True,
+        flag=("--keep-pools-on-exit/--drop-pools-on-exit",),
+        help="On a clean stop, keep the pools and their index for the next daemon (after a "
+             "crash the next daemon always adopts them)."),
+    Key("cold", _bool, False, flag=("--cold",), text=bool, example=True,
+        help="Start empty: drop the pools and objects a previous daemon left."),
+    Key("journal", _bool, True, text=bool, example=False,
+        help="Keep the index in a journal for warm restarts; false: every start is cold."),
+    # Pages a writer may still be copying into although it lost them (lent at a crash, or its
+    # connection cut off by the daemon). On reload, deadlines already set keep their length;
+    # pages quarantined from then on get the new one.
+    Key("restart_quarantine", _duration, "10s", reload=TO_BROKER, flag=(), metavar="DURATION", example="45s",
+        help="Keep pages a writer may still be copying into (after a daemon restart or a "
+             "cut-off) out of use this long."),
+)
+KEYS: dict[str, Key] = {k.name: k for k in SETTINGS}
+
+
+def _resolved_pool_size(self: DaemonConfig) -> int:
+    if self.pool_size is not None:
+        return self.pool_size
+    default = 1 << 30
+    try:
+        st = os.statvfs("/dev/shm")
+        free = st.f_bavail * st.f_frsize
+    except OSError:
+        return default
+    # Leave room for everything else that lives in /dev/shm.
+    fit = (free // 2) // max(1, self.pools)
+    return max(self.page_size, min(default, fit - fit % self.page_size))
+
+
+DaemonConfig = dataclasses.make_dataclass(
+    "DaemonConfig",
+    [(k.attr, Any, k.dataclass_field()) for k in SETTINGS]
+    + [("config_path", "str | None", dataclasses.field(default=None))],  # re-read on SIGHUP
+    namespace={
+        "__doc__": "Every setting of one daemon: a field per :data:`SETTINGS` key (``socket`` "
+                   "is ``socket_path``), plus the file it came from.",
+        "__module__": __name__,
+        "resolved_pool_size": _resolved_pool_size,
+    },
+)  # fmt: skip
+_resolved_pool_size.__qualname__ = "DaemonConfig.resolved_pool_size"
+
+
+def env_name(key: str) -> str:
+    return ENV_PREFIX + key.upper()
+
+
+def flag_name(key: str) -> str:
+    return "--" + key.replace("_", "-")
+
+
+def _did_you_mean(name: str, known, prefix: str = "") -> str:
+    """" (did you mean 'pool_size'?)", comparing names without their common ``prefix``."""
+    import difflib
+
+    cut = len(prefix)
+    hint = difflib.get_close_matches(name[cut:], [k[cut:] for k in known], n=1)
+    return f" (did you mean {prefix + hint[0]!r}?)" if hint else ""
+
+
+def _env_layer(env: Mapping[str, str]) -> dict[str, str]:
+    """The settings ``KVBROKER_*`` variables give; an unknown one is an error, like an
+    unknown TOML key (a misspelt variable is a typo, not a wish to be ignored)."""
+    known = {k.env for k in SETTINGS} | OTHER_VARIABLES.keys()
+    for var in sorted(env):
+        if var.startswith(ENV_PREFIX) and var not in known:
+            hint = _did_you_mean(var, known, ENV_PREFIX)
+            raise ConfigError(f"unknown variable {var!r}{hint}")
+    return {k.name: env[k.env] for k in SETTINGS if env.get(k.env) is not None}
+
+
+def _read_file(path: str, required: bool) -> dict[str, Any]:
+    try:  # here, not at the top: the CLI imports this module for serve's options
+        import tomllib
+    except ImportError:  # Python 3.10
+        import tomli as tomllib
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError:
+        if required:
+            raise ConfigError(f"{path}: no such configuration file") from None
+        return {}
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    for key, value in data.items():
+        if key not in KEYS:
+            extra = _did_you_mean(key, KEYS)
+            if isinstance(value, dict):
+                tables = " and ".join(f"[{k.name}]" for k in SETTINGS if k.table)
+                extra += f"; the only sections are {tables}, put every other key at the top"
+            raise ConfigError(f"{path}: unknown key {key!r}{extra}")
+    return data
+
+
+def load_config(
+    path: str | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    flags: Mapping[str, Any] | None = None,
+) -> DaemonConfig:
+    """The :class:`DaemonConfig` from ``path`` (else ``$KVBROKER_CONFIG``, else the default
+    file if it exists), then ``KVBROKER_*`` variables, then ``flags`` (key -> value, None
+    meaning not given). Raises :class:`ConfigError` naming the bad key, or an unknown key or
+    ``KVBROKER_*`` variable."""
+    env = os.environ if env is None else env
+    required = path is not None or bool(env.get(CONFIG_ENV))
+    path = path or env.get(CONFIG_ENV) or DEFAULT_CONFIG_PATH
+    layers: list[tuple[Callable[[str], str], Mapping[str, Any]]] = [
+        (lambda k: f"{path}: {k}", _read_file(path, required)),
+        (env_name, _env_layer(env)),
+        (flag_name, {k: v for k, v in (flags or {}).items() if v is not None}),
+    ]
+    values: dict[str, Any] = {}
+    where: dict[str, str] = {}
+    for name, layer in layers:
+        for key, raw in layer.items():
+            if key not in KEYS:
+                raise ConfigError(f"{name(key)}: unknown setting")
+            try:
+                if name is env_name:
+                    values[key] = KEYS[key].parse_text(raw)
+                else:
+                    values[key] = KEYS[key].parse(raw)
+            except ValueError as exc:
+                raise ConfigError(f"{name(key)}: {exc}") from None
+            where[key] = name(key)
+    cfg = DaemonConfig()
+    for key, value in values.items():
+        setattr(cfg, KEYS[key].attr, value)
+    if cfg.low_watermark > cfg.high_watermark:
+        raise ConfigError(
+            f"{where.get('low_watermark', 'low_watermark')}: low_watermark "
+            f"({cfg.low_watermark:g}) must not exceed high_watermark ({cfg.high_watermark:g}, "
+            f"from {where.get('high_watermark', 'the default')})"
+        )
+    if cfg.pool_size is not None and cfg.pool_size < cfg.page_size:
+        raise ConfigError(
+            f"{where['pool_size']}: a pool ({cfg.pool_size} bytes) must hold at least one page "
+            f"({cfg.page_size} bytes)"
+        )
+    cfg.config_path = path if os.path.exists(path) else None
+    return cfg
+
+
+def reload_into(
+    running: DaemonConfig, new: DaemonConfig, daemon: Daemon, *, keep: tuple[str, ...] = ()
+) -> tuple[list[str], list[tuple[str, Any, Any]]]:
+    """SIGHUP: copy the reloadable settings of ``new`` into ``running`` and apply them (each
+    key's ``reload``, each function once). Returns what changed ("lease_ttl 30.0 -> 5.0"), and
+    (field, old, new) for settings that changed but need a restart; ``keep`` names fields
+    whose difference is not a change (the socket path under socket activation)."""
+    changed, restart = [], []
+    for key in SETTINGS:
+        before, after = getattr(running, key.attr), getattr(new, key.attr)
+        if before == after or key.attr in keep:
+            continue
+        if key.reloadable:
+            changed.append(f"{key.attr} {before!r} -> {after!r}")
+            setattr(running, key.attr, after)
+        else:
+            restart.append((key.attr, before, after))
+    done: set[Any] = set()
+    for key in SETTINGS:  # unchanged values too: the daemon's copies always match the config
+        if key.reload is None:
+            continue
+        once = (key.reload, key.attr) if key.reload is TO_BROKER else key.reload
+        if once not in done:  # one set_policy for [isolation] and [quotas]
+            done.add(once)
+            key.reload(daemon, running, key.attr)
+    return changed, restart

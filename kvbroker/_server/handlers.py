@@ -1,0 +1,459 @@
+"""One handler per op row the broker serves (``Service.BROKER`` in ``kvbroker._wire.protocol``).
+
+``op_<name>(broker, session, **args)`` checks what the request asks (arguments already
+validated against the table), makes the change through the broker's transitions
+(:class:`~kvbroker._server.broker.Broker`) and returns the reply the table declares. Who
+owns and frees what: see :mod:`kvbroker._server.state`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from typing import TYPE_CHECKING, Any
+
+import msgpack
+import re2
+
+from .._version import __version__
+from .._wire import checksum as _checksum
+from .._wire import replies as R
+from .._wire.names import check_buffer_name
+from .._wire.objects import buffer_offsets
+from .._wire.protocol import MAX_BUFFERS, MAX_META, MAX_NAME, PROTOCOL_VERSION
+from ..errors import BadRequest, Exists, NotFound, ProtocolError
+from .arenas import arena_of, end_arena, new_arena, publish_from_arena
+from .snapshot import statistics_for
+from .state import Session, StoredObject, WouldWait
+
+if TYPE_CHECKING:
+    from .broker import Broker
+
+__all__ = ["HANDLERS"]
+
+_MAX_LIST = 10_000
+_MAX_REGEX = 1024
+_RE2_OPTIONS = re2.Options()
+_RE2_OPTIONS.log_errors = False  # a bad pattern is the client's error, answered, not logged
+_regex_cache: dict[str, re.Pattern] = {}
+
+
+# ------------------------------------------------------------------------------ session
+def op_hello(b: Broker, session: Session, version: int, name: str, role: str) -> R.Hello:
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(
+            f"protocol version {version} is not supported (daemon speaks {PROTOCOL_VERSION})"
+        )
+    session.name, session.role, session.greeted = name[:MAX_NAME], role[:MAX_NAME], True
+    return {
+        "version": PROTOCOL_VERSION,
+        "server_version": __version__,
+        "server_pid": os.getpid(),
+        "session": session.id,
+        "lease_ttl": b.lease_ttl,
+        "pools": [p.describe() for p in b.pools],
+        "epoch": b.epoch,
+    }
+
+
+# ------------------------------------------------------------------------------ publish
+def op_reserve(b: Broker, session, namespace, key, buffers, meta, replace, ttl,
+               consumers) -> R.Reserved:  # fmt: skip
+    if not 1 <= consumers <= 1 << 16:
+        raise BadRequest("reserve: consumers must be between 1 and 65536")
+    ttl = _ttl(b, ttl)
+    ident = (_check_name("namespace", namespace), _check_name("key", key))
+    session.access.check(namespace, True, "reserve")
+    layout, span = _buffer_layout(buffers, meta)
+    _check_free(b, ident, replace)
+    lease = b.reserve_extent(session, ident, layout, span, meta, ttl)
+    lease.obj.consumers = consumers
+    return {"lease": lease.id, "ttl": ttl, "buffers": _extents(lease.obj, lease.obj.buffers)}
+
+
+def op_reserve_blocks(b: Broker, session, namespace, blocks, ttl) -> R.BlocksReserved:
+    ttl = _ttl(b, ttl)
+    _check_name("namespace", namespace)
+    session.access.check(namespace, True, "reserve_blocks")
+    if len(blocks) > MAX_BUFFERS:
+        raise BadRequest(f"reserve_blocks: at most {MAX_BUFFERS} blocks per request")
+    plans = []
+    for i, blk in enumerate(blocks):  # validate everything before reserving anything
+        if not isinstance(blk, dict) or not isinstance(blk.get("key"), str):
+            raise BadRequest(f"reserve_blocks: block {i} must be a map with a string key")
+        parent = blk.get("parent")
+        if parent is not None and not isinstance(parent, str):
+            raise BadRequest(f"reserve_blocks: block {i}: parent must be a key or null")
+        bufs, meta = blk.get("buffers"), blk.get("meta")
+        if not isinstance(bufs, dict) or (meta is not None and not isinstance(meta, dict)):
+            raise BadRequest(f"reserve_blocks: block {i}: buffers (and meta) must be maps")
+        ident = (namespace, _check_name("key", blk["key"]))
+        plans.append((ident, parent, *_buffer_layout(bufs, meta), meta))
+    results: list[R.BlockReserved | R.BlockExists] = []
+    taken = []
+    try:
+        for ident, parent, layout, span, meta in plans:
+            if ident in b.objects or ident in b.pending:
+                results.append({"exists": True})
+                continue
+            lease = b.reserve_extent(session, ident, layout, span, meta, ttl)
+            lease.obj.parent_key = parent  # resolved at seal: it may be in this batch
+            taken.append(lease)
+            results.append({"lease": lease.id, "buffers": _extents(lease.obj, lease.obj.buffers)})
+    except BaseException:
+        for lease in taken:  # all or nothing: a failed batch holds no pages
+            b.discard_pending(lease, quarantine=False)
+            b.end_lease(lease, "its batch failed")
+        raise
+    return {"ttl": ttl, "results": results}
+
+
+def op_seal(b: Broker, session, lease, checksums=None) -> R.Sealed:
+    ls = b.lease_of(session, lease, "write")
+    _accept_checksums(b, ls.obj, checksums)
+    return b.seal(ls)
+
+
+def op_seal_many(b: Broker, session, leases, checksums) -> R.SealedMany:
+    if checksums is not None and len(checksums) != len(leases):
+        raise BadRequest("seal_many: checksums must have one entry (map or null) per lease")
+    for i, lid in enumerate(leases):
+        if not isinstance(lid, int) or isinstance(lid, bool):
+            raise BadRequest("seal_many: leases must be a list of lease ids")
+        op_seal(b, session, lid, None if checksums is None else checksums[i])
+    return {"sealed": len(leases)}
+
+
+def op_arena(b: Broker, session, nbytes) -> R.ArenaLent:
+    if nbytes <= 0:
+        raise BadRequest("arena: nbytes must be positive")
+    if session.arenas:  # one a connection: arenas are neither quota-charged nor evictable
+        held = next(iter(session.arenas))
+        raise BadRequest(f"arena: this connection already holds write arena {held}; "
+                         "abort it first")  # fmt: skip
+    arena = new_arena(b, session, nbytes)
+    return {"lease": arena.id, "arena": arena.extent()}
+
+
+def op_publish(b: Broker, session, arena, namespace, key, buffers, meta, replace, consumers,
+               checksums, next_arena) -> R.Published:  # fmt: skip
+    ar = arena_of(b, session, arena)
+    if not 1 <= consumers <= 1 << 16:
+        raise BadRequest("publish: consumers must be between 1 and 65536")
+    if next_arena < 0:
+        raise BadRequest("publish: next_arena must be a size in bytes, or 0")
+    ident = (_check_name("namespace", namespace), _check_name("key", key))
+    session.access.check(namespace, True, "publish")
+    layout, span = _buffer_layout(buffers, meta)
+    ps = ar.pool.page_size
+    npages = max(1, -(-span // ps))
+    if npages > ar.npages:
+        raise BadRequest(f"publish: {span} bytes do not fit arena {arena} "
+                         f"({ar.npages * ps} bytes); reserve instead")  # fmt: skip
+    _check_free(b, ident, replace)
+    obj = b.new_object(ident, ar.pool, ar.start, npages, layout, meta)
+    _accept_checksums(b, obj, checksums)
+    obj.consumers = consumers
+    obj.charged = b.charge(ident[0], npages * ps)
+    sealed, ar = publish_from_arena(b, session, ar, obj, next_arena)
+    return {**sealed, "lease": None if ar is None else ar.id,
+            "arena": None if ar is None else ar.extent()}  # fmt: skip
+
+
+def op_abort(b: Broker, session, lease) -> R.Empty:
+    if lease in b.arenas:
+        end_arena(b, arena_of(b, session, lease), "it was aborted")
+        return {}
+    ls = b.lease_of(session, lease, "write")
+    b.discard_pending(ls, quarantine=False)
+    b.end_lease(ls, "it was aborted")
+    b.counters["aborts"] += 1
+    return {}
+
+
+# ------------------------------------------------------------------------------ claim
+def op_claim(b: Broker, session, namespace, key, select, consume, wait, ttl) -> R.Claimed:
+    # A consume-claim frees the object when released: as much a write as evict is.
+    session.access.check(namespace, bool(consume), "consume-claim" if consume else "claim")
+    ident = (namespace, key)
+    obj = b.objects.get(ident)
+    if obj is None:
+        if wait is not None and wait > 0:
+            raise WouldWait(ident, float(wait))
+        b.counters["misses"] += 1
+        raise NotFound(f"{namespace}/{key} is not published")
+    if select is None:
+        chosen = obj.buffers
+    else:
+        pattern = _regex(select)
+        chosen = {n: e for n, e in obj.buffers.items() if pattern.fullmatch(n)}
+    ttl = _ttl(b, ttl)
+    b.check_lease_limit(session)
+    b.pin(obj)
+    lease = b.new_lease("read", session, obj, ttl, consume=consume)
+    nbytes = sum(n for _, n in chosen.values())
+    c = b.counters
+    c["claims"] += 1
+    c["hits"] += 1
+    c["bytes_out"] += nbytes
+    session.bytes_claimed += nbytes
+    b.record_transfer("claim", session, obj, nbytes)
+    sums = obj.checksums
+    return {
+        "lease": lease.id,
+        "ttl": ttl,
+        "meta": obj.meta,
+        "buffers": _extents(obj, chosen),
+        "checksums": None if sums is None else {n: sums[n] for n in chosen},
+    }
+
+
+def op_release(b: Broker, session, lease, consume=True) -> R.Empty:
+    ls = b.lease_of(session, lease, "read")
+    b.end_read(ls, "it was released", consume=ls.consume and consume)
+    return {}
+
+
+def op_release_many(b: Broker, session, leases) -> R.Empty:
+    for lid in leases:
+        if not isinstance(lid, int) or isinstance(lid, bool):
+            raise BadRequest("release_many: leases must be a list of lease ids")
+        op_release(b, session, lid)
+    return {}
+
+
+def op_match_prefix(b: Broker, session, namespace, keys, block_tokens, ttl) -> R.PrefixMatch:
+    ttl = _ttl(b, ttl)
+    if len(keys) > MAX_BUFFERS:
+        raise BadRequest(f"match_prefix: at most {MAX_BUFFERS} keys per request")
+    if not session.access.can(namespace):  # another tenant's prefixes: invisible
+        keys = ()
+    objects = b.objects
+    found = []
+    for key in keys:
+        obj = objects.get((namespace, key)) if key.__class__ is str else None
+        if obj is None:
+            break
+        found.append(obj)
+    c = b.counters
+    c["prefix_queries"] += 1
+    c["prefix_hit_blocks"] += len(found)
+    c["prefix_miss_blocks"] += len(keys) - len(found)
+    c["prefix_hit_tokens"] += len(found) * block_tokens
+    c["hits" if found else "misses"] += 1
+    if not found:
+        return {"ttl": ttl, "matched": 0, "lease": None, "names": [], "blocks": []}
+    b.check_lease_limit(session)
+    names, rows, nbytes = b.pin_prefix(found)
+    lease = b.new_lease("read", session, found[0], ttl)
+    lease.more = tuple(found[1:])
+    c["bytes_out"] += nbytes
+    session.bytes_claimed += nbytes
+    reply: R.PrefixMatch = {"ttl": ttl, "matched": len(found), "lease": lease.id,
+                            "names": list(names), "metas": [found[0].meta], "blocks": []}
+    # Compact reply: when every block has the same buffer names (the usual case), one bytes
+    # string `packed` of little-endian int64 rows, a row per block; else a map per block.
+    if rows is not None:
+        reply["packed"] = b"".join(rows)
+    else:
+        reply["blocks"] = [_extents(obj, obj.buffers) for obj in found]
+    return reply
+
+
+def op_renew(b: Broker, session, leases, ttl) -> R.Renewed:
+    out = []
+    for lid in leases:
+        if not isinstance(lid, int) or isinstance(lid, bool):
+            raise BadRequest("renew: leases must be a list of lease ids")
+        ls = b.lease_of(session, lid, None)
+        b.renew(ls, _ttl(b, ttl) if ttl is not None else ls.ttl)
+        out.append((lid, ls.ttl))
+    return {"expires_in": out}
+
+
+# ------------------------------------------------------------------------------ directory
+def op_lookup(b: Broker, session, namespace, key) -> dict | None:
+    obj = b.objects.get((namespace, key))
+    if obj is None or not session.access.can(namespace):
+        return None
+    info = obj.info()
+    info["checksums"] = obj.checksums
+    return info
+
+
+def op_list(b: Broker, session, namespace, match, limit) -> R.Listed:
+    limit = _MAX_LIST if limit is None else max(0, min(limit, _MAX_LIST))
+    pattern = _regex(match) if match is not None else None
+    out, truncated = [], False
+    can = session.access.can
+    for obj in b.objects.values():
+        if namespace is not None and obj.namespace != namespace:
+            continue
+        if not can(obj.namespace):
+            continue
+        if pattern is not None and not pattern.search(obj.key):
+            continue
+        if len(out) == limit:
+            truncated = True
+            break
+        out.append(obj.info())
+    return {"objects": out, "truncated": truncated}
+
+
+def op_evict(b: Broker, session, namespace, key, match, match_buffers, older_than, all,
+             dry_run) -> R.Evicted:  # fmt: skip
+    if not (all or key is not None or match is not None or match_buffers is not None
+            or older_than is not None or namespace is not None):  # fmt: skip
+        raise BadRequest("evict: name what to evict (key, match, namespace, ...) or all")
+    key_re = _regex(match) if match is not None else None
+    buf_re = _regex(match_buffers) if match_buffers is not None else None
+    access = session.access
+    if namespace is not None and access.can(namespace):
+        access.check(namespace, True, "evict")  # readable but not writable: say so
+    now = time.time()
+    victims, skipped = [], 0
+    if key is not None:
+        spaces = (namespace,) if namespace is not None else {ns for ns, _ in b.objects}
+        candidates = [o for o in (b.objects.get((ns, key)) for ns in spaces) if o]
+    else:
+        candidates = list(b.objects.values())
+    for obj in candidates:
+        if namespace is not None and obj.namespace != namespace:
+            continue
+        if not access.can(obj.namespace, write=True):
+            continue  # another tenant's (or read-only shared) objects are not ours to free
+        if key_re is not None and not key_re.search(obj.key):
+            continue
+        if buf_re is not None and not any(buf_re.search(n) for n in obj.buffers):
+            continue
+        if older_than is not None and now - obj.created_at < older_than:
+            continue
+        if obj.readers:
+            skipped += 1
+            continue
+        victims.append(obj)
+    victims, kept_parents = _leaves_first(victims)
+    reported = [o.info() for o in victims[:_MAX_LIST]]
+    nbytes = sum(o.nbytes for o in victims)
+    if not dry_run:
+        for obj in victims:
+            b.evict(obj)
+    return {
+        "evicted": reported,
+        "count": len(victims),
+        "bytes": nbytes,
+        "skipped_leased": skipped,
+        "skipped_parents": kept_parents,
+        "dry_run": dry_run,
+    }
+
+
+def op_stat(b: Broker, session) -> dict[str, Any]:
+    return statistics_for(b, session).to_dict()
+
+
+HANDLERS = {name[3:]: fn for name, fn in list(globals().items()) if name.startswith("op_")}
+
+
+# ------------------------------------------------------------------------------ checks
+def _ttl(b: Broker, ttl: float | None) -> float:
+    """A lease TTL asked for (None: the default), checked against max_lease_ttl."""
+    if ttl is None:
+        return b.lease_ttl
+    if not 0 < ttl <= b.max_lease_ttl:
+        raise BadRequest(f"ttl must be in (0, {b.max_lease_ttl:g}] seconds")
+    return float(ttl)
+
+
+def _accept_checksums(b: Broker, obj: StoredObject, checksums: dict | None) -> None:
+    if checksums is not None:
+        try:
+            obj.checksums = _checksum.validate(checksums, obj.buffers)
+        except ValueError as exc:
+            raise BadRequest(f"seal of {obj.namespace}/{obj.key}: {exc}") from None
+    elif b.require_checksums:
+        raise BadRequest(
+            f"seal of {obj.namespace}/{obj.key}: this daemon requires a checksum per "
+            "buffer (require_checksums); seal with checksums"
+        )
+
+
+def _check_free(b: Broker, ident: tuple[str, str], replace: bool) -> None:
+    namespace, key = ident
+    if ident in b.pending:
+        raise Exists(f"{namespace}/{key} is being published by another writer")
+    if ident in b.objects and not replace:
+        raise Exists(f"{namespace}/{key} is already published")
+
+
+def _buffer_layout(buffers: dict, meta: dict | None) -> tuple[dict[str, tuple[int, int]], int]:
+    """Offsets of the named buffers inside one extent (aligned), and the extent's span."""
+    if not buffers:
+        raise BadRequest("reserve: an object needs at least one buffer")
+    if len(buffers) > MAX_BUFFERS:
+        raise BadRequest(f"reserve: at most {MAX_BUFFERS} buffers per object")
+    if meta is not None and len(msgpack.packb(meta)) > MAX_META:
+        raise BadRequest(f"reserve: meta must pack to at most {MAX_META} bytes")
+    for name, nbytes in buffers.items():
+        if not isinstance(name, str):
+            raise BadRequest("reserve: buffer names must be strings")
+        _check_name("buffer name", name)
+        check_buffer_name(name)  # malformed KV names would never match a claim
+        if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
+            raise BadRequest(f"reserve: size of buffer {name!r} must be a non-negative int")
+    offsets, span = buffer_offsets(buffers)
+    return {name: (offsets[name], nbytes) for name, nbytes in buffers.items()}, span
+
+
+def _check_name(what: str, value: str) -> str:
+    if not value:
+        raise BadRequest(f"{what} must not be empty")
+    if len(value) > MAX_NAME:
+        raise BadRequest(f"{what} longer than {MAX_NAME} characters")
+    return value
+
+
+def _regex(text: str) -> re.Pattern:
+    pattern = _regex_cache.get(text)
+    if pattern is None:
+        if len(text) > _MAX_REGEX:
+            raise BadRequest(f"regex longer than {_MAX_REGEX} characters")
+        try:
+            # RE2 matches in linear time: a client's pattern cannot stall the daemon
+            # (Python's re backtracks: "(a+)+$" against 40 a's runs for hours).
+            pattern = re2.compile(text, options=_RE2_OPTIONS)
+        except re2.error as exc:
+            reason = exc.args[0] if exc.args else exc
+            if isinstance(reason, bytes):
+                reason = reason.decode(errors="replace")
+            raise BadRequest(f"bad regex {text!r}: {reason}") from None
+        if len(_regex_cache) > 256:
+            _regex_cache.clear()
+        _regex_cache[text] = pattern
+    return pattern
+
+
+def _extents(obj: StoredObject, chosen: dict[str, tuple[int, int]]) -> dict[str, list[int]]:
+    idx = obj.pool.index
+    return {name: [idx, off, n] for name, (off, n) in chosen.items()}
+
+
+def _leaves_first(victims: list[StoredObject]) -> tuple[list[StoredObject], int]:
+    """Order victims so children go before parents; keep parents whose children stay.
+
+    Returns the ordered victims and how many were kept for having children outside the batch.
+    """
+    chosen = {o.serial: o for o in victims}
+    children_left = {o.serial: o.children for o in victims}
+    ready = [o for o in victims if o.children == 0]
+    ordered = []
+    while ready:
+        o = ready.pop()
+        ordered.append(o)
+        p = o.parent
+        if p is not None and p.serial in chosen:
+            children_left[p.serial] -= 1
+            if children_left[p.serial] == 0:
+                ready.append(p)
+    return ordered, len(victims) - len(ordered)

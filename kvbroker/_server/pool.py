@@ -1,0 +1,107 @@
+"""Host shared-memory pools, created and owned by the daemon (clients map them:
+:mod:`kvbroker._client.mappings`).
+
+The daemon creates one POSIX shared-memory segment per pool (posix_ipc), mode 0600 (0660
+with a group), and reserves its pages with ``posix_fallocate`` so the segment is backed
+before any client touches it: a /dev/shm too small fails at start with a clear message
+instead of a SIGBUS in some engine later. The daemon itself never maps the KV bytes.
+
+A client maps each pool once per process (:class:`PoolMapping`) with ``MAP_POPULATE`` so the
+first transfers do not pay a page fault per 4 KiB page.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+
+import posix_ipc
+
+from .allocator import ExtentAllocator
+from ..errors import KVBrokerError
+
+__all__ = ["HostPool", "segment_prefix"]
+
+
+def segment_prefix(pid: int | None = None) -> str:
+    """Name prefix of this daemon instance's segments: unique per instance."""
+    return f"/kvbroker.{pid or os.getpid()}.{secrets.token_hex(4)}"
+
+
+class HostPool:
+    """One shared-memory segment carved into pages, owned by the daemon."""
+
+    def __init__(
+        self,
+        index: int,
+        name: str,
+        size: int,
+        page_size: int,
+        *,
+        mode: int = 0o600,
+        gid: int | None = None,
+    ) -> None:
+        if page_size <= 0 or page_size & (page_size - 1):
+            raise KVBrokerError(f"page size must be a power of two, got {page_size}")
+        if size < page_size:
+            raise KVBrokerError(f"pool size {size} is smaller than one page ({page_size})")
+        size -= size % page_size
+        self.index = index
+        self.name = name
+        self.size = size
+        self.page_size = page_size
+        self._shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=mode, size=0)
+        try:
+            os.fchmod(self._shm.fd, mode)  # posix_ipc's mode is filtered by the umask
+            if gid is not None:
+                os.fchown(self._shm.fd, -1, gid)
+            os.ftruncate(self._shm.fd, size)
+            try:
+                os.posix_fallocate(self._shm.fd, 0, size)
+            except OSError as exc:
+                free = shutil.disk_usage("/dev/shm").free if os.path.isdir("/dev/shm") else 0
+                raise KVBrokerError(
+                    f"cannot reserve {size} bytes of shared memory for pool {index} "
+                    f"({exc.strerror}); /dev/shm has {free} bytes free: "
+                    "use a smaller --pool-size or enlarge /dev/shm"
+                ) from exc
+        except BaseException:
+            self._shm.close_fd()
+            self._shm.unlink()
+            raise
+        self._shm.close_fd()
+        self.allocator = ExtentAllocator(size // page_size)
+
+    @classmethod
+    def adopt(cls, index: int, name: str, size: int, page_size: int) -> HostPool:
+        """Take over the segment a previous daemon of this socket created (warm restart).
+
+        Its bytes are kept as they are; the caller rebuilds the allocator from its journal.
+        Raises KVBrokerError when the segment is gone or its size is not ``size``.
+        """
+        try:
+            shm = posix_ipc.SharedMemory(name)
+        except posix_ipc.ExistentialError:
+            raise KVBrokerError(f"shared memory {name} of pool {index} is gone") from None
+        try:
+            actual = os.fstat(shm.fd).st_size
+        finally:
+            shm.close_fd()
+        if actual != size:
+            raise KVBrokerError(
+                f"shared memory {name} of pool {index} holds {actual} bytes, not {size}"
+            )
+        pool = cls.__new__(cls)
+        pool.index, pool.name, pool.size, pool.page_size = index, name, size, page_size
+        pool.allocator = ExtentAllocator(size // page_size)
+        return pool
+
+    def describe(self) -> dict:
+        return {"index": self.index, "name": self.name, "size": self.size, "page_size": self.page_size}
+
+    def unlink(self) -> None:
+        try:
+            posix_ipc.unlink_shared_memory(self.name)
+        except posix_ipc.ExistentialError:
+            pass

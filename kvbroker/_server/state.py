@@ -1,0 +1,255 @@
+"""The daemon's state, and THE ownership contract: who owns and frees what.
+
+This docstring is the one statement of the contract; other modules link here. The types
+below are the state (:class:`Session`, :class:`StoredObject`, :class:`Lease`,
+:class:`Arena`); :class:`~kvbroker._server.broker.Broker` makes every transition of them,
+:mod:`kvbroker._server.handlers` answers one op each, :mod:`kvbroker._server.rings` keeps
+the GPU rings. No I/O, no asyncio.
+
+Primitives, and who owns and frees what
+---------------------------------------
+
+*Pool extent* — a run of pages of one host pool. The broker owns every extent; a client only
+ever borrows one through a lease, and the broker alone returns it to the allocator.
+
+*Write lease* (``reserve``) — fresh extents for ``(namespace, key)``, laid out as the named
+buffers asked for. The holder writes into its mapping, then:
+
+- ``seal``: the object becomes visible atomically (replacing the old one when asked); the
+  lease ends and the extents now belong to the sealed object;
+- ``abort`` or the connection closing: the object is discarded, its extents freed;
+- TTL expiry with the writer still connected: the object is discarded, but its extents are
+  *quarantined* on the writer's session, not reused, until that connection ends — a slow
+  writer may still be writing into them;
+- the daemon cutting the writer off (replies left unread past ``max_write_buffer``, a
+  protocol error, a stop): the writer's process may still be copying, so its write-leased
+  pages (reservations, arenas, its quarantine) go into the *timed quarantine*: not
+  allocatable for ``restart_quarantine`` seconds, then freed by ``expire``.
+
+*Restart quarantine* — pages lent for writing are journaled (:mod:`kvbroker._server.journal`, ``w`` records,
+ended by the seal or an ``e`` record). A daemon adopting a dead one's pools puts the pages
+still lent at the crash into the timed quarantine too: the writer may outlive the daemon and
+finish its copy into pages a new owner would already hold. Quarantined pages count as used
+and as ``quarantined`` in ``stat``; they are freed by the broker alone, at the deadline.
+
+*Write arena* (``arena``, then ``publish``) — fresh pages lent to one session with no TTL, so
+a put can be one round trip: the client copies into them first, then ``publish`` turns the
+arena's first pages into a sealed object (the extent is split, nothing is copied) and the rest
+stays the arena, or a fresh one replaces it. An arena is freed by ``abort``, by being published
+whole, or when its client closes the connection (its writer is gone: no quarantine needed; if
+the daemon cut it off, it goes into the timed quarantine, see below). It counts as
+used and write-leased, is never evicted, and is at most 1/16 of a pool.
+
+*Read lease* (``claim``) — while held, the object's extents are neither evicted nor reused.
+It ends on ``release``, on TTL expiry, or when the connection closes. A claim with
+``consume`` counts down the object's ``consumers`` (set at reserve, default 1) when that lease
+is released; at zero the object is unlinked, and its extents are freed once the last read
+lease on it ends. A consumer that crashes before releasing does not count: the object stays
+for a retry (or for eviction).
+
+*Fencing* — lease ids are never reused. Using an ended lease raises
+:class:`~kvbroker.errors.LeaseExpired` saying why it ended; a reader that gets it on
+``release`` must assume what it read may have been overwritten.
+
+*Eviction* — least recently used among sealed objects with no read lease, when a reservation
+does not fit, or after a seal pushes a pool past its high watermark (down to the low one).
+Leased and unsealed objects are never evicted. A reservation that cannot fit even after
+evicting everything evictable fails at once with :class:`~kvbroker.errors.PoolFull`, and then
+nothing is evicted for it.
+
+*Lease ids* — one registry (:mod:`kvbroker._server.leases`) numbers sessions, pool leases,
+write arenas and ring leases from one counter, fenced across warm restarts, and answers the
+same errors for all: an ended lease :class:`~kvbroker.errors.LeaseExpired`, a lease of
+another connection :class:`~kvbroker.errors.Forbidden`.
+
+*GPU staging rings* (``serve --gpu-ring``, :mod:`kvbroker._server.rings`) — the daemon owns
+each ring's device memory (``cuMemAlloc`` through the driver API; freed at shutdown) and its
+allocator (:class:`~kvbroker._server.ring_allocator.RingAllocator`: strict FIFO recycling);
+a client maps a ring once per process (``cuIpcOpenMemHandle``) and only ever borrows a
+region through a *ring lease*, bound to its connection:
+
+- ``ring_reserve`` without a key: *scratch* staging, freed by ``ring_release``; with a key:
+  a ring-located object being published, made visible by ``ring_seal`` (the object then
+  owns the region) or discarded by ``ring_release``;
+- ``ring_claim``: a *read* lease on a sealed ring object; the region is not reused while it
+  is held. With ``consume`` (the default: a GPU→GPU handoff is one-shot) the object is
+  unlinked at once and freed when its last reader releases;
+- a connection that closes ends every ring lease it holds: scratch and write regions are
+  freed at once; a read lease ends without consuming (the object stays for a retry);
+- a sealed ring object nobody claims within its ``ttl`` is freed: a ring is FIFO, so a
+  forgotten object would hold back all space behind it.
+"""
+
+from __future__ import annotations
+
+import struct
+import time
+from typing import Any
+
+from .policy import Access, Policy
+from .pool import HostPool
+
+__all__ = ["Session", "StoredObject", "Lease", "Arena", "WouldWait", "OPEN_POLICY"]
+
+OPEN_POLICY = Policy()  # every namespace open to everyone: the default
+
+
+class WouldWait(Exception):
+    """Raised by ``claim`` with ``wait``: the async layer retries after the key is sealed."""
+
+    def __init__(self, key: tuple[str, str], timeout: float) -> None:
+        self.key = key
+        self.timeout = timeout
+
+
+class Session:
+    """One client connection, as the broker sees it."""
+
+    __slots__ = (
+        "id", "pid", "uid", "gid", "name", "role", "connected_at", "leases", "quarantine",
+        "bytes_published", "bytes_claimed", "greeted", "arenas", "access", "quarantine_charges",
+    )  # fmt: skip
+
+    def __init__(self, sid: int, pid: int, uid: int, gid: int) -> None:
+        self.id = sid
+        self.pid, self.uid, self.gid = pid, uid, gid
+        self.name = ""
+        self.role = ""
+        self.connected_at = time.time()
+        self.leases: dict[int, Lease] = {}
+        self.quarantine: list[tuple[HostPool, int, int]] = []
+        # (namespace, bytes) still charged for quarantined pages: a tenant must not get
+        # its quota back by letting write leases expire; uncharged when the session ends.
+        self.quarantine_charges: list[tuple[str, int]] = []
+        self.arenas: dict[int, Arena] = {}
+        self.access: Access = OPEN_POLICY.access(uid, gid)  # what the policy lets it do
+        self.bytes_published = 0
+        self.bytes_claimed = 0
+        self.greeted = False
+
+
+class StoredObject:
+    __slots__ = (
+        "namespace", "key", "pool", "start", "npages", "nbytes", "buffers", "meta",
+        "created_at", "last_access", "sealed", "readers", "linked", "serial", "consumers",
+        "parent", "parent_key", "children", "checksums", "charged", "extents",
+    )  # fmt: skip
+
+    def __init__(self, namespace, key, pool, start, npages, nbytes, buffers, meta, serial):
+        self.namespace: str = namespace
+        self.key: str = key
+        self.pool: HostPool = pool
+        self.start: int = start
+        self.npages: int = npages
+        self.nbytes: int = nbytes
+        self.buffers: dict[str, tuple[int, int]] = buffers  # name -> (pool offset, nbytes)
+        self.meta: dict | None = meta
+        self.created_at = time.time()
+        self.last_access = self.created_at
+        self.sealed = False
+        self.readers = 0
+        self.linked = False  # reachable through Broker.objects
+        self.serial: int = serial
+        self.consumers = 1  # consume-claims still to be released before the object goes
+        self.parent: StoredObject | None = None  # previous block of a prefix chain
+        self.parent_key: str | None = None
+        self.children = 0  # sealed blocks naming this one as parent: not evictable before them
+        # {buffer: xxh3_64} computed by the writer, recorded at seal (kvbroker._wire.checksum).
+        self.checksums: dict[str, int] | None = None
+        self.charged = 0  # bytes counted against its namespace's quota until freed
+        self.extents: tuple[tuple[str, ...], bytes] | None = None  # see compact_extents
+
+    def compact_extents(self) -> tuple[tuple[str, ...], bytes]:
+        """(buffer names, little-endian int64 [pool, offset, nbytes, offset, nbytes, ...]),
+        the form a prefix match replies in; built on first use and kept (buffers never move
+        once reserved)."""
+        if self.extents is None:
+            flat = [self.pool.index]
+            for off, n in self.buffers.values():
+                flat += (off, n)
+            self.extents = (tuple(self.buffers), struct.pack(f"<{len(flat)}q", *flat))
+        return self.extents
+
+    # The fields that survive a warm restart (kvbroker._server.journal). A new per-object field that a
+    # restarted daemon must still know goes here; ``pool`` and ``parent`` travel as indices.
+    PERSISTED = (
+        "serial", "namespace", "key", "start", "npages", "nbytes", "meta", "created_at",
+        "consumers", "parent_key", "checksums",
+    )  # fmt: skip
+
+    def to_record(self) -> dict[str, Any]:
+        """This sealed object as a journal record (msgpack-able)."""
+        rec = {name: getattr(self, name) for name in self.PERSISTED}
+        rec["pool"] = self.pool.index
+        rec["buffers"] = self.buffers
+        rec["parent"] = self.parent.serial if self.parent is not None else None
+        return rec
+
+    @classmethod
+    def from_record(cls, rec: dict[str, Any], pools: list[HostPool]) -> StoredObject:
+        """A sealed object back from its journal record; ``parent`` is resolved by the
+        caller (it names a serial)."""
+        buffers = {name: (int(off), int(n)) for name, (off, n) in rec["buffers"].items()}
+        obj = cls(rec["namespace"], rec["key"], pools[rec["pool"]], rec["start"],
+                  rec["npages"], rec["nbytes"], buffers, rec["meta"], rec["serial"])  # fmt: skip
+        for name in cls.PERSISTED:
+            if name in rec:
+                setattr(obj, name, rec[name])
+        obj.last_access = obj.created_at
+        obj.sealed = True
+        return obj
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "namespace": self.namespace,
+            "key": self.key,
+            "nbytes": self.nbytes,
+            "buffers": len(self.buffers),
+            "pool": self.pool.index,
+            "readers": self.readers,
+            "created_at": self.created_at,
+            "last_access": self.last_access,
+            "meta": self.meta,
+        }
+
+
+class Lease:
+    __slots__ = ("id", "kind", "session", "obj", "more", "ttl", "expires_at", "consume")
+
+    def __init__(self, lid, kind, session, obj, ttl, expires_at, consume=False):
+        self.id: int = lid
+        self.kind: str = kind
+        self.session: Session = session
+        self.obj: StoredObject = obj
+        # A prefix match reads many blocks under one lease: the blocks after the first.
+        self.more: tuple[StoredObject, ...] = ()
+        self.ttl: float = ttl
+        self.expires_at: float = expires_at
+        self.consume: bool = consume
+
+    def objects(self):
+        return (self.obj, *self.more) if self.more else (self.obj,)
+
+
+class Arena:
+    """A write arena: pages a session may fill before naming them (``publish``).
+
+    Owned by the broker like every extent; lent to one session until that session publishes
+    all of it, aborts it, or disconnects (then it is freed: its writer is gone; or, when the
+    daemon cut it off, held in the timed quarantine, since its writer may still be copying). It has no
+    TTL: an expired arena would be quarantined until disconnect anyway, which frees nothing
+    sooner. Its pages count as used and as leased for writing; it is never evicted.
+    """
+
+    __slots__ = ("id", "session", "pool", "start", "npages")
+
+    def __init__(self, aid: int, session: Session, pool: HostPool, start: int, npages: int):
+        self.id = aid
+        self.session = session
+        self.pool = pool
+        self.start = start
+        self.npages = npages
+
+    def extent(self) -> list[int]:
+        ps = self.pool.page_size
+        return [self.pool.index, self.start * ps, self.npages * ps]

@@ -1,0 +1,437 @@
+"""The wire protocol: limits, message shapes, and the one table of operations.
+
+Transport: a Unix stream socket. Framing: consecutive msgpack maps, decoded with msgpack's
+streaming ``Unpacker`` under the hard limits below, so a bad peer cannot make either side
+allocate without bound.
+
+Request  ``{"id": int, "op": str, "args": {...}}``
+Reply    ``{"id": int, "ok": true, "result": ...}``
+         ``{"id": int, "ok": false, "error": {"code": str, "message": str}}``
+Push     ``{"push": "stats", "result": <Statistics dict>}`` (only after ``watch``)
+
+Every op is one row of :data:`OPS`: its arguments, its reply type (``replies``), which
+service answers it, what it does with leases and what a draining daemon does with it; the
+rest of the code derives what it needs from that row. The first request on a connection
+must be ``hello`` (the ops whose row says ``needs_hello``). Requests on one connection are answered
+in order. Only control messages travel here: KV bytes move through the shared-memory pools.
+
+Extent triples ``[pool, offset, nbytes]`` name a byte range of pool ``pool`` (an index into
+the ``pools`` list of the hello reply); the client maps each pool once and views the range.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from . import replies as R
+from ..errors import ERROR_CLASSES, BadRequest
+from .replies import mismatch
+from .stats import ObjectInfo, Statistics
+
+PROTOCOL_VERSION = 1
+
+# Hard limits on what one frame may hold. Control messages are small: the biggest are
+# `list`/`stat` replies and reservations naming many buffers. msgpack checks the string and
+# array limits only once a whole object has arrived, so the buffer limit is what bounds the
+# memory a peer can make us hold: 1 MiB per connection in the daemon.
+MAX_REQUEST = 1024 * 1024
+MAX_FRAME = 16 * 1024 * 1024
+MAX_STR = 64 * 1024
+MAX_BIN = 1024 * 1024
+MAX_ARRAY = 1 << 20
+MAX_MAP = 1 << 16
+MAX_BUFFERS = 8192
+MAX_NAME = 512
+MAX_META = 64 * 1024
+
+
+def unpacker_limits(max_frame: int = MAX_FRAME) -> dict[str, int]:
+    """Keyword arguments for ``msgpack.Unpacker`` enforcing the limits above."""
+    return {
+        "max_buffer_size": max_frame,
+        "max_str_len": MAX_STR,
+        "max_bin_len": MAX_BIN,
+        "max_array_len": MAX_ARRAY,
+        "max_map_len": MAX_MAP,
+        "max_ext_len": 0,
+    }
+
+
+_NUMBER = (int, float)
+_OPT_STR = (str, type(None))
+_OPT_NUM = (int, float, type(None))
+
+
+@dataclass(frozen=True)
+class Arg:
+    types: tuple[type, ...]
+    required: bool = False
+    default: Any = None
+
+
+class Service(enum.Enum):
+    """Which part of the daemon answers an op: where its one handler lives."""
+
+    BROKER = "broker"  # kvbroker._server.handlers: op_<name>(broker, session, **args)
+    RINGS = "rings"  # kvbroker._server.rings.RingService.op_<name>(session, **args)
+    DAEMON = "daemon"  # kvbroker._server.connection.Connection.op_<name>(session, **args)
+
+
+class LeaseRole(enum.Flag):
+    """What an op does with leases (write arenas and ring leases included)."""
+
+    NONE = 0
+    TAKES = enum.auto()  # hands one out: a draining daemon must not (see Drain)
+    NAMES = enum.auto()  # acts on one the caller holds: gone with its connection
+
+
+@dataclass(frozen=True)
+class Drain:
+    """What a draining daemon (stopping, waiting for held leases to end) does with an op:
+    serve it, refuse it (``unavailable``), or serve it with ``args`` overriding the
+    request's (so that it takes no new lease)."""
+
+    refuse: bool = False
+    args: tuple[tuple[str, Any], ...] = ()
+
+
+SERVE = Drain()
+REFUSE = Drain(refuse=True)
+
+
+@dataclass(frozen=True)
+class Op:
+    args: dict[str, Arg]
+    reply: Any  # a type of kvbroker._wire.replies (or stats); checked by check_reply
+    doc: str
+    service: Service = Service.BROKER
+    lease: LeaseRole = LeaseRole.NONE
+    draining: Drain = SERVE
+    needs_hello: bool = True
+
+
+def _a(*types: type, required: bool = False, default: Any = None) -> Arg:
+    return Arg(tuple(types), required, default)
+
+
+_TAKES, _NAMES = LeaseRole.TAKES, LeaseRole.NAMES
+
+# The one table: every operation, its arguments (name -> accepted types, default), its reply
+# type, which service handles it, what it does with leases, what a draining daemon does with
+# it. Adding an op: a row here, its handler (see Service), a client stub.
+OPS: dict[str, Op] = {
+    "hello": Op(
+        {
+            "version": _a(int, required=True),
+            "name": _a(str, default=""),
+            "role": _a(str, default=""),
+        },
+        R.Hello,
+        "Open the session: protocol version check, client name and role.",
+        needs_hello=False,
+    ),
+    "reserve": Op(
+        {
+            "namespace": _a(str, default="default"),
+            "key": _a(str, required=True),
+            "buffers": _a(dict, required=True),
+            "meta": _a(dict, type(None)),
+            "replace": _a(bool, default=False),
+            "ttl": _a(*_OPT_NUM),
+            "consumers": _a(int, default=1),
+        },
+        R.Reserved,
+        "Write lease on fresh extents for a new object; nothing is visible until seal. "
+        "`consumers`: how many releases of consume-claims free the object (default 1).",
+        lease=_TAKES, draining=REFUSE,
+    ),
+    "seal": Op(
+        {"lease": _a(int, required=True), "checksums": _a(dict, type(None))},
+        R.Sealed,
+        "Make the written object visible atomically; ends the write lease. `checksums`: "
+        "{buffer: xxh3_64 of its bytes} for every buffer, kept with the object and returned "
+        "by claim and lookup (required when the daemon sets require_checksums).",
+        lease=_NAMES,
+    ),
+    "abort": Op(
+        {"lease": _a(int, required=True)},
+        R.Empty,
+        "Discard an unsealed object (or a write arena) and free its extents.",
+        lease=_NAMES,
+    ),
+    "arena": Op(
+        {"nbytes": _a(int, required=True)},
+        R.ArenaLent,
+        "A write arena: fresh pages this connection may fill before naming them with "
+        "`publish` (a put in one round trip). Capped at 1/16 of a pool; no TTL; freed by "
+        "`abort`, by being published whole, or when the connection closes.",
+        lease=_TAKES, draining=REFUSE,
+    ),
+    "publish": Op(
+        {
+            "arena": _a(int, required=True),
+            "namespace": _a(str, default="default"),
+            "key": _a(str, required=True),
+            "buffers": _a(dict, required=True),
+            "meta": _a(dict, type(None)),
+            "replace": _a(bool, default=False),
+            "consumers": _a(int, default=1),
+            "checksums": _a(dict, type(None)),
+            "next_arena": _a(int, default=0),
+        },
+        R.Published,
+        "Seal the arena's first pages as a new object, buffers laid out as `reserve` lays "
+        "them out; the rest stays the arena. `next_arena` bytes: the arena to hold next "
+        "(the rest, while it is at least half that size, else a fresh one of that size; 0 "
+        "frees the rest). Exists leaves the arena untouched.",
+        lease=_NAMES | _TAKES, draining=Drain(args=(("next_arena", 0),)),
+    ),
+    "claim": Op(
+        {
+            "namespace": _a(str, default="default"),
+            "key": _a(str, required=True),
+            "select": _a(*_OPT_STR),
+            "consume": _a(bool, default=False),
+            "wait": _a(*_OPT_NUM),
+            "ttl": _a(*_OPT_NUM),
+        },
+        R.Claimed,
+        "Read lease on a sealed object; `select` is a regex over buffer names; `wait` seconds "
+        "to wait for the key to be sealed; `consume` frees the object once released.",
+        lease=_TAKES, draining=REFUSE,
+    ),
+    "release": Op(
+        {"lease": _a(int, required=True), "consume": _a(bool, default=True)},
+        R.Empty,
+        "End a read lease (frees the object if it was claimed with consume). `consume` "
+        "false ends a consume claim without counting it: the reader gave up unused.",
+        lease=_NAMES,
+    ),
+    "renew": Op(
+        {"leases": _a(list, required=True), "ttl": _a(*_OPT_NUM)},
+        R.Renewed,
+        "Extend leases by their TTL; an ended lease answers lease_expired.",
+        lease=_NAMES,
+    ),
+    "lookup": Op(
+        {"namespace": _a(str, default="default"), "key": _a(str, required=True)},
+        ObjectInfo | None,
+        "Describe one sealed object (with its checksums), without leasing it.",
+    ),
+    "list": Op(
+        {
+            "namespace": _a(*_OPT_STR),
+            "match": _a(*_OPT_STR),
+            "limit": _a(int, type(None)),
+        },
+        R.Listed,
+        "Sealed objects, optionally filtered by namespace and a regex over keys.",
+    ),
+    "evict": Op(
+        {
+            "namespace": _a(*_OPT_STR),
+            "key": _a(*_OPT_STR),
+            "match": _a(*_OPT_STR),
+            "match_buffers": _a(*_OPT_STR),
+            "older_than": _a(*_OPT_NUM),
+            "all": _a(bool, default=False),
+            "dry_run": _a(bool, default=False),
+        },
+        R.Evicted,
+        "Free sealed objects matching every given filter; leased ones are skipped.",
+    ),
+    "reserve_blocks": Op(
+        {
+            "namespace": _a(str, default="default"),
+            "blocks": _a(list, required=True),
+            "ttl": _a(*_OPT_NUM),
+        },
+        R.BlocksReserved,
+        "Write leases for many prefix blocks in one round trip. Each block is "
+        "{key, parent: key|null, buffers: {name: nbytes}, meta?}; a block already published "
+        "answers exists and costs no copy. A block is evicted only after its children.",
+        lease=_TAKES, draining=REFUSE,
+    ),
+    "seal_many": Op(
+        {"leases": _a(list, required=True), "checksums": _a(list, type(None))},
+        R.SealedMany,
+        "Seal several write leases in order (parents before children); `checksums`, when "
+        "given, holds one {buffer: digest} map (or null) per lease.",
+        lease=_NAMES,
+    ),
+    "match_prefix": Op(
+        {
+            "namespace": _a(str, default="default"),
+            "keys": _a(list, required=True),
+            "block_tokens": _a(int, default=0),
+            "ttl": _a(*_OPT_NUM),
+        },
+        R.PrefixMatch,
+        "Longest run of leading `keys` that are published, all under one read lease. When "
+        "every block has the buffers `names`, `packed` holds a little-endian int64 row "
+        "[pool, offset, nbytes, offset, nbytes, ...] per block; else `blocks` a map each.",
+        lease=_TAKES, draining=REFUSE,
+    ),
+    "release_many": Op(
+        {"leases": _a(list, required=True)},
+        R.Empty,
+        "End several read leases.",
+        lease=_NAMES,
+    ),
+    # GPU staging rings (kvbroker._server.rings); a daemon without --gpu-ring answers bad_request.
+    "rings": Op(
+        {},
+        R.Rings,
+        "The daemon's GPU staging rings, one per GPU, and the handles to map them.",
+        service=Service.RINGS,
+    ),
+    "ring_reserve": Op(
+        {
+            "device": _a(int, required=True),
+            "nbytes": _a(int, required=True),
+            "namespace": _a(str, default="default"),
+            "key": _a(*_OPT_STR),
+            "meta": _a(dict, type(None)),
+            "ttl": _a(*_OPT_NUM),
+        },
+        R.RingRegion,
+        "A region of ring `device`, bound to this connection: scratch staging (no key), or "
+        "a ring-located object to publish under `key` (seal it; `ttl`: how long it waits "
+        "for a claimer once sealed). A full ring answers pool_full at once.",
+        service=Service.RINGS, lease=_TAKES, draining=REFUSE,
+    ),
+    "ring_seal": Op(
+        {"lease": _a(int, required=True)},
+        R.Sealed,
+        "Make a written ring object visible; the object now owns its region.",
+        service=Service.RINGS, lease=_NAMES,
+    ),
+    "ring_claim": Op(
+        {
+            "namespace": _a(str, default="default"),
+            "key": _a(str, required=True),
+            "consume": _a(bool, default=True),
+            "wait": _a(*_OPT_NUM),
+        },
+        R.RingClaimed,
+        "Read lease on a sealed ring object (`consume`: one-shot, freed once released); "
+        "`wait` seconds for it to be sealed.",
+        service=Service.RINGS, lease=_TAKES, draining=REFUSE,
+    ),
+    "ring_release": Op(
+        {"lease": _a(int, required=True)},
+        R.Empty,
+        "End a ring lease: frees a scratch region, discards an unsealed object, ends a read.",
+        service=Service.RINGS, lease=_NAMES,
+    ),
+    "stat": Op({}, Statistics, "One statistics snapshot."),
+    "watch": Op(
+        {"interval": _a(*_NUMBER, default=1.0)},
+        R.Watching,
+        "Stream statistics snapshots on this connection ({push: 'stats', result: "
+        "Statistics} every `interval` seconds); interval 0 stops the stream.",
+        service=Service.DAEMON,
+    ),
+}
+
+
+def ops_where(test: Callable[[Op], bool]) -> frozenset[str]:
+    """The names of the ops whose row passes ``test``: how the rest of the code asks the
+    table (which ops name a lease, which a draining daemon refuses, ...)."""
+    return frozenset(name for name, op in OPS.items() if test(op))
+
+
+# Requests that act on a lease the caller holds: after a reconnect the lease is gone.
+LEASE_NAMING_OPS = ops_where(lambda op: LeaseRole.NAMES in op.lease)
+# Refused by a draining daemon, which hands out no new leases.
+REFUSED_WHILE_DRAINING = ops_where(lambda op: op.draining.refuse)
+
+# Connections are answered with these codes (kvbroker.errors holds their classes).
+ERROR_CODES = tuple(cls.code for cls in ERROR_CLASSES)
+
+
+def check_reply(op_name: str, result: Any) -> str | None:
+    """Why ``result`` is not the reply ``op_name`` declares, or None when it is."""
+    return mismatch(result, OPS[op_name].reply, f"{op_name} reply")
+
+
+_MISSING = object()
+
+
+def validate_args(op_name: str, raw: Any) -> dict[str, Any]:
+    """Check a request's arguments against the table; returns them with defaults filled in.
+
+    Raises :class:`~kvbroker.errors.BadRequest` naming the offending argument.
+    """
+    op = OPS.get(op_name)
+    if op is None:
+        raise BadRequest(f"unknown op {op_name!r}")
+    if raw is None:
+        raw = {}
+    elif not isinstance(raw, dict):
+        raise BadRequest(f"{op_name}: args must be a map, not {type(raw).__name__}")
+    out: dict[str, Any] = {}
+    seen = 0
+    for name, arg in op.args.items():
+        value = raw.get(name, _MISSING)
+        if value is _MISSING:
+            if arg.required:
+                raise BadRequest(f"{op_name}: missing argument {name!r}")
+            out[name] = arg.default
+            continue
+        seen += 1
+        # bool is an int subclass: never accept True where a count is meant.
+        if not isinstance(value, arg.types) or (
+            value.__class__ is bool and bool not in arg.types
+        ):
+            raise BadRequest(
+                f"{op_name}: {name} must be {_type_names(arg)}, not {type(value).__name__}"
+            )
+        out[name] = value
+    if seen != len(raw):
+        extra = next(k for k in raw if k not in op.args)
+        raise BadRequest(f"{op_name}: unexpected argument {extra!r}")
+    return out
+
+
+def _type_names(arg: Arg) -> str:
+    return " or ".join("null" if t is type(None) else t.__name__ for t in arg.types)
+
+
+_HANDLER = {
+    Service.BROKER: "handlers.op_{}",
+    Service.RINGS: "RingService.op_{}",
+    Service.DAEMON: "Connection.op_{}",
+}
+
+
+def markdown_table() -> str:
+    """The op table as Markdown: the one in ``docs/design.md`` is this (regenerate it with
+    ``python -c "from kvbroker._wire.protocol import markdown_table as t; print(t(), end='')"``;
+    ``tests/test_op_table.py`` keeps the two equal)."""
+
+    def args(op: Op) -> str:
+        return ", ".join(f"`{n}`" if a.required else f"{n}" for n, a in op.args.items()) or "—"
+
+    def lease(op: Op) -> str:
+        roles = [r.name.lower() for r in (LeaseRole.TAKES, LeaseRole.NAMES) if r in op.lease]
+        return " + ".join(roles) or "—"
+
+    def draining(op: Op) -> str:
+        if op.draining.refuse:
+            return "refused"
+        if op.draining.args:
+            return "served with " + ", ".join(f"{k}={v!r}" for k, v in op.draining.args)
+        return "served"
+
+    rows = ["| op | args (`required`) | reply | handler | lease | while draining |",
+            "|---|---|---|---|---|---|"]
+    for name, op in OPS.items():
+        reply = getattr(op.reply, "__name__", None) or str(op.reply).rpartition(".")[2]
+        reply = reply.replace(" | ", " or ")  # a bar would end the Markdown cell
+        rows.append(f"| `{name}` | {args(op)} | `{reply}` | `{_HANDLER[op.service].format(name)}`"
+                    f" | {lease(op)} | {draining(op)} |")
+    return "\n".join(rows) + "\n"

@@ -1,0 +1,223 @@
+"""Frozen snapshot types: one :class:`Statistics` feeds ``stat --json``, ``watch``, the TUI
+and Prometheus.
+
+The daemon builds these objects itself (``kvbroker._server.snapshot``) and sends their
+:meth:`Statistics.to_dict`; clients get them back with :meth:`Statistics.from_dict`. Every
+counter and field is named once, here. Sizes are bytes, times are seconds (wall-clock Unix
+time where a point in time is meant).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+__all__ = [
+    "PoolStatistics",
+    "RingStatistics",
+    "ClientStatistics",
+    "LeaseInfo",
+    "TransferRecord",
+    "Counters",
+    "NamespaceUsage",
+    "Statistics",
+    "ObjectInfo",
+]
+
+
+def _build(cls, data: dict[str, Any]):
+    known = {f.name for f in fields(cls)}
+    return cls(**{k: v for k, v in data.items() if k in known})
+
+
+@dataclass(frozen=True)
+class PoolStatistics:
+    index: int
+    name: str
+    capacity: int
+    page_size: int
+    used: int
+    free: int
+    leased_read: int
+    leased_write: int
+    quarantined: int
+    objects: int
+    largest_free: int
+    fragmentation: float
+    high_watermark: float
+    low_watermark: float
+    # Coarse occupancy map: one character per cell, '.' free, 's' sealed, 'r' read-leased,
+    # 'w' write-leased, 'q' quarantined (the busiest state in the cell wins).
+    occupancy: str = ""
+
+
+@dataclass(frozen=True)
+class RingStatistics:
+    """One GPU staging ring (``serve --gpu-ring``), in the shape of a pool: ``quarantined``
+    is freed space the ring's FIFO frontier has not passed yet (not reusable until it does)."""
+
+    index: int
+    device: str  # PCI bus id
+    name: str
+    capacity: int
+    used: int
+    free: int
+    leased_read: int
+    leased_write: int
+    quarantined: int
+    objects: int
+    largest_free: int
+    fragmentation: float
+    high_watermark: float
+    low_watermark: float
+    occupancy: str = ""  # as PoolStatistics.occupancy
+
+    # Rings reached clients as plain dicts before they were typed: reading one by key
+    # (``stat().rings[0]["used"]``) keeps working.
+    def __getitem__(self, name: str) -> Any:
+        try:
+            return getattr(self, name)
+        except AttributeError:
+            raise KeyError(name) from None
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return getattr(self, name, default)
+
+
+@dataclass(frozen=True)
+class ClientStatistics:
+    session: int
+    pid: int
+    uid: int
+    gid: int
+    name: str
+    role: str
+    connected_at: float
+    read_leases: int
+    write_leases: int
+    bytes_published: int
+    bytes_claimed: int
+
+
+@dataclass(frozen=True)
+class LeaseInfo:
+    lease: int
+    kind: str  # "read" | "write"
+    session: int
+    namespace: str
+    key: str
+    nbytes: int
+    expires_in: float
+
+
+@dataclass(frozen=True)
+class TransferRecord:
+    at: float
+    op: str  # "publish" | "claim"
+    session: int
+    namespace: str
+    key: str
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class NamespaceUsage:
+    """One namespace: sealed objects and their bytes; ``used``: bytes of pool pages charged
+    to it (reserved, sealed, or freed only once the last reader leaves), ``quota``: its
+    byte limit, None when it has none."""
+
+    namespace: str
+    objects: int
+    bytes: int
+    used: int
+    quota: int | None = None
+
+
+@dataclass(frozen=True)
+class Counters:
+    publishes: int = 0
+    claims: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    evicted_bytes: int = 0
+    aborts: int = 0
+    expired_leases: int = 0
+    requests: int = 0
+    errors: int = 0
+    prefix_queries: int = 0
+    prefix_hit_blocks: int = 0
+    prefix_miss_blocks: int = 0
+    prefix_hit_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class Statistics:
+    taken_at: float
+    version: str
+    pid: int
+    started_at: float
+    socket: str
+    objects: int
+    pending: int
+    read_leases: int
+    write_leases: int
+    pools: tuple[PoolStatistics, ...]
+    clients: tuple[ClientStatistics, ...]
+    counters: Counters
+    leases: tuple[LeaseInfo, ...] = ()
+    transfers: tuple[TransferRecord, ...] = ()
+    rings: tuple[RingStatistics, ...] = ()
+    namespaces: tuple[NamespaceUsage, ...] = ()  # largest use first (at most 1000)
+    arenas: int = 0  # write arenas lent to clients (their pages are in pools' leased_write)
+
+    @property
+    def capacity(self) -> int:
+        return sum(p.capacity for p in self.pools)
+
+    @property
+    def used(self) -> int:
+        return sum(p.used for p in self.pools)
+
+    @property
+    def uptime(self) -> float:
+        return self.taken_at - self.started_at
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Statistics:
+        d = dict(data)
+        d["pools"] = tuple(_build(PoolStatistics, p) for p in d.get("pools", ()))
+        d["clients"] = tuple(_build(ClientStatistics, c) for c in d.get("clients", ()))
+        d["leases"] = tuple(_build(LeaseInfo, x) for x in d.get("leases", ()))
+        d["transfers"] = tuple(_build(TransferRecord, x) for x in d.get("transfers", ()))
+        d["rings"] = tuple(_build(RingStatistics, x) for x in d.get("rings", ()))
+        d["namespaces"] = tuple(_build(NamespaceUsage, x) for x in d.get("namespaces", ()))
+        d["counters"] = _build(Counters, d.get("counters", {}))
+        return _build(cls, d)
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    namespace: str
+    key: str
+    nbytes: int
+    buffers: int
+    pool: int
+    readers: int
+    created_at: float
+    last_access: float
+    meta: dict | None = None
+    # {buffer: xxh3_64} recorded at seal; only ``lookup`` fills it (None: sealed without).
+    checksums: dict | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ObjectInfo:
+        return _build(cls, data)

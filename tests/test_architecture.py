@@ -1,0 +1,148 @@
+"""The import rules that keep the socket the folder boundary (docs/design.md).
+
+- the contract (``kvbroker._wire``) imports nothing of kvbroker but ``kvbroker.errors``;
+- the client side (``kvbroker._client``) and the server side (``kvbroker._server``) never
+  import each other;
+- the TUI imports only ``kvbroker`` (public) and the contract;
+- there is no import cycle among kvbroker's modules.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _module_name(path: pathlib.Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = list(rel.parts)
+    if parts[0] in ("cli", "tui"):
+        parts.insert(0, "kvbroker")
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _imports(path: pathlib.Path) -> set[str]:
+    """Absolute names of the kvbroker modules (or packages) that ``path`` imports, lazy
+    imports inside functions included, ``if TYPE_CHECKING:`` blocks left out."""
+    name = _module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out: set[str] = set()
+    tree = ast.parse(path.read_text(), str(path))
+    typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+                   and "TYPE_CHECKING" in ast.unparse(node.test) for n in ast.walk(node)}
+    for node in ast.walk(tree):
+        if id(node) in typing_only:  # annotations only: no import at run time
+            continue
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name.startswith("kvbroker"))
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            if not mod.startswith("kvbroker"):
+                continue
+            out.add(mod)
+            # "from . import x" names a module when x is one
+            for alias in node.names:
+                sub = f"{mod}.{alias.name}"
+                if _path_of(sub) is not None:
+                    out.add(sub)
+    return out
+
+
+def _path_of(module: str) -> pathlib.Path | None:
+    parts = module.split(".")
+    if parts[:2] in (["kvbroker", "cli"], ["kvbroker", "tui"]):
+        parts = parts[1:]
+    base = ROOT.joinpath(*parts)
+    for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+        if candidate.exists():
+            return candidate
+    return None
+
+
+def _sources(*folders: str) -> list[pathlib.Path]:
+    return sorted(p for f in folders for p in (ROOT / f).rglob("*.py"))
+
+
+def _within(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+@pytest.mark.parametrize("path", _sources("kvbroker/_wire"), ids=lambda p: p.name)
+def test_contract_imports_only_errors(path):
+    bad = {m for m in _imports(path) if not _within(m, "kvbroker._wire")} - {"kvbroker.errors"}
+    assert not bad, f"{path.name} imports {sorted(bad)}"
+
+
+@pytest.mark.parametrize("path", _sources("kvbroker/_client"), ids=lambda p: p.name)
+def test_client_never_imports_server(path):
+    bad = {m for m in _imports(path) if _within(m, "kvbroker._server")}
+    assert not bad, f"{path.name} imports {sorted(bad)}"
+
+
+@pytest.mark.parametrize("path", _sources("kvbroker/_server"), ids=lambda p: p.name)
+def test_server_never_imports_client(path):
+    bad = {m for m in _imports(path) if _within(m, "kvbroker._client")}
+    bad |= {m for m in _imports(path) if m in ("kvbroker", "kvbroker.kv", "kvbroker.prefix",
+                                                  "kvbroker.gpu")}  # the client's faces
+    assert not bad, f"{path.name} imports {sorted(bad)}"
+
+
+@pytest.mark.parametrize("path", _sources("tui"), ids=lambda p: p.name)
+def test_tui_imports_only_public_kvbroker_and_the_contract(path):
+    def allowed(m: str) -> bool:
+        if _within(m, "kvbroker.tui") or _within(m, "kvbroker._wire"):
+            return True
+        # public modules: no underscore after "kvbroker."
+        return not any(part.startswith("_") for part in m.split(".")[1:])
+
+    bad = {m for m in _imports(path) if not allowed(m)}
+    assert not bad, f"{path.name} imports {sorted(bad)}"
+
+
+def test_no_import_cycle():
+    graph: dict[str, set[str]] = {}
+    for path in _sources("kvbroker", "cli", "tui"):
+        name = _module_name(path)
+        graph[name] = {m for m in _imports(path) if _path_of(m) is not None and m != name}
+    # a package's __init__ re-exporting its modules is not a cycle of the modules themselves
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in graph.get(node, ()):
+            if _within(node, nxt):  # a module importing its own package's face
+                continue
+            if state.get(nxt) == 1:
+                cycle = stack[stack.index(nxt):] + [nxt]
+                pytest.fail("import cycle: " + " -> ".join(cycle))
+            if nxt not in state:
+                visit(nxt)
+        stack.pop()
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
+
+
+def test_the_rules_see_a_violation(tmp_path, monkeypatch):
+    """The checker itself: a module that imports across the boundary is reported."""
+    bad = ROOT / "kvbroker" / "_wire" / "_probe_violation.py"
+    bad.write_text("from .._server import broker\n")
+    try:
+        assert "kvbroker._server" in _imports(bad) or "kvbroker._server.broker" in _imports(bad)
+    finally:
+        bad.unlink()

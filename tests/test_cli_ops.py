@@ -1,0 +1,276 @@
+"""The CLI as operators and newcomers meet it (issue 19, issue 16 item 12): exit codes, one-line
+errors, escaped control characters, whole keys, ls/show/evict/stat additions, help texts."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from kvbroker.cli import app
+
+runner = CliRunner()
+
+
+def run(*args, env=None, input=None):
+    return runner.invoke(app, [str(a) for a in args], env=env, input=input)
+
+
+def lines_of(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line]
+
+
+@pytest.fixture
+def loaded(daemon):
+    with daemon.client() as c:
+        c.put("req-1", {"past_key.0": b"k" * 5000, "past_value.0": b"v" * 5000}, namespace="pd",
+              meta={"tokens": 812})  # fmt: skip
+        c.put("req-2", {"past_key.0": b"k" * 100}, namespace="pd")
+        c.put("keep-4", {"x": b"x" * 10})
+    return daemon
+
+
+# -- exit codes and errors -----------------------------------------------------------------
+def test_evict_missing_key_exits_1_with_and_without_json(loaded):
+    s = loaded.socket_path
+    assert run("evict", "nokey", "-s", s).exit_code == 1
+    r = run("evict", "nokey", "--json", "-s", s)
+    assert r.exit_code == 1
+    assert json.loads(r.stdout)["count"] == 0
+    assert "no object 'nokey'" in r.stderr
+
+
+@pytest.mark.parametrize("args", [
+    ("ls", "--match", "("), ("evict", "--match", "("), ("evict", "--match-buffers", "("),
+    ("verify", "--match", "("),
+])  # fmt: skip
+def test_bad_regex_is_a_one_line_usage_error(loaded, args):
+    r = run(*args, "-s", loaded.socket_path)
+    assert r.exit_code == 2, r.output
+    assert "bad_request" not in r.output and "bad regex" in r.stderr
+    assert len(lines_of(r.stderr)) == 1 and r.stderr.startswith("kvbroker: --match")
+
+
+def test_usage_errors_are_one_line(loaded):
+    for args in (["evict", "--older-than", "soon"], ["ls", "--limit", "x"], ["nosuch"],
+                 ["ls", "--sort", "colour"], ["evict"]):  # fmt: skip
+        r = run(*args, "-s", loaded.socket_path) if args != ["nosuch"] else run(*args)
+        assert r.exit_code == 2, (args, r.output)
+        assert len(lines_of(r.stderr)) == 1, (args, r.stderr)
+        assert "--help" in r.stderr and "Usage:" not in r.stderr
+
+
+def test_conflicting_selectors_are_refused(loaded):
+    s = loaded.socket_path
+    for args in (["keep-4", "--all"], ["--all", "--namespace", "pd"], ["req-1", "-m", "req"]):
+        r = run("evict", *args, "-s", s)
+        assert r.exit_code == 2, (args, r.output)
+        assert len(lines_of(r.stderr)) == 1
+    assert json.loads(run("stat", "--json", "-s", s).stdout)["objects"] == 3  # nothing gone
+
+
+def test_stat_refused_for_max_connections_is_one_line(make_daemon):
+    d = make_daemon("--pool-size", "16M", "--page-size", "4K", "--max-connections", "1")
+    with d.client():
+        r = subprocess.run([sys.executable, "-m", "kvbroker", "stat", "-s", d.socket_path],
+                           capture_output=True, text=True, timeout=30)  # fmt: skip
+    assert r.returncode == 1, r.stderr
+    assert "Traceback" not in r.stderr
+    assert len(lines_of(r.stderr)) == 1 and r.stderr.startswith("kvbroker: ")
+    assert "connection" in r.stderr
+
+
+def test_control_characters_are_escaped_everywhere(daemon):
+    evil = "evil\x1b]0;pwned\x07\nforged-row\u2028x"
+    with daemon.client() as c:
+        c.put(evil, {"buf\x1b[2J": b"x" * 10}, namespace="ns\x1b[31m", meta={"m": "a\x1b"})
+    s = daemon.socket_path
+    outputs = [
+        run("ls", "-s", s), run("show", evil, "-s", s), run("stat", "-s", s),
+        run("verify", "-s", s), run("evict", evil, "--dry-run", "-s", s),
+        run("show", "nothing\x1b[2J", "-s", s), run("evict", "nothing\x1b", "-s", s),
+    ]
+    for r in outputs:
+        for text in (r.stdout, r.stderr):
+            assert "\x1b" not in text and "\x07" not in text and "\u2028" not in text, text
+            assert "forged-row" not in text or "\\nforged-row" in text
+    ls_rows = lines_of(outputs[0].stdout)
+    assert len(ls_rows) == 2 and "\\x1b]0;pwned\\x07\\nforged-row" in ls_rows[1]
+
+
+# -- ls ------------------------------------------------------------------------------------
+def test_ls_says_when_it_stops_at_the_limit_and_limit_0_lists_all(daemon):
+    with daemon.client() as c:
+        for i in range(5):
+            c.put(f"obj-{i}", {"x": b"x"})
+    s = daemon.socket_path
+    r = run("ls", "--limit", "2", "--no-header", "-s", s)
+    assert r.exit_code == 0 and len(lines_of(r.stdout)) == 2
+    assert "more match" in r.stderr and "--limit 2" in r.stderr
+    r = run("ls", "--limit", "0", "--no-header", "-s", s)
+    assert len(lines_of(r.stdout)) == 5 and r.stderr == ""
+    r = run("ls", "--limit", "5", "--json", "-s", s)
+    assert len(json.loads(r.stdout)) == 5 and r.stderr == ""
+
+
+def test_ls_never_cuts_keys_silently(daemon):
+    key = "prefix/" + "a" * 60 + "/tail-that-matters"
+    ns = "a-namespace-longer-than-fifteen"
+    with daemon.client() as c:
+        c.put(key, {"x": b"x"}, namespace=ns)
+    s = daemon.socket_path
+    piped = run("ls", "-s", s)  # not a terminal, no COLUMNS: names whole
+    assert key in piped.stdout and ns in piped.stdout
+    narrow = run("ls", "-s", s, env={"COLUMNS": "80"})
+    row = lines_of(narrow.stdout)[1]
+    assert key not in row and "…" in row and len(row) <= 80
+    wide = run("ls", "--wide", "-s", s, env={"COLUMNS": "80"})
+    assert key in wide.stdout and ns in wide.stdout
+    assert json.loads(run("ls", "--json", "-s", s, env={"COLUMNS": "80"}).stdout)[0]["key"] == key
+
+
+def test_ls_sort_reverse_and_no_header(loaded):
+    s = loaded.socket_path
+    keys = [line.split()[1] for line in lines_of(run("ls", "--sort", "size", "-s", s).stdout)[1:]]
+    assert keys == ["req-1", "req-2", "keep-4"]  # largest first
+    r = run("ls", "--sort", "size", "--reverse", "--no-header", "-s", s)
+    assert [line.split()[1] for line in lines_of(r.stdout)] == ["keep-4", "req-2", "req-1"]
+    r = run("ls", "--sort", "key", "--json", "-s", s)
+    assert [o["key"] for o in json.loads(r.stdout)] == ["keep-4", "req-1", "req-2"]
+
+
+def test_ls_json_has_no_made_up_checksums(loaded):
+    # `list` does not carry checksums: ls --json must not claim "null" (= sealed without).
+    for obj in json.loads(run("ls", "--json", "-s", loaded.socket_path).stdout):
+        assert "checksums" not in obj
+    shown = json.loads(run("show", "req-1", "--json", "-s", loaded.socket_path).stdout)
+    assert set(shown[0]["checksums"]) == {"past_key.0", "past_value.0"}
+
+
+# -- show, stat --watch, evict --all -----------------------------------------------------------
+def test_show_one_object(loaded):
+    s = loaded.socket_path
+    with loaded.client() as c, c.claim("req-1", namespace="pd"):
+        r = run("show", "req-1", "-s", s)  # in any namespace
+        assert r.exit_code == 0, r.output
+        text = r.stdout
+        assert text.startswith("pd/req-1")
+        assert "10000 bytes" in text and "2 buffer(s)" in text and "readers     1" in text
+        assert '"tokens": 812' in text
+        assert "past_key.0" in text and "past_value.0" in text
+        assert re.search(r"#\d+ read by session \d+", text)
+        data = json.loads(run("show", "req-1", "-n", "pd", "--json", "-s", s).stdout)
+        assert data[0]["meta"] == {"tokens": 812} and data[0]["leases"][0]["kind"] == "read"
+    r = run("show", "req-1", "-n", "default", "-s", s)
+    assert r.exit_code == 1 and "no object" in r.stderr
+    assert run("show", "keep-4", "-s", s).stdout.startswith("default/keep-4")
+
+
+def test_stat_watch_prints_snapshots_until_count(loaded):
+    r = run("stat", "--watch", "--interval", "0.1", "--count", "3", "--json",
+            "-s", loaded.socket_path)  # fmt: skip
+    assert r.exit_code == 0, r.output
+    snaps = [json.loads(line) for line in lines_of(r.stdout)]
+    assert len(snaps) == 3 and all(s["objects"] == 3 for s in snaps)
+    r = run("stat", "--watch", "-i", "0.1", "--count", "2", "-s", loaded.socket_path)
+    assert r.stdout.count("POOL") == 2 and "\x1b[2J" not in r.stdout  # no clearing in a pipe
+
+
+def test_evict_all_asks_on_a_terminal(loaded, monkeypatch):
+    monkeypatch.setattr("kvbroker.cli._objects._confirm_on_terminal", lambda: True)
+    s = loaded.socket_path
+    r = run("evict", "--all", "-s", s, input="n\n")
+    assert r.exit_code == 1 and "nothing evicted" in r.stderr
+    assert json.loads(run("stat", "--json", "-s", s).stdout)["objects"] == 3
+    r = run("evict", "--all", "--dry-run", "-s", s)  # a dry run never asks
+    assert r.exit_code == 0 and "would evict 3" in r.stdout
+    r = run("evict", "--all", "-s", s, input="y\n")
+    assert r.exit_code == 0 and "evicted 3 object" in r.stdout
+    with loaded.client() as c:
+        c.put("again", {"x": b"x"})
+    r = run("evict", "--all", "--yes", "-s", s)  # no question asked: no input needed
+    assert r.exit_code == 0 and "evicted 1 object" in r.stdout
+
+
+# -- help, version, completion -------------------------------------------------------------
+def test_version():
+    from kvbroker import __version__
+
+    r = run("--version")
+    assert r.exit_code == 0 and r.stdout.strip() == f"kvbroker {__version__}"
+
+
+@pytest.mark.parametrize("command", ["serve", "ls", "evict", "stat", "show", "verify", "doctor",
+                                     "bench rpc", "bench tp", "bench gpu"])  # fmt: skip
+def test_help_fits_80_columns_and_names_no_repo_paths(command):
+    r = run(*command.split(), "--help", env={"COLUMNS": "80"})
+    assert r.exit_code == 0, r.output
+    assert all(len(line) <= 80 for line in r.stdout.splitlines()), r.stdout
+    assert "<bool>" not in r.stdout
+    assert "benchmarks/" not in r.stdout
+    if command == "serve":
+        for name in ("--restart-quarantine", "--keep-pools-on-exit", "--drop-pools-on-exit"):
+            assert name in r.stdout
+
+
+def test_every_namespace_option_has_help():
+    for command in ("ls", "evict", "show", "verify"):
+        out = run(command, "--help", env={"COLUMNS": "100"}).stdout
+        line = next(x for x in out.splitlines() if "-n, --namespace NS" in x)
+        assert len(line.split("NS", 1)[1].strip()) > 10, line
+
+
+def test_socket_default_in_help_is_the_real_one(monkeypatch):
+    from kvbroker.cli._common import user_default_socket
+
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    assert user_default_socket() == "/run/kvbroker/kvbroker.sock"
+    monkeypatch.setattr(os, "geteuid", lambda: 1234)
+    assert user_default_socket() == "/tmp/kvbroker-1234.sock"
+    monkeypatch.undo()
+    env = {k: v for k, v in os.environ.items() if k != "KVBROKER_SOCKET"}
+    env["COLUMNS"] = "200"
+    r = subprocess.run([sys.executable, "-m", "kvbroker", "stat", "--help"], env=env,
+                       capture_output=True, text=True, timeout=30)  # fmt: skip
+    assert "$XDG_RUNTIME_DIR" not in r.stdout
+    assert f"default: ({user_default_socket()})" in " ".join(r.stdout.split()), r.stdout
+
+
+def test_shell_completion():
+    import shutil
+
+    exe = shutil.which("kvbroker", path=os.path.dirname(sys.executable))
+    if exe is None:
+        pytest.skip("the kvbroker script is not installed beside this Python")
+
+    def complete(words: str, cword: int, kind: str = "complete_bash") -> str:
+        env = {**os.environ, "_KVBROKER_COMPLETE": kind, "COMP_WORDS": words,
+               "COMP_CWORD": str(cword)}  # fmt: skip
+        return subprocess.run([exe], env=env, capture_output=True, text=True,
+                              timeout=30).stdout  # fmt: skip
+
+    assert "_kvbroker_completion" in complete("", 0, "source_bash")  # the script to source
+    assert complete("kvbroker st", 1).split() == ["stat"]
+    assert {"--sort", "--socket"} <= set(complete("kvbroker ls --so", 2).split())
+    assert "--install-completion" in run("--help").stdout
+
+
+# -- bench against a running daemon ----------------------------------------------------------
+def test_bench_rpc_honours_KVBROKER_SOCKET_and_leaves_nothing_behind(loaded):
+    s = loaded.socket_path
+    before = json.loads(run("stat", "--json", "-s", s).stdout)
+    keys = sorted((o["namespace"], o["key"])
+                  for o in json.loads(run("ls", "--json", "-s", s).stdout))  # fmt: skip
+    r = run("bench", "rpc", "--clients", "1", "--seconds", "0.2", env={"KVBROKER_SOCKET": s})
+    assert r.exit_code == 0, r.output
+    after = json.loads(run("stat", "--json", "-s", s).stdout)
+    # it measured this daemon (its lookups are counted here), and left no object behind
+    assert after["counters"]["requests"] > before["counters"]["requests"] + 10
+    assert after["objects"] == before["objects"] == 3
+    now = sorted((o["namespace"], o["key"])
+                 for o in json.loads(run("ls", "--json", "-s", s).stdout))  # fmt: skip
+    assert now == keys

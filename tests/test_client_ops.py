@@ -1,0 +1,81 @@
+"""The client's typed op stubs (kvbroker._client.ops) against the op table: one stub per op,
+taking exactly the op's arguments with the table's defaults, and no other client code naming
+an op."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import pathlib
+
+import pytest
+
+from kvbroker._client.ops import LEASE_OPS, Ops
+from kvbroker._wire.protocol import OPS
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+_LATER = {"abort_later": "abort", "release_later": "release"}  # pipelined variants
+
+
+def _stubs() -> dict[str, inspect.Signature]:
+    return {name: inspect.signature(fn) for name, fn in vars(Ops).items()
+            if callable(fn) and not name.startswith("_")}  # fmt: skip
+
+
+def test_one_stub_per_op():
+    assert set(_stubs()) - set(_LATER) == set(OPS)
+    assert set(_LATER.values()) <= set(OPS)
+    assert LEASE_OPS <= set(OPS)
+
+
+@pytest.mark.parametrize("op", sorted(OPS))
+def test_stub_takes_the_ops_arguments_with_its_defaults(op):
+    params = dict(list(_stubs()[op].parameters.items())[1:])  # without self
+    assert set(params) == set(OPS[op].args)
+    for name, arg in OPS[op].args.items():
+        p = params[name]
+        if arg.required:
+            assert p.default is inspect.Parameter.empty, f"{op}: {name} is required"
+        else:
+            assert p.default == arg.default, f"{op}: {name} defaults to {arg.default!r}"
+
+
+@pytest.mark.parametrize("stub", sorted(_stubs()))
+def test_stub_sends_what_it_takes(stub):
+    sent = []
+    ops = Ops(lambda op, **a: sent.append((op, a)), lambda op, **a: sent.append((op, a)))
+    params = list(_stubs()[stub].parameters.values())[1:]
+    args = {p.name: f"<{p.name}>" if p.default is inspect.Parameter.empty else p.default
+            for p in params}  # fmt: skip
+    if "buffers" in args:
+        args["buffers"] = {}
+    getattr(ops, stub)(**args)
+    ((op, got),) = sent
+    assert op == _LATER.get(stub, stub)
+    want = dict(args)
+    if stub == "release_later":
+        want["consume"] = True
+    assert got == want
+
+
+def _names_an_op(node: ast.Call) -> str | None:
+    func = node.func
+    name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+    if name in ("_call", "_send_only", "call", "send_only") and node.args:
+        first = node.args[0]
+        if isinstance(first, ast.Constant) and first.value in OPS:
+            return first.value
+    return None
+
+
+@pytest.mark.parametrize(
+    "path",
+    sorted(p for p in (ROOT / "kvbroker").rglob("*.py")
+           if "_server" not in p.parts and p.name != "ops.py"),  # fmt: skip
+    ids=lambda p: str(p.relative_to(ROOT)),
+)
+def test_only_the_stubs_name_an_op(path):
+    tree = ast.parse(path.read_text(), str(path))
+    named = [(n.lineno, op) for n in ast.walk(tree) if isinstance(n, ast.Call)
+             and (op := _names_an_op(n))]  # fmt: skip
+    assert not named, f"{path.name} calls ops by name: {named}"

@@ -1,0 +1,210 @@
+"""The host copy engine (kvbroker._client.engine): copies and chunk checksums over threads,
+bit for bit the single-threaded definition."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import struct
+import threading
+import time
+
+import numpy as np
+import pytest
+import xxhash
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from kvbroker._client import engine as E
+from kvbroker._client import integrity
+from kvbroker._wire import checksum as cs
+
+
+def reference(data, chunk: int) -> int:
+    data = bytes(data)
+    digests = [xxhash.xxh3_64_intdigest(data[i : i + chunk]) for i in range(0, len(data), chunk)]
+    return xxhash.xxh3_64_intdigest(struct.pack(f"<Q{len(digests)}Q", len(data), *digests))
+
+
+@pytest.fixture
+def small_chunks():
+    """A 4 KiB chunk for the duration of a test: many chunks, and many threads' worth of
+    ranges, in small arrays (the engine and the definition read CHUNK at call time)."""
+    old = cs.CHUNK
+    cs.CHUNK = 4096
+    yield 4096
+    cs.CHUNK = old
+
+
+# the fixture only sets a constant, the same for every example
+@settings(max_examples=60, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    n=st.integers(0, 70_000),
+    src_off=st.integers(0, 15),
+    dst_off=st.integers(0, 15),
+    threads=st.integers(1, 5),
+    split_chunks=st.integers(1, 4),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_copies_and_checksums_equal_the_single_threaded_definition(
+    small_chunks, n, src_off, dst_off, threads, split_chunks, seed
+):
+    rng = np.random.default_rng(seed)
+    src_buf = rng.integers(0, 256, n + 32, dtype=np.uint8)
+    dst_buf = rng.integers(0, 256, n + 32, dtype=np.uint8)
+    before = dst_buf.copy()
+    src = src_buf[src_off : src_off + n]  # any alignment
+    dst = dst_buf[dst_off : dst_off + n]
+    e = E.CopyEngine(threads, split_min=split_chunks * small_chunks)
+    try:
+        want = reference(src, small_chunks)
+        assert e.hash(src) == want
+        assert e.copy_hashed(dst, src) == want
+        assert np.array_equal(dst, src)
+        # nothing outside the destination was written
+        assert np.array_equal(dst_buf[:dst_off], before[:dst_off])
+        assert np.array_equal(dst_buf[dst_off + n :], before[dst_off + n :])
+        dst[:] = 0
+        e.copy(dst, src)
+        assert np.array_equal(dst, src)
+    finally:
+        e.close()
+
+
+@given(n=st.integers(0, 10**9), threads=st.integers(1, 64), split=st.integers(1, 64))
+def test_ranges_cover_the_copy_in_whole_chunks(n, threads, split):
+    e = E.CopyEngine(threads, split_min=split * cs.CHUNK)
+    rs = e.ranges(n)
+    assert rs[0][0] == 0 and rs[-1][1] == n
+    assert all(a < b for a, b in rs) or rs == [(0, 0)]
+    assert all(rs[i][1] == rs[i + 1][0] for i in range(len(rs) - 1))
+    assert all(a % cs.CHUNK == 0 for a, _ in rs)
+    assert len(rs) <= threads
+    if len(rs) > 1:
+        assert n // len(rs) >= e.split_min // 2  # split only where each thread gets a fair share
+
+
+def test_real_chunk_size_over_threads():
+    n = 5 * cs.CHUNK + 12345
+    src = np.random.default_rng(1).integers(0, 256, n, dtype=np.uint8)
+    dst = np.empty(n, dtype=np.uint8)
+    e = E.CopyEngine(4, split_min=cs.CHUNK)
+    try:
+        assert len(e.ranges(n)) == 4
+        assert e.copy_hashed(dst, src) == cs.digest(src) == reference(src, cs.CHUNK)
+        assert np.array_equal(dst, src)
+    finally:
+        e.close()
+
+
+def test_errors_in_workers_reach_the_caller(small_chunks):
+    src = np.arange(40_000, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    e = E.CopyEngine(3, split_min=small_chunks)
+    try:
+        with pytest.raises(ValueError, match="copy of 40000 bytes into a view of 39999"):
+            e.copy(dst[1:], src)
+        dst.flags.writeable = False
+        with pytest.raises(ValueError, match="read-only"):
+            e.copy_hashed(dst, src)
+        dst.flags.writeable = True
+        assert e.copy_hashed(dst, src) == reference(src, small_chunks)  # still usable
+    finally:
+        e.close()
+
+
+def _child(q):
+    src = np.arange(3 * cs.CHUNK, dtype=np.uint8)
+    dst = np.empty_like(src)
+    q.put(E.default_engine().copy_hashed(dst, src) == cs.digest(src) and bool((dst == src).all()))
+
+
+def test_the_engine_works_in_a_forked_child():
+    e = E._default
+    E._default = E.CopyEngine(3, split_min=cs.CHUNK)
+    try:
+        src = np.arange(3 * cs.CHUNK, dtype=np.uint8)
+        E.default_engine().copy_hashed(np.empty_like(src), src)  # the parent's workers exist
+        ctx = multiprocessing.get_context("fork")
+        q = ctx.Queue()
+        p = ctx.Process(target=_child, args=(q,))
+        p.start()
+        assert q.get(timeout=60) is True  # not hung on the parent's (absent) workers
+        p.join(60)
+        assert p.exitcode == 0
+    finally:
+        E._default.close()
+        E._default = e
+
+
+def test_default_threads(monkeypatch):
+    monkeypatch.delenv("KVBROKER_COPY_THREADS", raising=False)
+    for cpus, want in ((1, 1), (2, 1), (3, 3), (8, 8), (64, E.MAX_THREADS)):
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid, n=cpus: set(range(n)))
+        assert E.default_threads() == want
+    monkeypatch.setenv("KVBROKER_COPY_THREADS", "5")
+    assert E.default_threads() == 5
+    for bad in ("0", "-1", "many"):
+        monkeypatch.setenv("KVBROKER_COPY_THREADS", bad)
+        with pytest.raises(ValueError, match="KVBROKER_COPY_THREADS"):
+            E.default_threads()
+
+
+def _progress_during(call) -> int:
+    """How many times another Python thread ran while ``call`` ran in a worker thread."""
+    window = []
+    ticks = []
+    stop = threading.Event()
+
+    def work():
+        start = time.perf_counter()
+        call()
+        window.extend((start, time.perf_counter()))
+        stop.set()
+
+    t = threading.Thread(target=work)
+    t.start()
+    while not stop.is_set():
+        ticks.append(time.perf_counter())
+    t.join()
+    start, end = window
+    return sum(start < x < end for x in ticks)
+
+
+@pytest.mark.parametrize("what", ["xxh3_64 of a chunk", "numpy copyto"])
+def test_the_hash_and_the_copy_release_the_gil(what):
+    """The engine's threads only run in parallel if the two calls it makes per chunk let go
+    of the GIL; a call that held it would let the spinning main thread run zero times."""
+    big = np.ones(256 << 20, dtype=np.uint8)
+    other = np.empty_like(big)
+    call = {"xxh3_64 of a chunk": lambda: xxhash.xxh3_64_intdigest(big),
+            "numpy copyto": lambda: np.copyto(other, big)}[what]  # fmt: skip
+    # a loaded machine may not schedule the main thread in one window: a few tries
+    assert any(_progress_during(call) > 0 for _ in range(5))
+
+
+def test_the_gil_probe_sees_a_call_that_holds_it():
+    """The probe above can fail: bytes repetition holds the GIL for its whole run."""
+    assert any(_progress_during(lambda: b"x" * (256 << 20)) == 0 for _ in range(5))
+
+
+def test_integrity_paths_over_threads(client):
+    """put/get/claim(verify)/seal through a 3-thread default engine record and check the
+    single-threaded definition."""
+    saved = E._default
+    E._default = E.CopyEngine(3, split_min=cs.CHUNK)
+    try:
+        a = np.random.default_rng(2).integers(0, 256, 6 * cs.CHUNK + 3, dtype=np.uint8)
+        assert len(E._default.ranges(a.nbytes)) == 3
+        client.put("k", {"a": a, "b": b"tail"})
+        assert client.lookup("k").checksums["a"] == [1, reference(a, cs.CHUNK)]
+        client.claim("k", verify=True).release()
+        out = {"a": np.zeros_like(a)}
+        client.get("k", out, verify=True)
+        assert np.array_equal(out["a"], a)
+        with client.reserve("w", {"x": a.nbytes}) as lease:
+            lease["x"][:] = a
+        assert client.lookup("w").checksums == {"x": [1, reference(a, cs.CHUNK)]}
+        assert integrity.matches(a, [1, reference(a, cs.CHUNK)])
+    finally:
+        E._default.close()
+        E._default = saved

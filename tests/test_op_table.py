@@ -1,0 +1,157 @@
+"""The op table (``kvbroker._wire.protocol.OPS``) and what is derived from it.
+
+Each op is one row: arguments, reply type, service, lease role, what a draining daemon does.
+These tests catch the mistakes a derivation would otherwise carry silently: a row without a
+handler (or a handler without a row), a lease-naming op not marked so (a reconnect would
+resend it), a lease-taking op a draining daemon would still serve, an error code without its
+class, and a reply that is not the type its row declares.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+import kvbroker.errors as errors
+from kvbroker._server.connection import Connection
+from kvbroker._server.handlers import HANDLERS
+from kvbroker._server.rings import RingService
+from kvbroker._wire.protocol import (
+    ERROR_CODES,
+    LEASE_NAMING_OPS,
+    OPS,
+    REFUSED_WHILE_DRAINING,
+    LeaseRole,
+    Service,
+    check_reply,
+)
+
+_SERVICE_HANDLERS = {
+    Service.BROKER: lambda name: HANDLERS.get(name),
+    Service.RINGS: lambda name: getattr(RingService, "op_" + name, None),
+    Service.DAEMON: lambda name: getattr(Connection, "op_" + name, None),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OPS))
+def test_every_row_has_its_handler_taking_its_arguments(name):
+    op = OPS[name]
+    handler = _SERVICE_HANDLERS[op.service](name)
+    assert handler is not None, f"{name}: no handler in the {op.service.value} service"
+    params = list(inspect.signature(handler).parameters)
+    skip = 2  # (broker, session) or (self, session)
+    assert params[skip:] == list(op.args), f"{name}: handler arguments {params[skip:]}"
+
+
+def test_no_handler_without_a_row():
+    assert set(HANDLERS) == {n for n, op in OPS.items() if op.service is Service.BROKER}
+    for cls, service in ((RingService, Service.RINGS), (Connection, Service.DAEMON)):
+        names = {m[3:] for m in dir(cls) if m.startswith("op_")}
+        assert names == {n for n, op in OPS.items() if op.service is service}, cls
+
+
+def test_error_codes_map_to_classes_and_back():
+    assert ERROR_CODES == tuple(cls.code for cls in errors.ERROR_CLASSES)
+    assert len(set(ERROR_CODES)) == len(ERROR_CODES)
+    for code in ERROR_CODES:
+        exc = errors.error_for_code(code, "m")
+        assert exc.code == code and type(exc) is not errors.KVBrokerError, code
+    public = {getattr(errors, n) for n in errors.__all__}
+    classes = {c for c in public if inspect.isclass(c) and c is not errors.KVBrokerError}
+    assert classes == set(errors.ERROR_CLASSES)  # a new error class gets a wire code
+
+
+def test_lease_roles_match_the_arguments():
+    for name, op in OPS.items():
+        names_a_lease = any(a in op.args for a in ("lease", "leases", "arena"))
+        assert (LeaseRole.NAMES in op.lease) == names_a_lease, name
+    from kvbroker._client.client import _LEASE_OPS
+
+    assert _LEASE_OPS == LEASE_NAMING_OPS
+
+
+def test_a_draining_daemon_hands_out_no_lease():
+    for name, op in OPS.items():
+        if LeaseRole.TAKES in op.lease:
+            assert op.draining.refuse or op.draining.args, name
+        for arg, _ in op.draining.args:
+            assert arg in op.args, (name, arg)
+    assert REFUSED_WHILE_DRAINING == {n for n, op in OPS.items() if op.draining.refuse}
+    assert not OPS["hello"].needs_hello and all(
+        op.needs_hello for n, op in OPS.items() if n != "hello")  # fmt: skip
+
+
+@pytest.fixture
+def ring_daemon(make_daemon):
+    return make_daemon("--pool-size", "16M", "--page-size", "4K", "--gpu-ring", "1M",
+                       env={"KVBROKER_FAKE_GPUS": "1"})  # fmt: skip
+
+
+def test_every_reply_is_its_declared_type(ring_daemon):
+    """Each op answered successfully, in each reply shape it has, against its row."""
+    seen: set[str] = set()
+    with ring_daemon.client(map_pools=False) as c:
+
+        def call(op, **args):
+            result = c._call(op, **args)
+            reason = check_reply(op, result)
+            assert reason is None, (reason, result)
+            seen.add(op)
+            return result
+
+        call("hello", version=1, name="table")
+        lease = call("reserve", key="a", buffers={"kv": 100}, meta={"m": 1})["lease"]
+        call("seal", lease=lease, checksums=None)
+        abort = call("reserve", key="gone", buffers={"kv": 10})["lease"]
+        call("abort", lease=abort)
+        arena = call("arena", nbytes=64 * 1024)["lease"]
+        call("publish", arena=arena, key="b", buffers={"kv": 100}, next_arena=64 * 1024)
+        call("publish", arena=arena, key="b2", buffers={"kv": 100}, next_arena=0)
+        read = call("claim", key="a", select="kv")["lease"]
+        call("renew", leases=[read], ttl=5)
+        call("release", lease=read)
+        assert call("lookup", key="a")["checksums"] is None and call("lookup", key="x") is None
+        call("list", match="a")
+        blocks = call("reserve_blocks", namespace="p", blocks=[
+            {"key": "p0", "parent": None, "buffers": {"kv": 64}},
+            {"key": "p1", "parent": "p0", "buffers": {"kv": 64}, "meta": {"n": 1}},
+        ])["results"]  # fmt: skip
+        call("seal_many", leases=[r["lease"] for r in blocks])
+        assert call("reserve_blocks", namespace="p", blocks=[
+            {"key": "p0", "buffers": {"kv": 64}}])["results"] == [{"exists": True}]  # fmt: skip
+        packed = call("match_prefix", namespace="p", keys=["p0", "p1"], block_tokens=16)
+        assert packed["packed"] and packed["matched"] == 2
+        call("release_many", leases=[packed["lease"]])
+        assert call("match_prefix", namespace="p", keys=["nope"])["lease"] is None
+        mixed = call("reserve", namespace="p", key="p2", buffers={"other": 8})["lease"]
+        call("seal", lease=mixed)
+        varied = call("match_prefix", namespace="p", keys=["p1", "p2"])
+        assert "packed" not in varied and len(varied["blocks"]) == 2
+        call("release_many", leases=[varied["lease"]])
+        call("evict", namespace="default", match="^b", dry_run=True)
+        call("evict", namespace="p")
+        call("rings")
+        ring = call("ring_reserve", device=0, nbytes=1000, key="r", meta={"x": 1})
+        call("ring_seal", lease=ring["lease"])
+        got = call("ring_claim", key="r")
+        call("ring_release", lease=got["lease"])
+        scratch = call("ring_reserve", device=0, nbytes=10)
+        call("ring_release", lease=scratch["lease"])
+        call("stat")
+        call("watch", interval=0)
+    assert seen == set(OPS)
+
+
+def test_the_design_doc_shows_the_current_op_table():
+    """docs/design.md's op table is generated from OPS; a row added or changed in the table
+    must show there too (regenerate between the markers with markdown_table())."""
+    import pathlib
+    import re
+
+    from kvbroker._wire.protocol import markdown_table
+
+    doc = (pathlib.Path(__file__).resolve().parent.parent / "docs" / "design.md").read_text()
+    m = re.search(r"<!-- op-table[^\n]*-->\n(.*?)<!-- /op-table -->", doc, re.S)
+    assert m, "docs/design.md has lost its op-table markers"
+    assert m.group(1) == markdown_table()

@@ -1,0 +1,233 @@
+"""The monitor at 80×24 and 120×40 (issue 19's TUI list), driven by a fake source."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+
+import pytest
+
+pytest.importorskip("textual")
+
+from textual.widgets import Input  # noqa: E402
+from textual.widgets._footer import FooterKey  # noqa: E402
+
+from kvbroker.tui._app import MonitorApp  # noqa: E402
+from kvbroker.tui._meter import Meter  # noqa: E402
+from kvbroker.tui._objects import ObjectsTable  # noqa: E402
+from kvbroker.tui._occupancy import STATES, OccupancyMap, legend_lines  # noqa: E402
+from kvbroker.tui._status import StatusLine  # noqa: E402
+from kvbroker.tui._tables import ClientsTable  # noqa: E402
+from kvbroker.tui.testing import FakeSource, make_object, make_snapshot  # noqa: E402
+
+SIZES = [(80, 24), (120, 40)]
+IDS = ["80x24", "120x40"]
+MIB = 1 << 20
+
+
+def run_async(test):
+    @functools.wraps(test)
+    def wrapper(*args, **kwargs):
+        asyncio.run(test(*args, **kwargs))
+
+    return wrapper
+
+
+async def until(pilot, condition, timeout: float = 5.0) -> None:
+    for _ in range(int(timeout / 0.02)):
+        if condition():
+            return
+        await pilot.pause(0.02)
+    raise AssertionError("condition not reached in time")
+
+
+async def fed(pilot, app, source, steps: int = 3) -> None:
+    source.feed(*(make_snapshot(i) for i in range(steps)))
+    await until(pilot, lambda: app.snapshots_seen == steps)
+    await pilot.pause()
+
+
+def plain(widget) -> str:
+    return str(widget.render())
+
+
+@pytest.mark.parametrize("size", SIZES, ids=IDS)
+@run_async
+async def test_status_line_keeps_what_matters_and_shows_paused(size):
+    source = FakeSource()
+    app = MonitorApp(source)
+    async with app.run_test(size=size) as pilot:
+        await fed(pilot, app, source)
+        status = app.query_one(StatusLine)
+        text = plain(status)
+        assert len(text) <= size[0] - 2 and "…" not in text
+        assert "fake.sock" in text and "used 112.0 MiB of 256.0 MiB" in text and "objects" in text
+        await pilot.press("p")
+        await pilot.pause()
+        text = plain(status)
+        assert text.startswith("❚❚ PAUSED") and len(text) <= size[0] - 2
+
+
+@pytest.mark.parametrize("size", SIZES, ids=IDS)
+@run_async
+async def test_meters_keep_their_values(size):
+    source = FakeSource()
+    app = MonitorApp(source)
+    async with app.run_test(size=size) as pilot:
+        await fed(pilot, app, source)
+        panel = app.query_one("#pool-0")
+        for meter in panel.query(Meter):
+            text = plain(meter)
+            assert meter.value_text in text, (meter.label, text)
+            assert len(text) <= meter.size.width
+            assert "█" in text or "░" in text  # a bar is still drawn
+        assert "%" in plain(panel.query_one(".meter-used", Meter))
+        assert "12.5%" in plain(panel.query_one(".meter-frag", Meter))
+        assert "w 8.0 MiB" in plain(panel.query_one(".meter-leased", Meter))
+
+
+def test_legend_never_splits_an_item():
+    names = [name for _, name in STATES.values()]
+    for width in range(12, 120):
+        lines = legend_lines(width)
+        assert [n for line in lines for _, n in line] == names
+        for line in lines:
+            assert len("  ".join(f"▇ {n}" for _, n in line)) <= width or len(line) == 1
+
+
+@pytest.mark.parametrize("size", SIZES, ids=IDS)
+@run_async
+async def test_legend_rows_are_whole_items_on_screen(size):
+    source = FakeSource()
+    app = MonitorApp(source)
+    async with app.run_test(size=size) as pilot:
+        await fed(pilot, app, source)
+        legend = plain(app.query_one(OccupancyMap)).splitlines()[-len(legend_lines(
+            app.query_one(OccupancyMap).size.width)):]  # fmt: skip
+        for line in legend:
+            for item in line.split("  "):
+                assert item.startswith("▇ ") and item[2:] in {n for _, n in STATES.values()}
+
+
+@run_async
+async def test_no_blank_rows_on_the_pools_tab_at_80x24():
+    source = FakeSource()
+    app = MonitorApp(source)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await fed(pilot, app, source)
+        throughput = app.query_one("#throughput")
+        footer_top = app.size.height - 1
+        assert throughput.region.bottom == footer_top  # the rates take the rows left
+        pool = app.query_one("#pool-0")
+        assert pool.region.width >= 78  # full width: stacked above the rates
+        assert throughput.region.y <= pool.region.bottom + 1
+
+
+@pytest.mark.parametrize("size", SIZES, ids=IDS)
+@run_async
+async def test_footer_fits_on_the_objects_tab(size):
+    source = FakeSource([make_object("layer-1", MIB)])
+    app = MonitorApp(source)
+    async with app.run_test(size=size) as pilot:
+        await fed(pilot, app, source, 1)
+        await pilot.press("3")
+        await pilot.pause()
+        keys = list(app.query(FooterKey))
+        descriptions = {k.description for k in keys}
+        assert {"sort", "evict", "filter", "quit", "help"} <= descriptions
+        assert all(k.region.right <= size[0] for k in keys)
+
+
+@pytest.mark.parametrize("size", SIZES, ids=IDS)
+@run_async
+async def test_clients_connected_column_is_on_screen(size):
+    source = FakeSource()
+    app = MonitorApp(source)
+    async with app.run_test(size=size) as pilot:
+        await fed(pilot, app, source)
+        await pilot.press("2")
+        await pilot.pause()
+        table = app.query_one(ClientsTable)
+        right = 0
+        for column in table.ordered_columns:
+            right += column.get_render_width(table)
+            if column.key.value == "age":
+                break
+        assert right <= table.scrollable_content_region.width
+
+
+@run_async
+async def test_disconnected_banner_keeps_the_socket_path_at_80x24():
+    source = FakeSource()
+    source.label = "/run/kvbroker/a-rather-long-directory/kvbroker.sock"
+    app = MonitorApp(source, retry_delay=3600)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await fed(pilot, app, source, 1)
+        source.drop("the daemon closed the connection")
+        await until(pilot, lambda: app.screen.has_class("-disconnected"))
+        await pilot.pause()
+        text = plain(app.query_one(StatusLine))
+        assert source.label in text and "disconnected" in text and len(text) <= 78
+
+
+def _hits_snapshot(step: int, hits_per_step: int, misses_per_step: int):
+    snap = make_snapshot(step)
+    counters = dataclasses.replace(snap.counters, hits=hits_per_step * step,
+                                   misses=misses_per_step * step)  # fmt: skip
+    return dataclasses.replace(snap, counters=counters)
+
+
+@run_async
+async def test_hit_rate_of_100_percent_is_not_drawn_like_0_percent():
+    drawn = {}
+    for name, hits, misses in (("all", 100, 0), ("none", 0, 100)):
+        source = FakeSource()
+        app = MonitorApp(source)
+        async with app.run_test(size=(120, 40)) as pilot:
+            source.feed(*(_hits_snapshot(i, hits, misses) for i in range(8)))
+            await until(pilot, lambda: app.snapshots_seen == 8)
+            await pilot.pause()
+            spark = app.query_one("#rate-hit_rate").query_one(".rate-spark")
+            drawn[name] = plain(spark)
+    assert drawn["all"] != drawn["none"]
+    assert "█" in drawn["all"] and "█" not in drawn["none"]
+
+
+@run_async
+async def test_objects_bindings_survive_tab():
+    source = FakeSource([make_object("layer-1", MIB), make_object("layer-2", MIB)])
+    app = MonitorApp(source)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await fed(pilot, app, source, 1)
+        await pilot.press("3")
+        table = app.query_one(ObjectsTable)
+        await until(pilot, lambda: table.row_count == 2)
+        await pilot.press("tab")
+        assert isinstance(app.focused, Input)  # the filter, not the tab bar
+        await pilot.press("tab")
+        assert app.focused is table
+        shown = {b.binding.description for b in app.active_bindings.values()}
+        assert {"sort", "evict", "filter"} <= shown
+        await pilot.press("s")
+        assert table.sort_by == "size"
+
+
+@run_async
+async def test_fast_typing_into_the_filter_after_backspaces_keeps_every_key():
+    source = FakeSource([make_object(f"layer-{i}", MIB) for i in range(30)]
+                        + [make_object("prompt-7", MIB)])  # fmt: skip
+    app = MonitorApp(source)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await fed(pilot, app, source, 1)
+        await pilot.press("3")
+        table = app.query_one(ObjectsTable)
+        await until(pilot, lambda: table.row_count == 31)
+        await pilot.press("slash", *"layer-1")
+        await pilot.press(*["backspace"] * 7)
+        await pilot.press(*"prompt")  # no pause between the keys
+        box = app.query_one("#filter", Input)
+        assert box.value == "prompt"
+        await until(pilot, lambda: table.row_count == 1)
+        assert source.list_calls[-1] == "prompt"
+        assert table.keys_shown == ["default\x00prompt-7"]
