@@ -212,3 +212,14 @@ def test_mla_latent_blocks_are_replicated_not_split(client):
     save_cuda(client, NS, fmt(0, 1), o6, _items(["a" * 32], [3]), copier=memmove)
     assert load_host(client, NS, fmt(0, 1), host_cache(back, "latent"), ["a" * 32], [1]) == 1
     assert torch.equal(_bits(back[0][1]), _bits(layers[0][0]))
+
+
+def test_importing_kvbroker_and_the_connector_package_imports_neither_vllm_nor_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys, kvbroker, kvbroker.integrations.vllm, kvbroker.integrations.vllm._paged, "
+            "kvbroker.integrations.vllm._worker, kvbroker.integrations.vllm._scheduler; "
+            "print(sorted(m for m in ('vllm', 'torch') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
