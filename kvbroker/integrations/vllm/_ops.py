@@ -12,8 +12,11 @@ it reserves and seals them itself, because it must:
 
 ``PrefixCache.publish`` does reservation, copy and seal in one call, so it allows none of
 these. The operations used here are the daemon's ``reserve_blocks``, ``seal_many`` and
-``abort`` (the same ones ``PrefixCache`` sends), a writable view of a reserved extent, and the
-address of a pool mapping (for DMA).
+``abort`` (the same ones ``PrefixCache`` sends, through the client's typed op stubs
+``client.ops``), a writable view of a reserved extent and the address of a pool mapping
+(``client._mapping``, for the copies and DMA), the head arithmetic of ``kvbroker._client.tp``,
+and the extents of a prefix match without one view per buffer (``KVPrefixMatch._names`` /
+``_packed`` / ``_raw``).
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ def reserve_blocks(client, namespace: str, blocks: list[dict], ttl: float | None
     Returns one entry per block: None when the node already holds it (nothing to write),
     else ``(lease id, {name: (pool, offset, nbytes)})``. All or nothing: a failed batch
     holds no pages."""
-    reply = client._call("reserve_blocks", namespace=namespace, blocks=blocks, ttl=ttl)
+    reply = client.ops.reserve_blocks(blocks, namespace=namespace, ttl=ttl)
     out = []
     for res in reply["results"]:
         if res.get("exists"):
@@ -50,7 +53,7 @@ def reserve_blocks(client, namespace: str, blocks: list[dict], ttl: float | None
 def seal_many(client, leases: list[int]) -> None:
     """Seal write leases in one round trip (no checksums)."""
     if leases:
-        client._call("seal_many", leases=leases, checksums=None)
+        client.ops.seal_many(leases, None)
 
 
 def abort_leases(client, leases: list[int]) -> None:
@@ -58,7 +61,7 @@ def abort_leases(client, leases: list[int]) -> None:
     connection is gone its leases went with it."""
     for lease in leases:
         try:
-            client._send_only("abort", lease=lease)
+            client.ops.abort_later(lease)
         except KVBrokerError:
             return
 
