@@ -88,6 +88,7 @@ class Broker:
         self.registry = LeaseRegistry()  # ids of sessions, leases, arenas, ring leases
         self.journal: Any = None  # kvbroker._server.journal.Journal, when the daemon keeps one
         self._serials = count(1)
+        self._link_seq = count(1)  # StoredObject.seq: Broker.objects' iteration order
         self.counters: dict[str, int] = {f.name: 0 for f in fields(Counters)}
         # (at, op, session, namespace, key, nbytes) of the latest publishes and claims
         self.transfers: deque[tuple] = deque(maxlen=64)
@@ -159,7 +160,10 @@ class Broker:
     def restore(self, records: Iterable[dict[str, Any]],
                 lent: Iterable[tuple[int, int, int]] = ()) -> int:  # fmt: skip
         """Adopt the sealed objects of a previous daemon (kvbroker._server.restore)."""
-        return restore_state(self, records, lent)
+        n = restore_state(self, records, lent)
+        for obj in self.objects.values():  # the link order they were restored in
+            obj.seq = next(self._link_seq)
+        return n
 
     # ------------------------------------------------------------------ sessions
     def open_session(self, pid: int = 0, uid: int = -1, gid: int = -1) -> Session:
@@ -250,6 +254,7 @@ class Broker:
         obj.sealed = True
         obj.linked = True
         obj.last_access = time.time()
+        obj.seq = next(self._link_seq)
         self.objects[ident] = obj
         self._lru[obj.serial] = obj
         if obj.parent_key is not None:

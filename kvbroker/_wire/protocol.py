@@ -219,16 +219,22 @@ OPS: dict[str, Op] = {
     "lookup": Op(
         {"namespace": _a(str, default="default"), "key": _a(str, required=True)},
         ObjectInfo | None,
-        "Describe one sealed object (with its checksums), without leasing it.",
+        "Describe one sealed object without leasing it: with its checksums, each buffer's "
+        "size (`buffer_sizes`, in layout order) and the consume-claims still to be released "
+        "before it is freed (`consumers`).",
     ),
     "list": Op(
         {
             "namespace": _a(*_OPT_STR),
             "match": _a(*_OPT_STR),
             "limit": _a(int, type(None)),
+            "after": _a(int, type(None)),
         },
         R.Listed,
-        "Sealed objects, optionally filtered by namespace and a regex over keys.",
+        "Sealed objects, optionally filtered by namespace and a regex over keys, at most "
+        "`limit` (and 10,000) a reply, in the order they were sealed. `truncated`: more "
+        "match; pass the reply's `next` as `after` for the next page (every object sealed "
+        "before the first page and still there is listed once).",
     ),
     "evict": Op(
         {
@@ -328,6 +334,11 @@ OPS: dict[str, Op] = {
         service=Service.RINGS, lease=_NAMES,
     ),
     "stat": Op({}, Statistics, "One statistics snapshot."),
+    "ping": Op(
+        {},
+        R.Pong,
+        "A round trip that does nothing: the daemon's version, pid and start time.",
+    ),
     "watch": Op(
         {"interval": _a(*_NUMBER, default=1.0)},
         R.Watching,
