@@ -79,7 +79,8 @@ def serve(config: Optional[str] = ConfigOpt, *, flags: dict) -> None:
     """Run the broker daemon in the foreground (as systemd's kvbroker.service does).
 
     Settings come from the configuration file, then KVBROKER_<KEY> variables, then these
-    flags. SIGHUP re-reads them; SIGTERM drains leases, then stops.
+    flags. SIGHUP re-reads them; SIGTERM drains leases, then stops and frees the pools;
+    SIGUSR1 (systemctl restart) drains the same way, then keeps the pools for the next daemon.
     """
     import functools
     import logging

@@ -208,6 +208,26 @@ class Broker:
             self.rings.close_session(session)
         self.sessions.pop(session.id, None)
 
+    def end_unpublished(self, session: Session, args: Any, reason: str) -> None:
+        """End the write leases and the arena a refused publishing request names (``lease``,
+        ``leases``, ``arena``) that are this session's, freeing their pages: a stopping
+        daemon that frees its pools refuses to publish them (see ``Drain.publishes``)."""
+        if not isinstance(args, dict):
+            return
+        named = [args.get("lease"), args.get("arena")]
+        if isinstance(args.get("leases"), list):
+            named += args["leases"]
+        for lid in named:
+            if not isinstance(lid, int) or isinstance(lid, bool):
+                continue
+            ls = self.leases.get(lid)
+            if ls is not None and ls.session is session and ls.kind == "write":
+                self.discard_pending(ls, quarantine=False)
+                self.end_lease(ls, reason)
+            arena = self.arenas.get(lid)
+            if arena is not None and arena.session is session:
+                end_arena(self, arena, reason)
+
     # ------------------------------------------------------------------ write leases
     def new_object(self, ident: tuple[str, str], pool: HostPool, start: int, npages: int,
                    layout: dict[str, tuple[int, int]], meta: dict | None) -> StoredObject:  # fmt: skip
