@@ -233,9 +233,9 @@ def _group(gid: int) -> str:
 
 def check_socket_unit(cfg: DaemonConfig) -> Check:
     """The configured socket against kvbroker.socket's ListenStream= (kvbroker._unitcheck)."""
-    from .. import _unitcheck
+    from .._unitcheck import UNIT_PATHS, check_socket_unit as compare
 
-    verdict = _unitcheck.check_socket_unit(cfg.socket_path, _unitcheck.UNIT_PATHS)
+    verdict = compare(cfg.socket_path, UNIT_PATHS)
     return Check("socket unit", verdict.status, verdict.detail, verdict.fix)
 
 
