@@ -1,4 +1,4 @@
-"""``kvbroker`` command line: serve, doctor, stat, ls, show, evict, verify, tui, bench.
+"""``kvbroker`` command line: serve, doctor, stat, ping, ls, show, evict, verify, tui, bench.
 
 Exit codes: 0 ok, 1 error, 2 usage error, 3 daemon not running, 4 missing hardware or
 software (``bench gpu`` without CUDA). Every error is one line on stderr.
@@ -31,6 +31,7 @@ from ._common import (
     user_default_socket,
 )
 from ._objects import evict, ls_, object_table, show
+from ._ping import daemon_check, ping
 from ._stat import stat
 
 app = typer.Typer(
@@ -78,7 +79,8 @@ def serve(config: Optional[str] = ConfigOpt, *, flags: dict) -> None:
     """Run the broker daemon in the foreground (as systemd's kvbroker.service does).
 
     Settings come from the configuration file, then KVBROKER_<KEY> variables, then these
-    flags. SIGHUP re-reads them; SIGTERM drains leases, then stops.
+    flags. SIGHUP re-reads them; SIGTERM drains leases, then stops and frees the pools;
+    SIGUSR1 (systemctl restart) drains the same way, then keeps the pools for the next daemon.
     """
     import functools
     import logging
@@ -110,9 +112,10 @@ def doctor(
     ),
     as_json: bool = JsonOpt,
 ) -> None:
-    """Check this host for what the service needs, and say how to fix what is missing.
+    """Check this host for what the service needs, and say how to fix what is missing;
+    last, whether a daemon answers on the socket.
 
-    Exit status 1 when a check fails (warnings alone exit 0).
+    Exit status 1 when a check fails (warnings alone exit 0; no daemon running is a warning).
     """
     from kvbroker._server.config import ConfigError, load_config
     from kvbroker._server.doctor import render, run_checks
@@ -122,6 +125,7 @@ def doctor(
     except ConfigError as exc:
         raise fail(f"configuration: {exc}", 2) from None
     checks = run_checks(cfg)
+    checks.append(daemon_check(cfg.socket_path))
     if as_json:
         typer.echo(json.dumps([c.to_dict() for c in checks], indent=2))
     else:
@@ -131,6 +135,7 @@ def doctor(
 
 
 app.command()(stat)
+app.command()(ping)
 app.command("ls")(ls_)
 app.command()(show)
 app.command()(evict)

@@ -113,6 +113,11 @@ def test_every_reply_is_its_declared_type(ring_daemon):
         call("release", lease=read)
         assert call("lookup", key="a")["checksums"] is None and call("lookup", key="x") is None
         call("list", match="a")
+        page = call("list", limit=1)
+        assert page["truncated"] and page["next"] is not None
+        assert call("list", after=page["next"])["next"] is None
+        described = call("lookup", key="b")
+        assert described["buffer_sizes"] == {"kv": 100} and described["consumers"] == 1
         blocks = call("reserve_blocks", namespace="p", blocks=[
             {"key": "p0", "parent": None, "buffers": {"kv": 64}},
             {"key": "p1", "parent": "p0", "buffers": {"kv": 64}, "meta": {"n": 1}},
@@ -139,6 +144,7 @@ def test_every_reply_is_its_declared_type(ring_daemon):
         scratch = call("ring_reserve", device=0, nbytes=10)
         call("ring_release", lease=scratch["lease"])
         call("stat")
+        call("ping")
         call("watch", interval=0)
     assert seen == set(OPS)
 

@@ -34,7 +34,7 @@ from . import integrity as _integrity
 from ..errors import BrokerUnavailable, Exists, LeaseExpired, Timeout
 
 
-__all__ = ["Client", "WriteLease", "ReadLease", "EvictResult"]
+__all__ = ["Client", "WriteLease", "ReadLease", "EvictResult", "Listing"]
 
 log = logging.getLogger("kvbroker.client")
 
@@ -54,6 +54,13 @@ class EvictResult:
     def __repr__(self) -> str:
         verb = "would evict" if self.dry_run else "evicted"
         return f"<EvictResult {verb} {self.count} objects, {self.bytes} bytes>"
+
+
+class Listing(list):
+    """The objects :meth:`Client.list` found (a list of ObjectInfo); ``truncated``: more
+    objects matched than it holds (its ``limit`` was reached)."""
+
+    truncated: bool = False
 
 
 class Client:
@@ -384,9 +391,37 @@ class Client:
 
     def list(
         self, match: str | None = None, *, namespace: str | None = None, limit: int | None = None
-    ) -> list[ObjectInfo]:
-        reply = self.ops.list(namespace=namespace, match=match, limit=limit)
-        return [ObjectInfo.from_dict(o) for o in reply["objects"]]
+    ) -> Listing:
+        """Sealed objects (a regex ``match`` over keys, one ``namespace``), in the order they
+        were sealed: all of them, or at most ``limit``. The list's ``truncated`` says
+        whether more matched than it holds (only ever with a ``limit``)."""
+        out = Listing()
+        for page in self.list_pages(match, namespace=namespace, limit=limit):
+            out.extend(page)
+            out.truncated = page.truncated
+        return out
+
+    def list_pages(
+        self, match: str | None = None, *, namespace: str | None = None,
+        limit: int | None = None, page_size: int | None = None,
+    ) -> Iterator[Listing]:  # fmt: skip
+        """:meth:`list` one reply at a time (the daemon sends at most 10,000 objects a reply,
+        or ``page_size``): each page a :class:`Listing`, the last one's ``truncated`` as
+        :meth:`list`'s. An object sealed again while the pages are read may be listed twice
+        (its old and its new version); every other object there from start to end, once."""
+        after = None
+        left = limit
+        while True:
+            ask = page_size if left is None else min(left, page_size or left)
+            reply = self.ops.list(namespace=namespace, match=match, limit=ask, after=after)
+            page = Listing(ObjectInfo.from_dict(o) for o in reply["objects"])
+            page.truncated = bool(reply["truncated"])
+            if left is not None:
+                left -= len(page)
+            yield page
+            if not page.truncated or left == 0:
+                return
+            after = reply["next"]
 
     def evict(
         self,
@@ -407,6 +442,12 @@ class Client:
             key=key, match=match, namespace=namespace, match_buffers=match_buffers,
             older_than=older_than, all=all, dry_run=dry_run,
         ))  # fmt: skip
+
+    def ping(self) -> float:
+        """Seconds one round trip to the daemon takes (an op that does nothing)."""
+        t0 = time.perf_counter()
+        self.ops.ping()
+        return time.perf_counter() - t0
 
     def renew(self, *leases: _Lease, ttl: float | None = None) -> None:
         self.ops.renew([ls.id for ls in leases], ttl)

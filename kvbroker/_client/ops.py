@@ -94,8 +94,9 @@ class Ops:
         return self._call("lookup", namespace=namespace, key=key)
 
     def list(self, *, namespace: str | None = None, match: str | None = None,
-             limit: int | None = None) -> R.Listed:  # fmt: skip
-        return self._call("list", namespace=namespace, match=match, limit=limit)
+             limit: int | None = None, after: int | None = None) -> R.Listed:  # fmt: skip
+        """One page of objects; ``after``: the ``next`` of the previous page."""
+        return self._call("list", namespace=namespace, match=match, limit=limit, after=after)
 
     def evict(self, *, namespace: str | None = None, key: str | None = None,
               match: str | None = None, match_buffers: str | None = None,
@@ -149,6 +150,9 @@ class Ops:
     def stat(self) -> dict:
         """A Statistics dict (:meth:`Statistics.from_dict`)."""
         return self._call("stat")
+
+    def ping(self) -> R.Pong:
+        return self._call("ping")
 
     def watch(self, interval: float = 1.0) -> R.Watching:
         """Subscribe to pushed snapshots (:meth:`Session.next_push`); 0 stops them."""

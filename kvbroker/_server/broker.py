@@ -88,6 +88,7 @@ class Broker:
         self.registry = LeaseRegistry()  # ids of sessions, leases, arenas, ring leases
         self.journal: Any = None  # kvbroker._server.journal.Journal, when the daemon keeps one
         self._serials = count(1)
+        self._link_seq = count(1)  # StoredObject.seq: Broker.objects' iteration order
         self.counters: dict[str, int] = {f.name: 0 for f in fields(Counters)}
         # (at, op, session, namespace, key, nbytes) of the latest publishes and claims
         self.transfers: deque[tuple] = deque(maxlen=64)
@@ -159,7 +160,10 @@ class Broker:
     def restore(self, records: Iterable[dict[str, Any]],
                 lent: Iterable[tuple[int, int, int]] = ()) -> int:  # fmt: skip
         """Adopt the sealed objects of a previous daemon (kvbroker._server.restore)."""
-        return restore_state(self, records, lent)
+        n = restore_state(self, records, lent)
+        for obj in self.objects.values():  # the link order they were restored in
+            obj.seq = next(self._link_seq)
+        return n
 
     # ------------------------------------------------------------------ sessions
     def open_session(self, pid: int = 0, uid: int = -1, gid: int = -1) -> Session:
@@ -203,6 +207,26 @@ class Broker:
         if self.rings is not None:
             self.rings.close_session(session)
         self.sessions.pop(session.id, None)
+
+    def end_unpublished(self, session: Session, args: Any, reason: str) -> None:
+        """End the write leases and the arena a refused publishing request names (``lease``,
+        ``leases``, ``arena``) that are this session's, freeing their pages: a stopping
+        daemon that frees its pools refuses to publish them (see ``Drain.publishes``)."""
+        if not isinstance(args, dict):
+            return
+        named = [args.get("lease"), args.get("arena")]
+        if isinstance(args.get("leases"), list):
+            named += args["leases"]
+        for lid in named:
+            if not isinstance(lid, int) or isinstance(lid, bool):
+                continue
+            ls = self.leases.get(lid)
+            if ls is not None and ls.session is session and ls.kind == "write":
+                self.discard_pending(ls, quarantine=False)
+                self.end_lease(ls, reason)
+            arena = self.arenas.get(lid)
+            if arena is not None and arena.session is session:
+                end_arena(self, arena, reason)
 
     # ------------------------------------------------------------------ write leases
     def new_object(self, ident: tuple[str, str], pool: HostPool, start: int, npages: int,
@@ -250,6 +274,7 @@ class Broker:
         obj.sealed = True
         obj.linked = True
         obj.last_access = time.time()
+        obj.seq = next(self._link_seq)
         self.objects[ident] = obj
         self._lru[obj.serial] = obj
         if obj.parent_key is not None:

@@ -390,12 +390,13 @@ SETTINGS: tuple[Key, ...] = (
     Key("gpu_ring", _gpu_ring, "off", flag=(), metavar="SIZE", example="2G",
         help="Allocate a GPU staging ring of this size on each visible GPU, shared with "
              "clients through CUDA IPC (e.g. 1G)."),
-    # Warm restart (kvbroker._server.journal): after a crash the next daemon always adopts the
-    # pools and the journal unless `cold`; a clean stop keeps them only with keep_pools_on_exit.
+    # Warm restart (kvbroker._server.journal): after a crash, and after a stop for a restart
+    # (SIGUSR1, systemd's RestartKillSignal=), the next daemon adopts the pools and the journal
+    # unless `cold`; a plain stop (SIGTERM) keeps them only with keep_pools_on_exit.
     Key("keep_pools_on_exit", _bool, False, text=bool, shown="drop", example=True,
         flag=("--keep-pools-on-exit/--drop-pools-on-exit",),
-        help="On a clean stop, keep the pools and their index for the next daemon (after a "
-             "crash the next daemon always adopts them)."),
+        help="On SIGTERM too, keep the pools and their index for the next daemon (SIGUSR1, "
+             "a restart, always keeps them; after a crash the next daemon adopts them)."),
     Key("cold", _bool, False, flag=("--cold",), text=bool, example=True,
         help="Start empty: drop the pools and objects a previous daemon left."),
     Key("journal", _bool, True, text=bool, example=False,

@@ -167,6 +167,12 @@ class Connection(asyncio.BufferedProtocol):
                             "kvbroker is shutting down: finish what you hold, take new leases "
                             "from the next daemon")
                 return
+            if row.draining.publishes and not self.daemon.keeps_pools:
+                self.broker.end_unpublished(self.session, args, "kvbroker is stopping")
+                self._error(rid, BrokerUnavailable.code,
+                            "kvbroker is stopping and frees its pools: nothing published now "
+                            "would be kept (the write lease or arena named ended)")
+                return
             if row.draining.args and isinstance(args, dict):
                 args = {**args, **dict(row.draining.args)}  # e.g. publish: no fresh arena
         try:

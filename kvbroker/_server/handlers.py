@@ -279,15 +279,22 @@ def op_lookup(b: Broker, session, namespace, key) -> dict | None:
         return None
     info = obj.info()
     info["checksums"] = obj.checksums
+    info["buffer_sizes"] = {name: n for name, (_, n) in obj.buffers.items()}
+    info["consumers"] = obj.consumers
     return info
 
 
-def op_list(b: Broker, session, namespace, match, limit) -> R.Listed:
+def op_list(b: Broker, session, namespace, match, limit, after) -> R.Listed:
     limit = _MAX_LIST if limit is None else max(0, min(limit, _MAX_LIST))
     pattern = _regex(match) if match is not None else None
-    out, truncated = [], False
+    out, last, truncated = [], None, False
     can = session.access.can
-    for obj in b.objects.values():
+    # b.objects iterates in link order (StoredObject.seq rises along it): a page resumes
+    # after the last object the previous one listed, whatever was sealed or freed since.
+    objects = iter(b.objects.values())
+    if after is not None:
+        objects = (o for o in objects if o.seq > after)
+    for obj in objects:
         if namespace is not None and obj.namespace != namespace:
             continue
         if not can(obj.namespace):
@@ -298,7 +305,9 @@ def op_list(b: Broker, session, namespace, match, limit) -> R.Listed:
             truncated = True
             break
         out.append(obj.info())
-    return {"objects": out, "truncated": truncated}
+        last = obj.seq
+    return {"objects": out, "truncated": truncated,
+            "next": (last if last is not None else after or 0) if truncated else None}
 
 
 def op_evict(b: Broker, session, namespace, key, match, match_buffers, older_than, all,
@@ -351,6 +360,11 @@ def op_evict(b: Broker, session, namespace, key, match, match_buffers, older_tha
 
 def op_stat(b: Broker, session) -> dict[str, Any]:
     return statistics_for(b, session).to_dict()
+
+
+def op_ping(b: Broker, session) -> R.Pong:
+    return {"server_version": __version__, "server_pid": os.getpid(),
+            "started_at": b.started_at, "epoch": b.epoch}
 
 
 HANDLERS = {name[3:]: fn for name, fn in list(globals().items()) if name.startswith("op_")}

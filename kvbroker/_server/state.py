@@ -132,7 +132,7 @@ class StoredObject:
     __slots__ = (
         "namespace", "key", "pool", "start", "npages", "nbytes", "buffers", "meta",
         "created_at", "last_access", "sealed", "readers", "linked", "serial", "consumers",
-        "parent", "parent_key", "children", "checksums", "charged", "extents",
+        "parent", "parent_key", "children", "checksums", "charged", "extents", "seq",
     )  # fmt: skip
 
     def __init__(self, namespace, key, pool, start, npages, nbytes, buffers, meta, serial):
@@ -158,6 +158,9 @@ class StoredObject:
         self.checksums: dict[str, int] | None = None
         self.charged = 0  # bytes counted against its namespace's quota until freed
         self.extents: tuple[tuple[str, ...], bytes] | None = None  # see compact_extents
+        # Link order: set when linked into Broker.objects, rising along its iteration order
+        # (the cursor of the ``list`` op). Not persisted: a restart renumbers in that order.
+        self.seq = 0
 
     def compact_extents(self) -> tuple[tuple[str, ...], bytes]:
         """(buffer names, little-endian int64 [pool, offset, nbytes, offset, nbytes, ...]),

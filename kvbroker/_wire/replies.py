@@ -19,7 +19,7 @@ __all__ = [
     "Extent", "Empty", "PoolInfo", "Hello", "Reserved", "Sealed", "ArenaLent", "Published",
     "Claimed", "Renewed", "Listed", "Evicted", "BlockReserved", "BlockExists",
     "BlocksReserved", "SealedMany", "PrefixMatch", "RingInfo", "Rings", "RingRegion",
-    "RingClaimed", "Watching", "mismatch",
+    "RingClaimed", "Watching", "Pong", "mismatch",
 ]  # fmt: skip
 
 # [pool, offset, nbytes]: a byte range of pool `pool` (an index into hello's `pools`).
@@ -83,7 +83,8 @@ class Renewed(TypedDict):
 
 class Listed(TypedDict):
     objects: list[ObjectInfo]
-    truncated: bool
+    truncated: bool  # more objects match than this reply lists
+    next: int | None  # when truncated: the cursor to pass as `after` for the next page
 
 
 class Evicted(TypedDict):
@@ -156,6 +157,13 @@ class RingClaimed(TypedDict):
 
 class Watching(TypedDict):
     interval: float
+
+
+class Pong(TypedDict):
+    server_version: str
+    server_pid: int
+    started_at: float  # Unix time the daemon started
+    epoch: int  # as Hello's
 
 
 def mismatch(value: Any, tp: Any, where: str = "reply") -> str | None:

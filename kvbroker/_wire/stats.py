@@ -214,6 +214,10 @@ class ObjectInfo:
     meta: dict | None = None
     # {buffer: xxh3_64} recorded at seal; only ``lookup`` fills it (None: sealed without).
     checksums: dict | None = None
+    # Only ``lookup`` fills these: {buffer: nbytes} in layout order, and the consume-claims
+    # still to be released before the object is freed.
+    buffer_sizes: dict | None = None
+    consumers: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
