@@ -50,7 +50,8 @@ from typing import Any, Protocol
 
 import msgpack
 
-from ..errors import KVBrokerError, ProtocolError, error_for_code
+from ..errors import KVBrokerError, PeerUnavailable, ProtocolError, TransferFailed
+from ..errors import error_for_code
 
 __all__ = [
     "EXTRA",
@@ -75,18 +76,6 @@ _MAX_FRAME = 64 << 20
 _HEADER = struct.Struct(">I")
 _NONCE = 32
 
-
-class PeerUnavailable(KVBrokerError):
-    """A peer broker is down, unreachable, refused us (token, address), or died mid-read.
-    The message names the peer."""
-
-    code = "peer_unavailable"
-
-
-class TransferFailed(KVBrokerError):
-    """A NIXL transfer ended in error or did not finish in time (the message names the peer)."""
-
-    code = "transfer_failed"
 
 
 # -- NIXL ------------------------------------------------------------------------------------
