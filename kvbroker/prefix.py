@@ -95,6 +95,15 @@ def block_hashes(
     return out
 
 
+def _token_list(token_ids: Sequence[int]) -> list[int]:
+    """Token ids as plain ints (msgpack packs nothing else; engines often hold numpy)."""
+    if type(token_ids) is list and all(type(t) is int for t in token_ids):
+        return token_ids
+    import numpy as np
+
+    return np.asarray(token_ids, dtype=np.int64).tolist()
+
+
 def _token_bytes(token_ids: Sequence[int]) -> bytes:
     import numpy as np
 
@@ -182,9 +191,10 @@ class PrefixCache:
         rank's shard keys; the bytes are the engine's business (use :meth:`publish_kv` for
         blocks other TP layouts can reshard).
         """
-        return self._publish(self.keys(self.hashes(token_ids)), blocks, block_sizes, meta)
+        return self._publish(self.keys(self.hashes(token_ids)), blocks, block_sizes, meta,
+                             token_ids)
 
-    def _publish(self, keys: list[str], blocks, block_sizes, meta) -> int:
+    def _publish(self, keys: list[str], blocks, block_sizes, meta, token_ids=None) -> int:
         if not keys:
             return 0
         if callable(blocks):
@@ -202,6 +212,11 @@ class PrefixCache:
             {"key": k, "parent": keys[i - 1] if i else None, "buffers": sizes[i], "meta": meta}
             for i, k in enumerate(keys)
         ]
+        if token_ids is not None:  # each block's token ids, for KV events (routers)
+            bs = self.block_size
+            toks = _token_list(token_ids[: len(keys) * bs])
+            for i, blk in enumerate(request):
+                blk["tokens"] = toks[i * bs:(i + 1) * bs]
         reply = self.client.ops.reserve_blocks(request, namespace=self.namespace)
         leases: list[WriteLease] = []
         try:
@@ -240,6 +255,7 @@ class PrefixCache:
         *,
         hashes: list[str] | None = None,
         ttl: float | None = None,
+        peer: str | None = None,
     ) -> PrefixMatch:
         """One read lease on the longest run of leading blocks the node holds.
 
@@ -247,14 +263,21 @@ class PrefixCache:
         token to get logits. ``hashes``: this prompt's block hashes if the engine already
         computed them (e.g. when the request arrived). A sharded cache matches this TP rank's
         own shard keys only (see :meth:`match_kv` for every shard this rank needs).
+        ``peer``: ``"HOST:PORT"`` of another node's broker: the blocks after this node's run
+        that the peer holds are pulled first (one NIXL READ for all of them), then matched.
         """
         usable = max(0, len(token_ids) - 1) // self.block_size
         if hashes is None:
             hashes = self.hashes(token_ids[: usable * self.block_size])
         keys = self.keys(hashes[:usable])
         asked_at = time.monotonic()
-        reply = self.client.ops.match_prefix(keys, namespace=self.namespace,
-                                             block_tokens=self.block_size, ttl=ttl)  # fmt: skip
+        if peer is None:
+            reply = self.client.ops.match_prefix(keys, namespace=self.namespace,
+                                                 block_tokens=self.block_size, ttl=ttl)
+        else:
+            reply = self.client._peer_call(True, self.client.ops.match_prefix, keys,
+                                           namespace=self.namespace,
+                                           block_tokens=self.block_size, ttl=ttl, peer=peer)
         return PrefixMatch(self.client, reply, self.block_size, asked_at)
 
     # -- KV blocks that any TP layout can read -------------------------------------------------
@@ -297,7 +320,7 @@ class PrefixCache:
 
         suffix = shard_block_key("", self.tp_rank, self.tp_size, heads)
         keys = [h + suffix for h in self.hashes(token_ids[: n * self.block_size])]
-        return self._publish(keys, block, sizes, meta)
+        return self._publish(keys, block, sizes, meta, token_ids)
 
     def match_kv(
         self,

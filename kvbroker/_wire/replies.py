@@ -19,7 +19,7 @@ __all__ = [
     "Extent", "Empty", "PoolInfo", "Hello", "Reserved", "Sealed", "ArenaLent", "Published",
     "Claimed", "Renewed", "Listed", "Evicted", "BlockReserved", "BlockExists",
     "BlocksReserved", "SealedMany", "PrefixMatch", "RingInfo", "Rings", "RingRegion",
-    "RingClaimed", "Watching", "mismatch",
+    "RingClaimed", "Watching", "Fetched", "mismatch",
 ]  # fmt: skip
 
 # [pool, offset, nbytes]: a byte range of pool `pool` (an index into hello's `pools`).
@@ -156,6 +156,14 @@ class RingClaimed(TypedDict):
 
 class Watching(TypedDict):
     interval: float
+
+
+class Fetched(TypedDict):
+    namespace: str
+    key: str
+    nbytes: int
+    fetched: bool  # false: the object was here already (nothing moved)
+    peer: str
 
 
 def mismatch(value: Any, tp: Any, where: str = "reply") -> str | None:
