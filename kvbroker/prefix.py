@@ -59,6 +59,7 @@ from ._client.prefix_match import SHARD_META_TAG, KVPrefixMatch, PrefixMatch
 from ._client.prefix_match import MatchedBlock  # noqa: F401  (PrefixMatch.blocks' items)
 from ._client.prefix_match import _block_layout, _check_kv_cache, _names
 from ._wire.names import check_infix
+from ._wire.protocol import MAX_BUFFERS
 from ._client.tp import claim_plan, shard_heads
 from .errors import BadRequest, KVBrokerError
 
@@ -208,19 +209,28 @@ class PrefixCache:
             get = blocks.__getitem__
             sizes = [{name: nbytes_of(b) for name, b in blocks[i].items()}
                      for i in range(len(keys))]  # fmt: skip
-        request = [
-            {"key": k, "parent": keys[i - 1] if i else None, "buffers": sizes[i], "meta": meta}
-            for i, k in enumerate(keys)
-        ]
+        toks = None
         if token_ids is not None:  # each block's token ids, for KV events (routers)
-            bs = self.block_size
-            toks = _token_list(token_ids[: len(keys) * bs])
-            for i, blk in enumerate(request):
+            toks = _token_list(token_ids[: len(keys) * self.block_size])
+        # One reserve_blocks per MAX_BUFFERS blocks (the daemon's limit), parents first.
+        return sum(self._publish_run(keys, lo, min(len(keys), lo + MAX_BUFFERS), get, sizes,
+                                     meta, toks)
+                   for lo in range(0, len(keys), MAX_BUFFERS))  # fmt: skip
+
+    def _publish_run(self, keys, lo, hi, get, sizes, meta, toks) -> int:
+        bs = self.block_size
+        request = []
+        for i in range(lo, hi):
+            blk = {"key": keys[i], "parent": keys[i - 1] if i else None, "buffers": sizes[i],
+                   "meta": meta}
+            if toks is not None:
                 blk["tokens"] = toks[i * bs:(i + 1) * bs]
+            request.append(blk)
         reply = self.client.ops.reserve_blocks(request, namespace=self.namespace)
         leases: list[WriteLease] = []
         try:
-            for i, res in enumerate(reply["results"]):
+            for j, res in enumerate(reply["results"]):
+                i = lo + j
                 if res.get("exists"):
                     continue
                 lease = WriteLease(self.client, self.namespace, keys[i],
