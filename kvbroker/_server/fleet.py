@@ -240,7 +240,11 @@ class Fleet:
         self.bytes_pulled = 0
         self.failures: Counter[str] = Counter()
         self.last_failure = ""
+        # The latest pull: bytes, seconds of its NIXL READ alone, seconds of the whole pull
+        # (pin to seal) — what benchmarks/bench_remote.py sets beside the claim's own time.
+        self.last_pull: tuple[int, float, float] = (0, 0.0, 0.0)
         self.closed = False
+        self._read_seconds = 0.0
 
     @property
     def pulling(self) -> bool:
@@ -467,6 +471,7 @@ class Fleet:
             raise TransferFailed(f"pull from {address} failed: {type(exc).__name__}: "
                                  f"{exc}") from exc
         if moved:
+            self.last_pull = (moved, self._read_seconds, time.perf_counter() - t0)
             log.debug("pulled %d byte(s) from %s in %.1f ms", moved, address,
                       (time.perf_counter() - t0) * 1e3)
         return moved > 0
@@ -586,7 +591,8 @@ class Fleet:
 
     def _read_and_verify(self, peer: _Peer, address: str, remote, local, plans) -> None:
         """In a worker thread: one NIXL READ, then every buffer's checksum."""
-        self.endpoint.read(peer.agent, remote, local, timeout=self.timeout)
+        res = self.endpoint.read(peer.agent, remote, local, timeout=self.timeout)
+        self._read_seconds = res.seconds
         for lease, desc in plans:
             sums = desc.get("checksums")
             if not sums:
@@ -632,7 +638,8 @@ class Fleet:
                 bytes_served=pv.bytes_served if pv is not None else 0,
                 failures=sum(self.failures.values()), failures_by_code=dict(self.failures),
                 refused=self.server.refused if self.server is not None else 0,
-                last_failure=self.last_failure)
+                last_failure=self.last_failure, last_pull_bytes=self.last_pull[0],
+                last_read_seconds=self.last_pull[1], last_pull_seconds=self.last_pull[2])
         e = None
         if self.publisher is not None:
             p = self.publisher

@@ -185,6 +185,10 @@ class TransferStatistics:
     failures_by_code: dict[str, int] | None = None  # error code -> count
     refused: int = 0  # peer connections refused (wrong token, address not a peer)
     last_failure: str = ""
+    # The latest pull: its bytes, the seconds of its one NIXL READ, of the whole pull
+    last_pull_bytes: int = 0
+    last_read_seconds: float = 0.0
+    last_pull_seconds: float = 0.0
 
 
 @dataclass(frozen=True)
