@@ -158,7 +158,7 @@ def crash(pair: Pair, claims: int, seed: int) -> dict:
     def killer():
         nonlocal kills
         while not killer_stop.is_set():
-            time.sleep(krng.uniform(0.05, 1.5))  # a random point: between or during pulls
+            time.sleep(krng.uniform(0.2, 4.0))  # a random point: between or during pulls
             if killer_stop.is_set():
                 return
             with lock:
@@ -182,7 +182,7 @@ def crash(pair: Pair, claims: int, seed: int) -> dict:
             except KVBrokerError as exc:
                 failed += 1
                 kinds[exc.code] = kinds.get(exc.code, 0) + 1
-                time.sleep(0.05)
+                time.sleep(0.2)  # A is (re)starting: do not burn claims on a closed port
             if (i + 1) % 100 == 0:
                 print(f"  {i + 1} claims: {ok} ok, {failed} failed, {kills} kills", flush=True)
     finally:
