@@ -229,6 +229,11 @@ def main() -> None:
     os.environ.setdefault("UCX_TLS", "tcp")
     load0 = os.getloadavg()
     t0 = time.time()
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True, cwd=ROOT).stdout.strip()
+    if subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                      capture_output=True, text=True, cwd=ROOT).stdout.strip():
+        commit += "-dirty"  # the code that runs is not the commit's
     out: dict = {"what": "remote claim (B <- A through NIXL) vs the raw NIXL READ inside it",
                  "command": " ".join([os.path.relpath(sys.executable, ROOT), *sys.argv])}
     folder = tempfile.mkdtemp(prefix="kvb-remote-")
@@ -250,12 +255,8 @@ def main() -> None:
             out["crash"] = crash(pair, args.crash_claims, args.seed)
         finally:
             pair.close()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True, cwd=ROOT).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                           capture_output=True, text=True, cwd=ROOT).stdout.strip()
     out.update({
-        "commit": commit + ("-dirty" if dirty else ""),
+        "commit": commit,
         "env": {k: v for k, v in os.environ.items() if k.startswith("UCX_")},
         "machine": {"node": platform.node(), "cpus": os.cpu_count(),
                     "cpu": _cpu_model(), "python": platform.python_version(),
