@@ -174,6 +174,7 @@ def _render_stat(s) -> str:
         f"({format_size(c.evicted_bytes)})  expired leases {c.expired_leases}  "
         f"aborts {c.aborts}",
     ]
+    lines += _render_fleet(s)
     if s.namespaces:
         lines += ["", f"{'NAMESPACE':<24}{'OBJECTS':>9}{'BYTES':>12}{'USED':>12}{'QUOTA':>12}"]
         for n in s.namespaces:
@@ -189,6 +190,30 @@ def _render_stat(s) -> str:
                 f"{cl.read_leases + cl.write_leases:>7}  {cl.name}"
             )
     return "\n".join(lines)
+
+
+def _render_fleet(s) -> list[str]:
+    """Peers, pulls and served bytes ([transfer]); the KV event stream ([events])."""
+    out = []
+    t = s.transfer
+    if t is not None:
+        out += ["", f"transfer: node {t.node}  "
+                    f"{'serving on ' + t.listen if t.listen else 'not serving'}  "
+                    f"peer connections {t.serving}  leases held for peers {t.leases_served}",
+                f"pulls {t.pulls} ({format_size(t.bytes_pulled)})  in flight {t.in_flight}  "
+                f"failures {t.failures}  served {t.pins_served} pins "
+                f"({format_size(t.bytes_served)})  refused {t.refused}"]  # fmt: skip
+        for p in t.peers:
+            out.append(f"  peer {p.address} ({p.node or '?'}): "
+                       f"{'connected' if p.connected else 'disconnected'}")
+        if t.last_failure:
+            out.append(f"  last failure: {t.last_failure}")
+    e = s.events
+    if e is not None:
+        out += ["", f"events: {e.endpoint} topic {e.topic} ({e.format})  sent "
+                    f"{e.events_published}  dropped {e.events_dropped}  queued {e.queued}  "
+                    f"next seq {e.next_seq}"]  # fmt: skip
+    return out
 
 
 def _age(t: float) -> str:
@@ -271,6 +296,30 @@ def tui(
     from kvbroker.tui import run  # Textual loads here, never for the other commands
 
     run(socket, interval)
+
+
+@app.command()
+def fetch(
+    key: str = typer.Argument(..., help="Key of the object to pull."),
+    peer: str = typer.Option(..., "--peer", "-p", help="HOST:PORT of the broker holding it "
+                             "(its [transfer] listen)."),
+    namespace: str = typer.Option("default", "--namespace", "-n"),
+    socket: Optional[str] = SocketOpt,
+    as_json: bool = JsonOpt,
+) -> None:
+    """Pull a sealed object from another node's broker into this node's pools (one NIXL
+    READ, checksums verified), unless it is here already."""
+    t0 = time.perf_counter()
+    reply = _run(socket, lambda c: c.fetch(key, peer, namespace=namespace))
+    dt = time.perf_counter() - t0
+    if as_json:
+        typer.echo(json.dumps({**reply, "seconds": dt}))
+    elif reply["fetched"]:
+        typer.echo(f"pulled {namespace}/{key} ({format_size(reply['nbytes'])}) from {peer} "
+                   f"in {dt * 1e3:.1f} ms")
+    else:
+        typer.echo(f"{namespace}/{key} is here already ({format_size(reply['nbytes'])}); "
+                   "nothing pulled")
 
 
 @app.command()

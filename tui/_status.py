@@ -29,6 +29,14 @@ class StatusLine(Static):
             f"used {format_size(snap.used)} of {format_size(snap.capacity)}  "
             f"every {interval:g}s"
         )
+        t = getattr(snap, "transfer", None)
+        if t is not None:  # [transfer]: peers, pulls in flight, bytes pulled and served
+            text.append(
+                f"\n  fleet {t.node}: peers {sum(p.connected for p in t.peers)}/{len(t.peers)}"
+                f" pulled {format_size(t.bytes_pulled)} ({t.pulls}, {t.in_flight} in flight,"
+                f" {t.failures} failed)  served {format_size(t.bytes_served)} to "
+                f"{t.serving} peer(s)"
+            )
         if paused:
             text.append("   ❚❚ PAUSED (p resumes)", "bold reverse")
         self.update(text)
