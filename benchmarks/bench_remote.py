@@ -207,6 +207,8 @@ def crash(pair: Pair, claims: int, seed: int) -> dict:
     out = {
         "claims": claims, "ok_bit_exact": ok, "wrong_bytes_served": wrong, "failed": failed,
         "failed_by_code": kinds, "kills": kills, "seconds": time.time() - t0,
+        "b_objects": sb.objects, "b_evictions": sb.counters.evictions,
+        "b_publishes": sb.counters.publishes, "b_pulls": sb.transfer.pulls,
         "b_pending": sb.pending, "b_write_leases": sb.write_leases,
         "b_objects_checked": len(held), "b_objects_bad": bad_on_b,
         "a_objects_after_warm_restart": sa.objects, "a_read_leases_after_restart": sa.read_leases,
