@@ -242,6 +242,37 @@ def test_prefix_match_pulls_the_missing_blocks_in_one_pull(pair):
     _nothing_left(a, b)
 
 
+def test_fetch_command_stat_and_prometheus(pair):
+    from typer.testing import CliRunner
+
+    from kvbroker._server.metrics import BrokerCollector
+    from kvbroker.cli import app
+
+    a, b = pair
+    with a.client() as ca:
+        ca.put("cli", {"x": _data(1 << 20, 9)})
+    sock = b.proc.socket_path
+    r = CliRunner().invoke(app, ["fetch", "cli", "--peer", a.address, "--socket", sock])
+    assert r.exit_code == 0 and "pulled default/cli (1.0 MiB) from" in r.output, r.output
+    r = CliRunner().invoke(app, ["fetch", "cli", "--peer", a.address, "--socket", sock])
+    assert r.exit_code == 0 and "here already" in r.output, r.output
+    r = CliRunner().invoke(app, ["fetch", "nope", "--peer", a.address, "--socket", sock])
+    assert r.exit_code == 1 and "not_found" in r.output
+    r = CliRunner().invoke(app, ["stat", "--socket", sock])
+    assert f"peer {a.address} (node-a): connected" in r.output, r.output
+    metrics = {m.name: m for m in BrokerCollector(b.stat).collect()}
+    assert metrics["kvbroker_pulled_bytes"].samples[0].value >= 1 << 20
+    assert {s.labels["code"] for s in metrics["kvbroker_pull_failures"].samples} >= {"not_found"}
+    assert metrics["kvbroker_peer_up"].samples[0].labels["node"] == "node-a"
+    served = {m.name: m for m in BrokerCollector(a.stat).collect()}
+    assert served["kvbroker_served_bytes"].samples[0].value >= 1 << 20
+    assert served["kvbroker_peer_leases"].samples[0].value == 0
+    with a.client() as ca, b.client() as cb:
+        ca.evict("cli")
+        cb.evict("cli")
+    _nothing_left(a, b)
+
+
 # -- failures end cleanly ----------------------------------------------------------------------
 
 def test_peer_down_is_peer_unavailable(pair):

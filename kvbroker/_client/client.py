@@ -393,7 +393,8 @@ class Client:
 
     def lookup(self, key: str, *, namespace: str = "default",
                peer: str | None = None) -> ObjectInfo | None:
-        info = self._peer_call(peer is not None, self.ops.lookup, key, namespace=namespace, peer=peer)
+        info = self._peer_call(peer is not None, self.ops.lookup, key, namespace=namespace,
+                               peer=peer)  # fmt: skip
         return None if info is None else ObjectInfo.from_dict(info)
 
     def fetch(self, key: str, peer: str, *, namespace: str = "default") -> dict:
