@@ -575,7 +575,8 @@ class Fleet:
         except BadRequest as exc:
             raise TransferFailed(f"peer {address} described a bad object: {exc}") from None
         ident = (desc["namespace"], desc["key"])
-        ttl = self.timeout + self.pin_ttl
+        # Outlives the pull: each of pin, READ and release is bounded by the timeout.
+        ttl = 3 * self.timeout + self.pin_ttl
         lease = self.broker.reserve_extent(self.session, ident, layout, span,
                                            meta if isinstance(meta, dict) else None, ttl)
         obj = lease.obj
