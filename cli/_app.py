@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from typing import Optional
 
 import typer
@@ -28,6 +29,7 @@ from ._common import (
     clean,
     fail,
     namespace_opt,
+    run,
     user_default_socket,
 )
 from ._objects import evict, ls_, object_table, show
@@ -152,6 +154,31 @@ def tui(
     from kvbroker.tui import run  # Textual loads here, never for the other commands
 
     run(socket, interval)
+
+
+@app.command()
+def fetch(
+    key: str = typer.Argument(..., help="Key of the object to pull."),
+    peer: str = typer.Option(..., "--peer", "-p", help="HOST:PORT of the broker holding it "
+                             "(its [transfer] listen)."),
+    namespace: Optional[str] = namespace_opt("Namespace of the object (default: default)."),
+    socket: Optional[str] = SocketOpt,
+    as_json: bool = JsonOpt,
+) -> None:
+    """Pull a sealed object from another node's broker into this node's pools (one NIXL
+    READ, checksums verified), unless it is here already."""
+    namespace = namespace or "default"
+    t0 = time.perf_counter()
+    reply = run(socket, lambda c: c.fetch(key, peer, namespace=namespace))
+    dt = time.perf_counter() - t0
+    if as_json:
+        typer.echo(json.dumps({**reply, "seconds": dt}))
+    elif reply["fetched"]:
+        typer.echo(f"pulled {namespace}/{key} ({format_size(reply['nbytes'])}) from {peer} "
+                   f"in {dt * 1e3:.1f} ms")
+    else:
+        typer.echo(f"{namespace}/{key} is here already ({format_size(reply['nbytes'])}); "
+                   "nothing pulled")
 
 
 @app.command()

@@ -143,6 +143,8 @@ def test_every_reply_is_its_declared_type(ring_daemon):
         call("ring_release", lease=got["lease"])
         scratch = call("ring_reserve", device=0, nbytes=10)
         call("ring_release", lease=scratch["lease"])
+        # an object already here is never pulled: no peer is contacted
+        assert call("fetch", key="a", peer="127.0.0.1:9")["fetched"] is False
         call("stat")
         call("ping")
         call("watch", interval=0)

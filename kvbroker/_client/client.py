@@ -39,6 +39,9 @@ __all__ = ["Client", "WriteLease", "ReadLease", "EvictResult", "Listing"]
 log = logging.getLogger("kvbroker.client")
 
 _EMPTY_DIGEST = _integrity.digest(b"")
+# Seconds added to the reply timeout of a call that pulls from a peer broker: the daemon
+# bounds the pull itself ([transfer] timeout, 60 s by default) and answers Timeout.
+_PEER_GRACE = 120.0
 
 
 class EvictResult:
@@ -306,6 +309,7 @@ class Client:
         wait: float | None = None,
         ttl: float | None = None,
         verify: bool = False,
+        peer: str | None = None,
     ) -> ReadLease:
         """A read lease on a sealed object.
 
@@ -314,15 +318,20 @@ class Client:
         sealed (else NotFound at once; Timeout when the wait runs out). ``verify``: re-hash
         the buffers before returning (one read of them) and raise ChecksumMismatch, with the
         lease released, if any differs from its checksum recorded at seal.
+        ``peer``: ``"HOST:PORT"`` of another node's broker; when this node lacks the object,
+        its daemon pulls it from there first (one NIXL READ, checksums verified; a consume
+        counts there) and the claim is then served here. Raises PeerUnavailable,
+        TransferFailed or ChecksumMismatch (naming the peer) when the pull fails.
         """
-        if wait is not None and self._timeout is not None:
-            self._session.settimeout(self._timeout + wait)
+        longer = (wait or 0) + (_PEER_GRACE if peer is not None else 0)
+        if longer and self._timeout is not None:
+            self._session.settimeout(self._timeout + longer)
         asked_at = time.monotonic()
         try:
             reply = self.ops.claim(key, namespace=namespace, select=select, consume=consume,
-                                   wait=wait, ttl=ttl)  # fmt: skip
+                                   wait=wait, ttl=ttl, peer=peer)  # fmt: skip
         finally:
-            if wait is not None and self._timeout is not None:
+            if longer and self._timeout is not None:
                 self._session.settimeout(self._timeout)
         lease = ReadLease(self, namespace, key, reply, asked_at)
         if verify:
@@ -344,8 +353,9 @@ class Client:
         consume: bool = False,
         wait: float | None = None,
         verify: bool = False,
+        peer: str | None = None,
     ) -> dict[str, Any]:
-        """Claim, copy every selected buffer out once, release.
+        """Claim, copy every selected buffer out once, release (``peer``: as in claim).
 
         ``out`` maps buffer names to destinations (numpy arrays, torch tensors, writable
         bytes-like) of the right size; buffers not in ``out`` get fresh uint8 arrays.
@@ -356,7 +366,7 @@ class Client:
         np = _np()
         result: dict[str, Any] = {}
         with self.claim(key, namespace=namespace, select=select, consume=consume,
-                        wait=wait) as lease:  # fmt: skip
+                        wait=wait, peer=peer) as lease:  # fmt: skip
             sums = lease.checksums if verify else None
             bad = []
             for name in lease:
@@ -382,12 +392,33 @@ class Client:
         return result
 
     # -- directory -------------------------------------------------------------------------
-    def exists(self, key: str, *, namespace: str = "default") -> bool:
-        return self.ops.lookup(key, namespace=namespace) is not None
+    def exists(self, key: str, *, namespace: str = "default", peer: str | None = None) -> bool:
+        """Whether the object is sealed here (or, with ``peer``, here or on that broker;
+        nothing is pulled)."""
+        return self._peer_call(peer is not None, self.ops.lookup, key, namespace=namespace,
+                               peer=peer) is not None  # fmt: skip
 
-    def lookup(self, key: str, *, namespace: str = "default") -> ObjectInfo | None:
-        info = self.ops.lookup(key, namespace=namespace)
+    def lookup(self, key: str, *, namespace: str = "default",
+               peer: str | None = None) -> ObjectInfo | None:
+        info = self._peer_call(peer is not None, self.ops.lookup, key, namespace=namespace,
+                               peer=peer)  # fmt: skip
         return None if info is None else ObjectInfo.from_dict(info)
+
+    def fetch(self, key: str, peer: str, *, namespace: str = "default") -> dict:
+        """Pull ``key`` from the broker at ``peer`` (HOST:PORT) into this node's pools,
+        unless it is here already; no lease is held afterwards. Returns ``{namespace, key,
+        nbytes, fetched, peer}`` (``fetched`` False: it was here)."""
+        return self._peer_call(peer is not None, self.ops.fetch, key, peer, namespace=namespace)
+
+    def _peer_call(self, pulls: bool, fn, *args, **kw):
+        """``fn(*args, **kw)``, with a longer reply timeout when the daemon may pull first."""
+        if not pulls or self._timeout is None:
+            return fn(*args, **kw)
+        self._session.settimeout(self._timeout + _PEER_GRACE)
+        try:
+            return fn(*args, **kw)
+        finally:
+            self._session.settimeout(self._timeout)
 
     def list(
         self, match: str | None = None, *, namespace: str | None = None, limit: int | None = None

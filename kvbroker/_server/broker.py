@@ -94,6 +94,12 @@ class Broker:
         self.transfers: deque[tuple] = deque(maxlen=64)
         # Called with (namespace, key) after each seal; the daemon wakes waiting claims.
         self.on_sealed: Callable[[tuple[str, str]], None] | None = None
+        # Called with ("stored", obj) after a prefix block (one with token ids) is sealed,
+        # ("removed", obj) when it is unlinked, ("cleared", None) when everything was
+        # evicted: the daemon turns these into KV events (kvbroker._server.events).
+        self.on_block: Callable[[str, StoredObject | None], None] | None = None
+        # Broker-to-broker pulls and serving (kvbroker._server.fleet.Fleet), when configured.
+        self.fleet: Any = None
         self._rings: Any = None
 
     @property
@@ -290,6 +296,8 @@ class Broker:
         self.counters["bytes_in"] += obj.nbytes
         session.bytes_published += obj.nbytes
         self.record_transfer("publish", session, obj, obj.nbytes)
+        if self.on_block is not None and obj.tokens is not None:
+            self.on_block("stored", obj)
         self._enforce_watermark(obj.pool)
         if self.on_sealed is not None:
             self.on_sealed(ident)
@@ -465,6 +473,8 @@ class Broker:
             self.journal.unlinked(obj.serial)
         del self.objects[(obj.namespace, obj.key)]
         self._lru.pop(obj.serial, None)
+        if self.on_block is not None and obj.tokens is not None:
+            self.on_block("removed", obj)
         parent, obj.parent = obj.parent, None
         if parent is not None and parent.linked:
             parent.children -= 1

@@ -90,6 +90,7 @@ class Daemon:
         self._activated = False  # serving a socket systemd passed: its path is not ours to set
         self._force_stop: asyncio.Event | None = None
         self._metrics = None
+        self.fleet: Any = None  # kvbroker._server.fleet.Fleet, with [transfer] or [events]
 
     # -- start ---------------------------------------------------------------------------
     def _acquire_lock(self) -> None:
@@ -365,6 +366,7 @@ class Daemon:
             self.broker.on_sealed = self._on_sealed
             if self.config.gpu_ring:
                 self._open_rings()
+            await self._start_fleet()
             if self._lock_fd is not None:
                 self._write_lock_record()
             sock = listen_socket if listen_socket is not None else self._bind()
@@ -409,6 +411,20 @@ class Daemon:
             for task in tasks:
                 task.cancel()
             await self._shutdown()
+
+    async def _start_fleet(self) -> None:
+        """Peer pulls and serving ([transfer]) and KV events ([events]), when configured
+        (kvbroker._server.fleet): NIXL and pyzmq are imported only then."""
+        cfg = self.config
+        if not (cfg.transfer_token_file or cfg.transfer_listen or cfg.events_publish):
+            return
+        from .fleet import Fleet
+
+        self.fleet = Fleet(self)
+        try:
+            await self.fleet.start()
+        except KVBrokerError as exc:
+            raise DaemonError(str(exc)) from None
 
     def _activated_socket(self) -> socket.socket | None:
         socks = listen_fds()
@@ -566,6 +582,12 @@ class Daemon:
             conn.connection_lost(None)
         if self._server is not None:
             await self._server.wait_closed()
+        if self.fleet is not None:  # before the pools go: NIXL has them registered
+            try:
+                await self.fleet.close()
+            except Exception:
+                log.exception("stopping the fleet service failed")
+            self.fleet = None
         if self.broker is not None and self.broker.rings is not None:
             self.broker.rings.close()  # every connection is gone: no lease holds a region
             self.broker.rings = None

@@ -201,10 +201,13 @@ OPS: dict[str, Op] = {
             "consume": _a(bool, default=False),
             "wait": _a(*_OPT_NUM),
             "ttl": _a(*_OPT_NUM),
+            "peer": _a(*_OPT_STR),
         },
         R.Claimed,
         "Read lease on a sealed object; `select` is a regex over buffer names; `wait` seconds "
-        "to wait for the key to be sealed; `consume` frees the object once released.",
+        "to wait for the key to be sealed; `consume` frees the object once released. `peer` "
+        "(HOST:PORT of a broker of [transfer] peers): when the object is not here, pull it "
+        "from that broker first (one NIXL READ; a consume counts there), then claim it here.",
         lease=_TAKES, draining=REFUSE,
     ),
     "release": Op(
@@ -221,11 +224,13 @@ OPS: dict[str, Op] = {
         lease=_NAMES,
     ),
     "lookup": Op(
-        {"namespace": _a(str, default="default"), "key": _a(str, required=True)},
+        {"namespace": _a(str, default="default"), "key": _a(str, required=True),
+         "peer": _a(*_OPT_STR)},
         ObjectInfo | None,
         "Describe one sealed object without leasing it: with its checksums, each buffer's "
         "size (`buffer_sizes`, in layout order) and the consume-claims still to be released "
-        "before it is freed (`consumers`).",
+        "before it is freed (`consumers`); with `peer`, the peer broker's object when this "
+        "daemon has none (nothing is pulled).",
     ),
     "list": Op(
         {
@@ -261,8 +266,9 @@ OPS: dict[str, Op] = {
         },
         R.BlocksReserved,
         "Write leases for many prefix blocks in one round trip. Each block is "
-        "{key, parent: key|null, buffers: {name: nbytes}, meta?}; a block already published "
-        "answers exists and costs no copy. A block is evicted only after its children.",
+        "{key, parent: key|null, buffers: {name: nbytes}, meta?, tokens?}; a block already "
+        "published answers exists and costs no copy. A block is evicted only after its "
+        "children. `tokens`: the block's token ids, announced in KV events ([events]).",
         lease=_TAKES, draining=REFUSE,
     ),
     "seal_many": Op(
@@ -278,11 +284,14 @@ OPS: dict[str, Op] = {
             "keys": _a(list, required=True),
             "block_tokens": _a(int, default=0),
             "ttl": _a(*_OPT_NUM),
+            "peer": _a(*_OPT_STR),
         },
         R.PrefixMatch,
         "Longest run of leading `keys` that are published, all under one read lease. When "
         "every block has the buffers `names`, `packed` holds a little-endian int64 row "
-        "[pool, offset, nbytes, offset, nbytes, ...] per block; else `blocks` a map each.",
+        "[pool, offset, nbytes, offset, nbytes, ...] per block; else `blocks` a map each. "
+        "`peer`: pull the blocks after the local run that the peer broker holds first (one "
+        "NIXL READ for all of them).",
         lease=_TAKES, draining=REFUSE,
     ),
     "release_many": Op(
@@ -337,6 +346,17 @@ OPS: dict[str, Op] = {
         R.Empty,
         "End a ring lease: frees a scratch region, discards an unsealed object, ends a read.",
         service=Service.RINGS, lease=_NAMES,
+    ),
+    "fetch": Op(
+        {
+            "namespace": _a(str, default="default"),
+            "key": _a(str, required=True),
+            "peer": _a(str, required=True),
+        },
+        R.Fetched,
+        "Pull a sealed object from a peer broker (HOST:PORT) into this daemon's pools, "
+        "unless it is here already; no lease is lent to the caller.",
+        draining=REFUSE,
     ),
     "stat": Op({}, Statistics, "One statistics snapshot."),
     "ping": Op(

@@ -19,7 +19,7 @@ __all__ = [
     "Extent", "Empty", "PoolInfo", "Hello", "Reserved", "Sealed", "ArenaLent", "Published",
     "Claimed", "Renewed", "Listed", "Evicted", "BlockReserved", "BlockExists",
     "BlocksReserved", "SealedMany", "PrefixMatch", "RingInfo", "Rings", "RingRegion",
-    "RingClaimed", "Watching", "Pong", "mismatch",
+    "RingClaimed", "Watching", "Pong", "Fetched", "mismatch",
 ]  # fmt: skip
 
 # [pool, offset, nbytes]: a byte range of pool `pool` (an index into hello's `pools`).
@@ -164,6 +164,14 @@ class Pong(TypedDict):
     server_pid: int
     started_at: float  # Unix time the daemon started
     epoch: int  # as Hello's
+
+
+class Fetched(TypedDict):
+    namespace: str
+    key: str
+    nbytes: int
+    fetched: bool  # false: the object was here already (nothing moved)
+    peer: str
 
 
 def mismatch(value: Any, tp: Any, where: str = "reply") -> str | None:
