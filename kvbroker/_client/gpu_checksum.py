@@ -4,12 +4,12 @@
 kernel under ``TRITON_INTERPRET=1``, which is how the tests check it) and returns, per tensor,
 the value the CPU's :func:`kvbroker._wire.checksum.digest` gives for the same bytes, bit for
 bit, with one kernel launch for all of them and one device-to-host copy of the chunk digests
-(8 bytes per 256 KiB) at the end.
+(8 bytes per MiB) at the end.
 
-The kernel (Triton) runs one program per chunk of 256 KiB: xxh3_64's long-input loop, the
-secret-keyed 32x32->64-bit multiply-accumulate of 8 lanes over 64-byte stripes, is additive
-within each 1 KiB block, so a program loads a block as a ``[16 stripes, 4, 2 lanes]`` tile of
-uint64, reduces it over the stripes in registers, adds the lane-swapped data sums, and
+The kernel (Triton) runs one program per chunk (:data:`kvbroker._wire.checksum.CHUNK`, 1 MiB):
+xxh3_64's long-input loop, the secret-keyed 32x32->64-bit multiply-accumulate of 8 lanes over
+64-byte stripes, is additive within each 1 KiB block, so a program loads a block as a
+``[16 stripes, 4, 2 lanes]`` tile of uint64, reduces it over the stripes in registers, adds the lane-swapped data sums, and
 scrambles its 8 accumulators (one multiply per lane per KiB); then the last stripe (read as
 bytes: it may sit at any offset) and the merge into one 64-bit value. Each chunk's bytes are
 read once from device memory. A buffer's last chunk, when it is 240 bytes or shorter, takes
@@ -278,6 +278,11 @@ class Pending:
         self._done = done  # a CUDA event, or None
         self._values: list[int] | None = None
 
+    def wait(self) -> None:
+        """Wait for the queued work (the tensors may be reused afterwards)."""
+        if self._done is not None:
+            self._done.synchronize()
+
     def result(self) -> list[int]:
         import numpy as np
 
@@ -313,17 +318,19 @@ def start(tensors: Sequence[Any], *, backend: str | None = None, stream: Any = N
     """
     import torch
 
-    kept, sizes, ptrs = _prepare(tensors)
-    device = kept[0].device if kept else torch.device("cpu")
-    if any(t.device != device for t in kept):
+    tensors = list(tensors)
+    device = tensors[0].device if tensors else torch.device("cpu")
+    if any(t.device != device for t in tensors):
         raise KVBrokerError("checksums: all tensors must be on one device")
-    backend = backend or (select_backend(*kept) if kept else "torch")
+    backend = backend or (select_backend(*tensors) if tensors else "torch")
     if backend not in ("triton", "torch"):
         raise KVBrokerError(f"unknown backend {backend!r}")
-    plan = _Plan(sizes)
     cuda = device.type == "cuda"
     ctx = torch.cuda.stream(stream) if cuda and stream is not None else _nullcontext()
     with ctx:
+        # on the stream: an aligned copy of a misaligned tensor is made after what it waits for
+        kept, sizes, ptrs = _prepare(tensors)
+        plan = _Plan(sizes)
         if backend == "triton":
             longs = _triton_long(plan, ptrs, device)
         else:
