@@ -8,6 +8,7 @@ See ``docs/design.md``.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -140,6 +141,9 @@ class GpuClient(RingClient):
         self._side: dict[int, Any] = {}  # side streams on other GPUs (ring publish)
         self._sum_streams: dict[int, Any] = {}  # per GPU: where checksums run beside a DMA
         self.last_copies = 0  # copy operations the last publish/claim issued (after merging)
+        # seconds a claim(verify=True) spent after its copies were done: waiting for the GPU
+        # checksums (and combining them); what verifying added to the claim
+        self.last_verify_s = 0.0
         try:
             for pool in self.client.pools:
                 m = self.client._mapping(pool["index"])
@@ -244,16 +248,16 @@ class GpuClient(RingClient):
             ready.record(self._caller_stream(stream))
             dsts = _host_addresses(lease)
             self.stream.wait_event(ready)
+            sums = None
             try:
-                # the checksums first, on their own stream, so that they run beside the DMA
-                sums = (_gi.start_seal(tensors, self.client.checksum_kind,
-                                       self._sum_streams_after(ready))
-                        if checksum else None)  # fmt: skip
                 # one DMA per buffer, merged where buffers continue each other on both sides
                 self.last_copies = copy_runs(
                     [(dsts[name], ptr, n) for name, (ptr, n) in flat.items()],
                     self.stream,
                 )
+                if checksum:  # queued while the DMA runs, on their own stream: beside it
+                    sums = _gi.start_seal(tensors, self.client.checksum_kind,
+                                          self._sum_streams_after(ready))  # fmt: skip
             finally:
                 # the bytes are in the pool before the seal publishes them (and no copy
                 # writes into the pages once an abort has given them back)
@@ -317,16 +321,20 @@ class GpuClient(RingClient):
             )
             done = torch.cuda.Event()
             done.record(self.stream)
-            check = None
-            if verify and lease.checksums:
-                check = _gi.start_verify(out, lease.checksums, self._sum_streams_after(done))
             caller.wait_event(done)  # the engine reads nothing before the copy is done
+            check = computed = None
             try:
-                # kind-0 buffers hashed on the CPU now, from the pool, while the copies run;
-                # then the kind-1 values, once the kernels after the copies are done
-                computed = None if check is None else check.values(lease)
+                if verify and lease.checksums:  # queued on the GPU after the copies
+                    check = _gi.start_verify(out, lease.checksums, self._sum_streams_after(done))
+                # kind-0 buffers hashed on the CPU now, from the pool, while the copies run
+                if check is not None and check.on_host:
+                    computed = check.host_values(lease)
             finally:
                 done.synchronize()  # the lease must outlive the copies out of its slices
-            if computed is not None:
+            if check is not None:
+                copied = time.perf_counter()
+                # the kind-1 values, computed on the GPU once the copies were done
+                computed = check.ordered({**(computed or {}), **check.device_values()})
+                self.last_verify_s = time.perf_counter() - copied
                 _integrity.check(namespace, key, _gi.mismatched(computed, lease.checksums))
         return dict(out)

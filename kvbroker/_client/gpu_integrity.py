@@ -47,18 +47,33 @@ class Sums:
         self._pending = kind1  # [(names, gpu_checksum.Pending)], one per device
         self._kind0 = kind0
 
-    def values(self, host_views: Any) -> dict[str, Any]:
-        """``{name: checksum in its wire form}``: kind-0 ones hashed now from ``host_views``
-        (the pool's bytes: a lease, or any mapping of name to a uint8 view), then the kind-1
-        ones once their kernels are done; in the order the tensors were given."""
+    @property
+    def on_host(self) -> bool:
+        """Whether some buffers are hashed on the CPU (kind 0)."""
+        return bool(self._kind0)
+
+    def host_values(self, host_views: Any) -> dict[str, Any]:
+        """The kind-0 checksums, hashed now on this thread from ``host_views`` (the pool's
+        bytes: a lease, or any mapping of name to a uint8 view)."""
+        return {name: _cs.encode(_cs.legacy_digest(host_views[name]), _cs.KIND_XXH3)
+                for name in self._kind0}  # fmt: skip
+
+    def device_values(self) -> dict[str, Any]:
+        """The kind-1 checksums, once their kernels are done (waits for them)."""
         out: dict[str, Any] = {}
-        for name in self._kind0:  # first: the CPU hashes run while the GPU finishes
-            out[name] = _cs.encode(_cs.legacy_digest(host_views[name]), _cs.KIND_XXH3)
         for names, pending in self._pending:
             for name, value in zip(names, pending.result()):
                 out[name] = _cs.encode(value, _cs.KIND_XXH3C)
         self._pending = []
-        return {name: out[name] for name in self._order}
+        return out
+
+    def values(self, host_views: Any) -> dict[str, Any]:
+        """``{name: checksum in its wire form}``, in the order the tensors were given: the
+        kind-0 ones hashed first (the CPU works while the GPU finishes), then the kind-1 ones."""
+        return self.ordered({**self.host_values(host_views), **self.device_values()})
+
+    def ordered(self, values: dict[str, Any]) -> dict[str, Any]:
+        return {name: values[name] for name in self._order}
 
     def wait(self) -> None:
         """Wait for the kernels still reading the tensors (on a failure path: the values are
