@@ -276,3 +276,30 @@ def test_publish_shard_cuda_records_the_staged_buffers_checksums(kind, make_daem
         with pytest.raises(ChecksumMismatch) as err:
             g.client.claim(key, verify=True)
         assert err.value.buffers == (bad,)
+
+
+@CUDA
+@pytest.mark.gpu
+def test_start_checksums_for_a_lease_filled_by_the_caller(daemon):
+    """What an integration that copies into a reserve() lease itself calls (transformers'
+    publish_cache, a connector's save): the sums recorded are the CPU definition's."""
+    gpu = _gpu()
+    src = _tensors()
+    with gpu.GpuClient(daemon.client(), own_client=True) as g:
+        lease = g.client.reserve("own", {n: t.nbytes for n, t in src.items()})
+        sums = g.start_checksums(src)
+        for n, t in src.items():
+            if t.nbytes:
+                gpu.host_tensors(lease)[n].copy_(t.view(-1).view(torch.uint8))
+        lease.checksums = sums.values(lease)
+        lease.seal()
+        assert g.client.lookup("own").checksums == {
+            n: [1, cs.digest(_raw(t.cpu()))] for n, t in src.items()}
+        g.client.checksum_kind = cs.KIND_XXH3
+        lease = g.client.reserve("own0", {"a": src["k"].nbytes})
+        sums = g.start_checksums({"a": src["k"]})
+        gpu.host_tensors(lease)["a"].copy_(src["k"].view(-1).view(torch.uint8))
+        lease.checksums = sums.values(lease)
+        lease.seal()
+        want0 = xxhash.xxh3_64_intdigest(_raw(src["k"].cpu()))
+        assert g.client.lookup("own0").checksums == {"a": want0}

@@ -207,6 +207,20 @@ class GpuClient(RingClient):
 
         return stream_for
 
+    def start_checksums(self, tensors: Mapping[str, Any], *, stream: Any = None) -> _gi.Sums:
+        """Start the checksums a seal of ``tensors`` (contiguous, as they will lie in their
+        buffers) records, in the kind this client seals with: kind 1 on the tensors' GPU, on
+        this client's checksum stream after what is queued on ``stream`` (default: current).
+
+        For code that fills a :meth:`Client.reserve` lease itself (an integration copying
+        with its own kernels or DMA): start this before or while copying, then, once the copy
+        is done and before the seal, ``lease.checksums = sums.values(lease)`` (kind 0 is
+        hashed there, from the pool). The tensors must not change until then.
+        """
+        ready = self._torch.cuda.Event()
+        ready.record(self._caller_stream(stream))
+        return _gi.start_seal(tensors, self.client.checksum_kind, self._sum_streams_after(ready))
+
     def publish(
         self,
         key: str,
