@@ -15,7 +15,7 @@ which kind a client seals with is its ``checksum_kind`` (what the daemon's hello
   during the DMA for a claim (both only read the pool).
 
 The tensors handed in are the caller's (or a staging region's); :class:`Sums` holds them
-until :meth:`Sums.result` has waited for every kernel reading them.
+until :meth:`Sums.values` (or :meth:`Sums.wait`) has waited for every kernel reading them.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def _by_device(tensors: Mapping[str, Any]) -> dict[Any, list[str]]:
 class Sums:
     """Checksums under way: kind-1 values computed on the devices (queued, not waited for),
     and the names whose checksum is a kind-0 hash of the pool's bytes, computed by
-    :meth:`result`."""
+    :meth:`values` (or :meth:`host_values`)."""
 
     def __init__(self, order: list[str], kind1: list[tuple[list[str], Any]],
                  kind0: list[str]) -> None:  # fmt: skip
