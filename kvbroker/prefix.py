@@ -237,11 +237,12 @@ class PrefixCache:
                                    {"lease": res["lease"], "ttl": reply["ttl"],
                                     "buffers": res["buffers"]}, self.checksum)  # fmt: skip
                 digests = {}
+                kind = self.client.checksum_kind
                 for name, src in get(i).items():
                     if not sizes[i][name]:
-                        digests[name] = _integrity.digest(b"")
+                        digests[name] = _integrity.empty_digest(kind)
                     elif self.checksum:
-                        digests[name] = _integrity.copy_hashed(lease[name], src, copy_into)
+                        digests[name] = _integrity.copy_hashed(lease[name], src, copy_into, kind)
                     else:
                         copy_into(lease[name], src)
                 lease.checksums = digests if self.checksum else None

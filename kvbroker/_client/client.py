@@ -31,6 +31,7 @@ from .arena import WriteArena
 from .copy import _np, _torch_tensor, copy_into, nbytes_of
 from .transport import UnixTransport
 from . import integrity as _integrity
+from .._wire import checksum as _cs
 from ..errors import BrokerUnavailable, Exists, LeaseExpired, Timeout
 
 
@@ -38,7 +39,6 @@ __all__ = ["Client", "WriteLease", "ReadLease", "EvictResult", "Listing"]
 
 log = logging.getLogger("kvbroker.client")
 
-_EMPTY_DIGEST = _integrity.digest(b"")
 # Seconds added to the reply timeout of a call that pulls from a peer broker: the daemon
 # bounds the pull itself ([transfer] timeout, 60 s by default) and answers Timeout.
 _PEER_GRACE = 120.0
@@ -159,6 +159,10 @@ class Client:
         self.session_id: int = hello["session"]
         self.server_pid: int = hello["server_pid"]
         self.epoch: int | None = hello.get("epoch")
+        # The checksum kind this client seals with: 1 where the daemon lists it, else 0 (a
+        # daemon from before kind 1 refuses [1, value]; kvbroker._wire.checksum.seal_kind).
+        self.checksum_kinds: tuple[int, ...] = tuple(hello.get("checksum_kinds") or (0,))
+        self.checksum_kind: int = _cs.seal_kind(hello.get("checksum_kinds"))
         self.generation = generation
         self._session = session  # publish: last
 
@@ -287,9 +291,10 @@ class Client:
             return False
         with lease:
             if checksum:
+                kind = self.checksum_kind
                 lease.checksums = {
-                    name: _integrity.copy_hashed(lease[name], src, copy_into)
-                    if sizes[name] else _EMPTY_DIGEST
+                    name: _integrity.copy_hashed(lease[name], src, copy_into, kind)
+                    if sizes[name] else _integrity.empty_digest(kind)
                     for name, src in buffers.items()
                 }  # fmt: skip
             else:
@@ -382,7 +387,7 @@ class Client:
                 else:
                     target = np.frombuffer(dst, dtype=np.uint8)
                 if sums and name in sums:
-                    if _integrity.copy_out_hashed(target, src) != sums[name]:
+                    if not _integrity.copy_out_checked(target, src, sums[name]):
                         bad.append(name)
                 else:
                     np.copyto(target, src)

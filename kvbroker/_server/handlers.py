@@ -55,6 +55,7 @@ def op_hello(b: Broker, session: Session, version: int, name: str, role: str) ->
         "lease_ttl": b.lease_ttl,
         "pools": [p.describe() for p in b.pools],
         "epoch": b.epoch,
+        "checksum_kinds": sorted(_checksum.KINDS),
     }
 
 

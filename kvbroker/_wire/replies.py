@@ -45,6 +45,9 @@ class Hello(TypedDict):
     lease_ttl: float
     pools: list[PoolInfo]
     epoch: int  # starts of this socket's daemon that adopted the previous one's pools
+    # the checksum kinds a seal may carry (kvbroker._wire.checksum.KINDS); a daemon that
+    # does not send this field accepts kind 0 (bare integers) only
+    checksum_kinds: list[int]
 
 
 class Reserved(TypedDict):
