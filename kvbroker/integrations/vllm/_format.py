@@ -1,0 +1,155 @@
+"""What the vLLM connector stores in the broker: namespaces, block keys and the block format.
+
+Nothing here imports vLLM or torch.
+
+- **Namespace.** ``{prefix}/{model name}-{fingerprint}``: the fingerprint hashes the model,
+  the cache dtype, the block size, the number of layers, the model's total KV heads, the
+  head size and whether the cache is an MLA latent; so two models (or two cache layouts of
+  one model) never read each other's blocks. TP sizes are not in it: every TP layout of a
+  model shares the namespace and reshards (see below).
+- **Block keys.** Block ``i`` of a prompt is keyed by kvbroker's chained hash
+  (:func:`kvbroker.prefix.block_hashes`, BLAKE2b over the token ids of blocks ``0..i``, the
+  namespace and the request's ``cache_salt``), plus the shard suffix of the TP rank that
+  published it (:func:`kvbroker.prefix.shard_block_key`). Deterministic across processes.
+- **The tail.** A prompt of ``n`` tokens whose ``n - 1`` first tokens end inside a block also
+  gets its last, partial block published, under :func:`tail_hash` of the chain so far and the
+  tokens ``[k·B, n-1)`` of that block. A consumer with the same prompt therefore loads
+  exactly ``n - 1`` tokens and computes only the last one (the P/D handoff); a prompt that
+  only shares a prefix never matches another prompt's tail.
+- **Block format.** Exactly :meth:`kvbroker.prefix.PrefixCache.publish_kv`'s: one buffer per
+  (layer, K/V), ``past_key.{l}`` / ``past_value.{l}`` (``past_latent.{l}`` for MLA), each
+  ``[head][token][head_dim]`` of this rank's heads, and the same meta, so
+  :meth:`kvbroker.prefix.KVPrefixMatch.load` reads (and reshards) blocks published here,
+  from a CPU or a CUDA cache alike.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvbroker.layout import Layout
+from kvbroker.prefix import SHARD_META_TAG, block_hashes, shard_block_key
+
+__all__ = ["FORMAT_VERSION", "BlockFormat", "namespace_for", "prompt_keys", "tail_hash"]
+
+FORMAT_VERSION = 1
+
+
+def namespace_for(model: str, *, dtype: str, block_size: int, num_layers: int,
+                  total_kv_heads: int | None, head_size: int, latent: bool,
+                  prefix: str = "vllm") -> str:  # fmt: skip
+    """The broker namespace of a model's blocks in one cache layout."""
+    facts = [FORMAT_VERSION, model, dtype, block_size, num_layers,
+             None if latent else total_kv_heads, head_size, bool(latent)]  # fmt: skip
+    fingerprint = hashlib.blake2b(json.dumps(facts).encode(), digest_size=8).hexdigest()
+    name = re.sub(r"[^A-Za-z0-9._-]+", "_", model.rstrip("/").rsplit("/", 1)[-1])[:48] or "model"
+    return f"{prefix}/{name}-{fingerprint}"
+
+
+def tail_hash(prev: str | None, tokens: Sequence[int], *, namespace: str, cache_salt: str) -> str:
+    """The key of a partial last block holding ``tokens``, after the chain ending in
+    ``prev`` (None: the prompt is shorter than one block)."""
+    import numpy as np
+
+    h = hashlib.blake2b(digest_size=16, person=b"kvbroker-tail")
+    for part in (namespace, cache_salt, prev or ""):
+        raw = part.encode()
+        h.update(len(raw).to_bytes(4, "little") + raw)
+    h.update(np.asarray(tokens, dtype="<i8").tobytes())
+    return h.hexdigest()
+
+
+@dataclass
+class PromptKeys:
+    """The keys of one prompt: ``hashes`` of its full blocks, ``tail`` (or None), and what
+    loading them all gives: ``len(keys)`` blocks covering ``n - 1`` tokens."""
+
+    num_tokens: int
+    block_size: int
+    hashes: list[str]
+    tail: str | None
+    keys: list[str] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.keys = self.hashes + ([self.tail] if self.tail else [])
+
+    def tokens_of(self, num_blocks: int) -> int:
+        """Prompt tokens covered by the first ``num_blocks`` keys, capped at ``n - 1`` (the
+        engine must compute at least the last token to get logits)."""
+        return min(num_blocks * self.block_size, max(0, self.num_tokens - 1))
+
+
+def prompt_keys(tokens: Sequence[int], block_size: int, *, namespace: str,
+                cache_salt: str) -> PromptKeys:  # fmt: skip
+    """Hashes of every full block of ``tokens`` and, when ``n - 1`` tokens end inside a
+    block, the tail key of that block."""
+    n = len(tokens)
+    hashes = block_hashes(tokens, block_size, namespace=namespace, cache_salt=cache_salt)
+    k = n // block_size
+    tail = None
+    if n > 1 and (n - 1) % block_size and n % block_size:
+        tail = tail_hash(hashes[-1] if hashes else None, tokens[k * block_size : n - 1],
+                         namespace=namespace, cache_salt=cache_salt)  # fmt: skip
+    return PromptKeys(n, block_size, hashes, tail)
+
+
+@dataclass(frozen=True)
+class BlockFormat:
+    """One TP rank's published block: buffer names (layer-major), the size of each, and the
+    meta :meth:`kvbroker.prefix.KVPrefixMatch.load` checks."""
+
+    dtype: str  # element type of the engine cache (bytes move bit-exactly)
+    num_layers: int
+    block_size: int
+    head_dim: int
+    local_heads: int  # heads of this rank (1 for a latent cache)
+    total_kv_heads: int | None  # the model's; None for an MLA latent cache
+    tp_rank: int
+    tp_size: int
+    heads: tuple[int, int]  # [start, stop) of this rank's heads among the model's
+
+    @property
+    def latent(self) -> bool:
+        return self.total_kv_heads is None
+
+    @property
+    def components(self) -> tuple[str, ...]:
+        return ("latent",) if self.latent else ("key", "value")
+
+    @property
+    def names(self) -> list[list[str]]:
+        """``names[layer][component]``."""
+        return [[f"past_{c}.{layer}" for c in self.components] for layer in range(self.num_layers)]
+
+    @property
+    def buffer_layout(self) -> Layout:
+        return Layout.contiguous(self.dtype, (self.local_heads, self.block_size, self.head_dim),
+                                 ("head", "token", "head_dim"), iterated=("head",),
+                                 sharded="head")  # fmt: skip
+
+    @property
+    def buffer_nbytes(self) -> int:
+        return self.buffer_layout.nbytes
+
+    @property
+    def block_nbytes(self) -> int:
+        return self.buffer_nbytes * self.num_layers * len(self.components)
+
+    def buffers(self) -> dict[str, int]:
+        n = self.buffer_nbytes
+        return {name: n for row in self.names for name in row}
+
+    def meta(self) -> dict:
+        return {
+            SHARD_META_TAG: 1, "tp_rank": self.tp_rank, "tp_size": self.tp_size,
+            "total_kv_heads": self.total_kv_heads, "heads": list(self.heads),
+            "num_layers": self.num_layers, "components": list(self.components),
+            "infix": None, "layout": self.buffer_layout.to_dict(),
+        }  # fmt: skip
+
+    def key(self, block_hash: str) -> str:
+        return block_hash + shard_block_key("", self.tp_rank, self.tp_size, self.total_kv_heads)

@@ -1,0 +1,238 @@
+"""The scheduler half of the connector: lookups, and what each engine step loads and saves.
+
+Duck-typed against vLLM's ``Request``, ``KVCacheBlocks`` and ``SchedulerOutput`` (no vLLM
+import), so it can be driven directly.
+
+- ``get_num_new_matched_tokens`` (consumer roles) asks the broker once per TP layout it
+  may read (this engine's TP size, then ``peer_tp_sizes``; one round trip in the usual
+  case) how many leading blocks of the prompt every shard the workers will need holds. It
+  copies nothing and holds nothing: the read lease the match takes is released at once
+  (pipelined, no second round trip). Block hashes are computed once per request. Asking
+  again gives the same answer unless the broker changed meanwhile.
+- ``update_state_after_alloc`` turns a positive answer into a load of those blocks into the
+  blocks vLLM just allocated, carried to the workers by the next ``build_connector_meta``.
+  Loads are synchronous: the workers load in ``start_load_kv``, before the step's forward.
+- Producer roles save every full prompt block once the step computing it has run, plus the
+  prompt's partial last block (the tail, see :mod:`._format`) once the whole prompt is in.
+  Saves complete within the step (``wait_for_save``), so ``request_finished`` never delays
+  freeing a request's blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvbroker.errors import KVBrokerError
+from kvbroker.prefix import PrefixCache
+
+from ._format import PromptKeys, prompt_keys
+from ._link import BrokerLink, Warnings
+
+__all__ = ["LoadSpec", "SaveSpec", "SchedulerSide", "StepPlan"]
+
+
+@dataclass
+class LoadSpec:
+    """Load the blocks ``hashes`` into engine blocks ``block_ids`` (same length)."""
+
+    req_id: str
+    hashes: list[str]
+    block_ids: list[int]
+
+
+@dataclass
+class SaveSpec:
+    """Publish blocks ``(hash, parent hash or None, engine block id)`` of one request."""
+
+    req_id: str
+    items: list[tuple[str, str | None, int]]
+
+
+@dataclass
+class StepPlan:
+    """What the workers load and save in one engine step (the connector metadata)."""
+
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+
+
+@dataclass
+class _Req:
+    keys: PromptKeys | None  # None: nothing to look up or save (no token ids)
+    block_ids: list[int] = field(default_factory=list)
+    saved: int = 0  # full prompt blocks already handed to the workers for saving
+    tail_saved: bool = False
+    lookup: tuple[int, int] | None = None  # (local computed tokens, external tokens) asked
+
+
+def request_salt(request: Any) -> str:
+    """What besides the token ids decides a prompt's KV: ``cache_salt``, the LoRA adapter
+    and multimodal inputs (by their content hashes)."""
+    salt = getattr(request, "cache_salt", None) or ""
+    extra = []
+    lora = getattr(request, "lora_request", None)
+    if lora is not None:
+        extra.append(f"lora={getattr(lora, 'lora_name', None) or getattr(lora, 'name', '')}")
+    for feature in getattr(request, "mm_features", None) or ():
+        extra.append(f"mm={getattr(feature, 'identifier', '')}@"
+                     f"{getattr(getattr(feature, 'mm_position', None), 'offset', '')}")
+    return salt if not extra else "\x1f".join([salt, *extra])
+
+
+class SchedulerSide:
+    def __init__(self, *, link: BrokerLink, namespace: str, block_size: int,
+                 total_kv_heads: int | None, latent: bool, tp_size: int,
+                 peer_tp_sizes: tuple[int, ...] = (), save: bool, load: bool,
+                 warnings: Warnings) -> None:  # fmt: skip
+        self.link, self.namespace, self.block_size = link, namespace, block_size
+        self.total_kv_heads = None if latent else total_kv_heads
+        self.latent = latent
+        self.layouts = tuple(dict.fromkeys((tp_size, *peer_tp_sizes)))
+        self.save, self.load = save, load
+        self.warnings = warnings
+        self.reqs: dict[str, _Req] = {}
+        self.pending_loads: list[LoadSpec] = []
+        self.lookups = 0
+        self.lookup_errors = 0
+
+    # -- per-request state -----------------------------------------------------------------
+    def state(self, request: Any) -> _Req:
+        st = self.reqs.get(request.request_id)
+        if st is None:
+            tokens = getattr(request, "prompt_token_ids", None)
+            if getattr(request, "prompt_embeds", None) is not None or not tokens:
+                st = _Req(None)
+            else:
+                st = _Req(prompt_keys(list(tokens), self.block_size, namespace=self.namespace,
+                                      cache_salt=request_salt(request)))  # fmt: skip
+            self.reqs[request.request_id] = st
+        return st
+
+    def finished(self, req_id: str) -> None:
+        self.reqs.pop(req_id, None)
+
+    # -- lookup ----------------------------------------------------------------------------
+    def matched_blocks(self, hashes: list[str]) -> int:
+        """Leading blocks of ``hashes`` that every shard of some readable TP layout holds;
+        0 when the broker is unavailable (the link goes down and retries later)."""
+        client = self.link.get()
+        if client is None or not hashes:
+            return 0
+        self.lookups += 1
+        pc = PrefixCache(client, namespace=self.namespace, block_size=self.block_size,
+                         tp_rank=0, tp_size=1, total_kv_heads=self.total_kv_heads)  # fmt: skip
+        best = 0
+        try:
+            for source in self.layouts:
+                m = pc.match_kv(range(len(hashes) * self.block_size + 1), hashes=hashes,
+                                source_tp_size=source, latent=self.latent)  # fmt: skip
+                best = max(best, m.num_blocks)
+                m.release()
+                if best == len(hashes):
+                    break
+        except KVBrokerError as exc:
+            self.lookup_errors += 1
+            self.link.fail(exc)
+            if self.link.up:  # not a connection problem: say what it was
+                self.warnings.warn("lookup_failed", "prefix lookup failed (%s): computing the "
+                                   "prompt instead", exc)  # fmt: skip
+            return 0
+        return best
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        if not self.load:
+            return 0, False
+        st = self.state(request)
+        st.lookup = None
+        keys = st.keys
+        if keys is None or keys.num_tokens < 2:
+            return 0, False
+        first = num_computed_tokens // self.block_size
+        if first >= len(keys.keys) or keys.tokens_of(len(keys.keys)) <= num_computed_tokens:
+            return 0, False
+        matched = first + self.matched_blocks(keys.keys[first:])
+        external = keys.tokens_of(matched) - num_computed_tokens
+        if external <= 0:
+            return 0, False
+        st.lookup = (num_computed_tokens, external)
+        return external, False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        st = self.reqs.get(request.request_id)
+        if st is None:
+            return
+        asked, st.lookup = st.lookup, None
+        if num_external_tokens <= 0 or asked is None or st.keys is None:
+            return
+        local = asked[0]
+        block_ids = list(blocks.get_block_ids()[0])
+        first = local // self.block_size
+        last = -(-(local + num_external_tokens) // self.block_size)
+        hashes = st.keys.keys[first:last]
+        ids = block_ids[first:last]
+        if len(ids) != len(hashes):
+            self.warnings.warn("plan_mismatch", "request %s: %d blocks allocated for %d blocks "
+                               "to load; not loading", request.request_id, len(ids), len(hashes))
+            return
+        self.pending_loads.append(LoadSpec(request.request_id, hashes, ids))
+
+    def load_failed(self, invalid_block_ids: set[int]) -> None:
+        """Workers could not load these blocks: vLLM recomputes them, and from the first of
+        them on a request's blocks are saved again once recomputed (the workers dropped the
+        failed step's saves of that request)."""
+        for st in self.reqs.values():
+            hit = [i for i, b in enumerate(st.block_ids) if b in invalid_block_ids]
+            if hit:
+                st.saved = min(st.saved, hit[0])
+                if st.keys is not None and st.keys.tail and hit[0] <= st.keys.num_tokens // self.block_size:
+                    st.tail_saved = False
+
+    # -- the step's plan ------------------------------------------------------------------
+    def build(self, scheduler_output: Any) -> StepPlan:
+        plan = StepPlan(loads=self.pending_loads)
+        self.pending_loads = []
+        for req_id in getattr(scheduler_output, "finished_req_ids", ()) or ():
+            self.finished(req_id)
+        if not self.save:
+            return plan
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            st = self.reqs.get(new.req_id)
+            if st is None:  # never seen by on_new_request/lookup: nothing known about it
+                continue
+            st.block_ids = list(new.block_ids[0])
+            self._plan_save(new.req_id, st, new.num_computed_tokens + scheduled.get(new.req_id, 0),
+                            plan)  # fmt: skip
+        cached = scheduler_output.scheduled_cached_reqs
+        resumed = getattr(cached, "resumed_req_ids", set())
+        for i, req_id in enumerate(cached.req_ids):
+            st = self.reqs.get(req_id)
+            if st is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in resumed:
+                st.block_ids = list(new_ids[0]) if new_ids else []
+            elif new_ids:
+                st.block_ids.extend(new_ids[0])
+            self._plan_save(req_id, st, cached.num_computed_tokens[i] + scheduled.get(req_id, 0),
+                            plan)  # fmt: skip
+        return plan
+
+    def _plan_save(self, req_id: str, st: _Req, computed: int, plan: StepPlan) -> None:
+        keys = st.keys
+        if keys is None:
+            return
+        bs, n = self.block_size, keys.num_tokens
+        full = min(computed, n) // bs
+        items = []
+        for b in range(st.saved, min(full, len(st.block_ids))):
+            items.append((keys.hashes[b], keys.hashes[b - 1] if b else None, st.block_ids[b]))
+        st.saved = max(st.saved, min(full, len(st.block_ids)))
+        if keys.tail and not st.tail_saved and computed >= n:
+            k = n // bs
+            if k < len(st.block_ids):
+                items.append((keys.tail, keys.hashes[k - 1] if k else None, st.block_ids[k]))
+                st.tail_saved = True
+        if items:
+            plan.saves.append(SaveSpec(req_id, items))

@@ -1,0 +1,321 @@
+"""The worker half of the connector: load into and save from this rank's paged KV cache.
+
+No vLLM import (duck-typed; driven directly by the tests). Per engine step:
+
+1. ``bind(plan)``: the scheduler's :class:`~._scheduler.StepPlan`.
+2. ``start_load()``: every load of the plan, synchronously, before the forward pass. Each
+   rank matches its own shards (:meth:`kvbroker.prefix.PrefixCache.match_kv`, resharding
+   from another TP layout when needed) and loads the leading blocks it found; blocks it did
+   not find (evicted since the lookup), or could not load (broker down, layout mismatch),
+   are reported by ``load_errors()`` so vLLM recomputes them. Nothing is ever half-loaded:
+   a block is reported unless its bytes were copied in full.
+3. ``save_layer(name)`` after each layer's attention: host caches copy that layer's K and V
+   of the step's new blocks into their reserved extents (the reservation is made at the
+   first layer: one round trip for the whole step).
+4. ``wait_for_save()``: seals the step's blocks, but only if every layer was copied (a
+   forward pass that died half-way leaves no half-written block: the step's reservations
+   are aborted). CUDA caches gather and DMA every layer here.
+
+The broker being down, full or slow never fails a step: loads become load errors (vLLM
+recomputes), saves are skipped, each with a counted, rate-limited warning.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from kvbroker.errors import KVBrokerError, LayoutMismatch, PoolFull, QuotaExceeded
+
+from . import _ops
+from ._format import BlockFormat
+from ._link import BrokerLink, Warnings, log
+from ._paged import HostSave, SaveItem, cuda_cache, host_cache, interpret, load_host
+
+__all__ = ["WorkerSide"]
+
+STAT_KEYS = ("loads", "loaded_blocks", "loaded_tokens", "loaded_bytes", "load_failed_blocks",
+             "saved_blocks", "saved_tokens", "saved_bytes", "existing_blocks",
+             "skipped_save_blocks", "broker_errors")  # fmt: skip
+
+
+class WorkerSide:
+    def __init__(self, *, link: BrokerLink, namespace: str, block_size: int,
+                 total_kv_heads: int | None, latent: bool, tp_rank: int, tp_size: int,
+                 peer_tp_sizes: tuple[int, ...] = (), warnings: Warnings) -> None:  # fmt: skip
+        self.link, self.namespace, self.block_size = link, namespace, block_size
+        self.total_kv_heads = None if latent else total_kv_heads
+        self.latent = latent
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.peer_tp_sizes = tuple(peer_tp_sizes)
+        self.warnings = warnings
+        self.fmt: BlockFormat | None = None
+        self.cache = None  # PagedKV (host) or a 6-d CUDA view
+        self.device = "cpu"
+        self.layer_index: dict[str, int | None] = {}
+        self.stats: Counter[str] = Counter()
+        self._invalid: set[int] = set()
+        self._failed_reqs: set[str] = set()
+        self._plan = None
+        self._save: HostSave | None = None
+        self._layers_seen: set[int] = set()
+        self._hooks_active = False  # save_layer has been called in this process
+        self._gpu = None  # kvbroker.gpu.GpuClient over the link's client (CUDA caches)
+
+    # -- registration ----------------------------------------------------------------------
+    def register(self, kv_caches: dict[str, Any], backend: str) -> None:
+        """Learn vLLM's per-layer caches. Layers that share another layer's cache (vLLM's
+        cross-layer KV sharing) are stored once."""
+        tensors: list = []
+        seen: dict[tuple, int] = {}
+        for name, t in kv_caches.items():
+            ident = (t.data_ptr(), tuple(t.shape), tuple(t.stride()))
+            if ident in seen:
+                self.layer_index[name] = None
+            else:
+                seen[ident] = len(tensors)
+                self.layer_index[name] = len(tensors)
+                tensors.append(t)
+        if not tensors:
+            raise KVBrokerError("register_kv_caches: no KV cache tensors")
+        how = interpret(backend, latent=self.latent)
+        first = tensors[0]
+        _blocks, heads, slots, content = first.shape
+        if slots != self.block_size:
+            raise LayoutMismatch(f"the cache pages {slots} tokens per block, vLLM's block size "
+                                 f"is {self.block_size}")  # fmt: skip
+        head_dim = content if how == "latent" else content // 2
+        span = _ops.shard_heads(self.tp_rank, self.tp_size, self.total_kv_heads)
+        if not self.latent and heads != len(span):
+            raise LayoutMismatch(f"TP rank {self.tp_rank} of {self.tp_size} should hold "
+                                 f"{len(span)} of {self.total_kv_heads} KV heads, its cache "
+                                 f"has {heads}")  # fmt: skip
+        self.device = first.device.type
+        self.cache = host_cache(tensors, how) if self.device == "cpu" else cuda_cache(tensors, how)
+        self.fmt = BlockFormat(
+            dtype=str(first.dtype).removeprefix("torch."), num_layers=len(tensors),
+            block_size=self.block_size, head_dim=head_dim, local_heads=1 if self.latent else heads,
+            total_kv_heads=self.total_kv_heads, tp_rank=self.tp_rank, tp_size=self.tp_size,
+            heads=(span.start, span.stop),
+        )  # fmt: skip
+        log.info("kvbroker: %d layer(s) of %s cache (%s, %s), %d B per block, namespace %s",
+                 len(tensors), self.device, how, self.fmt.dtype, self.fmt.block_nbytes,
+                 self.namespace)  # fmt: skip
+
+    # -- per step --------------------------------------------------------------------------
+    def bind(self, plan: Any) -> None:
+        self._plan = plan
+        self._save = None
+        self._layers_seen = set()
+        self._failed_reqs: set[str] = set()
+
+    def unbind(self) -> None:
+        if self._save is not None and not self._save.done:
+            self._abort_save("the step ended before its save was sealed")
+        self._plan = None
+        self._save = None
+
+    def _client(self):
+        return self.link.get()
+
+    def _gpu_client(self, client):
+        from kvbroker.gpu import GpuClient
+
+        if self._gpu is None or self._gpu.client is not client:
+            if self._gpu is not None:
+                self._gpu.close()
+            self._gpu = GpuClient(client, device=self.cache.device, own_client=False)
+        return self._gpu
+
+    def start_load(self) -> None:
+        plan = self._plan
+        if plan is None or not plan.loads or self.fmt is None:
+            return
+        for spec in plan.loads:
+            self._load(spec)
+
+    def _load(self, spec: Any) -> None:
+        n_want = len(spec.block_ids)
+        loaded, why = 0, ""
+        client = self._client()
+        if client is None:
+            why = "the broker is unavailable"
+        else:
+            try:
+                if self.device == "cpu":
+                    loaded = load_host(client, self.namespace, self.fmt, self.cache, spec.hashes,
+                                       spec.block_ids, self.peer_tp_sizes)  # fmt: skip
+                else:
+                    from ._cuda import load_cuda
+
+                    g = self._gpu_client(client)
+                    loaded = load_cuda(client, self.namespace, self.fmt, self.cache, spec.hashes,
+                                       spec.block_ids, self.peer_tp_sizes,
+                                       stream=g.stream)  # fmt: skip
+                if loaded < n_want:
+                    why = "blocks were evicted since the lookup"
+            except KVBrokerError as exc:
+                self.stats["broker_errors"] += 1
+                self.link.fail(exc)
+                loaded, why = 0, f"{type(exc).__name__}: {exc}"
+            except Exception as exc:  # noqa: BLE001 - a load must never fail the step
+                self.stats["broker_errors"] += 1
+                loaded, why = 0, f"{type(exc).__name__}: {exc}"
+        self.stats["loads"] += 1
+        self.stats["loaded_blocks"] += loaded
+        self.stats["loaded_tokens"] += loaded * self.block_size
+        self.stats["loaded_bytes"] += loaded * self.fmt.block_nbytes
+        if loaded < n_want:
+            self._failed_reqs.add(spec.req_id)
+            failed = spec.block_ids[loaded:]
+            self._invalid.update(failed)
+            self.stats["load_failed_blocks"] += len(failed)
+            self.warnings.warn("load_failed", "could not load %d of %d blocks of request %s "
+                               "(%s): vLLM recomputes them", len(failed), n_want, spec.req_id,
+                               why)  # fmt: skip
+
+    def load_errors(self) -> set[int]:
+        out, self._invalid = self._invalid, set()
+        return out
+
+    # -- saving ----------------------------------------------------------------------------
+    def _items(self) -> list[SaveItem]:
+        # A request whose load failed this step holds unloaded blocks, and KV computed after
+        # them from garbage: none of it is saved (vLLM recomputes it; the scheduler plans
+        # those blocks' saves again, see SchedulerSide.load_failed).
+        return [SaveItem(h, parent, block) for spec in self._plan.saves
+                if spec.req_id not in self._failed_reqs
+                for h, parent, block in spec.items]  # fmt: skip
+
+    def _begin_save(self) -> HostSave | None:
+        if self._save is None:
+            client = self._client()
+            if client is None:
+                self._skip(len(self._items()), "the broker is unavailable")
+                self._save = _Skipped()
+                return None
+            save = HostSave(client, self.namespace, self.fmt, self.cache, self._items())
+            try:
+                save.reserve()
+            except (PoolFull, QuotaExceeded) as exc:
+                self._skip(len(save.items), f"{type(exc).__name__}: {exc}")
+                self._save = _Skipped()
+                return None
+            except KVBrokerError as exc:
+                self.stats["broker_errors"] += 1
+                self.link.fail(exc)
+                self._skip(len(save.items), f"{type(exc).__name__}: {exc}")
+                self._save = _Skipped()
+                return None
+            self._save = save
+        return None if isinstance(self._save, _Skipped) else self._save
+
+    def _skip(self, blocks: int, why: str) -> None:
+        self.stats["skipped_save_blocks"] += blocks
+        self.warnings.warn("save_skipped", "skipped saving %d block(s) (%s); the engine "
+                           "keeps serving", blocks, why)  # fmt: skip
+
+    def save_layer(self, layer_name: str) -> None:
+        index = self.layer_index.get(layer_name)
+        if index is None:
+            return
+        self._hooks_active = True
+        self._layers_seen.add(index)
+        plan = self._plan
+        if plan is None or not plan.saves or self.device != "cpu":
+            return
+        save = self._begin_save()
+        if save is None:
+            return
+        try:
+            save.copy_layer(index)
+        except Exception as exc:  # noqa: BLE001
+            self._abort_save(f"copying layer {index} failed: {type(exc).__name__}: {exc}")
+
+    def _abort_save(self, why: str) -> None:
+        save = self._save
+        if isinstance(save, HostSave) and not save.done:
+            save.abort()
+            self._skip(len(save.items), why)
+        self._save = _Skipped()
+
+    def wait_for_save(self) -> None:
+        plan = self._plan
+        if plan is None or not plan.saves or self.fmt is None:
+            return
+        if isinstance(self._save, _Skipped):
+            return
+        if self._hooks_active and len(self._layers_seen) < self.fmt.num_layers:
+            # The forward pass did not reach every layer (it raised): the blocks are not
+            # all written. Abort rather than publish garbage.
+            why = f"only {len(self._layers_seen)} of {self.fmt.num_layers} layers ran this step"
+            if self._save is None:
+                self._skip(len(self._items()), why)
+                self._save = _Skipped()
+            else:
+                self._abort_save(why)
+            return
+        if self.device != "cpu":
+            self._save_cuda()
+            return
+        save = self._begin_save()
+        if save is None:
+            return
+        try:
+            for layer in range(self.fmt.num_layers):  # layers save_layer did not copy
+                save.copy_layer(layer)
+            save.seal()
+        except KVBrokerError as exc:
+            self.stats["broker_errors"] += 1
+            self._abort_save(f"{type(exc).__name__}: {exc}")
+            self.link.fail(exc)
+            return
+        except Exception as exc:  # noqa: BLE001
+            self._abort_save(f"{type(exc).__name__}: {exc}")
+            return
+        self._count_saved(save.new_blocks, save.existing)
+
+    def _count_saved(self, new: int, existing: int) -> None:
+        self.stats["saved_blocks"] += new
+        self.stats["saved_tokens"] += new * self.block_size
+        self.stats["saved_bytes"] += new * self.fmt.block_nbytes
+        self.stats["existing_blocks"] += existing
+
+    def _save_cuda(self) -> None:
+        from ._cuda import save_cuda
+
+        items = self._items()
+        client = self._client()
+        if client is None:
+            self._skip(len(items), "the broker is unavailable")
+            return
+        try:
+            g = self._gpu_client(client)
+            new, existing = save_cuda(client, self.namespace, self.fmt, self.cache, items,
+                                      stream=g.stream)  # fmt: skip
+        except (PoolFull, QuotaExceeded) as exc:
+            self._skip(len(items), f"{type(exc).__name__}: {exc}")
+            return
+        except KVBrokerError as exc:
+            self.stats["broker_errors"] += 1
+            self.link.fail(exc)
+            self._skip(len(items), f"{type(exc).__name__}: {exc}")
+            return
+        self._count_saved(new, existing)
+
+    def take_stats(self) -> dict[str, int]:
+        out = {k: self.stats.get(k, 0) for k in STAT_KEYS}
+        self.stats.clear()
+        return out
+
+    def close(self) -> None:
+        if self._gpu is not None:
+            self._gpu.close()
+            self._gpu = None
+        self.link.close()
+
+
+class _Skipped:
+    """The step's save was given up (broker down or full, or aborted)."""
+
+    done = True

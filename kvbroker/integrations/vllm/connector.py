@@ -1,0 +1,254 @@
+"""``KVBrokerConnector``: kvbroker as a vLLM (v1) KV connector.
+
+::
+
+    vllm serve MODEL --kv-transfer-config '{"kv_connector": "KVBrokerConnector",
+      "kv_connector_module_path": "kvbroker.integrations.vllm", "kv_role": "kv_both",
+      "kv_connector_extra_config": {"socket": "/run/kvbroker/kvbroker.sock"}}'
+
+Roles: ``kv_producer`` saves the KV of every prompt it computes; ``kv_consumer`` loads the
+longest prefix of each prompt the node holds instead of computing it; ``kv_both`` does both
+(prefix reuse across data-parallel ranks or engines). ``kv_connector_extra_config`` keys:
+
+- ``socket``: the daemon's socket (default: ``$KVBROKER_SOCKET``, then kvbroker's defaults);
+- ``namespace``: prefix of the broker namespace (default ``vllm``; under ``[isolation]``
+  tenant mode use one the engine's user may write, e.g. ``"USER/vllm"``);
+- ``model_id``: the model's identity in the namespace (default: the model path or name);
+- ``peer_tp_sizes``: TP sizes of the other engines whose blocks this one may read (a decode
+  engine with TP 2 reading a prefill engine with TP 4: ``[4]``);
+- ``timeout`` (seconds, default 5): the longest a broker call may take before the broker
+  is treated as down; ``retry_min`` / ``retry_max`` (seconds, default 1 / 30): the first and
+  the longest wait between reconnection attempts while it is down;
+- ``kv_load_failure_policy`` (default ``"recompute"``): what vLLM does with blocks that could
+  not be loaded (evicted since the lookup, broker down). The connector sets vLLM's
+  ``kv_transfer_config.kv_load_failure_policy`` to this, because vLLM's own default,
+  ``"fail"``, fails the request, which suits a transfer that must arrive, not a cache.
+
+Which parts run where, what they hold, and who owns every buffer: :mod:`._scheduler`
+(lookups and the per-step plan, in the scheduler process), :mod:`._worker` and
+:mod:`._paged` (the copies, in each worker), :mod:`._link` (the broker being down or full).
+In short: vLLM owns its paged blocks and may reuse a block as soon as the step that loads or
+saves it is over (every copy completes within that step; nothing is kept); the broker owns
+every published block; a save holds write leases only during its step and a load one read
+lease only while it copies.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from ._format import namespace_for
+from ._link import BrokerLink, Warnings, log
+from ._scheduler import SchedulerSide, StepPlan
+from ._worker import STAT_KEYS, WorkerSide
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+__all__ = ["KVBrokerConnector", "KVBrokerMetadata", "KVBrokerStats"]
+
+
+class KVBrokerMetadata(KVConnectorMetadata):
+    """One step's :class:`~._scheduler.StepPlan`, scheduler -> workers (pickled)."""
+
+    def __init__(self, plan: StepPlan) -> None:
+        self.plan = plan
+
+
+@dataclass
+class KVBrokerStats(KVConnectorStats):
+    """Per-interval worker counters: blocks/tokens/bytes loaded and saved, blocks whose load
+    failed (recomputed), saves skipped (broker down or full), broker errors."""
+
+    def __post_init__(self) -> None:
+        for key in STAT_KEYS:
+            self.data.setdefault(key, 0)
+
+    def reset(self) -> None:
+        self.data = dict.fromkeys(STAT_KEYS, 0)
+
+    def aggregate(self, other: KVConnectorStats) -> KVBrokerStats:
+        for key, value in other.data.items():
+            self.data[key] = self.data.get(key, 0) + value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        out: dict[str, int | float] = {k: self.data.get(k, 0) for k in STAT_KEYS}
+        out["loaded_MiB"] = round(out.pop("loaded_bytes") / 2**20, 2)
+        out["saved_MiB"] = round(out.pop("saved_bytes") / 2**20, 2)
+        return out
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+def _tp_rank() -> int:
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return get_tensor_model_parallel_rank()
+    except Exception:  # noqa: BLE001 - no TP group (a single process, a test)
+        return 0
+
+
+class KVBrokerConnector(KVConnectorBase_V1):
+    """kvbroker as vLLM's KV connector; see the module docstring."""
+
+    _cache_hit_source = CacheHitSource.HOST
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig | None = None) -> None:  # fmt: skip
+        super().__init__(vllm_config, role, kv_cache_config)
+        config = self._kv_transfer_config
+        extra = dict(config.kv_connector_extra_config or {})
+        model_config = vllm_config.model_config
+        groups = kv_cache_config.kv_cache_groups if kv_cache_config is not None else []
+        if len(groups) != 1:
+            raise ValueError(
+                f"KVBrokerConnector supports models with one KV cache group, this one has "
+                f"{len(groups)} (hybrid models need the hybrid KV cache manager disabled)"
+            )
+        spec = groups[0].kv_cache_spec
+        self._latent = bool(model_config.use_mla)
+        self._block_size = vllm_config.cache_config.block_size
+        total_heads = model_config.get_total_num_kv_heads()
+        self._total_kv_heads = None if self._latent else total_heads
+        self._namespace = namespace_for(
+            str(extra.get("model_id") or model_config.model),
+            dtype=str(spec.dtype).removeprefix("torch."), block_size=self._block_size,
+            num_layers=len(groups[0].layer_names), total_kv_heads=total_heads,
+            head_size=spec.head_size, latent=self._latent,
+            prefix=str(extra.get("namespace", "vllm")),
+        )  # fmt: skip
+        self._tp_size = vllm_config.parallel_config.tensor_parallel_size
+        peers = tuple(int(p) for p in extra.get("peer_tp_sizes", ()))
+        socket = extra.get("socket") or os.environ.get("KVBROKER_SOCKET") or None
+        timeout = float(extra.get("timeout", 5.0))
+        retry = {"retry_min": float(extra.get("retry_min", 1.0)),
+                 "retry_max": float(extra.get("retry_max", 30.0))}
+        self._warnings = Warnings()
+        kv_role = config.kv_role
+        # vLLM fails a request whose KV did not load by default ("fail"): right for a P/D
+        # transfer that must arrive, wrong for a cache, where a block evicted since the lookup
+        # is a miss. The blocks are recomputed instead, unless the extra config insists.
+        policy = extra.get("kv_load_failure_policy", "recompute")
+        if policy not in ("recompute", "fail"):
+            raise ValueError(f"kv_load_failure_policy must be 'recompute' or 'fail', not {policy!r}")
+        config.kv_load_failure_policy = policy
+        save, load = kv_role in ("kv_producer", "kv_both"), kv_role in ("kv_consumer", "kv_both")
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            link = BrokerLink(socket, name=f"vllm-scheduler-{os.getpid()}", role=kv_role,
+                              map_pools=False, timeout=timeout, **retry,
+                              warnings=self._warnings)  # fmt: skip
+            self._scheduler = SchedulerSide(
+                link=link, namespace=self._namespace, block_size=self._block_size,
+                total_kv_heads=self._total_kv_heads, latent=self._latent, tp_size=self._tp_size,
+                peer_tp_sizes=peers, save=save, load=load, warnings=self._warnings,
+            )  # fmt: skip
+        else:
+            tp_rank = _tp_rank()
+            link = BrokerLink(socket, name=f"vllm-worker-tp{tp_rank}of{self._tp_size}",
+                              role=kv_role, map_pools=True, timeout=timeout, **retry,
+                              warnings=self._warnings)  # fmt: skip
+            self._worker = WorkerSide(
+                link=link, namespace=self._namespace, block_size=self._block_size,
+                total_kv_heads=self._total_kv_heads, latent=self._latent, tp_rank=tp_rank,
+                tp_size=self._tp_size, peer_tp_sizes=peers, warnings=self._warnings,
+            )  # fmt: skip
+        log.info("kvbroker: %s connector, role %s, namespace %s, socket %s", role.name.lower(),
+                 kv_role, self._namespace, socket or "default")  # fmt: skip
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # saves complete within their step: nothing is ever pending
+
+    # -- scheduler side --------------------------------------------------------------------
+    def on_new_request(self, request) -> None:
+        if self._scheduler is not None:
+            self._scheduler.state(request)
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
+        return KVBrokerMetadata(self._scheduler.build(scheduler_output))
+
+    def update_connector_output(self, connector_output) -> None:
+        if connector_output.invalid_block_ids:
+            self._scheduler.load_failed(set(connector_output.invalid_block_ids))
+
+    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._scheduler.finished(request.request_id)
+        return False, None
+
+    # -- worker side -----------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        self._worker.register(kv_caches, self._backend_name(kv_caches))
+
+    def _backend_name(self, kv_caches: dict[str, Any]) -> str:
+        context = self._vllm_config.compilation_config.static_forward_context
+        for name in kv_caches:
+            layer = context.get(name)
+            backend = getattr(layer, "attn_backend", None)
+            if backend is not None:
+                return backend.get_name()
+        first = next(iter(kv_caches.values()))
+        return "CPU_ATTN" if first.device.type == "cpu" else "FLASH_ATTN"
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None:
+            assert isinstance(connector_metadata, KVBrokerMetadata)
+            self._worker.bind(connector_metadata.plan)
+
+    def clear_connector_metadata(self) -> None:
+        if self._worker is not None:
+            self._worker.unbind()
+        super().clear_connector_metadata()
+
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        self._worker.start_load()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads complete in start_load_kv
+
+    def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
+        self._worker.save_layer(layer_name)
+
+    def wait_for_save(self) -> None:
+        self._worker.wait_for_save()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.load_errors() if self._worker is not None else set()
+
+    def get_kv_connector_stats(self) -> KVBrokerStats | None:
+        if self._worker is None:
+            return None
+        stats = KVBrokerStats(data=self._worker.take_stats())
+        return None if stats.is_empty() else stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVBrokerStats:
+        return KVBrokerStats(data=dict(data or {}))
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+        if self._scheduler is not None:
+            self._scheduler.link.close()

@@ -1,0 +1,225 @@
+"""The vLLM connector's worker-side data path with caches shaped like vLLM 0.32's, without
+vLLM: ``kvbroker.integrations.vllm._paged`` (host) and ``._cuda`` (device staging + DMA).
+
+vLLM allocates every layer of a cache group in one buffer and views it per layer as
+``[blocks, kv_heads, block_size, 2*head_dim]`` with the stride order of the cache layout:
+NHD (``LBNHC``, physical ``[layer][block][token][head][K|V]``) or HND (``LBHNC``, physical
+``[layer][block][head][token][K|V]``); the CPU backend reads the latter's block as all K rows
+then all V rows. The CUDA tests (NHD and HND, bf16) skip without CUDA; the same staging code
+runs on CPU tensors here with a memmove standing in for the DMA, so its addressing, chunking
+and resharding are checked on every machine.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvbroker.integrations.vllm._format import BlockFormat
+from kvbroker.integrations.vllm._paged import HostSave, SaveItem, cuda_cache, host_cache, load_host
+
+CUDA = torch.cuda.is_available()
+NS = "vllm/test-0000"
+
+
+def vllm_like(layers, blocks, heads, page, dim, dtype, device, order="NHD", seed=0):
+    """Per-layer views ``[blocks, heads, page, 2*dim]`` of one allocation, like vLLM's."""
+    g = torch.Generator().manual_seed(seed)
+    c = 2 * dim
+    raw = torch.randint(-30000, 30000, (layers * blocks * heads * page * c,), generator=g,
+                        dtype=torch.int16).view(torch.bfloat16).to(dtype)  # fmt: skip
+    raw = raw.to(device)
+    if order == "NHD":  # physical [L][B][N][H][C]
+        strides = (blocks * page * heads * c, page * heads * c, c, heads * c, 1)
+    else:  # HND: physical [L][B][H][N][C]
+        strides = (blocks * heads * page * c, heads * page * c, page * c, c, 1)
+    five = torch.as_strided(raw, (layers, blocks, heads, page, c), strides)
+    return [five[i] for i in range(layers)], raw
+
+
+def _fmt(layers, heads, page, dim, dtype, tp_rank=0, tp_size=1, total=None):
+    total = total or heads * tp_size
+    return BlockFormat(dtype=str(dtype).removeprefix("torch."), num_layers=layers, block_size=page,
+                       head_dim=dim, local_heads=heads, total_kv_heads=total, tp_rank=tp_rank,
+                       tp_size=tp_size, heads=(tp_rank * heads, (tp_rank + 1) * heads))
+
+
+def _items(hashes, ids):
+    return [SaveItem(h, hashes[i - 1] if i else None, b) for i, (h, b) in enumerate(zip(hashes, ids))]
+
+
+def _bits(t):
+    """The bytes as integers: NaN payloads compare too."""
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    return t.contiguous().view(ints[t.element_size()])
+
+
+HASHES = [f"{i:032x}" for i in range(1, 7)]
+
+
+@pytest.mark.parametrize("order", ["NHD", "HND"])
+def test_staging_path_round_trips_bit_exact_on_cpu_tensors(client, order):
+    from kvbroker.integrations.vllm._cuda import load_cuda, save_cuda
+    from kvbroker.integrations.vllm._paged import copier_for
+
+    L, B, H, N, D = 3, 12, 2, 16, 32
+    src, _ = vllm_like(L, B, H, N, D, torch.bfloat16, "cpu", order)
+    dst, _ = vllm_like(L, B, H, N, D, torch.bfloat16, "cpu", order, seed=1)
+    fmt = _fmt(L, H, N, D, torch.bfloat16)
+    s6, d6 = cuda_cache(src, "packed"), cuda_cache(dst, "packed")
+    src_ids, dst_ids = [7, 2, 9, 0, 4, 11], [1, 3, 5, 6, 8, 10]
+    memmove = copier_for("cpu")
+    # a staging budget of two blocks: three chunks each way
+    new, old = save_cuda(client, NS, fmt, s6, _items(HASHES, src_ids), copier=memmove,
+                         staging_bytes=2 * fmt.block_nbytes)  # fmt: skip
+    assert (new, old) == (6, 0)
+    assert save_cuda(client, NS, fmt, s6, _items(HASHES, src_ids), copier=memmove) == (0, 6)
+    got = load_cuda(client, NS, fmt, d6, HASHES, dst_ids, copier=memmove,
+                    staging_bytes=2 * fmt.block_nbytes)  # fmt: skip
+    assert got == 6
+    for a, b in zip(src_ids, dst_ids):
+        assert torch.equal(_bits(s6[:, :, a]), _bits(d6[:, :, b]))
+    untouched = [i for i in range(B) if i not in dst_ids]
+    ref, _ = vllm_like(L, B, H, N, D, torch.bfloat16, "cpu", order, seed=1)
+    r6 = cuda_cache(ref, "packed")
+    assert torch.equal(_bits(d6[:, :, untouched]), _bits(r6[:, :, untouched]))
+
+
+def test_staging_and_host_paths_read_each_others_blocks(client):
+    """Blocks saved from a CUDA-shaped (packed NHD) cache load into a CPU-backend cache
+    through the host path, and the other way round, bit for bit."""
+    from kvbroker.integrations.vllm._cuda import load_cuda, save_cuda
+    from kvbroker.integrations.vllm._paged import copier_for
+
+    L, B, H, N, D = 2, 8, 2, 32, 32
+    memmove = copier_for("cpu")
+    fmt = _fmt(L, H, N, D, torch.float32)
+    packed, _ = vllm_like(L, B, H, N, D, torch.float32, "cpu", "NHD")
+    cpu_layout, _ = vllm_like(L, B, H, N, D, torch.float32, "cpu", "HND", seed=2)
+    p6 = cuda_cache(packed, "packed")
+    host = host_cache(cpu_layout, "cpu")
+    save_cuda(client, NS, fmt, p6, _items(HASHES[:3], [1, 2, 3]), copier=memmove)
+    assert load_host(client, NS, fmt, host, HASHES[:3], [5, 6, 7]) == 3
+    for a, b in zip([1, 2, 3], [5, 6, 7]):
+        for layer in range(L):
+            kv = cpu_layout[layer].view(B, H, 2, N, D)[b]  # [head, K/V, token, dim]
+            assert torch.equal(_bits(kv.permute(1, 2, 0, 3)), _bits(p6[layer, :, a]))
+    other = ["f" * 32, "e" * 32]
+    save = HostSave(client, NS, fmt, host, _items(other, [5, 6]))
+    save.reserve()
+    for layer in range(L):
+        save.copy_layer(layer)
+    save.seal()
+    assert load_cuda(client, NS, fmt, p6, other, [0, 4], copier=memmove) == 2
+    assert torch.equal(_bits(p6[:, :, 0]), _bits(p6[:, :, 1]))
+    assert torch.equal(_bits(p6[:, :, 4]), _bits(p6[:, :, 2]))
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2)])
+def test_staging_path_reshards_between_tp_sizes(client, prefill_tp, decode_tp):
+    from kvbroker.integrations.vllm._cuda import load_cuda, save_cuda
+    from kvbroker.integrations.vllm._paged import copier_for
+
+    L, B, H, N, D = 2, 6, 4, 16, 32
+    memmove = copier_for("cpu")
+    full, _ = vllm_like(L, B, H, N, D, torch.bfloat16, "cpu", "HND")
+    f6 = cuda_cache(full, "packed")
+    per = H // prefill_tp
+    for r in range(prefill_tp):  # each prefill rank holds its heads of the same blocks
+        mine, _ = vllm_like(L, B, per, N, D, torch.bfloat16, "cpu", "NHD", seed=9)
+        for layer in range(L):
+            mine[layer].copy_(full[layer][:, r * per : (r + 1) * per])
+        fmt = _fmt(L, per, N, D, torch.bfloat16, r, prefill_tp, total=H)
+        save_cuda(client, NS, fmt, cuda_cache(mine, "packed"), _items(HASHES[:4], [0, 1, 2, 3]),
+                  copier=memmove)  # fmt: skip
+    per = H // decode_tp
+    for r in range(decode_tp):
+        out, _ = vllm_like(L, B, per, N, D, torch.bfloat16, "cpu", "NHD", seed=5)
+        o6 = cuda_cache(out, "packed")
+        fmt = _fmt(L, per, N, D, torch.bfloat16, r, decode_tp, total=H)
+        assert load_cuda(client, NS, fmt, o6, HASHES[:4], [5, 4, 3, 2],
+                         peer_tp_sizes=(prefill_tp,), copier=memmove) == 4  # fmt: skip
+        for a, b in zip([0, 1, 2, 3], [5, 4, 3, 2]):
+            assert torch.equal(_bits(o6[:, :, b]), _bits(f6[:, :, a, :, r * per : (r + 1) * per]))
+
+
+# ----------------------------------------------------------------------------------- CUDA
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA (torch sees no CUDA device)")
+@pytest.mark.parametrize("order", ["NHD", "HND"])
+def test_cuda_save_and_load_are_bit_exact(client, order):
+    from kvbroker.gpu import GpuClient
+    from kvbroker.integrations.vllm._cuda import load_cuda, save_cuda
+
+    L, B, H, N, D = 4, 40, 8, 16, 128
+    src, _ = vllm_like(L, B, H, N, D, torch.bfloat16, "cuda", order)
+    dst, _ = vllm_like(L, B, H, N, D, torch.bfloat16, "cuda", order, seed=1)
+    fmt = _fmt(L, H, N, D, torch.bfloat16)
+    s6, d6 = cuda_cache(src, "packed"), cuda_cache(dst, "packed")
+    hashes = [f"{i:032x}" for i in range(1, 17)]
+    src_ids = list(range(20, 36))
+    dst_ids = [3 * i % B for i in range(16)]
+    with GpuClient(client, own_client=False) as g:
+        assert save_cuda(g.client, NS, fmt, s6, _items(hashes, src_ids), stream=g.stream,
+                         staging_bytes=5 * fmt.block_nbytes) == (16, 0)  # fmt: skip
+        assert load_cuda(g.client, NS, fmt, d6, hashes, dst_ids, stream=g.stream,
+                         staging_bytes=5 * fmt.block_nbytes) == 16  # fmt: skip
+        torch.cuda.synchronize()
+    for a, b in zip(src_ids, dst_ids):
+        assert torch.equal(s6[:, :, a].view(torch.int16), d6[:, :, b].view(torch.int16))
+    # and a host (CPU-backend layout) reader gets the same bytes
+    host, _ = vllm_like(L, B, H, N, D, torch.bfloat16, "cpu", "HND", seed=3)
+    assert load_host(client, NS, fmt, host_cache(host, "cpu"), hashes[:2], [0, 1]) == 2
+    for layer in range(L):
+        kv = host[layer].view(B, H, 2, N, D)[0].permute(1, 2, 0, 3)
+        assert torch.equal(kv.view(torch.int16), s6[layer, :, 20].cpu().view(torch.int16))
+
+
+def test_mla_latent_blocks_are_replicated_not_split(client):
+    """An MLA cache (one latent row per token, ``[blocks, 1, page, C]`` per layer): each TP
+    rank of a prefill engine publishes the same latent under its own shard key, and a decode
+    rank of another TP size loads one copy, bit for bit, on the host and the staging path."""
+    from kvbroker.integrations.vllm._cuda import load_cuda, save_cuda
+    from kvbroker.integrations.vllm._paged import copier_for
+
+    L, B, N, C = 2, 6, 16, 96
+    memmove = copier_for("cpu")
+    g = torch.Generator().manual_seed(0)
+    raw = torch.randn(L * B * N * C, generator=g).to(torch.bfloat16)
+    layers = list(raw.view(L, B, 1, N, C))
+
+    def fmt(rank, size):
+        return BlockFormat(dtype="bfloat16", num_layers=L, block_size=N, head_dim=C,
+                           local_heads=1, total_kv_heads=None, tp_rank=rank, tp_size=size,
+                           heads=(0, 1))  # fmt: skip
+
+    host = host_cache(layers, "latent")
+    for rank in range(2):  # prefill TP 2: both ranks hold (and publish) the whole latent
+        save = HostSave(client, NS, fmt(rank, 2), host, _items(HASHES[:3], [0, 1, 2]))
+        save.reserve()
+        for layer in range(L):
+            save.copy_layer(layer)
+        save.seal()
+    assert len(client.list(namespace=NS)) == 6
+    out = list(torch.zeros(L * B * N * C, dtype=torch.bfloat16).view(L, B, 1, N, C))
+    o6 = cuda_cache(out, "latent")
+    assert load_cuda(client, NS, fmt(0, 1), o6, HASHES[:3], [3, 4, 5], peer_tp_sizes=(2,),
+                     copier=memmove) == 3  # fmt: skip
+    for a, b in zip([0, 1, 2], [3, 4, 5]):
+        assert torch.equal(_bits(out[0][b]), _bits(layers[0][a]))
+        assert torch.equal(_bits(out[1][b]), _bits(layers[1][a]))
+    back = list(torch.zeros(L * B * N * C, dtype=torch.bfloat16).view(L, B, 1, N, C))
+    save_cuda(client, NS, fmt(0, 1), o6, _items(["a" * 32], [3]), copier=memmove)
+    assert load_host(client, NS, fmt(0, 1), host_cache(back, "latent"), ["a" * 32], [1]) == 1
+    assert torch.equal(_bits(back[0][1]), _bits(layers[0][0]))
+
+
+def test_importing_kvbroker_and_the_connector_package_imports_neither_vllm_nor_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys, kvbroker, kvbroker.integrations.vllm, kvbroker.integrations.vllm._paged, "
+            "kvbroker.integrations.vllm._worker, kvbroker.integrations.vllm._scheduler; "
+            "print(sorted(m for m in ('vllm', 'torch') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
