@@ -12,6 +12,21 @@ GPU part (a CUDA device, or ``--smoke`` on CPU with the torch fallback on a smal
 - every value checked against the CPU definition once (``kvbroker._wire.checksum.digest``).
   ``--sweep`` adds a best-of over other launch settings, labelled as such.
 
+GpuClient part (CUDA only), against a private daemon: an engine-shaped object, 32 layers x
+K/V of ``(1, 8 heads, --tokens 16384, 128)`` bf16 (a 16k-token Llama-3-8B-shaped cache, 64
+tensors of 32 MiB, 2 GiB), variants interleaved rep by rep:
+- ``GpuClient.publish`` with integrity on (the default: kind-1 checksums on the GPU beside the
+  DMA) and off, against a pinned device-to-host copy of the same 64 tensors (the same driver
+  copies into a pinned buffer; target >= 0.9x);
+- ``GpuClient.claim`` without and with ``verify=True`` against a pinned host-to-device copy
+  (target >= 0.9x);
+- the GPU verify of the claimed object: what ``claim(verify=True)`` spends after its copies
+  are done (``GpuClient.last_verify_s``: the kernels, the digests back, the combine), against
+  a read-only pass over 2 GiB in device memory (target >= 0.8x); and, as an extra row, the
+  same verify run alone on the claimed tensors, its set-up not hidden behind a copy;
+- the checksums recorded at seal checked once against the CPU definition, the claimed bytes
+  against the published ones.
+
 Host part, against a private daemon (``kvbroker.testing.running_daemon``), ``--host-size``
 (32 MiB) buffers, variants interleaved rep by rep so that drift hits them alike:
 - ``put`` (checksum on, the default) + ``get`` with the copy engine on 1 thread and on N
@@ -24,7 +39,8 @@ Writes ``--out`` (default ``benchmarks/results/integrity-gpu-<device>``) ``.json
 recording the commit, the machine and the command. Ratios are printed with two decimals.
 
 Usage: ``python benchmarks/bench_integrity_gpu.py [--smoke] [--gpu-size 2G] [--host-size 32M]
-[--threads N] [--reps 30] [--sweep] [--out PATH]``.
+[--tokens 16384] [--threads N] [--reps 30] [--sweep] [--no-gpu] [--no-client] [--no-host]
+[--out PATH]``.
 """
 
 from __future__ import annotations
@@ -219,6 +235,138 @@ def gpu_part(args, rows: list, notes: list) -> dict:
     return out
 
 
+# -- GpuClient: the engine-shaped publish and claim, integrity on -------------------------------
+def client_part(args, rows: list, notes: list) -> dict:
+    import torch
+
+    if args.smoke or not torch.cuda.is_available():
+        notes.append("GpuClient part skipped: it needs CUDA")
+        return {}
+    from kvbroker import gpu
+    from kvbroker._client import gpu_integrity as GI
+    from kvbroker._client.gpu_copy import copy_runs
+    from kvbroker.testing import running_daemon
+
+    layers, heads, dim, tokens = 32, 8, 128, args.tokens
+    shape = (1, heads, tokens, dim)
+    tensors = {}
+    for i in range(layers):  # separate allocations, as a DynamicCache's layers are
+        for part in ("key", "value"):
+            tensors[f"past_{part}.{i}"] = torch.randint(
+                -(2**15), 2**15, shape, dtype=torch.int16, device="cuda").view(torch.bfloat16)
+    out = {n: torch.empty_like(t) for n, t in tensors.items()}
+    each = tensors["past_key.0"].nbytes
+    total = each * len(tensors)
+    host = torch.empty(total, dtype=torch.uint8, pin_memory=True)
+    base = host.data_ptr()
+    d2h = [(base + i * each, t.data_ptr(), each) for i, t in enumerate(tensors.values())]
+    h2d = [(t.data_ptr(), base + i * each, each) for i, t in enumerate(out.values())]
+    stream = torch.cuda.Stream()
+    sync = torch.cuda.synchronize
+    names = ("d2h", "publish", "publish_nosum", "h2d", "claim", "claim_verify", "verify_tail",
+             "verify_alone")  # fmt: skip
+    seg: dict[str, list[float]] = {k: [] for k in names}
+    res: dict = {"shape": {"layers": layers, "kv": 2, "batch": 1, "heads": heads,
+                           "tokens": tokens, "head_dim": dim, "dtype": "bfloat16",
+                           "tensors": len(tensors), "bytes": total}}  # fmt: skip
+    pool = f"{(total >> 20) + 256}M"
+    with running_daemon("--log-level", "warning", pool_size=pool, page_size="2M") as daemon:
+        t0 = time.perf_counter()
+        g = gpu.GpuClient(daemon.client(), own_client=True)
+        res["register_s"] = time.perf_counter() - t0
+        with g:
+            res["checksum_kind"] = g.client.checksum_kind
+            for rep in range(args.reps + 2):  # 2 warm-up reps
+                t = {}
+                sync()
+                t0 = time.perf_counter()
+                copy_runs(d2h, stream)
+                stream.synchronize()
+                t["d2h"] = time.perf_counter() - t0
+                sync()
+                t0 = time.perf_counter()
+                assert g.publish(f"nosum{rep}", tensors, checksum=False)
+                t["publish_nosum"] = time.perf_counter() - t0
+                g.client.evict(f"nosum{rep}")
+                sync()
+                t0 = time.perf_counter()
+                assert g.publish(f"k{rep}", tensors)  # integrity on: the default
+                t["publish"] = time.perf_counter() - t0
+                if rep == 0:  # the recorded checksums are the CPU definition's
+                    want = {n: cs.encode(cs.digest(x.view(-1).view(torch.uint8).cpu().numpy()))
+                            for n, x in tensors.items()}  # fmt: skip
+                    res["checksums_match_cpu"] = g.client.lookup(f"k{rep}").checksums == want
+                    if not res["checksums_match_cpu"]:
+                        notes.append("GPU PUBLISH CHECKSUMS DIFFER FROM THE CPU DEFINITION")
+                sync()
+                t0 = time.perf_counter()
+                copy_runs(h2d, stream)
+                stream.synchronize()
+                t["h2d"] = time.perf_counter() - t0
+                sync()
+                t0 = time.perf_counter()
+                g.claim(f"k{rep}", out)
+                sync()
+                t["claim"] = time.perf_counter() - t0
+                for x in out.values():  # the verify must see the claim's bytes, not these
+                    x.zero_()
+                sync()
+                t0 = time.perf_counter()
+                g.claim(f"k{rep}", out, verify=True, consume=True)
+                sync()
+                t["claim_verify"] = time.perf_counter() - t0
+                t["verify_tail"] = g.last_verify_s
+                # the same verify alone on the claimed tensors: set-up, kernels, digests back
+                sync()
+                t0 = time.perf_counter()
+                computed = GI.start_verify(out, want, lambda d: None).device_values()
+                t["verify_alone"] = time.perf_counter() - t0
+                if GI.mismatched(computed, want):
+                    notes.append("GPU VERIFY FLAGGED A CLEAN OBJECT")
+                if rep >= 2:
+                    for k, v in t.items():
+                        seg[k].append(v)
+            res["bit_exact"] = all(torch.equal(out[n].view(torch.int16),
+                                               tensors[n].view(torch.int16)) for n in tensors)
+            if not res["bit_exact"]:
+                notes.append("CLAIMED BYTES DIFFER FROM THE PUBLISHED ONES")
+    from triton.testing import do_bench
+
+    flat = torch.empty(total, dtype=torch.uint8, device="cuda").view(torch.int64)
+    flat.random_()
+    t_read = do_bench(lambda: flat.sum(), warmup=25, rep=200, return_mode="median") / 1e3
+    t_read64 = do_bench(lambda: [x.view(torch.int64).sum() for x in out.values()], warmup=25,
+                        rep=200, return_mode="median") / 1e3  # fmt: skip
+    del flat
+    med = {k: statistics.median(v) for k, v in seg.items()}
+    res.update({f"{k}_s": v for k, v in med.items()}, read_s=t_read, read_64_tensors_s=t_read64,
+               reps=args.reps)  # fmt: skip
+
+    def row(what, key, vs):
+        tt = med[key] if isinstance(key, str) else key
+        rows.append({"part": "client", "what": what, "ms": tt * 1e3, "GB/s": total / tt / 1e9,
+                     "vs": vs})  # fmt: skip
+
+    row("pinned D2H, 64 tensors (the baseline)", "d2h", "")
+    row("GpuClient.publish, integrity on (GPU checksum beside the DMA)", "publish",
+        f"{med['d2h'] / med['publish']:.2f}x of pinned D2H (target >= 0.90)")
+    row("GpuClient.publish, checksum=False", "publish_nosum",
+        f"{med['d2h'] / med['publish_nosum']:.2f}x of pinned D2H")
+    row("pinned H2D, 64 tensors (the baseline)", "h2d", "")
+    row("GpuClient.claim", "claim",
+        f"{med['h2d'] / med['claim']:.2f}x of pinned H2D (target >= 0.90)")
+    row("GpuClient.claim(verify=True)", "claim_verify",
+        f"{med['h2d'] / med['claim_verify']:.2f}x of pinned H2D")
+    row("read-only pass over 2 GiB in device memory (int64 sum)", t_read, "")
+    row("read-only pass over the 64 claimed tensors", t_read64,
+        f"{t_read / t_read64:.2f}x of the 2 GiB read")
+    row("GPU verify inside claim(verify=True), after the copies (last_verify_s)", "verify_tail",
+        f"{t_read / med['verify_tail']:.2f}x of a D2D read (target >= 0.80)")
+    row("GPU verify run alone on the claimed tensors (set-up not hidden)", "verify_alone",
+        f"{t_read / med['verify_alone']:.2f}x of a D2D read")
+    return res
+
+
 # -- host --------------------------------------------------------------------------------------
 def host_part(args, rows: list, notes: list) -> dict:
     from kvbroker.testing import running_daemon
@@ -304,9 +452,11 @@ def main() -> None:
     ap.add_argument("--gpu-size", default="2G")
     ap.add_argument("--host-size", default="32M")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--tokens", type=int, default=16384, help="tokens of the engine-shaped object")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--sweep", action="store_true", help="also a best-of over launch settings")
     ap.add_argument("--no-gpu", action="store_true")
+    ap.add_argument("--no-client", action="store_true", help="skip the GpuClient part")
     ap.add_argument("--no-host", action="store_true")
     ap.add_argument("--out", default=None, help="path prefix for .json and .md")
     ap.add_argument("--commit", default=None, help="record this commit (a copy without .git)")
@@ -326,6 +476,16 @@ def main() -> None:
             report["gpu"] = gpu_part(args, rows, notes)
         except ImportError as exc:
             notes.append(f"GPU part skipped: {exc}")
+    if not args.no_gpu and not args.no_client:
+        try:
+            report["client"] = client_part(args, rows, notes)
+        except ImportError as exc:
+            notes.append(f"GpuClient part skipped: {exc}")
+        except Exception as exc:  # the other parts still run and are written
+            import traceback
+
+            traceback.print_exc()
+            notes.append(f"GPUCLIENT PART FAILED: {type(exc).__name__}: {exc}".upper())
     if not args.no_host:
         report["host"] = host_part(args, rows, notes)
     report["rows"] = rows

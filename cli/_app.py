@@ -1,4 +1,4 @@
-"""``kvbroker`` command line: serve, doctor, stat, ls, show, evict, verify, tui, bench.
+"""``kvbroker`` command line: serve, doctor, stat, ping, ls, show, evict, verify, tui, bench.
 
 Exit codes: 0 ok, 1 error, 2 usage error, 3 daemon not running, 4 missing hardware or
 software (``bench gpu`` without CUDA). Every error is one line on stderr.
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from typing import Optional
 
 import typer
@@ -28,9 +29,11 @@ from ._common import (
     clean,
     fail,
     namespace_opt,
+    run,
     user_default_socket,
 )
 from ._objects import evict, ls_, object_table, show
+from ._ping import daemon_check, ping
 from ._stat import stat
 
 app = typer.Typer(
@@ -78,7 +81,8 @@ def serve(config: Optional[str] = ConfigOpt, *, flags: dict) -> None:
     """Run the broker daemon in the foreground (as systemd's kvbroker.service does).
 
     Settings come from the configuration file, then KVBROKER_<KEY> variables, then these
-    flags. SIGHUP re-reads them; SIGTERM drains leases, then stops.
+    flags. SIGHUP re-reads them; SIGTERM drains leases, then stops and frees the pools;
+    SIGUSR1 (systemctl restart) drains the same way, then keeps the pools for the next daemon.
     """
     import functools
     import logging
@@ -110,9 +114,10 @@ def doctor(
     ),
     as_json: bool = JsonOpt,
 ) -> None:
-    """Check this host for what the service needs, and say how to fix what is missing.
+    """Check this host for what the service needs, and say how to fix what is missing;
+    last, whether a daemon answers on the socket.
 
-    Exit status 1 when a check fails (warnings alone exit 0).
+    Exit status 1 when a check fails (warnings alone exit 0; no daemon running is a warning).
     """
     from kvbroker._server.config import ConfigError, load_config
     from kvbroker._server.doctor import render, run_checks
@@ -122,6 +127,7 @@ def doctor(
     except ConfigError as exc:
         raise fail(f"configuration: {exc}", 2) from None
     checks = run_checks(cfg)
+    checks.append(daemon_check(cfg.socket_path))
     if as_json:
         typer.echo(json.dumps([c.to_dict() for c in checks], indent=2))
     else:
@@ -131,6 +137,7 @@ def doctor(
 
 
 app.command()(stat)
+app.command()(ping)
 app.command("ls")(ls_)
 app.command()(show)
 app.command()(evict)
@@ -147,6 +154,31 @@ def tui(
     from kvbroker.tui import run  # Textual loads here, never for the other commands
 
     run(socket, interval)
+
+
+@app.command()
+def fetch(
+    key: str = typer.Argument(..., help="Key of the object to pull."),
+    peer: str = typer.Option(..., "--peer", "-p", help="HOST:PORT of the broker holding it "
+                             "(its [transfer] listen)."),
+    namespace: Optional[str] = namespace_opt("Namespace of the object (default: default)."),
+    socket: Optional[str] = SocketOpt,
+    as_json: bool = JsonOpt,
+) -> None:
+    """Pull a sealed object from another node's broker into this node's pools (one NIXL
+    READ, checksums verified), unless it is here already."""
+    namespace = namespace or "default"
+    t0 = time.perf_counter()
+    reply = run(socket, lambda c: c.fetch(key, peer, namespace=namespace))
+    dt = time.perf_counter() - t0
+    if as_json:
+        typer.echo(json.dumps({**reply, "seconds": dt}))
+    elif reply["fetched"]:
+        typer.echo(f"pulled {namespace}/{key} ({format_size(reply['nbytes'])}) from {peer} "
+                   f"in {dt * 1e3:.1f} ms")
+    else:
+        typer.echo(f"{namespace}/{key} is here already ({format_size(reply['nbytes'])}); "
+                   "nothing pulled")
 
 
 @app.command()

@@ -83,13 +83,12 @@ def ls_(
     ),
     namespace: Optional[str] = namespace_opt("Only objects of this namespace."),
     limit: int = typer.Option(
-        DEFAULT_LIMIT, min=0, metavar="N",
-        help="At most N objects; 0: as many as the daemon lists in one reply (10,000).",
+        DEFAULT_LIMIT, min=0, metavar="N", help="At most N objects; 0: every one.",
     ),  # fmt: skip
     sort: Optional[SortBy] = typer.Option(
         None, "--sort",
         help="Order the objects listed (size, age, readers, buffers: largest/oldest first).",
-        show_default="the daemon's order",
+        show_default="the order they were sealed in",
     ),  # fmt: skip
     reverse: bool = typer.Option(False, "--reverse", "-r", help="Reverse the --sort order."),
     no_header: bool = typer.Option(False, "--no-header", help="No header line (for scripts)."),
@@ -105,25 +104,19 @@ def ls_(
     a pipe gets them whole. When more objects match than were listed, a note on stderr
     says so.
     """
-    reply = run(socket, lambda c: c._call(
-        "list", namespace=namespace, match=match, limit=limit or None
-    ))  # fmt: skip
-    from kvbroker._wire.stats import ObjectInfo
-
-    raw = reply["objects"]
-    objs = [ObjectInfo.from_dict(o) for o in raw]
+    listing = run(socket, lambda c: c.list(match, namespace=namespace, limit=limit or None))
+    objs = list(listing)
     if sort is not None:
         key, largest_first = SORTS[sort.value]
         objs.sort(key=key, reverse=largest_first != reverse)
     elif reverse:
         objs.reverse()
     if as_json:
-        by_id = {(o["namespace"], o["key"]): o for o in raw}
         out = []
         for o in objs:
             d = o.to_dict()
-            if "checksums" not in by_id[(o.namespace, o.key)]:
-                del d["checksums"]  # `list` does not carry them: `kvbroker show` does
+            for only_show in _LOOKUP_ONLY:  # `list` does not carry them: `kvbroker show` does
+                del d[only_show]
             out.append(d)
         typer.echo(json.dumps(out, indent=2))
     else:
@@ -136,13 +129,14 @@ def ls_(
         )  # fmt: skip
         if lines:
             typer.echo("\n".join(lines))
-    if reply.get("truncated"):
-        more = (
-            f"--limit {limit} reached" if limit
-            else "the daemon lists at most this many per call"
-        )
-        typer.echo(f"kvbroker: listed the first {len(objs)} objects; more match ({more}; "
-                   "narrow with --match or --namespace)", err=True)  # fmt: skip
+    if listing.truncated:
+        typer.echo(f"kvbroker: listed the first {len(objs)} objects; more match (--limit "
+                   f"{limit} reached; --limit 0 lists every one, or narrow with --match or "
+                   "--namespace)", err=True)  # fmt: skip
+
+
+# ObjectInfo fields only `lookup` fills (`kvbroker show`); `list` leaves them None.
+_LOOKUP_ONLY = ("checksums", "buffer_sizes", "consumers")
 
 
 def show(
@@ -153,16 +147,22 @@ def show(
     socket: Optional[str] = SocketOpt,
     as_json: bool = JsonOpt,
 ) -> None:
-    """One object in full: size, buffers, pool, readers, age, meta, checksums and leases.
+    """One object in full: size, buffers and their sizes, pool, readers, consumers left, age,
+    meta, checksums and leases.
 
     Exit status 1 when no namespace holds KEY.
     """
 
     def fetch(c):
         snap = c.stat()
-        spaces = [namespace] if namespace is not None else sorted(
-            {n.namespace for n in snap.namespaces} | {"default"}
-        )  # fmt: skip
+        if namespace is not None:
+            spaces = [namespace]
+        else:
+            exact = _exact_regex(key)
+            if len(exact) <= 1024:  # the daemon's bound on a regex
+                spaces = sorted({o.namespace for o in c.list(exact)})
+            else:  # a very long key: the namespaces stat names (the 1000 largest)
+                spaces = sorted({n.namespace for n in snap.namespaces} | {"default"})
         found = [i for i in (c.lookup(key, namespace=ns) for ns in spaces) if i is not None]
         return found, snap
 
@@ -195,6 +195,9 @@ def show(
             f" ago",
             f"  readers     {info.readers}",
         ]
+        if info.consumers is not None:
+            lines.append(f"  consumers   {info.consumers} consume-claim(s) left before it "
+                         "is freed")  # fmt: skip
         if info.meta:
             # JSON escapes control characters inside strings: each line is safe to print.
             meta = json.dumps(info.meta, indent=2, sort_keys=True, default=repr).splitlines()
@@ -202,27 +205,44 @@ def show(
             lines += ["              " + line for line in meta[1:]]
         else:
             lines.append("  meta        -")
-        if info.checksums:
-            from kvbroker._wire.checksum import KINDS, parse
+        from kvbroker._wire.checksum import KINDS, parse
 
-            lines.append("  checksums   per buffer (kind: xxh3 whole buffer, xxh3c per chunk):")
-            for name, recorded in sorted(info.checksums.items()):
-                try:
-                    kind, value = parse(recorded)
-                    shown = f"{KINDS[kind]} {value:016x}"
-                except (ValueError, KeyError):
-                    shown = f"unreadable {clean(repr(recorded))}"
-                lines.append(f"    {clean(name)}  {shown}")
-        else:
-            lines.append("  checksums   none (sealed without)")
+        def checksum_text(recorded) -> str:
+            try:
+                kind, value = parse(recorded)
+                return f"{KINDS[kind]}:{value:016x}"
+            except (ValueError, KeyError):
+                return f"unreadable {clean(repr(recorded))}"
+
+        sums = info.checksums or {}
+        sizes = info.buffer_sizes or {name: None for name in sums}
+        names = [clean(n) for n in sizes]
+        width = max([4] + [len(n) for n in names])
+        lines.append(f"  buffers     {'NAME':<{width}}  {'BYTES':>12}  CHECKSUM")
+        for shown, (name, nbytes) in zip(names, sizes.items()):
+            digest = checksum_text(sums[name]) if name in sums else "-"
+            lines.append(f"              {shown:<{width}}  "
+                         f"{'?' if nbytes is None else nbytes:>12}  {digest}")  # fmt: skip
+        lines.append("  checksums   " + ("recorded at seal (xxh3: of the whole buffer, xxh3c: "
+                                         "per 1 MiB chunk)" if sums else "none (sealed without)"))
         if leases:
             lines.append(f"  leases      {len(leases)}:")
             lines += [f"    #{ls.lease} {ls.kind} by session {ls.session}, "
                       f"expires in {ls.expires_in:.1f}s" for ls in leases]  # fmt: skip
         else:
             lines.append("  leases      none")
+        if info.readers > len(leases):  # prefix matches lease under their first block's key
+            lines.append(f"              ({info.readers - len(leases)} more read lease(s) not "
+                         "listed: stat names the latest 256, a prefix match by its first "
+                         "block)")  # fmt: skip
         blocks.append("\n".join(lines))
     typer.echo("\n\n".join(blocks))
+
+
+def _exact_regex(text: str) -> str:
+    """An RE2 pattern matching exactly ``text`` (every character not a letter or digit
+    written as an escape, so no key is read as regex syntax)."""
+    return "^" + "".join(c if c.isalnum() else f"\\x{{{ord(c):x}}}" for c in text) + "$"
 
 
 def _confirm_on_terminal() -> bool:

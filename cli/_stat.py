@@ -101,6 +101,7 @@ def render(s) -> str:
         f"({format_size(c.evicted_bytes)})  expired leases {c.expired_leases}  "
         f"aborts {c.aborts}",
     ]
+    lines += _render_fleet(s)
     if s.namespaces:
         names = [clean(n.namespace) for n in s.namespaces]
         ns_w = max([9] + [len(x) for x in names]) + 2
@@ -120,3 +121,27 @@ def render(s) -> str:
                 f"{cl.read_leases + cl.write_leases:>7}  {clean(cl.name)}"
             )
     return "\n".join(lines)
+
+
+def _render_fleet(s) -> list[str]:
+    """Peers, pulls and served bytes ([transfer]); the KV event stream ([events])."""
+    out = []
+    t = s.transfer
+    if t is not None:
+        out += ["", f"transfer: node {t.node}  "
+                    f"{'serving on ' + t.listen if t.listen else 'not serving'}  "
+                    f"peer connections {t.serving}  leases held for peers {t.leases_served}",
+                f"pulls {t.pulls} ({format_size(t.bytes_pulled)})  in flight {t.in_flight}  "
+                f"failures {t.failures}  served {t.pins_served} pins "
+                f"({format_size(t.bytes_served)})  refused {t.refused}"]  # fmt: skip
+        for p in t.peers:
+            out.append(f"  peer {clean(p.address)} ({clean(p.node or '?')}): "
+                       f"{'connected' if p.connected else 'disconnected'}")
+        if t.last_failure:
+            out.append(f"  last failure: {clean(t.last_failure)}")
+    e = s.events
+    if e is not None:
+        out += ["", f"events: {e.endpoint} topic {e.topic} ({e.format})  sent "
+                    f"{e.events_published}  dropped {e.events_dropped}  queued {e.queued}  "
+                    f"next seq {e.next_seq}"]  # fmt: skip
+    return out

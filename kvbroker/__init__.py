@@ -31,10 +31,12 @@ from .errors import (
     LeaseExpired,
     LimitExceeded,
     NotFound,
+    PeerUnavailable,
     PoolFull,
     ProtocolError,
     QuotaExceeded,
     Timeout,
+    TransferFailed,
 )
 
 __all__ = [
@@ -66,6 +68,8 @@ __all__ = [
     "ChecksumMismatch",
     "LayoutMismatch",
     "BrokerUnavailable",
+    "PeerUnavailable",
+    "TransferFailed",
     "InternalError",
     "__version__",
 ]

@@ -2,9 +2,9 @@
 
 Under socket activation systemd binds ``ListenStream=`` and hands the daemon that socket; the
 TOML ``socket`` key is what clients and ``kvbroker doctor`` are told. The two are set by hand
-in two files, so this module compares them. Not wired into ``kvbroker doctor`` yet (its
-checks live in kvbroker/_doctor.py): :func:`check_socket_unit` returns the verdict and a fix,
-in the shape doctor's checks take (status ok / warn / fail / skip, detail, fix).
+in two files, so this module compares them: :func:`check_socket_unit` returns the verdict
+and a fix, in the shape doctor's checks take (status ok / warn / fail / skip, detail, fix);
+``kvbroker doctor`` runs it (``kvbroker._server.doctor.check_socket_unit``).
 """
 
 from __future__ import annotations

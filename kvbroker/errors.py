@@ -23,6 +23,8 @@ __all__ = [
     "ChecksumMismatch",
     "LayoutMismatch",
     "BrokerUnavailable",
+    "PeerUnavailable",
+    "TransferFailed",
     "InternalError",
     "error_for_code",
 ]
@@ -139,6 +141,21 @@ class BrokerUnavailable(KVBrokerError):
     code = "unavailable"
 
 
+class PeerUnavailable(KVBrokerError):
+    """A peer broker (``peer="A:PORT"``) is down, unreachable, refused us (token, address),
+    or died mid-transfer. The message names the peer. Nothing of the object was sealed."""
+
+    code = "peer_unavailable"
+
+
+class TransferFailed(KVBrokerError):
+    """A pull from a peer broker failed after it started: the NIXL READ ended in error or
+    did not finish in time, or the peer's lease had ended before the copy was released (its
+    pages may have been reused). The message names the peer. Nothing was sealed."""
+
+    code = "transfer_failed"
+
+
 class InternalError(KVBrokerError):
     """A bug in the daemon; the request failed but the daemon and other clients carry on."""
 
@@ -162,6 +179,8 @@ ERROR_CLASSES: tuple[type[KVBrokerError], ...] = (
     ChecksumMismatch,
     LayoutMismatch,
     BrokerUnavailable,
+    PeerUnavailable,
+    TransferFailed,
     InternalError,
 )
 _BY_CODE: dict[str, type[KVBrokerError]] = {cls.code: cls for cls in ERROR_CLASSES}

@@ -14,12 +14,18 @@ Who owns and frees what
   copy on a side stream that first waits on an event recorded on the caller's stream (so it
   never reads KV the forward pass has not written yet), waits for the copies, then seals.
   Copies that continue each other on both sides (buffers that are views of one tensor) are
-  merged into one DMA, issued through the CUDA driver (:func:`copy_runs`). The source tensors
-  are the caller's; the call returns only after the copies have read them.
+  merged into one DMA, issued through the CUDA driver (:func:`copy_runs`). Each buffer's
+  checksum (on by default) is computed on the tensors' GPU by a Triton kernel on another
+  stream, waiting on the same event, while the DMA runs, and recorded at seal
+  (:mod:`kvbroker._client.gpu_integrity`). The source tensors are the caller's; the call
+  returns only after the copies and the checksum kernels have read them.
 - :meth:`GpuClient.claim` copies each buffer with ONE host→device copy into the caller's
   tensors on the side stream, makes the caller's stream wait on the copy's event (the engine
   cannot read KV before it has landed), waits for the copies (the lease must outlive them),
-  then releases the lease.
+  then releases the lease. With ``verify=True`` the checksums are recomputed on the claimer's
+  GPU from the destination tensors after the copies (objects sealed with the whole-buffer
+  kind 0: on the CPU from the pool); a mismatch raises ChecksumMismatch after the bytes have
+  landed in the caller's tensors, which must then not be used.
 - :func:`host_tensors` gives torch CPU tensors over a lease's slices (zero-copy, valid only
   while the lease is); they are writable even for read leases: do not write through them.
 - GPU staging rings (``kvbroker serve --gpu-ring SIZE``, :mod:`kvbroker._server.rings`): the

@@ -59,6 +59,7 @@ from ._client.prefix_match import SHARD_META_TAG, KVPrefixMatch, PrefixMatch
 from ._client.prefix_match import MatchedBlock  # noqa: F401  (PrefixMatch.blocks' items)
 from ._client.prefix_match import _block_layout, _check_kv_cache, _names
 from ._wire.names import check_infix
+from ._wire.protocol import MAX_BUFFERS
 from ._client.tp import claim_plan, shard_heads
 from .errors import BadRequest, KVBrokerError
 
@@ -93,6 +94,15 @@ def block_hashes(
         prev = h.digest()
         out.append(prev.hex())
     return out
+
+
+def _token_list(token_ids: Sequence[int]) -> list[int]:
+    """Token ids as plain ints (msgpack packs nothing else; engines often hold numpy)."""
+    if type(token_ids) is list and all(type(t) is int for t in token_ids):
+        return token_ids
+    import numpy as np
+
+    return np.asarray(token_ids, dtype=np.int64).tolist()
 
 
 def _token_bytes(token_ids: Sequence[int]) -> bytes:
@@ -182,9 +192,10 @@ class PrefixCache:
         rank's shard keys; the bytes are the engine's business (use :meth:`publish_kv` for
         blocks other TP layouts can reshard).
         """
-        return self._publish(self.keys(self.hashes(token_ids)), blocks, block_sizes, meta)
+        return self._publish(self.keys(self.hashes(token_ids)), blocks, block_sizes, meta,
+                             token_ids)
 
-    def _publish(self, keys: list[str], blocks, block_sizes, meta) -> int:
+    def _publish(self, keys: list[str], blocks, block_sizes, meta, token_ids=None) -> int:
         if not keys:
             return 0
         if callable(blocks):
@@ -198,25 +209,40 @@ class PrefixCache:
             get = blocks.__getitem__
             sizes = [{name: nbytes_of(b) for name, b in blocks[i].items()}
                      for i in range(len(keys))]  # fmt: skip
-        request = [
-            {"key": k, "parent": keys[i - 1] if i else None, "buffers": sizes[i], "meta": meta}
-            for i, k in enumerate(keys)
-        ]
+        toks = None
+        if token_ids is not None:  # each block's token ids, for KV events (routers)
+            toks = _token_list(token_ids[: len(keys) * self.block_size])
+        # One reserve_blocks per MAX_BUFFERS blocks (the daemon's limit), parents first.
+        return sum(self._publish_run(keys, lo, min(len(keys), lo + MAX_BUFFERS), get, sizes,
+                                     meta, toks)
+                   for lo in range(0, len(keys), MAX_BUFFERS))  # fmt: skip
+
+    def _publish_run(self, keys, lo, hi, get, sizes, meta, toks) -> int:
+        bs = self.block_size
+        request = []
+        for i in range(lo, hi):
+            blk = {"key": keys[i], "parent": keys[i - 1] if i else None, "buffers": sizes[i],
+                   "meta": meta}
+            if toks is not None:
+                blk["tokens"] = toks[i * bs:(i + 1) * bs]
+            request.append(blk)
         reply = self.client.ops.reserve_blocks(request, namespace=self.namespace)
         leases: list[WriteLease] = []
         try:
-            for i, res in enumerate(reply["results"]):
+            for j, res in enumerate(reply["results"]):
+                i = lo + j
                 if res.get("exists"):
                     continue
                 lease = WriteLease(self.client, self.namespace, keys[i],
                                    {"lease": res["lease"], "ttl": reply["ttl"],
                                     "buffers": res["buffers"]}, self.checksum)  # fmt: skip
                 digests = {}
+                kind = self.client.checksum_kind
                 for name, src in get(i).items():
                     if not sizes[i][name]:
-                        digests[name] = _integrity.digest(b"")
+                        digests[name] = _integrity.empty_digest(kind)
                     elif self.checksum:
-                        digests[name] = _integrity.copy_hashed(lease[name], src, copy_into)
+                        digests[name] = _integrity.copy_hashed(lease[name], src, copy_into, kind)
                     else:
                         copy_into(lease[name], src)
                 lease.checksums = digests if self.checksum else None
@@ -240,6 +266,7 @@ class PrefixCache:
         *,
         hashes: list[str] | None = None,
         ttl: float | None = None,
+        peer: str | None = None,
     ) -> PrefixMatch:
         """One read lease on the longest run of leading blocks the node holds.
 
@@ -247,14 +274,21 @@ class PrefixCache:
         token to get logits. ``hashes``: this prompt's block hashes if the engine already
         computed them (e.g. when the request arrived). A sharded cache matches this TP rank's
         own shard keys only (see :meth:`match_kv` for every shard this rank needs).
+        ``peer``: ``"HOST:PORT"`` of another node's broker: the blocks after this node's run
+        that the peer holds are pulled first (one NIXL READ for all of them), then matched.
         """
         usable = max(0, len(token_ids) - 1) // self.block_size
         if hashes is None:
             hashes = self.hashes(token_ids[: usable * self.block_size])
         keys = self.keys(hashes[:usable])
         asked_at = time.monotonic()
-        reply = self.client.ops.match_prefix(keys, namespace=self.namespace,
-                                             block_tokens=self.block_size, ttl=ttl)  # fmt: skip
+        if peer is None:
+            reply = self.client.ops.match_prefix(keys, namespace=self.namespace,
+                                                 block_tokens=self.block_size, ttl=ttl)
+        else:
+            reply = self.client._peer_call(True, self.client.ops.match_prefix, keys,
+                                           namespace=self.namespace,
+                                           block_tokens=self.block_size, ttl=ttl, peer=peer)
         return PrefixMatch(self.client, reply, self.block_size, asked_at)
 
     # -- KV blocks that any TP layout can read -------------------------------------------------
@@ -297,7 +331,7 @@ class PrefixCache:
 
         suffix = shard_block_key("", self.tp_rank, self.tp_size, heads)
         keys = [h + suffix for h in self.hashes(token_ids[: n * self.block_size])]
-        return self._publish(keys, block, sizes, meta)
+        return self._publish(keys, block, sizes, meta, token_ids)
 
     def match_kv(
         self,

@@ -274,3 +274,112 @@ def test_bench_rpc_honours_KVBROKER_SOCKET_and_leaves_nothing_behind(loaded):
     now = sorted((o["namespace"], o["key"])
                  for o in json.loads(run("ls", "--json", "-s", s).stdout))  # fmt: skip
     assert now == keys
+
+
+# -- issue 19 phase B: ping, doctor's daemon check, show from lookup, ls past 10,000 ---------
+def test_ping_answers_with_the_daemons_pid_and_version(daemon):
+    from kvbroker import __version__
+
+    s = daemon.socket_path
+    r = run("ping", "-c", "3", "-i", "0", "-s", s)
+    assert r.exit_code == 0, r.output
+    pongs = [line for line in lines_of(r.stdout) if line.startswith("pong")]
+    assert len(pongs) == 3 and f"kvbroker {__version__} (pid {daemon.proc.pid})" in pongs[0]
+    assert re.search(r"3 ping\(s\): min/avg/max [\d.]+/[\d.]+/[\d.]+ ms", r.stdout)
+    data = json.loads(run("ping", "--json", "-s", s).stdout)
+    assert data["server_pid"] == daemon.proc.pid and len(data["rtt_ms"]) == 1
+    with daemon.client(map_pools=False) as c:
+        assert 0 < c.ping() < 5
+        assert c.ops.ping()["server_pid"] == daemon.proc.pid
+
+
+def test_ping_and_doctor_without_a_daemon(tmp_path):
+    r = run("ping", "-s", tmp_path / "none.sock")
+    assert r.exit_code == 3 and "no kvbroker daemon" in r.stderr
+    r = run("doctor", "--socket", tmp_path / "none.sock", "--json",
+            env={"KVBROKER_CONFIG": ""})  # fmt: skip
+    checks = {c["name"]: c for c in json.loads(r.stdout)}
+    assert checks["daemon"]["status"] == "warn" and "none.sock" in checks["daemon"]["detail"]
+    assert "kvbroker serve" in checks["daemon"]["fix"]
+    assert checks["socket unit"]["status"] in ("ok", "warn", "fail", "skip")
+
+
+def test_doctor_says_the_daemon_answers(daemon):
+    r = run("doctor", "--socket", daemon.socket_path, env={"KVBROKER_CONFIG": ""})
+    line = next(line for line in r.stdout.splitlines() if " daemon " in line)
+    assert line.startswith("OK") and f"(pid {daemon.proc.pid}) answers on" in line, r.stdout
+
+
+def test_doctor_runs_the_socket_unit_check(tmp_path, monkeypatch):
+    from kvbroker._server import doctor
+    from kvbroker._server.config import DaemonConfig
+
+    unit = tmp_path / "kvbroker.socket"
+    unit.write_text("[Socket]\nListenStream=/run/kvbroker/kvbroker.sock\n")
+    monkeypatch.setattr("kvbroker._unitcheck.UNIT_PATHS", (str(unit),))
+    bad = doctor.check_socket_unit(DaemonConfig(socket_path="/tmp/elsewhere.sock"))
+    assert bad.status == "fail" and "/run/kvbroker/kvbroker.sock" in bad.detail and bad.fix
+    assert any(c.name == "socket unit" for c in doctor.run_checks(DaemonConfig()))
+
+
+def test_show_prints_each_buffer_size_and_the_consumers_left(daemon):
+    s = daemon.socket_path
+    with daemon.client() as c:
+        c.put("multi", {"k": b"k" * 3000, "v": b"v" * 1234, "empty": b""}, consumers=3)
+        c.get("multi", consume=True)  # one of three consume-claims released
+        info = c.lookup("multi")
+    assert info.buffer_sizes == {"k": 3000, "v": 1234, "empty": 0} and info.consumers == 2
+    r = run("show", "multi", "-s", s)
+    assert r.exit_code == 0, r.output
+    rows = {line.split()[0]: line.split()[1:] for line in r.stdout.splitlines()[7:11]}
+    assert rows["k"][0] == "3000" and rows["v"][0] == "1234" and rows["empty"][0] == "0"
+    assert all(re.fullmatch(r"xxh3c?:[0-9a-f]{16}", rows[n][1]) for n in ("k", "v", "empty"))
+    assert "consumers   2 consume-claim(s) left" in r.stdout
+    data = json.loads(run("show", "multi", "--json", "-s", s).stdout)[0]
+    assert data["buffer_sizes"] == {"k": 3000, "v": 1234, "empty": 0} and data["consumers"] == 2
+    # a key holding regex syntax, in a namespace stat would not name: found exactly
+    with daemon.client() as c:
+        c.put("a.b(c)*", {"x": b"x"}, namespace="odd ns")
+        c.put("aXb(c)", {"x": b"x"}, namespace="other")
+    r = run("show", "a.b(c)*", "-s", s)
+    assert r.exit_code == 0 and r.stdout.startswith("odd ns/a.b(c)*") and "other/" not in r.stdout
+
+
+def _seal_many_objects(client, n: int, namespace: str = "bulk") -> None:
+    for first in range(0, n, 2000):
+        blocks = [{"key": f"o{i:06d}", "parent": None, "buffers": {"x": 1}}
+                  for i in range(first, min(n, first + 2000))]  # fmt: skip
+        leases = [r["lease"] for r in client.ops.reserve_blocks(blocks, namespace=namespace)["results"]]
+        client.ops.seal_many(leases)
+
+
+def test_ls_limit_0_lists_past_the_daemons_reply_cap(daemon):
+    s = daemon.socket_path
+    with daemon.client(map_pools=False) as c:
+        _seal_many_objects(c, 10_050)
+        listing = c.list(namespace="bulk")
+        assert len(listing) == 10_050 and not listing.truncated
+        some = c.list(namespace="bulk", limit=10_020)
+        assert len(some) == 10_020 and some.truncated
+        pages = list(c.list_pages(namespace="bulk", page_size=4000))
+        assert [len(p) for p in pages] == [4000, 4000, 2050]
+        assert sorted(o.key for p in pages for o in p) == [f"o{i:06d}" for i in range(10_050)]
+    r = run("ls", "--limit", "0", "--no-header", "-n", "bulk", "-s", s)
+    assert r.exit_code == 0 and r.stderr == ""
+    assert len(lines_of(r.stdout)) == 10_050
+    r = run("ls", "--limit", "10010", "--no-header", "-s", s)
+    assert len(lines_of(r.stdout)) == 10_010 and "--limit 10010 reached" in r.stderr
+
+
+def test_list_pages_list_each_object_once_while_others_come_and_go(daemon):
+    with daemon.client(map_pools=False) as c:
+        for i in range(30):
+            c.put(f"k{i:02d}", {"x": b"x"})
+        seen = []
+        for n, page in enumerate(c.list_pages(page_size=7)):
+            seen += [o.key for o in page]
+            c.evict(f"k{29 - n:02d}")  # not yet listed: may or may not show
+            c.put(f"new{n}", {"x": b"x"})  # sealed meanwhile: may or may not show
+        steady = [k for k in seen if k.startswith("k") and int(k[1:]) < 25]
+        assert steady == [f"k{i:02d}" for i in range(25)]  # each once, in seal order
+        assert len(seen) == len(set(seen))

@@ -135,10 +135,14 @@ def _toml(key) -> str:
     if key.table:
         body = "".join(f"{json.dumps(k)} = {json.dumps(v)}\n" for k, v in key.example.items())
         return f"[{key.name}]\n{body}"
+    if key.section:  # [transfer] listen = ...
+        return f"[{key.section}]\n{key.toml_name} = {json.dumps(key.example)}\n"
     return f"{key.name} = {json.dumps(key.example)}\n"  # JSON strings, numbers and bools are TOML
 
 
 def _text(value) -> str:
+    if isinstance(value, list):  # a list in a variable: comma-separated ([transfer] peers)
+        return ",".join(map(str, value))
     return json.dumps(value) if isinstance(value, bool) else str(value)
 
 

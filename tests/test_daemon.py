@@ -2,6 +2,7 @@
 
 import multiprocessing as mp
 import os
+import re
 import signal
 import socket
 import struct
@@ -333,9 +334,43 @@ def test_sigterm_ends_leases_and_unlinks_segments(make_daemon):
         c.put("k", {"x": b"1"})
         c.claim("k")
         assert all(os.path.exists("/dev/shm" + n) for n in names)
+        assert os.path.exists(d.socket_path + ".lock")
         assert d.stop(signal.SIGTERM) == 0
     assert not any(os.path.exists("/dev/shm" + n) for n in names)
     assert not os.path.exists(d.socket_path)
+    # a clean stop leaves nothing beside the socket: no lock file, no journal
+    assert os.listdir(os.path.dirname(d.socket_path)) == ["kvb.log"]
+
+
+def test_a_refused_start_says_why_first_in_human_units_and_leaves_nothing(tmp_path):
+    sock = str(tmp_path / "k.sock")
+    r = subprocess.run(
+        [sys.executable, "-m", "kvbroker", "serve", "--config", "/dev/null", "--socket", sock,
+         "--pool-size", "900000G"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert r.returncode == 1, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert "ERROR" in lines[0] and "cannot reserve 878.9 TiB of shared memory" in lines[0]
+    assert re.search(r"/dev/shm has [\d.]+ [KMGT]i?B free", lines[0]), lines[0]
+    assert lines[-1].endswith("INFO kvbroker.daemon: stopped")
+    assert sum("ERROR" in line for line in lines) == 1  # said once
+    assert os.listdir(tmp_path) == []  # no <socket>.lock left behind
+    # a metrics port in use: the same one-line refusal, not an internal error
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    r = subprocess.run(
+        [sys.executable, "-m", "kvbroker", "serve", "--config", "/dev/null", "--socket", sock,
+         "--pool-size", "4M", "--metrics", f"127.0.0.1:{taken.getsockname()[1]}"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    taken.close()
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 1 and "internal error" not in r.stderr, r.stderr
+    assert "ERROR" in lines[0] and "cannot serve metrics on 127.0.0.1:" in lines[0], r.stderr
+    assert lines[-1].endswith("INFO kvbroker.daemon: stopped")
+    assert os.listdir(tmp_path) == []
 
 
 def test_sigkilled_daemon_segments_reclaimed_by_next_one(make_daemon, tmp_path):

@@ -264,3 +264,87 @@ def test_prefix_blocks_carry_checksums_and_corruption_is_caught(make_daemon):
             PrefixCache(c, namespace="pfx2", block_size=4, checksum=False).publish(tokens, blocks)
         assert c.list(namespace="pfx2") == []
         assert c.stat().write_leases == 0  # the refused blocks' leases were aborted
+
+
+# -- which kind a client seals with: what the daemon's hello lists --------------------------
+def test_hello_lists_the_checksum_kinds_and_the_client_seals_kind_1(client):
+    assert client._session.hello["checksum_kinds"] == sorted(cs.KINDS) == [0, 1]
+    assert client.checksum_kinds == (0, 1) and client.checksum_kind == cs.KIND_XXH3C
+    assert cs.seal_kind([0, 1]) == 1 and cs.seal_kind([0]) == 0 and cs.seal_kind(None) == 0
+
+
+@pytest.fixture
+def old_daemon(daemon, monkeypatch):
+    """The daemon as one from before kind 1 looks to a client: its hello has no
+    ``checksum_kinds``, and a seal or publish carrying ``[kind, value]`` is refused the way
+    that daemon's check refused it. Yields the list of checksums maps the seals carried."""
+    from kvbroker._client.client import Client
+    from kvbroker._client.ops import Ops
+
+    hello = Ops.hello
+
+    def old_hello(self, *args, **kw):
+        reply = dict(hello(self, *args, **kw))
+        del reply["checksum_kinds"]
+        return reply
+
+    call = Client._call
+    sealed: list = []
+
+    def old_call(self, op, **args):
+        maps = {"seal": [args.get("checksums")], "publish": [args.get("checksums")],
+                "seal_many": args.get("checksums") or []}.get(op, [])  # fmt: skip
+        for sums in maps:
+            if sums:
+                sealed.append(sums)
+                if any(not isinstance(v, int) for v in sums.values()):
+                    raise BadRequest("checksum must be an unsigned 64-bit integer")
+        return call(self, op, **args)
+
+    monkeypatch.setattr(Ops, "hello", old_hello)
+    monkeypatch.setattr(Client, "_call", old_call)
+    yield daemon, sealed
+
+
+def test_against_a_daemon_without_kind_1_every_publish_seals_kind_0(old_daemon):
+    """put (arena and reserve paths), a filled reserve lease, prefix blocks and empty buffers
+    all seal the whole-buffer xxh3_64 (a bare integer) that such a daemon accepts; the objects
+    verify on claim and get, and a flipped byte is still caught."""
+    from kvbroker.prefix import PrefixCache
+
+    daemon, sealed = old_daemon
+    big = np.random.default_rng(11).integers(0, 256, 2 * CHUNK + 99, dtype=np.uint8)
+    with daemon.client() as c:
+        assert c.checksum_kind == cs.KIND_XXH3 and c.checksum_kinds == (0,)
+        assert c.put("small", {"a": b"tiny", "e": b""})  # the write arena's one round trip
+        assert c.put("big", {"a": big, "strided": big[::2]})
+        with c.reserve("filled", {"a": 5000}) as lease:
+            lease["a"][:] = 7
+        pc = PrefixCache(c, namespace="pfx", block_size=4)
+        assert pc.publish(list(range(8)), [{"kv": np.full(300, i, dtype=np.uint8)}
+                                           for i in range(2)]) == 2  # fmt: skip
+        assert len(sealed) == 5 and all(isinstance(v, int) for s in sealed for v in s.values())
+        want = {
+            "small": {"a": xxhash.xxh3_64_intdigest(b"tiny"), "e": xxhash.xxh3_64_intdigest(b"")},
+            "big": {"a": xxhash.xxh3_64_intdigest(big.tobytes()),
+                    "strided": xxhash.xxh3_64_intdigest(big[::2].tobytes())},
+            "filled": {"a": xxhash.xxh3_64_intdigest(bytes([7]) * 5000)},
+        }  # fmt: skip
+        for key, sums in want.items():
+            assert c.lookup(key).checksums == sums, key
+            c.claim(key, verify=True).release()
+            c.get(key, verify=True)
+        corrupt(c, "big", "a", at=2 * CHUNK + 50)
+        with pytest.raises(ChecksumMismatch) as err:
+            c.get("big", verify=True)
+        assert err.value.buffers == ("a",)
+
+
+def test_the_fake_old_daemon_refuses_kind_1(old_daemon):
+    """The fixture above must be able to fail: a client that ignored the hello and sealed
+    kind 1 is refused by it."""
+    daemon, _ = old_daemon
+    with daemon.client() as c:
+        c.checksum_kind = cs.KIND_XXH3C
+        with pytest.raises(BadRequest, match="64-bit"):
+            c.put("k", {"a": b"abc"})

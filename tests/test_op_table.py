@@ -113,6 +113,11 @@ def test_every_reply_is_its_declared_type(ring_daemon):
         call("release", lease=read)
         assert call("lookup", key="a")["checksums"] is None and call("lookup", key="x") is None
         call("list", match="a")
+        page = call("list", limit=1)
+        assert page["truncated"] and page["next"] is not None
+        assert call("list", after=page["next"])["next"] is None
+        described = call("lookup", key="b")
+        assert described["buffer_sizes"] == {"kv": 100} and described["consumers"] == 1
         blocks = call("reserve_blocks", namespace="p", blocks=[
             {"key": "p0", "parent": None, "buffers": {"kv": 64}},
             {"key": "p1", "parent": "p0", "buffers": {"kv": 64}, "meta": {"n": 1}},
@@ -138,7 +143,10 @@ def test_every_reply_is_its_declared_type(ring_daemon):
         call("ring_release", lease=got["lease"])
         scratch = call("ring_reserve", device=0, nbytes=10)
         call("ring_release", lease=scratch["lease"])
+        # an object already here is never pulled: no peer is contacted
+        assert call("fetch", key="a", peer="127.0.0.1:9")["fetched"] is False
         call("stat")
+        call("ping")
         call("watch", interval=0)
     assert seen == set(OPS)
 

@@ -234,6 +234,47 @@ def test_clean_stop_drops_by_default_and_keeps_when_asked(daemons, socket_path):
     assert not segment_exists(seg)
 
 
+def test_a_restart_keeps_the_cache_and_a_stop_frees_it(daemons, socket_path):
+    """systemctl restart sends SIGUSR1 (the unit's RestartKillSignal=), systemctl stop
+    SIGTERM: the first keeps every sealed object for the next daemon, the second frees."""
+    from kvbroker._server.daemon import RESTART_SIGNAL
+
+    assert RESTART_SIGNAL == signal.SIGUSR1
+    d = daemons()
+    with d.client() as c:
+        c.put("a", {"kv": pattern("a", 100)})
+        c.put("big", {"kv": pattern("big", 3 << 20)})
+        seg = c.pools[0]["name"]
+    assert d.stop(signal.SIGUSR1) == 0
+    assert "keeping the pools for the next daemon" in d.log() and "kept 1 pool(s)" in d.log()
+    assert segment_exists(seg) and os.path.exists(journal_path(socket_path))
+    d = daemons()
+    with d.client() as c:
+        assert c.pools[0]["name"] == seg and c.epoch == 2
+        assert np.array_equal(c.get("a")["kv"], pattern("a", 100))
+        assert np.array_equal(c.get("big")["kv"], pattern("big", 3 << 20))
+    assert d.stop(signal.SIGTERM) == 0
+    assert "then freeing the pools" in d.log()
+    assert not segment_exists(seg)
+    assert sorted(os.listdir(os.path.dirname(socket_path))) == ["kvb.log"]  # nothing left
+    d = daemons()
+    with d.client() as c:
+        assert not c.exists("a") and c.epoch == 1
+
+
+def test_a_restart_that_changes_the_pools_starts_empty(daemons, socket_path):
+    d = daemons()
+    with d.client() as c:
+        c.put("a", {"kv": pattern("a", 100)})
+        seg = c.pools[0]["name"]
+    assert d.stop(signal.SIGUSR1) == 0
+    d = daemons("--pool-size", "32M", "--page-size", "4K")  # a config change, then restart
+    with d.client() as c:
+        assert not c.exists("a") and c.stat().pools[0].capacity == 32 << 20
+    assert "dropping them, starting empty" in d.log() and "16.0 MiB" in d.log()
+    assert not segment_exists(seg)
+
+
 def test_torn_last_record_is_cut_off(daemons, socket_path):
     d = daemons()
     with d.client() as c:

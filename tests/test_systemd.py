@@ -56,6 +56,8 @@ def test_units_say_what_the_service_needs():
     assert keys["RuntimeDirectory"] == "kvbroker"
     assert keys["LimitMEMLOCK"] == "infinity"
     assert keys["Restart"] == "on-failure"
+    # stop frees the pools, restart keeps them (kvbroker._server.daemon.RESTART_SIGNAL)
+    assert keys["KillSignal"] == "SIGTERM" and keys["RestartKillSignal"] == "SIGUSR1"
     assert keys["WatchdogSec"]
     assert "PrivateDevices" not in keys  # it would hide /dev/nvidia* and /dev/shm
     assert "DeviceAllow=char-nvidia* rwm" in service
@@ -237,38 +239,73 @@ def _wait_until_draining(d: DaemonProcess) -> None:
 
 def test_sigterm_drains_a_held_lease_then_exits_0(make_daemon):
     d = make_daemon("--pool-size", "16M", "--page-size", "4K", "--drain-timeout", "20s")
-    writer = d.client()
-    lease = writer.reserve("k", {"x": 4096})
+    writer, reader = d.client(), d.client()
+    writer.put("k", {"x": b"k"})
+    read = reader.claim("k")
     t0 = time.monotonic()
     d.proc.send_signal(signal.SIGTERM)
     _wait_until_draining(d)
-    assert d.proc.poll() is None, "stopped without waiting for the write lease"
+    assert d.proc.poll() is None, "stopped without waiting for the read lease"
     with pytest.raises(BrokerUnavailable):  # no longer accepting
         Client(d.socket_path, map_pools=False, timeout=2)
     with pytest.raises(BrokerUnavailable, match="shutting down"):
         writer.reserve("other", {"x": 4096})  # no new leases while draining
-    lease["x"][:] = 7
-    lease.seal()  # the in-flight lease finishes...
+    assert bytes(read["x"]) == b"k"
+    read.release()  # the in-flight lease finishes...
     assert d.proc.wait(10) == 0  # ...and the daemon ends at once
     assert time.monotonic() - t0 < 8
-    writer.close()
+    writer.close(), reader.close()
     assert "drained: every lease ended" in d.log()
 
 
-def test_draining_publish_uses_the_arena_it_holds_and_gets_no_fresh_one(make_daemon):
-    d = make_daemon("--pool-size", "16M", "--page-size", "4K", "--drain-timeout", "20s")
+def test_a_stop_refuses_to_publish_what_it_would_free(make_daemon):
+    """SIGTERM frees the pools: a publish while it drains is refused (its write lease or
+    arena ends), never acknowledged and then lost. Issue 19: a small put through the arena
+    was acknowledged, then dropped with the pool, while a 3 MiB put was refused."""
+    d = make_daemon("--pool-size", "64M", "--page-size", "4K", "--drain-timeout", "20s")
     c = d.client()
     assert c.put("before", {"x": b"a" * 4096})  # opens this client's write arena
     assert c._arena.id is not None
     lease = c.reserve("held", {"x": 4096})  # keeps the daemon draining
+    blocks = c.ops.reserve_blocks([{"key": "b0", "parent": None, "buffers": {"x": 8}}])
     d.proc.send_signal(signal.SIGTERM)
+    _wait_until_draining(d)
+    with pytest.raises(BrokerUnavailable, match="frees its pools"):
+        c.put("small", {"x": b"b" * 4096})  # through the arena it holds
+    with pytest.raises(BrokerUnavailable, match="shutting down"):
+        c.put("big", {"x": b"c" * (3 << 20)})  # reserve + seal: refused as before
+    assert c.lookup("small") is None and c.lookup("big") is None
+    with pytest.raises(BrokerUnavailable, match="frees its pools"):
+        c.ops.seal_many([blocks["results"][0]["lease"]])
+    with pytest.raises(BrokerUnavailable, match="frees its pools"):
+        lease.seal()
+    # every write lease it named ended with the refusal: nothing left to wait for
+    assert d.proc.wait(10) == 0
+    c.close()
+    assert "drained: every lease ended" in d.log()
+
+
+def test_a_restart_keeps_what_is_published_while_it_drains(make_daemon):
+    d = make_daemon("--pool-size", "64M", "--page-size", "4K", "--drain-timeout", "20s")
+    c = d.client()
+    assert c.put("before", {"x": b"a" * 4096})  # opens this client's write arena
+    lease = c.reserve("held", {"x": 4096})  # keeps the daemon draining
+    d.proc.send_signal(signal.SIGUSR1)  # systemctl restart
     _wait_until_draining(d)
     assert c.put("during", {"x": b"b" * 4096})  # pages it already held
     assert c._arena.id is None  # the daemon handed out no fresh arena
-    assert c.lookup("during") is not None
+    with pytest.raises(BrokerUnavailable, match="shutting down"):
+        c.put("big", {"x": b"c" * (3 << 20)})  # a new lease: refused
+    lease["x"][:] = 7
     lease.seal()
     assert d.proc.wait(10) == 0
     c.close()
+    d2 = DaemonProcess(d.socket_path, "--pool-size", "64M", "--page-size", "4K")
+    with d2.client() as c2:
+        assert bytes(c2.get("during")["x"]) == b"b" * 4096
+        assert bytes(c2.get("held")["x"]) == b"\x07" * 4096
+        assert c2.exists("before") and not c2.exists("big")
+    assert d2.stop() == 0
 
 
 def test_draining_refuses_every_lease_taking_op_by_its_real_name(make_daemon):
@@ -287,7 +324,7 @@ def test_draining_refuses_every_lease_taking_op_by_its_real_name(make_daemon):
                      ("claim", {"key": "k"})]:  # fmt: skip
         with pytest.raises(BrokerUnavailable, match="shutting down"):
             c._call(op, **args)
-    lease.seal()
+    lease.abort()  # (a seal would be refused: SIGTERM frees the pools)
     assert d.proc.wait(10) == 0
     c.close()
 

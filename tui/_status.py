@@ -77,6 +77,11 @@ class StatusLine(Static):
             (8, f"daemon {snap.pid} v{snap.version}", ""),
             (9, f"every {interval:g}s", ""),
         ]
+        t = snap.transfer
+        if t is not None:  # [transfer]: peers, pulls in flight, bytes pulled and served
+            parts.append((5, f"fleet {t.node}: peers {sum(p.connected for p in t.peers)}/"
+                             f"{len(t.peers)} pulled {format_size(t.bytes_pulled)} "
+                             f"({t.in_flight} in flight, {t.failures} failed)", ""))  # fmt: skip
         self._show(parts)
 
     def disconnected(self, label: str, reason: str, retry_in: float, attempt: int) -> None:

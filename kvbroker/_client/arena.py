@@ -38,7 +38,6 @@ if TYPE_CHECKING:
 
 __all__ = ["WriteArena"]
 
-_EMPTY_DIGEST = _integrity.digest(b"")
 _RETRY_AFTER = 0.5  # seconds without arena after the daemon had no room for one
 
 
@@ -88,16 +87,17 @@ class WriteArena:
             return None
         mm = client._mapping(pool).mm
         np = _np()
-        sums: dict[str, int] | None = {} if checksum else None
+        sums: dict[str, Any] | None = {} if checksum else None
+        kind = client.checksum_kind
         for name, src in buffers.items():
             n = sizes[name]
             if not n:
                 if sums is not None:
-                    sums[name] = _EMPTY_DIGEST
+                    sums[name] = _integrity.empty_digest(kind)
                 continue
             dst = np.frombuffer(mm, dtype=np.uint8, count=n, offset=base + offsets[name])
             if sums is not None:
-                sums[name] = _integrity.copy_hashed(dst, src, copy_into)
+                sums[name] = _integrity.copy_hashed(dst, src, copy_into, kind)
             else:
                 copy_into(dst, src)
             del dst

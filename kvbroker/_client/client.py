@@ -31,14 +31,17 @@ from .arena import WriteArena
 from .copy import _np, _torch_tensor, copy_into, nbytes_of
 from .transport import UnixTransport
 from . import integrity as _integrity
+from .._wire import checksum as _cs
 from ..errors import BrokerUnavailable, Exists, LeaseExpired, Timeout
 
 
-__all__ = ["Client", "WriteLease", "ReadLease", "EvictResult"]
+__all__ = ["Client", "WriteLease", "ReadLease", "EvictResult", "Listing"]
 
 log = logging.getLogger("kvbroker.client")
 
-_EMPTY_DIGEST = _integrity.digest(b"")
+# Seconds added to the reply timeout of a call that pulls from a peer broker: the daemon
+# bounds the pull itself ([transfer] timeout, 60 s by default) and answers Timeout.
+_PEER_GRACE = 120.0
 
 
 class EvictResult:
@@ -54,6 +57,13 @@ class EvictResult:
     def __repr__(self) -> str:
         verb = "would evict" if self.dry_run else "evicted"
         return f"<EvictResult {verb} {self.count} objects, {self.bytes} bytes>"
+
+
+class Listing(list):
+    """The objects :meth:`Client.list` found (a list of ObjectInfo); ``truncated``: more
+    objects matched than it holds (its ``limit`` was reached)."""
+
+    truncated: bool = False
 
 
 class Client:
@@ -149,6 +159,10 @@ class Client:
         self.session_id: int = hello["session"]
         self.server_pid: int = hello["server_pid"]
         self.epoch: int | None = hello.get("epoch")
+        # The checksum kind this client seals with: 1 where the daemon lists it, else 0 (a
+        # daemon from before kind 1 refuses [1, value]; kvbroker._wire.checksum.seal_kind).
+        self.checksum_kinds: tuple[int, ...] = tuple(hello.get("checksum_kinds") or (0,))
+        self.checksum_kind: int = _cs.seal_kind(hello.get("checksum_kinds"))
         self.generation = generation
         self._session = session  # publish: last
 
@@ -277,9 +291,10 @@ class Client:
             return False
         with lease:
             if checksum:
+                kind = self.checksum_kind
                 lease.checksums = {
-                    name: _integrity.copy_hashed(lease[name], src, copy_into)
-                    if sizes[name] else _EMPTY_DIGEST
+                    name: _integrity.copy_hashed(lease[name], src, copy_into, kind)
+                    if sizes[name] else _integrity.empty_digest(kind)
                     for name, src in buffers.items()
                 }  # fmt: skip
             else:
@@ -299,6 +314,7 @@ class Client:
         wait: float | None = None,
         ttl: float | None = None,
         verify: bool = False,
+        peer: str | None = None,
     ) -> ReadLease:
         """A read lease on a sealed object.
 
@@ -307,15 +323,20 @@ class Client:
         sealed (else NotFound at once; Timeout when the wait runs out). ``verify``: re-hash
         the buffers before returning (one read of them) and raise ChecksumMismatch, with the
         lease released, if any differs from its checksum recorded at seal.
+        ``peer``: ``"HOST:PORT"`` of another node's broker; when this node lacks the object,
+        its daemon pulls it from there first (one NIXL READ, checksums verified; a consume
+        counts there) and the claim is then served here. Raises PeerUnavailable,
+        TransferFailed or ChecksumMismatch (naming the peer) when the pull fails.
         """
-        if wait is not None and self._timeout is not None:
-            self._session.settimeout(self._timeout + wait)
+        longer = (wait or 0) + (_PEER_GRACE if peer is not None else 0)
+        if longer and self._timeout is not None:
+            self._session.settimeout(self._timeout + longer)
         asked_at = time.monotonic()
         try:
             reply = self.ops.claim(key, namespace=namespace, select=select, consume=consume,
-                                   wait=wait, ttl=ttl)  # fmt: skip
+                                   wait=wait, ttl=ttl, peer=peer)  # fmt: skip
         finally:
-            if wait is not None and self._timeout is not None:
+            if longer and self._timeout is not None:
                 self._session.settimeout(self._timeout)
         lease = ReadLease(self, namespace, key, reply, asked_at)
         if verify:
@@ -337,8 +358,9 @@ class Client:
         consume: bool = False,
         wait: float | None = None,
         verify: bool = False,
+        peer: str | None = None,
     ) -> dict[str, Any]:
-        """Claim, copy every selected buffer out once, release.
+        """Claim, copy every selected buffer out once, release (``peer``: as in claim).
 
         ``out`` maps buffer names to destinations (numpy arrays, torch tensors, writable
         bytes-like) of the right size; buffers not in ``out`` get fresh uint8 arrays.
@@ -349,7 +371,7 @@ class Client:
         np = _np()
         result: dict[str, Any] = {}
         with self.claim(key, namespace=namespace, select=select, consume=consume,
-                        wait=wait) as lease:  # fmt: skip
+                        wait=wait, peer=peer) as lease:  # fmt: skip
             sums = lease.checksums if verify else None
             bad = []
             for name in lease:
@@ -365,7 +387,7 @@ class Client:
                 else:
                     target = np.frombuffer(dst, dtype=np.uint8)
                 if sums and name in sums:
-                    if _integrity.copy_out_hashed(target, src) != sums[name]:
+                    if not _integrity.copy_out_checked(target, src, sums[name]):
                         bad.append(name)
                 else:
                     np.copyto(target, src)
@@ -375,18 +397,67 @@ class Client:
         return result
 
     # -- directory -------------------------------------------------------------------------
-    def exists(self, key: str, *, namespace: str = "default") -> bool:
-        return self.ops.lookup(key, namespace=namespace) is not None
+    def exists(self, key: str, *, namespace: str = "default", peer: str | None = None) -> bool:
+        """Whether the object is sealed here (or, with ``peer``, here or on that broker;
+        nothing is pulled)."""
+        return self._peer_call(peer is not None, self.ops.lookup, key, namespace=namespace,
+                               peer=peer) is not None  # fmt: skip
 
-    def lookup(self, key: str, *, namespace: str = "default") -> ObjectInfo | None:
-        info = self.ops.lookup(key, namespace=namespace)
+    def lookup(self, key: str, *, namespace: str = "default",
+               peer: str | None = None) -> ObjectInfo | None:
+        info = self._peer_call(peer is not None, self.ops.lookup, key, namespace=namespace,
+                               peer=peer)  # fmt: skip
         return None if info is None else ObjectInfo.from_dict(info)
+
+    def fetch(self, key: str, peer: str, *, namespace: str = "default") -> dict:
+        """Pull ``key`` from the broker at ``peer`` (HOST:PORT) into this node's pools,
+        unless it is here already; no lease is held afterwards. Returns ``{namespace, key,
+        nbytes, fetched, peer}`` (``fetched`` False: it was here)."""
+        return self._peer_call(peer is not None, self.ops.fetch, key, peer, namespace=namespace)
+
+    def _peer_call(self, pulls: bool, fn, *args, **kw):
+        """``fn(*args, **kw)``, with a longer reply timeout when the daemon may pull first."""
+        if not pulls or self._timeout is None:
+            return fn(*args, **kw)
+        self._session.settimeout(self._timeout + _PEER_GRACE)
+        try:
+            return fn(*args, **kw)
+        finally:
+            self._session.settimeout(self._timeout)
 
     def list(
         self, match: str | None = None, *, namespace: str | None = None, limit: int | None = None
-    ) -> list[ObjectInfo]:
-        reply = self.ops.list(namespace=namespace, match=match, limit=limit)
-        return [ObjectInfo.from_dict(o) for o in reply["objects"]]
+    ) -> Listing:
+        """Sealed objects (a regex ``match`` over keys, one ``namespace``), in the order they
+        were sealed: all of them, or at most ``limit``. The list's ``truncated`` says
+        whether more matched than it holds (only ever with a ``limit``)."""
+        out = Listing()
+        for page in self.list_pages(match, namespace=namespace, limit=limit):
+            out.extend(page)
+            out.truncated = page.truncated
+        return out
+
+    def list_pages(
+        self, match: str | None = None, *, namespace: str | None = None,
+        limit: int | None = None, page_size: int | None = None,
+    ) -> Iterator[Listing]:  # fmt: skip
+        """:meth:`list` one reply at a time (the daemon sends at most 10,000 objects a reply,
+        or ``page_size``): each page a :class:`Listing`, the last one's ``truncated`` as
+        :meth:`list`'s. An object sealed again while the pages are read may be listed twice
+        (its old and its new version); every other object there from start to end, once."""
+        after = None
+        left = limit
+        while True:
+            ask = page_size if left is None else min(left, page_size or left)
+            reply = self.ops.list(namespace=namespace, match=match, limit=ask, after=after)
+            page = Listing(ObjectInfo.from_dict(o) for o in reply["objects"])
+            page.truncated = bool(reply["truncated"])
+            if left is not None:
+                left -= len(page)
+            yield page
+            if not page.truncated or left == 0:
+                return
+            after = reply["next"]
 
     def evict(
         self,
@@ -407,6 +478,12 @@ class Client:
             key=key, match=match, namespace=namespace, match_buffers=match_buffers,
             older_than=older_than, all=all, dry_run=dry_run,
         ))  # fmt: skip
+
+    def ping(self) -> float:
+        """Seconds one round trip to the daemon takes (an op that does nothing)."""
+        t0 = time.perf_counter()
+        self.ops.ping()
+        return time.perf_counter() - t0
 
     def renew(self, *leases: _Lease, ttl: float | None = None) -> None:
         self.ops.renew([ls.id for ls in leases], ttl)

@@ -4,12 +4,12 @@
 kernel under ``TRITON_INTERPRET=1``, which is how the tests check it) and returns, per tensor,
 the value the CPU's :func:`kvbroker._wire.checksum.digest` gives for the same bytes, bit for
 bit, with one kernel launch for all of them and one device-to-host copy of the chunk digests
-(8 bytes per 256 KiB) at the end.
+(8 bytes per MiB) at the end.
 
-The kernel (Triton) runs one program per chunk of 256 KiB: xxh3_64's long-input loop, the
-secret-keyed 32x32->64-bit multiply-accumulate of 8 lanes over 64-byte stripes, is additive
-within each 1 KiB block, so a program loads a block as a ``[16 stripes, 4, 2 lanes]`` tile of
-uint64, reduces it over the stripes in registers, adds the lane-swapped data sums, and
+The kernel (Triton) runs one program per chunk (:data:`kvbroker._wire.checksum.CHUNK`, 1 MiB):
+xxh3_64's long-input loop, the secret-keyed 32x32->64-bit multiply-accumulate of 8 lanes over
+64-byte stripes, is additive within each 1 KiB block, so a program loads a block as a
+``[16 stripes, 4, 2 lanes]`` tile of uint64, reduces it over the stripes in registers, adds the lane-swapped data sums, and
 scrambles its 8 accumulators (one multiply per lane per KiB); then the last stripe (read as
 bytes: it may sit at any offset) and the merge into one 64-bit value. Each chunk's bytes are
 read once from device memory. A buffer's last chunk, when it is 240 bytes or shorter, takes
@@ -46,6 +46,7 @@ __all__ = ["checksums", "checksum", "start", "Pending", "segment_digests", "sele
 NUM_WARPS = 1  # measured on an H100: 1 warp per program 0.725 ms for 2 GiB, 4 warps 2.9 ms
 GROUP = 4  # 1 KiB blocks per loop iteration of a program
 _TORCH_SLAB = 64 * 1024 * 1024  # bytes the torch fallback hashes at a time
+_LE64 = struct.Struct("<Q")
 
 # -- xxh3 constants (xxhash.h, v0.8) -------------------------------------------------------------
 _SECRET = bytes.fromhex(
@@ -226,7 +227,7 @@ def _prepare(tensors):
                 "checksum of a non-contiguous tensor: its bytes are not one run; pass "
                 "t.contiguous() (the checksum is of the bytes as they will lie in the buffer)"
             )
-        n = t.numel() * t.element_size()
+        n = t.nbytes
         ptr = t.data_ptr()
         if n and ptr % 8:  # the allocator's blocks are aligned; views at odd offsets are not
             t = _flat(t).clone()
@@ -278,6 +279,11 @@ class Pending:
         self._done = done  # a CUDA event, or None
         self._values: list[int] | None = None
 
+    def wait(self) -> None:
+        """Wait for the queued work (the tensors may be reused afterwards)."""
+        if self._done is not None:
+            self._done.synchronize()
+
     def result(self) -> list[int]:
         import numpy as np
 
@@ -286,18 +292,19 @@ class Pending:
         if self._done is not None:
             self._done.synchronize()
         longs = self._long if isinstance(self._long, np.ndarray) else self._long.numpy()
-        longs = longs.view("<u8")
+        raw = longs.view("<u8").tobytes()  # 8 bytes per chunk: one copy, then bytes slices
         tails = None if self._tails is None else self._tails.numpy()
         plan = self._plan
         out, at, tail_at = [], 0, 0
+        le64, h = _LE64.pack, xxhash.xxh3_64_intdigest
         for n, count, short in zip(plan.sizes.tolist(), plan.longs.tolist(), plan.shorts.tolist()):
-            digests = longs[at : at + count]
+            digests = raw[8 * at : 8 * (at + count)]
             at += count
             if short:
-                last = xxhash.xxh3_64_intdigest(tails[tail_at : tail_at + short])
+                digests += le64(h(tails[tail_at : tail_at + short]))
                 tail_at += short
-                digests = np.append(digests, np.array([last], dtype="<u8"))
-            out.append(_cs.combine(n, digests))
+            # kvbroker._wire.checksum.combine, inlined: xxh3_64(le64(n) || le64(d_i)...)
+            out.append(h(le64(n) + digests))
         self._values = out
         self._kept = self._long = self._tails = None
         return out
@@ -313,17 +320,19 @@ def start(tensors: Sequence[Any], *, backend: str | None = None, stream: Any = N
     """
     import torch
 
-    kept, sizes, ptrs = _prepare(tensors)
-    device = kept[0].device if kept else torch.device("cpu")
-    if any(t.device != device for t in kept):
+    tensors = list(tensors)
+    device = tensors[0].device if tensors else torch.device("cpu")
+    if any(t.device != device for t in tensors):
         raise KVBrokerError("checksums: all tensors must be on one device")
-    backend = backend or (select_backend(*kept) if kept else "torch")
+    backend = backend or (select_backend(*tensors) if tensors else "torch")
     if backend not in ("triton", "torch"):
         raise KVBrokerError(f"unknown backend {backend!r}")
-    plan = _Plan(sizes)
     cuda = device.type == "cuda"
     ctx = torch.cuda.stream(stream) if cuda and stream is not None else _nullcontext()
     with ctx:
+        # on the stream: an aligned copy of a misaligned tensor is made after what it waits for
+        kept, sizes, ptrs = _prepare(tensors)
+        plan = _Plan(sizes)
         if backend == "triton":
             longs = _triton_long(plan, ptrs, device)
         else:

@@ -8,9 +8,12 @@ See ``docs/design.md``.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from . import gpu_integrity as _gi
+from . import integrity as _integrity
 from .client import Client
 from .gpu_copy import _address, _span, copy_runs
 from .gpu_rings import RingClient, _ring_maps
@@ -136,7 +139,11 @@ class GpuClient(RingClient):
         self._rings: list[dict] | None = None  # the daemon's `rings` reply, asked once
         self._ring_held: dict[int, _RingMapping] = {}
         self._side: dict[int, Any] = {}  # side streams on other GPUs (ring publish)
+        self._sum_streams: dict[int, Any] = {}  # per GPU: where checksums run beside a DMA
         self.last_copies = 0  # copy operations the last publish/claim issued (after merging)
+        # seconds a claim(verify=True) spent after its copies were done: waiting for the GPU
+        # checksums (and combining them); what verifying added to the claim
+        self.last_verify_s = 0.0
         try:
             for pool in self.client.pools:
                 m = self.client._mapping(pool["index"])
@@ -159,6 +166,8 @@ class GpuClient(RingClient):
             self.stream.synchronize()
         for s in getattr(self, "_side", {}).values():
             s.synchronize()
+        for s in getattr(self, "_sum_streams", {}).values():
+            s.synchronize()
         for m in getattr(self, "_ring_held", {}).values():
             _ring_maps.release(bytes(next(r["handle"] for r in self._rings
                                           if r["index"] == m.index)))  # fmt: skip
@@ -179,6 +188,39 @@ class GpuClient(RingClient):
     def _caller_stream(self, stream):
         return stream if stream is not None else self._torch.cuda.current_stream(self.device)
 
+    def _sum_streams_after(self, event):
+        """``stream_for(device)`` for :mod:`kvbroker._client.gpu_integrity`: this client's
+        checksum stream on that GPU (made once), waiting for ``event`` first; None for a
+        tensor not on a GPU."""
+        torch = self._torch
+
+        def stream_for(device):
+            if device.type != "cuda":
+                return None
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            s = self._sum_streams.get(index)
+            if s is None:
+                with torch.cuda.device(index):
+                    s = self._sum_streams[index] = torch.cuda.Stream(index)
+            s.wait_event(event)
+            return s
+
+        return stream_for
+
+    def start_checksums(self, tensors: Mapping[str, Any], *, stream: Any = None) -> _gi.Sums:
+        """Start the checksums a seal of ``tensors`` (contiguous, as they will lie in their
+        buffers) records, in the kind this client seals with: kind 1 on the tensors' GPU, on
+        this client's checksum stream after what is queued on ``stream`` (default: current).
+
+        For code that fills a :meth:`Client.reserve` lease itself (an integration copying
+        with its own kernels or DMA): start this before or while copying, then, once the copy
+        is done and before the seal, ``lease.checksums = sums.values(lease)`` (kind 0 is
+        hashed there, from the pool). The tensors must not change until then.
+        """
+        ready = self._torch.cuda.Event()
+        ready.record(self._caller_stream(stream))
+        return _gi.start_seal(tensors, self.client.checksum_kind, self._sum_streams_after(ready))
+
     def publish(
         self,
         key: str,
@@ -190,14 +232,17 @@ class GpuClient(RingClient):
         replace: bool = False,
         ttl: float | None = None,
         consumers: int = 1,
-        checksum: bool = False,
+        checksum: bool = True,
     ) -> bool:
         """Publish contiguous CUDA tensors, one device→host DMA each; returns once sealed.
 
         ``stream``: the stream that produces the tensors (default: the current stream); the
         copies start after everything already queued on it. Returns False, copying nothing,
-        when the key exists and ``replace`` is False. ``checksum``: hash the buffers at seal
-        (on the CPU: one more read of every byte; off by default on this DMA path).
+        when the key exists and ``replace`` is False. ``checksum`` (on by default): record
+        each buffer's checksum at seal, computed on the tensors' GPU by a kernel on another
+        stream while the DMA runs (kind 1; ``benchmarks/bench_integrity_gpu.py`` measures
+        what it costs). Against a daemon that accepts only kind 0 it is hashed on the CPU
+        from the pool after the copy instead (one more read of every byte, on one core).
         """
         torch = self._torch
         flat = {name: _span(t) for name, t in tensors.items()}
@@ -210,22 +255,30 @@ class GpuClient(RingClient):
             if replace:
                 raise
             return False
-        # A seal-time checksum hashes every byte on the CPU: one more read of the whole
-        # object (about 7 GB/s against 55 for the DMA on an H200), so it is asked for.
+        # with checksum, lease.checksums is set below: the seal does not hash again
         lease.checksum = checksum
         with lease:
             ready = torch.cuda.Event()
             ready.record(self._caller_stream(stream))
             dsts = _host_addresses(lease)
             self.stream.wait_event(ready)
-            # one DMA per buffer, merged where buffers continue each other on both sides
-            self.last_copies = copy_runs(
-                [(dsts[name], ptr, n) for name, (ptr, n) in flat.items()],
-                self.stream,
-            )
-            # the bytes are in the pool before the seal publishes them (and the sources,
-            # the caller's, are not released before the copies have read them)
-            self.stream.synchronize()
+            sums = None
+            try:
+                # one DMA per buffer, merged where buffers continue each other on both sides
+                self.last_copies = copy_runs(
+                    [(dsts[name], ptr, n) for name, (ptr, n) in flat.items()],
+                    self.stream,
+                )
+                if checksum:  # queued while the DMA runs, on their own stream: beside it
+                    sums = _gi.start_seal(tensors, self.client.checksum_kind,
+                                          self._sum_streams_after(ready))  # fmt: skip
+            finally:
+                # the bytes are in the pool before the seal publishes them (and no copy
+                # writes into the pages once an abort has given them back)
+                self.stream.synchronize()
+            if sums is not None:
+                # waits for the kernels (they read the caller's tensors: not released before)
+                lease.checksums = sums.values(lease)
         return True
 
     def claim(
@@ -237,12 +290,21 @@ class GpuClient(RingClient):
         namespace: str = "default",
         consume: bool = False,
         wait: float | None = None,
+        verify: bool = False,
     ) -> dict[str, Any]:
         """Copy each buffer named in ``out`` into its contiguous CUDA tensor, one DMA each.
 
         Only the buffers in ``out`` are claimed. ``stream`` (default: current) is made to wait
         for the copies, and they start after what is already queued on it (the engine may
         still be reading the blocks being overwritten). Returns ``out``.
+
+        ``verify``: check each buffer against the checksum recorded at seal before returning:
+        kind 1 recomputed on the claimer's GPU from the tensors in ``out`` right after the
+        copies (so a corruption in the pool or in transit is caught), kind 0 (objects sealed
+        by older clients) hashed on the CPU from the pool while the copies run. A mismatch
+        raises :class:`~kvbroker.errors.ChecksumMismatch` naming the buffers, the lease
+        released: the tensors in ``out`` then hold the bad bytes, do not use them. Buffers
+        sealed without a checksum are not checked.
         """
         torch = self._torch
         import re
@@ -274,5 +336,19 @@ class GpuClient(RingClient):
             done = torch.cuda.Event()
             done.record(self.stream)
             caller.wait_event(done)  # the engine reads nothing before the copy is done
-            done.synchronize()  # the lease must outlive the copies out of its slices
+            check = computed = None
+            try:
+                if verify and lease.checksums:  # queued on the GPU after the copies
+                    check = _gi.start_verify(out, lease.checksums, self._sum_streams_after(done))
+                # kind-0 buffers hashed on the CPU now, from the pool, while the copies run
+                if check is not None and check.on_host:
+                    computed = check.host_values(lease)
+            finally:
+                done.synchronize()  # the lease must outlive the copies out of its slices
+            if check is not None:
+                copied = time.perf_counter()
+                # the kind-1 values, computed on the GPU once the copies were done
+                computed = check.ordered({**(computed or {}), **check.device_values()})
+                self.last_verify_s = time.perf_counter() - copied
+                _integrity.check(namespace, key, _gi.mismatched(computed, lease.checksums))
         return dict(out)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
+from . import gpu_integrity as _gi
 from .gpu_client import _host_addresses
 from .gpu_copy import copy_runs
 from .shards import ClaimResult, PublishResult, ShardSpec, agreed_tokens, consumers_of
@@ -95,7 +96,7 @@ def publish_shard_cuda(
     ttl: float | None = None,
     replace: bool = False,
     stream: Any = None,
-    checksum: bool = False,
+    checksum: bool = True,
 ):
     """:func:`kvbroker.kv.publish_shard` for a paged CUDA cache: the same object (key, buffer
     names, storage layout, meta), so a decode rank on the host path or on a GPU claims it.
@@ -105,6 +106,8 @@ def publish_shard_cuda(
     device-to-host DMA into the registered pool when the buffers are evenly spaced in it (one
     per buffer otherwise), then seal. ``cache``: ``(layer, kv, block, token, head, head_dim)``
     holding this rank's heads; ``block_table``: the request's blocks, in order.
+    ``checksum`` (on by default): each buffer's checksum, computed on the GPU from its slice of
+    the staging region beside the DMA (as :meth:`GpuClient.publish` does), recorded at seal.
     """
     from . import kernels as _kernels
 
@@ -132,7 +135,7 @@ def publish_shard_cuda(
     lease = g.client.reserve(key, dict.fromkeys(names, B), namespace=namespace,
                              meta=spec.to_meta(), ttl=ttl, replace=replace,
                              consumers=consumers)  # fmt: skip
-    lease.checksum = checksum  # see GpuClient.publish
+    lease.checksum = checksum  # with checksum, lease.checksums is set below (GpuClient.publish)
     with lease:
         addrs = _host_addresses(lease)
         order = [addrs[n] for n in names]
@@ -140,6 +143,7 @@ def publish_shard_cuda(
         slot = spacing if spacing is not None else B
         span = (len(names) - 1) * slot + B
         staging = _Staging(g, span, cache.device)
+        sums = None
         try:
             st = staging.tensor[:span].view(cache.dtype)
             st = st.as_strided((L, C, len(mine), num_tokens, dim),
@@ -149,14 +153,28 @@ def publish_shard_cuda(
             g.stream.wait_event(ready)
             with torch.cuda.stream(g.stream):
                 _kernels.gather(cache, table, num_tokens, st)
+            if checksum:
+                # each buffer's slice of the staging region, hashed beside the DMA of it
+                gathered = torch.cuda.Event()
+                gathered.record(g.stream)
+                slices = {n: staging.tensor[i * slot : i * slot + B] for i, n in enumerate(names)}
+                sums = _gi.start_seal(slices, g.client.checksum_kind,
+                                      g._sum_streams_after(gathered))  # fmt: skip
+                del slices
             base = staging.tensor.data_ptr()
             if spacing is not None:
                 runs = [(order[0], base, span)]
             else:
                 runs = [(a, base + i * slot, B) for i, a in enumerate(order)]
-            copies = copy_runs(runs, g.stream)
-            g.stream.synchronize()  # in the pool before the seal; the staging may go now
+            try:
+                copies = copy_runs(runs, g.stream)
+            finally:
+                g.stream.synchronize()  # in the pool before the seal
+            if sums is not None:
+                lease.checksums = sums.values(lease)  # the kernels are done with the staging
         finally:
+            if sums is not None:
+                sums.wait()  # no kernel reads the staging region once it is given back
             staging.close()
     return PublishResult(key, True, consumers, 1 + copies, B * len(names),
                          time.perf_counter() - started)  # fmt: skip

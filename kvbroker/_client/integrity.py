@@ -8,14 +8,17 @@ single-threaded definition):
 
 - ``put`` copies each buffer a chunk at a time and hashes each chunk right after copying it,
   while it is still in cache: the bytes cross memory once, as without checksums.
+- the kind sealed is the client's ``checksum_kind``: 1, or 0 against a daemon whose hello
+  does not list kind 1 (:func:`kvbroker._wire.checksum.seal_kind`); kind 0 is one chain,
+  hashed on the calling thread.
 - a :class:`~kvbroker.WriteLease` the caller filled itself is hashed at ``seal``: one extra
   read of the written bytes, over the engine's threads. ``reserve(..., checksum=False)``
   skips it.
 - ``claim(..., verify=True)`` re-hashes the leased buffers; ``get(..., verify=True)`` hashes
-  each chunk it copies out, so again one pass. A mismatch raises
-  :class:`~kvbroker.errors.ChecksumMismatch`; corrupted bytes are never returned.
+  each chunk it copies out (:func:`copy_out_checked`), so again one pass. A mismatch raises
+  :class:`~kvbroker.errors.ChecksumMismatch`; corrupted bytes are never returned unflagged.
 - CUDA tensors are hashed on their GPU by :mod:`kvbroker._client.gpu_checksum`, to the same
-  values.
+  values (:mod:`kvbroker._client.gpu_integrity`: GpuClient's publish and claim).
 
 This module owns no state; every function borrows the views it is given.
 """
@@ -37,11 +40,10 @@ from .engine import default_engine
 __all__ = [
     "CHUNK",
     "digest",
+    "empty_digest",
     "matches",
     "copy_hashed",
-    "copy_out_hashed",
     "copy_out_checked",
-    "Computed",
     "mismatched",
     "check",
     "ObjectCheck",
@@ -56,13 +58,26 @@ def _u8(view: Any):
     return flat
 
 
-def digest(view: Any) -> list[int]:
-    """The checksum to record for the bytes of ``view`` (a contiguous buffer), in its wire
-    form: ``[1, value]``, hashed over the engine's threads (small bytes-like objects on this
-    one, without importing numpy: the CLI's fast paths stay light)."""
-    if isinstance(view, (bytes, bytearray, memoryview)) and memoryview(view).nbytes < 2 * _cs.CHUNK:
+def digest(view: Any, kind: int = _cs.KIND_XXH3C) -> Any:
+    """The checksum of ``kind`` to record for the bytes of ``view`` (a contiguous buffer), in
+    its wire form: ``[1, value]`` hashed over the engine's threads (small bytes-like objects
+    on this one, without importing numpy: the CLI's fast paths stay light), or for kind 0 (a
+    daemon that accepts nothing else, :func:`kvbroker._wire.checksum.seal_kind`) the bare
+    whole-buffer xxh3_64, on this thread."""
+    small = isinstance(view, (bytes, bytearray, memoryview)) and memoryview(view).nbytes < 2 * CHUNK
+    if kind == _cs.KIND_XXH3:
+        return _cs.legacy_digest(view if small else _u8(view))
+    if small:
         return _cs.encode(_cs.digest(view))
     return _cs.encode(default_engine().hash(_u8(view)))
+
+
+_EMPTY = {kind: digest(b"", kind) for kind in _cs.KINDS}
+
+
+def empty_digest(kind: int = _cs.KIND_XXH3C) -> Any:
+    """The checksum of ``kind`` of a buffer of 0 bytes, in its wire form."""
+    return _EMPTY[kind]
 
 
 def matches(view: Any, recorded: Any) -> bool:
@@ -73,14 +88,33 @@ def matches(view: Any, recorded: Any) -> bool:
     return default_engine().hash(_u8(view)) == value
 
 
-def copy_hashed(dst, src: Any, copy_into) -> list[int]:
-    """Copy ``src`` into the uint8 view ``dst``; return the checksum (wire form) of the bytes
-    copied, hashed in ``dst``.
+def _copy_legacy(dst, src) -> int:
+    """Copy the uint8 view ``src`` into ``dst`` a chunk at a time, hashing the copied bytes
+    as one whole-buffer xxh3_64 chain (kind 0: on this thread, still one pass)."""
+    import numpy as np
 
-    Contiguous sources are copied and hashed a chunk at a time by the engine's threads; other
-    sources (strided, on a GPU) are copied by ``copy_into`` in one go, then hashed.
+    h = xxhash.xxh3_64()
+    for at in range(0, src.nbytes, CHUNK):
+        piece = dst[at : at + CHUNK]
+        np.copyto(piece, src[at : at + CHUNK])
+        h.update(piece)
+    return h.intdigest()
+
+
+def copy_hashed(dst, src: Any, copy_into, kind: int = _cs.KIND_XXH3C) -> Any:
+    """Copy ``src`` into the uint8 view ``dst``; return the checksum of ``kind`` (wire form)
+    of the bytes copied, hashed in ``dst``.
+
+    Contiguous sources are copied and hashed a chunk at a time (kind 1 by the engine's
+    threads, kind 0 on this one); other sources (strided, on a GPU) are copied by
+    ``copy_into`` in one go, then hashed.
     """
     flat = flat_bytes(src)
+    if kind == _cs.KIND_XXH3:
+        if flat is None:
+            copy_into(dst, src)
+            return _cs.legacy_digest(dst)
+        return _copy_legacy(dst, flat)
     engine = default_engine()
     if flat is None:
         copy_into(dst, src)
@@ -88,55 +122,15 @@ def copy_hashed(dst, src: Any, copy_into) -> list[int]:
     return _cs.encode(engine.copy_hashed(dst, flat))
 
 
-class Computed:
-    """The checksum of bytes just copied out, compared with ``==``/``!=`` against a recorded
-    checksum of either kind (a kind-0 one is recomputed over the copied bytes: one more read,
-    for objects sealed by older clients only)."""
-
-    __slots__ = ("value", "_view")
-    __hash__ = None  # type: ignore[assignment]
-
-    def __init__(self, value: int, view) -> None:
-        self.value = value
-        self._view = view
-
-    def matches(self, recorded: Any) -> bool:
-        kind, want = _cs.parse(recorded)
-        if kind == _cs.KIND_XXH3:
-            return _cs.legacy_digest(self._view) == want
-        return self.value == want
-
-    def __eq__(self, other: Any) -> bool:
-        return self.matches(other)
-
-    def __ne__(self, other: Any) -> bool:
-        return not self.matches(other)
-
-    def __repr__(self) -> str:
-        return f"Computed({_cs.encode(self.value)!r})"
-
-
-def copy_out_hashed(dst, src) -> Computed:
-    """Copy the uint8 view ``src`` (a leased buffer) into the uint8 array ``dst`` a chunk at a
-    time over the engine's threads, hashing each copied chunk while it is in cache; returns
-    the checksum, to compare with the one recorded (``!=``)."""
-    return Computed(default_engine().copy_hashed(dst, src), dst)
-
-
 def copy_out_checked(dst, src, recorded: Any) -> bool:
-    """Copy ``src`` into ``dst`` as :func:`copy_out_hashed` does and say whether the bytes
-    copied match ``recorded`` (wire form, either kind); still one pass for either."""
+    """Copy the uint8 view ``src`` (a leased buffer) into the uint8 array ``dst`` a chunk at
+    a time, hashing each copied chunk while it is in cache (kind 1 over the engine's threads,
+    kind 0 as one chain on this thread), and say whether the bytes copied match ``recorded``
+    (wire form, either kind): one pass for either."""
     kind, want = _cs.parse(recorded)
     if kind == _cs.KIND_XXH3C:
         return default_engine().copy_hashed(dst, src) == want
-    import numpy as np
-
-    h = xxhash.xxh3_64()  # kind 0: one chain over the whole buffer, on this thread
-    for at in range(0, src.nbytes, CHUNK):
-        piece = dst[at : at + CHUNK]
-        np.copyto(piece, src[at : at + CHUNK])
-        h.update(piece)
-    return h.intdigest() == want
+    return _copy_legacy(dst, src) == want
 
 
 def mismatched(views: Mapping[str, Any], expected: Mapping[str, Any]) -> list[str]:

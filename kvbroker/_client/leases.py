@@ -127,13 +127,16 @@ class WriteLease(_Lease):
                  checksum: bool = True) -> None:  # fmt: skip
         super().__init__(client, namespace, key, reply)
         self.checksum = checksum
-        self.checksums: dict[str, int] | None = None
+        # {buffer: checksum in its wire form}, set by whoever filled the views (None: hash
+        # them at seal, with the client's checksum_kind, if ``checksum``)
+        self.checksums: dict[str, Any] | None = None
 
     def seal(self) -> None:
         self._check_alive()
         sums = self.checksums
         if sums is None and self.checksum and not self.ended:
-            sums = {name: _integrity.digest(self[name]) for name in self._extents}
+            kind = self.client.checksum_kind
+            sums = {name: _integrity.digest(self[name], kind) for name in self._extents}
         self._drop_views()
         try:
             self.client.ops.seal(self.id, sums)
@@ -172,9 +175,9 @@ class ReadLease(_Lease):
     ) -> None:
         super().__init__(client, namespace, key, reply, asked_at)
         self.meta: dict | None = reply.get("meta")
-        # {buffer: xxh3_64} recorded at seal, for the buffers of this lease; None if the
-        # writer sealed without checksums.
-        self.checksums: dict[str, int] | None = reply.get("checksums")
+        # {buffer: checksum (wire form, kvbroker._wire.checksum)} recorded at seal, for the
+        # buffers of this lease; None if the writer sealed without checksums.
+        self.checksums: dict[str, Any] | None = reply.get("checksums")
 
     def verify(self) -> None:
         """Re-hash the leased buffers; raise ChecksumMismatch naming those that differ from

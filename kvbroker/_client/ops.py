@@ -74,9 +74,9 @@ class Ops:
     # -- claim -----------------------------------------------------------------------------
     def claim(self, key: str, *, namespace: str = "default", select: str | None = None,
               consume: bool = False, wait: float | None = None,
-              ttl: float | None = None) -> R.Claimed:  # fmt: skip
+              ttl: float | None = None, peer: str | None = None) -> R.Claimed:  # fmt: skip
         return self._call("claim", namespace=namespace, key=key, select=select,
-                          consume=consume, wait=wait, ttl=ttl)  # fmt: skip
+                          consume=consume, wait=wait, ttl=ttl, peer=peer)  # fmt: skip
 
     def release(self, lease: int, consume: bool = True) -> None:
         self._call("release", lease=lease, consume=consume)
@@ -89,13 +89,15 @@ class Ops:
         return self._call("renew", leases=leases, ttl=ttl)
 
     # -- directory -------------------------------------------------------------------------
-    def lookup(self, key: str, *, namespace: str = "default") -> dict | None:
+    def lookup(self, key: str, *, namespace: str = "default",
+               peer: str | None = None) -> dict | None:
         """An ObjectInfo dict (with checksums), or None."""
-        return self._call("lookup", namespace=namespace, key=key)
+        return self._call("lookup", namespace=namespace, key=key, peer=peer)
 
     def list(self, *, namespace: str | None = None, match: str | None = None,
-             limit: int | None = None) -> R.Listed:  # fmt: skip
-        return self._call("list", namespace=namespace, match=match, limit=limit)
+             limit: int | None = None, after: int | None = None) -> R.Listed:  # fmt: skip
+        """One page of objects; ``after``: the ``next`` of the previous page."""
+        return self._call("list", namespace=namespace, match=match, limit=limit, after=after)
 
     def evict(self, *, namespace: str | None = None, key: str | None = None,
               match: str | None = None, match_buffers: str | None = None,
@@ -117,9 +119,10 @@ class Ops:
         return self._call("seal_many", leases=leases, checksums=checksums)
 
     def match_prefix(self, keys: list[str], *, namespace: str = "default",
-                     block_tokens: int = 0, ttl: float | None = None) -> R.PrefixMatch:
+                     block_tokens: int = 0, ttl: float | None = None,
+                     peer: str | None = None) -> R.PrefixMatch:
         return self._call("match_prefix", namespace=namespace, keys=keys,
-                          block_tokens=block_tokens, ttl=ttl)  # fmt: skip
+                          block_tokens=block_tokens, ttl=ttl, peer=peer)  # fmt: skip
 
     def release_many(self, leases: list[int]) -> None:
         self._call("release_many", leases=leases)
@@ -145,10 +148,17 @@ class Ops:
     def ring_release(self, lease: int) -> None:
         self._call("ring_release", lease=lease)
 
+    # -- peers ---------------------------------------------------------------------------
+    def fetch(self, key: str, peer: str, *, namespace: str = "default") -> R.Fetched:
+        return self._call("fetch", namespace=namespace, key=key, peer=peer)
+
     # -- statistics ------------------------------------------------------------------------
     def stat(self) -> dict:
         """A Statistics dict (:meth:`Statistics.from_dict`)."""
         return self._call("stat")
+
+    def ping(self) -> R.Pong:
+        return self._call("ping")
 
     def watch(self, interval: float = 1.0) -> R.Watching:
         """Subscribe to pushed snapshots (:meth:`Session.next_push`); 0 stops them."""

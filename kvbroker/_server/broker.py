@@ -88,11 +88,18 @@ class Broker:
         self.registry = LeaseRegistry()  # ids of sessions, leases, arenas, ring leases
         self.journal: Any = None  # kvbroker._server.journal.Journal, when the daemon keeps one
         self._serials = count(1)
+        self._link_seq = count(1)  # StoredObject.seq: Broker.objects' iteration order
         self.counters: dict[str, int] = {f.name: 0 for f in fields(Counters)}
         # (at, op, session, namespace, key, nbytes) of the latest publishes and claims
         self.transfers: deque[tuple] = deque(maxlen=64)
         # Called with (namespace, key) after each seal; the daemon wakes waiting claims.
         self.on_sealed: Callable[[tuple[str, str]], None] | None = None
+        # Called with ("stored", obj) after a prefix block (one with token ids) is sealed,
+        # ("removed", obj) when it is unlinked, ("cleared", None) when everything was
+        # evicted: the daemon turns these into KV events (kvbroker._server.events).
+        self.on_block: Callable[[str, StoredObject | None], None] | None = None
+        # Broker-to-broker pulls and serving (kvbroker._server.fleet.Fleet), when configured.
+        self.fleet: Any = None
         self._rings: Any = None
 
     @property
@@ -159,7 +166,10 @@ class Broker:
     def restore(self, records: Iterable[dict[str, Any]],
                 lent: Iterable[tuple[int, int, int]] = ()) -> int:  # fmt: skip
         """Adopt the sealed objects of a previous daemon (kvbroker._server.restore)."""
-        return restore_state(self, records, lent)
+        n = restore_state(self, records, lent)
+        for obj in self.objects.values():  # the link order they were restored in
+            obj.seq = next(self._link_seq)
+        return n
 
     # ------------------------------------------------------------------ sessions
     def open_session(self, pid: int = 0, uid: int = -1, gid: int = -1) -> Session:
@@ -203,6 +213,26 @@ class Broker:
         if self.rings is not None:
             self.rings.close_session(session)
         self.sessions.pop(session.id, None)
+
+    def end_unpublished(self, session: Session, args: Any, reason: str) -> None:
+        """End the write leases and the arena a refused publishing request names (``lease``,
+        ``leases``, ``arena``) that are this session's, freeing their pages: a stopping
+        daemon that frees its pools refuses to publish them (see ``Drain.publishes``)."""
+        if not isinstance(args, dict):
+            return
+        named = [args.get("lease"), args.get("arena")]
+        if isinstance(args.get("leases"), list):
+            named += args["leases"]
+        for lid in named:
+            if not isinstance(lid, int) or isinstance(lid, bool):
+                continue
+            ls = self.leases.get(lid)
+            if ls is not None and ls.session is session and ls.kind == "write":
+                self.discard_pending(ls, quarantine=False)
+                self.end_lease(ls, reason)
+            arena = self.arenas.get(lid)
+            if arena is not None and arena.session is session:
+                end_arena(self, arena, reason)
 
     # ------------------------------------------------------------------ write leases
     def new_object(self, ident: tuple[str, str], pool: HostPool, start: int, npages: int,
@@ -250,6 +280,7 @@ class Broker:
         obj.sealed = True
         obj.linked = True
         obj.last_access = time.time()
+        obj.seq = next(self._link_seq)
         self.objects[ident] = obj
         self._lru[obj.serial] = obj
         if obj.parent_key is not None:
@@ -265,6 +296,8 @@ class Broker:
         self.counters["bytes_in"] += obj.nbytes
         session.bytes_published += obj.nbytes
         self.record_transfer("publish", session, obj, obj.nbytes)
+        if self.on_block is not None and obj.tokens is not None:
+            self.on_block("stored", obj)
         self._enforce_watermark(obj.pool)
         if self.on_sealed is not None:
             self.on_sealed(ident)
@@ -440,6 +473,8 @@ class Broker:
             self.journal.unlinked(obj.serial)
         del self.objects[(obj.namespace, obj.key)]
         self._lru.pop(obj.serial, None)
+        if self.on_block is not None and obj.tokens is not None:
+            self.on_block("removed", obj)
         parent, obj.parent = obj.parent, None
         if parent is not None and parent.linked:
             parent.children -= 1

@@ -209,6 +209,53 @@ def _write_buffer(value: Any) -> int:
 _POOLS, _CONNECTIONS, _LEASES = _int_in(1, 64), _int_in(1, 1 << 20), _int_in(1, 1 << 24)
 
 
+def _peers(value: Any) -> tuple[str, ...]:
+    """A list of HOST:PORT (TOML), or one comma-separated string (a variable)."""
+    if isinstance(value, str):
+        value = [v for v in (p.strip() for p in value.split(",")) if v]
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"expected a list of HOST:PORT strings, got {value!r}")
+    for v in value:
+        host, sep, port = v.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
+            raise ValueError(f"expected HOST:PORT, got {v!r}")
+    return tuple(value)
+
+
+def _optional_path(value: Any) -> str | None:
+    if not isinstance(value, str):
+        raise ValueError(f"expected a file path, got {value!r}")
+    return value or None
+
+
+def _node_name(value: Any) -> str | None:
+    if not isinstance(value, str) or "@" in value or len(value) > 255:
+        raise ValueError(f"expected a node name without '@', got {value!r}")
+    return value or None
+
+
+def _zmq_endpoint(value: Any) -> str | None:
+    if not isinstance(value, str):
+        raise ValueError(f"expected a ZMQ endpoint like tcp://*:5557, got {value!r}")
+    if value.lower() in ("", "off"):
+        return None
+    if "://" not in value:
+        raise ValueError(f"expected a ZMQ endpoint like tcp://*:5557, got {value!r}")
+    return value
+
+
+def _event_format(value: Any) -> str:
+    if value not in ("positional", "tagged"):
+        raise ValueError(f"expected positional or tagged, got {value!r}")
+    return value
+
+
+def _model_name(value: Any) -> str:
+    if not isinstance(value, str) or not value or "@" in value:
+        raise ValueError(f"expected a model name without '@', got {value!r}")
+    return value
+
+
 # -- how SIGHUP applies a setting: f(daemon, running configuration, field) -----------------
 def LIVE(daemon: Daemon, cfg: DaemonConfig, field: str) -> None:
     """Nothing to push: the daemon reads ``daemon.config.<field>`` each time it needs it."""
@@ -268,6 +315,19 @@ class Key:
     metavar: str | None = None  # what a flag's value is, in help (SIZE, DURATION, ...)
     field: str = ""  # the DaemonConfig attribute, when it is not ``name``
     example: Any = None  # a valid value other than the default, as TOML would hold it
+    # A key of a TOML section: ``[transfer] listen`` is the key "transfer_listen" with section
+    # "transfer" (variable KVBROKER_TRANSFER_LISTEN); "" for a top-level key.
+    section: str = ""
+
+    @property
+    def toml_name(self) -> str:
+        """Its name inside its section (``listen``), or its name at the top."""
+        return self.name[len(self.section) + 1:] if self.section else self.name
+
+    @property
+    def where(self) -> str:
+        """How a file names it: ``[transfer] listen`` or ``lease_ttl``."""
+        return f"[{self.section}] {self.toml_name}" if self.section else self.name
 
     @property
     def attr(self) -> str:
@@ -390,12 +450,13 @@ SETTINGS: tuple[Key, ...] = (
     Key("gpu_ring", _gpu_ring, "off", flag=(), metavar="SIZE", example="2G",
         help="Allocate a GPU staging ring of this size on each visible GPU, shared with "
              "clients through CUDA IPC (e.g. 1G)."),
-    # Warm restart (kvbroker._server.journal): after a crash the next daemon always adopts the
-    # pools and the journal unless `cold`; a clean stop keeps them only with keep_pools_on_exit.
+    # Warm restart (kvbroker._server.journal): after a crash, and after a stop for a restart
+    # (SIGUSR1, systemd's RestartKillSignal=), the next daemon adopts the pools and the journal
+    # unless `cold`; a plain stop (SIGTERM) keeps them only with keep_pools_on_exit.
     Key("keep_pools_on_exit", _bool, False, text=bool, shown="drop", example=True,
         flag=("--keep-pools-on-exit/--drop-pools-on-exit",),
-        help="On a clean stop, keep the pools and their index for the next daemon (after a "
-             "crash the next daemon always adopts them)."),
+        help="On SIGTERM too, keep the pools and their index for the next daemon (SIGUSR1, "
+             "a restart, always keeps them; after a crash the next daemon adopts them)."),
     Key("cold", _bool, False, flag=("--cold",), text=bool, example=True,
         help="Start empty: drop the pools and objects a previous daemon left."),
     Key("journal", _bool, True, text=bool, example=False,
@@ -406,8 +467,37 @@ SETTINGS: tuple[Key, ...] = (
     Key("restart_quarantine", _duration, "10s", reload=TO_BROKER, flag=(), metavar="DURATION", example="45s",
         help="Keep pages a writer may still be copying into (after a daemon restart or a "
              "cut-off) out of use this long."),
+    # Broker-to-broker pulls through NIXL (issue 18; kvbroker._server.fleet). Pulling and
+    # serving both need token_file; listen serves this daemon's pools to the peers.
+    Key("transfer_listen", parse_listen_address, "off", section="transfer",
+        example="127.0.0.1:7070",
+        help="Serve this daemon's sealed objects to peer brokers on HOST:PORT (control "
+             "channel; the bytes move through NIXL)."),
+    Key("transfer_peers", _peers, (), section="transfer", example=["10.0.0.2:7070"],
+        shown="[]",
+        help="Peer brokers (HOST:PORT): with listen, only these addresses are served."),
+    Key("transfer_token_file", _optional_path, "", section="transfer",
+        example="/etc/kvbroker/peer.token",
+        help="Shared secret of the brokers of this fleet (mode 0600, at least 16 bytes)."),
+    Key("transfer_node", _node_name, "", section="transfer", example="node-a",
+        shown="the host name",
+        help="This node's name, for peers and the event topic kv@<node>@<model>."),
+    Key("transfer_pin_ttl", _positive_duration, "30s", section="transfer", example="5s",
+        help="TTL of the lease a peer holds for us while we pull."),
+    Key("transfer_timeout", _positive_duration, "60s", section="transfer", example="2m",
+        help="Give up a pull (connect, pin, NIXL READ) after this long."),
+    # KV events for cache-aware routers (kvbroker._server.events).
+    Key("events_publish", _zmq_endpoint, "off", section="events", example="tcp://*:5557",
+        help="Publish vLLM-format KV events of prefix blocks on this ZMQ PUB endpoint."),
+    Key("events_replay", _zmq_endpoint, "off", section="events", example="tcp://*:5558",
+        help="ROUTER endpoint answering replay requests for missed batches."),
+    Key("events_format", _event_format, "positional", section="events", example="tagged",
+        help="positional (llm-d, vLLM array_like) or tagged (vLLM 0.32's decoder)."),
+    Key("events_model", _model_name, "kvbroker", section="events", example="llama-3-8b",
+        help="The model part of the event topic kv@<node>@<model>."),
 )
 KEYS: dict[str, Key] = {k.name: k for k in SETTINGS}
+SECTIONS: frozenset[str] = frozenset(k.section for k in SETTINGS if k.section)
 
 
 def _resolved_pool_size(self: DaemonConfig) -> int:
@@ -482,14 +572,26 @@ def _read_file(path: str, required: bool) -> dict[str, Any]:
         raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    flat: dict[str, Any] = {}
     for key, value in data.items():
-        if key not in KEYS:
+        if key in SECTIONS and isinstance(value, dict):
+            for sub, v in value.items():
+                full = f"{key}_{sub}"
+                if full not in KEYS or KEYS[full].section != key:
+                    names = [k.toml_name for k in SETTINGS if k.section == key]
+                    raise ConfigError(f"{path}: unknown key {sub!r} in [{key}]"
+                                      f"{_did_you_mean(sub, names)}")
+                flat[full] = v
+            continue
+        if key not in KEYS or KEYS[key].section:
             extra = _did_you_mean(key, KEYS)
             if isinstance(value, dict):
                 tables = " and ".join(f"[{k.name}]" for k in SETTINGS if k.table)
+                tables += "".join(f" and [{name}]" for name in sorted(SECTIONS))
                 extra += f"; the only sections are {tables}, put every other key at the top"
             raise ConfigError(f"{path}: unknown key {key!r}{extra}")
-    return data
+        flat[key] = value
+    return flat
 
 
 def load_config(
@@ -506,7 +608,7 @@ def load_config(
     required = path is not None or bool(env.get(CONFIG_ENV))
     path = path or env.get(CONFIG_ENV) or DEFAULT_CONFIG_PATH
     layers: list[tuple[Callable[[str], str], Mapping[str, Any]]] = [
-        (lambda k: f"{path}: {k}", _read_file(path, required)),
+        (lambda k: f"{path}: {KEYS[k].where if k in KEYS else k}", _read_file(path, required)),
         (env_name, _env_layer(env)),
         (flag_name, {k: v for k, v in (flags or {}).items() if v is not None}),
     ]

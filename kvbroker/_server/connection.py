@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import msgpack
 
 from .snapshot import statistics_for
-from .state import Session, WouldWait
+from .state import Deferred, Session, WouldWait
 from .._wire import replies as R
 from .._wire.protocol import MAX_REQUEST, OPS, unpacker_limits
 from ..errors import BadRequest, BrokerUnavailable, InternalError, KVBrokerError, LimitExceeded
@@ -167,12 +167,21 @@ class Connection(asyncio.BufferedProtocol):
                             "kvbroker is shutting down: finish what you hold, take new leases "
                             "from the next daemon")
                 return
+            if row.draining.publishes and not self.daemon.keeps_pools:
+                self.broker.end_unpublished(self.session, args, "kvbroker is stopping")
+                self._error(rid, BrokerUnavailable.code,
+                            "kvbroker is stopping and frees its pools: nothing published now "
+                            "would be kept (the write lease or arena named ended)")
+                return
             if row.draining.args and isinstance(args, dict):
                 args = {**args, **dict(row.draining.args)}  # e.g. publish: no fresh arena
         try:
             result = self.broker.handle(self.session, op, args, self)
         except WouldWait as ww:
             self._start_wait(rid, op, args, ww)
+            return
+        except Deferred as d:  # a pull from a peer broker first (kvbroker._server.fleet)
+            self._start_deferred(rid, op, d)
             return
         except KVBrokerError as exc:
             self._error(rid, exc.code, exc.message or str(exc))
@@ -238,6 +247,30 @@ class Connection(asyncio.BufferedProtocol):
             self._error(rid, exc.code, exc.message)
         except asyncio.CancelledError:
             return
+        finally:
+            self.waiter = None
+        self._wait_done()
+
+    def _start_deferred(self, rid: int, op: str, d: Deferred) -> None:
+        self.busy = True
+        self.wait_rid = rid
+        self.transport.pause_reading()
+        self.waiter = asyncio.get_running_loop().create_task(self._deferred(rid, op, d))
+
+    async def _deferred(self, rid: int, op: str, d: Deferred) -> None:
+        try:
+            try:
+                done = await asyncio.wait_for(d.work(), d.timeout)
+            except asyncio.TimeoutError:
+                raise Timeout(f"{op}: no answer from the peer within {d.timeout:g} s") from None
+            self._send({"id": rid, "ok": True, "result": d.then(done)})
+        except KVBrokerError as exc:
+            self._error(rid, exc.code, exc.message or str(exc))
+        except asyncio.CancelledError:
+            return
+        except Exception as exc:
+            log.exception("session %d: %s failed", self.session.id, op)
+            self._error(rid, InternalError.code, f"{type(exc).__name__}: {exc}")
         finally:
             self.waiter = None
         self._wait_done()

@@ -43,6 +43,15 @@ class DaemonError(Exception):
     """The daemon cannot start (socket held, shared memory too small, ...)."""
 
 
+# The signal that stops the daemon for a restart (systemd's RestartKillSignal=): drain as
+# SIGTERM does, then keep the pools and the journal for the next daemon instead of freeing
+# them. SIGTERM and SIGINT (systemctl stop, ^C) free them, unless keep_pools_on_exit.
+RESTART_SIGNAL = signal.SIGUSR1
+# First line of <socket>.lock after a daemon stopped keeping its pools for the next one
+# (while one serves, its pid; after a crash, the dead one's pid).
+_KEPT = "kept"
+
+
 
 
 class Daemon:
@@ -63,6 +72,10 @@ class Daemon:
         self._stop: asyncio.Event | None = None
         self._lock_fd: int | None = None
         self._previous_segments: list[str] = []
+        self._previous_kept = False  # the previous daemon stopped keeping its pools for us
+        self._restart = False  # stopping for a restart (RESTART_SIGNAL): keep the pools
+        self._adopted = False  # this daemon took over a previous one's pools
+        self._serving = False  # it got as far as serving (a start that fails keeps adopted pools)
         self._server: asyncio.AbstractServer | None = None
         self._owns_socket_file = False
         self._last_activity = 0.0
@@ -77,6 +90,7 @@ class Daemon:
         self._activated = False  # serving a socket systemd passed: its path is not ours to set
         self._force_stop: asyncio.Event | None = None
         self._metrics = None
+        self.fleet: Any = None  # kvbroker._server.fleet.Fleet, with [transfer] or [events]
 
     # -- start ---------------------------------------------------------------------------
     def _acquire_lock(self) -> None:
@@ -84,23 +98,32 @@ class Daemon:
         parent = os.path.dirname(os.path.abspath(path))
         os.makedirs(parent, exist_ok=True)
         lock_path = path + ".lock"
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+        while True:
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as exc:
+                if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                    os.close(fd)
+                    raise
+                holder = os.pread(fd, 64, 0).split(b"\n", 1)[0].decode(errors="replace")
                 os.close(fd)
-                raise
-            holder = os.pread(fd, 64, 0).split(b"\n", 1)[0].decode(errors="replace").strip()
+                raise DaemonError(
+                    f"another kvbroker daemon (pid {holder.strip() or '?'}) is serving "
+                    f"{path}; stop it first or choose another --socket"
+                ) from None
+            # A daemon stopping cleanly unlinks the file it locked: ours must still be there.
+            try:
+                if os.stat(lock_path).st_ino == os.fstat(fd).st_ino:
+                    break
+            except FileNotFoundError:
+                pass
             os.close(fd)
-            raise DaemonError(
-                f"another kvbroker daemon (pid {holder or '?'}) is serving {path}; "
-                "stop it first or choose another --socket"
-            ) from None
         # The lock was free, so whoever wrote this file is gone: the segments it left are
         # adopted (warm restart) or dropped once the journal has been read.
-        previous = os.pread(fd, 1 << 16, 0).decode(errors="replace").split("\n")[1:]
-        self._previous_segments = [n for n in (n.strip() for n in previous) if n]
+        previous = os.pread(fd, 1 << 16, 0).decode(errors="replace").split("\n")
+        self._previous_kept = previous[0].strip() == _KEPT
+        self._previous_segments = [n for n in (n.strip() for n in previous[1:]) if n]
         self._lock_fd = fd
 
     def _drop_segments(self, names, keep=()) -> None:
@@ -135,7 +158,7 @@ class Daemon:
                 self._drop_segments(p["name"] for p in recovered.pools)
                 os.unlink(path)
                 recovered = None
-        adopted = recovered is not None and self._adopt_pools(recovered)
+        adopted = self._adopted = recovered is not None and self._adopt_pools(recovered)
         self._drop_segments(self._previous_segments, keep={p.name for p in self.pools})
         if not adopted:
             self._create_pools()
@@ -185,6 +208,18 @@ class Daemon:
         pages = {p["page_size"] for p in old}
         if (len(old) != cfg.pools or pages != {cfg.page_size}
                 or (want_size is not None and sizes != {want_size})):  # fmt: skip
+            if self._previous_kept:  # kept for a restart that changed them: a cache, dropped
+                log.warning(
+                    "the previous daemon of %s kept %d sealed object(s) for this one in %d "
+                    "pool(s) of %s with pages of %s, but this configuration asks for %d "
+                    "pool(s) of %s with pages of %s: dropping them, starting empty",
+                    cfg.socket_path, len(rec.objects), len(old), format_size(max(sizes)),
+                    format_size(max(pages)), cfg.pools,
+                    format_size(want_size) if want_size else "default size",
+                    format_size(cfg.page_size),
+                )  # fmt: skip
+                self._drop_segments(p["name"] for p in old)
+                return False
             raise DaemonError(
                 f"the previous daemon of {cfg.socket_path} left {len(rec.objects)} sealed "
                 f"object(s) in {len(old)} pool(s) of {format_size(max(sizes))} with pages of "
@@ -286,13 +321,26 @@ class Daemon:
         if fut is not None and not fut.done():
             fut.set_result(None)
 
-    def request_stop(self) -> None:
-        """First call: drain and stop. A second one (another SIGTERM/^C): stop without waiting."""
+    def request_stop(self, restart: bool = False) -> None:
+        """First call: drain and stop; ``restart`` (RESTART_SIGNAL): then keep the pools for
+        the next daemon. A second call (another signal, ^C): stop without waiting."""
         if self._stop is None:
             return
         if self._stop.is_set():
             self._force_stop.set()
+        else:
+            self._restart = restart
         self._stop.set()
+
+    @property
+    def keeps_pools(self) -> bool:
+        """Whether this daemon, once stopped, leaves its pools and their journal to the next
+        one (a restart, or keep_pools_on_exit) rather than freeing them."""
+        journal = self.broker.journal if self.broker is not None else None
+        # A start that fails after adopting pools leaves them as it found them.
+        wanted = self._restart or self.config.keep_pools_on_exit
+        return ((wanted or (self._adopted and not self._serving))
+                and journal is not None and not journal.failed)  # fmt: skip
 
     async def serve(
         self,
@@ -318,17 +366,25 @@ class Daemon:
             self.broker.on_sealed = self._on_sealed
             if self.config.gpu_ring:
                 self._open_rings()
+            await self._start_fleet()
             if self._lock_fd is not None:
                 self._write_lock_record()
             sock = listen_socket if listen_socket is not None else self._bind()
             self._server = await loop.create_unix_server(lambda: Connection(self), sock=sock)
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self.request_stop)
+            loop.add_signal_handler(RESTART_SIGNAL, self.request_stop, True)
             loop.add_signal_handler(signal.SIGHUP, self.reload)
             if self.config.metrics is not None:
                 from .metrics import MetricsServer
 
-                self._metrics = MetricsServer(self.config.metrics, self.statistics_threadsafe)
+                try:
+                    self._metrics = MetricsServer(self.config.metrics,
+                                                  self.statistics_threadsafe)  # fmt: skip
+                except OSError as exc:  # a refusal to start like any other, said as one
+                    host, port = self.config.metrics
+                    raise DaemonError(f"cannot serve metrics on {host}:{port}: "
+                                      f"{exc.strerror or exc}") from None  # fmt: skip
                 log.info("metrics on %s", self._metrics.url)
             tasks.append(loop.create_task(self._expiry_loop()))
             tasks.append(loop.create_task(self._status_loop()))
@@ -341,14 +397,34 @@ class Daemon:
             )  # fmt: skip
             # Only now: the socket is listening and the pools exist, so clients may come.
             self.notifier.ready(self.summary())
+            self._serving = True
             if on_ready is not None:
                 on_ready(self)
             await self._stop.wait()
             await self._drain()
+        except (DaemonError, KVBrokerError) as exc:
+            # A refusal to start: said before the shutdown's "stopped", and only once.
+            log.error("%s", exc)
+            exc.logged = True
+            raise
         finally:
             for task in tasks:
                 task.cancel()
             await self._shutdown()
+
+    async def _start_fleet(self) -> None:
+        """Peer pulls and serving ([transfer]) and KV events ([events]), when configured
+        (kvbroker._server.fleet): NIXL and pyzmq are imported only then."""
+        cfg = self.config
+        if not (cfg.transfer_token_file or cfg.transfer_listen or cfg.events_publish):
+            return
+        from .fleet import Fleet
+
+        self.fleet = Fleet(self)
+        try:
+            await self.fleet.start()
+        except KVBrokerError as exc:
+            raise DaemonError(str(exc)) from None
 
     def _activated_socket(self) -> socket.socket | None:
         socks = listen_fds()
@@ -427,10 +503,16 @@ class Daemon:
             conn.cancel_wait(BrokerUnavailable.code, "kvbroker is shutting down")
         held = len(self.broker.leases) if self.broker else 0
         self.notifier.stopping(self.summary())
+        if self._restart and not self.keeps_pools:
+            log.warning("stopping for a restart, but without a journal (journal = false, or "
+                        "it failed): the pools are freed")  # fmt: skip
+        keep = ("keeping the pools for the next daemon" if self.keeps_pools
+                else "then freeing the pools")
         if not held or self.config.drain_timeout <= 0:
+            log.info("stopping (%s)", keep)
             return
-        log.info("stopping: waiting up to %gs for %d lease(s) to end",
-                 self.config.drain_timeout, held)
+        log.info("stopping: waiting up to %gs for %d lease(s) to end (%s)",
+                 self.config.drain_timeout, held, keep)
         deadline = self._loop.time() + self.config.drain_timeout
         while self.broker.leases and not self._force_stop.is_set():
             remaining = deadline - self._loop.time()
@@ -487,7 +569,7 @@ class Daemon:
 
     async def _shutdown(self) -> None:
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, RESTART_SIGNAL):
             loop.remove_signal_handler(sig)
         if self._metrics is not None:
             self._metrics.close()
@@ -500,11 +582,18 @@ class Daemon:
             conn.connection_lost(None)
         if self._server is not None:
             await self._server.wait_closed()
+        if self.fleet is not None:  # before the pools go: NIXL has them registered
+            try:
+                await self.fleet.close()
+            except Exception:
+                log.exception("stopping the fleet service failed")
+            self.fleet = None
         if self.broker is not None and self.broker.rings is not None:
             self.broker.rings.close()  # every connection is gone: no lease holds a region
             self.broker.rings = None
         journal = self.broker.journal if self.broker is not None else None
-        if self.config.keep_pools_on_exit and journal is not None and not journal.failed:
+        kept = self.keeps_pools
+        if kept:
             # Every lease has ended: what is left is the sealed objects, for the next daemon.
             self.broker.compact_journal()
             journal.close()
@@ -521,7 +610,15 @@ class Daemon:
             except FileNotFoundError:
                 pass
         if self._lock_fd is not None:
-            os.ftruncate(self._lock_fd, 0)
+            if kept:  # the next daemon adopts the pools; tell it they were kept on purpose
+                record = "\n".join([_KEPT] + [p.name for p in self.pools]) + "\n"
+                os.ftruncate(self._lock_fd, 0)
+                os.pwrite(self._lock_fd, record.encode(), 0)
+            else:  # nothing left for a successor: no file either (unlinked while locked)
+                try:
+                    os.unlink(self.config.socket_path + ".lock")
+                except FileNotFoundError:
+                    pass
             os.close(self._lock_fd)
             self._lock_fd = None
         log.info("stopped")
@@ -550,6 +647,7 @@ def run_daemon(
         uvloop = _uvloop()
         (asyncio.run if uvloop is None else uvloop.run)(serving)
     except (DaemonError, KVBrokerError) as exc:
-        log.error("%s", exc)
+        if not getattr(exc, "logged", False):
+            log.error("%s", exc)
         return 1
     return 0

@@ -231,9 +231,17 @@ def _group(gid: int) -> str:
         return str(gid)
 
 
+def check_socket_unit(cfg: DaemonConfig) -> Check:
+    """The configured socket against kvbroker.socket's ListenStream= (kvbroker._unitcheck)."""
+    from .._unitcheck import UNIT_PATHS, check_socket_unit as compare
+
+    verdict = compare(cfg.socket_path, UNIT_PATHS)
+    return Check("socket unit", verdict.status, verdict.detail, verdict.fix)
+
+
 CHECKS: tuple[Callable[[DaemonConfig], Check], ...] = (
-    check_memlock, check_shm, check_socket_dir, check_service_user, check_gpu,
-    check_host_register,
+    check_memlock, check_shm, check_socket_dir, check_socket_unit, check_service_user,
+    check_gpu, check_host_register,
 )  # fmt: skip
 
 

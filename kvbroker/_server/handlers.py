@@ -25,7 +25,7 @@ from .._wire.protocol import MAX_BUFFERS, MAX_META, MAX_NAME, PROTOCOL_VERSION
 from ..errors import BadRequest, Exists, NotFound, ProtocolError
 from .arenas import arena_of, end_arena, new_arena, publish_from_arena
 from .snapshot import statistics_for
-from .state import Session, StoredObject, WouldWait
+from .state import Deferred, Session, StoredObject, WouldWait
 
 if TYPE_CHECKING:
     from .broker import Broker
@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 __all__ = ["HANDLERS"]
 
 _MAX_LIST = 10_000
+MAX_TOKENS = 1 << 16  # token ids of one prefix block
 _MAX_REGEX = 1024
 _RE2_OPTIONS = re2.Options()
 _RE2_OPTIONS.log_errors = False  # a bad pattern is the client's error, answered, not logged
@@ -54,6 +55,7 @@ def op_hello(b: Broker, session: Session, version: int, name: str, role: str) ->
         "lease_ttl": b.lease_ttl,
         "pools": [p.describe() for p in b.pools],
         "epoch": b.epoch,
+        "checksum_kinds": sorted(_checksum.KINDS),
     }
 
 
@@ -89,16 +91,23 @@ def op_reserve_blocks(b: Broker, session, namespace, blocks, ttl) -> R.BlocksRes
         if not isinstance(bufs, dict) or (meta is not None and not isinstance(meta, dict)):
             raise BadRequest(f"reserve_blocks: block {i}: buffers (and meta) must be maps")
         ident = (namespace, _check_name("key", blk["key"]))
-        plans.append((ident, parent, *_buffer_layout(bufs, meta), meta))
+        tokens = blk.get("tokens")
+        if tokens is not None and not (
+                isinstance(tokens, list) and len(tokens) <= MAX_TOKENS
+                and all(t.__class__ is int for t in tokens)):  # fmt: skip
+            raise BadRequest(f"reserve_blocks: block {i}: tokens must be a list of at most "
+                             f"{MAX_TOKENS} token ids")  # fmt: skip
+        plans.append((ident, parent, *_buffer_layout(bufs, meta), meta, tokens))
     results: list[R.BlockReserved | R.BlockExists] = []
     taken = []
     try:
-        for ident, parent, layout, span, meta in plans:
+        for ident, parent, layout, span, meta, tokens in plans:
             if ident in b.objects or ident in b.pending:
                 results.append({"exists": True})
                 continue
             lease = b.reserve_extent(session, ident, layout, span, meta, ttl)
             lease.obj.parent_key = parent  # resolved at seal: it may be in this batch
+            lease.obj.tokens = tokens
             taken.append(lease)
             results.append({"lease": lease.id, "buffers": _extents(lease.obj, lease.obj.buffers)})
     except BaseException:
@@ -173,11 +182,19 @@ def op_abort(b: Broker, session, lease) -> R.Empty:
 
 
 # ------------------------------------------------------------------------------ claim
-def op_claim(b: Broker, session, namespace, key, select, consume, wait, ttl) -> R.Claimed:
+def op_claim(b: Broker, session, namespace, key, select, consume, wait, ttl,
+             peer=None) -> R.Claimed:  # fmt: skip
     # A consume-claim frees the object when released: as much a write as evict is.
     session.access.check(namespace, bool(consume), "consume-claim" if consume else "claim")
     ident = (namespace, key)
     obj = b.objects.get(ident)
+    if obj is None and peer is not None:  # pull it from the peer, then claim it here
+        session.access.check(namespace, True, "claim from a peer")  # it writes our pools
+        fleet = _fleet(b, "claim")
+        raise Deferred(lambda: fleet.fetch(peer, namespace, key, consume),
+                       lambda _: op_claim(b, session, namespace, key, select, consume, None,
+                                          ttl),
+                       fleet.timeout)  # fmt: skip
     if obj is None:
         if wait is not None and wait > 0:
             raise WouldWait(ident, float(wait))
@@ -223,7 +240,8 @@ def op_release_many(b: Broker, session, leases) -> R.Empty:
     return {}
 
 
-def op_match_prefix(b: Broker, session, namespace, keys, block_tokens, ttl) -> R.PrefixMatch:
+def op_match_prefix(b: Broker, session, namespace, keys, block_tokens, ttl,
+                    peer=None) -> R.PrefixMatch:  # fmt: skip
     ttl = _ttl(b, ttl)
     if len(keys) > MAX_BUFFERS:
         raise BadRequest(f"match_prefix: at most {MAX_BUFFERS} keys per request")
@@ -236,6 +254,16 @@ def op_match_prefix(b: Broker, session, namespace, keys, block_tokens, ttl) -> R
         if obj is None:
             break
         found.append(obj)
+    if peer is not None and len(found) < len(keys):
+        # Pull the blocks after the local run that the peer holds, then match here.
+        session.access.check(namespace, True, "match_prefix from a peer")
+        rest = keys[len(found):]
+        if all(k.__class__ is str for k in rest):
+            fleet = _fleet(b, "match_prefix")
+            raise Deferred(lambda: fleet.fetch_prefix(peer, namespace, list(rest)),
+                           lambda _: op_match_prefix(b, session, namespace, keys,
+                                                     block_tokens, ttl),
+                           fleet.timeout)  # fmt: skip
     c = b.counters
     c["prefix_queries"] += 1
     c["prefix_hit_blocks"] += len(found)
@@ -273,21 +301,32 @@ def op_renew(b: Broker, session, leases, ttl) -> R.Renewed:
 
 
 # ------------------------------------------------------------------------------ directory
-def op_lookup(b: Broker, session, namespace, key) -> dict | None:
+def op_lookup(b: Broker, session, namespace, key, peer=None) -> dict | None:
     obj = b.objects.get((namespace, key))
+    if obj is None and peer is not None and session.access.can(namespace):
+        fleet = _fleet(b, "lookup")
+        raise Deferred(lambda: fleet.lookup(peer, namespace, key), lambda info: info,
+                       fleet.timeout)  # fmt: skip
     if obj is None or not session.access.can(namespace):
         return None
     info = obj.info()
     info["checksums"] = obj.checksums
+    info["buffer_sizes"] = {name: n for name, (_, n) in obj.buffers.items()}
+    info["consumers"] = obj.consumers
     return info
 
 
-def op_list(b: Broker, session, namespace, match, limit) -> R.Listed:
+def op_list(b: Broker, session, namespace, match, limit, after) -> R.Listed:
     limit = _MAX_LIST if limit is None else max(0, min(limit, _MAX_LIST))
     pattern = _regex(match) if match is not None else None
-    out, truncated = [], False
+    out, last, truncated = [], None, False
     can = session.access.can
-    for obj in b.objects.values():
+    # b.objects iterates in link order (StoredObject.seq rises along it): a page resumes
+    # after the last object the previous one listed, whatever was sealed or freed since.
+    objects = iter(b.objects.values())
+    if after is not None:
+        objects = (o for o in objects if o.seq > after)
+    for obj in objects:
         if namespace is not None and obj.namespace != namespace:
             continue
         if not can(obj.namespace):
@@ -298,7 +337,9 @@ def op_list(b: Broker, session, namespace, match, limit) -> R.Listed:
             truncated = True
             break
         out.append(obj.info())
-    return {"objects": out, "truncated": truncated}
+        last = obj.seq
+    return {"objects": out, "truncated": truncated,
+            "next": (last if last is not None else after or 0) if truncated else None}
 
 
 def op_evict(b: Broker, session, namespace, key, match, match_buffers, older_than, all,
@@ -339,6 +380,9 @@ def op_evict(b: Broker, session, namespace, key, match, match_buffers, older_tha
     if not dry_run:
         for obj in victims:
             b.evict(obj)
+        if all and b.on_block is not None and not (
+                namespace or key or match or match_buffers or older_than):  # fmt: skip
+            b.on_block("cleared", None)  # a router forgets this node's blocks
     return {
         "evicted": reported,
         "count": len(victims),
@@ -349,14 +393,48 @@ def op_evict(b: Broker, session, namespace, key, match, match_buffers, older_tha
     }
 
 
+def op_fetch(b: Broker, session, namespace, key, peer) -> R.Fetched:
+    session.access.check(namespace, True, "fetch")
+    obj = b.objects.get((namespace, key))
+    if obj is not None:  # here already: never fetched twice
+        return {"namespace": namespace, "key": key, "nbytes": obj.nbytes, "fetched": False,
+                "peer": peer}  # fmt: skip
+    fleet = _fleet(b, "fetch")
+    return _defer_fetch(b, fleet, namespace, key, peer)
+
+
+def _defer_fetch(b: Broker, fleet: Any, namespace: str, key: str, peer: str):
+    def then(pulled: bool) -> R.Fetched:
+        obj = b.objects.get((namespace, key))
+        if obj is None:
+            raise NotFound(f"{namespace}/{key} was pulled from {peer} but is gone again "
+                           "(consumed or evicted)")  # fmt: skip
+        return {"namespace": namespace, "key": key, "nbytes": obj.nbytes,
+                "fetched": bool(pulled), "peer": peer}  # fmt: skip
+
+    raise Deferred(lambda: fleet.fetch(peer, namespace, key, False), then, fleet.timeout)
+
+
 def op_stat(b: Broker, session) -> dict[str, Any]:
     return statistics_for(b, session).to_dict()
+
+
+def op_ping(b: Broker, session) -> R.Pong:
+    return {"server_version": __version__, "server_pid": os.getpid(),
+            "started_at": b.started_at, "epoch": b.epoch}
 
 
 HANDLERS = {name[3:]: fn for name, fn in list(globals().items()) if name.startswith("op_")}
 
 
 # ------------------------------------------------------------------------------ checks
+def _fleet(b: Broker, op: str) -> Any:
+    if b.fleet is None:
+        raise BadRequest(f"{op} with a peer: this daemon pulls from no peer (set [transfer] "
+                         "token_file, and install kvbroker[transfer])")  # fmt: skip
+    return b.fleet
+
+
 def _ttl(b: Broker, ttl: float | None) -> float:
     """A lease TTL asked for (None: the default), checked against max_lease_ttl."""
     if ttl is None:

@@ -96,6 +96,53 @@ class BrokerCollector(Collector):
         yield leased
         for field, (name, doc) in _COUNTERS.items():
             yield CounterMetricFamily(name, doc, value=getattr(s.counters, field))
+        yield from _transfer(s)
+
+
+# TransferStatistics field -> (metric name, help); counters end in _total once exposed
+_TRANSFER_GAUGES = {
+    "serving": ("kvbroker_peer_connections_served", "Peer brokers connected to this one."),
+    "leases_served": ("kvbroker_peer_leases", "Leases held here for peer brokers."),
+    "in_flight": ("kvbroker_pulls_in_flight", "Pulls from peer brokers under way."),
+}
+_TRANSFER_COUNTERS = {
+    "pulls": ("kvbroker_pulls", "Pulls from peer brokers that sealed their objects."),
+    "bytes_pulled": ("kvbroker_pulled_bytes", "Bytes pulled from peer brokers (NIXL READ)."),
+    "pins_served": ("kvbroker_peer_pins", "Pins of this broker's objects for peers."),
+    "bytes_served": ("kvbroker_served_bytes", "Bytes of objects peers read and released."),
+    "refused": ("kvbroker_peer_refused", "Peer connections refused (token, address)."),
+}
+_EVENT_COUNTERS = {
+    "events_published": ("kvbroker_kv_events", "KV events sent to subscribers."),
+    "events_dropped": ("kvbroker_kv_events_dropped", "KV events dropped (queue full)."),
+    "replay_requests": ("kvbroker_kv_event_replays", "Replay requests answered."),
+}
+
+
+def _transfer(s: Statistics) -> Iterator[Metric]:
+    t = s.transfer
+    if t is not None:
+        for field, (name, doc) in _TRANSFER_GAUGES.items():
+            yield GaugeMetricFamily(name, doc, value=getattr(t, field))
+        for field, (name, doc) in _TRANSFER_COUNTERS.items():
+            yield CounterMetricFamily(name, doc, value=getattr(t, field))
+        fails = CounterMetricFamily("kvbroker_pull_failures",
+                                    "Pulls that failed (nothing sealed), by error code.",
+                                    labels=["code"])  # fmt: skip
+        for code, n in sorted((t.failures_by_code or {}).items()):
+            fails.add_metric([code], n)
+        yield fails
+        peers = GaugeMetricFamily("kvbroker_peer_up", "Peer brokers this one pulls from "
+                                  "(1: connected).", labels=["peer", "node"])  # fmt: skip
+        for p in t.peers:
+            peers.add_metric([p.address, p.node], 1 if p.connected else 0)
+        yield peers
+    e = s.events
+    if e is not None:
+        for field, (name, doc) in _EVENT_COUNTERS.items():
+            yield CounterMetricFamily(name, doc, value=getattr(e, field))
+        yield GaugeMetricFamily("kvbroker_kv_events_queued", "KV events waiting to be sent.",
+                                value=e.queued)
 
 
 class MetricsServer:

@@ -19,6 +19,7 @@ import shutil
 import posix_ipc
 
 from .allocator import ExtentAllocator
+from .._wire.paths import format_size
 from ..errors import KVBrokerError
 
 __all__ = ["HostPool", "segment_prefix"]
@@ -45,7 +46,8 @@ class HostPool:
         if page_size <= 0 or page_size & (page_size - 1):
             raise KVBrokerError(f"page size must be a power of two, got {page_size}")
         if size < page_size:
-            raise KVBrokerError(f"pool size {size} is smaller than one page ({page_size})")
+            raise KVBrokerError(f"pool size {format_size(size)} is smaller than one page "
+                                f"({format_size(page_size)})")
         size -= size % page_size
         self.index = index
         self.name = name
@@ -62,8 +64,8 @@ class HostPool:
             except OSError as exc:
                 free = shutil.disk_usage("/dev/shm").free if os.path.isdir("/dev/shm") else 0
                 raise KVBrokerError(
-                    f"cannot reserve {size} bytes of shared memory for pool {index} "
-                    f"({exc.strerror}); /dev/shm has {free} bytes free: "
+                    f"cannot reserve {format_size(size)} of shared memory for pool {index} "
+                    f"({exc.strerror}); /dev/shm has {format_size(free)} free: "
                     "use a smaller --pool-size or enlarge /dev/shm"
                 ) from exc
         except BaseException:
@@ -90,7 +92,8 @@ class HostPool:
             shm.close_fd()
         if actual != size:
             raise KVBrokerError(
-                f"shared memory {name} of pool {index} holds {actual} bytes, not {size}"
+                f"shared memory {name} of pool {index} holds {format_size(actual)} ({actual} "
+                f"bytes), not {format_size(size)} ({size} bytes)"
             )
         pool = cls.__new__(cls)
         pool.index, pool.name, pool.size, pool.page_size = index, name, size, page_size

@@ -41,6 +41,7 @@ def statistics(b: Broker, occupancy_cells: int = 64) -> Statistics:
     """Everything the daemon can say about itself, as an operator (admin) sees it."""
     now = b.clock()
     reads = sum(1 for ls in b.leases.values() if ls.kind == "read")
+    fleet = b.fleet.statistics() if b.fleet is not None else (None, None)
     return Statistics(
         taken_at=time.time(),
         version=__version__,
@@ -65,6 +66,8 @@ def statistics(b: Broker, occupancy_cells: int = 64) -> Statistics:
         transfers=tuple(TransferRecord(*t) for t in b.transfers),
         namespaces=_namespace_usage(b),
         rings=b.rings.statistics(occupancy_cells) if b.rings is not None else (),
+        transfer=fleet[0],
+        events=fleet[1],
     )
 
 

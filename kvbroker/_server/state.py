@@ -89,7 +89,7 @@ from typing import Any
 from .policy import Access, Policy
 from .pool import HostPool
 
-__all__ = ["Session", "StoredObject", "Lease", "Arena", "WouldWait", "OPEN_POLICY"]
+__all__ = ["Session", "StoredObject", "Lease", "Arena", "WouldWait", "Deferred", "OPEN_POLICY"]
 
 OPEN_POLICY = Policy()  # every namespace open to everyone: the default
 
@@ -99,6 +99,18 @@ class WouldWait(Exception):
 
     def __init__(self, key: tuple[str, str], timeout: float) -> None:
         self.key = key
+        self.timeout = timeout
+
+
+class Deferred(Exception):
+    """Raised by a handler whose answer needs I/O first (a pull from a peer broker,
+    :mod:`kvbroker._server.fleet`). The connection awaits ``work()`` (a coroutine) off the
+    request path, for at most ``timeout`` seconds, then answers with ``then(result)`` run on
+    the event loop; its later requests wait, in order, as behind a waiting claim."""
+
+    def __init__(self, work: Any, then: Any, timeout: float) -> None:
+        self.work = work
+        self.then = then
         self.timeout = timeout
 
 
@@ -132,7 +144,7 @@ class StoredObject:
     __slots__ = (
         "namespace", "key", "pool", "start", "npages", "nbytes", "buffers", "meta",
         "created_at", "last_access", "sealed", "readers", "linked", "serial", "consumers",
-        "parent", "parent_key", "children", "checksums", "charged", "extents",
+        "parent", "parent_key", "children", "checksums", "charged", "extents", "seq", "tokens",
     )  # fmt: skip
 
     def __init__(self, namespace, key, pool, start, npages, nbytes, buffers, meta, serial):
@@ -158,6 +170,12 @@ class StoredObject:
         self.checksums: dict[str, int] | None = None
         self.charged = 0  # bytes counted against its namespace's quota until freed
         self.extents: tuple[tuple[str, ...], bytes] | None = None  # see compact_extents
+        # Link order: set when linked into Broker.objects, rising along its iteration order
+        # (the cursor of the ``list`` op). Not persisted: a restart renumbers in that order.
+        self.seq = 0
+        # A prefix block's token ids (reserve_blocks' ``tokens``): announced in KV events
+        # (kvbroker._server.events) when sealed and when unlinked; None for other objects.
+        self.tokens: list[int] | None = None
 
     def compact_extents(self) -> tuple[tuple[str, ...], bytes]:
         """(buffer names, little-endian int64 [pool, offset, nbytes, offset, nbytes, ...]),
@@ -174,7 +192,7 @@ class StoredObject:
     # restarted daemon must still know goes here; ``pool`` and ``parent`` travel as indices.
     PERSISTED = (
         "serial", "namespace", "key", "start", "npages", "nbytes", "meta", "created_at",
-        "consumers", "parent_key", "checksums",
+        "consumers", "parent_key", "checksums", "tokens",
     )  # fmt: skip
 
     def to_record(self) -> dict[str, Any]:

@@ -50,7 +50,8 @@ from typing import Any, Protocol
 
 import msgpack
 
-from ..errors import KVBrokerError, ProtocolError, error_for_code
+from ..errors import KVBrokerError, PeerUnavailable, ProtocolError, TransferFailed
+from ..errors import error_for_code
 
 __all__ = [
     "EXTRA",
@@ -75,18 +76,6 @@ _MAX_FRAME = 64 << 20
 _HEADER = struct.Struct(">I")
 _NONCE = 32
 
-
-class PeerUnavailable(KVBrokerError):
-    """A peer broker is down, unreachable, refused us (token, address), or died mid-read.
-    The message names the peer."""
-
-    code = "peer_unavailable"
-
-
-class TransferFailed(KVBrokerError):
-    """A NIXL transfer ended in error or did not finish in time (the message names the peer)."""
-
-    code = "transfer_failed"
 
 
 # -- NIXL ------------------------------------------------------------------------------------
@@ -401,6 +390,9 @@ class PeerServer:
             pid = next(self._ids)
             self._conns[pid] = writer
             log.info("peer %s (%s) connected", who, peer_addr[0])
+            hook = getattr(self.provider, "peer_connected", None)
+            if hook is not None:
+                hook(pid, who, f"{peer_addr[0]}:{peer_addr[1]}")
             while True:
                 try:
                     req = await _recv(reader)
@@ -462,6 +454,22 @@ class PeerServer:
                 out = self.provider.pin(pid, ns, key, float(ttl), consume)
                 self.served_pins += 1
                 return {"ok": True, **out}
+            if op == "pin_prefix":
+                ns, keys = req.get("namespace", "default"), req.get("keys")
+                ttl = req.get("ttl", 30.0)
+                if not isinstance(ns, str) or not isinstance(keys, list) or not all(
+                        isinstance(k, str) for k in keys) or len(keys) > 8192:
+                    raise ProtocolError("pin_prefix needs a namespace and a list of keys")
+                if not isinstance(ttl, (int, float)) or not 0 < ttl <= 3600:
+                    raise ProtocolError("pin ttl must be in (0, 3600] seconds")
+                out = self.provider.pin_prefix(pid, ns, keys, float(ttl))
+                self.served_pins += 1
+                return {"ok": True, **out}
+            if op == "lookup":
+                ns, key = req.get("namespace", "default"), req.get("key")
+                if not isinstance(ns, str) or not isinstance(key, str):
+                    raise ProtocolError("lookup needs namespace and key strings")
+                return {"ok": True, "info": self.provider.lookup(pid, ns, key)}
             if op == "release":
                 self.provider.release(pid, int(req["lease"]), bool(req.get("consumed", False)))
                 return {"ok": True}
@@ -561,6 +569,15 @@ class PeerClient:
                   consume: bool = False) -> dict:
         return await self.request({"op": "pin", "namespace": namespace, "key": key,
                                    "ttl": ttl, "consume": consume})
+
+    async def pin_prefix(self, keys: list[str], *, namespace: str = "default",
+                         ttl: float = 30.0) -> dict:
+        return await self.request({"op": "pin_prefix", "namespace": namespace, "keys": keys,
+                                   "ttl": ttl})
+
+    async def lookup(self, key: str, *, namespace: str = "default") -> dict | None:
+        return (await self.request({"op": "lookup", "namespace": namespace,
+                                    "key": key}))["info"]
 
     async def release(self, lease: int, *, consumed: bool = False) -> None:
         await self.request({"op": "release", "lease": lease, "consumed": consumed})

@@ -54,10 +54,11 @@ Why this design
   order of the ``d_i``; truncation or extension changes ``nbytes`` and the chunk count.
   It is not a MAC: it catches corruption, not an adversary who can write the pool.
 - **Tagged on the wire.** A bare integer stays kind 0, so daemons and journals from before
-  keep their meaning; kind 1 travels as ``[1, value]``. A client of this version seals kind 1
-  (a daemon older than this module refuses the list form: upgrade the daemon first);
-  clients older than this module would report kind-1 objects as mismatched if asked to
-  verify them.
+  keep their meaning; kind 1 travels as ``[1, value]``. The daemon lists the kinds it
+  accepts in its hello reply (``checksum_kinds``); a client seals kind 1 where it is listed
+  and falls back to kind 0 against a daemon that does not list it (older daemons refuse the
+  list form), :func:`seal_kind`. Clients older than this module would report kind-1 objects
+  as mismatched if asked to verify them.
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ import xxhash
 __all__ = [
     "CHUNK", "KIND_XXH3", "KIND_XXH3C", "KINDS", "SHORT_MAX",
     "chunk_count", "chunk_digest", "chunk_digests", "combine", "digest", "legacy_digest",
-    "encode", "parse", "matches", "validate",
+    "encode", "parse", "matches", "validate", "seal_kind",
 ]
 
 # Bytes per chunk of the kind-1 checksum. Part of the definition: changing it is a new kind.
@@ -133,6 +134,12 @@ def digest(view: Any) -> int:
 def legacy_digest(view: Any) -> int:
     """The kind-0 value: xxh3_64 of the whole buffer."""
     return xxhash.xxh3_64_intdigest(view)
+
+
+def seal_kind(accepted: Any) -> int:
+    """The kind a client seals with against a daemon whose hello listed ``accepted`` (None: a
+    daemon from before the field, which takes kind 0 only): kind 1 where accepted, else 0."""
+    return KIND_XXH3C if accepted and KIND_XXH3C in accepted else KIND_XXH3
 
 
 def encode(value: int, kind: int = KIND_XXH3C) -> int | list[int]:

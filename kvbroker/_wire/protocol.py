@@ -92,10 +92,14 @@ class LeaseRole(enum.Flag):
 class Drain:
     """What a draining daemon (stopping, waiting for held leases to end) does with an op:
     serve it, refuse it (``unavailable``), or serve it with ``args`` overriding the
-    request's (so that it takes no new lease)."""
+    request's (so that it takes no new lease). ``publishes``: the op makes an object
+    visible, so it is served only by a daemon that keeps its pools for the next one (a
+    restart); one that frees them (a stop) refuses it and ends the write lease or arena it
+    names: a publish is refused or kept, never acknowledged and then lost with the pools."""
 
     refuse: bool = False
     args: tuple[tuple[str, Any], ...] = ()
+    publishes: bool = False
 
 
 SERVE = Drain()
@@ -154,7 +158,7 @@ OPS: dict[str, Op] = {
         "Make the written object visible atomically; ends the write lease. `checksums`: "
         "{buffer: xxh3_64 of its bytes} for every buffer, kept with the object and returned "
         "by claim and lookup (required when the daemon sets require_checksums).",
-        lease=_NAMES,
+        lease=_NAMES, draining=Drain(publishes=True),
     ),
     "abort": Op(
         {"lease": _a(int, required=True)},
@@ -187,7 +191,7 @@ OPS: dict[str, Op] = {
         "them out; the rest stays the arena. `next_arena` bytes: the arena to hold next "
         "(the rest, while it is at least half that size, else a fresh one of that size; 0 "
         "frees the rest). Exists leaves the arena untouched.",
-        lease=_NAMES | _TAKES, draining=Drain(args=(("next_arena", 0),)),
+        lease=_NAMES | _TAKES, draining=Drain(args=(("next_arena", 0),), publishes=True),
     ),
     "claim": Op(
         {
@@ -197,10 +201,13 @@ OPS: dict[str, Op] = {
             "consume": _a(bool, default=False),
             "wait": _a(*_OPT_NUM),
             "ttl": _a(*_OPT_NUM),
+            "peer": _a(*_OPT_STR),
         },
         R.Claimed,
         "Read lease on a sealed object; `select` is a regex over buffer names; `wait` seconds "
-        "to wait for the key to be sealed; `consume` frees the object once released.",
+        "to wait for the key to be sealed; `consume` frees the object once released. `peer` "
+        "(HOST:PORT of a broker of [transfer] peers): when the object is not here, pull it "
+        "from that broker first (one NIXL READ; a consume counts there), then claim it here.",
         lease=_TAKES, draining=REFUSE,
     ),
     "release": Op(
@@ -217,18 +224,26 @@ OPS: dict[str, Op] = {
         lease=_NAMES,
     ),
     "lookup": Op(
-        {"namespace": _a(str, default="default"), "key": _a(str, required=True)},
+        {"namespace": _a(str, default="default"), "key": _a(str, required=True),
+         "peer": _a(*_OPT_STR)},
         ObjectInfo | None,
-        "Describe one sealed object (with its checksums), without leasing it.",
+        "Describe one sealed object without leasing it: with its checksums, each buffer's "
+        "size (`buffer_sizes`, in layout order) and the consume-claims still to be released "
+        "before it is freed (`consumers`); with `peer`, the peer broker's object when this "
+        "daemon has none (nothing is pulled).",
     ),
     "list": Op(
         {
             "namespace": _a(*_OPT_STR),
             "match": _a(*_OPT_STR),
             "limit": _a(int, type(None)),
+            "after": _a(int, type(None)),
         },
         R.Listed,
-        "Sealed objects, optionally filtered by namespace and a regex over keys.",
+        "Sealed objects, optionally filtered by namespace and a regex over keys, at most "
+        "`limit` (and 10,000) a reply, in the order they were sealed. `truncated`: more "
+        "match; pass the reply's `next` as `after` for the next page (every object sealed "
+        "before the first page and still there is listed once).",
     ),
     "evict": Op(
         {
@@ -251,8 +266,9 @@ OPS: dict[str, Op] = {
         },
         R.BlocksReserved,
         "Write leases for many prefix blocks in one round trip. Each block is "
-        "{key, parent: key|null, buffers: {name: nbytes}, meta?}; a block already published "
-        "answers exists and costs no copy. A block is evicted only after its children.",
+        "{key, parent: key|null, buffers: {name: nbytes}, meta?, tokens?}; a block already "
+        "published answers exists and costs no copy. A block is evicted only after its "
+        "children. `tokens`: the block's token ids, announced in KV events ([events]).",
         lease=_TAKES, draining=REFUSE,
     ),
     "seal_many": Op(
@@ -260,7 +276,7 @@ OPS: dict[str, Op] = {
         R.SealedMany,
         "Seal several write leases in order (parents before children); `checksums`, when "
         "given, holds one {buffer: digest} map (or null) per lease.",
-        lease=_NAMES,
+        lease=_NAMES, draining=Drain(publishes=True),
     ),
     "match_prefix": Op(
         {
@@ -268,11 +284,14 @@ OPS: dict[str, Op] = {
             "keys": _a(list, required=True),
             "block_tokens": _a(int, default=0),
             "ttl": _a(*_OPT_NUM),
+            "peer": _a(*_OPT_STR),
         },
         R.PrefixMatch,
         "Longest run of leading `keys` that are published, all under one read lease. When "
         "every block has the buffers `names`, `packed` holds a little-endian int64 row "
-        "[pool, offset, nbytes, offset, nbytes, ...] per block; else `blocks` a map each.",
+        "[pool, offset, nbytes, offset, nbytes, ...] per block; else `blocks` a map each. "
+        "`peer`: pull the blocks after the local run that the peer broker holds first (one "
+        "NIXL READ for all of them).",
         lease=_TAKES, draining=REFUSE,
     ),
     "release_many": Op(
@@ -306,8 +325,9 @@ OPS: dict[str, Op] = {
     "ring_seal": Op(
         {"lease": _a(int, required=True)},
         R.Sealed,
-        "Make a written ring object visible; the object now owns its region.",
-        service=Service.RINGS, lease=_NAMES,
+        "Make a written ring object visible; the object now owns its region. Refused "
+        "while draining: the rings never outlive the daemon, and no one may claim from it.",
+        service=Service.RINGS, lease=_NAMES, draining=REFUSE,
     ),
     "ring_claim": Op(
         {
@@ -327,7 +347,23 @@ OPS: dict[str, Op] = {
         "End a ring lease: frees a scratch region, discards an unsealed object, ends a read.",
         service=Service.RINGS, lease=_NAMES,
     ),
+    "fetch": Op(
+        {
+            "namespace": _a(str, default="default"),
+            "key": _a(str, required=True),
+            "peer": _a(str, required=True),
+        },
+        R.Fetched,
+        "Pull a sealed object from a peer broker (HOST:PORT) into this daemon's pools, "
+        "unless it is here already; no lease is lent to the caller.",
+        draining=REFUSE,
+    ),
     "stat": Op({}, Statistics, "One statistics snapshot."),
+    "ping": Op(
+        {},
+        R.Pong,
+        "A round trip that does nothing: the daemon's version, pid and start time.",
+    ),
     "watch": Op(
         {"interval": _a(*_NUMBER, default=1.0)},
         R.Watching,
@@ -423,9 +459,11 @@ def markdown_table() -> str:
     def draining(op: Op) -> str:
         if op.draining.refuse:
             return "refused"
+        served = "served"
         if op.draining.args:
-            return "served with " + ", ".join(f"{k}={v!r}" for k, v in op.draining.args)
-        return "served"
+            served += " with " + ", ".join(f"{k}={v!r}" for k, v in op.draining.args)
+        return served + (" if the pools are kept, else refused" if op.draining.publishes
+                         else "")  # fmt: skip
 
     rows = ["| op | args (`required`) | reply | handler | lease | while draining |",
             "|---|---|---|---|---|---|"]

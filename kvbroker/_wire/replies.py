@@ -19,7 +19,7 @@ __all__ = [
     "Extent", "Empty", "PoolInfo", "Hello", "Reserved", "Sealed", "ArenaLent", "Published",
     "Claimed", "Renewed", "Listed", "Evicted", "BlockReserved", "BlockExists",
     "BlocksReserved", "SealedMany", "PrefixMatch", "RingInfo", "Rings", "RingRegion",
-    "RingClaimed", "Watching", "mismatch",
+    "RingClaimed", "Watching", "Pong", "Fetched", "mismatch",
 ]  # fmt: skip
 
 # [pool, offset, nbytes]: a byte range of pool `pool` (an index into hello's `pools`).
@@ -45,6 +45,9 @@ class Hello(TypedDict):
     lease_ttl: float
     pools: list[PoolInfo]
     epoch: int  # starts of this socket's daemon that adopted the previous one's pools
+    # the checksum kinds a seal may carry (kvbroker._wire.checksum.KINDS); a daemon that
+    # does not send this field accepts kind 0 (bare integers) only
+    checksum_kinds: list[int]
 
 
 class Reserved(TypedDict):
@@ -83,7 +86,8 @@ class Renewed(TypedDict):
 
 class Listed(TypedDict):
     objects: list[ObjectInfo]
-    truncated: bool
+    truncated: bool  # more objects match than this reply lists
+    next: int | None  # when truncated: the cursor to pass as `after` for the next page
 
 
 class Evicted(TypedDict):
@@ -156,6 +160,21 @@ class RingClaimed(TypedDict):
 
 class Watching(TypedDict):
     interval: float
+
+
+class Pong(TypedDict):
+    server_version: str
+    server_pid: int
+    started_at: float  # Unix time the daemon started
+    epoch: int  # as Hello's
+
+
+class Fetched(TypedDict):
+    namespace: str
+    key: str
+    nbytes: int
+    fetched: bool  # false: the object was here already (nothing moved)
+    peer: str
 
 
 def mismatch(value: Any, tp: Any, where: str = "reply") -> str | None:

@@ -22,6 +22,9 @@ __all__ = [
     "NamespaceUsage",
     "Statistics",
     "ObjectInfo",
+    "PeerInfo",
+    "TransferStatistics",
+    "EventStatistics",
 ]
 
 
@@ -154,6 +157,57 @@ class Counters:
 
 
 @dataclass(frozen=True)
+class PeerInfo:
+    """A peer broker this daemon pulls from (a control connection it opened)."""
+
+    address: str
+    node: str
+    connected: bool
+
+
+@dataclass(frozen=True)
+class TransferStatistics:
+    """Broker-to-broker transfer (``[transfer]``, kvbroker._server.fleet): ``listen`` is ""
+    when this daemon serves no peer. Pulled: what this daemon read from peers; served: what
+    peers read from it (bytes of pins released by the peer; the READ itself is one-sided)."""
+
+    node: str
+    listen: str
+    peers: tuple[PeerInfo, ...] = ()
+    serving: int = 0  # peer connections to this daemon
+    leases_served: int = 0  # live leases held here for peers
+    in_flight: int = 0  # pulls under way
+    pulls: int = 0
+    bytes_pulled: int = 0
+    pins_served: int = 0
+    bytes_served: int = 0
+    failures: int = 0  # pulls that ended in an error (nothing sealed)
+    failures_by_code: dict[str, int] | None = None  # error code -> count
+    refused: int = 0  # peer connections refused (wrong token, address not a peer)
+    last_failure: str = ""
+    # The latest pull: its bytes, the seconds of its one NIXL READ, of the whole pull
+    last_pull_bytes: int = 0
+    last_read_seconds: float = 0.0
+    last_pull_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class EventStatistics:
+    """The KV event publisher (``[events]``, kvbroker._server.events)."""
+
+    endpoint: str
+    replay_endpoint: str
+    topic: str
+    format: str
+    next_seq: int = 0
+    events_published: int = 0
+    events_dropped: int = 0
+    overflows: int = 0
+    replay_requests: int = 0
+    queued: int = 0
+
+
+@dataclass(frozen=True)
 class Statistics:
     taken_at: float
     version: str
@@ -172,6 +226,8 @@ class Statistics:
     rings: tuple[RingStatistics, ...] = ()
     namespaces: tuple[NamespaceUsage, ...] = ()  # largest use first (at most 1000)
     arenas: int = 0  # write arenas lent to clients (their pages are in pools' leased_write)
+    transfer: TransferStatistics | None = None  # [transfer] configured
+    events: EventStatistics | None = None  # [events] publish configured
 
     @property
     def capacity(self) -> int:
@@ -198,6 +254,13 @@ class Statistics:
         d["rings"] = tuple(_build(RingStatistics, x) for x in d.get("rings", ()))
         d["namespaces"] = tuple(_build(NamespaceUsage, x) for x in d.get("namespaces", ()))
         d["counters"] = _build(Counters, d.get("counters", {}))
+        t = d.get("transfer")
+        if t is not None:
+            t = dict(t)
+            t["peers"] = tuple(_build(PeerInfo, x) for x in t.get("peers", ()))
+            d["transfer"] = _build(TransferStatistics, t)
+        if d.get("events") is not None:
+            d["events"] = _build(EventStatistics, d["events"])
         return _build(cls, d)
 
 
@@ -214,6 +277,10 @@ class ObjectInfo:
     meta: dict | None = None
     # {buffer: xxh3_64} recorded at seal; only ``lookup`` fills it (None: sealed without).
     checksums: dict | None = None
+    # Only ``lookup`` fills these: {buffer: nbytes} in layout order, and the consume-claims
+    # still to be released before the object is freed.
+    buffer_sizes: dict | None = None
+    consumers: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

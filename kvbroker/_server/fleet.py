@@ -1,0 +1,654 @@
+"""The daemon's side of the fleet (issue 18): pulling sealed objects from peer brokers and
+serving its own to them through NIXL, and publishing KV events for routers.
+
+:class:`Fleet` is owned by the daemon (started after the broker, closed before the pools):
+
+- one :class:`~kvbroker._server.transfer.NixlEndpoint` with every pool registered once (the
+  daemon maps its pools for this: NIXL needs their addresses in this process, and a pull
+  verifies the checksums of what it read);
+- with ``[transfer] listen``, a :class:`~kvbroker._server.transfer.PeerServer` whose
+  :class:`BrokerProvider` pins objects for peers through the broker's own lease machinery:
+  each authenticated peer connection is a broker session (named ``peer:<node>``); a pin is a
+  read lease of that session, bounded by the TTL the peer asked for (at most
+  ``max_lease_ttl``), ended by the peer's release (a consume counts when the peer says so),
+  by its TTL, or when the connection closes — the broker's usual rules, so a peer's lease
+  never outlives its connection;
+- pulls (:meth:`Fleet.fetch`, :meth:`Fleet.fetch_prefix`), asked by ``claim``/``fetch``/
+  ``match_prefix`` with ``peer=`` (the handlers raise :class:`~.state.Deferred`): pin and
+  describe on the peer (one round trip), a write lease in our pool for each object (the
+  fleet's own session), **one** NIXL READ of every extent (coalesced; in a worker thread,
+  never on the event loop), the checksums recorded at the peer's seal verified (in the
+  thread too), the peer's lease released (a consume counted there if the claim consumes; a
+  lease that had ended by then fails the pull: its pages may have been reused mid-read),
+  then sealed here with its meta, consumers, parent, tokens and checksums. Nothing is sealed
+  before all of that succeeded; a failure discards the write leases (pages of a READ that
+  may still be landing go into the timed quarantine) and releases the peer's lease. One
+  pull per (peer, namespace, key) at a time: concurrent claims share it; an object already
+  here is never pulled.
+- with ``[events] publish``, an :class:`~kvbroker._server.events.EventPublisher` fed by the
+  broker's ``on_block`` hook: ``BlockStored`` when a prefix block with token ids is sealed
+  (published here or pulled), ``BlockRemoved`` when it is unlinked (evicted, consumed,
+  replaced), ``AllBlocksCleared`` at start and after ``evict --all``.
+
+The control channel and NIXL calls never block the event loop: connects, pins and releases
+are asyncio; NIXL reads and checksum passes run in the loop's default executor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+from collections import Counter
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import xxhash
+
+from .._wire import checksum
+from .._wire.stats import EventStatistics, PeerInfo, TransferStatistics
+from ..errors import (
+    BadRequest,
+    ChecksumMismatch,
+    Exists,
+    KVBrokerError,
+    LeaseExpired,
+    NotFound,
+    PeerUnavailable,
+    TransferFailed,
+)
+from . import transfer
+
+if TYPE_CHECKING:
+    from .broker import Broker
+    from .daemon import Daemon
+    from .state import Lease, Session, StoredObject
+
+__all__ = ["Fleet", "BrokerProvider", "block_event_hash", "announced"]
+
+log = logging.getLogger("kvbroker.fleet")
+
+
+# -- serving: pins of this daemon's objects for peers ------------------------------------------
+
+class BrokerProvider:
+    """What a :class:`~kvbroker._server.transfer.PeerServer` serves: the broker's sealed
+    objects, pinned by read leases of one session per peer connection."""
+
+    def __init__(self, broker: Broker, bases: Sequence[int]) -> None:
+        self.broker = broker
+        self.bases = list(bases)  # address of each pool in this process
+        self.sessions: dict[int, Session] = {}
+        self.pins_served = 0
+        self.bytes_served = 0
+        self.consumes_served = 0
+
+    def peer_connected(self, peer: int, node: str, address: str) -> None:
+        s = self.broker.open_session(os.getpid(), os.getuid(), os.getgid())
+        s.name, s.role, s.greeted = f"peer:{node}"[:512], "peer", True
+        self.sessions[peer] = s
+
+    def _session(self, peer: int) -> Session:
+        s = self.sessions.get(peer)
+        if s is None:  # a provider driven without the hook (tests): an anonymous peer
+            self.peer_connected(peer, f"#{peer}", "?")
+            s = self.sessions[peer]
+        return s
+
+    def _describe(self, obj: StoredObject) -> dict:
+        base = self.bases[obj.pool.index]
+        first = obj.start * obj.pool.page_size
+        return {
+            "namespace": obj.namespace, "key": obj.key, "nbytes": obj.nbytes,
+            "buffers": {n: [off - first, size] for n, (off, size) in obj.buffers.items()},
+            "extents": [[base + off, size] for off, size in obj.buffers.values() if size],
+            "meta": obj.meta, "checksums": obj.checksums, "consumers": obj.consumers,
+            "parent": obj.parent_key, "tokens": obj.tokens,
+        }  # fmt: skip
+
+    def _ttl(self, ttl: float) -> float:
+        return min(float(ttl), self.broker.max_lease_ttl)
+
+    def pin(self, peer: int, namespace: str, key: str, ttl: float, consume: bool) -> dict:
+        b = self.broker
+        b.expire()
+        s = self._session(peer)
+        obj = b.objects.get((namespace, key))
+        if obj is None:
+            b.counters["misses"] += 1
+            raise NotFound(f"{namespace}/{key} is not published on this broker")
+        b.check_lease_limit(s)
+        ttl = self._ttl(ttl)
+        b.pin(obj)
+        lease = b.new_lease("read", s, obj, ttl, consume=consume)
+        b.counters["claims"] += 1
+        b.counters["hits"] += 1
+        self.pins_served += 1
+        return {"lease": lease.id, "ttl": ttl, "objects": [self._describe(obj)]}
+
+    def pin_prefix(self, peer: int, namespace: str, keys: list[str], ttl: float) -> dict:
+        b = self.broker
+        b.expire()
+        s = self._session(peer)
+        found = []
+        for key in keys:
+            obj = b.objects.get((namespace, key))
+            if obj is None:
+                break
+            found.append(obj)
+        if not found:
+            return {"lease": None, "ttl": 0.0, "objects": []}
+        b.check_lease_limit(s)
+        ttl = self._ttl(ttl)
+        b.pin_prefix(found)
+        lease = b.new_lease("read", s, found[0], ttl)
+        lease.more = tuple(found[1:])
+        self.pins_served += 1
+        return {"lease": lease.id, "ttl": ttl, "objects": [self._describe(o) for o in found]}
+
+    def _lease(self, peer: int, lease: int) -> Lease:
+        self.broker.expire()  # a TTL that passed ends the lease now, not at the next tick
+        return self.broker.lease_of(self._session(peer), lease, "read")
+
+    def release(self, peer: int, lease: int, consumed: bool) -> None:
+        ls = self._lease(peer, lease)
+        nbytes = sum(o.nbytes for o in ls.objects())
+        consume = ls.consume and consumed
+        self.broker.end_read(ls, "the peer released it", consume=consume)
+        self.bytes_served += nbytes
+        self.broker.counters["bytes_out"] += nbytes
+        self.consumes_served += consume
+
+    def renew(self, peer: int, lease: int, ttl: float) -> None:
+        self.broker.renew(self._lease(peer, lease), self._ttl(ttl))
+
+    def lookup(self, peer: int, namespace: str, key: str) -> dict | None:
+        obj = self.broker.objects.get((namespace, key))
+        if obj is None:
+            return None
+        info = obj.info()
+        info["checksums"] = obj.checksums
+        return info
+
+    def drop_peer(self, peer: int) -> None:
+        s = self.sessions.pop(peer, None)
+        if s is not None and s.id in self.broker.sessions:
+            self.broker.close_session(s)
+
+    @property
+    def leases(self) -> int:
+        return sum(len(s.leases) for s in self.sessions.values())
+
+
+# -- KV events -----------------------------------------------------------------------------------
+
+def block_event_hash(key: str) -> int:
+    """The 64-bit block hash a KV event carries for a prefix block's key: the last 8 bytes of
+    its hex digest (:func:`kvbroker._server.events.external_hash`), or xxh3_64 of a key that
+    is not a hex digest."""
+    from .events import external_hash
+
+    try:
+        return external_hash(key)
+    except ValueError:
+        return xxhash.xxh3_64_intdigest(key.encode())
+
+
+def announced(obj: StoredObject) -> bool:
+    """Whether a block's seal and removal are announced: blocks with token ids, and of a TP
+    sharded prefix cache only the shard of TP rank 0 (every shard names the same tokens)."""
+    if obj.tokens is None:
+        return False
+    _, sep, shard = obj.key.partition("/")
+    return not sep or ".tp0of" in shard
+
+
+# -- the daemon's fleet ----------------------------------------------------------------------------
+
+class _Peer:
+    """Our connection to one peer broker, and its NIXL agent."""
+
+    def __init__(self, client: transfer.PeerClient, agent: str) -> None:
+        self.client = client
+        self.agent = agent
+
+
+class Fleet:
+    """NIXL endpoint, peer server, pulls and events of one daemon (see the module doc)."""
+
+    def __init__(self, daemon: Daemon) -> None:
+        cfg = daemon.config
+        self.daemon = daemon
+        self.broker: Broker = daemon.broker
+        self.node = cfg.transfer_node or socket.gethostname().split(".")[0] or "kvbroker"
+        self.timeout: float = cfg.transfer_timeout
+        self.pin_ttl: float = cfg.transfer_pin_ttl
+        self.listen: str = ""
+        self._token: bytes | None = None
+        self.endpoint: transfer.NixlEndpoint | None = None
+        self.server: transfer.PeerServer | None = None
+        self.provider: BrokerProvider | None = None
+        self.publisher: Any = None
+        self._maps: list = []
+        self.bases: list[int] = []
+        self._peers: dict[str, _Peer] = {}
+        self._connecting: dict[str, asyncio.Task] = {}
+        self._pulls: dict[tuple, asyncio.Task] = {}
+        self.session: Session | None = None
+        self.pulls = 0
+        self.bytes_pulled = 0
+        self.failures: Counter[str] = Counter()
+        self.last_failure = ""
+        # The latest pull: bytes, seconds of its NIXL READ alone, seconds of the whole pull
+        # (pin to seal) — what benchmarks/bench_remote.py sets beside the claim's own time.
+        self.last_pull: tuple[int, float, float] = (0, 0.0, 0.0)
+        self.closed = False
+        self._read_seconds = 0.0
+
+    @property
+    def pulling(self) -> bool:
+        return self.endpoint is not None
+
+    # -- start and stop ----------------------------------------------------------------------
+    async def start(self) -> None:
+        cfg = self.daemon.config
+        self.broker.fleet = self
+        if cfg.events_publish:
+            self._start_events()
+        if cfg.transfer_token_file is None:
+            if cfg.transfer_listen is not None:
+                raise KVBrokerError("[transfer] listen needs token_file: only brokers that "
+                                    "prove the shared token are served")
+            return
+        try:
+            self._token = transfer.read_token(cfg.transfer_token_file)
+        except (OSError, ValueError) as exc:
+            raise KVBrokerError(f"[transfer] token_file: {exc}") from None
+        os.environ.setdefault("UCX_TLS", "tcp")  # no RDMA here unless the operator says so
+        try:
+            self.endpoint = transfer.NixlEndpoint(f"kvbroker-{self.node}-{os.getpid()}")
+        except ImportError as exc:
+            raise KVBrokerError(str(exc)) from None
+        self._map_pools()
+        self.endpoint.register(zip(self.bases, (p.size for p in self.broker.pools)))
+        s = self.broker.open_session(os.getpid(), os.getuid(), os.getgid())
+        s.name, s.role, s.greeted = "fleet", "puller", True
+        self.session = s
+        if cfg.transfer_listen is not None:
+            host, port = cfg.transfer_listen
+            self.provider = BrokerProvider(self.broker, self.bases)
+            self.server = transfer.PeerServer(
+                self.provider, token=self._token, node=self.node,
+                metadata=self.endpoint.metadata(), agent=self.endpoint.name,
+                allow=[transfer.parse_address(p)[0] for p in cfg.transfer_peers] or None)
+            host, port = await self.server.start(host, port)
+            self.listen = f"{host}:{port}"
+            log.info("serving peers on %s as %s (NIXL agent %s)", self.listen, self.node,
+                     self.endpoint.name)
+
+    def _map_pools(self) -> None:
+        import mmap
+
+        import numpy as np
+        import posix_ipc
+
+        for pool in self.broker.pools:
+            shm = posix_ipc.SharedMemory(pool.name)
+            try:
+                mm = mmap.mmap(shm.fd, pool.size, mmap.MAP_SHARED,
+                               mmap.PROT_READ | mmap.PROT_WRITE)
+            finally:
+                shm.close_fd()
+            view = np.frombuffer(mm, dtype=np.uint8)
+            self._maps.append(view)
+            self.bases.append(int(view.ctypes.data))
+
+    def _start_events(self) -> None:
+        from .events import AllBlocksCleared, EventPublisher, topic_for
+
+        cfg = self.daemon.config
+        try:
+            self.publisher = EventPublisher(
+                cfg.events_publish, topic=topic_for(self.node, cfg.events_model),
+                replay_endpoint=cfg.events_replay, fmt=cfg.events_format,
+                on_overflow=self._announce_all_threadsafe)
+        except ImportError as exc:
+            raise KVBrokerError(str(exc)) from None
+        # A router forgets what it knew of this node, then learns what is here (a warm
+        # restart keeps blocks, with their token ids).
+        self.publisher.publish([AllBlocksCleared()])
+        self._announce_all()
+        self.broker.on_block = self._on_block
+        log.info("KV events on %s (topic %s, %s)", self.publisher.endpoint,
+                 self.publisher.topic, cfg.events_format)
+
+    def _announce_all(self) -> None:
+        from .events import BlockStored
+
+        objs = [o for o in self.broker.objects.values() if announced(o)]
+        objs.sort(key=lambda o: o.serial)  # parents were sealed before their children
+        self.publisher.publish([self._stored(o, BlockStored) for o in objs])
+
+    def _announce_all_threadsafe(self) -> None:
+        loop = self.daemon._loop
+        if loop is not None and not self.closed:
+            loop.call_soon_threadsafe(self._announce_all)
+
+    @staticmethod
+    def _stored(obj: StoredObject, cls) -> Any:
+        parent = block_event_hash(obj.parent_key) if obj.parent_key is not None else None
+        return cls([block_event_hash(obj.key)], parent, obj.tokens, len(obj.tokens))
+
+    def _on_block(self, what: str, obj: StoredObject | None) -> None:
+        from .events import AllBlocksCleared, BlockRemoved, BlockStored
+
+        if what == "cleared":
+            self.publisher.publish([AllBlocksCleared()])
+        elif obj is not None and announced(obj):
+            if what == "stored":
+                self.publisher.publish([self._stored(obj, BlockStored)])
+            else:
+                self.publisher.publish([BlockRemoved([block_event_hash(obj.key)])])
+
+    async def close(self) -> None:
+        """Stop serving peers (their leases end), wait for pulls in flight, drop the peers
+        and the NIXL agent. Before the pools are unlinked."""
+        self.closed = True
+        if self.server is not None:
+            await self.server.close()
+        pulls = list(self._pulls.values())
+        if pulls:
+            await asyncio.wait(pulls, timeout=self.timeout)
+        for peer in list(self._peers.values()):
+            await peer.client.close()
+        self._peers.clear()
+        if self.endpoint is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self.endpoint.close)
+        if self.publisher is not None:
+            self.broker.on_block = None
+            await asyncio.get_running_loop().run_in_executor(None, self.publisher.close)
+        self.broker.fleet = None
+        self._maps.clear()
+
+    # -- peers ---------------------------------------------------------------------------------
+    async def _peer(self, address: str) -> _Peer:
+        peer = self._peers.get(address)
+        if peer is not None and peer.client.connected:
+            return peer
+        if peer is not None:
+            self._drop(address)
+        task = self._connecting.get(address)
+        if task is None:
+            task = asyncio.get_running_loop().create_task(self._connect(address))
+            self._connecting[address] = task
+            task.add_done_callback(lambda _t: self._connecting.pop(address, None))
+        return await asyncio.shield(task)
+
+    async def _connect(self, address: str) -> _Peer:
+        try:
+            transfer.parse_address(address)
+        except ValueError:
+            raise BadRequest(f"peer {address!r}: expected HOST:PORT") from None
+        client = transfer.PeerClient(address, token=self._token, node=self.node,
+                                     connect_timeout=min(5.0, self.timeout),
+                                     request_timeout=self.timeout)
+        await client.connect()
+        if not client.metadata or not client.agent:
+            await client.close()
+            raise PeerUnavailable(f"peer {address} ({client.peer_node}) serves no NIXL agent")
+        try:
+            agent = self.endpoint.add_peer(client.metadata, label=f"{client.peer_node} "
+                                                                  f"({address})")
+        except Exception as exc:  # noqa: BLE001 - NIXL's own errors
+            await client.close()
+            raise PeerUnavailable(f"peer {address}: NIXL refused its metadata: {exc}") from exc
+        peer = self._peers[address] = _Peer(client, agent)
+        log.info("connected to peer %s (%s), NIXL agent %s", address, client.peer_node, agent)
+        return peer
+
+    def _drop(self, address: str) -> None:
+        peer = self._peers.pop(address, None)
+        if peer is not None:
+            self.endpoint.remove_peer(peer.agent)
+            asyncio.get_running_loop().create_task(peer.client.close())
+
+    # -- pulls ---------------------------------------------------------------------------------
+    def _check(self) -> None:
+        if self.closed or self.endpoint is None:
+            raise BadRequest("this daemon pulls from no peer (set [transfer] token_file)")
+
+    async def lookup(self, address: str, namespace: str, key: str) -> dict | None:
+        self._check()
+        peer = await self._peer(address)
+        try:
+            return await peer.client.lookup(key, namespace=namespace)
+        except PeerUnavailable:
+            self._drop(address)
+            raise
+
+    async def fetch(self, address: str, namespace: str, key: str, consume: bool) -> bool:
+        """Pull ``namespace/key`` from the peer unless it is here; True when it moved."""
+        self._check()
+        if (namespace, key) in self.broker.objects:
+            return False
+        return await self._shared((address, namespace, key), lambda: self._pull_one(
+            address, namespace, key, consume))
+
+    async def fetch_prefix(self, address: str, namespace: str, keys: list[str]) -> bool:
+        """Pull the leading run of ``keys`` that the peer holds (one READ for all)."""
+        self._check()
+        keys = [k for k in keys if (namespace, k) not in self.broker.objects]
+        if not keys:
+            return False
+        return await self._shared((address, namespace, tuple(keys)), lambda: self._pull(
+            address, namespace, "pin_prefix", keys, False))
+
+    async def _shared(self, ident: tuple, start) -> bool:
+        task = self._pulls.get(ident)
+        if task is None:
+            task = asyncio.get_running_loop().create_task(start())
+            self._pulls[ident] = task
+            task.add_done_callback(lambda _t: self._pulls.pop(ident, None))
+        # A waiter that gives up (its connection closed, its timeout) leaves the pull going.
+        return await asyncio.shield(task)
+
+    async def _pull_one(self, address: str, namespace: str, key: str, consume: bool) -> bool:
+        return await self._pull(address, namespace, "pin", [key], consume)
+
+    async def _pull(self, address: str, namespace: str, how: str, keys: list[str],
+                    consume: bool) -> bool:
+        t0 = time.perf_counter()
+        try:
+            moved = await self._pull_inner(address, namespace, how, keys, consume)
+        except KVBrokerError as exc:
+            self.failures[exc.code] += 1
+            self.last_failure = f"{address}: {exc.message or exc}"[:300]
+            raise
+        except Exception as exc:
+            self.failures["internal"] += 1
+            log.exception("pull from %s failed", address)
+            raise TransferFailed(f"pull from {address} failed: {type(exc).__name__}: "
+                                 f"{exc}") from exc
+        if moved:
+            self.last_pull = (moved, self._read_seconds, time.perf_counter() - t0)
+            log.debug("pulled %d byte(s) from %s in %.1f ms", moved, address,
+                      (time.perf_counter() - t0) * 1e3)
+        return moved > 0
+
+    async def _pull_inner(self, address: str, namespace: str, how: str, keys: list[str],
+                          consume: bool) -> int:
+        peer = await self._peer(address)
+        client = peer.client
+        try:
+            if how == "pin":
+                pinned = await client.pin(keys[0], namespace=namespace, ttl=self.pin_ttl,
+                                          consume=consume)
+            else:
+                pinned = await client.pin_prefix(keys, namespace=namespace, ttl=self.pin_ttl)
+        except PeerUnavailable:
+            self._drop(address)
+            raise
+        remote_lease = pinned.get("lease")
+        if remote_lease is None:
+            return 0  # the peer holds none of the prefix
+        b = self.broker
+        leases: list[Lease] = []
+        read_started = False
+        released = False
+        try:
+            remote: list[tuple[int, int]] = []
+            local: list[tuple[int, int]] = []
+            plans = []
+            for desc in pinned["objects"]:
+                if desc.get("namespace") != namespace or not isinstance(desc.get("key"), str):
+                    raise TransferFailed(f"peer {address} described another object")
+                ident = (namespace, desc["key"])
+                if ident in b.objects:
+                    continue  # here already (sealed while we asked): not pulled twice
+                if ident in b.pending:
+                    if how == "pin":
+                        raise Exists(f"{namespace}/{desc['key']} is being published here")
+                    break  # a prefix: stop the run at a block a local writer is writing
+                lease, r, l = self._reserve(desc, address)
+                leases.append(lease)
+                plans.append((lease, desc))
+                remote += r
+                local += l
+            nbytes = sum(n for _, n in remote)
+            if plans:
+                read_started = True
+                loop = asyncio.get_running_loop()
+                await loop.run_in_executor(None, self._read_and_verify, peer, address,
+                                           remote, local, plans)
+            # The peer's lease must still have held when the copy ended, or its pages may
+            # have been reused under the READ: release it, fenced, before sealing anything.
+            released = True
+            try:
+                await client.release(remote_lease, consumed=consume and bool(plans))
+            except LeaseExpired as exc:
+                raise TransferFailed(f"pull from {address}: the peer's lease ended before "
+                                     f"the copy was released ({exc.message}); discarded "
+                                     "what was read") from None
+            except PeerUnavailable:
+                self._drop(address)
+                raise
+            for lease, desc in plans:  # parents first, as the peer listed them
+                obj = lease.obj
+                obj.checksums = desc.get("checksums")
+                obj.consumers = 1 if consume else max(1, int(desc.get("consumers") or 1))
+                obj.parent_key = desc.get("parent")
+                tokens = desc.get("tokens")
+                obj.tokens = tokens if isinstance(tokens, list) else None
+                b.seal(lease)
+                b.record_transfer("pull", self.session, obj, obj.nbytes)
+            self.pulls += 1
+            self.bytes_pulled += nbytes
+            return nbytes
+        except BaseException as exc:
+            timed_out = isinstance(exc, TransferFailed) and "did not finish" in str(exc)
+            for lease in leases:
+                if lease.id in b.leases:  # not sealed
+                    self._discard(lease, quarantine=read_started and timed_out)
+            if not released:
+                try:
+                    await client.release(remote_lease, consumed=False)
+                except (KVBrokerError, OSError):
+                    pass  # the peer ends it with its TTL or with our connection
+            raise
+
+    def _reserve(self, desc: dict, address: str):
+        """A write lease here for one described object: its extents there and here."""
+        from .handlers import _buffer_layout
+
+        bufs = desc.get("buffers")
+        if not isinstance(bufs, dict):
+            raise TransferFailed(f"peer {address} sent no buffers")
+        sizes = {}
+        for name, v in bufs.items():
+            if not (isinstance(v, list) and len(v) == 2):
+                raise TransferFailed(f"peer {address} sent a bad buffer {name!r}")
+            sizes[name] = v[1]
+        meta = desc.get("meta")
+        try:
+            layout, span = _buffer_layout(sizes, meta if isinstance(meta, dict) else None)
+        except BadRequest as exc:
+            raise TransferFailed(f"peer {address} described a bad object: {exc}") from None
+        ident = (desc["namespace"], desc["key"])
+        # Outlives the pull: each of pin, READ and release is bounded by the timeout.
+        ttl = 3 * self.timeout + self.pin_ttl
+        lease = self.broker.reserve_extent(self.session, ident, layout, span,
+                                           meta if isinstance(meta, dict) else None, ttl)
+        obj = lease.obj
+        base = self.bases[obj.pool.index]
+        remote = [tuple(e) for e in desc.get("extents", ())]
+        local = [(base + off, n) for off, n in obj.buffers.values() if n]
+        if (len(remote) != len(local) or any(len(e) != 2 for e in remote)
+                or [n for _, n in remote] != [n for _, n in local]):
+            self._discard(lease, quarantine=False)
+            raise TransferFailed(f"peer {address}: extents do not match the buffers of "
+                                 f"{ident[0]}/{ident[1]}")
+        return lease, remote, local
+
+    def _read_and_verify(self, peer: _Peer, address: str, remote, local, plans) -> None:
+        """In a worker thread: one NIXL READ, then every buffer's checksum."""
+        res = self.endpoint.read(peer.agent, remote, local, timeout=self.timeout)
+        self._read_seconds = res.seconds
+        for lease, desc in plans:
+            sums = desc.get("checksums")
+            if not sums:
+                continue  # sealed there without checksums: the fenced release still guards
+            obj = lease.obj
+            base = obj.pool.index
+            bad = [name for name, (off, n) in obj.buffers.items()
+                   if name not in sums or not checksum.matches(self._maps[base][off:off + n],
+                                                               sums[name])]  # fmt: skip
+            if bad:
+                raise ChecksumMismatch(
+                    f"{obj.namespace}/{obj.key} pulled from peer {address}: buffer(s) "
+                    f"{', '.join(bad[:5])} do not match the checksums sealed there; "
+                    "nothing was sealed", buffers=tuple(bad))
+
+    def _discard(self, lease: Lease, quarantine: bool) -> None:
+        b = self.broker
+        obj = lease.obj
+        if quarantine:  # a READ that may still land: the pages wait out the quarantine
+            del b.pending[(obj.namespace, obj.key)]
+            charges = ((obj.namespace, obj.charged),) if obj.charged else ()
+            obj.charged = 0
+            b.end_lease(lease, "its pull failed")
+            b.hold(obj.pool, obj.start, obj.npages, charges)
+        else:
+            b.discard_pending(lease, quarantine=False)
+            b.end_lease(lease, "its pull failed")
+        b.counters["aborts"] += 1
+
+    # -- statistics ----------------------------------------------------------------------------
+    def statistics(self) -> tuple[TransferStatistics | None, EventStatistics | None]:
+        t = None
+        if self.endpoint is not None:
+            pv = self.provider
+            t = TransferStatistics(
+                node=self.node, listen=self.listen,
+                peers=tuple(PeerInfo(address=a, node=p.client.peer_node or "",
+                                     connected=p.client.connected)
+                            for a, p in self._peers.items()),
+                serving=self.server.peers if self.server is not None else 0,
+                leases_served=pv.leases if pv is not None else 0,
+                in_flight=len(self._pulls), pulls=self.pulls, bytes_pulled=self.bytes_pulled,
+                pins_served=pv.pins_served if pv is not None else 0,
+                bytes_served=pv.bytes_served if pv is not None else 0,
+                failures=sum(self.failures.values()), failures_by_code=dict(self.failures),
+                refused=self.server.refused if self.server is not None else 0,
+                last_failure=self.last_failure, last_pull_bytes=self.last_pull[0],
+                last_read_seconds=self.last_pull[1], last_pull_seconds=self.last_pull[2])
+        e = None
+        if self.publisher is not None:
+            p = self.publisher
+            e = EventStatistics(
+                endpoint=p.endpoint, replay_endpoint=p.replay_endpoint or "", topic=p.topic,
+                format=p.fmt, next_seq=p.next_seq, events_published=p.events_published,
+                events_dropped=p.events_dropped, overflows=p.overflows,
+                replay_requests=p.replay_requests, queued=p.queued)
+        return t, e
