@@ -345,6 +345,10 @@ SETTINGS: tuple[Key, ...] = (
              "epoll; 0 turns it off."),
     Key("max_connections", _CONNECTIONS, 1024, reload=LIVE, flag=(), text=int,
         help="Most client connections at once.", example=16),
+    # Hardening (issue 16): what one client may hold of the daemon's time and memory.
+    Key("max_wait", _positive_duration, "10m", reload=LIVE, example="1m",
+        help="Longest a blocking claim (wait=...) waits for its key; a longer wait asked for "
+             "ends with a timeout after this."),
     Key("drain_timeout", _duration, "10s", reload=LIVE, flag=(), example="1m",
         help="On SIGTERM, wait this long for held leases to end."),
     Key("log_level", _log_level, "info", reload=_set_log_level, flag=(), example="debug",

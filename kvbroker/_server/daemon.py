@@ -59,7 +59,9 @@ class Daemon:
         self.pools: list[HostPool] = []
         self.broker: Broker | None = None
         self.connections: set[Connection] = set()
-        self._waiters: dict[tuple[str, str], asyncio.Future] = {}
+        # Connections waiting in a blocking claim, by the key they wait for; a connection
+        # removes itself when its wait ends (answered, timed out, its peer gone).
+        self._waiters: dict[tuple[str, str], set[Connection]] = {}
         self._stop: asyncio.Event | None = None
         self._lock_fd: int | None = None
         self._previous_segments: list[str] = []
@@ -274,17 +276,26 @@ class Daemon:
         else:
             self._polling = False
 
-    def sealed_future(self, key: tuple[str, str]) -> asyncio.Future:
-        fut = self._waiters.get(key)
-        if fut is None or fut.done():
-            fut = asyncio.get_running_loop().create_future()
-            self._waiters[key] = fut
-        return asyncio.shield(fut)
+    def add_waiter(self, key: tuple[str, str], conn: Connection) -> None:
+        self._waiters.setdefault(key, set()).add(conn)
+
+    def remove_waiter(self, key: tuple[str, str], conn: Connection) -> None:
+        conns = self._waiters.get(key)
+        if conns is not None:
+            conns.discard(conn)
+            if not conns:
+                del self._waiters[key]
+
+    def waiting(self) -> int:
+        """How many connections wait in a blocking claim."""
+        return sum(len(c) for c in self._waiters.values())
 
     def _on_sealed(self, key: tuple[str, str]) -> None:
-        fut = self._waiters.pop(key, None)
-        if fut is not None and not fut.done():
-            fut.set_result(None)
+        # Called inside the seal's request: the waiters claim from the loop, just after.
+        conns = self._waiters.pop(key, None)
+        if conns:
+            for conn in conns:
+                self._loop.call_soon(conn.sealed)
 
     def request_stop(self) -> None:
         """First call: drain and stop. A second one (another SIGTERM/^C): stop without waiting."""

