@@ -157,9 +157,10 @@ class Broker:
         return journal_lent(self)
 
     def restore(self, records: Iterable[dict[str, Any]],
-                lent: Iterable[tuple[int, int, int]] = ()) -> int:  # fmt: skip
-        """Adopt the sealed objects of a previous daemon (kvbroker._server.restore)."""
-        return restore_state(self, records, lent)
+                lent: Iterable[tuple[int, int, int]] = (), **checks: Any) -> int:  # fmt: skip
+        """Adopt the sealed objects of a previous daemon (kvbroker._server.restore; ``checks``:
+        its ``report``, ``dropped`` and ``verify``)."""
+        return restore_state(self, records, lent, **checks)
 
     # ------------------------------------------------------------------ sessions
     def open_session(self, pid: int = 0, uid: int = -1, gid: int = -1) -> Session:
@@ -502,16 +503,19 @@ class Broker:
             raise PoolFull(
                 f"no room for {nbytes} bytes: the pools are held by leased or unsealed objects"
             )
-        while True:
-            victim = next((o for o in self._lru.values() if o.pool.index in feasible), None)
-            if victim is None:
-                raise PoolFull(f"no room for {nbytes} bytes even after eviction (fragmented)")
+        # Bounded: each victim is tried once (a loop until something fits could spin for ever
+        # if an eviction freed nothing, e.g. over an inconsistent index).
+        npages_in = {p.index: -(-nbytes // p.page_size) for p in fits}
+        for victim in [o for o in self._lru.values() if o.pool.index in feasible]:
+            if victim.serial not in self._lru:
+                continue  # gone with an earlier victim (a chain's parent)
             pool = victim.pool
             self.evict(victim)
-            npages = -(-nbytes // pool.page_size)
-            start = pool.allocator.alloc(npages)
+            start = pool.allocator.alloc(npages_in[pool.index])
             if start is not None:
-                return pool, start, npages
+                return pool, start, npages_in[pool.index]
+        raise PoolFull(f"no room for {nbytes} bytes even after evicting every unleased "
+                       "object (fragmented)")
 
     def _enforce_watermark(self, pool: HostPool) -> None:
         a = pool.allocator

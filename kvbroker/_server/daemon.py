@@ -155,9 +155,12 @@ class Daemon:
         )
 
         if adopted:
+            report: dict[str, list[str]] = {}
             try:
                 n = self.broker.restore(recovered.objects.values(),
-                                        [(p, s, n) for (p, s), n in recovered.lent.items()])
+                                        [(p, s, n) for (p, s), n in recovered.lent.items()],
+                                        report=report, dropped=recovered.dropped_serials,
+                                        verify=recovered.suspect)  # fmt: skip
             except (ValueError, KeyError, TypeError, IndexError) as exc:
                 self.pools.clear()  # not ours to drop: the operator decides (--cold)
                 raise DaemonError(
@@ -165,17 +168,50 @@ class Daemon:
                     f"({type(exc).__name__}: {exc}); start with --cold to discard it"
                 ) from None
             used = sum(p.allocator.used * p.page_size for p in self.pools)
+            for reason, names in report.items():
+                recovered.dropped.setdefault(reason, []).extend(names)
+            ndropped = sum(len(v) for v in recovered.dropped.values())
             log.info("warm restart (epoch %d): adopted %d pool(s) and %d sealed object(s), "
                      "%s in use (%d extent(s) lent for writing quarantined for %g s)%s",
                      recovered.epoch + 1, len(self.pools), n, format_size(used),
                      len(recovered.lent), cfg.restart_quarantine,
-                     f"; cut a torn record of {recovered.torn_bytes} bytes"
+                     f"; cut a torn record of {recovered.torn_bytes} bytes at the end"
                      if recovered.torn_bytes else "")  # fmt: skip
+            if recovered.suspect:
+                kept = self._keep_damaged(path)
+                log.warning(
+                    "journal %s was damaged: %d damaged stretch(es) skipped (%s); kept %d "
+                    "object(s), dropped %d%s; the damaged file is kept as %s",
+                    path, len(recovered.damaged),
+                    ", ".join(f"bytes {a}-{b}" for a, b in recovered.damaged[:8]) or "none",
+                    n, ndropped,
+                    "".join(f"; {len(v)} because {r} ({', '.join(v[:3])}"
+                            f"{', ...' if len(v) > 3 else ''})"
+                            for r, v in recovered.dropped.items()), kept)  # fmt: skip
         if self._lock_fd is not None and cfg.journal:
             epoch = recovered.epoch + 1 if adopted else 1
             journal = Journal(journal_path(cfg.socket_path), epoch,
                               [p.describe() for p in self.pools])  # fmt: skip
             self.broker.attach_journal(journal, recovered.next_id if adopted else 1)
+
+    @staticmethod
+    def _keep_damaged(path: str) -> str:
+        """Copy a damaged journal aside (the daemon rewrites it next) for inspection; the
+        three latest copies are kept."""
+        import glob
+        import shutil
+
+        aside = f"{path}.damaged-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+        try:
+            shutil.copyfile(path, aside)
+        except OSError as exc:
+            return f"(nowhere: {exc.strerror})"
+        for old in sorted(glob.glob(path + ".damaged-*"), key=os.path.getmtime)[:-3]:
+            try:
+                os.unlink(old)
+            except OSError:
+                pass
+        return aside
 
     def _adopt_pools(self, rec) -> bool:
         """Map the recovered geometry onto pools; False (start cold) when the segments are
