@@ -115,3 +115,27 @@ def test_waiting_connections_hold_little_memory_and_free_it(daemon, client):
     assert wait_until(lambda: n_clients(client) == 1, timeout=10) is not None
     # 64 KiB of read buffer and a task per waiting connection was ~20 MiB here.
     assert grown < 8 << 20, f"{n} waiting connections grew the daemon by {grown >> 20} MiB"
+
+
+# -- 3. one object's meta cannot break ls, verify or evict for everyone ------------------
+def nested(depth: int):
+    meta = {"leaf": 1}
+    for _ in range(depth - 1):
+        meta = {"m": meta}
+    return meta
+
+
+@pytest.mark.parametrize("depth", [505, 1021])
+def test_deeply_nested_meta_is_refused_at_reserve(daemon, client, depth):
+    from kvbroker.errors import BadRequest
+
+    s = raw(daemon.socket_path)
+    s.sendall(msgpack.packb({"id": 2, "op": "reserve", "args": {
+        "key": "deep", "buffers": {"x": 10}, "meta": nested(depth)}}))
+    reply = recv_one(s)
+    assert not reply["ok"] and reply["error"]["code"] == BadRequest.code, reply
+    assert "nests deeper" in reply["error"]["message"]
+    s.close()
+    client.put("ok", {"x": b"1"}, meta=nested(8))
+    assert [o.key for o in client.list()] == ["ok"]  # ls works for everyone
+    assert client.evict(all=True).count == 1

@@ -361,8 +361,17 @@ class Connection(asyncio.BufferedProtocol):
         self._send({"id": rid, "ok": False, "error": {"code": code, "message": message}})
 
     def _send(self, obj: dict) -> None:
-        if not self.closed:
-            self.transport.write(msgpack.packb(obj))
+        if self.closed:
+            return
+        try:
+            data = msgpack.packb(obj)
+        except (ValueError, TypeError, OverflowError) as exc:
+            # Never let one unpackable value close the connection: answer an error instead.
+            log.error("session %d: cannot pack a reply (%s); answering an error instead",
+                      self.session.id if self.session else -1, exc)
+            data = msgpack.packb({"id": obj.get("id"), "ok": False, "error": {
+                "code": InternalError.code, "message": f"the reply cannot be sent: {exc}"}})
+        self.transport.write(data)
 
     def _fatal(self, message: str) -> None:
         sid = self.session.id if self.session else -1

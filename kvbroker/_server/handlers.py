@@ -13,7 +13,6 @@ import re
 import time
 from typing import TYPE_CHECKING, Any
 
-import msgpack
 import re2
 
 from .._version import __version__
@@ -21,7 +20,7 @@ from .._wire import checksum as _checksum
 from .._wire import replies as R
 from .._wire.names import check_buffer_name
 from .._wire.objects import buffer_offsets
-from .._wire.protocol import MAX_BUFFERS, MAX_META, MAX_NAME, PROTOCOL_VERSION
+from .._wire.protocol import MAX_BUFFERS, MAX_NAME, PROTOCOL_VERSION, meta_problem
 from ..errors import BadRequest, Exists, NotFound, ProtocolError
 from .arenas import arena_of, end_arena, new_arena, publish_from_arena
 from .snapshot import statistics_for
@@ -393,8 +392,9 @@ def _buffer_layout(buffers: dict, meta: dict | None) -> tuple[dict[str, tuple[in
         raise BadRequest("reserve: an object needs at least one buffer")
     if len(buffers) > MAX_BUFFERS:
         raise BadRequest(f"reserve: at most {MAX_BUFFERS} buffers per object")
-    if meta is not None and len(msgpack.packb(meta)) > MAX_META:
-        raise BadRequest(f"reserve: meta must pack to at most {MAX_META} bytes")
+    problem = meta_problem(meta)
+    if problem is not None:
+        raise BadRequest(f"reserve: {problem}")
     for name, nbytes in buffers.items():
         if not isinstance(name, str):
             raise BadRequest("reserve: buffer names must be strings")

@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from itertools import count
 from typing import TYPE_CHECKING, Any
 
+from .._wire.protocol import meta_problem
 from .allocator import ExtentAllocator
 from .state import StoredObject
 
@@ -155,6 +156,9 @@ def _check(obj: StoredObject) -> None:
         raise ValueError("consumers must be at least 1")
     if obj.meta is not None and not isinstance(obj.meta, dict):
         raise ValueError("meta must be a map")
+    problem = meta_problem(obj.meta)
+    if problem is not None:
+        raise ValueError(problem)
     lo, hi = obj.start * pool.page_size, (obj.start + obj.npages) * pool.page_size
     if not obj.buffers or sum(n for _, n in obj.buffers.values()) != obj.nbytes:
         raise ValueError("buffers do not add up to nbytes")
