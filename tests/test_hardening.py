@@ -139,3 +139,94 @@ def test_deeply_nested_meta_is_refused_at_reserve(daemon, client, depth):
     client.put("ok", {"x": b"1"}, meta=nested(8))
     assert [o.key for o in client.list()] == ["ok"]  # ls works for everyone
     assert client.evict(all=True).count == 1
+
+
+# -- 4, 6. limits that hold globally and per uid -------------------------------------------
+def flood_unread(path: str, n_requests: int) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.connect(path)
+    s.setblocking(False)
+    data = msgpack.packb({"id": 1, "op": "hello", "args": {"version": PROTOCOL_VERSION}})
+    data += msgpack.packb({"id": 2, "op": "stat", "args": {}}) * n_requests
+    try:
+        s.sendall(data)
+    except (BlockingIOError, OSError):
+        pass
+    return s
+
+
+def test_unread_replies_are_bounded_across_connections(make_daemon):
+    d = make_daemon("--pool-size", "8M", "--page-size", "4K",
+                    env={"KVBROKER_MAX_WRITE_BUFFER": "8M",
+                         "KVBROKER_MAX_WRITE_BUFFERS_TOTAL": "4M"})  # fmt: skip
+    with d.client() as c:
+        for i in range(30):  # fatter stat replies
+            c.put(f"k{i}", {"x": b"1"})
+        before = rss(d.proc.pid)
+        socks = [flood_unread(d.socket_path, 6000) for _ in range(8)]
+        assert wait_until(lambda: "max_write_buffers_total" in d.log(), timeout=30), d.log()
+        time.sleep(1)
+        grown = rss(d.proc.pid) - before
+        assert c.lookup("k1") is not None  # the daemon serves on
+    for s in socks:
+        s.close()
+    # each of the 8 stays under its own 8M: ~33 MiB of unread replies before.
+    assert grown < 16 << 20, f"unread replies grew the daemon by {grown >> 20} MiB"
+
+
+def test_connections_per_uid_are_limited(make_daemon):
+    from kvbroker.errors import LimitExceeded
+
+    d = make_daemon("--pool-size", "8M", "--page-size", "4K",
+                    env={"KVBROKER_MAX_CONNECTIONS_PER_UID": "6"})
+    socks = [raw(d.socket_path) for _ in range(5)]  # and wait_ready's probe has gone
+    with d.client() as c:  # the sixth
+        with pytest.raises(LimitExceeded, match="max_connections_per_uid"):
+            with d.client(reconnect=0) as seventh:
+                seventh.stat()
+        assert n_clients(c) == 6
+    for s in socks:
+        s.close()
+
+
+def test_half_a_hello_is_closed_after_hello_timeout(make_daemon):
+    d = make_daemon("--pool-size", "8M", "--page-size", "4K",
+                    env={"KVBROKER_HELLO_TIMEOUT": "1s"})
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(d.socket_path)
+    s.sendall(msgpack.packb({"id": 1, "op": "hello", "args": {"version": 1}})[:5])
+    t0 = time.monotonic()
+    msg = recv_one(s, timeout=10)
+    assert "hello_timeout" in msg["error"]["message"]
+    assert s.recv(100) == b""  # closed
+    assert time.monotonic() - t0 < 6
+    s.close()
+
+
+def test_idle_connections_holding_nothing_are_closed_and_clients_come_back(make_daemon):
+    d = make_daemon("--pool-size", "8M", "--page-size", "4K",
+                    env={"KVBROKER_IDLE_TIMEOUT": "1s"})
+    idle = raw(d.socket_path)
+    holder = raw(d.socket_path)
+    with d.client() as c:
+        c.put("k", {"x": b"1"})
+        holder.sendall(msgpack.packb({"id": 2, "op": "claim", "args": {"key": "k", "ttl": 60}}))
+        assert recv_one(holder)["ok"]
+        msg = recv_one(idle, timeout=10)
+        assert "idle_timeout" in msg["error"]["message"]
+        time.sleep(2.5)  # c itself went idle: it reconnects by itself
+        assert c.get("k")["x"].tobytes() == b"1"
+        assert c.stat().read_leases == 1  # the holder was not closed
+    idle.close()
+    holder.close()
+
+
+def test_regex_cache_memory_is_bounded(daemon, client):
+    for i in range(50):
+        client.put(f"key-{i}-" + "ab" * 100, {"x": b"1"})
+    before = rss(daemon.proc.pid)
+    for i in range(600):  # distinct heavy patterns, each compiled and cached
+        client.list(match=r"(\w{30}|[a-z]{20}\d{5}){8}" + f"x{{{i % 50 + 1}}}" + "y" * (i % 7))
+    grown = rss(daemon.proc.pid) - before
+    assert grown < 25 << 20, f"600 regexes grew the daemon by {grown >> 20} MiB (46 before)"

@@ -349,6 +349,17 @@ SETTINGS: tuple[Key, ...] = (
     Key("max_wait", _positive_duration, "10m", reload=LIVE, example="1m",
         help="Longest a blocking claim (wait=...) waits for its key; a longer wait asked for "
              "ends with a timeout after this."),
+    Key("max_connections_per_uid", _CONNECTIONS, 512, reload=LIVE, text=int, example=64,
+        help="Most client connections one uid may hold at once (one tenant cannot take every "
+             "slot of max_connections)."),
+    Key("hello_timeout", _positive_duration, "10s", reload=LIVE, example="2s",
+        help="A connection that has not said hello this long after connecting is closed."),
+    Key("idle_timeout", _duration, "15m", reload=LIVE, example="1m",
+        help="A connection that holds nothing (no lease, arena, wait or watch) and sends "
+             "nothing this long is closed (clients reconnect by themselves); 0: never."),
+    Key("max_write_buffers_total", _write_buffer, "256M", reload=LIVE, example="1G",
+        help="Bytes of unread replies all connections together may hold; past it, the "
+             "connection holding the most is disconnected (see max_write_buffer)."),
     Key("drain_timeout", _duration, "10s", reload=LIVE, flag=(), example="1m",
         help="On SIGTERM, wait this long for held leases to end."),
     Key("log_level", _log_level, "info", reload=_set_log_level, flag=(), example="debug",

@@ -90,6 +90,9 @@ class Connection(asyncio.BufferedProtocol):
         self.watch_handle: asyncio.TimerHandle | None = None
         self.watch_interval = 0.0
         self._after_reply: Callable[[], None] | None = None  # a daemon op's follow-up
+        self.uid = -1
+        self.counted = False  # in the daemon's connections per uid
+        self.last_active = self.connected_at = 0.0  # loop times: its last read, its start
 
     # -- asyncio.Protocol ----------------------------------------------------------------
     def connection_made(self, transport) -> None:
@@ -103,17 +106,25 @@ class Connection(asyncio.BufferedProtocol):
             pid, uid, gid = struct.unpack(_SO_PEERCRED_FMT, raw)
         except OSError:
             pass
-        limit = self.daemon.config.max_connections
+        cfg = self.daemon.config
+        limit, per_uid = cfg.max_connections, cfg.max_connections_per_uid
+        refusal = None
         if len(self.daemon.connections) >= limit:
-            log.warning("refused a connection of pid %d uid %d: %d connections already "
-                        "(max_connections)", pid, uid, limit)  # fmt: skip
+            refusal = (f"kvbroker serves at most {limit} connections (max_connections); "
+                       "try again when one closes")
+        elif self.daemon.per_uid.get(uid, 0) >= per_uid:
+            refusal = (f"uid {uid} already holds {per_uid} connections, the most one uid may "
+                       "hold (max_connections_per_uid); close some first")
+        if refusal is not None:
+            log.warning("refused a connection of pid %d uid %d: %s", pid, uid, refusal)
             self._send({"id": None, "ok": False, "error": {
-                "code": LimitExceeded.code,
-                "message": f"kvbroker serves at most {limit} connections (max_connections); "
-                           "try again when one closes"}})  # fmt: skip
+                "code": LimitExceeded.code, "message": refusal}})  # fmt: skip
             transport.close()
             self.closed = True
             return
+        self.uid, self.counted = uid, True
+        self.daemon.per_uid[uid] = self.daemon.per_uid.get(uid, 0) + 1
+        self.last_active = self.connected_at = self.daemon.loop_time()
         # Replies and pushes a peer leaves unread pile up here; past this, pause_writing
         # cuts the peer off instead of letting its buffer grow without bound.
         transport.set_write_buffer_limits(high=self.daemon.config.max_write_buffer)
@@ -122,6 +133,7 @@ class Connection(asyncio.BufferedProtocol):
         log.debug("session %d: connected pid=%d uid=%d", self.session.id, pid, uid)
 
     def connection_lost(self, exc) -> None:
+        self.daemon.forget(self)
         if self.session is None or self.session.id not in self.broker.sessions:
             self.closed = True
             return
@@ -158,6 +170,7 @@ class Connection(asyncio.BufferedProtocol):
         if self.closed:
             return
         self.daemon.note_activity()
+        self.last_active = self.daemon.loop_time()
         data = _RBUF[:nbytes]
         u = self.unpacker
         if u is None:  # the shared parser, empty between reads
@@ -372,6 +385,37 @@ class Connection(asyncio.BufferedProtocol):
             data = msgpack.packb({"id": obj.get("id"), "ok": False, "error": {
                 "code": InternalError.code, "message": f"the reply cannot be sent: {exc}"}})
         self.transport.write(data)
+        if self.transport.get_write_buffer_size():  # the peer is behind: mind the total
+            self.daemon.backlogged(self)
+
+    def holds_nothing(self) -> bool:
+        """No lease, arena, wait, watch or request in progress: closing it loses nothing."""
+        s = self.session
+        return (s is not None and not s.leases and not s.arenas and self.wait is None
+                and not self.busy and not self.queue and self.watch_interval <= 0
+                and self.unpacker is None)  # fmt: skip
+
+    def close_quietly(self, why: str) -> None:
+        """The daemon closes a connection that holds nothing (idle, or never said hello)."""
+        s = self.session
+        log.info("session %d (pid %d, uid %d, %s): closed: %s", s.id, s.pid, s.uid,
+                 s.name or "unnamed", why)  # fmt: skip
+        self._error(None, LimitExceeded.code, f"kvbroker closed this connection: {why}")
+        self.closed = True
+        self.transport.close()
+
+    def cut_for_budget(self, total: int) -> None:
+        """Cut off: all connections together leave max_write_buffers_total unread."""
+        s = self.session
+        log.warning(
+            "session %d (pid %d, uid %d, %s): disconnected: it leaves %d bytes of replies "
+            "unread, the most of any connection, and all together leave %d "
+            "(max_write_buffers_total %d)", s.id, s.pid, s.uid, s.name or "unnamed",
+            self.transport.get_write_buffer_size(), total,
+            self.daemon.config.max_write_buffers_total,
+        )  # fmt: skip
+        self.closed = self.cut_off = True
+        self.transport.abort()
 
     def _fatal(self, message: str) -> None:
         sid = self.session.id if self.session else -1

@@ -62,6 +62,8 @@ class Daemon:
         # Connections waiting in a blocking claim, by the key they wait for; a connection
         # removes itself when its wait ends (answered, timed out, its peer gone).
         self._waiters: dict[tuple[str, str], set[Connection]] = {}
+        self.per_uid: dict[int, int] = {}  # open connections per peer uid
+        self._backlogged: set[Connection] = set()  # connections with replies not yet sent
         self._stop: asyncio.Event | None = None
         self._lock_fd: int | None = None
         self._previous_segments: list[str] = []
@@ -312,6 +314,58 @@ class Daemon:
         else:
             self._polling = False
 
+    def loop_time(self) -> float:
+        return self._loop.time() if self._loop is not None else time.monotonic()
+
+    def forget(self, conn: Connection) -> None:
+        """A connection ended: it no longer counts for its uid nor the reply budget."""
+        if conn.counted:
+            conn.counted = False
+            left = self.per_uid.get(conn.uid, 0) - 1
+            if left > 0:
+                self.per_uid[conn.uid] = left
+            else:
+                self.per_uid.pop(conn.uid, None)
+        self._backlogged.discard(conn)
+
+    def backlogged(self, conn: Connection) -> None:
+        """``conn`` has replies its peer has not read yet: hold every connection's unread
+        replies under max_write_buffers_total, cutting off the one holding the most."""
+        backlog = self._backlogged
+        backlog.add(conn)
+        total, sizes = 0, []
+        for c in list(backlog):
+            n = c.transport.get_write_buffer_size() if not c.closed else 0
+            if n == 0:
+                backlog.discard(c)
+            else:
+                total += n
+                sizes.append((n, c.session.id if c.session else 0, c))
+        budget = self.config.max_write_buffers_total
+        sizes.sort(key=lambda x: (x[0], x[1]))
+        while total > budget and sizes:
+            n, _, worst = sizes.pop()
+            worst.cut_for_budget(total)
+            backlog.discard(worst)
+            total -= n
+
+    def _sweep_connections(self) -> None:
+        """Close connections that never said hello within hello_timeout, and connections
+        holding nothing that sent nothing for idle_timeout."""
+        cfg = self.config
+        now = self.loop_time()
+        for conn in list(self.connections):
+            s = conn.session
+            if conn.closed or s is None:
+                continue
+            quiet = now - conn.last_active
+            if not s.greeted and now - conn.connected_at > cfg.hello_timeout and (
+                    not s.leases):  # fmt: skip
+                conn.close_quietly(f"no hello within {cfg.hello_timeout:g} s (hello_timeout)")
+            elif cfg.idle_timeout > 0 and quiet > cfg.idle_timeout and conn.holds_nothing():
+                conn.close_quietly(f"it held nothing and sent nothing for {quiet:.0f} s "
+                                   "(idle_timeout); reconnect when needed")  # fmt: skip
+
     def add_waiter(self, key: tuple[str, str], conn: Connection) -> None:
         self._waiters.setdefault(key, set()).add(conn)
 
@@ -518,9 +572,16 @@ class Daemon:
         self.notifier.ready(self.summary())
 
     async def _expiry_loop(self) -> None:
+        ticks = 0
         while True:
             await asyncio.sleep(_EXPIRY_TICK)
+            ticks += 1
             self._cpu_spare = cpu_spare()
+            if ticks % 10 == 0:  # once a second
+                try:
+                    self._sweep_connections()
+                except Exception:
+                    log.exception("connection sweep failed")
             try:
                 self.broker.expire()
             except Exception:

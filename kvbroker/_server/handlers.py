@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import re
 import time
+from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 import re2
@@ -35,7 +36,12 @@ _MAX_LIST = 10_000
 _MAX_REGEX = 1024
 _RE2_OPTIONS = re2.Options()
 _RE2_OPTIONS.log_errors = False  # a bad pattern is the client's error, answered, not logged
-_regex_cache: dict[str, re.Pattern] = {}
+# RE2's memory budget per pattern (compiled program and DFA cache; 8 MiB by default): a
+# pattern needing more is refused, and matching past the DFA budget falls back to linear
+# NFA. With at most _REGEX_CACHE patterns kept, the cache holds at most ~32 MiB.
+_RE2_OPTIONS.max_mem = 256 * 1024
+_REGEX_CACHE = 128
+_regex_cache: OrderedDict[str, re.Pattern] = OrderedDict()
 
 
 # ------------------------------------------------------------------------------ session
@@ -416,7 +422,9 @@ def _check_name(what: str, value: str) -> str:
 
 def _regex(text: str) -> re.Pattern:
     pattern = _regex_cache.get(text)
-    if pattern is None:
+    if pattern is not None:
+        _regex_cache.move_to_end(text)
+    else:
         if len(text) > _MAX_REGEX:
             raise BadRequest(f"regex longer than {_MAX_REGEX} characters")
         try:
@@ -428,8 +436,8 @@ def _regex(text: str) -> re.Pattern:
             if isinstance(reason, bytes):
                 reason = reason.decode(errors="replace")
             raise BadRequest(f"bad regex {text!r}: {reason}") from None
-        if len(_regex_cache) > 256:
-            _regex_cache.clear()
+        while len(_regex_cache) >= _REGEX_CACHE:
+            _regex_cache.popitem(last=False)  # the least recently used
         _regex_cache[text] = pattern
     return pattern
 
