@@ -79,6 +79,9 @@ class Broker:
         self.started_at = time.time()
         self.sessions: dict[int, Session] = {}
         self.objects: dict[tuple[str, str], StoredObject] = {}
+        # The same objects by namespace (key -> object, seal order): list, evict and quotas
+        # of one namespace cost what that namespace holds, not what the daemon holds.
+        self.by_namespace: dict[str, dict[str, StoredObject]] = {}
         self.pending: dict[tuple[str, str], StoredObject] = {}
         self.leases: dict[int, Lease] = {}
         self.arenas: dict[int, Arena] = {}  # write arenas of every session, by id
@@ -251,7 +254,7 @@ class Broker:
         obj.sealed = True
         obj.linked = True
         obj.last_access = time.time()
-        self.objects[ident] = obj
+        self.index(obj)
         self._lru[obj.serial] = obj
         if obj.parent_key is not None:
             # An absent parent (evicted while we wrote) leaves nothing to keep whole.
@@ -270,6 +273,19 @@ class Broker:
         if self.on_sealed is not None:
             self.on_sealed(ident)
         return {"namespace": obj.namespace, "key": obj.key, "nbytes": obj.nbytes}
+
+    def index(self, obj: StoredObject) -> None:
+        """Make ``obj`` the object of its key (the caller unlinked any older one)."""
+        self.objects[(obj.namespace, obj.key)] = obj
+        space = self.by_namespace.setdefault(obj.namespace, {})
+        space.pop(obj.key, None)  # seal order: a replacement goes last
+        space[obj.key] = obj
+
+    def in_namespace(self, namespace: str | None) -> Iterable[StoredObject]:
+        """The sealed objects of ``namespace`` (None: all), in seal order."""
+        if namespace is None:
+            return self.objects.values()
+        return self.by_namespace.get(namespace, {}).values()
 
     def discard_pending(self, ls: Lease, quarantine: bool) -> None:
         obj = ls.obj
@@ -440,6 +456,10 @@ class Broker:
         if self.journal is not None:
             self.journal.unlinked(obj.serial)
         del self.objects[(obj.namespace, obj.key)]
+        space = self.by_namespace[obj.namespace]
+        del space[obj.key]
+        if not space:
+            del self.by_namespace[obj.namespace]
         self._lru.pop(obj.serial, None)
         parent, obj.parent = obj.parent, None
         if parent is not None and parent.linked:

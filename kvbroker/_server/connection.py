@@ -17,6 +17,7 @@ import logging
 import socket
 import struct
 from collections import deque
+from time import perf_counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -57,6 +58,11 @@ class _Parser:
         return msgpack.Unpacker(raw=False, **unpacker_limits(MAX_REQUEST))
 
 
+# A bounded slice of the loop per connection per turn: after this many requests, or this
+# long, a connection's further requests wait for the next turn of the loop, after every
+# other connection that is ready (one pipelining client must not starve the others).
+_SLICE_REQUESTS = 8
+_SLICE_SECONDS = 0.0005
 # Requests parsed but not yet answered, per connection; past this it stops reading (a
 # waiting claim's connection keeps reading until then, to see its peer close at once).
 _MAX_QUEUED = 256
@@ -87,6 +93,7 @@ class Connection(asyncio.BufferedProtocol):
         self.wait: tuple[int, str, Any, tuple[str, str], float] | None = None
         self.wait_timer: asyncio.TimerHandle | None = None
         self.reading = True
+        self._pump_pending = False  # the rest of its queue is served next turn
         self.watch_handle: asyncio.TimerHandle | None = None
         self.watch_interval = 0.0
         self._after_reply: Callable[[], None] | None = None  # a daemon op's follow-up
@@ -214,20 +221,35 @@ class Connection(asyncio.BufferedProtocol):
             self.unpacker = None
         else:
             self._done = done
-        self._pump()
+        if self._pump_pending:  # its slice of this turn is used: the rest comes next turn
+            self._update_reading()
+        else:
+            self._pump()
 
     def _pump(self) -> None:
-        """Answer queued requests in order, until the connection waits (a blocking claim)."""
+        """Answer queued requests in order, until the connection waits (a blocking claim) or
+        its slice of this turn of the loop is used up (the rest: next turn)."""
+        self._pump_pending = False
         queue = self.queue
-        while queue and not self.busy and not self.closed:
-            self._handle(queue.popleft())
+        if queue and not self.busy and not self.closed:
+            deadline = perf_counter() + _SLICE_SECONDS
+            n = 0
+            while True:
+                self._handle(queue.popleft())
+                n += 1
+                if not queue or self.busy or self.closed:
+                    break
+                if n >= _SLICE_REQUESTS or perf_counter() > deadline:
+                    self._pump_pending = True
+                    asyncio.get_running_loop().call_soon(self._pump)
+                    break
         self._update_reading()
 
     def _update_reading(self) -> None:
         """Read while the connection can take more: not cut off, not over its backlog."""
         if self.closed or self.transport is None:
             return
-        want = not self.write_paused and len(self.queue) < _MAX_QUEUED
+        want = not (self.write_paused or self._pump_pending or len(self.queue) >= _MAX_QUEUED)
         if want != self.reading:
             self.reading = want
             (self.transport.resume_reading if want else self.transport.pause_reading)()
@@ -347,7 +369,8 @@ class Connection(asyncio.BufferedProtocol):
 
     def _wait_done(self) -> None:
         self.busy = False
-        self._pump()
+        if not self._pump_pending:
+            self._pump()
 
     # -- watch ---------------------------------------------------------------------------
     def _set_watch(self, interval: float) -> None:

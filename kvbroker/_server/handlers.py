@@ -293,10 +293,10 @@ def op_list(b: Broker, session, namespace, match, limit) -> R.Listed:
     pattern = _regex(match) if match is not None else None
     out, truncated = [], False
     can = session.access.can
-    for obj in b.objects.values():
-        if namespace is not None and obj.namespace != namespace:
-            continue
-        if not can(obj.namespace):
+    if namespace is not None and not can(namespace):
+        return {"objects": [], "truncated": False}
+    for obj in b.in_namespace(namespace):
+        if namespace is None and not can(obj.namespace):
             continue
         if pattern is not None and not pattern.search(obj.key):
             continue
@@ -320,10 +320,10 @@ def op_evict(b: Broker, session, namespace, key, match, match_buffers, older_tha
     now = time.time()
     victims, skipped = [], 0
     if key is not None:
-        spaces = (namespace,) if namespace is not None else {ns for ns, _ in b.objects}
+        spaces = (namespace,) if namespace is not None else list(b.by_namespace)
         candidates = [o for o in (b.objects.get((ns, key)) for ns in spaces) if o]
     else:
-        candidates = list(b.objects.values())
+        candidates = list(b.in_namespace(namespace))
     for obj in candidates:
         if namespace is not None and obj.namespace != namespace:
             continue

@@ -122,7 +122,7 @@ def restore(b: Broker, records: Iterable[dict[str, Any]],
             b._lru.pop(parent.serial, None)
         obj.linked = True
         by_serial[obj.serial] = obj
-        b.objects[(obj.namespace, obj.key)] = obj
+        b.index(obj)
         b._owners[obj.pool.index][obj.start] = obj
         if obj.children == 0:
             b._lru[obj.serial] = obj
