@@ -320,3 +320,33 @@ def test_list_and_evict_of_one_namespace_do_not_scan_the_others(tmp_path):
         assert "small" not in b.by_namespace and len(b.by_namespace["big"]) == 300
     finally:
         pool.unlink()
+
+
+# -- 9. SIGHUP re-reads group membership ---------------------------------------------------
+def test_a_reload_applies_group_membership_changes(monkeypatch):
+    from kvbroker._server.broker import Broker
+    from kvbroker._server.policy import Quotas, parse_isolation
+    from kvbroker._server.pool import HostPool, segment_prefix
+    from kvbroker.errors import Forbidden
+
+    member = {"yes": True}
+
+    def grouplist(user, gid):
+        return [gid, 4242] if member["yes"] else [gid]
+
+    monkeypatch.setattr(os, "getgrouplist", grouplist)
+    uid = 54321  # no such user on this host: its namespace is "54321"
+    policy = parse_isolation({"mode": "tenant", "shared": {"team": {"write": [4242]}}})
+    pool = HostPool(0, segment_prefix() + ".0", 1 << 20, 4096)
+    try:
+        monkeypatch.setattr("pwd.getpwuid", lambda u: type("P", (), {"pw_name": "ghost"})())
+        b = Broker([pool], policy=policy)
+        s = b.open_session(1, uid, 100)
+        b.handle(s, "hello", {"version": 1})
+        b.handle(s, "reserve", {"namespace": "team", "key": "a", "buffers": {"x": 1}})
+        member["yes"] = False  # removed from the group, then SIGHUP
+        b.set_policy(policy, Quotas())
+        with pytest.raises(Forbidden):
+            b.handle(s, "reserve", {"namespace": "team", "key": "b", "buffers": {"x": 1}})
+    finally:
+        pool.unlink()

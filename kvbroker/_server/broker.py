@@ -23,7 +23,7 @@ from typing import Any
 from .arenas import end_arena
 from .handlers import HANDLERS
 from .leases import LeaseRegistry
-from .policy import Policy, Quotas
+from .policy import Policy, Quotas, forget_accounts
 from .pool import HostPool
 from .restore import journal_lent, journal_records, restore as restore_state
 from .snapshot import statistics
@@ -173,7 +173,10 @@ class Broker:
         return s
 
     def set_policy(self, policy: Policy, quotas: Quotas) -> None:
-        """A reload: new rules apply to every connection from its next request on."""
+        """A reload: new rules apply to every connection from its next request on, with
+        user names and group membership read again (a user removed from a group loses
+        what the group gave it)."""
+        forget_accounts()
         self.policy, self.quotas = policy, quotas
         for s in self.sessions.values():
             s.access = policy.access(s.uid, s.gid)

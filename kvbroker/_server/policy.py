@@ -43,7 +43,8 @@ from typing import Any
 
 from ..errors import Forbidden
 
-__all__ = ["Policy", "Access", "Quotas", "parse_isolation", "parse_quotas", "user_name"]
+__all__ = ["Policy", "Access", "Quotas", "forget_accounts", "parse_isolation", "parse_quotas",
+           "user_name"]
 
 MODES = ("open", "tenant")
 
@@ -65,6 +66,13 @@ def _groups_of(uid: int, gid: int) -> frozenset[int]:
     except (KeyError, OverflowError, OSError):
         pass
     return frozenset(g for g in gids if g >= 0)
+
+
+def forget_accounts() -> None:
+    """Drop the cached user names and group memberships (SIGHUP: the group database may
+    have changed since)."""
+    user_name.cache_clear()
+    _groups_of.cache_clear()
 
 
 @dataclass(frozen=True)
