@@ -350,3 +350,45 @@ def test_a_reload_applies_group_membership_changes(monkeypatch):
             b.handle(s, "reserve", {"namespace": "team", "key": "b", "buffers": {"x": 1}})
     finally:
         pool.unlink()
+
+
+# -- 8. quotas per tenant, across its namespaces, arenas charged ---------------------------
+def test_a_tenant_quota_holds_across_namespaces_and_arenas():
+    from kvbroker._server.broker import Broker
+    from kvbroker._server.policy import parse_quotas
+    from kvbroker._server.pool import HostPool, segment_prefix
+    from kvbroker._wire.paths import parse_size
+    from kvbroker.errors import QuotaExceeded
+
+    pool = HostPool(0, segment_prefix() + ".0", 32 << 20, 4096)
+    try:
+        b = Broker([pool], quotas=parse_quotas({"user:*": "1M"}, parse_size))
+        s = b.open_session(1, 1000, 1000)
+        b.handle(s, "hello", {"version": 1})
+        for i in range(200):  # 20 MiB across 10 namespaces
+            r = b.handle(s, "reserve", {"namespace": f"1000/sub{i % 10}", "key": f"k{i}",
+                                        "buffers": {"x": 100 << 10}})  # fmt: skip
+            b.handle(s, "seal", {"lease": r["lease"]})
+        held = sum(n for k, n in b._usage.items() if isinstance(k, str))
+        assert held <= 1 << 20, f"a tenant with a 1 MiB quota holds {held} bytes"
+        assert b._usage[("user", 1000)] == held
+        other = b.open_session(2, 2000, 2000)  # another tenant has its own MiB
+        b.handle(other, "hello", {"version": 1})
+        b.handle(other, "reserve", {"namespace": "x", "key": "y", "buffers": {"x": 900 << 10}})
+        # an arena is charged: with 768 KiB lent, 512 KiB more do not fit once its objects go
+        b.handle(s, "evict", {"all": True})
+        ar = b.handle(s, "arena", {"nbytes": 768 << 10})
+        with pytest.raises(QuotaExceeded, match="user"):
+            b.handle(s, "reserve", {"namespace": "n", "key": "big", "buffers": {"x": 512 << 10}})
+        pub = b.handle(s, "publish", {"arena": ar["lease"], "namespace": "n", "key": "p",
+                                      "buffers": {"x": 256 << 10},
+                                      "next_arena": 512 << 10})  # fmt: skip
+        assert b._usage[("user", 1000)] == 768 << 10  # the object took over its pages' charge
+        b.handle(s, "abort", {"lease": pub["lease"]})
+        assert b._usage[("user", 1000)] == 256 << 10
+        b.close_session(s)
+        assert b._usage.get(("user", 1000)) == 256 << 10  # its sealed object stays charged
+        b.handle(other, "evict", {"namespace": "n", "key": "p"})
+        assert ("user", 1000) not in b._usage
+    finally:
+        pool.unlink()

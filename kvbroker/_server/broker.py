@@ -23,7 +23,7 @@ from typing import Any
 from .arenas import end_arena
 from .handlers import HANDLERS
 from .leases import LeaseRegistry
-from .policy import Policy, Quotas, forget_accounts
+from .policy import Policy, Quotas, forget_accounts, user_name
 from .pool import HostPool
 from .restore import journal_lent, journal_records, restore as restore_state
 from .snapshot import statistics
@@ -75,7 +75,8 @@ class Broker:
         # writer may still be copying into although it lost them (daemon restart, cut off).
         self.restart_quarantine = restart_quarantine
         self._held: list[tuple[float, int, int, int, tuple[tuple[str, int], ...]]] = []
-        self._usage: dict[str, int] = {}  # namespace -> bytes charged (pages of its objects)
+        # namespace (or tenant account, ("user", uid) / ("group", gid)) -> bytes charged
+        self._usage: dict[Any, int] = {}
         self.started_at = time.time()
         self.sessions: dict[int, Session] = {}
         self.objects: dict[tuple[str, str], StoredObject] = {}
@@ -227,14 +228,15 @@ class Broker:
         """A write lease on a fresh extent for ``ident`` (charged to its namespace)."""
         self.check_lease_limit(session)
         ps = self.pools[0].page_size  # every pool has the same page size
-        charged = self.charge(ident[0], -(-max(span, 1) // ps) * ps)
+        tenants = self.tenants_of(session)
+        charged = self.charge(ident[0], -(-max(span, 1) // ps) * ps, tenants=tenants)
         try:
             pool, start, npages = self.allocate(max(span, 1))
         except BaseException:
-            self.uncharge(ident[0], charged)
+            self.uncharge(ident[0], charged, tenants)
             raise
         obj = self.new_object(ident, pool, start, npages, layout, meta)
-        obj.charged = charged
+        obj.charged, obj.tenants = charged, tenants
         self._owners[pool.index][start] = obj
         self.pending[ident] = obj
         if self.journal is not None:  # a restart must not hand these pages to another writer
@@ -296,6 +298,7 @@ class Broker:
         if quarantine:
             # The pages stay charged to the namespace until the writer's connection ends.
             ls.session.quarantine_charges.append((obj.namespace, obj.charged))
+            ls.session.quarantine_charges += [(t, obj.charged) for t in obj.tenants]
             obj.charged = 0
             self._owners[obj.pool.index][obj.start] = ("q", obj.npages)
             ls.session.quarantine.append((obj.pool, obj.start, obj.npages))
@@ -418,35 +421,63 @@ class Broker:
         self.counters["evicted_bytes"] += obj.nbytes
         self._unlink(obj)
 
-    def charge(self, namespace: str, nbytes: int, enforce: bool = True) -> int:
-        """Count ``nbytes`` against ``namespace``; over its quota, evict that namespace's own
-        least recently used unleased objects first, then raise QuotaExceeded. Returns the
-        bytes charged (the caller stores them on the object, freeing uncharges them)."""
-        used = self._usage.get(namespace, 0)
-        limit = self.quotas.limit(namespace) if enforce and self.quotas else None
-        if limit is not None and used + nbytes > limit:
-            mine = [o for o in self._lru.values() if o.namespace == namespace]
-            evictable = sum(o.charged for o in mine)
-            if used - evictable + nbytes > limit:
-                raise QuotaExceeded(
-                    f"namespace {namespace!r}: {nbytes} more bytes would make {used + nbytes} "
-                    f"of its quota of {limit} ({used} used, {evictable} of them evictable); "
-                    "free some (release leases, evict) or raise [quotas]"
-                )
-            for obj in mine:
-                if self._usage.get(namespace, 0) + nbytes <= limit:
-                    break
-                self.evict(obj)
-            used = self._usage.get(namespace, 0)
-        self._usage[namespace] = used + nbytes
+    def tenants_of(self, session: Session) -> tuple[tuple[str, int], ...]:
+        """The tenant accounts ``session``'s writes are charged to (none without tenant
+        quotas)."""
+        return self.quotas.tenants(session.uid, session.access.gids) if self.quotas else ()
+
+    def charge(self, namespace: str | None, nbytes: int, enforce: bool = True,
+               tenants: tuple[tuple[str, int], ...] = ()) -> int:  # fmt: skip
+        """Count ``nbytes`` against ``namespace`` (None: none) and each tenant account; over
+        a quota, evict that namespace's (or tenant's) own least recently used unleased
+        objects first, then raise QuotaExceeded (charging nothing). Returns the bytes
+        charged (the caller stores them on the object, freeing uncharges them)."""
+        accounts = ([namespace] if namespace is not None else []) + list(tenants)
+        if enforce and self.quotas:
+            for account in accounts:
+                self._make_room(account, nbytes)
+        for account in accounts:
+            self._usage[account] = self._usage.get(account, 0) + nbytes
         return nbytes
 
-    def uncharge(self, namespace: str, nbytes: int) -> None:
-        left = self._usage.get(namespace, 0) - nbytes
-        if left > 0:
-            self._usage[namespace] = left
+    def _make_room(self, account: Any, nbytes: int) -> None:
+        if isinstance(account, tuple):
+            limit = self.quotas.tenant_limit(account)
+            kind, ident = account
+            what = f"{kind} {user_name(ident) if kind == 'user' else ident}"
+
+            def owned(o: StoredObject) -> bool:
+                return account in o.tenants
         else:
-            self._usage.pop(namespace, None)
+            limit = self.quotas.limit(account)
+            what = f"namespace {account!r}"
+
+            def owned(o: StoredObject) -> bool:
+                return o.namespace == account
+        used = self._usage.get(account, 0)
+        if limit is None or used + nbytes <= limit:
+            return
+        mine = [o for o in self._lru.values() if owned(o)]
+        evictable = sum(o.charged for o in mine)
+        if used - evictable + nbytes > limit:
+            raise QuotaExceeded(
+                f"{what}: {nbytes} more bytes would make {used + nbytes} of its quota of "
+                f"{limit} ({used} used, {evictable} of them evictable); free some (release "
+                "leases, evict, abort write arenas) or raise [quotas]"
+            )
+        for obj in mine:
+            if self._usage.get(account, 0) + nbytes <= limit:
+                break
+            self.evict(obj)
+
+    def uncharge(self, namespace: Any, nbytes: int,
+                 tenants: tuple[tuple[str, int], ...] = ()) -> None:  # fmt: skip
+        for account in ([namespace] if namespace is not None else []) + list(tenants):
+            left = self._usage.get(account, 0) - nbytes
+            if left > 0:
+                self._usage[account] = left
+            else:
+                self._usage.pop(account, None)
 
     def record_transfer(self, op: str, session: Session, obj: StoredObject, nbytes: int) -> None:
         self.transfers.append((time.time(), op, session.id, obj.namespace, obj.key, nbytes))
@@ -480,7 +511,7 @@ class Broker:
         if not obj.sealed and self.journal is not None:  # a reservation's pages came back
             self.journal.returned(obj.pool.index, obj.start)
         if obj.charged:
-            self.uncharge(obj.namespace, obj.charged)
+            self.uncharge(obj.namespace, obj.charged, obj.tenants)
             obj.charged = 0
 
     def hold(self, pool: HostPool, start: int, npages: int,

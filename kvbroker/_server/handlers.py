@@ -134,7 +134,7 @@ def op_seal_many(b: Broker, session, leases, checksums) -> R.SealedMany:
 def op_arena(b: Broker, session, nbytes) -> R.ArenaLent:
     if nbytes <= 0:
         raise BadRequest("arena: nbytes must be positive")
-    if session.arenas:  # one a connection: arenas are neither quota-charged nor evictable
+    if session.arenas:  # one a connection: arenas are not evictable
         held = next(iter(session.arenas))
         raise BadRequest(f"arena: this connection already holds write arena {held}; "
                          "abort it first")  # fmt: skip

@@ -127,7 +127,8 @@ def restore(b: Broker, records: Iterable[dict[str, Any]],
         if obj.children == 0:
             b._lru[obj.serial] = obj
         live[obj.pool.index].append((obj.start, obj.npages))
-        obj.charged = b.charge(obj.namespace, obj.npages * obj.pool.page_size, False)
+        obj.charged = b.charge(obj.namespace, obj.npages * obj.pool.page_size, False,
+                               tenants=obj.tenants)  # fmt: skip
     held = _disjoint(lent, live, [p.allocator.capacity for p in b.pools])
     deadline = b.clock() + b.restart_quarantine
     for idx, start, npages in held:
