@@ -11,6 +11,7 @@ import socket
 import time
 
 import msgpack
+import posix_ipc
 import pytest
 
 from kvbroker import Client
@@ -392,3 +393,30 @@ def test_a_tenant_quota_holds_across_namespaces_and_arenas():
         assert ("user", 1000) not in b._usage
     finally:
         pool.unlink()
+
+
+# -- 11. a pool segment unlinked under the daemon --------------------------------------------
+def test_a_vanished_pool_is_noticed_and_clients_get_a_typed_error(daemon, client):
+    from kvbroker._server.config import load_config
+    from kvbroker._server.doctor import check_pools
+    from kvbroker.errors import PoolFull
+
+    client.put("k", {"x": b"1"})
+    name = client.stat().pools[0].name
+    posix_ipc.unlink_shared_memory(name)
+    assert wait_until(lambda: "POOL LOST" in daemon.log(), timeout=10), daemon.log()
+    import subprocess
+    import sys
+
+    fresh = subprocess.run(  # a new process maps the pool for its first get
+        [sys.executable, "-c", "import sys; from kvbroker import Client; "
+         "Client(sys.argv[1]).get('k')", daemon.socket_path],
+        capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert fresh.returncode != 0
+    last = fresh.stderr.strip().splitlines()[-1]
+    assert last.startswith("kvbroker.errors.BrokerUnavailable") and "gone" in last, last
+    with pytest.raises(PoolFull, match="gone"):
+        client.put("k2", {"x": b"1"})
+    cfg = load_config(env={"KVBROKER_SOCKET": daemon.socket_path})
+    check = check_pools(cfg)
+    assert check.status == "fail" and "gone" in check.detail

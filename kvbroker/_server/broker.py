@@ -530,10 +530,14 @@ class Broker:
         if len(self.pools) == 1:  # the common case, on the hot path of every publish
             pool = self.pools[0]
             npages = -(-nbytes // pool.page_size)
-            start = pool.allocator.alloc(npages) if nbytes <= pool.size else None
+            ok = nbytes <= pool.size and pool.lost is None
+            start = pool.allocator.alloc(npages) if ok else None
             if start is not None:
                 return pool, start, npages
-        fits = [p for p in self.pools if nbytes <= p.size]
+        fits = [p for p in self.pools if nbytes <= p.size and p.lost is None]
+        if not fits and any(p.lost for p in self.pools):
+            raise PoolFull("no usable pool: " + "; ".join(p.lost for p in self.pools if p.lost)
+                           + " (restart the daemon)")
         if not fits:
             biggest = max(p.size for p in self.pools)
             raise PoolFull(f"an object of {nbytes} bytes is larger than any pool ({biggest} bytes)")

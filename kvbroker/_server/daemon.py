@@ -366,6 +366,24 @@ class Daemon:
                 conn.close_quietly(f"it held nothing and sent nothing for {quiet:.0f} s "
                                    "(idle_timeout); reconnect when needed")  # fmt: skip
 
+    def check_pools(self) -> list[str]:
+        """Check every pool's segment (one stat each); say loudly, once, when one vanished
+        or changed: no new object goes there (clients would fail to map it). Returns the
+        problems found."""
+        problems = []
+        for pool in self.pools:
+            problem = pool.check()
+            if problem is None:
+                continue
+            problems.append(problem)
+            if pool.lost is None:
+                pool.lost = problem
+                held = sum(1 for o in self.broker.objects.values() if o.pool is pool)
+                log.error("POOL LOST: %s. Nothing new goes into pool %d; its %d object(s) "
+                          "can no longer be mapped by new clients; restart the daemon "
+                          "(its objects in that pool are lost)", problem, pool.index, held)
+        return problems
+
     def add_waiter(self, key: tuple[str, str], conn: Connection) -> None:
         self._waiters.setdefault(key, set()).add(conn)
 
@@ -582,6 +600,8 @@ class Daemon:
                     self._sweep_connections()
                 except Exception:
                     log.exception("connection sweep failed")
+            if ticks % 20 == 0:  # every 2 s
+                self.check_pools()
             try:
                 self.broker.expire()
             except Exception:

@@ -231,9 +231,39 @@ def _group(gid: int) -> str:
         return str(gid)
 
 
+def check_pools(cfg: DaemonConfig) -> Check:
+    """The running daemon's pool segments are still in /dev/shm, at their size (one that
+    vanished under it: new clients cannot map it; the daemon logs POOL LOST)."""
+    name = "pool segments"
+    if not os.path.exists(cfg.socket_path):
+        return Check(name, "skip", f"no daemon serving {cfg.socket_path}")
+    from .._client.client import Client
+    from ..errors import KVBrokerError
+
+    try:
+        with Client(cfg.socket_path, map_pools=False, timeout=5, reconnect=0) as c:
+            pools = c.stat().pools
+    except KVBrokerError as exc:
+        return Check(name, "skip", f"cannot ask the daemon at {cfg.socket_path}: {exc}")
+    bad = []
+    for p in pools:
+        try:
+            size = os.stat("/dev/shm" + p.name).st_size
+        except FileNotFoundError:
+            bad.append(f"pool {p.index} ({p.name}) is gone")
+            continue
+        if size != p.capacity:
+            bad.append(f"pool {p.index} ({p.name}) holds {size} bytes, not {p.capacity}")
+    if bad:
+        return Check(name, "fail", "; ".join(bad) + ": new clients cannot map it",
+                     "restart the daemon (the objects in that pool are lost); find what "
+                     "removes files in /dev/shm (systemd-logind RemoveIPC=, a cleanup job)")
+    return Check(name, "ok", f"{len(pools)} pool(s) present at their size")
+
+
 CHECKS: tuple[Callable[[DaemonConfig], Check], ...] = (
     check_memlock, check_shm, check_socket_dir, check_service_user, check_gpu,
-    check_host_register,
+    check_host_register, check_pools,
 )  # fmt: skip
 
 

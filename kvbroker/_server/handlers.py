@@ -22,7 +22,7 @@ from .._wire import replies as R
 from .._wire.names import check_buffer_name
 from .._wire.objects import buffer_offsets
 from .._wire.protocol import MAX_BUFFERS, MAX_NAME, PROTOCOL_VERSION, meta_problem
-from ..errors import BadRequest, Exists, NotFound, ProtocolError
+from ..errors import BadRequest, Exists, NotFound, PoolFull, ProtocolError
 from .arenas import arena_of, end_arena, new_arena, publish_from_arena
 from .snapshot import statistics_for
 from .state import Session, StoredObject, WouldWait
@@ -145,6 +145,9 @@ def op_arena(b: Broker, session, nbytes) -> R.ArenaLent:
 def op_publish(b: Broker, session, arena, namespace, key, buffers, meta, replace, consumers,
                checksums, next_arena) -> R.Published:  # fmt: skip
     ar = arena_of(b, session, arena)
+    if ar.pool.lost is not None:  # new clients could not map what is published there
+        end_arena(b, ar, "its pool's shared memory is gone")
+        raise PoolFull(f"publish: {ar.pool.lost} (restart the daemon)")
     if not 1 <= consumers <= 1 << 16:
         raise BadRequest("publish: consumers must be between 1 and 65536")
     if next_arena < 0:

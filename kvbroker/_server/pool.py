@@ -72,6 +72,21 @@ class HostPool:
             raise
         self._shm.close_fd()
         self.allocator = ExtentAllocator(size // page_size)
+        self.lost: str | None = None  # why the segment is unusable (check), once it is
+
+    def check(self) -> str | None:
+        """Why the segment is no longer what the daemon made (gone, resized), or None. One
+        stat(2) of /dev/shm: cheap enough to run every few seconds."""
+        try:
+            st = os.stat("/dev/shm" + self.name)
+        except FileNotFoundError:
+            return f"shared memory {self.name} of pool {self.index} is gone (unlinked)"
+        except OSError as exc:
+            return f"shared memory {self.name} of pool {self.index}: {exc.strerror}"
+        if st.st_size != self.size:
+            return (f"shared memory {self.name} of pool {self.index} holds {st.st_size} bytes, "
+                    f"not {self.size} (truncated?)")
+        return None
 
     @classmethod
     def adopt(cls, index: int, name: str, size: int, page_size: int) -> HostPool:
@@ -95,6 +110,7 @@ class HostPool:
         pool = cls.__new__(cls)
         pool.index, pool.name, pool.size, pool.page_size = index, name, size, page_size
         pool.allocator = ExtentAllocator(size // page_size)
+        pool.lost = None
         return pool
 
     def describe(self) -> dict:
