@@ -420,3 +420,46 @@ def test_a_vanished_pool_is_noticed_and_clients_get_a_typed_error(daemon, client
     cfg = load_config(env={"KVBROKER_SOCKET": daemon.socket_path})
     check = check_pools(cfg)
     assert check.status == "fail" and "gone" in check.detail
+
+
+# -- 10. kernel-enforced separation: a tenant's own pool -----------------------------------
+OPEN_AS = """
+import os, sys, posix_ipc
+os.setgid(int(sys.argv[1])); os.setuid(int(sys.argv[1]))
+for name in sys.argv[2:]:
+    try:
+        posix_ipc.SharedMemory(name).close_fd()
+        print("open", name)
+    except posix_ipc.PermissionsError:
+        print("denied", name)
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="creating pools owned by another uid needs root")
+def test_a_tenant_pool_is_mapped_by_its_tenant_only(make_daemon, tmp_path):
+    import stat
+    import subprocess
+    import sys
+
+    conf = tmp_path / "kvbroker.toml"
+    conf.write_text('[tenant_pools.nobody]\nsize = "4M"\nuser = 65534\n'
+                    'namespaces = ["nobody", "nobody/*"]\n')
+    d = make_daemon("--pool-size", "8M", "--page-size", "4K",
+                    env={"KVBROKER_CONFIG": str(conf)})
+    with d.client() as c:
+        shared, own = [p.name for p in c.stat().pools]
+        c.put("k", {"x": b"tenant bytes"}, namespace="nobody/a")
+        c.put("k", {"x": b"shared bytes"}, namespace="other")
+        with c.claim("k", namespace="nobody/a") as lease:
+            assert lease._extents["x"][0] == 1  # in the tenant's pool
+        with c.claim("k", namespace="other") as lease:
+            assert lease._extents["x"][0] == 0
+        assert c.get("k", namespace="nobody/a")["x"].tobytes() == b"tenant bytes"
+    st = os.stat("/dev/shm" + own)
+    assert st.st_uid == 65534 and stat.S_IMODE(st.st_mode) == 0o600
+    out = subprocess.run([sys.executable, "-c", OPEN_AS, "65534", shared, own],
+                         capture_output=True, text=True, timeout=60).stdout.split("\n")
+    assert out[:2] == [f"denied {shared}", f"open {own}"], out
+    out = subprocess.run([sys.executable, "-c", OPEN_AS, "65533", own],
+                         capture_output=True, text=True, timeout=60).stdout.split("\n")
+    assert out[0] == f"denied {own}", out

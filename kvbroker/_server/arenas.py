@@ -37,7 +37,7 @@ def new_arena(b: Broker, session: Session, nbytes: int) -> Arena:
     ps = b.pools[0].page_size
     charged = b.charge(None, -(-nbytes // ps) * ps, tenants=tenants)  # QuotaExceeded
     try:
-        pool, start, npages = b.allocate(nbytes, evict=False)
+        pool, start, npages = b.allocate(nbytes, evict=False, among=b.arena_pools(session))
     except BaseException:
         b.uncharge(None, charged, tenants)
         raise

@@ -231,7 +231,7 @@ class Broker:
         tenants = self.tenants_of(session)
         charged = self.charge(ident[0], -(-max(span, 1) // ps) * ps, tenants=tenants)
         try:
-            pool, start, npages = self.allocate(max(span, 1))
+            pool, start, npages = self.allocate(max(span, 1), among=self.pools_for(ident[0]))
         except BaseException:
             self.uncharge(ident[0], charged, tenants)
             raise
@@ -526,20 +526,39 @@ class Broker:
         self._owners[pool.index].pop(start, None)
         pool.allocator.free_extent(start, npages)
 
-    def allocate(self, nbytes: int, *, evict: bool = True) -> tuple[HostPool, int, int]:
-        if len(self.pools) == 1:  # the common case, on the hot path of every publish
-            pool = self.pools[0]
+    def pools_for(self, namespace: str) -> list[HostPool]:
+        """The pools an object of ``namespace`` may live in: its tenant's own pool, or the
+        shared ones."""
+        if len(self.pools) == 1:
+            return self.pools
+        own = [p for p in self.pools if p.tenant is not None and p.tenant.holds(namespace)]
+        return own[:1] or [p for p in self.pools if p.tenant is None]
+
+    def arena_pools(self, session: Session) -> list[HostPool]:
+        """Where ``session``'s write arena goes: a tenant pool it can map, else the shared
+        ones (a publish into a namespace of another pool falls back to reserve + seal)."""
+        if len(self.pools) == 1:
+            return self.pools
+        own = [p for p in self.pools if p.tenant is not None
+               and p.tenant.admits(session.uid, session.access.gids)]  # fmt: skip
+        return own[:1] or [p for p in self.pools if p.tenant is None]
+
+    def allocate(self, nbytes: int, *, evict: bool = True,
+                 among: list[HostPool] | None = None) -> tuple[HostPool, int, int]:  # fmt: skip
+        pools = self.pools if among is None else among
+        if len(pools) == 1:  # the common case, on the hot path of every publish
+            pool = pools[0]
             npages = -(-nbytes // pool.page_size)
             ok = nbytes <= pool.size and pool.lost is None
             start = pool.allocator.alloc(npages) if ok else None
             if start is not None:
                 return pool, start, npages
-        fits = [p for p in self.pools if nbytes <= p.size and p.lost is None]
-        if not fits and any(p.lost for p in self.pools):
-            raise PoolFull("no usable pool: " + "; ".join(p.lost for p in self.pools if p.lost)
+        fits = [p for p in pools if nbytes <= p.size and p.lost is None]
+        if not fits and any(p.lost for p in pools):
+            raise PoolFull("no usable pool: " + "; ".join(p.lost for p in pools if p.lost)
                            + " (restart the daemon)")
         if not fits:
-            biggest = max(p.size for p in self.pools)
+            biggest = max(p.size for p in pools)
             raise PoolFull(f"an object of {nbytes} bytes is larger than any pool ({biggest} bytes)")
         # Emptiest pool first, which spreads objects and keeps fragmentation down.
         for pool in sorted(fits, key=lambda p: -p.allocator.free):

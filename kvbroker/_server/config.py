@@ -155,6 +155,15 @@ def _quotas(value: Any):
     return parse_quotas(value, _size, where="")
 
 
+def _tenant_pools(value: Any):
+    from .policy import parse_tenant_pools
+
+    if not isinstance(value, dict):
+        raise ValueError("set it as a [tenant_pools] table ([tenant_pools.NAME] tables) in the "
+                         "configuration file")
+    return parse_tenant_pools(value, _size, where="")
+
+
 def _log_level(value: Any) -> str:
 
     if not isinstance(value, str) or value.lower() not in LOG_LEVELS:
@@ -380,6 +389,11 @@ SETTINGS: tuple[Key, ...] = (
         help="[isolation] namespace access policy."),
     Key("quotas", _quotas, {}, reload=_set_policy, example={"team/*": "1G"},
         help="[quotas] namespace = byte limit."),
+    # Pools of one tenant's own, which only its uid (or group) can map (issue 16).
+    Key("tenant_pools", _tenant_pools, {},
+        example={"alice": {"size": "64M", "user": 0, "namespaces": ["alice", "alice/*"]}},
+        help="[tenant_pools.NAME] size, user or group, namespaces: a pool only that tenant "
+             "can map, holding those namespaces."),
     # kvbroker._server.rings; off: no rings, and the daemon never loads the CUDA driver.
     Key("gpu_ring", _gpu_ring, "off", flag=(), example="2G",
         help="Allocate a GPU staging ring of this size on each visible GPU, shared with "

@@ -219,11 +219,15 @@ class Daemon:
         """Map the recovered geometry onto pools; False (start cold) when the segments are
         gone, DaemonError when the configuration asks for different pools."""
         cfg = self.config
+        tenants = list(cfg.tenant_pools)
         old = rec.pools
         want_size = cfg.pool_size - cfg.pool_size % cfg.page_size if cfg.pool_size else None
-        sizes = {p["size"] for p in old}
+        sizes = {p["size"] for p in old[:cfg.pools]}
         pages = {p["page_size"] for p in old}
-        if (len(old) != cfg.pools or pages != {cfg.page_size}
+        tenant_sizes = [p["size"] for p in old[cfg.pools:]]
+        want_tenant = [t.size - t.size % cfg.page_size for t in tenants]
+        if (len(old) != cfg.pools + len(tenants) or pages != {cfg.page_size}
+                or tenant_sizes != want_tenant
                 or (want_size is not None and sizes != {want_size})):  # fmt: skip
             raise DaemonError(
                 f"the previous daemon of {cfg.socket_path} left {len(rec.objects)} sealed "
@@ -235,7 +239,10 @@ class Daemon:
             )
         try:
             for i, p in enumerate(old):
-                self.pools.append(HostPool.adopt(i, p["name"], p["size"], p["page_size"]))
+                pool = HostPool.adopt(i, p["name"], p["size"], p["page_size"])
+                if i >= cfg.pools:
+                    pool.tenant = tenants[i - cfg.pools]
+                self.pools.append(pool)
         except KVBrokerError as exc:
             log.warning("cannot adopt the previous daemon's pools (%s): starting cold, its "
                         "%d object(s) are lost", exc, len(rec.objects))
@@ -285,6 +292,11 @@ class Daemon:
             self.pools.append(
                 HostPool(i, f"{prefix}.{i}", size, cfg.page_size, mode=mode, gid=cfg.group)
             )
+        for t in cfg.tenant_pools:  # only its tenant's processes may open it
+            i = len(self.pools)
+            self.pools.append(HostPool(
+                i, f"{prefix}.{i}", t.size, cfg.page_size, tenant=t,
+                mode=0o600 if t.uid is not None else 0o660, uid=t.uid, gid=t.gid))  # fmt: skip
 
     def _open_rings(self) -> None:
         from .rings import RingService, open_backend

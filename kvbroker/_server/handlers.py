@@ -154,6 +154,9 @@ def op_publish(b: Broker, session, arena, namespace, key, buffers, meta, replace
         raise BadRequest("publish: next_arena must be a size in bytes, or 0")
     ident = (_check_name("namespace", namespace), _check_name("key", key))
     session.access.check(namespace, True, "publish")
+    if ar.pool not in b.pools_for(namespace):  # another tenant's pool, or the shared ones
+        raise PoolFull(f"publish: namespace {namespace!r} lives in another pool than arena "
+                       f"{arena}'s; reserve instead")  # fmt: skip
     layout, span = _buffer_layout(buffers, meta)
     ps = ar.pool.page_size
     npages = max(1, -(-span // ps))

@@ -219,6 +219,50 @@ class Quotas:
         return None
 
 
+@dataclass(frozen=True)
+class TenantPool:
+    """A pool of one tenant's own (``[tenant_pools.NAME]``): created owned by ``uid`` (mode
+    0600) or group-owned by ``gid`` (mode 0660), so the kernel lets only that tenant's
+    processes map it; objects of ``namespaces`` (names or globs) live only there."""
+
+    name: str
+    size: int
+    uid: int | None
+    gid: int | None
+    namespaces: tuple[str, ...]
+
+    def holds(self, namespace: str) -> bool:
+        return any(namespace == p or fnmatch.fnmatchcase(namespace, p) for p in self.namespaces)
+
+    def admits(self, uid: int, gids: frozenset[int]) -> bool:
+        """Whether a client with these credentials can map the pool (its arena goes here)."""
+        return uid == self.uid if self.uid is not None else self.gid in gids
+
+
+def parse_tenant_pools(table: Any, parse_size, where: str = "tenant_pools") -> tuple:
+    """``[tenant_pools.NAME]`` tables (size, user or group, namespaces) -> TenantPools."""
+    if not isinstance(table, dict):
+        raise ValueError(f"{where}: expected tables like [tenant_pools.alice]")
+    out = []
+    for name, spec in table.items():
+        at = _at(where, repr(name))
+        if not isinstance(spec, dict) or not set(spec) <= {"size", "user", "group", "namespaces"}:
+            raise ValueError(f"{at}: expected size, user or group, and namespaces")
+        if ("user" in spec) == ("group" in spec):
+            raise ValueError(f"{at}: name exactly one owner, user or group")
+        try:
+            size = parse_size(spec.get("size"))
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"{at}.size: {exc}") from None
+        uid = _uid(spec["user"], f"{at}.user") if "user" in spec else None
+        gid = _gid(spec["group"], f"{at}.group") if "group" in spec else None
+        spaces = _list(spec.get("namespaces"), f"{at}.namespaces")
+        if not spaces or not all(isinstance(n, str) and n for n in spaces):
+            raise ValueError(f"{at}.namespaces: expected a list of namespaces or globs")
+        out.append(TenantPool(str(name), size, uid, gid, tuple(spaces)))
+    return tuple(out)
+
+
 # -- configuration --------------------------------------------------------------------------
 def _numeric_id(value: Any, where: str, kind: str, lookup) -> int:
     """A uid/gid from an int, a string of digits, or a name ``lookup`` resolves."""
