@@ -463,3 +463,16 @@ def test_a_tenant_pool_is_mapped_by_its_tenant_only(make_daemon, tmp_path):
     out = subprocess.run([sys.executable, "-c", OPEN_AS, "65533", own],
                          capture_output=True, text=True, timeout=60).stdout.split("\n")
     assert out[0] == f"denied {own}", out
+
+
+def test_a_waiter_with_a_full_backlog_that_dies_is_seen(daemon, client):
+    """Pipelined far behind a blocking claim, the connection stops reading; its peer's
+    hang-up is still seen (poll), not only when the wait ends."""
+    s = raw(daemon.socket_path)
+    s.sendall(msgpack.packb({"id": 2, "op": "claim", "args": {"key": "never", "wait": 600}})
+              + msgpack.packb({"id": 3, "op": "lookup", "args": {"key": "x"}}) * 2000)
+    assert wait_until(lambda: n_clients(client) == 2)
+    time.sleep(0.5)
+    s.close()
+    took = wait_until(lambda: n_clients(client) == 1, timeout=10)
+    assert took is not None, "a dead peer with a backlog behind its wait still holds its slot"

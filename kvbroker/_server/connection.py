@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import select
 import socket
 import struct
 from collections import deque
@@ -410,6 +411,16 @@ class Connection(asyncio.BufferedProtocol):
         self.transport.write(data)
         if self.transport.get_write_buffer_size():  # the peer is behind: mind the total
             self.daemon.backlogged(self)
+
+    def peer_gone(self) -> bool:
+        """Whether the peer hung up, seen without reading (for a connection that stopped
+        reading: a backlog behind a blocking claim). One poll(2) of its socket."""
+        sock = self.transport.get_extra_info("socket") if self.transport else None
+        if sock is None:
+            return False
+        p = select.poll()
+        p.register(sock.fileno(), select.POLLRDHUP | select.POLLHUP | select.POLLERR)
+        return bool(p.poll(0))
 
     def holds_nothing(self) -> bool:
         """No lease, arena, wait, watch or request in progress: closing it loses nothing."""

@@ -371,7 +371,10 @@ class Daemon:
             if conn.closed or s is None:
                 continue
             quiet = now - conn.last_active
-            if not s.greeted and now - conn.connected_at > cfg.hello_timeout and (
+            if not conn.reading and conn.peer_gone():  # it stopped reading, its peer left
+                log.info("session %d: its peer hung up while it was not reading", s.id)
+                conn.transport.abort()
+            elif not s.greeted and now - conn.connected_at > cfg.hello_timeout and (
                     not s.leases):  # fmt: skip
                 conn.close_quietly(f"no hello within {cfg.hello_timeout:g} s (hello_timeout)")
             elif cfg.idle_timeout > 0 and quiet > cfg.idle_timeout and conn.holds_nothing():
