@@ -231,7 +231,8 @@ import msgpack, socket, sys, threading
 s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 s.connect(sys.argv[1])
 s.sendall(msgpack.packb({"id": 1, "op": "hello", "args": {"version": 1}}))
-req = msgpack.packb({"id": 9, "op": "list", "args": {"namespace": sys.argv[2],
+ns = None if sys.argv[2] == "-" else sys.argv[2]
+req = msgpack.packb({"id": 9, "op": "list", "args": {"namespace": ns,
                                                      "limit": int(sys.argv[3])}})
 def drain():
     while s.recv(1 << 22):
@@ -267,7 +268,8 @@ def fairness(n: int = 2000) -> dict:
 
             out["quiet"] = measure()
             for label, ns, limit in (("list_one_namespace_limit5", "tenant0", 5),
-                                     ("list_one_namespace_limit50", "tenant0", 50)):
+                                     ("list_one_namespace_limit50", "tenant0", 50),
+                                     ("list_everything_3800_objects", "-", 10000)):
                 h = subprocess.Popen([sys.executable, "-c", HAMMER, d.socket_path, ns,
                                       str(limit)], stderr=subprocess.DEVNULL)
                 time.sleep(1.0)
