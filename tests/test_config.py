@@ -130,10 +130,16 @@ _FLAGGED = [k for k in SETTINGS if k.flags]
 _ids = lambda k: k.name  # noqa: E731
 
 
+def _toml_value(v) -> str:
+    if isinstance(v, dict):  # an inline table
+        return "{" + ", ".join(f"{json.dumps(k)} = {_toml_value(x)}" for k, x in v.items()) + "}"
+    return json.dumps(v)
+
+
 def _toml(key) -> str:
-    """``key = <its example>`` as TOML (a table for [isolation] and [quotas])."""
+    """``key = <its example>`` as TOML (a table for [isolation], [quotas], ...)."""
     if key.table:
-        body = "".join(f"{json.dumps(k)} = {json.dumps(v)}\n" for k, v in key.example.items())
+        body = "".join(f"{json.dumps(k)} = {_toml_value(v)}\n" for k, v in key.example.items())
         return f"[{key.name}]\n{body}"
     if key.section:  # [transfer] listen = ...
         return f"[{key.section}]\n{key.toml_name} = {json.dumps(key.example)}\n"

@@ -515,3 +515,18 @@ def test_match_kv_releases_the_best_match_when_a_later_layout_fails(tp_daemon, m
             pc.match_kv(tokens + [0])
         assert calls == [1, 2]
         assert c.stat().read_leases == 0  # the first layout's lease was not left to its TTL
+
+
+def test_a_match_over_1024_blocks_of_64_buffers_fits_one_reply(client):
+    """A 16k-token prompt of a 32-layer model in 16-token blocks: the match reply's packed
+    extents (1,032 bytes a block) are just over 1 MiB, which a 1 MiB binary limit refused."""
+    from kvbroker.prefix import PrefixCache
+
+    pc = PrefixCache(client, namespace="bigmatch", block_size=16)
+    tokens = list(range(1024 * 16 + 1))
+    names = [f"past_{kind}.{i}" for i in range(32) for kind in ("key", "value")]
+    blocks = [{n: b"" for n in names} for _ in range(1024)]
+    pc.publish(tokens, blocks)
+    with pc.match(tokens) as m:
+        assert m.num_blocks == 1024
+        assert len(m.blocks) == 1024 and set(m.blocks[0]) == set(names)

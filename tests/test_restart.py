@@ -16,7 +16,7 @@ from conftest import DaemonProcess, drop_leftover_pools
 from kvbroker import BrokerUnavailable, Client, Exists, LeaseExpired, NotFound, PoolFull
 from kvbroker._server.allocator import ExtentAllocator
 from kvbroker._server.broker import Broker
-from kvbroker._server.journal import Journal, journal_path
+from kvbroker._server.journal import Journal, _frame, journal_path
 from kvbroker._server.pool import HostPool, segment_prefix
 from kvbroker.prefix import PrefixCache
 
@@ -281,7 +281,7 @@ def test_torn_last_record_is_cut_off(daemons, socket_path):
         c.put("a", {"kv": pattern("a", 100)})
     d.stop(signal.SIGKILL)
     with open(journal_path(socket_path), "ab") as f:
-        whole = msgpack.packb({"t": "s", "o": {"serial": 99, "namespace": "x"}})
+        whole = _frame(msgpack.packb({"t": "s", "o": {"serial": 99, "namespace": "x"}}))
         f.write(whole[: len(whole) // 2])
     d2 = daemons()
     with d2.client() as c:

@@ -110,6 +110,10 @@ class WriteArena:
             if replace:
                 raise
             return False
+        except PoolFull:
+            # The namespace lives in another pool than the arena (a tenant's own pool, or
+            # the shared ones), or that pool is gone: reserve + seal instead.
+            return None
         except LeaseExpired:
             # Only when the connection was replaced under us: the copy went with it.
             self.id = self.extent = None

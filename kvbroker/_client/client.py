@@ -32,7 +32,7 @@ from .copy import _np, _torch_tensor, copy_into, nbytes_of
 from .transport import UnixTransport
 from . import integrity as _integrity
 from .._wire import checksum as _cs
-from ..errors import BrokerUnavailable, Exists, LeaseExpired, Timeout
+from ..errors import BrokerUnavailable, Exists, Forbidden, LeaseExpired, Timeout
 
 
 __all__ = ["Client", "WriteLease", "ReadLease", "EvictResult", "Listing"]
@@ -144,7 +144,10 @@ class Client:
                 self.pools = hello["pools"]
             if self._map_pools:
                 for pool in self.pools:
-                    self._mapping(pool["index"])
+                    try:
+                        self._mapping(pool["index"])
+                    except Forbidden:
+                        pass  # another tenant's own pool: the kernel keeps it from us
         except BaseException:
             session.close()
             raise

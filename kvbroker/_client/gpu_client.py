@@ -19,7 +19,7 @@ from .gpu_copy import _address, _span, copy_runs
 from .gpu_rings import RingClient, _ring_maps
 from .leases import _Lease
 from .shared import PerProcess
-from ..errors import Exists, KVBrokerError
+from ..errors import Exists, Forbidden, KVBrokerError
 
 if TYPE_CHECKING:
     from .gpu_rings import _RingMapping
@@ -146,7 +146,10 @@ class GpuClient(RingClient):
         self.last_verify_s = 0.0
         try:
             for pool in self.client.pools:
-                m = self.client._mapping(pool["index"])
+                try:
+                    m = self.client._mapping(pool["index"])
+                except Forbidden:
+                    continue  # another tenant's own pool: the kernel keeps it from us
                 _register(torch, m.name, m.mm, m.size)
                 self._names.append(m.name)
         except BaseException:

@@ -8,9 +8,11 @@ page.
 from __future__ import annotations
 
 import mmap
+import os
 
 import posix_ipc
 
+from ..errors import BrokerUnavailable, Forbidden
 from .shared import PerProcess
 
 __all__ = ["PoolMapping", "ClientMappings", "process_maps"]
@@ -25,7 +27,18 @@ class PoolMapping:
         self.index = index
         self.name = name
         self.size = size
-        shm = posix_ipc.SharedMemory(name)
+        try:
+            shm = posix_ipc.SharedMemory(name)
+        except posix_ipc.ExistentialError:
+            raise BrokerUnavailable(
+                f"pool {index}'s shared memory {name} is gone (unlinked under the daemon, "
+                "which logs POOL LOST): restart the daemon"
+            ) from None
+        except posix_ipc.PermissionsError:
+            raise Forbidden(
+                f"pool {index} ({name}) may not be mapped by uid {os.getuid()}: it belongs "
+                "to another tenant"
+            ) from None
         try:
             flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
             self.mm = mmap.mmap(shm.fd, size, flags=flags)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..errors import PoolFull
+from ..errors import PoolFull, QuotaExceeded
 from .state import Arena, Session, StoredObject
 
 if TYPE_CHECKING:
@@ -33,8 +33,17 @@ def new_arena(b: Broker, session: Session, nbytes: int) -> Arena:
     budget = sum(p.size for p in b.pools) // _ARENA_BUDGET_FRACTION
     if held + nbytes > budget:
         raise PoolFull(f"write arenas already hold {held} of their {budget} bytes")
-    pool, start, npages = b.allocate(nbytes, evict=False)
+    tenants = b.tenants_of(session)
+    ps = b.pools[0].page_size
+    charged = b.charge(None, -(-nbytes // ps) * ps, tenants=tenants)  # QuotaExceeded
+    try:
+        pool, start, npages = b.allocate(nbytes, evict=False, among=b.arena_pools(session))
+    except BaseException:
+        b.uncharge(None, charged, tenants)
+        raise
     arena = Arena(b.registry.next_id(), session, pool, start, npages)
+    arena.charged, arena.tenants = npages * pool.page_size, tenants
+    b.uncharge(None, charged - arena.charged, tenants)
     if b.journal is not None:
         b.journal.lent(pool.index, start, npages)
     b._owners[pool.index][start] = ("w", npages)
@@ -46,9 +55,13 @@ def new_arena(b: Broker, session: Session, nbytes: int) -> Arena:
 def end_arena(b: Broker, arena: Arena, reason: str, hold: bool = False) -> None:
     del b.arenas[arena.id]
     del arena.session.arenas[arena.id]
+    charges = tuple((t, arena.charged) for t in arena.tenants)
+    arena.charged = 0
     if hold:  # its writer may still be copying (see close_session)
-        b.hold(arena.pool, arena.start, arena.npages)
+        b.hold(arena.pool, arena.start, arena.npages, charges)
     else:
+        for account, n in charges:
+            b.uncharge(account, n)
         b.free_extent(arena.pool, arena.start, arena.npages)
         if b.journal is not None:
             b.journal.returned(arena.pool.index, arena.start)
@@ -71,6 +84,12 @@ def publish_from_arena(b: Broker, session: Session, ar: Arena, obj: StoredObject
     Returns the seal's reply and the arena now held."""
     pool, npages = ar.pool, obj.npages
     owners = b._owners[pool.index]
+    # The object's pages keep the arena's tenant charge (its namespace is charged apart).
+    moved = min(ar.charged, npages * pool.page_size)
+    ar.charged -= moved
+    obj.tenants = ar.tenants
+    if moved < obj.charged:
+        b.charge(None, obj.charged - moved, enforce=False, tenants=obj.tenants)
     if npages < ar.npages:
         ar.start = pool.allocator.split(ar.start, ar.npages, npages)
         ar.npages -= npages
@@ -90,7 +109,7 @@ def publish_from_arena(b: Broker, session: Session, ar: Arena, obj: StoredObject
         # Before the object is linked, so making room for the arena cannot evict it.
         try:
             ar = new_arena(b, session, next_arena)
-        except PoolFull:
+        except (PoolFull, QuotaExceeded):
             ar = None  # the client falls back to reserve + seal
     elif not next_arena and ar is not None:
         end_arena(b, ar, "its holder asked for no further arena")

@@ -23,7 +23,7 @@ from typing import Any
 from .arenas import end_arena
 from .handlers import HANDLERS
 from .leases import LeaseRegistry
-from .policy import Policy, Quotas
+from .policy import Policy, Quotas, forget_accounts, user_name
 from .pool import HostPool
 from .restore import journal_lent, journal_records, restore as restore_state
 from .snapshot import statistics
@@ -75,10 +75,14 @@ class Broker:
         # writer may still be copying into although it lost them (daemon restart, cut off).
         self.restart_quarantine = restart_quarantine
         self._held: list[tuple[float, int, int, int, tuple[tuple[str, int], ...]]] = []
-        self._usage: dict[str, int] = {}  # namespace -> bytes charged (pages of its objects)
+        # namespace (or tenant account, ("user", uid) / ("group", gid)) -> bytes charged
+        self._usage: dict[Any, int] = {}
         self.started_at = time.time()
         self.sessions: dict[int, Session] = {}
         self.objects: dict[tuple[str, str], StoredObject] = {}
+        # The same objects by namespace (key -> object, seal order): list, evict and quotas
+        # of one namespace cost what that namespace holds, not what the daemon holds.
+        self.by_namespace: dict[str, dict[str, StoredObject]] = {}
         self.pending: dict[tuple[str, str], StoredObject] = {}
         self.leases: dict[int, Lease] = {}
         self.arenas: dict[int, Arena] = {}  # write arenas of every session, by id
@@ -164,9 +168,10 @@ class Broker:
         return journal_lent(self)
 
     def restore(self, records: Iterable[dict[str, Any]],
-                lent: Iterable[tuple[int, int, int]] = ()) -> int:  # fmt: skip
-        """Adopt the sealed objects of a previous daemon (kvbroker._server.restore)."""
-        n = restore_state(self, records, lent)
+                lent: Iterable[tuple[int, int, int]] = (), **checks: Any) -> int:  # fmt: skip
+        """Adopt the sealed objects of a previous daemon (kvbroker._server.restore; ``checks``:
+        its ``report``, ``dropped`` and ``verify``)."""
+        n = restore_state(self, records, lent, **checks)
         for obj in self.objects.values():  # the link order they were restored in
             obj.seq = next(self._link_seq)
         return n
@@ -179,7 +184,10 @@ class Broker:
         return s
 
     def set_policy(self, policy: Policy, quotas: Quotas) -> None:
-        """A reload: new rules apply to every connection from its next request on."""
+        """A reload: new rules apply to every connection from its next request on, with
+        user names and group membership read again (a user removed from a group loses
+        what the group gave it)."""
+        forget_accounts()
         self.policy, self.quotas = policy, quotas
         for s in self.sessions.values():
             s.access = policy.access(s.uid, s.gid)
@@ -250,14 +258,15 @@ class Broker:
         """A write lease on a fresh extent for ``ident`` (charged to its namespace)."""
         self.check_lease_limit(session)
         ps = self.pools[0].page_size  # every pool has the same page size
-        charged = self.charge(ident[0], -(-max(span, 1) // ps) * ps)
+        tenants = self.tenants_of(session)
+        charged = self.charge(ident[0], -(-max(span, 1) // ps) * ps, tenants=tenants)
         try:
-            pool, start, npages = self.allocate(max(span, 1))
+            pool, start, npages = self.allocate(max(span, 1), among=self.pools_for(ident[0]))
         except BaseException:
-            self.uncharge(ident[0], charged)
+            self.uncharge(ident[0], charged, tenants)
             raise
         obj = self.new_object(ident, pool, start, npages, layout, meta)
-        obj.charged = charged
+        obj.charged, obj.tenants = charged, tenants
         self._owners[pool.index][start] = obj
         self.pending[ident] = obj
         if self.journal is not None:  # a restart must not hand these pages to another writer
@@ -281,7 +290,7 @@ class Broker:
         obj.linked = True
         obj.last_access = time.time()
         obj.seq = next(self._link_seq)
-        self.objects[ident] = obj
+        self.index(obj)
         self._lru[obj.serial] = obj
         if obj.parent_key is not None:
             # An absent parent (evicted while we wrote) leaves nothing to keep whole.
@@ -303,12 +312,26 @@ class Broker:
             self.on_sealed(ident)
         return {"namespace": obj.namespace, "key": obj.key, "nbytes": obj.nbytes}
 
+    def index(self, obj: StoredObject) -> None:
+        """Make ``obj`` the object of its key (the caller unlinked any older one)."""
+        self.objects[(obj.namespace, obj.key)] = obj
+        space = self.by_namespace.setdefault(obj.namespace, {})
+        space.pop(obj.key, None)  # seal order: a replacement goes last
+        space[obj.key] = obj
+
+    def in_namespace(self, namespace: str | None) -> Iterable[StoredObject]:
+        """The sealed objects of ``namespace`` (None: all), in seal order."""
+        if namespace is None:
+            return self.objects.values()
+        return self.by_namespace.get(namespace, {}).values()
+
     def discard_pending(self, ls: Lease, quarantine: bool) -> None:
         obj = ls.obj
         del self.pending[(obj.namespace, obj.key)]
         if quarantine:
             # The pages stay charged to the namespace until the writer's connection ends.
             ls.session.quarantine_charges.append((obj.namespace, obj.charged))
+            ls.session.quarantine_charges += [(t, obj.charged) for t in obj.tenants]
             obj.charged = 0
             self._owners[obj.pool.index][obj.start] = ("q", obj.npages)
             ls.session.quarantine.append((obj.pool, obj.start, obj.npages))
@@ -431,35 +454,63 @@ class Broker:
         self.counters["evicted_bytes"] += obj.nbytes
         self._unlink(obj)
 
-    def charge(self, namespace: str, nbytes: int, enforce: bool = True) -> int:
-        """Count ``nbytes`` against ``namespace``; over its quota, evict that namespace's own
-        least recently used unleased objects first, then raise QuotaExceeded. Returns the
-        bytes charged (the caller stores them on the object, freeing uncharges them)."""
-        used = self._usage.get(namespace, 0)
-        limit = self.quotas.limit(namespace) if enforce and self.quotas else None
-        if limit is not None and used + nbytes > limit:
-            mine = [o for o in self._lru.values() if o.namespace == namespace]
-            evictable = sum(o.charged for o in mine)
-            if used - evictable + nbytes > limit:
-                raise QuotaExceeded(
-                    f"namespace {namespace!r}: {nbytes} more bytes would make {used + nbytes} "
-                    f"of its quota of {limit} ({used} used, {evictable} of them evictable); "
-                    "free some (release leases, evict) or raise [quotas]"
-                )
-            for obj in mine:
-                if self._usage.get(namespace, 0) + nbytes <= limit:
-                    break
-                self.evict(obj)
-            used = self._usage.get(namespace, 0)
-        self._usage[namespace] = used + nbytes
+    def tenants_of(self, session: Session) -> tuple[tuple[str, int], ...]:
+        """The tenant accounts ``session``'s writes are charged to (none without tenant
+        quotas)."""
+        return self.quotas.tenants(session.uid, session.access.gids) if self.quotas else ()
+
+    def charge(self, namespace: str | None, nbytes: int, enforce: bool = True,
+               tenants: tuple[tuple[str, int], ...] = ()) -> int:  # fmt: skip
+        """Count ``nbytes`` against ``namespace`` (None: none) and each tenant account; over
+        a quota, evict that namespace's (or tenant's) own least recently used unleased
+        objects first, then raise QuotaExceeded (charging nothing). Returns the bytes
+        charged (the caller stores them on the object, freeing uncharges them)."""
+        accounts = ([namespace] if namespace is not None else []) + list(tenants)
+        if enforce and self.quotas:
+            for account in accounts:
+                self._make_room(account, nbytes)
+        for account in accounts:
+            self._usage[account] = self._usage.get(account, 0) + nbytes
         return nbytes
 
-    def uncharge(self, namespace: str, nbytes: int) -> None:
-        left = self._usage.get(namespace, 0) - nbytes
-        if left > 0:
-            self._usage[namespace] = left
+    def _make_room(self, account: Any, nbytes: int) -> None:
+        if isinstance(account, tuple):
+            limit = self.quotas.tenant_limit(account)
+            kind, ident = account
+            what = f"{kind} {user_name(ident) if kind == 'user' else ident}"
+
+            def owned(o: StoredObject) -> bool:
+                return account in o.tenants
         else:
-            self._usage.pop(namespace, None)
+            limit = self.quotas.limit(account)
+            what = f"namespace {account!r}"
+
+            def owned(o: StoredObject) -> bool:
+                return o.namespace == account
+        used = self._usage.get(account, 0)
+        if limit is None or used + nbytes <= limit:
+            return
+        mine = [o for o in self._lru.values() if owned(o)]
+        evictable = sum(o.charged for o in mine)
+        if used - evictable + nbytes > limit:
+            raise QuotaExceeded(
+                f"{what}: {nbytes} more bytes would make {used + nbytes} of its quota of "
+                f"{limit} ({used} used, {evictable} of them evictable); free some (release "
+                "leases, evict, abort write arenas) or raise [quotas]"
+            )
+        for obj in mine:
+            if self._usage.get(account, 0) + nbytes <= limit:
+                break
+            self.evict(obj)
+
+    def uncharge(self, namespace: Any, nbytes: int,
+                 tenants: tuple[tuple[str, int], ...] = ()) -> None:  # fmt: skip
+        for account in ([namespace] if namespace is not None else []) + list(tenants):
+            left = self._usage.get(account, 0) - nbytes
+            if left > 0:
+                self._usage[account] = left
+            else:
+                self._usage.pop(account, None)
 
     def record_transfer(self, op: str, session: Session, obj: StoredObject, nbytes: int) -> None:
         self.transfers.append((time.time(), op, session.id, obj.namespace, obj.key, nbytes))
@@ -472,6 +523,10 @@ class Broker:
         if self.journal is not None:
             self.journal.unlinked(obj.serial)
         del self.objects[(obj.namespace, obj.key)]
+        space = self.by_namespace[obj.namespace]
+        del space[obj.key]
+        if not space:
+            del self.by_namespace[obj.namespace]
         self._lru.pop(obj.serial, None)
         if self.on_block is not None and obj.tokens is not None:
             self.on_block("removed", obj)
@@ -491,7 +546,7 @@ class Broker:
         if not obj.sealed and self.journal is not None:  # a reservation's pages came back
             self.journal.returned(obj.pool.index, obj.start)
         if obj.charged:
-            self.uncharge(obj.namespace, obj.charged)
+            self.uncharge(obj.namespace, obj.charged, obj.tenants)
             obj.charged = 0
 
     def hold(self, pool: HostPool, start: int, npages: int,
@@ -506,16 +561,39 @@ class Broker:
         self._owners[pool.index].pop(start, None)
         pool.allocator.free_extent(start, npages)
 
-    def allocate(self, nbytes: int, *, evict: bool = True) -> tuple[HostPool, int, int]:
-        if len(self.pools) == 1:  # the common case, on the hot path of every publish
-            pool = self.pools[0]
+    def pools_for(self, namespace: str) -> list[HostPool]:
+        """The pools an object of ``namespace`` may live in: its tenant's own pool, or the
+        shared ones."""
+        if len(self.pools) == 1:
+            return self.pools
+        own = [p for p in self.pools if p.tenant is not None and p.tenant.holds(namespace)]
+        return own[:1] or [p for p in self.pools if p.tenant is None]
+
+    def arena_pools(self, session: Session) -> list[HostPool]:
+        """Where ``session``'s write arena goes: a tenant pool it can map, else the shared
+        ones (a publish into a namespace of another pool falls back to reserve + seal)."""
+        if len(self.pools) == 1:
+            return self.pools
+        own = [p for p in self.pools if p.tenant is not None
+               and p.tenant.admits(session.uid, session.access.gids)]  # fmt: skip
+        return own[:1] or [p for p in self.pools if p.tenant is None]
+
+    def allocate(self, nbytes: int, *, evict: bool = True,
+                 among: list[HostPool] | None = None) -> tuple[HostPool, int, int]:  # fmt: skip
+        pools = self.pools if among is None else among
+        if len(pools) == 1:  # the common case, on the hot path of every publish
+            pool = pools[0]
             npages = -(-nbytes // pool.page_size)
-            start = pool.allocator.alloc(npages) if nbytes <= pool.size else None
+            ok = nbytes <= pool.size and pool.lost is None
+            start = pool.allocator.alloc(npages) if ok else None
             if start is not None:
                 return pool, start, npages
-        fits = [p for p in self.pools if nbytes <= p.size]
+        fits = [p for p in pools if nbytes <= p.size and p.lost is None]
+        if not fits and any(p.lost for p in pools):
+            raise PoolFull("no usable pool: " + "; ".join(p.lost for p in pools if p.lost)
+                           + " (restart the daemon)")
         if not fits:
-            biggest = max(p.size for p in self.pools)
+            biggest = max(p.size for p in pools)
             raise PoolFull(f"an object of {nbytes} bytes is larger than any pool ({biggest} bytes)")
         # Emptiest pool first, which spreads objects and keeps fragmentation down.
         for pool in sorted(fits, key=lambda p: -p.allocator.free):
@@ -537,16 +615,19 @@ class Broker:
             raise PoolFull(
                 f"no room for {nbytes} bytes: the pools are held by leased or unsealed objects"
             )
-        while True:
-            victim = next((o for o in self._lru.values() if o.pool.index in feasible), None)
-            if victim is None:
-                raise PoolFull(f"no room for {nbytes} bytes even after eviction (fragmented)")
+        # Bounded: each victim is tried once (a loop until something fits could spin for ever
+        # if an eviction freed nothing, e.g. over an inconsistent index).
+        npages_in = {p.index: -(-nbytes // p.page_size) for p in fits}
+        for victim in [o for o in self._lru.values() if o.pool.index in feasible]:
+            if victim.serial not in self._lru:
+                continue  # gone with an earlier victim (a chain's parent)
             pool = victim.pool
             self.evict(victim)
-            npages = -(-nbytes // pool.page_size)
-            start = pool.allocator.alloc(npages)
+            start = pool.allocator.alloc(npages_in[pool.index])
             if start is not None:
-                return pool, start, npages
+                return pool, start, npages_in[pool.index]
+        raise PoolFull(f"no room for {nbytes} bytes even after evicting every unleased "
+                       "object (fragmented)")
 
     def _enforce_watermark(self, pool: HostPool) -> None:
         a = pool.allocator

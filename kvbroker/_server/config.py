@@ -159,6 +159,15 @@ def _quotas(value: Any):
     return parse_quotas(value, _size, where="")
 
 
+def _tenant_pools(value: Any):
+    from .policy import parse_tenant_pools
+
+    if not isinstance(value, dict):
+        raise ValueError("set it as a [tenant_pools] table ([tenant_pools.NAME] tables) in the "
+                         "configuration file")
+    return parse_tenant_pools(value, _size, where="")
+
+
 def _log_level(value: Any) -> str:
 
     if not isinstance(value, str) or value.lower() not in LOG_LEVELS:
@@ -426,6 +435,21 @@ SETTINGS: tuple[Key, ...] = (
              "epoll; 0 turns it off."),
     Key("max_connections", _CONNECTIONS, 1024, reload=LIVE, flag=(), metavar="N", text=int,
         help="Most client connections at once.", example=16),
+    # Hardening (issue 16): what one client may hold of the daemon's time and memory.
+    Key("max_wait", _positive_duration, "10m", reload=LIVE, example="1m",
+        help="Longest a blocking claim (wait=...) waits for its key; a longer wait asked for "
+             "ends with a timeout after this."),
+    Key("max_connections_per_uid", _CONNECTIONS, 512, reload=LIVE, text=int, example=64,
+        help="Most client connections one uid may hold at once (one tenant cannot take every "
+             "slot of max_connections)."),
+    Key("hello_timeout", _positive_duration, "10s", reload=LIVE, example="2s",
+        help="A connection that has not said hello this long after connecting is closed."),
+    Key("idle_timeout", _duration, "15m", reload=LIVE, example="1m",
+        help="A connection that holds nothing (no lease, arena, wait or watch) and sends "
+             "nothing this long is closed (clients reconnect by themselves); 0: never."),
+    Key("max_write_buffers_total", _write_buffer, "256M", reload=LIVE, example="1G",
+        help="Bytes of unread replies all connections together may hold; past it, the "
+             "connection holding the most is disconnected (see max_write_buffer)."),
     Key("drain_timeout", _duration, "10s", reload=LIVE, flag=(), metavar="DURATION", example="1m",
         help="On SIGTERM, wait this long for held leases to end."),
     Key("log_level", _log_level, "info", reload=_set_log_level, flag=(), metavar="LEVEL", example="debug",
@@ -446,6 +470,11 @@ SETTINGS: tuple[Key, ...] = (
         help="[isolation] namespace access policy."),
     Key("quotas", _quotas, {}, reload=_set_policy, example={"team/*": "1G"},
         help="[quotas] namespace = byte limit."),
+    # Pools of one tenant's own, which only its uid (or group) can map (issue 16).
+    Key("tenant_pools", _tenant_pools, {},
+        example={"alice": {"size": "64M", "user": 0, "namespaces": ["alice", "alice/*"]}},
+        help="[tenant_pools.NAME] size, user or group, namespaces: a pool only that tenant "
+             "can map, holding those namespaces."),
     # kvbroker._server.rings; off: no rings, and the daemon never loads the CUDA driver.
     Key("gpu_ring", _gpu_ring, "off", flag=(), metavar="SIZE", example="2G",
         help="Allocate a GPU staging ring of this size on each visible GPU, shared with "

@@ -2,8 +2,11 @@
 
 An ``asyncio`` protocol per connection feeds msgpack's streaming ``Unpacker`` under hard
 limits (:mod:`kvbroker._wire.protocol`); requests go to the broker one at a time, in order.
-A connection waiting in a blocking ``claim`` stops reading until it is answered, and never
-holds up another connection. A draining daemon treats each op as its row of the op table
+A connection waiting in a blocking ``claim`` keeps reading (so a peer that dies while it
+waits is seen at once; what it pipelines meanwhile is queued, up to ``_MAX_QUEUED``
+requests, answered after the claim), and never holds up another connection. The wait is no
+longer than the daemon's ``max_wait``; its state (one entry in the daemon's waiters, one
+timer) belongs to the connection and goes with it. A draining daemon treats each op as its row of the op table
 says (``draining``). Who owns and frees what: :mod:`kvbroker._server.state`.
 """
 
@@ -11,9 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import select
 import socket
 import struct
 from collections import deque
+from time import perf_counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +40,33 @@ log = logging.getLogger("kvbroker.daemon")
 
 _SO_PEERCRED_FMT = "3i"
 _READ_SIZE = 64 * 1024
+# One read buffer for every connection: the loop fills it and calls buffer_updated at once,
+# which copies it into the connection's unpacker, so nothing stays in it between reads (a
+# buffer per connection was 64 KiB of memory per idle or waiting client).
+_RBUF = memoryview(bytearray(_READ_SIZE))
+
+
+class _Parser:
+    """Frames from the bytes one read brought. A msgpack ``Unpacker`` costs ~40 KiB (its
+    parse stack), so connections share one, and only a connection whose last read ended
+    mid-frame keeps its own until that frame is complete."""
+
+    shared: msgpack.Unpacker | None = None
+    shared_fed = 0
+
+    @classmethod
+    def fresh(cls) -> msgpack.Unpacker:
+        return msgpack.Unpacker(raw=False, **unpacker_limits(MAX_REQUEST))
+
+
+# A bounded slice of the loop per connection per turn: after this many requests, or this
+# long, a connection's further requests wait for the next turn of the loop, after every
+# other connection that is ready (one pipelining client must not starve the others).
+_SLICE_REQUESTS = 8
+_SLICE_SECONDS = 0.0005
+# Requests parsed but not yet answered, per connection; past this it stops reading (a
+# waiting claim's connection keeps reading until then, to see its peer close at once).
+_MAX_QUEUED = 256
 
 
 class Connection(asyncio.BufferedProtocol):
@@ -44,12 +76,13 @@ class Connection(asyncio.BufferedProtocol):
     # A BufferedProtocol reads into one reused buffer: plain Protocol allocates a fresh
     # 256 KiB bytes object per read, which costs more than the request itself.
     def __init__(self, daemon: Daemon) -> None:
-        self._rbuf = memoryview(bytearray(_READ_SIZE))
         self.daemon = daemon
         self.broker = daemon.broker
         self.transport: asyncio.Transport | None = None
         self.session: Session | None = None
-        self.unpacker = msgpack.Unpacker(raw=False, **unpacker_limits(MAX_REQUEST))
+        # Its own unpacker only while a frame is partly read (see _Parser), with bytes fed.
+        self.unpacker: msgpack.Unpacker | None = None
+        self._fed = self._done = 0
         self.queue: deque[Any] = deque()
         self.busy = False
         self.closed = False
@@ -57,11 +90,17 @@ class Connection(asyncio.BufferedProtocol):
         # The daemon, not the peer, ended the connection: the peer may still be writing into
         # its write-leased pages, which then go into the broker's timed quarantine.
         self.cut_off = False
-        self.waiter: asyncio.Task | None = None
-        self.wait_rid: int | None = None
+        # A blocking claim in progress: (rid, op, args, key, deadline), its timer.
+        self.wait: tuple[int, str, Any, tuple[str, str], float] | None = None
+        self.wait_timer: asyncio.TimerHandle | None = None
+        self.reading = True
+        self._pump_pending = False  # the rest of its queue is served next turn
         self.watch_handle: asyncio.TimerHandle | None = None
         self.watch_interval = 0.0
         self._after_reply: Callable[[], None] | None = None  # a daemon op's follow-up
+        self.uid = -1
+        self.counted = False  # in the daemon's connections per uid
+        self.last_active = self.connected_at = 0.0  # loop times: its last read, its start
 
     # -- asyncio.Protocol ----------------------------------------------------------------
     def connection_made(self, transport) -> None:
@@ -75,17 +114,25 @@ class Connection(asyncio.BufferedProtocol):
             pid, uid, gid = struct.unpack(_SO_PEERCRED_FMT, raw)
         except OSError:
             pass
-        limit = self.daemon.config.max_connections
+        cfg = self.daemon.config
+        limit, per_uid = cfg.max_connections, cfg.max_connections_per_uid
+        refusal = None
         if len(self.daemon.connections) >= limit:
-            log.warning("refused a connection of pid %d uid %d: %d connections already "
-                        "(max_connections)", pid, uid, limit)  # fmt: skip
+            refusal = (f"kvbroker serves at most {limit} connections (max_connections); "
+                       "try again when one closes")
+        elif self.daemon.per_uid.get(uid, 0) >= per_uid:
+            refusal = (f"uid {uid} already holds {per_uid} connections, the most one uid may "
+                       "hold (max_connections_per_uid); close some first")
+        if refusal is not None:
+            log.warning("refused a connection of pid %d uid %d: %s", pid, uid, refusal)
             self._send({"id": None, "ok": False, "error": {
-                "code": LimitExceeded.code,
-                "message": f"kvbroker serves at most {limit} connections (max_connections); "
-                           "try again when one closes"}})  # fmt: skip
+                "code": LimitExceeded.code, "message": refusal}})  # fmt: skip
             transport.close()
             self.closed = True
             return
+        self.uid, self.counted = uid, True
+        self.daemon.per_uid[uid] = self.daemon.per_uid.get(uid, 0) + 1
+        self.last_active = self.connected_at = self.daemon.loop_time()
         # Replies and pushes a peer leaves unread pile up here; past this, pause_writing
         # cuts the peer off instead of letting its buffer grow without bound.
         transport.set_write_buffer_limits(high=self.daemon.config.max_write_buffer)
@@ -94,12 +141,12 @@ class Connection(asyncio.BufferedProtocol):
         log.debug("session %d: connected pid=%d uid=%d", self.session.id, pid, uid)
 
     def connection_lost(self, exc) -> None:
+        self.daemon.forget(self)
         if self.session is None or self.session.id not in self.broker.sessions:
             self.closed = True
             return
         self.closed = True
-        if self.waiter is not None:
-            self.waiter.cancel()
+        self._end_wait()
         if self.watch_handle is not None:
             self.watch_handle.cancel()
         self.daemon.connections.discard(self)
@@ -122,33 +169,91 @@ class Connection(asyncio.BufferedProtocol):
 
     def resume_writing(self) -> None:
         self.write_paused = False
-        if not self.busy and not self.closed:
-            self.transport.resume_reading()
+        self._update_reading()
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        return self._rbuf
+        return _RBUF
 
     def buffer_updated(self, nbytes: int) -> None:
         if self.closed:
             return
         self.daemon.note_activity()
+        self.last_active = self.daemon.loop_time()
+        data = _RBUF[:nbytes]
+        u = self.unpacker
+        if u is None:  # the shared parser, empty between reads
+            u = _Parser.shared
+            if u is None:
+                u = _Parser.shared = _Parser.fresh()
+                _Parser.shared_fed = 0
+            done = _Parser.shared_fed  # where its last complete frame ended
+            _Parser.shared_fed += nbytes
+            fed = _Parser.shared_fed
+        else:
+            done = self._done
+            self._fed += nbytes
+            fed = self._fed
         try:
-            self.unpacker.feed(self._rbuf[:nbytes])
+            u.feed(data)
         except msgpack.BufferFull:
             self._fatal("frame exceeds the size limit")
             return
+        queue = self.queue
         while not self.closed:
             try:
-                msg = next(self.unpacker)
+                msg = next(u)
             except StopIteration:
-                return
+                break
             except Exception as exc:  # any decoding failure: the stream cannot resync
+                if u is _Parser.shared:
+                    _Parser.shared = None
                 self._fatal(f"malformed frame: {type(exc).__name__}: {exc}")
                 return
-            if self.busy:
-                self.queue.append(msg)
-            else:
-                self._handle(msg)
+            done = u.tell()  # (after a partial frame, tell() counts its bytes too)
+            queue.append(msg)
+        left = fed - done
+        if u is _Parser.shared:
+            if left:  # a frame continues in the next read: this connection's own parser
+                _Parser.shared = None
+                self.unpacker = own = _Parser.fresh()
+                own.feed(data[nbytes - left:])
+                self._fed, self._done = left, 0
+        elif not left:
+            self.unpacker = None
+        else:
+            self._done = done
+        if self._pump_pending:  # its slice of this turn is used: the rest comes next turn
+            self._update_reading()
+        else:
+            self._pump()
+
+    def _pump(self) -> None:
+        """Answer queued requests in order, until the connection waits (a blocking claim) or
+        its slice of this turn of the loop is used up (the rest: next turn)."""
+        self._pump_pending = False
+        queue = self.queue
+        if queue and not self.busy and not self.closed:
+            deadline = perf_counter() + _SLICE_SECONDS
+            n = 0
+            while True:
+                self._handle(queue.popleft())
+                n += 1
+                if not queue or self.busy or self.closed:
+                    break
+                if n >= _SLICE_REQUESTS or perf_counter() > deadline:
+                    self._pump_pending = True
+                    asyncio.get_running_loop().call_soon(self._pump)
+                    break
+        self._update_reading()
+
+    def _update_reading(self) -> None:
+        """Read while the connection can take more: not cut off, not over its backlog."""
+        if self.closed or self.transport is None:
+            return
+        want = not (self.write_paused or self._pump_pending or len(self.queue) >= _MAX_QUEUED)
+        if want != self.reading:
+            self.reading = want
+            (self.transport.resume_reading if want else self.transport.pause_reading)()
 
     # -- requests ------------------------------------------------------------------------
     def _handle(self, msg: Any) -> None:
@@ -206,49 +311,70 @@ class Connection(asyncio.BufferedProtocol):
         return {"interval": interval}
 
     def _start_wait(self, rid: int, op: str, args: Any, ww: WouldWait) -> None:
+        """Answer ``rid`` once ``ww.key`` is sealed, or with Timeout after its wait (at most
+        the daemon's max_wait). The connection keeps reading meanwhile: a peer that closes
+        ends the wait at once (connection_lost)."""
+        loop = asyncio.get_running_loop()
+        limit = self.daemon.config.max_wait
+        timeout = min(ww.timeout, limit)
         self.busy = True
-        self.wait_rid = rid
-        self.transport.pause_reading()
-        self.waiter = asyncio.get_running_loop().create_task(self._wait(rid, op, args, ww))
+        self.wait = (rid, op, args, ww.key, timeout)
+        self.wait_timer = loop.call_later(timeout, self._wait_expired)
+        self.daemon.add_waiter(ww.key, self)
 
     def cancel_wait(self, code: str, message: str) -> None:
         """Answer a waiting claim with an error now (the daemon is draining)."""
-        if self.waiter is None or self.closed:
+        if self.wait is None or self.closed:
             return
-        self.waiter.cancel()
-        self.waiter = None
-        self._error(self.wait_rid, code, message)
+        rid = self.wait[0]
+        self._end_wait()
+        self._error(rid, code, message)
         self._wait_done()
 
-    async def _wait(self, rid: int, op: str, args: dict, ww: WouldWait) -> None:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + ww.timeout
-        try:
-            while True:
-                remaining = deadline - loop.time()
-                if remaining <= 0:
-                    raise Timeout(
-                        f"{ww.key[0]}/{ww.key[1]} was not published within {ww.timeout:g} s"
-                    )
-                try:
-                    await asyncio.wait_for(self.daemon.sealed_future(ww.key), remaining)
-                except asyncio.TimeoutError:
-                    continue
-                try:
-                    result = self.broker.handle(self.session, op, {**args, "wait": None})
-                except KVBrokerError as exc:
-                    if isinstance(exc, NotFound):
-                        continue  # sealed then gone again before we ran: keep waiting
-                    raise
-                self._send({"id": rid, "ok": True, "result": result})
-                break
-        except KVBrokerError as exc:
-            self.broker.counters["errors"] += 1
-            self._error(rid, exc.code, exc.message)
-        except asyncio.CancelledError:
+    def _end_wait(self) -> None:
+        """Forget the wait in progress (its timer, its entry among the daemon's waiters)."""
+        if self.wait is None:
             return
-        finally:
-            self.waiter = None
+        self.daemon.remove_waiter(self.wait[3], self)
+        if self.wait_timer is not None:
+            self.wait_timer.cancel()
+            self.wait_timer = None
+        self.wait = None
+
+    def _wait_expired(self) -> None:
+        self.wait_timer = None
+        if self.wait is None or self.closed:
+            return
+        rid, _, args, key, timeout = self.wait
+        self._end_wait()
+        asked = args.get("wait") if isinstance(args, dict) else None
+        limit = self.daemon.config.max_wait
+        cap = (f" (this daemon waits at most {limit:g} s: max_wait)"
+               if isinstance(asked, (int, float)) and asked > limit else "")  # fmt: skip
+        self._error(rid, Timeout.code, f"{key[0]}/{key[1]} was not published within "
+                                       f"{timeout:g} s{cap}")  # fmt: skip
+        self._wait_done()
+
+    def sealed(self) -> None:
+        """The awaited key was sealed (called soon after, from the loop): try the claim."""
+        if self.wait is None or self.closed:
+            return
+        rid, op, args, key, _ = self.wait
+        try:
+            result = self.broker.handle(self.session, op, {**args, "wait": None})
+        except NotFound:  # sealed then gone again before we ran: keep waiting
+            self.daemon.add_waiter(key, self)
+            return
+        except KVBrokerError as exc:
+            self._end_wait()
+            self._error(rid, exc.code, exc.message or str(exc))
+        except Exception as exc:
+            self._end_wait()
+            log.exception("session %d: %s failed", self.session.id, op)
+            self._error(rid, InternalError.code, f"{type(exc).__name__}: {exc}")
+        else:
+            self._end_wait()
+            self._send({"id": rid, "ok": True, "result": result})
         self._wait_done()
 
     def _start_deferred(self, rid: int, op: str, d: Deferred) -> None:
@@ -277,10 +403,8 @@ class Connection(asyncio.BufferedProtocol):
 
     def _wait_done(self) -> None:
         self.busy = False
-        while self.queue and not self.busy and not self.closed:
-            self._handle(self.queue.popleft())
-        if not self.busy and not self.closed and not self.write_paused:
-            self.transport.resume_reading()
+        if not self._pump_pending:
+            self._pump()
 
     # -- watch ---------------------------------------------------------------------------
     def _set_watch(self, interval: float) -> None:
@@ -307,8 +431,58 @@ class Connection(asyncio.BufferedProtocol):
         self._send({"id": rid, "ok": False, "error": {"code": code, "message": message}})
 
     def _send(self, obj: dict) -> None:
-        if not self.closed:
-            self.transport.write(msgpack.packb(obj))
+        if self.closed:
+            return
+        try:
+            data = msgpack.packb(obj)
+        except (ValueError, TypeError, OverflowError) as exc:
+            # Never let one unpackable value close the connection: answer an error instead.
+            log.error("session %d: cannot pack a reply (%s); answering an error instead",
+                      self.session.id if self.session else -1, exc)
+            data = msgpack.packb({"id": obj.get("id"), "ok": False, "error": {
+                "code": InternalError.code, "message": f"the reply cannot be sent: {exc}"}})
+        self.transport.write(data)
+        if self.transport.get_write_buffer_size():  # the peer is behind: mind the total
+            self.daemon.backlogged(self)
+
+    def peer_gone(self) -> bool:
+        """Whether the peer hung up, seen without reading (for a connection that stopped
+        reading: a backlog behind a blocking claim). One poll(2) of its socket."""
+        sock = self.transport.get_extra_info("socket") if self.transport else None
+        if sock is None:
+            return False
+        p = select.poll()
+        p.register(sock.fileno(), select.POLLRDHUP | select.POLLHUP | select.POLLERR)
+        return bool(p.poll(0))
+
+    def holds_nothing(self) -> bool:
+        """No lease, arena, wait, watch or request in progress: closing it loses nothing."""
+        s = self.session
+        return (s is not None and not s.leases and not s.arenas and self.wait is None
+                and not self.busy and not self.queue and self.watch_interval <= 0
+                and self.unpacker is None)  # fmt: skip
+
+    def close_quietly(self, why: str) -> None:
+        """The daemon closes a connection that holds nothing (idle, or never said hello)."""
+        s = self.session
+        log.info("session %d (pid %d, uid %d, %s): closed: %s", s.id, s.pid, s.uid,
+                 s.name or "unnamed", why)  # fmt: skip
+        self._error(None, LimitExceeded.code, f"kvbroker closed this connection: {why}")
+        self.closed = True
+        self.transport.close()
+
+    def cut_for_budget(self, total: int) -> None:
+        """Cut off: all connections together leave max_write_buffers_total unread."""
+        s = self.session
+        log.warning(
+            "session %d (pid %d, uid %d, %s): disconnected: it leaves %d bytes of replies "
+            "unread, the most of any connection, and all together leave %d "
+            "(max_write_buffers_total %d)", s.id, s.pid, s.uid, s.name or "unnamed",
+            self.transport.get_write_buffer_size(), total,
+            self.daemon.config.max_write_buffers_total,
+        )  # fmt: skip
+        self.closed = self.cut_off = True
+        self.transport.abort()
 
     def _fatal(self, message: str) -> None:
         sid = self.session.id if self.session else -1

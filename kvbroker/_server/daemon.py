@@ -68,7 +68,11 @@ class Daemon:
         self.pools: list[HostPool] = []
         self.broker: Broker | None = None
         self.connections: set[Connection] = set()
-        self._waiters: dict[tuple[str, str], asyncio.Future] = {}
+        # Connections waiting in a blocking claim, by the key they wait for; a connection
+        # removes itself when its wait ends (answered, timed out, its peer gone).
+        self._waiters: dict[tuple[str, str], set[Connection]] = {}
+        self.per_uid: dict[int, int] = {}  # open connections per peer uid
+        self._backlogged: set[Connection] = set()  # connections with replies not yet sent
         self._stop: asyncio.Event | None = None
         self._lock_fd: int | None = None
         self._previous_segments: list[str] = []
@@ -176,9 +180,12 @@ class Daemon:
         )
 
         if adopted:
+            report: dict[str, list[str]] = {}
             try:
                 n = self.broker.restore(recovered.objects.values(),
-                                        [(p, s, n) for (p, s), n in recovered.lent.items()])
+                                        [(p, s, n) for (p, s), n in recovered.lent.items()],
+                                        report=report, dropped=recovered.dropped_serials,
+                                        verify=recovered.suspect)  # fmt: skip
             except (ValueError, KeyError, TypeError, IndexError) as exc:
                 self.pools.clear()  # not ours to drop: the operator decides (--cold)
                 raise DaemonError(
@@ -186,27 +193,64 @@ class Daemon:
                     f"({type(exc).__name__}: {exc}); start with --cold to discard it"
                 ) from None
             used = sum(p.allocator.used * p.page_size for p in self.pools)
+            for reason, names in report.items():
+                recovered.dropped.setdefault(reason, []).extend(names)
+            ndropped = sum(len(v) for v in recovered.dropped.values())
             log.info("warm restart (epoch %d): adopted %d pool(s) and %d sealed object(s), "
                      "%s in use (%d extent(s) lent for writing quarantined for %g s)%s",
                      recovered.epoch + 1, len(self.pools), n, format_size(used),
                      len(recovered.lent), cfg.restart_quarantine,
-                     f"; cut a torn record of {recovered.torn_bytes} bytes"
+                     f"; cut a torn record of {recovered.torn_bytes} bytes at the end"
                      if recovered.torn_bytes else "")  # fmt: skip
+            if recovered.suspect:
+                kept = self._keep_damaged(path)
+                log.warning(
+                    "journal %s was damaged: %d damaged stretch(es) skipped (%s); kept %d "
+                    "object(s), dropped %d%s; the damaged file is kept as %s",
+                    path, len(recovered.damaged),
+                    ", ".join(f"bytes {a}-{b}" for a, b in recovered.damaged[:8]) or "none",
+                    n, ndropped,
+                    "".join(f"; {len(v)} because {r} ({', '.join(v[:3])}"
+                            f"{', ...' if len(v) > 3 else ''})"
+                            for r, v in recovered.dropped.items()), kept)  # fmt: skip
         if self._lock_fd is not None and cfg.journal:
             epoch = recovered.epoch + 1 if adopted else 1
             journal = Journal(journal_path(cfg.socket_path), epoch,
                               [p.describe() for p in self.pools])  # fmt: skip
             self.broker.attach_journal(journal, recovered.next_id if adopted else 1)
 
+    @staticmethod
+    def _keep_damaged(path: str) -> str:
+        """Copy a damaged journal aside (the daemon rewrites it next) for inspection; the
+        three latest copies are kept."""
+        import glob
+        import shutil
+
+        aside = f"{path}.damaged-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+        try:
+            shutil.copyfile(path, aside)
+        except OSError as exc:
+            return f"(nowhere: {exc.strerror})"
+        for old in sorted(glob.glob(path + ".damaged-*"), key=os.path.getmtime)[:-3]:
+            try:
+                os.unlink(old)
+            except OSError:
+                pass
+        return aside
+
     def _adopt_pools(self, rec) -> bool:
         """Map the recovered geometry onto pools; False (start cold) when the segments are
         gone, DaemonError when the configuration asks for different pools."""
         cfg = self.config
+        tenants = list(cfg.tenant_pools)
         old = rec.pools
         want_size = cfg.pool_size - cfg.pool_size % cfg.page_size if cfg.pool_size else None
-        sizes = {p["size"] for p in old}
+        sizes = {p["size"] for p in old[:cfg.pools]}
         pages = {p["page_size"] for p in old}
-        if (len(old) != cfg.pools or pages != {cfg.page_size}
+        tenant_sizes = [p["size"] for p in old[cfg.pools:]]
+        want_tenant = [t.size - t.size % cfg.page_size for t in tenants]
+        if (len(old) != cfg.pools + len(tenants) or pages != {cfg.page_size}
+                or tenant_sizes != want_tenant
                 or (want_size is not None and sizes != {want_size})):  # fmt: skip
             if self._previous_kept:  # kept for a restart that changed them: a cache, dropped
                 log.warning(
@@ -230,7 +274,10 @@ class Daemon:
             )
         try:
             for i, p in enumerate(old):
-                self.pools.append(HostPool.adopt(i, p["name"], p["size"], p["page_size"]))
+                pool = HostPool.adopt(i, p["name"], p["size"], p["page_size"])
+                if i >= cfg.pools:
+                    pool.tenant = tenants[i - cfg.pools]
+                self.pools.append(pool)
         except KVBrokerError as exc:
             log.warning("cannot adopt the previous daemon's pools (%s): starting cold, its "
                         "%d object(s) are lost", exc, len(rec.objects))
@@ -280,6 +327,11 @@ class Daemon:
             self.pools.append(
                 HostPool(i, f"{prefix}.{i}", size, cfg.page_size, mode=mode, gid=cfg.group)
             )
+        for t in cfg.tenant_pools:  # only its tenant's processes may open it
+            i = len(self.pools)
+            self.pools.append(HostPool(
+                i, f"{prefix}.{i}", t.size, cfg.page_size, tenant=t,
+                mode=0o600 if t.uid is not None else 0o660, uid=t.uid, gid=t.gid))  # fmt: skip
 
     def _open_rings(self) -> None:
         from .rings import RingService, open_backend
@@ -309,17 +361,99 @@ class Daemon:
         else:
             self._polling = False
 
-    def sealed_future(self, key: tuple[str, str]) -> asyncio.Future:
-        fut = self._waiters.get(key)
-        if fut is None or fut.done():
-            fut = asyncio.get_running_loop().create_future()
-            self._waiters[key] = fut
-        return asyncio.shield(fut)
+    def loop_time(self) -> float:
+        return self._loop.time() if self._loop is not None else time.monotonic()
+
+    def forget(self, conn: Connection) -> None:
+        """A connection ended: it no longer counts for its uid nor the reply budget."""
+        if conn.counted:
+            conn.counted = False
+            left = self.per_uid.get(conn.uid, 0) - 1
+            if left > 0:
+                self.per_uid[conn.uid] = left
+            else:
+                self.per_uid.pop(conn.uid, None)
+        self._backlogged.discard(conn)
+
+    def backlogged(self, conn: Connection) -> None:
+        """``conn`` has replies its peer has not read yet: hold every connection's unread
+        replies under max_write_buffers_total, cutting off the one holding the most."""
+        backlog = self._backlogged
+        backlog.add(conn)
+        total, sizes = 0, []
+        for c in list(backlog):
+            n = c.transport.get_write_buffer_size() if not c.closed else 0
+            if n == 0:
+                backlog.discard(c)
+            else:
+                total += n
+                sizes.append((n, c.session.id if c.session else 0, c))
+        budget = self.config.max_write_buffers_total
+        sizes.sort(key=lambda x: (x[0], x[1]))
+        while total > budget and sizes:
+            n, _, worst = sizes.pop()
+            worst.cut_for_budget(total)
+            backlog.discard(worst)
+            total -= n
+
+    def _sweep_connections(self) -> None:
+        """Close connections that never said hello within hello_timeout, and connections
+        holding nothing that sent nothing for idle_timeout."""
+        cfg = self.config
+        now = self.loop_time()
+        for conn in list(self.connections):
+            s = conn.session
+            if conn.closed or s is None:
+                continue
+            quiet = now - conn.last_active
+            if not conn.reading and conn.peer_gone():  # it stopped reading, its peer left
+                log.info("session %d: its peer hung up while it was not reading", s.id)
+                conn.transport.abort()
+            elif not s.greeted and now - conn.connected_at > cfg.hello_timeout and (
+                    not s.leases):  # fmt: skip
+                conn.close_quietly(f"no hello within {cfg.hello_timeout:g} s (hello_timeout)")
+            elif cfg.idle_timeout > 0 and quiet > cfg.idle_timeout and conn.holds_nothing():
+                conn.close_quietly(f"it held nothing and sent nothing for {quiet:.0f} s "
+                                   "(idle_timeout); reconnect when needed")  # fmt: skip
+
+    def check_pools(self) -> list[str]:
+        """Check every pool's segment (one stat each); say loudly, once, when one vanished
+        or changed: no new object goes there (clients would fail to map it). Returns the
+        problems found."""
+        problems = []
+        for pool in self.pools:
+            problem = pool.check()
+            if problem is None:
+                continue
+            problems.append(problem)
+            if pool.lost is None:
+                pool.lost = problem
+                held = sum(1 for o in self.broker.objects.values() if o.pool is pool)
+                log.error("POOL LOST: %s. Nothing new goes into pool %d; its %d object(s) "
+                          "can no longer be mapped by new clients; restart the daemon "
+                          "(its objects in that pool are lost)", problem, pool.index, held)
+        return problems
+
+    def add_waiter(self, key: tuple[str, str], conn: Connection) -> None:
+        self._waiters.setdefault(key, set()).add(conn)
+
+    def remove_waiter(self, key: tuple[str, str], conn: Connection) -> None:
+        conns = self._waiters.get(key)
+        if conns is not None:
+            conns.discard(conn)
+            if not conns:
+                del self._waiters[key]
+
+    def waiting(self) -> int:
+        """How many connections wait in a blocking claim."""
+        return sum(len(c) for c in self._waiters.values())
 
     def _on_sealed(self, key: tuple[str, str]) -> None:
-        fut = self._waiters.pop(key, None)
-        if fut is not None and not fut.done():
-            fut.set_result(None)
+        # Called inside the seal's request: the waiters claim from the loop, just after.
+        conns = self._waiters.pop(key, None)
+        if conns:
+            for conn in conns:
+                self._loop.call_soon(conn.sealed)
 
     def request_stop(self, restart: bool = False) -> None:
         """First call: drain and stop; ``restart`` (RESTART_SIGNAL): then keep the pools for
@@ -553,9 +687,18 @@ class Daemon:
         self.notifier.ready(self.summary())
 
     async def _expiry_loop(self) -> None:
+        ticks = 0
         while True:
             await asyncio.sleep(_EXPIRY_TICK)
+            ticks += 1
             self._cpu_spare = cpu_spare()
+            if ticks % 10 == 0:  # once a second
+                try:
+                    self._sweep_connections()
+                except Exception:
+                    log.exception("connection sweep failed")
+            if ticks % 20 == 0:  # every 2 s
+                self.check_pools()
             try:
                 self.broker.expire()
             except Exception:

@@ -239,9 +239,54 @@ def check_socket_unit(cfg: DaemonConfig) -> Check:
     return Check("socket unit", verdict.status, verdict.detail, verdict.fix)
 
 
+def check_pools(cfg: DaemonConfig) -> Check:
+    """The running daemon's pool segments are still in /dev/shm, at their size (one that
+    vanished under it: new clients cannot map it; the daemon logs POOL LOST)."""
+    name = "pool segments"
+    if not os.path.exists(cfg.socket_path):
+        return Check(name, "skip", f"no daemon serving {cfg.socket_path}")
+    import socket
+
+    import msgpack
+
+    from .._wire.protocol import PROTOCOL_VERSION
+
+    try:  # the hello reply names the pools (the server side never imports the client)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(5)
+            sock.connect(cfg.socket_path)
+            sock.sendall(msgpack.packb({"id": 1, "op": "hello", "args": {
+                "version": PROTOCOL_VERSION, "name": "kvbroker doctor"}}))  # fmt: skip
+            unpacker = msgpack.Unpacker(raw=False)
+            reply = None
+            while reply is None:
+                data = sock.recv(1 << 16)
+                if not data:
+                    raise OSError("the daemon closed the connection")
+                unpacker.feed(data)
+                reply = next(unpacker, None)
+        pools = reply["result"]["pools"]
+    except (OSError, KeyError, TypeError, ValueError) as exc:
+        return Check(name, "skip", f"cannot ask the daemon at {cfg.socket_path}: {exc}")
+    bad = []
+    for p in pools:
+        try:
+            size = os.stat("/dev/shm" + p["name"]).st_size
+        except FileNotFoundError:
+            bad.append(f"pool {p['index']} ({p['name']}) is gone")
+            continue
+        if size != p["size"]:
+            bad.append(f"pool {p['index']} ({p['name']}) holds {size} bytes, not {p['size']}")
+    if bad:
+        return Check(name, "fail", "; ".join(bad) + ": new clients cannot map it",
+                     "restart the daemon (the objects in that pool are lost); find what "
+                     "removes files in /dev/shm (systemd-logind RemoveIPC=, a cleanup job)")
+    return Check(name, "ok", f"{len(pools)} pool(s) present at their size")
+
+
 CHECKS: tuple[Callable[[DaemonConfig], Check], ...] = (
     check_memlock, check_shm, check_socket_dir, check_socket_unit, check_service_user,
-    check_gpu, check_host_register,
+    check_gpu, check_host_register, check_pools,
 )  # fmt: skip
 
 

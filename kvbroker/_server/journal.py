@@ -4,7 +4,13 @@ What it holds, and who writes it
 --------------------------------
 
 One file, ``<socket>.journal``, written only by the daemon holding ``<socket>.lock``: a
-sequence of msgpack maps, appended as the index changes.
+sequence of records, appended as the index changes. Each record is framed (format 2)::
+
+    b"KVJ2" | u32 length | u32 crc32(body) | body: one msgpack map
+
+so a damaged record is detected (its checksum), skipped alone (the next record is found by
+its magic and checksum), and never read as another one. The header is written twice, so
+one damaged copy does not make the whole file unreadable.
 
 - ``{"t": "h", ...}`` — the header, first: format version, the daemon's epoch and the pool
   geometry (segment names, sizes, page size) the extents below refer to;
@@ -28,6 +34,13 @@ client was told is sealed survives a SIGKILL of the daemon (the page cache outli
 process; the pools in /dev/shm would not outlive the machine anyway). A torn last record is
 cut off on load.
 
+Loading trusts nothing it cannot check (issue 16): damaged records are dropped and counted
+(``Recovered.damaged``); an object some later record puts other pages over (a lost ``u``
+record: it was freed and its pages reused) is dropped as stale (``Recovered.dropped``); ids
+are fenced a block further per damaged record (a lost ``i`` record). What the rest of the
+restore refuses (duplicate keys, overlapping or out-of-pool extents, children of dropped
+parents): :func:`kvbroker._server.restore.restore`.
+
 Compaction rewrites the file as a header plus one ``s`` record per live object (to a
 temporary file, then ``rename``) once the log holds more than twice the live records, so
 the file stays O(live objects) and appends stay O(1) amortised.
@@ -37,6 +50,8 @@ from __future__ import annotations
 
 import logging
 import os
+import struct
+import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,7 +62,10 @@ __all__ = ["Journal", "Recovered", "JournalError", "journal_path"]
 
 log = logging.getLogger("kvbroker.journal")
 
-FORMAT = 1
+FORMAT = 2
+MAGIC = b"KVJ2"
+_FRAME = struct.Struct("<4sII")  # magic, body length, crc32 of the body
+_MAX_RECORD = 64 << 20  # a body longer than this is a damaged length field
 _COMPACT_MIN = 4096  # records appended before compaction is considered
 # Lease and session ids are reserved in blocks, so the counter costs one record per block.
 ID_BLOCK = 1 << 16
@@ -72,6 +90,24 @@ class Recovered:
     # (pool, start page) -> npages: lent for writing and not back when the daemon stopped.
     lent: dict[tuple[int, int], int] = field(default_factory=dict)
     torn_bytes: int = 0  # an incomplete last record that was cut off
+    # (first byte, end) of each damaged stretch of the file that was skipped (not the tail)
+    damaged: list[tuple[int, int]] = field(default_factory=list)
+    # why objects of the journal were not kept: reason -> ["namespace/key", ...]
+    dropped: dict[str, list[str]] = field(default_factory=dict)
+
+    dropped_serials: set[int] = field(default_factory=set)  # their children go too
+
+    def drop(self, reason: str, what: str, serial: int | None = None) -> None:
+        self.dropped.setdefault(reason, []).append(what)
+        if serial is not None:
+            self.dropped_serials.add(serial)
+
+    @property
+    def suspect(self) -> bool:
+        """Some record was damaged, cut or contradicted: what is left must be checked harder.
+        (A torn tail counts: one append is one write(2), which a SIGKILL does not tear; a file
+        cut short lost records whose pages may since hold other bytes.)"""
+        return bool(self.damaged or self.dropped or self.torn_bytes)
 
 
 def _returned(lent: dict[tuple[int, int], int], pool: int, start: int) -> None:
@@ -105,59 +141,46 @@ class Journal:
     # -- reading ---------------------------------------------------------------------------
     @staticmethod
     def load(path: str) -> Recovered | None:
-        """The previous daemon's index, or None when there is no journal."""
+        """The previous daemon's index, or None when there is no journal. Damaged records
+        are dropped, not trusted (see the module doc); JournalError only when no header is
+        readable."""
         try:
             with open(path, "rb") as f:
                 data = f.read()
         except FileNotFoundError:
             return None
-        unpacker = msgpack.Unpacker(raw=False, strict_map_key=False, max_buffer_size=0)
-        unpacker.feed(data)
-        good = 0
+        if not data:
+            return None
+        entries, damaged, torn = _frames(data)
         rec: Recovered | None = None
-        try:
-            for entry in unpacker:
-                if not isinstance(entry, dict):
-                    raise JournalError(f"{path}: record at byte {good} is not a map")
-                t = entry.get("t")
-                if rec is None:
-                    if t != "h" or entry.get("v") != FORMAT:
-                        raise JournalError(f"{path}: not a kvbroker journal of format {FORMAT}")
+        history: list[tuple[int, int, int, int]] = []  # (seq, pool, start, npages) of s and w
+        seal_seq: dict[int, int] = {}
+        for seq, (pos, entry) in enumerate(entries):
+            t = entry.get("t") if isinstance(entry, dict) else None
+            if rec is None:
+                if t != "h":
+                    continue  # records before any readable header cannot be placed
+                try:
                     rec = Recovered(int(entry["epoch"]), list(entry["pools"]),
                                     next_id=int(entry.get("ids", 1)))  # fmt: skip
-                elif t == "s":
-                    o = entry["o"]
-                    rec.objects[o["serial"]] = o
-                    # The object's pages were lent for writing until now (an arena whose
-                    # first pages were published stays lent past them).
-                    where = (o["pool"], o["start"])
-                    n = rec.lent.pop(where, None)
-                    if n is not None and n > o["npages"]:
-                        rec.lent[(where[0], where[1] + o["npages"])] = n - o["npages"]
-                elif t == "u":
-                    rec.objects.pop(entry["s"], None)
-                elif t == "c":
-                    o = rec.objects.get(entry["s"])
-                    if o is not None:
-                        o["consumers"] = entry["n"]
-                elif t == "w":
-                    rec.lent[(int(entry["p"]), int(entry["s"]))] = int(entry["n"])
-                elif t == "e":
-                    _returned(rec.lent, int(entry["p"]), int(entry["s"]))
-                elif t == "i":
-                    rec.next_id = max(rec.next_id, int(entry["n"]))
-                else:
-                    raise JournalError(f"{path}: unknown record type {t!r} at byte {good}")
-                good = unpacker.tell()
-        except (msgpack.UnpackException, ValueError, KeyError, TypeError) as exc:
-            if rec is None:
-                raise JournalError(f"{path}: unreadable header: {exc}") from None
-            log.warning("%s: stopped at a corrupt record at byte %d: %s", path, good, exc)
+                except (KeyError, TypeError, ValueError):
+                    damaged.append((pos, pos + 1))
+                continue
+            try:
+                _apply(rec, t, entry, seq, history, seal_seq)
+            except (KeyError, TypeError, ValueError, AttributeError) as exc:
+                log.warning("%s: record at byte %d does not make sense (%s: %s): dropped",
+                            path, pos, type(exc).__name__, exc)
+                damaged.append((pos, pos + 1))
         if rec is None:
-            if not data:
-                return None
-            raise JournalError(f"{path}: truncated header")
-        rec.torn_bytes = len(data) - good
+            raise JournalError(f"{path}: no readable header (not a kvbroker journal of format "
+                               f"{FORMAT}, or its header is damaged)")
+        rec.torn_bytes = torn
+        rec.damaged = damaged
+        if damaged:
+            # A lost "i" record would let ids handed out before the crash be handed out again.
+            rec.next_id += ID_BLOCK * (1 + len(damaged))
+        _drop_stale(rec, history, seal_seq)
         return rec
 
     # -- writing ---------------------------------------------------------------------------
@@ -178,13 +201,14 @@ class Journal:
         pack = self._packer.pack
         live = 0
         self.id_limit = next_id + ID_BLOCK
-        chunks = [pack({"t": "h", "v": FORMAT, "epoch": self.epoch, "pools": self.pools,
-                        "ids": self.id_limit})]  # fmt: skip
+        header = _frame(pack({"t": "h", "v": FORMAT, "epoch": self.epoch, "pools": self.pools,
+                              "ids": self.id_limit}))  # fmt: skip
+        chunks = [header, header]  # twice: one damaged copy leaves the other
         for r in records:
-            chunks.append(pack({"t": "s", "o": r}))
+            chunks.append(_frame(pack({"t": "s", "o": r})))
             live += 1
         for p, start, npages in lent:
-            chunks.append(pack({"t": "w", "p": p, "s": start, "n": npages}))
+            chunks.append(_frame(pack({"t": "w", "p": p, "s": start, "n": npages})))
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         try:
             os.write(fd, b"".join(chunks))
@@ -201,7 +225,7 @@ class Journal:
     def _append(self, entry: dict[str, Any]) -> None:
         if self.failed:
             return
-        data = self._packer.pack(entry)
+        data = _frame(self._packer.pack(entry))
         try:
             if os.write(self._fd, data) != len(data):
                 raise OSError(28, "short write (no space left?)")
@@ -259,3 +283,106 @@ class Journal:
                 os.unlink(p)
             except FileNotFoundError:
                 pass
+
+
+# -- framing and replay ----------------------------------------------------------------------
+def _frame(body: bytes) -> bytes:
+    return _FRAME.pack(MAGIC, len(body), zlib.crc32(body)) + body
+
+
+def _frames(data: bytes) -> tuple[list[tuple[int, Any]], list[tuple[int, int]], int]:
+    """The records of ``data`` whose checksum holds, as (offset, entry); the damaged
+    stretches skipped in between (and at the end); the bytes of a torn tail: the start of a
+    record the file ends inside (a crash mid-append, a truncated file)."""
+    out: list[tuple[int, Any]] = []
+    damaged: list[tuple[int, int]] = []
+    pos, size, hdr = 0, len(data), _FRAME.size
+    while pos < size:
+        if pos + hdr <= size:
+            magic, n, crc = _FRAME.unpack_from(data, pos)
+            end = pos + hdr + n
+            if magic == MAGIC and n <= _MAX_RECORD:
+                if end <= size and zlib.crc32(data[pos + hdr:end]) == crc:
+                    try:
+                        entry = msgpack.unpackb(data[pos + hdr:end], raw=False,
+                                                strict_map_key=False)  # fmt: skip
+                    except Exception:  # checksummed yet unreadable: written wrong
+                        damaged.append((pos, end))
+                    else:
+                        out.append((pos, entry))
+                    pos = end
+                    continue
+                if end > size and data.find(MAGIC, pos + 1) < 0:
+                    return out, damaged, size - pos  # torn: the file ends inside it
+        elif MAGIC.startswith(bytes(data[pos:pos + len(MAGIC)])):
+            return out, damaged, size - pos  # torn inside its frame header
+        nxt = data.find(MAGIC, pos + 1)
+        nxt = size if nxt < 0 else nxt
+        damaged.append((pos, nxt))
+        pos = nxt
+    return out, damaged, 0
+
+
+def _apply(rec: Recovered, t: Any, entry: dict, seq: int,
+           history: list[tuple[int, int, int, int]], seal_seq: dict[int, int]) -> None:
+    """Replay one checked record into ``rec``."""
+    if t == "h":
+        return  # the second copy of the header
+    if t == "s":
+        o = entry["o"]
+        serial = o["serial"]
+        if not isinstance(serial, int) or not isinstance(o, dict):
+            raise TypeError("a sealed object needs an integer serial")
+        rec.objects[serial] = o
+        seal_seq[serial] = seq
+        history.append((seq, int(o["pool"]), int(o["start"]), int(o["npages"])))
+        # The object's pages were lent for writing until now (an arena whose first pages
+        # were published stays lent past them).
+        where = (o["pool"], o["start"])
+        n = rec.lent.pop(where, None)
+        if n is not None and n > o["npages"]:
+            rec.lent[(where[0], where[1] + o["npages"])] = n - o["npages"]
+    elif t == "u":
+        rec.objects.pop(entry["s"], None)
+    elif t == "c":
+        o = rec.objects.get(entry["s"])
+        if o is not None:
+            o["consumers"] = int(entry["n"])
+    elif t == "w":
+        p, st, n = int(entry["p"]), int(entry["s"]), int(entry["n"])
+        rec.lent[(p, st)] = n
+        history.append((seq, p, st, n))
+    elif t == "e":
+        _returned(rec.lent, int(entry["p"]), int(entry["s"]))
+    elif t == "i":
+        rec.next_id = max(rec.next_id, int(entry["n"]))
+    else:
+        raise ValueError(f"unknown record type {t!r}")
+
+
+def _drop_stale(rec: Recovered, history: list[tuple[int, int, int, int]],
+                seal_seq: dict[int, int]) -> None:
+    """Drop the objects whose pages a later record (a seal, or pages lent for writing) put
+    something else on: their unlink record was lost, and their pages hold another's bytes."""
+    import numpy as np
+
+    last = []
+    for p in rec.pools:
+        try:
+            last.append(np.full(int(p["size"]) // int(p["page_size"]), -1, dtype=np.int64))
+        except (KeyError, TypeError, ValueError, ZeroDivisionError):
+            last.append(np.full(0, -1, dtype=np.int64))
+    for seq, p, st, n in history:  # in journal order: each page keeps its latest writer
+        if 0 <= p < len(last) and n > 0 and st >= 0:
+            last[p][st:st + n] = seq
+    for serial, o in list(rec.objects.items()):
+        try:
+            p, st, n = int(o["pool"]), int(o["start"]), int(o["npages"])
+            later = 0 <= p < len(last) and n > 0 and st >= 0 and (
+                int(last[p][st:st + n].max(initial=-1)) > seal_seq[serial])
+        except (KeyError, TypeError, ValueError):
+            continue  # restore checks the record itself
+        if later:
+            del rec.objects[serial]
+            rec.drop("its pages were reused by a later record (its unlink was lost)",
+                     f"{o.get('namespace')}/{o.get('key')}", serial)

@@ -24,8 +24,11 @@ daemons (each with its own socket, group and pools).
 
 Quotas: ``[quotas]`` maps a namespace (exact name, or a glob such as ``"team-a/*"`` or
 ``"*"``) to a byte limit; every namespace matching a glob gets that limit for itself. An
-exact name beats a glob, a longer glob beats a shorter one. The broker charges the pages an
-object occupies from its reservation until its pages are freed.
+exact name beats a glob, a longer glob beats a shorter one. A *tenant* quota caps what one
+user (``"user:alice"``; ``"user:*"``: each user) or one group (``"group:team"``, its members
+together) holds across every namespace it writes, write arenas included: a namespace glob
+cannot, since ``alice/sub0``, ``alice/sub1``, ... each get its limit. The broker charges the
+pages an object occupies from its reservation (or its arena) until its pages are freed.
 
 Owned by the daemon: built from the configuration at start and on SIGHUP, read by the
 broker on every request. Immutable, so a reload swaps it whole.
@@ -43,7 +46,8 @@ from typing import Any
 
 from ..errors import Forbidden
 
-__all__ = ["Policy", "Access", "Quotas", "parse_isolation", "parse_quotas", "user_name"]
+__all__ = ["Policy", "Access", "Quotas", "forget_accounts", "parse_isolation", "parse_quotas",
+           "user_name"]
 
 MODES = ("open", "tenant")
 
@@ -65,6 +69,13 @@ def _groups_of(uid: int, gid: int) -> frozenset[int]:
     except (KeyError, OverflowError, OSError):
         pass
     return frozenset(g for g in gids if g >= 0)
+
+
+def forget_accounts() -> None:
+    """Drop the cached user names and group memberships (SIGHUP: the group database may
+    have changed since)."""
+    user_name.cache_clear()
+    _groups_of.cache_clear()
 
 
 @dataclass(frozen=True)
@@ -166,13 +177,37 @@ class Access:
 
 @dataclass(frozen=True)
 class Quotas:
-    """Byte limits per namespace (see the module doc for how patterns match)."""
+    """Byte limits per namespace (see the module doc for how patterns match), and per
+    tenant: a user (``"user:alice"``, ``"user:*"`` for every user) or a group
+    (``"group:team"``, shared by its members), across every namespace it writes."""
 
     exact: tuple[tuple[str, int], ...] = ()
     globs: tuple[tuple[str, int], ...] = ()  # longest pattern first
+    users: tuple[tuple[int, int], ...] = ()  # (uid, bytes)
+    every_user: int | None = None  # "user:*": each user without its own line
+    groups: tuple[tuple[int, int], ...] = ()  # (gid, bytes)
 
     def __bool__(self) -> bool:
-        return bool(self.exact or self.globs)
+        return bool(self.exact or self.globs or self.tenanted)
+
+    @property
+    def tenanted(self) -> bool:
+        return bool(self.users or self.groups or self.every_user is not None)
+
+    def tenants(self, uid: int, gids: frozenset[int]) -> tuple[tuple[str, int], ...]:
+        """The tenant accounts a client's writes are charged to: ("user", uid), and
+        ("group", gid) for each of its groups with a quota."""
+        if not self.tenanted:
+            return ()
+        out: list[tuple[str, int]] = [("user", uid)]
+        out += [("group", g) for g, _ in self.groups if g in gids]
+        return tuple(out)
+
+    def tenant_limit(self, account: tuple[str, int]) -> int | None:
+        kind, ident = account
+        if kind == "user":
+            return next((n for u, n in self.users if u == ident), self.every_user)
+        return next((n for g, n in self.groups if g == ident), None)
 
     def limit(self, namespace: str) -> int | None:
         for name, n in self.exact:
@@ -182,6 +217,50 @@ class Quotas:
             if fnmatch.fnmatchcase(namespace, pattern):
                 return n
         return None
+
+
+@dataclass(frozen=True)
+class TenantPool:
+    """A pool of one tenant's own (``[tenant_pools.NAME]``): created owned by ``uid`` (mode
+    0600) or group-owned by ``gid`` (mode 0660), so the kernel lets only that tenant's
+    processes map it; objects of ``namespaces`` (names or globs) live only there."""
+
+    name: str
+    size: int
+    uid: int | None
+    gid: int | None
+    namespaces: tuple[str, ...]
+
+    def holds(self, namespace: str) -> bool:
+        return any(namespace == p or fnmatch.fnmatchcase(namespace, p) for p in self.namespaces)
+
+    def admits(self, uid: int, gids: frozenset[int]) -> bool:
+        """Whether a client with these credentials can map the pool (its arena goes here)."""
+        return uid == self.uid if self.uid is not None else self.gid in gids
+
+
+def parse_tenant_pools(table: Any, parse_size, where: str = "tenant_pools") -> tuple:
+    """``[tenant_pools.NAME]`` tables (size, user or group, namespaces) -> TenantPools."""
+    if not isinstance(table, dict):
+        raise ValueError(f"{where}: expected tables like [tenant_pools.alice]")
+    out = []
+    for name, spec in table.items():
+        at = _at(where, repr(name))
+        if not isinstance(spec, dict) or not set(spec) <= {"size", "user", "group", "namespaces"}:
+            raise ValueError(f"{at}: expected size, user or group, and namespaces")
+        if ("user" in spec) == ("group" in spec):
+            raise ValueError(f"{at}: name exactly one owner, user or group")
+        try:
+            size = parse_size(spec.get("size"))
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"{at}.size: {exc}") from None
+        uid = _uid(spec["user"], f"{at}.user") if "user" in spec else None
+        gid = _gid(spec["group"], f"{at}.group") if "group" in spec else None
+        spaces = _list(spec.get("namespaces"), f"{at}.namespaces")
+        if not spaces or not all(isinstance(n, str) and n for n in spaces):
+            raise ValueError(f"{at}.namespaces: expected a list of namespaces or globs")
+        out.append(TenantPool(str(name), size, uid, gid, tuple(spaces)))
+    return tuple(out)
 
 
 # -- configuration --------------------------------------------------------------------------
@@ -270,7 +349,8 @@ def parse_quotas(table: Any, parse_size, where: str = "quotas") -> Quotas:
     """The ``[quotas]`` table -> :class:`Quotas`; ``parse_size`` turns "8G" into bytes."""
     if not isinstance(table, dict):
         raise ValueError(f"{where}: expected a table of namespace = size, got {table!r}")
-    exact, globs = [], []
+    exact, globs, users, groups = [], [], [], []
+    every_user = None
     for pattern, size in table.items():
         if isinstance(size, dict):
             raise ValueError(f"{_at(where, repr(pattern))}: expected a size like \"8G\"; "
@@ -279,6 +359,14 @@ def parse_quotas(table: Any, parse_size, where: str = "quotas") -> Quotas:
             n = parse_size(size)
         except ValueError as exc:
             raise ValueError(f"{_at(where, repr(pattern))}: {exc}") from None
-        (globs if any(c in pattern for c in "*?[") else exact).append((pattern, n))
+        at = _at(where, repr(pattern))
+        if pattern == "user:*":
+            every_user = n
+        elif pattern.startswith("user:"):
+            users.append((_uid(pattern[5:], at), n))
+        elif pattern.startswith("group:"):
+            groups.append((_gid(pattern[6:], at), n))
+        else:
+            (globs if any(c in pattern for c in "*?[") else exact).append((pattern, n))
     globs.sort(key=lambda pn: -len(pn[0]))
-    return Quotas(tuple(exact), tuple(globs))
+    return Quotas(tuple(exact), tuple(globs), tuple(users), every_user, tuple(groups))

@@ -42,6 +42,8 @@ class HostPool:
         *,
         mode: int = 0o600,
         gid: int | None = None,
+        uid: int | None = None,
+        tenant: object = None,
     ) -> None:
         if page_size <= 0 or page_size & (page_size - 1):
             raise KVBrokerError(f"page size must be a power of two, got {page_size}")
@@ -56,8 +58,8 @@ class HostPool:
         self._shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=mode, size=0)
         try:
             os.fchmod(self._shm.fd, mode)  # posix_ipc's mode is filtered by the umask
-            if gid is not None:
-                os.fchown(self._shm.fd, -1, gid)
+            if gid is not None or uid is not None:
+                os.fchown(self._shm.fd, -1 if uid is None else uid, -1 if gid is None else gid)
             os.ftruncate(self._shm.fd, size)
             try:
                 os.posix_fallocate(self._shm.fd, 0, size)
@@ -74,6 +76,22 @@ class HostPool:
             raise
         self._shm.close_fd()
         self.allocator = ExtentAllocator(size // page_size)
+        self.lost: str | None = None  # why the segment is unusable (check), once it is
+        self.tenant = tenant  # a policy.TenantPool: only its tenant can map it
+
+    def check(self) -> str | None:
+        """Why the segment is no longer what the daemon made (gone, resized), or None. One
+        stat(2) of /dev/shm: cheap enough to run every few seconds."""
+        try:
+            st = os.stat("/dev/shm" + self.name)
+        except FileNotFoundError:
+            return f"shared memory {self.name} of pool {self.index} is gone (unlinked)"
+        except OSError as exc:
+            return f"shared memory {self.name} of pool {self.index}: {exc.strerror}"
+        if st.st_size != self.size:
+            return (f"shared memory {self.name} of pool {self.index} holds {st.st_size} bytes, "
+                    f"not {self.size} (truncated?)")
+        return None
 
     @classmethod
     def adopt(cls, index: int, name: str, size: int, page_size: int) -> HostPool:
@@ -82,14 +100,10 @@ class HostPool:
         Its bytes are kept as they are; the caller rebuilds the allocator from its journal.
         Raises KVBrokerError when the segment is gone or its size is not ``size``.
         """
-        try:
-            shm = posix_ipc.SharedMemory(name)
-        except posix_ipc.ExistentialError:
+        try:  # stat, not open: a tenant's pool may be mapped by its tenant only
+            actual = os.stat("/dev/shm" + name).st_size
+        except FileNotFoundError:
             raise KVBrokerError(f"shared memory {name} of pool {index} is gone") from None
-        try:
-            actual = os.fstat(shm.fd).st_size
-        finally:
-            shm.close_fd()
         if actual != size:
             raise KVBrokerError(
                 f"shared memory {name} of pool {index} holds {format_size(actual)} ({actual} "
@@ -98,6 +112,8 @@ class HostPool:
         pool = cls.__new__(cls)
         pool.index, pool.name, pool.size, pool.page_size = index, name, size, page_size
         pool.allocator = ExtentAllocator(size // page_size)
+        pool.lost = None
+        pool.tenant = None
         return pool
 
     def describe(self) -> dict:

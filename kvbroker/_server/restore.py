@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from itertools import count
 from typing import TYPE_CHECKING, Any
 
+from .._wire.protocol import meta_problem
 from .allocator import ExtentAllocator
 from .state import StoredObject
 
@@ -39,31 +40,95 @@ def journal_lent(b: Broker) -> list[tuple[int, int, int]]:
 
 
 def restore(b: Broker, records: Iterable[dict[str, Any]],
-            lent: Iterable[tuple[int, int, int]] = ()) -> int:  # fmt: skip
+            lent: Iterable[tuple[int, int, int]] = (), *,
+            report: dict[str, list[str]] | None = None, dropped: set[int] | None = None,
+            verify: bool = False) -> int:  # fmt: skip
     """Adopt the sealed objects of a previous daemon (records in seal order) into an
     empty broker: the allocators are rebuilt from their extents; ``lent`` (pool, start,
     npages), the pages it had lent for writing, go into the timed quarantine (their
     writers may still be copying); everything else is free. Returns how many objects
-    came back."""
+    came back.
+
+    Nothing a record says is trusted: a record that does not describe an object inside its
+    pool is dropped; of two records of one key the later seal wins; of two whose pages
+    overlap, the later seal wins (the earlier one's pages hold the later one's bytes); a
+    block whose parent was dropped (``dropped``: serials the journal already dropped) goes
+    too. With ``verify`` (the journal was damaged), objects sealed with checksums are hashed
+    again and dropped when their bytes differ. Why each object was dropped goes into
+    ``report`` (reason -> ["namespace/key", ...])."""
     if b.objects or b.pending:
         raise RuntimeError("restore needs an empty broker")
+    report = {} if report is None else report
+    gone = set(dropped or ())
+
+    def drop(reason: str, what: str, serial: Any = None) -> None:
+        report.setdefault(reason, []).append(what)
+        if isinstance(serial, int):
+            gone.add(serial)
+
+    objs: list[tuple[StoredObject, Any]] = []
+    for rec in records:
+        try:
+            idx = rec["pool"]
+            if idx.__class__ is not int or not 0 <= idx < len(b.pools):
+                raise ValueError(f"pool {idx!r} does not exist")
+            obj = StoredObject.from_record(rec, b.pools)
+            _check(obj)
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
+            what = rec.get("namespace"), rec.get("key") if isinstance(rec, dict) else (None, None)
+            drop(f"malformed record ({type(exc).__name__}: {exc})", f"{what[0]}/{what[1]}",
+                 rec.get("serial") if isinstance(rec, dict) else None)
+            continue
+        objs.append((obj, rec.get("parent")))
+    latest: dict[tuple[str, str], StoredObject] = {}
+    for obj, _ in objs:
+        ident = (obj.namespace, obj.key)
+        if ident not in latest or obj.serial > latest[ident].serial:
+            latest[ident] = obj
+    taken: list[list[tuple[int, int]]] = [[] for _ in b.pools]
+    keep: set[int] = set()
+    for obj, _ in sorted(objs, key=lambda op: -op[0].serial):  # the latest seal first
+        name = f"{obj.namespace}/{obj.key}"
+        if latest[(obj.namespace, obj.key)] is not obj:
+            drop("a later record sealed the same key", name, obj.serial)
+            continue
+        if obj.serial in keep:
+            drop("duplicate serial", name)
+            continue
+        ext = taken[obj.pool.index]
+        i = bisect.bisect_left(ext, (obj.start, 0))
+        if (i < len(ext) and ext[i][0] < obj.start + obj.npages) or (
+                i > 0 and ext[i - 1][0] + ext[i - 1][1] > obj.start):  # fmt: skip
+            drop("its pages overlap a later object's", name, obj.serial)
+            continue
+        ext.insert(i, (obj.start, obj.npages))
+        keep.add(obj.serial)
+    candidates = [(obj, parent) for obj, parent in objs if obj.serial in keep]
+    if verify:
+        candidates = _verify(b, candidates, drop, report)
+    survivors = []
+    for obj, parent in candidates:  # seal order: a parent is decided before its children
+        if parent is not None and parent in gone:
+            drop("its parent block was dropped", f"{obj.namespace}/{obj.key}", obj.serial)
+            continue
+        survivors.append((obj, parent))
     by_serial: dict[int, StoredObject] = {}
     live: list[list[tuple[int, int]]] = [[] for _ in b.pools]
-    for rec in records:
-        obj = StoredObject.from_record(rec, b.pools)
-        parent = by_serial.get(rec.get("parent"))
+    for obj, parent_serial in survivors:
+        parent = by_serial.get(parent_serial)
         if parent is not None:
             obj.parent = parent
             parent.children += 1
             b._lru.pop(parent.serial, None)
         obj.linked = True
         by_serial[obj.serial] = obj
-        b.objects[(obj.namespace, obj.key)] = obj
+        b.index(obj)
         b._owners[obj.pool.index][obj.start] = obj
         if obj.children == 0:
             b._lru[obj.serial] = obj
         live[obj.pool.index].append((obj.start, obj.npages))
-        obj.charged = b.charge(obj.namespace, obj.npages * obj.pool.page_size, False)
+        obj.charged = b.charge(obj.namespace, obj.npages * obj.pool.page_size, False,
+                               tenants=obj.tenants)  # fmt: skip
     held = _disjoint(lent, live, [p.allocator.capacity for p in b.pools])
     deadline = b.clock() + b.restart_quarantine
     for idx, start, npages in held:
@@ -72,9 +137,83 @@ def restore(b: Broker, records: Iterable[dict[str, Any]],
         heapq.heappush(b._held, (deadline, idx, start, npages, ()))
     for pool, extents in zip(b.pools, live):
         pool.allocator = ExtentAllocator.with_live(pool.allocator.capacity, extents)
-    top = max(by_serial, default=0)
+    top = max([o.serial for o, _ in objs] + [0])
     b._serials = count(top + 1)
     return len(by_serial)
+
+
+def _check(obj: StoredObject) -> None:
+    """Raise ValueError unless ``obj`` (from a journal record) is an object inside its pool."""
+    pool = obj.pool
+    ints = (obj.serial, obj.start, obj.npages, obj.nbytes, obj.consumers)
+    if any(v.__class__ is not int for v in ints):
+        raise ValueError("serial, start, npages, nbytes and consumers must be integers")
+    if obj.start < 0 or obj.npages < 1 or obj.start + obj.npages > pool.allocator.capacity:
+        raise ValueError(f"pages {obj.start}+{obj.npages} are not inside pool {pool.index}")
+    if not (isinstance(obj.namespace, str) and obj.namespace and isinstance(obj.key, str)
+            and obj.key):  # fmt: skip
+        raise ValueError("namespace and key must be non-empty strings")
+    if obj.consumers < 1 or not isinstance(obj.created_at, (int, float)):
+        raise ValueError("consumers must be at least 1")
+    if obj.meta is not None and not isinstance(obj.meta, dict):
+        raise ValueError("meta must be a map")
+    problem = meta_problem(obj.meta)
+    if problem is not None:
+        raise ValueError(problem)
+    lo, hi = obj.start * pool.page_size, (obj.start + obj.npages) * pool.page_size
+    if not obj.buffers or sum(n for _, n in obj.buffers.values()) != obj.nbytes:
+        raise ValueError("buffers do not add up to nbytes")
+    for name, (off, n) in obj.buffers.items():
+        if not isinstance(name, str) or n < 0 or off < lo or off + n > hi:
+            raise ValueError(f"buffer {name!r} lies outside the object's pages")
+    sums = obj.checksums
+    if sums is not None and (not isinstance(sums, dict) or sums.keys() != obj.buffers.keys()):
+        raise ValueError("checksums do not name the buffers")
+    if obj.parent_key is not None and not isinstance(obj.parent_key, str):
+        raise ValueError("parent_key must be a key")
+
+
+def _verify(b: Broker, objs: list, drop, report) -> list:
+    """The objects whose checksummed bytes still match (each buffer hashed again). Objects
+    without checksums cannot be vouched for after a damaged journal (a lost unlink record
+    leaves no trace when the pages' later owner is gone too): dropped."""
+    import mmap
+
+    import posix_ipc
+
+    from .._wire.checksum import digest
+
+    maps: dict[int, Any] = {}
+    out = []
+    try:
+        for obj, parent in objs:
+            if obj.checksums is None:
+                drop("it was sealed without checksums, so its bytes cannot be checked",
+                     f"{obj.namespace}/{obj.key}", obj.serial)
+                continue
+            m = maps.get(obj.pool.index)
+            if m is None:
+                shm = posix_ipc.SharedMemory(obj.pool.name, posix_ipc.O_RDONLY, read_only=True)
+                try:
+                    m = maps[obj.pool.index] = mmap.mmap(shm.fd, obj.pool.size,
+                                                         prot=mmap.PROT_READ)  # fmt: skip
+                finally:
+                    shm.close_fd()
+            view = memoryview(m)
+            try:
+                ok = all(digest(view[off:off + n]) == obj.checksums[name]
+                         for name, (off, n) in obj.buffers.items())  # fmt: skip
+            finally:
+                view.release()
+            if ok:
+                out.append((obj, parent))
+            else:
+                drop("its bytes no longer match its checksums", f"{obj.namespace}/{obj.key}",
+                     obj.serial)
+    finally:
+        for m in maps.values():
+            m.close()
+    return out
 
 
 def _disjoint(lent: Iterable[tuple[int, int, int]], live: list[list[tuple[int, int]]],

@@ -38,6 +38,7 @@ from .ring_allocator import Region, RingAllocator, RingOversize
 from .state import WouldWait
 from .._cuda import IpcHandle, _check, device_identity, load_libcuda
 from .._wire import replies as R
+from .._wire.protocol import meta_problem
 from .._wire.stats import RingStatistics
 from ..errors import BadRequest, Exists, KVBrokerError, NotFound, PoolFull
 
@@ -244,6 +245,9 @@ class RingService:
                 raise Exists(f"{namespace}/{key} is already published in a ring")
         elif meta is not None or ttl is not None:
             raise BadRequest("ring_reserve: meta and ttl belong to a keyed (published) region")
+        problem = meta_problem(meta)
+        if problem is not None:
+            raise BadRequest(f"ring_reserve: {problem}")
         ttl = self._ttl(ttl)
         try:
             region = ring.allocator.alloc(_align(nbytes), timeout=0)

@@ -141,7 +141,7 @@ def _namespace_usage(b: Broker, top: int = _MAX_NAMESPACES) -> tuple[NamespaceUs
     rows = [NamespaceUsage(namespace=ns, objects=per.get(ns, (0, 0))[0],
                            bytes=per.get(ns, (0, 0))[1], used=b._usage.get(ns, 0),
                            quota=b.quotas.limit(ns))
-            for ns in set(per) | set(b._usage)]  # fmt: skip
+            for ns in set(per) | {k for k in b._usage if isinstance(k, str)}]  # fmt: skip
     rows.sort(key=lambda r: (-r.used, r.namespace))
     return tuple(rows[:top])
 

@@ -145,6 +145,7 @@ class StoredObject:
         "namespace", "key", "pool", "start", "npages", "nbytes", "buffers", "meta",
         "created_at", "last_access", "sealed", "readers", "linked", "serial", "consumers",
         "parent", "parent_key", "children", "checksums", "charged", "extents", "seq", "tokens",
+        "tenants",
     )  # fmt: skip
 
     def __init__(self, namespace, key, pool, start, npages, nbytes, buffers, meta, serial):
@@ -169,6 +170,8 @@ class StoredObject:
         # {buffer: xxh3_64} computed by the writer, recorded at seal (kvbroker._wire.checksum).
         self.checksums: dict[str, int] | None = None
         self.charged = 0  # bytes counted against its namespace's quota until freed
+        # tenant accounts (("user", uid), ("group", gid)) charged ``charged`` bytes too
+        self.tenants: tuple[tuple[str, int], ...] = ()
         self.extents: tuple[tuple[str, ...], bytes] | None = None  # see compact_extents
         # Link order: set when linked into Broker.objects, rising along its iteration order
         # (the cursor of the ``list`` op). Not persisted: a restart renumbers in that order.
@@ -192,7 +195,7 @@ class StoredObject:
     # restarted daemon must still know goes here; ``pool`` and ``parent`` travel as indices.
     PERSISTED = (
         "serial", "namespace", "key", "start", "npages", "nbytes", "meta", "created_at",
-        "consumers", "parent_key", "checksums", "tokens",
+        "consumers", "parent_key", "checksums", "tokens", "tenants",
     )  # fmt: skip
 
     def to_record(self) -> dict[str, Any]:
@@ -213,6 +216,7 @@ class StoredObject:
         for name in cls.PERSISTED:
             if name in rec:
                 setattr(obj, name, rec[name])
+        obj.tenants = tuple((str(k), int(i)) for k, i in obj.tenants or ())
         obj.last_access = obj.created_at
         obj.sealed = True
         return obj
@@ -259,9 +263,11 @@ class Arena:
     sooner. Its pages count as used and as leased for writing; it is never evicted.
     """
 
-    __slots__ = ("id", "session", "pool", "start", "npages")
+    __slots__ = ("id", "session", "pool", "start", "npages", "charged", "tenants")
 
     def __init__(self, aid: int, session: Session, pool: HostPool, start: int, npages: int):
+        self.charged = 0  # bytes charged to its holder's tenant accounts
+        self.tenants: tuple[tuple[str, int], ...] = ()
         self.id = aid
         self.session = session
         self.pool = pool

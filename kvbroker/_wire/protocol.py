@@ -40,12 +40,41 @@ PROTOCOL_VERSION = 1
 MAX_REQUEST = 1024 * 1024
 MAX_FRAME = 16 * 1024 * 1024
 MAX_STR = 64 * 1024
-MAX_BIN = 1024 * 1024
+# A binary field may fill its frame: a match_prefix reply packs one int64 row of extents per
+# block, 1,032 bytes for a 64-buffer (32-layer) block, so a 16k-token prompt in 16-token
+# blocks is just over 1 MiB. The frame limit still bounds what a peer can make us hold.
+MAX_BIN = MAX_FRAME
 MAX_ARRAY = 1 << 20
 MAX_MAP = 1 << 16
 MAX_BUFFERS = 8192
 MAX_NAME = 512
 MAX_META = 64 * 1024
+MAX_META_DEPTH = 32  # maps and lists inside an object's meta: replies nest it a few deeper
+
+
+def meta_problem(meta: Any) -> str | None:
+    """Why ``meta`` may not be kept with an object (too deep, too big, not packable), or
+    None. Checked before an object is reserved: a meta that cannot be packed inside a
+    ``list`` or ``evict`` reply would break those ops for every client."""
+    if meta is None:
+        return None
+    stack = [(meta, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, (dict, list, tuple)):
+            if depth > MAX_META_DEPTH:
+                return f"meta nests deeper than {MAX_META_DEPTH} levels"
+            items = value.values() if isinstance(value, dict) else value
+            stack.extend((v, depth + 1) for v in items)
+    import msgpack
+
+    try:
+        size = len(msgpack.packb(meta))
+    except (ValueError, TypeError, OverflowError) as exc:
+        return f"meta cannot be packed: {exc}"
+    if size > MAX_META:
+        return f"meta packs to {size} bytes, more than {MAX_META}"
+    return None
 
 
 def unpacker_limits(max_frame: int = MAX_FRAME) -> dict[str, int]:
@@ -53,7 +82,7 @@ def unpacker_limits(max_frame: int = MAX_FRAME) -> dict[str, int]:
     return {
         "max_buffer_size": max_frame,
         "max_str_len": MAX_STR,
-        "max_bin_len": MAX_BIN,
+        "max_bin_len": min(MAX_BIN, max_frame),
         "max_array_len": MAX_ARRAY,
         "max_map_len": MAX_MAP,
         "max_ext_len": 0,
