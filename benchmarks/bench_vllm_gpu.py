@@ -267,6 +267,8 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--order", choices=("NHD", "HND"), default="NHD")
     ap.add_argument("--cpu", action="store_true", help="CPU tensors, memmove for the DMA")
+    ap.add_argument("--commit", help="the commit measured, where the checkout has no usable git "
+                    "(a copied tree)")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     device = torch.device("cpu") if a.cpu else torch.device("cuda", 0)
@@ -274,6 +276,8 @@ def main() -> None:
                             capture_output=True, text=True).stdout.strip() or "unknown"
     dirty = subprocess.run(["git", "-C", ROOT, "status", "--porcelain", "--untracked-files=no"],
                            capture_output=True, text=True).stdout.strip()  # fmt: skip
+    if a.commit:
+        commit, dirty = a.commit, ""
     r: dict = {
         "commit": commit + ("+dirty" if dirty else ""),
         "when": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),

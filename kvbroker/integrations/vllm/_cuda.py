@@ -98,10 +98,14 @@ def save_cuda(client, namespace: str, fmt: BlockFormat, cache, items: Sequence[S
                                                   if cuda else None)  # fmt: skip
         if cuda and stream is not None:  # the copies start after the engine wrote the KV
             side.wait_stream(torch.cuda.current_stream(cache.device))
+        # One staging buffer for every chunk of this call: allocating it per chunk cost a
+        # fresh device allocation each time (profiled on an H100: most of a 2 GiB save).
+        whole = torch.empty((min(chunk, len(todo)), L, C, H, N, D), dtype=cache.dtype,
+                            device=cache.device)  # fmt: skip
         for at in range(0, len(todo), chunk):
             part = todo[at : at + chunk]
             ids = torch.tensor([b for b, _ in part], device=cache.device)
-            staging = torch.empty((len(part), L, C, H, N, D), dtype=cache.dtype, device=cache.device)
+            staging = whole[: len(part)]
             with torch.cuda.stream(side) if cuda else _nullcontext():
                 staging.copy_(cache.index_select(2, ids).permute(2, 0, 1, 4, 3, 5))
                 base = staging.data_ptr()
@@ -109,8 +113,8 @@ def save_cuda(client, namespace: str, fmt: BlockFormat, cache, items: Sequence[S
                                    lambda j, base=base: base + j * per_block, src_side=False)
                 copier(runs, side)
             if cuda:
-                side.synchronize()  # in the pool before the seal; the staging may go now
-            del staging
+                side.synchronize()  # in the pool before the seal; the staging is free again
+        del whole, staging
         _ops.seal_many(client, leases)
     except BaseException:
         _ops.abort_leases(client, leases)
@@ -174,10 +178,12 @@ def load_cuda(client, namespace: str, fmt: BlockFormat, cache, hashes: Sequence[
         if cuda and side is not caller:  # do not overwrite blocks the engine still reads
             side.wait_stream(caller)
         chunk = max(1, staging_bytes // (per_block * shards))
+        # One staging buffer for every chunk (see save_cuda).
+        whole = torch.empty((min(chunk, n), shards, L, C, hs, N, D), dtype=cache.dtype,
+                            device=cache.device)  # fmt: skip
         for at in range(0, n, chunk):
             count = min(chunk, n - at)
-            staging = torch.empty((count, shards, L, C, hs, N, D), dtype=cache.dtype,
-                                  device=cache.device)  # fmt: skip
+            staging = whole[:count]
             base = staging.data_ptr()
             runs = _block_runs(rows[at * shards : (at + count) * shards], flat, nbytes, bases,
                                lambda j, base=base: base + j * per_block, src_side=True)
@@ -189,7 +195,7 @@ def load_cuda(client, namespace: str, fmt: BlockFormat, cache, hashes: Sequence[
                     cache[:, :, ids, :, dst_head : dst_head + heads] = src.permute(1, 2, 0, 4, 3, 5)
             if cuda:
                 side.synchronize()  # the lease and the staging outlive the copies
-            del staging
+        del whole, staging
         if cuda and side is not caller:
             caller.wait_stream(side)
     return n
