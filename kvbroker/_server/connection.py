@@ -93,6 +93,9 @@ class Connection(asyncio.BufferedProtocol):
         # A blocking claim in progress: (rid, op, args, key, deadline), its timer.
         self.wait: tuple[int, str, Any, tuple[str, str], float] | None = None
         self.wait_timer: asyncio.TimerHandle | None = None
+        # A request answered after a pull from a peer broker (kvbroker._server.fleet): the
+        # task doing it, cancelled when the connection goes.
+        self.deferred: asyncio.Task | None = None
         self.reading = True
         self._pump_pending = False  # the rest of its queue is served next turn
         self.watch_handle: asyncio.TimerHandle | None = None
@@ -147,6 +150,8 @@ class Connection(asyncio.BufferedProtocol):
             return
         self.closed = True
         self._end_wait()
+        if self.deferred is not None:
+            self.deferred.cancel()
         if self.watch_handle is not None:
             self.watch_handle.cancel()
         self.daemon.connections.discard(self)
@@ -378,10 +383,10 @@ class Connection(asyncio.BufferedProtocol):
         self._wait_done()
 
     def _start_deferred(self, rid: int, op: str, d: Deferred) -> None:
+        """Answer ``rid`` once ``d`` is done. Like a wait, the connection keeps reading (its
+        next requests queue behind this one; a peer that closes is seen at once)."""
         self.busy = True
-        self.wait_rid = rid
-        self.transport.pause_reading()
-        self.waiter = asyncio.get_running_loop().create_task(self._deferred(rid, op, d))
+        self.deferred = asyncio.get_running_loop().create_task(self._deferred(rid, op, d))
 
     async def _deferred(self, rid: int, op: str, d: Deferred) -> None:
         try:
@@ -398,7 +403,7 @@ class Connection(asyncio.BufferedProtocol):
             log.exception("session %d: %s failed", self.session.id, op)
             self._error(rid, InternalError.code, f"{type(exc).__name__}: {exc}")
         finally:
-            self.waiter = None
+            self.deferred = None
         self._wait_done()
 
     def _wait_done(self) -> None:
