@@ -511,8 +511,11 @@ SETTINGS: tuple[Key, ...] = (
     Key("transfer_node", _node_name, "", section="transfer", example="node-a",
         shown="the host name",
         help="This node's name, for peers and the event topic kv@<node>@<model>."),
-    Key("transfer_pin_ttl", _positive_duration, "30s", section="transfer", example="5s",
-        help="TTL of the lease a peer holds for us while we pull."),
+    # Longer than transfer_timeout by default: a pull slower than the pin would fail at the
+    # release (the peer's lease ended); a puller that dies ends its pins at once anyway.
+    Key("transfer_pin_ttl", _positive_duration, "2m", section="transfer", example="5s",
+        help="TTL of the lease a peer holds for us while we pull (keep it above "
+             "transfer_timeout)."),
     Key("transfer_timeout", _positive_duration, "60s", section="transfer", example="2m",
         help="Give up a pull (connect, pin, NIXL READ) after this long."),
     # KV events for cache-aware routers (kvbroker._server.events).
