@@ -10,8 +10,6 @@ watchdog), drain and shutdown, SIGHUP reload. Each connection is a
 from __future__ import annotations
 
 import asyncio
-import errno
-import fcntl
 import logging
 import os
 import signal
@@ -24,11 +22,12 @@ from .broker import Broker
 from .connection import Connection
 from .._cpu import cpu_spare
 from .config import DaemonConfig, reload_into
-from .systemd import Notifier, listen_fds
+from .systemd import Notifier
 from .._wire.paths import format_size
 from .._wire.stats import Statistics
-from .journal import Journal, JournalError, journal_path
-from .pool import HostPool, segment_prefix
+from .pool import HostPool
+from . import startup
+from .startup import KEPT, DaemonError
 from ..errors import BrokerUnavailable, KVBrokerError
 
 __all__ = ["DaemonConfig", "Daemon", "DaemonError", "run_daemon"]
@@ -39,17 +38,10 @@ _EXPIRY_TICK = 0.1
 _STATUS_PERIOD = 5.0  # seconds between STATUS= updates to systemd
 
 
-class DaemonError(Exception):
-    """The daemon cannot start (socket held, shared memory too small, ...)."""
-
-
 # The signal that stops the daemon for a restart (systemd's RestartKillSignal=): drain as
 # SIGTERM does, then keep the pools and the journal for the next daemon instead of freeing
 # them. SIGTERM and SIGINT (systemctl stop, ^C) free them, unless keep_pools_on_exit.
 RESTART_SIGNAL = signal.SIGUSR1
-# First line of <socket>.lock after a daemon stopped keeping its pools for the next one
-# (while one serves, its pid; after a crash, the dead one's pid).
-_KEPT = "kept"
 
 
 
@@ -97,254 +89,13 @@ class Daemon:
         self.fleet: Any = None  # kvbroker._server.fleet.Fleet, with [transfer] or [events]
 
     # -- start ---------------------------------------------------------------------------
-    def _acquire_lock(self) -> None:
-        path = self.config.socket_path
-        parent = os.path.dirname(os.path.abspath(path))
-        os.makedirs(parent, exist_ok=True)
-        lock_path = path + ".lock"
-        while True:
-            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError as exc:
-                if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
-                    os.close(fd)
-                    raise
-                holder = os.pread(fd, 64, 0).split(b"\n", 1)[0].decode(errors="replace")
-                os.close(fd)
-                raise DaemonError(
-                    f"another kvbroker daemon (pid {holder.strip() or '?'}) is serving "
-                    f"{path}; stop it first or choose another --socket"
-                ) from None
-            # A daemon stopping cleanly unlinks the file it locked: ours must still be there.
-            try:
-                if os.stat(lock_path).st_ino == os.fstat(fd).st_ino:
-                    break
-            except FileNotFoundError:
-                pass
-            os.close(fd)
-        # The lock was free, so whoever wrote this file is gone: the segments it left are
-        # adopted (warm restart) or dropped once the journal has been read.
-        previous = os.pread(fd, 1 << 16, 0).decode(errors="replace").split("\n")
-        self._previous_kept = previous[0].strip() == _KEPT
-        self._previous_segments = [n for n in (n.strip() for n in previous[1:]) if n]
-        self._lock_fd = fd
 
-    def _drop_segments(self, names, keep=()) -> None:
-        import posix_ipc
 
-        for name in names:
-            if name in keep:
-                continue
-            try:
-                posix_ipc.unlink_shared_memory(name)
-                log.info("removed shared memory %s left by a previous daemon", name)
-            except Exception:
-                pass
 
-    def _start_broker(self) -> None:
-        """Pools and broker: adopted from the journal a previous daemon left (warm restart),
-        or fresh. Only a daemon holding the socket's lock keeps a journal."""
-        cfg = self.config
-        recovered = None
-        cold = cfg.cold or not cfg.journal
-        if self._lock_fd is not None:
-            path = journal_path(cfg.socket_path)
-            try:
-                recovered = Journal.load(path)
-            except JournalError as exc:
-                if not cold:
-                    raise DaemonError(f"{exc}; start with --cold to discard it") from None
-                os.unlink(path)
-            if recovered is not None and cold:
-                log.info("--cold: dropping the %d object(s) a previous daemon left",
-                         len(recovered.objects))
-                self._drop_segments(p["name"] for p in recovered.pools)
-                os.unlink(path)
-                recovered = None
-        adopted = self._adopted = recovered is not None and self._adopt_pools(recovered)
-        self._drop_segments(self._previous_segments, keep={p.name for p in self.pools})
-        if not adopted:
-            self._create_pools()
-        self.broker = Broker(
-            self.pools,
-            lease_ttl=self.config.lease_ttl,
-            high_watermark=self.config.high_watermark,
-            low_watermark=self.config.low_watermark,
-            socket_path=self.config.socket_path,
-            require_checksums=self.config.require_checksums,
-            policy=self.config.isolation,
-            quotas=self.config.quotas,
-            max_leases_per_client=self.config.max_leases_per_client,
-            restart_quarantine=self.config.restart_quarantine,
-        )
 
-        if adopted:
-            report: dict[str, list[str]] = {}
-            try:
-                n = self.broker.restore(recovered.objects.values(),
-                                        [(p, s, n) for (p, s), n in recovered.lent.items()],
-                                        report=report, dropped=recovered.dropped_serials,
-                                        verify=recovered.suspect)  # fmt: skip
-            except (ValueError, KeyError, TypeError, IndexError) as exc:
-                self.pools.clear()  # not ours to drop: the operator decides (--cold)
-                raise DaemonError(
-                    f"{journal_path(cfg.socket_path)} does not describe its pools consistently "
-                    f"({type(exc).__name__}: {exc}); start with --cold to discard it"
-                ) from None
-            used = sum(p.allocator.used * p.page_size for p in self.pools)
-            for reason, names in report.items():
-                recovered.dropped.setdefault(reason, []).extend(names)
-            ndropped = sum(len(v) for v in recovered.dropped.values())
-            log.info("warm restart (epoch %d): adopted %d pool(s) and %d sealed object(s), "
-                     "%s in use (%d extent(s) lent for writing quarantined for %g s)%s",
-                     recovered.epoch + 1, len(self.pools), n, format_size(used),
-                     len(recovered.lent), cfg.restart_quarantine,
-                     f"; cut a torn record of {recovered.torn_bytes} bytes at the end"
-                     if recovered.torn_bytes else "")  # fmt: skip
-            if recovered.suspect:
-                kept = self._keep_damaged(path)
-                log.warning(
-                    "journal %s was damaged: %d damaged stretch(es) skipped (%s); kept %d "
-                    "object(s), dropped %d%s; the damaged file is kept as %s",
-                    path, len(recovered.damaged),
-                    ", ".join(f"bytes {a}-{b}" for a, b in recovered.damaged[:8]) or "none",
-                    n, ndropped,
-                    "".join(f"; {len(v)} because {r} ({', '.join(v[:3])}"
-                            f"{', ...' if len(v) > 3 else ''})"
-                            for r, v in recovered.dropped.items()), kept)  # fmt: skip
-        if self._lock_fd is not None and cfg.journal:
-            epoch = recovered.epoch + 1 if adopted else 1
-            journal = Journal(journal_path(cfg.socket_path), epoch,
-                              [p.describe() for p in self.pools])  # fmt: skip
-            self.broker.attach_journal(journal, recovered.next_id if adopted else 1)
 
-    @staticmethod
-    def _keep_damaged(path: str) -> str:
-        """Copy a damaged journal aside (the daemon rewrites it next) for inspection; the
-        three latest copies are kept."""
-        import glob
-        import shutil
 
-        aside = f"{path}.damaged-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
-        try:
-            shutil.copyfile(path, aside)
-        except OSError as exc:
-            return f"(nowhere: {exc.strerror})"
-        for old in sorted(glob.glob(path + ".damaged-*"), key=os.path.getmtime)[:-3]:
-            try:
-                os.unlink(old)
-            except OSError:
-                pass
-        return aside
 
-    def _adopt_pools(self, rec) -> bool:
-        """Map the recovered geometry onto pools; False (start cold) when the segments are
-        gone, DaemonError when the configuration asks for different pools."""
-        cfg = self.config
-        tenants = list(cfg.tenant_pools)
-        old = rec.pools
-        want_size = cfg.pool_size - cfg.pool_size % cfg.page_size if cfg.pool_size else None
-        sizes = {p["size"] for p in old[:cfg.pools]}
-        pages = {p["page_size"] for p in old}
-        tenant_sizes = [p["size"] for p in old[cfg.pools:]]
-        want_tenant = [t.size - t.size % cfg.page_size for t in tenants]
-        if (len(old) != cfg.pools + len(tenants) or pages != {cfg.page_size}
-                or tenant_sizes != want_tenant
-                or (want_size is not None and sizes != {want_size})):  # fmt: skip
-            if self._previous_kept:  # kept for a restart that changed them: a cache, dropped
-                log.warning(
-                    "the previous daemon of %s kept %d sealed object(s) for this one in %d "
-                    "pool(s) of %s with pages of %s, but this configuration asks for %d "
-                    "pool(s) of %s with pages of %s: dropping them, starting empty",
-                    cfg.socket_path, len(rec.objects), len(old), format_size(max(sizes)),
-                    format_size(max(pages)), cfg.pools,
-                    format_size(want_size) if want_size else "default size",
-                    format_size(cfg.page_size),
-                )  # fmt: skip
-                self._drop_segments(p["name"] for p in old)
-                return False
-            raise DaemonError(
-                f"the previous daemon of {cfg.socket_path} left {len(rec.objects)} sealed "
-                f"object(s) in {len(old)} pool(s) of {format_size(max(sizes))} with pages of "
-                f"{format_size(max(pages))}, but this configuration asks for {cfg.pools} "
-                f"pool(s) of {format_size(want_size) if want_size else 'default size'} with "
-                f"pages of {format_size(cfg.page_size)}: start with the same geometry to keep "
-                "them, or with --cold to drop them"
-            )
-        try:
-            for i, p in enumerate(old):
-                pool = HostPool.adopt(i, p["name"], p["size"], p["page_size"])
-                if i >= cfg.pools:
-                    pool.tenant = tenants[i - cfg.pools]
-                self.pools.append(pool)
-        except KVBrokerError as exc:
-            log.warning("cannot adopt the previous daemon's pools (%s): starting cold, its "
-                        "%d object(s) are lost", exc, len(rec.objects))
-            self.pools.clear()
-            self._drop_segments(p["name"] for p in old)
-            return False
-        return True
-
-    def _write_lock_record(self) -> None:
-        record = "\n".join([str(os.getpid())] + [p.name for p in self.pools]) + "\n"
-        os.ftruncate(self._lock_fd, 0)
-        os.pwrite(self._lock_fd, record.encode(), 0)
-
-    def _bind(self) -> socket.socket:
-        path = self.config.socket_path
-        if os.path.exists(path):
-            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                probe.connect(path)
-            except OSError:
-                os.unlink(path)  # stale: its daemon died without cleaning up
-                log.info("removed stale socket %s", path)
-            else:
-                raise DaemonError(f"something is already listening on {path}")
-            finally:
-                probe.close()
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        old_umask = os.umask(0o177 if self.config.group is None else 0o117)
-        try:
-            sock.bind(path)
-        finally:
-            os.umask(old_umask)
-        self._owns_socket_file = True
-        if self.config.group is not None:
-            os.chown(path, -1, self.config.group)
-            os.chmod(path, 0o660)
-        sock.listen(512)
-        sock.setblocking(False)
-        return sock
-
-    def _create_pools(self) -> None:
-        cfg = self.config
-        size = cfg.resolved_pool_size()
-        prefix = segment_prefix()
-        mode = 0o600 if cfg.group is None else 0o660
-        for i in range(cfg.pools):
-            self.pools.append(
-                HostPool(i, f"{prefix}.{i}", size, cfg.page_size, mode=mode, gid=cfg.group)
-            )
-        for t in cfg.tenant_pools:  # only its tenant's processes may open it
-            i = len(self.pools)
-            self.pools.append(HostPool(
-                i, f"{prefix}.{i}", t.size, cfg.page_size, tenant=t,
-                mode=0o600 if t.uid is not None else 0o660, uid=t.uid, gid=t.gid))  # fmt: skip
-
-    def _open_rings(self) -> None:
-        from .rings import RingService, open_backend
-
-        backend = open_backend()
-        rings = RingService(backend, self.config.gpu_ring, object_ttl=self.config.lease_ttl,
-                            on_sealed=self._on_sealed)  # fmt: skip
-        self.broker.rings = rings
-        if not rings.rings:
-            log.warning("--gpu-ring: no GPU is visible; serving without GPU rings")
-        for r in rings.rings:
-            log.info("GPU ring %d: %s on %s (%s)", r.index, format_size(rings.size), r.bus_id,
-                     r.name)  # fmt: skip
 
     def note_activity(self) -> None:
         if self.config.busy_poll <= 0 or not self._cpu_spare:
@@ -493,17 +244,17 @@ class Daemon:
         try:
             lock = listen_socket is None
             if listen_socket is None:
-                listen_socket = self._activated_socket()
+                listen_socket = startup.activated_socket(self)
             if lock:
-                self._acquire_lock()
-            self._start_broker()
+                startup.acquire_lock(self)
+            startup.start_broker(self)
             self.broker.on_sealed = self._on_sealed
             if self.config.gpu_ring:
-                self._open_rings()
+                startup.open_rings(self)
             await self._start_fleet()
             if self._lock_fd is not None:
-                self._write_lock_record()
-            sock = listen_socket if listen_socket is not None else self._bind()
+                startup.write_lock_record(self)
+            sock = listen_socket if listen_socket is not None else startup.bind(self)
             self._server = await loop.create_unix_server(lambda: Connection(self), sock=sock)
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self.request_stop)
@@ -560,32 +311,6 @@ class Daemon:
         except KVBrokerError as exc:
             raise DaemonError(str(exc)) from None
 
-    def _activated_socket(self) -> socket.socket | None:
-        socks = listen_fds()
-        if not socks:
-            return None
-        usable = [s for s in socks if s.family == socket.AF_UNIX and s.type == socket.SOCK_STREAM]
-        for extra in socks:
-            if extra not in usable[:1]:
-                log.warning("ignoring socket fd %d passed by systemd: not a Unix stream "
-                            "socket, or not the first", extra.fileno())
-                extra.close()
-        if not usable:
-            raise DaemonError("systemd passed sockets but none is a Unix stream socket "
-                              "(ListenStream=/path in kvbroker.socket)")
-        sock = usable[0]
-        sock.setblocking(False)
-        name = sock.getsockname()
-        if isinstance(name, bytes):
-            name = name.decode(errors="replace")
-        if name and not name.startswith("\0") and name != self.config.socket_path:
-            # The socket unit decides where clients connect; report that path, lock next to it.
-            log.info("socket activation: serving %s (not %s)", name, self.config.socket_path)
-            self.config.socket_path = name
-        else:
-            log.info("socket activation: serving %s", self.config.socket_path)
-        self._activated = True
-        return sock
 
     def summary(self) -> str:
         """One line for systemd's STATUS= (shown by ``systemctl status``)."""
@@ -754,7 +479,7 @@ class Daemon:
                 pass
         if self._lock_fd is not None:
             if kept:  # the next daemon adopts the pools; tell it they were kept on purpose
-                record = "\n".join([_KEPT] + [p.name for p in self.pools]) + "\n"
+                record = "\n".join([KEPT] + [p.name for p in self.pools]) + "\n"
                 os.ftruncate(self._lock_fd, 0)
                 os.pwrite(self._lock_fd, record.encode(), 0)
             else:  # nothing left for a successor: no file either (unlinked while locked)
