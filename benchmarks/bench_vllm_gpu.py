@@ -40,6 +40,7 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 
 from kvbroker import Client
+from kvbroker._bench.gpu_run import events_median
 from kvbroker.integrations.vllm._cuda import load_cuda, save_cuda
 from kvbroker.integrations.vllm._format import BlockFormat
 from kvbroker.integrations.vllm._paged import SaveItem, copier_for, cuda_cache
@@ -67,20 +68,6 @@ def start_daemon(sock: str, pool_mib: int, *extra: str) -> subprocess.Popen:
 def sync(device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def events_median(fn, reps: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(times)
 
 
 def vllm_cache(layers, blocks, heads, page, dim, device, order, seed=0):

@@ -29,13 +29,13 @@ choice (``.contiguous()``).
 
 from __future__ import annotations
 
-import os
 import struct
 from functools import lru_cache
 from typing import Any, Sequence
 
 import xxhash
 
+from .kernels import _interpret, select_backend, triton_available
 from .._wire import checksum as _cs
 from ..errors import KVBrokerError
 
@@ -188,25 +188,6 @@ def _triton():
         tl.store(out + pid, r.to(tl.int64, bitcast=True))
 
     return triton, _xxh3_chunks
-
-
-def triton_available() -> bool:
-    return _triton() is not None
-
-
-def _interpret() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "") not in ("", "0")
-
-
-def select_backend(*tensors: Any) -> str:
-    """"triton" where Triton can run on these tensors (CUDA, or the interpreter), else "torch"."""
-    if _triton() is None:
-        return "torch"
-    if all(t.is_cuda for t in tensors):
-        return "triton"
-    if _interpret() and not any(t.is_cuda for t in tensors):
-        return "triton"
-    return "torch"
 
 
 # -- the plan: which chunks go where ---------------------------------------------------------
