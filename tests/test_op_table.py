@@ -10,6 +10,7 @@ class, and a reply that is not the type its row declares.
 from __future__ import annotations
 
 import inspect
+import struct
 
 import pytest
 
@@ -125,6 +126,19 @@ def test_every_reply_is_its_declared_type(ring_daemon):
         call("seal_many", leases=[r["lease"] for r in blocks])
         assert call("reserve_blocks", namespace="p", blocks=[
             {"key": "p0", "buffers": {"kv": 64}}])["results"] == [{"exists": True}]  # fmt: skip
+        # Buffers and meta once for the batch, compact reply: a packed row per reserved block.
+        compact = call("reserve_blocks", namespace="p", blocks=[
+            {"key": "p0"}, {"key": "q1", "parent": "p0"}, {"key": "q2", "meta": {"own": 1}}],
+            buffers={"k": 32, "v": 32}, meta={"n": 2}, compact=True)  # fmt: skip
+        assert compact["results"] == [] and compact["names"] == ["k", "v"]
+        assert compact["leases"][0] is None and all(compact["leases"][1:])
+        rows = struct.unpack(f"<{len(compact['packed']) // 8}q", compact["packed"])
+        assert len(rows) == 2 * 5 and rows[2] == rows[4] == 32  # [pool, off, 32, off, 32] x2
+        call("seal_many", leases=compact["leases"][1:])
+        assert call("lookup", namespace="p", key="q1")["meta"] == {"n": 2}
+        assert call("lookup", namespace="p", key="q2")["meta"] == {"own": 1}
+        with pytest.raises(errors.BadRequest, match="given per block or once"):
+            call("reserve_blocks", namespace="p", blocks=[{"key": "q3"}])
         packed = call("match_prefix", namespace="p", keys=["p0", "p1"], block_tokens=16)
         assert packed["packed"] and packed["matched"] == 2
         call("release_many", leases=[packed["lease"]])

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvbroker.integrations.vllm._format import BlockFormat
 from kvbroker.integrations.vllm._paged import HostSave, SaveItem, cuda_cache, host_cache, load_host
@@ -69,7 +71,7 @@ def test_staging_path_round_trips_bit_exact_on_cpu_tensors(client, order):
     s6, d6 = cuda_cache(src, "packed"), cuda_cache(dst, "packed")
     src_ids, dst_ids = [7, 2, 9, 0, 4, 11], [1, 3, 5, 6, 8, 10]
     memmove = copier_for("cpu")
-    # a staging budget of two blocks: three chunks each way
+    # a staging budget of two blocks: two halves of one block, six chunks each way
     new, old = save_cuda(client, NS, fmt, s6, _items(HASHES, src_ids), copier=memmove,
                          staging_bytes=2 * fmt.block_nbytes)  # fmt: skip
     assert (new, old) == (6, 0)
@@ -83,6 +85,82 @@ def test_staging_path_round_trips_bit_exact_on_cpu_tensors(client, order):
     ref, _ = vllm_like(L, B, H, N, D, torch.bfloat16, "cpu", order, seed=1)
     r6 = cuda_cache(ref, "packed")
     assert torch.equal(_bits(d6[:, :, untouched]), _bits(r6[:, :, untouched]))
+
+
+def test_a_save_failing_mid_way_seals_whole_chunks_and_aborts_the_rest(client):
+    """The pipelined save seals chunk k-1 while chunk k copies; a copy that fails in a later
+    chunk aborts every block not sealed yet: nothing half-written is left leased or visible."""
+    from kvbroker.integrations.vllm._cuda import save_cuda
+    from kvbroker.integrations.vllm._paged import copier_for
+
+    L, B, H, N, D = 2, 8, 1, 16, 32
+    src, _ = vllm_like(L, B, H, N, D, torch.bfloat16, "cpu")
+    fmt = _fmt(L, H, N, D, torch.bfloat16)
+    memmove = copier_for("cpu")
+    calls = []
+
+    def failing(runs, stream):
+        calls.append(len(runs))
+        if len(calls) == 3:
+            raise OSError("DMA failed")
+        return memmove(runs, stream)
+
+    with pytest.raises(OSError, match="DMA failed"):
+        save_cuda(client, NS, fmt, cuda_cache(src, "packed"), _items(HASHES, [0, 1, 2, 3, 4, 5]),
+                  copier=failing, staging_bytes=2 * fmt.block_nbytes)  # fmt: skip
+    published = {o.key for o in client.list(namespace=NS)}
+    # chunk 0 was sealed while chunk 1 copied; chunk 1 (copied, not sealed yet) and chunk 2
+    # (its copy failed) were aborted: a failed step vouches for none of its copies
+    assert published == {fmt.key(HASHES[0])}
+    me = [c for c in client.stat().clients if c.write_leases]
+    assert me == []  # the failed chunk's reservation was aborted
+    # and the blocks are whole: they load back bit for bit
+    from kvbroker.integrations.vllm._cuda import load_cuda
+
+    dst, _ = vllm_like(L, B, H, N, D, torch.bfloat16, "cpu", seed=1)
+    d6 = cuda_cache(dst, "packed")
+    assert load_cuda(client, NS, fmt, d6, HASHES, [6, 7], copier=memmove) == 1
+    assert torch.equal(_bits(d6[:, :, 6]), _bits(cuda_cache(src, "packed")[:, :, 0]))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_pool_runs_move_every_buffer_where_one_copy_per_buffer_would(data):
+    """The vectorized run builder against the obvious loop: same bytes end up in the same
+    places, whatever the pools, offsets and buffer order."""
+    from kvbroker.integrations.vllm._ops import pool_runs
+
+    k = data.draw(st.integers(1, 5))
+    names = [f"b{i}" for i in range(k)]
+    order = data.draw(st.permutations(names))
+    nbytes = data.draw(st.sampled_from([8, 64]))
+    m = data.draw(st.integers(1, 6))
+    back_to_back = data.draw(st.booleans())
+    rows, at = [], 0
+    for _ in range(m):
+        pool = data.draw(st.integers(0, 2))
+        if back_to_back:  # the broker's layout, in `names` order
+            offs = [at + i * nbytes for i in range(k)]
+        else:
+            offs = [data.draw(st.integers(0, 1 << 20)) * 8 for _ in range(k)]
+        at += k * nbytes + data.draw(st.sampled_from([0, 0, 8]))
+        rows.append([pool] + [v for off in offs for v in (off, nbytes)])
+    bases = {0: 1 << 40, 1: 2 << 40, 2: 3 << 40}
+    stage, stride = 5 << 40, k * nbytes
+    runs = pool_runs(rows, names, list(order), nbytes, bases, stage, stride)
+    got = {}
+    for pool_addr, stage_addr, n in runs:
+        for b in range(0, n, nbytes):
+            got[stage_addr + b] = pool_addr + b
+    want = {}
+    for j, row in enumerate(rows):
+        for i, name in enumerate(order):
+            c = names.index(name)
+            want[stage + j * stride + i * nbytes] = bases[row[0]] + row[1 + 2 * c]
+    assert got == want
+    assert all(n % nbytes == 0 for _, _, n in runs)
+    if back_to_back and list(order) == names:
+        assert len(runs) <= m  # a block is one run at most
 
 
 def test_staging_and_host_paths_read_each_others_blocks(client):

@@ -109,10 +109,17 @@ class Ops:
 
     # -- prefix blocks ---------------------------------------------------------------------
     def reserve_blocks(self, blocks: list[dict[str, Any]], *,
-                       namespace: str = "default",
-                       ttl: float | None = None) -> R.BlocksReserved:  # fmt: skip
-        """``blocks``: ``{key, parent: key | None, buffers: {name: nbytes}, meta?}`` each."""
-        return self._call("reserve_blocks", namespace=namespace, blocks=blocks, ttl=ttl)
+                       namespace: str = "default", ttl: float | None = None,
+                       buffers: dict[str, int] | None = None, meta: dict | None = None,
+                       compact: bool = False) -> R.BlocksReserved:  # fmt: skip
+        """``blocks``: ``{key, parent: key | None, buffers: {name: nbytes}, meta?}`` each;
+        ``buffers``/``meta``: for every block that has none of its own."""
+        args: dict[str, Any] = {"namespace": namespace, "blocks": blocks, "ttl": ttl}
+        if buffers is not None:  # sent only when used: older daemons know no such argument
+            args.update(buffers=buffers, meta=meta)
+        if compact:
+            args["compact"] = True
+        return self._call("reserve_blocks", **args)
 
     def seal_many(self, leases: list[int],
                   checksums: list[dict[str, int] | None] | None = None) -> R.SealedMany:

@@ -80,12 +80,15 @@ def op_reserve(b: Broker, session, namespace, key, buffers, meta, replace, ttl,
     return {"lease": lease.id, "ttl": ttl, "buffers": _extents(lease.obj, lease.obj.buffers)}
 
 
-def op_reserve_blocks(b: Broker, session, namespace, blocks, ttl) -> R.BlocksReserved:
+def op_reserve_blocks(b: Broker, session, namespace, blocks, ttl, buffers=None, meta=None,
+                      compact=False) -> R.BlocksReserved:  # fmt: skip
     ttl = _ttl(b, ttl)
     _check_name("namespace", namespace)
     session.access.check(namespace, True, "reserve_blocks")
     if len(blocks) > MAX_BUFFERS:
         raise BadRequest(f"reserve_blocks: at most {MAX_BUFFERS} blocks per request")
+    # Buffers and meta given once for the batch: laid out (and checked) once, not per block.
+    shared = _buffer_layout(buffers, meta) if buffers is not None else None
     plans = []
     for i, blk in enumerate(blocks):  # validate everything before reserving anything
         if not isinstance(blk, dict) or not isinstance(blk.get("key"), str):
@@ -93,9 +96,17 @@ def op_reserve_blocks(b: Broker, session, namespace, blocks, ttl) -> R.BlocksRes
         parent = blk.get("parent")
         if parent is not None and not isinstance(parent, str):
             raise BadRequest(f"reserve_blocks: block {i}: parent must be a key or null")
-        bufs, meta = blk.get("buffers"), blk.get("meta")
-        if not isinstance(bufs, dict) or (meta is not None and not isinstance(meta, dict)):
-            raise BadRequest(f"reserve_blocks: block {i}: buffers (and meta) must be maps")
+        bufs, own_meta = blk.get("buffers"), blk.get("meta", meta)
+        if (bufs is None and shared is None) or (bufs is not None and not isinstance(bufs, dict)) \
+                or (own_meta is not None and not isinstance(own_meta, dict)):  # fmt: skip
+            raise BadRequest(f"reserve_blocks: block {i}: buffers (and meta) must be maps, "
+                             "given per block or once for the batch")  # fmt: skip
+        if bufs is not None:
+            layout, span = _buffer_layout(bufs, own_meta)
+        else:
+            layout, span = shared  # type: ignore[misc]
+            if own_meta is not meta and (problem := meta_problem(own_meta)) is not None:
+                raise BadRequest(f"reserve_blocks: block {i}: {problem}")
         ident = (namespace, _check_name("key", blk["key"]))
         tokens = blk.get("tokens")
         if tokens is not None and not (
@@ -103,24 +114,39 @@ def op_reserve_blocks(b: Broker, session, namespace, blocks, ttl) -> R.BlocksRes
                 and all(t.__class__ is int for t in tokens)):  # fmt: skip
             raise BadRequest(f"reserve_blocks: block {i}: tokens must be a list of at most "
                              f"{MAX_TOKENS} token ids")  # fmt: skip
-        plans.append((ident, parent, *_buffer_layout(bufs, meta), meta, tokens))
+        plans.append((ident, parent, layout, span, own_meta, tokens))
     results: list[R.BlockReserved | R.BlockExists] = []
-    taken = []
+    taken: list = []
+    slots: list = []  # per block: its write lease, or None when it exists
     try:
-        for ident, parent, layout, span, meta, tokens in plans:
+        for ident, parent, layout, span, own_meta, tokens in plans:
             if ident in b.objects or ident in b.pending:
-                results.append({"exists": True})
+                slots.append(None)
                 continue
-            lease = b.reserve_extent(session, ident, layout, span, meta, ttl)
+            lease = b.reserve_extent(session, ident, layout, span, own_meta, ttl)
             lease.obj.parent_key = parent  # resolved at seal: it may be in this batch
             lease.obj.tokens = tokens
             taken.append(lease)
-            results.append({"lease": lease.id, "buffers": _extents(lease.obj, lease.obj.buffers)})
+            slots.append(lease)
     except BaseException:
         for lease in taken:  # all or nothing: a failed batch holds no pages
             b.discard_pending(lease, quarantine=False)
             b.end_lease(lease, "its batch failed")
         raise
+    if compact and taken:
+        # One int64 row per reserved block, as a prefix match replies, when the blocks share
+        # their buffer names: no per-buffer map to build, pack and parse.
+        names = taken[0].obj.compact_extents()[0]
+        rows = [ls.obj.compact_extents() for ls in taken]
+        if all(shape == names for shape, _ in rows):
+            return {"ttl": ttl, "results": [], "names": list(names),
+                    "leases": [None if ls is None else ls.id for ls in slots],
+                    "packed": b"".join(row for _, row in rows)}  # fmt: skip
+    for ls in slots:
+        if ls is None:
+            results.append({"exists": True})
+        else:
+            results.append({"lease": ls.id, "buffers": _extents(ls.obj, ls.obj.buffers)})
     return {"ttl": ttl, "results": results}
 
 

@@ -292,12 +292,18 @@ OPS: dict[str, Op] = {
             "namespace": _a(str, default="default"),
             "blocks": _a(list, required=True),
             "ttl": _a(*_OPT_NUM),
+            "buffers": _a(dict, type(None)),
+            "meta": _a(dict, type(None)),
+            "compact": _a(bool, default=False),
         },
         R.BlocksReserved,
         "Write leases for many prefix blocks in one round trip. Each block is "
-        "{key, parent: key|null, buffers: {name: nbytes}, meta?, tokens?}; a block already "
-        "published answers exists and costs no copy. A block is evicted only after its "
-        "children. `tokens`: the block's token ids, announced in KV events ([events]).",
+        "{key, parent: key|null, buffers: {name: nbytes}, meta?, tokens?}; `buffers` and "
+        "`meta` given once for the batch apply to every block without its own. A block "
+        "already published answers exists and costs no copy. A block is evicted only after "
+        "its children. `tokens`: the block's token ids, announced in KV events ([events]). "
+        "`compact`: reply with `leases` (null where a block exists) and one packed extent "
+        "row per reserved block, as match_prefix does, when their buffer names agree.",
         lease=_TAKES, draining=REFUSE,
     ),
     "seal_many": Op(

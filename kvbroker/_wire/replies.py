@@ -110,7 +110,13 @@ class BlockExists(TypedDict):
 
 class BlocksReserved(TypedDict):
     ttl: float
-    results: list[BlockReserved | BlockExists]  # in the order of `blocks`
+    results: list[BlockReserved | BlockExists]  # in the order of `blocks`; empty if compact
+    # `compact` asked and every reserved block has the buffers `names`: per block its lease
+    # (None: it exists), and little-endian int64 rows [pool, offset, nbytes, offset, nbytes,
+    # ...], one per reserved block, in order (see PrefixMatch).
+    leases: NotRequired[list[int | None]]
+    names: NotRequired[list[str]]
+    packed: NotRequired[bytes]
 
 
 class SealedMany(TypedDict):

@@ -22,32 +22,110 @@ and the extents of a prefix match without one view per buffer (``KVPrefixMatch._
 from __future__ import annotations
 
 from kvbroker._client.tp import shard_heads
-from kvbroker.errors import KVBrokerError
+from kvbroker.errors import KVBrokerError, LayoutMismatch
 
 __all__ = [
+    "Reserved",
     "abort_leases",
     "extent_view",
     "pool_address",
+    "pool_runs",
     "reserve_blocks",
     "seal_many",
     "shard_heads",
 ]  # fmt: skip
 
 
-def reserve_blocks(client, namespace: str, blocks: list[dict], ttl: float | None = None) -> list:
-    """Reserve block objects ``[{"key", "parent", "buffers": {name: nbytes}, "meta"}]``.
+class Reserved:
+    """One ``reserve_blocks`` batch: ``leases[i]``, block i's write lease (None: the node
+    already holds it, nothing to write), and the extents of the reserved blocks (those with
+    a lease, in order) as ``rows``, an int64 array ``[reserved, 1 + 2·len(names)]`` of
+    ``pool, offset, nbytes, offset, nbytes, ...`` in ``names`` order."""
 
-    Returns one entry per block: None when the node already holds it (nothing to write),
-    else ``(lease id, {name: (pool, offset, nbytes)})``. All or nothing: a failed batch
-    holds no pages."""
-    reply = client.ops.reserve_blocks(blocks, namespace=namespace, ttl=ttl)
-    out = []
-    for res in reply["results"]:
-        if res.get("exists"):
-            out.append(None)
-        else:
-            out.append((res["lease"], {n: tuple(e) for n, e in res["buffers"].items()}))
-    return out
+    __slots__ = ("leases", "names", "rows")
+
+    def __init__(self, leases: list, names: list[str], rows) -> None:
+        self.leases, self.names, self.rows = leases, names, rows
+
+    @property
+    def taken(self) -> list[int]:
+        return [lease for lease in self.leases if lease is not None]
+
+    def extents(self, j: int) -> dict[str, tuple[int, int, int]]:
+        """``{name: (pool, offset, nbytes)}`` of the j-th reserved block."""
+        row = self.rows[j]
+        pool = int(row[0])
+        return {n: (pool, int(row[1 + 2 * i]), int(row[2 + 2 * i])) for i, n in enumerate(self.names)}
+
+    def __add__(self, other: Reserved) -> Reserved:
+        import numpy as np
+
+        if not other.leases:
+            return self
+        if not self.leases:
+            return other
+        if other.names != self.names and len(other.rows) and len(self.rows):
+            raise LayoutMismatch("reserved blocks of one save differ in their buffers")
+        names = self.names if len(self.rows) else other.names
+        return Reserved(self.leases + other.leases, names, np.concatenate([self.rows, other.rows]))
+
+
+def reserve_blocks(client, namespace: str, blocks: list[dict], buffers: dict[str, int],
+                   meta: dict | None, ttl: float | None = None) -> Reserved:  # fmt: skip
+    """Reserve block objects ``[{"key", "parent"}]``, each with ``buffers`` (``{name:
+    nbytes}``) and ``meta``, in one round trip and a compact reply. All or nothing: a
+    failed batch holds no pages."""
+    import numpy as np
+
+    reply = client.ops.reserve_blocks(blocks, namespace=namespace, ttl=ttl, buffers=buffers,
+                                      meta=meta, compact=True)  # fmt: skip
+    names = list(buffers)
+    if "packed" in reply:
+        names = list(reply["names"])
+        rows = np.frombuffer(reply["packed"], dtype="<i8").reshape(-1, 1 + 2 * len(names))
+        return Reserved(list(reply["leases"]), names, rows)
+    leases, flat = [], []
+    for res in reply["results"]:  # nothing reserved (every block exists), or a daemon's
+        if res.get("exists"):      # plain reply: the same facts, one map per block
+            leases.append(None)
+            continue
+        leases.append(res["lease"])
+        ext = res["buffers"]
+        flat.append([ext[names[0]][0]] + [v for n in names for v in ext[n][1:]])
+    rows = np.asarray(flat, dtype=np.int64).reshape(-1, 1 + 2 * len(names))
+    return Reserved(leases, names, rows)
+
+
+def pool_runs(rows, names: list[str], order: list[str], nbytes: int, bases: dict[int, int],
+              stage: int, stride: int) -> list[tuple[int, int]]:  # fmt: skip
+    """The byte runs between pool extents and a staging buffer, vectorized: block ``j`` of
+    ``rows`` (see :class:`Reserved`) holds the buffers ``order`` (each ``nbytes`` long, a
+    permutation of ``names``) at staging address ``stage + j·stride``, back to back. Returns
+    ``[(pool address, staging address, nbytes)]`` with neighbours on both sides merged (the
+    broker lays a block's buffers out back to back, and consecutive blocks often follow
+    each other: a few runs, not one per buffer). Raises LayoutMismatch on a size mismatch."""
+    import numpy as np
+
+    rows = np.asarray(rows, dtype=np.int64)
+    m, k = len(rows), len(order)
+    if m == 0:
+        return []
+    cols = [names.index(n) for n in order] if order != names else list(range(k))
+    sizes = rows[:, [2 + 2 * c for c in cols]]
+    if (sizes != nbytes).any():
+        raise LayoutMismatch(f"a block buffer is not {nbytes} bytes")
+    base_of = np.zeros(int(rows[:, 0].max()) + 1, dtype=np.int64)
+    for pool in set(rows[:, 0].tolist()):
+        base_of[pool] = bases[pool]
+    pool_addr = (base_of[rows[:, 0]][:, None] + rows[:, [1 + 2 * c for c in cols]]).ravel()
+    stage_addr = (stage + np.arange(m, dtype=np.int64)[:, None] * stride
+                  + np.arange(k, dtype=np.int64)[None, :] * nbytes).ravel()  # fmt: skip
+    # a run starts where either side does not continue the previous buffer
+    breaks = np.flatnonzero((pool_addr[1:] != pool_addr[:-1] + nbytes)
+                            | (stage_addr[1:] != stage_addr[:-1] + nbytes)) + 1  # fmt: skip
+    starts = np.concatenate(([0], breaks))
+    lengths = np.diff(np.concatenate((starts, [len(pool_addr)]))) * nbytes
+    return list(zip(pool_addr[starts].tolist(), stage_addr[starts].tolist(), lengths.tolist()))
 
 
 def seal_many(client, leases: list[int]) -> None:

@@ -154,21 +154,26 @@ class SaveItem:
     block_id: int
 
 
-def _reserve(client, namespace: str, fmt: BlockFormat, items: Sequence[SaveItem]) -> list:
+def _reserve(client, namespace: str, fmt: BlockFormat, items: Sequence[SaveItem]) -> _ops.Reserved:
     """Reserve ``items`` in chunks; on failure, abort what the earlier chunks reserved."""
+    import numpy as np
+
     buffers, meta = fmt.buffers(), fmt.meta()
-    results: list = []
+    whole = _ops.Reserved([], list(buffers), np.zeros((0, 1 + 2 * len(buffers)), np.int64))
     try:
         for at in range(0, len(items), RESERVE_CHUNK):
-            chunk = items[at : at + RESERVE_CHUNK]
-            results += _ops.reserve_blocks(client, namespace, [
-                {"key": fmt.key(it.block_hash),
-                 "parent": fmt.key(it.parent) if it.parent else None,
-                 "buffers": buffers, "meta": meta} for it in chunk])  # fmt: skip
+            whole = whole + _ops.reserve_blocks(client, namespace,
+                                                _requests(fmt, items[at : at + RESERVE_CHUNK]),
+                                                buffers, meta)  # fmt: skip
     except BaseException:
-        _ops.abort_leases(client, [r[0] for r in results if r is not None])
+        _ops.abort_leases(client, whole.taken)
         raise
-    return results
+    return whole
+
+
+def _requests(fmt: BlockFormat, items: Sequence[SaveItem]) -> list[dict]:
+    return [{"key": fmt.key(it.block_hash), "parent": fmt.key(it.parent) if it.parent else None}
+            for it in items]  # fmt: skip
 
 
 class HostSave:
@@ -190,12 +195,15 @@ class HostSave:
         self.done = False
 
     def reserve(self) -> None:
-        for it, res in zip(self.items, _reserve(self.client, self.namespace, self.fmt, self.items)):
-            if res is None:
+        reserved = _reserve(self.client, self.namespace, self.fmt, self.items)
+        j = 0
+        for it, lease in zip(self.items, reserved.leases):
+            if lease is None:
                 self.existing += 1
             else:
-                self.leases.append(res[0])
-                self._targets.append((it.block_id, res[1]))
+                self.leases.append(lease)
+                self._targets.append((it.block_id, reserved.extents(j)))
+                j += 1
 
     @property
     def new_blocks(self) -> int:
