@@ -123,6 +123,31 @@ def test_a_save_failing_mid_way_seals_whole_chunks_and_aborts_the_rest(client):
     assert torch.equal(_bits(d6[:, :, 6]), _bits(cuda_cache(src, "packed")[:, :, 0]))
 
 
+def test_blocks_of_named_buffers_load_like_packed_ones(client):
+    """The connector publishes a block as one packed buffer; blocks of publish_kv's named
+    buffers (same bytes, one buffer each) load through both the staging and the host path."""
+    from kvbroker.integrations.vllm._cuda import load_cuda
+    from kvbroker.integrations.vllm._paged import copier_for
+    from kvbroker.prefix import PrefixCache
+
+    L, B, H, N, D = 2, 6, 2, 32, 32
+    fmt = _fmt(L, H, N, D, torch.float32)
+    cpu_layout, _ = vllm_like(L, B, H, N, D, torch.float32, "cpu", "HND", seed=3)
+    host = host_cache(cpu_layout, "cpu")
+    pc = PrefixCache(client, namespace=NS, block_size=N, tp_rank=0, tp_size=1, total_kv_heads=H)
+    tokens = list(range(3 * N + 1))
+    assert pc.publish_kv(tokens, host, [1, 2, 3]) == 3
+    hashes = pc.hashes(tokens)
+    assert "packed" not in client.lookup(fmt.key(hashes[0]), namespace=NS).meta
+    packed, _ = vllm_like(L, B, H, N, D, torch.float32, "cpu", "NHD", seed=4)
+    p6 = cuda_cache(packed, "packed")
+    assert load_cuda(client, NS, fmt, p6, hashes, [5, 0, 4], copier=copier_for("cpu")) == 3
+    for a, b in zip([1, 2, 3], [5, 0, 4]):
+        for layer in range(L):
+            kv = cpu_layout[layer].view(B, H, 2, N, D)[a]  # [head, K/V, token, dim]
+            assert torch.equal(_bits(kv.permute(1, 2, 0, 3)), _bits(p6[layer, :, b]))
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.data())
 def test_pool_runs_move_every_buffer_where_one_copy_per_buffer_would(data):

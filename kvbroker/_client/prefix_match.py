@@ -153,6 +153,19 @@ def _check_kv_cache(cache, block_size: int, heads: int, tp_rank: int, tp_size: i
         )
 
 
+def _packed_extent(raw, packed: str | None, where: dict[str, int]):
+    """``(pool, offset, nbytes)`` of a block's packed buffer ``packed`` (publish_kv's buffers
+    back to back in one, as the vLLM connector publishes them), or None: a block of named
+    buffers."""
+    if packed is None:
+        return None
+    if isinstance(raw, dict):
+        ext = raw.get(packed)
+        return None if ext is None else tuple(ext)
+    j = where.get(packed)
+    return None if j is None else (raw[0], raw[1 + 2 * j], raw[2 + 2 * j])
+
+
 class KVPrefixMatch(PrefixMatch):
     """A :meth:`PrefixCache.match_kv` result: one read lease on ``num_blocks`` leading blocks
     of every shard in ``ranks`` (TP ranks of the ``source`` TP size). Load them with
@@ -206,9 +219,19 @@ class KVPrefixMatch(PrefixMatch):
         out = []
         where = {name: i for i, name in enumerate(self._names)}
         slots = [where.get(name) for name in names]  # position in a compact block list
+        packed = (self.meta or {}).get("packed")  # one buffer holding every name, in order
         strides = set()
         for i in range(count):
             raw = self._raw[i]
+            whole = _packed_extent(raw, packed, where)
+            if whole is not None:
+                pool, offset, size = whole
+                if size != nbytes * len(names):
+                    raise LayoutMismatch(f"layout mismatch on buffer size of {packed}: {size} "
+                                         f"bytes, {nbytes * len(names)} expected")  # fmt: skip
+                out.append((pool, [offset + k * nbytes for k in range(len(names))]))
+                strides.add(nbytes)
+                continue
             offsets, pools = [], set()
             for name, j in zip(names, slots):
                 if isinstance(raw, dict):

@@ -133,7 +133,10 @@ class Broker:
             raise ProtocolError("the first request on a connection must be hello")
         handler = _HANDLERS.get(op)
         if handler is not None:
-            return handler(self, session, **args)
+            if self.journal is None:
+                return handler(self, session, **args)
+            with self.journal.batch():  # one write for every record of this request
+                return handler(self, session, **args)
         if row.service is Service.RINGS:
             if self.rings is None:
                 raise BadRequest(f"{op}: this daemon has no GPU rings (serve --gpu-ring SIZE)")

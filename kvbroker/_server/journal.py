@@ -48,11 +48,12 @@ the file stays O(live objects) and appends stay O(1) amortised.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import struct
 import zlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -137,6 +138,7 @@ class Journal:
         self.records = 0  # appended since start, for statistics
         self.compactions = 0
         self.failed: str | None = None  # why journaling stopped (a write failed)
+        self._batch: list[bytes] | None = None  # frames of the request being handled
 
     # -- reading ---------------------------------------------------------------------------
     @staticmethod
@@ -190,6 +192,7 @@ class Journal:
         (``(pool, start, npages)`` lent for writing or quarantined), atomically."""
         if self.failed:
             return
+        self._flush()  # the rewrite replaces the file: nothing may be written after it
         try:
             self._rewrite(records, next_id, lent)
         except OSError as exc:
@@ -222,18 +225,45 @@ class Journal:
         self._live = live
         self.compactions += 1
 
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[None]:
+        """Records appended inside go out in one write at the end: one system call per
+        request instead of one per record (a 64-block reserve journals 64). The caller
+        replies after the block, so an acknowledged change is in the file as before."""
+        if self._batch is not None:  # nested: the outer batch writes
+            yield
+            return
+        self._batch = []
+        try:
+            yield
+        finally:
+            self._flush()
+
+    def _flush(self) -> None:
+        frames, self._batch = self._batch, None
+        if frames:
+            self._write(b"".join(frames), len(frames))
+
     def _append(self, entry: dict[str, Any]) -> None:
         if self.failed:
             return
         data = _frame(self._packer.pack(entry))
+        if self._batch is not None:
+            self._batch.append(data)
+            return
+        self._write(data, 1)
+
+    def _write(self, data: bytes, records: int) -> None:
+        if self.failed:
+            return
         try:
             if os.write(self._fd, data) != len(data):
                 raise OSError(28, "short write (no space left?)")
         except OSError as exc:
             self._fail(exc)
             return
-        self._appended += 1
-        self.records += 1
+        self._appended += records
+        self.records += records
 
     def _fail(self, exc: OSError) -> None:
         """A journal missing a record could bring back objects whose pages were reused:

@@ -29,7 +29,7 @@ from kvbroker.errors import LayoutMismatch
 from kvbroker.layout import Layout
 
 from . import _ops
-from ._format import BlockFormat
+from ._format import PACKED, BlockFormat
 from ._paged import RESERVE_CHUNK, STAGING_BYTES, SaveItem, _requests, copier_for, match
 
 __all__ = ["load_cuda", "save_cuda"]
@@ -41,8 +41,6 @@ def _torch():
     return torch
 
 
-def _names(fmt: BlockFormat) -> list[str]:
-    return [n for row in fmt.names for n in row]
 
 
 def _map_pools(client, bases: dict[int, int], rows) -> dict[int, int]:
@@ -70,7 +68,7 @@ def save_cuda(client, namespace: str, fmt: BlockFormat, cache, items: Sequence[S
     torch = _torch()
     cuda = cache.device.type == "cuda"
     copier = copier or copier_for(cache.device.type)
-    names, buffers, meta = _names(fmt), fmt.buffers(), fmt.meta()
+    buffers, meta = fmt.buffers(), fmt.meta()
     per_block = fmt.block_nbytes
     L, C, _B, N, H, D = cache.shape
     # two halves of the staging: chunk k+1 is gathered while chunk k is still in flight
@@ -97,7 +95,7 @@ def save_cuda(client, namespace: str, fmt: BlockFormat, cache, items: Sequence[S
                 half = staging[k % 2][: len(leases)]
                 ids = torch.tensor([it.block_id for it, ls in zip(part, res.leases) if ls],
                                    device=cache.device)  # fmt: skip
-                runs = _ops.pool_runs(res.rows, res.names, names, fmt.buffer_nbytes,
+                runs = _ops.pool_runs(res.rows, res.names, [PACKED], per_block,
                                       _map_pools(client, bases, res.rows), half.data_ptr(),
                                       per_block)  # fmt: skip
                 with torch.cuda.stream(side) if cuda else _nullcontext():
@@ -168,17 +166,19 @@ def load_cuda(client, namespace: str, fmt: BlockFormat, cache, hashes: Sequence[
             return 0
         stored = _check(m.meta, fmt)
         shards = len(m.ranks)
-        flat = _names(fmt)
         names, rows = _ops.match_extents(m)
-        if isinstance(rows, list):  # the keys' buffers differ: rows of the names we read
-            rows = np.asarray([[r[flat[0]][0]] + [v for x in flat for v in r[x][1:]]
-                               for r in rows[: n * shards]], dtype=np.int64)  # fmt: skip
-            names = flat
-        rows = rows[: n * shards]
         L, C, _B, N, _H, D = cache.shape
         hs = stored.size("head")
-        nbytes = stored.nbytes
-        per_block = nbytes * len(flat)
+        per_block = stored.nbytes * len(fmt.flat_names)
+        # The packed buffer, or (blocks of publish_kv's form) each named buffer in its place
+        # of the packed order: the same bytes either way.
+        read = [PACKED] if m.meta.get("packed") == PACKED else fmt.flat_names
+        if isinstance(rows, list):  # the keys' buffers differ: rows of the names we read
+            rows = np.asarray([[r[read[0]][0]] + [v for x in read for v in r[x][1:]]
+                               for r in rows[: n * shards]], dtype=np.int64)  # fmt: skip
+            names = read
+        rows = rows[: n * shards]
+        nbytes = per_block // len(read)
         pieces = [(m.ranks.index(p.prefill_rank), p.src_head, p.count, p.dst_head)
                   for p in m.plan]  # fmt: skip
         bases = _map_pools(client, {}, rows)
@@ -194,7 +194,7 @@ def load_cuda(client, namespace: str, fmt: BlockFormat, cache, hashes: Sequence[
             for k, at in enumerate(range(0, n, chunk)):
                 count = min(chunk, n - at)
                 half = staging[k % 2][:count]
-                runs = _ops.pool_runs(rows[at * shards : (at + count) * shards], names, flat,
+                runs = _ops.pool_runs(rows[at * shards : (at + count) * shards], names, read,
                                       nbytes, bases, half.data_ptr(), per_block)  # fmt: skip
                 copier([(stage, pool, size) for pool, stage, size in runs], side)
                 ids = ids_all[at : at + count]

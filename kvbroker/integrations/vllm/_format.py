@@ -16,11 +16,14 @@ Nothing here imports vLLM or torch.
   tokens ``[k·B, n-1)`` of that block. A consumer with the same prompt therefore loads
   exactly ``n - 1`` tokens and computes only the last one (the P/D handoff); a prompt that
   only shares a prefix never matches another prompt's tail.
-- **Block format.** Exactly :meth:`kvbroker.prefix.PrefixCache.publish_kv`'s: one buffer per
+- **Block format.** :meth:`kvbroker.prefix.PrefixCache.publish_kv`'s buffers — one per
   (layer, K/V), ``past_key.{l}`` / ``past_value.{l}`` (``past_latent.{l}`` for MLA), each
-  ``[head][token][head_dim]`` of this rank's heads, and the same meta, so
-  :meth:`kvbroker.prefix.KVPrefixMatch.load` reads (and reshards) blocks published here,
-  from a CPU or a CUDA cache alike.
+  ``[head][token][head_dim]`` of this rank's heads, layer-major — laid back to back in ONE
+  broker buffer ``kv`` (meta ``"packed": "kv"``), with publish_kv's meta otherwise. A
+  block is then one extent to reserve, journal, seal and copy, where 64 named buffers cost
+  the daemon ~5x more per block than the DMA of its 2 MiB takes (an 8B model's block);
+  :meth:`kvbroker.prefix.KVPrefixMatch.load` reads (and reshards) both forms, so blocks
+  published here load from a CPU or a CUDA cache alike.
 """
 
 from __future__ import annotations
@@ -34,9 +37,10 @@ from dataclasses import dataclass, field
 from kvbroker.layout import Layout
 from kvbroker.prefix import SHARD_META_TAG, block_hashes, shard_block_key
 
-__all__ = ["FORMAT_VERSION", "BlockFormat", "namespace_for", "prompt_keys", "tail_hash"]
+__all__ = ["FORMAT_VERSION", "PACKED", "BlockFormat", "namespace_for", "prompt_keys", "tail_hash"]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: one packed buffer per block
+PACKED = "kv"  # the one buffer of a block
 
 
 def namespace_for(model: str, *, dtype: str, block_size: int, num_layers: int,
@@ -139,16 +143,25 @@ class BlockFormat:
     def block_nbytes(self) -> int:
         return self.buffer_nbytes * self.num_layers * len(self.components)
 
+    @property
+    def flat_names(self) -> list[str]:
+        """Every (layer, component) buffer, in the order they lie in the packed buffer."""
+        return [name for row in self.names for name in row]
+
+    def offset_of(self, layer: int, component: int) -> int:
+        """Where buffer ``names[layer][component]`` starts in the packed buffer."""
+        return (layer * len(self.components) + component) * self.buffer_nbytes
+
     def buffers(self) -> dict[str, int]:
-        n = self.buffer_nbytes
-        return {name: n for row in self.names for name in row}
+        """The broker buffers of a block: one, holding every (layer, component) buffer."""
+        return {PACKED: self.block_nbytes}
 
     def meta(self) -> dict:
         return {
             SHARD_META_TAG: 1, "tp_rank": self.tp_rank, "tp_size": self.tp_size,
             "total_kv_heads": self.total_kv_heads, "heads": list(self.heads),
             "num_layers": self.num_layers, "components": list(self.components),
-            "infix": None, "layout": self.buffer_layout.to_dict(),
+            "infix": None, "layout": self.buffer_layout.to_dict(), "packed": PACKED,
         }  # fmt: skip
 
     def key(self, block_hash: str) -> str:

@@ -43,7 +43,7 @@ from kvbroker.kv import PagedKV
 from kvbroker.prefix import PrefixCache
 
 from . import _ops
-from ._format import BlockFormat
+from ._format import PACKED, BlockFormat
 
 __all__ = [
     "INTERPRETATIONS",
@@ -221,11 +221,13 @@ class HostSave:
             return
         fmt, cache = self.fmt, self.cache
         shape = (fmt.local_heads, fmt.block_size, fmt.head_dim)
-        for c, name in enumerate(fmt.names[layer]):
+        for c in range(len(fmt.components)):
             comp = cache.component(layer, c)  # [block, token, head, dim], integer view
+            at, size = fmt.offset_of(layer, c), fmt.buffer_nbytes
             for block, extents in self._targets:
-                dst = _ops.extent_view(self.client, extents[name]).view(comp.dtype).reshape(shape)
-                np.copyto(dst, comp[block].transpose(1, 0, 2))
+                pool, offset, _ = extents[PACKED]
+                dst = _ops.extent_view(self.client, (pool, offset + at, size))
+                np.copyto(dst.view(comp.dtype).reshape(shape), comp[block].transpose(1, 0, 2))
         self._copied.add(layer)
 
     def complete(self) -> bool:

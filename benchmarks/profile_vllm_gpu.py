@@ -1,0 +1,126 @@
+"""Where the time of the vLLM connector's CUDA save and load goes: wall time per phase.
+
+Runs ``_cuda.save_cuda`` / ``load_cuda`` on a Llama-3-8B-shaped 16k-token KV (as
+``bench_vllm_gpu.py``) with the control-plane calls, the copies and the waits wrapped in
+timers, and the daemon under cProfile (its top functions printed at the end). Usage:
+``python benchmarks/profile_vllm_gpu.py [--tokens 16384] [--reps 3] [--cpu]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import pstats
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_vllm_gpu import vllm_cache  # noqa: E402
+
+from kvbroker import Client  # noqa: E402
+from kvbroker.integrations.vllm import _cuda, _ops, _paged  # noqa: E402
+from kvbroker.integrations.vllm._format import BlockFormat  # noqa: E402
+from kvbroker.integrations.vllm._paged import SaveItem, copier_for, cuda_cache  # noqa: E402
+
+SPENT: dict[str, float] = collections.defaultdict(float)
+CALLS: dict[str, int] = collections.defaultdict(int)
+
+
+def timed(name, fn):
+    def wrapper(*a, **k):
+        t0 = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            SPENT[name] += time.perf_counter() - t0
+            CALLS[name] += 1
+
+    return wrapper
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--tokens", type=int, default=16384)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--cpu", action="store_true")
+    a = p.parse_args()
+    device = torch.device("cpu" if a.cpu else "cuda")
+    L, H, D, page = 32, 8, 128, 16
+    nblk = a.tokens // page
+    fmt = BlockFormat(dtype="bfloat16", num_layers=L, block_size=page, head_dim=D, local_heads=H,
+                      total_kv_heads=H, tp_rank=0, tp_size=1, heads=(0, H))  # fmt: skip
+    nbytes = nblk * fmt.block_nbytes
+    d = tempfile.mkdtemp(prefix="kvb")
+    sock = os.path.join(d, "kvb.sock")
+    prof = os.path.join(d, "daemon.prof")
+    daemon = subprocess.Popen([sys.executable, "-m", "cProfile", "-o", prof, "-m", "kvbroker",
+                               "serve", "--socket", sock, "--pool-size",
+                               f"{(nbytes >> 20) + 512}M", "--page-size", "2M", "--log-level",
+                               "warning"])  # fmt: skip
+    for _ in range(600):
+        try:
+            Client(sock, map_pools=False).close()
+            break
+        except Exception:  # noqa: BLE001
+            time.sleep(0.1)
+    client = Client(sock)
+    src = cuda_cache(vllm_cache(L, nblk, H, page, D, device, "NHD"), "packed")
+    dst = cuda_cache(vllm_cache(L, nblk, H, page, D, device, "NHD", seed=1), "packed")
+    if device.type == "cuda":
+        from kvbroker.gpu import GpuClient
+
+        g = GpuClient(client, device=device)
+        stream, copier = g.stream, None
+        copier = timed("dma queue", copier_for("cuda"))
+    else:
+        stream, copier = None, timed("memmove", copier_for("cpu"))
+    _ops.reserve_blocks = timed("reserve round trip", _ops.reserve_blocks)
+    _ops.seal_many = timed("seal round trip", _ops.seal_many)
+    _cuda._ops = _ops
+    _paged.match = timed("match round trip", _paged.match)
+    _cuda.match = _paged.match
+    if device.type == "cuda":
+        torch.cuda.Event.synchronize = timed("wait for a chunk's DMA", torch.cuda.Event.synchronize)
+    for rep in range(a.reps + 1):
+        if rep == 1:
+            SPENT.clear()
+            CALLS.clear()
+        hashes = [f"{rep:08x}{i:024x}" for i in range(nblk)]
+        items = [SaveItem(h, hashes[i - 1] if i else None, i) for i, h in enumerate(hashes)]
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        _cuda.save_cuda(client, "ns", fmt, src, items, stream=stream, copier=copier)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        _cuda.load_cuda(client, "ns", fmt, dst, hashes, list(range(nblk)), stream=stream,
+                        copier=copier)  # fmt: skip
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        if rep:
+            SPENT["save (whole call)"] += t1 - t0
+            SPENT["load (whole call)"] += t2 - t1
+        client.evict(namespace="ns")
+    print(f"{nblk} blocks, {nbytes / 2**30:.2f} GiB, per save/load (mean of {a.reps}):")
+    for name, s in sorted(SPENT.items(), key=lambda kv: -kv[1]):
+        print(f"  {name:28s} {s / a.reps * 1e3:8.1f} ms  ({CALLS.get(name, a.reps) // a.reps} calls)")
+    client.close()
+    daemon.send_signal(signal.SIGINT)
+    daemon.wait(60)
+    print("daemon, top functions by own time:")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(14)
+
+
+if __name__ == "__main__":
+    main()
