@@ -2,8 +2,9 @@
 
 Runs ``_cuda.save_cuda`` / ``load_cuda`` on a Llama-3-8B-shaped 16k-token KV (as
 ``bench_vllm_gpu.py``) with the control-plane calls, the copies and the waits wrapped in
-timers, and the daemon under cProfile (its top functions printed at the end). Usage:
-``python benchmarks/profile_vllm_gpu.py [--tokens 16384] [--reps 3] [--cpu]``.
+timers; with ``--daemon-profile`` the daemon runs under cProfile (its top functions printed
+at the end). Usage: ``python benchmarks/profile_vllm_gpu.py [--tokens 16384] [--reps 3]
+[--cpu] [--daemon-profile]``.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=16384)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--cpu", action="store_true")
+    p.add_argument("--daemon-profile", action="store_true", help="run the daemon under cProfile")
     a = p.parse_args()
     device = torch.device("cpu" if a.cpu else "cuda")
     L, H, D, page = 32, 8, 128, 16
@@ -62,8 +64,8 @@ def main() -> None:
     d = tempfile.mkdtemp(prefix="kvb")
     sock = os.path.join(d, "kvb.sock")
     prof = os.path.join(d, "daemon.prof")
-    daemon = subprocess.Popen([sys.executable, "-m", "cProfile", "-o", prof, "-m", "kvbroker",
-                               "serve", "--socket", sock, "--pool-size",
+    profiled = ["-m", "cProfile", "-o", prof] if a.daemon_profile else []
+    daemon = subprocess.Popen([sys.executable, *profiled, "-m", "kvbroker", "serve", "--socket", sock, "--pool-size",
                                f"{(nbytes >> 20) + 512}M", "--page-size", "2M", "--log-level",
                                "warning"])  # fmt: skip
     for _ in range(600):
@@ -83,9 +85,8 @@ def main() -> None:
         copier = timed("dma queue", copier_for("cuda"))
     else:
         stream, copier = None, timed("memmove", copier_for("cpu"))
-    _ops.reserve_blocks = timed("reserve round trip", _ops.reserve_blocks)
-    _ops.seal_many = timed("seal round trip", _ops.seal_many)
-    _cuda._ops = _ops
+    _ops.ReserveLater.result = timed("wait for a reservation", _ops.ReserveLater.result)
+    _ops.seal_later = timed("queue a seal", _ops.seal_later)
     _paged.match = timed("match round trip", _paged.match)
     _cuda.match = _paged.match
     if device.type == "cuda":
@@ -118,8 +119,9 @@ def main() -> None:
     client.close()
     daemon.send_signal(signal.SIGINT)
     daemon.wait(60)
-    print("daemon, top functions by own time:")
-    pstats.Stats(prof).sort_stats("tottime").print_stats(14)
+    if a.daemon_profile:
+        print("daemon, top functions by own time:")
+        pstats.Stats(prof).sort_stats("tottime").print_stats(14)
 
 
 if __name__ == "__main__":

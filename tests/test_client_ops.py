@@ -79,3 +79,31 @@ def test_only_the_stubs_name_an_op(path):
     named = [(n.lineno, op) for n in ast.walk(tree) if isinstance(n, ast.Call)
              and (op := _names_an_op(n))]  # fmt: skip
     assert not named, f"{path.name} calls ops by name: {named}"
+
+
+def test_pipelined_stubs_answer_in_order_and_raise_at_result(client):
+    """``ops.pipelined``: several requests in the daemon's queue at once; each Pending gives
+    its own reply, a failed one raises at ``result()`` and leaves the others intact, and a
+    plain call in between reads past the replies it is not waiting for."""
+    from kvbroker.errors import Exists
+
+    p = client.ops.pipelined
+    first = p.reserve("pipe-a", {"x": 8})
+    second = p.reserve("pipe-b", {"x": 8})
+    clash = p.reserve("pipe-a", {"x": 8})  # a second writer of the same key
+    assert client.ops.lookup("pipe-z") is None  # a plain call while three are queued
+    a, b = first.result(), second.result()
+    assert a["lease"] != b["lease"]
+    with pytest.raises(Exists):
+        clash.result()
+    seals = [p.seal(a["lease"]), p.seal(b["lease"])]
+    assert [s.result()["key"] for s in seals] == ["pipe-a", "pipe-b"]
+    assert {o.key for o in client.list(match="pipe-")} == {"pipe-a", "pipe-b"}
+
+
+def test_replies_of_pipelined_requests_never_taken_are_read_at_close(daemon):
+    with daemon.client() as c:
+        lease = c.ops.reserve("pipe-close", {"x": 8})["lease"]
+        c.ops.pipelined.seal(lease)  # its result is never asked for
+    with daemon.client() as c:
+        assert c.lookup("pipe-close") is not None  # the seal took effect before close ended

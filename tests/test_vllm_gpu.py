@@ -88,8 +88,9 @@ def test_staging_path_round_trips_bit_exact_on_cpu_tensors(client, order):
 
 
 def test_a_save_failing_mid_way_seals_whole_chunks_and_aborts_the_rest(client):
-    """The pipelined save seals chunk k-1 while chunk k copies; a copy that fails in a later
-    chunk aborts every block not sealed yet: nothing half-written is left leased or visible."""
+    """The pipelined save queues every chunk's reservation at once and seals a chunk once its
+    copy ended; a copy that fails aborts every block not sealed yet, the reservations still
+    queued included: nothing half-written is left leased or visible."""
     from kvbroker.integrations.vllm._cuda import save_cuda
     from kvbroker.integrations.vllm._paged import copier_for
 
@@ -109,9 +110,9 @@ def test_a_save_failing_mid_way_seals_whole_chunks_and_aborts_the_rest(client):
         save_cuda(client, NS, fmt, cuda_cache(src, "packed"), _items(HASHES, [0, 1, 2, 3, 4, 5]),
                   copier=failing, staging_bytes=2 * fmt.block_nbytes)  # fmt: skip
     published = {o.key for o in client.list(namespace=NS)}
-    # chunk 0 was sealed while chunk 1 copied; chunk 1 (copied, not sealed yet) and chunk 2
-    # (its copy failed) were aborted: a failed step vouches for none of its copies
-    assert published == {fmt.key(HASHES[0])}
+    # chunks 0 and 1 were sealed once their copies ended; chunk 2 (its copy failed) and
+    # chunks 3-5 (reserved, queued in the daemon) were aborted
+    assert published == {fmt.key(h) for h in HASHES[:2]}
     me = [c for c in client.stat().clients if c.write_leases]
     assert me == []  # the failed chunk's reservation was aborted
     # and the blocks are whole: they load back bit for bit
@@ -119,8 +120,8 @@ def test_a_save_failing_mid_way_seals_whole_chunks_and_aborts_the_rest(client):
 
     dst, _ = vllm_like(L, B, H, N, D, torch.bfloat16, "cpu", seed=1)
     d6 = cuda_cache(dst, "packed")
-    assert load_cuda(client, NS, fmt, d6, HASHES, [6, 7], copier=memmove) == 1
-    assert torch.equal(_bits(d6[:, :, 6]), _bits(cuda_cache(src, "packed")[:, :, 0]))
+    assert load_cuda(client, NS, fmt, d6, HASHES, [6, 7], copier=memmove) == 2
+    assert torch.equal(_bits(d6[:, :, 6:8]), _bits(cuda_cache(src, "packed")[:, :, 0:2]))
 
 
 def test_blocks_of_named_buffers_load_like_packed_ones(client):

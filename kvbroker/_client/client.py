@@ -113,7 +113,7 @@ class Client:
         self._closed = False
         # The daemon's operations, typed (kvbroker._client.ops): leases, the arena,
         # kvbroker.prefix and kvbroker.gpu make their requests through these.
-        self.ops = Ops(self._call, self._send_only)
+        self.ops = Ops(self._call, self._send_only, self._submit)
         # Puts of objects up to half this size take one round trip (see _arena.py); 0: off.
         # Small on purpose: measured, a 2 MiB arena beats 8 MiB at 256 KiB-4 MiB puts (its
         # pages are reused while still in cache; big objects gain little from one round trip).
@@ -179,6 +179,11 @@ class Client:
         if op in _LEASE_OPS:  # the lease went with the old connection
             raise LeaseExpired(self._lost_lease_message(args.get("lease")))
         return self._session.call(op, **args)
+
+    def _submit(self, op: str, **args: Any) -> Any:
+        """:meth:`Session.submit` (no resend after a reconnect: a pipelined batch belongs to
+        the connection it was sent on, its caller sees the break in ``result``)."""
+        return self._session.submit(op, **args)
 
     def _send_only(self, op: str, **args: Any) -> None:
         session = self._session

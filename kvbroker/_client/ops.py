@@ -32,11 +32,23 @@ class Ops:
     its reply (raising the error a failed reply names); ``send_only(op, **args)`` sends one
     whose reply a later call reads and checks (see :meth:`Session.send_only`)."""
 
-    __slots__ = ("_call", "_send")
+    __slots__ = ("_call", "_send", "_submit")
 
-    def __init__(self, call: Callable[..., Any], send_only: Callable[..., None]) -> None:
+    def __init__(self, call: Callable[..., Any], send_only: Callable[..., None],
+                 submit: Callable[..., Any] | None = None) -> None:  # fmt: skip
         self._call = call
         self._send = send_only
+        self._submit = submit
+
+    @property
+    def pipelined(self) -> Ops:
+        """These stubs sending without waiting: each returns a
+        :class:`~kvbroker._client.session.Pending` whose ``result()`` is the reply (typed as
+        the stub says) or raises its error. The daemon answers a connection's requests in
+        order; a caller keeps a batch in its queue and copies meanwhile."""
+        if self._submit is None:
+            raise TypeError("these stubs have no pipelined form (no session to submit to)")
+        return Ops(self._submit, self._send)
 
     # -- session ---------------------------------------------------------------------------
     def hello(self, version: int, name: str = "", role: str = "") -> R.Hello:
@@ -114,12 +126,8 @@ class Ops:
                        compact: bool = False) -> R.BlocksReserved:  # fmt: skip
         """``blocks``: ``{key, parent: key | None, buffers: {name: nbytes}, meta?}`` each;
         ``buffers``/``meta``: for every block that has none of its own."""
-        args: dict[str, Any] = {"namespace": namespace, "blocks": blocks, "ttl": ttl}
-        if buffers is not None:  # sent only when used: older daemons know no such argument
-            args.update(buffers=buffers, meta=meta)
-        if compact:
-            args["compact"] = True
-        return self._call("reserve_blocks", **args)
+        return self._call("reserve_blocks", namespace=namespace, blocks=blocks, ttl=ttl,
+                          buffers=buffers, meta=meta, compact=compact)  # fmt: skip
 
     def seal_many(self, leases: list[int],
                   checksums: list[dict[str, int] | None] | None = None) -> R.SealedMany:

@@ -19,7 +19,7 @@ from .ops import Ops
 from .._wire.protocol import PROTOCOL_VERSION
 from ..errors import BrokerUnavailable, KVBrokerError, ProtocolError, error_for_code
 
-__all__ = ["Session"]
+__all__ = ["Pending", "Session"]
 
 log = logging.getLogger("kvbroker.client")
 
@@ -33,6 +33,8 @@ class Session:
         self._lock = threading.Lock()
         self._pushes: deque[dict] = deque(maxlen=64)
         self._unanswered: set[int] = set()  # ids sent with send_only, replies not read yet
+        self._submitted: set[int] = set()  # ids sent with submit, their result not taken yet
+        self._replies: dict[int, dict] = {}  # replies to those read while waiting for others
         self.on_push: Callable[[dict], None] | None = None
         self.broken = False  # the connection failed: the client may replace this session
         self.hello: HelloReply = Ops(self.call, self.send_only).hello(PROTOCOL_VERSION, name,
@@ -52,6 +54,9 @@ class Session:
                     if msg.get("id") in self._unanswered:
                         self._settle(msg)
                         continue
+                    if msg.get("id") in self._submitted:
+                        self._replies[msg["id"]] = msg
+                        continue
                     if msg.get("id") not in (rid, None):
                         raise ProtocolError(
                             f"reply {msg.get('id')} does not answer request {rid}"
@@ -63,6 +68,49 @@ class Session:
             except BrokerUnavailable:
                 self.broken = True  # the transport failed, as opposed to a reply saying so
                 raise
+        raise error_for_code(str(err.get("code", "error")), str(err.get("message", "")))
+
+    def submit(self, op: str, **args: Any) -> Pending:
+        """Send a request without waiting: its reply is read when :meth:`Pending.result`
+        asks (or while another call waits), so a caller can keep several requests in the
+        daemon's queue and work meanwhile. Errors are raised by ``result``."""
+        with self._lock:
+            try:
+                rid = self._send(op, args)
+            except BrokerUnavailable:
+                self.broken = True
+                raise
+            self._submitted.add(rid)
+            return Pending(self, rid)
+
+    def result(self, rid: int) -> Any:
+        """The reply to submitted request ``rid`` (its error raised)."""
+        with self._lock:
+            try:
+                while rid not in self._replies:
+                    msg = self._stream.receive()
+                    if not isinstance(msg, dict):
+                        raise ProtocolError(f"unexpected message from the daemon: {msg!r:.80}")
+                    if "push" in msg:
+                        self._deliver(msg)
+                    elif msg.get("id") in self._unanswered:
+                        self._settle(msg)
+                    elif msg.get("id") in self._submitted:
+                        self._replies[msg["id"]] = msg
+                    else:
+                        raise ProtocolError(f"reply {msg.get('id')} answers no request of "
+                                            "this session")  # fmt: skip
+            except BrokerUnavailable:
+                self.broken = True
+                raise
+            finally:
+                if self.broken:
+                    self._submitted.discard(rid)
+            self._submitted.discard(rid)
+            msg = self._replies.pop(rid)
+        if msg.get("ok"):
+            return msg.get("result")
+        err = msg.get("error") or {}
         raise error_for_code(str(err.get("code", "error")), str(err.get("message", "")))
 
     def send_only(self, op: str, **args: Any) -> None:
@@ -150,7 +198,7 @@ class Session:
         # woken by the close instead, as before.
         if self._lock.acquire(blocking=False):
             try:
-                if self._unanswered and not self.broken:
+                if (self._unanswered or self._submitted) and not self.broken:
                     self._drain(drain_timeout)
             finally:
                 self._lock.release()
@@ -159,6 +207,8 @@ class Session:
     def _drain(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout  # pushes (a watch) must not keep it waiting
         try:
+            self._unanswered |= self._submitted  # submitted, never asked for: read now
+            self._submitted.clear()
             while self._unanswered:
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -172,3 +222,15 @@ class Session:
         except Exception as exc:  # closing regardless: the daemon ends what is left
             log.debug("closing without the replies to %d requests: %s", len(self._unanswered),
                       exc)
+
+
+class Pending:
+    """A request sent by :meth:`Session.submit`; :meth:`result` waits for its reply."""
+
+    __slots__ = ("_session", "_rid")
+
+    def __init__(self, session: Session, rid: int) -> None:
+        self._session, self._rid = session, rid
+
+    def result(self) -> Any:
+        return self._session.result(self._rid)

@@ -23,9 +23,10 @@ Every byte crosses PCIe once. Both functions also run on CPU tensors with ``copi
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Sequence
 
-from kvbroker.errors import LayoutMismatch
+from kvbroker.errors import KVBrokerError, LayoutMismatch
 from kvbroker.layout import Layout
 
 from . import _ops
@@ -73,21 +74,32 @@ def save_cuda(client, namespace: str, fmt: BlockFormat, cache, items: Sequence[S
     L, C, _B, N, H, D = cache.shape
     # two halves of the staging: chunk k+1 is gathered while chunk k is still in flight
     chunk = max(1, min(RESERVE_CHUNK, staging_bytes // (2 * per_block)))
-    side = _side_stream(torch, cache, stream)
+    parts = [items[at : at + chunk] for at in range(0, len(items), chunk)]
+    dma = _side_stream(torch, cache, stream)
+    gather = None
+    if cuda:  # the gather of chunk k+1 runs beside the DMA of chunk k
+        gather = torch.cuda.Stream(cache.device)
+        gather.wait_stream(torch.cuda.current_stream(cache.device))  # the engine wrote them
+    # Every chunk's reservation goes into the daemon's queue now: it works through them
+    # while the first chunks copy, and seals join the queue as their copies end.
+    asked = [_ops.ReserveLater(client, namespace, _requests(fmt, part), buffers, meta)
+             for part in parts]  # fmt: skip
+    unsealed: list[int] = []  # reserved, not known sealed: aborted if anything fails
+    sealing: list[tuple] = []  # (pending seal_many, its leases)
+    copying: collections.deque = collections.deque()  # (DMA done event or None, leases)
+    free_again: list = [None, None]  # per staging half: the event its last DMA ends at
     bases: dict[int, int] = {}
-    unsealed: list[int] = []  # reserved, not sealed yet: aborted if anything fails
     staging = None
-    in_flight: tuple | None = None  # (event or None, leases) of the chunk being copied
     new = existing = 0
+    answered = 0
     try:
-        for k, at in enumerate(range(0, len(items), chunk)):
-            part = items[at : at + chunk]
-            res = _ops.reserve_blocks(client, namespace, _requests(fmt, part), buffers, meta)
+        for k, part in enumerate(parts):
+            res = asked[k].result()
+            answered = k + 1
             leases = res.taken
             unsealed += leases
             existing += len(part) - len(leases)
             new += len(leases)
-            queued = None
             if leases:
                 if staging is None:
                     staging = torch.empty((2, min(chunk, len(items)), L, C, H, N, D),
@@ -98,33 +110,57 @@ def save_cuda(client, namespace: str, fmt: BlockFormat, cache, items: Sequence[S
                 runs = _ops.pool_runs(res.rows, res.names, [PACKED], per_block,
                                       _map_pools(client, bases, res.rows), half.data_ptr(),
                                       per_block)  # fmt: skip
-                with torch.cuda.stream(side) if cuda else _nullcontext():
+                done = None
+                if cuda:
+                    with torch.cuda.stream(gather):
+                        if free_again[k % 2] is not None:  # the DMA that read this half ended
+                            gather.wait_event(free_again[k % 2])
+                        half.copy_(cache.index_select(2, ids).permute(2, 0, 1, 4, 3, 5))
+                        dma.wait_stream(gather)
+                    copier(runs, dma)
+                    done = torch.cuda.Event()
+                    done.record(dma)
+                    free_again[k % 2] = done
+                else:
                     half.copy_(cache.index_select(2, ids).permute(2, 0, 1, 4, 3, 5))
-                    copier(runs, side)
-                    event = None
-                    if cuda:
-                        event = torch.cuda.Event()
-                        event.record(side)
-                queued = (event, leases)
-            if in_flight is not None:  # the previous chunk is in the pool once its DMA ends
-                _seal(client, in_flight, unsealed)
-            in_flight = queued
-        if in_flight is not None:
-            _seal(client, in_flight, unsealed)
+                    copier(runs, dma)
+                copying.append((done, leases))
+            # seal what is in the pool already, without waiting for the daemon's answer
+            while copying and (copying[0][0] is None or copying[0][0].query()):
+                _, done_leases = copying.popleft()
+                sealing.append((_ops.seal_later(client, done_leases), done_leases))
+        while copying:
+            done, done_leases = copying.popleft()
+            if done is not None:
+                done.synchronize()
+            sealing.append((_ops.seal_later(client, done_leases), done_leases))
+        while sealing:
+            pending, done_leases = sealing[0]
+            pending.result()
+            sealing.pop(0)
+            _forget(unsealed, done_leases)
     except BaseException:
-        if cuda and side is not None:
-            side.synchronize()  # no DMA may still write into pages the abort frees
+        if cuda:
+            dma.synchronize()  # no DMA may still write into pages the abort frees
+            gather.synchronize()
+        for pending, done_leases in sealing:  # what did get sealed is the broker's now
+            try:
+                pending.result()
+                _forget(unsealed, done_leases)
+            except KVBrokerError:
+                pass
+        for later in asked[answered:]:  # reservations still queued: abort them too
+            try:
+                unsealed += later.result().taken
+            except KVBrokerError:
+                pass
         _ops.abort_leases(client, unsealed)
         raise
     return new, existing
 
 
-def _seal(client, in_flight: tuple, unsealed: list[int]) -> None:
-    event, leases = in_flight
-    if event is not None:
-        event.synchronize()
-    _ops.seal_many(client, leases)
-    done = set(leases)
+def _forget(unsealed: list[int], sealed: list[int]) -> None:
+    done = set(sealed)
     unsealed[:] = [lease for lease in unsealed if lease not in done]
 
 

@@ -25,12 +25,14 @@ from kvbroker._client.tp import shard_heads
 from kvbroker.errors import KVBrokerError, LayoutMismatch
 
 __all__ = [
+    "ReserveLater",
     "Reserved",
     "abort_leases",
     "extent_view",
     "pool_address",
     "pool_runs",
     "reserve_blocks",
+    "seal_later",
     "seal_many",
     "shard_heads",
 ]  # fmt: skip
@@ -75,11 +77,35 @@ def reserve_blocks(client, namespace: str, blocks: list[dict], buffers: dict[str
     """Reserve block objects ``[{"key", "parent"}]``, each with ``buffers`` (``{name:
     nbytes}``) and ``meta``, in one round trip and a compact reply. All or nothing: a
     failed batch holds no pages."""
-    import numpy as np
-
     reply = client.ops.reserve_blocks(blocks, namespace=namespace, ttl=ttl, buffers=buffers,
                                       meta=meta, compact=True)  # fmt: skip
-    names = list(buffers)
+    return _reserved(reply, list(buffers))
+
+
+class ReserveLater:
+    """:func:`reserve_blocks` sent without waiting (see ``client.ops.pipelined``):
+    :meth:`result` reads the reply, a :class:`Reserved`, or raises its error."""
+
+    __slots__ = ("_pending", "_names")
+
+    def __init__(self, client, namespace: str, blocks: list[dict], buffers: dict[str, int],
+                 meta: dict | None, ttl: float | None = None) -> None:  # fmt: skip
+        self._names = list(buffers)
+        self._pending = client.ops.pipelined.reserve_blocks(
+            blocks, namespace=namespace, ttl=ttl, buffers=buffers, meta=meta, compact=True)
+
+    def result(self) -> Reserved:
+        return _reserved(self._pending.result(), self._names)
+
+
+def seal_later(client, leases: list[int]):
+    """``seal_many`` sent without waiting: ``.result()`` raises if it failed."""
+    return client.ops.pipelined.seal_many(leases, None)
+
+
+def _reserved(reply: dict, names: list[str]) -> Reserved:
+    import numpy as np
+
     if "packed" in reply:
         names = list(reply["names"])
         rows = np.frombuffer(reply["packed"], dtype="<i8").reshape(-1, 1 + 2 * len(names))
