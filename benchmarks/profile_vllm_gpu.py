@@ -48,6 +48,48 @@ def timed(name, fn):
     return wrapper
 
 
+def gpu_split(src, fmt, nblk, client) -> None:
+    """CUDA-event times of the save's two GPU stages over all blocks, each alone: the
+    gather into staging (index_select + permuted copy) and the D2H DMA of 2 MiB runs into
+    the registered pool (one run per block, as a fragmented pool would give, and one run for
+    everything)."""
+    from kvbroker._bench.gpu_run import events_median
+    from kvbroker.gpu import copy_runs
+
+    L, C, _B, N, H, D = src.shape
+    chunk = 64
+    staging = torch.empty((chunk, L, C, H, N, D), dtype=src.dtype, device=src.device)
+    ids = [torch.arange(at, at + chunk, device=src.device) for at in range(0, nblk, chunk)]
+
+    def gather():
+        for i in ids:
+            staging.copy_(src.index_select(2, i).permute(2, 0, 1, 4, 3, 5))
+
+    t = events_median(gather, 5)
+    print(f"  gpu: gather of every block     {t * 1e3:8.1f} ms")
+    lease = client.reserve("dma-probe", {"kv": nblk * fmt.block_nbytes}, namespace="probe")
+    view = lease["kv"]
+    host = view.__array_interface__["data"][0]  # a numpy view of the lease's extent
+    stream = torch.cuda.current_stream()
+    per = fmt.block_nbytes
+    dev = staging.data_ptr()
+    per_block = [(host + j * per, dev + (j % chunk) * per, per) for j in range(nblk)]
+    t1 = events_median(lambda: _copy_each(per_block, stream), 5)
+    print(f"  gpu: D2H 2 MiB runs, separate  {t1 * 1e3:8.1f} ms")
+    lease.abort()
+
+
+def _copy_each(runs, stream) -> None:
+    from kvbroker._client.gpu_copy import _driver
+
+    lib = _driver()
+    import ctypes
+
+    handle = ctypes.c_void_p(stream.cuda_stream)
+    for dst, src, n in runs:
+        lib.cuMemcpyAsync(dst, src, n, handle)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--tokens", type=int, default=16384)
@@ -82,7 +124,14 @@ def main() -> None:
 
         g = GpuClient(client, device=device)
         stream, copier = g.stream, None
-        copier = timed("dma queue", copier_for("cuda"))
+        queue = copier_for("cuda")
+
+        def counted(runs, stream):
+            CALLS["dma runs"] += len(runs)
+            SPENT["dma bytes / 1e3"] += sum(n for _, _, n in runs) / 1e6  # shown as "ms"
+            return queue(runs, stream)
+
+        copier = timed("dma queue", counted)
     else:
         stream, copier = None, timed("memmove", copier_for("cpu"))
     _ops.ReserveLater.result = timed("wait for a reservation", _ops.ReserveLater.result)
@@ -113,6 +162,8 @@ def main() -> None:
             SPENT["save (whole call)"] += t1 - t0
             SPENT["load (whole call)"] += t2 - t1
         client.evict(namespace="ns")
+    if device.type == "cuda":  # the GPU side alone: gather without DMA, DMA of the same runs
+        gpu_split(src, fmt, nblk, client)
     print(f"{nblk} blocks, {nbytes / 2**30:.2f} GiB, per save/load (mean of {a.reps}):")
     for name, s in sorted(SPENT.items(), key=lambda kv: -kv[1]):
         print(f"  {name:28s} {s / a.reps * 1e3:8.1f} ms  ({CALLS.get(name, a.reps) // a.reps} calls)")

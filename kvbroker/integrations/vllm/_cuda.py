@@ -105,8 +105,7 @@ def save_cuda(client, namespace: str, fmt: BlockFormat, cache, items: Sequence[S
                     staging = torch.empty((2, min(chunk, len(items)), L, C, H, N, D),
                                           dtype=cache.dtype, device=cache.device)  # fmt: skip
                 half = staging[k % 2][: len(leases)]
-                ids = torch.tensor([it.block_id for it, ls in zip(part, res.leases) if ls],
-                                   device=cache.device)  # fmt: skip
+                chosen = [it.block_id for it, ls in zip(part, res.leases) if ls]
                 runs = _ops.pool_runs(res.rows, res.names, [PACKED], per_block,
                                       _map_pools(client, bases, res.rows), half.data_ptr(),
                                       per_block)  # fmt: skip
@@ -115,6 +114,9 @@ def save_cuda(client, namespace: str, fmt: BlockFormat, cache, items: Sequence[S
                     with torch.cuda.stream(gather):
                         if free_again[k % 2] is not None:  # the DMA that read this half ended
                             gather.wait_event(free_again[k % 2])
+                        # made on the stream that reads it: the allocator may hand its memory
+                        # to the next chunk's ids only once this gather has run
+                        ids = torch.tensor(chosen, device=cache.device)
                         half.copy_(cache.index_select(2, ids).permute(2, 0, 1, 4, 3, 5))
                         dma.wait_stream(gather)
                     copier(runs, dma)
@@ -122,6 +124,7 @@ def save_cuda(client, namespace: str, fmt: BlockFormat, cache, items: Sequence[S
                     done.record(dma)
                     free_again[k % 2] = done
                 else:
+                    ids = torch.tensor(chosen)
                     half.copy_(cache.index_select(2, ids).permute(2, 0, 1, 4, 3, 5))
                     copier(runs, dma)
                 copying.append((done, leases))
