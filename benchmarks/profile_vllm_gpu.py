@@ -25,12 +25,12 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_vllm_gpu import vllm_cache  # noqa: E402
+from bench_vllm_gpu import vllm_cache
 
-from kvbroker import Client  # noqa: E402
-from kvbroker.integrations.vllm import _cuda, _ops, _paged  # noqa: E402
-from kvbroker.integrations.vllm._format import BlockFormat  # noqa: E402
-from kvbroker.integrations.vllm._paged import SaveItem, copier_for, cuda_cache  # noqa: E402
+from kvbroker import Client
+from kvbroker.integrations.vllm import _cuda, _ops, _paged
+from kvbroker.integrations.vllm._format import BlockFormat
+from kvbroker.integrations.vllm._paged import SaveItem, copier_for, cuda_cache
 
 SPENT: dict[str, float] = collections.defaultdict(float)
 CALLS: dict[str, int] = collections.defaultdict(int)
@@ -54,7 +54,6 @@ def gpu_split(src, fmt, nblk, client) -> None:
     the registered pool (one run per block, as a fragmented pool would give, and one run for
     everything)."""
     from kvbroker._bench.gpu_run import events_median
-    from kvbroker.gpu import copy_runs
 
     L, C, _B, N, H, D = src.shape
     chunk = 64

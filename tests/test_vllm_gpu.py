@@ -279,6 +279,34 @@ def test_cuda_save_and_load_are_bit_exact(client, order):
         assert torch.equal(kv.view(torch.int16), s6[layer, :, 20].cpu().view(torch.int16))
 
 
+@pytest.mark.skipif(not CUDA, reason="needs CUDA (torch sees no CUDA device)")
+def test_cuda_save_of_many_one_block_chunks_is_bit_exact(client):
+    """One block per chunk: the Python side runs far ahead of the gather stream, so memory a
+    chunk's gather still has to read (its block ids) must not be reused by the next chunk
+    (a race the 2 GiB benchmark caught)."""
+    from kvbroker.gpu import GpuClient
+    from kvbroker.integrations.vllm._cuda import load_cuda, save_cuda
+
+    L, B, H, N, D = 8, 300, 8, 16, 128
+    src, _ = vllm_like(L, B, H, N, D, torch.bfloat16, "cuda")
+    dst, _ = vllm_like(L, B, H, N, D, torch.bfloat16, "cuda", seed=1)
+    fmt = _fmt(L, H, N, D, torch.bfloat16)
+    s6, d6 = cuda_cache(src, "packed"), cuda_cache(dst, "packed")
+    count = 256
+    hashes = [f"{i:032x}" for i in range(1, count + 1)]
+    src_ids = [(7 * i + 3) % B for i in range(count)]
+    dst_ids = [(11 * i + 5) % B for i in range(count)]
+    with GpuClient(client, own_client=False) as g:
+        assert save_cuda(g.client, NS, fmt, s6, _items(hashes, src_ids), stream=g.stream,
+                         staging_bytes=2 * fmt.block_nbytes) == (count, 0)  # fmt: skip
+        assert load_cuda(g.client, NS, fmt, d6, hashes, dst_ids, stream=g.stream,
+                         staging_bytes=2 * fmt.block_nbytes) == count  # fmt: skip
+        torch.cuda.synchronize()
+    a = torch.tensor(src_ids, device="cuda")
+    b = torch.tensor(dst_ids, device="cuda")
+    assert torch.equal(s6[:, :, a].view(torch.int16), d6[:, :, b].view(torch.int16))
+
+
 def test_mla_latent_blocks_are_replicated_not_split(client):
     """An MLA cache (one latent row per token, ``[blocks, 1, page, C]`` per layer): each TP
     rank of a prefill engine publishes the same latent under its own shard key, and a decode
