@@ -114,9 +114,11 @@ def save_cuda(client, namespace: str, fmt: BlockFormat, cache, items: Sequence[S
                     with torch.cuda.stream(gather):
                         if free_again[k % 2] is not None:  # the DMA that read this half ended
                             gather.wait_event(free_again[k % 2])
-                        # made on the stream that reads it: the allocator may hand its memory
-                        # to the next chunk's ids only once this gather has run
-                        ids = torch.tensor(chosen, device=cache.device)
+                        # made on the stream that reads it (the allocator may hand its memory
+                        # to the next chunk's ids only once this gather has run), from pinned
+                        # memory without blocking: a pageable copy would hold this thread
+                        # until the gather stream got there (a bubble per chunk in the DMA)
+                        ids = _ids_on(torch, chosen, cache.device)
                         half.copy_(cache.index_select(2, ids).permute(2, 0, 1, 4, 3, 5))
                         dma.wait_stream(gather)
                     copier(runs, dma)
@@ -160,6 +162,12 @@ def save_cuda(client, namespace: str, fmt: BlockFormat, cache, items: Sequence[S
         _ops.abort_leases(client, unsealed)
         raise
     return new, existing
+
+
+def _ids_on(torch, values: list[int], device):
+    """Block ids on ``device``, copied on the current stream without waiting for it."""
+    host = torch.tensor(values, dtype=torch.int64).pin_memory()
+    return host.to(device, non_blocking=True)  # torch keeps ``host`` until the copy ran
 
 
 def _forget(unsealed: list[int], sealed: list[int]) -> None:
@@ -228,8 +236,9 @@ def load_cuda(client, namespace: str, fmt: BlockFormat, cache, hashes: Sequence[
         # half's next DMA after the scatter that read it.
         staging = torch.empty((2, min(chunk, n), shards, L, C, hs, N, D), dtype=cache.dtype,
                               device=cache.device)  # fmt: skip
-        ids_all = torch.tensor(list(block_ids[:n]), device=cache.device)
         with torch.cuda.stream(side) if cuda else _nullcontext():
+            ids_all = (_ids_on(torch, list(block_ids[:n]), cache.device) if cuda
+                       else torch.tensor(list(block_ids[:n])))  # fmt: skip
             for k, at in enumerate(range(0, n, chunk)):
                 count = min(chunk, n - at)
                 half = staging[k % 2][:count]
