@@ -287,12 +287,12 @@ def test_cuda_save_of_many_one_block_chunks_is_bit_exact(client):
     from kvbroker.gpu import GpuClient
     from kvbroker.integrations.vllm._cuda import load_cuda, save_cuda
 
-    L, B, H, N, D = 8, 300, 8, 16, 128
+    L, B, H, N, D = 2, 300, 4, 16, 128  # 64 KiB blocks: 160 of them fit the test pool
     src, _ = vllm_like(L, B, H, N, D, torch.bfloat16, "cuda")
     dst, _ = vllm_like(L, B, H, N, D, torch.bfloat16, "cuda", seed=1)
     fmt = _fmt(L, H, N, D, torch.bfloat16)
     s6, d6 = cuda_cache(src, "packed"), cuda_cache(dst, "packed")
-    count = 256
+    count = 160
     hashes = [f"{i:032x}" for i in range(1, count + 1)]
     src_ids = [(7 * i + 3) % B for i in range(count)]
     dst_ids = [(11 * i + 5) % B for i in range(count)]

@@ -74,7 +74,7 @@ def save_cuda(client, namespace: str, fmt: BlockFormat, cache, items: Sequence[S
     L, C, _B, N, H, D = cache.shape
     # two halves of the staging: chunk k+1 is gathered while chunk k is still in flight
     chunk = max(1, min(RESERVE_CHUNK, staging_bytes // (2 * per_block)))
-    parts = [items[at : at + chunk] for at in range(0, len(items), chunk)]
+    parts = _split(items, chunk)
     dma = _side_stream(torch, cache, stream)
     gather = None
     if cuda:  # the gather of chunk k+1 runs beside the DMA of chunk k
@@ -162,6 +162,28 @@ def save_cuda(client, namespace: str, fmt: BlockFormat, cache, items: Sequence[S
         _ops.abort_leases(client, unsealed)
         raise
     return new, existing
+
+
+def _split(items: Sequence, chunk: int) -> list:
+    """``items`` in chunks of at most ``chunk``, smaller at both ends: the first DMA starts
+    once the daemon answered a few blocks' reservation, not a full chunk's, and the last
+    seal (after the last DMA, the one wait nobody hides) covers a few blocks."""
+    ramp = [max(1, chunk >> s) for s in (3, 2, 1)]
+    left = len(items)
+    head, tail = [], []
+    for size in ramp:
+        if left > 2 * chunk + 2 * size:  # room for this step at both ends
+            head.append(size)
+            tail.insert(0, size)
+            left -= 2 * size
+    count = -(-left // chunk)  # the middle in near-equal chunks of at most `chunk`
+    middle = [left // count + (i < left % count) for i in range(count)] if left else []
+    sizes = head + middle + tail
+    out, at = [], 0
+    for size in sizes:
+        out.append(items[at : at + size])
+        at += size
+    return out
 
 
 def _ids_on(torch, values: list[int], device):
