@@ -34,6 +34,7 @@ from kvbroker.integrations.vllm._paged import SaveItem, copier_for, cuda_cache
 
 SPENT: dict[str, float] = collections.defaultdict(float)
 CALLS: dict[str, int] = collections.defaultdict(int)
+TIMELINE: list = []  # (host time a DMA was queued, its start and end events)
 
 
 def timed(name, fn):
@@ -127,7 +128,14 @@ def main() -> None:
 
         def counted(runs, stream):
             CALLS["dma runs"] += len(runs)
-            return queue(runs, stream)
+            now = time.perf_counter()
+            start = torch.cuda.Event(enable_timing=True)
+            start.record(stream)
+            out = queue(runs, stream)
+            end = torch.cuda.Event(enable_timing=True)
+            end.record(stream)
+            TIMELINE.append((now, start, end))
+            return out
 
         copier = timed("dma queue", counted)
     else:
@@ -146,11 +154,18 @@ def main() -> None:
         items = [SaveItem(h, hashes[i - 1] if i else None, i) for i, h in enumerate(hashes)]
         if device.type == "cuda":
             torch.cuda.synchronize()
+        TIMELINE.clear()
         t0 = time.perf_counter()
         _cuda.save_cuda(client, "ns", fmt, src, items, stream=stream, copier=copier)
         if device.type == "cuda":
             torch.cuda.synchronize()
         t1 = time.perf_counter()
+        if rep and TIMELINE:  # when the DMAs were queued, and how long the DMA stream idled
+            first, last = TIMELINE[0], TIMELINE[-1]
+            SPENT["first DMA queued after"] += first[0] - t0
+            SPENT["last DMA queued after"] += last[0] - t0
+            SPENT["DMA stream: first start to last end"] += first[1].elapsed_time(last[2]) / 1e3
+            SPENT["DMA stream: busy"] += sum(s.elapsed_time(e) for _, s, e in TIMELINE) / 1e3
         _cuda.load_cuda(client, "ns", fmt, dst, hashes, list(range(nblk)), stream=stream,
                         copier=copier)  # fmt: skip
         if device.type == "cuda":

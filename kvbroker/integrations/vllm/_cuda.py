@@ -80,10 +80,14 @@ def save_cuda(client, namespace: str, fmt: BlockFormat, cache, items: Sequence[S
     if cuda:  # the gather of chunk k+1 runs beside the DMA of chunk k
         gather = torch.cuda.Stream(cache.device)
         gather.wait_stream(torch.cuda.current_stream(cache.device))  # the engine wrote them
-    # Every chunk's reservation goes into the daemon's queue now: it works through them
-    # while the first chunks copy, and seals join the queue as their copies end.
-    asked = [_ops.ReserveLater(client, namespace, _requests(fmt, part), buffers, meta)
-             for part in parts]  # fmt: skip
+    # Reservations go into the daemon's queue AHEAD chunks ahead of the copies: it works
+    # through them while earlier chunks copy, and seals join the queue as copies end.
+    asked: list = []
+
+    def ask_up_to(k: int) -> None:
+        while len(asked) < min(k + 1, len(parts)):
+            asked.append(_ops.ReserveLater(client, namespace, _requests(fmt, parts[len(asked)]),
+                                           buffers, meta))  # fmt: skip
     unsealed: list[int] = []  # reserved, not known sealed: aborted if anything fails
     sealing: list[tuple] = []  # (pending seal_many, its leases)
     copying: collections.deque = collections.deque()  # (DMA done event or None, leases)
@@ -94,6 +98,7 @@ def save_cuda(client, namespace: str, fmt: BlockFormat, cache, items: Sequence[S
     answered = 0
     try:
         for k, part in enumerate(parts):
+            ask_up_to(k + _AHEAD)
             res = asked[k].result()
             answered = k + 1
             leases = res.taken
@@ -162,6 +167,9 @@ def save_cuda(client, namespace: str, fmt: BlockFormat, cache, items: Sequence[S
         _ops.abort_leases(client, unsealed)
         raise
     return new, existing
+
+
+_AHEAD = 3  # reservations in the daemon's queue beyond the one being copied
 
 
 def _split(items: Sequence, chunk: int) -> list:
