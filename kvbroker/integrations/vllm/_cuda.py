@@ -4,18 +4,20 @@ No vLLM import. Objects are exactly those of the host path (:mod:`._paged`), so 
 host engines, and TP layouts, read each other's blocks.
 
 - **Save** (:func:`save_cuda`), pipelined in chunks of blocks: reserve a chunk's new blocks
-  (one round trip, compact reply: one packed extent row per block), gather their K/V from the
-  cache into device staging laid out like the broker's blocks
+  (compact reply: one packed extent row per block, a block being one broker buffer), gather
+  their K/V from the cache into device staging laid out like the broker's blocks
   (``[block][layer][K/V][head][token][head_dim]``: one ``index_select`` + one permuted copy on
-  the device), then DMA the staging into the reserved extents (device -> registered host
-  pool; a block's buffers lie back to back in the pool, so a block is one run and neighbouring
-  blocks merge). While chunk k's DMA runs, the host reserves chunk k+1 and, once chunk k-1's
-  DMA has completed, seals chunk k-1: the control plane hides behind the copies.
+  a gather stream), then DMA the staging into the reserved extents (device -> registered host
+  pool, on a DMA stream; consecutive blocks merge into one run). Reservations are sent a few
+  chunks ahead without waiting (``client.ops.pipelined``), a chunk's seal is sent as soon as
+  its DMA ended: the daemon's work and the gathers hide behind the DMA. Measured on an H100:
+  ``benchmarks/bench_vllm_gpu.py``, where the time goes: ``benchmarks/profile_vllm_gpu.py``.
 - **Load** (:func:`load_cuda`): match (one read lease, one round trip), then per chunk DMA the
   matched blocks of every contributing shard host -> device staging and scatter each shard's
-  head range into the cache's blocks (one indexed copy per shard and chunk), all queued on
-  one stream without waiting; synchronize once at the end (the lease must outlive the
-  copies), release; the caller's stream waits for the copies.
+  head range into the cache's blocks (one indexed copy per shard and chunk), the DMAs on
+  one stream and the scatters on another, so chunk k scatters while chunk k+1 lands; all
+  queued without waiting, synchronized once at the end (the lease must outlive the copies),
+  then released; the caller's stream waits for the copies.
 
 Every byte crosses PCIe once. Both functions also run on CPU tensors with ``copier=memmove``
 (the tests' way to check the addressing without a GPU).
@@ -260,29 +262,40 @@ def load_cuda(client, namespace: str, fmt: BlockFormat, cache, hashes: Sequence[
                   for p in m.plan]  # fmt: skip
         bases = _map_pools(client, {}, rows)
         caller = torch.cuda.current_stream(cache.device) if cuda else None
-        side = _side_stream(torch, cache, stream)
+        dma = _side_stream(torch, cache, stream)
+        # the scatter of chunk k runs beside the DMA of chunk k+1 (two staging halves)
+        scatter = torch.cuda.Stream(cache.device) if cuda else None
+        if cuda:
+            scatter.wait_stream(caller)  # do not overwrite blocks the engine still reads
         chunk = max(1, staging_bytes // (2 * per_block * shards))
-        # Two halves, all chunks queued on one stream without waiting: the stream orders a
-        # half's next DMA after the scatter that read it.
         staging = torch.empty((2, min(chunk, n), shards, L, C, hs, N, D), dtype=cache.dtype,
                               device=cache.device)  # fmt: skip
-        with torch.cuda.stream(side) if cuda else _nullcontext():
+        with torch.cuda.stream(scatter) if cuda else _nullcontext():
             ids_all = (_ids_on(torch, list(block_ids[:n]), cache.device) if cuda
                        else torch.tensor(list(block_ids[:n])))  # fmt: skip
-            for k, at in enumerate(range(0, n, chunk)):
-                count = min(chunk, n - at)
-                half = staging[k % 2][:count]
-                runs = _ops.pool_runs(rows[at * shards : (at + count) * shards], names, read,
-                                      nbytes, bases, half.data_ptr(), per_block)  # fmt: skip
-                copier([(stage, pool, size) for pool, stage, size in runs], side)
-                ids = ids_all[at : at + count]
+        free_again: list = [None, None]  # per half: the event its last scatter ends at
+        for k, at in enumerate(range(0, n, chunk)):
+            count = min(chunk, n - at)
+            half = staging[k % 2][:count]
+            runs = _ops.pool_runs(rows[at * shards : (at + count) * shards], names, read,
+                                  nbytes, bases, half.data_ptr(), per_block)  # fmt: skip
+            if cuda and free_again[k % 2] is not None:  # the scatter that read this half ran
+                dma.wait_event(free_again[k % 2])
+            copier([(stage, pool, size) for pool, stage, size in runs], dma)
+            ids = ids_all[at : at + count]
+            with torch.cuda.stream(scatter) if cuda else _nullcontext():
+                if cuda:
+                    scatter.wait_stream(dma)
                 for s, src_head, heads, dst_head in pieces:
                     src = half[:, s, :, :, src_head : src_head + heads]  # [n, L, C, h, N, D]
                     cache[:, :, ids, :, dst_head : dst_head + heads] = src.permute(1, 2, 0, 4, 3, 5)
+                if cuda:
+                    free_again[k % 2] = torch.cuda.Event()
+                    free_again[k % 2].record(scatter)
         if cuda:
-            side.synchronize()  # the lease and the staging outlive the copies
-            if side is not caller:
-                caller.wait_stream(side)
+            dma.synchronize()  # the lease and the staging outlive the copies
+            scatter.synchronize()
+            caller.wait_stream(scatter)
         del staging
     return n
 
