@@ -618,7 +618,7 @@ class Fleet:
             charges = ((obj.namespace, obj.charged),) if obj.charged else ()
             obj.charged = 0
             b.end_lease(lease, "its pull failed")
-            b.hold(obj.pool, obj.start, obj.npages, charges)
+            b.pages.hold(obj.pool, obj.start, obj.npages, charges)
         else:
             b.discard_pending(lease, quarantine=False)
             b.end_lease(lease, "its pull failed")
