@@ -4,7 +4,9 @@
 - the client side (``kvbroker._client``) and the server side (``kvbroker._server``) never
   import each other;
 - the TUI imports only ``kvbroker`` (public) and the contract;
-- there is no import cycle among kvbroker's modules.
+- there is no import cycle among kvbroker's modules;
+- no module is over 600 lines and no class over 500 (issue 14): a larger one is split along
+  a seam, one concept per private module.
 """
 
 from __future__ import annotations
@@ -136,6 +138,42 @@ def test_no_import_cycle():
     for node in sorted(graph):
         if node not in state:
             visit(node)
+
+
+MAX_MODULE_LINES = 600
+MAX_CLASS_LINES = 500
+
+
+def _oversized(path: pathlib.Path, root: pathlib.Path = ROOT) -> list[str]:
+    """What in ``path`` is over the size limits: the module, or a class (decorators aside)."""
+    text = path.read_text()
+    where = path.relative_to(root)
+    out = []
+    lines = len(text.splitlines())
+    if lines > MAX_MODULE_LINES:
+        out.append(f"{where}: {lines} lines (at most {MAX_MODULE_LINES})")
+    for node in ast.walk(ast.parse(text, str(path))):
+        if isinstance(node, ast.ClassDef):
+            n = node.end_lineno - node.lineno + 1
+            if n > MAX_CLASS_LINES:
+                out.append(f"{where}: class {node.name} is {n} lines "
+                           f"(at most {MAX_CLASS_LINES})")
+    return out
+
+
+def test_no_module_or_class_over_the_size_limits():
+    big = [line for path in _sources("kvbroker", "cli", "tui") for line in _oversized(path)]
+    assert not big, "split along a seam:\n" + "\n".join(big)
+
+
+def test_the_size_check_sees_an_oversized_module(tmp_path):
+    """The checker itself: a module one line too long, holding a class one line too long."""
+    long = tmp_path / "long.py"
+    long.write_text("class Big:\n" + "    x = 1\n" * MAX_CLASS_LINES
+                    + "\n" * (MAX_MODULE_LINES - MAX_CLASS_LINES))
+    assert len(_oversized(long, tmp_path)) == 2
+    long.write_text("class Small:\n" + "    x = 1\n" * (MAX_CLASS_LINES - 1))
+    assert _oversized(long, tmp_path) == []
 
 
 def test_the_rules_see_a_violation(tmp_path, monkeypatch):

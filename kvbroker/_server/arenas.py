@@ -33,20 +33,21 @@ def new_arena(b: Broker, session: Session, nbytes: int) -> Arena:
     budget = sum(p.size for p in b.pools) // _ARENA_BUDGET_FRACTION
     if held + nbytes > budget:
         raise PoolFull(f"write arenas already hold {held} of their {budget} bytes")
-    tenants = b.tenants_of(session)
+    tenants = b.accounts.tenants_of(session)
     ps = b.pools[0].page_size
-    charged = b.charge(None, -(-nbytes // ps) * ps, tenants=tenants)  # QuotaExceeded
+    charged = b.accounts.charge(None, -(-nbytes // ps) * ps, tenants=tenants)  # QuotaExceeded
     try:
-        pool, start, npages = b.allocate(nbytes, evict=False, among=b.arena_pools(session))
+        pool, start, npages = b.pages.allocate(nbytes, evict=False,
+                                               among=b.pages.arena_pools(session))  # fmt: skip
     except BaseException:
-        b.uncharge(None, charged, tenants)
+        b.accounts.uncharge(None, charged, tenants)
         raise
     arena = Arena(b.registry.next_id(), session, pool, start, npages)
     arena.charged, arena.tenants = npages * pool.page_size, tenants
-    b.uncharge(None, charged - arena.charged, tenants)
+    b.accounts.uncharge(None, charged - arena.charged, tenants)
     if b.journal is not None:
         b.journal.lent(pool.index, start, npages)
-    b._owners[pool.index][start] = ("w", npages)
+    b.pages.owners[pool.index][start] = ("w", npages)
     b.arenas[arena.id] = arena
     session.arenas[arena.id] = arena
     return arena
@@ -58,11 +59,11 @@ def end_arena(b: Broker, arena: Arena, reason: str, hold: bool = False) -> None:
     charges = tuple((t, arena.charged) for t in arena.tenants)
     arena.charged = 0
     if hold:  # its writer may still be copying (see close_session)
-        b.hold(arena.pool, arena.start, arena.npages, charges)
+        b.pages.hold(arena.pool, arena.start, arena.npages, charges)
     else:
         for account, n in charges:
-            b.uncharge(account, n)
-        b.free_extent(arena.pool, arena.start, arena.npages)
+            b.accounts.uncharge(account, n)
+        b.pages.free_extent(arena.pool, arena.start, arena.npages)
         if b.journal is not None:
             b.journal.returned(arena.pool.index, arena.start)
     b.registry.ended(arena.id, reason)
@@ -83,13 +84,13 @@ def publish_from_arena(b: Broker, session: Session, ar: Arena, obj: StoredObject
     the rest as the arena, or hold a fresh one of ``next_arena`` bytes (0: none).
     Returns the seal's reply and the arena now held."""
     pool, npages = ar.pool, obj.npages
-    owners = b._owners[pool.index]
+    owners = b.pages.owners[pool.index]
     # The object's pages keep the arena's tenant charge (its namespace is charged apart).
     moved = min(ar.charged, npages * pool.page_size)
     ar.charged -= moved
     obj.tenants = ar.tenants
     if moved < obj.charged:
-        b.charge(None, obj.charged - moved, enforce=False, tenants=obj.tenants)
+        b.accounts.charge(None, obj.charged - moved, enforce=False, tenants=obj.tenants)
     if npages < ar.npages:
         ar.start = pool.allocator.split(ar.start, ar.npages, npages)
         ar.npages -= npages

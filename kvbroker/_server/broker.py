@@ -2,12 +2,13 @@
 
 What the state is, and who owns and frees what, is written once: see
 :mod:`kvbroker._server.state`. :class:`Broker` makes the changes — sessions opened and
-closed, leases lent, renewed, expired and ended, objects sealed and unlinked, extents
-allocated, evicted (LRU, watermarks), quarantined and freed, namespace quotas charged, the
-journal told (write arenas: :mod:`~kvbroker._server.arenas`; warm restart:
-:mod:`~kvbroker._server.restore`) — and routes each request to its op's handler, derived
-from the op table (``kvbroker._wire.protocol.OPS``: the ``service`` column). No I/O, no
-asyncio.
+closed, leases lent, renewed, expired and ended, objects sealed, unlinked and evicted (the
+LRU), the journal told — and routes each request to its op's handler, derived from the op
+table (``kvbroker._wire.protocol.OPS``: the ``service`` column). Its parts, one concept
+each: where extents go, what gives way for them, the occupancy map and the timed quarantine
+(:mod:`~kvbroker._server.pages`), quota charges (:mod:`~kvbroker._server.accounts`), write
+arenas (:mod:`~kvbroker._server.arenas`), warm restart (:mod:`~kvbroker._server.restore`).
+No I/O, no asyncio.
 """
 
 from __future__ import annotations
@@ -20,25 +21,52 @@ from dataclasses import fields
 from itertools import count
 from typing import Any
 
+from .accounts import Accounts
 from .arenas import end_arena
 from .handlers import HANDLERS
 from .leases import LeaseRegistry
-from .policy import Policy, Quotas, forget_accounts, user_name
+from .pages import Pages
+from .policy import Policy, Quotas, forget_accounts
 from .pool import HostPool
 from .restore import journal_lent, journal_records, restore as restore_state
 from .snapshot import statistics
 from .state import OPEN_POLICY, Arena, Lease, Session, StoredObject, WouldWait
 from .._wire.protocol import OPS, Service, validate_args
 from .._wire.stats import Counters, Statistics
-from ..errors import BadRequest, LimitExceeded, PoolFull, ProtocolError, QuotaExceeded
+from ..errors import BadRequest, LimitExceeded, ProtocolError
 
 __all__ = ["Broker", "Session", "WouldWait"]
 
 # The broker's own rows of the op table, each with its handler: a row without one fails here.
 _HANDLERS = {name: HANDLERS[name] for name, op in OPS.items() if op.service is Service.BROKER}
 
+
+class _Part:
+    """An attribute of the broker that one of its parts keeps: reading and setting it on the
+    broker reads and sets the part's (a reload sets the broker's settings by name)."""
+
+    def __init__(self, part: str, name: str) -> None:
+        self.part, self.name = part, name
+
+    def __get__(self, broker: Any, owner: Any = None) -> Any:
+        return self if broker is None else getattr(getattr(broker, self.part), self.name)
+
+    def __set__(self, broker: Any, value: Any) -> None:
+        setattr(getattr(broker, self.part), self.name, value)
+
+
 class Broker:
     """Owns the directory of objects and every lease; the daemon drives it."""
+
+    # Kept by its parts (pages.py, accounts.py), read and set here under the names they had
+    # before the parts were split off: a reload sets settings by name, tests read the tables.
+    high_watermark = _Part("pages", "high_watermark")
+    low_watermark = _Part("pages", "low_watermark")
+    restart_quarantine = _Part("pages", "restart_quarantine")
+    quotas = _Part("accounts", "quotas")
+    _owners = _Part("pages", "owners")  # pool -> start -> holder (the occupancy map)
+    _held = _Part("pages", "held")  # the timed quarantine's heap
+    _usage = _Part("accounts", "usage")  # account -> bytes charged
 
     def __init__(
         self,
@@ -56,27 +84,21 @@ class Broker:
         max_leases_per_client: int = 65536,
         restart_quarantine: float = 10.0,
     ) -> None:
-        if not pools:
-            raise ValueError("a broker needs at least one pool")
-        if not 0.0 < low_watermark <= high_watermark <= 1.0:
-            raise ValueError("watermarks must satisfy 0 < low <= high <= 1")
+        self.clock = clock  # the leases' TTLs, and the timed quarantine's deadlines
+        self._lru: OrderedDict[int, StoredObject] = OrderedDict()  # sealed, linked, unleased
+        # Where extents go and what gives way for them; the occupancy map; the timed
+        # quarantine (pages a writer may still be copying into although it lost them).
+        self.pages = Pages(pools, self._lru, self.evict, high_watermark=high_watermark,
+                           low_watermark=low_watermark, restart_quarantine=restart_quarantine,
+                           clock=lambda: self.clock())  # fmt: skip
+        self.accounts = Accounts(quotas or Quotas(), self._lru, self.evict)  # quota charges
         self.pools = pools
         self.lease_ttl = lease_ttl
         self.max_lease_ttl = max_lease_ttl
-        self.high_watermark = high_watermark
-        self.low_watermark = low_watermark
         self.socket_path = socket_path
-        self.clock = clock
         self.require_checksums = require_checksums  # seal without {buffer: digest} refused
         self.policy = policy or OPEN_POLICY  # who may use which namespace (policy.py)
-        self.quotas = quotas or Quotas()
         self.max_leases_per_client = max_leases_per_client
-        # Timed quarantine: a heap of (deadline, pool index, start, npages, charges) — pages a
-        # writer may still be copying into although it lost them (daemon restart, cut off).
-        self.restart_quarantine = restart_quarantine
-        self._held: list[tuple[float, int, int, int, tuple[tuple[str, int], ...]]] = []
-        # namespace (or tenant account, ("user", uid) / ("group", gid)) -> bytes charged
-        self._usage: dict[Any, int] = {}
         self.started_at = time.time()
         self.sessions: dict[int, Session] = {}
         self.objects: dict[tuple[str, str], StoredObject] = {}
@@ -86,8 +108,6 @@ class Broker:
         self.pending: dict[tuple[str, str], StoredObject] = {}
         self.leases: dict[int, Lease] = {}
         self.arenas: dict[int, Arena] = {}  # write arenas of every session, by id
-        self._lru: OrderedDict[int, StoredObject] = OrderedDict()  # sealed, linked, unleased
-        self._owners: list[dict[int, Any]] = [{} for _ in pools]  # start -> object | ("q", n)
         self._expiry: list[tuple[float, int]] = []
         self.registry = LeaseRegistry()  # ids of sessions, leases, arenas, ring leases
         self.journal: Any = None  # kvbroker._server.journal.Journal, when the daemon keeps one
@@ -191,7 +211,7 @@ class Broker:
         user names and group membership read again (a user removed from a group loses
         what the group gave it)."""
         forget_accounts()
-        self.policy, self.quotas = policy, quotas
+        self.policy, self.accounts.quotas = policy, quotas
         for s in self.sessions.values():
             s.access = policy.access(s.uid, s.gid)
 
@@ -211,15 +231,15 @@ class Broker:
         charges = tuple(session.quarantine_charges)
         for pool, start, npages in session.quarantine:
             if cut_off:
-                self.hold(pool, start, npages, charges)
+                self.pages.hold(pool, start, npages, charges)
                 charges = ()  # uncharged with the first extent (they share a deadline)
             else:
-                self.free_extent(pool, start, npages)
+                self.pages.free_extent(pool, start, npages)
                 if self.journal is not None:
                     self.journal.returned(pool.index, start)
         session.quarantine.clear()
         for namespace, charged in charges:
-            self.uncharge(namespace, charged)
+            self.accounts.uncharge(namespace, charged)
         session.quarantine_charges.clear()
         if self.rings is not None:
             self.rings.close_session(session)
@@ -261,16 +281,17 @@ class Broker:
         """A write lease on a fresh extent for ``ident`` (charged to its namespace)."""
         self.check_lease_limit(session)
         ps = self.pools[0].page_size  # every pool has the same page size
-        tenants = self.tenants_of(session)
-        charged = self.charge(ident[0], -(-max(span, 1) // ps) * ps, tenants=tenants)
+        tenants = self.accounts.tenants_of(session)
+        charged = self.accounts.charge(ident[0], -(-max(span, 1) // ps) * ps, tenants=tenants)
+        pages = self.pages
         try:
-            pool, start, npages = self.allocate(max(span, 1), among=self.pools_for(ident[0]))
+            pool, start, npages = pages.allocate(max(span, 1), among=pages.pools_for(ident[0]))
         except BaseException:
-            self.uncharge(ident[0], charged, tenants)
+            self.accounts.uncharge(ident[0], charged, tenants)
             raise
         obj = self.new_object(ident, pool, start, npages, layout, meta)
         obj.charged, obj.tenants = charged, tenants
-        self._owners[pool.index][start] = obj
+        pages.owners[pool.index][start] = obj
         self.pending[ident] = obj
         if self.journal is not None:  # a restart must not hand these pages to another writer
             self.journal.lent(pool.index, start, npages)
@@ -310,7 +331,7 @@ class Broker:
         self.record_transfer("publish", session, obj, obj.nbytes)
         if self.on_block is not None and obj.tokens is not None:
             self.on_block("stored", obj)
-        self._enforce_watermark(obj.pool)
+        self.pages.enforce_watermark(obj.pool)
         if self.on_sealed is not None:
             self.on_sealed(ident)
         return {"namespace": obj.namespace, "key": obj.key, "nbytes": obj.nbytes}
@@ -336,7 +357,7 @@ class Broker:
             ls.session.quarantine_charges.append((obj.namespace, obj.charged))
             ls.session.quarantine_charges += [(t, obj.charged) for t in obj.tenants]
             obj.charged = 0
-            self._owners[obj.pool.index][obj.start] = ("q", obj.npages)
+            self.pages.owners[obj.pool.index][obj.start] = ("q", obj.npages)
             ls.session.quarantine.append((obj.pool, obj.start, obj.npages))
         else:
             self._free_object(obj)
@@ -426,12 +447,9 @@ class Broker:
         """End every lease whose TTL passed, and free the timed quarantine whose deadline
         passed; returns how many leases ended."""
         now = self.clock() if now is None else now
-        held = self._held
-        while held and held[0][0] <= now:
-            _, idx, start, npages, charges = heapq.heappop(held)
-            self.free_extent(self.pools[idx], start, npages)
+        for idx, start, charges in self.pages.release_due(now):
             for namespace, charged in charges:
-                self.uncharge(namespace, charged)
+                self.accounts.uncharge(namespace, charged)
             if self.journal is not None:
                 self.journal.returned(idx, start)
         ended = 0
@@ -450,70 +468,12 @@ class Broker:
             ended += 1
         return ended
 
-    # ------------------------------------------------------------------ pages
+    # ------------------------------------------------------------------ unlinking
     def evict(self, obj: StoredObject) -> None:
         assert obj.readers == 0 and obj.sealed and obj.children == 0
         self.counters["evictions"] += 1
         self.counters["evicted_bytes"] += obj.nbytes
         self._unlink(obj)
-
-    def tenants_of(self, session: Session) -> tuple[tuple[str, int], ...]:
-        """The tenant accounts ``session``'s writes are charged to (none without tenant
-        quotas)."""
-        return self.quotas.tenants(session.uid, session.access.gids) if self.quotas else ()
-
-    def charge(self, namespace: str | None, nbytes: int, enforce: bool = True,
-               tenants: tuple[tuple[str, int], ...] = ()) -> int:  # fmt: skip
-        """Count ``nbytes`` against ``namespace`` (None: none) and each tenant account; over
-        a quota, evict that namespace's (or tenant's) own least recently used unleased
-        objects first, then raise QuotaExceeded (charging nothing). Returns the bytes
-        charged (the caller stores them on the object, freeing uncharges them)."""
-        accounts = ([namespace] if namespace is not None else []) + list(tenants)
-        if enforce and self.quotas:
-            for account in accounts:
-                self._make_room(account, nbytes)
-        for account in accounts:
-            self._usage[account] = self._usage.get(account, 0) + nbytes
-        return nbytes
-
-    def _make_room(self, account: Any, nbytes: int) -> None:
-        if isinstance(account, tuple):
-            limit = self.quotas.tenant_limit(account)
-            kind, ident = account
-            what = f"{kind} {user_name(ident) if kind == 'user' else ident}"
-
-            def owned(o: StoredObject) -> bool:
-                return account in o.tenants
-        else:
-            limit = self.quotas.limit(account)
-            what = f"namespace {account!r}"
-
-            def owned(o: StoredObject) -> bool:
-                return o.namespace == account
-        used = self._usage.get(account, 0)
-        if limit is None or used + nbytes <= limit:
-            return
-        mine = [o for o in self._lru.values() if owned(o)]
-        evictable = sum(o.charged for o in mine)
-        if used - evictable + nbytes > limit:
-            raise QuotaExceeded(
-                f"{what}: {nbytes} more bytes would make {used + nbytes} of its quota of "
-                f"{limit} ({used} used, {evictable} of them evictable); free some (release "
-                "leases, evict, abort write arenas) or raise [quotas]"
-            )
-        for obj in mine:
-            if self._usage.get(account, 0) + nbytes <= limit:
-                break
-            self.evict(obj)
-
-    def uncharge(self, namespace: Any, nbytes: int,
-                 tenants: tuple[tuple[str, int], ...] = ()) -> None:  # fmt: skip
-        for account in ([namespace] if namespace is not None else []) + list(tenants):
-            left = self._usage.get(account, 0) - nbytes
-            if left > 0:
-                self._usage[account] = left
-            else:
-                self._usage.pop(account, None)
 
     def record_transfer(self, op: str, session: Session, obj: StoredObject, nbytes: int) -> None:
         self.transfers.append((time.time(), op, session.id, obj.namespace, obj.key, nbytes))
@@ -544,100 +504,9 @@ class Broker:
             self._free_object(obj)
 
     def _free_object(self, obj: StoredObject) -> None:
-        self._owners[obj.pool.index].pop(obj.start, None)
-        obj.pool.allocator.free_extent(obj.start, obj.npages)
+        self.pages.free_extent(obj.pool, obj.start, obj.npages)
         if not obj.sealed and self.journal is not None:  # a reservation's pages came back
             self.journal.returned(obj.pool.index, obj.start)
         if obj.charged:
-            self.uncharge(obj.namespace, obj.charged, obj.tenants)
+            self.accounts.uncharge(obj.namespace, obj.charged, obj.tenants)
             obj.charged = 0
-
-    def hold(self, pool: HostPool, start: int, npages: int,
-              charges: tuple[tuple[str, int], ...] = ()) -> None:  # fmt: skip
-        """Put pages a writer may still be copying into in the timed quarantine: used, not
-        allocatable, freed (and ``charges`` uncharged) by ``expire`` after the deadline."""
-        self._owners[pool.index][start] = ("q", npages)
-        deadline = self.clock() + self.restart_quarantine
-        heapq.heappush(self._held, (deadline, pool.index, start, npages, charges))
-
-    def free_extent(self, pool: HostPool, start: int, npages: int) -> None:
-        self._owners[pool.index].pop(start, None)
-        pool.allocator.free_extent(start, npages)
-
-    def pools_for(self, namespace: str) -> list[HostPool]:
-        """The pools an object of ``namespace`` may live in: its tenant's own pool, or the
-        shared ones."""
-        if len(self.pools) == 1:
-            return self.pools
-        own = [p for p in self.pools if p.tenant is not None and p.tenant.holds(namespace)]
-        return own[:1] or [p for p in self.pools if p.tenant is None]
-
-    def arena_pools(self, session: Session) -> list[HostPool]:
-        """Where ``session``'s write arena goes: a tenant pool it can map, else the shared
-        ones (a publish into a namespace of another pool falls back to reserve + seal)."""
-        if len(self.pools) == 1:
-            return self.pools
-        own = [p for p in self.pools if p.tenant is not None
-               and p.tenant.admits(session.uid, session.access.gids)]  # fmt: skip
-        return own[:1] or [p for p in self.pools if p.tenant is None]
-
-    def allocate(self, nbytes: int, *, evict: bool = True,
-                 among: list[HostPool] | None = None) -> tuple[HostPool, int, int]:  # fmt: skip
-        pools = self.pools if among is None else among
-        if len(pools) == 1:  # the common case, on the hot path of every publish
-            pool = pools[0]
-            npages = -(-nbytes // pool.page_size)
-            ok = nbytes <= pool.size and pool.lost is None
-            start = pool.allocator.alloc(npages) if ok else None
-            if start is not None:
-                return pool, start, npages
-        fits = [p for p in pools if nbytes <= p.size and p.lost is None]
-        if not fits and any(p.lost for p in pools):
-            raise PoolFull("no usable pool: " + "; ".join(p.lost for p in pools if p.lost)
-                           + " (restart the daemon)")
-        if not fits:
-            biggest = max(p.size for p in pools)
-            raise PoolFull(f"an object of {nbytes} bytes is larger than any pool ({biggest} bytes)")
-        # Emptiest pool first, which spreads objects and keeps fragmentation down.
-        for pool in sorted(fits, key=lambda p: -p.allocator.free):
-            npages = -(-nbytes // pool.page_size)
-            start = pool.allocator.alloc(npages)
-            if start is not None:
-                return pool, start, npages
-        if not evict:
-            raise PoolFull(f"no free extent of {nbytes} bytes (not evicting for it)")
-        # Evict only if it can succeed: free + evictable pages must cover the request.
-        evictable = {p.index: p.allocator.free for p in fits}
-        for obj in self._lru.values():
-            if obj.pool.index in evictable:
-                evictable[obj.pool.index] += obj.npages
-        feasible = {
-            p.index for p in fits if evictable[p.index] >= -(-nbytes // p.page_size)
-        }
-        if not feasible:
-            raise PoolFull(
-                f"no room for {nbytes} bytes: the pools are held by leased or unsealed objects"
-            )
-        # Bounded: each victim is tried once (a loop until something fits could spin for ever
-        # if an eviction freed nothing, e.g. over an inconsistent index).
-        npages_in = {p.index: -(-nbytes // p.page_size) for p in fits}
-        for victim in [o for o in self._lru.values() if o.pool.index in feasible]:
-            if victim.serial not in self._lru:
-                continue  # gone with an earlier victim (a chain's parent)
-            pool = victim.pool
-            self.evict(victim)
-            start = pool.allocator.alloc(npages_in[pool.index])
-            if start is not None:
-                return pool, start, npages_in[pool.index]
-        raise PoolFull(f"no room for {nbytes} bytes even after evicting every unleased "
-                       "object (fragmented)")
-
-    def _enforce_watermark(self, pool: HostPool) -> None:
-        a = pool.allocator
-        if a.used <= self.high_watermark * a.capacity:
-            return
-        target = self.low_watermark * a.capacity
-        for obj in [o for o in self._lru.values() if o.pool is pool]:
-            if a.used <= target:
-                break
-            self.evict(obj)

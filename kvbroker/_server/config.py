@@ -6,7 +6,9 @@ TOML keys (with "did you mean" for a misspelt one), the ``KVBROKER_<KEY>`` varia
 unknown ``KVBROKER_*`` variable is refused the same way), the ``serve`` options
 (``cli/_settings.py``), the reload (:func:`reload_into`, called by ``Daemon.reload``) and the
 configuration ``doctor`` checks against. Adding a setting is one ``Key(...)`` here, plus the
-code that uses it.
+code that uses it. Its parser (a TOML value to the setting, or ValueError saying what is
+wrong) is one of :mod:`~kvbroker._server.config_values`, named ``parse.<what>`` here; a kind
+of value none of them reads gets its parser there.
 
 Precedence: the TOML file, then ``KVBROKER_*`` variables, then flags (``pool_size`` <->
 ``KVBROKER_POOL_SIZE`` <-> ``--pool-size``). Each value is checked where it is read, so an
@@ -19,12 +21,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .._wire.paths import default_socket_path, parse_duration, parse_size
+from .._wire.paths import default_socket_path
+from . import config_values as parse
+from .config_values import parse_listen_address
 
 if TYPE_CHECKING:
     from .daemon import Daemon
@@ -35,7 +38,6 @@ __all__ = ["DEFAULT_CONFIG_PATH", "ConfigError", "DaemonConfig", "Key", "KEYS", 
 DEFAULT_CONFIG_PATH = "/etc/kvbroker/kvbroker.toml"
 CONFIG_ENV = "KVBROKER_CONFIG"
 ENV_PREFIX = "KVBROKER_"
-LOG_LEVELS = ("debug", "info", "warning", "error")
 # KVBROKER_* variables that are not settings: read elsewhere, so not "unknown" to the daemon
 # (which inherits them from the shell that runs the tests or a benchmark).
 OTHER_VARIABLES = {
@@ -56,213 +58,6 @@ OTHER_VARIABLES = {
 
 class ConfigError(ValueError):
     """A configuration value is missing, unknown or invalid; the message says where."""
-
-
-# -- value parsers: raise ValueError with what was wrong; the caller adds where ------------
-def _size(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise ValueError(f"expected a size like 1G, 512M or a byte count, got {value!r}")
-    n = parse_size(value)
-    if n <= 0:
-        raise ValueError(f"must be more than 0 bytes, got {value!r}")
-    return n
-
-
-def _gpu_ring(value: Any) -> int | None:
-    """Bytes of GPU staging ring per GPU; 0, "off" or "" turn rings off."""
-    if value in (0, "0", "", "off"):
-        return None
-    n = _size(value)
-    if n < 1 << 20:
-        raise ValueError(f"a GPU ring needs at least 1M, got {value!r}")
-    return n
-
-
-def _page_size(value: Any) -> int:
-    n = _size(value)
-    if n < 4096 or n & (n - 1):
-        raise ValueError(f"must be a power of two of at least 4K, got {value!r}")
-    return n
-
-
-def _duration(value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        raise ValueError(f"expected a duration like 30s, 5m or a number of seconds, got {value!r}")
-    seconds = parse_duration(value)
-    if seconds < 0:
-        raise ValueError(f"must not be negative, got {value!r}")
-    return seconds
-
-
-def _positive_duration(value: Any) -> float:
-    seconds = _duration(value)
-    if seconds <= 0:
-        raise ValueError(f"must be more than 0 seconds, got {value!r}")
-    return seconds
-
-
-def _int_in(lo: int, hi: int) -> Callable[[Any], int]:
-    def parse(value: Any) -> int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"expected an integer, got {value!r}")
-        if not lo <= value <= hi:
-            raise ValueError(f"must be between {lo} and {hi}, got {value}")
-        return value
-
-    return parse
-
-
-def _ratio(value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"expected a fraction like 0.9, got {value!r}")
-    if not 0 < value <= 1:
-        raise ValueError(f"must be in (0, 1], got {value}")
-    return float(value)
-
-
-def _group(value: Any) -> int | None:
-    import grp
-
-    if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise ValueError(f"expected a group name or gid, got {value!r}")
-    if isinstance(value, int) or value.isdigit():
-        return int(value)
-    if value == "":
-        return None
-    try:
-        return grp.getgrnam(value).gr_gid
-    except KeyError:
-        raise ValueError(f"no group {value!r} on this host") from None
-
-
-def _bool(value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
-        return value.lower() in ("1", "true", "yes", "on")
-    raise ValueError(f"expected true or false, got {value!r}")
-
-
-def _isolation(value: Any):
-    from .policy import parse_isolation
-
-    if not isinstance(value, dict):  # an environment variable or a flag
-        raise ValueError("set it as an [isolation] table in the configuration file")
-    return parse_isolation(value, where="")
-
-
-def _quotas(value: Any):
-    from .policy import parse_quotas
-
-    if not isinstance(value, dict):
-        raise ValueError("set it as a [quotas] table in the configuration file")
-    return parse_quotas(value, _size, where="")
-
-
-def _tenant_pools(value: Any):
-    from .policy import parse_tenant_pools
-
-    if not isinstance(value, dict):
-        raise ValueError("set it as a [tenant_pools] table ([tenant_pools.NAME] tables) in the "
-                         "configuration file")
-    return parse_tenant_pools(value, _size, where="")
-
-
-def _log_level(value: Any) -> str:
-
-    if not isinstance(value, str) or value.lower() not in LOG_LEVELS:
-        raise ValueError(f"expected one of {', '.join(LOG_LEVELS)}, got {value!r}")
-    return value.lower()
-
-
-def _socket(value: Any) -> str:
-    if not isinstance(value, str) or not value:
-        raise ValueError(f"expected a socket path, got {value!r}")
-    if len(os.fsencode(value)) > 107:
-        raise ValueError(f"Unix socket paths are limited to 107 bytes, got {len(value)}")
-    return value
-
-
-_ADDRESS_RE = re.compile(r"^(?:\[(?P<v6>[^\]]+)\]|(?P<host>[^:\[\]]*)):(?P<port>\d+)$")
-
-
-def parse_listen_address(value: Any) -> tuple[str, int] | None:
-    """'HOST:PORT', '[::1]:PORT', ':PORT' or 'PORT' -> (host, port); '' or 'off' -> None.
-    A missing host means loopback: metrics are not for the whole network unless asked."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        value = str(value)
-    if not isinstance(value, str):
-        raise ValueError(f"expected HOST:PORT, got {value!r}")
-    text = value.strip()
-    if text.lower() in ("", "off", "no", "false"):
-        return None
-    if text.isdigit():
-        text = ":" + text
-    m = _ADDRESS_RE.match(text)
-    if not m:
-        raise ValueError(f"expected HOST:PORT (e.g. 127.0.0.1:9464), got {value!r}")
-    host = m.group("v6") or m.group("host") or "127.0.0.1"
-    port = int(m.group("port"))
-    if port > 65535:
-        raise ValueError(f"port must be at most 65535, got {port}")
-    return host, port
-
-
-def _write_buffer(value: Any) -> int:
-    n = _size(value)
-    if n < 64 * 1024:
-        raise ValueError(f"must be at least 64K (replies must fit), got {value!r}")
-    return n
-
-
-_POOLS, _CONNECTIONS, _LEASES = _int_in(1, 64), _int_in(1, 1 << 20), _int_in(1, 1 << 24)
-
-
-def _peers(value: Any) -> tuple[str, ...]:
-    """A list of HOST:PORT (TOML), or one comma-separated string (a variable)."""
-    if isinstance(value, str):
-        value = [v for v in (p.strip() for p in value.split(",")) if v]
-    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
-        raise ValueError(f"expected a list of HOST:PORT strings, got {value!r}")
-    for v in value:
-        host, sep, port = v.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
-            raise ValueError(f"expected HOST:PORT, got {v!r}")
-    return tuple(value)
-
-
-def _optional_path(value: Any) -> str | None:
-    if not isinstance(value, str):
-        raise ValueError(f"expected a file path, got {value!r}")
-    return value or None
-
-
-def _node_name(value: Any) -> str | None:
-    if not isinstance(value, str) or "@" in value or len(value) > 255:
-        raise ValueError(f"expected a node name without '@', got {value!r}")
-    return value or None
-
-
-def _zmq_endpoint(value: Any) -> str | None:
-    if not isinstance(value, str):
-        raise ValueError(f"expected a ZMQ endpoint like tcp://*:5557, got {value!r}")
-    if value.lower() in ("", "off"):
-        return None
-    if "://" not in value:
-        raise ValueError(f"expected a ZMQ endpoint like tcp://*:5557, got {value!r}")
-    return value
-
-
-def _event_format(value: Any) -> str:
-    if value not in ("positional", "tagged"):
-        raise ValueError(f"expected positional or tagged, got {value!r}")
-    return value
-
-
-def _model_name(value: Any) -> str:
-    if not isinstance(value, str) or not value or "@" in value:
-        raise ValueError(f"expected a model name without '@', got {value!r}")
-    return value
 
 
 # -- how SIGHUP applies a setting: f(daemon, running configuration, field) -----------------
@@ -409,91 +204,95 @@ def _socket_for_this_user() -> str:
 
 # -- THE settings: one declaration each ----------------------------------------------------
 SETTINGS: tuple[Key, ...] = (
-    Key("socket", _socket, default_socket_path, field="socket_path", flag=("--socket", "-s"),
+    Key("socket", parse.socket_path, default_socket_path, field="socket_path",
+        flag=("--socket", "-s"),
         help="Daemon socket path (ignored when systemd passes one; KVBROKER_SOCKET sets it "
              "too).", metavar="PATH", shown=_socket_for_this_user,
         example="/tmp/kvbroker-example.sock"),
     # None: 1 GiB, or less to fit the free space in /dev/shm (DaemonConfig.resolved_pool_size).
-    Key("pool_size", _size, None, flag=(), metavar="SIZE", help="Bytes per pool, e.g. 1G, 512M.",
-        shown="1G, less to fit /dev/shm", example="256M"),
-    Key("pools", _POOLS, 1, flag=(), metavar="N", text=int, help="Number of host pools.", example=2),
-    Key("page_size", _page_size, "64K", flag=(), metavar="SIZE", help="Allocation granule (a power of two).",
-        example="4K"),
-    Key("lease_ttl", _positive_duration, "30s", reload=TO_BROKER, flag=(), metavar="DURATION",
+    Key("pool_size", parse.size, None, flag=(), metavar="SIZE",
+        help="Bytes per pool, e.g. 1G, 512M.", shown="1G, less to fit /dev/shm", example="256M"),
+    Key("pools", parse.POOLS, 1, flag=(), metavar="N", text=int, help="Number of host pools.",
+        example=2),
+    Key("page_size", parse.page_size, "64K", flag=(), metavar="SIZE",
+        help="Allocation granule (a power of two).", example="4K"),
+    Key("lease_ttl", parse.positive_duration, "30s", reload=TO_BROKER, flag=(), metavar="DURATION",
         help="Default lease TTL.", example="90s"),
-    Key("high_watermark", _ratio, 0.95, reload=TO_BROKER, flag=(), metavar="FRACTION", text=float,
-        help="Evict above this use.", example=0.97),
-    Key("low_watermark", _ratio, 0.90, reload=TO_BROKER, flag=(), metavar="FRACTION", text=float,
-        help="...down to this use.", shown="0.90", example=0.5),
+    Key("high_watermark", parse.ratio, 0.95, reload=TO_BROKER, flag=(), metavar="FRACTION",
+        text=float, help="Evict above this use.", example=0.97),
+    Key("low_watermark", parse.ratio, 0.90, reload=TO_BROKER, flag=(), metavar="FRACTION",
+        text=float, help="...down to this use.", shown="0.90", example=0.5),
     # A gid: its members may connect and map the pools (mode 0660); None: the owner only.
-    Key("group", _group, None, flag=(), metavar="GROUP", example=0,
+    Key("group", parse.group, None, flag=(), metavar="GROUP", example=0,
         help="Group whose members may connect (socket and pools mode 0660)."),
     # While the host has a CPU to spare (kvbroker._cpu): a wake-up across CPUs costs more
     # than serving a request.
-    Key("busy_poll", _duration, 100e-6, reload=LIVE, example="1ms",
+    Key("busy_poll", parse.duration, 100e-6, reload=LIVE, example="1ms",
         help="Keep the loop polling this long after the last request instead of sleeping in "
              "epoll; 0 turns it off."),
-    Key("max_connections", _CONNECTIONS, 1024, reload=LIVE, flag=(), metavar="N", text=int,
+    Key("max_connections", parse.CONNECTIONS, 1024, reload=LIVE, flag=(), metavar="N", text=int,
         help="Most client connections at once.", example=16),
     # Hardening (issue 16): what one client may hold of the daemon's time and memory.
-    Key("max_wait", _positive_duration, "10m", reload=LIVE, example="1m",
+    Key("max_wait", parse.positive_duration, "10m", reload=LIVE, example="1m",
         help="Longest a blocking claim (wait=...) waits for its key; a longer wait asked for "
              "ends with a timeout after this."),
-    Key("max_connections_per_uid", _CONNECTIONS, 512, reload=LIVE, text=int, example=64,
+    Key("max_connections_per_uid", parse.CONNECTIONS, 512, reload=LIVE, text=int, example=64,
         help="Most client connections one uid may hold at once (one tenant cannot take every "
              "slot of max_connections)."),
-    Key("hello_timeout", _positive_duration, "10s", reload=LIVE, example="2s",
+    Key("hello_timeout", parse.positive_duration, "10s", reload=LIVE, example="2s",
         help="A connection that has not said hello this long after connecting is closed."),
-    Key("idle_timeout", _duration, "15m", reload=LIVE, example="1m",
+    Key("idle_timeout", parse.duration, "15m", reload=LIVE, example="1m",
         help="A connection that holds nothing (no lease, arena, wait or watch) and sends "
              "nothing this long is closed (clients reconnect by themselves); 0: never."),
-    Key("max_write_buffers_total", _write_buffer, "256M", reload=LIVE, example="1G",
+    Key("max_write_buffers_total", parse.write_buffer, "256M", reload=LIVE, example="1G",
         help="Bytes of unread replies all connections together may hold; past it, the "
              "connection holding the most is disconnected (see max_write_buffer)."),
-    Key("drain_timeout", _duration, "10s", reload=LIVE, flag=(), metavar="DURATION", example="1m",
-        help="On SIGTERM, wait this long for held leases to end."),
-    Key("log_level", _log_level, "info", reload=_set_log_level, flag=(), metavar="LEVEL", example="debug",
-        help="debug, info, warning, error."),
+    Key("drain_timeout", parse.duration, "10s", reload=LIVE, flag=(), metavar="DURATION",
+        example="1m", help="On SIGTERM, wait this long for held leases to end."),
+    Key("log_level", parse.log_level, "info", reload=_set_log_level, flag=(), metavar="LEVEL",
+        example="debug", help="debug, info, warning, error."),
     # (host, port) of the Prometheus endpoint, None when off.
-    Key("metrics", parse_listen_address, "off", flag=(), metavar="HOST:PORT", example="127.0.0.1:9464",
+    Key("metrics", parse_listen_address, "off", flag=(), metavar="HOST:PORT",
+        example="127.0.0.1:9464",
         help="Serve Prometheus metrics on HOST:PORT (a bare PORT means loopback)."),
     # Integrity and limits (issue 8).
-    Key("require_checksums", _bool, False, reload=TO_BROKER, text=bool, example=True,
+    Key("require_checksums", parse.boolean, False, reload=TO_BROKER, text=bool, example=True,
         help="Refuse seals that carry no checksum per buffer."),
-    Key("max_leases_per_client", _LEASES, 65536, reload=TO_BROKER, text=int, example=100,
+    Key("max_leases_per_client", parse.LEASES, 65536, reload=TO_BROKER, text=int, example=100,
         help="Leases one connection may hold at once."),
-    Key("max_write_buffer", _write_buffer, "32M", reload=_set_write_buffers, example="64M",
+    Key("max_write_buffer", parse.write_buffer, "32M", reload=_set_write_buffers, example="64M",
         help="Bytes of replies and pushes a peer may leave unread before it is disconnected "
              "(above the largest reply: 16 MiB frames)."),
     # Who may use which namespace, and namespace byte quotas (kvbroker._server.policy).
-    Key("isolation", _isolation, {}, reload=_set_policy, example={"mode": "tenant"},
+    Key("isolation", parse.isolation, {}, reload=_set_policy, example={"mode": "tenant"},
         help="[isolation] namespace access policy."),
-    Key("quotas", _quotas, {}, reload=_set_policy, example={"team/*": "1G"},
+    Key("quotas", parse.quotas, {}, reload=_set_policy, example={"team/*": "1G"},
         help="[quotas] namespace = byte limit."),
     # Pools of one tenant's own, which only its uid (or group) can map (issue 16).
-    Key("tenant_pools", _tenant_pools, {},
+    Key("tenant_pools", parse.tenant_pools, {},
         example={"alice": {"size": "64M", "user": 0, "namespaces": ["alice", "alice/*"]}},
         help="[tenant_pools.NAME] size, user or group, namespaces: a pool only that tenant "
              "can map, holding those namespaces."),
     # kvbroker._server.rings; off: no rings, and the daemon never loads the CUDA driver.
-    Key("gpu_ring", _gpu_ring, "off", flag=(), metavar="SIZE", example="2G",
+    Key("gpu_ring", parse.gpu_ring, "off", flag=(), metavar="SIZE", example="2G",
         help="Allocate a GPU staging ring of this size on each visible GPU, shared with "
              "clients through CUDA IPC (e.g. 1G)."),
     # Warm restart (kvbroker._server.journal): after a crash, and after a stop for a restart
     # (SIGUSR1, systemd's RestartKillSignal=), the next daemon adopts the pools and the journal
     # unless `cold`; a plain stop (SIGTERM) keeps them only with keep_pools_on_exit.
-    Key("keep_pools_on_exit", _bool, False, text=bool, shown="drop", example=True,
+    Key("keep_pools_on_exit", parse.boolean, False, text=bool, shown="drop", example=True,
         flag=("--keep-pools-on-exit/--drop-pools-on-exit",),
         help="On SIGTERM too, keep the pools and their index for the next daemon (SIGUSR1, "
              "a restart, always keeps them; after a crash the next daemon adopts them)."),
-    Key("cold", _bool, False, flag=("--cold",), text=bool, example=True,
+    Key("cold", parse.boolean, False, flag=("--cold",), text=bool, example=True,
         help="Start empty: drop the pools and objects a previous daemon left."),
-    Key("journal", _bool, True, text=bool, example=False,
+    Key("journal", parse.boolean, True, text=bool, example=False,
         help="Keep the index in a journal for warm restarts; false: every start is cold."),
     # Pages a writer may still be copying into although it lost them (lent at a crash, or its
     # connection cut off by the daemon). On reload, deadlines already set keep their length;
     # pages quarantined from then on get the new one.
-    Key("restart_quarantine", _duration, "10s", reload=TO_BROKER, flag=(), metavar="DURATION", example="45s",
+    Key("restart_quarantine", parse.duration, "10s", reload=TO_BROKER, flag=(),
+        metavar="DURATION", example="45s",
         help="Keep pages a writer may still be copying into (after a daemon restart or a "
              "cut-off) out of use this long."),
     # Broker-to-broker pulls through NIXL (issue 18; kvbroker._server.fleet). Pulling and
@@ -502,30 +301,30 @@ SETTINGS: tuple[Key, ...] = (
         example="127.0.0.1:7070",
         help="Serve this daemon's sealed objects to peer brokers on HOST:PORT (control "
              "channel; the bytes move through NIXL)."),
-    Key("transfer_peers", _peers, (), section="transfer", example=["10.0.0.2:7070"],
+    Key("transfer_peers", parse.peers, (), section="transfer", example=["10.0.0.2:7070"],
         shown="[]",
         help="Peer brokers (HOST:PORT): with listen, only these addresses are served."),
-    Key("transfer_token_file", _optional_path, "", section="transfer",
+    Key("transfer_token_file", parse.optional_path, "", section="transfer",
         example="/etc/kvbroker/peer.token",
         help="Shared secret of the brokers of this fleet (mode 0600, at least 16 bytes)."),
-    Key("transfer_node", _node_name, "", section="transfer", example="node-a",
+    Key("transfer_node", parse.node_name, "", section="transfer", example="node-a",
         shown="the host name",
         help="This node's name, for peers and the event topic kv@<node>@<model>."),
     # Longer than transfer_timeout by default: a pull slower than the pin would fail at the
     # release (the peer's lease ended); a puller that dies ends its pins at once anyway.
-    Key("transfer_pin_ttl", _positive_duration, "2m", section="transfer", example="5s",
+    Key("transfer_pin_ttl", parse.positive_duration, "2m", section="transfer", example="5s",
         help="TTL of the lease a peer holds for us while we pull (keep it above "
              "transfer_timeout)."),
-    Key("transfer_timeout", _positive_duration, "60s", section="transfer", example="2m",
+    Key("transfer_timeout", parse.positive_duration, "60s", section="transfer", example="2m",
         help="Give up a pull (connect, pin, NIXL READ) after this long."),
     # KV events for cache-aware routers (kvbroker._server.events).
-    Key("events_publish", _zmq_endpoint, "off", section="events", example="tcp://*:5557",
+    Key("events_publish", parse.zmq_endpoint, "off", section="events", example="tcp://*:5557",
         help="Publish vLLM-format KV events of prefix blocks on this ZMQ PUB endpoint."),
-    Key("events_replay", _zmq_endpoint, "off", section="events", example="tcp://*:5558",
+    Key("events_replay", parse.zmq_endpoint, "off", section="events", example="tcp://*:5558",
         help="ROUTER endpoint answering replay requests for missed batches."),
-    Key("events_format", _event_format, "positional", section="events", example="tagged",
+    Key("events_format", parse.event_format, "positional", section="events", example="tagged",
         help="positional (llm-d, vLLM array_like) or tagged (vLLM 0.32's decoder)."),
-    Key("events_model", _model_name, "kvbroker", section="events", example="llama-3-8b",
+    Key("events_model", parse.model_name, "kvbroker", section="events", example="llama-3-8b",
         help="The model part of the event topic kv@<node>@<model>."),
 )
 KEYS: dict[str, Key] = {k.name: k for k in SETTINGS}

@@ -7,12 +7,8 @@ serving its own to them through NIXL, and publishing KV events for routers.
   daemon maps its pools for this: NIXL needs their addresses in this process, and a pull
   verifies the checksums of what it read);
 - with ``[transfer] listen``, a :class:`~kvbroker._server.transfer.PeerServer` whose
-  :class:`BrokerProvider` pins objects for peers through the broker's own lease machinery:
-  each authenticated peer connection is a broker session (named ``peer:<node>``); a pin is a
-  read lease of that session, bounded by the TTL the peer asked for (at most
-  ``max_lease_ttl``), ended by the peer's release (a consume counts when the peer says so),
-  by its TTL, or when the connection closes — the broker's usual rules, so a peer's lease
-  never outlives its connection;
+  :class:`~kvbroker._server.fleet_serving.BrokerProvider` pins objects for peers through the
+  broker's own lease machinery (the serving side: :mod:`kvbroker._server.fleet_serving`);
 - pulls (:meth:`Fleet.fetch`, :meth:`Fleet.fetch_prefix`), asked by ``claim``/``fetch``/
   ``match_prefix`` with ``peer=`` (the handlers raise :class:`~.state.Deferred`): pin and
   describe on the peer (one round trip), a write lease in our pool for each object (the
@@ -42,7 +38,6 @@ import os
 import socket
 import time
 from collections import Counter
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import xxhash
@@ -55,11 +50,11 @@ from ..errors import (
     Exists,
     KVBrokerError,
     LeaseExpired,
-    NotFound,
     PeerUnavailable,
     TransferFailed,
 )
 from . import transfer
+from .fleet_serving import BrokerProvider
 
 if TYPE_CHECKING:
     from .broker import Broker
@@ -69,117 +64,6 @@ if TYPE_CHECKING:
 __all__ = ["Fleet", "BrokerProvider", "block_event_hash", "announced"]
 
 log = logging.getLogger("kvbroker.fleet")
-
-
-# -- serving: pins of this daemon's objects for peers ------------------------------------------
-
-class BrokerProvider:
-    """What a :class:`~kvbroker._server.transfer.PeerServer` serves: the broker's sealed
-    objects, pinned by read leases of one session per peer connection."""
-
-    def __init__(self, broker: Broker, bases: Sequence[int]) -> None:
-        self.broker = broker
-        self.bases = list(bases)  # address of each pool in this process
-        self.sessions: dict[int, Session] = {}
-        self.pins_served = 0
-        self.bytes_served = 0
-        self.consumes_served = 0
-
-    def peer_connected(self, peer: int, node: str, address: str) -> None:
-        s = self.broker.open_session(os.getpid(), os.getuid(), os.getgid())
-        s.name, s.role, s.greeted = f"peer:{node}"[:512], "peer", True
-        self.sessions[peer] = s
-
-    def _session(self, peer: int) -> Session:
-        s = self.sessions.get(peer)
-        if s is None:  # a provider driven without the hook (tests): an anonymous peer
-            self.peer_connected(peer, f"#{peer}", "?")
-            s = self.sessions[peer]
-        return s
-
-    def _describe(self, obj: StoredObject) -> dict:
-        base = self.bases[obj.pool.index]
-        first = obj.start * obj.pool.page_size
-        return {
-            "namespace": obj.namespace, "key": obj.key, "nbytes": obj.nbytes,
-            "buffers": {n: [off - first, size] for n, (off, size) in obj.buffers.items()},
-            "extents": [[base + off, size] for off, size in obj.buffers.values() if size],
-            "meta": obj.meta, "checksums": obj.checksums, "consumers": obj.consumers,
-            "parent": obj.parent_key, "tokens": obj.tokens,
-        }  # fmt: skip
-
-    def _ttl(self, ttl: float) -> float:
-        return min(float(ttl), self.broker.max_lease_ttl)
-
-    def pin(self, peer: int, namespace: str, key: str, ttl: float, consume: bool) -> dict:
-        b = self.broker
-        b.expire()
-        s = self._session(peer)
-        obj = b.objects.get((namespace, key))
-        if obj is None:
-            b.counters["misses"] += 1
-            raise NotFound(f"{namespace}/{key} is not published on this broker")
-        b.check_lease_limit(s)
-        ttl = self._ttl(ttl)
-        b.pin(obj)
-        lease = b.new_lease("read", s, obj, ttl, consume=consume)
-        b.counters["claims"] += 1
-        b.counters["hits"] += 1
-        self.pins_served += 1
-        return {"lease": lease.id, "ttl": ttl, "objects": [self._describe(obj)]}
-
-    def pin_prefix(self, peer: int, namespace: str, keys: list[str], ttl: float) -> dict:
-        b = self.broker
-        b.expire()
-        s = self._session(peer)
-        found = []
-        for key in keys:
-            obj = b.objects.get((namespace, key))
-            if obj is None:
-                break
-            found.append(obj)
-        if not found:
-            return {"lease": None, "ttl": 0.0, "objects": []}
-        b.check_lease_limit(s)
-        ttl = self._ttl(ttl)
-        b.pin_prefix(found)
-        lease = b.new_lease("read", s, found[0], ttl)
-        lease.more = tuple(found[1:])
-        self.pins_served += 1
-        return {"lease": lease.id, "ttl": ttl, "objects": [self._describe(o) for o in found]}
-
-    def _lease(self, peer: int, lease: int) -> Lease:
-        self.broker.expire()  # a TTL that passed ends the lease now, not at the next tick
-        return self.broker.lease_of(self._session(peer), lease, "read")
-
-    def release(self, peer: int, lease: int, consumed: bool) -> None:
-        ls = self._lease(peer, lease)
-        nbytes = sum(o.nbytes for o in ls.objects())
-        consume = ls.consume and consumed
-        self.broker.end_read(ls, "the peer released it", consume=consume)
-        self.bytes_served += nbytes
-        self.broker.counters["bytes_out"] += nbytes
-        self.consumes_served += consume
-
-    def renew(self, peer: int, lease: int, ttl: float) -> None:
-        self.broker.renew(self._lease(peer, lease), self._ttl(ttl))
-
-    def lookup(self, peer: int, namespace: str, key: str) -> dict | None:
-        obj = self.broker.objects.get((namespace, key))
-        if obj is None:
-            return None
-        info = obj.info()
-        info["checksums"] = obj.checksums
-        return info
-
-    def drop_peer(self, peer: int) -> None:
-        s = self.sessions.pop(peer, None)
-        if s is not None and s.id in self.broker.sessions:
-            self.broker.close_session(s)
-
-    @property
-    def leases(self) -> int:
-        return sum(len(s.leases) for s in self.sessions.values())
 
 
 # -- KV events -----------------------------------------------------------------------------------
@@ -618,7 +502,7 @@ class Fleet:
             charges = ((obj.namespace, obj.charged),) if obj.charged else ()
             obj.charged = 0
             b.end_lease(lease, "its pull failed")
-            b.hold(obj.pool, obj.start, obj.npages, charges)
+            b.pages.hold(obj.pool, obj.start, obj.npages, charges)
         else:
             b.discard_pending(lease, quarantine=False)
             b.end_lease(lease, "its pull failed")

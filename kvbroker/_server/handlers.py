@@ -189,7 +189,7 @@ def op_publish(b: Broker, session, arena, namespace, key, buffers, meta, replace
         raise BadRequest("publish: next_arena must be a size in bytes, or 0")
     ident = (_check_name("namespace", namespace), _check_name("key", key))
     session.access.check(namespace, True, "publish")
-    if ar.pool not in b.pools_for(namespace):  # another tenant's pool, or the shared ones
+    if ar.pool not in b.pages.pools_for(namespace):  # another tenant's pool, or the shared ones
         raise PoolFull(f"publish: namespace {namespace!r} lives in another pool than arena "
                        f"{arena}'s; reserve instead")  # fmt: skip
     layout, span = _buffer_layout(buffers, meta)
@@ -202,7 +202,7 @@ def op_publish(b: Broker, session, arena, namespace, key, buffers, meta, replace
     obj = b.new_object(ident, ar.pool, ar.start, npages, layout, meta)
     _accept_checksums(b, obj, checksums)
     obj.consumers = consumers
-    obj.charged = b.charge(ident[0], npages * ps)
+    obj.charged = b.accounts.charge(ident[0], npages * ps)
     sealed, ar = publish_from_arena(b, session, ar, obj, next_arena)
     return {**sealed, "lease": None if ar is None else ar.id,
             "arena": None if ar is None else ar.extent()}  # fmt: skip

@@ -35,7 +35,7 @@ def journal_lent(b: Broker) -> list[tuple[int, int, int]]:
     out += [(a.pool.index, a.start, a.npages) for a in b.arenas.values()]
     for s in b.sessions.values():
         out += [(pool.index, start, n) for pool, start, n in s.quarantine]
-    out += [(idx, start, n) for _, idx, start, n, _ in b._held]
+    out += [(idx, start, n) for _, idx, start, n, _ in b.pages.held]
     return out
 
 
@@ -123,18 +123,18 @@ def restore(b: Broker, records: Iterable[dict[str, Any]],
         obj.linked = True
         by_serial[obj.serial] = obj
         b.index(obj)
-        b._owners[obj.pool.index][obj.start] = obj
+        b.pages.owners[obj.pool.index][obj.start] = obj
         if obj.children == 0:
             b._lru[obj.serial] = obj
         live[obj.pool.index].append((obj.start, obj.npages))
-        obj.charged = b.charge(obj.namespace, obj.npages * obj.pool.page_size, False,
-                               tenants=obj.tenants)  # fmt: skip
+        obj.charged = b.accounts.charge(obj.namespace, obj.npages * obj.pool.page_size, False,
+                                        tenants=obj.tenants)  # fmt: skip
     held = _disjoint(lent, live, [p.allocator.capacity for p in b.pools])
-    deadline = b.clock() + b.restart_quarantine
+    deadline = b.clock() + b.pages.restart_quarantine
     for idx, start, npages in held:
         live[idx].append((start, npages))
-        b._owners[idx][start] = ("q", npages)
-        heapq.heappush(b._held, (deadline, idx, start, npages, ()))
+        b.pages.owners[idx][start] = ("q", npages)
+        heapq.heappush(b.pages.held, (deadline, idx, start, npages, ()))
     for pool, extents in zip(b.pools, live):
         pool.allocator = ExtentAllocator.with_live(pool.allocator.capacity, extents)
     top = max([o.serial for o, _ in objs] + [0])

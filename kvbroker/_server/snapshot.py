@@ -103,7 +103,7 @@ def _pools(b: Broker, occupancy_cells: int) -> tuple[PoolStatistics, ...]:
     for s in b.sessions.values():
         for pool, _, npages in s.quarantine:
             per_pool[pool.index]["quarantined"] += npages
-    for _, idx, _, npages, _ in b._held:
+    for _, idx, _, npages, _ in b.pages.held:
         per_pool[idx]["quarantined"] += npages
     for arena in b.arenas.values():  # lent for writing, like a reservation
         per_pool[arena.pool.index]["write"] += arena.npages
@@ -116,7 +116,7 @@ def _pools(b: Broker, occupancy_cells: int) -> tuple[PoolStatistics, ...]:
             leased_read=acc["read"] * ps, leased_write=acc["write"] * ps,
             quarantined=acc["quarantined"] * ps, objects=acc["objects"],
             largest_free=a.largest_free * ps, fragmentation=a.fragmentation,
-            high_watermark=b.high_watermark, low_watermark=b.low_watermark,
+            high_watermark=b.pages.high_watermark, low_watermark=b.pages.low_watermark,
             occupancy=_occupancy(b, p, occupancy_cells) if occupancy_cells else "",
         ))  # fmt: skip
     return tuple(out)
@@ -138,10 +138,11 @@ def _namespace_usage(b: Broker, top: int = _MAX_NAMESPACES) -> tuple[NamespaceUs
         acc = per.setdefault(ns, [0, 0])
         acc[0] += 1
         acc[1] += obj.nbytes
+    usage = b.accounts.usage
     rows = [NamespaceUsage(namespace=ns, objects=per.get(ns, (0, 0))[0],
-                           bytes=per.get(ns, (0, 0))[1], used=b._usage.get(ns, 0),
-                           quota=b.quotas.limit(ns))
-            for ns in set(per) | {k for k in b._usage if isinstance(k, str)}]  # fmt: skip
+                           bytes=per.get(ns, (0, 0))[1], used=usage.get(ns, 0),
+                           quota=b.accounts.quotas.limit(ns))
+            for ns in set(per) | {k for k in usage if isinstance(k, str)}]  # fmt: skip
     rows.sort(key=lambda r: (-r.used, r.namespace))
     return tuple(rows[:top])
 
@@ -162,7 +163,7 @@ def _occupancy(b: Broker, pool: HostPool, cells: int) -> str:
     cells = max(1, min(cells, npages))
     rank = {".": 0, "s": 1, "r": 2, "w": 3, "q": 4}
     out = ["."] * cells
-    for start, owner in b._owners[pool.index].items():
+    for start, owner in b.pages.owners[pool.index].items():
         if isinstance(owner, tuple):
             state, length = owner
         else:

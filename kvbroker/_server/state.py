@@ -2,9 +2,10 @@
 
 This docstring is the one statement of the contract; other modules link here. The types
 below are the state (:class:`Session`, :class:`StoredObject`, :class:`Lease`,
-:class:`Arena`); :class:`~kvbroker._server.broker.Broker` makes every transition of them,
-:mod:`kvbroker._server.handlers` answers one op each, :mod:`kvbroker._server.rings` keeps
-the GPU rings. No I/O, no asyncio.
+:class:`Arena`); :class:`~kvbroker._server.broker.Broker` makes every transition of them
+(with its parts: :mod:`~kvbroker._server.pages` for pages and their eviction,
+:mod:`~kvbroker._server.accounts` for quota charges), :mod:`kvbroker._server.handlers`
+answers one op each, :mod:`kvbroker._server.rings` keeps the GPU rings. No I/O, no asyncio.
 
 Primitives, and who owns and frees what
 ---------------------------------------
