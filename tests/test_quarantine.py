@@ -353,3 +353,40 @@ def test_a_client_that_stops_reading_is_cut_off_and_its_write_pages_quarantined(
         assert wait_until(lambda: b.stat().pools[0].quarantined == 0)
         assert exact(b.stat())
     s.close()
+
+
+def test_a_requests_journal_records_go_out_in_one_write_even_when_it_fails(pool, tmp_path,
+                                                                           monkeypatch):
+    """A 10-block reserve journals 10 lent extents in one write(2), before its reply; a
+    batch that fails part-way (the pool runs out) still writes what it lent and gave back,
+    so a restart quarantines nothing it should not."""
+    import kvbroker._server.journal as journal_module
+
+    path = str(tmp_path / "j")
+    b = Broker([pool])
+    b.attach_journal(Journal(path, 1, [pool.describe()]), 1)
+    s = session(b)
+    writes = []
+    real_write = os.write
+
+    def counting_write(fd, data):
+        writes.append(len(data))
+        return real_write(fd, data)
+
+    monkeypatch.setattr(journal_module.os, "write", counting_write)
+    blocks = [{"key": f"b{i}", "parent": f"b{i - 1}" if i else None} for i in range(10)]
+    r = b.handle(s, "reserve_blocks", {"namespace": "p", "blocks": blocks,
+                                       "buffers": {"k": PAGE}, "compact": True})  # fmt: skip
+    assert len(writes) == 1
+    assert len(b.journal_lent()) == 10
+    b.handle(s, "seal_many", {"leases": r["leases"], "checksums": None})
+    assert len(writes) == 2
+    too_many = [{"key": f"c{i}"} for i in range(70)]  # 64 pages, even evicting b0..b9
+    with pytest.raises(PoolFull):
+        b.handle(s, "reserve_blocks", {"namespace": "p", "blocks": too_many,
+                                       "buffers": {"k": PAGE}})  # fmt: skip
+    assert len(writes) == 3  # what the failed batch lent, and gave back, in one write
+    b.journal.close()
+    rec = Journal.load(path)
+    assert rec is not None and not rec.lent  # nothing stays quarantined after the failure
+    assert {r["key"] for r in rec.objects.values()} <= {f"b{i}" for i in range(10)}
