@@ -271,6 +271,13 @@ def test_cuda_save_and_load_are_bit_exact(client, order):
         torch.cuda.synchronize()
     for a, b in zip(src_ids, dst_ids):
         assert torch.equal(s6[:, :, a].view(torch.int16), d6[:, :, b].view(torch.int16))
+    # sealed with the checksums computed on the GPU, which the CPU's definition confirms
+    from kvbroker._client.integrity import verify_objects
+    from kvbroker._client.kernels import triton_available
+
+    if triton_available():
+        checks = list(verify_objects(client, namespace=NS))
+        assert len(checks) == 16 and {c.status for c in checks} == {"ok"}
     # and a host (CPU-backend layout) reader gets the same bytes
     host, _ = vllm_like(L, B, H, N, D, torch.bfloat16, "cpu", "HND", seed=3)
     assert load_host(client, NS, fmt, host_cache(host, "cpu"), hashes[:2], [0, 1]) == 2

@@ -65,11 +65,15 @@ def _side_stream(torch, cache, stream):
 
 
 def save_cuda(client, namespace: str, fmt: BlockFormat, cache, items: Sequence[SaveItem], *,
-              stream=None, copier=None, staging_bytes: int = STAGING_BYTES) -> tuple[int, int]:
+              stream=None, copier=None, staging_bytes: int = STAGING_BYTES,
+              checksums: bool = True) -> tuple[int, int]:  # fmt: skip
     """Publish ``items`` from ``cache`` (``(layer, kv, block, token, head, head_dim)``, see
-    :func:`._paged.cuda_cache`). Returns ``(new blocks, blocks the node already held)``."""
+    :func:`._paged.cuda_cache`). Returns ``(new blocks, blocks the node already held)``.
+    ``checksums``: seal each block with its kind-1 checksum, computed on the GPU from the
+    staging while it is in device memory (where the daemon takes kind 1 and Triton runs)."""
     torch = _torch()
     cuda = cache.device.type == "cuda"
+    summing = checksums and cuda and _gpu_sums_available(client)
     copier = copier or copier_for(cache.device.type)
     buffers, meta = fmt.buffers(), fmt.meta()
     per_block = fmt.block_nbytes
@@ -127,6 +131,7 @@ def save_cuda(client, namespace: str, fmt: BlockFormat, cache, items: Sequence[S
                         # until the gather stream got there (a bubble per chunk in the DMA)
                         ids = _ids_on(torch, chosen, cache.device)
                         half.copy_(cache.index_select(2, ids).permute(2, 0, 1, 4, 3, 5))
+                        sums = _start_sums(half) if summing else None
                         dma.wait_stream(gather)
                     copier(runs, dma)
                     done = torch.cuda.Event()
@@ -136,16 +141,17 @@ def save_cuda(client, namespace: str, fmt: BlockFormat, cache, items: Sequence[S
                     ids = torch.tensor(chosen)
                     half.copy_(cache.index_select(2, ids).permute(2, 0, 1, 4, 3, 5))
                     copier(runs, dma)
-                copying.append((done, leases))
+                    sums = None
+                copying.append((done, leases, sums))
             # seal what is in the pool already, without waiting for the daemon's answer
             while copying and (copying[0][0] is None or copying[0][0].query()):
-                _, done_leases = copying.popleft()
-                sealing.append((_ops.seal_later(client, done_leases), done_leases))
+                _, done_leases, sums = copying.popleft()
+                sealing.append((_seal_later(client, done_leases, sums), done_leases))
         while copying:
-            done, done_leases = copying.popleft()
+            done, done_leases, sums = copying.popleft()
             if done is not None:
                 done.synchronize()
-            sealing.append((_ops.seal_later(client, done_leases), done_leases))
+            sealing.append((_seal_later(client, done_leases, sums), done_leases))
         while sealing:
             pending, done_leases = sealing[0]
             pending.result()
@@ -200,6 +206,29 @@ def _ids_on(torch, values: list[int], device):
     """Block ids on ``device``, copied on the current stream without waiting for it."""
     host = torch.tensor(values, dtype=torch.int64).pin_memory()
     return host.to(device, non_blocking=True)  # torch keeps ``host`` until the copy ran
+
+
+def _gpu_sums_available(client) -> bool:
+    from kvbroker._client.kernels import triton_available
+    from kvbroker._wire.checksum import KIND_XXH3C
+
+    return client.checksum_kind == KIND_XXH3C and triton_available()
+
+
+def _start_sums(half):
+    """Each staged block's kind-1 checksum, queued on the current (gather) stream: the DMA
+    stream waits for it with the gather, so the values are on the host once the DMA ended."""
+    from kvbroker._client import gpu_checksum
+
+    return gpu_checksum.start([half[j] for j in range(half.shape[0])])
+
+
+def _seal_later(client, leases: list[int], sums):
+    if sums is None:
+        return _ops.seal_later(client, leases)
+    from kvbroker._wire.checksum import encode
+
+    return _ops.seal_later(client, leases, [{PACKED: encode(v)} for v in sums.result()])
 
 
 def _forget(unsealed: list[int], sealed: list[int]) -> None:

@@ -98,9 +98,9 @@ class ReserveLater:
         return _reserved(self._pending.result(), self._names)
 
 
-def seal_later(client, leases: list[int]):
+def seal_later(client, leases: list[int], checksums: list[dict] | None = None):
     """``seal_many`` sent without waiting: ``.result()`` raises if it failed."""
-    return client.ops.pipelined.seal_many(leases, None)
+    return client.ops.pipelined.seal_many(leases, checksums)
 
 
 def _reserved(reply: dict, names: list[str]) -> Reserved:
