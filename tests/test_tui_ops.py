@@ -20,6 +20,7 @@ from kvbroker.tui._objects import ObjectsTable  # noqa: E402
 from kvbroker.tui._occupancy import STATES, OccupancyMap, legend_lines  # noqa: E402
 from kvbroker.tui._status import StatusLine  # noqa: E402
 from kvbroker.tui._tables import ClientsTable  # noqa: E402
+from kvbroker.tui._throughput import SERIES  # noqa: E402
 from kvbroker.tui.testing import FakeSource, make_object, make_snapshot  # noqa: E402
 
 SIZES = [(80, 24), (120, 40)]
@@ -123,6 +124,47 @@ async def test_no_blank_rows_on_the_pools_tab_at_80x24():
         pool = app.query_one("#pool-0")
         assert pool.region.width >= 78  # full width: stacked above the rates
         assert throughput.region.y <= pool.region.bottom + 1
+
+
+@pytest.mark.parametrize("size", SIZES, ids=IDS)
+@pytest.mark.parametrize("pools", [1, 2, 3])
+@run_async
+async def test_every_rate_is_on_screen_however_many_pools(size, pools):
+    # At 80x24 with two pools the pools took 70% of the tab and the rates the 4 rows left, all
+    # of them given to "publish GB/s": the other five rates were drawn below the panel's edge.
+    source = FakeSource()
+    app = MonitorApp(source)
+    async with app.run_test(size=size) as pilot:
+        source.feed(*(make_snapshot(i, pools=pools) for i in range(3)))
+        await until(pilot, lambda: app.snapshots_seen == 3)
+        await pilot.pause()
+        inside = app.query_one("#throughput").content_region
+        rows = list(app.query(".rate-row"))
+        assert len(rows) == len(SERIES)
+        for row in rows:
+            assert row.region.height >= 1 and inside.contains_region(row.region), (
+                row.id, row.region, inside)
+        heights = [row.region.height for row in rows]
+        assert max(heights) - min(heights) <= 1  # shared out evenly
+        assert sum(heights) == inside.height  # and no row left blank
+        # The first pool stays whole; the others scroll.
+        assert app.query_one("#pools").region.contains_region(app.query_one("#pool-0").region)
+
+
+@run_async
+async def test_a_short_terminal_keeps_the_most_telling_rates_a_row_each():
+    source = FakeSource()
+    app = MonitorApp(source)
+    async with app.run_test(size=(80, 18)) as pilot:
+        source.feed(*(make_snapshot(i, pools=2) for i in range(3)))
+        await until(pilot, lambda: app.snapshots_seen == 3)
+        await pilot.pause()
+        inside = app.query_one("#throughput").content_region
+        shown = [row for row in app.query(".rate-row") if row.display]
+        assert len(shown) == inside.height < len(SERIES)
+        assert {"rate-publish_gbps", "rate-claim_gbps", "rate-hit_rate"} <= {r.id for r in shown}
+        for row in shown:
+            assert row.region.height == 1 and inside.contains_region(row.region)
 
 
 @pytest.mark.parametrize("size", SIZES, ids=IDS)
