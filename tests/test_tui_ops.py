@@ -200,6 +200,50 @@ async def test_clients_connected_column_is_on_screen(size):
         assert right <= table.scrollable_content_region.width
 
 
+def _vllm_clients_snapshot():
+    """Clients named as vLLM's connector and the monitor name themselves, with 7-digit pids
+    and sizes of 10 characters: the widest rows the clients table meets."""
+    snap = make_snapshot(3)
+    names = [("vllm-scheduler-4194301", "kv_both"), ("vllm-worker-tp0of8", "kv_producer"),
+             ("vllm-worker-tp1of8", "kv_consumer"), ("kvbroker-tui:4194304", "monitor")]
+    clients = tuple(
+        dataclasses.replace(snap.clients[0], session=100 + i, pid=4194301 + i, name=name,
+                            role=role, bytes_published=1023 * 2**30 + 2**29,
+                            bytes_claimed=1023 * 2**30 + 2**29)
+        for i, (name, role) in enumerate(names)
+    )  # fmt: skip
+    return dataclasses.replace(snap, clients=clients)
+
+
+@pytest.mark.parametrize("size", SIZES, ids=IDS)
+@run_async
+async def test_clients_numbers_are_never_cut(size):
+    # At 80 columns CLAIMED showed "CL" and "48" for 48.0 MiB: the role sat before the
+    # numbers and vLLM's names (vllm-scheduler-PID) and roles (kv_consumer) are long.
+    source = FakeSource()
+    app = MonitorApp(source)
+    async with app.run_test(size=size) as pilot:
+        source.feed(_vllm_clients_snapshot())
+        await until(pilot, lambda: app.snapshots_seen == 1)
+        await pilot.press("2")
+        await pilot.pause()
+        table = app.query_one(ClientsTable)
+        right = 0
+        for column in table.ordered_columns:
+            right += column.get_render_width(table)
+            if column.key.value == "claimed":
+                break
+        assert right <= table.scrollable_content_region.width
+        names = [str(table.get_cell(k, "name")) for k in table.keys_shown]
+        assert all(n.startswith("vllm-") or n.startswith("kvbroker-tui:") for n in names)
+        assert str(table.get_cell("101", "pid")) == "4194302"
+        if size[0] >= 100:
+            assert "vllm-scheduler-4194301" in names  # whole where there is room
+        else:
+            assert any(n.endswith("…") for n in names)
+        assert str(table.get_cell("101", "claimed")) == "1023.5 GiB"
+
+
 @run_async
 async def test_disconnected_banner_keeps_the_socket_path_at_80x24():
     source = FakeSource()
