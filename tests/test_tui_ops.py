@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import os
+import tempfile
 
 import pytest
 
@@ -18,6 +20,7 @@ from kvbroker.tui._app import MonitorApp  # noqa: E402
 from kvbroker.tui._meter import Meter  # noqa: E402
 from kvbroker.tui._objects import ObjectsTable  # noqa: E402
 from kvbroker.tui._occupancy import STATES, OccupancyMap, legend_lines  # noqa: E402
+from kvbroker.tui._source import DaemonSource  # noqa: E402
 from kvbroker.tui._status import StatusLine  # noqa: E402
 from kvbroker.tui._tables import ClientsTable  # noqa: E402
 from kvbroker.tui._throughput import SERIES  # noqa: E402
@@ -256,6 +259,53 @@ async def test_disconnected_banner_keeps_the_socket_path_at_80x24():
         await pilot.pause()
         text = plain(app.query_one(StatusLine))
         assert source.label in text and "disconnected" in text and len(text) <= 78
+
+
+@pytest.mark.parametrize("label, reason, shown", [
+    ("/tmp/ops19/kvb.sock", "the daemon closed the connection", "whole"),
+    ("/run/kvbroker/kvbroker.sock", "lost the daemon: [Errno 104] Connection reset by peer",
+     "cut"),
+    ("/run/kvbroker/a-rather-long-directory/kvbroker.sock", "the daemon closed the connection",
+     "none"),
+])  # fmt: skip
+@run_async
+async def test_disconnected_banner_says_why_at_80x24(label, reason, shown):
+    # Captured in tmux: "✖ /tmp/ops19/kvb.sock  disconnected  retrying every 1s (attempt 4):"
+    # - the reason did not fit whole, so it was left out, and the retry note kept its colon.
+    source = FakeSource()
+    source.label = label
+    app = MonitorApp(source, retry_delay=3600)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await fed(pilot, app, source, 1)
+        source.drop(reason)
+        await until(pilot, lambda: app.screen.has_class("-disconnected"))
+        await pilot.pause()
+        text = plain(app.query_one(StatusLine))
+        assert len(text) <= 78 and not text.endswith(":"), text
+        head = f"✖ {label}  disconnected"
+        assert text.startswith(head)
+        why = text.removeprefix(head).removeprefix("  ").split("  retrying")[0]
+        if shown == "whole":
+            assert why == reason
+        elif shown == "cut":
+            assert len(why) >= 12 and why.endswith("…") and reason.startswith(why[:-1])
+        else:  # no room for a useful part of it: the line ends with the state
+            assert text == head
+
+
+@run_async
+async def test_disconnected_banner_from_a_missing_socket_fits_80_columns():
+    # The TUI's own reasons name no path (the banner starts with it): "no kvbroker daemon:
+    # /tmp/ops19/kvb.sock does not exist" after the same path did not fit at 80 columns.
+    with tempfile.TemporaryDirectory(dir="/tmp", prefix="kvb-") as short:  # like a real path
+        path = os.path.join(short, "kvbroker.sock")
+        app = MonitorApp(DaemonSource(path), retry_delay=3600)
+        async with app.run_test(size=(80, 24)) as pilot:
+            await until(pilot, lambda: app.screen.has_class("-disconnected"))
+            await pilot.pause()
+            text = plain(app.query_one(StatusLine))
+            assert text.startswith(f"✖ {path}  disconnected  no daemon: no such socket"), text
+            assert text.count(path) == 1
 
 
 def _hits_snapshot(step: int, hits_per_step: int, misses_per_step: int):
