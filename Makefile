@@ -36,8 +36,13 @@ install: $(RUNTIME_STAMP)
 install-test: $(TEST_STAMP)
 
 # --config /dev/null: embedded defaults, even where /etc/kvbroker/kvbroker.toml exists.
+# A clone named kvbroker (git's default) makes its parent directory a trap: Python started
+# there takes the clone for the package (the editable install is found after the path), so
+# serve says where to run Python; `kvbroker doctor` there says so too.
+PARENT_TRAP = kvbroker: run Python in this clone or anywhere but $(patsubst %/,%,$(dir $(CURDIR))): there 'import kvbroker' finds this directory instead of the package
 serve: $(RUNTIME_STAMP)
 	@echo "kvbroker: serving on $(SOCKET); in another shell: export KVBROKER_SOCKET=$(SOCKET)"
+	$(if $(filter kvbroker,$(notdir $(CURDIR))),@echo "$(PARENT_TRAP)")
 	$(BIN)/kvbroker serve --config /dev/null --socket "$(SOCKET)"
 
 test: $(TEST_STAMP)

@@ -32,6 +32,7 @@ from ._common import (
     run,
     user_default_socket,
 )
+from ._here import python_here_check, shadowed_message, shadowing_directory
 from ._objects import evict, ls_, object_table, show
 from ._ping import daemon_check, ping
 from ._stat import stat
@@ -127,6 +128,7 @@ def doctor(
     except ConfigError as exc:
         raise fail(f"configuration: {exc}", 2) from None
     checks = run_checks(cfg)
+    checks.append(python_here_check())
     checks.append(daemon_check(cfg.socket_path))
     if as_json:
         typer.echo(json.dumps([c.to_dict() for c in checks], indent=2))
@@ -242,6 +244,12 @@ def verify(
 
 
 def main() -> None:
+    # `python -m kvbroker` started beside a clone (a directory named kvbroker) runs this with
+    # the clone for the package: the commands that need `from kvbroker import Client` fail
+    # with Python's "(unknown location)" (serve, which does not, runs). Say why, in one line.
+    where = shadowing_directory()
+    if where is not None:
+        typer.echo(shadowed_message(where), err=True)
     app()
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 from rich.text import Text
+from textual import events
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical
@@ -20,7 +21,7 @@ from ._modals import ConfirmScreen
 from ._source import MonitorSource
 from ._tables import KeyedTable
 
-__all__ = ["ObjectsView", "ObjectsTable"]
+__all__ = ["ObjectsView", "ObjectsTable", "FilterInput"]
 
 LIST_LIMIT = 1000
 SORTS = ("key", "size", "age", "readers")
@@ -120,10 +121,34 @@ class ObjectsTable(KeyedTable):
             self.apply_sort()
 
 
+class FilterInput(Input):
+    """The objects filter, whose keys take effect in the order they were typed.
+
+    Textual inserts a printable key as the Input takes it from its queue, but runs the binding
+    of any other key (backspace, delete, the arrows, enter) only once the key has bubbled from
+    the Input up through every container to the App, one message queue after the other. Keys
+    that came in one read behind a run of backspaces (fast typing) were inserted before the
+    backspaces ran, which then deleted them: "layer-1", three backspaces and "xyz" left
+    "layer-1". Here the Input's own bindings run where its printable keys do, in order.
+    """
+
+    BINDINGS = [Binding("escape", "leave", "table", show=False)]
+
+    async def _on_key(self, event: events.Key) -> None:
+        if event.is_printable:
+            return  # Input._on_key inserts it (Textual calls each class's handler in turn)
+        for binding in self._bindings.key_to_bindings.get(event.key, ()):
+            if not binding.priority and await self.app.run_action(binding.action, self):
+                event.stop()  # handled: the App must not run the binding again
+                event.prevent_default()
+                return
+
+    def action_leave(self) -> None:
+        self.screen.query_one(ObjectsTable).focus()
+
+
 class ObjectsView(Vertical):
     """Lists run one at a time: a refresh asked for while one is in flight runs after it."""
-
-    BINDINGS = [Binding("escape", "leave_filter", "table", show=False)]
 
     def __init__(self, source: MonitorSource, **kwargs) -> None:
         super().__init__(**kwargs)
@@ -134,7 +159,7 @@ class ObjectsView(Vertical):
         self._again = False
 
     def compose(self) -> ComposeResult:
-        yield Input(placeholder="filter keys: a regex, e.g. ^layer-[0-9]+$", id="filter")
+        yield FilterInput(placeholder="filter keys: a regex, e.g. ^layer-[0-9]+$", id="filter")
         yield Label("", id="objects-status")
         yield ObjectsTable(id="objects-table")
 
@@ -155,9 +180,6 @@ class ObjectsView(Vertical):
         self.refresh_objects()
 
     def on_input_submitted(self, event: Input.Submitted) -> None:
-        self.table.focus()
-
-    def action_leave_filter(self) -> None:
         self.table.focus()
 
     def refresh_objects(self) -> None:

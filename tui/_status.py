@@ -26,30 +26,38 @@ def _shorten_path(path: str, width: int) -> str:
     return "…" + path[len(path) - max(1, width - 1):]
 
 
-def fit_parts(parts: list[tuple[int, str, str]], width: int) -> Text:
-    """``parts``: (priority, text, style) in display order; lower priority numbers matter more.
-    The parts that fit in ``width`` (by priority), in display order."""
-    keep: set[int] = set()
+MIN_CUT = 12  # a cuttable part shorter than this once cut is left out instead
+
+
+def fit_parts(parts: list[tuple], width: int) -> Text:
+    """``parts``: (priority, text, style[, cuttable]) in display order; lower priority numbers
+    matter more. The parts that fit in ``width`` (by priority), in display order; a cuttable
+    part that does not fit whole takes the room left, ending in "…"."""
+    keep: dict[int, str] = {}
     used = 0
     for i in sorted(range(len(parts)), key=lambda i: parts[i][0]):
-        need = len(parts[i][1]) + (len(_GAP) if keep else 0)
-        if used + need <= width:
-            keep.add(i)
-            used += need
-    text = Text(no_wrap=True, overflow="ellipsis")
+        text = parts[i][1]
+        gap = len(_GAP) if keep else 0
+        room = width - used - gap
+        if len(text) > room and len(parts[i]) > 3 and parts[i][3] and room >= MIN_CUT:
+            text = text[: room - 1] + "…"
+        if len(text) <= room:
+            keep[i] = text
+            used += gap + len(text)
+    line = Text(no_wrap=True, overflow="ellipsis")
     for i in sorted(keep):
-        if len(text):
-            text.append(_GAP)
-        text.append(parts[i][1], parts[i][2])
-    return text
+        if len(line):
+            line.append(_GAP)
+        line.append(keep[i], parts[i][2])
+    return line
 
 
 class StatusLine(Static):
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
-        self._parts: list[tuple[int, str, str]] = []
+        self._parts: list[tuple] = []
 
-    def _show(self, parts: list[tuple[int, str, str]]) -> None:
+    def _show(self, parts: list[tuple]) -> None:
         self._parts = parts
         self.refresh()
 
@@ -85,10 +93,12 @@ class StatusLine(Static):
         self._show(parts)
 
     def disconnected(self, label: str, reason: str, retry_in: float, attempt: int) -> None:
+        # The path comes first and whole; then why, cut with "…" before it is left out; the
+        # retrying note only where there is room after both.
         self.set_classes("-disconnected")
         self._show([
             (0, f"✖ {label}", "bold"),
             (1, "disconnected", "bold"),
-            (3, f"retrying every {retry_in:g}s (attempt {attempt}):", ""),
-            (2, reason, ""),
+            (2, reason, "", True),
+            (3, f"retrying every {retry_in:g}s (attempt {attempt})", ""),
         ])  # fmt: skip

@@ -59,24 +59,51 @@ class KeyedTable(DataTable):
 
 
 class ClientsTable(KeyedTable):
-    # Most telling first: at 80 columns what is cut is the uid, not how long a client has been
-    # connected.
+    # Most telling first: at 80 columns the names give way (ending in "…") until every column
+    # up to CLAIMED fits; what the table scrolls to is the role and the uid (`kvbroker stat`
+    # prints both). A CLAIMED cut to "48" had read as 48 bytes.
     COLUMNS = (
-        ("session", "SESSION"), ("pid", "PID"), ("name", "NAME"), ("role", "ROLE"),
-        ("age", "CONNECTED"), ("leases", "LEASES"), ("published", "PUBLISHED"),
-        ("claimed", "CLAIMED"), ("uid", "UID"),
+        ("session", "SESSION"), ("pid", "PID"), ("name", "NAME"), ("age", "CONNECTED"),
+        ("leases", "LEASES"), ("published", "PUBLISHED"), ("claimed", "CLAIMED"),
+        ("role", "ROLE"), ("uid", "UID"),
     )  # fmt: skip
     ORDER_BY = "session"
+    WIDE = 100  # columns: from here on client names are never cut
+    MIN_NAME = 12
 
     def show(self, snap: Statistics) -> None:
-        self.sync({
+        rows = {
             c.session: (
-                c.session, c.pid, plain(c.name), plain(c.role or "-"),
-                Seconds(snap.taken_at - c.connected_at), c.read_leases + c.write_leases,
-                Bytes(c.bytes_published), Bytes(c.bytes_claimed), c.uid,
+                c.session, c.pid, c.name, Seconds(snap.taken_at - c.connected_at),
+                c.read_leases + c.write_leases, Bytes(c.bytes_published),
+                Bytes(c.bytes_claimed), c.role or "-", c.uid,
             )
             for c in snap.clients
+        }  # fmt: skip
+        width = self.name_width(list(rows.values()))
+        name = [key for key, _ in self.COLUMNS].index("name")
+        self.sync({
+            k: tuple(plain(_cut(v, width)) if i == name else plain(v) if isinstance(v, str)
+                     else v for i, v in enumerate(cells))
+            for k, cells in rows.items()
         })  # fmt: skip
+
+    def name_width(self, rows: list[tuple]) -> int | None:
+        """How long a name may be so that every column up to CLAIMED stays on screen (None:
+        as long as it is). Under WIDE columns a longer name ends in "…"; the PID beside it
+        tells two cut names apart."""
+        if self.app.size.width >= self.WIDE:
+            return None
+        room = self.scrollable_content_region.width or self.app.size.width - 2
+        keys = [key for key, _ in self.COLUMNS]
+        for i, (key, label) in enumerate(self.COLUMNS[: keys.index("claimed") + 1]):
+            if key != "name":
+                room -= max([len(label)] + [len(str(r[i])) for r in rows]) + 2
+        return max(self.MIN_NAME, room - 2)
+
+
+def _cut(text: str, width: int | None) -> str:
+    return text if width is None or len(text) <= width else text[: width - 1] + "…"
 
 
 class LeasesTable(KeyedTable):

@@ -28,6 +28,8 @@ SERIES = (
     ("evictions", "evictions/s", "{:8.1f}"),
 )
 FIXED_SCALE = {"hit_rate"}
+# Which rates go first when the panel has fewer rows than rates (a terminal under 24 rows).
+DROP_FIRST = ("publish_ops", "claim_ops", "evictions", "hit_rate", "claim_gbps", "publish_gbps")
 _BLOCKS = " ▁▂▃▄▅▆▇█"
 
 
@@ -70,6 +72,26 @@ class ThroughputPanel(Vertical):
 
     def on_mount(self) -> None:
         self.border_title = "throughput"
+
+    def on_resize(self) -> None:
+        self.share_rows(self.content_size.height)
+
+    def share_rows(self, space: int) -> None:
+        """Give each rate an even share of ``space`` rows (the first ones one more), or with
+        fewer rows than rates, one row to each of the most telling. (Textual's ``1fr`` with
+        ``min-height: 1`` gave all of 4 rows to the first rate and drew the rest below the
+        panel's edge.)"""
+        n = len(SERIES)
+        dropped = set(DROP_FIRST[: max(0, n - space)])
+        shown = [field for field, _, _ in SERIES if field not in dropped]
+        base, extra = divmod(space, len(shown)) if shown else (0, 0)
+        for field, _, _ in SERIES:
+            row = self.query_one(f"#rate-{field}", Horizontal)
+            if field in dropped:
+                row.display = False
+                continue
+            row.display = True
+            row.styles.height = base + (1 if shown.index(field) < extra else 0)
 
     def show(self, history: RateHistory) -> None:
         latest: Rates | None = history.latest

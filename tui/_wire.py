@@ -39,10 +39,11 @@ class AsyncConnection:
     async def open(cls, path: str, *, name: str, role: str = "monitor") -> AsyncConnection:
         try:
             reader, writer = await asyncio.open_unix_connection(path)
+        # No path in these: the status line that shows them names the socket first.
         except FileNotFoundError:
-            raise BrokerUnavailable(f"no kvbroker daemon: {path} does not exist") from None
+            raise BrokerUnavailable("no daemon: no such socket") from None
         except OSError as exc:
-            raise BrokerUnavailable(f"no kvbroker daemon answers on {path} ({exc})") from None
+            raise BrokerUnavailable(f"no daemon answers ({exc.strerror or exc})") from None
         conn = cls(reader, writer)
         try:
             conn.hello = await conn.call("hello", version=PROTOCOL_VERSION, name=name, role=role)
