@@ -120,6 +120,10 @@ def render(s) -> str:
                 f"{cl.session:<9}{cl.pid:>8}{cl.uid:>7}  {fit(clean(cl.role), 9):<10}"
                 f"{cl.read_leases + cl.write_leases:>7}  {clean(cl.name)}"
             )
+        for cl in s.clients:  # what clients say of themselves (the vLLM connector...)
+            if cl.reported:
+                said = "  ".join(f"{clean(k)} {v:,}" for k, v in sorted(cl.reported.items()))
+                lines.append(f"  session {cl.session} reports: {said}")
     return "\n".join(lines)
 
 

@@ -159,7 +159,13 @@ def test_every_reply_is_its_declared_type(ring_daemon):
         call("ring_release", lease=scratch["lease"])
         # an object already here is never pulled: no peer is contacted
         assert call("fetch", key="a", peer="127.0.0.1:9")["fetched"] is False
-        call("stat")
+        assert call("report", counters={"loaded_tokens": 32, "saved_tokens": 0}) == {
+            "counters": 2}  # fmt: skip
+        reported = [c for c in call("stat")["clients"] if c["reported"]]
+        assert reported[0]["reported"] == {"loaded_tokens": 32, "saved_tokens": 0}
+        for bad in ({"x": -1}, {"x": True}, {"": 1}, {f"c{i}": 1 for i in range(33)}):
+            with pytest.raises(errors.BadRequest):
+                call("report", counters=bad)
         call("ping")
         call("watch", interval=0)
     assert seen == set(OPS)

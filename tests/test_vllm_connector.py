@@ -302,3 +302,19 @@ def test_worker_stats_travel_through_vllms_connector_stats_hook(model, broker, m
     assert reduced["loaded_blocks"] == 8  # 4 blocks on each of 2 ranks
     assert reduced["load_failed_blocks"] == 0
     assert reduced["loaded_MiB"] > 0
+
+
+def test_workers_report_their_totals_to_the_daemon_for_kvbroker_stat(model, broker, monkeypatch):
+    """Each worker tells the daemon its totals (at most every REPORT_EVERY s): `kvbroker stat`
+    shows what the connector loaded and saved, per client, beside the daemon's own counters."""
+    from kvbroker.cli._stat import render
+
+    _produce(model, broker.socket_path, monkeypatch, [P])
+    cons = _engine(model, broker.socket_path, "kv_consumer", monkeypatch)
+    _consume(cons, P)
+    with broker.client() as c:
+        stat = c.stat()
+    loaded = [cl.reported for cl in stat.clients if cl.reported.get("loaded_blocks")]
+    assert loaded and loaded[0]["loaded_blocks"] == 4 and loaded[0]["loaded_tokens"] == 4 * 32
+    assert "reports: " in render(stat) and "loaded_blocks 4" in render(stat)
+    cons.close()

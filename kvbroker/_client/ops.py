@@ -172,6 +172,9 @@ class Ops:
         """A Statistics dict (:meth:`Statistics.from_dict`)."""
         return self._call("stat")
 
+    def report(self, counters: dict[str, int]) -> R.Reported:
+        return self._call("report", counters=counters)
+
     def ping(self) -> R.Pong:
         return self._call("ping")
 

@@ -21,7 +21,13 @@ from .._wire import checksum as _checksum
 from .._wire import replies as R
 from .._wire.names import check_buffer_name
 from .._wire.objects import buffer_offsets
-from .._wire.protocol import MAX_BUFFERS, MAX_NAME, PROTOCOL_VERSION, meta_problem
+from .._wire.protocol import (
+    MAX_BUFFERS,
+    MAX_NAME,
+    MAX_REPORTED,
+    PROTOCOL_VERSION,
+    meta_problem,
+)
 from ..errors import BadRequest, Exists, NotFound, PoolFull, ProtocolError
 from .arenas import arena_of, end_arena, new_arena, publish_from_arena
 from .snapshot import statistics_for
@@ -460,6 +466,18 @@ def op_stat(b: Broker, session) -> dict[str, Any]:
 def op_ping(b: Broker, session) -> R.Pong:
     return {"server_version": __version__, "server_pid": os.getpid(),
             "started_at": b.started_at, "epoch": b.epoch}
+
+
+def op_report(b: Broker, session, counters) -> R.Reported:
+    if len(counters) > MAX_REPORTED:
+        raise BadRequest(f"report: at most {MAX_REPORTED} counters")
+    for name, value in counters.items():
+        if not isinstance(name, str) or not 0 < len(name) <= 64 or not name.isprintable():
+            raise BadRequest("report: counter names must be printable strings of 1-64 characters")
+        if value.__class__ is not int or not 0 <= value < 1 << 63:
+            raise BadRequest(f"report: counter {name!r} must be a non-negative int")
+    session.reported = dict(counters)
+    return {"counters": len(counters)}
 
 
 HANDLERS = {name[3:]: fn for name, fn in list(globals().items()) if name.startswith("op_")}

@@ -128,6 +128,7 @@ def _client(s: Session) -> ClientStatistics:
         session=s.id, pid=s.pid, uid=s.uid, gid=s.gid, name=s.name, role=s.role,
         connected_at=s.connected_at, read_leases=reads, write_leases=len(s.leases) - reads,
         bytes_published=s.bytes_published, bytes_claimed=s.bytes_claimed,
+        reported=dict(s.reported),
     )  # fmt: skip
 
 

@@ -121,6 +121,7 @@ class Session:
     __slots__ = (
         "id", "pid", "uid", "gid", "name", "role", "connected_at", "leases", "quarantine",
         "bytes_published", "bytes_claimed", "greeted", "arenas", "access", "quarantine_charges",
+        "reported",
     )  # fmt: skip
 
     def __init__(self, sid: int, pid: int, uid: int, gid: int) -> None:
@@ -138,6 +139,7 @@ class Session:
         self.access: Access = OPEN_POLICY.access(uid, gid)  # what the policy lets it do
         self.bytes_published = 0
         self.bytes_claimed = 0
+        self.reported: dict[str, int] = {}  # the client's own counters (the report op)
         self.greeted = False
 
 

@@ -48,6 +48,7 @@ MAX_ARRAY = 1 << 20
 MAX_MAP = 1 << 16
 MAX_BUFFERS = 8192
 MAX_NAME = 512
+MAX_REPORTED = 32  # counters a client may report (the report op)
 MAX_META = 64 * 1024
 MAX_META_DEPTH = 32  # maps and lists inside an object's meta: replies nest it a few deeper
 
@@ -398,6 +399,13 @@ OPS: dict[str, Op] = {
         {},
         R.Pong,
         "A round trip that does nothing: the daemon's version, pid and start time.",
+    ),
+    "report": Op(
+        {"counters": _a(dict, required=True)},
+        R.Reported,
+        "Publish this client's own counters ({name: non-negative int}, at most "
+        f"{MAX_REPORTED} names, replacing the last report) for `stat`, the TUI and "
+        "Prometheus: e.g. the vLLM connector's matched, loaded and saved tokens.",
     ),
     "watch": Op(
         {"interval": _a(*_NUMBER, default=1.0)},

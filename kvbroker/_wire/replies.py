@@ -19,7 +19,7 @@ __all__ = [
     "Extent", "Empty", "PoolInfo", "Hello", "Reserved", "Sealed", "ArenaLent", "Published",
     "Claimed", "Renewed", "Listed", "Evicted", "BlockReserved", "BlockExists",
     "BlocksReserved", "SealedMany", "PrefixMatch", "RingInfo", "Rings", "RingRegion",
-    "RingClaimed", "Watching", "Pong", "Fetched", "mismatch",
+    "RingClaimed", "Watching", "Pong", "Reported", "Fetched", "mismatch",
 ]  # fmt: skip
 
 # [pool, offset, nbytes]: a byte range of pool `pool` (an index into hello's `pools`).
@@ -166,6 +166,10 @@ class RingClaimed(TypedDict):
 
 class Watching(TypedDict):
     interval: float
+
+
+class Reported(TypedDict):
+    counters: int  # how many the daemon now holds for this client
 
 
 class Pong(TypedDict):

@@ -9,7 +9,7 @@ time where a point in time is meant).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 __all__ = [
@@ -100,6 +100,7 @@ class ClientStatistics:
     write_leases: int
     bytes_published: int
     bytes_claimed: int
+    reported: dict = field(default_factory=dict)  # its own counters ({name: int}, `report`)
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ recomputes), saves are skipped, each with a counted, rate-limited warning.
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from typing import Any
 
@@ -34,6 +35,7 @@ from ._paged import HostSave, SaveItem, cuda_cache, host_cache, interpret, load_
 
 __all__ = ["WorkerSide"]
 
+REPORT_EVERY = 2.0  # seconds between the worker's counter reports to the daemon
 STAT_KEYS = ("loads", "loaded_blocks", "loaded_tokens", "loaded_bytes", "load_failed_blocks",
              "saved_blocks", "saved_tokens", "saved_bytes", "existing_blocks",
              "skipped_save_blocks", "broker_errors")  # fmt: skip
@@ -53,7 +55,9 @@ class WorkerSide:
         self.cache = None  # PagedKV (host) or a 6-d CUDA view
         self.device = "cpu"
         self.layer_index: dict[str, int | None] = {}
-        self.stats: Counter[str] = Counter()
+        self.stats: Counter[str] = Counter()  # since vLLM last took them (its stats hook)
+        self.totals: Counter[str] = Counter()  # taken before, for the broker's report
+        self._reported_at = 0.0
         self._invalid: set[int] = set()
         self._failed_reqs: set[str] = set()
         self._plan = None
@@ -305,8 +309,27 @@ class WorkerSide:
 
     def take_stats(self) -> dict[str, int]:
         out = {k: self.stats.get(k, 0) for k in STAT_KEYS}
+        self.totals.update(self.stats)
         self.stats.clear()
         return out
+
+    def report_if_due(self, every: float = REPORT_EVERY) -> bool:
+        """Tell the daemon this worker's totals (``kvbroker stat`` shows them per client), at
+        most every ``every`` seconds; never raises (a broker that is down misses a report)."""
+        now = time.monotonic()
+        if now - self._reported_at < every:
+            return False
+        client = self.link.get()
+        if client is None:
+            return False
+        self._reported_at = now
+        totals = self.totals + self.stats
+        try:
+            client.ops.report({k: totals.get(k, 0) for k in STAT_KEYS})
+        except KVBrokerError as exc:
+            self.link.fail(exc)
+            return False
+        return True
 
     def close(self) -> None:
         if self._gpu is not None:

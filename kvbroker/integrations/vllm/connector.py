@@ -232,7 +232,10 @@ class KVBrokerConnector(KVConnectorBase_V1):
         self._worker.save_layer(layer_name)
 
     def wait_for_save(self) -> None:
-        self._worker.wait_for_save()
+        try:
+            self._worker.wait_for_save()
+        finally:
+            self._worker.report_if_due()  # the totals `kvbroker stat` shows for this worker
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.load_errors() if self._worker is not None else set()
