@@ -75,6 +75,11 @@ LIB_HINT = (
 )
 
 
+def with_hint(message: str) -> str:
+    """``message``, with what to unpack where it is about the libraries the wheel lacks."""
+    return f"{message}. {LIB_HINT}" if "libibverbs" in message or "libnl" in message else message
+
+
 # ------------------------------------------------------------------------------ measuring
 def percentile(values, q):
     """Nearest-rank percentile of ``values`` (q in 0..1)."""
@@ -231,10 +236,7 @@ def worker(a) -> int:
     try:
         from mooncake.store import MooncakeDistributedStore
     except ImportError as exc:
-        msg = str(exc)
-        if "libibverbs" in msg or "libnl" in msg:
-            msg += ". " + LIB_HINT
-        result["error"] = f"import mooncake.store failed: {msg}"
+        result["error"] = with_hint(f"import mooncake.store failed: {exc}")
         print(RESULT_TAG + json.dumps(result), flush=True)
         return 1
     store = MooncakeDistributedStore()
@@ -434,7 +436,7 @@ def run_mode(mode, a, deadline, env) -> dict:
                   f"{client_addr}", flush=True)  # fmt: skip
         return run_worker(mode, a, master_addr, client_addr, deadline, env)
     except RuntimeError as exc:
-        return {"mode": mode, "error": f"{exc} (logs in {a.workdir})"}
+        return {"mode": mode, "error": with_hint(f"{exc} (logs in {a.workdir})")}
     finally:
         for p in reversed(started):
             p.stop()
@@ -450,6 +452,14 @@ def orchestrate(a) -> int:
         return 1
     os.makedirs(a.workdir, exist_ok=True)
     env = library_env(a.deb_root)
+    # the libraries first, once, before anything is started
+    p = subprocess.run([sys.executable, "-c", "import mooncake.store"], env=env,
+                       capture_output=True, text=True, check=False)  # fmt: skip
+    if p.returncode != 0:
+        why = (p.stderr.strip().splitlines() or [f"exit status {p.returncode}"])[-1]
+        print(f"mooncake_peer: {with_hint(f'import mooncake.store failed: {why}')}",
+              file=sys.stderr)  # fmt: skip
+        return 1
     results = []
     for mode in a.modes:
         if deadline - time.time() < 5:
