@@ -7,6 +7,9 @@ the profile of that size (benchmarks/profile_transfer.py) is appended to it.
 
     .venv/bin/python benchmarks/bench_all.py --mooncake-python /tmp/mc/bin/python
     .venv/bin/python benchmarks/bench_all.py --only scale --report-only   # rebuild the .md
+
+The peer scenario runs benchmarks/mooncake_peer.py under --mooncake-python: Mooncake in an
+environment of its own, its libraries on LD_LIBRARY_PATH (README.md, "Comparing with Mooncake").
 """
 
 from __future__ import annotations
@@ -117,7 +120,8 @@ def report(profiles: list[str]) -> str:
         "Every figure below is a ratio measured side by side in one run; single absolute "
         "figures move by ±20% between runs. Charts: docs/*.png (made by `--plot docs`).",
         "Rebuild everything: `.venv/bin/python benchmarks/bench_all.py "
-        "--mooncake-python /tmp/mc/bin/python` (Mooncake set-up: ../shared/peers/README.md).",
+        "--mooncake-python /tmp/mc/bin/python` (Mooncake's driver: benchmarks/mooncake_peer.py; "
+        "its set-up: README.md, \"Comparing with Mooncake\").",
         "",
     ]
     for data in found:

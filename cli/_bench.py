@@ -209,8 +209,8 @@ def peer(
     ),
     peer_script: Optional[str] = typer.Option(
         None, metavar="FILE", envvar="KVBROKER_PEER_SCRIPT",
-        help="The peer's benchmark script (mooncake_bench.py).",
-        show_default="shared/peers/mooncake_bench.py beside the source tree",
+        help="The peer's driver (it runs under --mooncake-python).",
+        show_default="benchmarks/mooncake_peer.py of the source tree",
     ),  # fmt: skip
     socket: Optional[str] = SocketOpt,
     sizes: str = typer.Option("256K,4M,32M", help="Object sizes (the peer's defaults)."),
@@ -229,7 +229,11 @@ def peer(
     if not mode_list or bad:
         raise typer.BadParameter(f"modes are dummy, embedded, tcp; got {modes!r}",
                                  param_hint="--modes")  # fmt: skip
-    script = peer_script or pr.default_peer_script()
+    try:
+        script = peer_script or pr.default_peer_script()
+    except pr.PeerFailed as exc:
+        typer.echo(f"kvbroker: {exc}", err=True)
+        raise typer.Exit(1) from None
 
     def run(path):
         try:

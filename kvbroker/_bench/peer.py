@@ -1,16 +1,18 @@
 """``kvbroker bench peer``: kvbroker and Mooncake Store side by side, in one session.
 
-Each round runs the peer script (``mooncake_bench.py``, in the Python environment that has
-Mooncake installed; it starts and stops its own master and client daemon) and, right after
-it, kvbroker's ``transfer`` scenario on the same sizes with the same number of operations.
-The peer reports medians of ``ops`` puts and ``ops`` gets per size and mode; kvbroker the
-medians of its put and get. Compared: the put+get round trip (sum of the two medians) and
-publish+claim GB/s (2 × size over that time), as ratios per Mooncake mode. With several
-rounds the table shows the median of the rounds and the JSON the range.
+Each round runs the peer script (``benchmarks/mooncake_peer.py`` of the source tree, in the
+Python environment that has Mooncake installed; it starts and stops its own master and client
+daemon; set-up in the README, "Comparing with Mooncake") and, right after it, kvbroker's
+``transfer`` scenario on the same sizes with the same number of operations. Both time the
+same loop, one object at a time: put a key, get it, drop it. The peer reports medians of
+``ops`` puts and ``ops`` gets per size and mode; kvbroker the medians of its put and get.
+Compared: the put+get round trip (sum of the two medians) and publish+claim GB/s (2 × size
+over that time), as ratios per Mooncake mode. With several rounds the table shows the median
+of the rounds and the JSON the range.
 
 The peer's output is a JSON list of ``{mode, setup_s, sizes: [{size, put: {median_ms, ...},
 get: {median_ms, ...}, data_ok, errors}]}`` (``--json-out``); anything speaking that shape
-can stand in for it.
+can stand in for it. A size with errors, or whose bytes came back wrong, fails the run.
 """
 
 from __future__ import annotations
@@ -36,13 +38,21 @@ class PeerFailed(RuntimeError):
     """The peer benchmark did not produce results."""
 
 
+PEER_SCRIPT = os.path.join("benchmarks", "mooncake_peer.py")  # in the source tree
+
+
 def default_peer_script() -> str:
-    """``$KVBROKER_PEER_SCRIPT``, else ../shared/peers/mooncake_bench.py beside the checkout."""
+    """``$KVBROKER_PEER_SCRIPT``, else benchmarks/mooncake_peer.py of the source tree this
+    package runs from; PeerFailed where there is none (an installed package)."""
     env = os.environ.get("KVBROKER_PEER_SCRIPT")
     if env:
         return env
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    return os.path.join(os.path.dirname(root), "shared", "peers", "mooncake_bench.py")
+    path = os.path.join(root, PEER_SCRIPT)
+    if not os.path.isfile(path):
+        raise PeerFailed(f"no {PEER_SCRIPT} beside this kvbroker ({root} is not a source tree): "
+                         "pass --peer-script FILE, the driver from kvbroker's repository")  # fmt: skip
+    return path
 
 
 def run_peer(python: str, script: str, sizes, modes, ops: int, timeout: float) -> list[dict]:
@@ -69,7 +79,8 @@ def run_peer(python: str, script: str, sizes, modes, ops: int, timeout: float) -
         if r is None or "error" in r:
             raise PeerFailed(f"peer mode {mode!r} failed: {r and r.get('error')}")
         for z in r["sizes"]:
-            if not z.get("put") or not z.get("get") or not z.get("data_ok", True):
+            complete = z.get("put") and z.get("get") and not z.get("errors")
+            if not complete or not z.get("data_ok", True):
                 raise PeerFailed(f"peer mode {mode!r} size {z['size']}: {z.get('errors')}")
     return results
 
@@ -142,7 +153,8 @@ def run(socket_path: str, python: str, script: str | None = None, sizes=DEFAULT_
         if row["size"] == 256 * KiB and "dummy" in modes:
             targets.append(Target("256 KiB put+get time vs Mooncake dummy",
                                   row["time_vs_dummy"], 1 / 3, "<="))  # fmt: skip
-    peer_versions = {r["mode"]: {"setup_s": r.get("setup_s")} for r in raw[-1]["peer"]}
+    peer_versions = {r["mode"]: {"setup_s": r.get("setup_s"), "mooncake": r.get("mooncake")}
+                     for r in raw[-1]["peer"]}  # fmt: skip
     return Result(
         "peer", rows, cols,
         params={"sizes": list(sizes), "modes": list(modes), "ops": ops, "rounds": rounds,
