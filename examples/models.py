@@ -33,6 +33,12 @@ BENCH = ("LlamaConfig", dict(hidden_size=768, intermediate_size=2048, num_hidden
                              num_attention_heads=12, num_key_value_heads=4,
                              vocab_size=32000))  # fmt: skip
 
+# Llama-3-8B's shape (32 layers, hidden 4096, 32 query / 8 KV heads, head_dim 128): a 16k-token
+# prompt's KV is 2 GiB in bf16. Only on a GPU host (16 GB of weights, built on the device).
+LLAMA_8B = ("LlamaConfig", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                num_attention_heads=32, num_key_value_heads=8,
+                                vocab_size=128256))  # fmt: skip
+
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 VOCAB = 256
 
@@ -46,12 +52,18 @@ def build(arch: str = "llama", dtype: str = "fp32", *, seed: int = 0, size: str 
 
     if size == "bench":
         config_name, kw = BENCH
+    elif size == "8b":
+        config_name, kw = LLAMA_8B
     else:
         config_name, kw = TINY[arch]
         kw = {**kw, "vocab_size": VOCAB}
     kw = {**kw, **overrides}
     config = getattr(transformers, config_name)(max_position_embeddings=max_positions, **kw)
     torch.manual_seed(seed)
+    if size == "8b":  # initialised where it will run: 8B random weights on a CPU take minutes
+        with torch.device(device):
+            model = transformers.AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype])
+        return model.eval()
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype])
     return model.to(device).eval()
 

@@ -303,3 +303,30 @@ def test_start_checksums_for_a_lease_filled_by_the_caller(daemon):
         lease.seal()
         want0 = xxhash.xxh3_64_intdigest(_raw(src["k"].cpu()))
         assert g.client.lookup("own0").checksums == {"a": want0}
+
+
+@CUDA
+@pytest.mark.gpu
+def test_transformers_publish_cache_through_a_gpu_client_seals_gpu_checksums(daemon):
+    """publish_cache given a GpuClient and CUDA layers: DMA + kind-1 checksums computed on the
+    GPU (GpuClient.publish), the values the CPU's definition gives, and verify agrees."""
+    from kvbroker._client.integrity import verify_objects
+    from kvbroker.errors import Exists
+    from kvbroker.integrations.transformers import publish_cache
+
+    gpu = _gpu()
+    g0 = torch.Generator(device="cuda").manual_seed(3)
+    layers = [(torch.randn(1, 2, 40, 32, device="cuda", generator=g0, dtype=torch.bfloat16),
+               torch.randn(1, 2, 40, 32, device="cuda", generator=g0, dtype=torch.bfloat16)
+               .transpose(2, 3).contiguous().transpose(2, 3))  # strided V, as some caches hold
+              for _ in range(3)]  # fmt: skip
+    with gpu.GpuClient(daemon.client(), own_client=True) as g:
+        publish_cache(g, "tf-gpu", layers)
+        info = g.client.lookup("tf-gpu")
+        assert info.checksums and all(v[0] == cs.KIND_XXH3C for v in info.checksums.values())
+        k0 = layers[0][0].contiguous().cpu()
+        assert info.checksums["past_key.0"] == [1, cs.digest(_raw(k0))]
+        with pytest.raises(Exists):
+            publish_cache(g, "tf-gpu", layers)
+    with daemon.client() as c:
+        assert [v.status for v in verify_objects(c, match="tf-gpu")] == ["ok"]

@@ -69,7 +69,7 @@ from ..._client.client import Client
 from ..._client.copy import copy_into
 from ..._client.tp import claim_plan, shard_heads
 from ..._wire.names import kv_buffer_name, kv_select_regex
-from ...errors import BadRequest, LayoutMismatch
+from ...errors import BadRequest, Exists, LayoutMismatch
 from ...kv import _SELECT_NOTHING  # a claim selecting no buffer: it only counts a consume
 from ...kv import ClaimResult, PagedKV, PublishResult, claim_shards, publish_shard, shard_key
 from ...prefix import PrefixCache
@@ -164,7 +164,7 @@ def publish_cache(
     :func:`_broker_client`).
     """
     started = time.perf_counter()
-    client = _broker_client(client)
+    gpu, client = _gpu_of(client), _broker_client(client)
     layers = _read_layers(cache)
     spec = _spec_of(layers, config)
     meta = {
@@ -180,6 +180,16 @@ def publish_cache(
     for (kname, vname), layer in zip(names, layers):
         tensors[kname], tensors[vname] = layer.keys, layer.values
     sizes = {name: t.numel() * t.element_size() for name, t in tensors.items()}
+    if gpu is not None and all(t.is_cuda and n for t, n in zip(tensors.values(), sizes.values())):
+        # DMA into the pool and the checksums computed on the GPU beside it (GpuClient.publish):
+        # the seal does not hash 2 GiB on one CPU core. A strided layer is made contiguous on
+        # the device first (device memory; the host still sees each byte once).
+        if not gpu.publish(request, {n: t.contiguous() for n, t in tensors.items()},
+                           namespace=namespace, meta=meta, replace=replace, ttl=ttl,
+                           consumers=consumers):  # fmt: skip
+            raise Exists(f"{namespace}/{request} is already published")
+        return PublishedCache(request, layers[0].seen, sum(sizes.values()),
+                              time.perf_counter() - started)  # fmt: skip
     with client.reserve(request, sizes, namespace=namespace, meta=meta, replace=replace, ttl=ttl,
                         consumers=consumers) as lease:  # fmt: skip
         for name, t in tensors.items():
@@ -187,6 +197,15 @@ def publish_cache(
                 copy_into(lease[name], _copy_source(t))  # strided or CUDA: still one pass
     return PublishedCache(request, layers[0].seen, sum(sizes.values()),
                           time.perf_counter() - started)  # fmt: skip
+
+
+def _gpu_of(client: Any):
+    """The :class:`kvbroker.gpu.GpuClient` given, or None (no torch import for a Client)."""
+    if isinstance(client, Client):
+        return None
+    from ...gpu import GpuClient
+
+    return client if isinstance(client, GpuClient) else None
 
 
 def _broker_client(client: Any) -> Client:
