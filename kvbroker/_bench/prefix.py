@@ -4,7 +4,8 @@ workload.
 Latency: one prompt of ``max(lengths)`` tokens is published once in ``block``-token blocks;
 then prompts that share its first L tokens are matched, for each L. Each match is one round
 trip and one lease for every matched block; it is compared with a put+claim of one small
-object measured in the same loop. Block hashes are computed once per prompt (an engine does
+object timed on a quiet pool just before (its own loop, each operation after an untimed
+round trip that flushes pipelined releases). Block hashes are computed once per prompt (an engine does
 that at admission) and timed on their own; loading copies every matched block once.
 
 Hit rate: ``prompts`` requests, each a random one of ``systems`` shared system prompts
@@ -61,12 +62,19 @@ def latency_rows(c, lengths, block: int, reps: int, layers: int, block_bytes: in
         hash_t = timed(lambda: pc.hashes(prompt), 20)  # noqa: B023
         hs = pc.hashes(prompt)
         base, match_t, load_t = [], [], []
+        # The baseline on a quiet pool: its own loop (not right after a match's multi-MiB copy
+        # and its lease's release), each put+claim after an untimed round trip that flushes
+        # the consume-claim's pipelined release.
         for i in range(reps):
+            c.ops.ping()
             t0 = time.perf_counter()
             c.put(f"rt-{i}", {"x": small}, namespace=ns)
             with c.claim(f"rt-{i}", namespace=ns, consume=True):
                 pass
-            t1 = time.perf_counter()
+            base.append(time.perf_counter() - t0)
+        for _ in range(reps):
+            c.ops.ping()  # the previous match's release, flushed untimed
+            t1m = time.perf_counter()
             with pc.match(prompt, hashes=hs) as m:
                 t2 = time.perf_counter()
                 for b, blk in enumerate(m.blocks):
@@ -75,8 +83,7 @@ def latency_rows(c, lengths, block: int, reps: int, layers: int, block_bytes: in
                 t3 = time.perf_counter()
             if m.num_blocks != want:
                 raise AssertionError(f"matched {m.num_blocks} blocks of {want}")
-            base.append(t1 - t0)
-            match_t.append(t2 - t1)
+            match_t.append(t2 - t1m)
             load_t.append(t3 - t2)
         if not np.array_equal(sink[:want], data[:want]):
             raise AssertionError("loaded prefix differs from the published one")
