@@ -1,0 +1,236 @@
+"""Tenant pools (issue 16 item 10) across daemon restarts: a crash (SIGKILL) and a warm
+restart, a clean restart (SIGUSR1), a stop (SIGTERM), a restart that changes who owns a pool.
+
+Two tenants, for real: forked children that drop root to uid 65534 (``nobody``) and 65533 (no
+passwd entry: it owns the namespaces ``65533`` and ``65533/...``), both with primary group
+TEAM, which the socket and the shared pools belong to. Each has a pool of its own."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import stat
+import tempfile
+import zlib
+
+import numpy as np
+import posix_ipc
+import pytest
+
+from conftest import DaemonProcess, drop_leftover_pools
+from kvbroker import Client, Forbidden, QuotaExceeded
+from kvbroker._server.journal import journal_path
+from kvbroker._server.policy import user_name
+from test_isolation import NOBODY, _as_user, needs_root
+
+pytestmark = needs_root
+
+OTHER = 65533
+TEAM = 60001
+A, B = user_name(NOBODY), str(OTHER)  # each tenant's own namespace
+ARGS = ("--pool-size", "4M", "--page-size", "4K", "--group", str(TEAM))
+QUOTA = 256 << 10  # "user:*": each tenant, across its namespaces
+
+
+def config(a_user: int = NOBODY, b_user: int = OTHER, a_spaces: str = f'"{A}", "{A}/*"') -> str:
+    return f"""
+[isolation]
+mode = "tenant"
+[quotas]
+"user:*" = "{QUOTA}"
+[tenant_pools.a]
+size = "1M"
+user = {a_user}
+namespaces = [{a_spaces}]
+[tenant_pools.b]
+size = "1M"
+user = {b_user}
+namespaces = ["{B}", "{B}/*"]
+"""
+
+
+@pytest.fixture
+def daemons():
+    """Start daemons one after another on one socket, in a directory other uids may
+    traverse (the socket's mode and group decide who connects); all stopped at the end."""
+    where = tempfile.mkdtemp(prefix="kvb-ten-", dir="/tmp")
+    os.chmod(where, 0o755)
+    sock = os.path.join(where, "kvb.sock")
+    started: list[DaemonProcess] = []
+
+    def start(conf: str | None = None, *extra: str) -> DaemonProcess:
+        path = os.path.join(where, "kvbroker.toml")
+        with open(path, "w") as f:
+            f.write(config() if conf is None else conf)
+        d = DaemonProcess(sock, *ARGS, "--config", path, *extra)
+        started.append(d)
+        return d
+
+    start.socket_path = sock
+    yield start
+    for d in started:
+        d.stop()
+    drop_leftover_pools(sock)
+    shutil.rmtree(where, ignore_errors=True)
+
+
+def pattern(seed: str, n: int) -> np.ndarray:
+    return np.random.default_rng(zlib.crc32(seed.encode())).integers(0, 256, n, np.uint8)
+
+
+def as_tenant(uid: int, fn):
+    return _as_user(uid, TEAM, fn)
+
+
+def owners(names: list[str]) -> list[tuple[int, int, int]]:
+    """(uid, gid, mode) of each segment."""
+    out = []
+    for name in names:
+        st = os.stat("/dev/shm" + name)
+        out.append((st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)))
+    return out
+
+
+def segment_exists(name: str) -> bool:
+    return os.path.exists("/dev/shm" + name)
+
+
+# What each tenant keeps: (key, nbytes) in its own namespace, and one under it.
+OBJECTS = {A: [("k1", 40960), ("k2", 8192)], B: [("k1", 20480)]}
+
+
+def publish(sock: str, ns: str):
+    """As a tenant: put OBJECTS[ns] (once through reserve + seal, once through a write arena
+    in the tenant's own pool); which pool each landed in."""
+
+    def run():
+        pools = {}
+        with Client(sock, timeout=10, arena_size=64 << 10) as c:
+            for i, (key, n) in enumerate(OBJECTS[ns]):
+                where = ns if i == 0 else f"{ns}/sub"
+                c.put(key, {"kv": pattern(where + key, n)}, namespace=where)
+                with c.claim(key, namespace=where) as lease:
+                    pools[where] = lease._extents["kv"][0]
+        return pools
+
+    return run
+
+
+def check(sock: str, ns: str, other_ns: str, other_pool: str):
+    """As a tenant, after a restart: its objects byte-exact in its own pool, the other
+    tenant's namespace and pool out of reach, its quota charged with what it holds."""
+
+    def run():
+        out = {"intact": [], "pools": []}
+        with Client(sock, timeout=10, arena_size=0) as c:
+            out["epoch"] = c.epoch
+            leases = []
+            for i, (key, n) in enumerate(OBJECTS[ns]):
+                where = ns if i == 0 else f"{ns}/sub"
+                got = c.get(key, namespace=where, verify=True)["kv"]
+                out["intact"].append(bool(np.array_equal(got, pattern(where + key, n))))
+                lease = c.claim(key, namespace=where)  # held: not evictable below
+                out["pools"].append(lease._extents["kv"][0])
+                leases.append(lease)
+            try:
+                c.claim("k1", namespace=other_ns)
+                out["other_ns"] = "allowed"
+            except Forbidden:
+                out["other_ns"] = "forbidden"
+            try:
+                posix_ipc.SharedMemory(other_pool).close_fd()
+                out["other_pool"] = "open"
+            except posix_ipc.PermissionsError:
+                out["other_pool"] = "denied"
+            held = sum(n for _, n in OBJECTS[ns])
+            try:  # fits the quota only if what it holds were not charged any more
+                c.put("big", {"kv": np.zeros(QUOTA - held + 4096, np.uint8)}, namespace=ns)
+                out["quota"] = "allowed"
+            except QuotaExceeded as exc:
+                out["quota"] = str(exc)
+            for lease in leases:
+                lease.release()
+        return out
+
+    return run
+
+
+def snapshot(d: DaemonProcess):
+    """What root (an admin) sees: pool names, per-pool use, per-namespace charges."""
+    with d.client(map_pools=False) as c:
+        s = c.stat()
+        names = [p.name for p in s.pools]
+        return (names, [(p.used, p.objects) for p in s.pools],
+                sorted((n.namespace, n.objects, n.bytes, n.used) for n in s.namespaces))
+
+
+def expected_owners():
+    return [(0, TEAM, 0o660), (NOBODY, 0, 0o600), (OTHER, 0, 0o600)]
+
+
+def test_a_crashed_daemon_comes_back_with_every_tenant_pool(daemons):
+    d = daemons()
+    sock = daemons.socket_path
+    with d.client() as root:
+        root.put("s", {"kv": pattern("shared", 5000)})
+    assert as_tenant(NOBODY, publish(sock, A)) == {A: 1, f"{A}/sub": 1}
+    assert as_tenant(OTHER, publish(sock, B)) == {B: 2}
+    names, used, spaces = before = snapshot(d)
+    assert len(names) == 3 and owners(names) == expected_owners()
+    assert [u for u, _ in used] == [8192, 49152, 20480]
+    d.stop(signal.SIGKILL)
+
+    d = daemons()
+    assert snapshot(d) == before  # the same pools, objects in the same places, same charges
+    assert owners(names) == expected_owners()
+    a = as_tenant(NOBODY, check(sock, A, B, names[2]))
+    b = as_tenant(OTHER, check(sock, B, A, names[1]))
+    for out, pool in ((a, 1), (b, 2)):
+        assert out["epoch"] == 2 and all(out["intact"]) and set(out["pools"]) == {pool}, out
+        assert out["other_ns"] == "forbidden" and out["other_pool"] == "denied", out
+    held = sum(n for _, n in OBJECTS[A])
+    assert f"user {A}:" in a["quota"] and f"({held} used, 0 of them evictable)" in a["quota"]
+    held = sum(n for _, n in OBJECTS[B])
+    assert f"user {B}:" in b["quota"] and f"({held} used, 0 of them evictable)" in b["quota"]
+    with d.client() as root:
+        assert np.array_equal(root.get("s")["kv"], pattern("shared", 5000))
+    assert "warm restart (epoch 2): adopted 3 pool(s) and 4 sealed object(s)" in d.log()
+
+
+def test_a_restart_keeps_tenant_pools_and_a_stop_frees_them(daemons):
+    sock = daemons.socket_path
+    d = daemons()
+    as_tenant(NOBODY, publish(sock, A))
+    names, _, _ = before = snapshot(d)
+    assert d.stop(signal.SIGUSR1) == 0  # systemctl restart: kept for the next daemon
+    assert all(map(segment_exists, names)) and owners(names) == expected_owners()
+    d = daemons()
+    assert snapshot(d) == before and owners(names) == expected_owners()
+    out = as_tenant(NOBODY, check(sock, A, B, names[2]))
+    assert all(out["intact"]) and out["other_pool"] == "denied" and out["epoch"] == 2, out
+
+    assert d.stop() == 0  # systemctl stop: every pool freed, the tenants' too
+    assert not any(map(segment_exists, names)), d.log()
+    assert not os.path.exists(journal_path(sock))
+    d = daemons()  # a cold start: new pools, owned as configured
+    fresh, used, spaces = snapshot(d)
+    assert not set(fresh) & set(names) and owners(fresh) == expected_owners()
+    assert used == [(0, 0)] * 3 and spaces == []
+
+    assert d.stop() == 0
+    assert not any(map(segment_exists, fresh))
+
+    d = daemons(None, "--keep-pools-on-exit")
+    as_tenant(NOBODY, publish(sock, A))
+    kept, used, _ = before = snapshot(d)
+    assert used[1] == (49152, 2)
+    assert d.stop() == 0  # keep_pools_on_exit: a stop keeps them too
+    assert all(map(segment_exists, kept)) and owners(kept) == expected_owners()
+    d = daemons()
+    assert snapshot(d) == before
+    out = as_tenant(NOBODY, check(sock, A, B, kept[2]))
+    assert all(out["intact"]) and out["other_pool"] == "denied" and out["epoch"] == 2, out
+    assert d.stop() == 0
+    assert not any(map(segment_exists, kept))
+
