@@ -234,3 +234,33 @@ def test_a_restart_keeps_tenant_pools_and_a_stop_frees_them(daemons):
     assert d.stop() == 0
     assert not any(map(segment_exists, kept))
 
+
+def test_a_restart_that_gives_a_tenant_pool_to_another_owner_keeps_none_of_its_bytes(daemons):
+    """A segment keeps the owner it was made with. A configuration that gives a pool to
+    someone else (here: the two tenants' pools swapped, same sizes) must not hand the new
+    owner the old one's bytes, nor put them where the old owner still maps: a restart drops
+    the kept cache, a start after a crash is refused (the operator decides: --cold)."""
+    sock = daemons.socket_path
+    d = daemons()
+    as_tenant(NOBODY, publish(sock, A))
+    names, _, _ = snapshot(d)
+    swapped = config(a_user=OTHER, b_user=NOBODY)
+    assert d.stop(signal.SIGUSR1) == 0
+    d = daemons(swapped)
+    fresh, used, spaces = snapshot(d)
+    assert not set(fresh) & set(names) and used == [(0, 0)] * 3 and spaces == [], d.log()
+    assert owners(fresh) == [(0, TEAM, 0o660), (OTHER, 0, 0o600), (NOBODY, 0, 0o600)]
+    assert not any(map(segment_exists, names))
+    assert "dropping them, starting empty" in d.log() and "owned by uid 65534" in d.log()
+
+    with d.client(arena_size=0) as root:  # (an arena would hold root's whole quota)
+        root.put("k", {"kv": pattern("k", 100)}, namespace=A)  # in the pool of uid 65533
+    d.stop(signal.SIGKILL)
+    with pytest.raises(RuntimeError, match="--cold to drop them") as refused:
+        daemons()  # the original owners again
+    assert "owned by uid 65533" in str(refused.value)
+    assert all(map(segment_exists, fresh))  # refusing loses nothing
+    d = daemons(None, "--cold")
+    assert snapshot(d)[1] == [(0, 0)] * 3 and owners(snapshot(d)[0]) == expected_owners()
+    assert not any(map(segment_exists, fresh))
+
