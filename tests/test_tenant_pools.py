@@ -264,3 +264,19 @@ def test_a_restart_that_gives_a_tenant_pool_to_another_owner_keeps_none_of_its_b
     assert snapshot(d)[1] == [(0, 0)] * 3 and owners(snapshot(d)[0]) == expected_owners()
     assert not any(map(segment_exists, fresh))
 
+
+def test_an_object_whose_namespace_moved_to_another_pool_is_not_restored(daemons):
+    """Objects of a tenant pool's namespaces live only there: after a restart that gives a
+    tenant pool a namespace whose objects sit in the shared pools, those are dropped (every
+    member of the shared group can read them there), the others are kept."""
+    sock = daemons.socket_path
+    d = daemons(config(a_spaces=f'"{A}/*"'))
+    assert as_tenant(NOBODY, publish(sock, A)) == {A: 0, f"{A}/sub": 1}
+    d.stop(signal.SIGKILL)
+    d = daemons()  # the tenant pool holds the namespace A too now
+    with d.client() as root:
+        assert not root.exists("k1", namespace=A)
+        assert np.array_equal(root.get("k2", namespace=f"{A}/sub")["kv"],
+                              pattern(f"{A}/subk2", 8192))  # fmt: skip
+        assert root.stat().pools[0].used == 0
+    assert "its namespace lives in another pool now" in d.log() and f"{A}/k1" in d.log()
