@@ -280,3 +280,44 @@ def test_an_object_whose_namespace_moved_to_another_pool_is_not_restored(daemons
                               pattern(f"{A}/subk2", 8192))  # fmt: skip
         assert root.stat().pools[0].used == 0
     assert "its namespace lives in another pool now" in d.log() and f"{A}/k1" in d.log()
+
+
+# -- a daemon that is not root: its own user, with CAP_CHOWN (README) -----------------------
+DAEMON_UID = 60000  # no passwd entry
+
+
+def _as_daemon_user(fn):
+    """Run ``fn()`` in a forked child that is uid DAEMON_UID with CAP_CHOWN only, as the
+    README asks of a daemon that makes pools owned by tenants (AmbientCapabilities=)."""
+    import ctypes
+
+    def run():
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(8, 1, 0, 0, 0) != 0:  # PR_SET_KEEPCAPS: setuid keeps the permitted set
+            raise OSError(ctypes.get_errno(), "prctl")
+        os.setgroups([])
+        os.setgid(DAEMON_UID)
+        os.setuid(DAEMON_UID)
+        header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this pid
+        data = (ctypes.c_uint32 * 6)(1, 1, 0, 0, 0, 0)  # effective, permitted: CAP_CHOWN (0)
+        if libc.capset(header, data) != 0:
+            raise OSError(ctypes.get_errno(), "capset")
+        return fn()
+
+    return _as_user(0, 0, run)  # _as_user forks; run() drops to DAEMON_UID itself
+
+
+def test_a_daemon_that_is_not_root_frees_a_tenants_pool():
+    """/dev/shm is sticky: only a file's owner may remove it, and a tenant pool is owned by
+    its tenant. The daemon that made it so (CAP_CHOWN) still frees it at a stop."""
+    from kvbroker._server.pool import HostPool, segment_prefix
+
+    name = segment_prefix() + ".1"
+    pool = HostPool(1, name, 8192, 4096, uid=NOBODY)
+    try:
+        _as_daemon_user(pool.unlink)
+        assert not segment_exists(name)
+    finally:
+        if segment_exists(name):
+            os.unlink("/dev/shm" + name)
+

@@ -19,7 +19,7 @@ from .broker import Broker
 from .systemd import listen_fds
 from .._wire.paths import format_size
 from .journal import Journal, JournalError, journal_path
-from .pool import HostPool, segment_prefix
+from .pool import HostPool, segment_prefix, unlink_segment
 from ..errors import KVBrokerError
 
 if TYPE_CHECKING:
@@ -75,16 +75,15 @@ def acquire_lock(d: Daemon) -> None:
 
 
 def drop_segments(d: Daemon, names, keep=()) -> None:
-    import posix_ipc
-
     for name in names:
-        if name in keep:
+        if name in keep or not os.path.exists("/dev/shm" + name):
             continue
         try:
-            posix_ipc.unlink_shared_memory(name)
+            unlink_segment(name)  # a tenant's pool too
             log.info("removed shared memory %s left by a previous daemon", name)
-        except Exception:
-            pass
+        except Exception as exc:
+            log.warning("cannot remove shared memory %s left by a previous daemon: %s",
+                        name, exc)  # fmt: skip
 
 
 def start_broker(d: Daemon) -> None:
