@@ -321,3 +321,49 @@ def test_a_daemon_that_is_not_root_frees_a_tenants_pool():
         if segment_exists(name):
             os.unlink("/dev/shm" + name)
 
+
+def test_a_damaged_journal_with_a_tenant_pool_the_daemon_cannot_read(tmp_path):
+    """After a damaged journal the restart hashes checksummed objects again, from the pools.
+    A pool owned by its tenant's user (0600) is not the daemon's to read: its objects cannot
+    be vouched for and are dropped; the start goes on, the shared pool's objects are kept."""
+    import mmap
+
+    from kvbroker._server.broker import Broker
+    from kvbroker._server.policy import TenantPool
+    from kvbroker._server.pool import HostPool, segment_prefix
+    from kvbroker._server.restore import journal_records
+    from kvbroker._wire.checksum import digest, encode
+
+    prefix = segment_prefix()
+    tenant = TenantPool("a", 8 << 12, NOBODY, None, (A,))
+    pools = [HostPool(0, prefix + ".0", 8 << 12, 4096, uid=DAEMON_UID),
+             HostPool(1, prefix + ".1", 8 << 12, 4096, uid=NOBODY, tenant=tenant)]
+    try:
+        b = Broker(pools)
+        s = b.open_session()
+        b.handle(s, "hello", {"version": 1})
+        for ns in ("default", A):
+            r = b.handle(s, "reserve", {"namespace": ns, "key": "k", "buffers": {"x": 100}})
+            pool, off, n = r["buffers"]["x"]
+            shm = posix_ipc.SharedMemory(pools[pool].name)
+            with mmap.mmap(shm.fd, pools[pool].size) as mm:
+                mm[off:off + n] = data = os.urandom(n)
+            shm.close_fd()
+            b.handle(s, "seal", {"lease": r["lease"], "checksums": {"x": encode(digest(data))}})
+        records = journal_records(b)
+        assert [r["pool"] for r in records] == [0, 1]
+
+        def restart():
+            adopted = [HostPool.adopt(p.index, p.name, p.size, p.page_size) for p in pools]
+            adopted[1].tenant = tenant
+            b2 = Broker(adopted)
+            report: dict = {}
+            b2.restore(records, verify=True, report=report)
+            return sorted(f"{ns}/{k}" for ns, k in b2.objects), report
+
+        kept, report = _as_daemon_user(restart)
+        assert kept == ["default/k"]
+        assert list(report.values()) == [[f"{A}/k"]] and "cannot" in next(iter(report)), report
+    finally:
+        for p in pools:
+            p.unlink()

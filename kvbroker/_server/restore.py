@@ -200,12 +200,22 @@ def _verify(b: Broker, objs: list, drop, report) -> list:
                 continue
             m = maps.get(obj.pool.index)
             if m is None:
-                shm = posix_ipc.SharedMemory(obj.pool.name, posix_ipc.O_RDONLY, read_only=True)
                 try:
-                    m = maps[obj.pool.index] = mmap.mmap(shm.fd, obj.pool.size,
-                                                         prot=mmap.PROT_READ)  # fmt: skip
-                finally:
-                    shm.close_fd()
+                    shm = posix_ipc.SharedMemory(obj.pool.name, posix_ipc.O_RDONLY,
+                                                 read_only=True)  # fmt: skip
+                except posix_ipc.PermissionsError:  # a tenant's pool, its user's alone
+                    m = maps[obj.pool.index] = None
+                else:
+                    try:
+                        m = maps[obj.pool.index] = mmap.mmap(shm.fd, obj.pool.size,
+                                                             prot=mmap.PROT_READ)  # fmt: skip
+                    finally:
+                        shm.close_fd()
+            if m is None:
+                drop("its pool cannot be read by the daemon (a tenant pool owned by its "
+                     "user), so its bytes cannot be checked", f"{obj.namespace}/{obj.key}",
+                     obj.serial)  # fmt: skip
+                continue
             view = memoryview(m)
             try:
                 ok = all(_matches(matches, view[off:off + n], obj.checksums[name])
@@ -219,7 +229,8 @@ def _verify(b: Broker, objs: list, drop, report) -> list:
                      obj.serial)
     finally:
         for m in maps.values():
-            m.close()
+            if m is not None:
+                m.close()
     return out
 
 
