@@ -367,3 +367,77 @@ def test_a_damaged_journal_with_a_tenant_pool_the_daemon_cannot_read(tmp_path):
     finally:
         for p in pools:
             p.unlink()
+
+
+# -- what hello tells a tenant -----------------------------------------------------------------
+def work(sock: str, ns: str, other: int):
+    """As a tenant: its hello and stat, then the data paths (a put through the write arena,
+    one through reserve + seal, claim, get, a prefix cache) in its own namespace; and what
+    addressing the other tenant's pool (index ``other``) says."""
+    from kvbroker._server.config import load_config
+    from kvbroker._server.doctor import check_pools
+    from kvbroker._wire.protocol import check_reply
+    from kvbroker.prefix import PrefixCache
+
+    def run():
+        out = {}
+        with Client(sock, timeout=10, arena_size=64 << 10) as c:
+            out["hello"] = c.pools
+            out["hello_type"] = check_reply("hello", c._session.hello)  # None: a Hello
+            out["stat"] = [p.name for p in c.stat().pools]
+            sizes = {"small": 1000, "big": 60000}  # through the arena; reserve + seal
+            for key, n in sizes.items():
+                c.put(key, {"kv": pattern(ns + key, n)}, namespace=ns)
+            out["arena"] = c._arena.extent[0] if c._arena.extent else None
+            out["intact"] = [bool(np.array_equal(c.get(k, namespace=ns, verify=True)["kv"],
+                                                 pattern(ns + k, n))) for k, n in sizes.items()]
+            with c.claim("big", namespace=ns) as lease:
+                out["pool"] = lease._extents["kv"][0]
+            tokens = list(range(1, 50))
+            blocks = [{"k": pattern(f"{ns}{i}", 256)} for i in range(len(tokens) // 16)]
+            pc = PrefixCache(c, namespace=ns, block_size=16)
+            pc.publish(tokens, blocks)
+            with pc.match(tokens + [0]) as m:
+                out["prefix"] = [bool(np.array_equal(b["k"], blocks[i]["k"]))
+                                 for i, b in enumerate(m.blocks)]  # fmt: skip
+            try:
+                c._mapping(other)
+                out["other"] = "mapped"
+            except Forbidden as exc:
+                out["other"] = str(exc)
+        check = check_pools(load_config(env={"KVBROKER_SOCKET": sock}))
+        out["doctor"] = [check.status, check.detail]
+        return out
+
+    return run
+
+
+def test_hello_names_a_tenant_only_the_pools_it_may_map(daemons):
+    """Pool indices stay put (extents on the wire are [pool, offset, nbytes]): a pool of
+    another tenant is a placeholder, without its segment's name or size, in hello and stat;
+    the data paths work for both tenants, root (an admin) is told every pool."""
+    import json
+
+    sock = daemons.socket_path
+    d = daemons()
+    with d.client(map_pools=False) as root:
+        everything = root.pools
+        names = [p["name"] for p in everything]
+    assert len(names) == 3 and [p["index"] for p in everything] == [0, 1, 2]
+    a = as_tenant(NOBODY, work(sock, A, 2))
+    b = as_tenant(OTHER, work(sock, B, 1))
+    for out, own, other in ((a, 1, 2), (b, 2, 1)):
+        hidden = {"index": other, "hidden": True}
+        told = sorted([everything[0], everything[own], hidden], key=lambda p: p["index"])
+        assert out["hello"] == told and out["hello_type"] is None, out
+        assert names[other] not in json.dumps(out), out
+        assert out["stat"][own] == names[own] and out["stat"][other] == ""
+        assert out["pool"] == own and out["arena"] == own and all(out["intact"]), out
+        assert out["prefix"] == [True, True, True], out
+        assert f"pool {other} belongs to another tenant" in out["other"], out
+        assert out["doctor"][0] == "ok" and "2 pool(s) present" in out["doctor"][1], out
+    with d.client() as root:
+        assert [p.name for p in root.stat().pools] == names
+        assert sorted((o.namespace, o.key) for o in root.list()
+                      if o.key in ("small", "big")) == [(B, "big"), (B, "small"),
+                                                         (A, "big"), (A, "small")]  # fmt: skip

@@ -65,7 +65,8 @@ def op_hello(b: Broker, session: Session, version: int, name: str, role: str) ->
         "server_pid": os.getpid(),
         "session": session.id,
         "lease_ttl": b.lease_ttl,
-        "pools": [p.describe() for p in b.pools],
+        "pools": [p.describe() if b.pages.named_to(p, session)
+                  else {"index": p.index, "hidden": True} for p in b.pools],  # fmt: skip
         "epoch": b.epoch,
         "checksum_kinds": sorted(_checksum.KINDS),
     }
