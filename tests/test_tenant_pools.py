@@ -17,12 +17,12 @@ import zlib
 import numpy as np
 import posix_ipc
 import pytest
-
 from conftest import DaemonProcess, drop_leftover_pools
+from test_isolation import NOBODY, _as_user, needs_root
+
 from kvbroker import Client, Forbidden, QuotaExceeded
 from kvbroker._server.journal import journal_path
 from kvbroker._server.policy import user_name
-from test_isolation import NOBODY, _as_user, needs_root
 
 pytestmark = needs_root
 
@@ -176,7 +176,7 @@ def test_a_crashed_daemon_comes_back_with_every_tenant_pool(daemons):
         root.put("s", {"kv": pattern("shared", 5000)})
     assert as_tenant(NOBODY, publish(sock, A)) == {A: 1, f"{A}/sub": 1}
     assert as_tenant(OTHER, publish(sock, B)) == {B: 2}
-    names, used, spaces = before = snapshot(d)
+    names, used, _ = before = snapshot(d)
     assert len(names) == 3 and owners(names) == expected_owners()
     assert [u for u, _ in used] == [8192, 49152, 20480]
     d.stop(signal.SIGKILL)

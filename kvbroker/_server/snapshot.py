@@ -81,10 +81,12 @@ def statistics_for(b: Broker, session: Session, occupancy_cells: int = 64) -> St
     if access.admin:
         return snap
     can = access.can
+    named = b.pages.named_to
+    pools = tuple(p if named(b.pools[p.index], session) else dataclasses.replace(p, name="")
+                  for p in snap.pools)
     return dataclasses.replace(
         snap,
-        pools=tuple(p if b.pages.named_to(b.pools[p.index], session)
-                    else dataclasses.replace(p, name="") for p in snap.pools),  # fmt: skip
+        pools=pools,
         objects=sum(1 for ns, _ in b.objects if can(ns)),
         pending=sum(1 for ns, _ in b.pending if can(ns)),
         leases=tuple(x for x in snap.leases if can(x.namespace)),
