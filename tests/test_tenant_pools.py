@@ -441,3 +441,33 @@ def test_hello_names_a_tenant_only_the_pools_it_may_map(daemons):
         assert sorted((o.namespace, o.key) for o in root.list()
                       if o.key in ("small", "big")) == [(B, "big"), (B, "small"),
                                                          (A, "big"), (A, "small")]  # fmt: skip
+
+
+def test_pools_made_as_configured_are_owned_as_configured():
+    """The warm-restart owner check against pools as create_pools makes them: no false
+    alarm for a group's tenant pool or a shared group, and each change is named."""
+    from types import SimpleNamespace
+
+    from kvbroker._server.policy import TenantPool
+    from kvbroker._server.pool import HostPool, segment_prefix
+    from kvbroker._server.startup import _owners_changed
+
+    prefix = segment_prefix()
+    tenants = [TenantPool("u", 8192, NOBODY, None, ("u",)),
+               TenantPool("g", 8192, None, TEAM, ("g",))]
+    pools = [HostPool(0, prefix + ".0", 8192, 4096, mode=0o660, gid=TEAM),
+             HostPool(1, prefix + ".1", 8192, 4096, uid=NOBODY),
+             HostPool(2, prefix + ".2", 8192, 4096, mode=0o660, gid=TEAM)]
+    old = [p.describe() for p in pools]
+    try:
+        cfg = SimpleNamespace(pools=1, group=TEAM)
+        assert _owners_changed(cfg, old, tenants) == []
+        moved = [tenants[0], TenantPool("g", 8192, None, TEAM + 1, ("g",))]
+        assert _owners_changed(SimpleNamespace(pools=1, group=None), old, moved) == [
+            "pool 0 (shared) is owned by uid 0, gid 60001, mode 0660; the configuration asks "
+            "for uid 0, mode 0600",
+            "pool 2 (tenant_pools.g) is owned by uid 0, gid 60001, mode 0660; the "
+            "configuration asks for uid 0, gid 60002, mode 0660"]  # fmt: skip
+    finally:
+        for p in pools:
+            p.unlink()
