@@ -464,10 +464,10 @@ def test_pools_made_as_configured_are_owned_as_configured():
         assert _owners_changed(cfg, old, tenants) == []
         moved = [tenants[0], TenantPool("g", 8192, None, TEAM + 1, ("g",))]
         assert _owners_changed(SimpleNamespace(pools=1, group=None), old, moved) == [
-            "pool 0 (shared) is owned by uid 0, gid 60001, mode 0660; the configuration asks "
-            "for uid 0, mode 0600",
-            "pool 2 (tenant_pools.g) is owned by uid 0, gid 60001, mode 0660; the "
-            "configuration asks for uid 0, gid 60002, mode 0660"]  # fmt: skip
+            ("pool 0 (shared) is owned by uid 0, gid 60001, mode 0660; the configuration asks "
+             "for uid 0, mode 0600"),
+            ("pool 2 (tenant_pools.g) is owned by uid 0, gid 60001, mode 0660; the "
+             "configuration asks for uid 0, gid 60002, mode 0660")]  # fmt: skip
     finally:
         for p in pools:
             p.unlink()
