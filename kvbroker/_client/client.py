@@ -144,6 +144,8 @@ class Client:
                 self.pools = hello["pools"]
             if self._map_pools:
                 for pool in self.pools:
+                    if pool.get("hidden"):
+                        continue  # another tenant's own pool: the daemon does not name it
                     try:
                         self._mapping(pool["index"])
                     except Forbidden:

@@ -146,6 +146,8 @@ class GpuClient(RingClient):
         self.last_verify_s = 0.0
         try:
             for pool in self.client.pools:
+                if pool.get("hidden"):
+                    continue  # another tenant's own pool: the daemon does not name it
                 try:
                     m = self.client._mapping(pool["index"])
                 except Forbidden:

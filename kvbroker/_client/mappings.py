@@ -73,6 +73,9 @@ class ClientMappings:
         m = self._held.get(index)
         if m is None:
             p = pools[index]
+            if p.get("hidden"):
+                raise Forbidden(f"pool {index} belongs to another tenant ([tenant_pools]): "
+                                f"uid {os.getuid()} may not map it")  # fmt: skip
             m = self._held[index] = process_maps.acquire(
                 p["name"], lambda: PoolMapping(index, p["name"], p["size"])
             )

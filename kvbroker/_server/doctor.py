@@ -268,6 +268,8 @@ def check_pools(cfg: DaemonConfig) -> Check:
         pools = reply["result"]["pools"]
     except (OSError, KeyError, TypeError, ValueError) as exc:
         return Check(name, "skip", f"cannot ask the daemon at {cfg.socket_path}: {exc}")
+    hidden = sum(1 for p in pools if p.get("hidden"))  # other tenants': not named to us
+    pools = [p for p in pools if not p.get("hidden")]
     bad = []
     for p in pools:
         try:
@@ -281,7 +283,9 @@ def check_pools(cfg: DaemonConfig) -> Check:
         return Check(name, "fail", "; ".join(bad) + ": new clients cannot map it",
                      "restart the daemon (the objects in that pool are lost); find what "
                      "removes files in /dev/shm (systemd-logind RemoveIPC=, a cleanup job)")
-    return Check(name, "ok", f"{len(pools)} pool(s) present at their size")
+    return Check(name, "ok", f"{len(pools)} pool(s) present at their size"
+                 + (f" ({hidden} of other tenants not named to uid {os.getuid()})"
+                    if hidden else ""))  # fmt: skip
 
 
 CHECKS: tuple[Callable[[DaemonConfig], Check], ...] = (

@@ -59,13 +59,16 @@ def op_hello(b: Broker, session: Session, version: int, name: str, role: str) ->
             f"protocol version {version} is not supported (daemon speaks {PROTOCOL_VERSION})"
         )
     session.name, session.role, session.greeted = name[:MAX_NAME], role[:MAX_NAME], True
+    # Another tenant's pool keeps its index (extents name pools by index), not its segment.
+    pools = [p.describe() if b.pages.named_to(p, session) else {"index": p.index, "hidden": True}
+             for p in b.pools]
     return {
         "version": PROTOCOL_VERSION,
         "server_version": __version__,
         "server_pid": os.getpid(),
         "session": session.id,
         "lease_ttl": b.lease_ttl,
-        "pools": [p.describe() for p in b.pools],
+        "pools": pools,
         "epoch": b.epoch,
         "checksum_kinds": sorted(_checksum.KINDS),
     }

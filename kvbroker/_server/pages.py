@@ -67,6 +67,14 @@ class Pages:
         own = [p for p in self.pools if p.tenant is not None and p.tenant.holds(namespace)]
         return own[:1] or [p for p in self.pools if p.tenant is None]
 
+    @staticmethod
+    def named_to(pool: HostPool, session: Session) -> bool:
+        """Whether ``session`` is told ``pool``'s segment (hello, stat): a shared pool, a
+        tenant pool it can map (its user's, or its group's), or any pool to an admin. Another
+        tenant's pool keeps its index (extents name pools by index) without name or size."""
+        return (pool.tenant is None or session.access.admin
+                or pool.tenant.admits(session.uid, session.access.gids))  # fmt: skip
+
     def arena_pools(self, session: Session) -> list[HostPool]:
         """Where ``session``'s write arena goes: a tenant pool it can map, else the shared
         ones (a publish into a namespace of another pool falls back to reserve + seal)."""

@@ -12,6 +12,7 @@ first transfers do not pay a page fault per 4 KiB page.
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import shutil
@@ -22,7 +23,9 @@ from .allocator import ExtentAllocator
 from .._wire.paths import format_size
 from ..errors import KVBrokerError
 
-__all__ = ["HostPool", "segment_prefix"]
+__all__ = ["HostPool", "segment_prefix", "unlink_segment"]
+
+log = logging.getLogger("kvbroker.daemon")
 
 
 def segment_prefix(pid: int | None = None) -> str:
@@ -72,7 +75,7 @@ class HostPool:
                 ) from exc
         except BaseException:
             self._shm.close_fd()
-            self._shm.unlink()
+            unlink_segment(name)  # fchown may have made it a tenant's already
             raise
         self._shm.close_fd()
         self.allocator = ExtentAllocator(size // page_size)
@@ -121,6 +124,27 @@ class HostPool:
 
     def unlink(self) -> None:
         try:
-            posix_ipc.unlink_shared_memory(self.name)
+            unlink_segment(self.name)
+        except (OSError, posix_ipc.Error) as exc:
+            log.warning("cannot remove shared memory %s of pool %d (%s): it stays in /dev/shm "
+                        "until removed by hand or the machine restarts", self.name, self.index,
+                        exc)  # fmt: skip
+
+
+def unlink_segment(name: str) -> None:
+    """Remove the segment ``name`` (one already gone: nothing to do). /dev/shm is sticky:
+    only a file's owner may remove it, and a tenant pool belongs to its tenant's user; the
+    daemon gives it back to itself first (CAP_CHOWN, which made it the tenant's)."""
+    try:
+        posix_ipc.unlink_shared_memory(name)
+    except posix_ipc.ExistentialError:
+        pass
+    except posix_ipc.PermissionsError:
+        try:
+            os.chown("/dev/shm" + name, os.geteuid(), -1)
+        except FileNotFoundError:
+            return
+        try:
+            posix_ipc.unlink_shared_memory(name)
         except posix_ipc.ExistentialError:
             pass

@@ -50,7 +50,8 @@ def restore(b: Broker, records: Iterable[dict[str, Any]],
     came back.
 
     Nothing a record says is trusted: a record that does not describe an object inside its
-    pool is dropped; of two records of one key the later seal wins; of two whose pages
+    pool is dropped, and so is one in a pool its namespace may not live in (a tenant pool's
+    namespaces changed); of two records of one key the later seal wins; of two whose pages
     overlap, the later seal wins (the earlier one's pages hold the later one's bytes); a
     block whose parent was dropped (``dropped``: serials the journal already dropped) goes
     too. With ``verify`` (the journal was damaged), objects sealed with checksums are hashed
@@ -78,6 +79,10 @@ def restore(b: Broker, records: Iterable[dict[str, Any]],
             what = rec.get("namespace"), rec.get("key") if isinstance(rec, dict) else (None, None)
             drop(f"malformed record ({type(exc).__name__}: {exc})", f"{what[0]}/{what[1]}",
                  rec.get("serial") if isinstance(rec, dict) else None)
+            continue
+        if obj.pool not in b.pages.pools_for(obj.namespace):  # [tenant_pools] changed
+            drop("its namespace lives in another pool now", f"{obj.namespace}/{obj.key}",
+                 obj.serial)
             continue
         objs.append((obj, rec.get("parent")))
     latest: dict[tuple[str, str], StoredObject] = {}
@@ -195,12 +200,22 @@ def _verify(b: Broker, objs: list, drop, report) -> list:
                 continue
             m = maps.get(obj.pool.index)
             if m is None:
-                shm = posix_ipc.SharedMemory(obj.pool.name, posix_ipc.O_RDONLY, read_only=True)
                 try:
-                    m = maps[obj.pool.index] = mmap.mmap(shm.fd, obj.pool.size,
-                                                         prot=mmap.PROT_READ)  # fmt: skip
-                finally:
-                    shm.close_fd()
+                    shm = posix_ipc.SharedMemory(obj.pool.name, posix_ipc.O_RDONLY,
+                                                 read_only=True)  # fmt: skip
+                except posix_ipc.PermissionsError:  # a tenant's pool, its user's alone
+                    m = maps[obj.pool.index] = None
+                else:
+                    try:
+                        m = maps[obj.pool.index] = mmap.mmap(shm.fd, obj.pool.size,
+                                                             prot=mmap.PROT_READ)  # fmt: skip
+                    finally:
+                        shm.close_fd()
+            if m is None:
+                drop("its pool cannot be read by the daemon (a tenant pool owned by its "
+                     "user), so its bytes cannot be checked", f"{obj.namespace}/{obj.key}",
+                     obj.serial)  # fmt: skip
+                continue
             view = memoryview(m)
             try:
                 ok = all(_matches(matches, view[off:off + n], obj.checksums[name])
@@ -214,7 +229,8 @@ def _verify(b: Broker, objs: list, drop, report) -> list:
                      obj.serial)
     finally:
         for m in maps.values():
-            m.close()
+            if m is not None:
+                m.close()
     return out
 
 

@@ -74,14 +74,19 @@ def statistics(b: Broker, occupancy_cells: int = 64) -> Statistics:
 def statistics_for(b: Broker, session: Session, occupancy_cells: int = 64) -> Statistics:
     """The statistics as this connection may see them: under a tenant policy, the names of
     namespaces it cannot read (their objects, leases, transfers, usage) and other users'
-    connections are left out; pool-wide figures and counters stay."""
+    connections are left out, and so is the segment name of another tenant's pool (as in
+    hello); pool-wide figures and counters stay."""
     snap = statistics(b, occupancy_cells)
     access = session.access
     if access.admin:
         return snap
     can = access.can
+    named = b.pages.named_to
+    pools = tuple(p if named(b.pools[p.index], session) else dataclasses.replace(p, name="")
+                  for p in snap.pools)
     return dataclasses.replace(
         snap,
+        pools=pools,
         objects=sum(1 for ns, _ in b.objects if can(ns)),
         pending=sum(1 for ns, _ in b.pending if can(ns)),
         leases=tuple(x for x in snap.leases if can(x.namespace)),

@@ -19,7 +19,7 @@ from .broker import Broker
 from .systemd import listen_fds
 from .._wire.paths import format_size
 from .journal import Journal, JournalError, journal_path
-from .pool import HostPool, segment_prefix
+from .pool import HostPool, segment_prefix, unlink_segment
 from ..errors import KVBrokerError
 
 if TYPE_CHECKING:
@@ -75,16 +75,15 @@ def acquire_lock(d: Daemon) -> None:
 
 
 def drop_segments(d: Daemon, names, keep=()) -> None:
-    import posix_ipc
-
     for name in names:
-        if name in keep:
+        if name in keep or not os.path.exists("/dev/shm" + name):
             continue
         try:
-            posix_ipc.unlink_shared_memory(name)
+            unlink_segment(name)  # a tenant's pool too
             log.info("removed shared memory %s left by a previous daemon", name)
-        except Exception:
-            pass
+        except Exception as exc:
+            log.warning("cannot remove shared memory %s left by a previous daemon: %s",
+                        name, exc)  # fmt: skip
 
 
 def start_broker(d: Daemon) -> None:
@@ -218,6 +217,21 @@ def adopt_pools(d: Daemon, rec) -> bool:
             f"pages of {format_size(cfg.page_size)}: start with the same geometry to keep "
             "them, or with --cold to drop them"
         )
+    changed = _owners_changed(cfg, old, tenants)
+    if changed:  # a pool given to someone else must not hand them the old owner's bytes
+        if d._previous_kept:
+            log.warning("the previous daemon of %s kept %d sealed object(s) for this one, but "
+                        "this configuration gives its pools other owners (%s): dropping "
+                        "them, starting empty", cfg.socket_path, len(rec.objects),
+                        "; ".join(changed))  # fmt: skip
+            drop_segments(d, [p["name"] for p in old])
+            return False
+        raise DaemonError(
+            f"the previous daemon of {cfg.socket_path} left {len(rec.objects)} sealed "
+            f"object(s) in pools that this configuration gives other owners "
+            f"({'; '.join(changed)}): start with the same owners to keep them, or with "
+            "--cold to drop them"
+        )
     try:
         for i, p in enumerate(old):
             pool = HostPool.adopt(i, p["name"], p["size"], p["page_size"])
@@ -231,6 +245,33 @@ def adopt_pools(d: Daemon, rec) -> bool:
         drop_segments(d, [p["name"] for p in old])
         return False
     return True
+
+
+def _owners_changed(cfg, old: list[dict], tenants: list) -> list[str]:
+    """How the segments ``old`` (a journal's pools) are owned otherwise than ``cfg`` would
+    create them: the shared pools by the daemon's uid (and ``group``, mode 0660, if set), a
+    tenant pool by its user (0600) or its group (0660). The owner a segment was made with is
+    what the kernel checks; a segment that is gone is HostPool.adopt's to report."""
+    out = []
+    for i, p in enumerate(old):
+        try:
+            st = os.stat("/dev/shm" + p["name"])
+        except OSError:
+            continue
+        if i < cfg.pools:
+            what, uid, gid = "shared", os.geteuid(), cfg.group
+            mode = 0o600 if cfg.group is None else 0o660
+        else:
+            t = tenants[i - cfg.pools]
+            what = f"tenant_pools.{t.name}"
+            uid, gid, mode = (t.uid, None, 0o600) if t.uid is not None \
+                else (os.geteuid(), t.gid, 0o660)  # fmt: skip
+        have = (st.st_uid, st.st_gid, st.st_mode & 0o7777)
+        if have[0] != uid or (gid is not None and have[1] != gid) or have[2] != mode:
+            out.append(f"pool {i} ({what}) is owned by uid {have[0]}, gid {have[1]}, mode "
+                       f"{have[2]:04o}; the configuration asks for uid {uid}"
+                       f"{'' if gid is None else f', gid {gid}'}, mode {mode:04o}")  # fmt: skip
+    return out
 
 
 def write_lock_record(d: Daemon) -> None:

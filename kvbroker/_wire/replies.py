@@ -16,8 +16,8 @@ from typing import Any, Literal, NotRequired, TypedDict
 from .stats import ObjectInfo
 
 __all__ = [
-    "Extent", "Empty", "PoolInfo", "Hello", "Reserved", "Sealed", "ArenaLent", "Published",
-    "Claimed", "Renewed", "Listed", "Evicted", "BlockReserved", "BlockExists",
+    "Extent", "Empty", "PoolInfo", "HiddenPool", "Hello", "Reserved", "Sealed", "ArenaLent",
+    "Published", "Claimed", "Renewed", "Listed", "Evicted", "BlockReserved", "BlockExists",
     "BlocksReserved", "SealedMany", "PrefixMatch", "RingInfo", "Rings", "RingRegion",
     "RingClaimed", "Watching", "Pong", "Reported", "Fetched", "mismatch",
 ]  # fmt: skip
@@ -37,13 +37,22 @@ class PoolInfo(TypedDict):
     page_size: int
 
 
+class HiddenPool(TypedDict):
+    """Another tenant's pool (``[tenant_pools]``): its index, not its segment."""
+
+    index: int
+    hidden: bool  # always true
+
+
 class Hello(TypedDict):
     version: int
     server_version: str
     server_pid: int
     session: int
     lease_ttl: float
-    pools: list[PoolInfo]
+    # every pool, in index order (an Extent's pool); a pool of another tenant, which this
+    # client may not map, only as a HiddenPool
+    pools: list[PoolInfo | HiddenPool]
     epoch: int  # starts of this socket's daemon that adopted the previous one's pools
     # the checksum kinds a seal may carry (kvbroker._wire.checksum.KINDS); a daemon that
     # does not send this field accepts kind 0 (bare integers) only
