@@ -60,3 +60,30 @@ def test_close_is_bounded_when_only_pushes_arrive():
     session.close(drain_timeout=0.2)
     assert time.monotonic() - started < 2
     assert session._stream.closed
+
+
+def test_a_pending_result_asked_twice_answers_again_without_waiting():
+    """``Pending.result()`` a second time (an error path that asks every pending request it
+    knows of, the one that just raised included) gives the same answer at once: it must not
+    wait on the stream for a reply that was already read (a hang until the call timeout)."""
+    import pytest
+
+    from kvbroker.errors import PoolFull
+
+    replies = []
+
+    def script(s):
+        if not replies:
+            raise AssertionError("read past the last reply: result() waited for a reply again")
+        return replies.pop(0)
+
+    session = Session(ScriptedStream(script))
+    full = session.submit("reserve_blocks", blocks=[])
+    ok = session.submit("ping")
+    replies += [{"id": full._rid, "ok": False, "error": {"code": "pool_full", "message": "x"}},
+                {"id": ok._rid, "ok": True, "result": {"pong": 1}}]  # fmt: skip
+    for _ in range(2):
+        with pytest.raises(PoolFull):
+            full.result()
+    assert ok.result() == ok.result() == {"pong": 1}
+    assert not session._replies and not session._submitted

@@ -362,3 +362,26 @@ def test_importing_kvbroker_and_the_connector_package_imports_neither_vllm_nor_t
             "print(sorted(m for m in ('vllm', 'torch') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_a_save_refused_for_room_raises_at_once_and_leaves_nothing_leased(make_daemon):
+    """A reservation refused (PoolFull) while later chunks' reservations are queued: the save
+    raises PoolFull at once (not after the client's timeout, re-reading the reply it had
+    already taken) and aborts what the queued reservations got."""
+    import time
+
+    from kvbroker.errors import PoolFull
+    from kvbroker.integrations.vllm._cuda import save_cuda
+    from kvbroker.integrations.vllm._paged import copier_for
+
+    L, B, H, N, D = 2, 8, 1, 16, 32  # 4 KiB blocks: a page each
+    src, _ = vllm_like(L, B, H, N, D, torch.bfloat16, "cpu")
+    fmt = _fmt(L, H, N, D, torch.bfloat16)
+    daemon = make_daemon("--pool-size", "12K", "--page-size", "4K")  # three blocks
+    with daemon.client(timeout=10) as client:
+        started = time.monotonic()
+        with pytest.raises(PoolFull):  # one block a chunk: the fourth reservation is refused
+            save_cuda(client, NS, fmt, cuda_cache(src, "packed"), _items(HASHES, range(6)),
+                      copier=copier_for("cpu"), staging_bytes=2 * fmt.block_nbytes)  # fmt: skip
+        assert time.monotonic() - started < 5
+        assert [c.write_leases for c in client.stat().clients] == [0]

@@ -17,7 +17,7 @@ from .framing import MessageStream
 from .._wire.replies import Hello as HelloReply
 from .ops import Ops
 from .._wire.protocol import PROTOCOL_VERSION
-from ..errors import BrokerUnavailable, KVBrokerError, ProtocolError, error_for_code
+from ..errors import BrokerUnavailable, KVBrokerError, ProtocolError, Timeout, error_for_code
 
 __all__ = ["Pending", "Session"]
 
@@ -86,6 +86,9 @@ class Session:
     def result(self, rid: int) -> Any:
         """The reply to submitted request ``rid`` (its error raised)."""
         with self._lock:
+            if rid not in self._submitted and rid not in self._replies:
+                # its result was taken (or it was never submitted): nothing will come
+                raise KVBrokerError(f"request {rid} has no reply left to wait for")
             try:
                 while rid not in self._replies:
                     msg = self._stream.receive()
@@ -207,8 +210,9 @@ class Session:
     def _drain(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout  # pushes (a watch) must not keep it waiting
         try:
-            self._unanswered |= self._submitted  # submitted, never asked for: read now
-            self._submitted.clear()
+            # submitted, never asked for: read now (kept submitted: a result asked for after
+            # the close raises BrokerUnavailable, as the connection is gone)
+            self._unanswered |= self._submitted
             while self._unanswered:
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -225,12 +229,24 @@ class Session:
 
 
 class Pending:
-    """A request sent by :meth:`Session.submit`; :meth:`result` waits for its reply."""
+    """A request sent by :meth:`Session.submit`; :meth:`result` waits for its reply (asked
+    again, it gives the same reply or raises the same error)."""
 
-    __slots__ = ("_session", "_rid")
+    __slots__ = ("_session", "_rid", "_outcome")
 
     def __init__(self, session: Session, rid: int) -> None:
         self._session, self._rid = session, rid
+        self._outcome: tuple[bool, Any] | None = None
 
     def result(self) -> Any:
-        return self._session.result(self._rid)
+        if self._outcome is None:
+            try:
+                self._outcome = (True, self._session.result(self._rid))
+            except Timeout:
+                raise  # the reply may still come: asking again waits for it again
+            except KVBrokerError as exc:
+                self._outcome = (False, exc)
+        ok, value = self._outcome
+        if ok:
+            return value
+        raise value
