@@ -385,3 +385,35 @@ def test_a_save_refused_for_room_raises_at_once_and_leaves_nothing_leased(make_d
                       copier=copier_for("cpu"), staging_bytes=2 * fmt.block_nbytes)  # fmt: skip
         assert time.monotonic() - started < 5
         assert [c.write_leases for c in client.stat().clients] == [0]
+
+
+def test_a_save_when_the_daemon_dies_raises_at_once(make_daemon):
+    """The daemon killed mid-save: the save raises BrokerUnavailable at once. Its leases died
+    with the connection, so the error path does not reconnect (up to the client's
+    ``reconnect`` seconds) just to abort them."""
+    import signal
+    import time
+
+    from kvbroker.errors import BrokerUnavailable
+    from kvbroker.integrations.vllm._cuda import save_cuda
+    from kvbroker.integrations.vllm._paged import copier_for
+
+    L, B, H, N, D = 2, 8, 1, 16, 32
+    src, _ = vllm_like(L, B, H, N, D, torch.bfloat16, "cpu")
+    fmt = _fmt(L, H, N, D, torch.bfloat16)
+    daemon = make_daemon("--pool-size", "64M", "--page-size", "4K")
+    memmove = copier_for("cpu")
+    copies = []
+
+    def dying(runs, stream):
+        copies.append(runs)
+        if len(copies) == 2:
+            daemon.stop(signal.SIGKILL)
+        return memmove(runs, stream)
+
+    with daemon.client(reconnect=10) as client:
+        started = time.monotonic()
+        with pytest.raises(BrokerUnavailable):
+            save_cuda(client, NS, fmt, cuda_cache(src, "packed"), _items(HASHES, range(6)),
+                      copier=dying, staging_bytes=2 * fmt.block_nbytes)  # fmt: skip
+        assert time.monotonic() - started < 5
