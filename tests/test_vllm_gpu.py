@@ -149,6 +149,47 @@ def test_blocks_of_named_buffers_load_like_packed_ones(client):
             assert torch.equal(_bits(kv.permute(1, 2, 0, 3)), _bits(p6[layer, :, b]))
 
 
+@pytest.mark.parametrize("packed_first", [False, True])
+def test_a_prefix_of_named_and_packed_blocks_loads_whole(client, packed_first):
+    """One chain of both block forms (a connector upgraded on a node whose daemon kept the
+    named blocks of the old one, or publish_kv beside the connector): the match replies a map
+    per block, and the staging path reads each in its form, whichever the first is."""
+    from kvbroker.integrations.vllm._cuda import load_cuda, save_cuda
+    from kvbroker.integrations.vllm._paged import copier_for
+    from kvbroker.prefix import PrefixCache
+
+    L, B, H, N, D = 2, 8, 2, 32, 32
+    fmt = _fmt(L, H, N, D, torch.float32)
+    memmove = copier_for("cpu")
+    cpu_layout, _ = vllm_like(L, B, H, N, D, torch.float32, "cpu", "HND", seed=3)
+    host = host_cache(cpu_layout, "cpu")
+    src, _ = vllm_like(L, B, H, N, D, torch.float32, "cpu", "NHD", seed=4)
+    s6 = cuda_cache(src, "packed")
+    pc = PrefixCache(client, namespace=NS, block_size=N, tp_rank=0, tp_size=1, total_kv_heads=H)
+    tokens = list(range(4 * N + 1))
+    hashes = pc.hashes(tokens)
+    if packed_first:  # blocks 0-1 packed, 2-3 named
+        save_cuda(client, NS, fmt, s6, _items(hashes[:2], [0, 1]), copier=memmove)
+        assert pc.publish_kv(tokens, host, [6, 7, 2, 3]) == 2
+    else:  # blocks 0-1 named, 2-3 packed
+        assert pc.publish_kv(tokens[: 2 * N + 1], host, [0, 1]) == 2
+        assert save_cuda(client, NS, fmt, s6, _items(hashes, [6, 7, 2, 3]),
+                         copier=memmove) == (2, 2)  # fmt: skip
+    dst, _ = vllm_like(L, B, H, N, D, torch.float32, "cpu", "NHD", seed=5)
+    d6 = cuda_cache(dst, "packed")
+    assert load_cuda(client, NS, fmt, d6, hashes, [4, 5, 6, 7], copier=memmove) == 4
+    out_layout, _ = vllm_like(L, B, H, N, D, torch.float32, "cpu", "HND", seed=6)
+    out = host_cache(out_layout, "cpu")
+    assert load_host(client, NS, fmt, out, hashes, [4, 5, 6, 7]) == 4  # the host path too
+    for j, b in enumerate([4, 5, 6, 7]):
+        want = [s6[layer, :, j] for layer in range(L)] if (j < 2) == packed_first else [
+            cpu_layout[layer].view(B, H, 2, N, D)[j].permute(1, 2, 0, 3) for layer in range(L)]
+        for layer in range(L):  # [K/V, token, head, dim]
+            assert torch.equal(_bits(d6[layer, :, b]), _bits(want[layer]))
+            got = out_layout[layer].view(B, H, 2, N, D)[b].permute(1, 2, 0, 3)
+            assert torch.equal(_bits(got), _bits(want[layer]))
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.data())
 def test_pool_runs_move_every_buffer_where_one_copy_per_buffer_would(data):
