@@ -87,3 +87,18 @@ def test_a_pending_result_asked_twice_answers_again_without_waiting():
             full.result()
     assert ok.result() == ok.result() == {"pong": 1}
     assert not session._replies and not session._submitted
+
+
+def test_a_connection_level_error_reaches_the_pending_result_as_the_daemon_said_it():
+    """The daemon answers a request it cannot read (a frame over its limit) with an error of
+    no id, then closes: ``result()`` raises that error, as ``call`` does, not a complaint
+    about an id."""
+    import pytest
+
+    from kvbroker.errors import ProtocolError
+
+    session = Session(ScriptedStream(lambda s: {"id": None, "ok": False, "error": {
+        "code": "protocol", "message": "frame exceeds the size limit"}}))  # fmt: skip
+    pending = session.submit("lookup", key="k")
+    with pytest.raises(ProtocolError, match="frame exceeds the size limit"):
+        pending.result()

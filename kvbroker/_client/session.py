@@ -100,6 +100,11 @@ class Session:
                         self._settle(msg)
                     elif msg.get("id") in self._submitted:
                         self._replies[msg["id"]] = msg
+                    elif msg.get("id") is None and msg.get("ok") is False:
+                        # about the connection (a frame it could not read): it closes it
+                        err = msg.get("error") or {}
+                        raise error_for_code(str(err.get("code", "error")),
+                                             str(err.get("message", "")))
                     else:
                         raise ProtocolError(f"reply {msg.get('id')} answers no request of "
                                             "this session")  # fmt: skip
