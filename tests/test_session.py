@@ -102,3 +102,27 @@ def test_a_connection_level_error_reaches_the_pending_result_as_the_daemon_said_
     pending = session.submit("lookup", key="k")
     with pytest.raises(ProtocolError, match="frame exceeds the size limit"):
         pending.result()
+
+
+def test_replies_nobody_will_take_are_not_kept():
+    """A Pending dropped without asking for its result: its reply, read while another call
+    waits, is not kept for ever in the session (a fire-and-forget caller would grow it
+    without bound)."""
+    import gc
+
+    answered = iter(range(2, 103))  # the daemon answers in order: 100 pings, then the call
+    session = Session(ScriptedStream(lambda s: {"id": next(answered), "ok": True,
+                                                "result": None}))  # fmt: skip
+    for _ in range(100):
+        session.submit("ping")  # the Pending is dropped at once
+    gc.collect()
+    session.call("ping")
+    assert not session._replies and not session._submitted and not session._unanswered
+    answered = iter([103, 104, 105])
+    kept = session.submit("ping")
+    session.call("ping")  # reads the submitted ping's reply first: kept for its Pending
+    assert list(session._replies) == [103]
+    del kept
+    gc.collect()
+    session.call("ping")
+    assert not session._replies and not session._submitted and not session._unanswered

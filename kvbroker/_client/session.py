@@ -35,6 +35,7 @@ class Session:
         self._unanswered: set[int] = set()  # ids sent with send_only, replies not read yet
         self._submitted: set[int] = set()  # ids sent with submit, their result not taken yet
         self._replies: dict[int, dict] = {}  # replies to those read while waiting for others
+        self._dropped: list[int] = []  # ids of Pendings dropped unasked (appended lock-free)
         self.on_push: Callable[[dict], None] | None = None
         self.broken = False  # the connection failed: the client may replace this session
         self.hello: HelloReply = Ops(self.call, self.send_only).hello(PROTOCOL_VERSION, name,
@@ -42,6 +43,7 @@ class Session:
 
     def call(self, op: str, **args: Any) -> Any:
         with self._lock:
+            self._forget_dropped()
             try:
                 rid = self._send(op, args)
                 while True:
@@ -75,6 +77,7 @@ class Session:
         asks (or while another call waits), so a caller can keep several requests in the
         daemon's queue and work meanwhile. Errors are raised by ``result``."""
         with self._lock:
+            self._forget_dropped()
             try:
                 rid = self._send(op, args)
             except BrokerUnavailable:
@@ -82,6 +85,19 @@ class Session:
                 raise
             self._submitted.add(rid)
             return Pending(self, rid)
+
+    def _forget_dropped(self) -> None:
+        """Requests whose Pending was dropped unasked: their replies are read (and a failure
+        logged) like a send_only's, not kept. Under the lock: ``Pending.__del__`` cannot
+        take it (it may run inside a locked call of this thread)."""
+        while self._dropped:
+            rid = self._dropped.pop()
+            if rid in self._replies:
+                self._unanswered.add(rid)
+                self._settle(self._replies.pop(rid))
+            elif rid in self._submitted:
+                self._unanswered.add(rid)
+            self._submitted.discard(rid)
 
     def result(self, rid: int) -> Any:
         """The reply to submitted request ``rid`` (its error raised)."""
@@ -255,3 +271,7 @@ class Pending:
         if ok:
             return value
         raise value
+
+    def __del__(self) -> None:
+        if self._outcome is None:  # never answered: the session need not keep its reply
+            self._session._dropped.append(self._rid)
