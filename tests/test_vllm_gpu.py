@@ -190,6 +190,28 @@ def test_a_prefix_of_named_and_packed_blocks_loads_whole(client, packed_first):
             assert torch.equal(_bits(got), _bits(want[layer]))
 
 
+def test_a_host_save_whose_seal_is_refused_holds_nothing(make_daemon):
+    """The host path's seal refused (a daemon requiring checksums; the host path seals
+    without): its reservations are aborted, not left leased until their TTL, holding pool
+    pages, every step."""
+    daemon = make_daemon("--pool-size", "8M", "--page-size", "4K",
+                         env={"KVBROKER_REQUIRE_CHECKSUMS": "true"})  # fmt: skip
+    from kvbroker.errors import BadRequest
+
+    L, B, H, N, D = 2, 8, 2, 16, 32
+    layers, _ = vllm_like(L, B, H, N, D, torch.float32, "cpu", "HND")
+    fmt = _fmt(L, H, N, D, torch.float32)
+    with daemon.client() as client:
+        save = HostSave(client, NS, fmt, host_cache(layers, "cpu"), _items(HASHES[:3], [0, 1, 2]))
+        save.reserve()
+        for layer in range(L):
+            save.copy_layer(layer)
+        with pytest.raises(BadRequest, match="require_checksums"):
+            save.seal()
+        save.abort()  # what the worker does next: must not be a no-op
+        assert [c.write_leases for c in client.stat().clients] == [0]
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.data())
 def test_pool_runs_move_every_buffer_where_one_copy_per_buffer_would(data):
