@@ -126,3 +126,22 @@ def test_replies_nobody_will_take_are_not_kept():
     gc.collect()
     session.call("ping")
     assert not session._replies and not session._submitted and not session._unanswered
+
+
+def test_a_pipelined_reply_read_while_waiting_for_a_push_is_kept_for_its_result():
+    """``next_push`` (a watch) reading the reply of a submitted request keeps it for its
+    ``result()``, an error included (not raised at the watcher, not dropped)."""
+    import pytest
+
+    from kvbroker.errors import Exists
+
+    messages = []
+    session = Session(ScriptedStream(lambda s: messages.pop(0)))
+    ok, clash = session.submit("ping"), session.submit("reserve", key="k")
+    messages += [{"id": ok._rid, "ok": True, "result": {"epoch": 1}},
+                 {"id": clash._rid, "ok": False, "error": {"code": "exists", "message": "k"}},
+                 {"push": "stats", "result": {}}]  # fmt: skip
+    assert session.next_push()["push"] == "stats"
+    assert ok.result() == {"epoch": 1}
+    with pytest.raises(Exists):
+        clash.result()

@@ -203,6 +203,9 @@ class Session:
                 if isinstance(msg, dict) and msg.get("id") in self._unanswered:
                     self._settle(msg)
                     continue
+                if isinstance(msg, dict) and msg.get("id") in self._submitted:
+                    self._replies[msg["id"]] = msg  # for its result()
+                    continue
                 if isinstance(msg, dict) and not msg.get("ok", True):
                     err = msg.get("error") or {}
                     raise error_for_code(str(err.get("code")), str(err.get("message", "")))
