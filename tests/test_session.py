@@ -145,3 +145,35 @@ def test_a_pipelined_reply_read_while_waiting_for_a_push_is_kept_for_its_result(
     assert ok.result() == {"epoch": 1}
     with pytest.raises(Exists):
         clash.result()
+
+
+def test_a_call_that_timed_out_does_not_shift_every_later_reply():
+    """A call gives up (the daemon stalled past the timeout); its reply comes later. The next
+    call reads it first: dropped as the abandoned request's, not answered with
+    'reply N does not answer request N+1' by this and every later call."""
+    import pytest
+
+    from kvbroker.errors import Timeout
+
+    queue = []
+
+    def script(s):
+        if not queue:
+            raise Timeout("the daemon did not answer in time")
+        return queue.pop(0)
+
+    session = Session(ScriptedStream(script))
+    with pytest.raises(Timeout):
+        session.call("ping")
+    late = session._stream.sent[-1]["id"]
+    queue += [{"id": late, "ok": True, "result": "late"}, {"id": late + 1, "ok": True, "result": "a"}]
+    assert session.call("ping") == "a"
+    queue += [{"id": late + 2, "ok": True, "result": "b"}]
+    assert session.call("ping") == "b"
+    assert not session._unanswered
+    stalled = Session(ScriptedStream(script))  # and closing does not wait for a late reply
+    with pytest.raises(Timeout):
+        stalled.call("ping")
+    stalled._stream._script = lambda s: pytest.fail("close waited for the abandoned reply")
+    stalled.close()
+    assert stalled._stream.closed

@@ -33,6 +33,7 @@ class Session:
         self._lock = threading.Lock()
         self._pushes: deque[dict] = deque(maxlen=64)
         self._unanswered: set[int] = set()  # ids sent with send_only, replies not read yet
+        self._abandoned: set[int] = set()  # of those, calls that timed out: close won't wait
         self._submitted: set[int] = set()  # ids sent with submit, their result not taken yet
         self._replies: dict[int, dict] = {}  # replies to those read while waiting for others
         self._dropped: list[int] = []  # ids of Pendings dropped unasked (appended lock-free)
@@ -44,6 +45,7 @@ class Session:
     def call(self, op: str, **args: Any) -> Any:
         with self._lock:
             self._forget_dropped()
+            rid = None
             try:
                 rid = self._send(op, args)
                 while True:
@@ -69,6 +71,13 @@ class Session:
                     break
             except BrokerUnavailable:
                 self.broken = True  # the transport failed, as opposed to a reply saying so
+                raise
+            except Timeout:
+                # given up on, not forgotten: its reply, if the daemon still sends it, is read
+                # and dropped by a later call instead of being taken for that call's own
+                if rid is not None:
+                    self._unanswered.add(rid)
+                    self._abandoned.add(rid)
                 raise
         raise error_for_code(str(err.get("code", "error")), str(err.get("message", "")))
 
@@ -182,6 +191,7 @@ class Session:
 
     def _settle(self, msg: dict) -> None:
         self._unanswered.discard(msg["id"])
+        self._abandoned.discard(msg["id"])
         if not msg.get("ok"):
             err = msg.get("error") or {}
             log.warning("request %s failed after the fact: %s: %s",
@@ -225,7 +235,7 @@ class Session:
         # woken by the close instead, as before.
         if self._lock.acquire(blocking=False):
             try:
-                if (self._unanswered or self._submitted) and not self.broken:
+                if (self._unanswered - self._abandoned or self._submitted) and not self.broken:
                     self._drain(drain_timeout)
             finally:
                 self._lock.release()
@@ -237,7 +247,7 @@ class Session:
             # submitted, never asked for: read now (kept submitted: a result asked for after
             # the close raises BrokerUnavailable, as the connection is gone)
             self._unanswered |= self._submitted
-            while self._unanswered:
+            while self._unanswered - self._abandoned:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TimeoutError(f"no reply within {timeout:g} s")
