@@ -480,3 +480,43 @@ def test_a_save_when_the_daemon_dies_raises_at_once(make_daemon):
             save_cuda(client, NS, fmt, cuda_cache(src, "packed"), _items(HASHES, range(6)),
                       copier=dying, staging_bytes=2 * fmt.block_nbytes)  # fmt: skip
         assert time.monotonic() - started < 5
+
+
+def test_a_save_when_the_daemon_stalls_raises_after_one_timeout(make_daemon):
+    """The daemon stops answering mid-save (stopped, hung): the save raises Timeout once the
+    client's timeout ran out, not after one more timeout per reply its error path would wait
+    for (the sealed chunks', the queued reservations')."""
+    import signal
+    import time
+
+    from kvbroker.errors import Timeout
+    from kvbroker.integrations.vllm._cuda import save_cuda
+    from kvbroker.integrations.vllm._paged import copier_for
+
+    L, B, H, N, D = 2, 48, 1, 16, 32
+    src, _ = vllm_like(L, B, H, N, D, torch.bfloat16, "cpu")
+    fmt = _fmt(L, H, N, D, torch.bfloat16)
+    hashes = [f"{i:032x}" for i in range(1, 41)]
+    daemon = make_daemon("--pool-size", "64M", "--page-size", "4K")
+    memmove = copier_for("cpu")
+    copies = []
+
+    def stalling(runs, stream):
+        copies.append(runs)
+        if len(copies) == 3:
+            daemon.proc.send_signal(signal.SIGSTOP)
+        return memmove(runs, stream)
+
+    try:
+        with daemon.client(timeout=1, reconnect=0) as client:
+            started = time.monotonic()
+            with pytest.raises(Timeout):
+                save_cuda(client, NS, fmt, cuda_cache(src, "packed"), _items(hashes, range(40)),
+                          copier=stalling, staging_bytes=16 * fmt.block_nbytes)  # fmt: skip
+            took = time.monotonic() - started
+            daemon.proc.send_signal(signal.SIGCONT)
+    finally:
+        daemon.proc.send_signal(signal.SIGCONT)
+    assert took < 3, f"{took:.1f} s for a 1 s timeout"
+    with daemon.client() as other:  # the stalled client's leases ended with its connection
+        assert [c.write_leases for c in other.stat().clients] == [0]

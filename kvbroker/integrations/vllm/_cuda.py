@@ -28,7 +28,7 @@ from __future__ import annotations
 import collections
 from collections.abc import Sequence
 
-from kvbroker.errors import KVBrokerError, LayoutMismatch
+from kvbroker.errors import KVBrokerError, LayoutMismatch, Timeout
 from kvbroker.layout import Layout
 
 from . import _ops
@@ -157,19 +157,27 @@ def save_cuda(client, namespace: str, fmt: BlockFormat, cache, items: Sequence[S
             pending.result()
             sealing.pop(0)
             _forget(unsealed, done_leases)
-    except BaseException:
+    except BaseException as exc:
         if cuda:
             dma.synchronize()  # no DMA may still write into pages the abort frees
             gather.synchronize()
+        # a daemon that stopped answering is not waited for again, a timeout per reply
+        answering = not isinstance(exc, Timeout)
         for pending, done_leases in sealing:  # what did get sealed is the broker's now
             try:
-                pending.result()
-                _forget(unsealed, done_leases)
+                if answering:
+                    pending.result()
+                    _forget(unsealed, done_leases)
+            except Timeout:
+                answering = False
             except KVBrokerError:
                 pass
         for later in asked[answered:]:  # reservations still queued: abort them too
             try:
-                unsealed += later.result().taken
+                if answering:
+                    unsealed += later.result().taken
+            except Timeout:
+                answering = False
             except KVBrokerError:
                 pass
         _ops.abort_leases(client, unsealed)
