@@ -177,3 +177,24 @@ def test_a_call_that_timed_out_does_not_shift_every_later_reply():
     stalled._stream._script = lambda s: pytest.fail("close waited for the abandoned reply")
     stalled.close()
     assert stalled._stream.closed
+
+
+def test_close_does_not_wait_on_a_daemon_that_just_timed_out():
+    """A request timed out (the daemon hangs): closing does not wait ``drain_timeout`` more
+    for the replies to pipelined requests (the vLLM connector closes its client on a
+    timeout: one stall, not two)."""
+    import pytest
+
+    from kvbroker.errors import Timeout
+
+    def hung(s):
+        raise Timeout("the daemon did not answer in time")
+
+    session = Session(ScriptedStream(hung))
+    pending = session.submit("ping")
+    session.send_only("release", lease=7)
+    with pytest.raises(Timeout):
+        pending.result()
+    session._stream._script = lambda s: pytest.fail("close waited on the hung daemon")
+    session.close()
+    assert session._stream.closed

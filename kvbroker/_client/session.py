@@ -39,6 +39,7 @@ class Session:
         self._dropped: list[int] = []  # ids of Pendings dropped unasked (appended lock-free)
         self.on_push: Callable[[dict], None] | None = None
         self.broken = False  # the connection failed: the client may replace this session
+        self._stalled = False  # the last wait for a reply timed out: close does not drain
         self.hello: HelloReply = Ops(self.call, self.send_only).hello(PROTOCOL_VERSION, name,
                                                                         role)  # fmt: skip
 
@@ -65,6 +66,7 @@ class Session:
                         raise ProtocolError(
                             f"reply {msg.get('id')} does not answer request {rid}"
                         )
+                    self._stalled = False
                     if msg.get("ok"):
                         return msg.get("result")
                     err = msg.get("error") or {}
@@ -78,6 +80,7 @@ class Session:
                 if rid is not None:
                     self._unanswered.add(rid)
                     self._abandoned.add(rid)
+                self._stalled = True
                 raise
         raise error_for_code(str(err.get("code", "error")), str(err.get("message", "")))
 
@@ -117,6 +120,7 @@ class Session:
             try:
                 while rid not in self._replies:
                     msg = self._stream.receive()
+                    self._stalled = False
                     if not isinstance(msg, dict):
                         raise ProtocolError(f"unexpected message from the daemon: {msg!r:.80}")
                     if "push" in msg:
@@ -135,6 +139,9 @@ class Session:
                                             "this session")  # fmt: skip
             except BrokerUnavailable:
                 self.broken = True
+                raise
+            except Timeout:
+                self._stalled = True
                 raise
             finally:
                 if self.broken:
@@ -235,7 +242,8 @@ class Session:
         # woken by the close instead, as before.
         if self._lock.acquire(blocking=False):
             try:
-                if (self._unanswered - self._abandoned or self._submitted) and not self.broken:
+                if (self._unanswered - self._abandoned or self._submitted) and not (
+                        self.broken or self._stalled):  # fmt: skip
                     self._drain(drain_timeout)
             finally:
                 self._lock.release()
