@@ -224,9 +224,10 @@ class KVPrefixMatch(PrefixMatch):
         for i in range(count):
             raw = self._raw[i]
             whole = _packed_extent(raw, packed, where)
-            if whole is None and isinstance(raw, dict) and len(raw) == 1 and names[0] not in raw:
+            if whole is None and isinstance(raw, dict) and len(raw) == 1 \
+                    and not next(iter(raw)).startswith("past_"):  # fmt: skip
                 # a packed block in a chain that starts with named ones (whose meta is the
-                # one the reply carries): its one buffer holds them all
+                # one the reply carries): its one buffer, not a KV name, holds them all
                 whole = tuple(next(iter(raw.values())))
             if whole is not None:
                 pool, offset, size = whole
