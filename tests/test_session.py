@@ -166,7 +166,8 @@ def test_a_call_that_timed_out_does_not_shift_every_later_reply():
     with pytest.raises(Timeout):
         session.call("ping")
     late = session._stream.sent[-1]["id"]
-    queue += [{"id": late, "ok": True, "result": "late"}, {"id": late + 1, "ok": True, "result": "a"}]
+    queue += [{"id": late, "ok": True, "result": "late"},
+              {"id": late + 1, "ok": True, "result": "a"}]  # fmt: skip
     assert session.call("ping") == "a"
     queue += [{"id": late + 2, "ok": True, "result": "b"}]
     assert session.call("ping") == "b"
