@@ -164,6 +164,24 @@ def test_call_in_flight_when_daemon_dies_is_resent(daemons):
     c.close()
 
 
+def test_pipelined_requests_reconnect_after_the_daemon_restarted(daemons):
+    """A client that only pipelines (the vLLM CUDA save) sees the break once, where it
+    happened; its next submit reconnects as a call would, instead of failing on the dead
+    connection for ever. A request naming a lease of the old connection raises LeaseExpired."""
+    d = daemons()
+    c = d.client(reconnect=10)
+    lease = c.ops.reserve("w", {"kv": 64})["lease"]
+    d.stop(signal.SIGKILL)
+    daemons()
+    with pytest.raises(BrokerUnavailable):  # the break, on the connection it was sent on
+        c.ops.pipelined.ping().result()
+    with pytest.raises(LeaseExpired, match="daemon restarted"):  # reconnects first
+        c.ops.pipelined.seal(lease)
+    assert c.generation == 1 and c.restarts == 1
+    assert c.ops.pipelined.ping().result()["epoch"] == 2
+    c.close()
+
+
 def test_reconnect_gives_up_after_its_bound(daemons):
     d = daemons()
     c = d.client(reconnect=0.5)

@@ -149,6 +149,69 @@ def test_blocks_of_named_buffers_load_like_packed_ones(client):
             assert torch.equal(_bits(kv.permute(1, 2, 0, 3)), _bits(p6[layer, :, b]))
 
 
+@pytest.mark.parametrize("packed_first", [False, True])
+def test_a_prefix_of_named_and_packed_blocks_loads_whole(client, packed_first):
+    """One chain of both block forms (a connector upgraded on a node whose daemon kept the
+    named blocks of the old one, or publish_kv beside the connector): the match replies a map
+    per block, and the staging path reads each in its form, whichever the first is."""
+    from kvbroker.integrations.vllm._cuda import load_cuda, save_cuda
+    from kvbroker.integrations.vllm._paged import copier_for
+    from kvbroker.prefix import PrefixCache
+
+    L, B, H, N, D = 2, 8, 2, 32, 32
+    fmt = _fmt(L, H, N, D, torch.float32)
+    memmove = copier_for("cpu")
+    cpu_layout, _ = vllm_like(L, B, H, N, D, torch.float32, "cpu", "HND", seed=3)
+    host = host_cache(cpu_layout, "cpu")
+    src, _ = vllm_like(L, B, H, N, D, torch.float32, "cpu", "NHD", seed=4)
+    s6 = cuda_cache(src, "packed")
+    pc = PrefixCache(client, namespace=NS, block_size=N, tp_rank=0, tp_size=1, total_kv_heads=H)
+    tokens = list(range(4 * N + 1))
+    hashes = pc.hashes(tokens)
+    if packed_first:  # blocks 0-1 packed, 2-3 named
+        save_cuda(client, NS, fmt, s6, _items(hashes[:2], [0, 1]), copier=memmove)
+        assert pc.publish_kv(tokens, host, [6, 7, 2, 3]) == 2
+    else:  # blocks 0-1 named, 2-3 packed
+        assert pc.publish_kv(tokens[: 2 * N + 1], host, [0, 1]) == 2
+        assert save_cuda(client, NS, fmt, s6, _items(hashes, [6, 7, 2, 3]),
+                         copier=memmove) == (2, 2)  # fmt: skip
+    dst, _ = vllm_like(L, B, H, N, D, torch.float32, "cpu", "NHD", seed=5)
+    d6 = cuda_cache(dst, "packed")
+    assert load_cuda(client, NS, fmt, d6, hashes, [4, 5, 6, 7], copier=memmove) == 4
+    out_layout, _ = vllm_like(L, B, H, N, D, torch.float32, "cpu", "HND", seed=6)
+    out = host_cache(out_layout, "cpu")
+    assert load_host(client, NS, fmt, out, hashes, [4, 5, 6, 7]) == 4  # the host path too
+    for j, b in enumerate([4, 5, 6, 7]):
+        want = [s6[layer, :, j] for layer in range(L)] if (j < 2) == packed_first else [
+            cpu_layout[layer].view(B, H, 2, N, D)[j].permute(1, 2, 0, 3) for layer in range(L)]
+        for layer in range(L):  # [K/V, token, head, dim]
+            assert torch.equal(_bits(d6[layer, :, b]), _bits(want[layer]))
+            got = out_layout[layer].view(B, H, 2, N, D)[b].permute(1, 2, 0, 3)
+            assert torch.equal(_bits(got), _bits(want[layer]))
+
+
+def test_a_host_save_whose_seal_is_refused_holds_nothing(make_daemon):
+    """The host path's seal refused (a daemon requiring checksums; the host path seals
+    without): its reservations are aborted, not left leased until their TTL, holding pool
+    pages, every step."""
+    daemon = make_daemon("--pool-size", "8M", "--page-size", "4K",
+                         env={"KVBROKER_REQUIRE_CHECKSUMS": "true"})  # fmt: skip
+    from kvbroker.errors import BadRequest
+
+    L, B, H, N, D = 2, 8, 2, 16, 32
+    layers, _ = vllm_like(L, B, H, N, D, torch.float32, "cpu", "HND")
+    fmt = _fmt(L, H, N, D, torch.float32)
+    with daemon.client() as client:
+        save = HostSave(client, NS, fmt, host_cache(layers, "cpu"), _items(HASHES[:3], [0, 1, 2]))
+        save.reserve()
+        for layer in range(L):
+            save.copy_layer(layer)
+        with pytest.raises(BadRequest, match="require_checksums"):
+            save.seal()
+        save.abort()  # what the worker does next: must not be a no-op
+        assert [c.write_leases for c in client.stat().clients] == [0]
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.data())
 def test_pool_runs_move_every_buffer_where_one_copy_per_buffer_would(data):
@@ -362,3 +425,98 @@ def test_importing_kvbroker_and_the_connector_package_imports_neither_vllm_nor_t
             "print(sorted(m for m in ('vllm', 'torch') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_a_save_refused_for_room_raises_at_once_and_leaves_nothing_leased(make_daemon):
+    """A reservation refused (PoolFull) while later chunks' reservations are queued: the save
+    raises PoolFull at once (not after the client's timeout, re-reading the reply it had
+    already taken) and aborts what the queued reservations got."""
+    import time
+
+    from kvbroker.errors import PoolFull
+    from kvbroker.integrations.vllm._cuda import save_cuda
+    from kvbroker.integrations.vllm._paged import copier_for
+
+    L, B, H, N, D = 2, 8, 1, 16, 32  # 4 KiB blocks: a page each
+    src, _ = vllm_like(L, B, H, N, D, torch.bfloat16, "cpu")
+    fmt = _fmt(L, H, N, D, torch.bfloat16)
+    daemon = make_daemon("--pool-size", "12K", "--page-size", "4K")  # three blocks
+    with daemon.client(timeout=10) as client:
+        started = time.monotonic()
+        with pytest.raises(PoolFull):  # one block a chunk: the fourth reservation is refused
+            save_cuda(client, NS, fmt, cuda_cache(src, "packed"), _items(HASHES, range(6)),
+                      copier=copier_for("cpu"), staging_bytes=2 * fmt.block_nbytes)  # fmt: skip
+        assert time.monotonic() - started < 5
+        assert [c.write_leases for c in client.stat().clients] == [0]
+
+
+def test_a_save_when_the_daemon_dies_raises_at_once(make_daemon):
+    """The daemon killed mid-save: the save raises BrokerUnavailable at once. Its leases died
+    with the connection, so the error path does not reconnect (up to the client's
+    ``reconnect`` seconds) just to abort them."""
+    import signal
+    import time
+
+    from kvbroker.errors import BrokerUnavailable
+    from kvbroker.integrations.vllm._cuda import save_cuda
+    from kvbroker.integrations.vllm._paged import copier_for
+
+    L, B, H, N, D = 2, 8, 1, 16, 32
+    src, _ = vllm_like(L, B, H, N, D, torch.bfloat16, "cpu")
+    fmt = _fmt(L, H, N, D, torch.bfloat16)
+    daemon = make_daemon("--pool-size", "64M", "--page-size", "4K")
+    memmove = copier_for("cpu")
+    copies = []
+
+    def dying(runs, stream):
+        copies.append(runs)
+        if len(copies) == 2:
+            daemon.stop(signal.SIGKILL)
+        return memmove(runs, stream)
+
+    with daemon.client(reconnect=10) as client:
+        started = time.monotonic()
+        with pytest.raises(BrokerUnavailable):
+            save_cuda(client, NS, fmt, cuda_cache(src, "packed"), _items(HASHES, range(6)),
+                      copier=dying, staging_bytes=2 * fmt.block_nbytes)  # fmt: skip
+        assert time.monotonic() - started < 5
+
+
+def test_a_save_when_the_daemon_stalls_raises_after_one_timeout(make_daemon):
+    """The daemon stops answering mid-save (stopped, hung): the save raises Timeout once the
+    client's timeout ran out, not after one more timeout per reply its error path would wait
+    for (the sealed chunks', the queued reservations')."""
+    import signal
+    import time
+
+    from kvbroker.errors import Timeout
+    from kvbroker.integrations.vllm._cuda import save_cuda
+    from kvbroker.integrations.vllm._paged import copier_for
+
+    L, B, H, N, D = 2, 48, 1, 16, 32
+    src, _ = vllm_like(L, B, H, N, D, torch.bfloat16, "cpu")
+    fmt = _fmt(L, H, N, D, torch.bfloat16)
+    hashes = [f"{i:032x}" for i in range(1, 41)]
+    daemon = make_daemon("--pool-size", "64M", "--page-size", "4K")
+    memmove = copier_for("cpu")
+    copies = []
+
+    def stalling(runs, stream):
+        copies.append(runs)
+        if len(copies) == 3:
+            daemon.proc.send_signal(signal.SIGSTOP)
+        return memmove(runs, stream)
+
+    try:
+        with daemon.client(timeout=1, reconnect=0) as client:
+            started = time.monotonic()
+            with pytest.raises(Timeout):
+                save_cuda(client, NS, fmt, cuda_cache(src, "packed"), _items(hashes, range(40)),
+                          copier=stalling, staging_bytes=16 * fmt.block_nbytes)  # fmt: skip
+            took = time.monotonic() - started
+            daemon.proc.send_signal(signal.SIGCONT)
+    finally:
+        daemon.proc.send_signal(signal.SIGCONT)
+    assert took < 3, f"{took:.1f} s for a 1 s timeout"
+    with daemon.client() as other:  # the stalled client's leases ended with its connection
+        assert [c.write_leases for c in other.stat().clients] == [0]

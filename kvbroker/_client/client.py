@@ -184,8 +184,14 @@ class Client:
 
     def _submit(self, op: str, **args: Any) -> Any:
         """:meth:`Session.submit` (no resend after a reconnect: a pipelined batch belongs to
-        the connection it was sent on, its caller sees the break in ``result``)."""
-        return self._session.submit(op, **args)
+        the connection it was sent on, its caller sees the break in ``result``). A
+        connection already known broken is replaced first, as the next call would."""
+        session = self._session
+        if session.broken and self._recover(session):
+            if op in _LEASE_OPS:  # the lease went with the old connection
+                raise LeaseExpired(self._lost_lease_message(args.get("lease")))
+            session = self._session
+        return session.submit(op, **args)
 
     def _send_only(self, op: str, **args: Any) -> None:
         session = self._session

@@ -224,11 +224,17 @@ class KVPrefixMatch(PrefixMatch):
         for i in range(count):
             raw = self._raw[i]
             whole = _packed_extent(raw, packed, where)
+            if whole is None and isinstance(raw, dict) and len(raw) == 1 \
+                    and not next(iter(raw)).startswith("past_"):  # fmt: skip
+                # a packed block in a chain that starts with named ones (whose meta is the
+                # one the reply carries): its one buffer, not a KV name, holds them all
+                whole = tuple(next(iter(raw.values())))
             if whole is not None:
                 pool, offset, size = whole
                 if size != nbytes * len(names):
-                    raise LayoutMismatch(f"layout mismatch on buffer size of {packed}: {size} "
-                                         f"bytes, {nbytes * len(names)} expected")  # fmt: skip
+                    raise LayoutMismatch(f"layout mismatch on buffer size of "
+                                         f"{packed or 'a packed block'}: {size} bytes, "
+                                         f"{nbytes * len(names)} expected")  # fmt: skip
                 out.append((pool, [offset + k * nbytes for k in range(len(names))]))
                 strides.add(nbytes)
                 continue

@@ -17,7 +17,7 @@ from .framing import MessageStream
 from .._wire.replies import Hello as HelloReply
 from .ops import Ops
 from .._wire.protocol import PROTOCOL_VERSION
-from ..errors import BrokerUnavailable, KVBrokerError, ProtocolError, error_for_code
+from ..errors import BrokerUnavailable, KVBrokerError, ProtocolError, Timeout, error_for_code
 
 __all__ = ["Pending", "Session"]
 
@@ -33,15 +33,20 @@ class Session:
         self._lock = threading.Lock()
         self._pushes: deque[dict] = deque(maxlen=64)
         self._unanswered: set[int] = set()  # ids sent with send_only, replies not read yet
+        self._abandoned: set[int] = set()  # of those, calls that timed out: close won't wait
         self._submitted: set[int] = set()  # ids sent with submit, their result not taken yet
         self._replies: dict[int, dict] = {}  # replies to those read while waiting for others
+        self._dropped: list[int] = []  # ids of Pendings dropped unasked (appended lock-free)
         self.on_push: Callable[[dict], None] | None = None
         self.broken = False  # the connection failed: the client may replace this session
+        self._stalled = False  # the last wait for a reply timed out: close does not drain
         self.hello: HelloReply = Ops(self.call, self.send_only).hello(PROTOCOL_VERSION, name,
                                                                         role)  # fmt: skip
 
     def call(self, op: str, **args: Any) -> Any:
         with self._lock:
+            self._forget_dropped()
+            rid = None
             try:
                 rid = self._send(op, args)
                 while True:
@@ -61,12 +66,21 @@ class Session:
                         raise ProtocolError(
                             f"reply {msg.get('id')} does not answer request {rid}"
                         )
+                    self._stalled = False
                     if msg.get("ok"):
                         return msg.get("result")
                     err = msg.get("error") or {}
                     break
             except BrokerUnavailable:
                 self.broken = True  # the transport failed, as opposed to a reply saying so
+                raise
+            except Timeout:
+                # given up on, not forgotten: its reply, if the daemon still sends it, is read
+                # and dropped by a later call instead of being taken for that call's own
+                if rid is not None:
+                    self._unanswered.add(rid)
+                    self._abandoned.add(rid)
+                self._stalled = True
                 raise
         raise error_for_code(str(err.get("code", "error")), str(err.get("message", "")))
 
@@ -75,6 +89,7 @@ class Session:
         asks (or while another call waits), so a caller can keep several requests in the
         daemon's queue and work meanwhile. Errors are raised by ``result``."""
         with self._lock:
+            self._forget_dropped()
             try:
                 rid = self._send(op, args)
             except BrokerUnavailable:
@@ -83,12 +98,29 @@ class Session:
             self._submitted.add(rid)
             return Pending(self, rid)
 
+    def _forget_dropped(self) -> None:
+        """Requests whose Pending was dropped unasked: their replies are read (and a failure
+        logged) like a send_only's, not kept. Under the lock: ``Pending.__del__`` cannot
+        take it (it may run inside a locked call of this thread)."""
+        while self._dropped:
+            rid = self._dropped.pop()
+            if rid in self._replies:
+                self._unanswered.add(rid)
+                self._settle(self._replies.pop(rid))
+            elif rid in self._submitted:
+                self._unanswered.add(rid)
+            self._submitted.discard(rid)
+
     def result(self, rid: int) -> Any:
         """The reply to submitted request ``rid`` (its error raised)."""
         with self._lock:
+            if rid not in self._submitted and rid not in self._replies:
+                # its result was taken (or it was never submitted): nothing will come
+                raise KVBrokerError(f"request {rid} has no reply left to wait for")
             try:
                 while rid not in self._replies:
                     msg = self._stream.receive()
+                    self._stalled = False
                     if not isinstance(msg, dict):
                         raise ProtocolError(f"unexpected message from the daemon: {msg!r:.80}")
                     if "push" in msg:
@@ -97,11 +129,19 @@ class Session:
                         self._settle(msg)
                     elif msg.get("id") in self._submitted:
                         self._replies[msg["id"]] = msg
+                    elif msg.get("id") is None and msg.get("ok") is False:
+                        # about the connection (a frame it could not read): it closes it
+                        err = msg.get("error") or {}
+                        raise error_for_code(str(err.get("code", "error")),
+                                             str(err.get("message", "")))
                     else:
                         raise ProtocolError(f"reply {msg.get('id')} answers no request of "
                                             "this session")  # fmt: skip
             except BrokerUnavailable:
                 self.broken = True
+                raise
+            except Timeout:
+                self._stalled = True
                 raise
             finally:
                 if self.broken:
@@ -158,6 +198,7 @@ class Session:
 
     def _settle(self, msg: dict) -> None:
         self._unanswered.discard(msg["id"])
+        self._abandoned.discard(msg["id"])
         if not msg.get("ok"):
             err = msg.get("error") or {}
             log.warning("request %s failed after the fact: %s: %s",
@@ -179,6 +220,9 @@ class Session:
                 if isinstance(msg, dict) and msg.get("id") in self._unanswered:
                     self._settle(msg)
                     continue
+                if isinstance(msg, dict) and msg.get("id") in self._submitted:
+                    self._replies[msg["id"]] = msg  # for its result()
+                    continue
                 if isinstance(msg, dict) and not msg.get("ok", True):
                     err = msg.get("error") or {}
                     raise error_for_code(str(err.get("code")), str(err.get("message", "")))
@@ -198,7 +242,8 @@ class Session:
         # woken by the close instead, as before.
         if self._lock.acquire(blocking=False):
             try:
-                if (self._unanswered or self._submitted) and not self.broken:
+                if (self._unanswered - self._abandoned or self._submitted) and not (
+                        self.broken or self._stalled):  # fmt: skip
                     self._drain(drain_timeout)
             finally:
                 self._lock.release()
@@ -207,9 +252,10 @@ class Session:
     def _drain(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout  # pushes (a watch) must not keep it waiting
         try:
-            self._unanswered |= self._submitted  # submitted, never asked for: read now
-            self._submitted.clear()
-            while self._unanswered:
+            # submitted, never asked for: read now (kept submitted: a result asked for after
+            # the close raises BrokerUnavailable, as the connection is gone)
+            self._unanswered |= self._submitted
+            while self._unanswered - self._abandoned:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TimeoutError(f"no reply within {timeout:g} s")
@@ -225,12 +271,28 @@ class Session:
 
 
 class Pending:
-    """A request sent by :meth:`Session.submit`; :meth:`result` waits for its reply."""
+    """A request sent by :meth:`Session.submit`; :meth:`result` waits for its reply (asked
+    again, it gives the same reply or raises the same error)."""
 
-    __slots__ = ("_session", "_rid")
+    __slots__ = ("_session", "_rid", "_outcome")
 
     def __init__(self, session: Session, rid: int) -> None:
         self._session, self._rid = session, rid
+        self._outcome: tuple[bool, Any] | None = None
 
     def result(self) -> Any:
-        return self._session.result(self._rid)
+        if self._outcome is None:
+            try:
+                self._outcome = (True, self._session.result(self._rid))
+            except Timeout:
+                raise  # the reply may still come: asking again waits for it again
+            except KVBrokerError as exc:
+                self._outcome = (False, exc)
+        ok, value = self._outcome
+        if ok:
+            return value
+        raise value
+
+    def __del__(self) -> None:
+        if self._outcome is None:  # never answered: the session need not keep its reply
+            self._session._dropped.append(self._rid)

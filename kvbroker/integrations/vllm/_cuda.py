@@ -28,7 +28,7 @@ from __future__ import annotations
 import collections
 from collections.abc import Sequence
 
-from kvbroker.errors import KVBrokerError, LayoutMismatch
+from kvbroker.errors import KVBrokerError, LayoutMismatch, Timeout
 from kvbroker.layout import Layout
 
 from . import _ops
@@ -157,19 +157,27 @@ def save_cuda(client, namespace: str, fmt: BlockFormat, cache, items: Sequence[S
             pending.result()
             sealing.pop(0)
             _forget(unsealed, done_leases)
-    except BaseException:
+    except BaseException as exc:
         if cuda:
             dma.synchronize()  # no DMA may still write into pages the abort frees
             gather.synchronize()
+        # a daemon that stopped answering is not waited for again, a timeout per reply
+        answering = not isinstance(exc, Timeout)
         for pending, done_leases in sealing:  # what did get sealed is the broker's now
             try:
-                pending.result()
-                _forget(unsealed, done_leases)
+                if answering:
+                    pending.result()
+                    _forget(unsealed, done_leases)
+            except Timeout:
+                answering = False
             except KVBrokerError:
                 pass
         for later in asked[answered:]:  # reservations still queued: abort them too
             try:
-                unsealed += later.result().taken
+                if answering:
+                    unsealed += later.result().taken
+            except Timeout:
+                answering = False
             except KVBrokerError:
                 pass
         _ops.abort_leases(client, unsealed)
@@ -281,9 +289,11 @@ def load_cuda(client, namespace: str, fmt: BlockFormat, cache, hashes: Sequence[
         # The packed buffer, or (blocks of publish_kv's form) each named buffer in its place
         # of the packed order: the same bytes either way.
         read = [PACKED] if m.meta.get("packed") == PACKED else fmt.flat_names
-        if isinstance(rows, list):  # the keys' buffers differ: rows of the names we read
-            rows = np.asarray([[r[read[0]][0]] + [v for x in read for v in r[x][1:]]
-                               for r in rows[: n * shards]], dtype=np.int64)  # fmt: skip
+        if isinstance(rows, list):  # the keys' buffers differ (both block forms in one
+            # chain): every block as its named buffers, a packed one's cut in its order
+            read = fmt.flat_names
+            rows = np.asarray([_named_row(r, read, per_block) for r in rows[: n * shards]],
+                              dtype=np.int64)  # fmt: skip
             names = read
         rows = rows[: n * shards]
         nbytes = per_block // len(read)
@@ -327,6 +337,24 @@ def load_cuda(client, namespace: str, fmt: BlockFormat, cache, hashes: Sequence[
             caller.wait_stream(scatter)
         del staging
     return n
+
+
+def _named_row(extents: dict, names: list[str], per_block: int) -> list[int]:
+    """``[pool, offset, nbytes, ...]`` of a block's ``names`` (each ``per_block //
+    len(names)`` bytes), from its own buffers or its packed one (the same bytes in that
+    order)."""
+    nbytes = per_block // len(names)
+    whole = extents.get(PACKED)
+    if whole is not None:
+        pool, offset, size = whole
+        if size != per_block:
+            raise LayoutMismatch(f"layout mismatch on buffer size of {PACKED}: {size} bytes, "
+                                 f"{per_block} expected")  # fmt: skip
+        return [pool] + [v for i in range(len(names)) for v in (offset + i * nbytes, nbytes)]
+    missing = [x for x in names if x not in extents]
+    if missing:
+        raise LayoutMismatch(f"layout mismatch on buffers: a matched block has no {missing[0]}")
+    return [extents[names[0]][0]] + [v for x in names for v in extents[x][1:]]
 
 
 class _nullcontext:

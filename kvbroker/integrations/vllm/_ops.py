@@ -162,7 +162,10 @@ def seal_many(client, leases: list[int]) -> None:
 
 def abort_leases(client, leases: list[int]) -> None:
     """Abort write leases, pipelined; a lease that already ended is ignored. If the
-    connection is gone its leases went with it."""
+    connection is gone its leases went with it: nothing is sent, and no reconnect (the
+    client's ``reconnect`` seconds while the daemon is down) is waited for to send it."""
+    if client._session.broken:
+        return
     for lease in leases:
         try:
             client.ops.abort_later(lease)

@@ -238,7 +238,11 @@ class HostSave:
             raise KVBrokerError(f"only {len(self._copied)} of {self.fmt.num_layers} layers "
                                 "were copied; refusing to seal")  # fmt: skip
         self.done = True
-        _ops.seal_many(self.client, self.leases)
+        try:
+            _ops.seal_many(self.client, self.leases)
+        except BaseException:  # refused (or cut short): none is left leased until its TTL
+            _ops.abort_leases(self.client, self.leases)
+            raise
 
     def abort(self) -> None:
         if not self.done:
