@@ -404,8 +404,8 @@ OPS: dict[str, Op] = {
         {"counters": _a(dict, required=True)},
         R.Reported,
         "Publish this client's own counters ({name: non-negative int}, at most "
-        f"{MAX_REPORTED} names, replacing the last report) for `stat`, the TUI and "
-        "Prometheus: e.g. the vLLM connector's matched, loaded and saved tokens.",
+        f"{MAX_REPORTED} names, replacing the last report), shown per client by `stat` (and "
+        "`stat --json`): e.g. the vLLM connector's loaded and saved blocks, tokens, bytes.",
     ),
     "watch": Op(
         {"interval": _a(*_NUMBER, default=1.0)},

@@ -313,28 +313,31 @@ def load_cuda(client, namespace: str, fmt: BlockFormat, cache, hashes: Sequence[
             ids_all = (_ids_on(torch, list(block_ids[:n]), cache.device) if cuda
                        else torch.tensor(list(block_ids[:n])))  # fmt: skip
         free_again: list = [None, None]  # per half: the event its last scatter ends at
-        for k, at in enumerate(range(0, n, chunk)):
-            count = min(chunk, n - at)
-            half = staging[k % 2][:count]
-            runs = _ops.pool_runs(rows[at * shards : (at + count) * shards], names, read,
-                                  nbytes, bases, half.data_ptr(), per_block)  # fmt: skip
-            if cuda and free_again[k % 2] is not None:  # the scatter that read this half ran
-                dma.wait_event(free_again[k % 2])
-            copier([(stage, pool, size) for pool, stage, size in runs], dma)
-            ids = ids_all[at : at + count]
-            with torch.cuda.stream(scatter) if cuda else _nullcontext():
-                if cuda:
-                    scatter.wait_stream(dma)
-                for s, src_head, heads, dst_head in pieces:
-                    src = half[:, s, :, :, src_head : src_head + heads]  # [n, L, C, h, N, D]
-                    cache[:, :, ids, :, dst_head : dst_head + heads] = src.permute(1, 2, 0, 4, 3, 5)
-                if cuda:
-                    free_again[k % 2] = torch.cuda.Event()
-                    free_again[k % 2].record(scatter)
-        if cuda:
-            dma.synchronize()  # the lease and the staging outlive the copies
-            scatter.synchronize()
-            caller.wait_stream(scatter)
+        try:
+            for k, at in enumerate(range(0, n, chunk)):
+                count = min(chunk, n - at)
+                half = staging[k % 2][:count]
+                runs = _ops.pool_runs(rows[at * shards : (at + count) * shards], names, read,
+                                      nbytes, bases, half.data_ptr(), per_block)  # fmt: skip
+                if cuda and free_again[k % 2] is not None:  # the scatter that read this half ran
+                    dma.wait_event(free_again[k % 2])
+                copier([(stage, pool, size) for pool, stage, size in runs], dma)
+                ids = ids_all[at : at + count]
+                with torch.cuda.stream(scatter) if cuda else _nullcontext():
+                    if cuda:
+                        scatter.wait_stream(dma)
+                    for s, src_head, heads, dst_head in pieces:
+                        src = half[:, s, :, :, src_head : src_head + heads]  # [n, L, C, h, N, D]
+                        dst = slice(dst_head, dst_head + heads)
+                        cache[:, :, ids, :, dst] = src.permute(1, 2, 0, 4, 3, 5)
+                    if cuda:
+                        free_again[k % 2] = torch.cuda.Event()
+                        free_again[k % 2].record(scatter)
+        finally:
+            if cuda:  # also when a chunk failed: the lease and the staging outlive the copies
+                dma.synchronize()
+                scatter.synchronize()
+                caller.wait_stream(scatter)
         del staging
     return n
 
