@@ -471,3 +471,17 @@ def test_pools_made_as_configured_are_owned_as_configured():
     finally:
         for p in pools:
             p.unlink()
+
+
+def test_the_start_up_line_gives_each_pool_its_own_size(daemons):
+    """The "serving on" line tells the shared pools from the tenant pools and gives each
+    tenant pool its size, at a cold start and after a warm restart alike."""
+    conf = config().replace('size = "1M"\nuser = 65533', 'size = "2M"\nuser = 65533')
+    assert 'size = "2M"' in conf
+    d = daemons(conf)
+    want = ": 1 shared pool(s) of 4.0 MiB, tenant pools a 1.0 MiB, b 2.0 MiB, pages of 4.0 KiB"
+    assert want in d.log()
+    d.stop(signal.SIGKILL)  # a crash: the next daemon adopts the pools
+    d = daemons(conf)
+    assert "adopted 3 pool(s)" in d.log()
+    assert d.log().count(want) == 1, d.log()
