@@ -485,3 +485,31 @@ def test_the_start_up_line_gives_each_pool_its_own_size(daemons):
     d = daemons(conf)
     assert "adopted 3 pool(s)" in d.log()
     assert d.log().count(want) == 1, d.log()
+
+
+def test_a_write_arena_leaves_room_in_a_small_tenant_quota(daemons):
+    """A tenant whose namespace A lives in its own pool and A/sub in the shared ones, with
+    a 256 KiB quota and the default 2 MiB write arena: small puts into both namespaces fit
+    (the arena may not take the quota they need), and the quota still holds."""
+    sock = daemons.socket_path
+    daemons(config(a_spaces=f'"{A}"'))
+
+    def run():
+        out = {}
+        with Client(sock, timeout=10) as c:
+            leases = []
+            for i in range(6):  # 96 KiB in all, through the arena and reserve + seal
+                where = A if i % 2 else f"{A}/sub"
+                c.put(f"k{i}", {"kv": pattern(f"{where}{i}", 16 << 10)}, namespace=where)
+                leases.append(c.claim(f"k{i}", namespace=where))  # held: not evictable
+            out["pools"] = sorted({lease._extents["kv"][0] for lease in leases})
+            try:
+                c.put("big", {"kv": pattern("big", 200 << 10)}, namespace=f"{A}/sub")
+                out["big"] = "stored"
+            except QuotaExceeded as exc:
+                out["big"] = str(exc)
+        return out
+
+    out = as_tenant(NOBODY, run)
+    assert out["pools"] == [0, 1], out
+    assert out["big"].startswith(f"user {A}:"), out
