@@ -513,3 +513,34 @@ def test_a_write_arena_leaves_room_in_a_small_tenant_quota(daemons):
     out = as_tenant(NOBODY, run)
     assert out["pools"] == [0, 1], out
     assert out["big"].startswith(f"user {A}:"), out
+
+
+def test_a_daemon_that_is_not_root_maps_a_tenants_pool_for_transfers():
+    """[transfer] maps every pool in the daemon to register it with NIXL. A pool owned by
+    its tenant's user (0600) is not the daemon's to open: the daemon (CAP_CHOWN) takes it
+    back for the open and gives it back; the mapping sees the tenant's bytes."""
+    from types import SimpleNamespace
+
+    from kvbroker._server.fleet import Fleet
+    from kvbroker._server.pool import HostPool, segment_prefix
+
+    prefix = segment_prefix()
+    pools = [HostPool(0, prefix + ".0", 8192, 4096, uid=DAEMON_UID),
+             HostPool(1, prefix + ".1", 8192, 4096, uid=NOBODY)]
+    try:
+        shm = posix_ipc.SharedMemory(pools[1].name)  # as root: the tenant's bytes
+        os.pwrite(shm.fd, b"tenant", 4096)
+        shm.close_fd()
+        before = owners([p.name for p in pools])
+
+        def run():
+            fleet = SimpleNamespace(broker=SimpleNamespace(pools=pools), _maps=[], bases=[])
+            Fleet._map_pools(fleet)
+            return [bytes(m[4096:4102]).decode() for m in fleet._maps]
+
+        assert _as_daemon_user(run) == ["\0" * 6, "tenant"]
+        assert owners([p.name for p in pools]) == before == [
+            (DAEMON_UID, 0, 0o600), (NOBODY, 0, 0o600)]  # fmt: skip
+    finally:
+        for p in pools:
+            p.unlink()
