@@ -359,7 +359,7 @@ def test_a_tenant_quota_holds_across_namespaces_and_arenas():
     from kvbroker._server.policy import parse_quotas
     from kvbroker._server.pool import HostPool, segment_prefix
     from kvbroker._wire.paths import parse_size
-    from kvbroker.errors import QuotaExceeded
+    from kvbroker.errors import PoolFull, QuotaExceeded
 
     pool = HostPool(0, segment_prefix() + ".0", 32 << 20, 4096)
     try:
@@ -376,21 +376,31 @@ def test_a_tenant_quota_holds_across_namespaces_and_arenas():
         other = b.open_session(2, 2000, 2000)  # another tenant has its own MiB
         b.handle(other, "hello", {"version": 1})
         b.handle(other, "reserve", {"namespace": "x", "key": "y", "buffers": {"x": 900 << 10}})
-        # an arena is charged: with 768 KiB lent, 512 KiB more do not fit once its objects go
+        # an arena is charged, and takes at most a quarter of the quota (768 KiB asked):
+        # with 256 KiB lent, 800 KiB more do not fit once its objects go
         b.handle(s, "evict", {"all": True})
         ar = b.handle(s, "arena", {"nbytes": 768 << 10})
+        assert ar["arena"][2] == 256 << 10 and b._usage[("user", 1000)] == 256 << 10
         with pytest.raises(QuotaExceeded, match="user"):
-            b.handle(s, "reserve", {"namespace": "n", "key": "big", "buffers": {"x": 512 << 10}})
+            b.handle(s, "reserve", {"namespace": "n", "key": "big", "buffers": {"x": 800 << 10}})
         pub = b.handle(s, "publish", {"arena": ar["lease"], "namespace": "n", "key": "p",
                                       "buffers": {"x": 256 << 10},
                                       "next_arena": 512 << 10})  # fmt: skip
-        assert b._usage[("user", 1000)] == 768 << 10  # the object took over its pages' charge
+        assert b._usage[("user", 1000)] == 512 << 10  # the object took over its pages' charge
         b.handle(s, "abort", {"lease": pub["lease"]})
         assert b._usage[("user", 1000)] == 256 << 10
         b.close_session(s)
         assert b._usage.get(("user", 1000)) == 256 << 10  # its sealed object stays charged
         b.handle(other, "evict", {"namespace": "n", "key": "p"})
         assert ("user", 1000) not in b._usage
+        # a quota its objects fill leaves no room for an arena: refused, nothing evicted
+        s = b.open_session(3, 1000, 1000)
+        b.handle(s, "hello", {"version": 1})
+        r = b.handle(s, "reserve", {"namespace": "n", "key": "full", "buffers": {"x": 1 << 20}})
+        b.handle(s, "seal", {"lease": r["lease"]})
+        with pytest.raises(PoolFull, match="quota"):
+            b.handle(s, "arena", {"nbytes": 64 << 10})
+        assert b._usage[("user", 1000)] == 1 << 20 and len(b.objects) == 1
     finally:
         pool.unlink()
 

@@ -471,3 +471,76 @@ def test_pools_made_as_configured_are_owned_as_configured():
     finally:
         for p in pools:
             p.unlink()
+
+
+def test_the_start_up_line_gives_each_pool_its_own_size(daemons):
+    """The "serving on" line tells the shared pools from the tenant pools and gives each
+    tenant pool its size, at a cold start and after a warm restart alike."""
+    conf = config().replace('size = "1M"\nuser = 65533', 'size = "2M"\nuser = 65533')
+    assert 'size = "2M"' in conf
+    d = daemons(conf)
+    want = ": 1 shared pool(s) of 4.0 MiB, tenant pools a 1.0 MiB, b 2.0 MiB, pages of 4.0 KiB"
+    assert want in d.log()
+    d.stop(signal.SIGKILL)  # a crash: the next daemon adopts the pools
+    d = daemons(conf)
+    assert "adopted 3 pool(s)" in d.log()
+    assert d.log().count(want) == 1, d.log()
+
+
+def test_a_write_arena_leaves_room_in_a_small_tenant_quota(daemons):
+    """A tenant whose namespace A lives in its own pool and A/sub in the shared ones, with
+    a 256 KiB quota and the default 2 MiB write arena: small puts into both namespaces fit
+    (the arena may not take the quota they need), and the quota still holds."""
+    sock = daemons.socket_path
+    daemons(config(a_spaces=f'"{A}"'))
+
+    def run():
+        out = {}
+        with Client(sock, timeout=10) as c:
+            leases = []
+            for i in range(6):  # 96 KiB in all, through the arena and reserve + seal
+                where = A if i % 2 else f"{A}/sub"
+                c.put(f"k{i}", {"kv": pattern(f"{where}{i}", 16 << 10)}, namespace=where)
+                leases.append(c.claim(f"k{i}", namespace=where))  # held: not evictable
+            out["pools"] = sorted({lease._extents["kv"][0] for lease in leases})
+            try:
+                c.put("big", {"kv": pattern("big", 200 << 10)}, namespace=f"{A}/sub")
+                out["big"] = "stored"
+            except QuotaExceeded as exc:
+                out["big"] = str(exc)
+        return out
+
+    out = as_tenant(NOBODY, run)
+    assert out["pools"] == [0, 1], out
+    assert out["big"].startswith(f"user {A}:"), out
+
+
+def test_a_daemon_that_is_not_root_maps_a_tenants_pool_for_transfers():
+    """[transfer] maps every pool in the daemon to register it with NIXL. A pool owned by
+    its tenant's user (0600) is not the daemon's to open: the daemon (CAP_CHOWN) takes it
+    back for the open and gives it back; the mapping sees the tenant's bytes."""
+    from types import SimpleNamespace
+
+    from kvbroker._server.fleet import Fleet
+    from kvbroker._server.pool import HostPool, segment_prefix
+
+    prefix = segment_prefix()
+    pools = [HostPool(0, prefix + ".0", 8192, 4096, uid=DAEMON_UID),
+             HostPool(1, prefix + ".1", 8192, 4096, uid=NOBODY)]
+    try:
+        shm = posix_ipc.SharedMemory(pools[1].name)  # as root: the tenant's bytes
+        os.pwrite(shm.fd, b"tenant", 4096)
+        shm.close_fd()
+        before = owners([p.name for p in pools])
+
+        def run():
+            fleet = SimpleNamespace(broker=SimpleNamespace(pools=pools), _maps=[], bases=[])
+            Fleet._map_pools(fleet)
+            return [bytes(m[4096:4102]).decode() for m in fleet._maps]
+
+        assert _as_daemon_user(run) == ["\0" * 6, "tenant"]
+        assert owners([p.name for p in pools]) == before == [
+            (DAEMON_UID, 0, 0o600), (NOBODY, 0, 0o600)]  # fmt: skip
+    finally:
+        for p in pools:
+            p.unlink()

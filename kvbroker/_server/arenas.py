@@ -24,6 +24,10 @@ __all__ = ["new_arena", "end_arena", "arena_of", "publish_from_arena"]
 # optimisation, and a client without one falls back to reserve + seal.
 _ARENA_POOL_FRACTION = 16
 _ARENA_BUDGET_FRACTION = 4
+# Under a tenant quota, a tenant's arenas together take at most this fraction of it, and
+# never what its quota has left: the objects it puts elsewhere (a namespace of another pool,
+# reserve + seal) need that room, and an arena may not evict to make its own.
+_ARENA_QUOTA_FRACTION = 4
 
 
 def new_arena(b: Broker, session: Session, nbytes: int) -> Arena:
@@ -35,6 +39,11 @@ def new_arena(b: Broker, session: Session, nbytes: int) -> Arena:
         raise PoolFull(f"write arenas already hold {held} of their {budget} bytes")
     tenants = b.accounts.tenants_of(session)
     ps = b.pools[0].page_size
+    room = _quota_room(b, tenants)
+    if room is not None:
+        if room < ps:  # PoolFull: the client falls back to reserve + seal, and retries later
+            raise PoolFull("no write arena: its tenant's quota has no room for one")
+        nbytes = min(nbytes, room)
     charged = b.accounts.charge(None, -(-nbytes // ps) * ps, tenants=tenants)  # QuotaExceeded
     try:
         pool, start, npages = b.pages.allocate(nbytes, evict=False,
@@ -51,6 +60,21 @@ def new_arena(b: Broker, session: Session, nbytes: int) -> Arena:
     b.arenas[arena.id] = arena
     session.arenas[arena.id] = arena
     return arena
+
+
+def _quota_room(b: Broker, tenants: tuple) -> int | None:
+    """The most bytes (whole pages) a new arena may take of ``tenants``' quotas; None: no
+    tenant of them has a quota."""
+    room = None
+    for account in tenants:
+        limit = b.accounts.quotas.tenant_limit(account)
+        if limit is None:
+            continue
+        lent = sum(a.charged for a in b.arenas.values() if account in a.tenants)
+        left = min(limit // _ARENA_QUOTA_FRACTION - lent,
+                   limit - b.accounts.usage.get(account, 0))  # fmt: skip
+        room = left if room is None else min(room, left)
+    return None if room is None else max(0, room - room % b.pools[0].page_size)
 
 
 def end_arena(b: Broker, arena: Arena, reason: str, hold: bool = False) -> None:

@@ -25,7 +25,7 @@ from .config import DaemonConfig, reload_into
 from .systemd import Notifier
 from .._wire.paths import format_size
 from .._wire.stats import Statistics
-from .pool import HostPool
+from .pool import HostPool, pools_summary
 from . import startup
 from .startup import KEPT, DaemonError
 from ..errors import BrokerUnavailable, KVBrokerError
@@ -276,9 +276,8 @@ class Daemon:
             if self.notifier.watchdog_interval:
                 tasks.append(loop.create_task(self._watchdog_loop()))
             log.info(
-                "serving on %s: %d pool(s) of %s, pages of %s",
-                self.config.socket_path, len(self.pools),
-                format_size(self.pools[0].size), format_size(self.config.page_size),
+                "serving on %s: %s, pages of %s", self.config.socket_path,
+                pools_summary(self.pools), format_size(self.config.page_size),
             )  # fmt: skip
             # Only now: the socket is listening and the pools exist, so clients may come.
             self.notifier.ready(self.summary())

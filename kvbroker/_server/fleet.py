@@ -55,6 +55,7 @@ from ..errors import (
 )
 from . import transfer
 from .fleet_serving import BrokerProvider
+from .pool import open_segment
 
 if TYPE_CHECKING:
     from .broker import Broker
@@ -179,7 +180,12 @@ class Fleet:
         import posix_ipc
 
         for pool in self.broker.pools:
-            shm = posix_ipc.SharedMemory(pool.name)
+            try:
+                shm = open_segment(pool.name)  # a tenant's pool too
+            except (OSError, posix_ipc.Error) as exc:
+                raise KVBrokerError(f"[transfer] cannot map pool {pool.index} ({pool.name}): "
+                                    f"{exc} (a daemon that is not root needs CAP_CHOWN for "
+                                    "a pool owned by a tenant's user)") from None  # fmt: skip
             try:
                 mm = mmap.mmap(shm.fd, pool.size, mmap.MAP_SHARED,
                                mmap.PROT_READ | mmap.PROT_WRITE)

@@ -23,7 +23,7 @@ from .allocator import ExtentAllocator
 from .._wire.paths import format_size
 from ..errors import KVBrokerError
 
-__all__ = ["HostPool", "segment_prefix", "unlink_segment"]
+__all__ = ["HostPool", "open_segment", "pools_summary", "segment_prefix", "unlink_segment"]
 
 log = logging.getLogger("kvbroker.daemon")
 
@@ -129,6 +129,36 @@ class HostPool:
             log.warning("cannot remove shared memory %s of pool %d (%s): it stays in /dev/shm "
                         "until removed by hand or the machine restarts", self.name, self.index,
                         exc)  # fmt: skip
+
+
+def pools_summary(pools: list[HostPool]) -> str:
+    """The pools in a few words, for the start-up line: how many shared ones of what size,
+    and each tenant pool's own size ("2 shared pool(s) of 4.0 MiB, tenant pools alice 8.0
+    MiB, team-b 16.0 MiB")."""
+    shared = [p for p in pools if p.tenant is None]
+    tenants = [p for p in pools if p.tenant is not None]
+    if not tenants:
+        return f"{len(pools)} pool(s) of {format_size(pools[0].size)}"
+    sizes = "/".join(format_size(n) for n in sorted({p.size for p in shared})) or "-"
+    return (f"{len(shared)} shared pool(s) of {sizes}, tenant pools "
+            + ", ".join(f"{p.tenant.name} {format_size(p.size)}" for p in tenants))
+
+
+def open_segment(name: str) -> posix_ipc.SharedMemory:
+    """Open the segment ``name`` read-write, for the daemon's own mapping (transfers). A
+    tenant pool owned by its tenant's user (0600) is not a non-root daemon's to open: it
+    takes the segment back for the open and gives it back (CAP_CHOWN, which made it the
+    tenant's); the descriptor, and a mapping of it, stay valid."""
+    try:
+        return posix_ipc.SharedMemory(name)
+    except posix_ipc.PermissionsError:
+        path = "/dev/shm" + name
+        owner = os.stat(path).st_uid
+        os.chown(path, os.geteuid(), -1)
+        try:
+            return posix_ipc.SharedMemory(name)
+        finally:
+            os.chown(path, owner, -1)
 
 
 def unlink_segment(name: str) -> None:
