@@ -22,7 +22,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kvbroker._bench import format_table
+from kvbroker._bench import checkout_commit, format_table
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -122,7 +122,7 @@ def report(profiles: list[str]) -> str:
         "Rebuild everything: `.venv/bin/python benchmarks/bench_all.py "
         "--mooncake-python /tmp/mc/bin/python` (Mooncake's driver: benchmarks/mooncake_peer.py; "
         "its set-up: README.md, \"Comparing with Mooncake\").",
-        f"Commit measured: {_commit()}.",
+        f"Commit measured: {checkout_commit()}.",
         "",
     ]
     for data in found:
@@ -149,22 +149,6 @@ def summary() -> str:
                          f"{op} {t['goal']:.3g}{unit} | `{cmd}` |")  # fmt: skip
     return "\n".join(lines)
 
-
-
-def _commit() -> str:
-    """The checkout's commit ("+dirty" when tracked files differ), for the report."""
-    import subprocess
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    try:
-        sha = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], check=True,
-                             capture_output=True, text=True).stdout.strip()  # fmt: skip
-        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no",
-                                "--", "kvbroker", "cli", "tui"],
-                               capture_output=True, text=True).stdout.strip()  # fmt: skip
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return sha + ("+dirty" if dirty else "")
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -51,7 +51,6 @@ import os
 import platform
 import shlex
 import statistics
-import subprocess
 import sys
 import time
 
@@ -60,6 +59,7 @@ import numpy as np
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 
+from kvbroker._bench import checkout_commit  # noqa: E402
 from kvbroker._client import engine as E  # noqa: E402
 from kvbroker._wire import checksum as cs  # noqa: E402
 from kvbroker._wire.paths import parse_size  # noqa: E402
@@ -73,17 +73,6 @@ def machine() -> dict:
     except ImportError:  # a checkout without the client's dependencies (GPU part only)
         return {"cpu": platform.processor(), "cores": os.cpu_count(),
                 "loadavg_1min": os.getloadavg()[0], "when": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
-
-
-def commit() -> str:
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
-                              text=True, check=True).stdout.strip()  # fmt: skip
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                               cwd=ROOT, capture_output=True, text=True).stdout.strip()  # fmt: skip
-        return head + ("+dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def median_time(fn, reps: int, sync=lambda: None) -> float:
@@ -468,7 +457,7 @@ def main() -> None:
         args.host_size = min(args.host_size, 8 << 20)
     rows: list = []
     notes: list = []
-    report = {"commit": args.commit or commit(),
+    report = {"commit": args.commit or checkout_commit(),
               "command": " ".join(shlex.quote(a) for a in sys.argv), "machine": machine(), "platform": platform.platform(),
               "affinity_cpus": len(os.sched_getaffinity(0))}  # fmt: skip
     if not args.no_gpu:

@@ -37,7 +37,6 @@ import random
 import signal
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -49,6 +48,7 @@ sys.path.insert(0, ROOT)
 import numpy as np  # noqa: E402
 
 from kvbroker import Client  # noqa: E402
+from kvbroker._bench import checkout_commit  # noqa: E402
 from kvbroker.errors import KVBrokerError  # noqa: E402
 from kvbroker.testing import DaemonProcess, drop_leftover_pools  # noqa: E402
 
@@ -231,11 +231,7 @@ def main() -> None:
     os.environ.setdefault("UCX_TLS", "tcp")
     load0 = os.getloadavg()
     t0 = time.time()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True, cwd=ROOT).stdout.strip()
-    if subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                      capture_output=True, text=True, cwd=ROOT).stdout.strip():
-        commit += "-dirty"  # the code that runs is not the commit's
+    commit = checkout_commit(ROOT)  # "+dirty": the code that runs is not the commit's
     out: dict = {"what": "remote claim (B <- A through NIXL) vs the raw NIXL READ inside it",
                  "command": " ".join([os.path.relpath(sys.executable, ROOT), *sys.argv])}
     folder = tempfile.mkdtemp(prefix="kvb-remote-")

@@ -43,6 +43,7 @@ sys.path.insert(0, str(ROOT / "examples"))
 import models  # noqa: E402
 
 from kvbroker import BrokerUnavailable, Client  # noqa: E402
+from kvbroker._bench import checkout_commit  # noqa: E402
 from kvbroker.integrations import transformers as kvt  # noqa: E402
 
 
@@ -116,14 +117,6 @@ def machine(device: str) -> dict:
         info["gpu"] = torch.cuda.get_device_name(device)
     return info
 
-
-
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
-                              check=True, capture_output=True, text=True).stdout.strip()  # fmt: skip
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -239,7 +232,7 @@ def main(argv=None) -> None:
         "handoff_speedup": med["recompute_s"] / med["handoff_s"],
         "handoff_speedup_per_repeat": [r["recompute_s"] / r["handoff_s"] for r in rows],
         "publish_GBps_median": published.nbytes / med["publish_s"] / 1e9,
-        "commit": args.commit or _commit(),
+        "commit": args.commit or checkout_commit(),
         "all_same_token": all(r["same_token"] for r in rows),
         "all_logits_bit_identical": all(r["logits_bit_identical"] for r in rows),
         "repeats": rows,

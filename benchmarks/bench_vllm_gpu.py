@@ -40,6 +40,7 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 
 from kvbroker import Client
+from kvbroker._bench import checkout_commit
 from kvbroker._bench.gpu_run import events_median
 from kvbroker.integrations.vllm._cuda import load_cuda, save_cuda
 from kvbroker.integrations.vllm._format import BlockFormat
@@ -259,14 +260,8 @@ def main() -> None:
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     device = torch.device("cpu") if a.cpu else torch.device("cuda", 0)
-    commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"],
-                            capture_output=True, text=True).stdout.strip() or "unknown"
-    dirty = subprocess.run(["git", "-C", ROOT, "status", "--porcelain", "--untracked-files=no"],
-                           capture_output=True, text=True).stdout.strip()  # fmt: skip
-    if a.commit:
-        commit, dirty = a.commit, ""
     r: dict = {
-        "commit": commit + ("+dirty" if dirty else ""),
+        "commit": a.commit or checkout_commit(ROOT),
         "when": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
         "command": " ".join(shlex.quote(x) for x in [os.path.relpath(sys.executable, ROOT)
                                                      if False else "python", *sys.argv]),

@@ -30,7 +30,6 @@ import hashlib
 import json
 import multiprocessing as mp
 import os
-import subprocess
 import platform
 import random
 import sys
@@ -45,6 +44,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
 from kvbroker import ChecksumMismatch, Client, NotFound  # noqa: E402
+from kvbroker._bench import checkout_commit  # noqa: E402
 from kvbroker._wire.objects import BUFFER_ALIGN
 from kvbroker.prefix import PrefixCache  # noqa: E402
 
@@ -244,7 +244,7 @@ def run(clients: int = 16, duration: float = 600.0, pool_size: str = "64M",
     main_ops = sum(ops[k] for k in ("put", "get", "prefix", "evict"))
     return {
         "benchmark": "soak: publish / claim / prefix match / evict under memory pressure",
-        "commit": _commit(),
+        "commit": checkout_commit(),
         "machine": f"{platform.node()} ({os.cpu_count()} CPUs, {platform.machine()})",
         "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
         "clients": clients,
@@ -264,19 +264,6 @@ def run(clients: int = 16, duration: float = 600.0, pool_size: str = "64M",
         "daemon_exit_status": rc,
         "accounting": books,
     }
-
-
-def _commit() -> str:
-    """The checkout's commit (with "+dirty" when files differ from it), for the results."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    try:
-        sha = subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"], check=True,
-                             capture_output=True, text=True).stdout.strip()  # fmt: skip
-        dirty = subprocess.run(["git", "-C", here, "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True).stdout.strip()  # fmt: skip
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return sha + ("+dirty" if dirty else "")
 
 
 def main() -> int:

@@ -10,9 +10,17 @@ from __future__ import annotations
 
 import importlib
 
-from ._common import Result, Target, format_table, machine_info, spawned_daemon
+from ._common import (
+    Result,
+    Target,
+    checkout_commit,
+    format_table,
+    machine_info,
+    spawned_daemon,
+)
 
-__all__ = ["SCENARIOS", "Result", "Target", "format_table", "machine_info", "spawned_daemon",
+__all__ = ["SCENARIOS", "Result", "Target", "checkout_commit", "format_table", "machine_info",
+           "spawned_daemon",
            "scenario", "plot_result", "MissingMatplotlib"]  # fmt: skip
 
 SCENARIOS = ("transfer", "rpc", "scale", "prefix", "tp", "gpu", "peer")

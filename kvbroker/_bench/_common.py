@@ -24,6 +24,23 @@ from typing import Any
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
 
+def checkout_commit(root: str | None = None) -> str:
+    """The commit of the checkout at ``root`` (default: this source tree) that a results file
+    records: short hash, "+dirty" when tracked code differs from it (results and docs do not
+    count: a run rewrites them), "unknown" without git (a copied tree)."""
+    root = root or os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    git = ["git", "-C", root]
+    try:
+        sha = subprocess.run([*git, "rev-parse", "--short", "HEAD"], check=True,
+                             capture_output=True, text=True).stdout.strip()  # fmt: skip
+        dirty = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no", "--", ".",
+                                ":(exclude)benchmarks/results", ":(exclude)docs"],
+                               capture_output=True, text=True).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return sha + ("+dirty" if dirty else "")
+
+
 def machine_info() -> dict[str, Any]:
     """CPU model, core count and the versions that shape the figures."""
     cpu = platform.processor()
