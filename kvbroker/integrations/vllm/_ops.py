@@ -14,7 +14,8 @@ it reserves and seals them itself, because it must:
 these. The operations used here are the daemon's ``reserve_blocks``, ``seal_many`` and
 ``abort`` (the same ones ``PrefixCache`` sends, through the client's typed op stubs
 ``client.ops``), a writable view of a reserved extent and the address of a pool mapping
-(``client._mapping``, for the copies and DMA), the head arithmetic of ``kvbroker._client.tp``,
+(``client._mapping``, for the copies, and its address through the GPU copy engine's
+``_address``, for DMA), the head arithmetic of ``kvbroker._client.tp``,
 and the extents of a prefix match without one view per buffer (``KVPrefixMatch._names`` /
 ``_packed`` / ``_raw``).
 """
@@ -184,14 +185,9 @@ def extent_view(client, extent: tuple[int, int, int]):
 
 def pool_address(client, pool: int) -> int:
     """The address of pool ``pool``'s mapping in this process (for DMA)."""
-    import ctypes
+    from kvbroker._client.gpu_copy import _address
 
-    mm = client._mapping(pool).mm
-    anchor = ctypes.c_char.from_buffer(mm)
-    try:
-        return ctypes.addressof(anchor)
-    finally:
-        del anchor
+    return _address(client._mapping(pool).mm)
 
 
 def match_extents(match) -> tuple[list[str], object]:
