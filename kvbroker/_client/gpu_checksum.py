@@ -29,6 +29,7 @@ choice (``.contiguous()``).
 
 from __future__ import annotations
 
+import contextlib
 import struct
 from functools import lru_cache
 from typing import Any, Sequence
@@ -309,7 +310,7 @@ def start(tensors: Sequence[Any], *, backend: str | None = None, stream: Any = N
     if backend not in ("triton", "torch"):
         raise KVBrokerError(f"unknown backend {backend!r}")
     cuda = device.type == "cuda"
-    ctx = torch.cuda.stream(stream) if cuda and stream is not None else _nullcontext()
+    ctx = torch.cuda.stream(stream) if cuda and stream is not None else contextlib.nullcontext()
     with ctx:
         # on the stream: an aligned copy of a misaligned tensor is made after what it waits for
         kept, sizes, ptrs = _prepare(tensors)
@@ -379,14 +380,6 @@ def segment_digests(tensor: Any, starts: Sequence[int], lengths: Sequence[int], 
                          for a, n in zip(starts.tolist(), lengths.tolist())]
                         or [torch.empty(0, dtype=torch.int64, device=t.device)])  # fmt: skip
     return out.cpu().numpy().view(np.uint64)
-
-
-class _nullcontext:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 _KEYS_ON: dict[Any, Any] = {}

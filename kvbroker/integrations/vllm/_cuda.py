@@ -26,6 +26,7 @@ Every byte crosses PCIe once. Both functions also run on CPU tensors with ``copi
 from __future__ import annotations
 
 import collections
+import contextlib
 from collections.abc import Sequence
 
 from kvbroker.errors import KVBrokerError, LayoutMismatch, Timeout
@@ -309,7 +310,7 @@ def load_cuda(client, namespace: str, fmt: BlockFormat, cache, hashes: Sequence[
         chunk = max(1, staging_bytes // (2 * per_block * shards))
         staging = torch.empty((2, min(chunk, n), shards, L, C, hs, N, D), dtype=cache.dtype,
                               device=cache.device)  # fmt: skip
-        with torch.cuda.stream(scatter) if cuda else _nullcontext():
+        with torch.cuda.stream(scatter) if cuda else contextlib.nullcontext():
             ids_all = (_ids_on(torch, list(block_ids[:n]), cache.device) if cuda
                        else torch.tensor(list(block_ids[:n])))  # fmt: skip
         free_again: list = [None, None]  # per half: the event its last scatter ends at
@@ -323,7 +324,7 @@ def load_cuda(client, namespace: str, fmt: BlockFormat, cache, hashes: Sequence[
                     dma.wait_event(free_again[k % 2])
                 copier([(stage, pool, size) for pool, stage, size in runs], dma)
                 ids = ids_all[at : at + count]
-                with torch.cuda.stream(scatter) if cuda else _nullcontext():
+                with torch.cuda.stream(scatter) if cuda else contextlib.nullcontext():
                     if cuda:
                         scatter.wait_stream(dma)
                     for s, src_head, heads, dst_head in pieces:
@@ -358,11 +359,3 @@ def _named_row(extents: dict, names: list[str], per_block: int) -> list[int]:
     if missing:
         raise LayoutMismatch(f"layout mismatch on buffers: a matched block has no {missing[0]}")
     return [extents[names[0]][0]] + [v for x in names for v in extents[x][1:]]
-
-
-class _nullcontext:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
