@@ -56,11 +56,7 @@ class Session:
                     if "push" in msg:
                         self._deliver(msg)
                         continue
-                    if msg.get("id") in self._unanswered:
-                        self._settle(msg)
-                        continue
-                    if msg.get("id") in self._submitted:
-                        self._replies[msg["id"]] = msg
+                    if self._take_others(msg):
                         continue
                     if msg.get("id") not in (rid, None):
                         raise ProtocolError(
@@ -69,7 +65,6 @@ class Session:
                     self._stalled = False
                     if msg.get("ok"):
                         return msg.get("result")
-                    err = msg.get("error") or {}
                     break
             except BrokerUnavailable:
                 self.broken = True  # the transport failed, as opposed to a reply saying so
@@ -82,7 +77,7 @@ class Session:
                     self._abandoned.add(rid)
                 self._stalled = True
                 raise
-        raise error_for_code(str(err.get("code", "error")), str(err.get("message", "")))
+        raise _error_of(msg)
 
     def submit(self, op: str, **args: Any) -> Pending:
         """Send a request without waiting: its reply is read when :meth:`Pending.result`
@@ -125,15 +120,10 @@ class Session:
                         raise ProtocolError(f"unexpected message from the daemon: {msg!r:.80}")
                     if "push" in msg:
                         self._deliver(msg)
-                    elif msg.get("id") in self._unanswered:
-                        self._settle(msg)
-                    elif msg.get("id") in self._submitted:
-                        self._replies[msg["id"]] = msg
+                    elif self._take_others(msg):
+                        pass
                     elif msg.get("id") is None and msg.get("ok") is False:
-                        # about the connection (a frame it could not read): it closes it
-                        err = msg.get("error") or {}
-                        raise error_for_code(str(err.get("code", "error")),
-                                             str(err.get("message", "")))
+                        raise _error_of(msg)  # about the connection (a frame it could not read)
                     else:
                         raise ProtocolError(f"reply {msg.get('id')} answers no request of "
                                             "this session")  # fmt: skip
@@ -150,8 +140,7 @@ class Session:
             msg = self._replies.pop(rid)
         if msg.get("ok"):
             return msg.get("result")
-        err = msg.get("error") or {}
-        raise error_for_code(str(err.get("code", "error")), str(err.get("message", "")))
+        raise _error_of(msg)
 
     def send_only(self, op: str, **args: Any) -> None:
         """Send a request whose reply is read (and checked) by a later call, saving a round
@@ -190,11 +179,23 @@ class Session:
             while True:
                 msg = self._stream.receive()
                 if isinstance(msg, dict) and msg.get("id") is None and msg.get("ok") is False:
-                    err = msg.get("error") or {}
                     break
         except (KVBrokerError, OSError):  # OSError: another thread closed the socket
             return  # it said nothing more: the broken pipe stands
-        raise error_for_code(str(err.get("code", "error")), str(err.get("message", "")))
+        raise _error_of(msg)
+
+    def _take_others(self, msg: dict) -> bool:
+        """A reply that answers no one waiting now: to a ``send_only`` or abandoned request
+        (settled: read, a failure logged) or to a submitted one (kept for its ``result()``).
+        False for anything else."""
+        rid = msg.get("id")
+        if rid in self._unanswered:
+            self._settle(msg)
+            return True
+        if rid in self._submitted:
+            self._replies[rid] = msg
+            return True
+        return False
 
     def _settle(self, msg: dict) -> None:
         self._unanswered.discard(msg["id"])
@@ -215,17 +216,14 @@ class Session:
                 except BrokerUnavailable:
                     self.broken = True
                     raise
-                if isinstance(msg, dict) and "push" in msg:
+                if not isinstance(msg, dict):
+                    continue
+                if "push" in msg:
                     return msg
-                if isinstance(msg, dict) and msg.get("id") in self._unanswered:
-                    self._settle(msg)
+                if self._take_others(msg):
                     continue
-                if isinstance(msg, dict) and msg.get("id") in self._submitted:
-                    self._replies[msg["id"]] = msg  # for its result()
-                    continue
-                if isinstance(msg, dict) and not msg.get("ok", True):
-                    err = msg.get("error") or {}
-                    raise error_for_code(str(err.get("code")), str(err.get("message", "")))
+                if not msg.get("ok", True):
+                    raise _error_of(msg)
 
     def _deliver(self, msg: dict) -> None:
         if self.on_push is not None:
@@ -268,6 +266,12 @@ class Session:
         except Exception as exc:  # closing regardless: the daemon ends what is left
             log.debug("closing without the replies to %d requests: %s", len(self._unanswered),
                       exc)
+
+
+def _error_of(msg: dict) -> KVBrokerError:
+    """The typed error a failed reply names."""
+    err = msg.get("error") or {}
+    return error_for_code(str(err.get("code", "error")), str(err.get("message", "")))
 
 
 class Pending:
