@@ -17,12 +17,9 @@ import typer
 from kvbroker._version import __version__
 from kvbroker._wire.paths import format_size
 from kvbroker.cli._settings import with_setting_flags
-from kvbroker.errors import BrokerUnavailable, KVBrokerError
 
 from ._common import (
     EXIT_ERROR,
-    EXIT_UNAVAILABLE,
-    EXIT_USAGE,
     JsonOpt,
     OneLineGroup,
     SocketOpt,
@@ -201,29 +198,10 @@ def verify(
     refreshes its place in the LRU order). Objects sealed without checksums are reported
     as unchecked, objects freed meanwhile as gone; neither fails the run.
     """
-    from kvbroker import Client
     from kvbroker._client.integrity import verify_objects
-    from kvbroker.errors import BadRequest
 
-    try:
-        client = Client(socket, name="kvbroker-verify", role="admin", map_pools=False,
-                        timeout=30)  # fmt: skip
-    except BrokerUnavailable as exc:
-        raise fail(f"{exc} (start it with 'kvbroker serve')", EXIT_UNAVAILABLE) from None
-    except KVBrokerError as exc:
-        raise fail(f"{exc.code}: {exc}") from None
-    try:
-        checks = list(verify_objects(client, match=match, namespace=namespace))
-    except BrokerUnavailable as exc:
-        raise fail(str(exc), EXIT_UNAVAILABLE) from None
-    except BadRequest as exc:
-        if str(exc).startswith("bad regex"):
-            raise fail(f"--match: {exc}", EXIT_USAGE) from None
-        raise fail(f"{exc.code}: {exc}") from None
-    except KVBrokerError as exc:
-        raise fail(f"{exc.code}: {exc}") from None
-    finally:
-        client.close()
+    checks = run(socket, lambda c: list(verify_objects(c, match=match, namespace=namespace)),
+                 name="kvbroker-verify", timeout=30)  # fmt: skip
     tally = {s: sum(1 for c in checks if c.status == s)
              for s in ("ok", "mismatch", "unchecked", "gone")}  # fmt: skip
     if as_json:

@@ -119,12 +119,13 @@ def connect(socket: Optional[str], *, timeout: float = 10, name: str = "kvbroker
         raise fail(f"{exc.code}: {exc}") from None
 
 
-def run(socket: Optional[str], fn, *, regex_option: str = "--match"):
-    """``fn(client)`` on a fresh admin connection; daemon errors become one-line exits.
-    The daemon's "bad regex" is a usage error (exit 2), named after ``regex_option``."""
+def run(socket: Optional[str], fn, *, regex_option: str = "--match", **connect_args):
+    """``fn(client)`` on a fresh admin connection (``connect_args``: :func:`connect`'s);
+    daemon errors become one-line exits. The daemon's "bad regex" is a usage error (exit 2),
+    named after ``regex_option``."""
     from kvbroker.errors import BadRequest
 
-    client = connect(socket)
+    client = connect(socket, **connect_args)
     try:
         return fn(client)
     except BrokerUnavailable as exc:

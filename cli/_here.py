@@ -60,6 +60,6 @@ def python_here_check(cwd: str | None = None):
             return Check(NAME, "warn",
                          f"python started in {cwd} imports kvbroker from {found}, not this "
                          f"installation's ({ours})",
-                         f"start Python in another directory, or install that copy into this "
-                         f"environment ('pip install -e' in its clone)")
+                         "start Python in another directory, or install that copy into this "
+                         "environment ('pip install -e' in its clone)")
     return Check(NAME, "ok", f"python started in {cwd} imports this kvbroker ({ours})")
