@@ -217,6 +217,41 @@ def test_gpu_claim_verify_flags_a_corrupted_pool_byte(daemon):
 
 @CUDA
 @pytest.mark.gpu
+def test_gpu_claim_verify_hashes_each_group_as_it_lands(daemon, monkeypatch):
+    """verify hashes group after group while the next groups copy: a bad byte in any
+    group, kind 1 or kind 0 alike, is caught, and the bytes of every group are all there."""
+    from kvbroker._client import gpu_client
+
+    gpu = _gpu()
+    monkeypatch.setattr(gpu_client, "VERIFY_GROUP_BYTES", cs.CHUNK)  # a group per buffer
+    rng = np.random.default_rng(11)
+    src = {f"b{i}": torch.from_numpy(rng.integers(0, 256, cs.CHUNK + 7 * i, dtype=np.uint8)
+                                     ).cuda() for i in range(6)}  # fmt: skip
+    with gpu.GpuClient(daemon.client(), own_client=True) as g:
+        assert g.publish("req", src)
+        out = {n: torch.empty_like(t) for n, t in src.items()}
+        g.claim("req", out, verify=True)
+        assert all(torch.equal(out[n], src[n]) for n in src)
+        assert g.last_copies == len(src)  # one copy per group, none merged across groups
+        corrupt(g.client, "req", "b3", at=5)
+        with pytest.raises(ChecksumMismatch) as err:
+            g.claim("req", out, verify=True)
+        assert err.value.buffers == ("b3",)
+        assert g.client.stat().read_leases == 0
+
+
+def test_verify_groups_cut_by_bytes_in_order():
+    from kvbroker._client.gpu_client import VERIFY_GROUP_BYTES, _verify_groups
+
+    g = VERIFY_GROUP_BYTES
+    flat = {"a": (0, g // 2), "b": (0, g // 2), "c": (0, 3 * g), "d": (0, 1), "e": (0, 1)}
+    assert _verify_groups(flat) == [["a", "b"], ["c"], ["d", "e"]]
+    assert _verify_groups({}) == [[]]
+    assert _verify_groups({"x": (0, 0)}) == [["x"]]
+
+
+@CUDA
+@pytest.mark.gpu
 def test_gpu_claim_verifies_kind_0_objects_from_the_pool(daemon):
     gpu = _gpu()
     data = np.random.default_rng(3).integers(0, 256, 2 * cs.CHUNK + 99, dtype=np.uint8)
