@@ -360,20 +360,23 @@ class GpuClient(RingClient):
             try:
                 # With verify, the copies go in groups and each group is hashed on the GPU
                 # as soon as it landed, while the next ones copy: what is left after the
-                # last byte is one group's hash, not the whole object's.
+                # last byte is one group's hash, not the whole object's. Every copy is
+                # queued first: the DMA engine never waits for the hashes' set-up.
+                landed = []
                 for group in _verify_groups(flat) if checking else [list(flat)]:
                     self.last_copies += copy_runs(
                         [(flat[name][0], srcs[name], flat[name][1]) for name in group],
                         self.stream,
                     )
                     if checking:
-                        landed = torch.cuda.Event()
-                        landed.record(self.stream)
-                        check = _gi.start_verify({n: out[n] for n in group}, lease.checksums,
-                                                 self._sum_streams_after(landed))  # fmt: skip
-                        checks.append(check)
-                        if check.on_host:  # kind 0: hashed on the CPU, from the pool, now
-                            computed.update(check.host_values(lease))
+                        landed.append((group, torch.cuda.Event()))
+                        landed[-1][1].record(self.stream)
+                for group, event in landed:
+                    check = _gi.start_verify({n: out[n] for n in group}, lease.checksums,
+                                             self._sum_streams_after(event))  # fmt: skip
+                    checks.append(check)
+                    if check.on_host:  # kind 0: hashed on the CPU, from the pool, now
+                        computed.update(check.host_values(lease))
             finally:
                 done = torch.cuda.Event()
                 done.record(self.stream)
