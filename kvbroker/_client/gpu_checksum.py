@@ -40,7 +40,7 @@ from .kernels import _interpret, select_backend, triton_available
 from .._wire import checksum as _cs
 from ..errors import KVBrokerError
 
-__all__ = ["checksums", "checksum", "start", "Pending", "segment_digests", "select_backend",
+__all__ = ["checksums", "checksum", "start", "prepare", "Prepared", "Pending", "segment_digests", "select_backend",
            "triton_available", "NUM_WARPS", "GROUP"]
 
 # Shipped launch settings (benchmarks/bench_integrity_gpu.py records what it ran with).
@@ -300,6 +300,16 @@ def start(tensors: Sequence[Any], *, backend: str | None = None, stream: Any = N
     other work meanwhile (a device-to-host DMA of the same tensors on another stream, say) and
     call :meth:`Pending.result`, which waits for them.
     """
+    return prepare(tensors, backend=backend, stream=stream).launch(stream)
+
+
+def prepare(tensors: Sequence[Any], *, backend: str | None = None,
+            stream: Any = None) -> Prepared:  # fmt: skip
+    """Set up the checksums of ``tensors`` without starting them: the table of their chunks
+    goes to the device on ``stream`` now; :meth:`Prepared.launch` queues the kernel later, on
+    another stream if wanted. For hashing bytes that a DMA will write: the table's small
+    host-to-device copy is queued before that DMA (behind it, it would wait for all of it).
+    The tensors must keep their addresses until then."""
     import torch
 
     tensors = list(tensors)
@@ -309,29 +319,61 @@ def start(tensors: Sequence[Any], *, backend: str | None = None, stream: Any = N
     backend = backend or (select_backend(*tensors) if tensors else "torch")
     if backend not in ("triton", "torch"):
         raise KVBrokerError(f"unknown backend {backend!r}")
-    cuda = device.type == "cuda"
-    ctx = torch.cuda.stream(stream) if cuda and stream is not None else contextlib.nullcontext()
-    with ctx:
-        # on the stream: an aligned copy of a misaligned tensor is made after what it waits for
-        kept, sizes, ptrs = _prepare(tensors)
-        plan = _Plan(sizes)
-        if backend == "triton":
-            longs = _triton_long(plan, ptrs, device)
-        else:
-            longs = _torch_long_all(kept, plan, device)
-        shorts = [_flat(t)[n - k :] for t, n, k in zip(kept, sizes, plan.shorts.tolist()) if k]
-        tails = torch.cat(shorts) if shorts else None
-        if not cuda:
-            return Pending(kept, plan, longs.numpy(), tails, None)
-        host = torch.empty(longs.shape, dtype=longs.dtype, pin_memory=True)
-        host.copy_(longs, non_blocking=True)
-        if tails is not None:
-            tails = torch.empty(tails.shape, dtype=tails.dtype, pin_memory=True).copy_(
-                tails, non_blocking=True
-            )
-        done = torch.cuda.Event()
-        done.record()
-    return Pending(kept, plan, host, tails, done)
+    return Prepared(tensors, device, backend, stream)
+
+
+class Prepared:
+    """Checksums set up by :func:`prepare`, started by :meth:`launch`."""
+
+    def __init__(self, tensors, device, backend: str, stream: Any) -> None:
+        self.tensors, self.device, self.backend = tensors, device, backend
+        self._table = None
+        # A misaligned tensor is hashed from an aligned copy, made at launch (after the bytes
+        # are there): its table is made then too.
+        aligned = all(t.nbytes == 0 or t.data_ptr() % 8 == 0 for t in tensors)
+        if backend == "triton" and device.type == "cuda" and aligned:
+            import torch
+
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                kept, sizes, ptrs = _prepare(tensors)
+                plan = _Plan(sizes)
+                self._table = (kept, sizes, plan, _upload_table(plan, ptrs, device))
+
+    def launch(self, stream: Any = None) -> Pending:
+        """Queue the kernel on ``stream`` (default: the current one), after what is queued
+        there, and the digests' copy back; returns at once on CUDA."""
+        import torch
+
+        cuda = self.device.type == "cuda"
+        ctx = (torch.cuda.stream(stream) if cuda and stream is not None
+               else contextlib.nullcontext())  # fmt: skip
+        with ctx:
+            if self._table is not None:
+                kept, sizes, plan, table = self._table
+                longs = _launch_long(plan, table, self.device)
+            else:  # on the stream: an aligned copy of a misaligned tensor is made here
+                kept, sizes, ptrs = _prepare(self.tensors)
+                plan = _Plan(sizes)
+                if self.backend == "triton":
+                    longs = _launch_long(plan, _upload_table(plan, ptrs, self.device),
+                                         self.device)  # fmt: skip
+                else:
+                    longs = _torch_long_all(kept, plan, self.device)
+            shorts = [_flat(t)[n - k :] for t, n, k in zip(kept, sizes, plan.shorts.tolist())
+                      if k]  # fmt: skip
+            tails = torch.cat(shorts) if shorts else None
+            if not cuda:
+                return Pending(kept, plan, longs.numpy(), tails, None)
+            host = torch.empty(longs.shape, dtype=longs.dtype, pin_memory=True)
+            host.copy_(longs, non_blocking=True)
+            if tails is not None:
+                tails = torch.empty(tails.shape, dtype=tails.dtype, pin_memory=True).copy_(
+                    tails, non_blocking=True
+                )
+            done = torch.cuda.Event()
+            done.record()
+        self._table = None
+        return Pending(kept, plan, host, tails, done)
 
 
 def checksums(tensors: Sequence[Any], *, backend: str | None = None) -> list[int]:
@@ -396,7 +438,22 @@ def _keys(device):
     return found
 
 
-def _triton_long(plan, ptrs, device):
+def _upload_table(plan, ptrs, device):
+    """The chunk table (int64 ``[2, chunks]``: address, length) on ``device``, copied on the
+    current stream (None: no long chunk)."""
+    import torch
+
+    if not int(plan.longs.sum()):
+        return None
+    if device.type != "cuda" and not _interpret():
+        raise KVBrokerError("backend 'triton' needs CUDA tensors (or TRITON_INTERPRET=1 on CPU)")
+    host = torch.from_numpy(plan.table(ptrs))
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
+def _launch_long(plan, table, device):
     """int64 tensor on ``device``: the xxh3_64 of every long chunk, tensor after tensor
     (queued on the current stream)."""
     import torch
@@ -404,16 +461,10 @@ def _triton_long(plan, ptrs, device):
     found = _triton()
     if found is None:
         raise KVBrokerError("backend 'triton' asked for, but triton is not importable")
-    if device.type != "cuda" and not _interpret():
-        raise KVBrokerError("backend 'triton' needs CUDA tensors (or TRITON_INTERPRET=1 on CPU)")
     _, kernel = found
     count = int(plan.longs.sum())
     if not count:
         return torch.empty(0, dtype=torch.int64, device=device)
-    host = torch.from_numpy(plan.table(ptrs))
-    if device.type == "cuda":
-        host = host.pin_memory()
-    table = host.to(device, non_blocking=True)
     out = torch.empty(count, dtype=torch.int64, device=device)
     kernel[(count,)](table[0], table[1], _keys(device), out, GROUP=GROUP, num_warps=NUM_WARPS)
     return out

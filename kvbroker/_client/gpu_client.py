@@ -364,16 +364,19 @@ class GpuClient(RingClient):
                 # queued first: the DMA engine never waits for the hashes' set-up.
                 landed = []
                 for group in _verify_groups(flat) if checking else [list(flat)]:
+                    if checking:  # its chunk table goes to the GPU ahead of its copies
+                        ready = _gi.prepare_verify({n: out[n] for n in group},
+                                                   lease.checksums, self.stream)  # fmt: skip
                     self.last_copies += copy_runs(
                         [(flat[name][0], srcs[name], flat[name][1]) for name in group],
                         self.stream,
                     )
                     if checking:
-                        landed.append((group, torch.cuda.Event()))
-                        landed[-1][1].record(self.stream)
-                for group, event in landed:
-                    check = _gi.start_verify({n: out[n] for n in group}, lease.checksums,
-                                             self._sum_streams_after(event))  # fmt: skip
+                        event = torch.cuda.Event()
+                        event.record(self.stream)
+                        landed.append((ready, event))
+                for ready, event in landed:
+                    check = ready.launch(self._sum_streams_after(event))
                     checks.append(check)
                     if check.on_host:  # kind 0: hashed on the CPU, from the pool, now
                         computed.update(check.host_values(lease))

@@ -26,7 +26,7 @@ from typing import Any
 from .._wire import checksum as _cs
 from . import gpu_checksum as _gc
 
-__all__ = ["Sums", "start_seal", "start_verify", "mismatched"]
+__all__ = ["PreparedVerify", "Sums", "mismatched", "prepare_verify", "start_seal", "start_verify"]
 
 
 def _by_device(tensors: Mapping[str, Any]) -> dict[Any, list[str]]:
@@ -110,13 +110,46 @@ def start_verify(tensors: Mapping[str, Any], recorded: Mapping[str, Any] | None,
     each buffer in the kind it was sealed with (buffers without one are not checked). Kind 1
     is hashed from ``tensors`` on their devices, on ``stream_for(device)`` (waiting for the
     copies into them); kind 0 by :meth:`Sums.values` from the pool's bytes."""
+    kind1, kind0 = _split_by_kind(tensors, recorded)
+    return _start(tensors, kind1, kind0, stream_for)
+
+
+class PreparedVerify:
+    """A verify set up by :func:`prepare_verify`: :meth:`launch` starts it."""
+
+    def __init__(self, order: list[str], kind1: list[tuple[list[str], Any]],
+                 kind0: list[str]) -> None:  # fmt: skip
+        self._order, self._kind1, self._kind0 = order, kind1, kind0
+
+    def launch(self, stream_for: Callable[[Any], Any]) -> Sums:
+        """Queue the kind-1 kernels on ``stream_for(device)`` (a stream waiting for the
+        bytes); returns the :class:`Sums` under way."""
+        return Sums(self._order, [(names, p.launch(stream_for(p.device)))
+                                  for names, p in self._kind1], self._kind0)  # fmt: skip
+
+
+def prepare_verify(tensors: Mapping[str, Any], recorded: Mapping[str, Any] | None,
+                   upload_stream: Any) -> PreparedVerify:  # fmt: skip
+    """:func:`start_verify` in two steps, for tensors a DMA is about to fill: the kind-1
+    set-up (each device's chunk table, copied to it on ``upload_stream`` now, before the DMA
+    is queued there) here, the kernels by :meth:`PreparedVerify.launch` once it is queued."""
+    kind1, kind0 = _split_by_kind(tensors, recorded)
+    chosen = {n: tensors[n] for n in kind1}
+    prepared = [(names, _gc.prepare([chosen[n] for n in names], stream=upload_stream))
+                for names in _by_device(chosen).values()]  # fmt: skip
+    return PreparedVerify([n for n in tensors if n in chosen or n in kind0], prepared, kind0)
+
+
+def _split_by_kind(tensors: Mapping[str, Any],
+                   recorded: Mapping[str, Any] | None) -> tuple[list[str], list[str]]:  # fmt: skip
+    """The names with a recorded checksum: (kind 1, kind 0)."""
     kind1, kind0 = [], []
     for name in tensors:
         want = None if recorded is None else recorded.get(name)
         if want is None:
             continue
         (kind1 if _cs.parse(want)[0] == _cs.KIND_XXH3C else kind0).append(name)
-    return _start(tensors, kind1, kind0, stream_for)
+    return kind1, kind0
 
 
 def mismatched(computed: Mapping[str, Any], recorded: Mapping[str, Any]) -> list[str]:
