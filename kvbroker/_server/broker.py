@@ -153,10 +153,13 @@ class Broker:
             raise ProtocolError("the first request on a connection must be hello")
         handler = _HANDLERS.get(op)
         if handler is not None:
-            if self.journal is None:
+            journal = self.journal
+            if journal is None or not journal.begin():
                 return handler(self, session, **args)
-            with self.journal.batch():  # one write for every record of this request
+            try:  # one write for every record of this request
                 return handler(self, session, **args)
+            finally:
+                journal.end()
         if row.service is Service.RINGS:
             if self.rings is None:
                 raise BadRequest(f"{op}: this daemon has no GPU rings (serve --gpu-ring SIZE)")

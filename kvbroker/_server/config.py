@@ -84,6 +84,8 @@ def _set_write_buffers(daemon: Daemon, cfg: DaemonConfig, field: str) -> None:
     for conn in daemon.connections:  # the new bound applies to every open connection
         if conn.transport is not None and not conn.closed:
             conn.transport.set_write_buffer_limits(high=cfg.max_write_buffer)
+    if daemon.relays is not None:  # the I/O workers hold their connections' unread bytes
+        daemon.relays.limits()
 
 
 def _set_log_level(daemon: Daemon, cfg: DaemonConfig, field: str) -> None:
@@ -230,6 +232,12 @@ SETTINGS: tuple[Key, ...] = (
     Key("busy_poll", parse.duration, 100e-6, reload=LIVE, example="1ms",
         help="Keep the loop polling this long after the last request instead of sleeping in "
              "epoll; 0 turns it off."),
+    # One loop serves ~70k small requests/s on one core, mostly per-connection I/O: workers
+    # take that, the daemon's loop serves their batches (kvbroker._server.relays).
+    Key("io_workers", parse.IO_WORKERS, 0, flag=(), metavar="N", text=int, example=4,
+        help="Worker processes that read, frame and write the clients' connections for the "
+             "daemon (which alone holds the state); 0: the daemon serves them itself. For "
+             "dozens of clients on a host with cores to spare."),
     Key("max_connections", parse.CONNECTIONS, 1024, reload=LIVE, flag=(), metavar="N", text=int,
         help="Most client connections at once.", example=16),
     # Hardening (issue 16): what one client may hold of the daemon's time and memory.

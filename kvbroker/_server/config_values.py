@@ -18,7 +18,7 @@ from typing import Any
 from .._wire.paths import parse_duration, parse_size
 
 __all__ = [
-    "CONNECTIONS", "LEASES", "LOG_LEVELS", "POOLS", "boolean", "duration", "event_format",
+    "CONNECTIONS", "IO_WORKERS", "LEASES", "LOG_LEVELS", "POOLS", "boolean", "duration", "event_format",
     "gpu_ring", "group", "int_in", "isolation", "log_level", "model_name", "node_name",
     "optional_path", "page_size", "parse_listen_address", "peers", "positive_duration", "quotas",
     "ratio", "size", "socket_path", "tenant_pools", "write_buffer", "zmq_endpoint",
@@ -184,6 +184,7 @@ def write_buffer(value: Any) -> int:
 
 
 POOLS, CONNECTIONS, LEASES = int_in(1, 64), int_in(1, 1 << 20), int_in(1, 1 << 24)
+IO_WORKERS = int_in(0, 64)
 
 
 def peers(value: Any) -> tuple[str, ...]:

@@ -15,21 +15,28 @@ from __future__ import annotations
 import asyncio
 import logging
 import select
-import socket
-import struct
 from collections import deque
-from time import perf_counter
 from collections.abc import Callable
+from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
 import msgpack
 
+from .._wire import replies as R
+from .._wire.protocol import OPS
+from ..errors import (
+    BadRequest,
+    BrokerUnavailable,
+    InternalError,
+    KVBrokerError,
+    LimitExceeded,
+    NotFound,
+    ProtocolError,
+    Timeout,
+)
+from .framing import FrameError, Framer, peer_credentials
 from .snapshot import statistics_for
 from .state import Deferred, Session, WouldWait
-from .._wire import replies as R
-from .._wire.protocol import MAX_REQUEST, OPS, unpacker_limits
-from ..errors import BadRequest, BrokerUnavailable, InternalError, KVBrokerError, LimitExceeded
-from ..errors import NotFound, ProtocolError, Timeout
 
 if TYPE_CHECKING:
     from .daemon import Daemon
@@ -38,25 +45,11 @@ __all__ = ["Connection"]
 
 log = logging.getLogger("kvbroker.daemon")
 
-_SO_PEERCRED_FMT = "3i"
 _READ_SIZE = 64 * 1024
 # One read buffer for every connection: the loop fills it and calls buffer_updated at once,
 # which copies it into the connection's unpacker, so nothing stays in it between reads (a
 # buffer per connection was 64 KiB of memory per idle or waiting client).
 _RBUF = memoryview(bytearray(_READ_SIZE))
-
-
-class _Parser:
-    """Frames from the bytes one read brought. A msgpack ``Unpacker`` costs ~40 KiB (its
-    parse stack), so connections share one, and only a connection whose last read ended
-    mid-frame keeps its own until that frame is complete."""
-
-    shared: msgpack.Unpacker | None = None
-    shared_fed = 0
-
-    @classmethod
-    def fresh(cls) -> msgpack.Unpacker:
-        return msgpack.Unpacker(raw=False, **unpacker_limits(MAX_REQUEST))
 
 
 # A bounded slice of the loop per connection per turn: after this many requests, or this
@@ -79,10 +72,9 @@ class Connection(asyncio.BufferedProtocol):
         self.daemon = daemon
         self.broker = daemon.broker
         self.transport: asyncio.Transport | None = None
+        self.relayed: Callable[[dict], None] | None = None  # sends a reply through a worker
         self.session: Session | None = None
-        # Its own unpacker only while a frame is partly read (see _Parser), with bytes fed.
-        self.unpacker: msgpack.Unpacker | None = None
-        self._fed = self._done = 0
+        self.framer = Framer()
         self.queue: deque[Any] = deque()
         self.busy = False
         self.closed = False
@@ -108,15 +100,10 @@ class Connection(asyncio.BufferedProtocol):
     # -- asyncio.Protocol ----------------------------------------------------------------
     def connection_made(self, transport) -> None:
         self.transport = transport
-        sock = transport.get_extra_info("socket")
-        pid = uid = gid = -1
-        try:
-            raw = sock.getsockopt(
-                socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize(_SO_PEERCRED_FMT)
-            )
-            pid, uid, gid = struct.unpack(_SO_PEERCRED_FMT, raw)
-        except OSError:
-            pass
+        self.relayed = getattr(transport, "send_reply", None)
+        # An I/O worker read them where it accepted the connection (kvbroker._server.relays).
+        pid, uid, gid = transport.get_extra_info("peercred") or peer_credentials(
+            transport.get_extra_info("socket"))
         cfg = self.daemon.config
         limit, per_uid = cfg.max_connections, cfg.max_connections_per_uid
         refusal = None
@@ -163,14 +150,29 @@ class Connection(asyncio.BufferedProtocol):
         # reading replies): max_write_buffer bytes wait for it. Writes never block the loop,
         # so the only bound left is to drop the peer; its leases end with the connection.
         self.write_paused = True
-        s = self.session
-        log.warning(
-            "session %d (pid %d, uid %d, %s): disconnected: %d bytes of replies left unread "
-            "(max_write_buffer %d)", s.id, s.pid, s.uid, s.name or "unnamed",
-            self.transport.get_write_buffer_size(), self.daemon.config.max_write_buffer,
-        )  # fmt: skip
-        self.closed = self.cut_off = True
+        self.cut_unread(self.transport.get_write_buffer_size())
         self.transport.abort()
+
+    def cut_unread(self, unread: int, total: int = 0) -> None:
+        """Cut off for leaving ``unread`` bytes of replies unread: over max_write_buffer, or
+        the most of all connections when together they leave ``total`` bytes, over
+        max_write_buffers_total (an I/O worker holding the bytes cut it already)."""
+        s = self.session
+        cfg = self.daemon.config
+        if total:
+            log.warning(
+                "session %d (pid %d, uid %d, %s): disconnected: it leaves %d bytes of replies "
+                "unread, the most of any connection, and all together leave %d "
+                "(max_write_buffers_total %d)", s.id, s.pid, s.uid, s.name or "unnamed",
+                unread, total, cfg.max_write_buffers_total,
+            )  # fmt: skip
+        else:
+            log.warning(
+                "session %d (pid %d, uid %d, %s): disconnected: %d bytes of replies left "
+                "unread (max_write_buffer %d)", s.id, s.pid, s.uid, s.name or "unnamed",
+                unread, cfg.max_write_buffer,
+            )  # fmt: skip
+        self.closed = self.cut_off = True
 
     def resume_writing(self) -> None:
         self.write_paused = False
@@ -182,51 +184,20 @@ class Connection(asyncio.BufferedProtocol):
     def buffer_updated(self, nbytes: int) -> None:
         if self.closed:
             return
+        try:
+            msgs = self.framer.feed(_RBUF[:nbytes])
+        except FrameError as exc:
+            self._fatal(str(exc))
+            return
+        self.deliver(msgs)
+
+    def deliver(self, msgs: list[Any]) -> None:
+        """Requests read from the peer (here, or by an I/O worker: kvbroker._server.relays)."""
+        if self.closed:
+            return
         self.daemon.note_activity()
         self.last_active = self.daemon.loop_time()
-        data = _RBUF[:nbytes]
-        u = self.unpacker
-        if u is None:  # the shared parser, empty between reads
-            u = _Parser.shared
-            if u is None:
-                u = _Parser.shared = _Parser.fresh()
-                _Parser.shared_fed = 0
-            done = _Parser.shared_fed  # where its last complete frame ended
-            _Parser.shared_fed += nbytes
-            fed = _Parser.shared_fed
-        else:
-            done = self._done
-            self._fed += nbytes
-            fed = self._fed
-        try:
-            u.feed(data)
-        except msgpack.BufferFull:
-            self._fatal("frame exceeds the size limit")
-            return
-        queue = self.queue
-        while not self.closed:
-            try:
-                msg = next(u)
-            except StopIteration:
-                break
-            except Exception as exc:  # any decoding failure: the stream cannot resync
-                if u is _Parser.shared:
-                    _Parser.shared = None
-                self._fatal(f"malformed frame: {type(exc).__name__}: {exc}")
-                return
-            done = u.tell()  # (after a partial frame, tell() counts its bytes too)
-            queue.append(msg)
-        left = fed - done
-        if u is _Parser.shared:
-            if left:  # a frame continues in the next read: this connection's own parser
-                _Parser.shared = None
-                self.unpacker = own = _Parser.fresh()
-                own.feed(data[nbytes - left:])
-                self._fed, self._done = left, 0
-        elif not left:
-            self.unpacker = None
-        else:
-            self._done = done
+        self.queue.extend(msgs)
         if self._pump_pending:  # its slice of this turn is used: the rest comes next turn
             self._update_reading()
         else:
@@ -438,6 +409,9 @@ class Connection(asyncio.BufferedProtocol):
     def _send(self, obj: dict) -> None:
         if self.closed:
             return
+        if self.relayed is not None:  # its I/O worker packs it (kvbroker._server.relays)
+            self.relayed(obj)
+            return
         try:
             data = msgpack.packb(obj)
         except (ValueError, TypeError, OverflowError) as exc:
@@ -465,7 +439,7 @@ class Connection(asyncio.BufferedProtocol):
         s = self.session
         return (s is not None and not s.leases and not s.arenas and self.wait is None
                 and not self.busy and not self.queue and self.watch_interval <= 0
-                and self.unpacker is None)  # fmt: skip
+                and not self.framer.mid_frame)  # fmt: skip
 
     def close_quietly(self, why: str) -> None:
         """The daemon closes a connection that holds nothing (idle, or never said hello)."""
@@ -478,15 +452,7 @@ class Connection(asyncio.BufferedProtocol):
 
     def cut_for_budget(self, total: int) -> None:
         """Cut off: all connections together leave max_write_buffers_total unread."""
-        s = self.session
-        log.warning(
-            "session %d (pid %d, uid %d, %s): disconnected: it leaves %d bytes of replies "
-            "unread, the most of any connection, and all together leave %d "
-            "(max_write_buffers_total %d)", s.id, s.pid, s.uid, s.name or "unnamed",
-            self.transport.get_write_buffer_size(), total,
-            self.daemon.config.max_write_buffers_total,
-        )  # fmt: skip
-        self.closed = self.cut_off = True
+        self.cut_unread(self.transport.get_write_buffer_size(), total)
         self.transport.abort()
 
     def _fatal(self, message: str) -> None:

@@ -73,6 +73,7 @@ class Daemon:
         self._adopted = False  # this daemon took over a previous one's pools
         self._serving = False  # it got as far as serving (a start that fails keeps adopted pools)
         self._server: asyncio.AbstractServer | None = None
+        self.relays: Any = None  # kvbroker._server.relays.Relays, with io_workers
         self._owns_socket_file = False
         self._last_activity = 0.0
         self._polling = False
@@ -255,7 +256,13 @@ class Daemon:
             if self._lock_fd is not None:
                 startup.write_lock_record(self)
             sock = listen_socket if listen_socket is not None else startup.bind(self)
-            self._server = await loop.create_unix_server(lambda: Connection(self), sock=sock)
+            if self.config.io_workers:
+                from .relays import Relays
+
+                self.relays = Relays(self, sock, self.config.io_workers)
+                await self.relays.start()
+            else:
+                self._server = await loop.create_unix_server(lambda: Connection(self), sock=sock)
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self.request_stop)
             loop.add_signal_handler(RESTART_SIGNAL, self.request_stop, True)
@@ -276,8 +283,9 @@ class Daemon:
             if self.notifier.watchdog_interval:
                 tasks.append(loop.create_task(self._watchdog_loop()))
             log.info(
-                "serving on %s: %s, pages of %s", self.config.socket_path,
+                "serving on %s: %s, pages of %s%s", self.config.socket_path,
                 pools_summary(self.pools), format_size(self.config.page_size),
+                f", {self.config.io_workers} I/O worker(s)" if self.relays else "",
             )  # fmt: skip
             # Only now: the socket is listening and the pools exist, so clients may come.
             self.notifier.ready(self.summary())
@@ -357,6 +365,8 @@ class Daemon:
         self.draining = True
         if self._server is not None:
             self._server.close()  # under socket activation, systemd keeps queueing new clients
+        if self.relays is not None:
+            self.relays.stop_accepting()
         for conn in list(self.connections):
             conn.cancel_wait(BrokerUnavailable.code, "kvbroker is shutting down")
         held = len(self.broker.leases) if self.broker else 0
@@ -449,6 +459,9 @@ class Daemon:
             conn.connection_lost(None)
         if self._server is not None:
             await self._server.wait_closed()
+        if self.relays is not None:
+            await self.relays.close()
+            self.relays = None
         if self.fleet is not None:  # before the pools go: NIXL has them registered
             try:
                 await self.fleet.close()

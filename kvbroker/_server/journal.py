@@ -225,6 +225,17 @@ class Journal:
         self._live = live
         self.compactions += 1
 
+    def begin(self) -> bool:
+        """Start a batch (as :meth:`batch`, without a generator: this runs per request);
+        False when one is open already (the outer one writes). Pair with :meth:`end`."""
+        if self._batch is not None:
+            return False
+        self._batch = []
+        return True
+
+    def end(self) -> None:
+        self._flush()
+
     @contextlib.contextmanager
     def batch(self) -> Iterator[None]:
         """Records appended inside go out in one write at the end: one system call per
