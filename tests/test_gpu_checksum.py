@@ -139,3 +139,19 @@ def test_cuda_start_on_a_side_stream_overlaps_a_copy():
     host.copy_(x, non_blocking=True)  # the current stream's DMA, beside the kernel
     torch.cuda.synchronize()
     assert pending.result() == [cs.digest(host.numpy())]
+
+
+@CUDA
+@pytest.mark.parametrize("row_bytes", [
+    cs.CHUNK, 2 * cs.CHUNK + 64, 3 * cs.CHUNK + cs.SHORT_MAX + 8, cs.CHUNK // 2 + 8, 2048])
+def test_start_rows_equals_the_definition_per_row(row_bytes):
+    """start_rows (the vLLM save's batch of staged blocks): each row's value is the CPU
+    definition's, whether the rows end on a chunk boundary, in a long last chunk or in a
+    short one hashed on the host; a misaligned view goes the per-tensor way, same values."""
+    rows = 5
+    t = _bytes(rows * row_bytes, row_bytes, "cuda").view(rows, row_bytes)
+    want = [cs.digest(t[j].cpu().numpy()) for j in range(rows)]
+    assert G.start_rows(t).result() == want
+    assert G.start_rows(t.view(torch.int16)).result() == want  # any dtype: its bytes
+    odd = _bytes(rows * row_bytes + 1, 7, "cuda")[1:].view(rows, row_bytes)
+    assert G.start_rows(odd).result() == [cs.digest(odd[j].cpu().numpy()) for j in range(rows)]

@@ -40,7 +40,7 @@ from .kernels import _interpret, select_backend, triton_available
 from .._wire import checksum as _cs
 from ..errors import KVBrokerError
 
-__all__ = ["checksums", "checksum", "start", "prepare", "Prepared", "Pending", "segment_digests", "select_backend",
+__all__ = ["checksums", "checksum", "start", "start_rows", "prepare", "Prepared", "Pending", "segment_digests", "select_backend",
            "triton_available", "NUM_WARPS", "GROUP"]
 
 # Shipped launch settings (benchmarks/bench_integrity_gpu.py records what it ran with).
@@ -301,6 +301,37 @@ def start(tensors: Sequence[Any], *, backend: str | None = None, stream: Any = N
     call :meth:`Pending.result`, which waits for them.
     """
     return prepare(tensors, backend=backend, stream=stream).launch(stream)
+
+
+def start_rows(tensor: Any, *, stream: Any = None) -> Pending:
+    """:func:`start` of ``tensor[0], tensor[1], ...`` — each row of a contiguous CUDA tensor
+    (a batch of equal blocks, say) — with the set-up done in a few array operations instead
+    of one pass per row; the same values. Rows whose bytes are not 8-byte aligned go through
+    :func:`start`."""
+    import numpy as np
+    import torch
+
+    rows = tensor.shape[0] if tensor.dim() else 0
+    n = tensor.nbytes // rows if rows else 0
+    if (not rows or not tensor.is_contiguous() or tensor.device.type != "cuda"
+            or tensor.data_ptr() % 8 or n % 8 or select_backend(tensor) != "triton"):  # fmt: skip
+        return start([tensor[j] for j in range(rows)], stream=stream)
+    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        plan = _Plan(np.full(rows, n, dtype=np.int64))
+        ptrs = tensor.data_ptr() + n * np.arange(rows, dtype=np.int64)
+        longs = _launch_long(plan, _upload_table(plan, ptrs, tensor.device), tensor.device)
+        short = int(plan.shorts[0])
+        tails = None
+        if short:  # every row's last `short` bytes, row after row
+            flat = tensor.reshape(rows, -1).view(torch.uint8)
+            tails = torch.empty((rows, short), dtype=torch.uint8, pin_memory=True)
+            tails.copy_(flat[:, n - short :], non_blocking=True)
+            tails = tails.view(-1)
+        host = torch.empty(longs.shape, dtype=longs.dtype, pin_memory=True)
+        host.copy_(longs, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+    return Pending([tensor], plan, host, tails, done)
 
 
 def prepare(tensors: Sequence[Any], *, backend: str | None = None,
