@@ -96,6 +96,8 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--cpu", action="store_true")
     p.add_argument("--daemon-profile", action="store_true", help="run the daemon under cProfile")
+    p.add_argument("--no-checksums", action="store_true",
+                   help="seal without the GPU checksums (what they cost, side by side)")
     a = p.parse_args()
     device = torch.device("cpu" if a.cpu else "cuda")
     L, H, D, page = 32, 8, 128, 16
@@ -156,7 +158,8 @@ def main() -> None:
             torch.cuda.synchronize()
         TIMELINE.clear()
         t0 = time.perf_counter()
-        _cuda.save_cuda(client, "ns", fmt, src, items, stream=stream, copier=copier)
+        _cuda.save_cuda(client, "ns", fmt, src, items, stream=stream, copier=copier,
+                        checksums=not a.no_checksums)  # fmt: skip
         if device.type == "cuda":
             torch.cuda.synchronize()
         t1 = time.perf_counter()
@@ -166,6 +169,9 @@ def main() -> None:
             SPENT["last DMA queued after"] += last[0] - t0
             SPENT["DMA stream: first start to last end"] += first[1].elapsed_time(last[2]) / 1e3
             SPENT["DMA stream: busy"] += sum(s.elapsed_time(e) for _, s, e in TIMELINE) / 1e3
+            gaps = [a[2].elapsed_time(b[1]) / 1e3 for a, b in zip(TIMELINE, TIMELINE[1:])]
+            SPENT["DMA stream: idle between DMAs"] += sum(gaps)
+            SPENT["DMA stream: largest idle gap"] += max(gaps, default=0.0)
         _cuda.load_cuda(client, "ns", fmt, dst, hashes, list(range(nblk)), stream=stream,
                         copier=copier)  # fmt: skip
         if device.type == "cuda":
