@@ -30,6 +30,7 @@ from .._wire.protocol import (
 )
 from ..errors import BadRequest, Exists, NotFound, PoolFull, ProtocolError
 from .arenas import arena_of, end_arena, new_arena, publish_from_arena
+from .prefix_leases import matched_run
 from .snapshot import statistics_for
 from .state import Deferred, Session, StoredObject, WouldWait
 
@@ -294,13 +295,7 @@ def op_match_prefix(b: Broker, session, namespace, keys, block_tokens, ttl,
         raise BadRequest(f"match_prefix: at most {MAX_BUFFERS} keys per request")
     if not session.access.can(namespace):  # another tenant's prefixes: invisible
         keys = ()
-    objects = b.objects
-    found = []
-    for key in keys:
-        obj = objects.get((namespace, key)) if key.__class__ is str else None
-        if obj is None:
-            break
-        found.append(obj)
+    found = matched_run(b, namespace, keys)
     if peer is not None and len(found) < len(keys):
         # Pull the blocks after the local run that the peer holds, then match here.
         session.access.check(namespace, True, "match_prefix from a peer")
