@@ -327,3 +327,25 @@ def test_matches_sharing_blocks_each_hold_theirs(make_broker):
     b.handle(s, "release", {"lease": head})
     assert k1.start not in b.pages.owners[0]
     assert not b.leases and all(o.readers == 0 for o in b.objects.values())
+
+
+def test_blocks_of_other_sizes_or_names_reply_and_count_their_own(make_broker):
+    b = make_broker()
+    s = session(b)
+    sizes = [PAGE, 100, PAGE, 200]
+    r = b.handle(s, "reserve_blocks", {"namespace": NS, "blocks": [
+        {"key": k, "parent": KEYS[i - 1] if i else None, "buffers": {"x": sizes[i]}}
+        for i, k in enumerate(KEYS)]})  # fmt: skip
+    b.handle(s, "seal_many", {"leases": [res["lease"] for res in r["results"]],
+                              "checksums": None})  # fmt: skip
+    y = b.handle(s, "reserve", {"namespace": NS, "key": "other-names", "buffers": {"y": 10}})
+    b.handle(s, "seal", {"lease": y["lease"]})
+    for _ in range(2):  # the first match builds the rows, the second reads them
+        before = b.counters["bytes_out"]
+        reply = b.handle(s, "match_prefix", {"namespace": NS, "keys": KEYS})
+        assert reply["names"] == ["x"] and len(reply["packed"]) == 4 * 3 * 8
+        assert b.counters["bytes_out"] - before == sum(sizes)
+        b.handle(s, "release", {"lease": reply["lease"]})
+    reply = b.handle(s, "match_prefix", {"namespace": NS, "keys": ["k0", "other-names"]})
+    assert "packed" not in reply and [set(blk) for blk in reply["blocks"]] == [{"x"}, {"y"}]
+    b.handle(s, "release", {"lease": reply["lease"]})

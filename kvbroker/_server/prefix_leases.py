@@ -77,14 +77,15 @@ def lend_prefix(b: Broker, session: Session, found: list[StoredObject],
     if chain:
         lease.lazy = True
         b.lazy_leases[lease.id] = lease
-    rows = list(map(_row, found))
-    if None in rows:  # blocks not matched nor reserved compact since their seal
-        rows = [obj.compact_extents()[1] for obj in found]
     shapes = list(map(_shape, found))
     shape = shapes[0]
     # Shapes are shared tuples (StoredObject.compact_extents): mostly an identity test.
-    if shapes.count(shape) == len(shapes):
-        return lease, shape[0], b"".join(rows), shape[1] * len(shapes)
+    if shape is not None and shapes.count(shape) == len(shapes):
+        return lease, shape[0], b"".join(map(_row, found)), shape[1] * len(shapes)
+    # Blocks matched for the first time since their seal, or of other names or sizes.
+    rows = [obj.compact_extents()[1] for obj in found]
+    shapes = list(map(_shape, found))
+    shape = shapes[0]
     same = all(names == shape[0] for names, _ in shapes)  # sizes differ, names may not
     return lease, shape[0], b"".join(rows) if same else None, sum(n for _, n in shapes)
 
