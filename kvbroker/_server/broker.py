@@ -28,6 +28,7 @@ from .leases import LeaseRegistry
 from .pages import Pages
 from .policy import Policy, Quotas, forget_accounts
 from .pool import HostPool
+from .prefix_leases import materialize, materialize_holding
 from .restore import journal_lent, journal_records, restore as restore_state
 from .snapshot import statistics
 from .state import OPEN_POLICY, Arena, Lease, Session, StoredObject, WouldWait
@@ -107,6 +108,8 @@ class Broker:
         self.by_namespace: dict[str, dict[str, StoredObject]] = {}
         self.pending: dict[tuple[str, str], StoredObject] = {}
         self.leases: dict[int, Lease] = {}
+        # Prefix leases pinning only their last block (kvbroker._server.prefix_leases).
+        self.lazy_leases: dict[int, Lease] = {}
         self.arenas: dict[int, Arena] = {}  # write arenas of every session, by id
         self._expiry: list[tuple[float, int]] = []
         self.registry = LeaseRegistry()  # ids of sessions, leases, arenas, ring leases
@@ -394,7 +397,14 @@ class Broker:
 
     def end_read(self, ls: Lease, reason: str, consume: bool) -> None:
         self.end_lease(ls, reason)
-        for obj in reversed(ls.objects()):  # leaves first, for chains
+        objects = ls.objects()
+        if ls.lazy:
+            if consume:
+                materialize(self, ls)
+            else:  # only its leaf counts it as a reader (kvbroker._server.prefix_leases)
+                del self.lazy_leases[ls.id]
+                objects = objects[-1:]
+        for obj in reversed(objects):  # leaves first, for chains
             obj.readers -= 1
             if consume and obj.linked:
                 obj.consumers -= 1
@@ -413,27 +423,6 @@ class Broker:
         obj.readers += 1
         obj.last_access = time.time() if now is None else now
         self._lru.pop(obj.serial, None)
-
-    def pin_prefix(self, found: list[StoredObject]) -> tuple[tuple[str, ...], list | None, int]:
-        """Pin every block of a prefix match (as :meth:`pin`, inline: this loop runs per
-        block); returns the first block's buffer names, each block's packed extent row
-        (None when the blocks differ in names), and the bytes pinned."""
-        now = time.time()
-        lru_pop = self._lru.pop
-        names = found[0].compact_extents()[0]
-        rows: list | None = []
-        nbytes = 0
-        for obj in found:
-            obj.readers += 1
-            obj.last_access = now
-            lru_pop(obj.serial, None)
-            shape, row = obj.extents or obj.compact_extents()
-            if shape != names:
-                rows = None
-            elif rows is not None:
-                rows.append(row)
-            nbytes += obj.nbytes
-        return names, rows, nbytes
 
     def check_lease_limit(self, session: Session) -> None:
         if len(session.leases) >= self.max_leases_per_client:
@@ -482,6 +471,8 @@ class Broker:
         """Make an object unreachable; its extents go once no reader holds them."""
         if not obj.linked:
             return
+        if self.lazy_leases and (obj.readers or obj.children):  # a lazy lease may hold it
+            materialize_holding(self, obj)
         obj.linked = False
         if self.journal is not None:
             self.journal.unlinked(obj.serial)

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from ..errors import NotFound
+from .prefix_leases import lend_prefix, materialize_holding
 
 if TYPE_CHECKING:
     from .broker import Broker
@@ -95,9 +96,7 @@ class BrokerProvider:
             return {"lease": None, "ttl": 0.0, "objects": []}
         b.check_lease_limit(s)
         ttl = self._ttl(ttl)
-        b.pin_prefix(found)
-        lease = b.new_lease("read", s, found[0], ttl)
-        lease.more = tuple(found[1:])
+        lease = lend_prefix(b, s, found, ttl)[0]
         self.pins_served += 1
         return {"lease": lease.id, "ttl": ttl, "objects": [self._describe(o) for o in found]}
 
@@ -121,6 +120,7 @@ class BrokerProvider:
         obj = self.broker.objects.get((namespace, key))
         if obj is None:
             return None
+        materialize_holding(self.broker, obj)  # its readers reported
         info = obj.info()
         info["checksums"] = obj.checksums
         return info

@@ -30,6 +30,7 @@ from .._wire.protocol import (
 )
 from ..errors import BadRequest, Exists, NotFound, PoolFull, ProtocolError
 from .arenas import arena_of, end_arena, new_arena, publish_from_arena
+from .prefix_leases import lend_prefix, matched_run, materialize_all, materialize_holding
 from .snapshot import statistics_for
 from .state import Deferred, Session, StoredObject, WouldWait
 
@@ -294,13 +295,7 @@ def op_match_prefix(b: Broker, session, namespace, keys, block_tokens, ttl,
         raise BadRequest(f"match_prefix: at most {MAX_BUFFERS} keys per request")
     if not session.access.can(namespace):  # another tenant's prefixes: invisible
         keys = ()
-    objects = b.objects
-    found = []
-    for key in keys:
-        obj = objects.get((namespace, key)) if key.__class__ is str else None
-        if obj is None:
-            break
-        found.append(obj)
+    found = matched_run(b, namespace, keys)
     if peer is not None and len(found) < len(keys):
         # Pull the blocks after the local run that the peer holds, then match here.
         session.access.check(namespace, True, "match_prefix from a peer")
@@ -320,17 +315,15 @@ def op_match_prefix(b: Broker, session, namespace, keys, block_tokens, ttl,
     if not found:
         return {"ttl": ttl, "matched": 0, "lease": None, "names": [], "blocks": []}
     b.check_lease_limit(session)
-    names, rows, nbytes = b.pin_prefix(found)
-    lease = b.new_lease("read", session, found[0], ttl)
-    lease.more = tuple(found[1:])
+    lease, names, packed, nbytes = lend_prefix(b, session, found, ttl)
     c["bytes_out"] += nbytes
     session.bytes_claimed += nbytes
     reply: R.PrefixMatch = {"ttl": ttl, "matched": len(found), "lease": lease.id,
                             "names": list(names), "metas": [found[0].meta], "blocks": []}
     # Compact reply: when every block has the same buffer names (the usual case), one bytes
     # string `packed` of little-endian int64 rows, a row per block; else a map per block.
-    if rows is not None:
-        reply["packed"] = b"".join(rows)
+    if packed is not None:
+        reply["packed"] = packed
     else:
         reply["blocks"] = [_extents(obj, obj.buffers) for obj in found]
     return reply
@@ -356,6 +349,7 @@ def op_lookup(b: Broker, session, namespace, key, peer=None) -> dict | None:
                        fleet.timeout)  # fmt: skip
     if obj is None or not session.access.can(namespace):
         return None
+    materialize_holding(b, obj)  # its readers reported
     info = obj.info()
     info["checksums"] = obj.checksums
     info["buffer_sizes"] = {name: n for name, (_, n) in obj.buffers.items()}
@@ -370,6 +364,7 @@ def op_list(b: Broker, session, namespace, match, limit, after) -> R.Listed:
     can = session.access.can
     if namespace is not None and not can(namespace):
         return {"objects": [], "truncated": False, "next": None}
+    materialize_all(b)  # readers reported
     # Objects iterate in link order (StoredObject.seq rises along it): a page resumes after
     # the last object the previous one listed, whatever was sealed or freed since.
     objects = iter(b.in_namespace(namespace))
@@ -400,6 +395,7 @@ def op_evict(b: Broker, session, namespace, key, match, match_buffers, older_tha
     if namespace is not None and access.can(namespace):
         access.check(namespace, True, "evict")  # readable but not writable: say so
     now = time.time()
+    materialize_all(b)  # a leased object is reported skipped_leased, not as a parent
     victims, skipped = [], 0
     if key is not None:
         spaces = (namespace,) if namespace is not None else list(b.by_namespace)

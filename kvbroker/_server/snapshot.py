@@ -103,8 +103,10 @@ def _pools(b: Broker, occupancy_cells: int) -> tuple[PoolStatistics, ...]:
     for ls in b.leases.values():
         if ls.kind == "write":
             per_pool[ls.obj.pool.index]["write"] += ls.obj.npages
+    pinned = set()  # serials of objects under a read lease (a lazy one counts no readers)
     for obj in _pinned_objects(b):
         per_pool[obj.pool.index]["read"] += obj.npages
+        pinned.add(obj.serial)
     for s in b.sessions.values():
         for pool, _, npages in s.quarantine:
             per_pool[pool.index]["quarantined"] += npages
@@ -122,7 +124,7 @@ def _pools(b: Broker, occupancy_cells: int) -> tuple[PoolStatistics, ...]:
             quarantined=acc["quarantined"] * ps, objects=acc["objects"],
             largest_free=a.largest_free * ps, fragmentation=a.fragmentation,
             high_watermark=b.pages.high_watermark, low_watermark=b.pages.low_watermark,
-            occupancy=_occupancy(b, p, occupancy_cells) if occupancy_cells else "",
+            occupancy=_occupancy(b, p, occupancy_cells, pinned) if occupancy_cells else "",
         ))  # fmt: skip
     return tuple(out)
 
@@ -164,7 +166,7 @@ def _pinned_objects(b: Broker) -> Iterator[StoredObject]:
                 yield obj
 
 
-def _occupancy(b: Broker, pool: HostPool, cells: int) -> str:
+def _occupancy(b: Broker, pool: HostPool, cells: int, pinned: set[int]) -> str:
     npages = pool.allocator.capacity
     cells = max(1, min(cells, npages))
     rank = {".": 0, "s": 1, "r": 2, "w": 3, "q": 4}
@@ -174,7 +176,7 @@ def _occupancy(b: Broker, pool: HostPool, cells: int) -> str:
             state, length = owner
         else:
             length = owner.npages
-            state = "w" if not owner.sealed else ("r" if owner.readers else "s")
+            state = "w" if not owner.sealed else ("r" if owner.serial in pinned else "s")
         first, last = start * cells // npages, (start + length - 1) * cells // npages
         for c in range(first, last + 1):
             if rank[state] > rank[out[c]]:

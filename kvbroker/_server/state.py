@@ -46,7 +46,9 @@ It ends on ``release``, on TTL expiry, or when the connection closes. A claim wi
 ``consume`` counts down the object's ``consumers`` (set at reserve, default 1) when that lease
 is released; at zero the object is unlinked, and its extents are freed once the last read
 lease on it ends. A consumer that crashes before releasing does not count: the object stays
-for a retry (or for eviction).
+for a retry (or for eviction). A prefix match (``match_prefix``) is one read lease over all
+its blocks; over a chain it counts as a reader of the last block only, which holds the
+others no less (:mod:`kvbroker._server.prefix_leases` says why, and when it counts on each).
 
 *Fencing* — lease ids are never reused. Using an ended lease raises
 :class:`~kvbroker.errors.LeaseExpired` saying why it ended; a reader that gets it on
@@ -93,6 +95,11 @@ from .pool import HostPool
 __all__ = ["Session", "StoredObject", "Lease", "Arena", "WouldWait", "Deferred", "OPEN_POLICY"]
 
 OPEN_POLICY = Policy()  # every namespace open to everyone: the default
+
+# One tuple per distinct (buffer names, nbytes) (StoredObject.shape), up to _MAX_SHAPES of
+# them; shapes past that keep their own tuple (equal, not identical: compared by value).
+_SHAPES: dict[tuple[tuple[str, ...], int], tuple[tuple[str, ...], int]] = {}
+_MAX_SHAPES = 4096
 
 
 class WouldWait(Exception):
@@ -144,11 +151,13 @@ class Session:
 
 
 class StoredObject:
+    # What a prefix match reads of every block comes first: adjacent slots, one or two
+    # cache lines per block (kvbroker._server.prefix_leases).
     __slots__ = (
-        "namespace", "key", "pool", "start", "npages", "nbytes", "buffers", "meta",
-        "created_at", "last_access", "sealed", "readers", "linked", "serial", "consumers",
-        "parent", "parent_key", "children", "checksums", "charged", "extents", "seq", "tokens",
-        "tenants",
+        "parent", "shape", "row", "nbytes", "last_access", "readers", "children", "serial",
+        "linked", "namespace", "key", "pool", "start", "npages", "buffers", "meta",
+        "created_at", "sealed", "consumers", "parent_key", "checksums", "charged", "seq",
+        "tokens", "tenants",
     )  # fmt: skip
 
     def __init__(self, namespace, key, pool, start, npages, nbytes, buffers, meta, serial):
@@ -175,7 +184,8 @@ class StoredObject:
         self.charged = 0  # bytes counted against its namespace's quota until freed
         # tenant accounts (("user", uid), ("group", gid)) charged ``charged`` bytes too
         self.tenants: tuple[tuple[str, int], ...] = ()
-        self.extents: tuple[tuple[str, ...], bytes] | None = None  # see compact_extents
+        self.shape: tuple[tuple[str, ...], int] | None = None  # see compact_extents
+        self.row: bytes | None = None
         # Link order: set when linked into Broker.objects, rising along its iteration order
         # (the cursor of the ``list`` op). Not persisted: a restart renumbers in that order.
         self.seq = 0
@@ -186,13 +196,20 @@ class StoredObject:
     def compact_extents(self) -> tuple[tuple[str, ...], bytes]:
         """(buffer names, little-endian int64 [pool, offset, nbytes, offset, nbytes, ...]),
         the form a prefix match replies in; built on first use and kept (buffers never move
-        once reserved)."""
-        if self.extents is None:
+        once reserved). Kept with ``shape``, (buffer names, nbytes): one tuple shared by
+        every object of the same names and size, so a match compares blocks by identity."""
+        if self.row is None:
             flat = [self.pool.index]
             for off, n in self.buffers.values():
                 flat += (off, n)
-            self.extents = (tuple(self.buffers), struct.pack(f"<{len(flat)}q", *flat))
-        return self.extents
+            shape = (tuple(self.buffers), self.nbytes)
+            shared = _SHAPES.get(shape)
+            if shared is None:
+                shared = shape
+                if len(_SHAPES) < _MAX_SHAPES:  # bounded: names are the clients' choice
+                    _SHAPES[shape] = shape
+            self.shape, self.row = shared, struct.pack(f"<{len(flat)}q", *flat)
+        return self.shape[0], self.row  # type: ignore[index,return-value]
 
     # The fields that survive a warm restart (kvbroker._server.journal). A new per-object field that a
     # restarted daemon must still know goes here; ``pool`` and ``parent`` travel as indices.
@@ -239,7 +256,7 @@ class StoredObject:
 
 
 class Lease:
-    __slots__ = ("id", "kind", "session", "obj", "more", "ttl", "expires_at", "consume")
+    __slots__ = ("id", "kind", "session", "obj", "more", "ttl", "expires_at", "consume", "lazy")
 
     def __init__(self, lid, kind, session, obj, ttl, expires_at, consume=False):
         self.id: int = lid
@@ -251,6 +268,9 @@ class Lease:
         self.ttl: float = ttl
         self.expires_at: float = expires_at
         self.consume: bool = consume
+        # A prefix lease whose blocks form a chain: only its last block counts it as a
+        # reader (kvbroker._server.prefix_leases says why that holds the others).
+        self.lazy = False
 
     def objects(self):
         return (self.obj, *self.more) if self.more else (self.obj,)
