@@ -16,10 +16,8 @@ read once from device memory. A buffer's last chunk, when it is 240 bytes or sho
 xxh3's short-input paths: those few bytes are copied to the host and hashed there. The
 combining hash over the chunk digests runs on the host too.
 
-A torch fallback (``backend="torch"``) computes the same with int64 tensor arithmetic (one
-pass over the chunk for the stripe sums, then a loop over the 1 KiB blocks for the scrambles):
-for devices Triton does not run on; it is slower, and allocates temporaries of about twice
-the bytes of the slab (``_TORCH_SLAB``) it works on.
+A torch fallback (``backend="torch"``, :mod:`kvbroker._client.gpu_checksum_torch`) computes
+the same with int64 tensor arithmetic, for devices Triton does not run on.
 
 Addresses: tensors whose first byte is not 8-byte aligned are copied to an aligned buffer
 first (PyTorch's own allocations always are). Non-contiguous tensors are refused: the
@@ -36,17 +34,17 @@ from typing import Any, Sequence
 
 import xxhash
 
+from .gpu_checksum_torch import _s64, torch_long, torch_long_all
 from .kernels import _interpret, select_backend, triton_available
 from .._wire import checksum as _cs
 from ..errors import KVBrokerError
 
-__all__ = ["checksums", "checksum", "start", "start_rows", "prepare", "Prepared", "Pending", "segment_digests", "select_backend",
-           "triton_available", "NUM_WARPS", "GROUP"]
+__all__ = ["GROUP", "NUM_WARPS", "Pending", "Prepared", "checksum", "checksums", "prepare",
+           "segment_digests", "select_backend", "start", "start_rows", "triton_available"]
 
 # Shipped launch settings (benchmarks/bench_integrity_gpu.py records what it ran with).
 NUM_WARPS = 1  # measured on an H100: 1 warp per program 0.725 ms for 2 GiB, 4 warps 2.9 ms
 GROUP = 4  # 1 KiB blocks per loop iteration of a program
-_TORCH_SLAB = 64 * 1024 * 1024  # bytes the torch fallback hashes at a time
 _LE64 = struct.Struct("<Q")
 
 # -- xxh3 constants (xxhash.h, v0.8) -------------------------------------------------------------
@@ -84,12 +82,6 @@ _KEYS = (
 )
 _KEY_STRIPE, _KEY_SCRAMBLE, _KEY_LAST, _KEY_MERGE, _KEY_INIT = 0, 24, 32, 40, 48
 _KEY_P32_1, _KEY_P64_1, _KEY_MX1 = 56, 57, 58
-
-
-def _s64(x: int) -> int:
-    """The int64 with the bit pattern of uint64 ``x``."""
-    x &= (1 << 64) - 1
-    return x - (1 << 64) if x >> 63 else x
 
 
 # -- Triton ----------------------------------------------------------------------------------
@@ -399,7 +391,7 @@ class Prepared:
                     longs = _launch_long(plan, _upload_table(plan, ptrs, self.device),
                                          self.device)  # fmt: skip
                 else:
-                    longs = _torch_long_all(kept, plan, self.device)
+                    longs = torch_long_all(kept, plan, self.device, _keys(self.device))
             shorts = [_flat(t)[n - k :] for t, n, k in zip(kept, sizes, plan.shorts.tolist())
                       if k]  # fmt: skip
             tails = torch.cat(shorts) if shorts else None
@@ -459,7 +451,7 @@ def segment_digests(tensor: Any, starts: Sequence[int], lengths: Sequence[int], 
     else:
         f = _flat(t)
         keys = _keys(t.device)
-        out = torch.cat([_torch_long(f[a : a + n].view(1, -1), keys)
+        out = torch.cat([torch_long(f[a : a + n].view(1, -1), keys)
                          for a, n in zip(starts.tolist(), lengths.tolist())]
                         or [torch.empty(0, dtype=torch.int64, device=t.device)])  # fmt: skip
     return out.cpu().numpy().view(np.uint64)
@@ -509,98 +501,3 @@ def _launch_long(plan, table, device):
     out = torch.empty(count, dtype=torch.int64, device=device)
     kernel[(count,)](table[0], table[1], _keys(device), out, GROUP=GROUP, num_warps=NUM_WARPS)
     return out
-
-
-# -- torch fallback --------------------------------------------------------------------------
-def _shr(x, k: int):
-    """Logical right shift of int64 bit patterns."""
-    return (x >> k) & ((1 << (64 - k)) - 1)
-
-
-_M32 = 0xFFFFFFFF
-
-
-def _mul32x32(dk):
-    """(dk & 0xFFFFFFFF) * (dk >> 32), as uint64 bit patterns in int64."""
-    return (dk & _M32) * _shr(dk, 32)
-
-
-def _swap_lanes(x):
-    """x[..., i ^ 1]."""
-    shape = x.shape
-    return x.reshape(*shape[:-1], 4, 2).flip(-1).reshape(shape)
-
-
-def _torch_long_all(kept, plan, device):
-    import torch
-
-    keys = _keys(device)
-    digests = []
-    per_slab = max(1, _TORCH_SLAB // _cs.CHUNK)
-    for t, n, count in zip(kept, plan.sizes.tolist(), plan.longs.tolist()):
-        if not count:
-            continue
-        f = _flat(t)
-        full = n // _cs.CHUNK
-        for c0 in range(0, full, per_slab):
-            c1 = min(full, c0 + per_slab)
-            digests.append(_torch_long(f[c0 * _cs.CHUNK : c1 * _cs.CHUNK].view(c1 - c0, -1), keys))
-        if count > full:
-            digests.append(_torch_long(f[full * _cs.CHUNK :].view(1, -1), keys))
-    if not digests:
-        return torch.empty(0, dtype=torch.int64, device=device)
-    return torch.cat(digests)
-
-
-def _words(rows, start: int, nbytes: int):
-    """Bytes ``[start, start + nbytes)`` of each row of ``rows`` as int64 words ``[C, nbytes / 8]``
-    (a view where the row length allows, else a copy)."""
-    import torch
-
-    C, L = rows.shape
-    if L % 8 == 0:
-        return rows.view(torch.int64)[:, start // 8 : (start + nbytes) // 8]
-    # only a buffer's last chunk has such a length, and it comes alone
-    return torch.stack([r[start : start + nbytes].contiguous().view(torch.int64) for r in rows])
-
-
-def _torch_long(rows, keys):
-    """xxh3_64 of each row of the uint8 tensor ``rows`` ([C, L], L > 240, rows 8-byte
-    aligned), as int64 bit patterns ``[C]``."""
-    import torch
-
-    C, L = rows.shape
-    k_stripe = keys[:24].unfold(0, 8, 1)[:16]  # [16, 8]: entry s + lane
-    k_scramble, k_last = keys[24:32], keys[32:40]
-    k_merge, acc = keys[40:48], keys[48:56].repeat(C, 1)
-    p32_1, p64_1, mx1 = (int(keys[i]) for i in (56, 57, 58))
-    nb = (L - 1) // 1024
-    stripes = ((L - 1) - nb * 1024) // 64
-    if nb:
-        x = _words(rows, 0, nb * 1024).view(C, nb, 16, 8)  # whole blocks
-        dk = x ^ k_stripe
-        block = _swap_lanes(x.sum(dim=2)) + _mul32x32(dk).sum(dim=2)  # [C, nb, 8]
-        del x, dk
-        for b in range(nb):
-            a = acc + block[:, b]
-            a = a ^ _shr(a, 47)
-            acc = (a ^ k_scramble) * p32_1
-    if stripes:
-        x = _words(rows, nb * 1024, stripes * 64).view(C, stripes, 8)
-        dk = x ^ k_stripe[:stripes]
-        acc = acc + _swap_lanes(x.sum(dim=1)) + _mul32x32(dk).sum(dim=1)
-    last = rows[:, L - 64 :].contiguous().view(C, 8, 8).to(torch.int64)
-    shifts = torch.arange(0, 64, 8, device=rows.device, dtype=torch.int64)
-    v = (last << shifts).sum(dim=2)  # [C, 8]: disjoint bytes, so the sum is their OR
-    acc = acc + _swap_lanes(v) + _mul32x32(v ^ k_last)
-    a = acc ^ k_merge
-    lo, hi = a[:, 0::2], a[:, 1::2]  # [C, 4]
-    a_lo, a_hi, b_lo, b_hi = lo & _M32, _shr(lo, 32), hi & _M32, _shr(hi, 32)
-    ll, hl, lh, hh = a_lo * b_lo, a_hi * b_lo, a_lo * b_hi, a_hi * b_hi
-    cross = _shr(ll, 32) + (hl & _M32) + lh
-    upper = _shr(hl, 32) + _shr(cross, 32) + hh
-    lower = (cross << 32) | (ll & _M32)
-    r = (lower ^ upper).sum(dim=1) + _s64(L * _P64_1)
-    r = r ^ _shr(r, 37)
-    r = r * mx1
-    return r ^ _shr(r, 32)
