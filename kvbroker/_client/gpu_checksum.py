@@ -295,16 +295,11 @@ def start(tensors: Sequence[Any], *, backend: str | None = None, stream: Any = N
     return prepare(tensors, backend=backend, stream=stream).launch(stream)
 
 
-def start_rows(tensor: Any, *, stream: Any = None, copy_back: Any = None) -> Pending:
+def start_rows(tensor: Any, *, stream: Any = None) -> Pending:
     """:func:`start` of ``tensor[0], tensor[1], ...`` — each row of a contiguous CUDA tensor
     (a batch of equal blocks, say) — with the set-up done in a few array operations instead
     of one pass per row; the same values. Rows whose bytes are not 8-byte aligned go through
-    :func:`start`.
-
-    ``copy_back``: a stream that copies the digests to the host once the kernel ran (default:
-    the kernel's). For a stream of big device-to-host DMAs: on another stream the digests' small
-    copy would queue behind those DMAs on the copy engine, and whatever waits for it (the
-    next DMA, when the kernel's stream is one the DMA stream waits for) with it."""
+    :func:`start`."""
     import numpy as np
     import torch
 
@@ -317,22 +312,17 @@ def start_rows(tensor: Any, *, stream: Any = None, copy_back: Any = None) -> Pen
         plan = _Plan(np.full(rows, n, dtype=np.int64))
         ptrs = tensor.data_ptr() + n * np.arange(rows, dtype=np.int64)
         longs = _launch_long(plan, _upload_table(plan, ptrs, tensor.device), tensor.device)
-        short = int(plan.shorts[0])  # every row's last `short` bytes go to the host as they are
+        short = int(plan.shorts[0])
         tails = None
-        flat = tensor.reshape(rows, -1).view(torch.uint8)
-        if copy_back is not None:
-            hashed = torch.cuda.Event()
-            hashed.record()
-            copy_back.wait_event(hashed)
-        with torch.cuda.stream(copy_back) if copy_back is not None else contextlib.nullcontext():
-            host = torch.empty(longs.shape, dtype=longs.dtype, pin_memory=True)
-            host.copy_(longs, non_blocking=True)
-            if short:
-                tails = torch.empty((rows, short), dtype=torch.uint8, pin_memory=True)
-                tails.copy_(flat[:, n - short :], non_blocking=True)
-                tails = tails.view(-1)
-            done = torch.cuda.Event()
-            done.record()
+        if short:  # every row's last `short` bytes, row after row
+            flat = tensor.reshape(rows, -1).view(torch.uint8)
+            tails = torch.empty((rows, short), dtype=torch.uint8, pin_memory=True)
+            tails.copy_(flat[:, n - short :], non_blocking=True)
+            tails = tails.view(-1)
+        host = torch.empty(longs.shape, dtype=longs.dtype, pin_memory=True)
+        host.copy_(longs, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
     return Pending([tensor], plan, host, tails, done)
 
 
