@@ -208,3 +208,28 @@ def test_integrity_paths_over_threads(client):
     finally:
         E._default.close()
         E._default = saved
+
+
+def test_get_copies_large_buffers_out_over_the_engines_threads(client):
+    """get without verify copies as put does: a buffer of several ranges over the engine's
+    threads (one numpy copyto on the calling thread left a 16-core host at one core's speed),
+    a small one on the calling thread."""
+    splits = []
+
+    class Recording(E.CopyEngine):
+        def copy(self, dst, src):
+            splits.append(len(self.ranges(src.nbytes)))
+            super().copy(dst, src)
+
+    saved = E._default
+    E._default = Recording(3, split_min=cs.CHUNK)
+    try:
+        a = np.random.default_rng(3).integers(0, 256, 6 * cs.CHUNK + 3, dtype=np.uint8)
+        client.put("k", {"a": a, "small": b"tail"})
+        out = {"a": np.zeros_like(a), "small": bytearray(4)}
+        client.get("k", out)
+        assert np.array_equal(out["a"], a) and out["small"] == b"tail"
+        assert splits == [3]  # the large buffer only, cut in three
+    finally:
+        E._default.close()
+        E._default = saved

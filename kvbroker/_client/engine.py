@@ -15,6 +15,9 @@ on an H100 host's 16 cores, 32 MiB, 1 MiB chunks: fused copy+hash 8 GB/s on 1 th
 24 on 8, 18 on 16; a plain multi-threaded memcpy 14 / 46 / 43 / 33). A C routine copying and
 hashing a whole range per call (one GIL release per thread) is what would remove it.
 
+Users: ``put`` (copy + hash), ``get`` (copy, or copy + hash with ``verify``), ``claim``'s
+verify and ``seal`` of a caller-filled lease (hash).
+
 Threads: ``KVBROKER_COPY_THREADS`` when set, else the CPUs this process may run on
 (``os.sched_getaffinity``) up to :data:`MAX_THREADS`, and one on a machine of 2 CPUs or fewer
 (the second core is the daemon's and the other processes'; ``benchmarks/bench_integrity_gpu.py``
