@@ -138,15 +138,36 @@ def test_the_engine_works_in_a_forked_child():
 
 def test_default_threads(monkeypatch):
     monkeypatch.delenv("KVBROKER_COPY_THREADS", raising=False)
-    for cpus, want in ((1, 1), (2, 1), (3, 3), (8, 8), (64, E.MAX_THREADS)):
+    from kvbroker._cpu import cpu_spare
+
+    for cpus, want in ((1, 1), (2, 2), (3, 3), (8, 8), (64, E.MAX_THREADS)):
         monkeypatch.setattr(os, "sched_getaffinity", lambda pid, n=cpus: set(range(n)))
         assert E.default_threads() == want
+        # on 2 CPUs or fewer the second is shared: split only while the host has CPU to spare
+        assert E.default_gate() is (cpu_spare if cpus <= E.SHARED_CPUS else None)
     monkeypatch.setenv("KVBROKER_COPY_THREADS", "5")
     assert E.default_threads() == 5
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    assert E.default_gate() is None  # threads asked for are used
     for bad in ("0", "-1", "many"):
         monkeypatch.setenv("KVBROKER_COPY_THREADS", bad)
         with pytest.raises(ValueError, match="KVBROKER_COPY_THREADS"):
             E.default_threads()
+
+
+def test_a_gated_engine_splits_only_while_its_gate_allows():
+    spare = [True]
+    e = E.CopyEngine(2, split_min=cs.CHUNK, split_while=lambda: spare[0])
+    try:
+        src = np.random.default_rng(4).integers(0, 256, 4 * cs.CHUNK + 5, dtype=np.uint8)
+        for allowed, parts in ((True, 2), (False, 1)):
+            spare[0] = allowed
+            assert len(e.ranges(src.nbytes)) == parts
+            dst = np.zeros_like(src)
+            assert e.copy_hashed(dst, src) == cs.digest(src) and np.array_equal(dst, src)
+            assert e.hash(src) == cs.digest(src)
+    finally:
+        e.close()
 
 
 def _progress_during(call) -> int:
