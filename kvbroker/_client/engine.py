@@ -21,12 +21,11 @@ verify and ``seal`` of a caller-filled lease (hash).
 Threads: ``KVBROKER_COPY_THREADS`` when set, else the CPUs this process may run on
 (``os.sched_getaffinity``) up to :data:`MAX_THREADS`. On a machine of :data:`SHARED_CPUS` CPUs
 or fewer the second is the daemon's and the other processes' too: without
-``KVBROKER_COPY_THREADS`` the engine splits a copy there only while the host has CPU to spare
-(:func:`kvbroker._cpu.cpu_spare`, the gate of the daemon's busy polling), else keeps it on the
-calling thread. One core does not saturate the memory of the 2-CPU EPYC VM: 32 MiB put+get at
-0.93-0.94x of a memcpy on 2 threads when the second core was free, 0.66-0.75x on 1; when it
-was taken, 2 threads gained nothing (0.64-0.75x). Copies under :data:`SPLIT_MIN` bytes per
-thread stay on the calling thread.
+``KVBROKER_COPY_THREADS`` the engine splits a copy there only while the other processes
+leave a CPU idle (:func:`kvbroker._cpu.cpu_left_idle`), else keeps it on the calling thread:
+one core does not saturate the memory of the 2-CPU EPYC VM, but a second thread that has to
+share its core with another process costs more than it brings. Copies under
+:data:`SPLIT_MIN` bytes per thread stay on the calling thread.
 
 The engine owns its worker threads and nothing else; every function borrows the views it is
 given, and returns only after every worker is done with them.
@@ -82,14 +81,14 @@ def default_threads() -> int:
 
 
 def default_gate() -> Callable[[], bool] | None:
-    """When the default engine may split a copy: :func:`kvbroker._cpu.cpu_spare` on a machine
-    of SHARED_CPUS CPUs or fewer unless ``KVBROKER_COPY_THREADS`` is set; None (always)
-    otherwise."""
+    """When the default engine may split a copy: :func:`kvbroker._cpu.cpu_left_idle` on a
+    machine of SHARED_CPUS CPUs or fewer unless ``KVBROKER_COPY_THREADS`` is set; None
+    (always) otherwise."""
     if os.environ.get("KVBROKER_COPY_THREADS") or _usable_cpus() > SHARED_CPUS:
         return None
-    from .._cpu import cpu_spare
+    from .._cpu import cpu_left_idle
 
-    return cpu_spare
+    return cpu_left_idle
 
 
 def _copy_range(dst, src, a: int, b: int) -> None:
