@@ -41,7 +41,7 @@ import time
 import numpy as np
 import xxhash
 
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, ROOT)
 
 from kvbroker._bench import checkout_commit  # noqa: E402
