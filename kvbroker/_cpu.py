@@ -65,7 +65,7 @@ def cpu_spare() -> bool:
 
 class OthersBusy:
     """How many CPUs the other processes kept busy (stolen time included) between two calls
-    of :meth:`cpus`: the host's busy time from ``/proc/stat`` less this process's own
+    of :meth:`cpus_busy`: the host's busy time from ``/proc/stat`` less this process's own
     (``os.times``, all its threads), over the time between them.
 
     Pressure (:class:`CpuPressure`) says whether tasks waited for a CPU; it stays low while one
@@ -101,6 +101,8 @@ class OthersBusy:
         if last is None or now[0] <= last[0]:
             return None
         total, idle, own = (a - b for a, b in zip(now, last))
+        if own < 0:  # a forked child: its own time restarted from zero
+            return None
         return max(0.0, total - idle - own) / (total / self.cpus)
 
 
