@@ -23,8 +23,10 @@ Threads: ``KVBROKER_COPY_THREADS`` when set, else the CPUs this process may run 
 or fewer the second is the daemon's and the other processes' too: without
 ``KVBROKER_COPY_THREADS`` the engine splits a copy there only while the other processes
 leave a CPU idle (:func:`kvbroker._cpu.cpu_left_idle`), else keeps it on the calling thread:
-one core does not saturate the memory of the 2-CPU EPYC VM, but a second thread that has to
-share its core with another process costs more than it brings. Copies under
+one core does not saturate the memory of the 2-CPU EPYC VM (32 MiB copy_hashed into
+/dev/shm at 1.16x of a one-thread memcpy on 2 threads, 0.86x on 1, with the second core
+free), but a second thread that shares its core with another process costs more than it
+brings (0.84x against 0.85x; ``benchmarks/results/host-copy-cpu*.md``). Copies under
 :data:`SPLIT_MIN` bytes per thread stay on the calling thread.
 
 The engine owns its worker threads and nothing else; every function borrows the views it is
