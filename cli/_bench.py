@@ -203,9 +203,10 @@ def gpu(
 
 @bench_app.command()
 def peer(
-    mooncake_python: str = typer.Option(
-        ..., metavar="PYTHON",
-        help="Python of the environment with Mooncake installed, e.g. /tmp/mc/bin/python."
+    mooncake_python: Optional[str] = typer.Option(
+        None, metavar="PYTHON",
+        help="Python of the environment with Mooncake installed, e.g. /tmp/mc/bin/python.",
+        show_default="Mooncake not run: kvbroker against memcpy only",
     ),
     peer_script: Optional[str] = typer.Option(
         None, metavar="FILE", envvar="KVBROKER_PEER_SCRIPT",
@@ -214,13 +215,15 @@ def peer(
     ),  # fmt: skip
     socket: Optional[str] = SocketOpt,
     sizes: str = typer.Option("256K,4M,32M", help="Object sizes (the peer's defaults)."),
-    modes: str = typer.Option("dummy,embedded", help="Mooncake modes to run."),
+    modes: str = typer.Option("dummy,embedded",
+                              help="Mooncake modes to run (with --mooncake-python)."),
     ops: int = typer.Option(50, min=3, help="Timed operations per size, both sides."),
     rounds: int = typer.Option(1, min=1, help="Peer-then-kvbroker rounds (ranges reported)."),
     json_out: Optional[str] = JsonOutOpt,
     plot: Optional[str] = PlotOpt,
 ) -> None:
-    """kvbroker and Mooncake Store side by side in one session, with ratios."""
+    """kvbroker and Mooncake Store side by side in one session, with ratios; and against
+    memcpy, on one thread and on the copy engine's threads (without Mooncake too)."""
     from kvbroker._bench import peer as pr
 
     size_list = _sizes(sizes)
@@ -229,11 +232,13 @@ def peer(
     if not mode_list or bad:
         raise typer.BadParameter(f"modes are dummy, embedded, tcp; got {modes!r}",
                                  param_hint="--modes")  # fmt: skip
-    try:
-        script = peer_script or pr.default_peer_script()
-    except pr.PeerFailed as exc:
-        typer.echo(f"kvbroker: {exc}", err=True)
-        raise typer.Exit(1) from None
+    script = None
+    if mooncake_python is not None:
+        try:
+            script = peer_script or pr.default_peer_script()
+        except pr.PeerFailed as exc:
+            typer.echo(f"kvbroker: {exc}", err=True)
+            raise typer.Exit(1) from None
 
     def run(path):
         try:

@@ -221,7 +221,8 @@ def test_peer_runner_with_a_fake_peer(daemon, tmp_path):
         size = r["size"]
         assert r["dummy_roundtrip_ms"] == pytest.approx(2 * size / 1e6)
         assert r["embedded_roundtrip_ms"] == pytest.approx(4 * size / 1e6)
-        positive(r, "kvb_put_ms", "kvb_get_ms", "kvb_roundtrip_ms")
+        positive(r, "kvb_put_ms", "kvb_get_ms", "kvb_roundtrip_ms", "kvb_vs_split_memcpy")
+        assert r["copy_threads"] >= 1
         assert r["rounds"] == 2
         lo, hi = r["speedup_vs_dummy_range"]
         assert lo <= r["speedup_vs_dummy"] <= hi
@@ -237,6 +238,54 @@ def test_peer_runner_with_a_fake_peer(daemon, tmp_path):
     ]  # fmt: skip
     assert row["speedup_vs_dummy"] == pytest.approx(sum(per_round) / 2)  # median of two
     assert (plots / "peer.png").exists()
+
+
+def test_peer_without_mooncake_against_memcpy_on_the_engines_threads(daemon, tmp_path):
+    from kvbroker._client import engine as E
+    from kvbroker._wire import checksum as cs
+
+    saved, E._default = E._default, E.CopyEngine(3, split_min=cs.CHUNK)  # 3 threads from 3 MiB
+    out = tmp_path / "peer.json"
+    try:
+        res = invoke("peer", "--socket", daemon.socket_path, "--sizes", "1M,2M,4M",
+                     "--ops", "3", "--json-out", str(out))  # fmt: skip
+    finally:
+        E._default.close()
+        E._default = saved
+    assert res.exit_code == 0, res.output
+    assert "x memcpy same threads" in res.output and "Mooncake not run" in res.output
+    data = load(out)
+    assert data["params"]["modes"] == [] and data["params"]["copy_engine_threads"] == 3
+    assert not any("dummy" in k for r in data["rows"] for k in r)
+    # the thread count is the engine's split of each size, not a fixed number
+    assert [r["copy_threads"] for r in data["rows"]] == [1, 2, 3]
+    (rnd,) = data["raw_rounds"]
+    for r, k in zip(data["rows"], rnd["kvbroker"]):
+        positive(r, "split_memcpy2_ms", "split_memcpy_gbps", "kvb_vs_split_memcpy")
+        assert r["kvb_vs_split_memcpy"] == pytest.approx(
+            k["split_memcpy2_p50_us"] / k["roundtrip_p50_us"])
+        assert r["split_memcpy_gbps"] == pytest.approx(
+            2 * r["size"] / (r["split_memcpy2_ms"] / 1e3) / 1e9)
+        cut = math.floor(round(r["kvb_vs_split_memcpy"] * 100, 6)) / 100
+        assert f"{cut:.2f}" in res.output.splitlines()[1 + data["rows"].index(r)]
+
+
+def test_peer_targets_against_memcpy_on_the_engines_threads():
+    peer = _bench.scenario("peer")
+    rows = [{"size": 32 * MiB, "kvb_vs_memcpy": 0.7, "kvb_vs_split_memcpy": 0.799}]
+    t = [t for t in peer.targets(rows, ()) if "same threads" in t.name]
+    assert len(t) == 1 and t[0].goal == 0.8 and not t[0].met
+    # two decimals, never rounded up: 0.799 is not shown as meeting 0.80
+    assert "0.79x" in t[0].line() and "MISSED" in t[0].line()
+    assert [x.name for x in peer.targets(rows, ())] == [
+        "32 MiB publish+claim vs memcpy", "32 MiB put+get vs multi-threaded memcpy, same threads"]
+
+
+def test_ratio_format_cuts_to_two_decimals():
+    from kvbroker._bench._common import format_value
+
+    assert [format_value(v, "ratio") for v in (0.899, 0.29, 1.0, 0.805, 2.999)] == [
+        "0.89", "0.29", "1.00", "0.80", "2.99"]
 
 
 def test_peer_runner_reports_a_failing_peer(daemon, tmp_path):

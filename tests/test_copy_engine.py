@@ -138,15 +138,76 @@ def test_the_engine_works_in_a_forked_child():
 
 def test_default_threads(monkeypatch):
     monkeypatch.delenv("KVBROKER_COPY_THREADS", raising=False)
-    for cpus, want in ((1, 1), (2, 1), (3, 3), (8, 8), (64, E.MAX_THREADS)):
+    from kvbroker._cpu import cpu_left_idle
+
+    for cpus, want in ((1, 1), (2, 2), (3, 3), (8, 8), (64, E.MAX_THREADS)):
         monkeypatch.setattr(os, "sched_getaffinity", lambda pid, n=cpus: set(range(n)))
         assert E.default_threads() == want
+        # on 2 CPUs or fewer the second is shared: split only while nobody else needs it
+        assert E.default_gate() is (cpu_left_idle if cpus <= E.SHARED_CPUS else None)
     monkeypatch.setenv("KVBROKER_COPY_THREADS", "5")
     assert E.default_threads() == 5
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    assert E.default_gate() is None  # threads asked for are used
     for bad in ("0", "-1", "many"):
         monkeypatch.setenv("KVBROKER_COPY_THREADS", bad)
         with pytest.raises(ValueError, match="KVBROKER_COPY_THREADS"):
             E.default_threads()
+
+
+def test_others_busy_leaves_out_this_process(monkeypatch):
+    from kvbroker import _cpu
+
+    o = _cpu.OthersBusy()
+    if o._fd is None:
+        pytest.skip("no /proc/stat")
+    assert o.cpus_busy() is None  # nothing to compare with yet
+    spin_until = time.perf_counter() + 0.05
+    while time.perf_counter() < spin_until:  # this process's own work
+        pass
+    real = o.cpus_busy()
+    assert real is None or 0.0 <= real <= o.cpus
+    # (total, idle, own) ticks: 2 CPUs over 100 ticks, 50 idle, 50 this process's
+    samples = iter([(1000, 400, 100.0), (1200, 450, 150.0), (1200, 450, 150.0)])
+    monkeypatch.setattr(o, "_sample", lambda: next(samples))
+    o.cpus, o._last = 2, None
+    assert o.cpus_busy() is None
+    assert o.cpus_busy() == pytest.approx(1.0)  # the other 100 busy ticks: one CPU
+    assert o.cpus_busy() is None  # no tick passed
+
+
+def test_cpu_left_idle_follows_the_other_processes(monkeypatch):
+    from kvbroker import _cpu
+
+    readings = iter([None, 0.1, 0.9, None, 0.2])
+
+    class Fake:
+        def cpus_busy(self):
+            return next(readings)
+
+    monkeypatch.setattr(_cpu, "_others", Fake())
+    monkeypatch.setattr(_cpu, "_left_idle", False)
+    answers = []
+    for _ in range(5):
+        monkeypatch.setattr(_cpu, "_others_at", -1.0)  # past the 0.1 s reuse
+        answers.append(_cpu.cpu_left_idle())
+    # no interval yet: no; then idle, busy, unknown (the last answer kept), idle
+    assert answers == [False, True, False, False, True]
+
+
+def test_a_gated_engine_splits_only_while_its_gate_allows():
+    spare = [True]
+    e = E.CopyEngine(2, split_min=cs.CHUNK, split_while=lambda: spare[0])
+    try:
+        src = np.random.default_rng(4).integers(0, 256, 4 * cs.CHUNK + 5, dtype=np.uint8)
+        for allowed, parts in ((True, 2), (False, 1)):
+            spare[0] = allowed
+            assert len(e.ranges(src.nbytes)) == parts
+            dst = np.zeros_like(src)
+            assert e.copy_hashed(dst, src) == cs.digest(src) and np.array_equal(dst, src)
+            assert e.hash(src) == cs.digest(src)
+    finally:
+        e.close()
 
 
 def _progress_during(call) -> int:
@@ -205,6 +266,31 @@ def test_integrity_paths_over_threads(client):
             lease["x"][:] = a
         assert client.lookup("w").checksums == {"x": [1, reference(a, cs.CHUNK)]}
         assert integrity.matches(a, [1, reference(a, cs.CHUNK)])
+    finally:
+        E._default.close()
+        E._default = saved
+
+
+def test_get_copies_large_buffers_out_over_the_engines_threads(client):
+    """get without verify copies as put does: a buffer of several ranges over the engine's
+    threads (one numpy copyto on the calling thread left a 16-core host at one core's speed),
+    a small one on the calling thread."""
+    splits = []
+
+    class Recording(E.CopyEngine):
+        def copy(self, dst, src):
+            splits.append(len(self.ranges(src.nbytes)))
+            super().copy(dst, src)
+
+    saved = E._default
+    E._default = Recording(3, split_min=cs.CHUNK)
+    try:
+        a = np.random.default_rng(3).integers(0, 256, 6 * cs.CHUNK + 3, dtype=np.uint8)
+        client.put("k", {"a": a, "small": b"tail"})
+        out = {"a": np.zeros_like(a), "small": bytearray(4)}
+        client.get("k", out)
+        assert np.array_equal(out["a"], a) and out["small"] == b"tail"
+        assert splits == [3]  # the large buffer only, cut in three
     finally:
         E._default.close()
         E._default = saved

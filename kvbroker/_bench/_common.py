@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import platform
 import statistics
@@ -143,6 +144,7 @@ class Target:
     goal: float
     op: str = ">="
     unit: str = "x"
+    fmt: str = ".3g"  # how ``measured`` is printed (a format spec, or "ratio": see format_value)
 
     @property
     def met(self) -> bool:
@@ -154,7 +156,7 @@ class Target:
 
     def line(self) -> str:
         mark = "met" if self.met else "MISSED"
-        return (f"{self.name}: {self.measured:.3g}{self.unit} "
+        return (f"{self.name}: {format_value(self.measured, self.fmt)}{self.unit} "
                 f"(target {self.op} {self.goal:.3g}{self.unit}) {mark}")
 
 
@@ -162,7 +164,8 @@ class Target:
 class Result:
     """What one scenario measured: rows for the table and the JSON, targets, parameters.
 
-    ``columns``: (row key, header, format) triples; format "size" prints bytes as KiB/MiB.
+    ``columns``: (row key, header, format) triples; format "size" prints bytes as KiB/MiB,
+    "ratio" two decimals never rounded up (:func:`format_value`).
     ``tables``: further named row sets (e.g. the hit-rate workload of ``prefix``).
     """
 
@@ -216,13 +219,23 @@ def format_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
             v = row.get(key)
             if v is None:
                 s = "-"
-            elif fmt == "size":
-                s = human_size(v)
             else:
-                s = format(v, fmt)
+                s = format_value(v, fmt)
             cells.append(f"{s:>{w}}")
         lines.append("  ".join(cells))
     return "\n".join(lines)
+
+
+def format_value(v, fmt: str) -> str:
+    """``v`` as a table cell: "size" prints bytes as KiB/MiB, "ratio" two decimals cut (never
+    rounded up: 0.899 prints 0.89, so a figure shown as meeting a target does), else
+    ``format(v, fmt)``."""
+    if fmt == "size":
+        return human_size(v)
+    if fmt == "ratio":
+        # round(.., 6) first: 0.29 * 100 is 28.999999999999996 in binary floating point
+        return f"{math.floor(round(v * 100, 6)) / 100:.2f}"
+    return format(v, fmt)
 
 
 def human_size(n: int) -> str:

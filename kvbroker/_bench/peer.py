@@ -10,6 +10,13 @@ Compared: the put+get round trip (sum of the two medians) and publish+claim GB/s
 over that time), as ratios per Mooncake mode. With several rounds the table shows the median
 of the rounds and the JSON the range.
 
+Beside memcpy (one thread, timed in the same loop), kvbroker's put+get is compared with a
+multi-threaded memcpy of the same bytes, copied twice (a put and a get), each copy split over
+the threads the host copy engine uses for that size (:class:`transfer.SplitMemcpy`): the
+limit on a machine where the engine runs several threads. Without ``python`` (no Mooncake
+installed) only kvbroker's side and these baselines are measured; the Mooncake columns and
+targets are left out.
+
 The peer's output is a JSON list of ``{mode, setup_s, sizes: [{size, put: {median_ms, ...},
 get: {median_ms, ...}, data_ok, errors}]}`` (``--json-out``); anything speaking that shape
 can stand in for it. A size with errors, or whose bytes came back wrong, fails the run.
@@ -30,7 +37,8 @@ DEFAULT_MODES = ("dummy", "embedded")
 COLUMNS = [
     ("size", "size", "size"), ("kvb_put_ms", "kvb put ms", ".3f"),
     ("kvb_get_ms", "kvb get ms", ".3f"), ("kvb_roundtrip_ms", "kvb put+get ms", ".3f"),
-    ("kvb_vs_memcpy", "kvb x memcpy", ".2f"),
+    ("kvb_vs_memcpy", "kvb x memcpy", "ratio"), ("copy_threads", "threads", ".0f"),
+    ("kvb_vs_split_memcpy", "kvb x memcpy same threads", "ratio"),
 ]  # fmt: skip
 
 
@@ -96,6 +104,9 @@ def compare(peer: list[dict], kvb_rows: list[dict], modes) -> list[dict]:
             "size": size, "kvb_put_ms": k["put_p50_us"] / 1e3, "kvb_get_ms": k["get_p50_us"] / 1e3,
             "kvb_roundtrip_ms": kvb_rt, "kvb_gbps": 2 * size / (kvb_rt / 1e3) / 1e9,
             "memcpy_gbps": k["memcpy_gbps"], "kvb_vs_memcpy": k["ratio_vs_memcpy"],
+            "copy_threads": k["copy_threads"], "split_memcpy2_ms": k["split_memcpy2_p50_us"] / 1e3,
+            "split_memcpy_gbps": 2 * size / (k["split_memcpy2_p50_us"] / 1e6) / 1e9,
+            "kvb_vs_split_memcpy": k["ratio_vs_split_memcpy"],
         }  # fmt: skip
         for mode in modes:
             z = by_mode[mode][size]
@@ -126,41 +137,59 @@ def _median_rows(rounds: list[list[dict]]) -> list[dict]:
     return out
 
 
-def run(socket_path: str, python: str, script: str | None = None, sizes=DEFAULT_SIZES,
+def targets(rows: list[dict], modes) -> list[Target]:
+    out = []
+    for row in rows:
+        if row["size"] == 32 * MiB:
+            out.append(Target("32 MiB publish+claim vs memcpy", row["kvb_vs_memcpy"], 0.9))
+            out.append(Target("32 MiB put+get vs multi-threaded memcpy, same threads",
+                              row["kvb_vs_split_memcpy"], 0.8, fmt="ratio"))  # fmt: skip
+            if "dummy" in modes:
+                out.append(Target("32 MiB publish+claim GB/s vs Mooncake dummy",
+                                  row["speedup_vs_dummy"], 1.2))  # fmt: skip
+        if row["size"] == 256 * KiB and "dummy" in modes:
+            out.append(Target("256 KiB put+get time vs Mooncake dummy",
+                              row["time_vs_dummy"], 1 / 3, "<="))  # fmt: skip
+    return out
+
+
+def run(socket_path: str, python: str | None, script: str | None = None, sizes=DEFAULT_SIZES,
         modes=DEFAULT_MODES, ops: int = 50, rounds: int = 1, peer_timeout: float = 180.0
         ) -> Result:  # fmt: skip
+    """``python`` None: Mooncake is not run (``modes`` ignored), kvbroker against memcpy only."""
+    from .._client.engine import default_engine
     from . import transfer
 
-    script = script or default_peer_script()
+    if python is None:
+        modes = ()
+    else:
+        script = script or default_peer_script()
     rounds_rows, raw = [], []
     for _ in range(rounds):
-        peer = run_peer(python, script, sizes, modes, ops, peer_timeout)
-        kvb = transfer.measure(socket_path, sizes, reps=ops)
+        peer = run_peer(python, script, sizes, modes, ops, peer_timeout) if modes else []
+        kvb = transfer.measure(socket_path, sizes, reps=ops, split_baseline=True)
         raw.append({"peer": peer, "kvbroker": kvb})
         rounds_rows.append(compare(peer, kvb, modes))
     rows = _median_rows(rounds_rows)
     cols = list(COLUMNS)
     for mode in modes:
         cols += [(f"{mode}_roundtrip_ms", f"{mode} put+get ms", ".3f"),
-                 (f"speedup_vs_{mode}", f"x {mode}", ".2f")]  # fmt: skip
-    targets = []
-    for row in rows:
-        if row["size"] == 32 * MiB:
-            targets.append(Target("32 MiB publish+claim vs memcpy", row["kvb_vs_memcpy"], 0.9))
-            if "dummy" in modes:
-                targets.append(Target("32 MiB publish+claim GB/s vs Mooncake dummy",
-                                      row["speedup_vs_dummy"], 1.2))  # fmt: skip
-        if row["size"] == 256 * KiB and "dummy" in modes:
-            targets.append(Target("256 KiB put+get time vs Mooncake dummy",
-                                  row["time_vs_dummy"], 1 / 3, "<="))  # fmt: skip
+                 (f"speedup_vs_{mode}", f"x {mode}", "ratio")]  # fmt: skip
     peer_versions = {r["mode"]: {"setup_s": r.get("setup_s"), "mooncake": r.get("mooncake")}
                      for r in raw[-1]["peer"]}  # fmt: skip
+    notes = ["x memcpy same threads: two memcpys of the bytes, each split over that many "
+             "threads as the copy engine splits it / kvbroker's put+get time."]  # fmt: skip
+    if modes:
+        notes.append("x MODE: Mooncake's put+get time / kvbroker's (above 1: kvbroker is faster).")
+    else:
+        notes.append("Mooncake not run (no --mooncake-python): kvbroker against memcpy only.")
     return Result(
         "peer", rows, cols,
         params={"sizes": list(sizes), "modes": list(modes), "ops": ops, "rounds": rounds,
-                "peer_script": os.path.abspath(script), "peer_python": python},
-        targets=targets, extra={"raw_rounds": raw, "peer_modes": peer_versions},
-        notes=["x MODE: Mooncake's put+get time / kvbroker's (above 1: kvbroker is faster)."],
+                "peer_script": os.path.abspath(script) if modes else None, "peer_python": python,
+                "copy_engine_threads": default_engine().threads},
+        targets=targets(rows, modes), extra={"raw_rounds": raw, "peer_modes": peer_versions},
+        notes=notes,
     )  # fmt: skip
 
 
@@ -171,11 +200,13 @@ def plot(result: dict, plt, out_dir: str) -> list[str]:
               for r in rows]  # fmt: skip
     series = [("kvbroker", "kvb_gbps")] + [(f"Mooncake {m}", f"{m}_gbps") for m in modes]
     # put+get copies each byte twice, and so does the "GB/s" here: the limit is memcpy's rate
-    series.append(("memcpy, same run (the limit)", None))
+    series.append(("memcpy, same run (the limit)", "memcpy_gbps"))
+    if all("split_memcpy_gbps" in r for r in rows):  # results from before the baseline lack it
+        series.append(("memcpy, engine's threads", "split_memcpy_gbps"))
     fig, ax = plt.subplots(figsize=(7.5, 4))
     width = 0.8 / len(series)
     for i, (label, key) in enumerate(series):
-        vals = [r[key] if key else r["memcpy_gbps"] for r in rows]
+        vals = [r[key] for r in rows]
         ax.bar([j + i * width for j in range(len(rows))], vals, width, label=label)
     ax.set_xticks([j + width * (len(series) - 1) / 2 for j in range(len(rows))])
     ax.set_xticklabels(labels)

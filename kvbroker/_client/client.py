@@ -29,6 +29,7 @@ from .session import Session
 from .._wire.stats import ObjectInfo, Statistics
 from .arena import WriteArena
 from .copy import _np, _torch_tensor, copy_into, nbytes_of
+from .engine import default_engine
 from .transport import UnixTransport
 from . import integrity as _integrity
 from .._wire import checksum as _cs
@@ -377,6 +378,7 @@ class Client:
         peer: str | None = None,
     ) -> dict[str, Any]:
         """Claim, copy every selected buffer out once, release (``peer``: as in claim).
+        Large buffers are copied by the host copy engine, over its threads.
 
         ``out`` maps buffer names to destinations (numpy arrays, torch tensors, writable
         bytes-like) of the right size; buffers not in ``out`` get fresh uint8 arrays.
@@ -385,6 +387,9 @@ class Client:
         destinations in ``out`` then hold the bad bytes: do not use them).
         """
         np = _np()
+        engine = default_engine()
+        # below two ranges' worth the engine would copy on this thread anyway: skip its set-up
+        split_from = 2 * engine.split_min if engine.threads > 1 else None
         result: dict[str, Any] = {}
         with self.claim(key, namespace=namespace, select=select, consume=consume,
                         wait=wait, peer=peer) as lease:  # fmt: skip
@@ -405,6 +410,8 @@ class Client:
                 if sums and name in sums:
                     if not _integrity.copy_out_checked(target, src, sums[name]):
                         bad.append(name)
+                elif split_from is not None and src.nbytes >= split_from:
+                    engine.copy(target, src)  # over the engine's threads, as put copies in
                 else:
                     np.copyto(target, src)
                 if dst is not None:

@@ -15,11 +15,19 @@ on an H100 host's 16 cores, 32 MiB, 1 MiB chunks: fused copy+hash 8 GB/s on 1 th
 24 on 8, 18 on 16; a plain multi-threaded memcpy 14 / 46 / 43 / 33). A C routine copying and
 hashing a whole range per call (one GIL release per thread) is what would remove it.
 
+Users: ``put`` (copy + hash), ``get`` (copy, or copy + hash with ``verify``), ``claim``'s
+verify and ``seal`` of a caller-filled lease (hash).
+
 Threads: ``KVBROKER_COPY_THREADS`` when set, else the CPUs this process may run on
-(``os.sched_getaffinity``) up to :data:`MAX_THREADS`, and one on a machine of 2 CPUs or fewer
-(the second core is the daemon's and the other processes'; ``benchmarks/bench_integrity_gpu.py``
-measures 1 against N). Copies under :data:`SPLIT_MIN` bytes per thread stay on the calling
-thread.
+(``os.sched_getaffinity``) up to :data:`MAX_THREADS`. On a machine of :data:`SHARED_CPUS` CPUs
+or fewer the second is the daemon's and the other processes' too: without
+``KVBROKER_COPY_THREADS`` the engine splits a copy there only while the other processes
+leave a CPU idle (:func:`kvbroker._cpu.cpu_left_idle`), else keeps it on the calling thread:
+one core does not saturate the memory of the 2-CPU EPYC VM (32 MiB copy_hashed into
+/dev/shm at 1.16x of a one-thread memcpy on 2 threads, 0.86x on 1, with the second core
+free), but a second thread that shares its core with another process costs more than it
+brings (0.84x against 0.85x; ``benchmarks/results/host-copy-cpu*.md``). Copies under
+:data:`SPLIT_MIN` bytes per thread stay on the calling thread.
 
 The engine owns its worker threads and nothing else; every function borrows the views it is
 given, and returns only after every worker is done with them.
@@ -30,13 +38,15 @@ from __future__ import annotations
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor, wait
+from collections.abc import Callable
 from typing import Any
 
 import xxhash
 
 from .._wire import checksum as _cs
 
-__all__ = ["CopyEngine", "default_engine", "default_threads", "MAX_THREADS", "SPLIT_MIN"]
+__all__ = ["CopyEngine", "default_engine", "default_threads", "default_gate", "MAX_THREADS",
+           "SHARED_CPUS", "SPLIT_MIN"]
 
 # Past 8 threads, GIL hand-offs cost more than the extra bandwidth (16 threads lost to 8 on
 # the H100 host above).
@@ -44,13 +54,22 @@ MAX_THREADS = 8
 # Each thread gets at least this many bytes (two chunks): handing a range to a worker and
 # collecting its result costs ~20-50 us, a 2 MiB copy ~100-200 us.
 SPLIT_MIN = 2 * 1024 * 1024
+# At most this many usable CPUs: the engine's threads past the first only while a CPU is spare.
+SHARED_CPUS = 2
 
 _hash = xxhash.xxh3_64_intdigest
 
 
+def _usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
+
+
 def default_threads() -> int:
     """Threads for the default engine: ``KVBROKER_COPY_THREADS``, else the usable CPUs capped
-    at MAX_THREADS, and 1 where there are 2 CPUs or fewer."""
+    at MAX_THREADS (see :func:`default_gate` for when the second of 2 is used)."""
     env = os.environ.get("KVBROKER_COPY_THREADS")
     if env:
         try:
@@ -60,11 +79,18 @@ def default_threads() -> int:
         if n < 1:
             raise ValueError(f"KVBROKER_COPY_THREADS must be a positive integer, not {env!r}")
         return n
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # not Linux
-        cpus = os.cpu_count() or 1
-    return 1 if cpus <= 2 else min(cpus, MAX_THREADS)
+    return min(_usable_cpus(), MAX_THREADS)
+
+
+def default_gate() -> Callable[[], bool] | None:
+    """When the default engine may split a copy: :func:`kvbroker._cpu.cpu_left_idle` on a
+    machine of SHARED_CPUS CPUs or fewer unless ``KVBROKER_COPY_THREADS`` is set; None
+    (always) otherwise."""
+    if os.environ.get("KVBROKER_COPY_THREADS") or _usable_cpus() > SHARED_CPUS:
+        return None
+    from .._cpu import cpu_left_idle
+
+    return cpu_left_idle
 
 
 def _copy_range(dst, src, a: int, b: int) -> None:
@@ -95,13 +121,16 @@ class CopyEngine:
     """Copies and chunk checksums over ``threads`` threads (the caller's included).
 
     Arguments are flat, C-contiguous uint8 numpy arrays of equal size (``dst`` writable).
+    ``split_while``: a copy is split only while it returns True (None: always).
     """
 
-    def __init__(self, threads: int | None = None, split_min: int = SPLIT_MIN) -> None:
+    def __init__(self, threads: int | None = None, split_min: int = SPLIT_MIN,
+                 split_while: Callable[[], bool] | None = None) -> None:  # fmt: skip
         self.threads = default_threads() if threads is None else int(threads)
         if self.threads < 1:
             raise ValueError("threads must be >= 1")
         self.split_min = max(_cs.CHUNK, int(split_min))
+        self.split_while = split_while
         self._pool: ThreadPoolExecutor | None = None
         self._pid = os.getpid()
         self._lock = threading.Lock()
@@ -119,7 +148,7 @@ class CopyEngine:
         """How a copy of ``nbytes`` is split: chunk-aligned ``(start, stop)`` byte ranges, one
         per thread that takes part (a single range when splitting would not pay)."""
         parts = min(self.threads, nbytes // self.split_min) if nbytes else 1
-        if parts <= 1:
+        if parts <= 1 or (self.split_while is not None and not self.split_while()):
             return [(0, nbytes)]
         chunk = _cs.CHUNK
         chunks = -(-nbytes // chunk)
@@ -183,10 +212,11 @@ _default_lock = threading.Lock()
 
 
 def default_engine() -> CopyEngine:
-    """The process-wide engine (threads from :func:`default_threads`, read once)."""
+    """The process-wide engine (threads from :func:`default_threads`, gated by
+    :func:`default_gate`, both read once)."""
     global _default
     if _default is None:
         with _default_lock:
             if _default is None:
-                _default = CopyEngine()
+                _default = CopyEngine(split_while=default_gate())
     return _default
