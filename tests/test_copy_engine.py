@@ -294,3 +294,32 @@ def test_get_copies_large_buffers_out_over_the_engines_threads(client):
     finally:
         E._default.close()
         E._default = saved
+
+
+def test_get_refuses_destinations_the_bytes_would_not_land_in(client):
+    """A strided array, a non-contiguous tensor, a read-only buffer or one of another size:
+    a clear BadRequest before any byte is copied (a flat view of a strided array is a copy:
+    the bytes went into it and were lost), the lease released, the object intact."""
+    from kvbroker.errors import BadRequest
+
+    data = np.arange(4096, dtype=np.uint8)
+    client.put("obj", {"a": data, "b": data[:64]})
+    good = np.zeros(64, dtype=np.uint8)
+    strided = np.zeros((4096, 2), dtype=np.uint8)[:, 0]
+    assert not strided.flags.c_contiguous
+    with pytest.raises(BadRequest, match="contiguous"):
+        client.get("obj", {"a": strided, "b": good})
+    assert not strided.any() and not good.any()  # refused before copying anything
+    with pytest.raises(BadRequest, match="read-only"):
+        client.get("obj", {"a": bytes(4096)})
+    with pytest.raises(BadRequest, match="4095 bytes, the buffer 4096"):
+        client.get("obj", {"a": np.zeros(4095, dtype=np.uint8)})
+    torch = pytest.importorskip("torch")
+    t = torch.zeros((64, 128), dtype=torch.uint8).t()
+    with pytest.raises(BadRequest, match="contiguous"):
+        client.get("obj", {"a": t})
+    assert client.stat().read_leases == 0
+    into = {"a": torch.zeros(2048, dtype=torch.int16), "b": bytearray(64)}
+    got = client.get("obj", into)
+    assert got["a"] is into["a"] and bytes(got["a"].numpy().view(np.uint8)) == data.tobytes()
+    assert bytes(got["b"]) == data[:64].tobytes()

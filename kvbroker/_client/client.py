@@ -28,7 +28,7 @@ from .ops import Ops
 from .session import Session
 from .._wire.stats import ObjectInfo, Statistics
 from .arena import WriteArena
-from .copy import _np, _torch_tensor, copy_into, nbytes_of
+from .copy import _np, copy_into, destination, nbytes_of
 from .engine import default_engine
 from .transport import UnixTransport
 from . import integrity as _integrity
@@ -395,18 +395,16 @@ class Client:
                         wait=wait, peer=peer) as lease:  # fmt: skip
             sums = lease.checksums if verify else None
             bad = []
-            for name in lease:
+            # every destination checked before any byte is copied: a bad one loses nothing
+            targets = {name: np.empty(lease[name].nbytes, dtype=np.uint8)
+                       if out is None or out.get(name) is None
+                       else destination(out[name], lease[name].nbytes, f"get: out[{name!r}]")
+                       for name in lease}  # fmt: skip
+            for name, target in targets.items():
                 src = lease[name]
                 dst = None if out is None else out.get(name)
                 if dst is None:
-                    target = result[name] = np.empty(src.nbytes, dtype=np.uint8)
-                elif _torch_tensor(dst):
-                    torch = sys.modules["torch"]
-                    target = dst.view(-1).view(torch.uint8).numpy()
-                elif isinstance(dst, np.ndarray):
-                    target = dst.reshape(-1).view(np.uint8)
-                else:
-                    target = np.frombuffer(dst, dtype=np.uint8)
+                    result[name] = target
                 if sums and name in sums:
                     if not _integrity.copy_out_checked(target, src, sums[name]):
                         bad.append(name)

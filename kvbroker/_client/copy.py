@@ -52,6 +52,28 @@ def flat_bytes(src: Any):
     return np.frombuffer(memoryview(src).cast("B"), dtype=np.uint8)
 
 
+def destination(dst: Any, nbytes: int, what: str):
+    """``dst`` as a writable flat uint8 numpy array over its own memory, for copying
+    ``nbytes`` into; raises BadRequest (naming ``what``) when the bytes would not land in it:
+    a strided array or a GPU tensor (a flat view of either is a copy, filled then thrown
+    away), a read-only buffer, or another size."""
+    from ..errors import BadRequest
+
+    try:
+        target = flat_bytes(dst)
+    except (TypeError, ValueError):
+        target = None
+    if target is None:
+        raise BadRequest(f"{what} must be contiguous and in CPU memory (a strided array or a "
+                         "GPU tensor would receive a copy, and the bytes would be lost; "
+                         "GpuClient.claim copies into CUDA tensors)")  # fmt: skip
+    if not target.flags.writeable:
+        raise BadRequest(f"{what} is read-only")
+    if target.nbytes != nbytes:
+        raise BadRequest(f"{what} holds {target.nbytes} bytes, the buffer {nbytes}")
+    return target
+
+
 def copy_into(dst, src: Any) -> None:
     """Copy ``src`` into the uint8 view ``dst`` with one pass over memory, bit for bit."""
     np = _np()
