@@ -288,6 +288,24 @@ def test_ratio_format_cuts_to_two_decimals():
         "0.89", "0.29", "1.00", "0.80", "2.99"]
 
 
+def test_target_lines_print_ratios_cut_and_the_rpc_scaling_targets(monkeypatch):
+    """A ratio target prints two decimals cut, never rounded up past its goal (4.006x was
+    "4.01x", 0.8996x "0.9x" against a 0.9 goal); the rpc run states issue 17's scaling
+    targets when it measured 4 and 16 clients."""
+    from kvbroker._bench._common import Target
+    from kvbroker._bench import rpc
+
+    assert Target("m", 4.006, 2, op="<=").line() == "m: 4.00x (target <= 2x) MISSED"
+    assert Target("m", 0.8996, 0.9).line() == "m: 0.89x (target >= 0.9x) MISSED"
+    assert Target("n", 20123.4, 20000, unit=" ops/s").line().startswith("n: 2.01e+04 ops/s")
+    rows = [{"clients": 4, "ops_per_s": 50000.0, "p99_us": 150.0},
+            {"clients": 16, "ops_per_s": 60000.0, "p99_us": 812.34}]
+    monkeypatch.setattr(rpc, "measure", lambda *a: rows)
+    lines = [t.line() for t in rpc.run("unused", (4, 16)).targets]
+    assert "ops/s of 16 clients vs 4 clients: 1.20x (target >= 1.5x) MISSED" in lines
+    assert "p99 of 16 clients: 812.3 us (target <= 200 us) MISSED" in lines
+
+
 def test_peer_runner_reports_a_failing_peer(daemon, tmp_path):
     script = tmp_path / "fake_peer.py"
     script.write_text(FAKE_PEER)

@@ -144,7 +144,9 @@ class Target:
     goal: float
     op: str = ">="
     unit: str = "x"
-    fmt: str = ".3g"  # how ``measured`` is printed (a format spec, or "ratio": see format_value)
+    # How ``measured`` is printed: a format spec, or "ratio" (format_value: two decimals, cut),
+    # which a ratio (unit "x") gets unless told otherwise.
+    fmt: str | None = None
 
     @property
     def met(self) -> bool:
@@ -156,7 +158,8 @@ class Target:
 
     def line(self) -> str:
         mark = "met" if self.met else "MISSED"
-        return (f"{self.name}: {format_value(self.measured, self.fmt)}{self.unit} "
+        fmt = self.fmt or ("ratio" if self.unit == "x" else ".3g")
+        return (f"{self.name}: {format_value(self.measured, fmt)}{self.unit} "
                 f"(target {self.op} {self.goal:.3g}{self.unit}) {mark}")
 
 

@@ -88,8 +88,14 @@ def _measure(socket_path: str, clients, seconds: float, probe: str) -> list[dict
 
 def run(socket_path: str, clients=DEFAULT_CLIENTS, seconds: float = 2.0) -> Result:
     rows = measure(socket_path, clients, seconds)
+    by = {r["clients"]: r for r in rows}
     targets = [Target("control ops/s with 4 clients", r["ops_per_s"], 20000, unit=" ops/s")
                for r in rows if r["clients"] == 4]  # fmt: skip
+    if 4 in by and 16 in by:  # issue 17: throughput grows with clients, latency stays low
+        targets.append(Target("ops/s of 16 clients vs 4 clients",
+                              by[16]["ops_per_s"] / by[4]["ops_per_s"], 1.5))
+        targets.append(Target("p99 of 16 clients", by[16]["p99_us"], 200, op="<=", unit=" us",
+                              fmt=".1f"))  # fmt: skip
     return Result("rpc", rows, COLUMNS, params={"clients": list(clients), "seconds": seconds,
                                                 "op": "exists (lookup)"}, targets=targets)
 
