@@ -29,9 +29,12 @@ def invoke(*args: str):
 def load(path) -> dict:
     with open(path) as f:
         data = json.load(f)
-    for key in ("scenario", "machine", "params", "rows", "targets"):
+    for key in ("scenario", "commit", "command", "machine", "params", "rows", "targets"):
         assert key in data, key
     assert data["machine"]["cores"] >= 1 and data["machine"]["python"]
+    # what produced it: this checkout's commit (or $KVBROKER_COMMIT), the command line (here
+    # pytest's: the CLI runs in this process)
+    assert data["commit"] and data["commit"] != "unknown" and data["command"]
     for t in data["targets"]:
         assert t["met"] == (t["measured"] >= t["goal"] if t["op"] == ">="
                             else t["measured"] <= t["goal"])  # fmt: skip

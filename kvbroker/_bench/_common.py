@@ -42,6 +42,22 @@ def checkout_commit(root: str | None = None) -> str:
     return sha + ("+dirty" if dirty else "")
 
 
+def invocation() -> str:
+    """The command line of this process, as a results file records it."""
+    import shlex
+
+    prog = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "kvbroker"
+    if prog == "__main__.py":
+        prog = "python -m kvbroker"
+    return " ".join([prog, *(shlex.quote(a) for a in sys.argv[1:])])
+
+
+def measured_commit() -> str:
+    """What a results file records as its commit: ``$KVBROKER_COMMIT`` where the tree was
+    copied without git (a device machine), else :func:`checkout_commit`."""
+    return os.environ.get("KVBROKER_COMMIT") or checkout_commit()
+
+
 def machine_info() -> dict[str, Any]:
     """CPU model, core count and the versions that shape the figures."""
     cpu = platform.processor()
@@ -195,6 +211,8 @@ class Result:
     def as_dict(self) -> dict[str, Any]:
         return {
             "scenario": self.scenario,
+            "commit": measured_commit(),
+            "command": invocation(),
             "machine": machine_info(),
             "params": self.params,
             "rows": self.rows,

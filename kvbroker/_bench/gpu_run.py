@@ -387,7 +387,8 @@ def markdown(r: dict) -> str:
     lines = [
         f"# kvbroker GPU data path on {r['device']}",
         "",
-        f"torch {r['torch']}, triton {r['triton']}, CUDA {r['cuda']}; medians.",
+        f"commit {r.get('commit', '?')}; `{r.get('command', '?')}`; torch {r['torch']}, "
+        f"triton {r['triton']}, CUDA {r['cuda']}; medians.",
         "",
         "| path (1 GiB) | GB/s | × pinned |",
         "|---|---|---|",
@@ -474,14 +475,19 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--pytest", action="store_true")
     ap.add_argument("--name", default="gpu", help="output file stem")
+    ap.add_argument("--commit", default=None,
+                    help="the commit measured (a copied tree without git; default: the checkout's)")
     ap.add_argument("--skip", default="", help="comma list of: broker,kernels,rings,hetero,per_token")
     a = ap.parse_args()
     skip = set(filter(None, a.skip.split(",")))
     import triton
 
     os.makedirs(a.out, exist_ok=True)
+    from ._common import checkout_commit, invocation
+
     r: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-               "triton": triton.__version__, "cuda": torch.version.cuda}  # fmt: skip
+               "triton": triton.__version__, "cuda": torch.version.cuda,
+               "commit": a.commit or checkout_commit(), "command": invocation()}  # fmt: skip
     r["pinned"] = bench_pinned(GiB, a.reps)
     print("pinned", r["pinned"], flush=True)
     import traceback
