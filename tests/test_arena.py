@@ -431,7 +431,10 @@ def test_client_poll_returns_instead_of_waiting_for_the_timeout(tmp_path, monkey
     try:
         monkeypatch.setattr(_transport, "cpu_spare", lambda: True)
         assert t._poll() is None  # nothing came: give up polling, do not wait 30 s
-        assert t._sock.gettimeout() == 30.0  # the blocking recv keeps its timeout
+        assert t.timeout == 30.0  # the blocking recv keeps its timeout (the kernel's)
+        import struct
+        tv = t._sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.calcsize("@ll"))
+        assert struct.unpack("@ll", tv) == (30, 0)
         peer.sendall(b"hello")
         while (n := t._poll()) is None:
             pass
@@ -440,6 +443,38 @@ def test_client_poll_returns_instead_of_waiting_for_the_timeout(tmp_path, monkey
         assert t._poll() is None  # no spare CPU: straight to the blocking recv
         peer.sendall(b"x")
         assert bytes(t.recv()) == b"x"
+    finally:
+        t.close()
+        peer.close()
+        server.close()
+
+
+def test_client_socket_waits_with_kernel_timeouts(tmp_path):
+    """A send or recv is one system call: the socket is blocking (no Python timeout, which
+    polls before each), yet a daemon that does not answer or read still ends in Timeout."""
+    import socket
+    import time
+
+    from kvbroker._client import transport as _transport
+    from kvbroker.errors import Timeout
+
+    path = str(tmp_path / "s")
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen(1)
+    t = _transport.UnixTransport(path, timeout=0.2, busy_poll=0)
+    peer, _ = server.accept()
+    try:
+        assert t._sock.gettimeout() is None  # blocking: no poll(2) before each call
+        started = time.monotonic()
+        with pytest.raises(Timeout, match="did not answer"):
+            t.recv()
+        assert 0.15 < time.monotonic() - started < 5
+        with pytest.raises(Timeout, match="timed out"):
+            t.send(b"x" * (64 << 20))  # the peer never reads: the socket buffer fills
+        t.settimeout(None)
+        peer.sendall(b"late")
+        assert bytes(t.recv()) == b"late"
     finally:
         t.close()
         peer.close()
