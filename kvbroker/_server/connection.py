@@ -44,6 +44,9 @@ _READ_SIZE = 64 * 1024
 # which copies it into the connection's unpacker, so nothing stays in it between reads (a
 # buffer per connection was 64 KiB of memory per idle or waiting client).
 _RBUF = memoryview(bytearray(_READ_SIZE))
+# One packer for every reply (msgpack.packb makes a new one per call); one that fails
+# resets itself, so a reply that cannot be packed leaves nothing behind for the next.
+_pack = msgpack.Packer().pack
 
 
 class _Parser:
@@ -454,7 +457,7 @@ class Connection(asyncio.BufferedProtocol):
         if self.closed:
             return
         try:
-            data = msgpack.packb(obj)
+            data = _pack(obj)
         except (ValueError, TypeError, OverflowError) as exc:
             # Never let one unpackable value close the connection: answer an error instead.
             log.error("session %d: cannot pack a reply (%s); answering an error instead",
