@@ -208,7 +208,7 @@ class Connection(asyncio.BufferedProtocol):
             self._fatal("frame exceeds the size limit")
             return
         queue = self.queue
-        while not self.closed:
+        while not self.closed and done < fed:  # (all consumed: no StopIteration to pay for)
             try:
                 msg = next(u)
             except StopIteration:
