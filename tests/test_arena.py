@@ -479,3 +479,45 @@ def test_client_socket_waits_with_kernel_timeouts(tmp_path):
         t.close()
         peer.close()
         server.close()
+
+
+def test_polls_yield_the_cpu_while_they_wait(tmp_path, monkeypatch):
+    """A client and a daemon that poll hand their CPU over between polls: on a host whose
+    other CPU is busy they share one, and a poll that kept it would hold off the very reply
+    (or request) it waits for (measured on the 2-core VM, both pinned to one CPU: put+get
+    645 us p50 polling without yielding, 196 us yielding)."""
+    import socket
+    import time
+
+    from kvbroker._client import transport as _transport
+    from kvbroker._server.config import DaemonConfig
+    from kvbroker._server.daemon import Daemon
+
+    yields = []
+    monkeypatch.setattr(os, "sched_yield", lambda: yields.append(1))
+    monkeypatch.setattr(_transport, "cpu_spare", lambda: True)
+    path = str(tmp_path / "s")
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen(1)
+    t = _transport.UnixTransport(path, timeout=30.0, busy_poll=0.001)
+    peer, _ = server.accept()
+    try:
+        assert t._poll() is None  # nothing came within the poll
+        assert yields, "the client polled without ever yielding its CPU"
+    finally:
+        t.close()
+        peer.close()
+        server.close()
+
+    yields.clear()
+    later = []
+    daemon = Daemon(DaemonConfig(busy_poll=1.0))
+    daemon._loop = type("Loop", (), {"call_soon": lambda self, fn: later.append(fn)})()
+    daemon._polling, daemon._last_activity = True, time.monotonic()
+    daemon._keep_polling()
+    assert yields and later == [daemon._keep_polling]  # polling on, the CPU offered first
+    yields.clear()
+    daemon._last_activity -= 10.0
+    daemon._keep_polling()
+    assert not yields and not daemon._polling  # the window is over: back to sleeping

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import struct
 import time
@@ -86,6 +87,7 @@ class UnixTransport:
         if not cpu_spare():
             return None  # spinning would take the CPU the daemon needs to answer
         recv_into, buf, dontwait = self._sock.recv_into, self._buf, socket.MSG_DONTWAIT
+        yield_cpu = os.sched_yield
         deadline = time.perf_counter() + self.busy_poll
         while True:
             try:
@@ -93,6 +95,9 @@ class UnixTransport:
             except BlockingIOError:
                 if time.perf_counter() > deadline:
                     return None
+                # The daemon may be waiting for this very CPU: let it run (returns at once
+                # when nothing else waits here).
+                yield_cpu()
 
     def settimeout(self, timeout: float | None) -> None:
         """Seconds a send or a recv may wait from now on (None: forever)."""
