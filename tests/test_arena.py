@@ -521,3 +521,22 @@ def test_polls_yield_the_cpu_while_they_wait(tmp_path, monkeypatch):
     daemon._last_activity -= 10.0
     daemon._keep_polling()
     assert not yields and not daemon._polling  # the window is over: back to sleeping
+
+
+def test_polling_stays_on_under_moderate_pressure(monkeypatch):
+    """Polls yield their CPU (above), so moderate CPU pressure (another engineer's work, the
+    polling itself) no longer turns them off; a host where tasks wait most of the time does."""
+    from kvbroker import _cpu
+    from kvbroker._cpu import CpuPressure
+
+    def psi(avg10):
+        line = f"some avg10={avg10:.2f} avg60=1.00 avg300=1.00 total=1\n".encode()
+        return lambda fd, n, at: line
+
+    gate = CpuPressure()
+    if gate._fd is None:
+        gate._fd = -1  # no PSI here: read the fake file all the same
+    monkeypatch.setattr(_cpu.os, "pread", psi(20.0))
+    assert gate.spare() is True
+    monkeypatch.setattr(_cpu.os, "pread", psi(72.0))
+    assert gate.spare() is False
