@@ -119,10 +119,3 @@ def test_a_pipelined_slice_is_one_journal_write_then_one_reply_write(served):
     (gone,) = send(("claim", {"key": "k0"}), ok=False)
     assert gone["error"]["code"] == "not_found"  # consumed: the release took effect
 
-
-def test_each_request_alone_still_journals_before_its_reply(served):
-    send, events = served
-    (arena,) = send(("arena", {"nbytes": 16 * PAGE}))
-    start = len(events)
-    send(_publish(arena["lease"], "k"))
-    assert [kind for kind, _ in events[start:]] == ["journal", "reply"]
