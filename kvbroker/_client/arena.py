@@ -29,7 +29,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from . import integrity as _integrity
-from .copy import _np, copy_into
+from .copy import copy_into
 from .._wire.objects import buffer_offsets
 from ..errors import BadRequest, Exists, LeaseExpired, PoolFull
 
@@ -85,8 +85,7 @@ class WriteArena:
         pool, base, room = self.extent
         if span > room:
             return None
-        mm = client._mapping(pool).mm
-        np = _np()
+        mapping = client._mapping(pool)
         sums: dict[str, Any] | None = {} if checksum else None
         kind = client.checksum_kind
         for name, src in buffers.items():
@@ -95,7 +94,7 @@ class WriteArena:
                 if sums is not None:
                     sums[name] = _integrity.empty_digest(kind)
                 continue
-            dst = np.frombuffer(mm, dtype=np.uint8, count=n, offset=base + offsets[name])
+            dst = mapping.view(base + offsets[name], n, True)
             if sums is not None:
                 sums[name] = _integrity.copy_hashed(dst, src, copy_into, kind)
             else:

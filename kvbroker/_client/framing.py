@@ -25,23 +25,30 @@ class MessageStream:
         self.transport = transport
         self._packer = msgpack.Packer()
         self._unpacker = msgpack.Unpacker(raw=False, **unpacker_limits())
+        # Bytes fed to the unpacker: while its position (tell) is short of them, a message
+        # may be there to take without reading; otherwise read first, rather than pay for a
+        # StopIteration on every receive.
+        self._fed = 0
 
     def send(self, message: dict[str, Any]) -> None:
         self.transport.send(self._packer.pack(message))
 
     def receive(self) -> Any:
+        unpacker = self._unpacker
         while True:
-            try:
-                return next(self._unpacker)
-            except StopIteration:
-                pass
-            except Exception as exc:
-                raise ProtocolError(f"malformed frame from the daemon: {exc}") from None
+            if unpacker.tell() < self._fed:
+                try:
+                    return next(unpacker)
+                except StopIteration:
+                    pass
+                except Exception as exc:
+                    raise ProtocolError(f"malformed frame from the daemon: {exc}") from None
             data = self.transport.recv()
             try:
-                self._unpacker.feed(data)
+                unpacker.feed(data)
             except msgpack.BufferFull:
                 raise ProtocolError("the daemon sent a frame over the size limit") from None
+            self._fed += len(data)
 
     def close(self) -> None:
         self.transport.close()

@@ -23,7 +23,6 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from . import integrity as _integrity
-from .copy import _np
 from ..errors import BadRequest, KVBrokerError, LeaseExpired, ProtocolError
 
 if TYPE_CHECKING:
@@ -60,11 +59,7 @@ class _Lease:
             # After a reconnect the pools may be new segments: never map old extents there.
             self._check_alive()
             pool, offset, nbytes = self._extents[name]
-            view = _np().frombuffer(
-                self.client._mapping(pool).mm, dtype="uint8", count=nbytes, offset=offset
-            )
-            if not self._writable:
-                view.flags.writeable = False
+            view = self.client._mapping(pool).view(offset, nbytes, self._writable)
             self._views[name] = view
         return view
 

@@ -51,6 +51,11 @@ class Session:
                 rid = self._send(op, args)
                 while True:
                     msg = self._stream.receive()
+                    if msg.__class__ is dict and msg.get("id") == rid:  # its reply: the rule
+                        self._stalled = False
+                        if msg.get("ok"):
+                            return msg.get("result")
+                        break
                     if not isinstance(msg, dict):
                         raise ProtocolError(f"unexpected message from the daemon: {msg!r:.80}")
                     if "push" in msg:

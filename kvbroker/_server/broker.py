@@ -156,10 +156,15 @@ class Broker:
             raise ProtocolError("the first request on a connection must be hello")
         handler = _HANDLERS.get(op)
         if handler is not None:
-            if self.journal is None:
+            journal = self.journal
+            # One write for every record of this request (none when the connection holds a
+            # batch for its whole slice of requests: it writes them before the replies).
+            if journal is None or not journal.begin():
                 return handler(self, session, **args)
-            with self.journal.batch():  # one write for every record of this request
+            try:
                 return handler(self, session, **args)
+            finally:
+                journal.flush()
         if row.service is Service.RINGS:
             if self.rings is None:
                 raise BadRequest(f"{op}: this daemon has no GPU rings (serve --gpu-ring SIZE)")

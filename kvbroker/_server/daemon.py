@@ -108,6 +108,9 @@ class Daemon:
     def _keep_polling(self) -> None:
         # A ready callback makes asyncio poll epoll with a zero timeout instead of sleeping.
         if time.monotonic() - self._last_activity < self.config.busy_poll:
+            # A client may be waiting for this very CPU: let it run (returns at once when
+            # nothing else waits here).
+            os.sched_yield()
             self._loop.call_soon(self._keep_polling)
         else:
             self._polling = False

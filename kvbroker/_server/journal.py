@@ -48,12 +48,11 @@ the file stays O(live objects) and appends stay O(1) amortised.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import struct
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -192,7 +191,7 @@ class Journal:
         (``(pool, start, npages)`` lent for writing or quarantined), atomically."""
         if self.failed:
             return
-        self._flush()  # the rewrite replaces the file: nothing may be written after it
+        self.flush()  # the rewrite replaces the file: nothing may be written after it
         try:
             self._rewrite(records, next_id, lent)
         except OSError as exc:
@@ -225,21 +224,19 @@ class Journal:
         self._live = live
         self.compactions += 1
 
-    @contextlib.contextmanager
-    def batch(self) -> Iterator[None]:
-        """Records appended inside go out in one write at the end: one system call per
-        request instead of one per record (a 64-block reserve journals 64). The caller
-        replies after the block, so an acknowledged change is in the file as before."""
-        if self._batch is not None:  # nested: the outer batch writes
-            yield
-            return
+    def begin(self) -> bool:
+        """Hold the records appended from now on for one write at :meth:`flush`: one system
+        call per request, or per slice of one connection's requests, instead of one per
+        record (a 64-block reserve journals 64). The caller replies only after the flush, so
+        an acknowledged change is in the file as before. False, holding nothing new, when a
+        batch is open already: whoever opened it flushes."""
+        if self._batch is not None:
+            return False
         self._batch = []
-        try:
-            yield
-        finally:
-            self._flush()
+        return True
 
-    def _flush(self) -> None:
+    def flush(self) -> None:
+        """Write the records held since :meth:`begin` (one ``write``), and hold no more."""
         frames, self._batch = self._batch, None
         if frames:
             self._write(b"".join(frames), len(frames))
