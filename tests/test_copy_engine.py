@@ -323,3 +323,26 @@ def test_get_refuses_destinations_the_bytes_would_not_land_in(client):
     got = client.get("obj", into)
     assert got["a"] is into["a"] and bytes(got["a"].numpy().view(np.uint8)) == data.tobytes()
     assert bytes(got["b"]) == data[:64].tobytes()
+
+
+def test_get_refuses_destinations_that_are_no_plain_bytes_with_a_bad_request(client):
+    """A conjugate or negative view, a sparse or MKL-DNN tensor (torch refuses their raw
+    bytes: a RuntimeError escaped), an object array (its elements are pointers), or something
+    that holds no bytes at all: a BadRequest naming what is wrong, before any byte is copied,
+    the lease released."""
+    from kvbroker.errors import BadRequest
+
+    data = np.arange(64, dtype=np.uint8)
+    client.put("obj", {"a": data, "b": data})
+    good = np.zeros(64, dtype=np.uint8)
+    for what in (np.empty(8, dtype=object), [0] * 64, "x" * 64, 64):
+        with pytest.raises(BadRequest, match="numpy array, a torch tensor or a writable"):
+            client.get("obj", {"a": what, "b": good})
+    torch = pytest.importorskip("torch")
+    for t in (torch.zeros(8, dtype=torch.complex64).conj(),
+              torch._neg_view(torch.zeros(16, dtype=torch.float32)),
+              torch.zeros(16, dtype=torch.float32).to_sparse(),
+              torch.zeros(16, dtype=torch.float32).to_mkldnn()):  # fmt: skip
+        with pytest.raises(BadRequest, match="plain strided tensor"):
+            client.get("obj", {"a": t, "b": good})
+    assert not good.any() and client.stat().read_leases == 0
