@@ -176,6 +176,33 @@ def test_others_busy_leaves_out_this_process(monkeypatch):
     assert o.cpus_busy() is None  # no tick passed
 
 
+def test_others_busy_counts_only_the_cpus_this_process_may_run_on(monkeypatch, tmp_path):
+    """Pinned to 2 of a host's 4 CPUs (taskset, a cpuset), the other 2 busy: what runs
+    there takes no CPU from this process, and a second copy thread would find its second
+    CPU idle (the host-wide "cpu" line said 2 CPUs busy: never split)."""
+    from kvbroker import _cpu
+
+    def stat(busy_ticks):  # cpu0/cpu1 idle, cpu2/cpu3 busy for busy_ticks each
+        lines = [f"cpu{i} {busy_ticks * (i >= 2)} 0 0 {busy_ticks * (i < 2)} 0 0 0 0 0 0"
+                 for i in range(4)]
+        total = f"cpu  {2 * busy_ticks} 0 0 {2 * busy_ticks} 0 0 0 0 0 0"
+        fake.write_text("\n".join([total, *lines, "intr 1 2 3", ""]))
+
+    fake = tmp_path / "stat"
+    stat(1000)
+    real_open = os.open
+    monkeypatch.setattr(os, "open", lambda path, *a: real_open(
+        str(fake) if path == "/proc/stat" else path, *a))
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    monkeypatch.setattr(os, "times", lambda: os.times_result((1.0, 0.0, 0.0, 0.0, 0.0)))
+    o = _cpu.OthersBusy()
+    assert o.cpus_busy() is None
+    stat(1100)  # 100 ticks later: cpu2 and cpu3 busy throughout, ours idle
+    assert o.cpus_busy() == 0.0
+    os.close(o._fd)
+
+
 def test_cpu_left_idle_follows_the_other_processes(monkeypatch):
     from kvbroker import _cpu
 
