@@ -92,6 +92,7 @@ class OthersBusy:
         except OSError:
             self._fd = None
         self._last: tuple[int, int, float] | None = None
+        self._pid = os.getpid()  # whose own time _last holds
 
     def _sample(self) -> tuple[int, int, float]:
         # "cpu  user nice system idle iowait irq softirq steal guest guest_nice", in ticks
@@ -117,11 +118,11 @@ class OthersBusy:
         except (OSError, ValueError, IndexError):
             return None
         last, self._last = self._last, now
+        if self._pid != os.getpid():  # a forked child: _last holds its parent's own time
+            self._pid, last = os.getpid(), None
         if last is None or now[0] <= last[0]:
             return None
         total, idle, own = (a - b for a, b in zip(now, last))
-        if own < 0:  # a forked child: its own time restarted from zero
-            return None
         return max(0.0, total - idle - own) / (total / self.cpus)
 
 

@@ -203,6 +203,24 @@ def test_others_busy_counts_only_the_cpus_this_process_may_run_on(monkeypatch, t
     os.close(o._fd)
 
 
+def test_others_busy_reads_no_interval_across_a_fork(monkeypatch):
+    """The parent sampled its own time (5 ticks) before forking; the child's own time
+    restarts from zero and may pass 5 before its first reading: the interval mixes the
+    parent's time and the child's (it read 1.25 CPUs busy); no reading until the child's
+    own second sample."""
+    from kvbroker import _cpu
+
+    o = _cpu.OthersBusy()
+    samples = iter([(1000, 400, 5.0), (1200, 450, 30.0), (1400, 500, 40.0)])
+    monkeypatch.setattr(o, "_sample", lambda: next(samples))
+    o.cpus, o._last = 2, None
+    assert o.cpus_busy() is None
+    parent = os.getpid()
+    monkeypatch.setattr(os, "getpid", lambda: parent + 1)  # now in the child
+    assert o.cpus_busy() is None
+    assert o.cpus_busy() == pytest.approx(1.4)  # (200 - 50 - 10) busy ticks of others
+
+
 def test_cpu_left_idle_follows_the_other_processes(monkeypatch):
     from kvbroker import _cpu
 
