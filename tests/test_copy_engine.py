@@ -391,3 +391,19 @@ def test_get_refuses_destinations_that_are_no_plain_bytes_with_a_bad_request(cli
         with pytest.raises(BadRequest, match="plain strided tensor"):
             client.get("obj", {"a": t, "b": good})
     assert not good.any() and client.stat().read_leases == 0
+
+
+def test_a_refused_destination_does_not_count_a_consume(client):
+    """get(consume=True) into a destination refused before any byte is copied: the reader
+    got nothing, so its claim ends without counting (as a failed reader's does, the object
+    stays for a retry); it freed the object."""
+    from kvbroker.errors import BadRequest
+
+    data = np.arange(4096, dtype=np.uint8)
+    client.put("once", {"a": data})
+    strided = np.zeros((4096, 2), dtype=np.uint8)[:, 0]
+    with pytest.raises(BadRequest, match="contiguous"):
+        client.get("once", {"a": strided}, consume=True)
+    assert client.exists("once")
+    got = client.get("once", {"a": np.zeros(4096, dtype=np.uint8)}, consume=True)
+    assert bytes(got["a"]) == data.tobytes() and not client.exists("once")
