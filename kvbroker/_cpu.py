@@ -70,8 +70,9 @@ def cpu_spare() -> bool:
 
 class OthersBusy:
     """How many CPUs the other processes kept busy (stolen time included) between two calls
-    of :meth:`cpus_busy`: the host's busy time from ``/proc/stat`` less this process's own
-    (``os.times``, all its threads), over the time between them.
+    of :meth:`cpus_busy`: the busy time of the CPUs this process may run on (the host's,
+    unless it is pinned to some) from ``/proc/stat``, less this process's own (``os.times``,
+    all its threads), over the time between them.
 
     Pressure (:class:`CpuPressure`) says whether tasks waited for a CPU; it stays low while one
     other process holds a core of two, which is what a second copy thread would then wait
@@ -79,17 +80,36 @@ class OthersBusy:
     memcpy split over 2 threads against 0.70x on 1, pressure at 7 %)."""
 
     def __init__(self) -> None:
-        self.cpus = os.cpu_count() or 1  # /proc/stat's "cpu" line sums every online CPU
+        host = os.cpu_count() or 1  # /proc/stat's "cpu" line sums every online CPU
+        try:
+            mine = sorted(os.sched_getaffinity(0))
+        except (AttributeError, OSError):  # not Linux
+            mine = []
+        # Pinned to some of the host's CPUs (taskset, a cpuset): only theirs count, from
+        # their "cpuN" lines; what other processes do on the rest takes nothing from us.
+        self._lines = {b"cpu%d" % i for i in mine} if 0 < len(mine) < host else None
+        # (a line is at most 6 + 10 * 21 bytes: the aggregate's and each CPU's up to ours)
+        self._read = 256 if self._lines is None else 256 * (mine[-1] + 2)
+        self.cpus = host if self._lines is None else len(mine)
         self._tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
         try:
             self._fd: int | None = os.open("/proc/stat", os.O_RDONLY | os.O_CLOEXEC)
         except OSError:
             self._fd = None
         self._last: tuple[int, int, float] | None = None
+        self._pid = os.getpid()  # whose own time _last holds
 
     def _sample(self) -> tuple[int, int, float]:
         # "cpu  user nice system idle iowait irq softirq steal guest guest_nice", in ticks
-        ticks = [int(x) for x in os.pread(self._fd, 256, 0).split(b"\n", 1)[0].split()[1:9]]
+        text = os.pread(self._fd, self._read, 0)
+        if self._lines is None:
+            ticks = [int(x) for x in text.split(b"\n", 1)[0].split()[1:9]]
+        else:
+            ticks = [0] * 8
+            for line in text.split(b"\n"):
+                fields = line.split()
+                if fields and fields[0] in self._lines:
+                    ticks = [a + int(b) for a, b in zip(ticks, fields[1:9])]
         own = os.times()
         return sum(ticks), ticks[3] + ticks[4], (own.user + own.system) * self._tick
 
@@ -103,11 +123,11 @@ class OthersBusy:
         except (OSError, ValueError, IndexError):
             return None
         last, self._last = self._last, now
+        if self._pid != os.getpid():  # a forked child: _last holds its parent's own time
+            self._pid, last = os.getpid(), None
         if last is None or now[0] <= last[0]:
             return None
         total, idle, own = (a - b for a, b in zip(now, last))
-        if own < 0:  # a forked child: its own time restarted from zero
-            return None
         return max(0.0, total - idle - own) / (total / self.cpus)
 
 

@@ -176,6 +176,51 @@ def test_others_busy_leaves_out_this_process(monkeypatch):
     assert o.cpus_busy() is None  # no tick passed
 
 
+def test_others_busy_counts_only_the_cpus_this_process_may_run_on(monkeypatch, tmp_path):
+    """Pinned to 2 of a host's 4 CPUs (taskset, a cpuset), the other 2 busy: what runs
+    there takes no CPU from this process, and a second copy thread would find its second
+    CPU idle (the host-wide "cpu" line said 2 CPUs busy: never split)."""
+    from kvbroker import _cpu
+
+    def stat(busy_ticks):  # cpu0/cpu1 idle, cpu2/cpu3 busy for busy_ticks each
+        lines = [f"cpu{i} {busy_ticks * (i >= 2)} 0 0 {busy_ticks * (i < 2)} 0 0 0 0 0 0"
+                 for i in range(4)]
+        total = f"cpu  {2 * busy_ticks} 0 0 {2 * busy_ticks} 0 0 0 0 0 0"
+        fake.write_text("\n".join([total, *lines, "intr 1 2 3", ""]))
+
+    fake = tmp_path / "stat"
+    stat(1000)
+    real_open = os.open
+    monkeypatch.setattr(os, "open", lambda path, *a: real_open(
+        str(fake) if path == "/proc/stat" else path, *a))
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    monkeypatch.setattr(os, "times", lambda: os.times_result((1.0, 0.0, 0.0, 0.0, 0.0)))
+    o = _cpu.OthersBusy()
+    assert o.cpus_busy() is None
+    stat(1100)  # 100 ticks later: cpu2 and cpu3 busy throughout, ours idle
+    assert o.cpus_busy() == 0.0
+    os.close(o._fd)
+
+
+def test_others_busy_reads_no_interval_across_a_fork(monkeypatch):
+    """The parent sampled its own time (5 ticks) before forking; the child's own time
+    restarts from zero and may pass 5 before its first reading: the interval mixes the
+    parent's time and the child's (it read 1.25 CPUs busy); no reading until the child's
+    own second sample."""
+    from kvbroker import _cpu
+
+    o = _cpu.OthersBusy()
+    samples = iter([(1000, 400, 5.0), (1200, 450, 30.0), (1400, 500, 40.0)])
+    monkeypatch.setattr(o, "_sample", lambda: next(samples))
+    o.cpus, o._last = 2, None
+    assert o.cpus_busy() is None
+    parent = os.getpid()
+    monkeypatch.setattr(os, "getpid", lambda: parent + 1)  # now in the child
+    assert o.cpus_busy() is None
+    assert o.cpus_busy() == pytest.approx(1.4)  # (200 - 50 - 10) busy ticks of others
+
+
 def test_cpu_left_idle_follows_the_other_processes(monkeypatch):
     from kvbroker import _cpu
 
@@ -323,3 +368,42 @@ def test_get_refuses_destinations_the_bytes_would_not_land_in(client):
     got = client.get("obj", into)
     assert got["a"] is into["a"] and bytes(got["a"].numpy().view(np.uint8)) == data.tobytes()
     assert bytes(got["b"]) == data[:64].tobytes()
+
+
+def test_get_refuses_destinations_that_are_no_plain_bytes_with_a_bad_request(client):
+    """A conjugate or negative view, a sparse or MKL-DNN tensor (torch refuses their raw
+    bytes: a RuntimeError escaped), an object array (its elements are pointers), or something
+    that holds no bytes at all: a BadRequest naming what is wrong, before any byte is copied,
+    the lease released."""
+    from kvbroker.errors import BadRequest
+
+    data = np.arange(64, dtype=np.uint8)
+    client.put("obj", {"a": data, "b": data})
+    good = np.zeros(64, dtype=np.uint8)
+    for what in (np.empty(8, dtype=object), [0] * 64, "x" * 64, 64):
+        with pytest.raises(BadRequest, match="numpy array, a torch tensor or a writable"):
+            client.get("obj", {"a": what, "b": good})
+    torch = pytest.importorskip("torch")
+    for t in (torch.zeros(8, dtype=torch.complex64).conj(),
+              torch._neg_view(torch.zeros(16, dtype=torch.float32)),
+              torch.zeros(16, dtype=torch.float32).to_sparse(),
+              torch.zeros(16, dtype=torch.float32).to_mkldnn()):  # fmt: skip
+        with pytest.raises(BadRequest, match="plain strided tensor"):
+            client.get("obj", {"a": t, "b": good})
+    assert not good.any() and client.stat().read_leases == 0
+
+
+def test_a_refused_destination_does_not_count_a_consume(client):
+    """get(consume=True) into a destination refused before any byte is copied: the reader
+    got nothing, so its claim ends without counting (as a failed reader's does, the object
+    stays for a retry); it freed the object."""
+    from kvbroker.errors import BadRequest
+
+    data = np.arange(4096, dtype=np.uint8)
+    client.put("once", {"a": data})
+    strided = np.zeros((4096, 2), dtype=np.uint8)[:, 0]
+    with pytest.raises(BadRequest, match="contiguous"):
+        client.get("once", {"a": strided}, consume=True)
+    assert client.exists("once")
+    got = client.get("once", {"a": np.zeros(4096, dtype=np.uint8)}, consume=True)
+    assert bytes(got["a"]) == data.tobytes() and not client.exists("once")

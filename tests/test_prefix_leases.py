@@ -349,3 +349,68 @@ def test_blocks_of_other_sizes_or_names_reply_and_count_their_own(make_broker):
     reply = b.handle(s, "match_prefix", {"namespace": NS, "keys": ["k0", "other-names"]})
     assert "packed" not in reply and [set(blk) for blk in reply["blocks"]] == [{"x"}, {"y"}]
     b.handle(s, "release", {"lease": reply["lease"]})
+
+
+def _lookup_time(b, s, key, rounds=5, n=200):
+    """Best of ``rounds`` of the mean time of ``n`` lookups of ``key`` (seconds)."""
+    import time
+
+    best = float("inf")
+    for _ in range(rounds):
+        t = time.perf_counter()
+        for _ in range(n):
+            b.handle(s, "lookup", {"namespace": NS, "key": key})
+        best = min(best, (time.perf_counter() - t) / n)
+    return best
+
+
+def test_lookups_cost_no_scan_of_every_block_of_every_live_match(make_broker):
+    # lookup (exists()) and unlinks find the lazy leases holding a block: a scan of every
+    # block of every live match (1.25 ms per lookup of any object beside 256 matches of 512
+    # blocks, on the daemon's one thread) made one client's matches slow every other one.
+    b = make_broker(npages=1200)
+    b.max_leases_per_client = 1 << 20
+    s, reader = session(b), session(b)
+    long = [f"L{i}" for i in range(512)]
+    short = [f"S{i}" for i in range(2)]
+    other = [f"O{i}" for i in range(4)]  # a chain no match holds: its blocks have children
+    for chain in (long, short, other):
+        r = b.handle(s, "reserve_blocks", {"namespace": NS, "blocks": [
+            {"key": k, "parent": chain[i - 1] if i else None} for i, k in enumerate(chain)],
+            "buffers": {"x": 64}})  # fmt: skip
+        b.handle(s, "seal_many", {"leases": [res["lease"] for res in r["results"]],
+                                  "checksums": None})  # fmt: skip
+    put(b, s, "lone", 0x50)
+
+    def beside(chain):  # lookups beside 256 matches of `chain`, then none
+        leases = [match(b, reader, chain) for _ in range(256)]
+        times = _lookup_time(b, s, "lone"), _lookup_time(b, s, "O1")
+        b.handle(reader, "release_many", {"leases": leases})
+        return times
+
+    for _ in range(2):  # interleaved: the load of the machine is the same for each
+        (lone_long, chained_long), (lone_short, chained_short) = beside(long), beside(short)
+        alone = _lookup_time(b, s, "lone")
+        if lone_long < 4 * alone and chained_long < 4 * chained_short:
+            break
+    assert lone_long < 4 * alone  # an object no match can hold: no scan at all
+    assert chained_long < 4 * chained_short  # per match, not per block
+    assert not b.lazy_leases and all(o.readers == 0 for o in b.objects.values())
+
+
+def test_a_restored_chain_under_a_match_keeps_its_republished_middle_block(make_broker):
+    # After a warm restart the blocks' depths come from their restored parents: the match's
+    # lease must still be found holding a middle block when that block is replaced.
+    old = make_broker()
+    publish_chain(old, session(old), KEYS)
+    b = Broker(old.pools, clock=Clock(), high_watermark=1.0, low_watermark=1.0)
+    b.test_mm = old.test_mm
+    assert b.restore([o.to_record() for o in old.objects.values()]) == 4
+    s = session(b)
+    lease = match(b, s, KEYS)
+    middle = b.objects[NS, "k2"]
+    put(b, s, "k2", 0x77, replace=True)
+    fill_pool(b)
+    assert read(b, middle) == bytes([0x12]) * PAGE and b.pages.owners[0][middle.start] is middle
+    b.handle(s, "release", {"lease": lease})
+    assert middle.start not in b.pages.owners[0]

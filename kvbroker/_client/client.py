@@ -33,7 +33,7 @@ from .engine import default_engine
 from .transport import UnixTransport
 from . import integrity as _integrity
 from .._wire import checksum as _cs
-from ..errors import BrokerUnavailable, Exists, Forbidden, LeaseExpired, Timeout
+from ..errors import BrokerUnavailable, Exists, Forbidden, KVBrokerError, LeaseExpired, Timeout
 
 
 __all__ = ["Client", "WriteLease", "ReadLease", "EvictResult", "Listing"]
@@ -396,10 +396,17 @@ class Client:
             sums = lease.checksums if verify else None
             bad = []
             # every destination checked before any byte is copied: a bad one loses nothing
-            targets = {name: np.empty(lease[name].nbytes, dtype=np.uint8)
-                       if out is None or out.get(name) is None
-                       else destination(out[name], lease[name].nbytes, f"get: out[{name!r}]")
-                       for name in lease}  # fmt: skip
+            try:
+                targets = {name: np.empty(lease[name].nbytes, dtype=np.uint8)
+                           if out is None or out.get(name) is None
+                           else destination(out[name], lease[name].nbytes, f"get: out[{name!r}]")
+                           for name in lease}  # fmt: skip
+            except BaseException:
+                try:
+                    lease.release(consume=False)  # nothing read: a consume claim doesn't count
+                except KVBrokerError:
+                    pass  # the lease ended already (TTL, connection): the refusal matters
+                raise
             for name, target in targets.items():
                 src = lease[name]
                 dst = None if out is None else out.get(name)

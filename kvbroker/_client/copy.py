@@ -56,12 +56,26 @@ def destination(dst: Any, nbytes: int, what: str):
     """``dst`` as a writable flat uint8 numpy array over its own memory, for copying
     ``nbytes`` into; raises BadRequest (naming ``what``) when the bytes would not land in it:
     a strided array or a GPU tensor (a flat view of either is a copy, filled then thrown
-    away), a read-only buffer, or another size."""
+    away), a read-only buffer, another size, or no plain bytes (an object array, a tensor
+    whose raw bytes torch refuses, something that is no buffer)."""
     from ..errors import BadRequest
 
+    kinds = "a numpy array, a torch tensor or a writable bytes-like object"
+    if _torch_tensor(dst):
+        torch = sys.modules["torch"]
+        # torch refuses the raw bytes of these (a RuntimeError), or they are no such bytes
+        if dst.layout is not torch.strided or dst.is_conj() or dst.is_neg():
+            raise BadRequest(f"{what} must be a plain strided tensor (not sparse, MKL-DNN, "
+                             "or a conjugate or negative view)")  # fmt: skip
+    elif getattr(getattr(dst, "dtype", None), "hasobject", False):  # elements are pointers
+        raise BadRequest(f"{what} must be {kinds}, not an array of Python objects")
     try:
         target = flat_bytes(dst)
-    except (TypeError, ValueError):
+    except TypeError:  # no buffer, or one memoryview cannot cast to bytes (strided)
+        if not _has_buffer(dst):
+            raise BadRequest(f"{what} must be {kinds}, not {type(dst).__name__}") from None
+        target = None
+    except ValueError:  # a released memoryview
         target = None
     if target is None:
         raise BadRequest(f"{what} must be contiguous and in CPU memory (a strided array or a "
@@ -72,6 +86,14 @@ def destination(dst: Any, nbytes: int, what: str):
     if target.nbytes != nbytes:
         raise BadRequest(f"{what} holds {target.nbytes} bytes, the buffer {nbytes}")
     return target
+
+
+def _has_buffer(obj: Any) -> bool:
+    try:
+        memoryview(obj).release()
+    except TypeError:
+        return False
+    return True
 
 
 def copy_into(dst, src: Any) -> None:

@@ -328,7 +328,7 @@ class Broker:
             # An absent parent (evicted while we wrote) leaves nothing to keep whole.
             parent = self.objects.get((obj.namespace, obj.parent_key))
             if parent is not None and parent is not obj:
-                obj.parent = parent
+                obj.parent, obj.depth = parent, parent.depth + 1
                 parent.children += 1
                 self._lru.pop(parent.serial, None)  # a parent goes only after its children
         if self.journal is not None:  # before the reply: a sealed object survives a crash

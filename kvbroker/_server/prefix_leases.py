@@ -99,11 +99,20 @@ def materialize(b: Broker, lease: Lease) -> None:
 
 
 def materialize_holding(b: Broker, obj: StoredObject) -> None:
-    """Materialize the lazy leases that hold ``obj`` (before it is unlinked or reported)."""
-    if not b.lazy_leases:
+    """Materialize the lazy leases that hold ``obj`` (before it is unlinked or reported).
+
+    A lazy lease holds a block either as its leaf (a reader) or as an ancestor (a child):
+    a block with neither is in none. A chain's blocks have consecutive depths, so a lease
+    whose first block is at depth ``d`` can hold ``obj`` only at index ``obj.depth - d``:
+    one test per lease, not a scan of its blocks."""
+    if not b.lazy_leases or not (obj.readers or obj.children):
         return
-    for lease in [ls for ls in b.lazy_leases.values() if ls.obj is obj or obj in ls.more]:
-        materialize(b, lease)
+    depth = obj.depth
+    for lease in [ls for ls in b.lazy_leases.values()
+                  if 0 <= depth - ls.obj.depth <= len(ls.more)]:  # fmt: skip
+        at = depth - lease.obj.depth
+        if (lease.more[at - 1] if at else lease.obj) is obj:
+            materialize(b, lease)
 
 
 def materialize_all(b: Broker) -> None:

@@ -122,7 +122,7 @@ def restore(b: Broker, records: Iterable[dict[str, Any]],
     for obj, parent_serial in survivors:
         parent = by_serial.get(parent_serial)
         if parent is not None:
-            obj.parent = parent
+            obj.parent, obj.depth = parent, parent.depth + 1
             parent.children += 1
             b._lru.pop(parent.serial, None)
         obj.linked = True

@@ -157,7 +157,7 @@ class StoredObject:
         "parent", "shape", "row", "nbytes", "last_access", "readers", "children", "serial",
         "linked", "namespace", "key", "pool", "start", "npages", "buffers", "meta",
         "created_at", "sealed", "consumers", "parent_key", "checksums", "charged", "seq",
-        "tokens", "tenants",
+        "tokens", "tenants", "depth",
     )  # fmt: skip
 
     def __init__(self, namespace, key, pool, start, npages, nbytes, buffers, meta, serial):
@@ -179,6 +179,9 @@ class StoredObject:
         self.parent: StoredObject | None = None  # previous block of a prefix chain
         self.parent_key: str | None = None
         self.children = 0  # sealed blocks naming this one as parent: not evictable before them
+        # Its parent's depth + 1 when linked (0 without one): a chain's blocks have
+        # consecutive depths, so a lease over one finds a block at a known index.
+        self.depth = 0
         # {buffer: xxh3_64} computed by the writer, recorded at seal (kvbroker._wire.checksum).
         self.checksums: dict[str, int] | None = None
         self.charged = 0  # bytes counted against its namespace's quota until freed
