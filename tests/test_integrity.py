@@ -348,3 +348,29 @@ def test_the_fake_old_daemon_refuses_kind_1(old_daemon):
         c.checksum_kind = cs.KIND_XXH3C
         with pytest.raises(BadRequest, match="64-bit"):
             c.put("k", {"a": b"abc"})
+
+
+def test_a_failed_consumer_does_not_consume(client):
+    """A consume claim whose reader fails — an exception inside its block, a checksum
+    mismatch in get(verify=True), an `out` name the object lacks — ends without counting:
+    the object stays for a retry (as when a consumer crashes), and a good read consumes it."""
+    from kvbroker.errors import BadRequest, ChecksumMismatch
+
+    data = np.arange(8192, dtype=np.uint8)
+    client.put("once", {"a": data, "b": data[:100]})
+    with pytest.raises(RuntimeError):
+        with client.claim("once", consume=True):
+            raise RuntimeError("the engine failed while copying")
+    assert client.exists("once")
+    with pytest.raises(BadRequest, match=r"\['c'\].*\['a', 'b'\]"):
+        client.get("once", {"c": np.zeros(4, dtype=np.uint8)}, consume=True)
+    with pytest.raises(BadRequest, match="select='a'"):
+        client.get("once", {"b": np.zeros(100, dtype=np.uint8)}, select="a", consume=True)
+    assert client.exists("once")
+    corrupt(client, "once", "a", at=17)
+    with pytest.raises(ChecksumMismatch):
+        client.get("once", consume=True, verify=True)
+    assert client.exists("once")
+    assert client.stat().read_leases == 0
+    client.get("once", consume=True)
+    assert not client.exists("once")

@@ -33,7 +33,8 @@ from .engine import default_engine
 from .transport import UnixTransport
 from . import integrity as _integrity
 from .._wire import checksum as _cs
-from ..errors import BrokerUnavailable, Exists, Forbidden, KVBrokerError, LeaseExpired, Timeout
+from ..errors import BadRequest, BrokerUnavailable, Exists, Forbidden, LeaseExpired
+from ..errors import Timeout
 
 
 __all__ = ["Client", "WriteLease", "ReadLease", "EvictResult", "Listing"]
@@ -395,18 +396,17 @@ class Client:
                         wait=wait, peer=peer) as lease:  # fmt: skip
             sums = lease.checksums if verify else None
             bad = []
-            # every destination checked before any byte is copied: a bad one loses nothing
-            try:
-                targets = {name: np.empty(lease[name].nbytes, dtype=np.uint8)
-                           if out is None or out.get(name) is None
-                           else destination(out[name], lease[name].nbytes, f"get: out[{name!r}]")
-                           for name in lease}  # fmt: skip
-            except BaseException:
-                try:
-                    lease.release(consume=False)  # nothing read: a consume claim doesn't count
-                except KVBrokerError:
-                    pass  # the lease ended already (TTL, connection): the refusal matters
-                raise
+            # every destination checked before any byte is copied: a bad one loses nothing (an
+            # exception here ends the lease without counting a consume: ReadLease.__exit__)
+            unknown = sorted(set(out or ()) - set(lease))
+            if unknown:
+                raise BadRequest(f"get: out names buffer(s) {unknown} that this claim of "
+                                 f"{namespace}/{key} does not return (it has {sorted(lease)}"
+                                 f"{'' if select is None else f', select={select!r}'})")  # fmt: skip
+            targets = {name: np.empty(lease[name].nbytes, dtype=np.uint8)
+                       if out is None or out.get(name) is None
+                       else destination(out[name], lease[name].nbytes, f"get: out[{name!r}]")
+                       for name in lease}  # fmt: skip
             for name, target in targets.items():
                 src = lease[name]
                 dst = None if out is None else out.get(name)

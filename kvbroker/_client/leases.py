@@ -205,8 +205,8 @@ class ReadLease(_Lease):
         if exc_type is None:
             self.release()
         elif not self.ended:
-            try:
-                self.release()
+            try:  # the reader failed: a consume claim does not count (state: who frees what)
+                self.release(consume=False)
             except KVBrokerError:
                 pass
 
