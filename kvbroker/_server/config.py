@@ -45,6 +45,8 @@ OTHER_VARIABLES = {
     "KVBROKER_EVENT_LOOP": "asyncio keeps asyncio's event loop (_server/daemon.py)",
     "KVBROKER_FAKE_GPUS": "fake GPUs for the ring tests (_server/rings.py)",
     "KVBROKER_PEER_SCRIPT": "the Mooncake peer script (_bench/peer.py)",
+    "KVBROKER_COMMIT": "the commit a results file records, for a tree copied without git "
+                       "(_bench/_common.py)",
     "KVBROKER_CRASH_CYCLES": "tests/test_crash.py",
     "KVBROKER_FUZZ_FRAMES": "tests/test_fuzz.py",
     "KVBROKER_SOAK_LONG": "tests/test_soak.py",
