@@ -75,7 +75,10 @@ def main() -> None:
         med = {k: statistics.median(v) for k, v in times.items()}
         pairs = [("put+checksum", "put"), ("reserve+seal hash", "reserve+seal"),
                  ("get+verify", "get")]  # fmt: skip
+        from kvbroker._bench._common import invocation, measured_commit
+
         report = {
+            "commit": measured_commit(), "command": invocation(),
             "size": size, "reps": args.reps, "machine": platform.machine(),
             "cpus": os.cpu_count(), "median_s": med,
             "gb_per_s": {k: size / v / 1e9 for k, v in med.items()},

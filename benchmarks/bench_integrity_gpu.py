@@ -66,6 +66,14 @@ from kvbroker._client import engine as E  # noqa: E402
 from kvbroker._wire import checksum as cs  # noqa: E402
 from kvbroker._wire.paths import parse_size  # noqa: E402
 
+from kvbroker._bench._common import format_value as _format_value
+
+
+def _ratio(v: float) -> str:
+    """A ratio with two decimals, cut (0.899 prints 0.89: never rounded up past a target)."""
+    return _format_value(v, "ratio")
+
+
 
 def machine() -> dict:
     try:
@@ -157,7 +165,7 @@ def gpu_part(args, rows: list, notes: list) -> dict:
 
     def row(what, t, base, base_name):
         rows.append({"part": "gpu", "what": what, "ms": t * 1e3, "GB/s": n / t / 1e9,
-                     "vs": f"{base / t:.2f}x of {base_name}"})  # fmt: skip
+                     "vs": f"{_ratio(base / t)}x of {base_name}"})  # fmt: skip
 
     if t_kernel is not None:
         row("checksum kernel (shipped settings)", t_kernel, t_read, "read")
@@ -165,9 +173,9 @@ def gpu_part(args, rows: list, notes: list) -> dict:
     row("checksums(), 64 tensors, end to end", t_many, t_read, "read")
     row("read-only pass (int64 sum)", t_read, t_read, "read")
     rows.append({"part": "gpu", "what": "D2D copy (reads as many bytes)", "ms": t_copy * 1e3,
-                 "GB/s": n / t_copy / 1e9, "vs": f"{t_read / t_copy:.2f}x of read"})  # fmt: skip
+                 "GB/s": n / t_copy / 1e9, "vs": f"{_ratio(t_read / t_copy)}x of read"})  # fmt: skip
     if t_kernel is not None:
-        rows[-1]["vs"] += f"; kernel is {t_copy / t_kernel:.2f}x faster"
+        rows[-1]["vs"] += f"; kernel is {_ratio(t_copy / t_kernel)}x faster"
 
     if cuda:
         # overlap: what a publish (D2H + hash) and a claim (H2D + verify) would cost
@@ -207,12 +215,12 @@ def gpu_part(args, rows: list, notes: list) -> dict:
                      "GB/s": n / t_d2h / 1e9, "vs": ""})  # fmt: skip
         rows.append({"part": "gpu", "what": "pinned D2H + GPU checksum beside it (64 tensors)",
                      "ms": t_pub * 1e3, "GB/s": n / t_pub / 1e9,
-                     "vs": f"{t_d2h / t_pub:.2f}x of D2H alone"})  # fmt: skip
+                     "vs": f"{_ratio(t_d2h / t_pub)}x of D2H alone"})  # fmt: skip
         rows.append({"part": "gpu", "what": "pinned H2D alone", "ms": t_h2d * 1e3,
                      "GB/s": n / t_h2d / 1e9, "vs": ""})  # fmt: skip
         rows.append({"part": "gpu", "what": "GPU verify after the H2D (64 tensors)",
                      "ms": t_ver * 1e3, "GB/s": n / t_ver / 1e9,
-                     "vs": f"H2D + verify = {t_h2d / (t_h2d + t_ver):.2f}x of H2D alone"})
+                     "vs": f"H2D + verify = {_ratio(t_h2d / (t_h2d + t_ver))}x of H2D alone"})
         if args.sweep:
             best = []
             for group in (1, 2, 4, 8):
@@ -222,7 +230,7 @@ def gpu_part(args, rows: list, notes: list) -> dict:
             t, nw, group = best[0]
             out["sweep_best"] = {"s": t, "num_warps": nw, "group": group}
             rows.append({"part": "gpu", "what": f"kernel, BEST-OF sweep (nw={nw}, group={group})",
-                         "ms": t * 1e3, "GB/s": n / t / 1e9, "vs": f"{t_read / t:.2f}x of read"})
+                         "ms": t * 1e3, "GB/s": n / t / 1e9, "vs": f"{_ratio(t_read / t)}x of read"})
     return out
 
 
@@ -340,22 +348,22 @@ def client_part(args, rows: list, notes: list) -> dict:
 
     row("pinned D2H, 64 tensors (the baseline)", "d2h", "")
     row("GpuClient.publish, integrity on (GPU checksum beside the DMA)", "publish",
-        f"{med['d2h'] / med['publish']:.2f}x of pinned D2H (target >= 0.90)")
+        f"{_ratio(med['d2h'] / med['publish'])}x of pinned D2H (target >= 0.90)")
     row("GpuClient.publish, checksum=False", "publish_nosum",
-        f"{med['d2h'] / med['publish_nosum']:.2f}x of pinned D2H")
+        f"{_ratio(med['d2h'] / med['publish_nosum'])}x of pinned D2H")
     row("pinned H2D, 64 tensors (the baseline)", "h2d", "")
     row("GpuClient.claim", "claim",
-        f"{med['h2d'] / med['claim']:.2f}x of pinned H2D (target >= 0.90)")
+        f"{_ratio(med['h2d'] / med['claim'])}x of pinned H2D (target >= 0.90)")
     row("GpuClient.claim(verify=True)", "claim_verify",
-        f"{med['h2d'] / med['claim_verify']:.2f}x of pinned H2D")
+        f"{_ratio(med['h2d'] / med['claim_verify'])}x of pinned H2D")
     row("read-only pass over 2 GiB in device memory (int64 sum)", t_read, "")
     row("read-only pass over the 64 claimed tensors", t_read64,
-        f"{t_read / t_read64:.2f}x of the 2 GiB read")
+        f"{_ratio(t_read / t_read64)}x of the 2 GiB read")
     row("GPU verify inside claim(verify=True): what it adds after the last copy "
         "(last_verify_s; the groups before were hashed during the copies)", "verify_tail",
-        f"{t_read / med['verify_tail']:.2f}x of a D2D read of 2 GiB (target >= 0.80)")
+        f"{_ratio(t_read / med['verify_tail'])}x of a D2D read of 2 GiB (target >= 0.80)")
     row("GPU verify run alone on the claimed tensors (set-up not hidden)", "verify_alone",
-        f"{t_read / med['verify_alone']:.2f}x of a D2D read")
+        f"{_ratio(t_read / med['verify_alone'])}x of a D2D read")
     return res
 
 
@@ -419,14 +427,14 @@ def host_part(args, rows: list, notes: list) -> dict:
                      f"2x memcpy, {t} thread(s)"):  # fmt: skip
             rows.append({"part": "host", "what": name, "ms": med[name] * 1e3,
                          "GB/s": 2 * size / med[name] / 1e9,
-                         "vs": f"{base / med[name]:.2f}x of 2x memcpy ({t} thread(s))"})
+                         "vs": f"{_ratio(base / med[name])}x of 2x memcpy ({t} thread(s))"})
         cp, ch = med[f"memcpy alone, {t} thread(s)"], med[f"copy_hashed alone, {t} thread(s)"]
         rows.append({"part": "host", "what": f"copy_hashed alone, {t} thread(s)",
                      "ms": ch * 1e3, "GB/s": size / ch / 1e9,
-                     "vs": f"{cp / ch:.2f}x of memcpy ({cp * 1e3:.2f} ms)"})  # fmt: skip
+                     "vs": f"{_ratio(cp / ch)}x of memcpy ({cp * 1e3:.2f} ms)"})  # fmt: skip
     t1, tn = med["put+get, 1 thread(s)"], med[f"put+get, {threads} thread(s)"]
     rows.append({"part": "host", "what": f"put+get: {threads} threads vs 1", "ms": tn * 1e3,
-                 "GB/s": 2 * size / tn / 1e9, "vs": f"{t1 / tn:.2f}x faster than 1 thread"})
+                 "GB/s": 2 * size / tn / 1e9, "vs": f"{_ratio(t1 / tn)}x faster than 1 thread"})
     return {"bytes": size, "threads": threads, "default_threads": E.default_threads(),
             "median_s": med, "reps": args.reps}
 

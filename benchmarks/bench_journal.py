@@ -89,8 +89,11 @@ def main() -> int:
         for d in daemons.values():
             d.stop()
     med = {name: statistics.median(v) for name, v in per_op.items()}
+    from kvbroker._bench._common import measured_commit
+
     result = {
         "benchmark": "journal overhead: put + consuming claim + release",
+        "commit": measured_commit(),
         "machine": f"{platform.node()} ({os.cpu_count()} CPUs, {platform.machine()})",
         "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
         "journal_dir": f"{tmp} ({_fs_type(tmp)})",

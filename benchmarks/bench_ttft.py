@@ -46,6 +46,14 @@ from kvbroker import BrokerUnavailable, Client  # noqa: E402
 from kvbroker._bench import checkout_commit  # noqa: E402
 from kvbroker.integrations import transformers as kvt  # noqa: E402
 
+from kvbroker._bench._common import format_value as _format_value
+
+
+def _ratio(v: float) -> str:
+    """A ratio with two decimals, cut (0.899 prints 0.89: never rounded up past a target)."""
+    return _format_value(v, "ratio")
+
+
 
 def start_daemon(tmp: str, pool: str) -> tuple[subprocess.Popen, str]:
     sock = os.path.join(tmp, "kvb.sock")
@@ -263,17 +271,17 @@ Medians over {args.repeats} alternating repeats.
 ({result['claim_GBps_best']:.2f} GB/s) |
 | recompute the prefill + 1 decode step | {med['recompute_s'] * 1e3:.0f} ms | \
 {best['recompute_s'] * 1e3:.0f} ms |
-| **speed-up of the broker path** | **{result['ttft_speedup']:.2f}×** (median/median) | \
-{best['recompute_s'] / best['broker_s']:.2f}× (best/best) |
+| **speed-up of the broker path** | **{_ratio(result['ttft_speedup'])}×** (median/median) | \
+{_ratio(best['recompute_s'] / best['broker_s'])}× (best/best) |
 | prefill side: publish the KV (checksums on) | {med['publish_s'] * 1e3:.1f} ms \
 ({result['publish_GBps_median']:.2f} GB/s) | {best['publish_s'] * 1e3:.1f} ms |
 | **whole handoff: publish + claim + 1 decode step, vs recompute** | \
-**{result['handoff_speedup']:.2f}×** (median/median) | \
-{best['recompute_s'] / best['handoff_s']:.2f}× (best/best) |
+**{_ratio(result['handoff_speedup'])}×** (median/median) | \
+{_ratio(best['recompute_s'] / best['handoff_s'])}× (best/best) |
 
 Per repeat (recompute / broker, measured back to back): \
-{', '.join(f"{x:.2f}×" for x in result['ttft_speedup_per_repeat'])}; whole handoff: \
-{', '.join(f"{x:.2f}×" for x in result['handoff_speedup_per_repeat'])}.
+{', '.join(f"{_ratio(x)}×" for x in result['ttft_speedup_per_repeat'])}; whole handoff: \
+{', '.join(f"{_ratio(x)}×" for x in result['handoff_speedup_per_repeat'])}.
 
 Prefill side: prefill {prefill_s * 1e3:.0f} ms, first publish (with the kernels' warm-up) \
 {published.seconds * 1e3:.1f} ms ({result['publish_GBps']:.2f} GB/s). Same first decode token on both paths in every repeat: \

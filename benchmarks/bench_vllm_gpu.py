@@ -46,6 +46,14 @@ from kvbroker.integrations.vllm._cuda import load_cuda, save_cuda
 from kvbroker.integrations.vllm._format import BlockFormat
 from kvbroker.integrations.vllm._paged import SaveItem, copier_for, cuda_cache
 
+from kvbroker._bench._common import format_value as _format_value
+
+
+def _ratio(v: float) -> str:
+    """A ratio with two decimals, cut (0.899 prints 0.89: never rounded up past a target)."""
+    return _format_value(v, "ratio")
+
+
 NS = "vllm/bench"
 
 
@@ -218,15 +226,15 @@ def markdown(r: dict) -> str:
     lines = [f"# vLLM connector worker path on {r['machine']['device']}", "",
              f"commit {r['commit']}, {r['when']}; `{r['command']}`", "",
              f"{s['tokens']} tokens, {s['blocks']} blocks of {s['block_bytes']} B "
-             f"({s['kv_bytes'] / 2**30:.2f} GiB), {s['order']} cache, bf16; medians of "
+             f"({_ratio(s['kv_bytes'] / 2**30)} GiB), {s['order']} cache, bf16; medians of "
              f"{r['reps']}.", "", "| path | GB/s | vs | ratio | target |", "|---|---|---|---|---|"]
     p = r.get("pinned")
     if p:
         lines.append(f"| save (whole call) | {s['save_GBps']:.1f} | pinned D2H "
-                     f"{p['pinned_d2h_GBps']:.1f} | {s['save_GBps'] / p['pinned_d2h_GBps']:.2f} "
+                     f"{p['pinned_d2h_GBps']:.1f} | {_ratio(s['save_GBps'] / p['pinned_d2h_GBps'])} "
                      f"| >= 0.8 |")
         lines.append(f"| load (whole call) | {s['load_GBps']:.1f} | pinned H2D "
-                     f"{p['pinned_h2d_GBps']:.1f} | {s['load_GBps'] / p['pinned_h2d_GBps']:.2f} "
+                     f"{p['pinned_h2d_GBps']:.1f} | {_ratio(s['load_GBps'] / p['pinned_h2d_GBps'])} "
                      f"| >= 0.8 |")
     else:
         lines.append(f"| save | {s['save_GBps']:.2f} | (CPU run) | | |")
@@ -235,7 +243,7 @@ def markdown(r: dict) -> str:
     if ring:
         lines.append(f"| GPU0 -> GPU1 via ring | {ring['ring_handoff_GBps']:.1f} | peer copy "
                      f"{ring['peer_copy_GBps']:.1f} | "
-                     f"{ring['ring_handoff_GBps'] / ring['peer_copy_GBps']:.2f} | >= 0.7 |")
+                     f"{_ratio(ring['ring_handoff_GBps'] / ring['peer_copy_GBps'])} | >= 0.7 |")
     else:
         lines.append(f"| GPU0 -> GPU1 via ring | skipped: {r.get('ring_skipped', '')} | | | |")
     lines += ["", f"bit-exact: save/load {s.get('bit_exact')}"

@@ -34,6 +34,14 @@ import torch
 from kvbroker import Client, gpu
 from kvbroker._client import kernels as _kernels
 
+from kvbroker._bench._common import format_value as _format_value
+
+
+def _ratio(v: float) -> str:
+    """A ratio with two decimals, cut (0.899 prints 0.89: never rounded up past a target)."""
+    return _format_value(v, "ratio")
+
+
 GiB = 1 << 30
 
 
@@ -394,9 +402,9 @@ def markdown(r: dict) -> str:
         "|---|---|---|",
         f"| pinned D2H | {p['pinned_d2h_GBps']:.1f} | 1.00 |",
         f"| pinned H2D | {p['pinned_h2d_GBps']:.1f} | 1.00 |",
-        f"| pageable D2H | {p['pageable_d2h_GBps']:.1f} | {p['pageable_d2h_GBps'] / p['pinned_d2h_GBps']:.2f} |",
-        f"| registered pool D2H (DMA only) | {b['registered_d2h_GBps']:.1f} | {b['registered_d2h_GBps'] / p['pinned_d2h_GBps']:.2f} |",
-        f"| registered pool H2D (DMA only) | {b['registered_h2d_GBps']:.1f} | {b['registered_h2d_GBps'] / p['pinned_h2d_GBps']:.2f} |",
+        f"| pageable D2H | {p['pageable_d2h_GBps']:.1f} | {_ratio(p['pageable_d2h_GBps'] / p['pinned_d2h_GBps'])} |",
+        f"| registered pool D2H (DMA only) | {b['registered_d2h_GBps']:.1f} | {_ratio(b['registered_d2h_GBps'] / p['pinned_d2h_GBps'])} |",
+        f"| registered pool H2D (DMA only) | {b['registered_h2d_GBps']:.1f} | {_ratio(b['registered_h2d_GBps'] / p['pinned_h2d_GBps'])} |",
     ]  # fmt: skip
     for label in ("one_buffer", "128_buffers", "128_separate"):
         if f"publish_d2h_{label}_GBps" not in b:
@@ -404,9 +412,9 @@ def markdown(r: dict) -> str:
         pub, cl = b[f"publish_d2h_{label}_GBps"], b[f"claim_h2d_{label}_GBps"]
         n = b.get(f"copies_{label}", "?")  # publish/claim DMAs after merging adjacent runs
         lines.append(f"| kvbroker publish D2H, {label} (whole call, {n} DMA) | {pub:.1f} | "
-                     f"{pub / p['pinned_d2h_GBps']:.2f} |")  # fmt: skip
+                     f"{_ratio(pub / p['pinned_d2h_GBps'])} |")  # fmt: skip
         lines.append(f"| kvbroker claim H2D, {label} (whole call, {n} DMA) | {cl:.1f} | "
-                     f"{cl / p['pinned_h2d_GBps']:.2f} |")  # fmt: skip
+                     f"{_ratio(cl / p['pinned_h2d_GBps'])} |")  # fmt: skip
     lines += [
         "",
         f"Pool map {b['map_s'] * 1e3:.0f} ms, cudaHostRegister {b['register_s'] * 1e3:.0f} ms "
@@ -421,13 +429,13 @@ def markdown(r: dict) -> str:
     for name in ("d2d_copy_GBps", "triton_gather_GBps", "triton_scatter_GBps",
                  "triton_gather_default_GBps", "torch_strided_copy_GBps", "torch_gather_GBps",
                  "torch_scatter_GBps"):  # fmt: skip
-        lines.append(f"| {name[:-5]} | {k[name]:.0f} | {k[name] / d2d:.2f} |")
+        lines.append(f"| {name[:-5]} | {k[name]:.0f} | {_ratio(k[name] / d2d)} |")
     lines += ["", f"Best gather config (tile bytes, warps) {k['best_gather_config']}, "
               f"scatter {k['best_scatter_config']}; gather bit-exact: {k['gather_bit_exact']}.",
               "", "Against torch's strided copy of the same selection (`torch_strided_copy`: "
               "the head slice of the same tokens' blocks copied into the staging layout): "
-              f"gather {k['triton_gather_GBps'] / k['torch_strided_copy_GBps']:.2f}x, "
-              f"scatter {k['triton_scatter_GBps'] / k['torch_strided_copy_GBps']:.2f}x; "
+              f"gather {_ratio(k['triton_gather_GBps'] / k['torch_strided_copy_GBps'])}x, "
+              f"scatter {_ratio(k['triton_scatter_GBps'] / k['torch_strided_copy_GBps'])}x; "
               f"against the torch fallback (block table): gather "
               f"{k['triton_gather_GBps'] / k['torch_gather_GBps']:.1f}x, scatter "
               f"{k['triton_scatter_GBps'] / k['torch_scatter_GBps']:.1f}x."]
@@ -439,14 +447,14 @@ def markdown(r: dict) -> str:
             "| path | GB/s | × peer copy |", "|---|---|---|",
             f"| torch peer copy cuda:0 -> cuda:1 (CUDA events) | {g['peer_copy_GBps']:.1f} | 1.00 |",
             f"| ring_claim on GPU 1 (whole call: RPC, {g['claim_copies']} peer copy, release) | "
-            f"{g['ring_claim_GBps']:.1f} | {g['ring_claim_GBps'] / g['peer_copy_GBps']:.2f} |",
+            f"{g['ring_claim_GBps']:.1f} | {_ratio(g['ring_claim_GBps'] / g['peer_copy_GBps'])} |",
             f"| ring_publish on GPU 0 (whole call: reserve, D2D into the ring, seal) | "
             f"{g['ring_publish_d2d_GBps']:.1f} | - |",
             f"| publish + claim end to end | {g['ring_end_to_end_GBps']:.1f} | "
-            f"{g['ring_end_to_end_GBps'] / g['peer_copy_GBps']:.2f} |",
+            f"{_ratio(g['ring_end_to_end_GBps'] / g['peer_copy_GBps'])} |",
             f"| producer writes into the reserved ring region: reserve + seal + claim "
             f"(the producer's own write not counted) | {g['ring_zero_copy_handoff_GBps']:.1f} | "
-            f"{g['ring_zero_copy_handoff_GBps'] / g['peer_copy_GBps']:.2f} |",
+            f"{_ratio(g['ring_zero_copy_handoff_GBps'] / g['peer_copy_GBps'])} |",
             "", f"Bit-exact: {g['bit_exact']}; ring occupancy after: "
             f"{[x['used'] for x in g['ring_stat_after']]} bytes used.",
         ]  # fmt: skip
