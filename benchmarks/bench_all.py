@@ -68,10 +68,11 @@ def run(name: str, args: list[str]) -> None:
 
 
 def plot_gpu() -> None:
-    """docs/gpu.png from the committed GPU results (benchmarks/bench_gpu.py on a GPU host)."""
+    """docs/gpu.png from the committed GPU results (benchmarks/bench_gpu.py on a GPU host):
+    the H100 run (this round's code; the H200 x2 one is an earlier commit's, kept as a record)."""
     from kvbroker._bench import plot_result, scenario
 
-    path = next((p for p in (RESULTS / "gpu-h200.json", RESULTS / "gpu-h100.json") if p.exists()),
+    path = next((p for p in (RESULTS / "gpu-h100.json", RESULTS / "gpu-h200.json") if p.exists()),
                 None)  # fmt: skip
     if path is not None:
         raw = json.loads(path.read_text())
