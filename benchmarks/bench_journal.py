@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import statistics
 import sys
 import tempfile
@@ -67,6 +68,7 @@ def main() -> int:
                          "/run, where the service keeps them, is a tmpfs: try /dev/shm)")
     args = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="kvbj", dir=args.dir)
+    where = f"{tmp} ({_fs_type(tmp)})"
     geometry = ("--pool-size", "64M", "--page-size", "4K")
     daemons = {
         "journal": DaemonProcess(os.path.join(tmp, "on.sock"), *geometry),
@@ -88,6 +90,7 @@ def main() -> int:
     finally:
         for d in daemons.values():
             d.stop()
+        shutil.rmtree(tmp, ignore_errors=True)  # sockets and journal (in /dev/shm: memory)
     med = {name: statistics.median(v) for name, v in per_op.items()}
     from kvbroker._bench._common import measured_commit
 
@@ -96,7 +99,7 @@ def main() -> int:
         "commit": measured_commit(),
         "machine": f"{platform.node()} ({os.cpu_count()} CPUs, {platform.machine()})",
         "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
-        "journal_dir": f"{tmp} ({_fs_type(tmp)})",
+        "journal_dir": where,
         "object_bytes": args.size,
         "ops_per_round": args.ops,
         "rounds": args.rounds,
