@@ -312,18 +312,9 @@ def start_rows(tensor: Any, *, stream: Any = None) -> Pending:
         plan = _Plan(np.full(rows, n, dtype=np.int64))
         ptrs = tensor.data_ptr() + n * np.arange(rows, dtype=np.int64)
         longs = _launch_long(plan, _upload_table(plan, ptrs, tensor.device), tensor.device)
-        short = int(plan.shorts[0])
-        tails = None
-        if short:  # every row's last `short` bytes, row after row
-            flat = tensor.reshape(rows, -1).view(torch.uint8)
-            tails = torch.empty((rows, short), dtype=torch.uint8, pin_memory=True)
-            tails.copy_(flat[:, n - short :], non_blocking=True)
-            tails = tails.view(-1)
-        host = torch.empty(longs.shape, dtype=longs.dtype, pin_memory=True)
-        host.copy_(longs, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
-    return Pending([tensor], plan, host, tails, done)
+        short = int(plan.shorts[0])  # every row's last `short` bytes, row after row
+        tails = tensor.reshape(rows, -1).view(torch.uint8)[:, n - short :] if short else None
+        return _to_host([tensor], plan, longs, tails)
 
 
 def prepare(tensors: Sequence[Any], *, backend: str | None = None,
@@ -385,18 +376,25 @@ class Prepared:
             shorts = [_flat(t)[n - k :] for t, n, k in zip(kept, sizes, plan.shorts.tolist())
                       if k]  # fmt: skip
             tails = torch.cat(shorts) if shorts else None
+            self._table = None
             if not cuda:
                 return Pending(kept, plan, longs.numpy(), tails, None)
-            host = torch.empty(longs.shape, dtype=longs.dtype, pin_memory=True)
-            host.copy_(longs, non_blocking=True)
-            if tails is not None:
-                tails = torch.empty(tails.shape, dtype=tails.dtype, pin_memory=True).copy_(
-                    tails, non_blocking=True
-                )
-            done = torch.cuda.Event()
-            done.record()
-        self._table = None
-        return Pending(kept, plan, host, tails, done)
+            return _to_host(kept, plan, longs, tails)
+
+
+def _to_host(kept, plan, longs, tails) -> Pending:
+    """The digests (and the short tails' bytes, flattened) copied to pinned host memory on
+    the current stream, without waiting: the :class:`Pending` that waits for them."""
+    import torch
+
+    host = torch.empty(longs.shape, dtype=longs.dtype, pin_memory=True)
+    host.copy_(longs, non_blocking=True)
+    if tails is not None:
+        pinned = torch.empty(tails.shape, dtype=tails.dtype, pin_memory=True)
+        tails = pinned.copy_(tails, non_blocking=True).view(-1)
+    done = torch.cuda.Event()
+    done.record()
+    return Pending(kept, plan, host, tails, done)
 
 
 def checksums(tensors: Sequence[Any], *, backend: str | None = None) -> list[int]:
