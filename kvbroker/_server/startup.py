@@ -86,6 +86,18 @@ def drop_segments(d: Daemon, names, keep=()) -> None:
                         name, exc)  # fmt: skip
 
 
+
+def _unadoptable(d: Daemon, old: list[dict], dropped: str, refusal: str) -> bool:
+    """The previous daemon's pools cannot be taken as they are: pools it kept for this one (a
+    cache) are dropped, saying ``dropped`` (returns False: start empty); pools a crash left
+    are refused with ``refusal`` (the operator decides: the same settings, or --cold)."""
+    if d._previous_kept:
+        log.warning("%s", dropped)
+        drop_segments(d, [p["name"] for p in old])
+        return False
+    raise DaemonError(refusal)
+
+
 def start_broker(d: Daemon) -> None:
     """Pools and broker: adopted from the journal a previous daemon left (warm restart),
     or fresh. Only a daemon holding the socket's lock keeps a journal."""
@@ -197,41 +209,32 @@ def adopt_pools(d: Daemon, rec) -> bool:
     if (len(old) != cfg.pools + len(tenants) or pages != {cfg.page_size}
             or tenant_sizes != want_tenant
             or (want_size is not None and sizes != {want_size})):  # fmt: skip
-        if d._previous_kept:  # kept for a restart that changed them: a cache, dropped
-            log.warning(
-                "the previous daemon of %s kept %d sealed object(s) for this one in %d "
-                "pool(s) of %s with pages of %s, but this configuration asks for %d "
-                "pool(s) of %s with pages of %s: dropping them, starting empty",
-                cfg.socket_path, len(rec.objects), len(old), format_size(max(sizes)),
-                format_size(max(pages)), cfg.pools,
-                format_size(want_size) if want_size else "default size",
-                format_size(cfg.page_size),
-            )  # fmt: skip
-            drop_segments(d, [p["name"] for p in old])
-            return False
-        raise DaemonError(
+        return _unadoptable(
+            d, old,
+            f"the previous daemon of {cfg.socket_path} kept {len(rec.objects)} sealed "
+            f"object(s) for this one in {len(old)} pool(s) of {format_size(max(sizes))} with "
+            f"pages of {format_size(max(pages))}, but this configuration asks for {cfg.pools} "
+            f"pool(s) of {format_size(want_size) if want_size else 'default size'} with pages "
+            f"of {format_size(cfg.page_size)}: dropping them, starting empty",
             f"the previous daemon of {cfg.socket_path} left {len(rec.objects)} sealed "
             f"object(s) in {len(old)} pool(s) of {format_size(max(sizes))} with pages of "
             f"{format_size(max(pages))}, but this configuration asks for {cfg.pools} "
             f"pool(s) of {format_size(want_size) if want_size else 'default size'} with "
             f"pages of {format_size(cfg.page_size)}: start with the same geometry to keep "
-            "them, or with --cold to drop them"
-        )
+            "them, or with --cold to drop them",
+        )  # fmt: skip
     changed = _owners_changed(cfg, old, tenants)
     if changed:  # a pool given to someone else must not hand them the old owner's bytes
-        if d._previous_kept:
-            log.warning("the previous daemon of %s kept %d sealed object(s) for this one, but "
-                        "this configuration gives its pools other owners (%s): dropping "
-                        "them, starting empty", cfg.socket_path, len(rec.objects),
-                        "; ".join(changed))  # fmt: skip
-            drop_segments(d, [p["name"] for p in old])
-            return False
-        raise DaemonError(
+        return _unadoptable(
+            d, old,
+            f"the previous daemon of {cfg.socket_path} kept {len(rec.objects)} sealed "
+            f"object(s) for this one, but this configuration gives its pools other owners "
+            f"({'; '.join(changed)}): dropping them, starting empty",
             f"the previous daemon of {cfg.socket_path} left {len(rec.objects)} sealed "
             f"object(s) in pools that this configuration gives other owners "
             f"({'; '.join(changed)}): start with the same owners to keep them, or with "
-            "--cold to drop them"
-        )
+            "--cold to drop them",
+        )  # fmt: skip
     try:
         for i, p in enumerate(old):
             pool = HostPool.adopt(i, p["name"], p["size"], p["page_size"])
