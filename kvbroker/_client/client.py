@@ -391,7 +391,6 @@ class Client:
         engine = default_engine()
         # below two ranges' worth the engine would copy on this thread anyway: skip its set-up
         split_from = 2 * engine.split_min if engine.threads > 1 else None
-        result: dict[str, Any] = {}
         with self.claim(key, namespace=namespace, select=select, consume=consume,
                         wait=wait, peer=peer) as lease:  # fmt: skip
             sums = lease.checksums if verify else None
@@ -409,9 +408,6 @@ class Client:
                        for name in lease}  # fmt: skip
             for name, target in targets.items():
                 src = lease[name]
-                dst = None if out is None else out.get(name)
-                if dst is None:
-                    result[name] = target
                 if sums and name in sums:
                     if not _integrity.copy_out_checked(target, src, sums[name]):
                         bad.append(name)
@@ -419,10 +415,10 @@ class Client:
                     engine.copy(target, src)  # over the engine's threads, as put copies in
                 else:
                     np.copyto(target, src)
-                if dst is not None:
-                    result[name] = dst
             _integrity.check(namespace, key, bad)
-        return result
+        # the caller's destinations as given, fresh arrays for the buffers it named none for
+        return {name: target if out is None or out.get(name) is None else out[name]
+                for name, target in targets.items()}  # fmt: skip
 
     # -- directory -------------------------------------------------------------------------
     def exists(self, key: str, *, namespace: str = "default", peer: str | None = None) -> bool:
