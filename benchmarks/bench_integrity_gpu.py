@@ -65,13 +65,7 @@ from kvbroker._bench import checkout_commit  # noqa: E402
 from kvbroker._client import engine as E  # noqa: E402
 from kvbroker._wire import checksum as cs  # noqa: E402
 from kvbroker._wire.paths import parse_size  # noqa: E402
-
-from kvbroker._bench._common import format_value as _format_value
-
-
-def _ratio(v: float) -> str:
-    """A ratio with two decimals, cut (0.899 prints 0.89: never rounded up past a target)."""
-    return _format_value(v, "ratio")
+from kvbroker._bench._common import ratio as _ratio  # noqa: E402 (two decimals, cut)
 
 
 

@@ -45,13 +45,7 @@ import models  # noqa: E402
 from kvbroker import BrokerUnavailable, Client  # noqa: E402
 from kvbroker._bench import checkout_commit  # noqa: E402
 from kvbroker.integrations import transformers as kvt  # noqa: E402
-
-from kvbroker._bench._common import format_value as _format_value
-
-
-def _ratio(v: float) -> str:
-    """A ratio with two decimals, cut (0.899 prints 0.89: never rounded up past a target)."""
-    return _format_value(v, "ratio")
+from kvbroker._bench._common import ratio as _ratio  # noqa: E402 (two decimals, cut)
 
 
 

@@ -45,13 +45,7 @@ from kvbroker._bench.gpu_run import events_median
 from kvbroker.integrations.vllm._cuda import load_cuda, save_cuda
 from kvbroker.integrations.vllm._format import BlockFormat
 from kvbroker.integrations.vllm._paged import SaveItem, copier_for, cuda_cache
-
-from kvbroker._bench._common import format_value as _format_value
-
-
-def _ratio(v: float) -> str:
-    """A ratio with two decimals, cut (0.899 prints 0.89: never rounded up past a target)."""
-    return _format_value(v, "ratio")
+from kvbroker._bench._common import ratio as _ratio  # noqa: E402 (two decimals, cut)
 
 
 NS = "vllm/bench"

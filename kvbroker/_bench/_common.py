@@ -259,6 +259,11 @@ def format_value(v, fmt: str) -> str:
     return format(v, fmt)
 
 
+def ratio(v: float) -> str:
+    """A ratio as results print it: two decimals, cut (:func:`format_value`'s "ratio")."""
+    return format_value(v, "ratio")
+
+
 def human_size(n: int) -> str:
     for unit, f in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
         if n >= f:

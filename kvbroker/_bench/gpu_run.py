@@ -33,13 +33,7 @@ import torch
 
 from kvbroker import Client, gpu
 from kvbroker._client import kernels as _kernels
-
-from kvbroker._bench._common import format_value as _format_value
-
-
-def _ratio(v: float) -> str:
-    """A ratio with two decimals, cut (0.899 prints 0.89: never rounded up past a target)."""
-    return _format_value(v, "ratio")
+from ._common import ratio as _ratio  # two decimals, cut
 
 
 GiB = 1 << 30
