@@ -1,12 +1,10 @@
 """The host copy engine (kvbroker._client.engine): copies and chunk checksums over threads,
-bit for bit the single-threaded definition. Every test runs on both of its paths: the C
-routine (kvbroker._copyhash) and the numpy + python-xxhash fallback."""
+bit for bit the single-threaded definition."""
 
 from __future__ import annotations
 
 import multiprocessing
 import os
-import shutil
 import struct
 import threading
 import time
@@ -25,70 +23,6 @@ def reference(data, chunk: int) -> int:
     data = bytes(data)
     digests = [xxhash.xxh3_64_intdigest(data[i : i + chunk]) for i in range(0, len(data), chunk)]
     return xxhash.xxh3_64_intdigest(struct.pack(f"<Q{len(digests)}Q", len(data), *digests))
-
-
-@pytest.fixture(autouse=True, params=["native", "python"])
-def copy_path(request, monkeypatch):
-    """Which path the engine copies and hashes with."""
-    if request.param == "python":
-        monkeypatch.setattr(E, "_native", None)
-    elif not E.NATIVE:
-        pytest.skip("kvbroker._copyhash is not built (test_the_c_routine_is_built says why)")
-    return request.param
-
-
-def test_the_c_routine_is_built(copy_path):
-    """Where a C compiler exists the install builds kvbroker._copyhash: without it the engine
-    still works, at a fraction of its speed on many cores, so a silently failed build must
-    not pass unnoticed."""
-    if copy_path == "python":
-        pytest.skip("once is enough")
-    if not (shutil.which("cc") or shutil.which("gcc")):
-        pytest.skip("no C compiler on this machine: the fallback path is the one installed")
-    assert E.NATIVE, "kvbroker._copyhash missing: rerun `pip install -e .` and read its errors"
-
-
-@settings(max_examples=80, deadline=None)
-@given(
-    n=st.integers(0, 200_000),
-    chunk=st.sampled_from([1, 7, 240, 241, 4096, 65535, 65536, 65537, 100_000, 1 << 20]),
-    off=st.integers(0, 15),
-    seed=st.integers(0, 2**32 - 1),
-)
-def test_c_routine_equals_xxh3_per_chunk(n, chunk, off, seed):
-    if not E.NATIVE:
-        pytest.skip("kvbroker._copyhash is not built")
-    from kvbroker import _copyhash
-
-    rng = np.random.default_rng(seed)
-    src = rng.integers(0, 256, n + 16, dtype=np.uint8)[off : off + n]
-    dst_buf = rng.integers(0, 256, n + 32, dtype=np.uint8)
-    before = dst_buf.copy()
-    dst = dst_buf[16 - off : 16 - off + n]
-    data = src.tobytes()
-    want = b"".join(struct.pack("<Q", xxhash.xxh3_64_intdigest(data[i : i + chunk]))
-                    for i in range(0, n, chunk))  # fmt: skip
-    assert _copyhash.hash_chunks(src, chunk) == want
-    assert _copyhash.copy_hash(dst, src, chunk) == want
-    assert dst.tobytes() == data
-    assert np.array_equal(dst_buf[: 16 - off], before[: 16 - off])
-    assert np.array_equal(dst_buf[16 - off + n :], before[16 - off + n :])
-
-
-def test_c_routine_refuses_bad_arguments():
-    if not E.NATIVE:
-        pytest.skip("kvbroker._copyhash is not built")
-    from kvbroker import _copyhash
-
-    a, b = np.zeros(10, np.uint8), np.zeros(11, np.uint8)
-    with pytest.raises(ValueError, match="copy of 11 bytes into a buffer of 10"):
-        _copyhash.copy_hash(a, b, 4)
-    with pytest.raises(ValueError, match="chunk must be positive"):
-        _copyhash.hash_chunks(a, 0)
-    with pytest.raises(TypeError):  # read-only destination
-        _copyhash.copy_hash(b"x" * 10, a, 4)
-    with pytest.raises((TypeError, BufferError, ValueError)):  # strided: not contiguous
-        _copyhash.hash_chunks(np.zeros(20, np.uint8)[::2], 4)
 
 
 @pytest.fixture

@@ -8,14 +8,12 @@ still in cache: the bytes cross memory once, as without checksums. The chunk dig
 back in order and are combined as :mod:`kvbroker._wire.checksum` defines, so the result is
 bit for bit the single-threaded :func:`~kvbroker._wire.checksum.digest`.
 
-The copy and the hash run without the GIL, a whole range per call, in ``kvbroker._copyhash``
-(a small C extension over xxHash, built at install from ``native/``): each thread releases
-the GIL once per copy. Without it (no C compiler at install) the engine falls back
-to numpy's ``copyto`` and python-xxhash's one-shot hash per chunk, both of which release the
-GIL too, but a thread then takes it back twice per chunk, which caps the scaling (measured on
-an H100 host's 16 cores, 32 MiB, 1 MiB chunks: fused copy+hash 8 GB/s on 1 thread, 21 on 4,
-24 on 8, 18 on 16; a plain multi-threaded memcpy 14 / 46 / 43 / 33).
-:data:`NATIVE` says which one this process uses.
+Both halves release the GIL: numpy's ``copyto`` of a contiguous block, and python-xxhash's
+one-shot hash for inputs of 64 KiB or more (xxhash >= 4.0). What still needs it is the Python
+between them, and handing it over: twice per chunk. That is what limits the scaling (measured
+on an H100 host's 16 cores, 32 MiB, 1 MiB chunks: fused copy+hash 8 GB/s on 1 thread, 21 on 4,
+24 on 8, 18 on 16; a plain multi-threaded memcpy 14 / 46 / 43 / 33). A C routine copying and
+hashing a whole range per call (one GIL release per thread) is what would remove it.
 
 Users: ``put`` (copy + hash), ``get`` (copy, or copy + hash with ``verify``), ``claim``'s
 verify and ``seal`` of a caller-filled lease (hash).
@@ -38,7 +36,6 @@ given, and returns only after every worker is done with them.
 from __future__ import annotations
 
 import os
-import struct
 import threading
 from concurrent.futures import ThreadPoolExecutor, wait
 from collections.abc import Callable
@@ -48,16 +45,8 @@ import xxhash
 
 from .._wire import checksum as _cs
 
-try:
-    from .. import _copyhash as _native
-except ImportError:  # built without a C compiler: the numpy + python-xxhash path
-    _native = None
-
 __all__ = ["CopyEngine", "default_engine", "default_threads", "default_gate", "MAX_THREADS",
-           "NATIVE", "SHARED_CPUS", "SPLIT_MIN"]
-
-# Whether copy+hash runs in kvbroker._copyhash (one GIL release per range) or in Python.
-NATIVE = _native is not None
+           "SHARED_CPUS", "SPLIT_MIN"]
 
 # Past 8 threads, GIL hand-offs cost more than the extra bandwidth (16 threads lost to 8 on
 # the H100 host above).
@@ -110,11 +99,8 @@ def _copy_range(dst, src, a: int, b: int) -> None:
     np.copyto(dst[a:b], src[a:b])
 
 
-def _copy_hash_range(dst, src, a: int, b: int) -> bytes:
-    """Copy ``src[a:b]`` into ``dst[a:b]``, hashing each chunk right after it lands; the
-    chunk digests as little-endian uint64 bytes."""
-    if _native is not None:
-        return _native.copy_hash(dst[a:b], src[a:b], _cs.CHUNK)
+def _copy_hash_range(dst, src, a: int, b: int) -> list[int]:
+    """Copy ``src[a:b]`` into ``dst[a:b]`` a chunk at a time, hashing each copied chunk."""
     import numpy as np
 
     out = []
@@ -123,15 +109,12 @@ def _copy_hash_range(dst, src, a: int, b: int) -> bytes:
         piece = dst[at : at + chunk] if at + chunk <= b else dst[at:b]
         np.copyto(piece, src[at : at + piece.nbytes])
         out.append(_hash(piece))
-    return struct.pack(f"<{len(out)}Q", *out)
+    return out
 
 
-def _hash_range(view, a: int, b: int) -> bytes:
-    if _native is not None:
-        return _native.hash_chunks(view[a:b], _cs.CHUNK)
+def _hash_range(view, a: int, b: int) -> list[int]:
     chunk = _cs.CHUNK
-    out = [_hash(view[at : min(at + chunk, b)]) for at in range(a, b, chunk)]
-    return struct.pack(f"<{len(out)}Q", *out)
+    return [_hash(view[at : min(at + chunk, b)]) for at in range(a, b, chunk)]
 
 
 class CopyEngine:
@@ -200,19 +183,17 @@ class CopyEngine:
         _check(dst, src)
         n = src.nbytes
         if 0 < n <= _cs.CHUNK:  # one chunk: the small objects' path, kept short
-            if _native is not None:
-                return _cs.combine(n, _native.copy_hash(dst, src, _cs.CHUNK))
             import numpy as np
 
             np.copyto(dst, src)
             return _cs.combine(n, [_hash(dst)])
-        parts = self._run(_copy_hash_range, (dst, src), self.ranges(n))
-        return _cs.combine(n, b"".join(parts))
+        parts = self._run(_copy_hash_range, (dst, src), self.ranges(src.nbytes))
+        return _cs.combine(src.nbytes, [d for part in parts for d in part])
 
     def hash(self, view) -> int:
         """The kind-1 checksum value of ``view``."""
         parts = self._run(_hash_range, (view,), self.ranges(view.nbytes))
-        return _cs.combine(view.nbytes, b"".join(parts))
+        return _cs.combine(view.nbytes, [d for part in parts for d in part])
 
     def close(self) -> None:
         with self._lock:
@@ -224,8 +205,6 @@ class CopyEngine:
 def _check(dst, src) -> None:
     if dst.nbytes != src.nbytes:
         raise ValueError(f"copy of {src.nbytes} bytes into a view of {dst.nbytes}")
-    if not dst.flags.writeable:
-        raise ValueError("copy into a read-only view")
 
 
 _default: CopyEngine | None = None
