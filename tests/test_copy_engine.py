@@ -438,6 +438,33 @@ def test_get_refuses_destinations_the_bytes_would_not_land_in(client):
     assert bytes(got["b"]) == data[:64].tobytes()
 
 
+def test_get_refuses_destinations_that_share_memory(client):
+    """Two destinations over the same bytes (two views of one array, one array named twice):
+    the second copy would overwrite the first, and the caller would read one buffer's bytes
+    as the other's. A BadRequest naming both, before any byte is copied, the lease released;
+    destinations side by side are fine."""
+    from kvbroker.errors import BadRequest
+
+    data = np.arange(4096, dtype=np.uint8)
+    client.put("obj", {"a": data[:2048], "b": data[2048:], "c": data[:16]})
+    whole = np.zeros(4096 + 16, dtype=np.uint8)
+    spare = np.zeros(16, dtype=np.uint8)
+    for a, b in ((whole[:2048], whole[2047:4095]),  # one byte shared
+                 (whole[2047:4095], whole[:2048])):  # the other way round in memory
+        with pytest.raises(BadRequest, match=r"out\['a'\] and out\['b'\]"):
+            client.get("obj", {"a": a, "b": b, "c": spare})
+    with pytest.raises(BadRequest, match=r"out\['a'\] and out\['c'\]"):
+        client.get("obj", {"a": whole[:2048], "b": whole[2048:4096], "c": whole[100:116]})
+    same = np.zeros(2048, dtype=np.uint8)
+    with pytest.raises(BadRequest, match=r"out\['a'\] and out\['b'\]"):
+        client.get("obj", {"a": same, "b": same, "c": spare})
+    assert not whole.any() and not same.any() and not spare.any()  # nothing copied
+    assert client.stat().read_leases == 0
+    got = client.get("obj", {"a": whole[:2048], "b": whole[2048:4096], "c": whole[4096:]})
+    assert bytes(whole) == data.tobytes() + data[:16].tobytes()
+    assert got["a"].base is whole
+
+
 def test_get_refuses_destinations_that_are_no_plain_bytes_with_a_bad_request(client):
     """A conjugate or negative view, a sparse or MKL-DNN tensor (torch refuses their raw
     bytes: a RuntimeError escaped), an object array (its elements are pointers), or something
