@@ -19,7 +19,9 @@ This module owns up to two file descriptors per process (``/proc/pressure/cpu``,
 from __future__ import annotations
 
 import os
+import threading
 import time
+from typing import Any, Callable
 
 __all__ = ["CpuPressure", "cpu_spare", "OthersBusy", "cpu_left_idle"]
 
@@ -50,22 +52,10 @@ class CpuPressure:
             return True
 
 
-_gate: CpuPressure | None = None
-_answer = True
-_checked_at = -1.0
-
-
 def cpu_spare() -> bool:
     """:meth:`CpuPressure.spare` for this process, re-read at most every 0.1 s (pread on the
     one descriptor, so a forked child may share it)."""
-    global _gate, _answer, _checked_at
-    now = time.monotonic()
-    if now - _checked_at > _RECHECK:
-        if _gate is None:
-            _gate = CpuPressure()
-        _answer = _gate.spare()
-        _checked_at = now
-    return _answer
+    return _spare.get()
 
 
 class OthersBusy:
@@ -131,23 +121,53 @@ class OthersBusy:
         return max(0.0, total - idle - own) / (total / self.cpus)
 
 
-_others: OthersBusy | None = None
-_left_idle = False
-_others_at = -1.0
-
-
 def cpu_left_idle(most: float = 0.25) -> bool:
     """Whether the other processes kept busy at most ``most`` of a CPU besides what this one
     uses, over the last 0.1 s or more (:class:`OthersBusy`; re-read at most every 0.1 s):
     whether a second thread of this process would find a core nobody else wants. False
     until a first interval has been measured."""
-    global _others, _left_idle, _others_at
-    now = time.monotonic()
-    if now - _others_at > _RECHECK:
-        if _others is None:
-            _others = OthersBusy()
-        busy = _others.cpus_busy()
-        if busy is not None:  # else keep the last answer
-            _left_idle = busy <= most
-        _others_at = now
-    return _left_idle
+    return _left_idle.get(most)
+
+
+def _others_left_idle(others: OthersBusy, last: bool, most: float) -> bool:
+    busy = others.cpus_busy()
+    return last if busy is None else busy <= most  # no interval measured: keep the last
+
+
+class _Reread:
+    """An answer reused for ``_RECHECK`` seconds, then re-read by ``read(source, last
+    answer, *args)`` from a source that ``make()`` builds on first use (each opens a /proc
+    file, kept open: two threads asking first at once must not both build one). One thread
+    re-reads; one that finds it doing so returns the last answer rather than wait."""
+
+    def __init__(self, make: Callable[[], Any], read: Callable[..., bool], first: bool) -> None:
+        self._make = make
+        self._read = read
+        self._source: Any = None
+        self.answer = first
+        self._at = -1.0  # when the answer was read (time.monotonic)
+        self._lock = threading.Lock()
+        if hasattr(os, "register_at_fork"):  # (POSIX)
+            # a thread that held it at a fork is not in the child: it would never be released
+            os.register_at_fork(after_in_child=self._new_lock)
+
+    def _new_lock(self) -> None:
+        self._lock = threading.Lock()
+
+    def get(self, *args: Any) -> bool:
+        if time.monotonic() - self._at <= _RECHECK or not self._lock.acquire(blocking=False):
+            return self.answer
+        try:
+            now = time.monotonic()
+            if now - self._at > _RECHECK:  # (else another thread re-read it just before)
+                if self._source is None:
+                    self._source = self._make()
+                self.answer = self._read(self._source, self.answer, *args)
+                self._at = now
+            return self.answer
+        finally:
+            self._lock.release()
+
+
+_spare = _Reread(CpuPressure, lambda gate, last: gate.spare(), True)
+_left_idle = _Reread(OthersBusy, _others_left_idle, False)

@@ -230,14 +230,82 @@ def test_cpu_left_idle_follows_the_other_processes(monkeypatch):
         def cpus_busy(self):
             return next(readings)
 
-    monkeypatch.setattr(_cpu, "_others", Fake())
-    monkeypatch.setattr(_cpu, "_left_idle", False)
+    monkeypatch.setattr(_cpu._left_idle, "_source", Fake())
+    monkeypatch.setattr(_cpu._left_idle, "answer", False)
     answers = []
     for _ in range(5):
-        monkeypatch.setattr(_cpu, "_others_at", -1.0)  # past the 0.1 s reuse
+        monkeypatch.setattr(_cpu._left_idle, "_at", -1.0)  # past the 0.1 s reuse
         answers.append(_cpu.cpu_left_idle())
     # no interval yet: no; then idle, busy, unknown (the last answer kept), idle
     assert answers == [False, True, False, False, True]
+
+
+def test_threads_asking_the_cpu_gates_first_at_once_open_each_proc_file_once(monkeypatch):
+    """Threads that call cpu_spare() and cpu_left_idle() for the first time together, while
+    opening the /proc file is slow: one opening of each (every thread had made its own gate,
+    and each gate but the one kept left its descriptor open for good)."""
+    import importlib.util
+
+    from kvbroker import _cpu
+
+    # a fresh copy of the module: asked nothing yet (the loaded one has been, by other tests)
+    spec = importlib.util.spec_from_file_location("kvbroker._cpu_fresh", _cpu.__file__)
+    fresh = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fresh)
+    tried, fds = [], []
+    real_open = os.open
+
+    def slow_open(path, *args):
+        if path in ("/proc/pressure/cpu", "/proc/stat"):
+            tried.append(path)
+            time.sleep(0.05)  # the other threads ask meanwhile
+        fd = real_open(path, *args)
+        fds.append(fd)
+        return fd
+
+    monkeypatch.setattr(os, "open", slow_open)
+    threads = 8
+    start = threading.Barrier(threads)
+    answers = []
+
+    def ask():
+        start.wait()
+        answers.append((fresh.cpu_spare(), fresh.cpu_left_idle()))
+
+    workers = [threading.Thread(target=ask) for _ in range(threads)]
+    try:
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+    finally:
+        for fd in fds:
+            os.close(fd)
+    assert sorted(tried) == ["/proc/pressure/cpu", "/proc/stat"]
+    assert len(answers) == threads and all(type(a) is bool for pair in answers for a in pair)
+
+
+def test_a_forked_child_rereads_the_cpu_gate(monkeypatch):
+    """A thread re-reading a gate when the process forks is not in the child: the lock it
+    held is a fresh one there, or the child would return its parent's last answer forever."""
+    from kvbroker import _cpu
+
+    class Fake:
+        def spare(self):
+            return False
+
+    monkeypatch.setattr(_cpu._spare, "_source", Fake())
+    monkeypatch.setattr(_cpu._spare, "answer", True)
+    monkeypatch.setattr(_cpu._spare, "_at", -1.0)
+    with _cpu._spare._lock:  # as a re-reading thread holds it
+        pid = os.fork()
+        if pid == 0:  # (never back into pytest from the child)
+            try:
+                os._exit(0 if _cpu.cpu_spare() is False else 1)
+            finally:
+                os._exit(2)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, "the child never re-read"
 
 
 def test_a_gated_engine_splits_only_while_its_gate_allows():
@@ -368,6 +436,33 @@ def test_get_refuses_destinations_the_bytes_would_not_land_in(client):
     got = client.get("obj", into)
     assert got["a"] is into["a"] and bytes(got["a"].numpy().view(np.uint8)) == data.tobytes()
     assert bytes(got["b"]) == data[:64].tobytes()
+
+
+def test_get_refuses_destinations_that_share_memory(client):
+    """Two destinations over the same bytes (two views of one array, one array named twice):
+    the second copy would overwrite the first, and the caller would read one buffer's bytes
+    as the other's. A BadRequest naming both, before any byte is copied, the lease released;
+    destinations side by side are fine."""
+    from kvbroker.errors import BadRequest
+
+    data = np.arange(4096, dtype=np.uint8)
+    client.put("obj", {"a": data[:2048], "b": data[2048:], "c": data[:16]})
+    whole = np.zeros(4096 + 16, dtype=np.uint8)
+    spare = np.zeros(16, dtype=np.uint8)
+    for a, b in ((whole[:2048], whole[2047:4095]),  # one byte shared
+                 (whole[2047:4095], whole[:2048])):  # the other way round in memory
+        with pytest.raises(BadRequest, match=r"out\['a'\] and out\['b'\]"):
+            client.get("obj", {"a": a, "b": b, "c": spare})
+    with pytest.raises(BadRequest, match=r"out\['a'\] and out\['c'\]"):
+        client.get("obj", {"a": whole[:2048], "b": whole[2048:4096], "c": whole[100:116]})
+    same = np.zeros(2048, dtype=np.uint8)
+    with pytest.raises(BadRequest, match=r"out\['a'\] and out\['b'\]"):
+        client.get("obj", {"a": same, "b": same, "c": spare})
+    assert not whole.any() and not same.any() and not spare.any()  # nothing copied
+    assert client.stat().read_leases == 0
+    got = client.get("obj", {"a": whole[:2048], "b": whole[2048:4096], "c": whole[4096:]})
+    assert bytes(whole) == data.tobytes() + data[:16].tobytes()
+    assert got["a"].base is whole
 
 
 def test_get_refuses_destinations_that_are_no_plain_bytes_with_a_bad_request(client):

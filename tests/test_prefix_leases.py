@@ -287,6 +287,31 @@ def test_list_lookup_and_stat_count_every_matched_block(make_broker):
     assert pool["leased_read"] == 0 and "r" not in pool["occupancy"]
 
 
+def test_list_and_evict_count_every_matched_block_nothing_materialized(make_broker):
+    # Reporting readers changes nothing: a materialized lease would cost its release a
+    # step per block, for every match alive when anyone listed.
+    b = make_broker()
+    s = session(b)
+    publish_chain(b, s, KEYS + ["k4"])
+    whole = match(b, s, KEYS)  # k0-k3
+    middle = match(b, s, KEYS[1:3])  # k1-k2
+    lazy = dict(b.lazy_leases)
+    assert set(lazy) == {whole, middle}
+    listed = b.handle(s, "list", {"namespace": NS})["objects"]
+    assert [(o["key"], o["readers"]) for o in listed] == [
+        ("k0", 1), ("k1", 2), ("k2", 2), ("k3", 1), ("k4", 0)]  # fmt: skip
+    got = b.handle(s, "evict", {"namespace": NS, "dry_run": True})
+    assert (got["count"], got["skipped_leased"], got["skipped_parents"]) == (1, 4, 0)
+    got = b.handle(s, "evict", {"namespace": NS, "key": "k0"})
+    assert (got["count"], got["skipped_leased"]) == (0, 1)
+    assert b.lazy_leases == lazy and all(ls.lazy for ls in lazy.values())
+    assert [b.objects[NS, k].readers for k in KEYS] == [0, 0, 1, 1]  # the leaves only
+    b.handle(s, "release_many", {"leases": [whole, middle]})
+    assert all(o.readers == 0 for o in b.objects.values())
+    assert [o["readers"] for o in b.handle(s, "list", {"namespace": NS})["objects"]] == [0] * 5
+    assert b.handle(s, "evict", {"namespace": NS})["count"] == 5
+
+
 def test_stat_counts_every_block_of_a_match_nothing_materialized(make_broker):
     # The occupancy map reads the leases, not the blocks' reader counts.
     b = make_broker(npages=64)

@@ -28,7 +28,7 @@ from .ops import Ops
 from .session import Session
 from .._wire.stats import ObjectInfo, Statistics
 from .arena import WriteArena
-from .copy import _np, copy_into, destination, nbytes_of
+from .copy import _np, copy_into, destination, nbytes_of, refuse_overlaps
 from .engine import default_engine
 from .transport import UnixTransport
 from . import integrity as _integrity
@@ -382,7 +382,8 @@ class Client:
         Large buffers are copied by the host copy engine, over its threads.
 
         ``out`` maps buffer names to destinations (numpy arrays, torch tensors, writable
-        bytes-like) of the right size; buffers not in ``out`` get fresh uint8 arrays.
+        bytes-like) of the right size, no two sharing memory; buffers not in ``out`` get fresh
+        uint8 arrays.
         ``verify``: hash each chunk as it is copied out (still one pass) and raise
         ChecksumMismatch instead of returning bytes that differ from those sealed (the
         destinations in ``out`` then hold the bad bytes: do not use them).
@@ -406,6 +407,9 @@ class Client:
                        if out is None or out.get(name) is None
                        else destination(out[name], lease[name].nbytes, f"get: out[{name!r}]")
                        for name in lease}  # fmt: skip
+            if out:  # (the fresh arrays share nothing)
+                refuse_overlaps({name: targets[name] for name in targets
+                                 if out.get(name) is not None}, "get")  # fmt: skip
             for name, target in targets.items():
                 src = lease[name]
                 if sums and name in sums:

@@ -30,7 +30,7 @@ from .._wire.protocol import (
 )
 from ..errors import BadRequest, Exists, NotFound, PoolFull, ProtocolError
 from .arenas import arena_of, end_arena, new_arena, publish_from_arena
-from .prefix_leases import lend_prefix, matched_run, materialize_all, materialize_holding
+from .prefix_leases import lazy_readers, lend_prefix, matched_run, materialize_holding
 from .snapshot import statistics_for
 from .state import Deferred, Session, StoredObject, WouldWait
 
@@ -364,7 +364,7 @@ def op_list(b: Broker, session, namespace, match, limit, after) -> R.Listed:
     can = session.access.can
     if namespace is not None and not can(namespace):
         return {"objects": [], "truncated": False, "next": None}
-    materialize_all(b)  # readers reported
+    lazy = lazy_readers(b) if b.lazy_leases else None  # readers reported, nothing changed
     # Objects iterate in link order (StoredObject.seq rises along it): a page resumes after
     # the last object the previous one listed, whatever was sealed or freed since.
     objects = iter(b.in_namespace(namespace))
@@ -378,7 +378,9 @@ def op_list(b: Broker, session, namespace, match, limit, after) -> R.Listed:
         if len(out) == limit:
             truncated = True
             break
-        out.append(obj.info())
+        out.append(info := obj.info())
+        if lazy:
+            info["readers"] += lazy[obj]
         last = obj.seq
     return {"objects": out, "truncated": truncated,
             "next": (last if last is not None else after or 0) if truncated else None}
@@ -395,7 +397,7 @@ def op_evict(b: Broker, session, namespace, key, match, match_buffers, older_tha
     if namespace is not None and access.can(namespace):
         access.check(namespace, True, "evict")  # readable but not writable: say so
     now = time.time()
-    materialize_all(b)  # a leased object is reported skipped_leased, not as a parent
+    lazy = lazy_readers(b) if b.lazy_leases else ()  # held lazily: skipped_leased, too
     victims, skipped = [], 0
     if key is not None:
         spaces = (namespace,) if namespace is not None else list(b.by_namespace)
@@ -413,7 +415,7 @@ def op_evict(b: Broker, session, namespace, key, match, match_buffers, older_tha
             continue
         if older_than is not None and now - obj.created_at < older_than:
             continue
-        if obj.readers:
+        if obj.readers or obj in lazy:
             skipped += 1
             continue
         victims.append(obj)

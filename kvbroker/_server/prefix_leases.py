@@ -14,15 +14,16 @@ parents whose children stay). Two paths unlink a block regardless of its childre
 replacement of its key (``link_sealed``) and a consume — so ``Broker._unlink`` first
 *materializes* every lazy lease holding the block: each of its blocks then counts it as a
 reader, as an eager lease's do, and it ends as one. Until then the chain stays linked, so
-the argument holds. ``list``, ``lookup`` and ``evict`` report ``readers``: they
-materialize first too (``stat``'s occupancy map reads the leases instead).
+the argument holds. ``lookup`` reports ``readers``: it materializes the leases holding
+its object first too. ``list`` and ``evict`` add the readers the lazy leases stand for
+(:func:`lazy_readers`) and change nothing (``stat``'s occupancy map reads the leases).
 """
 
 from __future__ import annotations
 
 import time
-from collections import deque
-from itertools import islice, repeat
+from collections import Counter, deque
+from itertools import chain as chained, islice, repeat
 from operator import attrgetter
 from typing import TYPE_CHECKING, Any
 
@@ -30,7 +31,7 @@ if TYPE_CHECKING:
     from .broker import Broker
     from .state import Lease, Session, StoredObject
 
-__all__ = ["lend_prefix", "matched_run", "materialize", "materialize_all", "materialize_holding"]
+__all__ = ["lend_prefix", "matched_run", "materialize", "materialize_holding", "lazy_readers"]
 
 _parent, _shape, _row = attrgetter("parent"), attrgetter("shape"), attrgetter("row")
 
@@ -115,7 +116,8 @@ def materialize_holding(b: Broker, obj: StoredObject) -> None:
             materialize(b, lease)
 
 
-def materialize_all(b: Broker) -> None:
-    """Materialize every lazy lease (before objects' readers are reported)."""
-    for lease in list(b.lazy_leases.values()):
-        materialize(b, lease)
+def lazy_readers(b: Broker) -> Counter[StoredObject]:
+    """The readers the lazy leases add to their blocks but the leaf (which counts its own):
+    what materializing every one of them would add, in one pass, nothing changed."""
+    return Counter(chained.from_iterable(
+        (lease.obj, *lease.more[:-1]) for lease in b.lazy_leases.values()))  # fmt: skip
