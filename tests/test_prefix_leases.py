@@ -295,18 +295,19 @@ def test_list_and_evict_count_every_matched_block_nothing_materialized(make_brok
     publish_chain(b, s, KEYS + ["k4"])
     whole = match(b, s, KEYS)  # k0-k3
     middle = match(b, s, KEYS[1:3])  # k1-k2
+    again = match(b, s, KEYS[1:3])  # the same span twice: counted once, times two
     lazy = dict(b.lazy_leases)
-    assert set(lazy) == {whole, middle}
+    assert set(lazy) == {whole, middle, again}
     listed = b.handle(s, "list", {"namespace": NS})["objects"]
     assert [(o["key"], o["readers"]) for o in listed] == [
-        ("k0", 1), ("k1", 2), ("k2", 2), ("k3", 1), ("k4", 0)]  # fmt: skip
+        ("k0", 1), ("k1", 3), ("k2", 3), ("k3", 1), ("k4", 0)]  # fmt: skip
     got = b.handle(s, "evict", {"namespace": NS, "dry_run": True})
     assert (got["count"], got["skipped_leased"], got["skipped_parents"]) == (1, 4, 0)
     got = b.handle(s, "evict", {"namespace": NS, "key": "k0"})
     assert (got["count"], got["skipped_leased"]) == (0, 1)
     assert b.lazy_leases == lazy and all(ls.lazy for ls in lazy.values())
-    assert [b.objects[NS, k].readers for k in KEYS] == [0, 0, 1, 1]  # the leaves only
-    b.handle(s, "release_many", {"leases": [whole, middle]})
+    assert [b.objects[NS, k].readers for k in KEYS] == [0, 0, 2, 1]  # the leaves only
+    b.handle(s, "release_many", {"leases": [whole, middle, again]})
     assert all(o.readers == 0 for o in b.objects.values())
     assert [o["readers"] for o in b.handle(s, "list", {"namespace": NS})["objects"]] == [0] * 5
     assert b.handle(s, "evict", {"namespace": NS})["count"] == 5

@@ -118,6 +118,17 @@ def materialize_holding(b: Broker, obj: StoredObject) -> None:
 
 def lazy_readers(b: Broker) -> Counter[StoredObject]:
     """The readers the lazy leases add to their blocks but the leaf (which counts its own):
-    what materializing every one of them would add, in one pass, nothing changed."""
-    return Counter(chained.from_iterable(
-        (lease.obj, *lease.more[:-1]) for lease in b.lazy_leases.values()))  # fmt: skip
+    what materializing every one of them would add, nothing changed. Leases over the same
+    span (its first block and its leaf name it: a chain is its leaf's ancestors) are counted
+    once, times their number: many requests matching one prefix cost one walk."""
+    spans: dict[tuple[int, int], list] = {}
+    for lease in b.lazy_leases.values():
+        span = spans.get(key := (id(lease.obj), id(lease.more[-1])))
+        if span is None:
+            spans[key] = [lease, 1]
+        else:
+            span[1] += 1
+    readers: Counter[StoredObject] = Counter()
+    for lease, n in spans.values():
+        readers.update(dict.fromkeys(chained((lease.obj,), lease.more[:-1]), n))
+    return readers
