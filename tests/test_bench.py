@@ -118,7 +118,8 @@ def test_prefix_cli(daemon, tmp_path):
     data = load(out)
     assert [(r["tokens"], r["blocks"]) for r in data["rows"]] == [(32, 2), (128, 8)]
     for r in data["rows"]:
-        positive(r, "match_p50_us", "put_claim_p50_us", "hash_p50_us", "load_gbps")
+        positive(r, "match_p50_us", "put_claim_p50_us", "hash_p50_us", "load_gbps",
+                 "loaded_match_p50_us")
         assert r["match_vs_put_claim"] == pytest.approx(r["match_p50_us"] / r["put_claim_p50_us"])
     (hit,) = data["hit_rate"]
     assert hit["hit_rate"] == pytest.approx(hit["matched_tokens"] / hit["prompt_tokens"])
@@ -341,3 +342,19 @@ def test_bad_arguments():
     assert invoke("scale", "--counts", "lots").exit_code == 2
     with pytest.raises(ValueError, match="unknown scenario"):
         _bench.scenario("nope")
+
+
+def test_every_ratio_column_prints_cut():
+    # A table printing 2.09 beside a target line printing 2.08x (the same 2.086): every
+    # column of ratios ("x ..." or "... x ...") uses the cut format, as the target lines do.
+    import importlib
+
+    checked = 0
+    for name in ("gpu", "peer", "prefix", "rpc", "scale", "tp", "transfer"):
+        mod = importlib.import_module(f"kvbroker._bench.{name}")
+        for cols in (v for k, v in vars(mod).items() if k.endswith("COLUMNS")):
+            for key, label, fmt in cols:
+                if label.startswith("x ") or " x " in f" {label} ":
+                    assert fmt == "ratio", f"{name}: column {label!r} prints {fmt!r}"
+                    checked += 1
+    assert checked >= 5

@@ -18,7 +18,7 @@ import tempfile
 from ._common import Result, Target, save_figure
 
 COLUMNS = [("path", "path", "s"), ("GBps", "GB/s", ".1f"), ("limit", "limit", "s"),
-           ("limit_GBps", "limit GB/s", ".1f"), ("ratio", "x limit", ".2f")]  # fmt: skip
+           ("limit_GBps", "limit GB/s", ".1f"), ("ratio", "x limit", "ratio")]  # fmt: skip
 
 
 class NoCuda(RuntimeError):

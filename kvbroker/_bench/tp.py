@@ -16,7 +16,7 @@ from ._common import Result, Target, save_figure
 COLUMNS = [
     ("layout", "decode layout", "s"), ("P", "P", "d"), ("D", "D", "d"),
     ("copy_ops", "copies/claim", "s"), ("source_runs", "runs/claim", "s"),
-    ("claim_GBps", "claim GB/s", ".2f"), ("claim_vs_homogeneous", "x P=D=1", ".2f"),
+    ("claim_GBps", "claim GB/s", ".2f"), ("claim_vs_homogeneous", "x P=D=1", "ratio"),
     ("publish_GBps", "publish GB/s", ".2f"),
 ]  # fmt: skip
 

@@ -25,7 +25,7 @@ DEFAULT_SIZES = tuple(sorted({4 * KiB * 4**i for i in range(9)} | {32 * MiB}))
 COLUMNS = [
     ("size", "size", "size"), ("memcpy_gbps", "memcpy GB/s", ".2f"),
     ("publish_gbps", "publish GB/s", ".2f"), ("claim_gbps", "claim GB/s", ".2f"),
-    ("publish_claim_gbps", "pub+claim GB/s", ".2f"), ("ratio_vs_memcpy", "x memcpy", ".2f"),
+    ("publish_claim_gbps", "pub+claim GB/s", ".2f"), ("ratio_vs_memcpy", "x memcpy", "ratio"),
     ("roundtrip_p50_us", "p50 us", ".1f"), ("roundtrip_p99_us", "p99 us", ".1f"),
 ]  # fmt: skip
 
