@@ -22,7 +22,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kvbroker._bench import checkout_commit, format_table
+from kvbroker._bench import format_table
+from kvbroker._bench._common import format_value
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -101,10 +102,15 @@ def section(data: dict) -> list[str]:
     lines += ["```", ""]
     for t in data["targets"]:
         mark = "met" if t["met"] else "**missed**"
-        lines.append(f"- {t['name']}: {t['measured']:.3g}{t['unit']} "
+        lines.append(f"- {t['name']}: {_measured(t)}{t['unit']} "
                      f"(target {t['op']} {t['goal']:.3g}{t['unit']}) — {mark}")  # fmt: skip
     lines += [f"- {n}" for n in data.get("notes", [])]
     return lines + [""]
+
+
+def _measured(target: dict) -> str:
+    """A target's measured value as the target lines print it: ratios cut to two decimals."""
+    return format_value(target["measured"], "ratio" if target["unit"] == "x" else ".3g")
 
 
 def report(profiles: list[str]) -> str:
@@ -123,7 +129,8 @@ def report(profiles: list[str]) -> str:
         "Rebuild everything: `.venv/bin/python benchmarks/bench_all.py "
         "--mooncake-python /tmp/mc/bin/python` (Mooncake's driver: benchmarks/mooncake_peer.py; "
         "its set-up: README.md, \"Comparing with Mooncake\").",
-        f"Commit measured: {checkout_commit()}.",
+        # (from the results, not this checkout: --report-only may run at a later commit)
+        f"Commit measured: {', '.join(sorted({d.get('commit', 'unknown') for d in found}))}.",
         "",
     ]
     for data in found:
@@ -146,7 +153,7 @@ def summary() -> str:
             mark = "" if t["met"] else " **(missed)**"
             unit = "×" if t["unit"] == "x" else t["unit"]
             op = t["op"].replace(">=", "≥").replace("<=", "≤")
-            lines.append(f"| {t['name']} | {t['measured']:.3g}{unit}{mark} | "
+            lines.append(f"| {t['name']} | {_measured(t)}{unit}{mark} | "
                          f"{op} {t['goal']:.3g}{unit} | `{cmd}` |")  # fmt: skip
     return "\n".join(lines)
 
