@@ -40,7 +40,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from kvbroker._bench import checkout_commit  # noqa: E402
+from kvbroker._bench._common import measured_commit  # noqa: E402
 from kvbroker._server.journal import journal_path  # noqa: E402
 from kvbroker.errors import KVBrokerError, NotFound  # noqa: E402
 from kvbroker.testing import DaemonProcess, drop_leftover_pools  # noqa: E402
@@ -458,7 +458,7 @@ def main() -> None:
     a = ap.parse_args()
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 8192)), hard))
-    res = {"commit": checkout_commit(), "machine": machine(),
+    res = {"commit": measured_commit(), "machine": machine(),
            "command": "python benchmarks/attacks.py " + " ".join(sys.argv[1:]), "results": {}}
     if set(a.only) != set(ATTACKS) and os.path.exists(a.out + ".json"):  # update those rerun
         with open(a.out + ".json") as f:

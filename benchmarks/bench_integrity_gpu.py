@@ -61,7 +61,7 @@ import numpy as np
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 
-from kvbroker._bench import checkout_commit  # noqa: E402
+from kvbroker._bench._common import measured_commit  # noqa: E402
 from kvbroker._client import engine as E  # noqa: E402
 from kvbroker._wire import checksum as cs  # noqa: E402
 from kvbroker._wire.paths import parse_size  # noqa: E402
@@ -462,7 +462,7 @@ def main() -> None:
         args.host_size = min(args.host_size, 8 << 20)
     rows: list = []
     notes: list = []
-    report = {"commit": args.commit or checkout_commit(),
+    report = {"commit": args.commit or measured_commit(),
               "command": " ".join(shlex.quote(a) for a in sys.argv), "machine": machine(), "platform": platform.platform(),
               "affinity_cpus": len(os.sched_getaffinity(0))}  # fmt: skip
     if not args.no_gpu:

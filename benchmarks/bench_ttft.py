@@ -43,7 +43,7 @@ sys.path.insert(0, str(ROOT / "examples"))
 import models  # noqa: E402
 
 from kvbroker import BrokerUnavailable, Client  # noqa: E402
-from kvbroker._bench import checkout_commit  # noqa: E402
+from kvbroker._bench._common import measured_commit  # noqa: E402
 from kvbroker.integrations import transformers as kvt  # noqa: E402
 from kvbroker._bench._common import ratio as _ratio  # noqa: E402 (two decimals, cut)
 
@@ -234,7 +234,7 @@ def main(argv=None) -> None:
         "handoff_speedup": med["recompute_s"] / med["handoff_s"],
         "handoff_speedup_per_repeat": [r["recompute_s"] / r["handoff_s"] for r in rows],
         "publish_GBps_median": published.nbytes / med["publish_s"] / 1e9,
-        "commit": args.commit or checkout_commit(),
+        "commit": args.commit or measured_commit(),
         "all_same_token": all(r["same_token"] for r in rows),
         "all_logits_bit_identical": all(r["logits_bit_identical"] for r in rows),
         "repeats": rows,

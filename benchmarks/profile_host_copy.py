@@ -44,7 +44,7 @@ import xxhash
 ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, ROOT)
 
-from kvbroker._bench import checkout_commit  # noqa: E402
+from kvbroker._bench._common import measured_commit  # noqa: E402
 from kvbroker._bench._common import machine_info  # noqa: E402
 from kvbroker._client.engine import CopyEngine  # noqa: E402
 from kvbroker._wire import checksum as cs  # noqa: E402
@@ -233,7 +233,7 @@ def main() -> None:
     rows, extra = copy_variants(args)
     units = unit_costs(args)
     m = machine_info()
-    report = {"commit": checkout_commit(), "command": " ".join(shlex.quote(a) for a in sys.argv),
+    report = {"commit": measured_commit(), "command": " ".join(shlex.quote(a) for a in sys.argv),
               "machine": m, "size": args.size, "rounds": args.rounds, "reps": args.reps,
               "copies": rows, "units": units, **extra}  # fmt: skip
     lo, hi = extra["load_1min"]

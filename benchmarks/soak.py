@@ -44,7 +44,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
 from kvbroker import ChecksumMismatch, Client, NotFound  # noqa: E402
-from kvbroker._bench import checkout_commit  # noqa: E402
+from kvbroker._bench._common import measured_commit  # noqa: E402
 from kvbroker._wire.objects import BUFFER_ALIGN
 from kvbroker.prefix import PrefixCache  # noqa: E402
 
@@ -244,7 +244,7 @@ def run(clients: int = 16, duration: float = 600.0, pool_size: str = "64M",
     main_ops = sum(ops[k] for k in ("put", "get", "prefix", "evict"))
     return {
         "benchmark": "soak: publish / claim / prefix match / evict under memory pressure",
-        "commit": checkout_commit(),
+        "commit": measured_commit(),
         "machine": f"{platform.node()} ({os.cpu_count()} CPUs, {platform.machine()})",
         "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
         "clients": clients,

@@ -485,11 +485,11 @@ def main() -> None:
     import triton
 
     os.makedirs(a.out, exist_ok=True)
-    from ._common import checkout_commit, invocation
+    from ._common import invocation, measured_commit
 
     r: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                "triton": triton.__version__, "cuda": torch.version.cuda,
-               "commit": a.commit or checkout_commit(), "command": invocation()}  # fmt: skip
+               "commit": a.commit or measured_commit(), "command": invocation()}  # fmt: skip
     r["pinned"] = bench_pinned(GiB, a.reps)
     print("pinned", r["pinned"], flush=True)
     import traceback
