@@ -51,22 +51,19 @@ class Session:
                 rid = self._send(op, args)
                 while True:
                     msg = self._stream.receive()
-                    if msg.__class__ is dict and msg.get("id") == rid:  # its reply: the rule
-                        self._stalled = False
-                        if msg.get("ok"):
-                            return msg.get("result")
-                        break
-                    if not isinstance(msg, dict):
-                        raise ProtocolError(f"unexpected message from the daemon: {msg!r:.80}")
-                    if "push" in msg:
-                        self._deliver(msg)
-                        continue
-                    if self._take_others(msg):
-                        continue
-                    if msg.get("id") not in (rid, None):
-                        raise ProtocolError(
-                            f"reply {msg.get('id')} does not answer request {rid}"
-                        )
+                    # its reply, the rule, goes straight through; anything else is sorted
+                    if msg.__class__ is not dict or msg.get("id") != rid:
+                        if not isinstance(msg, dict):
+                            raise ProtocolError(f"unexpected message from the daemon: {msg!r:.80}")
+                        if "push" in msg:
+                            self._deliver(msg)
+                            continue
+                        if self._take_others(msg):
+                            continue
+                        if msg.get("id") not in (rid, None):
+                            raise ProtocolError(
+                                f"reply {msg.get('id')} does not answer request {rid}"
+                            )
                     self._stalled = False
                     if msg.get("ok"):
                         return msg.get("result")

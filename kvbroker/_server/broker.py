@@ -476,8 +476,7 @@ class Broker:
         """Make an object unreachable; its extents go once no reader holds them."""
         if not obj.linked:
             return
-        if self.lazy_leases and (obj.readers or obj.children):  # a lazy lease may hold it
-            materialize_holding(self, obj)
+        materialize_holding(self, obj)  # a lazy lease may hold it
         obj.linked = False
         if self.journal is not None:
             self.journal.unlinked(obj.serial)
