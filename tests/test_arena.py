@@ -7,6 +7,7 @@ or changes nothing; a client killed with SIGKILL leaves the pool as it found it.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import secrets
@@ -417,7 +418,10 @@ def test_busy_poll_only_while_cpus_are_spare(monkeypatch):
     assert gate.spare() is True
 
 
-def test_client_poll_returns_instead_of_waiting_for_the_timeout(tmp_path, monkeypatch):
+@contextlib.contextmanager
+def _transport_to_fake_daemon(tmp_path, **kw):
+    """A client transport connected to a bare listening socket; yields it and the accepted
+    peer (the fake daemon's end), all closed afterwards."""
     import socket
 
     from kvbroker._client import transport as _transport
@@ -426,9 +430,22 @@ def test_client_poll_returns_instead_of_waiting_for_the_timeout(tmp_path, monkey
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(path)
     server.listen(1)
-    t = _transport.UnixTransport(path, timeout=30.0, busy_poll=0.001)
+    t = _transport.UnixTransport(path, **kw)
     peer, _ = server.accept()
     try:
+        yield t, peer
+    finally:
+        t.close()
+        peer.close()
+        server.close()
+
+
+def test_client_poll_returns_instead_of_waiting_for_the_timeout(tmp_path, monkeypatch):
+    import socket
+
+    from kvbroker._client import transport as _transport
+
+    with _transport_to_fake_daemon(tmp_path, timeout=30.0, busy_poll=0.001) as (t, peer):
         monkeypatch.setattr(_transport, "cpu_spare", lambda: True)
         assert t._poll() is None  # nothing came: give up polling, do not wait 30 s
         assert t.timeout == 30.0  # the blocking recv keeps its timeout (the kernel's)
@@ -443,28 +460,16 @@ def test_client_poll_returns_instead_of_waiting_for_the_timeout(tmp_path, monkey
         assert t._poll() is None  # no spare CPU: straight to the blocking recv
         peer.sendall(b"x")
         assert bytes(t.recv()) == b"x"
-    finally:
-        t.close()
-        peer.close()
-        server.close()
 
 
 def test_client_socket_waits_with_kernel_timeouts(tmp_path):
     """A send or recv is one system call: the socket is blocking (no Python timeout, which
     polls before each), yet a daemon that does not answer or read still ends in Timeout."""
-    import socket
     import time
 
-    from kvbroker._client import transport as _transport
     from kvbroker.errors import Timeout
 
-    path = str(tmp_path / "s")
-    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    server.bind(path)
-    server.listen(1)
-    t = _transport.UnixTransport(path, timeout=0.2, busy_poll=0)
-    peer, _ = server.accept()
-    try:
+    with _transport_to_fake_daemon(tmp_path, timeout=0.2, busy_poll=0) as (t, peer):
         assert t._sock.gettimeout() is None  # blocking: no poll(2) before each call
         started = time.monotonic()
         with pytest.raises(Timeout, match="did not answer"):
@@ -475,10 +480,6 @@ def test_client_socket_waits_with_kernel_timeouts(tmp_path):
         t.settimeout(None)
         peer.sendall(b"late")
         assert bytes(t.recv()) == b"late"
-    finally:
-        t.close()
-        peer.close()
-        server.close()
 
 
 def test_polls_yield_the_cpu_while_they_wait(tmp_path, monkeypatch):
@@ -486,7 +487,6 @@ def test_polls_yield_the_cpu_while_they_wait(tmp_path, monkeypatch):
     other CPU is busy they share one, and a poll that kept it would hold off the very reply
     (or request) it waits for (measured on the 2-core VM, both pinned to one CPU: put+get
     645 us p50 polling without yielding, 196 us yielding)."""
-    import socket
     import time
 
     from kvbroker._client import transport as _transport
@@ -496,19 +496,9 @@ def test_polls_yield_the_cpu_while_they_wait(tmp_path, monkeypatch):
     yields = []
     monkeypatch.setattr(os, "sched_yield", lambda: yields.append(1))
     monkeypatch.setattr(_transport, "cpu_spare", lambda: True)
-    path = str(tmp_path / "s")
-    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    server.bind(path)
-    server.listen(1)
-    t = _transport.UnixTransport(path, timeout=30.0, busy_poll=0.001)
-    peer, _ = server.accept()
-    try:
+    with _transport_to_fake_daemon(tmp_path, timeout=30.0, busy_poll=0.001) as (t, _):
         assert t._poll() is None  # nothing came within the poll
         assert yields, "the client polled without ever yielding its CPU"
-    finally:
-        t.close()
-        peer.close()
-        server.close()
 
     yields.clear()
     later = []

@@ -4,6 +4,7 @@ import os
 import secrets
 
 import pytest
+from _fakes import Clock
 
 from kvbroker._server.broker import Broker, WouldWait
 from kvbroker._server.pool import HostPool
@@ -18,14 +19,6 @@ from kvbroker.errors import (
 )
 
 PAGE = 4096
-
-
-class Clock:
-    def __init__(self):
-        self.now = 1000.0
-
-    def __call__(self):
-        return self.now
 
 
 @pytest.fixture

@@ -13,6 +13,7 @@ import secrets
 
 import posix_ipc
 import pytest
+from _fakes import Clock
 
 from kvbroker._server.broker import Broker
 from kvbroker._server.policy import parse_quotas
@@ -22,14 +23,6 @@ from kvbroker.errors import PoolFull, QuotaExceeded
 
 PAGE = 4096
 NS = "p"
-
-
-class Clock:
-    def __init__(self):
-        self.now = 1000.0
-
-    def __call__(self):
-        return self.now
 
 
 @pytest.fixture

@@ -18,6 +18,7 @@ import msgpack
 import numpy as np
 import pytest
 from conftest import DaemonProcess, drop_leftover_pools
+from _fakes import Clock
 
 from kvbroker._server.broker import Broker
 from kvbroker._server.journal import Journal
@@ -211,14 +212,6 @@ def test_a_client_closing_its_own_connection_frees_at_once(make_daemon):
 
 
 # -- in process: close_session, the journal, restore ----------------------------------------
-class Clock:
-    def __init__(self):
-        self.now = 1000.0
-
-    def __call__(self):
-        return self.now
-
-
 @pytest.fixture
 def pool():
     p = HostPool(0, f"/kvbq.{os.getpid()}.{secrets.token_hex(3)}.0", 64 * PAGE, PAGE)
