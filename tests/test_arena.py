@@ -462,6 +462,46 @@ def test_client_poll_returns_instead_of_waiting_for_the_timeout(tmp_path, monkey
         assert bytes(t.recv()) == b"x"
 
 
+def test_a_client_polls_through_a_long_request_by_default(tmp_path, monkeypatch):
+    """A reply the daemon sends 200 us after the request (a 512-block match_prefix on a
+    2-core VM) is caught by the default poll, not after falling asleep in recv: a wake-up
+    on such a VM costs more than the rest of the round trip."""
+    import socket
+
+    from kvbroker._client import transport as _transport
+
+    now = [0.0]
+
+    def clock():  # each look at the clock is 10 us later
+        now[0] += 10e-6
+        return now[0]
+
+    class DaemonReplyingAfter200us:
+        slept = 0
+
+        def recv_into(self, buf, nbytes=0, flags=0):
+            if not flags & socket.MSG_DONTWAIT:
+                self.slept += 1  # the blocking recv: the client went to sleep
+            elif now[0] < 200e-6:
+                raise BlockingIOError
+            buf[:2] = b"ok"
+            return 2
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(_transport, "cpu_spare", lambda: True)
+    monkeypatch.setattr(_transport.os, "sched_yield", lambda: None)
+    with _transport_to_fake_daemon(tmp_path) as (t, _):
+        real, t._sock = t._sock, DaemonReplyingAfter200us()
+        monkeypatch.setattr(_transport.time, "perf_counter", clock)
+        try:
+            assert bytes(t.recv()) == b"ok"
+            assert t._sock.slept == 0, "the client stopped polling before the reply came"
+        finally:
+            t._sock = real
+
+
 def test_client_socket_waits_with_kernel_timeouts(tmp_path):
     """A send or recv is one system call: the socket is blocking (no Python timeout, which
     polls before each), yet a daemon that does not answer or read still ends in Timeout."""

@@ -91,6 +91,7 @@ def served(tmp_path, monkeypatch):
             return [r["result"] for r in replies]
 
         send(("hello", {"version": PROTOCOL_VERSION, "name": "t"}))
+        send.daemon = daemon
         yield send, events
     finally:
         pool.unlink()
@@ -119,3 +120,18 @@ def test_a_pipelined_slice_is_one_journal_write_then_one_reply_write(served):
     (gone,) = send(("claim", {"key": "k0"}), ok=False)
     assert gone["error"]["code"] == "not_found"  # consumed: the release took effect
 
+
+
+def test_the_busy_poll_window_runs_from_the_reply(served, monkeypatch):
+    """The daemon keeps polling for busy_poll after it answers, not only after a request
+    came: a client answered after a long request (a 512-block match) asks again at once,
+    and found the loop asleep (the next round trip after such a match: 64 us p50 on the
+    2-core VM against 21 us once the window ran from the reply)."""
+    send, events = served
+    marks = []  # len(events) at each note_activity
+    monkeypatch.setattr(send.daemon, "note_activity", lambda: marks.append(len(events)))
+    start = len(events)
+    send(("ping", {}))
+    replies = [i for i in range(start, len(events)) if events[i][0] == "reply"]
+    assert replies, "no reply written"
+    assert any(m > replies[-1] for m in marks), (marks, replies)

@@ -30,7 +30,7 @@ from .._wire.stats import ObjectInfo, Statistics
 from .arena import WriteArena
 from .copy import _np, copy_into, destination, nbytes_of, refuse_overlaps
 from .engine import default_engine
-from .transport import UnixTransport
+from .transport import DEFAULT_BUSY_POLL, UnixTransport
 from . import integrity as _integrity
 from .._wire import checksum as _cs
 from ..errors import BadRequest, BrokerUnavailable, Exists, Forbidden, LeaseExpired
@@ -95,7 +95,7 @@ class Client:
         role: str = "",
         timeout: float | None = 30.0,
         map_pools: bool = True,
-        busy_poll: float = 100e-6,
+        busy_poll: float = DEFAULT_BUSY_POLL,
         reconnect: float = 5.0,
         arena_size: int = 2 << 20,
     ) -> None:

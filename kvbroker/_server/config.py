@@ -230,8 +230,8 @@ SETTINGS: tuple[Key, ...] = (
     # While the host has a CPU to spare (kvbroker._cpu): a wake-up across CPUs costs more
     # than serving a request.
     Key("busy_poll", parse.duration, 100e-6, reload=LIVE, example="1ms",
-        help="Keep the loop polling this long after the last request instead of sleeping in "
-             "epoll; 0 turns it off."),
+        help="Keep the loop polling this long after the last request or reply instead of "
+             "sleeping in epoll; 0 turns it off."),
     Key("max_connections", parse.CONNECTIONS, 1024, reload=LIVE, flag=(), metavar="N", text=int,
         help="Most client connections at once.", example=16),
     # Hardening (issue 16): what one client may hold of the daemon's time and memory.
