@@ -406,9 +406,9 @@ class Broker:
         if ls.lazy:
             if consume:
                 materialize(self, ls)
-            else:  # only its leaf counts it as a reader (kvbroker._server.prefix_leases)
+            else:  # only its leaves count it as a reader (kvbroker._server.prefix_leases)
                 del self.lazy_leases[ls.id]
-                objects = objects[-1:]
+                objects = objects[-ls.lazy:]
         for obj in reversed(objects):  # leaves first, for chains
             obj.readers -= 1
             if consume and obj.linked:

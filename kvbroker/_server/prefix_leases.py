@@ -6,8 +6,11 @@ work is done by C loops (``map`` over the namespace's dict, ``attrgetter``, ``b"
 rather than Python statements, and most blocks are not pinned one by one:
 
 *Lazy leases.* When the matched blocks form a chain — each block's ``parent`` is the block
-before it — only the last block (the leaf) counts the lease as a reader. The others are
-its ancestors, each with a linked child in the chain, and a block with children is never
+before it — only the last block (the leaf) counts the lease as a reader. The same holds for
+``s`` chains interleaved block by block (each block's parent is the block ``s`` before it:
+what ``match_kv`` asks for when this rank reads ``s`` source TP shards), whose last ``s``
+blocks are the leaves; ``Lease.lazy`` is that ``s`` (0: eager). The others are
+their ancestors, each with a linked child in the lease, and a block with children is never
 in the LRU (``link_sealed`` takes a parent out; it goes back only when its last child is
 unlinked): LRU, watermark and quota eviction cannot take them, nor can ``evict`` (it keeps
 parents whose children stay). Two paths unlink a block regardless of its children — the
@@ -60,12 +63,11 @@ def lend_prefix(b: Broker, session: Session, found: list[StoredObject],
     differ in names) and the bytes leased."""
     now = time.time()
     lru_pop = b._lru.pop
-    # (a list compare tests identity first: no call per block)
-    chain = len(found) > 1 and list(map(_parent, islice(found, 1, None))) == found[:-1]
-    if chain:
-        leaf = found[-1]
-        leaf.readers += 1
-        lru_pop(leaf.serial, None)
+    stride = _chains(found)
+    if stride:
+        for leaf in found[-stride:]:
+            leaf.readers += 1
+            lru_pop(leaf.serial, None)
         # Recency as an eager pin records it (the LRU itself does not hold the ancestors).
         deque(map(setattr, found, repeat("last_access"), repeat(now)), 0)
     else:
@@ -75,8 +77,8 @@ def lend_prefix(b: Broker, session: Session, found: list[StoredObject],
             lru_pop(obj.serial, None)
     lease = b.new_lease("read", session, found[0], ttl)
     lease.more = tuple(islice(found, 1, None))
-    if chain:
-        lease.lazy = True
+    if stride:
+        lease.lazy = stride
         b.lazy_leases[lease.id] = lease
     shapes = list(map(_shape, found))
     shape = shapes[0]
@@ -91,29 +93,53 @@ def lend_prefix(b: Broker, session: Session, found: list[StoredObject],
     return lease, shape[0], b"".join(rows) if same else None, sum(n for _, n in shapes)
 
 
+def _chains(found: list[StoredObject]) -> int:
+    """``s`` when ``found`` is ``s`` chains interleaved block by block (each block's parent
+    is the block ``s`` before it; 1: one chain), else 0."""
+    if len(found) < 2:
+        return 0
+    parents = list(map(_parent, found))
+    try:  # the first block whose parent is the first block: the second row's first
+        stride = parents.index(found[0], 1)  # (identity: blocks define no __eq__)
+    except ValueError:
+        return 0
+    # (a list compare tests identity first: no call per block)
+    return stride if parents[stride:] == found[:-stride] else 0
+
+
 def materialize(b: Broker, lease: Lease) -> None:
     """Make a lazy lease eager: every block it holds counts it as a reader."""
     del b.lazy_leases[lease.id]
-    lease.lazy = False
-    for obj in lease.objects()[:-1]:  # the leaf counts it already
+    leaves, lease.lazy = lease.lazy, 0
+    for obj in lease.objects()[:-leaves]:  # the leaves count it already
         obj.readers += 1
 
 
 def materialize_holding(b: Broker, obj: StoredObject) -> None:
     """Materialize the lazy leases that hold ``obj`` (before it is unlinked or reported).
 
-    A lazy lease holds a block either as its leaf (a reader) or as an ancestor (a child):
+    A lazy lease holds a block either as a leaf (a reader) or as an ancestor (a child):
     a block with neither is in none. A chain's blocks have consecutive depths, so a lease
-    whose first block is at depth ``d`` can hold ``obj`` only at index ``obj.depth - d``:
-    one test per lease, not a scan of its blocks."""
+    whose first block is at depth ``d`` can hold ``obj`` only at index ``obj.depth - d``
+    (of ``s`` interleaved chains: at one index per chain): one test per lease and chain,
+    not a scan of its blocks."""
     if not b.lazy_leases or not (obj.readers or obj.children):
         return
     depth = obj.depth
     for lease in [ls for ls in b.lazy_leases.values()
-                  if 0 <= depth - ls.obj.depth <= len(ls.more)]:  # fmt: skip
-        at = depth - lease.obj.depth
-        if (lease.more[at - 1] if at else lease.obj) is obj:
+                  if ls.lazy > 1 or 0 <= depth - ls.obj.depth <= len(ls.more)]:  # fmt: skip
+        if _holds(lease, obj, depth):
             materialize(b, lease)
+
+
+def _holds(lease: Lease, obj: StoredObject, depth: int) -> bool:
+    more, stride = lease.more, lease.lazy
+    for chain in range(stride):
+        first = more[chain - 1] if chain else lease.obj
+        at = chain + stride * (depth - first.depth)
+        if 0 <= at <= len(more) and (more[at - 1] if at else lease.obj) is obj:
+            return True
+    return False
 
 
 def lazy_readers(b: Broker) -> Counter[StoredObject]:
@@ -121,14 +147,18 @@ def lazy_readers(b: Broker) -> Counter[StoredObject]:
     what materializing every one of them would add, nothing changed. Leases over the same
     span (its first block and its leaf name it: a chain is its leaf's ancestors) are counted
     once, times their number: many requests matching one prefix cost one walk."""
-    spans: dict[tuple[int, int], list] = {}
+    spans: dict[tuple[int, int, int], list] = {}
     for lease in b.lazy_leases.values():
-        span = spans.get(key := (id(lease.obj), id(lease.more[-1])))
+        span = spans.get(key := (id(lease.obj), id(lease.more[-1]), lease.lazy))
         if span is None:
             spans[key] = [lease, 1]
         else:
             span[1] += 1
     readers: Counter[StoredObject] = Counter()
     for lease, n in spans.values():
-        readers.update(dict.fromkeys(chained((lease.obj,), lease.more[:-1]), n))
+        if lease.lazy == 1:  # one chain: each block once
+            readers.update(dict.fromkeys(chained((lease.obj,), lease.more[:-1]), n))
+        else:  # (a block may stand twice in interleaved chains: count each place)
+            for obj in lease.objects()[:-lease.lazy]:
+                readers[obj] += n
     return readers

@@ -271,9 +271,10 @@ class Lease:
         self.ttl: float = ttl
         self.expires_at: float = expires_at
         self.consume: bool = consume
-        # A prefix lease whose blocks form a chain: only its last block counts it as a
-        # reader (kvbroker._server.prefix_leases says why that holds the others).
-        self.lazy = False
+        # A prefix lease whose blocks form s chains interleaved block by block (s = 1: one
+        # chain): s, and only its last s blocks count it as a reader
+        # (kvbroker._server.prefix_leases says why that holds the others); 0: every block.
+        self.lazy = 0
 
     def objects(self):
         return (self.obj, *self.more) if self.more else (self.obj,)
