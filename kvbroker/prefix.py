@@ -267,6 +267,7 @@ class PrefixCache:
         hashes: list[str] | None = None,
         ttl: float | None = None,
         peer: str | None = None,
+        hold: bool = True,
     ) -> PrefixMatch:
         """One read lease on the longest run of leading blocks the node holds.
 
@@ -276,6 +277,8 @@ class PrefixCache:
         own shard keys only (see :meth:`match_kv` for every shard this rank needs).
         ``peer``: ``"HOST:PORT"`` of another node's broker: the blocks after this node's run
         that the peer holds are pulled first (one NIXL READ for all of them), then matched.
+        ``hold=False``: only count the blocks (``num_blocks``); no lease is taken and
+        nothing is held, so nothing is left to read either — what a scheduler asks.
         """
         usable = max(0, len(token_ids) - 1) // self.block_size
         if hashes is None:
@@ -284,7 +287,8 @@ class PrefixCache:
         asked_at = time.monotonic()
         if peer is None:
             reply = self.client.ops.match_prefix(keys, namespace=self.namespace,
-                                                 block_tokens=self.block_size, ttl=ttl)
+                                                 block_tokens=self.block_size, ttl=ttl,
+                                                 hold=hold)  # fmt: skip
         else:
             reply = self.client._peer_call(True, self.client.ops.match_prefix, keys,
                                            namespace=self.namespace,
@@ -341,6 +345,7 @@ class PrefixCache:
         hashes: list[str] | None = None,
         ttl: float | None = None,
         latent: bool = False,
+        hold: bool = True,
     ) -> KVPrefixMatch:
         """The longest prefix every shard this rank needs holds, under one read lease.
 
@@ -348,6 +353,7 @@ class PrefixCache:
         then ``peer_tp_sizes``, and keeps the longest match (one round trip each, stopping at
         the first that covers every usable block). ``latent``: the engine cache is an MLA
         latent cache (no head axis). Never more than ``len(token_ids) - 1`` tokens.
+        ``hold=False``: only count (``num_blocks``), as :meth:`match` does.
         """
         usable = max(0, len(token_ids) - 1) // self.block_size
         if hashes is None:
@@ -363,7 +369,7 @@ class PrefixCache:
         best: KVPrefixMatch | None = None
         try:
             for source in dict.fromkeys(sizes):
-                found = self._match_layout(hashes, source, heads, ttl)
+                found = self._match_layout(hashes, source, heads, ttl, hold)
                 if best is None or found.num_blocks > best.num_blocks:
                     if best is not None:
                         best.release()
@@ -380,7 +386,7 @@ class PrefixCache:
         return best
 
     def _match_layout(self, hashes: list[str], source: int, heads: int | None,
-                      ttl: float | None) -> KVPrefixMatch:  # fmt: skip
+                      ttl: float | None, hold: bool) -> KVPrefixMatch:  # fmt: skip
         cached = self._plans.get((source, heads))
         if cached is None:  # the same few layouts, match after match
             plan = claim_plan(heads, source, self.tp_size, self.tp_rank)
@@ -399,7 +405,7 @@ class PrefixCache:
         # The broker counts hit tokens per key found: a key is 1/len(ranks) of a block here.
         reply = self.client.ops.match_prefix(keys, namespace=self.namespace,
                                              block_tokens=self.block_size // len(ranks),
-                                             ttl=ttl)  # fmt: skip
+                                             ttl=ttl, hold=hold)  # fmt: skip
         return KVPrefixMatch(self.client, reply, self.block_size, asked_at, source=source,
                              heads=heads, ranks=ranks, plan=plan, tp_rank=self.tp_rank,
                              tp_size=self.tp_size)  # fmt: skip

@@ -502,11 +502,11 @@ def test_match_kv_releases_the_best_match_when_a_later_layout_fails(tp_daemon, m
                          total_kv_heads=H, peer_tp_sizes=(2,))  # fmt: skip
         real, calls = pc._match_layout, []
 
-        def flaky(hashes, source, heads, ttl):
+        def flaky(hashes, source, heads, ttl, hold):
             calls.append(source)
             if source == 2:
                 raise BrokerUnavailable("the daemon went away mid-match")
-            found = real(hashes, source, heads, ttl)
+            found = real(hashes, source, heads, ttl, hold)
             assert found.num_blocks == 2
             return found
 
@@ -515,6 +515,30 @@ def test_match_kv_releases_the_best_match_when_a_later_layout_fails(tp_daemon, m
             pc.match_kv(tokens + [0])
         assert calls == [1, 2]
         assert c.stat().read_leases == 0  # the first layout's lease was not left to its TTL
+
+
+def test_a_match_kv_that_holds_nothing_counts_what_a_held_one_reads(tp_daemon):
+    # A decode rank of TP=1 over a TP=2 prefill's shards (two keys per block): hold=False
+    # counts the blocks both shards hold, takes no lease, and has nothing to read.
+    from kvbroker.errors import KVBrokerError
+
+    H, ns = 4, f"tp{next(_namespaces)}"
+    tokens = prompt(4 * BLOCK, 53)
+    three = tokens[: 3 * BLOCK]
+    with tp_daemon.client() as c:
+        publish_layout(c, full_kv(53, 1, len(three), H, 8), three, 2, H, KV_LAYOUTS["NHD"], ns)
+        pc = PrefixCache(c, namespace=ns, block_size=BLOCK, tp_rank=0, tp_size=1,
+                         total_kv_heads=H, peer_tp_sizes=(2,))  # fmt: skip
+        out_before = c.stat().counters.bytes_out
+        counted = pc.match_kv(tokens + [0], hold=False)
+        assert (counted.num_blocks, counted.lease, counted.released) == (3, None, True)
+        with pytest.raises(KVBrokerError, match="hold=False"):
+            counted.blocks
+        stat = c.stat()
+        assert stat.read_leases == 0 and stat.counters.bytes_out == out_before
+        with pc.match_kv(tokens + [0]) as held:
+            assert held.num_blocks == counted.num_blocks and held.lease is not None
+        assert pc.match(tokens, hold=False).num_blocks == 0  # TP=1 keys: none published
 
 
 def test_a_match_over_1024_blocks_of_64_buffers_fits_one_reply(client):

@@ -433,3 +433,27 @@ def test_a_restored_chain_under_a_match_keeps_its_republished_middle_block(make_
     assert read(b, middle) == bytes([0x12]) * PAGE and b.pages.owners[0][middle.start] is middle
     b.handle(s, "release", {"lease": lease})
     assert middle.start not in b.pages.owners[0]
+
+
+def test_a_match_that_holds_nothing_counts_the_run_and_takes_no_lease(make_broker):
+    # What a scheduler asks (match_prefix hold=False): how far the prefix goes, nothing
+    # pinned, no lease to release, none of the connection's lease budget used.
+    from kvbroker.errors import BadRequest
+
+    b = make_broker()
+    s = session(b)
+    publish_chain(b, s, KEYS)
+    b.max_leases_per_client = 0  # a held match would be refused
+    before = dict(b.counters)
+    reply = b.handle(s, "match_prefix", {"namespace": NS, "keys": KEYS[:3] + ["nope", "k3"],
+                                         "hold": False, "block_tokens": 16})  # fmt: skip
+    assert (reply["matched"], reply["lease"], reply["blocks"]) == (3, None, [])
+    assert "packed" not in reply
+    assert not b.leases and not b.lazy_leases
+    assert all(o.readers == 0 for o in b.objects.values())
+    assert b.counters["bytes_out"] == before["bytes_out"]
+    assert b.counters["prefix_queries"] == before["prefix_queries"] + 1
+    assert b.counters["prefix_hit_tokens"] == before["prefix_hit_tokens"] + 3 * 16
+    with pytest.raises(BadRequest, match="peer needs hold"):
+        b.handle(s, "match_prefix", {"namespace": NS, "keys": KEYS, "hold": False,
+                                     "peer": "10.0.0.1:7000"})  # fmt: skip

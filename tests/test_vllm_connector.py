@@ -111,13 +111,17 @@ def test_lookup_is_side_effect_free_and_holds_nothing(model, broker, monkeypatch
                   pooling_params=None)  # fmt: skip
     with broker.client() as c:
         before = [(o.key, o.nbytes) for o in c.list()]
+        leased_before = c.stat().counters.bytes_out
         answers = [cons.connector.get_num_new_matched_tokens(req, 0) for _ in range(3)]
         assert answers == [(99, False)] * 3
         assert cons.connector.get_num_new_matched_tokens(req, 64) == (35, False)
-        time.sleep(0.05)  # the releases are pipelined
         stat = c.stat()
         assert [(o.key, o.nbytes) for o in c.list()] == before
         assert sum(p.leased_read + p.leased_write for p in stat.pools) == 0
+        # It only counts (match_prefix hold=False): no block was leased, not even for a
+        # moment, and no release is left to send.
+        assert stat.counters.bytes_out == leased_before
+        assert stat.counters.prefix_queries >= 4
 
 
 def test_block_evicted_between_lookup_and_load_is_recomputed(model, broker, monkeypatch, caplog):

@@ -135,9 +135,9 @@ class Ops:
 
     def match_prefix(self, keys: list[str], *, namespace: str = "default",
                      block_tokens: int = 0, ttl: float | None = None,
-                     peer: str | None = None) -> R.PrefixMatch:
+                     peer: str | None = None, hold: bool = True) -> R.PrefixMatch:
         return self._call("match_prefix", namespace=namespace, keys=keys,
-                          block_tokens=block_tokens, ttl=ttl, peer=peer)  # fmt: skip
+                          block_tokens=block_tokens, ttl=ttl, peer=peer, hold=hold)  # fmt: skip
 
     def release_many(self, leases: list[int]) -> None:
         self._call("release_many", leases=leases)

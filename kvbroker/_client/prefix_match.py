@@ -53,7 +53,8 @@ class MatchedBlock:
 
 
 class PrefixMatch:
-    """One read lease on the longest published prefix; release it once copied."""
+    """One read lease on the longest published prefix; release it once copied. A match
+    asked with ``hold=False`` only counts: no lease, no blocks to read."""
 
     def __init__(self, client: Client, reply: dict, block_size: int, asked_at: float) -> None:
         self.client = client
@@ -61,15 +62,11 @@ class PrefixMatch:
         self.lease: int | None = reply["lease"]
         self.ttl: float = reply["ttl"]
         self.meta: dict | None = (reply.get("metas") or [None])[0]
-        names = reply["names"]
-        self._names = names
+        self._names = reply["names"]
         self._packed: bytes | None = reply.get("packed")
-        if self._packed is not None:  # one int64 row per block, parsed on first use
-            self._count = len(self._packed) // (8 * (1 + 2 * len(names)))
-            self._rows: list | None = None
-        else:
-            self._rows = reply["blocks"]
-            self._count = len(self._rows)
+        # one int64 row per block, parsed on first use (none when not held)
+        self._rows: list | None = None if self._packed is not None else reply["blocks"]
+        self._count: int = reply["matched"]
         self._blocks: list[MatchedBlock] | None = None
         self._safe_until = asked_at + 0.9 * self.ttl
         self.released = self.lease is None
@@ -85,6 +82,9 @@ class PrefixMatch:
 
     @property
     def blocks(self) -> list[MatchedBlock]:
+        if self.lease is None and self._count:
+            raise KVBrokerError("this prefix match was asked with hold=False: it holds no "
+                                "lease and has no blocks to read; match with hold=True")
         if self._blocks is None:  # built on first use: a caller may only want the count
             out = []
             for raw in self._raw:

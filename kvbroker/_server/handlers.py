@@ -289,10 +289,13 @@ def op_release_many(b: Broker, session, leases) -> R.Empty:
 
 
 def op_match_prefix(b: Broker, session, namespace, keys, block_tokens, ttl,
-                    peer=None) -> R.PrefixMatch:  # fmt: skip
+                    peer=None, hold=True) -> R.PrefixMatch:  # fmt: skip
     ttl = _ttl(b, ttl)
     if len(keys) > MAX_BUFFERS:
         raise BadRequest(f"match_prefix: at most {MAX_BUFFERS} keys per request")
+    if peer is not None and not hold:
+        raise BadRequest("match_prefix: a pull from a peer needs hold (what it pulls is "
+                         "held for the caller)")  # fmt: skip
     if not session.access.can(namespace):  # another tenant's prefixes: invisible
         keys = ()
     found = matched_run(b, namespace, keys)
@@ -312,8 +315,8 @@ def op_match_prefix(b: Broker, session, namespace, keys, block_tokens, ttl,
     c["prefix_miss_blocks"] += len(keys) - len(found)
     c["prefix_hit_tokens"] += len(found) * block_tokens
     c["hits" if found else "misses"] += 1
-    if not found:
-        return {"ttl": ttl, "matched": 0, "lease": None, "names": [], "blocks": []}
+    if not found or not hold:
+        return {"ttl": ttl, "matched": len(found), "lease": None, "names": [], "blocks": []}
     b.check_lease_limit(session)
     lease, names, packed, nbytes = lend_prefix(b, session, found, ttl)
     c["bytes_out"] += nbytes

@@ -321,13 +321,15 @@ OPS: dict[str, Op] = {
             "block_tokens": _a(int, default=0),
             "ttl": _a(*_OPT_NUM),
             "peer": _a(*_OPT_STR),
+            "hold": _a(bool, default=True),
         },
         R.PrefixMatch,
         "Longest run of leading `keys` that are published, all under one read lease. When "
         "every block has the buffers `names`, `packed` holds a little-endian int64 row "
         "[pool, offset, nbytes, offset, nbytes, ...] per block; else `blocks` a map each. "
         "`peer`: pull the blocks after the local run that the peer broker holds first (one "
-        "NIXL READ for all of them).",
+        "NIXL READ for all of them). `hold` false: only `matched`, no lease, no extents (a "
+        "scheduler asking how much it could load).",
         lease=_TAKES, draining=REFUSE,
     ),
     "release_many": Op(

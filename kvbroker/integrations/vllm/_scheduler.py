@@ -125,10 +125,11 @@ class SchedulerSide:
         best = 0
         try:
             for source in self.layouts:
+                # Only a count: the worker takes its own lease when it loads.
                 m = pc.match_kv(range(len(hashes) * self.block_size + 1), hashes=hashes,
-                                source_tp_size=source, latent=self.latent)  # fmt: skip
+                                source_tp_size=source, latent=self.latent,
+                                hold=False)  # fmt: skip
                 best = max(best, m.num_blocks)
-                m.release()
                 if best == len(hashes):
                     break
         except KVBrokerError as exc:
