@@ -292,7 +292,8 @@ class PrefixCache:
         else:
             reply = self.client._peer_call(True, self.client.ops.match_prefix, keys,
                                            namespace=self.namespace,
-                                           block_tokens=self.block_size, ttl=ttl, peer=peer)
+                                           block_tokens=self.block_size, ttl=ttl, peer=peer,
+                                           hold=hold)  # fmt: skip
         return PrefixMatch(self.client, reply, self.block_size, asked_at)
 
     # -- KV blocks that any TP layout can read -------------------------------------------------
@@ -347,7 +348,8 @@ class PrefixCache:
         latent: bool = False,
         hold: bool = True,
     ) -> KVPrefixMatch:
-        """The longest prefix every shard this rank needs holds, under one read lease.
+        """The longest prefix every shard this rank needs holds, under one read lease (or
+        only counted, ``hold=False``).
 
         ``source_tp_size``: the TP size of the layout to read; None tries this rank's own,
         then ``peer_tp_sizes``, and keeps the longest match (one round trip each, stopping at

@@ -55,6 +55,11 @@ def test_stub_sends_what_it_takes(stub):
     want = dict(args)
     if stub == "release_later":
         want["consume"] = True
+    if stub == "match_prefix":  # hold only when false: a daemon from before it lacks it
+        assert want.pop("hold") is True
+        sent.clear()
+        ops.match_prefix(**{**args, "hold": False})
+        assert sent[0][1] == {**want, "hold": False}
     assert got == want
 
 

@@ -520,8 +520,6 @@ def test_match_kv_releases_the_best_match_when_a_later_layout_fails(tp_daemon, m
 def test_a_match_kv_that_holds_nothing_counts_what_a_held_one_reads(tp_daemon):
     # A decode rank of TP=1 over a TP=2 prefill's shards (two keys per block): hold=False
     # counts the blocks both shards hold, takes no lease, and has nothing to read.
-    from kvbroker.errors import KVBrokerError
-
     H, ns = 4, f"tp{next(_namespaces)}"
     tokens = prompt(4 * BLOCK, 53)
     three = tokens[: 3 * BLOCK]
@@ -533,7 +531,12 @@ def test_a_match_kv_that_holds_nothing_counts_what_a_held_one_reads(tp_daemon):
         counted = pc.match_kv(tokens + [0], hold=False)
         assert (counted.num_blocks, counted.lease, counted.released) == (3, None, True)
         with pytest.raises(KVBrokerError, match="hold=False"):
-            counted.blocks
+            _ = counted.blocks
+        with pytest.raises(KVBrokerError, match="hold=False"):
+            counted.load(None, [])
+        with pytest.raises(BadRequest, match="peer needs hold"):  # never a lease it would keep
+            pc.match(tokens, hold=False, peer="127.0.0.1:9")
+        assert c.stat().read_leases == 0
         stat = c.stat()
         assert stat.read_leases == 0 and stat.counters.bytes_out == out_before
         with pc.match_kv(tokens + [0]) as held:

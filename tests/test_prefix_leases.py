@@ -318,13 +318,18 @@ def test_stat_counts_every_block_of_a_match_nothing_materialized(make_broker):
     assert "r" not in b.snapshot()["pools"][0]["occupancy"]
 
 
-def test_matched_blocks_stay_recent(make_broker):
+@pytest.mark.parametrize("hold", [True, False])
+def test_matched_blocks_stay_recent(make_broker, hold):
+    # A match that holds nothing (a scheduler's lookup) keeps them recent too: a prefix
+    # found again and again is not the first evicted.
     b = make_broker(npages=16)
     s = session(b)
     publish_chain(b, s, KEYS)  # the oldest objects ...
     for i in range(4):
         put(b, s, f"other-{i}", 0x50)
-    b.handle(s, "release", {"lease": match(b, s, KEYS)})  # ... but the most recently used
+    reply = b.handle(s, "match_prefix", {"namespace": NS, "keys": KEYS, "hold": hold})
+    if hold:  # ... but the most recently used
+        b.handle(s, "release", {"lease": reply["lease"]})
     put(b, s, "big", 0x60, pages=12)  # 4 pages must go: the others, not the chain
     assert all((NS, k) in b.objects for k in KEYS)
     assert not any((NS, f"other-{i}") in b.objects for i in range(4))

@@ -9,6 +9,8 @@ chain.
 import pytest
 from test_prefix_leases import NS, PAGE, fill_pool, make_broker, put, read, session, used
 
+from kvbroker.errors import QuotaExceeded
+
 __all__ = ["make_broker"]  # the fixture, shared
 
 CHAINS, ROWS = 3, 3
@@ -124,7 +126,7 @@ def test_pool_pressure_evict_and_quota_leave_every_matched_block(make_broker):
     held = {k: b.objects[NS, k] for k in keys}
     got = b.handle(s, "evict", {"namespace": NS})
     assert (got["count"], got["skipped_leased"]) == (0, 9)
-    with pytest.raises(Exception):  # the quota is full of matched blocks: none may go
+    with pytest.raises(QuotaExceeded):  # full of matched blocks: none may go
         put(b, s, "more", 0x50)
     fill_pool(b)
     assert intact(b, held) and all((NS, k) in b.objects for k in keys)
@@ -172,4 +174,37 @@ def test_blocks_that_only_look_interleaved_are_pinned_each(make_broker):
     assert lease not in b.lazy_leases
     assert all(b.objects[NS, k].readers == 1 for k in keys)
     b.handle(s, "release", {"lease": lease})
+    assert settled(b)
+
+
+def true_readers(b):
+    """Every block's readers if every lease counted each of its places."""
+    out = {}
+    for ls in b.leases.values():
+        for obj in ls.objects():
+            out[obj.key] = out.get(obj.key, 0) + 1
+    return out
+
+
+@pytest.mark.parametrize("two", [
+    # two chains each, partial last rows: the same first and last block, another chain 1
+    ([key(0, 0), key(0, 1), key(1, 0), key(1, 1), key(2, 0)],
+     [key(0, 0), key(0, 2), key(1, 0), key(1, 2), key(2, 0)]),
+    # one chain twice over against two chains: the same first and last block
+    ([key(0, 0), key(0, 1), key(1, 0)], [key(0, 0), key(0, 0), key(1, 0), key(1, 0)]),
+], ids=["another middle chain", "a chain twice over"])  # fmt: skip
+def test_list_and_evict_tell_apart_matches_that_share_their_ends(make_broker, two):
+    # Reporting counts each lease's own blocks: two interleaved matches are one span only
+    # when every chain of theirs is.
+    b = make_broker()
+    s = session(b)
+    publish_chains(b, s)
+    leases = [match(b, s, keys) for keys in two]
+    assert all(b.lazy_leases[ls].lazy == 2 for ls in leases)
+    want = true_readers(b)
+    listed = {o["key"]: o["readers"] for o in b.handle(s, "list", {"namespace": NS})["objects"]}
+    assert {k: n for k, n in listed.items() if n} == want
+    got = b.handle(s, "evict", {"namespace": NS, "dry_run": True})
+    assert got["skipped_leased"] == len(want)
+    b.handle(s, "release_many", {"leases": leases})
     assert settled(b)

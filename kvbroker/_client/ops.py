@@ -136,8 +136,10 @@ class Ops:
     def match_prefix(self, keys: list[str], *, namespace: str = "default",
                      block_tokens: int = 0, ttl: float | None = None,
                      peer: str | None = None, hold: bool = True) -> R.PrefixMatch:
+        # `hold` only when false: a daemon from before it refuses an argument it lacks.
+        more = {} if hold else {"hold": False}
         return self._call("match_prefix", namespace=namespace, keys=keys,
-                          block_tokens=block_tokens, ttl=ttl, peer=peer, hold=hold)  # fmt: skip
+                          block_tokens=block_tokens, ttl=ttl, peer=peer, **more)  # fmt: skip
 
     def release_many(self, leases: list[int]) -> None:
         self._call("release_many", leases=leases)

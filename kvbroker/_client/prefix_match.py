@@ -169,7 +169,8 @@ def _packed_extent(raw, packed: str | None, where: dict[str, int]):
 class KVPrefixMatch(PrefixMatch):
     """A :meth:`PrefixCache.match_kv` result: one read lease on ``num_blocks`` leading blocks
     of every shard in ``ranks`` (TP ranks of the ``source`` TP size). Load them with
-    :meth:`load` before releasing; the views die with the lease."""
+    :meth:`load` before releasing; the views die with the lease. Asked with ``hold=False``,
+    only the count: nothing to load."""
 
     def __init__(self, client: Client, reply: dict, block_size: int, asked_at: float, *,
                  source: int, heads: int | None, ranks: list[int], plan: list[Piece],
@@ -271,6 +272,9 @@ class KVPrefixMatch(PrefixMatch):
             raise BadRequest(f"load: num_blocks {n} outside [0, {self._full}] matched")
         if n == 0:
             return 0
+        if self.lease is None:
+            raise KVBrokerError("this prefix match was asked with hold=False: it holds no "
+                                "lease and has no blocks to load; match with hold=True")
         if self.released:
             raise KVBrokerError("the prefix match was released; its blocks are gone")
         check_infix(infix)

@@ -267,10 +267,6 @@ class Connection(asyncio.BufferedProtocol):
                 self._out = None
                 if out:
                     self._write(out[0] if len(out) == 1 else b"".join(out))
-                    # The busy-poll window runs from the reply: a client answered after a
-                    # long request (a 512-block match) asks again at once, and would
-                    # otherwise find the loop asleep and pay a wake-up.
-                    self.daemon.note_activity()
         self._update_reading()
 
     def _update_reading(self) -> None:
@@ -477,6 +473,10 @@ class Connection(asyncio.BufferedProtocol):
         if self.closed:
             return
         self.transport.write(data)
+        # The busy-poll window runs from each reply too: a client answered after a long
+        # request (a 512-block match) asks again at once, and would otherwise find the loop
+        # asleep and pay a wake-up.
+        self.daemon.note_activity()
         if self.transport.get_write_buffer_size():  # the peer is behind: mind the total
             self.daemon.backlogged(self)
 

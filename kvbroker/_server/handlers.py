@@ -29,6 +29,7 @@ from .._wire.protocol import (
     meta_problem,
 )
 from ..errors import BadRequest, Exists, NotFound, PoolFull, ProtocolError
+from . import prefix_leases
 from .arenas import arena_of, end_arena, new_arena, publish_from_arena
 from .prefix_leases import lazy_readers, lend_prefix, matched_run, materialize_holding
 from .snapshot import statistics_for
@@ -294,8 +295,7 @@ def op_match_prefix(b: Broker, session, namespace, keys, block_tokens, ttl,
     if len(keys) > MAX_BUFFERS:
         raise BadRequest(f"match_prefix: at most {MAX_BUFFERS} keys per request")
     if peer is not None and not hold:
-        raise BadRequest("match_prefix: a pull from a peer needs hold (what it pulls is "
-                         "held for the caller)")  # fmt: skip
+        raise BadRequest("match_prefix: a pull from a peer needs hold (it holds what it pulls)")
     if not session.access.can(namespace):  # another tenant's prefixes: invisible
         keys = ()
     found = matched_run(b, namespace, keys)
@@ -309,17 +309,13 @@ def op_match_prefix(b: Broker, session, namespace, keys, block_tokens, ttl,
                            lambda _: op_match_prefix(b, session, namespace, keys,
                                                      block_tokens, ttl),
                            fleet.timeout)  # fmt: skip
-    c = b.counters
-    c["prefix_queries"] += 1
-    c["prefix_hit_blocks"] += len(found)
-    c["prefix_miss_blocks"] += len(keys) - len(found)
-    c["prefix_hit_tokens"] += len(found) * block_tokens
-    c["hits" if found else "misses"] += 1
+    prefix_leases.count_query(b, len(keys), len(found), block_tokens)
     if not found or not hold:
+        prefix_leases.keep_recent(b, found)
         return {"ttl": ttl, "matched": len(found), "lease": None, "names": [], "blocks": []}
     b.check_lease_limit(session)
     lease, names, packed, nbytes = lend_prefix(b, session, found, ttl)
-    c["bytes_out"] += nbytes
+    b.counters["bytes_out"] += nbytes
     session.bytes_claimed += nbytes
     reply: R.PrefixMatch = {"ttl": ttl, "matched": len(found), "lease": lease.id,
                             "names": list(names), "metas": [found[0].meta], "blocks": []}

@@ -34,9 +34,11 @@ if TYPE_CHECKING:
     from .broker import Broker
     from .state import Lease, Session, StoredObject
 
-__all__ = ["lend_prefix", "matched_run", "materialize", "materialize_holding", "lazy_readers"]
+__all__ = ["lend_prefix", "matched_run", "materialize", "materialize_holding", "lazy_readers",
+           "keep_recent", "count_query"]
 
 _parent, _shape, _row = attrgetter("parent"), attrgetter("shape"), attrgetter("row")
+_serial = attrgetter("serial")
 
 
 def matched_run(b: Broker, namespace: str, keys: list[Any]) -> list[StoredObject]:
@@ -93,6 +95,26 @@ def lend_prefix(b: Broker, session: Session, found: list[StoredObject],
     return lease, shape[0], b"".join(rows) if same else None, sum(n for _, n in shapes)
 
 
+def count_query(b: Broker, asked: int, matched: int, block_tokens: int) -> None:
+    """One prefix query in the counters: blocks hit and missed, tokens hit."""
+    c = b.counters
+    c["prefix_queries"] += 1
+    c["prefix_hit_blocks"] += matched
+    c["prefix_miss_blocks"] += asked - matched
+    c["prefix_hit_tokens"] += matched * block_tokens
+    c["hits" if matched else "misses"] += 1
+
+
+def keep_recent(b: Broker, found: list[StoredObject]) -> None:
+    """What a match that holds nothing (``hold=False``) does to the LRU: the matched blocks
+    in it move to its newest end, in order, as a held match's release would put them, so a
+    prefix a scheduler keeps finding is not the first to be evicted. (Nothing is read:
+    ``last_access`` stays.)"""
+    lru = b._lru
+    there = list(filter(None, map(lru.pop, map(_serial, found), repeat(None))))
+    lru.update(zip(map(_serial, there), there))
+
+
 def _chains(found: list[StoredObject]) -> int:
     """``s`` when ``found`` is ``s`` chains interleaved block by block (each block's parent
     is the block ``s`` before it; 1: one chain), else 0."""
@@ -143,13 +165,20 @@ def _holds(lease: Lease, obj: StoredObject, depth: int) -> bool:
 
 
 def lazy_readers(b: Broker) -> Counter[StoredObject]:
-    """The readers the lazy leases add to their blocks but the leaf (which counts its own):
-    what materializing every one of them would add, nothing changed. Leases over the same
-    span (its first block and its leaf name it: a chain is its leaf's ancestors) are counted
-    once, times their number: many requests matching one prefix cost one walk."""
-    spans: dict[tuple[int, int, int], list] = {}
+    """The readers the lazy leases add to their blocks but the leaves (which count their
+    own): what materializing every one of them would add, nothing changed. Leases over the
+    same span are counted once, times their number: many requests matching one prefix cost
+    one walk. One chain's span is named by its first block and its leaf (a chain is its
+    leaf's ancestors); ``s`` interleaved chains' by each chain's first and last block, and
+    the length (which says where the partial last row ends)."""
+    spans: dict[tuple, list] = {}
     for lease in b.lazy_leases.values():
-        span = spans.get(key := (id(lease.obj), id(lease.more[-1]), lease.lazy))
+        s, more = lease.lazy, lease.more
+        if s == 1:
+            key = (id(lease.obj), id(more[-1]))
+        else:
+            key = (s, len(more), id(lease.obj), *map(id, more[: s - 1]), *map(id, more[-s:]))
+        span = spans.get(key)
         if span is None:
             spans[key] = [lease, 1]
         else:
