@@ -47,8 +47,10 @@ It ends on ``release``, on TTL expiry, or when the connection closes. A claim wi
 is released; at zero the object is unlinked, and its extents are freed once the last read
 lease on it ends. A consumer that crashes before releasing does not count: the object stays
 for a retry (or for eviction). A prefix match (``match_prefix``) is one read lease over all
-its blocks; over a chain it counts as a reader of the last block only, which holds the
-others no less (:mod:`kvbroker._server.prefix_leases` says why, and when it counts on each).
+its blocks; over a chain (or chains interleaved block by block) it counts as a reader of each
+chain's last block only, which holds the others no less (:mod:`kvbroker._server.prefix_leases`
+says why, and when it counts on each). A match with ``hold`` false takes no lease: it only
+counts, and whoever asked owns nothing.
 
 *Fencing* — lease ids are never reused. Using an ended lease raises
 :class:`~kvbroker.errors.LeaseExpired` saying why it ended; a reader that gets it on
