@@ -168,17 +168,13 @@ def lazy_readers(b: Broker) -> Counter[StoredObject]:
     """The readers the lazy leases add to their blocks but the leaves (which count their
     own): what materializing every one of them would add, nothing changed. Leases over the
     same span are counted once, times their number: many requests matching one prefix cost
-    one walk. One chain's span is named by its first block and its leaf (a chain is its
-    leaf's ancestors); ``s`` interleaved chains' by each chain's first and last block, and
-    the length (which says where the partial last row ends)."""
+    one walk. A span is named by each of its ``s`` chains' first and last block (a chain is
+    its leaf's ancestors) and its length (which says where a partial last row ends)."""
     spans: dict[tuple, list] = {}
     for lease in b.lazy_leases.values():
         s, more = lease.lazy, lease.more
-        if s == 1:
-            key = (id(lease.obj), id(more[-1]))
-        else:
-            key = (s, len(more), id(lease.obj), *map(id, more[: s - 1]), *map(id, more[-s:]))
-        span = spans.get(key)
+        span = spans.get(key := (s, len(more), id(lease.obj), *map(id, more[: s - 1]),
+                                 *map(id, more[-s:])))  # fmt: skip
         if span is None:
             spans[key] = [lease, 1]
         else:

@@ -86,7 +86,6 @@ def drop_segments(d: Daemon, names, keep=()) -> None:
                         name, exc)  # fmt: skip
 
 
-
 def _unadoptable(d: Daemon, old: list[dict], dropped: str, refusal: str) -> bool:
     """The previous daemon's pools cannot be taken as they are: pools it kept for this one (a
     cache) are dropped, saying ``dropped`` (returns False: start empty); pools a crash left
