@@ -61,12 +61,10 @@ import numpy as np
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 
-from kvbroker._bench._common import measured_commit  # noqa: E402
+from kvbroker._bench._common import measured_commit, ratio as _ratio  # noqa: E402
 from kvbroker._client import engine as E  # noqa: E402
 from kvbroker._wire import checksum as cs  # noqa: E402
 from kvbroker._wire.paths import parse_size  # noqa: E402
-from kvbroker._bench._common import ratio as _ratio  # noqa: E402 (two decimals, cut)
-
 
 
 def machine() -> dict:

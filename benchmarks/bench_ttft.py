@@ -43,10 +43,8 @@ sys.path.insert(0, str(ROOT / "examples"))
 import models  # noqa: E402
 
 from kvbroker import BrokerUnavailable, Client  # noqa: E402
-from kvbroker._bench._common import measured_commit  # noqa: E402
+from kvbroker._bench._common import measured_commit, ratio as _ratio  # noqa: E402
 from kvbroker.integrations import transformers as kvt  # noqa: E402
-from kvbroker._bench._common import ratio as _ratio  # noqa: E402 (two decimals, cut)
-
 
 
 def start_daemon(tmp: str, pool: str) -> tuple[subprocess.Popen, str]:

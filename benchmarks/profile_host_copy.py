@@ -44,8 +44,7 @@ import xxhash
 ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, ROOT)
 
-from kvbroker._bench._common import measured_commit  # noqa: E402
-from kvbroker._bench._common import machine_info  # noqa: E402
+from kvbroker._bench._common import machine_info, measured_commit  # noqa: E402
 from kvbroker._client.engine import CopyEngine  # noqa: E402
 from kvbroker._wire import checksum as cs  # noqa: E402
 from kvbroker._wire.paths import parse_size  # noqa: E402
