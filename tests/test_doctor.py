@@ -92,3 +92,31 @@ def test_doctor_imports_torch_only_for_a_gpu():
     imported, gpu = (word == "True" for word in out)
     if not gpu:
         assert not imported, "torch imported on a host without a GPU"
+
+
+def test_checksum_hash_warns_on_an_xxhash_without_simd_dispatch(monkeypatch):
+    from kvbroker._server.doctor import check_checksum_hash
+    from kvbroker._wire import checksum
+
+    monkeypatch.setattr(checksum, "simd_dispatch", lambda: False)
+    c = check_checksum_hash(DaemonConfig())
+    assert c.status == "warn", c
+    assert "SSE2 only" in c.detail and "GB/s on one core" in c.detail
+    assert "xxhash>=4.1" in c.fix
+    monkeypatch.setattr(checksum, "simd_dispatch", lambda: True)
+    c = check_checksum_hash(DaemonConfig())
+    assert c.status == "ok" and "AVX2 / AVX-512 chosen at run time" in c.detail, c
+    assert "checksum hash" in render(run_checks(DaemonConfig()))
+
+
+def test_the_installed_xxhash_chooses_its_simd_path_at_run_time():
+    # pyproject asks for xxhash>=4.1, the first whose x86-64 wheels carry xxHash's dispatcher;
+    # an install that resolved an older one hashes every host checksum at SSE2 speed.
+    import platform
+
+    from kvbroker._wire.checksum import simd_dispatch
+
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        assert simd_dispatch() is None
+    else:
+        assert simd_dispatch() is True
