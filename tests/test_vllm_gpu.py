@@ -377,6 +377,79 @@ def test_cuda_save_of_many_one_block_chunks_is_bit_exact(client):
     assert torch.equal(s6[:, :, a].view(torch.int16), d6[:, :, b].view(torch.int16))
 
 
+@pytest.mark.skipif(not CUDA, reason="needs CUDA (torch sees no CUDA device)")
+def test_cuda_save_queues_a_chunks_dma_before_its_checksums(client, monkeypatch):
+    """The DMA of a chunk waits for its gather only: the checksums' set-up (CPU) and kernel
+    come after it, and the block ids go to the device once per save, not once per chunk.
+    What the save still guarantees: bit-exact blocks, each sealed with a checksum the CPU's
+    definition confirms."""
+    from kvbroker._client.integrity import verify_objects
+    from kvbroker._client.kernels import triton_available
+    from kvbroker.gpu import GpuClient
+    from kvbroker.integrations.vllm import _cuda
+    from kvbroker.integrations.vllm._paged import copier_for
+
+    if not triton_available():
+        pytest.skip("the GPU checksums need Triton")
+    events, recording = [], [True]
+
+    def note(what):
+        if recording[0]:
+            events.append(what)
+
+    start_sums, ids_on, dma = _cuda._start_sums, _cuda._ids_on, copier_for("cuda")
+    monkeypatch.setattr(_cuda, "_start_sums", lambda half: note("sums") or start_sums(half))
+    monkeypatch.setattr(_cuda, "_ids_on", lambda *a: note("ids") or ids_on(*a))
+    L, B, H, N, D = 2, 40, 4, 16, 128
+    src, _ = vllm_like(L, B, H, N, D, torch.bfloat16, "cuda")
+    dst, _ = vllm_like(L, B, H, N, D, torch.bfloat16, "cuda", seed=1)
+    fmt = _fmt(L, H, N, D, torch.bfloat16)
+    s6, d6 = cuda_cache(src, "packed"), cuda_cache(dst, "packed")
+    hashes = [f"{i:032x}" for i in range(1, 17)]
+    src_ids, dst_ids = [(7 * i + 3) % B for i in range(16)], list(range(16))
+    with GpuClient(client, own_client=False) as g:
+        assert g.client.checksum_kind == 1
+        assert _cuda.save_cuda(g.client, NS, fmt, s6, _items(hashes, src_ids), stream=g.stream,
+                               copier=lambda runs, s: note("dma") or dma(runs, s),
+                               staging_bytes=4 * fmt.block_nbytes) == (16, 0)  # fmt: skip
+        recording[0] = False
+        assert _cuda.load_cuda(g.client, NS, fmt, d6, hashes, dst_ids, stream=g.stream) == 16
+        torch.cuda.synchronize()
+    assert events.count("ids") == 1, events  # one upload of the save's block ids
+    chunks = events.count("sums")
+    assert chunks > 2 and [e for e in events if e != "ids"] == ["dma", "sums"] * chunks, events
+    a, b = torch.tensor(src_ids, device="cuda"), torch.tensor(dst_ids, device="cuda")
+    assert torch.equal(s6[:, :, a].view(torch.int16), d6[:, :, b].view(torch.int16))
+    checks = list(verify_objects(client, namespace=NS))
+    assert len(checks) == 16 and {c.status for c in checks} == {"ok"}
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA (torch sees no CUDA device)")
+def test_cuda_save_over_blocks_partly_held_gathers_only_the_new_ones(client):
+    """Chunks where the node holds some blocks already take their own block ids (not a
+    slice of the save's): the new blocks land whole, the held ones are left as they were."""
+    from kvbroker.gpu import GpuClient
+    from kvbroker.integrations.vllm._cuda import load_cuda, save_cuda
+
+    L, B, H, N, D = 2, 40, 4, 16, 128
+    src, _ = vllm_like(L, B, H, N, D, torch.bfloat16, "cuda")
+    dst, _ = vllm_like(L, B, H, N, D, torch.bfloat16, "cuda", seed=1)
+    fmt = _fmt(L, H, N, D, torch.bfloat16)
+    s6, d6 = cuda_cache(src, "packed"), cuda_cache(dst, "packed")
+    hashes = [f"{i:032x}" for i in range(1, 13)]
+    src_ids = [(5 * i + 1) % B for i in range(12)]
+    with GpuClient(client, own_client=False) as g:
+        first = _items(hashes[:4], src_ids[:4])  # blocks 0-3 held before the second save
+        assert save_cuda(g.client, NS, fmt, s6, first, stream=g.stream) == (4, 0)
+        # chunks of 1, 1, 3, 3, 2, 1, 1 blocks: the third holds blocks 2 and 3, not 4
+        assert save_cuda(g.client, NS, fmt, s6, _items(hashes, src_ids), stream=g.stream,
+                         staging_bytes=6 * fmt.block_nbytes) == (8, 4)  # fmt: skip
+        assert load_cuda(g.client, NS, fmt, d6, hashes, list(range(12)), stream=g.stream) == 12
+        torch.cuda.synchronize()
+    a = torch.tensor(src_ids, device="cuda")
+    assert torch.equal(s6[:, :, a].view(torch.int16), d6[:, :, :12].view(torch.int16))
+
+
 def test_mla_latent_blocks_are_replicated_not_split(client):
     """An MLA cache (one latent row per token, ``[blocks, 1, page, C]`` per layer): each TP
     rank of a prefill engine publishes the same latent under its own shard key, and a decode

@@ -8,7 +8,9 @@ host engines, and TP layouts, read each other's blocks.
   their K/V from the cache into device staging laid out like the broker's blocks
   (``[block][layer][K/V][head][token][head_dim]``: one ``index_select`` + one permuted copy on
   a gather stream), then DMA the staging into the reserved extents (device -> registered host
-  pool, on a DMA stream; consecutive blocks merge into one run). Reservations are sent a few
+  pool, on a DMA stream; consecutive blocks merge into one run), and hash the staged blocks on
+  the gather stream beside that DMA (queued after it: the checksums' set-up on this thread
+  does not delay it). Reservations are sent a few
   chunks ahead without waiting (``client.ops.pipelined``), a chunk's seal is sent as soon as
   its DMA ended: the daemon's work and the gathers hide behind the DMA. Measured on an H100:
   ``benchmarks/bench_vllm_gpu.py``, where the time goes: ``benchmarks/profile_vllm_gpu.py``.
@@ -103,6 +105,8 @@ def save_cuda(client, namespace: str, fmt: BlockFormat, cache, items: Sequence[S
     staging = None
     new = existing = 0
     answered = 0
+    all_ids = None  # (CUDA) every item's block id on the device
+    at = 0  # where ``part`` starts in ``items``
     try:
         for k, part in enumerate(parts):
             ask_up_to(k + _AHEAD)
@@ -126,18 +130,31 @@ def save_cuda(client, namespace: str, fmt: BlockFormat, cache, items: Sequence[S
                     with torch.cuda.stream(gather):
                         if free_again[k % 2] is not None:  # the DMA that read this half ended
                             gather.wait_event(free_again[k % 2])
-                        # made on the stream that reads it (the allocator may hand its memory
-                        # to the next chunk's ids only once this gather has run), from pinned
-                        # memory without blocking: a pageable copy would hold this thread
-                        # until the gather stream got there (a bubble per chunk in the DMA)
-                        ids = _ids_on(torch, chosen, cache.device)
+                        if all_ids is None:
+                            # every item's block id, one upload for the whole save: a chunk
+                            # with nothing skipped gathers with a slice of it
+                            all_ids = _ids_on(torch, [it.block_id for it in items], cache.device)
+                        if len(chosen) == len(part):
+                            ids = all_ids[at : at + len(part)]
+                        else:
+                            ids = _ids_on(torch, chosen, cache.device)
                         half.copy_(cache.index_select(2, ids).permute(2, 0, 1, 4, 3, 5))
-                        sums = _start_sums(half) if summing else None
-                        dma.wait_stream(gather)
+                        gathered = torch.cuda.Event()
+                        gathered.record(gather)
+                    # The DMA is queued first: it waits for the gather only, and the checksum
+                    # kernel (set up on this thread, then run on the gather stream) reads the
+                    # staging beside it. The next gather into this half runs after that kernel
+                    # in the gather stream's order.
+                    dma.wait_event(gathered)
                     copier(runs, dma)
                     done = torch.cuda.Event()
                     done.record(dma)
                     free_again[k % 2] = done
+                    if summing:
+                        with torch.cuda.stream(gather):
+                            sums = _start_sums(half)
+                    else:
+                        sums = None
                 else:
                     ids = torch.tensor(chosen)
                     half.copy_(cache.index_select(2, ids).permute(2, 0, 1, 4, 3, 5))
@@ -148,6 +165,7 @@ def save_cuda(client, namespace: str, fmt: BlockFormat, cache, items: Sequence[S
             while copying and (copying[0][0] is None or copying[0][0].query()):
                 _, done_leases, sums = copying.popleft()
                 sealing.append((_seal_later(client, done_leases, sums), done_leases))
+            at += len(part)
         while copying:
             done, done_leases, sums = copying.popleft()
             if done is not None:
@@ -225,8 +243,9 @@ def _gpu_sums_available(client) -> bool:
 
 
 def _start_sums(half):
-    """Each staged block's kind-1 checksum, queued on the current (gather) stream: the DMA
-    stream waits for it with the gather, so the values are on the host once the DMA ended."""
+    """Each staged block's kind-1 checksum, queued on the current (gather) stream right after
+    the gather, beside the chunk's DMA (which waits for the gather only); the seal waits for
+    the values, there long before the DMA of the chunk ends."""
     from kvbroker._client import gpu_checksum
 
     return gpu_checksum.start_rows(half)
