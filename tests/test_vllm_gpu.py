@@ -378,11 +378,11 @@ def test_cuda_save_of_many_one_block_chunks_is_bit_exact(client):
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA (torch sees no CUDA device)")
-def test_cuda_save_queues_a_chunks_dma_before_its_checksums(client, monkeypatch):
-    """The DMA of a chunk waits for its gather only: the checksums' set-up (CPU) and kernel
-    come after it, and the block ids go to the device once per save, not once per chunk.
-    What the save still guarantees: bit-exact blocks, each sealed with a checksum the CPU's
-    definition confirms."""
+def test_cuda_save_sends_its_block_ids_to_the_device_once(client, monkeypatch):
+    """One upload of the save's block ids, not one per chunk (a pinned copy and its set-up on
+    the critical path of every chunk); each chunk gathers with a slice of them. What the save
+    still guarantees: bit-exact blocks, each sealed with a checksum the CPU's definition
+    confirms."""
     from kvbroker._client.integrity import verify_objects
     from kvbroker._client.kernels import triton_available
     from kvbroker.gpu import GpuClient
@@ -415,9 +415,8 @@ def test_cuda_save_queues_a_chunks_dma_before_its_checksums(client, monkeypatch)
         recording[0] = False
         assert _cuda.load_cuda(g.client, NS, fmt, d6, hashes, dst_ids, stream=g.stream) == 16
         torch.cuda.synchronize()
-    assert events.count("ids") == 1, events  # one upload of the save's block ids
-    chunks = events.count("sums")
-    assert chunks > 2 and [e for e in events if e != "ids"] == ["dma", "sums"] * chunks, events
+    assert events.count("ids") == 1 and events.count("dma") > 2, events
+    assert events.count("sums") == events.count("dma"), events  # every chunk hashed
     a, b = torch.tensor(src_ids, device="cuda"), torch.tensor(dst_ids, device="cuda")
     assert torch.equal(s6[:, :, a].view(torch.int16), d6[:, :, b].view(torch.int16))
     checks = list(verify_objects(client, namespace=NS))

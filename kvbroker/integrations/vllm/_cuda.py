@@ -8,9 +8,7 @@ host engines, and TP layouts, read each other's blocks.
   their K/V from the cache into device staging laid out like the broker's blocks
   (``[block][layer][K/V][head][token][head_dim]``: one ``index_select`` + one permuted copy on
   a gather stream), then DMA the staging into the reserved extents (device -> registered host
-  pool, on a DMA stream; consecutive blocks merge into one run), and hash the staged blocks on
-  a third stream beside that DMA (queued after it: the checksums' set-up on this thread
-  does not delay it). Reservations are sent a few
+  pool, on a DMA stream; consecutive blocks merge into one run). Reservations are sent a few
   chunks ahead without waiting (``client.ops.pipelined``), a chunk's seal is sent as soon as
   its DMA ended: the daemon's work and the gathers hide behind the DMA. Measured on an H100:
   ``benchmarks/bench_vllm_gpu.py``, where the time goes: ``benchmarks/profile_vllm_gpu.py``.
@@ -85,11 +83,10 @@ def save_cuda(client, namespace: str, fmt: BlockFormat, cache, items: Sequence[S
     chunk = max(1, min(RESERVE_CHUNK, staging_bytes // (2 * per_block)))
     parts = _split(items, chunk)
     dma = _side_stream(torch, cache, stream)
-    gather = hasher = None
+    gather = None
     if cuda:  # the gather of chunk k+1 runs beside the DMA of chunk k
         gather = torch.cuda.Stream(cache.device)
         gather.wait_stream(torch.cuda.current_stream(cache.device))  # the engine wrote them
-        hasher = torch.cuda.Stream(cache.device) if summing else None
     # Reservations go into the daemon's queue AHEAD chunks ahead of the copies: it works
     # through them while earlier chunks copy, and seals join the queue as copies end.
     asked: list = []
@@ -101,7 +98,7 @@ def save_cuda(client, namespace: str, fmt: BlockFormat, cache, items: Sequence[S
     unsealed: list[int] = []  # reserved, not known sealed: aborted if anything fails
     sealing: list[tuple] = []  # (pending seal_many, its leases)
     copying: collections.deque = collections.deque()  # (DMA done event or None, leases)
-    free_again: list = [(), ()]  # per staging half: the events its last readers end at
+    free_again: list = [None, None]  # per staging half: the event its last DMA ends at
     bases: dict[int, int] = {}
     staging = None
     new = existing = 0
@@ -129,36 +126,27 @@ def save_cuda(client, namespace: str, fmt: BlockFormat, cache, items: Sequence[S
                 done = None
                 if cuda:
                     with torch.cuda.stream(gather):
-                        for read in free_again[k % 2]:  # the DMA (and hash) that read this half
-                            gather.wait_event(read)
+                        if free_again[k % 2] is not None:  # the DMA that read this half ended
+                            gather.wait_event(free_again[k % 2])
+                        # made on the stream that reads them (the allocator may hand their
+                        # memory to later ids only once this gather has run), from pinned
+                        # memory without blocking: a pageable copy would hold this thread
+                        # until the gather stream got there (a bubble per chunk in the DMA).
+                        # Every item's id goes once per save; a chunk with nothing skipped
+                        # gathers with a slice of them.
                         if all_ids is None:
-                            # every item's block id, one upload for the whole save: a chunk
-                            # with nothing skipped gathers with a slice of it
                             all_ids = _ids_on(torch, [it.block_id for it in items], cache.device)
                         if len(chosen) == len(part):
                             ids = all_ids[at : at + len(part)]
                         else:
                             ids = _ids_on(torch, chosen, cache.device)
                         half.copy_(cache.index_select(2, ids).permute(2, 0, 1, 4, 3, 5))
-                        gathered = torch.cuda.Event()
-                        gathered.record(gather)
-                    # The DMA is queued first and waits for the gather only; the checksums
-                    # (set up on this thread after it) read the staging beside it on a third
-                    # stream, whose digests' copy back may wait behind the DMA: on the gather
-                    # stream it would hold up the next gather.
-                    dma.wait_event(gathered)
+                        sums = _start_sums(half) if summing else None
+                        dma.wait_stream(gather)
                     copier(runs, dma)
                     done = torch.cuda.Event()
                     done.record(dma)
-                    free_again[k % 2] = (done,)
-                    sums = None
-                    if summing:
-                        with torch.cuda.stream(hasher):
-                            hasher.wait_event(gathered)
-                            sums = _start_sums(half)
-                            hashed = torch.cuda.Event()
-                            hashed.record(hasher)
-                        free_again[k % 2] = (done, hashed)
+                    free_again[k % 2] = done
                 else:
                     ids = torch.tensor(chosen)
                     half.copy_(cache.index_select(2, ids).permute(2, 0, 1, 4, 3, 5))
@@ -184,8 +172,6 @@ def save_cuda(client, namespace: str, fmt: BlockFormat, cache, items: Sequence[S
         if cuda:
             dma.synchronize()  # no DMA may still write into pages the abort frees
             gather.synchronize()
-            if hasher is not None:
-                hasher.synchronize()
         # a daemon that stopped answering is not waited for again, a timeout per reply
         answering = not isinstance(exc, Timeout)
         for pending, done_leases in sealing:  # what did get sealed is the broker's now
@@ -249,8 +235,8 @@ def _gpu_sums_available(client) -> bool:
 
 
 def _start_sums(half):
-    """Each staged block's kind-1 checksum, queued on the current stream (the save's hashing
-    stream, after the gather), beside the chunk's DMA; the seal waits for the values."""
+    """Each staged block's kind-1 checksum, queued on the current (gather) stream: the DMA
+    stream waits for it with the gather, so the values are on the host once the DMA ended."""
     from kvbroker._client import gpu_checksum
 
     return gpu_checksum.start_rows(half)
