@@ -103,8 +103,6 @@ def save_cuda(client, namespace: str, fmt: BlockFormat, cache, items: Sequence[S
     staging = None
     new = existing = 0
     answered = 0
-    all_ids = None  # (CUDA) every item's block id on the device
-    at = 0  # where ``part`` starts in ``items``
     try:
         for k, part in enumerate(parts):
             ask_up_to(k + _AHEAD)
@@ -128,18 +126,11 @@ def save_cuda(client, namespace: str, fmt: BlockFormat, cache, items: Sequence[S
                     with torch.cuda.stream(gather):
                         if free_again[k % 2] is not None:  # the DMA that read this half ended
                             gather.wait_event(free_again[k % 2])
-                        # made on the stream that reads them (the allocator may hand their
-                        # memory to later ids only once this gather has run), from pinned
+                        # made on the stream that reads it (the allocator may hand its memory
+                        # to the next chunk's ids only once this gather has run), from pinned
                         # memory without blocking: a pageable copy would hold this thread
-                        # until the gather stream got there (a bubble per chunk in the DMA).
-                        # Every item's id goes once per save; a chunk with nothing skipped
-                        # gathers with a slice of them.
-                        if all_ids is None:
-                            all_ids = _ids_on(torch, [it.block_id for it in items], cache.device)
-                        if len(chosen) == len(part):
-                            ids = all_ids[at : at + len(part)]
-                        else:
-                            ids = _ids_on(torch, chosen, cache.device)
+                        # until the gather stream got there (a bubble per chunk in the DMA)
+                        ids = _ids_on(torch, chosen, cache.device)
                         half.copy_(cache.index_select(2, ids).permute(2, 0, 1, 4, 3, 5))
                         sums = _start_sums(half) if summing else None
                         dma.wait_stream(gather)
@@ -157,7 +148,6 @@ def save_cuda(client, namespace: str, fmt: BlockFormat, cache, items: Sequence[S
             while copying and (copying[0][0] is None or copying[0][0].query()):
                 _, done_leases, sums = copying.popleft()
                 sealing.append((_seal_later(client, done_leases, sums), done_leases))
-            at += len(part)
         while copying:
             done, done_leases, sums = copying.popleft()
             if done is not None:
