@@ -3,8 +3,10 @@
 Runs ``_cuda.save_cuda`` / ``load_cuda`` on a Llama-3-8B-shaped 16k-token KV (as
 ``bench_vllm_gpu.py``) with the control-plane calls, the copies and the waits wrapped in
 timers; with ``--daemon-profile`` the daemon runs under cProfile (its top functions printed
-at the end). Usage: ``python benchmarks/profile_vllm_gpu.py [--tokens 16384] [--reps 3]
-[--cpu] [--daemon-profile]``.
+at the end); with ``--timeline N`` the first N steps of the last save on the Python thread
+(each reservation sent and answered, block ids uploaded, checksums set up, DMA queued, seal
+queued), in ms from the call's start. Usage: ``python benchmarks/profile_vllm_gpu.py
+[--tokens 16384] [--reps 3] [--cpu] [--daemon-profile] [--no-checksums] [--timeline N]``.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_vllm_gpu import vllm_cache
 
 from kvbroker import Client
+from kvbroker._bench._common import invocation, machine_info, measured_commit
 from kvbroker.integrations.vllm import _cuda, _ops, _paged
 from kvbroker.integrations.vllm._format import BlockFormat
 from kvbroker.integrations.vllm._paged import SaveItem, copier_for, cuda_cache
@@ -35,6 +38,20 @@ from kvbroker.integrations.vllm._paged import SaveItem, copier_for, cuda_cache
 SPENT: dict[str, float] = collections.defaultdict(float)
 CALLS: dict[str, int] = collections.defaultdict(int)
 TIMELINE: list = []  # (host time a DMA was queued, its start and end events)
+STEPS: list = []  # (step, host start, host end) of the current save, with --timeline
+
+
+def stepped(name, fn):
+    """``fn``, its calls recorded in STEPS."""
+
+    def wrapper(*a, **k):
+        t0 = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            STEPS.append((name, t0, time.perf_counter()))
+
+    return wrapper
 
 
 def timed(name, fn):
@@ -98,7 +115,12 @@ def main() -> None:
     p.add_argument("--daemon-profile", action="store_true", help="run the daemon under cProfile")
     p.add_argument("--no-checksums", action="store_true",
                    help="seal without the GPU checksums (what they cost, side by side)")
+    p.add_argument("--timeline", type=int, default=0, metavar="N",
+                   help="print the first N steps of the last save on the Python thread")
     a = p.parse_args()
+    m = machine_info()
+    print(f"commit {measured_commit()}; {m['cpu']}, {m['cores']} CPUs, {m['when']}; "
+          f"`python benchmarks/{invocation()}`")
     device = torch.device("cpu" if a.cpu else "cuda")
     L, H, D, page = 32, 8, 128, 16
     nblk = a.tokens // page
@@ -148,6 +170,13 @@ def main() -> None:
     _cuda.match = _paged.match
     if device.type == "cuda":
         torch.cuda.Event.synchronize = timed("wait for a chunk's DMA", torch.cuda.Event.synchronize)
+    if a.timeline:
+        _ops.ReserveLater.__init__ = stepped("reservation sent", _ops.ReserveLater.__init__)
+        _ops.ReserveLater.result = stepped("reservation answered", _ops.ReserveLater.result)
+        _cuda._ids_on = stepped("block ids to the GPU", _cuda._ids_on)
+        _cuda._start_sums = stepped("checksums set up", _cuda._start_sums)
+        _cuda._seal_later = stepped("seal queued", _cuda._seal_later)
+        copier = stepped("DMA queued", copier)
     for rep in range(a.reps + 1):
         if rep == 1:
             SPENT.clear()
@@ -157,9 +186,13 @@ def main() -> None:
         if device.type == "cuda":
             torch.cuda.synchronize()
         TIMELINE.clear()
+        STEPS.clear()
         t0 = time.perf_counter()
+        last_start = t0
         _cuda.save_cuda(client, "ns", fmt, src, items, stream=stream, copier=copier,
                         checksums=not a.no_checksums)  # fmt: skip
+        if a.timeline:  # (the load's steps are not the save's)
+            saved_steps = list(STEPS)
         if device.type == "cuda":
             torch.cuda.synchronize()
         t1 = time.perf_counter()
@@ -183,6 +216,11 @@ def main() -> None:
         client.evict(namespace="ns")
     if device.type == "cuda":  # the GPU side alone: gather without DMA, DMA of the same runs
         gpu_split(src, fmt, nblk, client)
+    if a.timeline:
+        print(f"the last save's first {a.timeline} steps, ms from its start (begin - end):")
+        for name, begin, end in saved_steps[: a.timeline]:
+            begin, end = (begin - last_start) * 1e3, (end - last_start) * 1e3
+            print(f"  {name:24s} {begin:8.3f} - {end:8.3f}")
     print(f"{nblk} blocks, {nbytes / 2**30:.2f} GiB, per save/load (mean of {a.reps}); "
           f"{CALLS.pop('dma runs', 0) / a.reps / 2:.0f} DMA runs per save or load:")
     for name, s in sorted(SPENT.items(), key=lambda kv: -kv[1]):
