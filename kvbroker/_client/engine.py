@@ -13,8 +13,8 @@ one-shot hash for inputs of 64 KiB or more (xxhash >= 4.0; from 4.1 with AVX2 / 
 chosen at run time). What still needs it is the Python between them, and handing it over:
 twice per chunk. That is what limits the scaling (measured on an H100 host's 16 cores,
 32 MiB, 1 MiB chunks, python-xxhash 4.0.1: fused copy+hash 8 GB/s on 1 thread, 21 on 4, 24 on
-8, 18 on 16; a plain multi-threaded memcpy 14 / 46 / 43 / 33. With 4.1.0's hash, 2.8x cheaper
-in cache, 8 threads gained 10 %: ``benchmarks/results/xxhash-ab/``). A C routine copying and
+8, 18 on 16; a plain multi-threaded memcpy 14 / 46 / 43 / 33. With 4.1.0's hash, 2.76x cheaper
+in cache, 8 threads took 8 % less time: ``benchmarks/results/xxhash-ab/``). A C routine copying and
 hashing a whole range per call (one GIL release per thread) is what would remove it.
 
 Users: ``put`` (copy + hash), ``get`` (copy, or copy + hash with ``verify``), ``claim``'s

@@ -28,10 +28,10 @@ Why this design
   (:mod:`kvbroker._client.gpu_checksum`) as there are, and the combining hash reads 8 bytes
   per MiB.
 - **xxh3_64 per chunk, not a new hash.** On the CPU, python-xxhash >= 4.1 picks the
-  widest SIMD path the CPU has at run time (AVX2, AVX-512): 24.5 us per MiB in cache
-  (43 GB/s) on an H100 host's Xeon cores, 17-24 us (44-60 GB/s) on this repo's EPYC VM.
-  Its 4.0.x wheels are built for SSE2 only: 84 us per MiB on that Xeon, slower than the copy
-  beside it (:func:`simd_dispatch`; ``kvbroker doctor`` warns). It releases the GIL for
+  widest SIMD path the CPU has at run time (AVX2, AVX-512): 28.6 us per MiB in cache on an
+  H100 host's Xeon cores, where its 4.0.x wheels, built for SSE2 only, take 79 us, more than
+  the copy beside it (``benchmarks/results/xxhash-ab/``; :func:`simd_dispatch`; ``kvbroker
+  doctor`` warns). It releases the GIL for
   inputs of 64 KiB or more (``_GIL_MINSIZE``), so chunk hashing runs in threads beside
   numpy's copies (which release it too). On the GPU, xxh3's
   long-input loop is 32x32->64-bit multiplies and 64-bit adds over 8 independent lanes,
