@@ -41,29 +41,32 @@ TIMELINE: list = []  # (host time a DMA was queued, its start and end events)
 STEPS: list = []  # (step, host start, host end) of the current save, with --timeline
 
 
-def stepped(name, fn):
-    """``fn``, its calls recorded in STEPS."""
+def _wrapped(fn, record):
+    """``fn``, each call's start and end (host clock) passed to ``record``."""
 
     def wrapper(*a, **k):
         t0 = time.perf_counter()
         try:
             return fn(*a, **k)
         finally:
-            STEPS.append((name, t0, time.perf_counter()))
+            record(t0, time.perf_counter())
 
     return wrapper
+
+
+def stepped(name, fn):
+    """``fn``, its calls recorded in STEPS."""
+    return _wrapped(fn, lambda t0, t1: STEPS.append((name, t0, t1)))
 
 
 def timed(name, fn):
-    def wrapper(*a, **k):
-        t0 = time.perf_counter()
-        try:
-            return fn(*a, **k)
-        finally:
-            SPENT[name] += time.perf_counter() - t0
-            CALLS[name] += 1
+    """``fn``, its calls counted in CALLS and their time added to SPENT."""
 
-    return wrapper
+    def record(t0, t1):
+        SPENT[name] += t1 - t0
+        CALLS[name] += 1
+
+    return _wrapped(fn, record)
 
 
 def gpu_split(src, fmt, nblk, client) -> None:

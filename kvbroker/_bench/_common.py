@@ -91,7 +91,8 @@ def machine_info() -> dict[str, Any]:
         "python": platform.python_version(),
         "numpy": numpy.__version__,
         "msgpack": ".".join(map(str, msgpack.version)),
-        # the host checksum's speed: a build without run-time AVX2 / AVX-512 hashes ~3x slower
+        # the host checksum's speed: a build without run-time AVX2 / AVX-512 hashes 2.7x slower
+        # on an H100 host's Xeon (benchmarks/results/xxhash-ab/)
         "xxhash": xxhash.VERSION, "xxhash_simd_dispatch": simd_dispatch(),
         "kvbroker": __version__,
         "when": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
