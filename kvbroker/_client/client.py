@@ -12,6 +12,7 @@ process and shared by every client in it (:mod:`kvbroker._client.mappings`). See
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import threading
 import time
@@ -171,9 +172,20 @@ class Client:
         self.checksum_kinds: tuple[int, ...] = tuple(hello.get("checksum_kinds") or (0,))
         self.checksum_kind: int = _cs.seal_kind(hello.get("checksum_kinds"))
         self.generation = generation
+        # EXPERIMENT (replica-experiment): read-only requests to a read replica
+        replicas = hello.get("replicas") or []
+        self._replica = None
+        if replicas:
+            path = replicas[os.getpid() % len(replicas)]
+            self._replica = Session(MessageStream(UnixTransport(path, self._timeout,
+                                                                self._busy_poll)))
         self._session = session  # publish: last
 
     def _call(self, op: str, **args: Any) -> Any:
+        replica = self._replica
+        if replica is not None and args.get("peer") is None and (
+                op == "lookup" or (op == "match_prefix" and not args.get("hold", True))):
+            return replica.call(op, **args)
         session = self._session
         try:
             return session.call(op, **args)

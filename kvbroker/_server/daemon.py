@@ -97,6 +97,33 @@ class Daemon:
 
 
 
+    replicas_procs: list = []
+    replica_paths: list = []
+
+    def _start_replicas(self) -> None:
+        """EXPERIMENT: KVB_EXP_READ_REPLICAS=N read replicas following the journal."""
+        import subprocess
+        import sys
+
+        from .journal import journal_path
+
+        n = int(os.environ.get("KVB_EXP_READ_REPLICAS", "0") or 0)
+        if n <= 0 or self.broker.journal is None:
+            return
+        self.replicas_procs, self.replica_paths = [], []
+        for i in range(n):
+            path = f"{self.config.socket_path}.r{i}"
+            self.replicas_procs.append(subprocess.Popen(
+                [sys.executable, "-m", "kvbroker._server.replica", path,
+                 journal_path(self.config.socket_path)]))
+            self.replica_paths.append(path)
+        deadline = time.monotonic() + 20
+        while not all(os.path.exists(p) for p in self.replica_paths):
+            if time.monotonic() > deadline:
+                raise DaemonError("read replicas did not start")
+            time.sleep(0.01)
+        self.broker.replica_paths = self.replica_paths
+
     def note_activity(self) -> None:
         if self.config.busy_poll <= 0 or not self._cpu_spare:
             return
@@ -259,6 +286,7 @@ class Daemon:
                 startup.write_lock_record(self)
             sock = listen_socket if listen_socket is not None else startup.bind(self)
             self._server = await loop.create_unix_server(lambda: Connection(self), sock=sock)
+            self._start_replicas()  # EXPERIMENT (replica-experiment branch)
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self.request_stop)
             loop.add_signal_handler(RESTART_SIGNAL, self.request_stop, True)
@@ -297,6 +325,8 @@ class Daemon:
         finally:
             for task in tasks:
                 task.cancel()
+            for proc in self.replicas_procs:
+                proc.terminate()
             await self._shutdown()
 
     async def _start_fleet(self) -> None:

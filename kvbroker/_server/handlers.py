@@ -73,6 +73,7 @@ def op_hello(b: Broker, session: Session, version: int, name: str, role: str) ->
         "pools": pools,
         "epoch": b.epoch,
         "checksum_kinds": sorted(_checksum.KINDS),
+        **({"replicas": b.replica_paths} if getattr(b, "replica_paths", None) else {}),
     }
 
 
