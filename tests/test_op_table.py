@@ -113,6 +113,7 @@ def test_every_reply_is_its_declared_type(ring_daemon):
         call("renew", leases=[read], ttl=5)
         call("release", lease=read)
         assert call("lookup", key="a")["checksums"] is None and call("lookup", key="x") is None
+        assert call("exists", key="a") is True and call("exists", key="x") is False
         call("list", match="a")
         page = call("list", limit=1)
         assert page["truncated"] and page["next"] is not None

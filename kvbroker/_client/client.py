@@ -28,6 +28,7 @@ from .ops import Ops
 from .session import Session
 from .._wire.stats import ObjectInfo, Statistics
 from .arena import WriteArena
+from .replica import ASK_DAEMON, ReadReplica, answers
 from .copy import _np, copy_into, destination, nbytes_of, refuse_overlaps
 from .engine import default_engine
 from .transport import DEFAULT_BUSY_POLL, UnixTransport
@@ -120,6 +121,7 @@ class Client:
         # Small on purpose: measured, a 2 MiB arena beats 8 MiB at 256 KiB-4 MiB puts (its
         # pages are reused while still in cache; big objects gain little from one round trip).
         self._arena = WriteArena(self, arena_size if map_pools else 0)
+        self._replica: ReadReplica | None = None
         self._connect()
 
     # -- plumbing --------------------------------------------------------------------------
@@ -171,9 +173,22 @@ class Client:
         self.checksum_kinds: tuple[int, ...] = tuple(hello.get("checksum_kinds") or (0,))
         self.checksum_kind: int = _cs.seal_kind(hello.get("checksum_kinds"))
         self.generation = generation
+        # The daemon's read replicas answer exists and match_prefix(hold=False) (replica.py).
+        old_replica, paths = self._replica, hello.get("replicas") or []
+        self._replica = ReadReplica(paths, name=self._name, timeout=self._timeout,
+                                    busy_poll=self._busy_poll) if paths else None  # fmt: skip
+        if old_replica is not None:
+            old_replica.close()
         self._session = session  # publish: last
 
     def _call(self, op: str, **args: Any) -> Any:
+        replica = self._replica
+        if replica is not None and answers(op, args):
+            result = replica.call(op, args)
+            if result is not ASK_DAEMON:
+                return result
+            if op == "exists":  # (a daemon answers it too; lookup keeps old ones working)
+                return self.ops.lookup(args["key"], namespace=args["namespace"]) is not None
         session = self._session
         try:
             return session.call(op, **args)
@@ -241,6 +256,8 @@ class Client:
         if self._closed:
             return
         self._closed = True
+        if self._replica is not None:
+            self._replica.close()
         self._session.close()  # the daemon ends every lease of this connection
         self._maps.release_all()
 
@@ -428,6 +445,8 @@ class Client:
     def exists(self, key: str, *, namespace: str = "default", peer: str | None = None) -> bool:
         """Whether the object is sealed here (or, with ``peer``, here or on that broker;
         nothing is pulled)."""
+        if peer is None and self._replica is not None:  # one of the daemon's read replicas
+            return self.ops.exists(key, namespace=namespace)
         return self._peer_call(peer is not None, self.ops.lookup, key, namespace=namespace,
                                peer=peer) is not None  # fmt: skip
 

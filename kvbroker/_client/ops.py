@@ -106,6 +106,10 @@ class Ops:
         """An ObjectInfo dict (with checksums), or None."""
         return self._call("lookup", namespace=namespace, key=key, peer=peer)
 
+    def exists(self, key: str, *, namespace: str = "default") -> bool:
+        """Whether the object is sealed (a read replica answers it where there is one)."""
+        return self._call("exists", namespace=namespace, key=key)
+
     def list(self, *, namespace: str | None = None, match: str | None = None,
              limit: int | None = None, after: int | None = None) -> R.Listed:  # fmt: skip
         """One page of objects; ``after``: the ``next`` of the previous page."""

@@ -121,6 +121,8 @@ class Broker:
         self.transfers: deque[tuple] = deque(maxlen=64)
         # Called with (namespace, key) after each seal; the daemon wakes waiting claims.
         self.on_sealed: Callable[[tuple[str, str]], None] | None = None
+        # The sockets of the daemon's read replicas, named in hello (kvbroker._server.replicas)
+        self.replica_paths: tuple[str, ...] = ()
         # Called with ("stored", obj) after a prefix block (one with token ids) is sealed,
         # ("removed", obj) when it is unlinked, ("cleared", None) when everything was
         # evicted: the daemon turns these into KV events (kvbroker._server.events).

@@ -232,6 +232,12 @@ SETTINGS: tuple[Key, ...] = (
     Key("busy_poll", parse.duration, 100e-6, reload=LIVE, example="1ms",
         help="Keep the loop polling this long after the last request or reply instead of "
              "sleeping in epoll; 0 turns it off."),
+    # Read replicas (kvbroker._server.replica): processes that follow the journal and answer
+    # exists and match_prefix(hold=False), so those stop queueing on this one loop.
+    Key("read_replicas", parse.replicas, "auto", flag=(), metavar="N", example=2,
+        help="Processes answering exists and match_prefix(hold=False) from the journal; "
+             "auto: one per 4 CPUs from 8 CPUs up, at most 4; 0: none.",
+        shown="auto"),
     Key("max_connections", parse.CONNECTIONS, 1024, reload=LIVE, flag=(), metavar="N", text=int,
         help="Most client connections at once.", example=16),
     # Hardening (issue 16): what one client may hold of the daemon's time and memory.

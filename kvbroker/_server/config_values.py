@@ -21,7 +21,7 @@ __all__ = [
     "CONNECTIONS", "LEASES", "LOG_LEVELS", "POOLS", "boolean", "duration", "event_format",
     "gpu_ring", "group", "int_in", "isolation", "log_level", "model_name", "node_name",
     "optional_path", "page_size", "parse_listen_address", "peers", "positive_duration", "quotas",
-    "ratio", "size", "socket_path", "tenant_pools", "write_buffer", "zmq_endpoint",
+    "ratio", "replicas", "size", "socket_path", "tenant_pools", "write_buffer", "zmq_endpoint",
 ]  # fmt: skip
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -78,6 +78,19 @@ def int_in(lo: int, hi: int) -> Callable[[Any], int]:
         return value
 
     return parse
+
+
+def replicas(value: Any) -> int | None:
+    """``read_replicas``: "auto" (None: sized from the CPUs at start) or a count, 0 for none."""
+    if value == "auto" or value is None:
+        return None
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"expected \"auto\" or a number of replicas, got {value!r}")
+    if not 0 <= value <= 64:
+        raise ValueError(f"must be \"auto\" or between 0 and 64, got {value}")
+    return value
 
 
 def ratio(value: Any) -> float:

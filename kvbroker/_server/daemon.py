@@ -22,6 +22,7 @@ from .broker import Broker
 from .connection import Connection
 from .._cpu import cpu_spare
 from .config import DaemonConfig, reload_into
+from .replicas import Replicas
 from .systemd import Notifier
 from .._wire.paths import format_size
 from .._wire.stats import Statistics
@@ -87,15 +88,7 @@ class Daemon:
         self._force_stop: asyncio.Event | None = None
         self._metrics = None
         self.fleet: Any = None  # kvbroker._server.fleet.Fleet, with [transfer] or [events]
-
-    # -- start ---------------------------------------------------------------------------
-
-
-
-
-
-
-
+        self.replicas = Replicas(self)  # read replicas (kvbroker._server.replicas)
 
     def note_activity(self) -> None:
         if self.config.busy_poll <= 0 or not self._cpu_spare:
@@ -259,6 +252,8 @@ class Daemon:
                 startup.write_lock_record(self)
             sock = listen_socket if listen_socket is not None else startup.bind(self)
             self._server = await loop.create_unix_server(lambda: Connection(self), sock=sock)
+            self.replicas.start()
+            self.broker.replica_paths = tuple(self.replicas.paths)
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self.request_stop)
             loop.add_signal_handler(RESTART_SIGNAL, self.request_stop, True)
@@ -297,6 +292,7 @@ class Daemon:
         finally:
             for task in tasks:
                 task.cancel()
+            self.replicas.stop()
             await self._shutdown()
 
     async def _start_fleet(self) -> None:
@@ -360,6 +356,10 @@ class Daemon:
         self.draining = True
         if self._server is not None:
             self._server.close()  # under socket activation, systemd keeps queueing new clients
+        # A draining daemon refuses new matches; clients whose replica is gone ask it.
+        self.replicas.stop()
+        if self.broker is not None:
+            self.broker.replica_paths = ()
         for conn in list(self.connections):
             conn.cancel_wait(BrokerUnavailable.code, "kvbroker is shutting down")
         held = len(self.broker.leases) if self.broker else 0
@@ -424,6 +424,8 @@ class Daemon:
                     self._sweep_connections()
                 except Exception:
                     log.exception("connection sweep failed")
+                if not self.draining:
+                    self.replicas.check()  # a replica that died: another on its socket
             if ticks % 20 == 0:  # every 2 s
                 self.check_pools()
             try:

@@ -21,13 +21,7 @@ from .._wire import checksum as _checksum
 from .._wire import replies as R
 from .._wire.names import check_buffer_name
 from .._wire.objects import buffer_offsets
-from .._wire.protocol import (
-    MAX_BUFFERS,
-    MAX_NAME,
-    MAX_REPORTED,
-    PROTOCOL_VERSION,
-    meta_problem,
-)
+from .._wire.protocol import MAX_BUFFERS, MAX_NAME, MAX_REPORTED, PROTOCOL_VERSION, meta_problem
 from ..errors import BadRequest, Exists, NotFound, PoolFull, ProtocolError
 from . import prefix_leases
 from .arenas import arena_of, end_arena, new_arena, publish_from_arena
@@ -73,6 +67,7 @@ def op_hello(b: Broker, session: Session, version: int, name: str, role: str) ->
         "pools": pools,
         "epoch": b.epoch,
         "checksum_kinds": sorted(_checksum.KINDS),
+        **({"replicas": list(b.replica_paths)} if b.replica_paths else {}),
     }
 
 
@@ -354,6 +349,10 @@ def op_lookup(b: Broker, session, namespace, key, peer=None) -> dict | None:
     info["buffer_sizes"] = {name: n for name, (_, n) in obj.buffers.items()}
     info["consumers"] = obj.consumers
     return info
+
+
+def op_exists(b: Broker, session, namespace, key) -> bool:
+    return (namespace, key) in b.objects and session.access.can(namespace)
 
 
 def op_list(b: Broker, session, namespace, match, limit, after) -> R.Listed:

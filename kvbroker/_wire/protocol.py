@@ -262,6 +262,12 @@ OPS: dict[str, Op] = {
         "before it is freed (`consumers`); with `peer`, the peer broker's object when this "
         "daemon has none (nothing is pulled).",
     ),
+    "exists": Op(
+        {"namespace": _a(str, default="default"), "key": _a(str, required=True)},
+        bool,
+        "Whether the object is sealed here: `lookup` without its description. Read replicas "
+        "answer it too (the sockets `hello` names in `replicas`).",
+    ),
     "list": Op(
         {
             "namespace": _a(*_OPT_STR),

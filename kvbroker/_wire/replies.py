@@ -57,6 +57,9 @@ class Hello(TypedDict):
     # the checksum kinds a seal may carry (kvbroker._wire.checksum.KINDS); a daemon that
     # does not send this field accepts kind 0 (bare integers) only
     checksum_kinds: list[int]
+    # the sockets of the daemon's read replicas (kvbroker._server.replica), which answer
+    # exists and match_prefix(hold=False); absent when it runs none
+    replicas: NotRequired[list[str]]
 
 
 class Reserved(TypedDict):

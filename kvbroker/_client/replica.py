@@ -1,0 +1,96 @@
+"""The client's side of the daemon's read replicas (:mod:`kvbroker._server.replica`).
+
+A daemon that runs replicas names their sockets in its ``hello`` reply. A client then sends
+``exists`` and ``match_prefix(hold=False)`` without a peer to one of them (chosen by process
+id, so a node's engine processes spread over them) and everything else to the daemon. A
+replica answers what the daemon would have (it has read every change acknowledged before the
+request was sent), so this changes no result, only who computes it.
+
+A replica is a shortcut, never a dependency: when it cannot answer (it is restarting, the
+daemon is draining and stopped it, it cannot follow the journal) the request goes to the
+daemon, and the replica is tried again after :data:`RETRY_AFTER` seconds.
+
+Ownership: the :class:`ReadReplica` owns its one connection (opened on first use, closed
+with the client); it holds no leases, so losing it loses nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Any
+
+from .framing import MessageStream
+from .session import Session
+from .transport import UnixTransport
+from ..errors import BrokerUnavailable, ProtocolError
+
+__all__ = ["ASK_DAEMON", "ReadReplica", "RETRY_AFTER", "answers"]
+
+RETRY_AFTER = 1.0  # seconds without the replica after it could not answer
+ASK_DAEMON = object()  # what ReadReplica.call returns when the daemon must answer
+
+
+def answers(op: str, args: dict[str, Any]) -> bool:
+    """Whether a read replica can answer this request."""
+    if op == "exists":
+        return True
+    return op == "match_prefix" and not args.get("hold", True) and args.get("peer") is None
+
+
+class ReadReplica:
+    """One connection to one of the daemon's replicas, thread-safe like :class:`Session`."""
+
+    def __init__(self, paths: list[str], *, name: str, timeout: float | None,
+                 busy_poll: float) -> None:  # fmt: skip
+        self.path = paths[os.getpid() % len(paths)]
+        self._name, self._timeout, self._busy_poll = name, timeout, busy_poll
+        self._session: Session | None = None
+        self._lock = threading.Lock()
+        self._retry_at = 0.0
+        self.fallbacks = 0  # requests the daemon answered because the replica could not
+
+    def call(self, op: str, args: dict[str, Any]) -> Any:
+        """The replica's answer, or :data:`ASK_DAEMON`."""
+        session = self._session or self._open()
+        if session is None:
+            return ASK_DAEMON
+        try:
+            return session.call(op, **args)
+        except (BrokerUnavailable, ProtocolError, OSError):
+            self._drop(session)
+            self.fallbacks += 1
+            return ASK_DAEMON
+
+    def _open(self) -> Session | None:
+        with self._lock:
+            if self._session is not None:
+                return self._session
+            if time.monotonic() < self._retry_at:
+                return None
+            try:
+                stream = MessageStream(UnixTransport(self.path, self._timeout, self._busy_poll))
+            except BrokerUnavailable:
+                self._retry_at = time.monotonic() + RETRY_AFTER
+                return None
+            try:
+                self._session = Session(stream, name=self._name, role="replica-client")
+            except (BrokerUnavailable, ProtocolError, OSError):
+                stream.close()
+                self._retry_at = time.monotonic() + RETRY_AFTER
+                return None
+            return self._session
+
+    def _drop(self, session: Session) -> None:
+        with self._lock:
+            if self._session is session:
+                self._session = None
+                self._retry_at = time.monotonic() + RETRY_AFTER
+        session.close(drain_timeout=0)
+
+    def close(self) -> None:
+        with self._lock:
+            session, self._session = self._session, None
+        if session is not None:
+            session.close(drain_timeout=0)
