@@ -21,12 +21,12 @@ import threading
 import time
 from typing import Any
 
+from ..errors import BrokerUnavailable, ProtocolError
 from .framing import MessageStream
 from .session import Session
 from .transport import UnixTransport
-from ..errors import BrokerUnavailable, ProtocolError
 
-__all__ = ["ASK_DAEMON", "ReadReplica", "RETRY_AFTER", "answers"]
+__all__ = ["ASK_DAEMON", "RETRY_AFTER", "ReadReplica", "answers"]
 
 RETRY_AFTER = 1.0  # seconds without the replica after it could not answer
 ASK_DAEMON = object()  # what ReadReplica.call returns when the daemon must answer

@@ -39,11 +39,11 @@ from typing import Any
 
 import msgpack
 
-from .journal import _FRAME, _MAX_RECORD, MAGIC
-from .._wire.protocol import MAX_REQUEST, PROTOCOL_VERSION, unpacker_limits, validate_args
+from .._wire.protocol import MAX_BUFFERS, MAX_REQUEST, PROTOCOL_VERSION, unpacker_limits, validate_args
 from ..errors import BadRequest, BrokerUnavailable, KVBrokerError, ProtocolError
+from .journal import _FRAME, _MAX_RECORD, MAGIC
 
-__all__ = ["JournalFollower", "REPLICA_OPS", "REPORT_PERIOD"]
+__all__ = ["REPLICA_OPS", "REPORT_PERIOD", "JournalFollower"]
 
 REPORT_PERIOD = 0.05  # seconds between reports to the daemon (counters, matched keys)
 _MAX_TOUCHED = 65536  # matched keys per report; beyond, the LRU hint is dropped
@@ -220,7 +220,7 @@ class _ReplicaConnection(asyncio.Protocol):
         try:
             for msg in self.unpacker:
                 out.append(self._answer(msg))
-        except Exception:  # a malformed frame: the stream cannot resync
+        except Exception:  # noqa: BLE001 (any malformed frame: the stream cannot resync)
             self.transport.abort()
             return
         if out:
@@ -271,6 +271,8 @@ class _ReplicaConnection(asyncio.Protocol):
         if hold or peer is not None:
             raise BadRequest("match_prefix: a read replica answers only hold=False without a "
                              "peer; ask the daemon")  # fmt: skip
+        if len(keys) > MAX_BUFFERS:
+            raise BadRequest(f"match_prefix: at most {MAX_BUFFERS} keys per request")
         f = self._following()
         matched = f.matched(namespace, keys)
         c = self.replica.counters

@@ -1,0 +1,349 @@
+"""Read replicas (kvbroker._server.replica, .replicas; kvbroker._client.replica): they answer
+exists and match_prefix(hold=False) as the daemon would, see every acknowledged change, and
+never make a client fail where the daemon alone would have answered."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import socket
+import time
+
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvbroker._client.replica import RETRY_AFTER
+from kvbroker._server import config_values as parse
+from kvbroker._server.broker import Broker
+from kvbroker._server.journal import Journal, JournalError
+from kvbroker._server.pool import HostPool
+from kvbroker._server.replica import REPORT_PERIOD, JournalFollower
+from kvbroker._server.replicas import Replicas, auto_count
+from kvbroker._wire.protocol import PROTOCOL_VERSION
+
+PAGE = 4096
+
+
+def _wait(cond, timeout=10.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def _replica_pid(client) -> int:
+    client.exists("warm-up")  # opens the replica connection
+    return client._replica._session.hello["server_pid"]
+
+
+@pytest.fixture
+def replicated(make_daemon):
+    d = make_daemon("--pool-size", "64M", "--page-size", "4K", "--read-replicas", "2")
+    d.wait_ready()
+    return d
+
+
+# -- through a real daemon ---------------------------------------------------------------------
+def test_every_acknowledged_change_is_seen_through_a_replica(replicated):
+    with replicated.client() as reader, replicated.client() as writer:
+        assert reader._replica is not None and reader._replica.path.startswith(
+            replicated.socket_path + ".r")  # fmt: skip
+        assert not reader.exists("a")
+        writer.put("a", {"x": b"1"})
+        assert reader.exists("a")  # put acknowledged to another client: seen at once
+        writer.put("a", {"x": b"22"}, replace=True)
+        assert reader.exists("a")
+        writer.put("c", {"x": b"1"})
+        writer.get("c", consume=True)  # consumed: freed when released
+        writer.evict("a")
+        assert not reader.exists("a") and not reader.exists("c")
+        writer.put("n", {"x": b"1"}, namespace="other")
+        assert reader.exists("n", namespace="other") and not reader.exists("n")
+        assert reader._replica.fallbacks == 0
+        pid = _replica_pid(reader)
+        assert pid != replicated.proc.pid  # answered by another process
+
+
+def test_match_without_hold_through_a_replica_counts_and_agrees_with_the_daemon(replicated):
+    keys = [f"blk{i}" for i in range(12)]
+    with replicated.client() as c:
+        for k in keys[:7]:
+            c.put(k, {"x": b"kv"})
+        before = c.stat().counters
+        got = c.ops.match_prefix(keys, block_tokens=16, hold=False)
+        assert got["matched"] == 7 and got["lease"] is None
+        assert c.ops.match_prefix(["blk0", "nope", "blk2"], block_tokens=16,
+                                  hold=False)["matched"] == 1  # fmt: skip
+        held = c.ops.match_prefix(keys, block_tokens=16)  # hold=True: the daemon answers
+        assert held["matched"] == 7 and held["lease"] is not None
+        c.ops.release(held["lease"])
+        assert c._replica.fallbacks == 0
+
+        def counted():
+            now = c.stat().counters
+            return now.prefix_queries - before.prefix_queries == 3
+        _wait(counted, what="the replica's report")  # (it reports every REPORT_PERIOD)
+        now = c.stat().counters
+        assert now.prefix_hit_blocks - before.prefix_hit_blocks == 7 + 1 + 7
+        assert now.prefix_hit_tokens - before.prefix_hit_tokens == (7 + 1 + 7) * 16
+
+
+def test_a_killed_replica_costs_nothing_and_is_replaced(replicated):
+    with replicated.client() as c:
+        c.put("k", {"x": b"1"})
+        pid = _replica_pid(c)
+        os.kill(pid, signal.SIGKILL)
+        _wait(lambda: _gone(pid), what="the replica to die")
+        assert c.exists("k") and not c.exists("nope")  # the daemon answered
+        assert c._replica.fallbacks >= 1
+        time.sleep(RETRY_AFTER + 0.2)  # the daemon replaces it within a second
+        _wait(lambda: c.exists("k") and c._replica._session is not None, what="a new replica")
+        assert _replica_pid(c) != pid
+    assert "read replica" in replicated.log()
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_a_compacted_journal_is_followed(replicated):
+    journal = replicated.socket_path + ".journal"
+    with replicated.client() as c, replicated.client() as w:
+        inode = os.stat(journal).st_ino
+        w.put("kept", {"x": b"1"})
+        for i in range(2200):  # > 4096 records, twice what is live: the daemon compacts
+            w.put(f"t{i}", {"x": b"1"})
+            w.evict(f"t{i}")
+        _wait(lambda: os.stat(journal).st_ino != inode, timeout=15, what="a compaction")
+        w.put("after", {"x": b"1"})
+        assert c.exists("kept") and c.exists("after") and not c.exists("t5")
+        assert c._replica.fallbacks == 0
+
+
+def test_hostile_bytes_to_a_replica_hurt_only_their_connection(replicated):
+    path = replicated.socket_path + ".r0"
+    with replicated.client() as c:
+        c.put("k", {"x": b"1"})
+
+        def raw(data: bytes) -> bytes:
+            s = socket.socket(socket.AF_UNIX)
+            s.connect(path)
+            s.settimeout(5)
+            s.sendall(data)
+            out = b""
+            try:
+                while chunk := s.recv(65536):
+                    out += chunk
+                    if len(out) > 1 << 16:
+                        break
+            except (TimeoutError, ConnectionResetError):
+                pass
+            s.close()
+            return out
+
+        assert raw(b"\xc1" * 64) == b""  # malformed msgpack: closed, nothing answered
+        assert raw(b"\xc6\xff\xff\xff\xff" + b"\0" * 1024) == b""  # a 4 GiB bin: refused
+        unpacker = msgpack.Unpacker(raw=False)
+        s = socket.socket(socket.AF_UNIX)
+        s.connect(path)
+        s.settimeout(5)
+        for msg in ({"id": 1, "op": "exists", "args": {"key": "k"}},  # before hello
+                    {"id": 2, "op": "hello", "args": {"version": PROTOCOL_VERSION}},
+                    {"id": 3, "op": "claim", "args": {"key": "k"}},  # not a replica's
+                    {"id": 4, "op": "exists", "args": {"key": 7}},  # a bad argument
+                    {"id": 5, "op": "match_prefix", "args": {"keys": ["k"]}},  # hold=True
+                    {"id": 6, "op": "exists", "args": {"key": "k"}}):  # fmt: skip
+            s.sendall(msgpack.packb(msg))
+        replies = []
+        while len(replies) < 6:
+            unpacker.feed(s.recv(65536))
+            replies.extend(unpacker)
+        s.close()
+        by = {r["id"]: r for r in replies}
+        assert by[1]["error"]["code"] == "protocol"
+        assert by[2]["ok"] and by[2]["result"]["replica"] is True
+        assert by[3]["error"]["code"] == "bad_request" and "ask the daemon" in \
+            by[3]["error"]["message"]  # fmt: skip
+        assert by[4]["error"]["code"] == "bad_request"
+        assert by[5]["error"]["code"] == "bad_request"
+        assert by[6]["result"] is True
+        assert c.exists("k") and c._replica.fallbacks == 0  # the others never noticed
+
+
+def test_a_draining_daemon_stops_its_replicas_and_answers_itself(replicated):
+    with replicated.client() as holder, replicated.client() as c:
+        c.put("k", {"x": b"1"})
+        assert c.exists("k")
+        lease = holder.claim("k")  # the drain waits for it
+        replicated.proc.send_signal(signal.SIGTERM)
+        _wait(lambda: not os.path.exists(replicated.socket_path + ".r0"),
+              what="the replicas to stop")  # fmt: skip
+        assert c.exists("k") and not c.exists("nope")  # the daemon, still draining
+        assert c._replica.fallbacks >= 1
+        lease.release()
+    assert replicated.proc.wait(15) == 0
+
+
+def test_no_replicas_without_a_journal(make_daemon):
+    d = make_daemon("--pool-size", "16M", "--page-size", "4K", "--read-replicas", "2",
+                    env={"KVBROKER_JOURNAL": "false"})  # fmt: skip
+    d.wait_ready()
+    with d.client() as c:
+        assert c._replica is None
+        c.put("k", {"x": b"1"})
+        assert c.exists("k")
+    assert not os.path.exists(d.socket_path + ".r0")
+    assert "none started (journal = false" in d.log()
+
+
+# -- the setting ---------------------------------------------------------------------------
+def test_read_replicas_setting():
+    assert parse.replicas("auto") is None and parse.replicas(0) == 0
+    assert parse.replicas(3) == 3 and parse.replicas("3") == 3
+    for bad in (-1, 65, True, "x", 1.5):
+        with pytest.raises(ValueError):
+            parse.replicas(bad)
+    assert [auto_count(n) for n in (1, 2, 7, 8, 12, 16, 64)] == [0, 0, 0, 2, 3, 4, 4]
+
+
+# -- the follower, against the journal the broker writes ----------------------------------------
+@pytest.fixture
+def journaled(tmp_path):
+    pool = HostPool(0, f"/kvbrt.{os.getpid()}.{secrets.token_hex(3)}", 512 * PAGE, PAGE)
+    b = Broker([pool])
+    path = str(tmp_path / "j")
+    b.attach_journal(Journal(path, 1, [pool.describe()]), 1)
+    s = b.open_session(pid=1, uid=0, gid=0)
+    b.handle(s, "hello", {"version": PROTOCOL_VERSION, "name": "t"})
+    yield b, s, path
+    pool.unlink()
+
+
+def _visible(b: Broker) -> set[tuple[str, str]]:
+    return set(b.objects)
+
+
+def _followed(f: JournalFollower) -> set[tuple[str, str]]:
+    return {(ns, k) for ns, space in f.by_namespace.items() for k in space}
+
+
+_op = st.tuples(st.sampled_from(["put", "replace", "evict", "consume"]),
+                st.sampled_from(["a", "b"]), st.integers(0, 5))  # fmt: skip
+_ops = st.lists(_op, max_size=30)
+
+
+@settings(max_examples=60)
+@given(ops=_ops, cuts=st.lists(st.integers(0, 1 << 16), max_size=8))
+def test_the_follower_sees_what_the_broker_published_even_mid_record(ops, cuts, tmp_path_factory):
+    pool = HostPool(0, f"/kvbrt.{os.getpid()}.{secrets.token_hex(3)}", 512 * PAGE, PAGE)
+    try:
+        b = Broker([pool])
+        path = str(tmp_path_factory.mktemp("j") / "j")
+        b.attach_journal(Journal(path, 1, [pool.describe()]), 1)
+        s = b.open_session(pid=1, uid=0, gid=0)
+        b.handle(s, "hello", {"version": PROTOCOL_VERSION, "name": "t"})
+        follower = JournalFollower(path)
+        for op, ns, i in ops:
+            key = f"k{i}"
+            there = (ns, key) in b.objects
+            if op in ("put", "replace") and (op == "replace" or not there):
+                r = b.handle(s, "reserve", {"namespace": ns, "key": key,
+                                            "buffers": {"x": 100 * (i + 1)},
+                                            "replace": op == "replace"})  # fmt: skip
+                b.handle(s, "seal", {"lease": r["lease"]})
+            elif op == "evict":
+                b.handle(s, "evict", {"namespace": ns, "key": key})
+            elif op == "consume" and there:
+                c = b.handle(s, "claim", {"namespace": ns, "key": key, "consume": True})
+                b.handle(s, "release", {"lease": c["lease"], "consume": True})
+            follower.catch_up()
+            assert follower.problem is None and _followed(follower) == _visible(b)
+        # The same file read by a follower that sees it grow a few bytes at a time, cut
+        # anywhere (the daemon may be mid-write): never more than the whole records say.
+        with open(path, "rb") as fh:
+            data = fh.read()
+        grown = str(tmp_path_factory.mktemp("g") / "j")
+        with open(grown, "wb"):
+            pass
+        late = JournalFollower(grown)
+        for cut in sorted({min(c, len(data)) for c in cuts} | {len(data)}):
+            with open(grown, "r+b") as f:
+                f.seek(0, 2)
+                f.write(data[f.tell():cut])
+            late.catch_up()
+            with open(grown + ".copy", "wb") as f:
+                f.write(data[:cut])
+            try:
+                rec = Journal.load(grown + ".copy")
+            except JournalError:  # cut inside the header: nothing to follow yet
+                rec = None
+            if rec is None:
+                assert not _followed(late) and late.problem is not None
+            else:
+                assert _followed(late) == {(o["namespace"], o["key"]) for o in rec.objects.values()}
+        assert _followed(late) == _visible(b)
+    finally:
+        pool.unlink()
+
+
+def test_a_damaged_record_stops_the_follower_until_the_file_is_replaced(journaled):
+    b, s, path = journaled
+    for key in ("a", "b"):
+        r = b.handle(s, "reserve", {"key": key, "buffers": {"x": 10}})
+        b.handle(s, "seal", {"lease": r["lease"]})
+    f = JournalFollower(path)
+    f.catch_up()
+    assert f.problem is None and _followed(f) == {("default", "a"), ("default", "b")}
+    with open(path, "rb") as fh:
+        data = fh.read()
+    r = b.handle(s, "reserve", {"key": "c", "buffers": {"x": 10}})
+    b.handle(s, "seal", {"lease": r["lease"]})
+    with open(path, "r+b") as fh:  # flip a byte inside the record(s) just appended
+        fh.seek(len(data) + 20)
+        byte = fh.read(1)
+        fh.seek(len(data) + 20)
+        fh.write(bytes([byte[0] ^ 0xFF]))
+    f.catch_up()
+    assert f.problem is not None and "damaged" in f.problem and not f.by_namespace
+    b.compact_journal()  # a new file: read from its start
+    f.catch_up()
+    assert f.problem is None and _followed(f) == _visible(b)
+    assert f.replays == 2
+
+
+def test_a_removed_journal_makes_the_follower_refuse(journaled):
+    path = journaled[2]
+    f = JournalFollower(path)
+    f.catch_up()
+    assert f.problem is None
+    os.unlink(path)  # what the daemon does when a write fails: the journal is off
+    f.catch_up()
+    assert f.problem is not None and "cannot read the journal" in f.problem
+
+
+def test_the_daemon_applies_a_replicas_report(journaled):
+    b, s, _ = journaled
+    for key in ("a", "b", "c"):
+        r = b.handle(s, "reserve", {"key": key, "buffers": {"x": 10}})
+        b.handle(s, "seal", {"lease": r["lease"]})
+    assert next(iter(b._lru.values())).key == "a"  # the oldest: the first to be evicted
+
+    class _D:  # what Replicas reads of its daemon
+        broker = b
+
+    reps = Replicas(_D())
+    before = b.counters["prefix_queries"]
+    reps._apply(msgpack.packb({"c": {"prefix_queries": 2, "bogus": 5, "hits": -3},
+                               "t": {"default": ["a", "gone"]}}))  # fmt: skip
+    assert b.counters["prefix_queries"] == before + 2 and "bogus" not in b.counters
+    assert [o.key for o in b._lru.values()] == ["b", "c", "a"]  # a: most recently matched
+    reps._apply(b"\xc1not msgpack")  # ignored, logged
+    assert REPORT_PERIOD < 1
