@@ -39,7 +39,13 @@ from typing import Any
 
 import msgpack
 
-from .._wire.protocol import MAX_BUFFERS, MAX_REQUEST, PROTOCOL_VERSION, unpacker_limits, validate_args
+from .._wire.protocol import (
+    MAX_BUFFERS,
+    MAX_REQUEST,
+    PROTOCOL_VERSION,
+    unpacker_limits,
+    validate_args,
+)
 from ..errors import BadRequest, BrokerUnavailable, KVBrokerError, ProtocolError
 from .journal import _FRAME, _MAX_RECORD, MAGIC
 
