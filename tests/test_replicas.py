@@ -58,7 +58,10 @@ def test_every_acknowledged_change_is_seen_through_a_replica(replicated):
         writer.put("a", {"x": b"22"}, replace=True)
         assert reader.exists("a")
         writer.put("c", {"x": b"1"})
-        writer.get("c", consume=True)  # consumed: freed when released
+        writer.get("c", consume=True)  # consumed: freed when released (sent without waiting)
+        assert not writer.exists("c")  # its own release first: the daemon answers, in order
+        writer.put("c2", {"x": b"1"})
+        assert writer.exists("c2") and not writer.exists("c")
         writer.evict("a")
         assert not reader.exists("a") and not reader.exists("c")
         writer.put("n", {"x": b"1"}, namespace="other")

@@ -183,7 +183,9 @@ class Client:
 
     def _call(self, op: str, **args: Any) -> Any:
         replica = self._replica
-        if replica is not None and answers(op, args):
+        # Only once this connection's own one-way changes (a consume's release) are answered:
+        # the daemon answers a read behind them in order; a replica could answer before them.
+        if replica is not None and answers(op, args) and self._session.settled:
             result = replica.call(op, args)
             if result is not ASK_DAEMON:
                 return result
@@ -445,8 +447,8 @@ class Client:
     def exists(self, key: str, *, namespace: str = "default", peer: str | None = None) -> bool:
         """Whether the object is sealed here (or, with ``peer``, here or on that broker;
         nothing is pulled)."""
-        if peer is None and self._replica is not None:  # one of the daemon's read replicas
-            return self.ops.exists(key, namespace=namespace)
+        if peer is None and self._replica is not None and self._session.settled:
+            return self.ops.exists(key, namespace=namespace)  # one of the read replicas
         return self._peer_call(peer is not None, self.ops.lookup, key, namespace=namespace,
                                peer=peer) is not None  # fmt: skip
 

@@ -155,6 +155,13 @@ class Session:
                 self.broken = True
                 raise
 
+    @property
+    def settled(self) -> bool:
+        """Whether every request sent has been answered: a change sent without waiting
+        (``send_only``, ``submit``) may not have taken effect yet, so a read elsewhere (a read
+        replica) could miss it; this connection, answered in order, cannot."""
+        return not (self._unanswered or self._submitted)
+
     def settimeout(self, timeout: float | None) -> None:
         """Seconds to wait for the daemon from now on (None: forever), e.g. for a claim that
         waits, or between the pushes of a watch."""
