@@ -350,3 +350,28 @@ def test_the_daemon_applies_a_replicas_report(journaled):
     assert [o.key for o in b._lru.values()] == ["b", "c", "a"]  # a: most recently matched
     reps._apply(b"\xc1not msgpack")  # ignored, logged
     assert REPORT_PERIOD < 1
+
+
+def test_a_reload_to_a_closed_policy_stops_the_replicas_and_back(make_daemon, tmp_path):
+    conf = tmp_path / "kvbroker.toml"
+    open_conf = 'pool_size = "16M"\npage_size = "4K"\nread_replicas = 2\n'
+    conf.write_text(open_conf)
+    d = make_daemon("--config", str(conf))
+    d.wait_ready()
+    replica = d.socket_path + ".r0"
+    with d.client() as c:
+        c.put("k", {"x": b"1"})
+        assert os.path.exists(replica) and c.exists("k")
+        conf.write_text(open_conf + '[isolation]\nmode = "tenant"\n')
+        d.proc.send_signal(signal.SIGHUP)
+        _wait(lambda: not os.path.exists(replica), what="the replicas to stop")
+        assert "isolation is no longer open" in d.log()
+        assert c.exists("k") and c._replica.fallbacks >= 1  # the daemon answers (as root)
+        with d.client() as fresh:
+            assert fresh._replica is None  # hello names none
+        conf.write_text(open_conf)
+        d.proc.send_signal(signal.SIGHUP)
+        _wait(lambda: os.path.exists(replica), what="the replicas to start again")
+        with d.client() as again:
+            assert again._replica is not None and again.exists("k")
+            _wait(lambda: again._replica._session is not None, what="a replica connection")

@@ -253,7 +253,6 @@ class Daemon:
             sock = listen_socket if listen_socket is not None else startup.bind(self)
             self._server = await loop.create_unix_server(lambda: Connection(self), sock=sock)
             self.replicas.start()
-            self.broker.replica_paths = tuple(self.replicas.paths)
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self.request_stop)
             loop.add_signal_handler(RESTART_SIGNAL, self.request_stop, True)
@@ -358,8 +357,6 @@ class Daemon:
             self._server.close()  # under socket activation, systemd keeps queueing new clients
         # A draining daemon refuses new matches; clients whose replica is gone ask it.
         self.replicas.stop()
-        if self.broker is not None:
-            self.broker.replica_paths = ()
         for conn in list(self.connections):
             conn.cancel_wait(BrokerUnavailable.code, "kvbroker is shutting down")
         held = len(self.broker.leases) if self.broker else 0
@@ -411,6 +408,7 @@ class Daemon:
                         name, before, after)
         log.info("reloaded %s: %s", old.config_path or "the configuration",
                  "; ".join(changed) if changed else "nothing changed")
+        self.replicas.reconcile()  # a policy that is no longer open: no replicas
         self.notifier.ready(self.summary())
 
     async def _expiry_loop(self) -> None:

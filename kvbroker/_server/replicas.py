@@ -89,7 +89,18 @@ class Replicas:
             self._procs.append(None)
             self._spawn(i)
         d._loop.add_reader(self._report_r, self._read_reports)
+        d.broker.replica_paths = tuple(self.paths)  # named in hello from now on
         log.info("%d read replica(s) on %s.r*", n, d.config.socket_path)
+
+    def reconcile(self) -> None:
+        """After a reload: none while the policy is not open (a replica cannot apply it),
+        and the configured number again once it is."""
+        running = bool(self.paths)
+        if running and not self.daemon.broker.policy.open:
+            log.warning("isolation is no longer open: stopping the read replicas")
+            self.stop()
+        elif not running and not self.daemon.draining:
+            self.start()
 
     def _spawn(self, i: int) -> None:
         d = self.daemon
@@ -112,6 +123,8 @@ class Replicas:
 
     def stop(self) -> None:
         """Stop every replica and remove its socket (draining, or stopping)."""
+        if self.daemon.broker is not None:
+            self.daemon.broker.replica_paths = ()  # clients ask the daemon from now on
         procs, self._procs = [p for p in self._procs if p is not None], []
         for proc in procs:
             with contextlib.suppress(ProcessLookupError):
