@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from hypothesis import settings
 
@@ -9,6 +11,11 @@ from kvbroker.testing import DaemonProcess, drop_leftover_pools
 
 # pytester: tests/test_testing.py runs a user's test file against kvbroker.testing's fixtures.
 pytest_plugins = ["pytester"]
+
+# Read replicas answer exists and match_prefix(hold=False) beside the daemon where it has 8
+# CPUs or more (read_replicas = auto): a test's daemon runs none unless the test asks
+# (tests/test_replicas.py), so a test behaves the same on a 2-core machine and a 16-core one.
+os.environ.setdefault("KVBROKER_READ_REPLICAS", "0")
 
 # No per-example deadline: Hypothesis' default (200 ms) is a timing assertion, and on a loaded
 # 2-core CI machine one stalled example fails a property that holds ("Unreliable test timings").

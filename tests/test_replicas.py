@@ -354,9 +354,9 @@ def test_the_daemon_applies_a_replicas_report(journaled):
 
 def test_a_reload_to_a_closed_policy_stops_the_replicas_and_back(make_daemon, tmp_path):
     conf = tmp_path / "kvbroker.toml"
-    open_conf = 'pool_size = "16M"\npage_size = "4K"\nread_replicas = 2\n'
+    open_conf = 'pool_size = "16M"\npage_size = "4K"\n'
     conf.write_text(open_conf)
-    d = make_daemon("--config", str(conf))
+    d = make_daemon("--config", str(conf), env={"KVBROKER_READ_REPLICAS": "2"})
     d.wait_ready()
     replica = d.socket_path + ".r0"
     with d.client() as c:

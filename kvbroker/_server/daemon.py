@@ -252,7 +252,6 @@ class Daemon:
                 startup.write_lock_record(self)
             sock = listen_socket if listen_socket is not None else startup.bind(self)
             self._server = await loop.create_unix_server(lambda: Connection(self), sock=sock)
-            self.replicas.start()
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self.request_stop)
             loop.add_signal_handler(RESTART_SIGNAL, self.request_stop, True)
@@ -276,6 +275,7 @@ class Daemon:
                 "serving on %s: %s, pages of %s", self.config.socket_path,
                 pools_summary(self.pools), format_size(self.config.page_size),
             )  # fmt: skip
+            self.replicas.start()  # last: a start refused before this leaves no process
             # Only now: the socket is listening and the pools exist, so clients may come.
             self.notifier.ready(self.summary())
             self._serving = True
