@@ -67,6 +67,7 @@ def test_every_acknowledged_change_is_seen_through_a_replica(replicated):
         writer.put("n", {"x": b"1"}, namespace="other")
         assert reader.exists("n", namespace="other") and not reader.exists("n")
         assert reader._replica.fallbacks == 0
+        assert writer.stat().read_replicas == 2
         pid = _replica_pid(reader)
         assert pid != replicated.proc.pid  # answered by another process
 

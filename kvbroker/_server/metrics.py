@@ -78,6 +78,8 @@ class BrokerCollector(Collector):
             "kvbroker_pending_objects", "Objects reserved, not sealed yet.", value=s.pending
         )
         yield GaugeMetricFamily("kvbroker_clients", "Connected clients.", value=len(s.clients))
+        yield GaugeMetricFamily("kvbroker_read_replicas", "Read replicas serving.",
+                                value=s.read_replicas)  # fmt: skip
         leases = GaugeMetricFamily("kvbroker_leases", "Leases held.", labels=["kind"])
         leases.add_metric(["read"], s.read_leases)
         leases.add_metric(["write"], s.write_leases)

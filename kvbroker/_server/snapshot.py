@@ -53,6 +53,7 @@ def statistics(b: Broker, occupancy_cells: int = 64) -> Statistics:
         read_leases=reads,
         write_leases=len(b.leases) - reads,
         arenas=len(b.arenas),
+        read_replicas=len(b.replica_paths),
         pools=_pools(b, occupancy_cells),
         clients=tuple(_client(s) for s in b.sessions.values()),
         counters=Counters(**b.counters),

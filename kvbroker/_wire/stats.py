@@ -227,6 +227,7 @@ class Statistics:
     rings: tuple[RingStatistics, ...] = ()
     namespaces: tuple[NamespaceUsage, ...] = ()  # largest use first (at most 1000)
     arenas: int = 0  # write arenas lent to clients (their pages are in pools' leased_write)
+    read_replicas: int = 0  # processes answering exists and unheld matches (named in hello)
     transfer: TransferStatistics | None = None  # [transfer] configured
     events: EventStatistics | None = None  # [events] publish configured
 
