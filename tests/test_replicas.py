@@ -376,3 +376,129 @@ def test_a_reload_to_a_closed_policy_stops_the_replicas_and_back(make_daemon, tm
         with d.client() as again:
             assert again._replica is not None and again.exists("k")
             _wait(lambda: again._replica._session is not None, what="a replica connection")
+
+
+# -- what a review found ------------------------------------------------------------------
+def test_a_report_of_many_long_keys_arrives_whole_and_later_ones_too(replicated):
+    keys = [f"{i:06d}-" + "k" * 119 for i in range(1500)]  # ~190 KB of keys: many messages
+    with replicated.client() as c:
+        for k in keys:
+            c.put(k, {"x": b"1"})
+        before = c.stat().counters
+        assert c.ops.match_prefix(keys, block_tokens=1, hold=False)["matched"] == 1500
+        for _ in range(20):
+            assert c.ops.match_prefix(keys[:2], block_tokens=1, hold=False)["matched"] == 2
+        _wait(lambda: c.stat().counters.prefix_queries - before.prefix_queries == 21,
+              what="every report")  # fmt: skip
+        assert c.stat().counters.prefix_hit_blocks - before.prefix_hit_blocks == 1500 + 40
+        assert c._replica.fallbacks == 0
+
+
+def test_replicas_do_not_outlive_a_killed_daemon(make_daemon):
+    d = make_daemon("--pool-size", "16M", "--page-size", "4K", "--read-replicas", "2")
+    d.wait_ready()
+    with d.client() as c:
+        pid = _replica_pid(c)
+    d.proc.kill()
+    d.proc.wait(10)
+    _wait(lambda: _gone(pid), timeout=5, what="the orphaned replica to exit")
+    # and one that starts after its daemon died exits at once
+    from kvbroker._server import replica
+
+    assert replica.main(["0", "/nonexistent", "0", str(os.getpid() + 10**6), "{}"]) is None
+
+
+def test_a_hung_replica_sends_its_clients_to_the_daemon_within_a_second(replicated):
+    with replicated.client() as c:
+        c.put("k", {"x": b"1"})
+        pid = _replica_pid(c)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            t = time.monotonic()
+            assert c.exists("k")  # no Timeout: the daemon answered
+            assert time.monotonic() - t < 3 and c._replica.fallbacks >= 1
+            t = time.monotonic()
+            assert c.exists("k") and time.monotonic() - t < 0.5  # not tried again at once
+        finally:
+            os.kill(pid, signal.SIGCONT)
+
+
+def test_a_replica_keeps_the_daemons_connection_limits(make_daemon):
+    d = make_daemon("--pool-size", "16M", "--page-size", "4K", "--read-replicas", "1",
+                    env={"KVBROKER_MAX_CONNECTIONS_PER_UID": "3",
+                         "KVBROKER_HELLO_TIMEOUT": "1s"})  # fmt: skip
+    d.wait_ready()
+    path = d.socket_path + ".r0"
+    with d.client() as c:
+        c.put("k", {"x": b"1"})
+        squatters = []
+        for _ in range(3):
+            s = socket.socket(socket.AF_UNIX)
+            s.connect(path)
+            squatters.append(s)
+        time.sleep(0.3)
+        with d.client() as other:  # its own connection: the daemon's second, the replica full
+            assert other.exists("k") and other._replica.fallbacks >= 1
+        for s in squatters:  # never said hello: closed after hello_timeout
+            s.settimeout(5)
+            assert s.recv(1) == b""
+            s.close()
+
+
+def test_a_replica_answers_ttl_as_the_daemon_does(replicated):
+    from kvbroker.errors import BadRequest
+
+    with replicated.client() as c:
+        c.put("k", {"x": b"1"})
+        assert c.ops.match_prefix(["k"], block_tokens=1, hold=False)["ttl"] == 30.0
+        with pytest.raises(BadRequest, match="ttl must be in"):
+            c.ops.match_prefix(["k"], block_tokens=1, hold=False, ttl=-5)
+        assert c._replica.fallbacks == 0
+
+
+def test_a_forked_client_uses_a_connection_of_its_own(replicated):
+    with replicated.client() as c:
+        c.put("k", {"x": b"1"})
+        assert c.exists("k")
+        parent_session = c._replica._session
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: its own replica connection, the parent's left alone
+            ok = c.exists("k") and c._replica._session is not parent_session
+            os.write(w, b"1" if ok else b"0")
+            os._exit(0)
+        os.close(w)
+        assert os.read(r, 1) == b"1"
+        os.waitpid(pid, 0)
+        assert c.exists("k") and c._replica._session is parent_session
+
+
+def test_replica_housekeeping_never_raises(journaled, caplog):
+    b, _, _ = journaled
+
+    class _D:
+        broker = b
+        draining = False
+
+    reps = Replicas(_D())
+    from kvbroker._server.replicas import _Slot
+
+    slot = _Slot("/nonexistent/r0")
+    dead = __import__("subprocess").Popen(["true"])
+    dead.wait()
+    slot.proc, slot.started = dead, time.monotonic()
+    reps._slots = [slot]
+
+    def fail(_slot):
+        raise OSError(24, "Too many open files")
+
+    reps._spawn = fail
+    reps.check()  # the death: backed off
+    assert slot.proc is None and slot.failures == 1
+    slot.due = 0
+    reps.check()  # the failed start: logged, backed off further
+    assert slot.failures == 2 and slot.due > time.monotonic()
+    assert "cannot start read replica 0" in caplog.text
+    b.journal.failed = "no space left"
+    reps.check()  # the journal failed: nothing left to follow
+    assert not reps._slots and b.replica_paths == ()

@@ -175,7 +175,7 @@ class Client:
         self.generation = generation
         # The daemon's read replicas answer exists and match_prefix(hold=False) (replica.py).
         old_replica, paths = self._replica, hello.get("replicas") or []
-        self._replica = ReadReplica(paths, name=self._name, timeout=self._timeout,
+        self._replica = ReadReplica(paths, name=self._name,
                                     busy_poll=self._busy_poll) if paths else None  # fmt: skip
         if old_replica is not None:
             old_replica.close()
@@ -188,9 +188,7 @@ class Client:
         if replica is not None and answers(op, args) and self._session.settled:
             result = replica.call(op, args)
             if result is not ASK_DAEMON:
-                return result
-            if op == "exists":  # (a daemon answers it too; lookup keeps old ones working)
-                return self.ops.lookup(args["key"], namespace=args["namespace"]) is not None
+                return result  # (else the daemon answers: one that names replicas has exists)
         session = self._session
         try:
             return session.call(op, **args)

@@ -21,7 +21,7 @@ import threading
 import time
 from typing import Any
 
-from ..errors import BrokerUnavailable, ProtocolError
+from ..errors import BrokerUnavailable, ProtocolError, Timeout
 from .framing import MessageStream
 from .session import Session
 from .transport import UnixTransport
@@ -29,6 +29,9 @@ from .transport import UnixTransport
 __all__ = ["ASK_DAEMON", "RETRY_AFTER", "ReadReplica", "answers"]
 
 RETRY_AFTER = 1.0  # seconds without the replica after it could not answer
+# A replica answers in microseconds; one that takes this long is hung (stopped, starting,
+# swamped): the daemon answers instead.
+REPLICA_TIMEOUT = 1.0
 ASK_DAEMON = object()  # what ReadReplica.call returns when the daemon must answer
 
 
@@ -40,47 +43,66 @@ def answers(op: str, args: dict[str, Any]) -> bool:
 
 
 class ReadReplica:
-    """One connection to one of the daemon's replicas, thread-safe like :class:`Session`."""
+    """One connection to one of the daemon's replicas, thread-safe like :class:`Session`.
 
-    def __init__(self, paths: list[str], *, name: str, timeout: float | None,
-                 busy_poll: float) -> None:  # fmt: skip
-        self.path = paths[os.getpid() % len(paths)]
-        self._name, self._timeout, self._busy_poll = name, timeout, busy_poll
+    A process forked from the client's opens its own connection (to the replica its own
+    process id picks) instead of sharing its parent's."""
+
+    def __init__(self, paths: list[str], *, name: str, busy_poll: float) -> None:
+        self.paths = list(paths)
+        self._name, self._busy_poll = name, busy_poll
         self._session: Session | None = None
+        self._pid = os.getpid()
         self._lock = threading.Lock()
         self._retry_at = 0.0
         self.fallbacks = 0  # requests the daemon answered because the replica could not
 
+    @property
+    def path(self) -> str:
+        return self.paths[os.getpid() % len(self.paths)]
+
     def call(self, op: str, args: dict[str, Any]) -> Any:
         """The replica's answer, or :data:`ASK_DAEMON`."""
-        session = self._session or self._open()
-        if session is None:
-            return ASK_DAEMON
+        session = self._session
+        if session is None or self._pid != os.getpid():
+            session = self._open()
+            if session is None:
+                self.fallbacks += 1
+                return ASK_DAEMON
         try:
             return session.call(op, **args)
-        except (BrokerUnavailable, ProtocolError, OSError):
+        except (BrokerUnavailable, ProtocolError, Timeout, OSError):
             self._drop(session)
             self.fallbacks += 1
             return ASK_DAEMON
 
     def _open(self) -> Session | None:
+        """A connection to the replica, greeted outside the lock (a hung replica holds up
+        no other thread); None while it is not to be tried."""
         with self._lock:
+            if self._pid != os.getpid():  # forked: the parent's connection is not ours
+                self._pid, self._session, self._retry_at = os.getpid(), None, 0.0
             if self._session is not None:
                 return self._session
             if time.monotonic() < self._retry_at:
                 return None
-            try:
-                stream = MessageStream(UnixTransport(self.path, self._timeout, self._busy_poll))
-            except BrokerUnavailable:
-                self._retry_at = time.monotonic() + RETRY_AFTER
-                return None
-            try:
-                self._session = Session(stream, name=self._name, role="replica-client")
-            except (BrokerUnavailable, ProtocolError, OSError):
-                stream.close()
-                self._retry_at = time.monotonic() + RETRY_AFTER
-                return None
-            return self._session
+            self._retry_at = time.monotonic() + RETRY_AFTER  # one thread tries at a time
+        try:
+            stream = MessageStream(UnixTransport(self.path, REPLICA_TIMEOUT, self._busy_poll))
+        except BrokerUnavailable:
+            return None
+        try:
+            session = Session(stream, name=self._name, role="replica-client")
+        except (BrokerUnavailable, ProtocolError, Timeout, OSError):
+            stream.close()
+            return None
+        with self._lock:
+            if self._session is None and self._pid == os.getpid():
+                self._session, self._retry_at = session, 0.0
+                return session
+            current = self._session
+        session.close(drain_timeout=0)
+        return current
 
     def _drop(self, session: Session) -> None:
         with self._lock:
@@ -92,5 +114,6 @@ class ReadReplica:
     def close(self) -> None:
         with self._lock:
             session, self._session = self._session, None
-        if session is not None:
+            inherited = self._pid != os.getpid()
+        if session is not None and not inherited:
             session.close(drain_timeout=0)

@@ -16,23 +16,32 @@ microseconds (an ``exists`` or a match count is a hint either way: a claim can s
 
 Ownership. The replica owns nothing but its connections and its copy of the directory (a map
 of names, no pages, no leases). It never writes the journal. What it owes the daemon goes up
-a pipe, at most every :data:`REPORT_PERIOD`: its counters (requests, prefix queries and hits)
-and the keys its matches found, which the daemon moves to the new end of its LRU as a
+a pipe, at most every :data:`REPORT_PERIOD`, in messages of at most ``PIPE_BUF`` bytes (each
+written whole or not at all, so several replicas share the pipe and a full pipe loses a
+message, never the framing): its counters (requests, prefix queries and hits) and the keys its
+matches found, which the daemon moves to the new end of its LRU as a
 ``hold=False`` match there would (a prefix a scheduler keeps finding is not evicted first).
 
 When it cannot follow the journal (removed after a write failure, damaged, not there yet) it
 answers ``unavailable`` and the client asks the daemon instead; when the daemon replaces the
-file (compaction), it replays the new one. It exits when the daemon does.
+file (compaction), it replays the new one. It exits when the daemon does (whose pid it is
+given: a daemon killed while it started is noticed too). It keeps the daemon's connection
+limits: ``max_connections``, ``max_connections_per_uid``, ``hello_timeout``,
+``idle_timeout`` (the daemon restarts its replicas on a reload, with the new values).
 
-    python -m kvbroker._server.replica LISTEN_FD JOURNAL REPORT_FD MAX_CONNECTIONS
+    python -m kvbroker._server.replica LISTEN_FD JOURNAL REPORT_FD DAEMON_PID SETTINGS_JSON
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import select
 import socket
+import struct
 import sys
+import time
 import zlib
 from collections import Counter
 from typing import Any
@@ -53,6 +62,8 @@ __all__ = ["REPLICA_OPS", "REPORT_PERIOD", "JournalFollower"]
 
 REPORT_PERIOD = 0.05  # seconds between reports to the daemon (counters, matched keys)
 _MAX_TOUCHED = 65536  # matched keys per report; beyond, the LRU hint is dropped
+# One report message: written whole or not at all (POSIX: a pipe write of at most PIPE_BUF).
+MESSAGE_MAX = select.PIPE_BUF
 _HIGH_WATER = 1 << 20  # unread replies per connection before it stops reading
 # The requests a replica answers; the client sends it nothing else.
 REPLICA_OPS = frozenset({"hello", "exists", "match_prefix", "ping"})
@@ -162,14 +173,15 @@ class JournalFollower:
 
 
 class _Replica:
-    """The replica's state shared by its connections: the follower, the counters and the
-    matched keys owed to the daemon."""
+    """The replica's state shared by its connections: the follower, the daemon's limits, the
+    counters and the matched keys owed to the daemon."""
 
-    def __init__(self, follower: JournalFollower, report_fd: int, max_connections: int) -> None:
+    def __init__(self, follower: JournalFollower, report_fd: int, settings: dict) -> None:
         self.follower = follower
         self.report_fd = report_fd
-        self.max_connections = max_connections
-        self.connections = 0
+        self.settings = settings
+        self.connections: set[_ReplicaConnection] = set()
+        self.per_uid: Counter[int] = Counter()
         self.counters: Counter[str] = Counter()
         self.touched: dict[str, list[str]] = {}
         self._n_touched = 0
@@ -180,16 +192,44 @@ class _Replica:
             self._n_touched += len(keys)
 
     def report(self) -> None:
-        if not self.counters and not self.touched:
-            return
-        msg = msgpack.packb({"c": dict(self.counters), "t": self.touched})
+        """What is owed to the daemon, in messages of at most MESSAGE_MAX bytes."""
+        counters, touched = dict(self.counters), self.touched
         self.counters, self.touched, self._n_touched = Counter(), {}, 0
+        if counters:
+            self._send({"c": counters, "t": {}})
+        for namespace, keys in touched.items():
+            batch: list[str] = []
+            size = len(namespace.encode()) + 32
+            for key in keys:
+                n = len(key.encode()) + 3
+                if batch and size + n > MESSAGE_MAX - 8:
+                    self._send({"c": {}, "t": {namespace: batch}})
+                    batch, size = [], len(namespace.encode()) + 32
+                batch.append(key)
+                size += n
+            if batch:
+                self._send({"c": {}, "t": {namespace: batch}})
+
+    def _send(self, report: dict) -> None:
+        msg = msgpack.packb(report)
+        if len(msg) + 4 > MESSAGE_MAX:
+            return  # one key longer than a message: that LRU hint is dropped
         try:
             os.write(self.report_fd, len(msg).to_bytes(4, "little") + msg)
         except BlockingIOError:
-            pass  # the daemon is behind: these counts are lost, nothing else
+            pass  # the pipe is full (the daemon is behind): this message is lost, whole
         except OSError:
             os._exit(0)  # the daemon is gone
+
+    def sweep(self) -> None:
+        """Close connections that never said hello in time, or held nothing and said nothing
+        for idle_timeout (a replica's connection holds nothing)."""
+        now = time.monotonic()
+        hello, idle = self.settings["hello_timeout"], self.settings["idle_timeout"]
+        for conn in list(self.connections):
+            if (not conn.greeted and now - conn.connected_at > hello) or (
+                    idle > 0 and now - conn.last_active > idle):  # fmt: skip
+                conn.transport.abort()
 
 
 class _ReplicaConnection(asyncio.Protocol):
@@ -198,16 +238,33 @@ class _ReplicaConnection(asyncio.Protocol):
         self.unpacker = msgpack.Unpacker(raw=False, **unpacker_limits(MAX_REQUEST))
         self.transport: asyncio.Transport | None = None
         self.greeted = False
+        self.uid: int | None = None
+        self.connected_at = self.last_active = time.monotonic()
 
     def connection_made(self, transport: Any) -> None:
         self.transport = transport
-        r = self.replica
-        r.connections += 1
-        if r.connections > r.max_connections:
-            transport.close()
+        r, limits = self.replica, self.replica.settings
+        sock = transport.get_extra_info("socket")
+        try:
+            raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+            uid = struct.unpack("3i", raw)[1]
+        except OSError:
+            uid = -1
+        if (len(r.connections) >= limits["max_connections"]
+                or r.per_uid[uid] >= limits["max_connections_per_uid"]):  # fmt: skip
+            transport.abort()  # the client asks the daemon, which says why if it must
+            return
+        self.uid = uid
+        r.per_uid[uid] += 1
+        r.connections.add(self)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.replica.connections -= 1
+        r = self.replica
+        if self.uid is not None and self in r.connections:
+            r.connections.discard(self)
+            r.per_uid[self.uid] -= 1
+            if r.per_uid[self.uid] <= 0:
+                del r.per_uid[self.uid]
 
     def pause_writing(self) -> None:  # a client that does not read its replies
         self.transport.pause_reading()
@@ -216,6 +273,7 @@ class _ReplicaConnection(asyncio.Protocol):
         self.transport.resume_reading()
 
     def data_received(self, data: bytes) -> None:
+        self.last_active = time.monotonic()
         try:
             self.unpacker.feed(data)
         except msgpack.BufferFull:
@@ -277,6 +335,7 @@ class _ReplicaConnection(asyncio.Protocol):
         if hold or peer is not None:
             raise BadRequest("match_prefix: a read replica answers only hold=False without a "
                              "peer; ask the daemon")  # fmt: skip
+        ttl = self._ttl(ttl)
         if len(keys) > MAX_BUFFERS:
             raise BadRequest(f"match_prefix: at most {MAX_BUFFERS} keys per request")
         f = self._following()
@@ -289,24 +348,38 @@ class _ReplicaConnection(asyncio.Protocol):
         c["hits" if matched else "misses"] += 1
         if matched:
             self.replica.touch(namespace, keys[:matched])
-        return {"ttl": ttl or 0.0, "matched": matched, "lease": None, "names": [], "blocks": []}
+        return {"ttl": ttl, "matched": matched, "lease": None, "names": [], "blocks": []}
+
+    def _ttl(self, ttl: float | None) -> float:
+        """The daemon's rule (handlers._ttl), with its settings."""
+        limits = self.replica.settings
+        if ttl is None:
+            return limits["lease_ttl"]
+        if not 0 < ttl <= limits["max_lease_ttl"]:
+            raise BadRequest(f"ttl must be in (0, {limits['max_lease_ttl']:g}] seconds")
+        return float(ttl)
 
     def op_ping(self) -> dict:
         return {"version": PROTOCOL_VERSION, "replica": True}
 
 
-async def _serve(listen: socket.socket, replica: _Replica) -> None:
+async def _serve(listen: socket.socket, replica: _Replica, daemon_pid: int) -> None:
     loop = asyncio.get_running_loop()
     server = await loop.create_unix_server(lambda: _ReplicaConnection(replica), sock=listen)
-    parent = os.getppid()
+    ticks = 0
     async with server:
-        while os.getppid() == parent:  # the daemon gone: so is its replica
+        while os.getppid() == daemon_pid:  # the daemon gone: so is its replica
             await asyncio.sleep(REPORT_PERIOD)
             replica.report()
+            ticks += 1
+            if ticks % 20 == 0:  # once a second
+                replica.sweep()
 
 
 def main(argv: list[str]) -> None:
-    listen_fd, journal, report_fd, max_connections = argv
+    listen_fd, journal, report_fd, daemon_pid, settings = argv
+    if os.getppid() != int(daemon_pid):
+        return  # the daemon died while this process started
     try:
         import uvloop
 
@@ -318,7 +391,8 @@ def main(argv: list[str]) -> None:
     os.set_blocking(int(report_fd), False)
     follower = JournalFollower(journal)
     follower.catch_up()
-    asyncio.run(_serve(listen, _Replica(follower, int(report_fd), int(max_connections))))
+    replica = _Replica(follower, int(report_fd), json.loads(settings))
+    asyncio.run(_serve(listen, replica, int(daemon_pid)))
 
 
 if __name__ == "__main__":

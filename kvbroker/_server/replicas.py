@@ -3,28 +3,38 @@ stopped, and what they report applied to the broker.
 
 The daemon binds each replica's socket itself, beside its own (``SOCKET.r0``, ``SOCKET.r1``,
 ... with the same owner, group and mode) and hands the listening socket to the replica
-process, so a replica that dies is replaced on the same path while clients reconnect. The
-replicas are stopped when the daemon starts draining: a draining daemon refuses new matches,
-and a client whose replica is gone asks the daemon. Each replica writes its reports
-(counters, matched keys) to a pipe the daemon reads on its loop.
+process. A replica that dies loses its socket at once (its path removed: clients connecting
+find none and ask the daemon, instead of waiting in a backlog nobody accepts) and is started
+again on the same path, after 1 s, then 2, 4 ... up to 60 s while it keeps dying within 10 s
+of its start. The replicas are stopped when the daemon starts draining (a draining daemon
+refuses new matches; a client whose replica is gone asks the daemon), when its journal fails
+(nothing left to follow), and restarted on a reload (they take the daemon's connection
+limits and lease TTLs as they were when they started; none run under an isolation policy
+other than open). Each replica writes its reports (counters, matched keys) to one pipe the
+daemon reads on its loop, in messages of at most ``PIPE_BUF`` bytes.
 
+Nothing here may stop the daemon: a replica that cannot be started is logged and left out.
 How many: the ``read_replicas`` setting; ``auto`` is :func:`auto_count`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import socket
+import stat
 import subprocess
 import sys
+import time
 from typing import TYPE_CHECKING
 
 import msgpack
 
 from .journal import journal_path
 from .prefix_leases import keep_recent
+from .replica import MESSAGE_MAX
 
 if TYPE_CHECKING:
     from .daemon import Daemon
@@ -36,7 +46,9 @@ log = logging.getLogger("kvbroker.daemon")
 # Counters a replica reports; anything else in a report is ignored.
 _COUNTERS = frozenset({"requests", "errors", "prefix_queries", "prefix_hit_blocks",
                        "prefix_miss_blocks", "prefix_hit_tokens", "hits", "misses"})  # fmt: skip
-_MAX_REPORT = 16 << 20
+_MOST = 64  # read_replicas' upper bound: stale sockets up to this index are removed
+_SHORT_LIFE = 10.0  # a replica that dies sooner than this after its start backs off
+_BACKOFF_MAX = 60.0
 
 
 def auto_count(cpus: int) -> int:
@@ -47,107 +59,175 @@ def auto_count(cpus: int) -> int:
     return 0 if cpus < 8 else min(4, cpus // 4)
 
 
-def wanted(d: Daemon) -> int:
+def wanted(d: Daemon, quiet: bool = False) -> int:
     """How many replicas this daemon runs: the setting, or none where it cannot have them
-    (no journal to follow; a namespace policy, which only the daemon applies)."""
-    cfg = d.config
-    n = cfg.read_replicas
+    (no journal to follow, or it failed; a namespace policy, which only the daemon applies)."""
+    n = d.config.read_replicas
     auto = n is None
     if auto:
         n = auto_count(len(os.sched_getaffinity(0)))
-    if n and (d.broker.journal is None or not d.broker.policy.open):
-        why = ("journal = false" if d.broker.journal is None
-               else f"isolation = {d.broker.policy.mode!r}")  # fmt: skip
-        if not auto:
+    journal, policy = d.broker.journal, d.broker.policy
+    if n and (journal is None or journal.failed or not policy.open):
+        why = ("journal = false" if journal is None else "the journal failed" if journal.failed
+               else f"isolation = {policy.mode!r}")  # fmt: skip
+        if not (auto or quiet):
             log.warning("read_replicas = %d: none started (%s: replicas follow the journal "
                         "and serve only an open policy)", n, why)  # fmt: skip
         return 0
     return n
 
 
+class _Slot:
+    """One replica: its socket path, its listening socket and process while it runs."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.sock: socket.socket | None = None
+        self.proc: subprocess.Popen | None = None
+        self.started = 0.0
+        self.failures = 0  # deaths in a row, each within _SHORT_LIFE of its start
+        self.due = 0.0  # when to start it again (monotonic)
+
+
 class Replicas:
     def __init__(self, d: Daemon) -> None:
         self.daemon = d
-        self.paths: list[str] = []
-        self._sockets: list[socket.socket] = []
-        self._procs: list[subprocess.Popen | None] = []
+        self._slots: list[_Slot] = []
         self._report_r: int | None = None
         self._report_w: int | None = None
         self._buf = b""
         self.restarts = 0
 
+    @property
+    def paths(self) -> list[str]:
+        return [s.path for s in self._slots]
+
+    def _publish_paths(self) -> None:
+        """Name in hello the replicas that run now."""
+        self.daemon.broker.replica_paths = tuple(s.path for s in self._slots if s.proc)
+
+    # -- start and stop -----------------------------------------------------------------------
     def start(self) -> None:
         d = self.daemon
+        _remove_stale(d.config.socket_path)
         n = wanted(d)
         if not n:
             return
-        self._report_r, self._report_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
-        for i in range(n):
-            path = f"{d.config.socket_path}.r{i}"
-            self._sockets.append(_bind_like(path, d.config.socket_path))
-            self.paths.append(path)
-            self._procs.append(None)
-            self._spawn(i)
-        d._loop.add_reader(self._report_r, self._read_reports)
-        d.broker.replica_paths = tuple(self.paths)  # named in hello from now on
+        try:
+            self._report_r, self._report_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+            d._loop.add_reader(self._report_r, self._read_reports)
+            for i in range(n):
+                slot = _Slot(f"{d.config.socket_path}.r{i}")
+                self._slots.append(slot)
+                self._spawn(slot)
+        except OSError as exc:  # (a socket path too long for .rN, no fds, no fork ...)
+            log.error("cannot start read replicas (%s): serving without them",
+                      exc.strerror or exc)  # fmt: skip
+            self.stop()
+            return
+        self._publish_paths()
         log.info("%d read replica(s) on %s.r*", n, d.config.socket_path)
 
-    def reconcile(self) -> None:
-        """After a reload: none while the policy is not open (a replica cannot apply it),
-        and the configured number again once it is."""
-        running = bool(self.paths)
-        if running and not self.daemon.broker.policy.open:
-            log.warning("isolation is no longer open: stopping the read replicas")
-            self.stop()
-        elif not running and not self.daemon.draining:
-            self.start()
-
-    def _spawn(self, i: int) -> None:
-        d = self.daemon
-        listen = self._sockets[i]
-        self._procs[i] = subprocess.Popen(
-            [sys.executable, "-m", "kvbroker._server.replica", str(listen.fileno()),
-             journal_path(d.config.socket_path), str(self._report_w),
-             str(d.config.max_connections)],
-            pass_fds=(listen.fileno(), self._report_w), stdin=subprocess.DEVNULL,
+    def _spawn(self, slot: _Slot) -> None:
+        d, cfg = self.daemon, self.daemon.config
+        if slot.sock is None:
+            slot.sock = _bind_like(slot.path, cfg.socket_path)
+        settings = {"max_connections": cfg.max_connections,
+                    "max_connections_per_uid": cfg.max_connections_per_uid,
+                    "hello_timeout": cfg.hello_timeout, "idle_timeout": cfg.idle_timeout,
+                    "lease_ttl": d.broker.lease_ttl,
+                    "max_lease_ttl": d.broker.max_lease_ttl}  # fmt: skip
+        fd = slot.sock.fileno()
+        slot.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvbroker._server.replica", str(fd),
+             journal_path(cfg.socket_path), str(self._report_w), str(os.getpid()),
+             json.dumps(settings)],
+            pass_fds=(fd, self._report_w), stdin=subprocess.DEVNULL,
         )  # fmt: skip
+        slot.started = time.monotonic()
 
     def check(self) -> None:
-        """Replace the replicas that died (a crash, a kill): same socket, a new process."""
-        for i, proc in enumerate(self._procs):
-            if proc is not None and proc.poll() is not None:
-                log.warning("read replica %d (pid %d) exited with %s: starting another",
-                            i, proc.pid, proc.returncode)  # fmt: skip
-                self.restarts += 1
-                self._spawn(i)
+        """Once a second: replace the replicas that died, stop them all if the journal
+        failed. Never raises (it runs on the daemon's housekeeping loop)."""
+        if not self._slots:
+            return
+        try:
+            journal = self.daemon.broker.journal
+            if journal is None or journal.failed:
+                log.warning("the journal failed: stopping the read replicas")
+                self.stop()
+                return
+            now = time.monotonic()
+            changed = False
+            for i, slot in enumerate(self._slots):
+                if slot.proc is not None and slot.proc.poll() is not None:
+                    short = now - slot.started < _SHORT_LIFE
+                    slot.failures = slot.failures + 1 if short else 1
+                    slot.due = now + min(_BACKOFF_MAX, 2.0 ** (slot.failures - 1))
+                    log.warning("read replica %d (pid %d) exited with %s: starting another in "
+                                "%.0f s", i, slot.proc.pid, slot.proc.returncode,
+                                slot.due - now)  # fmt: skip
+                    slot.proc = None
+                    _close(slot)  # clients find no socket and ask the daemon meanwhile
+                    changed = True
+                elif slot.proc is None and now >= slot.due:
+                    self.restarts += 1
+                    changed = True
+                    try:
+                        self._spawn(slot)
+                    except OSError as exc:
+                        slot.failures += 1
+                        slot.due = now + min(_BACKOFF_MAX, 2.0 ** (slot.failures - 1))
+                        log.error("cannot start read replica %d (%s): trying again in %.0f s",
+                                  i, exc.strerror or exc, slot.due - now)  # fmt: skip
+            if changed:
+                self._publish_paths()
+        except Exception:  # never take the housekeeping loop down
+            log.exception("read replicas: check failed")
+
+    def reconcile(self) -> None:
+        """After a reload: restart the replicas with the new settings, or stop them (the
+        policy is no longer open), or start them (it is open again). Never raises."""
+        try:
+            running = bool(self._slots)
+            if running:
+                if not self.daemon.broker.policy.open:
+                    log.warning("isolation is no longer open: stopping the read replicas")
+                self.stop()
+            if not self.daemon.draining:
+                self.start()
+        except Exception:  # a reload must finish
+            log.exception("read replicas: reload failed")
 
     def stop(self) -> None:
-        """Stop every replica and remove its socket (draining, or stopping)."""
+        """Stop every replica and remove its socket (draining, stopping, reloading)."""
         if self.daemon.broker is not None:
             self.daemon.broker.replica_paths = ()  # clients ask the daemon from now on
-        procs, self._procs = [p for p in self._procs if p is not None], []
-        for proc in procs:
-            with contextlib.suppress(ProcessLookupError):
-                proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(5)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        for sock, path in zip(self._sockets, self.paths):
-            sock.close()
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
-        self._sockets, self.paths = [], []
+        slots, self._slots = self._slots, []
+        for slot in slots:
+            if slot.proc is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    slot.proc.terminate()
+        for slot in slots:
+            if slot.proc is not None:
+                try:
+                    slot.proc.wait(5)
+                except subprocess.TimeoutExpired:
+                    slot.proc.kill()
+                    slot.proc.wait()
+            _close(slot)
         if self._report_r is not None:
             self._read_reports()  # their last counts
             with contextlib.suppress(Exception):
                 self.daemon._loop.remove_reader(self._report_r)
             os.close(self._report_r)
+            self._report_r = None
+        if self._report_w is not None:
             os.close(self._report_w)
-            self._report_r = self._report_w = None
+            self._report_w = None
+        self._buf = b""
 
+    # -- reports ---------------------------------------------------------------------------------
     def _read_reports(self) -> None:
         while True:
             try:
@@ -160,8 +240,9 @@ class Replicas:
         buf = self._buf
         while len(buf) >= 4:
             n = int.from_bytes(buf[:4], "little")
-            if n > _MAX_REPORT:
-                buf = b""  # not a report: drop what is buffered
+            if n + 4 > MESSAGE_MAX:
+                log.warning("a read replica's report is not one: dropped what was read")
+                buf = b""
                 break
             if len(buf) < 4 + n:
                 break
@@ -185,19 +266,41 @@ class Replicas:
             log.warning("a read replica's report makes no sense (%s): ignored", exc)
 
 
+def _close(slot: _Slot) -> None:
+    if slot.sock is not None:
+        slot.sock.close()
+        slot.sock = None
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(slot.path)
+
+
+def _remove_stale(socket_path: str) -> None:
+    """Remove replica sockets a previous daemon of this socket left (killed before it could):
+    a replica it orphaned must not be reached through them."""
+    for i in range(_MOST):
+        path = f"{socket_path}.r{i}"
+        with contextlib.suppress(OSError):
+            if stat.S_ISSOCK(os.lstat(path).st_mode):
+                os.unlink(path)
+
+
 def _bind_like(path: str, model: str) -> socket.socket:
     """A listening socket at ``path`` with the owner group and mode of the socket ``model``."""
     with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)  # ours: a previous daemon of this socket left it
+        os.unlink(path)
     st = os.stat(model)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    old = os.umask(0o177)
     try:
-        sock.bind(path)
-    finally:
-        os.umask(old)
-    if st.st_gid != os.getegid():
-        os.chown(path, -1, st.st_gid)
-    os.chmod(path, st.st_mode & 0o777)
-    sock.listen(512)
+        old = os.umask(0o177)
+        try:
+            sock.bind(path)
+        finally:
+            os.umask(old)
+        if st.st_gid != os.getegid():
+            os.chown(path, -1, st.st_gid)
+        os.chmod(path, st.st_mode & 0o777)
+        sock.listen(512)
+    except BaseException:
+        sock.close()
+        raise
     return sock
