@@ -502,28 +502,3 @@ def test_replica_housekeeping_never_raises(journaled, caplog):
     b.journal.failed = "no space left"
     reps.check()  # the journal failed: nothing left to follow
     assert not reps._slots and b.replica_paths == ()
-
-
-def test_a_replica_polls_after_a_request_as_the_daemon_does():
-    from kvbroker._server.replica import _Replica
-
-    scheduled = []
-
-    class _Loop:
-        def call_soon(self, f):
-            scheduled.append(f)
-
-    r = _Replica(JournalFollower("/nonexistent"), -1, {"busy_poll": 0.005})
-    r.loop = _Loop()
-    r.note_activity()
-    assert r._polling and scheduled == [r._keep_polling]
-    scheduled.clear()
-    r._keep_polling()  # within busy_poll: again at the next turn, not asleep in epoll
-    assert scheduled == [r._keep_polling]
-    time.sleep(0.01)
-    scheduled.clear()
-    r._keep_polling()  # past it: sleeps
-    assert not scheduled and not r._polling
-    r.cpu_spare = False  # a saturated host: no polling (kvbroker._cpu)
-    r.note_activity()
-    assert not scheduled and not r._polling

@@ -27,8 +27,7 @@ answers ``unavailable`` and the client asks the daemon instead; when the daemon 
 file (compaction), it replays the new one. It exits when the daemon does (whose pid it is
 given: a daemon killed while it started is noticed too). It keeps the daemon's connection
 limits: ``max_connections``, ``max_connections_per_uid``, ``hello_timeout``,
-``idle_timeout``, and polls as it does (``busy_poll``; the daemon restarts its replicas on a
-reload, with the new values).
+``idle_timeout`` (the daemon restarts its replicas on a reload, with the new values).
 
     python -m kvbroker._server.replica LISTEN_FD JOURNAL REPORT_FD DAEMON_PID SETTINGS_JSON
 """
@@ -49,7 +48,6 @@ from typing import Any
 
 import msgpack
 
-from .._cpu import cpu_spare
 from .._wire.protocol import (
     MAX_BUFFERS,
     MAX_REQUEST,
@@ -187,30 +185,6 @@ class _Replica:
         self.counters: Counter[str] = Counter()
         self.touched: dict[str, list[str]] = {}
         self._n_touched = 0
-        # As the daemon (busy_poll, kvbroker._cpu): after a request, poll rather than sleep
-        # in epoll for busy_poll seconds while the host has CPU to spare; a wake-up from
-        # epoll costs more than answering.
-        self.busy_poll = float(settings.get("busy_poll", 0.0))
-        self.cpu_spare = True
-        self._polling = False
-        self._last_request = 0.0
-        self.loop: asyncio.AbstractEventLoop | None = None
-
-    def note_activity(self) -> None:
-        if self.busy_poll <= 0 or not self.cpu_spare:
-            return
-        self._last_request = time.monotonic()
-        if not self._polling:
-            self._polling = True
-            self.loop.call_soon(self._keep_polling)
-
-    def _keep_polling(self) -> None:
-        # A ready callback makes the loop poll epoll with a zero timeout instead of sleeping.
-        if time.monotonic() - self._last_request < self.busy_poll:
-            os.sched_yield()  # a client may be waiting for this very CPU
-            self.loop.call_soon(self._keep_polling)
-        else:
-            self._polling = False
 
     def touch(self, namespace: str, keys: list[str]) -> None:
         if self._n_touched + len(keys) <= _MAX_TOUCHED:
@@ -315,7 +289,6 @@ class _ReplicaConnection(asyncio.Protocol):
             return
         if out:
             self.transport.write(b"".join(out))
-        self.replica.note_activity()
         if self.transport.get_write_buffer_size() > _HIGH_WATER:
             self.transport.abort()
 
@@ -391,14 +364,13 @@ class _ReplicaConnection(asyncio.Protocol):
 
 
 async def _serve(listen: socket.socket, replica: _Replica, daemon_pid: int) -> None:
-    loop = replica.loop = asyncio.get_running_loop()
+    loop = asyncio.get_running_loop()
     server = await loop.create_unix_server(lambda: _ReplicaConnection(replica), sock=listen)
     ticks = 0
     async with server:
         while os.getppid() == daemon_pid:  # the daemon gone: so is its replica
             await asyncio.sleep(REPORT_PERIOD)
             replica.report()
-            replica.cpu_spare = cpu_spare()
             ticks += 1
             if ticks % 20 == 0:  # once a second
                 replica.sweep()

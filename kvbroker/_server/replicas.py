@@ -135,7 +135,6 @@ class Replicas:
         settings = {"max_connections": cfg.max_connections,
                     "max_connections_per_uid": cfg.max_connections_per_uid,
                     "hello_timeout": cfg.hello_timeout, "idle_timeout": cfg.idle_timeout,
-                    "busy_poll": cfg.busy_poll,
                     "lease_ttl": d.broker.lease_ttl,
                     "max_lease_ttl": d.broker.max_lease_ttl}  # fmt: skip
         fd = slot.sock.fileno()
