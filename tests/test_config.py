@@ -182,6 +182,7 @@ def test_a_flag_reaches_the_daemons_configuration(tmp_path, monkeypatch, key):
 
     got = []
     monkeypatch.setattr(daemon_mod, "run_daemon", lambda cfg, reload: got.append(cfg) or 0)
+    monkeypatch.delenv("KVBROKER_READ_REPLICAS", raising=False)  # conftest's: not a flag
     flag = key.flags[0].split("/")[0]
     args = [flag] if key.text is bool else [flag, _text(key.example)]
     r = CliRunner().invoke(app, ["serve", "--config", _write(tmp_path, ""), *args])
