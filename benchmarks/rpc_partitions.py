@@ -26,13 +26,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import multiprocessing as mp
 import os
 import time
 
 from kvbroker import Client
 from kvbroker._bench._common import invocation, machine_info, measured_commit, pct, spawned_daemon
-from kvbroker._bench.rpc import PROBE_NAMESPACE, _client_process
+from kvbroker._bench.rpc import PROBE_NAMESPACE, run_clients
 
 
 def _ints(text: str) -> list[int]:
@@ -41,25 +40,13 @@ def _ints(text: str) -> list[int]:
 
 def measure(sockets: list[str], clients: int, seconds: float) -> dict:
     """``clients`` processes, client i on ``sockets[i % len(sockets)]`` with a key of its own."""
-    ctx = mp.get_context("spawn")
-    barrier, results = ctx.Barrier(clients), ctx.Queue()
-    probes = []
+    targets = []
     for i in range(clients):
         path, probe = sockets[i % len(sockets)], f"partition-probe-{os.getpid()}-{i}"
         with Client(path, name="rpc-partitions") as c:
             c.put(probe, {"x": b"1"}, namespace=PROBE_NAMESPACE, replace=True)
-        probes.append((path, probe))
-    procs = [ctx.Process(target=_client_process, args=(path, seconds, barrier, results, probe))
-             for path, probe in probes]  # fmt: skip
-    for p in procs:
-        p.start()
-    got = [results.get(timeout=120 + seconds) for _ in procs]
-    for p in procs:
-        p.join(30)
-    errors = [r for kind, r in got if kind == "error"]
-    if errors:
-        raise RuntimeError(f"rpc client failed: {errors[0]}")
-    lat = [x for _, r in got for x in r]
+        targets.append((path, probe))
+    lat = run_clients(targets, seconds)
     return {"clients": clients, "ops": len(lat), "seconds": seconds,
             "ops_per_s": len(lat) / seconds, "p50_us": pct(lat, 0.5) * 1e6,
             "p99_us": pct(lat, 0.99) * 1e6}  # fmt: skip

@@ -53,26 +53,30 @@ def measure(socket_path: str, clients=DEFAULT_CLIENTS, seconds: float = 2.0) -> 
             c.evict(probe, namespace=PROBE_NAMESPACE)
 
 
-def _measure(socket_path: str, clients, seconds: float, probe: str) -> list[dict]:
+def run_clients(targets: list[tuple[str, str]], seconds: float) -> list[float]:
+    """One client process per ``(socket_path, probe)`` of ``targets``, all started together,
+    each timing ``exists(probe)`` round trips for ``seconds``; every latency, in seconds."""
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
+    barrier, results = ctx.Barrier(len(targets)), ctx.Queue()
+    procs = [ctx.Process(target=_client_process, args=(path, seconds, barrier, results, probe))
+             for path, probe in targets]  # fmt: skip
+    for p in procs:
+        p.start()
+    got = [results.get(timeout=120 + seconds) for _ in procs]
+    for p in procs:
+        p.join(30)
+    errors = [r for kind, r in got if kind == "error"]
+    if errors:
+        raise RuntimeError(f"rpc client failed: {errors[0]}")
+    return [x for _, r in got for x in r]
+
+
+def _measure(socket_path: str, clients, seconds: float, probe: str) -> list[dict]:
     rows = []
     for n in clients:
-        barrier, results = ctx.Barrier(n), ctx.Queue()
-        procs = [ctx.Process(target=_client_process, args=(socket_path, seconds, barrier, results,
-                                                             probe))
-                 for _ in range(n)]  # fmt: skip
-        for p in procs:
-            p.start()
-        got = [results.get(timeout=120 + seconds) for _ in procs]
-        for p in procs:
-            p.join(30)
-        errors = [r for kind, r in got if kind == "error"]
-        if errors:
-            raise RuntimeError(f"rpc client failed: {errors[0]}")
-        per = [r for _, r in got]
-        lat = [x for r in per for x in r]
+        lat = run_clients([(socket_path, probe)] * n, seconds)
         ops = len(lat) / seconds
         rows.append({
             "clients": n,

@@ -445,8 +445,8 @@ class Client:
     def exists(self, key: str, *, namespace: str = "default", peer: str | None = None) -> bool:
         """Whether the object is sealed here (or, with ``peer``, here or on that broker;
         nothing is pulled)."""
-        if peer is None and self._replica is not None and self._session.settled:
-            return self.ops.exists(key, namespace=namespace)  # one of the read replicas
+        if peer is None and self._replica is not None:  # (_call picks replica or daemon)
+            return self.ops.exists(key, namespace=namespace)
         return self._peer_call(peer is not None, self.ops.lookup, key, namespace=namespace,
                                peer=peer) is not None  # fmt: skip
 

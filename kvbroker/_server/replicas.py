@@ -59,7 +59,7 @@ def auto_count(cpus: int) -> int:
     return 0 if cpus < 8 else min(4, cpus // 4)
 
 
-def wanted(d: Daemon, quiet: bool = False) -> int:
+def wanted(d: Daemon) -> int:
     """How many replicas this daemon runs: the setting, or none where it cannot have them
     (no journal to follow, or it failed; a namespace policy, which only the daemon applies)."""
     n = d.config.read_replicas
@@ -70,7 +70,7 @@ def wanted(d: Daemon, quiet: bool = False) -> int:
     if n and (journal is None or journal.failed or not policy.open):
         why = ("journal = false" if journal is None else "the journal failed" if journal.failed
                else f"isolation = {policy.mode!r}")  # fmt: skip
-        if not (auto or quiet):
+        if not auto:
             log.warning("read_replicas = %d: none started (%s: replicas follow the journal "
                         "and serve only an open policy)", n, why)  # fmt: skip
         return 0
@@ -96,11 +96,6 @@ class Replicas:
         self._report_r: int | None = None
         self._report_w: int | None = None
         self._buf = b""
-        self.restarts = 0
-
-    @property
-    def paths(self) -> list[str]:
-        return [s.path for s in self._slots]
 
     def _publish_paths(self) -> None:
         """Name in hello the replicas that run now."""
@@ -171,7 +166,6 @@ class Replicas:
                     _close(slot)  # clients find no socket and ask the daemon meanwhile
                     changed = True
                 elif slot.proc is None and now >= slot.due:
-                    self.restarts += 1
                     changed = True
                     try:
                         self._spawn(slot)
