@@ -35,7 +35,18 @@ def small_chunks():
     cs.CHUNK = old
 
 
+needs_native = pytest.mark.skipif(not E.NATIVE, reason="C loops not built, or turned off")
+# Both loops: the C extension's (one call per range) and Python's (the fallback where it
+# was not built).
+NATIVE_MODES = [
+    pytest.param(True, marks=pytest.mark.skipif(not E.NATIVE, reason="C extension not built"),
+                 id="C-loops"),
+    pytest.param(False, id="Python-loops"),
+]
+
+
 # the fixture only sets a constant, the same for every example
+@pytest.mark.parametrize("native", NATIVE_MODES)
 @settings(max_examples=60, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     n=st.integers(0, 70_000),
@@ -46,7 +57,7 @@ def small_chunks():
     seed=st.integers(0, 2**32 - 1),
 )
 def test_copies_and_checksums_equal_the_single_threaded_definition(
-    small_chunks, n, src_off, dst_off, threads, split_chunks, seed
+    small_chunks, native, n, src_off, dst_off, threads, split_chunks, seed
 ):
     rng = np.random.default_rng(seed)
     src_buf = rng.integers(0, 256, n + 32, dtype=np.uint8)
@@ -54,7 +65,8 @@ def test_copies_and_checksums_equal_the_single_threaded_definition(
     before = dst_buf.copy()
     src = src_buf[src_off : src_off + n]  # any alignment
     dst = dst_buf[dst_off : dst_off + n]
-    e = E.CopyEngine(threads, split_min=split_chunks * small_chunks)
+    e = E.CopyEngine(threads, split_min=split_chunks * small_chunks, native=native)
+    assert e.native is native
     try:
         want = reference(src, small_chunks)
         assert e.hash(src) == want
@@ -83,11 +95,12 @@ def test_ranges_cover_the_copy_in_whole_chunks(n, threads, split):
         assert n // len(rs) >= e.split_min // 2  # split only where each thread gets a fair share
 
 
-def test_real_chunk_size_over_threads():
+@pytest.mark.parametrize("native", NATIVE_MODES)
+def test_real_chunk_size_over_threads(native):
     n = 5 * cs.CHUNK + 12345
     src = np.random.default_rng(1).integers(0, 256, n, dtype=np.uint8)
     dst = np.empty(n, dtype=np.uint8)
-    e = E.CopyEngine(4, split_min=cs.CHUNK)
+    e = E.CopyEngine(4, split_min=cs.CHUNK, native=native)
     try:
         assert len(e.ranges(n)) == 4
         assert e.copy_hashed(dst, src) == cs.digest(src) == reference(src, cs.CHUNK)
@@ -96,16 +109,19 @@ def test_real_chunk_size_over_threads():
         e.close()
 
 
-def test_errors_in_workers_reach_the_caller(small_chunks):
+@pytest.mark.parametrize("native", NATIVE_MODES)
+def test_errors_in_workers_reach_the_caller(small_chunks, native):
     src = np.arange(40_000, dtype=np.uint8)
     dst = np.zeros_like(src)
-    e = E.CopyEngine(3, split_min=small_chunks)
+    e = E.CopyEngine(3, split_min=small_chunks, native=native)
     try:
         with pytest.raises(ValueError, match="copy of 40000 bytes into a view of 39999"):
             e.copy(dst[1:], src)
         dst.flags.writeable = False
-        with pytest.raises(ValueError, match="read-only"):
+        # numpy says "read-only", the buffer protocol "not writable"; nothing is copied
+        with pytest.raises((ValueError, BufferError), match="read-only|not writable"):
             e.copy_hashed(dst, src)
+        assert not dst.any()
         dst.flags.writeable = True
         assert e.copy_hashed(dst, src) == reference(src, small_chunks)  # still usable
     finally:
@@ -324,10 +340,17 @@ def test_a_gated_engine_splits_only_while_its_gate_allows():
 
 
 def _progress_during(call) -> int:
-    """How many times another Python thread ran while ``call`` ran in a worker thread."""
+    """How many times another Python thread ran while ``call`` ran in a worker thread.
+
+    Not counted: the first and last 2 ms of the worker's window, where the worker may be
+    between its clock reading and the call, waiting for the GIL (at most a switch interval,
+    0.5 ms here): a call that holds the GIL throughout still has those."""
+    import sys
+
     window = []
     ticks = []
     stop = threading.Event()
+    margin = 0.002
 
     def work():
         start = time.perf_counter()
@@ -335,23 +358,36 @@ def _progress_during(call) -> int:
         window.extend((start, time.perf_counter()))
         stop.set()
 
-    t = threading.Thread(target=work)
-    t.start()
-    while not stop.is_set():
-        ticks.append(time.perf_counter())
-    t.join()
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(0.0005)
+    try:
+        t = threading.Thread(target=work)
+        t.start()
+        while not stop.is_set():
+            ticks.append(time.perf_counter())
+        t.join()
+    finally:
+        sys.setswitchinterval(old)
     start, end = window
-    return sum(start < x < end for x in ticks)
+    assert end - start > 4 * margin, "the call is too short to probe"
+    return sum(start + margin < x < end - margin for x in ticks)
 
 
-@pytest.mark.parametrize("what", ["xxh3_64 of a chunk", "numpy copyto"])
+@pytest.mark.parametrize("what", [
+    "xxh3_64 of a chunk", "numpy copyto",
+    pytest.param("C copy_hashed", marks=needs_native),
+    pytest.param("C hash_chunks", marks=needs_native),
+])  # fmt: skip
 def test_the_hash_and_the_copy_release_the_gil(what):
-    """The engine's threads only run in parallel if the two calls it makes per chunk let go
-    of the GIL; a call that held it would let the spinning main thread run zero times."""
+    """The engine's threads only run in parallel if the calls it makes per range (C loops)
+    or per chunk (Python loops) let go of the GIL; a call that held it would let the
+    spinning main thread run zero times."""
     big = np.ones(256 << 20, dtype=np.uint8)
     other = np.empty_like(big)
     call = {"xxh3_64 of a chunk": lambda: xxhash.xxh3_64_intdigest(big),
-            "numpy copyto": lambda: np.copyto(other, big)}[what]  # fmt: skip
+            "numpy copyto": lambda: np.copyto(other, big),
+            "C copy_hashed": lambda: E._c_copy_hashed(other, big, cs.CHUNK),
+            "C hash_chunks": lambda: E._c_hash_chunks(big, cs.CHUNK)}[what]  # fmt: skip
     # a loaded machine may not schedule the main thread in one window: a few tries
     assert any(_progress_during(call) > 0 for _ in range(5))
 
@@ -502,3 +538,86 @@ def test_a_refused_destination_does_not_count_a_consume(client):
     assert client.exists("once")
     got = client.get("once", {"a": np.zeros(4096, dtype=np.uint8)}, consume=True)
     assert bytes(got["a"]) == data.tobytes() and not client.exists("once")
+
+
+# -- the C loops (csrc/copyhash.c) ------------------------------------------------------------
+
+
+@needs_native
+@settings(max_examples=80)
+@given(n=st.integers(0, 300_000), chunk=st.sampled_from([1, 240, 241, 4096, 65536, 1 << 20]),
+       src_off=st.integers(0, 63), dst_off=st.integers(0, 63), seed=st.integers(0, 2**32 - 1))
+def test_c_loops_digest_each_chunk_as_python_xxhash_does(n, chunk, src_off, dst_off, seed):
+    """Every xxh3 input-length path (0, <=240 bytes, long inputs), any alignment."""
+    from kvbroker import _copyhash
+
+    rng = np.random.default_rng(seed)
+    src = rng.integers(0, 256, n + 64, dtype=np.uint8)[src_off : src_off + n]
+    dst_buf = np.zeros(n + 64, dtype=np.uint8)
+    dst = dst_buf[dst_off : dst_off + n]
+    want = [xxhash.xxh3_64_intdigest(src[a : a + chunk]) for a in range(0, n, chunk)]
+    assert _copyhash.hash_chunks(src, chunk) == want
+    assert _copyhash.copy_hashed(dst, src, chunk) == want
+    assert np.array_equal(dst, src)
+    assert not dst_buf[:dst_off].any() and not dst_buf[dst_off + n :].any()
+    assert _copyhash.hash_chunks(memoryview(src.tobytes()), chunk) == want  # any buffer
+
+
+@needs_native
+def test_c_loops_refuse_bad_buffers_and_write_nothing():
+    from kvbroker import _copyhash
+
+    src = np.arange(1000, dtype=np.uint8)
+    dst = np.zeros(1000, dtype=np.uint8)
+    with pytest.raises(ValueError, match="dst has 999 bytes, src 1000"):
+        _copyhash.copy_hashed(dst[1:], src, 256)
+    with pytest.raises(ValueError, match="chunk must be a positive"):
+        _copyhash.copy_hashed(dst, src, 0)
+    with pytest.raises(ValueError, match="chunk must be a positive"):
+        _copyhash.hash_chunks(src, -1)
+    with pytest.raises((ValueError, BufferError)):  # not C-contiguous
+        _copyhash.copy_hashed(dst[::2], src[::2], 256)
+    with pytest.raises(BufferError):  # bytes are read-only
+        _copyhash.copy_hashed(bytes(1000), src, 256)
+    with pytest.raises(TypeError):
+        _copyhash.copy_hashed(dst, src)
+    with pytest.raises(TypeError):
+        _copyhash.hash_chunks(12, 256)
+    assert not dst.any()
+    # only a library this process has loaded, and only one with xxh3
+    with pytest.raises(OSError, match="bind_hash"):
+        _copyhash.bind_hash("/nonexistent/libxxhash.so")
+    with pytest.raises(OSError, match="no XXH3_64bits"):
+        _copyhash.bind_hash(_copyhash.__file__)
+    assert _copyhash.hash_chunks(src, 256) == [xxhash.xxh3_64_intdigest(src[a : a + 256])
+                                               for a in range(0, 1000, 256)]  # still bound
+
+
+def test_the_c_loops_can_be_turned_off(monkeypatch):
+    import subprocess
+    import sys
+
+    code = "from kvbroker._client import engine as E; print(E.NATIVE, E.CopyEngine(2).native)"
+    env = {**os.environ, "KVBROKER_NATIVE_COPY": "0"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True, timeout=60).stdout.split()
+    assert out == ["False", "False"]
+    monkeypatch.setattr(E, "_c_copy_hashed", None)
+    with pytest.raises(ValueError, match="C extension is not available"):
+        E.CopyEngine(2, native=True)
+
+
+def test_the_c_loops_are_built_where_a_compiler_is():
+    """The extension is optional so that an install without a compiler still works; where one
+    is (CI, the project's machines), a failed build must not hide behind the fallback."""
+    import shutil
+    import sysconfig
+
+    headers = os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h"))
+    if not (shutil.which(sysconfig.get_config_var("CC").split()[0] or "cc") and headers):
+        pytest.skip("no C compiler or no Python headers: the Python loops are expected")
+    try:
+        from kvbroker import _copyhash
+    except ImportError as exc:
+        pytest.fail(f"kvbroker._copyhash was not built here: {exc}; reinstall (pip install -e .)")
+    assert callable(_copyhash.copy_hashed)

@@ -8,6 +8,8 @@ import socket
 import subprocess
 import sys
 
+import pytest
+
 from kvbroker._server.daemon import DaemonConfig
 from kvbroker._server.doctor import check_memlock, check_shm, check_socket_dir, render, run_checks
 
@@ -107,6 +109,21 @@ def test_checksum_hash_warns_on_an_xxhash_without_simd_dispatch(monkeypatch):
     c = check_checksum_hash(DaemonConfig())
     assert c.status == "ok" and "AVX2 / AVX-512 chosen at run time" in c.detail, c
     assert "checksum hash" in render(run_checks(DaemonConfig()))
+
+
+def test_copy_engine_check_says_which_loops_run(monkeypatch):
+    from kvbroker._server.doctor import check_copy_engine
+
+    pytest.importorskip("kvbroker._copyhash", reason="C loops not built here")
+    monkeypatch.delenv("KVBROKER_NATIVE_COPY", raising=False)
+    c = check_copy_engine(DaemonConfig())
+    assert c.status == "ok" and "one GIL release per range" in c.detail, c
+    monkeypatch.setenv("KVBROKER_NATIVE_COPY", "0")
+    c = check_copy_engine(DaemonConfig())
+    assert c.status == "warn" and "KVBROKER_NATIVE_COPY=0" in c.detail, c
+    monkeypatch.setitem(sys.modules, "kvbroker._copyhash", None)  # as if never built
+    c = check_copy_engine(DaemonConfig())
+    assert c.status == "warn" and "was not built" in c.detail and "python3-dev" in c.fix, c
 
 
 def test_the_installed_xxhash_chooses_its_simd_path_at_run_time():

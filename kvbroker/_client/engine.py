@@ -8,14 +8,16 @@ still in cache: the bytes cross memory once, as without checksums. The chunk dig
 back in order and are combined as :mod:`kvbroker._wire.checksum` defines, so the result is
 bit for bit the single-threaded :func:`~kvbroker._wire.checksum.digest`.
 
-Both halves release the GIL: numpy's ``copyto`` of a contiguous block, and python-xxhash's
-one-shot hash for inputs of 64 KiB or more (xxhash >= 4.0; from 4.1 with AVX2 / AVX-512
-chosen at run time). What still needs it is the Python between them, and handing it over:
-twice per chunk. That is what limits the scaling (measured on an H100 host's 16 cores,
-32 MiB, 1 MiB chunks, python-xxhash 4.0.1: fused copy+hash 8 GB/s on 1 thread, 21 on 4, 24 on
-8, 18 on 16; a plain multi-threaded memcpy 14 / 46 / 43 / 33. With 4.1.0's hash, 2.76x cheaper
-in cache, 8 threads took 8 % less time: ``benchmarks/results/xxhash-ab/``). A C routine copying and
-hashing a whole range per call (one GIL release per thread) is what would remove it.
+Each thread's range is one call into ``kvbroker._copyhash`` (``csrc/copyhash.c``):
+the GIL is released once per range, and each chunk is copied with memcpy and hashed with
+python-xxhash's own xxh3_64 (its compiled function, with its run-time AVX2 / AVX-512
+choice, bound at import and checked against ``xxh3_64_intdigest``). In Python the same loop hands the GIL back and forth twice per chunk
+(numpy's ``copyto``, then python-xxhash's one-shot hash, both releasing it), and those
+hand-offs are what limited the scaling (measured on an H100 host's 16 cores, 32 MiB, 1 MiB
+chunks: fused copy+hash on 8 threads at 0.57x of a plain 8-thread memcpy;
+``benchmarks/results/host-copy-h100-host.md`` has the two side by side). Where the
+extension was not built (it is optional: no C compiler at install), or with
+``KVBROKER_NATIVE_COPY=0``, the engine runs those Python loops (:data:`NATIVE`).
 
 Users: ``put`` (copy + hash), ``get`` (copy, or copy + hash with ``verify``), ``claim``'s
 verify and ``seal`` of a caller-filled lease (hash).
@@ -48,7 +50,8 @@ import xxhash
 from .._wire import checksum as _cs
 
 __all__ = ["CopyEngine", "default_engine", "default_threads", "default_gate", "MAX_THREADS",
-           "SHARED_CPUS", "SPLIT_MIN"]
+           "NATIVE", "SHARED_CPUS", "SPLIT_MIN"]
+
 
 # Past 8 threads, GIL hand-offs cost more than the extra bandwidth (16 threads lost to 8 on
 # the H100 host above).
@@ -60,6 +63,34 @@ SPLIT_MIN = 2 * 1024 * 1024
 SHARED_CPUS = 2
 
 _hash = xxhash.xxh3_64_intdigest
+
+
+def _bind_c_loops():
+    """The C loops' (copy_hashed, hash_chunks), hashing with python-xxhash's xxh3_64; Nones
+    where the extension was not built (it is optional) or its digests are not xxhash's."""
+    try:
+        from .._copyhash import bind_hash, copy_hashed, hash_chunks
+    except ImportError:
+        return None, None
+    from xxhash import _xxhash
+
+    try:
+        bind_hash(_xxhash.__file__)
+    except OSError:
+        return None, None
+    # every xxh3 input-length path (0-16, 17-128, 129-240 bytes, long inputs), in ~1 ms
+    for probe, chunk in ((bytes(range(256)) * 5, 7), (bytes(range(256)) * 5, 240),
+                         (bytes(range(251)) * 4200, 1 << 20)):  # fmt: skip
+        want = [_hash(probe[at : at + chunk]) for at in range(0, len(probe), chunk)]
+        if hash_chunks(probe, chunk) != want:
+            return None, None
+    return copy_hashed, hash_chunks
+
+
+_c_copy_hashed, _c_hash_chunks = _bind_c_loops()
+# Whether engines copy and hash through csrc/copyhash.c by default (else the Python loops;
+# KVBROKER_NATIVE_COPY=0 is an operator's way back to them).
+NATIVE = _c_copy_hashed is not None and os.environ.get("KVBROKER_NATIVE_COPY", "1") != "0"
 
 
 def _usable_cpus() -> int:
@@ -119,20 +150,37 @@ def _hash_range(view, a: int, b: int) -> list[int]:
     return [_hash(view[at : min(at + chunk, b)]) for at in range(a, b, chunk)]
 
 
+def _copy_hash_range_native(dst, src, a: int, b: int) -> list[int]:
+    return _c_copy_hashed(dst[a:b], src[a:b], _cs.CHUNK)
+
+
+def _hash_range_native(view, a: int, b: int) -> list[int]:
+    return _c_hash_chunks(view[a:b], _cs.CHUNK)
+
+
 class CopyEngine:
     """Copies and chunk checksums over ``threads`` threads (the caller's included).
 
     Arguments are flat, C-contiguous uint8 numpy arrays of equal size (``dst`` writable).
     ``split_while``: a copy is split only while it returns True (None: always).
+    ``native``: copy and hash each range in one call to the C extension (default
+    :data:`NATIVE`); False runs the Python loops.
     """
 
     def __init__(self, threads: int | None = None, split_min: int = SPLIT_MIN,
-                 split_while: Callable[[], bool] | None = None) -> None:  # fmt: skip
+                 split_while: Callable[[], bool] | None = None,
+                 native: bool | None = None) -> None:  # fmt: skip
         self.threads = default_threads() if threads is None else int(threads)
         if self.threads < 1:
             raise ValueError("threads must be >= 1")
         self.split_min = max(_cs.CHUNK, int(split_min))
         self.split_while = split_while
+        if native and _c_copy_hashed is None:
+            raise ValueError("the copy engine's C extension is not available here "
+                             "(not built, or KVBROKER_NATIVE_COPY=0)")  # fmt: skip
+        self.native = NATIVE if native is None else bool(native)
+        self._copy_hash_range = _copy_hash_range_native if self.native else _copy_hash_range
+        self._hash_range = _hash_range_native if self.native else _hash_range
         self._pool: ThreadPoolExecutor | None = None
         self._pid = os.getpid()
         self._lock = threading.Lock()
@@ -185,16 +233,18 @@ class CopyEngine:
         _check(dst, src)
         n = src.nbytes
         if 0 < n <= _cs.CHUNK:  # one chunk: the small objects' path, kept short
+            if self.native:
+                return _cs.combine(n, _c_copy_hashed(dst, src, _cs.CHUNK))
             import numpy as np
 
             np.copyto(dst, src)
             return _cs.combine(n, [_hash(dst)])
-        parts = self._run(_copy_hash_range, (dst, src), self.ranges(src.nbytes))
+        parts = self._run(self._copy_hash_range, (dst, src), self.ranges(src.nbytes))
         return _cs.combine(src.nbytes, [d for part in parts for d in part])
 
     def hash(self, view) -> int:
         """The kind-1 checksum value of ``view``."""
-        parts = self._run(_hash_range, (view,), self.ranges(view.nbytes))
+        parts = self._run(self._hash_range, (view,), self.ranges(view.nbytes))
         return _cs.combine(view.nbytes, [d for part in parts for d in part])
 
     def close(self) -> None:

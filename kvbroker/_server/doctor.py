@@ -238,6 +238,24 @@ def check_checksum_hash(cfg: DaemonConfig) -> Check:
     return Check(name, "ok", detail + (", AVX2 / AVX-512 chosen at run time" if dispatch else ""))
 
 
+def check_copy_engine(cfg: DaemonConfig) -> Check:
+    """Whether the clients' host copy engine runs its C loops here (kvbroker._client.engine):
+    without them a checksummed copy over several threads hands the GIL over twice per MiB."""
+    name = "copy engine"
+    try:
+        from .._copyhash import copy_hashed  # noqa: F401
+    except ImportError:
+        return Check(name, "warn",
+                     "Python loops: the optional C extension kvbroker._copyhash was not built "
+                     "when kvbroker was installed (no C compiler or Python headers); "
+                     "checksummed copies over several threads are slower",
+                     "install gcc and the Python headers (python3-dev), then reinstall kvbroker")
+    if os.environ.get("KVBROKER_NATIVE_COPY", "1") == "0":
+        return Check(name, "warn", "Python loops: KVBROKER_NATIVE_COPY=0 turns the C loops off",
+                     "unset KVBROKER_NATIVE_COPY")  # fmt: skip
+    return Check(name, "ok", "C loops (csrc/copyhash.c), one GIL release per range")
+
+
 def _address_of(buf: mmap.mmap) -> int:
     import ctypes
 
@@ -317,7 +335,7 @@ def check_pools(cfg: DaemonConfig) -> Check:
 
 CHECKS: tuple[Callable[[DaemonConfig], Check], ...] = (
     check_memlock, check_shm, check_socket_dir, check_socket_unit, check_service_user,
-    check_gpu, check_host_register, check_checksum_hash, check_pools,
+    check_gpu, check_host_register, check_checksum_hash, check_copy_engine, check_pools,
 )  # fmt: skip
 
 

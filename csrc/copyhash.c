@@ -1,0 +1,195 @@
+/* kvbroker._copyhash: the host copy engine's inner loops, one GIL release per range.
+ *
+ * The engine (kvbroker/_client/engine.py) splits a copy into one byte range per thread. In
+ * Python each range is a loop over 1 MiB chunks that hands the GIL back and forth twice per
+ * chunk (numpy's copy, then the hash): on an H100 host's 16 cores those hand-offs held a fused
+ * copy+hash on 8 threads to 0.57x of a plain 8-thread memcpy. Here a range is one call: the
+ * GIL is released once, each chunk is copied with memcpy and hashed right after, while it is
+ * still in cache, and the digests come back as a list.
+ *
+ * The hash is python-xxhash's own xxh3_64: bind_hash() looks up the function in its
+ * extension module (XXH3_64bits_dispatch, xxHash's run-time choice of AVX2 / AVX-512 that
+ * its x86-64 wheels carry from 4.1 on; else XXH3_64bits). The digests are therefore those
+ * of xxhash.xxh3_64_intdigest by construction, and as fast; kvbroker/_client/engine.py
+ * binds it at import and checks a few digests against xxhash's before using the loops.
+ *
+ * Buffers: any C-contiguous buffer (numpy arrays, memoryviews, mmaps); the destination must
+ * be writable. They are borrowed for the call only.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <dlfcn.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef uint64_t (*hash_fn)(const void *input, size_t len);
+static hash_fn chunk_hash = NULL;
+
+/* Below this many bytes the call keeps the GIL: releasing and taking it back costs more. */
+#define GIL_FREE_MIN (64 * 1024)
+
+static int
+take_chunk(PyObject *arg, Py_ssize_t *chunk)
+{
+    *chunk = PyLong_AsSsize_t(arg);
+    if (*chunk == -1 && PyErr_Occurred())
+        return -1;
+    if (*chunk <= 0) {
+        PyErr_SetString(PyExc_ValueError, "chunk must be a positive number of bytes");
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *
+digest_list(const unsigned long long *digests, Py_ssize_t n)
+{
+    PyObject *out = PyList_New(n);
+    if (out == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *v = PyLong_FromUnsignedLongLong(digests[i]);
+        if (v == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, i, v);
+    }
+    return out;
+}
+
+/* The work of copy_hashed and hash_chunks: dst NULL hashes src in place. */
+static PyObject *
+run(char *dst, const char *src, Py_ssize_t nbytes, Py_ssize_t chunk)
+{
+    if (chunk_hash == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "bind_hash() first");
+        return NULL;
+    }
+    Py_ssize_t n = nbytes ? (nbytes - 1) / chunk + 1 : 0;
+    unsigned long long *digests = PyMem_Malloc((n ? n : 1) * sizeof *digests);
+    if (digests == NULL)
+        return PyErr_NoMemory();
+    PyThreadState *released = nbytes >= GIL_FREE_MIN ? PyEval_SaveThread() : NULL;
+    for (Py_ssize_t i = 0, at = 0; i < n; i++, at += chunk) {
+        size_t len = (size_t)(nbytes - at < chunk ? nbytes - at : chunk);
+        const char *piece = src + at;
+        if (dst != NULL) {
+            memcpy(dst + at, piece, len);
+            piece = dst + at; /* hash what landed, while it is in cache */
+        }
+        digests[i] = (unsigned long long)chunk_hash(piece, len);
+    }
+    if (released != NULL)
+        PyEval_RestoreThread(released);
+    PyObject *out = digest_list(digests, n);
+    PyMem_Free(digests);
+    return out;
+}
+
+PyDoc_STRVAR(copy_hashed_doc,
+"copy_hashed(dst, src, chunk) -> list[int]\n\n"
+"Copy src into dst (C-contiguous buffers of equal size, dst writable) chunk by chunk and\n"
+"return the xxh3_64 of each copied chunk of ``chunk`` bytes (the last one may be shorter),\n"
+"hashed in dst. The GIL is released for the whole call (64 KiB and more).");
+
+static PyObject *
+copy_hashed(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_buffer dst, src;
+    Py_ssize_t chunk;
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "copy_hashed(dst, src, chunk) takes 3 arguments");
+        return NULL;
+    }
+    if (take_chunk(args[2], &chunk) < 0)
+        return NULL;
+    if (PyObject_GetBuffer(args[0], &dst, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+        return NULL;
+    if (PyObject_GetBuffer(args[1], &src, PyBUF_C_CONTIGUOUS) < 0) {
+        PyBuffer_Release(&dst);
+        return NULL;
+    }
+    PyObject *out = NULL;
+    if (dst.len != src.len)
+        PyErr_Format(PyExc_ValueError, "copy_hashed: dst has %zd bytes, src %zd",
+                     dst.len, src.len);
+    else
+        out = run(dst.buf, src.buf, src.len, chunk);
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&dst);
+    return out;
+}
+
+PyDoc_STRVAR(hash_chunks_doc,
+"hash_chunks(buf, chunk) -> list[int]\n\n"
+"The xxh3_64 of each chunk of ``chunk`` bytes of a C-contiguous buffer (the last one may be\n"
+"shorter). The GIL is released for the whole call (64 KiB and more).");
+
+static PyObject *
+hash_chunks(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_buffer buf;
+    Py_ssize_t chunk;
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "hash_chunks(buf, chunk) takes 2 arguments");
+        return NULL;
+    }
+    if (take_chunk(args[1], &chunk) < 0)
+        return NULL;
+    if (PyObject_GetBuffer(args[0], &buf, PyBUF_C_CONTIGUOUS) < 0)
+        return NULL;
+    PyObject *out = run(NULL, buf.buf, buf.len, chunk);
+    PyBuffer_Release(&buf);
+    return out;
+}
+
+PyDoc_STRVAR(bind_hash_doc,
+"bind_hash(path) -> str\n\n"
+"Hash with the xxh3_64 of the shared library at ``path`` (python-xxhash's extension\n"
+"module, already loaded): XXH3_64bits_dispatch where it has one, else XXH3_64bits.\n"
+"Returns the symbol's name; OSError when neither is found.");
+
+static PyObject *
+bind_hash(PyObject *self, PyObject *arg)
+{
+    PyObject *encoded;
+    if (!PyUnicode_FSConverter(arg, &encoded))
+        return NULL;
+    /* RTLD_NOLOAD: only a library this process has loaded (import xxhash did) */
+    void *lib = dlopen(PyBytes_AS_STRING(encoded), RTLD_NOW | RTLD_NOLOAD);
+    Py_DECREF(encoded);
+    if (lib == NULL)
+        return PyErr_Format(PyExc_OSError, "bind_hash: %s", dlerror());
+    static const char *const names[] = {"XXH3_64bits_dispatch", "XXH3_64bits"};
+    for (size_t i = 0; i < sizeof names / sizeof *names; i++) {
+        void *fn = dlsym(lib, names[i]);
+        if (fn != NULL) {
+            chunk_hash = (hash_fn)fn; /* the library stays loaded: dlclose drops our count */
+            dlclose(lib);
+            return PyUnicode_FromString(names[i]);
+        }
+    }
+    dlclose(lib);
+    PyErr_SetString(PyExc_OSError, "bind_hash: no XXH3_64bits_dispatch or XXH3_64bits there");
+    return NULL;
+}
+
+static PyMethodDef methods[] = {
+    {"bind_hash", bind_hash, METH_O, bind_hash_doc},
+    {"copy_hashed", (PyCFunction)(void (*)(void))copy_hashed, METH_FASTCALL, copy_hashed_doc},
+    {"hash_chunks", (PyCFunction)(void (*)(void))hash_chunks, METH_FASTCALL, hash_chunks_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_copyhash",
+    "The host copy engine's inner loops in C: one GIL release per range (copyhash.c).",
+    -1, methods,
+};
+
+PyMODINIT_FUNC
+PyInit__copyhash(void)
+{
+    return PyModule_Create(&module);
+}
