@@ -52,6 +52,7 @@ OTHER_VARIABLES = {
     "KVBROKER_SOAK_LONG": "tests/test_soak.py",
     "KVBROKER_SOAK_SECONDS": "tests/test_soak.py",
     "KVBROKER_COPY_THREADS": "threads of a client's host copy engine (_client/engine.py)",
+    "KVBROKER_NATIVE_COPY": "0: the copy engine's Python loops, not its C ones (_client/engine.py)",
     "KVBROKER_DEBUG": "tracebacks instead of one-line CLI errors (cli/_common.py)",
     # Click's shell-completion variable for the `kvbroker` program (`_KVBROKER_COMPLETE`).
     "KVBROKER_COMPLETE": "shell completion (tests/test_cli_ops.py)",
