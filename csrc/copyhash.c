@@ -24,6 +24,12 @@
 
 typedef uint64_t (*hash_fn)(const void *input, size_t len);
 static hash_fn chunk_hash = NULL;
+/* xxHash's streaming API, for a chunk copied and hashed a piece at a time */
+static void *(*state_new)(void) = NULL;
+static int (*state_free)(void *state) = NULL;
+static int (*state_reset)(void *state) = NULL;
+static int (*state_update)(void *state, const void *input, size_t len) = NULL;
+static uint64_t (*state_digest)(const void *state) = NULL;
 
 /* Below this many bytes the call keeps the GIL: releasing and taking it back costs more. */
 #define GIL_FREE_MIN (64 * 1024)
@@ -58,13 +64,21 @@ digest_list(const unsigned long long *digests, Py_ssize_t n)
     return out;
 }
 
-/* The work of copy_hashed and hash_chunks: dst NULL hashes src in place. */
+/* The work of copy_hashed and hash_chunks: dst NULL hashes src in place. piece > 0: each
+ * chunk copied and hashed (streaming) piece bytes at a time. */
 static PyObject *
-run(char *dst, const char *src, Py_ssize_t nbytes, Py_ssize_t chunk)
+run(char *dst, const char *src, Py_ssize_t nbytes, Py_ssize_t chunk, Py_ssize_t piece)
 {
     if (chunk_hash == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "bind_hash() first");
         return NULL;
+    }
+    void *state = NULL;
+    if (piece > 0 && dst != NULL) {
+        if (state_new == NULL || (state = state_new()) == NULL) {
+            PyErr_SetString(PyExc_RuntimeError, "no streaming xxh3 bound");
+            return NULL;
+        }
     }
     Py_ssize_t n = nbytes ? (nbytes - 1) / chunk + 1 : 0;
     unsigned long long *digests = PyMem_Malloc((n ? n : 1) * sizeof *digests);
@@ -73,15 +87,27 @@ run(char *dst, const char *src, Py_ssize_t nbytes, Py_ssize_t chunk)
     PyThreadState *released = nbytes >= GIL_FREE_MIN ? PyEval_SaveThread() : NULL;
     for (Py_ssize_t i = 0, at = 0; i < n; i++, at += chunk) {
         size_t len = (size_t)(nbytes - at < chunk ? nbytes - at : chunk);
-        const char *piece = src + at;
-        if (dst != NULL) {
-            memcpy(dst + at, piece, len);
-            piece = dst + at; /* hash what landed, while it is in cache */
+        if (state != NULL) {
+            state_reset(state);
+            for (size_t off = 0; off < len; off += (size_t)piece) {
+                size_t plen = len - off < (size_t)piece ? len - off : (size_t)piece;
+                memcpy(dst + at + off, src + at + off, plen);
+                state_update(state, dst + at + off, plen);
+            }
+            digests[i] = (unsigned long long)state_digest(state);
+            continue;
         }
-        digests[i] = (unsigned long long)chunk_hash(piece, len);
+        const char *bytes = src + at;
+        if (dst != NULL) {
+            memcpy(dst + at, bytes, len);
+            bytes = dst + at; /* hash what landed, while it is in cache */
+        }
+        digests[i] = (unsigned long long)chunk_hash(bytes, len);
     }
     if (released != NULL)
         PyEval_RestoreThread(released);
+    if (state != NULL)
+        state_free(state);
     PyObject *out = digest_list(digests, n);
     PyMem_Free(digests);
     return out;
@@ -97,12 +123,14 @@ static PyObject *
 copy_hashed(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     Py_buffer dst, src;
-    Py_ssize_t chunk;
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "copy_hashed(dst, src, chunk) takes 3 arguments");
+    Py_ssize_t chunk, piece = 0;
+    if (nargs != 3 && nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "copy_hashed(dst, src, chunk[, piece]) takes 3 or 4 arguments");
         return NULL;
     }
     if (take_chunk(args[2], &chunk) < 0)
+        return NULL;
+    if (nargs == 4 && take_chunk(args[3], &piece) < 0)
         return NULL;
     if (PyObject_GetBuffer(args[0], &dst, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
         return NULL;
@@ -115,7 +143,7 @@ copy_hashed(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         PyErr_Format(PyExc_ValueError, "copy_hashed: dst has %zd bytes, src %zd",
                      dst.len, src.len);
     else
-        out = run(dst.buf, src.buf, src.len, chunk);
+        out = run(dst.buf, src.buf, src.len, chunk, piece);
     PyBuffer_Release(&src);
     PyBuffer_Release(&dst);
     return out;
@@ -139,7 +167,7 @@ hash_chunks(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     if (PyObject_GetBuffer(args[0], &buf, PyBUF_C_CONTIGUOUS) < 0)
         return NULL;
-    PyObject *out = run(NULL, buf.buf, buf.len, chunk);
+    PyObject *out = run(NULL, buf.buf, buf.len, chunk, 0);
     PyBuffer_Release(&buf);
     return out;
 }
@@ -166,6 +194,15 @@ bind_hash(PyObject *self, PyObject *arg)
         void *fn = dlsym(lib, names[i]);
         if (fn != NULL) {
             chunk_hash = (hash_fn)fn; /* the library stays loaded: dlclose drops our count */
+            state_new = (void *(*)(void))dlsym(lib, "XXH3_createState");
+            state_free = (int (*)(void *))dlsym(lib, "XXH3_freeState");
+            state_reset = (int (*)(void *))dlsym(lib, "XXH3_64bits_reset");
+            state_update = (int (*)(void *, const void *, size_t))dlsym(lib, "XXH3_64bits_update_dispatch");
+            if (state_update == NULL)
+                state_update = (int (*)(void *, const void *, size_t))dlsym(lib, "XXH3_64bits_update");
+            state_digest = (uint64_t (*)(const void *))dlsym(lib, "XXH3_64bits_digest");
+            if (!state_free || !state_reset || !state_update || !state_digest)
+                state_new = NULL;
             dlclose(lib);
             return PyUnicode_FromString(names[i]);
         }
