@@ -34,10 +34,14 @@ from profile_host_copy import shm_regions  # noqa: E402
 def engine_with_piece(threads: int, piece: int) -> E.CopyEngine:
     from kvbroker import _copyhash
 
-    e = E.CopyEngine(threads, split_min=cs.CHUNK, native=True)
-    if piece:
-        e._copy_hash_range = lambda d, s, a, b: _copyhash.copy_hashed(d[a:b], s[a:b], cs.CHUNK, piece)
-    return e
+    class Engine(E.CopyEngine):  # every range in pieces of `piece` bytes (0: whole chunks)
+        def copy_hashed(self, dst, src) -> int:
+            parts = self._run(lambda d, s, a, b: _copyhash.copy_hashed(d[a:b], s[a:b], cs.CHUNK,
+                                                                       piece),
+                              (dst, src), self.ranges(src.nbytes))  # fmt: skip
+            return cs.combine(src.nbytes, [d for part in parts for d in part])
+
+    return Engine(threads, split_min=cs.CHUNK, native=True)
 
 
 def main() -> None:

@@ -114,10 +114,11 @@ run(char *dst, const char *src, Py_ssize_t nbytes, Py_ssize_t chunk, Py_ssize_t 
 }
 
 PyDoc_STRVAR(copy_hashed_doc,
-"copy_hashed(dst, src, chunk) -> list[int]\n\n"
+"copy_hashed(dst, src, chunk, piece=0) -> list[int]\n\n"
 "Copy src into dst (C-contiguous buffers of equal size, dst writable) chunk by chunk and\n"
 "return the xxh3_64 of each copied chunk of ``chunk`` bytes (the last one may be shorter),\n"
-"hashed in dst. The GIL is released for the whole call (64 KiB and more).");
+"hashed in dst. ``piece`` > 0: each chunk copied and hashed (streaming) that many bytes at\n"
+"a time. The GIL is released for the whole call (64 KiB and more).");
 
 static PyObject *
 copy_hashed(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
@@ -130,8 +131,15 @@ copy_hashed(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     }
     if (take_chunk(args[2], &chunk) < 0)
         return NULL;
-    if (nargs == 4 && take_chunk(args[3], &piece) < 0)
-        return NULL;
+    if (nargs == 4) { /* 0: whole chunks */
+        piece = PyLong_AsSsize_t(args[3]);
+        if (piece == -1 && PyErr_Occurred())
+            return NULL;
+        if (piece < 0) {
+            PyErr_SetString(PyExc_ValueError, "piece must be 0 (whole chunks) or more bytes");
+            return NULL;
+        }
+    }
     if (PyObject_GetBuffer(args[0], &dst, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
         return NULL;
     if (PyObject_GetBuffer(args[1], &src, PyBUF_C_CONTIGUOUS) < 0) {

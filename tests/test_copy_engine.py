@@ -546,9 +546,11 @@ def test_a_refused_destination_does_not_count_a_consume(client):
 @needs_native
 @settings(max_examples=80)
 @given(n=st.integers(0, 300_000), chunk=st.sampled_from([1, 240, 241, 4096, 65536, 1 << 20]),
+       piece=st.sampled_from([0, 1, 100, 240, 4096, 65536, 1 << 20]),
        src_off=st.integers(0, 63), dst_off=st.integers(0, 63), seed=st.integers(0, 2**32 - 1))
-def test_c_loops_digest_each_chunk_as_python_xxhash_does(n, chunk, src_off, dst_off, seed):
-    """Every xxh3 input-length path (0, <=240 bytes, long inputs), any alignment."""
+def test_c_loops_digest_each_chunk_as_python_xxhash_does(n, chunk, piece, src_off, dst_off, seed):
+    """Every xxh3 input-length path (0, <=240 bytes, long inputs), any alignment, whole
+    chunks (piece 0) or chunks copied and hashed a piece at a time."""
     from kvbroker import _copyhash
 
     rng = np.random.default_rng(seed)
@@ -557,7 +559,7 @@ def test_c_loops_digest_each_chunk_as_python_xxhash_does(n, chunk, src_off, dst_
     dst = dst_buf[dst_off : dst_off + n]
     want = [xxhash.xxh3_64_intdigest(src[a : a + chunk]) for a in range(0, n, chunk)]
     assert _copyhash.hash_chunks(src, chunk) == want
-    assert _copyhash.copy_hashed(dst, src, chunk) == want
+    assert _copyhash.copy_hashed(dst, src, chunk, piece) == want
     assert np.array_equal(dst, src)
     assert not dst_buf[:dst_off].any() and not dst_buf[dst_off + n :].any()
     assert _copyhash.hash_chunks(memoryview(src.tobytes()), chunk) == want  # any buffer
@@ -575,6 +577,8 @@ def test_c_loops_refuse_bad_buffers_and_write_nothing():
         _copyhash.copy_hashed(dst, src, 0)
     with pytest.raises(ValueError, match="chunk must be a positive"):
         _copyhash.hash_chunks(src, -1)
+    with pytest.raises(ValueError, match="piece must be 0"):
+        _copyhash.copy_hashed(dst, src, 256, -1)
     with pytest.raises((ValueError, BufferError)):  # not C-contiguous
         _copyhash.copy_hashed(dst[::2], src[::2], 256)
     with pytest.raises(BufferError):  # bytes are read-only
@@ -621,3 +625,28 @@ def test_the_c_loops_are_built_where_a_compiler_is():
     except ImportError as exc:
         pytest.fail(f"kvbroker._copyhash was not built here: {exc}; reinstall (pip install -e .)")
     assert callable(_copyhash.copy_hashed)
+
+
+@needs_native
+def test_a_copy_split_over_threads_hashes_in_pieces(small_chunks, monkeypatch):
+    """Over several threads the C loops copy and hash each chunk PIECE bytes at a time; one
+    thread keeps whole chunks (engine.PIECE says why). Both give the definition's value."""
+    from kvbroker import _copyhash
+
+    calls = []
+    real = E._c_copy_hashed
+    monkeypatch.setattr(E, "_c_copy_hashed", lambda *a: calls.append(a[3:]) or real(*a))
+    monkeypatch.setattr(E, "PIECE", 1000)  # smaller than the 4 KiB test chunk
+    src = np.random.default_rng(3).integers(0, 256, 10 * small_chunks + 5, dtype=np.uint8)
+    dst = np.empty_like(src)
+    for threads, piece in ((3, 1000), (1, 0)):
+        e = E.CopyEngine(threads, split_min=small_chunks, native=True)
+        try:
+            calls.clear()
+            dst[:] = 0
+            assert e.copy_hashed(dst, src) == reference(src, small_chunks)
+            assert np.array_equal(dst, src)
+            assert calls and all(c == (piece,) for c in calls), calls
+        finally:
+            e.close()
+    assert _copyhash.copy_hashed is real
