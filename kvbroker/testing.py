@@ -12,9 +12,9 @@ the node's production broker::
             assert client.exists("req-1")
 
 With pytest, ``pytest_plugins = ["kvbroker.testing"]`` in a ``conftest.py`` adds two
-fixtures: ``kvbroker_daemon`` (a :class:`DaemonProcess` with one 64 MiB pool of 4 KiB pages,
-stopped after the test, which fails if the daemon did not exit cleanly) and
-``kvbroker_client`` (a :class:`~kvbroker.Client` of it).
+fixtures: ``kvbroker_daemon`` (a :class:`DaemonProcess` with one 64 MiB pool of 4 KiB pages
+and no read replicas, stopped after the test, which fails if the daemon did not exit
+cleanly) and ``kvbroker_client`` (a :class:`~kvbroker.Client` of it).
 
 Ownership: the daemon, its socket, journal and shared-memory pools belong to the
 :class:`DaemonProcess`; :meth:`DaemonProcess.stop` (or leaving ``running_daemon``) ends the
@@ -133,11 +133,20 @@ def running_daemon(*args: str, pool_size: str = "64M", page_size: str | None = "
     ``args`` are more ``kvbroker serve`` flags; ``page_size`` None keeps the daemon's default.
     Raises RuntimeError if the daemon does not exit cleanly (status 0) when stopped, so a test
     cannot pass over a daemon that crashed.
+
+    Read replicas: none unless ``args`` (``--read-replicas N``), ``env`` or this process's
+    environment (``KVBROKER_READ_REPLICAS``) ask for them. With replicas (``auto`` starts
+    them on 8 CPUs or more), what they answer reaches the daemon's counters and LRU up to
+    50 ms later, so a test reading a counter right after a match would pass on a laptop and
+    fail on a CI runner.
     """
     # Unix socket paths are limited to ~107 bytes: a short directory under /tmp.
     tmp = tempfile.mkdtemp(prefix="kvb-", dir="/tmp")
     sizes = ("--pool-size", pool_size) + (("--page-size", page_size) if page_size else ())
-    daemon = DaemonProcess(os.path.join(tmp, "kvb.sock"), *sizes, *args, env=env)
+    asked = any(a == "--read-replicas" or a.startswith("--read-replicas=") for a in args) or \
+        "KVBROKER_READ_REPLICAS" in {**os.environ, **(env or {})}
+    replicas = () if asked else ("--read-replicas", "0")
+    daemon = DaemonProcess(os.path.join(tmp, "kvb.sock"), *sizes, *replicas, *args, env=env)
     try:
         yield daemon
     finally:

@@ -73,3 +73,19 @@ def test_daemon_log_is_readable_after_stop(tmp_path):
     log = d.log()  # the log file is closed now; reading it must still work
     assert "stopped" in log
     drop_leftover_pools(d.socket_path)
+
+
+def test_running_daemon_starts_no_read_replicas_unless_asked(monkeypatch):
+    """A user's test daemon answers every read itself (counters at once), whatever the CPU
+    count of the machine running the suite; replicas when the test asks, either way."""
+    monkeypatch.delenv("KVBROKER_READ_REPLICAS", raising=False)  # (tests/conftest.py sets it)
+    with running_daemon() as daemon, daemon.client() as c:
+        argv = daemon.proc.args
+        assert argv[argv.index("--read-replicas") + 1] == "0"  # not `auto`
+        assert c.stat().read_replicas == 0
+    with running_daemon("--read-replicas", "1") as daemon, daemon.client() as c:
+        assert daemon.proc.args.count("--read-replicas") == 1
+        assert c.stat().read_replicas == 1
+    with running_daemon(env={"KVBROKER_READ_REPLICAS": "2"}) as daemon, daemon.client() as c:
+        assert "--read-replicas" not in daemon.proc.args
+        assert c.stat().read_replicas == 2
