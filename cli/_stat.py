@@ -74,7 +74,8 @@ def render(s) -> str:
         f"up {s.uptime:.0f} s",
         f"objects {s.objects}  pending {s.pending}  "
         f"leases: {s.read_leases} read, {s.write_leases} write  clients {len(s.clients)}"
-        + (f"  read replicas {s.read_replicas}" if s.read_replicas else ""),
+        + (f"  read replicas {s.read_replicas} (answered {c.replica_requests}, "
+           f"exited {c.replica_exits})" if s.read_replicas or c.replica_exits else ""),
         "",
         f"{'POOL':<5}{'CAPACITY':>12}{'USED':>12}{'FREE':>12}{'LEASED':>12}"
         f"{'OBJECTS':>9}{'FRAG':>7}",

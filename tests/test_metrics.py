@@ -58,6 +58,9 @@ def test_metrics_scraped_over_loopback(make_daemon):
         s, "kvbroker_pool_used_bytes", pool="1")
     assert used == 12288  # 10000 bytes in 4 KiB pages
     assert _value(s, "kvbroker_pool_high_watermark_ratio", pool="0") == 0.95
+    assert _value(s, "kvbroker_read_replicas") == 0  # (tests/conftest.py: none by default)
+    assert _value(s, "kvbroker_replica_requests_total") == 0
+    assert _value(s, "kvbroker_replica_exits_total") == 0
     assert s["kvbroker_info"][0].labels["socket"] == d.socket_path
     assert "python_info" not in s  # only the daemon's own families
     assert d.stop() == 0

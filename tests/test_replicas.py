@@ -94,6 +94,10 @@ def test_match_without_hold_through_a_replica_counts_and_agrees_with_the_daemon(
         now = c.stat().counters
         assert now.prefix_hit_blocks - before.prefix_hit_blocks == 7 + 1 + 7
         assert now.prefix_hit_tokens - before.prefix_hit_tokens == (7 + 1 + 7) * 16
+        # what the replicas answered, on its own and within all requests: the hello and
+        # the two matches (the held match and the stat went to the daemon)
+        assert now.replica_requests - before.replica_requests == 3
+        assert now.requests - before.requests >= 3 + 2
 
 
 def test_a_killed_replica_costs_nothing_and_is_replaced(replicated):
@@ -107,7 +111,12 @@ def test_a_killed_replica_costs_nothing_and_is_replaced(replicated):
         time.sleep(RETRY_AFTER + 0.2)  # the daemon replaces it within a second
         _wait(lambda: c.exists("k") and c._replica._session is not None, what="a new replica")
         assert _replica_pid(c) != pid
+        s = c.stat()
+        assert s.counters.replica_exits == 1 and s.read_replicas == 2
     assert "read replica" in replicated.log()
+    from kvbroker.cli._stat import render
+
+    assert "read replicas 2 (answered " in render(s) and ", exited 1)" in render(s)
 
 
 def _gone(pid: int) -> bool:

@@ -387,3 +387,19 @@ async def test_fast_typing_into_the_filter_after_backspaces_keeps_every_key():
         burst(app, [*["backspace"] * 6, *"layer-2", "left", "left", *"x", "escape"])
         await until(pilot, lambda: app.focused is table)
         await until(pilot, lambda: box.value == "layerx-2", message=lambda: repr(box.value))
+
+
+@run_async
+async def test_status_line_shows_read_replicas_only_where_they_run():
+    source = FakeSource()
+    app = MonitorApp(source)
+    async with app.run_test(size=(160, 30)) as pilot:
+        await fed(pilot, app, source)
+        assert "replicas" not in plain(app.query_one(StatusLine))  # none: no part
+        snap = make_snapshot(3)
+        snap = dataclasses.replace(snap, read_replicas=4,
+                                   counters=dataclasses.replace(snap.counters, replica_exits=2))
+        source.feed(snap)
+        await until(pilot, lambda: app.snapshots_seen == 4)
+        await pilot.pause()
+        assert "replicas 4 (2 exited)" in plain(app.query_one(StatusLine))

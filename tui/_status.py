@@ -81,6 +81,11 @@ class StatusLine(Static):
             (4, f"leases {snap.read_leases}r/{snap.write_leases}w", ""),
             (5, f"clients {len(snap.clients)}", ""),
             (6, f"pending {snap.pending}", ""),
+        ]
+        if snap.read_replicas or snap.counters.replica_exits:  # (daemons without: no part)
+            parts.append((6, f"replicas {snap.read_replicas}"
+                             f" ({snap.counters.replica_exits} exited)", ""))  # fmt: skip
+        parts += [
             (7, f"up {Seconds(snap.uptime)}", ""),
             (8, f"daemon {snap.pid} v{snap.version}", ""),
             (9, f"every {interval:g}s", ""),

@@ -41,6 +41,10 @@ _COUNTERS = {
     "expired_leases": ("kvbroker_expired_leases", "Leases ended by their TTL."),
     "requests": ("kvbroker_requests", "Requests handled."),
     "errors": ("kvbroker_errors", "Requests answered with an error."),
+    "replica_requests": ("kvbroker_replica_requests",
+                         "Requests answered by read replicas (in kvbroker_requests_total too)."),
+    "replica_exits": ("kvbroker_replica_exits",
+                      "Read replicas that exited (each is started again, with backoff)."),
 }
 
 # PoolStatistics field -> (metric name, help)

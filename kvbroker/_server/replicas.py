@@ -163,6 +163,7 @@ class Replicas:
                                 "%.0f s", i, slot.proc.pid, slot.proc.returncode,
                                 slot.due - now)  # fmt: skip
                     slot.proc = None
+                    self.daemon.broker.counters["replica_exits"] += 1
                     _close(slot)  # clients find no socket and ask the daemon meanwhile
                     changed = True
                 elif slot.proc is None and now >= slot.due:
@@ -252,6 +253,8 @@ class Replicas:
             for name, n in counters.items():
                 if name in _COUNTERS and isinstance(n, int) and n > 0:
                     b.counters[name] += n
+                    if name == "requests":
+                        b.counters["replica_requests"] += n
             for namespace, keys in touched.items():
                 space = b.by_namespace.get(namespace)
                 if space:

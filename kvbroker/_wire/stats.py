@@ -155,6 +155,8 @@ class Counters:
     prefix_hit_blocks: int = 0
     prefix_miss_blocks: int = 0
     prefix_hit_tokens: int = 0
+    replica_requests: int = 0  # answered by read replicas (in ``requests`` too)
+    replica_exits: int = 0  # read replicas that exited (each started again, with backoff)
 
 
 @dataclass(frozen=True)
