@@ -73,17 +73,18 @@ run(char *dst, const char *src, Py_ssize_t nbytes, Py_ssize_t chunk, Py_ssize_t 
         PyErr_SetString(PyExc_RuntimeError, "bind_hash() first");
         return NULL;
     }
-    void *state = NULL;
-    if (piece > 0 && dst != NULL) {
-        if (state_new == NULL || (state = state_new()) == NULL) {
-            PyErr_SetString(PyExc_RuntimeError, "no streaming xxh3 bound");
-            return NULL;
-        }
-    }
     Py_ssize_t n = nbytes ? (nbytes - 1) / chunk + 1 : 0;
     unsigned long long *digests = PyMem_Malloc((n ? n : 1) * sizeof *digests);
     if (digests == NULL)
         return PyErr_NoMemory();
+    void *state = NULL;
+    if (piece > 0 && dst != NULL) {
+        if (state_new == NULL || (state = state_new()) == NULL) {
+            PyMem_Free(digests);
+            PyErr_SetString(PyExc_RuntimeError, "no streaming xxh3 bound");
+            return NULL;
+        }
+    }
     PyThreadState *released = nbytes >= GIL_FREE_MIN ? PyEval_SaveThread() : NULL;
     for (Py_ssize_t i = 0, at = 0; i < n; i++, at += chunk) {
         size_t len = (size_t)(nbytes - at < chunk ? nbytes - at : chunk);

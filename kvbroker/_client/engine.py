@@ -159,12 +159,8 @@ def _hash_range(view, a: int, b: int) -> list[int]:
     return [_hash(view[at : min(at + chunk, b)]) for at in range(a, b, chunk)]
 
 
-def _copy_hash_range_native(dst, src, a: int, b: int, piece: int = 0) -> list[int]:
+def _copy_hash_range_native(dst, src, piece: int, a: int, b: int) -> list[int]:
     return _c_copy_hashed(dst[a:b], src[a:b], _cs.CHUNK, piece)
-
-
-def _copy_hash_range_piecewise(dst, src, a: int, b: int) -> list[int]:
-    return _c_copy_hashed(dst[a:b], src[a:b], _cs.CHUNK, PIECE)
 
 
 def _hash_range_native(view, a: int, b: int) -> list[int]:
@@ -192,8 +188,6 @@ class CopyEngine:
             raise ValueError("the copy engine's C extension is not available here "
                              "(not built, or KVBROKER_NATIVE_COPY=0)")  # fmt: skip
         self.native = NATIVE if native is None else bool(native)
-        self._copy_hash_range = _copy_hash_range_native if self.native else _copy_hash_range
-        self._hash_range = _hash_range_native if self.native else _hash_range
         self._pool: ThreadPoolExecutor | None = None
         self._pid = os.getpid()
         self._lock = threading.Lock()
@@ -253,15 +247,17 @@ class CopyEngine:
             np.copyto(dst, src)
             return _cs.combine(n, [_hash(dst)])
         ranges = self.ranges(n)
-        if self.native and len(ranges) > 1:  # see PIECE
-            parts = self._run(_copy_hash_range_piecewise, (dst, src), ranges)
+        if self.native:  # pieces only when split over threads: see PIECE
+            piece = PIECE if len(ranges) > 1 else 0
+            parts = self._run(_copy_hash_range_native, (dst, src, piece), ranges)
         else:
-            parts = self._run(self._copy_hash_range, (dst, src), ranges)
+            parts = self._run(_copy_hash_range, (dst, src), ranges)
         return _cs.combine(src.nbytes, [d for part in parts for d in part])
 
     def hash(self, view) -> int:
         """The kind-1 checksum value of ``view``."""
-        parts = self._run(self._hash_range, (view,), self.ranges(view.nbytes))
+        fn = _hash_range_native if self.native else _hash_range
+        parts = self._run(fn, (view,), self.ranges(view.nbytes))
         return _cs.combine(view.nbytes, [d for part in parts for d in part])
 
     def close(self) -> None:
