@@ -19,7 +19,8 @@ SOCKET ?= $(or $(KVBROKER_SOCKET),$(if $(wildcard $(XDG_RUNTIME_DIR)),$(XDG_RUNT
 
 .PHONY: serve test bench install install-test clean
 
-$(RUNTIME_STAMP): pyproject.toml
+# (setup.py and csrc/: a changed C extension is rebuilt)
+$(RUNTIME_STAMP): pyproject.toml setup.py $(wildcard csrc/*.c)
 	$(PYTHON) -m venv --system-site-packages $(VENV)
 	$(BIN)/python -m pip install -q -e .
 	touch $(RUNTIME_STAMP)

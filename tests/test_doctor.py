@@ -126,6 +126,18 @@ def test_copy_engine_check_says_which_loops_run(monkeypatch):
     assert c.status == "warn" and "was not built" in c.detail and "python3-dev" in c.fix, c
 
 
+def test_prefix_scan_check_says_which_pass_runs(monkeypatch):
+    from kvbroker._server.doctor import check_prefix_scan
+
+    pytest.importorskip("kvbroker._prefixscan", reason="C pass not built here")
+    c = check_prefix_scan(DaemonConfig())
+    assert c.status == "ok" and "csrc/prefixscan.c" in c.detail, c
+    assert "prefix scan" in render(run_checks(DaemonConfig()))
+    monkeypatch.setitem(sys.modules, "kvbroker._prefixscan", None)  # as if never built
+    c = check_prefix_scan(DaemonConfig())
+    assert c.status == "warn" and "was not built" in c.detail and "python3-dev" in c.fix, c
+
+
 def test_the_installed_xxhash_chooses_its_simd_path_at_run_time():
     # pyproject asks for xxhash>=4.1, the first whose x86-64 wheels carry xxHash's dispatcher;
     # an install that resolved an older one hashes every host checksum at SSE2 speed.

@@ -15,6 +15,7 @@ import posix_ipc
 import pytest
 from _fakes import Clock
 
+from kvbroker._server import prefix_leases
 from kvbroker._server.broker import Broker
 from kvbroker._server.policy import parse_quotas
 from kvbroker._server.pool import HostPool
@@ -25,8 +26,15 @@ PAGE = 4096
 NS = "p"
 
 
-@pytest.fixture
-def make_broker():
+@pytest.fixture(params=["C pass", "Python passes"])
+def make_broker(request, monkeypatch):
+    """Brokers on private pools; every test twice: with the C twins of the per-block passes
+    (kvbroker._prefixscan) and with their Python twins."""
+    if request.param == "C pass":
+        pytest.importorskip("kvbroker._prefixscan", reason="C pass not built here")
+    else:
+        monkeypatch.setattr(prefix_leases, "_run", prefix_leases._run_py)
+        monkeypatch.setattr(prefix_leases, "_lend_scan", prefix_leases._lend_scan_py)
     made = []
 
     def make(npages=32, quotas=None):

@@ -2,8 +2,10 @@
 
 A match of N blocks is one read lease over all of them (the ownership contract:
 :mod:`kvbroker._server.state`). It runs per request for hundreds of blocks, so per-block
-work is done by C loops (``map`` over the namespace's dict, ``attrgetter``, ``b"".join``)
-rather than Python statements, and most blocks are not pinned one by one:
+work is done in C: the lookups and one read of each matched block (its parent, shape, row and
+recency) by ``kvbroker._prefixscan`` (csrc/prefixscan.c), or, where that was not built, by
+C-driven iterators (``map``, ``attrgetter``, ``b"".join``: a pass per field), never by Python
+statements; and most blocks are not pinned one by one:
 
 *Lazy leases.* When the matched blocks form a chain — each block's ``parent`` is the block
 before it — only the last block (the leaf) counts the lease as a reader. The same holds for
@@ -47,6 +49,12 @@ def matched_run(b: Broker, namespace: str, keys: list[Any]) -> list[StoredObject
     space = b.by_namespace.get(namespace)
     if not space or not keys:
         return []
+    return _run(space, keys if keys.__class__ is list else list(keys))
+
+
+def _run_py(space: dict[str, StoredObject], keys: list[Any]) -> list[StoredObject]:
+    """``_prefixscan.run``: ``space``'s values of the leading ``keys`` up to the first key
+    that is not a string or not in it."""
     try:
         found = list(map(space.get, keys))  # a hashable non-string key gets None: a miss
     except TypeError:  # an unhashable key (a list, a map): the run ends before it
@@ -63,36 +71,43 @@ def lend_prefix(b: Broker, session: Session, found: list[StoredObject],
     """One read lease on the matched blocks ``found`` (at least one); returns it, the first
     block's buffer names, every block's packed extent row joined (None when the blocks
     differ in names) and the bytes leased."""
-    now = time.time()
     lru_pop = b._lru.pop
-    stride = _chains(found)
+    stride, joined = _lend_scan(found, time.time())  # (every block's last_access set)
     if stride:
         for leaf in found[-stride:]:
             leaf.readers += 1
             lru_pop(leaf.serial, None)
-        # Recency as an eager pin records it (the LRU itself does not hold the ancestors).
-        deque(map(setattr, found, repeat("last_access"), repeat(now)), 0)
     else:
         for obj in found:
             obj.readers += 1
-            obj.last_access = now
             lru_pop(obj.serial, None)
     lease = b.new_lease("read", session, found[0], ttl)
     lease.more = tuple(islice(found, 1, None))
     if stride:
         lease.lazy = stride
         b.lazy_leases[lease.id] = lease
-    shapes = list(map(_shape, found))
-    shape = shapes[0]
-    # Shapes are shared tuples (StoredObject.compact_extents): mostly an identity test.
-    if shape is not None and shapes.count(shape) == len(shapes):
-        return lease, shape[0], b"".join(map(_row, found)), shape[1] * len(shapes)
+    if joined is not None:  # (one shape: blocks matched before, of the same names and size)
+        shape = found[0].shape
+        return lease, shape[0], joined, shape[1] * len(found)
     # Blocks matched for the first time since their seal, or of other names or sizes.
     rows = [obj.compact_extents()[1] for obj in found]
     shapes = list(map(_shape, found))
     shape = shapes[0]
     same = all(names == shape[0] for names, _ in shapes)  # sizes differ, names may not
     return lease, shape[0], b"".join(rows) if same else None, sum(n for _, n in shapes)
+
+
+def _lend_scan_py(found: list[StoredObject], now: float) -> tuple[int, bytes | None]:
+    """``_prefixscan.lend_scan``: set every block's ``last_access`` to ``now``; returns
+    :func:`_chains`' stride and every block's row joined when all share the first block's
+    (known) shape, else None."""
+    # Recency as an eager pin records it, on every block (the LRU does not hold ancestors).
+    deque(map(setattr, found, repeat("last_access"), repeat(now)), 0)
+    shapes = list(map(_shape, found))
+    shape = shapes[0] if shapes else None
+    # Shapes are shared tuples (StoredObject.compact_extents): mostly an identity test.
+    same = shape is not None and shapes.count(shape) == len(shapes)
+    return _chains(found), b"".join(map(_row, found)) if same else None
 
 
 def count_query(b: Broker, asked: int, matched: int, block_tokens: int) -> None:
@@ -187,3 +202,10 @@ def lazy_readers(b: Broker) -> Counter[StoredObject]:
             for obj in lease.objects()[:-lease.lazy]:
                 readers[obj] += n
     return readers
+
+
+try:  # the C twins (csrc/prefixscan.c): one read of each block instead of a pass per field
+    from .._prefixscan import lend_scan as _lend_scan
+    from .._prefixscan import run as _run
+except ImportError:  # not built (no compiler at install): the same results, slower
+    _run, _lend_scan = _run_py, _lend_scan_py
