@@ -34,6 +34,50 @@ static uint64_t (*state_digest)(const void *state) = NULL;
 /* Below this many bytes the call keeps the GIL: releasing and taking it back costs more. */
 #define GIL_FREE_MIN (64 * 1024)
 
+/* stream=True copies store with non-temporal (streaming) stores: the destination's lines are
+ * written to memory without first being read into the cache, and without evicting what the
+ * cache holds (this process's and the daemon's working sets, which the next request needs).
+ * A copy then moves each byte twice over the memory bus (read, write) instead of three times
+ * (read, read-for-ownership, write back). The engine asks for it on copies too big to stay
+ * in cache anyway (kvbroker/_client/engine.py, STREAM_MIN); glibc's memcpy switches to such
+ * stores only past a threshold of its own, per call, that a copy split into chunks and
+ * threads never reaches. The hash then reads the source, which the copy just loaded. */
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#define HAVE_STREAM 1
+static void
+stream_copy(char *dst, const char *src, size_t n)
+{
+    size_t head = (size_t)(-(uintptr_t)dst & 63); /* to the destination's next cache line */
+    if (n < head + 64) {
+        memcpy(dst, src, n);
+        return;
+    }
+    memcpy(dst, src, head);
+    dst += head;
+    src += head;
+    n -= head;
+    size_t body = n & ~(size_t)63;
+    for (size_t i = 0; i < body; i += 64) {
+        __m128i a = _mm_loadu_si128((const __m128i *)(src + i));
+        __m128i b = _mm_loadu_si128((const __m128i *)(src + i + 16));
+        __m128i c = _mm_loadu_si128((const __m128i *)(src + i + 32));
+        __m128i d = _mm_loadu_si128((const __m128i *)(src + i + 48));
+        _mm_stream_si128((__m128i *)(dst + i), a);
+        _mm_stream_si128((__m128i *)(dst + i + 16), b);
+        _mm_stream_si128((__m128i *)(dst + i + 32), c);
+        _mm_stream_si128((__m128i *)(dst + i + 48), d);
+    }
+    memcpy(dst + body, src + body, n - body);
+}
+/* Streaming stores are weakly ordered: fence them before anyone is told the copy is done. */
+#define STREAM_FENCE() _mm_sfence()
+#else
+#define HAVE_STREAM 0
+#define stream_copy(dst, src, n) memcpy((dst), (src), (n))
+#define STREAM_FENCE() ((void)0)
+#endif
+
 static int
 take_chunk(PyObject *arg, Py_ssize_t *chunk)
 {
@@ -65,9 +109,11 @@ digest_list(const unsigned long long *digests, Py_ssize_t n)
 }
 
 /* The work of copy_hashed and hash_chunks: dst NULL hashes src in place. piece > 0: each
- * chunk copied and hashed (streaming) piece bytes at a time. */
+ * chunk copied and hashed (streaming) piece bytes at a time. stream: non-temporal stores,
+ * and the hash reads the source (in cache: the copy just loaded it). */
 static PyObject *
-run(char *dst, const char *src, Py_ssize_t nbytes, Py_ssize_t chunk, Py_ssize_t piece)
+run(char *dst, const char *src, Py_ssize_t nbytes, Py_ssize_t chunk, Py_ssize_t piece,
+    int stream)
 {
     if (chunk_hash == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "bind_hash() first");
@@ -92,19 +138,32 @@ run(char *dst, const char *src, Py_ssize_t nbytes, Py_ssize_t chunk, Py_ssize_t 
             state_reset(state);
             for (size_t off = 0; off < len; off += (size_t)piece) {
                 size_t plen = len - off < (size_t)piece ? len - off : (size_t)piece;
-                memcpy(dst + at + off, src + at + off, plen);
-                state_update(state, dst + at + off, plen);
+                char *to = dst + at + off;
+                const char *from = src + at + off;
+                if (stream) {
+                    stream_copy(to, from, plen);
+                    state_update(state, from, plen);
+                } else {
+                    memcpy(to, from, plen);
+                    state_update(state, to, plen);
+                }
             }
             digests[i] = (unsigned long long)state_digest(state);
             continue;
         }
         const char *bytes = src + at;
         if (dst != NULL) {
-            memcpy(dst + at, bytes, len);
-            bytes = dst + at; /* hash what landed, while it is in cache */
+            if (stream) {
+                stream_copy(dst + at, bytes, len);
+            } else {
+                memcpy(dst + at, bytes, len);
+                bytes = dst + at; /* hash what landed, while it is in cache */
+            }
         }
         digests[i] = (unsigned long long)chunk_hash(bytes, len);
     }
+    if (stream)
+        STREAM_FENCE();
     if (released != NULL)
         PyEval_RestoreThread(released);
     if (state != NULL)
@@ -114,25 +173,55 @@ run(char *dst, const char *src, Py_ssize_t nbytes, Py_ssize_t chunk, Py_ssize_t 
     return out;
 }
 
+/* Two buffers of equal length, dst writable; 0, or -1 with an exception set. */
+static int
+take_pair(const char *fn, PyObject *d, PyObject *s, Py_buffer *dst, Py_buffer *src)
+{
+    if (PyObject_GetBuffer(d, dst, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+        return -1;
+    if (PyObject_GetBuffer(s, src, PyBUF_C_CONTIGUOUS) < 0) {
+        PyBuffer_Release(dst);
+        return -1;
+    }
+    if (dst->len != src->len) {
+        PyErr_Format(PyExc_ValueError, "%s: dst has %zd bytes, src %zd", fn, dst->len,
+                     src->len);
+        PyBuffer_Release(src);
+        PyBuffer_Release(dst);
+        return -1;
+    }
+    return 0;
+}
+
+static int
+take_flag(PyObject *arg, int *flag)
+{
+    *flag = PyObject_IsTrue(arg);
+    return *flag < 0 ? -1 : 0;
+}
+
 PyDoc_STRVAR(copy_hashed_doc,
-"copy_hashed(dst, src, chunk, piece=0) -> list[int]\n\n"
+"copy_hashed(dst, src, chunk, piece=0, stream=False) -> list[int]\n\n"
 "Copy src into dst (C-contiguous buffers of equal size, dst writable) chunk by chunk and\n"
 "return the xxh3_64 of each copied chunk of ``chunk`` bytes (the last one may be shorter),\n"
 "hashed in dst. ``piece`` > 0: each chunk copied and hashed (streaming) that many bytes at\n"
-"a time. The GIL is released for the whole call (64 KiB and more).");
+"a time. ``stream``: non-temporal stores (the hash then reads src, which holds the same\n"
+"bytes). The GIL is released for the whole call (64 KiB and more).");
 
 static PyObject *
 copy_hashed(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     Py_buffer dst, src;
     Py_ssize_t chunk, piece = 0;
-    if (nargs != 3 && nargs != 4) {
-        PyErr_SetString(PyExc_TypeError, "copy_hashed(dst, src, chunk[, piece]) takes 3 or 4 arguments");
+    int stream = 0;
+    if (nargs < 3 || nargs > 5) {
+        PyErr_SetString(PyExc_TypeError,
+                        "copy_hashed(dst, src, chunk[, piece[, stream]]) takes 3 to 5 arguments");
         return NULL;
     }
     if (take_chunk(args[2], &chunk) < 0)
         return NULL;
-    if (nargs == 4) { /* 0: whole chunks */
+    if (nargs >= 4) { /* 0: whole chunks */
         piece = PyLong_AsSsize_t(args[3]);
         if (piece == -1 && PyErr_Occurred())
             return NULL;
@@ -141,21 +230,47 @@ copy_hashed(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             return NULL;
         }
     }
-    if (PyObject_GetBuffer(args[0], &dst, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+    if (nargs == 5 && take_flag(args[4], &stream) < 0)
         return NULL;
-    if (PyObject_GetBuffer(args[1], &src, PyBUF_C_CONTIGUOUS) < 0) {
-        PyBuffer_Release(&dst);
+    if (take_pair("copy_hashed", args[0], args[1], &dst, &src) < 0)
         return NULL;
-    }
-    PyObject *out = NULL;
-    if (dst.len != src.len)
-        PyErr_Format(PyExc_ValueError, "copy_hashed: dst has %zd bytes, src %zd",
-                     dst.len, src.len);
-    else
-        out = run(dst.buf, src.buf, src.len, chunk, piece);
+    PyObject *out = run(dst.buf, src.buf, src.len, chunk, piece, stream);
     PyBuffer_Release(&src);
     PyBuffer_Release(&dst);
     return out;
+}
+
+PyDoc_STRVAR(copy_doc,
+"copy(dst, src, stream=False) -> None\n\n"
+"Copy src into dst (C-contiguous buffers of equal size, dst writable); ``stream``:\n"
+"non-temporal stores. The GIL is released for the whole call (64 KiB and more).");
+
+static PyObject *
+copy(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_buffer dst, src;
+    int stream = 0;
+    if (nargs != 2 && nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "copy(dst, src[, stream]) takes 2 or 3 arguments");
+        return NULL;
+    }
+    if (nargs == 3 && take_flag(args[2], &stream) < 0)
+        return NULL;
+    if (take_pair("copy", args[0], args[1], &dst, &src) < 0)
+        return NULL;
+    size_t n = (size_t)src.len;
+    PyThreadState *released = src.len >= GIL_FREE_MIN ? PyEval_SaveThread() : NULL;
+    if (stream) {
+        stream_copy(dst.buf, src.buf, n);
+        STREAM_FENCE();
+    } else {
+        memcpy(dst.buf, src.buf, n);
+    }
+    if (released != NULL)
+        PyEval_RestoreThread(released);
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&dst);
+    Py_RETURN_NONE;
 }
 
 PyDoc_STRVAR(hash_chunks_doc,
@@ -176,7 +291,7 @@ hash_chunks(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     if (PyObject_GetBuffer(args[0], &buf, PyBUF_C_CONTIGUOUS) < 0)
         return NULL;
-    PyObject *out = run(NULL, buf.buf, buf.len, chunk, 0);
+    PyObject *out = run(NULL, buf.buf, buf.len, chunk, 0, 0);
     PyBuffer_Release(&buf);
     return out;
 }
@@ -225,6 +340,7 @@ static PyMethodDef methods[] = {
     {"bind_hash", bind_hash, METH_O, bind_hash_doc},
     {"copy_hashed", (PyCFunction)(void (*)(void))copy_hashed, METH_FASTCALL, copy_hashed_doc},
     {"hash_chunks", (PyCFunction)(void (*)(void))hash_chunks, METH_FASTCALL, hash_chunks_doc},
+    {"copy", (PyCFunction)(void (*)(void))copy, METH_FASTCALL, copy_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -237,5 +353,11 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC
 PyInit__copyhash(void)
 {
-    return PyModule_Create(&module);
+    PyObject *m = PyModule_Create(&module);
+    /* whether stream=True stores non-temporally here (else it is a plain memcpy) */
+    if (m != NULL && PyModule_AddIntConstant(m, "STREAM_STORES", HAVE_STREAM) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
 }

@@ -376,7 +376,10 @@ def _progress_during(call) -> int:
 @pytest.mark.parametrize("what", [
     "xxh3_64 of a chunk", "numpy copyto",
     pytest.param("C copy_hashed", marks=needs_native),
+    pytest.param("C copy_hashed, streaming stores", marks=needs_native),
     pytest.param("C hash_chunks", marks=needs_native),
+    pytest.param("C copy", marks=needs_native),
+    pytest.param("C copy, streaming stores", marks=needs_native),
 ])  # fmt: skip
 def test_the_hash_and_the_copy_release_the_gil(what):
     """The engine's threads only run in parallel if the calls it makes per range (C loops)
@@ -387,7 +390,11 @@ def test_the_hash_and_the_copy_release_the_gil(what):
     call = {"xxh3_64 of a chunk": lambda: xxhash.xxh3_64_intdigest(big),
             "numpy copyto": lambda: np.copyto(other, big),
             "C copy_hashed": lambda: E._c_copy_hashed(other, big, cs.CHUNK),
-            "C hash_chunks": lambda: E._c_hash_chunks(big, cs.CHUNK)}[what]  # fmt: skip
+            "C copy_hashed, streaming stores":
+                lambda: E._c_copy_hashed(other, big, cs.CHUNK, 0, True),
+            "C hash_chunks": lambda: E._c_hash_chunks(big, cs.CHUNK),
+            "C copy": lambda: E._c_copy(other, big),
+            "C copy, streaming stores": lambda: E._c_copy(other, big, True)}[what]  # fmt: skip
     # a loaded machine may not schedule the main thread in one window: a few tries
     assert any(_progress_during(call) > 0 for _ in range(5))
 
@@ -646,7 +653,58 @@ def test_a_copy_split_over_threads_hashes_in_pieces(small_chunks, monkeypatch):
             dst[:] = 0
             assert e.copy_hashed(dst, src) == reference(src, small_chunks)
             assert np.array_equal(dst, src)
-            assert calls and all(c == (piece,) for c in calls), calls
+            assert calls and all(c == (piece, False) for c in calls), calls
         finally:
             e.close()
     assert _copyhash.copy_hashed is real
+
+
+@needs_native
+@settings(max_examples=150, deadline=None)
+@given(size=st.integers(0, 300_000), skew=st.integers(0, 63), chunk=st.integers(1, 1 << 17),
+       piece=st.sampled_from([0, 1, 4096, 65536]))  # fmt: skip
+def test_streaming_stores_copy_and_hash_the_same_bytes(size, skew, chunk, piece):
+    """Non-temporal stores (the copies past STREAM_MIN) land every byte, at any alignment of
+    the destination (they need a 16-byte aligned one: the head and tail go by memcpy), and
+    the digests, taken from the source then, are the ordinary stores' ones."""
+    from kvbroker import _copyhash
+
+    src = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
+    area = np.zeros(size + 128, dtype=np.uint8)
+    dst = area[skew : skew + size]
+    want = _copyhash.copy_hashed(np.empty_like(src), src, chunk, piece)
+    assert _copyhash.copy_hashed(dst, src, chunk, piece, True) == want
+    assert np.array_equal(dst, src) and not area[:skew].any() and not area[skew + size :].any()
+    area[:] = 0
+    _copyhash.copy(dst, src, True)
+    assert np.array_equal(dst, src) and not area[:skew].any() and not area[skew + size :].any()
+
+
+@needs_native
+def test_copies_past_stream_min_store_non_temporally(small_chunks, monkeypatch):
+    """The engine asks the C loops for streaming stores on copies of STREAM_MIN bytes or more,
+    split or not, with or without a hash; smaller ones store as usual."""
+    calls = []
+    real_hashed, real_copy = E._c_copy_hashed, E._c_copy
+    monkeypatch.setattr(E, "_c_copy_hashed",
+                        lambda *a: calls.append(("hashed", a[-1])) or real_hashed(*a))
+    monkeypatch.setattr(E, "_c_copy", lambda *a: calls.append(("copy", a[-1])) or real_copy(*a))
+    src = np.random.default_rng(5).integers(0, 256, 6 * small_chunks + 7, dtype=np.uint8)
+    dst = np.empty_like(src)
+    for threads in (1, 3):
+        for stream_min, stream in ((src.nbytes, True), (src.nbytes + 1, False)):
+            e = E.CopyEngine(threads, split_min=small_chunks, native=True, stream_min=stream_min)
+            try:
+                calls.clear()
+                dst[:] = 0
+                assert e.copy_hashed(dst, src) == reference(src, small_chunks)
+                assert np.array_equal(dst, src)
+                dst[:] = 0
+                e.copy(dst, src)
+                assert np.array_equal(dst, src)
+                kinds = {k for k, _ in calls}
+                assert kinds == {"hashed", "copy"}, calls
+                assert all(flag is stream for _, flag in calls), calls
+            finally:
+                e.close()
+    assert E.CopyEngine(1).stream_min == E.STREAM_MIN

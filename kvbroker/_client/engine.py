@@ -50,7 +50,7 @@ import xxhash
 from .._wire import checksum as _cs
 
 __all__ = ["CopyEngine", "default_engine", "default_threads", "default_gate", "MAX_THREADS",
-           "NATIVE", "SHARED_CPUS", "SPLIT_MIN"]
+           "NATIVE", "SHARED_CPUS", "SPLIT_MIN", "STREAM_MIN"]
 
 
 # Past 8 threads, GIL hand-offs cost more than the extra bandwidth (16 threads lost to 8 on
@@ -70,33 +70,43 @@ SHARED_CPUS = 2
 # against 0.85x): a copy on one thread keeps whole chunks, as the EPYC VM, where one thread
 # is the usual case, prefers.
 PIECE = 256 * 1024
+# Copies of at least this many bytes store non-temporally through the C loops (copyhash.c
+# says what that is): too big to be read back from the cache soon, they would only evict the
+# working sets of this process and of the daemon, whose next requests then run from memory.
+# Put+get on the 2-core EPYC VM (32 MiB L3), against a memcpy on as many threads: 32 MiB
+# 1.00-1.03x against 0.75-0.82x with ordinary stores, 16 MiB 0.74-0.75x against 0.61-0.66x;
+# at 8 MiB and below, a get that follows the put reads back from the cache what ordinary
+# stores left there, and streaming lost (0.46-0.48x against 0.51-0.54x at 8 MiB;
+# benchmarks/results/stream-stores/).
+STREAM_MIN = 16 * 1024 * 1024
 
 _hash = xxhash.xxh3_64_intdigest
 
 
 def _bind_c_loops():
-    """The C loops' (copy_hashed, hash_chunks), hashing with python-xxhash's xxh3_64; Nones
-    where the extension was not built (it is optional) or its digests are not xxhash's."""
+    """The C loops' (copy_hashed, hash_chunks, copy), hashing with python-xxhash's xxh3_64;
+    Nones where the extension was not built (it is optional) or its digests are not
+    xxhash's."""
     try:
-        from .._copyhash import bind_hash, copy_hashed, hash_chunks
+        from .._copyhash import bind_hash, copy, copy_hashed, hash_chunks
     except ImportError:
-        return None, None
+        return None, None, None
     from xxhash import _xxhash
 
     try:
         bind_hash(_xxhash.__file__)
     except OSError:
-        return None, None
+        return None, None, None
     # every xxh3 input-length path (0-16, 17-128, 129-240 bytes, long inputs), in ~1 ms
     for probe, chunk in ((bytes(range(256)) * 5, 7), (bytes(range(256)) * 5, 240),
                          (bytes(range(251)) * 4200, 1 << 20)):  # fmt: skip
         want = [_hash(probe[at : at + chunk]) for at in range(0, len(probe), chunk)]
         if hash_chunks(probe, chunk) != want:
-            return None, None
-    return copy_hashed, hash_chunks
+            return None, None, None
+    return copy_hashed, hash_chunks, copy
 
 
-_c_copy_hashed, _c_hash_chunks = _bind_c_loops()
+_c_copy_hashed, _c_hash_chunks, _c_copy = _bind_c_loops()
 # Whether engines copy and hash through csrc/copyhash.c by default (else the Python loops;
 # KVBROKER_NATIVE_COPY=0 is an operator's way back to them).
 NATIVE = _c_copy_hashed is not None and os.environ.get("KVBROKER_NATIVE_COPY", "1") != "0"
@@ -159,8 +169,12 @@ def _hash_range(view, a: int, b: int) -> list[int]:
     return [_hash(view[at : min(at + chunk, b)]) for at in range(a, b, chunk)]
 
 
-def _copy_hash_range_native(dst, src, piece: int, a: int, b: int) -> list[int]:
-    return _c_copy_hashed(dst[a:b], src[a:b], _cs.CHUNK, piece)
+def _copy_range_native(dst, src, stream: bool, a: int, b: int) -> None:
+    _c_copy(dst[a:b], src[a:b], stream)
+
+
+def _copy_hash_range_native(dst, src, piece: int, stream: bool, a: int, b: int) -> list[int]:
+    return _c_copy_hashed(dst[a:b], src[a:b], _cs.CHUNK, piece, stream)
 
 
 def _hash_range_native(view, a: int, b: int) -> list[int]:
@@ -173,12 +187,13 @@ class CopyEngine:
     Arguments are flat, C-contiguous uint8 numpy arrays of equal size (``dst`` writable).
     ``split_while``: a copy is split only while it returns True (None: always).
     ``native``: copy and hash each range in one call to the C extension (default
-    :data:`NATIVE`); False runs the Python loops.
+    :data:`NATIVE`); False runs the Python loops. ``stream_min``: copies of at least this
+    many bytes store non-temporally (the C loops only; see :data:`STREAM_MIN`).
     """
 
     def __init__(self, threads: int | None = None, split_min: int = SPLIT_MIN,
                  split_while: Callable[[], bool] | None = None,
-                 native: bool | None = None) -> None:  # fmt: skip
+                 native: bool | None = None, stream_min: int | None = None) -> None:  # fmt: skip
         self.threads = default_threads() if threads is None else int(threads)
         if self.threads < 1:
             raise ValueError("threads must be >= 1")
@@ -188,6 +203,7 @@ class CopyEngine:
             raise ValueError("the copy engine's C extension is not available here "
                              "(not built, or KVBROKER_NATIVE_COPY=0)")  # fmt: skip
         self.native = NATIVE if native is None else bool(native)
+        self.stream_min = STREAM_MIN if stream_min is None else int(stream_min)
         self._pool: ThreadPoolExecutor | None = None
         self._pid = os.getpid()
         self._lock = threading.Lock()
@@ -232,7 +248,11 @@ class CopyEngine:
     def copy(self, dst, src) -> None:
         """``dst[:] = src``, bit for bit."""
         _check(dst, src)
-        self._run(_copy_range, (dst, src), self.ranges(src.nbytes))
+        n = src.nbytes
+        if self.native:
+            self._run(_copy_range_native, (dst, src, n >= self.stream_min), self.ranges(n))
+        else:
+            self._run(_copy_range, (dst, src), self.ranges(n))
 
     def copy_hashed(self, dst, src) -> int:
         """``dst[:] = src`` and the kind-1 checksum value of the copied bytes (hashed in
@@ -249,7 +269,8 @@ class CopyEngine:
         ranges = self.ranges(n)
         if self.native:  # pieces only when split over threads: see PIECE
             piece = PIECE if len(ranges) > 1 else 0
-            parts = self._run(_copy_hash_range_native, (dst, src, piece), ranges)
+            parts = self._run(_copy_hash_range_native, (dst, src, piece, n >= self.stream_min),
+                              ranges)  # fmt: skip
         else:
             parts = self._run(_copy_hash_range, (dst, src), ranges)
         return _cs.combine(src.nbytes, [d for part in parts for d in part])
