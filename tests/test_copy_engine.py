@@ -664,7 +664,7 @@ def test_a_copy_split_over_threads_hashes_in_pieces(small_chunks, monkeypatch):
 @given(size=st.integers(0, 300_000), skew=st.integers(0, 63), chunk=st.integers(1, 1 << 17),
        piece=st.sampled_from([0, 1, 4096, 65536]))  # fmt: skip
 def test_streaming_stores_copy_and_hash_the_same_bytes(size, skew, chunk, piece):
-    """Non-temporal stores (the copies past STREAM_MIN) land every byte, at any alignment of
+    """Non-temporal stores (the copies past the engine's stream_min) land every byte, at any alignment of
     the destination (they need a 16-byte aligned one: the head and tail go by memcpy), and
     the digests, taken from the source then, are the ordinary stores' ones."""
     from kvbroker import _copyhash
@@ -682,7 +682,7 @@ def test_streaming_stores_copy_and_hash_the_same_bytes(size, skew, chunk, piece)
 
 @needs_native
 def test_copies_past_stream_min_store_non_temporally(small_chunks, monkeypatch):
-    """The engine asks the C loops for streaming stores on copies of STREAM_MIN bytes or more,
+    """The engine asks the C loops for streaming stores on copies of stream_min bytes or more,
     split or not, with or without a hash; smaller ones store as usual."""
     calls = []
     real_hashed, real_copy = E._c_copy_hashed, E._c_copy
@@ -707,4 +707,18 @@ def test_copies_past_stream_min_store_non_temporally(small_chunks, monkeypatch):
                 assert all(flag is stream for _, flag in calls), calls
             finally:
                 e.close()
-    assert E.CopyEngine(1).stream_min == E.STREAM_MIN
+    assert E.CopyEngine(1).stream_min == E.stream_min()
+
+
+def test_streaming_starts_at_half_the_last_level_cache(tmp_path, monkeypatch):
+    for index, size in (("index0", "32K"), ("index2", "2048K"), ("index3", "307200K"),
+                        ("index4", "junk")):  # fmt: skip
+        (tmp_path / index).mkdir()
+        (tmp_path / index / "size").write_text(size + "\n")
+    (tmp_path / "power").mkdir()  # no size: not a cache
+    assert E.last_level_cache(str(tmp_path)) == 300 << 20
+    assert E.last_level_cache(str(tmp_path / "absent")) is None
+    monkeypatch.setattr(E, "last_level_cache", lambda: 300 << 20)
+    assert E.stream_min() == 150 << 20
+    monkeypatch.setattr(E, "last_level_cache", lambda: None)
+    assert E.stream_min() == E.STREAM_MIN_FALLBACK == 16 << 20

@@ -17,7 +17,10 @@ hand-offs are what limited the scaling (measured on an H100 host's 16 cores, 32 
 chunks: fused copy+hash on 8 threads at 0.57x of a plain 8-thread memcpy;
 ``benchmarks/results/host-copy-h100-host.md`` has the two side by side). Where the
 extension was not built (it is optional: no C compiler at install), or with
-``KVBROKER_NATIVE_COPY=0``, the engine runs those Python loops (:data:`NATIVE`).
+``KVBROKER_NATIVE_COPY=0``, the engine runs those Python loops (:data:`NATIVE`). Copies of
+half the last-level cache or more store non-temporally there (:func:`stream_min`): they
+cannot stay in the cache, and would only evict what the next requests need; the hash then
+reads the source, which the copy just loaded (the same bytes).
 
 Users: ``put`` (copy + hash), ``get`` (copy, or copy + hash with ``verify``), ``claim``'s
 verify and ``seal`` of a caller-filled lease (hash).
@@ -50,7 +53,7 @@ import xxhash
 from .._wire import checksum as _cs
 
 __all__ = ["CopyEngine", "default_engine", "default_threads", "default_gate", "MAX_THREADS",
-           "NATIVE", "SHARED_CPUS", "SPLIT_MIN", "STREAM_MIN"]
+           "NATIVE", "SHARED_CPUS", "SPLIT_MIN", "last_level_cache", "stream_min"]
 
 
 # Past 8 threads, GIL hand-offs cost more than the extra bandwidth (16 threads lost to 8 on
@@ -70,15 +73,44 @@ SHARED_CPUS = 2
 # against 0.85x): a copy on one thread keeps whole chunks, as the EPYC VM, where one thread
 # is the usual case, prefers.
 PIECE = 256 * 1024
-# Copies of at least this many bytes store non-temporally through the C loops (copyhash.c
-# says what that is): too big to be read back from the cache soon, they would only evict the
-# working sets of this process and of the daemon, whose next requests then run from memory.
-# Put+get on the 2-core EPYC VM (32 MiB L3), against a memcpy on as many threads: 32 MiB
-# 1.00-1.03x against 0.75-0.82x with ordinary stores, 16 MiB 0.74-0.75x against 0.61-0.66x;
-# at 8 MiB and below, a get that follows the put reads back from the cache what ordinary
-# stores left there, and streaming lost (0.46-0.48x against 0.51-0.54x at 8 MiB;
-# benchmarks/results/stream-stores/).
-STREAM_MIN = 16 * 1024 * 1024
+# Copies of at least half the last-level cache store non-temporally through the C loops
+# (copyhash.c says what that is), as glibc's memcpy does past a threshold of its own per call
+# (which a copy cut into chunks and threads never reaches): a copy that size cannot stay in
+# the cache, and ordinary stores would only evict the working sets of this process and of
+# the daemon, whose next requests then run from memory. Put+get against a memcpy on as many
+# threads (benchmarks/results/stream-stores/): on the 2-core EPYC VM (32 MiB L3) 32 MiB went
+# from 0.75-0.82x to 1.00-1.03x and 16 MiB from 0.61-0.66x to 0.74-0.75x, where 8 MiB lost
+# (0.46-0.48x against 0.51-0.54x: the get that follows reads back from the cache what
+# ordinary stores left there); on the H100 host (300 MiB L3) 32 MiB was a wash (0.67-0.75x
+# against 0.68-0.72x) and 16 MiB lost, both far under half its cache.
+STREAM_MIN_FALLBACK = 16 * 1024 * 1024  # where the cache's size cannot be read
+
+
+def last_level_cache(root: str = "/sys/devices/system/cpu/cpu0/cache") -> int | None:
+    """The size in bytes of the largest CPU cache Linux reports for CPU 0 (sysfs), or None."""
+    best = None
+    try:
+        entries = os.listdir(root)
+    except OSError:
+        return None
+    for entry in entries:
+        try:
+            with open(os.path.join(root, entry, "size")) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        digits = text.rstrip("KMG")
+        if digits.isdigit():
+            best = max(best or 0, int(digits) * scale)
+    return best
+
+
+def stream_min() -> int:
+    """The smallest copy that stores non-temporally here: half the last-level cache."""
+    llc = last_level_cache()
+    return llc // 2 if llc else STREAM_MIN_FALLBACK
+
 
 _hash = xxhash.xxh3_64_intdigest
 
@@ -107,6 +139,14 @@ def _bind_c_loops():
 
 
 _c_copy_hashed, _c_hash_chunks, _c_copy = _bind_c_loops()
+_stream_min_value: int | None = None
+
+
+def _stream_min() -> int:
+    global _stream_min_value
+    if _stream_min_value is None:
+        _stream_min_value = stream_min()
+    return _stream_min_value
 # Whether engines copy and hash through csrc/copyhash.c by default (else the Python loops;
 # KVBROKER_NATIVE_COPY=0 is an operator's way back to them).
 NATIVE = _c_copy_hashed is not None and os.environ.get("KVBROKER_NATIVE_COPY", "1") != "0"
@@ -188,7 +228,7 @@ class CopyEngine:
     ``split_while``: a copy is split only while it returns True (None: always).
     ``native``: copy and hash each range in one call to the C extension (default
     :data:`NATIVE`); False runs the Python loops. ``stream_min``: copies of at least this
-    many bytes store non-temporally (the C loops only; see :data:`STREAM_MIN`).
+    many bytes store non-temporally (the C loops only; default: :func:`stream_min`).
     """
 
     def __init__(self, threads: int | None = None, split_min: int = SPLIT_MIN,
@@ -203,7 +243,7 @@ class CopyEngine:
             raise ValueError("the copy engine's C extension is not available here "
                              "(not built, or KVBROKER_NATIVE_COPY=0)")  # fmt: skip
         self.native = NATIVE if native is None else bool(native)
-        self.stream_min = STREAM_MIN if stream_min is None else int(stream_min)
+        self.stream_min = _stream_min() if stream_min is None else int(stream_min)
         self._pool: ThreadPoolExecutor | None = None
         self._pid = os.getpid()
         self._lock = threading.Lock()
@@ -255,8 +295,8 @@ class CopyEngine:
             self._run(_copy_range, (dst, src), self.ranges(n))
 
     def copy_hashed(self, dst, src) -> int:
-        """``dst[:] = src`` and the kind-1 checksum value of the copied bytes (hashed in
-        ``dst``, right after each chunk lands)."""
+        """``dst[:] = src`` and the kind-1 checksum value of the copied bytes (hashed right
+        after each chunk is copied, in ``dst``, or in ``src`` for a streaming copy)."""
         _check(dst, src)
         n = src.nbytes
         if 0 < n <= _cs.CHUNK:  # one chunk: the small objects' path, kept short

@@ -243,7 +243,7 @@ def check_copy_engine(cfg: DaemonConfig) -> Check:
     without them a checksummed copy over several threads hands the GIL over twice per MiB."""
     name = "copy engine"
     try:
-        from .._copyhash import copy_hashed  # noqa: F401
+        from .._copyhash import STREAM_STORES
     except ImportError:
         return Check(name, "warn",
                      "Python loops: the optional C extension kvbroker._copyhash was not built "
@@ -253,7 +253,9 @@ def check_copy_engine(cfg: DaemonConfig) -> Check:
     if os.environ.get("KVBROKER_NATIVE_COPY", "1") == "0":
         return Check(name, "warn", "Python loops: KVBROKER_NATIVE_COPY=0 turns the C loops off",
                      "unset KVBROKER_NATIVE_COPY")  # fmt: skip
-    return Check(name, "ok", "C loops (csrc/copyhash.c), one GIL release per range")
+    return Check(name, "ok", "C loops (csrc/copyhash.c), one GIL release per range; "
+                 + ("copies of half the last-level cache or more store non-temporally"
+                    if STREAM_STORES else "no streaming stores on this architecture"))
 
 
 def check_prefix_scan(cfg: DaemonConfig) -> Check:
