@@ -77,12 +77,13 @@ PIECE = 256 * 1024
 # (copyhash.c says what that is), as glibc's memcpy does past a threshold of its own per call
 # (which a copy cut into chunks and threads never reaches): a copy that size cannot stay in
 # the cache, and ordinary stores would only evict the working sets of this process and of
-# the daemon, whose next requests then run from memory. Put+get against a memcpy on as many
-# threads (benchmarks/results/stream-stores/): on the 2-core EPYC VM (32 MiB L3) 32 MiB went
-# from 0.75-0.82x to 1.00-1.03x and 16 MiB from 0.61-0.66x to 0.74-0.75x, where 8 MiB lost
-# (0.46-0.48x against 0.51-0.54x: the get that follows reads back from the cache what
-# ordinary stores left there); on the H100 host (300 MiB L3) 32 MiB was a wash (0.67-0.75x
-# against 0.68-0.72x) and 16 MiB lost, both far under half its cache.
+# the daemon, whose next requests then run from memory; one that fits in half of it may still
+# be read back from it by the claim that follows. Put+get against a memcpy on as many threads
+# (benchmarks/results/stream-stores/ab-*.md): on the 2-core EPYC VM (32 MiB L3), 32 MiB
+# 0.95x against 0.74x with ordinary stores, 16 MiB 0.77x against 0.61x (8 MiB: 0.59x against
+# 0.51x); on the H100 host (300 MiB L3), where the get reads
+# back from the cache what ordinary stores left, 32 MiB 0.74x against 0.70x and 16 MiB lost
+# (0.66x against 0.68x, the get 1025 us against 865).
 STREAM_MIN_FALLBACK = 16 * 1024 * 1024  # where the cache's size cannot be read
 
 
