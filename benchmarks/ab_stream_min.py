@@ -1,9 +1,7 @@
 """A/B of the copy engine's streaming-store threshold (``kvbroker._client.engine.STREAM_MIN``)
 in whole put+get round trips: ``kvbroker bench transfer``'s loop (with the peer benchmark's
 multi-threaded memcpy beside it) against one private daemon, alternating per round between
-each ``--stream-min`` arm in the same process. An arm is ``PUT/GET``: the threshold for copies
-into the pool (a put's: the engine's ``pool_stream_min``) and for copies out of it (a get's:
-``stream_min``); a single value sets both; ``never``: ordinary stores only.
+each ``--stream-min`` value (``never``: ordinary stores only) in the same process.
 
 Usage: ``python benchmarks/ab_stream_min.py [--sizes 16M,32M] [--stream-min 16M,never]
 [--rounds 3] [--reps 60] [--out PREFIX]`` (writes PREFIX.json and PREFIX.md).
@@ -40,19 +38,12 @@ def main() -> None:
                                                   "stream-stores", "ab"))  # fmt: skip
     a = ap.parse_args()
     sizes = [parse_size(s) for s in a.sizes.split(",")]
-    def threshold(v: str) -> int:
-        return NEVER if v == "never" else parse_size(v)
-
-    arms = []
-    for arm in a.stream_min.split(","):
-        put, _, get = arm.partition("/")
-        arms.append((arm, (threshold(put), threshold(get or put))))
+    arms = [(v, NEVER if v == "never" else parse_size(v)) for v in a.stream_min.split(",")]
     rows = []
     with spawned_daemon(a.pool_size) as sock:
         for rnd in range(1, a.rounds + 1):
-            for label, (into_pool, out_of_pool) in arms:
-                engine = E.default_engine()
-                engine.pool_stream_min, engine.stream_min = into_pool, out_of_pool
+            for label, stream_min in arms:
+                E.default_engine().stream_min = stream_min
                 for r in transfer.measure(sock, sizes, reps=a.reps, split_baseline=True):
                     rows.append({"round": rnd, "stream_min": label, **r})
                     print(f"round {rnd} stream_min {label:6s} {r['size'] >> 20} MiB: "

@@ -722,33 +722,3 @@ def test_streaming_starts_at_half_the_last_level_cache(tmp_path, monkeypatch):
     assert E.stream_min() == 150 << 20
     monkeypatch.setattr(E, "last_level_cache", lambda: None)
     assert E.stream_min() == E.STREAM_MIN_FALLBACK == 16 << 20
-
-
-@needs_native
-def test_copies_into_the_pool_have_their_own_threshold(small_chunks, monkeypatch):
-    """A put's copies (into the shared pool: copy_into, a put's copy+hash) go by
-    pool_stream_min, a get's by stream_min."""
-    from kvbroker._client import copy as C
-    from kvbroker._client import integrity
-
-    flags = []
-    real_hashed, real_copy = E._c_copy_hashed, E._c_copy
-    monkeypatch.setattr(E, "_c_copy_hashed", lambda *a: flags.append(a[-1]) or real_hashed(*a))
-    monkeypatch.setattr(E, "_c_copy", lambda *a: flags.append(a[-1]) or real_copy(*a))
-    src = np.random.default_rng(6).integers(0, 256, 3 * small_chunks, dtype=np.uint8)
-    dst = np.empty_like(src)
-    e = E.CopyEngine(1, native=True, stream_min=1 << 40, pool_stream_min=src.nbytes)
-    monkeypatch.setattr(E, "_default", e)
-    try:
-        for into_pool in (True, False):
-            flags.clear()
-            e.copy(dst, src, into_pool=into_pool)
-            e.copy_hashed(dst, src, into_pool=into_pool)
-            assert flags == [into_pool, into_pool] and np.array_equal(dst, src)
-        flags.clear()
-        C.copy_into(dst, src)  # a put's plain copy
-        integrity.copy_hashed(dst, src, C.copy_into)  # a put's copy+hash
-        integrity.copy_out_checked(dst, src, integrity.copy_hashed(dst, src, C.copy_into))
-        assert flags == [True, True, True, False], flags  # (the last: a get's verified copy)
-    finally:
-        e.close()

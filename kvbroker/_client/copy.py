@@ -128,7 +128,7 @@ def copy_into(dst, src: Any) -> None:
         if flat.nbytes:
             from .engine import default_engine
 
-            default_engine().copy(dst, flat, into_pool=True)
+            default_engine().copy(dst, flat)
         return
     if _torch_tensor(src):  # strided, or on a GPU: torch walks the strides / runs the DMA
         torch = sys.modules["torch"]

@@ -229,15 +229,12 @@ class CopyEngine:
     ``split_while``: a copy is split only while it returns True (None: always).
     ``native``: copy and hash each range in one call to the C extension (default
     :data:`NATIVE`); False runs the Python loops. ``stream_min``: copies of at least this
-    many bytes store non-temporally (the C loops only; default: :func:`stream_min`);
-    ``pool_stream_min``: the same for copies into the shared pool (``into_pool=True``: a
-    put's; default: ``stream_min``).
+    many bytes store non-temporally (the C loops only; default: :func:`stream_min`).
     """
 
     def __init__(self, threads: int | None = None, split_min: int = SPLIT_MIN,
                  split_while: Callable[[], bool] | None = None,
-                 native: bool | None = None, stream_min: int | None = None,
-                 pool_stream_min: int | None = None) -> None:  # fmt: skip
+                 native: bool | None = None, stream_min: int | None = None) -> None:  # fmt: skip
         self.threads = default_threads() if threads is None else int(threads)
         if self.threads < 1:
             raise ValueError("threads must be >= 1")
@@ -248,7 +245,6 @@ class CopyEngine:
                              "(not built, or KVBROKER_NATIVE_COPY=0)")  # fmt: skip
         self.native = NATIVE if native is None else bool(native)
         self.stream_min = _stream_min() if stream_min is None else int(stream_min)
-        self.pool_stream_min = self.stream_min if pool_stream_min is None else int(pool_stream_min)
         self._pool: ThreadPoolExecutor | None = None
         self._pid = os.getpid()
         self._lock = threading.Lock()
@@ -290,20 +286,16 @@ class CopyEngine:
         return [first] + [f.result() for f in futures]
 
     # -- operations --------------------------------------------------------------------------
-    def _streams(self, n: int, into_pool: bool) -> bool:
-        return n >= (self.pool_stream_min if into_pool else self.stream_min)
-
-    def copy(self, dst, src, *, into_pool: bool = False) -> None:
-        """``dst[:] = src``, bit for bit. ``into_pool``: ``dst`` is in the shared pool."""
+    def copy(self, dst, src) -> None:
+        """``dst[:] = src``, bit for bit."""
         _check(dst, src)
         n = src.nbytes
         if self.native:
-            self._run(_copy_range_native, (dst, src, self._streams(n, into_pool)),
-                      self.ranges(n))  # fmt: skip
+            self._run(_copy_range_native, (dst, src, n >= self.stream_min), self.ranges(n))
         else:
             self._run(_copy_range, (dst, src), self.ranges(n))
 
-    def copy_hashed(self, dst, src, *, into_pool: bool = False) -> int:
+    def copy_hashed(self, dst, src) -> int:
         """``dst[:] = src`` and the kind-1 checksum value of the copied bytes (hashed right
         after each chunk is copied, in ``dst``, or in ``src`` for a streaming copy)."""
         _check(dst, src)
@@ -318,8 +310,8 @@ class CopyEngine:
         ranges = self.ranges(n)
         if self.native:  # pieces only when split over threads: see PIECE
             piece = PIECE if len(ranges) > 1 else 0
-            parts = self._run(_copy_hash_range_native,
-                              (dst, src, piece, self._streams(n, into_pool)), ranges)
+            parts = self._run(_copy_hash_range_native, (dst, src, piece, n >= self.stream_min),
+                              ranges)  # fmt: skip
         else:
             parts = self._run(_copy_hash_range, (dst, src), ranges)
         return _cs.combine(src.nbytes, [d for part in parts for d in part])

@@ -119,7 +119,7 @@ def copy_hashed(dst, src: Any, copy_into, kind: int = _cs.KIND_XXH3C) -> Any:
     if flat is None:
         copy_into(dst, src)
         return _cs.encode(engine.hash(dst))
-    return _cs.encode(engine.copy_hashed(dst, flat, into_pool=True))
+    return _cs.encode(engine.copy_hashed(dst, flat))
 
 
 def copy_out_checked(dst, src, recorded: Any) -> bool:
