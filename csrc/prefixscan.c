@@ -14,6 +14,10 @@
  *     The values of space (a dict) for the leading keys, up to the first key that is not a
  *     str or not in space.
  *
+ * Callers: the daemon only, on its own blocks (StoredObject: shape a tuple of str and int,
+ * row exact bytes of the length the shape fixes). The loops borrow the list's items, so
+ * nothing they call may change the list; a shape whose __eq__ did could crash the process.
+ *
  * lend_scan(found, now) -> (stride, rows)
  *     Sets every block's last_access to now. stride: s when found is s chains interleaved
  *     block by block (each block's parent is the block s before it), else 0 (fewer than two

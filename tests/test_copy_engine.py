@@ -721,4 +721,6 @@ def test_streaming_starts_at_half_the_last_level_cache(tmp_path, monkeypatch):
     monkeypatch.setattr(E, "last_level_cache", lambda: 300 << 20)
     assert E.stream_min() == 150 << 20
     monkeypatch.setattr(E, "last_level_cache", lambda: None)
-    assert E.stream_min() == E.STREAM_MIN_FALLBACK == 16 << 20
+    assert E.stream_min() == E.STREAM_MIN_FLOOR == 16 << 20
+    monkeypatch.setattr(E, "last_level_cache", lambda: 1 << 20)  # only an L2 reported
+    assert E.stream_min() == E.STREAM_MIN_FLOOR

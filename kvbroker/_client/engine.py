@@ -18,7 +18,8 @@ chunks: fused copy+hash on 8 threads at 0.57x of a plain 8-thread memcpy;
 ``benchmarks/results/host-copy-h100-host.md`` has the two side by side). Where the
 extension was not built (it is optional: no C compiler at install), or with
 ``KVBROKER_NATIVE_COPY=0``, the engine runs those Python loops (:data:`NATIVE`). Copies of
-half the last-level cache or more store non-temporally there (:func:`stream_min`): they
+half the last-level cache or more (16 MiB at least) store non-temporally there
+(:func:`stream_min`): they
 cannot stay in the cache, and would only evict what the next requests need; the hash then
 reads the source, which the copy just loaded (the same bytes).
 
@@ -84,7 +85,9 @@ PIECE = 256 * 1024
 # 0.51x); on the H100 host (300 MiB L3), where the get reads
 # back from the cache what ordinary stores left, 32 MiB 0.74x against 0.70x and 16 MiB lost
 # (0.66x against 0.68x, the get 1025 us against 865).
-STREAM_MIN_FALLBACK = 16 * 1024 * 1024  # where the cache's size cannot be read
+# Where the cache's size cannot be read, and the least: a machine that reports no L3 (some
+# VMs show only L1/L2) would otherwise stream copies the claim that follows reads back.
+STREAM_MIN_FLOOR = 16 * 1024 * 1024
 
 
 def last_level_cache(root: str = "/sys/devices/system/cpu/cpu0/cache") -> int | None:
@@ -108,9 +111,10 @@ def last_level_cache(root: str = "/sys/devices/system/cpu/cpu0/cache") -> int | 
 
 
 def stream_min() -> int:
-    """The smallest copy that stores non-temporally here: half the last-level cache."""
+    """The smallest copy that stores non-temporally here: half the last-level cache, at
+    least :data:`STREAM_MIN_FLOOR`."""
     llc = last_level_cache()
-    return llc // 2 if llc else STREAM_MIN_FALLBACK
+    return max(llc // 2, STREAM_MIN_FLOOR) if llc else STREAM_MIN_FLOOR
 
 
 _hash = xxhash.xxh3_64_intdigest

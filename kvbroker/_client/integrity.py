@@ -103,7 +103,9 @@ def _copy_legacy(dst, src) -> int:
 
 def copy_hashed(dst, src: Any, copy_into, kind: int = _cs.KIND_XXH3C) -> Any:
     """Copy ``src`` into the uint8 view ``dst``; return the checksum of ``kind`` (wire form)
-    of the bytes copied, hashed in ``dst``.
+    of the bytes copied, hashed in ``dst`` (in ``src`` for a copy big enough to store
+    non-temporally, :func:`kvbroker._client.engine.stream_min`: a source that changes during
+    the copy then gives a checksum its stored bytes fail, which a later verify reports).
 
     Contiguous sources are copied and hashed a chunk at a time (kind 1 by the engine's
     threads, kind 0 on this one); other sources (strided, on a GPU) are copied by
@@ -126,7 +128,8 @@ def copy_out_checked(dst, src, recorded: Any) -> bool:
     """Copy the uint8 view ``src`` (a leased buffer) into the uint8 array ``dst`` a chunk at
     a time, hashing each copied chunk while it is in cache (kind 1 over the engine's threads,
     kind 0 as one chain on this thread), and say whether the bytes copied match ``recorded``
-    (wire form, either kind): one pass for either."""
+    (wire form, either kind; for a copy that stores non-temporally, the bytes read from
+    ``src``, the same under the read lease): one pass for either."""
     kind, want = _cs.parse(recorded)
     if kind == _cs.KIND_XXH3C:
         return default_engine().copy_hashed(dst, src) == want

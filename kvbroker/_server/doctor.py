@@ -254,7 +254,8 @@ def check_copy_engine(cfg: DaemonConfig) -> Check:
         return Check(name, "warn", "Python loops: KVBROKER_NATIVE_COPY=0 turns the C loops off",
                      "unset KVBROKER_NATIVE_COPY")  # fmt: skip
     return Check(name, "ok", "C loops (csrc/copyhash.c), one GIL release per range; "
-                 + ("copies of half the last-level cache or more store non-temporally"
+                 + ("copies of half the last-level cache (16 MiB at least) or more store "
+                    "non-temporally"
                     if STREAM_STORES else "no streaming stores on this architecture"))
 
 
