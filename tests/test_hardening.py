@@ -172,8 +172,10 @@ def test_unread_replies_are_bounded_across_connections(make_daemon):
         assert c.lookup("k1") is not None  # the daemon serves on
     for s in socks:
         s.close()
-    # each of the 8 stays under its own 8M: ~33 MiB of unread replies before.
-    assert grown < 16 << 20, f"unread replies grew the daemon by {grown >> 20} MiB"
+    # Measured on the 2-core VM: 15.1-15.3 MiB with the 4M total (the parsed requests queued
+    # and the allocator's slack come on top of the replies), 68-69 MiB without it (each of the
+    # 8 under its own 8M). 16 MiB flaked once in a full run (16.3 MiB); 24 still tells them apart.
+    assert grown < 24 << 20, f"unread replies grew the daemon by {grown >> 20} MiB"
 
 
 def test_connections_per_uid_are_limited(make_daemon):
