@@ -138,8 +138,8 @@ def main() -> None:
                       f"({min(r['vs_memcpy_per_round']):.2f}-{max(r['vs_memcpy_per_round']):.2f})"
                       f"  python after {statistics.median(r['python_after_us_per_round']):.0f} us",
                       flush=True)  # fmt: skip
-        for e in [v[0] for v in variants(1).values()]:
-            e.close()
+            for e in {id(e): e for e, _ in vs.values()}.values():  # the engines this count used
+                e.close()
     result = {"commit": measured_commit(), "machine": machine_info(),
               "command": "python " + " ".join(shlex.quote(a) for a in sys.argv), "rows": rows}
     os.makedirs(os.path.dirname(args.out), exist_ok=True)

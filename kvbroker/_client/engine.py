@@ -43,6 +43,7 @@ given, and returns only after every worker is done with them.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -144,14 +145,8 @@ def _bind_c_loops():
 
 
 _c_copy_hashed, _c_hash_chunks, _c_copy = _bind_c_loops()
-_stream_min_value: int | None = None
+_stream_min = functools.cache(stream_min)  # engines' default: sysfs read once per process
 
-
-def _stream_min() -> int:
-    global _stream_min_value
-    if _stream_min_value is None:
-        _stream_min_value = stream_min()
-    return _stream_min_value
 # Whether engines copy and hash through csrc/copyhash.c by default (else the Python loops;
 # KVBROKER_NATIVE_COPY=0 is an operator's way back to them).
 NATIVE = _c_copy_hashed is not None and os.environ.get("KVBROKER_NATIVE_COPY", "1") != "0"

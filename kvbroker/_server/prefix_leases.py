@@ -49,7 +49,7 @@ def matched_run(b: Broker, namespace: str, keys: list[Any]) -> list[StoredObject
     space = b.by_namespace.get(namespace)
     if not space or not keys:
         return []
-    return _run(space, keys if keys.__class__ is list else list(keys))
+    return _run(space, keys)  # (a list: validate_args checked it)
 
 
 def _run_py(space: dict[str, StoredObject], keys: list[Any]) -> list[StoredObject]:
