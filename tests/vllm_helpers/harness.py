@@ -12,6 +12,9 @@ views of one buffer, each (block, head) holding its K rows then its V rows.
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 import torch
 from vllm import SamplingParams
@@ -39,6 +42,25 @@ HEADS = 2  # the tiny model's KV heads
 DIM = 32
 EOS = 511
 _hash_ready = False
+
+
+class ThreadAgreement:
+    """The TP ranks' load agreement (vLLM: a MIN all-reduce over the TP group) for ranks run
+    as threads of this process."""
+
+    def __init__(self, ranks: int) -> None:
+        self._barrier = threading.Barrier(max(ranks, 1), timeout=30)
+        self._counts: list[list[int] | None] = [None] * ranks
+
+    def for_rank(self, rank: int):
+        def agree(counts: list[int]) -> list[int]:
+            self._counts[rank] = list(counts)
+            self._barrier.wait()
+            out = [min(c) for c in zip(*self._counts)]
+            self._barrier.wait()  # every rank has read before the next step writes
+            return out
+
+        return agree
 
 
 class FakeModel:
@@ -103,9 +125,12 @@ class Engine:
                                    block_size=BLOCK)  # fmt: skip
         self.fake = fake or FakeModel()
         self.workers, self.caches, self.heads = [], [], []
+        agreement = ThreadAgreement(tp)
         for rank in range(tp):
             if monkeypatch is not None:
                 monkeypatch.setattr(conn_mod, "_tp_rank", lambda r=rank: r)
+                monkeypatch.setattr(conn_mod, "_tp_agreement",
+                                    lambda size, r=rank: agreement.for_rank(r) if size > 1 else None)
             worker = conn_mod.KVBrokerConnector(self.config, KVConnectorRole.WORKER, kcc)
             raw = torch.zeros(len(LAYERS) * blocks * per_rank * BLOCK * 2 * DIM, dtype=torch.float32)
             per_layer = raw.view(len(LAYERS), blocks, per_rank, BLOCK, 2 * DIM)
@@ -136,13 +161,27 @@ class Engine:
     # -- one engine step ------------------------------------------------------------------
     def step(self, *, before_load=None, layers_to_run=None) -> dict:
         out = self.scheduler.schedule()
+        mro, done = self.execute(out, before_load=before_load, layers_to_run=layers_to_run)
+        self.scheduler.update_from_output(out, mro)
+        return done
+
+    def execute(self, out, *, before_load=None, layers_to_run=None):
+        """The workers' half of one step of ``out`` (a scheduler output): bind, load, the
+        fake forward with its save hooks, save. Returns the ModelRunnerOutput for
+        ``update_from_output`` (async scheduling calls it later) and what :meth:`step`
+        returns."""
         meta = out.kv_connector_metadata
         for w in self.workers:
             w.bind_connector_metadata(meta)
         if before_load is not None:
             before_load(out)
-        for w in self.workers:
-            w.start_load_kv(None)
+        # Each rank's start_load in a thread of its own, as vLLM's worker processes run it:
+        # the ranks agree on what loaded (a collective) before the forward.
+        if self.tp > 1:
+            with ThreadPoolExecutor(self.tp) as pool:
+                list(pool.map(lambda w: w.start_load_kv(None), self.workers))
+        else:
+            self.workers[0].start_load_kv(None)
         work = []  # (req id, start, end)
         for req_id, n in out.num_scheduled_tokens.items():
             req = self.scheduler.requests[req_id]
@@ -169,8 +208,7 @@ class Engine:
         mro = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
                                 sampled_token_ids=sampled,
                                 kv_connector_output=KVConnectorOutput(invalid_block_ids=invalid))
-        self.scheduler.update_from_output(out, mro)
-        return {"output": out, "invalid": invalid, "stats": stats}
+        return mro, {"output": out, "invalid": invalid, "stats": stats}
 
     def _forward(self, rank: int, layer: int, req_id: str, start: int, end: int) -> None:
         req = self.scheduler.requests[req_id]

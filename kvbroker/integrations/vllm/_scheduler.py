@@ -51,10 +51,17 @@ class SaveSpec:
 
 @dataclass
 class StepPlan:
-    """What the workers load and save in one engine step (the connector metadata)."""
+    """What the workers load and save in one engine step (the connector metadata).
+
+    ``acknowledged``: engine blocks whose failed load the scheduler side has taken into
+    account (``SchedulerSide.load_failed``) since the previous plan. A plan built before
+    that (vLLM's async scheduling plans step t+1 before it hears of step t's failures) still
+    saves blocks computed from them: the workers drop such saves until a plan acknowledges
+    the failure (:mod:`._worker`)."""
 
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+    acknowledged: set[int] = field(default_factory=set)
 
 
 @dataclass
@@ -93,6 +100,7 @@ class SchedulerSide:
         self.warnings = warnings
         self.reqs: dict[str, _Req] = {}
         self.pending_loads: list[LoadSpec] = []
+        self.acknowledged: set[int] = set()  # failed loads heard of, for the next plan
         self.lookups = 0
         self.lookup_errors = 0
 
@@ -181,7 +189,9 @@ class SchedulerSide:
     def load_failed(self, invalid_block_ids: set[int]) -> None:
         """Workers could not load these blocks: vLLM recomputes them, and from the first of
         them on a request's blocks are saved again once recomputed (the workers dropped the
-        failed step's saves of that request)."""
+        failed step's saves of that request, and of every request sharing those blocks, until
+        a plan built after this call acknowledges them)."""
+        self.acknowledged |= invalid_block_ids
         for st in self.reqs.values():
             hit = [i for i, b in enumerate(st.block_ids) if b in invalid_block_ids]
             if hit:
@@ -191,8 +201,8 @@ class SchedulerSide:
 
     # -- the step's plan ------------------------------------------------------------------
     def build(self, scheduler_output: Any) -> StepPlan:
-        plan = StepPlan(loads=self.pending_loads)
-        self.pending_loads = []
+        plan = StepPlan(loads=self.pending_loads, acknowledged=self.acknowledged)
+        self.pending_loads, self.acknowledged = [], set()
         for req_id in getattr(scheduler_output, "finished_req_ids", ()) or ():
             self.finished(req_id)
         if not self.save:

@@ -18,12 +18,29 @@ No vLLM import (duck-typed; driven directly by the tests). Per engine step:
 
 The broker being down, full or slow never fails a step: loads become load errors (vLLM
 recomputes), saves are skipped, each with a counted, rate-limited warning.
+
+A failed load taints what is computed from it, and nothing tainted is published:
+
+- The TP ranks agree on what loaded (``agree``: the least of every rank's count per load,
+  one small all-reduce in steps that load). A rank whose own shards all loaded still
+  computed its layers from another rank's unloaded heads (the all-reduce after attention),
+  so every rank treats the load as failed where any rank's failed.
+- The failed request's saves are dropped, and so is every other request's save from the
+  first failed block in it on: vLLM's prefix cache hands the failed blocks to requests
+  scheduled beside it.
+- Both last until a plan acknowledges the failure (:attr:`~._scheduler.StepPlan.
+  acknowledged`): under vLLM's async scheduling the next step was planned before the failure
+  was known, and its saves would publish the request's next chunk, computed from the
+  unloaded blocks. After that the scheduler side plans the saves again, from the recomputed
+  blocks (``SchedulerSide.load_failed``).
 """
 
 from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from kvbroker.errors import KVBrokerError, LayoutMismatch, PoolFull, QuotaExceeded
@@ -39,13 +56,29 @@ REPORT_EVERY = 2.0  # seconds between the worker's counter reports to the daemon
 STAT_KEYS = ("loads", "loaded_blocks", "loaded_tokens", "loaded_bytes", "load_failed_blocks",
              "saved_blocks", "saved_tokens", "saved_bytes", "existing_blocks",
              "skipped_save_blocks", "broker_errors")  # fmt: skip
+# Steps a failed load taints saves for when no plan acknowledges it (a backstop: vLLM reports
+# every step's invalid blocks to the scheduler side, whose next plan acknowledges them).
+FAILURE_MEMORY = 16
+
+# agree(loaded) -> the least count per load over every TP rank (each rank calls it with its
+# own counts, in the same steps: a collective).
+Agreement = Callable[[list[int]], list[int]]
+
+
+@dataclass(frozen=True)
+class _LoadFailure:
+    req_id: str
+    blocks: frozenset[int]
+    step: int  # the worker's step count when it failed
 
 
 class WorkerSide:
     def __init__(self, *, link: BrokerLink, namespace: str, block_size: int,
                  total_kv_heads: int | None, latent: bool, tp_rank: int, tp_size: int,
-                 peer_tp_sizes: tuple[int, ...] = (), warnings: Warnings) -> None:  # fmt: skip
+                 peer_tp_sizes: tuple[int, ...] = (), warnings: Warnings,
+                 agree: Agreement | None = None) -> None:  # fmt: skip
         self.link, self.namespace, self.block_size = link, namespace, block_size
+        self.agree = agree  # None: this rank's loads are the only ones (TP 1)
         self.total_kv_heads = None if latent else total_kv_heads
         self.latent = latent
         self.tp_rank, self.tp_size = tp_rank, tp_size
@@ -59,7 +92,8 @@ class WorkerSide:
         self.totals: Counter[str] = Counter()  # taken before, for the broker's report
         self._reported_at = 0.0
         self._invalid: set[int] = set()
-        self._failed_reqs: set[str] = set()
+        self._failures: list[_LoadFailure] = []  # not yet acknowledged by a plan
+        self._step = 0
         self._plan = None
         self._save: HostSave | None = None
         self._layers_seen: set[int] = set()
@@ -111,7 +145,11 @@ class WorkerSide:
         self._plan = plan
         self._save = None
         self._layers_seen = set()
-        self._failed_reqs: set[str] = set()
+        self._step += 1
+        acknowledged = getattr(plan, "acknowledged", None) or set()
+        self._failures = [f for f in self._failures
+                          if not f.blocks <= acknowledged
+                          and self._step - f.step <= FAILURE_MEMORY]  # fmt: skip
 
     def unbind(self) -> None:
         if self._save is not None and not self._save.done:
@@ -135,10 +173,29 @@ class WorkerSide:
         plan = self._plan
         if plan is None or not plan.loads or self.fmt is None:
             return
-        for spec in plan.loads:
-            self._load(spec)
+        own = [self._load(spec) for spec in plan.loads]
+        agreed = own
+        if self.agree is not None:
+            try:
+                agreed = [min(a, b) for a, b in zip(own, self.agree(own), strict=True)]
+            except Exception as exc:  # noqa: BLE001 - unknown: treat every load as failed
+                agreed = [0] * len(own)
+                self.warnings.warn("agree_failed", "could not compare loads with the other "
+                                   "TP ranks (%s: %s): treating them as failed",
+                                   type(exc).__name__, exc)  # fmt: skip
+        for spec, mine, n in zip(plan.loads, own, agreed):
+            if n < len(spec.block_ids):
+                failed = spec.block_ids[n:]
+                self._invalid.update(failed)
+                self._failures.append(_LoadFailure(spec.req_id, frozenset(failed), self._step))
+                if mine >= len(spec.block_ids):
+                    self.warnings.warn("load_failed_elsewhere", "another TP rank could not "
+                                       "load %d of %d blocks of request %s: vLLM recomputes "
+                                       "them", len(failed), len(spec.block_ids),
+                                       spec.req_id)  # fmt: skip
 
-    def _load(self, spec: Any) -> None:
+    def _load(self, spec: Any) -> int:
+        """Load ``spec`` into this rank's cache; returns how many leading blocks loaded."""
         n_want = len(spec.block_ids)
         loaded, why = 0, ""
         client = self._client()
@@ -170,13 +227,12 @@ class WorkerSide:
         self.stats["loaded_tokens"] += loaded * self.block_size
         self.stats["loaded_bytes"] += loaded * self.fmt.block_nbytes
         if loaded < n_want:
-            self._failed_reqs.add(spec.req_id)
-            failed = spec.block_ids[loaded:]
-            self._invalid.update(failed)
-            self.stats["load_failed_blocks"] += len(failed)
+            failed = n_want - loaded
+            self.stats["load_failed_blocks"] += failed
             self.warnings.warn("load_failed", "could not load %d of %d blocks of request %s "
-                               "(%s): vLLM recomputes them", len(failed), n_want, spec.req_id,
+                               "(%s): vLLM recomputes them", failed, n_want, spec.req_id,
                                why)  # fmt: skip
+        return loaded
 
     def load_errors(self) -> set[int]:
         out, self._invalid = self._invalid, set()
@@ -184,12 +240,20 @@ class WorkerSide:
 
     # -- saving ----------------------------------------------------------------------------
     def _items(self) -> list[SaveItem]:
-        # A request whose load failed this step holds unloaded blocks, and KV computed after
-        # them from garbage: none of it is saved (vLLM recomputes it; the scheduler plans
-        # those blocks' saves again, see SchedulerSide.load_failed).
-        return [SaveItem(h, parent, block) for spec in self._plan.saves
-                if spec.req_id not in self._failed_reqs
-                for h, parent, block in spec.items]  # fmt: skip
+        # A request whose load failed holds unloaded blocks, and KV computed after them from
+        # garbage; so does any request from the first of those blocks in it on. None of it
+        # is saved until a plan acknowledges the failure (see the module docstring).
+        failed = {f.req_id for f in self._failures}
+        tainted = frozenset().union(*(f.blocks for f in self._failures))
+        items = []
+        for spec in self._plan.saves:
+            if spec.req_id in failed:
+                continue
+            for h, parent, block in spec.items:  # in the request's block order
+                if block in tainted:
+                    break
+                items.append(SaveItem(h, parent, block))
+        return items
 
     def _begin_save(self) -> HostSave | None:
         if self._save is None:

@@ -102,6 +102,41 @@ def _tp_rank() -> int:
         return 0
 
 
+def _tp_agreement(tp_size: int):
+    """The workers' :data:`~._worker.Agreement` over vLLM's TP group: a MIN all-reduce of
+    the per-load counts on the group's CPU (gloo) side. None with TP 1."""
+    if tp_size <= 1:
+        return None
+
+    def agree(counts: list[int]) -> list[int]:
+        import torch
+        import torch.distributed as dist
+        from vllm.distributed.parallel_state import get_tp_group
+
+        t = torch.tensor(counts, dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=get_tp_group().cpu_group)
+        return t.tolist()
+
+    return agree
+
+
+# Parallelisms whose ranks hold KV that the keys (which name only the TP rank) cannot tell
+# apart: pipeline stages hold different layers, context-parallel ranks different tokens.
+_UNSUPPORTED_PARALLEL = ("pipeline_parallel_size", "decode_context_parallel_size",
+                         "prefill_context_parallel_size")  # fmt: skip
+
+
+def _check_parallelism(parallel_config: Any) -> None:
+    for name in _UNSUPPORTED_PARALLEL:
+        size = getattr(parallel_config, name, 1) or 1
+        if size > 1:
+            raise ValueError(
+                f"KVBrokerConnector does not support {name} > 1 (it is {size}): its block keys "
+                "name the TP rank only, so the KV of different pipeline stages or "
+                "context-parallel ranks would share keys"
+            )
+
+
 class KVBrokerConnector(KVConnectorBase_V1):
     """kvbroker as vLLM's KV connector; see the module docstring."""
 
@@ -112,6 +147,7 @@ class KVBrokerConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         config = self._kv_transfer_config
         extra = dict(config.kv_connector_extra_config or {})
+        _check_parallelism(vllm_config.parallel_config)
         model_config = vllm_config.model_config
         groups = kv_cache_config.kv_cache_groups if kv_cache_config is not None else []
         if len(groups) != 1:
@@ -167,6 +203,7 @@ class KVBrokerConnector(KVConnectorBase_V1):
                 link=link, namespace=self._namespace, block_size=self._block_size,
                 total_kv_heads=self._total_kv_heads, latent=self._latent, tp_rank=tp_rank,
                 tp_size=self._tp_size, peer_tp_sizes=peers, warnings=self._warnings,
+                agree=_tp_agreement(self._tp_size),
             )  # fmt: skip
         log.info("kvbroker: %s connector, role %s, namespace %s, socket %s", role.name.lower(),
                  kv_role, self._namespace, socket or "default")  # fmt: skip
