@@ -181,3 +181,42 @@ def test_a_failure_taints_saves_until_a_plan_acknowledges_it():
     assert [i.block_hash for i in w._items()] == ["b0", "c0"]
     w.bind(StepPlan(saves=saves))
     assert len(w._items()) == 6
+
+
+def _agree_in_rank(rank: int, port: int, counts: list[int], out) -> None:
+    import torch.distributed as dist
+    import vllm.distributed.parallel_state as ps
+
+    from kvbroker.integrations.vllm.connector import _tp_agreement
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)  # fmt: skip
+    try:
+        ps.get_tp_group = lambda: type("TP", (), {"cpu_group": dist.group.WORLD})()
+        out.put((rank, _tp_agreement(2)(counts)))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_agreement_is_a_min_all_reduce_over_the_tp_group():
+    """The real agreement (not the harness's threads): two processes in a gloo group."""
+    import multiprocessing
+    import socket
+
+    from kvbroker.integrations.vllm.connector import _tp_agreement
+
+    assert _tp_agreement(1) is None
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_agree_in_rank, args=(r, port, c, out))
+             for r, c in enumerate([[4, 0, 7], [4, 3, 2]])]  # fmt: skip
+    for p in procs:
+        p.start()
+    got = dict(out.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    assert got == {0: [4, 0, 2], 1: [4, 0, 2]}
