@@ -220,3 +220,51 @@ def test_the_agreement_is_a_min_all_reduce_over_the_tp_group():
         p.join(60)
         assert p.exitcode == 0
     assert got == {0: [4, 0, 2], 1: [4, 0, 2]}
+
+
+def test_a_request_id_reused_after_an_abort_keeps_its_new_state():
+    """vLLM reports an aborted request in the next step's finished_req_ids; by then a new
+    request may reuse its id (request_finished already forgot the old one)."""
+    from types import SimpleNamespace
+
+    from kvbroker.integrations.vllm._link import Warnings
+    from kvbroker.integrations.vllm._scheduler import SchedulerSide
+
+    side = SchedulerSide(link=None, namespace="ns", block_size=16, total_kv_heads=2,
+                         latent=False, tp_size=1, save=True, load=False,
+                         warnings=Warnings())  # fmt: skip
+
+    def request(tokens):
+        return SimpleNamespace(request_id="r1", prompt_token_ids=tokens, cache_salt=None,
+                               lora_request=None, mm_features=None, prompt_embeds=None)  # fmt: skip
+
+    side.state(request(list(range(1, 65))))
+    side.finished("r1")  # request_finished of the aborted request
+    side.state(request(list(range(100, 164))))  # a new request, the same id
+    output = SimpleNamespace(
+        finished_req_ids={"r1"}, num_scheduled_tokens={"r1": 64},
+        scheduled_new_reqs=[SimpleNamespace(req_id="r1", block_ids=([7, 8, 9, 10],),
+                                            num_computed_tokens=0)],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[],
+                                              num_computed_tokens=[]),
+    )  # fmt: skip
+    plan = side.build(output)
+    assert [len(s.items) for s in plan.saves] == [4]
+
+
+def test_a_save_left_open_by_a_step_that_never_finished_is_aborted_at_the_next():
+    from unittest import mock
+
+    from kvbroker.integrations.vllm._link import Warnings
+    from kvbroker.integrations.vllm._paged import HostSave
+    from kvbroker.integrations.vllm._scheduler import StepPlan
+    from kvbroker.integrations.vllm._worker import WorkerSide
+
+    w = WorkerSide(link=None, namespace="ns", block_size=16, total_kv_heads=2, latent=False,
+                   tp_rank=0, tp_size=1, warnings=Warnings())  # fmt: skip
+    stale = mock.Mock(spec=HostSave, done=False, items=[1, 2])
+    w.bind(StepPlan())
+    w._save = stale  # reserved at its first layer; the step then died before wait_for_save
+    w.bind(StepPlan())
+    stale.abort.assert_called_once()
+    assert w.stats["skipped_save_blocks"] == 2

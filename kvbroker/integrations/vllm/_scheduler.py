@@ -203,8 +203,8 @@ class SchedulerSide:
     def build(self, scheduler_output: Any) -> StepPlan:
         plan = StepPlan(loads=self.pending_loads, acknowledged=self.acknowledged)
         self.pending_loads, self.acknowledged = [], set()
-        for req_id in getattr(scheduler_output, "finished_req_ids", ()) or ():
-            self.finished(req_id)
+        # (Finished requests were forgotten in request_finished, which vLLM calls for each:
+        # its finished_req_ids may name an id a new request reuses by now.)
         if not self.save:
             return plan
         scheduled = scheduler_output.num_scheduled_tokens

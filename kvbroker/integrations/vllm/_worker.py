@@ -142,6 +142,8 @@ class WorkerSide:
 
     # -- per step --------------------------------------------------------------------------
     def bind(self, plan: Any) -> None:
+        if self._save is not None and not self._save.done:  # a step that never finalized
+            self._abort_save("the step ended before its save was sealed")
         self._plan = plan
         self._save = None
         self._layers_seen = set()
