@@ -59,7 +59,7 @@ from ._client.prefix_match import SHARD_META_TAG, KVPrefixMatch, PrefixMatch
 from ._client.prefix_match import MatchedBlock  # noqa: F401  (PrefixMatch.blocks' items)
 from ._client.prefix_match import _block_layout, _check_kv_cache, _names
 from ._wire.names import check_infix
-from ._wire.protocol import MAX_BUFFERS
+from ._wire.protocol import MAX_BUFFERS, MAX_REQUEST, request_chunks
 from ._client.tp import claim_plan, shard_heads
 from .errors import BadRequest, KVBrokerError
 
@@ -212,21 +212,35 @@ class PrefixCache:
         toks = None
         if token_ids is not None:  # each block's token ids, for KV events (routers)
             toks = _token_list(token_ids[: len(keys) * self.block_size])
-        # One reserve_blocks per MAX_BUFFERS blocks (the daemon's limit), parents first.
-        return sum(self._publish_run(keys, lo, min(len(keys), lo + MAX_BUFFERS), get, sizes,
-                                     meta, toks)
-                   for lo in range(0, len(keys), MAX_BUFFERS))  # fmt: skip
+        # The usual case, one layout for every block: it goes once per request, not per block.
+        shared = all(z == sizes[0] for z in sizes)
+        layout_cost = sum(len(n) + 12 for n in sizes[0]) + _packed_size(meta)
+        costs = [48 + len(keys[i]) + (len(keys[i - 1]) if i else 0)
+                 + (0 if shared else sum(len(n) + 12 for n in sizes[i]) + _packed_size(meta))
+                 + (5 * self.block_size if toks is not None else 0)
+                 for i in range(len(keys))]  # fmt: skip
+        # Parents first, in requests the daemon reads whole: at most MAX_BUFFERS blocks and
+        # MAX_REQUEST bytes each.
+        runs = request_chunks(costs, MAX_REQUEST // 2 - (layout_cost if shared else 0),
+                              MAX_BUFFERS)  # fmt: skip
+        return sum(self._publish_run(keys, lo, hi, get, sizes, meta, toks, shared)
+                   for lo, hi in runs)  # fmt: skip
 
-    def _publish_run(self, keys, lo, hi, get, sizes, meta, toks) -> int:
+    def _publish_run(self, keys, lo, hi, get, sizes, meta, toks, shared) -> int:
         bs = self.block_size
         request = []
         for i in range(lo, hi):
-            blk = {"key": keys[i], "parent": keys[i - 1] if i else None, "buffers": sizes[i],
-                   "meta": meta}
+            blk = {"key": keys[i], "parent": keys[i - 1] if i else None}
+            if not shared:
+                blk["buffers"], blk["meta"] = sizes[i], meta
             if toks is not None:
                 blk["tokens"] = toks[i * bs:(i + 1) * bs]
             request.append(blk)
-        reply = self.client.ops.reserve_blocks(request, namespace=self.namespace)
+        if shared:
+            reply = self.client.ops.reserve_blocks(request, namespace=self.namespace,
+                                                   buffers=sizes[lo], meta=meta)  # fmt: skip
+        else:
+            reply = self.client.ops.reserve_blocks(request, namespace=self.namespace)
         leases: list[WriteLease] = []
         try:
             for j, res in enumerate(reply["results"]):
@@ -411,3 +425,9 @@ class PrefixCache:
         return KVPrefixMatch(self.client, reply, self.block_size, asked_at, source=source,
                              heads=heads, ranks=ranks, plan=plan, tp_rank=self.tp_rank,
                              tp_size=self.tp_size)  # fmt: skip
+
+
+def _packed_size(value: Any) -> int:
+    import msgpack
+
+    return len(msgpack.packb(value))

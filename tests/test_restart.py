@@ -299,7 +299,7 @@ def test_torn_last_record_is_cut_off(daemons, socket_path):
         c.put("a", {"kv": pattern("a", 100)})
     d.stop(signal.SIGKILL)
     with open(journal_path(socket_path), "ab") as f:
-        whole = _frame(msgpack.packb({"t": "s", "o": {"serial": 99, "namespace": "x"}}))
+        whole = _frame(msgpack.packb({"t": "s", "o": {"serial": 99, "namespace": "x"}}), 0)
         f.write(whole[: len(whole) // 2])
     d2 = daemons()
     with d2.client() as c:

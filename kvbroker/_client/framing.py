@@ -6,8 +6,8 @@ from typing import Any, Protocol
 
 import msgpack
 
-from .._wire.protocol import unpacker_limits
-from ..errors import ProtocolError
+from .._wire.protocol import MAX_REQUEST, unpacker_limits
+from ..errors import BadRequest, ProtocolError
 
 __all__ = ["MessageStream"]
 
@@ -31,7 +31,11 @@ class MessageStream:
         self._fed = 0
 
     def send(self, message: dict[str, Any]) -> None:
-        self.transport.send(self._packer.pack(message))
+        data = self._packer.pack(message)
+        if len(data) > MAX_REQUEST:  # the daemon would cut the connection off mid-frame
+            raise BadRequest(f"{message.get('op')}: the request packs to {len(data)} bytes, "
+                             f"more than the {MAX_REQUEST} a daemon reads; send less at once")
+        self.transport.send(data)
 
     def receive(self) -> Any:
         unpacker = self._unpacker

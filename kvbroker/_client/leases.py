@@ -23,6 +23,7 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from . import integrity as _integrity
+from .._wire.protocol import request_chunks
 from ..errors import BadRequest, KVBrokerError, LeaseExpired, ProtocolError
 
 if TYPE_CHECKING:
@@ -212,10 +213,12 @@ class ReadLease(_Lease):
 
 
 def seal_many(leases: Sequence[WriteLease]) -> None:
-    """Seal write leases of one client in one round trip, in order (a parent before its
-    children), each with the ``checksums`` whoever filled its views set (None: none). The
-    views end first. A refusal (BadRequest: e.g. a daemon that requires checksums) aborts
-    every lease rather than leaving the unsealed ones held until their TTL, then raises."""
+    """Seal write leases of one client, in order (a parent before its children), each with
+    the ``checksums`` whoever filled its views set (None: none): one round trip, or one per
+    request's worth of checksums (the daemon reads a request of at most ``MAX_REQUEST``
+    bytes). The views end first. A refusal (BadRequest: e.g. a daemon that requires
+    checksums) aborts every lease not sealed yet rather than leaving them held until their
+    TTL, then raises."""
     if not leases:
         return
     client = leases[0].client
@@ -223,13 +226,16 @@ def seal_many(leases: Sequence[WriteLease]) -> None:
     for lease in leases:
         lease._drop_views()
         sums.append(lease.checksums)
-    try:
-        client.ops.seal_many([lease.id for lease in leases],
-                             None if all(s is None for s in sums) else sums)  # fmt: skip
-    except BadRequest:
-        for lease in leases:
-            try:
-                client.ops.abort(lease.id)
-            except KVBrokerError:
-                pass  # sealed before the refusal, or already gone
-        raise
+    costs = [12 + (sum(len(n) + 16 for n in s) if s else 1) for s in sums]
+    for lo, hi in request_chunks(costs):
+        chunk = sums[lo:hi]
+        try:
+            client.ops.seal_many([lease.id for lease in leases[lo:hi]],
+                                 None if all(s is None for s in chunk) else chunk)  # fmt: skip
+        except BadRequest:
+            for lease in leases[lo:]:
+                try:
+                    client.ops.abort(lease.id)
+                except KVBrokerError:
+                    pass  # sealed before the refusal, or already gone
+            raise

@@ -31,7 +31,7 @@ from .pool import HostPool
 from .prefix_leases import materialize, materialize_holding
 from .restore import journal_lent, journal_records, restore as restore_state
 from .snapshot import statistics
-from .state import OPEN_POLICY, Arena, Lease, Session, StoredObject, WouldWait
+from .state import OPEN_POLICY, Arena, Lease, Session, StoredObject, WouldWait, index_footprint
 from .._wire.protocol import OPS, Service, validate_args
 from .._wire.stats import Counters, Statistics
 from ..errors import BadRequest, LimitExceeded, ProtocolError
@@ -287,9 +287,15 @@ class Broker:
             next(self._serials),
         )  # fmt: skip
 
-    def reserve_extent(self, session, ident, layout, span, meta, ttl) -> Lease:
-        """A write lease on a fresh extent for ``ident`` (charged to its namespace)."""
+    def reserve_extent(self, session, ident, layout, span, meta, ttl, tokens=None,
+                       footprint: int | None = None) -> Lease:  # fmt: skip
+        """A write lease on a fresh extent for ``ident`` (charged to its namespace), of at
+        least ``span`` bytes and of the daemon memory its index entry takes (``footprint``,
+        when the caller knows it: ``state.index_footprint``)."""
         self.check_lease_limit(session)
+        if footprint is None:
+            footprint = index_footprint(layout, meta, tokens)
+        span = max(span, footprint)
         ps = self.pools[0].page_size  # every pool has the same page size
         tenants = self.accounts.tenants_of(session)
         charged = self.accounts.charge(ident[0], -(-max(span, 1) // ps) * ps, tenants=tenants)
@@ -300,7 +306,7 @@ class Broker:
             self.accounts.uncharge(ident[0], charged, tenants)
             raise
         obj = self.new_object(ident, pool, start, npages, layout, meta)
-        obj.charged, obj.tenants = charged, tenants
+        obj.charged, obj.tenants, obj.tokens = charged, tenants, tokens
         pages.owners[pool.index][start] = obj
         self.pending[ident] = obj
         if self.journal is not None:  # a restart must not hand these pages to another writer
@@ -378,7 +384,7 @@ class Broker:
                    consume)  # fmt: skip
         self.leases[ls.id] = ls
         session.leases[ls.id] = ls
-        heapq.heappush(self._expiry, (ls.expires_at, ls.id))
+        self._expire_at(ls)
         return ls
 
     def lease_of(self, session: Session, lid: int, kind: str | None) -> Lease:
@@ -395,7 +401,17 @@ class Broker:
     def renew(self, ls: Lease, ttl: float) -> None:
         ls.ttl = ttl
         ls.expires_at = self.clock() + ttl
-        heapq.heappush(self._expiry, (ls.expires_at, ls.id))
+        self._expire_at(ls)
+
+    def _expire_at(self, ls: Lease) -> None:
+        """Schedule ``ls``'s expiry. Entries of leases released or renewed since stay in the
+        heap until due (up to max_lease_ttl away): past twice the live leases it is rebuilt
+        from them, so renewals and claims with long TTLs cannot grow it without bound."""
+        expiry = self._expiry
+        heapq.heappush(expiry, (ls.expires_at, ls.id))
+        if len(expiry) > 2 * len(self.leases) + 1024:
+            expiry[:] = [(live.expires_at, live.id) for live in self.leases.values()]
+            heapq.heapify(expiry)
 
     def end_lease(self, ls: Lease, reason: str) -> None:
         del self.leases[ls.id]

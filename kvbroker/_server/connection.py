@@ -221,6 +221,13 @@ class Connection(asyncio.BufferedProtocol):
             done = u.tell()  # (after a partial frame, tell() counts its bytes too)
             queue.append(msg)
         left = fed - done
+        if left > MAX_REQUEST:
+            # The unpacker parses a frame as its bytes come and its buffer limit bounds only
+            # the bytes not yet parsed: count the frame's bytes here (its objects cost more).
+            if u is _Parser.shared:
+                _Parser.shared = None
+            self._fatal(f"a request frame exceeds {MAX_REQUEST} bytes")
+            return
         if u is _Parser.shared:
             if left:  # a frame continues in the next read: this connection's own parser
                 _Parser.shared = None

@@ -9,12 +9,7 @@ owns and frees what: see :mod:`kvbroker._server.state`.
 from __future__ import annotations
 
 import os
-import re
-import time
-from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
-
-import re2
 
 from .._version import __version__
 from .._wire import checksum as _checksum
@@ -25,9 +20,19 @@ from .._wire.protocol import MAX_BUFFERS, MAX_NAME, MAX_REPORTED, PROTOCOL_VERSI
 from ..errors import BadRequest, Exists, NotFound, PoolFull, ProtocolError
 from . import prefix_leases
 from .arenas import arena_of, end_arena, new_arena, publish_from_arena
+from .evicting import evict
+from .patterns import client_regex as _regex
 from .prefix_leases import lazy_readers, lend_prefix, matched_run, materialize_holding
 from .snapshot import statistics_for
-from .state import Deferred, Session, StoredObject, WouldWait
+from .state import (
+    Deferred,
+    Session,
+    StoredObject,
+    WouldWait,
+    index_footprint,
+    names_footprint,
+    value_footprint,
+)
 
 if TYPE_CHECKING:
     from .broker import Broker
@@ -36,16 +41,6 @@ __all__ = ["HANDLERS"]
 
 _MAX_LIST = 10_000
 MAX_TOKENS = 1 << 16  # token ids of one prefix block
-_MAX_REGEX = 1024
-_RE2_OPTIONS = re2.Options()
-_RE2_OPTIONS.log_errors = False  # a bad pattern is the client's error, answered, not logged
-# RE2's memory budget per pattern (compiled program and DFA cache; 8 MiB by default): a
-# pattern needing more is refused, and matching past the DFA budget falls back to linear
-# NFA (slow: 256 KiB made a heavy pattern 30x slower). With at most _REGEX_CACHE patterns
-# kept, 600 (or 2,400) distinct heavy patterns leave the daemon ~25 MiB larger (46 before).
-_RE2_OPTIONS.max_mem = 1 << 20
-_REGEX_CACHE = 32
-_regex_cache: OrderedDict[str, re.Pattern] = OrderedDict()
 
 
 # ------------------------------------------------------------------------------ session
@@ -95,6 +90,9 @@ def op_reserve_blocks(b: Broker, session, namespace, blocks, ttl, buffers=None, 
         raise BadRequest(f"reserve_blocks: at most {MAX_BUFFERS} blocks per request")
     # Buffers and meta given once for the batch: laid out (and checked) once, not per block.
     shared = _buffer_layout(buffers, meta) if buffers is not None else None
+    # What the blocks' index entries cost (index_footprint), the shared parts once.
+    names_cost = names_footprint(shared[0]) if shared is not None else 0
+    meta_cost = value_footprint(meta)
     plans = []
     for i, blk in enumerate(blocks):  # validate everything before reserving anything
         if not isinstance(blk, dict) or not isinstance(blk.get("key"), str):
@@ -109,10 +107,13 @@ def op_reserve_blocks(b: Broker, session, namespace, blocks, ttl, buffers=None, 
                              "given per block or once for the batch")  # fmt: skip
         if bufs is not None:
             layout, span = _buffer_layout(bufs, own_meta)
+            cost = names_footprint(layout)
         else:
             layout, span = shared  # type: ignore[misc]
             if own_meta is not meta and (problem := meta_problem(own_meta)) is not None:
                 raise BadRequest(f"reserve_blocks: block {i}: {problem}")
+            cost = names_cost
+        cost += meta_cost if own_meta is meta else value_footprint(own_meta)
         ident = (namespace, _check_name("key", blk["key"]))
         tokens = blk.get("tokens")
         if tokens is not None and not (
@@ -120,18 +121,18 @@ def op_reserve_blocks(b: Broker, session, namespace, blocks, ttl, buffers=None, 
                 and all(t.__class__ is int for t in tokens)):  # fmt: skip
             raise BadRequest(f"reserve_blocks: block {i}: tokens must be a list of at most "
                              f"{MAX_TOKENS} token ids")  # fmt: skip
-        plans.append((ident, parent, layout, span, own_meta, tokens))
+        cost += 36 * len(tokens or ())
+        plans.append((ident, parent, layout, span, own_meta, tokens, cost))
     results: list[R.BlockReserved | R.BlockExists] = []
     taken: list = []
     slots: list = []  # per block: its write lease, or None when it exists
     try:
-        for ident, parent, layout, span, own_meta, tokens in plans:
+        for ident, parent, layout, span, own_meta, tokens, cost in plans:
             if ident in b.objects or ident in b.pending:
                 slots.append(None)
                 continue
-            lease = b.reserve_extent(session, ident, layout, span, own_meta, ttl)
+            lease = b.reserve_extent(session, ident, layout, span, own_meta, ttl, tokens, cost)
             lease.obj.parent_key = parent  # resolved at seal: it may be in this batch
-            lease.obj.tokens = tokens
             taken.append(lease)
             slots.append(lease)
     except BaseException:
@@ -165,10 +166,13 @@ def op_seal(b: Broker, session, lease, checksums=None) -> R.Sealed:
 def op_seal_many(b: Broker, session, leases, checksums) -> R.SealedMany:
     if checksums is not None and len(checksums) != len(leases):
         raise BadRequest("seal_many: checksums must have one entry (map or null) per lease")
-    for i, lid in enumerate(leases):
-        if not isinstance(lid, int) or isinstance(lid, bool):
-            raise BadRequest("seal_many: leases must be a list of lease ids")
-        op_seal(b, session, lid, None if checksums is None else checksums[i])
+    # All or nothing: every lease and checksum checked before the first seal.
+    held = _batch(b, session, "seal_many", leases, "write")
+    sums = [_checked_checksums(b, ls.obj, None if checksums is None else checksums[i])
+            for i, ls in enumerate(held)]  # fmt: skip
+    for ls, checked in zip(held, sums):
+        ls.obj.checksums = checked
+        b.seal(ls)
     return {"sealed": len(leases)}
 
 
@@ -200,10 +204,13 @@ def op_publish(b: Broker, session, arena, namespace, key, buffers, meta, replace
                        f"{arena}'s; reserve instead")  # fmt: skip
     layout, span = _buffer_layout(buffers, meta)
     ps = ar.pool.page_size
-    npages = max(1, -(-span // ps))
-    if npages > ar.npages:
+    if span > ar.npages * ps:
         raise BadRequest(f"publish: {span} bytes do not fit arena {arena} "
                          f"({ar.npages * ps} bytes); reserve instead")  # fmt: skip
+    # An object occupies the daemon memory of its index entry at least (reserve_extent).
+    npages = max(1, -(-max(span, index_footprint(layout, meta)) // ps))
+    if npages > ar.npages:  # the client falls back to reserve + seal
+        raise PoolFull(f"publish: names and meta take more than arena {arena}; reserve instead")
     _check_free(b, ident, replace)
     obj = b.new_object(ident, ar.pool, ar.start, npages, layout, meta)
     _accept_checksums(b, obj, checksums)
@@ -277,10 +284,8 @@ def op_release(b: Broker, session, lease, consume=True) -> R.Empty:
 
 
 def op_release_many(b: Broker, session, leases) -> R.Empty:
-    for lid in leases:
-        if not isinstance(lid, int) or isinstance(lid, bool):
-            raise BadRequest("release_many: leases must be a list of lease ids")
-        op_release(b, session, lid)
+    for ls in _batch(b, session, "release_many", leases, "read"):  # all checked first
+        b.end_read(ls, "it was released", consume=ls.consume)
     return {}
 
 
@@ -289,6 +294,8 @@ def op_match_prefix(b: Broker, session, namespace, keys, block_tokens, ttl,
     ttl = _ttl(b, ttl)
     if len(keys) > MAX_BUFFERS:
         raise BadRequest(f"match_prefix: at most {MAX_BUFFERS} keys per request")
+    if not 0 <= block_tokens <= MAX_TOKENS:  # it is added into counters every stat packs
+        raise BadRequest(f"match_prefix: block_tokens must be in [0, {MAX_TOKENS}]")
     if peer is not None and not hold:
         raise BadRequest("match_prefix: a pull from a peer needs hold (it holds what it pulls)")
     if not session.access.can(namespace):  # another tenant's prefixes: invisible
@@ -324,14 +331,25 @@ def op_match_prefix(b: Broker, session, namespace, keys, block_tokens, ttl,
 
 
 def op_renew(b: Broker, session, leases, ttl) -> R.Renewed:
-    out = []
-    for lid in leases:
+    ttl = _ttl(b, ttl) if ttl is not None else None
+    held = _batch(b, session, "renew", leases, None, repeats=True)  # all checked first
+    for ls in {ls.id: ls for ls in held}.values():  # a lease named twice is renewed once
+        b.renew(ls, ls.ttl if ttl is None else ttl)
+    return {"expires_in": [(ls.id, ls.ttl) for ls in held]}
+
+
+def _batch(b: Broker, session, op: str, lids: list, kind: str | None,
+           repeats: bool = False) -> list:  # fmt: skip
+    """The live leases ``lids`` of this session (of ``kind``), every one checked before a
+    batch op acts on any: a bad id fails the request and changes nothing."""
+    held = []
+    for lid in lids:
         if not isinstance(lid, int) or isinstance(lid, bool):
-            raise BadRequest("renew: leases must be a list of lease ids")
-        ls = b.lease_of(session, lid, None)
-        b.renew(ls, _ttl(b, ttl) if ttl is not None else ls.ttl)
-        out.append((lid, ls.ttl))
-    return {"expires_in": out}
+            raise BadRequest(f"{op}: leases must be a list of lease ids")
+        held.append(b.lease_of(session, lid, kind))
+    if not repeats and len({ls.id for ls in held}) != len(held):
+        raise BadRequest(f"{op}: a lease is named twice")
+    return held
 
 
 # ------------------------------------------------------------------------------ directory
@@ -386,54 +404,7 @@ def op_list(b: Broker, session, namespace, match, limit, after) -> R.Listed:
 
 def op_evict(b: Broker, session, namespace, key, match, match_buffers, older_than, all,
              dry_run) -> R.Evicted:  # fmt: skip
-    if not (all or key is not None or match is not None or match_buffers is not None
-            or older_than is not None or namespace is not None):  # fmt: skip
-        raise BadRequest("evict: name what to evict (key, match, namespace, ...) or all")
-    key_re = _regex(match) if match is not None else None
-    buf_re = _regex(match_buffers) if match_buffers is not None else None
-    access = session.access
-    if namespace is not None and access.can(namespace):
-        access.check(namespace, True, "evict")  # readable but not writable: say so
-    now = time.time()
-    lazy = lazy_readers(b) if b.lazy_leases else ()  # held lazily: skipped_leased, too
-    victims, skipped = [], 0
-    if key is not None:
-        spaces = (namespace,) if namespace is not None else list(b.by_namespace)
-        candidates = [o for o in (b.objects.get((ns, key)) for ns in spaces) if o]
-    else:
-        candidates = list(b.in_namespace(namespace))
-    for obj in candidates:
-        if namespace is not None and obj.namespace != namespace:
-            continue
-        if not access.can(obj.namespace, write=True):
-            continue  # another tenant's (or read-only shared) objects are not ours to free
-        if key_re is not None and not key_re.search(obj.key):
-            continue
-        if buf_re is not None and not any(buf_re.search(n) for n in obj.buffers):
-            continue
-        if older_than is not None and now - obj.created_at < older_than:
-            continue
-        if obj.readers or obj in lazy:
-            skipped += 1
-            continue
-        victims.append(obj)
-    victims, kept_parents = _leaves_first(victims)
-    reported = [o.info() for o in victims[:_MAX_LIST]]
-    nbytes = sum(o.nbytes for o in victims)
-    if not dry_run:
-        for obj in victims:
-            b.evict(obj)
-        if all and b.on_block is not None and not (
-                namespace or key or match or match_buffers or older_than):  # fmt: skip
-            b.on_block("cleared", None)  # a router forgets this node's blocks
-    return {
-        "evicted": reported,
-        "count": len(victims),
-        "bytes": nbytes,
-        "skipped_leased": skipped,
-        "skipped_parents": kept_parents,
-        "dry_run": dry_run,
-    }
+    return evict(b, session, namespace, key, match, match_buffers, older_than, all, dry_run)
 
 
 def op_fetch(b: Broker, session, namespace, key, peer) -> R.Fetched:
@@ -500,16 +471,25 @@ def _ttl(b: Broker, ttl: float | None) -> float:
 
 
 def _accept_checksums(b: Broker, obj: StoredObject, checksums: dict | None) -> None:
+    checked = _checked_checksums(b, obj, checksums)
+    if checked is not None:
+        obj.checksums = checked
+
+
+def _checked_checksums(b: Broker, obj: StoredObject, checksums: dict | None) -> dict | None:
+    """``checksums`` as ``obj`` keeps them; BadRequest when they do not fit its buffers, or
+    are missing where the daemon requires them."""
     if checksums is not None:
         try:
-            obj.checksums = _checksum.validate(checksums, obj.buffers)
+            return _checksum.validate(checksums, obj.buffers)
         except ValueError as exc:
             raise BadRequest(f"seal of {obj.namespace}/{obj.key}: {exc}") from None
-    elif b.require_checksums:
+    if b.require_checksums:
         raise BadRequest(
             f"seal of {obj.namespace}/{obj.key}: this daemon requires a checksum per "
             "buffer (require_checksums); seal with checksums"
         )
+    return None
 
 
 def _check_free(b: Broker, ident: tuple[str, str], replace: bool) -> None:
@@ -548,48 +528,6 @@ def _check_name(what: str, value: str) -> str:
     return value
 
 
-def _regex(text: str) -> re.Pattern:
-    pattern = _regex_cache.get(text)
-    if pattern is not None:
-        _regex_cache.move_to_end(text)
-    else:
-        if len(text) > _MAX_REGEX:
-            raise BadRequest(f"regex longer than {_MAX_REGEX} characters")
-        try:
-            # RE2 matches in linear time: a client's pattern cannot stall the daemon
-            # (Python's re backtracks: "(a+)+$" against 40 a's runs for hours).
-            pattern = re2.compile(text, options=_RE2_OPTIONS)
-        except re2.error as exc:
-            reason = exc.args[0] if exc.args else exc
-            if isinstance(reason, bytes):
-                reason = reason.decode(errors="replace")
-            raise BadRequest(f"bad regex {text!r}: {reason}") from None
-        while len(_regex_cache) >= _REGEX_CACHE:
-            _regex_cache.popitem(last=False)  # the least recently used
-        _regex_cache[text] = pattern
-    return pattern
-
-
 def _extents(obj: StoredObject, chosen: dict[str, tuple[int, int]]) -> dict[str, list[int]]:
     idx = obj.pool.index
     return {name: [idx, off, n] for name, (off, n) in chosen.items()}
-
-
-def _leaves_first(victims: list[StoredObject]) -> tuple[list[StoredObject], int]:
-    """Order victims so children go before parents; keep parents whose children stay.
-
-    Returns the ordered victims and how many were kept for having children outside the batch.
-    """
-    chosen = {o.serial: o for o in victims}
-    children_left = {o.serial: o.children for o in victims}
-    ready = [o for o in victims if o.children == 0]
-    ordered = []
-    while ready:
-        o = ready.pop()
-        ordered.append(o)
-        p = o.parent
-        if p is not None and p.serial in chosen:
-            children_left[p.serial] -= 1
-            if children_left[p.serial] == 0:
-                ready.append(p)
-    return ordered, len(victims) - len(ordered)

@@ -4,13 +4,20 @@ What it holds, and who writes it
 --------------------------------
 
 One file, ``<socket>.journal``, written only by the daemon holding ``<socket>.lock``: a
-sequence of records, appended as the index changes. Each record is framed (format 2)::
+sequence of records, appended as the index changes. Each record is framed (format 3)::
 
-    b"KVJ2" | u32 length | u32 crc32(body) | body: one msgpack map
+    b"KVJ3" | u32 length | u32 crc32(body, seed) | body: one msgpack map
 
 so a damaged record is detected (its checksum), skipped alone (the next record is found by
-its magic and checksum), and never read as another one. The header is written twice, so
-one damaged copy does not make the whole file unreadable.
+its magic and checksum), and never read as another one. The header is written twice, first
+in the file, so one damaged copy does not make the whole file unreadable; its checksum starts
+from 0 and it names the ``seed`` every other record's checksum starts from: a random secret
+of this file. Record bodies hold bytes clients chose (keys, metas), so one could hold a
+whole frame; after a damaged record the reader looks for the next frame inside the damage,
+and a frame a client wrote there passes for a record only with the seed, which it cannot
+read (the file is the daemon user's, mode 0600), or by a 1 in 2^32 chance. (Format 2 files,
+from before the seed, are still read, the same way but without that protection, and
+rewritten as format 3 at once.)
 
 - ``{"t": "h", ...}`` — the header, first: format version, the daemon's epoch and the pool
   geometry (segment names, sizes, page size) the extents below refer to;
@@ -62,8 +69,9 @@ __all__ = ["Journal", "Recovered", "JournalError", "journal_path"]
 
 log = logging.getLogger("kvbroker.journal")
 
-FORMAT = 2
-MAGIC = b"KVJ2"
+FORMAT = 3
+MAGIC = b"KVJ3"
+_LEGACY_MAGIC = b"KVJ2"  # format 2: no seed (every checksum starts from 0)
 _FRAME = struct.Struct("<4sII")  # magic, body length, crc32 of the body
 _MAX_RECORD = 64 << 20  # a body longer than this is a damaged length field
 _COMPACT_MIN = 4096  # records appended before compaction is considered
@@ -138,6 +146,7 @@ class Journal:
         self.compactions = 0
         self.failed: str | None = None  # why journaling stopped (a write failed)
         self._batch: list[bytes] | None = None  # frames of the request being handled
+        self.seed = 0  # the file's checksum seed, drawn at each rewrite (see the module doc)
 
     # -- reading ---------------------------------------------------------------------------
     @staticmethod
@@ -152,7 +161,8 @@ class Journal:
             return None
         if not data:
             return None
-        entries, damaged, torn = _frames(data)
+        magic, seed, start = _header_of(data)
+        entries, damaged, torn = _frames(data, magic, seed, start)
         rec: Recovered | None = None
         history: list[tuple[int, int, int, int]] = []  # (seq, pool, start, npages) of s and w
         seal_seq: dict[int, int] = {}
@@ -203,20 +213,22 @@ class Journal:
         pack = self._packer.pack
         live = 0
         self.id_limit = next_id + ID_BLOCK
+        seed = int.from_bytes(os.urandom(4), "little")
         header = _frame(pack({"t": "h", "v": FORMAT, "epoch": self.epoch, "pools": self.pools,
-                              "ids": self.id_limit}))  # fmt: skip
+                              "ids": self.id_limit, "seed": seed}), 0)  # fmt: skip
         chunks = [header, header]  # twice: one damaged copy leaves the other
         for r in records:
-            chunks.append(_frame(pack({"t": "s", "o": r})))
+            chunks.append(_frame(pack({"t": "s", "o": r}), seed))
             live += 1
         for p, start, npages in lent:
-            chunks.append(_frame(pack({"t": "w", "p": p, "s": start, "n": npages})))
+            chunks.append(_frame(pack({"t": "w", "p": p, "s": start, "n": npages}), seed))
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         try:
             os.write(fd, b"".join(chunks))
         finally:
             os.close(fd)
         os.replace(tmp, self.path)
+        self.seed = seed
         if self._fd is not None:
             os.close(self._fd)
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
@@ -244,7 +256,7 @@ class Journal:
     def _append(self, entry: dict[str, Any]) -> None:
         if self.failed:
             return
-        data = _frame(self._packer.pack(entry))
+        data = _frame(self._packer.pack(entry), self.seed)
         if self._batch is not None:
             self._batch.append(data)
             return
@@ -313,37 +325,67 @@ class Journal:
 
 
 # -- framing and replay ----------------------------------------------------------------------
-def _frame(body: bytes) -> bytes:
-    return _FRAME.pack(MAGIC, len(body), zlib.crc32(body)) + body
+def _frame(body: bytes, seed: int) -> bytes:
+    return _FRAME.pack(MAGIC, len(body), zlib.crc32(body, seed)) + body
 
 
-def _frames(data: bytes) -> tuple[list[tuple[int, Any]], list[tuple[int, int]], int]:
-    """The records of ``data`` whose checksum holds, as (offset, entry); the damaged
-    stretches skipped in between (and at the end); the bytes of a torn tail: the start of a
-    record the file ends inside (a crash mid-append, a truncated file)."""
+def _header_of(data: bytes) -> tuple[bytes, int, int]:
+    """The file's magic, its checksum seed and where its records start: at the first
+    readable copy of the header, the file's first frame or the next one (found by its
+    magic when the first is damaged). Nowhere else: those two positions are the daemon's
+    own bytes, while a frame found further on could lie in a client's meta. A format 2
+    file: its magic, seed 0, 0."""
+    if data[: len(_LEGACY_MAGIC)] == _LEGACY_MAGIC:
+        return _LEGACY_MAGIC, 0, 0
+    for pos in (0, data.find(MAGIC, 1)):
+        if pos < 0 or data[pos:pos + len(MAGIC)] != MAGIC:
+            continue
+        _, n, crc = _FRAME.unpack_from(data, pos) if pos + _FRAME.size <= len(data) else (0, 0, 0)
+        body = data[pos + _FRAME.size:pos + _FRAME.size + n]
+        if len(body) != n or zlib.crc32(body) != crc:
+            continue
+        try:
+            entry = msgpack.unpackb(body, raw=False, strict_map_key=False)
+            if entry.get("t") == "h" and entry.get("v") == FORMAT:
+                return MAGIC, int(entry["seed"]), pos
+        except Exception:  # noqa: BLE001 - not a header: the next copy, or none
+            continue
+    return MAGIC, 0, len(data)  # no readable header: Journal.load says so
+
+
+def _frames(data: bytes, magic_of: bytes = MAGIC, seed: int = 0,
+            start: int = 0) -> tuple[list[tuple[int, Any]], list[tuple[int, int]], int]:  # fmt: skip
+    """The records of ``data`` from ``start`` whose checksum (from ``seed``; a header's
+    from 0) holds, as (offset, entry); the damaged stretches skipped in between (and at the
+    end); the bytes of a torn tail: the start of a record the file ends inside (a crash
+    mid-append, a truncated file)."""
     out: list[tuple[int, Any]] = []
     damaged: list[tuple[int, int]] = []
-    pos, size, hdr = 0, len(data), _FRAME.size
+    pos, size, hdr = start, len(data), _FRAME.size
     while pos < size:
         if pos + hdr <= size:
             magic, n, crc = _FRAME.unpack_from(data, pos)
             end = pos + hdr + n
-            if magic == MAGIC and n <= _MAX_RECORD:
-                if end <= size and zlib.crc32(data[pos + hdr:end]) == crc:
+            if magic == magic_of and n <= _MAX_RECORD:
+                body = data[pos + hdr:end]
+                if end <= size and crc in (zlib.crc32(body, seed), zlib.crc32(body)):
                     try:
-                        entry = msgpack.unpackb(data[pos + hdr:end], raw=False,
-                                                strict_map_key=False)  # fmt: skip
+                        entry = msgpack.unpackb(body, raw=False, strict_map_key=False)
                     except Exception:  # checksummed yet unreadable: written wrong
                         damaged.append((pos, end))
                     else:
-                        out.append((pos, entry))
+                        if zlib.crc32(body, seed) == crc or (isinstance(entry, dict)
+                                                             and entry.get("t") == "h"):
+                            out.append((pos, entry))
+                        else:  # a frame checksummed from 0 that is not a header
+                            damaged.append((pos, end))
                     pos = end
                     continue
-                if end > size and data.find(MAGIC, pos + 1) < 0:
+                if end > size and data.find(magic_of, pos + 1) < 0:
                     return out, damaged, size - pos  # torn: the file ends inside it
-        elif MAGIC.startswith(bytes(data[pos:pos + len(MAGIC)])):
+        elif magic_of.startswith(bytes(data[pos:pos + len(magic_of)])):
             return out, damaged, size - pos  # torn inside its frame header
-        nxt = data.find(MAGIC, pos + 1)
+        nxt = data.find(magic_of, pos + 1)
         nxt = size if nxt < 0 else nxt
         damaged.append((pos, nxt))
         pos = nxt

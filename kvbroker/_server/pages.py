@@ -110,31 +110,52 @@ class Pages:
                 return pool, start, npages
         if not evict:
             raise PoolFull(f"no free extent of {nbytes} bytes (not evicting for it)")
-        # Evict only if it can succeed: free + evictable pages must cover the request.
-        evictable = {p.index: p.allocator.free for p in fits}
-        for obj in self._lru.values():
-            if obj.pool.index in evictable:
-                evictable[obj.pool.index] += obj.npages
-        feasible = {
-            p.index for p in fits if evictable[p.index] >= -(-nbytes // p.page_size)
-        }
-        if not feasible:
-            raise PoolFull(
-                f"no room for {nbytes} bytes: the pools are held by leased or unsealed objects"
-            )
-        # Bounded: each victim is tried once (a loop until something fits could spin for ever
-        # if an eviction freed nothing, e.g. over an inconsistent index).
+        # Evict only where it can succeed: in a pool where, with every object the eviction
+        # can reach gone, a run of pages long enough would be free (a leased object in the
+        # middle can leave no such run however much is evicted).
         npages_in = {p.index: -(-nbytes // p.page_size) for p in fits}
-        for victim in [o for o in self._lru.values() if o.pool.index in feasible]:
-            if victim.serial not in self._lru:
-                continue  # gone with an earlier victim (a chain's parent)
-            pool = victim.pool
-            self._evict(victim)
-            start = pool.allocator.alloc(npages_in[pool.index])
-            if start is not None:
-                return pool, start, npages_in[pool.index]
+        feasible = {p.index for p in fits if self.room_after_eviction(p) >= npages_in[p.index]}
+        if not feasible:
+            raise PoolFull(f"no room for {nbytes} bytes: leased or unsealed objects, write "
+                           "arenas or quarantined pages leave no run of pages that long, "
+                           "whatever is evicted")  # fmt: skip
+        # Each pass evicts at least one object (a parent joins the LRU once its last child
+        # went), so this ends.
+        while victims := [o for o in self._lru.values() if o.pool.index in feasible]:
+            for victim in victims:
+                if victim.serial not in self._lru:
+                    continue  # gone with an earlier victim (a chain's parent)
+                pool = victim.pool
+                self._evict(victim)
+                start = pool.allocator.alloc(npages_in[pool.index])
+                if start is not None:
+                    return pool, start, npages_in[pool.index]
         raise PoolFull(f"no room for {nbytes} bytes even after evicting every unleased "
                        "object (fragmented)")
+
+    def room_after_eviction(self, pool: HostPool) -> int:
+        """The longest run of pages ``pool`` would have free if every object eviction can
+        reach were evicted: the longest gap between the extents it cannot reach (write
+        arenas, quarantined pages, objects being written or read, and every object a chain
+        of those descends from: a parent goes only after its children)."""
+        kept: set[int] = set()  # ids of objects that stay
+        pinned: list[tuple[int, int]] = []
+        for start, holder in self.owners[pool.index].items():
+            if holder.__class__ is tuple:  # ("w" | "q", npages)
+                pinned.append((start, holder[1]))
+            elif holder.readers or not holder.linked:
+                obj = holder
+                while obj is not None and id(obj) not in kept:
+                    kept.add(id(obj))
+                    obj = obj.parent
+        for start, holder in self.owners[pool.index].items():
+            if holder.__class__ is not tuple and id(holder) in kept:
+                pinned.append((start, holder.npages))
+        longest, at = 0, 0
+        for start, npages in sorted(pinned):
+            longest = max(longest, start - at)
+            at = max(at, start + npages)
+        return max(longest, pool.allocator.capacity - at)
 
     def enforce_watermark(self, pool: HostPool) -> None:
         """Above the high watermark, evict ``pool``'s least recently used objects down to

@@ -77,6 +77,7 @@ class JournalFollower:
         self.path = path
         self._fd: int | None = None
         self._pending = b""  # the start of a record the daemon is still writing
+        self._seed = 0  # the file's checksum seed, from its header (kvbroker._server.journal)
         self.by_namespace: dict[str, dict[str, int]] = {}
         self._names: dict[int, tuple[str, str]] = {}  # serial -> (namespace, key)
         self.problem: str | None = "the journal has not been read yet"
@@ -89,7 +90,7 @@ class JournalFollower:
 
     def _reopen(self) -> None:
         self.close()
-        self._pending, self.by_namespace, self._names = b"", {}, {}
+        self._pending, self.by_namespace, self._names, self._seed = b"", {}, {}, 0
         try:
             self._fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
         except OSError as exc:
@@ -124,10 +125,15 @@ class JournalFollower:
             if end > size:
                 break  # the daemon is still writing it
             body = data[pos + head:end]
-            if zlib.crc32(body) != crc:
+            # Records are checksummed from the file's seed, its header from 0.
+            header = crc != zlib.crc32(body, self._seed)
+            if header and crc != zlib.crc32(body):
                 return self._damaged(pos, size)
             try:
-                self._apply(msgpack.unpackb(body, raw=False))
+                entry = msgpack.unpackb(body, raw=False)
+                if header and entry["t"] != "h":
+                    return self._damaged(pos, size)
+                self._apply(entry)
             except (ValueError, TypeError, KeyError, AttributeError, msgpack.ExtraData):
                 return self._damaged(pos, size)
             pos = end
@@ -142,6 +148,7 @@ class JournalFollower:
         t = entry["t"]
         if t == "h":  # a file starts with its header: a fresh directory
             self.by_namespace, self._names, self.problem = {}, {}, None
+            self._seed = int(entry["seed"])
         elif self.problem is not None:
             return  # records before a readable header
         elif t == "s":

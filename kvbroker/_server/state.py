@@ -88,13 +88,15 @@ region through a *ring lease*, bound to its connection:
 from __future__ import annotations
 
 import struct
+import sys
 import time
 from typing import Any
 
 from .policy import Access, Policy
 from .pool import HostPool
 
-__all__ = ["Session", "StoredObject", "Lease", "Arena", "WouldWait", "Deferred", "OPEN_POLICY"]
+__all__ = ["Session", "StoredObject", "Lease", "Arena", "WouldWait", "Deferred", "OPEN_POLICY",
+           "index_footprint", "names_footprint", "value_footprint"]
 
 OPEN_POLICY = Policy()  # every namespace open to everyone: the default
 
@@ -150,6 +152,49 @@ class Session:
         self.bytes_claimed = 0
         self.reported: dict[str, int] = {}  # the client's own counters (the report op)
         self.greeted = False
+
+
+# An object's entry in the index beyond what index_footprint counts: the StoredObject, its
+# buffers map and its place in the directory, the LRU and the journal's serials.
+_ENTRY_BYTES = 512
+_PER_BUFFER = 160  # a buffers map entry: its (offset, nbytes) tuple and two ints
+
+
+def index_footprint(buffers: dict, meta: Any, tokens: list | None = None) -> int:
+    """Bytes of daemon memory an object's index entry takes (estimated from above): its
+    buffer names, its meta as unpacked, its token ids. An object occupies at least this many
+    pool bytes (:meth:`Broker.reserve_extent`), so what clients make the daemon hold for
+    their objects stays bounded by the pools, whatever the names and metas."""
+    return names_footprint(buffers) + value_footprint(meta) + 36 * len(tokens or ())
+
+
+def names_footprint(buffers: dict) -> int:
+    """The entry's own cost and its buffers map's (a batch of objects of one layout pays
+    for it once: see ``op_reserve_blocks``)."""
+    total = _ENTRY_BYTES + _PER_BUFFER * len(buffers)
+    for name in buffers:  # a str: its header, and 1 byte a character (ASCII) or up to 4
+        total += 49 + len(name) if name.isascii() else 80 + 4 * len(name)
+    return total
+
+
+def value_footprint(value: Any) -> int:
+    """Bytes a msgpack-decoded value takes here: containers, strings and numbers by
+    ``sys.getsizeof``, shared objects (None, bools, small ints) by their pointer only."""
+    total = 0
+    stack = [value]
+    while stack:
+        value = stack.pop()
+        total += 8  # the pointer to it
+        cls = value.__class__
+        if value is None or cls is bool or (cls is int and -5 <= value <= 256):
+            continue
+        total += sys.getsizeof(value)
+        if cls is dict:
+            stack.extend(value.keys())
+            stack.extend(value.values())
+        elif cls is list or cls is tuple:
+            stack.extend(value)
+    return total
 
 
 class StoredObject:

@@ -90,6 +90,22 @@ def unpacker_limits(max_frame: int = MAX_FRAME) -> dict[str, int]:
     }
 
 
+def request_chunks(costs: list[int], budget: int = MAX_REQUEST // 2,
+                   most: int = 1 << 30) -> list[tuple[int, int]]:  # fmt: skip
+    """``[lo, hi)`` ranges of a batch whose items cost ``costs[i]`` packed bytes each, so
+    that every range's request stays within ``budget`` (half a request: room for the rest
+    of it) and ``most`` items: how a client splits a batch the daemon would refuse whole."""
+    out, lo, used = [], 0, 0
+    for i, cost in enumerate(costs):
+        if i > lo and (used + cost > budget or i - lo >= most):
+            out.append((lo, i))
+            lo, used = i, 0
+        used += cost
+    if lo < len(costs):
+        out.append((lo, len(costs)))
+    return out
+
+
 _NUMBER = (int, float)
 _OPT_STR = (str, type(None))
 _OPT_NUM = (int, float, type(None))
