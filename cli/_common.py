@@ -23,6 +23,24 @@ EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_UNAVAILABLE, EXIT_UNSUPPORTED = 0, 1, 2, 3
 _UsageError = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "UsageError")
 _ClickException = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
 
+def to_json(value: Any, **kw: Any) -> str:
+    """``value`` as valid JSON whatever clients put in their metas: bytes (and anything
+    else JSON lacks) as their ``repr``, NaN and infinities as the strings ``"nan"``,
+    ``"inf"``, ``"-inf"`` (JSON has no such numbers)."""
+    import json
+
+    def finite(v: Any) -> Any:
+        if isinstance(v, float) and v != v or v in (float("inf"), float("-inf")):
+            return repr(v)
+        if isinstance(v, dict):
+            return {k: finite(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [finite(x) for x in v]
+        return v
+
+    return json.dumps(finite(value), default=repr, allow_nan=False, **kw)
+
+
 def clean(text: object) -> str:
     """``text`` with every control or otherwise unprintable character escaped (``\\x1b``,
     ``\\n``, ``\\u2028``...), so a key cannot move the cursor, retitle the terminal or forge a

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import json
 import sys
 import time
 from typing import Optional
@@ -24,6 +23,7 @@ from ._common import (
     namespace_opt,
     output_width,
     run,
+    to_json,
     usage_error,
 )
 
@@ -118,7 +118,7 @@ def ls_(
             for only_show in _LOOKUP_ONLY:  # `list` does not carry them: `kvbroker show` does
                 del d[only_show]
             out.append(d)
-        typer.echo(json.dumps(out, indent=2))
+        typer.echo(to_json(out, indent=2))
     else:
         now = time.time()
         lines = object_table(
@@ -182,7 +182,7 @@ def show(
             d = info.to_dict()
             d["leases"] = [dataclasses.asdict(ls) for ls in leases]
             out.append(d)
-        typer.echo(json.dumps(out, indent=2, default=repr))
+        typer.echo(to_json(out, indent=2))
         return
     now = time.time()
     blocks = []
@@ -200,7 +200,7 @@ def show(
                          "is freed")  # fmt: skip
         if info.meta:
             # JSON escapes control characters inside strings: each line is safe to print.
-            meta = json.dumps(info.meta, indent=2, sort_keys=True, default=repr).splitlines()
+            meta = to_json(info.meta, indent=2, sort_keys=True).splitlines()
             lines.append("  meta        " + meta[0])
             lines += ["              " + line for line in meta[1:]]
         else:
@@ -297,7 +297,7 @@ def evict(
         all=all_, dry_run=dry_run,
     ), regex_option="--match or --match-buffers")  # fmt: skip
     if as_json:
-        typer.echo(json.dumps({
+        typer.echo(to_json({
             "count": res.count, "bytes": res.bytes, "skipped_leased": res.skipped_leased,
             "dry_run": res.dry_run, "objects": [o.to_dict() for o in res.objects],
         }, indent=2))  # fmt: skip

@@ -383,3 +383,19 @@ def test_list_pages_list_each_object_once_while_others_come_and_go(daemon):
         steady = [k for k in seen if k.startswith("k") and int(k[1:]) < 25]
         assert steady == [f"k{i:02d}" for i in range(25)]  # each once, in seal order
         assert len(seen) == len(set(seen))
+
+
+def test_json_output_is_valid_whatever_a_meta_holds(daemon):
+    """Another client's bytes or NaN in a meta: ls, show and evict --json stay valid JSON
+    (evict's used to fail after it had evicted)."""
+    s = daemon.socket_path
+    with daemon.client() as c:
+        c.put("theirs", {"x": b"1"}, meta={"tag": b"\x01", "v": float("nan"),
+                                          "w": [float("inf"), 1.5]})  # fmt: skip
+        c.put("mine", {"x": b"1"})
+    listed = json.loads(run("ls", "--json", "-s", s).stdout)
+    meta = next(o["meta"] for o in listed if o["key"] == "theirs")
+    assert meta == {"tag": "b'\\x01'", "v": "nan", "w": ["inf", 1.5]}
+    assert json.loads(run("show", "theirs", "--json", "-s", s).stdout)[0]["meta"] == meta
+    r = run("evict", "--all", "--yes", "--json", "-s", s)
+    assert r.exit_code == 0 and json.loads(r.stdout)["count"] == 2
