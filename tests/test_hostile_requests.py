@@ -30,7 +30,7 @@ from kvbroker._server.pool import HostPool
 from kvbroker._server.state import index_footprint
 from kvbroker._wire.checksum import digest, encode
 from kvbroker._wire.protocol import MAX_REQUEST, PROTOCOL_VERSION
-from kvbroker.errors import BadRequest, PoolFull
+from kvbroker.errors import BadRequest, BrokerUnavailable, PoolFull
 from test_hardening import raw, recv_one, rss
 from test_quarantine import session
 
@@ -373,3 +373,154 @@ def test_request_chunks_cover_the_batch_in_order_within_the_limits(costs, budget
     for lo, hi in ranges:
         assert hi - lo <= most
         assert hi - lo == 1 or sum(costs[lo:hi]) <= budget  # an item alone may be over
+
+
+# -- a forked process -------------------------------------------------------------------------
+def _in_child(fn) -> int:
+    """Run ``fn`` in a forked child; its exit status (0: fn returned True)."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            code = 0 if fn() else 3
+        finally:
+            os._exit(code)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+
+def test_a_forked_child_never_reads_its_parents_replies(daemon):
+    import numpy as np
+
+    with daemon.client() as c:
+        c.put("a", {"x": np.full(4096, 1, np.uint8)})
+        c.put("b", {"x": np.full(4096, 2, np.uint8)})
+
+        def child() -> bool:
+            buf = np.empty(4096, np.uint8)
+            for _ in range(500):
+                c.get("b", {"x": buf})
+                if not (buf == 2).all():
+                    return False
+            return True
+
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0 if child() else 3)
+        buf = np.empty(4096, np.uint8)
+        for _ in range(500):
+            c.get("a", {"x": buf})
+            assert (buf == 1).all()
+        assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+        assert c.ping()  # the parent's connection is untouched
+
+
+def test_a_forked_child_without_reconnecting_gets_a_clear_error(daemon):
+    with daemon.client(reconnect=0) as c:
+        c.put("a", {"x": b"1"})
+
+        def child() -> bool:
+            try:
+                c.exists("a")
+            except BrokerUnavailable as exc:
+                return "forked" in str(exc)
+            return False
+
+        assert _in_child(child) == 0
+        assert c.exists("a")
+
+
+# -- second review ----------------------------------------------------------------------------
+def test_an_arena_put_too_big_for_one_request_takes_reserve_and_seal(client):
+    import numpy as np
+
+    names = {f"buffer_{j:05d}_" + "n" * 50: np.zeros(8, np.uint8) for j in range(8192)}
+    assert client.put("many", names) is True
+    assert client.get("many")["buffer_00007_" + "n" * 50].tobytes() == bytes(8)
+
+
+def test_a_damaged_first_header_is_damage(tmp_path):
+    pool = HostPool(0, f"/kvbt.{os.getpid()}.{secrets.token_hex(3)}", 64 * 4096, 4096)
+    try:
+        path = str(tmp_path / "j")
+        j = Journal(path, 8, [pool.describe()])
+        j.rewrite([], 10)
+        j.close()
+        with open(path, "r+b") as f:
+            f.seek(20)
+            byte = f.read(1)
+            f.seek(20)
+            f.write(bytes([byte[0] ^ 0xFF]))  # inside the first copy's body
+        rec = Journal.load(path)
+        assert rec.suspect and rec.damaged[0][0] == 0
+    finally:
+        pool.unlink()
+
+
+def test_a_format_2_journal_with_its_first_bytes_damaged_is_still_read(tmp_path):
+    pool = HostPool(0, f"/kvbt.{os.getpid()}.{secrets.token_hex(3)}", 64 * 4096, 4096)
+    try:
+        path = str(tmp_path / "j")
+        body = msgpack.packb({"t": "h", "v": 2, "epoch": 7, "pools": [pool.describe()],
+                              "ids": 5})  # fmt: skip
+        header = struct.pack("<4sII", b"KVJ2", len(body), zlib.crc32(body)) + body
+        with open(path, "wb") as f:
+            f.write(b"X" + header[1:] + header)
+        rec = Journal.load(path)
+        assert rec.epoch == 7 and rec.suspect
+    finally:
+        pool.unlink()
+
+
+def test_eviction_room_counts_chains_across_pools():
+    """A parent in one pool whose child in another is being read cannot be evicted: the
+    pool holding it has no room for a whole-pool reservation, and nothing is evicted."""
+    a = HostPool(0, f"/kvbt.{os.getpid()}.{secrets.token_hex(3)}", 16 << 20, 64 << 10)
+    b2 = HostPool(1, f"/kvbt.{os.getpid()}.{secrets.token_hex(3)}", 16 << 20, 64 << 10)
+    try:
+        b = Broker([a, b2], high_watermark=1.0, low_watermark=1.0)
+        s = session(b)
+        for key, parent in (("parent", None), ("child", "parent")):
+            blk = {"key": key, "parent": parent, "buffers": {"kv": 1 << 20}}
+            r = b.handle(s, "reserve_blocks", {"blocks": [blk]})
+            b.handle(s, "seal", {"lease": r["results"][0]["lease"]})
+        assert b.objects[("default", "parent")].pool is not b.objects[("default", "child")].pool
+        b.handle(s, "claim", {"key": "child"})
+        for i in range(20):
+            _sealed(b, s, f"f{i}", 1 << 20)
+        before = len(b.objects)
+        with pytest.raises(PoolFull, match="whatever is evicted"):
+            b.handle(s, "reserve", {"key": "big", "buffers": {"kv": 16 << 20}})
+        assert len(b.objects) == before and b.counters["evictions"] == 0
+    finally:
+        a.unlink()
+        b2.unlink()
+
+
+def test_a_read_replica_cuts_off_a_frame_longer_than_a_request(make_daemon):
+    d = make_daemon("--pool-size", "16M", "--read-replicas", "1")
+    with d.client() as c:
+        paths = c._replica.paths if c._replica is not None else []
+    if not paths:
+        pytest.skip("no read replica started here")
+    s = raw(paths[0], hello=False)
+    s.sendall(b"\xdd" + struct.pack(">I", 1 << 20))
+    sent = 0
+    try:
+        while sent < 8 * MAX_REQUEST:
+            s.sendall((b"\x9f" + b"\x00" * 15) * 4096)
+            sent += 65536
+    except (BrokenPipeError, ConnectionResetError):
+        pass
+    assert sent <= 2 * MAX_REQUEST
+
+
+def test_a_refused_seal_many_aborts_every_lease_it_did_not_seal(client):
+    from kvbroker._client.leases import seal_many
+
+    first = client.reserve("first", {"kv": 16})
+    second = client.reserve("second", {"kv": 16})
+    client.ops.abort(second.id)  # gone before the batch: the daemon refuses it whole
+    with pytest.raises(Exception):
+        seal_many([first, second])
+    assert not client.exists("first")
+    assert client.stat().write_leases == 0

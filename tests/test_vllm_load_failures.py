@@ -268,3 +268,27 @@ def test_a_save_left_open_by_a_step_that_never_finished_is_aborted_at_the_next()
     w.bind(StepPlan())
     stale.abort.assert_called_once()
     assert w.stats["skipped_save_blocks"] == 2
+
+
+def test_every_rank_reaches_the_agreement_whatever_its_loads_raise():
+    """agree() is a collective: a rank that skipped it would leave the others blocked."""
+    from kvbroker.integrations.vllm._link import Warnings
+    from kvbroker.integrations.vllm._scheduler import LoadSpec, StepPlan
+    from kvbroker.integrations.vllm._worker import WorkerSide
+
+    asked = []
+    w = WorkerSide(link=None, namespace="ns", block_size=16, total_kv_heads=2, latent=False,
+                   tp_rank=0, tp_size=2, warnings=Warnings(),
+                   agree=lambda counts: asked.append(list(counts)) or counts)  # fmt: skip
+    w.fmt = object()  # registered
+
+    def load(spec):
+        if spec.req_id == "bad":
+            raise RuntimeError("something unexpected")
+        return len(spec.block_ids)
+
+    w._load = load
+    w.bind(StepPlan(loads=[LoadSpec("bad", ["h0"], [3]), LoadSpec("ok", ["h1"], [4])]))
+    w.start_load()
+    assert asked == [[0, 1]]
+    assert w.load_errors() == {3}

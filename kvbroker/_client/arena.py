@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 from . import integrity as _integrity
 from .copy import copy_into
 from .._wire.objects import buffer_offsets
+from .._wire.protocol import MAX_REQUEST
 from ..errors import BadRequest, Exists, LeaseExpired, PoolFull
 
 if TYPE_CHECKING:
@@ -39,6 +40,16 @@ if TYPE_CHECKING:
 __all__ = ["WriteArena"]
 
 _RETRY_AFTER = 0.5  # seconds without arena after the daemon had no room for one
+_FEW_BUFFERS = 256  # a publish of this many buffers or fewer is far below MAX_REQUEST
+
+
+def _publish_size(sizes, meta, checksum: bool) -> int:
+    """An upper bound on the packed size of a ``publish`` of these buffers: names twice
+    (sizes, checksums), 9 bytes a size and 24 a checksum, the meta packed."""
+    import msgpack
+
+    per_name = 9 + (24 if checksum else 0)
+    return 256 + sum(2 * (len(n.encode()) + 3) + per_name for n in sizes) + len(msgpack.packb(meta))
 
 
 class WriteArena:
@@ -77,6 +88,8 @@ class WriteArena:
     def _put(self, key, buffers, sizes, namespace, meta, replace, consumers, checksum):
 
         client = self.client
+        if len(sizes) > _FEW_BUFFERS and _publish_size(sizes, meta, checksum) > MAX_REQUEST:
+            return None  # reserve and seal carry the names and the checksums apart
         offsets, span = buffer_offsets(sizes)
         if self._generation != client.generation:
             self.id = self.extent = None  # it died with an earlier connection

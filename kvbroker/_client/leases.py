@@ -216,9 +216,9 @@ def seal_many(leases: Sequence[WriteLease]) -> None:
     """Seal write leases of one client, in order (a parent before its children), each with
     the ``checksums`` whoever filled its views set (None: none): one round trip, or one per
     request's worth of checksums (the daemon reads a request of at most ``MAX_REQUEST``
-    bytes). The views end first. A refusal (BadRequest: e.g. a daemon that requires
-    checksums) aborts every lease not sealed yet rather than leaving them held until their
-    TTL, then raises."""
+    bytes). The views end first. A refusal (a daemon that requires checksums, a lease that
+    expired meanwhile) aborts every lease not sealed yet rather than leaving them held until
+    their TTL, then raises."""
     if not leases:
         return
     client = leases[0].client
@@ -232,10 +232,10 @@ def seal_many(leases: Sequence[WriteLease]) -> None:
         try:
             client.ops.seal_many([lease.id for lease in leases[lo:hi]],
                                  None if all(s is None for s in chunk) else chunk)  # fmt: skip
-        except BadRequest:
+        except KVBrokerError:  # refused whole (batches are all or nothing): none of these
             for lease in leases[lo:]:
                 try:
                     client.ops.abort(lease.id)
                 except KVBrokerError:
-                    pass  # sealed before the refusal, or already gone
+                    pass  # already gone (an expired lease, a lost connection)
             raise

@@ -73,6 +73,16 @@ def evict(b: Broker, session: Session, namespace: str | None, key: str | None,
         cleared = all and not (namespace or key or match or match_buffers or older_than)
         return _evict_found(b, found, dry_run, bool(cleared))
 
+    def finish_later(found: list[StoredObject]) -> R.Evicted:
+        # Outside Broker.handle's batch: one journal write for the unlinks, as it would be.
+        journal = b.journal
+        if journal is None or not journal.begin():
+            return finish(found)
+        try:
+            return finish(found)
+        finally:
+            journal.flush()
+
     if buf_re is not None and sum(len(o.buffers) for o in candidates) > SLICE_NAMES:
 
         async def scan() -> list[StoredObject]:
@@ -87,7 +97,7 @@ def evict(b: Broker, session: Session, namespace: str | None, key: str | None,
                 await asyncio.sleep(0)  # the other connections' turn
             return found
 
-        raise Deferred(scan, finish, _DEFERRED_TIMEOUT)
+        raise Deferred(scan, finish_later, _DEFERRED_TIMEOUT)
     return finish(chosen(candidates))
 
 

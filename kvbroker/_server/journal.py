@@ -163,6 +163,8 @@ class Journal:
             return None
         magic, seed, start = _header_of(data)
         entries, damaged, torn = _frames(data, magic, seed, start)
+        if 0 < start < len(data):
+            damaged.insert(0, (0, start))  # the first copy of the header
         rec: Recovered | None = None
         history: list[tuple[int, int, int, int]] = []  # (seq, pool, start, npages) of s and w
         seal_seq: dict[int, int] = {}
@@ -350,6 +352,8 @@ def _header_of(data: bytes) -> tuple[bytes, int, int]:
                 return MAGIC, int(entry["seed"]), pos
         except Exception:  # noqa: BLE001 - not a header: the next copy, or none
             continue
+    if MAGIC not in data and data.find(_LEGACY_MAGIC, 1) >= 0:
+        return _LEGACY_MAGIC, 0, 0  # format 2, its start damaged: read as format 2 was
     return MAGIC, 0, len(data)  # no readable header: Journal.load says so
 
 

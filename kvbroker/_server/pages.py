@@ -114,7 +114,9 @@ class Pages:
         # can reach gone, a run of pages long enough would be free (a leased object in the
         # middle can leave no such run however much is evicted).
         npages_in = {p.index: -(-nbytes // p.page_size) for p in fits}
-        feasible = {p.index for p in fits if self.room_after_eviction(p) >= npages_in[p.index]}
+        kept = self._kept_by_eviction()
+        feasible = {p.index for p in fits
+                    if self.room_after_eviction(p, kept) >= npages_in[p.index]}  # fmt: skip
         if not feasible:
             raise PoolFull(f"no room for {nbytes} bytes: leased or unsealed objects, write "
                            "arenas or quarantined pages leave no run of pages that long, "
@@ -133,24 +135,29 @@ class Pages:
         raise PoolFull(f"no room for {nbytes} bytes even after evicting every unleased "
                        "object (fragmented)")
 
-    def room_after_eviction(self, pool: HostPool) -> int:
+    def _kept_by_eviction(self) -> set[int]:
+        """Ids of the objects eviction cannot reach: those being written or read, and every
+        object a chain of those descends from (a parent goes only after its children),
+        whichever pool each lies in."""
+        kept: set[int] = set()
+        for owners in self.owners:
+            for holder in owners.values():
+                if holder.__class__ is not tuple and (holder.readers or not holder.linked):
+                    obj = holder
+                    while obj is not None and id(obj) not in kept:
+                        kept.add(id(obj))
+                        obj = obj.parent
+        return kept
+
+    def room_after_eviction(self, pool: HostPool, kept: set[int] | None = None) -> int:
         """The longest run of pages ``pool`` would have free if every object eviction can
-        reach were evicted: the longest gap between the extents it cannot reach (write
-        arenas, quarantined pages, objects being written or read, and every object a chain
-        of those descends from: a parent goes only after its children)."""
-        kept: set[int] = set()  # ids of objects that stay
-        pinned: list[tuple[int, int]] = []
-        for start, holder in self.owners[pool.index].items():
-            if holder.__class__ is tuple:  # ("w" | "q", npages)
-                pinned.append((start, holder[1]))
-            elif holder.readers or not holder.linked:
-                obj = holder
-                while obj is not None and id(obj) not in kept:
-                    kept.add(id(obj))
-                    obj = obj.parent
-        for start, holder in self.owners[pool.index].items():
-            if holder.__class__ is not tuple and id(holder) in kept:
-                pinned.append((start, holder.npages))
+        reach were evicted: the longest gap between what it cannot (write arenas,
+        quarantined pages, the objects of ``kept``: :meth:`_kept_by_eviction`)."""
+        if kept is None:
+            kept = self._kept_by_eviction()
+        pinned = [(start, holder[1] if holder.__class__ is tuple else holder.npages)
+                  for start, holder in self.owners[pool.index].items()
+                  if holder.__class__ is tuple or id(holder) in kept]  # fmt: skip
         longest, at = 0, 0
         for start, npages in sorted(pinned):
             longest = max(longest, start - at)

@@ -243,6 +243,7 @@ class _ReplicaConnection(asyncio.Protocol):
     def __init__(self, replica: _Replica) -> None:
         self.replica = replica
         self.unpacker = msgpack.Unpacker(raw=False, **unpacker_limits(MAX_REQUEST))
+        self._fed = self._done = 0  # bytes fed to the unpacker; those of its whole frames
         self.transport: asyncio.Transport | None = None
         self.greeted = False
         self.uid: int | None = None
@@ -291,7 +292,14 @@ class _ReplicaConnection(asyncio.Protocol):
         try:
             for msg in self.unpacker:
                 out.append(self._answer(msg))
+                self._done = self.unpacker.tell()  # (mid-frame, tell() counts its bytes too)
         except Exception:  # noqa: BLE001 (any malformed frame: the stream cannot resync)
+            self.transport.abort()
+            return
+        self._fed += len(data)
+        if self._fed - self._done > MAX_REQUEST:
+            # A frame still arriving past a request's limit (the unpacker's buffer limit
+            # bounds only the bytes it has not parsed yet): as the daemon's connection does.
             self.transport.abort()
             return
         if out:

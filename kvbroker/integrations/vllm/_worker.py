@@ -175,7 +175,14 @@ class WorkerSide:
         plan = self._plan
         if plan is None or not plan.loads or self.fmt is None:
             return
-        own = [self._load(spec) for spec in plan.loads]
+        own = []
+        for spec in plan.loads:  # every rank reaches agree() below, whatever fails here
+            try:
+                own.append(self._load(spec))
+            except Exception as exc:  # noqa: BLE001 - _load catches the expected ones
+                own.append(0)
+                self.warnings.warn("load_failed", "could not load request %s (%s: %s): vLLM "
+                                   "recomputes it", spec.req_id, type(exc).__name__, exc)  # fmt: skip
         agreed = own
         if self.agree is not None:
             try:
