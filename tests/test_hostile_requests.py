@@ -524,3 +524,21 @@ def test_a_refused_seal_many_aborts_every_lease_it_did_not_seal(client):
         seal_many([first, second])
     assert not client.exists("first")
     assert client.stat().write_leases == 0
+
+
+def test_list_and_evict_replies_stay_small_whatever_the_metas(make_daemon):
+    """Objects of one byte with 60 KB metas: a reply listing thousands of them passed a
+    reader's write buffer (the daemon cut honest readers off) and stalled the loop."""
+    d = make_daemon("--pool-size", "64M", "--page-size", "64K")
+    with d.client() as c:
+        for i in range(900):
+            c.put(f"big-{i}", {"x": b"1"}, meta={"m": "a" * 60_000}, namespace="hostile")
+        with d.client() as honest:
+            honest.put("mine", {"x": b"1"})
+            listed = honest.list()
+            assert len(listed) == 901 and not listed.truncated
+            pages = list(honest.list_pages())
+            assert len(pages) > 1  # pages of at most ~4 MiB
+        result = c.evict(all=True)
+        assert result.count == 901 and 0 < len(result.objects) < 901
+        assert c.stat().objects == 0

@@ -488,8 +488,9 @@ class Client:
         self, match: str | None = None, *, namespace: str | None = None,
         limit: int | None = None, page_size: int | None = None,
     ) -> Iterator[Listing]:  # fmt: skip
-        """:meth:`list` one reply at a time (the daemon sends at most 10,000 objects a reply,
-        or ``page_size``): each page a :class:`Listing`, the last one's ``truncated`` as
+        """:meth:`list` one reply at a time (the daemon sends at most 10,000 objects, and
+        about 4 MiB of them, a reply, or ``page_size``): each page a :class:`Listing`, the
+        last one's ``truncated`` as
         :meth:`list`'s. An object sealed again while the pages are read may be listed twice
         (its old and its new version); every other object there from start to end, once."""
         after = None

@@ -17,6 +17,8 @@ import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+import msgpack
+
 from .._wire import replies as R
 from ..errors import BadRequest
 from .patterns import client_regex
@@ -26,9 +28,12 @@ from .state import Deferred, Session, StoredObject
 if TYPE_CHECKING:
     from .broker import Broker
 
-__all__ = ["MAX_REPORTED", "SLICE_NAMES", "evict"]
+__all__ = ["MAX_LISTED_BYTES", "MAX_REPORTED", "SLICE_NAMES", "evict", "info_size"]
 
 MAX_REPORTED = 10_000  # objects an evict reply lists (it counts them all)
+# Bytes of objects' infos a list page or an evict reply carries at most: an info carries its
+# meta (up to 64 KiB), and a reply of 10,000 of them would pass a reader's write buffer.
+MAX_LISTED_BYTES = 4 << 20
 SLICE_NAMES = 20_000  # buffer names a match_buffers filter reads per turn of the loop
 _DEFERRED_TIMEOUT = 3600.0  # (the slices are bounded; this only bounds the deferral)
 
@@ -114,7 +119,12 @@ def _evict_found(b: Broker, found: list[StoredObject], dry_run: bool,
         else:
             victims.append(obj)
     victims, kept_parents = _leaves_first(victims)
-    reported = [o.info() for o in victims[:MAX_REPORTED]]
+    reported, size = [], 0
+    for obj in victims[:MAX_REPORTED]:
+        size += info_size(obj)
+        if reported and size > MAX_LISTED_BYTES:
+            break
+        reported.append(obj.info())
     nbytes = sum(o.nbytes for o in victims)
     if not dry_run:
         for obj in victims:
@@ -149,3 +159,12 @@ def _leaves_first(victims: list[StoredObject]) -> tuple[list[StoredObject], int]
             if children_left[p.serial] == 0:
                 ready.append(p)
     return ordered, len(victims) - len(ordered)
+
+
+def info_size(obj: StoredObject) -> int:
+    """About the packed size of ``obj.info()``: its names, its meta packed, the rest."""
+    meta = 0 if obj.meta is None else len(_pack(obj.meta))
+    return 160 + len(obj.namespace) + len(obj.key) + meta
+
+
+_pack = msgpack.Packer().pack

@@ -20,7 +20,7 @@ from .._wire.protocol import MAX_BUFFERS, MAX_NAME, MAX_REPORTED, PROTOCOL_VERSI
 from ..errors import BadRequest, Exists, NotFound, PoolFull, ProtocolError
 from . import prefix_leases
 from .arenas import arena_of, end_arena, new_arena, publish_from_arena
-from .evicting import evict
+from .evicting import MAX_LISTED_BYTES, evict, info_size
 from .patterns import client_regex as _regex
 from .prefix_leases import lazy_readers, lend_prefix, matched_run, materialize_holding
 from .snapshot import statistics_for
@@ -386,12 +386,14 @@ def op_list(b: Broker, session, namespace, match, limit, after) -> R.Listed:
     objects = iter(b.in_namespace(namespace))
     if after is not None:
         objects = (o for o in objects if o.seq > after)
+    size = 0
     for obj in objects:
         if namespace is None and not can(obj.namespace):
             continue
         if pattern is not None and not pattern.search(obj.key):
             continue
-        if len(out) == limit:
+        size += info_size(obj)
+        if len(out) == limit or (out and size > MAX_LISTED_BYTES):
             truncated = True
             break
         out.append(info := obj.info())

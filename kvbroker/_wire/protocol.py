@@ -293,7 +293,8 @@ OPS: dict[str, Op] = {
         },
         R.Listed,
         "Sealed objects, optionally filtered by namespace and a regex over keys, at most "
-        "`limit` (and 10,000) a reply, in the order they were sealed. `truncated`: more "
+        "`limit` (and 10,000, and about 4 MiB of them) a reply, in the order they were "
+        "sealed. `truncated`: more "
         "match; pass the reply's `next` as `after` for the next page (every object sealed "
         "before the first page and still there is listed once).",
     ),
@@ -308,7 +309,8 @@ OPS: dict[str, Op] = {
             "dry_run": _a(bool, default=False),
         },
         R.Evicted,
-        "Free sealed objects matching every given filter; leased ones are skipped.",
+        "Free sealed objects matching every given filter; leased ones are skipped. The reply "
+        "counts them all and lists at most 10,000 (and about 4 MiB) of them.",
     ),
     "reserve_blocks": Op(
         {
