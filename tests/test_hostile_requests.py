@@ -542,3 +542,24 @@ def test_list_and_evict_replies_stay_small_whatever_the_metas(make_daemon):
         result = c.evict(all=True)
         assert result.count == 901 and 0 < len(result.objects) < 901
         assert c.stat().objects == 0
+
+
+def test_a_forked_child_leaves_its_parents_socket_options_alone(daemon):
+    """The socket is shared: a timeout the child set (a claim's wait, the parting-error
+    read) would be the parent's too."""
+    import socket as socket_mod
+
+    with daemon.client(timeout=30.0) as c:
+        c.put("a", {"x": b"1"})
+        sock = c._session._stream.transport._sock
+        before = sock.getsockopt(socket_mod.SOL_SOCKET, socket_mod.SO_RCVTIMEO, 16)
+
+        def child() -> bool:
+            c.exists("a")  # connects again from the child
+            with pytest.raises(Exception):
+                c.claim("never", wait=0.2)
+            return True
+
+        assert _in_child(child) == 0
+        assert sock.getsockopt(socket_mod.SOL_SOCKET, socket_mod.SO_RCVTIMEO, 16) == before
+        assert c.exists("a")

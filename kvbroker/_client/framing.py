@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import os
-import weakref
 from typing import Any, Protocol
 
 import msgpack
 
 from .._wire.protocol import MAX_REQUEST, unpacker_limits
-from ..errors import BadRequest, BrokerUnavailable, ProtocolError
+from ..errors import BadRequest, ProtocolError
+from .transport import forked_error
 
 __all__ = ["MessageStream"]
 
@@ -24,13 +23,13 @@ class MessageStream:
     """Whole msgpack messages to and from a byte transport.
 
     A process forked from the one that opened the stream shares its socket: a message
-    either sends goes to the same daemon session, and either may read the other's reply.
-    So a stream refuses to be used from a child (BrokerUnavailable, which a Client answers
-    by connecting again, from the child; closing it there closes only the child's copy)."""
+    either sends goes to the same daemon session, and either may read the other's reply
+    (one already read into this stream's buffer, too). So a stream whose transport was
+    forked (``transport.forked``, :mod:`kvbroker._client.transport`) refuses to be used
+    (BrokerUnavailable, which a Client answers by connecting again, from the child; closing
+    it there closes only the child's copy)."""
 
     def __init__(self, transport: _Transport) -> None:
-        self.forked = False  # set in a child process (os.register_at_fork below)
-        _streams.add(self)
         self.transport = transport
         self._packer = msgpack.Packer()
         self._unpacker = msgpack.Unpacker(raw=False, **unpacker_limits())
@@ -40,8 +39,8 @@ class MessageStream:
         self._fed = 0
 
     def send(self, message: dict[str, Any]) -> None:
-        if self.forked:
-            raise _forked()
+        if getattr(self.transport, "forked", False):
+            raise forked_error()
         data = self._packer.pack(message)
         if len(data) > MAX_REQUEST:  # the daemon would cut the connection off mid-frame
             raise BadRequest(f"{message.get('op')}: the request packs to {len(data)} bytes, "
@@ -49,8 +48,8 @@ class MessageStream:
         self.transport.send(data)
 
     def receive(self) -> Any:
-        if self.forked:
-            raise _forked()
+        if getattr(self.transport, "forked", False):
+            raise forked_error()
         unpacker = self._unpacker
         while True:
             if unpacker.tell() < self._fed:
@@ -69,19 +68,3 @@ class MessageStream:
 
     def close(self) -> None:
         self.transport.close()
-
-
-def _forked() -> BrokerUnavailable:
-    return BrokerUnavailable("this connection was opened by the process this one forked from; "
-                             "a forked process uses a connection of its own")
-
-
-_streams: weakref.WeakSet[MessageStream] = weakref.WeakSet()
-
-
-def _mark_forked() -> None:
-    for stream in list(_streams):
-        stream.forked = True
-
-
-os.register_at_fork(after_in_child=_mark_forked)

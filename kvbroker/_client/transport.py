@@ -6,11 +6,12 @@ import os
 import socket
 import struct
 import time
+import weakref
 
 from .._cpu import cpu_spare
 from ..errors import BrokerUnavailable, Timeout
 
-__all__ = ["DEFAULT_BUSY_POLL", "UnixTransport"]
+__all__ = ["DEFAULT_BUSY_POLL", "UnixTransport", "forked_error"]
 
 _RECV_SIZE = 64 * 1024
 # Long enough to catch the reply of a long request polling too: a 512-block match_prefix
@@ -40,6 +41,11 @@ class UnixTransport:
         self, path: str, timeout: float | None = 30.0, busy_poll: float = DEFAULT_BUSY_POLL
     ) -> None:
         self.path = path
+        # Set in a process forked from this one (os.register_at_fork below): the socket is
+        # shared with the parent, whose connection it is. The child neither sends, reads,
+        # nor sets its options (SO_RCVTIMEO would change the parent's timeouts too).
+        self.forked = False
+        _transports.add(self)
         # Poll for the reply this long before sleeping in recv, while the host has a CPU to
         # spare (kvbroker._cpu): on VMs a cross-CPU wake-up costs more than a whole request
         # (a bare round trip: 12 us sleeping, 5 us polling). 0 turns it off.
@@ -66,6 +72,8 @@ class UnixTransport:
         self._view = memoryview(self._buf)
 
     def send(self, data: bytes) -> None:
+        if self.forked:
+            raise forked_error()
         try:
             self._sock.sendall(data)
         except BlockingIOError:  # SO_SNDTIMEO ran out
@@ -76,6 +84,8 @@ class UnixTransport:
     def recv(self) -> memoryview:
         """Some bytes (never empty), valid until the next call; raises BrokerUnavailable
         when the daemon hung up."""
+        if self.forked:
+            raise forked_error()
         try:
             n = self._poll() if self.busy_poll > 0 else None
             if n is None:
@@ -106,6 +116,8 @@ class UnixTransport:
 
     def settimeout(self, timeout: float | None) -> None:
         """Seconds a send or a recv may wait from now on (None: forever)."""
+        if self.forked:
+            return  # the parent's socket: its options are the parent's
         tv = _timeval(timeout)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
@@ -113,3 +125,19 @@ class UnixTransport:
 
     def close(self) -> None:
         self._sock.close()
+
+
+def forked_error() -> BrokerUnavailable:
+    return BrokerUnavailable("this connection was opened by the process this one forked from; "
+                             "a forked process uses a connection of its own")
+
+
+_transports: weakref.WeakSet[UnixTransport] = weakref.WeakSet()
+
+
+def _mark_forked() -> None:
+    for transport in list(_transports):
+        transport.forked = True
+
+
+os.register_at_fork(after_in_child=_mark_forked)
