@@ -59,7 +59,7 @@ from ._client.prefix_match import SHARD_META_TAG, KVPrefixMatch, PrefixMatch
 from ._client.prefix_match import MatchedBlock  # noqa: F401  (PrefixMatch.blocks' items)
 from ._client.prefix_match import _block_layout, _check_kv_cache, _names
 from ._wire.names import check_infix
-from ._wire.protocol import MAX_BUFFERS, MAX_REQUEST, request_chunks
+from ._wire.protocol import MAX_BUFFERS, MAX_REQUEST, name_bytes, request_chunks
 from ._client.tp import claim_plan, shard_heads
 from .errors import BadRequest, KVBrokerError
 
@@ -214,9 +214,10 @@ class PrefixCache:
             toks = _token_list(token_ids[: len(keys) * self.block_size])
         # The usual case, one layout for every block: it goes once per request, not per block.
         shared = all(z == sizes[0] for z in sizes)
-        layout_cost = sum(len(n) + 12 for n in sizes[0]) + _packed_size(meta)
+        layout_cost = sum(name_bytes(n) + 12 for n in sizes[0]) + _packed_size(meta)
         costs = [48 + len(keys[i]) + (len(keys[i - 1]) if i else 0)
-                 + (0 if shared else sum(len(n) + 12 for n in sizes[i]) + _packed_size(meta))
+                 + (0 if shared else sum(name_bytes(n) + 12 for n in sizes[i])
+                    + _packed_size(meta))
                  + (5 * self.block_size if toks is not None else 0)
                  for i in range(len(keys))]  # fmt: skip
         # Parents first, in requests the daemon reads whole: at most MAX_BUFFERS blocks and

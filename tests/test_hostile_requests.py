@@ -563,3 +563,70 @@ def test_a_forked_child_leaves_its_parents_socket_options_alone(daemon):
         assert _in_child(child) == 0
         assert sock.getsockopt(socket_mod.SOL_SOCKET, socket_mod.SO_RCVTIMEO, 16) == before
         assert c.exists("a")
+
+
+# -- third round --------------------------------------------------------------------------------
+def test_a_forked_childs_put_never_writes_into_its_parents_arena(daemon):
+    with daemon.client() as c:
+        c.put("warm", {"a": b"w" * 1000})  # the parent holds an arena now
+
+        def child() -> bool:
+            for i in range(20):
+                c.put(f"child-{i}", {"a": b"C" * 1000})
+            return True
+
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0 if child() else 3)
+        for i in range(20):
+            c.put(f"parent-{i}", {"a": b"P" * 1000})
+        assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+        for i in range(20):
+            assert c.get(f"parent-{i}", verify=True)["a"].tobytes() == b"P" * 1000
+            assert c.get(f"child-{i}", verify=True)["a"].tobytes() == b"C" * 1000
+
+
+def test_a_child_forked_while_a_thread_is_mid_call_does_not_hang(daemon):
+    import threading
+
+    with daemon.client() as c:
+        c.put("present", {"a": b"x" * 16})
+        waiting = threading.Thread(target=lambda: pytest.raises(Exception, c.claim, "never",
+                                                                wait=3))  # fmt: skip
+        waiting.start()
+        time.sleep(0.3)  # the thread holds the session's lock, waiting for its reply
+
+        def child() -> bool:
+            signal.alarm(10)  # a hang fails the child, not the test run
+            return c.exists("present")
+
+        assert _in_child(child) == 0
+        waiting.join()
+
+
+def test_a_put_whose_seal_would_pass_a_request_is_refused_before_anything_is_reserved(client):
+    buffers = {f"{i:05d}" + "n" * 115: b"x" for i in range(8192)}
+    before = client.stat()
+    with pytest.raises(BadRequest, match="seal"):
+        client.put("big", buffers)
+    after = client.stat()
+    assert after.write_leases == 0 and after.objects == before.objects
+    assert after.counters.aborts == before.counters.aborts  # nothing was reserved
+    assert client.put("fine", {"x": b"1"})
+
+
+def test_batches_are_sized_by_their_utf8_bytes(client):
+    from kvbroker.prefix import PrefixCache
+
+    pc = PrefixCache(client, block_size=4)
+    names = [f"{j:02d}" + "中" * 126 for j in range(64)]  # 380 bytes each, 128 characters
+    tokens = list(range(480))
+    assert pc.publish(tokens, [{n: b"\x01" for n in names}] * 120) == 120
+    with pc.match(tokens + [7]) as m:  # (a match leaves the prompt's last token out)
+        assert m.num_blocks == 120
+
+
+def test_list_pages_refuses_a_page_size_that_would_never_end(client):
+    client.put("k", {"x": b"1"})
+    with pytest.raises(BadRequest, match="page_size"):
+        next(iter(client.list_pages(page_size=0)))

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 from . import integrity as _integrity
 from .copy import copy_into
 from .._wire.objects import buffer_offsets
-from .._wire.protocol import MAX_REQUEST
+from .._wire.protocol import MAX_REQUEST, publish_size
 from ..errors import BadRequest, Exists, LeaseExpired, PoolFull
 
 if TYPE_CHECKING:
@@ -40,16 +40,14 @@ if TYPE_CHECKING:
 __all__ = ["WriteArena"]
 
 _RETRY_AFTER = 0.5  # seconds without arena after the daemon had no room for one
-_FEW_BUFFERS = 256  # a publish of this many buffers or fewer is far below MAX_REQUEST
+_FEW_BUFFERS = 128  # a publish of this many buffers or fewer is below MAX_REQUEST (512-char names)
 
 
 def _publish_size(sizes, meta, checksum: bool) -> int:
-    """An upper bound on the packed size of a ``publish`` of these buffers: names twice
-    (sizes, checksums), 9 bytes a size and 24 a checksum, the meta packed."""
+    """An upper bound on the packed size of a ``publish`` of these buffers."""
     import msgpack
 
-    per_name = 9 + (24 if checksum else 0)
-    return 256 + sum(2 * (len(n.encode()) + 3) + per_name for n in sizes) + len(msgpack.packb(meta))
+    return publish_size(sizes, checksum) + len(msgpack.packb(meta))
 
 
 class WriteArena:
@@ -146,6 +144,13 @@ class WriteArena:
         self.id, self.extent = reply["lease"], reply["arena"]
         self._generation = client.generation
         return True
+
+    def after_fork(self) -> None:
+        """In a forked child: the arena's pages are the parent's, its lock maybe held by a
+        thread the child does not have. Forget both (nothing to give back: not ours)."""
+        self._lock = threading.Lock()
+        self.id = self.extent = None
+        self._generation = -1
 
     def close(self) -> None:
         """Give the arena back now (the connection closing does it too)."""

@@ -12,9 +12,11 @@ process and shared by every client in it (:mod:`kvbroker._client.mappings`). See
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -26,6 +28,7 @@ from .mappings import process_maps as _process_maps  # noqa: F401  (tests count 
 from .ops import LEASE_OPS as _LEASE_OPS
 from .ops import Ops
 from .session import Session
+from .._wire.protocol import MAX_REQUEST, seal_size
 from .._wire.stats import ObjectInfo, Statistics
 from .arena import WriteArena
 from .replica import ASK_DAEMON, ReadReplica, answers
@@ -123,6 +126,17 @@ class Client:
         self._arena = WriteArena(self, arena_size if map_pools else 0)
         self._replica: ReadReplica | None = None
         self._connect()
+        _clients.add(self)
+
+    def _after_fork(self) -> None:
+        """In a forked child (os.register_at_fork below): locks a parent's thread may hold
+        are replaced, the connection and the write arena (the parent's) are given up without
+        touching them; the next call connects again from the child."""
+        self._reconnect_lock = threading.Lock()
+        self._session.after_fork()
+        self._arena.after_fork()
+        if self._replica is not None:
+            self._replica.after_fork()
 
     # -- plumbing --------------------------------------------------------------------------
     def _connect(self, generation: int = 0) -> None:
@@ -312,6 +326,11 @@ class Client:
         chunk right after copying it (still one pass over memory) and record the digests.
         """
         sizes = {name: nbytes_of(b) for name, b in buffers.items()}
+        if checksum and len(sizes) > 128 and seal_size(sizes) > MAX_REQUEST:
+            # Refused before anything is reserved or copied: the daemon reads no longer seal.
+            raise BadRequest(f"put: the seal of {len(sizes)} buffers' names and checksums "
+                             f"packs to more than the {MAX_REQUEST} bytes a daemon reads; "
+                             "use fewer or shorter buffer names")  # fmt: skip
         if self._arena.fits(sum(sizes.values())):
             done = self._arena.put(key, buffers, sizes, namespace=namespace, meta=meta,
                                    replace=replace, consumers=consumers, checksum=checksum)
@@ -493,6 +512,8 @@ class Client:
         last one's ``truncated`` as
         :meth:`list`'s. An object sealed again while the pages are read may be listed twice
         (its old and its new version); every other object there from start to end, once."""
+        if page_size is not None and page_size < 1:
+            raise BadRequest(f"list_pages: page_size must be 1 or more, not {page_size}")
         after = None
         left = limit
         while True:
@@ -559,3 +580,14 @@ def _default_name() -> str:
     import os
 
     return f"{os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else 'python'}:{os.getpid()}"
+
+
+_clients: weakref.WeakSet[Client] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for client in list(_clients):
+        client._after_fork()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

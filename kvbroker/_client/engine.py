@@ -46,6 +46,7 @@ from __future__ import annotations
 import functools
 import os
 import threading
+import weakref
 from concurrent.futures import ThreadPoolExecutor, wait
 from collections.abc import Callable
 from typing import Any
@@ -247,6 +248,7 @@ class CopyEngine:
         self._pool: ThreadPoolExecutor | None = None
         self._pid = os.getpid()
         self._lock = threading.Lock()
+        _engines.add(self)
 
     # -- plumbing ----------------------------------------------------------------------------
     def _workers(self) -> ThreadPoolExecutor:
@@ -346,3 +348,18 @@ def default_engine() -> CopyEngine:
             if _default is None:
                 _default = CopyEngine(split_while=default_gate())
     return _default
+
+
+_engines: weakref.WeakSet[CopyEngine] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    """Locks a parent's thread may have held when it forked (the workers are started again
+    by the pid check in ``_workers``)."""
+    global _default_lock
+    _default_lock = threading.Lock()
+    for engine in list(_engines):
+        engine._lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

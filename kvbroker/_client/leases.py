@@ -23,7 +23,7 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from . import integrity as _integrity
-from .._wire.protocol import request_chunks
+from .._wire.protocol import name_bytes, request_chunks
 from ..errors import BadRequest, KVBrokerError, LeaseExpired, ProtocolError
 
 if TYPE_CHECKING:
@@ -226,7 +226,7 @@ def seal_many(leases: Sequence[WriteLease]) -> None:
     for lease in leases:
         lease._drop_views()
         sums.append(lease.checksums)
-    costs = [12 + (sum(len(n) + 16 for n in s) if s else 1) for s in sums]
+    costs = [12 + (sum(name_bytes(n) + 16 for n in s) if s else 1) for s in sums]
     for lo, hi in request_chunks(costs):
         chunk = sums[lo:hi]
         try:

@@ -57,6 +57,11 @@ class ReadReplica:
         self._retry_at = 0.0
         self.fallbacks = 0  # requests the daemon answered because the replica could not
 
+    def after_fork(self) -> None:
+        """In a forked child: a fresh lock (the parent's may be held); the connection is
+        replaced on first use, as the process id says."""
+        self._lock = threading.Lock()
+
     @property
     def path(self) -> str:
         return self.paths[os.getpid() % len(self.paths)]

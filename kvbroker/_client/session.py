@@ -43,6 +43,13 @@ class Session:
         self.hello: HelloReply = Ops(self.call, self.send_only).hello(PROTOCOL_VERSION, name,
                                                                         role)  # fmt: skip
 
+    def after_fork(self) -> None:
+        """In a forked child: the lock may be held by a thread the child does not have, and
+        the connection is the parent's (its transport refuses the child). Broken, so the
+        client connects again."""
+        self._lock = threading.Lock()
+        self.broken = True
+
     def call(self, op: str, **args: Any) -> Any:
         with self._lock:
             self._forget_dropped()

@@ -6,6 +6,7 @@ it opens; both follow this one refcounting rule.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable, Hashable
 from typing import Generic, TypeVar
@@ -22,6 +23,12 @@ class PerProcess(Generic[T]):
         self._destroy = destroy
         self._lock = threading.Lock()
         self._entries: dict[Hashable, list] = {}  # key -> [value, holders]
+        # A forked child keeps the values (its mappings are inherited) but not a lock a
+        # parent's thread may have held.
+        os.register_at_fork(after_in_child=self._after_fork)
+
+    def _after_fork(self) -> None:
+        self._lock = threading.Lock()
 
     def acquire(self, key: Hashable, create: Callable[[], T]) -> T:
         with self._lock:

@@ -22,7 +22,7 @@ the ``pools`` list of the hello reply); the client maps each pool once and views
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,6 +88,24 @@ def unpacker_limits(max_frame: int = MAX_FRAME) -> dict[str, int]:
         "max_map_len": MAX_MAP,
         "max_ext_len": 0,
     }
+
+
+def name_bytes(name: str) -> int:
+    """The bytes ``name`` packs to, without its header (UTF-8: a character is 1 to 4)."""
+    return len(name) if name.isascii() else len(name.encode())
+
+
+def seal_size(names: Iterable[str]) -> int:
+    """An upper bound on the packed size of a ``seal`` with checksums of buffers ``names``
+    (each name with its checksum)."""
+    return 256 + sum(name_bytes(n) + 3 + 24 for n in names)
+
+
+def publish_size(names: Iterable[str], checksums: bool) -> int:
+    """An upper bound on the packed size of a ``publish`` of buffers ``names`` (each name
+    with its size, and with its checksum), its meta apart."""
+    per_name = 9 + (24 if checksums else 0)
+    return 512 + sum((1 + int(checksums)) * (name_bytes(n) + 3) + per_name for n in names)
 
 
 def request_chunks(costs: list[int], budget: int = MAX_REQUEST // 2,
