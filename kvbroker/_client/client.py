@@ -126,17 +126,7 @@ class Client:
         self._arena = WriteArena(self, arena_size if map_pools else 0)
         self._replica: ReadReplica | None = None
         self._connect()
-        _clients.add(self)
-
-    def _after_fork(self) -> None:
-        """In a forked child (os.register_at_fork below): locks a parent's thread may hold
-        are replaced, the connection and the write arena (the parent's) are given up without
-        touching them; the next call connects again from the child."""
-        self._reconnect_lock = threading.Lock()
-        self._session.after_fork()
-        self._arena.after_fork()
-        if self._replica is not None:
-            self._replica.after_fork()
+        _clients.add(self)  # see _after_fork_in_child
 
     # -- plumbing --------------------------------------------------------------------------
     def _connect(self, generation: int = 0) -> None:
@@ -586,8 +576,15 @@ _clients: weakref.WeakSet[Client] = weakref.WeakSet()
 
 
 def _after_fork_in_child() -> None:
+    """In a forked child (os.register_at_fork below), for every Client: locks a parent's
+    thread may hold are replaced, the connection and the write arena (the parent's) are
+    given up without touching them; the next call connects again from the child."""
     for client in list(_clients):
-        client._after_fork()
+        client._reconnect_lock = threading.Lock()
+        client._session.after_fork()
+        client._arena.after_fork()
+        if client._replica is not None:
+            client._replica.after_fork()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
