@@ -49,10 +49,9 @@ def _sealed(b, s, key, nbytes=4096, **kw):
 
 
 # -- framing ---------------------------------------------------------------------------------
-def test_a_frame_longer_than_a_request_is_cut_off_while_it_arrives(daemon):
-    before = rss(daemon.proc.pid)
-    s = raw(daemon.socket_path, hello=False)
-    # An array of 1M arrays of 15 ints (16 MiB in all), sent until the daemon hangs up.
+def _send_unfinished_frame(s) -> int:
+    """An array of 1M arrays of 15 ints (16 MiB in all), sent until the peer hangs up (or
+    8 requests' worth went); returns the bytes sent."""
     s.sendall(b"\xdd" + struct.pack(">I", 1 << 20))
     sent = 0
     try:
@@ -61,6 +60,13 @@ def test_a_frame_longer_than_a_request_is_cut_off_while_it_arrives(daemon):
             sent += 65536
     except (BrokenPipeError, ConnectionResetError):
         pass
+    return sent
+
+
+def test_a_frame_longer_than_a_request_is_cut_off_while_it_arrives(daemon):
+    before = rss(daemon.proc.pid)
+    s = raw(daemon.socket_path, hello=False)
+    sent = _send_unfinished_frame(s)
     reply = recv_one(s)
     assert reply["ok"] is False and "exceeds" in reply["error"]["message"]
     assert sent <= 2 * MAX_REQUEST
@@ -503,14 +509,7 @@ def test_a_read_replica_cuts_off_a_frame_longer_than_a_request(make_daemon):
     if not paths:
         pytest.skip("no read replica started here")
     s = raw(paths[0], hello=False)
-    s.sendall(b"\xdd" + struct.pack(">I", 1 << 20))
-    sent = 0
-    try:
-        while sent < 8 * MAX_REQUEST:
-            s.sendall((b"\x9f" + b"\x00" * 15) * 4096)
-            sent += 65536
-    except (BrokenPipeError, ConnectionResetError):
-        pass
+    sent = _send_unfinished_frame(s)
     assert sent <= 2 * MAX_REQUEST
 
 

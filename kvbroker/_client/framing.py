@@ -39,9 +39,7 @@ class MessageStream:
         self._fed = 0
 
     def send(self, message: dict[str, Any]) -> None:
-        if getattr(self.transport, "forked", False):
-            raise forked_error()
-        data = self._packer.pack(message)
+        data = self._packer.pack(message)  # (a forked transport refuses to send it)
         if len(data) > MAX_REQUEST:  # the daemon would cut the connection off mid-frame
             raise BadRequest(f"{message.get('op')}: the request packs to {len(data)} bytes, "
                              f"more than the {MAX_REQUEST} a daemon reads; send less at once")

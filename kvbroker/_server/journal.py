@@ -372,14 +372,14 @@ def _frames(data: bytes, magic_of: bytes = MAGIC, seed: int = 0,
             end = pos + hdr + n
             if magic == magic_of and n <= _MAX_RECORD:
                 body = data[pos + hdr:end]
-                if end <= size and crc in (zlib.crc32(body, seed), zlib.crc32(body)):
+                keyed = end <= size and zlib.crc32(body, seed) == crc
+                if keyed or (end <= size and zlib.crc32(body) == crc):
                     try:
                         entry = msgpack.unpackb(body, raw=False, strict_map_key=False)
                     except Exception:  # checksummed yet unreadable: written wrong
                         damaged.append((pos, end))
                     else:
-                        if zlib.crc32(body, seed) == crc or (isinstance(entry, dict)
-                                                             and entry.get("t") == "h"):
+                        if keyed or (isinstance(entry, dict) and entry.get("t") == "h"):
                             out.append((pos, entry))
                         else:  # a frame checksummed from 0 that is not a header
                             damaged.append((pos, end))
