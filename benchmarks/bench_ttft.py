@@ -77,15 +77,27 @@ def decode_step(model, cache, token: int):
     return int(logits.argmax()), logits
 
 
-def via_broker(client, model, request: str, first: int, device: str):
+def via_broker(client, model, request: str, first: int, device: str, overlap: bool):
+    """Claim + first decode step. ``overlap`` (CUDA through a GpuClient): claim_cache returns
+    once the copies are queued and the decode step runs while they land (its default there);
+    the claim's time is then from the start to the last copy landed, on the GPU's clock."""
+    cuda = device.startswith("cuda")
     sync(device)
     started = time.perf_counter()
-    claimed = kvt.claim_cache(client, request, model=model, consume=False, device=device)
-    sync(device)
-    claimed_at = time.perf_counter()
+    if cuda:
+        start_event = torch.cuda.Event(enable_timing=True)
+        start_event.record()
+    claimed = kvt.claim_cache(client, request, model=model, consume=False, device=device,
+                              overlap=overlap if cuda else None)  # fmt: skip
+    if claimed.landing is None:
+        sync(device)
+        claim_s = time.perf_counter() - started
     token, logits = decode_step(model, claimed.cache, first)  # int(): waits for the device
     done = time.perf_counter()
-    return done - started, claimed_at - started, token, logits, claimed.nbytes
+    if claimed.landing is not None:
+        claimed.landing.finish()
+        claim_s = start_event.elapsed_time(claimed.landing.done) / 1e3
+    return done - started, claim_s, token, logits, claimed.nbytes
 
 
 def via_recompute(model, prompt: list[int], device: str):
@@ -135,6 +147,7 @@ def main(argv=None) -> None:
     p.add_argument("--commit", default=None, help="the commit measured (a checkout without git)")
     args = p.parse_args(argv)
     device = args.device
+    cuda = device.startswith("cuda")
     dtype = args.dtype or ("bf16" if device.startswith("cuda") else "fp32")
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -167,30 +180,43 @@ def main(argv=None) -> None:
             published = kvt.publish_cache(prefill_client, request, cache, config=model.config,
                                           extra={"next_token": first})  # fmt: skip
             rows = []
+            # "broker": claim_cache as it is called by default (on CUDA through a GpuClient
+            # the decode step overlaps the copies); "serial": overlap=False, claim then step
+            paths = ("broker", "serial", "recompute") if cuda else ("broker", "recompute")
             for rep in range(args.repeats):
-                order = ("broker", "recompute") if rep % 2 == 0 else ("recompute", "broker")
+                k = rep % len(paths)
+                order = paths[k:] + paths[:k]
                 row = {}
                 for path in order:
-                    if path == "broker":
+                    if path in ("broker", "serial"):
                         # the prefill role's publish (with checksums), then the decode role
+                        name = f"{request}-{rep}-{path}"
                         sync(device)
                         t_pub = time.perf_counter()
-                        kvt.publish_cache(prefill_client, f"{request}-{rep}", cache,
-                                          config=model.config, extra={"next_token": first})  # fmt: skip
+                        kvt.publish_cache(prefill_client, name, cache, config=model.config,
+                                          extra={"next_token": first})  # fmt: skip
                         publish_s = time.perf_counter() - t_pub
                         total, claim, token, logits, nbytes = via_broker(
-                            decode_client, model, f"{request}-{rep}", first, device)  # fmt: skip
-                        decode_plain.evict(f"{request}-{rep}")
-                        row.update(broker_s=total, claim_s=claim, broker_token=token,
-                                   broker_logits=logits, publish_s=publish_s,
-                                   handoff_s=publish_s + total)  # fmt: skip
+                            decode_client, model, name, first, device, path == "broker")  # fmt: skip
+                        decode_plain.evict(name)
+                        p = "broker" if path == "broker" else "serial"
+                        row.update({f"{p}_s": total, f"{p}_claim_s": claim,
+                                    f"{p}_token": token, f"{p}_logits": logits,
+                                    f"{p}_publish_s": publish_s,
+                                    f"{p}_handoff_s": publish_s + total})  # fmt: skip
                     else:
                         total, pre, token, logits = via_recompute(model, prompt, device)
                         row.update(recompute_s=total, recompute_prefill_s=pre,
                                    recompute_token=token, recompute_logits=logits)  # fmt: skip
-                row["same_token"] = row["broker_token"] == row["recompute_token"]
-                row["logits_bit_identical"] = bool(torch.equal(row.pop("broker_logits"),
-                                                               row.pop("recompute_logits")))  # fmt: skip
+                row["claim_s"], row["publish_s"] = row["broker_claim_s"], row["broker_publish_s"]
+                row["handoff_s"] = row["broker_handoff_s"]
+                broker_paths = [p for p in paths if p != "recompute"]
+                row["same_token"] = all(row[f"{p}_token"] == row["recompute_token"]
+                                        for p in broker_paths)  # fmt: skip
+                reference = row.pop("recompute_logits")
+                row["logits_bit_identical"] = all(bool(torch.equal(row.pop(f"{p}_logits"),
+                                                                   reference))
+                                                  for p in broker_paths)  # fmt: skip
                 rows.append(row)
                 print(f"repeat {rep}: broker {row['broker_s'] * 1e3:.1f} ms (claim "
                       f"{row['claim_s'] * 1e3:.1f} ms), recompute {row['recompute_s']:.2f} s, "
@@ -205,6 +231,8 @@ def main(argv=None) -> None:
 
     del cache
     keys = ("broker_s", "claim_s", "recompute_s", "recompute_prefill_s", "publish_s", "handoff_s")
+    if cuda:
+        keys += ("serial_s", "serial_claim_s", "serial_handoff_s")
     med = {k: statistics.median(r[k] for r in rows) for k in keys}
     # On a shared machine the best repeat is the closest to the intrinsic cost.
     best = {k: min(r[k] for r in rows) for k in keys}
@@ -232,6 +260,9 @@ def main(argv=None) -> None:
         "handoff_speedup": med["recompute_s"] / med["handoff_s"],
         "handoff_speedup_per_repeat": [r["recompute_s"] / r["handoff_s"] for r in rows],
         "publish_GBps_median": published.nbytes / med["publish_s"] / 1e9,
+        "serial_ttft_speedup": med["recompute_s"] / med["serial_s"] if cuda else None,
+        "serial_handoff_speedup": med["recompute_s"] / med["serial_handoff_s"] if cuda else None,
+        "overlap_vs_serial": med["serial_s"] / med["broker_s"] if cuda else None,
         "commit": args.commit or measured_commit(),
         "all_same_token": all(r["same_token"] for r in rows),
         "all_logits_bit_identical": all(r["logits_bit_identical"] for r in rows),
@@ -243,6 +274,19 @@ def main(argv=None) -> None:
     stem.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
     m = result["machine"]
     where = m.get("gpu") or f"{m['cpu']}, {m['cores']} cores ({m['torch_threads']} torch threads)"
+    overlapped = claim_note = serial_rows = ""
+    if cuda:
+        overlapped = " (claim_cache's default there: the step runs while the copies land)"
+        claim_note = ", from the request to its last copy landed (GPU clock)"
+        serial_rows = f"""\
+| the same with `overlap=False`: claim, then the decode step | {med['serial_s'] * 1e3:.1f} ms \
+(claim {med['serial_claim_s'] * 1e3:.1f} ms) | {best['serial_s'] * 1e3:.1f} ms |
+| … speed-up vs recompute / whole handoff vs recompute | \
+{_ratio(result['serial_ttft_speedup'])}× / {_ratio(result['serial_handoff_speedup'])}× \
+(median/median) | |
+| **overlap: claim + step, serial / overlapped** | \
+**{_ratio(result['overlap_vs_serial'])}×** (median/median) | |
+"""
     md = f"""# Time to first decode token: broker vs recompute ({device})
 
 Command: `{result['command']}` at commit {result['commit']}
@@ -256,9 +300,9 @@ Medians over {args.repeats} alternating repeats.
 
 | decode instance, request arrives → first decode token | median | best |
 |---|---|---|
-| claim KV from the broker + 1 decode step | {med['broker_s'] * 1e3:.1f} ms | \
+| claim KV from the broker + 1 decode step{overlapped} | {med['broker_s'] * 1e3:.1f} ms | \
 {best['broker_s'] * 1e3:.1f} ms |
-| … of which the claim (into fresh tensors) | {med['claim_s'] * 1e3:.1f} ms \
+| … the claim (into fresh tensors){claim_note} | {med['claim_s'] * 1e3:.1f} ms \
 ({result['claim_GBps']:.2f} GB/s) | {best['claim_s'] * 1e3:.1f} ms \
 ({result['claim_GBps_best']:.2f} GB/s) |
 | recompute the prefill + 1 decode step | {med['recompute_s'] * 1e3:.0f} ms | \
@@ -270,7 +314,7 @@ Medians over {args.repeats} alternating repeats.
 | **whole handoff: publish + claim + 1 decode step, vs recompute** | \
 **{_ratio(result['handoff_speedup'])}×** (median/median) | \
 {_ratio(best['recompute_s'] / best['handoff_s'])}× (best/best) |
-
+{serial_rows}
 Per repeat (recompute / broker, measured back to back): \
 {', '.join(f"{_ratio(x)}×" for x in result['ttft_speedup_per_repeat'])}; whole handoff: \
 {', '.join(f"{_ratio(x)}×" for x in result['handoff_speedup_per_repeat'])}.

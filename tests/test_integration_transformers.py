@@ -112,6 +112,97 @@ def test_cuda_cache_through_a_gpu_client_is_bit_exact(client):
     assert not client.exists("req-cuda")
 
 
+def test_overlap_needs_a_cuda_device_and_a_gpu_client_and_consumes_nothing_otherwise(client):
+    kvt.publish_cache(client, "req-ov", _random_cache())
+    with pytest.raises(BadRequest, match="needs a CUDA device and a kvbroker.gpu.GpuClient"):
+        kvt.claim_cache(client, "req-ov", config=_config(), dtype=torch.bfloat16, overlap=True)
+    assert client.exists("req-ov")  # refused before the claim: nothing leased, nothing consumed
+    claimed = kvt.claim_cache(client, "req-ov", config=_config(), dtype=torch.bfloat16)
+    assert claimed.landing is None  # on the CPU the copies are done when it returns
+
+
+def _gpu_cache(cpu):
+    on_gpu = transformers.DynamicCache()
+    for i, layer in enumerate(cpu.layers):
+        on_gpu.update(layer.keys.cuda(), layer.values.cuda(), i)
+    return on_gpu
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_landing_claim_returns_before_its_copies_and_every_read_waits_for_its_layer(client):
+    """The copy stream is held up by a GPU sleep: claim_cache returns while nothing has
+    landed, the object is not consumed yet, and reading a layer still gives its bytes."""
+    from kvbroker.gpu import GpuClient
+
+    cpu = _random_cache(layers=3, dtype=torch.bfloat16, seq=300, dim=64)
+    with GpuClient(client) as g:
+        kvt.publish_cache(g, "req-land", _gpu_cache(cpu))
+        with torch.cuda.stream(g.stream):
+            torch.cuda._sleep(int(2e9))  # ~1 s of GPU clock ahead of the copies
+        claimed = kvt.claim_cache(g, "req-land", config=_config(head_dim=64, num_hidden_layers=3),
+                                  dtype=torch.bfloat16, device="cuda")  # fmt: skip
+        assert claimed.landing is not None and not claimed.landing.landed
+        assert client.exists("req-land")  # counted only once the copies have landed
+        assert isinstance(claimed.cache.layers[0], transformers.cache_utils.DynamicLayer)
+        # a read on the current stream waits for the layer's copy (torch.empty held garbage)
+        for mine, theirs in zip(cpu.layers, claimed.cache.layers):
+            assert torch.equal(_bits(theirs.keys.cpu()), _bits(mine.keys))
+            assert torch.equal(_bits(theirs.values.cpu()), _bits(mine.values))
+        claimed.landing.finish(timeout=30)
+        assert not client.exists("req-land")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_first_decode_step_on_a_landing_claim_equals_the_one_on_a_finished_claim(client):
+    import copy
+
+    from kvbroker.gpu import GpuClient
+
+    config = _config(num_hidden_layers=4, dtype="bfloat16")
+    model = transformers.LlamaForCausalLM(config).to("cuda", torch.bfloat16).eval()
+    prompt = torch.randint(0, 64, (1, 50), generator=torch.Generator().manual_seed(3)).cuda()
+    with torch.no_grad():
+        cache = model(input_ids=prompt, use_cache=True).past_key_values
+    step = torch.tensor([[5]], device="cuda")
+    with GpuClient(client) as g:
+        kvt.publish_cache(g, "req-step", cache, config=config, consumers=3)
+        logits = {}
+        for overlap in (False, True):
+            with torch.cuda.stream(g.stream):
+                torch.cuda._sleep(int(5e8))  # the landing claim's copies start late
+            claimed = kvt.claim_cache(g, "req-step", model=model, device="cuda", overlap=overlap)
+            with torch.no_grad():
+                out = model(input_ids=step, past_key_values=claimed.cache, use_cache=True)
+            logits[overlap] = out.logits.float().cpu()
+            if overlap:
+                claimed.landing.finish(timeout=30)
+        # deepcopy / pickle of a cache still landing waits for it and drops the landing
+        with torch.cuda.stream(g.stream):
+            torch.cuda._sleep(int(5e8))
+        claimed = kvt.claim_cache(g, "req-step", model=model, device="cuda")
+        twin = copy.deepcopy(claimed.cache)
+        assert torch.equal(twin.layers[0].keys, cache.layers[0].keys)
+    assert torch.equal(logits[False], logits[True])
+    assert not client.exists("req-step")  # three consumers, three claims, all counted
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_closing_the_gpu_client_waits_for_landings_then_releases_and_consumes(client):
+    from kvbroker.gpu import GpuClient
+
+    cpu = _random_cache(layers=2, dtype=torch.float16, seq=64, dim=64)
+    g = GpuClient(client)
+    kvt.publish_cache(g, "req-close", _gpu_cache(cpu))
+    with torch.cuda.stream(g.stream):
+        torch.cuda._sleep(int(1e9))
+    claimed = kvt.claim_cache(g, "req-close", config=_config(head_dim=64), dtype=torch.float16,
+                              device="cuda")  # fmt: skip
+    g.close()  # must not unregister the pools under a copy still reading them
+    assert claimed.landing.finished and claimed.landing.error is None
+    assert not client.exists("req-close")
+    assert torch.equal(_bits(claimed.cache.layers[1].values.cpu()), _bits(cpu.layers[1].values))
+
+
 @pytest.mark.parametrize(
     ("local", "field"),
     [

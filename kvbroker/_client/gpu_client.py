@@ -9,13 +9,14 @@ See ``docs/design.md``.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from . import gpu_integrity as _gi
 from . import integrity as _integrity
 from .client import Client
 from .gpu_copy import _address, _span, copy_runs
+from .gpu_landing import Finisher, Landing
 from .gpu_rings import RingClient, _ring_maps
 from .leases import _Lease
 from .shared import PerProcess
@@ -118,6 +119,19 @@ def _verify_groups(flat: Mapping[str, tuple[int, int]]) -> list[list[str]]:
     return groups
 
 
+def _check_destinations(lease: _Lease, flat: Mapping[str, tuple[int, int]]) -> None:
+    """Every buffer named in ``flat`` (name -> (address, nbytes)) is in ``lease``, as big."""
+    missing = [n for n in flat if n not in lease]
+    if missing:
+        raise KVBrokerError(f"object {lease.namespace}/{lease.key} has no buffer(s) {missing}")
+    extents = lease.extents()
+    for name, (_, n) in flat.items():
+        if extents[name][2] != n:
+            raise KVBrokerError(
+                f"buffer {name!r} holds {extents[name][2]} bytes, the destination {n}"
+            )
+
+
 def _host_addresses(lease: _Lease) -> dict[str, int]:
     """The address of each of a lease's slices in this process's pool mappings."""
     if lease.ended:
@@ -163,6 +177,7 @@ class GpuClient(RingClient):
         # seconds a claim(verify=True) spent after its copies were done: waiting for the GPU
         # checksums (and combining them); what verifying added to the claim
         self.last_verify_s = 0.0
+        self._finisher = Finisher()  # releases the leases of land() once their copies are done
         try:
             for pool in self.client.pools:
                 if pool.get("hidden"):
@@ -186,6 +201,8 @@ class GpuClient(RingClient):
         if getattr(self, "_closed", False):
             return
         self._closed = True
+        if hasattr(self, "_finisher"):
+            self._finisher.close()  # no copy of a landing reads the pools any more
         if hasattr(self, "stream"):
             self.stream.synchronize()
         for s in getattr(self, "_side", {}).values():
@@ -341,15 +358,7 @@ class GpuClient(RingClient):
         caller = self._caller_stream(stream)
         with self.client.claim(key, namespace=namespace, select=select, consume=consume,
                                wait=wait) as lease:  # fmt: skip
-            missing = [n for n in out if n not in lease]
-            if missing:
-                raise KVBrokerError(f"object {namespace}/{key} has no buffer(s) {missing}")
-            extents = lease.extents()
-            for name, (_, n) in flat.items():
-                if extents[name][2] != n:
-                    raise KVBrokerError(
-                        f"buffer {name!r} holds {extents[name][2]} bytes, the destination {n}"
-                    )
+            _check_destinations(lease, flat)
             srcs = _host_addresses(lease)
             ready = torch.cuda.Event()
             ready.record(caller)
@@ -393,3 +402,59 @@ class GpuClient(RingClient):
                 computed = {n: computed[n] for n in out if n in computed}
                 _integrity.check(namespace, key, _gi.mismatched(computed, lease.checksums))
         return dict(out)
+
+    def land(
+        self,
+        lease: _Lease,
+        groups: Sequence[Mapping[str, Any]],
+        *,
+        stream: Any = None,
+        after: Callable[[], None] | None = None,
+    ) -> Landing:
+        """Queue one host→device DMA per buffer of the read ``lease`` into contiguous CUDA
+        tensors and return without waiting for them: the engine computes while they land.
+
+        ``groups``: the destination tensors by buffer name, in the order they are to land;
+        each group gets one CUDA event (:meth:`Landing.ready`), so a layer waits only for its
+        own group. The copies start after what is already queued on ``stream`` (default:
+        current); nothing makes ``stream`` wait for them: use :meth:`Landing.wait_for`.
+        The lease passes to the returned :class:`~kvbroker._client.gpu_landing.Landing`
+        (``kvbroker._client.gpu_landing`` says who frees what): this client's finisher thread
+        releases it once the copies are done, then calls ``after`` (not after a failed
+        copy). Bad destinations raise before anything is queued, the lease still the
+        caller's.
+        """
+        torch = self._torch
+        if self._closed:
+            raise KVBrokerError("this GpuClient is closed")
+        flats = [{name: _span(t) for name, t in group.items()} for group in groups]
+        for flat in flats:
+            _check_destinations(lease, flat)
+        srcs = _host_addresses(lease)
+        ready = torch.cuda.Event()
+        ready.record(self._caller_stream(stream))
+        self.stream.wait_event(ready)
+        events = []
+        self.last_copies = 0
+        try:
+            for group, flat in zip(groups, flats):
+                self.last_copies += copy_runs(
+                    [(flat[name][0], srcs[name], flat[name][1]) for name in group],
+                    self.stream,
+                )
+                for t in group.values():  # freed early, their memory waits for the copy
+                    t.record_stream(self.stream)
+                events.append(torch.cuda.Event())
+                events[-1].record(self.stream)
+        except BaseException:
+            self.stream.synchronize()  # what was queued reads the lease's slices
+            raise
+        done = torch.cuda.Event(enable_timing=True)  # timed against the caller's own events
+        done.record(self.stream)
+        landing = Landing(lease, events, done, after)
+        try:
+            self._finisher.submit(landing)
+        except BaseException:
+            self.stream.synchronize()
+            raise
+        return landing

@@ -45,7 +45,11 @@ Who owns each buffer, and who frees it
   it to a non-CPU ``device``: one copy more there). The
   broker's read lease ends inside the call; with ``consume=True`` (the default) the claim
   counts towards freeing the object (``consumers`` set at publish) only after every copy
-  succeeded, so a failed or mismatched claim consumes nothing and can be retried.
+  succeeded, so a failed or mismatched claim consumes nothing and can be retried. The
+  exception: :func:`claim_cache` onto a CUDA device through a ``GpuClient`` returns once the
+  copies are queued (``overlap``): the lease then belongs to ``ClaimedCache.landing``, the
+  GpuClient's finisher thread releases it (and counts the consume) once they have landed,
+  and each layer's tensors make their reader's stream wait for that layer's copies.
   :func:`claim_prefix` never consumes: prefix blocks are shared, the broker evicts them.
 - **Request abort**: an exception inside ``publish_*`` aborts the write lease (nothing is left
   on the node). A request aborted after publication and before its claim is dropped with
@@ -69,13 +73,14 @@ from ..._client.client import Client
 from ..._client.copy import copy_into
 from ..._client.tp import claim_plan, shard_heads
 from ..._wire.names import kv_buffer_name, kv_select_regex
-from ...errors import BadRequest, Exists, LayoutMismatch
+from ...errors import BadRequest, Exists, KVBrokerError, LayoutMismatch
 from ...kv import _SELECT_NOTHING  # a claim selecting no buffer: it only counts a consume
 from ...kv import ClaimResult, PagedKV, PublishResult, claim_shards, publish_shard, shard_key
 from ...prefix import PrefixCache
 from ._spec import (  # noqa: F401  (copy_into, KVSpec... stay importable from here)
     KVSpec,
     _build_cache,
+    _check_size,
     _copy_from_pool,
     _copy_source,
     _dtype_name,
@@ -88,6 +93,7 @@ from ._spec import (  # noqa: F401  (copy_into, KVSpec... stay importable from h
     _torch,
     _torch_dtype,
 )
+from ._landing import guard_layers
 
 __all__ = [
     "KVSpec",
@@ -137,6 +143,8 @@ class ClaimedCache:
     nbytes: int = 0
     seconds: float = 0.0
     result: ClaimResult | None = None
+    # claim_cache(overlap): the copies still landing; finish() waits for the lease's release
+    landing: Any = None
 
 
 def _buffer_names(num_layers: int) -> list[tuple[str, str]]:
@@ -233,17 +241,29 @@ def claim_cache(
     wait: float | None = None,
     consume: bool = True,
     device: Any = None,
+    overlap: bool | None = None,
 ) -> ClaimedCache:
     """Rebuild the DynamicCache published under ``request`` for ``model`` (or config + dtype).
 
     ``wait``: seconds to wait for the request to be sealed (NotFound / Timeout otherwise).
     ``device``: where the new tensors live (default CPU); bytes go straight from the pool.
+    ``overlap`` (default: on for a CUDA ``device`` through a ``GpuClient``): return once the
+    copies are queued, so the model's next forward runs while they land, each layer waiting
+    on the GPU for its own copies only (``_landing``'s module doc). ``ClaimedCache.landing``
+    then holds the lease until they are done; its ``finish()`` raises what failed after the
+    return. False: copy everything, then return.
     """
     torch = _torch()
     started = time.perf_counter()
-    client = _broker_client(client)
+    gpu, client = _gpu_of(client), _broker_client(client)
     local, config = _local_spec(model, config, dtype)
-    with client.claim(request, namespace=namespace, select=kv_select_regex(), wait=wait) as lease:
+    cuda = device is not None and torch.device(device).type == "cuda"
+    if overlap and not (gpu is not None and cuda):
+        raise BadRequest("claim_cache(overlap=True) needs a CUDA device and a "
+                         "kvbroker.gpu.GpuClient (its DMA lands while the model computes)")  # fmt: skip
+    landing = overlap is not False and gpu is not None and cuda
+    lease = client.claim(request, namespace=namespace, select=kv_select_regex(), wait=wait)
+    try:
         meta = lease.meta
         if not isinstance(meta, dict) or meta.get(META_TAG) != 1:
             raise LayoutMismatch(f"{request!r} was not published by {__name__} (no model facts "
@@ -252,18 +272,34 @@ def claim_cache(
         local.check_published(published, request)
         batch, heads, dim = int(meta["batch"]), local.num_kv_heads, local.head_dim
         dt = _torch_dtype(local.dtype)
-        kvs, nbytes = [], 0
+        kvs, groups, nbytes = [], [], 0
         for i, (kname, vname) in enumerate(_buffer_names(local.num_layers)):
             both = torch.empty((2, batch, heads, int(meta["layer_tokens"][i]), dim), dtype=dt,
                                device=device)  # fmt: skip
             for c, name in enumerate((kname, vname)):
                 if name not in lease:
                     raise LayoutMismatch(f"layout mismatch on buffers: {request!r} has no {name}")
-                _copy_from_pool(both[c], lease[name])
+                _check_size(both[c], lease[name])
+                if not landing:
+                    _copy_from_pool(both[c], lease[name])
                 nbytes += lease[name].nbytes
             kvs.append((both[0], both[1]))
+            groups.append({kname: both[0], vname: both[1]})
         seq_len = int(meta["seq_len"])
-        rebuilt = _build_cache(config, kvs, seq_len)
+        rebuilt = _build_cache(config, kvs, seq_len)  # a mismatch raises before any copy
+        if landing:
+            after = (lambda: _consume(client, request, namespace)) if consume else None
+            landed = gpu.land(lease, groups, after=after)  # the lease is the landing's now
+            guard_layers(rebuilt, landed)
+            return ClaimedCache(rebuilt, seq_len, published, dict(meta.get("extra") or {}),
+                                nbytes, time.perf_counter() - started, landing=landed)  # fmt: skip
+    except BaseException:
+        try:
+            lease.release(consume=False)
+        except KVBrokerError:
+            pass  # the original exception matters more; the lease ends with the session
+        raise
+    lease.release()
     if consume:  # only now: a claim that failed above consumed nothing
         _consume(client, request, namespace)
     return ClaimedCache(rebuilt, seq_len, published, dict(meta.get("extra") or {}), nbytes,

@@ -75,13 +75,18 @@ def _pool_tensor(view):
         return _torch().from_numpy(view)
 
 
-def _copy_from_pool(dst, view) -> None:
-    """Copy the uint8 pool ``view`` into tensor ``dst`` (any device, any strides), bit for bit."""
+def _check_size(dst, view) -> None:
+    """The uint8 pool ``view`` holds exactly tensor ``dst``'s bytes."""
     if view.nbytes != dst.numel() * dst.element_size():
         raise LayoutMismatch(
             f"layout mismatch on buffer size: published {view.nbytes} bytes, local "
             f"{tuple(dst.shape)} × {dst.element_size()} bytes"
         )
+
+
+def _copy_from_pool(dst, view) -> None:
+    """Copy the uint8 pool ``view`` into tensor ``dst`` (any device, any strides), bit for bit."""
+    _check_size(dst, view)
     if dst.device.type == "cpu":  # numpy: one single-threaded pass (see _copy_source)
         np_ints = _np_int_dtype(dst.element_size())
         _np_copyto(_ints(dst).numpy(), view.view(np_ints).reshape(tuple(dst.shape)))

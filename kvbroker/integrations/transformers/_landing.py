@@ -1,0 +1,88 @@
+"""Cache layers whose tensors are still landing: a read waits for the layer's own copies.
+
+:func:`claim_cache` on a CUDA device through a GpuClient returns before the copies are done
+(:meth:`kvbroker.gpu.GpuClient.land`), so the first decode step runs while they land. Each
+layer of the rebuilt ``DynamicCache`` is switched to a subclass of its own type whose
+``keys`` and ``values`` make the reader's current CUDA stream wait for that layer's event
+before handing the tensor out: the attention of layer 0 starts when layer 0 has landed,
+while layer 31 is still on its way, and no kernel can read a byte before it is there. The
+wait is queued on the GPU; the CPU goes on launching. Once the whole claim has landed the
+layer forgets it and reads cost nothing more.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["guard_layers", "settle"]
+
+_classes: dict[type, type] = {}
+
+
+class _LandingLayer:
+    """Mixin before a transformers cache layer type (see the module doc)."""
+
+    # (Landing, group) until the layer's copies are known to be done
+    _kvb_pending: tuple[Any, int] | None = None
+
+    def _kvb_await(self, tensor: Any) -> None:
+        pending = self.__dict__.get("_kvb_pending")
+        if pending is None or tensor is None:
+            return
+        landing, group = pending
+        if landing.landed:
+            self._kvb_pending = None
+            return
+        import torch
+
+        landing.wait_for(group, torch.cuda.current_stream(tensor.device))
+
+    @property
+    def keys(self) -> Any:
+        t = self.__dict__.get("_kvb_keys")
+        self._kvb_await(t)
+        return t
+
+    @keys.setter
+    def keys(self, value: Any) -> None:
+        self._kvb_keys = value
+
+    @property
+    def values(self) -> Any:
+        t = self.__dict__.get("_kvb_values")
+        self._kvb_await(t)
+        return t
+
+    @values.setter
+    def values(self, value: Any) -> None:
+        self._kvb_values = value
+
+    def __getstate__(self) -> dict:
+        # copy.deepcopy / pickle: the copies land first (the CPU waits), the landing stays out
+        settle(self)
+        return dict(self.__dict__)
+
+
+def _landing_class(kind: type) -> type:
+    cls = _classes.get(kind)
+    if cls is None:
+        cls = _classes[kind] = type(kind.__name__, (_LandingLayer, kind),
+                                    {"__module__": __name__, "__qualname__": kind.__qualname__})  # fmt: skip
+    return cls
+
+
+def guard_layers(cache: Any, landing: Any) -> None:
+    """Make layer ``i`` of ``cache`` wait for group ``i`` of ``landing`` before any read."""
+    for i, layer in enumerate(cache.layers):
+        keys, values = layer.__dict__.pop("keys"), layer.__dict__.pop("values")
+        layer.__class__ = _landing_class(type(layer))
+        layer.keys, layer.values = keys, values
+        layer._kvb_pending = (landing, i)
+
+
+def settle(layer: Any) -> None:
+    """Wait on the CPU until ``layer``'s copies are done; it then forgets its landing."""
+    pending = layer.__dict__.get("_kvb_pending")
+    if pending is not None:
+        pending[0].done.synchronize()
+        layer._kvb_pending = None
