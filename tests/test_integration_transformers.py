@@ -121,6 +121,62 @@ def test_overlap_needs_a_cuda_device_and_a_gpu_client_and_consumes_nothing_other
     assert claimed.landing is None  # on the CPU the copies are done when it returns
 
 
+class _StandInLanding:
+    """A landing whose copies land when the test says; records which groups were waited for."""
+
+    def __init__(self) -> None:
+        self.landed, self.waited, self.synced = False, [], 0
+        outer = self
+
+        class Done:
+            def synchronize(self) -> None:
+                outer.synced += 1
+                outer.landed = True
+
+        self.done = Done()
+
+    def wait_for(self, group, stream=None, *, device=None):
+        self.waited.append(group)
+
+
+def test_a_landing_layer_read_waits_for_its_own_group_only_until_the_claim_has_landed():
+    import copy
+
+    from kvbroker.integrations.transformers._landing import guard_layers
+
+    config = _config(num_hidden_layers=3)
+    model = transformers.LlamaForCausalLM(config).eval()
+    prompt = torch.randint(0, 64, (1, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        cache = model(input_ids=prompt, use_cache=True).past_key_values
+    reference = copy.deepcopy(cache)
+    landing = _StandInLanding()
+    guard_layers(cache, landing)
+    assert all(isinstance(layer, transformers.cache_utils.DynamicLayer) for layer in cache.layers)
+    cache.layers[2].values  # noqa: B018  (a read: it queues the wait of layer 2 only)
+    assert landing.waited == [2]
+    assert torch.equal(cache.layers[1].keys, reference.layers[1].keys)
+    assert landing.waited == [2, 1]
+    step = torch.tensor([[3]])
+    with torch.no_grad():
+        guarded = model(input_ids=step, past_key_values=cache, use_cache=True).logits
+        plain = model(input_ids=step, past_key_values=reference, use_cache=True).logits
+    assert torch.equal(guarded, plain)  # update() through the guard: same cache, same step
+    assert set(landing.waited) == {0, 1, 2}
+    assert cache.get_seq_length() == reference.get_seq_length() == 10
+    landing.landed = True
+    before = len(landing.waited)
+    cache.layers[0].keys  # noqa: B018
+    cache.layers[0].keys  # noqa: B018
+    assert len(landing.waited) == before  # landed: reads cost nothing more
+    # a copy of a cache still landing waits for it on the CPU and keeps no landing
+    again = _StandInLanding()
+    guard_layers(cache, again)
+    twin = copy.deepcopy(cache)
+    assert again.synced >= 1 and all(layer._kvb_pending is None for layer in twin.layers)
+    assert torch.equal(twin.layers[2].keys, cache.layers[2].keys)
+
+
 def _gpu_cache(cpu):
     on_gpu = transformers.DynamicCache()
     for i, layer in enumerate(cpu.layers):

@@ -57,12 +57,12 @@ class Landing:
     def ready(self, group: int) -> Any:
         return self._events[group]
 
-    def wait_for(self, group: int, stream: Any = None) -> None:
+    def wait_for(self, group: int, stream: Any = None, *, device: Any = None) -> None:
+        """``stream`` (default: the current one of ``device``) waits for group ``group``."""
         import torch
 
-        event = self._events[group]
-        target = stream if stream is not None else torch.cuda.current_stream()
-        target.wait_event(event)
+        target = stream if stream is not None else torch.cuda.current_stream(device)
+        target.wait_event(self._events[group])
 
     @property
     def landed(self) -> bool:

@@ -20,7 +20,9 @@ _classes: dict[type, type] = {}
 
 
 class _LandingLayer:
-    """Mixin before a transformers cache layer type (see the module doc)."""
+    """What the subclass of a transformers cache layer type adds (see the module doc). Its
+    members are copied into that subclass, whose only base is the layer type: ``__class__``
+    can only change between types of one layout, and a second base would change it."""
 
     # (Landing, group) until the layer's copies are known to be done
     _kvb_pending: tuple[Any, int] | None = None
@@ -33,9 +35,7 @@ class _LandingLayer:
         if landing.landed:
             self._kvb_pending = None
             return
-        import torch
-
-        landing.wait_for(group, torch.cuda.current_stream(tensor.device))
+        landing.wait_for(group, device=tensor.device)
 
     @property
     def keys(self) -> Any:
@@ -66,17 +66,20 @@ class _LandingLayer:
 def _landing_class(kind: type) -> type:
     cls = _classes.get(kind)
     if cls is None:
-        cls = _classes[kind] = type(kind.__name__, (_LandingLayer, kind),
-                                    {"__module__": __name__, "__qualname__": kind.__qualname__})  # fmt: skip
+        members = {k: v for k, v in vars(_LandingLayer).items()
+                   if k not in ("__dict__", "__weakref__", "__doc__")}  # fmt: skip
+        members.update(__module__=__name__, __qualname__=kind.__qualname__)
+        cls = _classes[kind] = type(kind.__name__, (kind,), members)
     return cls
 
 
 def guard_layers(cache: Any, landing: Any) -> None:
     """Make layer ``i`` of ``cache`` wait for group ``i`` of ``landing`` before any read."""
     for i, layer in enumerate(cache.layers):
-        keys, values = layer.__dict__.pop("keys"), layer.__dict__.pop("values")
-        layer.__class__ = _landing_class(type(layer))
-        layer.keys, layer.values = keys, values
+        if not isinstance(layer, tuple(_classes.values())):
+            keys, values = layer.__dict__.pop("keys"), layer.__dict__.pop("values")
+            layer.__class__ = _landing_class(type(layer))
+            layer.keys, layer.values = keys, values
         layer._kvb_pending = (landing, i)
 
 
