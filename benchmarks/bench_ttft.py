@@ -214,9 +214,9 @@ def main(argv=None) -> None:
                 row["same_token"] = all(row[f"{p}_token"] == row["recompute_token"]
                                         for p in broker_paths)  # fmt: skip
                 reference = row.pop("recompute_logits")
-                row["logits_bit_identical"] = all(bool(torch.equal(row.pop(f"{p}_logits"),
-                                                                   reference))
-                                                  for p in broker_paths)  # fmt: skip
+                logits = [row.pop(f"{p}_logits") for p in broker_paths]  # (JSON has no tensors)
+                row["logits_bit_identical"] = all(bool(torch.equal(x, reference))
+                                                  for x in logits)  # fmt: skip
                 rows.append(row)
                 print(f"repeat {rep}: broker {row['broker_s'] * 1e3:.1f} ms (claim "
                       f"{row['claim_s'] * 1e3:.1f} ms), recompute {row['recompute_s']:.2f} s, "
