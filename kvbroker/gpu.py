@@ -26,6 +26,12 @@ Who owns and frees what
   GPU from the destination tensors after the copies (objects sealed with the whole-buffer
   kind 0: on the CPU from the pool); a mismatch raises ChecksumMismatch after the bytes have
   landed in the caller's tensors, which must then not be used.
+- :meth:`GpuClient.land` queues the same host→device copies from a read lease the caller
+  holds and returns at once: the lease passes to the returned ``Landing``, and this
+  GpuClient's finisher thread releases it (then runs the caller's ``after``, e.g. counting
+  a consume) once the copies are done; each group of destination tensors has its own CUDA
+  event, which the engine's stream waits on before reading them. :meth:`GpuClient.close`
+  waits for every landing first. ``kvbroker._client.gpu_landing`` says who frees what.
 - :func:`host_tensors` gives torch CPU tensors over a lease's slices (zero-copy, valid only
   while the lease is); they are writable even for read leases: do not write through them.
 - GPU staging rings (``kvbroker serve --gpu-ring SIZE``, :mod:`kvbroker._server.rings`): the

@@ -115,3 +115,21 @@ def test_close_without_any_landing_starts_no_thread():
     f.close()
     f.close()  # twice is fine
     assert threading.active_count() == before
+
+
+def test_cancel_after_drops_what_has_not_run_yet_and_says_when_it_is_too_late():
+    log: list = []
+    f = Finisher()
+    first, d1 = _landing(log, "cancelled")
+    f.submit(first)
+    assert first.cancel_after() is True  # the caller failed after handing the lease over
+    d1.gate.set()
+    first.finish(timeout=5)
+    assert log == [("release", "cancelled", True)]  # released once landed, nothing counted
+    second, d2 = _landing(log, "ran")
+    f.submit(second)
+    d2.gate.set()
+    second.finish(timeout=5)
+    assert second.cancel_after() is False  # too late: it ran
+    assert log[-1] == ("after", "ran")
+    f.close()

@@ -166,15 +166,123 @@ def test_a_landing_layer_read_waits_for_its_own_group_only_until_the_claim_has_l
     assert cache.get_seq_length() == reference.get_seq_length() == 10
     landing.landed = True
     before = len(landing.waited)
+    cache.layers[0].keys  # noqa: B018  (landed: the layer turns back into its own type)
     cache.layers[0].keys  # noqa: B018
-    cache.layers[0].keys  # noqa: B018
-    assert len(landing.waited) == before  # landed: reads cost nothing more
-    # a copy of a cache still landing waits for it on the CPU and keeps no landing
+    assert len(landing.waited) == before
+    assert type(cache.layers[0]) is transformers.cache_utils.DynamicLayer
+    assert torch.equal(cache.layers[0].keys, reference.layers[0].keys)
+    # a cache still landing: a copy, a pickle, a publish wait for it on the CPU and keep
+    # nothing of the landing
+    import pickle
+
     again = _StandInLanding()
     guard_layers(cache, again)
     twin = copy.deepcopy(cache)
-    assert again.synced >= 1 and all(layer._kvb_pending is None for layer in twin.layers)
+    assert again.synced >= 1
+    assert all(type(layer) is transformers.cache_utils.DynamicLayer for layer in twin.layers)
     assert torch.equal(twin.layers[2].keys, cache.layers[2].keys)
+    guard_layers(cache, _StandInLanding())
+    thawed = pickle.loads(pickle.dumps(cache))
+    assert type(thawed.layers[1]) is transformers.cache_utils.DynamicLayer
+    assert torch.equal(thawed.layers[1].values, cache.layers[1].values)
+
+
+def test_a_claimed_cache_still_landing_can_be_published_again(client):
+    from kvbroker.integrations.transformers._landing import guard_layers
+
+    cache = _random_cache(layers=2, seq=11)
+    guard_layers(cache, _StandInLanding())
+    kvt.publish_cache(client, "again", cache)  # waits for the landing, then a plain publish
+    claimed = kvt.claim_cache(client, "again", config=_config(), dtype=torch.bfloat16)
+    assert torch.equal(_bits(claimed.cache.layers[1].keys), _bits(cache.layers[1].keys))
+
+
+class _GatedGpu:
+    """Stands in for a GpuClient without CUDA: land() queues nothing, and its copies land
+    when the test opens the gate (the real Finisher releases the lease then)."""
+
+    def __init__(self, client) -> None:
+        import threading
+
+        from kvbroker._client.gpu_landing import Finisher
+
+        self.client, self.finisher, self.landings = client, Finisher(), []
+        self.gate = threading.Event()
+
+    def land(self, lease, groups, *, stream=None, after=None):
+        from kvbroker._client.gpu_landing import Landing
+
+        gate = self.gate
+
+        class Done:
+            def synchronize(self):
+                assert gate.wait(10)
+
+            def query(self):
+                return gate.is_set()
+
+        landing = Landing(lease, [Done()] * len(groups), Done(), after)
+        self.finisher.submit(landing)
+        self.landings.append(landing)
+        return landing
+
+
+@pytest.fixture
+def gated(client, monkeypatch):
+    """claim_cache(device="cuda") through a _GatedGpu, its tensors on the CPU (no CUDA)."""
+    gpu = _GatedGpu(client)
+    real = torch.empty
+    monkeypatch.setattr(kvt, "_gpu_of", lambda c: gpu if c is gpu else None)
+    monkeypatch.setattr(kvt, "_broker_client", lambda c: client)
+
+    class Torch:
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+        @staticmethod
+        def empty(*a, device=None, **k):
+            return real(*a, **k)
+
+    monkeypatch.setattr(kvt, "_torch", lambda: Torch())
+    yield gpu
+    gpu.gate.set()
+    gpu.finisher.close()
+
+
+def test_a_landing_claim_that_fails_after_queuing_leaves_the_lease_to_the_copies_and_consumes_nothing(
+    client, gated, monkeypatch
+):
+    kvt.publish_cache(client, "late-fail", _random_cache())
+
+    def broken(cache, landing):
+        raise RuntimeError("guarding failed")
+
+    monkeypatch.setattr(kvt, "guard_layers", broken)
+    with pytest.raises(RuntimeError, match="guarding failed"):
+        kvt.claim_cache(gated, "late-fail", config=_config(), dtype=torch.bfloat16, device="cuda")
+    landing = gated.landings[0]
+    assert not landing.lease.ended  # the copies still read its slices: not given back yet
+    gated.gate.set()
+    landing.finish(timeout=10)
+    assert landing.lease.ended and client.exists("late-fail")  # released, not consumed
+    claimed = kvt.claim_cache(client, "late-fail", config=_config(), dtype=torch.bfloat16)
+    assert claimed.seq_len == 37 and not client.exists("late-fail")
+
+
+def test_a_claim_whose_extra_is_not_a_mapping_raises_before_any_copy_and_consumes_nothing(
+    client, gated
+):
+    kvt.publish_cache(client, "good", _random_cache(layers=2))
+    with client.claim("good") as lease:
+        meta, buffers = dict(lease.meta), {n: bytes(lease[n]) for n in lease}
+    meta["extra"] = [1, 2, 3]
+    client.put("bad-extra", buffers, meta=meta)
+    for target in (gated, client):  # the landing path and the serial one
+        with pytest.raises(LayoutMismatch, match="extra is a list"):
+            kvt.claim_cache(target, "bad-extra", config=_config(), dtype=torch.bfloat16,
+                            device="cuda" if target is gated else None)  # fmt: skip
+        assert client.exists("bad-extra")
+    assert gated.landings == []
 
 
 def _gpu_cache(cpu):

@@ -177,7 +177,7 @@ class GpuClient(RingClient):
         # seconds a claim(verify=True) spent after its copies were done: waiting for the GPU
         # checksums (and combining them); what verifying added to the claim
         self.last_verify_s = 0.0
-        self._finisher = Finisher()  # releases the leases of land() once their copies are done
+        self._finisher: Finisher | None = None  # land()'s lease releases, made at first use
         try:
             for pool in self.client.pools:
                 if pool.get("hidden"):
@@ -201,7 +201,7 @@ class GpuClient(RingClient):
         if getattr(self, "_closed", False):
             return
         self._closed = True
-        if hasattr(self, "_finisher"):
+        if getattr(self, "_finisher", None) is not None:
             self._finisher.close()  # no copy of a landing reads the pools any more
         if hasattr(self, "stream"):
             self.stream.synchronize()
@@ -431,9 +431,17 @@ class GpuClient(RingClient):
         for flat in flats:
             _check_destinations(lease, flat)
         srcs = _host_addresses(lease)
-        ready = torch.cuda.Event()
-        ready.record(self._caller_stream(stream))
-        self.stream.wait_event(ready)
+        # After what is queued on the caller's stream, and on each destination GPU's current
+        # stream (where their memory was allocated: it may be a block freed there and still
+        # read by work queued before).
+        waits = [self._caller_stream(stream)]
+        for device in {t.device for group in groups for t in group.values()}:
+            if device != self.device:
+                waits.append(torch.cuda.current_stream(device))
+        for waited in waits:
+            ready = torch.cuda.Event()
+            ready.record(waited)
+            self.stream.wait_event(ready)
         events = []
         self.last_copies = 0
         try:
@@ -449,10 +457,13 @@ class GpuClient(RingClient):
         except BaseException:
             self.stream.synchronize()  # what was queued reads the lease's slices
             raise
-        done = torch.cuda.Event(enable_timing=True)  # timed against the caller's own events
+        # timed against the caller's own events; blocking: the finisher sleeps, not spins
+        done = torch.cuda.Event(enable_timing=True, blocking=True)
         done.record(self.stream)
         landing = Landing(lease, events, done, after)
         try:
+            if self._finisher is None:
+                self._finisher = Finisher(self.device)
             self._finisher.submit(landing)
         except BaseException:
             self.stream.synchronize()

@@ -19,6 +19,14 @@ Who owns what, and who frees it, when:
 
 Nothing here checks the bytes (no ``verify``): a check that ends after the engine has used
 them could not keep it from using them.
+
+What comes later than with a blocking claim: a failed copy, or a lease that ended under the
+copies (its TTL ran out, the connection broke), is known only after the engine has used the
+bytes: ``finish()`` raises it, and the finisher logs it either way. The finisher shares the
+Client's one connection: while the caller's thread waits in a blocking call on the same
+Client (a claim with ``wait=``), the release waits behind it; if the lease's TTL runs out
+meanwhile, the release fails, ``after`` does not run (no consume is counted) and the object
+stays until it is evicted. Close the GpuClient (it waits for every landing) before its Client.
 """
 
 from __future__ import annotations
@@ -51,6 +59,7 @@ class Landing:
         self.done = done
         self._events = list(events)
         self._after = after
+        self._after_lock = threading.Lock()  # cancel_after() against the finisher taking it
         self._finished = threading.Event()
         self.error: BaseException | None = None
 
@@ -58,11 +67,23 @@ class Landing:
         return self._events[group]
 
     def wait_for(self, group: int, stream: Any = None, *, device: Any = None) -> None:
-        """``stream`` (default: the current one of ``device``) waits for group ``group``."""
+        """``stream`` (default: the current one of ``device``) waits for group ``group``.
+        A CPU ``device`` has no stream to order: nothing to do (a tensor moved off the GPU
+        by its reader, which ordered that move itself)."""
         import torch
 
+        if stream is None and device is not None and torch.device(device).type != "cuda":
+            return
         target = stream if stream is not None else torch.cuda.current_stream(device)
         target.wait_event(self._events[group])
+
+    def cancel_after(self) -> bool:
+        """Do not run ``after`` (the caller failed after handing the lease over: e.g. count
+        no consume). True if it was dropped; False if the finisher had taken it (or there
+        was none)."""
+        with self._after_lock:
+            dropped, self._after = self._after is not None, None
+            return dropped
 
     @property
     def landed(self) -> bool:
@@ -91,8 +112,10 @@ class Landing:
                 self.lease.release(consume=False)  # a failed copy does not count as a read
                 raise
             self.lease.release()
-            if self._after is not None:
-                self._after()
+            with self._after_lock:
+                after, self._after = self._after, None
+            if after is not None:
+                after()
         except BaseException as exc:  # kept for finish(); logged in case nobody asks
             self.error = exc
             log.warning("a landing claim of lease %s failed: %s", self.lease.id, exc)
@@ -104,7 +127,8 @@ class Finisher:
     """One thread per GpuClient that completes its landings in the order they were queued
     (they were queued on one stream: they land in that order too)."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: Any = None) -> None:
+        self._device = device  # the thread's current CUDA device (no context made on GPU 0)
         self._queue: queue.SimpleQueue[Landing | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -121,6 +145,10 @@ class Finisher:
             self._queue.put(landing)
 
     def _run(self) -> None:
+        if self._device is not None:
+            import torch
+
+            torch.cuda.set_device(self._device)
         while True:
             landing = self._queue.get()
             if landing is None:

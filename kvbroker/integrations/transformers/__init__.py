@@ -263,6 +263,7 @@ def claim_cache(
                          "kvbroker.gpu.GpuClient (its DMA lands while the model computes)")  # fmt: skip
     landing = overlap is not False and gpu is not None and cuda
     lease = client.claim(request, namespace=namespace, select=kv_select_regex(), wait=wait)
+    landed = None
     try:
         meta = lease.meta
         if not isinstance(meta, dict) or meta.get(META_TAG) != 1:
@@ -270,6 +271,10 @@ def claim_cache(
                                  "in its meta)")  # fmt: skip
         published = KVSpec.from_meta(meta)
         local.check_published(published, request)
+        extra = meta.get("extra") or {}
+        if not isinstance(extra, Mapping):
+            raise LayoutMismatch(f"{request!r}: its meta's extra is a {type(extra).__name__}, "
+                                 "not the mapping publish_cache records")  # fmt: skip
         batch, heads, dim = int(meta["batch"]), local.num_kv_heads, local.head_dim
         dt = _torch_dtype(local.dtype)
         kvs, groups, nbytes = [], [], 0
@@ -286,14 +291,20 @@ def claim_cache(
             kvs.append((both[0], both[1]))
             groups.append({kname: both[0], vname: both[1]})
         seq_len = int(meta["seq_len"])
-        rebuilt = _build_cache(config, kvs, seq_len)  # a mismatch raises before any copy
+        rebuilt = _build_cache(config, kvs, seq_len)  # (overlap: a mismatch raises before a copy)
+        claimed = ClaimedCache(rebuilt, seq_len, published, dict(extra), nbytes)
         if landing:
             after = (lambda: _consume(client, request, namespace)) if consume else None
             landed = gpu.land(lease, groups, after=after)  # the lease is the landing's now
             guard_layers(rebuilt, landed)
-            return ClaimedCache(rebuilt, seq_len, published, dict(meta.get("extra") or {}),
-                                nbytes, time.perf_counter() - started, landing=landed)  # fmt: skip
+            claimed.landing, claimed.seconds = landed, time.perf_counter() - started
+            return claimed
     except BaseException:
+        if landed is not None:
+            # The copies are queued: the finisher releases the lease once they have landed;
+            # a claim that raised counts no consume.
+            landed.cancel_after()
+            raise
         try:
             lease.release(consume=False)
         except KVBrokerError:
@@ -302,8 +313,8 @@ def claim_cache(
     lease.release()
     if consume:  # only now: a claim that failed above consumed nothing
         _consume(client, request, namespace)
-    return ClaimedCache(rebuilt, seq_len, published, dict(meta.get("extra") or {}), nbytes,
-                        time.perf_counter() - started)  # fmt: skip
+    claimed.seconds = time.perf_counter() - started
+    return claimed
 
 
 # -- heterogeneous TP (kvbroker.kv) ----------------------------------------------------------

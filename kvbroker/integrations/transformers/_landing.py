@@ -6,8 +6,9 @@ layer of the rebuilt ``DynamicCache`` is switched to a subclass of its own type 
 ``keys`` and ``values`` make the reader's current CUDA stream wait for that layer's event
 before handing the tensor out: the attention of layer 0 starts when layer 0 has landed,
 while layer 31 is still on its way, and no kernel can read a byte before it is there. The
-wait is queued on the GPU; the CPU goes on launching. Once the whole claim has landed the
-layer forgets it and reads cost nothing more.
+wait is queued on the GPU; the CPU goes on launching. Once the claim has landed, the first
+read turns the layer back into its own type (:func:`settle` does it at once, waiting on the
+CPU), so nothing of this stays: it pickles, publishes and compares like any layer.
 """
 
 from __future__ import annotations
@@ -28,14 +29,11 @@ class _LandingLayer:
     _kvb_pending: tuple[Any, int] | None = None
 
     def _kvb_await(self, tensor: Any) -> None:
-        pending = self.__dict__.get("_kvb_pending")
-        if pending is None or tensor is None:
-            return
-        landing, group = pending
+        landing, group = self.__dict__["_kvb_pending"]
         if landing.landed:
-            self._kvb_pending = None
-            return
-        landing.wait_for(group, device=tensor.device)
+            _restore(self)
+        elif tensor is not None:
+            landing.wait_for(group, device=tensor.device)
 
     @property
     def keys(self) -> Any:
@@ -57,10 +55,11 @@ class _LandingLayer:
     def values(self, value: Any) -> None:
         self._kvb_values = value
 
-    def __getstate__(self) -> dict:
-        # copy.deepcopy / pickle: the copies land first (the CPU waits), the landing stays out
+    def __reduce_ex__(self, protocol: int) -> Any:
+        # copy.deepcopy / pickle / torch.save: the copies land first (the CPU waits), then
+        # the layer is reduced as its own type
         settle(self)
-        return dict(self.__dict__)
+        return self.__reduce_ex__(protocol)
 
 
 def _landing_class(kind: type) -> type:
@@ -73,10 +72,23 @@ def _landing_class(kind: type) -> type:
     return cls
 
 
+def _is_landing(layer: Any) -> bool:
+    return type(layer) in _classes.values()
+
+
+def _restore(layer: Any) -> None:
+    """``layer`` back to its own type, its tensors as plain attributes."""
+    state = layer.__dict__
+    keys, values = state.pop("_kvb_keys", None), state.pop("_kvb_values", None)
+    state.pop("_kvb_pending", None)
+    layer.__class__ = type(layer).__bases__[0]
+    layer.keys, layer.values = keys, values
+
+
 def guard_layers(cache: Any, landing: Any) -> None:
     """Make layer ``i`` of ``cache`` wait for group ``i`` of ``landing`` before any read."""
     for i, layer in enumerate(cache.layers):
-        if not isinstance(layer, tuple(_classes.values())):
+        if not _is_landing(layer):
             keys, values = layer.__dict__.pop("keys"), layer.__dict__.pop("values")
             layer.__class__ = _landing_class(type(layer))
             layer.keys, layer.values = keys, values
@@ -84,8 +96,8 @@ def guard_layers(cache: Any, landing: Any) -> None:
 
 
 def settle(layer: Any) -> None:
-    """Wait on the CPU until ``layer``'s copies are done; it then forgets its landing."""
-    pending = layer.__dict__.get("_kvb_pending")
-    if pending is not None:
-        pending[0].done.synchronize()
-        layer._kvb_pending = None
+    """Wait on the CPU until ``layer``'s copies are done and turn it back into its own type;
+    nothing for a layer that is not landing."""
+    if _is_landing(layer):
+        layer.__dict__["_kvb_pending"][0].done.synchronize()
+        _restore(layer)

@@ -13,6 +13,7 @@ from typing import Any
 
 from ...errors import BadRequest, LayoutMismatch
 from ...layout import itemsize_of
+from ._landing import settle
 
 _DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32",
                   "float": "float32"}  # fmt: skip
@@ -211,6 +212,7 @@ def _read_layers(cache: Any) -> list[_Layer]:
         from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
         for i, layer in enumerate(cache.layers):
+            settle(layer)  # a claimed cache's layer still landing: its copies first
             if type(layer) not in (DynamicLayer, DynamicSlidingWindowLayer):
                 raise BadRequest(
                     f"layer {i} is a {type(layer).__name__}: only DynamicLayer and "
