@@ -133,3 +133,15 @@ def test_cancel_after_drops_what_has_not_run_yet_and_says_when_it_is_too_late():
     assert second.cancel_after() is False  # too late: it ran
     assert log[-1] == ("after", "ran")
     f.close()
+
+
+def test_a_finisher_that_cannot_make_its_device_current_still_completes_every_landing(caplog):
+    log: list = []
+    f = Finisher(device="cuda:99")  # no such device here (no CUDA at all, or too few GPUs)
+    landing, done = _landing(log, "still")
+    f.submit(landing)
+    done.gate.set()
+    landing.finish(timeout=5)  # a finisher thread that died here would leave this hanging
+    assert log == [("release", "still", True), ("after", "still")]
+    assert "cannot make cuda:99 current" in caplog.text
+    f.close()

@@ -355,7 +355,7 @@ def test_closing_the_gpu_client_waits_for_landings_then_releases_and_consumes(cl
     from kvbroker.gpu import GpuClient
 
     cpu = _random_cache(layers=2, dtype=torch.float16, seq=64, dim=64)
-    g = GpuClient(client)
+    g = GpuClient(client, device="cuda")  # no index: the finisher must still find its GPU
     kvt.publish_cache(g, "req-close", _gpu_cache(cpu))
     with torch.cuda.stream(g.stream):
         torch.cuda._sleep(int(1e9))

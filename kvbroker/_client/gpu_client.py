@@ -436,7 +436,7 @@ class GpuClient(RingClient):
         # read by work queued before).
         waits = [self._caller_stream(stream)]
         for device in {t.device for group in groups for t in group.values()}:
-            if device != self.device:
+            if device != self.stream.device:
                 waits.append(torch.cuda.current_stream(device))
         for waited in waits:
             ready = torch.cuda.Event()
@@ -463,7 +463,7 @@ class GpuClient(RingClient):
         landing = Landing(lease, events, done, after)
         try:
             if self._finisher is None:
-                self._finisher = Finisher(self.device)
+                self._finisher = Finisher(self.stream.device)  # with its index
             self._finisher.submit(landing)
         except BaseException:
             self.stream.synchronize()

@@ -146,9 +146,13 @@ class Finisher:
 
     def _run(self) -> None:
         if self._device is not None:
-            import torch
+            try:
+                import torch
 
-            torch.cuda.set_device(self._device)
+                torch.cuda.set_device(self._device)
+            except Exception as exc:  # never fatal: a landing left unfinished hangs finish()
+                log.warning("kvbroker-landing: cannot make %s current (%s); the copies are "
+                            "waited for from the default device", self._device, exc)  # fmt: skip
         while True:
             landing = self._queue.get()
             if landing is None:
