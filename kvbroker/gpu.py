@@ -30,7 +30,8 @@ Who owns and frees what
   holds and returns at once: the lease passes to the returned ``Landing``, and this
   GpuClient's finisher thread releases it (then runs the caller's ``after``, e.g. counting
   a consume) once the copies are done; each group of destination tensors has its own CUDA
-  event, which the engine's stream waits on before reading them. :meth:`GpuClient.close`
+  event, which a reader's stream waits on before reading them (``Landing.wait_for``; the
+  transformers integration does it per layer). :meth:`GpuClient.close`
   waits for every landing first. ``kvbroker._client.gpu_landing`` says who frees what.
 - :func:`host_tensors` gives torch CPU tensors over a lease's slices (zero-copy, valid only
   while the lease is); they are writable even for read leases: do not write through them.

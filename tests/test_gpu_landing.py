@@ -145,3 +145,27 @@ def test_a_finisher_that_cannot_make_its_device_current_still_completes_every_la
     assert log == [("release", "still", True), ("after", "still")]
     assert "cannot make cuda:99 current" in caplog.text
     f.close()
+
+
+def test_a_finisher_whose_thread_could_not_start_starts_one_at_the_next_landing(monkeypatch):
+    log: list = []
+    f = Finisher()
+    real_start = threading.Thread.start
+    calls = []
+
+    def start_once_failing(self):
+        calls.append(self.name)
+        if len(calls) == 1:
+            raise RuntimeError("can't start new thread")
+        real_start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start_once_failing)
+    first, _ = _landing(log, "refused")
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        f.submit(first)  # nothing queued: the caller still holds the lease
+    second, done = _landing(log, "served")
+    f.submit(second)
+    done.gate.set()
+    second.finish(timeout=5)
+    assert log == [("release", "served", True), ("after", "served")]
+    f.close()  # joins the thread that did start

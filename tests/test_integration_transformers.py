@@ -249,16 +249,35 @@ def gated(client, monkeypatch):
     gpu.finisher.close()
 
 
-def test_a_landing_claim_that_fails_after_queuing_leaves_the_lease_to_the_copies_and_consumes_nothing(
+def test_a_landing_claim_whose_guard_fails_queues_no_copy_and_consumes_nothing(
     client, gated, monkeypatch
 ):
-    kvt.publish_cache(client, "late-fail", _random_cache())
+    kvt.publish_cache(client, "guard-fail", _random_cache())
 
     def broken(cache, landing):
         raise RuntimeError("guarding failed")
 
     monkeypatch.setattr(kvt, "guard_layers", broken)
     with pytest.raises(RuntimeError, match="guarding failed"):
+        kvt.claim_cache(gated, "guard-fail", config=_config(), dtype=torch.bfloat16, device="cuda")
+    assert gated.landings == []  # the guard comes before the copies: nothing was queued
+    assert client.exists("guard-fail")
+
+
+def test_a_landing_claim_interrupted_after_queuing_leaves_the_lease_to_the_copies_and_consumes_nothing(
+    client, gated, monkeypatch
+):
+    kvt.publish_cache(client, "late-fail", _random_cache())
+    real = kvt.LateLanding
+
+    class Interrupted(real):
+        def __setattr__(self, name, value):
+            if name == "landing" and value is not None:
+                raise KeyboardInterrupt  # as a Ctrl-C right after the copies were queued
+            super().__setattr__(name, value)
+
+    monkeypatch.setattr(kvt, "LateLanding", Interrupted)
+    with pytest.raises(KeyboardInterrupt):
         kvt.claim_cache(gated, "late-fail", config=_config(), dtype=torch.bfloat16, device="cuda")
     landing = gated.landings[0]
     assert not landing.lease.ended  # the copies still read its slices: not given back yet
@@ -267,6 +286,30 @@ def test_a_landing_claim_that_fails_after_queuing_leaves_the_lease_to_the_copies
     assert landing.lease.ended and client.exists("late-fail")  # released, not consumed
     claimed = kvt.claim_cache(client, "late-fail", config=_config(), dtype=torch.bfloat16)
     assert claimed.seq_len == 37 and not client.exists("late-fail")
+
+
+def test_a_landing_layer_restored_twice_or_by_two_threads_stays_a_plain_layer():
+    import threading
+
+    from kvbroker.integrations.transformers._landing import _restore, guard_layers, settle
+
+    cache = _random_cache(layers=1)
+    keys = cache.layers[0].keys
+    landing = _StandInLanding()
+    guard_layers(cache, landing)
+    landing.landed = True
+    layer = cache.layers[0]
+    threads = [threading.Thread(target=f, args=(layer,)) for f in (settle, _restore, _restore)]
+    for t in threads:
+        t.start()
+    _ = layer.keys
+    for t in threads:
+        t.join()
+    _restore(layer)
+    settle(layer)
+    assert type(layer) is transformers.cache_utils.DynamicLayer
+    assert layer.keys is keys and layer.values is not None
+    assert not any(name.startswith("_kvb") for name in vars(layer))
 
 
 def test_a_claim_whose_extra_is_not_a_mapping_raises_before_any_copy_and_consumes_nothing(

@@ -177,7 +177,7 @@ class GpuClient(RingClient):
         # seconds a claim(verify=True) spent after its copies were done: waiting for the GPU
         # checksums (and combining them); what verifying added to the claim
         self.last_verify_s = 0.0
-        self._finisher: Finisher | None = None  # land()'s lease releases, made at first use
+        self._finisher: Finisher | None = None  # land()'s lease releases (below)
         try:
             for pool in self.client.pools:
                 if pool.get("hidden"):
@@ -193,6 +193,8 @@ class GpuClient(RingClient):
             raise
         with torch.cuda.device(self.device):
             self.stream = torch.cuda.Stream(self.device)
+        # its thread starts at the first land(); the stream's device has an index
+        self._finisher = Finisher(self.stream.device)
         self._closed = False
 
     # -- lifetime ---------------------------------------------------------------------------
@@ -434,11 +436,10 @@ class GpuClient(RingClient):
         # After what is queued on the caller's stream, and on each destination GPU's current
         # stream (where their memory was allocated: it may be a block freed there and still
         # read by work queued before).
-        waits = [self._caller_stream(stream)]
-        for device in {t.device for group in groups for t in group.values()}:
-            if device != self.stream.device:
-                waits.append(torch.cuda.current_stream(device))
-        for waited in waits:
+        waits = {s.cuda_stream: s for s in [self._caller_stream(stream)] + [
+            torch.cuda.current_stream(d) for d in {t.device for g in groups for t in g.values()}
+        ]}  # fmt: skip
+        for waited in waits.values():
             ready = torch.cuda.Event()
             ready.record(waited)
             self.stream.wait_event(ready)
@@ -462,8 +463,6 @@ class GpuClient(RingClient):
         done.record(self.stream)
         landing = Landing(lease, events, done, after)
         try:
-            if self._finisher is None:
-                self._finisher = Finisher(self.stream.device)  # with its index
             self._finisher.submit(landing)
         except BaseException:
             self.stream.synchronize()

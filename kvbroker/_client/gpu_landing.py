@@ -139,9 +139,10 @@ class Finisher:
             if self._closed:
                 raise KVBrokerError("the GpuClient is closed")
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="kvbroker-landing",
-                                                daemon=True)  # fmt: skip
-                self._thread.start()
+                thread = threading.Thread(target=self._run, name="kvbroker-landing",
+                                          daemon=True)  # fmt: skip
+                thread.start()  # may raise (no thread to be had): nothing queued then
+                self._thread = thread
             self._queue.put(landing)
 
     def _run(self) -> None:

@@ -63,6 +63,7 @@ imported on first use, by the functions that handle tensors.
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 from collections.abc import Mapping, Sequence
@@ -93,7 +94,7 @@ from ._spec import (  # noqa: F401  (copy_into, KVSpec... stay importable from h
     _torch,
     _torch_dtype,
 )
-from ._landing import guard_layers
+from ._landing import LateLanding, guard_layers
 
 __all__ = [
     "KVSpec",
@@ -110,6 +111,7 @@ __all__ = [
     "discard",
 ]
 
+log = logging.getLogger("kvbroker")
 META_TAG = "kvbroker.transformers"  # meta key marking (and versioning) what this module published
 # One block holding every token: the whole sequence of a layer as kvbroker.kv's paged cache.
 _STAGED_AXES = ("layer", "kv", "block", "head", "token", "head_dim")
@@ -294,16 +296,21 @@ def claim_cache(
         rebuilt = _build_cache(config, kvs, seq_len)  # (overlap: a mismatch raises before a copy)
         claimed = ClaimedCache(rebuilt, seq_len, published, dict(extra), nbytes)
         if landing:
+            late = LateLanding()
+            guard_layers(rebuilt, late)  # before the copies: nothing can fail after them
             after = (lambda: _consume(client, request, namespace)) if consume else None
             landed = gpu.land(lease, groups, after=after)  # the lease is the landing's now
-            guard_layers(rebuilt, landed)
-            claimed.landing, claimed.seconds = landed, time.perf_counter() - started
+            late.landing = claimed.landing = landed
+            claimed.seconds = time.perf_counter() - started
             return claimed
     except BaseException:
         if landed is not None:
-            # The copies are queued: the finisher releases the lease once they have landed;
-            # a claim that raised counts no consume.
-            landed.cancel_after()
+            # (only an interrupt gets here) The copies are queued: the finisher releases the
+            # lease once they have landed; a claim that raised counts no consume, unless the
+            # finisher counted it already.
+            if not landed.cancel_after() and consume:
+                log.warning("claim_cache of %r was interrupted after its copies had landed: "
+                            "its consume was counted", request)  # fmt: skip
             raise
         try:
             lease.release(consume=False)

@@ -6,18 +6,42 @@ layer of the rebuilt ``DynamicCache`` is switched to a subclass of its own type 
 ``keys`` and ``values`` make the reader's current CUDA stream wait for that layer's event
 before handing the tensor out: the attention of layer 0 starts when layer 0 has landed,
 while layer 31 is still on its way, and no kernel can read a byte before it is there. The
-wait is queued on the GPU; the CPU goes on launching. Once the claim has landed, the first
+wait is queued on the GPU; the CPU goes on launching. Once the claim has landed, the next
 read turns the layer back into its own type (:func:`settle` does it at once, waiting on the
-CPU), so nothing of this stays: it pickles, publishes and compares like any layer.
+CPU; a copy, a pickle and a publish settle first), so nothing of this stays.
 """
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
-__all__ = ["guard_layers", "settle"]
+__all__ = ["LateLanding", "guard_layers", "settle"]
 
-_classes: dict[type, type] = {}
+_classes: dict[type, type] = {}  # layer type -> its landing subclass
+_bases: dict[type, type] = {}  # landing subclass -> the layer type
+# One restore at a time: a settle on one thread and a read on another may both find the claim
+# landed (the decode thread reads while a publish of the same cache settles it).
+_restoring = threading.Lock()
+
+
+class LateLanding:
+    """The landing a cache is guarded with before its copies are queued (the guard cannot
+    fail after the lease has passed to the copies); ``landing`` is set right after. Until
+    then the cache is not handed out, so nothing reads it."""
+
+    landing: Any = None
+
+    @property
+    def landed(self) -> bool:
+        return self.landing.landed
+
+    @property
+    def done(self) -> Any:
+        return self.landing.done
+
+    def wait_for(self, group: int, stream: Any = None, *, device: Any = None) -> None:
+        self.landing.wait_for(group, stream, device=device)
 
 
 class _LandingLayer:
@@ -25,19 +49,22 @@ class _LandingLayer:
     members are copied into that subclass, whose only base is the layer type: ``__class__``
     can only change between types of one layout, and a second base would change it."""
 
-    # (Landing, group) until the layer's copies are known to be done
-    _kvb_pending: tuple[Any, int] | None = None
-
     def _kvb_await(self, tensor: Any) -> None:
-        landing, group = self.__dict__["_kvb_pending"]
+        pending = self.__dict__.get("_kvb_pending")
+        if pending is None:
+            return  # restored meanwhile (another thread)
+        landing, group = pending
         if landing.landed:
             _restore(self)
         elif tensor is not None:
             landing.wait_for(group, device=tensor.device)
 
+    # The tensor is read before the wait: a restore on another thread moves it from
+    # ``_kvb_keys`` to ``keys`` (in that order, so one of them always holds it).
     @property
     def keys(self) -> Any:
-        t = self.__dict__.get("_kvb_keys")
+        state = self.__dict__
+        t = state.get("_kvb_keys", state.get("keys"))
         self._kvb_await(t)
         return t
 
@@ -47,7 +74,8 @@ class _LandingLayer:
 
     @property
     def values(self) -> Any:
-        t = self.__dict__.get("_kvb_values")
+        state = self.__dict__
+        t = state.get("_kvb_values", state.get("values"))
         self._kvb_await(t)
         return t
 
@@ -59,6 +87,7 @@ class _LandingLayer:
         # copy.deepcopy / pickle / torch.save: the copies land first (the CPU waits), then
         # the layer is reduced as its own type
         settle(self)
+        _restore(self)  # (already done by settle, or by another thread)
         return self.__reduce_ex__(protocol)
 
 
@@ -69,35 +98,46 @@ def _landing_class(kind: type) -> type:
                    if k not in ("__dict__", "__weakref__", "__doc__")}  # fmt: skip
         members.update(__module__=__name__, __qualname__=kind.__qualname__)
         cls = _classes[kind] = type(kind.__name__, (kind,), members)
+        _bases[cls] = kind
     return cls
 
 
 def _is_landing(layer: Any) -> bool:
-    return type(layer) in _classes.values()
+    return type(layer) in _bases
 
 
 def _restore(layer: Any) -> None:
-    """``layer`` back to its own type, its tensors as plain attributes."""
-    state = layer.__dict__
-    keys, values = state.pop("_kvb_keys", None), state.pop("_kvb_values", None)
-    state.pop("_kvb_pending", None)
-    layer.__class__ = type(layer).__bases__[0]
-    layer.keys, layer.values = keys, values
+    """``layer`` back to its own type, its tensors as plain attributes; once."""
+    with _restoring:
+        if not _is_landing(layer):
+            return
+        state = layer.__dict__
+        # plain attributes first (the properties hide them until the type changes), then the
+        # type, then the landing's own: a reader on another thread finds the tensors throughout
+        state["keys"], state["values"] = state.get("_kvb_keys"), state.get("_kvb_values")
+        layer.__class__ = _bases[type(layer)]
+        for name in ("_kvb_keys", "_kvb_values", "_kvb_pending"):
+            state.pop(name, None)
 
 
 def guard_layers(cache: Any, landing: Any) -> None:
     """Make layer ``i`` of ``cache`` wait for group ``i`` of ``landing`` before any read."""
     for i, layer in enumerate(cache.layers):
+        state = layer.__dict__
         if not _is_landing(layer):
-            keys, values = layer.__dict__.pop("keys"), layer.__dict__.pop("values")
+            state["_kvb_keys"], state["_kvb_values"] = state.get("keys"), state.get("values")
+            state["_kvb_pending"] = (landing, i)
             layer.__class__ = _landing_class(type(layer))
-            layer.keys, layer.values = keys, values
-        layer._kvb_pending = (landing, i)
+            state.pop("keys", None)
+            state.pop("values", None)
+        else:
+            state["_kvb_pending"] = (landing, i)
 
 
 def settle(layer: Any) -> None:
     """Wait on the CPU until ``layer``'s copies are done and turn it back into its own type;
     nothing for a layer that is not landing."""
-    if _is_landing(layer):
-        layer.__dict__["_kvb_pending"][0].done.synchronize()
+    pending = layer.__dict__.get("_kvb_pending") if _is_landing(layer) else None
+    if pending is not None:
+        pending[0].done.synchronize()
         _restore(layer)
