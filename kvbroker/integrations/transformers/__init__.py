@@ -263,7 +263,7 @@ def claim_cache(
     if overlap and not (gpu is not None and cuda):
         raise BadRequest("claim_cache(overlap=True) needs a CUDA device and a "
                          "kvbroker.gpu.GpuClient (its DMA lands while the model computes)")  # fmt: skip
-    landing = overlap is not False and gpu is not None and cuda
+    overlapping = overlap is not False and gpu is not None and cuda
     lease = client.claim(request, namespace=namespace, select=kv_select_regex(), wait=wait)
     landed = None
     try:
@@ -287,7 +287,7 @@ def claim_cache(
                 if name not in lease:
                     raise LayoutMismatch(f"layout mismatch on buffers: {request!r} has no {name}")
                 _check_size(both[c], lease[name])
-                if not landing:
+                if not overlapping:
                     _copy_from_pool(both[c], lease[name])
                 nbytes += lease[name].nbytes
             kvs.append((both[0], both[1]))
@@ -295,7 +295,7 @@ def claim_cache(
         seq_len = int(meta["seq_len"])
         rebuilt = _build_cache(config, kvs, seq_len)  # (overlap: a mismatch raises before a copy)
         claimed = ClaimedCache(rebuilt, seq_len, published, dict(extra), nbytes)
-        if landing:
+        if overlapping:
             late = LateLanding()
             guard_layers(rebuilt, late)  # before the copies: nothing can fail after them
             after = (lambda: _consume(client, request, namespace)) if consume else None

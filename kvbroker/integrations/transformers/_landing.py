@@ -44,6 +44,24 @@ class LateLanding:
         self.landing.wait_for(group, stream, device=device)
 
 
+def _guarded(name: str) -> property:
+    """The layer's ``name`` tensor, read after its reader's stream waits for the copies. The
+    tensor is read before the wait: a restore on another thread moves it from ``_kvb_NAME``
+    to ``NAME`` (in that order, so one of them always holds it)."""
+    hidden = f"_kvb_{name}"
+
+    def read(self: Any) -> Any:
+        state = self.__dict__
+        t = state.get(hidden, state.get(name))
+        self._kvb_await(t)
+        return t
+
+    def write(self: Any, value: Any) -> None:
+        self.__dict__[hidden] = value
+
+    return property(read, write)
+
+
 class _LandingLayer:
     """What the subclass of a transformers cache layer type adds (see the module doc). Its
     members are copied into that subclass, whose only base is the layer type: ``__class__``
@@ -59,29 +77,8 @@ class _LandingLayer:
         elif tensor is not None:
             landing.wait_for(group, device=tensor.device)
 
-    # The tensor is read before the wait: a restore on another thread moves it from
-    # ``_kvb_keys`` to ``keys`` (in that order, so one of them always holds it).
-    @property
-    def keys(self) -> Any:
-        state = self.__dict__
-        t = state.get("_kvb_keys", state.get("keys"))
-        self._kvb_await(t)
-        return t
-
-    @keys.setter
-    def keys(self, value: Any) -> None:
-        self._kvb_keys = value
-
-    @property
-    def values(self) -> Any:
-        state = self.__dict__
-        t = state.get("_kvb_values", state.get("values"))
-        self._kvb_await(t)
-        return t
-
-    @values.setter
-    def values(self, value: Any) -> None:
-        self._kvb_values = value
+    keys = _guarded("keys")
+    values = _guarded("values")
 
     def __reduce_ex__(self, protocol: int) -> Any:
         # copy.deepcopy / pickle / torch.save: the copies land first (the CPU waits), then
@@ -124,14 +121,12 @@ def guard_layers(cache: Any, landing: Any) -> None:
     """Make layer ``i`` of ``cache`` wait for group ``i`` of ``landing`` before any read."""
     for i, layer in enumerate(cache.layers):
         state = layer.__dict__
+        state["_kvb_pending"] = (landing, i)  # before the type: a landing layer always has it
         if not _is_landing(layer):
             state["_kvb_keys"], state["_kvb_values"] = state.get("keys"), state.get("values")
-            state["_kvb_pending"] = (landing, i)
             layer.__class__ = _landing_class(type(layer))
             state.pop("keys", None)
             state.pop("values", None)
-        else:
-            state["_kvb_pending"] = (landing, i)
 
 
 def settle(layer: Any) -> None:
