@@ -261,8 +261,8 @@ def claim_cache(
     local, config = _local_spec(model, config, dtype)
     cuda = device is not None and torch.device(device).type == "cuda"
     if overlap and not (gpu is not None and cuda):
-        raise BadRequest("claim_cache(overlap=True) needs a CUDA device and a "
-                         "kvbroker.gpu.GpuClient (its DMA lands while the model computes)")  # fmt: skip
+        raise BadRequest("claim_cache(overlap=True) needs a CUDA device and a kvbroker.gpu."
+                         "GpuClient (its DMA lands while the model computes)")  # fmt: skip
     overlapping = overlap is not False and gpu is not None and cuda
     lease = client.claim(request, namespace=namespace, select=kv_select_regex(), wait=wait)
     landed = None
