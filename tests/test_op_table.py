@@ -13,6 +13,8 @@ import inspect
 import struct
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import kvbroker.errors as errors
 from kvbroker._server.connection import Connection
@@ -26,6 +28,7 @@ from kvbroker._wire.protocol import (
     LeaseRole,
     Service,
     check_reply,
+    validate_args,
 )
 
 _SERVICE_HANDLERS = {
@@ -184,3 +187,63 @@ def test_the_design_doc_shows_the_current_op_table():
     m = re.search(r"<!-- op-table[^\n]*-->\n(.*?)<!-- /op-table -->", doc, re.S)
     assert m, "docs/design.md has lost its op-table markers"
     assert m.group(1) == markdown_table()
+
+
+class _Args(dict):
+    """A dict of another class: validate_args checks it the long way, argument by argument."""
+
+
+_VALUES = st.one_of(
+    st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=False),
+    st.text(max_size=8), st.binary(max_size=8), st.lists(st.integers(), max_size=3),
+    st.dictionaries(st.text(max_size=4), st.integers(), max_size=3),
+)  # fmt: skip
+
+
+_OF_CLASS = {
+    type(None): st.none(), bool: st.booleans(), int: st.integers(-(2**70), 2**70),
+    float: st.floats(allow_nan=False), str: st.text(max_size=8), bytes: st.binary(max_size=8),
+    list: st.lists(st.integers(), max_size=3),
+    dict: st.dictionaries(st.text(max_size=4), st.integers(), max_size=3),
+}  # fmt: skip
+
+
+@st.composite
+def _requests(draw):
+    """An op and arguments as a client (or a hostile one) might send them: mostly each of the
+    op's arguments, of any class, sometimes one missing or one unknown."""
+    name = draw(st.sampled_from(sorted(OPS)))
+    args = {}
+    for a, arg in OPS[name].args.items():
+        if draw(st.integers(0, 19)):  # mostly there, mostly of a class the row accepts
+            fitting = [_OF_CLASS[t] for t in arg.types if t in _OF_CLASS]
+            args[a] = draw(st.one_of(*fitting) if fitting and draw(st.integers(0, 5))
+                           else _VALUES)  # fmt: skip
+    if draw(st.booleans()):
+        args[draw(st.text(min_size=1, max_size=6))] = draw(_VALUES)
+    return name, args
+
+
+@settings(max_examples=2000, deadline=None)
+@given(_requests())
+def test_validate_args_answers_as_the_table_says_whichever_way_it_checks(request):
+    """The fast path (every argument, of exactly an accepted class) agrees with the long
+    check: the same arguments back, or the same refusal."""
+    name, args = request
+
+    def outcome(raw):
+        try:
+            return "ok", dict(validate_args(name, raw))
+        except errors.BadRequest as exc:
+            return "refused", str(exc)
+
+    assert outcome(dict(args)) == outcome(_Args(args))
+
+
+def test_validate_args_takes_the_fast_path_for_what_clients_send():
+    raw = {"namespace": "default", "key": "k", "select": None, "consume": True, "wait": None,
+           "ttl": None, "peer": None}  # fmt: skip
+    assert validate_args("claim", raw) is raw
+    # a bool where a count is meant is refused, whichever way
+    with pytest.raises(errors.BadRequest, match="lease must be int"):
+        validate_args("release", {"lease": True, "consume": True})

@@ -391,6 +391,36 @@ def test_journal_replays_to_the_same_index(tmp_path):
         pool.unlink()
 
 
+def test_a_journal_record_carries_every_persisted_field():
+    """``to_record`` spells its fields out (it runs on every publish): it must keep naming
+    what ``PERSISTED`` names, and give back an object equal in each of them."""
+    from kvbroker._server.state import StoredObject
+
+    name = segment_prefix() + ".0"
+    pool = HostPool(0, name, 1 << 20, 4096)
+    try:
+        b = Broker([pool])
+        s = b.open_session()
+        b.handle(s, "hello", {"version": 1})
+        b.handle(s, "reserve_blocks", {"namespace": "ns", "blocks": [
+            {"key": "p", "buffers": {"k": 10}},
+            {"key": "c", "parent": "p", "buffers": {"k": 10, "v": 20}, "tokens": [1, 2]}]})
+        for lease in list(b.leases):
+            b.handle(s, "seal", {"lease": lease, "checksums": None})
+        obj = b.objects[("ns", "c")]
+        obj.meta, obj.consumers = {"m": [1]}, 3
+        rec = obj.to_record()
+        assert set(rec) == set(StoredObject.PERSISTED) | {"pool", "buffers", "parent"}
+        assert rec["parent"] == b.objects[("ns", "p")].serial and rec["pool"] == 0
+        back = StoredObject.from_record(msgpack.unpackb(msgpack.packb(rec)), [pool])
+        for field in StoredObject.PERSISTED:
+            want = getattr(obj, field)
+            assert getattr(back, field) == (tuple(want) if field == "tenants" else want), field
+        assert back.buffers == obj.buffers
+    finally:
+        pool.unlink()
+
+
 def test_allocator_with_live_rejects_overlaps():
     a = ExtentAllocator.with_live(100, [(10, 5), (0, 3), (50, 50)])
     assert a.used == 58 and a.free_extents() == [(3, 7), (15, 35)]

@@ -32,7 +32,8 @@ from .._wire.protocol import MAX_REQUEST, seal_size
 from .._wire.stats import ObjectInfo, Statistics
 from .arena import WriteArena
 from .replica import ASK_DAEMON, ReadReplica, answers
-from .copy import _np, copy_into, destination, nbytes_of, refuse_overlaps
+from .copy import _np, copy_into, destination, nbytes_of, plain_destination
+from .copy import refuse_overlaps
 from .engine import default_engine
 from .transport import DEFAULT_BUSY_POLL, UnixTransport
 from . import integrity as _integrity
@@ -424,16 +425,21 @@ class Client:
             bad = []
             # every destination checked before any byte is copied: a bad one loses nothing (an
             # exception here ends the lease without counting a consume: ReadLease.__exit__)
-            unknown = sorted(set(out or ()) - set(lease))
-            if unknown:
-                raise BadRequest(f"get: out names buffer(s) {unknown} that this claim of "
-                                 f"{namespace}/{key} does not return (it has {sorted(lease)}"
-                                 f"{'' if select is None else f', select={select!r}'})")  # fmt: skip
-            targets = {name: np.empty(lease[name].nbytes, dtype=np.uint8)
-                       if out is None or out.get(name) is None
-                       else destination(out[name], lease[name].nbytes, f"get: out[{name!r}]")
-                       for name in lease}  # fmt: skip
-            if out:  # (the fresh arrays share nothing)
+            if out and not out.keys() <= lease.keys():
+                raise BadRequest(f"get: out names buffer(s) {sorted(out.keys() - lease.keys())} "
+                                 f"that this claim of {namespace}/{key} does not return (it has "
+                                 f"{sorted(lease)}{'' if select is None else f', select={select!r}'})")  # fmt: skip
+            targets = {}
+            for name in lease:
+                given = None if out is None else out.get(name)
+                nbytes = lease[name].nbytes
+                if given is None:
+                    targets[name] = np.empty(nbytes, dtype=np.uint8)
+                else:  # (the message is only formatted for a destination that needs a look)
+                    target = plain_destination(given, nbytes)
+                    targets[name] = target if target is not None else destination(
+                        given, nbytes, f"get: out[{name!r}]")  # fmt: skip
+            if out and len(targets) > 1:  # (the fresh arrays share nothing)
                 refuse_overlaps({name: targets[name] for name in targets
                                  if out.get(name) is not None}, "get")  # fmt: skip
             for name, target in targets.items():
@@ -444,7 +450,7 @@ class Client:
                 elif split_from is not None and src.nbytes >= split_from:
                     engine.copy(target, src)  # over the engine's threads, as put copies in
                 else:
-                    np.copyto(target, src)
+                    engine.copy_here(target, src)
             _integrity.check(namespace, key, bad)
         # the caller's destinations as given, fresh arrays for the buffers it named none for
         return {name: target if out is None or out.get(name) is None else out[name]

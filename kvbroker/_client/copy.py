@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-__all__ = ["copy_into", "nbytes_of", "flat_bytes"]
+__all__ = ["copy_into", "nbytes_of", "flat_bytes", "destination", "plain_destination"]
 
 
 def _np():
@@ -86,6 +86,19 @@ def destination(dst: Any, nbytes: int, what: str):
     if target.nbytes != nbytes:
         raise BadRequest(f"{what} holds {target.nbytes} bytes, the buffer {nbytes}")
     return target
+
+
+def plain_destination(dst: Any, nbytes: int):
+    """:func:`destination` of the common case, without its questions: ``dst`` as a flat uint8
+    view when it is a writable C-contiguous numpy array of plain values holding ``nbytes``;
+    None otherwise (ask :func:`destination`, which says what is wrong)."""
+    np = sys.modules.get("numpy")
+    if np is None or dst.__class__ is not np.ndarray or dst.nbytes != nbytes:
+        return None
+    flags = dst.flags
+    if not (flags.c_contiguous and flags.writeable) or dst.dtype.hasobject:
+        return None
+    return dst.reshape(-1).view(np.uint8)
 
 
 def refuse_overlaps(targets: dict[str, Any], what: str) -> None:
