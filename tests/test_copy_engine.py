@@ -481,6 +481,45 @@ def test_get_refuses_destinations_the_bytes_would_not_land_in(client):
     assert bytes(got["b"]) == data[:64].tobytes()
 
 
+def test_get_takes_any_mapping_of_destinations(client):
+    """``out`` is any Mapping: one whose keys() is a list or a generator (a
+    WeakValueDictionary's), as well as a dict. Names it has that the claim does not return are
+    refused with BadRequest naming them, before anything is copied, and the object is kept."""
+    import collections.abc
+    import weakref
+
+    from kvbroker.errors import BadRequest
+
+    class ListKeys(collections.abc.Mapping):
+        def __init__(self, d):
+            self.d = d
+
+        def __getitem__(self, k):
+            return self.d[k]
+
+        def __iter__(self):
+            return iter(self.d)
+
+        def __len__(self):
+            return len(self.d)
+
+        def keys(self):  # a list, as some mappings give
+            return list(self.d)
+
+    data = np.arange(256, dtype=np.uint8)
+    for make in (dict, weakref.WeakValueDictionary, ListKeys):
+        client.put("obj", {"a": data})
+        dst = np.zeros(256, dtype=np.uint8)
+        got = client.get("obj", make({"a": dst}), consume=True)
+        assert got["a"] is dst and np.array_equal(dst, data)
+        client.put("obj", {"a": data})
+        other = np.zeros(256, dtype=np.uint8)
+        with pytest.raises(BadRequest, match=r"out names buffer\(s\) \['zz'\]"):
+            client.get("obj", make({"a": dst, "zz": other}), consume=True)
+        assert client.exists("obj") and not other.any()  # refused: nothing consumed or copied
+        client.evict("obj")
+
+
 def test_get_refuses_destinations_that_share_memory(client):
     """Two destinations over the same bytes (two views of one array, one array named twice):
     the second copy would overwrite the first, and the caller would read one buffer's bytes

@@ -425,10 +425,12 @@ class Client:
             bad = []
             # every destination checked before any byte is copied: a bad one loses nothing (an
             # exception here ends the lease without counting a consume: ReadLease.__exit__)
-            if out and not out.keys() <= lease.keys():
-                raise BadRequest(f"get: out names buffer(s) {sorted(out.keys() - lease.keys())} "
-                                 f"that this claim of {namespace}/{key} does not return (it has "
-                                 f"{sorted(lease)}{'' if select is None else f', select={select!r}'})")  # fmt: skip
+            # (set(out): any Mapping's names, whatever its keys() returns)
+            unknown = set(out) - lease.keys() if out else None
+            if unknown:
+                raise BadRequest(f"get: out names buffer(s) {sorted(unknown)} that this claim of "
+                                 f"{namespace}/{key} does not return (it has {sorted(lease)}"
+                                 f"{'' if select is None else f', select={select!r}'})")  # fmt: skip
             targets = {}
             for name in lease:
                 given = None if out is None else out.get(name)
