@@ -293,7 +293,6 @@ def main(argv=None) -> None:
     if cuda:
         overlap_note = ("; the overlapped claim's first-step logits bit-identical to the serial "
                         f"claim's in every repeat: {result['overlap_logits_equal_serial']}")
-    if cuda:
         overlapped = " (claim_cache's default there: the step runs while the copies land)"
         claim_note = ", from the request to its last copy landed (GPU clock)"
         serial_rows = f"""\

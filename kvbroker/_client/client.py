@@ -32,8 +32,7 @@ from .._wire.protocol import MAX_REQUEST, seal_size
 from .._wire.stats import ObjectInfo, Statistics
 from .arena import WriteArena
 from .replica import ASK_DAEMON, ReadReplica, answers
-from .copy import _np, copy_into, destination, nbytes_of, plain_destination
-from .copy import refuse_overlaps
+from .copy import _np, copy_into, destination, nbytes_of, refuse_overlaps
 from .engine import default_engine
 from .transport import DEFAULT_BUSY_POLL, UnixTransport
 from . import integrity as _integrity
@@ -435,12 +434,8 @@ class Client:
             for name in lease:
                 given = None if out is None else out.get(name)
                 nbytes = lease[name].nbytes
-                if given is None:
-                    targets[name] = np.empty(nbytes, dtype=np.uint8)
-                else:  # (the message is only formatted for a destination that needs a look)
-                    target = plain_destination(given, nbytes)
-                    targets[name] = target if target is not None else destination(
-                        given, nbytes, f"get: out[{name!r}]")  # fmt: skip
+                targets[name] = (np.empty(nbytes, dtype=np.uint8) if given is None
+                                 else destination(given, nbytes, f"get: out[{name!r}]"))
             if out and len(targets) > 1:  # (the fresh arrays share nothing)
                 refuse_overlaps({name: targets[name] for name in targets
                                  if out.get(name) is not None}, "get")  # fmt: skip

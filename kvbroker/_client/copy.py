@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-__all__ = ["copy_into", "nbytes_of", "flat_bytes", "destination", "plain_destination"]
+__all__ = ["copy_into", "nbytes_of", "flat_bytes", "destination"]
 
 
 def _np():
@@ -58,6 +58,12 @@ def destination(dst: Any, nbytes: int, what: str):
     a strided array or a GPU tensor (a flat view of either is a copy, filled then thrown
     away), a read-only buffer, another size, or no plain bytes (an object array, a tensor
     whose raw bytes torch refuses, something that is no buffer)."""
+    np = sys.modules.get("numpy")
+    if np is not None and dst.__class__ is np.ndarray and dst.nbytes == nbytes:
+        # the common case, answered without the questions below (the same view they give)
+        flags = dst.flags
+        if flags.c_contiguous and flags.writeable and not dst.dtype.hasobject:
+            return dst.reshape(-1).view(np.uint8)
     from ..errors import BadRequest
 
     kinds = "a numpy array, a torch tensor or a writable bytes-like object"
@@ -86,19 +92,6 @@ def destination(dst: Any, nbytes: int, what: str):
     if target.nbytes != nbytes:
         raise BadRequest(f"{what} holds {target.nbytes} bytes, the buffer {nbytes}")
     return target
-
-
-def plain_destination(dst: Any, nbytes: int):
-    """:func:`destination` of the common case, without its questions: ``dst`` as a flat uint8
-    view when it is a writable C-contiguous numpy array of plain values holding ``nbytes``;
-    None otherwise (ask :func:`destination`, which says what is wrong)."""
-    np = sys.modules.get("numpy")
-    if np is None or dst.__class__ is not np.ndarray or dst.nbytes != nbytes:
-        return None
-    flags = dst.flags
-    if not (flags.c_contiguous and flags.writeable) or dst.dtype.hasobject:
-        return None
-    return dst.reshape(-1).view(np.uint8)
 
 
 def refuse_overlaps(targets: dict[str, Any], what: str) -> None:
