@@ -303,8 +303,8 @@ def test_property_no_overlap_and_nothing_leaks(make_broker, script):
 def test_put_takes_one_round_trip_and_another_process_reads_it(daemon):
     with daemon.client() as w, daemon.client(arena_size=0) as r:
         calls = []
-        real = w._session.call
-        w._session.call = lambda op, **a: calls.append(op) or real(op, **a)
+        real = w._session.request
+        w._session.request = lambda op, a: calls.append(op) or real(op, a)
         data = {"past_key.0": np.arange(1000, dtype=np.float32), "x": b"abc" * 1000}
         assert w.put("k1", data, meta={"m": 1})
         assert calls == ["arena", "publish"]  # the arena is opened once, lazily

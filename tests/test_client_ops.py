@@ -43,7 +43,7 @@ def test_stub_takes_the_ops_arguments_with_its_defaults(op):
 @pytest.mark.parametrize("stub", sorted(_stubs()))
 def test_stub_sends_what_it_takes(stub):
     sent = []
-    ops = Ops(lambda op, **a: sent.append((op, a)), lambda op, **a: sent.append((op, a)))
+    ops = Ops(lambda op, a: sent.append((op, a)), lambda op, a: sent.append((op, a)))
     params = list(_stubs()[stub].parameters.values())[1:]
     args = {p.name: f"<{p.name}>" if p.default is inspect.Parameter.empty else p.default
             for p in params}  # fmt: skip
@@ -66,7 +66,8 @@ def test_stub_sends_what_it_takes(stub):
 def _names_an_op(node: ast.Call) -> str | None:
     func = node.func
     name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
-    if name in ("_call", "_send_only", "call", "send_only") and node.args:
+    if name in ("_call", "_send_only", "call", "send_only", "_request", "request", "_post",
+                "post", "_submit", "submit") and node.args:
         first = node.args[0]
         if isinstance(first, ast.Constant) and first.value in OPS:
             return first.value

@@ -288,10 +288,10 @@ def old_daemon(daemon, monkeypatch):
         del reply["checksum_kinds"]
         return reply
 
-    call = Client._call
+    call = Client._request
     sealed: list = []
 
-    def old_call(self, op, **args):
+    def old_call(self, op, args):
         maps = {"seal": [args.get("checksums")], "publish": [args.get("checksums")],
                 "seal_many": args.get("checksums") or []}.get(op, [])  # fmt: skip
         for sums in maps:
@@ -299,10 +299,10 @@ def old_daemon(daemon, monkeypatch):
                 sealed.append(sums)
                 if any(not isinstance(v, int) for v in sums.values()):
                     raise BadRequest("checksum must be an unsigned 64-bit integer")
-        return call(self, op, **args)
+        return call(self, op, args)
 
     monkeypatch.setattr(Ops, "hello", old_hello)
-    monkeypatch.setattr(Client, "_call", old_call)
+    monkeypatch.setattr(Client, "_request", old_call)
     yield daemon, sealed
 
 

@@ -199,3 +199,27 @@ def test_close_does_not_wait_on_a_daemon_that_just_timed_out():
     session._stream._script = lambda s: pytest.fail("close waited on the hung daemon")
     session.close()
     assert session._stream.closed
+
+
+def test_request_sends_the_args_dict_it_is_given_and_call_is_the_same_by_keywords():
+    """The op stubs build a request's arguments once (kvbroker._client.ops) and every layer
+    below passes that dict on: sent as given, not copied into keywords and back, not kept,
+    not changed. ``call``/``send_only``/``submit`` with keywords send the same requests."""
+    import pytest
+
+    stream = ScriptedStream(lambda s: {"id": s.sent[-1]["id"], "ok": True, "result": 5})
+    session = Session(stream)
+    args = {"namespace": "default", "key": "k"}
+    assert session.request("exists", args) == 5
+    assert stream.sent[-1]["args"] is args and args == {"namespace": "default", "key": "k"}
+    assert session.call("exists", namespace="default", key="k") == 5
+    assert stream.sent[-1]["args"] == args
+    session.post("release", {"lease": 3, "consume": True})
+    session.send_only("release", lease=4, consume=True)
+    assert [m["args"] for m in stream.sent[-2:]] == [{"lease": 3, "consume": True},
+                                                     {"lease": 4, "consume": True}]
+    assert session.submit("ping", {}).result() == 5
+    assert session.submit("lookup", key="k").result() == 5
+    assert stream.sent[-1]["args"] == {"key": "k"}
+    with pytest.raises(TypeError, match="not both"):
+        session.submit("lookup", {"key": "k"}, namespace="x")

@@ -119,7 +119,7 @@ class Client:
         self._closed = False
         # The daemon's operations, typed (kvbroker._client.ops): leases, the arena,
         # kvbroker.prefix and kvbroker.gpu make their requests through these.
-        self.ops = Ops(self._call, self._send_only, self._submit)
+        self.ops = Ops(self._request, self._post, self._submit)
         # Puts of objects up to half this size take one round trip (see _arena.py); 0: off.
         # Small on purpose: measured, a 2 MiB arena beats 8 MiB at 256 KiB-4 MiB puts (its
         # pages are reused while still in cache; big objects gain little from one round trip).
@@ -186,6 +186,9 @@ class Client:
         self._session = session  # publish: last
 
     def _call(self, op: str, **args: Any) -> Any:
+        return self._request(op, args)
+
+    def _request(self, op: str, args: dict[str, Any]) -> Any:
         replica = self._replica
         # Only once this connection's own one-way changes (a consume's release) are answered:
         # the daemon answers a read behind them in order; a replica could answer before them.
@@ -195,15 +198,15 @@ class Client:
                 return result  # (else the daemon answers: one that names replicas has exists)
         session = self._session
         try:
-            return session.call(op, **args)
+            return session.request(op, args)
         except BrokerUnavailable:
             if not session.broken or not self._recover(session):
                 raise  # a reply saying so (a draining daemon), or reconnecting is off
         if op in _LEASE_OPS:  # the lease went with the old connection
             raise LeaseExpired(self._lost_lease_message(args.get("lease")))
-        return self._session.call(op, **args)
+        return self._session.request(op, args)
 
-    def _submit(self, op: str, **args: Any) -> Any:
+    def _submit(self, op: str, args: dict[str, Any]) -> Any:
         """:meth:`Session.submit` (no resend after a reconnect: a pipelined batch belongs to
         the connection it was sent on, its caller sees the break in ``result``). A
         connection already known broken is replaced first, as the next call would."""
@@ -212,12 +215,12 @@ class Client:
             if op in _LEASE_OPS:  # the lease went with the old connection
                 raise LeaseExpired(self._lost_lease_message(args.get("lease")))
             session = self._session
-        return session.submit(op, **args)
+        return session.submit(op, args)
 
-    def _send_only(self, op: str, **args: Any) -> None:
+    def _post(self, op: str, args: dict[str, Any]) -> None:
         session = self._session
         try:
-            session.send_only(op, **args)
+            session.post(op, args)
         except BrokerUnavailable:
             if not session.broken or not self._recover(session):
                 raise
@@ -414,33 +417,19 @@ class Client:
         ChecksumMismatch instead of returning bytes that differ from those sealed (the
         destinations in ``out`` then hold the bad bytes: do not use them).
         """
-        np = _np()
         engine = default_engine()
         # below two ranges' worth the engine would copy on this thread anyway: skip its set-up
         split_from = 2 * engine.split_min if engine.threads > 1 else None
         with self.claim(key, namespace=namespace, select=select, consume=consume,
                         wait=wait, peer=peer) as lease:  # fmt: skip
-            sums = lease.checksums if verify else None
-            bad = []
+            views = lease.views()
             # every destination checked before any byte is copied: a bad one loses nothing (an
             # exception here ends the lease without counting a consume: ReadLease.__exit__)
-            # (set(out): any Mapping's names, whatever its keys() returns)
-            unknown = set(out) - lease.keys() if out else None
-            if unknown:
-                raise BadRequest(f"get: out names buffer(s) {sorted(unknown)} that this claim of "
-                                 f"{namespace}/{key} does not return (it has {sorted(lease)}"
-                                 f"{'' if select is None else f', select={select!r}'})")  # fmt: skip
-            targets = {}
-            for name in lease:
-                given = None if out is None else out.get(name)
-                nbytes = lease[name].nbytes
-                targets[name] = (np.empty(nbytes, dtype=np.uint8) if given is None
-                                 else destination(given, nbytes, f"get: out[{name!r}]"))
-            if out and len(targets) > 1:  # (the fresh arrays share nothing)
-                refuse_overlaps({name: targets[name] for name in targets
-                                 if out.get(name) is not None}, "get")  # fmt: skip
+            targets = _destinations(views, out, namespace, key, select)
+            sums = lease.checksums if verify else None
+            bad = []
             for name, target in targets.items():
-                src = lease[name]
+                src = views[name]
                 if sums and name in sums:
                     if not _integrity.copy_out_checked(target, src, sums[name]):
                         bad.append(name)
@@ -448,10 +437,15 @@ class Client:
                     engine.copy(target, src)  # over the engine's threads, as put copies in
                 else:
                     engine.copy_here(target, src)
-            _integrity.check(namespace, key, bad)
+            if bad:
+                _integrity.check(namespace, key, bad)
+        if not out:
+            return targets  # fresh arrays, every one
         # the caller's destinations as given, fresh arrays for the buffers it named none for
-        return {name: target if out is None or out.get(name) is None else out[name]
-                for name, target in targets.items()}  # fmt: skip
+        for name, given in out.items():
+            if given is not None:
+                targets[name] = given
+        return targets
 
     # -- directory -------------------------------------------------------------------------
     def exists(self, key: str, *, namespace: str = "default", peer: str | None = None) -> bool:
@@ -567,6 +561,36 @@ class Client:
             except BrokerUnavailable:
                 if not session.broken or not self._recover(session):
                     raise  # else subscribe again on the new connection
+
+
+def _destinations(views: dict[str, Any], out: Mapping[str, Any] | None, namespace: str,
+                  key: str, select: str | None) -> dict[str, Any]:
+    """Where ``get`` copies each buffer its claim of ``namespace/key`` returned (``views``:
+    name to leased view): the flat uint8 view of ``out[name]``, or a fresh array where
+    ``out`` names none. Raises BadRequest, before any byte is copied, for a name in ``out``
+    that the claim does not return, a destination of the wrong kind or size, or two
+    destinations sharing memory."""
+    np = _np()
+    if not out:
+        return {name: np.empty(v.nbytes, dtype=np.uint8) for name, v in views.items()}
+    # (set(out): any Mapping's names, whatever its keys() returns)
+    unknown = set(out) - views.keys()
+    if unknown:
+        raise BadRequest(f"get: out names buffer(s) {sorted(unknown)} that this claim of "
+                         f"{namespace}/{key} does not return (it has {sorted(views)}"
+                         f"{'' if select is None else f', select={select!r}'})")  # fmt: skip
+    targets, given_any = {}, False
+    for name, view in views.items():
+        given = out.get(name)
+        if given is None:
+            targets[name] = np.empty(view.nbytes, dtype=np.uint8)
+        else:
+            targets[name] = destination(given, view.nbytes, "get: out", name)
+            given_any = True
+    if given_any and len(targets) > 1:  # (the fresh arrays share nothing)
+        refuse_overlaps({name: targets[name] for name in targets
+                         if out.get(name) is not None}, "get")  # fmt: skip
+    return targets
 
 
 def _default_name() -> str:

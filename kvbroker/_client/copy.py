@@ -52,9 +52,10 @@ def flat_bytes(src: Any):
     return np.frombuffer(memoryview(src).cast("B"), dtype=np.uint8)
 
 
-def destination(dst: Any, nbytes: int, what: str):
+def destination(dst: Any, nbytes: int, what: str, name: str | None = None):
     """``dst`` as a writable flat uint8 numpy array over its own memory, for copying
-    ``nbytes`` into; raises BadRequest (naming ``what``) when the bytes would not land in it:
+    ``nbytes`` into; raises BadRequest (naming ``what``, or ``what[name]`` when a buffer's
+    ``name`` is given: formatted only then) when the bytes would not land in it:
     a strided array or a GPU tensor (a flat view of either is a copy, filled then thrown
     away), a read-only buffer, another size, or no plain bytes (an object array, a tensor
     whose raw bytes torch refuses, something that is no buffer)."""
@@ -66,6 +67,8 @@ def destination(dst: Any, nbytes: int, what: str):
             return dst.reshape(-1).view(np.uint8)
     from ..errors import BadRequest
 
+    if name is not None:
+        what = f"{what}[{name!r}]"
     kinds = "a numpy array, a torch tensor or a writable bytes-like object"
     if _torch_tensor(dst):
         torch = sys.modules["torch"]

@@ -75,7 +75,7 @@ class ReadReplica:
                 self.fallbacks += 1
                 return ASK_DAEMON
         try:
-            return session.call(op, **args)
+            return session.request(op, args)
         except (BrokerUnavailable, ProtocolError, Timeout, OSError):
             self._drop(session)
             self.fallbacks += 1

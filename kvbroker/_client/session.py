@@ -1,7 +1,10 @@
 """Session: request ids, replies matched to requests, errors turned into exceptions.
 
-Every call the client makes funnels through :meth:`Session.call`; which calls there are is
-:mod:`kvbroker._client.ops`'s business (the session greets through :meth:`Ops.hello`).
+Every call the client makes funnels through :meth:`Session.request` (a round trip),
+:meth:`Session.post` (one way) or :meth:`Session.submit` (pipelined), each taking the op's
+arguments as one dict (``call``/``send_only`` are the same with keyword arguments); which calls
+there are is :mod:`kvbroker._client.ops`'s business (the session greets through
+:meth:`Ops.hello`).
 """
 
 from __future__ import annotations
@@ -40,8 +43,8 @@ class Session:
         self.on_push: Callable[[dict], None] | None = None
         self.broken = False  # the connection failed: the client may replace this session
         self._stalled = False  # the last wait for a reply timed out: close does not drain
-        self.hello: HelloReply = Ops(self.call, self.send_only).hello(PROTOCOL_VERSION, name,
-                                                                        role)  # fmt: skip
+        self.hello: HelloReply = Ops(self.request, self.post).hello(PROTOCOL_VERSION, name,
+                                                                     role)  # fmt: skip
 
     def after_fork(self) -> None:
         """In a forked child: the lock may be held by a thread the child does not have, and
@@ -51,6 +54,12 @@ class Session:
         self.broken = True
 
     def call(self, op: str, **args: Any) -> Any:
+        """:meth:`request` with the op's arguments as keywords."""
+        return self.request(op, args)
+
+    def request(self, op: str, args: dict[str, Any]) -> Any:
+        """Send ``op`` with ``args`` and return its reply's result (raising the error a failed
+        reply names). ``args`` is sent as given: not kept, not changed."""
         with self._lock:
             self._forget_dropped()
             rid = None
@@ -88,10 +97,15 @@ class Session:
                 raise
         raise _error_of(msg)
 
-    def submit(self, op: str, **args: Any) -> Pending:
+    def submit(self, op: str, args: dict[str, Any] | None = None, /, **kwargs: Any) -> Pending:
         """Send a request without waiting: its reply is read when :meth:`Pending.result`
         asks (or while another call waits), so a caller can keep several requests in the
-        daemon's queue and work meanwhile. Errors are raised by ``result``."""
+        daemon's queue and work meanwhile. Errors are raised by ``result``. The arguments:
+        one dict, or keywords."""
+        if args is None:
+            args = kwargs
+        elif kwargs:
+            raise TypeError("submit: the arguments as one dict or as keywords, not both")
         with self._lock:
             self._forget_dropped()
             try:
@@ -152,6 +166,10 @@ class Session:
         raise _error_of(msg)
 
     def send_only(self, op: str, **args: Any) -> None:
+        """:meth:`post` with the op's arguments as keywords."""
+        self.post(op, args)
+
+    def post(self, op: str, args: dict[str, Any]) -> None:
         """Send a request whose reply is read (and checked) by a later call, saving a round
         trip. Only for requests that cannot fail short of a daemon bug or a lost connection:
         a failure then is logged, not raised."""
