@@ -32,7 +32,7 @@ from .._wire.protocol import MAX_REQUEST, seal_size
 from .._wire.stats import ObjectInfo, Statistics
 from .arena import WriteArena
 from .replica import ASK_DAEMON, ReadReplica, answers
-from .copy import _np, copy_into, destination, nbytes_of, refuse_overlaps
+from .copy import copy_into, get_destinations, nbytes_of
 from .engine import default_engine
 from .transport import DEFAULT_BUSY_POLL, UnixTransport
 from . import integrity as _integrity
@@ -425,7 +425,7 @@ class Client:
             views = lease.views()
             # every destination checked before any byte is copied: a bad one loses nothing (an
             # exception here ends the lease without counting a consume: ReadLease.__exit__)
-            targets = _destinations(views, out, namespace, key, select)
+            targets = get_destinations(views, out, namespace, key, select)
             sums = lease.checksums if verify else None
             bad = []
             for name, target in targets.items():
@@ -561,36 +561,6 @@ class Client:
             except BrokerUnavailable:
                 if not session.broken or not self._recover(session):
                     raise  # else subscribe again on the new connection
-
-
-def _destinations(views: dict[str, Any], out: Mapping[str, Any] | None, namespace: str,
-                  key: str, select: str | None) -> dict[str, Any]:
-    """Where ``get`` copies each buffer its claim of ``namespace/key`` returned (``views``:
-    name to leased view): the flat uint8 view of ``out[name]``, or a fresh array where
-    ``out`` names none. Raises BadRequest, before any byte is copied, for a name in ``out``
-    that the claim does not return, a destination of the wrong kind or size, or two
-    destinations sharing memory."""
-    np = _np()
-    if not out:
-        return {name: np.empty(v.nbytes, dtype=np.uint8) for name, v in views.items()}
-    # (set(out): any Mapping's names, whatever its keys() returns)
-    unknown = set(out) - views.keys()
-    if unknown:
-        raise BadRequest(f"get: out names buffer(s) {sorted(unknown)} that this claim of "
-                         f"{namespace}/{key} does not return (it has {sorted(views)}"
-                         f"{'' if select is None else f', select={select!r}'})")  # fmt: skip
-    targets, given_any = {}, False
-    for name, view in views.items():
-        given = out.get(name)
-        if given is None:
-            targets[name] = np.empty(view.nbytes, dtype=np.uint8)
-        else:
-            targets[name] = destination(given, view.nbytes, "get: out", name)
-            given_any = True
-    if given_any and len(targets) > 1:  # (the fresh arrays share nothing)
-        refuse_overlaps({name: targets[name] for name in targets
-                         if out.get(name) is not None}, "get")  # fmt: skip
-    return targets
 
 
 def _default_name() -> str:

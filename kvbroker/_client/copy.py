@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-__all__ = ["copy_into", "nbytes_of", "flat_bytes", "destination"]
+__all__ = ["copy_into", "nbytes_of", "flat_bytes", "destination", "get_destinations"]
 
 
 def _np():
@@ -119,6 +119,38 @@ def refuse_overlaps(targets: dict[str, Any], what: str) -> None:
             first, second = (name, other) if i < j else (other, name)
             raise BadRequest(f"{what}: out[{first!r}] and out[{second!r}] share memory (the "
                              "second copy would overwrite the first): give each buffer its own")
+
+
+def get_destinations(views: dict[str, Any], out: Any, namespace: str, key: str,
+                     select: str | None) -> dict[str, Any]:
+    """Where ``get`` copies each buffer its claim of ``namespace/key`` returned (``views``:
+    name to leased view): the flat uint8 view of ``out[name]``, or a fresh array where
+    ``out`` names none. Raises BadRequest, before any byte is copied, for a name in ``out``
+    that the claim does not return, a destination of the wrong kind or size, or two
+    destinations sharing memory."""
+    np = _np()
+    if not out:
+        return {name: np.empty(v.nbytes, dtype=np.uint8) for name, v in views.items()}
+    # (set(out): any Mapping's names, whatever its keys() returns)
+    unknown = set(out) - views.keys()
+    if unknown:
+        from ..errors import BadRequest
+
+        raise BadRequest(f"get: out names buffer(s) {sorted(unknown)} that this claim of "
+                         f"{namespace}/{key} does not return (it has {sorted(views)}"
+                         f"{'' if select is None else f', select={select!r}'})")  # fmt: skip
+    targets, given_any = {}, False
+    for name, view in views.items():
+        given = out.get(name)
+        if given is None:
+            targets[name] = np.empty(view.nbytes, dtype=np.uint8)
+        else:
+            targets[name] = destination(given, view.nbytes, "get: out", name)
+            given_any = True
+    if given_any and len(targets) > 1:  # (the fresh arrays share nothing)
+        refuse_overlaps({name: targets[name] for name in targets
+                         if out.get(name) is not None}, "get")  # fmt: skip
+    return targets
 
 
 def _has_buffer(obj: Any) -> bool:
