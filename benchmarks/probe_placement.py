@@ -150,7 +150,7 @@ def main(argv=None) -> None:
             f"commit {result['commit']}, {m.get('when')}; load {m.get('loadavg_1min', 0):.2f}; "
             f"`{result['command']}`; pinned: CPUs {pins[0]} (daemon / echo) and {pins[1]} "
             "(client)", "",
-            "| round | placement | ping-pong p50 µs | Client put+get p50 µs | bare protocol p50 µs |",
+            "| round | placement | ping-pong p50 µs | Client put+get p50 µs | bare p50 µs |",
             "|---|---|---|---|---|",
         ]  # fmt: skip
         for r in range(args.rounds):
