@@ -520,6 +520,50 @@ def test_get_takes_any_mapping_of_destinations(client):
         client.evict("obj")
 
 
+def test_get_asks_out_only_through_get_and_getitem_and_before_copying(client):
+    """``get`` asks ``out`` for a buffer's destination with ``out.get(name)`` and returns
+    ``out[name]``, nothing else: an ``out`` with only those (no ``items``), or one that is
+    empty by ``len`` yet serves a name, is answered as a dict would be. Both questions are
+    asked before any byte is copied, so an ``out`` that fails one loses nothing: the
+    consume-claim is not counted and the object stays."""
+
+    class GetOnly:  # the least a destination map needs: no items(), no keys()
+        def __init__(self, d, size=None):
+            self.d, self.size = d, size
+
+        def get(self, name, default=None):
+            return self.d.get(name, default)
+
+        def __getitem__(self, name):
+            return self.d[name]
+
+        def __iter__(self):
+            return iter(self.d if self.size is None else ())
+
+        def __len__(self):
+            return len(self.d) if self.size is None else self.size
+
+    data = np.arange(256, dtype=np.uint8)
+    for out_of in (lambda d: GetOnly(d), lambda d: GetOnly(d, size=0)):
+        client.put("obj", {"a": data, "b": data[::-1].copy()})
+        dst = np.zeros(256, dtype=np.uint8)
+        got = client.get("obj", out_of({"a": dst}), consume=True)
+        assert got["a"] is dst and np.array_equal(dst, data)
+        assert list(got) == ["a", "b"] and np.array_equal(got["b"], data[::-1])
+        assert not client.exists("obj")
+
+    class FailsOnGetitem(GetOnly):
+        def __getitem__(self, name):
+            raise KeyError(name)
+
+    client.put("obj", {"a": data})
+    dst = np.zeros(256, dtype=np.uint8)
+    with pytest.raises(KeyError):
+        client.get("obj", FailsOnGetitem({"a": dst}), consume=True)
+    assert client.exists("obj") and not dst.any()  # nothing consumed, nothing copied
+    assert np.array_equal(client.get("obj", consume=True)["a"], data)
+
+
 def test_get_refuses_destinations_that_share_memory(client):
     """Two destinations over the same bytes (two views of one array, one array named twice):
     the second copy would overwrite the first, and the caller would read one buffer's bytes

@@ -221,5 +221,7 @@ def test_request_sends_the_args_dict_it_is_given_and_call_is_the_same_by_keyword
     assert session.submit("ping", {}).result() == 5
     assert session.submit("lookup", key="k").result() == 5
     assert stream.sent[-1]["args"] == {"key": "k"}
+    assert session.submit(op="lookup", key="j").result() == 5  # the op by keyword, as before
+    assert stream.sent[-1]["op"] == "lookup" and stream.sent[-1]["args"] == {"key": "j"}
     with pytest.raises(TypeError, match="not both"):
         session.submit("lookup", {"key": "k"}, namespace="x")

@@ -422,14 +422,13 @@ class Client:
         split_from = 2 * engine.split_min if engine.threads > 1 else None
         with self.claim(key, namespace=namespace, select=select, consume=consume,
                         wait=wait, peer=peer) as lease:  # fmt: skip
-            views = lease.views()
             # every destination checked before any byte is copied: a bad one loses nothing (an
             # exception here ends the lease without counting a consume: ReadLease.__exit__)
-            targets = get_destinations(views, out, namespace, key, select)
+            targets, returned = get_destinations(lease, out, namespace, key, select)
             sums = lease.checksums if verify else None
             bad = []
             for name, target in targets.items():
-                src = views[name]
+                src = lease[name]
                 if sums and name in sums:
                     if not _integrity.copy_out_checked(target, src, sums[name]):
                         bad.append(name)
@@ -439,13 +438,8 @@ class Client:
                     engine.copy_here(target, src)
             if bad:
                 _integrity.check(namespace, key, bad)
-        if not out:
-            return targets  # fresh arrays, every one
         # the caller's destinations as given, fresh arrays for the buffers it named none for
-        for name, given in out.items():
-            if given is not None:
-                targets[name] = given
-        return targets
+        return returned
 
     # -- directory -------------------------------------------------------------------------
     def exists(self, key: str, *, namespace: str = "default", peer: str | None = None) -> bool:

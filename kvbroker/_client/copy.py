@@ -121,36 +121,40 @@ def refuse_overlaps(targets: dict[str, Any], what: str) -> None:
                              "second copy would overwrite the first): give each buffer its own")
 
 
-def get_destinations(views: dict[str, Any], out: Any, namespace: str, key: str,
-                     select: str | None) -> dict[str, Any]:
-    """Where ``get`` copies each buffer its claim of ``namespace/key`` returned (``views``:
-    name to leased view): the flat uint8 view of ``out[name]``, or a fresh array where
-    ``out`` names none. Raises BadRequest, before any byte is copied, for a name in ``out``
-    that the claim does not return, a destination of the wrong kind or size, or two
-    destinations sharing memory."""
+def get_destinations(lease: Any, out: Any, namespace: str, key: str,
+                     select: str | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Where ``get`` copies each buffer its read ``lease`` of ``namespace/key`` holds, and
+    what it returns: ``(targets, returned)``, by buffer name in the lease's order. A target
+    is the flat uint8 view of ``out[name]`` (returned as ``out[name]`` itself), or a fresh
+    array (returned as it is) where ``out`` is None or names none. Everything ``out`` is
+    asked happens here, before any byte is copied: a name in ``out`` that the claim does not
+    return, a destination of the wrong kind or size, two destinations sharing memory, or an
+    ``out`` that answers none of it raise (BadRequest for the first three) and lose nothing."""
     np = _np()
-    if not out:
-        return {name: np.empty(v.nbytes, dtype=np.uint8) for name, v in views.items()}
+    if out is None:
+        targets = {name: np.empty(lease[name].nbytes, dtype=np.uint8) for name in lease}
+        return targets, targets
     # (set(out): any Mapping's names, whatever its keys() returns)
-    unknown = set(out) - views.keys()
+    unknown = set(out) - lease.keys() if out else None
     if unknown:
         from ..errors import BadRequest
 
         raise BadRequest(f"get: out names buffer(s) {sorted(unknown)} that this claim of "
-                         f"{namespace}/{key} does not return (it has {sorted(views)}"
+                         f"{namespace}/{key} does not return (it has {sorted(lease)}"
                          f"{'' if select is None else f', select={select!r}'})")  # fmt: skip
-    targets, given_any = {}, False
-    for name, view in views.items():
+    targets, returned, named = {}, {}, []
+    for name in lease:
+        nbytes = lease[name].nbytes
         given = out.get(name)
         if given is None:
-            targets[name] = np.empty(view.nbytes, dtype=np.uint8)
+            targets[name] = returned[name] = np.empty(nbytes, dtype=np.uint8)
         else:
-            targets[name] = destination(given, view.nbytes, "get: out", name)
-            given_any = True
-    if given_any and len(targets) > 1:  # (the fresh arrays share nothing)
-        refuse_overlaps({name: targets[name] for name in targets
-                         if out.get(name) is not None}, "get")  # fmt: skip
-    return targets
+            targets[name] = destination(given, nbytes, "get: out", name)
+            returned[name] = out[name]
+            named.append(name)
+    if len(named) > 1:  # (the fresh arrays share nothing)
+        refuse_overlaps({name: targets[name] for name in named}, "get")
+    return targets, returned
 
 
 def _has_buffer(obj: Any) -> bool:

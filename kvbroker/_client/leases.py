@@ -76,9 +76,6 @@ class _Lease:
     def keys(self):
         return self._extents.keys()
 
-    def views(self) -> dict[str, Any]:
-        """``{name: self[name]}`` for every buffer, in the lease's order."""
-        return {name: self[name] for name in self._extents}
 
     def items(self):
         return [(name, self[name]) for name in self._extents]

@@ -97,7 +97,7 @@ class Session:
                 raise
         raise _error_of(msg)
 
-    def submit(self, op: str, args: dict[str, Any] | None = None, /, **kwargs: Any) -> Pending:
+    def submit(self, op: str, args: dict[str, Any] | None = None, **kwargs: Any) -> Pending:
         """Send a request without waiting: its reply is read when :meth:`Pending.result`
         asks (or while another call waits), so a caller can keep several requests in the
         daemon's queue and work meanwhile. Errors are raised by ``result``. The arguments:
