@@ -522,10 +522,11 @@ def test_get_takes_any_mapping_of_destinations(client):
 
 def test_get_asks_out_only_through_get_and_getitem_and_before_copying(client):
     """``get`` asks ``out`` for a buffer's destination with ``out.get(name)`` and returns
-    ``out[name]``, nothing else: an ``out`` with only those (no ``items``), or one that is
-    empty by ``len`` yet serves a name, is answered as a dict would be. Both questions are
-    asked before any byte is copied, so an ``out`` that fails one loses nothing: the
-    consume-claim is not counted and the object stays."""
+    ``out[name]``: an ``out`` with only those (no ``items``) gets its destinations filled and
+    returned, and so does one that is empty by ``len`` yet serves a name (its destinations
+    are still refused when two share memory). Both questions are asked before any byte is
+    copied, so an ``out`` that fails one loses nothing: the consume-claim is not counted and
+    the object stays."""
 
     class GetOnly:  # the least a destination map needs: no items(), no keys()
         def __init__(self, d, size=None):
@@ -551,6 +552,15 @@ def test_get_asks_out_only_through_get_and_getitem_and_before_copying(client):
         assert got["a"] is dst and np.array_equal(dst, data)
         assert list(got) == ["a", "b"] and np.array_equal(got["b"], data[::-1])
         assert not client.exists("obj")
+
+    from kvbroker.errors import BadRequest
+
+    client.put("obj", {"a": data, "b": data})
+    shared = np.zeros(256, dtype=np.uint8)
+    with pytest.raises(BadRequest, match="share memory"):
+        client.get("obj", GetOnly({"a": shared, "b": shared}, size=0), consume=True)
+    assert client.exists("obj") and not shared.any()
+    client.evict("obj")
 
     class FailsOnGetitem(GetOnly):
         def __getitem__(self, name):

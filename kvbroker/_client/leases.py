@@ -76,7 +76,6 @@ class _Lease:
     def keys(self):
         return self._extents.keys()
 
-
     def items(self):
         return [(name, self[name]) for name in self._extents]
 
