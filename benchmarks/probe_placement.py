@@ -20,66 +20,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from probe_protocol_floor import _Bare, _client_loop  # noqa: E402
+from probe_ring_floor import _socket_pair_echo  # noqa: E402
 
 from kvbroker import Client  # noqa: E402
 from kvbroker._bench._common import invocation, machine_info, measured_commit  # noqa: E402
 from kvbroker._bench._common import median, spawned_daemon  # noqa: E402
-
-
-def _pingpong(pins: tuple[int, int] | None, reps: int) -> float:
-    """p50 µs of a 120-byte round trip to a forked echo process, both sides polling."""
-    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    pid = os.fork()
-    if pid == 0:  # the echo side
-        try:
-            if pins:
-                os.sched_setaffinity(0, {pins[0]})
-            a.close()
-            b.setblocking(False)
-            buf = bytearray(1 << 16)
-            while True:
-                try:
-                    n = b.recv_into(buf)
-                except BlockingIOError:
-                    os.sched_yield()
-                    continue
-                if not n:
-                    break
-                b.send(buf[:n])
-        finally:
-            os._exit(0)
-    before = os.sched_getaffinity(0)
-    try:
-        if pins:
-            os.sched_setaffinity(0, {pins[1]})
-        b.close()
-        a.setblocking(False)
-        buf, msg, times = bytearray(1 << 16), b"x" * 120, []
-        for _ in range(reps + reps // 10):
-            t = time.perf_counter()
-            a.send(msg)
-            while True:
-                try:
-                    a.recv_into(buf)
-                    break
-                except BlockingIOError:
-                    os.sched_yield()
-            times.append(time.perf_counter() - t)
-    finally:
-        a.close()
-        os.waitpid(pid, 0)
-        os.sched_setaffinity(0, before)
-    return median(times[reps // 10:]) * 1e6
 
 
 def _daemon_pid(sock: str) -> int:
@@ -101,7 +54,7 @@ def main(argv=None) -> None:
     rows = []
     for r in range(args.rounds):
         for placed in (False, True):
-            us = _pingpong(pins if placed else None, args.reps * 5)
+            us = _socket_pair_echo(False, args.reps * 5, pins if placed else None)
             rows.append({"round": r + 1, "what": "pingpong", "pinned": placed, "p50_us": us})
             print(f"round {r + 1} pingpong {'pinned' if placed else 'free'}: {us:.1f} us",
                   flush=True)  # fmt: skip

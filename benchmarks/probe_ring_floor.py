@@ -52,11 +52,16 @@ _REPLY = {"id": 1 << 20, "ok": True, "result": {
     "checksums": {"kv": [1, (1 << 63) + 12345]}}}  # fmt: skip
 
 
-def _socket_pair_echo(msgpack_mode: bool, reps: int) -> float:
+def _socket_pair_echo(msgpack_mode: bool, reps: int,
+                      pins: tuple[int, int] | None = None) -> float:
+    """p50 µs of a round trip to a forked echo process over a Unix socket pair, both sides
+    polling; ``pins``: the CPUs of the echo side and of this one (``probe_placement.py``)."""
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     pid = os.fork()
     if pid == 0:
         try:
+            if pins:
+                os.sched_setaffinity(0, {pins[0]})
             a.close()
             b.setblocking(False)
             buf = bytearray(1 << 16)
@@ -76,12 +81,15 @@ def _socket_pair_echo(msgpack_mode: bool, reps: int) -> float:
                     b.send(buf[:n])
         finally:
             os._exit(0)
+    before = os.sched_getaffinity(0)
     b.close()
     a.setblocking(False)
     buf, times = bytearray(1 << 16), []
     pack, unpack = msgpack.packb, msgpack.unpackb
     raw = b"x" * 120
     try:
+        if pins:
+            os.sched_setaffinity(0, {pins[1]})
         for _ in range(reps + reps // 10):
             t = time.perf_counter()
             a.send(pack(_REQUEST) if msgpack_mode else raw)
@@ -97,6 +105,7 @@ def _socket_pair_echo(msgpack_mode: bool, reps: int) -> float:
     finally:
         a.close()
         os.waitpid(pid, 0)
+        os.sched_setaffinity(0, before)
     return median(times[reps // 10:]) * 1e6
 
 
