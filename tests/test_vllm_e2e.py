@@ -103,15 +103,19 @@ def _poison(client, prompt) -> int:
     return hit
 
 
+# Synchronous loads (the default), and loads beside the steps with the requests parked
+# meanwhile (load_async): the same tokens either way.
+@pytest.mark.parametrize("extra", [{}, {"load_async": True}], ids=["sync", "load_async"])
 def test_pd_handoff_matches_reference_and_loads_from_the_broker(
-        model, broker, reference_and_producer, tmp_path):  # fmt: skip
+        model, broker, reference_and_producer, tmp_path, extra):  # fmt: skip
     with broker.client() as client:
         published = len(client.list())
         assert published == _blocks_of([len(p) for p in PD_PROMPTS + [POISONED]])
+        # (zeros the first time; the second run finds them zeroed already)
         assert _poison(client, POISONED) == _blocks_of([len(POISONED)])
         before = client.stat().counters
         consumer = run_engine({"model": model, "socket": broker.socket_path, "block_size": BLOCK,
-                               "max_tokens": MAX_TOKENS, "role": "kv_consumer",
+                               "max_tokens": MAX_TOKENS, "role": "kv_consumer", "extra": extra,
                                "prompts": PD_PROMPTS + [POISONED], "in_process": False},
                               tmp_path / "consumer")  # fmt: skip
         after = client.stat().counters

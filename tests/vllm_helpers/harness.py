@@ -13,6 +13,8 @@ views of one buffer, each (block, head) holding its K rows then its V rows.
 from __future__ import annotations
 
 import threading
+import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -142,6 +144,7 @@ class Engine:
             self.heads.append(slice(first, first + per_rank))
         self._ids = 0
         self.tables: dict[str, list[int]] = {}  # each request's blocks, as last scheduled
+        self._recv_reports: Counter[str] = Counter()  # ranks that reported a load over
 
     @property
     def connector(self):
@@ -195,8 +198,17 @@ class Engine:
                 w.save_kv_layer(LAYERS[layer], None, None)
         invalid: set[int] = set()
         stats = []
+        loaded = set()  # background loads every rank has reported over (vLLM's aggregation)
         for w in self.workers:
             w.wait_for_save()
+            # in vLLM's order: a background load's failed blocks are reported at the latest
+            # in the step that reports it finished
+            _sending, recving = w.get_finished(set(out.finished_req_ids))
+            for req_id in recving or ():
+                self._recv_reports[req_id] += 1
+                if self._recv_reports[req_id] == self.tp:
+                    del self._recv_reports[req_id]
+                    loaded.add(req_id)
             invalid |= w.get_block_ids_with_load_errors()
             stats.append(w.get_kv_connector_stats())
             w.clear_connector_metadata()
@@ -207,8 +219,9 @@ class Engine:
             sampled.append([7] if req.num_computed_tokens >= req.num_prompt_tokens else [])
         mro = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
                                 sampled_token_ids=sampled,
-                                kv_connector_output=KVConnectorOutput(invalid_block_ids=invalid))
-        return mro, {"output": out, "invalid": invalid, "stats": stats}
+                                kv_connector_output=KVConnectorOutput(
+                                    invalid_block_ids=invalid, finished_recving=loaded or None))
+        return mro, {"output": out, "invalid": invalid, "stats": stats, "loaded": loaded}
 
     def _forward(self, rank: int, layer: int, req_id: str, start: int, end: int) -> None:
         req = self.scheduler.requests[req_id]
@@ -229,6 +242,8 @@ class Engine:
         steps = []
         while self.scheduler.has_unfinished_requests() and len(steps) < max_steps:
             steps.append(self.step(**kw))
+            if not steps[-1]["output"].num_scheduled_tokens:
+                time.sleep(0.002)  # only requests waiting for their background loads
         assert not self.scheduler.has_unfinished_requests(), "requests did not finish"
         return steps
 

@@ -115,6 +115,10 @@ class BrokerLink:
         self._next_try = now + self._delay
         self._delay = min(self._delay * 2, self.retry_max)
 
+    def holds(self, client: Client) -> bool:
+        """Whether ``client`` is still the link's current client."""
+        return client is self._client
+
     def fail(self, exc: BaseException) -> None:
         """The current client hit ``exc``: drop it if the connection is gone."""
         if isinstance(exc, CONNECTION_ERRORS):

@@ -11,7 +11,11 @@ import), so it can be driven directly.
   again gives the same answer unless the broker changed meanwhile.
 - ``update_state_after_alloc`` turns a positive answer into a load of those blocks into the
   blocks vLLM just allocated, carried to the workers by the next ``build_connector_meta``.
-  Loads are synchronous: the workers load in ``start_load_kv``, before the step's forward.
+  By default loads are synchronous: the workers load in ``start_load_kv``, before the step's
+  forward, so the request runs in the step that loads it. With ``load_async`` the answer
+  tells vLLM the load is asynchronous: vLLM parks the request until every worker reports
+  its load over (``get_finished``) and meanwhile steps the other requests without waiting
+  for those copies (:mod:`._async_loads`).
 - Producer roles save every full prompt block once the step computing it has run, plus the
   prompt's partial last block (the tail, see :mod:`._format`) once the whole prompt is in.
   Saves complete within the step (``wait_for_save``), so ``request_finished`` never delays
@@ -34,11 +38,13 @@ __all__ = ["LoadSpec", "SaveSpec", "SchedulerSide", "StepPlan"]
 
 @dataclass
 class LoadSpec:
-    """Load the blocks ``hashes`` into engine blocks ``block_ids`` (same length)."""
+    """Load the blocks ``hashes`` into engine blocks ``block_ids`` (same length);
+    ``background``: beside the engine's steps, reported by ``get_finished`` (load_async)."""
 
     req_id: str
     hashes: list[str]
     block_ids: list[int]
+    background: bool = False
 
 
 @dataclass
@@ -91,12 +97,13 @@ class SchedulerSide:
     def __init__(self, *, link: BrokerLink, namespace: str, block_size: int,
                  total_kv_heads: int | None, latent: bool, tp_size: int,
                  peer_tp_sizes: tuple[int, ...] = (), save: bool, load: bool,
-                 warnings: Warnings) -> None:  # fmt: skip
+                 warnings: Warnings, load_async: bool = False) -> None:  # fmt: skip
         self.link, self.namespace, self.block_size = link, namespace, block_size
         self.total_kv_heads = None if latent else total_kv_heads
         self.latent = latent
         self.layouts = tuple(dict.fromkeys((tp_size, *peer_tp_sizes)))
         self.save, self.load = save, load
+        self.load_async = load_async
         self.warnings = warnings
         self.reqs: dict[str, _Req] = {}
         self.pending_loads: list[LoadSpec] = []
@@ -165,7 +172,7 @@ class SchedulerSide:
         if external <= 0:
             return 0, False
         st.lookup = (num_computed_tokens, external)
-        return external, False
+        return external, self.load_async
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         st = self.reqs.get(request.request_id)
@@ -184,7 +191,7 @@ class SchedulerSide:
             self.warnings.warn("plan_mismatch", "request %s: %d blocks allocated for %d blocks "
                                "to load; not loading", request.request_id, len(ids), len(hashes))
             return
-        self.pending_loads.append(LoadSpec(request.request_id, hashes, ids))
+        self.pending_loads.append(LoadSpec(request.request_id, hashes, ids, self.load_async))
 
     def load_failed(self, invalid_block_ids: set[int]) -> None:
         """Workers could not load these blocks: vLLM recomputes them, and from the first of

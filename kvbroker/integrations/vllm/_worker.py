@@ -3,12 +3,15 @@
 No vLLM import (duck-typed; driven directly by the tests). Per engine step:
 
 1. ``bind(plan)``: the scheduler's :class:`~._scheduler.StepPlan`.
-2. ``start_load()``: every load of the plan, synchronously, before the forward pass. Each
-   rank matches its own shards (:meth:`kvbroker.prefix.PrefixCache.match_kv`, resharding
-   from another TP layout when needed) and loads the leading blocks it found; blocks it did
-   not find (evicted since the lookup), or could not load (broker down, layout mismatch),
-   are reported by ``load_errors()`` so vLLM recomputes them. Nothing is ever half-loaded:
-   a block is reported unless its bytes were copied in full.
+2. ``start_load()``: every load of the plan. Each rank matches its own shards
+   (:meth:`kvbroker.prefix.PrefixCache.match_kv`, resharding from another TP layout when
+   needed) and loads the leading blocks it found; blocks it did not find (evicted since the
+   lookup), or could not load (broker down, layout mismatch), are reported by
+   ``load_errors()`` so vLLM recomputes them. Nothing is ever half-loaded: a block is
+   reported unless its bytes were copied in full. A load is synchronous (done before the
+   forward pass) unless the plan marks it ``background`` (``load_async``): those run on a
+   thread of their own (:mod:`._async_loads`, which says who owns what meanwhile) and
+   ``finished_loads()`` reports each once it is over.
 3. ``save_layer(name)`` after each layer's attention: host caches copy that layer's K and V
    of the step's new blocks into their reserved extents (the reservation is made at the
    first layer: one round trip for the whole step).
@@ -46,8 +49,9 @@ from typing import Any
 from kvbroker.errors import KVBrokerError, LayoutMismatch, PoolFull, QuotaExceeded
 
 from . import _ops
+from ._async_loads import AsyncLoads
 from ._format import BlockFormat
-from ._link import BrokerLink, Warnings, log
+from ._link import CONNECTION_ERRORS, BrokerLink, Warnings, log
 from ._paged import HostSave, SaveItem, cuda_cache, host_cache, interpret, load_host
 
 __all__ = ["WorkerSide"]
@@ -99,6 +103,8 @@ class WorkerSide:
         self._layers_seen: set[int] = set()
         self._hooks_active = False  # save_layer has been called in this process
         self._gpu = None  # kvbroker.gpu.GpuClient over the link's client (CUDA caches)
+        self._loads: AsyncLoads | None = None  # background loads (load_async), made at the first
+        self._load_stream = None  # their CUDA stream, made on (and used by) their thread only
 
     # -- registration ----------------------------------------------------------------------
     def register(self, kv_caches: dict[str, Any], backend: str) -> None:
@@ -167,6 +173,7 @@ class WorkerSide:
 
         if self._gpu is None or self._gpu.client is not client:
             if self._gpu is not None:
+                self._drain_loads()  # they copy from pools the old one registered
                 self._gpu.close()
             self._gpu = GpuClient(client, device=self.cache.device, own_client=False)
         return self._gpu
@@ -175,8 +182,17 @@ class WorkerSide:
         plan = self._plan
         if plan is None or not plan.loads or self.fmt is None:
             return
+        # (every rank has the same plan: they all take the same branches, agree() included)
+        later = [spec for spec in plan.loads if getattr(spec, "background", False)]
+        if later:
+            self._start_background(later)
+        now = [spec for spec in plan.loads if not getattr(spec, "background", False)]
+        if now:
+            self._load_now(now)
+
+    def _load_now(self, loads: list) -> None:
         own = []
-        for spec in plan.loads:  # every rank reaches agree() below, whatever fails here
+        for spec in loads:  # every rank reaches agree() below, whatever fails here
             try:
                 own.append(self._load(spec))
             except Exception as exc:  # noqa: BLE001 - _load catches the expected ones
@@ -192,7 +208,7 @@ class WorkerSide:
                 self.warnings.warn("agree_failed", "could not compare loads with the other "
                                    "TP ranks (%s: %s): treating them as failed",
                                    type(exc).__name__, exc)  # fmt: skip
-        for spec, mine, n in zip(plan.loads, own, agreed):
+        for spec, mine, n in zip(loads, own, agreed):
             if n < len(spec.block_ids):
                 failed = spec.block_ids[n:]
                 self._invalid.update(failed)
@@ -204,33 +220,36 @@ class WorkerSide:
                                        spec.req_id)  # fmt: skip
 
     def _load(self, spec: Any) -> int:
-        """Load ``spec`` into this rank's cache; returns how many leading blocks loaded."""
-        n_want = len(spec.block_ids)
-        loaded, why = 0, ""
+        """Load ``spec`` into this rank's cache now; returns how many leading blocks loaded."""
         client = self._client()
         if client is None:
-            why = "the broker is unavailable"
-        else:
-            try:
-                if self.device == "cpu":
-                    loaded = load_host(client, self.namespace, self.fmt, self.cache, spec.hashes,
-                                       spec.block_ids, self.peer_tp_sizes)  # fmt: skip
-                else:
-                    from ._cuda import load_cuda
+            return self._account(spec, 0, "the broker is unavailable")
+        stream = self._gpu_client(client).stream if self.device != "cpu" else None
+        try:
+            loaded = self._copy_in(spec, client, stream)
+        except Exception as exc:  # noqa: BLE001 - a load must never fail the step
+            return self._load_failed(spec, client, exc)
+        return self._account(spec, loaded)
 
-                    g = self._gpu_client(client)
-                    loaded = load_cuda(client, self.namespace, self.fmt, self.cache, spec.hashes,
-                                       spec.block_ids, self.peer_tp_sizes,
-                                       stream=g.stream)  # fmt: skip
-                if loaded < n_want:
-                    why = "blocks were evicted since the lookup"
-            except KVBrokerError as exc:
-                self.stats["broker_errors"] += 1
-                self.link.fail(exc)
-                loaded, why = 0, f"{type(exc).__name__}: {exc}"
-            except Exception as exc:  # noqa: BLE001 - a load must never fail the step
-                self.stats["broker_errors"] += 1
-                loaded, why = 0, f"{type(exc).__name__}: {exc}"
+    def _copy_in(self, spec: Any, client: Any, stream: Any) -> int:
+        if self.device == "cpu":
+            return load_host(client, self.namespace, self.fmt, self.cache, spec.hashes,
+                             spec.block_ids, self.peer_tp_sizes)  # fmt: skip
+        from ._cuda import load_cuda
+
+        return load_cuda(client, self.namespace, self.fmt, self.cache, spec.hashes,
+                         spec.block_ids, self.peer_tp_sizes, stream=stream)  # fmt: skip
+
+    def _load_failed(self, spec: Any, client: Any, exc: BaseException) -> int:
+        self.stats["broker_errors"] += 1
+        if isinstance(exc, KVBrokerError):
+            self._link_failed(exc, client)
+        return self._account(spec, 0, f"{type(exc).__name__}: {exc}")
+
+    def _account(self, spec: Any, loaded: int, why: str = "blocks were evicted since the "
+                 "lookup") -> int:  # fmt: skip
+        """Count a load that is over (``loaded`` of its blocks; ``why`` the rest did not)."""
+        n_want = len(spec.block_ids)
         self.stats["loads"] += 1
         self.stats["loaded_blocks"] += loaded
         self.stats["loaded_tokens"] += loaded * self.block_size
@@ -242,6 +261,78 @@ class WorkerSide:
                                "(%s): vLLM recomputes them", failed, n_want, spec.req_id,
                                why)  # fmt: skip
         return loaded
+
+    def _link_failed(self, exc: BaseException, client: Any = None) -> None:
+        """``exc`` came from ``client`` (None: the link's current one): take the link down if
+        it means the connection is gone, once no background load uses that client."""
+        if client is not None and not self.link.holds(client):
+            return  # an earlier connection's error: the link has moved on already
+        if isinstance(exc, CONNECTION_ERRORS):
+            self._drain_loads()  # closing the client unmaps the pools they copy from
+        self.link.fail(exc)
+
+    # -- background loads (load_async) ----------------------------------------------------
+    def _start_background(self, specs: list) -> None:
+        client = self._client()
+        if self._loads is None:
+            self._loads = AsyncLoads(self._loader_started)
+        ready = None
+        if client is not None and self.device != "cpu":
+            import torch
+
+            self._gpu_client(client)  # the pools registered for DMA, as for a load now
+            # The loads write after what the engine queued so far: the zeroing of new blocks,
+            # and readers of blocks a finished request freed.
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self.cache.device))
+        for spec in specs:
+            self._loads.submit(spec, client, self._copy_in_background, spec, client, ready)
+
+    def _loader_started(self) -> None:
+        """On the loader thread, once: its CUDA device and the stream its copies go on."""
+        if self.device == "cpu":
+            return
+        import torch
+
+        torch.cuda.set_device(self.cache.device)
+        self._load_stream = torch.cuda.Stream(self.cache.device)
+
+    def _copy_in_background(self, spec: Any, client: Any, ready: Any) -> int:
+        """On the loader thread: the copies of ``spec``, complete when this returns."""
+        if client is None:
+            return 0
+        if ready is None:
+            return self._copy_in(spec, client, None)
+        import torch
+
+        stream = self._load_stream
+        stream.wait_event(ready)
+        with torch.cuda.stream(stream):
+            return self._copy_in(spec, client, stream)
+
+    def finished_loads(self) -> set[str] | None:
+        """The requests whose background load ended since the last call (vLLM's
+        ``get_finished``); the blocks they did not load go to :meth:`load_errors`, which
+        vLLM asks in the same step."""
+        if self._loads is None:
+            return None
+        done = set()
+        for f in self._loads.finished():
+            spec = f.spec
+            if f.client is None:
+                loaded = self._account(spec, 0, "the broker is unavailable")
+            elif isinstance(f.result, BaseException):
+                loaded = self._load_failed(spec, f.client, f.result)
+            else:
+                loaded = self._account(spec, f.result)
+            if loaded < len(spec.block_ids):
+                self._invalid.update(spec.block_ids[loaded:])
+            done.add(spec.req_id)
+        return done or None
+
+    def _drain_loads(self) -> None:
+        if self._loads is not None:
+            self._loads.drain()
 
     def load_errors(self) -> set[int]:
         out, self._invalid = self._invalid, set()
@@ -280,7 +371,7 @@ class WorkerSide:
                 return None
             except KVBrokerError as exc:
                 self.stats["broker_errors"] += 1
-                self.link.fail(exc)
+                self._link_failed(exc)
                 self._skip(len(save.items), f"{type(exc).__name__}: {exc}")
                 self._save = _Skipped()
                 return None
@@ -345,7 +436,7 @@ class WorkerSide:
         except KVBrokerError as exc:
             self.stats["broker_errors"] += 1
             self._abort_save(f"{type(exc).__name__}: {exc}")
-            self.link.fail(exc)
+            self._link_failed(exc)
             return
         except Exception as exc:  # noqa: BLE001
             self._abort_save(f"{type(exc).__name__}: {exc}")
@@ -375,7 +466,7 @@ class WorkerSide:
             return
         except KVBrokerError as exc:
             self.stats["broker_errors"] += 1
-            self.link.fail(exc)
+            self._link_failed(exc)
             self._skip(len(items), f"{type(exc).__name__}: {exc}")
             return
         self._count_saved(new, existing)
@@ -400,11 +491,13 @@ class WorkerSide:
         try:
             client.ops.report({k: totals.get(k, 0) for k in STAT_KEYS})
         except KVBrokerError as exc:
-            self.link.fail(exc)
+            self._link_failed(exc)
             return False
         return True
 
     def close(self) -> None:
+        if self._loads is not None:
+            self._loads.close()  # they write into the engine's cache, from the client's pools
         if self._gpu is not None:
             self._gpu.close()
             self._gpu = None

@@ -19,6 +19,10 @@ longest prefix of each prompt the node holds instead of computing it; ``kv_both`
 - ``timeout`` (seconds, default 5): the longest a broker call may take before the broker
   is treated as down; ``retry_min`` / ``retry_max`` (seconds, default 1 / 30): the first and
   the longest wait between reconnection attempts while it is down;
+- ``load_async`` (default false): load beside the engine's steps. vLLM parks a request
+  whose blocks are loading and steps the others meanwhile, so no step waits for another
+  request's copies; the request itself runs a step or two later than with a synchronous
+  load, which copies before the forward of the step that runs it (:mod:`._async_loads`);
 - ``kv_load_failure_policy`` (default ``"recompute"``): what vLLM does with blocks that could
   not be loaded (evicted since the lookup, broker down). The connector sets vLLM's
   ``kv_transfer_config.kv_load_failure_policy`` to this, because vLLM's own default,
@@ -28,9 +32,10 @@ Which parts run where, what they hold, and who owns every buffer: :mod:`._schedu
 (lookups and the per-step plan, in the scheduler process), :mod:`._worker` and
 :mod:`._paged` (the copies, in each worker), :mod:`._link` (the broker being down or full).
 In short: vLLM owns its paged blocks and may reuse a block as soon as the step that loads or
-saves it is over (every copy completes within that step; nothing is kept); the broker owns
-every published block; a save holds write leases only during its step and a load one read
-lease only while it copies.
+saves it is over (every copy completes within that step; nothing is kept), or, for a
+background load, once every worker has reported it finished (after its last copy); the
+broker owns every published block; a save holds write leases only during its step and a load
+one read lease only while it copies.
 """
 
 from __future__ import annotations
@@ -182,6 +187,9 @@ class KVBrokerConnector(KVConnectorBase_V1):
         if policy not in ("recompute", "fail"):
             raise ValueError(f"kv_load_failure_policy must be 'recompute' or 'fail', not {policy!r}")
         config.kv_load_failure_policy = policy
+        load_async = extra.get("load_async", False)
+        if not isinstance(load_async, bool):
+            raise ValueError(f"load_async must be true or false, not {load_async!r}")
         save, load = kv_role in ("kv_producer", "kv_both"), kv_role in ("kv_consumer", "kv_both")
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
@@ -193,6 +201,7 @@ class KVBrokerConnector(KVConnectorBase_V1):
                 link=link, namespace=self._namespace, block_size=self._block_size,
                 total_kv_heads=self._total_kv_heads, latent=self._latent, tp_size=self._tp_size,
                 peer_tp_sizes=peers, save=save, load=load, warnings=self._warnings,
+                load_async=load_async,
             )  # fmt: skip
         else:
             tp_rank = _tp_rank()
@@ -263,7 +272,11 @@ class KVBrokerConnector(KVConnectorBase_V1):
         self._worker.start_load()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads complete in start_load_kv
+        return  # a load runs before the forward (start_load_kv) or for a parked request
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        # (saves never outlive their step: nothing to report as sent)
+        return None, self._worker.finished_loads() if self._worker is not None else None
 
     def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
         self._worker.save_layer(layer_name)

@@ -1,0 +1,78 @@
+"""Loads that run beside the engine's steps (``load_async``): one thread, in submission order.
+
+With ``"load_async": true`` the scheduler side tells vLLM a request's blocks load
+asynchronously: vLLM parks the request (``WAITING_FOR_REMOTE_KVS``) and keeps stepping the
+others, and each worker reports the request through ``get_finished`` once its load is over,
+whether it loaded every block or not. The blocks it could not load are reported by
+``get_block_ids_with_load_errors`` in that same step at the latest, and vLLM recomputes them.
+So a step never waits for another request's copies.
+
+Who owns what, and when it is freed:
+
+- the engine blocks a load writes belong to vLLM, which neither runs the request nor frees
+  them (not even when the request is aborted) until every worker has reported it finished;
+  a load is reported only after its last copy completed (``load_cuda`` synchronizes its
+  streams), so nothing writes into a block vLLM got back;
+- the read lease a load takes is held by this module's thread for the copies only;
+- the client a load uses is the link's client of the step that started it; the worker drains
+  the loads in flight before its link closes that client (a closed client unmaps its pools);
+- the thread is this object's: :meth:`close` waits for every load in flight, then stops it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["AsyncLoads", "Finished"]
+
+
+@dataclass(frozen=True)
+class Finished:
+    """A load that is over: ``result`` is what its function returned, or what it raised."""
+
+    spec: Any  # the plan's LoadSpec
+    client: Any  # the client it used (None: the broker was unavailable when it started)
+    result: Any
+
+
+class AsyncLoads:
+    """A worker's loads in flight, run one at a time on a thread of their own."""
+
+    def __init__(self, initializer: Callable[[], None] | None = None) -> None:
+        # One thread: the loads share the host's copy bandwidth and the DMA engines anyway,
+        # and one at a time they finish in the order vLLM parked their requests.
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvbroker-load",
+                                        initializer=initializer)  # fmt: skip
+        self._running: list[tuple[Any, Any, Future]] = []
+
+    def submit(self, spec: Any, client: Any, fn: Callable[..., Any], *args: Any) -> None:
+        """Run ``fn(*args)`` for ``spec`` after the loads submitted before it."""
+        self._running.append((spec, client, self._pool.submit(fn, *args)))
+
+    def finished(self) -> list[Finished]:
+        """The loads that ended since the last call, in submission order (each once)."""
+        done, running = [], []
+        for spec, client, future in self._running:
+            if future.done():
+                exc = future.exception()
+                done.append(Finished(spec, client, exc if exc is not None else future.result()))
+            else:
+                running.append((spec, client, future))
+        self._running = running
+        return done
+
+    def drain(self) -> None:
+        """Wait until every load submitted so far has ended (they stay to be reported)."""
+        wait([future for _, _, future in self._running])
+
+    @property
+    def pending(self) -> int:
+        return len(self._running)
+
+    def close(self) -> None:
+        """Wait for the loads in flight (they write into the engine's cache and read pools
+        the client maps), then stop the thread."""
+        self._pool.shutdown(wait=True)

@@ -1,0 +1,227 @@
+"""KVBrokerConnector with ``"load_async": true``, driven like tests/test_vllm_connector.py:
+vLLM's own Scheduler, worker connectors over CPU-backend-shaped caches, a fake model whose KV
+depends on the KV before it, a real daemon. vLLM parks a request whose blocks load in the
+background and steps the others; each test ends by comparing the consumer's KV with an
+uninterrupted computation's.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from tests.vllm_helpers.common import needs_vllm, tiny_model
+
+pytestmark = needs_vllm
+
+BLOCK = 32
+ASYNC = {"load_async": True}
+
+
+def _tokens(seed: int, n: int) -> list[int]:
+    import random
+
+    rng = random.Random(seed)
+    return [rng.randrange(1, 500) for _ in range(n)]
+
+
+P = _tokens(1, 100)  # 3 full blocks + a tail of 3 tokens (published as a 4th object)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return tiny_model(tmp_path_factory.mktemp("vllm-model"))
+
+
+@pytest.fixture
+def broker():
+    from kvbroker.testing import running_daemon
+
+    with running_daemon(pool_size="64M") as daemon:
+        yield daemon
+
+
+def _engine(model, socket, role, monkeypatch, **kw):
+    from tests.vllm_helpers.harness import Engine
+
+    return Engine(model, role=role, socket=socket, monkeypatch=monkeypatch, **kw)
+
+
+def _produce(model, socket, monkeypatch, prompts, **kw):
+    eng = _engine(model, socket, "kv_producer", monkeypatch, batched_tokens=64, **kw)
+    for p in prompts:
+        eng.add(p)
+    eng.run()
+    return eng
+
+
+def _stat(steps, key):
+    return sum(s.data.get(key, 0) for step in steps for s in step["stats"] if s is not None)
+
+
+def _assert_exact(eng, req, prompt):
+    from tests.vllm_helpers.harness import FakeModel
+
+    np.testing.assert_array_equal(eng.cached_kv(req, prompt), FakeModel().truth(prompt))
+
+
+def _reported(steps, req) -> list[int]:
+    """The steps in which every rank had reported ``req``'s load over."""
+    return [i for i, s in enumerate(steps) if req in s["loaded"]]
+
+
+def _first_run(steps, req) -> int:
+    return next(i for i, s in enumerate(steps) if req in s["output"].num_scheduled_tokens)
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(1, 1), (1, 2)])
+def test_the_request_is_parked_while_its_blocks_load_then_runs_on_them(
+        model, broker, monkeypatch, prefill_tp, decode_tp):  # fmt: skip
+    _produce(model, broker.socket_path, monkeypatch, [P], tp=prefill_tp)
+    cons = _engine(model, broker.socket_path, "kv_consumer", monkeypatch, tp=decode_tp,
+                   extra={**ASYNC, "peer_tp_sizes": [prefill_tp]})  # fmt: skip
+    assert cons.connector.get_num_new_matched_tokens(_request(P), 0) == (99, True)
+    req = cons.add(P)
+    steps = cons.run()
+    # The step that found the blocks ran nothing of the request: it started the load.
+    assert req not in steps[0]["output"].num_scheduled_tokens
+    (done,) = _reported(steps, req)  # once, after every rank's load was over
+    first = _first_run(steps, req)
+    assert first > done
+    assert steps[first]["output"].num_scheduled_tokens[req] == 1  # 99 tokens loaded
+    assert _stat(steps, "loaded_blocks") == 4 * decode_tp
+    assert _stat(steps, "load_failed_blocks") == 0
+    assert not any(s["invalid"] for s in steps)
+    _assert_exact(cons, req, P)
+    with broker.client() as c:  # the loads held their read leases only while copying
+        assert sum(p.leased_read for p in c.stat().pools) == 0
+    cons.close()
+
+
+def _request(tokens):
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    return Request(request_id="probe", prompt_token_ids=list(tokens),
+                   sampling_params=SamplingParams(max_tokens=1), pooling_params=None)
+
+
+def test_the_other_requests_keep_stepping_while_a_load_is_held_up(model, broker, monkeypatch):
+    _produce(model, broker.socket_path, monkeypatch, [P])
+    cons = _engine(model, broker.socket_path, "kv_consumer", monkeypatch, extra=ASYNC)
+    other_prompt = _tokens(5, 40)
+    other = cons.add(other_prompt, max_tokens=12)  # nothing of it in the broker: computed
+    cons.step()  # its prefill
+    worker = cons.workers[0]._worker
+    gate, copying = threading.Event(), threading.Event()
+    copy_in = worker._copy_in
+
+    def held_up(spec, client, stream):
+        copying.set()
+        assert gate.wait(30)
+        return copy_in(spec, client, stream)
+
+    monkeypatch.setattr(worker, "_copy_in", held_up)
+    req = cons.add(P)
+    steps = [cons.step() for _ in range(6)]
+    assert copying.is_set()  # the load started, and is stuck in its copy
+    # Every step decoded the other request while the parked one waited for its blocks.
+    assert [s["output"].num_scheduled_tokens.get(other) for s in steps] == [1] * 6
+    assert not any(req in s["output"].num_scheduled_tokens or s["loaded"] for s in steps)
+    gate.set()
+    steps += cons.run()
+    assert _stat(steps, "loaded_blocks") == 4
+    _assert_exact(cons, req, P)
+    _assert_exact(cons, other, other_prompt)
+    cons.close()
+
+
+def test_a_block_evicted_before_the_load_is_reported_with_it_and_recomputed(
+        model, broker, monkeypatch):  # fmt: skip
+    from kvbroker.integrations.vllm._format import prompt_keys
+
+    _produce(model, broker.socket_path, monkeypatch, [P])
+    cons = _engine(model, broker.socket_path, "kv_consumer", monkeypatch, extra=ASYNC)
+
+    def evict_block_2_and_tail(_out):
+        with broker.client() as c:
+            (ns,) = {o.namespace for o in c.list()}
+            keys = prompt_keys(P, BLOCK, namespace=ns, cache_salt="").keys
+            for key in reversed(keys[2:]):  # a chain is evicted from its leaf
+                for o in c.list(namespace=ns):
+                    if o.key.split("/")[0] == key:
+                        assert c.evict(o.key, namespace=ns).count == 1
+
+    req = cons.add(P)
+    steps = [cons.step(before_load=evict_block_2_and_tail)]
+    steps += cons.run()
+    (done,) = _reported(steps, req)
+    # The two blocks it could not load are reported in the step that reports it over.
+    assert len(steps[done]["invalid"]) == 2
+    assert not any(s["invalid"] for i, s in enumerate(steps) if i != done)
+    assert _stat(steps, "loaded_blocks") == 2
+    assert _stat(steps, "load_failed_blocks") == 2
+    # vLLM computes it from the first failed block: 100 - 64 tokens.
+    assert steps[_first_run(steps, req)]["output"].num_scheduled_tokens[req] == len(P) - 64
+    _assert_exact(cons, req, P)
+    cons.close()
+
+
+def test_a_daemon_killed_before_the_load_fails_it_whole_and_the_prompt_is_computed(
+        model, tmp_path, monkeypatch):  # fmt: skip
+    from kvbroker.testing import DaemonProcess, drop_leftover_pools
+
+    d = DaemonProcess(str(tmp_path / "kvb.sock"), "--pool-size", "64M", "--page-size", "4K")
+    try:
+        _produce(model, d.socket_path, monkeypatch, [P])
+        cons = _engine(model, d.socket_path, "kv_consumer", monkeypatch, extra=ASYNC)
+        req = cons.add(P)
+        steps = [cons.step(before_load=lambda _out: d.stop(signal.SIGKILL))]
+        steps += cons.run()
+        (done,) = _reported(steps, req)
+        assert len(steps[done]["invalid"]) == 4
+        assert _stat(steps, "load_failed_blocks") == 4
+        assert steps[_first_run(steps, req)]["output"].num_scheduled_tokens[req] == len(P)
+        assert not cons.workers[0]._worker.link.up  # the connection error took the link down
+        _assert_exact(cons, req, P)
+        cons.close()
+    finally:
+        d.stop(signal.SIGKILL)
+        drop_leftover_pools(d.socket_path)
+
+
+def test_shutdown_waits_for_a_load_in_flight(model, broker, monkeypatch):
+    _produce(model, broker.socket_path, monkeypatch, [P])
+    cons = _engine(model, broker.socket_path, "kv_consumer", monkeypatch, extra=ASYNC)
+    worker = cons.workers[0]._worker
+    copy_in, ended = worker._copy_in, []
+
+    def slow(spec, client, stream):
+        time.sleep(0.3)
+        n = copy_in(spec, client, stream)
+        ended.append(n)
+        return n
+
+    monkeypatch.setattr(worker, "_copy_in", slow)
+    cons.add(P)
+    cons.step()  # parks the request, starts its load
+    cons.close()  # while the load sleeps
+    assert ended == [4]  # it ran to its end before the worker's client closed
+    with broker.client() as c:
+        assert sum(p.leased_read for p in c.stat().pools) == 0
+
+
+def test_load_async_must_be_a_boolean(model, broker):
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvbroker.integrations.vllm.connector import KVBrokerConnector
+    from tests.vllm_helpers.harness import kv_cache_config, vllm_config
+
+    config = vllm_config(model, role="kv_consumer", socket=broker.socket_path,
+                         extra={"load_async": "yes"})  # fmt: skip
+    with pytest.raises(ValueError, match="load_async must be true or false"):
+        KVBrokerConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config(2, 64))
