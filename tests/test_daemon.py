@@ -396,3 +396,35 @@ def test_pool_mapped_once_per_process(daemon):
         assert a._mapping(0) is b._mapping(0)
         assert _client._process_maps.holders()[name] == 2
     assert name not in _client._process_maps.holders()
+
+
+def test_threads_mapping_a_pool_at_once_hold_it_once_and_give_it_back(daemon, monkeypatch):
+    """Two threads of one client (a vLLM worker's loader and its step) asking for a pool
+    they have not mapped yet: it is held once, and unmapped when the client closes."""
+    import threading
+
+    from kvbroker._client import client as _client
+    from kvbroker._client import mappings
+
+    acquire = mappings.process_maps.acquire
+    both_in = threading.Barrier(2, timeout=2)
+
+    def slow_acquire(key, create):
+        try:
+            both_in.wait()  # without the client's lock, both threads get here
+        except threading.BrokenBarrierError:
+            pass  # with it, the second waits outside
+        return acquire(key, create)
+
+    monkeypatch.setattr(mappings.process_maps, "acquire", slow_acquire)
+    with daemon.client(map_pools=False) as c:
+        name = c.pools[0]["name"]
+        got = []
+        threads = [threading.Thread(target=lambda: got.append(c._mapping(0))) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert got[0] is got[1]
+        assert _client._process_maps.holders()[name] == 1
+    assert name not in _client._process_maps.holders()

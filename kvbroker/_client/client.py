@@ -572,6 +572,7 @@ def _after_fork_in_child() -> None:
     given up without touching them; the next call connects again from the child."""
     for client in list(_clients):
         client._reconnect_lock = threading.Lock()
+        client._maps.after_fork()
         client._session.after_fork()
         client._arena.after_fork()
         if client._replica is not None:

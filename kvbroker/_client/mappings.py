@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import threading
 from typing import Any
 
 import posix_ipc
@@ -84,27 +85,39 @@ class ClientMappings:
     """The pools one client has mapped, pool index -> the process's one mapping of it.
 
     A client holds each pool's mapping from its first use until :meth:`release_all` (its
-    close, or a cold restart of the daemon that made new segments)."""
+    close, or a cold restart of the daemon that made new segments). Threads of one client may
+    map at once: a pool is acquired once per client (two first uses racing would hold it
+    twice, and the extra hold would keep it mapped for good)."""
 
-    __slots__ = ("_held",)
+    __slots__ = ("_held", "_lock")
 
     def __init__(self) -> None:
         self._held: dict[int, PoolMapping] = {}
+        self._lock = threading.Lock()
 
     def get(self, index: int, pools: list[dict]) -> PoolMapping:
         """The mapping of pool ``index`` of ``pools`` (the hello reply's), mapped on first use."""
         m = self._held.get(index)
-        if m is None:
-            p = pools[index]
-            if p.get("hidden"):
-                raise Forbidden(f"pool {index} belongs to another tenant ([tenant_pools]): "
-                                f"uid {os.getuid()} may not map it")  # fmt: skip
-            m = self._held[index] = process_maps.acquire(
-                p["name"], lambda: PoolMapping(index, p["name"], p["size"])
-            )
+        if m is not None:
+            return m
+        with self._lock:
+            m = self._held.get(index)
+            if m is None:
+                p = pools[index]
+                if p.get("hidden"):
+                    raise Forbidden(f"pool {index} belongs to another tenant ([tenant_pools]): "
+                                    f"uid {os.getuid()} may not map it")  # fmt: skip
+                m = self._held[index] = process_maps.acquire(
+                    p["name"], lambda: PoolMapping(index, p["name"], p["size"])
+                )
         return m
 
     def release_all(self) -> None:
-        for m in self._held.values():
-            process_maps.release(m.name)
-        self._held.clear()
+        with self._lock:
+            for m in self._held.values():
+                process_maps.release(m.name)
+            self._held.clear()
+
+    def after_fork(self) -> None:
+        """In a forked child: the lock may be held by a thread the child does not have."""
+        self._lock = threading.Lock()
