@@ -546,3 +546,63 @@ def test_a_save_when_the_daemon_stalls_raises_after_one_timeout(make_daemon):
     assert took < 3, f"{took:.1f} s for a 1 s timeout"
     with daemon.client() as other:  # the stalled client's leases ended with its connection
         assert [c.write_leases for c in other.stat().clients] == [0]
+
+
+def _worker(socket_path, L, H, N, D, caches):
+    from kvbroker.integrations.vllm._link import BrokerLink, Warnings
+    from kvbroker.integrations.vllm._worker import WorkerSide
+
+    w = WorkerSide(link=BrokerLink(socket_path, name="gpu-test", role="kv_both", map_pools=True,
+                                   warnings=Warnings()),
+                   namespace=NS, block_size=N, total_kv_heads=H, latent=False, tp_rank=0,
+                   tp_size=1, warnings=Warnings())  # fmt: skip
+    w.register({f"model.layers.{i}.self_attn.attn": t for i, t in enumerate(caches)}, "FLASH_ATTN")
+    return w
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA (torch sees no CUDA device)")
+@pytest.mark.parametrize("order", ["NHD", "HND"])
+def test_cuda_background_load_lands_after_the_engines_queued_work(daemon, order):
+    """load_async on a CUDA cache: start_load returns at once, the copies start only after
+    what the engine had queued (here a slow kernel, then a write of the very blocks being
+    loaded), and the load is reported once its bytes are in place."""
+    import time
+
+    from kvbroker.integrations.vllm._scheduler import LoadSpec, SaveSpec, StepPlan
+
+    L, B, H, N, D = 4, 40, 8, 16, 128
+    src, _ = vllm_like(L, B, H, N, D, torch.bfloat16, "cuda", order)
+    dst, dst_raw = vllm_like(L, B, H, N, D, torch.bfloat16, "cuda", order, seed=1)
+    hashes = [f"{i:032x}" for i in range(1, 17)]
+    src_ids, dst_ids = list(range(20, 36)), [3 * i % B for i in range(16)]
+    producer = _worker(daemon.socket_path, L, H, N, D, src)
+    producer.bind(StepPlan(saves=[SaveSpec("p", [(h, hashes[i - 1] if i else None, b)
+                                                 for i, (h, b) in enumerate(zip(hashes, src_ids))])]))
+    producer.wait_for_save()
+    producer.unbind()
+    assert producer.take_stats()["saved_blocks"] == 16
+    consumer = _worker(daemon.socket_path, L, H, N, D, dst)
+    try:
+        engine = torch.cuda.current_stream()
+        torch.cuda._sleep(int(3e8))  # ~0.2 s of GPU time queued on the engine's stream
+        dst_raw.fill_(7)  # then a write of every block, the ones to load included
+        consumer.bind(StepPlan(loads=[LoadSpec("r", hashes, dst_ids, background=True)]))
+        started = time.perf_counter()
+        consumer.start_load()
+        assert time.perf_counter() - started < 0.1  # it did not wait for the engine's work
+        consumer.unbind()
+        assert not engine.query()  # the engine's work is still running
+        deadline = time.monotonic() + 30
+        done = None
+        while done is None and time.monotonic() < deadline:
+            done = consumer.finished_loads()
+            time.sleep(0.005)
+        assert done == {"r"}
+        assert consumer.load_errors() == set()
+        d6, s6 = cuda_cache(dst, "packed"), cuda_cache(src, "packed")
+        for a, b in zip(src_ids, dst_ids):
+            assert torch.equal(s6[:, :, a].view(torch.int16), d6[:, :, b].view(torch.int16))
+        assert consumer.finished_loads() is None  # reported once
+    finally:
+        consumer.close()
+        producer.close()
