@@ -103,6 +103,7 @@ class WorkerSide:
         self._layers_seen: set[int] = set()
         self._hooks_active = False  # save_layer has been called in this process
         self._gpu = None  # kvbroker.gpu.GpuClient over the link's client (CUDA caches)
+        self._ready = None  # CUDA: where the bound step's background loads may start (bind)
         self._loads: AsyncLoads | None = None  # background loads (load_async), made at the first
         self._load_stream = None  # their CUDA stream, made on (and used by) their thread only
 
@@ -154,6 +155,16 @@ class WorkerSide:
         self._save = None
         self._layers_seen = set()
         self._step += 1
+        self._ready = None
+        if self.device != "cpu" and any(getattr(s, "background", False)
+                                        for s in getattr(plan, "loads", ())):
+            import torch
+
+            # vLLM binds after the step's block zeroing and copy-on-write copies and before
+            # its forward, which never touches a parked request's blocks: the background
+            # loads of this step wait for what is queued now, and not for the forward.
+            self._ready = torch.cuda.Event()
+            self._ready.record(torch.cuda.current_stream(self.cache.device))
         acknowledged = getattr(plan, "acknowledged", None) or set()
         self._failures = [f for f in self._failures
                           if not f.blocks <= acknowledged
@@ -278,13 +289,15 @@ class WorkerSide:
             self._loads = AsyncLoads(self._loader_started)
         ready = None
         if client is not None and self.device != "cpu":
-            import torch
-
             self._gpu_client(client)  # the pools registered for DMA, as for a load now
-            # The loads write after what the engine queued so far: the zeroing of new blocks,
-            # and readers of blocks a finished request freed.
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(self.cache.device))
+            # The loads write after what the engine had queued when the step was bound: the
+            # zeroing of new blocks, and readers of blocks a finished request freed.
+            ready = self._ready
+            if ready is None:  # (bind records it for a plan with background loads)
+                import torch
+
+                ready = torch.cuda.Event()
+                ready.record(torch.cuda.current_stream(self.cache.device))
         for spec in specs:
             self._loads.submit(spec, client, self._copy_in_background, spec, client, ready)
 
