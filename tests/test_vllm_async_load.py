@@ -225,3 +225,147 @@ def test_load_async_must_be_a_boolean(model, broker):
                          extra={"load_async": "yes"})  # fmt: skip
     with pytest.raises(ValueError, match="load_async must be true or false"):
         KVBrokerConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config(2, 64))
+
+
+def test_a_request_whose_background_load_failed_is_loaded_synchronously_next_time(
+        model, broker, monkeypatch):  # fmt: skip
+    """The worker cannot load at all (its link down) while the scheduler's lookups still find
+    the blocks: vLLM requeues the request after its failed background load, the next lookup
+    answers synchronously, that load fails too and vLLM computes the prompt in place; the
+    request is not parked again and again."""
+    _produce(model, broker.socket_path, monkeypatch, [P])
+    cons = _engine(model, broker.socket_path, "kv_consumer", monkeypatch, extra=ASYNC)
+    monkeypatch.setattr(cons.workers[0]._worker.link, "get", lambda: None)
+    req = cons.add(P)
+    steps = cons.run(max_steps=20)
+    (done,) = _reported(steps, req)
+    assert len(steps[done]["invalid"]) == 4
+    parked = [i for i, s in enumerate(steps) if req not in s["output"].num_scheduled_tokens
+              and not s["output"].finished_req_ids]  # fmt: skip
+    assert len(parked) <= 3, f"parked in steps {parked}"
+    assert _stat(steps, "load_failed_blocks") == 8  # the background load, then the sync one
+    # the whole prompt computed (after the failed synchronous load's step)
+    assert sum(s["output"].num_scheduled_tokens.get(req, 0) for s in steps) >= len(P)
+    _assert_exact(cons, req, P)
+    cons.close()
+
+
+def test_a_hung_daemon_costs_one_timeout_not_one_per_queued_load(model, tmp_path, monkeypatch):
+    from kvbroker.testing import DaemonProcess, drop_leftover_pools
+
+    prompts = [_tokens(20 + i, 70) for i in range(8)]
+    d = DaemonProcess(str(tmp_path / "kvb.sock"), "--pool-size", "64M", "--page-size", "4K")
+    try:
+        _produce(model, d.socket_path, monkeypatch, prompts)
+        # (all eight computed in one step: none reuses another's freed blocks before the KV
+        # of every request is compared at the end)
+        cons = _engine(model, d.socket_path, "kv_consumer", monkeypatch, batched_tokens=1024,
+                       extra={**ASYNC, "timeout": 0.5})  # fmt: skip
+        assert cons.workers[0]._worker.link.get() is not None  # connected before the hang
+        reqs = [cons.add(p) for p in prompts]
+        t = time.perf_counter()
+        first = cons.step(before_load=lambda _out: d.proc.send_signal(signal.SIGSTOP))
+        took, steps = [time.perf_counter() - t], [first]
+        assert len(first["output"].kv_connector_metadata.plan.loads) == 8  # all parked at once
+        while cons.scheduler.has_unfinished_requests() and len(steps) < 60:
+            t = time.perf_counter()
+            steps.append(cons.step())
+            took.append(time.perf_counter() - t)
+        d.proc.send_signal(signal.SIGCONT)
+        assert not cons.scheduler.has_unfinished_requests()
+        # The first load waits out its 0.5 s; the seven queued behind it fail at once.
+        assert max(took) < 2.0, f"a step took {max(took):.2f} s"
+        for r, p in zip(reqs, prompts):
+            _assert_exact(cons, r, p)
+        cons.close()
+    finally:
+        d.proc.send_signal(signal.SIGCONT)
+        d.stop(signal.SIGKILL)
+        drop_leftover_pools(d.socket_path)
+
+
+def test_a_loader_thread_that_cannot_start_fails_its_loads_not_the_step(
+        model, broker, monkeypatch):  # fmt: skip
+    _produce(model, broker.socket_path, monkeypatch, [P])
+    cons = _engine(model, broker.socket_path, "kv_consumer", monkeypatch, extra=ASYNC)
+
+    def cannot_start():
+        raise RuntimeError("no thread for you")
+
+    monkeypatch.setattr(cons.workers[0]._worker, "_loader_started", cannot_start)
+    req = cons.add(P)
+    steps = cons.run(max_steps=20)
+    (done,) = _reported(steps, req)
+    assert len(steps[done]["invalid"]) == 4
+    _assert_exact(cons, req, P)
+    cons.close()
+
+
+def test_a_parked_request_whose_load_cannot_be_planned_is_reported_and_computed(
+        model, broker, monkeypatch):  # fmt: skip
+    """vLLM parks a request as soon as the lookup says asynchronous: if the scheduler side then
+    cannot plan its load (here: its lookup forgotten), a load that fails whole still goes to
+    the workers, so the request is reported and computed instead of waiting forever."""
+    _produce(model, broker.socket_path, monkeypatch, [P])
+    cons = _engine(model, broker.socket_path, "kv_consumer", monkeypatch, extra=ASYNC)
+    side = cons.connector._scheduler
+    update = side.update_state_after_alloc
+
+    def forgetful(request, blocks, n):
+        side.reqs[request.request_id].lookup = None
+        update(request, blocks, n)
+
+    monkeypatch.setattr(side, "update_state_after_alloc", forgetful)
+    req = cons.add(P)
+    steps = cons.run(max_steps=20)
+    (done,) = _reported(steps, req)
+    assert steps[done]["invalid"]
+    _assert_exact(cons, req, P)
+    cons.close()
+
+
+def test_a_failure_to_set_up_the_gpu_side_fails_the_loads_not_the_step(model, broker, monkeypatch):
+    """CUDA caches register the pools for DMA (a GpuClient) before the first background load:
+    a failure there (cudaHostRegister refused) becomes a failed load that vLLM recomputes."""
+    from kvbroker.errors import KVBrokerError
+
+    _produce(model, broker.socket_path, monkeypatch, [P])
+    cons = _engine(model, broker.socket_path, "kv_consumer", monkeypatch, extra=ASYNC)
+    worker = cons.workers[0]._worker
+    monkeypatch.setattr(worker, "device", "cuda")  # the CUDA branch, without CUDA here
+
+    def refused(client):
+        raise KVBrokerError("cudaHostRegister of a pool: error 2")
+
+    monkeypatch.setattr(worker, "_gpu_client", refused)
+    req = cons.add(P)
+    steps = cons.run(max_steps=20)
+    (done,) = _reported(steps, req)
+    assert len(steps[done]["invalid"]) == 4
+    assert _stat(steps, "broker_errors") >= 1
+    monkeypatch.setattr(worker, "device", "cpu")  # (its KV is read back from the CPU cache)
+    _assert_exact(cons, req, P)
+    cons.close()
+
+
+def test_a_synchronous_load_whose_gpu_side_fails_is_counted_as_failed(model, broker, monkeypatch):
+    from kvbroker.errors import KVBrokerError
+
+    _produce(model, broker.socket_path, monkeypatch, [P])
+    cons = _engine(model, broker.socket_path, "kv_consumer", monkeypatch)
+    worker = cons.workers[0]._worker
+    monkeypatch.setattr(worker, "device", "cuda")
+
+    def refused(client):
+        raise KVBrokerError("cudaHostRegister of a pool: error 2")
+
+    monkeypatch.setattr(worker, "_gpu_client", refused)
+    req = cons.add(P)
+    steps = cons.run(max_steps=20)
+    assert _stat(steps, "loads") == 1
+    assert _stat(steps, "load_failed_blocks") == 4
+    assert _stat(steps, "broker_errors") == 1
+    assert len(steps[0]["invalid"]) == 4
+    monkeypatch.setattr(worker, "device", "cpu")
+    _assert_exact(cons, req, P)
+    cons.close()

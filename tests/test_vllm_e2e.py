@@ -116,8 +116,8 @@ def test_pd_handoff_matches_reference_and_loads_from_the_broker(
         before = client.stat().counters
         consumer = run_engine({"model": model, "socket": broker.socket_path, "block_size": BLOCK,
                                "max_tokens": MAX_TOKENS, "role": "kv_consumer", "extra": extra,
-                               "prompts": PD_PROMPTS + [POISONED], "in_process": False},
-                              tmp_path / "consumer")  # fmt: skip
+                               "prompts": PD_PROMPTS + [POISONED], "in_process": False,
+                               "vllm_log_level": "DEBUG"}, tmp_path / "consumer")  # fmt: skip
         after = client.stat().counters
     outputs = consumer["outputs"]
     assert outputs[: len(PD_PROMPTS)] == reference_and_producer["pd"]
@@ -129,6 +129,9 @@ def test_pd_handoff_matches_reference_and_loads_from_the_broker(
     assert after.prefix_hit_blocks - before.prefix_hit_blocks == 2 * published
     assert after.prefix_miss_blocks == before.prefix_miss_blocks
     assert "could not load" not in consumer["log"]
+    # vLLM's own word that it parked the requests and heard their loads finish (or not)
+    finished = consumer["log"].count("Finished recving KV transfer for request")
+    assert finished == (prompts if extra.get("load_async") else 0)
 
 
 def test_prefix_reuse_across_engines(model, broker, reference_and_producer, tmp_path):

@@ -583,21 +583,34 @@ def test_cuda_background_load_lands_after_the_engines_queued_work(daemon, order)
     assert producer.take_stats()["saved_blocks"] == 16
     consumer = _worker(daemon.socket_path, L, H, N, D, dst)
     try:
-        engine = torch.cuda.current_stream()
-        torch.cuda._sleep(int(2e9))  # ~1 s of GPU time queued on the engine's stream
-        dst_raw.fill_(7)  # then a write of every block, the ones to load included
-        consumer.bind(StepPlan(loads=[LoadSpec("r", hashes, dst_ids, background=True)]))
-        started = time.perf_counter()
-        consumer.start_load()
-        assert time.perf_counter() - started < 0.5  # it did not wait for the engine's work
+        engine = torch.cuda.Stream()
+        # (its first launch loads the fill kernel, which waits for the GPU: not under the sleep)
+        dst_raw.fill_(7)
+        torch.cuda.synchronize()
+        with torch.cuda.stream(engine):
+            torch.cuda._sleep(int(2e9))  # ~1 s of GPU time queued on the engine's stream
+            slept = torch.cuda.Event()
+            slept.record(engine)
+            dst_raw.fill_(7)  # then a write of every block, the ones to load included
+            consumer.bind(StepPlan(loads=[LoadSpec("r", hashes, dst_ids, background=True)]))
+            started = time.perf_counter()
+            consumer.start_load()
+            took = time.perf_counter() - started
+        assert not slept.query(), f"start_load took {took:.3f} s"  # it did not wait for it
         consumer.unbind()
-        assert not engine.query()  # the engine's work is still running
+        # The engine's thread stays free meanwhile (the loader never holds the GIL while it
+        # waits for the GPU): the longest pause of this loop is far below the queued work.
         deadline = time.monotonic() + 30
-        done = None
+        done, last, longest = None, time.perf_counter(), 0.0
         while done is None and time.monotonic() < deadline:
             done = consumer.finished_loads()
-            time.sleep(0.005)
+            time.sleep(0.002)
+            now = time.perf_counter()
+            longest, last = max(longest, now - last), now
         assert done == {"r"}
+        assert slept.query()
+        assert longest < 0.2, f"the engine's thread was held up {longest:.3f} s"
+        assert time.perf_counter() - started > 0.5  # the load did wait for the engine's work
         assert consumer.load_errors() == set()
         d6, s6 = cuda_cache(dst, "packed"), cuda_cache(src, "packed")
         for a, b in zip(src_ids, dst_ids):

@@ -6,7 +6,7 @@ A helper of tests/test_vllm_e2e.py (run as a separate process, as a deployment w
 
 SPEC: {"model": dir, "prompts": [[ids...]...], "max_tokens": n, "role": null |
 "kv_producer" | "kv_consumer" | "kv_both", "socket": path, "extra": {...},
-"block_size": 32, "in_process": true}. OUT: {"outputs": [[ids...]...], "seconds": s}.
+"block_size": 32, "in_process": true, "vllm_log_level": "DEBUG"}. OUT: {"outputs": [[ids...]...], "seconds": s}.
 """
 
 from __future__ import annotations
@@ -35,6 +35,8 @@ def make_model(path: str, *, arch: str = "llama", seed: int = 0) -> None:
 
 def run(spec: dict) -> dict:
     begun = time.perf_counter()
+    if spec.get("vllm_log_level"):  # before vLLM is imported; its engine core inherits it
+        os.environ["VLLM_LOGGING_LEVEL"] = spec["vllm_log_level"]
     if spec.get("in_process", True):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams

@@ -49,8 +49,20 @@ class AsyncLoads:
         self._running: list[tuple[Any, Any, Future]] = []
 
     def submit(self, spec: Any, client: Any, fn: Callable[..., Any], *args: Any) -> None:
-        """Run ``fn(*args)`` for ``spec`` after the loads submitted before it."""
-        self._running.append((spec, client, self._pool.submit(fn, *args)))
+        """Run ``fn(*args)`` for ``spec`` after the loads submitted before it. A load the
+        thread cannot take (it failed to start, or this is closed) ends at once, failed."""
+        try:
+            future = self._pool.submit(fn, *args)
+        except Exception as exc:  # noqa: BLE001 - BrokenThreadPool, or submitted after close
+            self.fail(spec, client, exc)
+            return
+        self._running.append((spec, client, future))
+
+    def fail(self, spec: Any, client: Any, exc: BaseException) -> None:
+        """``spec`` ends now, failed with ``exc`` (reported by the next :meth:`finished`)."""
+        future: Future = Future()
+        future.set_exception(exc)
+        self._running.append((spec, client, future))
 
     def finished(self) -> list[Finished]:
         """The loads that ended since the last call, in submission order (each once)."""

@@ -38,8 +38,9 @@ __all__ = ["LoadSpec", "SaveSpec", "SchedulerSide", "StepPlan"]
 
 @dataclass
 class LoadSpec:
-    """Load the blocks ``hashes`` into engine blocks ``block_ids`` (same length);
-    ``background``: beside the engine's steps, reported by ``get_finished`` (load_async)."""
+    """Load the blocks ``hashes`` into engine blocks ``block_ids`` (same length; no hashes:
+    a load that could not be planned, every block failed); ``background``: beside the
+    engine's steps, reported by ``get_finished`` (load_async)."""
 
     req_id: str
     hashes: list[str]
@@ -77,6 +78,10 @@ class _Req:
     saved: int = 0  # full prompt blocks already handed to the workers for saving
     tail_saved: bool = False
     lookup: tuple[int, int] | None = None  # (local computed tokens, external tokens) asked
+    loading: frozenset[int] = frozenset()  # engine blocks of its background load in flight
+    # Its background load failed: vLLM put it back in the queue, and a hit found again is
+    # loaded synchronously (a failure then is recomputed in place, not parked again).
+    sync_only: bool = False
 
 
 def request_salt(request: Any) -> str:
@@ -172,17 +177,24 @@ class SchedulerSide:
         if external <= 0:
             return 0, False
         st.lookup = (num_computed_tokens, external)
-        return external, self.load_async
+        return external, self.load_async and not st.sync_only
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         st = self.reqs.get(request.request_id)
-        if st is None:
+        asked = None
+        if st is not None:
+            asked, st.lookup = st.lookup, None
+        if num_external_tokens <= 0:
             return
-        asked, st.lookup = st.lookup, None
-        if num_external_tokens <= 0 or asked is None or st.keys is None:
+        block_ids = list(blocks.get_block_ids()[0])
+        background = self.load_async and (st is None or not st.sync_only)
+        # vLLM now counts those tokens as computed (and, answered asynchronously, parked the
+        # request until the workers report a load): where no load can be planned, one that
+        # fails whole goes to the workers, so vLLM hears of it and computes them.
+        if asked is None or st is None or st.keys is None:
+            self._plan_load(request.request_id, st, [], block_ids, background)
             return
         local = asked[0]
-        block_ids = list(blocks.get_block_ids()[0])
         first = local // self.block_size
         last = -(-(local + num_external_tokens) // self.block_size)
         hashes = st.keys.keys[first:last]
@@ -190,8 +202,22 @@ class SchedulerSide:
         if len(ids) != len(hashes):
             self.warnings.warn("plan_mismatch", "request %s: %d blocks allocated for %d blocks "
                                "to load; not loading", request.request_id, len(ids), len(hashes))
+            self._plan_load(request.request_id, st, [], ids or block_ids[first:], background)
             return
-        self.pending_loads.append(LoadSpec(request.request_id, hashes, ids, self.load_async))
+        self._plan_load(request.request_id, st, hashes, ids, background)
+
+    def _plan_load(self, req_id: str, st: _Req | None, hashes: list[str], ids: list[int],
+                   background: bool) -> None:  # fmt: skip
+        self.pending_loads.append(LoadSpec(req_id, hashes, ids, background))
+        if background and st is not None:
+            st.loading = frozenset(ids)
+
+    def loads_finished(self, req_ids) -> None:
+        """The workers reported these requests' background loads over."""
+        for req_id in req_ids:
+            st = self.reqs.get(req_id)
+            if st is not None:
+                st.loading = frozenset()
 
     def load_failed(self, invalid_block_ids: set[int]) -> None:
         """Workers could not load these blocks: vLLM recomputes them, and from the first of
@@ -200,6 +226,8 @@ class SchedulerSide:
         a plan built after this call acknowledges them)."""
         self.acknowledged |= invalid_block_ids
         for st in self.reqs.values():
+            if st.loading & invalid_block_ids:
+                st.sync_only = True
             hit = [i for i, b in enumerate(st.block_ids) if b in invalid_block_ids]
             if hit:
                 st.saved = min(st.saved, hit[0])

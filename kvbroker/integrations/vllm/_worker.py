@@ -46,7 +46,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kvbroker.errors import KVBrokerError, LayoutMismatch, PoolFull, QuotaExceeded
+from kvbroker.errors import (
+    BrokerUnavailable,
+    KVBrokerError,
+    LayoutMismatch,
+    PoolFull,
+    QuotaExceeded,
+)
 
 from . import _ops
 from ._async_loads import AsyncLoads
@@ -56,6 +62,7 @@ from ._paged import HostSave, SaveItem, cuda_cache, host_cache, interpret, load_
 
 __all__ = ["WorkerSide"]
 
+_UNPLANNED = "the scheduler side could not plan its load"
 REPORT_EVERY = 2.0  # seconds between the worker's counter reports to the daemon
 STAT_KEYS = ("loads", "loaded_blocks", "loaded_tokens", "loaded_bytes", "load_failed_blocks",
              "saved_blocks", "saved_tokens", "saved_bytes", "existing_blocks",
@@ -106,6 +113,7 @@ class WorkerSide:
         self._ready = None  # CUDA: where the bound step's background loads may start (bind)
         self._loads: AsyncLoads | None = None  # background loads (load_async), made at the first
         self._load_stream = None  # their CUDA stream, made on (and used by) their thread only
+        self._lost_client = None  # (loader thread) the client a load found the daemon lost on
 
     # -- registration ----------------------------------------------------------------------
     def register(self, kv_caches: dict[str, Any], backend: str) -> None:
@@ -158,13 +166,13 @@ class WorkerSide:
         self._ready = None
         if self.device != "cpu" and any(getattr(s, "background", False)
                                         for s in getattr(plan, "loads", ())):
-            import torch
-
             # vLLM binds after the step's block zeroing and copy-on-write copies and before
             # its forward, which never touches a parked request's blocks: the background
             # loads of this step wait for what is queued now, and not for the forward.
-            self._ready = torch.cuda.Event()
-            self._ready.record(torch.cuda.current_stream(self.cache.device))
+            try:
+                self._ready = _queued_on(self.cache.device)
+            except Exception:  # noqa: BLE001 - start_load tries again, and fails the loads
+                self._ready = None
         acknowledged = getattr(plan, "acknowledged", None) or set()
         self._failures = [f for f in self._failures
                           if not f.blocks <= acknowledged
@@ -232,11 +240,13 @@ class WorkerSide:
 
     def _load(self, spec: Any) -> int:
         """Load ``spec`` into this rank's cache now; returns how many leading blocks loaded."""
+        if not spec.hashes:
+            return self._account(spec, 0, _UNPLANNED)
         client = self._client()
         if client is None:
             return self._account(spec, 0, "the broker is unavailable")
-        stream = self._gpu_client(client).stream if self.device != "cpu" else None
         try:
+            stream = self._gpu_client(client).stream if self.device != "cpu" else None
             loaded = self._copy_in(spec, client, stream)
         except Exception as exc:  # noqa: BLE001 - a load must never fail the step
             return self._load_failed(spec, client, exc)
@@ -284,20 +294,25 @@ class WorkerSide:
 
     # -- background loads (load_async) ----------------------------------------------------
     def _start_background(self, specs: list) -> None:
+        """Hand ``specs`` to the loader thread. Whatever fails here fails those loads (each
+        reported over, its blocks recomputed), never the step."""
         client = self._client()
         if self._loads is None:
             self._loads = AsyncLoads(self._loader_started)
+            log.info("kvbroker: load_async: requests wait parked while their blocks load on "
+                     "this worker's loader thread")  # fmt: skip
         ready = None
         if client is not None and self.device != "cpu":
-            self._gpu_client(client)  # the pools registered for DMA, as for a load now
-            # The loads write after what the engine had queued when the step was bound: the
-            # zeroing of new blocks, and readers of blocks a finished request freed.
-            ready = self._ready
-            if ready is None:  # (bind records it for a plan with background loads)
-                import torch
-
-                ready = torch.cuda.Event()
-                ready.record(torch.cuda.current_stream(self.cache.device))
+            try:
+                self._gpu_client(client)  # the pools registered for DMA, as for a load now
+                # The loads write after what the engine had queued when the step was bound:
+                # the zeroing of new blocks, and readers of blocks a finished request freed.
+                # (bind records it for a plan with background loads)
+                ready = self._ready or _queued_on(self.cache.device)
+            except Exception as exc:  # noqa: BLE001 - as a load now that fails
+                for spec in specs:
+                    self._loads.fail(spec, client, exc)
+                return
         for spec in specs:
             self._loads.submit(spec, client, self._copy_in_background, spec, client, ready)
 
@@ -312,16 +327,24 @@ class WorkerSide:
 
     def _copy_in_background(self, spec: Any, client: Any, ready: Any) -> int:
         """On the loader thread: the copies of ``spec``, complete when this returns."""
-        if client is None:
+        if client is None or not spec.hashes:
             return 0
-        if ready is None:
-            return self._copy_in(spec, client, None)
-        import torch
+        if client is self._lost_client:
+            # A hung or dead daemon: the loads queued behind the one that found it fail at
+            # once, instead of each waiting out its own timeout.
+            raise BrokerUnavailable("an earlier load on this connection lost the daemon")
+        try:
+            if ready is None:
+                return self._copy_in(spec, client, None)
+            import torch
 
-        stream = self._load_stream
-        stream.wait_event(ready)
-        with torch.cuda.stream(stream):
-            return self._copy_in(spec, client, stream)
+            stream = self._load_stream
+            stream.wait_event(ready)
+            with torch.cuda.stream(stream):
+                return self._copy_in(spec, client, stream)
+        except CONNECTION_ERRORS:
+            self._lost_client = client
+            raise
 
     def finished_loads(self) -> set[str] | None:
         """The requests whose background load ended since the last call (vLLM's
@@ -332,7 +355,9 @@ class WorkerSide:
         done = set()
         for f in self._loads.finished():
             spec = f.spec
-            if f.client is None:
+            if not spec.hashes:
+                loaded = self._account(spec, 0, _UNPLANNED)
+            elif f.client is None:
                 loaded = self._account(spec, 0, "the broker is unavailable")
             elif isinstance(f.result, BaseException):
                 loaded = self._load_failed(spec, f.client, f.result)
@@ -515,6 +540,15 @@ class WorkerSide:
             self._gpu.close()
             self._gpu = None
         self.link.close()
+
+
+def _queued_on(device):
+    """A CUDA event after what is queued on ``device``'s current stream now."""
+    import torch
+
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
 
 
 class _Skipped:

@@ -238,6 +238,8 @@ class KVBrokerConnector(KVConnectorBase_V1):
     def update_connector_output(self, connector_output) -> None:
         if connector_output.invalid_block_ids:
             self._scheduler.load_failed(set(connector_output.invalid_block_ids))
+        if connector_output.finished_recving:
+            self._scheduler.loads_finished(connector_output.finished_recving)
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._scheduler.finished(request.request_id)
