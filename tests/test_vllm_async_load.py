@@ -369,3 +369,63 @@ def test_a_synchronous_load_whose_gpu_side_fails_is_counted_as_failed(model, bro
     monkeypatch.setattr(worker, "device", "cpu")
     _assert_exact(cons, req, P)
     cons.close()
+
+
+def test_a_loader_thread_that_failed_to_start_is_replaced_for_the_next_load(
+        model, broker, monkeypatch):  # fmt: skip
+    q = _tokens(7, 100)
+    _produce(model, broker.socket_path, monkeypatch, [P, q])
+    cons = _engine(model, broker.socket_path, "kv_consumer", monkeypatch, extra=ASYNC)
+    worker = cons.workers[0]._worker
+    started, tries = worker._loader_started, []
+
+    def fails_once():
+        tries.append(1)
+        if len(tries) == 1:
+            raise RuntimeError("no thread this time")
+        started()
+
+    monkeypatch.setattr(worker, "_loader_started", fails_once)
+    first = cons.add(P)
+    steps = cons.run(max_steps=20)
+    assert _stat(steps, "load_failed_blocks") >= 4  # that one was computed
+    _assert_exact(cons, first, P)  # (before the next request reuses its blocks)
+    second = cons.add(q)
+    steps = cons.run(max_steps=20)
+    assert _stat(steps, "loaded_blocks") == 4  # in the background, on a new loader thread
+    assert _stat(steps, "load_failed_blocks") == 0
+    assert len(_reported(steps, second)) == 1
+    _assert_exact(cons, second, q)
+    cons.close()
+
+
+def test_a_load_that_cannot_be_planned_fails_only_its_own_blocks(model, broker, monkeypatch):
+    """The request's first blocks are a local prefix-cache hit shared with a running request:
+    reporting them failed would make vLLM recompute that other request too."""
+    shared = _tokens(8, 64)  # two blocks
+    a_prompt, b_prompt = shared + _tokens(9, 40), shared + _tokens(10, 60)
+    _produce(model, broker.socket_path, monkeypatch, [b_prompt])
+    cons = _engine(model, broker.socket_path, "kv_consumer", monkeypatch, blocks=128)
+    a = cons.add(a_prompt, max_tokens=30)
+    for _ in range(3):  # its prefill, then it decodes
+        cons.step()
+    side = cons.connector._scheduler
+    update = side.update_state_after_alloc
+
+    def forgetful(request, blocks, n):
+        side.reqs[request.request_id].lookup = None
+        update(request, blocks, n)
+
+    monkeypatch.setattr(side, "update_state_after_alloc", forgetful)
+    b = cons.add(b_prompt)
+    before = cons.scheduler.requests[a].num_computed_tokens
+    step = cons.step()
+    assert step["invalid"]
+    assert not step["invalid"] & set(cons.tables[a])  # a's blocks (the shared ones) are fine
+    assert cons.scheduler.requests[a].num_computed_tokens == before + 1  # a just decoded on
+    while b in cons.scheduler.requests:
+        cons.step()
+    _assert_exact(cons, b, b_prompt)  # (before a's next blocks reuse b's)
+    cons.run()
+    _assert_exact(cons, a, a_prompt)
+    cons.close()

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures.thread import BrokenThreadPool
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,17 +43,27 @@ class AsyncLoads:
     """A worker's loads in flight, run one at a time on a thread of their own."""
 
     def __init__(self, initializer: Callable[[], None] | None = None) -> None:
-        # One thread: the loads share the host's copy bandwidth and the DMA engines anyway,
-        # and one at a time they finish in the order vLLM parked their requests.
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvbroker-load",
-                                        initializer=initializer)  # fmt: skip
+        self._initializer = initializer
+        self._pool = self._new_pool()
         self._running: list[tuple[Any, Any, Future]] = []
 
+    def _new_pool(self) -> ThreadPoolExecutor:
+        # One thread: the loads share the host's copy bandwidth and the DMA engines anyway,
+        # and one at a time they finish in the order vLLM parked their requests.
+        return ThreadPoolExecutor(1, thread_name_prefix="kvbroker-load",
+                                  initializer=self._initializer)  # fmt: skip
+
     def submit(self, spec: Any, client: Any, fn: Callable[..., Any], *args: Any) -> None:
-        """Run ``fn(*args)`` for ``spec`` after the loads submitted before it. A load the
-        thread cannot take (it failed to start, or this is closed) ends at once, failed."""
+        """Run ``fn(*args)`` for ``spec`` after the loads submitted before it. A thread that
+        failed to start is replaced, once per submission; a load no thread can take (or
+        submitted after :meth:`close`) ends at once, failed."""
         try:
-            future = self._pool.submit(fn, *args)
+            try:
+                future = self._pool.submit(fn, *args)
+            except BrokenThreadPool:
+                self._pool.shutdown(wait=False)  # (its failed loads are already settled)
+                self._pool = self._new_pool()
+                future = self._pool.submit(fn, *args)
         except Exception as exc:  # noqa: BLE001 - BrokenThreadPool, or submitted after close
             self.fail(spec, client, exc)
             return

@@ -78,9 +78,11 @@ class _Req:
     saved: int = 0  # full prompt blocks already handed to the workers for saving
     tail_saved: bool = False
     lookup: tuple[int, int] | None = None  # (local computed tokens, external tokens) asked
+    asked_at: int | None = None  # the local computed tokens of the last lookup (kept)
     loading: frozenset[int] = frozenset()  # engine blocks of its background load in flight
     # Its background load failed: vLLM put it back in the queue, and a hit found again is
-    # loaded synchronously (a failure then is recomputed in place, not parked again).
+    # loaded synchronously (a failure then is recomputed in place, not parked again). For
+    # the rest of the request's life: a preempted one looked up again loads synchronously.
     sync_only: bool = False
 
 
@@ -166,6 +168,7 @@ class SchedulerSide:
             return 0, False
         st = self.state(request)
         st.lookup = None
+        st.asked_at = num_computed_tokens
         keys = st.keys
         if keys is None or keys.num_tokens < 2:
             return 0, False
@@ -192,7 +195,16 @@ class SchedulerSide:
         # request until the workers report a load): where no load can be planned, one that
         # fails whole goes to the workers, so vLLM hears of it and computes them.
         if asked is None or st is None or st.keys is None:
-            self._plan_load(request.request_id, st, [], block_ids, background)
+            # (not reached with vLLM 0.32, which allocates right after a positive lookup)
+            # Only the blocks of the tokens counted as loaded: the ones before them may be
+            # local prefix-cache hits that running requests share.
+            if st is not None and st.asked_at is not None:
+                first = st.asked_at // self.block_size
+                last = -(-(st.asked_at + num_external_tokens) // self.block_size)
+                self._plan_load(request.request_id, st, [], block_ids[first:last], background)
+            elif background:  # the allocation is the hit's blocks: the external ones last
+                n = -(-num_external_tokens // self.block_size)
+                self._plan_load(request.request_id, st, [], block_ids[-n:], True)
             return
         local = asked[0]
         first = local // self.block_size
