@@ -429,3 +429,63 @@ def test_a_load_that_cannot_be_planned_fails_only_its_own_blocks(model, broker, 
     cons.run()
     _assert_exact(cons, a, a_prompt)
     cons.close()
+
+
+def test_kv_both_with_load_async_saves_only_recomputed_blocks_and_serves_exact_kv(
+        model, broker, monkeypatch):  # fmt: skip
+    """A kv_both engine loads in the background while it saves what it computes: a background
+    load that misses blocks 2 and 3 (evicted since the lookup) leaves them to vLLM, which
+    computes them; they are saved then, and a fresh consumer loads the exact KV. A prompt the
+    broker never had is computed and saved beside it."""
+    import torch
+
+    from kvbroker.integrations.vllm._format import prompt_keys
+
+    _produce(model, broker.socket_path, monkeypatch, [P])
+    both = _engine(model, broker.socket_path, "kv_both", monkeypatch, extra=ASYNC)
+    for cache in both.caches:  # the blocks it will write into hold garbage beforehand
+        cache.normal_(generator=torch.Generator().manual_seed(1))
+
+    def evict_block_2_and_tail(_out):
+        with broker.client() as c:
+            (ns,) = {o.namespace for o in c.list()}
+            keys = prompt_keys(P, BLOCK, namespace=ns, cache_salt="").keys
+            for key in reversed(keys[2:]):
+                for o in c.list(namespace=ns):
+                    if o.key.split("/")[0] == key:
+                        c.evict(o.key, namespace=ns)
+
+    other = _tokens(11, 70)
+    req, fresh = both.add(P), both.add(other)
+    steps = [both.step(before_load=evict_block_2_and_tail)]
+    steps += both.run()
+    (done,) = _reported(steps, req)
+    assert len(steps[done]["invalid"]) == 2
+    _assert_exact(both, req, P)
+    _assert_exact(both, fresh, other)
+    # block 2 and P's tail once recomputed, and the other prompt's 2 blocks and tail
+    assert _stat(steps, "saved_blocks") == 5
+    cons = _engine(model, broker.socket_path, "kv_consumer", monkeypatch, extra=ASYNC)
+    for prompt in (P, other):
+        r = cons.add(prompt)
+        got = cons.run()
+        assert _stat(got, "load_failed_blocks") == 0
+        _assert_exact(cons, r, prompt)
+    cons.close()
+    both.close()
+
+
+def test_tp2_one_rank_cannot_load_and_the_request_is_computed_on_both(model, broker, monkeypatch):
+    """vLLM unions the ranks' failed blocks and waits for every rank's report: rank 1's link
+    is down, rank 0 loads everything; the request is computed, on both ranks, from the
+    first block."""
+    _produce(model, broker.socket_path, monkeypatch, [P], tp=2)
+    cons = _engine(model, broker.socket_path, "kv_consumer", monkeypatch, tp=2, extra=ASYNC)
+    monkeypatch.setattr(cons.workers[1]._worker.link, "get", lambda: None)
+    req = cons.add(P)
+    steps = cons.run(max_steps=30)
+    (done,) = _reported(steps, req)  # once: after both ranks reported
+    assert steps[done]["invalid"]
+    assert sum(s["output"].num_scheduled_tokens.get(req, 0) for s in steps) >= len(P)
+    _assert_exact(cons, req, P)
+    cons.close()
