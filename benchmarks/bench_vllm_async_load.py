@@ -20,7 +20,8 @@ step the request first runs in. Every load is checked bit-exact against the publ
 (a sample of them). Writes ``DIR/NAME.json`` and ``DIR/NAME.md`` with the commit, machine and
 command line.
 
-Usage: ``python benchmarks/bench_vllm_async_load.py --out DIR [--reps 3] [--step-ms 10]``.
+Usage: ``python benchmarks/bench_vllm_async_load.py --out DIR [--reps 3] [--step-ms 10]``;
+``--report-only JSON`` rewrites the markdown of an earlier run from its JSON.
 """
 
 from __future__ import annotations
@@ -133,7 +134,15 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--arrive", type=int, default=8)
     ap.add_argument("--commit", help="the commit measured, where the checkout has no usable git")
+    ap.add_argument("--report-only", metavar="JSON", help="rewrite JSON's markdown beside it")
     a = ap.parse_args()
+    if a.report_only:
+        with open(a.report_only) as f:
+            md = markdown(json.load(f))
+        with open(os.path.splitext(a.report_only)[0] + ".md", "w") as f:
+            f.write(md)
+        print(md)
+        return
     os.makedirs(a.out, exist_ok=True)
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
@@ -215,6 +224,13 @@ def markdown(r: dict) -> str:
         m = s[mode]
         lines.append(f"| {mode} | {ms(m['quiet_step_s'])} | {ms(m['longest_step_during_load_s'])} "
                      f"| {ms(m['arrival_to_first_run_s'])} |")
+    lines += ["", "Each scenario (longest step while loading / arrival to the end of the "
+              "request's first step, ms; the step whose end reported the load):"]
+    for mode in ("sync", "load_async"):
+        each = "; ".join(f"{ms(x['longest_step_during_load_s'])} / "
+                         f"{ms(x['arrival_to_first_run_s'])} (step {x['reported_at_step']})"
+                         for x in r["runs"][mode])  # fmt: skip
+        lines.append(f"- {mode}: {each}")
     sync, asy = s["sync"], s["load_async"]
     lines += ["", f"Longest step while a load runs, load_async / sync: "
               f"{_ratio(asy['longest_step_during_load_s'] / sync['longest_step_during_load_s'])}; "
