@@ -28,12 +28,17 @@ log = logging.getLogger("kvbroker.client")
 
 
 class Session:
-    """One greeted connection; thread-safe (one request in flight at a time)."""
+    """One greeted connection; thread-safe: one call at a time waits for its reply, and
+    one-way requests (:meth:`post`) go out meanwhile."""
 
     def __init__(self, stream: MessageStream, *, name: str = "", role: str = "") -> None:
         self._stream = stream
         self._next_id = 1
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # one thread at a time waits for replies and reads them
+        # Sends, and the ids they take: a one-way request (post) needs only this one, so a
+        # release goes out while another thread waits in a blocking claim (the daemon serves
+        # releases past a waiting claim: the op table's ``passes_a_wait``).
+        self._send_lock = threading.Lock()
         self._pushes: deque[dict] = deque(maxlen=64)
         self._unanswered: set[int] = set()  # ids sent with send_only, replies not read yet
         self._abandoned: set[int] = set()  # of those, calls that timed out: close won't wait
@@ -51,6 +56,7 @@ class Session:
         the connection is the parent's (its transport refuses the child). Broken, so the
         client connects again."""
         self._lock = threading.Lock()
+        self._send_lock = threading.Lock()
         self.broken = True
 
     def call(self, op: str, **args: Any) -> Any:
@@ -172,13 +178,13 @@ class Session:
     def post(self, op: str, args: dict[str, Any]) -> None:
         """Send a request whose reply is read (and checked) by a later call, saving a round
         trip. Only for requests that cannot fail short of a daemon bug or a lost connection:
-        a failure then is logged, not raised."""
-        with self._lock:
-            try:
-                self._unanswered.add(self._send(op, args))
-            except BrokerUnavailable:
-                self.broken = True
-                raise
+        a failure then is logged, not raised. It does not wait for a call in progress on
+        another thread (its reply is read by whichever call reads next)."""
+        try:
+            self._send(op, args, unanswered=True)
+        except BrokerUnavailable:
+            self.broken = True
+            raise
 
     @property
     def settled(self) -> bool:
@@ -192,16 +198,31 @@ class Session:
         waits, or between the pushes of a watch."""
         self._stream.transport.settimeout(timeout)
 
-    def _send(self, op: str, args: dict) -> int:
-        rid = self._next_id
-        self._next_id += 1
-        try:
-            self._stream.send({"id": rid, "op": op, "args": args})
-        except BrokerUnavailable:
-            self.broken = True
+    def _send(self, op: str, args: dict, unanswered: bool = False) -> int:
+        """Send one request; returns its id. ``unanswered``: its reply is to be read by any
+        call (a post): the id is registered before the request goes out, so a reader on
+        another thread that gets the reply first knows it."""
+        with self._send_lock:
+            rid = self._next_id
+            self._next_id += 1
+            if unanswered:
+                self._unanswered.add(rid)
+            try:
+                self._stream.send({"id": rid, "op": op, "args": args})
+                return rid
+            except BrokerUnavailable as exc:
+                self.broken = True
+                lost = exc
+        # What the daemon said before it hung up is read under the reading lock, which a
+        # request or submit holds already; a post reads it only if no call is reading.
+        if not unanswered:
             self._raise_parting_error()
-            raise
-        return rid
+        elif self._lock.acquire(blocking=False):
+            try:
+                self._raise_parting_error()
+            finally:
+                self._lock.release()
+        raise lost
 
     def _raise_parting_error(self) -> None:
         """The write failed: the daemon hung up. If it said why first (a connection refused

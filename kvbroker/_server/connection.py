@@ -38,6 +38,15 @@ __all__ = ["Connection"]
 
 log = logging.getLogger("kvbroker.daemon")
 
+
+def _passes_a_wait(msg: Any) -> bool:
+    """Whether queued request ``msg`` is served while its connection waits (``passes_a_wait``
+    in its op table row); anything malformed waits its turn, and is refused then."""
+    op = msg.get("op") if msg.__class__ is dict else None
+    row = OPS.get(op) if op.__class__ is str else None
+    return row is not None and row.passes_a_wait
+
+
 _SO_PEERCRED_FMT = "3i"
 _READ_SIZE = 64 * 1024
 # One read buffer for every connection: the loop fills it and calls buffer_updated at once,
@@ -245,14 +254,17 @@ class Connection(asyncio.BufferedProtocol):
 
     def _pump(self) -> None:
         """Answer queued requests in order, until the connection waits (a blocking claim) or
-        its slice of this turn of the loop is used up (the rest: next turn).
+        its slice of this turn of the loop is used up (the rest: next turn). While it waits,
+        the requests queued behind the claim that only end leases (the op table's
+        ``passes_a_wait``: releases, which another thread of the client sent) are answered
+        from the head of the queue, so they are not held back for the whole wait.
 
         The slice's journal records go out in one write, then its replies in one more (a
         pipelined release and the publish behind it: two system calls, not four), so no
         reply leaves before the records of the changes it acknowledges."""
         self._pump_pending = False
         queue = self.queue
-        if queue and not self.busy and not self.closed:
+        if queue and not self.closed and (not self.busy or _passes_a_wait(queue[0])):
             journal = self.broker.journal
             batched = journal is not None and journal.begin()
             self._out = out = []
@@ -262,7 +274,7 @@ class Connection(asyncio.BufferedProtocol):
                 while True:
                     self._handle(queue.popleft())
                     n += 1
-                    if not queue or self.busy or self.closed:
+                    if not queue or self.closed or (self.busy and not _passes_a_wait(queue[0])):
                         break
                     if n >= _SLICE_REQUESTS or perf_counter() > deadline:
                         self._pump_pending = True

@@ -179,6 +179,11 @@ class Op:
     lease: LeaseRole = LeaseRole.NONE
     draining: Drain = SERVE
     needs_hello: bool = True
+    # Served while an earlier request of the same connection waits (a blocking claim): an op
+    # that only ends leases the caller holds, so another thread's release (a GPU landing's
+    # finisher) is not held back for the whole wait. The daemon still answers everything
+    # else on a connection in the order it came.
+    passes_a_wait: bool = False
 
 
 def _a(*types: type, required: bool = False, default: Any = None) -> Arg:
@@ -280,6 +285,7 @@ OPS: dict[str, Op] = {
         "End a read lease (frees the object if it was claimed with consume). `consume` "
         "false ends a consume claim without counting it: the reader gave up unused.",
         lease=_NAMES,
+        passes_a_wait=True,
     ),
     "renew": Op(
         {"leases": _a(list, required=True), "ttl": _a(*_OPT_NUM)},
@@ -379,6 +385,7 @@ OPS: dict[str, Op] = {
         R.Empty,
         "End several read leases.",
         lease=_NAMES,
+        passes_a_wait=True,
     ),
     # GPU staging rings (kvbroker._server.rings); a daemon without --gpu-ring answers bad_request.
     "rings": Op(

@@ -1,0 +1,72 @@
+"""A blocking claim waits in the daemon; releases on the same connection are not held back.
+
+A GPU landing's finisher thread releases leases on the client's one connection while the
+engine's thread may be in a claim that waits for a prefill (``claim(..., wait=...)``). The
+daemon answers a connection's requests in order, but serves releases (the op table's
+``passes_a_wait``) past a waiting claim, and the client sends a one-way release without
+waiting for the call in progress on the other thread.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from kvbroker._wire.protocol import OPS
+
+
+def _gone(client, key: str, within: float = 2.0) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if not client.exists(key):
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def test_only_lease_ending_ops_pass_a_wait():
+    assert {name for name, op in OPS.items() if op.passes_a_wait} == {"release", "release_many"}
+
+
+def test_the_daemon_serves_a_release_queued_behind_a_waiting_claim(daemon):
+    with daemon.client() as c, daemon.client() as other:
+        c.put("held", {"x": b"abc"})
+        lease = c.claim("held", consume=True)
+        session = c._session
+        waiting = session.submit("claim", {"namespace": "default", "key": "later", "select": None,
+                                           "consume": False, "wait": 10.0, "ttl": None})  # fmt: skip
+        lease._drop_views()
+        session.post("release", {"lease": lease.id, "consume": True})
+        lease.ended = True
+        # the consume-release freed the object while the claim behind which it was sent waits
+        assert _gone(other, "held")
+        assert not other.exists("later")
+        other.put("later", {"x": b"def"})
+        got = waiting.result()
+        assert got["buffers"]["x"][2] == 3
+        session.post("release", {"lease": got["lease"], "consume": False})
+        assert other.stat().pools[0].leased_read == 0
+
+
+def test_a_release_from_another_thread_does_not_wait_for_a_blocking_claim(daemon):
+    with daemon.client() as c, daemon.client() as other:
+        c.put("held", {"x": b"abc"})
+        lease = c.claim("held", consume=True)
+        claimed = []
+        waiter = threading.Thread(target=lambda: claimed.append(c.claim("later", wait=10)))
+        waiter.start()
+        time.sleep(0.2)  # the claim is waiting in the daemon, this client's lock held
+        releaser = threading.Thread(target=lease.release)
+        started = time.monotonic()
+        releaser.start()
+        releaser.join(5)
+        assert not releaser.is_alive() and time.monotonic() - started < 1.0
+        assert _gone(other, "held")
+        assert waiter.is_alive()  # still waiting: the release went past it
+        other.put("later", {"x": b"def"})
+        waiter.join(5)
+        assert not waiter.is_alive()
+        with claimed[0] as later:
+            assert bytes(later["x"]) == b"def"
+        assert c.ping() > 0  # the connection carries on, every reply read
+        assert other.stat().pools[0].leased_read == 0
