@@ -23,10 +23,12 @@ them could not keep it from using them.
 What comes later than with a blocking claim: a failed copy, or a lease that ended under the
 copies (its TTL ran out, the connection broke), is known only after the engine has used the
 bytes: ``finish()`` raises it, and the finisher logs it either way. The finisher shares the
-Client's one connection: while the caller's thread waits in a blocking call on the same
-Client (a claim with ``wait=``), the release waits behind it; if the lease's TTL runs out
-meanwhile, the release fails, ``after`` does not run (no consume is counted) and the object
-stays until it is evicted. Close the GpuClient (it waits for every landing) before its Client.
+Client's one connection. Its release is a one-way request, sent without waiting for a call in
+progress on the caller's thread, and the daemon serves releases past a claim of the same
+connection that waits (``passes_a_wait`` in the op table): a claim with ``wait=`` does not
+hold it back. Only a lease near the end of its TTL is released with a round trip (the reply
+says whether it had ended), and that one waits for such a call to return. Close the
+GpuClient (it waits for every landing) before its Client.
 """
 
 from __future__ import annotations
