@@ -70,3 +70,35 @@ def test_a_release_from_another_thread_does_not_wait_for_a_blocking_claim(daemon
             assert bytes(later["x"]) == b"def"
         assert c.ping() > 0  # the connection carries on, every reply read
         assert other.stat().pools[0].leased_read == 0
+
+
+def test_a_release_does_not_pass_a_deferred_request_sent_before_it(make_daemon):
+    """An evict matching buffer names over more than 20,000 of them runs in slices (deferred):
+    a release sent after it must not take effect first (the leased object is skipped)."""
+    d = make_daemon("--pool-size", "256M", "--page-size", "4K")
+    with d.client() as c:
+        for i in range(3):
+            c.put(f"o{i}", {f"b{j}": b"x" for j in range(7500)})
+        lease = c.claim("o0")
+        session = c._session
+        evict = session.submit("evict", {"namespace": "default", "key": None, "match": None,
+                                         "match_buffers": "b7499", "older_than": None,
+                                         "all": False, "dry_run": False})  # fmt: skip
+        lease._drop_views()
+        session.post("release", {"lease": lease.id, "consume": False})
+        lease.ended = True
+        result = evict.result()
+        assert result["skipped_leased"] == 1
+        assert c.exists("o0")
+
+
+def test_a_post_that_cannot_be_sent_leaves_nothing_to_wait_for(daemon):
+    import pytest
+
+    with daemon.client() as c:
+        session = c._session
+        with pytest.raises(TypeError):
+            session.post("release", {"lease": object(), "consume": True})
+        assert session.settled
+        started = time.monotonic()
+    assert time.monotonic() - started < 1.0  # close did not wait for a reply never coming

@@ -26,8 +26,9 @@ bytes: ``finish()`` raises it, and the finisher logs it either way. The finisher
 Client's one connection. Its release is a one-way request, sent without waiting for a call in
 progress on the caller's thread, and the daemon serves releases past a claim of the same
 connection that waits (``passes_a_wait`` in the op table): a claim with ``wait=`` does not
-hold it back. Only a lease near the end of its TTL is released with a round trip (the reply
-says whether it had ended), and that one waits for such a call to return. Close the
+hold it back. Only a lease near the end of its TTL, or one whose copy failed (released
+without counting the consume), is released with a round trip (its reply says whether it had
+ended), and that one waits for such a call to return. Close the
 GpuClient (it waits for every landing) before its Client.
 """
 

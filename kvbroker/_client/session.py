@@ -213,6 +213,9 @@ class Session:
             except BrokerUnavailable as exc:
                 self.broken = True
                 lost = exc
+            except BaseException:  # not sent (unpackable, too large): no reply to wait for
+                self._unanswered.discard(rid)
+                raise
         # What the daemon said before it hung up is read under the reading lock, which a
         # request or submit holds already; a post reads it only if no call is reading.
         if not unanswered:

@@ -264,7 +264,7 @@ class Connection(asyncio.BufferedProtocol):
         reply leaves before the records of the changes it acknowledges."""
         self._pump_pending = False
         queue = self.queue
-        if queue and not self.closed and (not self.busy or _passes_a_wait(queue[0])):
+        if queue and not self.closed and (not self.busy or self._may_pass(queue[0])):
             journal = self.broker.journal
             batched = journal is not None and journal.begin()
             self._out = out = []
@@ -274,7 +274,7 @@ class Connection(asyncio.BufferedProtocol):
                 while True:
                     self._handle(queue.popleft())
                     n += 1
-                    if not queue or self.closed or (self.busy and not _passes_a_wait(queue[0])):
+                    if not queue or self.closed or (self.busy and not self._may_pass(queue[0])):
                         break
                     if n >= _SLICE_REQUESTS or perf_counter() > deadline:
                         self._pump_pending = True
@@ -287,6 +287,12 @@ class Connection(asyncio.BufferedProtocol):
                 if out:
                     self._write(out[0] if len(out) == 1 else b"".join(out))
         self._update_reading()
+
+    def _may_pass(self, msg: Any) -> bool:
+        """Whether queued ``msg`` is served while the connection is busy: a release, past a
+        claim that waits, and nothing past a deferred request (a peer fetch, an evict in
+        slices), whose answer must not see what was sent after it."""
+        return self.wait is not None and _passes_a_wait(msg)
 
     def _update_reading(self) -> None:
         """Read while the connection can take more: not cut off, not over its backlog."""

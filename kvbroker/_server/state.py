@@ -118,8 +118,8 @@ class Deferred(Exception):
     """Raised by a handler whose answer needs I/O first (a pull from a peer broker,
     :mod:`kvbroker._server.fleet`). The connection awaits ``work()`` (a coroutine) off the
     request path, for at most ``timeout`` seconds, then answers with ``then(result)`` run on
-    the event loop; its later requests wait, in order, as behind a waiting claim (releases
-    pass both: ``passes_a_wait`` in the op table)."""
+    the event loop; its later requests wait, in order, as behind a waiting claim (which
+    releases pass, ``passes_a_wait`` in the op table; a deferred request they do not)."""
 
     def __init__(self, work: Any, then: Any, timeout: float) -> None:
         self.work = work

@@ -179,7 +179,8 @@ class Op:
     lease: LeaseRole = LeaseRole.NONE
     draining: Drain = SERVE
     needs_hello: bool = True
-    # Served while an earlier request of the same connection waits (a blocking claim): an op
+    # Served while an earlier claim of the same connection waits (``wait``; not past a
+    # deferred request such as a peer fetch, whose answer must not see it): an op
     # that only ends leases the caller holds, so another thread's release (a GPU landing's
     # finisher) is not held back for the whole wait. The daemon still answers everything
     # else on a connection in the order it came.
