@@ -485,7 +485,8 @@ def test_tp2_one_rank_cannot_load_and_the_request_is_computed_on_both(model, bro
     req = cons.add(P)
     steps = cons.run(max_steps=30)
     (done,) = _reported(steps, req)  # once: after both ranks reported
-    assert steps[done]["invalid"]
+    # rank 1's failed blocks come with its own report, which may be a step before rank 0's
+    assert any(s["invalid"] for s in steps[: done + 1])
     assert sum(s["output"].num_scheduled_tokens.get(req, 0) for s in steps) >= len(P)
     _assert_exact(cons, req, P)
     cons.close()
