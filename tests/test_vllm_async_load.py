@@ -78,6 +78,35 @@ def _first_run(steps, req) -> int:
     return next(i for i, s in enumerate(steps) if req in s["output"].num_scheduled_tokens)
 
 
+def _evictor(broker, check: bool = False):
+    """A ``before_load`` hook evicting P's block 2 and its tail (a chain goes from its leaf)."""
+    from kvbroker.integrations.vllm._format import prompt_keys
+
+    def evict_block_2_and_tail(_out):
+        with broker.client() as c:
+            (ns,) = {o.namespace for o in c.list()}
+            keys = prompt_keys(P, BLOCK, namespace=ns, cache_salt="").keys
+            for key in reversed(keys[2:]):
+                for o in c.list(namespace=ns):
+                    if o.key.split("/")[0] == key:
+                        count = c.evict(o.key, namespace=ns).count
+                        assert not check or count == 1
+
+    return evict_block_2_and_tail
+
+
+def _forget_lookups(cons, monkeypatch) -> None:
+    """The scheduler side forgets each request's lookup just before vLLM allocates for it."""
+    side = cons.connector._scheduler
+    update = side.update_state_after_alloc
+
+    def forgetful(request, blocks, n):
+        side.reqs[request.request_id].lookup = None
+        update(request, blocks, n)
+
+    monkeypatch.setattr(side, "update_state_after_alloc", forgetful)
+
+
 @pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(1, 1), (1, 2)])
 def test_the_request_is_parked_while_its_blocks_load_then_runs_on_them(
         model, broker, monkeypatch, prefill_tp, decode_tp):  # fmt: skip
@@ -142,20 +171,10 @@ def test_the_other_requests_keep_stepping_while_a_load_is_held_up(model, broker,
 
 def test_a_block_evicted_before_the_load_is_reported_with_it_and_recomputed(
         model, broker, monkeypatch):  # fmt: skip
-    from kvbroker.integrations.vllm._format import prompt_keys
-
     _produce(model, broker.socket_path, monkeypatch, [P])
     cons = _engine(model, broker.socket_path, "kv_consumer", monkeypatch, extra=ASYNC)
 
-    def evict_block_2_and_tail(_out):
-        with broker.client() as c:
-            (ns,) = {o.namespace for o in c.list()}
-            keys = prompt_keys(P, BLOCK, namespace=ns, cache_salt="").keys
-            for key in reversed(keys[2:]):  # a chain is evicted from its leaf
-                for o in c.list(namespace=ns):
-                    if o.key.split("/")[0] == key:
-                        assert c.evict(o.key, namespace=ns).count == 1
-
+    evict_block_2_and_tail = _evictor(broker, check=True)
     req = cons.add(P)
     steps = [cons.step(before_load=evict_block_2_and_tail)]
     steps += cons.run()
@@ -308,14 +327,7 @@ def test_a_parked_request_whose_load_cannot_be_planned_is_reported_and_computed(
     the workers, so the request is reported and computed instead of waiting forever."""
     _produce(model, broker.socket_path, monkeypatch, [P])
     cons = _engine(model, broker.socket_path, "kv_consumer", monkeypatch, extra=ASYNC)
-    side = cons.connector._scheduler
-    update = side.update_state_after_alloc
-
-    def forgetful(request, blocks, n):
-        side.reqs[request.request_id].lookup = None
-        update(request, blocks, n)
-
-    monkeypatch.setattr(side, "update_state_after_alloc", forgetful)
+    _forget_lookups(cons, monkeypatch)
     req = cons.add(P)
     steps = cons.run(max_steps=20)
     (done,) = _reported(steps, req)
@@ -409,14 +421,7 @@ def test_a_load_that_cannot_be_planned_fails_only_its_own_blocks(model, broker, 
     a = cons.add(a_prompt, max_tokens=30)
     for _ in range(3):  # its prefill, then it decodes
         cons.step()
-    side = cons.connector._scheduler
-    update = side.update_state_after_alloc
-
-    def forgetful(request, blocks, n):
-        side.reqs[request.request_id].lookup = None
-        update(request, blocks, n)
-
-    monkeypatch.setattr(side, "update_state_after_alloc", forgetful)
+    _forget_lookups(cons, monkeypatch)
     b = cons.add(b_prompt)
     before = cons.scheduler.requests[a].num_computed_tokens
     step = cons.step()
@@ -439,22 +444,12 @@ def test_kv_both_with_load_async_saves_only_recomputed_blocks_and_serves_exact_k
     broker never had is computed and saved beside it."""
     import torch
 
-    from kvbroker.integrations.vllm._format import prompt_keys
-
     _produce(model, broker.socket_path, monkeypatch, [P])
     both = _engine(model, broker.socket_path, "kv_both", monkeypatch, extra=ASYNC)
     for cache in both.caches:  # the blocks it will write into hold garbage beforehand
         cache.normal_(generator=torch.Generator().manual_seed(1))
 
-    def evict_block_2_and_tail(_out):
-        with broker.client() as c:
-            (ns,) = {o.namespace for o in c.list()}
-            keys = prompt_keys(P, BLOCK, namespace=ns, cache_salt="").keys
-            for key in reversed(keys[2:]):
-                for o in c.list(namespace=ns):
-                    if o.key.split("/")[0] == key:
-                        c.evict(o.key, namespace=ns)
-
+    evict_block_2_and_tail = _evictor(broker)
     other = _tokens(11, 70)
     req, fresh = both.add(P), both.add(other)
     steps = [both.step(before_load=evict_block_2_and_tail)]
