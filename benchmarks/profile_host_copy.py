@@ -11,7 +11,9 @@ round ratios and their range, and the 1-minute load average over the rounds.
 - ``1 MiB chunks, no hash``: the engine's loop without the hash (the cost of chunking);
 - ``copy_hashed, N thread(s)``: the host copy engine (:mod:`kvbroker._client.engine`) at
   1 thread and at ``--threads`` (default 2), splitting whenever the size allows, through its
-  C loops and, beside them, its Python loops (where the C extension is built);
+  C loops and, beside them, its Python loops (where the C extension is built); where the C
+  loops copy and hash in one pass (AVX2), their two-pass form too (``two passes``: each
+  chunk copied, then hashed by xxHash);
 - ``memcpy, N threads``: the engine's plain copy over the same threads;
 - ``stream K``: a chunk copied ``K`` bytes at a time, each piece fed to a streaming xxh3_64
   (the same digest as the chunk's one-shot hash), so the hash reads from a smaller cache;
@@ -46,6 +48,7 @@ ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)),
 sys.path.insert(0, ROOT)
 
 from kvbroker._bench._common import machine_info, measured_commit  # noqa: E402
+from kvbroker._client import engine as _engine  # noqa: E402
 from kvbroker._client.engine import CopyEngine  # noqa: E402
 from kvbroker._wire import checksum as cs  # noqa: E402
 from kvbroker._wire.paths import parse_size  # noqa: E402
@@ -95,6 +98,20 @@ def coarse(copy_bytes: int):
     return run
 
 
+def two_passes(copy_hashed):
+    """``copy_hashed`` with the C loops' one-pass copy+hash off for the call."""
+    from kvbroker import _copyhash
+
+    def run(dst, src) -> int:
+        _copyhash.use_fused(False)
+        try:
+            return copy_hashed(dst, src)
+        finally:
+            _copyhash.use_fused(True)
+
+    return run
+
+
 def chunked_copy(dst, src) -> None:
     for at in range(0, src.nbytes, CHUNK):
         np.copyto(dst[at : at + CHUNK], src[at : at + CHUNK])
@@ -109,7 +126,8 @@ def copy_variants(args) -> tuple[list[dict], dict]:
     one = CopyEngine(1, split_min=CHUNK)
     many = CopyEngine(n, split_min=CHUNK)
     engines = [one, many]
-    loops = "C loops" if one.native else "Python loops"
+    fused = one.native and _engine.fused_loop()
+    loops = ("C loops, one pass" if fused else "C loops") if one.native else "Python loops"
     variants = {
         "memcpy -> shm": lambda d, s: np.copyto(d, s),
         "memcpy -> anon": None,  # set below: its own destination (see target)
@@ -117,6 +135,9 @@ def copy_variants(args) -> tuple[list[dict], dict]:
         f"copy_hashed, 1 thread, {loops}": one.copy_hashed,
         f"copy_hashed, {n} threads, {loops}": many.copy_hashed,
     }
+    if fused:  # the two-pass C loops (copy, then xxHash's hash) beside the one-pass loop
+        variants["copy_hashed, 1 thread, C loops, two passes"] = two_passes(one.copy_hashed)
+        variants[f"copy_hashed, {n} threads, C loops, two passes"] = two_passes(many.copy_hashed)
     if one.native:  # the Python loops beside them, in the same run
         engines += [CopyEngine(1, split_min=CHUNK, native=False),
                     CopyEngine(n, split_min=CHUNK, native=False)]  # fmt: skip

@@ -665,6 +665,81 @@ def test_c_loops_digest_each_chunk_as_python_xxhash_does(n, chunk, piece, src_of
     assert _copyhash.hash_chunks(memoryview(src.tobytes()), chunk) == want  # any buffer
 
 
+# The C loops' two forms of a copy that hashes: one pass (each stripe copied and hashed from
+# the same registers, AVX2; the default wherever it runs) and two (copy, then xxHash's hash).
+PASSES = [
+    pytest.param(True, id="one-pass", marks=pytest.mark.skipif(
+        not E.fused_loop(), reason="no one-pass loop here (C loops not built, or no AVX2)")),
+    pytest.param(False, id="two-passes", marks=needs_native),
+]
+
+
+@pytest.fixture
+def passes(request):
+    from kvbroker import _copyhash
+
+    assert _copyhash.use_fused(request.param) is request.param
+    yield request.param
+    _copyhash.use_fused(True)
+
+
+@pytest.mark.parametrize("passes", PASSES, indirect=True)
+@settings(max_examples=120, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(n=st.one_of(st.integers(0, 5000), st.integers(0, 2_200_000)),
+       chunk=st.sampled_from([240, 241, 1024, 1025, 4096, 65536, 1 << 20]),
+       stream=st.booleans(), src_off=st.integers(0, 63), dst_off=st.integers(0, 63),
+       seed=st.integers(0, 2**32 - 1))
+def test_one_pass_and_two_pass_copies_digest_as_python_xxhash_does(
+        passes, n, chunk, stream, src_off, dst_off, seed):  # fmt: skip
+    """Every long-input case of xxh3 (a partial last stripe, whole 1 KiB blocks, a block and
+    some stripes, one stripe past 240 bytes), short last chunks, streaming stores or not, any
+    alignment of either side: the digests are xxHash's and the bytes land, nothing around."""
+    from kvbroker import _copyhash
+
+    rng = np.random.default_rng(seed)
+    src = rng.integers(0, 256, n + 64, dtype=np.uint8)[src_off : src_off + n]
+    dst_buf = np.zeros(n + 128, dtype=np.uint8)
+    dst = dst_buf[dst_off : dst_off + n]
+    want = [xxhash.xxh3_64_intdigest(src[a : a + chunk]) for a in range(0, n, chunk)]
+    assert _copyhash.copy_hashed(dst, src, chunk, 0, stream) == want
+    assert np.array_equal(dst, src)
+    assert not dst_buf[:dst_off].any() and not dst_buf[dst_off + n :].any()
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((set(line.split(":", 1)[1].split()) for line in f
+                         if line.startswith("flags")), set())  # fmt: skip
+    except OSError:
+        return set()
+
+
+@needs_native
+@pytest.mark.skipif("avx2" not in _cpu_flags(), reason="no AVX2 on this CPU")
+def test_the_one_pass_loop_runs_where_the_cpu_has_avx2():
+    """bind_hash turns the one-pass loop off when its digests differ from xxHash's: a wrong
+    loop would otherwise only make the tests above skip."""
+    assert E.fused_loop()
+
+
+@needs_native
+def test_the_one_pass_loop_is_switched_only_where_it_was_checked():
+    from kvbroker import _copyhash
+
+    here = E.fused_loop()
+    assert _copyhash.use_fused() is here  # asking changes nothing
+    try:
+        assert _copyhash.use_fused(False) is False and E.fused_loop() is False
+        assert _copyhash.use_fused() is False
+        # back on only where bind_hash found AVX2 and xxHash's digests
+        assert _copyhash.use_fused(True) is here
+    finally:
+        _copyhash.use_fused(True)
+    with pytest.raises(TypeError):
+        _copyhash.use_fused(True, False)
+
+
 @needs_native
 def test_c_loops_refuse_bad_buffers_and_write_nothing():
     from kvbroker import _copyhash

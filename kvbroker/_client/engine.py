@@ -9,9 +9,14 @@ back in order and are combined as :mod:`kvbroker._wire.checksum` defines, so the
 bit for bit the single-threaded :func:`~kvbroker._wire.checksum.digest`.
 
 Each thread's range is one call into ``kvbroker._copyhash`` (``csrc/copyhash.c``):
-the GIL is released once per range, and each chunk is copied with memcpy and hashed with
-python-xxhash's own xxh3_64 (its compiled function, with its run-time AVX2 / AVX-512
-choice, bound at import and checked against ``xxh3_64_intdigest``). In Python the same loop hands the GIL back and forth twice per chunk
+the GIL is released once per range, and each chunk is copied and hashed in one pass where
+the CPU has AVX2 (each 64-byte stripe loaded once, stored, and fed to xxh3_64's
+accumulators from the same registers: :func:`fused_loop`), else copied with memcpy and then
+hashed with python-xxhash's own xxh3_64 (its compiled function, with its run-time AVX2 /
+AVX-512 choice). Both are bound at import and checked against ``xxh3_64_intdigest``. On an
+H100 host's Xeon a 32 MiB copy+hash on one thread ran at 0.89x of a memcpy in one pass
+against 0.73x in two (``benchmarks/results/host-copy-h100-host.md``); on 8 threads, whose
+memory bandwidth is the limit, the two differ less. In Python the same loop hands the GIL back and forth twice per chunk
 (numpy's ``copyto``, then python-xxhash's one-shot hash, both releasing it), and those
 hand-offs are what limited the scaling (measured on an H100 host's 16 cores, 32 MiB, 1 MiB
 chunks: fused copy+hash on 8 threads at 0.57x of a plain 8-thread memcpy;
@@ -55,8 +60,8 @@ import xxhash
 
 from .._wire import checksum as _cs
 
-__all__ = ["CopyEngine", "default_engine", "default_threads", "default_gate", "MAX_THREADS",
-           "NATIVE", "SHARED_CPUS", "SPLIT_MIN", "last_level_cache", "stream_min"]
+__all__ = ["CopyEngine", "default_engine", "default_threads", "default_gate", "fused_loop",
+           "MAX_THREADS", "NATIVE", "SHARED_CPUS", "SPLIT_MIN", "last_level_cache", "stream_min"]
 
 
 # Past 8 threads, GIL hand-offs cost more than the extra bandwidth (16 threads lost to 8 on
@@ -67,7 +72,8 @@ MAX_THREADS = 8
 SPLIT_MIN = 2 * 1024 * 1024
 # At most this many usable CPUs: the engine's threads past the first only while a CPU is spare.
 SHARED_CPUS = 2
-# When a copy+hash runs on several threads, the C loops copy and hash each chunk this many
+# When a copy+hash runs on several threads and the C loops hash in a second pass (no AVX2:
+# see fused_loop; the one-pass loop needs no pieces), they copy and hash each chunk this many
 # bytes at a time (xxh3's streaming form: the same digest), so the hash reads what it just
 # copied from L1/L2. 32 MiB into /dev/shm against a memcpy on as many threads
 # (benchmarks/results/copy-piece/): H100 host's Xeon, 8 threads 1.03x against 0.90x for
@@ -136,11 +142,15 @@ def _bind_c_loops():
         bind_hash(_xxhash.__file__)
     except OSError:
         return None, None, None
-    # every xxh3 input-length path (0-16, 17-128, 129-240 bytes, long inputs), in ~1 ms
+    # every xxh3 input-length path (0-16, 17-128, 129-240 bytes, long inputs), hashed in
+    # place and copied (the one-pass loop where it runs), in ~2 ms
     for probe, chunk in ((bytes(range(256)) * 5, 7), (bytes(range(256)) * 5, 240),
+                         (bytes(range(256)) * 5, 1000),
                          (bytes(range(251)) * 4200, 1 << 20)):  # fmt: skip
         want = [_hash(probe[at : at + chunk]) for at in range(0, len(probe), chunk)]
-        if hash_chunks(probe, chunk) != want:
+        landed = bytearray(len(probe))
+        if hash_chunks(probe, chunk) != want or copy_hashed(landed, probe, chunk) != want \
+                or landed != probe:  # fmt: skip
             return None, None, None
     return copy_hashed, hash_chunks, copy
 
@@ -151,6 +161,16 @@ _stream_min = functools.cache(stream_min)  # engines' default: sysfs read once p
 # Whether engines copy and hash through csrc/copyhash.c by default (else the Python loops;
 # KVBROKER_NATIVE_COPY=0 is an operator's way back to them).
 NATIVE = _c_copy_hashed is not None and os.environ.get("KVBROKER_NATIVE_COPY", "1") != "0"
+
+
+def fused_loop() -> bool:
+    """Whether the C loops copy and hash in one pass here (``csrc/copyhash.c``: AVX2, checked
+    against xxHash's digests when bound); else each chunk is copied, then hashed."""
+    if _c_copy_hashed is None:
+        return False
+    from .._copyhash import use_fused
+
+    return use_fused()
 
 
 def _usable_cpus() -> int:

@@ -253,7 +253,19 @@ def check_copy_engine(cfg: DaemonConfig) -> Check:
     if os.environ.get("KVBROKER_NATIVE_COPY", "1") == "0":
         return Check(name, "warn", "Python loops: KVBROKER_NATIVE_COPY=0 turns the C loops off",
                      "unset KVBROKER_NATIVE_COPY")  # fmt: skip
-    return Check(name, "ok", "C loops (csrc/copyhash.c), one GIL release per range; "
+    # as the clients' engine binds it (the daemon never imports the client's modules)
+    from xxhash import _xxhash
+
+    from .._copyhash import bind_hash, use_fused
+
+    try:
+        bind_hash(_xxhash.__file__)
+        one_pass = use_fused()
+    except OSError:
+        one_pass = False
+    passes = ("each chunk copied and hashed in one pass (AVX2); " if one_pass else
+              "each chunk copied, then hashed (no AVX2 here: two passes); ")  # fmt: skip
+    return Check(name, "ok", "C loops (csrc/copyhash.c), one GIL release per range; " + passes
                  + ("copies of half the last-level cache (16 MiB at least) or more store "
                     "non-temporally"
                     if STREAM_STORES else "no streaming stores on this architecture"))
