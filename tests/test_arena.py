@@ -322,9 +322,13 @@ def test_put_takes_one_round_trip_and_another_process_reads_it(daemon):
         assert bytes(r.get("k1")["x"]) == data["x"]
         assert w.put("k1", {"x": b"new"}, replace=True)
         assert bytes(r.get("k1")["x"]) == b"new"
-        # larger than half the arena: reserve + seal
+        # larger than the arena: it would grow, but this 64 MiB pool lends at most 4 MiB (1/16)
+        # as an arena; learnt once, then reserve + seal
         calls.clear()
         assert w.put("big", {"x": np.ones(5 << 20, np.uint8)})
+        assert calls == ["abort", "arena", "reserve", "seal"]
+        calls.clear()
+        assert w.put("big2", {"x": np.ones(5 << 20, np.uint8)})
         assert calls == ["reserve", "seal"]
         st = r.stat()
         assert st.pools[0].leased_write > 0 and st.arenas == 1  # the writer's arena
@@ -335,6 +339,128 @@ def test_put_takes_one_round_trip_and_another_process_reads_it(daemon):
         calls.clear()
         assert w.put("k3", {"x": b"3"})  # a later put opens a fresh one
         assert calls == ["arena", "publish"] and bytes(r.get("k3")["x"]) == b"3"
+
+
+def _count_requests(client) -> list[str]:
+    calls: list[str] = []
+    real = client._session.request
+    client._session.request = lambda op, a: calls.append(op) or real(op, a)
+    return calls
+
+
+def _bytes(c, key):
+    return np.frombuffer(c.get(key, consume=True)["x"], np.uint8)
+
+
+def test_bigger_puts_grow_the_arena_then_take_one_round_trip(make_daemon):
+    d = make_daemon("--pool-size", "256M", "--page-size", "4K")  # arenas up to 16 MiB
+    d.wait_ready()
+    data = {n: np.random.default_rng(n).integers(0, 256, n << 20, dtype=np.uint8)
+            for n in (3, 12)}  # fmt: skip
+    with d.client() as w, d.client(arena_size=0) as r:
+        calls = _count_requests(w)
+        assert w.put("small", {"x": b"s" * 1000})
+        assert calls == ["arena", "publish"]
+        # 3 MiB: more than half the 2 MiB arena; it is given back for a 6 MiB one, once
+        calls.clear()
+        assert w.put("a0", {"x": data[3]})
+        assert calls == ["abort", "arena", "publish"]
+        for i in range(1, 5):  # then one round trip each: the rest, or a fresh arena
+            calls.clear()
+            assert w.put(f"a{i}", {"x": data[3]})
+            assert calls == ["publish"], i
+        for i in range(5):
+            assert np.array_equal(_bytes(r, f"a{i}"), data[3])
+        # 12 MiB asks for 24 MiB, more than the daemon lends (16): what it lent takes the put,
+        # but arenas are asked at arena_size again and there is no more growth for a while
+        calls.clear()
+        assert w.put("b0", {"x": data[12]})
+        assert calls == ["abort", "arena", "publish"]
+        assert w._arena.extent[2] == 4 << 20 and w._arena.size == 2 << 20  # 4 MiB left
+        for k in ("b1", "b2"):
+            calls.clear()
+            assert w.put(k, {"x": data[12]})
+            assert calls == ["reserve", "seal"], k
+        calls.clear()
+        assert w.put("a5", {"x": data[3]})  # fits in what is left
+        assert calls == ["publish"]
+        for k, n in (("b0", 12), ("b1", 12), ("b2", 12), ("a5", 3)):
+            assert np.array_equal(_bytes(r, k), data[n])
+        # an existing key: False, the arena untouched, nothing published
+        held = list(w._arena.extent)
+        assert w.put("small", {"x": data[3]}) is False
+        assert w._arena.extent == held and bytes(r.get("small")["x"]) == b"s" * 1000
+    with d.client(arena_max=2 << 20) as w:  # growth off: as before
+        calls = _count_requests(w)
+        assert w.put("c", {"x": data[3]})
+        assert calls == ["reserve", "seal"]
+
+
+def test_a_grown_arena_shrinks_back_after_a_run_of_small_puts(make_daemon):
+    from kvbroker._client import arena as A
+
+    d = make_daemon("--pool-size", "256M", "--page-size", "4K")
+    d.wait_ready()
+    with d.client() as w, d.client(arena_size=0, map_pools=False) as r:
+        assert w.put("big", {"x": np.ones(3 << 20, np.uint8)})
+        assert w._arena.extent[2] == 3 << 20  # the rest of the 6 MiB arena
+        for i in range(A._SHRINK_AFTER + 40):  # the rest is used up, then arenas of 2 MiB
+            assert w.put(f"s{i}", {"x": np.ones(200 << 10, np.uint8)})
+        assert w._arena.size == 2 << 20 and w._arena.extent[2] <= 2 << 20
+        assert r.stat().pools[0].leased_write <= 2 << 20
+
+
+def test_growth_refused_keeps_an_arena_of_the_asked_size(make_daemon):
+    """Arenas all together are at most 1/4 of the pools: a client whose bigger arena is
+    refused goes back to one of arena_size (it gave its own back first), and asks to grow
+    again only after a while."""
+    d = make_daemon("--pool-size", "64M", "--page-size", "4K")  # 16 MiB for all arenas
+    d.wait_ready()
+    with contextlib.ExitStack() as stack:
+        hogs = [stack.enter_context(d.client(arena_size=n << 20)) for n in (4, 4, 4, 2)]
+        for i, h in enumerate(hogs):  # 14 MiB of the 16 lent
+            assert h.put(f"h{i}", {"x": b"h"})
+        w = stack.enter_context(d.client())
+        calls = _count_requests(w)
+        assert w.put("small", {"x": b"s"})
+        assert calls == ["arena", "publish"]
+        calls.clear()  # 2 MiB: wants a 4 MiB arena, refused (14 + 4 > 16); 2 MiB again
+        assert w.put("mid", {"x": np.ones(2 << 20, np.uint8)})  # takes it whole
+        assert calls == ["abort", "arena", "arena", "publish"]
+        assert w._arena.id is not None and w._arena.size == 2 << 20
+        calls.clear()
+        assert w.put("small2", {"x": b"t"}) and calls == ["publish"]
+        calls.clear()
+        assert w.put("mid2", {"x": np.ones(2 << 20, np.uint8)})
+        assert calls == ["reserve", "seal"]  # not again so soon
+        hogs[0].close()  # room again; once _GROW_AGAIN has passed, the client asks again
+        w._arena._grow_at = 0.0
+        calls.clear()
+        assert w.put("mid3", {"x": np.ones(2 << 20, np.uint8)})
+        assert calls == ["abort", "arena", "publish"]
+        assert w.exists("mid3") and w.exists("small2")
+
+
+def test_growing_an_arena_of_a_dead_connection_reconnects_and_puts(tmp_path):
+    """The arena given back for a bigger one died with a daemon that restarted: the put
+    reconnects and succeeds, as a put without growth does."""
+    from kvbroker.testing import DaemonProcess, drop_leftover_pools
+
+    sock = str(tmp_path / "kvb.sock")
+    args = ("--pool-size", "256M", "--page-size", "4K")
+    d = DaemonProcess(sock, *args)
+    try:
+        with d.client(reconnect=10) as w:
+            assert w.put("small", {"x": b"s"})  # an arena held
+            assert d.stop() == 0
+            drop_leftover_pools(sock)
+            d = DaemonProcess(sock, *args)
+            assert w.put("big", {"x": np.ones(3 << 20, np.uint8)})
+            with d.client(arena_size=0, map_pools=False) as r:
+                assert r.exists("big")
+    finally:
+        d.stop()
+        drop_leftover_pools(sock)
 
 
 def test_bad_source_mid_copy_publishes_nothing(client):

@@ -19,6 +19,27 @@ a key that is already published copies into the client's own arena for nothing (
 answers False as always; nothing is published, the arena is untouched). Objects larger than
 half the arena, or a put while another thread of the same client uses the arena, take the
 reserve + seal path, where an existing key costs no copy.
+
+Growth: a put bigger than half the arena but no bigger than half of ``Client(arena_max=...)``
+(64 MiB by default) doubles the arena until it takes the put: the arena held is given back
+and a bigger one opened (two round trips, once per doubling), and from then on puts of that
+size are one round trip, not two. A large put pays its requests after a copy long enough
+for the daemon to fall asleep, so the request saved is one of the dear ones (a 32 MiB put
+on an H100 host: reserve 160-230 us, seal 130-190 us, ``benchmarks/results/
+put-get-phases-h100-host.md``). What it costs and how it is bounded:
+- the daemon lends at most 1/16 of a pool as one arena, all arenas together at most 1/4 of
+  the pools, and under a tenant quota at most 1/4 of it. When it lends less than asked, the
+  put uses what it lent if it fits (else reserve + seal), the next arenas are asked at
+  ``arena_size``, and growth waits :data:`_GROW_AGAIN` seconds (a quota or a budget that is
+  full now may not be later); when it lends nothing, the client holds an arena of
+  ``arena_size`` again;
+- after :data:`_SHRINK_AFTER` arena puts in a row that ``arena_size`` would have taken, the
+  client asks for arenas of ``arena_size`` again (the bigger one is used up by those puts
+  first: its pages become objects);
+- an arena that grew is held, not evictable, until puts use it up or its client closes: an
+  idle client that last put large objects holds up to ``arena_max`` of the pool;
+- a put of a key that already exists copies into the arena for nothing, now up to half of
+  ``arena_max`` (32 MiB) rather than of ``arena_size``.
 """
 
 from __future__ import annotations
@@ -40,6 +61,8 @@ if TYPE_CHECKING:
 __all__ = ["WriteArena"]
 
 _RETRY_AFTER = 0.5  # seconds without arena after the daemon had no room for one
+_GROW_AGAIN = 30.0  # seconds before growing again after the daemon lent less than asked
+_SHRINK_AFTER = 16  # arena puts in a row that arena_size would take: back to arena_size
 _FEW_BUFFERS = 128  # a publish of this many buffers or fewer is below MAX_REQUEST (512-char names)
 
 
@@ -53,9 +76,12 @@ def _publish_size(sizes, meta, checksum: bool) -> int:
 class WriteArena:
     """The arena of one :class:`~kvbroker.Client` (one per connection, opened lazily)."""
 
-    def __init__(self, client: Client, size: int) -> None:
+    def __init__(self, client: Client, size: int, most: int = 0) -> None:
         self.client = client
-        self.size = size
+        self.base = self.size = size  # asked for by the user; what arenas are asked at now
+        self.most = max(size, most) if size > 0 else 0  # what growth may ask for
+        self._grow_at = 0.0  # monotonic seconds: no growth before (the daemon lent less)
+        self._small_puts = 0  # arena puts in a row that self.base would have taken
         self._lock = threading.Lock()
         self.id: int | None = None
         self.extent: list[int] | None = None  # [pool, offset, nbytes]
@@ -66,9 +92,17 @@ class WriteArena:
         self._retry_at = 0.0
 
     def fits(self, span: int) -> bool:
-        if not (0 < self.size and span <= self.size // 2 and not self._unavailable):
+        if not (0 < self.size and not self._unavailable):
+            return False
+        extent = self.extent
+        if extent is not None and span <= extent[2]:
+            return True  # the arena held takes it
+        if span > self.size // 2 and not self._may_grow(span):
             return False
         return self.id is not None or time.monotonic() >= self._retry_at
+
+    def _may_grow(self, span: int) -> bool:
+        return span <= self.most // 2 and time.monotonic() >= self._grow_at
 
     def put(self, key: str, buffers: Mapping[str, Any], sizes: Mapping[str, int], *,
             namespace: str, meta: dict | None, replace: bool, consumers: int,
@@ -91,8 +125,21 @@ class WriteArena:
         offsets, span = buffer_offsets(sizes)
         if self._generation != client.generation:
             self.id = self.extent = None  # it died with an earlier connection
-        if self.id is None and not self._open():
+        # decided here, under the lock (fits() only looks)
+        if self.id is not None and span <= self.extent[2]:
+            pass  # the arena held takes it
+        elif span <= self.size // 2:
+            if self.id is None and not self._open():
+                return None
+        elif self._may_grow(span):
+            self.size = min(self.most, max(2 * span, 2 * self.size))
+            if not self._regrow(span):
+                return None
+        else:
             return None
+        self._small_puts = self._small_puts + 1 if span <= self.base // 2 else 0
+        if self._small_puts >= _SHRINK_AFTER and self.size != self.base:
+            self.size = self.base  # the next arenas: what the user asked for
         pool, base, room = self.extent
         if span > room:
             return None
@@ -144,6 +191,25 @@ class WriteArena:
         self.id, self.extent = reply["lease"], reply["arena"]
         self._generation = client.generation
         return True
+
+    def _regrow(self, span: int) -> bool:
+        """Give back the arena held (if any) and open one of ``self.size`` bytes for a put of
+        ``span``: True when the arena now held takes it. When the daemon lends less than asked
+        (its caps, a quota), keep what it lent but ask for arenas of ``self.base`` again, and
+        grow again only after :data:`_GROW_AGAIN` seconds; when it lends nothing, hold one of
+        ``self.base``."""
+        if self.id is not None:
+            held, self.id, self.extent = self.id, None, None
+            try:
+                self.client.ops.abort(held)
+            except LeaseExpired:
+                pass  # gone with a connection the request just replaced: nothing to give back
+        if not self._open() or self.extent[2] < self.size:
+            self.size = self.base
+            self._grow_at = time.monotonic() + _GROW_AGAIN
+            if self.id is None:
+                self._open()
+        return self.id is not None and span <= self.extent[2]
 
     def after_fork(self) -> None:
         """In a forked child: the arena's pages are the parent's, its lock maybe held by a

@@ -81,7 +81,10 @@ class Client:
     before sleeping, while the host has a CPU to spare (lower latency for a little CPU; 0
     turns it off). ``arena_size``: bytes
     of the write arena this client holds so that a put of up to half of it is one round
-    trip (0: every put reserves, then seals).
+    trip (0: every put reserves, then seals). ``arena_max``: what the arena may grow to,
+    doubling, for bigger puts (the daemon lends at most 1/16 of a pool; growth is undone after
+    a run of smaller puts; what it holds meanwhile: ``_client/arena.py``, "Growth"; at most
+    ``arena_size``: no growth).
 
     ``reconnect``: when an established connection breaks (the daemon crashed or restarted),
     the next call reconnects by itself, retrying with exponential backoff for at most this
@@ -102,6 +105,7 @@ class Client:
         busy_poll: float = DEFAULT_BUSY_POLL,
         reconnect: float = 5.0,
         arena_size: int = 2 << 20,
+        arena_max: int = 64 << 20,
     ) -> None:
         self.socket_path = socket_path or default_socket_path()
         self._timeout = timeout
@@ -123,7 +127,8 @@ class Client:
         # Puts of objects up to half this size take one round trip (see _arena.py); 0: off.
         # Small on purpose: measured, a 2 MiB arena beats 8 MiB at 256 KiB-4 MiB puts (its
         # pages are reused while still in cache; big objects gain little from one round trip).
-        self._arena = WriteArena(self, arena_size if map_pools else 0)
+        # Bigger puts grow it up to arena_max (_arena.py, "Growth").
+        self._arena = WriteArena(self, arena_size if map_pools else 0, arena_max)
         self._replica: ReadReplica | None = None
         self._connect()
         _clients.add(self)  # see _after_fork_in_child
@@ -314,8 +319,9 @@ class Client:
 
         Copies each byte once into the pool, then seals. Returns False when the key is
         already published and ``replace`` is False; nothing is copied then, except for an
-        object small enough for the write arena (half of ``arena_size``), which is copied
-        into this client's arena first and published in one round trip (see _arena.py). ``checksum``: hash each
+        object small enough for the write arena (half of ``arena_size``, or of ``arena_max``
+        once bigger puts grew it), which is copied into this client's arena first and
+        published in one round trip (see _arena.py). ``checksum``: hash each
         chunk right after copying it (still one pass over memory) and record the digests.
         """
         sizes = {name: nbytes_of(b) for name, b in buffers.items()}
