@@ -100,15 +100,18 @@ def machine_info() -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def spawned_daemon(pool_size: str = "1G", *extra: str, env: dict | None = None) -> Iterator[str]:
+def spawned_daemon(pool_size: str = "1G", *extra: str, env: dict | None = None,
+                   launcher: list[str] | None = None) -> Iterator[str]:
     """A private daemon for the benchmark, stopped on exit; yields its socket path.
-    ``env``: extra environment (``KVBROKER_*`` settings)."""
+    ``env``: extra environment (``KVBROKER_*`` settings). ``launcher``: what runs
+    ``serve ...`` (default ``python -m kvbroker``)."""
     from .. import BrokerUnavailable, Client
 
     d = tempfile.mkdtemp(prefix="kvb-bench-")
     path = os.path.join(d, "kvb.sock")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvbroker", "serve", "--socket", path, "--pool-size", pool_size,
+        [*(launcher or [sys.executable, "-m", "kvbroker"]), "serve", "--socket", path,
+         "--pool-size", pool_size,
          "--log-level", "warning", *extra],
         env={**os.environ, **(env or {})},
     )  # fmt: skip
