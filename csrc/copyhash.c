@@ -466,15 +466,28 @@ hash_chunks(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     return out;
 }
 
+/* What bind_hash found of the one-pass loop (fused_state() names it). */
+enum fused_verdict {
+    FUSED_UNBOUND,    /* bind_hash not called yet */
+    FUSED_CHECKED,    /* this CPU runs it and its digests are xxHash's */
+    FUSED_NOT_BUILT,  /* not compiled for this architecture or compiler */
+    FUSED_NO_AVX2,    /* this CPU lacks AVX2 */
+    FUSED_DIFFERS,    /* its digests differ from the bound xxh3_64's: a bug, never used */
+    FUSED_NO_MEMORY,  /* the check could not allocate its buffers */
+};
+static int fused_verdict = FUSED_UNBOUND;
+static int fused_wanted = 1; /* use_fused(): off for an A/B, on by default */
+
 /* Whether the fused loop runs on this CPU and gives xxHash's digests: every long-input case
  * (one stripe past 240 bytes, whole blocks, a block plus stripes, a partial last stripe, 1 MiB
- * and an odd length past it) against the bound chunk_hash, copied and hash-only. */
+ * and an odd length past it) against the bound chunk_hash, copied and hash-only. Returns an
+ * enum fused_verdict. */
 static int
 fused_matches(void)
 {
 #if HAVE_FUSED
     if (!__builtin_cpu_supports("avx2"))
-        return 0;
+        return FUSED_NO_AVX2;
     static const size_t lens[] = {241, 255, 256, 1023, 1024, 1025, 1088, 2047, 4103,
                                   (1 << 20), (1 << 20) + 4097};
     size_t most = (1 << 20) + 4097, pad = 64; /* cases start up to 10 bytes in: room */
@@ -496,11 +509,12 @@ fused_matches(void)
              && memcmp(dst + 1, src + k, lens[k]) == 0;
     }
     STREAM_FENCE();
+    int allocated = src != NULL && raw != NULL;
     PyMem_RawFree(src);
     PyMem_RawFree(raw);
-    return ok;
+    return !allocated ? FUSED_NO_MEMORY : ok ? FUSED_CHECKED : FUSED_DIFFERS;
 #else
-    return 0;
+    return FUSED_NOT_BUILT;
 #endif
 }
 
@@ -511,8 +525,6 @@ PyDoc_STRVAR(use_fused_doc,
 "xxHash's own hash). ``flag`` False: two from now on; True: one where this CPU and\n"
 "bind_hash allow; none: unchanged. Returns what is in force. For A/B measurements: the\n"
 "default is one pass wherever it runs.");
-
-static int fused_verified = 0; /* bind_hash's verdict, kept for use_fused(True) */
 
 static PyObject *
 use_fused(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
@@ -525,9 +537,27 @@ use_fused(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         int flag = PyObject_IsTrue(args[0]);
         if (flag < 0)
             return NULL;
-        fused_ok = flag && fused_verified;
+        fused_wanted = flag;
+        fused_ok = fused_wanted && fused_verdict == FUSED_CHECKED;
     }
     return PyBool_FromLong(fused_ok);
+}
+
+PyDoc_STRVAR(fused_state_doc,
+"fused_state() -> str\n\n"
+"Why copies that hash run in one pass or not: 'one pass', 'off' (use_fused(False)),\n"
+"'no AVX2', 'digests differ' (the one-pass loop disagreed with xxHash when bound: a bug,\n"
+"so it is not used), 'not built' (another architecture or compiler), 'unchecked' (its\n"
+"check could not allocate memory) or 'not bound' (bind_hash not called yet).");
+
+static PyObject *
+fused_state(PyObject *self, PyObject *unused)
+{
+    static const char *names[] = {"not bound", "one pass", "not built", "no AVX2",
+                                  "digests differ", "unchecked"};
+    if (fused_verdict == FUSED_CHECKED && !fused_wanted)
+        return PyUnicode_FromString("off");
+    return PyUnicode_FromString(names[fused_verdict]);
 }
 
 PyDoc_STRVAR(bind_hash_doc,
@@ -562,7 +592,8 @@ bind_hash(PyObject *self, PyObject *arg)
             if (!state_free || !state_reset || !state_update || !state_digest)
                 state_new = NULL;
             dlclose(lib);
-            fused_ok = fused_verified = fused_matches();
+            fused_verdict = fused_matches();
+            fused_ok = fused_wanted && fused_verdict == FUSED_CHECKED; /* use_fused() kept */
             return PyUnicode_FromString(names[i]);
         }
     }
@@ -577,6 +608,7 @@ static PyMethodDef methods[] = {
     {"hash_chunks", (PyCFunction)(void (*)(void))hash_chunks, METH_FASTCALL, hash_chunks_doc},
     {"copy", (PyCFunction)(void (*)(void))copy, METH_FASTCALL, copy_doc},
     {"use_fused", (PyCFunction)(void (*)(void))use_fused, METH_FASTCALL, use_fused_doc},
+    {"fused_state", fused_state, METH_NOARGS, fused_state_doc},
     {NULL, NULL, 0, NULL},
 };
 

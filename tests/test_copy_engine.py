@@ -741,6 +741,27 @@ def test_the_one_pass_loop_is_switched_only_where_it_was_checked():
 
 
 @needs_native
+def test_binding_the_hash_again_keeps_the_one_pass_loop_as_it_was_set():
+    """``kvbroker doctor`` (and anyone) may call bind_hash again: use_fused(False) stands."""
+    from xxhash import _xxhash
+
+    from kvbroker import _copyhash
+
+    here = E.fused_loop()
+    try:
+        _copyhash.use_fused(False)
+        _copyhash.bind_hash(_xxhash.__file__)
+        assert _copyhash.use_fused() is False
+        assert _copyhash.fused_state() in ("off", "no AVX2", "not built")
+        _copyhash.use_fused(True)
+        _copyhash.bind_hash(_xxhash.__file__)
+        assert _copyhash.use_fused() is here
+        assert (_copyhash.fused_state() == "one pass") is here
+    finally:
+        _copyhash.use_fused(True)
+
+
+@needs_native
 def test_c_loops_refuse_bad_buffers_and_write_nothing():
     from kvbroker import _copyhash
 

@@ -129,6 +129,23 @@ def test_copy_engine_check_says_which_loops_run(monkeypatch):
     assert c.status == "warn" and "was not built" in c.detail and "python3-dev" in c.fix, c
 
 
+def test_copy_engine_check_names_why_the_one_pass_loop_is_off(monkeypatch):
+    """A one-pass loop that disagreed with xxHash is a warning, not 'no AVX2'."""
+    from kvbroker import _copyhash
+    from kvbroker._server.doctor import check_copy_engine
+
+    pytest.importorskip("kvbroker._copyhash", reason="C loops not built here")
+    monkeypatch.delenv("KVBROKER_NATIVE_COPY", raising=False)
+    for state, status, says in [("digests differ", "warn", "disagreed with xxHash"),
+                                ("no AVX2", "ok", "no AVX2 here"),
+                                ("one pass", "ok", "in one pass (AVX2)"),
+                                ("not built", "ok", "no one-pass loop for this architecture")]:
+        monkeypatch.setattr(_copyhash, "fused_state", lambda s=state: s)
+        c = check_copy_engine(DaemonConfig())
+        assert c.status == status and says in c.detail, (state, c)
+    assert "report the CPU" in c.fix or c.status == "ok"
+
+
 def test_prefix_scan_check_says_which_pass_runs(monkeypatch):
     from kvbroker._server.doctor import check_prefix_scan
 

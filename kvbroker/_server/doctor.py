@@ -256,19 +256,28 @@ def check_copy_engine(cfg: DaemonConfig) -> Check:
     # as the clients' engine binds it (the daemon never imports the client's modules)
     from xxhash import _xxhash
 
-    from .._copyhash import bind_hash, use_fused
+    from .._copyhash import bind_hash, fused_state
 
     try:
         bind_hash(_xxhash.__file__)
-        one_pass = use_fused()
-    except OSError:
-        one_pass = False
-    passes = ("each chunk copied and hashed in one pass (AVX2); " if one_pass else
-              "each chunk copied, then hashed (no AVX2 here: two passes); ")  # fmt: skip
-    return Check(name, "ok", "C loops (csrc/copyhash.c), one GIL release per range; " + passes
-                 + ("copies of half the last-level cache (16 MiB at least) or more store "
-                    "non-temporally"
-                    if STREAM_STORES else "no streaming stores on this architecture"))
+    except OSError as exc:
+        return Check(name, "warn", f"C loops cannot use python-xxhash's library ({exc}): "
+                     "Python loops", "reinstall xxhash (python-xxhash 4.1 or later)")  # fmt: skip
+    stores = ("copies of half the last-level cache (16 MiB at least) or more store "
+              "non-temporally" if STREAM_STORES else "no streaming stores on this architecture")
+    state = fused_state()
+    if state == "digests differ":  # the one-pass loop is wrong on this CPU: it stays off
+        return Check(name, "warn", "C loops, each chunk copied, then hashed: the one-pass "
+                     "copy+hash disagreed with xxHash's digests on this CPU when checked, so it "
+                     "is off (copies that hash read each chunk twice); " + stores,
+                     "report the CPU (`lscpu`) and python-xxhash's version to kvbroker")  # fmt: skip
+    passes = {"one pass": "each chunk copied and hashed in one pass (AVX2)",
+              "no AVX2": "each chunk copied, then hashed (no AVX2 here: two passes)",
+              "not built": "each chunk copied, then hashed (no one-pass loop for this "
+                           "architecture: two passes)"}.get(
+        state, f"each chunk copied, then hashed (one-pass loop: {state})")  # fmt: skip
+    return Check(name, "ok", f"C loops (csrc/copyhash.c), one GIL release per range; {passes}; "
+                 + stores)
 
 
 def check_prefix_scan(cfg: DaemonConfig) -> Check:
