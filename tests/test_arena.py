@@ -26,6 +26,7 @@ from kvbroker._server.broker import Broker
 from kvbroker._server.handlers import _buffer_layout
 from kvbroker._server.pool import HostPool
 from kvbroker.errors import BadRequest, Exists, Forbidden, LeaseExpired, NotFound, PoolFull
+from kvbroker.errors import QuotaExceeded
 
 PAGE = 4096
 
@@ -461,6 +462,175 @@ def test_growing_an_arena_of_a_dead_connection_reconnects_and_puts(tmp_path):
     finally:
         d.stop()
         drop_leftover_pools(sock)
+
+
+def _data(seed: int, n: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+
+
+def test_threads_growing_one_client_lose_nothing(make_daemon):
+    """Threads of one client put sizes around every growth threshold, racing for the same
+    keys: one winner per key, every byte as its winner put it."""
+    d = make_daemon("--pool-size", "512M", "--page-size", "4K")
+    d.wait_ready()
+    sizes = [1000, 600 << 10, (1 << 20) + 1, 3 << 20, 5 << 20, 9 << 20]
+    errors: list[str] = []
+    wins: dict[str, list[int]] = {}
+    with d.client() as w:
+        def worker(t):
+            rng = np.random.default_rng(t)
+            try:
+                for i in range(30):
+                    n = int(rng.choice(sizes))
+                    key = f"k{i % 10}-{n}"
+                    if w.put(key, {"x": _data(i % 10 + n, n)}):
+                        wins.setdefault(key, []).append(t)
+            except Exception as exc:  # noqa: BLE001 (reported below)
+                errors.append(repr(exc))
+
+        threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors
+        with d.client(arena_size=0) as r:
+            for key, who in wins.items():
+                assert len(who) == 1, (key, who)
+                i, n = int(key[1:].split("-")[0]), int(key.split("-")[1])
+                got = np.frombuffer(r.get(key, verify=True)["x"], np.uint8)
+                assert np.array_equal(got, _data(i + n, n)), key
+
+
+def test_a_reserve_refused_for_room_gives_back_the_grown_arena(make_daemon, tmp_path):
+    """Under a 100 MiB quota, a 12 MiB put grows the arena to 24 MiB (12 MiB left, charged to
+    the tenant); a 90 MiB put's reserve is refused (QuotaExceeded): the client gives its arena
+    back and the reserve is asked again, and succeeds."""
+    conf = tmp_path / "q.toml"
+    conf.write_text('[quotas]\n"user:*" = "100M"\n')
+    d = make_daemon("--pool-size", "1G", "--page-size", "4K", "--config", str(conf))
+    d.wait_ready()
+    with d.client() as w:
+        calls = _count_requests(w)
+        assert w.put("small", {"x": b"s"})
+        assert w.put("a", {"x": np.ones(12 << 20, np.uint8)})
+        assert w._arena.extent[2] == 12 << 20
+        calls.clear()
+        assert w.put("b", {"x": np.ones(90 << 20, np.uint8)})
+        assert calls == ["reserve", "abort", "reserve", "seal"]
+        assert w._arena.id is None and w._arena.size == 2 << 20
+        assert w.exists("b")  # ("a" was evicted for it: the quota's LRU)
+        # a refusal that no arena of ours explains is raised at once, as before
+        calls.clear()
+        with pytest.raises(QuotaExceeded):
+            w.put("c", {"x": np.ones(101 << 20, np.uint8)})
+        assert calls == ["reserve"]
+
+
+def test_grown_arenas_of_idle_clients_go_back(make_daemon):
+    """Four clients grow their arenas with a 32 MiB put each (64 MiB arenas, 32 MiB of each
+    left: 128 MiB held) and go idle: within about _IDLE_GROWN their arenas are given back,
+    and another client's 900 MiB put, which needs that room (arenas are not evictable; only
+    896 MiB are not arenas), succeeds. An idle client's next put opens an arena of
+    arena_size again."""
+    from kvbroker._client import arena as A
+
+    d = make_daemon("--pool-size", "1G", "--page-size", "4K")
+    d.wait_ready()
+    with contextlib.ExitStack() as stack:
+        writers = [stack.enter_context(d.client()) for _ in range(4)]
+        for i, w in enumerate(writers):
+            assert w.put(f"w{i}", {"x": np.ones(32 << 20, np.uint8)})
+        other = stack.enter_context(d.client(arena_size=0))
+        assert other.stat().pools[0].leased_write == 4 * (32 << 20)
+        deadline = time.monotonic() + 10 * A._IDLE_GROWN + 5
+        while other.stat().pools[0].leased_write and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert other.stat().pools[0].leased_write == 0
+        assert other.put("huge", {"x": np.ones(900 << 20, np.uint8)})
+        calls = _count_requests(writers[0])
+        assert writers[0].put("again", {"x": b"a"})
+        assert calls == ["arena", "publish"] and writers[0]._arena.size == 2 << 20
+
+
+def test_a_put_of_an_existing_big_key_copies_at_most_once(make_daemon):
+    """A put whose key exists learns it after copying into the arena: after one such put
+    bigger than half of arena_size, puts that big reserve first (Exists, no copy)."""
+    d = make_daemon("--pool-size", "512M", "--page-size", "4K")
+    d.wait_ready()
+    x = np.ones(16 << 20, np.uint8)
+    with d.client() as w, d.client(arena_size=0) as other:
+        assert other.put("k", {"x": x})
+        calls = _count_requests(w)
+        assert w.put("k", {"x": x}) is False
+        assert calls == ["arena", "publish"]  # grown on the way: the copy, for nothing
+        for _ in range(3):
+            calls.clear()
+            assert w.put("k", {"x": x}) is False
+            assert calls == ["reserve"]
+        calls.clear()
+        assert w.put("small", {"x": b"s"}) and calls == ["publish"]  # small puts as before
+
+
+def test_the_daemon_trims_a_grown_arena_when_its_client_asks_small_ones(make_daemon):
+    """After a run of small puts the client asks for arenas of arena_size again; the daemon
+    then gives back the rest of the big one at the next publish (not when it is used up)."""
+    from kvbroker._client import arena as A
+
+    d = make_daemon("--pool-size", "256M", "--page-size", "4K")
+    d.wait_ready()
+    with d.client() as w, d.client(arena_size=0, map_pools=False) as r:
+        assert w.put("big", {"x": np.ones(6 << 20, np.uint8)})  # a 12 MiB arena, 6 left
+        for i in range(A._SHRINK_AFTER):
+            assert w.put(f"s{i}", {"x": b"s" * 1000})
+        assert w._arena.size == 2 << 20  # asked at arena_size from this publish on
+        assert w.put("one-more", {"x": b"s"})
+        assert w._arena.extent[2] <= 2 << 20
+        assert r.stat().pools[0].leased_write <= 2 << 20
+
+
+TENANT_POOL = """
+[tenant_pools.t]
+size = "64M"
+user = 0
+namespaces = ["t", "t/*"]
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a tenant pool owned by uid 0 (root)")
+def test_an_arena_in_a_tenant_pool_grows_to_a_sixteenth_of_that_pool(make_daemon, tmp_path):
+    """The cap is a fraction of the pool the arena lands in, not of the largest pool: in a
+    64 MiB tenant pool an arena is at most 4 MiB, and a later 40 MiB put into it fits."""
+    conf = tmp_path / "k.toml"
+    conf.write_text(TENANT_POOL)
+    d = make_daemon("--pool-size", "1G", "--page-size", "4K", "--config", str(conf))
+    d.wait_ready()
+    with d.client() as w, d.client(arena_size=0, map_pools=False) as r:
+        assert w.put("a", {"x": np.ones(24 << 20, np.uint8)}, namespace="t")
+        assert r.stat().pools[1].leased_write <= (64 << 20) // 16
+        assert w.put("b", {"x": np.ones(40 << 20, np.uint8)}, namespace="t")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a tenant pool owned by uid 0 (root)")
+def test_puts_into_a_namespace_of_another_pool_stop_copying_into_the_arena(make_daemon,
+                                                                            tmp_path):  # fmt: skip
+    """A tenant's arena lives in its own pool: a publish into a shared namespace is refused
+    after the copy. The client remembers the namespace and reserves first from then on."""
+    conf = tmp_path / "k.toml"
+    conf.write_text(TENANT_POOL)
+    d = make_daemon("--pool-size", "1G", "--page-size", "4K", "--config", str(conf))
+    d.wait_ready()
+    with d.client() as w:
+        assert w.put("t0", {"x": b"s"}, namespace="t")  # an arena, in the tenant pool
+        calls = _count_requests(w)
+        assert w.put("d0", {"x": b"d"})  # namespace "default": the shared pool
+        assert calls == ["publish", "reserve", "seal"]
+        for i in range(1, 4):
+            calls.clear()
+            assert w.put(f"d{i}", {"x": np.ones(3 << 20, np.uint8)})
+            assert calls == ["reserve", "seal"], (i, calls)
+        calls.clear()
+        assert w.put("t1", {"x": b"t"}, namespace="t") and calls == ["publish"]
 
 
 def test_bad_source_mid_copy_publishes_nothing(client):

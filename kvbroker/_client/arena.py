@@ -36,16 +36,24 @@ put-get-phases-h100-host.md``). What it costs and how it is bounded:
 - after :data:`_SHRINK_AFTER` arena puts in a row that ``arena_size`` would have taken, the
   client asks for arenas of ``arena_size`` again (the bigger one is used up by those puts
   first: its pages become objects);
-- an arena that grew is held, not evictable, until puts use it up or its client closes: an
-  idle client that last put large objects holds up to ``arena_max`` of the pool;
-- a put of a key that already exists copies into the arena for nothing, now up to half of
-  ``arena_max`` (32 MiB) rather than of ``arena_size``.
+- an arena that grew is held, not evictable, while its client puts: after
+  :data:`_IDLE_GROWN` seconds without a put it goes back (a thread per process,
+  :class:`_IdleArenas`, gives it back with a one-way ``abort``) and the next put opens one of
+  ``arena_size``; a ``reserve`` of this client refused for room (``PoolFull``,
+  ``QuotaExceeded``) gives it back at once and tries again;
+- a put of a key that already exists copies into the arena for nothing, so after such a
+  put bigger than half of ``arena_size``, puts that big reserve first (an existing key then
+  costs one request and no copy) for :data:`_GROW_AGAIN` seconds;
+- a namespace the arena's pool does not hold (a tenant whose arena is in its own pool,
+  putting into a shared namespace) makes the daemon refuse the publish after the copy: puts
+  into it reserve first for :data:`_GROW_AGAIN` seconds.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -53,7 +61,7 @@ from . import integrity as _integrity
 from .copy import copy_into
 from .._wire.objects import buffer_offsets
 from .._wire.protocol import MAX_REQUEST, publish_size
-from ..errors import BadRequest, Exists, LeaseExpired, PoolFull
+from ..errors import BadRequest, BrokerUnavailable, Exists, LeaseExpired, PoolFull
 
 if TYPE_CHECKING:
     from .client import Client
@@ -63,6 +71,8 @@ __all__ = ["WriteArena"]
 _RETRY_AFTER = 0.5  # seconds without arena after the daemon had no room for one
 _GROW_AGAIN = 30.0  # seconds before growing again after the daemon lent less than asked
 _SHRINK_AFTER = 16  # arena puts in a row that arena_size would take: back to arena_size
+_IDLE_GROWN = 0.5  # seconds without a put before an arena that grew goes back
+_REFUSED_MAX = 64  # namespaces remembered as refused by the arena's pool
 _FEW_BUFFERS = 128  # a publish of this many buffers or fewer is below MAX_REQUEST (512-char names)
 
 
@@ -81,7 +91,10 @@ class WriteArena:
         self.base = self.size = size  # asked for by the user; what arenas are asked at now
         self.most = max(size, most) if size > 0 else 0  # what growth may ask for
         self._grow_at = 0.0  # monotonic seconds: no growth before (the daemon lent less)
+        self._big_at = 0.0  # no puts over base // 2 through the arena before (a key existed)
+        self._refused: dict[str, float] = {}  # namespace -> no arena puts before (other pool)
         self._small_puts = 0  # arena puts in a row that self.base would have taken
+        self._last_put = 0.0  # monotonic seconds (for _IdleArenas)
         self._lock = threading.Lock()
         self.id: int | None = None
         self.extent: list[int] | None = None  # [pool, offset, nbytes]
@@ -91,18 +104,29 @@ class WriteArena:
         # seconds), rather than paying a failed ``arena`` round trip each.
         self._retry_at = 0.0
 
-    def fits(self, span: int) -> bool:
+    def fits(self, span: int, namespace: str = "default") -> bool:
         if not (0 < self.size and not self._unavailable):
+            return False
+        now = time.monotonic()
+        if self._refused and now < self._refused.get(namespace, 0.0):
+            return False
+        if span > self.base // 2 and now < self._big_at:
             return False
         extent = self.extent
         if extent is not None and span <= extent[2]:
             return True  # the arena held takes it
-        if span > self.size // 2 and not self._may_grow(span):
+        if span > self.size // 2 and not self._may_grow(span, now):
             return False
-        return self.id is not None or time.monotonic() >= self._retry_at
+        return self.id is not None or now >= self._retry_at
 
-    def _may_grow(self, span: int) -> bool:
-        return span <= self.most // 2 and time.monotonic() >= self._grow_at
+    def _may_grow(self, span: int, now: float) -> bool:
+        return span <= self.most // 2 and now >= self._grow_at
+
+    @property
+    def grown(self) -> bool:
+        """Whether this arena asks for, or holds, more than ``arena_size``."""
+        extent = self.extent
+        return self.size > self.base or (extent is not None and extent[2] > self.base)
 
     def put(self, key: str, buffers: Mapping[str, Any], sizes: Mapping[str, int], *,
             namespace: str, meta: dict | None, replace: bool, consumers: int,
@@ -126,17 +150,24 @@ class WriteArena:
         if self._generation != client.generation:
             self.id = self.extent = None  # it died with an earlier connection
         # decided here, under the lock (fits() only looks)
+        now = self._last_put = time.monotonic()
+        if self._refused and now < self._refused.get(namespace, 0.0):
+            return None
+        if span > self.base // 2 and now < self._big_at:
+            return None
         if self.id is not None and span <= self.extent[2]:
             pass  # the arena held takes it
         elif span <= self.size // 2:
             if self.id is None and not self._open():
                 return None
-        elif self._may_grow(span):
+        elif self._may_grow(span, now):
             self.size = min(self.most, max(2 * span, 2 * self.size))
             if not self._regrow(span):
                 return None
         else:
             return None
+        if self.grown:
+            _idle_arenas.watch(self)
         self._small_puts = self._small_puts + 1 if span <= self.base // 2 else 0
         if self._small_puts >= _SHRINK_AFTER and self.size != self.base:
             self.size = self.base  # the next arenas: what the user asked for
@@ -166,10 +197,16 @@ class WriteArena:
         except Exists:
             if replace:
                 raise
+            if span > self.base // 2:  # a copy for nothing: reserve such puts first a while
+                self._big_at = time.monotonic() + _GROW_AGAIN
             return False
         except PoolFull:
             # The namespace lives in another pool than the arena (a tenant's own pool, or
-            # the shared ones), or that pool is gone: reserve + seal instead.
+            # the shared ones), or that pool is gone: reserve + seal instead, and for a while
+            # without copying into the arena first.
+            if len(self._refused) >= _REFUSED_MAX:
+                self._refused.clear()
+            self._refused[namespace] = time.monotonic() + _GROW_AGAIN
             return None
         except LeaseExpired:
             # Only when the connection was replaced under us: the copy went with it.
@@ -211,6 +248,48 @@ class WriteArena:
                 self._open()
         return self.id is not None and span <= self.extent[2]
 
+    def give_back_grown(self) -> bool:
+        """Give back an arena that grew (its client's reserve found no room, perhaps because
+        of it): True when it held one. Asks at ``arena_size`` from now on, and grows again
+        only after :data:`_GROW_AGAIN` seconds."""
+        if not self._lock.acquire(blocking=False):
+            return False  # another thread of the client is putting through it
+        try:
+            if not self.grown:
+                return False
+            self.size = self.base
+            self._grow_at = time.monotonic() + _GROW_AGAIN
+            held, self.id, self.extent = self.id, None, None
+            if held is None or self._generation != self.client.generation:
+                return False
+            try:
+                self.client.ops.abort(held)
+            except LeaseExpired:
+                return False  # gone with the connection already
+            return True
+        finally:
+            self._lock.release()
+
+    def give_back_if_idle(self, now: float) -> bool:
+        """For :class:`_IdleArenas`: give back an arena that grew and saw no put for
+        :data:`_IDLE_GROWN` seconds (one-way: no wait, from any thread). True when it is no
+        longer grown (nothing more to watch)."""
+        if now - self._last_put < _IDLE_GROWN or not self._lock.acquire(blocking=False):
+            return False
+        try:
+            if not self.grown:
+                return True
+            self.size = self.base
+            held, self.id, self.extent = self.id, None, None
+            if held is not None and self._generation == self.client.generation:
+                try:
+                    self.client.ops.abort_later(held)
+                except BrokerUnavailable:
+                    pass  # the connection is gone, and the arena with it
+            return True
+        finally:
+            self._lock.release()
+
     def after_fork(self) -> None:
         """In a forked child: the arena's pages are the parent's, its lock maybe held by a
         thread the child does not have. Forget both (nothing to give back: not ours)."""
@@ -224,3 +303,46 @@ class WriteArena:
             if self.id is not None and self._generation == self.client.generation:
                 self.client.ops.abort(self.id)
             self.id = self.extent = None
+
+
+class _IdleArenas:
+    """One thread per process that gives back arenas that grew and then saw no put for
+    :data:`_IDLE_GROWN` seconds: an idle client would otherwise hold up to ``arena_max`` of
+    a pool that other clients' puts need (an arena is not evictable). The thread runs only
+    while some arena is grown, and is started again in a forked child that grows one."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._arenas: weakref.WeakSet[WriteArena] = weakref.WeakSet()
+        self._running_in: int | None = None  # the pid whose thread runs
+
+    def watch(self, arena: WriteArena) -> None:
+        import os
+
+        with self._lock:
+            self._arenas.add(arena)
+            if self._running_in == os.getpid():
+                return
+            self._running_in = os.getpid()
+        threading.Thread(target=self._run, name="kvbroker-idle-arenas", daemon=True).start()
+
+    def _run(self) -> None:
+        import os
+
+        while True:
+            time.sleep(_IDLE_GROWN / 4)
+            with self._lock:
+                arenas = list(self._arenas)
+                if not arenas:
+                    self._running_in = None
+                    return
+            now = time.monotonic()
+            for arena in arenas:
+                if arena.client._closed or arena.give_back_if_idle(now):
+                    with self._lock:
+                        self._arenas.discard(arena)
+            if self._running_in != os.getpid():
+                return  # (a forked child's copy of this thread never runs; belt and braces)
+
+
+_idle_arenas = _IdleArenas()

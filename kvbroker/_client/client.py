@@ -38,7 +38,7 @@ from .transport import DEFAULT_BUSY_POLL, UnixTransport
 from . import integrity as _integrity
 from .._wire import checksum as _cs
 from ..errors import BadRequest, BrokerUnavailable, Exists, Forbidden, LeaseExpired
-from ..errors import Timeout
+from ..errors import PoolFull, QuotaExceeded, Timeout
 
 
 __all__ = ["Client", "WriteLease", "ReadLease", "EvictResult", "Listing"]
@@ -330,18 +330,26 @@ class Client:
             raise BadRequest(f"put: the seal of {len(sizes)} buffers' names and checksums "
                              f"packs to more than the {MAX_REQUEST} bytes a daemon reads; "
                              "use fewer or shorter buffer names")  # fmt: skip
-        if self._arena.fits(sum(sizes.values())):
+        if self._arena.fits(sum(sizes.values()), namespace):
             done = self._arena.put(key, buffers, sizes, namespace=namespace, meta=meta,
                                    replace=replace, consumers=consumers, checksum=checksum)
             if done is not None:
                 return done
-        try:
-            lease = self.reserve(key, sizes, namespace=namespace, meta=meta, replace=replace,
-                                 ttl=ttl, consumers=consumers, checksum=checksum)  # fmt: skip
-        except Exists:
-            if replace:
-                raise
-            return False
+        for last in (False, True):
+            try:
+                lease = self.reserve(key, sizes, namespace=namespace, meta=meta,
+                                     replace=replace, ttl=ttl, consumers=consumers,
+                                     checksum=checksum)  # fmt: skip
+                break
+            except Exists:
+                if replace:
+                    raise
+                return False
+            except (PoolFull, QuotaExceeded):
+                # Our own arena, grown for bigger puts, may hold the room: give it back and
+                # ask once more (_arena.py, "Growth").
+                if last or not self._arena.give_back_grown():
+                    raise
         with lease:
             if checksum:
                 kind = self.checksum_kind

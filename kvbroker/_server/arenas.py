@@ -31,7 +31,9 @@ _ARENA_QUOTA_FRACTION = 4
 
 
 def new_arena(b: Broker, session: Session, nbytes: int) -> Arena:
-    cap = max(p.size for p in b.pools) // _ARENA_POOL_FRACTION
+    among = b.pages.arena_pools(session)
+    # a fraction of the pools it may land in (a tenant's own pool: of that one, however small)
+    cap = max(p.size for p in among) // _ARENA_POOL_FRACTION
     nbytes = max(1, min(nbytes, cap))
     held = sum(a.npages * a.pool.page_size for a in b.arenas.values())
     budget = sum(p.size for p in b.pools) // _ARENA_BUDGET_FRACTION
@@ -46,8 +48,7 @@ def new_arena(b: Broker, session: Session, nbytes: int) -> Arena:
         nbytes = min(nbytes, room)
     charged = b.accounts.charge(None, -(-nbytes // ps) * ps, tenants=tenants)  # QuotaExceeded
     try:
-        pool, start, npages = b.pages.allocate(nbytes, evict=False,
-                                               among=b.pages.arena_pools(session))  # fmt: skip
+        pool, start, npages = b.pages.allocate(nbytes, evict=False, among=among)
     except BaseException:
         b.accounts.uncharge(None, charged, tenants)
         raise
@@ -125,11 +126,18 @@ def publish_from_arena(b: Broker, session: Session, ar: Arena, obj: StoredObject
         ar = None
     owners[obj.start] = obj
     # Keep what is left while it is at least half the size asked for: a fresh arena
-    # every few publishes amortises its allocation, and the rest is never tiny.
+    # every few publishes amortises its allocation, and the rest is never tiny. Nor much
+    # bigger than asked: a client whose arena grew for big puts asks for small ones again
+    # after a run of small puts, and the rest of the big one goes back to the pool.
     wanted = min(next_arena, pool.size // _ARENA_POOL_FRACTION)
-    if ar is not None and 2 * ar.npages * pool.page_size < wanted:
-        end_arena(b, ar, "it was used up; a fresh arena replaced it")
-        ar = None
+    if ar is not None:
+        left = ar.npages * pool.page_size
+        if 2 * left < wanted:
+            end_arena(b, ar, "it was used up; a fresh arena replaced it")
+            ar = None
+        elif wanted and left > 2 * wanted + pool.page_size:
+            end_arena(b, ar, "its holder asked for smaller arenas; a fresh one replaced it")
+            ar = None
     if next_arena and ar is None:
         # Before the object is linked, so making room for the arena cannot evict it.
         try:
