@@ -32,20 +32,23 @@ if ls .whl/mooncake*.whl >/dev/null 2>&1; then
 else
     PEER=""
 fi
+# h100 or h200 (the results files' names), from the GPU's name; DEV=... to choose
+DEV=${DEV:-$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -o -i -E "h[0-9]+" | tr A-Z a-z)}
+DEV=${DEV:-cpu}
 step() { echo "== $1 ($(date -u +%T), load $(cut -d' ' -f1 /proc/loadavg))"; }
 [ -n "${SKIP_COPY:-}" ] || {
 step "host copy"
-timeout 150 $PY benchmarks/profile_host_copy.py --size 32M --threads 8 --rounds 6 --out "$R/host-copy-h100-host" > "$R/log-host-copy.txt" 2>&1; tail -22 "$R/log-host-copy.txt"; }
+timeout 150 $PY benchmarks/profile_host_copy.py --size 32M --threads 8 --rounds 6 --out "$R/host-copy-$DEV-host" > "$R/log-host-copy.txt" 2>&1; tail -22 "$R/log-host-copy.txt"; }
 step "peer"
-timeout 240 $PY -m kvbroker bench peer $PEER --rounds 3 --json-out "$R/peer-h100-host.json" > "$R/log-peer.txt" 2>&1; tail -25 "$R/log-peer.txt"
+timeout 240 $PY -m kvbroker bench peer $PEER --rounds 3 --json-out "$R/peer-$DEV-host.json" > "$R/log-peer.txt" 2>&1; tail -25 "$R/log-peer.txt"
 step "put+get phases"
-timeout 120 $PY benchmarks/profile_put_get.py --sizes 256K,32M --reps 60 --rounds 2 --out "$R/put-get-phases-h100-host" > "$R/log-phases.txt" 2>&1; tail -12 "$R/log-phases.txt"
+timeout 120 $PY benchmarks/profile_put_get.py --sizes 256K,32M --reps 60 --rounds 2 --out "$R/put-get-phases-$DEV-host" > "$R/log-phases.txt" 2>&1; tail -12 "$R/log-phases.txt"
 if [ -z "${SKIP_RPC:-}" ]; then
 step "rpc"
-timeout 120 $PY -m kvbroker bench rpc --clients 1,4,16 --seconds 3 --json-out "$R/rpc-h100-host.json" > "$R/log-rpc.txt" 2>&1; tail -12 "$R/log-rpc.txt"
-KVBROKER_READ_REPLICAS=0 timeout 120 $PY -m kvbroker bench rpc --clients 1,4,16 --seconds 3 --json-out "$R/rpc-h100-host-no-replicas.json" > "$R/log-rpc-no-replicas.txt" 2>&1; tail -8 "$R/log-rpc-no-replicas.txt"
+timeout 120 $PY -m kvbroker bench rpc --clients 1,4,16 --seconds 3 --json-out "$R/rpc-$DEV-host.json" > "$R/log-rpc.txt" 2>&1; tail -12 "$R/log-rpc.txt"
+KVBROKER_READ_REPLICAS=0 timeout 120 $PY -m kvbroker bench rpc --clients 1,4,16 --seconds 3 --json-out "$R/rpc-$DEV-host-no-replicas.json" > "$R/log-rpc-no-replicas.txt" 2>&1; tail -8 "$R/log-rpc-no-replicas.txt"
 step "protocol floor"
-timeout 120 $PY benchmarks/probe_protocol_floor.py --reps 3000 --rounds 4 --out "$R/protocol-floor-h100-host" > "$R/log-floor.txt" 2>&1; tail -8 "$R/log-floor.txt"
+timeout 120 $PY benchmarks/probe_protocol_floor.py --reps 3000 --rounds 4 --out "$R/protocol-floor-$DEV-host" > "$R/log-floor.txt" 2>&1; tail -8 "$R/log-floor.txt"
 fi
 step "done"
 tar -C "$O" -czf "$O/host-round.tgz" r && rm -rf "$R"
