@@ -589,6 +589,195 @@ def test_the_daemon_trims_a_grown_arena_when_its_client_asks_small_ones(make_dae
         assert r.stat().pools[0].leased_write <= 2 << 20
 
 
+def test_the_idle_give_back_survives_a_daemon_restart(tmp_path):
+    """The thread giving back idle arenas meets a connection the daemon's restart broke: it
+    carries on, and gives back the arena grown on the new connection too."""
+    from kvbroker._client import arena as A
+    from kvbroker.testing import DaemonProcess, drop_leftover_pools
+
+    sock = str(tmp_path / "kvb.sock")
+    args = ("--pool-size", "256M", "--page-size", "4K")
+    errors: list = []
+    hook, threading.excepthook = threading.excepthook, errors.append
+    d = DaemonProcess(sock, *args)
+    try:
+        d.wait_ready()
+        with d.client(reconnect=10) as w:
+            assert w.put("big", {"x": np.ones(6 << 20, np.uint8)})
+            assert d.stop() == 0
+            drop_leftover_pools(sock)
+            d = DaemonProcess(sock, *args)
+            d.wait_ready()
+            time.sleep(4 * A._IDLE_GROWN)  # the give-back meets the broken connection
+            assert w.put("big2", {"x": np.ones(6 << 20, np.uint8)})  # reconnects, grows
+            with d.client(arena_size=0, map_pools=False) as r:
+                deadline = time.monotonic() + 10 * A._IDLE_GROWN + 5
+                while r.stat().pools[0].leased_write and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                assert r.stat().pools[0].leased_write == 0
+        assert errors == []
+    finally:
+        threading.excepthook = hook
+        d.stop()
+        drop_leftover_pools(sock)
+
+
+def test_the_idle_give_back_never_reaches_a_newer_connection(tmp_path, monkeypatch):
+    """The give-back of an arena whose connection was replaced meanwhile goes to the old
+    connection (and fails there), never to the new one, where the same id may be a lease."""
+    from kvbroker._client import arena as A
+    from kvbroker._client.session import Session
+    from kvbroker.testing import DaemonProcess, drop_leftover_pools
+
+    sock = str(tmp_path / "kvb.sock")
+    args = ("--pool-size", "256M", "--page-size", "4K")
+    d = DaemonProcess(sock, *args)
+    d.wait_ready()
+    try:
+        with d.client(reconnect=10) as w:
+            assert w.put("big", {"x": np.ones(6 << 20, np.uint8)})
+            old, stale = w._session, w._arena.id
+            posted, go = threading.Event(), threading.Event()
+            real = Session.post
+
+            def post(session, op, args):  # the give-back, held between its check and send
+                if session is old and op == "abort":
+                    posted.set()
+                    go.wait(20)
+                return real(session, op, args)
+
+            monkeypatch.setattr(Session, "post", post)
+            assert posted.wait(10 * A._IDLE_GROWN + 5)
+            assert d.stop() == 0
+            drop_leftover_pools(sock)
+            d = DaemonProcess(sock, *args)
+            d.wait_ready()
+            assert w.exists("nothing") is False  # reconnected: a new connection
+            leases = [w.reserve(f"k{i}", {"x": 4096}) for i in range(stale + 1)]
+            assert stale in [ls.id for ls in leases]  # the old arena's id names a lease now
+            go.set()
+            time.sleep(0.3)
+            for ls in leases:
+                ls.seal()  # none was aborted
+            assert all(w.exists(f"k{i}") for i in range(stale + 1))
+    finally:
+        d.stop()
+        drop_leftover_pools(sock)
+
+
+def test_an_idle_arena_goes_back_while_its_client_waits_in_a_claim(make_daemon):
+    """``abort`` passes a waiting claim of the same connection, as releases do: a grown arena
+    goes back while its client waits for a key another client has yet to put."""
+    from kvbroker._client import arena as A
+
+    d = make_daemon("--pool-size", "256M", "--page-size", "4K")
+    d.wait_ready()
+    with d.client() as w, d.client(arena_size=0) as other:
+        assert w.put("big", {"x": np.ones(6 << 20, np.uint8)})
+        held: list[int] = []
+
+        def put_later():
+            deadline = time.monotonic() + 10 * A._IDLE_GROWN + 5
+            while other.stat().pools[0].leased_write and time.monotonic() < deadline:
+                time.sleep(0.05)
+            held.append(other.stat().pools[0].leased_write)
+            other.put("late", {"x": b"L" * 10})
+
+        t = threading.Thread(target=put_later)
+        t.start()
+        got = w.get("late", wait=30)
+        t.join()
+        assert bytes(got["x"]) == b"L" * 10 and held == [0]
+        assert w.put("after", {"x": b"a"}) and w.exists("after")
+
+
+def test_a_refused_reserve_waits_for_another_threads_put_then_gives_back(make_daemon, tmp_path,
+                                                                         monkeypatch):  # fmt: skip
+    """Another thread of the client holds the arena (a put in progress): a reserve refused
+    for the room the grown arena holds waits for it, gives the arena back, and succeeds."""
+    from kvbroker._client import arena as A
+
+    monkeypatch.setattr(A, "_IDLE_GROWN", 60.0)  # the idle give-back stays out of it
+    conf = tmp_path / "q.toml"
+    conf.write_text('[quotas]\n"user:*" = "100M"\n')
+    d = make_daemon("--pool-size", "1G", "--page-size", "4K", "--config", str(conf))
+    d.wait_ready()
+    with d.client() as w:
+        assert w.put("a", {"x": np.ones(12 << 20, np.uint8)})
+        assert w._arena.grown
+        w._arena._lock.acquire()
+        threading.Timer(0.2, w._arena._lock.release).start()
+        assert w.put("b", {"x": np.ones(90 << 20, np.uint8)})
+        assert not w._arena.grown
+
+
+def _wait_child(pid: int, timeout: float):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    return "hung"
+
+
+def test_a_forked_child_grows_and_gives_back_its_own_arenas(make_daemon):
+    """fork() while the give-back thread holds its lock: the child's puts neither hang nor
+    ask for the parent's grown size; its own grown arena goes back when it idles."""
+    from kvbroker._client import arena as A
+
+    d = make_daemon("--pool-size", "256M", "--page-size", "4K")
+    d.wait_ready()
+    with d.client() as w:
+        assert w.put("big", {"x": np.ones(6 << 20, np.uint8)})
+        held, go = threading.Event(), threading.Event()
+
+        def hold():  # the give-back thread, inside its lock at the moment of the fork
+            with A._idle_arenas._lock:
+                held.set()
+                go.wait()
+
+        t = threading.Thread(target=hold)
+        t.start()
+        held.wait()
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                with d.client() as c:
+                    assert c.put("child-small", {"x": b"s"})
+                    assert c._arena.extent[2] <= 2 << 20
+                    assert c.put("child-big", {"x": np.ones(6 << 20, np.uint8)})
+                    deadline = time.monotonic() + 10 * A._IDLE_GROWN + 5
+                    while c._arena.grown and time.monotonic() < deadline:
+                        time.sleep(0.05)
+                    assert not c._arena.grown
+                code = 0
+            finally:
+                os._exit(code)
+        go.set()
+        t.join()
+        assert _wait_child(pid, 30) == 0
+        assert w.exists("child-big")
+
+
+def test_a_meta_too_big_for_the_arena_does_not_stop_arena_puts(make_daemon):
+    """A publish refused because names and meta take more than the arena is not a namespace
+    of another pool: the reservation that follows lands in the arena's pool, and the next
+    small put into the namespace takes one round trip again."""
+    d = make_daemon("--pool-size", "256M", "--page-size", "4K")
+    d.wait_ready()
+    with d.client(arena_size=256 << 10) as w:
+        assert w.put("a", {"x": b"s"})
+        calls = _count_requests(w)
+        assert w.put("m", {"x": b"s"}, meta={"tokens": list(range(1000, 21000))})
+        assert calls == ["publish", "reserve", "seal"]
+        calls.clear()
+        assert w.put("b", {"x": b"s"}) and calls == ["publish"]
+
+
 TENANT_POOL = """
 [tenant_pools.t]
 size = "64M"

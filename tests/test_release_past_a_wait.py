@@ -25,7 +25,8 @@ def _gone(client, key: str, within: float = 2.0) -> bool:
 
 
 def test_only_lease_ending_ops_pass_a_wait():
-    assert {name for name, op in OPS.items() if op.passes_a_wait} == {"release", "release_many"}
+    assert {name for name, op in OPS.items() if op.passes_a_wait} == {"release", "release_many",
+                                                                      "abort"}
 
 
 def test_the_daemon_serves_a_release_queued_behind_a_waiting_claim(daemon):

@@ -51,6 +51,8 @@ put-get-phases-h100-host.md``). What it costs and how it is bounded:
 
 from __future__ import annotations
 
+import logging
+import os
 import threading
 import time
 import weakref
@@ -61,18 +63,21 @@ from . import integrity as _integrity
 from .copy import copy_into
 from .._wire.objects import buffer_offsets
 from .._wire.protocol import MAX_REQUEST, publish_size
-from ..errors import BadRequest, BrokerUnavailable, Exists, LeaseExpired, PoolFull
+from ..errors import BadRequest, Exists, KVBrokerError, LeaseExpired, PoolFull
 
 if TYPE_CHECKING:
     from .client import Client
 
 __all__ = ["WriteArena"]
 
+log = logging.getLogger("kvbroker.client")
+
 _RETRY_AFTER = 0.5  # seconds without arena after the daemon had no room for one
 _GROW_AGAIN = 30.0  # seconds before growing again after the daemon lent less than asked
 _SHRINK_AFTER = 16  # arena puts in a row that arena_size would take: back to arena_size
 _IDLE_GROWN = 0.5  # seconds without a put before an arena that grew goes back
 _REFUSED_MAX = 64  # namespaces remembered as refused by the arena's pool
+_NEVER = (0.0, -1)
 _FEW_BUFFERS = 128  # a publish of this many buffers or fewer is below MAX_REQUEST (512-char names)
 
 
@@ -92,9 +97,11 @@ class WriteArena:
         self.most = max(size, most) if size > 0 else 0  # what growth may ask for
         self._grow_at = 0.0  # monotonic seconds: no growth before (the daemon lent less)
         self._big_at = 0.0  # no puts over base // 2 through the arena before (a key existed)
-        self._refused: dict[str, float] = {}  # namespace -> no arena puts before (other pool)
+        # namespace -> (no arena puts before, the arena's pool then): its publish was refused
+        self._refused: dict[str, tuple[float, int]] = {}
         self._small_puts = 0  # arena puts in a row that self.base would have taken
         self._last_put = 0.0  # monotonic seconds (for _IdleArenas)
+        self._session: Any = None  # the connection the arena was opened on
         self._lock = threading.Lock()
         self.id: int | None = None
         self.extent: list[int] | None = None  # [pool, offset, nbytes]
@@ -108,7 +115,7 @@ class WriteArena:
         if not (0 < self.size and not self._unavailable):
             return False
         now = time.monotonic()
-        if self._refused and now < self._refused.get(namespace, 0.0):
+        if self._refused and now < self._refused.get(namespace, _NEVER)[0]:
             return False
         if span > self.base // 2 and now < self._big_at:
             return False
@@ -151,7 +158,7 @@ class WriteArena:
             self.id = self.extent = None  # it died with an earlier connection
         # decided here, under the lock (fits() only looks)
         now = self._last_put = time.monotonic()
-        if self._refused and now < self._refused.get(namespace, 0.0):
+        if self._refused and now < self._refused.get(namespace, _NEVER)[0]:
             return None
         if span > self.base // 2 and now < self._big_at:
             return None
@@ -206,7 +213,7 @@ class WriteArena:
             # without copying into the arena first.
             if len(self._refused) >= _REFUSED_MAX:
                 self._refused.clear()
-            self._refused[namespace] = time.monotonic() + _GROW_AGAIN
+            self._refused[namespace] = (time.monotonic() + _GROW_AGAIN, pool)
             return None
         except LeaseExpired:
             # Only when the connection was replaced under us: the copy went with it.
@@ -227,6 +234,7 @@ class WriteArena:
             return False
         self.id, self.extent = reply["lease"], reply["arena"]
         self._generation = client.generation
+        self._session = client._session  # where its id means this arena (give_back_if_idle)
         return True
 
     def _regrow(self, span: int) -> bool:
@@ -248,13 +256,19 @@ class WriteArena:
                 self._open()
         return self.id is not None and span <= self.extent[2]
 
+    def placed(self, namespace: str, pool: int) -> None:
+        """A reservation in ``namespace`` landed in ``pool``: if that is the pool of the arena
+        whose publish there was refused, the refusal had another cause (a meta too big for
+        the arena, say) and arena puts into the namespace go on."""
+        refused = self._refused.get(namespace)
+        if refused is not None and refused[1] == pool:
+            del self._refused[namespace]
+
     def give_back_grown(self) -> bool:
         """Give back an arena that grew (its client's reserve found no room, perhaps because
         of it): True when it held one. Asks at ``arena_size`` from now on, and grows again
         only after :data:`_GROW_AGAIN` seconds."""
-        if not self._lock.acquire(blocking=False):
-            return False  # another thread of the client is putting through it
-        try:
+        with self._lock:  # (another thread's put through it: wait for it, then give back)
             if not self.grown:
                 return False
             self.size = self.base
@@ -267,8 +281,6 @@ class WriteArena:
             except LeaseExpired:
                 return False  # gone with the connection already
             return True
-        finally:
-            self._lock.release()
 
     def give_back_if_idle(self, now: float) -> bool:
         """For :class:`_IdleArenas`: give back an arena that grew and saw no put for
@@ -281,11 +293,15 @@ class WriteArena:
                 return True
             self.size = self.base
             held, self.id, self.extent = self.id, None, None
-            if held is not None and self._generation == self.client.generation:
+            session, self._session = self._session, None
+            # On the connection the arena was opened on, never through the client (which
+            # would reconnect from this thread, and whose new connection may give the same
+            # id to another lease): an arena that died with its connection needs nothing.
+            if held is not None and session is not None and session is self.client._session:
                 try:
-                    self.client.ops.abort_later(held)
-                except BrokerUnavailable:
-                    pass  # the connection is gone, and the arena with it
+                    session.post("abort", {"lease": held})
+                except KVBrokerError:
+                    pass  # the connection broke: the arena went with it
             return True
         finally:
             self._lock.release()
@@ -296,6 +312,8 @@ class WriteArena:
         self._lock = threading.Lock()
         self.id = self.extent = None
         self._generation = -1
+        self._session = None
+        self.size, self._small_puts = self.base, 0  # a fresh start: the parent's puts grew it
 
     def close(self) -> None:
         """Give the arena back now (the connection closing does it too)."""
@@ -314,35 +332,50 @@ class _IdleArenas:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._arenas: weakref.WeakSet[WriteArena] = weakref.WeakSet()
-        self._running_in: int | None = None  # the pid whose thread runs
+        self._running = False
 
     def watch(self, arena: WriteArena) -> None:
-        import os
-
         with self._lock:
             self._arenas.add(arena)
-            if self._running_in == os.getpid():
+            if self._running:
                 return
-            self._running_in = os.getpid()
-        threading.Thread(target=self._run, name="kvbroker-idle-arenas", daemon=True).start()
+            self._running = True
+        try:
+            threading.Thread(target=self._run, name="kvbroker-idle-arenas", daemon=True).start()
+        except RuntimeError:  # (interpreter shutting down: no threads any more)
+            with self._lock:
+                self._running = False
+
+    def after_fork_in_child(self) -> None:
+        """The parent's thread does not exist here, and its lock may have been held."""
+        self._lock = threading.Lock()
+        self._running = False
 
     def _run(self) -> None:
-        import os
-
-        while True:
-            time.sleep(_IDLE_GROWN / 4)
+        try:
+            while True:
+                time.sleep(_IDLE_GROWN / 4)
+                with self._lock:
+                    arenas = list(self._arenas)
+                    if not arenas:  # (under the lock: a watch() from now on starts another)
+                        self._running = False
+                        return
+                now = time.monotonic()
+                for arena in arenas:
+                    try:
+                        done = arena.client._closed or arena.give_back_if_idle(now)
+                    except Exception:  # noqa: BLE001 (one arena must not stop the others')
+                        log.exception("giving back an idle write arena failed")
+                        done = True
+                    if done:
+                        with self._lock:
+                            self._arenas.discard(arena)
+        except BaseException:
             with self._lock:
-                arenas = list(self._arenas)
-                if not arenas:
-                    self._running_in = None
-                    return
-            now = time.monotonic()
-            for arena in arenas:
-                if arena.client._closed or arena.give_back_if_idle(now):
-                    with self._lock:
-                        self._arenas.discard(arena)
-            if self._running_in != os.getpid():
-                return  # (a forked child's copy of this thread never runs; belt and braces)
+                self._running = False
+            raise
 
 
 _idle_arenas = _IdleArenas()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_idle_arenas.after_fork_in_child)

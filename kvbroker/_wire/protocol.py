@@ -235,6 +235,7 @@ OPS: dict[str, Op] = {
         R.Empty,
         "Discard an unsealed object (or a write arena) and free its extents.",
         lease=_NAMES,
+        passes_a_wait=True,  # an idle arena given back while a claim of its client waits
     ),
     "arena": Op(
         {"nbytes": _a(int, required=True)},
