@@ -82,7 +82,9 @@ stream_copy(char *dst, const char *src, size_t n)
  * fed to xxh3_64's accumulators from the same registers, so the hash costs no second read
  * (from cache or memory) and its arithmetic overlaps the copy's memory stalls. On an H100
  * host's cores a chunk copied and then hashed ran at 0.74x of a memcpy on one thread and
- * 0.76x on eight (benchmarks/results/host-copy-h100-host.md): the hash's own pass.
+ * 0.76x on eight (at d92d877): the hash's own pass. In one pass, 0.76-0.86x on one thread;
+ * on eight, where memory bandwidth is the limit, no faster than two passes
+ * (benchmarks/results/host-copy-h100-host.md and its history).
  *
  * The digest is xxh3_64 (seed 0, default secret) of a long input (more than 240 bytes), as
  * xxHash's specification (doc/xxhash_spec.md, "XXH3 algorithm", long inputs) defines it and

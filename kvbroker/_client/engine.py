@@ -14,10 +14,12 @@ the CPU has AVX2 (each 64-byte stripe loaded once, stored, and fed to xxh3_64's
 accumulators from the same registers: :func:`fused_loop`), else copied with memcpy and then
 hashed with python-xxhash's own xxh3_64 (its compiled function, with its run-time AVX2 /
 AVX-512 choice). Both are bound at import and checked against ``xxh3_64_intdigest``. On an
-H100 host's Xeon a 32 MiB copy+hash ran at 0.76x of a one-thread memcpy in one pass against
-0.72x in two, and on 8 threads in 1.45 against 1.50 ms (0.83x of a memcpy on as many threads;
-``benchmarks/results/host-copy-h100-host.md``, b3de4ff): the memory is the limit there, and
-the one pass saves the hash's reads from cache, not from memory. In Python the same loop hands the GIL back and forth twice per chunk
+H100 host's Xeon a 32 MiB copy+hash on one thread ran at 0.86x of a memcpy in one pass against
+0.76x in two (0.78x against 0.71x and 0.76x against 0.72x in two other runs), and on 8 threads
+as fast either way (1.89 against 1.76 ms, 1.47 against 1.46, 1.45 against 1.50; 0.81-0.86x of a
+memcpy on as many threads: ``benchmarks/results/host-copy-h100-host.md`` and its history):
+there the memory is the limit, and the one pass saves the hash's reads from cache, not from
+memory. In Python the same loop hands the GIL back and forth twice per chunk
 (numpy's ``copyto``, then python-xxhash's one-shot hash, both releasing it), and those
 hand-offs are what limited the scaling (measured on an H100 host's 16 cores, 32 MiB, 1 MiB
 chunks: fused copy+hash on 8 threads at 0.57x of a plain 8-thread memcpy;
