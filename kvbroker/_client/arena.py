@@ -61,6 +61,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import integrity as _integrity
 from .copy import copy_into
+from .ops import Ops
 from .._wire.objects import buffer_offsets
 from .._wire.protocol import MAX_REQUEST, publish_size
 from ..errors import BadRequest, Exists, KVBrokerError, LeaseExpired, PoolFull
@@ -299,7 +300,7 @@ class WriteArena:
             # id to another lease): an arena that died with its connection needs nothing.
             if held is not None and session is not None and session is self.client._session:
                 try:
-                    session.post("abort", {"lease": held})
+                    Ops(session.request, session.post).abort_later(held)
                 except KVBrokerError:
                     pass  # the connection broke: the arena went with it
             return True
