@@ -36,10 +36,13 @@ and as ``quarantined`` in ``stat``; they are freed by the broker alone, at the d
 *Write arena* (``arena``, then ``publish``) — fresh pages lent to one session with no TTL, so
 a put can be one round trip: the client copies into them first, then ``publish`` turns the
 arena's first pages into a sealed object (the extent is split, nothing is copied) and the rest
-stays the arena, or a fresh one replaces it. An arena is freed by ``abort``, by being published
-whole, or when its client closes the connection (its writer is gone: no quarantine needed; if
-the daemon cut it off, it goes into the timed quarantine, see below). It counts as
-used and write-leased, is never evicted, and is at most 1/16 of a pool.
+stays the arena, or a fresh one replaces it (also when the rest is more than twice what the
+client now asks for: a client whose arena grew for big puts asks small ones again). An arena
+is freed by ``abort`` (the client's, also when a grown arena sat idle: ``_client/arena.py``),
+by being published whole, or when its client closes the connection (its writer is gone: no
+quarantine needed; if the daemon cut it off, it goes into the timed quarantine, see below). It
+counts as used and write-leased, is never evicted, and is at most 1/16 of the pool it lies in;
+all arenas together at most 1/4 of the pools.
 
 *Read lease* (``claim``) — while held, the object's extents are neither evicted nor reused.
 It ends on ``release``, on TTL expiry, or when the connection closes. A claim with
