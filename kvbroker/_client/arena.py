@@ -11,22 +11,23 @@ TTL, until they are published, the arena is aborted (``close``), or the connecti
 a client killed mid-copy leaves nothing behind. (When the daemon, not the client, ended the
 connection, or the daemon died, the pages are quarantined for ``restart_quarantine`` seconds
 first: this client may still be copying into them.) The pages count as used and write-leased in
-``stat`` and are never evicted, so an arena is kept small (``Client(arena_size=...)``, and
-the daemon caps it at 1/16 of a pool).
+``stat`` and are never evicted, so an arena is kept small (``Client(arena_size=...)``, grown
+only while big puts come, below; the daemon caps it at 1/16 of the pool it lies in).
 
 Difference from reserve + seal: the bytes are copied before the daemon is asked, so a put of
 a key that is already published copies into the client's own arena for nothing (then
 answers False as always; nothing is published, the arena is untouched). Objects larger than
-half the arena, or a put while another thread of the same client uses the arena, take the
-reserve + seal path, where an existing key costs no copy.
+half of ``arena_max``, or a put while another thread of the same client uses the arena, take
+the reserve + seal path, where an existing key costs no copy.
 
 Growth: a put bigger than half the arena but no bigger than half of ``Client(arena_max=...)``
 (64 MiB by default) doubles the arena until it takes the put: the arena held is given back
 and a bigger one opened (two round trips, once per doubling), and from then on puts of that
 size are one round trip, not two. A large put pays its requests after a copy long enough
 for the daemon to fall asleep, so the request saved is one of the dear ones (a 32 MiB put
-on an H100 host: reserve 160-230 us, seal 130-190 us, ``benchmarks/results/
-put-get-phases-h100-host.md``). What it costs and how it is bounded:
+on an H100 host: a reserve of 260-289 us and a seal of 219-240 us at d92d877, one publish of
+206-218 us with growth, ``benchmarks/results/put-get-phases-h100-host.md`` and its history).
+What it costs and how it is bounded:
 - the daemon lends at most 1/16 of a pool as one arena, all arenas together at most 1/4 of
   the pools, and under a tenant quota at most 1/4 of it. When it lends less than asked, the
   put uses what it lent if it fits (else reserve + seal), the next arenas are asked at
@@ -34,8 +35,8 @@ put-get-phases-h100-host.md``). What it costs and how it is bounded:
   full now may not be later); when it lends nothing, the client holds an arena of
   ``arena_size`` again;
 - after :data:`_SHRINK_AFTER` arena puts in a row that ``arena_size`` would have taken, the
-  client asks for arenas of ``arena_size`` again (the bigger one is used up by those puts
-  first: its pages become objects);
+  client asks for arenas of ``arena_size`` again, and the daemon gives back the rest of the
+  bigger one at the next publish (it keeps no rest of more than twice what is asked);
 - an arena that grew is held, not evictable, while its client puts: after
   :data:`_IDLE_GROWN` seconds without a put it goes back (a thread per process,
   :class:`_IdleArenas`, gives it back with a one-way ``abort``) and the next put opens one of
