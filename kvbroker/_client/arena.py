@@ -117,9 +117,7 @@ class WriteArena:
         if not (0 < self.size and not self._unavailable):
             return False
         now = time.monotonic()
-        if self._refused and now < self._refused.get(namespace, _NEVER)[0]:
-            return False
-        if span > self.base // 2 and now < self._big_at:
+        if self._held_back(span, namespace, now):
             return False
         extent = self.extent
         if extent is not None and span <= extent[2]:
@@ -127,6 +125,13 @@ class WriteArena:
         if span > self.size // 2 and not self._may_grow(span, now):
             return False
         return self.id is not None or now >= self._retry_at
+
+    def _held_back(self, span: int, namespace: str, now: float) -> bool:
+        """Whether this put reserves first for a while: its namespace's publish was refused,
+        or a put this big found its key existing (both cost a copy for nothing)."""
+        if self._refused and now < self._refused.get(namespace, _NEVER)[0]:
+            return True
+        return span > self.base // 2 and now < self._big_at
 
     def _may_grow(self, span: int, now: float) -> bool:
         return span <= self.most // 2 and now >= self._grow_at
@@ -160,9 +165,7 @@ class WriteArena:
             self.id = self.extent = None  # it died with an earlier connection
         # decided here, under the lock (fits() only looks)
         now = self._last_put = time.monotonic()
-        if self._refused and now < self._refused.get(namespace, _NEVER)[0]:
-            return None
-        if span > self.base // 2 and now < self._big_at:
+        if self._held_back(span, namespace, now):
             return None
         if self.id is not None and span <= self.extent[2]:
             pass  # the arena held takes it
@@ -273,9 +276,8 @@ class WriteArena:
         with self._lock:  # (another thread's put through it: wait for it, then give back)
             if not self.grown:
                 return False
-            self.size = self.base
             self._grow_at = time.monotonic() + _GROW_AGAIN
-            held, self.id, self.extent = self.id, None, None
+            held = self._forget()
             if held is None or self._generation != self.client.generation:
                 return False
             try:
@@ -293,9 +295,8 @@ class WriteArena:
         try:
             if not self.grown:
                 return True
-            self.size = self.base
-            held, self.id, self.extent = self.id, None, None
-            session, self._session = self._session, None
+            session = self._session
+            held = self._forget()
             # On the connection the arena was opened on, never through the client (which
             # would reconnect from this thread, and whose new connection may give the same
             # id to another lease): an arena that died with its connection needs nothing.
@@ -307,6 +308,13 @@ class WriteArena:
             return True
         finally:
             self._lock.release()
+
+    def _forget(self) -> int | None:
+        """Drop the arena held (returns its id, for the caller to give back) and ask for
+        arenas of ``arena_size`` from now on."""
+        held, self.id, self.extent, self._session = self.id, None, None, None
+        self.size = self.base
+        return held
 
     def after_fork(self) -> None:
         """In a forked child: the arena's pages are the parent's, its lock maybe held by a

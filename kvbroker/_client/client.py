@@ -350,7 +350,7 @@ class Client:
                 # ask once more (_arena.py, "Growth").
                 if last or not self._arena.give_back_grown():
                     raise
-        placed = next(iter(lease._extents.values()), None)
+        placed = next(iter(lease.extents().values()), None)
         if placed is not None:
             self._arena.placed(namespace, placed[0])
         with lease:
