@@ -58,12 +58,15 @@ GPU staging path, not this host path (:func:`kvbroker.gpu.publish_shard_cuda`,
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Mapping
 from typing import Any
 
 from ._client.client import Client
+from ._client import integrity as _integrity
 from ._client.copy import _np, copy_into, nbytes_of
+from ._client.engine import default_engine
 from ._client.paged import PagedKV, _as_index, _block_index, _gather, _scatter, _split_view
 from ._client.shards import UNKNOWN_CONSUMERS, ClaimResult, PublishResult, ShardSpec
 from ._client.shards import META_TAG  # noqa: F401  (the meta key marking a shard)
@@ -137,15 +140,31 @@ def publish_shard(
     ops = 0
     with client.reserve(key, sizes, namespace=namespace, meta=spec.to_meta(), ttl=ttl,
                         replace=replace, consumers=consumers) as lease:  # fmt: skip
-        for layer, row in enumerate(names):
-            for c, name in enumerate(row):
-                dst = _split_view(lease[name].view(cache.layer(0).dtype),
-                                  (len(mine), num_tokens, cache.head_dim))  # fmt: skip
-                ops += _gather(cache.component(layer, c), ids, num_tokens, dst)
+        # One job per (layer, K/V) buffer over the copy engine's threads: each gathers its
+        # blocks into the buffer, then hashes it while it is still in cache, so the seal
+        # does not read every buffer again (kvbroker._client.engine.run_jobs).
+        kind = client.checksum_kind if lease.checksum else None
+        views = {name: lease[name] for row in names for name in row}
+        shape = (len(mine), num_tokens, cache.head_dim)
+
+        def gather(layer: int, c: int, name: str) -> tuple[int, Any]:
+            n = _gather(cache.component(layer, c), ids, num_tokens,
+                        _split_view(views[name].view(cache.layer(0).dtype), shape))  # fmt: skip
+            return n, None if kind is None else _integrity.digest_here(views[name], kind)
+
+        jobs = [functools.partial(gather, layer, c, name)
+                for layer, row in enumerate(names) for c, name in enumerate(row)]  # fmt: skip
+        done = default_engine().run_jobs(jobs, spec.layout.nbytes * len(jobs))
+        ops = sum(n for n, _ in done)
+        sums = {name: d for (_, d), name in zip(done, (n for row in names for n in row))}
         for name, value in extra.items():
             if sizes[name]:
                 copy_into(lease[name], value)
                 ops += 1
+            if kind is not None:
+                sums[name] = _integrity.digest(lease[name], kind)
+        if kind is not None:
+            lease.checksums = sums
     return PublishResult(key, True, consumers, ops, sum(sizes.values()),
                          time.perf_counter() - started)  # fmt: skip
 
@@ -220,16 +239,23 @@ def claim_shards(
         # (layer, K/V) outermost, shards innermost: the pieces of one destination component
         # land back to back while its cache lines are still hot (an NHD row is written by
         # every contributing shard; shard-outermost order went to DRAM once per shard).
-        for layer, row in enumerate(names):
-            for c, name in enumerate(row):
-                dst = cache.component(layer, c)
-                for piece, ext, (offset, nbytes) in sources:
-                    pool, start, _ = ext[name]
-                    src = np.ndarray((piece.count, total, dim), int_dtype, maps[pool],
-                                     start + offset)  # fmt: skip
-                    result.copy_ops += _scatter(src, dst, ids, full_index, total, piece.dst_head)
-                    result.source_runs += 1
-                    result.nbytes += nbytes
+        # One job per (layer, K/V) over the copy engine's threads (each writes its own
+        # component of the cache; kvbroker._client.engine.run_jobs).
+        def scatter(layer: int, c: int, name: str) -> int:
+            dst, ops = cache.component(layer, c), 0
+            for piece, ext, (offset, _) in sources:
+                pool, start, _ = ext[name]
+                src = np.ndarray((piece.count, total, dim), int_dtype, maps[pool],
+                                 start + offset)  # fmt: skip
+                ops += _scatter(src, dst, ids, full_index, total, piece.dst_head)
+            return ops
+
+        jobs = [functools.partial(scatter, layer, c, name)
+                for layer, row in enumerate(names) for c, name in enumerate(row)]  # fmt: skip
+        per_job = sum(nbytes for _, _, (_, nbytes) in sources)
+        result.copy_ops += sum(default_engine().run_jobs(jobs, per_job * len(jobs)))
+        result.source_runs += len(sources) * len(jobs)
+        result.nbytes += per_job * len(jobs)
         result.num_tokens = total
     result.seconds = time.perf_counter() - started
     return result

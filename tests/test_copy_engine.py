@@ -339,6 +339,67 @@ def test_a_gated_engine_splits_only_while_its_gate_allows():
         e.close()
 
 
+
+def test_jobs_run_in_order_over_the_threads_a_split_allows():
+    spare = [True]
+    e = E.CopyEngine(3, split_min=cs.CHUNK, split_while=lambda: spare[0])
+    try:
+        together, meet = threading.Barrier(3), [True]
+
+        def job(i):
+            if meet[0] and i in (0, 2, 4):
+                together.wait(timeout=5)  # the 3 shares' first jobs: passes if all run at once
+            return i, threading.get_ident()
+
+        jobs = [lambda i=i: job(i) for i in range(7)]
+        # 7 jobs of 7 MiB in all: 3 shares (jobs 0-1, 2-3, 4-6), the caller's the first
+        done = e.run_jobs(jobs, 7 * cs.CHUNK)
+        assert [i for i, _ in done] == list(range(7))
+        assert done[0][1] == threading.get_ident()
+        assert len({t for _, t in done}) == 3
+        meet[0] = False
+        for allowed, nbytes in ((True, cs.CHUNK), (False, 7 * cs.CHUNK)):
+            spare[0] = allowed  # too few bytes to split, or the gate says no: all here
+            assert {t for _, t in e.run_jobs(jobs, nbytes)} == {threading.get_ident()}
+        spare[0] = True
+        assert e.run_jobs(jobs[:2], 7 * cs.CHUNK)[1][1] != threading.get_ident()
+        assert e.run_jobs([], 7 * cs.CHUNK) == []
+    finally:
+        e.close()
+
+
+def test_a_failed_job_is_raised_once_every_job_ended():
+    e = E.CopyEngine(4, split_min=cs.CHUNK)
+    ended = []
+
+    def slow(i):
+        time.sleep(0.05)
+        ended.append(i)
+
+    def fail():
+        raise ValueError("this job failed")
+
+    try:
+        jobs = [fail] + [lambda i=i: slow(i) for i in range(1, 8)]
+        with pytest.raises(ValueError, match="this job failed"):
+            e.run_jobs(jobs, 8 * cs.CHUNK)
+        # the caller's own share stopped at its failure; every other share ran to its end
+        assert sorted(ended) == list(range(2, 8))
+    finally:
+        e.close()
+
+
+def test_hash_here_is_the_engines_hash_on_this_thread():
+    src = np.random.default_rng(5).integers(0, 256, 3 * cs.CHUNK + 77, dtype=np.uint8)
+    for native in NATIVE_MODES:
+        e = E.CopyEngine(4, split_min=cs.CHUNK, native=native)
+        try:
+            assert e.hash_here(src) == e.hash(src) == cs.digest(src)
+            assert integrity.digest_here(src) == integrity.digest(src) == cs.encode(cs.digest(src))
+            assert integrity.digest_here(src, cs.KIND_XXH3) == integrity.digest(src, cs.KIND_XXH3)
+        finally:
+            e.close()
+
 def _progress_during(call) -> int:
     """How many times another Python thread ran while ``call`` ran in a worker thread.
 

@@ -414,3 +414,59 @@ def test_claim_writes_do_not_grow_with_tokens_counted_independently(tp_client, a
         assert_decode_rank_exact(full, range(kv_heads), LAYOUTS[axes], bits, 16, ids)
     # one write for the full blocks and one for the tail, per layer, component and shard
     assert seen == {n: layers * comps * shards * 2 for n in seen}, seen
+
+
+def test_a_big_handoff_copies_on_the_engines_threads_and_seals_their_hashes(
+    tp_client, monkeypatch
+):
+    """publish_shard gathers and hashes each (layer, K/V) buffer on the copy engine's threads
+    (the seal hashes nothing again) and claim_shards scatters on them: the recorded checksums
+    are the buffers' own, and the decode rank's cache is bit-exact."""
+    import threading
+
+    import kvbroker.kv as kv
+    from kvbroker._client import engine as _engine
+    from kvbroker._client import integrity as _integrity
+
+    monkeypatch.setattr(_engine, "_default", _engine.CopyEngine(threads=4))
+    ran_on = {"_gather": set(), "_scatter": set()}
+    for name in ran_on:
+        def spy(*args, _real=getattr(kv, name), _name=name):
+            ran_on[_name].add(threading.get_ident())
+            return _real(*args)
+
+        monkeypatch.setattr(kv, name, spy)
+    reference = _integrity.digest
+    hashed_again = []
+
+    def counted(view, kind=1):
+        hashed_again.append(1)
+        return reference(view, kind)
+
+    monkeypatch.setattr(_integrity, "digest", counted)
+
+    H, P, layers, tokens, dim, bs = 8, 2, 8, 512, 128, 16  # 512 KiB per buffer, 8 MiB a shard
+    rng = np.random.default_rng(7)
+    request = f"req{next(_requests)}"
+    full = random_bits(rng, (layers, 2, tokens, H, dim), 2)
+    axes = LAYOUTS["blocks-first NHD"]
+    for p in range(P):
+        ids, nb = block_ids(rng, tokens, bs)
+        tensors, _ = engine_cache(full, shard_heads(p, P, H), axes, bs, nb, ids, rng, "torch",
+                                  "bfloat16")  # fmt: skip
+        publish_shard(tp_client, request, PagedKV(tensors, axes), ids, tokens, tp_rank=p,
+                      tp_size=P, total_kv_heads=H, decode_tp_size=1)  # fmt: skip
+    assert hashed_again == []
+    for p in range(P):
+        with tp_client.claim(shard_key(request, p, P)) as lease:
+            names = sorted(lease.checksums)
+            assert len(names) == layers * 2
+            assert all(lease.checksums[n] == reference(lease[n]) for n in names)
+            lease.release(consume=False)
+    ids, nb = block_ids(rng, tokens, bs)
+    tensors, bits = engine_cache(np.zeros_like(full), range(H), axes, bs, nb, ids, rng, "torch",
+                                 "bfloat16")  # fmt: skip
+    claim_shards(tp_client, request, PagedKV(tensors, axes), ids, tp_rank=0, tp_size=1,
+                 prefill_tp_size=P, total_kv_heads=H)  # fmt: skip
+    assert_decode_rank_exact(full, range(H), axes, bits, bs, ids)
+    assert len(ran_on["_gather"]) > 1 and len(ran_on["_scatter"]) > 1, ran_on

@@ -56,7 +56,7 @@ import os
 import threading
 import weakref
 from concurrent.futures import ThreadPoolExecutor, wait
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import xxhash
@@ -245,6 +245,10 @@ def _hash_range_native(view, a: int, b: int) -> list[int]:
     return _c_hash_chunks(view[a:b], _cs.CHUNK)
 
 
+def _run_share(jobs: Sequence[Callable[[], Any]]) -> list:
+    return [job() for job in jobs]
+
+
 class CopyEngine:
     """Copies and chunk checksums over ``threads`` threads (the caller's included).
 
@@ -294,12 +298,19 @@ class CopyEngine:
         return [(bounds[i], bounds[i + 1]) for i in range(parts) if bounds[i] < bounds[i + 1]]
 
     def _run(self, fn, args: tuple, ranges: list[tuple[int, int]]) -> list:
-        if len(ranges) == 1:
-            return [fn(*args, *ranges[0])]
+        return self._spread([(fn, *args, a, b) for a, b in ranges])
+
+    def _spread(self, calls: list[tuple]) -> list:
+        """``fn(*args)`` for each ``(fn, *args)`` of ``calls``, the first on this thread and
+        the others on the workers; their results in order."""
+        if len(calls) == 1:
+            fn, *args = calls[0]
+            return [fn(*args)]
         pool = self._workers()
-        futures = [pool.submit(fn, *args, a, b) for a, b in ranges[1:]]
+        futures = [pool.submit(*call) for call in calls[1:]]
         try:
-            first = fn(*args, *ranges[0])
+            fn, *args = calls[0]
+            first = fn(*args)
         except BaseException:
             for f in futures:
                 f.cancel()
@@ -355,6 +366,28 @@ class CopyEngine:
         fn = _hash_range_native if self.native else _hash_range
         parts = self._run(fn, (view,), self.ranges(view.nbytes))
         return _cs.combine(view.nbytes, [d for part in parts for d in part])
+
+    def hash_here(self, view) -> int:
+        """:meth:`hash` on the calling thread (a job of :meth:`run_jobs` hashing its own
+        output: a job never waits for the engine's other threads)."""
+        fn = _hash_range_native if self.native else _hash_range
+        return _cs.combine(view.nbytes, fn(view, 0, view.nbytes))
+
+    def run_jobs(self, jobs: Sequence[Callable[[], Any]], nbytes: int) -> list:
+        """Run independent ``jobs`` (callables moving ``nbytes`` in all, about alike) over
+        the engine's threads, the calling thread taking the first share; their results, in
+        order. Split as a copy of ``nbytes`` is (:meth:`ranges`: at least ``split_min``
+        bytes per thread, and only while ``split_while`` says so), never into more shares
+        than jobs. For copies numpy or the C loops make (each releases the GIL while it
+        moves bytes) that the engine cannot cut itself: a paged cache's blocks, one
+        (layer, K/V) buffer per job. Returns, or raises the first job's error, only once
+        every job has ended: none still touches the caller's views."""
+        parts = min(len(jobs), len(self.ranges(nbytes)))
+        if parts <= 1:
+            return [job() for job in jobs]
+        bounds = [len(jobs) * i // parts for i in range(parts + 1)]
+        shares = [(_run_share, jobs[bounds[i]:bounds[i + 1]]) for i in range(parts)]
+        return [r for part in self._spread(shares) for r in part]
 
     def close(self) -> None:
         with self._lock:

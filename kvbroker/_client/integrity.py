@@ -40,6 +40,7 @@ from .engine import default_engine
 __all__ = [
     "CHUNK",
     "digest",
+    "digest_here",
     "empty_digest",
     "matches",
     "copy_hashed",
@@ -70,6 +71,14 @@ def digest(view: Any, kind: int = _cs.KIND_XXH3C) -> Any:
     if small:
         return _cs.encode(_cs.digest(view))
     return _cs.encode(default_engine().hash(_u8(view)))
+
+
+def digest_here(view: Any, kind: int = _cs.KIND_XXH3C) -> Any:
+    """:func:`digest` on the calling thread (for a job of the engine's
+    :meth:`~kvbroker._client.engine.CopyEngine.run_jobs` hashing what it just wrote)."""
+    if kind == _cs.KIND_XXH3:
+        return _cs.legacy_digest(_u8(view))
+    return _cs.encode(default_engine().hash_here(_u8(view)))
 
 
 _EMPTY = {kind: digest(b"", kind) for kind in _cs.KINDS}
