@@ -191,7 +191,7 @@ def test_a_prefix_of_named_and_packed_blocks_loads_whole(client, packed_first):
 
 
 def test_a_host_save_whose_seal_is_refused_holds_nothing(make_daemon):
-    """The host path's seal refused (a daemon requiring checksums; the host path seals
+    """The host path's seal refused (a daemon requiring checksums, a save told to seal
     without): its reservations are aborted, not left leased until their TTL, holding pool
     pages, every step."""
     daemon = make_daemon("--pool-size", "8M", "--page-size", "4K",
@@ -202,7 +202,8 @@ def test_a_host_save_whose_seal_is_refused_holds_nothing(make_daemon):
     layers, _ = vllm_like(L, B, H, N, D, torch.float32, "cpu", "HND")
     fmt = _fmt(L, H, N, D, torch.float32)
     with daemon.client() as client:
-        save = HostSave(client, NS, fmt, host_cache(layers, "cpu"), _items(HASHES[:3], [0, 1, 2]))
+        save = HostSave(client, NS, fmt, host_cache(layers, "cpu"), _items(HASHES[:3], [0, 1, 2]),
+                        checksums=False)  # fmt: skip
         save.reserve()
         for layer in range(L):
             save.copy_layer(layer)
@@ -210,6 +211,37 @@ def test_a_host_save_whose_seal_is_refused_holds_nothing(make_daemon):
             save.seal()
         save.abort()  # what the worker does next: must not be a no-op
         assert [c.write_leases for c in client.stat().clients] == [0]
+
+
+def test_a_host_save_seals_each_block_with_its_checksum(make_daemon, monkeypatch):
+    """The host path seals every block with its checksum, hashed over the copy engine's
+    threads: a daemon requiring checksums takes it, and each recorded checksum is the
+    block's own (``verify_objects``, the CPU's definition)."""
+    from kvbroker._client import engine as _engine
+    from kvbroker._client.integrity import verify_objects
+
+    monkeypatch.setattr(_engine, "_default", _engine.CopyEngine(threads=3))
+    daemon = make_daemon("--pool-size", "64M", "--page-size", "4K",
+                         env={"KVBROKER_REQUIRE_CHECKSUMS": "true"})  # fmt: skip
+    L, B, H, N, D = 4, 24, 4, 16, 128  # 256 KiB blocks, 16 saved: 4 MiB over the threads
+    layers, _ = vllm_like(L, B, H, N, D, torch.float32, "cpu", "HND")
+    fmt = _fmt(L, H, N, D, torch.float32)
+    hashes = [f"{i:032x}" for i in range(100, 116)]
+    with daemon.client() as client:
+        save = HostSave(client, NS, fmt, host_cache(layers, "cpu"),
+                        _items(hashes, list(range(2, 18))))  # fmt: skip
+        save.reserve()
+        for layer in range(L):
+            save.copy_layer(layer)
+        save.seal()
+        checks = list(verify_objects(client, namespace=NS))
+        assert len(checks) == 16 and {c.status for c in checks} == {"ok"}
+        out, _ = vllm_like(L, B, H, N, D, torch.float32, "cpu", "HND", seed=9)
+        assert load_host(client, NS, fmt, host_cache(out, "cpu"), hashes, list(range(16))) == 16
+        for j in range(16):
+            for layer in range(L):
+                assert torch.equal(out[layer].view(torch.int32).view(B, H, 2, N, D)[j],
+                                   layers[layer].view(torch.int32).view(B, H, 2, N, D)[j + 2])  # fmt: skip
 
 
 @settings(max_examples=60, deadline=None)

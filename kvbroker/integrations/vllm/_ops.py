@@ -155,10 +155,11 @@ def pool_runs(rows, names: list[str], order: list[str], nbytes: int, bases: dict
     return list(zip(pool_addr[starts].tolist(), stage_addr[starts].tolist(), lengths.tolist()))
 
 
-def seal_many(client, leases: list[int]) -> None:
-    """Seal write leases in one round trip (no checksums)."""
+def seal_many(client, leases: list[int], checksums: list[dict] | None = None) -> None:
+    """Seal write leases in one round trip; ``checksums``: one ``{buffer: checksum}`` per
+    lease, in order (None: sealed without)."""
     if leases:
-        client.ops.seal_many(leases, None)
+        client.ops.seal_many(leases, checksums)
 
 
 def abort_leases(client, leases: list[int]) -> None:

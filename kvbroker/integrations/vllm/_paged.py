@@ -35,6 +35,7 @@ Ownership of every buffer
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -182,11 +183,16 @@ class HostSave:
     ``reserve()`` takes write leases on the blocks the node lacks (one round trip per
     ``RESERVE_CHUNK`` blocks); ``copy_layer(l)`` copies layer ``l``'s K and V of every such
     block into its lease (one pass over the bytes, strided on the engine side);
-    ``seal()`` publishes them once every layer was copied, ``abort()`` drops them."""
+    ``seal()`` publishes them once every layer was copied, ``abort()`` drops them.
+
+    ``checksums``: seal each block with its checksum (the client's kind), hashed at seal over
+    the copy engine's threads: the layers of a block are written one forward step apart,
+    so the hash reads the block once more, where the CUDA path hashes on the GPU."""
 
     def __init__(self, client, namespace: str, fmt: BlockFormat, cache: PagedKV,
-                 items: Sequence[SaveItem]) -> None:  # fmt: skip
+                 items: Sequence[SaveItem], checksums: bool = True) -> None:  # fmt: skip
         self.client, self.namespace, self.fmt, self.cache = client, namespace, fmt, cache
+        self.checksums = checksums
         self.items = list(items)
         self.leases: list[int] = []
         self._targets: list[tuple[int, dict]] = []  # (engine block, extents by name)
@@ -239,10 +245,22 @@ class HostSave:
                                 "were copied; refusing to seal")  # fmt: skip
         self.done = True
         try:
-            _ops.seal_many(self.client, self.leases)
+            _ops.seal_many(self.client, self.leases, self._sums() if self.checksums else None)
         except BaseException:  # refused (or cut short): none is left leased until its TTL
             _ops.abort_leases(self.client, self.leases)
             raise
+
+    def _sums(self) -> list[dict]:
+        """Each reserved block's ``{PACKED: checksum}``, in lease order (one job per block
+        over the copy engine's threads, each hashing its block on its own thread)."""
+        from kvbroker._client.engine import default_engine
+        from kvbroker._client.integrity import digest_here
+
+        kind = self.client.checksum_kind
+        views = [_ops.extent_view(self.client, extents[PACKED]) for _, extents in self._targets]
+        sums = default_engine().run_jobs([functools.partial(digest_here, v, kind) for v in views],
+                                         self.nbytes)  # fmt: skip
+        return [{PACKED: d} for d in sums]
 
     def abort(self) -> None:
         if not self.done:
