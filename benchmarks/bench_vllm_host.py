@@ -125,8 +125,11 @@ def main(argv=None) -> int:
 def markdown(r: dict) -> str:
     m = r["machine"]
 
+    def cut(x: float) -> str:
+        return f"{int(x * 100) / 100:.2f}"
+
     def span(v):
-        return f"{int(median(v) * 100) / 100:.2f} ({min(v):.2f}–{max(v):.2f})"
+        return f"{cut(median(v))} ({cut(min(v))}–{cut(max(v))})"
 
     med = r["median_s"]
     return "\n".join([

@@ -1,10 +1,10 @@
 #!/bin/bash
 # The host paths of the engines' data on a GPU machine's CPU, in one go: sharded (TP)
-# publish and claim against an older tree (benchmarks/ab_tp_threads.py) and the vLLM
+# publish and claim against an older tree (benchmarks/ab_host_paths.py) and the vLLM
 # connector's host path with and without checksums (benchmarks/bench_vllm_host.py), then the
 # tests of those paths. For a machine with no network: the wheels kvbroker needs beyond the
 # host's Python lie in ./.whl (see run_host_round.sh), the older tree in ./.abbase
-# (ab_tp_threads.py --make-base REV .abbase; its compiled extensions are this tree's, built here).
+# (ab_host_paths.py --make-base REV .abbase; its compiled extensions are this tree's, built here).
 #
 #   OUT=/tmp/out bash benchmarks/run_host_paths.sh COMMIT
 #
@@ -22,9 +22,9 @@ cp kvbroker/_*.so .abbase/kvbroker/
 DEV=${DEV:-$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -o -i -E "h[0-9]+" | tr A-Z a-z)}
 DEV=${DEV:-cpu}
 step() { echo "== $1 ($(date -u +%T), load $(cut -d' ' -f1 /proc/loadavg))"; }
-step "tp threads a/b"
-timeout 300 $PY benchmarks/ab_tp_threads.py --base .abbase --rounds 3 --repeats 3 \
-    --out "$R/tp-threads-ab-$DEV-host" > "$R/log-tp.txt" 2>&1; tail -12 "$R/log-tp.txt"
+step "host paths a/b"
+timeout 300 $PY benchmarks/ab_host_paths.py --base .abbase --rounds 3 --repeats 3 \
+    --out "$R/host-paths-ab-$DEV-host" > "$R/log-ab.txt" 2>&1; tail -12 "$R/log-ab.txt"
 step "vllm host path"
 timeout 200 $PY benchmarks/bench_vllm_host.py --tokens 16384 --rounds 3 \
     --out "$R/vllm-host-$DEV-host" > "$R/log-vllm-host.txt" 2>&1; tail -12 "$R/log-vllm-host.txt"

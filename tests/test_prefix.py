@@ -558,3 +558,38 @@ def test_a_match_over_1024_blocks_of_64_buffers_fits_one_reply(client):
     with pc.match(tokens) as m:
         assert m.num_blocks == 1024
         assert len(m.blocks) == 1024 and set(m.blocks[0]) == set(names)
+
+
+@pytest.mark.parametrize("per_buffer", [False, True])
+@pytest.mark.parametrize("axes", ["NHD", "HND"])
+def test_a_big_load_copies_on_the_engines_threads(tp_daemon, monkeypatch, axes, per_buffer):
+    """A matched prefix loads one layer per job over the copy engine's threads, bit-exact
+    (reuse() checks every loaded token), whichever copy loop runs."""
+    import threading
+
+    from kvbroker._client import engine as _engine
+
+    engine = _engine.CopyEngine(threads=4)
+    ran_on = set()
+
+    def run_jobs(jobs, nbytes, _real=engine.run_jobs):
+        def spied(job):
+            ran_on.add(threading.get_ident())
+            return job()
+
+        return _real([lambda job=job: spied(job) for job in jobs], nbytes)
+
+    monkeypatch.setattr(engine, "run_jobs", run_jobs)
+    monkeypatch.setattr(_engine, "_default", engine)
+    H, ns = 8, f"tp{next(_namespaces)}"
+    tokens = prompt(32 * BLOCK + 3, 81)
+    full = full_kv(81, 16, len(tokens), H, 128)  # 16 layers of 512 tokens: 16 MiB to load
+    with tp_daemon.client() as c:
+        publish_layout(c, full, tokens, 2, H, KV_LAYOUTS["HND"], ns)
+        try:
+            got = reuse(c, full, tokens, 1, H, KV_LAYOUTS[axes], ns, source=2,
+                        per_buffer=per_buffer)  # fmt: skip
+        finally:
+            c.evict(namespace=ns, all=True)  # 16 MiB of this module's 64 MiB pool
+    assert got == [(32 * BLOCK, 2, [0, 1])]
+    assert len(ran_on) > 1

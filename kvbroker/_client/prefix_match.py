@@ -8,11 +8,13 @@ what; see also ``docs/design.md``.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 from typing import TYPE_CHECKING, Any
 
 from .copy import _np
+from .engine import default_engine
 from .paged import _block_index, _whole_rows
 from .._wire.names import check_infix, kv_buffer_name
 from .tp import Piece, shard_heads
@@ -298,7 +300,6 @@ class KVPrefixMatch(PrefixMatch):
             pieces.append((self.ranks.index(piece.prefill_rank), offset, piece.count,
                            slice(piece.dst_head, piece.dst_head + piece.count)))  # fmt: skip
         bs, dim = self.block_size, cache.head_dim
-        ops = 0
         if stride is not None:
             # Buffers back to back: one strided view reaches a block's whole shard, [layer, K/V,
             # token, head, dim], and one copy per layer moves its K and V heads together.
@@ -317,28 +318,38 @@ class KVPrefixMatch(PrefixMatch):
                 else:  # [layer, kv, head, tok, dim]
                     plans.append((shard, first, heads, by_head, (layers, kinds, count, bs, dim),
                                   (kinds * stride, stride, bs * dim * isz, dim * isz, isz)))
-            for row in range(n):
-                block = ids[row]
-                for shard, first, heads, canon, shape, steps in plans:
-                    pool, offsets = starts[row * shards + shard]
-                    src = np.ndarray(shape, int_dtype, maps[pool], offsets[0] + first, steps)
-                    if canon is by_row:
-                        for layer in range(layers):
-                            canon[layer][block][:, :, heads] = src[layer]
+            sources = [(ids[row], heads, canon is by_row,
+                        np.ndarray(shape, int_dtype, maps[starts[row * shards + shard][0]],
+                                   starts[row * shards + shard][1][0] + first, steps))
+                       for row in range(n)
+                       for shard, first, heads, canon, shape, steps in plans]  # fmt: skip
+
+            def load_layer(layer: int) -> None:
+                rows, heads_ = by_row[layer], by_head[layer]
+                for block, heads, whole_rows, src in sources:
+                    if whole_rows:
+                        rows[block][:, :, heads] = src[layer]
                     else:
-                        for layer in range(layers):
-                            canon[layer][block][:, heads] = src[layer]
-                    ops += layers
-            return ops
-        comps = [cache.component(layer, c) for layer in range(layers) for c in range(kinds)]
-        for row in range(n):
-            block = ids[row]
-            for k, comp in enumerate(comps):
-                dst = comp[block]  # [token, head, dim] of this engine block
-                for shard, first, count, heads in pieces:
-                    pool, offsets = starts[row * shards + shard]
-                    src = np.ndarray((bs, count, dim), int_dtype, maps[pool], offsets[k] + first,
-                                     (dim * isz, bs * dim * isz, isz))  # fmt: skip
-                    dst[:, heads] = src
-                    ops += 1
+                        heads_[block][:, heads] = src[layer]
+
+            ops = n * len(plans) * layers
+        else:
+            def load_layer(layer: int) -> None:
+                for c in range(kinds):
+                    k = layer * kinds + c
+                    comp = cache.component(layer, c)
+                    for row in range(n):
+                        dst = comp[ids[row]]  # [token, head, dim] of this engine block
+                        for shard, first, count, heads in pieces:
+                            pool, offsets = starts[row * shards + shard]
+                            dst[:, heads] = np.ndarray((bs, count, dim), int_dtype, maps[pool],
+                                                       offsets[k] + first,
+                                                       (dim * isz, bs * dim * isz, isz))  # fmt: skip
+
+            ops = n * layers * kinds * len(pieces)
+        # One job per layer over the copy engine's threads: each writes its own layer's
+        # blocks (whatever the block ids), in the order one thread would.
+        moved = n * layers * kinds * bs * dim * isz * sum(p[2] for p in pieces)
+        default_engine().run_jobs([functools.partial(load_layer, layer)
+                                   for layer in range(layers)], moved)  # fmt: skip
         return ops
