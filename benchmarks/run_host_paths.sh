@@ -26,10 +26,10 @@ step "host paths a/b"
 timeout 300 $PY benchmarks/ab_host_paths.py --base .abbase --rounds 3 --repeats 3 \
     --out "$R/host-paths-ab-$DEV-host" > "$R/log-ab.txt" 2>&1; tail -12 "$R/log-ab.txt"
 step "vllm host path"
-timeout 200 $PY benchmarks/bench_vllm_host.py --tokens 16384 --rounds 3 \
+timeout 150 $PY benchmarks/bench_vllm_host.py --tokens 16384 --rounds 3 \
     --out "$R/vllm-host-$DEV-host" > "$R/log-vllm-host.txt" 2>&1; tail -12 "$R/log-vllm-host.txt"
 step "tests"
-timeout 240 $PY -m pytest -q -x -p no:cacheprovider tests/test_tp.py tests/test_copy_engine.py \
+timeout 150 $PY -m pytest -q -x -p no:cacheprovider tests/test_tp.py tests/test_copy_engine.py \
     tests/test_vllm_gpu.py > "$R/log-tests.txt" 2>&1; tail -4 "$R/log-tests.txt"
 step "done"
 tar -C "$O" -czf "$O/host-paths.tgz" r && rm -rf "$R"
