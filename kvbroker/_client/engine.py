@@ -32,7 +32,11 @@ cannot stay in the cache, and would only evict what the next requests need; the 
 reads the source, which the copy just loaded (the same bytes).
 
 Users: ``put`` (copy + hash), ``get`` (copy, or copy + hash with ``verify``), ``claim``'s
-verify and ``seal`` of a caller-filled lease (hash).
+verify and ``seal`` of a caller-filled lease (hash). Copies the engine cannot cut into byte
+ranges itself, a paged cache's blocks gathered or scattered by numpy, run as independent jobs
+over the same threads (:meth:`CopyEngine.run_jobs`): ``kvbroker.kv.publish_shard`` (one
+(layer, K/V) buffer per job, hashed by the job that filled it) and ``claim_shards``, prefix
+loads (one layer per job), the vLLM connector's host seal (one block's hash per job).
 
 Threads: ``KVBROKER_COPY_THREADS`` when set, else the CPUs this process may run on
 (``os.sched_getaffinity``) up to :data:`MAX_THREADS`. On a machine of :data:`SHARED_CPUS` CPUs
@@ -381,7 +385,10 @@ class CopyEngine:
         than jobs. For copies numpy or the C loops make (each releases the GIL while it
         moves bytes) that the engine cannot cut itself: a paged cache's blocks, one
         (layer, K/V) buffer per job. Returns, or raises the first job's error, only once
-        every job has ended: none still touches the caller's views."""
+        every job has ended: none still touches the caller's views. A job must not call
+        the engine's splitting methods (:meth:`copy`, :meth:`copy_hashed`, :meth:`hash`):
+        the workers they would wait for may all be running this call's jobs; it hashes
+        with :meth:`hash_here`."""
         parts = min(len(jobs), len(self.ranges(nbytes)))
         if parts <= 1:
             return [job() for job in jobs]
