@@ -362,7 +362,9 @@ def test_jobs_run_in_order_over_the_threads_a_split_allows():
             spare[0] = allowed  # too few bytes to split, or the gate says no: all here
             assert {t for _, t in e.run_jobs(jobs, nbytes)} == {threading.get_ident()}
         spare[0] = True
-        assert e.run_jobs(jobs[:2], 7 * cs.CHUNK)[1][1] != threading.get_ident()
+        pair = threading.Barrier(2)
+        two = [lambda: pair.wait(timeout=5) is not None and threading.get_ident()] * 2
+        assert len(set(e.run_jobs(two, 7 * cs.CHUNK))) == 2  # as many shares as jobs, no more
         assert e.run_jobs([], 7 * cs.CHUNK) == []
     finally:
         e.close()
@@ -380,11 +382,77 @@ def test_a_failed_job_is_raised_once_every_job_ended():
         raise ValueError("this job failed")
 
     try:
-        jobs = [fail] + [lambda i=i: slow(i) for i in range(1, 8)]
+        # 4 shares of 2 jobs: the failing one ends the last share, after job 6
+        jobs = [lambda i=i: slow(i) for i in range(7)] + [fail]
         with pytest.raises(ValueError, match="this job failed"):
             e.run_jobs(jobs, 8 * cs.CHUNK)
-        # the caller's own share stopped at its failure; every other share ran to its end
-        assert sorted(ended) == list(range(2, 8))
+        assert sorted(ended) == list(range(7))
+    finally:
+        e.close()
+
+
+def test_the_first_failed_job_in_order_is_raised():
+    e = E.CopyEngine(4, split_min=cs.CHUNK)
+
+    def fail(i):
+        time.sleep(0.05 if i == 2 else 0)  # the later one fails first
+        raise ValueError(f"job {i} failed")
+
+    try:
+        jobs = [lambda: None, lambda: None, lambda: fail(2), lambda: None,
+                lambda: None, lambda: None, lambda: fail(6), lambda: None]  # fmt: skip
+        with pytest.raises(ValueError, match="job 2 failed"):
+            e.run_jobs(jobs, 8 * cs.CHUNK)
+    finally:
+        e.close()
+
+
+def test_a_caller_never_waits_behind_another_callers_jobs():
+    """Two threads share the engine's workers (a background load beside a step's seal):
+    once its own share is done, a caller runs the shares no worker started itself."""
+    e = E.CopyEngine(3, split_min=cs.CHUNK)
+    started = threading.Event()
+
+    def background(i):
+        started.set()
+        time.sleep(0.5)
+
+    try:
+        jobs = [lambda i=i: background(i) for i in range(3)]
+        other = threading.Thread(target=e.run_jobs, args=(jobs, 3 * cs.CHUNK))
+        other.start()
+        started.wait(5)
+        time.sleep(0.05)  # both workers busy with the other caller's shares
+        t = time.perf_counter()
+        assert e.run_jobs([lambda i=i: i for i in range(3)], 3 * cs.CHUNK) == [0, 1, 2]
+        assert time.perf_counter() - t < 0.25
+        other.join()
+    finally:
+        e.close()
+
+
+def test_an_interrupted_wait_still_waits_for_the_workers(monkeypatch):
+    """A signal (KeyboardInterrupt) in the wait for the workers is raised only once none of
+    them still runs a job: they write into the caller's views."""
+    e = E.CopyEngine(2, split_min=cs.CHUNK)
+    ended = []
+    real_wait, interrupts = E.wait, [KeyboardInterrupt()]
+
+    def interrupted_wait(futures):
+        if interrupts:
+            raise interrupts.pop()
+        return real_wait(futures)
+
+    monkeypatch.setattr(E, "wait", interrupted_wait)
+
+    def slow():
+        time.sleep(0.2)
+        ended.append(1)
+
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            e.run_jobs([lambda: None, slow], 2 * cs.CHUNK)
+        assert ended == [1]
     finally:
         e.close()
 
@@ -395,10 +463,10 @@ def test_hash_here_is_the_engines_hash_on_this_thread():
         e = E.CopyEngine(4, split_min=cs.CHUNK, native=native)
         try:
             assert e.hash_here(src) == e.hash(src) == cs.digest(src)
-            assert integrity.digest_here(src) == integrity.digest(src) == cs.encode(cs.digest(src))
-            assert integrity.digest_here(src, cs.KIND_XXH3) == integrity.digest(src, cs.KIND_XXH3)
         finally:
             e.close()
+    assert integrity.digest_here(src) == integrity.digest(src) == cs.encode(cs.digest(src))
+    assert integrity.digest_here(src, cs.KIND_XXH3) == integrity.digest(src, cs.KIND_XXH3)
 
 def _progress_during(call) -> int:
     """How many times another Python thread ran while ``call`` ran in a worker thread.

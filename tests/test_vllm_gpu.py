@@ -244,6 +244,33 @@ def test_a_host_save_seals_each_block_with_its_checksum(make_daemon, monkeypatch
                                    layers[layer].view(torch.int32).view(B, H, 2, N, D)[j + 2])  # fmt: skip
 
 
+def test_a_long_host_save_seals_a_chunk_of_blocks_per_request(make_daemon, monkeypatch):
+    """A save of many blocks seals them RESERVE_CHUNK at a time, as they were reserved: one
+    request for all of a long prefill's blocks and their checksums would outgrow a frame."""
+    from kvbroker._client.integrity import verify_objects
+    from kvbroker.integrations.vllm import _ops
+    from kvbroker.integrations.vllm._paged import RESERVE_CHUNK
+
+    sealed = []
+    real = _ops.seal_many
+    monkeypatch.setattr(_ops, "seal_many", lambda c, leases, sums=None: (
+        sealed.append((len(leases), len(sums))), real(c, leases, sums))[1])  # fmt: skip
+    daemon = make_daemon("--pool-size", "16M", "--page-size", "4K")
+    n = 2 * RESERVE_CHUNK + 44
+    L, B, H, N, D = 1, n + 2, 1, 16, 8
+    layers, _ = vllm_like(L, B, H, N, D, torch.float32, "cpu", "HND")
+    fmt = _fmt(L, H, N, D, torch.float32)
+    hashes = [f"{i:032x}" for i in range(1000, 1000 + n)]
+    with daemon.client() as client:
+        save = HostSave(client, NS, fmt, host_cache(layers, "cpu"), _items(hashes, list(range(n))))
+        save.reserve()
+        save.copy_layer(0)
+        save.seal()
+        assert sealed == [(RESERVE_CHUNK, RESERVE_CHUNK)] * 2 + [(44, 44)]
+        checks = list(verify_objects(client, namespace=NS))
+        assert len(checks) == n and {c.status for c in checks} == {"ok"}
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.data())
 def test_pool_runs_move_every_buffer_where_one_copy_per_buffer_would(data):

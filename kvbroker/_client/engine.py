@@ -249,6 +249,18 @@ def _hash_range_native(view, a: int, b: int) -> list[int]:
     return _c_hash_chunks(view[a:b], _cs.CHUNK)
 
 
+def _wait_all(futures) -> BaseException | None:
+    """Wait until every future is done, whatever interrupts the wait (a KeyboardInterrupt
+    from a signal handler); returns the first interruption, for the caller to raise."""
+    interrupted = None
+    while True:
+        try:
+            wait(futures)
+            return interrupted
+        except BaseException as exc:
+            interrupted = interrupted or exc
+
+
 def _run_share(jobs: Sequence[Callable[[], Any]]) -> list:
     return [job() for job in jobs]
 
@@ -306,23 +318,51 @@ class CopyEngine:
 
     def _spread(self, calls: list[tuple]) -> list:
         """``fn(*args)`` for each ``(fn, *args)`` of ``calls``, the first on this thread and
-        the others on the workers; their results in order."""
+        the others on the workers; their results in order, or the error of the first call
+        that failed (the calls after a failure that no worker had started are not run).
+
+        Once its own call is done, this thread runs the calls no worker has started yet
+        itself: the pool is shared (a background load beside a step's seal), and a call
+        queued behind another caller's would make this one wait for that caller's copies.
+        It returns or raises only once no worker still runs one of its calls, even if a
+        signal interrupts the wait: they touch the caller's views."""
         if len(calls) == 1:
             fn, *args = calls[0]
             return [fn(*args)]
         pool = self._workers()
         futures = [pool.submit(*call) for call in calls[1:]]
+        done: dict[int, Any] = {}
+        failed: dict[int, BaseException] = {}
         try:
-            fn, *args = calls[0]
-            first = fn(*args)
-        except BaseException:
+            for i, call in enumerate(calls):
+                if i and not futures[i - 1].cancel():
+                    continue  # a worker runs it
+                if failed:
+                    continue  # cancelled: an earlier call failed
+                fn, *args = call
+                try:
+                    done[i] = fn(*args)
+                except Exception as exc:
+                    failed[i] = exc
+        except BaseException:  # interrupted here: start nothing more
             for f in futures:
                 f.cancel()
             raise
         finally:
-            # never return (or raise) while a worker still touches the caller's views
-            wait(futures)
-        return [first] + [f.result() for f in futures]
+            # (a cancelled future counts as done for wait() only once a worker dequeued it)
+            interrupted = _wait_all([f for f in futures if not f.cancelled()])
+        for i, f in enumerate(futures, 1):
+            if not f.cancelled():
+                exc = f.exception()
+                if exc is None:
+                    done[i] = f.result()
+                else:
+                    failed[i] = exc
+        if failed:
+            raise failed[min(failed)]
+        if interrupted is not None:
+            raise interrupted
+        return [done[i] for i in range(len(calls))]
 
     # -- operations --------------------------------------------------------------------------
     def copy(self, dst, src) -> None:

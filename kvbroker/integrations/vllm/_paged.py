@@ -245,7 +245,12 @@ class HostSave:
                                 "were copied; refusing to seal")  # fmt: skip
         self.done = True
         try:
-            _ops.seal_many(self.client, self.leases, self._sums() if self.checksums else None)
+            sums = self._sums() if self.checksums else None
+            # a chunk of blocks per request, as they were reserved: one seal of a whole long
+            # prefill's blocks and their checksums would outgrow a request frame
+            for at in range(0, len(self.leases), RESERVE_CHUNK):
+                _ops.seal_many(self.client, self.leases[at : at + RESERVE_CHUNK],
+                               None if sums is None else sums[at : at + RESERVE_CHUNK])  # fmt: skip
         except BaseException:  # refused (or cut short): none is left leased until its TTL
             _ops.abort_leases(self.client, self.leases)
             raise
