@@ -168,7 +168,7 @@ def main(argv=None) -> int:
                    for what in ("claim_GBps", "publish_GBps")}}
                for cfg in [(r["layout"], r["P"], r["D"]) for r in runs[0]["rows"]]]  # fmt: skip
     load = compare(lambda run: run["load_GBps"])
-    result = {"benchmark": "ab_tp_threads", "commit": measured_commit(), "base": base_rev,
+    result = {"benchmark": "ab_host_paths", "commit": measured_commit(), "base": base_rev,
               "command": invocation(), "machine": machine_info(), "rounds": a.rounds,
               "repeats": a.repeats, "threads": runs[0]["threads"], "gated": runs[0]["gated"],
               "load_tokens": a.load_tokens, "runs": runs, "summary": summary,
