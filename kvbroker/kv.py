@@ -158,11 +158,15 @@ def publish_shard(
         ops = sum(n for n, _ in done)
         sums = {name: d for (_, d), name in zip(done, (n for row in names for n in row))}
         for name, value in extra.items():
-            if sizes[name]:
+            if not sizes[name]:
+                if kind is not None:
+                    sums[name] = _integrity.empty_digest(kind)
+                continue
+            if kind is None:
                 copy_into(lease[name], value)
-                ops += 1
-            if kind is not None:
-                sums[name] = _integrity.digest(lease[name], kind)
+            else:  # hashed as it is copied: the bytes cross memory once, as in put
+                sums[name] = _integrity.copy_hashed(lease[name], value, copy_into, kind)
+            ops += 1
         if kind is not None:
             lease.checksums = sums
     return PublishResult(key, True, consumers, ops, sum(sizes.values()),

@@ -318,11 +318,12 @@ class KVPrefixMatch(PrefixMatch):
                 else:  # [layer, kv, head, tok, dim]
                     plans.append((shard, first, heads, by_head, (layers, kinds, count, bs, dim),
                                   (kinds * stride, stride, bs * dim * isz, dim * isz, isz)))
-            sources = [(ids[row], heads, canon is by_row,
-                        np.ndarray(shape, int_dtype, maps[starts[row * shards + shard][0]],
-                                   starts[row * shards + shard][1][0] + first, steps))
-                       for row in range(n)
-                       for shard, first, heads, canon, shape, steps in plans]  # fmt: skip
+            sources = []  # (engine block, heads, whole rows, the shard's [layer, ...] view)
+            for row in range(n):
+                for shard, first, heads, canon, shape, steps in plans:
+                    pool, offsets = starts[row * shards + shard]
+                    src = np.ndarray(shape, int_dtype, maps[pool], offsets[0] + first, steps)
+                    sources.append((ids[row], heads, canon is by_row, src))
 
             def load_layer(layer: int) -> None:
                 rows, heads_ = by_row[layer], by_head[layer]

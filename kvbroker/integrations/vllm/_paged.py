@@ -39,6 +39,8 @@ import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from kvbroker._client.engine import default_engine
+from kvbroker._client.integrity import digest_here
 from kvbroker.errors import KVBrokerError, LayoutMismatch
 from kvbroker.kv import PagedKV
 from kvbroker.prefix import PrefixCache
@@ -258,9 +260,6 @@ class HostSave:
     def _sums(self) -> list[dict]:
         """Each reserved block's ``{PACKED: checksum}``, in lease order (one job per block
         over the copy engine's threads, each hashing its block on its own thread)."""
-        from kvbroker._client.engine import default_engine
-        from kvbroker._client.integrity import digest_here
-
         kind = self.client.checksum_kind
         views = [_ops.extent_view(self.client, extents[PACKED]) for _, extents in self._targets]
         sums = default_engine().run_jobs([functools.partial(digest_here, v, kind) for v in views],
