@@ -132,7 +132,7 @@ def main(argv=None) -> int:
         ap.error("--base DIR (a tree made by --make-base) is required")
 
     from kvbroker._bench._common import invocation, machine_info, measured_commit, median
-    from kvbroker._bench._common import spawned_daemon
+    from kvbroker._bench._common import spawned_daemon, write_results
 
     with open(os.path.join(a.base, "REV")) as f:
         base_rev = f.read().strip()
@@ -173,26 +173,14 @@ def main(argv=None) -> int:
               "repeats": a.repeats, "threads": runs[0]["threads"], "gated": runs[0]["gated"],
               "load_tokens": a.load_tokens, "runs": runs, "summary": summary,
               "vllm_host_load": load}  # fmt: skip
-    md = markdown(result)
-    print(md)
-    if a.out:
-        with open(a.out + ".json", "w") as f:
-            json.dump(result, f, indent=1)
-        with open(a.out + ".md", "w") as f:
-            f.write(md)
+    write_results(a.out, result, markdown(result))
     return 0
 
 
 def markdown(result: dict) -> str:
-    from kvbroker._bench._common import median
+    from kvbroker._bench._common import ratio_span
 
     m = result["machine"]
-
-    def cut(x: float) -> str:
-        return f"{int(x * 100) / 100:.2f}"
-
-    def span(v):
-        return f"{cut(median(v))} ({cut(min(v))}–{cut(max(v))})"
 
     out = [f"# Host paths of engine KV: this code against {result['base']} "
            f"({m.get('cpu')}, {m.get('cores')} cores)", "",
@@ -207,13 +195,14 @@ def markdown(result: dict) -> str:
     for e in result["summary"]:
         c, p = e["claim_GBps"], e["publish_GBps"]
         out.append(f"| {e['layout']} | {e['P']}→{e['D']} | {c['this code']:.2f} / {c['base']:.2f}"
-                   f" | {span(c['x_base_per_round'])} | {p['this code']:.2f} / {p['base']:.2f} | "
-                   f"{span(p['x_base_per_round'])} |")  # fmt: skip
+                   f" | {ratio_span(c['x_base_per_round'])} | "
+                   f"{p['this code']:.2f} / {p['base']:.2f} | "
+                   f"{ratio_span(p['x_base_per_round'])} |")  # fmt: skip
     ld = result["vllm_host_load"]
     out += ["", f"vLLM connector, host load of {result['load_tokens']} tokens of a "
             "Llama-3-8B-shaped KV (`_paged.load_host`, bit-exact): "
             f"{ld['this code']:.2f} GB/s against {ld['base']:.2f}, × base per round "
-            f"{span(ld['x_base_per_round'])}.",
+            f"{ratio_span(ld['x_base_per_round'])}.",
             "", "× above 1: faster than the base; ratios cut to two decimals."]
     return "\n".join(out) + "\n"
 

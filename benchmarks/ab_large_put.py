@@ -17,14 +17,13 @@ writes ``PREFIX.json`` and ``PREFIX.md`` with the commit, machine and command.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import numpy as np
 
 from kvbroker import Client
 from kvbroker._bench._common import invocation, machine_info, measured_commit, median
-from kvbroker._bench._common import spawned_daemon
+from kvbroker._bench._common import ratio_span, spawned_daemon, write_results
 from kvbroker._client import engine as _engine
 from kvbroker._wire.paths import parse_size
 
@@ -101,21 +100,12 @@ def main(argv=None) -> int:
                               "memcpy_x2_over_it_per_round": [r["memcpy_x2_ms"] / r[n]
                                                               for r in rows]}
                           for n in names}}  # fmt: skip
-    md = markdown(result, names, base)
-    print(md)
-    if a.out:
-        with open(a.out + ".json", "w") as f:
-            json.dump(result, f, indent=1)
-        with open(a.out + ".md", "w") as f:
-            f.write(md)
+    write_results(a.out, result, markdown(result, names, base))
     return 0
 
 
 def markdown(result: dict, names: list[str], base: str) -> str:
     m = result["machine"]
-
-    def span(v):
-        return f"{median(v):.2f} ({min(v):.2f}–{max(v):.2f})"
 
     out = [f"# A {result['size'] >> 20} MiB put+get: one pass or two, arena grown or not "
            f"({m.get('cpu')}, {m.get('cores')} cores)", "",
@@ -126,8 +116,8 @@ def markdown(result: dict, names: list[str], base: str) -> str:
            "this round) per round: median (range) | two memcpys / it |", "|---|---|---|---|"]
     for n in names:
         s = result["summary"][n]
-        out.append(f"| {n} | {s['p50_ms_median']:.3f} | {span(s['x_before_per_round'])} | "
-                   f"{span(s['memcpy_x2_over_it_per_round'])} |")
+        out.append(f"| {n} | {s['p50_ms_median']:.3f} | {ratio_span(s['x_before_per_round'])} | "
+                   f"{ratio_span(s['memcpy_x2_over_it_per_round'])} |")
     out += ["", "× above 1: faster than the code before; two memcpys / it: one `numpy.copyto` of "
             "the bytes each way, on one thread, over the variant's time."]
     return "\n".join(out) + "\n"

@@ -22,7 +22,6 @@ the machine and the command line.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import numpy as np
@@ -30,7 +29,7 @@ import torch
 
 from kvbroker import Client
 from kvbroker._bench._common import invocation, machine_info, measured_commit, median
-from kvbroker._bench._common import spawned_daemon
+from kvbroker._bench._common import ratio_span, spawned_daemon, write_results
 from kvbroker._client.engine import default_engine
 from kvbroker.integrations.vllm._format import BlockFormat
 from kvbroker.integrations.vllm._paged import HostSave, SaveItem, host_cache, load_host
@@ -112,24 +111,12 @@ def main(argv=None) -> int:
                                                 for r in rows],
               "copy_over_save_per_round": [r["copy"] / r["save_checksums"] for r in rows],
               "copy_over_load_per_round": [r["copy"] / r["load"] for r in rows]}  # fmt: skip
-    md = markdown(result)
-    print(md)
-    if a.out:
-        with open(a.out + ".json", "w") as f:
-            json.dump(result, f, indent=1)
-        with open(a.out + ".md", "w") as f:
-            f.write(md)
+    write_results(a.out, result, markdown(result))
     return 0
 
 
 def markdown(r: dict) -> str:
     m = r["machine"]
-
-    def cut(x: float) -> str:
-        return f"{int(x * 100) / 100:.2f}"
-
-    def span(v):
-        return f"{cut(median(v))} ({cut(min(v))}–{cut(max(v))})"
 
     med = r["median_s"]
     return "\n".join([
@@ -141,11 +128,12 @@ def markdown(r: dict) -> str:
         "| step | median ms | per round |", "|---|---|---|",
         f"| save, checksums on (the default) | {med['save_checksums'] * 1e3:.1f} | × checksums "
         "off: "
-        f"{span(r['checksums_over_none_per_round'])} |",
+        f"{ratio_span(r['checksums_over_none_per_round'])} |",
         f"| save, checksums off | {med['save_no_checksums'] * 1e3:.1f} | |",
-        f"| load | {med['load'] * 1e3:.1f} | a copy / it: {span(r['copy_over_load_per_round'])} |",
+        f"| load | {med['load'] * 1e3:.1f} | a copy / it: "
+        f"{ratio_span(r['copy_over_load_per_round'])} |",
         f"| one copy of the bytes (numpy) | {med['copy'] * 1e3:.1f} | a copy / save with "
-        f"checksums: {span(r['copy_over_save_per_round'])} |",
+        f"checksums: {ratio_span(r['copy_over_save_per_round'])} |",
         "", "Ratios cut to two decimals.", ""])  # fmt: skip
 
 

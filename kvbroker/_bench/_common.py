@@ -272,6 +272,22 @@ def ratio(v: float) -> str:
     return format_value(v, "ratio")
 
 
+def ratio_span(values: Sequence[float]) -> str:
+    """Per-round ratios as results print them: "median (least–most)", each cut (:func:`ratio`)."""
+    return f"{ratio(median(values))} ({ratio(min(values))}–{ratio(max(values))})"
+
+
+def write_results(prefix: str | None, result: dict, markdown: str) -> None:
+    """Print ``markdown``; with ``prefix``, write ``PREFIX.json`` (``result``) and ``PREFIX.md``
+    beside it (a driver's ``--out PREFIX``)."""
+    print(markdown)
+    if prefix:
+        with open(prefix + ".json", "w") as f:
+            json.dump(result, f, indent=1)
+        with open(prefix + ".md", "w") as f:
+            f.write(markdown)
+
+
 def human_size(n: int) -> str:
     for unit, f in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
         if n >= f:
