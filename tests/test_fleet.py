@@ -387,19 +387,28 @@ def test_owner_killed_mid_read_then_restarted_warm(fleet_dir):
             except Exception as exc:  # noqa: BLE001
                 outcome.append(exc)
 
+        # A runs only in short slices until B holds the write lease its pin answer made, and
+        # is stopped from then on: B cannot seal before A answers its release, so the kill
+        # always lands mid-pull (the READ needs A's side progressing too), never after.
+        victim = a.proc.proc
+        victim.send_signal(signal.SIGSTOP)
         t = threading.Thread(target=pull)
         t.start()
-        deadline = time.monotonic() + 60
-        while b.stat().transfer.in_flight == 0 and time.monotonic() < deadline:
+        deadline = time.monotonic() + 120
+        while b.stat().write_leases == 0:
+            assert t.is_alive() and time.monotonic() < deadline, (outcome, b.proc.log())
+            victim.send_signal(signal.SIGCONT)
             time.sleep(0.005)
-        a.proc.proc.send_signal(signal.SIGKILL)
-        a.proc.proc.wait()
+            victim.send_signal(signal.SIGSTOP)
+        assert b.stat().transfer.in_flight == 1
+        victim.send_signal(signal.SIGKILL)
+        victim.wait()
         t.join(180)
         assert not t.is_alive(), "the pull hung after its peer died"
-        if outcome != ["sealed"]:  # else the READ had already finished: nothing to judge
-            assert isinstance(outcome[0], (PeerUnavailable, TransferFailed)), outcome
-            with b.client(map_pools=False) as cb:
-                assert not cb.exists("huge")
+        assert len(outcome) == 1 and isinstance(outcome[0], (PeerUnavailable, TransferFailed)), \
+            outcome
+        with b.client(map_pools=False) as cb:
+            assert not cb.exists("huge")
         sb = b.stat()
         assert sb.pending == 0 and sb.write_leases == 0 and sb.transfer.in_flight == 0
         a.restart()  # warm: the journal and pools of the killed daemon
