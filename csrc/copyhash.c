@@ -13,8 +13,12 @@
  * of xxhash.xxh3_64_intdigest by construction, and as fast; kvbroker/_client/engine.py
  * binds it at import and checks a few digests against xxhash's before using the loops.
  *
- * Buffers: any C-contiguous buffer (numpy arrays, memoryviews, mmaps); the destination must
- * be writable. They are borrowed for the call only.
+ * Buffers: any C-contiguous buffer (numpy arrays, memoryviews, mmaps) of plain data, of any
+ * item type (moved and hashed as bytes), but none that holds Python objects (format 'O':
+ * numpy's object arrays), whose copy would duplicate references it does not count; the
+ * destination must be writable and must not overlap the source (a chunked copy and its
+ * digests would read bytes it had already overwritten): TypeError, ValueError. They are
+ * borrowed for the call only.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -345,19 +349,61 @@ run(char *dst, const char *src, Py_ssize_t nbytes, Py_ssize_t chunk, Py_ssize_t 
     return out;
 }
 
-/* Two buffers of equal length, dst writable; 0, or -1 with an exception set. */
+/* Whether a buffer's struct format holds a Python object ('O' outside a field's :name:). */
+static int
+holds_objects(const char *format)
+{
+    int in_name = 0;
+    for (const char *c = format; c != NULL && *c; c++) {
+        if (*c == ':')
+            in_name = !in_name;
+        else if (*c == 'O' && !in_name)
+            return 1;
+    }
+    return 0;
+}
+
+/* A C-contiguous buffer of plain data (writable if asked); 0, or -1 with an exception set. */
+static int
+take_data(const char *fn, PyObject *o, Py_buffer *view, int writable)
+{
+    int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
+    if (PyObject_GetBuffer(o, view, flags) < 0)
+        return -1;
+    if (holds_objects(view->format)) {
+        PyErr_Format(PyExc_TypeError, "%s: a buffer of Python objects (format '%s') is not "
+                     "plain data", fn, view->format);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+
+/* Two buffers of plain data of equal length, dst writable, not overlapping; 0, or -1 with
+ * an exception set. */
 static int
 take_pair(const char *fn, PyObject *d, PyObject *s, Py_buffer *dst, Py_buffer *src)
 {
-    if (PyObject_GetBuffer(d, dst, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+    if (take_data(fn, d, dst, 1) < 0)
         return -1;
-    if (PyObject_GetBuffer(s, src, PyBUF_C_CONTIGUOUS) < 0) {
+    if (take_data(fn, s, src, 0) < 0) {
         PyBuffer_Release(dst);
         return -1;
     }
-    if (dst->len != src->len) {
-        PyErr_Format(PyExc_ValueError, "%s: dst has %zd bytes, src %zd", fn, dst->len,
-                     src->len);
+    const char *why = NULL;
+    uintptr_t d0 = (uintptr_t)dst->buf, s0 = (uintptr_t)src->buf;
+    if (dst->len != src->len)
+        why = "sizes";
+    else if (src->len > 0 && d0 < s0 + (uintptr_t)src->len && s0 < d0 + (uintptr_t)dst->len)
+        why = "overlap";
+    if (why != NULL) {
+        if (why[0] == 's')
+            PyErr_Format(PyExc_ValueError, "%s: dst has %zd bytes, src %zd", fn, dst->len,
+                         src->len);
+        else
+            PyErr_Format(PyExc_ValueError, "%s: dst and src overlap (%zd bytes at %zd bytes "
+                         "apart): copy through a separate buffer", fn, src->len,
+                         (Py_ssize_t)(d0 > s0 ? d0 - s0 : s0 - d0));
         PyBuffer_Release(src);
         PyBuffer_Release(dst);
         return -1;
@@ -374,11 +420,12 @@ take_flag(PyObject *arg, int *flag)
 
 PyDoc_STRVAR(copy_hashed_doc,
 "copy_hashed(dst, src, chunk, piece=0, stream=False) -> list[int]\n\n"
-"Copy src into dst (C-contiguous buffers of equal size, dst writable) chunk by chunk and\n"
-"return the xxh3_64 of each copied chunk of ``chunk`` bytes (the last one may be shorter),\n"
-"hashed in dst. ``piece`` > 0: each chunk copied and hashed (streaming) that many bytes at\n"
-"a time. ``stream``: non-temporal stores (the hash then reads src, which holds the same\n"
-"bytes). The GIL is released for the whole call (64 KiB and more).");
+"Copy src into dst (C-contiguous buffers of plain data of equal size, dst writable, the two\n"
+"not overlapping) chunk by chunk and return the xxh3_64 of each copied chunk of ``chunk``\n"
+"bytes (the last one may be shorter), hashed in dst. ``piece`` > 0: each chunk copied and\n"
+"hashed (streaming) that many bytes at a time. ``stream``: non-temporal stores (the hash\n"
+"then reads src, which holds the same bytes). The GIL is released for the whole call\n"
+"(64 KiB and more).");
 
 static PyObject *
 copy_hashed(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
@@ -414,8 +461,8 @@ copy_hashed(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 
 PyDoc_STRVAR(copy_doc,
 "copy(dst, src, stream=False) -> None\n\n"
-"Copy src into dst (C-contiguous buffers of equal size, dst writable); ``stream``:\n"
-"non-temporal stores. The GIL is released for the whole call (64 KiB and more).");
+"Copy src into dst (C-contiguous buffers of plain data of equal size, dst writable, the two\n"
+"not overlapping); ``stream``: non-temporal stores. The GIL is released for the whole call (64 KiB and more).");
 
 static PyObject *
 copy(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
@@ -447,8 +494,8 @@ copy(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 
 PyDoc_STRVAR(hash_chunks_doc,
 "hash_chunks(buf, chunk) -> list[int]\n\n"
-"The xxh3_64 of each chunk of ``chunk`` bytes of a C-contiguous buffer (the last one may be\n"
-"shorter). The GIL is released for the whole call (64 KiB and more).");
+"The xxh3_64 of each chunk of ``chunk`` bytes of a C-contiguous buffer of plain data (the\n"
+"last one may be shorter). The GIL is released for the whole call (64 KiB and more).");
 
 static PyObject *
 hash_chunks(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
@@ -461,7 +508,7 @@ hash_chunks(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     }
     if (take_chunk(args[1], &chunk) < 0)
         return NULL;
-    if (PyObject_GetBuffer(args[0], &buf, PyBUF_C_CONTIGUOUS) < 0)
+    if (take_data("hash_chunks", args[0], &buf, 0) < 0)
         return NULL;
     PyObject *out = run(NULL, buf.buf, buf.len, chunk, 0, 0);
     PyBuffer_Release(&buf);

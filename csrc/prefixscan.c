@@ -15,8 +15,9 @@
  *     str or not in space.
  *
  * Callers: the daemon only, on its own blocks (StoredObject: shape a tuple of str and int,
- * row exact bytes of the length the shape fixes). The loops borrow the list's items, so
- * nothing they call may change the list; a shape whose __eq__ did could crash the process.
+ * row exact bytes of the length the shape fixes). Each function copies the list it is given
+ * into a tuple first and loops over that: a getter, setter or __eq__ it calls that changes
+ * the list (shortens it, drops the last reference to an item) changes nothing here.
  *
  * lend_scan(found, now) -> (stride, rows)
  *     Sets every block's last_access to now. stride: s when found is s chains interleaved
@@ -37,19 +38,25 @@ run(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "run(space: dict, keys: list)");
         return NULL;
     }
-    PyObject *space = args[0], *keys = args[1];
-    Py_ssize_t n = PyList_GET_SIZE(keys);
-    PyObject *found = PyList_New(n);
-    if (found == NULL)
+    PyObject *space = args[0];
+    PyObject *keys = PyList_AsTuple(args[1]); /* a lookup's __eq__ may change the list */
+    if (keys == NULL)
         return NULL;
+    Py_ssize_t n = PyTuple_GET_SIZE(keys);
+    PyObject *found = PyList_New(n);
+    if (found == NULL) {
+        Py_DECREF(keys);
+        return NULL;
+    }
     Py_ssize_t i = 0;
     for (; i < n; i++) {
-        PyObject *key = PyList_GET_ITEM(keys, i);
+        PyObject *key = PyTuple_GET_ITEM(keys, i);
         if (!PyUnicode_CheckExact(key))
             break;
         PyObject *obj = PyDict_GetItemWithError(space, key); /* borrowed */
         if (obj == NULL) {
             if (PyErr_Occurred()) {
+                Py_DECREF(keys);
                 Py_DECREF(found);
                 return NULL;
             }
@@ -58,6 +65,7 @@ run(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         Py_INCREF(obj);
         PyList_SET_ITEM(found, i, obj);
     }
+    Py_DECREF(keys);
     if (i < n && PyList_SetSlice(found, i, n, NULL) < 0) {
         Py_DECREF(found);
         return NULL;
@@ -72,18 +80,22 @@ lend_scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "lend_scan(found: list, now: float)");
         return NULL;
     }
-    PyObject *found = args[0], *now = args[1];
-    Py_ssize_t n = PyList_GET_SIZE(found);
+    PyObject *now = args[1];
+    /* the attribute getters and setters below run Python code that may change the list */
+    PyObject *found = PyList_AsTuple(args[0]);
+    if (found == NULL)
+        return NULL;
+    Py_ssize_t n = PyTuple_GET_SIZE(found);
     Py_ssize_t stride = 0;
     int chains = n >= 2;   /* still possibly chains */
     int uniform = n >= 1;  /* every shape equal to the first, every row bytes of one size */
-    PyObject *first = n ? PyList_GET_ITEM(found, 0) : NULL;
+    PyObject *first = n ? PyTuple_GET_ITEM(found, 0) : NULL;
     PyObject *shape0 = NULL, *rows = NULL;
     Py_ssize_t row_size = 0;
     char *out = NULL;
 
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *obj = PyList_GET_ITEM(found, i);
+        PyObject *obj = PyTuple_GET_ITEM(found, i);
         if (PyObject_SetAttr(obj, s_last_access, now) < 0)
             goto fail;
         if (chains && i >= 1) {
@@ -93,7 +105,7 @@ lend_scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             if (stride == 0) {
                 if (parent == first)
                     stride = i;  /* the second row's first block */
-            } else if (parent != PyList_GET_ITEM(found, i - stride)) {
+            } else if (parent != PyTuple_GET_ITEM(found, i - stride)) {
                 chains = 0;
             }
             Py_DECREF(parent);
@@ -137,6 +149,7 @@ lend_scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         }
     }
     Py_XDECREF(shape0);
+    Py_DECREF(found);
     if (!chains)
         stride = 0;
     if (!uniform) {
@@ -148,6 +161,7 @@ lend_scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 fail:
     Py_XDECREF(shape0);
     Py_XDECREF(rows);
+    Py_DECREF(found);
     return NULL;
 }
 

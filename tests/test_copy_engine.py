@@ -35,14 +35,32 @@ def small_chunks():
     cs.CHUNK = old
 
 
-needs_native = pytest.mark.skipif(not E.NATIVE, reason="C loops not built, or turned off")
+def require_c_loops() -> None:
+    """For a test of the C loops: a skip only where they are absent on purpose (the extension
+    was not built: no compiler at install; or KVBROKER_NATIVE_COPY=0), a failure where it was
+    built and the engine refused it (it does not import, or its digests are wrong)."""
+    if E.NATIVE:
+        return
+    if os.environ.get("KVBROKER_NATIVE_COPY", "1") == "0":
+        pytest.skip("KVBROKER_NATIVE_COPY=0 turns the C loops off")
+    if E.C_LOOPS_REFUSED == "not built":
+        pytest.skip("C extension not built")
+    pytest.fail(f"kvbroker._copyhash was built, but the engine refused it: {E.C_LOOPS_REFUSED}")
+
+
+# A test (or a parameter) of the C loops: require_c_loops() first (the autouse fixture below).
+needs_native = pytest.mark.c_loops
 # Both loops: the C extension's (one call per range) and Python's (the fallback where it
 # was not built).
-NATIVE_MODES = [
-    pytest.param(True, marks=pytest.mark.skipif(not E.NATIVE, reason="C extension not built"),
-                 id="C-loops"),
-    pytest.param(False, id="Python-loops"),
-]
+NATIVE_MODES = [pytest.param(True, id="C-loops"), pytest.param(False, id="Python-loops")]
+
+
+@pytest.fixture(autouse=True)
+def _c_loops_where_asked(request):
+    callspec = getattr(request.node, "callspec", None)
+    if request.node.get_closest_marker("c_loops") is not None or (
+            callspec is not None and callspec.params.get("native") is True):
+        require_c_loops()
 
 
 # the fixture only sets a constant, the same for every example
@@ -459,7 +477,9 @@ def test_an_interrupted_wait_still_waits_for_the_workers(monkeypatch):
 
 def test_hash_here_is_the_engines_hash_on_this_thread():
     src = np.random.default_rng(5).integers(0, 256, 3 * cs.CHUNK + 77, dtype=np.uint8)
-    for native in NATIVE_MODES:
+    for native in (True, False):
+        if native:
+            require_c_loops()
         e = E.CopyEngine(4, split_min=cs.CHUNK, native=native)
         try:
             assert e.hash_here(src) == e.hash(src) == cs.digest(src)
@@ -797,8 +817,7 @@ def test_c_loops_digest_each_chunk_as_python_xxhash_does(n, chunk, piece, src_of
 # The C loops' two forms of a copy that hashes: one pass (each stripe copied and hashed from
 # the same registers, AVX2; the default wherever it runs) and two (copy, then xxHash's hash).
 PASSES = [
-    pytest.param(True, id="one-pass", marks=pytest.mark.skipif(
-        not E.fused_loop(), reason="no one-pass loop here (C loops not built, or no AVX2)")),
+    pytest.param(True, id="one-pass", marks=needs_native),
     pytest.param(False, id="two-passes", marks=needs_native),
 ]
 
@@ -807,6 +826,11 @@ PASSES = [
 def passes(request):
     from kvbroker import _copyhash
 
+    if request.param:  # skipped only where this CPU or build has no one-pass loop
+        state = _copyhash.fused_state()
+        if state in ("no AVX2", "not built"):
+            pytest.skip(f"no one-pass loop here ({state})")
+        assert state == "one pass", f"the one-pass loop is not used: {state}"
     assert _copyhash.use_fused(request.param) is request.param
     yield request.param
     _copyhash.use_fused(True)
@@ -1042,3 +1066,53 @@ def test_streaming_starts_at_half_the_last_level_cache(tmp_path, monkeypatch):
     assert E.stream_min() == E.STREAM_MIN_FLOOR == 16 << 20
     monkeypatch.setattr(E, "last_level_cache", lambda: 1 << 20)  # only an L2 reported
     assert E.stream_min() == E.STREAM_MIN_FLOOR
+
+
+@needs_native
+@pytest.mark.parametrize("shift", [-4097, -1, 0, 1, 4096, 65537])
+def test_c_loops_refuse_overlapping_buffers(shift):
+    """A copy whose source and destination overlap would read bytes it had already written
+    (its digests those of neither): refused, and nothing is written."""
+    from kvbroker import _copyhash
+
+    whole = np.random.default_rng(1).integers(0, 256, 400_000, dtype=np.uint8)
+    before = whole.copy()
+    n = 200_000
+    src = whole[50_000 : 50_000 + n]
+    dst = whole[50_000 + shift : 50_000 + shift + n]
+    for call in (lambda: _copyhash.copy_hashed(dst, src, 4096),
+                 lambda: _copyhash.copy_hashed(dst, src, 4096, 1024, True),
+                 lambda: _copyhash.copy(dst, src), lambda: _copyhash.copy(dst, src, True)):
+        with pytest.raises(ValueError, match="overlap"):
+            call()
+    assert np.array_equal(whole, before)
+    # next to each other is not overlapping
+    _copyhash.copy_hashed(whole[:1000], whole[1000:2000], 4096)
+    assert np.array_equal(whole[:1000], before[1000:2000])
+
+
+@needs_native
+def test_c_loops_take_plain_data_of_any_item_type_but_no_python_objects():
+    """Items are moved and hashed as bytes (any numeric or structured type); an array of
+    Python objects is refused: its copy would duplicate references nobody counts."""
+    from kvbroker import _copyhash
+
+    for dtype in (np.uint8, np.float16, np.float32, np.int64, np.complex128,
+                  np.dtype([("a", np.int32), ("b", np.float64)])):
+        src = np.frombuffer(np.random.default_rng(2).bytes(48 * 1000), dtype=dtype)
+        dst = np.zeros_like(src)
+        want = [xxhash.xxh3_64_intdigest(src.tobytes()[a : a + 4096])
+                for a in range(0, src.nbytes, 4096)]
+        assert _copyhash.copy_hashed(dst, src, 4096) == want
+        assert dst.tobytes() == src.tobytes()
+        assert _copyhash.hash_chunks(src, 4096) == want
+    objects = np.array([object() for _ in range(8)])
+    holds = np.zeros(8, dtype=[("n", np.int64), ("o", object)])
+    for bad in (objects, holds):
+        plain = np.zeros(bad.nbytes, dtype=np.uint8)
+        for call in (lambda: _copyhash.copy_hashed(np.empty_like(bad), bad, 64),
+                     lambda: _copyhash.copy(np.empty_like(bad), bad),
+                     lambda: _copyhash.copy(bad, plain),
+                     lambda: _copyhash.hash_chunks(bad, 64)):
+            with pytest.raises(TypeError, match="Python objects"):
+                call()

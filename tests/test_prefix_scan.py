@@ -2,9 +2,13 @@
 give what their Python twins in kvbroker._server.prefix_leases give, on any blocks: chains
 or not, interleaved or broken anywhere, shapes known or not, equal or not, and any keys."""
 
+import importlib.util
 import os
 import shutil
+import subprocess
+import sys
 import sysconfig
+import textwrap
 
 import pytest
 from hypothesis import given, settings
@@ -15,12 +19,16 @@ from kvbroker._server.state import StoredObject
 
 try:
     from kvbroker import _prefixscan as scan
-except ImportError:
-    scan = None
+except ImportError as exc:
+    scan, import_error = None, exc
 
 
 def needs_c():
+    """The C module; a skip only where it was not built (its file is absent), a failure where
+    it was built and does not import."""
     if scan is None:
+        if importlib.util.find_spec("kvbroker._prefixscan") is not None:
+            pytest.fail(f"kvbroker._prefixscan was built but does not import: {import_error}")
         pytest.skip("C pass not built here")
     return scan
 
@@ -134,3 +142,62 @@ def test_the_c_pass_is_built_where_a_compiler_is():
         pytest.skip("no C compiler or no Python headers: the Python twins are expected")
     if scan is None:
         pytest.fail("kvbroker._prefixscan was not built here; reinstall (pip install -e .)")
+
+
+def _run_alone(code: str) -> subprocess.CompletedProcess:
+    """``code`` in a fresh interpreter: a crash there is a failed assertion here."""
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_lend_scan_outlives_a_getter_that_empties_the_list():
+    """The scan loops over a tuple taken at entry: a block's ``parent`` getter that empties
+    the list (dropping the only references to the other blocks) changes nothing (a loop
+    over the list itself read freed memory: the interpreter crashed)."""
+    needs_c()
+    done = _run_alone("""
+        from kvbroker import _prefixscan as scan
+
+        found = []
+
+        class Block:
+            shape = row = None
+
+            @property
+            def parent(self):
+                found.clear()
+                return None
+
+        found.extend(Block() for _ in range(64))
+        blocks = list(found)
+        print(scan.lend_scan(found, 5.0), len(found), all(b.last_access == 5.0 for b in blocks))
+        """)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["(0,", "None)", "0", "True"]
+
+
+def test_run_outlives_a_key_comparison_that_empties_the_list():
+    """``run`` loops over a tuple too: a key of ``space`` whose ``__eq__`` empties the list
+    of keys looked up (the lookup of an equal hash calls it) changes nothing."""
+    needs_c()
+    done = _run_alone("""
+        from kvbroker import _prefixscan as scan
+
+        keys = ["k%d" % i for i in range(64)]
+        armed = []
+
+        class Collides:
+            def __hash__(self):
+                return hash(keys[0])
+
+            def __eq__(self, other):
+                if armed:
+                    keys.clear()
+                return False
+
+        space = {Collides(): None, **{k: k.upper() for k in keys}}
+        armed.append(1)
+        print(*scan.run(space, keys), len(keys))
+        """)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == [f"K{i}" for i in range(64)] + ["0"]

@@ -56,6 +56,7 @@ given, and returns only after every worker is done with them.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import threading
 import weakref
@@ -136,19 +137,23 @@ _hash = xxhash.xxh3_64_intdigest
 
 
 def _bind_c_loops():
-    """The C loops' (copy_hashed, hash_chunks, copy), hashing with python-xxhash's xxh3_64;
-    Nones where the extension was not built (it is optional) or its digests are not
-    xxhash's."""
+    """The C loops' (copy_hashed, hash_chunks, copy), hashing with python-xxhash's xxh3_64,
+    and ``None``; else three Nones and why not: the extension was not built (it is optional),
+    or does not import, or its digests are not xxhash's (a bug: :data:`C_LOOPS_REFUSED`)."""
     try:
         from .._copyhash import bind_hash, copy, copy_hashed, hash_chunks
-    except ImportError:
-        return None, None, None
+    except ModuleNotFoundError as exc:
+        if exc.name == f"{__package__.rpartition('.')[0]}._copyhash":
+            return None, None, None, "not built"
+        return None, None, None, f"kvbroker._copyhash does not import: {exc}"
+    except ImportError as exc:
+        return None, None, None, f"kvbroker._copyhash does not import: {exc}"
     from xxhash import _xxhash
 
     try:
         bind_hash(_xxhash.__file__)
-    except OSError:
-        return None, None, None
+    except OSError as exc:
+        return None, None, None, f"python-xxhash's xxh3_64 cannot be bound: {exc}"
     # every xxh3 input-length path (0-16, 17-128, 129-240 bytes, long inputs), hashed in
     # place and copied (the one-pass loop where it runs), in ~2 ms
     for probe, chunk in ((bytes(range(256)) * 5, 7), (bytes(range(256)) * 5, 240),
@@ -158,11 +163,15 @@ def _bind_c_loops():
         landed = bytearray(len(probe))
         if hash_chunks(probe, chunk) != want or copy_hashed(landed, probe, chunk) != want \
                 or landed != probe:  # fmt: skip
-            return None, None, None
-    return copy_hashed, hash_chunks, copy
+            return None, None, None, (f"csrc/copyhash.c's digests of {len(probe)} bytes in "
+                                      f"chunks of {chunk} are not xxhash's xxh3_64")
+    return copy_hashed, hash_chunks, copy, None
 
 
-_c_copy_hashed, _c_hash_chunks, _c_copy = _bind_c_loops()
+_c_copy_hashed, _c_hash_chunks, _c_copy, C_LOOPS_REFUSED = _bind_c_loops()
+if C_LOOPS_REFUSED not in (None, "not built"):  # built, yet not used: say so once
+    logging.getLogger("kvbroker").warning("the copy engine runs its Python loops: %s",
+                                          C_LOOPS_REFUSED)
 _stream_min = functools.cache(stream_min)  # engines' default: sysfs read once per process
 
 # Whether engines copy and hash through csrc/copyhash.c by default (else the Python loops;
