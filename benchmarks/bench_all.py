@@ -3,13 +3,15 @@
 For each scenario: ``kvbroker bench NAME ... --json-out benchmarks/results/bench-NAME-cpu.json
 --plot docs/``; then benchmarks/results/bench-cpu.md is rebuilt from the JSON files (machine,
 versions, the exact command, the table, the targets), and where a transfer target is missed
-the profile of that size (benchmarks/profile_transfer.py) is appended to it.
+the profile of that size (benchmarks/profile_transfer.py) is appended to it. Last,
+docs/performance.md is regenerated from every results file (benchmarks/performance_doc.py).
 
     .venv/bin/python benchmarks/bench_all.py --mooncake-python /tmp/mc/bin/python
     .venv/bin/python benchmarks/bench_all.py --only scale --report-only   # rebuild the .md
 
 The peer scenario runs benchmarks/mooncake_peer.py under --mooncake-python: Mooncake in an
-environment of its own, its libraries on LD_LIBRARY_PATH (README.md, "Comparing with Mooncake").
+environment of its own, its libraries on LD_LIBRARY_PATH (docs/operating.md, "Comparing with
+Mooncake").
 """
 
 from __future__ import annotations
@@ -24,6 +26,9 @@ from pathlib import Path
 
 from kvbroker._bench import format_table
 from kvbroker._bench._common import format_value
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import performance_doc  # benchmarks/performance_doc.py, beside this file
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -128,7 +133,7 @@ def report(profiles: list[str]) -> str:
         "figures move by ±20% between runs. Charts: docs/*.png (made by `--plot docs`).",
         "Rebuild everything: `.venv/bin/python benchmarks/bench_all.py "
         "--mooncake-python /tmp/mc/bin/python` (Mooncake's driver: benchmarks/mooncake_peer.py; "
-        "its set-up: README.md, \"Comparing with Mooncake\").",
+        "its set-up: docs/operating.md, \"Comparing with Mooncake\").",
         # (from the results, not this checkout: --report-only may run at a later commit)
         f"Commit measured: {', '.join(sorted({d.get('commit', 'unknown') for d in found}))}.",
         "",
@@ -141,7 +146,7 @@ def report(profiles: list[str]) -> str:
 
 
 def summary() -> str:
-    """The README's table of targets, from the result files: figure, measured, target, command."""
+    """The table of targets, from the result files: figure, measured, target, command."""
     lines = ["| figure | measured | target | reproduce |", "|---|---|---|---|"]
     for n in ORDER:
         p = RESULTS / f"bench-{n}-cpu.json"
@@ -163,7 +168,7 @@ def main() -> None:
     ap.add_argument("--mooncake-python", help="Python with Mooncake installed (peer scenario)")
     ap.add_argument("--only", action="append", choices=ORDER)
     ap.add_argument("--report-only", action="store_true", help="only rebuild bench-cpu.md")
-    ap.add_argument("--summary", action="store_true", help="print the README's target table")
+    ap.add_argument("--summary", action="store_true", help="print the table of targets")
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--max-load", type=float, help="wait (up to 10 min) for a load this low")
     a = ap.parse_args()
@@ -196,6 +201,7 @@ def main() -> None:
     text = report(profiles)
     (RESULTS / "bench-cpu.md").write_text(text)
     print(f"wrote {RESULTS / 'bench-cpu.md'}")
+    print("wrote", performance_doc.write(DOCS / "performance.md"))
 
 
 if __name__ == "__main__":

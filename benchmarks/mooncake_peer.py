@@ -2,7 +2,7 @@
 """Mooncake Store's side of ``kvbroker bench peer``: put+get times in kvbroker's own pattern.
 
 Run it with the Python that has Mooncake (``pip install mooncake-transfer-engine-non-cuda``;
-the set-up is in the README, "Comparing with Mooncake"). Standard library only: kvbroker is
+the set-up is in docs/operating.md, "Comparing with Mooncake"). Standard library only: kvbroker is
 not installed there. ``kvbroker bench peer --mooncake-python PYTHON`` runs it, then kvbroker's
 ``transfer`` scenario on the same sizes, and compares the medians.
 
@@ -40,7 +40,7 @@ GB/s use 10^9 bytes.
 
 The wheel links libibverbs even without RDMA hardware: where ``import mooncake.store`` fails
 for libibverbs.so.1, unpack the Debian packages libibverbs1, libnl-3-200 and
-libnl-route-3-200 (README) and put their library folders on ``LD_LIBRARY_PATH``, or name the
+libnl-route-3-200 (docs/operating.md) and put their library folders on ``LD_LIBRARY_PATH``, or name the
 unpacked tree with ``--deb-root``.
 """
 
@@ -71,7 +71,7 @@ LIB_HINT = (
     "Mooncake's wheel needs libibverbs.so.1, libnl-3 and libnl-route-3: apt-get download "
     "libibverbs1 libnl-3-200 libnl-route-3-200, dpkg -x each into one folder, and pass it as "
     "--deb-root or put its usr/lib/<arch> and lib/<arch> folders on LD_LIBRARY_PATH "
-    "(README, 'Comparing with Mooncake')"
+    "(docs/operating.md, 'Comparing with Mooncake')"
 )
 
 
@@ -447,7 +447,7 @@ def orchestrate(a) -> int:
     deadline = start + a.budget
     if importlib.util.find_spec("mooncake") is None:
         print(f"mooncake_peer: Mooncake is not installed for {sys.executable}: pip install "
-              "mooncake-transfer-engine-non-cuda (README, 'Comparing with Mooncake')",
+              "mooncake-transfer-engine-non-cuda (docs/operating.md, 'Comparing with Mooncake')",
               file=sys.stderr)  # fmt: skip
         return 1
     os.makedirs(a.workdir, exist_ok=True)

@@ -1,6 +1,6 @@
 #!/bin/bash
-# The GPU figures of the README on one CUDA machine, in one of two parts (each fits a 10-minute
-# command), everything under $OUT and packed into $OUT/gpu-round-PART.tgz:
+# The GPU figures of docs/performance.md (and the GPU tests) on one CUDA machine, in one of
+# two parts (each fits a 10-minute command), everything under $OUT and packed into $OUT/gpu-round-PART.tgz:
 #   PART=a: the CUDA tests, bench_integrity_gpu (GpuClient 2 GiB publish/claim/verify), bench_gpu
 #   PART=b: the vLLM connector's save/load (NHD, HND), its load_async, check_overlap (8B, bench)
 #   PART=ttft: bench_ttft at the 8B shape, twice (its target: an H200)

@@ -1,10 +1,10 @@
 #!/bin/bash
-# The host-side figures of a GPU machine's CPU in one go (the H100 host rows of the README):
+# The host-side figures of a GPU machine's CPU in one go (a GPU host's CPU rows of docs/performance.md):
 # the copy engine against memcpy, kvbroker beside Mooncake Store, the requests of a put+get one
 # by one, the control plane, and the protocol floor. For a machine with no network: the wheels
 # kvbroker needs beyond the host's Python (posix_ipc, google-re2, xxhash>=4.1, textual and its
 # deps) and, for Mooncake, its wheel and the Debian packages libibverbs1, libnl-3-200 and
-# libnl-route-3-200 lie in ./.whl and ./.whl/debs (README, "Comparing with Mooncake").
+# libnl-route-3-200 lie in ./.whl and ./.whl/debs (docs/operating.md, "Comparing with Mooncake").
 #
 #   OUT=/tmp/out bash benchmarks/run_host_round.sh [COMMIT]
 #

@@ -97,7 +97,7 @@ def test_restarts_from_damaged_journals_never_serve_wrong_bytes(tmp_path):
             kept_total += len(b2.objects)
             # A cut exactly at a record boundary leaves a journal that reads as intact (no
             # torn record, nothing suspect): what it says is trusted, a documented limit
-            # (README, "A damaged journal is not trusted"); counted apart, not hidden.
+            # (docs/operating.md, "A damaged journal is not trusted"); counted apart, not hidden.
             boundary_cut = how.startswith("truncated") and not rec.suspect
             for obj in b2.objects.values():
                 off, n = obj.buffers["x"]

@@ -282,13 +282,13 @@ def test_an_object_whose_namespace_moved_to_another_pool_is_not_restored(daemons
     assert "its namespace lives in another pool now" in d.log() and f"{A}/k1" in d.log()
 
 
-# -- a daemon that is not root: its own user, with CAP_CHOWN (README) -----------------------
+# -- a daemon that is not root: its own user, with CAP_CHOWN (docs/security.md) -----------
 DAEMON_UID = 60000  # no passwd entry
 
 
 def _as_daemon_user(fn):
-    """Run ``fn()`` in a forked child that is uid DAEMON_UID with CAP_CHOWN only, as the
-    README asks of a daemon that makes pools owned by tenants (AmbientCapabilities=)."""
+    """Run ``fn()`` in a forked child that is uid DAEMON_UID with CAP_CHOWN only, as
+    docs/security.md asks of a daemon that makes pools owned by tenants (AmbientCapabilities=)."""
     import ctypes
 
     def run():

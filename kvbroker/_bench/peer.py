@@ -2,7 +2,7 @@
 
 Each round runs the peer script (``benchmarks/mooncake_peer.py`` of the source tree, in the
 Python environment that has Mooncake installed; it starts and stops its own master and client
-daemon; set-up in the README, "Comparing with Mooncake") and, right after it, kvbroker's
+daemon; set-up in docs/operating.md, "Comparing with Mooncake") and, right after it, kvbroker's
 ``transfer`` scenario on the same sizes with the same number of operations. Both time the
 same loop, one object at a time: put a key, get it, drop it. The peer reports medians of
 ``ops`` puts and ``ops`` gets per size and mode; kvbroker the medians of its put and get.

@@ -11,7 +11,7 @@ host engines, and TP layouts, read each other's blocks.
   pool, on a DMA stream; consecutive blocks merge into one run). Reservations are sent a few
   chunks ahead without waiting (``client.ops.pipelined``), a chunk's seal is sent as soon as
   its DMA ended: the daemon's work and the gathers hide behind the DMA. Measured on an H100:
-  ``benchmarks/bench_vllm_gpu.py``, where the time goes: ``benchmarks/profile_vllm_gpu.py``.
+  ``benchmarks/bench_vllm_gpu.py``, where the time goes: ``benchmarks/experiments/profile_vllm_gpu.py``.
 - **Load** (:func:`load_cuda`): match (one read lease, one round trip), then per chunk DMA the
   matched blocks of every contributing shard host -> device staging and scatter each shard's
   head range into the cache's blocks (one indexed copy per shard and chunk), the DMAs on

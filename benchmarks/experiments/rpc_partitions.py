@@ -15,7 +15,7 @@ the window), p50 and p99 of one round trip; the ratio of the largest client coun
 clients (issue 17's "16 clients >= 1.5x the ops/s of 4, p99 <= 200 us"). Rounds alternate the
 partition counts, so a busy moment of the machine hits every count alike.
 
-    python benchmarks/rpc_partitions.py [--partitions 1,2,4,8] [--clients 1,4,16]
+    python benchmarks/experiments/rpc_partitions.py [--partitions 1,2,4,8] [--clients 1,4,16]
         [--seconds 3] [--rounds 2] [--out PREFIX]
 
 writes ``PREFIX.json`` and ``PREFIX.md`` with the commit, machine and command.

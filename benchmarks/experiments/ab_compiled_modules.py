@@ -8,7 +8,7 @@ through the ``Client`` and as the bare protocol, against a private daemon of the
 between the interpreted tree and the compiled one, ``--rounds`` times.
 
     pip install cython setuptools    # the compiler is needed for this probe only
-    python benchmarks/ab_compiled_modules.py [--reps 3000] [--rounds 4] [--out PREFIX]
+    python benchmarks/experiments/ab_compiled_modules.py [--reps 3000] [--rounds 4] [--out PREFIX]
 
 writes ``PREFIX.json`` and ``PREFIX.md`` with the commit, machine and command.
 """
@@ -24,7 +24,7 @@ import subprocess
 import sys
 import tempfile
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # benchmarks/
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 

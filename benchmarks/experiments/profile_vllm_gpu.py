@@ -5,7 +5,7 @@ Runs ``_cuda.save_cuda`` / ``load_cuda`` on a Llama-3-8B-shaped 16k-token KV (as
 timers; with ``--daemon-profile`` the daemon runs under cProfile (its top functions printed
 at the end); with ``--timeline N`` the first N steps of the last save on the Python thread
 (each reservation sent and answered, block ids uploaded, checksums set up, DMA queued, seal
-queued), in ms from the call's start. Usage: ``python benchmarks/profile_vllm_gpu.py
+queued), in ms from the call's start. Usage: ``python benchmarks/experiments/profile_vllm_gpu.py
 [--tokens 16384] [--reps 3] [--cpu] [--daemon-profile] [--no-checksums] [--timeline N]``.
 """
 
@@ -23,9 +23,9 @@ import time
 
 import torch
 
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 from bench_vllm_gpu import vllm_cache
 
@@ -123,7 +123,7 @@ def main() -> None:
     a = p.parse_args()
     m = machine_info()
     print(f"commit {measured_commit()}; {m['cpu']}, {m['cores']} CPUs, {m['when']}; "
-          f"`python benchmarks/{invocation()}`")
+          f"`python benchmarks/experiments/{invocation()}`")
     device = torch.device("cpu" if a.cpu else "cuda")
     L, H, D, page = 32, 8, 128, 16
     nblk = a.tokens // page

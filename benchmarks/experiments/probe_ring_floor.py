@@ -18,7 +18,7 @@ each ``raw`` (a 120-byte message echoed as it is) and ``msgpack`` (a ``claim``-s
 packed, unpacked on the other side, answered with a packed reply that is unpacked in turn: the
 framing work every request pays on both sides whatever carries it).
 
-    python benchmarks/probe_ring_floor.py [--reps 20000] [--rounds 3] [--out PREFIX]
+    python benchmarks/experiments/probe_ring_floor.py [--reps 20000] [--rounds 3] [--out PREFIX]
 
 writes ``PREFIX.json`` and ``PREFIX.md`` with the commit, machine and command.
 """
@@ -37,7 +37,7 @@ import time
 
 import msgpack
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 from kvbroker._bench._common import invocation, machine_info, measured_commit  # noqa: E402
 from kvbroker._bench._common import median  # noqa: E402

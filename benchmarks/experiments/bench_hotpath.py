@@ -7,7 +7,7 @@ arena (copy + ``publish``, one round trip; objects up to half the arena). Both g
 alternating), so a noisy neighbour on this shared machine hits all three alike; ratios
 compare medians of the same run.
 
-    .venv/bin/python benchmarks/bench_hotpath.py [--sizes 256K,4M,32M] [--checksum on|off|both]
+    .venv/bin/python benchmarks/experiments/bench_hotpath.py [--sizes 256K,4M,32M] [--checksum on|off|both]
         [--json benchmarks/results/hotpath-cpu.json]
 """
 
@@ -20,7 +20,7 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 import numpy as np  # noqa: E402
 

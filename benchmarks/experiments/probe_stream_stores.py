@@ -9,7 +9,7 @@ copy the same small piece of Python work is timed (dict lookups over ~1 MiB of o
 request handler does): what the copy left of the caches for the next request. Medians of
 ``--reps`` steps per round, per-round ratios to the baseline on the same threads.
 
-Usage: ``python benchmarks/probe_stream_stores.py [--threads 8] [--sizes 4M,32M]
+Usage: ``python benchmarks/experiments/probe_stream_stores.py [--threads 8] [--sizes 4M,32M]
 [--rounds 3] [--reps 15] [--out PREFIX]``
 """
 
@@ -25,7 +25,7 @@ import time
 
 import numpy as np
 
-ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 

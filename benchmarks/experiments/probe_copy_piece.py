@@ -5,7 +5,7 @@ reads from L1/L2 rather than from a 1 MiB chunk that may have left them. 32 MiB 
 variant in turn per step; medians of ``--reps`` steps per round, per-round ratios to the
 memcpy on the same threads.
 
-Usage: ``python benchmarks/probe_copy_piece.py [--threads 8] [--rounds 5] [--reps 20]
+Usage: ``python benchmarks/experiments/probe_copy_piece.py [--threads 8] [--rounds 5] [--reps 20]
 [--out PREFIX]``
 """
 
@@ -21,7 +21,7 @@ import time
 
 import numpy as np
 
-ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 

@@ -9,7 +9,7 @@ copy+hash on or off (``kvbroker._copyhash.use_fused``; where it does not run, on
 ``grown`` / ``not grown``: ``Client(arena_max=64 MiB)`` (the default) against
 ``arena_max=arena_size`` (no growth, the code before this round).
 
-    python benchmarks/ab_large_put.py [--size 32M] [--reps 40] [--rounds 4] [--out PREFIX]
+    python benchmarks/experiments/ab_large_put.py [--size 32M] [--reps 40] [--rounds 4] [--out PREFIX]
 
 writes ``PREFIX.json`` and ``PREFIX.md`` with the commit, machine and command.
 """

@@ -4,7 +4,7 @@ and the host copy engine (32 MiB copy / copy_hashed / hash) at chunk sizes 256 K
 over 1, 4, 8, 16 threads. Needs CUDA and Triton; prints a table (no results file: the figures
 it gave on an H100 host are quoted in benchmarks/results/integrity-gpu-h100-chunk-sweep.txt).
 
-Usage: ``python benchmarks/probe_chunk_size.py``.
+Usage: ``python benchmarks/experiments/probe_chunk_size.py``.
 """
 
 import os
@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from triton.testing import do_bench
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 from kvbroker._client import engine as E  # noqa: E402
 from kvbroker._client import gpu_checksum as g  # noqa: E402

@@ -3,7 +3,7 @@ in whole put+get round trips: ``kvbroker bench transfer``'s loop (with the peer 
 multi-threaded memcpy beside it) against one private daemon, alternating per round between
 each ``--stream-min`` value (``never``: ordinary stores only) in the same process.
 
-Usage: ``python benchmarks/ab_stream_min.py [--sizes 16M,32M] [--stream-min 16M,never]
+Usage: ``python benchmarks/experiments/ab_stream_min.py [--sizes 16M,32M] [--stream-min 16M,never]
 [--rounds 3] [--reps 60] [--out PREFIX]`` (writes PREFIX.json and PREFIX.md).
 """
 
@@ -16,7 +16,7 @@ import shlex
 import statistics
 import sys
 
-ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 sys.path.insert(0, ROOT)
 
 from kvbroker._bench import transfer  # noqa: E402

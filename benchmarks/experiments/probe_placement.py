@@ -10,7 +10,7 @@ CPUs of their own, far apart in the CPU list):
   bare protocol (``probe_protocol_floor.py``'s two loops), the daemon and the client pinned
   with ``sched_setaffinity`` or free.
 
-    python benchmarks/probe_placement.py [--reps 3000] [--rounds 3] [--out PREFIX]
+    python benchmarks/experiments/probe_placement.py [--reps 3000] [--rounds 3] [--out PREFIX]
 
 writes ``PREFIX.json`` and ``PREFIX.md`` with the commit, machine and command.
 """
@@ -26,6 +26,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from probe_protocol_floor import _Bare, _client_loop  # noqa: E402
 from probe_ring_floor import _socket_pair_echo  # noqa: E402

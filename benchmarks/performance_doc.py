@@ -1,0 +1,513 @@
+"""docs/performance.md, generated from the committed files in benchmarks/results/.
+
+One table per scenario, each read from the results of one run (so one commit), with the
+machine and the command that produced it as that file records them. Nothing here is typed
+by hand: a new run's files make a new page. ``bench_all.py`` calls this after a run;
+``tests/test_performance_doc.py`` fails when the committed page is not what this writes.
+
+    .venv/bin/python benchmarks/performance_doc.py           # rewrite docs/performance.md
+    .venv/bin/python benchmarks/performance_doc.py --check   # exit 1 if it is out of date
+
+Ratios are printed as the results do (two decimals, cut, never rounded up). A ratio sits
+beside the times it was computed from, or the table says how it was computed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from kvbroker._bench._common import format_value
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+DOC = ROOT / "docs" / "performance.md"
+CPU_SCENARIOS = ("transfer", "rpc", "scale", "prefix", "tp", "peer")
+
+
+def ratio(v: float) -> str:
+    return format_value(v, "ratio")
+
+
+def size(n: int) -> str:
+    return format_value(n, "size")
+
+
+def cell(v, fmt: str) -> str:
+    return "–" if v is None else format_value(v, fmt)
+
+
+def amount(v: float) -> str:
+    return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.3g}"
+
+
+def ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f} ms"
+
+
+def table(header: list[str], rows: list[list[str]]) -> list[str]:
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return out + ["| " + " | ".join(r) + " |" for r in rows] + [""]
+
+
+def load(name: str) -> dict | None:
+    p = RESULTS / name
+    return json.loads(p.read_text()) if p.exists() else None
+
+
+def source(name: str, commit: str, machine: str, command: str) -> list[str]:
+    return [f"Commit `{commit}`; {machine}; `{command}` (`benchmarks/results/{name}`).", ""]
+
+
+def cpu_machine(m: dict) -> str:
+    text = (
+        f"{m['cpu']}, {m['cores']} cores, {m['memory_bytes'] / 2**30:.0f} GiB, Linux "
+        f"{m['kernel']}, Python {m['python']}, {m['when']}"
+    )
+    if m.get("loadavg_1min") is not None:
+        text += f", load {m['loadavg_1min']:.1f} at the end"
+    return text
+
+
+# -- the CPU scenarios of `kvbroker bench` (bench_all.py) ------------------------------------
+INTRO = {
+    "transfer": "Publish + claim of one object against a memcpy of the same bytes in the same "
+    "loop (both copies counted, checksums on).",
+    "rpc": "Control requests (`exists`) per second with N client processes.",
+    "scale": "Lookup and claim+release latency, and the daemon's memory, against the number "
+    "of objects held.",
+    "prefix": "`match_prefix` latency against prefix length, beside a 4 KiB put+claim on the "
+    "same pool; then a hit-rate workload.",
+    "tp": "Claims of a heterogeneous-TP request (P prefill shards → D decode ranks) against "
+    "the homogeneous P = D = 1 claim of the same request.",
+    "peer": "kvbroker beside Mooncake Store (`mooncake-transfer-engine-non-cuda`, its driver "
+    "`benchmarks/mooncake_peer.py`) on the same sizes, in the same loop.",
+}
+
+
+def cpu_scenario(name: str) -> list[str]:
+    data = load(f"bench-{name}-cpu.json")
+    if data is None:
+        return []
+    lines = [f"### `kvbroker bench {name}`", "", INTRO[name], ""]
+    lines += source(
+        f"bench-{name}-cpu.json",
+        data.get("commit", "unknown"),
+        cpu_machine(data["machine"]),
+        data.get("command", f"kvbroker bench {name}"),
+    )
+    rounds = data.get("params", {}).get("rounds", 1)
+    for group, cols in data["columns"].items():
+        if group != "rows":
+            lines.append(f"{group.replace('_', ' ')}:")
+            lines.append("")
+        header = [h for _, h, _ in cols]
+        if rounds > 1:  # peer: each cell is the median over the rounds of its per-round value
+            header = [h + " †" if fmt == "ratio" else h for _, h, fmt in cols]
+        rows = [[cell(r.get(k), fmt) for k, _, fmt in cols] for r in data[group]]
+        lines += table(header, rows)
+    if rounds > 1:
+        lines += [
+            (
+                f"Every cell is the median over the {rounds} rounds of that cell's per-round "
+                "value; † a ratio is the median of the per-round ratios, not the quotient "
+                "of the median times beside it."
+            ),
+            "",
+        ]
+    lines += [f"- {n}" for n in data.get("notes", [])]
+    for t in data["targets"]:
+        op = t["op"].replace(">=", "≥").replace("<=", "≤")
+        measured = ratio(t["measured"]) if t["unit"] == "x" else amount(t["measured"])
+        unit = "×" if t["unit"] == "x" else t["unit"]
+        mark = "met" if t["met"] else "**missed**"
+        lines.append(
+            f"- target: {t['name']} {op} {amount(t['goal'])}{unit}: {measured}{unit}, {mark}"
+        )
+    return lines + [""]
+
+
+# -- GPU and engine scenarios (run by benchmarks/run_gpu_round.sh) ---------------------------
+def gpu() -> list[str]:
+    d = load("gpu-h100.json")
+    if d is None:
+        return []
+    p, b, k = d["pinned"], d["broker"], d["kernels"]
+    machine = f"{d['device']}, torch {d['torch']}, triton {d['triton']}, CUDA {d['cuda']}"
+    rows = [
+        [
+            "publish D2H of 1 GiB, one buffer",
+            f"{b['publish_d2h_one_buffer_GBps']:.1f}",
+            (
+                f"{ratio(b['publish_d2h_one_buffer_GBps'] / p['pinned_d2h_GBps'])} × pinned D2H "
+                f"({p['pinned_d2h_GBps']:.1f})"
+            ),
+        ],
+        [
+            "publish D2H of 1 GiB, 128 buffers",
+            f"{b['publish_d2h_128_buffers_GBps']:.1f}",
+            f"{ratio(b['publish_d2h_128_buffers_GBps'] / p['pinned_d2h_GBps'])} × pinned D2H",
+        ],
+        [
+            "claim H2D of 1 GiB, one buffer",
+            f"{b['claim_h2d_one_buffer_GBps']:.1f}",
+            (
+                f"{ratio(b['claim_h2d_one_buffer_GBps'] / p['pinned_h2d_GBps'])} × pinned H2D "
+                f"({p['pinned_h2d_GBps']:.1f})"
+            ),
+        ],
+        [
+            "claim H2D of 1 GiB, 128 buffers",
+            f"{b['claim_h2d_128_buffers_GBps']:.1f}",
+            f"{ratio(b['claim_h2d_128_buffers_GBps'] / p['pinned_h2d_GBps'])} × pinned H2D",
+        ],
+        [
+            "Triton gather of a head range (read + written)",
+            f"{k['triton_gather_GBps']:.0f}",
+            (
+                f"{ratio(k['triton_gather_GBps'] / k['d2d_copy_GBps'])} × D2D copy "
+                f"({k['d2d_copy_GBps']:.0f})"
+            ),
+        ],
+        [
+            "Triton scatter of a head range (read + written)",
+            f"{k['triton_scatter_GBps']:.0f}",
+            f"{ratio(k['triton_scatter_GBps'] / k['d2d_copy_GBps'])} × D2D copy",
+        ],
+    ]
+    lines = [
+        "### GPU: `GpuClient` DMA and the TP kernels",
+        "",
+        (
+            "Each figure beside its limit measured in the same run (`kvbroker bench gpu` runs "
+            "the same script on a CUDA host)."
+        ),
+        "",
+    ]
+    lines += source("gpu-h100.json", d["commit"], machine, d["command"])
+    return lines + table(["path", "GB/s", "against its limit"], rows)
+
+
+def ttft() -> list[str]:
+    d = load("ttft-cuda-8b-h100-run1.json")
+    if d is None:
+        return []
+    m, med, md = d["machine"], d["median"], d["model"]
+    n = len(d["repeats"])
+    per = d["handoff_speedup_per_repeat"]
+    rows = [
+        ["claim (overlapped with the first decode step) + the step", ms(med["broker_s"])],
+        ["claim with `overlap=False`, then the step", ms(med["serial_s"])],
+        ["the claim's copies alone", f"{ms(med['claim_s'])} ({d['claim_GBps']:.1f} GB/s)"],
+        ["recompute the prefill + the step", ms(med["recompute_s"])],
+        [
+            "prefill side: `publish_cache` through a `GpuClient`",
+            f"{ms(med['publish_s'])} ({d['publish_GBps_median']:.1f} GB/s)",
+        ],
+        [
+            "whole handoff (publish + claim + step) against recompute",
+            f"**{ratio(d['handoff_speedup'])}×** (per repeat {ratio(min(per))}–{ratio(max(per))})",
+        ],
+        ["the same with `overlap=False`", f"{ratio(d['serial_handoff_speedup'])}×"],
+    ]
+    lines = [
+        "### Time to first decode token (transformers, Llama-3-8B shape)",
+        "",
+        (
+            f"A {d['prompt_tokens']:,}-token prompt, {md['layers']} layers, {md['kv_heads']} "
+            f"KV heads, {d['dtype']}, random weights, {d['kv_bytes'] / 2**30:.1f} GiB of KV; "
+            f"medians of {n} repeats in which the paths take turns. A ratio is the quotient "
+            "of the medians beside it; the range is its value in each repeat."
+        ),
+        "",
+    ]
+    machine = f"{m['gpu']}, {m['cores']} CPUs, torch {m['torch']}, transformers {m['transformers']}"
+    lines += source("ttft-cuda-8b-h100-run1.json", d["commit"], machine, d["command"])
+    return lines + table(["decode instance: request arrives → first decode token", "median"], rows)
+
+
+def vllm_gpu() -> list[str]:
+    runs = [(o, load(f"vllm-gpu-h100-{o}.json")) for o in ("nhd", "hnd")]
+    runs = [(o, d) for o, d in runs if d is not None]
+    if not runs:
+        return []
+    lines = [
+        "### vLLM connector, CUDA save and load",
+        "",
+        (
+            "The worker side of `KVBrokerConnector` on a 16k-token Llama-3-8B-shaped KV "
+            "(2 GiB), against pinned copies of the same bytes in the same run."
+        ),
+        "",
+    ]
+    rows = []
+    for order, d in runs:
+        m, sl, p = d["machine"], d["save_load"], d["pinned"]
+        lines += source(
+            f"vllm-gpu-h100-{order}.json",
+            d["commit"],
+            f"{m['device']}, torch {m['torch']}, CUDA {m['cuda']}",
+            d["command"],
+        )
+        rows.append(
+            [
+                f"{sl['order']}, bit-exact {'yes' if sl['bit_exact'] else 'NO'}",
+                (
+                    f"{sl['save_GBps']:.1f} / {p['pinned_d2h_GBps']:.1f} GB/s = "
+                    f"**{ratio(sl['save_GBps'] / p['pinned_d2h_GBps'])}×**"
+                ),
+                (
+                    f"{sl['load_GBps']:.1f} / {p['pinned_h2d_GBps']:.1f} GB/s = "
+                    f"**{ratio(sl['load_GBps'] / p['pinned_h2d_GBps'])}×**"
+                ),
+            ]
+        )
+    return lines + table(["cache", "save vs pinned D2H", "load vs pinned H2D"], rows)
+
+
+def vllm_async_load() -> list[str]:
+    d = load("vllm-async-load-h100.json")
+    if d is None:
+        return []
+    s, m, p = d["summary"], d["machine"], d["params"]
+    rows = [
+        [
+            mode,
+            ms(s[mode]["quiet_step_s"]),
+            ms(s[mode]["longest_step_during_load_s"]),
+            ms(s[mode]["arrival_to_first_run_s"]),
+        ]
+        for mode in ("sync", "load_async")
+    ]
+    lines = [
+        "### vLLM connector, `load_async`",
+        "",
+        (
+            f"An engine stepping (~{p['step_ms']:.0f} ms of matmuls a step) while a "
+            f"{p['tokens']:,}-token 8B-shaped KV loads for a request arriving at step "
+            f"{p['arrive']}; medians of {p['reps']} scenarios per mode, alternated."
+        ),
+        "",
+    ]
+    lines += source(
+        "vllm-async-load-h100.json",
+        d["commit"],
+        f"{m['device']}, torch {m['torch']}, CUDA {m['cuda']}",
+        d["command"],
+    )
+    return lines + table(
+        [
+            "mode",
+            "a step, no load",
+            "the longest step while the load runs",
+            "arrival → end of the request's first step",
+        ],
+        rows,
+    )
+
+
+# -- the rest of the CPU measurements ---------------------------------------------------------
+def vm(d: dict) -> str:
+    m = d.get("machine")
+    if isinstance(m, dict):
+        return f"{m.get('cpu', m.get('node'))}, {m['cpus']} CPUs, Linux {m['kernel']}"
+    return str(m)
+
+
+def integrity() -> list[str]:
+    d = load("integrity-cpu.json")
+    if d is None:
+        return []
+    ms, r = d["median_s"], d["ratio_with_over_without"]
+    pairs = [
+        ("put with checksums", "put+checksum", "put"),
+        ("reserve + fill + seal, hashed at seal", "reserve+seal hash", "reserve+seal"),
+        ("get with `verify=True`", "get+verify", "get"),
+    ]
+    rows = [
+        [what, f"{ms[a] * 1e3:.2f} ms", f"{ms[b] * 1e3:.2f} ms", f"{ratio(r[a])}×"]
+        for what, a, b in pairs
+    ]
+    lines = [
+        "### Checksums",
+        "",
+        (
+            f"What checksums cost a {size(d['size'])} object; medians of {d['reps']} each; "
+            "the ratio is the quotient of the two medians beside it."
+        ),
+        "",
+    ]
+    lines += source(
+        "integrity-cpu.json", d["commit"], f"{d['machine']}, {d['cpus']} CPUs", d["command"]
+    )
+    return lines + table(["operation", "with", "without", "with / without"], rows)
+
+
+def journal() -> list[str]:
+    d = load("journal-cpu.json")
+    if d is None:
+        return []
+    m = d["median_us"]
+    lines = [
+        "### Journal (warm restarts)",
+        "",
+        (
+            f"A {size(d['object_bytes'])} put + consuming claim + release, {d['rounds']} "
+            f"rounds of {d['ops_per_round']:,}, journal on {d['journal_dir'].split()[-1]}; "
+            "the ratio is the quotient of the two medians beside it."
+        ),
+        "",
+    ]
+    lines += source("journal-cpu.json", d["commit"], d["machine"], d["command"])
+    rows = [
+        [
+            f"{m['journal']:.1f} µs",
+            f"{m['no_journal']:.1f} µs",
+            f"{ratio(m['journal'] / m['no_journal'])}×",
+        ]
+    ]
+    return lines + table(["with the journal", "without", "with / without"], rows)
+
+
+def remote() -> list[str]:
+    d = load("remote-cpu.json")
+    if d is None:
+        return []
+    rows = []
+    for r in d["throughput"] + d["latency"]:
+        rows.append(
+            [
+                r["size"],
+                f"{r['claim_p50_s'] * 1e3:.2f} ms",
+                f"{r['raw_read_p50_s'] * 1e3:.2f} ms",
+                f"{ratio(r['ratio_p50'])} ({ratio(r['ratio_min'])}–{ratio(r['ratio_max'])})",
+                str(r["reps"]),
+                "yes" if r["bit_exact"] else "NO",
+            ]
+        )
+    lines = [
+        "### Across nodes: a remote claim against its NIXL READ",
+        "",
+        (
+            "Daemon B claims an object daemon A holds: pin, write lease, one NIXL READ, "
+            "checksums, release, seal, local claim, timed in B's client; beside it the raw "
+            "NIXL READ of the same bytes inside that very pull. READ / claim is the median "
+            "(range) of the per-pull ratios, not the quotient of the two p50s beside it."
+        ),
+        "",
+    ]
+    env = " ".join(f"{k}={v}" for k, v in d.get("env", {}).items())
+    lines += source(
+        "remote-cpu.json", d["commit"], vm(d) + (f", {env}" if env else ""), d["command"]
+    )
+    return lines + table(
+        ["object", "remote claim p50", "raw READ p50", "READ / claim", "pulls", "bit-exact"], rows
+    )
+
+
+def soak() -> list[str]:
+    d = load("soak-cpu.json")
+    if d is None:
+        return []
+    a = d["accounting"]
+    rows = [
+        [
+            f"{d['clients']}",
+            f"{d['duration_s']:.0f} s",
+            f"{d['ops']:,}",
+            str(d["errors"]),
+            str(d["mismatches"]),
+            (
+                f"{a['used_bytes']:,} B used = {a['objects_extent_bytes']:,} B of objects; "
+                f"{a['used_after_evict_all']} after `evict --all`"
+            ),
+        ]
+    ]
+    lines = [
+        "### Soak",
+        "",
+        (
+            "Clients publishing, claiming, matching prefixes and evicting under memory "
+            "pressure; the pool accounting checked to the byte at the end."
+        ),
+        "",
+    ]
+    lines += source("soak-cpu.json", d["commit"], d["machine"], d["command"])
+    return lines + table(
+        ["clients", "duration", "operations", "errors", "wrong bytes", "accounting"], rows
+    )
+
+
+HEAD = """\
+# Performance
+
+<!-- generated by `python benchmarks/performance_doc.py` from benchmarks/results/ (and by
+benchmarks/bench_all.py after a run): do not edit by hand -->
+
+Every table comes from one results file (one run, one commit), named under it with the
+machine and the command; run the command to measure your own machine. These machines are
+shared, so absolute figures move by ±20 % from run to run: what is compared is measured side
+by side in the same run. Ratios have two decimals, cut (never rounded up). Finished
+experiments, and what each concluded: `benchmarks/experiments/INDEX.md`.
+
+`kvbroker bench SCENARIO` measures a daemon on your machine: `transfer`, `rpc`, `scale`,
+`prefix`, `tp`, `gpu` (CUDA hosts; exits 4 without CUDA) and `peer` (beside Mooncake Store).
+Each prints a table and the targets it checks; `--json-out FILE` writes the rows, targets,
+machine and versions, `--plot DIR` draws charts (`pip install 'kvbroker[bench]'`). Without
+`--socket` a scenario starts a private daemon sized for it. `benchmarks/bench_all.py` runs
+every CPU scenario and rewrites this page; `benchmarks/run_gpu_round.sh` and
+`benchmarks/run_host_round.sh` run the GPU host's set. Setting up Mooncake for `peer`:
+[operating.md](operating.md#comparing-with-mooncake).
+"""
+
+SECTIONS: tuple[tuple[str, list[Callable[[], list[str]]]], ...] = (
+    ("## GPU and engines", [ttft, gpu, vllm_gpu, vllm_async_load]),
+    ("## Host (CPU) scenarios", [lambda n=n: cpu_scenario(n) for n in CPU_SCENARIOS]),
+    ("## Integrity, restarts, nodes", [integrity, journal, remote, soak]),
+)
+
+
+def markdown() -> str:
+    lines = [HEAD]
+    for title, parts in SECTIONS:
+        body = [line for part in parts for line in part()]
+        if body:
+            lines += [title, "", *body]
+    return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def headline() -> str | None:
+    """The headline the README quotes (rounded there): the TTFT handoff against recompute."""
+    d = load("ttft-cuda-8b-h100-run1.json")
+    if d is None:
+        return None
+    return (
+        f"{ratio(d['handoff_speedup'])}× faster than recomputing the prefill "
+        f"({d['prompt_tokens']:,}-token Llama-3-8B-shaped KV, {d['machine']['gpu']})"
+    )
+
+
+def write(out: Path = DOC) -> Path:
+    out.write_text(markdown())
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true", help="exit 1 if the page is out of date")
+    ap.add_argument("--out", type=Path, default=DOC)
+    a = ap.parse_args(argv)
+    if a.check:
+        if not a.out.exists() or a.out.read_text() != markdown():
+            print(f"{a.out} is out of date: python benchmarks/performance_doc.py", file=sys.stderr)
+            return 1
+        return 0
+    print("wrote", write(a.out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
