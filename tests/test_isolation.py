@@ -503,3 +503,48 @@ def test_sample_config_tables_are_valid_when_uncommented(tmp_path):
     assert cfg.isolation.mode == "open" and cfg.isolation.shared[0].pattern == "prefix-cache"
     assert cfg.quotas.limit("prefix-cache") == 64 << 30 and cfg.quotas.limit("x") == 16 << 30
     assert cfg.max_write_buffer == 32 << 20 and cfg.max_leases_per_client == 65536
+
+
+def test_a_tenants_stat_names_nothing_of_another_tenant_failed_pulls_included(broker):
+    """Every name in Alice's namespace (a key, a failed pull's message) is absent from
+    everything Bob's stat carries; Alice sees her own pull's failure, an admin the latest."""
+    import asyncio
+    import types
+
+    from kvbroker._server.config import DaemonConfig
+    from kvbroker._server.fleet import Fleet
+    from kvbroker.errors import NotFound
+
+    b = broker(isolation=TENANT)
+    a, c = connect(b, ALICE), connect(b, BOB)
+    secret_ns, secret = f"{ALICE}/ns-of-alice", "alice-secret-key-7f3a"
+    put(b, a, secret_ns, secret)
+    lease = b.handle(a, "claim", {"namespace": secret_ns, "key": secret})
+    put(b, c, str(BOB), "bobs")
+    fleet = Fleet(types.SimpleNamespace(config=DaemonConfig(), broker=b))
+    fleet.endpoint = object()  # pulling configured (statistics report transfers)
+    b.fleet = fleet
+
+    async def failing_pull(address, namespace, key, why):
+        async def refused(*_args):
+            raise NotFound(why)  # as the owner answers a pin of a key it does not hold
+
+        fleet._pull_inner = refused
+        with pytest.raises(NotFound):
+            await fleet._pull(address, namespace, "pin", [key], False)
+
+    asyncio.run(failing_pull("10.0.0.9:7000", secret_ns, f"{secret}-2",
+                             f"{secret_ns}/{secret}-2 is not published on this broker"))
+    seen_by_bob = b.handle(c, "stat", {})
+    assert secret not in repr(seen_by_bob) and "ns-of-alice" not in repr(seen_by_bob)
+    snap = Statistics.from_dict(seen_by_bob)
+    assert snap.transfer.failures == 1 and snap.transfer.last_failure == ""
+    assert Statistics.from_dict(b.handle(a, "stat", {})).transfer.last_failure == (
+        f"10.0.0.9:7000: {secret_ns}/{secret}-2 is not published on this broker")
+    asyncio.run(failing_pull("10.0.0.9:7000", str(BOB), "gone",
+                             f"{BOB}/gone is not published on this broker"))
+    assert "gone" in Statistics.from_dict(b.handle(c, "stat", {})).transfer.last_failure
+    assert secret in Statistics.from_dict(b.handle(a, "stat", {})).transfer.last_failure
+    root = connect(b, 0)
+    assert "gone" in Statistics.from_dict(b.handle(root, "stat", {})).transfer.last_failure
+    b.handle(a, "release", {"lease": lease["lease"]})

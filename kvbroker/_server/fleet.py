@@ -37,7 +37,8 @@ import logging
 import os
 import socket
 import time
-from collections import Counter
+from collections import Counter, deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import xxhash
@@ -125,7 +126,9 @@ class Fleet:
         self.pulls = 0
         self.bytes_pulled = 0
         self.failures: Counter[str] = Counter()
-        self.last_failure = ""
+        # The latest failed pulls' (namespace, message): a message names its keys, so a
+        # tenant's stat shows the latest of a namespace it may read (snapshot.statistics_for)
+        self.recent_failures: deque[tuple[str, str]] = deque(maxlen=64)
         # The latest pull: bytes, seconds of its NIXL READ alone, seconds of the whole pull
         # (pin to seal) — what benchmarks/bench_remote.py sets beside the claim's own time.
         self.last_pull: tuple[int, float, float] = (0, 0.0, 0.0)
@@ -354,10 +357,11 @@ class Fleet:
             moved = await self._pull_inner(address, namespace, how, keys, consume)
         except KVBrokerError as exc:
             self.failures[exc.code] += 1
-            self.last_failure = f"{address}: {exc.message or exc}"[:300]
+            self.recent_failures.append((namespace, f"{address}: {exc.message or exc}"[:300]))
             raise
         except Exception as exc:
             self.failures["internal"] += 1
+            self.recent_failures.append((namespace, f"{address}: {type(exc).__name__}"))
             log.exception("pull from %s failed", address)
             raise TransferFailed(f"pull from {address} failed: {type(exc).__name__}: "
                                  f"{exc}") from exc
@@ -515,6 +519,13 @@ class Fleet:
         b.counters["aborts"] += 1
 
     # -- statistics ----------------------------------------------------------------------------
+    def last_failure(self, can: Callable[[str], bool] | None = None) -> str:
+        """The latest failed pull's message, or the latest of a namespace ``can`` admits."""
+        for namespace, message in reversed(self.recent_failures):
+            if can is None or can(namespace):
+                return message
+        return ""
+
     def statistics(self) -> tuple[TransferStatistics | None, EventStatistics | None]:
         t = None
         if self.endpoint is not None:
@@ -531,7 +542,7 @@ class Fleet:
                 bytes_served=pv.bytes_served if pv is not None else 0,
                 failures=sum(self.failures.values()), failures_by_code=dict(self.failures),
                 refused=self.server.refused if self.server is not None else 0,
-                last_failure=self.last_failure, last_pull_bytes=self.last_pull[0],
+                last_failure=self.last_failure(), last_pull_bytes=self.last_pull[0],
                 last_read_seconds=self.last_pull[1], last_pull_seconds=self.last_pull[2])
         e = None
         if self.publisher is not None:

@@ -85,9 +85,13 @@ def statistics_for(b: Broker, session: Session, occupancy_cells: int = 64) -> St
     named = b.pages.named_to
     pools = tuple(p if named(b.pools[p.index], session) else dataclasses.replace(p, name="")
                   for p in snap.pools)
+    transfer = snap.transfer
+    if transfer is not None and b.fleet is not None:  # a failure's message names its keys
+        transfer = dataclasses.replace(transfer, last_failure=b.fleet.last_failure(can))
     return dataclasses.replace(
         snap,
         pools=pools,
+        transfer=transfer,
         objects=sum(1 for ns, _ in b.objects if can(ns)),
         pending=sum(1 for ns, _ in b.pending if can(ns)),
         leases=tuple(x for x in snap.leases if can(x.namespace)),
