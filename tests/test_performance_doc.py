@@ -71,3 +71,11 @@ def test_bench_all_regenerates_the_page(tmp_path, monkeypatch):
     bench_all.main()
     assert (docs / "performance.md").read_text() == doc.markdown()
     assert "### `kvbroker bench peer`" in doc.markdown()
+
+
+def test_readme_headline_is_the_measured_one():
+    """The README's one figure is the committed TTFT result's, and links to the page."""
+    doc = _load("performance_doc")
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert doc.headline() in readme
+    assert "[docs/performance.md](docs/performance.md)" in readme
