@@ -30,6 +30,7 @@ $(TEST_STAMP): $(RUNTIME_STAMP)
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH_SPEC)"
 	$(BIN)/python -m pip install -q -e ".[test]"
 	$(BIN)/python tests/vllm_helpers/install_vllm.py "$(VLLM_SPEC)"
+	$(BIN)/python tests/sglang_helpers/install_sglang.py
 	touch $(TEST_STAMP)
 
 install: $(RUNTIME_STAMP)
