@@ -548,3 +548,29 @@ def test_a_tenants_stat_names_nothing_of_another_tenant_failed_pulls_included(br
     root = connect(b, 0)
     assert "gone" in Statistics.from_dict(b.handle(root, "stat", {})).transfer.last_failure
     b.handle(a, "release", {"lease": lease["lease"]})
+
+
+def test_the_lease_cap_per_uid_counts_each_uid_alone(broker):
+    """max_leases_per_uid adds up one uid's sessions (several connections, expiries, closes)
+    and no one else's: Alice at her cap leaves Bob his."""
+    from kvbroker import LimitExceeded
+
+    b = broker(max_leases_per_client=3)
+    b.max_leases_per_uid = 4
+    a1, a2, bob = connect(b, ALICE), connect(b, ALICE), connect(b, BOB)
+    put(b, a1, "default", "k")
+    for s in (a1, a1, a2, a2):
+        b.handle(s, "claim", {"key": "k", "ttl": 5.0})
+    for s in (a1, a2):
+        with pytest.raises(LimitExceeded, match="uid 50001 hold 4 leases"):
+            b.handle(s, "claim", {"key": "k"})
+    with pytest.raises(LimitExceeded, match="max_leases_per_uid"):
+        b.handle(a2, "reserve", {"key": "x", "buffers": {"a": 10}})
+    for _ in range(3):
+        b.handle(bob, "claim", {"key": "k"})  # his own count
+    b.close_session(a2)
+    assert b.leases_per_uid == {ALICE: 2, BOB: 3}
+    b.handle(a1, "claim", {"key": "k", "ttl": 60.0})
+    b.expire(b.clock() + 30.0)  # Alice's two 5 s leases end
+    assert b.leases_per_uid[ALICE] == 1
+    b.handle(a1, "claim", {"key": "k"})

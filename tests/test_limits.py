@@ -127,6 +127,39 @@ def test_lease_limit_per_client(make_daemon):
             lease.release()
 
 
+def test_lease_limit_per_uid_across_connections(make_daemon):
+    """One uid's connections together hold at most max_leases_per_uid leases (each
+    connection under its own max_leases_per_client): the next read or write lease of any of
+    them is refused until one ends, released or with its connection."""
+    d = make_daemon("--pool-size", "8M", "--page-size", "4K",
+                    env={"KVBROKER_MAX_LEASES_PER_UID": "5"})  # fmt: skip
+    with d.client() as a, d.client() as b, d.client() as c:
+        a.put("k", {"a": b"x"})
+        mine = [a.claim("k"), a.claim("k"), c.claim("k")]
+        bs = [b.claim("k"), b.claim("k")]
+        for who in (a, b, c):
+            with pytest.raises(LimitExceeded, match="max_leases_per_uid"):
+                who.claim("k")
+        with pytest.raises(LimitExceeded, match="max_leases_per_uid"):
+            c.reserve("new", {"a": 10})
+        s = c.stat()
+        assert s.read_leases == 5 and s.write_leases == 0 and s.objects == 1  # nothing made
+        mine.pop(0).release()
+        mine.append(c.claim("k"))
+        b.close()  # its 2 leases end with it (once the daemon has seen it go)
+        deadline = time.monotonic() + 30
+        while c.stat().read_leases != 3:
+            assert time.monotonic() < deadline, c.stat().leases
+            time.sleep(0.01)
+        mine += [c.claim("k"), c.claim("k")]
+        with pytest.raises(LimitExceeded, match="max_leases_per_uid"):
+            a.claim("k")
+        for lease in mine:
+            lease.release()
+        del bs
+        assert c.stat().read_leases == 0
+
+
 def test_connection_limit(make_daemon):
     d = make_daemon("--pool-size", "8M", "--page-size", "4K",
                     env={"KVBROKER_MAX_CONNECTIONS": "2"})  # fmt: skip

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import heapq
 import time
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterable
 from dataclasses import fields
 from itertools import count
@@ -83,6 +83,7 @@ class Broker:
         policy: Policy | None = None,
         quotas: Quotas | None = None,
         max_leases_per_client: int = 65536,
+        max_leases_per_uid: int = 262144,
         restart_quarantine: float = 10.0,
     ) -> None:
         self.clock = clock  # the leases' TTLs, and the timed quarantine's deadlines
@@ -100,6 +101,10 @@ class Broker:
         self.require_checksums = require_checksums  # seal without {buffer: digest} refused
         self.policy = policy or OPEN_POLICY  # who may use which namespace (policy.py)
         self.max_leases_per_client = max_leases_per_client
+        # Leases of each uid's sessions together (a lease costs the daemon ~400 B of memory,
+        # charged to no quota: many connections of one uid must not add up without bound)
+        self.max_leases_per_uid = max_leases_per_uid
+        self.leases_per_uid: Counter[int] = Counter()
         self.started_at = time.time()
         self.sessions: dict[int, Session] = {}
         self.objects: dict[tuple[str, str], StoredObject] = {}
@@ -384,6 +389,7 @@ class Broker:
                    consume)  # fmt: skip
         self.leases[ls.id] = ls
         session.leases[ls.id] = ls
+        self.leases_per_uid[session.uid] += 1
         self._expire_at(ls)
         return ls
 
@@ -416,6 +422,11 @@ class Broker:
     def end_lease(self, ls: Lease, reason: str) -> None:
         del self.leases[ls.id]
         ls.session.leases.pop(ls.id, None)
+        uid = ls.session.uid
+        if self.leases_per_uid[uid] <= 1:
+            del self.leases_per_uid[uid]
+        else:
+            self.leases_per_uid[uid] -= 1
         self.registry.ended(ls.id, reason)
 
     def end_read(self, ls: Lease, reason: str, consume: bool) -> None:
@@ -453,6 +464,12 @@ class Broker:
                 f"session {session.id} ({session.name or 'pid ' + str(session.pid)}) holds "
                 f"{len(session.leases)} leases, the most one connection may hold "
                 "(max_leases_per_client): release some first"
+            )
+        held = self.leases_per_uid.get(session.uid, 0)
+        if held >= self.max_leases_per_uid:
+            raise LimitExceeded(
+                f"the connections of uid {session.uid} hold {held} leases together, the most "
+                "one uid may hold (max_leases_per_uid): release some first"
             )
 
     def expire(self, now: float | None = None) -> int:

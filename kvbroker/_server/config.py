@@ -269,6 +269,10 @@ SETTINGS: tuple[Key, ...] = (
         help="Refuse seals that carry no checksum per buffer."),
     Key("max_leases_per_client", parse.LEASES, 65536, reload=TO_BROKER, text=int, example=100,
         help="Leases one connection may hold at once."),
+    Key("max_leases_per_uid", parse.LEASES, 262144, reload=TO_BROKER, text=int, example=1000,
+        help="Leases the connections of one uid may hold at once, together (each costs the "
+             "daemon ~400 B of memory that no quota counts); peers' pins count as the "
+             "daemon's own uid."),
     Key("max_write_buffer", parse.write_buffer, "32M", reload=_set_write_buffers, example="64M",
         help="Bytes of replies and pushes a peer may leave unread before it is disconnected "
              "(above the largest reply: 16 MiB frames)."),

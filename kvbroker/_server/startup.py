@@ -131,6 +131,7 @@ def start_broker(d: Daemon) -> None:
         policy=d.config.isolation,
         quotas=d.config.quotas,
         max_leases_per_client=d.config.max_leases_per_client,
+        max_leases_per_uid=d.config.max_leases_per_uid,
         restart_quarantine=d.config.restart_quarantine,
     )
 
