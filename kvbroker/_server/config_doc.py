@@ -43,7 +43,8 @@ Every setting of `kvbroker serve` has one name, used in three places:
 Later ones win: the file, then variables, then flags. A bad value stops the start with a
 message naming the file and key, the variable or the flag; so does an unknown key or
 `KVBROKER_*` variable (with a "did you mean" for a misspelt one). Sizes take `K`, `M`, `G`
-(binary) or `KB`, `MB`, `GB` (decimal); durations `ms`, `s`, `m`, `h`.
+(binary) or `KB`, `MB`, `GB` (decimal); durations `ms`, `s`, `m`, `h`, `d` (`1h30m`) or a
+number of seconds.
 
 **Reload.** `systemctl reload kvbroker` (SIGHUP) re-reads the file and applies the settings
 marked *reload* below; the daemon logs what changed (`lease_ttl 30.0 -> 5.0`). A changed
