@@ -238,7 +238,7 @@ def claim_shards(
         # Read-only use of the pinned pool bytes, viewed straight from the mapping: one
         # constructor call per copy instead of view + slice + reshape.
         np = _np()
-        maps = {e[0]: client._mapping(e[0]).mm for _, ext, _ in sources for e in ext.values()}
+        maps = {e[0]: client.pool_view(e[0]) for _, ext, _ in sources for e in ext.values()}
         dim = cache.head_dim
         # (layer, K/V) outermost, shards innermost: the pieces of one destination component
         # land back to back while its cache lines are still hot (an NHD row is written by

@@ -46,22 +46,20 @@ with another TP size computes the same ``h_i`` and reads another layout's shards
 from __future__ import annotations
 
 import hashlib
-import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from ._client import integrity as _integrity
+from . import blocks
 from ._client.client import Client
-from ._client.copy import copy_into, nbytes_of
-from ._client.leases import WriteLease, seal_many
+from ._client.copy import nbytes_of
 from ._client.paged import _block_index
-from ._client.prefix_match import SHARD_META_TAG, KVPrefixMatch, PrefixMatch
+from ._client.prefix_match import SHARD_META_TAG, KVPrefixMatch, PrefixMatch  # noqa: F401
 from ._client.prefix_match import MatchedBlock  # noqa: F401  (PrefixMatch.blocks' items)
-from ._client.prefix_match import _block_layout, _check_kv_cache, _names
+from ._client.prefix_match import _check_kv_cache
 from ._wire.names import check_infix
 from ._wire.protocol import MAX_BUFFERS, MAX_REQUEST, name_bytes, request_chunks
-from ._client.tp import claim_plan, shard_heads
-from .errors import BadRequest, KVBrokerError
+from .blocks import AttentionFormat, shard_block_key, shard_heads
+from .errors import BadRequest
 
 __all__ = ["KVPrefixMatch", "PrefixCache", "PrefixMatch", "block_hashes", "shard_block_key"]
 
@@ -111,14 +109,6 @@ def _token_bytes(token_ids: Sequence[int]) -> bytes:
     return np.asarray(token_ids, dtype="<i8").tobytes()
 
 
-def shard_block_key(block_hash: str, tp_rank: int, tp_size: int, total_kv_heads: int | None) -> str:
-    """The key of TP rank ``tp_rank`` of ``tp_size``'s shard of the block ``block_hash``.
-
-    ``total_kv_heads`` None (an MLA latent cache: every rank holds the same bytes) names the
-    shard ``h0``."""
-    return f"{block_hash}/h{total_kv_heads or 0}.tp{tp_rank}of{tp_size}"
-
-
 class PrefixCache:
     """A DP rank's view of the node's prefix cache for one namespace and cache salt.
 
@@ -159,7 +149,6 @@ class PrefixCache:
         self.checksum = checksum
         # Legacy unsharded keys are the bare hashes; publish_kv/match_kv always use shard keys.
         self.sharded = total_kv_heads is not None or tp_size != 1
-        self._plans: dict[tuple, tuple] = {}  # (source TP size, heads) -> plan, ranks, key suffixes
 
     def hashes(self, token_ids: Sequence[int]) -> list[str]:
         return block_hashes(token_ids, self.block_size, namespace=self.namespace,
@@ -238,42 +227,26 @@ class PrefixCache:
                 blk["tokens"] = toks[i * bs:(i + 1) * bs]
             request.append(blk)
         if shared:
-            reply = self.client.ops.reserve_blocks(request, namespace=self.namespace,
-                                                   buffers=sizes[lo], meta=meta)  # fmt: skip
+            reserved = blocks.reserve(self.client, self.namespace, request, sizes[lo], meta)
         else:
-            reply = self.client.ops.reserve_blocks(request, namespace=self.namespace)
-        leases: list[WriteLease] = []
+            reserved = blocks.reserve(self.client, self.namespace, request)
+        kind = self.client.checksum_kind if self.checksum else None
+        sums = []
         try:
-            for j, res in enumerate(reply["results"]):
-                i = lo + j
-                if res.get("exists"):
+            j = 0
+            for i, lease in zip(range(lo, hi), reserved.leases):
+                if lease is None:
                     continue
-                lease = WriteLease(self.client, self.namespace, keys[i],
-                                   {"lease": res["lease"], "ttl": reply["ttl"],
-                                    "buffers": res["buffers"]}, self.checksum)  # fmt: skip
-                digests = {}
-                kind = self.client.checksum_kind
-                for name, src in get(i).items():
-                    if not sizes[i][name]:
-                        digests[name] = _integrity.empty_digest(kind)
-                    elif self.checksum:
-                        digests[name] = _integrity.copy_hashed(lease[name], src, copy_into, kind)
-                    else:
-                        copy_into(lease[name], src)
-                lease.checksums = digests if self.checksum else None
-                leases.append(lease)
+                sums.append({name: blocks.copy(reserved.view(j, name), src, kind)
+                             for name, src in get(i).items()})  # fmt: skip
+                j += 1
         except BaseException:
-            for res in reply["results"]:
-                if "lease" in res:
-                    try:
-                        self.client.ops.abort_later(res["lease"])
-                    except KVBrokerError:
-                        break  # the connection is gone, and its leases with it
+            reserved.abort()
             raise
         # One round trip, parents first; a refusal (e.g. a daemon requiring checksums) aborts
         # what was not sealed now rather than holding it until its TTL.
-        seal_many(leases)
-        return len(leases)
+        reserved.seal(sums if self.checksum else None)
+        return len(sums)
 
     def match(
         self,
@@ -298,18 +271,10 @@ class PrefixCache:
         usable = max(0, len(token_ids) - 1) // self.block_size
         if hashes is None:
             hashes = self.hashes(token_ids[: usable * self.block_size])
-        keys = self.keys(hashes[:usable])
-        asked_at = time.monotonic()
-        if peer is None:
-            reply = self.client.ops.match_prefix(keys, namespace=self.namespace,
-                                                 block_tokens=self.block_size, ttl=ttl,
-                                                 hold=hold)  # fmt: skip
-        else:
-            reply = self.client._peer_call(True, self.client.ops.match_prefix, keys,
-                                           namespace=self.namespace,
-                                           block_tokens=self.block_size, ttl=ttl, peer=peer,
-                                           hold=hold)  # fmt: skip
-        return PrefixMatch(self.client, reply, self.block_size, asked_at)
+        return blocks.match_keys(self.client, self.namespace, self.keys(hashes[:usable]),
+                                 block_tokens=self.block_size,
+                                 ttl=ttl, hold=hold, peer=peer,
+                                 block_size=self.block_size)  # fmt: skip
 
     # -- KV blocks that any TP layout can read -------------------------------------------------
     def _kv_heads(self, cache) -> int | None:
@@ -333,15 +298,12 @@ class PrefixCache:
         if n == 0:
             return 0
         ids = _block_index(block_ids, n * self.block_size, cache.block_size, cache.num_blocks)
-        buffer = _block_layout(cache, len(mine))
-        names = _names(cache, infix)
-        sizes = {name: buffer.nbytes for row in names for name in row}
-        meta = {
-            SHARD_META_TAG: 1, "tp_rank": self.tp_rank, "tp_size": self.tp_size,
-            "total_kv_heads": heads, "heads": [mine.start, mine.stop],
-            "num_layers": cache.num_layers, "components": list(cache.components),
-            "infix": infix, "layout": buffer.to_dict(),
-        }  # fmt: skip
+        fmt = AttentionFormat(dtype=cache.dtype, num_layers=cache.num_layers,
+                              block_size=self.block_size, head_dim=cache.head_dim,
+                              local_heads=len(mine), total_kv_heads=heads,
+                              tp_rank=self.tp_rank, tp_size=self.tp_size,
+                              heads=(mine.start, mine.stop), packed=None, infix=infix)
+        names = fmt.names
 
         def block(i: int) -> dict:
             # [token, head, dim] of engine block ids[i] seen as [head, token, dim]: copy_into
@@ -349,9 +311,8 @@ class PrefixCache:
             return {name: cache.component(layer, c)[ids[i]].transpose(1, 0, 2)
                     for layer, row in enumerate(names) for c, name in enumerate(row)}  # fmt: skip
 
-        suffix = shard_block_key("", self.tp_rank, self.tp_size, heads)
-        keys = [h + suffix for h in self.hashes(token_ids[: n * self.block_size])]
-        return self._publish(keys, block, sizes, meta, token_ids)
+        keys = [fmt.key(h) for h in self.hashes(token_ids[: n * self.block_size])]
+        return self._publish(keys, block, fmt.buffers(), fmt.meta(), token_ids)
 
     def match_kv(
         self,
@@ -383,49 +344,10 @@ class PrefixCache:
             sizes = [source_tp_size]
         else:
             sizes = [self.tp_size, *self.peer_tp_sizes]
-        best: KVPrefixMatch | None = None
-        try:
-            for source in dict.fromkeys(sizes):
-                found = self._match_layout(hashes, source, heads, ttl, hold)
-                if best is None or found.num_blocks > best.num_blocks:
-                    if best is not None:
-                        best.release()
-                    best = found
-                else:
-                    found.release()
-                if best.num_blocks == len(hashes):
-                    break
-        except BaseException:
-            if best is not None:
-                best.release()  # not held until its TTL because a later layout's match failed
-            raise
-        assert best is not None
-        return best
-
-    def _match_layout(self, hashes: list[str], source: int, heads: int | None,
-                      ttl: float | None, hold: bool) -> KVPrefixMatch:  # fmt: skip
-        cached = self._plans.get((source, heads))
-        if cached is None:  # the same few layouts, match after match
-            plan = claim_plan(heads, source, self.tp_size, self.tp_rank)
-            ranks = list(dict.fromkeys(p.prefill_rank for p in plan))
-            suffixes = [shard_block_key("", r, source, heads) for r in ranks]
-            cached = self._plans[source, heads] = (plan, ranks, suffixes)
-        plan, ranks, suffixes = cached
-        # Block-major, shard-minor: the broker's longest run of present keys, divided by the
-        # shard count, is the run of blocks every needed shard holds. A partial last row is
-        # pinned by the same lease and ignored.
-        if len(suffixes) == 1:
-            keys = [h + suffixes[0] for h in hashes]
-        else:
-            keys = [h + suffix for h in hashes for suffix in suffixes]
-        asked_at = time.monotonic()
-        # The broker counts hit tokens per key found: a key is 1/len(ranks) of a block here.
-        reply = self.client.ops.match_prefix(keys, namespace=self.namespace,
-                                             block_tokens=self.block_size // len(ranks),
-                                             ttl=ttl, hold=hold)  # fmt: skip
-        return KVPrefixMatch(self.client, reply, self.block_size, asked_at, source=source,
-                             heads=heads, ranks=ranks, plan=plan, tp_rank=self.tp_rank,
-                             tp_size=self.tp_size)  # fmt: skip
+        return blocks.match_shards(self.client, self.namespace, hashes,
+                                   block_size=self.block_size, total_kv_heads=heads,
+                                   tp_rank=self.tp_rank, tp_size=self.tp_size,
+                                   source_tp_sizes=sizes, ttl=ttl, hold=hold)  # fmt: skip
 
 
 def _packed_size(value: Any) -> int:

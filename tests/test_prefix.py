@@ -507,17 +507,19 @@ def test_match_kv_releases_the_best_match_when_a_later_layout_fails(tp_daemon, m
     with tp_daemon.client() as c:
         # TP=1 shards of the first 2 of 4 blocks: the TP=2 layout is tried next
         tokens, pc = _decode_rank_over(c, 51, 2, 1)
-        real, calls = pc._match_layout, []
+        from kvbroker._client import block_ops as blocks
 
-        def flaky(hashes, source, heads, ttl, hold):
+        real, calls = blocks._match_layout, []
+
+        def flaky(client, namespace, hashes, block_size, source, *rest):
             calls.append(source)
             if source == 2:
                 raise BrokerUnavailable("the daemon went away mid-match")
-            found = real(hashes, source, heads, ttl, hold)
+            found = real(client, namespace, hashes, block_size, source, *rest)
             assert found.num_blocks == 2
             return found
 
-        monkeypatch.setattr(pc, "_match_layout", flaky)
+        monkeypatch.setattr(blocks, "_match_layout", flaky)
         with pytest.raises(BrokerUnavailable):
             pc.match_kv(tokens + [0])
         assert calls == [1, 2]

@@ -24,6 +24,7 @@ from .framing import MessageStream
 from .._wire.paths import default_socket_path
 from .leases import ReadLease, WriteLease, _Lease
 from .mappings import ClientMappings, PoolMapping
+from .pool_access import PoolAccess
 from .mappings import process_maps as _process_maps  # noqa: F401  (tests count its holders)
 from .ops import LEASE_OPS as _LEASE_OPS
 from .ops import Ops
@@ -72,7 +73,7 @@ class Listing(list):
     truncated: bool = False
 
 
-class Client:
+class Client(PoolAccess):
     """A connection to the node's kvbroker daemon.
 
     ``socket_path`` None means ``$KVBROKER_SOCKET`` or the default path. ``map_pools`` maps

@@ -42,10 +42,7 @@ class MatchedBlock:
         if self._match.released:
             raise KVBrokerError("the prefix match was released; its views are gone")
         pool, offset, nbytes = self._extents[name]
-        view = _np().frombuffer(self._match.client._mapping(pool).mm, dtype="uint8",
-                                count=nbytes, offset=offset)  # fmt: skip
-        view.flags.writeable = False
-        return view
+        return self._match.client.pool_view(pool, offset, nbytes)
 
     def __iter__(self):
         return iter(self._extents)
@@ -81,6 +78,21 @@ class PrefixMatch:
             table = _np().frombuffer(self._packed, dtype="<i8").reshape(-1, width)
             self._rows = table.tolist()
         return self._rows
+
+    def extents(self) -> tuple[list[str], Any]:
+        """The extents of every key this match leases, without a view per buffer: ``(names,
+        rows)``, ``rows`` an int64 array ``[keys, 1 + 2·len(names)]`` of ``pool, offset,
+        nbytes, offset, nbytes, ...`` in ``names`` order (the daemon's compact reply), or a
+        per-key list of ``{name: (pool, offset, nbytes)}`` maps when the keys' buffers
+        differ. Valid while the match is held."""
+        np = _np()
+        names = list(self._names)
+        if self._packed is not None:
+            return names, np.frombuffer(self._packed, dtype="<i8").reshape(-1, 1 + 2 * len(names))
+        raw = self._raw
+        if raw and isinstance(raw[0], dict):
+            return names, [{n: tuple(e) for n, e in r.items()} for r in raw]
+        return names, np.asarray(raw, dtype=np.int64).reshape(-1, 1 + 2 * len(names))
 
     @property
     def blocks(self) -> list[MatchedBlock]:
