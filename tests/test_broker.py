@@ -238,6 +238,35 @@ def test_high_watermark_evicts_down_to_low(make_broker):
     assert b.handle(s, "lookup", {"key": "k16"}) is not None
 
 
+def test_sealing_a_chain_past_the_high_watermark_keeps_the_chain_whole(make_broker):
+    """seal_many of a chain crossing the high watermark evicts the least recently used
+    objects, never the chain's first blocks: sealed first, they were leaves (evictable) until
+    their children were sealed a moment later in the same request."""
+    b = make_broker(npages=20, high_watermark=0.8, low_watermark=0.5)
+    s = session(b)
+
+    def chain(keys):
+        r = b.handle(s, "reserve_blocks", {"blocks": [
+            {"key": k, "parent": keys[i - 1] if i else None} for i, k in enumerate(keys)],
+            "buffers": {"x": PAGE}})  # fmt: skip
+        b.handle(s, "seal_many", {"leases": [res["lease"] for res in r["results"]],
+                                  "checksums": None})  # fmt: skip
+
+    old, new = [f"old{i}" for i in range(8)], [f"new{i}" for i in range(10)]
+    chain(old)
+    chain(new)
+    assert used(b) == 10  # 18 > 0.8 * 20: down to 10, the old chain from its leaf
+    assert [k for k in new if b.handle(s, "lookup", {"key": k}) is None] == []
+    assert all(b.handle(s, "lookup", {"key": k}) is None for k in old)
+    assert b.handle(s, "match_prefix", {"keys": new, "hold": False})["matched"] == 10
+    # One chain alone past the watermark: it shrinks from its leaf, its root stays
+    b.handle(s, "evict", {"all": True})
+    alone = [f"alone{i}" for i in range(18)]
+    chain(alone)
+    assert used(b) == 10
+    assert b.handle(s, "match_prefix", {"keys": alone, "hold": False})["matched"] == 10
+
+
 def test_evict_filters_and_dry_run(make_broker):
     b = make_broker()
     s = session(b)

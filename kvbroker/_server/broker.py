@@ -318,15 +318,25 @@ class Broker:
             self.journal.lent(pool.index, start, npages)
         return self.new_lease("write", session, obj, ttl)
 
-    def seal(self, ls: Lease) -> dict:
+    def seal(self, ls: Lease, *, enforce: bool = True) -> dict:
         """End a write lease by making its object visible."""
         obj = ls.obj
         del self.pending[(obj.namespace, obj.key)]
         self.end_lease(ls, "it was sealed")
-        return self.link_sealed(ls.session, obj)
+        return self.link_sealed(ls.session, obj, enforce=enforce)
 
-    def link_sealed(self, session: Session, obj: StoredObject) -> dict:
-        """Make a fully written object visible (replacing an older one of its key)."""
+    def seal_all(self, leases: list[Lease]) -> None:
+        """Seal ``leases`` (parents before children), then evict down to the watermark once:
+        evicting after each seal would take a chain's first blocks, leaves until the seal of
+        their children a moment later in the same batch."""
+        for ls in leases:
+            self.seal(ls, enforce=False)
+        for pool in {id(ls.obj.pool): ls.obj.pool for ls in leases}.values():
+            self.pages.enforce_watermark(pool)
+
+    def link_sealed(self, session: Session, obj: StoredObject, *, enforce: bool = True) -> dict:
+        """Make a fully written object visible (replacing an older one of its key); with
+        ``enforce``, then evict down to the low watermark if above the high one."""
         ident = (obj.namespace, obj.key)
         old = self.objects.get(ident)
         if old is not None:
@@ -352,7 +362,8 @@ class Broker:
         self.record_transfer("publish", session, obj, obj.nbytes)
         if self.on_block is not None and obj.tokens is not None:
             self.on_block("stored", obj)
-        self.pages.enforce_watermark(obj.pool)
+        if enforce:
+            self.pages.enforce_watermark(obj.pool)
         if self.on_sealed is not None:
             self.on_sealed(ident)
         return {"namespace": obj.namespace, "key": obj.key, "nbytes": obj.nbytes}

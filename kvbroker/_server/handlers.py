@@ -172,7 +172,7 @@ def op_seal_many(b: Broker, session, leases, checksums) -> R.SealedMany:
             for i, ls in enumerate(held)]  # fmt: skip
     for ls, checked in zip(held, sums):
         ls.obj.checksums = checked
-        b.seal(ls)
+    b.seal_all(held)
     return {"sealed": len(leases)}
 
 

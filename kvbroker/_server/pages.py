@@ -171,8 +171,12 @@ class Pages:
         if a.used <= self.high_watermark * a.capacity:
             return
         target = self.low_watermark * a.capacity
-        for obj in [o for o in self._lru.values() if o.pool is pool]:
-            if a.used <= target:
+        # The least recently used first, looked up again after each eviction: a chain's parent
+        # joins the LRU at its oldest end when its last child goes (the chain shrinks from its
+        # leaf), ahead of every younger object.
+        while a.used > target:
+            obj = next((o for o in self._lru.values() if o.pool is pool), None)
+            if obj is None:
                 break
             self._evict(obj)
 
