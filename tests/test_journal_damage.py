@@ -176,3 +176,171 @@ def test_a_damaged_journal_is_kept_aside_and_explained(socket_path):
     finally:
         assert d2.stop() == 0, d2.log()
         drop_leftover_pools(socket_path)
+
+
+# -- records rewritten with a valid checksum (issue 38, items 11 and 12) ----------------------
+
+def _journal_of_two(path: str, name: str, first: str, second: str):
+    """A journal of two live objects of 8 pages each, ``first`` sealed first, each filled
+    with its own byte; returns the pool."""
+    pool = HostPool(0, name, 64 * PAGE, PAGE)
+    b = Broker([pool])
+    b.attach_journal(Journal(path, 1, [pool.describe()]), 1)
+    s = b.open_session()
+    b.handle(s, "hello", {"version": 1})
+    shm = posix_ipc.SharedMemory(name)
+    mm = mmap.mmap(shm.fd, pool.size)
+    shm.close_fd()
+    for key in (first, second):
+        r = b.handle(s, "reserve", {"key": key, "buffers": {"x": 8 * PAGE}})
+        off = r["buffers"]["x"][1]
+        mm[off:off + 8 * PAGE] = key.encode()[:1] * (8 * PAGE)
+        b.handle(s, "seal", {"lease": r["lease"],
+                             "checksums": {"x": encode(digest(mm[off:off + 8 * PAGE]))}})
+    b.journal.close()
+    mm.close()
+    return pool
+
+
+def _rewrite_seal(path: str, key: str, change) -> None:
+    """Rewrite the seal record of ``key`` in place with ``change(record)``, framed with a
+    valid checksum (the file's seed), as someone who can write the file could."""
+    import zlib
+
+    import msgpack
+
+    from kvbroker._server import journal as J
+
+    data = open(path, "rb").read()
+    magic, seed, start = J._header_of(data)
+    entries, damaged, torn = J._frames(data, magic, seed, start)
+    assert not damaged and not torn
+    ends = [pos for pos, _ in entries[1:]] + [len(data)]
+    for (pos, entry), end in zip(entries, ends):
+        if entry.get("t") == "s" and entry["o"]["key"] == key:
+            change(entry["o"])
+            body = msgpack.packb(entry, use_bin_type=True)
+            frame = J._FRAME.pack(magic, len(body), zlib.crc32(body, seed)) + body
+            data = data[:pos] + frame + data[end:]
+            break
+    else:
+        raise AssertionError(f"no seal record of {key!r}")
+    open(path, "wb").write(data)
+
+
+def _restart(path: str, pool: HostPool) -> tuple[Broker, dict]:
+    rec = Journal.load(path)
+    b2 = Broker([HostPool.adopt(0, pool.name, pool.size, PAGE)])
+    report: dict = {}
+    b2.restore(rec.objects.values(), [(p, s, n) for (p, s), n in rec.lent.items()],
+               report=report, dropped=rec.dropped_serials, verify=rec.suspect)
+    return b2, {**rec.dropped, **report}
+
+
+def test_a_seal_record_renamed_to_another_live_key_drops_both(tmp_path):
+    """Live "a" rewritten into a second live "b" (valid checksum): the broker always writes a
+    key's unlink before the seal that replaces it, so two live seals of one key contradict
+    each other; neither is served (before, "b" came back holding "a"'s bytes)."""
+    name = segment_prefix() + ".0"
+    path = str(tmp_path / "j")
+    pool = _journal_of_two(path, name, "b", "a")
+    try:
+        _rewrite_seal(path, "a", lambda o: o.update(key="b"))
+        b2, why = _restart(path, pool)
+        assert b2.objects == {}, {k: o.serial for k, o in b2.objects.items()}
+        assert why["two seals of its key with no unlink between them"] == ["default/b"] * 2
+    finally:
+        pool.unlink()
+
+
+def test_a_seal_record_moved_onto_another_live_objects_pages_drops_both(tmp_path):
+    """Live "b" rewritten to lie on live "a"'s pages, with no pages lent between the two
+    seals (what a lost unlink and a reuse leave): both are dropped (before, "a" was taken
+    for stale and "b" came back holding "a"'s bytes)."""
+    name = segment_prefix() + ".0"
+    path = str(tmp_path / "j")
+    pool = _journal_of_two(path, name, "a", "b")
+    try:
+        first = Journal.load(path).objects
+        a = next(o for o in first.values() if o["key"] == "a")
+        shift = a["start"] - next(o for o in first.values() if o["key"] == "b")["start"]
+
+        def onto_a(o):
+            o.update(start=a["start"])
+            o["buffers"] = {n: [off + shift * PAGE, size] for n, (off, size) in o["buffers"].items()}
+
+        _rewrite_seal(path, "b", onto_a)
+        b2, why = _restart(path, pool)
+        assert b2.objects == {}, {k: o.serial for k, o in b2.objects.items()}
+        assert sorted(why["its pages are another live object's, sealed with no unlink and no "
+                          "lending between them"]) == ["default/a", "default/b"]
+    finally:
+        pool.unlink()
+
+
+def test_a_reused_page_after_a_lost_unlink_keeps_the_later_object(tmp_path):
+    """The history a lost unlink leaves (sealed, freed, lent again, sealed over) still
+    keeps the later object, bit for bit: only a seal with no lending between is refused."""
+    name = segment_prefix() + ".0"
+    path = str(tmp_path / "j")
+    pool = HostPool(0, name, 64 * PAGE, PAGE)
+    try:
+        b = Broker([pool])
+        b.attach_journal(Journal(path, 1, [pool.describe()]), 1)
+        s = b.open_session()
+        b.handle(s, "hello", {"version": 1})
+        r = b.handle(s, "reserve", {"key": "old", "buffers": {"x": 8 * PAGE}})
+        b.handle(s, "seal", {"lease": r["lease"]})
+        old = b.objects[("default", "old")]
+        serial = old.serial
+        b.handle(s, "evict", {"key": "old"})
+        r = b.handle(s, "reserve", {"key": "new", "buffers": {"x": 8 * PAGE}})
+        zeros = {"x": encode(digest(bytes(8 * PAGE)))}  # a fresh pool's pages
+        b.handle(s, "seal", {"lease": r["lease"], "checksums": zeros})
+        assert b.objects[("default", "new")].start == old.start  # its pages again
+        b.journal.close()
+        data = open(path, "rb").read()
+        import msgpack
+
+        unlink = msgpack.packb({"t": "u", "s": serial}, use_bin_type=True)
+        at = data.find(unlink)
+        assert at > 0
+        from kvbroker._server import journal as J
+
+        frame_at = at - J._FRAME.size
+        open(path, "wb").write(data[:frame_at] + data[at + len(unlink):])  # the unlink lost
+        b2, why = _restart(path, pool)
+        assert list(b2.objects) == [("default", "new")], why
+        assert why["its pages were reused by a later record (its unlink was lost)"] == [
+            "default/old"]
+    finally:
+        pool.unlink()
+
+
+def _record(serial: int, key: str, start: int, npages: int) -> dict:
+    return {"serial": serial, "namespace": "default", "key": key, "pool": 0, "start": start,
+            "npages": npages, "nbytes": npages * PAGE, "consumers": 1, "created_at": 0.0,
+            "buffers": {"x": [start * PAGE, npages * PAGE]}, "meta": None,
+            "checksums": None, "parent": None, "parent_key": None, "tokens": None,
+            "tenants": None}
+
+
+@pytest.mark.parametrize("later_start", [0, 6, 3])
+def test_restore_keeps_the_later_of_two_overlapping_records(tmp_path, later_start):
+    """Restore's own rule, for records that reach it overlapping: the later seal wins, the
+    earlier is dropped whichever side they overlap on (the later one starting before the
+    earlier one, after it, or inside it), and the broker starts with a consistent pool."""
+    name = segment_prefix() + ".0"
+    pool = HostPool(0, name, 32 * PAGE, PAGE)
+    try:
+        earlier = _record(1, "earlier", 4, 8)  # pages 4-11
+        later = _record(2, "later", later_start, 8)
+        b2 = Broker([HostPool.adopt(0, name, pool.size, PAGE)])
+        report: dict = {}
+        assert b2.restore([earlier, later], report=report) == 1
+        assert list(b2.objects) == [("default", "later")]
+        assert report == {"its pages overlap a later object's": ["default/earlier"]}
+        allocator = b2.pools[0].allocator
+        assert allocator.used == 8 and allocator.free == 24  # the earlier one's pages freed
+    finally:
+        pool.unlink()

@@ -42,8 +42,13 @@ process; the pools in /dev/shm would not outlive the machine anyway). A torn las
 cut off on load.
 
 Loading trusts nothing it cannot check (issue 16): damaged records are dropped and counted
-(``Recovered.damaged``); an object some later record puts other pages over (a lost ``u``
-record: it was freed and its pages reused) is dropped as stale (``Recovered.dropped``); ids
+(``Recovered.damaged``); an object whose pages a later ``w`` record lent again (a lost ``u``
+record: it was freed and its pages reused) is dropped as stale (``Recovered.dropped``). The
+broker writes a key's ``u`` before the ``s`` that replaces it, and a ``w`` before any ``s`` on
+its pages, so two records that break that order contradict each other and **both** are
+dropped (issue 38): a second live ``s`` of one key with no ``u`` of the first between them,
+and an ``s`` on a live object's pages with no ``w`` between them (what a record rewritten with
+a valid checksum, or moved, looks like: which one holds whose bytes cannot be told); ids
 are fenced a block further per damaged record (a lost ``i`` record). What the rest of the
 restore refuses (duplicate keys, overlapping or out-of-pool extents, children of dropped
 parents): :func:`kvbroker._server.restore.restore`.
@@ -166,8 +171,10 @@ class Journal:
         if 0 < start < len(data):
             damaged.insert(0, (0, start))  # the first copy of the header
         rec: Recovered | None = None
-        history: list[tuple[int, int, int, int]] = []  # (seq, pool, start, npages) of s and w
+        # (seq, pool, start, npages, serial) of s records, serial -1 for w records
+        history: list[tuple[int, int, int, int, int]] = []
         seal_seq: dict[int, int] = {}
+        live_keys: dict[tuple[str, str], int] = {}  # (namespace, key) -> serial last sealed
         for seq, (pos, entry) in enumerate(entries):
             t = entry.get("t") if isinstance(entry, dict) else None
             if rec is None:
@@ -180,7 +187,7 @@ class Journal:
                     damaged.append((pos, pos + 1))
                 continue
             try:
-                _apply(rec, t, entry, seq, history, seal_seq)
+                _apply(rec, t, entry, seq, history, seal_seq, live_keys)
             except (KeyError, TypeError, ValueError, AttributeError) as exc:
                 log.warning("%s: record at byte %d does not make sense (%s: %s): dropped",
                             path, pos, type(exc).__name__, exc)
@@ -397,7 +404,8 @@ def _frames(data: bytes, magic_of: bytes = MAGIC, seed: int = 0,
 
 
 def _apply(rec: Recovered, t: Any, entry: dict, seq: int,
-           history: list[tuple[int, int, int, int]], seal_seq: dict[int, int]) -> None:
+           history: list[tuple[int, int, int, int, int]], seal_seq: dict[int, int],
+           live_keys: dict[tuple[str, str], int]) -> None:
     """Replay one checked record into ``rec``."""
     if t == "h":
         return  # the second copy of the header
@@ -406,15 +414,27 @@ def _apply(rec: Recovered, t: Any, entry: dict, seq: int,
         serial = o["serial"]
         if not isinstance(serial, int) or not isinstance(o, dict):
             raise TypeError("a sealed object needs an integer serial")
+        where = (int(o["pool"]), int(o["start"]), int(o["npages"]))
+        history.append((seq, *where, serial))
+        ident = (o.get("namespace"), o.get("key"))
+        if not all(isinstance(v, str) for v in ident):
+            ident = None  # malformed: restore drops it and says why
+        prior = live_keys.get(ident) if ident is not None else None
+        if ident is not None:
+            live_keys[ident] = serial
+        if prior is not None and prior != serial and prior in rec.objects:
+            # The broker writes the unlink of a key's object before the seal that replaces
+            # it: two live seals of one key say different things about the same name (a
+            # record rewritten or misplaced with a valid checksum). Neither is believed.
+            why = "two seals of its key with no unlink between them"
+            del rec.objects[prior]
+            rec.drop(why, f"{ident[0]}/{ident[1]}", prior)
+            rec.drop(why, f"{ident[0]}/{ident[1]}", serial)
+            _end_lent(rec, o)
+            return
         rec.objects[serial] = o
         seal_seq[serial] = seq
-        history.append((seq, int(o["pool"]), int(o["start"]), int(o["npages"])))
-        # The object's pages were lent for writing until now (an arena whose first pages
-        # were published stays lent past them).
-        where = (o["pool"], o["start"])
-        n = rec.lent.pop(where, None)
-        if n is not None and n > o["npages"]:
-            rec.lent[(where[0], where[1] + o["npages"])] = n - o["npages"]
+        _end_lent(rec, o)
     elif t == "u":
         rec.objects.pop(entry["s"], None)
     elif t == "c":
@@ -424,7 +444,7 @@ def _apply(rec: Recovered, t: Any, entry: dict, seq: int,
     elif t == "w":
         p, st, n = int(entry["p"]), int(entry["s"]), int(entry["n"])
         rec.lent[(p, st)] = n
-        history.append((seq, p, st, n))
+        history.append((seq, p, st, n, -1))
     elif t == "e":
         _returned(rec.lent, int(entry["p"]), int(entry["s"]))
     elif t == "i":
@@ -433,29 +453,60 @@ def _apply(rec: Recovered, t: Any, entry: dict, seq: int,
         raise ValueError(f"unknown record type {t!r}")
 
 
-def _drop_stale(rec: Recovered, history: list[tuple[int, int, int, int]],
+def _end_lent(rec: Recovered, o: dict) -> None:
+    """A seal ends the lending of its pages (an arena whose first pages were published
+    stays lent past them)."""
+    where = (o["pool"], o["start"])
+    n = rec.lent.pop(where, None)
+    if n is not None and n > o["npages"]:
+        rec.lent[(where[0], where[1] + o["npages"])] = n - o["npages"]
+
+
+def _drop_stale(rec: Recovered, history: list[tuple[int, int, int, int, int]],
                 seal_seq: dict[int, int]) -> None:
-    """Drop the objects whose pages a later record (a seal, or pages lent for writing) put
-    something else on: their unlink record was lost, and their pages hold another's bytes."""
+    """Drop the objects whose pages a later record put something else on. Pages lent for
+    writing after an object's seal: its unlink record was lost and its pages reused (the
+    broker lends pages before any seal on them): the object is stale, the later one stands.
+    A later seal on its pages with no lending between: the two records contradict each
+    other (a rewritten or misplaced record with a valid checksum): both are dropped."""
     import numpy as np
 
-    last = []
+    lent_at, sealed_at, sealer = [], [], []
     for p in rec.pools:
         try:
-            last.append(np.full(int(p["size"]) // int(p["page_size"]), -1, dtype=np.int64))
+            npages = max(0, int(p["size"]) // int(p["page_size"]))
         except (KeyError, TypeError, ValueError, ZeroDivisionError):
-            last.append(np.full(0, -1, dtype=np.int64))
-    for seq, p, st, n in history:  # in journal order: each page keeps its latest writer
-        if 0 <= p < len(last) and n > 0 and st >= 0:
-            last[p][st:st + n] = seq
+            npages = 0
+        lent_at.append(np.full(npages, -1, dtype=np.int64))
+        sealed_at.append(np.full(npages, -1, dtype=np.int64))
+        sealer.append(np.full(npages, -1, dtype=np.int64))
+    for seq, p, st, n, serial in history:  # in journal order: each page keeps its latest
+        if 0 <= p < len(lent_at) and n > 0 and st >= 0:
+            if serial < 0:
+                lent_at[p][st:st + n] = seq
+            else:
+                sealed_at[p][st:st + n] = seq
+                sealer[p][st:st + n] = serial
+    contradicted: dict[int, None] = {}
     for serial, o in list(rec.objects.items()):
         try:
             p, st, n = int(o["pool"]), int(o["start"]), int(o["npages"])
-            later = 0 <= p < len(last) and n > 0 and st >= 0 and (
-                int(last[p][st:st + n].max(initial=-1)) > seal_seq[serial])
+            if not (0 <= p < len(lent_at) and n > 0 and st >= 0):
+                continue  # restore checks the record itself
+            q = seal_seq[serial]
+            relent = int(lent_at[p][st:st + n].max(initial=-1)) > q
+            later = sealed_at[p][st:st + n] > q
         except (KeyError, TypeError, ValueError):
-            continue  # restore checks the record itself
-        if later:
+            continue
+        if relent:
             del rec.objects[serial]
             rec.drop("its pages were reused by a later record (its unlink was lost)",
                      f"{o.get('namespace')}/{o.get('key')}", serial)
+        elif later.any():
+            contradicted[serial] = None
+            contradicted.update(dict.fromkeys(int(x) for x in np.unique(sealer[p][st:st + n][later])))
+    for serial in contradicted:
+        o = rec.objects.pop(serial, None)
+        if o is not None:
+            rec.drop("its pages are another live object's, sealed with no unlink and no "
+                     "lending between them", f"{o.get('namespace')}/{o.get('key')}", serial)
