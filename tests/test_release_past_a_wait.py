@@ -54,14 +54,22 @@ def test_a_release_from_another_thread_does_not_wait_for_a_blocking_claim(daemon
         c.put("held", {"x": b"abc"})
         lease = c.claim("held", consume=True)
         claimed = []
+        session = c._session
+        before = session._next_id
         waiter = threading.Thread(target=lambda: claimed.append(c.claim("later", wait=10)))
         waiter.start()
-        time.sleep(0.2)  # the claim is waiting in the daemon, this client's lock held
+        # Until the claim has gone out (its request id taken, under the client's reading
+        # lock, which it holds until its reply): the release below then follows it on the
+        # one connection, and the daemon reads the claim (and starts its wait) first.
+        deadline = time.monotonic() + 30
+        while session._next_id == before or not session._lock.locked():
+            assert waiter.is_alive() and time.monotonic() < deadline
+            time.sleep(0.001)
+        assert session._next_id == before + 1  # the claim alone
         releaser = threading.Thread(target=lease.release)
-        started = time.monotonic()
         releaser.start()
-        releaser.join(5)
-        assert not releaser.is_alive() and time.monotonic() - started < 1.0
+        releaser.join(5)  # a release held behind the claim would wait for its 10 s
+        assert not releaser.is_alive()
         assert _gone(other, "held")
         assert waiter.is_alive()  # still waiting: the release went past it
         other.put("later", {"x": b"def"})
