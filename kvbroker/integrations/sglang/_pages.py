@@ -1,0 +1,263 @@
+"""The data path: pages of SGLang's host pool <-> broker blocks, on :mod:`kvbroker.blocks`.
+
+No SGLang import; torch is touched only through the host pool's tensor (as numpy).
+
+- **Write** (``batch_set_v1``): one :func:`kvbroker.blocks.reserve` for every block of the
+  batch the node lacks (one round trip, all or nothing), each parented on the block before it
+  in the chain (the page before, or the caller's last prefix page) so the broker evicts a
+  chain from its leaf; each block's runs are copied from the host pool straight into its
+  pool extent, hashed as they are copied; then one :func:`kvbroker.blocks.seal` (a second
+  round trip). Blocks the node already holds cost no copy. A refusal (pool full, quota)
+  writes nothing.
+- **Read** (``batch_get_v1``): one :func:`kvbroker.blocks.match_keys` over the batch's keys
+  (block-major, shard-minor) takes one read lease on the leading run the node holds; each
+  matched block's runs are copied from its pool extent straight into the host pool; the
+  lease is released before the call returns. Pages count only when every shard of them
+  matched.
+- **Count** (``batch_exists``): the same match with ``hold=False``: one round trip (to a read
+  replica where the daemon runs them), nothing held.
+
+Every broker error ends in the return value: misses, or a write that did not happen
+(:mod:`._link` for a daemon that is down). Nothing here raises into SGLang's threads except
+programming errors, which are logged and counted as errors too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+import threading
+from collections import Counter
+from dataclasses import dataclass
+
+from kvbroker import blocks
+from kvbroker.errors import KVBrokerError, LimitExceeded, PoolFull, QuotaExceeded
+
+from ._format import PAGE, PageGeometry, Sharding
+from ._link import BrokerLink, Warnings
+
+log = logging.getLogger("kvbroker.integrations.sglang")
+
+__all__ = ["PageRef", "PageStore", "Source"]
+
+_FULL = (PoolFull, QuotaExceeded, LimitExceeded)
+
+
+@dataclass(frozen=True)
+class PageRef:
+    """Where one page lies: ``outer`` runs of ``run`` bytes of ``array`` (flat uint8), run
+    ``r`` at ``start + r * stride``."""
+
+    array: object
+    start: int
+    stride: int
+
+
+class Source:
+    """A flat uint8 view of a host pool buffer (or of one flat page), and its pages."""
+
+    def __init__(self, array) -> None:
+        self.array = array
+
+    @classmethod
+    def of_tensor(cls, tensor) -> Source:
+        import torch
+
+        return cls(tensor.detach().reshape(-1).view(torch.uint8).numpy())
+
+    def page(self, token: int, geometry: PageGeometry) -> PageRef:
+        return PageRef(self.array, geometry.start(token), geometry.outer_stride)
+
+    @staticmethod
+    def flat_page(tensor, geometry: PageGeometry) -> PageRef:
+        """A page as SGLang's ``get_data_page(flat=True)`` gives it: its runs back to back."""
+        import torch
+
+        if tensor is None or tensor.device.type != "cpu" or not tensor.is_contiguous() \
+                or tensor.numel() * tensor.element_size() != geometry.outer * geometry.run:  # fmt: skip
+            raise ValueError(f"kvbroker: a flat page must be a contiguous CPU tensor of "
+                             f"{geometry.outer * geometry.run} bytes")  # fmt: skip
+        return PageRef(tensor.detach().reshape(-1).view(torch.uint8).numpy(), 0, geometry.run)
+
+
+class PageKeys:
+    """Broker keys of SGLang page hashes: salted per namespace and ``cache_salt``, then one
+    per shard this rank holds (see :mod:`._format`)."""
+
+    def __init__(self, namespace: str, cache_salt: str, suffixes: list[str]) -> None:
+        self._base = hashlib.blake2b(digest_size=16, person=b"kvbroker-sglang",
+                                     key=hashlib.blake2b(cache_salt.encode(),
+                                                         digest_size=32).digest())  # fmt: skip
+        raw = namespace.encode()
+        self._base.update(len(raw).to_bytes(4, "little") + raw)
+        self.suffixes = suffixes
+
+    def page(self, page_hash: str) -> str:
+        h = self._base.copy()
+        h.update(page_hash.encode())
+        return h.hexdigest()
+
+    def blocks(self, page_hashes: list[str]) -> list[str]:
+        """Block-major, shard-minor."""
+        return [self.page(p) + s for p in page_hashes for s in self.suffixes]
+
+
+class PageStore:
+    """One rank's pages in one namespace; thread-safe (SGLang's storage threads share it)."""
+
+    def __init__(self, link: BrokerLink, namespace: str, *, cache_salt: str, sharding: Sharding,
+                 geometry: PageGeometry, host: Source, checksum: bool = True,
+                 warnings: Warnings | None = None) -> None:  # fmt: skip
+        self.link, self.namespace, self.geometry = link, namespace, geometry
+        self.sharding, self.host, self.checksum = sharding, host, checksum
+        self.warnings = warnings or link.warnings
+        self.keys = PageKeys(namespace, cache_salt, sharding.suffixes())
+        self.split = sharding.per_rank
+        self.piece = geometry.run // self.split  # bytes of one run a shard holds
+        self.block_nbytes = geometry.outer * self.piece
+        self.page_nbytes = geometry.outer * geometry.run
+        self._counts: Counter[str] = Counter()
+        self._lock = threading.Lock()
+
+    def host_page(self, token: int) -> PageRef:
+        return self.host.page(token, self.geometry)
+
+    # -- the three calls ------------------------------------------------------------------------
+    def count(self, page_hashes: list[str]) -> int:
+        """How many leading pages the node holds (every shard of them)."""
+        client = self.link.get()
+        if client is None:
+            return 0
+        try:
+            match = blocks.match_keys(client, self.namespace, self.keys.blocks(page_hashes),
+                                      hold=False)  # fmt: skip
+            return match.num_blocks // self.split
+        except Exception as exc:  # noqa: BLE001 - SGLang's thread must go on (module docstring)
+            self._failed(client, exc, "exists")
+            return 0
+
+    def read(self, page_hashes: list[str], pages: list[PageRef]) -> int:
+        """Copy the leading pages the node holds into ``pages``; how many were copied."""
+        client = self.link.get()
+        if client is None:
+            self._count("read_missed_down", len(page_hashes))
+            return 0
+        split, piece = self.split, self.piece
+        try:
+            with blocks.match_keys(client, self.namespace, self.keys.blocks(page_hashes),
+                                   hold=True) as match:  # fmt: skip
+                found = match.num_blocks // split
+                for i in range(found):
+                    ref = pages[i]
+                    for j in range(split):
+                        view = match.blocks[i * split + j][PAGE]
+                        _scatter(view, ref, j * piece, piece, self.geometry.outer)
+        except Exception as exc:  # noqa: BLE001
+            self._failed(client, exc, "get")
+            return 0
+        self._count("read_pages", found)
+        self._count("read_missed", len(page_hashes) - found)
+        return found
+
+    def write(self, page_hashes: list[str], pages: list[PageRef], *,
+              parent: str | None = None) -> bool:  # fmt: skip
+        """Store the pages the node lacks; True when every page is stored (now or before)."""
+        client = self.link.get()
+        if client is None:
+            self._count("write_skipped", len(page_hashes))
+            return False
+        keys = self.keys.blocks(page_hashes)
+        split = self.split
+        # Each shard's chain is its own: the parent of shard j of page i is shard j of i - 1.
+        first = self.keys.blocks([parent]) if parent is not None else [None] * split
+        request = [{"key": k, "parent": keys[b - split] if b >= split else first[b]}
+                   for b, k in enumerate(keys)]  # fmt: skip
+        reservation = None
+        try:
+            reservation = blocks.reserve(client, self.namespace, request,
+                                         {PAGE: self.block_nbytes})  # fmt: skip
+            kind = client.checksum_kind if self.checksum else None
+            sums = []
+            j = 0
+            for b, lease in enumerate(reservation.leases):
+                if lease is None:
+                    continue  # the node holds it already
+                ref = pages[b // split]
+                digest = _gather(reservation.view(j, PAGE), ref, (b % split) * self.piece,
+                                 self.piece, self.geometry.outer, kind)  # fmt: skip
+                sums.append({PAGE: digest} if kind is not None else None)
+                j += 1
+            reservation.seal(sums if kind is not None else None)
+        except _FULL as exc:
+            self._count("write_skipped", len(page_hashes))
+            self.warnings.warn("full", "the broker refused %d HiCache pages (%s): they are "
+                               "not stored", len(page_hashes), exc)  # fmt: skip
+            return False
+        except Exception as exc:  # noqa: BLE001
+            if reservation is not None:
+                try:
+                    reservation.abort()
+                except Exception:  # noqa: BLE001 - the connection may be gone, leases with it
+                    pass
+            self._count("write_skipped", len(page_hashes))
+            self._failed(client, exc, "set")
+            return False
+        written = sum(1 for lease in reservation.leases if lease is not None)
+        self._count("written_blocks", written)
+        self._count("existing_blocks", len(keys) - written)
+        return True
+
+    def clear(self) -> bool:
+        """Evict this rank's shards in the namespace; False when the broker is down."""
+        client = self.link.get()
+        if client is None:
+            return False
+        pattern = "(" + "|".join(re.escape(s) for s in self.keys.suffixes) + ")$"
+        try:
+            client.evict(namespace=self.namespace, match=pattern)
+        except Exception as exc:  # noqa: BLE001
+            self._failed(client, exc, "clear")
+            return False
+        return True
+
+    # -- bookkeeping ----------------------------------------------------------------------------
+    def totals(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._counts)
+
+    def _count(self, name: str, n: int = 1) -> None:
+        if n:
+            with self._lock:
+                self._counts[name] += n
+
+    def _failed(self, client, exc: BaseException, what: str) -> None:
+        self._count("errors")
+        if isinstance(exc, KVBrokerError) or isinstance(exc, OSError):
+            self.link.fail(client, exc)
+            self.warnings.warn(f"error_{what}", "HiCache %s failed (%s: %s): served as a miss "
+                               "or an unwritten page", what, type(exc).__name__, exc)  # fmt: skip
+        else:
+            log.error("kvbroker: HiCache %s failed with an unexpected error; served as a miss "
+                      "or an unwritten page", what, exc_info=exc)  # fmt: skip
+
+
+def _gather(dst, ref: PageRef, offset: int, piece: int, outer: int, kind):
+    """Copy the ``outer`` pieces of page ``ref`` (``offset`` into each run) back to back into
+    ``dst``, one pass; with ``kind``, return their checksum."""
+    import numpy as np
+
+    start = ref.start + offset
+    if outer == 1:
+        src = ref.array[start:start + piece]
+    else:
+        src = np.lib.stride_tricks.as_strided(ref.array[start:], shape=(outer, piece),
+                                              strides=(ref.stride, 1), writeable=False)  # fmt: skip
+    return blocks.copy(dst, src, kind)
+
+
+def _scatter(src, ref: PageRef, offset: int, piece: int, outer: int) -> None:
+    """Copy a block's bytes ``src`` back into the ``outer`` pieces of page ``ref``."""
+    for r in range(outer):
+        at = ref.start + r * ref.stride + offset
+        blocks.copy_into(ref.array[at:at + piece], src[r * piece:(r + 1) * piece])

@@ -1,0 +1,275 @@
+"""``KVBrokerStorage``: kvbroker as an SGLang HiCache storage backend (the "L3" tier).
+
+SGLang's ``dynamic`` backend builds it as ``KVBrokerStorage(storage_config, kwargs)`` from
+``--hicache-storage-backend-extra-config`` (see the package docstring for the command line);
+its cache controller then registers the host pool (``register_mem_pool_host``) and calls, from
+its prefetch and backup threads, ``batch_exists`` (how many leading pages of a prompt the node
+holds), ``batch_get_v1`` (pages into the host pool) and ``batch_set_v1`` (pages out of it).
+With ``"interface_v1": 1`` those are zero-copy: each page's bytes are copied once, straight
+between SGLang's host pool and the broker's shared-memory pools, a batch of pages in one
+round trip (:mod:`._pages`). Without it SGLang uses the older ``batch_get``/``batch_set`` on
+flat page tensors, which this backend serves too (one more copy, SGLang's).
+
+Extra config keys, beside SGLang's ``backend_name``, ``module_path``, ``class_name``,
+``interface_v1`` and ``tp_lcm_size``:
+
+- ``socket``: the daemon's socket (default: ``$KVBROKER_SOCKET``, then kvbroker's defaults);
+- ``namespace``: prefix of the broker namespace (default ``sglang``; under ``[isolation]``
+  tenant mode use one the engine's user may write, e.g. ``"USER/sglang"``);
+- ``model_id``: the model's identity in the namespace (default: SGLang's model name);
+- ``cache_salt``: mixed into every key (default none): engines with different salts never
+  share pages, even in one namespace;
+- ``checksum`` (default true): record each page's checksum at seal (``kvbroker verify``);
+- ``timeout`` (seconds, default 5): the longest a broker call may take before the broker is
+  treated as down; ``retry_min`` / ``retry_max`` (seconds, default 1 / 30): the first and
+  the longest wait between reconnection attempts while it is down.
+
+What SGLang expects when the broker cannot help (:mod:`._link`): a daemon that is down,
+restarting or hung costs misses (``batch_exists`` 0, ``batch_get_v1`` all False) and skipped
+writes (``batch_set_v1`` all False), never an exception: an exception in SGLang's backup
+thread ends its backups (returning None does too, its docstring says). A full pool or quota
+skips that batch's writes. Each kind of trouble is logged once, then at most once per 30 s.
+
+Ownership: SGLang owns its host pool; a call reads (set) or writes (get) only the pages its
+``host_indices`` name, and only until it returns. The broker owns every stored page; a get
+holds one read lease over the matched pages while it copies, released before it returns.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
+
+from ._format import PageGeometry, Sharding, namespace_for
+from ._link import BrokerLink, Warnings
+from ._pages import PageStore, Source
+
+log = logging.getLogger("kvbroker.integrations.sglang")
+
+__all__ = ["KVBrokerStorage"]
+
+
+def _metrics():
+    """SGLang's ``StorageMetrics`` (its metrics collector asserts the type), or None."""
+    try:
+        from sglang.srt.observability.metrics_collector import StorageMetrics
+    except ImportError:
+        return None
+    return StorageMetrics
+
+
+class KVBrokerStorage(HiCacheStorage):
+    """See the module docstring."""
+
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict | None = None) -> None:
+        self.config = storage_config
+        extra = dict(storage_config.extra_config or {})
+        self.prefix = str(extra.get("namespace", "sglang"))
+        self.model = str(extra.get("model_id") or storage_config.model_name or "model")
+        self.cache_salt = str(extra.get("cache_salt", ""))
+        checksum = extra.get("checksum", True)
+        if not isinstance(checksum, bool):
+            raise ValueError(f"kvbroker: checksum must be true or false, not {checksum!r}")
+        self.checksum = checksum
+        socket = extra.get("socket") or os.environ.get("KVBROKER_SOCKET") or None
+        self.warnings = Warnings(log)
+        rank = f"tp{storage_config.tp_rank}of{storage_config.tp_size}"
+        if storage_config.pp_size > 1:
+            rank += f"-pp{storage_config.pp_rank}"
+        self.link = BrokerLink(
+            socket, name=f"sglang-{rank}-{os.getpid()}", role="kv_both",
+            timeout=float(extra.get("timeout", 5.0)), retry_min=float(extra.get("retry_min", 1.0)),
+            retry_max=float(extra.get("retry_max", 30.0)), warnings=self.warnings,
+        )  # fmt: skip
+        self.store: PageStore | None = None
+        self.namespace: str | None = None
+        self._stats_lock = threading.Lock()
+        self._metrics: dict[str, list] = {"prefetch_pgs": [], "backup_pgs": [],
+                                          "prefetch_bandwidth": [], "backup_bandwidth": []}  # fmt: skip
+
+    # -- set-up ------------------------------------------------------------------------------
+    def register_mem_pool_host(self, mem_pool_host) -> None:
+        super().register_mem_pool_host(mem_pool_host)
+        pool = mem_pool_host
+        buffer = pool.kv_buffer
+        if not hasattr(buffer, "data_ptr") or buffer.device.type != "cpu" \
+                or not buffer.is_contiguous():  # fmt: skip
+            raise ValueError("kvbroker: the HiCache host pool must be one contiguous CPU "
+                             f"tensor (kv_buffer); {type(pool).__name__} has another form")  # fmt: skip
+        mla = bool(self.config.is_mla_model)
+        head_num = None if mla else int(pool.head_num)
+        if not mla and getattr(pool, "v_head_dim", pool.head_dim) != pool.head_dim:
+            raise ValueError("kvbroker: K and V head sizes differ; the host pool's layout "
+                             "for that is not supported")  # fmt: skip
+        geometry = PageGeometry.of(pool.layout, tuple(buffer.shape), buffer.element_size(),
+                                   pool.page_size, pool.size, paired=not mla)  # fmt: skip
+        sharding = Sharding.of(self.config, head_num)
+        if sharding.per_rank > 1 and pool.layout != "page_head":
+            raise ValueError("kvbroker: splitting heads (tp_lcm_size) needs the page_head "
+                             f"host layout, not {pool.layout!r}")  # fmt: skip
+        facts = [getattr(pool, name, None) for name in
+                 ("layer_num", "head_dim", "v_head_dim", "kv_cache_dim")]  # fmt: skip
+        self.namespace = namespace_for(
+            self.model, pool=type(pool).__name__, layout=pool.layout,
+            dtype=str(pool.dtype).removeprefix("torch."), geometry=facts,
+            total_kv_heads=sharding.total_kv_heads, page_size=pool.page_size,
+            format_tag=getattr(pool, "storage_format_tag", None), prefix=self.prefix,
+        )  # fmt: skip
+        self.store = PageStore(self.link, self.namespace, cache_salt=self.cache_salt,
+                               sharding=sharding, geometry=geometry,
+                               host=Source.of_tensor(buffer), checksum=self.checksum,
+                               warnings=self.warnings)  # fmt: skip
+        log.info("kvbroker: HiCache storage for %s, namespace %s, layout %s, %d shard(s) of "
+                 "%s per page, socket %s", self.model, self.namespace, pool.layout,
+                 sharding.per_rank, "all heads" if sharding.total_kv_heads is None else
+                 f"{sharding.total_kv_heads // sharding.shards} head(s)",
+                 self.link.socket or "default")  # fmt: skip
+
+    def _store(self) -> PageStore:
+        if self.store is None:
+            raise RuntimeError("kvbroker: register_mem_pool_host was not called")
+        return self.store
+
+    def _starts(self, n: int, host_indices) -> list[int] | None:
+        page = self._store().geometry.page_size
+        if host_indices is None or host_indices.numel() != n * page:
+            self.warnings.warn("bad_call", "host_indices hold %s tokens for %d pages of %d: "
+                               "the batch is skipped", None if host_indices is None else
+                               host_indices.numel(), n, page)  # fmt: skip
+            return None
+        return host_indices[::page].tolist()
+
+    # -- the zero-copy interface (``"interface_v1": 1``) ---------------------------------------
+    def batch_exists(self, keys: list[str], extra_info=None) -> int:
+        return self._store().count(keys) if keys else 0
+
+    def batch_get_v1(self, keys: list[str], host_indices, extra_info=None) -> list[bool]:
+        if not keys:
+            return []
+        starts = self._starts(len(keys), host_indices)
+        if starts is None:
+            return [False] * len(keys)
+        store = self._store()
+        began = time.perf_counter()
+        got = store.read(keys, [store.host_page(t) for t in starts])
+        self._record("prefetch", got, began)
+        return [i < got for i in range(len(keys))]
+
+    def batch_set_v1(self, keys: list[str], host_indices, extra_info=None) -> list[bool]:
+        if not keys:
+            return []
+        starts = self._starts(len(keys), host_indices)
+        if starts is None:
+            return [False] * len(keys)
+        store = self._store()
+        prefix = getattr(extra_info, "prefix_keys", None)
+        began = time.perf_counter()
+        ok = store.write(keys, [store.host_page(t) for t in starts],
+                         parent=prefix[-1] if prefix else None)  # fmt: skip
+        self._record("backup", len(keys) if ok else 0, began)
+        return [ok] * len(keys)
+
+    # -- hybrid models' extra pools (v2) -------------------------------------------------------
+    # Not stored yet (Mamba / SWA / indexer state pages): a page of such a model is restorable
+    # only with its state, so every query is a miss and every write is skipped, said once.
+    def batch_exists_v2(self, keys: list[str], pool_transfers=None, extra_info=None):
+        from sglang.srt.mem_cache.hicache_storage import PoolTransferResult
+
+        if not pool_transfers:
+            hit = self.batch_exists(keys, extra_info)
+            return PoolTransferResult(hit, {"kv": hit} if hit else {}, list(range(1, hit + 1)))
+        self._no_v2(pool_transfers)
+        return PoolTransferResult.empty()
+
+    def batch_get_v2(self, transfers, extra_info=None) -> dict[str, list[bool]]:
+        self._no_v2(transfers)
+        return {str(t.name): [False] * len(t.keys or ()) for t in transfers}
+
+    def batch_set_v2(self, transfers, extra_info=None) -> dict[str, list[bool]]:
+        self._no_v2(transfers)
+        return {str(t.name): [False] * len(t.keys or ()) for t in transfers}
+
+    def _no_v2(self, transfers) -> None:
+        self.warnings.warn("v2", "hybrid models' extra HiCache pools (%s) are not stored by "
+                           "kvbroker yet: their pages are misses",
+                           ", ".join(sorted({str(t.name) for t in transfers})))  # fmt: skip
+
+    # -- the older interface: flat page tensors (SGLang's get_data_page(flat=True)) -----------
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+    def get(self, key: str, target_location=None, target_sizes=None):
+        found = self.batch_get([key], [target_location])
+        return found[0]
+
+    def batch_get(self, keys: list[str], target_locations=None, target_sizes=None) -> list:
+        if not keys:
+            return []
+        store = self._store()
+        try:
+            pages = [Source.flat_page(t, store.geometry) for t in target_locations]
+        except (TypeError, ValueError) as exc:
+            self.warnings.warn("bad_call", "batch_get: %s; the batch is a miss", exc)
+            return [None] * len(keys)
+        got = store.read(keys, pages)
+        return [t if i < got else None for i, t in enumerate(target_locations)]
+
+    def set(self, key: str, value=None, target_location=None, target_sizes=None) -> bool:
+        return self.batch_set([key], [value])
+
+    def batch_set(self, keys: list[str], values=None, target_locations=None,
+                  target_sizes=None) -> bool:  # fmt: skip
+        if not keys:
+            return True
+        store = self._store()
+        try:
+            if len(values) != len(keys):
+                raise ValueError(f"{len(values)} values for {len(keys)} keys")
+            pages = [Source.flat_page(v, store.geometry) for v in values]
+        except (TypeError, ValueError) as exc:
+            self.warnings.warn("bad_call", "batch_set: %s; the batch is not stored", exc)
+            return False
+        return store.write(keys, pages)
+
+    # -- operations ------------------------------------------------------------------------
+    def clear(self) -> bool:
+        """Evict this rank's pages of the namespace (every engine's that cuts heads as this
+        one does); pages being read are kept. False when the broker is down."""
+        return self.store.clear() if self.store is not None else True
+
+    def get_stats(self):
+        """SGLang's ``StorageMetrics`` since the last call: pages per batch and GB/s of each
+        prefetch and backup (SGLang's metrics collector reads them)."""
+        cls = _metrics()
+        if cls is None:
+            return None
+        metrics = cls()
+        with self._stats_lock:
+            for name, values in self._metrics.items():
+                getattr(metrics, name).extend(values)
+                values.clear()
+        return metrics
+
+    def stats(self) -> dict[str, int]:
+        """Totals since start: pages read, written, found already stored, skipped; errors."""
+        return self.store.totals() if self.store is not None else {}
+
+    def _record(self, kind: str, pages: int, began: float) -> None:
+        if not self.config.enable_storage_metrics or not pages:
+            return
+        seconds = time.perf_counter() - began
+        nbytes = pages * self._store().page_nbytes
+        with self._stats_lock:
+            self._metrics[f"{kind}_pgs"].append(pages)
+            self._metrics[f"{kind}_bandwidth"].append(nbytes / max(seconds, 1e-9) / 1e9)
+
+    def close(self) -> None:
+        self.link.close()
+
+    def __repr__(self) -> str:
+        return f"KVBrokerStorage(namespace={self.namespace!r})"
+

@@ -1,0 +1,204 @@
+"""An SGLang "engine" for the tests: one process holding HiCache ranks, each a real host pool
+and a storage backend built by SGLang's own factory, driven over stdin/stdout.
+
+``python -m tests.sglang_helpers.engine`` reads one JSON command per line and answers one
+line ``@@{json}`` (SGLang may log to stdout too). A rank is what one TP rank of an SGLang
+engine holds: its ``MHATokenToKVPoolHost`` (SGLang's class, built on CPU from an
+``MHABufferInfo`` over CPU device buffers, as SGLang builds it over GPU ones) and the backend
+``StorageBackendFactory.create_backend("dynamic", HiCacheStorageConfig(...), pool)`` returns,
+registered with the pool as SGLang's cache controller does. Page contents are a pattern drawn
+from the page hash over the model's heads, so any TP layout knows what its heads must hold.
+
+Commands (``rank`` names a rank of this process):
+
+- ``create``: build a rank (``layout``, ``tp_rank``, ``tp_size``, ``tp_lcm_size``, geometry,
+  ``extra``: the extra config beside backend_name/module_path/class_name/interface_v1);
+- ``fill`` / ``set`` / ``get`` / ``exists``: pages ``hashes`` at host page slots from ``slot``;
+  ``get`` zeroes those pages first and answers which pages hold exactly their pattern;
+- ``legacy_set`` / ``legacy_get``: the same through the flat-page interface;
+- ``stats``, ``clear``, ``raw`` (a host page's bytes, hex), ``quit``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import traceback
+
+import tests.sglang_helpers.torchvision_stub  # noqa: F401  (before any SGLang import)
+
+import torch
+from sglang.srt.mem_cache.device_pool_info import KVBufferLayout, KVBuffers, MHABufferInfo
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, HiCacheStorageExtraInfo
+from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+from sglang.srt.mem_cache.storage import StorageBackendFactory
+
+DTYPE = torch.bfloat16
+ranks: dict[str, dict] = {}
+
+
+def host_pool(layout: str, *, layers: int, heads: int, head_dim: int, page_size: int,
+              pages: int) -> MHATokenToKVPoolHost:  # fmt: skip
+    """SGLang's MHA host pool for ``pages`` pages (plus its padding page). Its device
+    buffers (CPU tensors here) hold two pages: storage never reads them."""
+    tokens = pages * page_size
+    k = tuple(torch.zeros(2 * page_size, heads, head_dim, dtype=DTYPE) for _ in range(layers))
+    v = tuple(torch.zeros(2 * page_size, heads, head_dim, dtype=DTYPE) for _ in range(layers))
+    ptrs = [torch.tensor([t.data_ptr() for t in side], dtype=torch.uint64) for side in (k, v)]
+    info = MHABufferInfo(buffers=KVBuffers(k=k, v=v, k_data_ptrs=ptrs[0], v_data_ptrs=ptrs[1],
+                                           layout=KVBufferLayout.NHD),
+                         page_size=page_size, head_num=heads, head_dim=head_dim,
+                         v_head_dim=head_dim, dtype=DTYPE, device=torch.device("cpu"))  # fmt: skip
+    return MHATokenToKVPoolHost(info, 1.0, 0, page_size, layout, pin_memory=False, device="cpu",
+                                device_capacity_tokens=page_size, start_layer=0, end_layer=layers,
+                                host_token_capacity=tokens + page_size)  # fmt: skip
+
+
+def logical(pool, token: int) -> torch.Tensor:
+    """The page at host token ``token`` as a view ``[K/V, layer, token, head, head_dim]``,
+    from the layout's definition in SGLang (``init_kv_buffer``), not from the backend's."""
+    buf, p = pool.kv_buffer, token // pool.page_size
+    if pool.layout == "layer_first":
+        return buf[:, :, token:token + pool.page_size]
+    if pool.layout == "page_first":
+        return buf[:, token:token + pool.page_size].permute(0, 2, 1, 3, 4)
+    if pool.layout == "page_first_direct":
+        return buf[:, p]
+    if pool.layout == "page_head":
+        return buf[:, p].permute(0, 3, 2, 1, 4)
+    raise ValueError(pool.layout)
+
+
+def pattern(page_hash: str, rank: dict) -> torch.Tensor:
+    """The page's content over this rank's heads: random bits drawn from the hash."""
+    g = torch.Generator().manual_seed(int(hashlib.sha256(page_hash.encode()).hexdigest()[:15], 16))
+    full = torch.randint(-(2**15), 2**15, (2, rank["layers"], rank["page_size"],
+                                            rank["heads_total"], rank["head_dim"]),
+                         generator=g, dtype=torch.int16)  # fmt: skip
+    per = rank["heads_total"] // rank["tp_size"]
+    return full[:, :, :, rank["tp_rank"] * per:(rank["tp_rank"] + 1) * per]
+
+
+def indices(rank: dict, slot: int, n: int) -> torch.Tensor:
+    ps = rank["page_size"]
+    return torch.arange(slot * ps, (slot + n) * ps, dtype=torch.int64)
+
+
+def create(cmd: dict) -> dict:
+    heads = cmd["heads_total"] // cmd["tp_size"]
+    pool = host_pool(cmd["layout"], layers=cmd["layers"], heads=heads, head_dim=cmd["head_dim"],
+                     page_size=cmd["page_size"], pages=cmd["pages"])  # fmt: skip
+    lcm = cmd.get("tp_lcm_size")
+    extra = {"backend_name": "kvbroker", "module_path": "kvbroker.integrations.sglang",
+             "class_name": "KVBrokerStorage", "interface_v1": 1, **cmd.get("extra", {})}
+    # As SGLang's cache controller derives it (_generate_storage_config)
+    split = bool(lcm) and pool.layout == "page_head" and lcm > cmd["tp_size"]
+    config = HiCacheStorageConfig(
+        tp_rank=cmd["tp_rank"], tp_size=cmd["tp_size"], pp_rank=0, pp_size=1, attn_cp_rank=0,
+        attn_cp_size=1, is_mla_model=False, enable_storage_metrics=True,
+        is_page_first_layout=pool.layout == "page_first", model_name=cmd.get("model", "org/tiny"),
+        tp_lcm_size=lcm, should_split_heads=split, extra_config=extra,
+    )  # fmt: skip
+    backend = StorageBackendFactory.create_backend("dynamic", config, pool)
+    backend.register_mem_pool_host(pool)
+    backend.on_host_pools_registered()
+    ranks[cmd["rank"]] = {**cmd, "pool": pool, "backend": backend}
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
+
+    return {"class": type(backend).__name__, "module": type(backend).__module__,
+            "is_hicache_storage": isinstance(backend, HiCacheStorage),
+            "namespace": backend.namespace, "split": split}  # fmt: skip
+
+
+def fill(rank: dict, hashes: list[str], slot: int) -> None:
+    pool = rank["pool"]
+    for i, h in enumerate(hashes):
+        logical(pool, (slot + i) * rank["page_size"]).view(torch.int16).copy_(pattern(h, rank))
+
+
+def zero(rank: dict, slot: int, n: int) -> None:
+    for i in range(n):
+        logical(rank["pool"], (slot + i) * rank["page_size"]).zero_()
+
+
+def exact(rank: dict, hashes: list[str], slot: int) -> list[bool]:
+    pool = rank["pool"]
+    return [bool(torch.equal(logical(pool, (slot + i) * rank["page_size"]).view(torch.int16),
+                             pattern(h, rank))) for i, h in enumerate(hashes)]  # fmt: skip
+
+
+def handle(cmd: dict) -> dict:
+    op = cmd["op"]
+    if op == "create":
+        return create(cmd)
+    rank = ranks[cmd["rank"]]
+    backend, pool = rank["backend"], rank["pool"]
+    hashes, slot = cmd.get("hashes", []), cmd.get("slot", 0)
+    info = HiCacheStorageExtraInfo(prefix_keys=cmd.get("prefix"))
+    if op == "fill":
+        fill(rank, hashes, slot)
+        return {}
+    if op == "set":
+        if cmd.get("fill", True):
+            fill(rank, hashes, slot)
+        return {"results": backend.batch_set_v1(hashes, indices(rank, slot, len(hashes)), info)}
+    if op == "get":
+        zero(rank, slot, len(hashes))
+        results = backend.batch_get_v1(hashes, indices(rank, slot, len(hashes)), info)
+        return {"results": results, "exact": exact(rank, hashes, slot)}
+    if op == "exists":
+        return {"count": backend.batch_exists(hashes, info)}
+    if op == "legacy_set":
+        fill(rank, hashes, slot)
+        pages = [pool.get_data_page((slot + i) * rank["page_size"], flat=True).clone()
+                 for i in range(len(hashes))]  # fmt: skip
+        return {"stored": backend.batch_set(hashes, pages)}
+    if op == "legacy_get":
+        targets = [pool.get_dummy_flat_data_page() for _ in hashes]
+        found = backend.batch_get(hashes, targets)
+        zero(rank, slot, len(hashes))
+        for i, page in enumerate(found):
+            if page is not None:
+                pool.set_from_flat_data_page((slot + i) * rank["page_size"], page)
+        return {"found": [p is not None for p in found], "exact": exact(rank, hashes, slot)}
+    if op == "stats":
+        m = backend.get_stats()
+        return {"totals": backend.stats(), "prefetch_pgs": list(m.prefetch_pgs),
+                "backup_pgs": list(m.backup_pgs), "metrics_type": type(m).__name__}  # fmt: skip
+    if op == "v2":
+        from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
+
+        mamba = [PoolTransfer(name=PoolName.MAMBA, keys=hashes[-1:],
+                              host_indices=indices(rank, slot, 1))]  # fmt: skip
+        found = backend.batch_exists_v2(hashes, mamba, info)
+        plain = backend.batch_exists_v2(hashes, None, info)
+        return {"with_pools": found.kv_hit_pages, "kv_only": plain.kv_hit_pages,
+                "get": backend.batch_get_v2(mamba, info), "set": backend.batch_set_v2(mamba, info)}
+    if op == "clear":
+        return {"cleared": backend.clear()}
+    raise ValueError(f"unknown op {op!r}")
+
+
+def main() -> None:
+    out = sys.stdout
+    sys.stdout = sys.stderr  # anything else printed goes to the log, not the replies
+    out.write("@@" + json.dumps({"ready": True}) + "\n")
+    out.flush()
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["op"] == "quit":
+            for rank in ranks.values():
+                rank["backend"].close()
+            break
+        try:
+            reply = {"ok": True, **handle(cmd)}
+        except Exception as exc:  # noqa: BLE001 - the test sees it
+            reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}",
+                     "traceback": traceback.format_exc()}  # fmt: skip
+        out.write("@@" + json.dumps(reply) + "\n")
+        out.flush()
+
+
+if __name__ == "__main__":
+    main()
