@@ -46,7 +46,7 @@ def test_the_daemon_serves_a_release_queued_behind_a_waiting_claim(daemon):
         got = waiting.result()
         assert got["buffers"]["x"][2] == 3
         session.post("release", {"lease": got["lease"], "consume": False})
-        assert other.stat().pools[0].leased_read == 0
+        assert c.stat().pools[0].leased_read == 0  # after the release on its connection
 
 
 def test_a_release_from_another_thread_does_not_wait_for_a_blocking_claim(daemon):
