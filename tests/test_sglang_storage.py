@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import signal
 import time
 
 import pytest
@@ -36,7 +37,8 @@ def page_hashes(n: int, tag: str = "") -> list[str]:
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory):
     d = tmp_path_factory.mktemp("sglang-kvb")
-    proc = DaemonProcess(str(d / "kvb.sock"), "--pool-size", "64M", "--page-size", "4K")
+    proc = DaemonProcess(str(d / "kvb.sock"), "--pool-size", "64M", "--page-size", "4K",
+                         ready_timeout=60)
     yield proc
     assert proc.stop() == 0, proc.log()
 
@@ -112,6 +114,16 @@ def test_writing_pages_the_node_holds_copies_nothing(daemon, engines):
     after = a.call("stats", rank="w-again")["totals"]
     assert after["written_blocks"] - before["written_blocks"] == 2
     assert after["existing_blocks"] - before.get("existing_blocks", 0) == 2
+
+
+def test_sglangs_three_storage_threads_share_one_backend(daemon, engines):
+    """Backup, prefetch I/O and prefetch-count threads call one backend at once, as SGLang's
+    cache controller does: every write stored, every read bit-exact, every count right."""
+    a, _ = engines
+    create(a, "threads", daemon.socket_path)
+    got = a.call("threads", rank="threads", rounds=6, pages=4, tag=page_hashes(1, "t")[0])
+    assert got["problems"] == []
+    assert got["stored"] == [4] * 6
 
 
 def test_heterogeneous_tp_reads_its_heads_through_tp_lcm_size(daemon, engines):
@@ -220,17 +232,29 @@ def test_stats_and_clear(daemon, engines):
 def test_daemon_down_then_up_costs_misses_and_skipped_writes_only(tmp_path, engines):
     a, _ = engines
     sock = str(tmp_path / "later.sock")
-    create(a, "down", sock, retry_min=0.2, retry_max=0.2, timeout=2)
+    create(a, "down", sock, retry_min=0.2, retry_max=0.2, timeout=1)
     hashes = page_hashes(2, "down")
     assert a.call("exists", rank="down", hashes=hashes)["count"] == 0
     assert a.call("set", rank="down", hashes=hashes, slot=0)["results"] == [False, False]
     assert a.call("get", rank="down", hashes=hashes, slot=0)["results"] == [False, False]
-    daemon = DaemonProcess(sock, "--pool-size", "16M", "--page-size", "4K")
+    daemon = DaemonProcess(sock, "--pool-size", "16M", "--page-size", "4K", ready_timeout=60)
     try:
         time.sleep(0.3)  # past the link's retry delay
         assert a.call("set", rank="down", hashes=hashes, slot=0)["results"] == [True, True]
         got = a.call("get", rank="down", hashes=hashes, slot=8)
         assert got["results"] == [True, True] and got["exact"] == [True, True]
+        errors = a.call("stats", rank="down")["totals"].get("errors", 0)
+        daemon.proc.send_signal(signal.SIGSTOP)  # hung: one call waits its timeout
+        try:
+            assert a.call("exists", rank="down", hashes=hashes)["count"] == 0
+            assert a.call("set", rank="down", hashes=page_hashes(1, "hung"),
+                          slot=0)["results"] == [False]
+            # the timeout took the link down: the set was not even tried
+            assert a.call("stats", rank="down")["totals"]["errors"] == errors + 1
+        finally:
+            daemon.proc.send_signal(signal.SIGCONT)
+        time.sleep(0.3)
+        assert a.call("exists", rank="down", hashes=hashes)["count"] == 2  # back
         daemon.proc.kill()  # gone mid-life: misses again, no exception
         daemon.proc.wait()
         assert a.call("exists", rank="down", hashes=hashes)["count"] == 0
@@ -246,7 +270,7 @@ def test_a_full_pool_skips_the_batch_and_keeps_serving(tmp_path, engines):
     evicting everything, so it is refused whole; smaller batches are stored as before."""
     a, b = engines
     sock = str(tmp_path / "small.sock")
-    daemon = DaemonProcess(sock, "--pool-size", "64K", "--page-size", "4K")
+    daemon = DaemonProcess(sock, "--pool-size", "64K", "--page-size", "4K", ready_timeout=60)
     try:
         create(a, "full-w", sock)
         create(b, "full-r", sock)

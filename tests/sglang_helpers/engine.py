@@ -128,6 +128,46 @@ def exact(rank: dict, hashes: list[str], slot: int) -> list[bool]:
                              pattern(h, rank))) for i, h in enumerate(hashes)]  # fmt: skip
 
 
+def threads(rank: dict, rounds: int, pages: int, tag: str) -> dict:
+    """SGLang's three storage threads at once on one backend: a writer (backup), a reader
+    (prefetch I/O) and a counter (prefetch), each on pages of its own; every result judged."""
+    import threading
+
+    backend, problems = rank["backend"], []
+    written = [[f"{tag}-w{r}-{i}" for i in range(pages)] for r in range(rounds)]
+    for r in range(rounds):  # what the reader reads: stored before the threads start
+        fill(rank, [f"{tag}-r{r}-{i}" for i in range(pages)], pages)
+        backend.batch_set_v1([f"{tag}-r{r}-{i}" for i in range(pages)],
+                             indices(rank, pages, pages))  # fmt: skip
+
+    def writer():
+        for r in range(rounds):
+            fill(rank, written[r], 0)
+            if backend.batch_set_v1(written[r], indices(rank, 0, pages)) != [True] * pages:
+                problems.append(f"set {r}")
+
+    def reader():
+        for r in range(rounds):
+            hashes = [f"{tag}-r{r}-{i}" for i in range(pages)]
+            zero(rank, 2 * pages, pages)
+            if backend.batch_get_v1(hashes, indices(rank, 2 * pages, pages)) != [True] * pages \
+                    or not all(exact(rank, hashes, 2 * pages)):  # fmt: skip
+                problems.append(f"get {r}")
+
+    def counter():
+        for r in range(rounds):
+            if backend.batch_exists([f"{tag}-r{r}-{i}" for i in range(pages)]) != pages:
+                problems.append(f"exists {r}")
+
+    workers = [threading.Thread(target=f) for f in (writer, reader, counter)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    stored = [backend.batch_exists(w) for w in written]
+    return {"problems": problems, "stored": stored}
+
+
 def handle(cmd: dict) -> dict:
     op = cmd["op"]
     if op == "create":
@@ -175,6 +215,8 @@ def handle(cmd: dict) -> dict:
         plain = backend.batch_exists_v2(hashes, None, info)
         return {"with_pools": found.kv_hit_pages, "kv_only": plain.kv_hit_pages,
                 "get": backend.batch_get_v2(mamba, info), "set": backend.batch_set_v2(mamba, info)}
+    if op == "threads":
+        return threads(rank, cmd["rounds"], cmd["pages"], cmd["tag"])
     if op == "clear":
         return {"cleared": backend.clear()}
     raise ValueError(f"unknown op {op!r}")
