@@ -39,7 +39,7 @@ from .transport import DEFAULT_BUSY_POLL, UnixTransport
 from . import integrity as _integrity
 from .._wire import checksum as _cs
 from ..errors import BadRequest, BrokerUnavailable, Exists, Forbidden, LeaseExpired
-from ..errors import PoolFull, QuotaExceeded, Timeout
+from ..errors import KVBrokerError, PoolFull, QuotaExceeded, Timeout
 
 
 __all__ = ["Client", "WriteLease", "ReadLease", "EvictResult", "Listing"]
@@ -205,7 +205,9 @@ class Client(PoolAccess):
         session = self._session
         try:
             return session.request(op, args)
-        except BrokerUnavailable:
+        except KVBrokerError:
+            # broken: the transport failed, or the daemon hung up after saying why (an idle
+            # connection closed): a new connection serves the call
             if not session.broken or not self._recover(session):
                 raise  # a reply saying so (a draining daemon), or reconnecting is off
         if op in _LEASE_OPS:  # the lease went with the old connection

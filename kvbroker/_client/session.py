@@ -89,6 +89,8 @@ class Session:
                     self._stalled = False
                     if msg.get("ok"):
                         return msg.get("result")
+                    if msg.get("id") is None:  # the daemon's parting word: it hung up
+                        self.broken = True
                     break
             except BrokerUnavailable:
                 self.broken = True  # the transport failed, as opposed to a reply saying so
