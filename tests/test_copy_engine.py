@@ -427,51 +427,34 @@ def test_the_first_failed_job_in_order_is_raised():
 
 def test_a_caller_never_waits_behind_another_callers_jobs():
     """Two threads share the engine's workers (a background load beside a step's seal):
-    once its own share is done, a caller runs the shares no worker started itself."""
+    once its own share is done, a caller runs the shares no worker started itself. The
+    other caller's jobs hold every worker until this caller has returned: had it waited for
+    a worker, it would never return while they do."""
     e = E.CopyEngine(3, split_min=cs.CHUNK)
-    started = threading.Event()
+    running, release = threading.Semaphore(0), threading.Event()
 
-    def background(i):
-        started.set()
-        time.sleep(0.5)
+    def background():
+        running.release()
+        assert release.wait(60)
 
     try:
-        jobs = [lambda i=i: background(i) for i in range(3)]
-        other = threading.Thread(target=e.run_jobs, args=(jobs, 3 * cs.CHUNK))
+        other = threading.Thread(target=e.run_jobs, args=([background] * 3, 3 * cs.CHUNK))
         other.start()
-        started.wait(5)
-        time.sleep(0.05)  # both workers busy with the other caller's shares
-        t = time.perf_counter()
-        assert e.run_jobs([lambda i=i: i for i in range(3)], 3 * cs.CHUNK) == [0, 1, 2]
-        assert time.perf_counter() - t < 0.25
+        for _ in range(3):  # its own share on its thread, one on each of the 2 workers
+            assert running.acquire(timeout=60)
+        got = []
+        caller = threading.Thread(
+            target=lambda: got.append(e.run_jobs([lambda i=i: i for i in range(3)],
+                                                 3 * cs.CHUNK)))  # fmt: skip
+        caller.start()
+        caller.join(60)  # a bound against a hang only: it returns at once, or never
+        done = not caller.is_alive()
+        release.set()
+        caller.join()
         other.join()
+        assert done and got == [[0, 1, 2]]
     finally:
-        e.close()
-
-
-def test_an_interrupted_wait_still_waits_for_the_workers(monkeypatch):
-    """A signal (KeyboardInterrupt) in the wait for the workers is raised only once none of
-    them still runs a job: they write into the caller's views."""
-    e = E.CopyEngine(2, split_min=cs.CHUNK)
-    ended = []
-    real_wait, interrupts = E.wait, [KeyboardInterrupt()]
-
-    def interrupted_wait(futures):
-        if interrupts:
-            raise interrupts.pop()
-        return real_wait(futures)
-
-    monkeypatch.setattr(E, "wait", interrupted_wait)
-
-    def slow():
-        time.sleep(0.2)
-        ended.append(1)
-
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            e.run_jobs([lambda: None, slow], 2 * cs.CHUNK)
-        assert ended == [1]
-    finally:
+        release.set()
         e.close()
 
 
