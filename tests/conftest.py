@@ -22,6 +22,36 @@ os.environ.setdefault("KVBROKER_READ_REPLICAS", "0")
 settings.register_profile("kvbroker", deadline=None)
 settings.load_profile("kvbroker")
 
+# The vLLM-facing tests (marker `vllm`): every tests/test_vllm_*.py, and tests elsewhere
+# marked by hand. `make test` runs them a second time on a newer vLLM's Python laid over the
+# installed CPU build (tests/vllm_helpers/overlay_vllm.py), which sets TEST_VLLM_OVERLAY.
+VLLM_OVERLAY = os.environ.get("TEST_VLLM_OVERLAY")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name.startswith("test_vllm_"):
+            item.add_marker(pytest.mark.vllm)
+
+
+def pytest_sessionstart(session):
+    if VLLM_OVERLAY:
+        # a pass meant for the overlay must not quietly test the installed vLLM instead
+        import vllm
+
+        found = vllm.__version__.split("+")[0]
+        if found != VLLM_OVERLAY:
+            raise pytest.UsageError(f"TEST_VLLM_OVERLAY={VLLM_OVERLAY} but `import vllm` "
+                                    f"finds {vllm.__version__} at {vllm.__file__}")
+
+
+def pytest_report_header(config):
+    if VLLM_OVERLAY:
+        import vllm
+
+        return f"vLLM {vllm.__version__}'s Python from {os.path.dirname(vllm.__file__)}"
+    return None
+
 
 @pytest.fixture
 def socket_path(tmp_path_factory) -> str:

@@ -426,6 +426,7 @@ def test_owner_killed_mid_read_then_restarted_warm(fleet_dir):
 
 # -- KV events ---------------------------------------------------------------------------------
 
+@pytest.mark.vllm
 def test_daemon_events_10k_blocks_in_order_with_vllm_classes(fleet_dir):
     zmq = pytest.importorskip("zmq")
     try:
