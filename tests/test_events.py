@@ -14,9 +14,11 @@
 
 from __future__ import annotations
 
+import os
 import struct
 import threading
 import time
+from pathlib import Path
 
 import msgpack
 import pytest
@@ -363,11 +365,11 @@ def test_publish_never_blocks_and_overflow_clears():
                            max_queue=10, max_batch=1000, on_overflow=called.set) as pub:
         # Holding the condition keeps the publisher thread off the queue; publish() takes the
         # same (re-entrant) lock, so it runs here at once.
+        # publish() returning while the publisher thread is held off is the proof that it
+        # does not wait for it.
         with pub._cond:
             assert all(pub.publish([ev.BlockStored([i + 1], None, [i], 1)]) for i in range(10))
-            t0 = time.perf_counter()
             assert pub.publish([ev.BlockRemoved([3])]) is False
-            assert time.perf_counter() - t0 < 0.05
             assert pub.events_dropped == 11 and pub.queued == 0
         assert pub.publish([ev.BlockStored([77], None, [7], 1)])
         assert pub.flush()
@@ -378,19 +380,29 @@ def test_publish_never_blocks_and_overflow_clears():
         assert seen == [("AllBlocksCleared", None), ("BlockStored", [77])]
 
 
-def test_publish_is_cheap_while_subscriber_is_stalled():
-    """A subscriber that reads nothing never slows publish(): PUB drops at its HWM."""
+def test_stalled_subscriber_never_holds_the_publisher():
+    """A subscriber that reads nothing holds up neither publish() nor the publisher thread:
+    PUB drops what its HWM cannot hold. Judged by what happened: every batch was sent (the
+    thread never waited on the subscriber), and the subscriber, which had room for about
+    hwm + its socket buffers, did not get them all."""
     topic = ev.topic_for("node-e", "m")
     with ev.EventPublisher("tcp://*:0", topic=topic, hwm=10, max_batch=1) as pub:
-        sub = _sub(pub.endpoint.replace("0.0.0.0", "127.0.0.1"), topic)
+        sub = zmq.Context.instance().socket(zmq.SUB)
+        sub.setsockopt(zmq.RCVHWM, 10)
+        sub.setsockopt(zmq.RCVBUF, 4096)
+        sub.connect(pub.endpoint.replace("0.0.0.0", "127.0.0.1"))
+        sub.setsockopt_string(zmq.SUBSCRIBE, topic)
         try:
-            _wait_connected(pub, sub)
-            t0 = time.perf_counter()
-            for i in range(20_000):
-                pub.stored([i + 1], None, [i], 1)
-            per_call = (time.perf_counter() - t0) / 20_000
-            assert pub.flush(30)
-            assert per_call < 200e-6, f"publish() took {per_call * 1e6:.1f} µs a call"
+            start = _wait_connected(pub, sub)
+            big = list(range(4096))  # ~12 KiB a batch: the socket buffers fill quickly
+            assert all(pub.stored([i + 1], None, big, 4096) for i in range(5000))
+            assert pub.flush(120), "the publisher thread waited on a subscriber"
+            assert pub.next_seq == start + 5000 and pub.send_errors == 0
+            got = 0
+            while sub.poll(500):
+                sub.recv_multipart()
+                got += 1
+            assert got < 5000
         finally:
             sub.close(linger=0)
 
@@ -400,3 +412,370 @@ def test_bad_format_and_missing_extra_message():
         ev.encode_batch(0.0, [], 0, "json")
     with pytest.raises(ValueError, match="unknown event format"):
         ev.EventPublisher("tcp://*:0", topic="kv@a@b", fmt="json")
+
+
+# -- replay: bounded in bytes, served beside the live stream (issue 38, items 7 and 8) -------
+
+LONG = list(range(16_384))  # one block of a long prompt: ~48 KiB of payload
+
+
+def _replayed(endpoint: str, start: int = 0) -> list[tuple[int, bytes]]:
+    return [(int.from_bytes(s, "big"), p) for s, p in _replay(endpoint, start)[:-1]]
+
+
+def test_replay_buffer_is_bounded_in_bytes():
+    topic = ev.topic_for("node-f", "m")
+    with ev.EventPublisher("tcp://*:0", topic=topic, replay_endpoint="tcp://127.0.0.1:0",
+                           max_batch=1, buffer_bytes=1 << 20) as pub:
+        for i in range(200):
+            assert pub.stored([i + 1], i or None, LONG, 16_384)
+        assert pub.flush(60)
+        kept = _replayed(pub.replay_endpoint)
+        size = len(kept[-1][1])
+        assert 40_000 < size < 60_000
+        # The newest batches that fit in 1 MiB, in order, none missing from the end.
+        assert [s for s, _ in kept] == list(range(200 - (1 << 20) // size, 200))
+        assert sum(len(p) for _, p in kept) == pub.buffered_bytes <= 1 << 20
+        assert msgpack.unpackb(kept[-1][1])[1][0][3] == LONG
+
+
+def test_replay_buffer_default_bound():
+    """With the defaults, 400 blocks of 16,384 token ids (19 MiB of payload) leave at most
+    DEFAULT_BUFFER_BYTES to replay — the batch count alone (10,000) kept all of them."""
+    topic = ev.topic_for("node-g", "m")
+    with ev.EventPublisher("tcp://*:0", topic=topic,
+                           replay_endpoint="tcp://127.0.0.1:0") as pub:
+        for i in range(400):
+            assert pub.stored([i + 1], i or None, LONG, 16_384)
+        assert pub.flush(60)
+        kept = _replayed(pub.replay_endpoint)
+        assert 0 < sum(len(p) for _, p in kept) <= ev.DEFAULT_BUFFER_BYTES
+        assert kept[-1][0] == pub.next_seq - 1
+
+
+def test_replay_flood_does_not_starve_the_live_stream():
+    """One DEALER asks for replays from 0 again and again (reading what comes back) while 200
+    live events are published one by one: every live event reaches the subscriber, in
+    order, while the flood goes on."""
+    topic = ev.topic_for("node-h", "m")
+    with ev.EventPublisher("tcp://*:0", topic=topic, replay_endpoint="tcp://127.0.0.1:0",
+                           max_batch=1) as pub:
+        for i in range(2000):  # a full replay is 2,000 batches
+            pub.stored([10_000 + i], None, list(range(64)), 64)
+        assert pub.flush(60)
+        sub = _sub(pub.endpoint.replace("0.0.0.0", "127.0.0.1"), topic)
+        stop = threading.Event()
+        asked = [0]
+
+        def flood():
+            d = zmq.Context.instance().socket(zmq.DEALER)
+            d.connect(pub.replay_endpoint)
+            try:
+                while not stop.is_set():
+                    try:
+                        d.send_multipart((b"", (0).to_bytes(8, "big")), zmq.NOBLOCK)
+                        asked[0] += 1
+                    except zmq.Again:
+                        pass
+                    while d.poll(0):
+                        d.recv_multipart()
+            finally:
+                d.close(linger=0)
+
+        t = threading.Thread(target=flood, daemon=True)
+        try:
+            _wait_connected(pub, sub)
+            t.start()
+            while pub.replay_requests < 10 and t.is_alive():  # the flood is under way
+                time.sleep(0.01)
+            live = []
+            for i in range(200):
+                pub.removed([20_000 + i])
+            deadline = time.monotonic() + 60
+            while len(live) < 200 and time.monotonic() < deadline:
+                if sub.poll(500):
+                    _t, _seq, payload = sub.recv_multipart()
+                    live += [h for kind, hs in _decode(payload, "positional")
+                             if kind == "BlockRemoved" for h in hs]
+            flooding = t.is_alive() and not stop.is_set()
+            assert live == [20_000 + i for i in range(200)], f"{len(live)} of 200 live events"
+            assert flooding and asked[0] > 10
+        finally:
+            stop.set()
+            t.join(10)
+            sub.close(linger=0)
+
+
+def test_oversized_replay_frame_disconnects_its_sender():
+    """A frame larger than a request never reaches the publisher: the ROUTER drops the
+    connection as the frame arrives (zmq.MAXMSGSIZE), and a proper request is answered."""
+    from zmq.utils.monitor import recv_monitor_message
+
+    topic = ev.topic_for("node-i", "m")
+    with ev.EventPublisher("tcp://*:0", topic=topic, replay_endpoint="tcp://127.0.0.1:0",
+                           max_batch=1) as pub:
+        pub.stored([1], None, [1], 1)
+        assert pub.flush()
+        d = zmq.Context.instance().socket(zmq.DEALER)
+        mon = d.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        d.connect(pub.replay_endpoint)
+        try:
+            d.send_multipart((b"", b"\0" * (4 << 20)))
+            assert mon.poll(30_000), "the ROUTER kept a connection that sent a 4 MiB frame"
+            assert recv_monitor_message(mon)["event"] == zmq.EVENT_DISCONNECTED
+        finally:
+            d.disable_monitor()
+            mon.close(linger=0)
+            d.close(linger=0)
+        assert [s for s, _ in _replayed(pub.replay_endpoint)] == [0]
+        assert pub.replay_requests == 1 and pub.replay_refused == 0
+
+
+def test_bad_replay_requests_warn_once(monkeypatch, caplog):
+    """300 malformed requests are refused and counted; the log gets one warning for them
+    (WARN_INTERVAL), not 300; the next proper request is answered."""
+    monkeypatch.setattr(ev, "WARN_INTERVAL", 3600.0, raising=False)
+    topic = ev.topic_for("node-j", "m")
+    with caplog.at_level("WARNING", logger="kvbroker.events"), \
+            ev.EventPublisher("tcp://*:0", topic=topic, replay_endpoint="tcp://127.0.0.1:0",
+                              max_batch=1) as pub:
+        pub.stored([1], None, [1], 1)
+        assert pub.flush()
+        d = zmq.Context.instance().socket(zmq.DEALER)
+        d.connect(pub.replay_endpoint)
+        try:
+            for _ in range(300):  # a 4-byte start, then one frame too many
+                d.send_multipart((b"", b"\0\0\0\0"))
+            d.send_multipart((b"", b"\0" * 8, b"x"))
+            d.send_multipart((b"", (0).to_bytes(8, "big")))  # after them, on one pipe
+            replies = []
+            while True:
+                assert d.poll(30_000), "no reply to the proper request"
+                replies.append(d.recv_multipart())
+                if replies[-1][1] == ev.END_SEQ:
+                    break
+        finally:
+            d.close(linger=0)
+        assert [int.from_bytes(r[1], "big") for r in replies[:-1]] == [0]
+        assert getattr(pub, "replay_refused", None) == 301 and pub.replay_requests == 1
+    warned = [r for r in caplog.records if "replay request" in r.getMessage()]
+    assert len(warned) == 1, [r.getMessage() for r in warned]
+
+
+def test_undecodable_event_is_dropped_not_the_thread():
+    """Token ids that are not integers (a peer's reply, say) cost that event, counted; the
+    publisher thread goes on publishing."""
+    topic = ev.topic_for("node-k", "m")
+    with ev.EventPublisher("tcp://*:0", topic=topic, replay_endpoint="tcp://127.0.0.1:0",
+                           max_batch=10) as pub:
+        pub.publish([ev.BlockStored([1], None, ["x", "y"], 2), ev.BlockStored([2], None, [5, 6], 2)])
+        pub.stored([3], 2, [7, 8], 2)
+        assert pub.flush(), "the publisher thread died"
+        seen = [e for _s, p in _replayed(pub.replay_endpoint) for e in _decode(p, "positional")]
+        assert seen == [("BlockStored", [2]), ("BlockStored", [3])]
+        assert pub.encode_errors == 1 and pub.events_dropped == 1
+
+
+# -- tenants: a daemon under isolation.mode = "tenant" (issue 38, item 2) ---------------------
+
+TENANT_NS = "50001"  # a uid's namespace (no passwd entry): only it and admins may read it
+BS = 4
+
+
+def _tenant_daemon(tmp_path, events: str, shared: bool = True):
+    from kvbroker.testing import DaemonProcess
+
+    cfg = tmp_path / "kvb.toml"
+    grant = '[isolation.shared."pub"]\nread = ["*"]\n' if shared else ""
+    cfg.write_text(f'[isolation]\nmode = "tenant"\n{grant}\n[events]\nmodel = "m"\n{events}')
+    proc = DaemonProcess(str(tmp_path / "kvb.sock"), "--config", str(cfg), "--pool-size", "16M",
+                         "--page-size", "4K", env={"KVBROKER_TRANSFER_NODE": "tn"},
+                         ready_timeout=60)
+    return proc, cfg
+
+
+def _blocks(c, namespace: str, first_token: int, n: int = 1) -> list[int]:
+    """Publish n prefix blocks (token ids from first_token) in namespace; their event hashes."""
+    from kvbroker.prefix import PrefixCache
+
+    pc = PrefixCache(c, namespace=namespace, block_size=BS, checksum=False)
+    tokens = list(range(first_token, first_token + n * BS))
+    pc.publish(tokens, lambda i: {"kv": b"\0" * 64}, block_sizes={"kv": 64})
+    return [ev.external_hash(k) for k in pc.keys(pc.hashes(tokens))]
+
+
+def _events_until(sock, done, timeout=60.0) -> list:
+    """Decoded events from ``sock`` until ``done(events)``; positional format."""
+    got: list = []
+    deadline = time.monotonic() + timeout
+    while not done(got):
+        assert time.monotonic() < deadline, f"stream ended early: {got[-5:]}"
+        if sock.poll(200):
+            frames = sock.recv_multipart()
+            got += msgpack.unpackb(frames[-1])[1]
+    return got
+
+
+def test_tenant_prompts_stay_out_of_an_unauthenticated_stream(tmp_path):
+    """The documented connect form, with a local user who bound the port first: under tenant
+    isolation that listener gets the blocks of the namespace shared with everyone, and not
+    one hash or token id of a tenant's namespace. A reload that takes the grant away clears
+    the stream, and the namespace's blocks stop."""
+    import signal
+
+    ctx = zmq.Context.instance()
+    thief = ctx.socket(zmq.SUB)
+    thief.setsockopt(zmq.RCVHWM, 0)
+    thief.bind("tcp://127.0.0.1:*")
+    thief.setsockopt_string(zmq.SUBSCRIBE, "")
+    port = thief.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1]
+    proc, cfg = _tenant_daemon(tmp_path, f'publish = "tcp://127.0.0.1:{port}"\n')
+    try:
+        secret_tokens = 1_000_000
+        tenant_hashes: list[int] = []
+        public_hashes: list[int] = []
+        with proc.client(map_pools=False) as c:
+            for r in range(300):  # until the subscription is through (PUB drops before)
+                tenant_hashes += _blocks(c, TENANT_NS, secret_tokens + r * BS)
+                public_hashes += _blocks(c, "pub", 2_000_000 + r * BS)
+                if thief.poll(300):
+                    break
+            # one more round once the stream is up: the tenant's blocks go first
+            tenant_hashes += _blocks(c, TENANT_NS, secret_tokens + 10_000, n=3)
+            public_hashes += _blocks(c, "pub", 3_000_000, n=3)
+            c.evict(namespace=TENANT_NS, all=True)
+            c.evict(namespace="pub", all=True)
+            c.evict(all=True)  # AllBlocksCleared: the end of what we look at
+            got = _events_until(thief, lambda e: any(x[0] == "BlockRemoved" for x in e)
+                                and e[-1] == ["AllBlocksCleared"])
+        stored = [e for e in got if e[0] == "BlockStored"]
+        removed = {h for e in got if e[0] == "BlockRemoved" for h in e[1]}
+        assert public_hashes[-1] in {e[1][0] for e in stored} and removed, got[-5:]
+        assert {h for e in stored for h in e[1]} <= set(public_hashes)
+        assert not any(t < 2_000_000 for e in stored for t in e[3]), "a tenant's token ids leaked"
+        assert not removed & set(tenant_hashes)
+
+        # The grant goes away (SIGHUP): the stream is cleared, and "pub" is no longer in it.
+        cfg.write_text(cfg.read_text().replace('[isolation.shared."pub"]\nread = ["*"]\n', ""))
+        proc.proc.send_signal(signal.SIGHUP)
+        _events_until(thief, lambda e: ["AllBlocksCleared"] in e)
+        with proc.client(map_pools=False) as c:
+            _blocks(c, "pub", 4_000_000, n=2)
+            c.evict(all=True)
+        after = _events_until(thief, lambda e: ["AllBlocksCleared"] in e)
+        assert not [e for e in after if e[0] != "AllBlocksCleared"], after
+    finally:
+        thief.close(linger=0)
+        assert proc.stop() == 0, proc.log()
+
+
+def _cert(directory, name):
+    import zmq.auth
+
+    directory.mkdir(parents=True, exist_ok=True)
+    public, secret = zmq.auth.create_certificates(str(directory), name)
+    os.chmod(secret, 0o600)
+    return public, secret
+
+
+def _failed_handshakes(mon, timeout=30.0) -> list[int]:
+    """Monitor events until a failed handshake; all of them (a success fails the test)."""
+    from zmq.utils.monitor import recv_monitor_message
+
+    failed = {zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
+              zmq.EVENT_HANDSHAKE_FAILED_AUTH}
+    seen: list[int] = []
+    deadline = time.monotonic() + timeout
+    while not failed & set(seen):
+        assert time.monotonic() < deadline, f"no handshake failure: {seen}"
+        if mon.poll(200):
+            seen.append(recv_monitor_message(mon)["event"])
+            assert seen[-1] != zmq.EVENT_HANDSHAKE_SUCCEEDED, "an unlisted subscriber got in"
+    return seen
+
+
+def test_curve_only_listed_subscribers_get_the_stream(tmp_path):
+    """With [events] curve_key and curve_clients: a listener that bound the connect-form
+    port first, a DEALER without CURVE and one with a key of its own all fail the
+    handshake and receive nothing; a router holding a listed key replays every
+    namespace's blocks, the tenant's token ids included."""
+    _cert(tmp_path / "server", "server")
+    router_public, router_secret = _cert(tmp_path / "router", "router")
+    (tmp_path / "clients").mkdir()
+    (tmp_path / "clients" / "router.key").write_bytes(Path(router_public).read_bytes())
+    _own_public, own_secret = _cert(tmp_path / "stranger", "stranger")
+    import zmq.auth
+
+    ctx = zmq.Context.instance()
+    thief = ctx.socket(zmq.SUB)
+    thief_mon = thief.get_monitor_socket()
+    thief.bind("tcp://127.0.0.1:*")
+    thief.setsockopt_string(zmq.SUBSCRIBE, "")
+    port = thief.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1]
+    replay_port = _free_port()
+    proc, _cfg = _tenant_daemon(tmp_path, (
+        f'publish = "tcp://127.0.0.1:{port}"\nreplay = "tcp://127.0.0.1:{replay_port}"\n'
+        f'curve_key = "{tmp_path / "server" / "server.key_secret"}"\n'
+        f'curve_clients = "{tmp_path / "clients"}"\n'))
+    server_public, _ = zmq.auth.load_certificate(str(tmp_path / "server" / "server.key"))
+    socks = [thief, thief_mon]
+    try:
+        with proc.client(map_pools=False) as c:
+            tenant = _blocks(c, TENANT_NS, 1_000_000, n=3)
+            public = _blocks(c, "pub", 2_000_000, n=2)
+            assert c.stat().events.authenticated
+
+        def dealer(secret_file=None):
+            d = ctx.socket(zmq.DEALER)
+            mon = d.get_monitor_socket()
+            if secret_file is not None:
+                d.curve_publickey, d.curve_secretkey = zmq.auth.load_certificate(secret_file)
+                d.curve_serverkey = server_public
+            d.connect(f"tcp://127.0.0.1:{replay_port}")
+            socks.extend((d, mon))
+            return d, mon
+
+        plain, plain_mon = dealer()
+        stranger, stranger_mon = dealer(own_secret)
+        router, _router_mon = dealer(router_secret)
+        for d in (plain, stranger, router):
+            d.send_multipart((b"", (0).to_bytes(8, "big")), zmq.NOBLOCK)
+        got = _events_until(router, lambda e: any(x[0] == "BlockStored" and x[1] == [public[-1]]
+                                                  for x in e))
+        stored = {e[1][0]: e[3] for e in got if e[0] == "BlockStored"}
+        assert [stored[h] for h in tenant] == [list(range(1_000_000 + i * BS,
+                                                          1_000_000 + (i + 1) * BS))
+                                               for i in range(3)]
+        assert set(public) <= set(stored)
+        _failed_handshakes(thief_mon)
+        _failed_handshakes(plain_mon)
+        assert zmq.EVENT_HANDSHAKE_FAILED_AUTH in _failed_handshakes(stranger_mon)  # ZAP: no
+        assert not thief.poll(0) and not plain.poll(0) and not stranger.poll(0)
+    finally:
+        for s in socks:
+            s.close(linger=0)
+        assert proc.stop() == 0, proc.log()
+
+
+def test_curve_settings_are_checked(tmp_path):
+    _cert(tmp_path / "server", "server")
+    secret = tmp_path / "server" / "server.key_secret"
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="no public certificate"):
+        ev.CurveKeys(str(secret), str(tmp_path / "empty"))
+    os.chmod(secret, 0o644)
+    with pytest.raises(ValueError, match="chmod 600"):
+        ev.CurveKeys(str(secret), str(tmp_path / "server"))
+    os.chmod(secret, 0o600)
+    os.chmod(tmp_path / "server" / "server.key", 0o600)
+    with pytest.raises(ValueError, match="no secret-key"):
+        ev.CurveKeys(str(tmp_path / "server" / "server.key"), str(tmp_path / "server"))
+    assert ev.CurveKeys(str(secret), str(tmp_path / "server")).clients == 1
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

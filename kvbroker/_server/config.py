@@ -79,6 +79,8 @@ def _set_policy(daemon: Daemon, cfg: DaemonConfig, field: str) -> None:
     # access is recomputed from its next request on.
     if daemon.broker is not None:
         daemon.broker.set_policy(cfg.isolation, cfg.quotas)
+    if daemon.fleet is not None:  # which namespaces an unauthenticated event stream carries
+        daemon.fleet.policy_changed()
 
 
 def _set_write_buffers(daemon: Daemon, cfg: DaemonConfig, field: str) -> None:
@@ -339,6 +341,18 @@ SETTINGS: tuple[Key, ...] = (
         help="positional (llm-d, vLLM array_like) or tagged (vLLM 0.32's decoder)."),
     Key("events_model", parse.model_name, "kvbroker", section="events", example="llama-3-8b",
         help="The model part of the event topic kv@<node>@<model>."),
+    Key("events_replay_buffer", parse.size, "16M", section="events", example="64M",
+        help="Payload bytes of past batches kept for replay (the last 10,000 batches at most)."),
+    # CURVE (kvbroker._server.events.CurveKeys): only subscribers holding a listed key get
+    # the stream; without it, isolation.mode = "tenant" publishes shared namespaces only.
+    Key("events_curve_key", parse.optional_path, "", section="events",
+        example="/etc/kvbroker/events/server.key_secret",
+        help="The daemon's CURVE certificate (zmq.auth's *.key_secret, mode 0600): subscribers "
+             "must authenticate, with curve_clients."),
+    Key("events_curve_clients", parse.optional_path, "", section="events",
+        example="/etc/kvbroker/events/subscribers",
+        help="Directory of the public certificates (*.key) of the subscribers allowed to "
+             "receive every namespace's events."),
 )
 KEYS: dict[str, Key] = {k.name: k for k in SETTINGS}
 SECTIONS: frozenset[str] = frozenset(k.section for k in SETTINGS if k.section)

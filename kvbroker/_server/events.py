@@ -5,34 +5,34 @@ which prefix blocks a node holds from the stream vLLM publishes with ``--kv-even
 The daemon publishes the same stream for the prefix blocks in its pools, so such a router
 consumes it without changes.
 
-Wire format (``vllm/distributed/kv_events.py``)
------------------------------------------------
-Each message is three ZMQ frames: ``topic`` (``kv@<node>@<model>``: llm-d splits it on ``@``
-into pod and model, so neither may contain ``@``), the batch's sequence number as 8 bytes big
-endian (0, 1, 2... from the publisher's start), and the payload: a msgpack array
-``[ts, [event, ...], data_parallel_rank]``. Events, by ``fmt``:
+The wire format (vLLM's ``KVEventBatch``, ``BlockStored``..., in its two msgpack encodings,
+block hashes and topics) is :mod:`kvbroker._server.event_wire`'s, re-exported here.
 
-- ``"positional"`` (default): each event a msgpack array, tag first, fields in vLLM's
-  declaration order — ``["BlockStored", block_hashes, parent_block_hash, token_ids,
-  block_size, lora_id, medium, lora_name]``, ``["BlockRemoved", block_hashes, medium]``,
-  ``["AllBlocksCleared"]``. This is vLLM's encoding while its ``KVCacheEvent`` was
-  ``array_like`` and what llm-d's vLLM adapter decodes (it requires exactly these 8 and 3
-  fields). Replay replies are ``[seq, payload]``.
-- ``"tagged"``: each event a msgpack map ``{"type": "BlockStored", "block_hashes": ...}`` in
-  the same field order — what vLLM 0.32's own ``KVEventBatch`` decodes (its events are no
-  longer ``array_like``). Replay replies carry the topic: ``[topic, seq, payload]``.
+Who may subscribe
+-----------------
+A ``BlockStored`` carries a prompt's token ids, and anyone can subscribe to a bind-form
+endpoint or bind a connect-form port first. ``curve`` (:class:`CurveKeys`) makes the
+daemon a CURVE server on both sockets, so that only subscribers holding a listed key get
+anything; why CURVE, and the tenant rule for a stream without it, are in
+:mod:`kvbroker._server.event_auth`.
 
-Block hashes are unsigned 64-bit integers: the last 8 bytes, big endian, of kvbroker's block
-hash (:func:`external_hash`) — the same reduction llm-d applies to vLLM's byte hashes, and what
-``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`` makes vLLM send. Every ``BlockStored`` carries the
-block's token ids, so a router that computes its own hashes from tokens (llm-d does) needs
-nothing of kvbroker's hashing. ``medium`` is ``"CPU"`` (host pools) unless told otherwise.
-
-Replay: a ROUTER socket answers ``[identity, b"", start_seq (8 bytes big endian)]`` with every
-buffered batch (the last ``buffer_steps``) whose sequence number is ``>= start_seq``, then an
-end marker whose sequence is -1 (8 bytes, signed), each reply after an empty delimiter frame.
-Ask from a DEALER socket (send ``[b"", start_seq]``): a plain REQ socket keeps only the first
-reply of a stream, as vLLM's example subscriber does.
+Replay, fairly
+--------------
+A ROUTER socket answers ``[identity, b"", start_seq (8 bytes big endian)]`` with every
+buffered batch whose sequence number is ``>= start_seq``, then an end marker whose sequence
+is -1 (8 bytes, signed), each reply after an empty delimiter frame. Ask from a DEALER socket
+(send ``[b"", start_seq]``): a plain REQ socket keeps only the first reply of a stream, as
+vLLM's example subscriber does. The buffer keeps the last ``buffer_steps`` batches and at
+most ``buffer_bytes`` of payload (a batch of long prompts can be megabytes). Replays are
+streamed, not sent whole: each turn of the publisher thread publishes the live batch due and
+sends each replay in progress a slice (``REPLAY_SLICE`` bytes), so a requester asking again
+and again from 0 never holds the live stream up. One replay per requester (a new request
+replaces its replay in progress), at most ``MAX_REPLAYS`` at once (others get the end
+marker at once), each waiting for a requester that does not read (ROUTER_MANDATORY, a small
+send high-water mark) and dropped after ``REPLAY_STALL`` seconds without progress. Frames
+larger than a request (``MAX_REQUEST_FRAME``, ``zmq.MAXMSGSIZE``) disconnect their sender
+before they are buffered; malformed requests are counted and warned about at most once per
+``WARN_INTERVAL``.
 
 Threads
 -------
@@ -44,7 +44,8 @@ the next batch sent starts with ``AllBlocksCleared``: a router then forgets this
 and learns only what happens afterwards, so it can under-estimate what the node holds (which
 costs cache hits) but never over-state it; and
 ``on_overflow`` (if given) is called from the publisher thread so the owner can announce its
-blocks again.
+blocks again. An event that cannot be encoded (token ids that are not integers) is dropped
+and counted, never the thread: a dropped removal clears the stream the same way.
 
 pyzmq is an optional extra (``pip install 'kvbroker[events]'``): this module imports it only
 when a publisher is created.
@@ -56,15 +57,30 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import msgpack
+from .event_auth import CurveKeys
+from .event_wire import (
+    END_SEQ,
+    FORMATS,
+    MEDIUM_CPU,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Event,
+    encode_batch,
+    encode_event,
+    external_hash,
+    import_zmq,
+    topic_for,
+)
 
 __all__ = [
     "AllBlocksCleared",
     "BlockRemoved",
     "BlockStored",
+    "CurveKeys",
     "EventPublisher",
     "END_SEQ",
     "FORMATS",
@@ -77,122 +93,60 @@ __all__ = [
 
 log = logging.getLogger("kvbroker.events")
 
-MEDIUM_CPU = "CPU"
-FORMATS = ("positional", "tagged")
-END_SEQ = (-1).to_bytes(8, "big", signed=True)
-EXTRA = "events"  # pip install 'kvbroker[events]'
+# Replay buffer: 16 MiB keeps ~100,000 batches of one 16-token block, or a few hundred of
+# 16,384-token blocks; a router that missed more rebuilds from AllBlocksCleared on.
+DEFAULT_BUFFER_BYTES = 16 << 20
+# A live batch holds about this many payload bytes at most (one event more if it is larger):
+# what PUB and a replay hold per message stays small.
+MAX_BATCH_BYTES = 1 << 20
+# A replay request is [b"", 8 bytes]: a frame larger than 1 KiB disconnects its sender
+# (zmq.MAXMSGSIZE, checked per frame as it arrives, before it is buffered). Not smaller:
+# the limit applies to the CURVE handshake's commands (HELLO is 200 bytes, INITIATE more)
+# and to encrypted frames, which carry a nonce and a MAC.
+MAX_REQUEST_FRAME = 1024
+REPLAY_HWM = 64  # messages queued per requester (requests in, replies out)
+MAX_REPLAYS = 64  # replays in progress at once (one per requester)
+REPLAY_SLICE = 256 << 10  # bytes a replay may send a turn, one batch at least
+REPLAY_STALL = 30.0  # seconds a replay may wait for a requester that does not read
+WARN_INTERVAL = 10.0  # seconds between two warnings of one kind (bad requests...)
 
 
-def _import_zmq():
-    try:
-        import zmq
-    except ImportError as e:  # pragma: no cover - depends on the environment
-        raise ImportError(
-            f"KV events need pyzmq: pip install 'kvbroker[{EXTRA}]' ({e})"
-        ) from e
-    return zmq
+class _Warnings:
+    """At most one warning per kind every ``interval`` seconds, saying how many were held back:
+    a peer sending garbage in a loop must not fill the log."""
+
+    def __init__(self, interval: float) -> None:
+        self.interval = interval
+        self._last: dict[str, float] = {}
+        self._held: dict[str, int] = {}
+
+    def warn(self, kind: str, msg: str, *args, exc_info: bool = False) -> None:
+        now = time.monotonic()
+        last = self._last.get(kind)
+        if last is not None and now - last < self.interval:
+            self._held[kind] = self._held.get(kind, 0) + 1
+            return
+        self._last[kind] = now
+        held = self._held.pop(kind, 0)
+        if held:
+            msg, args = msg + " (and %d more like it in the last %.0f s)", (*args, held,
+                                                                              now - last)
+        log.warning(msg, *args, exc_info=exc_info)
 
 
-def external_hash(block_hash: str | bytes | int) -> int:
-    """A kvbroker block hash as the unsigned 64-bit integer the events carry.
-
-    ``block_hash`` is a prefix block's key (hex digest, optionally followed by a shard suffix
-    ``/h..tp..``), its digest bytes, or already an integer. The last 8 bytes, big endian: the
-    reduction llm-d applies to byte hashes, so both sides agree on the number.
-    """
-    if isinstance(block_hash, int):
-        if not 0 <= block_hash < 1 << 64:
-            raise ValueError("an integer block hash must fit in 64 unsigned bits")
-        return block_hash
-    if isinstance(block_hash, str):
-        digest = bytes.fromhex(block_hash.partition("/")[0])
-    else:
-        digest = bytes(block_hash)
-    if not digest:
-        raise ValueError("empty block hash")
-    return int.from_bytes(digest[-8:], "big")
+@dataclass(slots=True)
+class _Replay:
+    next_seq: int
+    blocked_since: float | None = None
 
 
-def topic_for(node: str, model: str) -> str:
-    """``kv@<node>@<model>``, the topic vLLM deployments use and llm-d parses."""
-    for what, value in (("node", node), ("model", model)):
-        if not value or "@" in value:
-            raise ValueError(f"{what} name {value!r} must be non-empty and contain no '@'")
-    return f"kv@{node}@{model}"
-
-
-@dataclass(frozen=True, slots=True)
-class BlockStored:
-    """Blocks now held; ``block_hashes`` in chain order, each block ``block_size`` tokens of
-    ``token_ids`` (``len(token_ids) == len(block_hashes) * block_size``)."""
-
-    block_hashes: Sequence[int]
-    parent_block_hash: int | None
-    token_ids: Sequence[int]
-    block_size: int
-    lora_id: int | None = None
-    medium: str | None = MEDIUM_CPU
-    lora_name: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class BlockRemoved:
-    block_hashes: Sequence[int]
-    medium: str | None = MEDIUM_CPU
-
-
-@dataclass(frozen=True, slots=True)
-class AllBlocksCleared:
-    pass
-
-
-Event = BlockStored | BlockRemoved | AllBlocksCleared
-
-
-def _ints(xs: Sequence[int]) -> list[int]:
-    # msgpack packs only Python ints: numpy integers (token ids often are) become ints here.
-    return xs if type(xs) is list and all(type(x) is int for x in xs) else list(map(int, xs))
-
-
-def _wire_event(ev: Event, fmt: str) -> list | dict:
-    if fmt == "positional":
-        if type(ev) is BlockStored:
-            p = ev.parent_block_hash
-            return ["BlockStored", _ints(ev.block_hashes), None if p is None else int(p),
-                    _ints(ev.token_ids), int(ev.block_size), ev.lora_id, ev.medium,
-                    ev.lora_name]
-        if type(ev) is BlockRemoved:
-            return ["BlockRemoved", _ints(ev.block_hashes), ev.medium]
-        if type(ev) is AllBlocksCleared:
-            return ["AllBlocksCleared"]
-        raise TypeError(f"not a KV event: {ev!r}")
-    if fmt == "tagged":
-        out = _wire_event(ev, "positional")
-        return {"type": out[0], **dict(zip(_FIELDS[out[0]], out[1:]))}
-    raise ValueError(f"unknown event format {fmt!r} (one of {', '.join(FORMATS)})")
-
-
-# vLLM's declaration order, which the positional layout follows
-_FIELDS = {
-    "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
-                    "medium", "lora_name"),
-    "BlockRemoved": ("block_hashes", "medium"),
-    "AllBlocksCleared": (),
-}
-
-
-def encode_event(ev: Event, fmt: str = "positional") -> bytes:
-    """One event alone, as it appears inside a batch (for tests and tools)."""
-    return msgpack.packb(_wire_event(ev, fmt), use_bin_type=True)
-
-
-def encode_batch(ts: float, events: Iterable[Event], dp_rank: int = 0,
-                 fmt: str = "positional") -> bytes:
-    """The payload frame: ``[ts, [events], dp_rank]``."""
-    if fmt not in FORMATS:
-        raise ValueError(f"unknown event format {fmt!r} (one of {', '.join(FORMATS)})")
-    return msgpack.packb([float(ts), [_wire_event(e, fmt) for e in events], int(dp_rank)],
-                         use_bin_type=True)
+def _cost(ev: Event) -> int:
+    """About how many payload bytes ``ev`` takes (msgpack: <= 9 a hash, <= 5 a token id)."""
+    if type(ev) is BlockStored:
+        return 48 + 9 * len(ev.block_hashes) + 5 * len(ev.token_ids)
+    if type(ev) is BlockRemoved:
+        return 24 + 9 * len(ev.block_hashes)
+    return 24
 
 
 class EventPublisher:
@@ -200,6 +154,7 @@ class EventPublisher:
 
     ``endpoint``: ``tcp://*:5557`` (or any address with ``*``, ``ipc://``, ``inproc://``) binds;
     ``tcp://host:port`` connects (vLLM's rule). ``replay_endpoint`` (optional) is bound.
+    ``curve`` (optional :class:`CurveKeys`): both sockets accept only those subscribers.
     ``publish`` may be called from any thread and never blocks on the network.
     """
 
@@ -212,17 +167,22 @@ class EventPublisher:
         dp_rank: int = 0,
         fmt: str = "positional",
         buffer_steps: int = 10_000,
+        buffer_bytes: int = DEFAULT_BUFFER_BYTES,
         max_queue: int = 100_000,
         max_batch: int = 1024,
+        max_batch_bytes: int = MAX_BATCH_BYTES,
         hwm: int = 100_000,
         on_overflow: Callable[[], None] | None = None,
         context=None,
+        curve: CurveKeys | None = None,
     ) -> None:
         if fmt not in FORMATS:
             raise ValueError(f"unknown event format {fmt!r} (one of {', '.join(FORMATS)})")
-        if max_queue < 1 or max_batch < 1 or buffer_steps < 0:
-            raise ValueError("max_queue and max_batch must be positive, buffer_steps >= 0")
-        zmq = _import_zmq()
+        if max_queue < 1 or max_batch < 1 or max_batch_bytes < 1:
+            raise ValueError("max_queue, max_batch and max_batch_bytes must be positive")
+        if buffer_steps < 0 or buffer_bytes < 0:
+            raise ValueError("buffer_steps and buffer_bytes must be >= 0")
+        zmq = import_zmq()
         self._zmq = zmq
         self.fmt = fmt
         self.topic = topic
@@ -230,23 +190,42 @@ class EventPublisher:
         self.dp_rank = dp_rank
         self.max_queue = max_queue
         self.max_batch = max_batch
+        self.max_batch_bytes = max_batch_bytes
+        self.buffer_steps = buffer_steps
+        self.buffer_bytes = buffer_bytes
         self._on_overflow = on_overflow
-        self._ctx = context or zmq.Context.instance()
-        self._pub = self._ctx.socket(zmq.PUB)
-        self._replay = None
+        self._auth = self._own_ctx = self._pub = self._replay = None
+        self.authenticated = curve is not None
         try:
+            if curve is not None:
+                # A ZAP handler serves a whole context: ours alone, so that no other socket
+                # of the process (or another publisher) shares or replaces it.
+                from zmq.auth.thread import ThreadAuthenticator
+
+                self._own_ctx = self._ctx = zmq.Context()
+                self._auth = ThreadAuthenticator(self._ctx, log=log.getChild("zap"))
+                self._auth.start()
+                self._auth.configure_curve(domain="*", location=curve.clients_dir)
+            else:
+                self._ctx = context or zmq.Context.instance()
+            self._pub = self._socket(zmq.PUB, curve)
             self._pub.set_hwm(hwm)
             self.endpoint = self._attach(self._pub, endpoint)
             self.replay_endpoint = None
             if replay_endpoint:
-                self._replay = self._ctx.socket(zmq.ROUTER)
-                self.replay_endpoint = self._attach(self._replay, replay_endpoint, bind=True)
+                r = self._replay = self._socket(zmq.ROUTER, curve)
+                r.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_FRAME)
+                r.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a full or gone requester: an error
+                r.setsockopt(zmq.SNDHWM, REPLAY_HWM)
+                r.setsockopt(zmq.RCVHWM, REPLAY_HWM)
+                self.replay_endpoint = self._attach(r, replay_endpoint, bind=True)
         except Exception:
-            self._pub.close(linger=0)
-            if self._replay is not None:
-                self._replay.close(linger=0)
+            self._close_sockets(0)
             raise
-        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        self._buffer: deque[tuple[int, bytes]] = deque()
+        self._buffered = 0  # payload bytes in _buffer
+        self._replays: dict[bytes, _Replay] = {}  # requester identity -> its replay, in turn
+        self._warnings = _Warnings(WARN_INTERVAL)
         self._cond = threading.Condition()
         self._queue: deque[Event] = deque()
         self._overflowed = False
@@ -258,9 +237,19 @@ class EventPublisher:
         self.events_dropped = 0
         self.overflows = 0
         self.replay_requests = 0
+        self.replay_refused = 0  # malformed, or too many replays at once
+        self.encode_errors = 0
         self.send_errors = 0
         self._thread = threading.Thread(target=self._run, name="kvbroker-events", daemon=True)
         self._thread.start()
+
+    def _socket(self, kind: int, curve: CurveKeys | None):
+        sock = self._ctx.socket(kind)
+        if curve is not None:
+            sock.curve_secretkey = curve.secret
+            sock.curve_publickey = curve.public
+            sock.curve_server = True  # also when it connects: the subscriber must prove a key
+        return sock
 
     def _attach(self, sock, endpoint: str, bind: bool | None = None) -> str:
         if bind is None:
@@ -270,6 +259,16 @@ class EventPublisher:
             return endpoint
         sock.bind(endpoint)
         return sock.getsockopt_string(self._zmq.LAST_ENDPOINT)
+
+    def _close_sockets(self, linger_ms: int) -> None:
+        if self._pub is not None:
+            self._pub.close(linger=linger_ms)
+        if self._replay is not None:
+            self._replay.close(linger=0)
+        if self._auth is not None:
+            self._auth.stop()
+        if self._own_ctx is not None:
+            self._own_ctx.term()
 
     # -- producer side (any thread; the daemon's event loop) ---------------------------------
 
@@ -314,15 +313,22 @@ class EventPublisher:
     def next_seq(self) -> int:
         return self._seq
 
+    @property
+    def buffered_bytes(self) -> int:
+        return self._buffered
+
     def stats(self) -> dict:
         return {
             "endpoint": self.endpoint, "replay_endpoint": self.replay_endpoint,
             "topic": self.topic, "format": self.fmt, "next_seq": self._seq,
+            "authenticated": self.authenticated,
             "events_published": self.events_published,
             "batches_published": self.batches_published,
             "events_dropped": self.events_dropped, "overflows": self.overflows,
-            "replay_requests": self.replay_requests, "send_errors": self.send_errors,
-            "queued": len(self._queue),
+            "replay_requests": self.replay_requests, "replay_refused": self.replay_refused,
+            "replays_in_progress": len(self._replays), "encode_errors": self.encode_errors,
+            "send_errors": self.send_errors, "queued": len(self._queue),
+            "buffered_batches": len(self._buffer), "buffered_bytes": self._buffered,
         }
 
     def flush(self, timeout: float = 5.0) -> bool:
@@ -346,9 +352,7 @@ class EventPublisher:
         if self._thread.is_alive():  # pragma: no cover - a send stuck past the timeout
             log.warning("event publisher thread did not stop in %.1fs", timeout)
             return
-        self._pub.close(linger=int(timeout * 1000))
-        if self._replay is not None:
-            self._replay.close(linger=0)
+        self._close_sockets(int(timeout * 1000))
 
     def __enter__(self) -> EventPublisher:
         return self
@@ -360,71 +364,191 @@ class EventPublisher:
 
     _sending = False
 
-    def _take(self) -> tuple[list[Event], bool] | None:
+    def _take(self, wait: float) -> tuple[list[Event], bool] | None:
+        """The next live batch (up to ``max_batch`` events and about ``max_batch_bytes``),
+        waiting up to ``wait`` seconds for one (less when a replay request comes)."""
         with self._cond:
-            while self._running and not self._queue and not self._overflowed:
-                self._cond.wait(0.05)
-                if self._replay is not None and self._replay.poll(0):
-                    return [], False
-            if not self._queue and not self._overflowed:
+            if wait > 0 and self._running and not self._queue and not self._overflowed:
+                deadline = time.monotonic() + wait
+                while self._running and not self._queue and not self._overflowed:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._cond.wait(min(left, 0.05))
+                    if self._replay is not None and self._replay.poll(0):
+                        break
+            if not self._running and not self._queue and not self._overflowed:
                 return None  # closed and drained
             overflowed, self._overflowed = self._overflowed, False
-            n = min(len(self._queue), self.max_batch)
-            batch = [self._queue.popleft() for _ in range(n)]
-            self._sending = True
+            batch: list[Event] = []
+            cost = 0
+            while self._queue and len(batch) < self.max_batch and cost < self.max_batch_bytes:
+                ev = self._queue.popleft()
+                batch.append(ev)
+                cost += _cost(ev)
+            self._sending = bool(batch) or overflowed
             return batch, overflowed
 
     def _run(self) -> None:
-        zmq = self._zmq
         while True:
+            progressed = False
             if self._replay is not None:
                 try:
-                    while self._replay.poll(0):
-                        self._serve_replay()
-                except Exception:  # a malformed request must not stop publishing
-                    log.exception("event replay failed")
-            taken = self._take()
+                    self._accept_replays()
+                    progressed = self._advance_replays()
+                except Exception:  # a requester must not stop publishing
+                    self._warnings.warn("replay", "event replay failed", exc_info=True)
+            # With replays in progress, wait only when none could move (a requester that
+            # does not read): the live batch and every replay get a turn each round.
+            wait = 0.05 if not self._replays else (0.0 if progressed else 0.005)
+            taken = self._take(wait)
             if taken is None:
                 return
             events, overflowed = taken
-            if overflowed:
-                # The router forgets this node's blocks rather than keep a wrong view.
-                events = [AllBlocksCleared(), *events]
-                if self._on_overflow is not None:
-                    try:
-                        self._on_overflow()
-                    except Exception:
-                        log.exception("on_overflow callback failed")
-            if not events:
+            if not events and not overflowed:
                 continue
             try:
-                payload = encode_batch(time.time(), events, self.dp_rank, self.fmt)
-                seq = self._seq
-                self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload),
-                                         copy=False)
-                self._seq = seq + 1
-                self._buffer.append((seq, payload))
-                self.batches_published += 1
-                self.events_published += len(events)
-            except zmq.ZMQError:
-                self.send_errors += 1
-                log.exception("publishing a KV event batch failed")
+                self._send(events, overflowed)
             finally:
                 with self._cond:
                     self._sending = False
                     self._cond.notify_all()
 
-    def _serve_replay(self) -> None:
-        frames = self._replay.recv_multipart()
-        if len(frames) != 3 or len(frames[2]) != 8:
-            log.warning("invalid replay request (%d frames)", len(frames))
-            return
-        client, _empty, start = frames
-        self.replay_requests += 1
-        start_seq = int.from_bytes(start, "big")
-        for seq, payload in list(self._buffer):
-            if seq >= start_seq:
-                head = (client, b"", self._topic) if self.fmt == "tagged" else (client, b"")
-                self._replay.send_multipart((*head, seq.to_bytes(8, "big"), payload))
+    def _send(self, events: list[Event], overflowed: bool) -> None:
+        zmq = self._zmq
+        if overflowed:
+            # The router forgets this node's blocks rather than keep a wrong view.
+            events = [AllBlocksCleared(), *events]
+            if self._on_overflow is not None:
+                try:
+                    self._on_overflow()
+                except Exception:
+                    log.exception("on_overflow callback failed")
+        try:
+            payload = encode_batch(time.time(), events, self.dp_rank, self.fmt)
+        except (TypeError, ValueError, OverflowError):
+            payload = self._encode_valid(events)
+            if payload is None:
+                return
+        try:
+            seq = self._seq
+            self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload), copy=False)
+            self._seq = seq + 1
+            self._keep(seq, payload)
+            self.batches_published += 1
+            self.events_published += len(events)
+        except zmq.ZMQError:
+            self.send_errors += 1
+            log.exception("publishing a KV event batch failed")
+
+    def _encode_valid(self, events: list[Event]) -> bytes | None:
+        """The batch without the events that cannot be encoded (token ids that are not
+        integers, hashes out of range). A dropped removal would leave a router believing
+        this node holds the block: the stream is cleared (see ``publish``'s overflow)."""
+        good = []
+        for ev in events:
+            try:
+                encode_event(ev, self.fmt)
+            except (TypeError, ValueError, OverflowError) as exc:
+                self.encode_errors += 1
+                self.events_dropped += 1
+                self._warnings.warn("encode", "dropped a KV event that cannot be encoded "
+                                              "(%s: %s)", type(exc).__name__, exc)
+                if type(ev) is not BlockStored:
+                    with self._cond:
+                        if not self._overflowed:
+                            self._overflowed = True
+                            self.overflows += 1
+                continue
+            good.append(ev)
+        if not good:
+            return None
+        return encode_batch(time.time(), good, self.dp_rank, self.fmt)
+
+    def _keep(self, seq: int, payload: bytes) -> None:
+        """Buffer a sent batch for replay: the last ``buffer_steps``, ``buffer_bytes`` at most."""
+        buf = self._buffer
+        buf.append((seq, payload))
+        self._buffered += len(payload)
+        while buf and (len(buf) > self.buffer_steps or self._buffered > self.buffer_bytes):
+            self._buffered -= len(buf.popleft()[1])
+
+    # -- replay (publisher thread) -----------------------------------------------------------
+
+    def _accept_replays(self) -> None:
+        zmq = self._zmq
+        for _ in range(MAX_REPLAYS):  # a bounded number a turn: the live stream comes next
+            try:
+                frames = self._replay.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames) != 3 or frames[1] or len(frames[2]) != 8:
+                self.replay_refused += 1
+                self._warnings.warn("request", "invalid KV event replay request (%d frames, "
+                                               "sizes %s)", len(frames),
+                                    [len(f) for f in frames[1:4]])
+                continue
+            client, _empty, start = frames
+            self.replay_requests += 1
+            if client in self._replays:
+                del self._replays[client]  # the new request replaces it, at the back
+            elif len(self._replays) >= MAX_REPLAYS:
+                self.replay_refused += 1
+                self._warnings.warn("busy", "%d KV event replays in progress: a request "
+                                            "answered with the end marker", MAX_REPLAYS)
+                self._send_end(client)
+                continue
+            self._replays[client] = _Replay(int.from_bytes(start, "big"))
+
+    def _advance_replays(self) -> bool:
+        """Send each replay in progress its next slice; True if anything was sent."""
+        zmq = self._zmq
+        progressed = False
+        now = time.monotonic()
+        for client in list(self._replays):
+            rep = self._replays.pop(client)
+            oldest = self._buffer[0][0] if self._buffer else self._seq
+            rep.next_seq = max(rep.next_seq, oldest)  # trimmed meanwhile: a gap, as asked early
+            head = (client, b"", self._topic) if self.fmt == "tagged" else (client, b"")
+            sent = 0
+            try:
+                while rep.next_seq < self._seq and sent < REPLAY_SLICE:
+                    seq, payload = self._buffer[rep.next_seq - oldest]
+                    self._replay.send_multipart((*head, seq.to_bytes(8, "big"), payload),
+                                                flags=zmq.NOBLOCK, copy=False)
+                    rep.next_seq += 1
+                    sent += len(payload) + 1
+                if rep.next_seq >= self._seq and self._send_end(client, raise_full=True):
+                    progressed = True
+                    continue  # done
+            except zmq.Again:  # its pipe is full: it is not reading (yet)
+                pass
+            except zmq.ZMQError as exc:
+                if exc.errno == zmq.EHOSTUNREACH:  # it went away
+                    continue
+                raise
+            if sent:
+                progressed, rep.blocked_since = True, None
+            elif rep.blocked_since is None:
+                rep.blocked_since = now
+            elif now - rep.blocked_since > REPLAY_STALL:
+                self._warnings.warn("stall", "dropped a KV event replay whose requester read "
+                                             "nothing for %.0f s", REPLAY_STALL)
+                continue
+            self._replays[client] = rep  # its next turn comes after the others'
+        return progressed
+
+    def _send_end(self, client: bytes, raise_full: bool = False) -> bool:
+        zmq = self._zmq
         tail = (client, b"", b"") if self.fmt == "tagged" else (client, b"")
-        self._replay.send_multipart((*tail, END_SEQ, b""))
+        try:
+            self._replay.send_multipart((*tail, END_SEQ, b""), flags=zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            if raise_full:
+                raise
+            return False
+        except zmq.ZMQError as exc:
+            if exc.errno == zmq.EHOSTUNREACH:
+                return True  # gone: nothing left to send it
+            raise

@@ -25,6 +25,13 @@ serving its own to them through NIXL, and publishing KV events for routers.
   broker's ``on_block`` hook: ``BlockStored`` when a prefix block with token ids is sealed
   (published here or pulled), ``BlockRemoved`` when it is unlinked (evicted, consumed,
   replaced), ``AllBlocksCleared`` at start and after ``evict --all``.
+  Which blocks: every one when the policy is open or the stream is authenticated
+  (``[events] curve_key``: only routers holding a listed key subscribe); under
+  ``isolation.mode = "tenant"`` without it, only those of namespaces every user may read
+  (:meth:`~kvbroker._server.policy.Policy.readable_by_everyone`), since anyone can subscribe
+  to (or, in the connect form, bind before) the endpoint and a ``BlockStored`` carries a
+  prompt's token ids. A reload that changes the policy clears the stream and announces
+  again what it may carry.
 
 The control channel and NIXL calls never block the event loop: connects, pins and releases
 are asyncio; NIXL reads and checksum passes run in the loop's default executor.
@@ -117,6 +124,8 @@ class Fleet:
         self.server: transfer.PeerServer | None = None
         self.provider: BrokerProvider | None = None
         self.publisher: Any = None
+        self._stream_policy: Any = None  # the policy _in_stream_memo was worked out under
+        self._in_stream_memo: dict[str, bool] = {}
         self._maps: list = []
         self.bases: list[int] = []
         self._peers: dict[str, _Peer] = {}
@@ -199,16 +208,29 @@ class Fleet:
             self.bases.append(int(view.ctypes.data))
 
     def _start_events(self) -> None:
-        from .events import AllBlocksCleared, EventPublisher, topic_for
+        from .events import AllBlocksCleared, CurveKeys, EventPublisher, topic_for
 
         cfg = self.daemon.config
+        curve = None
         try:
+            if cfg.events_curve_key or cfg.events_curve_clients:
+                if not (cfg.events_curve_key and cfg.events_curve_clients):
+                    raise KVBrokerError("[events] curve_key and curve_clients go together: the "
+                                        "daemon's secret certificate and its subscribers' keys")
+                try:
+                    curve = CurveKeys(cfg.events_curve_key, cfg.events_curve_clients)
+                except ValueError as exc:
+                    raise KVBrokerError(f"[events] {exc}") from None
             self.publisher = EventPublisher(
                 cfg.events_publish, topic=topic_for(self.node, cfg.events_model),
                 replay_endpoint=cfg.events_replay, fmt=cfg.events_format,
+                buffer_bytes=cfg.events_replay_buffer, curve=curve,
                 on_overflow=self._announce_all_threadsafe)
         except ImportError as exc:
             raise KVBrokerError(str(exc)) from None
+        if curve is None and not self.broker.policy.open:
+            log.warning("KV events without [events] curve_key under tenant isolation: only "
+                        "namespaces every user may read are published")
         # A router forgets what it knew of this node, then learns what is here (a warm
         # restart keeps blocks, with their token ids).
         self.publisher.publish([AllBlocksCleared()])
@@ -220,7 +242,8 @@ class Fleet:
     def _announce_all(self) -> None:
         from .events import BlockStored
 
-        objs = [o for o in self.broker.objects.values() if announced(o)]
+        objs = [o for o in self.broker.objects.values()
+                if announced(o) and self._in_stream(o.namespace)]
         objs.sort(key=lambda o: o.serial)  # parents were sealed before their children
         self.publisher.publish([self._stored(o, BlockStored) for o in objs])
 
@@ -234,12 +257,34 @@ class Fleet:
         parent = block_event_hash(obj.parent_key) if obj.parent_key is not None else None
         return cls([block_event_hash(obj.key)], parent, obj.tokens, len(obj.tokens))
 
+    def _in_stream(self, namespace: str) -> bool:
+        """Whether the events of ``namespace`` may go to every subscriber of the stream (see
+        the module doc)."""
+        policy = self.broker.policy
+        if self.publisher.authenticated or policy.open:
+            return True
+        if self._stream_policy is not policy or len(self._in_stream_memo) > 4096:
+            self._stream_policy, self._in_stream_memo = policy, {}
+        ok = self._in_stream_memo.get(namespace)
+        if ok is None:
+            ok = self._in_stream_memo[namespace] = policy.readable_by_everyone(namespace)
+        return ok
+
+    def policy_changed(self) -> None:
+        """A reload set a new policy: what an unauthenticated stream may carry may differ,
+        so the routers forget this node and learn it again under the new rule."""
+        from .events import AllBlocksCleared
+
+        if self.publisher is not None and not self.publisher.authenticated:
+            self.publisher.publish([AllBlocksCleared()])
+            self._announce_all()
+
     def _on_block(self, what: str, obj: StoredObject | None) -> None:
         from .events import AllBlocksCleared, BlockRemoved, BlockStored
 
         if what == "cleared":
             self.publisher.publish([AllBlocksCleared()])
-        elif obj is not None and announced(obj):
+        elif obj is not None and announced(obj) and self._in_stream(obj.namespace):
             if what == "stored":
                 self.publisher.publish([self._stored(obj, BlockStored)])
             else:
@@ -551,5 +596,7 @@ class Fleet:
                 endpoint=p.endpoint, replay_endpoint=p.replay_endpoint or "", topic=p.topic,
                 format=p.fmt, next_seq=p.next_seq, events_published=p.events_published,
                 events_dropped=p.events_dropped, overflows=p.overflows,
-                replay_requests=p.replay_requests, queued=p.queued)
+                replay_requests=p.replay_requests, queued=p.queued,
+                replay_refused=p.replay_refused, buffered_bytes=p.buffered_bytes,
+                authenticated=p.authenticated)
         return t, e

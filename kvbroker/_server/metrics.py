@@ -122,6 +122,8 @@ _EVENT_COUNTERS = {
     "events_published": ("kvbroker_kv_events", "KV events sent to subscribers."),
     "events_dropped": ("kvbroker_kv_events_dropped", "KV events dropped (queue full)."),
     "replay_requests": ("kvbroker_kv_event_replays", "Replay requests answered."),
+    "replay_refused": ("kvbroker_kv_event_replays_refused",
+                       "Replay requests refused (malformed, or too many at once)."),
 }
 
 
@@ -149,6 +151,9 @@ def _transfer(s: Statistics) -> Iterator[Metric]:
             yield CounterMetricFamily(name, doc, value=getattr(e, field))
         yield GaugeMetricFamily("kvbroker_kv_events_queued", "KV events waiting to be sent.",
                                 value=e.queued)
+        yield GaugeMetricFamily("kvbroker_kv_event_replay_buffer_bytes",
+                                "Payload bytes of past batches kept for replay.",
+                                value=e.buffered_bytes)
 
 
 class MetricsServer:

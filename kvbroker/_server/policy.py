@@ -111,6 +111,11 @@ class Policy:
     def open(self) -> bool:
         return self.mode == "open"
 
+    def readable_by_everyone(self, namespace: str) -> bool:
+        """Whether every user may read ``namespace``: open mode, or a shared grant to "*"
+        (what a KV event stream anyone can subscribe to may carry)."""
+        return self.open or any(g.everyone and g.matches(namespace) for g in self.shared)
+
     def access(self, uid: int, gid: int) -> Access:
         """What a client with these credentials may do (cache it per connection)."""
         gids = _groups_of(uid, gid) if uid >= 0 else frozenset()

@@ -208,6 +208,9 @@ class EventStatistics:
     overflows: int = 0
     replay_requests: int = 0
     queued: int = 0
+    replay_refused: int = 0  # malformed replay requests, or too many replays at once
+    buffered_bytes: int = 0  # payload bytes kept for replay ([events] replay_buffer)
+    authenticated: bool = False  # CURVE: only subscribers with a listed key
 
 
 @dataclass(frozen=True)
