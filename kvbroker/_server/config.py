@@ -79,8 +79,9 @@ def _set_policy(daemon: Daemon, cfg: DaemonConfig, field: str) -> None:
     # access is recomputed from its next request on.
     if daemon.broker is not None:
         daemon.broker.set_policy(cfg.isolation, cfg.quotas)
-    if daemon.fleet is not None:  # which namespaces an unauthenticated event stream carries
-        daemon.fleet.policy_changed()
+    events = getattr(daemon.fleet, "events", None)
+    if events is not None:  # which namespaces an unauthenticated event stream carries
+        events.policy_changed()
 
 
 def _set_write_buffers(daemon: Daemon, cfg: DaemonConfig, field: str) -> None:

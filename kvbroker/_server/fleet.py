@@ -21,17 +21,8 @@ serving its own to them through NIXL, and publishing KV events for routers.
   may still be landing go into the timed quarantine) and releases the peer's lease. One
   pull per (peer, namespace, key) at a time: concurrent claims share it; an object already
   here is never pulled.
-- with ``[events] publish``, an :class:`~kvbroker._server.events.EventPublisher` fed by the
-  broker's ``on_block`` hook: ``BlockStored`` when a prefix block with token ids is sealed
-  (published here or pulled), ``BlockRemoved`` when it is unlinked (evicted, consumed,
-  replaced), ``AllBlocksCleared`` at start and after ``evict --all``.
-  Which blocks: every one when the policy is open or the stream is authenticated
-  (``[events] curve_key``: only routers holding a listed key subscribe); under
-  ``isolation.mode = "tenant"`` without it, only those of namespaces every user may read
-  (:meth:`~kvbroker._server.policy.Policy.readable_by_everyone`), since anyone can subscribe
-  to (or, in the connect form, bind before) the endpoint and a ``BlockStored`` carries a
-  prompt's token ids. A reload that changes the policy clears the stream and announces
-  again what it may carry.
+- with ``[events] publish``, the KV event feed for routers
+  (:class:`~kvbroker._server.fleet_events.EventFeed`).
 
 The control channel and NIXL calls never block the event loop: connects, pins and releases
 are asyncio; NIXL reads and checksum passes run in the loop's default executor.
@@ -46,9 +37,7 @@ import socket
 import time
 from collections import Counter, deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
-
-import xxhash
+from typing import TYPE_CHECKING
 
 from .._wire import checksum
 from .._wire.stats import EventStatistics, PeerInfo, TransferStatistics
@@ -62,40 +51,18 @@ from ..errors import (
     TransferFailed,
 )
 from . import transfer
+from .fleet_events import EventFeed, announced, block_event_hash
 from .fleet_serving import BrokerProvider
 from .pool import open_segment
 
 if TYPE_CHECKING:
     from .broker import Broker
     from .daemon import Daemon
-    from .state import Lease, Session, StoredObject
+    from .state import Lease, Session
 
-__all__ = ["Fleet", "BrokerProvider", "block_event_hash", "announced"]
+__all__ = ["Fleet", "BrokerProvider", "EventFeed", "block_event_hash", "announced"]
 
 log = logging.getLogger("kvbroker.fleet")
-
-
-# -- KV events -----------------------------------------------------------------------------------
-
-def block_event_hash(key: str) -> int:
-    """The 64-bit block hash a KV event carries for a prefix block's key: the last 8 bytes of
-    its hex digest (:func:`kvbroker._server.events.external_hash`), or xxh3_64 of a key that
-    is not a hex digest."""
-    from .events import external_hash
-
-    try:
-        return external_hash(key)
-    except ValueError:
-        return xxhash.xxh3_64_intdigest(key.encode())
-
-
-def announced(obj: StoredObject) -> bool:
-    """Whether a block's seal and removal are announced: blocks with token ids, and of a TP
-    sharded prefix cache only the shard of TP rank 0 (every shard names the same tokens)."""
-    if obj.tokens is None:
-        return False
-    _, sep, shard = obj.key.partition("/")
-    return not sep or ".tp0of" in shard
 
 
 # -- the daemon's fleet ----------------------------------------------------------------------------
@@ -123,9 +90,7 @@ class Fleet:
         self.endpoint: transfer.NixlEndpoint | None = None
         self.server: transfer.PeerServer | None = None
         self.provider: BrokerProvider | None = None
-        self.publisher: Any = None
-        self._stream_policy: Any = None  # the policy _in_stream_memo was worked out under
-        self._in_stream_memo: dict[str, bool] = {}
+        self.events: EventFeed | None = None
         self._maps: list = []
         self.bases: list[int] = []
         self._peers: dict[str, _Peer] = {}
@@ -153,7 +118,7 @@ class Fleet:
         cfg = self.daemon.config
         self.broker.fleet = self
         if cfg.events_publish:
-            self._start_events()
+            self.events = EventFeed(self.daemon, self.node)
         if cfg.transfer_token_file is None:
             if cfg.transfer_listen is not None:
                 raise KVBrokerError("[transfer] listen needs token_file: only brokers that "
@@ -207,89 +172,6 @@ class Fleet:
             self._maps.append(view)
             self.bases.append(int(view.ctypes.data))
 
-    def _start_events(self) -> None:
-        from .events import AllBlocksCleared, CurveKeys, EventPublisher, topic_for
-
-        cfg = self.daemon.config
-        curve = None
-        try:
-            if cfg.events_curve_key or cfg.events_curve_clients:
-                if not (cfg.events_curve_key and cfg.events_curve_clients):
-                    raise KVBrokerError("[events] curve_key and curve_clients go together: the "
-                                        "daemon's secret certificate and its subscribers' keys")
-                try:
-                    curve = CurveKeys(cfg.events_curve_key, cfg.events_curve_clients)
-                except ValueError as exc:
-                    raise KVBrokerError(f"[events] {exc}") from None
-            self.publisher = EventPublisher(
-                cfg.events_publish, topic=topic_for(self.node, cfg.events_model),
-                replay_endpoint=cfg.events_replay, fmt=cfg.events_format,
-                buffer_bytes=cfg.events_replay_buffer, curve=curve,
-                on_overflow=self._announce_all_threadsafe)
-        except ImportError as exc:
-            raise KVBrokerError(str(exc)) from None
-        if curve is None and not self.broker.policy.open:
-            log.warning("KV events without [events] curve_key under tenant isolation: only "
-                        "namespaces every user may read are published")
-        # A router forgets what it knew of this node, then learns what is here (a warm
-        # restart keeps blocks, with their token ids).
-        self.publisher.publish([AllBlocksCleared()])
-        self._announce_all()
-        self.broker.on_block = self._on_block
-        log.info("KV events on %s (topic %s, %s)", self.publisher.endpoint,
-                 self.publisher.topic, cfg.events_format)
-
-    def _announce_all(self) -> None:
-        from .events import BlockStored
-
-        objs = [o for o in self.broker.objects.values()
-                if announced(o) and self._in_stream(o.namespace)]
-        objs.sort(key=lambda o: o.serial)  # parents were sealed before their children
-        self.publisher.publish([self._stored(o, BlockStored) for o in objs])
-
-    def _announce_all_threadsafe(self) -> None:
-        loop = self.daemon._loop
-        if loop is not None and not self.closed:
-            loop.call_soon_threadsafe(self._announce_all)
-
-    @staticmethod
-    def _stored(obj: StoredObject, cls) -> Any:
-        parent = block_event_hash(obj.parent_key) if obj.parent_key is not None else None
-        return cls([block_event_hash(obj.key)], parent, obj.tokens, len(obj.tokens))
-
-    def _in_stream(self, namespace: str) -> bool:
-        """Whether the events of ``namespace`` may go to every subscriber of the stream (see
-        the module doc)."""
-        policy = self.broker.policy
-        if self.publisher.authenticated or policy.open:
-            return True
-        if self._stream_policy is not policy or len(self._in_stream_memo) > 4096:
-            self._stream_policy, self._in_stream_memo = policy, {}
-        ok = self._in_stream_memo.get(namespace)
-        if ok is None:
-            ok = self._in_stream_memo[namespace] = policy.readable_by_everyone(namespace)
-        return ok
-
-    def policy_changed(self) -> None:
-        """A reload set a new policy: what an unauthenticated stream may carry may differ,
-        so the routers forget this node and learn it again under the new rule."""
-        from .events import AllBlocksCleared
-
-        if self.publisher is not None and not self.publisher.authenticated:
-            self.publisher.publish([AllBlocksCleared()])
-            self._announce_all()
-
-    def _on_block(self, what: str, obj: StoredObject | None) -> None:
-        from .events import AllBlocksCleared, BlockRemoved, BlockStored
-
-        if what == "cleared":
-            self.publisher.publish([AllBlocksCleared()])
-        elif obj is not None and announced(obj) and self._in_stream(obj.namespace):
-            if what == "stored":
-                self.publisher.publish([self._stored(obj, BlockStored)])
-            else:
-                self.publisher.publish([BlockRemoved([block_event_hash(obj.key)])])
-
     async def close(self) -> None:
         """Stop serving peers (their leases end), wait for pulls in flight, drop the peers
         and the NIXL agent. Before the pools are unlinked."""
@@ -304,9 +186,8 @@ class Fleet:
         self._peers.clear()
         if self.endpoint is not None:
             await asyncio.get_running_loop().run_in_executor(None, self.endpoint.close)
-        if self.publisher is not None:
-            self.broker.on_block = None
-            await asyncio.get_running_loop().run_in_executor(None, self.publisher.close)
+        if self.events is not None:
+            await self.events.close()
         self.broker.fleet = None
         self._maps.clear()
 
@@ -589,14 +470,5 @@ class Fleet:
                 refused=self.server.refused if self.server is not None else 0,
                 last_failure=self.last_failure(), last_pull_bytes=self.last_pull[0],
                 last_read_seconds=self.last_pull[1], last_pull_seconds=self.last_pull[2])
-        e = None
-        if self.publisher is not None:
-            p = self.publisher
-            e = EventStatistics(
-                endpoint=p.endpoint, replay_endpoint=p.replay_endpoint or "", topic=p.topic,
-                format=p.fmt, next_seq=p.next_seq, events_published=p.events_published,
-                events_dropped=p.events_dropped, overflows=p.overflows,
-                replay_requests=p.replay_requests, queued=p.queued,
-                replay_refused=p.replay_refused, buffered_bytes=p.buffered_bytes,
-                authenticated=p.authenticated)
+        e = self.events.statistics() if self.events is not None else None
         return t, e

@@ -1,0 +1,169 @@
+"""The daemon's KV event feed (``[events]``): which of the broker's prefix blocks go into the
+:class:`~kvbroker._server.events.EventPublisher`, and when.
+
+:class:`EventFeed` is owned by the daemon's :class:`~kvbroker._server.fleet.Fleet` (made at
+its start, closed before the pools) and fed by the broker's ``on_block`` hook, on the event
+loop: ``BlockStored`` when a prefix block with token ids is sealed (published here or
+pulled), ``BlockRemoved`` when it is unlinked (evicted, consumed, replaced),
+``AllBlocksCleared`` at start and after ``evict --all``; after a queue overflow (from the
+publisher's thread, through the loop) every block is announced again.
+
+Which blocks: every one when the policy is open or the stream is authenticated (``[events]
+curve_key``: only subscribers holding a listed key complete the handshake,
+:mod:`kvbroker._server.event_auth`). Under ``isolation.mode = "tenant"`` without it, only
+those of namespaces every user may read
+(:meth:`~kvbroker._server.policy.Policy.readable_by_everyone`): anyone can subscribe to a
+bind-form endpoint (or bind a connect-form port first), and a ``BlockStored`` carries a
+prompt's token ids, its block hash a name another tenant could test a guess against. A
+reload that changes the policy clears the stream and announces again what it may carry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING, Any
+
+import xxhash
+
+from .._wire.stats import EventStatistics
+from ..errors import KVBrokerError
+
+if TYPE_CHECKING:
+    from .daemon import Daemon
+    from .state import StoredObject
+
+__all__ = ["EventFeed", "announced", "block_event_hash"]
+
+log = logging.getLogger("kvbroker.fleet")
+
+
+def block_event_hash(key: str) -> int:
+    """The 64-bit block hash a KV event carries for a prefix block's key: the last 8 bytes of
+    its hex digest (:func:`kvbroker._server.events.external_hash`), or xxh3_64 of a key that
+    is not a hex digest."""
+    from .events import external_hash
+
+    try:
+        return external_hash(key)
+    except ValueError:
+        return xxhash.xxh3_64_intdigest(key.encode())
+
+
+def announced(obj: StoredObject) -> bool:
+    """Whether a block's seal and removal are announced: blocks with token ids, and of a TP
+    sharded prefix cache only the shard of TP rank 0 (every shard names the same tokens)."""
+    if obj.tokens is None:
+        return False
+    _, sep, shard = obj.key.partition("/")
+    return not sep or ".tp0of" in shard
+
+
+class EventFeed:
+    """The publisher of one daemon and what feeds it (see the module doc). Raises
+    KVBrokerError for settings it cannot use (pyzmq missing, CURVE files)."""
+
+    def __init__(self, daemon: Daemon, node: str) -> None:
+        from .events import AllBlocksCleared, CurveKeys, EventPublisher, topic_for
+
+        cfg = daemon.config
+        self.daemon = daemon
+        self.broker = daemon.broker
+        self.closed = False
+        self._policy: Any = None  # the policy _memo was worked out under
+        self._memo: dict[str, bool] = {}
+        curve = None
+        if cfg.events_curve_key or cfg.events_curve_clients:
+            if not (cfg.events_curve_key and cfg.events_curve_clients):
+                raise KVBrokerError("[events] curve_key and curve_clients go together: the "
+                                    "daemon's secret certificate and its subscribers' keys")
+            try:
+                curve = CurveKeys(cfg.events_curve_key, cfg.events_curve_clients)
+            except ValueError as exc:
+                raise KVBrokerError(f"[events] {exc}") from None
+            except ImportError as exc:
+                raise KVBrokerError(str(exc)) from None
+        try:
+            self.publisher = EventPublisher(
+                cfg.events_publish, topic=topic_for(node, cfg.events_model),
+                replay_endpoint=cfg.events_replay, fmt=cfg.events_format,
+                buffer_bytes=cfg.events_replay_buffer, curve=curve,
+                on_overflow=self._announce_all_threadsafe)
+        except ImportError as exc:
+            raise KVBrokerError(str(exc)) from None
+        if curve is None and not self.broker.policy.open:
+            log.warning("KV events without [events] curve_key under tenant isolation: only "
+                        "namespaces every user may read are published")
+        # A router forgets what it knew of this node, then learns what is here (a warm
+        # restart keeps blocks, with their token ids).
+        self.publisher.publish([AllBlocksCleared()])
+        self._announce_all()
+        self.broker.on_block = self._on_block
+        log.info("KV events on %s (topic %s, %s%s)", self.publisher.endpoint,
+                 self.publisher.topic, cfg.events_format,
+                 f", CURVE: {curve.clients} subscriber keys" if curve else "")
+
+    def in_stream(self, namespace: str) -> bool:
+        """Whether the events of ``namespace`` may go to every subscriber of the stream."""
+        policy = self.broker.policy
+        if self.publisher.authenticated or policy.open:
+            return True
+        if self._policy is not policy or len(self._memo) > 4096:
+            self._policy, self._memo = policy, {}
+        ok = self._memo.get(namespace)
+        if ok is None:
+            ok = self._memo[namespace] = policy.readable_by_everyone(namespace)
+        return ok
+
+    def policy_changed(self) -> None:
+        """A reload set a new policy: what an unauthenticated stream may carry may differ,
+        so the routers forget this node and learn it again under the new rule."""
+        from .events import AllBlocksCleared
+
+        if not self.publisher.authenticated:
+            self.publisher.publish([AllBlocksCleared()])
+            self._announce_all()
+
+    def _announce_all(self) -> None:
+        from .events import BlockStored
+
+        objs = [o for o in self.broker.objects.values()
+                if announced(o) and self.in_stream(o.namespace)]
+        objs.sort(key=lambda o: o.serial)  # parents were sealed before their children
+        self.publisher.publish([self._stored(o, BlockStored) for o in objs])
+
+    def _announce_all_threadsafe(self) -> None:
+        loop = self.daemon._loop
+        if loop is not None and not self.closed:
+            loop.call_soon_threadsafe(self._announce_all)
+
+    @staticmethod
+    def _stored(obj: StoredObject, cls) -> Any:
+        parent = block_event_hash(obj.parent_key) if obj.parent_key is not None else None
+        return cls([block_event_hash(obj.key)], parent, obj.tokens, len(obj.tokens))
+
+    def _on_block(self, what: str, obj: StoredObject | None) -> None:
+        from .events import AllBlocksCleared, BlockRemoved, BlockStored
+
+        if what == "cleared":
+            self.publisher.publish([AllBlocksCleared()])
+        elif obj is not None and announced(obj) and self.in_stream(obj.namespace):
+            if what == "stored":
+                self.publisher.publish([self._stored(obj, BlockStored)])
+            else:
+                self.publisher.publish([BlockRemoved([block_event_hash(obj.key)])])
+
+    async def close(self) -> None:
+        self.closed = True
+        self.broker.on_block = None
+        await asyncio.get_running_loop().run_in_executor(None, self.publisher.close)
+
+    def statistics(self) -> EventStatistics:
+        p = self.publisher
+        return EventStatistics(
+            endpoint=p.endpoint, replay_endpoint=p.replay_endpoint or "", topic=p.topic,
+            format=p.fmt, next_seq=p.next_seq, events_published=p.events_published,
+            events_dropped=p.events_dropped, overflows=p.overflows,
+            replay_requests=p.replay_requests, queued=p.queued,
+            replay_refused=p.replay_refused, buffered_bytes=p.buffered_bytes,
+            authenticated=p.authenticated)
