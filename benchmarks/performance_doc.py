@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -467,6 +468,41 @@ every CPU scenario and rewrites this page; `benchmarks/run_gpu_round.sh` and
 """
 
 
+def sglang_storage() -> list[str]:
+    """SGLang's HiCache storage through kvbroker (benchmarks/bench_sglang_storage.py), one
+    table per results file."""
+    lines = []
+    for path in sorted(RESULTS.glob("sglang-storage*.json")):
+        d = json.loads(path.read_text())
+        m = d["machine"]
+        lines += [
+            f"### SGLang HiCache storage (`{d['layout']}`), `{path.stem}`",
+            "",
+            (
+                f"`batch_set_v1` / `batch_get_v1` of a {d['tokens']:,}-token Llama-3-8B-shaped KV "
+                f"({d['pages']} pages of {d['page_size']} tokens, {d['bytes'] / 2**30:.2f} GiB) "
+                "beside a plain memcpy of the same pages and SGLang's own file backend, alternated "
+                f"over {d['rounds']} rounds; kvbroker's get bit-exact: "
+                f"{'yes' if d['bit_exact'] else 'NO'}. Times are medians over the rounds; a ratio "
+                "is the median (least–most) of the per-round ratios, each from one round's two "
+                "times."
+            ),
+            "",
+            *source(path.name, d["commit"], cpu_machine(m), d["command"]),
+        ]
+        rows = [
+            [v, f"{statistics.median(ts):.3f} s", f"{d['median_GBps'][v]:.2f}"]
+            for v, ts in d["seconds"].items()
+        ]
+        lines += table(["variant", "median", "GB/s (of the median)"], rows)
+        rows = [
+            [name, f"{ratio(statistics.median(rs))} ({ratio(min(rs))}–{ratio(max(rs))})"]
+            for name, rs in d["ratios"].items()
+        ]
+        lines += table(["ratio, per round", "median (least–most)"], rows)
+    return lines
+
+
 def gpu_host() -> list[str]:
     """The same scenarios on a GPU machine's 16-core CPU (benchmarks/run_host_round.sh)."""
     return [
@@ -489,6 +525,7 @@ SECTIONS: tuple[tuple[str, list[Callable[[], list[str]]]], ...] = (
     ("## GPU and engines", [ttft, gpu, vllm_gpu, vllm_async_load]),
     ("## Host scenarios, 2-core VM", [lambda n=n: cpu_scenario(n) for n in CPU_SCENARIOS]),
     ("## Host scenarios, a GPU machine's CPU", [gpu_host]),
+    ("## SGLang", [sglang_storage]),
     ("## Integrity, restarts, nodes", [integrity, journal, remote, soak]),
 )
 

@@ -79,3 +79,25 @@ def test_readme_headline_is_the_measured_one():
     readme = " ".join((ROOT / "README.md").read_text().split())
     assert doc.headline() in readme
     assert "[docs/performance.md](docs/performance.md)" in readme
+
+
+def test_sglang_table_ratios_come_from_the_rounds(tmp_path, monkeypatch):
+    """bench_sglang_storage.py's results (the fields it writes): times are medians over the
+    rounds, ratios the per-round ones, never a quotient of two medians."""
+    doc = _load("performance_doc")
+    monkeypatch.setattr(doc, "RESULTS", tmp_path)
+    machine = json.loads((ROOT / "benchmarks/results/bench-rpc-cpu.json").read_text())["machine"]
+    seconds = {"memcpy_out": [1.0, 2.0, 4.0], "kvbroker_set": [2.0, 2.5, 4.4]}
+    result = {
+        "benchmark": "sglang_storage", "commit": "abc1234", "command": "bench_sglang_storage.py",
+        "machine": machine, "tokens": 16384, "page_size": 64, "layout": "page_first",
+        "pages": 256, "bytes": 2 << 30, "rounds": 3, "bit_exact": True, "seconds": seconds,
+        "median_GBps": {"memcpy_out": 1.07, "kvbroker_set": 0.86},
+        "ratios": {"kvbroker_set / memcpy_out": [2.0, 1.25, 1.1]},
+    }  # fmt: skip
+    (tmp_path / "sglang-storage-cpu.json").write_text(json.dumps(result))
+    text = doc.markdown()
+    assert "Commit `abc1234`" in text and "kvbroker's get bit-exact: yes" in text
+    assert "| kvbroker_set | 2.500 s | 0.86 |" in text
+    # the median of the per-round ratios (1.25), not 2.500 / 2.000 from the medians
+    assert "| kvbroker_set / memcpy_out | 1.25 (1.10–2.00) |" in text
