@@ -14,8 +14,10 @@ Each of ``--clients`` worker processes loops until the deadline over a mix of:
 
 The pool is small, so eviction runs all the time. An *error* is any exception other than the
 expected outcomes of pressure and races (a key evicted or consumed before its claim:
-``NotFound``; a key published twice: ``put`` returning False). A *mismatch* is a byte or
-checksum that differs. At the end: 0 errors, 0 mismatches, and the pools hold exactly the
+``NotFound``; a key published twice: ``put`` returning False). Those outcomes did no work and
+are not counted as operations (``ops``): a ``get`` counts only when it found its key and
+checked its bytes, a ``put`` only when it published (``gets_found`` / ``gets_missed`` and
+``expected_outcomes`` report both). A *mismatch* is a byte or checksum that differs. At the end: 0 errors, 0 mismatches, and the pools hold exactly the
 extents of the objects left (no lease, no reservation, no quarantine), then nothing after
 ``evict --all``.
 
@@ -77,12 +79,13 @@ class Worker:
         self.c = Client(sock, name=f"soak-{wid}", role="soak")
         self.wid, self.n, self.deadline = wid, nclients, deadline
         self.rng = random.Random(wid)
-        self.ops: Counter = Counter()
+        self.ops: Counter = Counter()  # operations that did their work
+        self.tried: Counter = Counter()  # every one started
         self.expected: Counter = Counter()  # benign outcomes of pressure and races
         self.errors: list[str] = []
         self.error_count = 0
         self.mismatches: list[str] = []
-        self.bytes_in = self.bytes_out = 0
+        self.bytes_in = self.bytes_out = self.bytes_got = 0  # bytes_got: by get alone
         self.seq = 0
         salt = ["tenant-a", "tenant-b"]
         self.caches = [PrefixCache(self.c, namespace="soak-prefix", block_size=BLOCK,
@@ -92,9 +95,10 @@ class Worker:
         kinds = ["put"] * 4 + ["get"] * 4 + ["prefix"] * 2 + ["evict"]
         while time.monotonic() < self.deadline:
             kind = self.rng.choice(kinds)
+            self.tried[kind] += 1
             try:
-                getattr(self, "_" + kind)()
-                self.ops[kind] += 1
+                if getattr(self, "_" + kind)() is not False:  # False: found nothing to do
+                    self.ops[kind] += 1
             except ChecksumMismatch as exc:
                 self.mismatches.append(f"{kind}: {exc}")
             except Exception as exc:
@@ -104,17 +108,18 @@ class Worker:
                                        + traceback.format_exc(limit=4))  # fmt: skip
         self.c.close()
 
-    def _put(self) -> None:
+    def _put(self) -> bool:
         key = f"w{self.wid}-{self.seq}"
         self.seq += 1
         sizes = sizes_of(key)
         bufs = {f"past_key.{i}": pattern(f"{key}/{i}", n) for i, n in enumerate(sizes)}
         if self.c.put(key, bufs, namespace="soak", consumers=self.rng.choice([1, 1, 2])):
             self.bytes_in += sum(sizes)
-        else:
-            self.expected["put_exists"] += 1
+            return True
+        self.expected["put_exists"] += 1
+        return False
 
-    def _get(self) -> None:
+    def _get(self) -> bool:
         other = self.rng.randrange(self.n)
         # Workers run at about the same pace: another's recent keys are likely still there.
         key = f"w{other}-{max(0, self.seq - self.rng.randrange(1, 12))}"
@@ -122,12 +127,14 @@ class Worker:
             got = self.c.get(key, namespace="soak", verify=True, consume=self.rng.random() < 0.3)
         except NotFound:
             self.expected["get_not_found"] += 1
-            return
+            return False
         sizes = sizes_of(key)
         for i, n in enumerate(sizes):
             if not np.array_equal(got[f"past_key.{i}"], pattern(f"{key}/{i}", n)):
                 self.mismatches.append(f"get {key}: buffer {i} differs")
         self.bytes_out += sum(sizes)
+        self.bytes_got += sum(sizes)
+        return True
 
     def _prefix(self) -> None:
         cache = self.rng.choice(self.caches)
@@ -159,13 +166,16 @@ def _work(sock: str, wid: int, nclients: int, deadline: float, out) -> None:
     try:
         w = Worker(sock, wid, nclients, deadline)
         w.run()
-        out.put({"wid": wid, "ops": dict(w.ops), "expected": dict(w.expected),
+        out.put({"wid": wid, "ops": dict(w.ops), "tried": dict(w.tried),
+                 "expected": dict(w.expected),
                  "errors": w.errors, "error_count": w.error_count,
-                 "mismatches": w.mismatches, "bytes_in": w.bytes_in, "bytes_out": w.bytes_out})
+                 "mismatches": w.mismatches, "bytes_in": w.bytes_in, "bytes_out": w.bytes_out,
+                 "bytes_got": w.bytes_got})
     except BaseException as exc:  # a worker that cannot even start is an error too
-        out.put({"wid": wid, "ops": {}, "expected": {}, "error_count": 1, "mismatches": [],
+        out.put({"wid": wid, "ops": {}, "tried": {}, "expected": {}, "error_count": 1,
+                 "mismatches": [],
                  "errors": [f"worker: {type(exc).__name__}: {exc}"], "bytes_in": 0,
-                 "bytes_out": 0})  # fmt: skip
+                 "bytes_out": 0, "bytes_got": 0})  # fmt: skip
 
 
 def extent_bytes(sizes: list[int], page: int) -> int:
@@ -237,9 +247,11 @@ def run(clients: int = 16, duration: float = 600.0, pool_size: str = "64M",
                 p.kill()
         rc = daemon.stop()
     ops: Counter = Counter()
+    tried: Counter = Counter()
     expected: Counter = Counter()
     for r in reports:
         ops.update(r["ops"])
+        tried.update(r["tried"])
         expected.update(r["expected"])
     main_ops = sum(ops[k] for k in ("put", "get", "prefix", "evict"))
     return {
@@ -250,9 +262,12 @@ def run(clients: int = 16, duration: float = 600.0, pool_size: str = "64M",
         "clients": clients,
         "duration_s": round(elapsed, 1),
         "pool_size": pool_size,
-        "ops": main_ops,
+        "ops": main_ops,  # operations that did their work (a get that found its key, ...)
         "ops_per_s": round(main_ops / elapsed, 1),
         "ops_by_kind": dict(ops),
+        "gets_found": ops["get"],
+        "gets_missed": expected["get_not_found"],
+        "tried_by_kind": dict(tried),
         "expected_outcomes": dict(expected),
         "errors": sum(r["error_count"] for r in reports),
         "error_samples": [e for r in reports for e in r["errors"]][:10],
@@ -260,6 +275,7 @@ def run(clients: int = 16, duration: float = 600.0, pool_size: str = "64M",
         "mismatch_samples": [m for r in reports for m in r["mismatches"]][:10],
         "bytes_published": sum(r["bytes_in"] for r in reports),
         "bytes_claimed": sum(r["bytes_out"] for r in reports),
+        "bytes_got": sum(r["bytes_got"] for r in reports),
         "daemon_alive_at_end": alive,
         "daemon_exit_status": rc,
         "accounting": books,
@@ -277,7 +293,8 @@ def main() -> int:
     res = run(args.clients, args.duration, args.pool_size)
     acc = res["accounting"]
     print(f"{res['clients']} clients, {res['duration_s']} s: {res['ops']} ops "
-          f"({res['ops_per_s']}/s) {res['ops_by_kind']}")
+          f"({res['ops_per_s']}/s) {res['ops_by_kind']}; gets that found their key "
+          f"{res['gets_found']}, that found nothing {res['gets_missed']} (not counted)")
     print(f"errors {res['errors']}, mismatches {res['mismatches']}, "
           f"published {res['bytes_published']} B, claimed {res['bytes_claimed']} B, "
           f"evictions {acc['daemon_counters']['evictions']}")

@@ -24,6 +24,15 @@ def check(res: dict) -> None:
     assert acc["daemon_counters"]["prefix_hit_blocks"] > 0
     assert all(res["ops_by_kind"].get(k, 0) > 0 for k in ("put", "get", "prefix", "evict"))
     assert res["bytes_claimed"] > 0
+    # operations that did their work: a get that found nothing is reported, not counted
+    kinds = res["ops_by_kind"]
+    assert res["ops"] == sum(kinds[k] for k in ("put", "get", "prefix", "evict"))
+    assert res["gets_found"] == kinds["get"] > 0
+    assert res["gets_missed"] == res["expected_outcomes"].get("get_not_found", 0)
+    assert res["gets_found"] + res["gets_missed"] == res["tried_by_kind"]["get"]  # (no errors)
+    # every miss is the daemon's too (prefix matches that found nothing add to its count)
+    assert res["gets_missed"] <= acc["daemon_counters"]["misses"]
+    assert res["bytes_got"] >= res["gets_found"] * 2048  # each found get read >= 2 KiB
 
 
 def test_soak_short():
