@@ -268,28 +268,38 @@ while True:
 """
 
 
-def honest_latencies(client, n=300):
-    lat = []
+def served_between(client, n=300):
+    """Per round trip of the honest client (a lookup, then a stat), how many other requests
+    the daemon served meanwhile (its request counter, less the honest client's own two)."""
+    counts = []
+    last = client.stat().counters.requests
     for _ in range(n):
-        t0 = time.perf_counter()
         assert client.lookup("mine", namespace="honest") is not None
-        lat.append(time.perf_counter() - t0)
-    lat.sort()
-    return lat[len(lat) // 2], lat[int(len(lat) * 0.99)]
+        now = client.stat().counters.requests
+        counts.append(now - last - 2)
+        last = now
+    counts.sort()
+    return counts[len(counts) // 2], counts[int(len(counts) * 0.99)]
 
 
-def test_an_honest_client_stays_fast_while_another_pipelines_lists(daemon, client):
+def test_an_honest_client_is_served_between_slices_of_another_that_pipelines_lists(
+        daemon, client):
+    """A client pipelining 64 KiB of lists at a time (3,000 requests a read) is served a slice
+    of requests at a time (8, or 0.5 ms), the honest client's request between two slices:
+    while it waits, the daemon serves a few dozen of the other's requests, not the rest of a
+    64 KiB read (before: every request of a read served without yielding, 442 ms p50). What
+    the daemon served, counted by its own request counter, not how long the machine took."""
     import subprocess
     import sys
 
     for i in range(3800):
         client.put(f"obj-{i}", {"x": b"1"}, namespace=f"tenant{i % 4}")
     client.put("mine", {"x": b"1"}, namespace="honest")
-    quiet = honest_latencies(client)
     hammer = subprocess.Popen([sys.executable, "-c", HAMMER, daemon.socket_path])
     try:
-        time.sleep(1.0)
-        p50, p99 = honest_latencies(client, 1000)
+        before = client.stat().counters.requests
+        assert wait_until(lambda: client.stat().counters.requests - before > 10_000, timeout=60)
+        p50, p99 = served_between(client, 1000)
         # It reads every reply: it must be served, not cut off (before, a 64 KiB read of
         # lists was served in one go, 32 MiB of replies queued, and the client dropped).
         assert hammer.poll() is None, "the pipelining client was cut off"
@@ -297,11 +307,11 @@ def test_an_honest_client_stays_fast_while_another_pipelines_lists(daemon, clien
     finally:
         hammer.kill()
         hammer.wait()
-    print(f"honest lookup: quiet p50 {quiet[0] * 1e3:.2f} ms p99 {quiet[1] * 1e3:.2f} ms; while "
-          f"another pipelines list: p50 {p50 * 1e3:.2f} ms, p99 {p99 * 1e3:.2f} ms")
-    # (442 ms p50 before: every request of a 64 KiB read served without yielding, and a
-    # list of one namespace scanning every object). Loose bounds: the machine is shared.
-    assert p50 < 0.010 and p99 < 0.050, (p50, p99)
+    print(f"requests of the pipelining client served per honest round trip (lookup + stat): "
+          f"p50 {p50}, p99 {p99}")
+    # A round trip waits for at most a slice or two per request; the rest is the honest
+    # client's own time between them, the other's requests going on meanwhile.
+    assert p50 < 300, (p50, p99)
 
 
 def test_list_and_evict_of_one_namespace_do_not_scan_the_others(tmp_path):
