@@ -16,7 +16,10 @@ Who owns what, and when it is freed:
 - the read lease a load takes is held by this module's thread for the copies only;
 - the client a load uses is the link's client of the step that started it; the worker drains
   the loads in flight before its link closes that client (a closed client unmaps its pools);
-- the thread is this object's: :meth:`close` waits for every load in flight, then stops it.
+- the thread is this object's: :meth:`close` waits for every load in flight, then stops it;
+- vLLM's sleep mode discards the cache the loads write into: the worker waits for the loads
+  in flight first (:meth:`drain_lost`), and reports each as failed after the wake-up, so vLLM
+  recomputes a request that outlived the sleep.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from concurrent.futures.thread import BrokenThreadPool
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["AsyncLoads", "Finished"]
+__all__ = ["AsyncLoads", "Finished", "Lost"]
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,13 @@ class Finished:
     spec: Any  # the plan's LoadSpec
     client: Any  # the client it used (None: the broker was unavailable when it started)
     result: Any
+
+
+@dataclass(frozen=True)
+class Lost:
+    """The result of a load whose copies completed into memory that was then discarded."""
+
+    why: str
 
 
 class AsyncLoads:
@@ -90,6 +100,18 @@ class AsyncLoads:
     def drain(self) -> None:
         """Wait until every load submitted so far has ended (they stay to be reported)."""
         wait([future for _, _, future in self._running])
+
+    def drain_lost(self, why: str) -> None:
+        """:meth:`drain`, then mark every load that completed as :class:`Lost` (``why``):
+        the memory it wrote into is gone (vLLM's sleep mode discarded the KV cache). Those
+        that failed keep their failure."""
+        self.drain()
+        lost = Lost(why)
+        for i, (spec, client, future) in enumerate(self._running):
+            if future.exception() is None:
+                ended: Future = Future()
+                ended.set_result(lost)
+                self._running[i] = (spec, client, ended)
 
     @property
     def pending(self) -> int:

@@ -55,7 +55,7 @@ from kvbroker.errors import (
 )
 
 from . import _ops
-from ._async_loads import AsyncLoads
+from ._async_loads import AsyncLoads, Lost
 from ._format import BlockFormat
 from ._link import CONNECTION_ERRORS, BrokerLink, Warnings, log
 from ._paged import HostSave, SaveItem, cuda_cache, host_cache, interpret, load_host
@@ -155,8 +155,34 @@ class WorkerSide:
                  len(tensors), self.device, how, self.fmt.dtype, self.fmt.block_nbytes,
                  self.namespace)  # fmt: skip
 
+    def release_cache(self) -> None:
+        """Let go of the engine's KV cache: vLLM's sleep mode is about to discard it (its
+        ``unregister_kv_caches``; ``register`` again after the wake-up). Waits for the
+        background loads, which write into it, and reports each that completed as failed
+        (what it loaded is discarded with the cache: vLLM recomputes a request that outlives
+        the sleep); aborts a save left open; closes the CUDA registration of the pools (its
+        streams synchronized first). Leases: a load's ended with its copies, a save's with
+        the abort. Idempotent."""
+        if self.cache is None:
+            return
+        if self._loads is not None:
+            self._loads.drain_lost("vLLM's sleep mode discarded the KV cache it loaded into")
+        if self._save is not None and not self._save.done:
+            self._abort_save("the KV cache was released for vLLM's sleep mode")
+        if self._gpu is not None:
+            self._gpu.close()
+            self._gpu = None
+        self.cache = None
+        self._ready = None
+
     # -- per step --------------------------------------------------------------------------
     def bind(self, plan: Any) -> None:
+        if self.cache is None and self.fmt is not None and (
+                getattr(plan, "loads", None) or getattr(plan, "saves", None)):
+            # vLLM steps no engine between unregister_kv_caches and restore_kv_caches
+            raise KVBrokerError("KVBrokerConnector: a step with loads or saves came while the "
+                                "KV cache was released for sleep mode (restore_kv_caches was "
+                                "not called)")  # fmt: skip
         if self._save is not None and not self._save.done:  # a step that never finalized
             self._abort_save("the step ended before its save was sealed")
         self._plan = plan
@@ -359,6 +385,8 @@ class WorkerSide:
                 loaded = self._account(spec, 0, _UNPLANNED)
             elif f.client is None:
                 loaded = self._account(spec, 0, "the broker is unavailable")
+            elif isinstance(f.result, Lost):
+                loaded = self._account(spec, 0, f.result.why)
             elif isinstance(f.result, BaseException):
                 loaded = self._load_failed(spec, f.client, f.result)
             else:

@@ -193,6 +193,7 @@ class KVBrokerConnector(KVConnectorBase_V1):
         save, load = kv_role in ("kv_producer", "kv_both"), kv_role in ("kv_consumer", "kv_both")
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        self._registered: tuple[dict[str, Any], str] | None = None  # (kv caches, backend)
         if role == KVConnectorRole.SCHEDULER:
             link = BrokerLink(socket, name=f"vllm-scheduler-{os.getpid()}", role=kv_role,
                               map_pools=False, timeout=timeout, **retry,
@@ -247,7 +248,20 @@ class KVBrokerConnector(KVConnectorBase_V1):
 
     # -- worker side -----------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        self._worker.register(kv_caches, self._backend_name(kv_caches))
+        self._registered = (kv_caches, self._backend_name(kv_caches))
+        self._worker.register(*self._registered)
+
+    # vLLM >= 0.33's sleep mode (supports_sleep_mode: the base class's True). Before the KV
+    # cache is discarded (CuMem allocator: unmapped, later mapped back at the same addresses),
+    # and after it is back; its tensors stay the same objects.
+    def unregister_kv_caches(self) -> None:
+        if self._worker is not None:
+            self._worker.release_cache()
+
+    def restore_kv_caches(self) -> None:
+        if self._worker is not None and self._registered is not None \
+                and self._worker.cache is None:  # fmt: skip
+            self._worker.register(*self._registered)
 
     def _backend_name(self, kv_caches: dict[str, Any]) -> str:
         context = self._vllm_config.compilation_config.static_forward_context
