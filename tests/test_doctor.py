@@ -146,6 +146,22 @@ def test_copy_engine_check_names_why_the_one_pass_loop_is_off(monkeypatch):
     assert "report the CPU" in c.fix or c.status == "ok"
 
 
+def test_copy_engine_check_fails_where_the_c_loops_digests_are_wrong(monkeypatch):
+    """Wrong digests from the C loops make every client's engine fall back to the Python
+    loops (kvbroker._client.engine checks them at import): said so, not 'C loops'."""
+    from kvbroker import _copyhash
+    from kvbroker._server.doctor import check_copy_engine
+
+    pytest.importorskip("kvbroker._copyhash", reason="C loops not built here")
+    monkeypatch.delenv("KVBROKER_NATIVE_COPY", raising=False)
+    real = _copyhash.hash_chunks
+    monkeypatch.setattr(_copyhash, "hash_chunks", lambda b, n: [d ^ 1 for d in real(b, n)])
+    c = check_copy_engine(DaemonConfig())
+    assert c.status == "warn" and "digests are not xxhash's" in c.detail, c
+    monkeypatch.setattr(_copyhash, "hash_chunks", real)
+    assert check_copy_engine(DaemonConfig()).status == "ok"
+
+
 def test_prefix_scan_check_says_which_pass_runs(monkeypatch):
     from kvbroker._server.doctor import check_prefix_scan
 

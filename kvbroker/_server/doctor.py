@@ -254,6 +254,7 @@ def check_copy_engine(cfg: DaemonConfig) -> Check:
         return Check(name, "warn", "Python loops: KVBROKER_NATIVE_COPY=0 turns the C loops off",
                      "unset KVBROKER_NATIVE_COPY")  # fmt: skip
     # as the clients' engine binds it (the daemon never imports the client's modules)
+    import xxhash
     from xxhash import _xxhash
 
     from .._copyhash import bind_hash, fused_state
@@ -263,6 +264,18 @@ def check_copy_engine(cfg: DaemonConfig) -> Check:
     except OSError as exc:
         return Check(name, "warn", f"C loops cannot use python-xxhash's library ({exc}): "
                      "Python loops", "reinstall xxhash (python-xxhash 4.1 or later)")  # fmt: skip
+    from .._copyhash import copy_hashed, hash_chunks
+
+    # as the clients' engine checks them at import (kvbroker._client.engine): wrong digests
+    # make every client fall back to the Python loops
+    probe = bytes(range(251)) * 40
+    want = [xxhash.xxh3_64_intdigest(probe[at:at + 1000]) for at in range(0, len(probe), 1000)]
+    if hash_chunks(probe, 1000) != want or copy_hashed(bytearray(len(probe)), probe,
+                                                       1000) != want:  # fmt: skip
+        return Check(name, "warn", "Python loops: the C loops' digests are not xxhash's "
+                     "xxh3_64 (a broken build of csrc/copyhash.c), so the clients do not use "
+                     "them", "rebuild kvbroker (pip install --force-reinstall) and report the "
+                     "compiler and CPU (`lscpu`) to kvbroker")  # fmt: skip
     stores = ("copies of half the last-level cache (16 MiB at least) or more store "
               "non-temporally" if STREAM_STORES else "no streaming stores on this architecture")
     state = fused_state()
