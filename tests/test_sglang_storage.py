@@ -55,9 +55,9 @@ def engines(tmp_path_factory):
 
 def create(engine: Engine, rank: str, socket: str, *, layout: str = "page_first",
            tp_rank: int = 0, tp_size: int = 1, tp_lcm_size: int | None = None,
-           **extra) -> dict:  # fmt: skip
+           mla: bool = False, **extra) -> dict:  # fmt: skip
     return engine.call("create", rank=rank, layout=layout, tp_rank=tp_rank, tp_size=tp_size,
-                       tp_lcm_size=tp_lcm_size, extra={"socket": socket, **extra},
+                       tp_lcm_size=tp_lcm_size, mla=mla, extra={"socket": socket, **extra},
                        **GEOMETRY)  # fmt: skip
 
 
@@ -86,6 +86,24 @@ def test_pages_written_by_one_engine_are_read_bit_exact_by_another(daemon, engin
     assert got["exact"] == [True] * 6
 
 
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
+def test_mla_latent_pages_are_shared_by_every_tp_size(daemon, engines, layout):
+    """An MLA host pool (``MLATokenToKVPoolHost``): every TP rank holds the same latent rows,
+    stored once (SGLang writes from one rank), read by an engine of any TP size."""
+    a, b = engines
+    w = create(a, f"mla-w-{layout}", daemon.socket_path, layout=layout, tp_rank=0, tp_size=2,
+               mla=True)  # fmt: skip
+    r = create(b, f"mla-r-{layout}", daemon.socket_path, layout=layout, tp_rank=0, tp_size=1,
+               mla=True)  # fmt: skip
+    assert w["namespace"] == r["namespace"]
+    assert w["namespace"] != create(b, f"mha-{layout}", daemon.socket_path,
+                                    layout=layout)["namespace"]  # fmt: skip
+    hashes = page_hashes(4, "mla")
+    assert a.call("set", rank=f"mla-w-{layout}", hashes=hashes, slot=1)["results"] == [True] * 4
+    got = b.call("get", rank=f"mla-r-{layout}", hashes=hashes, slot=6)
+    assert got["results"] == [True] * 4 and got["exact"] == [True] * 4
+
+
 def test_exists_and_get_stop_at_the_first_missing_page(daemon, engines):
     a, b = engines
     create(a, "w-prefix", daemon.socket_path)
@@ -105,7 +123,7 @@ def test_exists_and_get_stop_at_the_first_missing_page(daemon, engines):
 
 
 def test_writing_pages_the_node_holds_copies_nothing(daemon, engines):
-    a, b = engines
+    a, _ = engines
     create(a, "w-again", daemon.socket_path)
     hashes = page_hashes(4, "again")
     a.call("set", rank="w-again", hashes=hashes[:2], slot=0)

@@ -28,10 +28,17 @@ import traceback
 
 import tests.sglang_helpers.torchvision_stub  # noqa: F401  (before any SGLang import)
 
+# isort: split
 import torch
-from sglang.srt.mem_cache.device_pool_info import KVBufferLayout, KVBuffers, MHABufferInfo
+from sglang.srt.mem_cache.device_pool_info import (
+    KVBufferLayout,
+    KVBuffers,
+    MHABufferInfo,
+    MLABufferInfo,
+)
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, HiCacheStorageExtraInfo
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 from sglang.srt.mem_cache.storage import StorageBackendFactory
 
 DTYPE = torch.bfloat16
@@ -55,10 +62,34 @@ def host_pool(layout: str, *, layers: int, heads: int, head_dim: int, page_size:
                                 host_token_capacity=tokens + page_size)  # fmt: skip
 
 
+def mla_host_pool(layout: str, *, layers: int, latent: int, rope: int, page_size: int,
+                  pages: int) -> MLATokenToKVPoolHost:  # fmt: skip
+    """SGLang's MLA host pool (one latent row of ``latent + rope`` per token and layer)."""
+    bufs = tuple(torch.zeros(2 * page_size, 1, latent + rope, dtype=DTYPE) for _ in range(layers))
+    info = MLABufferInfo(buffers=bufs, data_ptrs=torch.tensor([b.data_ptr() for b in bufs],
+                                                              dtype=torch.uint64),
+                         layer_indices=tuple(range(layers)), device_layer_num=layers,
+                         page_size=page_size, kv_lora_rank=latent, qk_rope_head_dim=rope,
+                         kv_cache_dim=latent + rope, dtype=DTYPE, device=torch.device("cpu"))
+    return MLATokenToKVPoolHost(info, 1.0, 0, page_size, layout, pin_memory=False, device="cpu",
+                                device_capacity_tokens=page_size, start_layer=0,
+                                end_layer=layers, target_layer_num=layers,
+                                host_token_capacity=(pages + 1) * page_size)  # fmt: skip
+
+
 def logical(pool, token: int) -> torch.Tensor:
-    """The page at host token ``token`` as a view ``[K/V, layer, token, head, head_dim]``,
-    from the layout's definition in SGLang (``init_kv_buffer``), not from the backend's."""
+    """The page at host token ``token`` as a view ``[K/V, layer, token, head, head_dim]``
+    (MLA: ``[layer, token, 1, latent]``), from the layout's definition in SGLang
+    (``init_kv_buffer``), not from the backend's."""
     buf, p = pool.kv_buffer, token // pool.page_size
+    if isinstance(pool, MLATokenToKVPoolHost):
+        if pool.layout == "layer_first":
+            return buf[:, token:token + pool.page_size]
+        if pool.layout == "page_first":
+            return buf[token:token + pool.page_size].permute(1, 0, 2, 3)
+        if pool.layout == "page_first_direct":
+            return buf[p]
+        raise ValueError(pool.layout)
     if pool.layout == "layer_first":
         return buf[:, :, token:token + pool.page_size]
     if pool.layout == "page_first":
@@ -73,6 +104,10 @@ def logical(pool, token: int) -> torch.Tensor:
 def pattern(page_hash: str, rank: dict) -> torch.Tensor:
     """The page's content over this rank's heads: random bits drawn from the hash."""
     g = torch.Generator().manual_seed(int(hashlib.sha256(page_hash.encode()).hexdigest()[:15], 16))
+    if rank.get("mla"):  # the same bytes on every TP rank
+        return torch.randint(-(2**15), 2**15, (rank["layers"], rank["page_size"], 1,
+                                                2 * rank["head_dim"]), generator=g,
+                             dtype=torch.int16)  # fmt: skip
     full = torch.randint(-(2**15), 2**15, (2, rank["layers"], rank["page_size"],
                                             rank["heads_total"], rank["head_dim"]),
                          generator=g, dtype=torch.int16)  # fmt: skip
@@ -87,16 +122,23 @@ def indices(rank: dict, slot: int, n: int) -> torch.Tensor:
 
 def create(cmd: dict) -> dict:
     heads = cmd["heads_total"] // cmd["tp_size"]
-    pool = host_pool(cmd["layout"], layers=cmd["layers"], heads=heads, head_dim=cmd["head_dim"],
-                     page_size=cmd["page_size"], pages=cmd["pages"])  # fmt: skip
+    if cmd.get("mla"):  # latent rows of 2 * head_dim: head_dim of latent, head_dim of rope
+        pool = mla_host_pool(cmd["layout"], layers=cmd["layers"], latent=cmd["head_dim"],
+                             rope=cmd["head_dim"], page_size=cmd["page_size"],
+                             pages=cmd["pages"])  # fmt: skip
+    else:
+        pool = host_pool(cmd["layout"], layers=cmd["layers"], heads=heads,
+                         head_dim=cmd["head_dim"], page_size=cmd["page_size"],
+                         pages=cmd["pages"])  # fmt: skip
     lcm = cmd.get("tp_lcm_size")
     extra = {"backend_name": "kvbroker", "module_path": "kvbroker.integrations.sglang",
              "class_name": "KVBrokerStorage", "interface_v1": 1, **cmd.get("extra", {})}
     # As SGLang's cache controller derives it (_generate_storage_config)
-    split = bool(lcm) and pool.layout == "page_head" and lcm > cmd["tp_size"]
+    split = bool(lcm) and not cmd.get("mla") and pool.layout == "page_head" \
+        and lcm > cmd["tp_size"]  # fmt: skip
     config = HiCacheStorageConfig(
         tp_rank=cmd["tp_rank"], tp_size=cmd["tp_size"], pp_rank=0, pp_size=1, attn_cp_rank=0,
-        attn_cp_size=1, is_mla_model=False, enable_storage_metrics=True,
+        attn_cp_size=1, is_mla_model=bool(cmd.get("mla")), enable_storage_metrics=True,
         is_page_first_layout=pool.layout == "page_first", model_name=cmd.get("model", "org/tiny"),
         tp_lcm_size=lcm, should_split_heads=split, extra_config=extra,
     )  # fmt: skip

@@ -108,8 +108,9 @@ class PageGeometry:
         axis += 1 if paired else 0
         expect = size if kind == "token" else size // page_size
         if len(shape) <= axis or shape[axis] != expect:
-            raise ValueError(f"kvbroker: host pool buffer of shape {tuple(shape)} does not "
-                             f"match layout {layout!r} ({kind} axis {axis} of {expect})")  # fmt: skip
+            raise ValueError(f"kvbroker: host pool buffer of shape {tuple(shape)} does "
+                             f"not match layout {layout!r} ({kind} axis {axis} of "
+                             f"{expect})")  # fmt: skip
         per_position = math.prod(shape[axis + 1:]) * itemsize
         return cls(layout, page_size, math.prod(shape[:axis]),
                    math.prod(shape[axis:]) * itemsize,

@@ -74,10 +74,11 @@ class Source:
         """A page as SGLang's ``get_data_page(flat=True)`` gives it: its runs back to back."""
         import torch
 
+        nbytes = geometry.outer * geometry.run
         if tensor is None or tensor.device.type != "cpu" or not tensor.is_contiguous() \
-                or tensor.numel() * tensor.element_size() != geometry.outer * geometry.run:  # fmt: skip
+                or tensor.numel() * tensor.element_size() != nbytes:  # fmt: skip
             raise ValueError(f"kvbroker: a flat page must be a contiguous CPU tensor of "
-                             f"{geometry.outer * geometry.run} bytes")  # fmt: skip
+                             f"{nbytes} bytes")  # fmt: skip
         return PageRef(tensor.detach().reshape(-1).view(torch.uint8).numpy(), 0, geometry.run)
 
 
@@ -233,7 +234,7 @@ class PageStore:
 
     def _failed(self, client, exc: BaseException, what: str) -> None:
         self._count("errors")
-        if isinstance(exc, KVBrokerError) or isinstance(exc, OSError):
+        if isinstance(exc, (KVBrokerError, OSError)):
             self.link.fail(client, exc)
             self.warnings.warn(f"error_{what}", "HiCache %s failed (%s: %s): served as a miss "
                                "or an unwritten page", what, type(exc).__name__, exc)  # fmt: skip

@@ -88,8 +88,9 @@ class KVBrokerStorage(HiCacheStorage):
         self.store: PageStore | None = None
         self.namespace: str | None = None
         self._stats_lock = threading.Lock()
-        self._metrics: dict[str, list] = {"prefetch_pgs": [], "backup_pgs": [],
-                                          "prefetch_bandwidth": [], "backup_bandwidth": []}  # fmt: skip
+        self._metrics: dict[str, list] = {
+            "prefetch_pgs": [], "backup_pgs": [], "prefetch_bandwidth": [], "backup_bandwidth": [],
+        }  # fmt: skip
 
     # -- set-up ------------------------------------------------------------------------------
     def register_mem_pool_host(self, mem_pool_host) -> None:
@@ -99,7 +100,8 @@ class KVBrokerStorage(HiCacheStorage):
         if not hasattr(buffer, "data_ptr") or buffer.device.type != "cpu" \
                 or not buffer.is_contiguous():  # fmt: skip
             raise ValueError("kvbroker: the HiCache host pool must be one contiguous CPU "
-                             f"tensor (kv_buffer); {type(pool).__name__} has another form")  # fmt: skip
+                             f"tensor (kv_buffer); {type(pool).__name__} has another "
+                             "form")  # fmt: skip
         mla = bool(self.config.is_mla_model)
         head_num = None if mla else int(pool.head_num)
         if not mla and getattr(pool, "v_head_dim", pool.head_dim) != pool.head_dim:
