@@ -6,7 +6,12 @@ A helper of tests/test_vllm_e2e.py (run as a separate process, as a deployment w
 
 SPEC: {"model": dir, "prompts": [[ids...]...], "max_tokens": n, "role": null |
 "kv_producer" | "kv_consumer" | "kv_both", "socket": path, "extra": {...},
-"block_size": 32, "in_process": true, "vllm_log_level": "DEBUG"}. OUT: {"outputs": [[ids...]...], "seconds": s}.
+"block_size": 32 (null: vLLM's choice), "in_process": true, "vllm_log_level": "DEBUG",
+"dtype": "float32", "logprobs": null | k, "max_num_batched_tokens": null | n}.
+OUT: {"outputs": [[ids...]...], "seconds": s, "logprobs": [[[token, logprob]...]...] (with
+"logprobs": the sampled token's logprob at each step), "connector": {"totals": {...},
+"groups": [[kind, block_size, layers]...], "namespace": ...} (an engine in process with a
+connector: its worker's counters and KV cache groups)}.
 """
 
 from __future__ import annotations
@@ -18,7 +23,12 @@ import time
 
 
 def make_model(path: str, *, arch: str = "llama", seed: int = 0) -> None:
-    """A tiny model with seeded random weights, saved to ``path`` (no download)."""
+    """A tiny model with seeded random weights, saved to ``path`` (no download).
+
+    Hybrid kinds (vLLM's hybrid KV cache manager makes several KV cache groups of them):
+    ``gemma3`` (3 sliding-window layers, window 32, and 1 full one: 4 groups of one layer),
+    ``qwen3_next`` (3 gated-delta linear-attention layers and 1 full one, bf16: the CPU GDN
+    kernel takes bf16 and a head dim of 64 or more)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
@@ -28,6 +38,22 @@ def make_model(path: str, *, arch: str = "llama", seed: int = 0) -> None:
                   max_position_embeddings=2048, torch_dtype="float32")
     if arch == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**common))
+    elif arch == "gemma3":
+        from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+        model = Gemma3ForCausalLM(Gemma3TextConfig(
+            **{**common, "num_hidden_layers": 4}, sliding_window=32, query_pre_attn_scalar=32,
+            layer_types=["sliding_attention"] * 3 + ["full_attention"]))  # fmt: skip
+    elif arch == "qwen3_next":
+        from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+        cfg = Qwen3NextConfig(
+            **{**common, "num_hidden_layers": 4, "torch_dtype": "bfloat16"},
+            linear_conv_kernel_dim=4, linear_key_head_dim=64, linear_value_head_dim=64,
+            linear_num_key_heads=2, linear_num_value_heads=2, num_experts=4,
+            num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=64,
+            layer_types=["linear_attention"] * 3 + ["full_attention"])  # fmt: skip
+        model = Qwen3NextForCausalLM(cfg).to(torch.bfloat16)
     else:
         model = LlamaForCausalLM(LlamaConfig(**common))
     model.save_pretrained(path)
@@ -52,22 +78,44 @@ def run(spec: dict) -> dict:
         )
     if spec.get("in_process", True):
         kw["distributed_executor_backend"] = "uni"
-    llm = LLM(model=spec["model"], skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
-              block_size=spec.get("block_size", 32), kv_cache_memory_bytes=64 << 20,
+    if spec.get("block_size", 32) is not None:
+        kw["block_size"] = spec.get("block_size", 32)
+    if spec.get("max_num_batched_tokens"):
+        kw["max_num_batched_tokens"] = spec["max_num_batched_tokens"]
+    llm = LLM(model=spec["model"], skip_tokenizer_init=True, dtype=spec.get("dtype", "float32"),
+              enforce_eager=True, kv_cache_memory_bytes=64 << 20,
               max_model_len=2048, max_num_seqs=8, seed=0,
               enable_prefix_caching=spec.get("prefix_caching", True), **kw)
     params = SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0, detokenize=False,
-                            ignore_eos=True)
+                            ignore_eos=True, logprobs=spec.get("logprobs"))
     started = time.perf_counter()
     print(f"engine ready in {started - begun:.1f} s", file=sys.stderr, flush=True)
-    outputs = []
+    outputs, logprobs = [], []
     for batch in spec.get("batches") or [spec["prompts"]]:
         got = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
         outputs += [list(o.outputs[0].token_ids) for o in got]
+        if spec.get("logprobs") is not None:
+            logprobs += [[[t, step[t].logprob] for t, step in zip(o.outputs[0].token_ids,
+                                                                    o.outputs[0].logprobs)]
+                         for o in got]  # fmt: skip
+    connector = _connector_facts() if spec.get("role") and spec.get("in_process", True) else None
     # An engine core in its own process (in_process False) is shut down here: os._exit below
     # would leave it running.
     llm.llm_engine.engine_core.shutdown()
-    return {"outputs": outputs, "seconds": time.perf_counter() - started}
+    return {"outputs": outputs, "seconds": time.perf_counter() - started,
+            "logprobs": logprobs, "connector": connector}
+
+
+def _connector_facts() -> dict:
+    """The worker connector's totals (its stats counters) and KV cache groups, read in this
+    process (an engine run in process has its worker here)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    conn = get_kv_transfer_group()
+    worker = conn._worker
+    worker.take_stats()
+    groups = [[g.kind, g.block_size, len(g.layer_names)] for g in conn._groups or ()]
+    return {"totals": dict(worker.totals), "groups": groups, "namespace": conn._namespace}
 
 
 if __name__ == "__main__":

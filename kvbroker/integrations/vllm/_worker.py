@@ -66,7 +66,8 @@ _UNPLANNED = "the scheduler side could not plan its load"
 REPORT_EVERY = 2.0  # seconds between the worker's counter reports to the daemon
 STAT_KEYS = ("loads", "loaded_blocks", "loaded_tokens", "loaded_bytes", "load_failed_blocks",
              "saved_blocks", "saved_tokens", "saved_bytes", "existing_blocks",
-             "skipped_save_blocks", "broker_errors")  # fmt: skip
+             "skipped_save_blocks", "broker_errors",
+             "loaded_state_bytes", "saved_state_bytes")  # fmt: skip  (state: hybrid models)
 # Steps a failed load taints saves for when no plan acknowledges it (a backstop: vLLM reports
 # every step's invalid blocks to the scheduler side, whose next plan acknowledges them).
 FAILURE_MEMORY = 16

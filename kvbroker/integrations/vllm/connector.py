@@ -28,6 +28,14 @@ longest prefix of each prompt the node holds instead of computing it; ``kv_both`
   ``kv_transfer_config.kv_load_failure_policy`` to this, because vLLM's own default,
   ``"fail"``, fails the request, which suits a transfer that must arrive, not a cache.
 
+Hybrid models (sliding-window, Mamba or linear-attention layers beside full attention:
+Gemma-3/4, gpt-oss, Qwen3-Next, Granite-4...) are served with vLLM's hybrid KV cache manager
+on (the connector implements ``SupportsHMA``): one KV cache group per kind of layer, each with
+its own keys, format and block size, sliding windows loaded alone, Mamba states saved and
+loaded whole at prefill checkpoints, every load asynchronous (:mod:`._groups`, :mod:`._hybrid`,
+:mod:`._hybrid_worker`, :mod:`._state`; host caches only). A model with one full-attention
+group keeps the single-group path below, namespace, keys and format unchanged.
+
 Which parts run where, what they hold, and who owns every buffer: :mod:`._scheduler`
 (lookups and the per-step plan, in the scheduler process), :mod:`._worker` and
 :mod:`._paged` (the copies, in each worker), :mod:`._link` (the broker being down or full).
@@ -48,11 +56,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from ._format import namespace_for
+from ._groups import STATE, groups_of, hybrid_namespace
+from ._hybrid import HybridScheduler
+from ._hybrid_worker import HybridWorker
 from ._link import BrokerLink, Warnings, log
 from ._scheduler import SchedulerSide, StepPlan
 from ._worker import STAT_KEYS, WorkerSide
@@ -142,7 +155,15 @@ def _check_parallelism(parallel_config: Any) -> None:
             )
 
 
-class KVBrokerConnector(KVConnectorBase_V1):
+def _is_classic(groups: list) -> bool:
+    """One group of full attention (MLA included): the single-group path, whose namespace,
+    keys and block format are those of every earlier kvbroker."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    return len(groups) == 1 and isinstance(groups[0].kv_cache_spec, FullAttentionSpec)
+
+
+class KVBrokerConnector(KVConnectorBase_V1, SupportsHMA):
     """kvbroker as vLLM's KV connector; see the module docstring."""
 
     _cache_hit_source = CacheHitSource.HOST
@@ -155,25 +176,35 @@ class KVBrokerConnector(KVConnectorBase_V1):
         _check_parallelism(vllm_config.parallel_config)
         model_config = vllm_config.model_config
         groups = kv_cache_config.kv_cache_groups if kv_cache_config is not None else []
-        if len(groups) != 1:
-            raise ValueError(
-                f"KVBrokerConnector supports models with one KV cache group, this one has "
-                f"{len(groups)} (hybrid models need the hybrid KV cache manager disabled)"
-            )
-        spec = groups[0].kv_cache_spec
+        if not groups:
+            raise ValueError("KVBrokerConnector needs the engine's KV cache config")
         self._latent = bool(model_config.use_mla)
         self._block_size = vllm_config.cache_config.block_size
         total_heads = model_config.get_total_num_kv_heads()
         self._total_kv_heads = None if self._latent else total_heads
-        self._namespace = namespace_for(
-            str(extra.get("model_id") or model_config.model),
-            dtype=str(spec.dtype).removeprefix("torch."), block_size=self._block_size,
-            num_layers=len(groups[0].layer_names), total_kv_heads=total_heads,
-            head_size=spec.head_size, latent=self._latent,
-            prefix=str(extra.get("namespace", "vllm")),
-        )  # fmt: skip
+        tp_size = vllm_config.parallel_config.tensor_parallel_size
+        model_id = str(extra.get("model_id") or model_config.model)
+        prefix = str(extra.get("namespace", "vllm"))
+        self._groups = None  # the hybrid path's (several groups, or one that is not full)
+        if _is_classic(groups):
+            spec = groups[0].kv_cache_spec
+            self._namespace = namespace_for(
+                model_id, dtype=str(spec.dtype).removeprefix("torch."),
+                block_size=self._block_size, num_layers=len(groups[0].layer_names),
+                total_kv_heads=total_heads, head_size=spec.head_size, latent=self._latent,
+                prefix=prefix,
+            )  # fmt: skip
+        else:
+            self._groups = groups_of(kv_cache_config, tp_size=tp_size,
+                                     total_kv_heads=total_heads, use_mla=self._latent)  # fmt: skip
+            self._namespace = hybrid_namespace(model_id, self._groups, prefix=prefix)
         self._tp_size = vllm_config.parallel_config.tensor_parallel_size
         peers = tuple(int(p) for p in extra.get("peer_tp_sizes", ()))
+        if self._groups and peers and any(g.kind == STATE for g in self._groups):
+            raise ValueError(
+                "KVBrokerConnector: peer_tp_sizes is not supported for models with Mamba / "
+                "linear-attention groups: vLLM shards their state per TP rank, so only an "
+                "engine of the same TP size can read it")  # fmt: skip
         socket = extra.get("socket") or os.environ.get("KVBROKER_SOCKET") or None
         timeout = float(extra.get("timeout", 5.0))
         retry = {"retry_min": float(extra.get("retry_min", 1.0)),
@@ -198,23 +229,37 @@ class KVBrokerConnector(KVConnectorBase_V1):
             link = BrokerLink(socket, name=f"vllm-scheduler-{os.getpid()}", role=kv_role,
                               map_pools=False, timeout=timeout, **retry,
                               warnings=self._warnings)  # fmt: skip
-            self._scheduler = SchedulerSide(
-                link=link, namespace=self._namespace, block_size=self._block_size,
-                total_kv_heads=self._total_kv_heads, latent=self._latent, tp_size=self._tp_size,
-                peer_tp_sizes=peers, save=save, load=load, warnings=self._warnings,
-                load_async=load_async,
-            )  # fmt: skip
+            if self._groups:
+                self._scheduler = HybridScheduler(
+                    link=link, namespace=self._namespace, groups=self._groups,
+                    tp_size=self._tp_size, peer_tp_sizes=peers, save=save, load=load,
+                    warnings=self._warnings,
+                )  # fmt: skip
+            else:
+                self._scheduler = SchedulerSide(
+                    link=link, namespace=self._namespace, block_size=self._block_size,
+                    total_kv_heads=self._total_kv_heads, latent=self._latent,
+                    tp_size=self._tp_size, peer_tp_sizes=peers, save=save, load=load,
+                    warnings=self._warnings, load_async=load_async,
+                )  # fmt: skip
         else:
             tp_rank = _tp_rank()
             link = BrokerLink(socket, name=f"vllm-worker-tp{tp_rank}of{self._tp_size}",
                               role=kv_role, map_pools=True, timeout=timeout, **retry,
                               warnings=self._warnings)  # fmt: skip
-            self._worker = WorkerSide(
-                link=link, namespace=self._namespace, block_size=self._block_size,
-                total_kv_heads=self._total_kv_heads, latent=self._latent, tp_rank=tp_rank,
-                tp_size=self._tp_size, peer_tp_sizes=peers, warnings=self._warnings,
-                agree=_tp_agreement(self._tp_size),
-            )  # fmt: skip
+            if self._groups:
+                self._worker = HybridWorker(
+                    groups=self._groups, link=link, namespace=self._namespace,
+                    block_size=self._block_size, tp_rank=tp_rank, tp_size=self._tp_size,
+                    peer_tp_sizes=peers, warnings=self._warnings,
+                )  # fmt: skip
+            else:
+                self._worker = WorkerSide(
+                    link=link, namespace=self._namespace, block_size=self._block_size,
+                    total_kv_heads=self._total_kv_heads, latent=self._latent,
+                    tp_rank=tp_rank, tp_size=self._tp_size, peer_tp_sizes=peers,
+                    warnings=self._warnings, agree=_tp_agreement(self._tp_size),
+                )  # fmt: skip
         log.info("kvbroker: %s connector, role %s, namespace %s, socket %s", role.name.lower(),
                  kv_role, self._namespace, socket or "default")  # fmt: skip
 
@@ -241,8 +286,17 @@ class KVBrokerConnector(KVConnectorBase_V1):
             self._scheduler.load_failed(set(connector_output.invalid_block_ids))
         if connector_output.finished_recving:
             self._scheduler.loads_finished(connector_output.finished_recving)
+        failed = getattr(connector_output, "failed_recving", None)
+        if failed and self._groups:
+            self._scheduler.loads_failed(failed)
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._scheduler.finished(request.request_id)
+        return False, None
+
+    def request_finished_all_groups(self, request, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:  # fmt: skip
+        # (SupportsHMA) saves complete within their step: no group's blocks are held
         self._scheduler.finished(request.request_id)
         return False, None
 
@@ -293,6 +347,14 @@ class KVBrokerConnector(KVConnectorBase_V1):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         # (saves never outlive their step: nothing to report as sent)
         return None, self._worker.finished_loads() if self._worker is not None else None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        results = super().get_transfer_results(finished_req_ids)
+        if isinstance(self._worker, HybridWorker):
+            # vLLM takes a hybrid model's load failures per request only (its block ids
+            # are per group): it recomputes these
+            results.failed_recving = self._worker.failed_loads()
+        return results
 
     def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
         self._worker.save_layer(layer_name)

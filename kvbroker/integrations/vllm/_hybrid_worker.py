@@ -1,0 +1,312 @@
+"""The worker half of the connector for hybrid models: per-group loads and saves.
+
+No vLLM import (duck-typed). A :class:`~._worker.WorkerSide` whose cache is one per KV cache
+group (:mod:`._groups`): attention groups are paged K/V caches read and written as on the
+single-group path (:mod:`._paged`, one :class:`~._format.BlockFormat` per group, its own block
+size), state groups are state pages (:mod:`._state`). Every group's layers alias vLLM's one
+memory pool; a block id names the bytes of the group whose block table holds it.
+
+Per engine step:
+
+- loads all run in the background (:mod:`._hybrid` says why): each request's load copies
+  every group's planned blocks (never the null block) and is reported by ``finished_loads``;
+  one that did not copy every block is also reported by ``failed_loads`` (vLLM's
+  ``failed_recving``), and vLLM recomputes the request. Nothing is reported per block.
+- ``save_layer`` copies an attention layer's new blocks of its group into that group's
+  reservation (made at its first layer, one round trip per group); state groups have no
+  attention layer and no ``save_kv_layer`` call: ``wait_for_save`` copies their pages whole,
+  then seals every group's blocks, only if every attention layer ran (else all abort).
+
+Host caches only: a hybrid model's CUDA cache is refused at registration.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvbroker.errors import KVBrokerError, LayoutMismatch, PoolFull, QuotaExceeded
+
+from . import _ops
+from ._format import BlockFormat
+from ._groups import STATE, Group
+from ._link import log
+from ._paged import HostSave, SaveItem, host_cache, interpret, load_host
+from ._state import StateFormat, StateSave, load_state, state_key, state_pieces
+from ._worker import WorkerSide, _Skipped
+
+__all__ = ["HybridWorker"]
+
+
+class HybridWorker(WorkerSide):
+    def __init__(self, *, groups: list[Group], **kwargs: Any) -> None:
+        super().__init__(total_kv_heads=None, latent=False, **kwargs)
+        self.groups = groups
+        self.formats: dict[int, BlockFormat | StateFormat] = {}
+        self.caches: dict[int, Any] = {}  # attention: PagedKV; state: per layer, its pieces
+        self.layer_of: dict[str, tuple[int, int] | None] = {}  # name -> (group, layer)
+        self._group_saves: dict[int, Any] = {}
+        self._failed_loads: set[str] = set()
+
+    # -- registration ----------------------------------------------------------------------
+    def register(self, kv_caches: dict[str, Any], backend: str) -> None:
+        how = interpret(backend, latent=False)
+        for g in self.groups:
+            missing = [n for n in g.layer_names if n not in kv_caches]
+            if missing:
+                raise KVBrokerError(f"register_kv_caches: no cache for layer(s) {missing} "
+                                    f"of group {g.index}")  # fmt: skip
+            if g.kind == STATE:
+                self._register_state(g, kv_caches)
+            else:
+                self._register_attention(g, kv_caches, how)
+        self.fmt = self.formats[self.groups[0].index]  # (WorkerSide's checks: registered)
+        self.device = "cpu"
+        total = sum(f.block_nbytes if isinstance(f, BlockFormat) else f.nbytes
+                    for f in self.formats.values())  # fmt: skip
+        log.info("kvbroker: hybrid model, %d KV cache groups (%s), %d B per block of every "
+                 "group, namespace %s", len(self.groups),
+                 ", ".join(f"{g.kind}/{g.block_size}" for g in self.groups), total,
+                 self.namespace)  # fmt: skip
+
+    def _register_attention(self, g: Group, kv_caches: dict[str, Any], how: str) -> None:
+        tensors: list = []
+        seen: dict[tuple, int] = {}
+        for name in g.layer_names:
+            t = kv_caches[name]
+            if t.device.type != "cpu":
+                raise KVBrokerError("kvbroker's vLLM connector serves hybrid models from host "
+                                    "(CPU) KV caches only")  # fmt: skip
+            ident = (t.data_ptr(), tuple(t.shape), tuple(t.stride()))
+            if ident in seen:  # cross-layer KV sharing within the group: stored once
+                self.layer_of[name] = None
+                continue
+            seen[ident] = len(tensors)
+            self.layer_of[name] = (g.index, len(tensors))
+            tensors.append(t)
+        first = tensors[0]
+        _blocks, heads, slots, content = first.shape
+        if slots != g.block_size:
+            raise LayoutMismatch(f"group {g.index} pages {slots} tokens per block, its block "
+                                 f"size is {g.block_size}")  # fmt: skip
+        span = _ops.shard_heads(self.tp_rank, self.tp_size, g.num_kv_heads)
+        if heads != len(span):
+            raise LayoutMismatch(f"TP rank {self.tp_rank} of {self.tp_size} should hold "
+                                 f"{len(span)} of group {g.index}'s {g.num_kv_heads} KV heads, "
+                                 f"its cache has {heads}")  # fmt: skip
+        self.caches[g.index] = host_cache(tensors, how)
+        self.formats[g.index] = BlockFormat(
+            dtype=str(first.dtype).removeprefix("torch."), num_layers=len(tensors),
+            block_size=g.block_size, head_dim=content // 2, local_heads=heads,
+            total_kv_heads=g.num_kv_heads, tp_rank=self.tp_rank, tp_size=self.tp_size,
+            heads=(span.start, span.stop),
+        )  # fmt: skip
+
+    def _register_state(self, g: Group, kv_caches: dict[str, Any]) -> None:
+        layers = []
+        for name in g.layer_names:
+            layers.append(state_pieces(kv_caches[name]))
+            self.layer_of[name] = None  # (vLLM calls save_kv_layer for attention layers only)
+        self.caches[g.index] = layers
+        self.formats[g.index] = StateFormat(
+            tuple(sum(p.shape[1] for p in pieces) for pieces in layers), self.tp_rank,
+            self.tp_size)  # fmt: skip
+
+    @property
+    def _attention_layers(self) -> int:
+        return sum(f.num_layers for f in self.formats.values() if isinstance(f, BlockFormat))
+
+    # -- loads -----------------------------------------------------------------------------
+    def start_load(self) -> None:
+        plan = self._plan
+        if plan is None or not plan.loads or not self.formats:
+            return
+        self._start_background(list(plan.loads))
+
+    def _copy_in(self, spec: Any, client: Any, stream: Any) -> int:
+        """Every group's blocks of ``spec``; returns how many were copied (all of them, or
+        the copies stop at the first group that lacks a block)."""
+        done = 0
+        for load in spec.groups:
+            g = self.groups[load.group]
+            fmt, cache = self.formats[g.index], self.caches[g.index]
+            if g.kind == STATE:
+                for key, block in zip(load.keys, load.block_ids, strict=True):
+                    if not load_state(client, self.namespace, fmt, cache,
+                                      state_key(key, self.tp_rank, self.tp_size), block):
+                        return done
+                    done += 1
+                    self.stats["loaded_state_bytes"] += fmt.nbytes
+                continue
+            n = load_host(client, self.namespace, fmt, cache, load.keys, load.block_ids,
+                          self.peer_tp_sizes)  # fmt: skip
+            done += n
+            if n < len(load.block_ids):
+                return done
+        return done
+
+    def _account(self, spec: Any, loaded: int, why: str = "blocks were evicted since the "
+                 "lookup") -> int:  # fmt: skip
+        n_want = len(spec.block_ids)
+        self.stats["loads"] += 1
+        if loaded >= n_want:
+            self.stats["loaded_blocks"] += loaded
+            self.stats["loaded_tokens"] += spec.tokens
+            self.stats["loaded_bytes"] += sum(self._nbytes(g.group) * len(g.block_ids)
+                                              for g in spec.groups)  # fmt: skip
+            return loaded
+        self.stats["load_failed_blocks"] += n_want
+        self.warnings.warn("load_failed", "could not load request %s whole (%d of %d blocks "
+                           "over its groups; %s): vLLM recomputes it", spec.req_id, loaded,
+                           n_want, why)  # fmt: skip
+        return loaded
+
+    def _nbytes(self, group: int) -> int:
+        f = self.formats[group]
+        return f.block_nbytes if isinstance(f, BlockFormat) else f.nbytes
+
+    def finished_loads(self) -> set[str] | None:
+        if self._loads is None:
+            return None
+        done = set()
+        for f in self._loads.finished():
+            spec = f.spec
+            if not spec.groups:
+                loaded = self._account(spec, -1, "the scheduler side could not plan its load")
+            elif f.client is None:
+                loaded = self._account(spec, 0, "the broker is unavailable")
+            elif isinstance(f.result, BaseException):
+                loaded = self._load_failed(spec, f.client, f.result)
+            else:
+                loaded = self._account(spec, f.result)
+            if loaded < len(spec.block_ids) or not spec.groups:
+                self._failed_loads.add(spec.req_id)
+            done.add(spec.req_id)
+        return done or None
+
+    def failed_loads(self) -> set[str]:
+        """Requests whose load ended without every block (reported with ``finished_loads``,
+        in the same step at the latest): vLLM recomputes them."""
+        out, self._failed_loads = self._failed_loads, set()
+        return out
+
+    def load_errors(self) -> set[int]:
+        return set()  # vLLM takes no block-level failures from a model with several groups
+
+    # -- saves -----------------------------------------------------------------------------
+    def bind(self, plan: Any) -> None:
+        self._abort_group_saves("the step ended before its save was sealed")
+        super().bind(plan)
+        self._group_saves = {}
+
+    def unbind(self) -> None:
+        self._abort_group_saves("the step ended before its save was sealed")
+        super().unbind()
+
+    def _saves_of(self, group: int) -> list:
+        return [s for s in self._plan.saves if s.group == group]
+
+    def _begin_group(self, group: int):
+        save = self._group_saves.get(group)
+        if save is not None:
+            return None if isinstance(save, _Skipped) else save
+        items = [it for s in self._saves_of(group) for it in s.items]
+        client = self._client()
+        g = self.groups[group]
+        if client is None:
+            self._skip(len(items), "the broker is unavailable")
+            self._group_saves[group] = _Skipped()
+            return None
+        fmt, cache = self.formats[group], self.caches[group]
+        if g.kind == STATE:
+            save = StateSave(client, self.namespace, fmt, cache,
+                             [(state_key(k, self.tp_rank, self.tp_size), b) for k, _, b in items])  # fmt: skip
+        else:
+            save = HostSave(client, self.namespace, fmt, cache,
+                            [SaveItem(k, parent, b) for k, parent, b in items])  # fmt: skip
+        try:
+            save.reserve()
+        except (PoolFull, QuotaExceeded) as exc:
+            self._skip(len(items), f"{type(exc).__name__}: {exc}")
+            save = _Skipped()
+        except KVBrokerError as exc:
+            self.stats["broker_errors"] += 1
+            self._link_failed(exc)
+            self._skip(len(items), f"{type(exc).__name__}: {exc}")
+            save = _Skipped()
+        self._group_saves[group] = save
+        return None if isinstance(save, _Skipped) else save
+
+    def save_layer(self, layer_name: str) -> None:
+        where = self.layer_of.get(layer_name)
+        if where is None:
+            return
+        group, index = where
+        self._hooks_active = True
+        self._layers_seen.add(where)
+        plan = self._plan
+        if plan is None or not self._saves_of(group):
+            return
+        save = self._begin_group(group)
+        if save is None:
+            return
+        try:
+            save.copy_layer(index)
+        except Exception as exc:  # noqa: BLE001
+            self._abort_group_saves(f"copying layer {index} of group {group} failed: "
+                                    f"{type(exc).__name__}: {exc}")  # fmt: skip
+
+    def _abort_group_saves(self, why: str) -> None:
+        for group, save in list(self._group_saves.items()):
+            if not isinstance(save, _Skipped) and not save.done:
+                save.abort()
+                self._skip(len(save.items), why)
+            self._group_saves[group] = _Skipped()
+
+    def wait_for_save(self) -> None:
+        plan = self._plan
+        if plan is None or not plan.saves or not self.formats:
+            return
+        if self._hooks_active and len(self._layers_seen) < self._attention_layers:
+            why = (f"only {len(self._layers_seen)} of {self._attention_layers} attention layers "
+                   "ran this step")  # fmt: skip
+            for group in {s.group for s in plan.saves} - set(self._group_saves):
+                self._skip(sum(len(s.items) for s in self._saves_of(group)), why)
+            self._abort_group_saves(why)
+            return
+        ready = []
+        try:
+            for group in sorted({s.group for s in plan.saves}):
+                save = self._begin_group(group)
+                if save is None:
+                    continue
+                if isinstance(save, StateSave):
+                    save.copy()
+                else:
+                    for layer in range(save.fmt.num_layers):
+                        save.copy_layer(layer)
+                ready.append((group, save))
+            for group, save in ready:
+                save.seal()
+                self._count_group(group, save)
+        except KVBrokerError as exc:
+            self.stats["broker_errors"] += 1
+            self._abort_group_saves(f"{type(exc).__name__}: {exc}")
+            self._link_failed(exc)
+        except Exception as exc:  # noqa: BLE001
+            self._abort_group_saves(f"{type(exc).__name__}: {exc}")
+
+    def _count_group(self, group: int, save: Any) -> None:
+        g = self.groups[group]
+        new = save.new_blocks
+        self.stats["saved_blocks"] += new
+        self.stats["saved_bytes"] += new * self._nbytes(group)
+        self.stats["existing_blocks"] += save.existing
+        if g.kind == STATE:
+            self.stats["saved_state_bytes"] += new * self._nbytes(group)
+        elif g is self.groups[self._token_group]:
+            self.stats["saved_tokens"] += new * g.block_size
+
+    @property
+    def _token_group(self) -> int:
+        """The group whose saved blocks count the saved tokens (the first attention one)."""
+        return next(g.index for g in self.groups if g.kind != STATE)
