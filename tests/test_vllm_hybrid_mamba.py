@@ -117,8 +117,10 @@ def test_pd_handoff_loads_every_state_whole(model, broker, reference_and_produce
         for obj in client.list(namespace=namespace):
             if obj.key.split("/")[0] in zero:
                 with client.claim(obj.key, namespace=namespace) as lease:
-                    for view in host_tensors(lease).values():
-                        assert view.numel() * view.element_size() == state_page  # whole
+                    views = list(host_tensors(lease).values())
+                    # the whole state: every part of the group's one layer, in one object
+                    assert sum(v.numel() * v.element_size() for v in views) == state_page
+                    for view in views:
                         view.zero_()
                 hit += 1
         assert hit == STATE_GROUPS

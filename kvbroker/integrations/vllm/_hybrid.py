@@ -34,6 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvbroker import blocks
 from kvbroker.errors import KVBrokerError
 from kvbroker.prefix import PrefixCache
 
@@ -41,7 +42,7 @@ from ._format import PromptKeys, prompt_keys
 from ._groups import FULL, SLIDING, STATE, Group, alignment
 from ._link import BrokerLink, Warnings
 from ._scheduler import StepPlan, request_salt
-from ._state import state_key
+from ._state import state_format
 
 __all__ = ["GroupLoad", "GroupSave", "HybridLoad", "HybridScheduler"]
 
@@ -145,11 +146,9 @@ class HybridScheduler:
         if client is None or not keys:
             return 0
         self.lookups += 1
-        if group.kind == STATE:  # keys given whole: rank 0's shard of this TP layout
-            pc = PrefixCache(client, namespace=self.namespace, block_size=group.block_size)
-            keys = [state_key(k, 0, self.tp_size) for k in keys]
-            return pc.match(range(len(keys) * group.block_size + 1), hashes=keys,
-                            hold=False).num_blocks  # fmt: skip
+        if group.kind == STATE:  # rank 0's pages of this TP layout
+            fmt = state_format(group, 0, self.tp_size)
+            return blocks.match(client, self.namespace, fmt, keys, hold=False).num_blocks
         pc = PrefixCache(client, namespace=self.namespace, block_size=group.block_size,
                          tp_rank=0, tp_size=1, total_kv_heads=group.num_kv_heads)  # fmt: skip
         best = 0

@@ -24,14 +24,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvbroker import blocks
 from kvbroker.errors import KVBrokerError, LayoutMismatch, PoolFull, QuotaExceeded
 
-from . import _ops
 from ._format import BlockFormat
 from ._groups import STATE, Group
 from ._link import log
 from ._paged import HostSave, SaveItem, host_cache, interpret, load_host
-from ._state import StateFormat, StateSave, load_state, state_key, state_pieces
+from ._state import StateSave, check_pages, load_state, state_format, state_pieces
 from ._worker import WorkerSide, _Skipped
 
 __all__ = ["HybridWorker"]
@@ -41,7 +41,7 @@ class HybridWorker(WorkerSide):
     def __init__(self, *, groups: list[Group], **kwargs: Any) -> None:
         super().__init__(total_kv_heads=None, latent=False, **kwargs)
         self.groups = groups
-        self.formats: dict[int, BlockFormat | StateFormat] = {}
+        self.formats: dict[int, BlockFormat | blocks.StateFormat] = {}
         self.caches: dict[int, Any] = {}  # attention: PagedKV; state: per layer, its pieces
         self.layer_of: dict[str, tuple[int, int] | None] = {}  # name -> (group, layer)
         self._group_saves: dict[int, Any] = {}
@@ -61,8 +61,7 @@ class HybridWorker(WorkerSide):
                 self._register_attention(g, kv_caches, how)
         self.fmt = self.formats[self.groups[0].index]  # (WorkerSide's checks: registered)
         self.device = "cpu"
-        total = sum(f.block_nbytes if isinstance(f, BlockFormat) else f.nbytes
-                    for f in self.formats.values())  # fmt: skip
+        total = sum(f.block_nbytes for f in self.formats.values())
         log.info("kvbroker: hybrid model, %d KV cache groups (%s), %d B per block of every "
                  "group, namespace %s", len(self.groups),
                  ", ".join(f"{g.kind}/{g.block_size}" for g in self.groups), total,
@@ -88,7 +87,7 @@ class HybridWorker(WorkerSide):
         if slots != g.block_size:
             raise LayoutMismatch(f"group {g.index} pages {slots} tokens per block, its block "
                                  f"size is {g.block_size}")  # fmt: skip
-        span = _ops.shard_heads(self.tp_rank, self.tp_size, g.num_kv_heads)
+        span = blocks.shard_heads(self.tp_rank, self.tp_size, g.num_kv_heads)
         if heads != len(span):
             raise LayoutMismatch(f"TP rank {self.tp_rank} of {self.tp_size} should hold "
                                  f"{len(span)} of group {g.index}'s {g.num_kv_heads} KV heads, "
@@ -106,10 +105,10 @@ class HybridWorker(WorkerSide):
         for name in g.layer_names:
             layers.append(state_pieces(kv_caches[name]))
             self.layer_of[name] = None  # (vLLM calls save_kv_layer for attention layers only)
+        fmt = state_format(g, self.tp_rank, self.tp_size)
+        check_pages(fmt, layers)
         self.caches[g.index] = layers
-        self.formats[g.index] = StateFormat(
-            tuple(sum(p.shape[1] for p in pieces) for pieces in layers), self.tp_rank,
-            self.tp_size)  # fmt: skip
+        self.formats[g.index] = fmt
 
     @property
     def _attention_layers(self) -> int:
@@ -131,11 +130,10 @@ class HybridWorker(WorkerSide):
             fmt, cache = self.formats[g.index], self.caches[g.index]
             if g.kind == STATE:
                 for key, block in zip(load.keys, load.block_ids, strict=True):
-                    if not load_state(client, self.namespace, fmt, cache,
-                                      state_key(key, self.tp_rank, self.tp_size), block):
+                    if not load_state(client, self.namespace, fmt, cache, key, block):
                         return done
                     done += 1
-                    self.stats["loaded_state_bytes"] += fmt.nbytes
+                    self.stats["loaded_state_bytes"] += fmt.block_nbytes
                 continue
             n = load_host(client, self.namespace, fmt, cache, load.keys, load.block_ids,
                           self.peer_tp_sizes)  # fmt: skip
@@ -161,8 +159,7 @@ class HybridWorker(WorkerSide):
         return loaded
 
     def _nbytes(self, group: int) -> int:
-        f = self.formats[group]
-        return f.block_nbytes if isinstance(f, BlockFormat) else f.nbytes
+        return self.formats[group].block_nbytes
 
     def finished_loads(self) -> set[str] | None:
         if self._loads is None:
@@ -218,8 +215,7 @@ class HybridWorker(WorkerSide):
             return None
         fmt, cache = self.formats[group], self.caches[group]
         if g.kind == STATE:
-            save = StateSave(client, self.namespace, fmt, cache,
-                             [(state_key(k, self.tp_rank, self.tp_size), b) for k, _, b in items])  # fmt: skip
+            save = StateSave(client, self.namespace, fmt, cache, [(k, b) for k, _, b in items])
         else:
             save = HostSave(client, self.namespace, fmt, cache,
                             [SaveItem(k, parent, b) for k, parent, b in items])  # fmt: skip
