@@ -90,9 +90,11 @@ def settled(c: Client, timeout: float = 300.0) -> None:
 
 def daemon(src: str | None, events: dict):
     env = {"KVBROKER_TRANSFER_NODE": "bench", **events}
-    if src:
-        env["PYTHONPATH"] = src
-    return spawned_daemon("64M", "--page-size", "4K", env=env)
+    launcher = None
+    if src:  # ahead of the working directory, which ``python -m`` would put first
+        launcher = [sys.executable, "-c", f"import runpy, sys; sys.path.insert(0, {src!r}); "
+                    "runpy.run_module('kvbroker', run_name='__main__', alter_sys=True)"]
+    return spawned_daemon("64M", "--page-size", "4K", env=env, launcher=launcher)
 
 
 # -- parts -------------------------------------------------------------------------------------
