@@ -70,10 +70,10 @@ from ._client.engine import default_engine
 from ._client.paged import PagedKV, _as_index, _block_index, _gather, _scatter, _split_view
 from ._client.shards import UNKNOWN_CONSUMERS, ClaimResult, PublishResult, ShardSpec
 from ._client.shards import META_TAG  # noqa: F401  (the meta key marking a shard)
-from ._client.shards import SELECT_NOTHING as _SELECT_NOTHING  # noqa: F401  (integrations)
+from ._client.shards import SELECT_NOTHING
 from ._client.shards import consumers_of, needed_shards, own_heads, pinned_shards, shard_key
 from ._client.shards import agreed_tokens
-from ._wire.names import check_infix
+from ._wire.names import check_infix, kv_buffer_name, kv_select_regex
 from .errors import BadRequest, LayoutMismatch
 
 __all__ = [
@@ -84,6 +84,10 @@ __all__ = [
     "publish_shard",
     "claim_shards",
     "UNKNOWN_CONSUMERS",
+    # buffer naming, for engines that claim a request's KV buffers themselves
+    "SELECT_NOTHING",
+    "kv_buffer_name",
+    "kv_select_regex",
 ]
 
 

@@ -4,6 +4,10 @@
 - the client side (``kvbroker._client``) and the server side (``kvbroker._server``) never
   import each other;
 - the TUI imports only ``kvbroker`` (public) and the contract;
+- the engine adapters (``kvbroker/integrations``) stand on kvbroker's public API only: no
+  ``kvbroker._*`` module or ``_name`` imported from kvbroker, no ``obj._attr`` of anything
+  but their own ``self`` (issue 37: ``client._mapping``, ``match._packed``... made
+  ``_client``'s internals de facto API);
 - there is no import cycle among kvbroker's modules;
 - no module is over 600 lines and no class over 500 (issue 14): a larger one is split along
   a seam, one concept per private module.
@@ -110,6 +114,66 @@ def test_tui_imports_only_public_kvbroker_and_the_contract(path):
 
     bad = {m for m in _imports(path) if not allowed(m)}
     assert not bad, f"{path.name} imports {sorted(bad)}"
+
+
+def _private_uses(path: pathlib.Path) -> list[str]:
+    """Where an adapter module reaches below kvbroker's public API: imports of a private
+    kvbroker module (its own package's aside) or of a ``_name`` from kvbroker, lazy ones
+    included, and ``x._attr`` (or ``getattr(x, "_attr")``) of anything but ``self``/``cls``."""
+    name = _module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    own = ".".join(name.split(".")[:3])  # kvbroker.integrations.<engine>
+    out = [f"imports {m}" for m in sorted(_imports(path)) if not _within(m, own)
+           and any(part.startswith("_") for part in m.split(".")[1:])]  # fmt: skip
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom):
+            base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level \
+                else []  # fmt: skip
+            mod = ".".join(base + ([node.module] if node.module else []))
+            if mod.startswith("kvbroker") and not _within(mod, own):
+                out += [f"line {node.lineno}: imports {a.name} from {mod}" for a in node.names
+                        if a.name.startswith("_") and not a.name.startswith("__")]  # fmt: skip
+        attr = None
+        if isinstance(node, ast.Attribute):
+            target, attr = node.value, node.attr
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) \
+                and node.func.id in ("getattr", "setattr", "hasattr", "delattr") \
+                and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) \
+                and isinstance(node.args[1].value, str):  # fmt: skip
+            target, attr = node.args[0], node.args[1].value
+        if attr and attr.startswith("_") and not (attr.startswith("__") and attr.endswith("__")) \
+                and not (isinstance(target, ast.Name) and target.id in ("self", "cls")):  # fmt: skip
+            out.append(f"line {node.lineno}: {ast.unparse(node)}")
+    return out
+
+
+@pytest.mark.parametrize("path", _sources("kvbroker/integrations"), ids=lambda p: p.name)
+def test_integrations_use_only_the_public_api(path):
+    bad = _private_uses(path)
+    assert not bad, f"{path.relative_to(ROOT)} reaches below kvbroker's public API:\n" \
+        + "\n".join(bad)  # fmt: skip
+
+
+def test_the_public_api_rule_sees_each_kind_of_reach():
+    """The checker itself, on a probe module inside an adapter package."""
+    probe = ROOT / "kvbroker" / "integrations" / "vllm" / "_probe_private.py"
+    cases = {
+        "from kvbroker._client.tp import shard_heads": "imports kvbroker._client.tp",
+        "def f():\n    from ..._wire import names": "imports kvbroker._wire",
+        "import kvbroker._client.engine": "imports kvbroker._client.engine",
+        "from kvbroker.kv import _scatter": "imports _scatter from kvbroker.kv",
+        "def f(client):\n    return client._mapping(0)": "client._mapping",
+        "def f(m):\n    return getattr(m, '_packed')": "getattr(m, '_packed')",
+    }
+    try:
+        for source, found in cases.items():
+            probe.write_text(source + "\n")
+            assert any(found in line for line in _private_uses(probe)), source
+        probe.write_text("from kvbroker import blocks\nfrom . import _paged\n"
+                         "class A:\n    def f(self):\n        return self._x, self.__dict__\n")
+        assert _private_uses(probe) == []
+    finally:
+        probe.unlink(missing_ok=True)
 
 
 def test_no_import_cycle():

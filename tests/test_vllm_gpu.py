@@ -248,12 +248,12 @@ def test_a_long_host_save_seals_a_chunk_of_blocks_per_request(make_daemon, monke
     """A save of many blocks seals them RESERVE_CHUNK at a time, as they were reserved: one
     request for all of a long prefill's blocks and their checksums would outgrow a frame."""
     from kvbroker._client.integrity import verify_objects
-    from kvbroker.integrations.vllm import _ops
+    from kvbroker import blocks
     from kvbroker.integrations.vllm._paged import RESERVE_CHUNK
 
     sealed = []
-    real = _ops.seal_many
-    monkeypatch.setattr(_ops, "seal_many", lambda c, leases, sums=None: (
+    real = blocks.seal
+    monkeypatch.setattr(blocks, "seal", lambda c, leases, sums=None: (
         sealed.append((len(leases), len(sums))), real(c, leases, sums))[1])  # fmt: skip
     daemon = make_daemon("--pool-size", "16M", "--page-size", "4K")
     n = 2 * RESERVE_CHUNK + 44
@@ -276,7 +276,7 @@ def test_a_long_host_save_seals_a_chunk_of_blocks_per_request(make_daemon, monke
 def test_pool_runs_move_every_buffer_where_one_copy_per_buffer_would(data):
     """The vectorized run builder against the obvious loop: same bytes end up in the same
     places, whatever the pools, offsets and buffer order."""
-    from kvbroker.integrations.vllm._ops import pool_runs
+    from kvbroker.blocks import pool_runs
 
     k = data.draw(st.integers(1, 5))
     names = [f"b{i}" for i in range(k)]

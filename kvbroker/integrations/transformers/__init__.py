@@ -70,13 +70,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..._client.client import Client
-from ..._client.copy import copy_into
-from ..._client.tp import claim_plan, shard_heads
-from ..._wire.names import kv_buffer_name, kv_select_regex
+from ... import Client
+from ...blocks import claim_plan, copy_into, shard_heads
 from ...errors import BadRequest, Exists, KVBrokerError, LayoutMismatch
-from ...kv import _SELECT_NOTHING  # a claim selecting no buffer: it only counts a consume
+from ...kv import SELECT_NOTHING  # a claim selecting no buffer: it only counts a consume
 from ...kv import ClaimResult, PagedKV, PublishResult, claim_shards, publish_shard, shard_key
+from ...kv import kv_buffer_name, kv_select_regex
 from ...prefix import PrefixCache
 from ._spec import (  # noqa: F401  (copy_into, KVSpec... stay importable from here)
     KVSpec,
@@ -229,7 +228,7 @@ def _broker_client(client: Any) -> Client:
 
 def _consume(client: Client, key: str, namespace: str) -> None:
     """Count one consume-claim of ``key`` without mapping any buffer (frees it if last)."""
-    client.claim(key, namespace=namespace, select=_SELECT_NOTHING, consume=True).release()
+    client.claim(key, namespace=namespace, select=SELECT_NOTHING, consume=True).release()
 
 
 def claim_cache(
@@ -395,7 +394,7 @@ def claim_tp_shard(
     if num_tokens is None:
         first = claim_plan(spec.num_kv_heads, prefill_tp_size, tp_size, tp_rank)[0].prefill_rank
         with client.claim(shard_key(request, first, prefill_tp_size), namespace=namespace,
-                          select=_SELECT_NOTHING, wait=wait) as peek:  # fmt: skip
+                          select=SELECT_NOTHING, wait=wait) as peek:  # fmt: skip
             if not isinstance(peek.meta, dict) or "num_tokens" not in peek.meta:
                 raise LayoutMismatch(f"{request!r}: shard meta has no num_tokens")
             num_tokens = int(peek.meta["num_tokens"])

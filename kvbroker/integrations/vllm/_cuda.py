@@ -9,7 +9,7 @@ host engines, and TP layouts, read each other's blocks.
   (``[block][layer][K/V][head][token][head_dim]``: one ``index_select`` + one permuted copy on
   a gather stream), then DMA the staging into the reserved extents (device -> registered host
   pool, on a DMA stream; consecutive blocks merge into one run). Reservations are sent a few
-  chunks ahead without waiting (``client.ops.pipelined``), a chunk's seal is sent as soon as
+  chunks ahead without waiting (:func:`kvbroker.blocks.reserve_later`), a chunk's seal is sent as soon as
   its DMA ended: the daemon's work and the gathers hide behind the DMA. Measured on an H100:
   ``benchmarks/bench_vllm_gpu.py``, where the time goes: ``benchmarks/experiments/profile_vllm_gpu.py``.
 - **Load** (:func:`load_cuda`): match (one read lease, one round trip), then per chunk DMA the
@@ -29,10 +29,9 @@ import collections
 import contextlib
 from collections.abc import Sequence
 
+from kvbroker import blocks
 from kvbroker.errors import KVBrokerError, LayoutMismatch, Timeout
-from kvbroker.layout import Layout
 
-from . import _ops
 from ._format import PACKED, BlockFormat
 from ._paged import RESERVE_CHUNK, STAGING_BYTES, SaveItem, _requests, copier_for, match
 
@@ -50,7 +49,7 @@ def _torch():
 def _map_pools(client, bases: dict[int, int], rows) -> dict[int, int]:
     """``bases`` with the address of every pool ``rows`` name (mapped once per call)."""
     for pool in set(rows[:, 0].tolist()) - bases.keys():
-        bases[pool] = _ops.pool_address(client, pool)
+        bases[pool] = client.pool_address(pool)
     return bases
 
 
@@ -74,7 +73,7 @@ def save_cuda(client, namespace: str, fmt: BlockFormat, cache, items: Sequence[S
     staging while it is in device memory (where the daemon takes kind 1 and Triton runs)."""
     torch = _torch()
     cuda = cache.device.type == "cuda"
-    summing = checksums and cuda and _gpu_sums_available(client)
+    summing = checksums and cuda and blocks.device_checksums_available(client)
     copier = copier or copier_for(cache.device.type)
     buffers, meta = fmt.buffers(), fmt.meta()
     per_block = fmt.block_nbytes
@@ -93,8 +92,9 @@ def save_cuda(client, namespace: str, fmt: BlockFormat, cache, items: Sequence[S
 
     def ask_up_to(k: int) -> None:
         while len(asked) < min(k + 1, len(parts)):
-            asked.append(_ops.ReserveLater(client, namespace, _requests(fmt, parts[len(asked)]),
-                                           buffers, meta))  # fmt: skip
+            asked.append(blocks.reserve_later(client, namespace,
+                                              _requests(fmt, parts[len(asked)]), buffers,
+                                              meta))  # fmt: skip
     unsealed: list[int] = []  # reserved, not known sealed: aborted if anything fails
     sealing: list[tuple] = []  # (pending seal_many, its leases)
     copying: collections.deque = collections.deque()  # (DMA done event or None, leases)
@@ -118,9 +118,8 @@ def save_cuda(client, namespace: str, fmt: BlockFormat, cache, items: Sequence[S
                                           dtype=cache.dtype, device=cache.device)  # fmt: skip
                 half = staging[k % 2][: len(leases)]
                 chosen = [it.block_id for it, ls in zip(part, res.leases) if ls]
-                runs = _ops.pool_runs(res.rows, res.names, [PACKED], per_block,
-                                      _map_pools(client, bases, res.rows), half.data_ptr(),
-                                      per_block)  # fmt: skip
+                runs = res.runs([PACKED], per_block, _map_pools(client, bases, res.rows),
+                                half.data_ptr(), per_block)  # fmt: skip
                 done = None
                 if cuda:
                     with torch.cuda.stream(gather):
@@ -132,7 +131,9 @@ def save_cuda(client, namespace: str, fmt: BlockFormat, cache, items: Sequence[S
                         # until the gather stream got there (a bubble per chunk in the DMA)
                         ids = _ids_on(torch, chosen, cache.device)
                         half.copy_(cache.index_select(2, ids).permute(2, 0, 1, 4, 3, 5))
-                        sums = _start_sums(half) if summing else None
+                        # each staged block's checksum, on the gather stream: the DMA
+                        # stream waits for it with the gather
+                        sums = blocks.start_device_checksums(half) if summing else None
                         dma.wait_stream(gather)
                     copier(runs, dma)
                     done = torch.cuda.Event()
@@ -181,7 +182,7 @@ def save_cuda(client, namespace: str, fmt: BlockFormat, cache, items: Sequence[S
                 answering = False
             except KVBrokerError:
                 pass
-        _ops.abort_leases(client, unsealed)
+        blocks.abort(client, unsealed)
         raise
     return new, existing
 
@@ -217,54 +218,15 @@ def _ids_on(torch, values: list[int], device):
     return host.to(device, non_blocking=True)  # torch keeps ``host`` until the copy ran
 
 
-def _gpu_sums_available(client) -> bool:
-    from kvbroker._client.kernels import triton_available
-    from kvbroker._wire.checksum import KIND_XXH3C
-
-    return client.checksum_kind == KIND_XXH3C and triton_available()
-
-
-def _start_sums(half):
-    """Each staged block's kind-1 checksum, queued on the current (gather) stream: the DMA
-    stream waits for it with the gather, so the values are on the host once the DMA ended."""
-    from kvbroker._client import gpu_checksum
-
-    return gpu_checksum.start_rows(half)
-
-
 def _seal_later(client, leases: list[int], sums):
     if sums is None:
-        return _ops.seal_later(client, leases)
-    from kvbroker._wire.checksum import encode
-
-    return _ops.seal_later(client, leases, [{PACKED: encode(v)} for v in sums.result()])
+        return blocks.seal_later(client, leases)
+    return blocks.seal_later(client, leases, [{PACKED: v} for v in sums.result()])
 
 
 def _forget(unsealed: list[int], sealed: list[int]) -> None:
     done = set(sealed)
     unsealed[:] = [lease for lease in unsealed if lease not in done]
-
-
-def _check(meta, fmt: BlockFormat) -> Layout:
-    """The stored block layout, after checking it fits ``fmt`` (else LayoutMismatch)."""
-    from kvbroker.prefix import SHARD_META_TAG
-
-    if not isinstance(meta, dict) or meta.get(SHARD_META_TAG) != 1:
-        raise LayoutMismatch("matched blocks were not published in the prefix block format")
-    for what, published, local in (("layers", meta["num_layers"], fmt.num_layers),
-                                   ("components", meta["components"], list(fmt.components)),
-                                   ("total KV heads", meta["total_kv_heads"], fmt.total_kv_heads)):
-        if published != local:
-            raise LayoutMismatch(f"layout mismatch on {what}: published {published!r}, "
-                                 f"local {local!r}")  # fmt: skip
-    stored = Layout.from_dict(meta["layout"])
-    for what, published, local in (("dtype", stored.dtype, fmt.dtype),
-                                   ("block size", stored.size("token"), fmt.block_size),
-                                   ("head_dim", stored.size("head_dim"), fmt.head_dim)):
-        if published != local:
-            raise LayoutMismatch(f"layout mismatch on {what}: published {published!r}, "
-                                 f"local {local!r}")  # fmt: skip
-    return stored
 
 
 def load_cuda(client, namespace: str, fmt: BlockFormat, cache, hashes: Sequence[str],
@@ -281,9 +243,9 @@ def load_cuda(client, namespace: str, fmt: BlockFormat, cache, hashes: Sequence[
         n = min(m.num_blocks, len(block_ids))
         if n == 0:
             return 0
-        stored = _check(m.meta, fmt)
+        stored = fmt.check(m.meta)
         shards = len(m.ranks)
-        names, rows = _ops.match_extents(m)
+        names, rows = m.extents()
         L, C, _B, N, _H, D = cache.shape
         hs = stored.size("head")
         per_block = stored.nbytes * len(fmt.flat_names)
@@ -318,8 +280,8 @@ def load_cuda(client, namespace: str, fmt: BlockFormat, cache, hashes: Sequence[
             for k, at in enumerate(range(0, n, chunk)):
                 count = min(chunk, n - at)
                 half = staging[k % 2][:count]
-                runs = _ops.pool_runs(rows[at * shards : (at + count) * shards], names, read,
-                                      nbytes, bases, half.data_ptr(), per_block)  # fmt: skip
+                runs = blocks.pool_runs(rows[at * shards : (at + count) * shards], names, read,
+                                        nbytes, bases, half.data_ptr(), per_block)  # fmt: skip
                 if cuda and free_again[k % 2] is not None:  # the scatter that read this half ran
                     dma.wait_event(free_again[k % 2])
                 copier([(stage, pool, size) for pool, stage, size in runs], dma)

@@ -34,13 +34,13 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvbroker.layout import Layout
-from kvbroker.prefix import SHARD_META_TAG, block_hashes, shard_block_key
+from kvbroker.blocks import PACKED_KV, AttentionFormat
+from kvbroker.prefix import block_hashes
 
 __all__ = ["FORMAT_VERSION", "PACKED", "BlockFormat", "namespace_for", "prompt_keys", "tail_hash"]
 
 FORMAT_VERSION = 2  # 2: one packed buffer per block
-PACKED = "kv"  # the one buffer of a block
+PACKED = PACKED_KV  # the one buffer of a block
 
 
 def namespace_for(model: str, *, dtype: str, block_size: int, num_layers: int,
@@ -101,68 +101,6 @@ def prompt_keys(tokens: Sequence[int], block_size: int, *, namespace: str,
     return PromptKeys(n, block_size, hashes, tail)
 
 
-@dataclass(frozen=True)
-class BlockFormat:
-    """One TP rank's published block: buffer names (layer-major), the size of each, and the
-    meta :meth:`kvbroker.prefix.KVPrefixMatch.load` checks."""
-
-    dtype: str  # element type of the engine cache (bytes move bit-exactly)
-    num_layers: int
-    block_size: int
-    head_dim: int
-    local_heads: int  # heads of this rank (1 for a latent cache)
-    total_kv_heads: int | None  # the model's; None for an MLA latent cache
-    tp_rank: int
-    tp_size: int
-    heads: tuple[int, int]  # [start, stop) of this rank's heads among the model's
-
-    @property
-    def latent(self) -> bool:
-        return self.total_kv_heads is None
-
-    @property
-    def components(self) -> tuple[str, ...]:
-        return ("latent",) if self.latent else ("key", "value")
-
-    @property
-    def names(self) -> list[list[str]]:
-        """``names[layer][component]``."""
-        return [[f"past_{c}.{layer}" for c in self.components] for layer in range(self.num_layers)]
-
-    @property
-    def buffer_layout(self) -> Layout:
-        return Layout.contiguous(self.dtype, (self.local_heads, self.block_size, self.head_dim),
-                                 ("head", "token", "head_dim"), iterated=("head",),
-                                 sharded="head")  # fmt: skip
-
-    @property
-    def buffer_nbytes(self) -> int:
-        return self.buffer_layout.nbytes
-
-    @property
-    def block_nbytes(self) -> int:
-        return self.buffer_nbytes * self.num_layers * len(self.components)
-
-    @property
-    def flat_names(self) -> list[str]:
-        """Every (layer, component) buffer, in the order they lie in the packed buffer."""
-        return [name for row in self.names for name in row]
-
-    def offset_of(self, layer: int, component: int) -> int:
-        """Where buffer ``names[layer][component]`` starts in the packed buffer."""
-        return (layer * len(self.components) + component) * self.buffer_nbytes
-
-    def buffers(self) -> dict[str, int]:
-        """The broker buffers of a block: one, holding every (layer, component) buffer."""
-        return {PACKED: self.block_nbytes}
-
-    def meta(self) -> dict:
-        return {
-            SHARD_META_TAG: 1, "tp_rank": self.tp_rank, "tp_size": self.tp_size,
-            "total_kv_heads": self.total_kv_heads, "heads": list(self.heads),
-            "num_layers": self.num_layers, "components": list(self.components),
-            "infix": None, "layout": self.buffer_layout.to_dict(), "packed": PACKED,
-        }  # fmt: skip
-
-    def key(self, block_hash: str) -> str:
-        return block_hash + shard_block_key("", self.tp_rank, self.tp_size, self.total_kv_heads)
+# One TP rank's published block: buffer names (layer-major), the size of each, the meta a
+# reader checks (:meth:`kvbroker.blocks.AttentionFormat.check`), packed into PACKED.
+BlockFormat = AttentionFormat

@@ -35,17 +35,13 @@ Ownership of every buffer
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvbroker._client.engine import default_engine
-from kvbroker._client.integrity import digest_here
+from kvbroker import blocks
 from kvbroker.errors import KVBrokerError, LayoutMismatch
 from kvbroker.kv import PagedKV
-from kvbroker.prefix import PrefixCache
 
-from . import _ops
 from ._format import PACKED, BlockFormat
 
 __all__ = [
@@ -157,19 +153,18 @@ class SaveItem:
     block_id: int
 
 
-def _reserve(client, namespace: str, fmt: BlockFormat, items: Sequence[SaveItem]) -> _ops.Reserved:
+def _reserve(client, namespace: str, fmt: BlockFormat,
+             items: Sequence[SaveItem]) -> blocks.Reservation:  # fmt: skip
     """Reserve ``items`` in chunks; on failure, abort what the earlier chunks reserved."""
-    import numpy as np
-
     buffers, meta = fmt.buffers(), fmt.meta()
-    whole = _ops.Reserved([], list(buffers), np.zeros((0, 1 + 2 * len(buffers)), np.int64))
+    whole = blocks.Reservation.empty(client, list(buffers))
     try:
         for at in range(0, len(items), RESERVE_CHUNK):
-            whole = whole + _ops.reserve_blocks(client, namespace,
-                                                _requests(fmt, items[at : at + RESERVE_CHUNK]),
-                                                buffers, meta)  # fmt: skip
+            whole = whole + blocks.reserve(client, namespace,
+                                           _requests(fmt, items[at : at + RESERVE_CHUNK]),
+                                           buffers, meta)  # fmt: skip
     except BaseException:
-        _ops.abort_leases(client, whole.taken)
+        whole.abort()
         raise
     return whole
 
@@ -198,12 +193,13 @@ class HostSave:
         self.items = list(items)
         self.leases: list[int] = []
         self._targets: list[tuple[int, dict]] = []  # (engine block, extents by name)
+        self._reserved: blocks.Reservation | None = None
         self._copied: set[int] = set()
         self.existing = 0
         self.done = False
 
     def reserve(self) -> None:
-        reserved = _reserve(self.client, self.namespace, self.fmt, self.items)
+        reserved = self._reserved = _reserve(self.client, self.namespace, self.fmt, self.items)
         j = 0
         for it, lease in zip(self.items, reserved.leases):
             if lease is None:
@@ -234,7 +230,7 @@ class HostSave:
             at, size = fmt.offset_of(layer, c), fmt.buffer_nbytes
             for block, extents in self._targets:
                 pool, offset, _ = extents[PACKED]
-                dst = _ops.extent_view(self.client, (pool, offset + at, size))
+                dst = blocks.view(self.client, (pool, offset + at, size))
                 np.copyto(dst.view(comp.dtype).reshape(shape), comp[block].transpose(1, 0, 2))
         self._copied.add(layer)
 
@@ -247,42 +243,29 @@ class HostSave:
                                 "were copied; refusing to seal")  # fmt: skip
         self.done = True
         try:
-            sums = self._sums() if self.checksums else None
+            # each block's {PACKED: checksum}, one block per job over the copy engine's threads
+            sums = self._reserved.checksums([PACKED]) if self.checksums and self._targets \
+                else None  # fmt: skip
             # a chunk of blocks per request, as they were reserved: one seal of a whole long
             # prefill's blocks and their checksums would outgrow a request frame
             for at in range(0, len(self.leases), RESERVE_CHUNK):
-                _ops.seal_many(self.client, self.leases[at : at + RESERVE_CHUNK],
-                               None if sums is None else sums[at : at + RESERVE_CHUNK])  # fmt: skip
+                blocks.seal(self.client, self.leases[at : at + RESERVE_CHUNK],
+                            None if sums is None else sums[at : at + RESERVE_CHUNK])  # fmt: skip
         except BaseException:  # refused (or cut short): none is left leased until its TTL
-            _ops.abort_leases(self.client, self.leases)
+            blocks.abort(self.client, self.leases)
             raise
-
-    def _sums(self) -> list[dict]:
-        """Each reserved block's ``{PACKED: checksum}``, in lease order (one job per block
-        over the copy engine's threads, each hashing its block on its own thread)."""
-        kind = self.client.checksum_kind
-        views = [_ops.extent_view(self.client, extents[PACKED]) for _, extents in self._targets]
-        sums = default_engine().run_jobs([functools.partial(digest_here, v, kind) for v in views],
-                                         self.nbytes)  # fmt: skip
-        return [{PACKED: d} for d in sums]
 
     def abort(self) -> None:
         if not self.done:
             self.done = True
-            _ops.abort_leases(self.client, self.leases)
+            blocks.abort(self.client, self.leases)
 
 
 def match(client, namespace: str, fmt: BlockFormat, hashes: Sequence[str],
           peer_tp_sizes: Sequence[int] = ()):  # fmt: skip
     """One read lease on the longest run of ``hashes`` every shard this rank needs holds
-    (own TP size first, then ``peer_tp_sizes``): a :class:`kvbroker.prefix.KVPrefixMatch`."""
-    pc = PrefixCache(client, namespace=namespace, block_size=fmt.block_size,
-                     tp_rank=fmt.tp_rank, tp_size=fmt.tp_size,
-                     total_kv_heads=fmt.total_kv_heads, peer_tp_sizes=peer_tp_sizes)  # fmt: skip
-    # match_kv reads at most (len(tokens) - 1) // block_size hashes; the tokens themselves
-    # are not used when the hashes are given.
-    return pc.match_kv(range(len(hashes) * fmt.block_size + 1), hashes=list(hashes),
-                       latent=fmt.latent)  # fmt: skip
+    (own TP size first, then ``peer_tp_sizes``): a :class:`kvbroker.blocks.KVPrefixMatch`."""
+    return blocks.match(client, namespace, fmt, hashes, peer_tp_sizes=peer_tp_sizes)
 
 
 def load_host(client, namespace: str, fmt: BlockFormat, cache: PagedKV, hashes: Sequence[str],

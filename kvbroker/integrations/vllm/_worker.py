@@ -46,6 +46,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from kvbroker import blocks
 from kvbroker.errors import (
     BrokerUnavailable,
     KVBrokerError,
@@ -54,7 +55,6 @@ from kvbroker.errors import (
     QuotaExceeded,
 )
 
-from . import _ops
 from ._async_loads import AsyncLoads, Lost
 from ._format import BlockFormat
 from ._link import CONNECTION_ERRORS, BrokerLink, Warnings, log
@@ -139,7 +139,7 @@ class WorkerSide:
             raise LayoutMismatch(f"the cache pages {slots} tokens per block, vLLM's block size "
                                  f"is {self.block_size}")  # fmt: skip
         head_dim = content if how == "latent" else content // 2
-        span = _ops.shard_heads(self.tp_rank, self.tp_size, self.total_kv_heads)
+        span = blocks.shard_heads(self.tp_rank, self.tp_size, self.total_kv_heads)
         if not self.latent and heads != len(span):
             raise LayoutMismatch(f"TP rank {self.tp_rank} of {self.tp_size} should hold "
                                  f"{len(span)} of {self.total_kv_heads} KV heads, its cache "
