@@ -23,7 +23,7 @@ from typing import Any
 from .framing import MessageStream
 from .._wire.paths import default_socket_path
 from .leases import ReadLease, WriteLease, _Lease
-from .mappings import ClientMappings, PoolMapping
+from .mappings import ClientMappings
 from .pool_access import PoolAccess
 from .mappings import process_maps as _process_maps  # noqa: F401  (tests count its holders)
 from .ops import LEASE_OPS as _LEASE_OPS
@@ -263,9 +263,6 @@ class Client(PoolAccess):
 
     def _lost_lease_message(self, lease: Any) -> str:
         return f"lease {lease} died with its connection: {self._lost}"
-
-    def _mapping(self, index: int) -> PoolMapping:
-        return self._maps.get(index, self.pools)
 
     def close(self) -> None:
         if self._closed:

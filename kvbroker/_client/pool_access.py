@@ -8,15 +8,24 @@ outside ``kvbroker._client`` reads a client's mappings or session. A mixin of
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .mappings import PoolMapping
 
 __all__ = ["PoolAccess"]
 
 
 class PoolAccess:
-    """``pool_view``, ``pool_address`` and ``connected`` of :class:`~kvbroker.Client`."""
+    """``pool_view``, ``pool_address`` and ``connected`` of :class:`~kvbroker.Client`, and the
+    mapping they read through."""
 
     __slots__ = ()
+
+    def _mapping(self, index: int) -> PoolMapping:
+        """This process's mapping of pool ``index``, mapped on first use and held until the
+        client closes (or a cold restart names new pools)."""
+        return self._maps.get(index, self.pools)  # type: ignore[attr-defined]
 
     def pool_view(self, pool: int, offset: int = 0, nbytes: int | None = None, *,
                   writable: bool = False) -> Any:  # fmt: skip
