@@ -94,7 +94,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
     ps, n = a.page_size, a.tokens // a.page_size
-    pressure_before, machine = psi(), machine_info()
+    pressure_before, load_before = psi(), os.getloadavg()[0]
     # Pages [0, n) are what is stored; [n, 2n) what is loaded into.
     pool = host_pool(a.layout, layers=LAYERS, heads=HEADS, head_dim=DIM, page_size=ps,
                      pages=2 * n)  # fmt: skip
@@ -184,7 +184,7 @@ def main(argv=None) -> int:
             kv_plain.close()
     finally:
         shutil.rmtree(file_dir, ignore_errors=True)
-    pressure_after = psi()
+    pressure_after, machine = psi(), machine_info()  # its load average: at the end
 
     def per_round(num: str, den: str) -> list[float]:
         return [x / y for x, y in zip(times[num], times[den])]
@@ -201,7 +201,7 @@ def main(argv=None) -> int:
     result = {
         "benchmark": "sglang_storage", "commit": measured_commit(), "command": invocation(),
         "machine": machine, "psi_cpu_before": pressure_before, "psi_cpu_after": pressure_after,
-        "loadavg_after": os.getloadavg()[0], "tokens": a.tokens, "page_size": ps,
+        "loadavg_before": load_before, "tokens": a.tokens, "page_size": ps,
         "layout": a.layout, "pages": n, "bytes": total, "rounds": a.rounds,
         "bit_exact": exact, "connect_s": connect_s, "seconds": times, "median_GBps": gbs,
         "ratios": ratios,
@@ -215,7 +215,7 @@ def main(argv=None) -> int:
         f"({page_bytes / (1 << 20):g} MiB each, {total / (1 << 30):.2f} GiB), host layout "
         f"`{a.layout}`, batches of {BATCH} pages, {a.rounds} rounds; HiCacheFile under "
         f"{result['file_dir']}.",
-        f"Load average {machine['loadavg_1min']} before, {result['loadavg_after']:.2f} after; "
+        f"Load average {load_before:.2f} before, {machine['loadavg_1min']:.2f} after; "
         f"CPU pressure before `{pressure_before}`, after `{pressure_after}`.",
         f"kvbroker's get bit-exact: {exact}. The two backends' first calls (connecting, mapping "
         f"the daemon's pools): {connect_s:.2f} s, before the rounds.", "",
