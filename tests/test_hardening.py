@@ -503,10 +503,14 @@ def test_a_waiter_with_a_full_backlog_that_dies_is_seen(daemon, client):
     """Pipelined far behind a blocking claim, the connection stops reading; its peer's
     hang-up is still seen (poll), not only when the wait ends."""
     s = raw(daemon.socket_path)
+    before = client.stat().counters.requests  # (counts this stat itself)
     s.sendall(msgpack.packb({"id": 2, "op": "claim", "args": {"key": "never", "wait": 600}})
               + msgpack.packb({"id": 3, "op": "lookup", "args": {"key": "x"}}) * 2000)
-    assert wait_until(lambda: n_clients(client) == 2)
-    time.sleep(0.5)
+    # Until the daemon has handled the claim (one request besides our stats): the lookups
+    # read with it (more than the 256 a connection may queue) wait behind it, unread past
+    # that, and the connection has stopped reading.
+    polls = iter(range(1, 1 << 30))
+    assert wait_until(lambda: client.stat().counters.requests - before - next(polls) >= 1)
     s.close()
     took = wait_until(lambda: n_clients(client) == 1, timeout=10)
     assert took is not None, "a dead peer with a backlog behind its wait still holds its slot"
