@@ -1099,3 +1099,24 @@ def test_c_loops_take_plain_data_of_any_item_type_but_no_python_objects():
                      lambda: _copyhash.hash_chunks(bad, 64)):
             with pytest.raises(TypeError, match="Python objects"):
                 call()
+
+
+@pytest.mark.parametrize("native", NATIVE_MODES)
+def test_the_engine_refuses_overlapping_views_with_either_loops(small_chunks, native):
+    """Split over threads, a copy between overlapping views would read bytes another thread
+    had already written: refused by both loops, nothing written."""
+    e = E.CopyEngine(4, split_min=small_chunks, native=native)
+    whole = np.random.default_rng(3).integers(0, 256, 24 * small_chunks, dtype=np.uint8)
+    before = whole.copy()
+    n = 16 * small_chunks
+    try:
+        for shift in (1, small_chunks, -3 * small_chunks - 5):
+            a = 4 * small_chunks
+            dst, src = whole[a + shift : a + shift + n], whole[a : a + n]
+            for call in (lambda: e.copy(dst, src), lambda: e.copy_hashed(dst, src),
+                         lambda: e.copy_hashed(whole[a + 1 : a + 101], whole[a : a + 100])):
+                with pytest.raises(ValueError, match="overlap"):
+                    call()
+        assert np.array_equal(whole, before)
+    finally:
+        e.close()

@@ -381,6 +381,7 @@ class CopyEngine:
         if self.native:
             self._run(_copy_range_native, (dst, src, n >= self.stream_min), self.ranges(n))
         else:
+            _refuse_overlap(dst, src)
             self._run(_copy_range, (dst, src), self.ranges(n))
 
     def copy_here(self, dst, src) -> None:
@@ -403,6 +404,7 @@ class CopyEngine:
                 return _cs.combine(n, _c_copy_hashed(dst, src, _cs.CHUNK))
             import numpy as np
 
+            _refuse_overlap(dst, src)
             np.copyto(dst, src)
             return _cs.combine(n, [_hash(dst)])
         ranges = self.ranges(n)
@@ -411,6 +413,7 @@ class CopyEngine:
             parts = self._run(_copy_hash_range_native, (dst, src, piece, n >= self.stream_min),
                               ranges)  # fmt: skip
         else:
+            _refuse_overlap(dst, src)
             parts = self._run(_copy_hash_range, (dst, src), ranges)
         return _cs.combine(src.nbytes, [d for part in parts for d in part])
 
@@ -455,6 +458,15 @@ class CopyEngine:
 def _check(dst, src) -> None:
     if dst.nbytes != src.nbytes:
         raise ValueError(f"copy of {src.nbytes} bytes into a view of {dst.nbytes}")
+
+
+def _refuse_overlap(dst, src) -> None:
+    """The Python loops refuse what the C loops refuse (csrc/copyhash.c): a copy whose
+    ranges, split over threads, would read bytes another thread had already written."""
+    import numpy as np
+
+    if src.nbytes and np.may_share_memory(dst, src):
+        raise ValueError("copy: dst and src overlap: copy through a separate buffer")
 
 
 _default: CopyEngine | None = None
