@@ -3,8 +3,9 @@
 - ``rate``: N BlockStored (one per seal, as the daemon emits them) then N BlockRemoved through
   an EventPublisher to a SUB socket in this process, every event counted;
 - ``rss``: a daemon's RSS after 2,000 prefix blocks of 16,384 token ids (values below 151,000,
-  a real vocabulary's) published and evicted, in rounds of 100, nobody subscribed: what the
-  replay buffer keeps ([events] replay_buffer) is what stays;
+  a real vocabulary's) published and evicted, ``--rss-round`` (100) at a time, nobody
+  subscribed: what stays is the replay buffer ([events] replay_buffer) and what the
+  allocator keeps of the token ids of the blocks alive at once;
 - ``flood``: a daemon whose replay buffer is full of such blocks, one DEALER asking for
   replays from 0 as fast as it can (reading nothing, or reading everything), and 200 live
   prefix blocks published one by one beside it: how many reach a live subscriber, their
@@ -139,14 +140,14 @@ def part_rss(args) -> dict:
             pid = c.stat().pid
             settled(c)
             before = process_memory(pid)
-            for r in range(0, args.rss_blocks, 100):
-                publish_long(c, r, min(100, args.rss_blocks - r))
+            for r in range(0, args.rss_blocks, args.rss_round):
+                publish_long(c, r, min(args.rss_round, args.rss_blocks - r))
                 c.evict(namespace="bench", all=True)
             settled(c)
             after = process_memory(pid)
             st = c.stat()
             e = st.events
-    return {"blocks": args.rss_blocks, "tokens_per_block": LONG,
+    return {"blocks": args.rss_blocks, "round": args.rss_round, "tokens_per_block": LONG,
             "rss_before_MiB": before["VmRSS"] / MiB, "rss_after_MiB": after["VmRSS"] / MiB,
             "peak_rss_MiB": after["VmHWM"] / MiB, "objects_after": st.objects,
             "events_published": e.events_published, "batches": e.next_seq,
@@ -239,6 +240,8 @@ def main() -> None:
     ap.add_argument("--part", action="append", choices=("rate", "rss", "flood"))
     ap.add_argument("--blocks", type=int, default=100_000, help="rate: events of each kind")
     ap.add_argument("--rss-blocks", type=int, default=2000)
+    ap.add_argument("--rss-round", type=int, default=100,
+                    help="rss: blocks published before each eviction (alive at once)")
     ap.add_argument("--flood-fill", type=int, default=400,
                     help="flood: 16,384-token blocks published first (the replay buffer)")
     ap.add_argument("--live", type=int, default=200)
@@ -275,7 +278,8 @@ def main() -> None:
     if "rss" in result:
         r = result["rss"]
         lines.append(f"- rss: {r['blocks']} blocks of {r['tokens_per_block']} token ids "
-                     f"published and evicted: daemon RSS {r['rss_before_MiB']:.0f} → "
+                     f"published and evicted {r['round']} at a time: daemon RSS "
+                     f"{r['rss_before_MiB']:.0f} → "
                      f"{r['rss_after_MiB']:.0f} MiB (peak {r['peak_rss_MiB']:.0f}); replay "
                      f"buffer {r['replay_buffer_bytes']} B; {r['objects_after']} objects left.")
     for f in result.get("flood", []):
