@@ -568,7 +568,8 @@ def test_undecodable_event_is_dropped_not_the_thread():
     topic = ev.topic_for("node-k", "m")
     with ev.EventPublisher("tcp://*:0", topic=topic, replay_endpoint="tcp://127.0.0.1:0",
                            max_batch=10) as pub:
-        pub.publish([ev.BlockStored([1], None, ["x", "y"], 2), ev.BlockStored([2], None, [5, 6], 2)])
+        pub.publish([ev.BlockStored([1], None, ["x", "y"], 2),
+                     ev.BlockStored([2], None, [5, 6], 2)])
         pub.stored([3], 2, [7, 8], 2)
         assert pub.flush(), "the publisher thread died"
         seen = [e for _s, p in _replayed(pub.replay_endpoint) for e in _decode(p, "positional")]
