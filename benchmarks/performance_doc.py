@@ -450,8 +450,16 @@ def soak() -> list[str]:
     ]
     lines += source("soak-cpu.json", d["commit"], d["machine"], d["command"])
     return lines + table(
-        ["clients", "duration", "operations", "gets that found their key / found nothing",
-         "errors", "wrong bytes", "accounting"], rows
+        [
+            "clients",
+            "duration",
+            "operations",
+            "gets that found their key / found nothing",
+            "errors",
+            "wrong bytes",
+            "accounting",
+        ],
+        rows,
     )
 
 
@@ -513,6 +521,58 @@ def sglang_storage() -> list[str]:
     return lines
 
 
+def events() -> list[str]:
+    """The KV event stream's memory and replay flood (benchmarks/bench_events.py --part rss
+    --part flood), one table per results file."""
+    lines = []
+    for path in sorted(RESULTS.glob("events-*cpu*.json")):
+        d = json.loads(path.read_text())
+        tree = f", the daemon from `{d['daemon_src']}`" if d.get("daemon_src") else ""
+        lines += [f"### KV events, `{path.stem}`", ""]
+        lines += source(path.name, d["commit"], cpu_machine(d["machine"]) + tree, d["command"])
+        if d.get("note"):
+            lines += [d["note"], ""]
+        rows = []
+        r = d.get("rss")
+        if r:
+            alive = r.get("round", 100)  # the driver's default before it recorded it
+            rows.append(
+                [
+                    (
+                        f"{r['blocks']:,} blocks of {r['tokens_per_block']:,} token ids published "
+                        f"and evicted, {alive} alive at once"
+                    ),
+                    (
+                        f"daemon RSS {r['rss_before_MiB']:.0f} → {r['rss_after_MiB']:.0f} MiB "
+                        f"(peak {r['peak_rss_MiB']:.0f}); replay buffer "
+                        f"{r['replay_buffer_bytes'] / 2**20:.1f} MiB"
+                    ),
+                ]
+            )
+        for f in d.get("flood") or []:
+            who = "reading" if f["reads_replies"] else "not reading"
+            late = (
+                f"; latency p50 {f['latency_ms_p50']:.1f} ms, p99 {f['latency_ms_p99']:.1f} ms"
+                if f["latency_ms_p50"] is not None
+                else ""
+            )
+            rows.append(
+                [
+                    (
+                        f"a replay flood from 0 (its sender {who} the replies) beside a live "
+                        "subscriber"
+                    ),
+                    (
+                        f"{f['live_arrived']} of {f['live']} live events arrived in "
+                        f"{f['wait_s']:.0f} s{late}; {f['replay_requests_answered']:,} of "
+                        f"{f['requests_sent']:,} replay requests answered"
+                    ),
+                ]
+            )
+        lines += table(["measurement", "result"], rows)
+    return lines
+
+
 def gpu_host() -> list[str]:
     """The same scenarios on a GPU machine's 16-core CPU (benchmarks/run_host_round.sh)."""
     return [
@@ -536,7 +596,7 @@ SECTIONS: tuple[tuple[str, list[Callable[[], list[str]]]], ...] = (
     ("## Host scenarios, 2-core VM", [lambda n=n: cpu_scenario(n) for n in CPU_SCENARIOS]),
     ("## Host scenarios, a GPU machine's CPU", [gpu_host]),
     ("## SGLang", [sglang_storage]),
-    ("## Integrity, restarts, nodes", [integrity, journal, remote, soak]),
+    ("## Integrity, restarts, nodes", [integrity, journal, remote, events, soak]),
 )
 
 
