@@ -29,6 +29,7 @@ from kvbroker.errors import KVBrokerError, LayoutMismatch, PoolFull, QuotaExceed
 
 from ._format import BlockFormat
 from ._groups import STATE, Group
+from ._async_loads import Lost
 from ._link import log
 from ._paged import HostSave, SaveItem, host_cache, interpret, load_host
 from ._state import StateSave, check_pages, load_state, state_format, state_pieces
@@ -60,6 +61,7 @@ class HybridWorker(WorkerSide):
             else:
                 self._register_attention(g, kv_caches, how)
         self.fmt = self.formats[self.groups[0].index]  # (WorkerSide's checks: registered)
+        self.cache = self.caches  # (WorkerSide's checks: not released for sleep mode)
         self.device = "cpu"
         total = sum(f.block_nbytes for f in self.formats.values())
         log.info("kvbroker: hybrid model, %d KV cache groups (%s), %d B per block of every "
@@ -109,6 +111,18 @@ class HybridWorker(WorkerSide):
         check_pages(fmt, layers)
         self.caches[g.index] = layers
         self.formats[g.index] = fmt
+
+    def release_cache(self) -> None:
+        """vLLM's sleep mode discards the cache (see :meth:`WorkerSide.release_cache`): the
+        background loads are waited for and reported failed, open saves aborted, and every
+        group's views dropped until ``register`` runs again. Idempotent."""
+        if self.cache is None:
+            return
+        if self._loads is not None:
+            self._loads.drain_lost("vLLM's sleep mode discarded the KV cache it loaded into")
+        self._abort_group_saves("the KV cache was released for vLLM's sleep mode")
+        self.caches = {}
+        self.cache = None
 
     @property
     def _attention_layers(self) -> int:
@@ -171,6 +185,8 @@ class HybridWorker(WorkerSide):
                 loaded = self._account(spec, -1, "the scheduler side could not plan its load")
             elif f.client is None:
                 loaded = self._account(spec, 0, "the broker is unavailable")
+            elif isinstance(f.result, Lost):
+                loaded = self._account(spec, 0, f.result.why)
             elif isinstance(f.result, BaseException):
                 loaded = self._load_failed(spec, f.client, f.result)
             else:
