@@ -37,12 +37,13 @@ async def run(args) -> dict:
 
     from kvbroker._server import transfer
 
-    token = b"bench-token-0123456789"
-    with tempfile.NamedTemporaryFile("wb", delete=False) as f:
-        f.write(token)
-    os.chmod(f.name, 0o600)
+    from kvbroker.testing import peer_certificates
+
+    files = peer_certificates(tempfile.mkdtemp(prefix="kvb-certs-"),
+                              {"bench": ["127.0.0.1"]})["bench"]
     sizes = {k: v for k, v in SIZES.items() if k in args.sizes}
-    cmd = [sys.executable, os.path.join(ROOT, "tests", "_nixl_peer.py"), "--token-file", f.name]
+    cmd = [sys.executable, os.path.join(ROOT, "tests", "_nixl_peer.py"), "--cert",
+           files["cert_file"], "--key", files["key_file"], "--ca", files["ca_file"]]
     for name, n in sizes.items():
         cmd += ["--object", f"{name}:{n}:1"]
     peer = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
@@ -58,7 +59,8 @@ async def run(args) -> dict:
         region = np.zeros(max(sizes.values()), dtype=np.uint8)
         region[:] = 1  # fault the pages in before timing
         ep.register([(region.ctypes.data, region.nbytes)])
-        c = await transfer.PeerClient(f"127.0.0.1:{port}", token=token, node="bench").connect()
+        tls = transfer.tls_contexts(files["cert_file"], files["key_file"], files["ca_file"])[1]
+        c = await transfer.PeerClient(f"127.0.0.1:{port}", tls=tls, node="bench").connect()
         agent = ep.add_peer(c.metadata)
         rows = {}
         for name, n in sizes.items():

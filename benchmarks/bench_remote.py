@@ -63,14 +63,18 @@ def _port() -> int:
 
 class Pair:
     def __init__(self, folder: str, pool_a: str, pool_b: str, *, keep: bool = False) -> None:
-        tok = os.path.join(folder, "token")
-        with open(tok, "wb") as f:
-            f.write(b"bench-remote-token-0123456789")
-        os.chmod(tok, 0o600)
+        from kvbroker.testing import peer_certificates
+
+        # throwaway certificates for the two daemons' mutual TLS (both 127.0.0.1)
+        certs = peer_certificates(os.path.join(folder, "certs"), {"bench": ["127.0.0.1"]})
+        files = certs["bench"]
         self.port = _port()
         self.address = f"127.0.0.1:{self.port}"
         base = {"UCX_TLS": os.environ.get("UCX_TLS", "tcp"),
-                "KVBROKER_TRANSFER_TOKEN_FILE": tok}
+                "KVBROKER_TRANSFER_CERT_FILE": files["cert_file"],
+                "KVBROKER_TRANSFER_KEY_FILE": files["key_file"],
+                "KVBROKER_TRANSFER_CA_FILE": files["ca_file"],
+                "KVBROKER_TRANSFER_PEERS": self.address}
         self.env_a = {**base, "KVBROKER_TRANSFER_LISTEN": self.address,
                       "KVBROKER_TRANSFER_NODE": "bench-a"}
         self.args_a = ["--pool-size", pool_a, *(["--keep-pools-on-exit"] if keep else [])]

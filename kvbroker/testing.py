@@ -40,7 +40,7 @@ from pathlib import Path
 from ._client.client import Client
 from .errors import BrokerUnavailable
 
-__all__ = ["DaemonProcess", "drop_leftover_pools", "running_daemon"]
+__all__ = ["DaemonProcess", "drop_leftover_pools", "peer_certificates", "running_daemon"]
 
 
 class DaemonProcess:
@@ -123,6 +123,73 @@ def drop_leftover_pools(socket_path: str) -> list[str]:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
     return removed
+
+
+def peer_certificates(folder: str | os.PathLike, names: dict[str, list[str]], *,
+                      ca_name: str = "kvbroker test CA") -> dict[str, dict[str, str]]:
+    """Throwaway certificates for a test fleet's peer channel (``[transfer] cert_file``,
+    ``key_file``, ``ca_file``): one CA, and for each node of ``names`` a certificate signed
+    by it whose subject alternative names are that node's hosts (IP addresses or DNS
+    names, as its peers list it). Written to ``folder`` (keys mode 0600); returns
+    ``{node: {"cert_file", "key_file", "ca_file"}}``. Needs the ``cryptography`` package.
+    For tests only: production certificates come from the fleet's own CA."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    now = datetime.datetime.now(datetime.timezone.utc)
+
+    def write_key(path: Path, key) -> str:
+        path.write_bytes(key.private_bytes(serialization.Encoding.PEM,
+                                           serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+        path.chmod(0o600)
+        return str(path)
+
+    def build(subject: str, key, issuer, issuer_key, ca: bool, sans=()):
+        b = (x509.CertificateBuilder()
+             .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
+             .issuer_name(issuer).public_key(key.public_key())
+             .serial_number(x509.random_serial_number())
+             .not_valid_before(now - datetime.timedelta(minutes=5))
+             .not_valid_after(now + datetime.timedelta(days=2))
+             .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+        if ca:
+            b = b.add_extension(x509.KeyUsage(True, False, False, False, False, True, True,
+                                              False, False), critical=True)
+        else:
+            alt = []
+            for host in sans:
+                try:
+                    alt.append(x509.IPAddress(ipaddress.ip_address(host)))
+                except ValueError:
+                    alt.append(x509.DNSName(host))
+            b = b.add_extension(x509.SubjectAlternativeName(alt), critical=False)
+            b = b.add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
+                                                       ExtendedKeyUsageOID.CLIENT_AUTH]),
+                                critical=False)
+        return b.sign(issuer_key, hashes.SHA256())
+
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, ca_name)])
+    ca_cert = build(ca_name, ca_key, ca_subject, ca_key, True)
+    ca_file = folder / "ca.pem"
+    ca_file.write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
+    out = {}
+    for node, hosts in names.items():
+        key = ec.generate_private_key(ec.SECP256R1())
+        cert = build(node, key, ca_subject, ca_key, False, hosts)
+        cert_file = folder / f"{node}.pem"
+        cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        out[node] = {"cert_file": str(cert_file), "key_file": write_key(
+            folder / f"{node}.key", key), "ca_file": str(ca_file)}
+    return out
 
 
 @contextlib.contextmanager

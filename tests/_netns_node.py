@@ -1,11 +1,14 @@
 """One node of tests/test_fleet.py's network-namespace test, run inside a namespace.
 
-    _netns_node.py serve DIR TOKEN_FILE ADDRESS PEER_ADDRESS
+    _netns_node.py serve DIR CERTS ADDRESS PEER_ADDRESS
         a daemon listening on ADDRESS:7070 that serves only PEER_ADDRESS, holding a 16 MiB
         object "x" of seeded bytes; prints "ready", stops on SIGTERM.
-    _netns_node.py pull DIR TOKEN_FILE ADDRESS PEER
+    _netns_node.py pull DIR CERTS ADDRESS PEER
         a daemon that claims "x" from PEER (HOST:PORT) and checks it bit for bit; prints
         "bit-exact" and the pull's figures.
+
+CERTS is a folder of kvbroker.testing.peer_certificates with a certificate per mode
+("serve.pem", "pull.pem", their keys and "ca.pem").
 """
 
 from __future__ import annotations
@@ -23,15 +26,19 @@ NBYTES = 16 << 20
 
 
 def main() -> int:
-    mode, folder, token, address, other = sys.argv[1:6]
+    mode, folder, certs, address, other = sys.argv[1:6]
     os.makedirs(folder, exist_ok=True)
     sock = os.path.join(folder, "kvb.sock")
     data = np.random.default_rng(42).integers(0, 256, NBYTES, dtype=np.uint8)
-    env = {"UCX_TLS": "tcp", "KVBROKER_TRANSFER_TOKEN_FILE": token,
-           "KVBROKER_TRANSFER_NODE": f"ns-{mode}"}
+    env = {"UCX_TLS": "tcp", "KVBROKER_TRANSFER_NODE": f"ns-{mode}",
+           "KVBROKER_TRANSFER_CERT_FILE": os.path.join(certs, f"{mode}.pem"),
+           "KVBROKER_TRANSFER_KEY_FILE": os.path.join(certs, f"{mode}.key"),
+           "KVBROKER_TRANSFER_CA_FILE": os.path.join(certs, "ca.pem")}
     if mode == "serve":
         env["KVBROKER_TRANSFER_LISTEN"] = f"{address}:7070"
         env["KVBROKER_TRANSFER_PEERS"] = f"{other}:7070"
+    else:
+        env["KVBROKER_TRANSFER_PEERS"] = other
     d = DaemonProcess(sock, "--pool-size", "64M", env=env, ready_timeout=60)
     try:
         with d.client() as c:

@@ -5,7 +5,7 @@ of "objects" — runs of that region — over kvbroker._server.transfer's contro
 prints one JSON line ``{"port": P, "agent": NAME}`` when ready and serves until killed or
 until stdin closes.
 
-    python tests/_nixl_peer.py --token-file F --object a:33554432:1 --object b:1048576:4
+    python tests/_nixl_peer.py --cert C --key K --ca CA --object a:33554432:1 --object b:1048576:4
     (name:bytes:pieces — pieces > 1 places the object in that many extents with gaps)
 """
 
@@ -52,6 +52,12 @@ class TableProvider:
                     for addr, n in self.objects[name]["extents"]:
                         off = addr - self.region.ctypes.data
                         self.region[off:off + n] ^= 0xFF
+
+    def lookup(self, peer, namespace, key):
+        return None
+
+    def pin_prefix(self, peer, namespace, keys, ttl):
+        raise NotFound("no prefixes here")
 
     def pin(self, peer, namespace, key, ttl, consume):
         with self.lock:
@@ -112,22 +118,25 @@ def build(specs: list[str], seed: int):
 
 async def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--token-file", required=True)
+    ap.add_argument("--cert", required=True)
+    ap.add_argument("--key", required=True)
+    ap.add_argument("--ca", required=True)
     ap.add_argument("--object", action="append", default=[])
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--name", default=f"peer-a-{os.getpid()}")
-    ap.add_argument("--allow", action="append")
+    ap.add_argument("--peer", action="append", default=["127.0.0.1"],
+                    help="a host whose certificate is served")
     ap.add_argument("--reuse-on-expiry", action="store_true")
     args = ap.parse_args()
     region, table = build(args.object, args.seed)
     endpoint = transfer.NixlEndpoint(args.name)
     endpoint.register([(region.ctypes.data, region.nbytes)])
     provider = TableProvider(region, table, args.reuse_on_expiry)
-    server = transfer.PeerServer(provider, token=transfer.read_token(args.token_file),
-                                 node="node-a", metadata=endpoint.metadata(),
-                                 agent=endpoint.name, allow=args.allow)
+    tls, _ = transfer.tls_contexts(args.cert, args.key, args.ca)
+    server = transfer.PeerServer(provider, tls=tls, peers=args.peer, node="node-a",
+                                 metadata=endpoint.metadata(), agent=endpoint.name)
     host, port = await server.start(args.host, args.port)
     print(json.dumps({"port": port, "agent": endpoint.name}), flush=True)
     loop = asyncio.get_running_loop()

@@ -292,9 +292,13 @@ def test_serve_and_doctor_refuse_an_unknown_variable(tmp_path):
 
 def test_every_kvbroker_variable_in_the_repository_is_known():
     """A new KVBROKER_* knob elsewhere must be declared (a setting, or OTHER_VARIABLES), or
-    every daemon started under it would refuse to start."""
+    every daemon started under it would refuse to start. A REMOVED one is declared too: a
+    daemon refuses it naming what to set instead (a benchmark may still drive an old
+    daemon with it)."""
+    from kvbroker._server.config import REMOVED, env_name
+
     root = pathlib.Path(__file__).resolve().parent.parent
-    known = {k.env for k in SETTINGS} | OTHER_VARIABLES.keys()
+    known = {k.env for k in SETTINGS} | OTHER_VARIABLES.keys() | {env_name(k) for k in REMOVED}
     paths = [root / "README.md", root / "Makefile"] + [
         p for folder in ("kvbroker", "cli", "tui", "tests", "benchmarks", "examples", "systemd",
                          "docs")
@@ -309,3 +313,14 @@ def test_every_kvbroker_variable_in_the_repository_is_known():
     unknown = {n: where for n, where in found.items() if n not in known}
     assert not unknown, f"undeclared KVBROKER_* variables: {unknown}"
     assert len(KEYS) == len(SETTINGS)
+
+
+def test_a_removed_setting_is_refused_naming_what_to_set(tmp_path):
+    """The shared-token peer channel is gone (issue 38): its key and variable are refused
+    with the mutual TLS settings to set, not as unknown."""
+    path = _write(tmp_path, '[transfer]\ntoken_file = "/etc/kvbroker/peer.token"\n')
+    with pytest.raises(ConfigError, match=r"\[transfer\] token_file: .*set \[transfer\] "
+                                          r"cert_file, key_file and ca_file"):
+        load_config(path, env={})
+    with pytest.raises(ConfigError, match=r"^KVBROKER_TRANSFER_TOKEN_FILE: .*cert_file"):
+        load_config(None, env={"KVBROKER_TRANSFER_TOKEN_FILE": "/x"})

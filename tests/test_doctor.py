@@ -185,3 +185,26 @@ def test_the_installed_xxhash_chooses_its_simd_path_at_run_time():
         assert simd_dispatch() is None
     else:
         assert simd_dispatch() is True
+
+
+def test_peer_tls_check_handshakes_with_itself(tmp_path):
+    """[transfer]: off is skipped; peers without the TLS files fail naming them; the node's
+    own certificate verified by its CA (an in-memory handshake) reports the hosts it names;
+    a CA that did not sign it fails."""
+    from kvbroker._server.doctor import check_peer_tls
+    from kvbroker.testing import peer_certificates
+
+    mine = peer_certificates(tmp_path / "fleet", {"a": ["10.0.0.1", "node-a.example"]})["a"]
+    other = peer_certificates(tmp_path / "other", {"x": ["10.0.0.1"]}, ca_name="other")["x"]
+    cfg = DaemonConfig()
+    assert check_peer_tls(cfg).status == "skip"
+    cfg.transfer_peers = ("10.0.0.2:7070",)
+    c = check_peer_tls(cfg)
+    assert c.status == "fail" and "cert_file and key_file and ca_file not set" in c.detail
+    cfg.transfer_cert_file, cfg.transfer_key_file = mine["cert_file"], mine["key_file"]
+    cfg.transfer_ca_file = mine["ca_file"]
+    c = check_peer_tls(cfg)  # valid for 2 days: a warning to renew
+    assert c.status == "warn" and "names 10.0.0.1, node-a.example" in c.detail, c
+    cfg.transfer_ca_file = other["ca_file"]
+    c = check_peer_tls(cfg)
+    assert c.status == "fail" and "certificate verify failed" in c.detail, c

@@ -7,10 +7,14 @@ READ over UCX TCP. What is checked:
   consumers, checksums), never pulled twice, concurrent claims sharing one pull, a consume
   counted on the owner, ``exists``/``lookup`` with a peer moving nothing, a prefix match
   pulling every missing block in one pull, ``fetch``;
-- failures ending cleanly, with nothing sealed on B and no lease left on A: peer down,
-  wrong token, a byte corrupted in A's pool (ChecksumMismatch naming the peer), A's lease
-  expired before the release (TransferFailed), B's pool full (PoolFull), A SIGKILLed
-  mid-READ (and B pulling again from A restarted warm, which holds no lease);
+- failures ending cleanly, with nothing sealed on B and no lease left on A: peer down, a
+  certificate of another CA, a byte corrupted in A's pool (ChecksumMismatch naming the
+  peer), A's lease expired before the release (TransferFailed), B's pool full (PoolFull),
+  A SIGKILLed mid-READ (and B pulling again from A restarted warm, which holds no lease);
+- the peer channel's hardening (issue 38): a client naming a peer B was not configured
+  with (a local user's relay to A) refused before B dials; a NaN TTL refused on the peer
+  path and the pin's lease expiring on time; pulls charged to the asking tenant's quota;
+  what A serves limited by ``[transfer] serve`` (tenant pools only when named);
 - KV events from a daemon: 10,000 prefix blocks published then evicted, decoded with vLLM's
   own ``KVEventBatch``, every BlockStored/BlockRemoved in order, the start filled by replay;
 - the same pull across two network namespaces joined by a veth pair (root and ``ip``).
@@ -32,7 +36,10 @@ import pytest
 
 from kvbroker import Client
 from kvbroker.errors import (
+    BadRequest,
     ChecksumMismatch,
+    Forbidden,
+    LeaseExpired,
     NotFound,
     PeerUnavailable,
     PoolFull,
@@ -49,16 +56,22 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     pytest.skip(f"NIXL not installed ({e}): pip install 'kvbroker[transfer]'",
                 allow_module_level=True)
 
-TOKEN = b"fleet-test-token-0123456789"
-
-
 @pytest.fixture(scope="module")
 def fleet_dir(tmp_path_factory):
+    """The module's folder, with the fleet's throwaway certificates (:func:`_certs`): every
+    node of these tests is 127.0.0.1, as its peers list it; ``intruder`` is another CA's."""
+    from kvbroker.testing import peer_certificates
+
     d = tmp_path_factory.mktemp("fleet", numbered=True)
-    tok = d / "token"
-    tok.write_bytes(TOKEN)
-    tok.chmod(0o600)
+    peer_certificates(d / "certs", {"node": ["127.0.0.1"]})
+    peer_certificates(d / "other-ca", {"intruder": ["127.0.0.1"]}, ca_name="another CA")
     return d
+
+
+def _certs(base, folder: str = "certs", name: str = "node") -> dict[str, str]:
+    d = base / folder
+    return {"cert_file": str(d / f"{name}.pem"), "key_file": str(d / f"{name}.key"),
+            "ca_file": str(d / "ca.pem")}
 
 
 def _free_port() -> int:
@@ -70,16 +83,25 @@ def _free_port() -> int:
 class Node:
     """A daemon of the fleet: its own socket, and a control port when it serves."""
 
-    def __init__(self, base, name: str, *, listen: bool = True, token=None, port: int = 0,
-                 pool: str = "128M", extra_env: dict | None = None, args=()) -> None:
+    def __init__(self, base, name: str, *, listen: bool = True, certs=None, port: int = 0,
+                 peers=(), pool: str = "128M", extra_env: dict | None = None, args=(),
+                 tls: bool = True, config: str | None = None) -> None:
         self.dir = base / name
         self.dir.mkdir(exist_ok=True)
         self.name = name
         self.port = port or (_free_port() if listen else 0)
         env = {"UCX_TLS": "tcp", "KVBROKER_TRANSFER_NODE": name,
-               "KVBROKER_TRANSFER_TOKEN_FILE": str(token or base / "token"),
                "KVBROKER_TRANSFER_LISTEN": f"127.0.0.1:{self.port}" if listen else "off",
                **(extra_env or {})}
+        if tls:
+            files = certs or _certs(base)
+            env.update({"KVBROKER_TRANSFER_CERT_FILE": files["cert_file"],
+                        "KVBROKER_TRANSFER_KEY_FILE": files["key_file"],
+                        "KVBROKER_TRANSFER_CA_FILE": files["ca_file"],
+                        "KVBROKER_TRANSFER_PEERS": ",".join(peers)})
+        if config is not None:  # what only a file sets ([quotas], [tenant_pools] ...)
+            (self.dir / "kvbroker.toml").write_text(config)
+            env["KVBROKER_CONFIG"] = str(self.dir / "kvbroker.toml")
         self.env = env
         self.args = ("--pool-size", pool, "--page-size", "4K", *args)
         self.proc = DaemonProcess(str(self.dir / "kvb.sock"), *self.args, env=env,
@@ -105,10 +127,14 @@ class Node:
         return rc if running else 0
 
 
+DOWN = f"127.0.0.1:{_free_port()}"  # a configured peer nobody serves
+
+
 @pytest.fixture(scope="module")
 def pair(fleet_dir):
-    a = Node(fleet_dir, "node-a")
-    b = Node(fleet_dir, "node-b", extra_env={"KVBROKER_TRANSFER_PEERS": a.address})
+    pa, pb = _free_port(), _free_port()
+    a = Node(fleet_dir, "node-a", port=pa, peers=[f"127.0.0.1:{pb}"])
+    b = Node(fleet_dir, "node-b", port=pb, peers=[a.address, DOWN])
     yield a, b
     assert b.stop() == 0, b.proc.log()
     assert a.stop() == 0, a.proc.log()
@@ -278,9 +304,116 @@ def test_fetch_command_stat_and_prometheus(pair):
 def test_peer_down_is_peer_unavailable(pair):
     a, b = pair
     with b.client() as cb:
-        with pytest.raises(PeerUnavailable, match=f"127.0.0.1:{_free_port()}|unavailable"):
-            cb.claim("k", peer=f"127.0.0.1:{_free_port()}")
+        with pytest.raises(PeerUnavailable, match=f"{DOWN}.*unavailable"):
+            cb.claim("k", peer=DOWN)
     assert b.stat().transfer.failures_by_code.get("peer_unavailable", 0) >= 1
+    _nothing_left(a, b)
+
+
+class _Relay:
+    """A local user's TCP relay to A: what issue 38 found B dialling for anyone who
+    named it, and splicing B's authenticated session to A with its own frames."""
+
+    def __init__(self, target: str) -> None:
+        self.target = target.split(":")
+        self.connections = 0
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.address = "127.0.0.1:%d" % self.sock.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.connections += 1
+            up = socket.create_connection((self.target[0], int(self.target[1])))
+            for src, dst in ((conn, up), (up, conn)):
+                threading.Thread(target=self._pipe, args=(src, dst), daemon=True).start()
+
+    @staticmethod
+    def _pipe(src, dst):
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self):
+        self.sock.close()
+
+
+def test_a_client_naming_an_unconfigured_peer_is_refused(pair):
+    """B dials only its [transfer] peers: a relay on a local port, a typo, a malformed
+    address are refused before any connection, and nothing reaches A."""
+    a, b = pair
+    relay = _Relay(a.address)
+    try:
+        with a.client() as ca, b.client() as cb:
+            ca.put("loot", {"x": _data(300_000, 11)})
+            served = a.stat().transfer.pins_served
+            for how in (lambda: cb.claim("loot", peer=relay.address),
+                        lambda: cb.fetch("loot", relay.address),
+                        lambda: cb.exists("loot", peer=relay.address),
+                        lambda: PrefixCache(cb, block_size=4).match(list(range(9)),
+                                                                    peer=relay.address)):
+                with pytest.raises(Forbidden, match=r"not one of this daemon's \[transfer\] "
+                                                    "peers"):
+                    how()
+            with pytest.raises(BadRequest, match="expected HOST:PORT"):
+                cb.claim("loot", peer="no-port-here")
+            assert relay.connections == 0, "B dialled an address nobody configured"
+            assert not cb.exists("loot")
+            assert a.stat().transfer.pins_served == served
+            ca.evict("loot")
+    finally:
+        relay.close()
+    _nothing_left(a, b)
+
+
+def test_renew_with_a_nan_ttl_is_refused_on_the_peer_path(pair, fleet_dir):
+    """The peer ops take the local ops' checks: a NaN (or negative, or too long) TTL is
+    refused, and the pin's lease still expires on time (a NaN at the root of the expiry
+    heap would have kept every lease of A from ever expiring)."""
+    import asyncio
+
+    from kvbroker._server import transfer
+
+    a, b = pair
+    with a.client() as ca:
+        ca.put("pinned", {"x": b"0123456789"})
+
+    async def go():
+        files = _certs(fleet_dir)
+        tls = transfer.tls_contexts(files["cert_file"], files["key_file"], files["ca_file"])
+        c = await transfer.PeerClient(a.address, tls=tls[1], node="tester").connect()
+        r = await c.pin("pinned", ttl=0.5)
+        for ttl in (float("nan"), float("inf"), -1.0, 0, 10.0 ** 9):
+            with pytest.raises(BadRequest, match="ttl must be in"):
+                await c.renew(r["lease"], ttl=ttl)
+        with pytest.raises(BadRequest, match="ttl must be in"):
+            await c.pin("pinned", ttl=float("nan"))
+        with pytest.raises(BadRequest, match="key longer than"):
+            await c.pin("k" * 600, ttl=1)
+        deadline = time.monotonic() + 30
+        while a.stat().transfer.leases_served and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        assert a.stat().transfer.leases_served == 0, "the pin's lease never expired"
+        with pytest.raises(LeaseExpired):
+            await c.release(r["lease"])
+        await c.close()
+
+    asyncio.run(go())
+    assert a.stat().counters.expired_leases >= 1
+    with a.client() as ca:
+        ca.evict("pinned")
     _nothing_left(a, b)
 
 
@@ -314,20 +447,23 @@ def test_corrupt_byte_in_owner_pool_is_checksum_mismatch(pair):
     _nothing_left(a, b)
 
 
-def test_wrong_token_is_refused(pair, fleet_dir):
+def test_certificate_of_another_ca_is_refused(pair, fleet_dir):
     a, _ = pair
-    bad = fleet_dir / "bad-token"
-    bad.write_bytes(b"not-the-fleet-token-at-all")
-    bad.chmod(0o600)
     refused = a.stat().transfer.refused
-    intruder = Node(fleet_dir, "intruder", listen=False, token=bad)
+    # It trusts the fleet's CA, so it is A that refuses (its own certificate is another's).
+    creds = {**_certs(fleet_dir, "other-ca", "intruder"),
+             "ca_file": _certs(fleet_dir)["ca_file"]}
+    intruder = Node(fleet_dir, "intruder", listen=False, certs=creds, peers=[a.address])
     try:
         with a.client() as ca, intruder.client() as ci:
             ca.put("secret", {"x": b"0123456789"})
-            with pytest.raises(PeerUnavailable, match="wrong token"):
+            with pytest.raises(PeerUnavailable, match="refused the TLS session"):
                 ci.claim("secret", peer=a.address)
             assert not ci.exists("secret")
             ca.evict("secret")
+        deadline = time.monotonic() + 20
+        while a.stat().transfer.refused == refused and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert a.stat().transfer.refused == refused + 1
         assert a.stat().transfer.leases_served == 0
     finally:
@@ -336,7 +472,7 @@ def test_wrong_token_is_refused(pair, fleet_dir):
 
 def test_pool_full_on_the_puller(pair, fleet_dir):
     a, _ = pair
-    small = Node(fleet_dir, "small", listen=False, pool="8M")
+    small = Node(fleet_dir, "small", listen=False, pool="8M", peers=[a.address])
     try:
         with a.client() as ca, small.client() as cs:
             ca.put("big", {"x": _data(16 << 20, 6)})
@@ -354,7 +490,7 @@ def test_owner_lease_expired_before_release(pair, fleet_dir):
     """The pin's TTL (1 ms) passes during the READ: the owner says so at the release, and
     the puller seals nothing."""
     a, _ = pair
-    hasty = Node(fleet_dir, "hasty", listen=False,
+    hasty = Node(fleet_dir, "hasty", listen=False, peers=[a.address],
                  extra_env={"KVBROKER_TRANSFER_PIN_TTL": "1ms"})
     try:
         with a.client() as ca, hasty.client() as ch:
@@ -371,8 +507,10 @@ def test_owner_lease_expired_before_release(pair, fleet_dir):
 
 
 def test_owner_killed_mid_read_then_restarted_warm(fleet_dir):
-    a = Node(fleet_dir, "victim", pool="768M", args=("--keep-pools-on-exit",))
-    b = Node(fleet_dir, "survivor", listen=False, pool="768M")
+    pa = _free_port()
+    b = Node(fleet_dir, "survivor", listen=False, pool="768M", peers=[f"127.0.0.1:{pa}"])
+    a = Node(fleet_dir, "victim", pool="768M", args=("--keep-pools-on-exit",), port=pa,
+             peers=["127.0.0.1:1"])  # B's certificate names 127.0.0.1: served
     try:
         x = _data(512 << 20, 8)
         with a.client() as ca:
@@ -439,7 +577,7 @@ def test_daemon_events_10k_blocks_in_order_with_vllm_classes(fleet_dir):
     from kvbroker._server.events import external_hash
 
     pub, rep = _free_port(), _free_port()
-    node = Node(fleet_dir, "events", listen=False, pool="96M", extra_env={
+    node = Node(fleet_dir, "events", listen=False, tls=False, pool="96M", extra_env={
         "KVBROKER_EVENTS_PUBLISH": f"tcp://*:{pub}",  # binds (a host connects)
         "KVBROKER_EVENTS_REPLAY": f"tcp://127.0.0.1:{rep}",
         "KVBROKER_EVENTS_FORMAT": "tagged", "KVBROKER_EVENTS_MODEL": "llama"})
@@ -548,16 +686,20 @@ def test_pull_across_two_network_namespaces(fleet_dir):
         for ns, dev in ((na, va), (nb, vb)):
             ip("-n", ns, "link", "set", dev, "up")
             ip("-n", ns, "link", "set", "lo", "up")
+        from kvbroker.testing import peer_certificates
+
+        certs = fleet_dir / "netns-certs"
+        peer_certificates(certs, {"serve": ["10.77.0.1"], "pull": ["10.77.0.2"]})
         script = os.path.join(os.path.dirname(__file__), "_netns_node.py")
         env = dict(os.environ, UCX_TLS="tcp", PYTHONPATH=os.path.dirname(os.path.dirname(
             os.path.abspath(__file__))))
         a = subprocess.Popen(["ip", "netns", "exec", na, sys.executable, script, "serve",
-                              str(fleet_dir / "nsa"), str(fleet_dir / "token"), "10.77.0.1",
+                              str(fleet_dir / "nsa"), str(certs), "10.77.0.1",
                               "10.77.0.2"], stdout=subprocess.PIPE, env=env, text=True)
         procs.append(a)
         assert a.stdout.readline().strip() == "ready", "the serving node did not start"
         b = subprocess.run(["ip", "netns", "exec", nb, sys.executable, script, "pull",
-                            str(fleet_dir / "nsb"), str(fleet_dir / "token"), "10.77.0.2",
+                            str(fleet_dir / "nsb"), str(certs), "10.77.0.2",
                             "10.77.0.1:7070"], capture_output=True, env=env, text=True,
                            timeout=300)
         assert b.returncode == 0, b.stdout + b.stderr
@@ -578,3 +720,310 @@ def test_pull_across_two_network_namespaces(fleet_dir):
                     p.kill()
         for ns in (na, nb):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+# -- tenants across nodes ----------------------------------------------------------------------
+
+TENANT = 50001  # a uid with no passwd entry
+
+
+def _as_user(uid: int, gid: int, fn):
+    """``fn()`` in a forked child that dropped to uid/gid; what it returned (JSON), or
+    RuntimeError with the child's exception."""
+    import json
+
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        try:
+            os.setgroups([])
+            os.setgid(gid)
+            os.setuid(uid)
+            out = {"ok": fn()}
+        except BaseException as exc:  # noqa: BLE001 - reported to the parent
+            out = {"error": f"{type(exc).__name__}: {exc}"}
+        os.write(w, json.dumps(out).encode())
+        os._exit(0)
+    os.close(w)
+    data = b""
+    while chunk := os.read(r, 65536):
+        data += chunk
+    os.close(r)
+    os.waitpid(pid, 0)
+    out = json.loads(data)
+    if "error" in out:
+        raise RuntimeError(out["error"])
+    return out["ok"]
+
+
+@pytest.fixture
+def open_dir():
+    """A folder other uids may traverse (pytest's are 0700): their sockets live there."""
+    import pathlib
+    import tempfile
+
+    d = tempfile.mkdtemp(prefix="kvb-fleet-", dir="/tmp")
+    os.chmod(d, 0o755)
+    yield pathlib.Path(d)
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to become another uid")
+def test_pulls_are_charged_to_the_asking_tenant(pair, fleet_dir, open_dir):
+    """issue 38: with "user:X" = "4M", a tenant held 28 MiB through 24 pulls (charged to
+    the daemon's uid). A pull is charged as the tenant's own put is: its 24 pulls of 1 MiB
+    and a local 1 MiB put never hold more than its 4 MiB on B (its own least recently
+    used objects make room, as they do for puts)."""
+    a, _ = pair
+    b = Node(open_dir, "quota", listen=False, certs=_certs(fleet_dir), peers=[a.address],
+             config=f'group = 0\n[quotas]\n"user:{TENANT}" = "4M"\n')
+    try:
+        keys = [f"q{i}" for i in range(24)]
+        with a.client() as ca:
+            for i, k in enumerate(keys):
+                ca.put(k, {"x": _data(1 << 20, 300 + i)})
+
+        def tenant():
+            from kvbroker.errors import QuotaExceeded
+
+            refused, held = 0, []
+            with Client(b.proc.socket_path) as c:
+                c.put("mine", {"x": np.zeros(1 << 20, np.uint8)}, namespace="t")
+                for k in keys:
+                    try:
+                        c.fetch(k, a.address)
+                    except QuotaExceeded:
+                        refused += 1
+                    held.append(sum(n.used for n in c.stat().namespaces))
+            return {"refused": refused, "most": max(held)}
+
+        got = _as_user(TENANT, 0, tenant)
+        st = b.stat()
+        used = sum(n.used for n in st.namespaces)
+        assert got["most"] <= 4 << 20 and used <= 4 << 20, (got, st.namespaces)
+        with b.client() as cb:  # and the pulls happened: the latest are here, whole
+            assert cb.exists(keys[-1])
+            assert np.array_equal(cb.get(keys[-1])["x"], _data(1 << 20, 323))
+        with a.client() as ca:
+            for k in keys:
+                ca.evict(k)
+        _nothing_left(a, b)
+    finally:
+        assert b.stop() == 0, b.proc.log()
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="a tenant pool is chowned to its tenant")
+def test_what_a_peer_may_pin_is_configured(fleet_dir):
+    """[transfer] serve: namespaces outside it are Forbidden to peers; a tenant's own pool
+    is never covered by a bare "*" (issue 38: B read a victim's object out of a tenant
+    pool only the victim may map), only by a glob that names it."""
+    pools = (f'[tenant_pools.alice]\nsize = "4M"\nuser = {TENANT}\n'
+             'namespaces = ["alice", "alice/*"]\n')
+    pa, pa2 = _free_port(), _free_port()
+    b = Node(fleet_dir, "asker", listen=False, peers=[f"127.0.0.1:{pa}", f"127.0.0.1:{pa2}"])
+    a = Node(fleet_dir, "owner-star", port=pa, peers=["127.0.0.1:1"], config=pools)
+    a2 = Node(fleet_dir, "owner-listed", port=pa2, peers=["127.0.0.1:1"], config=pools,
+              extra_env={"KVBROKER_TRANSFER_SERVE": "prefix,127.0.0.1=alice/*"})
+    try:
+        for owner, tag in ((a, ""), (a2, "2")):
+            with owner.client() as c:
+                c.put("secret" + tag, {"x": b"victim's bytes"}, namespace="alice/kv")
+                c.put("open" + tag, {"x": b"anyone's"}, namespace="prefix")
+                c.put("other" + tag, {"x": b"not listed"}, namespace="team")
+        with b.client() as cb:
+            with pytest.raises(Forbidden, match="'alice/kv' is not served.*tenant pool"):
+                cb.claim("secret", namespace="alice/kv", peer=a.address)
+            assert cb.get("open", namespace="prefix", peer=a.address)["x"].tobytes() == \
+                b"anyone's"
+            assert cb.get("other", namespace="team", peer=a.address)["x"].tobytes() == \
+                b"not listed"
+            with pytest.raises(Forbidden, match="'team' is not served"):
+                cb.get("other2", namespace="team", peer=a2.address)
+            with pytest.raises(Forbidden, match="'team' is not served"):
+                cb.lookup("other2", namespace="team", peer=a2.address)
+            assert cb.get("open2", namespace="prefix", peer=a2.address)["x"].tobytes() == \
+                b"anyone's"
+            got = cb.get("secret2", namespace="alice/kv", peer=a2.address)
+            assert got["x"].tobytes() == b"victim's bytes"  # named for this peer: served
+            assert not cb.exists("secret", namespace="alice/kv")
+            assert not cb.exists("other2", namespace="team")
+        assert a.stat().transfer.leases_served == 0 == a2.stat().transfer.leases_served
+    finally:
+        for n in (b, a, a2):
+            assert n.stop() == 0, n.proc.log()
+
+
+# -- a forged owner: the puller checks what it seals --------------------------------------------
+
+class _ForgingOwner:
+    """An owner that holds the fleet's certificate (a compromised node, or the relay of
+    issue 38 before TLS) and answers pins as ``mode`` says. It serves one real object,
+    ``asked`` (two buffers in a NIXL-registered region of this process, with checksums),
+    honestly in mode "honest"; every other mode forges the reply. It counts pins and the
+    leases it holds: a puller that refuses a reply must release its lease."""
+
+    def __init__(self, certs: dict) -> None:
+        import asyncio
+
+        from kvbroker._server import transfer
+        from kvbroker._wire import checksum
+
+        os.environ.setdefault("UCX_TLS", "tcp")
+        self.region = _data(8 << 20, 21)
+        self.endpoint = transfer.NixlEndpoint(f"forger-{os.getpid()}")
+        self.endpoint.register([(self.region.ctypes.data, self.region.nbytes)])
+        self.base = self.region.ctypes.data
+        self.x, self.y = self.region[4096:4096 + 300_000], self.region[307200:307200 + 1000]
+        self.sums = {"x": checksum.encode(checksum.digest(self.x)),
+                     "y": checksum.encode(checksum.digest(self.y))}
+        self.mode = "honest"
+        self.pins = 0
+        self.leases: set[int] = set()
+        self._next = 1
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        tls = transfer.tls_contexts(certs["cert_file"], certs["key_file"], certs["ca_file"])[0]
+        self.server = transfer.PeerServer(self, tls=tls, peers=["127.0.0.1"], node="forger",
+                                          metadata=self.endpoint.metadata(),
+                                          agent=self.endpoint.name)
+        _, port = asyncio.run_coroutine_threadsafe(self.server.start("127.0.0.1", 0),
+                                                   self.loop).result(30)
+        self.address = f"127.0.0.1:{port}"
+
+    def honest(self, key: str = "asked") -> dict:
+        return {"namespace": "default", "key": key, "nbytes": 301_000,
+                "buffers": {"x": [0, 300_000], "y": [303104, 1000]},
+                "extents": [[self.base + 4096, 300_000], [self.base + 307200, 1000]],
+                "meta": {"layer": 1}, "checksums": dict(self.sums), "consumers": 1,
+                "parent": None, "tokens": [1, 2, 3, 4]}
+
+    def forged(self) -> list[dict]:
+        d, m = self.honest(), self.mode
+        if m == "planted":
+            d["key"] = "planted"
+        elif m == "fifty":
+            return [d] + [self.honest(f"extra{i}") for i in range(49)]
+        elif m == "raw extents":
+            d["buffers"] = {"x": [0, 4 << 20]}
+            d["extents"], d["checksums"], d["nbytes"] = [[self.base, 4 << 20]], None, 4 << 20
+        elif m == "scattered extents":
+            d["extents"][1][0] += 65536  # y read from elsewhere than the object
+        elif m == "empty checksums":
+            d["checksums"] = {}
+        elif m == "no checksums":
+            d["checksums"] = None
+        elif m == "malformed checksum":
+            d["checksums"]["y"] = "zz"
+        elif m == "parent not a key":
+            d["parent"] = [1, 2]
+        elif m == "over-long parent":
+            d["parent"] = "p" * 600
+        elif m == "string tokens":
+            d["tokens"] = ["a", "b"]
+        elif m == "float tokens":
+            d["tokens"] = [1.5]
+        elif m == "no consumers":
+            d["consumers"] = 0
+        elif m == "another namespace":
+            d["namespace"] = "victim"
+        elif m == "meta not a map":
+            d["meta"] = "x"
+        elif m == "bad buffer name":
+            d["buffers"] = {"": [0, 300_000], "y": [303104, 1000]}
+        return [d]
+
+    # the Provider protocol
+    def pin(self, peer, namespace, key, ttl, consume):
+        self.pins += 1
+        lid, self._next = self._next, self._next + 1
+        self.leases.add(lid)
+        return {"lease": lid, "ttl": ttl, "objects": self.forged()}
+
+    def pin_prefix(self, peer, namespace, keys, ttl):
+        return self.pin(peer, namespace, keys[0], ttl, False)
+
+    def lookup(self, peer, namespace, key):
+        return None
+
+    def release(self, peer, lease, consumed):
+        self.leases.remove(lease)
+
+    def renew(self, peer, lease, ttl):
+        pass
+
+    def drop_peer(self, peer):
+        self.leases.clear()
+
+    def close(self) -> None:
+        import asyncio
+
+        asyncio.run_coroutine_threadsafe(self.server.close(), self.loop).result(30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(30)
+        self.endpoint.close()
+
+
+@pytest.fixture(scope="module")
+def forged(fleet_dir):
+    owner = _ForgingOwner(_certs(fleet_dir))
+    strict = Node(fleet_dir, "strict", listen=False, peers=[owner.address],
+                  extra_env={"KVBROKER_REQUIRE_CHECKSUMS": "true"})
+    yield owner, strict
+    assert strict.stop() == 0, strict.proc.log()
+    owner.close()
+
+
+FORGERIES = ["planted", "fifty", "raw extents", "scattered extents", "empty checksums",
+             "no checksums", "malformed checksum", "parent not a key", "over-long parent",
+             "string tokens", "float tokens", "no consumers", "another namespace",
+             "meta not a map", "bad buffer name"]
+
+
+def test_an_honest_reply_of_the_same_owner_is_pulled(forged):
+    """The control: the forger's honest answer is pulled bit-exact (so what the other
+    tests see refused is refused for what was forged)."""
+    owner, b = forged
+    owner.mode = "honest"
+    with b.client() as cb:
+        with cb.claim("asked", peer=owner.address, verify=True) as lease:
+            assert np.array_equal(lease["x"], owner.x) and np.array_equal(lease["y"], owner.y)
+            assert lease.meta == {"layer": 1}
+        assert cb.lookup("asked").checksums == owner.sums
+        cb.evict("asked")
+    assert owner.leases == set()
+
+
+@pytest.mark.parametrize("mode", FORGERIES)
+def test_a_forged_pin_reply_is_refused_with_nothing_sealed(forged, mode):
+    owner, b = forged
+    owner.mode = mode
+    pins = owner.pins
+    with b.client() as cb:
+        before = cb.stat()
+        with pytest.raises(TransferFailed, match="nothing was sealed"):
+            cb.claim("asked", peer=owner.address)
+        assert owner.pins == pins + 1
+        assert not cb.exists("asked") and not cb.exists("planted")
+        after = cb.stat()
+        assert after.objects == before.objects == 0, cb.list()
+        assert after.pending == 0 and after.write_leases == 0
+        assert after.pools[0].used == 0
+    assert owner.leases == set(), "the owner's lease was left held"
+
+
+@pytest.mark.parametrize("key", ["", "k" * 600], ids=["empty", "600 characters"])
+def test_a_key_no_local_op_takes_is_never_pulled(forged, key):
+    """An empty or over-long key is refused as a local reserve refuses it, before the
+    owner is asked (issue 38: a 100,000-character key sealed from a peer broke `stat` and
+    `ls` for every client, across restarts; the local protocol's 64 KiB string limit
+    refuses such a claim before the daemon reads it)."""
+    owner, b = forged
+    owner.mode = "honest"
+    pins = owner.pins
+    with b.client() as cb:
+        with pytest.raises(BadRequest, match="key must not be empty|key longer than"):
+            cb.claim(key, peer=owner.address)
+        assert cb.stat().objects == 0
+    assert owner.pins == pins

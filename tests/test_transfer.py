@@ -27,10 +27,9 @@ import time
 import pytest
 
 from kvbroker._server import transfer
-from kvbroker.errors import LeaseExpired, NotFound, ProtocolError
+from kvbroker.errors import BadRequest, LeaseExpired, NotFound
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-TOKEN = b"0123456789abcdef-test-token"
 
 
 # -- coalesce ----------------------------------------------------------------------------------
@@ -55,35 +54,54 @@ def test_coalesce_rejects_unequal_totals():
     assert transfer.coalesce([], []) == []
 
 
-def test_parse_address_and_token(tmp_path):
+def test_parse_address_and_key_mode(certs):
     assert transfer.parse_address("10.0.0.2:7000") == ("10.0.0.2", 7000)
     assert transfer.parse_address("[::1]:7000") == ("::1", 7000)
     assert transfer.parse_address("node-a", 7001) == ("node-a", 7001)
     with pytest.raises(ValueError):
         transfer.parse_address("node-a")
-    f = tmp_path / "token"
-    f.write_bytes(TOKEN + b"\n")
-    f.chmod(0o644)
-    with pytest.raises(ValueError, match="chmod 600"):
-        transfer.read_token(str(f))
-    f.chmod(0o600)
-    assert transfer.read_token(str(f)) == TOKEN
-    f.write_bytes(b"short")
-    with pytest.raises(ValueError, match="at least 16 bytes"):
-        transfer.read_token(str(f))
+    a = certs["node-a"]
+    os.chmod(a["key_file"], 0o644)
+    try:
+        with pytest.raises(ValueError, match="chmod 600"):
+            transfer.tls_contexts(a["cert_file"], a["key_file"], a["ca_file"])
+    finally:
+        os.chmod(a["key_file"], 0o600)
+    assert transfer.identity("::0001") == "::1" and transfer.identity("Node-A.") == "node-a"
 
 
 # -- control channel, in process ---------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory):
+    """node-a and node-b (both 127.0.0.1, as the peers list them), a certificate of the same
+    CA naming a host nobody configured, and one of another CA."""
+    from kvbroker.testing import peer_certificates
+
+    d = tmp_path_factory.mktemp("certs")
+    out = peer_certificates(d / "fleet", {"node-a": ["127.0.0.1"], "node-b": ["127.0.0.1"],
+                                          "stranger": ["10.9.9.9"]})
+    out.update(peer_certificates(d / "other", {"intruder": ["127.0.0.1"]},
+                                 ca_name="another CA"))
+    return out
+
+
+def _tls(certs, name):
+    c = certs[name]
+    return transfer.tls_contexts(c["cert_file"], c["key_file"], c["ca_file"])
+
 
 class _Provider:
     def __init__(self):
         self.leases: dict[int, int] = {}
         self.next = 1
         self.dropped: list[int] = []
+        self.pins = 0
 
     def pin(self, peer, namespace, key, ttl, consume):
         if key != "k":
             raise NotFound(f"{namespace}/{key} not here")
+        self.pins += 1
         lid, self.next = self.next, self.next + 1
         self.leases[lid] = peer
         return {"lease": lid, "extents": [[4096, 100]], "meta": {"ns": namespace}}
@@ -104,21 +122,34 @@ class _Provider:
 
 
 def _run(coro):
-    return asyncio.run(asyncio.wait_for(coro, 30))
+    return asyncio.run(asyncio.wait_for(coro, 60))
 
 
-async def _server(provider, **kw):
-    kw.setdefault("token", TOKEN)
-    s = transfer.PeerServer(provider, node="node-a", metadata=b"nixl-md", agent="agent-a", **kw)
+async def _until(cond, seconds=20.0):
+    """Wait for the server's side of what the client already saw (it runs on its own)."""
+    for _ in range(int(seconds / 0.01)):
+        if cond():
+            return True
+        await asyncio.sleep(0.01)
+    return cond()
+
+
+async def _server(provider, certs, name="node-a", peers=("127.0.0.1",), **kw):
+    s = transfer.PeerServer(provider, tls=_tls(certs, name)[0], peers=peers, node="node-a",
+                            metadata=b"nixl-md", agent="agent-a", **kw)
     host, port = await s.start("127.0.0.1", 0)
     return s, f"{host}:{port}"
 
 
-def test_handshake_pin_release_and_typed_errors():
+def _client(certs, addr, name="node-b", **kw):
+    return transfer.PeerClient(addr, tls=_tls(certs, name)[1], node=name, **kw)
+
+
+def test_handshake_pin_release_and_typed_errors(certs):
     async def go():
         p = _Provider()
-        s, addr = await _server(p)
-        c = await transfer.PeerClient(addr, token=TOKEN, node="node-b").connect()
+        s, addr = await _server(p, certs)
+        c = await _client(certs, addr).connect()
         assert (c.peer_node, c.agent, c.metadata) == ("node-a", "agent-a", b"nixl-md")
         r = await c.pin("k", namespace="ns1", ttl=5)
         assert r["extents"] == [[4096, 100]] and r["meta"] == {"ns": "ns1"}
@@ -128,54 +159,65 @@ def test_handshake_pin_release_and_typed_errors():
             await c.release(r["lease"])
         with pytest.raises(NotFound, match="not here"):
             await c.pin("missing")
-        with pytest.raises(ProtocolError, match="ttl"):
-            await c.request({"op": "pin", "key": "k", "ttl": -1})
+        # arguments are checked against the declared peer ops, as local ones are
+        with pytest.raises(BadRequest, match="ttl must be int or float, not str"):
+            await c.call("pin", key="k", ttl="forever")
+        with pytest.raises(BadRequest, match="unexpected argument 'extra'"):
+            await c.call("pin", key="k", ttl=1, extra=1)
+        with pytest.raises(BadRequest, match="unknown peer op 'delete'"):
+            await c.call("delete", key="k")
         assert s.served_pins == 1
         await c.close()
         await s.close()
     _run(go())
 
 
-def test_wrong_token_refused_without_metadata():
+def test_certificate_of_another_ca_refused_without_metadata(certs):
+    """A client that trusts the fleet's CA, with a certificate another CA signed for the
+    right address: the server refuses it before any frame."""
     async def go():
         p = _Provider()
-        s, addr = await _server(p)
-        with pytest.raises(transfer.PeerUnavailable, match="wrong token"):
-            await transfer.PeerClient(addr, token=b"x" * 20, node="intruder").connect()
-        assert s.refused == 1 and s.peers == 0 and p.leases == {}
+        s, addr = await _server(p, certs)
+        i = certs["intruder"]
+        tls = transfer.tls_contexts(i["cert_file"], i["key_file"],
+                                    certs["node-b"]["ca_file"])[1]
+        with pytest.raises(transfer.PeerUnavailable, match="refused the TLS session"):
+            await transfer.PeerClient(addr, tls=tls, node="intruder").connect()
+        assert await _until(lambda: s.refused == 1)
+        assert s.peers == 0 and p.leases == {}
         await s.close()
     _run(go())
 
 
-def test_address_outside_allow_refused():
+def test_certificate_naming_no_configured_peer_refused(certs):
+    """Signed by the fleet's CA, but for a host that is not among this node's peers."""
     async def go():
-        s, addr = await _server(_Provider(), allow=["10.255.255.1"])
-        with pytest.raises(transfer.PeerUnavailable, match="not a configured peer"):
-            await transfer.PeerClient(addr, token=TOKEN, node="node-b").connect()
+        p = _Provider()
+        s, addr = await _server(p, certs)
+        with pytest.raises(transfer.PeerUnavailable, match="10.9.9.9: not one of its"):
+            await _client(certs, addr, "stranger").connect()
+        assert s.refused == 1 and s.peers == 0
         await s.close()
-        s, addr = await _server(_Provider(), allow=["127.0.0.1"])
-        c = await transfer.PeerClient(addr, token=TOKEN, node="node-b").connect()
+        s, addr = await _server(p, certs, peers=["10.9.9.9"])  # now it is one
+        c = await _client(certs, addr, "stranger").connect()
         await c.close()
         await s.close()
     _run(go())
 
 
-def test_disconnect_drops_the_peers_leases():
+def test_disconnect_drops_the_peers_leases(certs):
     async def go():
         p = _Provider()
-        s, addr = await _server(p)
-        c1 = await transfer.PeerClient(addr, token=TOKEN, node="b1").connect()
-        c2 = await transfer.PeerClient(addr, token=TOKEN, node="b2").connect()
+        s, addr = await _server(p, certs)
+        c1 = await _client(certs, addr).connect()
+        c2 = await _client(certs, addr).connect()
         for _ in range(3):
             await c1.pin("k")
         await c2.pin("k")
         assert len(p.leases) == 4
         await c1.close()
-        for _ in range(100):
-            if len(p.leases) == 1:
-                break
-            await asyncio.sleep(0.01)
-        assert len(p.leases) == 1 and len(p.dropped) == 1
+        assert await _until(lambda: len(p.leases) == 1)
+        assert len(p.dropped) == 1
         await s.close()           # the server stopping ends c2's connection: its lease too
         assert p.leases == {} and len(p.dropped) == 2
         with pytest.raises(transfer.PeerUnavailable):
@@ -184,30 +226,125 @@ def test_disconnect_drops_the_peers_leases():
     _run(go())
 
 
-def test_peer_down_is_peer_unavailable():
+def test_peer_down_is_peer_unavailable(certs):
     async def go():
-        s, addr = await _server(_Provider())
+        s, addr = await _server(_Provider(), certs)
         await s.close()
         with pytest.raises(transfer.PeerUnavailable, match=addr):
-            await transfer.PeerClient(addr, token=TOKEN, node="b", connect_timeout=2).connect()
+            await _client(certs, addr, connect_timeout=2).connect()
     _run(go())
 
 
-def test_server_must_prove_the_token():
-    """A listener that does not know the token cannot pass itself off as the peer."""
-    async def fake(reader, writer):
-        writer.write(transfer._pack({"proto": transfer.PROTOCOL, "node": "fake",
-                                     "nonce": b"n" * 32}))
-        await transfer._recv(reader)
-        writer.write(transfer._pack({"ok": True, "mac": b"\0" * 32, "metadata": b"evil"}))
-        await writer.drain()
-
+def test_server_must_hold_a_certificate_of_the_ca_naming_its_address(certs):
+    """A listener with another CA's certificate, or with the fleet's certificate of another
+    host, cannot pass itself off as the peer dialled."""
     async def go():
-        srv = await asyncio.start_server(fake, "127.0.0.1", 0)
-        port = srv.sockets[0].getsockname()[1]
-        with pytest.raises(transfer.PeerUnavailable, match="failed to prove"):
-            await transfer.PeerClient(f"127.0.0.1:{port}", token=TOKEN, node="b").connect()
-        srv.close()
+        for name, why in (("intruder", "its certificate was refused"),
+                          ("stranger", "its certificate was refused.*IP address mismatch")):
+            s, addr = await _server(_Provider(), certs, name=name)
+            with pytest.raises(transfer.PeerUnavailable, match=why):
+                await _client(certs, addr).connect()
+            await s.close()
+    _run(go())
+
+
+class _Relay:
+    """A TCP relay between a client and a server that sees TLS records. It forwards them;
+    it keeps the client's latest encrypted record (``last``), and once ``inject`` is set,
+    sends that record in place of the client's next one: a record of this connection sent
+    again (a replay) or one recorded on another connection (a splice)."""
+
+    def __init__(self, target: str) -> None:
+        self.target = transfer.parse_address(target)
+        self.last: bytes | None = None
+        self.inject: bytes | None = None
+
+    async def start(self) -> str:
+        self.server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
+        return "127.0.0.1:%d" % self.server.sockets[0].getsockname()[1]
+
+    async def _relay(self, reader, writer):
+        ur, uw = await asyncio.open_connection(*self.target)
+
+        async def back():
+            while data := await ur.read(65536):
+                writer.write(data)
+                await writer.drain()
+            writer.close()
+
+        task = asyncio.create_task(back())
+        try:
+            while True:
+                head = await reader.readexactly(5)
+                record = head + await reader.readexactly(int.from_bytes(head[3:5], "big"))
+                if head[0] == 23:  # encrypted (TLS 1.3 sends all of those as type 23)
+                    if self.inject is not None:
+                        record, self.inject = self.inject, None
+                    else:
+                        self.last = record
+                uw.write(record)
+                await uw.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            uw.close()
+            task.cancel()
+
+
+@pytest.mark.parametrize("mode", ["replay", "splice"])
+def test_a_replayed_or_spliced_frame_is_refused(certs, mode):
+    """Every frame after the handshake is authenticated by TLS: a relay that sends a pin
+    request again, or one recorded on another connection to the same server, breaks the
+    connection; the pin is not served again, and the connection's lease ends with it."""
+    async def go():
+        p = _Provider()
+        s, addr = await _server(p, certs)
+        other = _Relay(addr)
+        c0 = await _client(certs, await other.start()).connect()
+        await c0.pin("k")
+        recorded = other.last                            # c0's pin request, encrypted
+        relay = _Relay(addr)
+        c = await _client(certs, await relay.start()).connect()
+        r = await c.pin("k")
+        assert p.pins == 2 and len(p.leases) == 2
+        relay.inject = relay.last if mode == "replay" else recorded
+        with pytest.raises(transfer.PeerUnavailable):
+            await c.pin("k")                            # what arrives is not this request
+        assert await _until(lambda: len(p.leases) == 1), \
+            f"lease {r['lease']} outlived the broken connection"
+        assert p.pins == 2, "a replayed or spliced pin was served"
+        assert s.peers == 1  # c0 only
+        await c0.close()
+        await c.close()
+        await s.close()
+    _run(go())
+
+
+def test_unauthenticated_connections_are_capped_and_buffer_nothing(certs):
+    """No frame is read before the TLS handshake: a connection announcing a 63 MiB frame
+    is dropped at its first bytes, and past MAX_HANDSHAKES connections that never finish
+    their handshake, the next is closed unanswered."""
+    async def go():
+        s, addr = await _server(_Provider(), certs, max_handshakes=4)
+        host, port = transfer.parse_address(addr)
+        r, w = await asyncio.open_connection(host, port)
+        w.write((63 << 20).to_bytes(4, "big") + b"\x00" * (1 << 20))
+        with pytest.raises((ConnectionError, asyncio.IncompleteReadError)):
+            await w.drain()
+            assert await asyncio.wait_for(r.read(1 << 16), 10) == b""
+            raise ConnectionError("closed")
+        w.close()
+        idle = [await asyncio.open_connection(host, port) for _ in range(4)]
+        await asyncio.sleep(0.2)
+        r, w = await asyncio.open_connection(host, port)
+        assert await asyncio.wait_for(r.read(1), 10) == b""  # closed at once
+        assert s.refused >= 1
+        for _, iw in idle:
+            iw.close()
+        w.close()
+        c = await _client(certs, addr).connect()  # the handshakes ended: served again
+        await c.close()
+        await s.close()
     _run(go())
 
 
@@ -234,12 +371,11 @@ def endpoint():
 
 
 class _Peer:
-    def __init__(self, tmp_path, objects, extra=()):
-        tok = tmp_path / "token"
-        tok.write_bytes(TOKEN)
-        tok.chmod(0o600)
+    def __init__(self, certs, objects, extra=()):
+        a = certs["node-a"]
         env = dict(os.environ, UCX_TLS=os.environ.get("UCX_TLS", "tcp"))
-        cmd = [sys.executable, os.path.join(HERE, "_nixl_peer.py"), "--token-file", str(tok)]
+        cmd = [sys.executable, os.path.join(HERE, "_nixl_peer.py"), "--cert", a["cert_file"],
+               "--key", a["key_file"], "--ca", a["ca_file"]]
         for o in objects:
             cmd += ["--object", o]
         self.proc = subprocess.Popen([*cmd, *extra], stdin=subprocess.PIPE,
@@ -263,10 +399,10 @@ class _Peer:
                 self.proc.wait()
 
 
-async def _pin_and_read(ep, address, key, **kw):
+async def _pin_and_read(ep, certs, address, key, **kw):
     import xxhash
 
-    c = await transfer.PeerClient(address, token=TOKEN, node="node-b").connect()
+    c = await _client(certs, address).connect()
     agent = ep.add_peer(c.metadata, label=address)
     r = await c.pin(key)
     nbytes = r["nbytes"]
@@ -276,11 +412,11 @@ async def _pin_and_read(ep, address, key, **kw):
     return c, agent, r, res, ok
 
 
-def test_nixl_read_descriptor_list_bit_exact(endpoint, tmp_path):
-    peer = _Peer(tmp_path, ["big:33554432:8", "small:262144:1"])
+def test_nixl_read_descriptor_list_bit_exact(endpoint, certs):
+    peer = _Peer(certs, ["big:33554432:8", "small:262144:1"])
     try:
         async def go():
-            c, agent, r, res, ok = await _pin_and_read(endpoint, peer.address, "big")
+            c, agent, r, res, ok = await _pin_and_read(endpoint, certs, peer.address, "big")
             assert ok, "32 MiB read through NIXL does not match the peer's checksum"
             assert res.nbytes == 32 << 20 and res.descriptors == 8   # 8 extents, one READ
             # the same bytes again, asked as 64 adjacent pieces: coalesced back to 8
@@ -300,14 +436,14 @@ def test_nixl_read_descriptor_list_bit_exact(endpoint, tmp_path):
         peer.stop()
 
 
-def test_nixl_peer_killed_mid_read(endpoint, tmp_path):
+def test_nixl_peer_killed_mid_read(endpoint, certs):
     """SIGKILL the serving process while reads are in flight: each read ends (error or, if
     it finished first, bytes that are then checked), never hangs, and the control channel
     reports PeerUnavailable."""
-    peer = _Peer(tmp_path, ["big:50331648:1"])
+    peer = _Peer(certs, ["big:50331648:1"])
     try:
         async def go():
-            c, agent, r, res, ok = await _pin_and_read(endpoint, peer.address, "big")
+            c, agent, r, res, ok = await _pin_and_read(endpoint, certs, peer.address, "big")
             assert ok
             ext = [tuple(e) for e in r["extents"]]
             local = [(endpoint.region.ctypes.data, r["nbytes"])]
@@ -341,17 +477,17 @@ def test_nixl_peer_killed_mid_read(endpoint, tmp_path):
         peer.stop()
 
 
-def test_nixl_lease_expired_on_peer(endpoint, tmp_path):
+def test_nixl_lease_expired_on_peer(endpoint, certs):
     """A pin whose TTL passed: the peer's new owner rewrote the pages, so the bytes read
     fail their checksum, and the release says the lease had ended."""
-    peer = _Peer(tmp_path, ["obj:1048576:2"], ["--reuse-on-expiry"])
+    peer = _Peer(certs, ["obj:1048576:2"], ["--reuse-on-expiry"])
     try:
         async def go():
             import xxhash
 
-            c = await transfer.PeerClient(peer.address, token=TOKEN, node="node-b").connect()
+            c = await _client(certs, peer.address).connect()
             agent = endpoint.add_peer(c.metadata)
-            r = await c.request({"op": "pin", "key": "obj", "ttl": 0.2})
+            r = await c.pin("obj", ttl=0.2)
             await asyncio.sleep(0.4)
             with pytest.raises(LeaseExpired):
                 await c.renew(r["lease"])        # expiry is noticed, pages rewritten

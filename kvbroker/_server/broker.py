@@ -293,16 +293,18 @@ class Broker:
         )  # fmt: skip
 
     def reserve_extent(self, session, ident, layout, span, meta, ttl, tokens=None,
-                       footprint: int | None = None) -> Lease:  # fmt: skip
-        """A write lease on a fresh extent for ``ident`` (charged to its namespace), of at
-        least ``span`` bytes and of the daemon memory its index entry takes (``footprint``,
-        when the caller knows it: ``state.index_footprint``)."""
+                       footprint: int | None = None, tenants=None) -> Lease:  # fmt: skip
+        """A write lease on a fresh extent for ``ident`` (charged to its namespace and to
+        the tenants of ``session``, or to ``tenants`` when given: a pull charges the session
+        that asked for it), of at least ``span`` bytes and of the daemon memory its index
+        entry takes (``footprint``, when the caller knows it: ``state.index_footprint``)."""
         self.check_lease_limit(session)
         if footprint is None:
             footprint = index_footprint(layout, meta, tokens)
         span = max(span, footprint)
         ps = self.pools[0].page_size  # every pool has the same page size
-        tenants = self.accounts.tenants_of(session)
+        if tenants is None:
+            tenants = self.accounts.tenants_of(session)
         charged = self.accounts.charge(ident[0], -(-max(span, 1) // ps) * ps, tenants=tenants)
         pages = self.pages
         try:

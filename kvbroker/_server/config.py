@@ -311,18 +311,30 @@ SETTINGS: tuple[Key, ...] = (
         metavar="DURATION", example="45s",
         help="Keep pages a writer may still be copying into (after a daemon restart or a "
              "cut-off) out of use this long."),
-    # Broker-to-broker pulls through NIXL (issue 18; kvbroker._server.fleet). Pulling and
-    # serving both need token_file; listen serves this daemon's pools to the peers.
+    # Broker-to-broker pulls through NIXL (issue 18; kvbroker._server.fleet), over a mutual
+    # TLS control channel (issue 38): pulling and serving both need the three files.
     Key("transfer_listen", parse_listen_address, "off", section="transfer",
         example="127.0.0.1:7070",
         help="Serve this daemon's sealed objects to peer brokers on HOST:PORT (control "
              "channel; the bytes move through NIXL)."),
     Key("transfer_peers", parse.peers, (), section="transfer", example=["10.0.0.2:7070"],
         shown="[]",
-        help="Peer brokers (HOST:PORT): with listen, only these addresses are served."),
-    Key("transfer_token_file", parse.optional_path, "", section="transfer",
-        example="/etc/kvbroker/peer.token",
-        help="Shared secret of the brokers of this fleet (mode 0600, at least 16 bytes)."),
+        help="Peer brokers (HOST:PORT), the only ones pulled from (a client's peer= must "
+             "name one) and served (a peer's certificate must name its HOST)."),
+    Key("transfer_cert_file", parse.optional_path, "", section="transfer",
+        example="/etc/kvbroker/node-a.pem",
+        help="This node's certificate (PEM) for the brokers' mutual TLS; its subject "
+             "alternative names are the host its peers list it under."),
+    Key("transfer_key_file", parse.optional_path, "", section="transfer",
+        example="/etc/kvbroker/node-a.key", help="The private key of cert_file (mode 0600)."),
+    Key("transfer_ca_file", parse.optional_path, "", section="transfer",
+        example="/etc/kvbroker/fleet-ca.pem",
+        help="The fleet's CA (PEM): only brokers with a certificate it signed are served "
+             "or pulled from."),
+    Key("transfer_serve", parse.serve_rules, "*", section="transfer", shown='["*"]',
+        example=["default", "prefix", "10.0.0.2=team-a/*"],
+        help="Namespaces (globs) peers may pull from here; HOST=GLOB for one peer only. A "
+             "bare * never covers a tenant pool's namespaces: name them."),
     Key("transfer_node", parse.node_name, "", section="transfer", example="node-a",
         shown="the host name",
         help="This node's name, for peers and the event topic kv@<node>@<model>."),
@@ -356,6 +368,12 @@ SETTINGS: tuple[Key, ...] = (
              "receive every namespace's events."),
 )
 KEYS: dict[str, Key] = {k.name: k for k in SETTINGS}
+# Settings that are gone, and what to set instead: refused with that, not as unknown keys.
+REMOVED: dict[str, str] = {
+    "transfer_token_file": "the shared-token peer channel is gone (a relay could splice "
+                           "its frames); brokers now authenticate with mutual TLS: set "
+                           "[transfer] cert_file, key_file and ca_file (docs/fleet.md)",
+}
 SECTIONS: frozenset[str] = frozenset(k.section for k in SETTINGS if k.section)
 
 
@@ -409,6 +427,9 @@ def _env_layer(env: Mapping[str, str]) -> dict[str, str]:
     unknown TOML key (a misspelt variable is a typo, not a wish to be ignored)."""
     known = {k.env for k in SETTINGS} | OTHER_VARIABLES.keys()
     for var in sorted(env):
+        removed = REMOVED.get(var[len(ENV_PREFIX):].lower())
+        if var.startswith(ENV_PREFIX) and removed is not None:
+            raise ConfigError(f"{var}: {removed}")
         if var.startswith(ENV_PREFIX) and var not in known:
             hint = _did_you_mean(var, known, ENV_PREFIX)
             raise ConfigError(f"unknown variable {var!r}{hint}")
@@ -436,6 +457,8 @@ def _read_file(path: str, required: bool) -> dict[str, Any]:
         if key in SECTIONS and isinstance(value, dict):
             for sub, v in value.items():
                 full = f"{key}_{sub}"
+                if full in REMOVED:
+                    raise ConfigError(f"{path}: [{key}] {sub}: {REMOVED[full]}")
                 if full not in KEYS or KEYS[full].section != key:
                     names = [k.toml_name for k in SETTINGS if k.section == key]
                     raise ConfigError(f"{path}: unknown key {sub!r} in [{key}]"

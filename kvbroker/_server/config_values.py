@@ -21,7 +21,8 @@ __all__ = [
     "CONNECTIONS", "LEASES", "LOG_LEVELS", "POOLS", "boolean", "duration", "event_format",
     "gpu_ring", "group", "int_in", "isolation", "log_level", "model_name", "node_name",
     "optional_path", "page_size", "parse_listen_address", "peers", "positive_duration", "quotas",
-    "ratio", "replicas", "size", "socket_path", "tenant_pools", "write_buffer", "zmq_endpoint",
+    "ratio", "replicas", "serve_rules", "size", "socket_path", "tenant_pools", "write_buffer",
+    "zmq_endpoint",
 ]  # fmt: skip
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -210,6 +211,25 @@ def peers(value: Any) -> tuple[str, ...]:
         if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
             raise ValueError(f"expected HOST:PORT, got {v!r}")
     return tuple(value)
+
+
+def serve_rules(value: Any) -> tuple[tuple[str | None, str], ...]:
+    """``[transfer] serve``: the namespaces peers may pull from this daemon, as globs
+    (``"team-a/*"``), each for every configured peer or, written ``"HOST=GLOB"``, for the
+    peer of that host only. A list (TOML) or one comma-separated string (a variable).
+    Returns ``(host or None, glob)`` pairs."""
+    if isinstance(value, str):
+        value = [v for v in (p.strip() for p in value.split(",")) if v]
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"expected a list of namespace globs (\"prefix\", \"team-a/*\", "
+                         f"\"HOST=GLOB\" for one peer), got {value!r}")
+    rules = []
+    for v in value:
+        host, sep, glob = v.rpartition("=")
+        if (sep and not host) or not glob or len(glob) > 512:
+            raise ValueError(f"expected a namespace glob or HOST=GLOB, got {v!r}")
+        rules.append((host.lower() if sep else None, glob))
+    return tuple(rules)
 
 
 def optional_path(value: Any) -> str | None:

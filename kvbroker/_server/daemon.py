@@ -298,7 +298,8 @@ class Daemon:
         """Peer pulls and serving ([transfer]) and KV events ([events]), when configured
         (kvbroker._server.fleet): NIXL and pyzmq are imported only then."""
         cfg = self.config
-        if not (cfg.transfer_token_file or cfg.transfer_listen or cfg.events_publish):
+        if not (cfg.transfer_cert_file or cfg.transfer_key_file or cfg.transfer_ca_file
+                or cfg.transfer_listen or cfg.transfer_peers or cfg.events_publish):
             return
         from .fleet import Fleet
 

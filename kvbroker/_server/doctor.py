@@ -386,10 +386,75 @@ def check_pools(cfg: DaemonConfig) -> Check:
                     if hidden else ""))  # fmt: skip
 
 
+def _tls_with_itself(server, client) -> dict:
+    """A TLS handshake of this node's serving and pulling contexts with each other, in
+    memory: both certificates are verified by the CA as a peer's would be. Returns the
+    certificate as the peer sees it."""
+    import ssl
+
+    client.check_hostname = False  # which host it names is reported, not checked here
+    bios = [ssl.MemoryBIO() for _ in range(4)]
+    srv = server.wrap_bio(bios[0], bios[1], server_side=True)
+    cli = client.wrap_bio(bios[2], bios[3], server_side=False)
+    done = set()
+    for _ in range(20):
+        for end, out, into in ((cli, bios[3], bios[0]), (srv, bios[1], bios[2])):
+            try:
+                end.do_handshake()
+                done.add(end)
+            except ssl.SSLWantReadError:
+                pass
+            into.write(out.read())
+        if len(done) == 2:
+            return cli.getpeercert()
+    raise ValueError("the TLS handshake with itself did not finish")
+
+
+def check_peer_tls(cfg: DaemonConfig) -> Check:
+    """[transfer]: the mutual TLS files load, the certificate is valid now, and it names a
+    host (the one its peers list this node under)."""
+    name = "peer-tls"
+    files = {"cert_file": cfg.transfer_cert_file, "key_file": cfg.transfer_key_file,
+             "ca_file": cfg.transfer_ca_file}
+    if not any(files.values()) and cfg.transfer_listen is None and not cfg.transfer_peers:
+        return Check(name, "skip", "no [transfer] peers: this node pulls from and serves no "
+                                   "broker")
+    missing = [k for k, v in files.items() if not v]
+    if missing:
+        return Check(name, "fail", f"[transfer] {' and '.join(missing)} not set: brokers "
+                                   "authenticate each other with mutual TLS",
+                     "set cert_file, key_file and ca_file in [transfer] (a certificate of "
+                     "the fleet's CA naming this node's host)")
+    if not cfg.transfer_peers:
+        return Check(name, "fail", "[transfer] peers is empty",
+                     "list the brokers (HOST:PORT) this node pulls from and serves")
+    import ssl
+
+    from .transfer import certificate_names, tls_contexts
+
+    try:
+        info = _tls_with_itself(*tls_contexts(files["cert_file"], files["key_file"],
+                                              files["ca_file"]))
+    except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
+        return Check(name, "fail", f"[transfer] TLS files: {exc}",
+                     "check the paths, that the key is the certificate's (mode 0600) and "
+                     "that ca_file signed the certificate")
+    left = ssl.cert_time_to_seconds(info["notAfter"]) - time.time()
+    names = certificate_names(info)
+    detail = (f"{files['cert_file']} names {', '.join(names[:4]) or 'no host'}, valid "
+              f"{left / 86400:.0f} more day(s); {len(cfg.transfer_peers)} peer(s)")
+    if left <= 0:
+        return Check(name, "fail", detail.replace("valid", "expired:"),
+                     "renew the certificate (peers refuse it)")
+    if left < 14 * 86400:
+        return Check(name, "warn", detail, "renew the certificate before it expires")
+    return Check(name, "ok", detail)
+
+
 CHECKS: tuple[Callable[[DaemonConfig], Check], ...] = (
     check_memlock, check_shm, check_socket_dir, check_socket_unit, check_service_user,
     check_gpu, check_host_register, check_checksum_hash, check_copy_engine, check_prefix_scan,
-    check_pools,
+    check_pools, check_peer_tls,
 )  # fmt: skip
 
 

@@ -6,15 +6,17 @@ serving its own to them through NIXL, and publishing KV events for routers.
 - one :class:`~kvbroker._server.transfer.NixlEndpoint` with every pool registered once (the
   daemon maps its pools for this: NIXL needs their addresses in this process, and a pull
   verifies the checksums of what it read);
-- with ``[transfer] listen``, a :class:`~kvbroker._server.transfer.PeerServer` whose
-  :class:`~kvbroker._server.fleet_serving.BrokerProvider` pins objects for peers through the
-  broker's own lease machinery (the serving side: :mod:`kvbroker._server.fleet_serving`);
+- with ``[transfer] listen``, a :class:`~kvbroker._server.peer_channel.PeerServer` (mutual
+  TLS) whose :class:`~kvbroker._server.fleet_serving.BrokerProvider` pins objects for peers
+  through the broker's own lease machinery (the serving side, limited by ``[transfer] serve``);
 - pulls (:meth:`Fleet.fetch`, :meth:`Fleet.fetch_prefix`), asked by ``claim``/``fetch``/
-  ``match_prefix`` with ``peer=`` (the handlers raise :class:`~.state.Deferred`): pin and
-  describe on the peer (one round trip), a write lease in our pool for each object (the
-  fleet's own session), **one** NIXL READ of every extent (coalesced; in a worker thread,
-  never on the event loop), the checksums recorded at the peer's seal verified (in the
-  thread too), the peer's lease released (a consume counted there if the claim consumes; a
+  ``match_prefix`` with ``peer=`` (the handlers raise :class:`~.state.Deferred`) of a
+  configured peer only: pin and describe on the peer (one round trip), the description
+  checked as a local seal (:mod:`kvbroker._server.pin_reply`), a write lease in our pool for
+  each object (the fleet's session, charged to the asking session's tenants), **one** NIXL
+  READ of every extent (coalesced; in a worker thread, never on the event loop), the
+  checksums recorded at the peer's seal verified (in the thread too), the peer's lease
+  released (a consume counted there if the claim consumes; a
   lease that had ended by then fails the pull: its pages may have been reused mid-read),
   then sealed here with its meta, consumers, parent, tokens and checksums. Nothing is sealed
   before all of that succeeded; a failure discards the write leases (pages of a READ that
@@ -34,10 +36,11 @@ import asyncio
 import logging
 import os
 import socket
+import ssl
 import time
 from collections import Counter, deque
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from .._wire import checksum
 from .._wire.stats import EventStatistics, PeerInfo, TransferStatistics
@@ -45,6 +48,7 @@ from ..errors import (
     BadRequest,
     ChecksumMismatch,
     Exists,
+    Forbidden,
     KVBrokerError,
     LeaseExpired,
     PeerUnavailable,
@@ -53,6 +57,7 @@ from ..errors import (
 from . import transfer
 from .fleet_events import EventFeed, announced, block_event_hash
 from .fleet_serving import BrokerProvider
+from .pin_reply import Described
 from .pool import open_segment
 
 if TYPE_CHECKING:
@@ -86,7 +91,10 @@ class Fleet:
         self.timeout: float = cfg.transfer_timeout
         self.pin_ttl: float = cfg.transfer_pin_ttl
         self.listen: str = ""
-        self._token: bytes | None = None
+        self._server_tls: ssl.SSLContext | None = None
+        self._client_tls: ssl.SSLContext | None = None
+        # (identity of the host, port) -> the address as [transfer] peers writes it
+        self._configured: dict[tuple[str, int], str] = {}
         self.endpoint: transfer.NixlEndpoint | None = None
         self.server: transfer.PeerServer | None = None
         self.provider: BrokerProvider | None = None
@@ -119,15 +127,30 @@ class Fleet:
         self.broker.fleet = self
         if cfg.events_publish:
             self.events = EventFeed(self.daemon, self.node)
-        if cfg.transfer_token_file is None:
-            if cfg.transfer_listen is not None:
-                raise KVBrokerError("[transfer] listen needs token_file: only brokers that "
-                                    "prove the shared token are served")
+        files = {"cert_file": cfg.transfer_cert_file, "key_file": cfg.transfer_key_file,
+                 "ca_file": cfg.transfer_ca_file}
+        if not any(files.values()):
+            if cfg.transfer_listen is not None or cfg.transfer_peers:
+                raise KVBrokerError("[transfer] listen and peers need cert_file, key_file "
+                                    "and ca_file: brokers authenticate each other with "
+                                    "mutual TLS")
             return
+        missing = [k for k, v in files.items() if not v]
+        if missing:
+            raise KVBrokerError(f"[transfer] needs cert_file, key_file and ca_file; "
+                                f"{' and '.join(missing)} not set")
+        if not cfg.transfer_peers:
+            raise KVBrokerError("[transfer] peers is empty: list the brokers (HOST:PORT) "
+                                "this node pulls from and serves")
         try:
-            self._token = transfer.read_token(cfg.transfer_token_file)
-        except (OSError, ValueError) as exc:
-            raise KVBrokerError(f"[transfer] token_file: {exc}") from None
+            self._server_tls, self._client_tls = transfer.tls_contexts(
+                files["cert_file"], files["key_file"], files["ca_file"])
+        except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
+            raise KVBrokerError(f"[transfer] TLS files: {exc}") from None
+        self._configured = {}
+        for address in cfg.transfer_peers:
+            host, port = transfer.parse_address(address)
+            self._configured[(transfer.identity(host), port)] = address
         os.environ.setdefault("UCX_TLS", "tcp")  # no RDMA here unless the operator says so
         try:
             self.endpoint = transfer.NixlEndpoint(f"kvbroker-{self.node}-{os.getpid()}")
@@ -140,11 +163,11 @@ class Fleet:
         self.session = s
         if cfg.transfer_listen is not None:
             host, port = cfg.transfer_listen
-            self.provider = BrokerProvider(self.broker, self.bases)
+            self.provider = BrokerProvider(self.broker, self.bases, cfg.transfer_serve)
             self.server = transfer.PeerServer(
-                self.provider, token=self._token, node=self.node,
+                self.provider, tls=self._server_tls, node=self.node,
                 metadata=self.endpoint.metadata(), agent=self.endpoint.name,
-                allow=[transfer.parse_address(p)[0] for p in cfg.transfer_peers] or None)
+                peers=[transfer.parse_address(p)[0] for p in cfg.transfer_peers])
             host, port = await self.server.start(host, port)
             self.listen = f"{host}:{port}"
             log.info("serving peers on %s as %s (NIXL agent %s)", self.listen, self.node,
@@ -192,7 +215,23 @@ class Fleet:
         self._maps.clear()
 
     # -- peers ---------------------------------------------------------------------------------
+    def configured(self, address: str) -> str:
+        """``address`` as ``[transfer] peers`` lists it, else Forbidden (or any local user
+        could have this daemon dial, and relay through, a port of their own)."""
+        try:
+            host, port = transfer.parse_address(address)
+            ident = (transfer.identity(host), port)
+        except ValueError:
+            raise BadRequest(f"peer {address[:300]!r}: expected HOST:PORT") from None
+        found = self._configured.get(ident)
+        if found is None:
+            known = ", ".join(list(self._configured.values())[:8])
+            raise Forbidden(f"peer {address[:300]!r} is not one of this daemon's [transfer] "
+                            f"peers ({known})")
+        return found
+
     async def _peer(self, address: str) -> _Peer:
+        address = self.configured(address)
         peer = self._peers.get(address)
         if peer is not None and peer.client.connected:
             return peer
@@ -206,11 +245,7 @@ class Fleet:
         return await asyncio.shield(task)
 
     async def _connect(self, address: str) -> _Peer:
-        try:
-            transfer.parse_address(address)
-        except ValueError:
-            raise BadRequest(f"peer {address!r}: expected HOST:PORT") from None
-        client = transfer.PeerClient(address, token=self._token, node=self.node,
+        client = transfer.PeerClient(address, tls=self._client_tls, node=self.node,
                                      connect_timeout=min(5.0, self.timeout),
                                      request_timeout=self.timeout)
         await client.connect()
@@ -234,12 +269,23 @@ class Fleet:
             asyncio.get_running_loop().create_task(peer.client.close())
 
     # -- pulls ---------------------------------------------------------------------------------
-    def _check(self) -> None:
+    def _check(self, address: str, namespace: str, keys: Sequence[str]) -> str:
+        """What every pull and peer lookup checks first: this daemon pulls, ``address`` is
+        a configured peer (returned as configured), and the names are ones a local op
+        would take."""
+        from .handlers import _check_name
+
         if self.closed or self.endpoint is None:
-            raise BadRequest("this daemon pulls from no peer (set [transfer] token_file)")
+            raise BadRequest("this daemon pulls from no peer (set [transfer] peers, "
+                             "cert_file, key_file and ca_file)")
+        address = self.configured(address)
+        _check_name("namespace", namespace)
+        for key in keys:
+            _check_name("key", key)
+        return address
 
     async def lookup(self, address: str, namespace: str, key: str) -> dict | None:
-        self._check()
+        address = self._check(address, namespace, (key,))
         peer = await self._peer(address)
         try:
             return await peer.client.lookup(key, namespace=namespace)
@@ -247,22 +293,31 @@ class Fleet:
             self._drop(address)
             raise
 
-    async def fetch(self, address: str, namespace: str, key: str, consume: bool) -> bool:
-        """Pull ``namespace/key`` from the peer unless it is here; True when it moved."""
-        self._check()
+    async def fetch(self, address: str, namespace: str, key: str, consume: bool,
+                    asker: Session | None = None) -> bool:
+        """Pull ``namespace/key`` from the peer unless it is here; True when it moved.
+        What it pulls is charged to the tenants of ``asker`` (the session that asked)."""
+        address = self._check(address, namespace, (key,))
         if (namespace, key) in self.broker.objects:
             return False
-        return await self._shared((address, namespace, key), lambda: self._pull_one(
-            address, namespace, key, consume))
+        tenants = self._tenants(asker)
+        return await self._shared((address, namespace, key), lambda: self._pull(
+            address, namespace, "pin", [key], consume, tenants))
 
-    async def fetch_prefix(self, address: str, namespace: str, keys: list[str]) -> bool:
+    async def fetch_prefix(self, address: str, namespace: str, keys: list[str],
+                           asker: Session | None = None) -> bool:
         """Pull the leading run of ``keys`` that the peer holds (one READ for all)."""
-        self._check()
+        address = self._check(address, namespace, keys)
         keys = [k for k in keys if (namespace, k) not in self.broker.objects]
         if not keys:
             return False
+        tenants = self._tenants(asker)
         return await self._shared((address, namespace, tuple(keys)), lambda: self._pull(
-            address, namespace, "pin_prefix", keys, False))
+            address, namespace, "pin_prefix", keys, False, tenants))
+
+    def _tenants(self, asker: Session | None) -> tuple:
+        # A pull takes pages as a put of the asker's would: its tenants' quotas (issue 38).
+        return self.broker.accounts.tenants_of(asker) if asker is not None else ()
 
     async def _shared(self, ident: tuple, start) -> bool:
         task = self._pulls.get(ident)
@@ -273,14 +328,11 @@ class Fleet:
         # A waiter that gives up (its connection closed, its timeout) leaves the pull going.
         return await asyncio.shield(task)
 
-    async def _pull_one(self, address: str, namespace: str, key: str, consume: bool) -> bool:
-        return await self._pull(address, namespace, "pin", [key], consume)
-
     async def _pull(self, address: str, namespace: str, how: str, keys: list[str],
-                    consume: bool) -> bool:
+                    consume: bool, tenants: tuple) -> bool:
         t0 = time.perf_counter()
         try:
-            moved = await self._pull_inner(address, namespace, how, keys, consume)
+            moved = await self._pull_inner(address, namespace, how, keys, consume, tenants)
         except KVBrokerError as exc:
             self.failures[exc.code] += 1
             self.recent_failures.append((namespace, f"{address}: {exc.message or exc}"[:300]))
@@ -298,7 +350,7 @@ class Fleet:
         return moved > 0
 
     async def _pull_inner(self, address: str, namespace: str, how: str, keys: list[str],
-                          consume: bool) -> int:
+                          consume: bool, tenants: tuple) -> int:
         peer = await self._peer(address)
         client = peer.client
         try:
@@ -311,31 +363,34 @@ class Fleet:
             self._drop(address)
             raise
         remote_lease = pinned.get("lease")
-        if remote_lease is None:
+        if remote_lease is None and not pinned.get("objects"):
             return 0  # the peer holds none of the prefix
         b = self.broker
         leases: list[Lease] = []
         read_started = False
         released = False
         try:
-            remote: list[tuple[int, int]] = []
-            local: list[tuple[int, int]] = []
-            plans = []
-            for desc in pinned["objects"]:
-                if desc.get("namespace") != namespace or not isinstance(desc.get("key"), str):
-                    raise TransferFailed(f"peer {address} described another object")
-                ident = (namespace, desc["key"])
+            if remote_lease.__class__ is not int:
+                raise TransferFailed(f"peer {address} answered a pin without a lease; "
+                                     "nothing was sealed")
+            # Every description checked before anything is reserved: a reply describes
+            # exactly the objects asked, each as a local seal would have to be.
+            described = self._described(pinned, address, namespace, how, keys)
+            remote, local, plans = [], [], []  # extents there and here, (lease, object)
+            for d in described:
+                ident = (namespace, d.key)
                 if ident in b.objects:
                     continue  # here already (sealed while we asked): not pulled twice
                 if ident in b.pending:
                     if how == "pin":
-                        raise Exists(f"{namespace}/{desc['key']} is being published here")
+                        raise Exists(f"{namespace}/{d.key} is being published here")
                     break  # a prefix: stop the run at a block a local writer is writing
-                lease, r, l = self._reserve(desc, address)
+                lease = self._reserve(d, tenants)
                 leases.append(lease)
-                plans.append((lease, desc))
-                remote += r
-                local += l
+                plans.append((lease, d))
+                base = self.bases[lease.obj.pool.index]
+                remote += d.extents
+                local += [(base + off, n) for off, n in lease.obj.buffers.values() if n]
             nbytes = sum(n for _, n in remote)
             if plans:
                 read_started = True
@@ -354,13 +409,12 @@ class Fleet:
             except PeerUnavailable:
                 self._drop(address)
                 raise
-            for lease, desc in plans:  # parents first, as the peer listed them
+            for lease, d in plans:  # parents first, as the peer listed them
                 obj = lease.obj
-                obj.checksums = desc.get("checksums")
-                obj.consumers = 1 if consume else max(1, int(desc.get("consumers") or 1))
-                obj.parent_key = desc.get("parent")
-                tokens = desc.get("tokens")
-                obj.tokens = tokens if isinstance(tokens, list) else None
+                obj.checksums = d.checksums
+                obj.consumers = 1 if consume else d.consumers
+                obj.parent_key = d.parent
+                obj.tokens = d.tokens
                 b.seal(lease)
                 b.record_transfer("pull", self.session, obj, obj.nbytes)
             self.pulls += 1
@@ -371,53 +425,54 @@ class Fleet:
             for lease in leases:
                 if lease.id in b.leases:  # not sealed
                     self._discard(lease, quarantine=read_started and timed_out)
-            if not released:
+            if not released and remote_lease.__class__ is int:
                 try:
                     await client.release(remote_lease, consumed=False)
                 except (KVBrokerError, OSError):
                     pass  # the peer ends it with its TTL or with our connection
             raise
 
-    def _reserve(self, desc: dict, address: str):
-        """A write lease here for one described object: its extents there and here."""
-        from .handlers import _buffer_layout
+    def _described(self, pinned: Any, address: str, namespace: str, how: str,
+                   keys: list[str]) -> list[Described]:
+        """The objects of a pin reply, each checked as a local seal is checked; exactly the
+        one key asked (``pin``), or a leading run of the keys asked (``pin_prefix``)."""
+        objects = pinned.get("objects") if isinstance(pinned, dict) else None
+        if not isinstance(objects, list) or not objects:
+            raise TransferFailed(f"peer {address} described no object; nothing was sealed")
+        if len(objects) > (1 if how == "pin" else len(keys)):
+            raise TransferFailed(f"peer {address} described {len(objects)} objects for "
+                                 f"{len(keys) if how != 'pin' else 1} asked; nothing was "
+                                 "sealed")
+        out = []
+        for i, desc in enumerate(objects):
+            try:
+                d = Described.check(desc, namespace, self.broker.require_checksums)
+            except (BadRequest, ValueError, TypeError) as exc:
+                msg = exc.message if isinstance(exc, KVBrokerError) else str(exc)
+                raise TransferFailed(f"peer {address} described a bad object: {msg}; "
+                                     "nothing was sealed") from None
+            if d.key != keys[i]:
+                raise TransferFailed(f"peer {address} described {namespace}/{d.key[:80]} "
+                                     f"where {namespace}/{keys[i][:80]} was asked; nothing "
+                                     "was sealed")
+            out.append(d)
+        return out
 
-        bufs = desc.get("buffers")
-        if not isinstance(bufs, dict):
-            raise TransferFailed(f"peer {address} sent no buffers")
-        sizes = {}
-        for name, v in bufs.items():
-            if not (isinstance(v, list) and len(v) == 2):
-                raise TransferFailed(f"peer {address} sent a bad buffer {name!r}")
-            sizes[name] = v[1]
-        meta = desc.get("meta")
-        try:
-            layout, span = _buffer_layout(sizes, meta if isinstance(meta, dict) else None)
-        except BadRequest as exc:
-            raise TransferFailed(f"peer {address} described a bad object: {exc}") from None
-        ident = (desc["namespace"], desc["key"])
+    def _reserve(self, d: Described, tenants: tuple) -> Lease:
+        """A write lease here for one described object, charged to the tenants of the
+        session that asked for the pull (not to the daemon's own)."""
         # Outlives the pull: each of pin, READ and release is bounded by the timeout.
         ttl = 3 * self.timeout + self.pin_ttl
-        lease = self.broker.reserve_extent(self.session, ident, layout, span,
-                                           meta if isinstance(meta, dict) else None, ttl)
-        obj = lease.obj
-        base = self.bases[obj.pool.index]
-        remote = [tuple(e) for e in desc.get("extents", ())]
-        local = [(base + off, n) for off, n in obj.buffers.values() if n]
-        if (len(remote) != len(local) or any(len(e) != 2 for e in remote)
-                or [n for _, n in remote] != [n for _, n in local]):
-            self._discard(lease, quarantine=False)
-            raise TransferFailed(f"peer {address}: extents do not match the buffers of "
-                                 f"{ident[0]}/{ident[1]}")
-        return lease, remote, local
+        return self.broker.reserve_extent(self.session, (d.namespace, d.key), d.layout,
+                                          d.span, d.meta, ttl, d.tokens, tenants=tenants)
 
     def _read_and_verify(self, peer: _Peer, address: str, remote, local, plans) -> None:
         """In a worker thread: one NIXL READ, then every buffer's checksum."""
         res = self.endpoint.read(peer.agent, remote, local, timeout=self.timeout)
         self._read_seconds = res.seconds
-        for lease, desc in plans:
-            sums = desc.get("checksums")
-            if not sums:
+        for lease, d in plans:
+            sums = d.checksums
+            if sums is None:
                 continue  # sealed there without checksums: the fenced release still guards
             obj = lease.obj
             base = obj.pool.index

@@ -13,11 +13,14 @@ The pulling side, and the daemon's fleet as a whole: :mod:`kvbroker._server.flee
 
 from __future__ import annotations
 
+import fnmatch
 import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from ..errors import NotFound
+from .._wire.protocol import MAX_BUFFERS
+from ..errors import BadRequest, Forbidden, NotFound
+from .handlers import _check_name, _ttl
 from .prefix_leases import lend_prefix, materialize_holding
 
 if TYPE_CHECKING:
@@ -31,18 +34,40 @@ class BrokerProvider:
     """What a :class:`~kvbroker._server.transfer.PeerServer` serves: the broker's sealed
     objects, pinned by read leases of one session per peer connection."""
 
-    def __init__(self, broker: Broker, bases: Sequence[int]) -> None:
+    def __init__(self, broker: Broker, bases: Sequence[int],
+                 serve: Sequence[tuple[str | None, str]] = ((None, "*"),)) -> None:
         self.broker = broker
         self.bases = list(bases)  # address of each pool in this process
+        self.serve = tuple(serve)  # [transfer] serve: (peer host or None, namespace glob)
         self.sessions: dict[int, Session] = {}
+        self.identities: dict[int, str] = {}  # connection -> the peer its certificate names
         self.pins_served = 0
         self.bytes_served = 0
         self.consumes_served = 0
 
-    def peer_connected(self, peer: int, node: str, address: str) -> None:
+    def peer_connected(self, peer: int, node: str, address: str, identity: str = "") -> None:
         s = self.broker.open_session(os.getpid(), os.getuid(), os.getgid())
         s.name, s.role, s.greeted = f"peer:{node}"[:512], "peer", True
         self.sessions[peer] = s
+        self.identities[peer] = identity.lower()
+
+    def _authorize(self, peer: int, namespace: str) -> None:
+        """Forbidden unless ``[transfer] serve`` lets this peer pull ``namespace``: a glob
+        for every peer or one for its host. A namespace held in a tenant's own pool is
+        served only where a glob other than a bare ``*`` names it (that pool is mapped by
+        its tenant alone here; serving it is the operator's explicit choice)."""
+        who = self.identities.get(peer, "")
+        tenant_pool = any(p.tenant is not None for p in self.broker.pages.pools_for(namespace))
+        for host, glob in self.serve:
+            if host is not None and host != who:
+                continue
+            if tenant_pool and glob == "*":
+                continue
+            if fnmatch.fnmatchcase(namespace, glob):
+                return
+        raise Forbidden(f"namespace {namespace!r} is not served to peer {who or '?'}"
+                        f"{' (a tenant pool)' if tenant_pool else ''}: see [transfer] serve "
+                        "on that node")
 
     def _session(self, peer: int) -> Session:
         s = self.sessions.get(peer)
@@ -63,10 +88,23 @@ class BrokerProvider:
         }  # fmt: skip
 
     def _ttl(self, ttl: float) -> float:
-        return min(float(ttl), self.broker.max_lease_ttl)
+        # The local ops' check: a NaN would never be due in the expiry heap (issue 38).
+        return _ttl(self.broker, ttl)
+
+    def _names(self, namespace: str, keys: Sequence[str]) -> None:
+        _check_name("namespace", namespace)
+        if len(keys) > MAX_BUFFERS:
+            raise BadRequest(f"at most {MAX_BUFFERS} keys per request")
+        for key in keys:
+            if not isinstance(key, str):
+                raise BadRequest("keys must be strings")
+            _check_name("key", key)
 
     def pin(self, peer: int, namespace: str, key: str, ttl: float, consume: bool) -> dict:
         b = self.broker
+        self._names(namespace, (key,))
+        ttl = self._ttl(ttl)
+        self._authorize(peer, namespace)
         b.expire()
         s = self._session(peer)
         obj = b.objects.get((namespace, key))
@@ -74,7 +112,6 @@ class BrokerProvider:
             b.counters["misses"] += 1
             raise NotFound(f"{namespace}/{key} is not published on this broker")
         b.check_lease_limit(s)
-        ttl = self._ttl(ttl)
         b.pin(obj)
         lease = b.new_lease("read", s, obj, ttl, consume=consume)
         b.counters["claims"] += 1
@@ -84,6 +121,9 @@ class BrokerProvider:
 
     def pin_prefix(self, peer: int, namespace: str, keys: list[str], ttl: float) -> dict:
         b = self.broker
+        self._names(namespace, keys)
+        ttl = self._ttl(ttl)
+        self._authorize(peer, namespace)
         b.expire()
         s = self._session(peer)
         found = []
@@ -95,7 +135,6 @@ class BrokerProvider:
         if not found:
             return {"lease": None, "ttl": 0.0, "objects": []}
         b.check_lease_limit(s)
-        ttl = self._ttl(ttl)
         lease = lend_prefix(b, s, found, ttl)[0]
         self.pins_served += 1
         return {"lease": lease.id, "ttl": ttl, "objects": [self._describe(o) for o in found]}
@@ -114,9 +153,12 @@ class BrokerProvider:
         self.consumes_served += consume
 
     def renew(self, peer: int, lease: int, ttl: float) -> None:
-        self.broker.renew(self._lease(peer, lease), self._ttl(ttl))
+        ttl = self._ttl(ttl)
+        self.broker.renew(self._lease(peer, lease), ttl)
 
     def lookup(self, peer: int, namespace: str, key: str) -> dict | None:
+        self._names(namespace, (key,))
+        self._authorize(peer, namespace)
         obj = self.broker.objects.get((namespace, key))
         if obj is None:
             return None
@@ -126,6 +168,7 @@ class BrokerProvider:
         return info
 
     def drop_peer(self, peer: int) -> None:
+        self.identities.pop(peer, None)
         s = self.sessions.pop(peer, None)
         if s is not None and s.id in self.broker.sessions:
             self.broker.close_session(s)

@@ -69,8 +69,8 @@ def op_hello(b: Broker, session: Session, version: int, name: str, role: str) ->
 # ------------------------------------------------------------------------------ publish
 def op_reserve(b: Broker, session, namespace, key, buffers, meta, replace, ttl,
                consumers) -> R.Reserved:  # fmt: skip
-    if not 1 <= consumers <= 1 << 16:
-        raise BadRequest("reserve: consumers must be between 1 and 65536")
+    if (problem := consumers_problem(consumers)) is not None:
+        raise BadRequest(f"reserve: {problem}")
     ttl = _ttl(b, ttl)
     ident = (_check_name("namespace", namespace), _check_name("key", key))
     session.access.check(namespace, True, "reserve")
@@ -98,8 +98,8 @@ def op_reserve_blocks(b: Broker, session, namespace, blocks, ttl, buffers=None, 
         if not isinstance(blk, dict) or not isinstance(blk.get("key"), str):
             raise BadRequest(f"reserve_blocks: block {i} must be a map with a string key")
         parent = blk.get("parent")
-        if parent is not None and not isinstance(parent, str):
-            raise BadRequest(f"reserve_blocks: block {i}: parent must be a key or null")
+        if (problem := parent_problem(parent)) is not None:
+            raise BadRequest(f"reserve_blocks: block {i}: {problem}")
         bufs, own_meta = blk.get("buffers"), blk.get("meta", meta)
         if (bufs is None and shared is None) or (bufs is not None and not isinstance(bufs, dict)) \
                 or (own_meta is not None and not isinstance(own_meta, dict)):  # fmt: skip
@@ -116,11 +116,8 @@ def op_reserve_blocks(b: Broker, session, namespace, blocks, ttl, buffers=None, 
         cost += meta_cost if own_meta is meta else value_footprint(own_meta)
         ident = (namespace, _check_name("key", blk["key"]))
         tokens = blk.get("tokens")
-        if tokens is not None and not (
-                isinstance(tokens, list) and len(tokens) <= MAX_TOKENS
-                and all(t.__class__ is int for t in tokens)):  # fmt: skip
-            raise BadRequest(f"reserve_blocks: block {i}: tokens must be a list of at most "
-                             f"{MAX_TOKENS} token ids")  # fmt: skip
+        if (problem := tokens_problem(tokens)) is not None:
+            raise BadRequest(f"reserve_blocks: block {i}: {problem}")
         cost += 36 * len(tokens or ())
         plans.append((ident, parent, layout, span, own_meta, tokens, cost))
     results: list[R.BlockReserved | R.BlockExists] = []
@@ -193,8 +190,8 @@ def op_publish(b: Broker, session, arena, namespace, key, buffers, meta, replace
     if ar.pool.lost is not None:  # new clients could not map what is published there
         end_arena(b, ar, "its pool's shared memory is gone")
         raise PoolFull(f"publish: {ar.pool.lost} (restart the daemon)")
-    if not 1 <= consumers <= 1 << 16:
-        raise BadRequest("publish: consumers must be between 1 and 65536")
+    if (problem := consumers_problem(consumers)) is not None:
+        raise BadRequest(f"publish: {problem}")
     if next_arena < 0:
         raise BadRequest("publish: next_arena must be a size in bytes, or 0")
     ident = (_check_name("namespace", namespace), _check_name("key", key))
@@ -242,7 +239,7 @@ def op_claim(b: Broker, session, namespace, key, select, consume, wait, ttl,
     if obj is None and peer is not None:  # pull it from the peer, then claim it here
         session.access.check(namespace, True, "claim from a peer")  # it writes our pools
         fleet = _fleet(b, "claim")
-        raise Deferred(lambda: fleet.fetch(peer, namespace, key, consume),
+        raise Deferred(lambda: fleet.fetch(peer, namespace, key, consume, session),
                        lambda _: op_claim(b, session, namespace, key, select, consume, None,
                                           ttl),
                        fleet.timeout)  # fmt: skip
@@ -307,7 +304,7 @@ def op_match_prefix(b: Broker, session, namespace, keys, block_tokens, ttl,
         rest = keys[len(found):]
         if all(k.__class__ is str for k in rest):
             fleet = _fleet(b, "match_prefix")
-            raise Deferred(lambda: fleet.fetch_prefix(peer, namespace, list(rest)),
+            raise Deferred(lambda: fleet.fetch_prefix(peer, namespace, list(rest), session),
                            lambda _: op_match_prefix(b, session, namespace, keys,
                                                      block_tokens, ttl),
                            fleet.timeout)  # fmt: skip
@@ -416,10 +413,10 @@ def op_fetch(b: Broker, session, namespace, key, peer) -> R.Fetched:
         return {"namespace": namespace, "key": key, "nbytes": obj.nbytes, "fetched": False,
                 "peer": peer}  # fmt: skip
     fleet = _fleet(b, "fetch")
-    return _defer_fetch(b, fleet, namespace, key, peer)
+    return _defer_fetch(b, session, fleet, namespace, key, peer)
 
 
-def _defer_fetch(b: Broker, fleet: Any, namespace: str, key: str, peer: str):
+def _defer_fetch(b: Broker, session, fleet: Any, namespace: str, key: str, peer: str):
     def then(pulled: bool) -> R.Fetched:
         obj = b.objects.get((namespace, key))
         if obj is None:
@@ -428,7 +425,8 @@ def _defer_fetch(b: Broker, fleet: Any, namespace: str, key: str, peer: str):
         return {"namespace": namespace, "key": key, "nbytes": obj.nbytes,
                 "fetched": bool(pulled), "peer": peer}  # fmt: skip
 
-    raise Deferred(lambda: fleet.fetch(peer, namespace, key, False), then, fleet.timeout)
+    raise Deferred(lambda: fleet.fetch(peer, namespace, key, False, session), then,
+                   fleet.timeout)
 
 
 def op_stat(b: Broker, session) -> dict[str, Any]:
@@ -459,7 +457,8 @@ HANDLERS = {name[3:]: fn for name, fn in list(globals().items()) if name.startsw
 def _fleet(b: Broker, op: str) -> Any:
     if b.fleet is None:
         raise BadRequest(f"{op} with a peer: this daemon pulls from no peer (set [transfer] "
-                         "token_file, and install kvbroker[transfer])")  # fmt: skip
+                         "peers, cert_file, key_file and ca_file, and install "
+                         "kvbroker[transfer])")  # fmt: skip
     return b.fleet
 
 
@@ -520,6 +519,31 @@ def _buffer_layout(buffers: dict, meta: dict | None) -> tuple[dict[str, tuple[in
             raise BadRequest(f"reserve: size of buffer {name!r} must be a non-negative int")
     offsets, span = buffer_offsets(buffers)
     return {name: (offsets[name], nbytes) for name, nbytes in buffers.items()}, span
+
+
+def consumers_problem(consumers: Any) -> str | None:
+    """Why ``consumers`` cannot be an object's consumer count (a seal here or a pull)."""
+    if consumers.__class__ is not int or not 1 <= consumers <= 1 << 16:
+        return "consumers must be between 1 and 65536"
+    return None
+
+
+def tokens_problem(tokens: Any) -> str | None:
+    """Why ``tokens`` cannot be a prefix block's token ids (the events announce them)."""
+    if tokens is not None and not (
+            isinstance(tokens, list) and len(tokens) <= MAX_TOKENS
+            and all(t.__class__ is int for t in tokens)):  # fmt: skip
+        return f"tokens must be a list of at most {MAX_TOKENS} token ids"
+    return None
+
+
+def parent_problem(parent: Any) -> str | None:
+    """Why ``parent`` cannot name a prefix block's parent (a key, or null)."""
+    if parent is None:
+        return None
+    if not isinstance(parent, str) or not 0 < len(parent) <= MAX_NAME:
+        return f"parent must be a key (1 to {MAX_NAME} characters) or null"
+    return None
 
 
 def _check_name(what: str, value: str) -> str:

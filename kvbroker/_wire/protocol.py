@@ -516,13 +516,20 @@ def validate_args(op_name: str, raw: Any) -> dict[str, Any]:
     op = OPS.get(op_name)
     if op is None:
         raise BadRequest(f"unknown op {op_name!r}")
+    return check_args(op_name, op.args, raw)
+
+
+def check_args(op_name: str, declared: dict[str, Arg], raw: Any) -> dict[str, Any]:
+    """``raw`` checked against ``declared`` (one op's arguments, of :data:`OPS` or of the
+    peer channel's table, :data:`kvbroker._wire.peer.PEER_OPS`): the arguments with their
+    defaults filled in, or :class:`~kvbroker.errors.BadRequest` naming the offending one."""
     if raw is None:
         raw = {}
     elif not isinstance(raw, dict):
         raise BadRequest(f"{op_name}: args must be a map, not {type(raw).__name__}")
     out: dict[str, Any] = {}
     seen = 0
-    for name, arg in op.args.items():
+    for name, arg in declared.items():
         value = raw.get(name, _MISSING)
         if value is _MISSING:
             if arg.required:
@@ -539,7 +546,7 @@ def validate_args(op_name: str, raw: Any) -> dict[str, Any]:
             )
         out[name] = value
     if seen != len(raw):
-        extra = next(k for k in raw if k not in op.args)
+        extra = next(k for k in raw if k not in declared)
         raise BadRequest(f"{op_name}: unexpected argument {extra!r}")
     return out
 

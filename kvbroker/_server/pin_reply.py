@@ -1,0 +1,95 @@
+"""What a peer broker's pin reply may describe (issue 38): :class:`Described`, one object of
+the reply, checked by the pulling daemon (:mod:`kvbroker._server.fleet`) before it reserves
+anything, as a local seal of the object would be checked. The reply is authenticated (mutual
+TLS), but its owner is another machine: a compromised peer must not make this daemon seal
+what it did not ask for, read elsewhere than the object, or keep what no local op accepts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .._wire import checksum
+
+__all__ = ["Described"]
+
+
+@dataclass(frozen=True)
+class Described:
+    """One object of a peer's pin reply, checked as a local seal of it would be: its key
+    and buffer names and sizes (``_buffer_layout``, as ``reserve``), meta, checksums (well
+    formed, one per buffer, as ``seal``), consumers, prefix parent and token ids (as
+    ``reserve_blocks``), and extents that lie in the owner's pool exactly as its buffers
+    do in one object (so a reply cannot send us reading elsewhere)."""
+
+    namespace: str
+    key: str
+    layout: dict[str, tuple[int, int]]
+    span: int
+    meta: dict | None
+    extents: list[tuple[int, int]]
+    checksums: dict | None
+    consumers: int
+    parent: str | None
+    tokens: list[int] | None
+
+    @classmethod
+    def check(cls, desc: Any, namespace: str, require_checksums: bool) -> Described:
+        from .handlers import (_buffer_layout, _check_name, consumers_problem,
+                               parent_problem, tokens_problem)
+
+        if not isinstance(desc, dict):
+            raise ValueError("an object must be a map")
+        if desc.get("namespace") != namespace:
+            raise ValueError("an object of another namespace")
+        key = desc.get("key")
+        if not isinstance(key, str):
+            raise ValueError("its key must be a string")
+        _check_name("key", key)
+        bufs, meta = desc.get("buffers"), desc.get("meta")
+        if not isinstance(bufs, dict) or (meta is not None and not isinstance(meta, dict)):
+            raise ValueError("buffers and meta must be maps")
+        placed = {}
+        for name, v in bufs.items():
+            if not (isinstance(v, list) and len(v) == 2
+                    and all(x.__class__ is int and 0 <= x < 1 << 62 for x in v)):
+                raise ValueError(f"buffer {str(name)[:80]!r} must be [offset, size]")
+            placed[name] = (v[0], v[1])
+        layout, span = _buffer_layout({n: size for n, (_, size) in placed.items()}, meta)
+        end = 0
+        for off, size in sorted(placed.values()):
+            if off < end:
+                raise ValueError("its buffers overlap")
+            end = off + size
+        nbytes = desc.get("nbytes", end and sum(n for _, n in placed.values()))
+        if nbytes != sum(n for _, n in placed.values()):
+            raise ValueError("nbytes is not the sum of its buffers")
+        # One extent per non-empty buffer, in the buffers' order, each at the buffer's own
+        # offset from one base: nothing else of the owner's pool is read.
+        want = [(off, size) for off, size in placed.values() if size]
+        extents = desc.get("extents")
+        if not isinstance(extents, list) or len(extents) != len(want):
+            raise ValueError("its extents do not match its buffers")
+        bases, remote = set(), []
+        for e, (off, size) in zip(extents, want):
+            if not (isinstance(e, list) and len(e) == 2 and e[0].__class__ is int
+                    and e[1].__class__ is int and e[1] == size and off <= e[0] < 1 << 64):
+                raise ValueError("its extents do not match its buffers")
+            bases.add(e[0] - off)
+            remote.append((e[0], size))
+        if len(bases) > 1:
+            raise ValueError("its extents do not lie as its buffers do")
+        sums = desc.get("checksums")
+        if sums is not None:
+            sums = checksum.validate(sums, layout)  # as a seal here: every buffer, well formed
+        elif require_checksums:
+            raise ValueError("it has no checksums, and this daemon requires a checksum per "
+                             "buffer (require_checksums)")
+        consumers, parent, tokens = (desc.get("consumers", 1), desc.get("parent"),
+                                     desc.get("tokens"))
+        problem = (consumers_problem(consumers) or parent_problem(parent)
+                   or tokens_problem(tokens))
+        if problem is not None:
+            raise ValueError(problem)
+        return cls(namespace, key, layout, span, meta, remote, sums, consumers, parent, tokens)
