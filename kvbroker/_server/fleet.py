@@ -329,7 +329,7 @@ class Fleet:
         return await asyncio.shield(task)
 
     async def _pull(self, address: str, namespace: str, how: str, keys: list[str],
-                    consume: bool, tenants: tuple) -> bool:
+                    consume: bool, tenants: tuple = ()) -> bool:
         t0 = time.perf_counter()
         try:
             moved = await self._pull_inner(address, namespace, how, keys, consume, tenants)
