@@ -150,14 +150,15 @@ class Engine:
     def connector(self):
         return self.scheduler.connector
 
-    def add(self, tokens, *, max_tokens: int = 1, cache_salt: str | None = None) -> str:
+    def add(self, tokens, *, max_tokens: int = 1, cache_salt: str | None = None,
+            lora_request=None) -> str:  # fmt: skip
         self._ids += 1
         params = SamplingParams(max_tokens=max_tokens)
         params.update_from_generation_config({}, EOS)
         req = Request(request_id=f"r{self._ids}", prompt_token_ids=list(tokens),
                       sampling_params=params, pooling_params=None, mm_features=None,
                       block_hasher=get_request_block_hasher(BLOCK, sha256),
-                      cache_salt=cache_salt)  # fmt: skip
+                      cache_salt=cache_salt, lora_request=lora_request)  # fmt: skip
         self.scheduler.add_request(req)
         return req.request_id
 
