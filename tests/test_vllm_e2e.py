@@ -135,8 +135,9 @@ def test_pd_handoff_matches_reference_and_loads_from_the_broker(
 
 
 def test_prefix_reuse_across_engines(model, broker, reference_and_producer, tmp_path):
+    # named by "kv_connector" alone: vLLM finds it through kvbroker's plugin entry point
     base = {"model": model, "socket": broker.socket_path, "block_size": BLOCK,
-            "max_tokens": MAX_TOKENS, "role": "kv_both"}  # fmt: skip
+            "max_tokens": MAX_TOKENS, "role": "kv_both", "plugin": True}  # fmt: skip
     first = run_engine({**base, "prompts": FIRST_TURN}, tmp_path / "first")
     with broker.client() as client:
         before = client.stat().counters

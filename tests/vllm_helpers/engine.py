@@ -5,7 +5,7 @@ A helper of tests/test_vllm_e2e.py (run as a separate process, as a deployment w
     python -m tests.vllm_helpers.engine SPEC.json OUT.json
 
 SPEC: {"model": dir, "prompts": [[ids...]...], "max_tokens": n, "role": null |
-"kv_producer" | "kv_consumer" | "kv_both", "socket": path, "extra": {...},
+"kv_producer" | "kv_consumer" | "kv_both", "socket": path, "extra": {...}, "plugin": false,
 "block_size": 32 (null: vLLM's choice), "in_process": true, "vllm_log_level": "DEBUG",
 "dtype": "float32", "logprobs": null | k, "max_num_batched_tokens": null | n}.
 OUT: {"outputs": [[ids...]...], "seconds": s, "logprobs": [[[token, logprob]...]...] (with
@@ -71,10 +71,11 @@ def run(spec: dict) -> dict:
     kw = {}
     if spec.get("role"):
         extra = {"socket": spec["socket"], **spec.get("extra", {})}
+        # "plugin": the name alone, resolved through kvbroker's vllm.general_plugins entry point
+        where = {} if spec.get("plugin") else {"kv_connector_module_path": "kvbroker.integrations.vllm"}
         kw["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="KVBrokerConnector",
-            kv_connector_module_path="kvbroker.integrations.vllm",
-            kv_role=spec["role"], kv_connector_extra_config=extra,
+            kv_connector="KVBrokerConnector", kv_role=spec["role"],
+            kv_connector_extra_config=extra, **where,
         )
     if spec.get("in_process", True):
         kw["distributed_executor_backend"] = "uni"

@@ -1,10 +1,11 @@
-"""kvbroker as a vLLM KV connector (``kv_connector_module_path="kvbroker.integrations.vllm"``,
-``kv_connector="KVBrokerConnector"``); see :mod:`.connector`.
+"""kvbroker as a vLLM KV connector (``kv_connector="KVBrokerConnector"``, found through the
+``vllm.general_plugins`` entry point of :mod:`.plugin`, or with
+``kv_connector_module_path="kvbroker.integrations.vllm"``); see :mod:`.connector`.
 
 Importing this package does not import vLLM: ``KVBrokerConnector`` (and the metadata and
 stats classes) are loaded from :mod:`.connector` on first access, so the vLLM-free parts
 (:mod:`._paged`, :mod:`._format`, :mod:`._cuda`) can be used and tested without vLLM.
-Tested with vLLM 0.32.0 (the connector API is experimental; other versions may differ).
+Tested with vLLM 0.32.0 and 0.33.0's Python sources (the connector API is experimental).
 """
 
 from __future__ import annotations

@@ -3,8 +3,11 @@
 ::
 
     vllm serve MODEL --kv-transfer-config '{"kv_connector": "KVBrokerConnector",
-      "kv_connector_module_path": "kvbroker.integrations.vllm", "kv_role": "kv_both",
-      "kv_connector_extra_config": {"socket": "/run/kvbroker/kvbroker.sock"}}'
+      "kv_role": "kv_both", "kv_connector_extra_config": {"socket": "/run/kvbroker/kvbroker.sock"}}'
+
+vLLM finds the name through kvbroker's ``vllm.general_plugins`` entry point (:mod:`.plugin`);
+where kvbroker is not installed (only on ``PYTHONPATH``) add
+``"kv_connector_module_path": "kvbroker.integrations.vllm"``.
 
 Roles: ``kv_producer`` saves the KV of every prompt it computes; ``kv_consumer`` loads the
 longest prefix of each prompt the node holds instead of computing it; ``kv_both`` does both
