@@ -10,6 +10,7 @@ import itertools
 import multiprocessing
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -339,7 +340,7 @@ def _decode_process(socket_path, request, d, P, D, H, seed, queue):
                                  rng, "torch", "bfloat16")  # fmt: skip
     with Client(socket_path) as c:
         res = claim_shards(c, request, PagedKV(tensors, LAYOUTS["kv-first HND"]), ids, tp_rank=d,
-                           tp_size=D, prefill_tp_size=P, total_kv_heads=H, wait=30)  # fmt: skip
+                           tp_size=D, prefill_tp_size=P, total_kv_heads=H, wait=240)  # fmt: skip
     assert_decode_rank_exact(full, mine, LAYOUTS["kv-first HND"], bits, 16, ids)
     queue.put((d, res.copy_ops, len(res.keys)))
 
@@ -356,8 +357,11 @@ def test_prefill_and_decode_in_separate_processes(shared_daemon, tp_client, P, D
                                                            P, D, H, seed)) for p in range(P)]
     for proc in decoders + prefills:
         proc.start()
+    # Bounds against a hang only: six spawned processes importing torch on a loaded 2-core
+    # machine took more than the 30 s the decoders once waited (a failure with no defect).
+    deadline = time.monotonic() + 240
     for proc in decoders + prefills:
-        proc.join(60)
+        proc.join(max(1.0, deadline - time.monotonic()))
         assert proc.exitcode == 0
     results = sorted(queue.get(timeout=5) for _ in range(D))
     shards = max(1, P // D)
