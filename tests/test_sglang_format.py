@@ -1,11 +1,9 @@
 """The SGLang backend's SGLang-free parts: where a host pool's pages lie, the shard keys of
-heterogeneous TP, the salted page keys; and that the integration uses kvbroker's public API
-only. (The backend itself, through SGLang: tests/test_sglang_storage.py.)"""
+heterogeneous TP, the salted page keys. (The backend itself, through SGLang:
+tests/test_sglang_storage.py; its public-API-only rule: tests/test_architecture.py.)"""
 
 from __future__ import annotations
 
-import ast
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -14,7 +12,6 @@ import pytest
 from kvbroker.integrations.sglang._format import PageGeometry, Sharding
 from kvbroker.integrations.sglang._pages import PageKeys
 
-PACKAGE = Path(__file__).resolve().parents[1] / "kvbroker" / "integrations" / "sglang"
 L, H, D, P, PAGES = 3, 4, 2, 4, 5
 
 
@@ -116,28 +113,3 @@ def test_page_keys_are_salted_by_namespace_and_cache_salt():
     two = PageKeys("sglang/m-1", "", ["/a", "/b"]).blocks(["p", "q"])
     assert [k[-2:] for k in two] == ["/a", "/b", "/a", "/b"]  # block-major, shard-minor
 
-
-def test_the_integration_uses_kvbrokers_public_api_only():
-    """No import of kvbroker's private packages, no private attribute of another object."""
-    private = ("kvbroker._client", "kvbroker._wire", "kvbroker._server", "kvbroker._")
-    problems = []
-    for path in sorted(PACKAGE.glob("*.py")):
-        tree = ast.parse(path.read_text())
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                base = "." * node.level + (node.module or "")
-                sep = "" if base.endswith(".") else "."
-                names = [base] + [base + sep + a.name for a in node.names]
-            elif isinstance(node, ast.Attribute) and node.attr.startswith("_") \
-                    and not node.attr.startswith("__") and not (
-                        isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
-                problems.append(f"{path.name}:{node.lineno}: .{node.attr}")
-                continue
-            else:
-                continue
-            for name in names:
-                if name.startswith(private) or name.startswith(".."):
-                    problems.append(f"{path.name}:{node.lineno}: imports {name}")
-    assert problems == []
