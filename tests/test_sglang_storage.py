@@ -104,6 +104,27 @@ def test_mla_latent_pages_are_shared_by_every_tp_size(daemon, engines, layout):
     assert got["results"] == [True] * 4 and got["exact"] == [True] * 4
 
 
+def test_sglangs_own_controller_backs_up_and_prefetches_through_the_backend(daemon, engines):
+    """SGLang's HiCacheController methods (``_page_backup``, ``_storage_hit_query``,
+    ``_page_transfer``, with the zero-copy page functions SGLang picks for ``interface_v1``),
+    its own page hashes over token ids: engine A backs up a prompt, engine B prefetches a
+    longer prompt that starts with it and gets exactly A's pages."""
+    a, b = engines
+    create(a, "ctrl-a", daemon.socket_path, layout="page_first_direct")
+    create(b, "ctrl-b", daemon.socket_path, layout="page_first_direct")
+    page = GEOMETRY["page_size"]
+    prompt = list(range(1000, 1000 + 5 * page))  # SGLang backs up and prefetches whole pages
+    backed = a.call("backup", rank="ctrl-a", tokens=prompt, slot=2)
+    assert len(backed["hashes"]) == 5 and backed["completed_tokens"] == 5 * page
+    longer = prompt[:5 * page] + list(range(7, 7 + 2 * page))
+    got = b.call("prefetch", rank="ctrl-b", tokens=longer, slot=9)
+    assert got["hashes"] == backed["hashes"]  # SGLang's chain, the same in both processes
+    assert got["hit_tokens"] == 5 * page and got["pages"] == 5
+    assert got["exact"] == [True] * 5
+    other = b.call("prefetch", rank="ctrl-b", tokens=list(range(3, 3 + 4 * page)), slot=0)
+    assert other["hit_tokens"] == 0 and other["pages"] == 0
+
+
 def test_exists_and_get_stop_at_the_first_missing_page(daemon, engines):
     a, b = engines
     create(a, "w-prefix", daemon.socket_path)

@@ -37,6 +37,7 @@ from sglang.srt.mem_cache.device_pool_info import (
     MLABufferInfo,
 )
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, HiCacheStorageExtraInfo
+from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 from sglang.srt.mem_cache.storage import StorageBackendFactory
@@ -57,9 +58,14 @@ def host_pool(layout: str, *, layers: int, heads: int, head_dim: int, page_size:
                                            layout=KVBufferLayout.NHD),
                          page_size=page_size, head_num=heads, head_dim=head_dim,
                          v_head_dim=head_dim, dtype=DTYPE, device=torch.device("cpu"))  # fmt: skip
-    return MHATokenToKVPoolHost(info, 1.0, 0, page_size, layout, pin_memory=False, device="cpu",
-                                device_capacity_tokens=page_size, start_layer=0, end_layer=layers,
-                                host_token_capacity=tokens + page_size)  # fmt: skip
+    # SGLang checks the machine's free memory less a 10 GiB reserve; a pool of a test or a
+    # benchmark is booked against its own size instead (SGLang's scope for exactly that).
+    with host_memory_budget_scope(2 * (tokens + page_size) * layers * heads * head_dim
+                                  * DTYPE.itemsize):  # fmt: skip
+        return MHATokenToKVPoolHost(info, 1.0, 0, page_size, layout, pin_memory=False,
+                                    device="cpu", device_capacity_tokens=page_size,
+                                    start_layer=0, end_layer=layers,
+                                    host_token_capacity=tokens + page_size)  # fmt: skip
 
 
 def mla_host_pool(layout: str, *, layers: int, latent: int, rope: int, page_size: int,
@@ -71,10 +77,12 @@ def mla_host_pool(layout: str, *, layers: int, latent: int, rope: int, page_size
                          layer_indices=tuple(range(layers)), device_layer_num=layers,
                          page_size=page_size, kv_lora_rank=latent, qk_rope_head_dim=rope,
                          kv_cache_dim=latent + rope, dtype=DTYPE, device=torch.device("cpu"))
-    return MLATokenToKVPoolHost(info, 1.0, 0, page_size, layout, pin_memory=False, device="cpu",
-                                device_capacity_tokens=page_size, start_layer=0,
-                                end_layer=layers, target_layer_num=layers,
-                                host_token_capacity=(pages + 1) * page_size)  # fmt: skip
+    with host_memory_budget_scope((pages + 1) * page_size * layers * (latent + rope)
+                                  * DTYPE.itemsize):  # fmt: skip
+        return MLATokenToKVPoolHost(info, 1.0, 0, page_size, layout, pin_memory=False,
+                                    device="cpu", device_capacity_tokens=page_size,
+                                    start_layer=0, end_layer=layers, target_layer_num=layers,
+                                    host_token_capacity=(pages + 1) * page_size)  # fmt: skip
 
 
 def logical(pool, token: int) -> torch.Tensor:
@@ -210,6 +218,23 @@ def threads(rank: dict, rounds: int, pages: int, tag: str) -> dict:
     return {"problems": problems, "stored": stored}
 
 
+def controller(rank: dict):
+    """SGLang's own HiCacheController storage code over this rank's backend: an instance
+    holding only what its backup, hit-query and prefetch-transfer methods read (the rest of
+    it drives GPU transfers and process groups, which storage does not touch)."""
+    import queue
+
+    from sglang.srt.managers.cache_controller import HiCacheController
+
+    ctrl = HiCacheController.__new__(HiCacheController)
+    ctrl.storage_backend, ctrl.page_size = rank["backend"], rank["page_size"]
+    ctrl.mem_pool_host = ctrl.storage_host_pool = rank["pool"]
+    # as attach_storage_backend picks them for "dynamic" with "interface_v1": 1
+    ctrl.page_set_func, ctrl.page_get_func = ctrl._page_set_zero_copy, ctrl._page_get_zero_copy
+    ctrl.prefetch_sync_queue = queue.Queue()
+    return ctrl
+
+
 def handle(cmd: dict) -> dict:
     op = cmd["op"]
     if op == "create":
@@ -257,6 +282,25 @@ def handle(cmd: dict) -> dict:
         plain = backend.batch_exists_v2(hashes, None, info)
         return {"with_pools": found.kv_hit_pages, "kv_only": plain.kv_hit_pages,
                 "get": backend.batch_get_v2(mamba, info), "set": backend.batch_set_v2(mamba, info)}
+    if op in ("backup", "prefetch"):  # through SGLang's controller, its own page hashes
+        from sglang.srt.managers.cache_controller import PrefetchOperation, StorageOperation
+        from sglang.srt.mem_cache.utils import get_storage_hash_str
+
+        ctrl, tokens = controller(rank), cmd["tokens"]
+        if op == "backup":
+            hashes = get_storage_hash_str(tokens, None, page_size=rank["page_size"])
+            fill(rank, hashes, slot)
+            done = StorageOperation(indices(rank, slot, len(hashes)), tokens, hash_value=hashes)
+            ctrl._page_backup(done)
+            return {"hashes": hashes, "completed_tokens": done.completed_tokens}
+        fetch = PrefetchOperation("req", tokens)
+        hashes, hit_tokens = ctrl._storage_hit_query(fetch)
+        fetch.hash_value = hashes
+        fetch.host_indices = indices(rank, slot, len(hashes))
+        zero(rank, slot, len(hashes))
+        pages = ctrl._page_transfer(fetch)
+        return {"hashes": hashes, "hit_tokens": hit_tokens, "pages": pages,
+                "exact": exact(rank, hashes, slot)}
     if op == "threads":
         return threads(rank, cmd["rounds"], cmd["pages"], cmd["tag"])
     if op == "clear":
