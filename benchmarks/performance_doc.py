@@ -573,6 +573,44 @@ def events() -> list[str]:
     return lines
 
 
+def peer_preauth() -> list[str]:
+    """Unauthenticated connections to the peer channel (benchmarks/peer_preauth.py), one table
+    per results file."""
+    lines = []
+    mib = 2**20
+    for path in sorted(RESULTS.glob("peer-preauth-*cpu*.json")):
+        d = json.loads(path.read_text())
+        h, s = d["results"]["hellos"], d["results"].get("stalled")
+        lines += [f"### Peer channel before authentication, `{path.stem}`: {d['channel']}", ""]
+        lines += source(path.name, d["commit"], cpu_machine(d["machine"]), d["command"])
+        sent = sum(a["bytes_sent"] for a in h["attackers"])
+        outcomes = ", ".join(sorted({a["outcome"] for a in h["attackers"]}))
+        rows = [
+            [
+                (
+                    f"{h['connections']} connections announcing {h['announced_bytes'] / mib:.0f} MiB "
+                    "hellos"
+                ),
+                (
+                    f"daemon peak RSS +{h['rss_growth_peak'] / mib:.1f} MiB; "
+                    f"{sent / mib:.0f} MiB of them sent (" + outcomes + ")"
+                ),
+            ]
+        ]
+        if s:
+            rows.append(
+                [
+                    f"{s['connections']} connections that stall in the handshake",
+                    (
+                        f"{s['closed_at_once']} closed at once; RSS {s['rss_before'] / mib:.0f} → "
+                        f"{s['rss_after'] / mib:.0f} MiB"
+                    ),
+                ]
+            )
+        lines += table(["measurement", "result"], rows)
+    return lines
+
+
 def gpu_host() -> list[str]:
     """The same scenarios on a GPU machine's 16-core CPU (benchmarks/run_host_round.sh)."""
     return [
@@ -596,7 +634,7 @@ SECTIONS: tuple[tuple[str, list[Callable[[], list[str]]]], ...] = (
     ("## Host scenarios, 2-core VM", [lambda n=n: cpu_scenario(n) for n in CPU_SCENARIOS]),
     ("## Host scenarios, a GPU machine's CPU", [gpu_host]),
     ("## SGLang", [sglang_storage]),
-    ("## Integrity, restarts, nodes", [integrity, journal, remote, events, soak]),
+    ("## Integrity, restarts, nodes", [integrity, journal, remote, peer_preauth, events, soak]),
 )
 
 
