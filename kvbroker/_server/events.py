@@ -38,7 +38,8 @@ Threads
 -------
 :class:`EventPublisher` owns both sockets and one thread. The daemon's event loop only calls
 :meth:`EventPublisher.publish`, which appends to a bounded in-memory queue under a lock and
-never blocks on ZMQ or on a slow subscriber (PUB drops at its high-water mark, as in vLLM).
+never blocks on ZMQ or on a slow subscriber (PUB drops at its high-water mark, as in vLLM;
+``PUB_HWM`` batches).
 When the queue is full the new events and those still queued are dropped and counted, and
 the next batch sent starts with ``AllBlocksCleared``: a router then forgets this node's blocks
 and learns only what happens afterwards, so it can under-estimate what the node holds (which
@@ -98,7 +99,12 @@ log = logging.getLogger("kvbroker.events")
 DEFAULT_BUFFER_BYTES = 16 << 20
 # A live batch holds about this many payload bytes at most (one event more if it is larger):
 # what PUB and a replay hold per message stays small.
-MAX_BATCH_BYTES = 1 << 20
+MAX_BATCH_BYTES = 256 << 10
+# Batches PUB keeps for a subscriber that does not take them (anyone can subscribe to a
+# bind-form endpoint): about PUB_HWM * MAX_BATCH_BYTES at worst (shared by all such
+# subscribers), not vLLM's 100,000 batches (gigabytes of long prompts). A router that falls
+# this far behind loses batches and fills the gap from the replay socket, as with vLLM.
+PUB_HWM = 1000
 # A replay request is [b"", 8 bytes]: a frame larger than 1 KiB disconnects its sender
 # (zmq.MAXMSGSIZE, checked per frame as it arrives, before it is buffered). Not smaller:
 # the limit applies to the CURVE handshake's commands (HELLO is 200 bytes, INITIATE more)
@@ -171,7 +177,7 @@ class EventPublisher:
         max_queue: int = 100_000,
         max_batch: int = 1024,
         max_batch_bytes: int = MAX_BATCH_BYTES,
-        hwm: int = 100_000,
+        hwm: int = PUB_HWM,
         on_overflow: Callable[[], None] | None = None,
         context=None,
         curve: CurveKeys | None = None,
