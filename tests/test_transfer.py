@@ -348,6 +348,28 @@ def test_unauthenticated_connections_are_capped_and_buffer_nothing(certs):
     _run(go())
 
 
+def test_stalled_handshakes_of_one_host_do_not_keep_the_peers_out(certs):
+    """Unauthenticated connections from one address that never finish their handshake fill
+    that address's share of the handshake slots, not all of them: a configured peer
+    connecting from another address meanwhile is served (before, MAX_HANDSHAKES stalled
+    connections from 127.0.0.2 made the server refuse every peer until they timed out)."""
+    async def go():
+        s, addr = await _server(_Provider(), certs, handshake_timeout=60.0)
+        host, port = transfer.parse_address(addr)
+        stalled = [await asyncio.open_connection(host, port, local_addr=("127.0.0.2", 0))
+                   for _ in range(transfer.MAX_HANDSHAKES)]
+        c = await _client(certs, addr).connect()  # from 127.0.0.1, while they still stall
+        assert (await c.pin("k"))["lease"] >= 1
+        await c.close()
+        share = transfer.MAX_HANDSHAKES_PER_SOURCE
+        assert await _until(lambda: s.refused == transfer.MAX_HANDSHAKES - share)
+        assert all(not r.at_eof() for r, _ in stalled[:share])  # its share: still waiting
+        for _, w in stalled:
+            w.close()
+        await s.close()
+    _run(go())
+
+
 # -- NIXL between two processes ------------------------------------------------------------------
 
 def _nixl_or_skip():

@@ -16,8 +16,10 @@ certificate names the host of one of its ``[transfer] peers`` (its identity, whi
 ``[transfer] serve`` authorizes per namespace). Every frame after the handshake is
 authenticated and encrypted by TLS, so a relay can neither rewrite, splice nor replay one.
 No frame is read before the handshake (OpenSSL bounds its buffers), and at most
-:data:`MAX_HANDSHAKES` handshakes run at once. NIXL metadata (which lets its holder READ the
-registered pools) is only handed to an authenticated peer.
+:data:`MAX_HANDSHAKES` handshakes run at once, at most :data:`MAX_HANDSHAKES_PER_SOURCE` of
+them from one address (one host stalling handshakes cannot keep the peers out). NIXL
+metadata (which lets its holder READ the registered pools) is only handed to an
+authenticated peer.
 
 Ownership: a :class:`PeerServer` owns its listening socket and its connections (each one's
 leases end with it, through ``Provider.drop_peer``); a :class:`PeerClient` owns its one
@@ -33,6 +35,7 @@ import logging
 import os
 import socket
 import ssl
+from collections import Counter
 from collections.abc import Iterable
 from typing import Any, Protocol
 
@@ -42,7 +45,7 @@ from .._wire.peer import PEER_OPS, PEER_PROTOCOL, validate_peer_args
 from .._wire.protocol import check_args, unpacker_limits
 from ..errors import KVBrokerError, PeerUnavailable, ProtocolError, error_for_code
 
-__all__ = ["MAX_HANDSHAKES", "PeerClient", "PeerServer", "Provider", "certificate_names",
+__all__ = ["MAX_HANDSHAKES", "MAX_HANDSHAKES_PER_SOURCE", "PeerClient", "PeerServer", "Provider", "certificate_names",
            "identity", "parse_address", "tls_contexts"]
 
 log = logging.getLogger("kvbroker.transfer")
@@ -55,6 +58,9 @@ MAX_PEER_REPLY = 64 << 20
 # TLS handshakes in progress at once: a connection past this is closed unanswered, so
 # unauthenticated connections cannot pile up (each costs OpenSSL's bounded buffers only).
 MAX_HANDSHAKES = 16
+# Of those, from one source address (an IPv6 one by its /64): a host that stalls handshakes
+# fills its own share, never every slot, so the configured peers still get in.
+MAX_HANDSHAKES_PER_SOURCE = 4
 
 
 def tls_contexts(cert_file: str, key_file: str, ca_file: str
@@ -110,6 +116,20 @@ def certificate_names(cert: dict | None) -> list[str]:
         names = [identity(v) for rdn in cert.get("subject", ()) for k, v in rdn
                  if k == "commonName"]
     return names
+
+
+def _source(host: str) -> str:
+    """What the per-source handshake cap counts by: an IPv4 address, an IPv6 /64 (one host
+    is commonly given a whole /64)."""
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return host
+    if ip.version == 4:
+        return str(ip)
+    if ip.ipv4_mapped is not None:
+        return str(ip.ipv4_mapped)
+    return str(ipaddress.ip_network(f"{ip}/64", strict=False))
 
 
 def _pack(obj: Any) -> bytes:
@@ -168,7 +188,8 @@ class PeerServer:
 
     def __init__(self, provider: Provider, *, tls: ssl.SSLContext, peers: Iterable[str],
                  node: str, metadata: bytes | None, agent: str | None,
-                 handshake_timeout: float = 5.0, max_handshakes: int = MAX_HANDSHAKES) -> None:
+                 handshake_timeout: float = 5.0, max_handshakes: int = MAX_HANDSHAKES,
+                 max_handshakes_per_source: int = MAX_HANDSHAKES_PER_SOURCE) -> None:
         self.provider = provider
         self.node = node
         self._tls = tls
@@ -178,6 +199,8 @@ class PeerServer:
         self._handshake_timeout = handshake_timeout
         self._max_handshakes = max_handshakes
         self._handshaking = 0
+        self._max_per_source = max_handshakes_per_source
+        self._handshaking_from: Counter[str] = Counter()
         self._listener: socket.socket | None = None
         self._accepting: asyncio.Task | None = None
         self._ids = itertools.count(1)
@@ -225,24 +248,34 @@ class PeerServer:
                 log.warning("accepting a peer connection failed: %s", e)
                 await asyncio.sleep(1.0)
                 continue
-            if self._handshaking >= self._max_handshakes:
+            source = _source(addr[0])
+            if (self._handshaking >= self._max_handshakes
+                    or self._handshaking_from[source] >= self._max_per_source):
                 self.refused += 1
-                log.warning("peer connection from %s refused: %d TLS handshakes in progress",
-                            addr[0], self._handshaking)
+                log.warning("peer connection from %s refused: %d TLS handshakes in progress "
+                            "(%d from it)", addr[0], self._handshaking,
+                            self._handshaking_from[source])
                 conn.close()
                 continue
             self._handshaking += 1
-            task = loop.create_task(self._serve(conn, addr))
+            self._handshaking_from[source] += 1
+            task = loop.create_task(self._serve(conn, addr, source))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
-    async def _serve(self, conn: socket.socket, addr) -> None:
+    async def _serve(self, conn: socket.socket, addr, source: str) -> None:
         try:
-            await self._serve_one(conn, addr)
+            await self._serve_one(conn, addr, source)
         except asyncio.CancelledError:
             pass  # close(): the connection ends like any other
 
-    async def _serve_one(self, conn: socket.socket, peer_addr) -> None:
+    def _handshake_ended(self, source: str) -> None:
+        self._handshaking -= 1
+        self._handshaking_from[source] -= 1
+        if self._handshaking_from[source] <= 0:
+            del self._handshaking_from[source]
+
+    async def _serve_one(self, conn: socket.socket, peer_addr, source: str) -> None:
         loop = asyncio.get_running_loop()
         pid = None
         writer = None
@@ -260,7 +293,7 @@ class PeerServer:
                 self.refused += 1  # not admitted: a failed handshake, a refused certificate
                 raise
             finally:
-                self._handshaking -= 1
+                self._handshake_ended(source)
             if who is None:
                 self.refused += 1
                 return

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from ..errors import PeerUnavailable, TransferFailed
 from .peer_channel import (
     MAX_HANDSHAKES,
+    MAX_HANDSHAKES_PER_SOURCE,
     PeerClient,
     PeerServer,
     Provider,
@@ -42,6 +43,7 @@ from .peer_channel import (
 __all__ = [
     "EXTRA",
     "MAX_HANDSHAKES",
+    "MAX_HANDSHAKES_PER_SOURCE",
     "NixlEndpoint",
     "PeerClient",
     "PeerServer",
