@@ -31,7 +31,8 @@ from bench_vllm_gpu import vllm_cache
 
 from kvbroker import Client
 from kvbroker._bench._common import invocation, machine_info, measured_commit
-from kvbroker.integrations.vllm import _cuda, _ops, _paged
+from kvbroker import blocks
+from kvbroker.integrations.vllm import _cuda, _paged
 from kvbroker.integrations.vllm._format import BlockFormat
 from kvbroker.integrations.vllm._paged import SaveItem, copier_for, cuda_cache
 
@@ -167,17 +168,20 @@ def main() -> None:
         copier = timed("dma queue", counted)
     else:
         stream, copier = None, timed("memmove", copier_for("cpu"))
-    _ops.ReserveLater.result = timed("wait for a reservation", _ops.ReserveLater.result)
-    _ops.seal_later = timed("queue a seal", _ops.seal_later)
+    blocks.PendingReservation.result = timed("wait for a reservation",
+                                             blocks.PendingReservation.result)
+    blocks.seal_later = timed("queue a seal", blocks.seal_later)
     _paged.match = timed("match round trip", _paged.match)
     _cuda.match = _paged.match
     if device.type == "cuda":
         torch.cuda.Event.synchronize = timed("wait for a chunk's DMA", torch.cuda.Event.synchronize)
     if a.timeline:
-        _ops.ReserveLater.__init__ = stepped("reservation sent", _ops.ReserveLater.__init__)
-        _ops.ReserveLater.result = stepped("reservation answered", _ops.ReserveLater.result)
+        blocks.reserve_later = stepped("reservation sent", blocks.reserve_later)
+        blocks.PendingReservation.result = stepped("reservation answered",
+                                                   blocks.PendingReservation.result)
         _cuda._ids_on = stepped("block ids to the GPU", _cuda._ids_on)
-        _cuda._start_sums = stepped("checksums set up", _cuda._start_sums)
+        blocks.start_device_checksums = stepped("checksums set up",
+                                                blocks.start_device_checksums)
         _cuda._seal_later = stepped("seal queued", _cuda._seal_later)
         copier = stepped("DMA queued", copier)
     for rep in range(a.reps + 1):
