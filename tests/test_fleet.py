@@ -878,6 +878,7 @@ class _ForgingOwner:
         self.sums = {"x": checksum.encode(checksum.digest(self.x)),
                      "y": checksum.encode(checksum.digest(self.y))}
         self.mode = "honest"
+        self.looked_up: object = None  # what lookup answers
         self.pins = 0
         self.leases: set[int] = set()
         self._next = 1
@@ -945,7 +946,7 @@ class _ForgingOwner:
         return self.pin(peer, namespace, keys[0], ttl, False)
 
     def lookup(self, peer, namespace, key):
-        return None
+        return self.looked_up
 
     def release(self, peer, lease, consumed):
         self.leases.remove(lease)
@@ -1011,6 +1012,43 @@ def test_a_forged_pin_reply_is_refused_with_nothing_sealed(forged, mode):
         assert after.pending == 0 and after.write_leases == 0
         assert after.pools[0].used == 0
     assert owner.leases == set(), "the owner's lease was left held"
+
+
+def _info(**kw) -> dict:
+    info = {"namespace": "default", "key": "asked", "nbytes": 301_000, "buffers": 2,
+            "pool": 0, "readers": 0, "created_at": 1.0, "last_access": 1.0,
+            "meta": {"layer": 1}, "checksums": None}
+    return {**info, **kw}
+
+
+FORGED_LOOKUPS = {
+    "not a map": 5,
+    "another key": _info(key="victim-secret"),
+    "another namespace": _info(namespace="victim"),
+    "nbytes not an int": _info(nbytes="many"),
+    "meta not a map": _info(meta=[1]),
+    "unknown fields only": {"x": 1},
+}
+
+
+@pytest.mark.parametrize("mode", FORGED_LOOKUPS)
+def test_a_forged_lookup_reply_is_refused(forged, mode):
+    """A peer's lookup answer reaches the client only as the object asked, well formed: a
+    reply that is not a map, names another key or namespace, or has fields of the wrong
+    type is TransferFailed (before, it was handed to the client as it came: a non-map or
+    a partial map failed in the client with TypeError, another key's info was returned as
+    the answer for the key asked)."""
+    owner, b = forged
+    owner.looked_up = FORGED_LOOKUPS[mode]
+    try:
+        with b.client() as cb:
+            with pytest.raises(TransferFailed, match="lookup"):
+                cb.lookup("asked", peer=owner.address)
+            owner.looked_up = _info()  # the control: a well-formed answer is returned
+            info = cb.lookup("asked", peer=owner.address)
+            assert (info.namespace, info.key, info.nbytes) == ("default", "asked", 301_000)
+    finally:
+        owner.looked_up = None
 
 
 @pytest.mark.parametrize("key", ["", "k" * 600], ids=["empty", "600 characters"])

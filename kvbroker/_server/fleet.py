@@ -57,7 +57,7 @@ from ..errors import (
 from . import transfer
 from .fleet_events import EventFeed, announced, block_event_hash
 from .fleet_serving import BrokerProvider
-from .pin_reply import Described
+from .pin_reply import Described, looked_up
 from .pool import open_segment
 
 if TYPE_CHECKING:
@@ -288,10 +288,15 @@ class Fleet:
         address = self._check(address, namespace, (key,))
         peer = await self._peer(address)
         try:
-            return await peer.client.lookup(key, namespace=namespace)
+            info = await peer.client.lookup(key, namespace=namespace)
         except PeerUnavailable:
             self._drop(address)
             raise
+        try:  # the client is given the object asked, well formed, or an error
+            return looked_up(info, namespace, key)
+        except ValueError as exc:
+            raise TransferFailed(f"peer {address} answered a lookup of {namespace}/{key[:80]} "
+                                 f"with a bad description: {exc}") from None
 
     async def fetch(self, address: str, namespace: str, key: str, consume: bool,
                     asker: Session | None = None) -> bool:

@@ -1,6 +1,7 @@
 """What a peer broker's pin reply may describe (issue 38): :class:`Described`, one object of
 the reply, checked by the pulling daemon (:mod:`kvbroker._server.fleet`) before it reserves
-anything, as a local seal of the object would be checked. The reply is authenticated (mutual
+anything, as a local seal of the object would be checked; and :func:`looked_up`, a lookup's
+answer, checked before the client is given it. The reply is authenticated (mutual
 TLS), but its owner is another machine: a compromised peer must not make this daemon seal
 what it did not ask for, read elsewhere than the object, or keep what no local op accepts.
 """
@@ -12,7 +13,7 @@ from typing import Any
 
 from .._wire import checksum
 
-__all__ = ["Described"]
+__all__ = ["Described", "looked_up"]
 
 
 @dataclass(frozen=True)
@@ -93,3 +94,34 @@ class Described:
         if problem is not None:
             raise ValueError(problem)
         return cls(namespace, key, layout, span, meta, remote, sums, consumers, parent, tokens)
+
+
+# The fields of a peer's lookup answer (ObjectInfo's) and the types each must have.
+_INFO_TYPES: dict[str, tuple[type, ...]] = {
+    "namespace": (str,), "key": (str,), "nbytes": (int,), "buffers": (int,), "pool": (int,),
+    "readers": (int,), "created_at": (int, float), "last_access": (int, float),
+    "meta": (dict, type(None)), "checksums": (dict, type(None)),
+    "buffer_sizes": (dict, type(None)), "consumers": (int, type(None)),
+}  # fmt: skip
+
+
+def looked_up(info: Any, namespace: str, key: str) -> dict | None:
+    """A peer's answer to ``lookup`` of ``namespace/key``, as the client may be given it:
+    None, or the :class:`~kvbroker._wire.stats.ObjectInfo` fields of that very object with
+    their types, every required one present (ValueError otherwise; nothing else of the
+    reply is passed on)."""
+    if info is None:
+        return None
+    if not isinstance(info, dict):
+        raise ValueError("not a map")
+    if info.get("namespace") != namespace or info.get("key") != key:
+        raise ValueError("it describes another object than the one asked")
+    out = {}
+    for name, types in _INFO_TYPES.items():
+        value = info.get(name)
+        if value.__class__ is bool or not isinstance(value, types):
+            if name in ("meta", "checksums", "buffer_sizes", "consumers") and name not in info:
+                continue
+            raise ValueError(f"its {name} is not a {' or '.join(t.__name__ for t in types)}")
+        out[name] = value
+    return out
