@@ -63,8 +63,8 @@ class Described:
             if off < end:
                 raise ValueError("its buffers overlap")
             end = off + size
-        nbytes = desc.get("nbytes", end and sum(n for _, n in placed.values()))
-        if nbytes != sum(n for _, n in placed.values()):
+        total = sum(n for _, n in placed.values())
+        if desc.get("nbytes", total) != total:
             raise ValueError("nbytes is not the sum of its buffers")
         # One extent per non-empty buffer, in the buffers' order, each at the buffer's own
         # offset from one base: nothing else of the owner's pool is read.
