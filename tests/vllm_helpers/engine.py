@@ -27,6 +27,8 @@ def make_model(path: str, *, arch: str = "llama", seed: int = 0) -> None:
 
     Hybrid kinds (vLLM's hybrid KV cache manager makes several KV cache groups of them):
     ``gemma3`` (3 sliding-window layers, window 32, and 1 full one: 4 groups of one layer),
+    ``gemma4`` (the same, window 48, its full layer's head size twice the sliding ones': vLLM
+    gives the groups different block sizes),
     ``qwen3_next`` (3 gated-delta linear-attention layers and 1 full one, bf16: the CPU GDN
     kernel takes bf16 and a head dim of 64 or more)."""
     import torch
@@ -43,6 +45,13 @@ def make_model(path: str, *, arch: str = "llama", seed: int = 0) -> None:
 
         model = Gemma3ForCausalLM(Gemma3TextConfig(
             **{**common, "num_hidden_layers": 4}, sliding_window=32, query_pre_attn_scalar=32,
+            layer_types=["sliding_attention"] * 3 + ["full_attention"]))  # fmt: skip
+    elif arch == "gemma4":
+        from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+
+        model = Gemma4ForCausalLM(Gemma4TextConfig(
+            **{**common, "num_hidden_layers": 4}, sliding_window=48, global_head_dim=64,
+            hidden_size_per_layer_input=16, vocab_size_per_layer_input=512,
             layer_types=["sliding_attention"] * 3 + ["full_attention"]))  # fmt: skip
     elif arch == "qwen3_next":
         from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
