@@ -7,7 +7,8 @@ A helper of tests/test_vllm_e2e.py (run as a separate process, as a deployment w
 SPEC: {"model": dir, "prompts": [[ids...]...], "max_tokens": n, "role": null |
 "kv_producer" | "kv_consumer" | "kv_both", "socket": path, "extra": {...}, "plugin": false,
 "block_size": 32 (null: vLLM's choice), "in_process": true, "vllm_log_level": "DEBUG",
-"dtype": "float32", "logprobs": null | k, "max_num_batched_tokens": null | n}.
+"dtype": "float32", "logprobs": null | k, "max_num_batched_tokens": null | n,
+"lora_adapters": {name: dir}, "prompt_loras": [name | null, one per prompt of every batch]}.
 OUT: {"outputs": [[ids...]...], "seconds": s, "logprobs": [[[token, logprob]...]...] (with
 "logprobs": the sampled token's logprob at each step), "connector": {"totals": {...},
 "groups": [[kind, block_size, layers]...], "namespace": ...} (an engine in process with a
@@ -68,6 +69,27 @@ def make_model(path: str, *, arch: str = "llama", seed: int = 0) -> None:
     model.save_pretrained(path)
 
 
+def make_lora_adapter(path: str, base: str, *, seed: int, rank: int = 8) -> None:
+    """A PEFT LoRA adapter of ``make_model``'s model (q_proj and v_proj of every layer) with
+    seeded random weights, large enough to change the KV and the greedy tokens."""
+    import torch
+    from safetensors.torch import save_file
+
+    os.makedirs(path, exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(2):
+        for proj, out in (("q_proj", 128), ("v_proj", 64)):
+            name = f"base_model.model.model.layers.{layer}.self_attn.{proj}"
+            tensors[f"{name}.lora_A.weight"] = torch.randn(rank, 128, generator=g) * 0.5
+            tensors[f"{name}.lora_B.weight"] = torch.randn(out, rank, generator=g) * 0.5
+    save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "bias": "none",
+                   "target_modules": ["q_proj", "v_proj"], "base_model_name_or_path": base,
+                   "task_type": "CAUSAL_LM"}, f)  # fmt: skip
+
+
 def run(spec: dict) -> dict:
     begun = time.perf_counter()
     if spec.get("vllm_log_level"):  # before vLLM is imported; its engine core inherits it
@@ -92,6 +114,9 @@ def run(spec: dict) -> dict:
         kw["block_size"] = spec.get("block_size", 32)
     if spec.get("max_num_batched_tokens"):
         kw["max_num_batched_tokens"] = spec["max_num_batched_tokens"]
+    adapters = spec.get("lora_adapters") or {}  # name -> adapter directory
+    if adapters:
+        kw.update(enable_lora=True, max_loras=len(adapters), max_lora_rank=8)
     llm = LLM(model=spec["model"], skip_tokenizer_init=True, dtype=spec.get("dtype", "float32"),
               enforce_eager=True, kv_cache_memory_bytes=64 << 20,
               max_model_len=2048, max_num_seqs=8, seed=0,
@@ -101,8 +126,18 @@ def run(spec: dict) -> dict:
     started = time.perf_counter()
     print(f"engine ready in {started - begun:.1f} s", file=sys.stderr, flush=True)
     outputs, logprobs = [], []
+    loras = None
+    if adapters:
+        from vllm.lora.request import LoRARequest
+
+        known = {name: LoRARequest(name, i + 1, path) for i, (name, path) in
+                 enumerate(sorted(adapters.items()))}  # fmt: skip
+        loras = [known[n] if n else None for n in spec["prompt_loras"]]
+    done = 0
     for batch in spec.get("batches") or [spec["prompts"]]:
-        got = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+        got = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False,
+                           lora_request=loras and loras[done:done + len(batch)])  # fmt: skip
+        done += len(batch)
         outputs += [list(o.outputs[0].token_ids) for o in got]
         if spec.get("logprobs") is not None:
             logprobs += [[[t, step[t].logprob] for t, step in zip(o.outputs[0].token_ids,
