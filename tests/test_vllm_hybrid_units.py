@@ -20,17 +20,17 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from kvbroker.integrations.vllm._format import prompt_keys  # noqa: E402
-from kvbroker.integrations.vllm._groups import FULL, SLIDING, STATE, Group  # noqa: E402
-from kvbroker.integrations.vllm._hybrid import (  # noqa: E402
+from kvbroker.integrations.vllm._format import prompt_keys
+from kvbroker.integrations.vllm._groups import FULL, SLIDING, STATE, Group
+from kvbroker.integrations.vllm._hybrid import (
     GroupLoad,
     GroupSave,
     HybridLoad,
     HybridScheduler,
 )
-from kvbroker.integrations.vllm._hybrid_worker import HybridWorker  # noqa: E402
-from kvbroker.integrations.vllm._link import BrokerLink, Warnings  # noqa: E402
-from kvbroker.integrations.vllm._scheduler import StepPlan  # noqa: E402
+from kvbroker.integrations.vllm._hybrid_worker import HybridWorker
+from kvbroker.integrations.vllm._link import BrokerLink, Warnings
+from kvbroker.integrations.vllm._scheduler import StepPlan
 
 B, HEADS, DIM, BLOCKS = 4, 2, 8, 16
 NS = "vllm/unit-hybrid"
