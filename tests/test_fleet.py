@@ -40,6 +40,7 @@ from kvbroker.errors import (
     ChecksumMismatch,
     Forbidden,
     LeaseExpired,
+    LimitExceeded,
     NotFound,
     PeerUnavailable,
     PoolFull,
@@ -852,6 +853,59 @@ def test_what_a_peer_may_pin_is_configured(fleet_dir):
     finally:
         for n in (b, a, a2):
             assert n.stop() == 0, n.proc.log()
+
+
+def test_one_peers_pins_leave_the_daemons_lease_budget_to_others(pair, fleet_dir):
+    """A peer's pins are leases of sessions with the daemon's uid, as are the daemon's own
+    pulls (its fleet session) and its administrators' connections. One peer holding pins on
+    several connections is held to one client's budget (max_leases_per_client) in all, so
+    it cannot fill max_leases_per_uid: before, two connections of one peer pinning 4 each
+    left this daemon (8 leases per uid) unable to pull anything for anyone (LimitExceeded)."""
+    import asyncio
+
+    from kvbroker._server import transfer
+
+    a, _ = pair
+    b = Node(fleet_dir, "budget", peers=[a.address],
+             extra_env={"KVBROKER_MAX_LEASES_PER_CLIENT": "4",
+                        "KVBROKER_MAX_LEASES_PER_UID": "8"})
+    try:
+        with a.client() as ca, b.client() as cb:
+            ca.put("wanted", {"x": _data(65536, 41)})
+            cb.put("here", {"x": _data(4096, 42)})
+            files = _certs(fleet_dir)
+            tls = transfer.tls_contexts(files["cert_file"], files["key_file"],
+                                        files["ca_file"])[1]
+
+            async def hog() -> tuple[int, list, object]:
+                conns = [await transfer.PeerClient(b.address, tls=tls, node="hog").connect()
+                         for _ in range(2)]
+                held, refused = 0, []
+                for c in conns:
+                    for _ in range(4):
+                        try:
+                            await c.pin("here", ttl=60.0)
+                            held += 1
+                        except LimitExceeded as exc:
+                            refused.append(exc)
+                def pull():
+                    try:
+                        return cb.fetch("wanted", a.address)["fetched"]
+                    except LimitExceeded as exc:
+                        return exc
+
+                pulled = await asyncio.get_running_loop().run_in_executor(None, pull)
+                for c in conns:
+                    await c.close()
+                return held, refused, pulled
+
+            held, refused, pulled = asyncio.run(asyncio.wait_for(hog(), 120))
+            assert pulled is True, pulled  # before: LimitExceeded (uid 8 leases)
+            assert held == 4 and len(refused) == 4, (held, refused)
+            assert np.array_equal(cb.get("wanted")["x"], _data(65536, 41))
+            ca.evict("wanted")
+    finally:
+        assert b.stop() == 0, b.proc.log()
 
 
 # -- a forged owner: the puller checks what it seals --------------------------------------------

@@ -271,7 +271,8 @@ SETTINGS: tuple[Key, ...] = (
     Key("require_checksums", parse.boolean, False, reload=TO_BROKER, text=bool, example=True,
         help="Refuse seals that carry no checksum per buffer."),
     Key("max_leases_per_client", parse.LEASES, 65536, reload=TO_BROKER, text=int, example=100,
-        help="Leases one connection may hold at once."),
+        help="Leases one connection may hold at once (a peer broker's pins: on all its "
+             "connections together)."),
     Key("max_leases_per_uid", parse.LEASES, 262144, reload=TO_BROKER, text=int, example=1000,
         help="Leases the connections of one uid may hold at once, together (each costs the "
              "daemon ~400 B of memory that no quota counts); peers' pins count as the "

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from .._wire.protocol import MAX_BUFFERS
-from ..errors import BadRequest, Forbidden, NotFound
+from ..errors import BadRequest, Forbidden, LimitExceeded, NotFound
 from .handlers import _check_name, _ttl
 from .prefix_leases import lend_prefix, materialize_holding
 
@@ -69,6 +69,20 @@ class BrokerProvider:
                         f"{' (a tenant pool)' if tenant_pool else ''}: see [transfer] serve "
                         "on that node")
 
+    def _check_lease_limit(self, peer: int, s: Session) -> None:
+        """The broker's limits, and one client's budget for a peer in all: its sessions,
+        the daemon's own pulls and its administrators' connections share one uid, so a
+        peer pinning on many connections must not fill ``max_leases_per_uid``."""
+        b = self.broker
+        b.check_lease_limit(s)
+        who = self.identities.get(peer, "")
+        held = sum(len(x.leases) for p, x in self.sessions.items()
+                   if self.identities.get(p, "") == who)
+        if held >= b.max_leases_per_client:
+            raise LimitExceeded(f"peer {who or '?'} holds {held} leases on its connections "
+                                "together, the most one client may hold "
+                                "(max_leases_per_client): release some first")
+
     def _session(self, peer: int) -> Session:
         s = self.sessions.get(peer)
         if s is None:  # a provider driven without the hook (tests): an anonymous peer
@@ -111,7 +125,7 @@ class BrokerProvider:
         if obj is None:
             b.counters["misses"] += 1
             raise NotFound(f"{namespace}/{key} is not published on this broker")
-        b.check_lease_limit(s)
+        self._check_lease_limit(peer, s)
         b.pin(obj)
         lease = b.new_lease("read", s, obj, ttl, consume=consume)
         b.counters["claims"] += 1
@@ -134,7 +148,7 @@ class BrokerProvider:
             found.append(obj)
         if not found:
             return {"lease": None, "ttl": 0.0, "objects": []}
-        b.check_lease_limit(s)
+        self._check_lease_limit(peer, s)
         lease = lend_prefix(b, s, found, ttl)[0]
         self.pins_served += 1
         return {"lease": lease.id, "ttl": ttl, "objects": [self._describe(o) for o in found]}
