@@ -670,6 +670,38 @@ def test_tenant_prompts_stay_out_of_an_unauthenticated_stream(tmp_path):
         assert proc.stop() == 0, proc.log()
 
 
+def test_a_withdrawn_grant_takes_its_blocks_out_of_the_replay_buffer(tmp_path):
+    """A reload that takes a namespace's grant to everyone away clears the live stream
+    (above); the replay buffer must forget the batches published under the old rule too,
+    or any subscriber asking the ROUTER for a replay from 0 still gets that namespace's
+    token ids for as long as the buffer keeps them (before: every one of them)."""
+    import signal
+
+    replay = f"tcp://127.0.0.1:{_free_port()}"
+    proc, cfg = _tenant_daemon(
+        tmp_path, f'publish = "tcp://127.0.0.1:{_free_port()}"\nreplay = "{replay}"\n')
+    try:
+        with proc.client(map_pools=False) as c:
+            _blocks(c, "pub", 2_000_000, n=3)
+            deadline = time.monotonic() + 60
+            while c.stat().events.next_seq < 2 and time.monotonic() < deadline:
+                time.sleep(0.05)  # the initial clear, then the blocks' batch (or more)
+            tokens = [t for _, p in _replayed(replay) for e in msgpack.unpackb(p)[1]
+                      if e[0] == "BlockStored" for t in e[3]]
+            assert 2_000_000 in tokens, "the control: replayed under the grant"
+            before = c.stat().events.next_seq
+            cfg.write_text(cfg.read_text().replace('[isolation.shared."pub"]\nread = ["*"]\n',
+                                                   ""))
+            proc.proc.send_signal(signal.SIGHUP)
+            while c.stat().events.next_seq == before and time.monotonic() < deadline + 60:
+                time.sleep(0.05)  # the reload's AllBlocksCleared was sent
+            assert c.stat().events.next_seq > before
+        replayed = [e for _, p in _replayed(replay) for e in msgpack.unpackb(p)[1]]
+        assert replayed and all(e[0] == "AllBlocksCleared" for e in replayed), replayed[:5]
+    finally:
+        assert proc.stop() == 0, proc.log()
+
+
 def _cert(directory, name):
     import zmq.auth
 

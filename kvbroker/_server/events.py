@@ -23,7 +23,8 @@ buffered batch whose sequence number is ``>= start_seq``, then an end marker who
 is -1 (8 bytes, signed), each reply after an empty delimiter frame. Ask from a DEALER socket
 (send ``[b"", start_seq]``): a plain REQ socket keeps only the first reply of a stream, as
 vLLM's example subscriber does. The buffer keeps the last ``buffer_steps`` batches and at
-most ``buffer_bytes`` of payload (a batch of long prompts can be megabytes). Replays are
+most ``buffer_bytes`` of payload (a batch of long prompts can be megabytes); a change of
+what the stream may carry (a reload) empties it (:meth:`EventPublisher.forget_history`). Replays are
 streamed, not sent whole: each turn of the publisher thread publishes the live batch due and
 sends each replay in progress a slice (``REPLAY_SLICE`` bytes), so a requester asking again
 and again from 0 never holds the live stream up. One replay per requester (a new request
@@ -368,6 +369,17 @@ class EventPublisher:
 
     # -- publisher thread --------------------------------------------------------------------
 
+    def forget_history(self) -> None:
+        """Drop what is queued and, before the next batch goes out, every buffered batch:
+        what the stream may carry changed (a reload), and a replay must not hand out what
+        was published under the old rule. The caller publishes the new state next
+        (``AllBlocksCleared`` first), as after an overflow."""
+        with self._cond:
+            self._queue.clear()
+            self._forget = True
+            self._cond.notify()
+
+    _forget = False
     _sending = False
 
     def _take(self, wait: float) -> tuple[list[Event], bool] | None:
@@ -385,6 +397,10 @@ class EventPublisher:
                         break
             if not self._running and not self._queue and not self._overflowed:
                 return None  # closed and drained
+            if self._forget:  # the publisher thread owns the buffer: emptied here
+                self._forget = False
+                self._buffer.clear()
+                self._buffered = 0
             overflowed, self._overflowed = self._overflowed, False
             batch: list[Event] = []
             cost = 0

@@ -121,6 +121,7 @@ class EventFeed:
         from .events import AllBlocksCleared
 
         if not self.publisher.authenticated:
+            self.publisher.forget_history()  # replays too: nothing of the old rule
             self.publisher.publish([AllBlocksCleared()])
             self._announce_all()
 
