@@ -30,6 +30,7 @@ def make_model(path: str, *, arch: str = "llama", seed: int = 0) -> None:
     ``gemma3`` (3 sliding-window layers, window 32, and 1 full one: 4 groups of one layer),
     ``gemma4`` (the same, window 48, its full layer's head size twice the sliding ones': vLLM
     gives the groups different block sizes),
+    ``granite4`` (3 Mamba2 layers and 1 attention one, fp32),
     ``qwen3_next`` (3 gated-delta linear-attention layers and 1 full one, bf16: the CPU GDN
     kernel takes bf16 and a head dim of 64 or more)."""
     import torch
@@ -54,6 +55,14 @@ def make_model(path: str, *, arch: str = "llama", seed: int = 0) -> None:
             **{**common, "num_hidden_layers": 4}, sliding_window=48, global_head_dim=64,
             hidden_size_per_layer_input=16, vocab_size_per_layer_input=512,
             layer_types=["sliding_attention"] * 3 + ["full_attention"]))  # fmt: skip
+    elif arch == "granite4":
+        from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+
+        model = GraniteMoeHybridForCausalLM(GraniteMoeHybridConfig(
+            **{**common, "num_hidden_layers": 4}, num_local_experts=0, shared_intermediate_size=256,
+            mamba_n_heads=4, mamba_n_groups=1, mamba_d_state=16, mamba_d_head=64,
+            mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=64, position_embedding_type="rope",
+            layer_types=["mamba", "mamba", "mamba", "attention"]))  # fmt: skip
     elif arch == "qwen3_next":
         from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
