@@ -118,6 +118,7 @@ class HybridWorker(WorkerSide):
         group's views dropped until ``register`` runs again. Idempotent."""
         if self.cache is None:
             return
+        self._released = True
         if self._loads is not None:
             self._loads.drain_lost("vLLM's sleep mode discarded the KV cache it loaded into")
         self._abort_group_saves("the KV cache was released for vLLM's sleep mode")

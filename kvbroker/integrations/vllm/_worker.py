@@ -115,6 +115,7 @@ class WorkerSide:
         self._loads: AsyncLoads | None = None  # background loads (load_async), made at the first
         self._load_stream = None  # their CUDA stream, made on (and used by) their thread only
         self._lost_client = None  # (loader thread) the client a load found the daemon lost on
+        self._released = False  # release_cache (vLLM's sleep mode) until restore_cache
 
     # -- registration ----------------------------------------------------------------------
     def register(self, kv_caches: dict[str, Any], backend: str) -> None:
@@ -166,6 +167,7 @@ class WorkerSide:
         the abort. Idempotent."""
         if self.cache is None:
             return
+        self._released = True
         if self._loads is not None:
             self._loads.drain_lost("vLLM's sleep mode discarded the KV cache it loaded into")
         if self._save is not None and not self._save.done:
@@ -176,10 +178,15 @@ class WorkerSide:
         self.cache = None
         self._ready = None
 
+    def restore_cache(self, kv_caches: dict[str, Any], backend: str) -> None:
+        """After the wake-up: :meth:`register` the same caches again. Idempotent."""
+        if self._released:
+            self.register(kv_caches, backend)
+            self._released = False
+
     # -- per step --------------------------------------------------------------------------
     def bind(self, plan: Any) -> None:
-        if self.cache is None and self.fmt is not None and (
-                getattr(plan, "loads", None) or getattr(plan, "saves", None)):
+        if self._released and (getattr(plan, "loads", None) or getattr(plan, "saves", None)):
             # vLLM steps no engine between unregister_kv_caches and restore_kv_caches
             raise KVBrokerError("KVBrokerConnector: a step with loads or saves came while the "
                                 "KV cache was released for sleep mode (restore_kv_caches was "

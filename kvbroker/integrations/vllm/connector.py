@@ -316,9 +316,8 @@ class KVBrokerConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker.release_cache()
 
     def restore_kv_caches(self) -> None:
-        if self._worker is not None and self._registered is not None \
-                and self._worker.cache is None:  # fmt: skip
-            self._worker.register(*self._registered)
+        if self._worker is not None and self._registered is not None:
+            self._worker.restore_cache(*self._registered)
 
     def _backend_name(self, kv_caches: dict[str, Any]) -> str:
         context = self._vllm_config.compilation_config.static_forward_context
