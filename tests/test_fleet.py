@@ -22,6 +22,7 @@ READ over UCX TCP. What is checked:
 
 from __future__ import annotations
 
+import fnmatch
 import os
 import shutil
 import signal
@@ -853,6 +854,46 @@ def test_what_a_peer_may_pin_is_configured(fleet_dir):
     finally:
         for n in (b, a, a2):
             assert n.stop() == 0, n.proc.log()
+
+
+def test_a_tenant_pool_is_served_only_by_a_glob_naming_it(tmp_path):
+    """Only a glob whose first path component is literal serves a tenant pool's namespace:
+    a glob written for every namespace (``**``, ``?*``, ``[a-z]*`` as much as ``*``) served
+    tenant pools by accident, when only a bare ``*`` was refused."""
+    import secrets
+
+    from kvbroker._server.broker import Broker
+    from kvbroker._server.fleet_serving import BrokerProvider
+    from kvbroker._server.policy import TenantPool
+    from kvbroker._server.pool import HostPool
+
+    tenant = TenantPool("alice", 8 << 12, os.getuid(), None, ("alice", "alice/*"))
+    name = f"/kvbf.{os.getpid()}.{secrets.token_hex(3)}"
+    pools = [HostPool(0, name + ".0", 8 << 12, 4096),
+             HostPool(1, name + ".1", 8 << 12, 4096, tenant=tenant)]
+    try:
+        b = Broker(pools)
+
+        def served(glob: str, namespace: str) -> bool:
+            provider = BrokerProvider(b, [0, 0], [(None, glob)])
+            try:
+                provider._authorize(1, namespace)
+            except Forbidden as exc:
+                assert "tenant pool" in str(exc) or namespace == "team", exc
+                return False
+            return True
+
+        for glob in ("*", "**", "?*", "[a-z]*", "*/*", "al*", "al*/*"):
+            assert not served(glob, "alice/kv"), glob
+            assert not served(glob, "alice"), glob
+            assert served(glob, "team") == fnmatch.fnmatchcase("team", glob), glob
+        assert served("alice/*", "alice/kv") and not served("alice/*", "alice")
+        assert served("alice", "alice") and not served("alice", "alice/kv")
+        assert served("alice/k?", "alice/kv")
+        assert not served("alice/*", "team")
+    finally:
+        for p in pools:
+            p.unlink()
 
 
 def test_one_peers_pins_leave_the_daemons_lease_budget_to_others(pair, fleet_dir):

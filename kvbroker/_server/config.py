@@ -335,7 +335,8 @@ SETTINGS: tuple[Key, ...] = (
     Key("transfer_serve", parse.serve_rules, "*", section="transfer", shown='["*"]',
         example=["default", "prefix", "10.0.0.2=team-a/*"],
         help="Namespaces (globs) peers may pull from here; HOST=GLOB for one peer only. A "
-             "bare * never covers a tenant pool's namespaces: name them."),
+             "tenant pool's namespaces are served only by a glob whose first path component "
+             "has no wildcard (alice/*, not * or ?*): name them."),
     Key("transfer_node", parse.node_name, "", section="transfer", example="node-a",
         shown="the host name",
         help="This node's name, for peers and the event topic kv@<node>@<model>."),

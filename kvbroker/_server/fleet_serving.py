@@ -30,6 +30,13 @@ if TYPE_CHECKING:
 __all__ = ["BrokerProvider"]
 
 
+def _names_a_tenant(glob: str) -> bool:
+    """Whether ``glob`` may serve a tenant pool's namespace: its first path component (the
+    tenant's part of a namespace) is literal, so no glob written for every namespace covers
+    a tenant's by accident."""
+    return not any(c in glob.split("/", 1)[0] for c in "*?[")
+
+
 class BrokerProvider:
     """What a :class:`~kvbroker._server.transfer.PeerServer` serves: the broker's sealed
     objects, pinned by read leases of one session per peer connection."""
@@ -61,7 +68,7 @@ class BrokerProvider:
         for host, glob in self.serve:
             if host is not None and host != who:
                 continue
-            if tenant_pool and glob == "*":
+            if tenant_pool and not _names_a_tenant(glob):
                 continue
             if fnmatch.fnmatchcase(namespace, glob):
                 return
