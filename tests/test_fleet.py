@@ -270,6 +270,35 @@ def test_prefix_match_pulls_the_missing_blocks_in_one_pull(pair):
     _nothing_left(a, b)
 
 
+def test_a_pulled_chain_past_the_watermark_keeps_its_root(pair, fleet_dir):
+    """A pulled prefix chain that takes B past its high watermark is sealed whole, then
+    evicted from its leaf: before, each block was sealed (and the watermark enforced) one at a
+    time, so the chain's root, a leaf until its child was sealed, was evicted by its own
+    pull and B matched nothing of what it had just pulled."""
+    a, _ = pair
+    b = Node(fleet_dir, "watermark", listen=False, peers=[a.address], pool="256K",
+             extra_env={"KVBROKER_HIGH_WATERMARK": "0.8", "KVBROKER_LOW_WATERMARK": "0.5"})
+    bs, n = 4, 56  # 56 one-page blocks of 64 pages: past 0.8, down to 32 pages
+    tokens = list(range(5000, 5000 + n * bs + 1))
+    blocks = [{"x": _data(4096, 400 + i)} for i in range(n)]
+    try:
+        with a.client() as ca, b.client() as cb:
+            pa, pb = PrefixCache(ca, block_size=bs), PrefixCache(cb, block_size=bs)
+            assert pa.publish(tokens, blocks) == n
+            with pb.match(tokens, peer=a.address) as m:
+                pulled = m.num_blocks
+            assert b.stat().transfer.pulls == 1
+            with pb.match(tokens) as m:  # what B kept is the chain's first blocks
+                kept = m.num_blocks
+                assert 0 < kept < n and kept == pulled
+                for i, blk in enumerate(m.blocks):
+                    assert np.array_equal(blk["x"], blocks[i]["x"])
+            assert not cb.exists(pb.hashes(tokens)[-1], namespace="prefix")
+            ca.evict(namespace="prefix", all=True)
+    finally:
+        assert b.stop() == 0, b.proc.log()
+
+
 def test_fetch_command_stat_and_prometheus(pair):
     from typer.testing import CliRunner
 

@@ -420,8 +420,11 @@ class Fleet:
                 obj.consumers = 1 if consume else d.consumers
                 obj.parent_key = d.parent
                 obj.tokens = d.tokens
-                b.seal(lease)
-                b.record_transfer("pull", self.session, obj, obj.nbytes)
+            # One eviction after the whole chain: evicting after each seal took the chain's
+            # root, a leaf until its child was sealed a moment later.
+            b.seal_all([lease for lease, _ in plans])
+            for lease, _ in plans:
+                b.record_transfer("pull", self.session, lease.obj, lease.obj.nbytes)
             self.pulls += 1
             self.bytes_pulled += nbytes
             return nbytes
