@@ -34,7 +34,7 @@ from typing import Any
 
 from ._format import FORMAT_VERSION
 
-__all__ = ["FULL", "SLIDING", "STATE", "Group", "groups_of", "hybrid_namespace", "is_classic"]
+__all__ = ["FULL", "SLIDING", "STATE", "Group", "alignment", "groups_of", "hybrid_namespace"]
 
 FULL, SLIDING, STATE = "full", "sliding", "state"
 
@@ -127,12 +127,6 @@ def groups_of(kv_cache_config: Any, *, tp_size: int = 1, total_kv_heads: int = 0
             raise ValueError(f"KVBrokerConnector does not serve group {i}: vLLM marks it "
                              "host-resident or not transferable")
     return out
-
-
-def is_classic(groups: Sequence[Group]) -> bool:
-    """One full-attention group: the connector's original single-group path, whose
-    namespace and keys stay those of every earlier kvbroker."""
-    return len(groups) == 1 and groups[0].kind == FULL
 
 
 def hybrid_namespace(model: str, groups: Sequence[Group], *, prefix: str = "vllm") -> str:
