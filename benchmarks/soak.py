@@ -46,7 +46,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
 from kvbroker import ChecksumMismatch, Client, NotFound  # noqa: E402
-from kvbroker._bench._common import measured_commit  # noqa: E402
+from kvbroker._bench._common import measured_commit, run_conditions  # noqa: E402
 from kvbroker._wire.objects import BUFFER_ALIGN
 from kvbroker.prefix import PrefixCache  # noqa: E402
 
@@ -226,6 +226,7 @@ def run(clients: int = 16, duration: float = 600.0, pool_size: str = "64M",
     daemon = DaemonProcess(sock, "--pool-size", pool_size, "--page-size", "4K")
     ctx = mp.get_context("fork")
     out = ctx.Queue()
+    before = run_conditions()
     t0 = time.monotonic()
     deadline = t0 + duration
     procs = [ctx.Process(target=_work, args=(sock, w, clients, deadline, out))
@@ -259,6 +260,8 @@ def run(clients: int = 16, duration: float = 600.0, pool_size: str = "64M",
         "commit": measured_commit(),
         "machine": f"{platform.node()} ({os.cpu_count()} CPUs, {platform.machine()})",
         "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+        "conditions_before": before,
+        "conditions_after": run_conditions(),
         "clients": clients,
         "duration_s": round(elapsed, 1),
         "pool_size": pool_size,

@@ -33,6 +33,10 @@ def check(res: dict) -> None:
     # every miss is the daemon's too (prefix matches that found nothing add to its count)
     assert res["gets_missed"] <= acc["daemon_counters"]["misses"]
     assert res["bytes_got"] >= res["gets_found"] * 2048  # each found get read >= 2 KiB
+    # what else the machine did is in the file (load and CPU pressure before and after)
+    for when in ("conditions_before", "conditions_after"):
+        assert set(res[when]) == {"loadavg_1min", "cpu_pressure", "when"}, res.get(when)
+        assert res[when]["loadavg_1min"] is not None
 
 
 def test_soak_short():

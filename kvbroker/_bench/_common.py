@@ -58,6 +58,19 @@ def measured_commit() -> str:
     return os.environ.get("KVBROKER_COMMIT") or checkout_commit()
 
 
+def run_conditions() -> dict[str, Any]:
+    """What else the machine was doing: the 1-minute load average and the CPU pressure line
+    (``/proc/pressure/cpu``, PSI); read before and after a run, since both move every absolute
+    figure and switch the clients' and daemon's busy-polling (:mod:`kvbroker._cpu`)."""
+    load = psi = None
+    with contextlib.suppress(OSError):
+        load = os.getloadavg()[0]
+    with contextlib.suppress(OSError):
+        with open("/proc/pressure/cpu") as f:
+            psi = f.readline().strip()
+    return {"loadavg_1min": load, "cpu_pressure": psi, "when": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+
+
 def machine_info() -> dict[str, Any]:
     """CPU model, core count and the versions that shape the figures."""
     cpu = platform.processor()
