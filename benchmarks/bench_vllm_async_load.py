@@ -46,7 +46,7 @@ from bench_vllm_gpu import start_daemon, vllm_cache  # noqa: E402
 
 from kvbroker._bench import checkout_commit  # noqa: E402
 from kvbroker._bench._common import ratio as _ratio  # noqa: E402
-from kvbroker.integrations.vllm._link import BrokerLink, Warnings  # noqa: E402
+from kvbroker.integrations._link import BrokerLink, Warnings  # noqa: E402
 from kvbroker.integrations.vllm._paged import cuda_cache  # noqa: E402
 from kvbroker.integrations.vllm._scheduler import LoadSpec, SaveSpec, StepPlan  # noqa: E402
 from kvbroker.integrations.vllm._worker import WorkerSide  # noqa: E402

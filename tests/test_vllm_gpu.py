@@ -608,7 +608,7 @@ def test_a_save_when_the_daemon_stalls_raises_after_one_timeout(make_daemon):
 
 
 def _worker(socket_path, L, H, N, D, caches):
-    from kvbroker.integrations.vllm._link import BrokerLink, Warnings
+    from kvbroker.integrations._link import BrokerLink, Warnings
     from kvbroker.integrations.vllm._worker import WorkerSide
 
     w = WorkerSide(link=BrokerLink(socket_path, name="gpu-test", role="kv_both", map_pools=True,

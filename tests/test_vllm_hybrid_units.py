@@ -29,7 +29,7 @@ from kvbroker.integrations.vllm._hybrid import (
     HybridScheduler,
 )
 from kvbroker.integrations.vllm._hybrid_worker import HybridWorker
-from kvbroker.integrations.vllm._link import BrokerLink, Warnings
+from kvbroker.integrations._link import BrokerLink, Warnings
 from kvbroker.integrations.vllm._scheduler import StepPlan
 
 B, HEADS, DIM, BLOCKS = 4, 2, 8, 16

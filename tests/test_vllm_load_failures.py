@@ -159,7 +159,7 @@ def test_a_failure_taints_saves_until_a_plan_acknowledges_it():
     """The worker's memory of a failed load, driven directly: it lasts across plans built
     before the scheduler heard of it, ends with the plan that acknowledges it, and (a
     backstop) after FAILURE_MEMORY steps without one."""
-    from kvbroker.integrations.vllm._link import Warnings
+    from kvbroker.integrations._link import Warnings
     from kvbroker.integrations.vllm._scheduler import SaveSpec, StepPlan
     from kvbroker.integrations.vllm._worker import FAILURE_MEMORY, WorkerSide, _LoadFailure
 
@@ -227,7 +227,7 @@ def test_a_request_id_reused_after_an_abort_keeps_its_new_state():
     request may reuse its id (request_finished already forgot the old one)."""
     from types import SimpleNamespace
 
-    from kvbroker.integrations.vllm._link import Warnings
+    from kvbroker.integrations._link import Warnings
     from kvbroker.integrations.vllm._scheduler import SchedulerSide
 
     side = SchedulerSide(link=None, namespace="ns", block_size=16, total_kv_heads=2,
@@ -255,7 +255,7 @@ def test_a_request_id_reused_after_an_abort_keeps_its_new_state():
 def test_a_save_left_open_by_a_step_that_never_finished_is_aborted_at_the_next():
     from unittest import mock
 
-    from kvbroker.integrations.vllm._link import Warnings
+    from kvbroker.integrations._link import Warnings
     from kvbroker.integrations.vllm._paged import HostSave
     from kvbroker.integrations.vllm._scheduler import StepPlan
     from kvbroker.integrations.vllm._worker import WorkerSide
@@ -272,7 +272,7 @@ def test_a_save_left_open_by_a_step_that_never_finished_is_aborted_at_the_next()
 
 def test_every_rank_reaches_the_agreement_whatever_its_loads_raise():
     """agree() is a collective: a rank that skipped it would leave the others blocked."""
-    from kvbroker.integrations.vllm._link import Warnings
+    from kvbroker.integrations._link import Warnings
     from kvbroker.integrations.vllm._scheduler import LoadSpec, StepPlan
     from kvbroker.integrations.vllm._worker import WorkerSide
 

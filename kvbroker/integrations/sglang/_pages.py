@@ -18,8 +18,8 @@ No SGLang import; torch is touched only through the host pool's tensor (as numpy
   replica where the daemon runs them), nothing held.
 
 Every broker error ends in the return value: misses, or a write that did not happen
-(:mod:`._link` for a daemon that is down). Nothing here raises into SGLang's threads except
-programming errors, which are logged and counted as errors too.
+(:mod:`kvbroker.integrations._link` for a daemon that is down). Nothing here raises into
+SGLang's threads except programming errors, which are logged and counted as errors too.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ from dataclasses import dataclass
 from kvbroker import blocks
 from kvbroker.errors import KVBrokerError, LimitExceeded, PoolFull, QuotaExceeded
 
+from .._link import BrokerLink, Warnings
 from ._format import PAGE, PageGeometry, Sharding
-from ._link import BrokerLink, Warnings
 
 log = logging.getLogger("kvbroker.integrations.sglang")
 
@@ -235,7 +235,7 @@ class PageStore:
     def _failed(self, client, exc: BaseException, what: str) -> None:
         self._count("errors")
         if isinstance(exc, (KVBrokerError, OSError)):
-            self.link.fail(client, exc)
+            self.link.fail(exc, client)
             self.warnings.warn(f"error_{what}", "HiCache %s failed (%s: %s): served as a miss "
                                "or an unwritten page", what, type(exc).__name__, exc)  # fmt: skip
         else:

@@ -24,11 +24,12 @@ Extra config keys, beside SGLang's ``backend_name``, ``module_path``, ``class_na
   treated as down; ``retry_min`` / ``retry_max`` (seconds, default 1 / 30): the first and
   the longest wait between reconnection attempts while it is down.
 
-What SGLang expects when the broker cannot help (:mod:`._link`): a daemon that is down,
-restarting or hung costs misses (``batch_exists`` 0, ``batch_get_v1`` all False) and skipped
-writes (``batch_set_v1`` all False), never an exception: an exception in SGLang's backup
-thread ends its backups (returning None does too, its docstring says). A full pool or quota
-skips that batch's writes. Each kind of trouble is logged once, then at most once per 30 s.
+What SGLang expects when the broker cannot help (:mod:`kvbroker.integrations._link`): a daemon
+that is down, restarting or hung costs misses (``batch_exists`` 0, ``batch_get_v1`` all False)
+and skipped writes (``batch_set_v1`` all False), never an exception: an exception in SGLang's
+backup thread ends its backups (returning None does too, its docstring says). A full pool or
+quota skips that batch's writes. Each kind of trouble is logged once, then at most once per
+30 s.
 
 Ownership: SGLang owns its host pool; a call reads (set) or writes (get) only the pages its
 ``host_indices`` name, and only until it returns. The broker owns every stored page; a get
@@ -44,13 +45,19 @@ import time
 
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
 
+from .._link import BrokerLink, LinkWords, Warnings
 from ._format import PageGeometry, Sharding, namespace_for
-from ._link import BrokerLink, Warnings
 from ._pages import PageStore, Source
 
 log = logging.getLogger("kvbroker.integrations.sglang")
 
 __all__ = ["KVBrokerStorage"]
+
+# What the broker being down means for SGLang (kvbroker.integrations._link).
+_LINK_WORDS = LinkWords(
+    down="SGLang keeps serving without it (its storage tier misses, pages are not written)",
+    back="HiCache storage reads and writes resume",
+)
 
 
 def _metrics():
@@ -84,6 +91,7 @@ class KVBrokerStorage(HiCacheStorage):
             socket, name=f"sglang-{rank}-{os.getpid()}", role="kv_both",
             timeout=float(extra.get("timeout", 5.0)), retry_min=float(extra.get("retry_min", 1.0)),
             retry_max=float(extra.get("retry_max", 30.0)), warnings=self.warnings,
+            words=_LINK_WORDS,
         )  # fmt: skip
         self.store: PageStore | None = None
         self.namespace: str | None = None

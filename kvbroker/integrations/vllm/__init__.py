@@ -10,6 +10,12 @@ Tested with vLLM 0.32.0 and 0.33.0's Python sources (the connector API is experi
 
 from __future__ import annotations
 
+import logging
+
+# The connector's logger (its modules log through it; kvbroker.integrations._link's
+# warnings go to it too, the connector hands it its Warnings).
+log = logging.getLogger(__name__)
+
 __all__ = ["KVBrokerConnector", "KVBrokerMetadata", "KVBrokerStats"]
 
 

@@ -38,9 +38,9 @@ from kvbroker import blocks
 from kvbroker.errors import KVBrokerError
 from kvbroker.prefix import PrefixCache
 
+from .._link import BrokerLink, Warnings
 from ._format import PromptKeys, prompt_keys
 from ._groups import FULL, SLIDING, STATE, Group, alignment
-from ._link import BrokerLink, Warnings
 from ._scheduler import StepPlan, request_salt
 from ._state import state_format
 

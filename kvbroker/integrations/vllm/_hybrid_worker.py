@@ -30,7 +30,7 @@ from kvbroker.errors import KVBrokerError, LayoutMismatch, PoolFull, QuotaExceed
 from ._format import BlockFormat
 from ._groups import STATE, Group
 from ._async_loads import Lost
-from ._link import log
+from . import log
 from ._paged import HostSave, SaveItem, host_cache, interpret, load_host
 from ._state import StateSave, check_pages, load_state, state_format, state_pieces
 from ._worker import WorkerSide, _Skipped

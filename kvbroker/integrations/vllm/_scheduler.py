@@ -30,8 +30,8 @@ from typing import Any
 from kvbroker.errors import KVBrokerError
 from kvbroker.prefix import PrefixCache
 
+from .._link import BrokerLink, Warnings
 from ._format import PromptKeys, prompt_keys
-from ._link import BrokerLink, Warnings
 
 __all__ = ["LoadSpec", "SaveSpec", "SchedulerSide", "StepPlan"]
 

@@ -55,9 +55,10 @@ from kvbroker.errors import (
     QuotaExceeded,
 )
 
+from .._link import CONNECTION_ERRORS, BrokerLink, Warnings
+from . import log
 from ._async_loads import AsyncLoads, Lost
 from ._format import BlockFormat
-from ._link import CONNECTION_ERRORS, BrokerLink, Warnings, log
 from ._paged import HostSave, SaveItem, cuda_cache, host_cache, interpret, load_host
 
 __all__ = ["WorkerSide"]

@@ -65,17 +65,24 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from .._link import BrokerLink, LinkWords, Warnings
+from . import log
 from ._format import namespace_for
 from ._groups import STATE, groups_of, hybrid_namespace
 from ._hybrid import HybridScheduler
 from ._hybrid_worker import HybridWorker
-from ._link import BrokerLink, Warnings, log
 from ._scheduler import SchedulerSide, StepPlan
 from ._worker import STAT_KEYS, WorkerSide
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
+
+# What the broker being down means for a vLLM engine (kvbroker.integrations._link).
+_LINK_WORDS = LinkWords(
+    down="the engine keeps serving without it (prompts are computed, KV is not saved)",
+    back="saving and loading KV resume",
+)
 
 __all__ = ["KVBrokerConnector", "KVBrokerMetadata", "KVBrokerStats"]
 
@@ -212,7 +219,7 @@ class KVBrokerConnector(KVConnectorBase_V1, SupportsHMA):
         timeout = float(extra.get("timeout", 5.0))
         retry = {"retry_min": float(extra.get("retry_min", 1.0)),
                  "retry_max": float(extra.get("retry_max", 30.0))}
-        self._warnings = Warnings()
+        self._warnings = Warnings(log)
         kv_role = config.kv_role
         # vLLM fails a request whose KV did not load by default ("fail"): right for a P/D
         # transfer that must arrive, wrong for a cache, where a block evicted since the lookup
@@ -231,7 +238,7 @@ class KVBrokerConnector(KVConnectorBase_V1, SupportsHMA):
         if role == KVConnectorRole.SCHEDULER:
             link = BrokerLink(socket, name=f"vllm-scheduler-{os.getpid()}", role=kv_role,
                               map_pools=False, timeout=timeout, **retry,
-                              warnings=self._warnings)  # fmt: skip
+                              warnings=self._warnings, words=_LINK_WORDS)  # fmt: skip
             if self._groups:
                 self._scheduler = HybridScheduler(
                     link=link, namespace=self._namespace, groups=self._groups,
@@ -249,7 +256,7 @@ class KVBrokerConnector(KVConnectorBase_V1, SupportsHMA):
             tp_rank = _tp_rank()
             link = BrokerLink(socket, name=f"vllm-worker-tp{tp_rank}of{self._tp_size}",
                               role=kv_role, map_pools=True, timeout=timeout, **retry,
-                              warnings=self._warnings)  # fmt: skip
+                              warnings=self._warnings, words=_LINK_WORDS)  # fmt: skip
             if self._groups:
                 self._worker = HybridWorker(
                     groups=self._groups, link=link, namespace=self._namespace,
