@@ -35,6 +35,8 @@ class TableProvider:
     lease's TTL passes, its object's bytes are overwritten, as a new owner of the pages would
     (``--reuse-on-expiry``)."""
 
+    max_lease_ttl = 3600.0  # the TTL rule's bound (kvbroker._wire.rules.LEASE_TTL)
+
     def __init__(self, region: np.ndarray, objects: dict, reuse_on_expiry: bool) -> None:
         self.region = region
         self.objects = objects

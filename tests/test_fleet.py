@@ -987,6 +987,8 @@ class _ForgingOwner:
     honestly in mode "honest"; every other mode forges the reply. It counts pins and the
     leases it holds: a puller that refuses a reply must release its lease."""
 
+    max_lease_ttl = 3600.0  # the TTL rule's bound (kvbroker._wire.rules.LEASE_TTL)
+
     def __init__(self, certs: dict) -> None:
         import asyncio
 

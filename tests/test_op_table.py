@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import inspect
 import struct
+from types import SimpleNamespace
 
 import pytest
 from hypothesis import given, settings
@@ -189,6 +190,9 @@ def test_the_design_doc_shows_the_current_op_table():
     assert m.group(1) == markdown_table()
 
 
+_LIMITS = SimpleNamespace(max_lease_ttl=3600.0)  # the serving side's, for the TTL rule
+
+
 class _Args(dict):
     """A dict of another class: validate_args checks it the long way, argument by argument."""
 
@@ -233,7 +237,7 @@ def test_validate_args_answers_as_the_table_says_whichever_way_it_checks(request
 
     def outcome(raw):
         try:
-            return "ok", dict(validate_args(name, raw))
+            return "ok", dict(validate_args(name, raw, _LIMITS))
         except errors.BadRequest as exc:
             return "refused", str(exc)
 
@@ -243,7 +247,7 @@ def test_validate_args_answers_as_the_table_says_whichever_way_it_checks(request
 def test_validate_args_takes_the_fast_path_for_what_clients_send():
     raw = {"namespace": "default", "key": "k", "select": None, "consume": True, "wait": None,
            "ttl": None, "peer": None}  # fmt: skip
-    assert validate_args("claim", raw) is raw
+    assert validate_args("claim", raw, _LIMITS) is raw
     # a bool where a count is meant is refused, whichever way
     with pytest.raises(errors.BadRequest, match="lease must be int"):
-        validate_args("release", {"lease": True, "consume": True})
+        validate_args("release", {"lease": True, "consume": True}, _LIMITS)

@@ -92,6 +92,8 @@ def _tls(certs, name):
 
 
 class _Provider:
+    max_lease_ttl = 3600.0  # the TTL rule's bound (kvbroker._wire.rules.LEASE_TTL)
+
     def __init__(self):
         self.leases: dict[int, int] = {}
         self.next = 1

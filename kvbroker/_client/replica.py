@@ -21,6 +21,7 @@ import threading
 import time
 from typing import Any
 
+from .._wire.protocol import REPLICA_ROUTED_OPS, answered_by_a_replica
 from ..errors import BrokerUnavailable, ProtocolError, Timeout
 from .framing import MessageStream
 from .session import Session
@@ -36,10 +37,8 @@ ASK_DAEMON = object()  # what ReadReplica.call returns when the daemon must answ
 
 
 def answers(op: str, args: dict[str, Any]) -> bool:
-    """Whether a read replica can answer this request."""
-    if op == "exists":
-        return True
-    return op == "match_prefix" and not args.get("hold", True) and args.get("peer") is None
+    """Whether to send this request to a read replica: the op table's ``replica`` column."""
+    return op in REPLICA_ROUTED_OPS and answered_by_a_replica(op, args)
 
 
 class ReadReplica:

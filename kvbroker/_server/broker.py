@@ -157,7 +157,7 @@ class Broker:
         """Run one request; returns its result or raises a KVBrokerError (or WouldWait).
         ``daemon``: what answers the ops the table gives the daemon (the connection)."""
         self.counters["requests"] += 1
-        args = validate_args(op, raw_args)
+        args = validate_args(op, raw_args, self)  # (its max_lease_ttl: the TTL rule)
         row = OPS[op]
         if row.needs_hello and not session.greeted:
             raise ProtocolError("the first request on a connection must be hello")

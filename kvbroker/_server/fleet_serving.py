@@ -108,9 +108,13 @@ class BrokerProvider:
             "parent": obj.parent_key, "tokens": obj.tokens,
         }  # fmt: skip
 
+    @property
+    def max_lease_ttl(self) -> float:
+        """The bound of the TTL rule the peer ops declare (kvbroker._wire.peer)."""
+        return self.broker.max_lease_ttl
+
     def _ttl(self, ttl: float) -> float:
-        # The local ops' check: a NaN would never be due in the expiry heap (issue 38).
-        return _ttl(self.broker, ttl)
+        return _ttl(self.broker, ttl)  # (in range: the peer table's rule checked it)
 
     def _names(self, namespace: str, keys: Sequence[str]) -> None:
         _check_name("namespace", namespace)

@@ -166,8 +166,11 @@ class Provider(Protocol):
     """What a :class:`PeerServer` serves: the daemon's broker, or a test table.
 
     ``peer`` identifies one authenticated connection; every lease it got ends with it.
-    Arguments arrive checked against :data:`~kvbroker._wire.peer.PEER_OPS` (types); their
-    values (TTL, names) are the provider's to check, as the local ops check them."""
+    Arguments arrive checked against :data:`~kvbroker._wire.peer.PEER_OPS` (types, and a
+    TTL's range up to the provider's ``max_lease_ttl``); the other values (names) are the
+    provider's to check, as the local ops check them."""
+
+    max_lease_ttl: float
 
     def pin(self, peer: int, namespace: str, key: str, ttl: float, consume: bool) -> dict: ...
 
@@ -345,7 +348,7 @@ class PeerServer:
         try:
             if not isinstance(hello, dict) or hello.get("op") != "hello":
                 raise ProtocolError("the first peer frame must be a hello")
-            args = check_args("peer hello", PEER_OPS["hello"], hello.get("args"))
+            args = check_args("peer hello", PEER_OPS["hello"], hello.get("args"), None)
             if args["proto"] != PEER_PROTOCOL:
                 raise ProtocolError(f"peer speaks {args['proto']!r}, not {PEER_PROTOCOL}")
         except KVBrokerError as e:
@@ -364,7 +367,7 @@ class PeerServer:
             if not isinstance(req, dict) or req.keys() - {"op", "args"}:
                 raise ProtocolError("a peer request must be a map {op, args}")
             op = req.get("op")
-            args = validate_peer_args(op, req.get("args"))
+            args = validate_peer_args(op, req.get("args"), self.provider)
             if op == "pin":
                 out = self.provider.pin(pid, args["namespace"], args["key"], args["ttl"],
                                         args["consume"])

@@ -52,6 +52,9 @@ from .._wire.protocol import (
     MAX_BUFFERS,
     MAX_REQUEST,
     PROTOCOL_VERSION,
+    OPS,
+    REPLICA_OPS,
+    answered_by_a_replica,
     unpacker_limits,
     validate_args,
 )
@@ -65,8 +68,7 @@ _MAX_TOUCHED = 65536  # matched keys per report; beyond, the LRU hint is dropped
 # One report message: written whole or not at all (POSIX: a pipe write of at most PIPE_BUF).
 MESSAGE_MAX = select.PIPE_BUF
 _HIGH_WATER = 1 << 20  # unread replies per connection before it stops reading
-# The requests a replica answers; the client sends it nothing else.
-REPLICA_OPS = frozenset({"hello", "exists", "match_prefix", "ping"})
+# (The requests a replica answers, REPLICA_OPS: the op table's ``replica`` column.)
 
 
 class JournalFollower:
@@ -187,6 +189,7 @@ class _Replica:
         self.follower = follower
         self.report_fd = report_fd
         self.settings = settings
+        self.max_lease_ttl = settings["max_lease_ttl"]  # the TTL rule's bound, as the daemon's
         self.connections: set[_ReplicaConnection] = set()
         self.per_uid: Counter[int] = Counter()
         self.counters: Counter[str] = Counter()
@@ -318,7 +321,10 @@ class _ReplicaConnection(asyncio.Protocol):
             if op not in REPLICA_OPS:
                 raise BadRequest(f"{op}: a read replica answers only {sorted(REPLICA_OPS)}; "
                                  "ask the daemon")  # fmt: skip
-            args = validate_args(op, msg.get("args"))
+            args = validate_args(op, msg.get("args"), self.replica)
+            if not answered_by_a_replica(op, args):
+                raise BadRequest(f"{op}: a read replica answers it only with "
+                                 f"{_when(op)}; ask the daemon")
             if op != "hello" and not self.greeted:
                 raise ProtocolError("the first request on a connection must be hello")
             result = getattr(self, "op_" + op)(**args)
@@ -347,10 +353,7 @@ class _ReplicaConnection(asyncio.Protocol):
 
     def op_match_prefix(self, namespace: str, keys: list, block_tokens: int, ttl: Any,
                         peer: Any = None, hold: bool = True) -> dict:  # fmt: skip
-        if hold or peer is not None:
-            raise BadRequest("match_prefix: a read replica answers only hold=False without a "
-                             "peer; ask the daemon")  # fmt: skip
-        ttl = self._ttl(ttl)
+        ttl = self.replica.settings["lease_ttl"] if ttl is None else float(ttl)
         if len(keys) > MAX_BUFFERS:
             raise BadRequest(f"match_prefix: at most {MAX_BUFFERS} keys per request")
         f = self._following()
@@ -365,17 +368,12 @@ class _ReplicaConnection(asyncio.Protocol):
             self.replica.touch(namespace, keys[:matched])
         return {"ttl": ttl, "matched": matched, "lease": None, "names": [], "blocks": []}
 
-    def _ttl(self, ttl: float | None) -> float:
-        """The daemon's rule (handlers._ttl), with its settings."""
-        limits = self.replica.settings
-        if ttl is None:
-            return limits["lease_ttl"]
-        if not 0 < ttl <= limits["max_lease_ttl"]:
-            raise BadRequest(f"ttl must be in (0, {limits['max_lease_ttl']:g}] seconds")
-        return float(ttl)
-
     def op_ping(self) -> dict:
         return {"version": PROTOCOL_VERSION, "replica": True}
+
+
+def _when(op: str) -> str:
+    return ", ".join(f"{k}={v!r}" for k, v in OPS[op].replica.when)
 
 
 async def _serve(listen: socket.socket, replica: _Replica, daemon_pid: int) -> None:

@@ -180,7 +180,6 @@ class RingService:
         size: int,
         *,
         object_ttl: float = 30.0,
-        max_ttl: float = 3600.0,
         clock: Callable[[], float] = time.monotonic,
         on_sealed: Callable[[tuple[str, str]], None] | None = None,
         registry: LeaseRegistry | None = None,
@@ -189,8 +188,7 @@ class RingService:
             raise KVBrokerError(f"a GPU ring needs at least {RING_ALIGN} bytes, not {size}")
         self.backend = backend
         self.size = size - size % RING_ALIGN
-        self.object_ttl = object_ttl
-        self.max_ttl = max_ttl
+        self.object_ttl = object_ttl  # (a TTL asked for is checked by the op table's rule)
         self.clock = clock
         self.on_sealed = on_sealed
         self.rings: list[_Ring] = []
@@ -315,11 +313,8 @@ class RingService:
 
     # ---------------------------------------------------------------- lifetimes
     def _ttl(self, ttl: float | None) -> float:
-        if ttl is None:
-            return self.object_ttl
-        if not 0 < ttl <= self.max_ttl:
-            raise BadRequest(f"ttl must be in (0, {self.max_ttl:g}] seconds, not {ttl}")
-        return float(ttl)
+        """A TTL asked for (in range: the op table's rule checked it), or the default."""
+        return self.object_ttl if ttl is None else float(ttl)
 
     def _add(self, ls: _RingLease) -> None:
         self.leases[ls.id] = ls

@@ -6,8 +6,9 @@ The channel is mutual TLS (:mod:`kvbroker._server.transfer`); over it a request 
 "message": str}``, one length-prefixed msgpack frame each. :func:`validate_peer_args` checks
 a request's arguments against :data:`PEER_OPS` with the same function the local ops use
 (:func:`~kvbroker._wire.protocol.check_args`); the serving broker then applies the local
-ops' value checks (a TTL in ``(0, max_lease_ttl]``, names of 1 to ``MAX_NAME`` characters,
-at most ``MAX_BUFFERS`` keys) through the same helpers its handlers call.
+ops' value checks (names of 1 to ``MAX_NAME`` characters, at most ``MAX_BUFFERS`` keys)
+through the same helpers its handlers call; a TTL's range is the rule declared on it
+(:data:`~kvbroker._wire.rules.LEASE_TTL`, as on the local ops).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import BadRequest
-from .protocol import Arg, check_args
+from .rules import LEASE_TTL, Arg, check_args
 
 __all__ = ["PEER_OPS", "PEER_PROTOCOL", "validate_peer_args"]
 
@@ -27,7 +28,7 @@ def _a(*types: type, required: bool = False, default: Any = None) -> Arg:
 
 
 _NAMESPACE = _a(str, default="default")
-_TTL = _a(int, float, required=True)
+_TTL = Arg((int, float), required=True, rule=LEASE_TTL)
 
 PEER_OPS: dict[str, dict[str, Arg]] = {
     # The first frame each side sends after the TLS handshake: who it says it is (the
@@ -44,10 +45,11 @@ PEER_OPS: dict[str, dict[str, Arg]] = {
 }  # fmt: skip
 
 
-def validate_peer_args(op: Any, raw: Any) -> dict[str, Any]:
-    """A peer request's arguments checked against :data:`PEER_OPS` (defaults filled in);
+def validate_peer_args(op: Any, raw: Any, limits: Any) -> dict[str, Any]:
+    """A peer request's arguments checked against :data:`PEER_OPS` (types, and rules with
+    the serving side's ``limits``: its ``max_lease_ttl``; defaults filled in);
     :class:`~kvbroker.errors.BadRequest` for an unknown op or a bad argument."""
     declared = PEER_OPS.get(op) if isinstance(op, str) else None
     if declared is None or op == "hello":
         raise BadRequest(f"unknown peer op {op!r}")
-    return check_args(f"peer {op}", declared, raw)
+    return check_args(f"peer {op}", declared, raw, limits)

@@ -29,6 +29,7 @@ from typing import Any
 from . import replies as R
 from ..errors import ERROR_CLASSES, BadRequest
 from .replies import mismatch
+from .rules import LEASE_TTL, Arg, Replica, check_args, check_rules, replica_answers, ruled
 from .stats import ObjectInfo, Statistics
 
 PROTOCOL_VERSION = 1
@@ -129,13 +130,6 @@ _OPT_STR = (str, type(None))
 _OPT_NUM = (int, float, type(None))
 
 
-@dataclass(frozen=True)
-class Arg:
-    types: tuple[type, ...]
-    required: bool = False
-    default: Any = None
-
-
 class Service(enum.Enum):
     """Which part of the daemon answers an op: where its one handler lives."""
 
@@ -185,10 +179,15 @@ class Op:
     # finisher) is not held back for the whole wait. The daemon still answers everything
     # else on a connection in the order it came.
     passes_a_wait: bool = False
+    # Whether (and when) a read replica answers it (kvbroker._wire.rules.Replica).
+    replica: Replica | None = None
 
 
-def _a(*types: type, required: bool = False, default: Any = None) -> Arg:
-    return Arg(tuple(types), required, default)
+def _a(*types: type, required: bool = False, default: Any = None, rule: Any = None) -> Arg:
+    return Arg(tuple(types), required, default, rule)
+
+
+_TTL = _a(int, float, type(None), rule=LEASE_TTL)  # a lease TTL; None: the daemon's default
 
 
 _TAKES, _NAMES = LeaseRole.TAKES, LeaseRole.NAMES
@@ -206,6 +205,7 @@ OPS: dict[str, Op] = {
         R.Hello,
         "Open the session: protocol version check, client name and role.",
         needs_hello=False,
+        replica=Replica(routed=False),  # each replica connection opens its own
     ),
     "reserve": Op(
         {
@@ -214,7 +214,7 @@ OPS: dict[str, Op] = {
             "buffers": _a(dict, required=True),
             "meta": _a(dict, type(None)),
             "replace": _a(bool, default=False),
-            "ttl": _a(*_OPT_NUM),
+            "ttl": _TTL,
             "consumers": _a(int, default=1),
         },
         R.Reserved,
@@ -271,7 +271,7 @@ OPS: dict[str, Op] = {
             "select": _a(*_OPT_STR),
             "consume": _a(bool, default=False),
             "wait": _a(*_OPT_NUM),
-            "ttl": _a(*_OPT_NUM),
+            "ttl": _TTL,
             "peer": _a(*_OPT_STR),
         },
         R.Claimed,
@@ -290,7 +290,7 @@ OPS: dict[str, Op] = {
         passes_a_wait=True,
     ),
     "renew": Op(
-        {"leases": _a(list, required=True), "ttl": _a(*_OPT_NUM)},
+        {"leases": _a(list, required=True), "ttl": _TTL},
         R.Renewed,
         "Extend leases by their TTL; an ended lease answers lease_expired.",
         lease=_NAMES,
@@ -309,6 +309,7 @@ OPS: dict[str, Op] = {
         bool,
         "Whether the object is sealed here: `lookup` without its description. Read replicas "
         "answer it too (the sockets `hello` names in `replicas`).",
+        replica=Replica(),
     ),
     "list": Op(
         {
@@ -342,7 +343,7 @@ OPS: dict[str, Op] = {
         {
             "namespace": _a(str, default="default"),
             "blocks": _a(list, required=True),
-            "ttl": _a(*_OPT_NUM),
+            "ttl": _TTL,
             "buffers": _a(dict, type(None)),
             "meta": _a(dict, type(None)),
             "compact": _a(bool, default=False),
@@ -369,7 +370,7 @@ OPS: dict[str, Op] = {
             "namespace": _a(str, default="default"),
             "keys": _a(list, required=True),
             "block_tokens": _a(int, default=0),
-            "ttl": _a(*_OPT_NUM),
+            "ttl": _TTL,
             "peer": _a(*_OPT_STR),
             "hold": _a(bool, default=True),
         },
@@ -379,8 +380,10 @@ OPS: dict[str, Op] = {
         "[pool, offset, nbytes, offset, nbytes, ...] per block; else `blocks` a map each. "
         "`peer`: pull the blocks after the local run that the peer broker holds first (one "
         "NIXL READ for all of them). `hold` false: only `matched`, no lease, no extents (a "
-        "scheduler asking how much it could load).",
+        "scheduler asking how much it could load; read replicas answer it).",
         lease=_TAKES, draining=REFUSE,
+        # no lease, no extents, no peer: a map of names answers it
+        replica=Replica(when=(("hold", False), ("peer", None))),
     ),
     "release_many": Op(
         {"leases": _a(list, required=True)},
@@ -403,7 +406,7 @@ OPS: dict[str, Op] = {
             "namespace": _a(str, default="default"),
             "key": _a(*_OPT_STR),
             "meta": _a(dict, type(None)),
-            "ttl": _a(*_OPT_NUM),
+            "ttl": _TTL,
         },
         R.RingRegion,
         "A region of ring `device`, bound to this connection: scratch staging (no key), or "
@@ -452,6 +455,7 @@ OPS: dict[str, Op] = {
         {},
         R.Pong,
         "A round trip that does nothing: the daemon's version, pid and start time.",
+        replica=Replica(routed=False),
     ),
     "report": Op(
         {"counters": _a(dict, required=True)},
@@ -481,6 +485,18 @@ LEASE_NAMING_OPS = ops_where(lambda op: LeaseRole.NAMES in op.lease)
 # Refused by a draining daemon, which hands out no new leases.
 REFUSED_WHILE_DRAINING = ops_where(lambda op: op.draining.refuse)
 
+# What a read replica answers (kvbroker._server.replica), and what a client sends one.
+REPLICA_OPS = ops_where(lambda op: op.replica is not None)
+REPLICA_ROUTED_OPS = ops_where(lambda op: op.replica is not None and op.replica.routed)
+
+
+def answered_by_a_replica(op_name: str, args: dict[str, Any]) -> bool:
+    """Whether a read replica answers this request (its row's ``replica``, the arguments'
+    values included)."""
+    row = OPS.get(op_name)
+    return row is not None and replica_answers(row.replica, row.args, args)
+
+
 # Connections are answered with these codes (kvbroker.errors holds their classes).
 ERROR_CODES = tuple(cls.code for cls in ERROR_CLASSES)
 
@@ -496,10 +512,14 @@ _EXACT: dict[str, tuple[tuple[str, frozenset[type]], ...]] = {
     name: tuple((arg_name, frozenset(arg.types)) for arg_name, arg in op.args.items())
     for name, op in OPS.items()
 }
+# Per op, its arguments that have a value rule (rules.Rule), checked on every path.
+_RULED = {name: ruled(op.args) for name, op in OPS.items()}
 
 
-def validate_args(op_name: str, raw: Any) -> dict[str, Any]:
-    """Check a request's arguments against the table; returns them with defaults filled in.
+def validate_args(op_name: str, raw: Any, limits: Any) -> dict[str, Any]:
+    """Check a request's arguments against the table (types, then the arguments' rules with
+    the serving side's ``limits``: an object with ``max_lease_ttl``); returns them with
+    defaults filled in.
 
     Raises :class:`~kvbroker.errors.BadRequest` naming the offending argument.
     """
@@ -512,47 +532,14 @@ def validate_args(op_name: str, raw: Any) -> dict[str, Any]:
             if raw.get(name, _MISSING).__class__ not in classes:
                 break
         else:
+            rules = _RULED[op_name]
+            if rules:
+                check_rules(op_name, rules, raw, limits)
             return raw
     op = OPS.get(op_name)
     if op is None:
         raise BadRequest(f"unknown op {op_name!r}")
-    return check_args(op_name, op.args, raw)
-
-
-def check_args(op_name: str, declared: dict[str, Arg], raw: Any) -> dict[str, Any]:
-    """``raw`` checked against ``declared`` (one op's arguments, of :data:`OPS` or of the
-    peer channel's table, :data:`kvbroker._wire.peer.PEER_OPS`): the arguments with their
-    defaults filled in, or :class:`~kvbroker.errors.BadRequest` naming the offending one."""
-    if raw is None:
-        raw = {}
-    elif not isinstance(raw, dict):
-        raise BadRequest(f"{op_name}: args must be a map, not {type(raw).__name__}")
-    out: dict[str, Any] = {}
-    seen = 0
-    for name, arg in declared.items():
-        value = raw.get(name, _MISSING)
-        if value is _MISSING:
-            if arg.required:
-                raise BadRequest(f"{op_name}: missing argument {name!r}")
-            out[name] = arg.default
-            continue
-        seen += 1
-        # bool is an int subclass: never accept True where a count is meant.
-        if not isinstance(value, arg.types) or (
-            value.__class__ is bool and bool not in arg.types
-        ):
-            raise BadRequest(
-                f"{op_name}: {name} must be {_type_names(arg)}, not {type(value).__name__}"
-            )
-        out[name] = value
-    if seen != len(raw):
-        extra = next(k for k in raw if k not in declared)
-        raise BadRequest(f"{op_name}: unexpected argument {extra!r}")
-    return out
-
-
-def _type_names(arg: Arg) -> str:
-    return " or ".join("null" if t is type(None) else t.__name__ for t in arg.types)
+    return check_args(op_name, op.args, raw, limits)
 
 
 _HANDLER = {
@@ -583,11 +570,18 @@ def markdown_table() -> str:
         return served + (" if the pools are kept, else refused" if op.draining.publishes
                          else "")  # fmt: skip
 
-    rows = ["| op | args (`required`) | reply | handler | lease | while draining |",
-            "|---|---|---|---|---|---|"]
+    def replica(op: Op) -> str:
+        if op.replica is None:
+            return "—"
+        if not op.replica.routed:
+            return "its own"
+        return "answers" + "".join(f", {k}={v!r}" for k, v in op.replica.when)
+
+    rows = ["| op | args (`required`) | reply | handler | lease | while draining | replica |",
+            "|---|---|---|---|---|---|---|"]
     for name, op in OPS.items():
         reply = getattr(op.reply, "__name__", None) or str(op.reply).rpartition(".")[2]
         reply = reply.replace(" | ", " or ")  # a bar would end the Markdown cell
         rows.append(f"| `{name}` | {args(op)} | `{reply}` | `{_HANDLER[op.service].format(name)}`"
-                    f" | {lease(op)} | {draining(op)} |")
+                    f" | {lease(op)} | {draining(op)} | {replica(op)} |")
     return "\n".join(rows) + "\n"
