@@ -104,6 +104,7 @@ def test_a_bad_ttl_gets_the_same_refusal_on_every_path(rings_and_replica):
     a negative or a too long TTL with the one rule's words (they once had a check each)."""
     refusals: dict[str, set[str]] = {}
     with rings_and_replica.client(map_pools=False) as c:
+        c.ops.seal(c.ops.reserve("k0", {"x": 8})["lease"])  # there: a claim gets to its TTL
         paths = {
             "reserve": lambda t: c.ops.reserve("k1", {"x": 8}, ttl=t),
             "reserve_blocks": lambda t: c.ops.reserve_blocks([], ttl=t),
