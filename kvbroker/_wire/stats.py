@@ -13,18 +13,19 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 __all__ = [
-    "PoolStatistics",
-    "RingStatistics",
     "ClientStatistics",
-    "LeaseInfo",
-    "TransferRecord",
     "Counters",
+    "DiskTierStatistics",
+    "EventStatistics",
+    "LeaseInfo",
     "NamespaceUsage",
-    "Statistics",
     "ObjectInfo",
     "PeerInfo",
+    "PoolStatistics",
+    "RingStatistics",
+    "Statistics",
+    "TransferRecord",
     "TransferStatistics",
-    "EventStatistics",
 ]
 
 
@@ -214,6 +215,38 @@ class EventStatistics:
 
 
 @dataclass(frozen=True)
+class DiskTierStatistics:
+    """The disk tier (``[tier.disk]``, kvbroker._server.disk_tier). ``objects`` counts every
+    object with a copy on disk, ``only_on_disk`` those not in a pool too; ``used`` is slot
+    bytes (whole units), ``bytes`` the objects' own."""
+
+    directories: tuple[str, ...]
+    capacity: int
+    used: int
+    objects: int
+    only_on_disk: int = 0
+    bytes: int = 0
+    policy: str = "evicted"
+    o_direct: bool = False  # False: buffered I/O (o_direct_problem says why)
+    o_direct_problem: str | None = None
+    writing_bytes: int = 0  # being written now
+    promoting: int = 0  # objects being read back now
+    writes: int = 0
+    written_bytes: int = 0
+    written_back: int = 0  # copies written while the object stayed in its pool
+    demoted: int = 0  # evictions from a pool that kept the object here
+    promoted: int = 0  # objects read back into a pool
+    promoted_bytes: int = 0
+    promote_seconds: float = 0.0  # reads and verification of those, summed
+    evicted: int = 0  # dropped from disk (room, quotas, evict --tier disk)
+    dropped_damaged: int = 0  # slots that did not hash to their digest: never served
+    skipped: int = 0  # evictions from a pool not kept here (no room, quota, busy)
+    errors: int = 0  # failed reads, writes and index syncs
+    recovered: int = 0  # objects the index vouched for at start
+    recovered_dropped: int = 0  # index records dropped at start (damaged, unvouched)
+
+
+@dataclass(frozen=True)
 class Statistics:
     taken_at: float
     version: str
@@ -235,6 +268,7 @@ class Statistics:
     read_replicas: int = 0  # processes answering exists and unheld matches (named in hello)
     transfer: TransferStatistics | None = None  # [transfer] configured
     events: EventStatistics | None = None  # [events] publish configured
+    disk: DiskTierStatistics | None = None  # [tier.disk] configured
 
     @property
     def capacity(self) -> int:
@@ -268,6 +302,10 @@ class Statistics:
             d["transfer"] = _build(TransferStatistics, t)
         if d.get("events") is not None:
             d["events"] = _build(EventStatistics, d["events"])
+        if d.get("disk") is not None:
+            disk = dict(d["disk"])
+            disk["directories"] = tuple(disk.get("directories", ()))
+            d["disk"] = _build(DiskTierStatistics, disk)
         return _build(cls, d)
 
 

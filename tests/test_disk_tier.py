@@ -1,0 +1,369 @@
+"""The disk tier's owner on its own (kvbroker._server.disk_tier, disk_store): slots written
+and read back bit-exact, one read shared by concurrent promotions, a damaged slot or index
+record dropped and never served, the index read back by a new daemon, the O_DIRECT fallback,
+and each tier's own quota share. Pools are plain anonymous mappings here; the daemon's use
+of the tier is tests/test_disk_daemon.py."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import mmap
+import os
+from pathlib import Path
+
+import pytest
+
+from kvbroker._server import disk_store
+from kvbroker._server.disk_store import INDEX_NAME, SLOTS_NAME, DiskStore
+from kvbroker._server.disk_tier import DiskTier
+from kvbroker._server.state import StoredObject
+from kvbroker.errors import NotFound
+
+PAGE = 4096
+POOL_PAGES = 256
+
+
+class _Pool:
+    def __init__(self, index: int = 0) -> None:
+        self.index, self.page_size = index, PAGE
+        self.next = 0
+
+    def alloc(self, npages: int) -> int:
+        start, self.next = self.next, self.next + npages
+        assert self.next <= POOL_PAGES
+        return start
+
+
+class _Lease:
+    ids = iter(range(1, 1 << 30))
+
+    def __init__(self, obj: StoredObject) -> None:
+        self.id, self.obj = next(self.ids), obj
+
+
+serials = iter(range(1, 1 << 30))
+
+
+def _object(pool: _Pool, buf: mmap.mmap, key: str, sizes: dict[str, int],
+            namespace: str = "ns", fill: bytes | None = None) -> StoredObject:  # fmt: skip
+    span, layout = 0, {}
+    for name, n in sizes.items():
+        layout[name] = (span, n)
+        span += -(-n // 256) * 256
+    npages = -(-span // PAGE)
+    start = pool.alloc(npages)
+    base = start * PAGE
+    obj = StoredObject(namespace, key, pool, start, npages, sum(sizes.values()),
+                       {k: (base + off, n) for k, (off, n) in layout.items()}, {"m": key},
+                       next(serials))  # fmt: skip
+    data = fill if fill is not None else os.urandom(npages * PAGE)
+    buf[base:base + npages * PAGE] = data[:npages * PAGE]
+    obj.sealed = obj.linked = True
+    obj.checksums = {name: 7 for name in sizes}
+    return obj
+
+
+def _bytes_of(buf: mmap.mmap, obj: StoredObject) -> dict[str, bytes]:
+    return {name: bytes(buf[off:off + n]) for name, (off, n) in obj.buffers.items()}
+
+
+class _Rig:
+    """A tier over two pools' worth of anonymous memory: pool 0 is where objects are made,
+    pool 1 where promotions land."""
+
+    def __init__(self, dirs, size=1 << 20, direct=True, **kw) -> None:
+        self.dirs = dirs
+        self.bufs = [mmap.mmap(-1, POOL_PAGES * PAGE) for _ in range(2)]
+        self.pools = [_Pool(0), _Pool(1)]
+        self.store = DiskStore(dirs, size, PAGE, direct=direct, threads=2)
+        self.tier = DiskTier(self.store, [memoryview(b) for b in self.bufs], **kw)
+        self.loaded = self.tier.open()
+        self.reserved: list[_Lease] = []
+        self.sealed: list[_Lease] = []
+        self.discarded: list[_Lease] = []
+
+    def reserve(self, e):
+        rec = e.record
+        npages = -(-e.length // PAGE)
+        start = self.pools[1].alloc(npages)
+        base = start * PAGE
+        obj = StoredObject(e.ident[0], e.ident[1], self.pools[1], start, npages, rec["nbytes"],
+                           {k: (base + off, n) for k, (off, n) in rec["buffers"].items()},
+                           rec["meta"], next(serials))  # fmt: skip
+        lease = _Lease(obj)
+        self.reserved.append(lease)
+        return lease
+
+    async def promote(self, *keys, namespace="ns"):
+        return await self.tier.promote([(namespace, k) for k in keys], self.reserve,
+                                       self.sealed.extend, self.discarded.append)  # fmt: skip
+
+    def close(self):
+        self.tier.close()
+
+
+def _flip(path: str, offset: int, mask: int = 1) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([byte ^ mask]))
+
+
+def _run(coro):
+    return asyncio.run(coro)
+
+
+@pytest.fixture
+def dirs(tmp_path):
+    return [str(tmp_path / "a"), str(tmp_path / "b")]
+
+
+def test_demoted_objects_come_back_bit_exact_and_their_digest_is_checked(dirs):
+    async def main():
+        rig = _Rig(dirs)
+        objs = [_object(rig.pools[0], rig.bufs[0], f"k{i}", {"past_key.0": 5000 + i,
+                                                             "past_value.0": 3000})
+                for i in range(4)]  # fmt: skip
+        want = {o.key: _bytes_of(rig.bufs[0], o) for o in objs}
+        for o in objs:
+            assert rig.tier.demote(o)  # copied out of its pages: they may be reused now
+        rig.bufs[0][:] = b"\0" * len(rig.bufs[0])
+        await rig.tier.drain()
+        for o in objs:
+            assert await rig.promote(o.key) == 1
+        assert [ls.obj.key for ls in rig.sealed] == [o.key for o in objs]
+        for ls in rig.sealed:
+            assert _bytes_of(rig.bufs[1], ls.obj) == want[ls.obj.key]
+        st = rig.tier.statistics()
+        assert (st.demoted, st.promoted, st.objects, st.only_on_disk) == (4, 4, 4, 0)
+        assert st.o_direct and rig.store.used == 4 * 2 * PAGE  # 8120 bytes a slot
+        rig.close()
+
+    _run(main())
+
+
+def test_concurrent_promotions_of_one_object_share_one_read(dirs):
+    async def main():
+        rig = _Rig(dirs)
+        o = _object(rig.pools[0], rig.bufs[0], "k", {"past_key.0": 70000})
+        assert rig.tier.demote(o)
+        await rig.tier.drain()
+        got = await asyncio.gather(*[rig.promote("k") for _ in range(5)])
+        assert got == [1] * 5
+        assert len(rig.reserved) == 1 and len(rig.sealed) == 1  # one reservation, one read
+        assert rig.tier.statistics().promoted == 1
+        rig.close()
+
+    _run(main())
+
+
+def test_a_damaged_slot_is_dropped_never_served(dirs):
+    async def main():
+        rig = _Rig(dirs[:1])
+        a = _object(rig.pools[0], rig.bufs[0], "a", {"past_key.0": 9000})
+        b = _object(rig.pools[0], rig.bufs[0], "b", {"past_key.0": 9000})
+        for o in (a, b):
+            rig.tier.demote(o)
+        await rig.tier.drain()
+        e = rig.tier.entries[("ns", "a")]
+        _flip(os.path.join(dirs[0], SLOTS_NAME), e.start * PAGE + 100)  # one bit of a's slot
+        with pytest.raises(NotFound):
+            await rig.promote("a")
+        assert rig.sealed == [] and len(rig.discarded) == 1  # the read pages given back
+        assert not rig.tier.has(("ns", "a"))
+        assert rig.tier.statistics().dropped_damaged == 1
+        assert await rig.promote("b") == 1  # the other object is untouched
+        await rig.tier.drain()
+        rig.close()
+
+    _run(main())
+
+
+def test_a_new_daemon_reads_the_index_back_and_drops_what_it_cannot_vouch_for(dirs):
+    async def first():
+        rig = _Rig(dirs)
+        objs = [_object(rig.pools[0], rig.bufs[0], f"k{i}", {"past_key.0": 20000})
+                for i in range(6)]  # fmt: skip
+        want = {o.key: _bytes_of(rig.bufs[0], o) for o in objs}
+        for o in objs:
+            rig.tier.demote(o)
+        await rig.tier.drain()
+        rig.tier.forget(("ns", "k5"))  # gone before the restart: not back after it
+        await rig.tier.drain()
+        rig.close()
+        return want
+
+    want = _run(first())
+    index = os.path.join(dirs[0], INDEX_NAME)
+    data = Path(index).read_bytes()
+    _flip(index, data.find(b"k3"), 0x20)  # one record's body: its crc no longer matches
+
+    async def second():
+        rig = _Rig(dirs)
+        loaded = rig.loaded
+        assert loaded.damaged == 1 and loaded.reset is None
+        assert sorted(k for _, k in rig.tier.entries) == ["k0", "k1", "k2", "k4"]
+        for key in ("k0", "k1", "k2", "k4"):
+            assert await rig.promote(key) == 1
+        for ls in rig.sealed:
+            assert _bytes_of(rig.bufs[1], ls.obj) == want[ls.obj.key]
+        with pytest.raises(NotFound):
+            await rig.promote("k5")
+        st = rig.tier.statistics()
+        assert (st.recovered, st.recovered_dropped) == (4, 1)
+        rig.close()
+
+    _run(second())
+
+
+def test_a_changed_geometry_starts_the_tier_empty(dirs):
+    async def first():
+        rig = _Rig(dirs)
+        rig.tier.demote(_object(rig.pools[0], rig.bufs[0], "k", {"past_key.0": 100}))
+        await rig.tier.drain()
+        rig.close()
+
+    _run(first())
+    rig = _Rig(dirs, size=2 << 20)
+    loaded = rig.loaded
+    assert loaded.reset and "geometry" in loaded.reset and not rig.tier.entries
+    rig.close()
+
+
+def test_index_records_on_overlapping_slots_are_both_dropped(tmp_path):
+    d = str(tmp_path)
+    geometry = [[64, PAGE]]
+    idx = disk_store.DiskIndex(os.path.join(d, INDEX_NAME), geometry)
+    rec = {"l": PAGE, "d": 1, "ns": "ns", "sr": 1, "tn": [], "o": {"nbytes": 1, "buffers": {}}}
+    idx.rewrite([{"t": "p", "f": 0, "s": 0, "n": 4, "k": "a", **rec},
+                 {"t": "p", "f": 0, "s": 2, "n": 4, "k": "b", **rec},
+                 {"t": "p", "f": 0, "s": 10, "n": 1, "k": "c", **rec},
+                 {"t": "p", "f": 0, "s": 63, "n": 2, "k": "d", **rec}])  # past the end
+    idx.close()
+    loaded = disk_store.DiskIndex(os.path.join(d, INDEX_NAME), geometry).load()
+    assert [r["k"] for r in loaded.entries.values()] == ["c"]
+    assert loaded.dropped == 3
+
+
+def test_o_direct_fallback_when_the_file_system_refuses_it(dirs, monkeypatch):
+    real_open = os.open
+
+    def no_direct(path, flags, *a):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+        return real_open(path, flags, *a)
+
+    monkeypatch.setattr(disk_store.os, "open", no_direct)
+    problem = disk_store.probe_direct(dirs[0] if os.path.isdir(dirs[0]) else "/tmp")
+    assert problem and "Invalid argument" in problem
+
+    async def main():
+        rig = _Rig(dirs)
+        assert not rig.store.direct and "O_DIRECT" in rig.store.direct_problem
+        o = _object(rig.pools[0], rig.bufs[0], "k", {"past_key.0": 12345})
+        want = _bytes_of(rig.bufs[0], o)
+        assert rig.tier.demote(o)
+        await rig.tier.drain()
+        assert await rig.promote("k") == 1
+        assert _bytes_of(rig.bufs[1], rig.sealed[0].obj) == want
+        st = rig.tier.statistics()
+        assert not st.o_direct and "Invalid argument" in st.o_direct_problem
+        rig.close()
+
+    _run(main())
+
+
+def test_a_record_naming_a_slot_rewritten_since_is_not_served(dirs):
+    # A crash after a slot was freed and rewritten, before the x record reached the index:
+    # the stale p record names bytes another object wrote. Its digest catches it.
+    index = os.path.join(dirs[0], INDEX_NAME)
+
+    async def main():
+        rig = _Rig(dirs[:1], size=4 * PAGE)  # room for exactly one 4-page object
+        a = _object(rig.pools[0], rig.bufs[0], "a", {"past_key.0": 4 * PAGE})
+        assert rig.tier.demote(a)
+        await rig.tier.drain()
+        stale = Path(index).read_bytes()  # the index as a crash right now would leave it
+        rig.tier.forget(("ns", "a"))
+        b = _object(rig.pools[0], rig.bufs[0], "b", {"past_key.0": 4 * PAGE})
+        assert rig.tier.demote(b)  # the same slot, at once
+        await rig.tier.drain()
+        rig.close()
+        return stale
+
+    stale = _run(main())
+    Path(index).write_bytes(stale)
+
+    async def after_crash():
+        rig = _Rig(dirs[:1], size=4 * PAGE)
+        assert list(rig.tier.entries) == [("ns", "a")]  # the record itself is intact
+        with pytest.raises(NotFound):
+            await rig.promote("a")
+        assert rig.sealed == [] and rig.tier.statistics().dropped_damaged == 1
+        rig.close()
+
+    _run(after_crash())
+
+
+def test_forgotten_while_being_written_leaves_nothing_behind(dirs):
+    async def main():
+        rig = _Rig(dirs)
+        o = _object(rig.pools[0], rig.bufs[0], "k", {"past_key.0": 50000})
+        assert rig.tier.demote(o)
+        assert rig.tier.forget(("ns", "k"))  # the write is still in flight
+        await rig.tier.drain()
+        assert rig.store.used == 0 and not rig.tier.has(("ns", "k"))
+        with pytest.raises(NotFound):
+            await rig.promote("k")
+        rig.close()
+        rig2 = _Rig(dirs)
+        assert not rig2.tier.entries
+        rig2.close()
+
+    _run(main())
+
+
+def test_each_tier_has_its_own_quota_share(dirs):
+    # A namespace's pool quota of 2 pages, a disk 4x the pools: 8 pages of it on disk.
+    async def main():
+        rig = _Rig(dirs, quota_of=lambda acct: 2 * PAGE if acct == "capped" else None,
+                   quota_scale=4.0)
+        objs = [_object(rig.pools[0], rig.bufs[0], f"k{i}", {"past_key.0": 2 * PAGE},
+                        namespace="capped") for i in range(6)]  # fmt: skip
+        for o in objs:
+            assert rig.tier.demote(o)
+            await rig.tier.drain()
+        # Its own oldest went to make room; other namespaces are not limited.
+        assert sorted(k for _, k in rig.tier.entries) == ["k2", "k3", "k4", "k5"]
+        assert rig.tier.usage["capped"] == 8 * PAGE
+        big = _object(rig.pools[0], rig.bufs[0], "big", {"past_key.0": 9 * PAGE},
+                      namespace="capped")
+        assert not rig.tier.demote(big)  # more than its whole share: not kept
+        free = _object(rig.pools[0], rig.bufs[0], "f", {"past_key.0": 9 * PAGE}, namespace="x")
+        assert rig.tier.demote(free)
+        await rig.tier.drain()
+        rig.close()
+
+    _run(main())
+
+
+def test_a_full_disk_evicts_its_least_recently_used_first(dirs):
+    async def main():
+        rig = _Rig(dirs[:1], size=8 * PAGE)
+        objs = [_object(rig.pools[0], rig.bufs[0], f"k{i}", {"past_key.0": 2 * PAGE})
+                for i in range(4)]  # fmt: skip
+        for o in objs:
+            rig.tier.demote(o)
+        await rig.tier.drain()
+        assert await rig.promote("k0") == 1  # k0 is the most recently used now
+        await rig.tier.drain()
+        assert rig.tier.demote(_object(rig.pools[0], rig.bufs[0], "k4",
+                                       {"past_key.0": 2 * PAGE}))  # fmt: skip
+        await rig.tier.drain()
+        assert sorted(k for _, k in rig.tier.entries) == ["k0", "k2", "k3", "k4"]
+        assert rig.tier.statistics().evicted == 1
+        rig.close()
+
+    _run(main())
