@@ -3,12 +3,17 @@
 No SGLang import; torch is touched only through the host pool's tensor (as numpy).
 
 - **Write** (``batch_set_v1``): one :func:`kvbroker.blocks.reserve` for every block of the
-  batch the node lacks (one round trip, all or nothing), each parented on the block before it
-  in the chain (the page before, or the caller's last prefix page) so the broker evicts a
-  chain from its leaf; each block's runs are copied from the host pool straight into its
-  pool extent, hashed as they are copied; then one :func:`kvbroker.blocks.seal` (a second
-  round trip). Blocks the node already holds cost no copy. A refusal (pool full, quota)
-  writes nothing.
+  batch the node lacks (the batch's one round trip, all or nothing), each parented on the
+  block before it in the chain (the page before, or the caller's last prefix page) so the
+  broker evicts a chain from its leaf; each block's runs are copied from the host pool
+  straight into its pool extent, hashed as they are copied; then one
+  :func:`kvbroker.blocks.seal_later`, sent without waiting. The daemon answers a connection
+  in order, so every later call of this backend (any of SGLang's threads: they share the
+  connection) sees the pages sealed; the seal's reply is read by the next write (it came
+  before that write's reservation) or at close, and a refused seal (an expired lease)
+  aborts its leases and is counted (``seal_failed``) and logged: its pages are then misses,
+  as evicted pages are. Blocks the node already holds cost no copy. A refusal of the
+  reservation (pool full, quota) writes nothing.
 - **Read** (``batch_get_v1``): one :func:`kvbroker.blocks.match_keys` over the batch's keys
   (block-major, shard-minor) takes one read lease on the leading run the node holds; each
   matched block's runs are copied from its pool extent straight into the host pool; the
@@ -120,6 +125,8 @@ class PageStore:
         self.page_nbytes = geometry.outer * geometry.run
         self._counts: Counter[str] = Counter()
         self._lock = threading.Lock()
+        # Seals sent without waiting: (client, pending reply, reservation, pages)
+        self._sealing: list[tuple] = []
 
     def host_page(self, token: int) -> PageRef:
         return self.host.page(token, self.geometry)
@@ -174,10 +181,13 @@ class PageStore:
         first = self.keys.blocks([parent]) if parent is not None else [None] * split
         request = [{"key": k, "parent": keys[b - split] if b >= split else first[b]}
                    for b, k in enumerate(keys)]  # fmt: skip
+        earlier = self._take_sealing()  # sent before this reservation: answered before it
         reservation = None
         try:
             reservation = blocks.reserve(client, self.namespace, request,
                                          {PAGE: self.block_nbytes})  # fmt: skip
+            self._settle(earlier)
+            earlier = []
             kind = client.checksum_kind if self.checksum else None
             sums = []
             j = 0
@@ -189,8 +199,13 @@ class PageStore:
                                  self.piece, self.geometry.outer, kind)  # fmt: skip
                 sums.append({PAGE: digest} if kind is not None else None)
                 j += 1
-            reservation.seal(sums if kind is not None else None)
+            if reservation.taken:
+                pending = blocks.seal_later(client, reservation.taken,
+                                            sums if kind is not None else None)  # fmt: skip
+                with self._lock:
+                    self._sealing.append((client, pending, reservation, len(page_hashes)))
         except _FULL as exc:
+            self._settle(earlier)
             self._count("write_skipped", len(page_hashes))
             self.warnings.warn("full", "the broker refused %d HiCache pages (%s): they are "
                                "not stored", len(page_hashes), exc)  # fmt: skip
@@ -203,11 +218,35 @@ class PageStore:
                     pass
             self._count("write_skipped", len(page_hashes))
             self._failed(client, exc, "set")
+            self._settle(earlier)
             return False
         written = sum(1 for lease in reservation.leases if lease is not None)
         self._count("written_blocks", written)
         self._count("existing_blocks", len(keys) - written)
         return True
+
+    def settle(self) -> None:
+        """Wait for the replies of the seals sent so far (at close)."""
+        self._settle(self._take_sealing())
+
+    def _take_sealing(self) -> list[tuple]:
+        with self._lock:
+            sealing, self._sealing = self._sealing, []
+        return sealing
+
+    def _settle(self, sealing: list[tuple]) -> None:
+        """Read the replies of ``sealing``; a refused seal aborts its leases, counted and
+        logged (its pages are misses from then on)."""
+        for client, pending, reservation, pages in sealing:
+            try:
+                pending.result()
+            except Exception as exc:  # noqa: BLE001 - SGLang's thread must go on
+                try:
+                    reservation.abort()
+                except Exception:  # noqa: BLE001 - the connection may be gone, leases with it
+                    pass
+                self._count("seal_failed", pages)
+                self._failed(client, exc, "seal")
 
     def clear(self) -> bool:
         """Evict this rank's shards in the namespace; False when the broker is down."""

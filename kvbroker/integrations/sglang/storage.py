@@ -278,6 +278,8 @@ class KVBrokerStorage(HiCacheStorage):
             self._metrics[f"{kind}_bandwidth"].append(nbytes / max(seconds, 1e-9) / 1e9)
 
     def close(self) -> None:
+        if self.store is not None:
+            self.store.settle()  # the last batch's seal: its reply, before the connection ends
         self.link.close()
 
     def __repr__(self) -> str:

@@ -1,0 +1,95 @@
+"""The SGLang backend's data path (:mod:`kvbroker.integrations.sglang._pages`) against a real
+daemon, without SGLang: a host pool is a numpy buffer shaped as SGLang's ``page_first`` MHA
+pool. What SGLang sees of it (through its own classes): tests/test_sglang_storage.py."""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+
+from kvbroker._client.ops import Ops
+from kvbroker.integrations._link import BrokerLink, Warnings
+from kvbroker.integrations.sglang._format import PageGeometry, Sharding
+from kvbroker.integrations.sglang._pages import PageStore, Source
+
+LAYERS, HEADS, DIM, PAGE, PAGES = 2, 4, 16, 8, 12
+
+
+def store(socket: str, *, checksum: bool = True) -> tuple[PageStore, np.ndarray]:
+    """A rank's page store over a ``page_first`` host buffer ``[K/V, token, layer, head,
+    dim]`` of int16 random bits."""
+    shape = (2, PAGES * PAGE, LAYERS, HEADS, DIM)
+    buf = np.random.default_rng(7).integers(-(2**15), 2**15, shape, dtype=np.int16)
+    geometry = PageGeometry.of("page_first", shape, 2, PAGE, PAGES * PAGE, paired=True)
+    link = BrokerLink(socket, name="pages-test", role="kv_both", warnings=Warnings())
+    pages = PageStore(link, "sglang/pages-test", cache_salt="", sharding=Sharding(HEADS, 1, 0, 1),
+                      geometry=geometry, host=Source(buf.reshape(-1).view(np.uint8)),
+                      checksum=checksum)  # fmt: skip
+    return pages, buf
+
+
+def hashes(n: int, tag: str) -> list[str]:
+    return [hashlib.sha256(f"{tag}/{i}".encode()).hexdigest() for i in range(n)]
+
+
+class Waits:
+    """Counts the requests a client waits for (round trips) and those it sends without."""
+
+    def __init__(self, client) -> None:
+        self.waited: list[str] = []
+        self.sent: list[str] = []
+        inner = client.ops
+
+        def call(op, args):
+            self.waited.append(op)
+            return inner._call(op, args)
+
+        def submit(op, args):
+            self.sent.append(op)
+            return inner._submit(op, args)
+
+        client.ops = Ops(call, inner._send, submit)
+
+
+def test_a_batch_write_is_one_round_trip(daemon):
+    pages, buf = store(daemon.socket_path)
+    client = pages.link.get()
+    waits = Waits(client)
+    for batch in range(3):
+        keys = hashes(4, f"one-trip-{batch}")
+        waits.waited.clear()
+        slots = range(4 * batch, 4 * batch + 4)
+        assert pages.write(keys, [pages.host_page(t * PAGE) for t in slots])
+        assert waits.waited == ["reserve_blocks"], waits.waited
+        assert waits.sent[-1] == "seal_many"
+        # the same connection (any of SGLang's threads) sees the batch sealed
+        assert pages.count(keys) == 4
+    # and another engine reads it, bit-exact
+    other, other_buf = store(daemon.socket_path)
+    keys = hashes(4, "one-trip-2")
+    assert other.read(keys, [other.host_page(t * PAGE) for t in range(4)]) == 4
+    assert np.array_equal(other_buf[:, :4 * PAGE], buf[:, 8 * PAGE:12 * PAGE])
+    assert pages.totals().get("seal_failed", 0) == 0
+    other.link.close()
+    pages.link.close()
+
+
+def test_a_refused_seal_is_counted_its_leases_freed_and_the_next_write_goes_on(make_daemon):
+    d = make_daemon("--pool-size", "8M", "--page-size", "4K",
+                    env={"KVBROKER_REQUIRE_CHECKSUMS": "true"})  # fmt: skip
+    pages, _ = store(d.socket_path, checksum=False)  # this daemon refuses such seals
+    first = hashes(3, "refused-a")
+    assert pages.write(first, [pages.host_page(t * PAGE) for t in range(3)])  # sent
+    second = hashes(3, "refused-b")
+    pages.write(second, [pages.host_page(t * PAGE) for t in range(3, 6)])  # reads the refusal
+    assert pages.totals()["seal_failed"] == 3
+    pages.settle()
+    assert pages.totals()["seal_failed"] == 6
+    assert pages.link.warnings.counts["error_seal"] == 2
+    assert pages.count(first) == 0 and pages.count(second) == 0
+    with d.client() as c:  # the refused batches' pages went back to the pool
+        stat = c.stat()
+        assert stat.used == 0 and stat.write_leases == 0, (stat.used, stat.write_leases)
+    pages.link.close()
+
