@@ -153,6 +153,13 @@ def test_every_reply_is_its_declared_type(ring_daemon):
         varied = call("match_prefix", namespace="p", keys=["p1", "p2"])
         assert "packed" not in varied and len(varied["blocks"]) == 2
         call("release_many", leases=[varied["lease"]])
+        kept = call("match_prefix", namespace="p", keys=["p0"], hold=False,
+                    retain={"session": "conv", "for": 60, "priority": 1})  # fmt: skip
+        assert kept["matched"] == 1
+        listed = call("sessions", namespace="p")
+        assert [x["name"] for x in listed["sessions"]] == ["conv"]
+        assert call("retain", name="conv", seconds=30)["blocks"] == 1
+        assert call("unretain", name="conv", namespace="p")["name"] == "conv"
         call("evict", namespace="default", match="^b", dry_run=True)
         call("evict", namespace="p")
         call("rings")

@@ -129,12 +129,14 @@ class Ops:
     def reserve_blocks(self, blocks: list[dict[str, Any]], *,
                        namespace: str = "default", ttl: float | None = None,
                        buffers: dict[str, int] | None = None, meta: dict | None = None,
-                       compact: bool = False) -> R.BlocksReserved:  # fmt: skip
+                       compact: bool = False, retain: dict | None = None) -> R.BlocksReserved:  # fmt: skip
         """``blocks``: ``{key, parent: key | None, buffers: {name: nbytes}, meta?}`` each;
-        ``buffers``/``meta``: for every block that has none of its own."""
+        ``buffers``/``meta``: for every block that has none of its own. ``retain``:
+        ``{session, for?, priority?}`` (sent only when given)."""
+        more = {} if retain is None else {"retain": retain}
         return self._call("reserve_blocks", dict(namespace=namespace, blocks=blocks, ttl=ttl,
                                                  buffers=buffers, meta=meta,
-                                                 compact=compact))  # fmt: skip
+                                                 compact=compact, **more))  # fmt: skip
 
     def seal_many(self, leases: list[int],
                   checksums: list[dict[str, int] | None] | None = None) -> R.SealedMany:
@@ -142,9 +144,13 @@ class Ops:
 
     def match_prefix(self, keys: list[str], *, namespace: str = "default",
                      block_tokens: int = 0, ttl: float | None = None,
-                     peer: str | None = None, hold: bool = True) -> R.PrefixMatch:
-        # `hold` only when false: a daemon from before it refuses an argument it lacks.
-        more = {} if hold else {"hold": False}
+                     peer: str | None = None, hold: bool = True,
+                     retain: dict | None = None) -> R.PrefixMatch:  # fmt: skip
+        # `hold` only when false, `retain` only when given: a daemon from before them refuses
+        # an argument it lacks.
+        more: dict[str, Any] = {} if hold else {"hold": False}
+        if retain is not None:
+            more["retain"] = retain
         return self._call("match_prefix", dict(namespace=namespace, keys=keys,
                                                block_tokens=block_tokens, ttl=ttl, peer=peer,
                                                **more))  # fmt: skip
@@ -176,6 +182,20 @@ class Ops:
     # -- peers ---------------------------------------------------------------------------
     def fetch(self, key: str, peer: str, *, namespace: str = "default") -> R.Fetched:
         return self._call("fetch", dict(namespace=namespace, key=key, peer=peer))
+
+    # -- sessions ----------------------------------------------------------------------------
+    def sessions(self, *, namespace: str | None = None, limit: int | None = None) -> R.Sessions:
+        return self._call("sessions", dict(namespace=namespace, limit=limit))
+
+    def retain(self, name: str, seconds: float, *, namespace: str | None = None,
+               priority: int | None = None) -> dict:  # fmt: skip
+        """A SessionInfo dict."""
+        return self._call("retain", dict(name=name, seconds=seconds, namespace=namespace,
+                                         priority=priority))  # fmt: skip
+
+    def unretain(self, name: str, *, namespace: str | None = None) -> dict:
+        """A SessionInfo dict (the session as it was)."""
+        return self._call("unretain", dict(name=name, namespace=namespace))
 
     # -- statistics ------------------------------------------------------------------------
     def stat(self) -> dict:

@@ -20,6 +20,7 @@ from ..errors import QuotaExceeded
 from .policy import Quotas, user_name
 
 if TYPE_CHECKING:
+    from .retention import Retention
     from .state import Session, StoredObject
 
 __all__ = ["Accounts"]
@@ -29,12 +30,14 @@ class Accounts:
     """Bytes charged per namespace and tenant account, against the quotas."""
 
     def __init__(self, quotas: Quotas, lru: OrderedDict[int, StoredObject],
-                 evict: Callable[[StoredObject], None]) -> None:  # fmt: skip
+                 evict: Callable[[StoredObject], None],
+                 retention: Retention | None = None) -> None:  # fmt: skip
         self.quotas = quotas
         # namespace (or tenant account, ("user", uid) / ("group", gid)) -> bytes charged
         self.usage: dict[Any, int] = {}
         self._lru = lru  # sealed, linked, unleased objects, least recently used first
         self._evict = evict
+        self._retention = retention  # sessions' retained objects, evicted after the LRU's
 
     def tenants_of(self, session: Session) -> tuple[tuple[str, int], ...]:
         """The tenant accounts ``session``'s writes are charged to (none without tenant
@@ -73,6 +76,8 @@ class Accounts:
         if limit is None or used + nbytes <= limit:
             return
         mine = [o for o in self._lru.values() if owned(o)]
+        if self._retention is not None:  # a quota is hard: retained objects go last
+            mine += [o for o in self._retention.victims() if owned(o)]
         evictable = sum(o.charged for o in mine)
         if used - evictable + nbytes > limit:
             raise QuotaExceeded(
@@ -83,6 +88,8 @@ class Accounts:
         for obj in mine:
             if self.usage.get(account, 0) + nbytes <= limit:
                 break
+            if self._retention is not None:
+                self._retention.evicted_now(obj, "quota")
             self._evict(obj)
 
     def uncharge(self, namespace: Any, nbytes: int,

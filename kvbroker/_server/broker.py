@@ -7,7 +7,9 @@ LRU), the journal told — and routes each request to its op's handler, derived 
 table (``kvbroker._wire.protocol.OPS``: the ``service`` column). Its parts, one concept
 each: where extents go, what gives way for them, the occupancy map and the timed quarantine
 (:mod:`~kvbroker._server.pages`), quota charges (:mod:`~kvbroker._server.accounts`), write
-arenas (:mod:`~kvbroker._server.arenas`), warm restart (:mod:`~kvbroker._server.restore`).
+arenas (:mod:`~kvbroker._server.arenas`), sessions' retention and the order retained objects
+are evicted in (:mod:`~kvbroker._server.retention`), warm restart
+(:mod:`~kvbroker._server.restore`).
 No I/O, no asyncio.
 """
 
@@ -30,6 +32,7 @@ from .policy import Policy, Quotas, forget_accounts
 from .pool import HostPool
 from .prefix_leases import materialize, materialize_holding
 from .restore import journal_lent, journal_records, restore as restore_state
+from .retention import Retention, RetentionSettings
 from .snapshot import statistics
 from .state import OPEN_POLICY, Arena, Lease, Session, StoredObject, WouldWait, index_footprint
 from .._wire.protocol import OPS, Service, validate_args
@@ -85,15 +88,17 @@ class Broker:
         max_leases_per_client: int = 65536,
         max_leases_per_uid: int = 262144,
         restart_quarantine: float = 10.0,
+        retention: RetentionSettings | None = None,
     ) -> None:
         self.clock = clock  # the leases' TTLs, and the timed quarantine's deadlines
         self._lru: OrderedDict[int, StoredObject] = OrderedDict()  # sealed, linked, unleased
         # Where extents go and what gives way for them; the occupancy map; the timed
         # quarantine (pages a writer may still be copying into although it lost them).
+        self.retention = Retention([p.size for p in pools], self._lru, retention)  # sessions
         self.pages = Pages(pools, self._lru, self.evict, high_watermark=high_watermark,
                            low_watermark=low_watermark, restart_quarantine=restart_quarantine,
-                           clock=lambda: self.clock())  # fmt: skip
-        self.accounts = Accounts(quotas or Quotas(), self._lru, self.evict)  # quota charges
+                           clock=lambda: self.clock(), retention=self.retention)  # fmt: skip
+        self.accounts = Accounts(quotas or Quotas(), self._lru, self.evict, self.retention)
         self.pools = pools
         self.lease_ttl = lease_ttl
         self.max_lease_ttl = max_lease_ttl
@@ -190,7 +195,7 @@ class Broker:
     # ------------------------------------------------------------------ warm restart
     def attach_journal(self, journal: Any, next_id: int) -> None:
         """Journal every change of the index from now on; ids continue from ``next_id``."""
-        self.journal = journal
+        self.journal = self.retention.journal = journal
         self.registry.attach(journal, next_id)
         journal.rewrite(journal_records(self), next_id, journal_lent(self))
         self.registry.fenced_up_to(journal.id_limit)
@@ -206,10 +211,10 @@ class Broker:
         return journal_lent(self)
 
     def restore(self, records: Iterable[dict[str, Any]],
-                lent: Iterable[tuple[int, int, int]] = (), **checks: Any) -> int:  # fmt: skip
+                lent: Iterable[tuple[int, int, int]] = (), sessions=(), **checks: Any) -> int:
         """Adopt the sealed objects of a previous daemon (kvbroker._server.restore; ``checks``:
-        its ``report``, ``dropped`` and ``verify``)."""
-        n = restore_state(self, records, lent, **checks)
+        its ``report``, ``dropped`` and ``verify``), then its sessions' retention."""
+        n = restore_state(self, records, lent, sessions, **checks)
         for obj in self.objects.values():  # the link order they were restored in
             obj.seq = next(self._link_seq)
         return n
@@ -348,7 +353,7 @@ class Broker:
         obj.last_access = time.time()
         obj.seq = next(self._link_seq)
         self.index(obj)
-        self._lru[obj.serial] = obj
+        self.retention.adopt(obj)  # retained by the session it was reserved for, or in the LRU
         if obj.parent_key is not None:
             # An absent parent (evicted while we wrote) leaves nothing to keep whole.
             parent = self.objects.get((obj.namespace, obj.parent_key))
@@ -386,6 +391,7 @@ class Broker:
     def discard_pending(self, ls: Lease, quarantine: bool) -> None:
         obj = ls.obj
         del self.pending[(obj.namespace, obj.key)]
+        self.retention.pending.pop(obj.serial, None)
         if quarantine:
             # The pages stay charged to the namespace until the writer's connection ends.
             ls.session.quarantine_charges.append((obj.namespace, obj.charged))
@@ -460,7 +466,7 @@ class Broker:
             if consume and obj.linked and obj.consumers <= 0:
                 self._unlink(obj)  # frees now, or when the last other reader leaves
             elif obj.linked:
-                if obj.readers == 0 and obj.children == 0:
+                if obj.readers == 0 and obj.children == 0 and not self.retention.keeps(obj):
                     self._lru[obj.serial] = obj  # most recently used
             elif obj.readers == 0:
                 self._free_object(obj)  # unlinked earlier; the last reader just left
@@ -533,13 +539,13 @@ class Broker:
         del space[obj.key]
         if not space:
             del self.by_namespace[obj.namespace]
-        self._lru.pop(obj.serial, None)
+        self.retention.forget(obj)  # out of the LRU and of every session's retention
         if self.on_block is not None and obj.tokens is not None:
             self.on_block("removed", obj)
         parent, obj.parent = obj.parent, None
         if parent is not None and parent.linked:
             parent.children -= 1
-            if parent.children == 0 and parent.readers == 0:
+            if parent.children == 0 and parent.readers == 0 and not self.retention.keeps(parent):
                 # Oldest end: the chain keeps shrinking from its leaf under pressure.
                 self._lru[parent.serial] = parent
                 self._lru.move_to_end(parent.serial, last=False)

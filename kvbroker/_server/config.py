@@ -92,6 +92,12 @@ def _set_write_buffers(daemon: Daemon, cfg: DaemonConfig, field: str) -> None:
             conn.transport.set_write_buffer_limits(high=cfg.max_write_buffer)
 
 
+def _set_retention(daemon: Daemon, cfg: DaemonConfig, field: str) -> None:
+    # One call for the whole [sessions] table: lowered bounds are enforced at once.
+    if daemon.broker is not None:
+        daemon.broker.retention.configure(cfg.retention_settings())
+
+
 def _set_log_level(daemon: Daemon, cfg: DaemonConfig, field: str) -> None:
     logging.getLogger().setLevel(cfg.log_level.upper())
 
@@ -347,6 +353,25 @@ SETTINGS: tuple[Key, ...] = (
              "transfer_timeout)."),
     Key("transfer_timeout", parse.positive_duration, "60s", section="transfer", example="2m",
         help="Give up a pull (connect, pin, NIXL READ) after this long."),
+    # Sessions: the blocks agents and chats come back to (kvbroker._server.retention).
+    Key("sessions_retain", parse.positive_duration, "10m", section="sessions", reload=_set_retention,
+        example="30m", help="How long a request naming a session without `for` keeps its "
+                            "blocks retained (renewed by each request)."),
+    Key("sessions_max_retain", parse.positive_duration, "1h", section="sessions",
+        reload=_set_retention, example="4h",
+        help="The longest retention a request or `kvbroker retain` may ask for."),
+    Key("sessions_pool_share", parse.ratio, 0.5, section="sessions", reload=_set_retention,
+        text=float, example=0.3,
+        help="The part of each pool sessions' retained blocks may hold, all tenants together; "
+             "past it the lowest priority, least recently used lose retention first."),
+    Key("sessions_tenant_quota", parse.optional_size, "off", section="sessions",
+        reload=_set_retention, example="4G",
+        help="Bytes one uid's sessions may retain together; past it that uid's own lowest "
+             "priority, least recently used retained blocks lose retention (off: no limit "
+             "but pool_share)."),
+    Key("sessions_max_per_uid", parse.int_in(1, 1 << 20), 4096, section="sessions",
+        reload=_set_retention, text=int, example=64,
+        help="Sessions one uid may have at once."),
     # KV events for cache-aware routers (kvbroker._server.events).
     Key("events_publish", parse.zmq_endpoint, "off", section="events", example="tcp://*:5557",
         help="Publish vLLM-format KV events of prefix blocks on this ZMQ PUB endpoint."),
@@ -405,6 +430,20 @@ DaemonConfig = dataclasses.make_dataclass(
     },
 )  # fmt: skip
 _resolved_pool_size.__qualname__ = "DaemonConfig.resolved_pool_size"
+
+
+def _retention_settings(self: DaemonConfig) -> Any:
+    """The [sessions] table as the broker's retention takes it."""
+    from .retention import RetentionSettings
+
+    return RetentionSettings(retain=self.sessions_retain, max_retain=self.sessions_max_retain,
+                             pool_share=self.sessions_pool_share,
+                             tenant_quota=self.sessions_tenant_quota,
+                             max_per_uid=self.sessions_max_per_uid)  # fmt: skip
+
+
+DaemonConfig.retention_settings = _retention_settings
+_retention_settings.__qualname__ = "DaemonConfig.retention_settings"
 
 
 def env_name(key: str) -> str:

@@ -23,6 +23,7 @@ __all__ = [
     "optional_path", "page_size", "parse_listen_address", "peers", "positive_duration", "quotas",
     "ratio", "replicas", "serve_rules", "size", "socket_path", "tenant_pools", "write_buffer",
     "zmq_endpoint",
+    "optional_size",
 ]  # fmt: skip
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -35,6 +36,13 @@ def size(value: Any) -> int:
     if n <= 0:
         raise ValueError(f"must be more than 0 bytes, got {value!r}")
     return n
+
+
+def optional_size(value: Any) -> int | None:
+    """A size, or "off" (None): no such limit."""
+    if value in ("off", ""):
+        return None
+    return size(value)
 
 
 def gpu_ring(value: Any) -> int | None:

@@ -429,6 +429,7 @@ class Daemon:
                 self.check_pools()
             try:
                 self.broker.expire()
+                self.broker.retention.expire()  # sessions whose time passed
             except Exception:
                 log.exception("lease expiry failed")
             journal = self.broker.journal

@@ -128,6 +128,7 @@ def _evict_found(b: Broker, found: list[StoredObject], dry_run: bool,
     nbytes = sum(o.nbytes for o in victims)
     if not dry_run:
         for obj in victims:
+            b.retention.evicted_now(obj, "operator")
             b.evict(obj)
         if cleared and b.on_block is not None:
             b.on_block("cleared", None)  # a router forgets this node's blocks

@@ -23,6 +23,7 @@ from .arenas import arena_of, end_arena, new_arena, publish_from_arena
 from .evicting import MAX_LISTED_BYTES, evict, info_size
 from .patterns import client_regex as _regex
 from .prefix_leases import lazy_readers, lend_prefix, matched_run, materialize_holding
+from .session_ops import op_retain, op_sessions, op_unretain, session_of_request  # noqa: F401
 from .snapshot import statistics_for
 from .state import (
     Deferred,
@@ -82,7 +83,7 @@ def op_reserve(b: Broker, session, namespace, key, buffers, meta, replace, ttl,
 
 
 def op_reserve_blocks(b: Broker, session, namespace, blocks, ttl, buffers=None, meta=None,
-                      compact=False) -> R.BlocksReserved:  # fmt: skip
+                      compact=False, retain=None) -> R.BlocksReserved:  # fmt: skip
     ttl = _ttl(b, ttl)
     _check_name("namespace", namespace)
     session.access.check(namespace, True, "reserve_blocks")
@@ -120,6 +121,7 @@ def op_reserve_blocks(b: Broker, session, namespace, blocks, ttl, buffers=None, 
             raise BadRequest(f"reserve_blocks: block {i}: {problem}")
         cost += 36 * len(tokens or ())
         plans.append((ident, parent, layout, span, own_meta, tokens, cost))
+    kept = session_of_request(b, session, namespace, retain, "reserve_blocks")
     results: list[R.BlockReserved | R.BlockExists] = []
     taken: list = []
     slots: list = []  # per block: its write lease, or None when it exists
@@ -137,6 +139,11 @@ def op_reserve_blocks(b: Broker, session, namespace, blocks, ttl, buffers=None, 
             b.discard_pending(lease, quarantine=False)
             b.end_lease(lease, "its batch failed")
         raise
+    if kept is not None:  # the session's blocks: those here already now, the rest at seal
+        b.retention.retain(kept, [b.objects[p[0]] for p, ls in zip(plans, slots)
+                                  if ls is None and p[0] in b.objects])  # fmt: skip
+        for lease in taken:
+            b.retention.pending[lease.obj.serial] = kept
     if compact and taken:
         # One int64 row per reserved block, as a prefix match replies, when the blocks share
         # their buffer names: no per-buffer map to build, pack and parse.
@@ -287,7 +294,7 @@ def op_release_many(b: Broker, session, leases) -> R.Empty:
 
 
 def op_match_prefix(b: Broker, session, namespace, keys, block_tokens, ttl,
-                    peer=None, hold=True) -> R.PrefixMatch:  # fmt: skip
+                    peer=None, hold=True, retain=None) -> R.PrefixMatch:  # fmt: skip
     ttl = _ttl(b, ttl)
     if len(keys) > MAX_BUFFERS:
         raise BadRequest(f"match_prefix: at most {MAX_BUFFERS} keys per request")
@@ -306,9 +313,12 @@ def op_match_prefix(b: Broker, session, namespace, keys, block_tokens, ttl,
             fleet = _fleet(b, "match_prefix")
             raise Deferred(lambda: fleet.fetch_prefix(peer, namespace, list(rest), session),
                            lambda _: op_match_prefix(b, session, namespace, keys,
-                                                     block_tokens, ttl),
+                                                     block_tokens, ttl, retain=retain),
                            fleet.timeout)  # fmt: skip
     prefix_leases.count_query(b, len(keys), len(found), block_tokens)
+    kept = session_of_request(b, session, namespace, retain, "match_prefix")
+    if kept is not None:  # each request renews its session; what it matched is retained
+        b.retention.retain(kept, found)
     if not found or not hold:
         prefix_leases.keep_recent(b, found)
         return {"ttl": ttl, "matched": len(found), "lease": None, "names": [], "blocks": []}

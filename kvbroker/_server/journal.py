@@ -26,6 +26,12 @@ rewritten as format 3 at once.)
   its extents are free once the daemon restarts, whoever was still reading them;
 - ``{"t": "c", "s": serial, "n": consumers}`` — a consume-claim was released;
 - ``{"t": "i", "n": id}`` — lease and session ids below ``n`` may have been handed out;
+- ``{"t": "r", "ns", "n", "u", "p", "x", "c", "a": [serials]}`` — a session
+  (:mod:`kvbroker._server.retention`) was named or renewed: its owner's uid, priority, expiry
+  (wall-clock) and creation time, and the serials it retains from now on (``a``, added to
+  those of its earlier records); ``{"t": "R", "ns", "n"}`` — it was released or expired.
+  A restarted daemon keeps the sessions not expired, over the objects still there, and
+  enforces their bounds again (what lost retention to a bound since is not recorded);
 - ``{"t": "w", "p": pool, "s": start, "n": npages}`` — pages were lent for writing (a
   reservation or a write arena): a client may be copying into them;
 - ``{"t": "e", "p": pool, "s": start}`` — pages lent for writing came back (aborted,
@@ -64,7 +70,7 @@ import logging
 import os
 import struct
 import zlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -109,6 +115,8 @@ class Recovered:
     dropped: dict[str, list[str]] = field(default_factory=dict)
 
     dropped_serials: set[int] = field(default_factory=set)  # their children go too
+    # (namespace, name) -> a session's last "r" record, "a" holding every serial it retained
+    sessions: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
 
     def drop(self, reason: str, what: str, serial: int | None = None) -> None:
         self.dropped.setdefault(reason, []).append(what)
@@ -152,6 +160,8 @@ class Journal:
         self.failed: str | None = None  # why journaling stopped (a write failed)
         self._batch: list[bytes] | None = None  # frames of the request being handled
         self.seed = 0  # the file's checksum seed, drawn at each rewrite (see the module doc)
+        # The sessions' ``r`` records a rewrite carries (kvbroker._server.retention sets it)
+        self.sessions: Callable[[], Iterable[dict[str, Any]]] = tuple
 
     # -- reading ---------------------------------------------------------------------------
     @staticmethod
@@ -206,18 +216,20 @@ class Journal:
     # -- writing ---------------------------------------------------------------------------
     def rewrite(self, records: Iterable[dict[str, Any]], next_id: int,
                 lent: Iterable[tuple[int, int, int]] = ()) -> None:  # fmt: skip
-        """Replace the file with the header, ``records`` (the live objects) and ``lent``
-        (``(pool, start, npages)`` lent for writing or quarantined), atomically."""
+        """Replace the file with the header, ``records`` (the live objects), ``lent``
+        (``(pool, start, npages)`` lent for writing or quarantined) and the sessions' ``r``
+        records (``sessions()``, set by the retention that journals here), atomically."""
         if self.failed:
             return
         self.flush()  # the rewrite replaces the file: nothing may be written after it
         try:
-            self._rewrite(records, next_id, lent)
+            self._rewrite(records, next_id, lent, self.sessions())
         except OSError as exc:
             self._fail(exc)
 
     def _rewrite(self, records: Iterable[dict[str, Any]], next_id: int,
-                 lent: Iterable[tuple[int, int, int]]) -> None:  # fmt: skip
+                 lent: Iterable[tuple[int, int, int]],
+                 sessions: Iterable[dict[str, Any]] = ()) -> None:  # fmt: skip
         tmp = self.path + ".tmp"
         pack = self._packer.pack
         live = 0
@@ -231,6 +243,8 @@ class Journal:
             live += 1
         for p, start, npages in lent:
             chunks.append(_frame(pack({"t": "w", "p": p, "s": start, "n": npages}), seed))
+        for r in sessions:
+            chunks.append(_frame(pack(r), seed))
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         try:
             os.write(fd, b"".join(chunks))
@@ -309,6 +323,10 @@ class Journal:
 
     def returned(self, pool: int, start: int) -> None:
         self._append({"t": "e", "p": pool, "s": start})
+
+    def retention(self, record: dict[str, Any]) -> None:
+        """A session named, renewed, released (``r`` / ``R``, kvbroker._server.retention)."""
+        self._append(record)
 
     def reserve_ids(self, upto: int) -> int:
         """Record that ids below ``upto + ID_BLOCK`` may be handed out; returns that limit."""
@@ -449,6 +467,14 @@ def _apply(rec: Recovered, t: Any, entry: dict, seq: int,
         _returned(rec.lent, int(entry["p"]), int(entry["s"]))
     elif t == "i":
         rec.next_id = max(rec.next_id, int(entry["n"]))
+    elif t == "r":
+        key = (str(entry["ns"]), str(entry["n"]))
+        serials = [s for s in entry.get("a", ()) if isinstance(s, int)]
+        prior = rec.sessions.get(key)
+        entry = dict(entry, a=(prior["a"] if prior is not None else []) + serials)
+        rec.sessions[key] = entry
+    elif t == "R":
+        rec.sessions.pop((str(entry["ns"]), str(entry["n"])), None)
     else:
         raise ValueError(f"unknown record type {t!r}")
 

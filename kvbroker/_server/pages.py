@@ -21,6 +21,7 @@ from ..errors import PoolFull
 from .pool import HostPool
 
 if TYPE_CHECKING:
+    from .retention import Retention
     from .state import Session, StoredObject
 
 __all__ = ["Pages"]
@@ -39,6 +40,7 @@ class Pages:
         low_watermark: float,
         restart_quarantine: float,
         clock: Callable[[], float],
+        retention: Retention | None = None,
     ) -> None:
         if not pools:
             raise ValueError("a broker needs at least one pool")
@@ -52,6 +54,9 @@ class Pages:
         # sealed, linked, unleased objects, least recently used first (the broker's)
         self._lru = lru
         self._evict = evict  # unlinks an evictable object (counted as an eviction)
+        # Sessions' retained objects (kvbroker._server.retention): evicted only once nothing
+        # of the LRU is left, in their own order, each eviction told why.
+        self._retention = retention
         # Per pool: start -> object | ("q", npages) quarantined | ("w", npages) write arena.
         self.owners: list[dict[int, Any]] = [{} for _ in pools]
         # Timed quarantine: a heap of (deadline, pool index, start, npages, charges) — pages a
@@ -122,12 +127,15 @@ class Pages:
                            "arenas or quarantined pages leave no run of pages that long, "
                            "whatever is evicted")  # fmt: skip
         # Each pass evicts at least one object (a parent joins the LRU once its last child
-        # went), so this ends.
-        while victims := [o for o in self._lru.values() if o.pool.index in feasible]:
+        # went), so this ends. Retained objects go only when the LRU has none left there.
+        while victims := ([o for o in self._lru.values() if o.pool.index in feasible]
+                          or [o for o in self._retained() if o.pool.index in feasible]):
             for victim in victims:
-                if victim.serial not in self._lru:
+                if not victim.linked or victim.readers or victim.children:
                     continue  # gone with an earlier victim (a chain's parent)
                 pool = victim.pool
+                if self._retention is not None:
+                    self._retention.evicted_now(victim, "pool_full")
                 self._evict(victim)
                 start = pool.allocator.alloc(npages_in[pool.index])
                 if start is not None:
@@ -176,9 +184,16 @@ class Pages:
         # leaf), ahead of every younger object.
         while a.used > target:
             obj = next((o for o in self._lru.values() if o.pool is pool), None)
+            if obj is None:  # the LRU has nothing left here: sessions' retained objects
+                obj = next((o for o in self._retained() if o.pool is pool), None)
+                if obj is not None:
+                    self._retention.evicted_now(obj, "watermark")  # type: ignore[union-attr]
             if obj is None:
                 break
             self._evict(obj)
+
+    def _retained(self) -> Iterator[StoredObject]:
+        return self._retention.victims() if self._retention is not None else iter(())
 
     def free_extent(self, pool: HostPool, start: int, npages: int) -> None:
         self.owners[pool.index].pop(start, None)

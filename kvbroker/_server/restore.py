@@ -40,14 +40,15 @@ def journal_lent(b: Broker) -> list[tuple[int, int, int]]:
 
 
 def restore(b: Broker, records: Iterable[dict[str, Any]],
-            lent: Iterable[tuple[int, int, int]] = (), *,
+            lent: Iterable[tuple[int, int, int]] = (), sessions: Iterable[dict[str, Any]] = (), *,
             report: dict[str, list[str]] | None = None, dropped: set[int] | None = None,
             verify: bool = False) -> int:  # fmt: skip
     """Adopt the sealed objects of a previous daemon (records in seal order) into an
     empty broker: the allocators are rebuilt from their extents; ``lent`` (pool, start,
     npages), the pages it had lent for writing, go into the timed quarantine (their
     writers may still be copying); everything else is free. Returns how many objects
-    came back.
+    came back. Then ``sessions`` (their journal records) retain what they retained of those
+    objects again (:meth:`~kvbroker._server.retention.Retention.restore`).
 
     Nothing a record says is trusted: a record that does not describe an object inside its
     pool is dropped, and so is one in a pool its namespace may not live in (a tenant pool's
@@ -144,6 +145,7 @@ def restore(b: Broker, records: Iterable[dict[str, Any]],
         pool.allocator = ExtentAllocator.with_live(pool.allocator.capacity, extents)
     top = max([o.serial for o, _ in objs] + [0])
     b._serials = count(top + 1)
+    b.retention.restore(sessions, by_serial)
     return len(by_serial)
 
 

@@ -69,6 +69,7 @@ def statistics(b: Broker, occupancy_cells: int = 64) -> Statistics:
         rings=b.rings.statistics(occupancy_cells) if b.rings is not None else (),
         transfer=fleet[0],
         events=fleet[1],
+        retention=b.retention.statistics(),
     )
 
 
@@ -88,8 +89,13 @@ def statistics_for(b: Broker, session: Session, occupancy_cells: int = 64) -> St
     transfer = snap.transfer
     if transfer is not None and b.fleet is not None:  # a failure's message names its keys
         transfer = dataclasses.replace(transfer, last_failure=b.fleet.last_failure(can))
+    retention = snap.retention
+    if retention is not None:  # another tenant's sessions are invisible, like its names
+        retention = dataclasses.replace(
+            retention, largest=tuple(x for x in retention.largest if can(x.namespace)))
     return dataclasses.replace(
         snap,
+        retention=retention,
         pools=pools,
         transfer=transfer,
         objects=sum(1 for ns, _ in b.objects if can(ns)),

@@ -133,6 +133,7 @@ def start_broker(d: Daemon) -> None:
         max_leases_per_client=d.config.max_leases_per_client,
         max_leases_per_uid=d.config.max_leases_per_uid,
         restart_quarantine=d.config.restart_quarantine,
+        retention=d.config.retention_settings(),
     )
 
     if adopted:
@@ -140,7 +141,7 @@ def start_broker(d: Daemon) -> None:
         try:
             n = d.broker.restore(recovered.objects.values(),
                                     [(p, s, n) for (p, s), n in recovered.lent.items()],
-                                    report=report, dropped=recovered.dropped_serials,
+                                    recovered.sessions.values(), report=report, dropped=recovered.dropped_serials,
                                     verify=recovered.suspect)  # fmt: skip
         except (ValueError, KeyError, TypeError, IndexError) as exc:
             d.pools.clear()  # not ours to drop: the operator decides (--cold)

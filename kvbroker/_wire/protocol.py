@@ -30,7 +30,7 @@ from . import replies as R
 from ..errors import ERROR_CLASSES, BadRequest
 from .replies import mismatch
 from .rules import LEASE_TTL, Arg, Replica, check_args, check_rules, replica_answers, ruled
-from .stats import ObjectInfo, Statistics
+from .stats import ObjectInfo, SessionInfo, Statistics
 
 PROTOCOL_VERSION = 1
 
@@ -346,7 +346,7 @@ OPS: dict[str, Op] = {
             "ttl": _TTL,
             "buffers": _a(dict, type(None)),
             "meta": _a(dict, type(None)),
-            "compact": _a(bool, default=False),
+            "compact": _a(bool, default=False), "retain": _a(dict, type(None)),
         },
         R.BlocksReserved,
         "Write leases for many prefix blocks in one round trip. Each block is "
@@ -355,7 +355,8 @@ OPS: dict[str, Op] = {
         "already published answers exists and costs no copy. A block is evicted only after "
         "its children. `tokens`: the block's token ids, announced in KV events ([events]). "
         "`compact`: reply with `leases` (null where a block exists) and one packed extent "
-        "row per reserved block, as match_prefix does, when their buffer names agree.",
+        "row per reserved block, as match_prefix does, when their buffer names agree. `retain`"
+        ": {session, for?, priority?}: that session, renewed, retains the blocks.",
         lease=_TAKES, draining=REFUSE,
     ),
     "seal_many": Op(
@@ -370,9 +371,8 @@ OPS: dict[str, Op] = {
             "namespace": _a(str, default="default"),
             "keys": _a(list, required=True),
             "block_tokens": _a(int, default=0),
-            "ttl": _TTL,
-            "peer": _a(*_OPT_STR),
-            "hold": _a(bool, default=True),
+            "ttl": _TTL, "peer": _a(*_OPT_STR),
+            "hold": _a(bool, default=True), "retain": _a(dict, type(None)),
         },
         R.PrefixMatch,
         "Longest run of leading `keys` that are published, all under one read lease. When "
@@ -380,10 +380,11 @@ OPS: dict[str, Op] = {
         "[pool, offset, nbytes, offset, nbytes, ...] per block; else `blocks` a map each. "
         "`peer`: pull the blocks after the local run that the peer broker holds first (one "
         "NIXL READ for all of them). `hold` false: only `matched`, no lease, no extents (a "
-        "scheduler asking how much it could load; read replicas answer it).",
+        "scheduler asking how much it could load; read replicas answer it). `retain`: as in "
+        "reserve_blocks (the daemon answers it).",
         lease=_TAKES, draining=REFUSE,
         # no lease, no extents, no peer: a map of names answers it
-        replica=Replica(when=(("hold", False), ("peer", None))),
+        replica=Replica(when=(("hold", False), ("peer", None), ("retain", None))),
     ),
     "release_many": Op(
         {"leases": _a(list, required=True)},
@@ -450,6 +451,13 @@ OPS: dict[str, Op] = {
         "unless it is here already; no lease is lent to the caller.",
         draining=REFUSE,
     ),
+    "sessions": Op({"namespace": _a(*_OPT_STR), "limit": _a(int, type(None))}, R.Sessions,
+                   "Sessions the caller may see (kvbroker._server.retention), largest first."),
+    "retain": Op({"name": _a(str, required=True), "seconds": _a(*_NUMBER, required=True),
+                  "namespace": _a(*_OPT_STR), "priority": _a(int, type(None))}, SessionInfo,
+                 "Keep session `name` retained `seconds` from now; set its priority."),
+    "unretain": Op({"name": _a(str, required=True), "namespace": _a(*_OPT_STR)}, SessionInfo,
+                   "End session `name`: its blocks fall back to the plain LRU."),
     "stat": Op({}, Statistics, "One statistics snapshot."),
     "ping": Op(
         {},

@@ -13,13 +13,13 @@ import types
 import typing
 from typing import Any, Literal, NotRequired, TypedDict
 
-from .stats import ObjectInfo
+from .stats import ObjectInfo, SessionInfo
 
 __all__ = [
     "Extent", "Empty", "PoolInfo", "HiddenPool", "Hello", "Reserved", "Sealed", "ArenaLent",
     "Published", "Claimed", "Renewed", "Listed", "Evicted", "BlockReserved", "BlockExists",
     "BlocksReserved", "SealedMany", "PrefixMatch", "RingInfo", "Rings", "RingRegion",
-    "RingClaimed", "Watching", "Pong", "Reported", "Fetched", "mismatch",
+    "RingClaimed", "Watching", "Pong", "Reported", "Fetched", "Sessions", "mismatch",
 ]  # fmt: skip
 
 # [pool, offset, nbytes]: a byte range of pool `pool` (an index into hello's `pools`).
@@ -197,6 +197,13 @@ class Fetched(TypedDict):
     nbytes: int
     fetched: bool  # false: the object was here already (nothing moved)
     peer: str
+
+
+class Sessions(TypedDict):
+    sessions: list[SessionInfo]  # those the caller may see, largest first
+    truncated: bool  # more than `limit`
+    retained_bytes: list[int]  # per pool index: bytes sessions retain there
+    retained_cap: list[int]  # per pool index: the most they may ([sessions] pool_share)
 
 
 def mismatch(value: Any, tp: Any, where: str = "reply") -> str | None:

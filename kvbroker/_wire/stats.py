@@ -22,7 +22,9 @@ __all__ = [
     "ObjectInfo",
     "PeerInfo",
     "PoolStatistics",
+    "RetentionStatistics",
     "RingStatistics",
+    "SessionInfo",
     "Statistics",
     "TransferRecord",
     "TransferStatistics",
@@ -247,6 +249,40 @@ class DiskTierStatistics:
 
 
 @dataclass(frozen=True)
+class SessionInfo:
+    """A session (``retain`` on a request): the blocks it retains (``kvbroker._server.retention``)."""
+
+    namespace: str
+    name: str
+    uid: int  # the tenant whose quota it counts against (who first named it)
+    priority: int
+    blocks: int
+    bytes: int  # pages of the blocks it retains
+    last_use: float
+    expires_in: float  # seconds
+    created_at: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class RetentionStatistics:
+    """Sessions together: bytes retained per pool against its cap ([sessions] pool_share),
+    and why retention was dropped (tenant_quota, pool_share, expired, released) and why
+    retained blocks were evicted (pool_full, watermark, quota, operator)."""
+
+    sessions: int = 0
+    retained_objects: int = 0
+    retained_bytes: tuple[int, ...] = ()  # per pool index
+    retained_cap: tuple[int, ...] = ()  # per pool index
+    tenant_quota: int | None = None
+    largest: tuple[SessionInfo, ...] = ()  # the largest sessions (at most 64)
+    evicted: dict[str, int] = field(default_factory=dict)
+    dropped: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class Statistics:
     taken_at: float
     version: str
@@ -269,6 +305,7 @@ class Statistics:
     transfer: TransferStatistics | None = None  # [transfer] configured
     events: EventStatistics | None = None  # [events] publish configured
     disk: DiskTierStatistics | None = None  # [tier.disk] configured
+    retention: RetentionStatistics | None = None  # sessions (kvbroker._server.retention)
 
     @property
     def capacity(self) -> int:
@@ -306,6 +343,12 @@ class Statistics:
             disk = dict(d["disk"])
             disk["directories"] = tuple(disk.get("directories", ()))
             d["disk"] = _build(DiskTierStatistics, disk)
+        if d.get("retention") is not None:
+            r = dict(d["retention"])
+            r["largest"] = tuple(_build(SessionInfo, x) for x in r.get("largest", ()))
+            for name in ("retained_bytes", "retained_cap"):
+                r[name] = tuple(r.get(name, ()))
+            d["retention"] = _build(RetentionStatistics, r)
         return _build(cls, d)
 
 

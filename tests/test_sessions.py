@@ -1,0 +1,293 @@
+"""Sessions (kvbroker._server.retention) in-process: retained blocks outlive what evicts
+everything else, expire, keep their bounds (tenant quota, pool share, time), survive a
+restart through the journal, and stay invisible to other tenants."""
+
+import os
+import secrets
+
+import pytest
+from _fakes import Clock
+
+from kvbroker._server.broker import Broker
+from kvbroker._server.journal import Journal
+from kvbroker._server.policy import parse_isolation
+from kvbroker._server.pool import HostPool
+from kvbroker._server.retention import RetentionSettings
+from kvbroker._server.snapshot import statistics_for
+from kvbroker.errors import BadRequest, Forbidden, LimitExceeded, NotFound
+
+PAGE = 4096
+
+
+@pytest.fixture
+def make_broker():
+    pools = []
+
+    def make(npages=64, npools=1, **kw):
+        mine = [HostPool(i, f"/kvbs.{os.getpid()}.{secrets.token_hex(3)}.{i}", npages * PAGE, PAGE)
+                for i in range(npools)]  # fmt: skip
+        pools.extend(mine)
+        b = Broker(mine, clock=Clock(), **kw)
+        b.retention.clock = Clock()  # wall-clock in the daemon; still here until moved
+        return b
+
+    yield make
+    for p in pools:
+        p.unlink()
+
+
+def connect(b, uid=0):
+    s = b.open_session(pid=1, uid=uid, gid=uid)
+    b.handle(s, "hello", {"version": 1, "name": "t"})
+    return s
+
+
+def chain(b, s, prefix, n, ns="default", retain=None):
+    """Publish a chain of ``n`` one-page blocks ``prefix0..`` (parents first)."""
+    blocks = [{"key": f"{prefix}{i}", "parent": f"{prefix}{i - 1}" if i else None,
+               "buffers": {"x": PAGE}} for i in range(n)]  # fmt: skip
+    args = {"namespace": ns, "blocks": blocks}
+    if retain is not None:
+        args["retain"] = retain
+    r = b.handle(s, "reserve_blocks", args)
+    leases = [x["lease"] for x in r["results"] if "lease" in x]
+    if leases:
+        b.handle(s, "seal_many", {"leases": leases})
+    return [f"{prefix}{i}" for i in range(n)]
+
+
+def burst(b, s, n, prefix="burst", ns="default"):
+    """``n`` one-shot objects of one page each (unretained)."""
+    for i in range(n):
+        r = b.handle(s, "reserve", {"namespace": ns, "key": f"{prefix}{i}", "buffers": {"x": PAGE}})
+        b.handle(s, "seal", {"lease": r["lease"]})
+
+
+def held(b, keys, ns="default"):
+    return [k for k in keys if (ns, k) in b.objects]
+
+
+def test_retained_blocks_outlive_a_burst_that_evicts_everything_else(make_broker):
+    b = make_broker(npages=64)
+    s = connect(b)
+    kept = chain(b, s, "conv", 8, retain={"session": "conv-42", "for": 600})
+    plain = chain(b, s, "other", 8)  # the same kind of blocks, no session
+    burst(b, s, 200)  # three pools' worth of one-shot prompts
+    assert held(b, kept) == kept
+    assert held(b, plain) == []
+    assert b.counters["evictions"] > 150
+    st = b.statistics().retention
+    assert st.sessions == 1 and st.retained_objects == 8 and st.retained_bytes == (8 * PAGE,)
+    assert st.evicted == {}  # no retained block was evicted
+
+
+def test_retained_go_last_lowest_priority_first_then_least_recent(make_broker):
+    b = make_broker(npages=32, high_watermark=1.0, low_watermark=1.0,
+                    retention=RetentionSettings(pool_share=1.0))  # fmt: skip
+    s = connect(b)
+    low = chain(b, s, "low", 8, retain={"session": "low", "priority": 0})
+    high = chain(b, s, "high", 8, retain={"session": "high", "priority": 5})
+    low2 = chain(b, s, "lowb", 8, retain={"session": "low2", "priority": 0})
+    # 8 pages are free; 12 write leases (never evictable) need 4 pages of retained blocks:
+    # the lowest priority go first, the least recently used session first, a chain from
+    # its leaf.
+    for i in range(12):
+        b.handle(s, "reserve", {"key": f"w{i}", "buffers": {"x": PAGE}})
+    assert held(b, low) == low[:4] and held(b, high) == high and held(b, low2) == low2
+    for i in range(8):
+        b.handle(s, "reserve", {"key": f"v{i}", "buffers": {"x": PAGE}})
+    assert held(b, low) == [] and held(b, high) == high and held(b, low2) == low2[:4]
+    assert b.statistics().retention.evicted == {"pool_full": 12}
+
+
+def test_each_request_renews_and_matched_blocks_are_retained(make_broker):
+    b = make_broker(npages=64)
+    s = connect(b)
+    keys = chain(b, s, "shared", 6)  # published without a session (a system prompt)
+    clock = b.retention.clock
+    r = b.handle(s, "match_prefix", {"keys": keys, "hold": False,
+                                     "retain": {"session": "chat", "for": 60}})  # fmt: skip
+    assert r["matched"] == 6
+    clock.now += 50
+    r = b.handle(s, "match_prefix", {"keys": keys[:2], "retain": {"session": "chat", "for": 60}})
+    b.handle(s, "release", {"lease": r["lease"]})  # a held match, read and released
+    clock.now += 50  # 100 s after the first request, 50 after the second: still retained
+    assert b.retention.expire() == 0
+    burst(b, s, 200)
+    assert held(b, keys) == keys
+    clock.now += 11
+    assert b.retention.expire() == 1  # 61 s after its last request
+    burst(b, s, 200, prefix="again")
+    assert held(b, keys) == []
+    assert b.statistics().retention.dropped["expired"] == 6
+
+
+def test_retention_is_capped_at_max_retain_and_expires(make_broker):
+    b = make_broker(npages=64, retention=RetentionSettings(max_retain=120))
+    s = connect(b)
+    kept = chain(b, s, "c", 4, retain={"session": "s", "for": 3600})  # capped at 120 s
+    (info,) = b.handle(s, "sessions", {})["sessions"]
+    assert info["expires_in"] == 120 and info["blocks"] == 4 and info["bytes"] == 4 * PAGE
+    b.retention.clock.now += 121
+    assert b.retention.expire() == 1
+    assert b.handle(s, "sessions", {})["sessions"] == []
+    burst(b, s, 200)
+    assert held(b, kept) == []
+
+
+def test_tenant_over_its_quota_loses_its_own_lowest_priority_retention_first(make_broker):
+    b = make_broker(npages=64, retention=RetentionSettings(tenant_quota=8 * PAGE))
+    alice, bob = connect(b, uid=1001), connect(b, uid=1002)
+    bobs = chain(b, bob, "bob", 6, retain={"session": "b", "priority": 0})
+    important = chain(b, alice, "imp", 4, retain={"session": "imp", "priority": 3})
+    old = chain(b, alice, "old", 4, retain={"session": "old", "priority": 1})
+    new = chain(b, alice, "new", 4, retain={"session": "new", "priority": 1})
+    r = b.retention
+    assert r.tenant_bytes[1001] <= 8 * PAGE
+    # alice's priority-3 session stays; of her priority-1 sessions the older lost retention.
+    assert r.sessions[("default", "imp")].nbytes == 4 * PAGE
+    assert r.sessions[("default", "old")].nbytes == 0
+    assert r.sessions[("default", "new")].nbytes == 4 * PAGE
+    assert r.sessions[("default", "b")].nbytes == 6 * PAGE  # another tenant: untouched
+    assert b.statistics().retention.dropped == {"tenant_quota": 4}
+    # Nothing was refused or freed: the blocks that lost retention are still cached...
+    assert held(b, old) == old
+    burst(b, bob, 200)  # ...and are the first to go under pressure
+    assert held(b, old) == [] and held(b, important) == important and held(b, new) == new
+    assert held(b, bobs) == bobs
+
+
+def test_retained_bytes_keep_within_the_pool_share(make_broker):
+    b = make_broker(npages=64, retention=RetentionSettings(pool_share=0.25))
+    s = connect(b)
+    for i in range(6):
+        chain(b, s, f"s{i}-", 6, retain={"session": f"s{i}", "priority": i % 2})
+        assert b.retention.pool_bytes[0] <= 16 * PAGE
+    st = b.statistics().retention
+    assert st.retained_cap == (16 * PAGE,) and st.retained_bytes[0] <= 16 * PAGE
+    assert st.dropped["pool_share"] >= 36 - 16
+    # Plain traffic keeps the rest of the pool, and the retained blocks stay.
+    retained = [o.key for o in b.objects.values() if b.retention.keeps(o)]
+    assert sum(b.objects[("default", k)].npages for k in retained) == 16
+    burst(b, s, 200)
+    assert held(b, retained) == retained
+    assert sum(1 for ns, k in b.objects if k.startswith("burst")) >= int(0.9 * 64) - 16 - 1
+
+
+def test_restart_keeps_retention_and_drops_what_expired(make_broker, tmp_path):
+    b = make_broker(npages=64)
+    path = str(tmp_path / "j")
+    b.attach_journal(Journal(path, 1, [b.pools[0].describe()]), 1)
+    s = connect(b, uid=1001)
+    kept = chain(b, s, "keep", 5, retain={"session": "keep", "for": 600, "priority": 2})
+    chain(b, s, "short", 3, retain={"session": "short", "for": 10})
+    b.handle(s, "match_prefix", {"keys": kept[:2], "retain": {"session": "keep", "for": 900}})
+    chain(b, s, "gone", 2, retain={"session": "gone"})
+    b.handle(s, "unretain", {"name": "gone"})
+    b.compact_journal()  # the rewrite carries the sessions too
+    more = chain(b, s, "keepb", 2, retain={"session": "keep"})  # after the compaction
+    b.journal.close()
+    rec = Journal.load(path)
+    pool2 = HostPool.adopt(0, b.pools[0].name, b.pools[0].size, PAGE)
+    b2 = Broker([pool2], clock=Clock())
+    b2.retention.clock = Clock()
+    b2.retention.clock.now = b.retention.clock.now + 60  # "short" expired meanwhile
+    b2.restore(rec.objects.values(), (), rec.sessions.values())
+    assert set(b2.retention.sessions) == {("default", "keep")}
+    entry = b2.retention.sessions[("default", "keep")]
+    assert entry.uid == 1001 and entry.priority == 2
+    assert sorted(o.key for o in entry.objects.values()) == sorted(kept + more)
+    assert entry.expires_at == pytest.approx(b.retention.clock.now + 600)
+    s2 = connect(b2)
+    burst(b2, s2, 200)
+    assert held(b2, kept + more) == kept + more
+
+
+def test_another_tenants_session_is_invisible(make_broker):
+    b = make_broker(npages=64, policy=parse_isolation({"mode": "tenant"}))
+    from kvbroker._server.policy import user_name
+
+    alice, bob = connect(b, uid=60011), connect(b, uid=60012)
+    ns = user_name(60011)
+    chain(b, alice, "a", 3, ns=ns, retain={"session": "secret"})
+    assert [x["name"] for x in b.handle(alice, "sessions", {})["sessions"]] == ["secret"]
+    assert b.handle(bob, "sessions", {})["sessions"] == []
+    for op, args in (("retain", {"name": "secret", "seconds": 60}),
+                     ("unretain", {"name": "secret"}),
+                     ("retain", {"name": "secret", "seconds": 60, "namespace": ns})):  # fmt: skip
+        with pytest.raises(NotFound):
+            b.handle(bob, op, args)
+    assert statistics_for(b, bob).retention.largest == ()
+    assert [x.name for x in statistics_for(b, alice).retention.largest] == ["secret"]
+    with pytest.raises(Forbidden):  # naming a session in another tenant's namespace
+        b.handle(bob, "match_prefix", {"namespace": ns, "keys": ["a0"],
+                                       "retain": {"session": "secret"}})  # fmt: skip
+    assert ("default", "secret") not in b.retention.sessions
+    assert b.retention.sessions[(ns, "secret")].nbytes == 3 * PAGE
+
+
+def test_operators_retain_and_release(make_broker):
+    b = make_broker(npages=64, retention=RetentionSettings(max_retain=7200))
+    s = connect(b)
+    kept = chain(b, s, "c", 4, retain={"session": "conv", "for": 30})
+    info = b.handle(s, "retain", {"name": "conv", "seconds": 3600, "priority": 7})
+    assert info["expires_in"] == 3600 and info["priority"] == 7 and info["blocks"] == 4
+    with pytest.raises(NotFound):
+        b.handle(s, "retain", {"name": "nope", "seconds": 10})
+    with pytest.raises(BadRequest):
+        b.handle(s, "retain", {"name": "conv", "seconds": -1})
+    chain(b, s, "d", 1, ns="other", retain={"session": "conv"})  # the same name elsewhere
+    with pytest.raises(BadRequest, match="namespace"):
+        b.handle(s, "unretain", {"name": "conv"})
+    gone = b.handle(s, "unretain", {"name": "conv", "namespace": "default"})
+    assert gone["blocks"] == 4
+    burst(b, s, 200)
+    assert held(b, kept) == []
+    assert b.statistics().retention.dropped["released"] == 4
+
+
+@pytest.mark.parametrize("retain", [
+    {"session": ""}, {"session": 3}, {"session": "x", "for": -1}, {"session": "x", "for": True},
+    {"session": "x", "priority": 1000}, {"session": "x", "priority": 1.5},
+    {"session": "x", "until": 3}, {"session": "x" * 600},
+])  # fmt: skip
+def test_a_bad_retain_is_refused_and_changes_nothing(make_broker, retain):
+    b = make_broker()
+    s = connect(b)
+    with pytest.raises(BadRequest):
+        chain(b, s, "c", 2, retain=retain)
+    with pytest.raises(BadRequest):
+        b.handle(s, "match_prefix", {"keys": ["c0"], "retain": retain})
+    assert not b.retention.sessions and not b.objects and not b.pending
+
+
+def test_sessions_per_uid_are_bounded(make_broker):
+    b = make_broker(retention=RetentionSettings(max_per_uid=3))
+    s, other = connect(b, uid=1001), connect(b, uid=1002)
+    for i in range(3):
+        b.handle(s, "match_prefix", {"keys": ["x"], "retain": {"session": f"s{i}"}})
+    with pytest.raises(LimitExceeded, match="max_per_uid"):
+        b.handle(s, "match_prefix", {"keys": ["x"], "retain": {"session": "s3"}})
+    b.handle(s, "match_prefix", {"keys": ["x"], "retain": {"session": "s0"}})  # a renewal
+    b.handle(other, "match_prefix", {"keys": ["x"], "retain": {"session": "o"}})
+
+
+def test_a_reload_lowering_the_share_applies_at_once(make_broker):
+    b = make_broker(npages=64)
+    s = connect(b)
+    chain(b, s, "c", 20, retain={"session": "big"})
+    assert b.retention.pool_bytes[0] == 20 * PAGE
+    b.retention.configure(RetentionSettings(pool_share=0.125))
+    assert b.retention.pool_bytes[0] <= 8 * PAGE
+    assert b.statistics().retention.retained_cap == (8 * PAGE,)
+
+
+def test_a_replaced_or_evicted_block_leaves_its_session(make_broker):
+    b = make_broker(npages=64)
+    s = connect(b)
+    chain(b, s, "c", 3, retain={"session": "x"})
+    b.handle(s, "evict", {"key": "c2"})
+    entry = b.retention.sessions[("default", "x")]
+    assert sorted(o.key for o in entry.objects.values()) == ["c0", "c1"]
+    assert entry.nbytes == 2 * PAGE and b.retention.pool_bytes[0] == 2 * PAGE
+    assert b.statistics().retention.evicted == {"operator": 1}
