@@ -1,4 +1,5 @@
-"""``kvbroker`` command line: serve, doctor, stat, ping, ls, show, evict, verify, tui, bench.
+"""``kvbroker`` command line: serve, doctor, stat, ping, ls, show, evict, sessions,
+retain, release, verify, tui, bench.
 
 Exit codes: 0 ok, 1 error, 2 usage error, 3 daemon not running, 4 missing hardware or
 software (``bench gpu`` without CUDA). Every error is one line on stderr.
@@ -32,6 +33,7 @@ from ._common import (
 from ._here import python_here_check, shadowed_message, shadowing_directory
 from ._objects import evict, ls_, object_table, show
 from ._ping import daemon_check, ping
+from ._sessions import release, retain, sessions
 from ._stat import stat
 
 app = typer.Typer(
@@ -140,6 +142,9 @@ app.command()(ping)
 app.command("ls")(ls_)
 app.command()(show)
 app.command()(evict)
+app.command()(sessions)
+app.command()(retain)
+app.command()(release)
 
 
 @app.command()

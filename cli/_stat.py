@@ -104,6 +104,15 @@ def render(s) -> str:
         f"aborts {c.aborts}",
     ]
     lines += _render_fleet(s)
+    r = s.retention
+    if r is not None and (r.sessions or r.evicted or r.dropped):
+        held = "  ".join(f"pool {i} {format_size(b)} of {format_size(cap)}"
+                         for i, (b, cap) in enumerate(zip(r.retained_bytes, r.retained_cap)))
+        lines += ["", f"sessions {r.sessions}  retained blocks {r.retained_objects}  {held}"]
+        for why, what in (("evicted", r.evicted), ("lost retention", r.dropped)):
+            if what:
+                lines.append(f"  retained blocks {why}: "
+                             + "  ".join(f"{clean(k)} {v:,}" for k, v in sorted(what.items())))
     if s.namespaces:
         names = [clean(n.namespace) for n in s.namespaces]
         ns_w = max([9] + [len(x) for x in names]) + 2

@@ -32,6 +32,14 @@ Writers (who owns and frees what)
 - A connection that dies takes its write leases with it: a crashed writer leaves no
   half-written block.
 
+Sessions
+--------
+- :func:`retention` ``(session, retain, priority)`` is the ``retain=`` of :func:`reserve` and
+  the matches: the blocks a request of that session publishes or matches are *retained*
+  while it lasts (evicted only after every unretained object, lowest priority first), and
+  each request renews it. Operators list and steer sessions with ``kvbroker sessions``,
+  ``retain`` and ``release``.
+
 Readers
 -------
 - :func:`match` (a format's chain, resharded across TP layouts for attention),
@@ -65,6 +73,7 @@ from ._client.block_ops import (
     match_keys,
     match_shards,
     pool_address,
+    retention,
     pool_runs,
     reserve,
     reserve_later,
@@ -87,4 +96,6 @@ __all__ = [
     "empty_checksum", "device_checksums_available", "start_device_checksums",
     # readers
     "match", "match_shards", "match_keys", "PrefixMatch", "KVPrefixMatch", "MatchedBlock",
+    # sessions: what a request names to keep its blocks past plain LRU
+    "retention",
 ]  # fmt: skip

@@ -14,6 +14,11 @@ Ownership
   the ``with`` block): copy what you need into your own cache first. While held, the blocks
   are never evicted — many DP ranks may hold the same blocks at once.
 - The broker evicts a chain from its leaf: a block goes only after every block that extends it.
+- Sessions: ``publish``, ``match`` (and their ``_kv`` forms) take ``session=`` (a name the
+  engine gives a conversation or an agent), ``retain=`` (seconds or "10m") and ``priority=``:
+  the blocks that request publishes or matches are retained while the session lasts
+  (evicted only after every unretained object, lowest priority first), and each request of
+  the session renews it (:func:`kvbroker.blocks.retention`).
 
 Tensor parallelism
 ------------------
@@ -49,7 +54,7 @@ import hashlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from . import blocks
+from . import blocks as blocks_api
 from ._client.client import Client
 from ._client.copy import nbytes_of
 from ._client.paged import _block_index
@@ -171,6 +176,9 @@ class PrefixCache:
         *,
         block_sizes: Mapping[str, int] | None = None,
         meta: dict | None = None,
+        session: str | None = None,
+        retain: float | str | None = None,
+        priority: int | None = None,
     ) -> int:
         """Publish the full blocks of ``token_ids``; returns how many were new.
 
@@ -179,12 +187,14 @@ class PrefixCache:
         block): the function is then called only for blocks the node lacks, so nothing is
         gathered for blocks that are already there. A sharded cache publishes under this TP
         rank's shard keys; the bytes are the engine's business (use :meth:`publish_kv` for
-        blocks other TP layouts can reshard).
+        blocks other TP layouts can reshard). ``session``: see "Sessions" above.
         """
+        kept = blocks_api.retention(session, retain, priority)
         return self._publish(self.keys(self.hashes(token_ids)), blocks, block_sizes, meta,
-                             token_ids)
+                             token_ids, kept)
 
-    def _publish(self, keys: list[str], blocks, block_sizes, meta, token_ids=None) -> int:
+    def _publish(self, keys: list[str], blocks, block_sizes, meta, token_ids=None,
+                 kept: dict | None = None) -> int:  # fmt: skip
         if not keys:
             return 0
         if callable(blocks):
@@ -213,10 +223,10 @@ class PrefixCache:
         # MAX_REQUEST bytes each.
         runs = request_chunks(costs, MAX_REQUEST // 2 - (layout_cost if shared else 0),
                               MAX_BUFFERS)  # fmt: skip
-        return sum(self._publish_run(keys, lo, hi, get, sizes, meta, toks, shared)
+        return sum(self._publish_run(keys, lo, hi, get, sizes, meta, toks, shared, kept)
                    for lo, hi in runs)  # fmt: skip
 
-    def _publish_run(self, keys, lo, hi, get, sizes, meta, toks, shared) -> int:
+    def _publish_run(self, keys, lo, hi, get, sizes, meta, toks, shared, kept=None) -> int:
         bs = self.block_size
         request = []
         for i in range(lo, hi):
@@ -227,9 +237,10 @@ class PrefixCache:
                 blk["tokens"] = toks[i * bs:(i + 1) * bs]
             request.append(blk)
         if shared:
-            reserved = blocks.reserve(self.client, self.namespace, request, sizes[lo], meta)
+            reserved = blocks_api.reserve(self.client, self.namespace, request, sizes[lo], meta,
+                                          retain=kept)  # fmt: skip
         else:
-            reserved = blocks.reserve(self.client, self.namespace, request)
+            reserved = blocks_api.reserve(self.client, self.namespace, request, retain=kept)
         kind = self.client.checksum_kind if self.checksum else None
         sums = []
         try:
@@ -237,7 +248,7 @@ class PrefixCache:
             for i, lease in zip(range(lo, hi), reserved.leases):
                 if lease is None:
                     continue
-                sums.append({name: blocks.copy(reserved.view(j, name), src, kind)
+                sums.append({name: blocks_api.copy(reserved.view(j, name), src, kind)
                              for name, src in get(i).items()})  # fmt: skip
                 j += 1
         except BaseException:
@@ -256,6 +267,9 @@ class PrefixCache:
         ttl: float | None = None,
         peer: str | None = None,
         hold: bool = True,
+        session: str | None = None,
+        retain: float | str | None = None,
+        priority: int | None = None,
     ) -> PrefixMatch:
         """One read lease on the longest run of leading blocks the node holds.
 
@@ -267,14 +281,15 @@ class PrefixCache:
         that the peer holds are pulled first (one NIXL READ for all of them), then matched.
         ``hold=False``: only count the blocks (``num_blocks``); no lease is taken and
         nothing is held, so nothing is left to read either — what a scheduler asks.
+        ``session``: see "Sessions" above (the matched blocks are retained).
         """
         usable = max(0, len(token_ids) - 1) // self.block_size
         if hashes is None:
             hashes = self.hashes(token_ids[: usable * self.block_size])
-        return blocks.match_keys(self.client, self.namespace, self.keys(hashes[:usable]),
-                                 block_tokens=self.block_size,
-                                 ttl=ttl, hold=hold, peer=peer,
-                                 block_size=self.block_size)  # fmt: skip
+        return blocks_api.match_keys(self.client, self.namespace, self.keys(hashes[:usable]),
+                                     block_tokens=self.block_size, ttl=ttl, hold=hold, peer=peer,
+                                     block_size=self.block_size,
+                                     retain=blocks_api.retention(session, retain, priority))  # fmt: skip
 
     # -- KV blocks that any TP layout can read -------------------------------------------------
     def _kv_heads(self, cache) -> int | None:
@@ -286,7 +301,8 @@ class PrefixCache:
         return self.total_kv_heads
 
     def publish_kv(self, token_ids: Sequence[int], cache, block_ids: Any, *,
-                   infix: str | None = None) -> int:  # fmt: skip
+                   infix: str | None = None, session: str | None = None,
+                   retain: float | str | None = None, priority: int | None = None) -> int:  # fmt: skip
         """Publish this TP rank's heads of every full block of ``token_ids``; returns how
         many blocks were new. ``cache``: a :class:`kvbroker.kv.PagedKV` whose block size is
         this cache's; ``block_ids``: the engine blocks holding the prompt, in order."""
@@ -312,7 +328,8 @@ class PrefixCache:
                     for layer, row in enumerate(names) for c, name in enumerate(row)}  # fmt: skip
 
         keys = [fmt.key(h) for h in self.hashes(token_ids[: n * self.block_size])]
-        return self._publish(keys, block, fmt.buffers(), fmt.meta(), token_ids)
+        return self._publish(keys, block, fmt.buffers(), fmt.meta(), token_ids,
+                             blocks_api.retention(session, retain, priority))  # fmt: skip
 
     def match_kv(
         self,
@@ -323,6 +340,9 @@ class PrefixCache:
         ttl: float | None = None,
         latent: bool = False,
         hold: bool = True,
+        session: str | None = None,
+        retain: float | str | None = None,
+        priority: int | None = None,
     ) -> KVPrefixMatch:
         """The longest prefix every shard this rank needs holds, under one read lease (or
         only counted, ``hold=False``).
@@ -344,10 +364,11 @@ class PrefixCache:
             sizes = [source_tp_size]
         else:
             sizes = [self.tp_size, *self.peer_tp_sizes]
-        return blocks.match_shards(self.client, self.namespace, hashes,
-                                   block_size=self.block_size, total_kv_heads=heads,
-                                   tp_rank=self.tp_rank, tp_size=self.tp_size,
-                                   source_tp_sizes=sizes, ttl=ttl, hold=hold)  # fmt: skip
+        return blocks_api.match_shards(self.client, self.namespace, hashes,
+                                       block_size=self.block_size, total_kv_heads=heads,
+                                       tp_rank=self.tp_rank, tp_size=self.tp_size,
+                                       source_tp_sizes=sizes, ttl=ttl, hold=hold,
+                                       retain=blocks_api.retention(session, retain, priority))  # fmt: skip
 
 
 def _packed_size(value: Any) -> int:

@@ -248,6 +248,7 @@ def test_sighup_reaches_the_broker_and_the_connections(tmp_path):
         assert {a: getattr(d.broker, a) for a in to_broker} == {
             a: getattr(new, a) for a in to_broker}
         assert (d.broker.policy, d.broker.quotas) == (new.isolation, new.quotas)
+        assert d.broker.retention.settings == new.retention_settings()  # [sessions]
         assert conn.transport.limit == new.max_write_buffer
         assert logging.getLogger().level == getattr(logging, new.log_level.upper())
         assert d.config == new

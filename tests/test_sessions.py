@@ -197,7 +197,7 @@ def test_restart_keeps_retention_and_drops_what_expired(make_broker, tmp_path):
     entry = b2.retention.sessions[("default", "keep")]
     assert entry.uid == 1001 and entry.priority == 2
     assert sorted(o.key for o in entry.objects.values()) == sorted(kept + more)
-    assert entry.expires_at == pytest.approx(b.retention.clock.now + 600)
+    assert entry.expires_at == pytest.approx(b.retention.clock.now + 900)  # the longest asked
     s2 = connect(b2)
     burst(b2, s2, 200)
     assert held(b2, kept + more) == kept + more
@@ -291,3 +291,14 @@ def test_a_replaced_or_evicted_block_leaves_its_session(make_broker):
     assert sorted(o.key for o in entry.objects.values()) == ["c0", "c1"]
     assert entry.nbytes == 2 * PAGE and b.retention.pool_bytes[0] == 2 * PAGE
     assert b.statistics().retention.evicted == {"operator": 1}
+
+
+def test_a_request_extends_a_session_never_shortens_it_and_keeps_its_priority(make_broker):
+    b = make_broker()
+    s = connect(b)
+    chain(b, s, "c", 2, retain={"session": "x", "for": 3000, "priority": 4})
+    b.handle(s, "match_prefix", {"keys": ["c0"], "hold": False,
+                                 "retain": {"session": "x", "for": 60}})  # fmt: skip
+    (info,) = b.handle(s, "sessions", {})["sessions"]
+    assert (info["expires_in"], info["priority"]) == (3000, 4)
+    assert b.handle(s, "retain", {"name": "x", "seconds": 60})["expires_in"] == 60  # an operator sets it

@@ -21,7 +21,32 @@ from ..errors import BadRequest, KVBrokerError, LayoutMismatch
 __all__ = ["Reservation", "PendingReservation", "reserve", "reserve_later", "seal", "seal_later",
            "abort", "view", "pool_address", "pool_runs", "copy", "checksum", "empty_checksum",
            "device_checksums_available", "start_device_checksums", "match", "match_shards",
-           "match_keys"]  # fmt: skip
+           "match_keys", "retention"]  # fmt: skip
+
+
+def retention(session: str | None, retain: float | str | None = None,
+              priority: int | None = None) -> dict | None:
+    """What a request names of a session (the ``retain`` argument of :func:`reserve` and the
+    matches): blocks it publishes or matches are kept past plain LRU while the session lasts,
+    renewed by each request (``retain``: seconds or "10m"; None: the daemon's default), and
+    evicted lowest ``priority`` first (0 to 100). None without a session."""
+    if session is None:
+        if retain is not None or priority is not None:
+            raise BadRequest("retain and priority need a session name")
+        return None
+    if not isinstance(session, str) or not session:
+        raise BadRequest(f"a session is a non-empty name, not {session!r}")
+    out: dict[str, Any] = {"session": session}
+    if retain is not None:
+        from .._wire.paths import parse_duration
+
+        try:
+            out["for"] = parse_duration(retain)
+        except ValueError as exc:
+            raise BadRequest(f"retain: {exc}") from None
+    if priority is not None:
+        out["priority"] = priority
+    return out
 
 
 # -- writers -------------------------------------------------------------------------------
@@ -120,13 +145,16 @@ def _digests(names: list[str], views: list, kind: int) -> dict:
 
 
 def reserve(client, namespace: str, blocks: list[dict], buffers: dict[str, int] | None = None,
-            meta: dict | None = None, *, ttl: float | None = None) -> Reservation:  # fmt: skip
+            meta: dict | None = None, *, ttl: float | None = None,
+            retain: dict | None = None) -> Reservation:  # fmt: skip
     """Reserve the blocks ``[{"key", "parent", "tokens"?}]`` that the node lacks, each with
     ``buffers`` (``{name: nbytes}``) and ``meta`` (None: each block's own ``"buffers"`` and
     ``"meta"``), in one round trip with a compact reply. All or nothing: a refused batch
-    (PoolFull, QuotaExceeded...) holds no pages. At most 8192 blocks and a 1 MiB request."""
+    (PoolFull, QuotaExceeded...) holds no pages. At most 8192 blocks and a 1 MiB request.
+    ``retain``: the session the blocks are published for (:func:`retention`): once sealed,
+    it retains them; those already here too."""
     reply = client.ops.reserve_blocks(blocks, namespace=namespace, ttl=ttl, buffers=buffers,
-                                      meta=meta, compact=True)  # fmt: skip
+                                      meta=meta, compact=True, retain=retain)  # fmt: skip
     return _reservation(client, reply, list(buffers or ()))
 
 
@@ -146,10 +174,11 @@ class PendingReservation:
 
 def reserve_later(client, namespace: str, blocks: list[dict],
                   buffers: dict[str, int] | None = None, meta: dict | None = None, *,
-                  ttl: float | None = None) -> PendingReservation:  # fmt: skip
+                  ttl: float | None = None, retain: dict | None = None) -> PendingReservation:  # fmt: skip
     """:func:`reserve`, sent without waiting for the reply."""
     pending = client.ops.pipelined.reserve_blocks(blocks, namespace=namespace, ttl=ttl,
-                                                  buffers=buffers, meta=meta, compact=True)
+                                                  buffers=buffers, meta=meta, compact=True,
+                                                  retain=retain)  # fmt: skip
     return PendingReservation(client, pending, list(buffers or ()))
 
 
@@ -313,21 +342,22 @@ def start_device_checksums(rows):
 # -- readers -------------------------------------------------------------------------------
 def match_keys(client, namespace: str, keys: list[str], *, block_tokens: int = 0,
                ttl: float | None = None, hold: bool = True, peer: str | None = None,
-               block_size: int = 1) -> PrefixMatch:  # fmt: skip
+               block_size: int = 1, retain: dict | None = None) -> PrefixMatch:  # fmt: skip
     """One read lease over the longest run of leading ``keys`` the node holds (``peer``:
     ``"HOST:PORT"`` of another node's broker, whose blocks after this node's run are pulled
     first). ``block_tokens``: tokens a key stands for, in the daemon's hit statistics;
-    ``block_size``: the match's tokens per key."""
+    ``block_size``: the match's tokens per key. ``retain``: the request's session
+    (:func:`retention`), renewed; it retains the blocks matched."""
     import time
 
     asked_at = time.monotonic()
     if peer is None:
         reply = client.ops.match_prefix(keys, namespace=namespace, block_tokens=block_tokens,
-                                        ttl=ttl, hold=hold)  # fmt: skip
+                                        ttl=ttl, hold=hold, retain=retain)  # fmt: skip
     else:
         reply = client._peer_call(True, client.ops.match_prefix, keys, namespace=namespace,
                                   block_tokens=block_tokens, ttl=ttl, peer=peer,
-                                  hold=hold)  # fmt: skip
+                                  hold=hold, retain=retain)  # fmt: skip
     return PrefixMatch(client, reply, block_size, asked_at)
 
 
@@ -341,7 +371,7 @@ def _plan(heads: int | None, source: int, tp_size: int, tp_rank: int) -> tuple:
 def match_shards(client, namespace: str, hashes: Sequence[str], *, block_size: int,
                  total_kv_heads: int | None, tp_rank: int = 0, tp_size: int = 1,
                  source_tp_sizes: Sequence[int] | None = None, ttl: float | None = None,
-                 hold: bool = True) -> KVPrefixMatch:  # fmt: skip
+                 hold: bool = True, retain: dict | None = None) -> KVPrefixMatch:  # fmt: skip
     """The longest run of ``hashes`` every shard TP rank ``tp_rank`` of ``tp_size`` needs
     holds, in the layout of each of ``source_tp_sizes`` in turn (default: its own), keeping
     the longest (one round trip each, stopping at the first that covers every hash), under
@@ -351,7 +381,8 @@ def match_shards(client, namespace: str, hashes: Sequence[str], *, block_size: i
     try:
         for source in dict.fromkeys(sizes):
             found = _match_layout(client, namespace, list(hashes), block_size, source,
-                                  total_kv_heads, tp_rank, tp_size, ttl, hold)  # fmt: skip
+                                  total_kv_heads, tp_rank, tp_size, ttl, hold,
+                                  retain)  # fmt: skip
             if best is None or found.num_blocks > best.num_blocks:
                 if best is not None:
                     best.release()
@@ -370,7 +401,7 @@ def match_shards(client, namespace: str, hashes: Sequence[str], *, block_size: i
 
 
 def _match_layout(client, namespace, hashes, block_size, source, heads, tp_rank, tp_size,
-                  ttl, hold) -> KVPrefixMatch:  # fmt: skip
+                  ttl, hold, retain=None) -> KVPrefixMatch:  # fmt: skip
     import time
 
     plan, ranks, suffixes = _plan(heads, source, tp_size, tp_rank)
@@ -385,14 +416,14 @@ def _match_layout(client, namespace, hashes, block_size, source, heads, tp_rank,
     # The broker counts hit tokens per key found: a key is 1/len(ranks) of a block here.
     reply = client.ops.match_prefix(keys, namespace=namespace,
                                     block_tokens=block_size // len(ranks), ttl=ttl,
-                                    hold=hold)  # fmt: skip
+                                    hold=hold, retain=retain)  # fmt: skip
     return KVPrefixMatch(client, reply, block_size, asked_at, source=source, heads=heads,
                          ranks=ranks, plan=plan, tp_rank=tp_rank, tp_size=tp_size)
 
 
 def match(client, namespace: str, fmt: AttentionFormat | StateFormat, hashes: Sequence[str],
           *, peer_tp_sizes: Sequence[int] = (), ttl: float | None = None,
-          hold: bool = True) -> PrefixMatch:  # fmt: skip
+          hold: bool = True, retain: dict | None = None) -> PrefixMatch:  # fmt: skip
     """One read lease on the longest run of ``hashes`` whose blocks of format ``fmt`` the
     node holds. Attention: every shard this rank's heads come from, in its own TP layout
     first, then ``peer_tp_sizes`` (a :class:`KVPrefixMatch`: ``load`` it, or read its
@@ -402,9 +433,10 @@ def match(client, namespace: str, fmt: AttentionFormat | StateFormat, hashes: Se
         return match_shards(client, namespace, hashes, block_size=fmt.block_size,
                             total_kv_heads=fmt.total_kv_heads, tp_rank=fmt.tp_rank,
                             tp_size=fmt.tp_size, source_tp_sizes=[fmt.tp_size, *peer_tp_sizes],
-                            ttl=ttl, hold=hold)  # fmt: skip
+                            ttl=ttl, hold=hold, retain=retain)  # fmt: skip
     if isinstance(fmt, StateFormat):
-        found = match_keys(client, namespace, [fmt.key(h) for h in hashes], ttl=ttl, hold=hold)
+        found = match_keys(client, namespace, [fmt.key(h) for h in hashes], ttl=ttl, hold=hold,
+                           retain=retain)  # fmt: skip
         if found.num_blocks and found.meta is not None:
             try:
                 fmt.check(found.meta)

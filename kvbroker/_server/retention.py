@@ -135,9 +135,11 @@ class Retention:
         return name, for_, prio
 
     def renew(self, namespace: str, name: str, uid: int, for_: float | None = None,
-              priority: int | None = None) -> Retained:
+              priority: int | None = None, exactly: bool = False) -> Retained:
         """The session ``(namespace, name)``, created for ``uid`` if new, renewed from now for
-        ``for_`` seconds (the default when None; never past ``max_retain``)."""
+        ``for_`` seconds (the default when None; never past ``max_retain``). A request only
+        extends (a turn without ``for`` does not cut an hour an operator granted short);
+        ``exactly`` (an operator's ``retain``) sets it."""
         now = self.clock()
         key = (namespace, name)
         entry = self.sessions.get(key)
@@ -149,7 +151,8 @@ class Retention:
             entry = self.sessions[key] = Retained(namespace, name, uid, now)
             self.per_uid[uid] += 1
         s = self.settings
-        entry.expires_at = now + min(s.retain if for_ is None else for_, s.max_retain)
+        until = now + min(s.retain if for_ is None else for_, s.max_retain)
+        entry.expires_at = until if exactly else max(until, entry.expires_at)
         entry.last_use = now
         heapq.heappush(self._expiry, (entry.expires_at, namespace, name))
         if priority is not None and priority != entry.priority:

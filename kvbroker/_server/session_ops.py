@@ -55,7 +55,8 @@ def op_retain(b: Broker, session: Session, name: str, seconds: float,
     if priority is not None and not 0 <= priority <= MAX_PRIORITY:
         raise BadRequest(f"retain: priority must be from 0 to {MAX_PRIORITY}")
     entry = _find(b, session, namespace, name, "retain")
-    entry = b.retention.renew(entry.namespace, entry.name, entry.uid, seconds, priority)
+    entry = b.retention.renew(entry.namespace, entry.name, entry.uid, seconds, priority,
+                              exactly=True)  # fmt: skip
     return entry.info(b.retention.clock()).to_dict()
 
 

@@ -1,0 +1,109 @@
+"""Sessions through a real daemon: PrefixCache's session=, the CLI (sessions, retain, release,
+stat), SIGHUP reloading [sessions], and a restart keeping them."""
+
+import json
+import signal
+import time
+
+from typer.testing import CliRunner
+
+from kvbroker.cli import app
+from kvbroker.prefix import PrefixCache
+from kvbroker.testing import DaemonProcess
+
+runner = CliRunner()
+BS = 16
+BLOCK = 64 << 10  # bytes per block: 16 of them fill 1 MiB
+
+
+def cli(*args):
+    return runner.invoke(app, [str(a) for a in args], env={"KVBROKER_SOCKET": None})
+
+
+def conversation(pc, first, nblocks, **kw):
+    tokens = list(range(first, first + nblocks * BS + 1))
+    pc.publish(tokens, lambda i: {"kv": bytes(BLOCK)}, block_sizes={"kv": BLOCK}, **kw)
+    return tokens
+
+
+def overflow(c, n=80):
+    """One-shot prompts: more than the whole pool."""
+    for i in range(n):
+        c.put(f"oneshot-{i}-{time.monotonic_ns()}", {"x": bytes(BLOCK)})
+
+
+def test_prefix_cache_sessions_survive_overflow_cli_and_reload(tmp_path):
+    cfg = tmp_path / "kvb.toml"
+    cfg.write_text("[sessions]\npool_share = 0.5\nretain = \"10m\"\n")
+    sock = str(tmp_path / "kvb.sock")
+    d = DaemonProcess(sock, "--config", str(cfg), "--pool-size", "4M", "--page-size", "4K",
+                      ready_timeout=60)  # fmt: skip
+    try:
+        with d.client() as c:
+            pc = PrefixCache(c, namespace="chat", block_size=BS, checksum=False)
+            kept = conversation(pc, 0, 8, session="conv-42", retain="30m", priority=2)
+            plain = conversation(pc, 100_000, 8)
+            overflow(c)
+            with pc.match(kept, session="conv-42") as m:  # a later turn: renews the session
+                assert m.num_blocks == 8
+            with pc.match(plain) as m:
+                assert m.num_blocks == 0
+            # the CLI
+            r = cli("sessions", "-s", sock)
+            assert r.exit_code == 0, r.output
+            assert "conv-42" in r.stdout and "chat" in r.stdout and "512.0 KiB" in r.stdout, r.stdout
+            listed = json.loads(cli("sessions", "--json", "-s", sock).stdout)
+            (row,) = listed["sessions"]
+            assert (row["blocks"], row["priority"], row["namespace"]) == (8, 2, "chat")
+            assert 1790 < row["expires_in"] <= 1800
+            assert listed["retained_cap"] == [2 << 20]
+            r = cli("retain", "conv-42", "--for", "45m", "--priority", "3", "-s", sock)
+            assert r.exit_code == 0 and "retained for 45m" in r.stdout, r.output
+            snap = json.loads(cli("stat", "--json", "-s", sock).stdout)
+            assert snap["retention"]["sessions"] == 1
+            assert snap["retention"]["largest"][0]["priority"] == 3
+            assert "sessions 1" in cli("stat", "-s", sock).stdout
+            assert cli("retain", "nope", "--for", "1h", "-s", sock).exit_code == 1
+            # SIGHUP: a lowered share applies at once (the session keeps what fits)
+            cfg.write_text("[sessions]\npool_share = 0.125\n")
+            d.proc.send_signal(signal.SIGHUP)
+            deadline = time.monotonic() + 30
+            while c.ops.sessions()["retained_cap"] != [512 << 10] and time.monotonic() < deadline:
+                time.sleep(0.05)
+            reply = c.ops.sessions()
+            assert reply["retained_cap"] == [512 << 10]
+            assert reply["retained_bytes"][0] <= 512 << 10
+            # release: the blocks fall back to the LRU and go with the next overflow
+            r = cli("release", "conv-42", "-s", sock)
+            assert r.exit_code == 0 and "released" in r.stdout, r.output
+            overflow(c)
+            with pc.match(kept) as m:
+                assert m.num_blocks == 0
+            assert c.ops.sessions()["sessions"] == []
+    finally:
+        assert d.stop() == 0, d.log()
+
+
+def test_a_restarted_daemon_keeps_the_sessions(tmp_path):
+    sock = str(tmp_path / "kvb.sock")
+    args = ("--pool-size", "4M", "--page-size", "4K")
+    d = DaemonProcess(sock, *args, ready_timeout=60)
+    try:
+        with d.client() as c:
+            pc = PrefixCache(c, namespace="agent", block_size=BS, checksum=False)
+            kept = conversation(pc, 0, 6, session="tool-loop")
+        d.proc.send_signal(signal.SIGUSR1)  # a restart: the pools and the journal are kept
+        d.proc.wait(60)
+    finally:
+        d.stop()
+    d2 = DaemonProcess(sock, *args, ready_timeout=60)
+    try:
+        with d2.client() as c:
+            (row,) = c.ops.sessions()["sessions"]
+            assert (row["name"], row["blocks"]) == ("tool-loop", 6)
+            overflow(c)
+            pc = PrefixCache(c, namespace="agent", block_size=BS, checksum=False)
+            with pc.match(kept) as m:
+                assert m.num_blocks == 6
+    finally:
+        assert d2.stop() == 0, d2.log()
