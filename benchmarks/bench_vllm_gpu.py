@@ -14,11 +14,32 @@ Side by side in the same process and run, for a Llama-3-8B-shaped KV of 16k toke
   scatter) against torch's peer copy of the same bytes, target >= 0.7x; else recorded as
   skipped.
 
+With ``--hybrid SHAPE``, a hybrid model's cache instead, 16k tokens, bf16, the groups
+overlaying one pool as vLLM 0.32's hybrid KV cache manager lays them out
+(:mod:`kvbroker._bench.vllm_caches`), saved and loaded by the hybrid worker
+(:class:`~kvbroker.integrations.vllm._hybrid_worker.HybridWorker`: one step's save of every
+group's blocks, ``wait_for_save``; the load of a hit, every group's blocks in turn):
+
+- ``gemma3``: Gemma-3-12B-like, 48 layers as vLLM groups them: 5 sliding-window groups
+  (window 1024) and 1 full group of 8 layers each, 8 KV heads, head_dim 256, block 16. The
+  save stores every block of every group; the load reads the full group's run and each sliding
+  group's window only (65 blocks).
+- ``qwen3next``: Qwen3-Next / Qwen3.5-like, 48 layers: 3 gated-delta (GDN) groups and 1 full
+  group of 12 layers each; full attention 2 KV heads, head_dim 256; a GDN layer's state a conv
+  state (3, 8192) and an SSM state (32, 128, 128), bf16 (1,097,728 B), so vLLM's block is 544
+  tokens (the attention page it pads the state to). Save and load: the full group's blocks and
+  every GDN group's state page at the end of the prompt, whole.
+
+Each round times the pinned D2H (H2D) copy of the bytes the save (load) moves, then the save
+(load) itself; the ratios are per round, their median reported with the range. The results
+record the load average and CPU pressure (PSI) before and after the run.
+
 It starts its own private daemon (pool sized for the KV) and writes ``DIR/NAME.json`` and
 ``DIR/NAME.md`` with the commit, the machine and the command line.
 
-Usage: ``python benchmarks/bench_vllm_gpu.py --out DIR [--reps 5] [--order NHD|HND]``;
-``--cpu --tokens 512`` runs the same code on CPU tensors (memmove for the DMA) as a check.
+Usage: ``python benchmarks/bench_vllm_gpu.py --out DIR [--reps 5] [--order NHD|HND]
+[--hybrid gemma3|qwen3next]``; ``--device cpu --tokens 512`` runs the same code on CPU tensors
+(memmove for the DMA) as a check (``tests/test_bench.py`` runs the hybrid shapes so).
 """
 
 from __future__ import annotations
@@ -41,7 +62,9 @@ sys.path.insert(0, ROOT)
 
 from kvbroker import Client
 from kvbroker._bench import checkout_commit
+from kvbroker._bench._common import run_conditions
 from kvbroker._bench.gpu_run import events_median
+from kvbroker._bench.vllm_caches import AttentionGroupShape, StateGroupShape, hybrid_pool
 from kvbroker.integrations.vllm._cuda import load_cuda, save_cuda
 from kvbroker.integrations.vllm._format import BlockFormat
 from kvbroker.integrations.vllm._paged import SaveItem, copier_for, cuda_cache
@@ -215,7 +238,212 @@ def bench_ring(a) -> dict:
     return res
 
 
+HYBRID = {
+    "gemma3": {"layers": 8, "sliding": 5, "window": 1024,
+               "attention": {"heads": 8, "block_size": 16, "head_dim": 256}},
+    "qwen3next": {"layers": 12, "state": 3,
+                  "attention": {"heads": 2, "block_size": 544, "head_dim": 256},
+                  "state_shapes": ((3, 8192), (32, 128, 128)),
+                  "state_dtypes": ("bfloat16", "bfloat16")},
+}  # fmt: skip
+
+
+def hybrid_model(name: str, layers: int | None = None):
+    """``(pool shapes, vLLM groups)`` of hybrid shape ``name`` (see the module docstring);
+    ``layers``: per group, instead of the shape's (a smaller smoke run)."""
+    from kvbroker.integrations.vllm._groups import FULL, SLIDING, STATE, Group
+
+    spec = HYBRID[name]
+    att = spec["attention"]
+    L = layers or spec["layers"]
+    kinds = [SLIDING] * spec.get("sliding", 0) + [STATE] * spec.get("state", 0) + [FULL]
+    shapes, groups = [], []
+    for i, kind in enumerate(kinds):
+        names = tuple(f"g{i}.l{layer}" for layer in range(L))
+        if kind == STATE:
+            shape = StateGroupShape(L, spec["state_shapes"], spec["state_dtypes"])
+            shapes.append(shape)
+            page = AttentionGroupShape(L, **att).page_nbytes()
+            groups.append(Group(i, STATE, att["block_size"], names,
+                                state_shapes=shape.shapes, state_dtypes=shape.dtypes,
+                                page_nbytes=page))  # fmt: skip
+        else:
+            shapes.append(AttentionGroupShape(L, **att))
+            groups.append(Group(i, kind, att["block_size"], names, "bfloat16", att["heads"],
+                                att["head_dim"],
+                                window=spec["window"] if kind == SLIDING else None))  # fmt: skip
+    return shapes, groups
+
+
+def bench_hybrid(a, device) -> dict:
+    """One step's save of a 16k-token prompt's blocks of every group, and the load of the
+    hit, through the hybrid worker; against pinned copies of the same bytes, per round."""
+    from kvbroker.integrations.vllm._format import prompt_keys
+    from kvbroker.integrations.vllm._groups import SLIDING, STATE
+    from kvbroker.integrations.vllm._hybrid import GroupLoad, GroupSave, HybridLoad
+    from kvbroker.integrations.vllm._hybrid_worker import HybridWorker
+    from kvbroker.integrations._link import BrokerLink, Warnings
+    from kvbroker.integrations.vllm._scheduler import StepPlan
+
+    shapes, groups = hybrid_model(a.hybrid, a.layers)
+    bs = groups[0].block_size
+    nblk = max(1, a.tokens // bs)
+    hit = nblk * bs
+    # engine blocks: each group's saved run, then each group's loaded blocks (a block id is
+    # one group's at a time); block 0 is vLLM's null block
+    first_load = {g.index: (g.first_needed(hit) if g.kind == SLIDING else 0) for g in groups}
+    next_id, src, dst = 1, {}, {}
+    for g in groups:
+        count = 1 if g.kind == STATE else nblk
+        src[g.index] = list(range(next_id, next_id + count))
+        next_id += count
+    for g in groups:
+        count = 1 if g.kind == STATE else nblk - first_load[g.index]
+        dst[g.index] = list(range(next_id, next_id + count))[::-1]  # scattered the other way
+        next_id += count
+    caches, raw = hybrid_pool(shapes, next_id, device, a.order)
+    d = tempfile.mkdtemp(prefix="kvb")
+    sock = os.path.join(d, "kvb.sock")
+    L = shapes[0].layers
+    # the daemon's pages are 2 MiB: a block takes whole pages
+    pages_2m = sum(len(src[g.index]) * -(-(L * (s.content_nbytes() if g.kind == STATE
+                                                 else s.page_nbytes())) // (2 << 20))
+                   for g, s in zip(groups, shapes))  # fmt: skip
+    proc = start_daemon(sock, 2 * pages_2m + 512)
+    worker = None
+    try:
+        from kvbroker.integrations.vllm._paged import copier_for
+
+        link = BrokerLink(sock, name="bench-hybrid", role="kv_both", map_pools=True, timeout=60)
+        worker = HybridWorker(groups=groups, link=link, namespace=NS, block_size=bs, tp_rank=0,
+                              tp_size=1, warnings=Warnings(),
+                              staging_copier=copier_for("cpu") if device.type == "cpu" else None)
+        worker.register(caches, "FLASH_ATTN")
+        fmts = worker.formats
+        save_bytes = sum(fmts[g.index].block_nbytes * len(src[g.index]) for g in groups)
+        load_bytes = sum(fmts[g.index].block_nbytes * len(dst[g.index]) for g in groups)
+        res: dict = {
+            "shape": a.hybrid, "tokens": hit, "order": a.order, "block_size": bs,
+            "groups": [f"{g.kind} x{len(g.layer_names)} layers" for g in groups],
+            "save_blocks": sum(len(v) for v in src.values()),
+            "load_blocks": sum(len(v) for v in dst.values()),
+            "save_bytes": save_bytes, "load_bytes": load_bytes,
+            "state_page_bytes": sum(f.block_nbytes for g, f in zip(groups, fmts.values())
+                                    if g.kind == STATE),
+        }  # fmt: skip
+        cuda = device.type == "cuda"
+        if cuda:
+            big = max(save_bytes, load_bytes)
+            dev_buf = torch.empty(big, dtype=torch.uint8, device=device)
+            host_buf = torch.empty(big, dtype=torch.uint8, pin_memory=True)
+        client = link.get()
+        stream = worker._gpu_client(client).stream if cuda else None
+        rows: list[dict] = []
+        for rep in range(a.reps + 1):
+            salt = f"r{rep}"
+            keys = prompt_keys(list(range(hit + 1)), bs, namespace=NS, cache_salt=salt)
+            saves = []
+            for g in groups:
+                k = [g.key(h) for h in keys.hashes[:nblk]]
+                if g.kind == STATE:
+                    saves.append(GroupSave("r", g.index, [(k[-1], None, src[g.index][0])]))
+                else:
+                    saves.append(GroupSave("r", g.index, [(k[i], k[i - 1] if i else None, b)
+                                                          for i, b in enumerate(src[g.index])]))
+            loads = []
+            for g in groups:
+                k = [g.key(h) for h in keys.hashes[:nblk]]
+                k = k[-1:] if g.kind == STATE else k[first_load[g.index]:]
+                loads.append(GroupLoad(g.index, k, dst[g.index]))
+            row: dict = {}
+            if cuda:
+                row["pinned_d2h_s"] = events_median(
+                    lambda: host_buf[:save_bytes].copy_(dev_buf[:save_bytes], non_blocking=True), 1)
+            before = worker.stats["saved_blocks"]
+            sync(device)
+            t0 = time.perf_counter()
+            worker.bind(StepPlan(saves=saves))
+            worker.wait_for_save()
+            worker.unbind()
+            sync(device)
+            row["save_s"] = time.perf_counter() - t0
+            saved = worker.stats["saved_blocks"] - before
+            if cuda:
+                row["pinned_h2d_s"] = events_median(
+                    lambda: dev_buf[:load_bytes].copy_(host_buf[:load_bytes], non_blocking=True), 1)
+            spec = HybridLoad("q", loads, hit - 1)
+            sync(device)
+            t0 = time.perf_counter()
+            got = worker._copy_in(spec, client, stream)  # what the loader thread runs
+            sync(device)
+            row["load_s"] = time.perf_counter() - t0
+            assert saved == res["save_blocks"] and got == res["load_blocks"], (rep, saved, got)
+            if rep == 0:  # warm-up: check the bytes of every group
+                ok = True
+                for g in groups:
+                    pairs = list(zip(src[g.index][first_load[g.index]:] if g.kind != STATE
+                                     else src[g.index], dst[g.index]))  # fmt: skip
+                    for name in g.layer_names[:: max(1, L // 4)]:
+                        t = caches[name]
+                        for s_id, d_id in pairs[:: max(1, len(pairs) // 16)]:
+                            ok = ok and torch.equal(t[s_id].view(torch.uint8) if t.dtype == torch.int8
+                                                    else t[s_id].view(torch.int16),
+                                                    t[d_id].view(torch.uint8) if t.dtype == torch.int8
+                                                    else t[d_id].view(torch.int16))  # fmt: skip
+                res["bit_exact"] = bool(ok)
+            else:
+                rows.append(row)
+            client.evict(namespace=NS)
+        res["save_s"] = statistics.median(r["save_s"] for r in rows)
+        res["load_s"] = statistics.median(r["load_s"] for r in rows)
+        res["save_GBps"] = save_bytes / res["save_s"] / 1e9
+        res["load_GBps"] = load_bytes / res["load_s"] / 1e9
+        if cuda:
+            res["save_vs_pinned"] = [r["pinned_d2h_s"] / r["save_s"] for r in rows]
+            res["load_vs_pinned"] = [r["pinned_h2d_s"] / r["load_s"] for r in rows]
+            res["pinned_d2h_GBps"] = save_bytes / statistics.median(r["pinned_d2h_s"] for r in rows) / 1e9
+            res["pinned_h2d_GBps"] = load_bytes / statistics.median(r["pinned_h2d_s"] for r in rows) / 1e9
+        res["rounds"] = rows
+        res["skipped_save_blocks"] = worker.stats["skipped_save_blocks"]
+    finally:
+        if worker is not None:
+            worker.close()
+        proc.terminate()
+        proc.wait(30)
+    del raw
+    return res
+
+
+def markdown_hybrid(r: dict) -> str:
+    from kvbroker._bench._common import ratio_span
+
+    h = r["hybrid"]
+    lines = [f"# vLLM connector, hybrid {h['shape']} cache, on {r['machine']['device']}", "",
+             f"commit {r['commit']}, {r['when']}; `{r['command']}`", "",
+             f"{h['tokens']} tokens, block {h['block_size']}, groups: {', '.join(h['groups'])}; "
+             f"{h['order']} attention pages, bf16; save {h['save_blocks']} blocks "
+             f"({h['save_bytes'] / 2**20:.1f} MiB), load {h['load_blocks']} blocks "
+             f"({h['load_bytes'] / 2**20:.1f} MiB); medians of {r['reps']} rounds.", "",
+             "| path | GB/s | pinned GB/s | ratio per round: median (range) | target |",
+             "|---|---|---|---|---|"]  # fmt: skip
+    if "save_vs_pinned" in h:
+        lines.append(f"| save (wait_for_save, every group) | {h['save_GBps']:.1f} | D2H "
+                     f"{h['pinned_d2h_GBps']:.1f} | {ratio_span(h['save_vs_pinned'])} | >= 0.8 |")
+        lines.append(f"| load (every group of the hit) | {h['load_GBps']:.1f} | H2D "
+                     f"{h['pinned_h2d_GBps']:.1f} | {ratio_span(h['load_vs_pinned'])} | >= 0.8 |")
+    else:
+        lines.append(f"| save | {h['save_GBps']:.2f} | (CPU run) | | |")
+        lines.append(f"| load | {h['load_GBps']:.2f} | (CPU run) | | |")
+    c = r["conditions"]
+    lines += ["", f"bit-exact: {h.get('bit_exact')}; saves skipped: {h['skipped_save_blocks']}; "
+              f"load average {c['before']['loadavg_1min']} -> {c['after']['loadavg_1min']}, "
+              f"CPU pressure `{c['before']['cpu_pressure']}` -> `{c['after']['cpu_pressure']}`"]
+    return "\n".join(lines) + "\n"
+
+
 def markdown(r: dict) -> str:
+    if "hybrid" in r:
+        return markdown_hybrid(r)
     s = r["save_load"]
     lines = [f"# vLLM connector worker path on {r['machine']['device']}", "",
              f"commit {r['commit']}, {r['when']}; `{r['command']}`", "",
@@ -251,19 +479,28 @@ def main() -> None:
     ap.add_argument("--name", default="vllm-gpu")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=16384)
-    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--layers", type=int, default=None,
+                    help="layers (default 32); with --hybrid, layers per group (default the "
+                    "shape's)")
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--order", choices=("NHD", "HND"), default="NHD")
     ap.add_argument("--cpu", action="store_true", help="CPU tensors, memmove for the DMA")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                    help="cpu: as --cpu")
+    ap.add_argument("--hybrid", choices=sorted(HYBRID),
+                    help="a hybrid model's cache (see the module docstring)")
     ap.add_argument("--commit", help="the commit measured, where the checkout has no usable git "
                     "(a copied tree)")
     a = ap.parse_args()
+    a.cpu = a.cpu or a.device == "cpu"
+    if a.layers is None and not a.hybrid:
+        a.layers = 32
     os.makedirs(a.out, exist_ok=True)
     device = torch.device("cpu") if a.cpu else torch.device("cuda", 0)
     r: dict = {
-        "commit": a.commit or checkout_commit(ROOT),
+        "commit": a.commit or os.environ.get("KVBROKER_COMMIT") or checkout_commit(ROOT),
         "when": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
         "command": " ".join(shlex.quote(x) for x in [os.path.relpath(sys.executable, ROOT)
                                                      if False else "python", *sys.argv]),
@@ -273,7 +510,14 @@ def main() -> None:
                     "device": (torch.cuda.get_device_name(0) if not a.cpu else "CPU"),
                     "gpus": torch.cuda.device_count() if not a.cpu else 0},
         "reps": a.reps,
+        "conditions": {"before": run_conditions()},
     }  # fmt: skip
+    if a.hybrid:
+        r["hybrid"] = bench_hybrid(a, device)
+        r["conditions"]["after"] = run_conditions()
+        print("hybrid", {k: v for k, v in r["hybrid"].items() if k != "rounds"}, flush=True)
+        _write(a, r)
+        return
     if not a.cpu:
         r["pinned"] = bench_pinned(a.tokens * a.layers * 2 * a.heads * a.head_dim * 2, a.reps)
         print("pinned", r["pinned"], flush=True)
@@ -286,6 +530,11 @@ def main() -> None:
         r["ring_skipped"] = ("CPU run" if a.cpu else
                              f"{torch.cuda.device_count()} GPU visible, the ring handoff needs 2")
         print("ring handoff skipped:", r["ring_skipped"], flush=True)
+    r["conditions"]["after"] = run_conditions()
+    _write(a, r)
+
+
+def _write(a, r: dict) -> None:
     with open(os.path.join(a.out, f"{a.name}.json"), "w") as f:
         json.dump(r, f, indent=2)
     md = markdown(r)

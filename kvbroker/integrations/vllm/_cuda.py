@@ -19,7 +19,12 @@ host engines, and TP layouts, read each other's blocks.
   queued without waiting, synchronized once at the end (the lease must outlive the copies),
   then released; the caller's stream waits for the copies.
 
-Every byte crosses PCIe once. Both functions also run on CPU tensors with ``copier=memmove``
+- **State pages** of a hybrid model's Mamba / linear-attention group (a
+  :class:`._state.StatePages`): :func:`save_cuda` saves them the same way (the gather copies
+  each page whole, every layer's state tensors back to back, the broker's page form), and
+  :func:`load_state_cuda` loads them whole (DMA into staging, one scatter per state tensor).
+
+Every byte crosses PCIe once. The functions also run on CPU tensors with ``copier=memmove``
 (the tests' way to check the addressing without a GPU).
 """
 
@@ -34,8 +39,9 @@ from kvbroker.errors import KVBrokerError, LayoutMismatch, Timeout
 
 from ._format import PACKED, BlockFormat
 from ._paged import RESERVE_CHUNK, STAGING_BYTES, SaveItem, _requests, copier_for, match
+from ._state import StatePages
 
-__all__ = ["load_cuda", "save_cuda"]
+__all__ = ["load_cuda", "load_state_cuda", "save_cuda"]
 
 
 def _torch():
@@ -44,6 +50,18 @@ def _torch():
     return torch
 
 
+def _staged(torch, cache):
+    """How a block of ``cache`` lies in staging, in the broker's form: ``(shape of one block,
+    dtype, gather(ids, out))``, the gather filling ``out`` (``[len(ids), *shape]``) on the
+    current stream."""
+    if isinstance(cache, StatePages):  # a state page: every layer's state tensors in turn
+        return (cache.page_nbytes,), torch.uint8, cache.gather
+    L, C, _B, N, H, D = cache.shape
+
+    def gather(ids, out) -> None:  # [block][layer][K/V][head][token][head_dim]
+        out.copy_(cache.index_select(2, ids).permute(2, 0, 1, 4, 3, 5))
+
+    return (L, C, H, N, D), cache.dtype, gather
 
 
 def _map_pools(client, bases: dict[int, int], rows) -> dict[int, int]:
@@ -64,11 +82,13 @@ def _side_stream(torch, cache, stream):
     return stream
 
 
-def save_cuda(client, namespace: str, fmt: BlockFormat, cache, items: Sequence[SaveItem], *,
-              stream=None, copier=None, staging_bytes: int = STAGING_BYTES,
-              checksums: bool = True) -> tuple[int, int]:  # fmt: skip
-    """Publish ``items`` from ``cache`` (``(layer, kv, block, token, head, head_dim)``, see
-    :func:`._paged.cuda_cache`). Returns ``(new blocks, blocks the node already held)``.
+def save_cuda(client, namespace: str, fmt: BlockFormat | blocks.StateFormat, cache,
+              items: Sequence[SaveItem], *, stream=None, copier=None,
+              staging_bytes: int = STAGING_BYTES, checksums: bool = True) -> tuple[int, int]:  # fmt: skip
+    """Publish ``items`` from ``cache``: attention blocks from a ``(layer, kv, block, token,
+    head, head_dim)`` view (:func:`._paged.cuda_cache`), or a state group's pages from its
+    :class:`._state.StatePages` (``fmt`` a StateFormat; items without parents). Returns
+    ``(new blocks, blocks the node already held)``.
     ``checksums``: seal each block with its kind-1 checksum, computed on the GPU from the
     staging while it is in device memory (where the daemon takes kind 1 and Triton runs)."""
     torch = _torch()
@@ -77,7 +97,7 @@ def save_cuda(client, namespace: str, fmt: BlockFormat, cache, items: Sequence[S
     copier = copier or copier_for(cache.device.type)
     buffers, meta = fmt.buffers(), fmt.meta()
     per_block = fmt.block_nbytes
-    L, C, _B, N, H, D = cache.shape
+    block_shape, staging_dtype, gather_into = _staged(torch, cache)
     # two halves of the staging: chunk k+1 is gathered while chunk k is still in flight
     chunk = max(1, min(RESERVE_CHUNK, staging_bytes // (2 * per_block)))
     parts = _split(items, chunk)
@@ -114,11 +134,11 @@ def save_cuda(client, namespace: str, fmt: BlockFormat, cache, items: Sequence[S
             new += len(leases)
             if leases:
                 if staging is None:
-                    staging = torch.empty((2, min(chunk, len(items)), L, C, H, N, D),
-                                          dtype=cache.dtype, device=cache.device)  # fmt: skip
+                    staging = torch.empty((2, min(chunk, len(items)), *block_shape),
+                                          dtype=staging_dtype, device=cache.device)  # fmt: skip
                 half = staging[k % 2][: len(leases)]
                 chosen = [it.block_id for it, ls in zip(part, res.leases) if ls]
-                runs = res.runs([PACKED], per_block, _map_pools(client, bases, res.rows),
+                runs = res.runs([fmt.packed], per_block, _map_pools(client, bases, res.rows),
                                 half.data_ptr(), per_block)  # fmt: skip
                 done = None
                 if cuda:
@@ -130,7 +150,7 @@ def save_cuda(client, namespace: str, fmt: BlockFormat, cache, items: Sequence[S
                         # memory without blocking: a pageable copy would hold this thread
                         # until the gather stream got there (a bubble per chunk in the DMA)
                         ids = _ids_on(torch, chosen, cache.device)
-                        half.copy_(cache.index_select(2, ids).permute(2, 0, 1, 4, 3, 5))
+                        gather_into(ids, half)
                         # each staged block's checksum, on the gather stream: the DMA
                         # stream waits for it with the gather
                         sums = blocks.start_device_checksums(half) if summing else None
@@ -140,20 +160,19 @@ def save_cuda(client, namespace: str, fmt: BlockFormat, cache, items: Sequence[S
                     done.record(dma)
                     free_again[k % 2] = done
                 else:
-                    ids = torch.tensor(chosen)
-                    half.copy_(cache.index_select(2, ids).permute(2, 0, 1, 4, 3, 5))
+                    gather_into(torch.tensor(chosen), half)
                     copier(runs, dma)
                     sums = None
                 copying.append((done, leases, sums))
             # seal what is in the pool already, without waiting for the daemon's answer
             while copying and (copying[0][0] is None or copying[0][0].query()):
                 _, done_leases, sums = copying.popleft()
-                sealing.append((_seal_later(client, done_leases, sums), done_leases))
+                sealing.append((_seal_later(client, done_leases, sums, fmt.packed), done_leases))
         while copying:
             done, done_leases, sums = copying.popleft()
             if done is not None:
                 done.synchronize()
-            sealing.append((_seal_later(client, done_leases, sums), done_leases))
+            sealing.append((_seal_later(client, done_leases, sums, fmt.packed), done_leases))
         while sealing:
             pending, done_leases = sealing[0]
             pending.result()
@@ -218,10 +237,10 @@ def _ids_on(torch, values: list[int], device):
     return host.to(device, non_blocking=True)  # torch keeps ``host`` until the copy ran
 
 
-def _seal_later(client, leases: list[int], sums):
+def _seal_later(client, leases: list[int], sums, name: str):
     if sums is None:
         return blocks.seal_later(client, leases)
-    return blocks.seal_later(client, leases, [{PACKED: v} for v in sums.result()])
+    return blocks.seal_later(client, leases, [{name: v} for v in sums.result()])
 
 
 def _forget(unsealed: list[int], sealed: list[int]) -> None:
@@ -301,6 +320,48 @@ def load_cuda(client, namespace: str, fmt: BlockFormat, cache, hashes: Sequence[
                 dma.synchronize()
                 scatter.synchronize()
                 caller.wait_stream(scatter)
+        del staging
+    return n
+
+
+def load_state_cuda(client, namespace: str, fmt: blocks.StateFormat, pages: StatePages,
+                    keys: Sequence[str], block_ids: Sequence[int], *, stream=None,
+                    copier=None) -> int:  # fmt: skip
+    """Load the leading state pages of ``keys`` (group keys) the node holds into engine blocks
+    ``block_ids`` of ``pages``, each whole: one DMA of the matched pages into device staging,
+    then one scatter per state tensor, queued after the engine's pending work and
+    synchronized before the read lease is released (the caller's stream waits for them).
+    Returns how many loaded (a hybrid load asks one: the state at the hit)."""
+    torch = _torch()
+    cuda = pages.device.type == "cuda"
+    copier = copier or copier_for(pages.device.type)
+    with blocks.match(client, namespace, fmt, keys) as m:
+        n = min(m.num_blocks, len(block_ids))
+        if n == 0:
+            return 0
+        names, rows = m.extents()
+        if isinstance(rows, list):  # (blocks of one format share their buffers)
+            raise LayoutMismatch("matched state pages differ in their buffers")
+        rows = rows[:n]
+        per_page = fmt.block_nbytes
+        if pages.page_nbytes != per_page:
+            raise LayoutMismatch(f"the engine's state pages hold {pages.page_nbytes} bytes, "
+                                 f"the format {per_page}")  # fmt: skip
+        caller = torch.cuda.current_stream(pages.device) if cuda else None
+        dma = _side_stream(torch, pages, stream)  # after the engine's reads of these pages
+        staging = torch.empty((n, per_page), dtype=torch.uint8, device=pages.device)
+        runs = blocks.pool_runs(rows, names, [fmt.packed], per_page,
+                                _map_pools(client, {}, rows), staging.data_ptr(), per_page)
+        try:
+            copier([(stage, pool, size) for pool, stage, size in runs], dma)
+            with torch.cuda.stream(dma) if cuda else contextlib.nullcontext():
+                ids = (_ids_on(torch, list(block_ids[:n]), pages.device) if cuda
+                       else torch.tensor(list(block_ids[:n])))  # fmt: skip
+                pages.scatter(ids, staging)  # after the DMA: the same stream
+        finally:
+            if cuda:  # also when it failed: the lease and the staging outlive the copies
+                dma.synchronize()
+                caller.wait_stream(dma)
         del staging
     return n
 

@@ -17,7 +17,15 @@ Per engine step:
   attention layer and no ``save_kv_layer`` call: ``wait_for_save`` copies their pages whole,
   then seals every group's blocks, only if every attention layer ran (else all abort).
 
-Host caches only: a hybrid model's CUDA cache is refused at registration.
+CUDA caches take the classic path's staging and DMA (:mod:`._cuda`), per group: an attention
+group is one ``(layer, kv, block, token, head, head_dim)`` view of its layers
+(:func:`._paged.cuda_cache`: vLLM lays a group's layers at one stride in the pool the groups
+share), loaded and saved by :func:`._cuda.load_cuda` / :func:`._cuda.save_cuda` as the
+single-group path does; a state group's pages (:class:`._state.StatePages`) are gathered
+whole into the same staging by ``save_cuda`` and loaded by :func:`._cuda.load_state_cuda`.
+``save_layer`` copies nothing there: ``wait_for_save`` saves each group in turn once every
+attention layer ran (a group sealed before a later one fails stays published: each of its
+blocks is whole, and a lookup needs every group). Every byte crosses PCIe once each way.
 """
 
 from __future__ import annotations
@@ -27,21 +35,28 @@ from typing import Any
 from kvbroker import blocks
 from kvbroker.errors import KVBrokerError, LayoutMismatch, PoolFull, QuotaExceeded
 
+from . import log
+from ._async_loads import Lost
 from ._format import BlockFormat
 from ._groups import STATE, Group
-from ._async_loads import Lost
-from . import log
-from ._paged import HostSave, SaveItem, host_cache, interpret, load_host
-from ._state import StateSave, check_pages, load_state, state_format, state_pieces
+from ._paged import HostSave, SaveItem, cuda_cache, host_cache, interpret, load_host
+from ._state import StatePages, StateSave, check_pages, load_state, state_format, state_pieces
 from ._worker import WorkerSide, _Skipped
+
+NULL_BLOCK = 0  # vLLM's null block (a sliding group's skipped positions): never read or written
 
 __all__ = ["HybridWorker"]
 
 
 class HybridWorker(WorkerSide):
-    def __init__(self, *, groups: list[Group], **kwargs: Any) -> None:
+    """``staging_copier``: run the CUDA path (staging, ``copier`` for the DMA) on CPU caches,
+    as the tests do to check it without a GPU (:func:`._paged.copier_for` ``("cpu")``)."""
+
+    def __init__(self, *, groups: list[Group], staging_copier=None, **kwargs: Any) -> None:
         super().__init__(total_kv_heads=None, latent=False, **kwargs)
         self.groups = groups
+        self._staging_copier = staging_copier
+        self.staged = False  # the staging (CUDA) path: set by register
         self.formats: dict[int, BlockFormat | blocks.StateFormat] = {}
         self.caches: dict[int, Any] = {}  # attention: PagedKV; state: per layer, its pieces
         self.layer_of: dict[str, tuple[int, int] | None] = {}  # name -> (group, layer)
@@ -51,6 +66,18 @@ class HybridWorker(WorkerSide):
     # -- registration ----------------------------------------------------------------------
     def register(self, kv_caches: dict[str, Any], backend: str) -> None:
         how = interpret(backend, latent=False)
+        devices = {t.device for g in self.groups for name in g.layer_names if name in kv_caches
+                   for t in (kv_caches[name] if isinstance(kv_caches[name], (list, tuple))
+                             else [kv_caches[name]])}  # fmt: skip
+        if len(devices) > 1:
+            raise KVBrokerError(f"register_kv_caches: the groups' caches lie on {len(devices)} "
+                                "devices")  # fmt: skip
+        device = next(iter(devices), None)
+        self.device = "cpu" if device is None else device.type
+        if self.device not in ("cpu", "cuda"):
+            raise KVBrokerError(f"kvbroker's vLLM connector serves host (CPU) and CUDA caches, "
+                                f"not {self.device}")  # fmt: skip
+        self.staged = self.device == "cuda" or self._staging_copier is not None
         for g in self.groups:
             missing = [n for n in g.layer_names if n not in kv_caches]
             if missing:
@@ -62,11 +89,11 @@ class HybridWorker(WorkerSide):
                 self._register_attention(g, kv_caches, how)
         self.fmt = self.formats[self.groups[0].index]  # (WorkerSide's checks: registered)
         self.cache = self.caches  # (WorkerSide's checks: not released for sleep mode)
-        self.device = "cpu"
+        self.cuda_device = device if self.device == "cuda" else None
         total = sum(f.block_nbytes for f in self.formats.values())
-        log.info("kvbroker: hybrid model, %d KV cache groups (%s), %d B per block of every "
-                 "group, namespace %s", len(self.groups),
-                 ", ".join(f"{g.kind}/{g.block_size}" for g in self.groups), total,
+        log.info("kvbroker: hybrid model, %d KV cache groups (%s) on %s, %d B per block of "
+                 "every group, namespace %s", len(self.groups),
+                 ", ".join(f"{g.kind}/{g.block_size}" for g in self.groups), self.device, total,
                  self.namespace)  # fmt: skip
 
     def _register_attention(self, g: Group, kv_caches: dict[str, Any], how: str) -> None:
@@ -74,9 +101,6 @@ class HybridWorker(WorkerSide):
         seen: dict[tuple, int] = {}
         for name in g.layer_names:
             t = kv_caches[name]
-            if t.device.type != "cpu":
-                raise KVBrokerError("kvbroker's vLLM connector serves hybrid models from host "
-                                    "(CPU) KV caches only")  # fmt: skip
             ident = (t.data_ptr(), tuple(t.shape), tuple(t.stride()))
             if ident in seen:  # cross-layer KV sharing within the group: stored once
                 self.layer_of[name] = None
@@ -94,7 +118,9 @@ class HybridWorker(WorkerSide):
             raise LayoutMismatch(f"TP rank {self.tp_rank} of {self.tp_size} should hold "
                                  f"{len(span)} of group {g.index}'s {g.num_kv_heads} KV heads, "
                                  f"its cache has {heads}")  # fmt: skip
-        self.caches[g.index] = host_cache(tensors, how)
+        # the staging path reads the group's layers as one view (vLLM lays them out at one
+        # stride in the pool); LayoutMismatch where they are not
+        self.caches[g.index] = cuda_cache(tensors, how) if self.staged else host_cache(tensors, how)
         self.formats[g.index] = BlockFormat(
             dtype=str(first.dtype).removeprefix("torch."), num_layers=len(tensors),
             block_size=g.block_size, head_dim=content // 2, local_heads=heads,
@@ -108,8 +134,9 @@ class HybridWorker(WorkerSide):
             layers.append(state_pieces(kv_caches[name]))
             self.layer_of[name] = None  # (vLLM calls save_kv_layer for attention layers only)
         fmt = state_format(g, self.tp_rank, self.tp_size)
-        check_pages(fmt, layers)
-        self.caches[g.index] = layers
+        pages = StatePages(layers)
+        check_pages(fmt, pages)
+        self.caches[g.index] = pages
         self.formats[g.index] = fmt
 
     def release_cache(self) -> None:
@@ -122,8 +149,12 @@ class HybridWorker(WorkerSide):
         if self._loads is not None:
             self._loads.drain_lost("vLLM's sleep mode discarded the KV cache it loaded into")
         self._abort_group_saves("the KV cache was released for vLLM's sleep mode")
+        if self._gpu is not None:
+            self._gpu.close()  # (its streams synchronized first)
+            self._gpu = None
         self.caches = {}
         self.cache = None
+        self._ready = None
 
     @property
     def _attention_layers(self) -> int:
@@ -139,6 +170,12 @@ class HybridWorker(WorkerSide):
     def _copy_in(self, spec: Any, client: Any, stream: Any) -> int:
         """Every group's blocks of ``spec``; returns how many were copied (all of them, or
         the copies stop at the first group that lacks a block)."""
+        for load in spec.groups:  # the plan never names it; a plan that did is a bug
+            if NULL_BLOCK in load.block_ids:
+                raise LayoutMismatch(f"request {spec.req_id}: a load into vLLM's null block "
+                                     f"(group {load.group})")  # fmt: skip
+        if self.staged:
+            return self._copy_in_staged(spec, client, stream)
         done = 0
         for load in spec.groups:
             g = self.groups[load.group]
@@ -152,6 +189,25 @@ class HybridWorker(WorkerSide):
                 continue
             n = load_host(client, self.namespace, fmt, cache, load.keys, load.block_ids,
                           self.peer_tp_sizes)  # fmt: skip
+            done += n
+            if n < len(load.block_ids):
+                return done
+        return done
+
+    def _copy_in_staged(self, spec: Any, client: Any, stream: Any) -> int:
+        from ._cuda import load_cuda, load_state_cuda
+
+        copier, done = self._staging_copier, 0
+        for load in spec.groups:
+            g = self.groups[load.group]
+            fmt, cache = self.formats[g.index], self.caches[g.index]
+            if g.kind == STATE:
+                n = load_state_cuda(client, self.namespace, fmt, cache, load.keys,
+                                    load.block_ids, stream=stream, copier=copier)  # fmt: skip
+                self.stats["loaded_state_bytes"] += n * fmt.block_nbytes
+            else:
+                n = load_cuda(client, self.namespace, fmt, cache, load.keys, load.block_ids,
+                              self.peer_tp_sizes, stream=stream, copier=copier)  # fmt: skip
             done += n
             if n < len(load.block_ids):
                 return done
@@ -259,6 +315,8 @@ class HybridWorker(WorkerSide):
         plan = self._plan
         if plan is None or not self._saves_of(group):
             return
+        if self.staged:
+            return  # wait_for_save gathers and DMAs every layer
         save = self._begin_group(group)
         if save is None:
             return
@@ -286,6 +344,9 @@ class HybridWorker(WorkerSide):
                 self._skip(sum(len(s.items) for s in self._saves_of(group)), why)
             self._abort_group_saves(why)
             return
+        if self.staged:
+            self._save_staged(sorted({s.group for s in plan.saves}))
+            return
         ready = []
         try:
             for group in sorted({s.group for s in plan.saves}):
@@ -300,7 +361,7 @@ class HybridWorker(WorkerSide):
                 ready.append((group, save))
             for group, save in ready:
                 save.seal()
-                self._count_group(group, save)
+                self._count_group(group, save.new_blocks, save.existing)
         except KVBrokerError as exc:
             self.stats["broker_errors"] += 1
             self._abort_group_saves(f"{type(exc).__name__}: {exc}")
@@ -308,12 +369,42 @@ class HybridWorker(WorkerSide):
         except Exception as exc:  # noqa: BLE001
             self._abort_group_saves(f"{type(exc).__name__}: {exc}")
 
-    def _count_group(self, group: int, save: Any) -> None:
+    def _save_staged(self, groups: list[int]) -> None:
+        """Each group's blocks of the step through device staging and DMA (:mod:`._cuda`)."""
+        from ._cuda import save_cuda
+
+        for group in groups:
+            items = [SaveItem(k, parent, b) for s in self._saves_of(group) for k, parent, b in s.items]
+            if any(it.block_id == NULL_BLOCK for it in items):  # (never planned: a bug)
+                self._skip(len(items), f"a save from vLLM's null block (group {group})")
+                continue
+            client = self._client()
+            if client is None:
+                self._skip(len(items), "the broker is unavailable")
+                continue
+            try:
+                stream = self._gpu_client(client).stream if self.device == "cuda" else None
+                new, existing = save_cuda(client, self.namespace, self.formats[group],
+                                          self.caches[group], items, stream=stream,
+                                          copier=self._staging_copier)  # fmt: skip
+            except (PoolFull, QuotaExceeded) as exc:
+                self._skip(len(items), f"{type(exc).__name__}: {exc}")
+                continue
+            except KVBrokerError as exc:
+                self.stats["broker_errors"] += 1
+                self._link_failed(exc)
+                self._skip(len(items), f"{type(exc).__name__}: {exc}")
+                continue
+            except Exception as exc:  # noqa: BLE001 - a save never fails the step
+                self._skip(len(items), f"{type(exc).__name__}: {exc}")
+                continue
+            self._count_group(group, new, existing)
+
+    def _count_group(self, group: int, new: int, existing: int) -> None:
         g = self.groups[group]
-        new = save.new_blocks
         self.stats["saved_blocks"] += new
         self.stats["saved_bytes"] += new * self._nbytes(group)
-        self.stats["existing_blocks"] += save.existing
+        self.stats["existing_blocks"] += existing
         if g.kind == STATE:
             self.stats["saved_state_bytes"] += new * self._nbytes(group)
         elif g is self.groups[self._token_group]:

@@ -1,6 +1,8 @@
 """State pages of a hybrid model's Mamba / linear-attention groups <-> broker blocks.
 
-No vLLM import; torch only through the tensors given.
+No vLLM import; torch only through the tensors given. A group's pages are a
+:class:`StatePages` on the engine's device: host caches copy through numpy views here, CUDA
+caches through device staging and DMA (:func:`._cuda.save_cuda`, :func:`._cuda.load_state_cuda`).
 
 vLLM (``mamba_cache_mode="align"``) keeps one state page per layer of a Mamba group at a
 block position where a prefill chunk ended: the layer's state tensors (e.g. GDN's conv and
@@ -26,7 +28,7 @@ from kvbroker.errors import LayoutMismatch
 
 from ._groups import Group
 
-__all__ = ["StateSave", "load_state", "state_format", "state_pieces"]
+__all__ = ["StatePages", "StateSave", "load_state", "state_format", "state_pieces"]
 
 
 def state_format(group: Group, tp_rank: int, tp_size: int) -> blocks.StateFormat:
@@ -39,14 +41,14 @@ def state_format(group: Group, tp_rank: int, tp_size: int) -> blocks.StateFormat
 
 def state_pieces(tensor) -> list:
     """A layer's state tensors (vLLM hands one tensor, or one per state) as uint8 views
-    ``[num_blocks, bytes]`` of each block's bytes."""
+    ``[num_blocks, bytes]`` of each block's bytes, on the tensors' device."""
     import torch
 
     parts = list(tensor) if isinstance(tensor, (list, tuple)) else [tensor]
     out = []
     for t in parts:
-        if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
-            raise LayoutMismatch("a Mamba state must be a CPU tensor (host caches only)")
+        if not isinstance(t, torch.Tensor):
+            raise LayoutMismatch(f"a Mamba state must be a tensor, not {type(t).__name__}")
         if not t[0].is_contiguous():
             raise LayoutMismatch(f"a Mamba state tensor of shape {tuple(t.shape)} is not "
                                  "contiguous per block")  # fmt: skip
@@ -55,28 +57,62 @@ def state_pieces(tensor) -> list:
     return out
 
 
-def check_pages(fmt: blocks.StateFormat, layers: Sequence[list]) -> None:
+class StatePages:
+    """A state group's pages in the engine's cache: ``layers[l]`` the uint8 views ``[num_blocks,
+    bytes]`` of layer ``l``'s state tensors (:func:`state_pieces`), a broker page being every
+    layer's pieces at one engine block, back to back. The views are vLLM's memory: nothing
+    here keeps a copy."""
+
+    def __init__(self, layers: Sequence[list]) -> None:
+        self.layers = [list(pieces) for pieces in layers]
+        devices = {p.device for pieces in self.layers for p in pieces}
+        if len(devices) != 1:
+            raise LayoutMismatch(f"a state group's tensors lie on {len(devices)} devices")
+        self.device = devices.pop()
+        self.pieces = [p for pieces in self.layers for p in pieces]  # in page order
+        self.page_nbytes = sum(p.shape[1] for p in self.pieces)
+
+    def gather(self, ids, out) -> None:
+        """Copy the pages at engine blocks ``ids`` (an int64 tensor on the device) into the
+        rows of ``out`` (``[len(ids), page_nbytes]`` uint8), on the current stream."""
+        at = 0
+        for p in self.pieces:
+            width = p.shape[1]
+            out[:, at : at + width].copy_(p.index_select(0, ids))
+            at += width
+
+    def scatter(self, ids, src) -> None:
+        """Write the rows of ``src`` (``[len(ids), page_nbytes]``) whole into the pages at
+        engine blocks ``ids``, on the current stream."""
+        at = 0
+        for p in self.pieces:
+            width = p.shape[1]
+            p[ids] = src[:, at : at + width]
+            at += width
+
+
+def check_pages(fmt: blocks.StateFormat, pages: StatePages) -> None:
     """LayoutMismatch unless each layer's state tensors hold its parts' bytes."""
-    per_layer = fmt.block_nbytes // max(1, len(layers))
-    for layer, pieces in enumerate(layers):
+    per_layer = fmt.block_nbytes // max(1, len(pages.layers))
+    for layer, pieces in enumerate(pages.layers):
         got = sum(p.shape[1] for p in pieces)
         if got != per_layer:
             raise LayoutMismatch(f"state layer {layer} holds {got} bytes per block, vLLM's "
                                  f"spec says {per_layer}")  # fmt: skip
 
 
-def _engine_bytes(layers: Sequence[list], block: int):
-    """Every piece of every layer's state at engine block ``block``, in page order."""
-    return [p[block].numpy() for pieces in layers for p in pieces]
+def _engine_bytes(pages: StatePages, block: int):
+    """Every piece of every layer's state at engine block ``block``, in page order (host)."""
+    return [p[block].numpy() for p in pages.pieces]
 
 
 class StateSave:
     """Publishing a group's states (``items``: ``(group key, engine block)``) in one step:
     ``reserve()``, ``copy()``, ``seal()`` or ``abort()``."""
 
-    def __init__(self, client, namespace: str, fmt: blocks.StateFormat, layers: Sequence[list],
+    def __init__(self, client, namespace: str, fmt: blocks.StateFormat, pages: StatePages,
                  items: Sequence[tuple[str, int]], checksums: bool = True) -> None:  # fmt: skip
-        self.client, self.namespace, self.fmt, self.layers = client, namespace, fmt, layers
+        self.client, self.namespace, self.fmt, self.pages = client, namespace, fmt, pages
         self.items = list(items)
         self.checksums = checksums
         self.reservation: blocks.Reservation | None = None
@@ -101,7 +137,7 @@ class StateSave:
     def copy(self) -> None:
         for j, block in enumerate(self._targets):
             at = 0
-            for src in _engine_bytes(self.layers, block):
+            for src in _engine_bytes(self.pages, block):
                 blocks.copy(self.reservation.view(j, self.fmt.packed, at, src.size), src)
                 at += src.size
 
@@ -122,7 +158,7 @@ class StateSave:
                 self.reservation.abort()
 
 
-def load_state(client, namespace: str, fmt: blocks.StateFormat, layers: Sequence[list],
+def load_state(client, namespace: str, fmt: blocks.StateFormat, pages: StatePages,
                group_key: str, block: int) -> bool:  # fmt: skip
     """Copy the state page at ``group_key`` into engine block ``block`` of every layer, whole;
     False (nothing written) when the node does not hold it."""
@@ -133,7 +169,7 @@ def load_state(client, namespace: str, fmt: blocks.StateFormat, layers: Sequence
             return False
         src = m.blocks[0][fmt.packed]
         at = 0
-        for dst in _engine_bytes(layers, block):
+        for dst in _engine_bytes(pages, block):
             np.copyto(dst, src[at : at + dst.size])
             at += dst.size
     return True

@@ -100,6 +100,7 @@ class WorkerSide:
         self.fmt: BlockFormat | None = None
         self.cache = None  # PagedKV (host) or a 6-d CUDA view
         self.device = "cpu"
+        self.cuda_device = None  # the torch device of a CUDA cache
         self.layer_index: dict[str, int | None] = {}
         self.stats: Counter[str] = Counter()  # since vLLM last took them (its stats hook)
         self.totals: Counter[str] = Counter()  # taken before, for the broker's report
@@ -148,6 +149,7 @@ class WorkerSide:
                                  f"has {heads}")  # fmt: skip
         self.device = first.device.type
         self.cache = host_cache(tensors, how) if self.device == "cpu" else cuda_cache(tensors, how)
+        self.cuda_device = None if self.device == "cpu" else first.device
         self.fmt = BlockFormat(
             dtype=str(first.dtype).removeprefix("torch."), num_layers=len(tensors),
             block_size=self.block_size, head_dim=head_dim, local_heads=1 if self.latent else heads,
@@ -205,7 +207,7 @@ class WorkerSide:
             # its forward, which never touches a parked request's blocks: the background
             # loads of this step wait for what is queued now, and not for the forward.
             try:
-                self._ready = _queued_on(self.cache.device)
+                self._ready = _queued_on(self.cuda_device)
             except Exception:  # noqa: BLE001 - start_load tries again, and fails the loads
                 self._ready = None
         acknowledged = getattr(plan, "acknowledged", None) or set()
@@ -229,7 +231,7 @@ class WorkerSide:
             if self._gpu is not None:
                 self._drain_loads()  # they copy from pools the old one registered
                 self._gpu.close()
-            self._gpu = GpuClient(client, device=self.cache.device, own_client=False)
+            self._gpu = GpuClient(client, device=self.cuda_device, own_client=False)
         return self._gpu
 
     def start_load(self) -> None:
@@ -343,7 +345,7 @@ class WorkerSide:
                 # The loads write after what the engine had queued when the step was bound:
                 # the zeroing of new blocks, and readers of blocks a finished request freed.
                 # (bind records it for a plan with background loads)
-                ready = self._ready or _queued_on(self.cache.device)
+                ready = self._ready or _queued_on(self.cuda_device)
             except Exception as exc:  # noqa: BLE001 - as a load now that fails
                 for spec in specs:
                     self._loads.fail(spec, client, exc)
@@ -357,8 +359,8 @@ class WorkerSide:
             return
         import torch
 
-        torch.cuda.set_device(self.cache.device)
-        self._load_stream = torch.cuda.Stream(self.cache.device)
+        torch.cuda.set_device(self.cuda_device)
+        self._load_stream = torch.cuda.Stream(self.cuda_device)
 
     def _copy_in_background(self, spec: Any, client: Any, ready: Any) -> int:
         """On the loader thread: the copies of ``spec``, complete when this returns."""

@@ -36,7 +36,7 @@ Gemma-3/4, gpt-oss, Qwen3-Next, Granite-4...) are served with vLLM's hybrid KV c
 on (the connector implements ``SupportsHMA``): one KV cache group per kind of layer, each with
 its own keys, format and block size, sliding windows loaded alone, Mamba states saved and
 loaded whole at prefill checkpoints, every load asynchronous (:mod:`._groups`, :mod:`._hybrid`,
-:mod:`._hybrid_worker`, :mod:`._state`; host caches only). A model with one full-attention
+:mod:`._hybrid_worker`, :mod:`._state`; host or CUDA caches). A model with one full-attention
 group keeps the single-group path below, namespace, keys and format unchanged.
 
 Which parts run where, what they hold, and who owns every buffer: :mod:`._scheduler`
