@@ -55,10 +55,11 @@ def engines(tmp_path_factory):
 
 def create(engine: Engine, rank: str, socket: str, *, layout: str = "page_first",
            tp_rank: int = 0, tp_size: int = 1, tp_lcm_size: int | None = None,
-           mla: bool = False, **extra) -> dict:  # fmt: skip
+           mla: bool = False, hybrid: bool = False, unsupported: dict | None = None,
+           **extra) -> dict:  # fmt: skip
     return engine.call("create", rank=rank, layout=layout, tp_rank=tp_rank, tp_size=tp_size,
                        tp_lcm_size=tp_lcm_size, mla=mla, extra={"socket": socket, **extra},
-                       **GEOMETRY)  # fmt: skip
+                       hybrid=hybrid, unsupported=unsupported or {}, **GEOMETRY)  # fmt: skip
 
 
 def test_factory_loads_the_backend_from_the_documented_extra_config(daemon, engines):
@@ -240,16 +241,74 @@ def test_the_flat_page_interface_stores_the_same_blocks(daemon, engines):
     assert got["found"] == [True, True] and got["exact"] == [True, True]
 
 
-def test_hybrid_pools_are_misses_not_errors(daemon, engines):
-    """SGLang's v2 calls for a hybrid model's extra pools (Mamba state here): not stored yet,
-    so a miss and a skipped write, never NotImplementedError in SGLang's storage threads."""
-    a, _ = engines
-    create(a, "v2", daemon.socket_path)
-    hashes = page_hashes(2, "v2")
-    a.call("set", rank="v2", hashes=hashes, slot=0)
-    got = a.call("v2", rank="v2", hashes=hashes, slot=0)
-    assert got["kv_only"] == 2 and got["with_pools"] == 0
-    assert got["get"] == {"mamba": [False]} and got["set"] == {"mamba": [False]}
+def span(slot: int, mamba_slot: int, swa_slot: int, window: int = 2) -> dict:
+    return {"slot": slot, "mamba_slot": mamba_slot, "swa_slot": swa_slot, "window": window}
+
+
+def test_hybrid_pools_written_by_one_engine_are_read_bit_exact_by_another(daemon, engines):
+    """A hybrid model's rank (SGLang's MambaPoolHost and a sliding-window
+    MHATokenToKVPoolHost beside its KV pool, registered through register_mem_host_pool_v2):
+    engine A backs a span up (KV pages through v1, the span's last Mamba state and its
+    last 2 window pages through batch_set_v2); engine B finds it with SGLang's trailing-page
+    policy and loads all three bit-exact."""
+    a, b = engines
+    create(a, "hy-w", daemon.socket_path, hybrid=True)
+    create(b, "hy-r", daemon.socket_path, hybrid=True)
+    hashes = page_hashes(6, "hybrid")
+    assert b.call("hybrid_exists", rank="hy-r", hashes=hashes, **span(0, 3, 10))[
+        "kv_hit_pages"] == 0  # fmt: skip
+    stored = a.call("hybrid_set", rank="hy-w", hashes=hashes, **span(0, 3, 10))
+    assert stored["results"] == {"kv": [True] * 6, "mamba": [True], "swa": [True, True]}
+    found = b.call("hybrid_exists", rank="hy-r", hashes=hashes, **span(0, 3, 10))
+    assert found == {"kv_hit_pages": 6, "hits": {"kv": 6, "mamba": 6, "swa": 6},
+                     "restorable": [6]}  # fmt: skip
+    # A shorter prefix has its KV pages, but no state was saved at its end: not restorable.
+    short = b.call("hybrid_exists", rank="hy-r", hashes=hashes[:4], **span(0, 3, 10))
+    assert short == {"kv_hit_pages": 0, "hits": {"kv": 4}, "restorable": []}
+    got = b.call("hybrid_get", rank="hy-r", hashes=hashes, **span(8, 5, 20))
+    assert got["results"] == {"kv": [True] * 6, "mamba": [True], "swa": [True, True]}
+    assert got["exact_kv"] == [True] * 6 and got["exact_state"] and got["exact_swa"] == [True] * 2
+    # keys name the pool: each pool's pages are its own (the KV rank sees none of them)
+    totals = a.call("stats", rank="hy-w")["totals"]
+    assert totals["mamba.written_blocks"] == 1 and totals["swa.written_blocks"] == 2
+    assert b.call("stats", rank="hy-r")["totals"]["mamba.read_pages"] == 1
+    # clear() drops every pool's pages of this rank
+    assert a.call("clear", rank="hy-w")["cleared"]
+    assert b.call("hybrid_exists", rank="hy-r", hashes=hashes, **span(0, 3, 10)) == {
+        "kv_hit_pages": 0, "hits": {}, "restorable": []}  # fmt: skip
+
+
+def test_hybrid_pools_are_misses_not_errors_when_they_cannot_be_served(tmp_path, engines):
+    """A pool kvbroker does not store, a daemon down, a full pool: misses and skipped writes
+    in SGLang's v2 calls, never an exception in its storage threads."""
+    a, b = engines
+    sock = str(tmp_path / "hy.sock")
+    create(a, "hy-down", sock, hybrid=True, retry_min=0.2, retry_max=0.2, timeout=1)
+    hashes = page_hashes(3, "hy-down")
+    down = a.call("hybrid_set", rank="hy-down", hashes=hashes, **span(0, 1, 4))
+    assert down["results"] == {"kv": [False] * 3, "mamba": [False], "swa": [False, False]}
+    assert a.call("hybrid_exists", rank="hy-down", hashes=hashes, **span(0, 1, 4))[
+        "kv_hit_pages"] == 0  # fmt: skip
+    got = a.call("hybrid_get", rank="hy-down", hashes=hashes, **span(0, 1, 4))
+    assert got["results"] == {"kv": [False] * 3, "mamba": [False], "swa": [False, False]}
+    # 16 pages of 4 KiB: a window of 17 pages never fits, the state (one page) does
+    daemon = DaemonProcess(sock, "--pool-size", "64K", "--page-size", "4K", ready_timeout=60)
+    try:
+        time.sleep(0.3)  # past the link's retry delay
+        create(b, "hy-odd", sock, hybrid=True, unsupported={"deepseek_v4_c4": "paged"})
+        odd = b.call("hybrid_set", rank="hy-odd", hashes=hashes, **span(0, 1, 4))
+        assert odd["results"] == {"kv": [True] * 3, "mamba": [True], "swa": [True, True],
+                                  "deepseek_v4_c4": [False]}  # fmt: skip
+        # a hit needs every pool: one that is not stored leaves nothing restorable
+        assert b.call("hybrid_exists", rank="hy-odd", hashes=hashes, **span(0, 1, 4)) == {
+            "kv_hit_pages": 0, "hits": {"kv": 3, "mamba": 3, "swa": 3}, "restorable": []}
+        big = page_hashes(17, "hy-full")
+        full = a.call("hybrid_set", rank="hy-down", hashes=big, **span(0, 2, 5, window=17))
+        assert full["results"] == {"kv": [False] * 17, "mamba": [True], "swa": [False] * 17}
+        # 2 window pages skipped while the daemon was down, then the 17 refused
+        assert a.call("stats", rank="hy-down")["totals"]["swa.write_skipped"] == 2 + 17
+    finally:
+        daemon.stop()
 
 
 def test_stats_and_clear(daemon, engines):

@@ -16,7 +16,14 @@ Commands (``rank`` names a rank of this process):
 - ``fill`` / ``set`` / ``get`` / ``exists``: pages ``hashes`` at host page slots from ``slot``;
   ``get`` zeroes those pages first and answers which pages hold exactly their pattern;
 - ``legacy_set`` / ``legacy_get``: the same through the flat-page interface;
-- ``stats``, ``clear``, ``raw`` (a host page's bytes, hex), ``quit``.
+- ``stats``, ``clear``, ``raw`` (a host page's bytes, hex), ``quit``;
+- a hybrid model's rank (``create`` with ``hybrid``): beside the KV pool, SGLang's own
+  ``MambaPoolHost`` (built on CPU from a ``MambaStateBufferInfo``) and a sliding-window pool
+  (an ``MHATokenToKVPoolHost`` of its own), registered through ``register_mem_host_pool_v2``
+  as SGLang's hybrid cache controller registers its pools; ``hybrid_set`` / ``hybrid_exists``
+  / ``hybrid_get`` move a span's KV pages (v1) and its trailing Mamba state and window pages
+  (v2, ``PoolTransfer``\ s with SGLang's trailing-page policy, grouped by its own
+  ``_trailing_chain_groups``).
 """
 
 from __future__ import annotations
@@ -83,6 +90,26 @@ def mla_host_pool(layout: str, *, layers: int, latent: int, rope: int, page_size
                                     device="cpu", device_capacity_tokens=page_size,
                                     start_layer=0, end_layer=layers, target_layer_num=layers,
                                     host_token_capacity=(pages + 1) * page_size)  # fmt: skip
+
+
+def mamba_host_pool(*, layers: int, slots: int):
+    """SGLang's Mamba host pool (``page_first``: a slot is one row of each buffer): an SSM
+    state of ``[2, 4, 8]`` fp32 and a conv state of ``[6, 3]`` bf16 per layer."""
+    from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo
+    from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
+
+    info = MambaStateBufferInfo(temporal=torch.zeros(layers, 2, 2, 4, 8, dtype=torch.float32),
+                                conv=(torch.zeros(layers, 2, 6, 3, dtype=torch.bfloat16),))
+    with host_memory_budget_scope(slots * layers * (2 * 4 * 8 * 4 + 6 * 3 * 2) * 2):
+        return MambaPoolHost(info, 1.0, 0, device_capacity=slots, pin_memory=False,
+                             device="cpu", layout="page_first")  # fmt: skip
+
+
+def state_pattern(page_hash: str, pool) -> torch.Tensor:
+    """The bytes of a Mamba slot saved at page ``page_hash``: random bits from the hash."""
+    g = torch.Generator().manual_seed(int(hashlib.sha256(f"state/{page_hash}".encode())
+                                          .hexdigest()[:15], 16))  # fmt: skip
+    return torch.randint(0, 256, (pool.size_per_token,), generator=g, dtype=torch.uint8)
 
 
 def logical(pool, token: int) -> torch.Tensor:
@@ -152,13 +179,88 @@ def create(cmd: dict) -> dict:
     )  # fmt: skip
     backend = StorageBackendFactory.create_backend("dynamic", config, pool)
     backend.register_mem_pool_host(pool)
+    more = {}
+    if cmd.get("hybrid"):  # as HybridCacheController.attach_storage_backend registers them
+        from sglang.srt.mem_cache.hicache_storage import PoolName
+
+        more["swa"] = host_pool(cmd["layout"], layers=cmd["layers"], heads=heads,
+                                head_dim=cmd["head_dim"], page_size=cmd["page_size"],
+                                pages=cmd["pages"])  # fmt: skip
+        more["mamba"] = mamba_host_pool(layers=cmd["layers"], slots=cmd["pages"])
+        backend.register_mem_host_pool_v2(pool, PoolName.KV)
+        backend.register_mem_host_pool_v2(more["swa"], PoolName.SWA)
+        backend.register_mem_host_pool_v2(more["mamba"], PoolName.MAMBA)
+        for name, extra_pool in cmd.get("unsupported", {}).items():
+            backend.register_mem_host_pool_v2(_Opaque(extra_pool), name)
     backend.on_host_pools_registered()
-    ranks[cmd["rank"]] = {**cmd, "pool": pool, "backend": backend}
+    ranks[cmd["rank"]] = {**cmd, "pool": pool, "backend": backend, **more}
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
     return {"class": type(backend).__name__, "module": type(backend).__module__,
             "is_hicache_storage": isinstance(backend, HiCacheStorage),
             "namespace": backend.namespace, "split": split}  # fmt: skip
+
+
+class _Opaque:
+    """A host pool of a kind the backend does not store (DeepSeek V4's paged pools, say)."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind, self.page_size = kind, 1
+
+
+def transfers(rank: dict, hashes: list[str], *, mamba_slot: int, swa_slot: int,
+              window: int) -> list:  # fmt: skip
+    """The span's sidecar transfers as SGLang's hybrid controller builds them: the Mamba
+    state at the span's last page, the sliding window's last ``window`` pages."""
+    from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
+
+    out = [PoolTransfer(name=PoolName.MAMBA, keys=hashes[-1:], hit_policy=PoolHitPolicy.
+                        TRAILING_PAGES, host_indices=torch.tensor([mamba_slot])),  # fmt: skip
+           PoolTransfer(name=PoolName.SWA, keys=hashes[-window:],
+                        hit_policy=PoolHitPolicy.TRAILING_PAGES,
+                        host_indices=indices(rank, swa_slot, window))]  # fmt: skip
+    for name in rank.get("unsupported", {}):
+        out.append(PoolTransfer(name=name, keys=hashes[-1:], host_indices=torch.tensor([0])))
+    return out
+
+
+def hybrid(rank: dict, op: str, cmd: dict) -> dict:
+    """``hybrid_set`` / ``hybrid_exists`` / ``hybrid_get`` of a span (``hashes``)."""
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import (
+        _trailing_chain_groups,
+    )
+
+    backend, hashes, prefix = rank["backend"], cmd["hashes"], cmd.get("prefix")
+    mamba, swa, window = rank["mamba"], rank["swa"], cmd["window"]
+    swa_rank = {**rank, "pool": swa}
+    moves = transfers(rank, hashes, mamba_slot=cmd["mamba_slot"], swa_slot=cmd["swa_slot"],
+                      window=window)  # fmt: skip
+    state_at = lambda: mamba.get_data_page(cmd["mamba_slot"]).view(torch.uint8)  # noqa: E731
+    if op == "hybrid_exists":
+        found = backend.batch_exists_v2(hashes, moves, HiCacheStorageExtraInfo(prefix))
+        return {"kv_hit_pages": found.kv_hit_pages, "hits": dict(found.extra_pool_hit_pages),
+                "restorable": found.restorable_prefix_pages}
+    results = {}
+    if op == "hybrid_set":
+        fill(rank, hashes, cmd["slot"])
+        results["kv"] = backend.batch_set_v1(hashes, indices(rank, cmd["slot"], len(hashes)),
+                                             HiCacheStorageExtraInfo(prefix))  # fmt: skip
+        mamba.set_from_flat_data_page(cmd["mamba_slot"], state_pattern(hashes[-1], mamba))
+        fill(swa_rank, [h + "/swa" for h in hashes[-window:]], cmd["swa_slot"])
+    else:
+        zero(rank, cmd["slot"], len(hashes))
+        mamba.set_from_flat_data_page(cmd["mamba_slot"], torch.zeros(mamba.size_per_token,
+                                                                      dtype=torch.uint8))
+        zero(swa_rank, cmd["swa_slot"], window)
+        results["kv"] = backend.batch_get_v1(hashes, indices(rank, cmd["slot"], len(hashes)))
+    call = backend.batch_set_v2 if op == "hybrid_set" else backend.batch_get_v2
+    for extra_info, group in _trailing_chain_groups(prefix, hashes, moves):
+        results.update({str(k): v for k, v in call(group, extra_info=extra_info).items()})
+    return {"results": results,
+            "exact_kv": exact(rank, hashes, cmd["slot"]),
+            "exact_state": bool(torch.equal(state_at(), state_pattern(hashes[-1], mamba))),
+            "exact_swa": exact(swa_rank, [h + "/swa" for h in hashes[-window:]],
+                               cmd["swa_slot"])}  # fmt: skip
 
 
 def fill(rank: dict, hashes: list[str], slot: int) -> None:
@@ -273,15 +375,6 @@ def handle(cmd: dict) -> dict:
         m = backend.get_stats()
         return {"totals": backend.stats(), "prefetch_pgs": list(m.prefetch_pgs),
                 "backup_pgs": list(m.backup_pgs), "metrics_type": type(m).__name__}  # fmt: skip
-    if op == "v2":
-        from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
-
-        mamba = [PoolTransfer(name=PoolName.MAMBA, keys=hashes[-1:],
-                              host_indices=indices(rank, slot, 1))]  # fmt: skip
-        found = backend.batch_exists_v2(hashes, mamba, info)
-        plain = backend.batch_exists_v2(hashes, None, info)
-        return {"with_pools": found.kv_hit_pages, "kv_only": plain.kv_hit_pages,
-                "get": backend.batch_get_v2(mamba, info), "set": backend.batch_set_v2(mamba, info)}
     if op in ("backup", "prefetch"):  # through SGLang's controller, its own page hashes
         from sglang.srt.managers.cache_controller import PrefetchOperation, StorageOperation
         from sglang.srt.mem_cache.utils import get_storage_hash_str
@@ -301,6 +394,8 @@ def handle(cmd: dict) -> dict:
         pages = ctrl._page_transfer(fetch)
         return {"hashes": hashes, "hit_tokens": hit_tokens, "pages": pages,
                 "exact": exact(rank, hashes, slot)}
+    if op in ("hybrid_set", "hybrid_exists", "hybrid_get"):
+        return hybrid(rank, op, cmd)
     if op == "threads":
         return threads(rank, cmd["rounds"], cmd["pages"], cmd["tag"])
     if op == "clear":

@@ -91,42 +91,165 @@ class PageKeys:
     """Broker keys of SGLang page hashes: salted per namespace and ``cache_salt``, then one
     per shard this rank holds (see :mod:`._format`)."""
 
-    def __init__(self, namespace: str, cache_salt: str, suffixes: list[str]) -> None:
+    def __init__(self, namespace: str, cache_salt: str, suffixes: list[str],
+                 tag: str = "") -> None:  # fmt: skip
         self._base = hashlib.blake2b(digest_size=16, person=b"kvbroker-sglang",
                                      key=hashlib.blake2b(cache_salt.encode(),
                                                          digest_size=32).digest())  # fmt: skip
         raw = namespace.encode()
         self._base.update(len(raw).to_bytes(4, "little") + raw)
-        self.suffixes = suffixes
+        self.suffixes, self.tag = suffixes, tag
 
     def page(self, page_hash: str) -> str:
+        """The page's key before its shard suffix; ``tag`` names an extra pool's pages."""
         h = self._base.copy()
         h.update(page_hash.encode())
-        return h.hexdigest()
+        return h.hexdigest() + self.tag
 
     def blocks(self, page_hashes: list[str]) -> list[str]:
         """Block-major, shard-minor."""
         return [self.page(p) + s for p in page_hashes for s in self.suffixes]
 
 
-class PageStore:
-    """One rank's pages in one namespace; thread-safe (SGLang's storage threads share it)."""
+class BlockStore:
+    """What every store of one rank's blocks in one namespace shares: the link, the seals
+    sent without waiting, counters, what a failure does. Thread-safe (SGLang's storage
+    threads share it)."""
 
-    def __init__(self, link: BrokerLink, namespace: str, *, cache_salt: str, sharding: Sharding,
-                 geometry: PageGeometry, host: Source, checksum: bool = True,
-                 warnings: Warnings | None = None) -> None:  # fmt: skip
-        self.link, self.namespace, self.geometry = link, namespace, geometry
-        self.sharding, self.host, self.checksum = sharding, host, checksum
+    def __init__(self, link: BrokerLink, namespace: str, keys: PageKeys, *,
+                 checksum: bool = True, warnings: Warnings | None = None) -> None:  # fmt: skip
+        self.link, self.namespace, self.keys, self.checksum = link, namespace, keys, checksum
         self.warnings = warnings or link.warnings
-        self.keys = PageKeys(namespace, cache_salt, sharding.suffixes())
-        self.split = sharding.per_rank
-        self.piece = geometry.run // self.split  # bytes of one run a shard holds
-        self.block_nbytes = geometry.outer * self.piece
-        self.page_nbytes = geometry.outer * geometry.run
         self._counts: Counter[str] = Counter()
         self._lock = threading.Lock()
         # Seals sent without waiting: (client, pending reply, reservation, pages)
         self._sealing: list[tuple] = []
+
+    def present(self, page_hashes: list[str]) -> list[bool]:
+        """Which pages the node holds (every block of each), wherever they lie in a chain:
+        one ``exists`` per block, sent together (one round trip)."""
+        client = self.link.get()
+        if client is None or not page_hashes:
+            return [False] * len(page_hashes)
+        try:
+            asked = [client.ops.pipelined.exists(k, namespace=self.namespace)
+                     for k in self.keys.blocks(page_hashes)]  # fmt: skip
+            found = [bool(a.result()) for a in asked]
+        except Exception as exc:  # noqa: BLE001 - SGLang's thread must go on
+            self._failed(client, exc, "exists")
+            return [False] * len(page_hashes)
+        n = len(self.keys.suffixes)
+        return [all(found[i * n:(i + 1) * n]) for i in range(len(page_hashes))]
+
+    def _publish(self, client, page_hashes: list[str], request: list[dict], buffers: dict,
+                 meta: dict | None, fill) -> bool:  # fmt: skip
+        """Reserve ``request`` (one round trip), ``fill(reservation, checksum kind)`` the
+        reserved blocks (returning their checksums, or None), send their seal without
+        waiting. False when nothing was stored (refused, or the broker failed)."""
+        earlier = self._take_sealing()  # sent before this reservation: answered before it
+        reservation = None
+        try:
+            reservation = blocks.reserve(client, self.namespace, request, buffers, meta)
+            self._settle(earlier)
+            earlier = []
+            kind = client.checksum_kind if self.checksum else None
+            sums = fill(reservation, kind)
+            if reservation.taken:
+                pending = blocks.seal_later(client, reservation.taken, sums)
+                with self._lock:
+                    self._sealing.append((client, pending, reservation, len(page_hashes)))
+        except _FULL as exc:
+            self._settle(earlier)
+            self._count("write_skipped", len(page_hashes))
+            self.warnings.warn("full", "the broker refused %d HiCache pages (%s): they are "
+                               "not stored", len(page_hashes), exc)  # fmt: skip
+            return False
+        except Exception as exc:  # noqa: BLE001
+            if reservation is not None:
+                try:
+                    reservation.abort()
+                except Exception:  # noqa: BLE001 - the connection may be gone, leases with it
+                    pass
+            self._count("write_skipped", len(page_hashes))
+            self._failed(client, exc, "set")
+            self._settle(earlier)
+            return False
+        written = sum(1 for lease in reservation.leases if lease is not None)
+        self._count("written_blocks", written)
+        self._count("existing_blocks", len(request) - written)
+        return True
+
+    def settle(self) -> None:
+        """Wait for the replies of the seals sent so far (at close)."""
+        self._settle(self._take_sealing())
+
+    def _take_sealing(self) -> list[tuple]:
+        with self._lock:
+            sealing, self._sealing = self._sealing, []
+        return sealing
+
+    def _settle(self, sealing: list[tuple]) -> None:
+        """Read the replies of ``sealing``; a refused seal aborts its leases, counted and
+        logged (its pages are misses from then on)."""
+        for client, pending, reservation, pages in sealing:
+            try:
+                pending.result()
+            except Exception as exc:  # noqa: BLE001 - SGLang's thread must go on
+                try:
+                    reservation.abort()
+                except Exception:  # noqa: BLE001 - the connection may be gone, leases with it
+                    pass
+                self._count("seal_failed", pages)
+                self._failed(client, exc, "seal")
+
+    def clear(self) -> bool:
+        """Evict this rank's blocks in the namespace; False when the broker is down."""
+        client = self.link.get()
+        if client is None:
+            return False
+        pattern = re.escape(self.keys.tag) + "(" + "|".join(re.escape(s) for s in
+                                                            self.keys.suffixes) + ")$"  # fmt: skip
+        try:
+            client.evict(namespace=self.namespace, match=pattern)
+        except Exception as exc:  # noqa: BLE001
+            self._failed(client, exc, "clear")
+            return False
+        return True
+
+    # -- bookkeeping ----------------------------------------------------------------------------
+    def totals(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._counts)
+
+    def _count(self, name: str, n: int = 1) -> None:
+        if n:
+            with self._lock:
+                self._counts[name] += n
+
+    def _failed(self, client, exc: BaseException, what: str) -> None:
+        self._count("errors")
+        if isinstance(exc, (KVBrokerError, OSError)):
+            self.link.fail(exc, client)
+            self.warnings.warn(f"error_{what}", "HiCache %s failed (%s: %s): served as a miss "
+                               "or an unwritten page", what, type(exc).__name__, exc)  # fmt: skip
+        else:
+            log.error("kvbroker: HiCache %s failed with an unexpected error; served as a miss "
+                      "or an unwritten page", what, exc_info=exc)  # fmt: skip
+
+
+class PageStore(BlockStore):
+    """One rank's pages of a host pool (the KV pool, or a sliding-window pool: ``tag``)."""
+
+    def __init__(self, link: BrokerLink, namespace: str, *, cache_salt: str, sharding: Sharding,
+                 geometry: PageGeometry, host: Source, checksum: bool = True,
+                 warnings: Warnings | None = None, tag: str = "") -> None:  # fmt: skip
+        super().__init__(link, namespace, PageKeys(namespace, cache_salt, sharding.suffixes(), tag),
+                         checksum=checksum, warnings=warnings)  # fmt: skip
+        self.geometry, self.sharding, self.host = geometry, sharding, host
+        self.split = sharding.per_rank
+        self.piece = geometry.run // self.split  # bytes of one run a shard holds
+        self.block_nbytes = geometry.outer * self.piece
+        self.page_nbytes = geometry.outer * geometry.run
 
     def host_page(self, token: int) -> PageRef:
         return self.host.page(token, self.geometry)
@@ -181,105 +304,20 @@ class PageStore:
         first = self.keys.blocks([parent]) if parent is not None else [None] * split
         request = [{"key": k, "parent": keys[b - split] if b >= split else first[b]}
                    for b, k in enumerate(keys)]  # fmt: skip
-        earlier = self._take_sealing()  # sent before this reservation: answered before it
-        reservation = None
-        try:
-            reservation = blocks.reserve(client, self.namespace, request,
-                                         {PAGE: self.block_nbytes})  # fmt: skip
-            self._settle(earlier)
-            earlier = []
-            kind = client.checksum_kind if self.checksum else None
-            sums = []
-            j = 0
+        piece, outer = self.piece, self.geometry.outer
+
+        def fill(reservation, kind):
+            sums, j = [], 0
             for b, lease in enumerate(reservation.leases):
                 if lease is None:
                     continue  # the node holds it already
-                ref = pages[b // split]
-                digest = _gather(reservation.view(j, PAGE), ref, (b % split) * self.piece,
-                                 self.piece, self.geometry.outer, kind)  # fmt: skip
-                sums.append({PAGE: digest} if kind is not None else None)
+                digest = _gather(reservation.view(j, PAGE), pages[b // split],
+                                 (b % split) * piece, piece, outer, kind)  # fmt: skip
+                sums.append({PAGE: digest})
                 j += 1
-            if reservation.taken:
-                pending = blocks.seal_later(client, reservation.taken,
-                                            sums if kind is not None else None)  # fmt: skip
-                with self._lock:
-                    self._sealing.append((client, pending, reservation, len(page_hashes)))
-        except _FULL as exc:
-            self._settle(earlier)
-            self._count("write_skipped", len(page_hashes))
-            self.warnings.warn("full", "the broker refused %d HiCache pages (%s): they are "
-                               "not stored", len(page_hashes), exc)  # fmt: skip
-            return False
-        except Exception as exc:  # noqa: BLE001
-            if reservation is not None:
-                try:
-                    reservation.abort()
-                except Exception:  # noqa: BLE001 - the connection may be gone, leases with it
-                    pass
-            self._count("write_skipped", len(page_hashes))
-            self._failed(client, exc, "set")
-            self._settle(earlier)
-            return False
-        written = sum(1 for lease in reservation.leases if lease is not None)
-        self._count("written_blocks", written)
-        self._count("existing_blocks", len(keys) - written)
-        return True
+            return sums if kind is not None else None
 
-    def settle(self) -> None:
-        """Wait for the replies of the seals sent so far (at close)."""
-        self._settle(self._take_sealing())
-
-    def _take_sealing(self) -> list[tuple]:
-        with self._lock:
-            sealing, self._sealing = self._sealing, []
-        return sealing
-
-    def _settle(self, sealing: list[tuple]) -> None:
-        """Read the replies of ``sealing``; a refused seal aborts its leases, counted and
-        logged (its pages are misses from then on)."""
-        for client, pending, reservation, pages in sealing:
-            try:
-                pending.result()
-            except Exception as exc:  # noqa: BLE001 - SGLang's thread must go on
-                try:
-                    reservation.abort()
-                except Exception:  # noqa: BLE001 - the connection may be gone, leases with it
-                    pass
-                self._count("seal_failed", pages)
-                self._failed(client, exc, "seal")
-
-    def clear(self) -> bool:
-        """Evict this rank's shards in the namespace; False when the broker is down."""
-        client = self.link.get()
-        if client is None:
-            return False
-        pattern = "(" + "|".join(re.escape(s) for s in self.keys.suffixes) + ")$"
-        try:
-            client.evict(namespace=self.namespace, match=pattern)
-        except Exception as exc:  # noqa: BLE001
-            self._failed(client, exc, "clear")
-            return False
-        return True
-
-    # -- bookkeeping ----------------------------------------------------------------------------
-    def totals(self) -> dict[str, int]:
-        with self._lock:
-            return dict(self._counts)
-
-    def _count(self, name: str, n: int = 1) -> None:
-        if n:
-            with self._lock:
-                self._counts[name] += n
-
-    def _failed(self, client, exc: BaseException, what: str) -> None:
-        self._count("errors")
-        if isinstance(exc, (KVBrokerError, OSError)):
-            self.link.fail(exc, client)
-            self.warnings.warn(f"error_{what}", "HiCache %s failed (%s: %s): served as a miss "
-                               "or an unwritten page", what, type(exc).__name__, exc)  # fmt: skip
-        else:
-            log.error("kvbroker: HiCache %s failed with an unexpected error; served as a miss "
-                      "or an unwritten page", what, exc_info=exc)  # fmt: skip
+        return self._publish(client, page_hashes, request, {PAGE: self.block_nbytes}, None, fill)
 
 
 def _gather(dst, ref: PageRef, offset: int, piece: int, outer: int, kind):

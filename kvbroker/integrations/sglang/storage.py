@@ -8,7 +8,11 @@ holds), ``batch_get_v1`` (pages into the host pool) and ``batch_set_v1`` (pages 
 With ``"interface_v1": 1`` those are zero-copy: each page's bytes are copied once, straight
 between SGLang's host pool and the broker's shared-memory pools, a batch of pages in one
 round trip (:mod:`._pages`). Without it SGLang uses the older ``batch_get``/``batch_set`` on
-flat page tensors, which this backend serves too (one more copy, SGLang's).
+flat page tensors, which this backend serves too (one more copy, SGLang's). A hybrid model's
+extra pools come through the v2 calls (``register_mem_host_pool_v2``, ``batch_exists_v2``,
+``batch_get_v2`` / ``batch_set_v2`` over ``PoolTransfer``\ s): a Mamba pool's states as
+state pages (:mod:`._states`), a sliding-window pool's pages as the KV pool's, each pool in a
+namespace of its own and its name in its keys; any other pool is a miss.
 
 Extra config keys, beside SGLang's ``backend_name``, ``module_path``, ``class_name``,
 ``interface_v1`` and ``tp_lcm_size``:
@@ -48,6 +52,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageC
 from .._link import BrokerLink, LinkWords, Warnings
 from ._format import PageGeometry, Sharding, namespace_for
 from ._pages import PageStore, Source
+from ._states import StateStore
 
 log = logging.getLogger("kvbroker.integrations.sglang")
 
@@ -95,6 +100,9 @@ class KVBrokerStorage(HiCacheStorage):
         )  # fmt: skip
         self.store: PageStore | None = None
         self.namespace: str | None = None
+        self.mem_pool_host = None
+        self.pools: dict[str, PageStore | StateStore] = {}  # a hybrid model's extra pools
+        self.unsupported: dict[str, str] = {}  # its pools not stored, and why
         self._stats_lock = threading.Lock()
         self._metrics: dict[str, list] = {
             "prefetch_pgs": [], "backup_pgs": [], "prefetch_bandwidth": [], "backup_bandwidth": [],
@@ -104,6 +112,18 @@ class KVBrokerStorage(HiCacheStorage):
     def register_mem_pool_host(self, mem_pool_host) -> None:
         super().register_mem_pool_host(mem_pool_host)
         pool = mem_pool_host
+        self.store = self._page_store(pool)
+        self.namespace = self.store.namespace
+        sharding = self.store.sharding
+        log.info("kvbroker: HiCache storage for %s, namespace %s, layout %s, %d shard(s) of "
+                 "%s per page, socket %s", self.model, self.namespace, pool.layout,
+                 sharding.per_rank, "all heads" if sharding.total_kv_heads is None else
+                 f"{sharding.total_kv_heads // sharding.shards} head(s)",
+                 self.link.socket or "default")  # fmt: skip
+
+    def _page_store(self, pool, name: str = "") -> PageStore:
+        """The store of a host pool of attention pages: the KV pool, or (``name``) a hybrid
+        model's sliding-window pool, in a namespace of its own (its geometry's)."""
         buffer = pool.kv_buffer
         if not hasattr(buffer, "data_ptr") or buffer.device.type != "cpu" \
                 or not buffer.is_contiguous():  # fmt: skip
@@ -121,23 +141,18 @@ class KVBrokerStorage(HiCacheStorage):
         if sharding.per_rank > 1 and pool.layout != "page_head":
             raise ValueError("kvbroker: splitting heads (tp_lcm_size) needs the page_head "
                              f"host layout, not {pool.layout!r}")  # fmt: skip
-        facts = [getattr(pool, name, None) for name in
+        facts = [getattr(pool, attr, None) for attr in
                  ("layer_num", "head_dim", "v_head_dim", "kv_cache_dim")]  # fmt: skip
-        self.namespace = namespace_for(
-            self.model, pool=type(pool).__name__, layout=pool.layout,
-            dtype=str(pool.dtype).removeprefix("torch."), geometry=facts,
+        namespace = namespace_for(
+            self.model, pool=type(pool).__name__ + (f".{name}" if name else ""),
+            layout=pool.layout, dtype=str(pool.dtype).removeprefix("torch."), geometry=facts,
             total_kv_heads=sharding.total_kv_heads, page_size=pool.page_size,
             format_tag=getattr(pool, "storage_format_tag", None), prefix=self.prefix,
         )  # fmt: skip
-        self.store = PageStore(self.link, self.namespace, cache_salt=self.cache_salt,
-                               sharding=sharding, geometry=geometry,
-                               host=Source.of_tensor(buffer), checksum=self.checksum,
-                               warnings=self.warnings)  # fmt: skip
-        log.info("kvbroker: HiCache storage for %s, namespace %s, layout %s, %d shard(s) of "
-                 "%s per page, socket %s", self.model, self.namespace, pool.layout,
-                 sharding.per_rank, "all heads" if sharding.total_kv_heads is None else
-                 f"{sharding.total_kv_heads // sharding.shards} head(s)",
-                 self.link.socket or "default")  # fmt: skip
+        return PageStore(self.link, namespace, cache_salt=self.cache_salt, sharding=sharding,
+                         geometry=geometry, host=Source.of_tensor(buffer),
+                         checksum=self.checksum, warnings=self.warnings,
+                         tag=f".{name}" if name else "")  # fmt: skip
 
     def _store(self) -> PageStore:
         if self.store is None:
@@ -184,29 +199,134 @@ class KVBrokerStorage(HiCacheStorage):
         return [ok] * len(keys)
 
     # -- hybrid models' extra pools (v2) -------------------------------------------------------
-    # Not stored yet (Mamba / SWA / indexer state pages): a page of such a model is restorable
-    # only with its state, so every query is a miss and every write is skipped, said once.
-    def batch_exists_v2(self, keys: list[str], pool_transfers=None, extra_info=None):
-        from sglang.srt.mem_cache.hicache_storage import PoolTransferResult
+    def register_mem_host_pool_v2(self, host_pool, host_pool_name) -> None:
+        """A hybrid model's extra pool: a Mamba pool's state pages (:mod:`._states`) or a
+        sliding-window pool's pages (:mod:`._pages`, as the KV pool's); any other pool is
+        said once and served as a miss (its transfers False, a hit needing it none)."""
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        name = str(host_pool_name)
+        if name == "kv" or host_pool is self.mem_pool_host:
+            return
+        try:
+            if hasattr(host_pool, "temporal_buffer") and hasattr(host_pool, "conv_buffer"):
+                store = self._state_store(host_pool, name)
+            elif hasattr(host_pool, "kv_buffer") and hasattr(host_pool, "head_dim"):
+                store = self._page_store(host_pool, name)
+            else:
+                raise ValueError(f"{type(host_pool).__name__} is not a host pool kind kvbroker "
+                                 "stores (Mamba states, attention pages)")  # fmt: skip
+        except ValueError as exc:
+            self.unsupported[name] = str(exc)
+            log.warning("kvbroker: HiCache pool %r is not stored (%s): a hit that needs it is "
+                        "a miss", name, exc)  # fmt: skip
+            return
+        self.pools[name] = store
+        log.info("kvbroker: HiCache pool %r stored in namespace %s", name, store.namespace)
 
-        if not pool_transfers:
-            hit = self.batch_exists(keys, extra_info)
-            return PoolTransferResult(hit, {"kv": hit} if hit else {}, list(range(1, hit + 1)))
-        self._no_v2(pool_transfers)
-        return PoolTransferResult.empty()
+    def _state_store(self, pool, name: str) -> StateStore:
+        sharding = Sharding.of(self.config, None)  # its pp / cp suffix
+        probe = StateStore(self.link, "-", cache_salt="", pool=pool, tp_rank=self.config.tp_rank,
+                           tp_size=self.config.tp_size, tag="")  # fmt: skip
+        namespace = namespace_for(
+            self.model, pool=f"{type(pool).__name__}.{name}", layout=pool.layout,
+            dtype="state", geometry=probe.format.meta()["parts"], total_kv_heads=None,
+            page_size=1, format_tag=None, prefix=self.prefix,
+        )  # fmt: skip
+        return StateStore(self.link, namespace, cache_salt=self.cache_salt, pool=pool,
+                          tp_rank=self.config.tp_rank, tp_size=self.config.tp_size,
+                          tag=f".{name}{sharding.extra}", checksum=self.checksum,
+                          warnings=self.warnings)  # fmt: skip
+
+    def _pool(self, name) -> PageStore | StateStore | None:
+        name = str(name)
+        if name == "kv":
+            return self.store
+        store = self.pools.get(name)
+        if store is None:
+            self.warnings.warn(f"v2_{name}", "HiCache pool %r is not stored by kvbroker (%s): "
+                               "served as a miss", name, self.unsupported.get(
+                                   name, "it was never registered"))  # fmt: skip
+        return store
+
+    def _slots(self, store, n: int, host_indices) -> list[int] | None:
+        """The host positions of ``n`` pages of ``store`` (a token for pages, a slot for
+        states), or None (said) when ``host_indices`` does not hold ``n`` pages."""
+        page = store.geometry.page_size if isinstance(store, PageStore) else 1
+        if host_indices is None or host_indices.numel() != n * page:
+            self.warnings.warn("bad_call", "host_indices hold %s entries for %d pages of %d: "
+                               "the batch is skipped", None if host_indices is None else
+                               host_indices.numel(), n, page)  # fmt: skip
+            return None
+        return host_indices[::page].tolist()
+
+    def batch_exists_v2(self, keys: list[str], pool_transfers=None, extra_info=None):
+        """The longest prefix of ``keys`` whose KV pages, and every pool's pages as its hit
+        policy asks, the node holds: ``all_pages`` pools over the whole prefix (one match),
+        ``trailing_pages`` pools (Mamba, SWA: ``len(transfer.keys)`` pages) over the pages
+        before each stop point, every stop point being judged (one round trip per pool)."""
+        from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolTransferResult
+
+        kv = self.batch_exists(keys, extra_info)
+        hits = {"kv": kv} if kv else {}
+        restorable = list(range(1, kv + 1))
+        for transfer in pool_transfers or ():
+            if not restorable:
+                break
+            name, store = str(transfer.name), self._pool(transfer.name)
+            if store is None:
+                restorable = []
+                break
+            if transfer.hit_policy == PoolHitPolicy.ALL_PAGES:
+                boundary = store.count(keys[:kv])
+                serves = set(range(1, boundary + 1))
+            elif transfer.hit_policy == PoolHitPolicy.TRAILING_PAGES:
+                window = max(1, len(transfer.keys or ()))
+                held = store.present(keys[:kv])
+                serves = {p for p in range(1, kv + 1) if all(held[max(0, p - window):p])}
+                boundary = max(serves, default=0)
+            else:  # BLOCK_GROUPS (DeepSeek V4's compressed pools): not stored
+                self.warnings.warn(f"policy_{name}", "HiCache pool %r asks hit policy %s, "
+                                   "which kvbroker does not serve: a miss", name,
+                                   transfer.hit_policy)  # fmt: skip
+                restorable = []
+                break
+            if boundary:
+                hits[name] = boundary
+            restorable = [p for p in restorable if p in serves]
+        return PoolTransferResult(restorable[-1] if restorable else 0, hits, restorable)
 
     def batch_get_v2(self, transfers, extra_info=None) -> dict[str, list[bool]]:
-        self._no_v2(transfers)
-        return {str(t.name): [False] * len(t.keys or ()) for t in transfers}
+        return {str(t.name): self._transfer_v2(t, extra_info, write=False) for t in transfers}
 
     def batch_set_v2(self, transfers, extra_info=None) -> dict[str, list[bool]]:
-        self._no_v2(transfers)
-        return {str(t.name): [False] * len(t.keys or ()) for t in transfers}
+        return {str(t.name): self._transfer_v2(t, extra_info, write=True) for t in transfers}
 
-    def _no_v2(self, transfers) -> None:
-        self.warnings.warn("v2", "hybrid models' extra HiCache pools (%s) are not stored by "
-                           "kvbroker yet: their pages are misses",
-                           ", ".join(sorted({str(t.name) for t in transfers})))  # fmt: skip
+    def _transfer_v2(self, transfer, extra_info, *, write: bool) -> list[bool]:
+        """One pool's pages: the leading ones copied (get), or all of them or none (set)."""
+        keys = list(transfer.keys or ())
+        try:
+            return self._move(transfer, keys, extra_info, write=write)
+        except Exception:  # noqa: BLE001 - an exception would end SGLang's backup thread
+            log.exception("kvbroker: HiCache %s of pool %r failed; served as a miss",
+                          "set" if write else "get", str(transfer.name))  # fmt: skip
+            return [False] * len(keys)
+
+    def _move(self, transfer, keys: list[str], extra_info, *, write: bool) -> list[bool]:
+        store = self._pool(transfer.name) if keys else None
+        starts = self._slots(store, len(keys), transfer.host_indices) if store else None
+        if starts is None:
+            return [False] * len(keys)
+        if isinstance(store, PageStore):
+            starts = [store.host_page(t) for t in starts]
+        if write:
+            if isinstance(store, StateStore):
+                ok = store.write(keys, starts)
+            else:  # pages of a chain: parented on the caller's page before them
+                prefix = getattr(extra_info, "prefix_keys", None)
+                ok = store.write(keys, starts, parent=prefix[-1] if prefix else None)
+            return [ok] * len(keys)
+        got = store.read(keys, starts)
+        return [i < got for i in range(len(keys))]
 
     # -- the older interface: flat page tensors (SGLang's get_data_page(flat=True)) -----------
     def exists(self, key: str) -> bool:
@@ -248,8 +368,10 @@ class KVBrokerStorage(HiCacheStorage):
     # -- operations ------------------------------------------------------------------------
     def clear(self) -> bool:
         """Evict this rank's pages of the namespace (every engine's that cuts heads as this
-        one does); pages being read are kept. False when the broker is down."""
-        return self.store.clear() if self.store is not None else True
+        one does), and of each extra pool's; pages being read are kept. False when the broker
+        is down."""
+        stores = [s for s in (self.store, *self.pools.values()) if s is not None]
+        return all([s.clear() for s in stores])
 
     def get_stats(self):
         """SGLang's ``StorageMetrics`` since the last call: pages per batch and GB/s of each
@@ -265,8 +387,12 @@ class KVBrokerStorage(HiCacheStorage):
         return metrics
 
     def stats(self) -> dict[str, int]:
-        """Totals since start: pages read, written, found already stored, skipped; errors."""
-        return self.store.totals() if self.store is not None else {}
+        """Totals since start: pages read, written, found already stored, skipped; errors
+        (an extra pool's under its name: ``mamba.read_pages``...)."""
+        totals = self.store.totals() if self.store is not None else {}
+        for name, store in self.pools.items():
+            totals.update({f"{name}.{k}": v for k, v in store.totals().items()})
+        return totals
 
     def _record(self, kind: str, pages: int, began: float) -> None:
         if not self.config.enable_storage_metrics or not pages:
@@ -278,8 +404,9 @@ class KVBrokerStorage(HiCacheStorage):
             self._metrics[f"{kind}_bandwidth"].append(nbytes / max(seconds, 1e-9) / 1e9)
 
     def close(self) -> None:
-        if self.store is not None:
-            self.store.settle()  # the last batch's seal: its reply, before the connection ends
+        for store in (self.store, *self.pools.values()):
+            if store is not None:
+                store.settle()  # the last batch's seal: its reply, before the connection ends
         self.link.close()
 
     def __repr__(self) -> str:
