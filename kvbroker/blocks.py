@@ -40,6 +40,13 @@ Sessions
   each request renews it. Operators list and steer sessions with ``kvbroker sessions``,
   ``retain`` and ``release``.
 
+Same-node handoffs (GPU staging rings, ``kvbroker serve --gpu-ring``)
+----------------------------------------------------------------------
+- :func:`ring_lookup` says which keys name sealed ring objects (no lease, no torch). The
+  bytes move with :class:`kvbroker.gpu.GpuClient`'s ``ring_reserve`` (a write lease on a
+  ring region: fill ``region.tensor``, then ``seal``) and ``ring_read`` (a read lease:
+  read ``region.tensor``, then ``release``; a consume-read frees the object with it).
+
 Readers
 -------
 - :func:`match` (a format's chain, resharded across TP layouts for attention),
@@ -77,6 +84,7 @@ from ._client.block_ops import (
     pool_runs,
     reserve,
     reserve_later,
+    ring_lookup,
     seal,
     seal_later,
     start_device_checksums,
@@ -95,7 +103,8 @@ __all__ = [
     "abort", "view", "pool_address", "pool_runs", "copy", "copy_into", "checksum",
     "empty_checksum", "device_checksums_available", "start_device_checksums",
     # readers
-    "match", "match_shards", "match_keys", "PrefixMatch", "KVPrefixMatch", "MatchedBlock",
+    "match", "match_shards", "match_keys", "ring_lookup", "PrefixMatch", "KVPrefixMatch",
+    "MatchedBlock",
     # sessions: what a request names to keep its blocks past plain LRU
     "retention",
 ]  # fmt: skip

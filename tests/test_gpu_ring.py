@@ -386,3 +386,20 @@ def test_tui_draws_ring_snapshots_as_pool_panels():
         64 * RING_ALIGN, 16 * RING_ALIGN, 16 * RING_ALIGN)
     assert views[1].occupancy == "w..." and views[0].occupancy == "...."
     assert views[1].title == "ring 1  fake GPU (KVBROKER_FAKE_GPUS)"
+
+
+def test_lookup_names_sealed_objects_only_and_takes_no_lease():
+    svc = _service(devices=2)
+    w = _Session(1)
+    lease = _reserve(svc, w, 1000, device=1, key="sealed")["lease"]
+    svc.handle(w, "ring_seal", {"lease": lease})
+    _reserve(svc, w, 500, key="pending")
+    found = svc.handle(w, "ring_lookup", {"namespace": "ns", "keys": ["sealed", "pending", "x"]})
+    assert found == {"objects": [{"device": 1, "nbytes": 1000, "meta": None}, None, None]}
+    assert len(svc.leases) == 1  # the pending write lease only: a lookup holds nothing
+    assert svc.handle(w, "ring_lookup", {"namespace": "other", "keys": ["sealed"]}) == {
+        "objects": [None]}
+    with pytest.raises(BadRequest, match="strings"):
+        svc.handle(w, "ring_lookup", {"namespace": "ns", "keys": [1]})
+    with pytest.raises(BadRequest, match="at most"):
+        svc.handle(w, "ring_lookup", {"namespace": "ns", "keys": ["k"] * 5000})

@@ -165,6 +165,8 @@ def test_every_reply_is_its_declared_type(ring_daemon):
         call("rings")
         ring = call("ring_reserve", device=0, nbytes=1000, key="r", meta={"x": 1})
         call("ring_seal", lease=ring["lease"])
+        assert call("ring_lookup", keys=["r", "none"])["objects"] == [
+            {"device": 0, "nbytes": 1000, "meta": {"x": 1}}, None]  # fmt: skip
         got = call("ring_claim", key="r")
         call("ring_release", lease=got["lease"])
         scratch = call("ring_reserve", device=0, nbytes=10)

@@ -18,7 +18,7 @@ from .._wire import checksum as _cs
 from .._wire.protocol import name_bytes, request_chunks
 from ..errors import BadRequest, KVBrokerError, LayoutMismatch
 
-__all__ = ["Reservation", "PendingReservation", "reserve", "reserve_later", "seal", "seal_later",
+__all__ = ["ring_lookup", "Reservation", "PendingReservation", "reserve", "reserve_later", "seal", "seal_later",
            "abort", "view", "pool_address", "pool_runs", "copy", "checksum", "empty_checksum",
            "device_checksums_available", "start_device_checksums", "match", "match_shards",
            "match_keys", "retention"]  # fmt: skip
@@ -340,6 +340,23 @@ def start_device_checksums(rows):
 
 
 # -- readers -------------------------------------------------------------------------------
+def ring_lookup(client, namespace: str, keys: Sequence[str]) -> list[dict | None]:
+    """Which of ``keys`` name sealed objects in the daemon's GPU staging rings: per key its
+    ``{"device": ring index, "nbytes", "meta"}``, or None. One round trip, no lease, no torch
+    (a scheduler deciding whether a same-node handoff can serve a request); [] for no keys.
+    A daemon without rings answers every key None."""
+    from ..errors import BadRequest
+
+    if not keys:
+        return []
+    try:
+        return client.ops.ring_lookup(list(keys), namespace=namespace)["objects"]
+    except BadRequest as exc:
+        if "gpu-ring" in str(exc) or "no GPU rings" in str(exc):
+            return [None] * len(keys)
+        raise
+
+
 def match_keys(client, namespace: str, keys: list[str], *, block_tokens: int = 0,
                ttl: float | None = None, hold: bool = True, peer: str | None = None,
                block_size: int = 1, retain: dict | None = None) -> PrefixMatch:  # fmt: skip

@@ -135,6 +135,17 @@ class RingClient:
             raise
         return layout
 
+    def ring_read(self, key: str, *, namespace: str = "default", consume: bool = True,
+                  wait: float | None = None) -> RingRegion:  # fmt: skip
+        """A read lease on a sealed ring object, its bytes lent as ``region.tensor`` (uint8,
+        on the ring's GPU, mapped over CUDA IPC) for the caller's own kernels to read (a
+        scatter into a paged cache): no copy is made here. The caller releases it (``with``)
+        once every kernel reading it has run; ``consume``: the object is freed then, and no
+        one else may claim it meanwhile. Not found (and no ``wait``): NotFound."""
+        reply = self.client.ops.ring_claim(key, namespace=namespace, consume=consume,
+                                           wait=wait)  # fmt: skip
+        return self._region(reply, "read", key)
+
     def ring_claim(self, key: str, out: Mapping[str, Any], *, stream: Any = None,
                    namespace: str = "default", consume: bool = True,
                    wait: float | None = None) -> dict[str, Any]:  # fmt: skip

@@ -176,6 +176,9 @@ class Ops:
         return self._call("ring_claim", dict(namespace=namespace, key=key, consume=consume,
                                              wait=wait))  # fmt: skip
 
+    def ring_lookup(self, keys: list[str], *, namespace: str = "default") -> R.RingFound:
+        return self._call("ring_lookup", dict(namespace=namespace, keys=keys))
+
     def ring_release(self, lease: int) -> None:
         self._call("ring_release", dict(lease=lease))
 

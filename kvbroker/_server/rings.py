@@ -48,6 +48,7 @@ log = logging.getLogger("kvbroker.rings")
 
 RING_ALIGN = 256  # regions start on this boundary (DMA engines, vector loads)
 _MAX_KEY = 512
+_MAX_LOOKUP = 4096  # keys per ring_lookup (a 16k-token prompt in 16-token blocks is 1024)
 _OCCUPANCY_CELLS = 64
 
 
@@ -300,6 +301,19 @@ class RingService:
         self.counters["claims"] += 1
         return {"lease": ls.id, "device": obj.ring.index, "offset": obj.region.offset,
                 "nbytes": obj.nbytes, "meta": obj.meta}  # fmt: skip
+
+    def op_ring_lookup(self, session, namespace, keys) -> R.RingFound:
+        session.access.check(namespace, False, "ring_lookup")
+        if len(keys) > _MAX_LOOKUP:
+            raise BadRequest(f"ring_lookup: at most {_MAX_LOOKUP} keys at a time, not {len(keys)}")
+        if not all(isinstance(k, str) for k in keys):
+            raise BadRequest("ring_lookup: keys must be strings")
+        found = []
+        for key in keys:
+            obj = self.objects.get((namespace, key))
+            found.append(None if obj is None else
+                         {"device": obj.ring.index, "nbytes": obj.nbytes, "meta": obj.meta})
+        return {"objects": found}
 
     def op_ring_release(self, session, lease) -> R.Empty:
         ls = self._lease(session, lease)

@@ -19,7 +19,7 @@ __all__ = [
     "Extent", "Empty", "PoolInfo", "HiddenPool", "Hello", "Reserved", "Sealed", "ArenaLent",
     "Published", "Claimed", "Renewed", "Listed", "Evicted", "BlockReserved", "BlockExists",
     "BlocksReserved", "SealedMany", "PrefixMatch", "RingInfo", "Rings", "RingRegion",
-    "RingClaimed", "Watching", "Pong", "Reported", "Fetched", "Sessions", "mismatch",
+    "RingClaimed", "RingFound", "Watching", "Pong", "Reported", "Fetched", "Sessions", "mismatch",
 ]  # fmt: skip
 
 # [pool, offset, nbytes]: a byte range of pool `pool` (an index into hello's `pools`).
@@ -174,6 +174,11 @@ class RingClaimed(TypedDict):
     offset: int
     nbytes: int
     meta: dict | None
+
+
+class RingFound(TypedDict):
+    # per key asked: {"device": ring index, "nbytes": int, "meta": dict | None}, or None
+    objects: list[dict | None]
 
 
 class Watching(TypedDict):
