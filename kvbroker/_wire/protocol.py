@@ -435,13 +435,8 @@ OPS: dict[str, Op] = {
         service=Service.RINGS, lease=_TAKES, draining=REFUSE,
     ),
     "ring_lookup": Op(
-        {
-            "namespace": _a(str, default="default"),
-            "keys": _a(list, required=True),
-        },
-        R.RingFound,
-        "Which of `keys` name sealed ring objects: ring, size and meta of each (None for a "
-        "key with none); takes no lease (a scheduler asking what a handoff could load).",
+        {"namespace": _a(str, default="default"), "keys": _a(list, required=True)}, R.RingFound,
+        "Which of `keys` name sealed ring objects (ring, size, meta; None: none); no lease.",
         service=Service.RINGS,
     ),
     "ring_release": Op(
