@@ -302,3 +302,34 @@ def test_a_request_extends_a_session_never_shortens_it_and_keeps_its_priority(ma
     (info,) = b.handle(s, "sessions", {})["sessions"]
     assert (info["expires_in"], info["priority"]) == (3000, 4)
     assert b.handle(s, "retain", {"name": "x", "seconds": 60})["expires_in"] == 60  # an operator sets it
+
+
+def test_prometheus_shows_retention_and_why_retained_blocks_went(make_broker):
+    from kvbroker._server.metrics import BrokerCollector
+
+    b = make_broker(npages=16, high_watermark=1.0, low_watermark=1.0,
+                    retention=RetentionSettings(pool_share=0.75))  # fmt: skip
+    s = connect(b)
+    chain(b, s, "a", 8, retain={"session": "a"})
+    chain(b, s, "b", 6, retain={"session": "b"})  # 14 pages: a's 2 oldest lose retention
+
+    def scrape():
+        out = {}
+        for fam in BrokerCollector(b.statistics).collect():
+            for smp in fam.samples:
+                out[(smp.name, *sorted(smp.labels.values()))] = smp.value
+        return out
+
+    m = scrape()
+    assert m[("kvbroker_retained_cap_bytes", "0")] == 12 * PAGE
+    assert m[("kvbroker_retained_bytes", "0")] == 12 * PAGE
+    assert m[("kvbroker_sessions",)] == 2 and m[("kvbroker_retained_objects",)] == 12
+    assert m[("kvbroker_retention_dropped_total", "pool_share")] == 2
+    for i in range(10):  # 2 pages free, then a's 2 unretained blocks, then 6 retained
+        b.handle(s, "reserve", {"key": f"w{i}", "buffers": {"x": PAGE}})
+    b.retention.clock.now += 601
+    b.retention.expire()
+    m = scrape()
+    assert m[("kvbroker_retained_evictions_total", "pool_full")] == 6
+    assert m[("kvbroker_retention_dropped_total", "expired")] == 6
+    assert m[("kvbroker_retained_bytes", "0")] == 0 and m[("kvbroker_sessions",)] == 0

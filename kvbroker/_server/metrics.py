@@ -103,6 +103,38 @@ class BrokerCollector(Collector):
         for field, (name, doc) in _COUNTERS.items():
             yield CounterMetricFamily(name, doc, value=getattr(s.counters, field))
         yield from _transfer(s)
+        yield from _retention(s)
+
+
+def _retention(s: Statistics) -> Iterator[Metric]:
+    """Sessions (kvbroker._server.retention): what they retain, against what they may."""
+    r = s.retention
+    if r is None:
+        return
+    yield GaugeMetricFamily("kvbroker_sessions", "Sessions retaining blocks.", value=r.sessions)
+    yield GaugeMetricFamily("kvbroker_retained_objects", "Objects sessions retain.",
+                            value=r.retained_objects)  # fmt: skip
+    for name, doc, values in (
+        ("kvbroker_retained_bytes", "Bytes sessions retain in the pool.", r.retained_bytes),
+        ("kvbroker_retained_cap_bytes", "The most sessions may retain in the pool "
+         "([sessions] pool_share).", r.retained_cap),
+    ):  # fmt: skip
+        g = GaugeMetricFamily(name, doc, labels=["pool"])
+        for i, v in enumerate(values):
+            g.add_metric([str(i)], v)
+        yield g
+    evicted = CounterMetricFamily("kvbroker_retained_evictions", "Retained objects evicted, "
+                                  "by why (pool_full, watermark, quota, operator).",
+                                  labels=["reason"])  # fmt: skip
+    for why, n in sorted(r.evicted.items()):
+        evicted.add_metric([why], n)
+    yield evicted
+    dropped = CounterMetricFamily("kvbroker_retention_dropped", "Objects that lost a session's "
+                                  "retention, by why (expired, released, tenant_quota, "
+                                  "pool_share).", labels=["reason"])  # fmt: skip
+    for why, n in sorted(r.dropped.items()):
+        dropped.add_metric([why], n)
+    yield dropped
 
 
 # TransferStatistics field -> (metric name, help); counters end in _total once exposed
