@@ -42,9 +42,13 @@ def retention(session: str | None, retain: float | str | None = None,
 
         try:
             out["for"] = parse_duration(retain)
-        except ValueError as exc:
+        except (TypeError, ValueError) as exc:
             raise BadRequest(f"retain: {exc}") from None
+        if not out["for"] > 0:
+            raise BadRequest(f"retain must be more than 0 seconds, not {retain!r}")
     if priority is not None:
+        if isinstance(priority, bool) or not isinstance(priority, int) or not 0 <= priority <= 100:
+            raise BadRequest(f"priority must be an integer from 0 to 100, not {priority!r}")
         out["priority"] = priority
     return out
 

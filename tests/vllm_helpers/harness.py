@@ -151,9 +151,9 @@ class Engine:
         return self.scheduler.connector
 
     def add(self, tokens, *, max_tokens: int = 1, cache_salt: str | None = None,
-            lora_request=None) -> str:  # fmt: skip
+            lora_request=None, extra_args: dict | None = None) -> str:  # fmt: skip
         self._ids += 1
-        params = SamplingParams(max_tokens=max_tokens)
+        params = SamplingParams(max_tokens=max_tokens, extra_args=extra_args)
         params.update_from_generation_config({}, EOS)
         req = Request(request_id=f"r{self._ids}", prompt_token_ids=list(tokens),
                       sampling_params=params, pooling_params=None, mm_features=None,

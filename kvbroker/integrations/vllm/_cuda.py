@@ -38,7 +38,15 @@ from kvbroker import blocks
 from kvbroker.errors import KVBrokerError, LayoutMismatch, Timeout
 
 from ._format import PACKED, BlockFormat
-from ._paged import RESERVE_CHUNK, STAGING_BYTES, SaveItem, _requests, copier_for, match
+from ._paged import (
+    RESERVE_CHUNK,
+    STAGING_BYTES,
+    SaveItem,
+    _requests,
+    by_session,
+    copier_for,
+    match,
+)
 from ._state import StatePages
 
 __all__ = ["load_cuda", "load_state_cuda", "save_cuda"]
@@ -100,7 +108,7 @@ def save_cuda(client, namespace: str, fmt: BlockFormat | blocks.StateFormat, cac
     block_shape, staging_dtype, gather_into = _staged(torch, cache)
     # two halves of the staging: chunk k+1 is gathered while chunk k is still in flight
     chunk = max(1, min(RESERVE_CHUNK, staging_bytes // (2 * per_block)))
-    parts = _split(items, chunk)
+    parts = by_session(_split(items, chunk))  # one session per reservation
     dma = _side_stream(torch, cache, stream)
     gather = None
     if cuda:  # the gather of chunk k+1 runs beside the DMA of chunk k
@@ -112,9 +120,9 @@ def save_cuda(client, namespace: str, fmt: BlockFormat | blocks.StateFormat, cac
 
     def ask_up_to(k: int) -> None:
         while len(asked) < min(k + 1, len(parts)):
-            asked.append(blocks.reserve_later(client, namespace,
-                                              _requests(fmt, parts[len(asked)]), buffers,
-                                              meta))  # fmt: skip
+            part = parts[len(asked)]
+            asked.append(blocks.reserve_later(client, namespace, _requests(fmt, part), buffers,
+                                              meta, retain=part[0].retain))  # fmt: skip
     unsealed: list[int] = []  # reserved, not known sealed: aborted if anything fails
     sealing: list[tuple] = []  # (pending seal_many, its leases)
     copying: collections.deque = collections.deque()  # (DMA done event or None, leases)

@@ -151,6 +151,19 @@ class SaveItem:
     block_hash: str
     parent: str | None
     block_id: int
+    retain: dict | None = None  # the request's session (kvbroker.blocks.retention)
+
+
+def by_session(parts: list) -> list:
+    """``parts`` (lists of items) split where the session changes: a reservation names one."""
+    out = []
+    for part in parts:
+        at = 0
+        for i in range(1, len(part) + 1):
+            if i == len(part) or part[i].retain != part[at].retain:
+                out.append(part[at:i])
+                at = i
+    return out
 
 
 def _reserve(client, namespace: str, fmt: BlockFormat,
@@ -159,10 +172,10 @@ def _reserve(client, namespace: str, fmt: BlockFormat,
     buffers, meta = fmt.buffers(), fmt.meta()
     whole = blocks.Reservation.empty(client, list(buffers))
     try:
-        for at in range(0, len(items), RESERVE_CHUNK):
-            whole = whole + blocks.reserve(client, namespace,
-                                           _requests(fmt, items[at : at + RESERVE_CHUNK]),
-                                           buffers, meta)  # fmt: skip
+        chunks = [items[at : at + RESERVE_CHUNK] for at in range(0, len(items), RESERVE_CHUNK)]
+        for part in by_session(chunks):
+            whole = whole + blocks.reserve(client, namespace, _requests(fmt, part), buffers,
+                                           meta, retain=part[0].retain)  # fmt: skip
     except BaseException:
         whole.abort()
         raise

@@ -16,6 +16,11 @@ import), so it can be driven directly.
   tells vLLM the load is asynchronous: vLLM parks the request until every worker reports
   its load over (``get_finished``) and meanwhile steps the other requests without waiting
   for those copies (:mod:`._async_loads`).
+- Sessions: a request naming one (``kv_transfer_params`` or the sampling parameters'
+  ``extra_args``: ``{"kvbroker": {"session": "conv-42", "retain": "10m", "priority": 2}}``)
+  has its lookup renew that session and retain the blocks it finds, and its saved blocks
+  retained by it (:func:`kvbroker.blocks.retention`): kept past plain LRU while the
+  conversation is idle between turns. A malformed one is warned about and ignored.
 - Producer roles save every full prompt block once the step computing it has run, plus the
   prompt's partial last block (the tail, see :mod:`._format`) once the whole prompt is in.
   Saves complete within the step (``wait_for_save``), so ``request_finished`` never delays
@@ -27,7 +32,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvbroker.errors import KVBrokerError
+from kvbroker import blocks
+from kvbroker.errors import BadRequest, KVBrokerError
 from kvbroker.prefix import PrefixCache
 
 from .._link import BrokerLink, Warnings
@@ -54,6 +60,7 @@ class SaveSpec:
 
     req_id: str
     items: list[tuple[str, str | None, int]]
+    retain: dict | None = None  # the request's session (kvbroker.blocks.retention)
 
 
 @dataclass
@@ -84,6 +91,22 @@ class _Req:
     # loaded synchronously (a failure then is recomputed in place, not parked again). For
     # the rest of the request's life: a preempted one looked up again loads synchronously.
     sync_only: bool = False
+    retain: dict | None = None  # the session it names (kvbroker.blocks.retention), if any
+
+
+def request_session(request: Any) -> dict | None:
+    """The session a request names, as ``blocks.retention`` gives it (None: none): its
+    ``kv_transfer_params["kvbroker"]``, else its sampling parameters' ``extra_args``'.
+    BadRequest when it names one badly."""
+    for params in (getattr(request, "kv_transfer_params", None),
+                   getattr(getattr(request, "sampling_params", None), "extra_args", None)):
+        asked = params.get("kvbroker") if isinstance(params, dict) else None
+        if asked is None:
+            continue
+        if not isinstance(asked, dict) or set(asked) - {"session", "retain", "priority"}:
+            raise BadRequest(f"kvbroker: expected {{session, retain, priority}}, got {asked!r}")
+        return blocks.retention(asked.get("session"), asked.get("retain"), asked.get("priority"))
+    return None
 
 
 def request_salt(request: Any) -> str:
@@ -128,6 +151,11 @@ class SchedulerSide:
             else:
                 st = _Req(prompt_keys(list(tokens), self.block_size, namespace=self.namespace,
                                       cache_salt=request_salt(request)))  # fmt: skip
+            try:
+                st.retain = request_session(request)
+            except BadRequest as exc:  # the request is served, its blocks are not retained
+                self.warnings.warn("bad_session", "request %s: %s; not retained",
+                                   request.request_id, exc)  # fmt: skip
             self.reqs[request.request_id] = st
         return st
 
@@ -135,9 +163,10 @@ class SchedulerSide:
         self.reqs.pop(req_id, None)
 
     # -- lookup ----------------------------------------------------------------------------
-    def matched_blocks(self, hashes: list[str]) -> int:
+    def matched_blocks(self, hashes: list[str], retain: dict | None = None) -> int:
         """Leading blocks of ``hashes`` that every shard of some readable TP layout holds;
-        0 when the broker is unavailable (the link goes down and retries later)."""
+        0 when the broker is unavailable (the link goes down and retries later). ``retain``:
+        the request's session, renewed; it retains what is found."""
         client = self.link.get()
         if client is None or not hashes:
             return 0
@@ -145,12 +174,15 @@ class SchedulerSide:
         pc = PrefixCache(client, namespace=self.namespace, block_size=self.block_size,
                          tp_rank=0, tp_size=1, total_kv_heads=self.total_kv_heads)  # fmt: skip
         best = 0
+        named = {} if retain is None else {"session": retain["session"],
+                                           "retain": retain.get("for"),
+                                           "priority": retain.get("priority")}  # fmt: skip
         try:
             for source in self.layouts:
                 # Only a count: the worker takes its own lease when it loads.
                 m = pc.match_kv(range(len(hashes) * self.block_size + 1), hashes=hashes,
                                 source_tp_size=source, latent=self.latent,
-                                hold=False)  # fmt: skip
+                                hold=False, **named)  # fmt: skip
                 best = max(best, m.num_blocks)
                 if best == len(hashes):
                     break
@@ -175,7 +207,7 @@ class SchedulerSide:
         first = num_computed_tokens // self.block_size
         if first >= len(keys.keys) or keys.tokens_of(len(keys.keys)) <= num_computed_tokens:
             return 0, False
-        matched = first + self.matched_blocks(keys.keys[first:])
+        matched = first + self.matched_blocks(keys.keys[first:], st.retain)
         external = keys.tokens_of(matched) - num_computed_tokens
         if external <= 0:
             return 0, False
@@ -293,4 +325,4 @@ class SchedulerSide:
                 items.append((keys.tail, keys.hashes[k - 1] if k else None, st.block_ids[k]))
                 st.tail_saved = True
         if items:
-            plan.saves.append(SaveSpec(req_id, items))
+            plan.saves.append(SaveSpec(req_id, items, st.retain))

@@ -429,7 +429,7 @@ class WorkerSide:
             for h, parent, block in spec.items:  # in the request's block order
                 if block in tainted:
                     break
-                items.append(SaveItem(h, parent, block))
+                items.append(SaveItem(h, parent, block, spec.retain))
         return items
 
     def _begin_save(self) -> HostSave | None:
