@@ -10,7 +10,12 @@ import pytest
 pytest.importorskip("pytest_textual_snapshot")
 
 from kvbroker.tui._app import MonitorApp  # noqa: E402
-from kvbroker.tui.testing import FakeSource, make_object, make_snapshot  # noqa: E402
+from kvbroker.tui.testing import (  # noqa: E402
+    FakeSource,
+    make_object,
+    make_retention,
+    make_snapshot,
+)
 
 MIB = 1 << 20
 STEPS = 12  # enough history for the sparklines to show a shape
@@ -69,6 +74,23 @@ def test_objects_tab_sorted_by_size(snap_compare, size):
                 break
             await pilot.pause(0.02)
         await pilot.press("s", "r")
+        await pilot.pause()
+
+    assert snap_compare(app, terminal_size=size, run_before=run_before)
+
+
+@SIZES
+def test_sessions_tab(snap_compare, size):
+    app, source = _app_with_history()
+
+    async def run_before(pilot) -> None:
+        source.feed(*(make_snapshot(step, pools=2, retention=make_retention(step, pools=2))
+                      for step in range(STEPS)))  # fmt: skip
+        for _ in range(250):
+            if app.snapshots_seen == STEPS:
+                break
+            await pilot.pause(0.02)
+        await pilot.press("4")
         await pilot.pause()
 
     assert snap_compare(app, terminal_size=size, run_before=run_before)

@@ -19,6 +19,7 @@ from ._objects import ObjectsView
 from ._pool_panel import PoolPanel
 from ._pool_view import PoolView
 from ._rates import RateHistory
+from ._sessions import SessionsView
 from ._source import MonitorSource
 from ._status import StatusLine
 from ._tables import ClientsTable, LeasesTable, TransfersTable
@@ -27,7 +28,8 @@ from ._throughput import ThroughputPanel
 __all__ = ["MonitorApp"]
 
 # Which widget takes the keys when a tab is shown.
-_TAB_FOCUS = {"tab-pools": "#pools", "tab-clients": "#clients", "tab-objects": "#objects-table"}
+_TAB_FOCUS = {"tab-pools": "#pools", "tab-clients": "#clients", "tab-objects": "#objects-table",
+              "tab-sessions": "#sessions-table"}
 
 
 class MonitorApp(App):
@@ -42,6 +44,7 @@ class MonitorApp(App):
         Binding("1", "show_tab('tab-pools')", "pools", show=False),
         Binding("2", "show_tab('tab-clients')", "clients", show=False),
         Binding("3", "show_tab('tab-objects')", "objects", show=False),
+        Binding("4", "show_tab('tab-sessions')", "sessions", show=False),
     ]
     ENABLE_COMMAND_PALETTE = False
     NARROW = 100  # columns: below this the pools tab stacks pools above throughput
@@ -73,6 +76,8 @@ class MonitorApp(App):
                 yield TransfersTable(id="transfers")
             with TabPane("3 objects", id="tab-objects"):
                 yield ObjectsView(self.source, id="objects")
+            with TabPane("4 sessions", id="tab-sessions"):
+                yield SessionsView(id="sessions")
         yield Footer()
 
     def on_mount(self) -> None:
@@ -142,6 +147,7 @@ class MonitorApp(App):
         self.query_one(ClientsTable).show(snap)
         self.query_one(LeasesTable).show(snap)
         self.query_one(TransfersTable).show(snap)
+        self.query_one(SessionsView).show(snap)
         objects = self.query_one(ObjectsView)
         objects.now = snap.taken_at
         if self.query_one(TabbedContent).active == "tab-objects":

@@ -14,7 +14,7 @@ __all__ = ["ConfirmScreen", "HelpScreen", "HELP"]
 # What the help screen lists; kept beside the screen so the two cannot drift apart.
 HELP = (
     ("Everywhere", (
-        ("1 / 2 / 3", "pools · clients & leases · objects"),
+        ("1 / 2 / 3 / 4", "pools · clients & leases · objects · sessions"),
         ("p", "pause / resume the display (snapshots keep arriving)"),
         ("?", "this help"),
         ("q", "quit"),

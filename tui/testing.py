@@ -16,7 +16,9 @@ from kvbroker._wire.stats import (
     LeaseInfo,
     ObjectInfo,
     PoolStatistics,
+    RetentionStatistics,
     RingStatistics,
+    SessionInfo,
     Statistics,
     TransferRecord,
 )
@@ -24,7 +26,7 @@ from kvbroker.errors import BrokerUnavailable
 
 from ._source import Evicted, MonitorSource
 
-__all__ = ["FakeSource", "make_snapshot", "make_object", "make_ring"]
+__all__ = ["FakeSource", "make_snapshot", "make_object", "make_ring", "make_retention"]
 
 T0 = 1_700_000_000.0  # fixed wall time: snapshots (and their SVGs) never depend on the clock
 
@@ -111,10 +113,12 @@ def make_ring(index: int = 0, *, capacity: int = 1 << 30, used: int = 0, device:
 
 
 def make_snapshot(step: int = 0, *, interval: float = 1.0, pools: int = 1,
-                  rings: Iterable[RingStatistics | dict] = ()) -> Statistics:  # fmt: skip
+                  rings: Iterable[RingStatistics | dict] = (),
+                  retention: RetentionStatistics | None = None) -> Statistics:  # fmt: skip
     """Snapshot number ``step`` of a made-up workload: claims move twice what publishes do.
 
     Everything follows from ``step``, so two runs draw the very same screen.
+    ``retention``: the sessions' figures (:func:`make_retention`), none by default.
     """
     mib = 1 << 20
     at = T0 + step * interval
@@ -164,4 +168,25 @@ def make_snapshot(step: int = 0, *, interval: float = 1.0, pools: int = 1,
         objects=40 + step, pending=1, read_leases=2, write_leases=1, pools=pool_stats,
         clients=clients, counters=counters, leases=leases, transfers=transfers,
         rings=tuple(r if isinstance(r, RingStatistics) else make_ring(**r) for r in rings),
+        retention=retention,
+    )  # fmt: skip
+
+
+def make_retention(step: int = 0, *, pools: int = 1, sessions: int = 5) -> RetentionStatistics:
+    """Sessions' figures that follow from ``step``: session ``k`` holds ``(k + 1) * 4`` MiB,
+    last used ``k * 10`` s before the snapshot (:func:`make_snapshot`'s ``taken_at``)."""
+    mib = 1 << 20
+    at = T0 + step
+    largest = tuple(
+        SessionInfo(namespace="chat", name=f"conv-{k}", uid=1000, priority=k % 3,
+                    blocks=(k + 1) * 64, bytes=(k + 1) * 4 * mib, last_use=at - 10 * k,
+                    expires_in=600.0 - 10 * k, created_at=T0 - 600)
+        for k in range(sessions)
+    )  # fmt: skip
+    held = sum(s.bytes for s in largest)
+    return RetentionStatistics(
+        sessions=sessions, retained_objects=sum(s.blocks for s in largest),
+        retained_bytes=(held,) + (0,) * (pools - 1), retained_cap=(128 * mib,) * pools,
+        tenant_quota=None, largest=largest, evicted={"pool_full": step},
+        dropped={"expired": 2 * step},
     )  # fmt: skip
