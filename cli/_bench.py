@@ -80,12 +80,16 @@ def _execute(socket, json_out, plot, run, pool_size="1G", daemon_args=(), daemon
         context = contextlib.nullcontext(socket)
     else:
         context = _bench.spawned_daemon(pool_size, *daemon_args, env=daemon_env)
+    from kvbroker._bench._common import run_conditions
+
+    before = run_conditions()  # the load and CPU pressure the figures were measured under
     try:
         with context as path:
             result = run(path)
     except BrokerUnavailable as exc:
         typer.echo(f"kvbroker: {exc}", err=True)
         raise typer.Exit(3) from None
+    result.extra.setdefault("conditions", {"before": before, "after": run_conditions()})
     typer.echo(result.text())
     data = result.as_dict()
     if json_out:
@@ -213,6 +217,15 @@ def peer(
         help="The peer's driver (it runs under --mooncake-python).",
         show_default="benchmarks/mooncake_peer.py of the source tree",
     ),  # fmt: skip
+    lmcache_python: Optional[str] = typer.Option(
+        None, metavar="PYTHON",
+        help="Python of the environment with the lmcache wheel, e.g. /tmp/lmc/bin/python.",
+        show_default="LMCache not run",
+    ),
+    lmcache_script: Optional[str] = typer.Option(
+        None, metavar="FILE", help="LMCache's driver (it runs under --lmcache-python).",
+        show_default="benchmarks/lmcache_peer.py of the source tree",
+    ),
     socket: Optional[str] = SocketOpt,
     sizes: str = typer.Option("256K,4M,32M", help="Object sizes (the peer's defaults)."),
     modes: str = typer.Option("dummy,embedded",
@@ -222,8 +235,8 @@ def peer(
     json_out: Optional[str] = JsonOutOpt,
     plot: Optional[str] = PlotOpt,
 ) -> None:
-    """kvbroker and Mooncake Store side by side in one session, with ratios; and against
-    memcpy, on one thread and on the copy engine's threads (without Mooncake too)."""
+    """kvbroker, Mooncake Store and LMCache side by side in one session, with ratios; and
+    against memcpy, on one thread and on the copy engine's threads (without peers too)."""
     from kvbroker._bench import peer as pr
 
     size_list = _sizes(sizes)
@@ -233,16 +246,19 @@ def peer(
         raise typer.BadParameter(f"modes are dummy, embedded, tcp; got {modes!r}",
                                  param_hint="--modes")  # fmt: skip
     script = None
-    if mooncake_python is not None:
-        try:
+    try:
+        if mooncake_python is not None:
             script = peer_script or pr.default_peer_script()
-        except pr.PeerFailed as exc:
-            typer.echo(f"kvbroker: {exc}", err=True)
-            raise typer.Exit(1) from None
+        if lmcache_python is not None:
+            lmcache_script = lmcache_script or pr.default_peer_script(pr.LMCACHE_SCRIPT)
+    except pr.PeerFailed as exc:
+        typer.echo(f"kvbroker: {exc}", err=True)
+        raise typer.Exit(1) from None
 
     def run(path):
         try:
-            return pr.run(path, mooncake_python, script, size_list, mode_list, ops, rounds)
+            return pr.run(path, mooncake_python, script, size_list, mode_list, ops, rounds,
+                          lmcache_python=lmcache_python, lmcache_script=lmcache_script)  # fmt: skip
         except pr.PeerFailed as exc:
             typer.echo(f"kvbroker: {exc}", err=True)
             raise typer.Exit(1) from None

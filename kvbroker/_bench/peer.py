@@ -1,23 +1,30 @@
-"""``kvbroker bench peer``: kvbroker and Mooncake Store side by side, in one session.
+"""``kvbroker bench peer``: kvbroker, Mooncake Store and LMCache side by side, in one session.
 
-Each round runs the peer script (``benchmarks/mooncake_peer.py`` of the source tree, in the
-Python environment that has Mooncake installed; it starts and stops its own master and client
-daemon; set-up in docs/operating.md, "Comparing with Mooncake") and, right after it, kvbroker's
-``transfer`` scenario on the same sizes with the same number of operations. Both time the
-same loop, one object at a time: put a key, get it, drop it. The peer reports medians of
-``ops`` puts and ``ops`` gets per size and mode; kvbroker the medians of its put and get.
-Compared: the put+get round trip (sum of the two medians) and publish+claim GB/s (2 × size
-over that time), as ratios per Mooncake mode. With several rounds the table shows the median
-of the rounds and the JSON the range.
+Each round runs the peers' drivers, each in the Python environment that has that peer
+installed — ``benchmarks/mooncake_peer.py`` (``--mooncake-python``; it starts and stops its own
+master and client daemon; set-up in docs/operating.md, "Comparing with Mooncake") and
+``benchmarks/lmcache_peer.py`` (``--lmcache-python``; it starts and stops its own ``lmcache
+server`` in ``engine_driven`` mode with a shared-memory segment; "Comparing with LMCache") —
+and, right after them, kvbroker's ``transfer`` scenario on the same sizes with the same number
+of operations. All time the same loop, one object at a time: put a key, get it, drop it. A
+driver reports medians of ``ops`` puts and ``ops`` gets per size and mode; kvbroker the
+medians of its put and get. LMCache stores KV caches, not opaque objects: its object is one
+chunk of a paged float16 KV cache of that size, and its get is the lookup (which prefetches
+and locks the chunk) and the retrieve, as its engine adapters do it.
+
+Compared: the put+get round trip (the sum of the put and the get medians) and publish+claim
+GB/s (2 × size over that time), as ratios per peer mode. Every ratio is the quotient of two
+times the table shows beside it: with several rounds, each time is its median over the
+rounds and each ratio the quotient of those medians (:func:`derive`); the per-round ratios go
+to ``KEY_range`` (least, most) in the JSON.
 
 Beside memcpy (one thread, timed in the same loop), kvbroker's put+get is compared with a
 multi-threaded memcpy of the same bytes, copied twice (a put and a get), each copy split over
 the threads the host copy engine uses for that size (:class:`transfer.SplitMemcpy`): the
-limit on a machine where the engine runs several threads. Without ``python`` (no Mooncake
-installed) only kvbroker's side and these baselines are measured; the Mooncake columns and
-targets are left out.
+limit on a machine where the engine runs several threads. Without a peer's Python that peer
+is left out; with none, only kvbroker's side and these baselines are measured.
 
-The peer's output is a JSON list of ``{mode, setup_s, sizes: [{size, put: {median_ms, ...},
+A driver's output is a JSON list of ``{mode, setup_s, sizes: [{size, put: {median_ms, ...},
 get: {median_ms, ...}, data_ok, errors}]}`` (``--json-out``); anything speaking that shape
 can stand in for it. A size with errors, or whose bytes came back wrong, fails the run.
 """
@@ -34,12 +41,29 @@ from ._common import KiB, MiB, Result, Target, save_figure
 
 DEFAULT_SIZES = (256 * KiB, 4 * MiB, 32 * MiB)
 DEFAULT_MODES = ("dummy", "embedded")
+LMCACHE_MODE = "engine_driven"  # the driver's one mode; its columns are named "lmcache"
+LABELS = {"dummy": "Mooncake dummy", "embedded": "Mooncake embedded", "tcp": "Mooncake tcp",
+          "lmcache": "LMCache"}  # fmt: skip
 COLUMNS = [
     ("size", "size", "size"), ("kvb_put_ms", "kvb put ms", ".3f"),
     ("kvb_get_ms", "kvb get ms", ".3f"), ("kvb_roundtrip_ms", "kvb put+get ms", ".3f"),
-    ("kvb_vs_memcpy", "kvb x memcpy", "ratio"), ("copy_threads", "threads", ".0f"),
+    ("memcpy_ms", "memcpy ms", ".3f"), ("kvb_vs_memcpy", "kvb x memcpy", "ratio"),
+    ("copy_threads", "threads", ".0f"),
+    ("split_memcpy2_ms", "2 memcpys, same threads ms", ".3f"),
     ("kvb_vs_split_memcpy", "kvb x memcpy same threads", "ratio"),
 ]  # fmt: skip
+# The times a row is made of; every other figure of a row is derived from them (derive).
+TIMES = ("kvb_put_ms", "kvb_get_ms", "memcpy_ms", "split_memcpy2_ms")
+
+
+def columns(modes) -> list[tuple[str, str, str]]:
+    """The table's columns for these peer modes: each ratio beside the two times it divides."""
+    cols = list(COLUMNS)
+    for mode in modes:
+        label = LABELS.get(mode, mode)
+        cols += [(f"{mode}_roundtrip_ms", f"{label} put+get ms", ".3f"),
+                 (f"speedup_vs_{mode}", f"x {label}", "ratio")]  # fmt: skip
+    return cols
 
 
 class PeerFailed(RuntimeError):
@@ -47,19 +71,21 @@ class PeerFailed(RuntimeError):
 
 
 PEER_SCRIPT = os.path.join("benchmarks", "mooncake_peer.py")  # in the source tree
+LMCACHE_SCRIPT = os.path.join("benchmarks", "lmcache_peer.py")
 
 
-def default_peer_script() -> str:
-    """``$KVBROKER_PEER_SCRIPT``, else benchmarks/mooncake_peer.py of the source tree this
-    package runs from; PeerFailed where there is none (an installed package)."""
-    env = os.environ.get("KVBROKER_PEER_SCRIPT")
+def default_peer_script(name: str = PEER_SCRIPT) -> str:
+    """The driver ``name`` of the source tree this package runs from (Mooncake's:
+    ``$KVBROKER_PEER_SCRIPT`` first); PeerFailed where there is none (an installed package)."""
+    env = os.environ.get("KVBROKER_PEER_SCRIPT") if name == PEER_SCRIPT else None
     if env:
         return env
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    path = os.path.join(root, PEER_SCRIPT)
+    path = os.path.join(root, name)
     if not os.path.isfile(path):
-        raise PeerFailed(f"no {PEER_SCRIPT} beside this kvbroker ({root} is not a source tree): "
-                         "pass --peer-script FILE, the driver from kvbroker's repository")  # fmt: skip
+        option = "--peer-script" if name == PEER_SCRIPT else "--lmcache-script"
+        raise PeerFailed(f"no {name} beside this kvbroker ({root} is not a source tree): "
+                         f"pass {option} FILE, the driver from kvbroker's repository")  # fmt: skip
     return path
 
 
@@ -93,45 +119,61 @@ def run_peer(python: str, script: str, sizes, modes, ops: int, timeout: float) -
     return results
 
 
+def derive(row: dict, modes) -> dict:
+    """Complete ``row`` from its times (:data:`TIMES`, each peer mode's ``MODE_put_ms`` and
+    ``MODE_get_ms``): round trips, GB/s and ratios, each a quotient of times of the row."""
+    size = row["size"]
+    kvb_rt = row["kvb_put_ms"] + row["kvb_get_ms"]
+    row["kvb_roundtrip_ms"] = kvb_rt
+    row["kvb_gbps"] = 2 * size / (kvb_rt / 1e3) / 1e9
+    row["memcpy_gbps"] = size / (row["memcpy_ms"] / 1e3) / 1e9
+    # put+get moves the bytes twice; memcpy once: two memcpys are the physical limit
+    row["kvb_vs_memcpy"] = 2 * row["memcpy_ms"] / kvb_rt
+    if row.get("split_memcpy2_ms") is not None:
+        row["split_memcpy_gbps"] = 2 * size / (row["split_memcpy2_ms"] / 1e3) / 1e9
+        row["kvb_vs_split_memcpy"] = row["split_memcpy2_ms"] / kvb_rt
+    for mode in modes:
+        rt = row[f"{mode}_put_ms"] + row[f"{mode}_get_ms"]
+        row[f"{mode}_roundtrip_ms"] = rt
+        row[f"{mode}_gbps"] = 2 * size / (rt / 1e3) / 1e9
+        # > 1: kvbroker moves the bytes faster; time ratio < 1: kvbroker takes less time.
+        row[f"speedup_vs_{mode}"] = rt / kvb_rt
+        row[f"time_vs_{mode}"] = kvb_rt / rt
+    return row
+
+
 def compare(peer: list[dict], kvb_rows: list[dict], modes) -> list[dict]:
     """One row per size: kvbroker's medians beside each peer mode's, with ratios."""
     by_mode = {r["mode"]: {z["size"]: z for z in r["sizes"]} for r in peer}
     rows = []
     for k in kvb_rows:
         size = k["size"]
-        kvb_rt = (k["put_p50_us"] + k["get_p50_us"]) / 1e3
-        row = {
-            "size": size, "kvb_put_ms": k["put_p50_us"] / 1e3, "kvb_get_ms": k["get_p50_us"] / 1e3,
-            "kvb_roundtrip_ms": kvb_rt, "kvb_gbps": 2 * size / (kvb_rt / 1e3) / 1e9,
-            "memcpy_gbps": k["memcpy_gbps"], "kvb_vs_memcpy": k["ratio_vs_memcpy"],
-            "copy_threads": k["copy_threads"], "split_memcpy2_ms": k["split_memcpy2_p50_us"] / 1e3,
-            "split_memcpy_gbps": 2 * size / (k["split_memcpy2_p50_us"] / 1e6) / 1e9,
-            "kvb_vs_split_memcpy": k["ratio_vs_split_memcpy"],
-        }  # fmt: skip
+        row = {"size": size, "kvb_put_ms": k["put_p50_us"] / 1e3,
+               "kvb_get_ms": k["get_p50_us"] / 1e3, "memcpy_ms": k["memcpy_p50_us"] / 1e3,
+               "copy_threads": k["copy_threads"],
+               "split_memcpy2_ms": k["split_memcpy2_p50_us"] / 1e3}  # fmt: skip
         for mode in modes:
             z = by_mode[mode][size]
-            rt = z["put"]["median_ms"] + z["get"]["median_ms"]
             row[f"{mode}_put_ms"] = z["put"]["median_ms"]
             row[f"{mode}_get_ms"] = z["get"]["median_ms"]
-            row[f"{mode}_roundtrip_ms"] = rt
-            row[f"{mode}_gbps"] = 2 * size / (rt / 1e3) / 1e9
-            # > 1: kvbroker moves the bytes faster; time ratio < 1: kvbroker takes less time.
-            row[f"speedup_vs_{mode}"] = rt / kvb_rt
-            row[f"time_vs_{mode}"] = kvb_rt / rt
-        rows.append(row)
+        rows.append(derive(row, modes))
     return rows
 
 
-def _median_rows(rounds: list[list[dict]]) -> list[dict]:
+def _median_rows(rounds: list[list[dict]], modes) -> list[dict]:
+    """Each time the median over the rounds, every ratio derived from those medians (so the
+    quotient of the times beside it); the per-round ratios' least and most as ``KEY_range``."""
     out = []
     for per_size in zip(*rounds):
-        row = {"size": per_size[0]["size"], "rounds": len(per_size)}
-        for key in per_size[0]:
-            if key == "size":
-                continue
-            vals = [r[key] for r in per_size]
-            row[key] = statistics.median(vals)
+        row = {"size": per_size[0]["size"], "rounds": len(per_size),
+               "copy_threads": statistics.median_low([r["copy_threads"] for r in per_size])}  # fmt: skip
+        keys = list(TIMES) + [f"{m}_{op}_ms" for m in modes for op in ("put", "get")]
+        for key in keys:
+            row[key] = statistics.median([r[key] for r in per_size])
+        derive(row, modes)
+        for key in row.copy():
             if key.startswith(("speedup_vs_", "time_vs_", "kvb_vs_")):
+                vals = [r[key] for r in per_size]
                 row[key + "_range"] = [min(vals), max(vals)]
         out.append(row)
     return out
@@ -154,9 +196,10 @@ def targets(rows: list[dict], modes) -> list[Target]:
 
 
 def run(socket_path: str, python: str | None, script: str | None = None, sizes=DEFAULT_SIZES,
-        modes=DEFAULT_MODES, ops: int = 50, rounds: int = 1, peer_timeout: float = 180.0
-        ) -> Result:  # fmt: skip
-    """``python`` None: Mooncake is not run (``modes`` ignored), kvbroker against memcpy only."""
+        modes=DEFAULT_MODES, ops: int = 50, rounds: int = 1, peer_timeout: float = 180.0,
+        lmcache_python: str | None = None, lmcache_script: str | None = None) -> Result:  # fmt: skip
+    """``python`` None: Mooncake is not run (``modes`` ignored); ``lmcache_python`` None:
+    LMCache is not run; neither: kvbroker against memcpy only."""
     from .._client.engine import default_engine
     from . import transfer
 
@@ -164,31 +207,44 @@ def run(socket_path: str, python: str | None, script: str | None = None, sizes=D
         modes = ()
     else:
         script = script or default_peer_script()
+    modes = tuple(modes)
+    if lmcache_python is not None:
+        lmcache_script = lmcache_script or default_peer_script(LMCACHE_SCRIPT)
+    all_modes = modes + (("lmcache",) if lmcache_python else ())
     rounds_rows, raw = [], []
     for _ in range(rounds):
         peer = run_peer(python, script, sizes, modes, ops, peer_timeout) if modes else []
+        if lmcache_python:
+            (lm,) = run_peer(lmcache_python, lmcache_script, sizes, (LMCACHE_MODE,), ops,
+                             max(peer_timeout, 300.0))  # fmt: skip
+            peer.append({**lm, "mode": "lmcache", "lmcache_mode": lm["mode"]})
         kvb = transfer.measure(socket_path, sizes, reps=ops, split_baseline=True)
         raw.append({"peer": peer, "kvbroker": kvb})
-        rounds_rows.append(compare(peer, kvb, modes))
-    rows = _median_rows(rounds_rows)
-    cols = list(COLUMNS)
-    for mode in modes:
-        cols += [(f"{mode}_roundtrip_ms", f"{mode} put+get ms", ".3f"),
-                 (f"speedup_vs_{mode}", f"x {mode}", "ratio")]  # fmt: skip
-    peer_versions = {r["mode"]: {"setup_s": r.get("setup_s"), "mooncake": r.get("mooncake")}
+        rounds_rows.append(compare(peer, kvb, all_modes))
+    rows = _median_rows(rounds_rows, all_modes)
+    peer_versions = {r["mode"]: {"setup_s": r.get("setup_s"), "mooncake": r.get("mooncake"),
+                                 "lmcache": r.get("lmcache"), "server": r.get("server")}
                      for r in raw[-1]["peer"]}  # fmt: skip
     notes = ["x memcpy same threads: two memcpys of the bytes, each split over that many "
              "threads as the copy engine splits it / kvbroker's put+get time."]  # fmt: skip
-    if modes:
-        notes.append("x MODE: Mooncake's put+get time / kvbroker's (above 1: kvbroker is faster).")
-    else:
-        notes.append("Mooncake not run (no --mooncake-python): kvbroker against memcpy only.")
+    if all_modes:
+        notes.append("x PEER: the peer's put+get time / kvbroker's (above 1: kvbroker is "
+                     "faster); every ratio is the quotient of the two times beside it.")  # fmt: skip
+    if lmcache_python:
+        notes.append("LMCache: one chunk of a paged float16 KV cache of the object's size "
+                     "(its unit of storage); its get is LOOKUP + prefetch wait + retrieve.")  # fmt: skip
+    if not all_modes:
+        notes.append("Mooncake not run (no --mooncake-python), LMCache not run (no "
+                     "--lmcache-python): kvbroker against memcpy only.")  # fmt: skip
     return Result(
-        "peer", rows, cols,
-        params={"sizes": list(sizes), "modes": list(modes), "ops": ops, "rounds": rounds,
+        "peer", rows, columns(all_modes),
+        params={"sizes": list(sizes), "modes": list(all_modes), "ops": ops, "rounds": rounds,
                 "peer_script": os.path.abspath(script) if modes else None, "peer_python": python,
+                "lmcache_script": os.path.abspath(lmcache_script) if lmcache_python else None,
+                "lmcache_python": lmcache_python,
                 "copy_engine_threads": default_engine().threads},
-        targets=targets(rows, modes), extra={"raw_rounds": raw, "peer_modes": peer_versions},
+        targets=targets(rows, all_modes),
+        extra={"raw_rounds": raw, "peer_modes": peer_versions},
         notes=notes,
     )  # fmt: skip
 
@@ -198,7 +254,7 @@ def plot(result: dict, plt, out_dir: str) -> list[str]:
     modes = result["params"]["modes"]
     labels = [f"{r['size'] >> 10} KiB" if r["size"] < MiB else f"{r['size'] >> 20} MiB"
               for r in rows]  # fmt: skip
-    series = [("kvbroker", "kvb_gbps")] + [(f"Mooncake {m}", f"{m}_gbps") for m in modes]
+    series = [("kvbroker", "kvb_gbps")] + [(LABELS.get(m, m), f"{m}_gbps") for m in modes]
     # put+get copies each byte twice, and so does the "GB/s" here: the limit is memcpy's rate
     series.append(("memcpy, same run (the limit)", "memcpy_gbps"))
     if all("split_memcpy_gbps" in r for r in rows):  # results from before the baseline lack it
@@ -211,6 +267,6 @@ def plot(result: dict, plt, out_dir: str) -> list[str]:
     ax.set_xticks([j + width * (len(series) - 1) / 2 for j in range(len(rows))])
     ax.set_xticklabels(labels)
     ax.set_ylabel("put+get GB/s (2 x size / round trip)")
-    ax.set_title("kvbroker vs Mooncake Store, same session")
+    ax.set_title("kvbroker and its peers, same session")
     ax.legend(fontsize=8)
     return [save_figure(fig, plt, out_dir, "peer.png")]

@@ -29,9 +29,10 @@ PAGE = 4096
 BATCH = 8192
 DAEMON_ENV = {"KVBROKER_BUSY_POLL": "0"}
 COLUMNS = [
-    ("objects", "objects", ",d"), ("lookup_best_p50_us", "lookup best p50", ".1f"),
-    ("claim_best_p50_us", "claim best p50", ".1f"), ("lookup_p50_us", "lookup p50 us", ".1f"),
+    ("objects", "objects", ",d"), ("lookup_p50_us", "lookup p50 us", ".1f"),
+    ("lookup_best_p50_us", "lookup p50 us, quietest burst (best of N)", ".1f"),
     ("lookup_p99_us", "lookup p99 us", ".1f"), ("claim_p50_us", "claim+rel p50 us", ".1f"),
+    ("claim_best_p50_us", "claim+rel p50 us, quietest burst (best of N)", ".1f"),
     ("claim_p99_us", "claim+rel p99 us", ".1f"), ("rss_anon_mib", "daemon heap MiB", ".1f"),
     ("bytes_per_object", "bytes/object", ".0f"),
     ("marginal_bytes_per_object", "bytes/added obj", ".0f"),
@@ -134,11 +135,11 @@ def targets(rows: list[dict]) -> list[Target]:
         return []
     lo, hi = rows[0], rows[-1]
     label = f"{hi['objects']:.0e} vs {lo['objects']:.0e} objects".replace("+0", "")
+    # the p50 of every burst, never the quietest one's: a best-of-N figure is no headline
     return [
-        Target(f"lookup p50 (quietest burst), {label}",
-               hi["lookup_best_p50_us"] / lo["lookup_best_p50_us"], 1.5, "<="),
-        Target(f"claim+release p50 (quietest burst), {label}",
-               hi["claim_best_p50_us"] / lo["claim_best_p50_us"], 1.5, "<="),
+        Target(f"lookup p50, {label}", hi["lookup_p50_us"] / lo["lookup_p50_us"], 1.5, "<="),
+        Target(f"claim+release p50, {label}", hi["claim_p50_us"] / lo["claim_p50_us"], 1.5,
+               "<="),
     ]  # fmt: skip
 
 
