@@ -60,8 +60,61 @@ def load(name: str) -> dict | None:
     return json.loads(p.read_text()) if p.exists() else None
 
 
-def source(name: str, commit: str, machine: str, command: str) -> list[str]:
-    return [f"Commit `{commit}`; {machine}; `{command}` (`benchmarks/results/{name}`).", ""]
+def source(name: str, commit: str, machine: str, command: str, data: dict | None = None
+           ) -> list[str]:  # fmt: skip
+    """Where a table comes from: commit, machine, command, file; with ``data`` (the results
+    file), the load and CPU pressure it ran under, or that the file does not say."""
+    where = f"Commit `{commit}`; {machine}; `{command}` (`benchmarks/results/{name}`)"
+    if data is not None:
+        where += f"; {conditions(data)}"
+    return [where + ".", ""]
+
+
+def psi_avg60(line: str | None) -> str | None:
+    """The 60-second average of a ``/proc/pressure/cpu`` "some" line, in %."""
+    for part in (line or "").split():
+        if part.startswith("avg60="):
+            return part[len("avg60=") :]
+    return None
+
+
+def conditions(d: dict) -> str:
+    """The load average and CPU pressure (PSI) a results file recorded before and after its
+    run, in the shapes the drivers write them; says so where it recorded none."""
+    before = after = None
+    if isinstance(d.get("conditions"), dict) and "before" in d["conditions"]:
+        before, after = d["conditions"]["before"], d["conditions"].get("after")
+    elif "conditions_start" in d:
+        before, after = d["conditions_start"], d.get("conditions_end")
+    elif "conditions_before" in d:
+        before, after = d["conditions_before"], d.get("conditions_after")
+    elif "psi_cpu_before" in d:
+        before = {"loadavg_1min": d.get("loadavg_before"), "cpu_pressure": d["psi_cpu_before"]}
+        after = {"loadavg_1min": (d.get("machine") or {}).get("loadavg_1min"),
+                 "cpu_pressure": d.get("psi_cpu_after")}  # fmt: skip
+    if before is None:
+        m = d.get("machine")
+        load = m.get("loadavg_1min") if isinstance(m, dict) else None
+        if load is not None:  # cpu_machine() states it
+            return "CPU pressure (PSI) not recorded"
+        return "load and CPU pressure (PSI) not recorded"
+    after = after or {}
+
+    def span(b, a, unit=""):
+        if b is not None and a is not None:
+            return f"{b} → {a}{unit} (before → after)"
+        if b is not None or a is not None:
+            return f"{b if b is not None else a}{unit} ({'before' if b is not None else 'after'})"
+        return "not recorded"
+
+    def load(c):
+        return None if c.get("loadavg_1min") is None else f"{c['loadavg_1min']:.1f}"
+
+    psi = span(psi_avg60(before.get("cpu_pressure")), psi_avg60(after.get("cpu_pressure")), " %")
+    return (
+        f"load {span(load(before), load(after))}, CPU pressure (PSI: share of the last "
+        f"minute some task waited for a CPU) {psi}"
+    )
 
 
 def cpu_machine(m: dict) -> str:
@@ -86,7 +139,9 @@ INTRO = {
     "tp": "Claims of a heterogeneous-TP request (P prefill shards → D decode ranks) against "
     "the homogeneous P = D = 1 claim of the same request.",
     "peer": "kvbroker beside Mooncake Store (`mooncake-transfer-engine-non-cuda`, its driver "
-    "`benchmarks/mooncake_peer.py`) on the same sizes, in the same loop.",
+    "`benchmarks/mooncake_peer.py`) and, where the run had it, LMCache's multiprocess server "
+    "(`lmcache` wheel, `engine_driven` mode over shared memory, its driver "
+    "`benchmarks/lmcache_peer.py`) on the same sizes, in the same loop.",
 }
 
 
@@ -102,23 +157,29 @@ def cpu_scenario(name: str, file: str = "", title: str = "", intro: str = "") ->
         data.get("commit", "unknown"),
         cpu_machine(data["machine"]),
         data.get("command", f"kvbroker bench {name}"),
+        data,
     )
+    data = HONEST.get(name, lambda d: d)(data)
     rounds = data.get("params", {}).get("rounds", 1)
     for group, cols in data["columns"].items():
         if group != "rows":
             lines.append(f"{group.replace('_', ' ')}:")
             lines.append("")
         header = [h for _, h, _ in cols]
-        if rounds > 1:  # peer: each cell is the median over the rounds of its per-round value
-            header = [h + " †" if fmt == "ratio" else h for _, h, fmt in cols]
         rows = [[cell(r.get(k), fmt) for k, _, fmt in cols] for r in data[group]]
         lines += table(header, rows)
     if rounds > 1:
+        spans = [
+            f"{size(r['size'])} {h}: {ratio(r[k + '_range'][0])}–{ratio(r[k + '_range'][1])}"
+            for r in data["rows"]
+            for k, h, fmt in data["columns"]["rows"]
+            if fmt == "ratio" and k + "_range" in r
+        ]
         lines += [
             (
-                f"Every cell is the median over the {rounds} rounds of that cell's per-round "
-                "value; † a ratio is the median of the per-round ratios, not the quotient "
-                "of the median times beside it."
+                f"Every time is its median over the {rounds} rounds and every ratio the "
+                "quotient of the two times beside it. Each ratio's least and most value in "
+                "a round: " + "; ".join(spans) + "."
             ),
             "",
         ]
@@ -132,6 +193,40 @@ def cpu_scenario(name: str, file: str = "", title: str = "", intro: str = "") ->
             f"- target: {t['name']} {op} {amount(t['goal'])}{unit}: {measured}{unit}, {mark}"
         )
     return lines + [""]
+
+
+# -- what older results files printed that no figure beside it gave ------------------------
+def honest_peer(data: dict) -> dict:
+    """A peer results file as ``kvbroker bench peer`` writes it now: every ratio the quotient
+    of two times of its row (files written before stored medians of per-round ratios beside
+    medians of times from other rounds), the memcpy times shown, the targets from those rows.
+    Per-round ranges are kept as recorded."""
+    from kvbroker._bench import peer
+
+    modes = data["params"].get("modes") or []
+    rows = []
+    for r in data["rows"]:
+        r = dict(r)
+        if "memcpy_ms" not in r:  # older files: the median memcpy as GB/s
+            r["memcpy_ms"] = r["size"] / (r["memcpy_gbps"] * 1e9) * 1e3
+        for m in modes:
+            if f"{m}_put_ms" not in r:  # only the round trip recorded
+                r[f"{m}_put_ms"], r[f"{m}_get_ms"] = r[f"{m}_roundtrip_ms"], 0.0
+        rows.append(peer.derive(r, modes))
+    return {**data, "rows": rows, "columns": {"rows": peer.columns(modes)},
+            "targets": [t.as_dict() for t in peer.targets(rows, modes)]}  # fmt: skip
+
+
+def honest_scale(data: dict) -> dict:
+    """A scale results file with the targets ``kvbroker bench scale`` checks now: the p50 of
+    every burst (older files checked the quietest burst's, a best-of-N figure)."""
+    from kvbroker._bench import scale
+
+    return {**data, "columns": {"rows": scale.COLUMNS},
+            "targets": [t.as_dict() for t in scale.targets(data["rows"])]}  # fmt: skip
+
+
+HONEST: dict[str, Callable[[dict], dict]] = {"peer": honest_peer, "scale": honest_scale}
 
 
 # -- GPU and engine scenarios (run by benchmarks/run_gpu_round.sh) ---------------------------
@@ -191,7 +286,7 @@ def gpu() -> list[str]:
         ),
         "",
     ]
-    lines += source("gpu-h100.json", d["commit"], machine, d["command"])
+    lines += source("gpu-h100.json", d["commit"], machine, d["command"], d)
     return lines + table(["path", "GB/s", "against its limit"], rows)
 
 
@@ -229,7 +324,7 @@ def ttft() -> list[str]:
         "",
     ]
     machine = f"{m['gpu']}, {m['cores']} CPUs, torch {m['torch']}, transformers {m['transformers']}"
-    lines += source("ttft-cuda-8b-h100-run1.json", d["commit"], machine, d["command"])
+    lines += source("ttft-cuda-8b-h100-run1.json", d["commit"], machine, d["command"], d)
     return lines + table(["decode instance: request arrives → first decode token", "median"], rows)
 
 
@@ -255,6 +350,7 @@ def vllm_gpu() -> list[str]:
             d["commit"],
             f"{m['device']}, torch {m['torch']}, CUDA {m['cuda']}",
             d["command"],
+            d,
         )
         rows.append(
             [
@@ -301,6 +397,7 @@ def vllm_async_load() -> list[str]:
         d["commit"],
         f"{m['device']}, torch {m['torch']}, CUDA {m['cuda']}",
         d["command"],
+        d,
     )
     return lines + table(
         [
@@ -311,6 +408,117 @@ def vllm_async_load() -> list[str]:
         ],
         rows,
     )
+
+
+def serving() -> list[str]:
+    """Real vLLM CPU engines replaying a multi-turn trace (benchmarks/bench_serving.py), one
+    table per results file. Ratios are computed here, from the figures printed beside them."""
+    lines = []
+    for path in sorted(RESULTS.glob("serving-*.json")):
+        d = json.loads(path.read_text())
+        p, md = d["params"], d["model"]
+        lines += [
+            f"### Serving: vLLM CPU engines with and without kvbroker, `{path.stem}`",
+            "",
+            (
+                f"Two vLLM CPU engines behind a round-robin router (request i of the trace to "
+                f"engine i mod 2) replay a multi-turn trace: {p['conversations']} users at once, "
+                f"closed-loop, {p['turns']} turns each, a {p['system_tokens']:,}-token system "
+                f"prompt shared by all, {p['user_tokens']} new tokens a turn, every prompt the "
+                f"whole conversation so far, {p['output_tokens']} output tokens a request. "
+                f"Model: Llama-shaped, {md['num_hidden_layers']} layers, hidden "
+                f"{md['hidden_size']}, {md['parameters'] / 1e6:.0f} M parameters, fp32, random "
+                "weights. *plain*: each engine with its own vLLM prefix cache; *kvbroker*: both "
+                "engines with `KVBrokerConnector` (`kv_both`) on one daemon, so a prefix one "
+                "computed is loaded by the other; *pd*: a `kv_producer` engine prefills every "
+                "prompt and a `kv_consumer` engine loads its KV and decodes (TTFT: the "
+                f"consumer's first token). {p['rounds']} rounds, each a fresh trace replayed "
+                "in every mode (the modes' order rotating). Pooled over every request of every "
+                "round; a ratio is the quotient of the two figures of this table it names. "
+                "Recomputed tokens: prompt tokens the engines computed (P/D: both engines'). "
+                "The machine is shared with other work: the load and CPU pressure of each "
+                "replay are in the second table."
+            ),
+            "",
+            *source(path.name, d["commit"], cpu_machine(d["machine"]), d["command"], d),
+        ]
+        base = next(r for r in d["rows"] if r["mode"] == "plain")
+        rows = [
+            [
+                r["mode"],
+                f"{r['ttft_p50_s'] * 1e3:,.0f} ms",
+                f"{r['ttft_p99_s'] * 1e3:,.0f} ms",
+                f"{ratio(r['ttft_p50_s'] / base['ttft_p50_s'])}×",
+                f"{r['output_tokens_per_s']:.2f}",
+                f"{ratio(r['output_tokens_per_s'] / base['output_tokens_per_s'])}×",
+                f"{r['recomputed_tokens']:,} of {r['prompt_tokens']:,}",
+                f"{r.get('outputs_equal_plain', r['requests'])} of {r['requests']}",
+            ]
+            for r in d["rows"]
+        ]
+        lines += table(
+            [
+                "mode",
+                "TTFT p50",
+                "TTFT p99",
+                "TTFT p50 / plain's",
+                "output tokens/s",
+                "/ plain's",
+                "prompt tokens recomputed",
+                "outputs equal to plain's",
+            ],
+            rows,
+        )
+        moved = []
+        for mode, engines in (d.get("connector") or {}).items():
+            totals = [t for t in engines.values() if t]
+            if totals:
+                loaded = sum(t.get("loaded_tokens", 0) for t in totals)
+                saved = sum(t.get("saved_tokens", 0) for t in totals)
+                moved.append(f"*{mode}* loaded {loaded:,} tokens' KV and saved {saved:,}")
+        if moved:
+            lines += [
+                "The connectors' own counts over the run (warm-up included): "
+                + "; ".join(moved)
+                + ".",
+                "",
+            ]
+        rows = []
+        for rnd in d["rounds"]:
+            rbase = next(r for r in rnd["rows"] if r["mode"] == "plain")
+            for r in rnd["rows"]:
+                c = rnd["conditions"][r["mode"]]
+                rows.append(
+                    [
+                        str(rnd["round"]),
+                        r["mode"],
+                        f"{r['ttft_p50_s'] * 1e3:,.0f} ms",
+                        f"{ratio(r['ttft_p50_s'] / rbase['ttft_p50_s'])}×",
+                        f"{r['output_tokens_per_s']:.2f}",
+                        f"{ratio(r['output_tokens_per_s'] / rbase['output_tokens_per_s'])}×",
+                        f"{r['recomputed_tokens']:,}",
+                        f"{c['before']['loadavg_1min']:.1f} → {c['after']['loadavg_1min']:.1f}",
+                        (
+                            f"{psi_avg60(c['before']['cpu_pressure'])} → "
+                            f"{psi_avg60(c['after']['cpu_pressure'])} %"
+                        ),
+                    ]
+                )
+        lines += table(
+            [
+                "round",
+                "mode",
+                "TTFT p50",
+                "/ plain's",
+                "output tokens/s",
+                "/ plain's",
+                "recomputed",
+                "load",
+                "CPU pressure, avg60",
+            ],
+            rows,
+        )
+    return lines
 
 
 # -- the rest of the CPU measurements ---------------------------------------------------------
@@ -345,7 +553,7 @@ def integrity() -> list[str]:
         "",
     ]
     lines += source(
-        "integrity-cpu.json", d["commit"], f"{d['machine']}, {d['cpus']} CPUs", d["command"]
+        "integrity-cpu.json", d["commit"], f"{d['machine']}, {d['cpus']} CPUs", d["command"], d
     )
     return lines + table(["operation", "with", "without", "with / without"], rows)
 
@@ -365,7 +573,7 @@ def journal() -> list[str]:
         ),
         "",
     ]
-    lines += source("journal-cpu.json", d["commit"], d["machine"], d["command"])
+    lines += source("journal-cpu.json", d["commit"], d["machine"], d["command"], d)
     rows = [
         [
             f"{m['journal']:.1f} µs",
@@ -405,7 +613,7 @@ def remote() -> list[str]:
     ]
     env = " ".join(f"{k}={v}" for k, v in d.get("env", {}).items())
     lines += source(
-        "remote-cpu.json", d["commit"], vm(d) + (f", {env}" if env else ""), d["command"]
+        "remote-cpu.json", d["commit"], vm(d) + (f", {env}" if env else ""), d["command"], d
     )
     return lines + table(
         ["object", "remote claim p50", "raw READ p50", "READ / claim", "pulls", "bit-exact"], rows
@@ -448,7 +656,7 @@ def soak() -> list[str]:
         ),
         "",
     ]
-    lines += source("soak-cpu.json", d["commit"], d["machine"], d["command"])
+    lines += source("soak-cpu.json", d["commit"], d["machine"], d["command"], d)
     return lines + table(
         [
             "clients",
@@ -476,13 +684,18 @@ by side in the same run. Ratios have two decimals, cut (never rounded up). Finis
 experiments, and what each concluded: `benchmarks/experiments/INDEX.md`.
 
 `kvbroker bench SCENARIO` measures a daemon on your machine: `transfer`, `rpc`, `scale`,
-`prefix`, `tp`, `gpu` (CUDA hosts; exits 4 without CUDA) and `peer` (beside Mooncake Store).
+`prefix`, `tp`, `gpu` (CUDA hosts; exits 4 without CUDA) and `peer` (beside Mooncake Store
+and LMCache).
 Each prints a table and the targets it checks; `--json-out FILE` writes the rows, targets,
 machine and versions, `--plot DIR` draws charts (`pip install 'kvbroker[bench]'`). Without
 `--socket` a scenario starts a private daemon sized for it. `benchmarks/bench_all.py` runs
 every CPU scenario and rewrites this page; `benchmarks/run_gpu_round.sh` and
-`benchmarks/run_host_round.sh` run the GPU host's set. Setting up Mooncake for `peer`:
-[operating.md](operating.md#comparing-with-mooncake).
+`benchmarks/run_host_round.sh` run the GPU host's set. Setting up the peers for `peer`:
+[operating.md](operating.md#comparing-with-mooncake) (Mooncake) and
+[operating.md](operating.md#comparing-with-lmcache) (LMCache). `benchmarks/bench_serving.py`
+runs real vLLM CPU engines with and without kvbroker. Every line naming a results file says
+the load and the CPU pressure (PSI) the run recorded, or that it recorded none: the clients'
+and the daemon's busy-polling switches with it (`kvbroker/_cpu.py`).
 """
 
 
@@ -506,7 +719,7 @@ def sglang_storage() -> list[str]:
                 "times."
             ),
             "",
-            *source(path.name, d["commit"], cpu_machine(m), d["command"]),
+            *source(path.name, d["commit"], cpu_machine(m), d["command"], d),
         ]
         rows = [
             [v, f"{statistics.median(ts):.3f} s", f"{d['median_GBps'][v]:.2f}"]
@@ -529,7 +742,7 @@ def events() -> list[str]:
         d = json.loads(path.read_text())
         tree = f", the daemon from `{d['daemon_src']}`" if d.get("daemon_src") else ""
         lines += [f"### KV events, `{path.stem}`", ""]
-        lines += source(path.name, d["commit"], cpu_machine(d["machine"]) + tree, d["command"])
+        lines += source(path.name, d["commit"], cpu_machine(d["machine"]) + tree, d["command"], d)
         if d.get("note"):
             lines += [d["note"], ""]
         rows = []
@@ -582,7 +795,7 @@ def peer_preauth() -> list[str]:
         d = json.loads(path.read_text())
         h, s = d["results"]["hellos"], d["results"].get("stalled")
         lines += [f"### Peer channel before authentication, `{path.stem}`: {d['channel']}", ""]
-        lines += source(path.name, d["commit"], cpu_machine(d["machine"]), d["command"])
+        lines += source(path.name, d["commit"], cpu_machine(d["machine"]), d["command"], d)
         sent = sum(a["bytes_sent"] for a in h["attackers"])
         outcomes = ", ".join(sorted({a["outcome"] for a in h["attackers"]}))
         rows = [
@@ -630,6 +843,7 @@ def gpu_host() -> list[str]:
 
 
 SECTIONS: tuple[tuple[str, list[Callable[[], list[str]]]], ...] = (
+    ("## Serving with real engines", [serving]),
     ("## GPU and engines", [ttft, gpu, vllm_gpu, vllm_async_load]),
     ("## Host scenarios, 2-core VM", [lambda n=n: cpu_scenario(n) for n in CPU_SCENARIOS]),
     ("## Host scenarios, a GPU machine's CPU", [gpu_host]),

@@ -101,3 +101,85 @@ def test_sglang_table_ratios_come_from_the_rounds(tmp_path, monkeypatch):
     assert "| kvbroker_set | 2.500 s | 0.86 |" in text
     # the median of the per-round ratios (1.25), not 2.500 / 2.000 from the medians
     assert "| kvbroker_set / memcpy_out | 1.25 (1.10–2.00) |" in text
+
+
+def _cells(text: str, heading: str) -> list[dict[str, str]]:
+    """The rows of the first markdown table under ``heading``, as header -> cell."""
+    body = text.split(heading, 1)[1].split("\n### ", 1)[0]
+    lines = [ln for ln in body.split("\n\n| ", 1)[1].split("\n\n", 1)[0].splitlines()]
+    header = [h.strip() for h in lines[0].strip("| ").split("|")]
+    return [dict(zip(header, (c.strip() for c in ln.strip("|").split("|")))) for ln in lines[2:]]
+
+
+def _agrees(shown: str, num: str, den: str, factor: float = 1.0) -> bool:
+    """A ratio printed two decimals cut is the quotient of the two times printed beside it (to
+    within what printing the times to three decimals can move it)."""
+    a, b, r = float(num), float(den), float(shown.rstrip("×"))
+    q = factor * a / b
+    slack = q * (0.0005 / a + 0.0005 / b)
+    return q - slack - 1e-9 <= r + 0.01 and r <= q + slack + 1e-9
+
+
+def test_peer_ratios_are_quotients_of_the_times_beside_them(tmp_path, monkeypatch):
+    """A peer run of several rounds that stored, as ratios, medians of per-round ratios (3.55
+    beside times whose quotient is 3.02, as bench-peer-cpu.json did): the page prints the
+    quotient of the times beside each ratio, and the targets measured from them."""
+    doc = _load("performance_doc")
+    monkeypatch.setattr(doc, "RESULTS", tmp_path)
+    machine = json.loads((ROOT / "benchmarks/results/bench-rpc-cpu.json").read_text())["machine"]
+    row = {"size": 256 << 10, "rounds": 3, "kvb_put_ms": 0.242, "kvb_get_ms": 0.128,
+           "kvb_roundtrip_ms": 0.370, "memcpy_gbps": 23.0, "kvb_vs_memcpy": 0.06,
+           "copy_threads": 1, "split_memcpy2_ms": 0.038, "kvb_vs_split_memcpy": 0.09,
+           "dummy_put_ms": 0.500, "dummy_get_ms": 0.618, "dummy_roundtrip_ms": 1.114,
+           "speedup_vs_dummy": 3.55, "time_vs_dummy": 0.28,
+           "speedup_vs_dummy_range": [2.15, 3.70]}  # fmt: skip
+    result = {"scenario": "peer", "commit": "abc1234", "command": "kvbroker bench peer",
+              "machine": machine, "params": {"modes": ["dummy"], "rounds": 3}, "rows": [row],
+              "columns": {"rows": [["size", "size", "size"],
+                                   ["speedup_vs_dummy", "x dummy", "ratio"]]},
+              "targets": [{"name": "256 KiB put+get time vs Mooncake dummy", "measured": 0.28,
+                           "goal": 1 / 3, "op": "<=", "unit": "x", "met": True}],
+              "notes": []}  # fmt: skip
+    (tmp_path / "bench-peer-cpu.json").write_text(json.dumps(result))
+    text = doc.markdown()
+    (r,) = _cells(text, "### `kvbroker bench peer`")
+    assert r["kvb put+get ms"] == "0.370" and r["Mooncake dummy put+get ms"] == "1.118"
+    assert r["x Mooncake dummy"] == "3.02"  # 1.118 / 0.370, never the stored 3.55
+    assert _agrees(r["x Mooncake dummy"], r["Mooncake dummy put+get ms"], r["kvb put+get ms"])
+    assert _agrees(r["kvb x memcpy"], r["memcpy ms"], r["kvb put+get ms"], factor=2)
+    assert "256 KiB put+get time vs Mooncake dummy ≤ 0.333×: 0.33×" in text  # not 0.28
+    assert "256 KiB x Mooncake dummy: 2.15–3.70" in text  # the per-round range, labelled
+    assert "CPU pressure (PSI) not recorded" in text
+
+
+def test_every_committed_peer_ratio_is_the_quotient_beside_it():
+    """Every peer table of the committed page: each "x PEER" and "kvb x memcpy" cell is the
+    quotient of the times printed in its row."""
+    text = (ROOT / "docs" / "performance.md").read_text()
+    headings = [h for h in text.split("\n") if h.startswith("### `kvbroker bench peer`")]
+    assert headings
+    for heading in headings:
+        for r in _cells(text, heading):
+            kvb = r["kvb put+get ms"]
+            assert _agrees(r["kvb x memcpy"], r["memcpy ms"], kvb, factor=2), (heading, r)
+            assert _agrees(r["kvb x memcpy same threads"], r["2 memcpys, same threads ms"], kvb)
+            for col, cell in r.items():
+                if col.startswith("x "):
+                    assert _agrees(cell, r[col[2:] + " put+get ms"], kvb), (heading, col, r)
+
+
+def test_serving_ratios_come_from_the_figures_beside_them(tmp_path, monkeypatch):
+    """bench_serving.py's results: the page divides the figures it prints, whatever ratio the
+    file stored, and says the load and CPU pressure the run recorded."""
+    doc = _load("performance_doc")
+    monkeypatch.setattr(doc, "RESULTS", tmp_path)
+    data = json.loads((ROOT / "benchmarks/results/serving-cpu.json").read_text())
+    plain, kvb = data["rows"][0], data["rows"][1]
+    plain["ttft_p50_s"], kvb["ttft_p50_s"] = 2.0, 1.5
+    kvb["ttft_p50_vs_plain"] = 0.5  # a stored ratio no figure of the table gives
+    (tmp_path / "serving-cpu.json").write_text(json.dumps(data))
+    text = doc.markdown()
+    rows = {r["mode"]: r for r in _cells(text, "### Serving")}
+    assert rows["kvbroker"]["TTFT p50"] == "1,500 ms" and rows["plain"]["TTFT p50"] == "2,000 ms"
+    assert rows["kvbroker"]["TTFT p50 / plain's"] == "0.75×"
+    assert "CPU pressure (PSI: share of the last minute some task waited for a CPU)" in text
