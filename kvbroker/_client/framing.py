@@ -1,13 +1,12 @@
-"""Framing: msgpack maps over a transport, decoded by a streaming Unpacker under limits."""
+"""Framing: messages over a transport, through the wire's one codec
+(:mod:`kvbroker._wire.frames`)."""
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Any, Protocol
 
-import msgpack
-
-from .._wire.protocol import MAX_REQUEST, unpacker_limits
-from ..errors import BadRequest, ProtocolError
+from .._wire.frames import FrameDecoder, FrameEncoder
 from .transport import forked_error
 
 __all__ = ["MessageStream"]
@@ -29,40 +28,27 @@ class MessageStream:
     (BrokerUnavailable, which a Client answers by connecting again, from the child; closing
     it there closes only the child's copy)."""
 
-    def __init__(self, transport: _Transport) -> None:
+    def __init__(self, transport: _Transport, *, sender: str = "the daemon") -> None:
         self.transport = transport
-        self._packer = msgpack.Packer()
-        self._unpacker = msgpack.Unpacker(raw=False, **unpacker_limits())
-        # Bytes fed to the unpacker: while its position (tell) is short of them, a message
-        # may be there to take without reading; otherwise read first, rather than pay for a
-        # StopIteration on every receive.
-        self._fed = 0
+        self._encoder = FrameEncoder()
+        self._decoder = FrameDecoder(sender=sender)
+        self._read: deque[Any] = deque()  # messages one read brought beyond the first
 
     def send(self, message: dict[str, Any]) -> None:
-        data = self._packer.pack(message)  # (a forked transport refuses to send it)
-        if len(data) > MAX_REQUEST:  # the daemon would cut the connection off mid-frame
-            raise BadRequest(f"{message.get('op')}: the request packs to {len(data)} bytes, "
-                             f"more than the {MAX_REQUEST} a daemon reads; send less at once")
-        self.transport.send(data)
+        # (a forked transport refuses to send it; one too large for a daemon: BadRequest)
+        self.transport.send(self._encoder.request(message["id"], message["op"], message["args"]))
 
     def receive(self) -> Any:
         if getattr(self.transport, "forked", False):
             raise forked_error()
-        unpacker = self._unpacker
+        if self._read:
+            return self._read.popleft()
         while True:
-            if unpacker.tell() < self._fed:
-                try:
-                    return next(unpacker)
-                except StopIteration:
-                    pass
-                except Exception as exc:
-                    raise ProtocolError(f"malformed frame from the daemon: {exc}") from None
-            data = self.transport.recv()
-            try:
-                unpacker.feed(data)
-            except msgpack.BufferFull:
-                raise ProtocolError("the daemon sent a frame over the size limit") from None
-            self._fed += len(data)
+            messages = self._decoder.receive(self.transport.recv())
+            if messages:
+                if len(messages) > 1:
+                    self._read.extend(messages[1:])
+                return messages[0]
 
     def close(self) -> None:
         self.transport.close()

@@ -92,7 +92,8 @@ class ReadReplica:
                 return None
             self._retry_at = time.monotonic() + RETRY_AFTER  # one thread tries at a time
         try:
-            stream = MessageStream(UnixTransport(self.path, REPLICA_TIMEOUT, self._busy_poll))
+            transport = UnixTransport(self.path, REPLICA_TIMEOUT, self._busy_poll)
+            stream = MessageStream(transport, sender="a read replica")
         except BrokerUnavailable:
             return None
         try:

@@ -20,7 +20,8 @@ from .framing import MessageStream
 from .._wire.replies import Hello as HelloReply
 from .ops import Ops
 from .._wire.protocol import PROTOCOL_VERSION
-from ..errors import BrokerUnavailable, KVBrokerError, ProtocolError, Timeout, error_for_code
+from .._wire.frames import error_of, is_push
+from ..errors import BrokerUnavailable, KVBrokerError, ProtocolError, Timeout
 
 __all__ = ["Pending", "Session"]
 
@@ -77,7 +78,7 @@ class Session:
                     if msg.__class__ is not dict or msg.get("id") != rid:
                         if not isinstance(msg, dict):
                             raise ProtocolError(f"unexpected message from the daemon: {msg!r:.80}")
-                        if "push" in msg:
+                        if is_push(msg):
                             self._deliver(msg)
                             continue
                         if self._take_others(msg):
@@ -103,7 +104,7 @@ class Session:
                     self._abandoned.add(rid)
                 self._stalled = True
                 raise
-        raise _error_of(msg)
+        raise error_of(msg)
 
     def submit(self, op: str, args: dict[str, Any] | None = None, **kwargs: Any) -> Pending:
         """Send a request without waiting: its reply is read when :meth:`Pending.result`
@@ -149,12 +150,12 @@ class Session:
                     self._stalled = False
                     if not isinstance(msg, dict):
                         raise ProtocolError(f"unexpected message from the daemon: {msg!r:.80}")
-                    if "push" in msg:
+                    if is_push(msg):
                         self._deliver(msg)
                     elif self._take_others(msg):
                         pass
                     elif msg.get("id") is None and msg.get("ok") is False:
-                        raise _error_of(msg)  # about the connection (a frame it could not read)
+                        raise error_of(msg)  # about the connection (a frame it could not read)
                     else:
                         raise ProtocolError(f"reply {msg.get('id')} answers no request of "
                                             "this session")  # fmt: skip
@@ -171,7 +172,7 @@ class Session:
             msg = self._replies.pop(rid)
         if msg.get("ok"):
             return msg.get("result")
-        raise _error_of(msg)
+        raise error_of(msg)
 
     def send_only(self, op: str, **args: Any) -> None:
         """:meth:`post` with the op's arguments as keywords."""
@@ -242,7 +243,7 @@ class Session:
                     break
         except (KVBrokerError, OSError):  # OSError: another thread closed the socket
             return  # it said nothing more: the broken pipe stands
-        raise _error_of(msg)
+        raise error_of(msg)
 
     def _take_others(self, msg: dict) -> bool:
         """A reply that answers no one waiting now: to a ``send_only`` or abandoned request
@@ -278,12 +279,12 @@ class Session:
                     raise
                 if not isinstance(msg, dict):
                     continue
-                if "push" in msg:
+                if is_push(msg):
                     return msg
                 if self._take_others(msg):
                     continue
                 if not msg.get("ok", True):
-                    raise _error_of(msg)
+                    raise error_of(msg)
 
     def _deliver(self, msg: dict) -> None:
         if self.on_push is not None:
@@ -321,17 +322,11 @@ class Session:
                 msg = self._stream.receive()
                 if isinstance(msg, dict) and msg.get("id") in self._unanswered:
                     self._settle(msg)
-                elif isinstance(msg, dict) and "push" in msg:
+                elif is_push(msg):
                     self._deliver(msg)
         except Exception as exc:  # closing regardless: the daemon ends what is left
             log.debug("closing without the replies to %d requests: %s", len(self._unanswered),
                       exc)
-
-
-def _error_of(msg: dict) -> KVBrokerError:
-    """The typed error a failed reply names."""
-    err = msg.get("error") or {}
-    return error_for_code(str(err.get("code", "error")), str(err.get("message", "")))
 
 
 class Pending:

@@ -1,7 +1,8 @@
 """One client connection of the daemon: transport, framing, requests in order.
 
-An ``asyncio`` protocol per connection feeds msgpack's streaming ``Unpacker`` under hard
-limits (:mod:`kvbroker._wire.protocol`); requests go to the broker one at a time, in order.
+An ``asyncio`` protocol per connection hands what it reads to the wire's frame codec
+(:mod:`kvbroker._wire.frames`, under the request limit of :mod:`kvbroker._wire.protocol`);
+requests go to the broker one at a time, in order.
 A connection waiting in a blocking ``claim`` keeps reading (so a peer that dies while it
 waits is seen at once; what it pipelines meanwhile is queued, up to ``_MAX_QUEUED``
 requests, answered after the claim), and never holds up another connection. The wait is no
@@ -22,12 +23,18 @@ from time import perf_counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import msgpack
-
 from .snapshot import statistics_for
 from .state import Deferred, Session, WouldWait
 from .._wire import replies as R
-from .._wire.protocol import MAX_REQUEST, OPS, unpacker_limits
+from .._wire.frames import (
+    FrameDecoder,
+    FrameEncoder,
+    FrameError,
+    SharedUnpacker,
+    answer_id,
+    as_request,
+)
+from .._wire.protocol import MAX_REQUEST, OPS
 from ..errors import BadRequest, BrokerUnavailable, InternalError, KVBrokerError, LimitExceeded
 from ..errors import NotFound, ProtocolError, Timeout
 
@@ -50,25 +57,12 @@ def _passes_a_wait(msg: Any) -> bool:
 _SO_PEERCRED_FMT = "3i"
 _READ_SIZE = 64 * 1024
 # One read buffer for every connection: the loop fills it and calls buffer_updated at once,
-# which copies it into the connection's unpacker, so nothing stays in it between reads (a
+# which hands it to the connection's decoder, so nothing stays in it between reads (a
 # buffer per connection was 64 KiB of memory per idle or waiting client).
 _RBUF = memoryview(bytearray(_READ_SIZE))
-# One packer for every reply (msgpack.packb makes a new one per call); one that fails
-# resets itself, so a reply that cannot be packed leaves nothing behind for the next.
-_pack = msgpack.Packer().pack
-
-
-class _Parser:
-    """Frames from the bytes one read brought. A msgpack ``Unpacker`` costs ~40 KiB (its
-    parse stack), so connections share one, and only a connection whose last read ended
-    mid-frame keeps its own until that frame is complete."""
-
-    shared: msgpack.Unpacker | None = None
-    shared_fed = 0
-
-    @classmethod
-    def fresh(cls) -> msgpack.Unpacker:
-        return msgpack.Unpacker(raw=False, **unpacker_limits(MAX_REQUEST))
+# Connections share one msgpack Unpacker (~40 KiB of parse stack each) between frames: only
+# one whose last read ended mid-frame keeps its own until that frame is complete.
+_SHARED = SharedUnpacker(MAX_REQUEST)
 
 
 # A bounded slice of the loop per connection per turn: after this many requests, or this
@@ -92,9 +86,8 @@ class Connection(asyncio.BufferedProtocol):
         self.broker = daemon.broker
         self.transport: asyncio.Transport | None = None
         self.session: Session | None = None
-        # Its own unpacker only while a frame is partly read (see _Parser), with bytes fed.
-        self.unpacker: msgpack.Unpacker | None = None
-        self._fed = self._done = 0
+        self.decoder = FrameDecoder(MAX_REQUEST, shared=_SHARED)
+        self.encoder = FrameEncoder(on_unpackable=self._unpackable)
         self.queue: deque[Any] = deque()
         self.busy = False
         self.closed = False
@@ -141,8 +134,7 @@ class Connection(asyncio.BufferedProtocol):
                        "hold (max_connections_per_uid); close some first")
         if refusal is not None:
             log.warning("refused a connection of pid %d uid %d: %s", pid, uid, refusal)
-            self._send({"id": None, "ok": False, "error": {
-                "code": LimitExceeded.code, "message": refusal}})  # fmt: skip
+            self._send(self.encoder.error(None, LimitExceeded.code, refusal))
             transport.close()
             self.closed = True
             return
@@ -197,56 +189,12 @@ class Connection(asyncio.BufferedProtocol):
             return
         self.daemon.note_activity()
         self.last_active = self.daemon.loop_time()
-        data = _RBUF[:nbytes]
-        u = self.unpacker
-        if u is None:  # the shared parser, empty between reads
-            u = _Parser.shared
-            if u is None:
-                u = _Parser.shared = _Parser.fresh()
-                _Parser.shared_fed = 0
-            done = _Parser.shared_fed  # where its last complete frame ended
-            _Parser.shared_fed += nbytes
-            fed = _Parser.shared_fed
-        else:
-            done = self._done
-            self._fed += nbytes
-            fed = self._fed
         try:
-            u.feed(data)
-        except msgpack.BufferFull:
-            self._fatal("frame exceeds the size limit")
+            messages = self.decoder.receive(_RBUF[:nbytes])
+        except FrameError as exc:
+            self._fatal(exc.message)
             return
-        queue = self.queue
-        while not self.closed and done < fed:  # (all consumed: no StopIteration to pay for)
-            try:
-                msg = next(u)
-            except StopIteration:
-                break
-            except Exception as exc:  # any decoding failure: the stream cannot resync
-                if u is _Parser.shared:
-                    _Parser.shared = None
-                self._fatal(f"malformed frame: {type(exc).__name__}: {exc}")
-                return
-            done = u.tell()  # (after a partial frame, tell() counts its bytes too)
-            queue.append(msg)
-        left = fed - done
-        if left > MAX_REQUEST:
-            # The unpacker parses a frame as its bytes come and its buffer limit bounds only
-            # the bytes not yet parsed: count the frame's bytes here (its objects cost more).
-            if u is _Parser.shared:
-                _Parser.shared = None
-            self._fatal(f"a request frame exceeds {MAX_REQUEST} bytes")
-            return
-        if u is _Parser.shared:
-            if left:  # a frame continues in the next read: this connection's own parser
-                _Parser.shared = None
-                self.unpacker = own = _Parser.fresh()
-                own.feed(data[nbytes - left:])
-                self._fed, self._done = left, 0
-        elif not left:
-            self.unpacker = None
-        else:
-            self._done = done
+        self.queue.extend(messages)
         if self._pump_pending:  # its slice of this turn is used: the rest comes next turn
             self._update_reading()
         else:
@@ -305,13 +253,10 @@ class Connection(asyncio.BufferedProtocol):
 
     # -- requests ------------------------------------------------------------------------
     def _handle(self, msg: Any) -> None:
-        if not isinstance(msg, dict):
-            self._error(None, BadRequest.code, "a request must be a map with id, op and args")
-            return
-        rid, op, args = msg.get("id"), msg.get("op"), msg.get("args")
-        if not isinstance(rid, int) or isinstance(rid, bool) or not isinstance(op, str):
-            self._error(rid if isinstance(rid, int) else None, BadRequest.code,
-                        "a request needs an integer id and a string op")
+        try:
+            rid, op, args = as_request(msg)
+        except BadRequest as exc:
+            self._error(answer_id(msg), exc.code, exc.message)
             return
         row = OPS.get(op)
         if self.daemon.draining and row is not None:  # it hands out no new leases
@@ -343,7 +288,7 @@ class Connection(asyncio.BufferedProtocol):
             log.exception("session %d: %s failed", self.session.id, op)
             self._error(rid, InternalError.code, f"{type(exc).__name__}: {exc}")
             return
-        self._send({"id": rid, "ok": True, "result": result})
+        self._reply(rid, result)
         if self._after_reply is not None:
             after, self._after_reply = self._after_reply, None
             after()
@@ -422,7 +367,7 @@ class Connection(asyncio.BufferedProtocol):
             self._error(rid, InternalError.code, f"{type(exc).__name__}: {exc}")
         else:
             self._end_wait()
-            self._send({"id": rid, "ok": True, "result": result})
+            self._reply(rid, result)
         self._wait_done()
 
     def _start_deferred(self, rid: int, op: str, d: Deferred) -> None:
@@ -437,7 +382,7 @@ class Connection(asyncio.BufferedProtocol):
                 done = await asyncio.wait_for(d.work(), d.timeout)
             except asyncio.TimeoutError:
                 raise Timeout(f"{op}: no answer from the peer within {d.timeout:g} s") from None
-            self._send({"id": rid, "ok": True, "result": d.then(done)})
+            self._reply(rid, d.then(done))
         except KVBrokerError as exc:
             self._error(rid, exc.code, exc.message or str(exc))
         except asyncio.CancelledError:
@@ -468,7 +413,7 @@ class Connection(asyncio.BufferedProtocol):
             return
         # A watcher that stops reading is cut off once max_write_buffer is unread.
         stats = statistics_for(self.broker, self.session)
-        self._send({"push": "stats", "result": stats.to_dict()})
+        self._send(self.encoder.push("stats", stats.to_dict()))
         self.watch_handle = asyncio.get_running_loop().call_later(
             self.watch_interval, self._push_stats
         )
@@ -476,19 +421,24 @@ class Connection(asyncio.BufferedProtocol):
     # -- output --------------------------------------------------------------------------
     def _error(self, rid: int | None, code: str, message: str) -> None:
         self.broker.counters["errors"] += 1
-        self._send({"id": rid, "ok": False, "error": {"code": code, "message": message}})
+        if not self.closed:
+            self._send(self.encoder.error(rid, code, message))
 
-    def _send(self, obj: dict) -> None:
+    def _reply(self, rid: int, result: Any) -> None:
+        if not self.closed:
+            self._send(self.encoder.reply(rid, result))
+
+    def _unpackable(self, exc: Exception) -> None:
+        # Never let one unpackable value close the connection: the encoder answers an error.
+        log.error(
+            "session %d: cannot pack a reply (%s); answering an error instead",
+            self.session.id if self.session else -1,
+            exc,
+        )
+
+    def _send(self, data: bytes) -> None:
         if self.closed:
             return
-        try:
-            data = _pack(obj)
-        except (ValueError, TypeError, OverflowError) as exc:
-            # Never let one unpackable value close the connection: answer an error instead.
-            log.error("session %d: cannot pack a reply (%s); answering an error instead",
-                      self.session.id if self.session else -1, exc)
-            data = msgpack.packb({"id": obj.get("id"), "ok": False, "error": {
-                "code": InternalError.code, "message": f"the reply cannot be sent: {exc}"}})
         if self._out is not None:  # answering a slice of requests: written at its end
             self._out.append(data)
         else:
@@ -520,7 +470,7 @@ class Connection(asyncio.BufferedProtocol):
         s = self.session
         return (s is not None and not s.leases and not s.arenas and self.wait is None
                 and not self.busy and not self.queue and self.watch_interval <= 0
-                and self.unpacker is None)  # fmt: skip
+                and not self.decoder.buffered)  # fmt: skip
 
     def close_quietly(self, why: str) -> None:
         """The daemon closes a connection that holds nothing (idle, or never said hello)."""

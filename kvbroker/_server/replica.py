@@ -48,14 +48,21 @@ from typing import Any
 
 import msgpack
 
+from .._wire.frames import (
+    FrameDecoder,
+    FrameEncoder,
+    FrameError,
+    SharedUnpacker,
+    answer_id,
+    as_request,
+)
 from .._wire.protocol import (
     MAX_BUFFERS,
     MAX_REQUEST,
-    PROTOCOL_VERSION,
     OPS,
+    PROTOCOL_VERSION,
     REPLICA_OPS,
     answered_by_a_replica,
-    unpacker_limits,
     validate_args,
 )
 from ..errors import BadRequest, BrokerUnavailable, KVBrokerError, ProtocolError
@@ -69,6 +76,8 @@ _MAX_TOUCHED = 65536  # matched keys per report; beyond, the LRU hint is dropped
 MESSAGE_MAX = select.PIPE_BUF
 _HIGH_WATER = 1 << 20  # unread replies per connection before it stops reading
 # (The requests a replica answers, REPLICA_OPS: the op table's ``replica`` column.)
+# Its connections share one msgpack Unpacker between frames, as the daemon's do.
+_SHARED = SharedUnpacker(MAX_REQUEST)
 
 
 class JournalFollower:
@@ -245,8 +254,8 @@ class _Replica:
 class _ReplicaConnection(asyncio.Protocol):
     def __init__(self, replica: _Replica) -> None:
         self.replica = replica
-        self.unpacker = msgpack.Unpacker(raw=False, **unpacker_limits(MAX_REQUEST))
-        self._fed = self._done = 0  # bytes fed to the unpacker; those of its whole frames
+        self.decoder = FrameDecoder(MAX_REQUEST, shared=_SHARED)
+        self.encoder = FrameEncoder()
         self.transport: asyncio.Transport | None = None
         self.greeted = False
         self.uid: int | None = None
@@ -286,42 +295,28 @@ class _ReplicaConnection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         self.last_active = time.monotonic()
         try:
-            self.unpacker.feed(data)
-        except msgpack.BufferFull:
+            messages = self.decoder.receive(data)
+        except FrameError:  # the stream cannot resync: closed (the client asks the daemon)
             self.transport.abort()
+            return
+        if not messages:
             return
         self.replica.follower.catch_up()
-        out = []
-        try:
-            for msg in self.unpacker:
-                out.append(self._answer(msg))
-                self._done = self.unpacker.tell()  # (mid-frame, tell() counts its bytes too)
-        except Exception:  # noqa: BLE001 (any malformed frame: the stream cannot resync)
-            self.transport.abort()
-            return
-        self._fed += len(data)
-        if self._fed - self._done > MAX_REQUEST:
-            # A frame still arriving past a request's limit (the unpacker's buffer limit
-            # bounds only the bytes it has not parsed yet): as the daemon's connection does.
-            self.transport.abort()
-            return
+        out = [self._answer(msg) for msg in messages]
         if out:
             self.transport.write(b"".join(out))
         if self.transport.get_write_buffer_size() > _HIGH_WATER:
             self.transport.abort()
 
     def _answer(self, msg: Any) -> bytes:
-        rid = msg.get("id") if isinstance(msg, dict) else None
+        rid = answer_id(msg)
         self.replica.counters["requests"] += 1
         try:
-            if not isinstance(msg, dict) or not isinstance(rid, int) \
-                    or not isinstance(msg.get("op"), str):  # fmt: skip
-                raise BadRequest("a request needs an integer id and a string op")
-            op = msg["op"]
+            rid, op, raw_args = as_request(msg)
             if op not in REPLICA_OPS:
                 raise BadRequest(f"{op}: a read replica answers only {sorted(REPLICA_OPS)}; "
                                  "ask the daemon")  # fmt: skip
-            args = validate_args(op, msg.get("args"), self.replica)
+            args = validate_args(op, raw_args, self.replica)
             if not answered_by_a_replica(op, args):
                 raise BadRequest(f"{op}: a read replica answers it only with "
                                  f"{_when(op)}; ask the daemon")
@@ -330,9 +325,11 @@ class _ReplicaConnection(asyncio.Protocol):
             result = getattr(self, "op_" + op)(**args)
         except KVBrokerError as exc:
             self.replica.counters["errors"] += 1
-            return msgpack.packb({"id": rid, "ok": False,
-                                  "error": {"code": exc.code, "message": str(exc)}})  # fmt: skip
-        return msgpack.packb({"id": rid, "ok": True, "result": result})
+            return self.encoder.refusal(rid, exc)
+        except Exception as exc:  # noqa: BLE001 (a bug here: the client asks the daemon)
+            self.replica.counters["errors"] += 1
+            return self.encoder.refusal(rid, BrokerUnavailable(f"read replica: {exc!r}"))
+        return self.encoder.reply(rid, result)
 
     def _following(self) -> JournalFollower:
         f = self.replica.follower
