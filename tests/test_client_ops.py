@@ -78,7 +78,7 @@ def _names_an_op(node: ast.Call) -> str | None:
 
 @pytest.mark.parametrize(
     "path",
-    sorted(p for folder in ("kvbroker", "cli") for p in (ROOT / folder).rglob("*.py")
+    sorted(p for folder in ("kvbroker", "cli", "tui") for p in (ROOT / folder).rglob("*.py")
            if "_server" not in p.parts and p.name != "ops.py"),  # fmt: skip
     ids=lambda p: str(p.relative_to(ROOT)),
 )

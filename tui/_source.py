@@ -14,7 +14,7 @@ from kvbroker._wire.paths import default_socket_path
 from kvbroker._wire.stats import ObjectInfo, Statistics
 from kvbroker.errors import BrokerUnavailable
 
-from ._wire import AsyncConnection
+from ._wire import AsyncSession
 
 __all__ = ["MonitorSource", "DaemonSource", "Evicted"]
 
@@ -63,19 +63,19 @@ class DaemonSource(MonitorSource):
 
     def __init__(self, socket_path: str | None = None) -> None:
         self.label = socket_path or default_socket_path()
-        self._conn: AsyncConnection | None = None
+        self._conn: AsyncSession | None = None
 
     async def connect(self, interval: float) -> None:
         await self.close()
-        conn = await AsyncConnection.open(self.label, name=f"kvbroker-tui:{os.getpid()}")
+        conn = await AsyncSession.open(self.label, name=f"kvbroker-tui:{os.getpid()}")
         try:
-            await conn.call("watch", interval=interval)
+            await conn.ops.watch(interval)
         except BaseException:
             await conn.close()
             raise
         self._conn = conn
 
-    def _connected(self) -> AsyncConnection:
+    def _connected(self) -> AsyncSession:
         if self._conn is None:
             raise BrokerUnavailable(f"not connected to {self.label}")
         return self._conn
@@ -85,11 +85,11 @@ class DaemonSource(MonitorSource):
         return Statistics.from_dict(msg["result"])
 
     async def list_objects(self, match: str | None, limit: int) -> list[ObjectInfo]:
-        reply = await self._connected().call("list", namespace=None, match=match, limit=limit)
+        reply = await self._connected().ops.list(match=match, limit=limit)
         return [ObjectInfo.from_dict(o) for o in reply["objects"]]
 
     async def evict(self, namespace: str, key: str) -> Evicted:
-        reply = await self._connected().call("evict", key=key, namespace=namespace)
+        reply = await self._connected().ops.evict(namespace=namespace, key=key)
         return Evicted(int(reply["count"]), int(reply["bytes"]), int(reply["skipped_leased"]))
 
     async def close(self) -> None:

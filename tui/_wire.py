@@ -1,42 +1,50 @@
-"""An asyncio connection to the daemon: the same msgpack framing as the blocking client.
+"""An asyncio session with the daemon: the wire's one codec (:mod:`kvbroker._wire.frames`)
+and the same typed op stubs as the blocking client (:class:`kvbroker._wire.ops.Ops`).
 
 The monitor lives on Textual's event loop, so it talks to the daemon without threads: one
 reader task sorts what arrives into replies (matched to requests by id) and pushes (the
-``watch`` snapshots). Closing the connection wakes every waiter with ``BrokerUnavailable``.
+``watch`` snapshots). ``session.ops.<op>(...)`` sends a request and returns an awaitable of
+its reply. Closing the session wakes every waiter with ``BrokerUnavailable``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from typing import Any
 
-import msgpack
+from kvbroker._wire.frames import FrameDecoder, FrameEncoder, error_of, is_push, result_of
+from kvbroker._wire.ops import Ops
+from kvbroker._wire.protocol import PROTOCOL_VERSION
+from kvbroker.errors import BrokerUnavailable, ProtocolError
 
-from kvbroker._wire.protocol import PROTOCOL_VERSION, unpacker_limits
-from kvbroker.errors import BrokerUnavailable, ProtocolError, error_for_code
+__all__ = ["AsyncSession"]
 
-__all__ = ["AsyncConnection"]
+log = logging.getLogger("kvbroker.tui")
 
 _READ_SIZE = 64 * 1024
 
 
-class AsyncConnection:
+class AsyncSession:
     """One greeted session with the daemon; requests may overlap pushes freely."""
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._reader = reader
         self._writer = writer
-        self._unpacker = msgpack.Unpacker(raw=False, **unpacker_limits())
+        self._decoder = FrameDecoder(sender="the daemon")
+        self._encoder = FrameEncoder()
         self._next_id = 1
         self._waiting: dict[int, asyncio.Future] = {}
+        self._unanswered: set[int] = set()  # one-way requests: a failure is logged
         self._pushes: asyncio.Queue[dict | BaseException] = asyncio.Queue(maxsize=8)
         self._lost: BaseException | None = None
         self._read_task = asyncio.create_task(self._read_loop())
+        self.ops = Ops(self._request, self._post)  # each stub returns an awaitable
         self.hello: dict = {}
 
     @classmethod
-    async def open(cls, path: str, *, name: str, role: str = "monitor") -> AsyncConnection:
+    async def open(cls, path: str, *, name: str, role: str = "monitor") -> AsyncSession:
         try:
             reader, writer = await asyncio.open_unix_connection(path)
         # No path in these: the status line that shows them names the socket first.
@@ -44,28 +52,41 @@ class AsyncConnection:
             raise BrokerUnavailable("no daemon: no such socket") from None
         except OSError as exc:
             raise BrokerUnavailable(f"no daemon answers ({exc.strerror or exc})") from None
-        conn = cls(reader, writer)
+        session = cls(reader, writer)
         try:
-            conn.hello = await conn.call("hello", version=PROTOCOL_VERSION, name=name, role=role)
+            session.hello = await session.ops.hello(PROTOCOL_VERSION, name, role)
         except BaseException:
-            await conn.close()
+            await session.close()
             raise
-        return conn
+        return session
 
-    async def call(self, op: str, **args: Any) -> Any:
-        if self._lost is not None:
-            raise BrokerUnavailable(str(self._lost))
-        rid = self._next_id
-        self._next_id += 1
+    async def _request(self, op: str, args: dict[str, Any]) -> Any:
+        """Send a request and wait for its reply's result (or its error raised)."""
         future = asyncio.get_running_loop().create_future()
+        rid = self._send(op, args)
         self._waiting[rid] = future
         try:
-            self._writer.write(msgpack.packb({"id": rid, "op": op, "args": args}))
             await self._writer.drain()
         except OSError as exc:
             self._waiting.pop(rid, None)
             raise BrokerUnavailable(f"lost the daemon: {exc}") from None
         return await future
+
+    def _post(self, op: str, args: dict[str, Any]) -> None:
+        """Send a request whose reply is only checked (a failure logged)."""
+        self._unanswered.add(self._send(op, args))
+
+    def _send(self, op: str, args: dict[str, Any]) -> int:
+        if self._lost is not None:
+            raise BrokerUnavailable(str(self._lost))
+        rid = self._next_id
+        self._next_id += 1
+        data = self._encoder.request(rid, op, args)  # (BadRequest if too large to send)
+        try:
+            self._writer.write(data)
+        except OSError as exc:
+            raise BrokerUnavailable(f"lost the daemon: {exc}") from None
+        return rid
 
     async def next_push(self) -> dict:
         item = await self._pushes.get()
@@ -90,11 +111,7 @@ class AsyncConnection:
                 data = await self._reader.read(_READ_SIZE)
                 if not data:
                     raise BrokerUnavailable("the daemon closed the connection")
-                try:
-                    self._unpacker.feed(data)
-                except msgpack.BufferFull:
-                    raise ProtocolError("the daemon sent a frame over the size limit") from None
-                for msg in self._unpacker:
+                for msg in self._decoder.receive(data):
                     self._dispatch(msg)
         except asyncio.CancelledError:
             raise
@@ -106,22 +123,25 @@ class AsyncConnection:
     def _dispatch(self, msg: Any) -> None:
         if not isinstance(msg, dict):
             raise ProtocolError(f"unexpected message from the daemon: {msg!r:.80}")
-        if "push" in msg:
+        if is_push(msg):
             if self._pushes.full():
                 # A slow screen should see the newest snapshot, not a backlog of old ones.
                 self._pushes.get_nowait()
             self._pushes.put_nowait(msg)
             return
-        future = self._waiting.pop(msg.get("id"), None)
+        rid = msg.get("id")
+        if rid in self._unanswered:
+            self._unanswered.discard(rid)
+            if not msg.get("ok"):
+                log.warning("request %s failed after the fact: %s", rid, error_of(msg))
+            return
+        future = self._waiting.pop(rid, None)
         if future is None or future.done():
             return
-        if msg.get("ok"):
-            future.set_result(msg.get("result"))
-        else:
-            err = msg.get("error") or {}
-            future.set_exception(
-                error_for_code(str(err.get("code", "error")), str(err.get("message", "")))
-            )
+        try:
+            future.set_result(result_of(msg))
+        except Exception as exc:  # noqa: BLE001 - the reply's error, for its waiter
+            future.set_exception(exc)
 
     def _end(self, exc: BaseException) -> None:
         if self._lost is not None:
