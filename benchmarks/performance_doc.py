@@ -842,6 +842,41 @@ def gpu_host() -> list[str]:
     ]
 
 
+def sessions() -> list[str]:
+    d = load("sessions-cpu.json")
+    if d is None:
+        return []
+    t, m = d["trace"], d["machine"]
+    lines = [
+        "### Sessions against plain LRU (`benchmarks/bench_sessions.py`)",
+        "",
+        (
+            f"A replayed multi-turn trace through the client API: {t['sessions']} conversations "
+            f"of {t['turns']} turns ({t['first_tokens']} tokens, then {t['tokens_per_turn']} "
+            f"more a turn), every round {t['oneshots_per_round']} one-shot prompts of "
+            f"{t['oneshot_tokens']:,} tokens between the turns; a {size(t['pool_bytes'])} pool, "
+            f"blocks of {t['block_tokens']} tokens and {size(t['block_bytes'])}. Each request "
+            "matches (hold=False), recomputes what was not found and publishes its blocks; "
+            "the same trace against a fresh daemon without and with `session=` (default "
+            "`[sessions]`). Turn hit rate: tokens of later turns found, of their prompts; "
+            "of reusable: of what their earlier turns published."
+        ),
+        "",
+    ]
+    before, after = d["conditions_before"], d["conditions_after"]
+    machine = cpu_machine({**m, "loadavg_1min": after["loadavg_1min"]})
+    lines += source("sessions-cpu.json", d["commit"], machine, d["command"])
+    lines += [f"CPU pressure after the run: `{after['cpu_pressure']}` (load "
+              f"{before['loadavg_1min']:.1f} before).", ""]  # fmt: skip
+    rows = [
+        [r["mode"], f"{r['hit_rate']:.1%}", f"{r['of_reusable']:.1%}", f"{r['hit']:,}",
+         f"{r['asked']:,}", f"{r['recomputed']:,}", f"{r['evictions']:,}"]
+        for r in d["rows"]
+    ]  # fmt: skip
+    return lines + table(["mode", "turn hit rate", "of reusable", "hit tokens", "turn tokens",
+                          "recomputed tokens (all requests)", "evictions"], rows)  # fmt: skip
+
+
 SECTIONS: tuple[tuple[str, list[Callable[[], list[str]]]], ...] = (
     ("## Serving with real engines", [serving]),
     ("## GPU and engines", [ttft, gpu, vllm_gpu, vllm_async_load]),
@@ -849,6 +884,7 @@ SECTIONS: tuple[tuple[str, list[Callable[[], list[str]]]], ...] = (
     ("## Host scenarios, a GPU machine's CPU", [gpu_host]),
     ("## SGLang", [sglang_storage]),
     ("## Integrity, restarts, nodes", [integrity, journal, remote, peer_preauth, events, soak]),
+    ("## Sessions (multi-turn retention)", [sessions]),
 )
 
 
