@@ -107,3 +107,28 @@ def test_a_restarted_daemon_keeps_the_sessions(tmp_path):
                 assert m.num_blocks == 6
     finally:
         assert d2.stop() == 0, d2.log()
+
+
+def test_the_sessions_benchmark_keeps_every_reusable_token_that_lru_loses():
+    """benchmarks/bench_sessions.py at a small size: with sessions every token a
+    conversation's earlier turns published is found again, however many one-shot prompts
+    overflowed the pool in between; plain LRU at the same pool size loses some."""
+    import importlib.util
+    import pathlib
+
+    from kvbroker._bench._common import spawned_daemon
+
+    path = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "bench_sessions.py"
+    spec = importlib.util.spec_from_file_location("bench_sessions", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    trace = bench.make_trace(3, 3, 6, 256, 64, 1024, seed=1)
+    got = {}
+    for retain in (False, True):
+        with spawned_daemon("4M", "--page-size", "4K",
+                            env={"KVBROKER_READ_REPLICAS": "0"}) as socket:  # fmt: skip
+            got[retain] = bench.replay(socket, trace, retain)
+    assert got[True]["hit_of_reusable"] == 1.0
+    assert got[False]["hit_of_reusable"] < 1.0
+    assert got[True]["recomputed_tokens"] < got[False]["recomputed_tokens"]
+    assert got[True]["retained_evicted"] == {}
