@@ -46,6 +46,11 @@ def test_saved_and_looked_up_blocks_are_retained_by_the_requests_session(
     got = _sessions(broker)
     assert got["conv-43"]["blocks"] == _stat(steps, "loaded_blocks")
 
+    # The flat form an OpenAI server's vllm_xargs can carry (its values cannot be maps).
+    cons.add(P, extra_args={"kvbroker_session": "conv-44", "kvbroker_priority": 1})
+    cons.run()
+    assert _sessions(broker)["conv-44"]["priority"] == 1
+
     # A malformed session: warned about, the request served, nothing retained for it.
     with caplog.at_level(logging.WARNING):
         cons.add(P[:80], extra_args={"kvbroker": {"session": "bad", "priority": "high"}})

@@ -63,7 +63,10 @@ counts, and whoever asked owns nothing.
 does not fit, or after a seal pushes a pool past its high watermark (down to the low one).
 Leased and unsealed objects are never evicted. A reservation that cannot fit even after
 evicting everything evictable fails at once with :class:`~kvbroker.errors.PoolFull`, and then
-nothing is evicted for it.
+nothing is evicted for it. Objects a *session* retains (:mod:`kvbroker._server.retention`) are
+kept out of the LRU and evicted only after every other evictable object, lowest priority then
+least recently used; when its session ends (or a bound takes its retention) an object goes
+back to the LRU's oldest end. Retention frees nothing and holds no lease.
 
 *Lease ids* — one registry (:mod:`kvbroker._server.leases`) numbers sessions, pool leases,
 write arenas and ring leases from one counter, fenced across warm restarts, and answers the

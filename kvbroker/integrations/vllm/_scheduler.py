@@ -96,11 +96,18 @@ class _Req:
 
 def request_session(request: Any) -> dict | None:
     """The session a request names, as ``blocks.retention`` gives it (None: none): its
-    ``kv_transfer_params["kvbroker"]``, else its sampling parameters' ``extra_args``'.
+    ``kv_transfer_params["kvbroker"]``, else its sampling parameters' ``extra_args``'
+    ``kvbroker`` map, or their flat ``kvbroker_session``, ``kvbroker_retain``,
+    ``kvbroker_priority`` (what an OpenAI server's ``vllm_xargs`` can carry: no maps).
     BadRequest when it names one badly."""
     for params in (getattr(request, "kv_transfer_params", None),
                    getattr(getattr(request, "sampling_params", None), "extra_args", None)):
-        asked = params.get("kvbroker") if isinstance(params, dict) else None
+        if not isinstance(params, dict):
+            continue
+        asked = params.get("kvbroker")
+        if asked is None and "kvbroker_session" in params:
+            asked = {k: params[f"kvbroker_{k}"] for k in ("session", "retain", "priority")
+                     if f"kvbroker_{k}" in params}  # fmt: skip
         if asked is None:
             continue
         if not isinstance(asked, dict) or set(asked) - {"session", "retain", "priority"}:
