@@ -278,6 +278,24 @@ def test_hybrid_pools_written_by_one_engine_are_read_bit_exact_by_another(daemon
         "kv_hit_pages": 0, "hits": {}, "restorable": []}  # fmt: skip
 
 
+def test_hybrid_spans_through_sglangs_hybrid_cache_controller(daemon, engines):
+    """SGLang's HybridCacheController (its backup, hit-query and prefetch-transfer methods,
+    over a real HostPoolGroup of the three pools) backs a span up in engine A; engine B's
+    controller finds it (every pool to the span's end, the one restorable stop point) and
+    loads the KV pages, the Mamba state and the window pages bit-exact."""
+    a, b = engines
+    create(a, "hyc-w", daemon.socket_path, hybrid=True)
+    create(b, "hyc-r", daemon.socket_path, hybrid=True)
+    tokens = list(range(5000, 5048))  # 6 pages of 8
+    backup = a.call("hybrid_backup", rank="hyc-w", tokens=tokens, **span(0, 3, 10))
+    assert backup == {"completed_tokens": 48, "pool_hits": {"mamba": 1, "swa": 2}}
+    got = b.call("hybrid_prefetch", rank="hyc-r", tokens=tokens, **span(8, 5, 20))
+    assert got["hit_tokens"] == 48 and got["restorable"] == [6]
+    assert got["query_pool_hit_pages"] == {"kv": 6, "mamba": 6, "swa": 6}
+    assert got["sidecar_hits"] == [{"mamba": 1, "swa": 2}]
+    assert got["exact_kv"] == [True] * 6 and got["exact_state"] and got["exact_swa"] == [True] * 2
+
+
 def test_hybrid_pools_are_misses_not_errors_when_they_cannot_be_served(tmp_path, engines):
     """A pool kvbroker does not store, a daemon down, a full pool: misses and skipped writes
     in SGLang's v2 calls, never an exception in its storage threads."""

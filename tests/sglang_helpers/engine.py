@@ -23,7 +23,8 @@ Commands (``rank`` names a rank of this process):
   as SGLang's hybrid cache controller registers its pools; ``hybrid_set`` / ``hybrid_exists``
   / ``hybrid_get`` move a span's KV pages (v1) and its trailing Mamba state and window pages
   (v2, ``PoolTransfer``\ s with SGLang's trailing-page policy, grouped by its own
-  ``_trailing_chain_groups``).
+  ``_trailing_chain_groups``); ``hybrid_backup`` / ``hybrid_prefetch`` run the same through
+  SGLang's ``HybridCacheController`` methods over a real ``HostPoolGroup``.
 """
 
 from __future__ import annotations
@@ -337,6 +338,81 @@ def controller(rank: dict):
     return ctrl
 
 
+def hybrid_controller(rank: dict):
+    """SGLang's own HybridCacheController storage code over a hybrid rank: its pools in a real
+    ``HostPoolGroup`` (KV the anchor, then SWA and Mamba, as its hybrid pool assembler
+    groups them), an instance holding only what its backup, hit-query and prefetch-transfer
+    methods read (as :func:`controller`)."""
+    import queue
+
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
+    from sglang.srt.mem_cache.pool_host.group import HostPoolGroup, PoolEntry
+
+    group = HostPoolGroup([
+        PoolEntry(PoolName.KV, rank["pool"], None, lambda layer: layer,
+                  is_primary_index_anchor=True),
+        PoolEntry(PoolName.SWA, rank["swa"], None, lambda layer: layer),
+        PoolEntry(PoolName.MAMBA, rank["mamba"], None, lambda layer: layer),
+    ])  # fmt: skip
+    ctrl = HybridCacheController.__new__(HybridCacheController)
+    ctrl.storage_backend, ctrl.page_size = rank["backend"], rank["page_size"]
+    ctrl.storage_config = rank["backend"].config
+    ctrl.mem_pool_host, ctrl.storage_host_pool = group, rank["pool"]
+    ctrl.storage_backend_type = "dynamic"
+    ctrl.page_set_func, ctrl.page_get_func = ctrl._page_set_zero_copy, ctrl._page_get_zero_copy
+    ctrl.prefetch_sync_queue = queue.Queue()
+    return ctrl
+
+
+def hybrid_through_controller(rank: dict, op: str, cmd: dict) -> dict:
+    """``hybrid_backup`` / ``hybrid_prefetch`` of ``tokens`` through SGLang's hybrid
+    controller (its own page hashes): the KV pages and the span's trailing sidecars."""
+    from types import SimpleNamespace
+
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import (
+        PrefetchOperation,
+        StorageOperation,
+    )
+    from sglang.srt.mem_cache.utils import get_storage_hash_str
+
+    ctrl, tokens, window = hybrid_controller(rank), cmd["tokens"], cmd["window"]
+    hashes = get_storage_hash_str(tokens, None, page_size=rank["page_size"])
+    mamba, swa_rank = rank["mamba"], {**rank, "pool": rank["swa"]}
+    moves = transfers(rank, hashes, mamba_slot=cmd["mamba_slot"], swa_slot=cmd["swa_slot"],
+                      window=window)  # fmt: skip
+    if op == "hybrid_backup":
+        fill(rank, hashes, cmd["slot"])
+        mamba.set_from_flat_data_page(cmd["mamba_slot"], state_pattern(hashes[-1], mamba))
+        fill(swa_rank, [h + "/swa" for h in hashes[-window:]], cmd["swa_slot"])
+        done = StorageOperation(indices(rank, cmd["slot"], len(hashes)), tokens,
+                                hash_value=hashes, pool_transfers=moves)  # fmt: skip
+        ctrl._page_backup(done)
+        return {"completed_tokens": done.completed_tokens,
+                "pool_hits": dict(done.pool_storage_result.extra_pool_hit_pages)}
+    fetch = PrefetchOperation(SimpleNamespace(rid="req"), tokens, pool_transfers=moves)
+    hit_hashes, hit_tokens = ctrl._storage_hit_query(fetch)
+    fetch.hash_value = hit_hashes
+    fetch.host_indices = indices(rank, cmd["slot"], len(hit_hashes))
+    zero(rank, cmd["slot"], len(hashes))
+    mamba.set_from_flat_data_page(cmd["mamba_slot"], torch.zeros(mamba.size_per_token,
+                                                                  dtype=torch.uint8))
+    zero(swa_rank, cmd["swa_slot"], window)
+    ctrl._page_transfer(fetch)
+    acks = []
+    while not ctrl.prefetch_sync_queue.empty():
+        acks.append(ctrl.prefetch_sync_queue.get_nowait().pool_hits)
+    return {"hit_tokens": hit_tokens,
+            "query_pool_hit_pages": {str(k): v for k, v in fetch.query_pool_hit_pages.items()},
+            "restorable": fetch.pool_storage_result.restorable_prefix_pages,
+            "sidecar_hits": [a for a in acks if a is not None],
+            "exact_kv": exact(rank, hashes, cmd["slot"]),
+            "exact_state": bool(torch.equal(mamba.get_data_page(cmd["mamba_slot"]).view(
+                torch.uint8), state_pattern(hashes[-1], mamba))),
+            "exact_swa": exact(swa_rank, [h + "/swa" for h in hashes[-window:]],
+                               cmd["swa_slot"])}  # fmt: skip
+
+
 def handle(cmd: dict) -> dict:
     op = cmd["op"]
     if op == "create":
@@ -396,6 +472,8 @@ def handle(cmd: dict) -> dict:
                 "exact": exact(rank, hashes, slot)}
     if op in ("hybrid_set", "hybrid_exists", "hybrid_get"):
         return hybrid(rank, op, cmd)
+    if op in ("hybrid_backup", "hybrid_prefetch"):
+        return hybrid_through_controller(rank, op, cmd)
     if op == "threads":
         return threads(rank, cmd["rounds"], cmd["pages"], cmd["tag"])
     if op == "clear":
