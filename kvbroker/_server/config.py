@@ -19,7 +19,6 @@ error names the file and key, the variable or the flag that holds the bad value,
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -27,6 +26,8 @@ from typing import TYPE_CHECKING, Any
 
 from .._wire.paths import default_socket_path
 from . import config_values as parse
+from .config_apply import LIVE, TO_BROKER, Apply, Into, apply_owned, set_log_level, set_policy
+from .config_apply import set_retention, set_write_buffers
 from .config_values import parse_listen_address
 
 if TYPE_CHECKING:
@@ -63,46 +64,6 @@ class ConfigError(ValueError):
     """A configuration value is missing, unknown or invalid; the message says where."""
 
 
-# -- how SIGHUP applies a setting: f(daemon, running configuration, field) -----------------
-def LIVE(daemon: Daemon, cfg: DaemonConfig, field: str) -> None:
-    """Nothing to push: the daemon reads ``daemon.config.<field>`` each time it needs it."""
-
-
-def TO_BROKER(daemon: Daemon, cfg: DaemonConfig, field: str) -> None:
-    """The broker keeps its own copy, under the same name."""
-    if daemon.broker is not None:
-        setattr(daemon.broker, field, getattr(cfg, field))
-
-
-def _set_policy(daemon: Daemon, cfg: DaemonConfig, field: str) -> None:
-    # One call for both tables (the reload calls each function once): every connection's
-    # access is recomputed from its next request on.
-    if daemon.broker is not None:
-        daemon.broker.set_policy(cfg.isolation, cfg.quotas)
-    events = getattr(daemon.fleet, "events", None)
-    if events is not None:  # which namespaces an unauthenticated event stream carries
-        events.policy_changed()
-
-
-def _set_write_buffers(daemon: Daemon, cfg: DaemonConfig, field: str) -> None:
-    if daemon.broker is None:
-        return
-    for conn in daemon.connections:  # the new bound applies to every open connection
-        if conn.transport is not None and not conn.closed:
-            conn.transport.set_write_buffer_limits(high=cfg.max_write_buffer)
-
-
-def _set_retention(daemon: Daemon, cfg: DaemonConfig, field: str) -> None:
-    # One call for the whole [sessions] table: lowered bounds are enforced at once.
-    if daemon.broker is not None:
-        daemon.broker.retention.configure(cfg.retention_settings())
-
-
-def _set_log_level(daemon: Daemon, cfg: DaemonConfig, field: str) -> None:
-    logging.getLogger().setLevel(cfg.log_level.upper())
-
-
-Apply = Callable[["Daemon", "DaemonConfig", str], None]
 
 
 @dataclass(frozen=True, eq=False)
@@ -228,8 +189,9 @@ SETTINGS: tuple[Key, ...] = (
         example=2),
     Key("page_size", parse.page_size, "64K", flag=(), metavar="SIZE",
         help="Allocation granule (a power of two).", example="4K"),
-    Key("lease_ttl", parse.positive_duration, "30s", reload=TO_BROKER, flag=(), metavar="DURATION",
-        help="Default lease TTL.", example="90s"),
+    # Its consumers: the broker's leases, and the GPU rings' objects waiting for a claimer.
+    Key("lease_ttl", parse.positive_duration, "30s", reload=Into("broker.{}", "rings.object_ttl"),
+        flag=(), metavar="DURATION", help="Default lease TTL.", example="90s"),
     Key("high_watermark", parse.ratio, 0.95, reload=TO_BROKER, flag=(), metavar="FRACTION",
         text=float, help="Evict above this use.", example=0.97),
     Key("low_watermark", parse.ratio, 0.90, reload=TO_BROKER, flag=(), metavar="FRACTION",
@@ -267,7 +229,7 @@ SETTINGS: tuple[Key, ...] = (
              "connection holding the most is disconnected (see max_write_buffer)."),
     Key("drain_timeout", parse.duration, "10s", reload=LIVE, flag=(), metavar="DURATION",
         example="1m", help="On SIGTERM, wait this long for held leases to end."),
-    Key("log_level", parse.log_level, "info", reload=_set_log_level, flag=(), metavar="LEVEL",
+    Key("log_level", parse.log_level, "info", reload=set_log_level, flag=(), metavar="LEVEL",
         example="debug", help="debug, info, warning, error."),
     # (host, port) of the Prometheus endpoint, None when off.
     Key("metrics", parse_listen_address, "off", flag=(), metavar="HOST:PORT",
@@ -283,13 +245,13 @@ SETTINGS: tuple[Key, ...] = (
         help="Leases the connections of one uid may hold at once, together (each costs the "
              "daemon ~400 B of memory that no quota counts); peers' pins count as the "
              "daemon's own uid."),
-    Key("max_write_buffer", parse.write_buffer, "32M", reload=_set_write_buffers, example="64M",
+    Key("max_write_buffer", parse.write_buffer, "32M", reload=set_write_buffers, example="64M",
         help="Bytes of replies and pushes a peer may leave unread before it is disconnected "
              "(above the largest reply: 16 MiB frames)."),
     # Who may use which namespace, and namespace byte quotas (kvbroker._server.policy).
-    Key("isolation", parse.isolation, {}, reload=_set_policy, example={"mode": "tenant"},
+    Key("isolation", parse.isolation, {}, reload=set_policy, example={"mode": "tenant"},
         help="[isolation] namespace access policy."),
-    Key("quotas", parse.quotas, {}, reload=_set_policy, example={"team/*": "1G"},
+    Key("quotas", parse.quotas, {}, reload=set_policy, example={"team/*": "1G"},
         help="[quotas] namespace = byte limit."),
     # Pools of one tenant's own, which only its uid (or group) can map (issue 16).
     Key("tenant_pools", parse.tenant_pools, {},
@@ -354,23 +316,23 @@ SETTINGS: tuple[Key, ...] = (
     Key("transfer_timeout", parse.positive_duration, "60s", section="transfer", example="2m",
         help="Give up a pull (connect, pin, NIXL READ) after this long."),
     # Sessions: the blocks agents and chats come back to (kvbroker._server.retention).
-    Key("sessions_retain", parse.positive_duration, "10m", section="sessions", reload=_set_retention,
+    Key("sessions_retain", parse.positive_duration, "10m", section="sessions", reload=set_retention,
         example="30m", help="How long a request naming a session without `for` keeps its "
                             "blocks retained (renewed by each request)."),
     Key("sessions_max_retain", parse.positive_duration, "1h", section="sessions",
-        reload=_set_retention, example="4h",
+        reload=set_retention, example="4h",
         help="The longest retention a request or `kvbroker retain` may ask for."),
-    Key("sessions_pool_share", parse.ratio, 0.5, section="sessions", reload=_set_retention,
+    Key("sessions_pool_share", parse.ratio, 0.5, section="sessions", reload=set_retention,
         text=float, example=0.3,
         help="The part of each pool sessions' retained blocks may hold, all tenants together; "
              "past it the lowest priority, least recently used lose retention first."),
     Key("sessions_tenant_quota", parse.optional_size, "off", section="sessions",
-        reload=_set_retention, example="4G",
+        reload=set_retention, example="4G",
         help="Bytes one uid's sessions may retain together; past it that uid's own lowest "
              "priority, least recently used retained blocks lose retention (off: no limit "
              "but pool_share)."),
     Key("sessions_max_per_uid", parse.int_in(1, 1 << 20), 4096, section="sessions",
-        reload=_set_retention, text=int, example=64,
+        reload=set_retention, text=int, example=64,
         help="Sessions one uid may have at once."),
     # KV events for cache-aware routers (kvbroker._server.events).
     Key("events_publish", parse.zmq_endpoint, "off", section="events", example="tcp://*:5557",
@@ -588,8 +550,14 @@ def reload_into(
     for key in SETTINGS:  # unchanged values too: the daemon's copies always match the config
         if key.reload is None:
             continue
-        once = (key.reload, key.attr) if key.reload is TO_BROKER else key.reload
+        once = (key.reload, key.attr) if isinstance(key.reload, Into) else key.reload
         if once not in done:  # one set_policy for [isolation] and [quotas]
             done.add(once)
             key.reload(daemon, running, key.attr)
     return changed, restart
+
+
+def apply_to_owners(daemon: Daemon) -> None:
+    """At the start, once the daemon's owners are built: every copy of a setting its ``Key``
+    declares (``Into``), as a reload sets them (:mod:`~kvbroker._server.config_apply`)."""
+    apply_owned(daemon, SETTINGS)

@@ -21,7 +21,7 @@ from typing import Any
 from .broker import Broker
 from .connection import Connection
 from .._cpu import cpu_spare
-from .config import DaemonConfig, reload_into
+from .config import DaemonConfig, apply_to_owners, reload_into
 from .replicas import Replicas
 from .systemd import Notifier
 from .._wire.paths import format_size
@@ -247,6 +247,7 @@ class Daemon:
             self.broker.on_sealed = self._on_sealed
             if self.config.gpu_ring:
                 startup.open_rings(self)
+            apply_to_owners(self)  # each owner's copy of a setting, as its Key declares
             await self._start_fleet()
             if self._lock_fd is not None:
                 startup.write_lock_record(self)

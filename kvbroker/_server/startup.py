@@ -332,8 +332,8 @@ def open_rings(d: Daemon) -> None:
     from .rings import RingService, open_backend
 
     backend = open_backend()
-    rings = RingService(backend, d.config.gpu_ring, object_ttl=d.config.lease_ttl,
-                        on_sealed=d._on_sealed)  # fmt: skip
+    # (its settings, object_ttl among them, come from their Keys: config.apply_to_owners)
+    rings = RingService(backend, d.config.gpu_ring, on_sealed=d._on_sealed)
     d.broker.rings = rings
     if not rings.rings:
         log.warning("--gpu-ring: no GPU is visible; serving without GPU rings")
