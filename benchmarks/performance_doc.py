@@ -877,6 +877,38 @@ def sessions() -> list[str]:
                           "recomputed tokens (all requests)", "evictions"], rows)  # fmt: skip
 
 
+def sessions_vllm() -> list[str]:
+    d = load("sessions-vllm-cpu.json")
+    if d is None:
+        return []
+    t, m, cfg = d["trace"], d["machine"], d["model"]
+    lines = [
+        "### Sessions against plain LRU through a vLLM CPU engine "
+        "(`benchmarks/bench_sessions_vllm.py`)",
+        "",
+        (
+            f"The small form: one vLLM engine (`kv_both`, its own prefix cache off, so every "
+            f"reuse goes through the broker; a seeded random Llama-shaped model, "
+            f"{cfg['num_hidden_layers']} layers, hidden {cfg['hidden_size']}), "
+            f"{t['sessions']} conversations of {t['turns']} turns ({t['first_tokens']} tokens, "
+            f"then {t['tokens_per_turn']} more a turn), {t['oneshots_per_round']} one-shot "
+            f"prompts of {t['oneshot_tokens']} tokens a round, a {t['pool']} pool; the same "
+            "trace without and with the session in `kv_transfer_params`. Loaded tokens: vLLM's "
+            "`num_cached_tokens` of the later turns."
+        ),
+        "",
+    ]
+    before, after = d["conditions_before"], d["conditions_after"]
+    machine = cpu_machine({**m, "loadavg_1min": after["loadavg_1min"]})
+    lines += source("sessions-vllm-cpu.json", d["commit"], machine, d["command"])
+    lines += [f"CPU pressure after the run: `{after['cpu_pressure']}` (load "
+              f"{before['loadavg_1min']:.1f} before).", ""]  # fmt: skip
+    rows = [[r["mode"], f"{r['hit_rate']:.1%}", f"{r['cached']:,}", f"{r['asked']:,}",
+             f"{r['recomputed']:,}"] for r in d["rows"]]  # fmt: skip
+    return lines + table(["mode", "turn hit rate", "loaded tokens", "turn tokens",
+                          "recomputed tokens (all requests)"], rows)  # fmt: skip
+
+
 SECTIONS: tuple[tuple[str, list[Callable[[], list[str]]]], ...] = (
     ("## Serving with real engines", [serving]),
     ("## GPU and engines", [ttft, gpu, vllm_gpu, vllm_async_load]),
@@ -884,7 +916,7 @@ SECTIONS: tuple[tuple[str, list[Callable[[], list[str]]]], ...] = (
     ("## Host scenarios, a GPU machine's CPU", [gpu_host]),
     ("## SGLang", [sglang_storage]),
     ("## Integrity, restarts, nodes", [integrity, journal, remote, peer_preauth, events, soak]),
-    ("## Sessions (multi-turn retention)", [sessions]),
+    ("## Sessions (multi-turn retention)", [sessions, sessions_vllm]),
 )
 
 
