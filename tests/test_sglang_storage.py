@@ -241,6 +241,17 @@ def test_the_flat_page_interface_stores_the_same_blocks(daemon, engines):
     assert got["found"] == [True, True] and got["exact"] == [True, True]
 
 
+def test_a_host_pool_keeping_pages_elsewhere_is_refused_at_start(daemon, engines):
+    """A subclass of SGLang's MHA host pool may keep part of a page outside kv_buffer (the
+    MXFP8 pool keeps its scales apart): kv_buffer alone would be restored with stale
+    scales, so the backend refuses it at start, naming it (as an extra pool: a miss)."""
+    a, _ = engines
+    got = a.call("create", rank="scaled", layout="page_first", tp_rank=0, tp_size=1,
+                 tp_lcm_size=None, extra={"socket": daemon.socket_path}, subclass=True,
+                 expect_error=True, **GEOMETRY)  # fmt: skip
+    assert "ScaledMHAPool is not stored" in got["error"]
+
+
 def span(slot: int, mamba_slot: int, swa_slot: int, window: int = 2) -> dict:
     return {"slot": slot, "mamba_slot": mamba_slot, "swa_slot": swa_slot, "window": window}
 

@@ -178,8 +178,15 @@ def create(cmd: dict) -> dict:
         is_page_first_layout=pool.layout == "page_first", model_name=cmd.get("model", "org/tiny"),
         tp_lcm_size=lcm, should_split_heads=split, extra_config=extra,
     )  # fmt: skip
+    if cmd.get("subclass"):  # a pool keeping part of a page elsewhere, as MXFP8's scales
+        pool.__class__ = type("ScaledMHAPool", (type(pool),), {})
     backend = StorageBackendFactory.create_backend("dynamic", config, pool)
-    backend.register_mem_pool_host(pool)
+    try:
+        backend.register_mem_pool_host(pool)
+    except ValueError as exc:
+        if not cmd.get("expect_error"):
+            raise
+        return {"error": str(exc)}
     more = {}
     if cmd.get("hybrid"):  # as HybridCacheController.attach_storage_backend registers them
         from sglang.srt.mem_cache.hicache_storage import PoolName

@@ -124,6 +124,15 @@ class KVBrokerStorage(HiCacheStorage):
     def _page_store(self, pool, name: str = "") -> PageStore:
         """The store of a host pool of attention pages: the KV pool, or (``name``) a hybrid
         model's sliding-window pool, in a namespace of its own (its geometry's)."""
+        from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+        from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+
+        # Exactly these: a subclass may keep part of a page outside kv_buffer (the MXFP8
+        # pool's scales), which storing kv_buffer alone would restore stale.
+        if type(pool) not in (MHATokenToKVPoolHost, MLATokenToKVPoolHost):
+            raise ValueError(f"kvbroker: HiCache host pool {type(pool).__name__} is not "
+                             "stored (only MHATokenToKVPoolHost and MLATokenToKVPoolHost "
+                             "pages, whose kv_buffer holds them whole)")  # fmt: skip
         buffer = pool.kv_buffer
         if not hasattr(buffer, "data_ptr") or buffer.device.type != "cpu" \
                 or not buffer.is_contiguous():  # fmt: skip
@@ -207,14 +216,13 @@ class KVBrokerStorage(HiCacheStorage):
         name = str(host_pool_name)
         if name == "kv" or host_pool is self.mem_pool_host:
             return
+        from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
+
         try:
-            if hasattr(host_pool, "temporal_buffer") and hasattr(host_pool, "conv_buffer"):
+            if isinstance(host_pool, MambaPoolHost):
                 store = self._state_store(host_pool, name)
-            elif hasattr(host_pool, "kv_buffer") and hasattr(host_pool, "head_dim"):
-                store = self._page_store(host_pool, name)
             else:
-                raise ValueError(f"{type(host_pool).__name__} is not a host pool kind kvbroker "
-                                 "stores (Mamba states, attention pages)")  # fmt: skip
+                store = self._page_store(host_pool, name)
         except ValueError as exc:
             self.unsupported[name] = str(exc)
             log.warning("kvbroker: HiCache pool %r is not stored (%s): a hit that needs it is "
