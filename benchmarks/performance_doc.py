@@ -139,9 +139,10 @@ INTRO = {
     "tp": "Claims of a heterogeneous-TP request (P prefill shards → D decode ranks) against "
     "the homogeneous P = D = 1 claim of the same request.",
     "peer": "kvbroker beside Mooncake Store (`mooncake-transfer-engine-non-cuda`, its driver "
-    "`benchmarks/mooncake_peer.py`) and, where the run had it, LMCache's multiprocess server "
+    "`benchmarks/mooncake_peer.py`) and, where the run had them, LMCache's multiprocess server "
     "(`lmcache` wheel, `engine_driven` mode over shared memory, its driver "
-    "`benchmarks/lmcache_peer.py`) on the same sizes, in the same loop.",
+    "`benchmarks/lmcache_peer.py`) and KVCR's local DRAM tier (`kvcr` wheel, NIXL UCX, its "
+    "driver `benchmarks/kvcr_peer.py`) on the same sizes, in the same loop.",
 }
 
 
@@ -684,15 +685,16 @@ by side in the same run. Ratios have two decimals, cut (never rounded up). Finis
 experiments, and what each concluded: `benchmarks/experiments/INDEX.md`.
 
 `kvbroker bench SCENARIO` measures a daemon on your machine: `transfer`, `rpc`, `scale`,
-`prefix`, `tp`, `gpu` (CUDA hosts; exits 4 without CUDA) and `peer` (beside Mooncake Store
-and LMCache).
+`prefix`, `tp`, `gpu` (CUDA hosts; exits 4 without CUDA) and `peer` (beside Mooncake Store,
+LMCache and KVCR).
 Each prints a table and the targets it checks; `--json-out FILE` writes the rows, targets,
 machine and versions, `--plot DIR` draws charts (`pip install 'kvbroker[bench]'`). Without
 `--socket` a scenario starts a private daemon sized for it. `benchmarks/bench_all.py` runs
 every CPU scenario and rewrites this page; `benchmarks/run_gpu_round.sh` and
 `benchmarks/run_host_round.sh` run the GPU host's set. Setting up the peers for `peer`:
-[operating.md](operating.md#comparing-with-mooncake) (Mooncake) and
-[operating.md](operating.md#comparing-with-lmcache) (LMCache). `benchmarks/bench_serving.py`
+[operating.md](operating.md#comparing-with-mooncake) (Mooncake),
+[operating.md](operating.md#comparing-with-lmcache) (LMCache) and
+[operating.md](operating.md#comparing-with-kvcr) (KVCR). `benchmarks/bench_serving.py`
 runs real vLLM CPU engines with and without kvbroker. Every line naming a results file says
 the load and the CPU pressure (PSI) the run recorded, or that it recorded none: the clients'
 and the daemon's busy-polling switches with it (`kvbroker/_cpu.py`).

@@ -226,6 +226,15 @@ def peer(
         None, metavar="FILE", help="LMCache's driver (it runs under --lmcache-python).",
         show_default="benchmarks/lmcache_peer.py of the source tree",
     ),
+    kvcr_python: Optional[str] = typer.Option(
+        None, metavar="PYTHON",
+        help="Python of the environment with the kvcr wheel and NIXL.",
+        show_default="KVCR not run",
+    ),
+    kvcr_script: Optional[str] = typer.Option(
+        None, metavar="FILE", help="KVCR's driver (it runs under --kvcr-python).",
+        show_default="benchmarks/kvcr_peer.py of the source tree",
+    ),
     socket: Optional[str] = SocketOpt,
     sizes: str = typer.Option("256K,4M,32M", help="Object sizes (the peer's defaults)."),
     modes: str = typer.Option("dummy,embedded",
@@ -235,8 +244,8 @@ def peer(
     json_out: Optional[str] = JsonOutOpt,
     plot: Optional[str] = PlotOpt,
 ) -> None:
-    """kvbroker, Mooncake Store and LMCache side by side in one session, with ratios; and
-    against memcpy, on one thread and on the copy engine's threads (without peers too)."""
+    """kvbroker, Mooncake Store, LMCache and KVCR side by side in one session, with ratios;
+    and against memcpy, on one thread and on the copy engine's threads (without peers too)."""
     from kvbroker._bench import peer as pr
 
     size_list = _sizes(sizes)
@@ -251,6 +260,8 @@ def peer(
             script = peer_script or pr.default_peer_script()
         if lmcache_python is not None:
             lmcache_script = lmcache_script or pr.default_peer_script(pr.LMCACHE_SCRIPT)
+        if kvcr_python is not None:
+            kvcr_script = kvcr_script or pr.default_peer_script(pr.KVCR_SCRIPT)
     except pr.PeerFailed as exc:
         typer.echo(f"kvbroker: {exc}", err=True)
         raise typer.Exit(1) from None
@@ -258,7 +269,8 @@ def peer(
     def run(path):
         try:
             return pr.run(path, mooncake_python, script, size_list, mode_list, ops, rounds,
-                          lmcache_python=lmcache_python, lmcache_script=lmcache_script)  # fmt: skip
+                          lmcache_python=lmcache_python, lmcache_script=lmcache_script,
+                          kvcr_python=kvcr_python, kvcr_script=kvcr_script)  # fmt: skip
         except pr.PeerFailed as exc:
             typer.echo(f"kvbroker: {exc}", err=True)
             raise typer.Exit(1) from None

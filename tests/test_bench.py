@@ -392,7 +392,7 @@ def test_peer_runner_with_lmcache_beside_mooncake(daemon, tmp_path):
         row["lmcache_roundtrip_ms"] / row["kvb_roundtrip_ms"])
     for rnd in data["raw_rounds"]:
         lm = [p for p in rnd["peer"] if p["mode"] == "lmcache"]
-        assert len(lm) == 1 and lm[0]["lmcache_mode"] == "engine_driven"
+        assert len(lm) == 1 and lm[0]["driver_mode"] == "engine_driven"
     assert set(data["conditions"]) == {"before", "after"}  # load and CPU pressure recorded
     assert "loadavg_1min" in data["conditions"]["before"]
 
@@ -420,3 +420,34 @@ def test_lmcache_driver_chunks_are_the_object_sizes():
     with pytest.raises(ValueError, match="not 256 tokens"):
         drv.kv_shape(256 * KiB + 4096, 256)
     assert drv.stats([0.001, 0.003, 0.002], 1000)["median_ms"] == pytest.approx(2.0)
+
+
+def test_peer_runner_with_kvcr(daemon, tmp_path):
+    """--kvcr-python runs KVCR's driver (its one mode, local_dram): its columns are "kvcr"."""
+    script = tmp_path / "fake_peer.py"
+    script.write_text(FAKE_PEER)
+    out = tmp_path / "peer.json"
+    res = invoke("peer", "--kvcr-python", sys.executable, "--kvcr-script", str(script),
+                 "--socket", daemon.socket_path, "--sizes", "256K", "--ops", "5",
+                 "--json-out", str(out))  # fmt: skip
+    assert res.exit_code == 0, res.output
+    assert "x KVCR local DRAM" in res.output
+    data = load(out)
+    assert data["params"]["modes"] == ["kvcr"] and data["params"]["kvcr_script"] == str(script)
+    (row,) = data["rows"]
+    assert row["speedup_vs_kvcr"] == pytest.approx(row["kvcr_roundtrip_ms"] / row["kvb_roundtrip_ms"])
+    (got,) = data["raw_rounds"][0]["peer"]
+    assert got["mode"] == "kvcr" and got["driver_mode"] == "local_dram"
+
+
+def test_kvcr_driver_refuses_other_modes(tmp_path):
+    import pathlib
+    import subprocess
+
+    driver = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "kvcr_peer.py"
+    out = tmp_path / "k.json"
+    p = subprocess.run([sys.executable, str(driver), "--modes", "remote", "--json-out", str(out)],
+                       capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert p.returncode == 1
+    (res,) = json.loads(out.read_text())
+    assert res == {"mode": "remote", "error": "only the local_dram mode is driven"}

@@ -42,8 +42,9 @@ from ._common import KiB, MiB, Result, Target, save_figure
 DEFAULT_SIZES = (256 * KiB, 4 * MiB, 32 * MiB)
 DEFAULT_MODES = ("dummy", "embedded")
 LMCACHE_MODE = "engine_driven"  # the driver's one mode; its columns are named "lmcache"
+KVCR_MODE = "local_dram"  # the driver's one mode; its columns are named "kvcr"
 LABELS = {"dummy": "Mooncake dummy", "embedded": "Mooncake embedded", "tcp": "Mooncake tcp",
-          "lmcache": "LMCache"}  # fmt: skip
+          "lmcache": "LMCache", "kvcr": "KVCR local DRAM"}  # fmt: skip
 COLUMNS = [
     ("size", "size", "size"), ("kvb_put_ms", "kvb put ms", ".3f"),
     ("kvb_get_ms", "kvb get ms", ".3f"), ("kvb_roundtrip_ms", "kvb put+get ms", ".3f"),
@@ -72,6 +73,9 @@ class PeerFailed(RuntimeError):
 
 PEER_SCRIPT = os.path.join("benchmarks", "mooncake_peer.py")  # in the source tree
 LMCACHE_SCRIPT = os.path.join("benchmarks", "lmcache_peer.py")
+KVCR_SCRIPT = os.path.join("benchmarks", "kvcr_peer.py")
+OPTIONS = {PEER_SCRIPT: "--peer-script", LMCACHE_SCRIPT: "--lmcache-script",
+           KVCR_SCRIPT: "--kvcr-script"}  # fmt: skip
 
 
 def default_peer_script(name: str = PEER_SCRIPT) -> str:
@@ -83,7 +87,7 @@ def default_peer_script(name: str = PEER_SCRIPT) -> str:
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     path = os.path.join(root, name)
     if not os.path.isfile(path):
-        option = "--peer-script" if name == PEER_SCRIPT else "--lmcache-script"
+        option = OPTIONS.get(name, "--peer-script")
         raise PeerFailed(f"no {name} beside this kvbroker ({root} is not a source tree): "
                          f"pass {option} FILE, the driver from kvbroker's repository")  # fmt: skip
     return path
@@ -197,9 +201,11 @@ def targets(rows: list[dict], modes) -> list[Target]:
 
 def run(socket_path: str, python: str | None, script: str | None = None, sizes=DEFAULT_SIZES,
         modes=DEFAULT_MODES, ops: int = 50, rounds: int = 1, peer_timeout: float = 180.0,
-        lmcache_python: str | None = None, lmcache_script: str | None = None) -> Result:  # fmt: skip
+        lmcache_python: str | None = None, lmcache_script: str | None = None,
+        kvcr_python: str | None = None, kvcr_script: str | None = None) -> Result:  # fmt: skip
     """``python`` None: Mooncake is not run (``modes`` ignored); ``lmcache_python`` None:
-    LMCache is not run; neither: kvbroker against memcpy only."""
+    LMCache is not run; ``kvcr_python`` None: KVCR is not run; none: kvbroker against memcpy
+    only."""
     from .._client.engine import default_engine
     from . import transfer
 
@@ -208,22 +214,34 @@ def run(socket_path: str, python: str | None, script: str | None = None, sizes=D
     else:
         script = script or default_peer_script()
     modes = tuple(modes)
+    # (column name, the driver's mode, its Python, its script, seconds it may take): LMCache's
+    # server and worker start with torch, and on a loaded 2-core VM a 32 MiB store+retrieve of
+    # a paged cache takes ~1 s, so it gets more time than Mooncake
+    others = []
     if lmcache_python is not None:
-        lmcache_script = lmcache_script or default_peer_script(LMCACHE_SCRIPT)
-    all_modes = modes + (("lmcache",) if lmcache_python else ())
+        others.append(("lmcache", LMCACHE_MODE, lmcache_python,
+                       lmcache_script or default_peer_script(LMCACHE_SCRIPT),
+                       max(peer_timeout, 900.0)))  # fmt: skip
+        lmcache_script = others[-1][3]
+    if kvcr_python is not None:
+        others.append(("kvcr", KVCR_MODE, kvcr_python,
+                       kvcr_script or default_peer_script(KVCR_SCRIPT),
+                       max(peer_timeout, 300.0)))  # fmt: skip
+        kvcr_script = others[-1][3]
+    all_modes = modes + tuple(name for name, *_ in others)
     rounds_rows, raw = [], []
     for _ in range(rounds):
         peer = run_peer(python, script, sizes, modes, ops, peer_timeout) if modes else []
-        if lmcache_python:
-            (lm,) = run_peer(lmcache_python, lmcache_script, sizes, (LMCACHE_MODE,), ops,
-                             max(peer_timeout, 300.0))  # fmt: skip
-            peer.append({**lm, "mode": "lmcache", "lmcache_mode": lm["mode"]})
+        for name, mode, other_python, other_script, timeout in others:
+            (got,) = run_peer(other_python, other_script, sizes, (mode,), ops, timeout)
+            peer.append({**got, "mode": name, "driver_mode": got["mode"]})
         kvb = transfer.measure(socket_path, sizes, reps=ops, split_baseline=True)
         raw.append({"peer": peer, "kvbroker": kvb})
         rounds_rows.append(compare(peer, kvb, all_modes))
     rows = _median_rows(rounds_rows, all_modes)
     peer_versions = {r["mode"]: {"setup_s": r.get("setup_s"), "mooncake": r.get("mooncake"),
-                                 "lmcache": r.get("lmcache"), "server": r.get("server")}
+                                 "lmcache": r.get("lmcache"), "kvcr": r.get("kvcr"),
+                                 "server": r.get("server")}
                      for r in raw[-1]["peer"]}  # fmt: skip
     notes = ["x memcpy same threads: two memcpys of the bytes, each split over that many "
              "threads as the copy engine splits it / kvbroker's put+get time."]  # fmt: skip
@@ -233,15 +251,22 @@ def run(socket_path: str, python: str | None, script: str | None = None, sizes=D
     if lmcache_python:
         notes.append("LMCache: one chunk of a paged float16 KV cache of the object's size "
                      "(its unit of storage); its get is LOOKUP + prefetch wait + retrieve.")  # fmt: skip
+    if kvcr_python:
+        notes.append("KVCR: its local DRAM tier in the engine's process (a library, not a "
+                     "daemon), deposit and deliver through NIXL (UCX); no per-key remove, its "
+                     "pool evicts.")  # fmt: skip
     if not all_modes:
         notes.append("Mooncake not run (no --mooncake-python), LMCache not run (no "
-                     "--lmcache-python): kvbroker against memcpy only.")  # fmt: skip
+                     "--lmcache-python), KVCR not run (no --kvcr-python): kvbroker against "
+                     "memcpy only.")  # fmt: skip
     return Result(
         "peer", rows, columns(all_modes),
         params={"sizes": list(sizes), "modes": list(all_modes), "ops": ops, "rounds": rounds,
                 "peer_script": os.path.abspath(script) if modes else None, "peer_python": python,
                 "lmcache_script": os.path.abspath(lmcache_script) if lmcache_python else None,
                 "lmcache_python": lmcache_python,
+                "kvcr_script": os.path.abspath(kvcr_script) if kvcr_python else None,
+                "kvcr_python": kvcr_python,
                 "copy_engine_threads": default_engine().threads},
         targets=targets(rows, all_modes),
         extra={"raw_rounds": raw, "peer_modes": peer_versions},
