@@ -38,6 +38,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
+import ctypes.util
+import glob
 import json
 import os
 import signal
@@ -82,6 +85,12 @@ def kv_shape(size: int, chunk: int) -> tuple[int, int, int]:
     return 1, planes, 64
 
 
+def die_with_parent() -> None:  # in the child between fork and exec (Linux)
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -107,7 +116,15 @@ def server(chunk: int, l1_gb: float, workdir: str, patience: float = 180.0):
            "--no-l1-use-lazy", "--eviction-policy", "LRU", "--max-workers", "1",
            "--http-port", str(http_port)]  # fmt: skip
     log = open(os.path.join(workdir, "server.log"), "wb")  # noqa: SIM115  (the server's)
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    # its own process group (stopped whole), and SIGTERM should this driver die first (killed
+    # by the runner's timeout): a server outliving it would keep its segment and ports
+    proc = subprocess.Popen(
+        cmd,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        preexec_fn=die_with_parent,
+    )  # noqa: PLW1509  (one thread here)
     try:
         end = time.monotonic() + patience
         while True:  # ready when its port answers
@@ -129,8 +146,9 @@ def server(chunk: int, l1_gb: float, workdir: str, patience: float = 180.0):
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
         log.close()
-        with contextlib.suppress(OSError):
-            os.unlink(f"/dev/shm/{shm}")
+        for path in glob.glob(f"/dev/shm/*{shm}*"):  # the server names its L1 pool after it
+            with contextlib.suppress(OSError):
+                os.unlink(path)
 
 
 def tail(workdir: str) -> str:
