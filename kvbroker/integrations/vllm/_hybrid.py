@@ -109,7 +109,7 @@ class HybridScheduler:
                  warnings: Warnings) -> None:  # fmt: skip
         self.link, self.namespace, self.groups = link, namespace, groups
         self.tp_size = tp_size
-        # A state group's state is sharded per rank (GDN): only this TP layout reads it.
+        # (a state group that cannot be resharded reads this TP layout only)
         self.layouts = tuple(dict.fromkeys((tp_size, *peer_tp_sizes)))
         self.save, self.load = save, load
         self.warnings = warnings
@@ -146,9 +146,17 @@ class HybridScheduler:
         if client is None or not keys:
             return 0
         self.lookups += 1
-        if group.kind == STATE:  # rank 0's pages of this TP layout
+        if group.kind == STATE:  # rank 0's pages of this TP layout, or every rank's of another
             fmt = state_format(group, 0, self.tp_size)
-            return blocks.match(client, self.namespace, fmt, keys, hold=False).num_blocks
+            best = blocks.match(client, self.namespace, fmt, keys, hold=False).num_blocks
+            for source in self.layouts if group.reshardable else ():
+                if best == len(keys) or source == self.tp_size:
+                    continue
+                fmts = [state_format(group, q, source) for q in range(source)]
+                wanted = [f.key(k) for k in keys for f in fmts]  # block-major, rank-minor
+                found = blocks.match_keys(client, self.namespace, wanted, hold=False).num_blocks
+                best = max(best, found // source)
+            return best
         pc = PrefixCache(client, namespace=self.namespace, block_size=group.block_size,
                          tp_rank=0, tp_size=1, total_kv_heads=group.num_kv_heads)  # fmt: skip
         best = 0

@@ -40,7 +40,15 @@ from ._async_loads import Lost
 from ._format import BlockFormat
 from ._groups import STATE, Group
 from ._paged import HostSave, SaveItem, cuda_cache, host_cache, interpret, load_host
-from ._state import StatePages, StateSave, check_pages, load_state, state_format, state_pieces
+from ._state import (
+    StatePages,
+    StateSave,
+    check_pages,
+    load_state,
+    load_state_resharded,
+    state_format,
+    state_pieces,
+)
 from ._worker import WorkerSide, _Skipped
 
 NULL_BLOCK = 0  # vLLM's null block (a sliding group's skipped positions): never read or written
@@ -182,7 +190,8 @@ class HybridWorker(WorkerSide):
             fmt, cache = self.formats[g.index], self.caches[g.index]
             if g.kind == STATE:
                 for key, block in zip(load.keys, load.block_ids, strict=True):
-                    if not load_state(client, self.namespace, fmt, cache, key, block):
+                    if not (load_state(client, self.namespace, fmt, cache, key, block)
+                            or self._load_resharded(client, g, key, block)):  # fmt: skip
                         return done
                     done += 1
                     self.stats["loaded_state_bytes"] += fmt.block_nbytes
@@ -194,6 +203,13 @@ class HybridWorker(WorkerSide):
                 return done
         return done
 
+    def _load_resharded(self, client: Any, g: Group, key: str, block: int) -> bool:
+        """The state at ``key`` from another TP layout's pages (``peer_tp_sizes``)."""
+        if not self.peer_tp_sizes or not g.reshardable:
+            return False
+        return load_state_resharded(client, self.namespace, g, self.caches[g.index], key, block,
+                                    self.tp_rank, self.peer_tp_sizes)  # fmt: skip
+
     def _copy_in_staged(self, spec: Any, client: Any, stream: Any) -> int:
         from ._cuda import load_cuda, load_state_cuda
 
@@ -204,6 +220,9 @@ class HybridWorker(WorkerSide):
             if g.kind == STATE:
                 n = load_state_cuda(client, self.namespace, fmt, cache, load.keys,
                                     load.block_ids, stream=stream, copier=copier)  # fmt: skip
+                while n < len(load.block_ids) and self._load_resharded(
+                        client, g, load.keys[n], load.block_ids[n]):  # fmt: skip
+                    n += 1
                 self.stats["loaded_state_bytes"] += n * fmt.block_nbytes
             else:
                 n = load_cuda(client, self.namespace, fmt, cache, load.keys, load.block_ids,

@@ -28,14 +28,17 @@ from kvbroker.errors import LayoutMismatch
 
 from ._groups import Group
 
-__all__ = ["StatePages", "StateSave", "load_state", "state_format", "state_pieces"]
+__all__ = ["StatePages", "StateSave", "load_state", "load_state_resharded", "reshard_page",
+           "state_format", "state_pieces"]  # fmt: skip
 
 
 def state_format(group: Group, tp_rank: int, tp_size: int) -> blocks.StateFormat:
-    """TP rank ``tp_rank``'s state page of ``group``: every layer's state tensors."""
+    """TP rank ``tp_rank`` of ``tp_size``'s state page of ``group``: every layer's state
+    tensors (another TP size than the engine's: as :meth:`Group.shapes_for` lays them out)."""
+    shapes = group.shapes_for(tp_size)
     parts = [blocks.StateBuffer(f"l{layer}.s{i}", dtype, shape)
              for layer in range(len(group.layer_names))
-             for i, (shape, dtype) in enumerate(zip(group.state_shapes, group.state_dtypes))]  # fmt: skip
+             for i, (shape, dtype) in enumerate(zip(shapes, group.state_dtypes))]  # fmt: skip
     return blocks.StateFormat(tuple(parts), tp_rank=tp_rank, tp_size=tp_size)
 
 
@@ -173,3 +176,59 @@ def load_state(client, namespace: str, fmt: blocks.StateFormat, pages: StatePage
             np.copyto(dst, src[at : at + dst.size])
             at += dst.size
     return True
+
+
+def reshard_page(group: Group, sources: Sequence, tp_rank: int, tp_size: int):
+    """TP rank ``tp_rank`` of ``tp_size``'s state page of ``group`` (a uint8 tensor), made of
+    the pages ``sources[q]`` (uint8 tensors) of every rank ``q`` of another TP layout: each
+    state tensor's blocks (:func:`._groups.state_splits`) put back whole from the source
+    ranks' slices, then this rank's slice of each taken, in the engine's dtypes."""
+    import torch
+
+    source_size = len(sources)
+    src_fmt, dst_fmt = state_format(group, 0, source_size), state_format(group, tp_rank, tp_size)
+    out = torch.empty(dst_fmt.block_nbytes, dtype=torch.uint8, device=sources[0].device)
+    for part, dst_part in zip(src_fmt.parts, dst_fmt.parts, strict=True):
+        axis, segments = group.state_splits[int(part.name.rsplit(".s", 1)[1])]
+        dtype = getattr(torch, part.dtype)
+        at = src_fmt.offset_of(part.name)
+        shards = [src[at : at + part.nbytes].clone().view(dtype).view(part.shape)
+                  for src in sources]  # fmt: skip
+        mine, start = [], 0  # (offsets along the axis, in a source rank's tensor)
+        for units, width in segments:
+            per_source, per_rank = units // source_size * width, units // tp_size * width
+            whole = torch.cat([s.narrow(axis, start, per_source) for s in shards], axis)
+            mine.append(whole.narrow(axis, tp_rank * per_rank, per_rank))
+            start += per_source
+        local = torch.cat(mine, axis).contiguous()
+        assert tuple(local.shape) == dst_part.shape
+        to = dst_fmt.offset_of(dst_part.name)
+        out[to : to + dst_part.nbytes] = local.view(-1).view(torch.uint8)
+    return out
+
+
+def load_state_resharded(client, namespace: str, group: Group, pages: StatePages,
+                         group_key: str, block: int, tp_rank: int,
+                         source_tp_sizes: Sequence[int]) -> bool:  # fmt: skip
+    """Load the state at ``group_key`` into engine block ``block`` from the pages of another TP
+    layout (the first of ``source_tp_sizes`` whose every rank's page the node holds, under one
+    read lease), resharded (:func:`reshard_page`); False (nothing written) when none does.
+    The pages are read through host views: one extra copy, on this rarely taken path."""
+    import numpy as np
+    import torch
+
+    for source in source_tp_sizes:
+        if source == group.tp_size:
+            continue
+        fmts = [state_format(group, q, source) for q in range(source)]
+        with blocks.match_keys(client, namespace, [f.key(group_key) for f in fmts]) as m:
+            if m.num_blocks < source:
+                continue
+            fmts[0].check(m.meta)
+            sources = [torch.from_numpy(np.array(b[f.packed])) for b, f in zip(m.blocks, fmts)]
+        page = reshard_page(group, sources, tp_rank, group.tp_size).to(pages.device)
+        pages.scatter(torch.tensor([block], device=pages.device), page[None])
+        if pages.device.type == "cuda":
+            torch.cuda.current_stream(pages.device).synchronize()  # landed before reported
+        return True
+    return False

@@ -18,7 +18,8 @@ longest prefix of each prompt the node holds instead of computing it; ``kv_both`
   tenant mode use one the engine's user may write, e.g. ``"USER/vllm"``);
 - ``model_id``: the model's identity in the namespace (default: the model path or name);
 - ``peer_tp_sizes``: TP sizes of the other engines whose blocks this one may read (a decode
-  engine with TP 2 reading a prefill engine with TP 4: ``[4]``);
+  engine with TP 2 reading a prefill engine with TP 4: ``[4]``; a hybrid model's state groups:
+  where :func:`._groups.state_splits` knows their sharding, else refused at start);
 - ``timeout`` (seconds, default 5): the longest a broker call may take before the broker
   is treated as down; ``retry_min`` / ``retry_max`` (seconds, default 1 / 30): the first and
   the longest wait between reconnection attempts while it is down;
@@ -68,7 +69,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from .._link import BrokerLink, LinkWords, Warnings
 from . import log
 from ._format import namespace_for
-from ._groups import STATE, groups_of, hybrid_namespace
+from ._groups import check_peer_layouts, groups_of, hybrid_namespace
 from ._hybrid import HybridScheduler
 from ._hybrid_worker import HybridWorker
 from ._scheduler import SchedulerSide, StepPlan
@@ -206,15 +207,13 @@ class KVBrokerConnector(KVConnectorBase_V1, SupportsHMA):
             )  # fmt: skip
         else:
             self._groups = groups_of(kv_cache_config, tp_size=tp_size,
-                                     total_kv_heads=total_heads, use_mla=self._latent)  # fmt: skip
+                                     total_kv_heads=total_heads, use_mla=self._latent,
+                                     hf_config=getattr(model_config, "hf_text_config", None))  # fmt: skip
             self._namespace = hybrid_namespace(model_id, self._groups, prefix=prefix)
         self._tp_size = vllm_config.parallel_config.tensor_parallel_size
         peers = tuple(int(p) for p in extra.get("peer_tp_sizes", ()))
-        if self._groups and peers and any(g.kind == STATE for g in self._groups):
-            raise ValueError(
-                "KVBrokerConnector: peer_tp_sizes is not supported for models with Mamba / "
-                "linear-attention groups: vLLM shards their state per TP rank, so only an "
-                "engine of the same TP size can read it")  # fmt: skip
+        if self._groups and peers:
+            check_peer_layouts(self._groups, peers)  # ValueError naming a group it cannot
         socket = extra.get("socket") or os.environ.get("KVBROKER_SOCKET") or None
         timeout = float(extra.get("timeout", 5.0))
         retry = {"retry_min": float(extra.get("retry_min", 1.0)),
