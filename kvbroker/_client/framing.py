@@ -36,7 +36,7 @@ class MessageStream:
 
     def send(self, message: dict[str, Any]) -> None:
         # (a forked transport refuses to send it; one too large for a daemon: BadRequest)
-        self.transport.send(self._encoder.request(message["id"], message["op"], message["args"]))
+        self.transport.send(self._encoder.request_map(message))
 
     def receive(self) -> Any:
         if getattr(self.transport, "forked", False):

@@ -99,19 +99,14 @@ class FrameDecoder:
         """The messages ``data`` completes, in order (maybe none). :class:`FrameError` when
         the stream cannot be read: it ends there, the decoder is not to be used again."""
         u = self._own
-        shared = None
         if u is None:  # borrowed: it holds nothing between reads
-            shared = self._shared
-            u = shared.take()
-            done = shared.fed
-            fed = done + len(data)
-        else:
-            done = self._done
-            fed = self._fed + len(data)
+            return self._receive_shared(data)
+        fed = self._fed + len(data)
         try:
             u.feed(data)
         except msgpack.BufferFull:
             raise self._too_big() from None
+        done = self._done
         out = []
         try:
             while done < fed:  # (all parsed: no StopIteration to pay for)
@@ -120,27 +115,50 @@ class FrameDecoder:
         except StopIteration:
             pass
         except Exception as exc:  # noqa: BLE001 (any decoding failure: the stream cannot resync)
-            if shared is not None:
-                shared.unpacker = None
-            raise FrameError(f"malformed frame{self.sender}: {type(exc).__name__}: {exc}") from None
-        left = fed - done
-        if left > self.limit:
-            if shared is not None:
-                shared.unpacker = None
+            raise self._malformed(exc) from None
+        if fed - done > self.limit:
             raise self._too_big()
-        if shared is not None:
-            shared.fed = fed
-            if left:  # a frame continues in the next read: an unpacker of its own for it
-                shared.unpacker = None
-                self._own = own = _unpacker(self.limit)
-                own.feed(data[len(data) - left :])
-                self._fed, self._done = left, 0
-        elif not left and self._shared is not None:
+        if done == fed and self._shared is not None:
             self._own = None  # back to the shared one
             self._fed = self._done = 0
         else:
             self._fed, self._done = fed, done
         return out
+
+    def _receive_shared(self, data: bytes | memoryview) -> list[Any]:
+        shared = self._shared
+        u = shared.take()
+        done = shared.fed
+        fed = done + len(data)
+        try:
+            u.feed(data)
+        except msgpack.BufferFull:  # (an empty unpacker: only a read over the limit)
+            shared.unpacker = None
+            raise self._too_big() from None
+        out = []
+        try:
+            while done < fed:
+                out.append(next(u))
+                done = u.tell()
+        except StopIteration:
+            pass
+        except Exception as exc:  # noqa: BLE001 (any decoding failure: the stream cannot resync)
+            shared.unpacker = None
+            raise self._malformed(exc) from None
+        left = fed - done
+        if left > self.limit:
+            shared.unpacker = None
+            raise self._too_big()
+        shared.fed = fed
+        if left:  # a frame continues in the next read: an unpacker of its own for it
+            shared.unpacker = None
+            self._own = own = _unpacker(self.limit)
+            own.feed(data[len(data) - left :])
+            self._fed, self._done = left, 0
+        return out
+
+    def _malformed(self, exc: Exception) -> FrameError:
+        return FrameError(f"malformed frame{self.sender}: {type(exc).__name__}: {exc}")
 
     def _too_big(self) -> FrameError:
         return FrameError(f"a frame{self.sender} exceeds the size limit ({self.limit} bytes)")
@@ -204,10 +222,14 @@ class FrameEncoder:
     def request(self, rid: int, op: str, args: Any) -> bytes:
         """A request; :class:`~kvbroker.errors.BadRequest` when it packs to more than a
         daemon reads (it would cut the connection off mid-frame)."""
-        data = self._pack({"id": rid, "op": op, "args": args})
+        return self.request_map({"id": rid, "op": op, "args": args})
+
+    def request_map(self, request: dict[str, Any]) -> bytes:
+        """:meth:`request` of a request map built already (``{"id", "op", "args"}``)."""
+        data = self._pack(request)
         if len(data) > MAX_REQUEST:
             raise BadRequest(
-                f"{op}: the request packs to {len(data)} bytes, more than the "
+                f"{request.get('op')}: the request packs to {len(data)} bytes, more than the "
                 f"{MAX_REQUEST} a daemon reads; send less at once"
             )
         return data
