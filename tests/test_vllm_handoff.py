@@ -296,3 +296,134 @@ def test_handoff_config_is_checked():
                 {"handoff_ttl": float("inf")}, {"handoff_tp_size": True}):  # fmt: skip
         with pytest.raises(ValueError):
             HandoffConfig.from_extra(bad)
+
+
+# ------------------------------------------------------------------ the connector's halves
+def _request(tokens):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(request_id="r1", prompt_token_ids=tokens, cache_salt=None,
+                           lora_request=None, mm_features=None, prompt_embeds=None)  # fmt: skip
+
+
+def _scheduler(socket, handoff, tp_size=1, peers=()):
+    from kvbroker.integrations._link import BrokerLink, Warnings
+    from kvbroker.integrations.vllm._scheduler import SchedulerSide
+
+    link = BrokerLink(socket, name="sched", role="kv_consumer", map_pools=False, warnings=Warnings())
+    return SchedulerSide(link=link, namespace=NS, block_size=16, total_kv_heads=4, latent=False,
+                         tp_size=tp_size, peer_tp_sizes=peers, save=False, load=True,
+                         warnings=Warnings(), handoff=handoff)  # fmt: skip
+
+
+class _Blocks:
+    def __init__(self, ids):
+        self.ids = ids
+
+    def get_block_ids(self):
+        return (self.ids,)
+
+
+@pytest.mark.parametrize("mode", ["off", "ring"])
+def test_the_scheduler_picks_the_ring_per_request_and_plans_its_runs(ring_daemon, memory, mode):
+    L, B, H, N, D = 1, 8, 4, 16, 8
+    cache, _ = vllm_like(L, B, H, N, D, torch.bfloat16, "cpu", "NHD")
+    side = _scheduler(ring_daemon.socket_path, HandoffConfig(mode))
+    st = side.state(_request(list(range(1, 16 * 5 + 6))))  # 5 full blocks and a tail
+    keys = st.keys.keys
+    assert len(keys) == 6
+    with ring_daemon.client(map_pools=False) as p:
+        publish_runs(CpuRings(p, memory), NS, cuda_cache(cache, "packed"), _fmt(L, H, N, D, torch.bfloat16),
+                     [("r1", _items(keys, [0, 1, 2, 3, 4, 5]))], HandoffConfig("ring"))  # fmt: skip
+    # the engine's own prefix cache computed the first block: load the rest
+    got = side.get_num_new_matched_tokens(_request(list(range(1, 16 * 5 + 6))), 16)
+    if mode == "off":  # the host pools hold nothing, the rings are not looked in
+        assert got == (0, False)
+        return
+    assert got == (16 * 5 + 4 - 16, False)  # n - 1 tokens: the last one is computed
+    side.update_state_after_alloc(_request(None), _Blocks([9, 10, 11, 12, 13, 14]), 68)
+    (spec,) = side.pending_loads
+    assert spec.hashes == keys[1:6] and spec.block_ids == [10, 11, 12, 13, 14]
+    assert spec.first == 1 and [(r.start, r.count) for r in spec.ring] == [(0, 6)]
+
+
+def test_the_scheduler_takes_the_host_pools_where_they_hold_more(ring_daemon, memory):
+    from kvbroker.integrations.vllm._cuda import save_cuda
+    from kvbroker.integrations.vllm._paged import copier_for
+
+    L, B, H, N, D = 1, 8, 4, 16, 8
+    cache, _ = vllm_like(L, B, H, N, D, torch.bfloat16, "cpu", "NHD")
+    c6, fmt = cuda_cache(cache, "packed"), _fmt(L, H, N, D, torch.bfloat16)
+    side = _scheduler(ring_daemon.socket_path, HandoffConfig("ring"))
+    keys = side.state(_request(list(range(1, 16 * 6 + 1)))).keys.keys
+    with ring_daemon.client() as p:
+        publish_runs(CpuRings(p, memory), NS, c6, fmt, [("r1", _items(keys, [0, 1])[:2])],
+                     HandoffConfig("ring"))  # fmt: skip
+        save_cuda(p, NS, fmt, c6, _items(keys[:5], [0, 1, 2, 3, 4]), copier=copier_for("cpu"))
+        assert side.get_num_new_matched_tokens(_request(list(range(1, 16 * 6 + 1))), 0) == (80, False)
+        side.update_state_after_alloc(_request(None), _Blocks([1, 2, 3, 4, 5, 6]), 80)
+        (spec,) = side.pending_loads
+        # the ring's run first (2 blocks), the host path for the 3 after it
+        assert [(r.start, r.count) for r in spec.ring] == [(0, 2)] and len(spec.hashes) == 5
+
+
+@pytest.mark.parametrize("mode", ["ring", "ring+host"])
+def test_the_worker_hands_off_loads_the_ring_then_the_host_and_counts(ring_daemon, memory, mode):
+    from types import SimpleNamespace
+
+    from kvbroker.integrations._link import Warnings
+    from kvbroker.integrations.vllm._handoff import Run
+    from kvbroker.integrations.vllm._scheduler import LoadSpec
+    from kvbroker.integrations.vllm._worker import WorkerSide
+
+    L, B, H, N, D = 2, 12, 4, 16, 8
+    src, _ = vllm_like(L, B, H, N, D, torch.bfloat16, "cpu", "HND")
+    fmt = _fmt(L, H, N, D, torch.bfloat16)
+
+    def worker(cache, rings):
+        w = WorkerSide(link=None, namespace=NS, block_size=N, total_kv_heads=H, latent=False,
+                       tp_rank=0, tp_size=1, warnings=Warnings(), handoff=HandoffConfig(mode))  # fmt: skip
+        w.fmt, w.cache, w._gpu = fmt, cuda_cache(cache, "packed"), rings
+        return w
+
+    with ring_daemon.client() as p, ring_daemon.client() as c:
+        rings = CpuRings(p, memory)
+        rings.stream = None
+        prod = worker(src, rings)
+        # a second request's run finds the ring full: it goes to the host path
+        filler = rings.ring_reserve(RING - 4 * fmt.block_nbytes)
+        requests = [("a", _items(HASHES[:4], [3, 1, 4, 0])), ("b", _items(HASHES[4:8], [5, 9, 2, 6]))]
+        flat = [it for _, its in requests for it in its]
+        host = prod._hand_off(rings, requests, flat)
+        assert host == (flat if mode == "ring+host" else flat[4:])
+        assert prod.take_stats()["handoff_saved_blocks"] == 4
+        assert prod.totals["handoff_fallback_blocks"] == 4
+        filler.release()
+        from kvbroker.integrations.vllm._cuda import save_cuda
+        from kvbroker.integrations.vllm._paged import copier_for
+
+        save_cuda(p, NS, fmt, prod.cache, host, copier=copier_for("cpu"))
+        out, _ = vllm_like(L, B, H, N, D, torch.bfloat16, "cpu", "HND", seed=4)
+        cons = worker(out, CpuRings(c, memory))
+        # a whole 8-block prompt: the first 4 blocks from the ring, the rest from the host
+        spec = LoadSpec("a", HASHES[:8], [11, 10, 9, 8, 7, 6, 5, 4], ring=(Run(HASHES[0], 0, 4, 1),))
+        assert cons._load_cuda(spec, c, None) == 8
+        cons._account(spec, 8)
+        s = SimpleNamespace(**cons.take_stats())
+        assert (s.loaded_blocks, s.handoff_loaded_blocks, s.load_failed_blocks) == (8, 4, 0)
+        for a, b in zip([3, 1, 4, 0, 5, 9, 2, 6], spec.block_ids):
+            assert torch.equal(_bits(cons.cache[:, :, b]), _bits(prod.cache[:, :, a]))
+        assert _used(c) == [0, 0]
+        # with "ring", the handed-off blocks were never in the host pools
+        in_host = load_cuda_count(c, fmt, HASHES[:4])
+        assert in_host == (4 if mode == "ring+host" else 0)
+
+
+def load_cuda_count(client, fmt, hashes):
+    from kvbroker.integrations.vllm._cuda import load_cuda
+    from kvbroker.integrations.vllm._paged import copier_for
+
+    scratch, _ = vllm_like(fmt.num_layers, 8, fmt.local_heads, fmt.block_size, fmt.head_dim,
+                           torch.bfloat16, "cpu", "NHD")  # fmt: skip
+    return load_cuda(client, NS, fmt, cuda_cache(scratch, "packed"), hashes, list(range(len(hashes))),
+                     copier=copier_for("cpu"))  # fmt: skip

@@ -43,12 +43,15 @@ from typing import Any
 from kvbroker import blocks
 from kvbroker.errors import KVBrokerError, LayoutMismatch, NotFound, PoolFull
 
-__all__ = ["HANDOFF_MODES", "HandoffConfig", "Run", "find_runs", "load_runs", "publish_runs",
-           "run_digest", "run_key"]  # fmt: skip
+__all__ = ["HANDOFF_MODES", "HANDOFF_STATS", "HandoffConfig", "HandoffWorker", "Run",
+           "find_runs", "load_runs", "publish_runs", "run_digest", "run_key"]  # fmt: skip
 
 HANDOFF_MODES = ("off", "ring", "ring+host")
 RUN_TAG = "kvbroker.handoff"  # in every run's meta, with its format version
 RUN_VERSION = 1
+# The worker's counters (._worker.STAT_KEYS): blocks handed off through the rings each way,
+# and blocks a producer sent to the host path instead (its ring had no room).
+HANDOFF_STATS = ("handoff_saved_blocks", "handoff_loaded_blocks", "handoff_fallback_blocks")
 
 
 @dataclass(frozen=True)
@@ -318,3 +321,39 @@ def _check_run(meta: dict | None, run: Run, cache, piece, fmt) -> None:
     if meta.get("shape") != shape or meta.get("dtype") != fmt.dtype:
         raise LayoutMismatch(f"ring run {run.first_hash} holds {meta.get('dtype')} "
                              f"{meta.get('shape')}, this rank needs {fmt.dtype} {shape}")  # fmt: skip
+
+
+# --------------------------------------------------------------------- the worker's hooks
+class HandoffWorker:
+    """:class:`._worker.WorkerSide`'s handoff steps (a mixin: it uses the worker's
+    ``handoff``, ``namespace``, ``fmt``, ``cache``, ``peer_tp_sizes``, ``stats`` and GPU
+    client)."""
+
+    def _load_cuda(self, spec: Any, client: Any, stream: Any) -> int:
+        """A load into a CUDA cache: the spec's ring runs first (same-node handoff), then the
+        host pools for what they did not cover. Runs on the loader thread too: the ring
+        part's count goes on the spec, for the worker to count (``ring_loaded``)."""
+        from ._cuda import load_cuda
+
+        loaded = 0
+        if getattr(spec, "ring", ()) and self.handoff.on:
+            g = self._gpu if self._gpu is not None else self._gpu_client(client)
+            loaded, _ = load_runs(g, self.namespace, self.cache, self.fmt, spec.block_ids,
+                                  spec.ring, spec.first, stream=stream)  # fmt: skip
+            spec.ring_loaded = loaded
+            if loaded == len(spec.block_ids):
+                return loaded
+        return loaded + load_cuda(client, self.namespace, self.fmt, self.cache,
+                                  spec.hashes[loaded:], spec.block_ids[loaded:],
+                                  self.peer_tp_sizes, stream=stream)  # fmt: skip
+
+    def _hand_off(self, g: Any, requests: list, items: list) -> list:
+        """Publish each request's blocks of the step into the GPU rings; returns what goes to
+        the host pools: every block with ``ring+host``, else the requests the rings had no
+        room for."""
+        handed, n_blocks, _ = publish_runs(g, self.namespace, self.cache, self.fmt, requests,
+                                           self.handoff, stream=g.stream)  # fmt: skip
+        rest = [item for req, its in requests if req not in handed for item in its]
+        self.stats["handoff_saved_blocks"] += n_blocks
+        self.stats["handoff_fallback_blocks"] += len(rest)
+        return items if self.handoff.host_too else rest

@@ -38,6 +38,7 @@ from kvbroker.prefix import PrefixCache
 
 from .._link import BrokerLink, Warnings
 from ._format import PromptKeys, prompt_keys
+from ._handoff import HandoffConfig, find_runs
 
 __all__ = ["LoadSpec", "SaveSpec", "SchedulerSide", "StepPlan"]
 
@@ -52,6 +53,10 @@ class LoadSpec:
     hashes: list[str]
     block_ids: list[int]
     background: bool = False
+    # Same-node handoff (:mod:`._handoff`): the ring runs holding the leading blocks, and
+    # the position of ``hashes[0]`` in the prompt's keys (the runs' coordinates).
+    ring: tuple = ()
+    first: int = 0
 
 
 @dataclass
@@ -87,6 +92,7 @@ class _Req:
     lookup: tuple[int, int] | None = None  # (local computed tokens, external tokens) asked
     asked_at: int | None = None  # the local computed tokens of the last lookup (kept)
     loading: frozenset[int] = frozenset()  # engine blocks of its background load in flight
+    ring: tuple = ()  # the ring runs the last lookup found (same-node handoff)
     # Its background load failed: vLLM put it back in the queue, and a hit found again is
     # loaded synchronously (a failure then is recomputed in place, not parked again). For
     # the rest of the request's life: a preempted one looked up again loads synchronously.
@@ -134,8 +140,11 @@ class SchedulerSide:
     def __init__(self, *, link: BrokerLink, namespace: str, block_size: int,
                  total_kv_heads: int | None, latent: bool, tp_size: int,
                  peer_tp_sizes: tuple[int, ...] = (), save: bool, load: bool,
-                 warnings: Warnings, load_async: bool = False) -> None:  # fmt: skip
+                 warnings: Warnings, load_async: bool = False,
+                 handoff: HandoffConfig | None = None) -> None:  # fmt: skip
         self.link, self.namespace, self.block_size = link, namespace, block_size
+        self.handoff = handoff or HandoffConfig()
+        self.tp_size = tp_size
         self.total_kv_heads = None if latent else total_kv_heads
         self.latent = latent
         self.layouts = tuple(dict.fromkeys((tp_size, *peer_tp_sizes)))
@@ -202,11 +211,30 @@ class SchedulerSide:
             return 0
         return best
 
+    def ring_runs(self, keys: list[str]) -> list:
+        """The leading runs of the prompt's ``keys`` a same-node producer handed off into the
+        GPU rings for every rank of this engine (:func:`._handoff.find_runs`); [] when the
+        broker is unavailable or the lookup fails (the host path is asked then)."""
+        client = self.link.get()
+        if client is None or not keys:
+            return []
+        try:
+            return find_runs(client, self.namespace, keys, heads=self.total_kv_heads,
+                             consumer_tp=self.tp_size, producer_tps=self.layouts)  # fmt: skip
+        except KVBrokerError as exc:
+            self.lookup_errors += 1
+            self.link.fail(exc)
+            if self.link.up:
+                self.warnings.warn("ring_lookup_failed", "ring lookup failed (%s): looking in "
+                                   "the host pools only", exc)  # fmt: skip
+            return []
+
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         if not self.load:
             return 0, False
         st = self.state(request)
         st.lookup = None
+        st.ring = ()
         st.asked_at = num_computed_tokens
         keys = st.keys
         if keys is None or keys.num_tokens < 2:
@@ -214,7 +242,15 @@ class SchedulerSide:
         first = num_computed_tokens // self.block_size
         if first >= len(keys.keys) or keys.tokens_of(len(keys.keys)) <= num_computed_tokens:
             return 0, False
-        matched = first + self.matched_blocks(keys.keys[first:], st.retain)
+        # Same-node handoff first: the runs a producer put in the rings (the host path then
+        # loads what they do not cover); the host pools' own answer when they hold more.
+        runs = self.ring_runs(keys.keys) if self.handoff.on else []
+        ring_end = runs[-1].start + runs[-1].count if runs else 0
+        st.ring = tuple(runs) if ring_end > first else ()
+        if ring_end >= len(keys.keys):
+            matched = ring_end
+        else:
+            matched = max(ring_end, first + self.matched_blocks(keys.keys[first:], st.retain))
         external = keys.tokens_of(matched) - num_computed_tokens
         if external <= 0:
             return 0, False
@@ -255,11 +291,12 @@ class SchedulerSide:
                                "to load; not loading", request.request_id, len(ids), len(hashes))
             self._plan_load(request.request_id, st, [], ids or block_ids[first:], background)
             return
-        self._plan_load(request.request_id, st, hashes, ids, background)
+        self._plan_load(request.request_id, st, hashes, ids, background, st.ring, first)
+        st.ring = ()
 
     def _plan_load(self, req_id: str, st: _Req | None, hashes: list[str], ids: list[int],
-                   background: bool) -> None:  # fmt: skip
-        self.pending_loads.append(LoadSpec(req_id, hashes, ids, background))
+                   background: bool, ring: tuple = (), first: int = 0) -> None:  # fmt: skip
+        self.pending_loads.append(LoadSpec(req_id, hashes, ids, background, ring, first))
         if background and st is not None:
             st.loading = frozenset(ids)
 

@@ -59,6 +59,7 @@ from .._link import CONNECTION_ERRORS, BrokerLink, Warnings
 from . import log
 from ._async_loads import AsyncLoads, Lost
 from ._format import BlockFormat
+from ._handoff import HANDOFF_STATS, HandoffConfig, HandoffWorker
 from ._paged import HostSave, SaveItem, cuda_cache, host_cache, interpret, load_host
 
 __all__ = ["WorkerSide"]
@@ -68,7 +69,7 @@ REPORT_EVERY = 2.0  # seconds between the worker's counter reports to the daemon
 STAT_KEYS = ("loads", "loaded_blocks", "loaded_tokens", "loaded_bytes", "load_failed_blocks",
              "saved_blocks", "saved_tokens", "saved_bytes", "existing_blocks",
              "skipped_save_blocks", "broker_errors",
-             "loaded_state_bytes", "saved_state_bytes")  # fmt: skip  (state: hybrid models)
+             "loaded_state_bytes", "saved_state_bytes", *HANDOFF_STATS)  # fmt: skip
 # Steps a failed load taints saves for when no plan acknowledges it (a backstop: vLLM reports
 # every step's invalid blocks to the scheduler side, whose next plan acknowledges them).
 FAILURE_MEMORY = 16
@@ -85,12 +86,14 @@ class _LoadFailure:
     step: int  # the worker's step count when it failed
 
 
-class WorkerSide:
+class WorkerSide(HandoffWorker):
     def __init__(self, *, link: BrokerLink, namespace: str, block_size: int,
                  total_kv_heads: int | None, latent: bool, tp_rank: int, tp_size: int,
                  peer_tp_sizes: tuple[int, ...] = (), warnings: Warnings,
-                 agree: Agreement | None = None) -> None:  # fmt: skip
+                 agree: Agreement | None = None,
+                 handoff: HandoffConfig | None = None) -> None:  # fmt: skip
         self.link, self.namespace, self.block_size = link, namespace, block_size
+        self.handoff = handoff or HandoffConfig()  # same-node P/D through the GPU rings
         self.agree = agree  # None: this rank's loads are the only ones (TP 1)
         self.total_kv_heads = None if latent else total_kv_heads
         self.latent = latent
@@ -293,10 +296,7 @@ class WorkerSide:
         if self.device == "cpu":
             return load_host(client, self.namespace, self.fmt, self.cache, spec.hashes,
                              spec.block_ids, self.peer_tp_sizes)  # fmt: skip
-        from ._cuda import load_cuda
-
-        return load_cuda(client, self.namespace, self.fmt, self.cache, spec.hashes,
-                         spec.block_ids, self.peer_tp_sizes, stream=stream)  # fmt: skip
+        return self._load_cuda(spec, client, stream)  # (._handoff: the rings first, if any)
 
     def _load_failed(self, spec: Any, client: Any, exc: BaseException) -> int:
         self.stats["broker_errors"] += 1
@@ -310,6 +310,7 @@ class WorkerSide:
         n_want = len(spec.block_ids)
         self.stats["loads"] += 1
         self.stats["loaded_blocks"] += loaded
+        self.stats["handoff_loaded_blocks"] += min(loaded, getattr(spec, "ring_loaded", 0))
         self.stats["loaded_tokens"] += loaded * self.block_size
         self.stats["loaded_bytes"] += loaded * self.fmt.block_nbytes
         if loaded < n_want:
@@ -416,21 +417,22 @@ class WorkerSide:
         return out
 
     # -- saving ----------------------------------------------------------------------------
-    def _items(self) -> list[SaveItem]:
+    def _items(self, by_request: bool = False) -> list:
         # A request whose load failed holds unloaded blocks, and KV computed after them from
         # garbage; so does any request from the first of those blocks in it on. None of it
         # is saved until a plan acknowledges the failure (see the module docstring).
         failed = {f.req_id for f in self._failures}
         tainted = frozenset().union(*(f.blocks for f in self._failures))
-        items = []
+        out: list[tuple[str, list[SaveItem]]] = []
         for spec in self._plan.saves:
             if spec.req_id in failed:
                 continue
+            out.append((spec.req_id, items := []))
             for h, parent, block in spec.items:  # in the request's block order
                 if block in tainted:
                     break
                 items.append(SaveItem(h, parent, block, spec.retain))
-        return items
+        return out if by_request else [item for _, items in out for item in items]
 
     def _begin_save(self) -> HostSave | None:
         if self._save is None:
@@ -536,6 +538,8 @@ class WorkerSide:
             return
         try:
             g = self._gpu_client(client)
+            if self.handoff.on and items:  # (._handoff) the GPU rings first
+                items = self._hand_off(g, self._items(by_request=True), items)
             new, existing = save_cuda(client, self.namespace, self.fmt, self.cache, items,
                                       stream=g.stream)  # fmt: skip
         except (PoolFull, QuotaExceeded) as exc:

@@ -27,6 +27,11 @@ longest prefix of each prompt the node holds instead of computing it; ``kv_both`
   whose blocks are loading and steps the others meanwhile, so no step waits for another
   request's copies; the request itself runs a step or two later than with a synchronous
   load, which copies before the forward of the step that runs it (:mod:`._async_loads`);
+- ``handoff`` (default ``"off"``), ``handoff_tp_size``, ``handoff_rings``, ``handoff_ttl``:
+  same-node P/D, GPU to GPU through the daemon's staging rings (``serve --gpu-ring``), with
+  ``"ring"`` (the host pools only for what a ring has no room for) or ``"ring+host"`` (the
+  host pools keep a copy too, for later reuse); CUDA caches of single-group models
+  (:mod:`._handoff`);
 - ``kv_load_failure_policy`` (default ``"recompute"``): what vLLM does with blocks that could
   not be loaded (evicted since the lookup, broker down). The connector sets vLLM's
   ``kv_transfer_config.kv_load_failure_policy`` to this, because vLLM's own default,
@@ -70,6 +75,7 @@ from .._link import BrokerLink, LinkWords, Warnings
 from . import log
 from ._format import namespace_for
 from ._groups import check_peer_layouts, groups_of, hybrid_namespace
+from ._handoff import HandoffConfig
 from ._hybrid import HybridScheduler
 from ._hybrid_worker import HybridWorker
 from ._scheduler import SchedulerSide, StepPlan
@@ -230,6 +236,10 @@ class KVBrokerConnector(KVConnectorBase_V1, SupportsHMA):
         load_async = extra.get("load_async", False)
         if not isinstance(load_async, bool):
             raise ValueError(f"load_async must be true or false, not {load_async!r}")
+        handoff = HandoffConfig.from_extra(extra)
+        if handoff.on and self._groups:
+            raise ValueError("KVBrokerConnector: handoff serves models with one full-attention "
+                             "KV cache group; this model's groups go through the host pools")
         save, load = kv_role in ("kv_producer", "kv_both"), kv_role in ("kv_consumer", "kv_both")
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
@@ -249,7 +259,7 @@ class KVBrokerConnector(KVConnectorBase_V1, SupportsHMA):
                     link=link, namespace=self._namespace, block_size=self._block_size,
                     total_kv_heads=self._total_kv_heads, latent=self._latent,
                     tp_size=self._tp_size, peer_tp_sizes=peers, save=save, load=load,
-                    warnings=self._warnings, load_async=load_async,
+                    warnings=self._warnings, load_async=load_async, handoff=handoff,
                 )  # fmt: skip
         else:
             tp_rank = _tp_rank()
@@ -268,6 +278,7 @@ class KVBrokerConnector(KVConnectorBase_V1, SupportsHMA):
                     total_kv_heads=self._total_kv_heads, latent=self._latent,
                     tp_rank=tp_rank, tp_size=self._tp_size, peer_tp_sizes=peers,
                     warnings=self._warnings, agree=_tp_agreement(self._tp_size),
+                    handoff=handoff,
                 )  # fmt: skip
         log.info("kvbroker: %s connector, role %s, namespace %s, socket %s", role.name.lower(),
                  kv_role, self._namespace, socket or "default")  # fmt: skip
