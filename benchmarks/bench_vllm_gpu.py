@@ -14,6 +14,15 @@ Side by side in the same process and run, for a Llama-3-8B-shaped KV of 16k toke
   scatter) against torch's peer copy of the same bytes, target >= 0.7x; else recorded as
   skipped.
 
+With ``--handoff``, the connector's same-node P/D handoff through the daemon's GPU staging
+ring (:mod:`kvbroker._bench.handoff`): a prefill process publishes the 16k tokens' blocks into
+a ring (gathered from its cache straight into the ring region), a decode process looks them up
+and scatters them into its cache (the ring mapped over CUDA IPC), per round the sum of both
+calls; on one GPU both processes share it, against a device-to-device copy of the same bytes
+(one pass: the handoff makes two, the gather and the scatter) and against the host path
+(save + load above); with 2 GPUs the producer on GPU 0 and the consumer on GPU 1, against a
+peer copy (target >= 0.8x), else recorded as skipped.
+
 With ``--hybrid SHAPE``, a hybrid model's cache instead, 16k tokens, bf16, the groups
 overlaying one pool as vLLM 0.32's hybrid KV cache manager lays them out
 (:mod:`kvbroker._bench.vllm_caches`), saved and loaded by the hybrid worker
@@ -236,6 +245,57 @@ def bench_ring(a) -> dict:
         proc.terminate()
         proc.wait(30)
     return res
+
+
+def bench_handoffs(a) -> dict:
+    """--handoff: the same-node handoff on one GPU (two processes), and GPU 0 -> GPU 1."""
+    from kvbroker._bench.handoff import bench_handoff
+
+    nbytes = a.tokens * a.layers * 2 * a.heads * a.head_dim * 2
+    d = tempfile.mkdtemp(prefix="kvb")
+    sock = os.path.join(d, "kvb.sock")
+    proc = start_daemon(sock, 256, "--gpu-ring", f"{(nbytes >> 20) + 64}M")
+    out: dict = {}
+    try:
+        out["one_gpu"] = bench_handoff(sock, a, "cuda:0", "cuda:0")
+        print("handoff, one GPU", {k: v for k, v in out["one_gpu"].items() if k != "rounds"},
+              flush=True)  # fmt: skip
+        if torch.cuda.device_count() >= 2:
+            out["two_gpus"] = bench_handoff(sock, a, "cuda:0", "cuda:1")
+        else:
+            out["two_gpus_skipped"] = f"needs 2 GPUs ({torch.cuda.device_count()} visible)"
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    return out
+
+
+def markdown_handoff(r: dict) -> list[str]:
+    h, s = r["handoff"], r.get("save_load")
+    one = h["one_gpu"]
+    lines = ["", f"Same-node handoff (`--handoff`, {one['blocks']} blocks, {one['order']}; per round "
+             "the producer's publish + the consumer's lookup and scatter, two processes, the "
+             "ring mapped over CUDA IPC; ratios per round, median [range]):", "",
+             "| handoff | GB/s | against | GB/s | ratio | target |", "|---|---|---|---|---|---|",
+             f"| 2 processes on GPU 0 | {one['handoff_GBps']:.1f} | device-to-device copy on GPU 0 "
+             f"(one pass; the handoff makes two) | {one['copy_GBps']:.1f} | "
+             f"{_ratio(one['ratio'])} [{_ratio(one['ratio_range'][0])}-{_ratio(one['ratio_range'][1])}]"
+             " | (one GPU: no target) |"]  # fmt: skip
+    if s:
+        host = s["save_s"] + s["load_s"]
+        lines.append(f"| 2 processes on GPU 0 | {one['handoff_GBps']:.1f} | the host path (save + "
+                     f"load, medians above) | {s['kv_bytes'] / host / 1e9:.1f} | "
+                     f"{_ratio(host / one['handoff_s'])}x faster | |")  # fmt: skip
+    two = h.get("two_gpus")
+    if two:
+        lines.append(f"| GPU 0 -> GPU 1 | {two['handoff_GBps']:.1f} | peer copy | "
+                     f"{two['copy_GBps']:.1f} | {_ratio(two['ratio'])} | >= 0.8 |")
+    else:
+        lines.append(f"| GPU 0 -> GPU 1 | skipped: {h.get('two_gpus_skipped')} | | | | >= 0.8 |")
+    lines += ["", f"handoff bit-exact: {one.get('bit_exact')}"
+              + (f" (two GPUs: {two.get('bit_exact')})" if two else "")
+              + f"; rings after: {one.get('rings_after')}"]
+    return lines
 
 
 HYBRID = {
@@ -470,6 +530,8 @@ def markdown(r: dict) -> str:
         lines.append(f"| GPU0 -> GPU1 via ring | skipped: {r.get('ring_skipped', '')} | | | |")
     lines += ["", f"bit-exact: save/load {s.get('bit_exact')}"
               + (f", ring {ring.get('bit_exact')}" if ring else "")]
+    if "handoff" in r:
+        lines += markdown_handoff(r)
     return "\n".join(lines) + "\n"
 
 
@@ -491,6 +553,8 @@ def main() -> None:
                     help="cpu: as --cpu")
     ap.add_argument("--hybrid", choices=sorted(HYBRID),
                     help="a hybrid model's cache (see the module docstring)")
+    ap.add_argument("--handoff", action="store_true",
+                    help="also the connector's same-node handoff through a GPU ring")
     ap.add_argument("--commit", help="the commit measured, where the checkout has no usable git "
                     "(a copied tree)")
     a = ap.parse_args()
@@ -530,6 +594,8 @@ def main() -> None:
         r["ring_skipped"] = ("CPU run" if a.cpu else
                              f"{torch.cuda.device_count()} GPU visible, the ring handoff needs 2")
         print("ring handoff skipped:", r["ring_skipped"], flush=True)
+    if a.handoff and not a.cpu:
+        r["handoff"] = bench_handoffs(a)
     r["conditions"]["after"] = run_conditions()
     _write(a, r)
 
