@@ -345,26 +345,24 @@ def check_pools(cfg: DaemonConfig) -> Check:
         return Check(name, "skip", f"no daemon serving {cfg.socket_path}")
     import socket
 
-    import msgpack
-
+    from .._wire.frames import FrameDecoder, FrameEncoder, result_of
     from .._wire.protocol import PROTOCOL_VERSION
+    from ..errors import KVBrokerError
 
     try:  # the hello reply names the pools (the server side never imports the client)
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
             sock.settimeout(5)
             sock.connect(cfg.socket_path)
-            sock.sendall(msgpack.packb({"id": 1, "op": "hello", "args": {
-                "version": PROTOCOL_VERSION, "name": "kvbroker doctor"}}))  # fmt: skip
-            unpacker = msgpack.Unpacker(raw=False)
-            reply = None
-            while reply is None:
+            hello = {"version": PROTOCOL_VERSION, "name": "kvbroker doctor", "role": ""}
+            sock.sendall(FrameEncoder().request(1, "hello", hello))
+            decoder, replies = FrameDecoder(sender="the daemon"), []
+            while not replies:
                 data = sock.recv(1 << 16)
                 if not data:
                     raise OSError("the daemon closed the connection")
-                unpacker.feed(data)
-                reply = next(unpacker, None)
-        pools = reply["result"]["pools"]
-    except (OSError, KeyError, TypeError, ValueError) as exc:
+                replies = decoder.receive(data)
+        pools = result_of(replies[0])["pools"]
+    except (OSError, KeyError, TypeError, ValueError, KVBrokerError) as exc:
         return Check(name, "skip", f"cannot ask the daemon at {cfg.socket_path}: {exc}")
     hidden = sum(1 for p in pools if p.get("hidden"))  # other tenants': not named to us
     pools = [p for p in pools if not p.get("hidden")]

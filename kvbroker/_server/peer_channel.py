@@ -35,14 +35,15 @@ import logging
 import os
 import socket
 import ssl
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Iterable
 from typing import Any, Protocol
 
 import msgpack
 
+from .._wire.frames import FrameDecoder
 from .._wire.peer import PEER_OPS, PEER_PROTOCOL, validate_peer_args
-from .._wire.protocol import check_args, unpacker_limits
+from .._wire.protocol import check_args
 from ..errors import KVBrokerError, PeerUnavailable, ProtocolError, error_for_code
 
 __all__ = ["MAX_HANDSHAKES", "MAX_HANDSHAKES_PER_SOURCE", "PeerClient", "PeerServer", "Provider", "certificate_names",
@@ -137,29 +138,22 @@ def _pack(obj: Any) -> bytes:
 
 
 class _Frames:
-    """msgpack messages from a stream, under the protocol's limits (a streaming Unpacker:
-    a frame past ``limit`` bytes is a ProtocolError, never buffered whole)."""
+    """msgpack messages from a stream, through the wire's frame codec under the channel's
+    limit (a frame past ``limit`` bytes, or bytes that are not msgpack: a ProtocolError,
+    never buffered whole)."""
 
     def __init__(self, reader: asyncio.StreamReader, limit: int) -> None:
         self._reader = reader
-        self._unpacker = msgpack.Unpacker(raw=False, **unpacker_limits(limit))
+        self._decoder = FrameDecoder(limit, sender="the peer")
+        self._ready: deque[Any] = deque()
 
     async def recv(self) -> Any:
-        while True:
-            try:
-                return next(self._unpacker)
-            except StopIteration:
-                pass
-            except (ValueError, msgpack.ExtraData, msgpack.FormatError,
-                    msgpack.StackError) as e:
-                raise ProtocolError(f"bad peer frame: {e}") from None
+        while not self._ready:
             data = await self._reader.read(1 << 16)
             if not data:
                 raise asyncio.IncompleteReadError(b"", None)
-            try:
-                self._unpacker.feed(data)
-            except msgpack.BufferFull:
-                raise ProtocolError("peer frame exceeds the channel's limit") from None
+            self._ready.extend(self._decoder.receive(data))
+        return self._ready.popleft()
 
 
 class Provider(Protocol):
