@@ -27,7 +27,7 @@ import time
 import pytest
 
 from kvbroker._server import transfer
-from kvbroker.errors import BadRequest, LeaseExpired, NotFound
+from kvbroker.errors import BadRequest, LeaseExpired, NotFound, ProtocolError
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -536,3 +536,25 @@ def test_importing_the_engines_imports_no_extra():
             "if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_a_peer_frame_over_the_channels_limit_is_refused_while_it_arrives():
+    """An authenticated peer streaming one frame bigger than the channel's limit, made of
+    small arrays msgpack parses as they come (so its own buffer limit never trips): the
+    channel's framing refuses it after at most its limit and one read, never reading (and
+    building objects of) the whole frame."""
+    from kvbroker._server.peer_channel import _Frames
+
+    limit, items = 64 << 10, 1 << 16
+    data = b"\xdd" + items.to_bytes(4, "big") + (b"\x9f" + b"\x00" * 15) * items  # 1 MiB
+
+    async def go():
+        reader = asyncio.StreamReader(limit=len(data) + 1)
+        reader.feed_data(data)
+        reader.feed_eof()
+        with pytest.raises(ProtocolError, match="exceeds the size limit"):
+            await _Frames(reader, limit).recv()
+        return len(data) - len(reader._buffer)  # what the channel read of it
+
+    read = _run(go())
+    assert read <= limit + (1 << 16)
