@@ -37,8 +37,12 @@ class Ops:
 
     __slots__ = ("_call", "_send", "_submit")
 
-    def __init__(self, call: Callable[..., Any], send_only: Callable[..., None],
-                 submit: Callable[..., Any] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        call: Callable[..., Any],
+        send_only: Callable[..., None],
+        submit: Callable[..., Any] | None = None,
+    ) -> None:
         self._call = call
         self._send = send_only
         self._submit = submit
@@ -58,11 +62,29 @@ class Ops:
         return self._call("hello", dict(version=version, name=name, role=role))
 
     # -- publish ---------------------------------------------------------------------------
-    def reserve(self, key: str, buffers: Mapping[str, int], *, namespace: str = "default",
-                meta: dict | None = None, replace: bool = False, ttl: float | None = None,
-                consumers: int = 1) -> R.Reserved:  # fmt: skip
-        return self._call("reserve", dict(namespace=namespace, key=key, buffers=dict(buffers),
-                                          meta=meta, replace=replace, ttl=ttl, consumers=consumers))
+    def reserve(
+        self,
+        key: str,
+        buffers: Mapping[str, int],
+        *,
+        namespace: str = "default",
+        meta: dict | None = None,
+        replace: bool = False,
+        ttl: float | None = None,
+        consumers: int = 1,
+    ) -> R.Reserved:
+        return self._call(
+            "reserve",
+            dict(
+                namespace=namespace,
+                key=key,
+                buffers=dict(buffers),
+                meta=meta,
+                replace=replace,
+                ttl=ttl,
+                consumers=consumers,
+            ),
+        )
 
     def seal(self, lease: int, checksums: dict[str, int] | None = None) -> R.Sealed:
         return self._call("seal", dict(lease=lease, checksums=checksums))
@@ -77,22 +99,58 @@ class Ops:
     def arena(self, nbytes: int) -> R.ArenaLent:
         return self._call("arena", dict(nbytes=nbytes))
 
-    def publish(self, arena: int, key: str, buffers: Mapping[str, int], *,
-                namespace: str = "default", meta: dict | None = None, replace: bool = False,
-                consumers: int = 1, checksums: dict[str, int] | None = None,
-                next_arena: int = 0) -> R.Published:  # fmt: skip
-        return self._call("publish", dict(arena=arena, namespace=namespace, key=key,
-                                          buffers=dict(buffers), meta=meta, replace=replace,
-                                          consumers=consumers, checksums=checksums,
-                                          next_arena=next_arena))  # fmt: skip
+    def publish(
+        self,
+        arena: int,
+        key: str,
+        buffers: Mapping[str, int],
+        *,
+        namespace: str = "default",
+        meta: dict | None = None,
+        replace: bool = False,
+        consumers: int = 1,
+        checksums: dict[str, int] | None = None,
+        next_arena: int = 0,
+    ) -> R.Published:
+        return self._call(
+            "publish",
+            dict(
+                arena=arena,
+                namespace=namespace,
+                key=key,
+                buffers=dict(buffers),
+                meta=meta,
+                replace=replace,
+                consumers=consumers,
+                checksums=checksums,
+                next_arena=next_arena,
+            ),
+        )
 
     # -- claim -----------------------------------------------------------------------------
-    def claim(self, key: str, *, namespace: str = "default", select: str | None = None,
-              consume: bool = False, wait: float | None = None,
-              ttl: float | None = None, peer: str | None = None) -> R.Claimed:  # fmt: skip
-        return self._call("claim", dict(namespace=namespace, key=key, select=select,
-                                        consume=consume, wait=wait, ttl=ttl,
-                                        peer=peer))  # fmt: skip
+    def claim(
+        self,
+        key: str,
+        *,
+        namespace: str = "default",
+        select: str | None = None,
+        consume: bool = False,
+        wait: float | None = None,
+        ttl: float | None = None,
+        peer: str | None = None,
+    ) -> R.Claimed:
+        return self._call(
+            "claim",
+            dict(
+                namespace=namespace,
+                key=key,
+                select=select,
+                consume=consume,
+                wait=wait,
+                ttl=ttl,
+                peer=peer,
+            ),
+        )
 
     def release(self, lease: int, consume: bool = True) -> None:
         self._call("release", dict(lease=lease, consume=consume))
@@ -105,8 +163,9 @@ class Ops:
         return self._call("renew", dict(leases=leases, ttl=ttl))
 
     # -- directory -------------------------------------------------------------------------
-    def lookup(self, key: str, *, namespace: str = "default",
-               peer: str | None = None) -> dict | None:
+    def lookup(
+        self, key: str, *, namespace: str = "default", peer: str | None = None
+    ) -> dict | None:
         """An ObjectInfo dict (with checksums), or None."""
         return self._call("lookup", dict(namespace=namespace, key=key, peer=peer))
 
@@ -114,48 +173,102 @@ class Ops:
         """Whether the object is sealed (a read replica answers it where there is one)."""
         return self._call("exists", dict(namespace=namespace, key=key))
 
-    def list(self, *, namespace: str | None = None, match: str | None = None,
-             limit: int | None = None, after: int | None = None) -> R.Listed:  # fmt: skip
+    def list(
+        self,
+        *,
+        namespace: str | None = None,
+        match: str | None = None,
+        limit: int | None = None,
+        after: int | None = None,
+    ) -> R.Listed:
         """One page of objects; ``after``: the ``next`` of the previous page."""
         return self._call("list", dict(namespace=namespace, match=match, limit=limit, after=after))
 
-    def evict(self, *, namespace: str | None = None, key: str | None = None,
-              match: str | None = None, match_buffers: str | None = None,
-              older_than: float | None = None, all: bool = False,
-              dry_run: bool = False) -> R.Evicted:  # fmt: skip
-        return self._call("evict", dict(namespace=namespace, key=key, match=match,
-                                        match_buffers=match_buffers, older_than=older_than, all=all,
-                                        dry_run=dry_run))  # fmt: skip
+    def evict(
+        self,
+        *,
+        namespace: str | None = None,
+        key: str | None = None,
+        match: str | None = None,
+        match_buffers: str | None = None,
+        older_than: float | None = None,
+        all: bool = False,
+        dry_run: bool = False,
+    ) -> R.Evicted:
+        return self._call(
+            "evict",
+            dict(
+                namespace=namespace,
+                key=key,
+                match=match,
+                match_buffers=match_buffers,
+                older_than=older_than,
+                all=all,
+                dry_run=dry_run,
+            ),
+        )
 
     # -- prefix blocks ---------------------------------------------------------------------
-    def reserve_blocks(self, blocks: list[dict[str, Any]], *,
-                       namespace: str = "default", ttl: float | None = None,
-                       buffers: dict[str, int] | None = None, meta: dict | None = None,
-                       compact: bool = False, retain: dict | None = None) -> R.BlocksReserved:  # fmt: skip
+    def reserve_blocks(
+        self,
+        blocks: list[dict[str, Any]],
+        *,
+        namespace: str = "default",
+        ttl: float | None = None,
+        buffers: dict[str, int] | None = None,
+        meta: dict | None = None,
+        compact: bool = False,
+        retain: dict | None = None,
+    ) -> R.BlocksReserved:
         """``blocks``: ``{key, parent: key | None, buffers: {name: nbytes}, meta?}`` each;
         ``buffers``/``meta``: for every block that has none of its own. ``retain``:
         ``{session, for?, priority?}`` (sent only when given)."""
         more = {} if retain is None else {"retain": retain}
-        return self._call("reserve_blocks", dict(namespace=namespace, blocks=blocks, ttl=ttl,
-                                                 buffers=buffers, meta=meta,
-                                                 compact=compact, **more))  # fmt: skip
+        return self._call(
+            "reserve_blocks",
+            dict(
+                namespace=namespace,
+                blocks=blocks,
+                ttl=ttl,
+                buffers=buffers,
+                meta=meta,
+                compact=compact,
+                **more,
+            ),
+        )
 
-    def seal_many(self, leases: list[int],
-                  checksums: list[dict[str, int] | None] | None = None) -> R.SealedMany:
+    def seal_many(
+        self, leases: list[int], checksums: list[dict[str, int] | None] | None = None
+    ) -> R.SealedMany:
         return self._call("seal_many", dict(leases=leases, checksums=checksums))
 
-    def match_prefix(self, keys: list[str], *, namespace: str = "default",
-                     block_tokens: int = 0, ttl: float | None = None,
-                     peer: str | None = None, hold: bool = True,
-                     retain: dict | None = None) -> R.PrefixMatch:  # fmt: skip
+    def match_prefix(
+        self,
+        keys: list[str],
+        *,
+        namespace: str = "default",
+        block_tokens: int = 0,
+        ttl: float | None = None,
+        peer: str | None = None,
+        hold: bool = True,
+        retain: dict | None = None,
+    ) -> R.PrefixMatch:
         # `hold` only when false, `retain` only when given: a daemon from before them refuses
         # an argument it lacks.
         more: dict[str, Any] = {} if hold else {"hold": False}
         if retain is not None:
             more["retain"] = retain
-        return self._call("match_prefix", dict(namespace=namespace, keys=keys,
-                                               block_tokens=block_tokens, ttl=ttl, peer=peer,
-                                               **more))  # fmt: skip
+        return self._call(
+            "match_prefix",
+            dict(
+                namespace=namespace,
+                keys=keys,
+                block_tokens=block_tokens,
+                ttl=ttl,
+                peer=peer,
+                **more,
+            ),
+        )
 
     def release_many(self, leases: list[int]) -> None:
         self._call("release_many", dict(leases=leases))
@@ -164,19 +277,35 @@ class Ops:
     def rings(self) -> R.Rings:
         return self._call("rings", {})
 
-    def ring_reserve(self, device: int, nbytes: int, *, namespace: str = "default",
-                     key: str | None = None, meta: dict | None = None,
-                     ttl: float | None = None) -> R.RingRegion:  # fmt: skip
-        return self._call("ring_reserve", dict(device=device, nbytes=nbytes, namespace=namespace,
-                                               key=key, meta=meta, ttl=ttl))  # fmt: skip
+    def ring_reserve(
+        self,
+        device: int,
+        nbytes: int,
+        *,
+        namespace: str = "default",
+        key: str | None = None,
+        meta: dict | None = None,
+        ttl: float | None = None,
+    ) -> R.RingRegion:
+        return self._call(
+            "ring_reserve",
+            dict(device=device, nbytes=nbytes, namespace=namespace, key=key, meta=meta, ttl=ttl),
+        )
 
     def ring_seal(self, lease: int) -> R.Sealed:
         return self._call("ring_seal", dict(lease=lease))
 
-    def ring_claim(self, key: str, *, namespace: str = "default", consume: bool = True,
-                   wait: float | None = None) -> R.RingClaimed:  # fmt: skip
-        return self._call("ring_claim", dict(namespace=namespace, key=key, consume=consume,
-                                             wait=wait))  # fmt: skip
+    def ring_claim(
+        self,
+        key: str,
+        *,
+        namespace: str = "default",
+        consume: bool = True,
+        wait: float | None = None,
+    ) -> R.RingClaimed:
+        return self._call(
+            "ring_claim", dict(namespace=namespace, key=key, consume=consume, wait=wait)
+        )
 
     def ring_lookup(self, keys: list[str], *, namespace: str = "default") -> R.RingFound:
         return self._call("ring_lookup", dict(namespace=namespace, keys=keys))
@@ -192,11 +321,18 @@ class Ops:
     def sessions(self, *, namespace: str | None = None, limit: int | None = None) -> R.Sessions:
         return self._call("sessions", dict(namespace=namespace, limit=limit))
 
-    def retain(self, name: str, seconds: float, *, namespace: str | None = None,
-               priority: int | None = None) -> dict:  # fmt: skip
+    def retain(
+        self,
+        name: str,
+        seconds: float,
+        *,
+        namespace: str | None = None,
+        priority: int | None = None,
+    ) -> dict:
         """A SessionInfo dict."""
-        return self._call("retain", dict(name=name, seconds=seconds, namespace=namespace,
-                                         priority=priority))  # fmt: skip
+        return self._call(
+            "retain", dict(name=name, seconds=seconds, namespace=namespace, priority=priority)
+        )
 
     def unretain(self, name: str, *, namespace: str | None = None) -> dict:
         """A SessionInfo dict (the session as it was)."""
