@@ -43,6 +43,7 @@ import math
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Iterator
+from itertools import islice
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -166,13 +167,19 @@ class Retention:
         """``entry`` retains the sealed, linked objects ``found`` (a chain parents first) from
         now on, the most recently used of its priority; then the bounds are enforced."""
         added, pools = [], set()
+        mine, holders, namespace = entry.objects, self.holders, entry.namespace
+        own_tier = self.tiers.get(entry.priority)
         # Leaf first into the order: a chain loses retention (and is evicted) from its leaf.
         for obj in reversed(list(found)):
-            if not obj.linked or obj.namespace != entry.namespace:
+            if not obj.linked or obj.namespace != namespace:
                 continue
-            if obj.serial not in entry.objects:
+            serial = obj.serial
+            if serial not in mine:
                 self._add(entry, obj)
-                added.append(obj.serial)
+                added.append(serial)
+                own_tier = self.tiers.get(entry.priority)
+            elif own_tier is not None and len(holders[serial]) == 1 and serial in own_tier:
+                own_tier.move_to_end(serial)  # a renewal of its own block: the usual case
             else:
                 self._place(obj)
             pools.add(obj.pool.index)
@@ -290,14 +297,20 @@ class Retention:
 
     def _shed(self, chosen: Callable[[StoredObject], bool], done: Callable[[], bool],
               why: str, uid: int | None = None) -> None:
-        order = [o for prio in sorted(self.tiers) for o in self.tiers[prio].values() if chosen(o)]
-        for obj in order:
-            if done():
+        # In batches from the front of the order: a request past a bound sheds a few blocks,
+        # and must not cost a walk of everything retained (the tiers change as it sheds).
+        while not done():
+            batch = list(islice((o for prio in sorted(self.tiers)
+                                 for o in self.tiers[prio].values() if chosen(o)), 64))  # fmt: skip
+            if not batch:
                 return
-            for entry in self.holders.get(obj.serial, ())[:]:
-                if uid is None or entry.uid == uid:
-                    self._remove(entry, obj, back_to_lru=True)
-            self.dropped[why] += 1
+            for obj in batch:
+                if done():
+                    return
+                for entry in self.holders.get(obj.serial, ())[:]:
+                    if uid is None or entry.uid == uid:
+                        self._remove(entry, obj, back_to_lru=True)
+                self.dropped[why] += 1
 
     # ------------------------------------------------------------------ the tables
     def _add(self, entry: Retained, obj: StoredObject) -> None:
@@ -337,7 +350,12 @@ class Retention:
 
     def _place(self, obj: StoredObject) -> None:
         """Put ``obj`` at the recent end of its priority's tier (its holders' highest)."""
-        prio = max(e.priority for e in self.holders[obj.serial])
+        holders = self.holders[obj.serial]
+        prio = holders[0].priority if len(holders) == 1 else max(e.priority for e in holders)
+        tier = self.tiers.get(prio)
+        if tier is not None and obj.serial in tier:  # the usual case: a renewal
+            tier.move_to_end(obj.serial)
+            return
         for p, tier in self.tiers.items():
             if p != prio:
                 tier.pop(obj.serial, None)
