@@ -678,3 +678,27 @@ def test_cuda_background_load_lands_after_the_engines_queued_work(daemon, order)
     finally:
         consumer.close()
         producer.close()
+
+
+def test_staging_path_reserves_each_requests_blocks_for_its_session(client):
+    """Saves of several requests in one step, each naming its own session (or none), go out
+    in reservations of one session each: every session retains exactly its request's blocks,
+    also where a staging chunk spans two requests."""
+    from kvbroker import blocks
+    from kvbroker.integrations.vllm._cuda import save_cuda
+    from kvbroker.integrations.vllm._paged import SaveItem, copier_for
+
+    L, B, H, N, D = 2, 12, 2, 16, 32
+    src, _ = vllm_like(L, B, H, N, D, torch.bfloat16, "cpu", "NHD")
+    fmt = _fmt(L, H, N, D, torch.bfloat16)
+    a, b = [f"a{i:031x}" for i in range(4)], [f"b{i:031x}" for i in range(3)]
+    items = [SaveItem(h, a[i - 1] if i else None, i, blocks.retention("conv-a"))
+             for i, h in enumerate(a)]
+    items += [SaveItem(h, b[i - 1] if i else None, 4 + i) for i, h in enumerate(b)]
+    items += [SaveItem(f"c{0:031x}", None, 9, blocks.retention("conv-c", 60, 3))]
+    new, _ = save_cuda(client, NS, fmt, cuda_cache(src, "packed"), items,
+                       copier=copier_for("cpu"), staging_bytes=6 * fmt.block_nbytes)  # fmt: skip
+    assert new == 8
+    got = {s["name"]: s for s in client.ops.sessions()["sessions"]}
+    assert {n: s["blocks"] for n, s in got.items()} == {"conv-a": 4, "conv-c": 1}
+    assert got["conv-c"]["priority"] == 3
