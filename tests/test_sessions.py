@@ -333,3 +333,11 @@ def test_prometheus_shows_retention_and_why_retained_blocks_went(make_broker):
     assert m[("kvbroker_retained_evictions_total", "pool_full")] == 6
     assert m[("kvbroker_retention_dropped_total", "expired")] == 6
     assert m[("kvbroker_retained_bytes", "0")] == 0 and m[("kvbroker_sessions",)] == 0
+
+
+def test_a_match_naming_a_session_is_never_sent_to_a_read_replica():
+    from kvbroker._client.replica import answers
+
+    assert answers("match_prefix", {"keys": ["k"], "hold": False})  # the control
+    assert not answers("match_prefix", {"keys": ["k"], "hold": False,
+                                        "retain": {"session": "s"}})  # fmt: skip
