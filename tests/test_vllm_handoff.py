@@ -104,7 +104,11 @@ def _used(client):
 @pytest.mark.parametrize("order", ["NHD", "HND"])
 @pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(1, 1), (2, 1), (1, 2), (2, 4)])
 def test_runs_hand_off_bit_exact_across_tp_layouts_and_free_the_rings(
-        ring_daemon, memory, order, prefill_tp, decode_tp):  # fmt: skip
+        ring_daemon, memory, order, prefill_tp, decode_tp, monkeypatch):  # fmt: skip
+    from kvbroker.integrations.vllm import _handoff
+
+    # gathers and scatters of 1, 2 or 3 blocks at a time: runs of 4 and 2 cut unevenly
+    monkeypatch.setattr(_handoff, "CHUNK_BYTES", (2 + prefill_tp) * 2 * 2 * 16 * 8 * 2 * 4)
     L, B, H, N, D = 2, 10, 4, 16, 8
     full, _ = vllm_like(L, B, H, N, D, torch.bfloat16, "cpu", "HND")
     f6 = cuda_cache(full, "packed")

@@ -166,7 +166,8 @@ def publish_runs(rings: Any, namespace: str, cache, fmt, requests: Sequence[tupl
 
     consumer_tp = config.consumer_tp or fmt.tp_size
     heads = fmt.total_kv_heads
-    mine = [(d, p) for d, p in _pairs(heads, fmt.tp_size, consumer_tp) if p.prefill_rank == fmt.tp_rank]
+    mine = [(d, p) for d, p in _pairs(heads, fmt.tp_size, consumer_tp)
+            if p.prefill_rank == fmt.tp_rank]  # fmt: skip
     if not mine:
         return [], 0, 0
     own_ring = None
@@ -201,13 +202,18 @@ def publish_runs(rings: Any, namespace: str, cache, fmt, requests: Sequence[tupl
                 if cuda and side is not None:
                     side.wait_stream(torch.cuda.current_stream(cache.device))  # KV written
                 idx = torch.tensor(ids, dtype=torch.int64).to(cache.device, non_blocking=True)
-                for p, region in regions:
-                    src = cache.index_select(2, idx)[:, :, :, :, p.src_head : p.src_head + p.count]
-                    dst = region.tensor.view(cache.dtype).view(_shape(cache, p.count, len(items)))
-                    if dst.device == cache.device:
-                        dst.copy_(src.permute(2, 0, 1, 4, 3, 5))
-                    else:  # the decode GPU's ring: gather here, one peer copy there
-                        dst.copy_(src.permute(2, 0, 1, 4, 3, 5).contiguous())
+                step = _chunk(cache)  # the gather's temporaries stay small beside vLLM's cache
+                for at in range(0, len(ids), step):
+                    got = cache.index_select(2, idx[at : at + step])  # [L, C, n, N, H, D]
+                    for p, region in regions:
+                        dst = region.tensor.view(cache.dtype)
+                        dst = dst.view(_shape(cache, p.count, len(items)))
+                        src = got[:, :, :, :, p.src_head : p.src_head + p.count]
+                        src = src.permute(2, 0, 1, 4, 3, 5)
+                        if dst.device == cache.device:
+                            dst[at : at + step].copy_(src)
+                        else:  # the decode GPU's ring: gathered here, one peer copy there
+                            dst[at : at + step].copy_(src.contiguous())
             if cuda:
                 torch.cuda.synchronize(cache.device)  # in the ring before a seal shows it
                 for _, region in regions:
@@ -235,6 +241,17 @@ def _ring_trouble(exc: KVBrokerError) -> bool:
     from kvbroker.errors import BadRequest, Exists
 
     return isinstance(exc, (Exists, BadRequest))
+
+
+CHUNK_BYTES = 64 << 20  # blocks per gather/scatter: their temporaries' bound
+
+
+def _chunk(cache) -> int:
+    """Blocks per gather or scatter step, so that a step's temporaries stay near
+    CHUNK_BYTES (a 16k-token handoff's would otherwise be the whole run, beside a GPU that
+    vLLM filled with its cache)."""
+    L, C, _B, N, H, D = cache.shape
+    return max(1, CHUNK_BYTES // (L * C * N * H * D * cache.element_size()))
 
 
 def _release(regions) -> None:
@@ -289,14 +306,17 @@ def load_runs(rings: Any, namespace: str, cache, fmt, block_ids: Sequence[int],
                     stream.wait_stream(torch.cuda.current_stream(cache.device))  # readers
                 ids = torch.tensor(list(block_ids[lo - first : hi - first]), dtype=torch.int64)
                 ids = ids.to(cache.device, non_blocking=True)
+                step = _chunk(cache)  # the scatter's temporaries stay small
                 for p, region in regions:
-                    src = region.tensor.view(cache.dtype).view(_shape(cache, p.count, run.count))
-                    src = src[lo - run.start : hi - run.start]
-                    if src.device != cache.device:
-                        src = src.to(cache.device)  # one peer copy over NVLink
+                    whole = region.tensor.view(cache.dtype).view(_shape(cache, p.count, run.count))
+                    whole = whole[lo - run.start : hi - run.start]
                     dst = slice(p.dst_head, p.dst_head + p.count)
-                    cache[:, :, ids, :, dst] = src.permute(1, 2, 0, 4, 3, 5)
-                    moved += src.numel() * src.element_size()
+                    for at in range(0, hi - lo, step):
+                        src = whole[at : at + step]
+                        if src.device != cache.device:
+                            src = src.to(cache.device)  # one peer copy over NVLink
+                        cache[:, :, ids[at : at + step], :, dst] = src.permute(1, 2, 0, 4, 3, 5)
+                    moved += whole.numel() * whole.element_size()
             if cuda:
                 if stream is not None:
                     torch.cuda.current_stream(cache.device).wait_stream(stream)
