@@ -32,7 +32,9 @@ def make_model(path: str, *, arch: str = "llama", seed: int = 0) -> None:
     gives the groups different block sizes),
     ``granite4`` (3 Mamba2 layers and 1 attention one, fp32),
     ``qwen3_next`` (3 gated-delta linear-attention layers and 1 full one, bf16: the CPU GDN
-    kernel takes bf16 and a head dim of 64 or more)."""
+    kernel takes bf16 and a head dim of 64 or more),
+    ``gpt_oss`` (2 sliding-window layers, window 32, and 2 full ones, alternating, with
+    attention sinks and 4 experts; bf16, unquantized: vLLM makes 2 groups of 2 layers)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
@@ -73,6 +75,21 @@ def make_model(path: str, *, arch: str = "llama", seed: int = 0) -> None:
             num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=64,
             layer_types=["linear_attention"] * 3 + ["full_attention"])  # fmt: skip
         model = Qwen3NextForCausalLM(cfg).to(torch.bfloat16)
+    elif arch == "gpt_oss":
+        from transformers import GptOssConfig, GptOssForCausalLM
+
+        cfg = GptOssConfig(
+            **{**common, "num_hidden_layers": 4, "intermediate_size": 128,
+               "torch_dtype": "bfloat16"}, num_local_experts=4, num_experts_per_tok=2,
+            sliding_window=32, layer_types=["sliding_attention", "full_attention"] * 2)  # fmt: skip
+        GptOssForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
+        # unquantized: vLLM reads a quantization_config key as MXFP4 weights' description
+        with open(os.path.join(path, "config.json")) as f:
+            saved = json.load(f)
+        saved.pop("quantization_config", None)
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump(saved, f)
+        return
     else:
         model = LlamaForCausalLM(LlamaConfig(**common))
     model.save_pretrained(path)
