@@ -68,12 +68,14 @@ def render(reply: dict, rows: list) -> str:
 
 
 def retain(
-    session: str = typer.Argument(..., help="The session's name (as the engine gave it)."),
+    session: str = typer.Argument(..., metavar="SESSION",
+                                  help="The session's name (as the engine gave it)."),
     for_: str = typer.Option(..., "--for", metavar="DURATION",
                              help="Keep it retained this long from now (e.g. 1h; at most "
                                   "[sessions] max_retain)."),  # fmt: skip
-    priority: Optional[int] = typer.Option(None, "--priority", min=0, max=100,
-                                           help="Evicted after sessions of lower priority."),
+    priority: Optional[int] = typer.Option(None, "--priority", min=0, max=100, metavar="N",
+                                           help="0-100: evicted after sessions of lower "
+                                                "priority."),  # fmt: skip
     namespace: Optional[str] = namespace_opt("The session's namespace, when several have it."),
     socket: Optional[str] = SocketOpt,
     as_json: bool = JsonOpt,
@@ -89,7 +91,7 @@ def retain(
 
 
 def release(
-    session: str = typer.Argument(..., help="The session's name."),
+    session: str = typer.Argument(..., metavar="SESSION", help="The session's name."),
     namespace: Optional[str] = namespace_opt("The session's namespace, when several have it."),
     socket: Optional[str] = SocketOpt,
     as_json: bool = JsonOpt,
