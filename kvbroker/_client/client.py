@@ -3,7 +3,7 @@
 One :class:`Client` is one connection to the daemon (reconnected after a break), the pools
 it maps, and the calls engines make: publish (``reserve``, ``put``), claim (``claim``,
 ``get``), the directory and statistics. What a lease lends and when it ends:
-:mod:`kvbroker._client.leases`. The requests themselves: :mod:`kvbroker._client.ops`
+:mod:`kvbroker._client.leases`. The requests themselves: :mod:`kvbroker._wire.ops`
 (``client.ops``). ``put`` and ``get`` copy each byte exactly once. Pools are mapped once per
 process and shared by every client in it (:mod:`kvbroker._client.mappings`). See
 ``docs/design.md``.
@@ -122,7 +122,7 @@ class Client(PoolAccess):
         self.pools: list[dict] = []
         self._maps = ClientMappings()
         self._closed = False
-        # The daemon's operations, typed (kvbroker._client.ops): leases, the arena,
+        # The daemon's operations, typed (kvbroker._wire.ops): leases, the arena,
         # kvbroker.prefix and kvbroker.gpu make their requests through these.
         self.ops = Ops(self._request, self._post, self._submit)
         # Puts of objects up to half this size take one round trip (see _arena.py); 0: off.

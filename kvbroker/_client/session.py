@@ -3,7 +3,7 @@
 Every call the client makes funnels through :meth:`Session.request` (a round trip),
 :meth:`Session.post` (one way) or :meth:`Session.submit` (pipelined), each taking the op's
 arguments as one dict (``call``/``send_only`` are the same with keyword arguments); which calls
-there are is :mod:`kvbroker._client.ops`'s business (the session greets through
+there are is :mod:`kvbroker._wire.ops`'s business (the session greets through
 :meth:`Ops.hello`).
 """
 
