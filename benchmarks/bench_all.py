@@ -11,7 +11,8 @@ docs/performance.md is regenerated from every results file (benchmarks/performan
 
 The peer scenario runs benchmarks/mooncake_peer.py under --mooncake-python: Mooncake in an
 environment of its own, its libraries on LD_LIBRARY_PATH (docs/operating.md, "Comparing with
-Mooncake").
+Mooncake"), and LMCache's and KVCR's drivers under --lmcache-python and --kvcr-python
+("Comparing with LMCache", "Comparing with KVCR").
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ DOCS = ROOT / "docs"
 ORDER = ("transfer", "rpc", "scale", "prefix", "tp", "peer")
 
 
-def commands(mooncake_python: str | None) -> dict[str, list[str]]:
+def commands(mooncake_python: str | None, lmcache_python: str | None = None,
+             kvcr_python: str | None = None) -> dict[str, list[str]]:  # fmt: skip
     cmds = {
         "transfer": ["transfer"],
         "rpc": ["rpc"],
@@ -44,8 +46,11 @@ def commands(mooncake_python: str | None) -> dict[str, list[str]]:
         "prefix": ["prefix"],
         "tp": ["tp"],
     }
-    if mooncake_python:
-        cmds["peer"] = ["peer", "--mooncake-python", mooncake_python, "--rounds", "3"]
+    peers = [("--mooncake-python", mooncake_python), ("--lmcache-python", lmcache_python),
+             ("--kvcr-python", kvcr_python)]  # fmt: skip
+    if any(python for _, python in peers):
+        cmds["peer"] = ["peer", *(a for opt, python in peers if python for a in (opt, python)),
+                        "--rounds", "3"]  # fmt: skip
     return cmds
 
 
@@ -166,6 +171,8 @@ def summary() -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mooncake-python", help="Python with Mooncake installed (peer scenario)")
+    ap.add_argument("--lmcache-python", help="Python with the lmcache wheel (peer scenario)")
+    ap.add_argument("--kvcr-python", help="Python with the kvcr wheel and NIXL (peer scenario)")
     ap.add_argument("--only", action="append", choices=ORDER)
     ap.add_argument("--report-only", action="store_true", help="only rebuild bench-cpu.md")
     ap.add_argument("--summary", action="store_true", help="print the table of targets")
@@ -178,7 +185,7 @@ def main() -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     DOCS.mkdir(exist_ok=True)
     if not a.report_only:
-        for name, args in commands(a.mooncake_python).items():
+        for name, args in commands(a.mooncake_python, a.lmcache_python, a.kvcr_python).items():
             if not a.only or name in a.only:
                 wait_for_quiet(a.max_load)
                 run(name, args)

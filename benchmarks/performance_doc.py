@@ -441,7 +441,14 @@ def serving() -> list[str]:
                 "replay are in the second table."
             ),
             "",
-            *source(path.name, d["commit"], cpu_machine(d["machine"]), d["command"], d),
+            # (its machine record is taken at the start: the conditions line has the loads)
+            *source(
+                path.name,
+                d["commit"],
+                cpu_machine({**d["machine"], "loadavg_1min": None}),
+                d["command"],
+                d,
+            ),
         ]
         base = next(r for r in d["rows"] if r["mode"] == "plain")
         rows = [
