@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from kvbroker import Client
 from kvbroker._wire.objects import buffer_offsets as layout_of
 from kvbroker._server.broker import Broker
-from kvbroker._server.handlers import _buffer_layout
+from kvbroker._server.checks import buffer_layout as _buffer_layout
 from kvbroker._server.pool import HostPool
 from kvbroker.errors import BadRequest, Exists, Forbidden, LeaseExpired, NotFound, PoolFull
 from kvbroker.errors import QuotaExceeded
@@ -60,7 +60,7 @@ def assert_no_overlap(b):
     allocator's live extents are exactly those owners."""
     live = b.pools[0].allocator.live_extents()
     owners = sorted((start, owner[1] if isinstance(owner, tuple) else owner.npages)
-                    for start, owner in b._owners[0].items())  # fmt: skip
+                    for start, owner in b.pages.owners[0].items())  # fmt: skip
     assert live == owners
     for (s1, n1), (s2, _) in zip(live, live[1:]):
         assert s1 + n1 <= s2

@@ -336,7 +336,7 @@ def test_list_and_evict_of_one_namespace_do_not_scan_the_others(tmp_path):
             def __iter__(self):
                 raise AssertionError("scanned every object for one namespace")
 
-        b.objects = NoScan(b.objects)
+        b.directory.objects = NoScan(b.directory.objects)
         listed = b.handle(s, "list", {"namespace": "small"})["objects"]
         assert [o["key"] for o in listed] == ["k0", "k1", "k2"]
         assert b.handle(s, "evict", {"namespace": "small", "key": "k1"})["count"] == 1
@@ -394,9 +394,9 @@ def test_a_tenant_quota_holds_across_namespaces_and_arenas():
             r = b.handle(s, "reserve", {"namespace": f"1000/sub{i % 10}", "key": f"k{i}",
                                         "buffers": {"x": 100 << 10}})  # fmt: skip
             b.handle(s, "seal", {"lease": r["lease"]})
-        held = sum(n for k, n in b._usage.items() if isinstance(k, str))
+        held = sum(n for k, n in b.accounts.statistics().charged.items() if isinstance(k, str))
         assert held <= 1 << 20, f"a tenant with a 1 MiB quota holds {held} bytes"
-        assert b._usage[("user", 1000)] == held
+        assert b.accounts.statistics().charged[("user", 1000)] == held
         other = b.open_session(2, 2000, 2000)  # another tenant has its own MiB
         b.handle(other, "hello", {"version": 1})
         b.handle(other, "reserve", {"namespace": "x", "key": "y", "buffers": {"x": 900 << 10}})
@@ -404,19 +404,19 @@ def test_a_tenant_quota_holds_across_namespaces_and_arenas():
         # with 256 KiB lent, 800 KiB more do not fit once its objects go
         b.handle(s, "evict", {"all": True})
         ar = b.handle(s, "arena", {"nbytes": 768 << 10})
-        assert ar["arena"][2] == 256 << 10 and b._usage[("user", 1000)] == 256 << 10
+        assert ar["arena"][2] == 256 << 10 and b.accounts.statistics().charged[("user", 1000)] == 256 << 10
         with pytest.raises(QuotaExceeded, match="user"):
             b.handle(s, "reserve", {"namespace": "n", "key": "big", "buffers": {"x": 800 << 10}})
         pub = b.handle(s, "publish", {"arena": ar["lease"], "namespace": "n", "key": "p",
                                       "buffers": {"x": 256 << 10},
                                       "next_arena": 512 << 10})  # fmt: skip
-        assert b._usage[("user", 1000)] == 512 << 10  # the object took over its pages' charge
+        assert b.accounts.statistics().charged[("user", 1000)] == 512 << 10  # the object took over its pages' charge
         b.handle(s, "abort", {"lease": pub["lease"]})
-        assert b._usage[("user", 1000)] == 256 << 10
+        assert b.accounts.statistics().charged[("user", 1000)] == 256 << 10
         b.close_session(s)
-        assert b._usage.get(("user", 1000)) == 256 << 10  # its sealed object stays charged
+        assert b.accounts.statistics().charged.get(("user", 1000)) == 256 << 10  # its sealed object stays charged
         b.handle(other, "evict", {"namespace": "n", "key": "p"})
-        assert ("user", 1000) not in b._usage
+        assert ("user", 1000) not in b.accounts.statistics().charged
         # a quota its objects fill leaves no room for an arena: refused, nothing evicted
         s = b.open_session(3, 1000, 1000)
         b.handle(s, "hello", {"version": 1})
@@ -424,7 +424,7 @@ def test_a_tenant_quota_holds_across_namespaces_and_arenas():
         b.handle(s, "seal", {"lease": r["lease"]})
         with pytest.raises(PoolFull, match="quota"):
             b.handle(s, "arena", {"nbytes": 64 << 10})
-        assert b._usage[("user", 1000)] == 1 << 20 and len(b.objects) == 1
+        assert b.accounts.statistics().charged[("user", 1000)] == 1 << 20 and len(b.objects) == 1
     finally:
         pool.unlink()
 

@@ -87,7 +87,7 @@ def test_renewals_and_long_claims_keep_the_expiry_heap_bounded(broker):
     for _ in range(5000):  # claims released long before their TTL
         other = broker.handle(s, "claim", {"key": "a", "ttl": 3600})["lease"]
         broker.handle(s, "release", {"lease": other})
-    assert len(broker._expiry) <= 2 * len(broker.leases) + 1024
+    assert broker.leases.statistics().scheduled <= 2 * len(broker.leases) + 1024
     assert broker.expire(time.monotonic() + 7200) == 1  # the renewed lease still expires
 
 
@@ -317,7 +317,7 @@ def test_eviction_reaches_the_parents_of_evicted_blocks():
             r = b.handle(s, "reserve_blocks", {"blocks": [blk]})
             b.handle(s, "seal", {"lease": r["results"][0]["lease"]})
             parent = f"b{i}"
-        assert len(b._lru) == 1  # only the leaf is evictable at first
+        assert len(list(b.directory.evictable())) == 1  # only the leaf is evictable at first
         r = b.handle(s, "reserve", {"key": "big", "buffers": {"kv": 16 << 20}})
         assert r["lease"] and not b.objects
     finally:

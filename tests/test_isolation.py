@@ -148,7 +148,7 @@ def test_gpu_ring_ops_obey_the_namespace_policy(broker):
     from kvbroker._server.rings import FakeRings, RingService
 
     b = broker(isolation=TENANT)
-    b.rings = RingService(FakeRings(1), 1 << 20)
+    b.attach_rings(RingService(FakeRings(1), 1 << 20, registry=b.registry))
     alice, bob = connect(b, ALICE), connect(b, BOB)
     mine = user_name(ALICE)
     r = b.handle(alice, "ring_reserve", {"device": 0, "nbytes": 4096, "namespace": mine,
@@ -186,7 +186,7 @@ def test_quota_enforced_at_reservation(broker):
     assert "'capped'" in msg and "quota of 8192" in msg and "8192 used" in msg
     assert b.pools[0].allocator.used == 2  # the refusal took nothing
     b.handle(s, "abort", {"lease": lease["lease"]})
-    assert b._usage.get("capped", 0) == 0
+    assert b.accounts.statistics().charged.get("capped", 0) == 0
     # Each namespace matching a glob has its own quota; others have none.
     put(b, s, "team/x", "k", 4096)
     put(b, s, "team/y", "k", 4096)
@@ -195,7 +195,7 @@ def test_quota_enforced_at_reservation(broker):
     with pytest.raises(QuotaExceeded):
         b.handle(s, "reserve_blocks", {"namespace": "team/x", "blocks": [
             {"key": "b1", "parent": None, "buffers": {"a": 10}}]})  # fmt: skip
-    assert b.pools[0].allocator.used == used and b._usage["team/x"] == 4096
+    assert b.pools[0].allocator.used == used and b.accounts.statistics().charged["team/x"] == 4096
     b.handle(s, "release", {"lease": held["lease"]})
     # Unleased, the old block makes room: the namespace's own LRU object is evicted.
     b.handle(s, "reserve_blocks", {"namespace": "team/x", "blocks": [
@@ -237,7 +237,7 @@ def test_expired_write_leases_stay_charged_until_their_connection_ends(broker):
     with pytest.raises(BadRequest, match="already holds write arena"):
         b.handle(alice, "arena", {"nbytes": 4 * PAGE})
     b.close_session(alice)
-    assert b.pools[0].allocator.used == 0 and b._usage == {}
+    assert b.pools[0].allocator.used == 0 and b.accounts.statistics().charged == {}
     again = connect(b, ALICE)
     put(b, again, str(ALICE), "fresh", 32 * 1024)  # the whole quota is usable again
 
@@ -252,9 +252,9 @@ def test_quota_accounting_is_exact_after_churn(broker):
     charged = {}
     for (ns, _), obj in b.objects.items():
         charged[ns] = charged.get(ns, 0) + obj.npages * PAGE
-    assert b._usage == charged
+    assert b.accounts.statistics().charged == charged
     b.handle(s, "evict", {"all": True})
-    assert b._usage == {} and b.pools[0].allocator.used == 0
+    assert b.accounts.statistics().charged == {} and b.pools[0].allocator.used == 0
 
 
 def test_policy_and_quotas_from_the_config_file(tmp_path):
@@ -569,8 +569,8 @@ def test_the_lease_cap_per_uid_counts_each_uid_alone(broker):
     for _ in range(3):
         b.handle(bob, "claim", {"key": "k"})  # his own count
     b.close_session(a2)
-    assert b.leases_per_uid == {ALICE: 2, BOB: 3}
+    assert b.leases.statistics().per_uid == {ALICE: 2, BOB: 3}
     b.handle(a1, "claim", {"key": "k", "ttl": 60.0})
     b.expire(b.clock() + 30.0)  # Alice's two 5 s leases end
-    assert b.leases_per_uid[ALICE] == 1
+    assert b.leases.statistics().per_uid[ALICE] == 1
     b.handle(a1, "claim", {"key": "k"})

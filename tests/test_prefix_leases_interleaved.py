@@ -60,7 +60,7 @@ def settled(b):
     """No lease left, no reader counted, and every block without children in the LRU."""
     return (not b.leases and not b.lazy_leases
             and all(o.readers == 0 for o in b.objects.values())
-            and all((o.serial in b._lru) == (o.children == 0) for o in b.objects.values()))
+            and all(b.directory.is_evictable(o) == (o.children == 0) for o in b.objects.values()))
 
 
 @pytest.mark.parametrize("keys", [interleaved(), interleaved()[:-1]],

@@ -249,7 +249,7 @@ def test_cut_off_quarantines_leases_arenas_and_the_ttl_quarantine_then_frees(poo
     clock.now += 0.2
     b.expire()
     assert pool.allocator.used == 0 and b.snapshot()["pools"][0]["quarantined"] == 0
-    assert not b._usage  # every charge went back with the pages
+    assert not b.accounts.statistics().charged  # every charge went back with the pages
     b.handle(other, "reserve", {"key": "big", "buffers": {"x": 64 * PAGE}})
 
 
@@ -295,7 +295,7 @@ def test_journal_replay_quarantines_exactly_what_was_lent(pool, tmp_path):
     pool2 = HostPool.adopt(0, pool.name, pool.size, PAGE)
     b2 = Broker([pool2], clock=clock, restart_quarantine=10.0)
     assert b2.restore(rec.objects.values(), [(p, st, n) for (p, st), n in rec.lent.items()]) == 4
-    assert sorted((i, st, n) for _, i, st, n, _ in b2._held) == expected
+    assert sorted(b2.journal_lent()) == expected
     assert b2.snapshot()["pools"][0]["quarantined"] == 8 * PAGE
     # what the old daemon had, less its leases: the same free space once they end
     for lid in list(b.arenas):
@@ -320,7 +320,7 @@ def test_restore_drops_lent_extents_a_wrong_journal_puts_over_objects(pool, tmp_
     b2 = Broker([HostPool.adopt(0, pool.name, pool.size, PAGE)])
     bogus = [(0, start + 2, 4), (0, 60, 10), (3, 0, 1), (0, 50, 2), (0, 51, 1)]
     assert b2.restore(rec.objects.values(), bogus) == 1
-    assert sorted((i, st, n) for _, i, st, n, _ in b2._held) == [(0, 50, 2)]
+    assert sorted(b2.journal_lent()) == [(0, 50, 2)]
 
 
 def test_a_client_that_stops_reading_is_cut_off_and_its_write_pages_quarantined(make_daemon):

@@ -347,7 +347,7 @@ def test_the_daemon_applies_a_replicas_report(journaled):
     for key in ("a", "b", "c"):
         r = b.handle(s, "reserve", {"key": key, "buffers": {"x": 10}})
         b.handle(s, "seal", {"lease": r["lease"]})
-    assert next(iter(b._lru.values())).key == "a"  # the oldest: the first to be evicted
+    assert next(b.directory.evictable()).key == "a"  # the oldest: the first to be evicted
 
     class _D:  # what Replicas reads of its daemon
         broker = b
@@ -357,7 +357,7 @@ def test_the_daemon_applies_a_replicas_report(journaled):
     reps._apply(msgpack.packb({"c": {"prefix_queries": 2, "bogus": 5, "hits": -3},
                                "t": {"default": ["a", "gone"]}}))  # fmt: skip
     assert b.counters["prefix_queries"] == before + 2 and "bogus" not in b.counters
-    assert [o.key for o in b._lru.values()] == ["b", "c", "a"]  # a: most recently matched
+    assert [o.key for o in b.directory.evictable()] == ["b", "c", "a"]  # a: most recently matched
     reps._apply(b"\xc1not msgpack")  # ignored, logged
     assert REPORT_PERIOD < 1
 

@@ -13,7 +13,6 @@ from kvbroker._server.journal import Journal
 from kvbroker._server.policy import parse_isolation
 from kvbroker._server.pool import HostPool
 from kvbroker._server.retention import RetentionSettings
-from kvbroker._server.snapshot import statistics_for
 from kvbroker.errors import BadRequest, Forbidden, LimitExceeded, NotFound
 
 PAGE = 4096
@@ -217,8 +216,8 @@ def test_another_tenants_session_is_invisible(make_broker):
                      ("retain", {"name": "secret", "seconds": 60, "namespace": ns})):  # fmt: skip
         with pytest.raises(NotFound):
             b.handle(bob, op, args)
-    assert statistics_for(b, bob).retention.largest == ()
-    assert [x.name for x in statistics_for(b, alice).retention.largest] == ["secret"]
+    assert b.statistics_for(bob).retention.largest == ()
+    assert [x.name for x in b.statistics_for(alice).retention.largest] == ["secret"]
     with pytest.raises(Forbidden):  # naming a session in another tenant's namespace
         b.handle(bob, "match_prefix", {"namespace": ns, "keys": ["a0"],
                                        "retain": {"session": "secret"}})  # fmt: skip

@@ -331,7 +331,6 @@ def test_a_damaged_journal_with_a_tenant_pool_the_daemon_cannot_read(tmp_path):
     from kvbroker._server.broker import Broker
     from kvbroker._server.policy import TenantPool
     from kvbroker._server.pool import HostPool, segment_prefix
-    from kvbroker._server.restore import journal_records
     from kvbroker._wire.checksum import digest, encode
 
     prefix = segment_prefix()
@@ -350,7 +349,7 @@ def test_a_damaged_journal_with_a_tenant_pool_the_daemon_cannot_read(tmp_path):
                 mm[off:off + n] = data = os.urandom(n)
             shm.close_fd()
             b.handle(s, "seal", {"lease": r["lease"], "checksums": {"x": encode(digest(data))}})
-        records = journal_records(b)
+        records = b.directory.records()
         assert [r["pool"] for r in records] == [0, 1]
 
         def restart():

@@ -6,47 +6,63 @@ room a write over a quota makes by evicting that account's own objects.
 (``("user", uid)``) and a group's (``("group", gid)``). What is charged and when it is
 uncharged follows the pages (an object's, a write arena's, quarantined pages' until their
 writer is gone): the ownership contract in :mod:`kvbroker._server.state`.
-:class:`~kvbroker._server.broker.Broker` composes it; it evicts through the broker's LRU.
-No I/O.
+It reads what may be evicted from the :class:`~kvbroker._server.directory.Directory` and
+evicts through the broker (an eviction spans owners). No I/O.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
 
 from ..errors import QuotaExceeded
+from .directory import Directory
 from .policy import Quotas, user_name
+from .state import Session, StoredObject
 
-if TYPE_CHECKING:
-    from .retention import Retention
-    from .state import Session, StoredObject
+__all__ = ["AccountStatistics", "Accounts"]
 
-__all__ = ["Accounts"]
+
+@dataclass(frozen=True)
+class AccountStatistics:
+    """Bytes charged per namespace, and each namespace's quota (None: none)."""
+
+    namespaces: dict[str, int]
+    quotas: dict[str, int | None]
+    tenants: dict[tuple[str, int], int]
+
+    @property
+    def charged(self) -> dict[Any, int]:
+        """Every account charged (namespaces and tenants) -> bytes."""
+        return {**self.namespaces, **self.tenants}
 
 
 class Accounts:
     """Bytes charged per namespace and tenant account, against the quotas."""
 
-    def __init__(self, quotas: Quotas, lru: OrderedDict[int, StoredObject],
-                 evict: Callable[[StoredObject], None],
-                 retention: Retention | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, quotas: Quotas, directory: Directory, evict: Callable[[StoredObject], None]
+    ) -> None:
         self.quotas = quotas
         # namespace (or tenant account, ("user", uid) / ("group", gid)) -> bytes charged
         self.usage: dict[Any, int] = {}
-        self._lru = lru  # sealed, linked, unleased objects, least recently used first
+        self._directory = directory  # what may be evicted, least recently used first
         self._evict = evict
-        self._retention = retention  # sessions' retained objects, evicted after the LRU's
 
     def tenants_of(self, session: Session) -> tuple[tuple[str, int], ...]:
         """The tenant accounts ``session``'s writes are charged to (none without tenant
         quotas)."""
         return self.quotas.tenants(session.uid, session.access.gids) if self.quotas else ()
 
-    def charge(self, namespace: str | None, nbytes: int, enforce: bool = True,
-               tenants: tuple[tuple[str, int], ...] = ()) -> int:  # fmt: skip
-        """Count ``nbytes`` against ``namespace`` (None: none) and each tenant account; over
+    def charge(
+        self,
+        namespace: str | None,
+        nbytes: int,
+        enforce: bool = True,
+        tenants: tuple[tuple[str, int], ...] = (),
+    ) -> int:
+        """Owns: ``nbytes`` charged to ``namespace`` and ``tenants``. Count ``nbytes`` against ``namespace`` (None: none) and each tenant account; over
         a quota, evict that namespace's (or tenant's) own least recently used unleased
         objects first, then raise QuotaExceeded (charging nothing). Returns the bytes
         charged (the caller stores them on the object, freeing uncharges them)."""
@@ -72,12 +88,12 @@ class Accounts:
 
             def owned(o: StoredObject) -> bool:
                 return o.namespace == account
+
         used = self.usage.get(account, 0)
         if limit is None or used + nbytes <= limit:
             return
-        mine = [o for o in self._lru.values() if owned(o)]
-        if self._retention is not None:  # a quota is hard: retained objects go last
-            mine += [o for o in self._retention.victims() if owned(o)]
+        mine = [o for o in self._directory.evictable() if owned(o)]
+        mine += [o for o in self._directory.retained() if owned(o)]  # a quota is hard
         evictable = sum(o.charged for o in mine)
         if used - evictable + nbytes > limit:
             raise QuotaExceeded(
@@ -88,15 +104,29 @@ class Accounts:
         for obj in mine:
             if self.usage.get(account, 0) + nbytes <= limit:
                 break
-            if self._retention is not None:
-                self._retention.evicted_now(obj, "quota")
+            self._directory.evicting(obj, "quota")
             self._evict(obj)
 
-    def uncharge(self, namespace: Any, nbytes: int,
-                 tenants: tuple[tuple[str, int], ...] = ()) -> None:  # fmt: skip
+    def uncharge(
+        self, namespace: Any, nbytes: int, tenants: tuple[tuple[str, int], ...] = ()
+    ) -> None:
+        """Frees: ``nbytes`` of the charges of ``namespace`` and ``tenants``."""
         for account in ([namespace] if namespace is not None else []) + list(tenants):
             left = self.usage.get(account, 0) - nbytes
             if left > 0:
                 self.usage[account] = left
             else:
                 self.usage.pop(account, None)
+
+    def used(self, account: Any) -> int:
+        """Bytes charged to ``account`` (a namespace, or ("user", uid) / ("group", gid))."""
+        return self.usage.get(account, 0)
+
+    def statistics(self, also: Iterable[str] = ()) -> AccountStatistics:
+        """The charges; ``also``: namespaces to give the quota of though nothing is charged."""
+        namespaces = {k: v for k, v in self.usage.items() if isinstance(k, str)}
+        return AccountStatistics(
+            namespaces=namespaces,
+            quotas={ns: self.quotas.limit(ns) for ns in {*namespaces, *also}},
+            tenants={k: v for k, v in self.usage.items() if isinstance(k, tuple)},
+        )

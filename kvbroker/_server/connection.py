@@ -23,7 +23,6 @@ from time import perf_counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from .snapshot import statistics_for
 from .state import Deferred, Session, WouldWait
 from .._wire import replies as R
 from .._wire.frames import (
@@ -412,7 +411,7 @@ class Connection(asyncio.BufferedProtocol):
         if self.closed or self.watch_interval <= 0:
             return
         # A watcher that stops reading is cut off once max_write_buffer is unread.
-        stats = statistics_for(self.broker, self.session)
+        stats = self.broker.statistics_for(self.session)
         self._send(self.encoder.push("stats", stats.to_dict()))
         self.watch_handle = asyncio.get_running_loop().call_later(
             self.watch_interval, self._push_stats

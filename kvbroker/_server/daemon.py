@@ -463,7 +463,7 @@ class Daemon:
             self.fleet = None
         if self.broker is not None and self.broker.rings is not None:
             self.broker.rings.close()  # every connection is gone: no lease holds a region
-            self.broker.rings = None
+            self.broker.attach_rings(None)
         journal = self.broker.journal if self.broker is not None else None
         kept = self.keeps_pools
         if kept:

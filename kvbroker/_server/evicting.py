@@ -14,21 +14,17 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Container, Iterable
 
 import msgpack
 
 from .._wire import replies as R
 from ..errors import BadRequest
+from .directory import Directory
 from .patterns import client_regex
-from .prefix_leases import lazy_readers
 from .state import Deferred, Session, StoredObject
 
-if TYPE_CHECKING:
-    from .broker import Broker
-
-__all__ = ["MAX_LISTED_BYTES", "MAX_REPORTED", "SLICE_NAMES", "evict", "info_size"]
+__all__ = ["MAX_LISTED_BYTES", "MAX_REPORTED", "SLICE_NAMES", "info_size", "select", "victims"]
 
 MAX_REPORTED = 10_000  # objects an evict reply lists (it counts them all)
 # Bytes of objects' infos a list page or an evict reply carries at most: an info carries its
@@ -38,11 +34,29 @@ SLICE_NAMES = 20_000  # buffer names a match_buffers filter reads per turn of th
 _DEFERRED_TIMEOUT = 3600.0  # (the slices are bounded; this only bounds the deferral)
 
 
-def evict(b: Broker, session: Session, namespace: str | None, key: str | None,
-          match: str | None, match_buffers: str | None, older_than: float | None,
-          all: bool, dry_run: bool) -> R.Evicted:  # fmt: skip
-    if not (all or key is not None or match is not None or match_buffers is not None
-            or older_than is not None or namespace is not None):  # fmt: skip
+def select(
+    directory: Directory,
+    session: Session,
+    namespace: str | None,
+    key: str | None,
+    match: str | None,
+    match_buffers: str | None,
+    older_than: float | None,
+    all: bool,
+    finish: Callable[[list[StoredObject]], R.Evicted],
+    finish_later: Callable[[list[StoredObject]], R.Evicted],
+) -> R.Evicted:
+    """The objects the filter names that ``session`` may evict, handed to ``finish`` (or,
+    past :data:`SLICE_NAMES` buffer names to read, found in slices off the request path and
+    handed to ``finish_later``: a :class:`~.state.Deferred`)."""
+    if not (
+        all
+        or key is not None
+        or match is not None
+        or match_buffers is not None
+        or older_than is not None
+        or namespace is not None
+    ):
         raise BadRequest("evict: name what to evict (key, match, namespace, ...) or all")
     if older_than is not None and not 0 <= older_than < math.inf:  # NaN compares false
         raise BadRequest("evict: older_than must be a finite number of seconds, 0 or more")
@@ -52,10 +66,10 @@ def evict(b: Broker, session: Session, namespace: str | None, key: str | None,
     if namespace is not None and access.can(namespace):
         access.check(namespace, True, "evict")  # readable but not writable: say so
     if key is not None:
-        spaces = (namespace,) if namespace is not None else list(b.by_namespace)
-        candidates = [o for o in (b.objects.get((ns, key)) for ns in spaces) if o]
+        spaces = (namespace,) if namespace is not None else list(directory.by_namespace)
+        candidates = [o for o in (directory.get((ns, key)) for ns in spaces) if o]
     else:
-        candidates = list(b.in_namespace(namespace))
+        candidates = list(directory.in_namespace(namespace))
     now = time.time()
 
     def chosen(objs: Iterable[StoredObject]) -> list[StoredObject]:
@@ -73,20 +87,6 @@ def evict(b: Broker, session: Session, namespace: str | None, key: str | None,
                 continue
             out.append(obj)
         return out
-
-    def finish(found: list[StoredObject]) -> R.Evicted:
-        cleared = all and not (namespace or key or match or match_buffers or older_than)
-        return _evict_found(b, found, dry_run, bool(cleared))
-
-    def finish_later(found: list[StoredObject]) -> R.Evicted:
-        # Outside Broker.handle's batch: one journal write for the unlinks, as it would be.
-        journal = b.journal
-        if journal is None or not journal.begin():
-            return finish(found)
-        try:
-            return finish(found)
-        finally:
-            journal.flush()
 
     if buf_re is not None and sum(len(o.buffers) for o in candidates) > SLICE_NAMES:
 
@@ -106,40 +106,36 @@ def evict(b: Broker, session: Session, namespace: str | None, key: str | None,
     return finish(chosen(candidates))
 
 
-def _evict_found(b: Broker, found: list[StoredObject], dry_run: bool,
-                 cleared: bool) -> R.Evicted:  # fmt: skip
-    """Evict the objects ``found`` that are still linked and unleased (leaves first)."""
-    lazy = lazy_readers(b) if b.lazy_leases else ()  # held lazily: skipped_leased, too
-    victims, skipped = [], 0
+def victims(
+    found: list[StoredObject], lazy: Container[StoredObject], dry_run: bool
+) -> tuple[R.Evicted, list[StoredObject]]:
+    """The reply, and the objects of ``found`` to evict (leaves first): those still linked
+    and unleased (``lazy``: held by a lazy prefix lease, which counts as leased)."""
+    chosen, skipped = [], 0
     for obj in found:
         if not obj.linked:
             continue  # gone meanwhile (a deferred scan)
         if obj.readers or obj in lazy:
             skipped += 1
         else:
-            victims.append(obj)
-    victims, kept_parents = _leaves_first(victims)
+            chosen.append(obj)
+    ordered, kept_parents = _leaves_first(chosen)
     reported, size = [], 0
-    for obj in victims[:MAX_REPORTED]:
+    for obj in ordered[:MAX_REPORTED]:
         size += info_size(obj)
         if reported and size > MAX_LISTED_BYTES:
             break
         reported.append(obj.info())
-    nbytes = sum(o.nbytes for o in victims)
-    if not dry_run:
-        for obj in victims:
-            b.retention.evicted_now(obj, "operator")
-            b.evict(obj)
-        if cleared and b.on_block is not None:
-            b.on_block("cleared", None)  # a router forgets this node's blocks
-    return {
+    nbytes = sum(o.nbytes for o in ordered)
+    reply: R.Evicted = {
         "evicted": reported,
-        "count": len(victims),
+        "count": len(ordered),
         "bytes": nbytes,
         "skipped_leased": skipped,
         "skipped_parents": kept_parents,
         "dry_run": dry_run,
     }
+    return reply, ordered
 
 
 def _leaves_first(victims: list[StoredObject]) -> tuple[list[StoredObject], int]:

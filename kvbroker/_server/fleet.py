@@ -55,6 +55,7 @@ from ..errors import (
     TransferFailed,
 )
 from . import transfer
+from .checks import check_name
 from .fleet_events import EventFeed, announced, block_event_hash
 from .fleet_serving import BrokerProvider
 from .pin_reply import Described, looked_up
@@ -273,15 +274,13 @@ class Fleet:
         """What every pull and peer lookup checks first: this daemon pulls, ``address`` is
         a configured peer (returned as configured), and the names are ones a local op
         would take."""
-        from .handlers import _check_name
-
         if self.closed or self.endpoint is None:
             raise BadRequest("this daemon pulls from no peer (set [transfer] peers, "
                              "cert_file, key_file and ca_file)")
         address = self.configured(address)
-        _check_name("namespace", namespace)
+        check_name("namespace", namespace)
         for key in keys:
-            _check_name("key", key)
+            check_name("key", key)
         return address
 
     async def lookup(self, address: str, namespace: str, key: str) -> dict | None:
@@ -495,16 +494,10 @@ class Fleet:
 
     def _discard(self, lease: Lease, quarantine: bool) -> None:
         b = self.broker
-        obj = lease.obj
         if quarantine:  # a READ that may still land: the pages wait out the quarantine
-            del b.pending[(obj.namespace, obj.key)]
-            charges = ((obj.namespace, obj.charged),) if obj.charged else ()
-            obj.charged = 0
-            b.end_lease(lease, "its pull failed")
-            b.pages.hold(obj.pool, obj.start, obj.npages, charges)
+            b.abort_held(lease, "its pull failed")
         else:
-            b.discard_pending(lease, quarantine=False)
-            b.end_lease(lease, "its pull failed")
+            b.abort(lease, "its pull failed")
         b.counters["aborts"] += 1
 
     # -- statistics ----------------------------------------------------------------------------

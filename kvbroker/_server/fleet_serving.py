@@ -20,8 +20,7 @@ from typing import TYPE_CHECKING
 
 from .._wire.protocol import MAX_BUFFERS
 from ..errors import BadRequest, Forbidden, LimitExceeded, NotFound
-from .handlers import _check_name, _ttl
-from .prefix_leases import lend_prefix, materialize_holding
+from .checks import check_name
 
 if TYPE_CHECKING:
     from .broker import Broker
@@ -81,7 +80,7 @@ class BrokerProvider:
         the daemon's own pulls and its administrators' connections share one uid, so a
         peer pinning on many connections must not fill ``max_leases_per_uid``."""
         b = self.broker
-        b.check_lease_limit(s)
+        b.leases.check_limit(s)
         who = self.identities.get(peer, "")
         held = sum(len(x.leases) for p, x in self.sessions.items()
                    if self.identities.get(p, "") == who)
@@ -114,16 +113,17 @@ class BrokerProvider:
         return self.broker.max_lease_ttl
 
     def _ttl(self, ttl: float) -> float:
-        return _ttl(self.broker, ttl)  # (in range: the peer table's rule checked it)
+        # The local ops' check: a NaN would never be due in the expiry heap (issue 38).
+        return self.broker.leases.ttl(ttl)
 
     def _names(self, namespace: str, keys: Sequence[str]) -> None:
-        _check_name("namespace", namespace)
+        check_name("namespace", namespace)
         if len(keys) > MAX_BUFFERS:
             raise BadRequest(f"at most {MAX_BUFFERS} keys per request")
         for key in keys:
             if not isinstance(key, str):
                 raise BadRequest("keys must be strings")
-            _check_name("key", key)
+            check_name("key", key)
 
     def pin(self, peer: int, namespace: str, key: str, ttl: float, consume: bool) -> dict:
         b = self.broker
@@ -137,8 +137,8 @@ class BrokerProvider:
             b.counters["misses"] += 1
             raise NotFound(f"{namespace}/{key} is not published on this broker")
         self._check_lease_limit(peer, s)
-        b.pin(obj)
-        lease = b.new_lease("read", s, obj, ttl, consume=consume)
+        b.directory.pin(obj)
+        lease = b.leases.lend("read", s, obj, ttl, consume=consume)
         b.counters["claims"] += 1
         b.counters["hits"] += 1
         self.pins_served += 1
@@ -160,13 +160,13 @@ class BrokerProvider:
         if not found:
             return {"lease": None, "ttl": 0.0, "objects": []}
         self._check_lease_limit(peer, s)
-        lease = lend_prefix(b, s, found, ttl)[0]
+        lease = b.match(s, found, ttl)[0]
         self.pins_served += 1
         return {"lease": lease.id, "ttl": ttl, "objects": [self._describe(o) for o in found]}
 
     def _lease(self, peer: int, lease: int) -> Lease:
         self.broker.expire()  # a TTL that passed ends the lease now, not at the next tick
-        return self.broker.lease_of(self._session(peer), lease, "read")
+        return self.broker.leases.of(self._session(peer), lease, "read")
 
     def release(self, peer: int, lease: int, consumed: bool) -> None:
         ls = self._lease(peer, lease)
@@ -179,7 +179,7 @@ class BrokerProvider:
 
     def renew(self, peer: int, lease: int, ttl: float) -> None:
         ttl = self._ttl(ttl)
-        self.broker.renew(self._lease(peer, lease), ttl)
+        self.broker.leases.renew(self._lease(peer, lease), ttl)
 
     def lookup(self, peer: int, namespace: str, key: str) -> dict | None:
         self._names(namespace, (key,))
@@ -187,8 +187,7 @@ class BrokerProvider:
         obj = self.broker.objects.get((namespace, key))
         if obj is None:
             return None
-        materialize_holding(self.broker, obj)  # its readers reported
-        info = obj.info()
+        info = self.broker.lookup(obj)  # its readers reported
         info["checksums"] = obj.checksums
         return info
 

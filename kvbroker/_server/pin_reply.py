@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._wire import checksum
+from .checks import buffer_layout, check_name, consumers_problem, parent_problem, tokens_problem
 
 __all__ = ["Described", "looked_up"]
 
@@ -19,7 +20,7 @@ __all__ = ["Described", "looked_up"]
 @dataclass(frozen=True)
 class Described:
     """One object of a peer's pin reply, checked as a local seal of it would be: its key
-    and buffer names and sizes (``_buffer_layout``, as ``reserve``), meta, checksums (well
+    and buffer names and sizes (``checks.buffer_layout``, as ``reserve``), meta, checksums (well
     formed, one per buffer, as ``seal``), consumers, prefix parent and token ids (as
     ``reserve_blocks``), and extents that lie in the owner's pool exactly as its buffers
     do in one object (so a reply cannot send us reading elsewhere)."""
@@ -37,9 +38,6 @@ class Described:
 
     @classmethod
     def check(cls, desc: Any, namespace: str, require_checksums: bool) -> Described:
-        from .handlers import (_buffer_layout, _check_name, consumers_problem,
-                               parent_problem, tokens_problem)
-
         if not isinstance(desc, dict):
             raise ValueError("an object must be a map")
         if desc.get("namespace") != namespace:
@@ -47,7 +45,7 @@ class Described:
         key = desc.get("key")
         if not isinstance(key, str):
             raise ValueError("its key must be a string")
-        _check_name("key", key)
+        check_name("key", key)
         bufs, meta = desc.get("buffers"), desc.get("meta")
         if not isinstance(bufs, dict) or (meta is not None and not isinstance(meta, dict)):
             raise ValueError("buffers and meta must be maps")
@@ -57,7 +55,7 @@ class Described:
                     and all(x.__class__ is int and 0 <= x < 1 << 62 for x in v)):
                 raise ValueError(f"buffer {str(name)[:80]!r} must be [offset, size]")
             placed[name] = (v[0], v[1])
-        layout, span = _buffer_layout({n: size for n, (_, size) in placed.items()}, meta)
+        layout, span = buffer_layout({n: size for n, (_, size) in placed.items()}, meta)
         end = 0
         for off, size in sorted(placed.values()):
             if off < end:

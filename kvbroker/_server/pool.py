@@ -119,6 +119,11 @@ class HostPool:
         pool.tenant = None
         return pool
 
+    def rebuild(self, live: list[tuple[int, int]]) -> None:
+        """Owns: exactly the ``live`` extents (start, npages), the rest free: an adopted
+        pool's allocator rebuilt from what a restore keeps."""
+        self.allocator = ExtentAllocator.with_live(self.allocator.capacity, live)
+
     def describe(self) -> dict:
         return {"index": self.index, "name": self.name, "size": self.size, "page_size": self.page_size}
 

@@ -28,25 +28,32 @@ from __future__ import annotations
 
 import time
 from collections import Counter, deque
-from itertools import chain as chained, islice, repeat
+from itertools import chain as chained
+from itertools import islice, repeat
 from operator import attrgetter
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .broker import Broker
+    from .directory import Directory
+    from .leases import LeaseTable
     from .state import Lease, Session, StoredObject
 
-__all__ = ["lend_prefix", "matched_run", "materialize", "materialize_holding", "lazy_readers",
-           "keep_recent", "count_query"]
+__all__ = [
+    "count_query",
+    "lazy_readers",
+    "lend_prefix",
+    "matched_run",
+    "materialize",
+    "materialize_holding",
+]
 
 _parent, _shape, _row = attrgetter("parent"), attrgetter("shape"), attrgetter("row")
-_serial = attrgetter("serial")
 
 
-def matched_run(b: Broker, namespace: str, keys: list[Any]) -> list[StoredObject]:
+def matched_run(directory: Directory, namespace: str, keys: list[Any]) -> list[StoredObject]:
     """The sealed objects of the leading ``keys`` of ``namespace`` up to the first one that
     is not published (a key that is not a string never is)."""
-    space = b.by_namespace.get(namespace)
+    space = directory.namespace(namespace)
     if not space or not keys:
         return []
     return _run(space, keys)  # (a list: validate_args checked it)
@@ -60,32 +67,28 @@ def _run_py(space: dict[str, StoredObject], keys: list[Any]) -> list[StoredObjec
     except TypeError:  # an unhashable key (a list, a map): the run ends before it
         found = [space.get(k) if k.__class__ is str else None for k in keys]
     try:
-        del found[found.index(None):]
+        del found[found.index(None) :]
     except ValueError:
         pass  # every key matched
     return found
 
 
-def lend_prefix(b: Broker, session: Session, found: list[StoredObject],
-                ttl: float) -> tuple[Lease, tuple[str, ...], bytes | None, int]:  # fmt: skip
-    """One read lease on the matched blocks ``found`` (at least one); returns it, the first
-    block's buffer names, every block's packed extent row joined (None when the blocks
-    differ in names) and the bytes leased."""
-    lru_pop = b._lru.pop
+def lend_prefix(
+    directory: Directory,
+    leases: LeaseTable,
+    session: Session,
+    found: list[StoredObject],
+    ttl: float,
+) -> tuple[Lease, tuple[str, ...], bytes | None, int]:
+    """Owns: one read lease on the matched blocks ``found`` (at least one), pinning them (or
+    only the leaves of a lazy one). Returns it, the first block's buffer names, every block's
+    packed extent row joined (None when the blocks differ in names) and the bytes leased."""
     stride, joined = _lend_scan(found, time.time())  # (every block's last_access set)
-    if stride:
-        for leaf in found[-stride:]:
-            leaf.readers += 1
-            lru_pop(leaf.serial, None)
-    else:
-        for obj in found:
-            obj.readers += 1
-            lru_pop(obj.serial, None)
-    lease = b.new_lease("read", session, found[0], ttl)
+    directory.pin_leaves(found[-stride:] if stride else found)
+    lease = leases.lend("read", session, found[0], ttl)
     lease.more = tuple(islice(found, 1, None))
     if stride:
-        lease.lazy = stride
-        b.lazy_leases[lease.id] = lease
+        leases.make_lazy(lease, stride)
     if joined is not None:  # (one shape: blocks matched before, of the same names and size)
         shape = found[0].shape
         return lease, shape[0], joined, shape[1] * len(found)
@@ -110,24 +113,13 @@ def _lend_scan_py(found: list[StoredObject], now: float) -> tuple[int, bytes | N
     return _chains(found), b"".join(map(_row, found)) if same else None
 
 
-def count_query(b: Broker, asked: int, matched: int, block_tokens: int) -> None:
-    """One prefix query in the counters: blocks hit and missed, tokens hit."""
-    c = b.counters
+def count_query(c: dict[str, int], asked: int, matched: int, block_tokens: int) -> None:
+    """One prefix query in the counters ``c``: blocks hit and missed, tokens hit."""
     c["prefix_queries"] += 1
     c["prefix_hit_blocks"] += matched
     c["prefix_miss_blocks"] += asked - matched
     c["prefix_hit_tokens"] += matched * block_tokens
     c["hits" if matched else "misses"] += 1
-
-
-def keep_recent(b: Broker, found: list[StoredObject]) -> None:
-    """What a match that holds nothing (``hold=False``) does to the LRU: the matched blocks
-    in it move to its newest end, in order, as a held match's release would put them, so a
-    prefix a scheduler keeps finding is not the first to be evicted. (Nothing is read:
-    ``last_access`` stays.)"""
-    lru = b._lru
-    there = list(filter(None, map(lru.pop, map(_serial, found), repeat(None))))
-    lru.update(zip(map(_serial, there), there))
 
 
 def _chains(found: list[StoredObject]) -> int:
@@ -144,15 +136,15 @@ def _chains(found: list[StoredObject]) -> int:
     return stride if parents[stride:] == found[:-stride] else 0
 
 
-def materialize(b: Broker, lease: Lease) -> None:
+def materialize(leases: LeaseTable, lease: Lease) -> None:
     """Make a lazy lease eager: every block it holds counts it as a reader."""
-    del b.lazy_leases[lease.id]
+    leases.unlazy(lease)
     leaves, lease.lazy = lease.lazy, 0
     for obj in lease.objects()[:-leaves]:  # the leaves count it already
         obj.readers += 1
 
 
-def materialize_holding(b: Broker, obj: StoredObject) -> None:
+def materialize_holding(leases: LeaseTable, obj: StoredObject) -> None:
     """Materialize the lazy leases that hold ``obj`` (before it is unlinked or reported).
 
     A lazy lease holds a block either as a leaf (a reader) or as an ancestor (a child):
@@ -160,13 +152,17 @@ def materialize_holding(b: Broker, obj: StoredObject) -> None:
     whose first block is at depth ``d`` can hold ``obj`` only at index ``obj.depth - d``
     (of ``s`` interleaved chains: at one index per chain): one test per lease and chain,
     not a scan of its blocks."""
-    if not b.lazy_leases or not (obj.readers or obj.children):
+    if not leases.lazy or not (obj.readers or obj.children):
         return
     depth = obj.depth
-    for lease in [ls for ls in b.lazy_leases.values()
-                  if ls.lazy > 1 or 0 <= depth - ls.obj.depth <= len(ls.more)]:  # fmt: skip
+    holding = [
+        ls
+        for ls in leases.lazy.values()
+        if ls.lazy > 1 or 0 <= depth - ls.obj.depth <= len(ls.more)
+    ]
+    for lease in holding:
         if _holds(lease, obj, depth):
-            materialize(b, lease)
+            materialize(leases, lease)
 
 
 def _holds(lease: Lease, obj: StoredObject, depth: int) -> bool:
@@ -179,17 +175,17 @@ def _holds(lease: Lease, obj: StoredObject, depth: int) -> bool:
     return False
 
 
-def lazy_readers(b: Broker) -> Counter[StoredObject]:
+def lazy_readers(leases: LeaseTable) -> Counter[StoredObject]:
     """The readers the lazy leases add to their blocks but the leaves (which count their
     own): what materializing every one of them would add, nothing changed. Leases over the
     same span are counted once, times their number: many requests matching one prefix cost
     one walk. A span is named by each of its ``s`` chains' first and last block (a chain is
     its leaf's ancestors) and its length (which says where a partial last row ends)."""
     spans: dict[tuple, list] = {}
-    for lease in b.lazy_leases.values():
+    for lease in leases.lazy.values():
         s, more = lease.lazy, lease.more
-        span = spans.get(key := (s, len(more), id(lease.obj), *map(id, more[: s - 1]),
-                                 *map(id, more[-s:])))  # fmt: skip
+        key = (s, len(more), id(lease.obj), *map(id, more[: s - 1]), *map(id, more[-s:]))
+        span = spans.get(key)
         if span is None:
             spans[key] = [lease, 1]
         else:
@@ -199,7 +195,7 @@ def lazy_readers(b: Broker) -> Counter[StoredObject]:
         if lease.lazy == 1:  # one chain: each block once
             readers.update(dict.fromkeys(chained((lease.obj,), lease.more[:-1]), n))
         else:  # (a block may stand twice in interleaved chains: count each place)
-            for obj in lease.objects()[:-lease.lazy]:
+            for obj in lease.objects()[: -lease.lazy]:
                 readers[obj] += n
     return readers
 

@@ -33,7 +33,6 @@ from typing import TYPE_CHECKING
 import msgpack
 
 from .journal import journal_path
-from .prefix_leases import keep_recent
 from .replica import MESSAGE_MAX
 
 if TYPE_CHECKING:
@@ -256,9 +255,9 @@ class Replicas:
                     if name == "requests":
                         b.counters["replica_requests"] += n
             for namespace, keys in touched.items():
-                space = b.by_namespace.get(namespace)
+                space = b.directory.namespace(namespace)
                 if space:
-                    keep_recent(b, [o for o in map(space.get, keys) if o is not None])
+                    b.directory.touch([o for o in map(space.get, keys) if o is not None])
         except (ValueError, TypeError, KeyError, AttributeError, msgpack.ExtraData) as exc:
             log.warning("a read replica's report makes no sense (%s): ignored", exc)
 

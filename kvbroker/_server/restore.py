@@ -1,4 +1,5 @@
-"""Warm restart: the broker's state to and from the journal (:mod:`kvbroker._server.journal`).
+"""Warm restart: what of a previous daemon's journal (:mod:`kvbroker._server.journal`) a new
+broker adopts (:func:`plan`; the broker then adopts it: ``Broker.restore``).
 
 A sealed object survives a daemon's death as a journal record; the pages it had lent for
 writing come back quarantined (their writers may outlive the daemon). What that means for
@@ -8,58 +9,51 @@ who owns which page: the ownership contract in :mod:`kvbroker._server.state`.
 from __future__ import annotations
 
 import bisect
-import heapq
-from collections.abc import Iterable
-from itertools import count
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
 
 from .._wire.protocol import meta_problem
-from .allocator import ExtentAllocator
+from .pool import HostPool
 from .state import StoredObject
 
-if TYPE_CHECKING:
-    from .broker import Broker
-
-__all__ = ["journal_records", "journal_lent", "restore"]
+__all__ = ["Plan", "plan"]
 
 
-def journal_records(b: Broker) -> list[dict[str, Any]]:
-    """Every sealed, linked object as a journal record, in seal order."""
-    return [obj.to_record() for obj in b.objects.values()]
+@dataclass
+class Plan:
+    """What a restore adopts: the surviving objects with their parent's serial (seal order:
+    a parent before its children), the extents lent for writing to quarantine, the live
+    extents of each pool (its allocator's), and the highest serial a record named."""
+
+    survivors: list[tuple[StoredObject, Any]]
+    held: list[tuple[int, int, int]]
+    live: list[list[tuple[int, int]]]
+    top_serial: int
 
 
-def journal_lent(b: Broker) -> list[tuple[int, int, int]]:
-    """Every extent not free and not a sealed object's, as (pool, start, npages):
-    reservations, write arenas, quarantined pages. A restart quarantines them."""
-    out = [(o.pool.index, o.start, o.npages) for o in b.pending.values()]
-    out += [(a.pool.index, a.start, a.npages) for a in b.arenas.values()]
-    for s in b.sessions.values():
-        out += [(pool.index, start, n) for pool, start, n in s.quarantine]
-    out += [(idx, start, n) for _, idx, start, n, _ in b.pages.held]
-    return out
-
-
-def restore(b: Broker, records: Iterable[dict[str, Any]],
-            lent: Iterable[tuple[int, int, int]] = (), sessions: Iterable[dict[str, Any]] = (), *,
-            report: dict[str, list[str]] | None = None, dropped: set[int] | None = None,
-            verify: bool = False) -> int:  # fmt: skip
-    """Adopt the sealed objects of a previous daemon (records in seal order) into an
-    empty broker: the allocators are rebuilt from their extents; ``lent`` (pool, start,
-    npages), the pages it had lent for writing, go into the timed quarantine (their
-    writers may still be copying); everything else is free. Returns how many objects
-    came back. Then ``sessions`` (their journal records) retain what they retained of those
-    objects again (:meth:`~kvbroker._server.retention.Retention.restore`).
+def plan(
+    records: Iterable[dict[str, Any]],
+    pools: list[HostPool],
+    pools_for: Callable[[str], list[HostPool]],
+    lent: Iterable[tuple[int, int, int]] = (),
+    *,
+    report: dict[str, list[str]] | None = None,
+    dropped: set[int] | None = None,
+    verify: bool = False,
+) -> Plan:
+    """Which sealed objects of a previous daemon (records in seal order) come back, into
+    ``pools``; ``lent`` (pool, start, npages), the pages it had lent for writing, are to go
+    into the timed quarantine (their writers may still be copying); everything else is free.
 
     Nothing a record says is trusted: a record that does not describe an object inside its
-    pool is dropped, and so is one in a pool its namespace may not live in (a tenant pool's
-    namespaces changed); of two records of one key the later seal wins; of two whose pages
-    overlap, the later seal wins (the earlier one's pages hold the later one's bytes); a
-    block whose parent was dropped (``dropped``: serials the journal already dropped) goes
-    too. With ``verify`` (the journal was damaged), objects sealed with checksums are hashed
-    again and dropped when their bytes differ. Why each object was dropped goes into
-    ``report`` (reason -> ["namespace/key", ...])."""
-    if b.objects or b.pending:
-        raise RuntimeError("restore needs an empty broker")
+    pool is dropped, and so is one in a pool its namespace may not live in (``pools_for``: a
+    tenant pool's namespaces changed); of two records of one key the later seal wins; of two
+    whose pages overlap, the later seal wins (the earlier one's pages hold the later one's
+    bytes); a block whose parent was dropped (``dropped``: serials the journal already
+    dropped) goes too. With ``verify`` (the journal was damaged), objects sealed with
+    checksums are hashed again and dropped when their bytes differ. Why each object was
+    dropped goes into ``report`` (reason -> ["namespace/key", ...])."""
     report = {} if report is None else report
     gone = set(dropped or ())
 
@@ -72,18 +66,19 @@ def restore(b: Broker, records: Iterable[dict[str, Any]],
     for rec in records:
         try:
             idx = rec["pool"]
-            if idx.__class__ is not int or not 0 <= idx < len(b.pools):
+            if idx.__class__ is not int or not 0 <= idx < len(pools):
                 raise ValueError(f"pool {idx!r} does not exist")
-            obj = StoredObject.from_record(rec, b.pools)
+            obj = StoredObject.from_record(rec, pools)
             _check(obj)
         except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
             what = rec.get("namespace"), rec.get("key") if isinstance(rec, dict) else (None, None)
-            drop(f"malformed record ({type(exc).__name__}: {exc})", f"{what[0]}/{what[1]}",
-                 rec.get("serial") if isinstance(rec, dict) else None)
+            serial = rec.get("serial") if isinstance(rec, dict) else None
+            why = f"malformed record ({type(exc).__name__}: {exc})"
+            drop(why, f"{what[0]}/{what[1]}", serial)
             continue
-        if obj.pool not in b.pages.pools_for(obj.namespace):  # [tenant_pools] changed
-            drop("its namespace lives in another pool now", f"{obj.namespace}/{obj.key}",
-                 obj.serial)
+        if obj.pool not in pools_for(obj.namespace):  # [tenant_pools] changed
+            name = f"{obj.namespace}/{obj.key}"
+            drop("its namespace lives in another pool now", name, obj.serial)
             continue
         objs.append((obj, rec.get("parent")))
     latest: dict[tuple[str, str], StoredObject] = {}
@@ -91,7 +86,7 @@ def restore(b: Broker, records: Iterable[dict[str, Any]],
         ident = (obj.namespace, obj.key)
         if ident not in latest or obj.serial > latest[ident].serial:
             latest[ident] = obj
-    taken: list[list[tuple[int, int]]] = [[] for _ in b.pools]
+    taken: list[list[tuple[int, int]]] = [[] for _ in pools]
     keep: set[int] = set()
     for obj, _ in sorted(objs, key=lambda op: -op[0].serial):  # the latest seal first
         name = f"{obj.namespace}/{obj.key}"
@@ -103,50 +98,29 @@ def restore(b: Broker, records: Iterable[dict[str, Any]],
             continue
         ext = taken[obj.pool.index]
         i = bisect.bisect_left(ext, (obj.start, 0))
-        if (i < len(ext) and ext[i][0] < obj.start + obj.npages) or (
-                i > 0 and ext[i - 1][0] + ext[i - 1][1] > obj.start):  # fmt: skip
+        after = i < len(ext) and ext[i][0] < obj.start + obj.npages
+        before = i > 0 and ext[i - 1][0] + ext[i - 1][1] > obj.start
+        if after or before:
             drop("its pages overlap a later object's", name, obj.serial)
             continue
         ext.insert(i, (obj.start, obj.npages))
         keep.add(obj.serial)
     candidates = [(obj, parent) for obj, parent in objs if obj.serial in keep]
     if verify:
-        candidates = _verify(b, candidates, drop, report)
+        candidates = _verify(candidates, drop)
     survivors = []
+    live: list[list[tuple[int, int]]] = [[] for _ in pools]
     for obj, parent in candidates:  # seal order: a parent is decided before its children
         if parent is not None and parent in gone:
             drop("its parent block was dropped", f"{obj.namespace}/{obj.key}", obj.serial)
             continue
         survivors.append((obj, parent))
-    by_serial: dict[int, StoredObject] = {}
-    live: list[list[tuple[int, int]]] = [[] for _ in b.pools]
-    for obj, parent_serial in survivors:
-        parent = by_serial.get(parent_serial)
-        if parent is not None:
-            obj.parent, obj.depth = parent, parent.depth + 1
-            parent.children += 1
-            b._lru.pop(parent.serial, None)
-        obj.linked = True
-        by_serial[obj.serial] = obj
-        b.index(obj)
-        b.pages.owners[obj.pool.index][obj.start] = obj
-        if obj.children == 0:
-            b._lru[obj.serial] = obj
         live[obj.pool.index].append((obj.start, obj.npages))
-        obj.charged = b.accounts.charge(obj.namespace, obj.npages * obj.pool.page_size, False,
-                                        tenants=obj.tenants)  # fmt: skip
-    held = _disjoint(lent, live, [p.allocator.capacity for p in b.pools])
-    deadline = b.clock() + b.pages.restart_quarantine
+    held = _disjoint(lent, live, [p.allocator.capacity for p in pools])
     for idx, start, npages in held:
         live[idx].append((start, npages))
-        b.pages.owners[idx][start] = ("q", npages)
-        heapq.heappush(b.pages.held, (deadline, idx, start, npages, ()))
-    for pool, extents in zip(b.pools, live):
-        pool.allocator = ExtentAllocator.with_live(pool.allocator.capacity, extents)
     top = max([o.serial for o, _ in objs] + [0])
-    b._serials = count(top + 1)
-    b.retention.restore(sessions, by_serial)
-    return len(by_serial)
+    return Plan(survivors, held, live, top)
 
 
 def _check(obj: StoredObject) -> None:
@@ -157,8 +131,9 @@ def _check(obj: StoredObject) -> None:
         raise ValueError("serial, start, npages, nbytes and consumers must be integers")
     if obj.start < 0 or obj.npages < 1 or obj.start + obj.npages > pool.allocator.capacity:
         raise ValueError(f"pages {obj.start}+{obj.npages} are not inside pool {pool.index}")
-    if not (isinstance(obj.namespace, str) and obj.namespace and isinstance(obj.key, str)
-            and obj.key):  # fmt: skip
+    if not (
+        isinstance(obj.namespace, str) and obj.namespace and isinstance(obj.key, str) and obj.key
+    ):
         raise ValueError("namespace and key must be non-empty strings")
     if obj.consumers < 1 or not isinstance(obj.created_at, (int, float)):
         raise ValueError("consumers must be at least 1")
@@ -182,7 +157,7 @@ def _check(obj: StoredObject) -> None:
         raise ValueError("parent_key must be a key")
 
 
-def _verify(b: Broker, objs: list, drop, report) -> list:
+def _verify(objs: list, drop: Callable[..., None]) -> list:
     """The objects whose checksummed bytes still match (each buffer hashed again). Objects
     without checksums cannot be vouched for after a damaged journal (a lost unlink record
     leaves no trace when the pages' later owner is gone too): dropped."""
@@ -197,38 +172,49 @@ def _verify(b: Broker, objs: list, drop, report) -> list:
     try:
         for obj, parent in objs:
             if obj.checksums is None:
-                drop("it was sealed without checksums, so its bytes cannot be checked",
-                     f"{obj.namespace}/{obj.key}", obj.serial)
+                drop(
+                    "it was sealed without checksums, so its bytes cannot be checked",
+                    f"{obj.namespace}/{obj.key}",
+                    obj.serial,
+                )
                 continue
             m = maps.get(obj.pool.index)
             if m is None:
                 try:
-                    shm = posix_ipc.SharedMemory(obj.pool.name, posix_ipc.O_RDONLY,
-                                                 read_only=True)  # fmt: skip
+                    shm = posix_ipc.SharedMemory(obj.pool.name, posix_ipc.O_RDONLY, read_only=True)
                 except posix_ipc.PermissionsError:  # a tenant's pool, its user's alone
                     m = maps[obj.pool.index] = None
                 else:
                     try:
-                        m = maps[obj.pool.index] = mmap.mmap(shm.fd, obj.pool.size,
-                                                             prot=mmap.PROT_READ)  # fmt: skip
+                        m = maps[obj.pool.index] = mmap.mmap(
+                            shm.fd, obj.pool.size, prot=mmap.PROT_READ
+                        )
                     finally:
                         shm.close_fd()
             if m is None:
-                drop("its pool cannot be read by the daemon (a tenant pool owned by its "
-                     "user), so its bytes cannot be checked", f"{obj.namespace}/{obj.key}",
-                     obj.serial)  # fmt: skip
+                drop(
+                    "its pool cannot be read by the daemon (a tenant pool owned by its "
+                    "user), so its bytes cannot be checked",
+                    f"{obj.namespace}/{obj.key}",
+                    obj.serial,
+                )
                 continue
             view = memoryview(m)
             try:
-                ok = all(_matches(matches, view[off:off + n], obj.checksums[name])
-                         for name, (off, n) in obj.buffers.items())  # fmt: skip
+                ok = all(
+                    _matches(matches, view[off : off + n], obj.checksums[name])
+                    for name, (off, n) in obj.buffers.items()
+                )
             finally:
                 view.release()
             if ok:
                 out.append((obj, parent))
             else:
-                drop("its bytes no longer match its checksums", f"{obj.namespace}/{obj.key}",
-                     obj.serial)
+                drop(
+                    "its bytes no longer match its checksums",
+                    f"{obj.namespace}/{obj.key}",
+                    obj.serial,
+                )
     finally:
         for m in maps.values():
             if m is not None:
@@ -236,16 +222,21 @@ def _verify(b: Broker, objs: list, drop, report) -> list:
     return out
 
 
-def _disjoint(lent: Iterable[tuple[int, int, int]], live: list[list[tuple[int, int]]],
-              capacities: list[int]) -> list[tuple[int, int, int]]:  # fmt: skip
+def _disjoint(
+    lent: Iterable[tuple[int, int, int]], live: list[list[tuple[int, int]]], capacities: list[int]
+) -> list[tuple[int, int, int]]:
     """The ``lent`` extents (pool, start, npages) that lie inside their pool and overlap no
     ``live`` extent (per pool: (start, npages)) nor each other; a journal that says
     otherwise is wrong, and the sealed objects win."""
     taken = [sorted(ext) for ext in live]
     out = []
     for idx, start, npages in sorted(lent):
-        if not (0 <= idx < len(capacities) and 0 <= start and 0 < npages
-                and start + npages <= capacities[idx]):  # fmt: skip
+        if not (
+            0 <= idx < len(capacities)
+            and 0 <= start
+            and 0 < npages
+            and start + npages <= capacities[idx]
+        ):
             continue
         ext = taken[idx]
         i = bisect.bisect_left(ext, (start, 0))

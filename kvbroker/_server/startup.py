@@ -333,8 +333,9 @@ def open_rings(d: Daemon) -> None:
 
     backend = open_backend()
     # (its settings, object_ttl among them, come from their Keys: config.apply_to_owners)
-    rings = RingService(backend, d.config.gpu_ring, on_sealed=d._on_sealed)
-    d.broker.rings = rings
+    rings = RingService(backend, d.config.gpu_ring, on_sealed=d._on_sealed,
+                        registry=d.broker.registry)
+    d.broker.attach_rings(rings)
     if not rings.rings:
         log.warning("--gpu-ring: no GPU is visible; serving without GPU rings")
     for r in rings.rings:

@@ -2,10 +2,50 @@
 
 This docstring is the one statement of the contract; other modules link here. The types
 below are the state (:class:`Session`, :class:`StoredObject`, :class:`Lease`,
-:class:`Arena`); :class:`~kvbroker._server.broker.Broker` makes every transition of them
-(with its parts: :mod:`~kvbroker._server.pages` for pages and their eviction,
-:mod:`~kvbroker._server.accounts` for quota charges), :mod:`kvbroker._server.handlers`
-answers one op each, :mod:`kvbroker._server.rings` keeps the GPU rings. No I/O, no asyncio.
+:class:`Arena`). Each part of it has one owner, a class that keeps it, makes its
+transitions (each method says in one line what it owns and frees) and builds its own
+``statistics()``: :class:`~kvbroker._server.directory.Directory` (objects by key and
+namespace, reservations, the LRU, prefix links), :class:`~kvbroker._server.leases.LeaseTable`
+(live pool leases, expiry, per-session and per-uid limits),
+:class:`~kvbroker._server.pages.Pages` (placement, allocation, the occupancy map, the timed
+quarantine), :class:`~kvbroker._server.accounts.Accounts` (quota charges),
+:class:`~kvbroker._server.arenas.Arenas` (write arenas), the GPU rings
+(:class:`~kvbroker._server.rings.RingService`) and the fleet
+(:class:`~kvbroker._server.fleet.Fleet`). :class:`~kvbroker._server.transitions.Transitions`
+(the broker's coordinating half) owns the sessions and makes the transitions that span
+owners; :mod:`kvbroker._server.handlers` answers one op each. No I/O, no asyncio.
+
+State × event
+-------------
+
+What becomes of an extent of pool pages (and who holds it) at each event; ``-``: the event
+cannot reach it. *close*: the client closed its connection; *cut off*: the daemon did (its
+writer may still be copying); *restart*: a warm restart adopts the pools.
+
+================  =======  ===========  =======  =======  ============  ======  =======
+state             seal     abort/close  TTL      cut off  last release  evict   restart
+================  =======  ===========  =======  =======  ============  ======  =======
+free              -        -            -        -        -             -       free
+reserved          sealed   free         sess q.  timed q  -             -       timed q
+sealed, unread    -        -            -        -        -             free    sealed
+sealed, read      -        unread       unread   unread   unread [1]_   -       sealed
+unlinked, read    -        free [2]_    free     free     free          -       free
+arena             sealed   free         -        timed q  -             -       timed q
+session q.        -        free         -        timed q  -             -       timed q
+timed q.          -        -            free     -        -             -       timed q
+================  =======  ===========  =======  =======  ============  ======  =======
+
+.. [1] or unlinked (a consume-release bringing its consumers to 0): then freed if unread.
+.. [2] "free" for a read object means: freed at its last reader's release.
+
+Held by: *reserved*: ``Directory.pending``, a write lease of the ``LeaseTable``, the object
+in ``Pages.owners``; *sealed*: ``Directory.objects`` (in its LRU while unread and childless);
+*read*: read leases of the ``LeaseTable`` (the object's ``readers``); *unlinked, read*: its
+readers only (freed at the last release: "free" above means at the last reader's); *arena*:
+``Arenas``, ``("w", n)`` in ``Pages.owners``; *session q.*: the writer's
+``Session.quarantine``, ``("q", n)``, still charged; *timed q.*: ``Pages``' deadlines,
+``("q", n)``, freed (and uncharged) when due. An *arena*'s publish seals its first pages
+and keeps the rest (or a fresh arena). A replacing seal unlinks the older object of its key.
 
 Primitives, and who owns and frees what
 ---------------------------------------
@@ -98,6 +138,7 @@ import sys
 import time
 from typing import Any
 
+from .._wire.stats import ClientStatistics
 from .policy import Access, Policy
 from .pool import HostPool
 
@@ -159,6 +200,23 @@ class Session:
         self.bytes_claimed = 0
         self.reported: dict[str, int] = {}  # the client's own counters (the report op)
         self.greeted = False
+
+    def statistics(self) -> ClientStatistics:
+        reads = sum(1 for ls in self.leases.values() if ls.kind == "read")
+        return ClientStatistics(
+            session=self.id,
+            pid=self.pid,
+            uid=self.uid,
+            gid=self.gid,
+            name=self.name,
+            role=self.role,
+            connected_at=self.connected_at,
+            read_leases=reads,
+            write_leases=len(self.leases) - reads,
+            bytes_published=self.bytes_published,
+            bytes_claimed=self.bytes_claimed,
+            reported=dict(self.reported),
+        )
 
 
 # An object's entry in the index beyond what index_footprint counts: the StoredObject, its
