@@ -36,10 +36,18 @@ from kvbroker import blocks
 from kvbroker.errors import KVBrokerError, LayoutMismatch, PoolFull, QuotaExceeded
 
 from . import log
-from ._async_loads import Lost
 from ._format import BlockFormat
 from ._groups import STATE, Group
-from ._paged import HostSave, SaveItem, cuda_cache, host_cache, interpret, load_host
+from ._paged import (
+    HostSave,
+    SaveItem,
+    attention_format,
+    cuda_cache,
+    distinct_layers,
+    host_cache,
+    interpret,
+    load_host,
+)
 from ._state import (
     StatePages,
     StateSave,
@@ -105,36 +113,15 @@ class HybridWorker(WorkerSide):
                  self.namespace)  # fmt: skip
 
     def _register_attention(self, g: Group, kv_caches: dict[str, Any], how: str) -> None:
-        tensors: list = []
-        seen: dict[tuple, int] = {}
-        for name in g.layer_names:
-            t = kv_caches[name]
-            ident = (t.data_ptr(), tuple(t.shape), tuple(t.stride()))
-            if ident in seen:  # cross-layer KV sharing within the group: stored once
-                self.layer_of[name] = None
-                continue
-            seen[ident] = len(tensors)
-            self.layer_of[name] = (g.index, len(tensors))
-            tensors.append(t)
-        first = tensors[0]
-        _blocks, heads, slots, content = first.shape
-        if slots != g.block_size:
-            raise LayoutMismatch(f"group {g.index} pages {slots} tokens per block, its block "
-                                 f"size is {g.block_size}")  # fmt: skip
-        span = blocks.shard_heads(self.tp_rank, self.tp_size, g.num_kv_heads)
-        if heads != len(span):
-            raise LayoutMismatch(f"TP rank {self.tp_rank} of {self.tp_size} should hold "
-                                 f"{len(span)} of group {g.index}'s {g.num_kv_heads} KV heads, "
-                                 f"its cache has {heads}")  # fmt: skip
+        tensors, index = distinct_layers((name, kv_caches[name]) for name in g.layer_names)
+        for name, i in index.items():
+            self.layer_of[name] = None if i is None else (g.index, i)
+        self.formats[g.index] = attention_format(
+            tensors, how, block_size=g.block_size, total_kv_heads=g.num_kv_heads,
+            tp_rank=self.tp_rank, tp_size=self.tp_size, what=f"group {g.index}")  # fmt: skip
         # the staging path reads the group's layers as one view (vLLM lays them out at one
         # stride in the pool); LayoutMismatch where they are not
         self.caches[g.index] = cuda_cache(tensors, how) if self.staged else host_cache(tensors, how)
-        self.formats[g.index] = BlockFormat(
-            dtype=str(first.dtype).removeprefix("torch."), num_layers=len(tensors),
-            block_size=g.block_size, head_dim=content // 2, local_heads=heads,
-            total_kv_heads=g.num_kv_heads, tp_rank=self.tp_rank, tp_size=self.tp_size,
-            heads=(span.start, span.stop),
-        )  # fmt: skip
 
     def _register_state(self, g: Group, kv_caches: dict[str, Any]) -> None:
         layers = []
@@ -236,7 +223,7 @@ class HybridWorker(WorkerSide):
                  "lookup") -> int:  # fmt: skip
         n_want = len(spec.block_ids)
         self.stats["loads"] += 1
-        if loaded >= n_want:
+        if loaded >= n_want and spec.groups:  # (a load the scheduler could not plan failed)
             self.stats["loaded_blocks"] += loaded
             self.stats["loaded_tokens"] += spec.tokens
             self.stats["loaded_bytes"] += sum(self._nbytes(g.group) * len(g.block_ids)
@@ -251,26 +238,13 @@ class HybridWorker(WorkerSide):
     def _nbytes(self, group: int) -> int:
         return self.formats[group].block_nbytes
 
-    def finished_loads(self) -> set[str] | None:
-        if self._loads is None:
-            return None
-        done = set()
-        for f in self._loads.finished():
-            spec = f.spec
-            if not spec.groups:
-                loaded = self._account(spec, -1, "the scheduler side could not plan its load")
-            elif f.client is None:
-                loaded = self._account(spec, 0, "the broker is unavailable")
-            elif isinstance(f.result, Lost):
-                loaded = self._account(spec, 0, f.result.why)
-            elif isinstance(f.result, BaseException):
-                loaded = self._load_failed(spec, f.client, f.result)
-            else:
-                loaded = self._account(spec, f.result)
-            if loaded < len(spec.block_ids) or not spec.groups:
-                self._failed_loads.add(spec.req_id)
-            done.add(spec.req_id)
-        return done or None
+    def _planned(self, spec: Any) -> bool:
+        return bool(spec.groups)
+
+    def _load_over(self, spec: Any, loaded: int) -> None:
+        # vLLM takes a model with several groups' failed loads per request only
+        if loaded < len(spec.block_ids) or not spec.groups:
+            self._failed_loads.add(spec.req_id)
 
     def failed_loads(self) -> set[str]:
         """Requests whose load ended without every block (reported with ``finished_loads``,
@@ -364,7 +338,7 @@ class HybridWorker(WorkerSide):
             self._abort_group_saves(why)
             return
         if self.staged:
-            self._save_staged(sorted({s.group for s in plan.saves}))
+            self._save_groups_staged(sorted({s.group for s in plan.saves}))
             return
         ready = []
         try:
@@ -388,7 +362,7 @@ class HybridWorker(WorkerSide):
         except Exception as exc:  # noqa: BLE001
             self._abort_group_saves(f"{type(exc).__name__}: {exc}")
 
-    def _save_staged(self, groups: list[int]) -> None:
+    def _save_groups_staged(self, groups: list[int]) -> None:
         """Each group's blocks of the step through device staging and DMA (:mod:`._cuda`)."""
         from ._cuda import save_cuda
 

@@ -48,7 +48,9 @@ __all__ = [
     "INTERPRETATIONS",
     "STAGING_BYTES",
     "HostSave",
+    "attention_format",
     "cuda_cache",
+    "distinct_layers",
     "host_cache",
     "interpret",
     "load_host",
@@ -140,6 +142,45 @@ def cuda_cache(tensors: Sequence, how: str):
     if stride[-1] != 1:
         raise LayoutMismatch("head_dim must be contiguous in the cache")
     return torch.as_strided(first, size, stride, first.storage_offset())
+
+
+def distinct_layers(named) -> tuple[list, dict[str, int | None]]:
+    """``(tensors, index)`` of vLLM's per-layer caches ``(name, tensor)``: a layer whose cache
+    is another's (vLLM's cross-layer KV sharing) is stored once, its index None."""
+    tensors: list = []
+    seen: dict[tuple, int] = {}
+    index: dict[str, int | None] = {}
+    for name, t in named:
+        ident = (t.data_ptr(), tuple(t.shape), tuple(t.stride()))
+        if ident in seen:
+            index[name] = None
+            continue
+        seen[ident] = index[name] = len(tensors)
+        tensors.append(t)
+    return tensors, index
+
+
+def attention_format(tensors: Sequence, how: str, *, block_size: int,
+                     total_kv_heads: int | None, tp_rank: int, tp_size: int,
+                     what: str = "the cache") -> BlockFormat:  # fmt: skip
+    """The block format of one rank's layers ``tensors`` (``[blocks, heads, block_size, C]``,
+    read as ``how``), after checking them against vLLM's block size and this rank's share of
+    ``total_kv_heads`` (None: an MLA latent cache); LayoutMismatch naming ``what`` if not."""
+    first = tensors[0]
+    _blocks, heads, slots, content = first.shape
+    if slots != block_size:
+        raise LayoutMismatch(f"{what} pages {slots} tokens per block, its block size is "
+                             f"{block_size}")  # fmt: skip
+    latent = how == "latent"
+    span = blocks.shard_heads(tp_rank, tp_size, None if latent else total_kv_heads)
+    if not latent and heads != len(span):
+        raise LayoutMismatch(f"TP rank {tp_rank} of {tp_size} should hold {len(span)} of "
+                             f"{what}'s {total_kv_heads} KV heads, it has {heads}")  # fmt: skip
+    return BlockFormat(dtype=str(first.dtype).removeprefix("torch."), num_layers=len(tensors),
+                       block_size=block_size, head_dim=content if latent else content // 2,
+                       local_heads=1 if latent else heads,
+                       total_kv_heads=None if latent else total_kv_heads, tp_rank=tp_rank,
+                       tp_size=tp_size, heads=(span.start, span.stop))  # fmt: skip
 
 
 # ------------------------------------------------------------------------------ host path

@@ -46,11 +46,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kvbroker import blocks
 from kvbroker.errors import (
     BrokerUnavailable,
     KVBrokerError,
-    LayoutMismatch,
     PoolFull,
     QuotaExceeded,
 )
@@ -60,7 +58,16 @@ from . import log
 from ._async_loads import AsyncLoads, Lost
 from ._format import BlockFormat
 from ._handoff import HANDOFF_STATS, HandoffConfig, HandoffWorker
-from ._paged import HostSave, SaveItem, cuda_cache, host_cache, interpret, load_host
+from ._paged import (
+    HostSave,
+    SaveItem,
+    attention_format,
+    cuda_cache,
+    distinct_layers,
+    host_cache,
+    interpret,
+    load_host,
+)
 
 __all__ = ["WorkerSide"]
 
@@ -126,39 +133,17 @@ class WorkerSide(HandoffWorker):
     def register(self, kv_caches: dict[str, Any], backend: str) -> None:
         """Learn vLLM's per-layer caches. Layers that share another layer's cache (vLLM's
         cross-layer KV sharing) are stored once."""
-        tensors: list = []
-        seen: dict[tuple, int] = {}
-        for name, t in kv_caches.items():
-            ident = (t.data_ptr(), tuple(t.shape), tuple(t.stride()))
-            if ident in seen:
-                self.layer_index[name] = None
-            else:
-                seen[ident] = len(tensors)
-                self.layer_index[name] = len(tensors)
-                tensors.append(t)
+        tensors, self.layer_index = distinct_layers(kv_caches.items())
         if not tensors:
             raise KVBrokerError("register_kv_caches: no KV cache tensors")
         how = interpret(backend, latent=self.latent)
+        self.fmt = attention_format(tensors, how, block_size=self.block_size,
+                                    total_kv_heads=self.total_kv_heads, tp_rank=self.tp_rank,
+                                    tp_size=self.tp_size)  # fmt: skip
         first = tensors[0]
-        _blocks, heads, slots, content = first.shape
-        if slots != self.block_size:
-            raise LayoutMismatch(f"the cache pages {slots} tokens per block, vLLM's block size "
-                                 f"is {self.block_size}")  # fmt: skip
-        head_dim = content if how == "latent" else content // 2
-        span = blocks.shard_heads(self.tp_rank, self.tp_size, self.total_kv_heads)
-        if not self.latent and heads != len(span):
-            raise LayoutMismatch(f"TP rank {self.tp_rank} of {self.tp_size} should hold "
-                                 f"{len(span)} of {self.total_kv_heads} KV heads, its cache "
-                                 f"has {heads}")  # fmt: skip
         self.device = first.device.type
         self.cache = host_cache(tensors, how) if self.device == "cpu" else cuda_cache(tensors, how)
         self.cuda_device = None if self.device == "cpu" else first.device
-        self.fmt = BlockFormat(
-            dtype=str(first.dtype).removeprefix("torch."), num_layers=len(tensors),
-            block_size=self.block_size, head_dim=head_dim, local_heads=1 if self.latent else heads,
-            total_kv_heads=self.total_kv_heads, tp_rank=self.tp_rank, tp_size=self.tp_size,
-            heads=(span.start, span.stop),
-        )  # fmt: skip
         log.info("kvbroker: %d layer(s) of %s cache (%s, %s), %d B per block, namespace %s",
                  len(tensors), self.device, how, self.fmt.dtype, self.fmt.block_nbytes,
                  self.namespace)  # fmt: skip
@@ -393,7 +378,7 @@ class WorkerSide(HandoffWorker):
         done = set()
         for f in self._loads.finished():
             spec = f.spec
-            if not spec.hashes:
+            if not self._planned(spec):
                 loaded = self._account(spec, 0, _UNPLANNED)
             elif f.client is None:
                 loaded = self._account(spec, 0, "the broker is unavailable")
@@ -403,10 +388,19 @@ class WorkerSide(HandoffWorker):
                 loaded = self._load_failed(spec, f.client, f.result)
             else:
                 loaded = self._account(spec, f.result)
-            if loaded < len(spec.block_ids):
-                self._invalid.update(spec.block_ids[loaded:])
+            self._load_over(spec, loaded)
             done.add(spec.req_id)
         return done or None
+
+    def _planned(self, spec: Any) -> bool:
+        """Whether the scheduler side could plan ``spec`` (a load it could not fails)."""
+        return bool(spec.hashes)
+
+    def _load_over(self, spec: Any, loaded: int) -> None:
+        """A background load ended with ``loaded`` leading blocks copied: vLLM recomputes
+        the rest."""
+        if loaded < len(spec.block_ids):
+            self._invalid.update(spec.block_ids[loaded:])
 
     def _drain_loads(self) -> None:
         if self._loads is not None:
