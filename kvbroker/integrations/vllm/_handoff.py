@@ -198,9 +198,9 @@ def publish_runs(rings: Any, namespace: str, cache, fmt, requests: Sequence[tupl
                     nbytes, key=run_key(hashes[0], d, consumer_tp, fmt.tp_rank, fmt.tp_size),
                     ring=ring, namespace=namespace, meta=meta, ttl=config.ttl, wait=0.0)))
             side = stream
+            if cuda and side is not None:  # (asked before the context makes `side` current)
+                side.wait_stream(torch.cuda.current_stream(cache.device))  # the KV is written
             with (torch.cuda.stream(side) if cuda and side is not None else _nothing()):
-                if cuda and side is not None:
-                    side.wait_stream(torch.cuda.current_stream(cache.device))  # KV written
                 idx = torch.tensor(ids, dtype=torch.int64).to(cache.device, non_blocking=True)
                 step = _chunk(cache)  # the gather's temporaries stay small beside vLLM's cache
                 for at in range(0, len(ids), step):
@@ -301,9 +301,9 @@ def load_runs(rings: Any, namespace: str, cache, fmt, block_ids: Sequence[int],
                             run.producer_tp), namespace=namespace, consume=True)))  # fmt: skip
             for p, region in regions:
                 _check_run(region.meta, run, cache, p, fmt)
+            if cuda and stream is not None:  # (asked before the context makes `stream` current)
+                stream.wait_stream(torch.cuda.current_stream(cache.device))  # blocks' readers
             with (torch.cuda.stream(stream) if cuda and stream is not None else _nothing()):
-                if cuda and stream is not None:
-                    stream.wait_stream(torch.cuda.current_stream(cache.device))  # readers
                 ids = torch.tensor(list(block_ids[lo - first : hi - first]), dtype=torch.int64)
                 ids = ids.to(cache.device, non_blocking=True)
                 step = _chunk(cache)  # the scatter's temporaries stay small
