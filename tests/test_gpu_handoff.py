@@ -195,6 +195,7 @@ def test_the_connector_worker_hands_off_on_cuda_then_loads_ring_first(gpu_ring_d
         w = WorkerSide(link=None, namespace=NS, block_size=N, total_kv_heads=H, latent=False,
                        tp_rank=0, tp_size=1, warnings=Warnings(), handoff=HandoffConfig(mode))  # fmt: skip
         w.fmt, w.cache = fmt, cuda_cache(cache, "packed")
+        w.device, w.cuda_device = "cuda", cache[0].device
         return w
 
     src, _ = vllm_like(L, B, H, N, D, torch.bfloat16, "cuda", "NHD")
