@@ -82,6 +82,19 @@ def test_the_replica_column_says_what_replicas_answer_and_clients_send_them():
     assert not any(answers(op, {}) for op in set(OPS) - REPLICA_OPS)
 
 
+@pytest.mark.parametrize("op", sorted(REPLICA_OPS))
+def test_the_replica_answers_each_of_its_ops_with_the_rows_arguments(op):
+    """A replica's handler takes exactly its row's arguments: one the table gained (e.g.
+    match_prefix's retain) made every request of that op a replica failure, answered by the
+    daemon instead."""
+    import inspect
+
+    from kvbroker._server.replica import _ReplicaConnection
+
+    params = list(inspect.signature(getattr(_ReplicaConnection, "op_" + op)).parameters)
+    assert params[1:] == list(OPS[op].args)
+
+
 @pytest.fixture
 def rings_and_replica(make_daemon):
     d = make_daemon(

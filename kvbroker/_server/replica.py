@@ -348,8 +348,17 @@ class _ReplicaConnection(asyncio.Protocol):
         space = self._following().by_namespace.get(namespace)
         return space is not None and key in space
 
-    def op_match_prefix(self, namespace: str, keys: list, block_tokens: int, ttl: Any,
-                        peer: Any = None, hold: bool = True) -> dict:  # fmt: skip
+    def op_match_prefix(
+        self,
+        namespace: str,
+        keys: list,
+        block_tokens: int,
+        ttl: Any,
+        peer: Any,
+        hold: bool,
+        retain: Any,
+    ) -> dict:
+        # (peer, hold and retain as the op table's replica column says: checked in _answer)
         ttl = self.replica.settings["lease_ttl"] if ttl is None else float(ttl)
         if len(keys) > MAX_BUFFERS:
             raise BadRequest(f"match_prefix: at most {MAX_BUFFERS} keys per request")
