@@ -40,10 +40,31 @@ def _replica_pid(client) -> int:
     return client._replica._session.hello["server_pid"]
 
 
+def _replicas_answer(d, n: int, timeout: float = 60.0) -> None:
+    """Wait until each of the daemon's ``n`` replicas answers a hello: a replica's process
+    imports for a second or more on a loaded machine, and a client asking it meanwhile is
+    sent to the daemon (a fallback these tests would count)."""
+    hello = msgpack.packb({"id": 1, "op": "hello", "args": {"version": PROTOCOL_VERSION}})
+
+    def answers(path: str) -> bool:
+        try:
+            with socket.socket(socket.AF_UNIX) as s:
+                s.settimeout(timeout)
+                s.connect(path)
+                s.sendall(hello)
+                return msgpack.unpackb(s.recv(1 << 16))["ok"]
+        except (OSError, ValueError):
+            return False
+
+    for i in range(n):
+        _wait(lambda: answers(f"{d.socket_path}.r{i}"), timeout, f"replica {i} to answer")
+
+
 @pytest.fixture
 def replicated(make_daemon):
     d = make_daemon("--pool-size", "64M", "--page-size", "4K", "--read-replicas", "2")
     d.wait_ready()
+    _replicas_answer(d, 2)
     return d
 
 
@@ -368,6 +389,7 @@ def test_a_reload_to_a_closed_policy_stops_the_replicas_and_back(make_daemon, tm
     conf.write_text(open_conf)
     d = make_daemon("--config", str(conf), env={"KVBROKER_READ_REPLICAS": "2"})
     d.wait_ready()
+    _replicas_answer(d, 2)
     replica = d.socket_path + ".r0"
     with d.client() as c:
         c.put("k", {"x": b"1"})
@@ -382,6 +404,7 @@ def test_a_reload_to_a_closed_policy_stops_the_replicas_and_back(make_daemon, tm
         conf.write_text(open_conf)
         d.proc.send_signal(signal.SIGHUP)
         _wait(lambda: os.path.exists(replica), what="the replicas to start again")
+        _replicas_answer(d, 2)
         with d.client() as again:
             assert again._replica is not None and again.exists("k")
             _wait(lambda: again._replica._session is not None, what="a replica connection")
@@ -406,6 +429,7 @@ def test_a_report_of_many_long_keys_arrives_whole_and_later_ones_too(replicated)
 def test_replicas_do_not_outlive_a_killed_daemon(make_daemon):
     d = make_daemon("--pool-size", "16M", "--page-size", "4K", "--read-replicas", "2")
     d.wait_ready()
+    _replicas_answer(d, 2)
     with d.client() as c:
         pid = _replica_pid(c)
     d.proc.kill()
