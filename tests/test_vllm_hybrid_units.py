@@ -172,3 +172,32 @@ def test_lookup_lands_where_every_group_can_serve(broker):
     finally:
         scheduler.link.close()
         worker.close()
+
+
+def test_a_requests_session_retains_its_saved_blocks_and_state_and_what_its_lookup_finds(broker):
+    """Sessions through the hybrid halves: every group's saved blocks of a request naming a
+    session (its state page too) are retained by it; a lookup naming another session renews
+    that one and retains what it finds."""
+    from kvbroker import blocks
+
+    worker, _ = _worker(broker.socket_path)
+    scheduler = _scheduler(broker.socket_path)
+    try:
+        conv = blocks.retention("conv-h", 600, 1)
+        k = [GROUPS[0].key(h) for h in KEYS.keys], [GROUPS[1].key(h) for h in KEYS.keys]
+        saves = [GroupSave("r", g, [(k[g][i], k[g][i - 1] if i else None, 1 + i)
+                                    for i in range(3)], conv) for g in (0, 1)]  # fmt: skip
+        saves.append(GroupSave("r", 2, [(GROUPS[2].key(KEYS.hashes[1]), None, 4)], conv))
+        _step(worker, StepPlan(saves=saves))
+        with broker.client() as client:
+            (row,) = client.ops.sessions(namespace=NS)["sessions"]
+        assert (row["name"], row["blocks"], row["priority"]) == ("conv-h", 7, 1)
+        asked = _request("a", PROMPT)
+        asked.kv_transfer_params = {"kvbroker": {"session": "conv-l"}}
+        assert scheduler.get_num_new_matched_tokens(asked, 0) == (8, True)
+        with broker.client() as client:
+            got = {s["name"]: s["blocks"] for s in client.ops.sessions(namespace=NS)["sessions"]}
+        assert got["conv-l"] > 0 and got["conv-h"] == 7
+    finally:
+        scheduler.link.close()
+        worker.close()

@@ -41,7 +41,7 @@ from kvbroker.prefix import PrefixCache
 from .._link import BrokerLink, Warnings
 from ._format import PromptKeys, prompt_keys
 from ._groups import FULL, SLIDING, STATE, Group, alignment
-from ._scheduler import StepPlan, request_salt
+from ._scheduler import StepPlan, request_salt, request_session
 from ._state import state_format
 
 __all__ = ["GroupLoad", "GroupSave", "HybridLoad", "HybridScheduler"]
@@ -87,6 +87,7 @@ class GroupSave:
     req_id: str
     group: int
     items: list[tuple[str, str | None, int]]
+    retain: dict | None = None  # the request's session (kvbroker.blocks.retention)
 
 
 @dataclass
@@ -97,6 +98,7 @@ class _Req:
     tail_saved: list[bool] = field(default_factory=list)
     lookup: tuple[int, int] | None = None  # (local computed tokens, external tokens)
     no_load: bool = False  # a load of it failed: vLLM recomputes it, nothing more is loaded
+    retain: dict | None = None  # the session it names (kvbroker.blocks.retention), if any
 
     @property
     def num_tokens(self) -> int:
@@ -132,6 +134,11 @@ class HybridScheduler:
                            for b in sorted({g.block_size for g in self.groups})})  # fmt: skip
             k = len(self.groups)
             st.block_ids, st.saved, st.tail_saved = [[] for _ in range(k)], [0] * k, [False] * k
+            try:
+                st.retain = request_session(request)
+            except KVBrokerError as exc:  # served, its blocks not retained
+                self.warnings.warn("bad_session", "request %s: %s; not retained",
+                                   request.request_id, exc)  # fmt: skip
             self.reqs[request.request_id] = st
         return st
 
@@ -139,30 +146,36 @@ class HybridScheduler:
         self.reqs.pop(req_id, None)
 
     # -- lookup ----------------------------------------------------------------------------
-    def _count(self, group: Group, keys: list[str]) -> int:
+    def _count(self, group: Group, keys: list[str], retain: dict | None = None) -> int:
         """Leading keys of ``keys`` (group keys) that every shard some readable TP layout
-        needs holds (a state group: this TP layout's rank 0). Raises KVBrokerError."""
+        needs holds (a state group: this TP layout's rank 0). ``retain``: the request's
+        session, renewed; it retains what is found. Raises KVBrokerError."""
         client = self.link.get()
         if client is None or not keys:
             return 0
         self.lookups += 1
         if group.kind == STATE:  # rank 0's pages of this TP layout, or every rank's of another
             fmt = state_format(group, 0, self.tp_size)
-            best = blocks.match(client, self.namespace, fmt, keys, hold=False).num_blocks
+            best = blocks.match(client, self.namespace, fmt, keys, hold=False,
+                                retain=retain).num_blocks  # fmt: skip
             for source in self.layouts if group.reshardable else ():
                 if best == len(keys) or source == self.tp_size:
                     continue
                 fmts = [state_format(group, q, source) for q in range(source)]
                 wanted = [f.key(k) for k in keys for f in fmts]  # block-major, rank-minor
-                found = blocks.match_keys(client, self.namespace, wanted, hold=False).num_blocks
+                found = blocks.match_keys(client, self.namespace, wanted, hold=False,
+                                          retain=retain).num_blocks  # fmt: skip
                 best = max(best, found // source)
             return best
         pc = PrefixCache(client, namespace=self.namespace, block_size=group.block_size,
                          tp_rank=0, tp_size=1, total_kv_heads=group.num_kv_heads)  # fmt: skip
         best = 0
+        named = {} if retain is None else {"session": retain["session"],
+                                           "retain": retain.get("for"),
+                                           "priority": retain.get("priority")}  # fmt: skip
         for source in self.layouts:
             m = pc.match_kv(range(len(keys) * group.block_size + 1), hashes=keys,
-                            source_tp_size=source, hold=False)  # fmt: skip
+                            source_tp_size=source, hold=False, **named)  # fmt: skip
             best = max(best, m.num_blocks)
             if best == len(keys):
                 break
@@ -180,7 +193,7 @@ class HybridScheduler:
             first = local // g.block_size
             if first >= len(keys.keys):
                 return 0
-            m = first + self._count(g, [g.key(h) for h in keys.keys[first:]])
+            m = first + self._count(g, [g.key(h) for h in keys.keys[first:]], st.retain)
             hit = min(hit, keys.tokens_of(m))
         for _ in range(MAX_TRIES):
             if hit < cap:
@@ -202,14 +215,14 @@ class HybridScheduler:
                 m = -(-hit // g.block_size)  # blocks covering the hit (the tail included)
                 s = max(g.first_needed(hit), local // g.block_size)
                 want = [g.key(h) for h in keys.keys[s:m]]
-                got = self._count(g, want)
+                got = self._count(g, want, st.retain)
                 if got < len(want):
                     return min(hit - 1, (s + got) * g.block_size)
             elif g.kind == STATE:
                 if hit % g.block_size:
                     return hit // g.block_size * g.block_size
                 b = hit // g.block_size - 1
-                if not self._count(g, [g.key(keys.hashes[b])]):
+                if not self._count(g, [g.key(keys.hashes[b])], st.retain):
                     return hit - g.block_size
         return hit
 
@@ -353,4 +366,4 @@ class HybridScheduler:
                                       g.key(keys.hashes[k - 1]) if k else None, ids[k]))  # fmt: skip
                     st.tail_saved[g.index] = True
             if items:
-                plan.saves.append(GroupSave(req_id, g.index, items))
+                plan.saves.append(GroupSave(req_id, g.index, items, st.retain))

@@ -272,7 +272,8 @@ class HybridWorker(WorkerSide):
         save = self._group_saves.get(group)
         if save is not None:
             return None if isinstance(save, _Skipped) else save
-        items = [it for s in self._saves_of(group) for it in s.items]
+        items = [(k, parent, b, s.retain) for s in self._saves_of(group)
+                 for k, parent, b in s.items]  # fmt: skip
         client = self._client()
         g = self.groups[group]
         if client is None:
@@ -281,10 +282,10 @@ class HybridWorker(WorkerSide):
             return None
         fmt, cache = self.formats[group], self.caches[group]
         if g.kind == STATE:
-            save = StateSave(client, self.namespace, fmt, cache, [(k, b) for k, _, b in items])
+            save = StateSave(client, self.namespace, fmt, cache, [(k, b, r) for k, _, b, r in items])
         else:
             save = HostSave(client, self.namespace, fmt, cache,
-                            [SaveItem(k, parent, b) for k, parent, b in items])  # fmt: skip
+                            [SaveItem(k, parent, b, r) for k, parent, b, r in items])  # fmt: skip
         try:
             save.reserve()
         except (PoolFull, QuotaExceeded) as exc:
@@ -367,7 +368,8 @@ class HybridWorker(WorkerSide):
         from ._cuda import save_cuda
 
         for group in groups:
-            items = [SaveItem(k, parent, b) for s in self._saves_of(group) for k, parent, b in s.items]
+            items = [SaveItem(k, parent, b, s.retain) for s in self._saves_of(group)
+                     for k, parent, b in s.items]  # fmt: skip
             if any(it.block_id == NULL_BLOCK for it in items):  # (never planned: a bug)
                 self._skip(len(items), f"a save from vLLM's null block (group {group})")
                 continue

@@ -110,11 +110,13 @@ def _engine_bytes(pages: StatePages, block: int):
 
 
 class StateSave:
-    """Publishing a group's states (``items``: ``(group key, engine block)``) in one step:
-    ``reserve()``, ``copy()``, ``seal()`` or ``abort()``."""
+    """Publishing a group's states (``items``: ``(group key, engine block, session)``, the
+    session its request named or None) in one step: ``reserve()``, ``copy()``, ``seal()`` or
+    ``abort()``."""
 
     def __init__(self, client, namespace: str, fmt: blocks.StateFormat, pages: StatePages,
-                 items: Sequence[tuple[str, int]], checksums: bool = True) -> None:  # fmt: skip
+                 items: Sequence[tuple[str, int, dict | None]],
+                 checksums: bool = True) -> None:  # fmt: skip
         self.client, self.namespace, self.fmt, self.pages = client, namespace, fmt, pages
         self.items = list(items)
         self.checksums = checksums
@@ -124,10 +126,22 @@ class StateSave:
         self.done = False
 
     def reserve(self) -> None:
-        wanted = [{"key": self.fmt.key(key), "parent": None} for key, _ in self.items]
-        self.reservation = blocks.reserve(self.client, self.namespace, wanted,
-                                          self.fmt.buffers(), self.fmt.meta())  # fmt: skip
-        for (_, block), lease in zip(self.items, self.reservation.leases):
+        buffers, meta = self.fmt.buffers(), self.fmt.meta()
+        whole = blocks.Reservation.empty(self.client, list(buffers))
+        try:  # one reservation per run of one session's pages (a reservation names one)
+            at = 0
+            for i in range(1, len(self.items) + 1):
+                if i == len(self.items) or self.items[i][2] != self.items[at][2]:
+                    wanted = [{"key": self.fmt.key(key), "parent": None}
+                              for key, _, _ in self.items[at:i]]  # fmt: skip
+                    whole = whole + blocks.reserve(self.client, self.namespace, wanted, buffers,
+                                                   meta, retain=self.items[at][2])  # fmt: skip
+                    at = i
+        except BaseException:
+            whole.abort()
+            raise
+        self.reservation = whole
+        for (_, block, _), lease in zip(self.items, self.reservation.leases):
             if lease is None:
                 self.existing += 1
             else:
