@@ -260,3 +260,92 @@ def test_the_rules_see_a_violation(tmp_path, monkeypatch):
         assert "kvbroker._server" in _imports(bad) or "kvbroker._server.broker" in _imports(bad)
     finally:
         bad.unlink()
+
+
+# -- the daemon as owners (issue 40) ----------------------------------------------------------
+SERVER = ROOT / "kvbroker" / "_server"
+# The coordinators: a module-level function that takes one reads and changes their parts
+# from outside (the owners' transitions are methods, each owner's state its own).
+_COORDINATORS = ("Broker", "Transitions", "Daemon")
+_COORDINATOR_PARAMS = ("b", "broker", "d", "daemon")
+
+
+def _takes_a_coordinator(path: pathlib.Path) -> list[str]:
+    """The module-level functions of ``path`` with a parameter annotated as the Broker (or
+    its Transitions) or the Daemon, or named as one conventionally is (``b``, ``d``...)."""
+    out = []
+    for node in ast.parse(path.read_text(), str(path)).body:
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        a = node.args
+        for arg in a.posonlyargs + a.args + a.kwonlyargs:
+            note = ast.unparse(arg.annotation) if arg.annotation is not None else ""
+            named = set()
+            for n in ast.walk(ast.parse(note or "None")):
+                if isinstance(n, ast.Constant) and isinstance(n.value, str):  # "Daemon"
+                    n = ast.parse(n.value)
+                named |= {x.id for x in ast.walk(n) if isinstance(x, ast.Name)}
+            if named & set(_COORDINATORS) or arg.arg in _COORDINATOR_PARAMS:
+                out.append(f"{path.name}: {node.name}({arg.arg}: {note or '?'})")
+                break
+    return out
+
+
+# The one exception: how a setting reaches its consumers is declared with its Key, as a table
+# of functions of the running daemon (config_apply.py), which the start and the reload call.
+_APPLIERS = {
+    "config_apply.py": {"LIVE", "apply_owned", "set_policy", "set_write_buffers",
+                        "set_retention", "set_log_level"},
+    "config.py": {"reload_into", "apply_to_owners"},
+}
+
+
+def test_no_module_function_takes_the_broker_or_the_daemon():
+    """Each owner makes its own transitions: handlers, eviction, prefix leases, statistics,
+    restore and start-up are methods of an owner or take owners, never the coordinators."""
+    bad = [line for path in sorted(SERVER.glob("*.py")) for line in _takes_a_coordinator(path)
+           if line.split(": ", 1)[1].split("(")[0] not in _APPLIERS.get(path.name, ())]
+    assert not bad, "module-level functions taking the Broker or the Daemon:\n" + "\n".join(bad)
+
+
+def test_the_coordinator_rule_sees_each_kind_of_argument(tmp_path):
+    probe = tmp_path / "probe.py"
+    for source in ("def f(b: Broker): pass", "def f(x: 'Daemon | None'): pass",
+                   "def f(s, *, daemon): pass", "def f(x: Transitions) -> int: return 1"):
+        probe.write_text(source + "\n")
+        assert _takes_a_coordinator(probe), source
+    probe.write_text("class A:\n    def f(self, b: Broker): pass\ndef g(leases: LeaseTable): pass\n")
+    assert _takes_a_coordinator(probe) == []
+
+
+def test_no_import_cycle_in_the_server_counting_type_checking_imports():
+    """``kvbroker._server`` drawn as modules and imports (``python -m
+    kvbroker._server.structure``) has no circle, annotations' imports included."""
+    from kvbroker._server.structure import cycles, import_graph
+
+    graph = import_graph(SERVER)
+    assert "broker" in graph and "handlers" in graph["broker"]  # the graph sees imports
+    found = cycles(graph)
+    assert not found, "import cycles:\n" + "\n".join(" -> ".join(c) for c in found)
+
+
+def test_the_structure_graph_counts_type_checking_and_lazy_imports(tmp_path):
+    from kvbroker._server.structure import cycles, import_graph
+
+    (tmp_path / "a.py").write_text("from typing import TYPE_CHECKING\n"
+                                   "if TYPE_CHECKING:\n    from .b import X\n")
+    (tmp_path / "b.py").write_text("def f():\n    from . import a\n")
+    (tmp_path / "c.py").write_text("from .a import Y\n")
+    graph = import_graph(tmp_path)
+    assert graph == {"a": {"b"}, "b": {"a"}, "c": {"a"}}
+    assert cycles(graph) == [["a", "b", "a"]]
+
+
+def test_the_design_doc_draws_the_server_as_it_is():
+    """docs/design.md's drawing of kvbroker/_server is the structure module's output."""
+    from kvbroker._server.structure import import_graph, mermaid
+
+    doc = (ROOT / "docs" / "design.md").read_text()
+    drawn = "```mermaid\n" + mermaid(import_graph(SERVER)) + "\n```"
+    assert drawn in doc, ("docs/design.md's drawing of kvbroker/_server is out of date: "
+                          "paste `python -m kvbroker._server.structure` in")

@@ -31,7 +31,7 @@ from .config_apply import set_retention, set_write_buffers
 from .config_values import parse_listen_address
 
 if TYPE_CHECKING:
-    from .daemon import Daemon
+    from .config_apply import Daemon
 
 __all__ = ["DEFAULT_CONFIG_PATH", "ConfigError", "DaemonConfig", "Key", "KEYS", "SETTINGS",
            "load_config", "parse_listen_address", "reload_into"]

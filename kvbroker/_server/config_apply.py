@@ -14,11 +14,21 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from .config import DaemonConfig
-    from .daemon import Daemon
+# The running kvbroker._server.config.DaemonConfig (which imports this module: named, not
+# imported, so that the two make no circle).
+DaemonConfig = Any
+
+
+class Daemon(Protocol):
+    """The running daemon as a setting reaches it (:class:`~kvbroker._server.daemon.Daemon`;
+    declared here: the configuration, which the daemon imports, imports no daemon)."""
+
+    config: DaemonConfig
+    broker: Any
+    fleet: Any
+    connections: set[Any]
 
 __all__ = [
     "LIVE",

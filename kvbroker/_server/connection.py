@@ -38,7 +38,7 @@ from ..errors import BadRequest, BrokerUnavailable, InternalError, KVBrokerError
 from ..errors import NotFound, ProtocolError, Timeout
 
 if TYPE_CHECKING:
-    from .daemon import Daemon
+    from .hosting import DaemonView
 
 __all__ = ["Connection"]
 
@@ -80,7 +80,7 @@ class Connection(asyncio.BufferedProtocol):
 
     # A BufferedProtocol reads into one reused buffer: plain Protocol allocates a fresh
     # 256 KiB bytes object per read, which costs more than the request itself.
-    def __init__(self, daemon: Daemon) -> None:
+    def __init__(self, daemon: DaemonView) -> None:
         self.daemon = daemon
         self.broker = daemon.broker
         self.transport: asyncio.Transport | None = None

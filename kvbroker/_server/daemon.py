@@ -27,8 +27,7 @@ from .systemd import Notifier
 from .._wire.paths import format_size
 from .._wire.stats import Statistics
 from .pool import HostPool, pools_summary
-from . import startup
-from .startup import KEPT, DaemonError
+from .startup import DaemonError, Startup
 from ..errors import BrokerUnavailable, KVBrokerError
 
 __all__ = ["DaemonConfig", "Daemon", "DaemonError", "run_daemon"]
@@ -58,7 +57,7 @@ class Daemon:
         reload_config: Callable[[], DaemonConfig] | None = None,
     ) -> None:
         self.config = config
-        self.pools: list[HostPool] = []
+        self.startup = Startup(config)  # the lock, the pools, the socket file: its own
         self.broker: Broker | None = None
         self.connections: set[Connection] = set()
         # Connections waiting in a blocking claim, by the key they wait for; a connection
@@ -67,14 +66,9 @@ class Daemon:
         self.per_uid: dict[int, int] = {}  # open connections per peer uid
         self._backlogged: set[Connection] = set()  # connections with replies not yet sent
         self._stop: asyncio.Event | None = None
-        self._lock_fd: int | None = None
-        self._previous_segments: list[str] = []
-        self._previous_kept = False  # the previous daemon stopped keeping its pools for us
         self._restart = False  # stopping for a restart (RESTART_SIGNAL): keep the pools
-        self._adopted = False  # this daemon took over a previous one's pools
         self._serving = False  # it got as far as serving (a start that fails keeps adopted pools)
         self._server: asyncio.AbstractServer | None = None
-        self._owns_socket_file = False
         self._last_activity = 0.0
         self._polling = False
         # Busy-poll only while CPUs are spare (kvbroker._cpu): on a saturated host the
@@ -84,11 +78,20 @@ class Daemon:
         self.notifier = notifier or Notifier()
         self._reload_config = reload_config
         self.draining = False
-        self._activated = False  # serving a socket systemd passed: its path is not ours to set
         self._force_stop: asyncio.Event | None = None
         self._metrics = None
         self.fleet: Any = None  # kvbroker._server.fleet.Fleet, with [transfer] or [events]
         self.replicas = Replicas(self)  # read replicas (kvbroker._server.replicas)
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        """The event loop it serves on (None before ``serve``)."""
+        return self._loop
+
+    @property
+    def pools(self) -> list[HostPool]:
+        """The host pools this daemon serves (adopted or created by its start)."""
+        return self.startup.pools
 
     def note_activity(self) -> None:
         if self.config.busy_poll <= 0 or not self._cpu_spare:
@@ -220,7 +223,7 @@ class Daemon:
         journal = self.broker.journal if self.broker is not None else None
         # A start that fails after adopting pools leaves them as it found them.
         wanted = self._restart or self.config.keep_pools_on_exit
-        return ((wanted or (self._adopted and not self._serving))
+        return ((wanted or (self.startup.adopted and not self._serving))
                 and journal is not None and not journal.failed)  # fmt: skip
 
     async def serve(
@@ -239,19 +242,20 @@ class Daemon:
         tasks: list[asyncio.Task] = []
         try:
             lock = listen_socket is None
+            start = self.startup
             if listen_socket is None:
-                listen_socket = startup.activated_socket(self)
+                listen_socket = start.activated_socket()
             if lock:
-                startup.acquire_lock(self)
-            startup.start_broker(self)
+                start.acquire_lock()
+            self.broker = start.start_broker()
             self.broker.on_sealed = self._on_sealed
             if self.config.gpu_ring:
-                startup.open_rings(self)
+                start.open_rings(self.broker, self._on_sealed)
             apply_to_owners(self)  # each owner's copy of a setting, as its Key declares
             await self._start_fleet()
-            if self._lock_fd is not None:
-                startup.write_lock_record(self)
-            sock = listen_socket if listen_socket is not None else startup.bind(self)
+            if start.lock_fd is not None:
+                start.write_lock_record()
+            sock = listen_socket if listen_socket is not None else start.bind()
             self._server = await loop.create_unix_server(lambda: Connection(self), sock=sock)
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self.request_stop)
@@ -404,7 +408,7 @@ class Daemon:
         old = self.config
         # What changes where is declared with each setting (kvbroker._server.config).
         changed, restart = reload_into(old, new, self,
-                                       keep=("socket_path",) if self._activated else ())
+                                       keep=("socket_path",) if self.startup.activated else ())
         for name, before, after in restart:  # the socket under activation is kvbroker.socket's
             log.warning("reload: %s changed (%r -> %r) but needs a restart to take effect",
                         name, before, after)
@@ -477,23 +481,7 @@ class Daemon:
                 journal.remove()
             for pool in self.pools:
                 pool.unlink()
-        if self._owns_socket_file:
-            try:
-                os.unlink(self.config.socket_path)
-            except FileNotFoundError:
-                pass
-        if self._lock_fd is not None:
-            if kept:  # the next daemon adopts the pools; tell it they were kept on purpose
-                record = "\n".join([KEPT] + [p.name for p in self.pools]) + "\n"
-                os.ftruncate(self._lock_fd, 0)
-                os.pwrite(self._lock_fd, record.encode(), 0)
-            else:  # nothing left for a successor: no file either (unlinked while locked)
-                try:
-                    os.unlink(self.config.socket_path + ".lock")
-                except FileNotFoundError:
-                    pass
-            os.close(self._lock_fd)
-            self._lock_fd = None
+        self.startup.release_lock(kept)
         log.info("stopped")
 
 

@@ -63,7 +63,7 @@ from .pool import open_segment
 
 if TYPE_CHECKING:
     from .broker import Broker
-    from .daemon import Daemon
+    from .hosting import DaemonView
     from .state import Lease, Session
 
 __all__ = ["Fleet", "BrokerProvider", "EventFeed", "block_event_hash", "announced"]
@@ -84,7 +84,7 @@ class _Peer:
 class Fleet:
     """NIXL endpoint, peer server, pulls and events of one daemon (see the module doc)."""
 
-    def __init__(self, daemon: Daemon) -> None:
+    def __init__(self, daemon: DaemonView) -> None:
         cfg = daemon.config
         self.daemon = daemon
         self.broker: Broker = daemon.broker

@@ -30,7 +30,7 @@ from .._wire.stats import EventStatistics
 from ..errors import KVBrokerError
 
 if TYPE_CHECKING:
-    from .daemon import Daemon
+    from .hosting import DaemonView
     from .state import StoredObject
 
 __all__ = ["EventFeed", "announced", "block_event_hash"]
@@ -63,7 +63,7 @@ class EventFeed:
     """The publisher of one daemon and what feeds it (see the module doc). Raises
     KVBrokerError for settings it cannot use (pyzmq missing, CURVE files)."""
 
-    def __init__(self, daemon: Daemon, node: str) -> None:
+    def __init__(self, daemon: DaemonView, node: str) -> None:
         from .events import AllBlocksCleared, CurveKeys, EventPublisher, topic_for
 
         cfg = daemon.config
@@ -134,7 +134,7 @@ class EventFeed:
         self.publisher.publish([self._stored(o, BlockStored) for o in objs])
 
     def _announce_all_threadsafe(self) -> None:
-        loop = self.daemon._loop
+        loop = self.daemon.loop
         if loop is not None and not self.closed:
             loop.call_soon_threadsafe(self._announce_all)
 

@@ -36,7 +36,7 @@ from .journal import journal_path
 from .replica import MESSAGE_MAX
 
 if TYPE_CHECKING:
-    from .daemon import Daemon
+    from .hosting import DaemonView
 
 __all__ = ["Replicas", "auto_count"]
 
@@ -58,24 +58,6 @@ def auto_count(cpus: int) -> int:
     return 0 if cpus < 8 else min(4, cpus // 4)
 
 
-def wanted(d: Daemon) -> int:
-    """How many replicas this daemon runs: the setting, or none where it cannot have them
-    (no journal to follow, or it failed; a namespace policy, which only the daemon applies)."""
-    n = d.config.read_replicas
-    auto = n is None
-    if auto:
-        n = auto_count(len(os.sched_getaffinity(0)))
-    journal, policy = d.broker.journal, d.broker.policy
-    if n and (journal is None or journal.failed or not policy.open):
-        why = ("journal = false" if journal is None else "the journal failed" if journal.failed
-               else f"isolation = {policy.mode!r}")  # fmt: skip
-        if not auto:
-            log.warning("read_replicas = %d: none started (%s: replicas follow the journal "
-                        "and serve only an open policy)", n, why)  # fmt: skip
-        return 0
-    return n
-
-
 class _Slot:
     """One replica: its socket path, its listening socket and process while it runs."""
 
@@ -89,12 +71,29 @@ class _Slot:
 
 
 class Replicas:
-    def __init__(self, d: Daemon) -> None:
+    def __init__(self, d: DaemonView) -> None:
         self.daemon = d
         self._slots: list[_Slot] = []
         self._report_r: int | None = None
         self._report_w: int | None = None
         self._buf = b""
+
+    def wanted(self) -> int:
+        """How many replicas this daemon runs: the setting, or none where it cannot have them
+        (no journal to follow, or it failed; a namespace policy, which only the daemon applies)."""
+        n = self.daemon.config.read_replicas
+        auto = n is None
+        if auto:
+            n = auto_count(len(os.sched_getaffinity(0)))
+        journal, policy = self.daemon.broker.journal, self.daemon.broker.policy
+        if n and (journal is None or journal.failed or not policy.open):
+            why = ("journal = false" if journal is None else "the journal failed" if journal.failed
+                   else f"isolation = {policy.mode!r}")  # fmt: skip
+            if not auto:
+                log.warning("read_replicas = %d: none started (%s: replicas follow the journal "
+                            "and serve only an open policy)", n, why)  # fmt: skip
+            return 0
+        return n
 
     def _publish_paths(self) -> None:
         """Name in hello the replicas that run now."""
@@ -104,12 +103,12 @@ class Replicas:
     def start(self) -> None:
         d = self.daemon
         _remove_stale(d.config.socket_path)
-        n = wanted(d)
+        n = self.wanted()
         if not n:
             return
         try:
             self._report_r, self._report_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
-            d._loop.add_reader(self._report_r, self._read_reports)
+            d.loop.add_reader(self._report_r, self._read_reports)
             for i in range(n):
                 slot = _Slot(f"{d.config.socket_path}.r{i}")
                 self._slots.append(slot)
@@ -213,7 +212,7 @@ class Replicas:
         if self._report_r is not None:
             self._read_reports()  # their last counts
             with contextlib.suppress(Exception):
-                self.daemon._loop.remove_reader(self._report_r)
+                self.daemon.loop.remove_reader(self._report_r)
             os.close(self._report_r)
             self._report_r = None
         if self._report_w is not None:

@@ -36,7 +36,8 @@ def import_graph(folder: pathlib.Path = HERE) -> dict[str, set[str]]:
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """One circle (as a path back to its first module) per strongly connected group."""
+    """One circle (as a path back to its first module) per strongly connected group (the
+    group's other modules are in circles with these too)."""
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
