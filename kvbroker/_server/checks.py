@@ -8,14 +8,17 @@ changes nothing: the handlers (:mod:`kvbroker._server.handlers`), the pulls from
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .._wire import checksum as _checksum
 from .._wire.names import check_buffer_name
 from .._wire.objects import buffer_offsets
 from .._wire.protocol import MAX_BUFFERS, MAX_NAME, meta_problem
 from ..errors import BadRequest
-from .state import StoredObject, names_footprint, value_footprint
+from .state import Lease, Session, StoredObject, names_footprint, value_footprint
+
+if TYPE_CHECKING:
+    from .leases import LeaseTable
 
 __all__ = [
     "MAX_TOKENS",
@@ -25,6 +28,7 @@ __all__ = [
     "checked_checksums",
     "consumers_problem",
     "extents",
+    "leases_named",
     "parent_problem",
     "tokens_problem",
 ]
@@ -40,7 +44,9 @@ def check_name(what: str, value: str) -> str:
     return value
 
 
-def buffer_layout(buffers: dict, meta: dict | None) -> tuple[dict[str, tuple[int, int]], int]:
+def buffer_layout(
+    buffers: dict, meta: dict | None
+) -> tuple[dict[str, tuple[int, int]], int]:
     """Offsets of the named buffers inside one extent (aligned), and the extent's span."""
     if not buffers:
         raise BadRequest("reserve: an object needs at least one buffer")
@@ -55,7 +61,9 @@ def buffer_layout(buffers: dict, meta: dict | None) -> tuple[dict[str, tuple[int
         check_name("buffer name", name)
         check_buffer_name(name)  # malformed KV names would never match a claim
         if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
-            raise BadRequest(f"reserve: size of buffer {name!r} must be a non-negative int")
+            raise BadRequest(
+                f"reserve: size of buffer {name!r} must be a non-negative int"
+            )
     offsets, span = buffer_offsets(buffers)
     return {name: (offsets[name], nbytes) for name, nbytes in buffers.items()}, span
 
@@ -89,7 +97,9 @@ def parent_problem(parent: Any) -> str | None:
     return None
 
 
-def checked_checksums(obj: StoredObject, checksums: dict | None, required: bool) -> dict | None:
+def checked_checksums(
+    obj: StoredObject, checksums: dict | None, required: bool
+) -> dict | None:
     """``checksums`` as ``obj`` keeps them; BadRequest when they do not fit its buffers, or
     are missing where the daemon requires them (``required``: require_checksums)."""
     if checksums is not None:
@@ -105,7 +115,9 @@ def checked_checksums(obj: StoredObject, checksums: dict | None, required: bool)
     return None
 
 
-def block_plans(namespace: str, blocks: list, buffers: dict | None, meta: dict | None) -> list:
+def block_plans(
+    namespace: str, blocks: list, buffers: dict | None, meta: dict | None
+) -> list:
     """``reserve_blocks``' blocks checked, each as ``(ident, parent, layout, span, meta,
     tokens, footprint)`` (``state.index_footprint``, the parts given once for the batch
     counted once): every block validated before anything is reserved."""
@@ -118,7 +130,9 @@ def block_plans(namespace: str, blocks: list, buffers: dict | None, meta: dict |
     plans = []
     for i, blk in enumerate(blocks):
         if not isinstance(blk, dict) or not isinstance(blk.get("key"), str):
-            raise BadRequest(f"reserve_blocks: block {i} must be a map with a string key")
+            raise BadRequest(
+                f"reserve_blocks: block {i} must be a map with a string key"
+            )
         parent = blk.get("parent")
         if (problem := parent_problem(parent)) is not None:
             raise BadRequest(f"reserve_blocks: block {i}: {problem}")
@@ -150,7 +164,29 @@ def block_plans(namespace: str, blocks: list, buffers: dict | None, meta: dict |
     return plans
 
 
-def extents(obj: StoredObject, chosen: dict[str, tuple[int, int]]) -> dict[str, list[int]]:
+def extents(
+    obj: StoredObject, chosen: dict[str, tuple[int, int]]
+) -> dict[str, list[int]]:
     """The reply's form of buffers: name -> [pool, offset, nbytes]."""
     idx = obj.pool.index
     return {name: [idx, off, n] for name, (off, n) in chosen.items()}
+
+
+def leases_named(
+    table: LeaseTable,
+    session: Session,
+    op: str,
+    lids: list,
+    kind: str | None,
+    repeats: bool = False,
+) -> list[Lease]:
+    """The live leases ``lids`` of this session (of ``kind``), every one checked before a
+    batch op acts on any: a bad id fails the request and changes nothing."""
+    held = []
+    for lid in lids:
+        if not isinstance(lid, int) or isinstance(lid, bool):
+            raise BadRequest(f"{op}: leases must be a list of lease ids")
+        held.append(table.of(session, lid, kind))
+    if not repeats and len({ls.id for ls in held}) != len(held):
+        raise BadRequest(f"{op}: a lease is named twice")
+    return held

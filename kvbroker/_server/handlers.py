@@ -1,6 +1,7 @@
 """One handler per op row the broker serves (``Service.BROKER`` in ``kvbroker._wire.protocol``).
 
-:class:`Handlers` holds them: ``op_<name>(session, **args)`` checks what the request asks
+:class:`Handlers` holds them (the publishing ops in :mod:`~kvbroker._server.publish_ops`,
+the sessions' in :mod:`~kvbroker._server.session_ops`) and dispatches a request to its own: ``op_<name>(session, **args)`` checks what the request asks
 (arguments already validated against the table; the rest in :mod:`kvbroker._server.checks`),
 makes one transition of the broker's (:class:`~kvbroker._server.transitions.Transitions`)
 and shapes the reply the table declares. Who owns and frees what: see
@@ -24,21 +25,18 @@ from .._wire.protocol import (
     Service,
     validate_args,
 )
-from ..errors import BadRequest, Exists, NotFound, PoolFull, ProtocolError
+from ..errors import BadRequest, NotFound, ProtocolError
 from .checks import (
     MAX_TOKENS,
-    block_plans,
-    buffer_layout,
-    check_name,
-    checked_checksums,
-    consumers_problem,
     extents,
+    leases_named,
 )
 from .evicting import MAX_LISTED_BYTES, info_size, select, victims
 from .patterns import client_regex as _regex
 from .prefix_leases import count_query, matched_run
+from .publish_ops import PublishOps
 from .session_ops import SessionOps
-from .state import Deferred, Session, StoredObject, WouldWait, index_footprint
+from .state import Deferred, Session, StoredObject, WouldWait
 from .transitions import Transitions
 
 __all__ = ["HANDLERS", "Handlers"]
@@ -52,15 +50,22 @@ class Handlers:
     def __init__(self, broker: Transitions) -> None:
         self.b = broker
         self.sessions = SessionOps(broker.retention)  # the sessions' ops (retention)
+        self.publishing = PublishOps(broker, self.sessions)  # reserve, seal, publish...
         # The broker's own rows of the op table, each with its handler: a row without one
         # fails here.
         self._table = {
-            name: getattr(self, f"op_{name}", None) or getattr(self.sessions, f"op_{name}")
+            name: next(
+                getattr(part, f"op_{name}")
+                for part in (self, self.publishing, self.sessions)
+                if hasattr(part, f"op_{name}")
+            )
             for name, op in OPS.items()
             if op.service is Service.BROKER
         }
 
-    def handle(self, session: Session, op: str, raw_args: Any, daemon: Any = None) -> Any:
+    def handle(
+        self, session: Session, op: str, raw_args: Any, daemon: Any = None
+    ) -> Any:
         """Run one request; returns its result or raises a KVBrokerError (or WouldWait).
         ``daemon``: what answers the ops the table gives the daemon (the connection)."""
         b = self.b
@@ -82,7 +87,9 @@ class Handlers:
                 journal.flush()
         if row.service is Service.RINGS:
             if b.rings is None:
-                raise BadRequest(f"{op}: this daemon has no GPU rings (serve --gpu-ring SIZE)")
+                raise BadRequest(
+                    f"{op}: this daemon has no GPU rings (serve --gpu-ring SIZE)"
+                )
             return b.rings.handle(session, op, args)
         if daemon is None:
             raise BadRequest(f"{op}: only a daemon's connection answers it")
@@ -99,7 +106,9 @@ class Handlers:
         session.greeted = True
         # Another tenant's pool keeps its index (extents name pools by index), not its segment.
         pools = [
-            p.describe() if b.pages.named_to(p, session) else {"index": p.index, "hidden": True}
+            p.describe()
+            if b.pages.named_to(p, session)
+            else {"index": p.index, "hidden": True}
             for p in b.pools
         ]
         return {
@@ -114,171 +123,29 @@ class Handlers:
             **({"replicas": list(b.replica_paths)} if b.replica_paths else {}),
         }
 
-    # -------------------------------------------------------------------------- publish
-    def op_reserve(
-        self, session, namespace, key, buffers, meta, replace, ttl, consumers
-    ) -> R.Reserved:
-        if (problem := consumers_problem(consumers)) is not None:
-            raise BadRequest(f"reserve: {problem}")
-        ttl = self.b.leases.ttl(ttl)
-        ident = (check_name("namespace", namespace), check_name("key", key))
-        session.access.check(namespace, True, "reserve")
-        layout, span = buffer_layout(buffers, meta)
-        self._check_free(ident, replace)
-        lease = self.b.reserve_extent(session, ident, layout, span, meta, ttl)
-        lease.obj.consumers = consumers
-        return {"lease": lease.id, "ttl": ttl, "buffers": extents(lease.obj, lease.obj.buffers)}
-
-    def op_reserve_blocks(
-        self,
-        session,
-        namespace,
-        blocks,
-        ttl,
-        buffers=None,
-        meta=None,
-        compact=False,
-        retain=None,
-    ) -> R.BlocksReserved:
-        b = self.b
-        ttl = b.leases.ttl(ttl)
-        check_name("namespace", namespace)
-        session.access.check(namespace, True, "reserve_blocks")
-        plans = block_plans(namespace, blocks, buffers, meta)
-        kept = self.sessions.session_of_request(session, namespace, retain, "reserve_blocks")
-        slots = b.reserve_all(session, plans, ttl)
-        taken = [ls for ls in slots if ls is not None]
-        if kept is not None:  # the session's blocks: those here already now, the rest at seal
-            here = [b.directory.get(p[0]) for p, ls in zip(plans, slots) if ls is None]
-            b.retention.retain(kept, [o for o in here if o is not None])
-            for lease in taken:
-                b.retention.pending[lease.obj.serial] = kept
-        if compact and taken:
-            # One int64 row per reserved block, as a prefix match replies, when the blocks
-            # share their buffer names: no per-buffer map to build, pack and parse.
-            names = taken[0].obj.compact_extents()[0]
-            rows = [ls.obj.compact_extents() for ls in taken]
-            if all(shape == names for shape, _ in rows):
-                return {
-                    "ttl": ttl,
-                    "results": [],
-                    "names": list(names),
-                    "leases": [None if ls is None else ls.id for ls in slots],
-                    "packed": b"".join(row for _, row in rows),
-                }
-        results: list[R.BlockReserved | R.BlockExists] = [
-            {"exists": True}
-            if ls is None
-            else {"lease": ls.id, "buffers": extents(ls.obj, ls.obj.buffers)}
-            for ls in slots
-        ]
-        return {"ttl": ttl, "results": results}
-
-    def op_seal(self, session, lease, checksums=None) -> R.Sealed:
-        ls = self.b.leases.of(session, lease, "write")
-        self._accept_checksums(ls.obj, checksums)
-        return self.b.seal(ls)
-
-    def op_seal_many(self, session, leases, checksums) -> R.SealedMany:
-        if checksums is not None and len(checksums) != len(leases):
-            raise BadRequest("seal_many: checksums must have one entry (map or null) per lease")
-        # All or nothing: every lease and checksum checked before the first seal.
-        held = self._batch(session, "seal_many", leases, "write")
-        required = self.b.require_checksums
-        sums = [
-            checked_checksums(ls.obj, None if checksums is None else checksums[i], required)
-            for i, ls in enumerate(held)
-        ]
-        for ls, checked in zip(held, sums):
-            ls.obj.checksums = checked
-        self.b.seal_all(held)
-        return {"sealed": len(leases)}
-
-    def op_arena(self, session, nbytes) -> R.ArenaLent:
-        if nbytes <= 0:
-            raise BadRequest("arena: nbytes must be positive")
-        if session.arenas:  # one a connection: arenas are not evictable
-            held = next(iter(session.arenas))
-            raise BadRequest(
-                f"arena: this connection already holds write arena {held}; abort it first"
-            )
-        arena = self.b.arenas.lend(session, nbytes)
-        return {"lease": arena.id, "arena": arena.extent()}
-
-    def op_publish(
-        self,
-        session,
-        arena,
-        namespace,
-        key,
-        buffers,
-        meta,
-        replace,
-        consumers,
-        checksums,
-        next_arena,
-    ) -> R.Published:
-        b = self.b
-        ar = b.arenas.of(session, arena)
-        if ar.pool.lost is not None:  # new clients could not map what is published there
-            b.arenas.end(ar, "its pool's shared memory is gone")
-            raise PoolFull(f"publish: {ar.pool.lost} (restart the daemon)")
-        if (problem := consumers_problem(consumers)) is not None:
-            raise BadRequest(f"publish: {problem}")
-        if next_arena < 0:
-            raise BadRequest("publish: next_arena must be a size in bytes, or 0")
-        ident = (check_name("namespace", namespace), check_name("key", key))
-        session.access.check(namespace, True, "publish")
-        if ar.pool not in b.pages.pools_for(namespace):  # another tenant's or the shared ones
-            raise PoolFull(
-                f"publish: namespace {namespace!r} lives in another pool than arena "
-                f"{arena}'s; reserve instead"
-            )
-        layout, span = buffer_layout(buffers, meta)
-        ps = ar.pool.page_size
-        if span > ar.npages * ps:
-            raise BadRequest(
-                f"publish: {span} bytes do not fit arena {arena} "
-                f"({ar.npages * ps} bytes); reserve instead"
-            )
-        # An object occupies the daemon memory of its index entry at least (reserve_extent).
-        npages = max(1, -(-max(span, index_footprint(layout, meta)) // ps))
-        if npages > ar.npages:  # the client falls back to reserve + seal
-            raise PoolFull(f"publish: names and meta take more than arena {arena}; reserve instead")
-        self._check_free(ident, replace)
-        obj = b.directory.new_object(ident, ar.pool, ar.start, npages, layout, meta)
-        self._accept_checksums(obj, checksums)
-        obj.consumers = consumers
-        obj.charged = b.accounts.charge(ident[0], npages * ps)
-        sealed, kept = b.publish(session, ar, obj, next_arena)
-        return {
-            **sealed,
-            "lease": None if kept is None else kept.id,
-            "arena": None if kept is None else kept.extent(),
-        }
-
-    def op_abort(self, session, lease) -> R.Empty:
-        b = self.b
-        if lease in b.arenas:
-            b.arenas.end(b.arenas.of(session, lease), "it was aborted")
-            return {}
-        b.abort(b.leases.of(session, lease, "write"), "it was aborted")
-        b.counters["aborts"] += 1
-        return {}
-
     # -------------------------------------------------------------------------- claim
-    def op_claim(self, session, namespace, key, select, consume, wait, ttl, peer=None) -> R.Claimed:
+    def op_claim(
+        self, session, namespace, key, select, consume, wait, ttl, peer=None
+    ) -> R.Claimed:
         b = self.b
         # A consume-claim frees the object when released: as much a write as evict is.
-        session.access.check(namespace, bool(consume), "consume-claim" if consume else "claim")
+        session.access.check(
+            namespace, bool(consume), "consume-claim" if consume else "claim"
+        )
         ident = (namespace, key)
         obj = b.directory.get(ident)
-        if obj is None and peer is not None:  # pull it from the peer, then claim it here
-            session.access.check(namespace, True, "claim from a peer")  # it writes our pools
+        if (
+            obj is None and peer is not None
+        ):  # pull it from the peer, then claim it here
+            session.access.check(
+                namespace, True, "claim from a peer"
+            )  # it writes our pools
             fleet = self._fleet("claim")
             raise Deferred(
                 lambda: fleet.fetch(peer, namespace, key, consume, session),
-                lambda _: self.op_claim(session, namespace, key, select, consume, None, ttl),
+                lambda _: self.op_claim(
+                    session, namespace, key, select, consume, None, ttl
+                ),
                 fleet.timeout,
             )
         if obj is None:
@@ -309,21 +176,34 @@ class Handlers:
         return {}
 
     def op_release_many(self, session, leases) -> R.Empty:
-        for ls in self._batch(session, "release_many", leases, "read"):  # all checked first
+        held = leases_named(self.b.leases, session, "release_many", leases, "read")
+        for ls in held:  # all checked first
             self.b.end_read(ls, "it was released", consume=ls.consume)
         return {}
 
     def op_match_prefix(
-        self, session, namespace, keys, block_tokens, ttl, peer=None, hold=True, retain=None
+        self,
+        session,
+        namespace,
+        keys,
+        block_tokens,
+        ttl,
+        peer=None,
+        hold=True,
+        retain=None,
     ) -> R.PrefixMatch:
         b = self.b
         ttl = b.leases.ttl(ttl)
         if len(keys) > MAX_BUFFERS:
             raise BadRequest(f"match_prefix: at most {MAX_BUFFERS} keys per request")
-        if not 0 <= block_tokens <= MAX_TOKENS:  # it is added into counters every stat packs
+        if (
+            not 0 <= block_tokens <= MAX_TOKENS
+        ):  # it is added into counters every stat packs
             raise BadRequest(f"match_prefix: block_tokens must be in [0, {MAX_TOKENS}]")
         if peer is not None and not hold:
-            raise BadRequest("match_prefix: a pull from a peer needs hold (it holds what it pulls)")
+            raise BadRequest(
+                "match_prefix: a pull from a peer needs hold (it holds what it pulls)"
+            )
         if not session.access.can(namespace):  # another tenant's prefixes: invisible
             keys = ()
         found = matched_run(b.directory, namespace, keys)
@@ -341,12 +221,22 @@ class Handlers:
                     fleet.timeout,
                 )
         count_query(b.counters, len(keys), len(found), block_tokens)
-        kept = self.sessions.session_of_request(session, namespace, retain, "match_prefix")
-        if kept is not None:  # each request renews its session; what it matched is retained
+        kept = self.sessions.session_of_request(
+            session, namespace, retain, "match_prefix"
+        )
+        if (
+            kept is not None
+        ):  # each request renews its session; what it matched is retained
             b.retention.retain(kept, found)
         if not found or not hold:
             b.directory.touch(found)
-            return {"ttl": ttl, "matched": len(found), "lease": None, "names": [], "blocks": []}
+            return {
+                "ttl": ttl,
+                "matched": len(found),
+                "lease": None,
+                "names": [],
+                "blocks": [],
+            }
         lease, names, packed, _ = b.match(session, found, ttl)
         reply: R.PrefixMatch = {
             "ttl": ttl,
@@ -368,8 +258,11 @@ class Handlers:
     def op_renew(self, session, leases, ttl) -> R.Renewed:
         table = self.b.leases
         ttl = table.ttl(ttl) if ttl is not None else None
-        held = self._batch(session, "renew", leases, None, repeats=True)  # all checked first
-        for ls in {ls.id: ls for ls in held}.values():  # a lease named twice is renewed once
+        # all checked first
+        held = leases_named(table, session, "renew", leases, None, repeats=True)
+        for ls in {
+            ls.id: ls for ls in held
+        }.values():  # a lease named twice is renewed once
             table.renew(ls, ls.ttl if ttl is None else ttl)
         return {"expires_in": [(ls.id, ls.ttl) for ls in held]}
 
@@ -380,7 +273,9 @@ class Handlers:
         if obj is None and peer is not None and session.access.can(namespace):
             fleet = self._fleet("lookup")
             raise Deferred(
-                lambda: fleet.lookup(peer, namespace, key), lambda info: info, fleet.timeout
+                lambda: fleet.lookup(peer, namespace, key),
+                lambda info: info,
+                fleet.timeout,
             )
         if obj is None or not session.access.can(namespace):
             return None
@@ -427,12 +322,16 @@ class Handlers:
         self, session, namespace, key, match, match_buffers, older_than, all, dry_run
     ) -> R.Evicted:
         b = self.b
-        cleared = bool(all and not (namespace or key or match or match_buffers or older_than))
+        cleared = bool(
+            all and not (namespace or key or match or match_buffers or older_than)
+        )
 
         def finish(found: list[StoredObject]) -> R.Evicted:
             reply, chosen = victims(found, b.lazy_readers(), dry_run)
             if not dry_run:
-                b.evict_all(chosen, cleared)  # (cleared: a router forgets this node's blocks)
+                b.evict_all(
+                    chosen, cleared
+                )  # (cleared: a router forgets this node's blocks)
             return reply
 
         def finish_later(found: list[StoredObject]) -> R.Evicted:
@@ -471,7 +370,9 @@ class Handlers:
             }
 
         raise Deferred(
-            lambda: fleet.fetch(peer, namespace, key, False, session), then, fleet.timeout
+            lambda: fleet.fetch(peer, namespace, key, False, session),
+            then,
+            fleet.timeout,
         )
 
     def op_stat(self, session) -> dict[str, Any]:
@@ -490,7 +391,11 @@ class Handlers:
         if len(counters) > MAX_REPORTED:
             raise BadRequest(f"report: at most {MAX_REPORTED} counters")
         for name, value in counters.items():
-            if not isinstance(name, str) or not 0 < len(name) <= 64 or not name.isprintable():
+            if (
+                not isinstance(name, str)
+                or not 0 < len(name) <= 64
+                or not name.isprintable()
+            ):
                 raise BadRequest(
                     "report: counter names must be printable strings of 1-64 characters"
                 )
@@ -500,18 +405,6 @@ class Handlers:
         return {"counters": len(counters)}
 
     # -------------------------------------------------------------------------- checks
-    def _batch(self, session, op: str, lids: list, kind: str | None, repeats: bool = False) -> list:
-        """The live leases ``lids`` of this session (of ``kind``), every one checked before a
-        batch op acts on any: a bad id fails the request and changes nothing."""
-        held = []
-        for lid in lids:
-            if not isinstance(lid, int) or isinstance(lid, bool):
-                raise BadRequest(f"{op}: leases must be a list of lease ids")
-            held.append(self.b.leases.of(session, lid, kind))
-        if not repeats and len({ls.id for ls in held}) != len(held):
-            raise BadRequest(f"{op}: a lease is named twice")
-        return held
-
     def _fleet(self, op: str) -> Any:
         if self.b.fleet is None:
             raise BadRequest(
@@ -520,23 +413,11 @@ class Handlers:
             )
         return self.b.fleet
 
-    def _accept_checksums(self, obj: StoredObject, checksums: dict | None) -> None:
-        checked = checked_checksums(obj, checksums, self.b.require_checksums)
-        if checked is not None:
-            obj.checksums = checked
-
-    def _check_free(self, ident: tuple[str, str], replace: bool) -> None:
-        namespace, key = ident
-        if ident in self.b.directory.pending:
-            raise Exists(f"{namespace}/{key} is being published by another writer")
-        if ident in self.b.directory and not replace:
-            raise Exists(f"{namespace}/{key} is already published")
-
 
 # op name -> its handler (unbound: ``(handlers, session, **args)``)
 HANDLERS = {
     name[3:]: fn
-    for cls in (Handlers, SessionOps)
+    for cls in (Handlers, PublishOps, SessionOps)
     for name, fn in vars(cls).items()
     if name.startswith("op_")
 }
