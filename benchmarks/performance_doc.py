@@ -213,6 +213,16 @@ def honest_peer(data: dict) -> dict:
         for m in modes:
             if f"{m}_put_ms" not in r:  # only the round trip recorded
                 r[f"{m}_put_ms"], r[f"{m}_get_ms"] = r[f"{m}_roundtrip_ms"], 0.0
+            if f"{m}_memcpy_ms" not in r:  # the memcpy each driver timed, from its rounds
+                got = [
+                    z["memcpy"]["median_ms"]
+                    for rnd in data.get("raw_rounds", [])
+                    for p in rnd["peer"]
+                    if p["mode"] == m
+                    for z in p["sizes"]
+                    if z["size"] == r["size"] and z.get("memcpy")
+                ]
+                r[f"{m}_memcpy_ms"] = statistics.median(got) if got else None
         rows.append(peer.derive(r, modes))
     return {**data, "rows": rows, "columns": {"rows": peer.columns(modes)},
             "targets": [t.as_dict() for t in peer.targets(rows, modes)]}  # fmt: skip

@@ -63,7 +63,10 @@ def columns(modes) -> list[tuple[str, str, str]]:
     for mode in modes:
         label = LABELS.get(mode, mode)
         cols += [(f"{mode}_roundtrip_ms", f"{label} put+get ms", ".3f"),
-                 (f"speedup_vs_{mode}", f"x {label}", "ratio")]  # fmt: skip
+                 (f"speedup_vs_{mode}", f"x {label}", "ratio"),
+                 # the memcpy its driver timed in its own loop: what the machine gave that
+                 # peer's turn, beside kvbroker's "memcpy ms" (load moves between turns)
+                 (f"{mode}_memcpy_ms", f"{label}'s turn: memcpy ms", ".3f")]  # fmt: skip
     return cols
 
 
@@ -160,6 +163,7 @@ def compare(peer: list[dict], kvb_rows: list[dict], modes) -> list[dict]:
             z = by_mode[mode][size]
             row[f"{mode}_put_ms"] = z["put"]["median_ms"]
             row[f"{mode}_get_ms"] = z["get"]["median_ms"]
+            row[f"{mode}_memcpy_ms"] = (z.get("memcpy") or {}).get("median_ms")
         rows.append(derive(row, modes))
     return rows
 
@@ -174,6 +178,9 @@ def _median_rows(rounds: list[list[dict]], modes) -> list[dict]:
         keys = list(TIMES) + [f"{m}_{op}_ms" for m in modes for op in ("put", "get")]
         for key in keys:
             row[key] = statistics.median([r[key] for r in per_size])
+        for m in modes:  # a driver that timed no memcpy leaves it out
+            vals = [r.get(f"{m}_memcpy_ms") for r in per_size]
+            row[f"{m}_memcpy_ms"] = None if None in vals else statistics.median(vals)
         derive(row, modes)
         for key in row.copy():
             if key.startswith(("speedup_vs_", "time_vs_", "kvb_vs_")):
