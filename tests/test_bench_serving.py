@@ -4,6 +4,7 @@ runs vLLM for minutes: its figures are in benchmarks/results/serving-cpu.json)."
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import pathlib
 
 import pytest
@@ -28,7 +29,7 @@ def test_trace_shares_the_system_prompt_and_grows_each_conversation():
     for conv in trace:
         assert conv[0]["prompt"][:64] == system  # one system prompt for every user
         assert len(conv[0]["prompt"]) == 64 + 16
-        for prev, nxt in zip(conv, conv[1:]):
+        for prev, nxt in itertools.pairwise(conv):
             # a turn's prompt is the conversation so far: the previous prompt, its recorded
             # reply, then the user's new tokens
             assert nxt["prompt"][: len(prev["prompt"]) + 4] == prev["prompt"] + prev["reply"]
