@@ -202,6 +202,38 @@ def test_restart_keeps_retention_and_drops_what_expired(make_broker, tmp_path):
     assert held(b2, kept + more) == kept + more
 
 
+@pytest.mark.parametrize("bad", [
+    {"u": float("inf")}, {"u": True}, {"u": -1}, {"c": "yesterday"}, {"c": float("nan")},
+    {"x": float("nan")}, {"p": float("inf")}, {"p": 1000}, {"n": "x" * 600},
+])  # fmt: skip
+def test_a_crafted_session_record_is_skipped_and_the_restart_keeps_the_rest(
+    make_broker, tmp_path, bad
+):
+    # A journal record that passes its checksum but says nonsense (a bug, a hand-edited
+    # file) must neither stop the warm restart of every tenant's objects nor leave a session
+    # that never expires and disorders the others' expiry.
+    b = make_broker(npages=64)
+    path = str(tmp_path / "j")
+    b.attach_journal(Journal(path, 1, [b.pools[0].describe()]), 1)
+    s = connect(b, uid=1001)
+    kept = chain(b, s, "keep", 3, retain={"session": "keep", "for": 600})
+    now = b.retention.clock.now
+    b.journal.retention({"t": "r", "ns": "default", "n": "evil", "u": 1002, "p": 1,
+                         "x": now + 600, "c": now, "a": [], **bad})  # fmt: skip
+    b.journal.close()
+    rec = Journal.load(path)
+    pool2 = HostPool.adopt(0, b.pools[0].name, b.pools[0].size, PAGE)
+    b2 = Broker([pool2], clock=Clock())
+    b2.retention.clock = Clock()
+    b2.retention.clock.now = now
+    assert b2.restore(rec.objects.values(), (), rec.sessions.values()) == 3
+    assert set(b2.retention.sessions) == {("default", "keep")}
+    assert b2.retention.per_uid == {1001: 1}
+    assert held(b2, kept) == kept
+    b2.retention.clock.now = now + 601
+    assert b2.retention.expire() == 1 and not b2.retention.sessions
+
+
 def test_another_tenants_session_is_invisible(make_broker):
     b = make_broker(npages=64, policy=parse_isolation({"mode": "tenant"}))
     from kvbroker._server.policy import user_name

@@ -91,6 +91,35 @@ class Retained:
                            created_at=self.created_at)  # fmt: skip
 
 
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _restorable(rec: Any) -> tuple[str, str, int, float, int, float | None, set[int]] | None:
+    """A journal's session record as (namespace, name, uid, expiry, priority, created,
+    serials), or None when it is malformed. Checked whole before anything is restored: a
+    NaN expiry would never end and would disorder every other session's in the expiry heap;
+    one bad record must neither stop the warm restart of every tenant's objects nor leave a
+    session half made."""
+    if not isinstance(rec, dict):
+        return None
+    ns, name, uid = rec.get("ns"), rec.get("n"), rec.get("u")
+    expires, prio, created = rec.get("x"), rec.get("p", 0), rec.get("c")
+    serials = rec.get("a", ())
+    if not (isinstance(ns, str) and isinstance(name, str) and 0 < len(name) <= MAX_NAME):
+        return None
+    if isinstance(uid, bool) or not isinstance(uid, int) or not 0 <= uid < 2**32:
+        return None
+    if not _finite(expires) or not (created is None or _finite(created)):
+        return None
+    if isinstance(prio, bool) or not isinstance(prio, int) or not 0 <= prio <= MAX_PRIORITY:
+        return None
+    if not isinstance(serials, (list, tuple)):
+        return None
+    return (ns, name, uid, float(expires), prio, None if created is None else float(created),
+            {s for s in serials if isinstance(s, int) and not isinstance(s, bool)})  # fmt: skip
+
+
 def _footprint(obj: StoredObject) -> int:
     return obj.npages * obj.pool.page_size
 
@@ -405,22 +434,19 @@ class Retention:
         now = self.clock()
         n = 0
         for rec in sessions:
-            try:
-                ns, name, uid = rec["ns"], rec["n"], int(rec["u"])
-                expires, prio = float(rec["x"]), int(rec.get("p", 0))
-                if not (isinstance(ns, str) and isinstance(name, str) and name):
-                    raise ValueError("a session needs a namespace and a name")
-            except (KeyError, TypeError, ValueError):
-                continue  # a malformed record retains nothing
+            fields = _restorable(rec)
+            if fields is None:
+                continue  # a malformed record retains nothing; the others still come back
+            ns, name, uid, expires, prio, created, serials = fields
             if expires <= now or (ns, name) in self.sessions:
                 continue
             entry = self.sessions[(ns, name)] = Retained(ns, name, uid, now)
             self.per_uid[uid] += 1
-            entry.priority = min(max(prio, 0), MAX_PRIORITY)
+            entry.priority = prio
             entry.expires_at = min(expires, now + self.settings.max_retain)
-            entry.created_at = float(rec.get("c", now))
+            entry.created_at = min(created, now) if created is not None else now
             heapq.heappush(self._expiry, (entry.expires_at, ns, name))
-            for serial in sorted(rec.get("a", ())):
+            for serial in sorted(serials):
                 obj = objects.get(serial)
                 if obj is not None and obj.linked and obj.namespace == ns:
                     self._add(entry, obj)
