@@ -257,6 +257,28 @@ def test_another_tenants_session_is_invisible(make_broker):
     assert b.retention.sessions[(ns, "secret")].nbytes == 3 * PAGE
 
 
+def test_another_uid_cannot_spend_a_sessions_quota_by_naming_it(make_broker):
+    # A shared namespace shares names: bob naming alice's session on his publishes would
+    # count his blocks against alice's tenant_quota (shedding her own retention) and escape
+    # his. Refused, and nothing changes.
+    b = make_broker(npages=64, retention=RetentionSettings(tenant_quota=4 * PAGE))
+    alice, bob = connect(b, uid=60021), connect(b, uid=60022)
+    mine = chain(b, alice, "a", 4, retain={"session": "conv", "priority": 5})
+    for op, args in (
+        ("reserve_blocks", {"blocks": [{"key": "b0", "buffers": {"x": PAGE}}],
+                            "retain": {"session": "conv", "priority": 0}}),
+        ("match_prefix", {"keys": mine, "retain": {"session": "conv"}}),
+    ):  # fmt: skip
+        with pytest.raises(Forbidden, match="belongs to uid 60021"):
+            b.handle(bob, op, args)
+    entry = b.retention.sessions[("default", "conv")]
+    assert sorted(o.key for o in entry.objects.values()) == mine
+    assert (entry.priority, b.retention.tenant_bytes) == (5, {60021: 4 * PAGE})
+    assert not b.pending and ("default", "b0") not in b.objects
+    chain(b, bob, "b", 2, retain={"session": "bobs"})  # his own session, his own quota
+    assert b.retention.tenant_bytes == {60021: 4 * PAGE, 60022: 2 * PAGE}
+
+
 def test_operators_retain_and_release(make_broker):
     b = make_broker(npages=64, retention=RetentionSettings(max_retain=7200))
     s = connect(b)

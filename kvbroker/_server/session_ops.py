@@ -4,7 +4,8 @@
 :class:`SessionOps` holds them: each checks what the request asks and makes one call on the
 :class:`~kvbroker._server.retention.Retention`. A session is scoped by its namespace: one the
 caller may not read is invisible (``sessions`` leaves it out, ``retain`` and ``unretain``
-answer not_found, as for a name that does not exist); changing one needs write access.
+answer not_found, as for a name that does not exist); changing one needs write access. A
+request's ``retain`` may name only a session of the caller's uid (or a new one).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import math
 from typing import Any
 
 from .._wire import replies as R
-from ..errors import BadRequest, NotFound
+from ..errors import BadRequest, Forbidden, NotFound
 from .retention import MAX_PRIORITY, Retained, Retention
 from .state import Session
 
@@ -37,6 +38,15 @@ class SessionOps:
             return None
         name, for_, priority = self.retention.check_request(retain)
         session.access.check(namespace, True, f"{op} with retain")
+        entry = self.retention.sessions.get((namespace, name))
+        if entry is not None and entry.uid != session.uid:
+            # What a session retains counts against its owner's tenant_quota: another uid
+            # naming it would spend that quota (shedding the owner's own retention) and
+            # escape its own. A shared namespace shares names, not quotas.
+            raise Forbidden(
+                f"{op}: session {name!r} in namespace {namespace!r} belongs to uid "
+                f"{entry.uid}; name a session of your own"
+            )
         return self.retention.renew(namespace, name, session.uid, for_, priority)
 
     def op_sessions(self, session: Session, namespace: str | None, limit: int | None) -> R.Sessions:
