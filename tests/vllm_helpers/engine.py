@@ -122,6 +122,11 @@ def run(spec: dict) -> dict:
         os.environ["VLLM_LOGGING_LEVEL"] = spec["vllm_log_level"]
     if spec.get("in_process", True):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if spec.get("tensor_parallel_size", 1) > 1:
+        # vLLM's CPU workers bind their threads one NUMA node each unless told the cores:
+        # this machine has one node, so one core per worker
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(
+            str(i % (os.cpu_count() or 1)) for i in range(spec["tensor_parallel_size"])))
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
@@ -136,6 +141,9 @@ def run(spec: dict) -> dict:
         )
     if spec.get("in_process", True):
         kw["distributed_executor_backend"] = "uni"
+    if spec.get("tensor_parallel_size", 1) > 1:  # (its own processes: in_process False)
+        kw.update(tensor_parallel_size=spec["tensor_parallel_size"],
+                  distributed_executor_backend="mp")
     if spec.get("block_size", 32) is not None:
         kw["block_size"] = spec.get("block_size", 32)
     if spec.get("max_num_batched_tokens"):
