@@ -438,3 +438,32 @@ def load_cuda_count(client, fmt, hashes):
                            torch.bfloat16, "cpu", "NHD")  # fmt: skip
     return load_cuda(client, NS, fmt, cuda_cache(scratch, "packed"), hashes, list(range(len(hashes))),
                      copier=copier_for("cpu"))  # fmt: skip
+
+
+@pytest.mark.parametrize("delta", [-64, 64])
+def test_a_ring_object_whose_size_disagrees_with_its_meta_is_not_scattered(
+    ring_daemon, memory, delta
+):
+    # A buggy or hostile producer seals, under a run's key, an object whose meta is the
+    # run's but whose bytes are not as many as that shape holds: the consumer must refuse
+    # it (load nothing, take the host path) instead of crashing its worker or scattering it.
+    L, B, H, N, D = 1, 8, 2, 16, 8
+    src, _ = vllm_like(L, B, H, N, D, torch.bfloat16, "cpu", "NHD")
+    fmt = _fmt(L, H, N, D, torch.bfloat16)
+    s6 = cuda_cache(src, "packed")
+    key = run_key(HASHES[0], 0, 1, 0, 1)
+    with ring_daemon.client(map_pools=False) as p, ring_daemon.client(map_pools=False) as c:
+        rings = CpuRings(p, memory)
+        publish_runs(rings, NS, s6, fmt, [("r", _items(HASHES[:2], [0, 1]))], HandoffConfig("ring"))
+        genuine = rings.ring_read(key, namespace=NS)
+        meta, nbytes = genuine.meta, genuine.nbytes
+        genuine.release()
+        rings.ring_reserve(nbytes + delta, key=key, namespace=NS, meta=meta).seal()
+        runs = find_runs(c, NS, HASHES[:2], heads=H, consumer_tp=1, producer_tps=[1])
+        assert len(runs) == 1
+        out, _ = vllm_like(L, B, H, N, D, torch.bfloat16, "cpu", "NHD", seed=2)
+        before = [t.clone() for t in out]
+        assert load_runs(CpuRings(c, memory), NS, cuda_cache(out, "packed"), fmt, [4, 5],
+                         runs, 0) == (0, 0)  # fmt: skip
+        assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(out, before))
+        assert _used(c)[0] == 0  # consumed and freed all the same

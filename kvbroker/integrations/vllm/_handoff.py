@@ -36,6 +36,7 @@ paged caches stay vLLM's; nothing here keeps a reference to a block after the st
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -300,7 +301,7 @@ def load_runs(rings: Any, namespace: str, cache, fmt, block_ids: Sequence[int],
                     run_key(run.first_hash, fmt.tp_rank, fmt.tp_size, p.prefill_rank,
                             run.producer_tp), namespace=namespace, consume=True)))  # fmt: skip
             for p, region in regions:
-                _check_run(region.meta, run, cache, p, fmt)
+                _check_run(region, run, cache, p, fmt)
             if cuda and stream is not None:  # (asked before the context makes `stream` current)
                 stream.wait_stream(torch.cuda.current_stream(cache.device))  # blocks' readers
             with (torch.cuda.stream(stream) if cuda and stream is not None else _nothing()):
@@ -333,14 +334,22 @@ def load_runs(rings: Any, namespace: str, cache, fmt, block_ids: Sequence[int],
     return loaded, moved
 
 
-def _check_run(meta: dict | None, run: Run, cache, piece, fmt) -> None:
-    meta = meta or {}
+def _check_run(region, run: Run, cache, piece, fmt) -> None:
+    """The ring object is the run this rank needs, its bytes exactly as many as its shape
+    holds (its producer may be buggy or hostile: a size that disagrees would fail the view
+    in the middle of the load, or scatter bytes that are not the run's)."""
+    meta = region.meta or {}
     shape = list(_shape(cache, piece.count, run.count))
     if meta.get(RUN_TAG) != RUN_VERSION or meta.get("blocks") != run.count:
         raise LayoutMismatch(f"ring run {run.first_hash} is not the run the lookup found")
     if meta.get("shape") != shape or meta.get("dtype") != fmt.dtype:
         raise LayoutMismatch(f"ring run {run.first_hash} holds {meta.get('dtype')} "
                              f"{meta.get('shape')}, this rank needs {fmt.dtype} {shape}")  # fmt: skip
+    need = math.prod(shape) * cache.element_size()
+    if region.tensor.numel() * region.tensor.element_size() != need:
+        raise LayoutMismatch(f"ring run {run.first_hash} holds "
+                             f"{region.tensor.numel() * region.tensor.element_size()} bytes, "
+                             f"its shape {need}")  # fmt: skip
 
 
 # --------------------------------------------------------------------- the worker's hooks
