@@ -263,6 +263,9 @@ def evict(
     older_than: Optional[str] = typer.Option(None, metavar="AGE", help="Age, e.g. 10m, 2h."),
     all_: bool = typer.Option(False, "--all", help="Every unleased object (nothing else)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Show what would go; free nothing."),
+    tier: str = typer.Option("all", "--tier", metavar="all|dram|disk",
+                             help="all: from the pools and the disk tier; dram: from the "
+                                  "pools only (kept on disk); disk: the disk copies only."),
     yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask before --all."),
     socket: Optional[str] = SocketOpt,
     as_json: bool = JsonOpt,
@@ -283,6 +286,8 @@ def evict(
         raise usage_error(f"--all evicts every object; it takes no {' or '.join(given)}", cmd)
     if key is not None and match is not None:
         raise usage_error("give KEY or --match, not both", cmd)
+    if tier not in ("all", "dram", "disk"):
+        raise usage_error(f"--tier must be all, dram or disk, not {tier!r}", cmd)
     age_s = None
     if older_than is not None:
         try:
@@ -294,12 +299,13 @@ def evict(
             raise fail("nothing evicted", EXIT_ERROR)
     res = run(socket, lambda c: c.evict(
         key, match=match, namespace=namespace, match_buffers=match_buffers, older_than=age_s,
-        all=all_, dry_run=dry_run,
+        all=all_, dry_run=dry_run, tier=tier,
     ), regex_option="--match or --match-buffers")  # fmt: skip
     if as_json:
         typer.echo(to_json({
             "count": res.count, "bytes": res.bytes, "skipped_leased": res.skipped_leased,
-            "dry_run": res.dry_run, "objects": [o.to_dict() for o in res.objects],
+            "dry_run": res.dry_run, "on_disk": res.on_disk,
+            "objects": [o.to_dict() for o in res.objects],
         }, indent=2))  # fmt: skip
     else:
         verb = "would evict" if dry_run else "evicted"
@@ -307,7 +313,9 @@ def evict(
             typer.echo(f"{verb} {clean(o.namespace)}/{clean(o.key)} ({format_size(o.nbytes)})")
         typer.echo(f"{verb} {res.count} object(s), {format_size(res.bytes)}"
                    + (f"; {res.skipped_leased} leased object(s) kept"
-                      if res.skipped_leased else ""))  # fmt: skip
+                      if res.skipped_leased else "")
+                   + (f"; {res.on_disk} disk cop{'y' if res.on_disk == 1 else 'ies'} dropped"
+                      if res.on_disk else ""))  # fmt: skip
     if key is not None and res.count == 0 and not res.skipped_leased:
         raise fail(f"no object {clean(key)!r}")
 

@@ -159,4 +159,18 @@ def _render_fleet(s) -> list[str]:
         out += ["", f"events: {e.endpoint} topic {e.topic} ({e.format})  sent "
                     f"{e.events_published}  dropped {e.events_dropped}  queued {e.queued}  "
                     f"next seq {e.next_seq}"]  # fmt: skip
+    d = s.disk
+    if d is not None:
+        why = clean(d.o_direct_problem or "o_direct = false")
+        io = "O_DIRECT" if d.o_direct else f"buffered I/O ({why})"
+        out += ["", f"disk tier: {format_size(d.used)} of {format_size(d.capacity)} used  "
+                    f"objects {d.objects} ({d.only_on_disk} on disk only, "
+                    f"{format_size(d.bytes)})  policy {d.policy}  {io}",
+                f"  written {d.writes} ({format_size(d.written_bytes)}; write-back "
+                f"{d.written_back}, demoted {d.demoted})  promoted {d.promoted} "
+                f"({format_size(d.promoted_bytes)})  writing {format_size(d.writing_bytes)}  "
+                f"evicted {d.evicted}  skipped {d.skipped}  damaged {d.dropped_damaged}  "
+                f"errors {d.errors}",
+                f"  {', '.join(clean(x) for x in d.directories)}  (recovered at start "
+                f"{d.recovered}, dropped {d.recovered_dropped})"]  # fmt: skip
     return out

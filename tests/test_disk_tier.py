@@ -95,9 +95,14 @@ class _Rig:
         self.reserved.append(lease)
         return lease
 
+    def seal(self, leases):
+        for ls in leases:  # linked, as the broker's seal_all links them
+            ls.obj.sealed = ls.obj.linked = True
+        self.sealed.extend(leases)
+
     async def promote(self, *keys, namespace="ns"):
         return await self.tier.promote([(namespace, k) for k in keys], self.reserve,
-                                       self.sealed.extend, self.discarded.append)  # fmt: skip
+                                       self.seal, self.discarded.append)  # fmt: skip
 
     def close(self):
         self.tier.close()
@@ -354,9 +359,9 @@ def test_a_full_disk_evicts_its_least_recently_used_first(dirs):
         rig = _Rig(dirs[:1], size=8 * PAGE)
         objs = [_object(rig.pools[0], rig.bufs[0], f"k{i}", {"past_key.0": 2 * PAGE})
                 for i in range(4)]  # fmt: skip
-        for o in objs:
+        for o in objs:  # (one at a time: the disk's LRU order is the writes' completion's)
             rig.tier.demote(o)
-        await rig.tier.drain()
+            await rig.tier.drain()
         assert await rig.promote("k0") == 1  # k0 is the most recently used now
         await rig.tier.drain()
         assert rig.tier.demote(_object(rig.pools[0], rig.bufs[0], "k4",

@@ -208,3 +208,22 @@ def test_peer_tls_check_handshakes_with_itself(tmp_path):
     cfg.transfer_ca_file = other["ca_file"]
     c = check_peer_tls(cfg)
     assert c.status == "fail" and "certificate verify failed" in c.detail, c
+
+
+def test_disk_tier_check_names_the_file_system_and_o_direct(tmp_path, monkeypatch):
+    from kvbroker._server import disk_store, doctor
+
+    assert doctor.check_disk_tier(DaemonConfig()).status == "skip"
+    cfg = DaemonConfig(tier_disk_directories=(str(tmp_path / "tier"),), tier_disk_size=1 << 20)
+    c = doctor.check_disk_tier(cfg)
+    assert c.status == "ok", c
+    assert "O_DIRECT" in c.detail and "missing (the daemon creates it)" in c.detail
+    fstype = doctor._filesystem(str(tmp_path))[1]
+    assert fstype != "?" and fstype in c.detail
+    # A file system that refuses O_DIRECT: the fallback is said, with a fix.
+    monkeypatch.setattr(disk_store, "probe_direct", lambda d: "open with O_DIRECT: Invalid argument")
+    c = doctor.check_disk_tier(cfg)
+    assert c.status == "warn" and "buffered I/O" in c.detail and "O_DIRECT" in c.fix
+    # More than the file system has free: a failure.
+    big = DaemonConfig(tier_disk_directories=(str(tmp_path),), tier_disk_size=1 << 62)
+    assert doctor.check_disk_tier(big).status == "fail"

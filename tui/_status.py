@@ -95,6 +95,13 @@ class StatusLine(Static):
             parts.append((5, f"fleet {t.node}: peers {sum(p.connected for p in t.peers)}/"
                              f"{len(t.peers)} pulled {format_size(t.bytes_pulled)} "
                              f"({t.in_flight} in flight, {t.failures} failed)", ""))  # fmt: skip
+        d = snap.disk
+        if d is not None:  # [tier.disk]: how full, how many on disk only, promotions
+            parts.append((3, f"disk {format_size(d.used)} of {format_size(d.capacity)}: "
+                             f"{d.objects} objects ({d.only_on_disk} on disk only), promoted "
+                             f"{d.promoted}" + ("" if d.o_direct else ", buffered I/O")
+                             + (f", {d.dropped_damaged} damaged" if d.dropped_damaged else ""),
+                          "bold red" if d.dropped_damaged or d.errors else ""))  # fmt: skip
         self._show(parts)
 
     def disconnected(self, label: str, reason: str, retry_in: float, attempt: int) -> None:

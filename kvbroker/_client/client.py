@@ -60,6 +60,7 @@ class EvictResult:
         self.bytes: int = reply["bytes"]
         self.skipped_leased: int = reply["skipped_leased"]
         self.dry_run: bool = reply["dry_run"]
+        self.on_disk: int = reply.get("on_disk", 0)  # disk copies dropped ([tier.disk])
 
     def __repr__(self) -> str:
         verb = "would evict" if self.dry_run else "evicted"
@@ -535,15 +536,15 @@ class Client(PoolAccess):
         match_buffers: str | None = None,
         older_than: float | None = None,
         all: bool = False,
-        dry_run: bool = False,
+        dry_run: bool = False, tier: str = "all",
     ) -> EvictResult:
         """Free sealed objects matching every filter given; leased ones are skipped.
 
-        With ``key`` and no ``namespace``, the key is evicted from every namespace.
-        """
+        With ``key`` and no ``namespace``, the key is evicted from every namespace. ``tier``
+        (a disk tier's daemon): all, dram (kept on disk) or disk (the disk copies only)."""
         return EvictResult(self.ops.evict(
             key=key, match=match, namespace=namespace, match_buffers=match_buffers,
-            older_than=older_than, all=all, dry_run=dry_run,
+            older_than=older_than, all=all, dry_run=dry_run, tier=tier,
         ))  # fmt: skip
 
     def ping(self) -> float:

@@ -355,6 +355,28 @@ SETTINGS: tuple[Key, ...] = (
         example="/etc/kvbroker/events/subscribers",
         help="Directory of the public certificates (*.key) of the subscribers allowed to "
              "receive every namespace's events."),
+    # The disk tier (issue 42; kvbroker._server.disk_tier): what the pools give up is kept
+    # on local disk, promoted back when asked for, and found again after a reboot.
+    Key("tier_disk_directories", parse.directories, (), section="tier.disk", shown="[] (off)",
+        example=["/var/lib/kvbroker/nvme0"], help="Directories of the disk tier, one per "
+        "device (one preallocated slot file each); none: no disk tier."),
+    Key("tier_disk_size", parse.size, "16G", section="tier.disk", example="512G",
+        help="Bytes of disk the tier takes, split over its directories (allocated at start)."),
+    Key("tier_disk_policy", parse.disk_policy, "evicted", section="tier.disk", example="sealed",
+        help="evicted: write back the objects the pools are about to give up; sealed: every "
+             "sealed object, so all of the pools survives a reboot."),
+    Key("tier_disk_writeback_watermark", parse.ratio, 0.80, section="tier.disk", text=float,
+        reload=Into("disk.writeback_watermark"), shown="0.80", example=0.6,
+        help="Pool use above which the least recently used objects are written to disk "
+             "before they are evicted (below high_watermark)."),
+    Key("tier_disk_writeback_inflight", parse.size, "256M", section="tier.disk", example="1G",
+        help="Bytes being written to disk at once, at most: past it, write-back waits and "
+             "an eviction of an object not on disk yet drops it."),
+    Key("tier_disk_o_direct", parse.boolean, True, section="tier.disk", example=False,
+        help="Read and write with O_DIRECT where the file system allows it (probed at "
+             "start; false: buffered I/O)."),
+    Key("tier_disk_io_threads", parse.IO_THREADS, 4, section="tier.disk", text=int,
+        example=8, help="Threads doing the disk tier's reads and writes."),
 )
 KEYS: dict[str, Key] = {k.name: k for k in SETTINGS}
 # Settings that are gone, and what to set instead: refused with that, not as unknown keys.
@@ -455,11 +477,18 @@ def _read_file(path: str, required: bool) -> dict[str, Any]:
         raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    for section in SECTIONS:  # [tier.disk] is the table "disk" inside the table "tier"
+        top, dot, rest = section.partition(".")
+        outer = data.get(top)
+        if dot and isinstance(outer, dict) and isinstance(outer.get(rest), dict):
+            data[section] = outer.pop(rest)
+            if not outer:
+                del data[top]
     flat: dict[str, Any] = {}
     for key, value in data.items():
         if key in SECTIONS and isinstance(value, dict):
             for sub, v in value.items():
-                full = f"{key}_{sub}"
+                full = f"{key.replace('.', '_')}_{sub}"
                 if full in REMOVED:
                     raise ConfigError(f"{path}: [{key}] {sub}: {REMOVED[full]}")
                 if full not in KEYS or KEYS[full].section != key:

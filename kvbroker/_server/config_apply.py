@@ -50,6 +50,7 @@ Apply = Callable[["Daemon", "DaemonConfig", str], None]
 OWNERS: dict[str, Callable[[Daemon], Any]] = {
     "broker": lambda d: d.broker,
     "rings": lambda d: d.broker.rings if d.broker is not None else None,
+    "disk": lambda d: d.broker.pages.tier if d.broker is not None else None,  # [tier.disk]
 }
 
 

@@ -206,6 +206,7 @@ def write_buffer(value: Any) -> int:
 
 
 POOLS, CONNECTIONS, LEASES = int_in(1, 64), int_in(1, 1 << 20), int_in(1, 1 << 24)
+IO_THREADS = int_in(1, 64)
 
 
 def peers(value: Any) -> tuple[str, ...]:
@@ -238,6 +239,28 @@ def serve_rules(value: Any) -> tuple[tuple[str | None, str], ...]:
             raise ValueError(f"expected a namespace glob or HOST=GLOB, got {v!r}")
         rules.append((host.lower() if sep else None, glob))
     return tuple(rules)
+
+
+def directories(value: Any) -> tuple[str, ...]:
+    """A list of absolute directory paths (TOML), or one comma-separated string (a
+    variable); empty: none."""
+    if isinstance(value, str):
+        value = [v for v in (p.strip() for p in value.split(",")) if v]
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"expected a list of directory paths, got {value!r}")
+    for v in value:
+        if not v.startswith("/"):
+            raise ValueError(f"expected an absolute directory path, got {v!r}")
+    if len(set(value)) != len(value):
+        raise ValueError(f"a directory is named twice in {list(value)!r}")
+    return tuple(value)
+
+
+def disk_policy(value: Any) -> str:
+    if value not in ("evicted", "sealed"):
+        raise ValueError(f"expected \"evicted\" (write back what the pools would evict) or "
+                         f"\"sealed\" (every sealed object), got {value!r}")
+    return value
 
 
 def optional_path(value: Any) -> str | None:

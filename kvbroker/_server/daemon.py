@@ -199,6 +199,9 @@ class Daemon:
         return sum(len(c) for c in self._waiters.values())
 
     def _on_sealed(self, key: tuple[str, str]) -> None:
+        disk, obj = self.broker.pages.tier, self.broker.objects.get(key)
+        if disk is not None and obj is not None:  # a disk copy of an older object goes
+            disk.sealed(obj)  # (evicted already by its own seal: its demotion replaced it)
         # Called inside the seal's request: the waiters claim from the loop, just after.
         conns = self._waiters.pop(key, None)
         if conns:
@@ -249,6 +252,7 @@ class Daemon:
                 start.acquire_lock()
             self.broker = start.start_broker()
             self.broker.on_sealed = self._on_sealed
+            self._start_disk()
             if self.config.gpu_ring:
                 start.open_rings(self.broker, self._on_sealed)
             apply_to_owners(self)  # each owner's copy of a setting, as its Key declares
@@ -298,6 +302,35 @@ class Daemon:
                 task.cancel()
             self.replicas.stop()
             await self._shutdown()
+
+    def _start_disk(self) -> None:
+        """The disk tier ([tier.disk], kvbroker._server.disk_tier), when configured: its
+        index read back, the pools' objects it holds a copy of (a warm restart) known."""
+        if not self.config.tier_disk_directories:
+            return
+        from . import disk_link
+
+        b = self.broker
+        quotas = b.accounts
+
+        def quota_of(account: Any) -> int | None:  # its share of the pools ([quotas])
+            q = quotas.quotas
+            return q.limit(account) if isinstance(account, str) else q.tenant_limit(account)
+
+        disk = disk_link.start(self.config, b.pools, quota_of)
+        s = b.open_session(os.getpid(), os.getuid(), os.getgid())
+        s.name, s.role, s.greeted = "disk tier", "promoter", True
+        disk.bind(disk_link.DiskLink(
+            directory=b.directory, free_object=b._free_object, reserve_extent=b.reserve_extent,
+            seal=b.seal_all, live=b.leases.__contains__,
+            discard=lambda ls: b.abort(ls, "its promotion from disk failed"),
+            session=s, ttl=b.leases.max_lease_ttl))  # fmt: skip
+        disk.adopt_pool_objects(b.directory.in_namespace(None))
+        b.pages.tier = disk
+        st = disk.statistics()
+        log.info("disk tier: %s in %s (%s), %d object(s) on disk", format_size(st.capacity),
+                 ", ".join(st.directories), "O_DIRECT" if st.o_direct else
+                 f"buffered: {st.o_direct_problem or 'o_direct = false'}", st.objects)
 
     async def _start_fleet(self) -> None:
         """Peer pulls and serving ([transfer]) and KV events ([events]), when configured
@@ -437,6 +470,11 @@ class Daemon:
                 self.broker.retention.expire()  # sessions whose time passed
             except Exception:
                 log.exception("lease expiry failed")
+            disk = self.broker.pages.tier
+            if disk is not None:  # write back what the pools will evict next
+                disk.kick()
+                if ticks % 10 == 0:
+                    disk.sweep()  # copies of objects unlinked since (consumed, replaced)
             journal = self.broker.journal
             try:
                 if journal is not None and journal.wants_compaction():
@@ -465,6 +503,13 @@ class Daemon:
             except Exception:
                 log.exception("stopping the fleet service failed")
             self.fleet = None
+        disk = self.broker.pages.tier if self.broker is not None else None
+        if disk is not None:  # writes in flight end (they read the pools), the index synced
+            try:
+                await disk.drain()
+            except Exception:
+                log.exception("finishing the disk tier's writes failed")
+            disk.close()
         if self.broker is not None and self.broker.rings is not None:
             self.broker.rings.close()  # every connection is gone: no lease holds a region
             self.broker.attach_rings(None)

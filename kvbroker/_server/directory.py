@@ -221,6 +221,15 @@ class Directory:
             return False
         return obj.readers == 0
 
+    def unpin_oldest(self, obj: StoredObject) -> bool:
+        """:meth:`unpin` (no consume), but back at the LRU's oldest end: an object whose copy
+        was just written to disk (kvbroker._server.disk_tier) is the cheapest to evict."""
+        if self.unpin(obj, False):
+            return True
+        if obj.serial in self._lru:
+            self._lru.move_to_end(obj.serial, last=False)
+        return False
+
     def touch(self, found: list[StoredObject]) -> None:
         """The evictable ones of ``found`` to the LRU's newest end, in order (what a match
         that holds nothing does: a prefix a scheduler keeps finding is not evicted first)."""

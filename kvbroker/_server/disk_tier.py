@@ -49,77 +49,21 @@ from typing import Any
 import xxhash
 
 from .._wire.stats import DiskTierStatistics
-from ..errors import NotFound
+from ..errors import KVBrokerError, NotFound
+from .disk_entry import DiskEntry, object_record, written_length
 from .disk_store import DiskStore, Loaded
+from .disk_writeback import Queries, QuotaShares, WriteBackPass
+from .state import Deferred
 
 __all__ = ["POLICIES", "DiskEntry", "DiskTier"]
 
 log = logging.getLogger("kvbroker.disk")
 
 POLICIES = ("evicted", "sealed")
+PROMOTE_TIMEOUT = 120.0  # a request waiting for its promotion: reads of a few slots
 
 
-class DiskEntry:
-    """One object on disk: its slot, the digest of what was written, and what a pool needs
-    to seal it again (its record)."""
-
-    __slots__ = (
-        "charged",
-        "digest",
-        "file",
-        "gone",
-        "ident",
-        "in_pool",
-        "last_access",
-        "length",
-        "reading",
-        "record",
-        "serial",
-        "start",
-        "tenants",
-        "units",
-        "written",
-    )
-
-    def __init__(self, ident: tuple[str, str], slot: tuple[int, int, int], length: int,
-                 record: dict[str, Any], serial: int, charged: int,
-                 tenants: tuple[tuple[str, int], ...]) -> None:  # fmt: skip
-        self.ident = ident
-        self.file, self.start, self.units = slot
-        self.length = length  # bytes written from the extent's first byte (page-aligned)
-        self.digest: int | None = None  # xxh3_64 of those bytes, once written
-        self.record = record  # buffers (relative), meta, checksums, parent, tokens, ...
-        self.serial = serial  # of the pool object it copies (a warm restart matches them)
-        self.written = False  # its bytes are in the slot, synced: it may be promoted
-        self.reading = 0  # promotions reading it: its slot is not freed under them
-        self.gone = False  # forgotten while a write or read was in flight
-        self.charged = charged
-        self.tenants = tenants
-        self.in_pool = True  # a copy of it is in a pool too
-        self.last_access = time.time()
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.record["nbytes"])
-
-    def to_record(self) -> dict[str, Any]:
-        """Its ``p`` record in the index."""
-        return {"t": "p", "f": self.file, "s": self.start, "n": self.units, "l": self.length,
-                "d": self.digest, "ns": self.ident[0], "k": self.ident[1], "sr": self.serial,
-                "tn": [list(t) for t in self.tenants], "o": self.record}  # fmt: skip
-
-
-def object_record(obj: Any) -> dict[str, Any]:
-    """What promotion needs of a pool object to seal it again (buffers relative to its
-    extent)."""
-    base = obj.start * obj.pool.page_size
-    return {"nbytes": obj.nbytes, "meta": obj.meta, "checksums": obj.checksums,
-            "parent_key": obj.parent_key, "tokens": obj.tokens, "consumers": obj.consumers,
-            "created_at": obj.created_at,
-            "buffers": {name: [off - base, n] for name, (off, n) in obj.buffers.items()}}
-
-
-class DiskTier:
+class DiskTier(WriteBackPass, QuotaShares, Queries):
     """The disk tier's entries, LRU, quota shares, I/O in flight and counters."""
 
     def __init__(self, store: DiskStore, pool_views: list[memoryview], *, policy: str = "evicted",
@@ -144,6 +88,11 @@ class DiskTier:
         self._tasks: set[asyncio.Future] = set()
         self.counters: Counter[str] = Counter()
         self.loaded = Loaded()
+        WriteBackPass.__init__(self)
+        self._pooled: set[DiskEntry] = set()  # entries with a copy in a pool too
+        self.hidden = False  # a request run again after its promotion: has() is False
+        self._unsynced: list[DiskEntry] = []  # written; their p record not synced yet
+        self._in_sync: list[DiskEntry] = []  # ... being synced
 
     # ------------------------------------------------------------------ start
     def open(self) -> Loaded:
@@ -168,10 +117,11 @@ class DiskTier:
                 continue
             e = DiskEntry(ident, (f, s, rec["n"]), length, o, int(rec.get("sr") or 0),
                           rec["n"] * self.store.unit, tenants)
-            e.digest, e.written, e.in_pool = digest, True, False
+            e.digest, e.written = digest, True
             self.entries[ident] = e
             self.lru[ident] = e
             self._charge(e)
+        self.counters["recovered"] = len(self.entries)
         self.store.adopt([(e.file, e.start, e.units) for e in self.entries.values()])
         self.store.index.rewrite([e.to_record() for e in self.entries.values()])
         self.loaded = loaded
@@ -188,32 +138,40 @@ class DiskTier:
             if e is None:
                 continue
             if e.serial == obj.serial:
-                e.in_pool = True
+                self._pool_copy(e, obj)
             else:
                 self.forget(e.ident)
 
     # ------------------------------------------------------------------ queries
     def has(self, ident: tuple[str, str]) -> bool:
         e = self.entries.get(ident)
-        return e is not None and not e.gone
+        return e is not None and not self.hidden and self.live(e)
+
+    def live(self, e: DiskEntry) -> bool:
+        """Whether ``e`` still stands for its key: not forgotten, and the pool object it
+        copies, if any, still linked (one unlinked other than by eviction, so consumed,
+        replaced or evicted on purpose, takes its disk copy with it: dropped here)."""
+        if e.obj is not None and not e.obj.linked:
+            self._drop(e)
+        return not e.gone
+
+    def sweep(self) -> None:
+        """Drop the disk copies of pool objects unlinked since (the daemon's tick)."""
+        for e in [e for e in self._pooled if not e.obj.linked]:
+            self._drop(e)
+
+    def _pool_copy(self, e: DiskEntry, obj: Any) -> None:
+        """``e`` is a copy of pool object ``obj`` from now on (None: on disk only)."""
+        e.obj = obj
+        if obj is None:
+            self._pooled.discard(e)
+        else:
+            self._pooled.add(e)
 
     def copy_of(self, obj: Any) -> DiskEntry | None:
         """The disk copy of exactly this pool object, if there is one."""
         e = self.entries.get((obj.namespace, obj.key))
-        return e if e is not None and not e.gone and e.serial == obj.serial else None
-
-    def run(self, namespace: str, keys: Iterable[str], in_pool: Callable[[tuple], bool]) -> int:
-        """How many of ``keys``, from the first, are in a pool or here."""
-        n = 0
-        for key in keys:
-            ident = (namespace, key)
-            if not (in_pool(ident) or self.has(ident)):
-                break
-            n += 1
-        return n
-
-    def wants_write_back(self, used_fraction: float) -> bool:
-        return self.policy == "sealed" or used_fraction > self.writeback_watermark
+        return e if e is not None and not e.gone and e.obj is obj else None
 
     # ------------------------------------------------------------------ writing
     def _reserve(self, obj: Any, length: int) -> DiskEntry | None:
@@ -240,6 +198,7 @@ class DiskTier:
                       tuple(obj.tenants))
         self.entries[ident] = e
         self._charge(e)
+        self._pool_copy(e, obj)
         return e
 
     def write_back(self, obj: Any, done: Callable[[], None]) -> bool:
@@ -248,7 +207,7 @@ class DiskTier:
         False (and ``done`` never called) when nothing is written."""
         if self.inflight >= self.writeback_inflight or self.copy_of(obj) is not None:
             return False
-        length = _written_length(obj, self.store.unit)
+        length = written_length(obj, self.store.unit)
         e = self._reserve(obj, length)
         if e is None:
             return False
@@ -262,11 +221,11 @@ class DiskTier:
         was written, or is being written from a copy of its pages made now)."""
         e = self.copy_of(obj)
         if e is not None:
-            e.in_pool = False
+            self._pool_copy(e, None)
             e.record["consumers"] = obj.consumers  # consume-claims released since the write
             self.counters["demoted"] += 1
             return True
-        length = _written_length(obj, self.store.unit)
+        length = written_length(obj, self.store.unit)
         if self.inflight + length > self.writeback_inflight:
             self.counters["skipped_busy"] += 1
             return False
@@ -277,7 +236,7 @@ class DiskTier:
         src = self.views[obj.pool.index]
         start = obj.start * obj.pool.page_size
         buf[:] = src[start:start + length]
-        e.in_pool = False
+        self._pool_copy(e, None)
         self._start_write(e, memoryview(buf), buf.close)
         self.counters["demoted"] += 1
         return True
@@ -293,6 +252,7 @@ class DiskTier:
 
         fut = loop.run_in_executor(self.store.pool, write)
         self._tasks.add(fut)
+        e.writing = fut
 
         def finished(f: asyncio.Future) -> None:
             self._tasks.discard(f)
@@ -315,7 +275,9 @@ class DiskTier:
             self.counters["written_bytes"] += e.length
             self.lru[e.ident] = e
             self.store.index.append(e.to_record())
+            self._unsynced.append(e)
             self._sync_index()
+            self.kick()  # room in flight again
 
         fut.add_done_callback(finished)
 
@@ -329,6 +291,10 @@ class DiskTier:
         one that was not sealed. Requests for a key already being promoted wait for that
         read. Returns how many of ``idents`` are in a pool now; raises NotFound only when
         the first is neither here nor promoted."""
+        writes = [e.writing for e in map(self.entries.get, idents)
+                  if e is not None and not e.written and e.writing is not None]  # fmt: skip
+        if writes:  # evicted a moment ago: read once written
+            await asyncio.gather(*map(asyncio.shield, writes), return_exceptions=True)
         mine: list[DiskEntry] = []
         waits: list[asyncio.Future] = []
         for ident in idents:
@@ -337,7 +303,7 @@ class DiskTier:
                 waits.append(fut)
                 continue
             e = self.entries.get(ident)
-            if e is None or e.gone:
+            if e is None or not self.live(e):
                 break
             if not e.written:  # being written: read it once it is
                 break
@@ -364,6 +330,34 @@ class DiskTier:
                 "is not on disk either"
             raise NotFound(f"{idents[0][0]}/{idents[0][1]} {what}")
         return promoted
+
+    def promotion(self, idents: list[tuple[str, str]], present: Callable[[tuple], bool],
+                  again: Callable[[], Any]) -> Deferred:  # fmt: skip
+        """A request that found its object (or its prefix's next blocks) on disk only,
+        answered once :meth:`promote` ends (through the pools' side it was bound to) by
+        ``again()``: the request run again with this tier out of sight, so that what could
+        not be promoted is not found, rather than promoted again and again. A single object
+        that could not be promoted (``present`` says it is in no pool) says why instead."""
+        link = self.link
+
+        async def work() -> KVBrokerError | None:
+            try:
+                await self.promote(idents, link.reserve, link.seal, link.give_back)
+            except KVBrokerError as exc:
+                self.counters["promote_failures"] += 1
+                return exc
+            return None
+
+        def then(failed: KVBrokerError | None) -> Any:
+            if failed is not None and len(idents) == 1 and not present(idents[0]):
+                raise failed
+            self.hidden = True
+            try:
+                return again()
+            finally:
+                self.hidden = False
+
+        return Deferred(work, then, PROMOTE_TIMEOUT)
 
     async def _read_and_seal(self, entries: list[DiskEntry], reserve, seal, discard) -> int:
         loop = asyncio.get_running_loop()
@@ -393,7 +387,6 @@ class DiskTier:
             if not failed and ok is True and not e.gone:
                 good.append(lease)
                 e.serial = lease.obj.serial  # the pool object it is a copy of, once sealed
-                e.in_pool = True
                 e.last_access = time.time()
                 self.lru[e.ident] = e
                 continue
@@ -415,6 +408,9 @@ class DiskTier:
                 self.lru[e.ident] = e
         if good:
             seal(good)
+            for e, lease in zip(entries, good):  # (linked now)
+                if not e.gone and lease.obj.linked:
+                    self._pool_copy(e, lease.obj)
             self.counters["promoted"] += len(good)
             self.counters["promoted_bytes"] += sum(ls.obj.nbytes for ls in good)
             self.counters["promote_us"] += int((time.perf_counter() - t0) * 1e6)
@@ -445,6 +441,7 @@ class DiskTier:
         if e.gone:
             return
         e.gone = True
+        self._pooled.discard(e)
         if self.entries.get(e.ident) is e:
             del self.entries[e.ident]
         if self.lru.get(e.ident) is e:
@@ -480,36 +477,6 @@ class DiskTier:
         self.counters["evicted"] += len(gone)
         return gone
 
-    # ------------------------------------------------------------------ quotas
-    def _charge(self, e: DiskEntry) -> None:
-        for account in (e.ident[0], *e.tenants):
-            self.usage[account] += e.charged
-
-    def _uncharge(self, e: DiskEntry) -> None:
-        for account in (e.ident[0], *e.tenants):
-            self.usage[account] -= e.charged
-            if self.usage[account] <= 0:
-                del self.usage[account]
-
-    def limit(self, account: Any) -> int | None:
-        quota = self.quota_of(account)
-        return None if quota is None else int(quota * self.quota_scale)
-
-    def _make_room(self, account: Any, nbytes: int) -> bool:
-        limit = self.limit(account)
-        if limit is None:
-            return True
-        if nbytes > limit:
-            return False
-
-        def owned(e: DiskEntry) -> bool:
-            return e.ident[0] == account or account in e.tenants
-
-        while self.usage.get(account, 0) + nbytes > limit:
-            if not self._evict_oldest(owned):
-                return False
-        return True
-
     # ------------------------------------------------------------------ the index
     def _sync_index(self) -> None:
         """Write and fsync the records appended, in an I/O thread, one sync at a time
@@ -521,6 +488,8 @@ class DiskTier:
         compact = index.records > 2 * len(self.entries) + 1024
         live = [e.to_record() for e in self.entries.values() if e.written] if compact else None
         data = index.take()
+        batch, self._unsynced = self._unsynced, []
+        self._in_sync = batch
 
         def sync() -> None:
             if live is not None:
@@ -534,9 +503,14 @@ class DiskTier:
         def synced(f: asyncio.Future) -> None:
             self._tasks.discard(f)
             self._syncing = False
+            self._in_sync = []
             if f.cancelled() or f.exception() is not None:
                 self.counters["index_errors"] += 1
                 log.error("[tier.disk] index write failed: %s", f.exception())
+                for e in batch:  # their records again, for the next sync to try
+                    if not e.gone:
+                        index.append(e.to_record())
+                        self._unsynced.append(e)
                 return
             self._sync_index()
 
@@ -558,8 +532,9 @@ class DiskTier:
         store = self.store
         return DiskTierStatistics(
             directories=tuple(store.directories), capacity=store.capacity, used=store.used,
-            objects=len(self.entries),
-            only_on_disk=sum(1 for e in self.entries.values() if not e.in_pool),
+            objects=sum(1 for e in self.entries.values() if e.written),
+            index_pending=len(self._unsynced) + len(self._in_sync),
+            only_on_disk=sum(1 for e in self.entries.values() if e.obj is None),
             bytes=sum(e.nbytes for e in self.entries.values()),
             policy=self.policy, o_direct=store.direct, o_direct_problem=store.direct_problem,
             writing_bytes=self.inflight, promoting=len(self._promotions),
@@ -569,14 +544,12 @@ class DiskTier:
             evicted=c["evicted"], dropped_damaged=c["dropped_damaged"],
             skipped=c["skipped_full"] + c["skipped_quota"] + c["skipped_busy"],
             errors=c["write_errors"] + c["read_errors"] + c["index_errors"],
-            recovered=len(self.loaded.entries), recovered_dropped=self.loaded.damaged
+            recovered=c["recovered"], recovered_dropped=self.loaded.damaged
             + self.loaded.dropped,
         )  # fmt: skip
 
 
-def _written_length(obj: Any, unit: int) -> int:
-    """The bytes of ``obj``'s extent that hold its buffers, rounded up to ``unit`` (never
-    past the extent: pages are a multiple of the unit)."""
-    base = obj.start * obj.pool.page_size
-    end = max((off - base + n for off, n in obj.buffers.values()), default=0)
-    return max(unit, -(-end // unit) * unit)
+def on_disk_only(tier: DiskTier | None, ident: tuple[str, str]) -> bool:
+    """Whether ``ident`` is on disk (``tier``: the daemon's, or None) and claimable from
+    there: what a request that finds no pool object of it asks before it gives up."""
+    return tier is not None and tier.has(ident)

@@ -449,10 +449,77 @@ def check_peer_tls(cfg: DaemonConfig) -> Check:
     return Check(name, "ok", detail)
 
 
+def _filesystem(path: str) -> tuple[str, str]:
+    """(mount point, file system type) of the mount ``path`` is on (/proc/self/mounts)."""
+    path = os.path.realpath(path)
+    best = ("/", "?")
+    try:
+        with open("/proc/self/mounts") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) < 3:
+                    continue
+                mnt = fields[1].replace("\\040", " ")
+                inside = path == mnt or path.startswith(mnt.rstrip("/") + "/")
+                if inside and len(mnt) >= len(best[0]):
+                    best = (mnt, fields[2])
+    except OSError:
+        pass
+    return best
+
+
+def check_disk_tier(cfg: DaemonConfig) -> Check:
+    """[tier.disk]: each directory usable, its file system, room for its share, O_DIRECT."""
+    from .disk_store import SLOTS_NAME, probe_direct
+
+    dirs = cfg.tier_disk_directories
+    if not dirs:
+        return Check("disk_tier", "skip", "no [tier.disk] directories (no disk tier)")
+    share = cfg.tier_disk_size // len(dirs)
+    said, warn, fail, fixes = [], False, False, []
+    for d in dirs:
+        if not os.path.isdir(d):
+            base = _nearest_existing(d)
+            if not os.access(base, os.W_OK | os.X_OK):
+                fail = True
+                said.append(f"{d}: missing, and {base} is not writable")
+                fixes.append(f"install -d -m 0700 -o {SERVICE_USER} {d}")
+                continue
+            said.append(f"{d}: missing (the daemon creates it)")
+            d = base
+        elif not os.access(d, os.W_OK | os.X_OK):
+            fail = True
+            said.append(f"{d}: not writable")
+            fixes.append(f"chown {SERVICE_USER} {d}")
+            continue
+        mnt, fstype = _filesystem(d)
+        st = os.statvfs(d)
+        kept = os.path.join(d, SLOTS_NAME)
+        have = os.path.getsize(kept) if os.path.isfile(kept) else 0
+        free = st.f_bavail * st.f_frsize + have
+        problem = probe_direct(d)
+        note = f"{d}: {fstype} on {mnt}, {format_size(free)} free for {format_size(share)}, " + \
+            ("O_DIRECT" if problem is None else f"no O_DIRECT ({problem}): buffered I/O")
+        said.append(note)
+        if free < share:
+            fail = True
+            fixes.append(f"free space on {mnt} or lower [tier.disk] size")
+        if problem is not None and cfg.tier_disk_o_direct:
+            warn = True
+            fixes.append(f"put {d} on a file system with O_DIRECT (ext4, xfs) for reads that "
+                         "bypass the page cache")
+        if fstype in ("tmpfs", "ramfs"):
+            warn = True
+            fixes.append(f"{d} is in memory ({fstype}): it takes RAM and does not survive a "
+                         "reboot; use a directory on a local SSD")
+    status = "fail" if fail else "warn" if warn else "ok"
+    return Check("disk_tier", status, "; ".join(said), "; ".join(fixes))
+
+
 CHECKS: tuple[Callable[[DaemonConfig], Check], ...] = (
     check_memlock, check_shm, check_socket_dir, check_socket_unit, check_service_user,
     check_gpu, check_host_register, check_checksum_hash, check_copy_engine, check_prefix_scan,
-    check_pools, check_peer_tls,
+    check_pools, check_peer_tls, check_disk_tier,
 )  # fmt: skip
 
 

@@ -15,6 +15,7 @@ import asyncio
 import math
 import time
 from collections.abc import Callable, Container, Iterable
+from typing import Any
 
 import msgpack
 
@@ -136,6 +137,68 @@ def victims(
         "dry_run": dry_run,
     }
     return reply, ordered
+
+
+TIERS = ("all", "dram", "disk")  # what evict frees: everywhere, the pools only, the disk only
+
+
+def check_tier(disk: Any, tier: str) -> Any:
+    """``evict``'s ``tier``, checked; returns the disk tier (None: the daemon has none)."""
+    if tier not in TIERS:
+        raise BadRequest(f"evict: tier must be one of {', '.join(TIERS)}, not {tier!r}")
+    if tier == "disk" and disk is None:
+        raise BadRequest("evict: this daemon has no disk tier ([tier.disk] directories)")
+    return disk
+
+
+def tiered(disk: Any, tier: str, chosen: list[StoredObject], reply: dict, dry_run: bool) -> None:
+    """With a disk tier, before ``chosen`` are evicted: ``tier`` dram demotes them (kept on
+    disk); all counts their disk copies, which go with them, in ``reply["on_disk"]``."""
+    reply["on_disk"] = 0
+    if disk is None:
+        return
+    if tier != "dram":
+        reply["on_disk"] = sum(disk.copy_of(o) is not None for o in chosen)
+    elif not dry_run:
+        for obj in chosen:
+            disk.demote(obj)
+
+
+def on_disk(disk: Any, directory: Directory, session: Session, namespace: str | None,
+            key: str | None, match: str | None, match_buffers: str | None,
+            older_than: float | None, tier: str, reply: dict, dry_run: bool) -> None:  # fmt: skip
+    """Drop the disk copies (``disk``: kvbroker._server.disk_tier.DiskTier) the filter names
+    that ``session`` may evict: all of them (``tier`` disk), or those of objects no pool
+    holds now (all). Counted in ``reply``: in ``on_disk`` all, as objects those no pool
+    holds."""
+    key_re = client_regex(match) if match is not None else None
+    buf_re = client_regex(match_buffers) if match_buffers is not None else None
+    can, now = session.access.can, time.time()
+
+    def picked(e: Any) -> bool:
+        ns, k = e.ident
+        rec = e.record
+        return ((namespace is None or ns == namespace) and can(ns, write=True)
+                and (key is None or k == key) and (key_re is None or key_re.search(k))
+                and (older_than is None or now - (rec.get("created_at") or 0) >= older_than)
+                and (buf_re is None or any(buf_re.search(n) for n in rec["buffers"])))  # fmt: skip
+
+    gone = [e for e in list(disk.entries.values())
+            if disk.live(e) and picked(e) and (tier == "disk" or e.ident not in directory)]
+    alone = [e for e in gone if e.ident not in directory]
+    if not dry_run:
+        ids = {id(e) for e in gone}
+        disk.evict(lambda e: id(e) in ids)
+    reply["on_disk"] += len(gone)
+    reply["count"] += len(alone)
+    reply["bytes"] += sum(e.nbytes for e in alone)
+    size = 0
+    for e in alone[: max(0, MAX_REPORTED - len(reply["evicted"]))]:
+        info = e.info()
+        size += 160 + len(e.ident[0]) + len(e.ident[1]) + len(_pack(info["meta"]))
+        if size > MAX_LISTED_BYTES:
+            break
+        reply["evicted"].append(info)
 
 
 def _leaves_first(victims: list[StoredObject]) -> tuple[list[StoredObject], int]:

@@ -31,7 +31,8 @@ from .checks import (
     extents,
     leases_named,
 )
-from .evicting import MAX_LISTED_BYTES, info_size, select, victims
+from .disk_tier import on_disk_only
+from .evicting import MAX_LISTED_BYTES, check_tier, info_size, on_disk, select, tiered, victims
 from .patterns import client_regex as _regex
 from .prefix_leases import count_query, matched_run
 from .publish_ops import PublishOps
@@ -134,6 +135,9 @@ class Handlers:
         )
         ident = (namespace, key)
         obj = b.directory.get(ident)
+        if obj is None and on_disk_only(b.pages.tier, ident):  # promote it, then claim it
+            raise b.pages.tier.promotion([ident], b.directory.__contains__, lambda: self.op_claim(
+                session, namespace, key, select, consume, None, ttl))  # fmt: skip
         if (
             obj is None and peer is not None
         ):  # pull it from the peer, then claim it here
@@ -207,6 +211,10 @@ class Handlers:
         if not session.access.can(namespace):  # another tenant's prefixes: invisible
             keys = ()
         found = matched_run(b.directory, namespace, keys)
+        on_disk = 0 if b.pages.tier is None else b.pages.tier.run_after(  # [tier.disk]
+            namespace, keys, len(found), b.directory.__contains__, hold,
+            lambda: self.op_match_prefix(session, namespace, keys, block_tokens, ttl, peer, hold,
+                                         retain))  # fmt: skip
         if peer is not None and len(found) < len(keys):
             # Pull the blocks after the local run that the peer holds, then match here.
             session.access.check(namespace, True, "match_prefix from a peer")
@@ -220,7 +228,7 @@ class Handlers:
                     ),
                     fleet.timeout,
                 )
-        count_query(b.counters, len(keys), len(found), block_tokens)
+        count_query(b.counters, len(keys), len(found) + on_disk, block_tokens)
         kept = self.sessions.session_of_request(
             session, namespace, retain, "match_prefix"
         )
@@ -232,7 +240,7 @@ class Handlers:
             b.directory.touch(found)
             return {
                 "ttl": ttl,
-                "matched": len(found),
+                "matched": len(found) + on_disk,
                 "lease": None,
                 "names": [],
                 "blocks": [],
@@ -277,6 +285,8 @@ class Handlers:
                 lambda info: info,
                 fleet.timeout,
             )
+        if obj is None and on_disk_only(b.pages.tier, (namespace, key)):
+            return b.pages.tier.lookup((namespace, key)) if session.access.can(namespace) else None
         if obj is None or not session.access.can(namespace):
             return None
         info = b.lookup(obj)  # its readers reported
@@ -286,7 +296,9 @@ class Handlers:
         return info
 
     def op_exists(self, session, namespace, key) -> bool:
-        return (namespace, key) in self.b.directory and session.access.can(namespace)
+        here = (namespace, key) in self.b.directory or on_disk_only(self.b.pages.tier,
+                                                                     (namespace, key))
+        return here and session.access.can(namespace)
 
     def op_list(self, session, namespace, match, limit, after) -> R.Listed:
         limit = _MAX_LIST if limit is None else max(0, min(limit, _MAX_LIST))
@@ -319,26 +331,26 @@ class Handlers:
         return {"objects": out, "truncated": truncated, "next": following}
 
     def op_evict(
-        self, session, namespace, key, match, match_buffers, older_than, all, dry_run
+        self, session, namespace, key, match, match_buffers, older_than, all, dry_run, tier
     ) -> R.Evicted:
         b = self.b
-        cleared = bool(
-            all and not (namespace or key or match or match_buffers or older_than)
-        )
+        cleared = bool(all and not (namespace or key or match or match_buffers or older_than))
+        disk = check_tier(b.pages.tier, tier)
+        filters = (namespace, key, match, match_buffers, older_than, all)
 
         def finish(found: list[StoredObject]) -> R.Evicted:
-            reply, chosen = victims(found, b.lazy_readers(), dry_run)
+            reply, chosen = victims([] if tier == "disk" else found, b.lazy_readers(), dry_run)
+            tiered(disk, tier, chosen, reply, dry_run)  # demoted (dram), or their copies counted
             if not dry_run:
-                b.evict_all(
-                    chosen, cleared
-                )  # (cleared: a router forgets this node's blocks)
+                b.evict_all(chosen, cleared and tier == "all")  # (a router forgets the node)
+            if disk is not None and tier != "dram":
+                on_disk(disk, b.directory, session, *filters[:5], tier, reply, dry_run)
             return reply
 
         def finish_later(found: list[StoredObject]) -> R.Evicted:
             # Outside handle's batch: one journal write for the unlinks, as it would be.
             return b.in_batch(lambda: finish(found))
 
-        filters = (namespace, key, match, match_buffers, older_than, all)
         return select(b.directory, session, *filters, finish, finish_later)
 
     def op_fetch(self, session, namespace, key, peer) -> R.Fetched:

@@ -104,6 +104,7 @@ class BrokerCollector(Collector):
             yield CounterMetricFamily(name, doc, value=getattr(s.counters, field))
         yield from _transfer(s)
         yield from _retention(s)
+        yield from _disk(s)
 
 
 def _retention(s: Statistics) -> Iterator[Metric]:
@@ -157,6 +158,40 @@ _EVENT_COUNTERS = {
     "replay_refused": ("kvbroker_kv_event_replays_refused",
                        "Replay requests refused (malformed, or too many at once)."),
 }
+
+
+# DiskTierStatistics field -> (metric name, help)
+_DISK_GAUGES = {
+    "capacity": ("kvbroker_disk_capacity_bytes", "Bytes the disk tier's slot files hold."),
+    "used": ("kvbroker_disk_used_bytes", "Bytes of disk slots in use (being written too)."),
+    "objects": ("kvbroker_disk_objects", "Objects with a copy on disk."),
+    "only_on_disk": ("kvbroker_disk_only_objects", "Objects on disk and in no pool."),
+    "writing_bytes": ("kvbroker_disk_writing_bytes", "Bytes being written to disk."),
+    "promoting": ("kvbroker_disk_promoting", "Objects being read back into a pool."),
+    "o_direct": ("kvbroker_disk_o_direct", "1: the disk tier uses O_DIRECT; 0: buffered I/O."),
+}
+_DISK_COUNTERS = {
+    "written_bytes": ("kvbroker_disk_written_bytes", "Bytes written to disk slots."),
+    "demoted": ("kvbroker_disk_demotions", "Evictions from a pool that kept the object on disk."),
+    "promoted": ("kvbroker_disk_promotions", "Objects read back from disk into a pool."),
+    "promoted_bytes": ("kvbroker_disk_promoted_bytes", "Bytes read back from disk."),
+    "promote_seconds": ("kvbroker_disk_promote_seconds", "Seconds of promotions' reads."),
+    "evicted": ("kvbroker_disk_evictions", "Objects dropped from disk (room, quota, evict)."),
+    "dropped_damaged": ("kvbroker_disk_damaged", "Disk slots dropped for not hashing to "
+                                                 "their digest (never served)."),
+    "skipped": ("kvbroker_disk_skipped", "Evictions from a pool not kept on disk."),
+    "errors": ("kvbroker_disk_errors", "Failed disk reads, writes and index syncs."),
+}
+
+
+def _disk(s: Statistics) -> Iterator[Metric]:
+    d = s.disk
+    if d is None:
+        return
+    for field, (name, doc) in _DISK_GAUGES.items():
+        yield GaugeMetricFamily(name, doc, value=float(getattr(d, field)))
+    for field, (name, doc) in _DISK_COUNTERS.items():
+        yield CounterMetricFamily(name, doc, value=getattr(d, field))
 
 
 def _transfer(s: Statistics) -> Iterator[Metric]:

@@ -51,6 +51,8 @@ class Pages:
         self.clock = clock
         self._directory = directory  # what may be evicted, least recently used first
         self._evict = evict  # unlinks an evictable object (counted as an eviction)
+        # [tier.disk] (kvbroker._server.disk_tier.DiskTier): what gives way goes there first.
+        self.tier: Any = None
         # Per pool: start -> object | ("q", npages) quarantined | ("w", npages) write arena.
         self.owners: list[dict[int, Any]] = [{} for _ in pools]
         # Timed quarantine: a heap of (deadline, pool index, start, npages, charges) — pages a
@@ -146,7 +148,7 @@ class Pages:
                     continue  # gone with an earlier victim (a chain's parent)
                 pool = victim.pool
                 directory.evicting(victim, "pool_full")
-                self._evict(victim)
+                self.give_way(victim)
                 start = pool.allocator.alloc(npages_in[pool.index])
                 if start is not None:
                     return pool, start, npages_in[pool.index]
@@ -203,7 +205,14 @@ class Pages:
                     self._directory.evicting(obj, "watermark")
             if obj is None:
                 break
-            self._evict(obj)
+            self.give_way(obj)
+
+    def give_way(self, obj: StoredObject) -> None:
+        """Evict ``obj`` to make room (for an extent, under a watermark or a quota): kept on
+        disk when there is a disk tier (demoted), else gone."""
+        if self.tier is not None:
+            self.tier.demote(obj)
+        self._evict(obj)
 
     def take(self, pool: HostPool, start: int, holder: Any) -> None:
         """Owns: the extent at ``start`` of ``pool`` as ``holder``'s (an object; ("w",

@@ -9,6 +9,7 @@ what: see :mod:`kvbroker._server.state`.
 
 from __future__ import annotations
 
+from .disk_tier import on_disk_only
 from .._wire import replies as R
 from ..errors import BadRequest, Exists, PoolFull
 from .checks import (
@@ -213,5 +214,5 @@ class PublishOps:
         namespace, key = ident
         if ident in self.b.directory.pending:
             raise Exists(f"{namespace}/{key} is being published by another writer")
-        if ident in self.b.directory and not replace:
+        if not replace and (ident in self.b.directory or on_disk_only(self.b.pages.tier, ident)):
             raise Exists(f"{namespace}/{key} is already published")

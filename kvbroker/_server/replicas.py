@@ -80,15 +80,17 @@ class Replicas:
 
     def wanted(self) -> int:
         """How many replicas this daemon runs: the setting, or none where it cannot have them
-        (no journal to follow, or it failed; a namespace policy, which only the daemon applies)."""
+        (no journal to follow, or it failed; a namespace policy, which only the daemon applies;
+        a disk tier, whose objects the journal does not list)."""
         n = self.daemon.config.read_replicas
         auto = n is None
         if auto:
             n = auto_count(len(os.sched_getaffinity(0)))
         journal, policy = self.daemon.broker.journal, self.daemon.broker.policy
-        if n and (journal is None or journal.failed or not policy.open):
+        disk = self.daemon.broker.pages.tier is not None  # [tier.disk]
+        if n and (journal is None or journal.failed or not policy.open or disk):
             why = ("journal = false" if journal is None else "the journal failed" if journal.failed
-                   else f"isolation = {policy.mode!r}")  # fmt: skip
+                   else "[tier.disk] is on" if disk else f"isolation = {policy.mode!r}")  # fmt: skip
             if not auto:
                 log.warning("read_replicas = %d: none started (%s: replicas follow the journal "
                             "and serve only an open policy)", n, why)  # fmt: skip

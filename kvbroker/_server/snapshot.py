@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable
 
 from .._version import __version__
 from .._wire.stats import (
+    DiskTierStatistics,
     ClientStatistics,
     Counters,
     EventStatistics,
@@ -58,6 +59,7 @@ def compose(
     transfer: TransferStatistics | None,
     events: EventStatistics | None,
     retention: RetentionStatistics | None,
+    disk: DiskTierStatistics | None = None,
 ) -> Statistics:
     """Everything the daemon can say about itself, as an operator (admin) sees it."""
     return Statistics(
@@ -82,6 +84,7 @@ def compose(
         transfer=transfer,
         events=events,
         retention=retention,
+        disk=disk,
     )
 
 

@@ -95,7 +95,7 @@ class Transitions:
             restart_quarantine=restart_quarantine,
             clock=lambda: self.clock(),
         )
-        self.accounts = Accounts(quotas or Quotas(), self.directory, self.evict)
+        self.accounts = Accounts(quotas or Quotas(), self.directory, self.pages.give_way)
         self.registry = LeaseRegistry()  # ids of sessions, leases, arenas, ring leases
         self.leases = LeaseTable(
             self.registry,
@@ -167,6 +167,7 @@ class Transitions:
             transfer=fleet[0],
             events=fleet[1],
             retention=self.retention.statistics(),
+            disk=None if self.pages.tier is None else self.pages.tier.statistics(),
         )
 
     def statistics_for(self, session: Session, occupancy_cells: int = 64) -> Statistics:

@@ -194,6 +194,7 @@ class Ops:
         older_than: float | None = None,
         all: bool = False,
         dry_run: bool = False,
+        tier: str = "all",
     ) -> R.Evicted:
         return self._call(
             "evict",
@@ -205,6 +206,7 @@ class Ops:
                 older_than=older_than,
                 all=all,
                 dry_run=dry_run,
+                tier=tier,
             ),
         )
 

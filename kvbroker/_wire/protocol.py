@@ -327,17 +327,15 @@ OPS: dict[str, Op] = {
     ),
     "evict": Op(
         {
-            "namespace": _a(*_OPT_STR),
-            "key": _a(*_OPT_STR),
-            "match": _a(*_OPT_STR),
-            "match_buffers": _a(*_OPT_STR),
-            "older_than": _a(*_OPT_NUM),
-            "all": _a(bool, default=False),
-            "dry_run": _a(bool, default=False),
+            "namespace": _a(*_OPT_STR), "key": _a(*_OPT_STR), "match": _a(*_OPT_STR),
+            "match_buffers": _a(*_OPT_STR), "older_than": _a(*_OPT_NUM),
+            "all": _a(bool, default=False), "dry_run": _a(bool, default=False),
+            "tier": _a(str, default="all"),
         },
         R.Evicted,
         "Free sealed objects matching every given filter; leased ones are skipped. The reply "
-        "counts them all and lists at most 10,000 (and about 4 MiB) of them.",
+        "counts them all and lists at most 10,000 (and about 4 MiB) of them. `tier`: all "
+        "(pools and disk), dram (the pools; kept on disk) or disk (the disk copies only).",
     ),
     "reserve_blocks": Op(
         {

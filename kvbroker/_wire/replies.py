@@ -109,6 +109,7 @@ class Evicted(TypedDict):
     skipped_leased: int
     skipped_parents: int  # kept for having children outside the batch
     dry_run: bool
+    on_disk: int  # disk copies dropped (in count and bytes when nothing else held them)
 
 
 class BlockReserved(TypedDict):

@@ -219,8 +219,8 @@ class EventStatistics:
 @dataclass(frozen=True)
 class DiskTierStatistics:
     """The disk tier (``[tier.disk]``, kvbroker._server.disk_tier). ``objects`` counts every
-    object with a copy on disk, ``only_on_disk`` those not in a pool too; ``used`` is slot
-    bytes (whole units), ``bytes`` the objects' own."""
+    object with a copy written on disk, ``only_on_disk`` those not in a pool too; ``used`` is
+    slot bytes (whole units, those being written included), ``bytes`` the objects' own."""
 
     directories: tuple[str, ...]
     capacity: int
@@ -232,6 +232,7 @@ class DiskTierStatistics:
     o_direct: bool = False  # False: buffered I/O (o_direct_problem says why)
     o_direct_problem: str | None = None
     writing_bytes: int = 0  # being written now
+    index_pending: int = 0  # written, their index record not synced yet (lost to a crash)
     promoting: int = 0  # objects being read back now
     writes: int = 0
     written_bytes: int = 0

@@ -1,0 +1,83 @@
+"""One object on disk, as the disk tier keeps it (:mod:`kvbroker._server.disk_tier`): its
+slot, the digest of what was written there, and what a pool needs to seal it again."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+__all__ = ["DiskEntry", "object_record", "written_length"]
+
+
+class DiskEntry:
+    """One object on disk: its slot, the digest of what was written, and what a pool needs
+    to seal it again (its record)."""
+
+    __slots__ = ("ident", "file", "start", "units", "length", "digest", "record", "serial",
+                 "written", "writing", "reading", "gone", "charged", "tenants", "obj",
+                 "last_access")  # fmt: skip
+
+    def __init__(self, ident: tuple[str, str], slot: tuple[int, int, int], length: int,
+                 record: dict[str, Any], serial: int, charged: int,
+                 tenants: tuple[tuple[str, int], ...]) -> None:  # fmt: skip
+        self.ident = ident
+        self.file, self.start, self.units = slot
+        self.length = length  # bytes written from the extent's first byte (page-aligned)
+        self.digest: int | None = None  # xxh3_64 of those bytes, once written
+        self.record = record  # buffers (relative), meta, checksums, parent, tokens, ...
+        self.serial = serial  # of the pool object it copies (a warm restart matches them)
+        self.written = False  # its bytes are in the slot, synced: it may be promoted
+        self.writing: asyncio.Future | None = None  # the write in flight
+        self.reading = 0  # promotions reading it: its slot is not freed under them
+        self.gone = False  # forgotten while a write or read was in flight
+        self.charged = charged
+        self.tenants = tenants
+        # The pool object it is a copy of, while that is linked; None: on disk only. One
+        # unlinked other than by eviction (consumed, replaced, evicted on purpose) takes the
+        # disk copy with it (DiskTier.live).
+        self.obj: Any = None
+        self.last_access = time.time()
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.record["nbytes"])
+
+    def info(self) -> dict[str, Any]:
+        """As ``list`` and ``evict`` describe objects; pool -1: on disk only."""
+        rec = self.record
+        return {"namespace": self.ident[0], "key": self.ident[1], "nbytes": self.nbytes,
+                "buffers": len(rec["buffers"]), "pool": -1, "readers": 0,
+                "created_at": rec.get("created_at") or 0.0, "last_access": self.last_access,
+                "meta": rec.get("meta")}  # fmt: skip
+
+    def lookup(self) -> dict[str, Any]:
+        """``lookup``'s answer: the info, its checksums, buffer sizes and consumers left."""
+        rec = self.record
+        return {**self.info(), "checksums": rec.get("checksums"),
+                "buffer_sizes": {name: n for name, (_, n) in rec["buffers"].items()},
+                "consumers": rec.get("consumers") or 1}  # fmt: skip
+
+    def to_record(self) -> dict[str, Any]:
+        """Its ``p`` record in the index."""
+        return {"t": "p", "f": self.file, "s": self.start, "n": self.units, "l": self.length,
+                "d": self.digest, "ns": self.ident[0], "k": self.ident[1], "sr": self.serial,
+                "tn": [list(t) for t in self.tenants], "o": self.record}  # fmt: skip
+
+
+def object_record(obj: Any) -> dict[str, Any]:
+    """What promotion needs of a pool object to seal it again (buffers relative to its
+    extent)."""
+    base = obj.start * obj.pool.page_size
+    return {"nbytes": obj.nbytes, "meta": obj.meta, "checksums": obj.checksums,
+            "parent_key": obj.parent_key, "tokens": obj.tokens, "consumers": obj.consumers,
+            "created_at": obj.created_at,
+            "buffers": {name: [off - base, n] for name, (off, n) in obj.buffers.items()}}
+
+
+def written_length(obj: Any, unit: int) -> int:
+    """The bytes of ``obj``'s extent that hold its buffers, rounded up to ``unit`` (never
+    past the extent: pages are a multiple of the unit)."""
+    base = obj.start * obj.pool.page_size
+    end = max((off - base + n for off, n in obj.buffers.values()), default=0)
+    return max(unit, -(-end // unit) * unit)

@@ -1,0 +1,215 @@
+"""The disk tier in a real daemon ([tier.disk] on a temporary directory): what a pool evicts
+is claimed back bit-exact, a prefix match counts and leases a chain spanning both tiers,
+evict --tier, and a daemon killed, the page cache dropped and the pools gone (as after a
+reboot) serving its disk objects again, a damaged slot or index record dropped, never
+served."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from conftest import DaemonProcess, drop_leftover_pools
+from kvbroker import NotFound
+from kvbroker._server.config import env_name
+from kvbroker._server.disk_store import INDEX_NAME, SLOTS_NAME
+from kvbroker.prefix import PrefixCache
+
+POOL = ("--pool-size", "4M", "--page-size", "4K")
+OBJ = 256 << 10  # 16 of them fill the pool
+
+
+def pattern(key: str, n: int = OBJ) -> np.ndarray:
+    seed = int.from_bytes(key.encode()[-8:].rjust(8, b"\0"), "little")
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+
+
+def tier_env(directory, **more: str) -> dict[str, str]:
+    """[tier.disk] through its variables: directories, a 64M size, and ``more`` settings."""
+    return {env_name("tier_disk_directories"): str(directory),
+            env_name("tier_disk_size"): "64M",
+            **{env_name(f"tier_disk_{k}"): v for k, v in more.items()}}
+
+
+@pytest.fixture
+def daemons(socket_path):
+    started: list[DaemonProcess] = []
+
+    def start(env: dict, *args: str) -> DaemonProcess:
+        d = DaemonProcess(socket_path, *POOL, "--read-replicas", "0", *args, env=env)
+        started.append(d)
+        return d
+
+    yield start
+    for d in started:
+        d.stop()
+    drop_leftover_pools(socket_path)
+
+
+def wait_for(what, timeout: float = 30.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = what()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"not within {timeout} s: {what}")
+
+
+def test_what_the_pool_evicts_is_claimed_back_from_disk(daemons, tmp_path):
+    d = daemons(tier_env(tmp_path / "disk"))
+    with d.client() as c:
+        keys = [f"obj{i}" for i in range(48)]  # 12 MiB through a 4 MiB pool
+        for k in keys:
+            assert c.put(k, {"past_key.0": pattern(k)})
+        st = c.stat()
+        assert st.counters.evictions > 0 and st.disk is not None and st.disk.only_on_disk > 0
+        for k in keys:  # every one of them, most from disk, bit-exact
+            assert c.exists(k)
+            got = c.get(k, verify=True)
+            assert np.array_equal(got["past_key.0"], pattern(k)), k
+        st = c.stat()
+        assert st.disk.promoted > 0 and st.disk.dropped_damaged == 0
+        assert st.disk.promoted_bytes >= st.disk.promoted * OBJ
+        # The operator's surfaces: stat's text, Prometheus.
+        from cli._stat import render
+        from kvbroker._server.metrics import BrokerCollector
+
+        text = render(st)
+        assert f"promoted {st.disk.promoted} " in text and "O_DIRECT" in text
+        metrics = {m.name: m.samples[0].value for m in BrokerCollector(lambda: st).collect()
+                   if m.name.startswith("kvbroker_disk")}  # fmt: skip
+        assert metrics["kvbroker_disk_promotions"] == st.disk.promoted
+        assert metrics["kvbroker_disk_objects"] == st.disk.objects
+        assert metrics["kvbroker_disk_o_direct"] == 1.0
+        # A put over a key that is on disk only needs replace, and replaces the disk copy.
+        only_disk = next(k for k in keys if not c.list(match=f"^{k}$"))
+        assert not c.put(only_disk, {"past_key.0": pattern("other")})
+        assert c.put(only_disk, {"past_key.0": pattern("other")}, replace=True)
+        c.evict(match=".", tier="dram")  # everything to disk; the new version goes there
+        assert np.array_equal(c.get(only_disk)["past_key.0"], pattern("other"))
+
+
+def test_a_prefix_chain_spanning_both_tiers_is_counted_and_leased(daemons, tmp_path):
+    d = daemons(tier_env(tmp_path / "disk"))
+    with d.client() as c:
+        cache = PrefixCache(c, block_size=4)
+        tokens = list(range(4 * 8))
+        blocks = [{"past_key.0": pattern(f"blk{i}", 64 << 10)} for i in range(8)]
+        assert cache.publish(tokens, blocks) == 8
+        hashes = cache.hashes(tokens)
+        # The chain's last 5 blocks go to disk (leaves first: a parent goes after its children).
+        for h in reversed(hashes[3:]):
+            assert c.evict(h, namespace="prefix", tier="dram").count == 1
+        assert len(c.list(namespace="prefix")) == 3
+        assert cache.match(tokens + [0], hold=False).num_blocks == 8  # both tiers counted
+        with cache.match(tokens + [0]) as m:  # one lease over the chain, promoted first
+            assert m.num_blocks == 8
+            for i, blk in enumerate(m.blocks):
+                assert np.array_equal(blk["past_key.0"], blocks[i]["past_key.0"]), i
+        assert c.stat().disk.promoted == 5
+
+
+def test_evict_by_tier(daemons, tmp_path):
+    # (buffered I/O here: o_direct = false, as where the file system refuses O_DIRECT)
+    d = daemons(tier_env(tmp_path / "disk", policy="sealed", o_direct="false"))
+    with d.client() as c:
+        assert not c.stat().disk.o_direct
+        for k in ("a", "b", "c"):
+            c.put(k, {"past_key.0": pattern(k, 8192)})
+        wait_for(lambda: c.stat().disk.objects == 3)  # policy sealed: all written back
+        r = c.evict("a", tier="disk")  # its disk copy only: still in the pool
+        assert (r.count, r.on_disk) == (0, 1) and c.list(match="^a$")
+        r = c.evict("b", tier="dram")  # from the pool only: still claimable
+        assert r.count == 1 and not c.list(match="^b$") and c.exists("b")
+        r = c.evict(all=True)  # everywhere
+        assert r.count == 3 and r.on_disk == 2  # c had a copy, b was on disk only
+        assert not any(c.exists(k) for k in "abc") and c.stat().disk.objects == 0
+
+
+def _drop_caches() -> bool:
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def _flip(path, offset: int, mask: int = 1) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([byte ^ mask]))
+
+
+def test_a_reboot_keeps_what_the_index_vouches_for(daemons, tmp_path, socket_path):
+    disk = tmp_path / "disk"
+    env = tier_env(disk, policy="sealed")
+    d = daemons(env)
+    keys = [f"k{i}" for i in range(10)]
+    with d.client() as c:
+        for k in keys:
+            c.put(k, {"past_key.0": pattern(k, 20000), "past_value.0": pattern(k + "v", 9000)},
+                  meta={"k": k})
+        wait_for(lambda: (st := c.stat().disk).objects == len(keys) and not st.index_pending)
+    d.stop(signal.SIGKILL)
+    drop_leftover_pools(socket_path)  # the pools die with the machine
+    dropped = _drop_caches()  # (as root: what is read next comes from the device)
+    d2 = daemons(env, "--cold")
+    with d2.client() as c:
+        st = c.stat()
+        assert st.disk.recovered == len(keys) and st.objects == 0
+        for k in keys:
+            lease = c.claim(k, verify=True)  # the checksums recorded at the first seal
+            with lease:
+                assert lease.meta == {"k": k}
+                assert lease.checksums  # the first seal's, carried through the disk
+                assert np.array_equal(np.frombuffer(lease["past_key.0"], np.uint8),
+                                      pattern(k, 20000))  # fmt: skip
+                assert np.array_equal(np.frombuffer(lease["past_value.0"], np.uint8),
+                                      pattern(k + "v", 9000))  # fmt: skip
+    d2.stop()
+    # Damage one slot's bytes and one index record, then start again.
+    from kvbroker._server.disk_store import DiskIndex
+
+    index = disk / INDEX_NAME
+    entries = DiskIndex(str(index), [[(64 << 20) // 4096, 4096]]).load().entries
+    by_key = {rec["k"]: rec for rec in entries.values()}
+    _flip(disk / SLOTS_NAME, by_key["k3"]["s"] * 4096 + 5000)
+    data = index.read_bytes()
+    _flip(index, data.index(b"k7"), 0x20)
+    d3 = daemons(env, "--cold")
+    with d3.client() as c:
+        st = c.stat()
+        assert st.disk.recovered == len(keys) - 1 and st.disk.recovered_dropped == 1
+        assert not c.exists("k7")
+        with pytest.raises(NotFound, match="damaged"):
+            c.claim("k3")  # its slot does not hash to its digest: dropped, never served
+        assert not c.exists("k3") and c.stat().disk.dropped_damaged == 1
+        for k in keys:
+            if k not in ("k3", "k7"):
+                assert np.array_equal(c.get(k)["past_key.0"], pattern(k, 20000))
+    assert dropped or os.geteuid() != 0
+
+
+def test_a_consumed_or_replaced_object_takes_its_disk_copy_with_it(daemons, tmp_path):
+    d = daemons(tier_env(tmp_path / "disk", policy="sealed"))
+    with d.client() as c:
+        c.put("once", {"past_key.0": pattern("once", 8192)})
+        c.put("twice", {"past_key.0": pattern("v1", 8192)})
+        wait_for(lambda: c.stat().disk.objects == 2)
+        c.get("once", consume=True)  # its last consumer: gone, from the disk too
+        assert not c.exists("once")
+        with pytest.raises(NotFound):
+            c.claim("once")
+        c.put("twice", {"past_key.0": pattern("v2", 8192)}, replace=True)
+        c.evict("twice", tier="dram")  # the pool's copy out: what is on disk is v2 only
+        assert np.array_equal(c.get("twice")["past_key.0"], pattern("v2", 8192))
+        wait_for(lambda: (st := c.stat().disk).objects == 1 and st.only_on_disk == 0)
