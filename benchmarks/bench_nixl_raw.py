@@ -92,7 +92,6 @@ async def run(args) -> dict:
             peer.wait(30)
         except subprocess.TimeoutExpired:
             peer.kill()
-        os.unlink(f.name)
 
 
 def main() -> None:

@@ -49,6 +49,7 @@ import numpy as np  # noqa: E402
 
 from kvbroker import Client  # noqa: E402
 from kvbroker._bench import checkout_commit  # noqa: E402
+from kvbroker._bench._common import run_conditions  # noqa: E402
 from kvbroker.errors import KVBrokerError  # noqa: E402
 from kvbroker.testing import DaemonProcess, drop_leftover_pools  # noqa: E402
 
@@ -99,27 +100,105 @@ def _pct(xs, q):
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-def throughput(pair: Pair, sizes: dict[str, int], reps: int) -> list[dict]:
+class RawReader:
+    """bench_nixl_raw.py's baseline, in this run: this process's own NIXL agent READs
+    objects of the same sizes from a serving process (tests/_nixl_peer.py, a region
+    registered once), with ``NixlEndpoint.read`` (descriptor list, transfer request created,
+    posted, polled to completion, released) — nothing of the broker's."""
+
+    def __init__(self, folder: str, sizes: dict[str, int]) -> None:
+        import asyncio
+        import subprocess
+
+        from kvbroker._server import transfer
+        from kvbroker.testing import peer_certificates
+
+        files = peer_certificates(os.path.join(folder, "raw-certs"),
+                                  {"bench": ["127.0.0.1"]})["bench"]
+        cmd = [sys.executable, os.path.join(ROOT, "tests", "_nixl_peer.py"), "--cert",
+               files["cert_file"], "--key", files["key_file"], "--ca", files["ca_file"]]
+        for name, n in sizes.items():
+            cmd += ["--object", f"{name}:{n}:1"]
+        self.peer = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        while True:
+            line = self.peer.stdout.readline()
+            if not line:
+                raise SystemExit(f"the raw NIXL peer exited with {self.peer.wait()}")
+            if line.startswith(b"{"):
+                break
+        port = json.loads(line)["port"]
+        self.ep = transfer.NixlEndpoint(f"bench-raw-{os.getpid()}")
+        self.region = np.zeros(max(sizes.values()), dtype=np.uint8)
+        self.region[:] = 1  # fault the pages in before timing
+        self.ep.register([(self.region.ctypes.data, self.region.nbytes)])
+        tls = transfer.tls_contexts(files["cert_file"], files["key_file"], files["ca_file"])[1]
+        self.loop = asyncio.new_event_loop()  # the control connection lives between calls
+        self.client = self.loop.run_until_complete(transfer.PeerClient(
+            f"127.0.0.1:{port}", tls=tls, node="bench").connect())
+        self.agent = self.ep.add_peer(self.client.metadata)
+        self.pins = {name: self.loop.run_until_complete(self.client.pin(name, ttl=3600))
+                     for name in sizes}
+
+    def read(self, name: str) -> float:
+        r = self.pins[name]
+        return self.ep.read(self.agent, [tuple(e) for e in r["extents"]],
+                            [(self.region.ctypes.data, r["nbytes"])]).seconds
+
+    def exact(self, name: str) -> bool:
+        import xxhash
+
+        r = self.pins[name]
+        return xxhash.xxh3_64_intdigest(self.region[:r["nbytes"]]) == r["checksum"]
+
+    def close(self) -> None:
+        try:
+            self.loop.run_until_complete(self.client.close())
+            self.loop.close()
+            self.ep.close()
+        finally:
+            self.peer.stdin.close()
+            try:
+                self.peer.wait(30)
+            except Exception:  # noqa: BLE001
+                self.peer.kill()
+
+
+def _median_ratio(num: list[float], den: list[float]) -> tuple[float, float, float]:
+    rs = [a / b for a, b in zip(num, den)]
+    return statistics.median(rs), min(rs), max(rs)
+
+
+def throughput(pair: Pair, sizes: dict[str, int], reps: int,
+               raw: RawReader | None = None) -> list[dict]:
+    """Per round: B's remote claim and, with ``raw``, the standalone raw READ of the same
+    size (the order alternating round by round, so neither always runs first)."""
     rows = []
     with Client(pair.sock_a) as ca, Client(pair.sock_b) as cb:
         for name, n in sizes.items():
             src = np.random.default_rng(n % 9973).integers(0, 256, n, dtype=np.uint8)
             ca.put(name, {"kv": src})
-            claim_s, read_s, pull_s, exact = [], [], [], []
-            for _ in range(reps + 1):  # the first rep connects to the peer: not counted
+            claim_s, read_s, pull_s, exact, raw_s, phases = [], [], [], [], [], []
+            for i in range(reps + 1):  # the first rep connects to the peer: not counted
+                if raw is not None and i % 2 == 0:
+                    raw_s.append(raw.read(name))
                 cb.evict(name)
                 t0 = time.perf_counter()
                 with cb.claim(name, peer=pair.address) as lease:
                     dt = time.perf_counter() - t0
                     ok = np.array_equal(lease["kv"], src)
+                if raw is not None and i % 2 == 1:
+                    raw_s.append(raw.read(name))
                 tr = cb.stat().transfer
                 assert tr.last_pull_bytes == n, tr
                 claim_s.append(dt)
                 read_s.append(tr.last_read_seconds)
                 pull_s.append(tr.last_pull_seconds)
+                # the claim outside the pull: B's client request, the deferred claim, reply
+                phases.append({**(tr.last_pull_phases or {}), "client": dt - tr.last_pull_seconds})
                 exact.append(ok)
             claim_s, read_s, pull_s, exact = claim_s[1:], read_s[1:], pull_s[1:], exact[1:]
-            ratios = [r / c for r, c in zip(read_s, claim_s)]
+            phases, raw_s = phases[1:], raw_s[1:]
+            ratio = _median_ratio(read_s, claim_s)
             row = {
                 "size": name, "nbytes": n, "reps": reps, "bit_exact": all(exact),
                 "claim_s": claim_s, "raw_read_s": read_s, "pull_in_daemon_s": pull_s,
@@ -127,15 +206,32 @@ def throughput(pair: Pair, sizes: dict[str, int], reps: int) -> list[dict]:
                 "raw_read_p50_s": statistics.median(read_s),
                 "claim_gbps_p50": n / statistics.median(claim_s) / 1e9,
                 "raw_read_gbps_p50": n / statistics.median(read_s) / 1e9,
-                "ratio_p50": statistics.median(ratios), "ratio_min": min(ratios),
-                "ratio_max": max(ratios),
+                "ratio_p50": ratio[0], "ratio_min": ratio[1], "ratio_max": ratio[2],
+                "phases_s": phases,
+                "phases_p50_s": {k: statistics.median(p.get(k, 0.0) for p in phases)
+                                 for k in phases[0]} if phases else {},
             }
+            if raw is not None:
+                sa = _median_ratio(raw_s, claim_s)
+                row.update({"standalone_read_s": raw_s,
+                            "standalone_read_p50_s": statistics.median(raw_s),
+                            "standalone_bit_exact": raw.exact(name),
+                            "standalone_ratio_p50": sa[0], "standalone_ratio_min": sa[1],
+                            "standalone_ratio_max": sa[2]})
             rows.append(row)
             print(f"{name:>7}: remote claim p50 {row['claim_p50_s'] * 1e3:9.2f} ms "
-                  f"({row['claim_gbps_p50']:.3f} GB/s), raw READ p50 "
+                  f"({row['claim_gbps_p50']:.3f} GB/s), READ in the pull p50 "
                   f"{row['raw_read_p50_s'] * 1e3:9.2f} ms ({row['raw_read_gbps_p50']:.3f} GB/s),"
                   f" ratio p50 {row['ratio_p50']:.2f} [{row['ratio_min']:.2f}, "
                   f"{row['ratio_max']:.2f}], bit-exact {row['bit_exact']}", flush=True)
+            if raw is not None:
+                print(f"{'':>7}  standalone raw READ p50 "
+                      f"{row['standalone_read_p50_s'] * 1e3:9.2f} ms, ratio p50 "
+                      f"{row['standalone_ratio_p50']:.2f} [{row['standalone_ratio_min']:.2f}, "
+                      f"{row['standalone_ratio_max']:.2f}], bit-exact "
+                      f"{row['standalone_bit_exact']}", flush=True)
+            print(f"{'':>7}  phases p50 (ms): " + ", ".join(
+                f"{k} {v * 1e3:.2f}" for k, v in row["phases_p50_s"].items()), flush=True)
             cb.evict(name)
             ca.evict(name)
             del src
@@ -230,10 +326,13 @@ def main() -> None:
     ap.add_argument("--parts", nargs="+", default=["throughput", "latency", "crash"])
     ap.add_argument("--crash-claims", type=int, default=1000)
     ap.add_argument("--seed", type=int, default=18)
+    ap.add_argument("--no-standalone", action="store_true",
+                    help="skip the standalone raw NIXL READ beside each claim")
     ap.add_argument("--json-out")
     args = ap.parse_args()
     os.environ.setdefault("UCX_TLS", "tcp")
     load0 = os.getloadavg()
+    before = run_conditions()
     t0 = time.time()
     commit = checkout_commit(ROOT)  # "+dirty": the code that runs is not the commit's
     out: dict = {"what": "remote claim (B <- A through NIXL) vs the raw NIXL READ inside it",
@@ -244,12 +343,19 @@ def main() -> None:
     pool = f"{(biggest + (256 << 20)) >> 20}M"
     if "throughput" in args.parts or "latency" in args.parts:
         pair = Pair(folder, pool, pool)
+        raw = None
         try:
+            if not args.no_standalone:
+                raw = RawReader(folder, {**(sizes if "throughput" in args.parts else {}),
+                                         **({"256KiB": 256 << 10}
+                                            if "latency" in args.parts else {})})
             if "throughput" in args.parts:
-                out["throughput"] = throughput(pair, sizes, args.reps)
+                out["throughput"] = throughput(pair, sizes, args.reps, raw)
             if "latency" in args.parts:
-                out["latency"] = throughput(pair, {"256KiB": 256 << 10}, args.latency_reps)
+                out["latency"] = throughput(pair, {"256KiB": 256 << 10}, args.latency_reps, raw)
         finally:
+            if raw is not None:
+                raw.close()
             pair.close()
     if "crash" in args.parts:
         pair = Pair(folder, "512M", "512M", keep=True)
@@ -264,6 +370,7 @@ def main() -> None:
                     "cpu": _cpu_model(), "python": platform.python_version(),
                     "kernel": platform.release()},
         "loadavg_before": load0, "loadavg_after": os.getloadavg(),
+        "conditions": {"before": before, "after": run_conditions()},
         "started_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(t0)),
     })
     try:

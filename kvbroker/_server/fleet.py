@@ -115,6 +115,9 @@ class Fleet:
         # The latest pull: bytes, seconds of its NIXL READ alone, seconds of the whole pull
         # (pin to seal) — what benchmarks/bench_remote.py sets beside the claim's own time.
         self.last_pull: tuple[int, float, float] = (0, 0.0, 0.0)
+        # ... and where the rest of that pull's time went, phase -> seconds (pin, reserve,
+        # read, verify, release, seal, ...; see _pull_inner): what issue 43's profile reads.
+        self.last_phases: dict[str, float] = {}
         self.closed = False
         self._read_seconds = 0.0
 
@@ -335,8 +338,10 @@ class Fleet:
     async def _pull(self, address: str, namespace: str, how: str, keys: list[str],
                     consume: bool, tenants: tuple = ()) -> bool:
         t0 = time.perf_counter()
+        phases: dict[str, float] = {}
         try:
-            moved = await self._pull_inner(address, namespace, how, keys, consume, tenants)
+            moved = await self._pull_inner(address, namespace, how, keys, consume, tenants,
+                                           phases)
         except KVBrokerError as exc:
             self.failures[exc.code] += 1
             self.recent_failures.append((namespace, f"{address}: {exc.message or exc}"[:300]))
@@ -349,14 +354,18 @@ class Fleet:
                                  f"{exc}") from exc
         if moved:
             self.last_pull = (moved, self._read_seconds, time.perf_counter() - t0)
+            self.last_phases = phases
             log.debug("pulled %d byte(s) from %s in %.1f ms", moved, address,
                       (time.perf_counter() - t0) * 1e3)
         return moved > 0
 
     async def _pull_inner(self, address: str, namespace: str, how: str, keys: list[str],
-                          consume: bool, tenants: tuple) -> int:
+                          consume: bool, tenants: tuple, phases: dict[str, float]) -> int:
+        clock = time.perf_counter
+        t = clock()
         peer = await self._peer(address)
         client = peer.client
+        phases["connect"], t = clock() - t, clock()
         try:
             if how == "pin":
                 pinned = await client.pin(keys[0], namespace=namespace, ttl=self.pin_ttl,
@@ -366,6 +375,7 @@ class Fleet:
         except PeerUnavailable:
             self._drop(address)
             raise
+        phases["pin"], t = clock() - t, clock()
         remote_lease = pinned.get("lease")
         if remote_lease is None and not pinned.get("objects"):
             return 0  # the peer holds none of the prefix
@@ -380,7 +390,7 @@ class Fleet:
             # Every description checked before anything is reserved: a reply describes
             # exactly the objects asked, each as a local seal would have to be.
             described = self._described(pinned, address, namespace, how, keys)
-            remote, local, plans = [], [], []  # extents there and here, (lease, object)
+            remote, plans = [], []  # extents there, (lease, object)
             for d in described:
                 ident = (namespace, d.key)
                 if ident in b.objects:
@@ -392,15 +402,17 @@ class Fleet:
                 lease = self._reserve(d, tenants)
                 leases.append(lease)
                 plans.append((lease, d))
-                base = self.bases[lease.obj.pool.index]
                 remote += d.extents
-                local += [(base + off, n) for off, n in lease.obj.buffers.values() if n]
             nbytes = sum(n for _, n in remote)
+            phases["reserve"], t = clock() - t, clock()
             if plans:
                 read_started = True
                 loop = asyncio.get_running_loop()
                 await loop.run_in_executor(None, self._read_and_verify, peer, address,
-                                           remote, local, plans)
+                                           plans, phases)
+            # the executor's hand-offs: thread start and the loop's wake-up after it
+            phases["handoff"] = clock() - t - phases.get("read", 0) - phases.get("verify", 0)
+            t = clock()
             # The peer's lease must still have held when the copy ended, or its pages may
             # have been reused under the READ: release it, fenced, before sealing anything.
             released = True
@@ -413,6 +425,7 @@ class Fleet:
             except PeerUnavailable:
                 self._drop(address)
                 raise
+            phases["release"], t = clock() - t, clock()
             for lease, d in plans:  # parents first, as the peer listed them
                 obj = lease.obj
                 obj.checksums = d.checksums
@@ -426,6 +439,7 @@ class Fleet:
                 b.record_transfer("pull", self.session, lease.obj, lease.obj.nbytes)
             self.pulls += 1
             self.bytes_pulled += nbytes
+            phases["seal"] = clock() - t
             return nbytes
         except BaseException as exc:
             timed_out = isinstance(exc, TransferFailed) and "did not finish" in str(exc)
@@ -473,10 +487,17 @@ class Fleet:
         return self.broker.reserve_extent(self.session, (d.namespace, d.key), d.layout,
                                           d.span, d.meta, ttl, d.tokens, tenants=tenants)
 
-    def _read_and_verify(self, peer: _Peer, address: str, remote, local, plans) -> None:
+    def _read_and_verify(self, peer: _Peer, address: str, plans,
+                         phases: dict[str, float]) -> None:
         """In a worker thread: one NIXL READ, then every buffer's checksum."""
+        remote, local = [], []
+        for lease, d in plans:
+            base = self.bases[lease.obj.pool.index]
+            remote += d.extents
+            local += [(base + off, n) for off, n in lease.obj.buffers.values() if n]
         res = self.endpoint.read(peer.agent, remote, local, timeout=self.timeout)
-        self._read_seconds = res.seconds
+        self._read_seconds = phases["read"] = res.seconds
+        t = time.perf_counter()
         for lease, d in plans:
             sums = d.checksums
             if sums is None:
@@ -491,6 +512,7 @@ class Fleet:
                     f"{obj.namespace}/{obj.key} pulled from peer {address}: buffer(s) "
                     f"{', '.join(bad[:5])} do not match the checksums sealed there; "
                     "nothing was sealed", buffers=tuple(bad))
+        phases["verify"] = time.perf_counter() - t
 
     def _discard(self, lease: Lease, quarantine: bool) -> None:
         b = self.broker
@@ -525,6 +547,7 @@ class Fleet:
                 failures=sum(self.failures.values()), failures_by_code=dict(self.failures),
                 refused=self.server.refused if self.server is not None else 0,
                 last_failure=self.last_failure(), last_pull_bytes=self.last_pull[0],
-                last_read_seconds=self.last_pull[1], last_pull_seconds=self.last_pull[2])
+                last_read_seconds=self.last_pull[1], last_pull_seconds=self.last_pull[2],
+                last_pull_phases=dict(self.last_phases))
         e = self.events.statistics() if self.events is not None else None
         return t, e

@@ -195,6 +195,9 @@ class TransferStatistics:
     last_pull_bytes: int = 0
     last_read_seconds: float = 0.0
     last_pull_seconds: float = 0.0
+    # ... and its phases, name -> seconds (connect, pin, reserve, read, verify, handoff,
+    # release, seal): where a remote claim's time goes beyond the READ
+    last_pull_phases: dict[str, float] | None = None
 
 
 @dataclass(frozen=True)
