@@ -624,9 +624,8 @@ def remote() -> list[str]:
         "### Across nodes: a remote claim against the raw NIXL READ",
         "",
         (
-            "Daemon B claims an object daemon A holds: pin, write lease, the NIXL READ "
-            "(checksums computed as its pieces land), release, seal, local claim, timed in "
-            "B's client. Beside it, in the same rounds (order alternating): the standalone "
+            "Daemon B claims an object daemon A holds: pin, write lease, one NIXL READ, "
+            "checksums, release, seal, local claim, timed in B's client. Beside it, in the same rounds (order alternating): the standalone "
             "raw READ of the same size (bench_nixl_raw.py's: one transfer request between "
             "this process and a serving process, nothing of the broker's), and the READ "
             "inside that very pull. Each ratio is the median (range) of the per-round ratios "
@@ -653,8 +652,8 @@ def remote() -> list[str]:
         names = list(phased[0]["phases_p50_s"])
         lines += [
             "Where each claim's time went (p50 of each phase over the same pulls, ms; "
-            "`read` is the READ in the pull, `verify` the hashing left after its last piece "
-            "landed, `handoff` the READ's planning, post and the event loop's wake-up, "
+            "`read` is the READ in the pull, `verify` the checksum pass after it, `handoff` "
+            "the worker thread's start and the event loop's wake-up after it, "
             "`client` B's request and reply around the pull):",
             "",
         ]
