@@ -625,8 +625,8 @@ def remote() -> list[str]:
         "",
         (
             "Daemon B claims an object daemon A holds: pin, write lease, one NIXL READ, "
-            "checksums, release, seal, local claim, timed in B's client. Beside it, in the same rounds (order alternating): the standalone "
-            "raw READ of the same size (bench_nixl_raw.py's: one transfer request between "
+            "checksums, release, seal, local claim, timed in B's client. Beside it, in the "
+            "same rounds (order alternating): the standalone raw READ of the same size (bench_nixl_raw.py's: one transfer request between "
             "this process and a serving process, nothing of the broker's), and the READ "
             "inside that very pull. Each ratio is the median (range) of the per-round ratios "
             "READ / claim, not the quotient of the two p50s beside it."

@@ -184,6 +184,27 @@ def test_remote_claim_bit_exact_metadata_travels_and_never_twice(pair):
     _nothing_left(a, b)
 
 
+def test_a_pulls_phases_are_in_the_stat(pair):
+    """Where a remote claim's time went (issue 43's profile): B's stat names the latest
+    pull's phases, each a duration within the pull's own."""
+    a, b = pair
+    x = _data(3 << 20, 11)
+    with a.client() as ca, b.client() as cb:
+        ca.put("phased", {"x": x})
+        with cb.claim("phased", peer=a.address) as lease:
+            assert np.array_equal(lease["x"], x)
+        tr = b.stat().transfer
+        phases = tr.last_pull_phases
+        assert set(phases) == {"connect", "pin", "reserve", "read", "verify", "handoff",
+                               "release", "seal"}
+        assert phases["read"] == tr.last_read_seconds > 0
+        assert all(v >= 0 for v in phases.values())
+        assert sum(phases.values()) <= tr.last_pull_seconds
+        cb.evict("phased")
+        ca.evict("phased")
+    _nothing_left(a, b)
+
+
 def test_concurrent_claims_share_one_pull(pair):
     a, b = pair
     x = _data(8 << 20, 3)
