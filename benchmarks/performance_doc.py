@@ -953,13 +953,96 @@ def sessions_vllm() -> list[str]:
                           "recomputed tokens (all requests)"], rows)  # fmt: skip
 
 
+def disk_tier() -> list[str]:
+    d = load("disk-tier-cpu.json")
+    if d is None:
+        return []
+    model = d["recompute_model"]
+    runs = d["runs"]
+    lines = [
+        "### Disk tier",
+        "",
+        (
+            f"A working set of {d['objects']} objects of {size(d['object_size'])} "
+            f"({d['working_set'] // d['pool_size']}× the {size(d['pool_size'])} pool) claimed "
+            "(`get`) in order, cycling, and at random; a miss is recomputed and published "
+            "again. Recompute time is modeled from a measured prefill rate "
+            f"(`{model['source']}`: {model['tokens']:,} tokens of an 8B Llama prefilled in "
+            f"{model['prefill_s'] * 1e3:.0f} ms on an H100, {size(model['kv_bytes'])} of KV): "
+            f"{d['recompute_s_per_object'] * 1e3:.2f} ms per object, added to a miss's "
+            "failed claim and put. Disk tier in a temporary directory on "
+            f"`{d['disk_dir']}`."
+        ),
+        "",
+    ]
+    lines += source("disk-tier-cpu.json", d["commit"], cpu_machine(d["machine"]), d["command"],
+                    d)
+    rows = []
+    for order in ("cycle", "random"):
+        for label, what in (("disk", "disk tier"), ("dram", "DRAM only"),
+                            ("recompute", "recompute every time")):
+            r = runs[label][order]
+            rows.append([order, what, f"{r['hit_rate']:.2f}", f"{r['p50_ms']:.2f} ms",
+                         f"{r['p99_ms']:.2f} ms"])
+    lines += table(["order", "served by", "hit rate", "p50", "p99"], rows)
+    p = runs["disk"]["promotion"]
+    dd = runs["disk"]["dd_gbps"]
+    best = max(v for v in dd.values() if v)
+    lines += [
+        (
+            f"Promotion: {p['objects']} objects on disk only, page cache dropped "
+            f"({'yes' if p['caches_dropped'] else 'no: not root'}), claimed by "
+            f"{p['threads']} clients at once: {p['gbps']:.2f} GB/s; `dd iflag=direct` "
+            "of the tier's slot file "
+            + ", ".join(f"({k} blocks) {v:.2f} GB/s" for k, v in dd.items() if v)
+            + f": promotion / the best dd = {ratio(p['gbps'] / best)}× (target 0.8×)."
+        ),
+        "",
+        (
+            f"The modeled recompute yields {model['kv_bytes'] / model['prefill_s'] / 1e9:.1f} "
+            "GB/s of KV: a promotion beats it only from a device (or several) faster than "
+            "that, or for a model that costs more to prefill per byte of KV (larger, longer "
+            f"contexts); this VM's disk read {best:.2f} GB/s."
+        ),
+        "",
+    ]
+    return lines
+
+
+def disk_io() -> list[str]:
+    d = load("disk-io-cpu.json")
+    if d is None:
+        return []
+    lines = [
+        "### Disk tier I/O engines",
+        "",
+        (
+            f"{d['objects']} objects of {size(d['object_size'])}, {d['depth']} in flight, "
+            "one request each, between a page-aligned DRAM region and one preallocated file "
+            f"with `O_DIRECT` on `{d['dir']}`; best of {d['rounds']} rounds, page cache "
+            "dropped before each read pass; every read checked bit-exact. The disk tier uses "
+            "the thread pool (kvbroker/_server/disk_store.py says why)."
+        ),
+        "",
+    ]
+    lines += source("disk-io-cpu.json", d["commit"], cpu_machine(d["machine"]), d["command"], d)
+    rows = [[name, f"{r['write_gbps_best']:.2f} GB/s", f"{r['read_gbps_best']:.2f} GB/s",
+             str(r["bit_exact"])]
+            for name, r in d["engines"].items() if "error" not in r]  # fmt: skip
+    if d.get("dd_read_gbps_best"):
+        rows.append(["`dd iflag=direct` (4 MiB blocks)", "–",
+                     f"{d['dd_read_gbps_best']:.2f} GB/s", "–"])
+    return lines + table(["engine", "write", "read", "bit-exact"], rows)
+
+
 SECTIONS: tuple[tuple[str, list[Callable[[], list[str]]]], ...] = (
     ("## Serving with real engines", [serving]),
     ("## GPU and engines", [ttft, gpu, vllm_gpu, vllm_async_load]),
     ("## Host scenarios, 2-core VM", [lambda n=n: cpu_scenario(n) for n in CPU_SCENARIOS]),
     ("## Host scenarios, a GPU machine's CPU", [gpu_host]),
     ("## SGLang", [sglang_storage]),
-    ("## Integrity, restarts, nodes", [integrity, journal, remote, peer_preauth, events, soak]),
+    ("## Integrity, restarts, nodes", [integrity, journal, remote, peer_preauth, events, soak,
+                                       disk_tier, disk_io]),
     ("## Sessions (multi-turn retention)", [sessions, sessions_vllm]),
 )
 

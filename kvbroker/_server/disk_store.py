@@ -10,10 +10,13 @@ and ``stat``). Every transfer is page-aligned at both ends (pool extents start o
 so ``O_DIRECT`` reads and writes go straight between a pool's pages and the device.
 
 The I/O is ``os.pwritev``/``os.preadv`` from a small thread pool (both release the GIL), not
-NIXL's POSIX backend: ``benchmarks/bench_disk_io.py`` measured them within noise of each other
-here (``benchmarks/results/disk-io-cpu.json``), and the thread pool needs no optional
-dependency, no registration of every pool and slot file with an agent, and no per-transfer
-handle to build and release.
+NIXL's POSIX backend: ``benchmarks/bench_disk_io.py`` (one request per 2 MiB object, 4 in
+flight, O_DIRECT, bit-exact) found no gain from NIXL on this VM's disk — the recorded run
+(``benchmarks/results/disk-io-cpu.json``) read 1.19 GB/s with the threads against 1.04 with
+NIXL's libaio mode, 0.88 io_uring and 0.78 POSIX AIO; an earlier run had io_uring 1.20 against
+0.95, within the disk's noise — and the thread pool needs no optional dependency (NIXL comes
+with the ``transfer`` extra only), no registration of every pool and slot file with an
+agent, and no transfer handle to build and release per promotion.
 
 The index (:class:`DiskIndex`, ``kvbroker-tier.index`` in the first directory) is a log of
 framed records, as the warm-restart journal's are (``KVD1`` | u32 length | u32 crc32 with the
