@@ -39,6 +39,7 @@ daemon enforces the bounds again). No I/O.
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 import time
 from collections import Counter, OrderedDict
@@ -138,6 +139,10 @@ class Retention:
         self.holders: dict[int, list[Retained]] = {}  # serial -> sessions retaining it
         # priority -> serial -> object, least recently used first: the eviction order
         self.tiers: dict[int, OrderedDict[int, StoredObject]] = {}
+        # serial -> when it last went to the recent end of its tier: a tier's order, so one
+        # tenant's own retained objects sort into it without a walk of everyone else's
+        self.placed: dict[int, int] = {}
+        self._placings = itertools.count()
         self.pool_bytes: Counter[int] = Counter()  # pool index -> bytes retained there
         self.tenant_bytes: Counter[int] = Counter()  # uid -> bytes its sessions retain
         self.per_uid: Counter[int] = Counter()  # uid -> sessions
@@ -209,6 +214,7 @@ class Retention:
                 own_tier = self.tiers.get(entry.priority)
             elif own_tier is not None and len(holders[serial]) == 1 and serial in own_tier:
                 own_tier.move_to_end(serial)  # a renewal of its own block: the usual case
+                self.placed[serial] = next(self._placings)
             else:
                 self._place(obj)
             pools.add(obj.pool.index)
@@ -315,8 +321,7 @@ class Retention:
         if quota is not None:
             for uid in list(self.tenant_bytes) if uids is None else uids:
                 if self.tenant_bytes[uid] > quota:
-                    self._shed(lambda o, u=uid: any(e.uid == u for e in self.holders[o.serial]),
-                               lambda: self.tenant_bytes[uid] <= quota, "tenant_quota", uid)
+                    self._shed_tenant(uid, quota)
         share = self.settings.pool_share
         for idx in range(len(self.capacities)) if pools is None else pools:
             cap = share * self.capacities[idx]
@@ -324,8 +329,30 @@ class Retention:
                 self._shed(lambda o, i=idx: o.pool.index == i,
                            lambda i=idx: self.pool_bytes[i] <= cap, "pool_share")
 
+    def _shed_tenant(self, uid: int, quota: int) -> None:
+        # The tenant's own retained objects in eviction order (their tier, then when each
+        # went to its tier's recent end): a request past its quota costs a sort of what its
+        # tenant retains, never a walk of what every other tenant retains (a tenant at the
+        # recent end of a big tier made each of its requests, and so every other client's
+        # wait on the event loop, cost a scan of all of it).
+        own = {serial: obj for e in self.sessions.values() if e.uid == uid
+               for serial, obj in e.objects.items()}  # fmt: skip
+        order = sorted(own.values(), key=lambda o: (self._priority(o), self.placed[o.serial]))
+        for obj in order:
+            if self.tenant_bytes[uid] <= quota:
+                return
+            for entry in self.holders.get(obj.serial, ())[:]:
+                if entry.uid == uid:
+                    self._remove(entry, obj, back_to_lru=True)
+            self.dropped["tenant_quota"] += 1
+
+    def _priority(self, obj: StoredObject) -> int:
+        """The tier ``obj`` is in: the highest priority of the sessions retaining it."""
+        holders = self.holders[obj.serial]
+        return holders[0].priority if len(holders) == 1 else max(e.priority for e in holders)
+
     def _shed(self, chosen: Callable[[StoredObject], bool], done: Callable[[], bool],
-              why: str, uid: int | None = None) -> None:
+              why: str) -> None:
         # In batches from the front of the order: a request past a bound sheds a few blocks,
         # and must not cost a walk of everything retained (the tiers change as it sheds).
         while not done():
@@ -337,8 +364,7 @@ class Retention:
                 if done():
                     return
                 for entry in self.holders.get(obj.serial, ())[:]:
-                    if uid is None or entry.uid == uid:
-                        self._remove(entry, obj, back_to_lru=True)
+                    self._remove(entry, obj, back_to_lru=True)
                 self.dropped[why] += 1
 
     # ------------------------------------------------------------------ the tables
@@ -370,6 +396,7 @@ class Retention:
             self._place(obj)
             return
         del self.holders[obj.serial]
+        self.placed.pop(obj.serial, None)
         self._uncount(self.pool_bytes, obj.pool.index, size)
         for tier in self.tiers.values():
             tier.pop(obj.serial, None)
@@ -379,8 +406,8 @@ class Retention:
 
     def _place(self, obj: StoredObject) -> None:
         """Put ``obj`` at the recent end of its priority's tier (its holders' highest)."""
-        holders = self.holders[obj.serial]
-        prio = holders[0].priority if len(holders) == 1 else max(e.priority for e in holders)
+        prio = self._priority(obj)
+        self.placed[obj.serial] = next(self._placings)
         tier = self.tiers.get(prio)
         if tier is not None and obj.serial in tier:  # the usual case: a renewal
             tier.move_to_end(obj.serial)
