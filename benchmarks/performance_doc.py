@@ -1035,11 +1035,68 @@ def disk_io() -> list[str]:
     return lines + table(["engine", "write", "read", "bit-exact"], rows)
 
 
+def small_requests() -> list[str]:
+    """The small-request path (issue 43): A/B runs of ``benchmarks/ab_small_requests.py``
+    (one table per results file) and the journal records a put+get appends
+    (``benchmarks/count_journal_records.py``)."""
+    lines = []
+    for path in sorted(RESULTS.glob("ab-*-cpu.json")):
+        d = json.loads(path.read_text())
+        if d.get("scenario") != "ab-small-requests":
+            continue
+        rows, psi = [], []
+        for r in d["rows"]:
+            psi += [psi_avg60(c["cpu_pressure"]) for c in (r["before"], r["after"])]
+        loads = [c["loadavg_1min"] for r in d["rows"] for c in (r["before"], r["after"])]
+        psi_f = [float(x) for x in psi if x is not None]
+        lines += [
+            f"### Small requests, A/B: `{path.stem}`",
+            "",
+            (
+                f"`put` + `get(out=..., consume=True)` p50, A = `{d['commits']['A']}` against "
+                f"B = `{d['commits']['B']}`, the two builds alternated over "
+                f"{max(r['round'] for r in d['rows'])} rounds of {d['rows'][0]['reps']}; times "
+                "are medians over the rounds, B/A the median of the per-round ratios (same "
+                "rounds). Each measurement recorded its load and PSI: load "
+                f"{min(loads):.1f}–{max(loads):.1f}, CPU pressure (PSI avg60) "
+                f"{min(psi_f):.1f}–{max(psi_f):.1f} % over the run, so these are figures of a "
+                "saturated machine, not of a quiet one."
+            ),
+            "",
+            f"{cpu_machine(d['machine'])}; `{d['command']}` (`benchmarks/results/{path.name}`).",
+            "",
+        ]
+        for x in d["summary"]:
+            rows.append([
+                size(x["size"]), f"{x['A_put_get_p50_us']:.1f} µs", f"{x['B_put_get_p50_us']:.1f} µs",
+                f"{ratio(x['B_over_A_median_of_round_ratios'])}× "
+                f"({ratio(min(x['round_ratios']))}–{ratio(max(x['round_ratios']))})",
+                f"{x['A_writes_per_put_get']:.2f} → {x['B_writes_per_put_get']:.2f}",
+                f"{x['A_journal_records_per_put_get']:.2f} → "
+                f"{x['B_journal_records_per_put_get']:.2f}",
+            ])  # fmt: skip
+        lines += table(["size", "A p50", "B p50", "B/A, per round: median (least–most)",
+                        "socket writes per put+get", "journal records per put+get"], rows)  # fmt: skip
+    d = load("journal-records-per-put-get-cpu.json")
+    if d is not None:
+        lines += ["### Journal records per put+get", "",
+                  "Counted from the journal file itself (a count: load does not move it).", ""]
+        lines += source("journal-records-per-put-get-cpu.json", d["commit"],
+                        cpu_machine(d["machine"]), d["command"],
+                        {"conditions": {"before": d["before"], "after": d["after"]}})  # fmt: skip
+        rows = [[size(r["size"]), f"{r['records_per_put_get']:.2f}",
+                 ", ".join(f"`{k}` {v:.2f}" for k, v in r["by_kind_per_put_get"].items())]
+                for r in d["rows"]]  # fmt: skip
+        lines += table(["size", "records per put+get", "by kind"], rows)
+    return lines
+
+
 SECTIONS: tuple[tuple[str, list[Callable[[], list[str]]]], ...] = (
     ("## Serving with real engines", [serving]),
     ("## GPU and engines", [ttft, gpu, vllm_gpu, vllm_async_load]),
     ("## Host scenarios, 2-core VM", [lambda n=n: cpu_scenario(n) for n in CPU_SCENARIOS]),
     ("## Host scenarios, a GPU machine's CPU", [gpu_host]),
+    ("## The small-request path, 2-core VM", [small_requests]),
     ("## SGLang", [sglang_storage]),
     ("## Integrity, restarts, nodes", [integrity, journal, remote, peer_preauth, events, soak,
                                        disk_tier, disk_io]),
