@@ -9,13 +9,9 @@
   are valid until ``release`` (the end of the ``with`` block), TTL expiry or the connection
   closing. Copy out what you need to keep. ``release`` raising
   :class:`~kvbroker.errors.LeaseExpired` means the lease ended early and what you read may
-  have been overwritten. A release well inside the lease's TTL is pipelined: it goes out in
-  the same write as the connection's next request (or alone, from the process's flusher
-  thread, when none comes within ``session.HOLD_FOR``), takes effect in the daemon before
-  that request is answered, and at the latest before ``close`` returns. Other clients see a
-  consume-claim's freeing after that, not when ``release`` returns. A client killed before
-  its release went out leaves the object as a reader killed before releasing does: not
-  consumed, its leases ended by the daemon with the connection.
+  have been overwritten. A release well inside the lease's TTL is pipelined: it takes effect
+  in the daemon before the client's next call is answered, and at the latest before
+  ``close`` returns (which is when a consume-claim's freeing is visible to other clients).
 - A lease lives and dies with its connection: after a reconnect, using it raises
   LeaseExpired. The ownership contract as a whole: ``docs/design.md``.
 """
