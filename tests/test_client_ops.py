@@ -43,7 +43,7 @@ def test_stub_takes_the_ops_arguments_with_its_defaults(op):
 @pytest.mark.parametrize("stub", sorted(_stubs()))
 def test_stub_sends_what_it_takes(stub):
     sent = []
-    ops = Ops(lambda op, a: sent.append((op, a)), lambda op, a, *hold: sent.append((op, a)))
+    ops = Ops(lambda op, a: sent.append((op, a)), lambda op, a: sent.append((op, a)))
     params = list(_stubs()[stub].parameters.values())[1:]
     args = {p.name: f"<{p.name}>" if p.default is inspect.Parameter.empty else p.default
             for p in params}  # fmt: skip

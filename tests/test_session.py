@@ -20,27 +20,11 @@ class ScriptedStream:
     def __init__(self, script) -> None:
         self.transport = _Transport()
         self.sent: list[dict] = []
-        self.writes = 0  # transport writes: held requests go out with the next message
-        self.held: list[dict] = []
         self.closed = False
         self._script = script
 
     def send(self, message: dict) -> None:
-        self.hold(message)
-        self.flush()
-
-    def hold(self, message: dict) -> None:
-        self.held.append(message)
-
-    @property
-    def holding(self) -> bool:
-        return bool(self.held)
-
-    def flush(self) -> None:
-        if self.held:
-            self.sent.extend(self.held)
-            self.held.clear()
-            self.writes += 1
+        self.sent.append(message)
 
     def receive(self) -> dict:
         last = self.sent[-1]

@@ -226,10 +226,10 @@ class Client(PoolAccess):
             session = self._session
         return session.submit(op, args)
 
-    def _post(self, op: str, args: dict[str, Any], hold: bool = False) -> None:
+    def _post(self, op: str, args: dict[str, Any]) -> None:
         session = self._session
         try:
-            session.post(op, args, hold)
+            session.post(op, args)
         except BrokerUnavailable:
             if not session.broken or not self._recover(session):
                 raise

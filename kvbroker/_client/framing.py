@@ -33,33 +33,10 @@ class MessageStream:
         self._encoder = FrameEncoder()
         self._decoder = FrameDecoder(sender=sender)
         self._read: deque[Any] = deque()  # messages one read brought beyond the first
-        self._held: list[bytes] = []  # requests packed by hold(), to go out with the next send
 
     def send(self, message: dict[str, Any]) -> None:
-        """Send ``message``, after the requests held (in the same write: one system call,
-        one wake-up of the daemon, which serves them in order)."""
         # (a forked transport refuses to send it; one too large for a daemon: BadRequest)
-        data = self._encoder.request_map(message)
-        if self._held:
-            data = b"".join((*self._held, data))
-            self._held.clear()  # (sent, or lost with the connection the send failed on)
-        self.transport.send(data)
-
-    def hold(self, message: dict[str, Any]) -> None:
-        """Pack ``message`` now (BadRequest as :meth:`send`) and send it with the next
-        :meth:`send` or :meth:`flush`, whichever comes first."""
-        self._held.append(self._encoder.request_map(message))
-
-    @property
-    def holding(self) -> bool:
-        return bool(self._held)
-
-    def flush(self) -> None:
-        """Send the requests held, if any."""
-        if self._held:
-            data = b"".join(self._held)
-            self._held.clear()
-            self.transport.send(data)
+        self.transport.send(self._encoder.request_map(message))
 
     def receive(self) -> Any:
         if getattr(self.transport, "forked", False):

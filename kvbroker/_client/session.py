@@ -10,10 +10,8 @@ there are is :mod:`kvbroker._wire.ops`'s business (the session greets through
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
-import weakref
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -25,17 +23,9 @@ from .._wire.protocol import PROTOCOL_VERSION
 from .._wire.frames import error_of, is_push
 from ..errors import BrokerUnavailable, KVBrokerError, ProtocolError, Timeout
 
-__all__ = ["HOLD_FOR", "Pending", "Session"]
+__all__ = ["Pending", "Session"]
 
 log = logging.getLogger("kvbroker.client")
-
-# Seconds a held one-way request (Session.post(hold=True)) waits for the connection's next
-# request before the flusher sends it alone; it goes out at most about twice that late.
-HOLD_FOR = 0.002
-# Flusher ticks a session may go without holding anything before it is no longer watched
-# (and the thread stops when none is): a client putting and getting steadily keeps it, so
-# the thread is not started again for every release.
-_IDLE_TICKS = 100
 
 
 class Session:
@@ -50,9 +40,6 @@ class Session:
         # release goes out while another thread waits in a blocking claim (the daemon serves
         # releases past a waiting claim: the op table's ``passes_a_wait``).
         self._send_lock = threading.Lock()
-        self._held_at = 0.0  # monotonic seconds: since when post(hold=True) holds requests
-        self._watched = False  # by the flusher thread (_HeldFlusher)
-        self._holds = 0  # requests held so far (the flusher sees whether more came)
         self._pushes: deque[dict] = deque(maxlen=64)
         self._unanswered: set[int] = set()  # ids sent with send_only, replies not read yet
         self._abandoned: set[int] = set()  # of those, calls that timed out: close won't wait
@@ -191,41 +178,16 @@ class Session:
         """:meth:`post` with the op's arguments as keywords."""
         self.post(op, args)
 
-    def post(self, op: str, args: dict[str, Any], hold: bool = False) -> None:
+    def post(self, op: str, args: dict[str, Any]) -> None:
         """Send a request whose reply is read (and checked) by a later call, saving a round
         trip. Only for requests that cannot fail short of a daemon bug or a lost connection:
         a failure then is logged, not raised. It does not wait for a call in progress on
-        another thread (its reply is read by whichever call reads next).
-
-        ``hold``: do not send it alone but in the same write as this connection's next
-        request, saving a system call and a wake-up of the daemon per request (a consume's
-        release before the next put); when no request comes within :data:`HOLD_FOR`
-        seconds, the process's flusher thread sends it alone. Only for requests whose effect
-        may come that much later (and ends with the connection anyway: a release)."""
+        another thread (its reply is read by whichever call reads next)."""
         try:
-            self._send(op, args, unanswered=True, hold=hold)
+            self._send(op, args, unanswered=True)
         except BrokerUnavailable:
             self.broken = True
             raise
-        if hold:
-            _flusher.watch(self)
-
-    def flush_held(self, older_than: float | None = None) -> None:
-        """Send the requests ``post(hold=True)`` held, if any (only if held since before the
-        monotonic time ``older_than``, when given). A lost connection marks it broken."""
-        with self._send_lock:
-            if not self._stream.holding:
-                return
-            if older_than is not None and self._held_at > older_than:
-                return
-            try:
-                self._stream.flush()
-            except BrokerUnavailable:
-                self.broken = True  # the daemon ended this connection's leases
-
-    @property
-    def holding(self) -> bool:
-        return self._stream.holding
 
     @property
     def settled(self) -> bool:
@@ -239,23 +201,17 @@ class Session:
         waits, or between the pushes of a watch."""
         self._stream.transport.settimeout(timeout)
 
-    def _send(self, op: str, args: dict, unanswered: bool = False, hold: bool = False) -> int:
+    def _send(self, op: str, args: dict, unanswered: bool = False) -> int:
         """Send one request; returns its id. ``unanswered``: its reply is to be read by any
         call (a post): the id is registered before the request goes out, so a reader on
-        another thread that gets the reply first knows it. ``hold``: see :meth:`post`."""
+        another thread that gets the reply first knows it."""
         with self._send_lock:
             rid = self._next_id
             self._next_id += 1
             if unanswered:
                 self._unanswered.add(rid)
             try:
-                if hold:
-                    if not self._stream.holding:
-                        self._held_at = time.monotonic()
-                    self._stream.hold({"id": rid, "op": op, "args": args})
-                    self._holds += 1
-                else:
-                    self._stream.send({"id": rid, "op": op, "args": args})
+                self._stream.send({"id": rid, "op": op, "args": args})
                 return rid
             except BrokerUnavailable as exc:
                 self.broken = True
@@ -341,12 +297,6 @@ class Session:
         pipelined release has then taken effect in the daemon before ``close`` returns, so a
         consume-claim's freeing is visible to every other client afterwards. A daemon that
         does not answer within ``drain_timeout`` seconds is not waited for further."""
-        # Held one-way requests go out first: a consume's release takes effect, as if sent.
-        if not (self.broken or self._stalled):
-            try:
-                self.flush_held()
-            except KVBrokerError:  # (a send timed out: the daemon ends what is left)
-                pass
         # Not waiting on the lock: a thread blocked in a call (``next_push`` of a watcher) is
         # woken by the close instead, as before.
         if self._lock.acquire(blocking=False):
@@ -405,79 +355,3 @@ class Pending:
     def __del__(self) -> None:
         if self._outcome is None:  # never answered: the session need not keep its reply
             self._session._dropped.append(self._rid)
-
-
-class _HeldFlusher:
-    """One thread per process that sends what sessions held (:meth:`Session.post` with
-    ``hold``) when no request of theirs carried it within :data:`HOLD_FOR` seconds, so a
-    consume's release takes effect even when the client sends nothing more. It ticks every
-    ``HOLD_FOR`` while some session is watched and stops after ``_IDLE_TICKS`` ticks with
-    nothing held; a crashed client's held requests die with it, and the daemon then ends its
-    leases with its connection, as for a client killed before it released."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        # session -> (ticks in a row it held nothing new, its _holds then)
-        self._sessions: weakref.WeakKeyDictionary[Session, tuple[int, int]] = (
-            weakref.WeakKeyDictionary())
-        self._running = False
-
-    def watch(self, session: Session) -> None:
-        if session._watched and self._running:
-            return  # (the common case, per release: no lock)
-        with self._lock:
-            session._watched = True
-            self._sessions[session] = (0, session._holds)
-            if self._running:
-                return
-            self._running = True
-        try:
-            threading.Thread(target=self._run, name="kvbroker-held-requests", daemon=True).start()
-        except RuntimeError:  # (interpreter shutting down: no threads any more)
-            with self._lock:
-                self._running = False
-
-    def after_fork_in_child(self) -> None:
-        """The parent's thread does not exist here, and its lock may have been held."""
-        self._lock = threading.Lock()
-        self._sessions = weakref.WeakKeyDictionary()
-        self._running = False
-
-    def _run(self) -> None:
-        try:
-            while True:
-                time.sleep(HOLD_FOR)
-                with self._lock:
-                    sessions = list(self._sessions.items())
-                    if not sessions:  # (under the lock: a watch() from now on starts another)
-                        self._running = False
-                        return
-                due = time.monotonic() - HOLD_FOR
-                for session, (idle, seen) in sessions:
-                    if session.holding:
-                        try:
-                            session.flush_held(older_than=due)
-                        except Exception:  # noqa: BLE001 (one session must not stop the others')
-                            log.exception("sending a held request failed")
-                    held = session._holds
-                    with self._lock:
-                        if held != seen:
-                            self._sessions[session] = (0, held)
-                        elif idle + 1 < _IDLE_TICKS and not session.broken:
-                            self._sessions[session] = (idle + 1, held)
-                        else:
-                            session._watched = False  # (first: a watch() from now on adds it)
-                            if session.holding and not session.broken:
-                                self._sessions[session] = (0, held)  # held meanwhile
-                                session._watched = True
-                            else:
-                                self._sessions.pop(session, None)
-        except BaseException:
-            with self._lock:
-                self._running = False
-            raise
-
-
-_flusher = _HeldFlusher()
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_flusher.after_fork_in_child)

@@ -156,10 +156,8 @@ class Ops:
         self._call("release", dict(lease=lease, consume=consume))
 
     def release_later(self, lease: int) -> None:
-        """``release``, pipelined: sent with the next request (or alone by the client's
-        flusher thread if none comes soon: ``Session.post``'s ``hold``), its reply read and
-        checked by the next call."""
-        self._send("release", dict(lease=lease, consume=True), True)
+        """``release``, pipelined: its reply is read and checked by the next call."""
+        self._send("release", dict(lease=lease, consume=True))
 
     def renew(self, leases: list[int], ttl: float | None = None) -> R.Renewed:
         return self._call("renew", dict(leases=leases, ttl=ttl))
