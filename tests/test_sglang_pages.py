@@ -5,13 +5,17 @@ pool. What SGLang sees of it (through its own classes): tests/test_sglang_storag
 from __future__ import annotations
 
 import hashlib
+from types import SimpleNamespace
 
 import numpy as np
+import pytest
 
+from kvbroker import blocks
 from kvbroker._client.ops import Ops
 from kvbroker.integrations._link import BrokerLink, Warnings
 from kvbroker.integrations.sglang._format import PageGeometry, Sharding
 from kvbroker.integrations.sglang._pages import PageStore, Source
+from kvbroker.integrations.sglang._states import StateStore
 
 LAYERS, HEADS, DIM, PAGE, PAGES = 2, 4, 16, 8, 12
 
@@ -93,3 +97,62 @@ def test_a_refused_seal_is_counted_its_leases_freed_and_the_next_write_goes_on(m
         assert stat.used == 0 and stat.write_leases == 0, (stat.used, stat.write_leases)
     pages.link.close()
 
+
+
+def mamba_pool(slots: int, seed: int):
+    """A stand-in for SGLang's ``MambaPoolHost`` in its ``page_first`` layout (what
+    :class:`StateStore` reads of it): an SSM state ``[slot, layer, 2, 4, 8]`` fp32 and one
+    conv state ``[slot, layer, 6, 3]`` bf16, random bits (zeros for ``seed`` None)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed or 0)
+    temporal = torch.randn(slots, 2, 2, 4, 8, generator=g)
+    conv = torch.randn(slots, 2, 6, 3, generator=g).to(torch.bfloat16)
+    if seed is None:
+        temporal.zero_(), conv.zero_()
+    return SimpleNamespace(layout="page_first", temporal_buffer=temporal, conv_buffer=[conv])
+
+
+def state_store(socket: str, pool) -> StateStore:
+    link = BrokerLink(socket, name="states-test", role="kv_both", warnings=Warnings())
+    return StateStore(link, "sglang/states-test", cache_salt="", pool=pool, tp_rank=0,
+                      tp_size=1, tag="@mamba")  # fmt: skip
+
+
+@pytest.mark.parametrize("bad", ["truncated", "longer", "other_meta"])
+def test_a_bad_state_page_mid_span_ends_the_read_keeping_the_pages_before_it(daemon, bad):
+    """Another writer stored page 2 of a 5-page span with fewer bytes, more bytes, or another
+    pool's parts (the same size): the read loads pages 0 and 1, says 2, and never copies
+    page 2 or what follows it."""
+    import torch
+
+    written = mamba_pool(8, seed=3)
+    writer = state_store(daemon.socket_path, written)
+    span = hashes(5, f"bad-state-{bad}")
+    assert writer.write(span[:2], [0, 1])
+    fmt, n = writer.format, writer.page_nbytes
+    meta = fmt.meta()
+    size = {"truncated": n - 8, "longer": n + 8, "other_meta": n}[bad]
+    if bad == "other_meta":  # the conv state as fp16: the same bytes, another layout
+        meta["parts"] = [list(p) for p in meta["parts"]]
+        meta["parts"][1][1] = "float16"
+    client = writer.link.get()
+    (key,) = writer.keys.blocks(span[2:3])
+    r = blocks.reserve(client, writer.namespace, [{"key": key, "parent": None}],
+                       {fmt.packed: size}, meta)  # fmt: skip
+    r.view(0, fmt.packed)[:] = 0x5A
+    r.seal(r.checksums())
+    assert writer.write(span, [0, 1, 2, 3, 4])  # pages 3 and 4; 2 is already there
+    assert writer.count(span) == 5
+
+    read = mamba_pool(8, seed=None)
+    reader = state_store(daemon.socket_path, read)
+    assert reader.read(span, [3, 4, 5, 6, 7]) == 2
+    assert torch.equal(read.temporal_buffer[3:5], written.temporal_buffer[0:2])
+    assert torch.equal(read.conv_buffer[0][3:5], written.conv_buffer[0][0:2])
+    # the bad page and those after it: not a byte copied
+    assert not read.temporal_buffer[5:].any() and not read.conv_buffer[0][5:].any()
+    assert reader.totals()["read_bad_pages"] == 1
+    assert reader.totals()["read_missed"] == 3
+    reader.link.close()
+    writer.link.close()

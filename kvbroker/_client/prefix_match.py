@@ -60,7 +60,9 @@ class PrefixMatch:
         self.block_size = block_size
         self.lease: int | None = reply["lease"]
         self.ttl: float = reply["ttl"]
-        self.meta: dict | None = (reply.get("metas") or [None])[0]
+        # the first block's meta; the rest share it unless the daemon sent one per block
+        self._metas: list = reply.get("metas") or [None]
+        self.meta: dict | None = self._metas[0]
         self._names = reply["names"]
         self._packed: bytes | None = reply.get("packed")
         # one int64 row per block, parsed on first use (none when not held)
@@ -111,6 +113,12 @@ class PrefixMatch:
                 out.append(MatchedBlock(self, ext))
             self._blocks = out
         return self._blocks
+
+    def meta_of(self, i: int) -> dict | None:
+        """Block ``i``'s meta (blocks of one run may differ: a writer chose each)."""
+        if not 0 <= i < self._count:
+            raise IndexError(f"block {i} is outside the {self._count} matched")
+        return self._metas[i] if len(self._metas) > 1 else self._metas[0]
 
     @property
     def num_blocks(self) -> int:

@@ -246,12 +246,16 @@ class Handlers:
                 "blocks": [],
             }
         lease, names, packed, _ = b.match(session, found, ttl)
+        # One meta for the run when every block shares it (the usual case), else one per
+        # block: a reader checks each block's layout before copying it.
+        first = found[0].meta
+        same = all(obj.meta is first or obj.meta == first for obj in found)
         reply: R.PrefixMatch = {
             "ttl": ttl,
             "matched": len(found),
             "lease": lease.id,
             "names": list(names),
-            "metas": [found[0].meta],
+            "metas": [first] if same else [obj.meta for obj in found],
             "blocks": [],
         }
         # Compact reply: when every block has the same buffer names (the usual case), one

@@ -141,7 +141,8 @@ class PrefixMatch(TypedDict):
     matched: int
     lease: int | None  # None when nothing matched
     names: list[str]
-    metas: NotRequired[list[dict | None]]  # the first block's meta, when one matched
+    # the run's meta when its blocks share one, else each block's
+    metas: NotRequired[list[dict | None]]
     # When every block has the buffers `names`: little-endian int64 rows [pool, offset,
     # nbytes, offset, nbytes, ...], one per block, and `blocks` is empty; else `blocks`.
     packed: NotRequired[bytes]

@@ -20,6 +20,7 @@ only the slots it names, until it returns.
 from __future__ import annotations
 
 from kvbroker import blocks
+from kvbroker.errors import LayoutMismatch
 
 from .._link import BrokerLink, Warnings
 from ._pages import BlockStore, PageKeys
@@ -88,21 +89,40 @@ class StateStore(BlockStore):
             return 0
         try:
             self._check(slots)
-            names = [self.keys.page(h) for h in page_hashes]
-            with blocks.match(client, self.namespace, self.format, names) as match:
-                found = match.num_blocks
-                for i in range(found):
-                    src, at = match.blocks[i][self.format.packed], 0
+            keys = self.keys.blocks(page_hashes)
+            with blocks.match_keys(client, self.namespace, keys) as match:
+                found = 0
+                # Each page is checked before it is copied: one a writer stored with other
+                # parts or bytes ends the run, and the pages before it still count.
+                while found < match.num_blocks and self._intact(match, found):
+                    src, at = match.blocks[found][self.format.packed], 0
                     for rows in self.rows:
-                        dst = rows[slots[i]]
+                        dst = rows[slots[found]]
                         blocks.copy_into(dst, src[at:at + dst.size])
                         at += dst.size
+                    found += 1
         except Exception as exc:  # noqa: BLE001 - SGLang's thread must go on
             self._failed(client, exc, "get")
             return 0
         self._count("read_pages", found)
         self._count("read_missed", len(page_hashes) - found)
         return found
+
+    def _intact(self, match, i: int) -> bool:
+        """Whether matched page ``i`` holds this pool's state page: its meta and its one
+        buffer's size; a page that does not is counted and warned of, never copied."""
+        try:
+            self.format.check(match.meta_of(i))
+            got = {name: match.blocks[i][name].size for name in match.blocks[i]}
+            if got != {self.format.packed: self.page_nbytes}:
+                raise LayoutMismatch(f"a state page holds buffers {got}, not "
+                                     f"{{{self.format.packed!r}: {self.page_nbytes}}}")  # fmt: skip
+        except LayoutMismatch as exc:
+            self._count("read_bad_pages")
+            self.warnings.warn("bad_state_page", "a stored Mamba state page does not match "
+                               "this pool (%s): read as a miss", exc)  # fmt: skip
+            return False
+        return True
 
     def write(self, page_hashes: list[str], slots: list[int]) -> bool:
         """Store the states the node lacks; True when every one is stored (now or before)."""
