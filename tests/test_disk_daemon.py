@@ -15,6 +15,7 @@ import pytest
 
 from conftest import DaemonProcess, drop_leftover_pools
 from kvbroker import NotFound
+from kvbroker import blocks as kvblocks
 from kvbroker._server.config import env_name
 from kvbroker._server.disk_store import INDEX_NAME, SLOTS_NAME
 from kvbroker.prefix import PrefixCache
@@ -112,6 +113,32 @@ def test_a_prefix_chain_spanning_both_tiers_is_counted_and_leased(daemons, tmp_p
             for i, blk in enumerate(m.blocks):
                 assert np.array_equal(blk["past_key.0"], blocks[i]["past_key.0"]), i
         assert c.stat().disk.promoted == 5
+
+
+def test_blocks_on_disk_are_reported_existing_not_reserved_again(daemons, tmp_path):
+    """reserve_blocks answers a block on the disk tier as one in a pool (no lease): a
+    PrefixCache publishing a chain again writes none of it, nor replaces its disk copies."""
+    d = daemons(tier_env(tmp_path / "disk"))
+    with d.client() as c:
+        cache = PrefixCache(c, block_size=4)
+        tokens = list(range(100, 100 + 4 * 6))
+        blocks = [{"past_key.0": pattern(f"again{i}", 64 << 10)} for i in range(6)]
+        assert cache.publish(tokens, blocks) == 6
+        for h in reversed(cache.hashes(tokens)[2:]):  # 4 of them to disk only
+            assert c.evict(h, namespace="prefix", tier="dram").count == 1
+        before = c.stat()
+        assert before.disk.only_on_disk == 4
+        assert cache.publish(tokens, blocks) == 0  # nothing new: 2 in the pool, 4 on disk
+        keys = [{"key": h, "parent": None} for h in cache.hashes(tokens)]
+        r = kvblocks.reserve(c, "prefix", keys, {"past_key.0": 64 << 10})
+        assert r.leases == [None] * 6
+        after = c.stat()
+        assert after.counters.publishes == before.counters.publishes
+        assert after.disk.only_on_disk == 4 and after.disk.promoted == 0
+        with cache.match(tokens + [0]) as m:  # the disk copies are the ones first written
+            assert m.num_blocks == 6
+            for i, blk in enumerate(m.blocks):
+                assert np.array_equal(blk["past_key.0"], blocks[i]["past_key.0"]), i
 
 
 def test_evict_by_tier(daemons, tmp_path):

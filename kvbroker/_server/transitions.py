@@ -26,6 +26,7 @@ from .._wire.stats import Counters, Statistics
 from .accounts import Accounts
 from .arenas import Arenas
 from .directory import Directory
+from .disk_tier import on_disk_only
 from .leases import LeaseRegistry, LeaseTable
 from .pages import Pages
 from .policy import Policy, Quotas, forget_accounts
@@ -293,13 +294,15 @@ class Transitions:
 
     def reserve_all(self, session: Session, plans: list, ttl: float) -> list[Lease | None]:
         """Owns: a write lease per plan ``(ident, parent, layout, span, meta, tokens,
-        footprint)`` whose key is free (None for one sealed or being written), all or
+        footprint)`` whose key is free (None for one sealed, being written or on the disk
+        tier: sealing it again would replace the disk copy with the same bytes), all or
         nothing: a failure frees every one of them."""
         taken: list[Lease] = []
         slots: list[Lease | None] = []
+        tier = self.pages.tier
         try:
             for ident, parent, layout, span, meta, tokens, cost in plans:
-                if self.directory.taken(ident):
+                if self.directory.taken(ident) or on_disk_only(tier, ident):
                     slots.append(None)
                     continue
                 lease = self.reserve_extent(session, ident, layout, span, meta, ttl, tokens, cost)
