@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import sys
 import time
-from typing import Optional
 
 import typer
 
@@ -77,7 +76,7 @@ ConfigOpt = typer.Option(
 
 @app.command()
 @with_setting_flags  # one option per setting with a flag (kvbroker/_server/config.py)
-def serve(config: Optional[str] = ConfigOpt, *, flags: dict) -> None:
+def serve(config: str | None = ConfigOpt, *, flags: dict) -> None:
     """Run the broker daemon in the foreground (as systemd's kvbroker.service does).
 
     Settings come from the configuration file, then KVBROKER_<KEY> variables, then these
@@ -107,8 +106,8 @@ def serve(config: Optional[str] = ConfigOpt, *, flags: dict) -> None:
 
 @app.command()
 def doctor(
-    config: Optional[str] = ConfigOpt,
-    socket: Optional[str] = typer.Option(
+    config: str | None = ConfigOpt,
+    socket: str | None = typer.Option(
         None, "--socket", "-s", metavar="PATH", help="Socket path to check.",
         show_default=user_default_socket(),
     ),
@@ -149,7 +148,7 @@ app.command()(release)
 
 @app.command()
 def tui(
-    socket: Optional[str] = SocketOpt,
+    socket: str | None = SocketOpt,
     interval: float = typer.Option(
         1.0, min=0.05, metavar="SECONDS", help="Seconds between snapshots."
     ),
@@ -165,8 +164,8 @@ def fetch(
     key: str = typer.Argument(..., help="Key of the object to pull."),
     peer: str = typer.Option(..., "--peer", "-p", help="HOST:PORT of the broker holding it "
                              "(its [transfer] listen)."),
-    namespace: Optional[str] = namespace_opt("Namespace of the object (default: default)."),
-    socket: Optional[str] = SocketOpt,
+    namespace: str | None = namespace_opt("Namespace of the object (default: default)."),
+    socket: str | None = SocketOpt,
     as_json: bool = JsonOpt,
 ) -> None:
     """Pull a sealed object from another node's broker into this node's pools (one NIXL
@@ -187,14 +186,14 @@ def fetch(
 
 @app.command()
 def verify(
-    match: Optional[str] = typer.Option(
+    match: str | None = typer.Option(
         None, "--match", "-m", metavar="REGEX", help="Only keys this regex (RE2) matches."
     ),
-    namespace: Optional[str] = namespace_opt("Only objects of this namespace."),
+    namespace: str | None = namespace_opt("Only objects of this namespace."),
     wide: bool = typer.Option(
         False, "--wide", "-w", help="Never cut namespaces and keys to fit the terminal."
     ),
-    socket: Optional[str] = SocketOpt,
+    socket: str | None = SocketOpt,
     as_json: bool = JsonOpt,
 ) -> None:
     """Re-hash sealed objects against the checksums recorded at seal; exit 1 on a mismatch.

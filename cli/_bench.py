@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import json
-from typing import Optional
 
 import typer
 
@@ -104,13 +103,13 @@ def _execute(socket, json_out, plot, run, pool_size="1G", daemon_args=(), daemon
 
 @bench_app.command()
 def transfer(
-    socket: Optional[str] = SocketOpt,
+    socket: str | None = SocketOpt,
     sizes: str = typer.Option("4K,16K,64K,256K,1M,4M,16M,32M,64M,256M",
                               help="Object sizes, comma-separated."),
     budget: str = typer.Option("2G", help="About this many bytes moved per size."),
     pool_size: str = typer.Option("1G", help="Pool of the private daemon."),
-    json_out: Optional[str] = JsonOutOpt,
-    plot: Optional[str] = PlotOpt,
+    json_out: str | None = JsonOutOpt,
+    plot: str | None = PlotOpt,
 ) -> None:
     """Publish+claim GB/s and p50/p99 latency per object size, memcpy in the same loop."""
     from kvbroker._bench import transfer as t
@@ -121,11 +120,11 @@ def transfer(
 
 @bench_app.command()
 def rpc(
-    socket: Optional[str] = SocketOpt,
+    socket: str | None = SocketOpt,
     clients: str = typer.Option("1,4,16", help="Concurrent client processes, per run."),
     seconds: float = typer.Option(2.0, min=0.05, help="Measuring window per run."),
-    json_out: Optional[str] = JsonOutOpt,
-    plot: Optional[str] = PlotOpt,
+    json_out: str | None = JsonOutOpt,
+    plot: str | None = PlotOpt,
 ) -> None:
     """Control-plane operations/s and latency with N concurrent client processes."""
     from kvbroker._bench import rpc as r
@@ -136,11 +135,11 @@ def rpc(
 
 @bench_app.command()
 def scale(
-    socket: Optional[str] = SocketOpt,
+    socket: str | None = SocketOpt,
     counts: str = typer.Option("1e3,1e4,1e5,1e6", help="Directory sizes, filled in turn."),
     ops: int = typer.Option(2000, min=10, help="Operations timed at each size."),
-    json_out: Optional[str] = JsonOutOpt,
-    plot: Optional[str] = PlotOpt,
+    json_out: str | None = JsonOutOpt,
+    plot: str | None = PlotOpt,
 ) -> None:
     """Lookup/claim latency and daemon memory with 10^3..10^6 objects in the directory."""
     from kvbroker._bench import scale as s
@@ -152,12 +151,12 @@ def scale(
 
 @bench_app.command()
 def prefix(
-    socket: Optional[str] = SocketOpt,
+    socket: str | None = SocketOpt,
     lengths: str = typer.Option("64,256,1024,4096,8192", help="Prefix lengths in tokens."),
     reps: int = typer.Option(200, min=1, help="Matches timed per length."),
     prompts: int = typer.Option(200, min=2, help="Requests of the hit-rate workload."),
-    json_out: Optional[str] = JsonOutOpt,
-    plot: Optional[str] = PlotOpt,
+    json_out: str | None = JsonOutOpt,
+    plot: str | None = PlotOpt,
 ) -> None:
     """match_prefix latency against prefix length, and a hit-rate workload."""
     from kvbroker._bench import prefix as px
@@ -168,11 +167,11 @@ def prefix(
 
 @bench_app.command()
 def tp(
-    socket: Optional[str] = SocketOpt,
+    socket: str | None = SocketOpt,
     repeats: int = typer.Option(5, min=1, help="Requests timed per configuration."),
-    layout: Optional[list[str]] = typer.Option(None, help="Decode cache layout(s); default all."),
-    json_out: Optional[str] = JsonOutOpt,
-    plot: Optional[str] = PlotOpt,
+    layout: list[str] | None = typer.Option(None, help="Decode cache layout(s); default all."),
+    json_out: str | None = JsonOutOpt,
+    plot: str | None = PlotOpt,
 ) -> None:
     """Heterogeneous vs homogeneous TP claims: copies per claim, GB/s (needs torch)."""
     from kvbroker._bench import tp as t
@@ -188,8 +187,8 @@ def tp(
 @bench_app.command()
 def gpu(
     reps: int = typer.Option(10, min=1, help="Repetitions per figure."),
-    json_out: Optional[str] = JsonOutOpt,
-    plot: Optional[str] = PlotOpt,
+    json_out: str | None = JsonOutOpt,
+    plot: str | None = PlotOpt,
 ) -> None:
     """CUDA only: D2H/H2D vs pinned, gather/scatter vs D2D, GPU-to-GPU through the rings.
 
@@ -207,42 +206,42 @@ def gpu(
 
 @bench_app.command()
 def peer(
-    mooncake_python: Optional[str] = typer.Option(
+    mooncake_python: str | None = typer.Option(
         None, metavar="PYTHON",
         help="Python of the environment with Mooncake installed, e.g. /tmp/mc/bin/python.",
         show_default="Mooncake not run: kvbroker against memcpy only",
     ),
-    peer_script: Optional[str] = typer.Option(
+    peer_script: str | None = typer.Option(
         None, metavar="FILE", envvar="KVBROKER_PEER_SCRIPT",
         help="The peer's driver (it runs under --mooncake-python).",
         show_default="benchmarks/mooncake_peer.py of the source tree",
     ),  # fmt: skip
-    lmcache_python: Optional[str] = typer.Option(
+    lmcache_python: str | None = typer.Option(
         None, metavar="PYTHON",
         help="Python of the environment with the lmcache wheel, e.g. /tmp/lmc/bin/python.",
         show_default="LMCache not run",
     ),
-    lmcache_script: Optional[str] = typer.Option(
+    lmcache_script: str | None = typer.Option(
         None, metavar="FILE", help="LMCache's driver (it runs under --lmcache-python).",
         show_default="benchmarks/lmcache_peer.py of the source tree",
     ),
-    kvcr_python: Optional[str] = typer.Option(
+    kvcr_python: str | None = typer.Option(
         None, metavar="PYTHON",
         help="Python of the environment with the kvcr wheel and NIXL.",
         show_default="KVCR not run",
     ),
-    kvcr_script: Optional[str] = typer.Option(
+    kvcr_script: str | None = typer.Option(
         None, metavar="FILE", help="KVCR's driver (it runs under --kvcr-python).",
         show_default="benchmarks/kvcr_peer.py of the source tree",
     ),
-    socket: Optional[str] = SocketOpt,
+    socket: str | None = SocketOpt,
     sizes: str = typer.Option("256K,4M,32M", help="Object sizes (the peer's defaults)."),
     modes: str = typer.Option("dummy,embedded",
                               help="Mooncake modes to run (with --mooncake-python)."),
     ops: int = typer.Option(50, min=3, help="Timed operations per size, both sides."),
     rounds: int = typer.Option(1, min=1, help="Peer-then-kvbroker rounds (ranges reported)."),
-    json_out: Optional[str] = JsonOutOpt,
-    plot: Optional[str] = PlotOpt,
+    json_out: str | None = JsonOutOpt,
+    plot: str | None = PlotOpt,
 ) -> None:
     """kvbroker, Mooncake Store, LMCache and KVCR side by side in one session, with ratios;
     and against memcpy, on one thread and on the copy engine's threads (without peers too)."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
-from typing import Any, Optional
+from typing import Any
 
 import typer
 from typer.core import TyperGroup
@@ -126,7 +126,7 @@ def namespace_opt(what: str) -> Any:
     return typer.Option(None, "--namespace", "-n", metavar="NS", help=what)
 
 
-def connect(socket: Optional[str], *, timeout: float = 10, name: str = "kvbroker-cli"):
+def connect(socket: str | None, *, timeout: float = 10, name: str = "kvbroker-cli"):
     from kvbroker import Client
 
     try:
@@ -137,7 +137,7 @@ def connect(socket: Optional[str], *, timeout: float = 10, name: str = "kvbroker
         raise fail(f"{exc.code}: {exc}") from None
 
 
-def run(socket: Optional[str], fn, *, regex_option: str = "--match", **connect_args):
+def run(socket: str | None, fn, *, regex_option: str = "--match", **connect_args):
     """``fn(client)`` on a fresh admin connection (``connect_args``: :func:`connect`'s);
     daemon errors become one-line exits. The daemon's "bad regex" is a usage error (exit 2),
     named after ``regex_option``."""

@@ -6,7 +6,6 @@ import dataclasses
 import enum
 import sys
 import time
-from typing import Optional
 
 import typer
 
@@ -72,20 +71,20 @@ def object_table(rows: list[tuple[str, str, list[str]]], tail_headers: list[tupl
     for ns, key, cells in names:
         lines.append(
             f"{fit(ns, ns_w - 2):<{ns_w}}{fit(key, key_w - 2):<{key_w}}"
-            + "".join(f"{c:>{w}}" for c, (_, w) in zip(cells, tail_headers))
+            + "".join(f"{c:>{w}}" for c, (_, w) in zip(cells, tail_headers, strict=True))
         )
     return lines
 
 
 def ls_(
-    match: Optional[str] = typer.Option(
+    match: str | None = typer.Option(
         None, "--match", "-m", metavar="REGEX", help="Only keys this regex (RE2) matches."
     ),
-    namespace: Optional[str] = namespace_opt("Only objects of this namespace."),
+    namespace: str | None = namespace_opt("Only objects of this namespace."),
     limit: int = typer.Option(
         DEFAULT_LIMIT, min=0, metavar="N", help="At most N objects; 0: every one.",
     ),  # fmt: skip
-    sort: Optional[SortBy] = typer.Option(
+    sort: SortBy | None = typer.Option(
         None, "--sort",
         help="Order the objects listed (size, age, readers, buffers: largest/oldest first).",
         show_default="the order they were sealed in",
@@ -95,7 +94,7 @@ def ls_(
     wide: bool = typer.Option(
         False, "--wide", "-w", help="Never cut namespaces and keys to fit the terminal."
     ),
-    socket: Optional[str] = SocketOpt,
+    socket: str | None = SocketOpt,
     as_json: bool = JsonOpt,
 ) -> None:
     """List sealed objects.
@@ -141,10 +140,10 @@ _LOOKUP_ONLY = ("checksums", "buffer_sizes", "consumers")
 
 def show(
     key: str = typer.Argument(..., help="The object's key."),
-    namespace: Optional[str] = namespace_opt(
+    namespace: str | None = namespace_opt(
         "The object's namespace (default: look in every namespace)."
     ),
-    socket: Optional[str] = SocketOpt,
+    socket: str | None = SocketOpt,
     as_json: bool = JsonOpt,
 ) -> None:
     """One object in full: size, buffers and their sizes, pool, readers, consumers left, age,
@@ -219,7 +218,7 @@ def show(
         names = [clean(n) for n in sizes]
         width = max([4] + [len(n) for n in names])
         lines.append(f"  buffers     {'NAME':<{width}}  {'BYTES':>12}  CHECKSUM")
-        for shown, (name, nbytes) in zip(names, sizes.items()):
+        for shown, (name, nbytes) in zip(names, sizes.items(), strict=True):
             digest = checksum_text(sums[name]) if name in sums else "-"
             lines.append(f"              {shown:<{width}}  "
                          f"{'?' if nbytes is None else nbytes:>12}  {digest}")  # fmt: skip
@@ -251,23 +250,23 @@ def _confirm_on_terminal() -> bool:
 
 
 def evict(
-    key: Optional[str] = typer.Argument(None, help="Evict this key (from every namespace "
+    key: str | None = typer.Argument(None, help="Evict this key (from every namespace "
                                         "unless --namespace)."),  # fmt: skip
-    match: Optional[str] = typer.Option(
+    match: str | None = typer.Option(
         None, "--match", "-m", metavar="REGEX", help="Keys this regex (RE2) matches."
     ),
-    namespace: Optional[str] = namespace_opt("Only objects of this namespace."),
-    match_buffers: Optional[str] = typer.Option(
+    namespace: str | None = namespace_opt("Only objects of this namespace."),
+    match_buffers: str | None = typer.Option(
         None, metavar="REGEX", help="Objects with a buffer name this regex matches."
     ),
-    older_than: Optional[str] = typer.Option(None, metavar="AGE", help="Age, e.g. 10m, 2h."),
+    older_than: str | None = typer.Option(None, metavar="AGE", help="Age, e.g. 10m, 2h."),
     all_: bool = typer.Option(False, "--all", help="Every unleased object (nothing else)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Show what would go; free nothing."),
     tier: str = typer.Option("all", "--tier", metavar="all|dram|disk",
                              help="all: from the pools and the disk tier; dram: from the "
                                   "pools only (kept on disk); disk: the disk copies only."),
     yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask before --all."),
-    socket: Optional[str] = SocketOpt,
+    socket: str | None = SocketOpt,
     as_json: bool = JsonOpt,
 ) -> None:
     """Free sealed objects matching every filter given (leased ones are never evicted).

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Optional
 
 import typer
 
@@ -16,7 +15,7 @@ def ping(
     interval: float = typer.Option(
         1.0, "--interval", "-i", min=0.0, metavar="SECONDS", help="Seconds between pings."
     ),
-    socket: Optional[str] = SocketOpt,
+    socket: str | None = SocketOpt,
     as_json: bool = JsonOpt,
 ) -> None:
     """Round trips to the daemon: its version and pid, the time to connect and each ping's.

@@ -3,7 +3,6 @@ blocks are kept past plain LRU (see docs/sessions.md)."""
 
 from __future__ import annotations
 
-from typing import Optional
 
 import typer
 
@@ -20,8 +19,8 @@ def _expires(seconds: float) -> str:
 
 
 def sessions(
-    socket: Optional[str] = SocketOpt,
-    namespace: Optional[str] = namespace_opt("Only the sessions of this namespace."),
+    socket: str | None = SocketOpt,
+    namespace: str | None = namespace_opt("Only the sessions of this namespace."),
     limit: int = typer.Option(100, "--limit", min=1, max=1000, help="The largest N sessions."),
     as_json: bool = JsonOpt,
 ) -> None:
@@ -42,7 +41,7 @@ def render(reply: dict, rows: list) -> str:
 
     now = time.time()
     lines = []
-    for i, (used, cap) in enumerate(zip(reply["retained_bytes"], reply["retained_cap"])):
+    for i, (used, cap) in enumerate(zip(reply["retained_bytes"], reply["retained_cap"], strict=True)):
         share = used / cap if cap else 0.0
         lines.append(f"pool {i}: {format_size(used)} retained of a {format_size(cap)} cap "
                      f"({share:.0%})")  # fmt: skip
@@ -57,7 +56,7 @@ def render(reply: dict, rows: list) -> str:
         name_w = max(12, width - 56 - ns_w)
     lines += ["", f"{'NAMESPACE':<{ns_w}}{'SESSION':<{name_w}}{'TENANT':>10}{'PRIO':>5}"
                   f"{'BLOCKS':>8}{'BYTES':>11}{'LAST USE':>11}{'EXPIRES':>10}"]  # fmt: skip
-    for (ns, name), r in zip(names, rows):
+    for (ns, name), r in zip(names, rows, strict=True):
         idle = _expires(max(0.0, now - r.last_use)) + " ago"
         lines.append(f"{fit(ns, ns_w - 2):<{ns_w}}{fit(name, name_w - 2):<{name_w}}"
                      f"{fit(user_name(r.uid), 9):>10}{r.priority:>5}{r.blocks:>8}"
@@ -73,11 +72,11 @@ def retain(
     for_: str = typer.Option(..., "--for", metavar="DURATION",
                              help="Keep it retained this long from now (e.g. 1h; at most "
                                   "[sessions] max_retain)."),  # fmt: skip
-    priority: Optional[int] = typer.Option(None, "--priority", min=0, max=100, metavar="N",
+    priority: int | None = typer.Option(None, "--priority", min=0, max=100, metavar="N",
                                            help="0-100: evicted after sessions of lower "
                                                 "priority."),  # fmt: skip
-    namespace: Optional[str] = namespace_opt("The session's namespace, when several have it."),
-    socket: Optional[str] = SocketOpt,
+    namespace: str | None = namespace_opt("The session's namespace, when several have it."),
+    socket: str | None = SocketOpt,
     as_json: bool = JsonOpt,
 ) -> None:
     """Keep a session's blocks retained for a while (each request renews it too)."""
@@ -92,8 +91,8 @@ def retain(
 
 def release(
     session: str = typer.Argument(..., metavar="SESSION", help="The session's name."),
-    namespace: Optional[str] = namespace_opt("The session's namespace, when several have it."),
-    socket: Optional[str] = SocketOpt,
+    namespace: str | None = namespace_opt("The session's namespace, when several have it."),
+    socket: str | None = SocketOpt,
     as_json: bool = JsonOpt,
 ) -> None:
     """End a session now: its blocks fall back to plain LRU (nothing is freed)."""

@@ -9,7 +9,7 @@ import functools
 import inspect
 import typing
 from collections.abc import Callable
-from typing import Any, Optional
+from typing import Any
 
 import typer
 
@@ -23,7 +23,7 @@ def _parameter(key: Key) -> inspect.Parameter:
         annotation: Any = bool
         option = typer.Option(False, *key.flags, help=key.help)
     else:
-        annotation = Optional[key.text]  # None: not given, the file or a variable decides
+        annotation = key.text | None  # None: not given, the file or a variable decides
         shown = key.shown_default()
         option = typer.Option(None, *key.flags, help=key.help, metavar=key.metavar,
                               show_default=shown if shown is not None else False)  # fmt: skip

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Optional
 
 import typer
 
@@ -26,7 +25,7 @@ _CLEAR = "\x1b[H\x1b[2J"
 
 
 def stat(
-    socket: Optional[str] = SocketOpt,
+    socket: str | None = SocketOpt,
     as_json: bool = JsonOpt,
     watch: bool = typer.Option(
         False, "--watch", "-w", help="Print a new snapshot every --interval until Ctrl-C "
@@ -107,7 +106,7 @@ def render(s) -> str:
     r = s.retention
     if r is not None and (r.sessions or r.evicted or r.dropped):
         held = "  ".join(f"pool {i} {format_size(b)} of {format_size(cap)}"
-                         for i, (b, cap) in enumerate(zip(r.retained_bytes, r.retained_cap)))
+                         for i, (b, cap) in enumerate(zip(r.retained_bytes, r.retained_cap, strict=True)))
         lines += ["", f"sessions {r.sessions}  retained blocks {r.retained_objects}  {held}"]
         for why, what in (("evicted", r.evicted), ("lost retention", r.dropped)):
             if what:
@@ -120,7 +119,7 @@ def render(s) -> str:
             ns_w = min(ns_w, max(12, width - 45))
         lines += ["", f"{'NAMESPACE':<{ns_w}}{'OBJECTS':>9}{'BYTES':>12}{'USED':>12}"
                       f"{'QUOTA':>12}"]  # fmt: skip
-        for name, n in zip(names, s.namespaces):
+        for name, n in zip(names, s.namespaces, strict=True):
             quota = format_size(n.quota) if n.quota is not None else "-"
             lines.append(f"{fit(name, ns_w - 2):<{ns_w}}{n.objects:>9}{format_size(n.bytes):>12}"
                          f"{format_size(n.used):>12}{quota:>12}")  # fmt: skip

@@ -21,7 +21,8 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 __all__ = ["CpuPressure", "cpu_spare", "OthersBusy", "cpu_left_idle"]
 
@@ -99,7 +100,8 @@ class OthersBusy:
             for line in text.split(b"\n"):
                 fields = line.split()
                 if fields and fields[0] in self._lines:
-                    ticks = [a + int(b) for a, b in zip(ticks, fields[1:9])]
+                    # strict=False: an old kernel's line has fewer fields
+                    ticks = [a + int(b) for a, b in zip(ticks, fields[1:9], strict=False)]
         own = os.times()
         return sum(ticks), ticks[3] + ticks[4], (own.user + own.system) * self._tick
 
@@ -117,7 +119,7 @@ class OthersBusy:
             self._pid, last = os.getpid(), None
         if last is None or now[0] <= last[0]:
             return None
-        total, idle, own = (a - b for a, b in zip(now, last))
+        total, idle, own = (a - b for a, b in zip(now, last, strict=True))
         return max(0.0, total - idle - own) / (total / self.cpus)
 
 

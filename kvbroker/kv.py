@@ -160,7 +160,7 @@ def publish_shard(
                 for layer, row in enumerate(names) for c, name in enumerate(row)]  # fmt: skip
         done = default_engine().run_jobs(jobs, spec.layout.nbytes * len(jobs))
         ops = sum(n for n, _ in done)
-        sums = {name: d for (_, d), name in zip(done, (n for row in names for n in row))}
+        sums = {name: d for (_, d), name in zip(done, (n for row in names for n in row), strict=True)}
         for name, value in extra.items():
             if not sizes[name]:
                 if kind is not None:

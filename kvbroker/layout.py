@@ -266,7 +266,7 @@ class Layout:
         breaks = np.flatnonzero(starts[1:] != starts[:-1] + leaf) + 1
         firsts = np.concatenate(([0], breaks))
         lasts = np.concatenate((breaks, [len(starts)]))
-        return [(int(starts[a]), int(b - a) * leaf) for a, b in zip(firsts, lasts)]
+        return [(int(starts[a]), int(b - a) * leaf) for a, b in zip(firsts, lasts, strict=True)]
 
     def _check_leaf_contiguous(self) -> None:
         expected = 1

@@ -245,7 +245,7 @@ class PrefixCache:
         sums = []
         try:
             j = 0
-            for i, lease in zip(range(lo, hi), reserved.leases):
+            for i, lease in zip(range(lo, hi), reserved.leases, strict=True):
                 if lease is None:
                     continue
                 sums.append({name: blocks_api.copy(reserved.view(j, name), src, kind)

@@ -45,7 +45,7 @@ class KeyedTable(DataTable):
                 self.add_row(*cells, key=key)
                 added = True
             elif old != cells:
-                for column, before, after in zip(columns, old, cells):
+                for column, before, after in zip(columns, old, cells, strict=True):
                     if before != after:
                         self.update_cell(key, column, after, update_width=True)
             self._rows[key] = cells

@@ -95,7 +95,7 @@ def main() -> None:
         print(f"prefill engine: {len(prompts)} prompts in {prefill_s:.2f} s")
         _, decoded, decode_s = run("kv_consumer", args, prompts, a.max_tokens)
         print(f"decode engine: {decode_s:.2f} s")
-        for p, toks in zip(prompts, decoded):
+        for p, toks in zip(prompts, decoded, strict=True):
             print(f"  prompt of {len(p)} tokens -> {toks}")
         if a.check:
             _, plain, _ = run(None, args, prompts, a.max_tokens)

@@ -254,10 +254,10 @@ class Result:
 def format_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
     """A fixed-width text table; ``columns``: (key, header, format) triples."""
     widths = [max(len(h), 10) for _, h, _ in columns]
-    lines = ["  ".join(f"{h:>{w}}" for (_, h, _), w in zip(columns, widths))]
+    lines = ["  ".join(f"{h:>{w}}" for (_, h, _), w in zip(columns, widths, strict=True))]
     for row in rows:
         cells = []
-        for (key, _, fmt), w in zip(columns, widths):
+        for (key, _, fmt), w in zip(columns, widths, strict=True):
             v = row.get(key)
             if v is None:
                 s = "-"

@@ -28,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from functools import partial
 
 import torch
 
@@ -69,10 +70,10 @@ def wall_median(fn, reps: int) -> float:
 def bench_pinned(nbytes: int, reps: int) -> dict:
     dev = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda")
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    d2h = events_median(lambda: host.copy_(dev, non_blocking=True), reps)
-    h2d = events_median(lambda: dev.copy_(host, non_blocking=True), reps)
+    d2h = events_median(partial(host.copy_, dev, non_blocking=True), reps)
+    h2d = events_median(partial(dev.copy_, host, non_blocking=True), reps)
     pageable = torch.empty(nbytes, dtype=torch.uint8)
-    d2h_pageable = events_median(lambda: pageable.copy_(dev, non_blocking=True), 3)
+    d2h_pageable = events_median(partial(pageable.copy_, dev, non_blocking=True), 3)
     del dev, host, pageable
     return {"pinned_d2h_GBps": nbytes / d2h / 1e9, "pinned_h2d_GBps": nbytes / h2d / 1e9,
             "pageable_d2h_GBps": nbytes / d2h_pageable / 1e9}  # fmt: skip
@@ -158,9 +159,9 @@ def bench_broker(nbytes: int, reps: int) -> dict:
                 view = gpu.host_tensors(lease)["b"]
                 flat = src.view(-1)
                 res["registered_d2h_GBps"] = nbytes / events_median(
-                    lambda: view.copy_(flat, non_blocking=True), reps) / 1e9
+                    partial(view.copy_, flat, non_blocking=True), reps) / 1e9
                 res["registered_h2d_GBps"] = nbytes / events_median(
-                    lambda: flat.copy_(view, non_blocking=True), reps) / 1e9
+                    partial(flat.copy_, view, non_blocking=True), reps) / 1e9
                 del view
             del src, tensors, out, one_src, one_out, apart, apart_out
     finally:
@@ -238,7 +239,7 @@ def bench_rings(nbytes: int, reps: int) -> dict:
         a0 = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda:0")
         b1 = torch.empty(nbytes, dtype=torch.uint8, device="cuda:1")
         res["peer_access"] = bool(torch.cuda.can_device_access_peer(1, 0))
-        res["peer_copy_GBps"] = nbytes / events_median(lambda: b1.copy_(a0), reps) / 1e9
+        res["peer_copy_GBps"] = nbytes / events_median(partial(b1.copy_, a0), reps) / 1e9
         with gpu.GpuClient(Client(sock), own_client=True, device="cuda:0") as prefill, \
                 gpu.GpuClient(Client(sock), own_client=True, device="cuda:1") as decode:
             res["rings"] = prefill.rings()

@@ -172,7 +172,7 @@ def _median_rows(rounds: list[list[dict]], modes) -> list[dict]:
     """Each time the median over the rounds, every ratio derived from those medians (so the
     quotient of the times beside it); the per-round ratios' least and most as ``KEY_range``."""
     out = []
-    for per_size in zip(*rounds):
+    for per_size in zip(*rounds, strict=True):
         row = {"size": per_size[0]["size"], "rounds": len(per_size),
                "copy_threads": statistics.median_low([r["copy_threads"] for r in per_size])}  # fmt: skip
         keys = list(TIMES) + [f"{m}_{op}_ms" for m in modes for op in ("put", "get")]

@@ -45,7 +45,7 @@ class StateGroupShape:
         import torch
 
         return sum(math.prod(s) * torch.empty((), dtype=getattr(torch, d)).element_size()
-                   for s, d in zip(self.shapes, self.dtypes))  # fmt: skip
+                   for s, d in zip(self.shapes, self.dtypes, strict=True))  # fmt: skip
 
 
 def hybrid_pool(groups, num_blocks: int, device, order: str = "NHD", seed: int = 0):

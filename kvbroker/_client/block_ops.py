@@ -145,7 +145,7 @@ class Reservation:
 
 
 def _digests(names: list[str], views: list, kind: int) -> dict:
-    return {n: _integrity.digest_here(v, kind) for n, v in zip(names, views)}
+    return {n: _integrity.digest_here(v, kind) for n, v in zip(names, views, strict=True)}
 
 
 def reserve(client, namespace: str, blocks: list[dict], buffers: dict[str, int] | None = None,
@@ -291,7 +291,7 @@ def pool_runs(rows, names: list[str], order: list[str], nbytes: int, bases: dict
                             | (stage_addr[1:] != stage_addr[:-1] + nbytes)) + 1  # fmt: skip
     starts = np.concatenate(([0], breaks))
     lengths = np.diff(np.concatenate((starts, [len(pool_addr)]))) * nbytes
-    return list(zip(pool_addr[starts].tolist(), stage_addr[starts].tolist(), lengths.tolist()))
+    return list(zip(pool_addr[starts].tolist(), stage_addr[starts].tolist(), lengths.tolist(), strict=True))
 
 
 def copy(dst, src: Any, checksum_kind: int | None = None) -> Any:

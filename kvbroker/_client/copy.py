@@ -9,6 +9,7 @@ the machine has the CPUs.
 
 from __future__ import annotations
 
+from itertools import pairwise
 import sys
 from typing import Any
 
@@ -112,7 +113,7 @@ def refuse_overlaps(targets: dict[str, Any], what: str) -> None:
             start = addressof(c_char.from_buffer(t))
             spans.append((start, start + t.nbytes, i, name))
     spans.sort()
-    for (_, end, i, name), (start, _, j, other) in zip(spans, spans[1:]):
+    for (_, end, i, name), (start, _, j, other) in pairwise(spans):
         if start < end:
             from ..errors import BadRequest
 

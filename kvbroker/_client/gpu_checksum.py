@@ -29,8 +29,9 @@ from __future__ import annotations
 
 import contextlib
 import struct
+from collections.abc import Sequence
 from functools import lru_cache
-from typing import Any, Sequence
+from typing import Any
 
 import xxhash
 
@@ -271,7 +272,7 @@ class Pending:
         plan = self._plan
         out, at, tail_at = [], 0, 0
         le64, h = _LE64.pack, xxhash.xxh3_64_intdigest
-        for n, count, short in zip(plan.sizes.tolist(), plan.longs.tolist(), plan.shorts.tolist()):
+        for n, count, short in zip(plan.sizes.tolist(), plan.longs.tolist(), plan.shorts.tolist(), strict=True):
             digests = raw[8 * at : 8 * (at + count)]
             at += count
             if short:
@@ -373,7 +374,7 @@ class Prepared:
                                          self.device)  # fmt: skip
                 else:
                     longs = torch_long_all(kept, plan, self.device, _keys(self.device))
-            shorts = [_flat(t)[n - k :] for t, n, k in zip(kept, sizes, plan.shorts.tolist())
+            shorts = [_flat(t)[n - k :] for t, n, k in zip(kept, sizes, plan.shorts.tolist(), strict=True)
                       if k]  # fmt: skip
             tails = torch.cat(shorts) if shorts else None
             self._table = None
@@ -440,7 +441,7 @@ def segment_digests(tensor: Any, starts: Sequence[int], lengths: Sequence[int], 
         f = _flat(t)
         keys = _keys(t.device)
         out = torch.cat([torch_long(f[a : a + n].view(1, -1), keys)
-                         for a, n in zip(starts.tolist(), lengths.tolist())]
+                         for a, n in zip(starts.tolist(), lengths.tolist(), strict=True)]
                         or [torch.empty(0, dtype=torch.int64, device=t.device)])  # fmt: skip
     return out.cpu().numpy().view(np.uint64)
 

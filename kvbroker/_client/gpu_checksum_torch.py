@@ -48,7 +48,7 @@ def torch_long_all(kept, plan, device, keys):
 
     digests = []
     per_slab = max(1, _TORCH_SLAB // _cs.CHUNK)
-    for t, n, count in zip(kept, plan.sizes.tolist(), plan.longs.tolist()):
+    for t, n, count in zip(kept, plan.sizes.tolist(), plan.longs.tolist(), strict=True):
         if not count:
             continue
         f = t.detach().reshape(-1).view(torch.uint8)

@@ -446,7 +446,7 @@ class GpuClient(RingClient):
         events = []
         self.last_copies = 0
         try:
-            for group, flat in zip(groups, flats):
+            for group, flat in zip(groups, flats, strict=True):
                 self.last_copies += copy_runs(
                     [(flat[name][0], srcs[name], flat[name][1]) for name in group],
                     self.stream,

@@ -62,7 +62,7 @@ class Sums:
         """The kind-1 checksums, once their kernels are done (waits for them)."""
         out: dict[str, Any] = {}
         for names, pending in self._pending:
-            for name, value in zip(names, pending.result()):
+            for name, value in zip(names, pending.result(), strict=True):
                 out[name] = _cs.encode(value, _cs.KIND_XXH3C)
         self._pending = []
         return out

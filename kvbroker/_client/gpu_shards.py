@@ -11,6 +11,7 @@ and :func:`kvbroker.gpu.claim_shards_cuda`. See ``docs/design.md``.
 
 from __future__ import annotations
 
+from itertools import pairwise
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -75,7 +76,7 @@ def _uniform_spacing(addrs: list[int], nbytes: int, itemsize: int) -> int | None
     if len(addrs) == 1:
         return nbytes
     d = addrs[1] - addrs[0]
-    if d < nbytes or d % itemsize or any(b - a != d for a, b in zip(addrs, addrs[1:])):
+    if d < nbytes or d % itemsize or any(b - a != d for a, b in pairwise(addrs)):
         return None
     return d
 

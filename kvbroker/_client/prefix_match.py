@@ -262,7 +262,7 @@ class KVPrefixMatch(PrefixMatch):
                 strides.add(nbytes)
                 continue
             offsets, pools = [], set()
-            for name, j in zip(names, slots):
+            for name, j in zip(names, slots, strict=True):
                 if isinstance(raw, dict):
                     ext = raw.get(name)
                 else:

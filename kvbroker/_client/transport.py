@@ -57,7 +57,7 @@ class UnixTransport:
         except FileNotFoundError:
             sock.close()
             raise BrokerUnavailable(f"no kvbroker daemon: {path} does not exist") from None
-        except (ConnectionRefusedError, socket.timeout) as exc:
+        except (TimeoutError, ConnectionRefusedError) as exc:
             sock.close()
             raise BrokerUnavailable(f"no kvbroker daemon answers on {path} ({exc})") from None
         except PermissionError:

@@ -100,7 +100,7 @@ class Broker(Transitions):
             self.pages.take(obj.pool, obj.start, obj)
             nbytes = obj.npages * obj.pool.page_size
             obj.charged = self.accounts.charge(obj.namespace, nbytes, False, obj.tenants)
-        for pool, extents in zip(self.pools, adopted.live):
+        for pool, extents in zip(self.pools, adopted.live, strict=True):
             pool.rebuild(extents)
         for idx, start, npages in adopted.held:
             self.pages.hold(self.pools[idx], start, npages)

@@ -235,7 +235,7 @@ class Directory:
         that holds nothing does: a prefix a scheduler keeps finding is not evicted first)."""
         lru = self._lru
         there = list(filter(None, map(lru.pop, map(_serial, found), repeat(None))))
-        lru.update(zip(map(_serial, there), there))
+        lru.update(zip(map(_serial, there), there, strict=True))
 
     def _index(self, obj: StoredObject) -> None:
         self.objects[(obj.namespace, obj.key)] = obj

@@ -378,11 +378,11 @@ class DiskTier(WriteBackPass, QuotaShares, Queries):
         entries = entries[:len(leases)]
         t0 = time.perf_counter()
         reads = [loop.run_in_executor(self.store.pool, self._read_one, e, lease)
-                 for e, lease in zip(entries, leases)]  # fmt: skip
+                 for e, lease in zip(entries, leases, strict=True)]  # fmt: skip
         results = await asyncio.gather(*reads, return_exceptions=True)
         good: list[Any] = []
         failed = False  # a chain is served up to its first block that cannot be
-        for e, lease, ok in zip(entries, leases, results):
+        for e, lease, ok in zip(entries, leases, results, strict=True):
             e.reading -= 1
             if not failed and ok is True and not e.gone:
                 good.append(lease)

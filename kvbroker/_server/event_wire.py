@@ -136,7 +136,7 @@ def _wire_event(ev: Event, fmt: str) -> list | dict:
         raise TypeError(f"not a KV event: {ev!r}")
     if fmt == "tagged":
         out = _wire_event(ev, "positional")
-        return {"type": out[0], **dict(zip(_FIELDS[out[0]], out[1:]))}
+        return {"type": out[0], **dict(zip(_FIELDS[out[0]], out[1:], strict=True))}
     raise ValueError(f"unknown event format {fmt!r} (one of {', '.join(FORMATS)})")
 
 

@@ -161,7 +161,7 @@ class Fleet:
         except ImportError as exc:
             raise KVBrokerError(str(exc)) from None
         self._map_pools()
-        self.endpoint.register(zip(self.bases, (p.size for p in self.broker.pools)))
+        self.endpoint.register(zip(self.bases, (p.size for p in self.broker.pools), strict=True))
         s = self.broker.open_session(os.getpid(), os.getuid(), os.getgid())
         s.name, s.role, s.greeted = "fleet", "puller", True
         self.session = s

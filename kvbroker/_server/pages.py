@@ -264,7 +264,7 @@ class Pages:
         (reservations, write arenas), quarantined pages; ``pinned``: serials of the objects
         under a read lease (the lease table's)."""
         out = []
-        for pool, owners in zip(self.pools, self.owners):
+        for pool, owners in zip(self.pools, self.owners, strict=True):
             read = write = quarantined = objects = 0
             for holder in owners.values():
                 if holder.__class__ is tuple:

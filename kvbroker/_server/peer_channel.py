@@ -434,8 +434,7 @@ class PeerClient:
             why = getattr(e, "reason", None) or "closed before its hello"
             raise PeerUnavailable(f"peer {self.address} refused the TLS session (not our "
                                   f"CA's certificate, or not one of its peers?): {why}") from None
-        except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError,
-                ProtocolError, ValueError) as e:
+        except (OSError, asyncio.TimeoutError, ProtocolError, ValueError) as e:
             await self.close()
             raise PeerUnavailable(f"peer {self.address} unavailable: "
                                   f"{type(e).__name__}: {e}") from e

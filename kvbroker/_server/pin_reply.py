@@ -71,7 +71,7 @@ class Described:
         if not isinstance(extents, list) or len(extents) != len(want):
             raise ValueError("its extents do not match its buffers")
         bases, remote = set(), []
-        for e, (off, size) in zip(extents, want):
+        for e, (off, size) in zip(extents, want, strict=True):
             if not (isinstance(e, list) and len(e) == 2 and e[0].__class__ is int
                     and e[1].__class__ is int and e[1] == size and off <= e[0] < 1 << 64):
                 raise ValueError("its extents do not match its buffers")

@@ -78,7 +78,7 @@ class PublishOps:
         if (
             kept is not None
         ):  # the session's blocks: those here already now, the rest at seal
-            here = [b.directory.get(p[0]) for p, ls in zip(plans, slots) if ls is None]
+            here = [b.directory.get(p[0]) for p, ls in zip(plans, slots, strict=True) if ls is None]
             b.retention.retain(kept, [o for o in here if o is not None])
             for lease in taken:
                 b.retention.pending[lease.obj.serial] = kept
@@ -122,7 +122,7 @@ class PublishOps:
             )
             for i, ls in enumerate(held)
         ]
-        for ls, checked in zip(held, sums):
+        for ls, checked in zip(held, sums, strict=True):
             ls.obj.checksums = checked
         self.b.seal_all(held)
         return {"sealed": len(leases)}

@@ -327,7 +327,7 @@ class Retention:
             cap = share * self.capacities[idx]
             if self.pool_bytes[idx] > cap:
                 self._shed(lambda o, i=idx: o.pool.index == i,
-                           lambda i=idx: self.pool_bytes[i] <= cap, "pool_share")
+                           lambda i=idx, c=cap: self.pool_bytes[i] <= c, "pool_share")
 
     def _shed_tenant(self, uid: int, quota: int) -> None:
         # The tenant's own retained objects in eviction order (their tier, then when each

@@ -245,7 +245,7 @@ def mismatch(value: Any, tp: Any, where: str = "reply") -> str | None:
         if origin is tuple and not (len(args) == 2 and args[1] is Ellipsis):
             if len(value) != len(args):
                 return f"{where}: {len(value)} items, not {len(args)}"
-            pairs = zip(value, args)
+            pairs = zip(value, args, strict=True)
         else:
             pairs = ((v, args[0] if args else Any) for v in value)
         for i, (v, t) in enumerate(pairs):

@@ -1,4 +1,4 @@
-"""``KVBrokerStorage``: kvbroker as an SGLang HiCache storage backend (the "L3" tier).
+r"""``KVBrokerStorage``: kvbroker as an SGLang HiCache storage backend (the "L3" tier).
 
 SGLang's ``dynamic`` backend builds it as ``KVBrokerStorage(storage_config, kwargs)`` from
 ``--hicache-storage-backend-extra-config`` (see the package docstring for the command line);

@@ -186,10 +186,10 @@ def publish_cache(
     }
     names = _buffer_names(len(layers))
     tensors = {}
-    for (kname, vname), layer in zip(names, layers):
+    for (kname, vname), layer in zip(names, layers, strict=True):
         tensors[kname], tensors[vname] = layer.keys, layer.values
     sizes = {name: t.numel() * t.element_size() for name, t in tensors.items()}
-    if gpu is not None and all(t.is_cuda and n for t, n in zip(tensors.values(), sizes.values())):
+    if gpu is not None and all(t.is_cuda and n for t, n in zip(tensors.values(), sizes.values(), strict=True)):
         # DMA into the pool and the checksums computed on the GPU beside it (GpuClient.publish):
         # the seal does not hash 2 GiB on one CPU core. A strided layer is made contiguous on
         # the device first (device memory; the host still sees each byte once).
@@ -485,7 +485,7 @@ def publish_prefix(
     def block(b: int) -> dict[str, Any]:
         span = slice(b * bs, (b + 1) * bs)
         out = {}
-        for (kname, vname), layer in zip(names, layers):
+        for (kname, vname), layer in zip(names, layers, strict=True):
             out[kname] = _copy_source(layer.keys[0, :, span])  # [head, token, dim], strided
             out[vname] = _copy_source(layer.values[0, :, span])
         return out
@@ -527,13 +527,13 @@ def claim_prefix(
         names = _buffer_names(spec.num_layers)
         dt = _torch_dtype(spec.dtype)
         kvs = []
-        for kname, vname in names:
+        for _ in names:
             both = torch.empty((2, 1, spec.num_kv_heads, total, spec.head_dim), dtype=dt,
                                device=device)  # fmt: skip
             kvs.append((both[0], both[1]))
         for b, blk in enumerate(m.blocks):
             span = slice(b * bs, (b + 1) * bs)
-            for (kname, vname), (k, v) in zip(names, kvs):
+            for (kname, vname), (k, v) in zip(names, kvs, strict=True):
                 _copy_from_pool(k[0, :, span], blk[kname])
                 _copy_from_pool(v[0, :, span], blk[vname])
                 nbytes += 2 * blk[kname].nbytes

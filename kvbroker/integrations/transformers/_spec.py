@@ -282,7 +282,7 @@ def _build_cache(config: Any, kvs: Sequence[tuple[Any, Any]], seq_len: int):
             f"layout mismatch on layers: published {len(kvs)}, the local config makes "
             f"{len(cache.layers)} cache layers"
         )
-    for i, (layer, (k, v)) in enumerate(zip(cache.layers, kvs)):
+    for i, (layer, (k, v)) in enumerate(zip(cache.layers, kvs, strict=True)):
         kind = type(layer)
         if kind not in (DynamicLayer, DynamicSlidingWindowLayer):
             raise BadRequest(f"the local config makes layer {i} a {kind.__name__}, which this "

@@ -145,7 +145,7 @@ def save_cuda(client, namespace: str, fmt: BlockFormat | blocks.StateFormat, cac
                     staging = torch.empty((2, min(chunk, len(items)), *block_shape),
                                           dtype=staging_dtype, device=cache.device)  # fmt: skip
                 half = staging[k % 2][: len(leases)]
-                chosen = [it.block_id for it, ls in zip(part, res.leases) if ls]
+                chosen = [it.block_id for it, ls in zip(part, res.leases, strict=True) if ls]
                 runs = res.runs([fmt.packed], per_block, _map_pools(client, bases, res.rows),
                                 half.data_ptr(), per_block)  # fmt: skip
                 done = None

@@ -108,7 +108,7 @@ class Group:
             raise LayoutMismatch(f"the state of group {self.index} cannot be resharded between "
                                  f"TP {self.tp_size} and TP {tp_size}")  # fmt: skip
         out = []
-        for shape, (axis, segments) in zip(self.state_shapes, self.state_splits):
+        for shape, (axis, segments) in zip(self.state_shapes, self.state_splits, strict=True):
             if any(units % tp_size for units, _ in segments):
                 raise LayoutMismatch(f"group {self.index}: state blocks of "
                                      f"{[units for units, _ in segments]} heads or groups do "
@@ -183,7 +183,7 @@ def state_splits(mamba_type: Any, shapes: Any, hf_config: Any, tp_size: int) -> 
         return ()
     local = sum(u // tp_size * w for u, w in conv)
     out = ((_channel_axis(shapes[0], local), tuple(conv)), (0, tuple(ssm)))
-    for shape, (ax, segments) in zip(shapes, out):
+    for shape, (ax, segments) in zip(shapes, out, strict=True):
         if ax is None or shape[ax] != sum(u // tp_size * w for u, w in segments):
             return ()  # not the layout this knows: not resharded
     return out

@@ -131,8 +131,8 @@ def cuda_cache(tensors: Sequence, how: str):
         layer_stride = next(iter(steps)) // item
     else:
         layer_stride = first.numel()
-    s = dict(zip(axes, first.stride()))
-    n = dict(zip(axes, first.shape))
+    s = dict(zip(axes, first.stride(), strict=True))
+    n = dict(zip(axes, first.shape, strict=True))
     if how == "latent":
         size = (len(views), 1, n["block"], n["token"], 1, n["head_dim"])
         stride = (layer_stride, 0, s["block"], s["token"], 0, s["head_dim"])
@@ -255,7 +255,7 @@ class HostSave:
     def reserve(self) -> None:
         reserved = self._reserved = _reserve(self.client, self.namespace, self.fmt, self.items)
         j = 0
-        for it, lease in zip(self.items, reserved.leases):
+        for it, lease in zip(self.items, reserved.leases, strict=True):
             if lease is None:
                 self.existing += 1
             else:

@@ -38,7 +38,7 @@ def state_format(group: Group, tp_rank: int, tp_size: int) -> blocks.StateFormat
     shapes = group.shapes_for(tp_size)
     parts = [blocks.StateBuffer(f"l{layer}.s{i}", dtype, shape)
              for layer in range(len(group.layer_names))
-             for i, (shape, dtype) in enumerate(zip(shapes, group.state_dtypes))]  # fmt: skip
+             for i, (shape, dtype) in enumerate(zip(shapes, group.state_dtypes, strict=True))]  # fmt: skip
     return blocks.StateFormat(tuple(parts), tp_rank=tp_rank, tp_size=tp_size)
 
 
@@ -141,7 +141,7 @@ class StateSave:
             whole.abort()
             raise
         self.reservation = whole
-        for (_, block, _), lease in zip(self.items, self.reservation.leases):
+        for (_, block, _), lease in zip(self.items, self.reservation.leases, strict=True):
             if lease is None:
                 self.existing += 1
             else:
@@ -239,7 +239,7 @@ def load_state_resharded(client, namespace: str, group: Group, pages: StatePages
             if m.num_blocks < source:
                 continue
             fmts[0].check(m.meta)
-            sources = [torch.from_numpy(np.array(b[f.packed])) for b, f in zip(m.blocks, fmts)]
+            sources = [torch.from_numpy(np.array(b[f.packed])) for b, f in zip(m.blocks, fmts, strict=True)]
         page = reshard_page(group, sources, tp_rank, group.tp_size).to(pages.device)
         pages.scatter(torch.tensor([block], device=pages.device), page[None])
         if pages.device.type == "cuda":

@@ -252,7 +252,7 @@ class WorkerSide(HandoffWorker):
                 self.warnings.warn("agree_failed", "could not compare loads with the other "
                                    "TP ranks (%s: %s): treating them as failed",
                                    type(exc).__name__, exc)  # fmt: skip
-        for spec, mine, n in zip(loads, own, agreed):
+        for spec, mine, n in zip(loads, own, agreed, strict=True):
             if n < len(spec.block_ids):
                 failed = spec.block_ids[n:]
                 self._invalid.update(failed)
