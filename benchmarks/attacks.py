@@ -336,7 +336,7 @@ def journal(restarts: int, seed: int = 16) -> dict:
     jpath = journal_path(path)
     original = open(jpath, "rb").read()
     trials = []
-    for trial in range(restarts):
+    for _trial in range(restarts):
         data, how = damage(original, rng)
         with open(jpath, "wb") as f:
             f.write(data)

@@ -78,7 +78,7 @@ def main() -> int:
     per_op: dict[str, list[float]] = {name: [] for name in daemons}
     try:
         clients = {name: d.client(name=f"bench-{name}") for name, d in daemons.items()}
-        for name, c in clients.items():  # warm-up
+        for c in clients.values():  # warm-up
             one_round(c, args.size, 200, "warm")
         for r in range(args.rounds):
             order = list(clients) if r % 2 == 0 else list(reversed(clients))

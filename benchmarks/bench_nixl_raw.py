@@ -19,6 +19,7 @@ import asyncio
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -39,8 +40,8 @@ async def run(args) -> dict:
 
     from kvbroker.testing import peer_certificates
 
-    files = peer_certificates(tempfile.mkdtemp(prefix="kvb-certs-"),
-                              {"bench": ["127.0.0.1"]})["bench"]
+    certs = tempfile.mkdtemp(prefix="kvb-certs-")
+    files = peer_certificates(certs, {"bench": ["127.0.0.1"]})["bench"]
     sizes = {k: v for k, v in SIZES.items() if k in args.sizes}
     cmd = [sys.executable, os.path.join(ROOT, "tests", "_nixl_peer.py"), "--cert",
            files["cert_file"], "--key", files["key_file"], "--ca", files["ca_file"]]
@@ -92,6 +93,7 @@ async def run(args) -> dict:
             peer.wait(30)
         except subprocess.TimeoutExpired:
             peer.kill()
+        shutil.rmtree(certs, ignore_errors=True)
 
 
 def main() -> None:

@@ -229,7 +229,9 @@ def make_trace(
 ) -> list[list[dict]]:
     """Per conversation, its turns: {"prompt": ids, "reply": the recorded answer's ids}."""
     rng = random.Random(seed)
-    ids = lambda n: [rng.randrange(1, VOCAB) for _ in range(n)]
+    def ids(n):
+        return [rng.randrange(1, VOCAB) for _ in range(n)]
+
     shared = ids(system)
     trace = []
     for _ in range(conversations):
@@ -331,7 +333,7 @@ def summarize(mode: str, recs: list[dict], walls: list[float], reference: list[d
     }  # fmt: skip
     if reference is not None:
         row["outputs_equal_plain"] = sum(a["output"] == b["output"]
-                                         for a, b in zip(recs, reference))  # fmt: skip
+                                         for a, b in zip(recs, reference, strict=True))  # fmt: skip
     return row
 
 
@@ -493,7 +495,9 @@ def main(argv=None) -> int:
               "machine": machine_info(), "conditions_start": run_conditions(),
               "params": {k: v for k, v in vars(a).items() if k != "worker"},
               "model": model_cfg, "rounds": [], "requests": {m: [] for m in modes}}  # fmt: skip
-    note = lambda text: print(f"[{time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
+    def note(text):
+        print(f"[{time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
+
     # Every mode's engines live through the whole run, each mode with its own daemon; a round
     # replays a fresh trace (new tokens: no cache holds any of it) in every mode in turn.
     with contextlib.ExitStack() as stack:

@@ -51,7 +51,7 @@ def replay(llm, client, trace, retain: bool) -> dict:
            "prompt_tokens": 0, "requests": 0}  # fmt: skip
     seen: set[str] = set()
     t0 = time.perf_counter()
-    for i, (name, tokens) in enumerate(trace):
+    for _i, (name, tokens) in enumerate(trace):
         extra = {}
         if retain and name is not None:
             extra = {"kv_transfer_params": {"kvbroker": {"session": name}}}

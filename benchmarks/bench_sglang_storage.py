@@ -33,6 +33,7 @@ import shutil
 import sys
 import tempfile
 import time
+from functools import partial
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -147,26 +148,26 @@ def main(argv=None) -> int:
                         ok = backend.batch_set_v1(ks[lo:hi], out_idx[lo * ps:hi * ps])
                         assert all(ok), "kvbroker refused a batch (is the pool big enough?)"
 
-                def kv_get() -> None:
+                def kv_get(keys=keys) -> None:
                     for lo, hi in batches(n):
                         got = kv.batch_get_v1(keys[lo:hi], in_idx[lo * ps:hi * ps])
                         assert all(got), f"kvbroker lost pages: {sum(got)} of {len(got)}"
 
-                def file_set() -> None:
+                def file_set(keys=keys) -> None:
                     for lo, hi in batches(n):
                         data = [pool.get_data_page(i * ps) for i in range(lo, hi)]
                         assert fb.batch_set(keys[lo:hi], data)
 
-                def file_get() -> None:
+                def file_get(keys=keys) -> None:
                     for lo, hi in batches(n):
                         dummy = [pool.get_dummy_flat_data_page() for _ in range(lo, hi)]
                         pages = fb.batch_get(keys[lo:hi], dummy)
-                        for i, page in zip(range(lo, hi), pages):
+                        for i, page in zip(range(lo, hi), pages, strict=True):
                             pool.set_from_flat_data_page((n + i) * ps, page)
 
                 steps = [("memcpy_out", lambda: memcpy(True)), ("memcpy_in", lambda: memcpy(False)),
-                         ("kvbroker_set", lambda: kv_set(kv, keys)), ("kvbroker_get", kv_get),
-                         ("kvbroker_set_no_checksums", lambda: kv_set(kv_plain, keys2)),
+                         ("kvbroker_set", partial(kv_set, kv, keys)), ("kvbroker_get", kv_get),
+                         ("kvbroker_set_no_checksums", partial(kv_set, kv_plain, keys2)),
                          ("file_set", file_set), ("file_get", file_get)]  # fmt: skip
                 if rnd % 2:
                     steps = steps[4:] + steps[:4]  # alternate who runs on a warm cache
@@ -187,7 +188,7 @@ def main(argv=None) -> int:
     pressure_after, machine = psi(), machine_info()  # its load average: at the end
 
     def per_round(num: str, den: str) -> list[float]:
-        return [x / y for x, y in zip(times[num], times[den])]
+        return [x / y for x, y in zip(times[num], times[den], strict=True)]
 
     gbs = {v: total / median(ts) / 1e9 for v, ts in times.items()}
     ratios = {

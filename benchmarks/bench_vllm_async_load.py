@@ -169,7 +169,7 @@ def main() -> None:
         hashes = [f"{i:032x}" for i in range(1, nblk + 1)]
         src_ids, dst_ids = list(range(8, nblk + 8)), list(range(nblk))[::-1]
         producer.bind(StepPlan(saves=[SaveSpec("p", [(h, hashes[i - 1] if i else None, b)
-                                                     for i, (h, b) in enumerate(zip(hashes, src_ids))])]))  # fmt: skip
+                                                     for i, (h, b) in enumerate(zip(hashes, src_ids, strict=True))])]))  # fmt: skip
         producer.wait_for_save()
         producer.unbind()
         assert producer.take_stats()["saved_blocks"] == nblk, "the KV was not published whole"
@@ -183,7 +183,7 @@ def main() -> None:
                     t.zero_()
                 torch.cuda.synchronize()
                 got = scenario(a, consumer, forward, hashes, dst_ids, mode == "load_async")
-                sample = list(zip(src_ids, dst_ids))[:: max(1, nblk // 64)]
+                sample = list(zip(src_ids, dst_ids, strict=True))[:: max(1, nblk // 64)]
                 assert all(torch.equal(s6[:, :, x].view(torch.int16), d6[:, :, y].view(torch.int16))
                            for x, y in sample), f"{mode}: the loaded blocks differ"  # fmt: skip
                 if rep:

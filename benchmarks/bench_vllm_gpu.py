@@ -63,6 +63,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from functools import partial
 
 import torch
 
@@ -149,7 +150,7 @@ def bench_save_load(a, device) -> dict:
         for rep in range(a.reps + 1):
             hashes = [f"{rep:08x}{i:024x}" for i in range(nblk)]
             items = [SaveItem(h, hashes[i - 1] if i else None, b)
-                     for i, (h, b) in enumerate(zip(hashes, src_ids))]  # fmt: skip
+                     for i, (h, b) in enumerate(zip(hashes, src_ids, strict=True))]  # fmt: skip
             sync(device)
             t0 = time.perf_counter()
             new, _ = save_cuda(client, NS, fmt, src6, items, stream=stream, copier=copier)
@@ -161,7 +162,7 @@ def bench_save_load(a, device) -> dict:
             assert new == nblk and got == nblk, (new, got)
             if rep == 0:  # warm-up: check the bytes
                 ok = all(torch.equal(src6[:, :, s].view(torch.int16), dst6[:, :, t].view(torch.int16))
-                         for s, t in list(zip(src_ids, dst_ids))[:: max(1, nblk // 64)])
+                         for s, t in list(zip(src_ids, dst_ids, strict=True))[:: max(1, nblk // 64)])
                 res["bit_exact"] = bool(ok)
             else:
                 saves.append(t1 - t0)
@@ -185,8 +186,8 @@ def bench_save_load(a, device) -> dict:
 def bench_pinned(nbytes: int, reps: int) -> dict:
     dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    d2h = events_median(lambda: host.copy_(dev, non_blocking=True), reps)
-    h2d = events_median(lambda: dev.copy_(host, non_blocking=True), reps)
+    d2h = events_median(partial(host.copy_, dev, non_blocking=True), reps)
+    h2d = events_median(partial(dev.copy_, host, non_blocking=True), reps)
     del dev, host
     return {"pinned_d2h_GBps": nbytes / d2h / 1e9, "pinned_h2d_GBps": nbytes / h2d / 1e9}
 
@@ -211,7 +212,7 @@ def bench_ring(a) -> dict:
         a0 = torch.empty(nbytes, dtype=torch.uint8, device=d0)
         b1 = torch.empty(nbytes, dtype=torch.uint8, device=d1)
         res["peer_access"] = bool(torch.cuda.can_device_access_peer(1, 0))
-        res["peer_copy_GBps"] = nbytes / events_median(lambda: b1.copy_(a0), a.reps) / 1e9
+        res["peer_copy_GBps"] = nbytes / events_median(partial(b1.copy_, a0), a.reps) / 1e9
         del a0, b1
         ids0 = torch.arange(nblk, device=d0)
         ids1 = torch.arange(nblk, device=d1).flip(0)
@@ -368,7 +369,7 @@ def bench_hybrid(a, device) -> dict:
     # the daemon's pages are 2 MiB: a block takes whole pages
     pages_2m = sum(len(src[g.index]) * -(-(L * (s.content_nbytes() if g.kind == STATE
                                                  else s.page_nbytes())) // (2 << 20))
-                   for g, s in zip(groups, shapes))  # fmt: skip
+                   for g, s in zip(groups, shapes, strict=True))  # fmt: skip
     proc = start_daemon(sock, 2 * pages_2m + 512)
     worker = None
     try:
@@ -388,7 +389,7 @@ def bench_hybrid(a, device) -> dict:
             "save_blocks": sum(len(v) for v in src.values()),
             "load_blocks": sum(len(v) for v in dst.values()),
             "save_bytes": save_bytes, "load_bytes": load_bytes,
-            "state_page_bytes": sum(f.block_nbytes for g, f in zip(groups, fmts.values())
+            "state_page_bytes": sum(f.block_nbytes for g, f in zip(groups, fmts.values(), strict=True)
                                     if g.kind == STATE),
         }  # fmt: skip
         cuda = device.type == "cuda"
@@ -442,7 +443,7 @@ def bench_hybrid(a, device) -> dict:
                 ok = True
                 for g in groups:
                     pairs = list(zip(src[g.index][first_load[g.index]:] if g.kind != STATE
-                                     else src[g.index], dst[g.index]))  # fmt: skip
+                                     else src[g.index], dst[g.index], strict=True))  # fmt: skip
                     for name in g.layer_names[:: max(1, L // 4)]:
                         t = caches[name]
                         for s_id, d_id in pairs[:: max(1, len(pairs) // 16)]:

@@ -186,7 +186,7 @@ def copy_variants(args) -> tuple[list[dict], dict]:
              "range": [min(ratios[name]), max(ratios[name])]} for name in variants]  # fmt: skip
     # the measure: a checksummed copy against a memcpy over as many threads, per round
     split = [m / h for m, h in zip(medians[f"memcpy, {n} threads"],
-                                   medians[f"copy_hashed, {n} threads, {loops}"])]  # fmt: skip
+                                   medians[f"copy_hashed, {n} threads, {loops}"], strict=True)]  # fmt: skip
     return rows, {"load_1min": [min(loads), max(loads)], "loops": loops,
                   "x_split_memcpy": [statistics.median(split), min(split), max(split)]}
 

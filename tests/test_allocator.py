@@ -1,5 +1,6 @@
 """Extent allocator: never two live extents overlap, frees coalesce, accounting is exact."""
 
+from itertools import pairwise
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -77,7 +78,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         assert pos == 64
         assert self.a.used == sum(self.live.values())
         free = self.a.free_extents()
-        for (s1, n1), (s2, _) in zip(free, free[1:]):
+        for (s1, n1), (s2, _) in pairwise(free):
             assert s1 + n1 < s2, "adjacent free extents must have been coalesced"
 
 

@@ -14,6 +14,7 @@ import secrets
 import signal
 import threading
 import time
+from itertools import pairwise
 
 import numpy as np
 import pytest
@@ -62,7 +63,7 @@ def assert_no_overlap(b):
     owners = sorted((start, owner[1] if isinstance(owner, tuple) else owner.npages)
                     for start, owner in b.pages.owners[0].items())  # fmt: skip
     assert live == owners
-    for (s1, n1), (s2, _) in zip(live, live[1:]):
+    for (s1, n1), (s2, _) in pairwise(live):
         assert s1 + n1 <= s2
 
 
@@ -826,7 +827,7 @@ def test_bad_source_mid_copy_publishes_nothing(client):
     class Boom:  # claims a size but exposes no bytes
         nbytes = 4096
 
-    with pytest.raises(Exception):
+    with pytest.raises(TypeError):
         client.put("half", {"a": b"x" * 4096, "b": Boom()})
     assert not client.exists("half")
     assert client.put("half", {"a": b"x" * 4096})  # the arena is still usable

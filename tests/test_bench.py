@@ -272,7 +272,7 @@ def test_peer_without_mooncake_against_memcpy_on_the_engines_threads(daemon, tmp
     # the thread count is the engine's split of each size, not a fixed number
     assert [r["copy_threads"] for r in data["rows"]] == [1, 2, 3]
     (rnd,) = data["raw_rounds"]
-    for r, k in zip(data["rows"], rnd["kvbroker"]):
+    for r, k in zip(data["rows"], rnd["kvbroker"], strict=True):
         positive(r, "split_memcpy2_ms", "split_memcpy_gbps", "kvb_vs_split_memcpy")
         assert r["kvb_vs_split_memcpy"] == pytest.approx(  # the two times of the table
             k["split_memcpy2_p50_us"] / (k["put_p50_us"] + k["get_p50_us"]))
@@ -363,7 +363,7 @@ def test_every_ratio_column_prints_cut():
     for name in ("gpu", "peer", "prefix", "rpc", "scale", "tp", "transfer"):
         mod = importlib.import_module(f"kvbroker._bench.{name}")
         for cols in (v for k, v in vars(mod).items() if k.endswith("COLUMNS")):
-            for key, label, fmt in cols:
+            for _key, label, fmt in cols:
                 if label.startswith("x ") or " x " in f" {label} ":
                     assert fmt == "ratio", f"{name}: column {label!r} prints {fmt!r}"
                     checked += 1

@@ -71,7 +71,7 @@ def test_unsealed_object_is_invisible_then_atomic(make_broker):
     w, r = session(b), session(b)
     res = b.handle(w, "reserve", {"key": "k", "buffers": {"a": 10, "b": 5000}})
     assert set(res["buffers"]) == {"a", "b"}
-    (pa, oa, na), (pb, ob, nb) = res["buffers"]["a"], res["buffers"]["b"]
+    (_, oa, na), (_, ob, nb) = res["buffers"]["a"], res["buffers"]["b"]
     assert (na, nb) == (10, 5000) and oa % 256 == 0 and ob % 256 == 0 and ob >= oa + na
     with pytest.raises(NotFound):
         b.handle(r, "claim", {"key": "k"})

@@ -1093,12 +1093,12 @@ def test_c_loops_take_plain_data_of_any_item_type_but_no_python_objects():
     holds = np.zeros(8, dtype=[("n", np.int64), ("o", object)])
     for bad in (objects, holds):
         plain = np.zeros(bad.nbytes, dtype=np.uint8)
-        for call in (lambda: _copyhash.copy_hashed(np.empty_like(bad), bad, 64),
-                     lambda: _copyhash.copy(np.empty_like(bad), bad),
-                     lambda: _copyhash.copy(bad, plain),
-                     lambda: _copyhash.hash_chunks(bad, 64)):
+        for call, args in ((_copyhash.copy_hashed, (np.empty_like(bad), bad, 64)),
+                           (_copyhash.copy, (np.empty_like(bad), bad)),
+                           (_copyhash.copy, (bad, plain)),
+                           (_copyhash.hash_chunks, (bad, 64))):
             with pytest.raises(TypeError, match="Python objects"):
-                call()
+                call(*args)
 
 
 @pytest.mark.parametrize("native", NATIVE_MODES)
@@ -1113,10 +1113,10 @@ def test_the_engine_refuses_overlapping_views_with_either_loops(small_chunks, na
         for shift in (1, small_chunks, -3 * small_chunks - 5):
             a = 4 * small_chunks
             dst, src = whole[a + shift : a + shift + n], whole[a : a + n]
-            for call in (lambda: e.copy(dst, src), lambda: e.copy_hashed(dst, src),
-                         lambda: e.copy_hashed(whole[a + 1 : a + 101], whole[a : a + 100])):
+            for call, args in ((e.copy, (dst, src)), (e.copy_hashed, (dst, src)),
+                               (e.copy_hashed, (whole[a + 1 : a + 101], whole[a : a + 100]))):
                 with pytest.raises(ValueError, match="overlap"):
-                    call()
+                    call(*args)
         assert np.array_equal(whole, before)
     finally:
         e.close()

@@ -403,7 +403,7 @@ def test_every_request_gets_one_wellformed_reply(shared_daemon, batch):
         conn.exchange(frames, len(batch))
         assert not conn.closed, conn.replies[-1:]
         assert [m["id"] for m in conn.replies[1:]] == list(range(1, len(batch) + 1))
-        for msg, op in zip(conn.replies, ["hello"] + [op for op, _ in batch]):
+        for msg, op in zip(conn.replies, ["hello"] + [op for op, _ in batch], strict=True):
             check_reply(msg, op)
     finally:
         conn.close()

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 
-import numpy as np
 import pytest
 import xxhash
 from hypothesis import HealthCheck, given, settings, strategies as st
@@ -59,7 +58,7 @@ def test_chunk_kernel_equals_xxh3_on_every_length_shape(backend):
     starts = [(i * 136) % 4000 for i in range(len(lengths))]  # 8-aligned, overlapping
     got = G.segment_digests(buf, starts, lengths, backend=backend)
     raw = buf.numpy().tobytes()
-    want = [xxhash.xxh3_64_intdigest(raw[a : a + n]) for a, n in zip(starts, lengths)]
+    want = [xxhash.xxh3_64_intdigest(raw[a : a + n]) for a, n in zip(starts, lengths, strict=True)]
     assert got.tolist() == want
 
 

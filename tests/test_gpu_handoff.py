@@ -95,7 +95,7 @@ def _consume(sock, order, ptp, dtp, device="cuda:0"):
             fmt = _fmt(L, per, N, D, torch.bfloat16, r, dtp, total=H)
             assert load_runs(g, NS, o6, fmt, dst_ids, runs, 0, stream=g.stream)[0] == 8
             torch.cuda.synchronize()
-            for a, b in zip(SRC_IDS, dst_ids):
+            for a, b in zip(SRC_IDS, dst_ids, strict=True):
                 assert torch.equal(_bits(o6[:, :, b].cpu()),
                                    _bits(f6[:, :, a, :, r * per : (r + 1) * per]))  # fmt: skip
             rest = [i for i in range(B) if i not in dst_ids]
@@ -215,7 +215,7 @@ def test_the_connector_worker_hands_off_on_cuda_then_loads_ring_first(gpu_ring_d
         cons._gpu = GpuClient(c, own_client=False)
         assert cons._load_cuda(spec, c, cons._gpu.stream) == 8 and spec.ring_loaded == 8
         torch.cuda.synchronize()
-        for a, b in zip(SRC_IDS, dst):
+        for a, b in zip(SRC_IDS, dst, strict=True):
             assert torch.equal(_bits(cons.cache[:, :, b]), _bits(prod.cache[:, :, a]))
         assert c.stat().rings[g.local_ring()]["used"] == 0
         assert bool(c.ops.match_prefix(HASHES[:1], namespace=NS, hold=False)["matched"]) == (

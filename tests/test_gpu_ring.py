@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from itertools import pairwise
 import json
 import subprocess
 import sys
@@ -102,7 +103,7 @@ def test_service_never_overlaps_and_every_path_frees(ops):
         except (PoolFull, NotFound):
             pass
         regions = sorted(_held_regions(svc))
-        for (a0, a1), (b0, b1) in zip(regions, regions[1:]):
+        for (_a0, a1), (b0, _b1) in pairwise(regions):
             assert a1 <= b0, regions  # no two live regions overlap
         snap = svc.snapshot()[0]
         assert 0 <= snap["used"] <= snap["capacity"]

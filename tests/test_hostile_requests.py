@@ -30,7 +30,7 @@ from kvbroker._server.pool import HostPool
 from kvbroker._server.state import index_footprint
 from kvbroker._wire.checksum import digest, encode
 from kvbroker._wire.protocol import MAX_REQUEST, PROTOCOL_VERSION
-from kvbroker.errors import BadRequest, BrokerUnavailable, PoolFull
+from kvbroker.errors import BadRequest, BrokerUnavailable, LeaseExpired, PoolFull, Timeout
 from test_hardening import raw, recv_one, rss
 from test_quarantine import session
 
@@ -519,7 +519,7 @@ def test_a_refused_seal_many_aborts_every_lease_it_did_not_seal(client):
     first = client.reserve("first", {"kv": 16})
     second = client.reserve("second", {"kv": 16})
     client.ops.abort(second.id)  # gone before the batch: the daemon refuses it whole
-    with pytest.raises(Exception):
+    with pytest.raises(LeaseExpired):
         seal_many([first, second])
     assert not client.exists("first")
     assert client.stat().write_leases == 0
@@ -555,7 +555,7 @@ def test_a_forked_child_leaves_its_parents_socket_options_alone(daemon):
 
         def child() -> bool:
             c.exists("a")  # connects again from the child
-            with pytest.raises(Exception):
+            with pytest.raises(Timeout):
                 c.claim("never", wait=0.2)
             return True
 
@@ -590,7 +590,7 @@ def test_a_child_forked_while_a_thread_is_mid_call_does_not_hang(daemon):
 
     with daemon.client() as c:
         c.put("present", {"a": b"x" * 16})
-        waiting = threading.Thread(target=lambda: pytest.raises(Exception, c.claim, "never",
+        waiting = threading.Thread(target=lambda: pytest.raises(Timeout, c.claim, "never",
                                                                 wait=3))  # fmt: skip
         waiting.start()
         time.sleep(0.3)  # the thread holds the session's lock, waiting for its reply

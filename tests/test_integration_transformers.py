@@ -86,7 +86,7 @@ def test_publish_claim_is_bit_exact_for_every_dtype(client, dtype):
     assert claimed.seq_len == 37 and claimed.meta == {"next_token": 7}
     assert isinstance(claimed.cache, transformers.DynamicCache)
     assert claimed.cache.get_seq_length() == 37
-    for mine, theirs in zip(cache.layers, claimed.cache.layers):
+    for mine, theirs in zip(cache.layers, claimed.cache.layers, strict=True):
         assert theirs.keys.dtype == dtype and theirs.keys.shape == mine.keys.shape
         assert torch.equal(_bits(theirs.keys), _bits(mine.keys))
         assert torch.equal(_bits(theirs.values), _bits(mine.values))
@@ -105,7 +105,7 @@ def test_cuda_cache_through_a_gpu_client_is_bit_exact(client):
         kvt.publish_cache(g, "req-cuda", on_gpu)
         claimed = kvt.claim_cache(g, "req-cuda", config=_config(head_dim=64),
                                   dtype=torch.bfloat16, device="cuda")  # fmt: skip
-    for mine, theirs in zip(cpu.layers, claimed.cache.layers):
+    for mine, theirs in zip(cpu.layers, claimed.cache.layers, strict=True):
         assert theirs.keys.is_cuda and theirs.values.is_cuda
         assert torch.equal(_bits(theirs.keys.cpu()), _bits(mine.keys))
         assert torch.equal(_bits(theirs.values.cpu()), _bits(mine.values))
@@ -352,7 +352,7 @@ def test_a_landing_claim_returns_before_its_copies_and_every_read_waits_for_its_
         assert client.exists("req-land")  # counted only once the copies have landed
         assert isinstance(claimed.cache.layers[0], transformers.cache_utils.DynamicLayer)
         # a read on the current stream waits for the layer's copy (torch.empty held garbage)
-        for mine, theirs in zip(cpu.layers, claimed.cache.layers):
+        for mine, theirs in zip(cpu.layers, claimed.cache.layers, strict=True):
             assert torch.equal(_bits(theirs.keys.cpu()), _bits(mine.keys))
             assert torch.equal(_bits(theirs.values.cpu()), _bits(mine.values))
         claimed.landing.finish(timeout=30)
@@ -521,7 +521,7 @@ def test_tp_reshard_reassembles_the_cache_bit_exactly(client, prefill_tp, decode
         want = cache.layers[1].values[:, heads]
         assert torch.equal(_bits(shard.cache.layers[1].values), _bits(want))
     merged = kvt.merge_head_shards([s.cache for s in shards], total_kv_heads=4)
-    for mine, theirs in zip(cache.layers, merged.layers):
+    for mine, theirs in zip(cache.layers, merged.layers, strict=True):
         assert torch.equal(_bits(theirs.keys), _bits(mine.keys))
         assert torch.equal(_bits(theirs.values), _bits(mine.values))
     assert client.list(match=f"^{request}") == []  # every shard freed by its last reader
@@ -553,7 +553,7 @@ def test_any_p_to_d_reshard_is_bit_exact(client, heads, prefill_tp, decode_tp, l
               for d in range(decode_tp)]  # fmt: skip
     merged = kvt.merge_head_shards([s.cache for s in shards], total_kv_heads=heads)
     assert merged.get_seq_length() == seq
-    for mine, theirs in zip(cache.layers, merged.layers):
+    for mine, theirs in zip(cache.layers, merged.layers, strict=True):
         assert torch.equal(_bits(theirs.keys), _bits(mine.keys))
         assert torch.equal(_bits(theirs.values), _bits(mine.values))
     assert client.list(match=f"^{request}/") == []
@@ -599,7 +599,7 @@ def test_prefix_claim_of_another_model_raises(client):
         kvt.claim_prefix(pc, tokens, config=_config(num_key_value_heads=4), dtype=torch.float32)
     claimed = kvt.claim_prefix(pc, tokens + [99], config=_config(), dtype=torch.float32)
     assert claimed.seq_len == 12
-    for mine, theirs in zip(cache.layers, claimed.cache.layers):
+    for mine, theirs in zip(cache.layers, claimed.cache.layers, strict=True):
         assert torch.equal(_bits(theirs.keys), _bits(mine.keys[:, :, :12]))
     none = kvt.claim_prefix(pc, [5, 5, 5, 5, 5], config=_config(), dtype=torch.float32)
     assert none.seq_len == 0 and none.cache.get_seq_length() == 0

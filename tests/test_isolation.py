@@ -3,7 +3,6 @@ and clients of another uid (forked children that drop root, when the tests run a
 
 import json
 import os
-import pwd
 import secrets
 import stat
 import textwrap

@@ -216,7 +216,7 @@ def _rewrite_seal(path: str, key: str, change) -> None:
     entries, damaged, torn = J._frames(data, magic, seed, start)
     assert not damaged and not torn
     ends = [pos for pos, _ in entries[1:]] + [len(data)]
-    for (pos, entry), end in zip(entries, ends):
+    for (pos, entry), end in zip(entries, ends, strict=True):
         if entry.get("t") == "s" and entry["o"]["key"] == key:
             change(entry["o"])
             body = msgpack.packb(entry, use_bin_type=True)

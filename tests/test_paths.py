@@ -1,3 +1,5 @@
+import os
+
 import pytest
 
 from kvbroker._wire.paths import default_socket_path, format_size, parse_duration, parse_size
@@ -39,7 +41,7 @@ def test_default_socket_path(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
     assert default_socket_path() == str(tmp_path / "kvbroker.sock")
     monkeypatch.delenv("XDG_RUNTIME_DIR")
-    assert default_socket_path() in ("/run/kvbroker/kvbroker.sock", "/tmp/kvbroker-%d.sock" % __import__("os").geteuid())
+    assert default_socket_path() in ("/run/kvbroker/kvbroker.sock", f"/tmp/kvbroker-{os.geteuid()}.sock")
 
 
 def test_format_size():

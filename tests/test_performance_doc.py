@@ -108,7 +108,7 @@ def _cells(text: str, heading: str) -> list[dict[str, str]]:
     body = text.split(heading, 1)[1].split("\n### ", 1)[0]
     lines = [ln for ln in body.split("\n\n| ", 1)[1].split("\n\n", 1)[0].splitlines()]
     header = [h.strip() for h in lines[0].strip("| ").split("|")]
-    return [dict(zip(header, (c.strip() for c in ln.strip("|").split("|")))) for ln in lines[2:]]
+    return [dict(zip(header, (c.strip() for c in ln.strip("|").split("|")), strict=True)) for ln in lines[2:]]
 
 
 def _agrees(shown: str, num: str, den: str, factor: float = 1.0) -> bool:

@@ -30,7 +30,7 @@ def kv_block(tokens, layer):
 
 def blocks_for(tokens):
     return [
-        {f"past_key.{l}": kv_block(tokens[: (b + 1) * BLOCK], l) for l in range(LAYERS)}
+        {f"past_key.{layer}": kv_block(tokens[: (b + 1) * BLOCK], layer) for layer in range(LAYERS)}
         for b in range(len(tokens) // BLOCK)
     ]
 
@@ -47,7 +47,7 @@ def test_hashes_chain_and_are_stable_across_processes():
     changed = list(toks)
     changed[0] += 1
     h2 = block_hashes(changed, BLOCK, namespace="ns", cache_salt="s")
-    assert all(a != b for a, b in zip(h, h2))
+    assert all(a != b for a, b in zip(h, h2, strict=True))
     assert block_hashes(toks[:50], BLOCK, namespace="ns", cache_salt="s") == h[:3]
     assert block_hashes(toks, BLOCK, namespace="ns", cache_salt="t") != h
     assert block_hashes(toks, BLOCK, namespace="other", cache_salt="s") != h
@@ -83,8 +83,9 @@ def test_dp_rank_reuses_3k_of_4k_prefix(make_daemon):
             assert m.num_tokens == 3072 and m.num_blocks == 3072 // BLOCK
             want = blocks_for(p1[:3072])
             for b, blk in enumerate(m.blocks):
-                for l in range(LAYERS):
-                    assert np.array_equal(blk[f"past_key.{l}"], want[b][f"past_key.{l}"])
+                for layer in range(LAYERS):
+                    name = f"past_key.{layer}"
+                    assert np.array_equal(blk[name], want[b][name])
             s = c.stat()  # one lease pins every matched block
             assert s.read_leases == 1 and s.pools[0].leased_read >= m.num_blocks * 2048
         s = c.stat()  # the pipelined release is answered before this, in order
@@ -126,7 +127,7 @@ def test_publish_by_function_gathers_only_missing_blocks(client):
         asked.append(i)
         return blocks_for(toks)[i]
 
-    sizes = {f"past_key.{l}": BLOCK_BYTES for l in range(LAYERS)}
+    sizes = {f"past_key.{layer}": BLOCK_BYTES for layer in range(LAYERS)}
     assert pc.publish(toks, block, block_sizes=sizes) == 3
     assert asked == [3, 4, 5]
 

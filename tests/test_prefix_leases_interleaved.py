@@ -39,7 +39,7 @@ def publish_chains(b, s, rows=ROWS, chains=CHAINS):
         r = b.handle(s, "reserve_blocks", {"namespace": NS, "blocks": [
             {"key": k, "parent": keys[i - 1] if i else None} for i, k in enumerate(keys)],
             "buffers": {"x": PAGE}})  # fmt: skip
-        for k, res in zip(keys, r["results"]):
+        for k, res in zip(keys, r["results"], strict=True):
             _, off, n = res["buffers"]["x"]
             b.test_mm[off:off + n] = bytes([fill(k)]) * n
         b.handle(s, "seal_many", {"leases": [res["lease"] for res in r["results"]],

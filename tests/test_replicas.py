@@ -4,6 +4,7 @@ never make a client fail where the daemon alone would have answered."""
 
 from __future__ import annotations
 
+import functools
 import os
 import secrets
 import signal
@@ -57,7 +58,7 @@ def _replicas_answer(d, n: int, timeout: float = 60.0) -> None:
             return False
 
     for i in range(n):
-        _wait(lambda: answers(f"{d.socket_path}.r{i}"), timeout, f"replica {i} to answer")
+        _wait(functools.partial(answers, f"{d.socket_path}.r{i}"), timeout, f"replica {i} to answer")
 
 
 @pytest.fixture

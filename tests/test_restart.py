@@ -13,7 +13,7 @@ import posix_ipc
 import pytest
 
 from conftest import DaemonProcess, drop_leftover_pools
-from kvbroker import BrokerUnavailable, Client, Exists, LeaseExpired, NotFound, PoolFull
+from kvbroker import BrokerUnavailable, Exists, LeaseExpired, NotFound, PoolFull
 from kvbroker._server.allocator import ExtentAllocator
 from kvbroker._server.broker import Broker
 from kvbroker._server.journal import Journal, _frame, journal_path

@@ -453,7 +453,9 @@ def test_a_big_handoff_copies_on_the_engines_threads_and_seals_their_hashes(
 
     monkeypatch.setattr(eng, "_spread", spread)
     for name in shares:
-        def spy(*args, _real=getattr(kv, name), _name=name):
+        real = getattr(kv, name)
+
+        def spy(*args, _real=real, _name=name):
             shares[_name].add(getattr(share, "at", None))
             return _real(*args)
 

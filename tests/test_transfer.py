@@ -263,7 +263,7 @@ class _Relay:
 
     async def start(self) -> str:
         self.server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
-        return "127.0.0.1:%d" % self.server.sockets[0].getsockname()[1]
+        return f"127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
 
     async def _relay(self, reader, writer):
         ur, uw = await asyncio.open_connection(*self.target)

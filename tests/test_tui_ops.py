@@ -323,7 +323,7 @@ async def test_hit_rate_of_100_percent_is_not_drawn_like_0_percent():
         app = MonitorApp(source)
         async with app.run_test(size=(120, 40)) as pilot:
             source.feed(*(_hits_snapshot(i, hits, misses) for i in range(8)))
-            await until(pilot, lambda: app.snapshots_seen == 8)
+            await until(pilot, lambda app=app: app.snapshots_seen == 8)
             await pilot.pause()
             spark = app.query_one("#rate-hit_rate").query_one(".rate-spark")
             drawn[name] = plain(spark)

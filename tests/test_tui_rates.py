@@ -77,10 +77,10 @@ def test_rates_integrate_back_to_the_counters(steps):
     grown_bytes = sum(nbytes for _, nbytes, _ in steps[1:])
     grown_ops = sum(ops for _, _, ops in steps[1:])
     assert len(history.samples) == len(steps) - 1
-    assert sum(r.publish_gbps * 1e9 * dt for r, dt in zip(history.samples, dts)) == (
+    assert sum(r.publish_gbps * 1e9 * dt for r, dt in zip(history.samples, dts, strict=True)) == (
         pytest.approx(grown_bytes, rel=1e-6, abs=1e-3)
     )
-    assert sum(r.publish_ops * dt for r, dt in zip(history.samples, dts)) == (
+    assert sum(r.publish_ops * dt for r, dt in zip(history.samples, dts, strict=True)) == (
         pytest.approx(grown_ops, rel=1e-6, abs=1e-6)
     )
     assert all(r.publish_gbps >= 0 and r.publish_ops >= 0 for r in history.samples)

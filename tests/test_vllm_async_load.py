@@ -294,7 +294,7 @@ def test_a_hung_daemon_costs_one_timeout_not_one_per_queued_load(model, tmp_path
         assert not cons.scheduler.has_unfinished_requests()
         # The first load waits out its 0.5 s; the seven queued behind it fail at once.
         assert max(took) < 2.0, f"a step took {max(took):.2f} s"
-        for r, p in zip(reqs, prompts):
+        for r, p in zip(reqs, prompts, strict=True):
             _assert_exact(cons, r, p)
         cons.close()
     finally:

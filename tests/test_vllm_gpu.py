@@ -47,7 +47,7 @@ def _fmt(layers, heads, page, dim, dtype, tp_rank=0, tp_size=1, total=None):
 
 
 def _items(hashes, ids):
-    return [SaveItem(h, hashes[i - 1] if i else None, b) for i, (h, b) in enumerate(zip(hashes, ids))]
+    return [SaveItem(h, hashes[i - 1] if i else None, b) for i, (h, b) in enumerate(zip(hashes, ids, strict=True))]
 
 
 def _bits(t):
@@ -79,7 +79,7 @@ def test_staging_path_round_trips_bit_exact_on_cpu_tensors(client, order):
     got = load_cuda(client, NS, fmt, d6, HASHES, dst_ids, copier=memmove,
                     staging_bytes=2 * fmt.block_nbytes)  # fmt: skip
     assert got == 6
-    for a, b in zip(src_ids, dst_ids):
+    for a, b in zip(src_ids, dst_ids, strict=True):
         assert torch.equal(_bits(s6[:, :, a]), _bits(d6[:, :, b]))
     untouched = [i for i in range(B) if i not in dst_ids]
     ref, _ = vllm_like(L, B, H, N, D, torch.bfloat16, "cpu", order, seed=1)
@@ -143,7 +143,7 @@ def test_blocks_of_named_buffers_load_like_packed_ones(client):
     packed, _ = vllm_like(L, B, H, N, D, torch.float32, "cpu", "NHD", seed=4)
     p6 = cuda_cache(packed, "packed")
     assert load_cuda(client, NS, fmt, p6, hashes, [5, 0, 4], copier=copier_for("cpu")) == 3
-    for a, b in zip([1, 2, 3], [5, 0, 4]):
+    for a, b in zip([1, 2, 3], [5, 0, 4], strict=True):
         for layer in range(L):
             kv = cpu_layout[layer].view(B, H, 2, N, D)[a]  # [head, K/V, token, dim]
             assert torch.equal(_bits(kv.permute(1, 2, 0, 3)), _bits(p6[layer, :, b]))
@@ -326,7 +326,7 @@ def test_staging_and_host_paths_read_each_others_blocks(client):
     host = host_cache(cpu_layout, "cpu")
     save_cuda(client, NS, fmt, p6, _items(HASHES[:3], [1, 2, 3]), copier=memmove)
     assert load_host(client, NS, fmt, host, HASHES[:3], [5, 6, 7]) == 3
-    for a, b in zip([1, 2, 3], [5, 6, 7]):
+    for a, b in zip([1, 2, 3], [5, 6, 7], strict=True):
         for layer in range(L):
             kv = cpu_layout[layer].view(B, H, 2, N, D)[b]  # [head, K/V, token, dim]
             assert torch.equal(_bits(kv.permute(1, 2, 0, 3)), _bits(p6[layer, :, a]))
@@ -365,7 +365,7 @@ def test_staging_path_reshards_between_tp_sizes(client, prefill_tp, decode_tp):
         fmt = _fmt(L, per, N, D, torch.bfloat16, r, decode_tp, total=H)
         assert load_cuda(client, NS, fmt, o6, HASHES[:4], [5, 4, 3, 2],
                          peer_tp_sizes=(prefill_tp,), copier=memmove) == 4  # fmt: skip
-        for a, b in zip([0, 1, 2, 3], [5, 4, 3, 2]):
+        for a, b in zip([0, 1, 2, 3], [5, 4, 3, 2], strict=True):
             assert torch.equal(_bits(o6[:, :, b]), _bits(f6[:, :, a, :, r * per : (r + 1) * per]))
 
 
@@ -391,7 +391,7 @@ def test_cuda_save_and_load_are_bit_exact(client, order):
         assert load_cuda(g.client, NS, fmt, d6, hashes, dst_ids, stream=g.stream,
                          staging_bytes=5 * fmt.block_nbytes) == 16  # fmt: skip
         torch.cuda.synchronize()
-    for a, b in zip(src_ids, dst_ids):
+    for a, b in zip(src_ids, dst_ids, strict=True):
         assert torch.equal(s6[:, :, a].view(torch.int16), d6[:, :, b].view(torch.int16))
     # sealed with the checksums computed on the GPU, which the CPU's definition confirms
     from kvbroker._client.integrity import verify_objects
@@ -492,7 +492,7 @@ def test_mla_latent_blocks_are_replicated_not_split(client):
     o6 = cuda_cache(out, "latent")
     assert load_cuda(client, NS, fmt(0, 1), o6, HASHES[:3], [3, 4, 5], peer_tp_sizes=(2,),
                      copier=memmove) == 3  # fmt: skip
-    for a, b in zip([0, 1, 2], [3, 4, 5]):
+    for a, b in zip([0, 1, 2], [3, 4, 5], strict=True):
         assert torch.equal(_bits(out[0][b]), _bits(layers[0][a]))
         assert torch.equal(_bits(out[1][b]), _bits(layers[1][a]))
     back = list(torch.zeros(L * B * N * C, dtype=torch.bfloat16).view(L, B, 1, N, C))
@@ -636,7 +636,7 @@ def test_cuda_background_load_lands_after_the_engines_queued_work(daemon, order)
     src_ids, dst_ids = list(range(20, 36)), [3 * i % B for i in range(16)]
     producer = _worker(daemon.socket_path, L, H, N, D, src)
     producer.bind(StepPlan(saves=[SaveSpec("p", [(h, hashes[i - 1] if i else None, b)
-                                                 for i, (h, b) in enumerate(zip(hashes, src_ids))])]))
+                                                 for i, (h, b) in enumerate(zip(hashes, src_ids, strict=True))])]))
     producer.wait_for_save()
     producer.unbind()
     assert producer.take_stats()["saved_blocks"] == 16
@@ -672,7 +672,7 @@ def test_cuda_background_load_lands_after_the_engines_queued_work(daemon, order)
         assert time.perf_counter() - started > 0.5  # the load did wait for the engine's work
         assert consumer.load_errors() == set()
         d6, s6 = cuda_cache(dst, "packed"), cuda_cache(src, "packed")
-        for a, b in zip(src_ids, dst_ids):
+        for a, b in zip(src_ids, dst_ids, strict=True):
             assert torch.equal(s6[:, :, a].view(torch.int16), d6[:, :, b].view(torch.int16))
         assert consumer.finished_loads() is None  # reported once
     finally:

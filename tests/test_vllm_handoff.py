@@ -94,7 +94,7 @@ HASHES = [f"{i:032x}" for i in range(1, 9)]
 
 
 def _items(hashes, ids):
-    return [SaveItem(h, hashes[i - 1] if i else None, b) for i, (h, b) in enumerate(zip(hashes, ids))]
+    return [SaveItem(h, hashes[i - 1] if i else None, b) for i, (h, b) in enumerate(zip(hashes, ids, strict=True))]
 
 
 def _used(client):
@@ -124,7 +124,7 @@ def test_runs_hand_off_bit_exact_across_tp_layouts_and_free_the_rings(
                 mine[layer].copy_(full[layer][:, r * per : (r + 1) * per])
             fmt = _fmt(L, per, N, D, torch.bfloat16, r, prefill_tp, total=H)
             offset = 0
-            for hashes, ids in steps:
+            for hashes, _ids in steps:
                 items = _items(HASHES[: offset + len(hashes)], src_ids[: offset + len(hashes)])
                 done, n, _ = publish_runs(CpuRings(p, memory), NS, cuda_cache(mine, "packed"),
                                           fmt, [("req", items[offset:])], config)  # fmt: skip
@@ -143,7 +143,7 @@ def test_runs_hand_off_bit_exact_across_tp_layouts_and_free_the_rings(
             fmt = _fmt(L, per, N, D, torch.bfloat16, r, decode_tp, total=H)
             loaded, nbytes = load_runs(CpuRings(c, memory), NS, o6, fmt, dst_ids, runs, 0)
             assert loaded == 6 and nbytes == 6 * fmt.block_nbytes
-            for a, b in zip(src_ids, dst_ids):
+            for a, b in zip(src_ids, dst_ids, strict=True):
                 assert torch.equal(_bits(o6[:, :, b]), _bits(f6[:, :, a, :, r * per : (r + 1) * per]))
         # every run was consume-read by the one decode rank it was for: the rings are empty
         assert _used(c) == [0, 0] and c.stat().rings[0]["objects"] == 0
@@ -163,7 +163,7 @@ def test_a_consumer_with_a_local_prefix_loads_only_the_rest_of_the_run(ring_daem
         before = o6.clone()
         # blocks 0 and 1 are the consumer's own prefix-cache hits: load blocks 2..4
         assert load_runs(CpuRings(c, memory), NS, o6, fmt, [7, 8, 9], runs, 2)[0] == 3
-        for a, b in zip([2, 3, 4], [7, 8, 9]):
+        for a, b in zip([2, 3, 4], [7, 8, 9], strict=True):
             assert torch.equal(_bits(o6[:, :, b]), _bits(s6[:, :, a]))
         assert torch.equal(_bits(o6[:, :, :7]), _bits(before[:, :, :7]))
         assert _used(c)[0] == 0
@@ -422,7 +422,7 @@ def test_the_worker_hands_off_loads_the_ring_then_the_host_and_counts(ring_daemo
         cons._account(spec, 8)
         s = SimpleNamespace(**cons.take_stats())
         assert (s.loaded_blocks, s.handoff_loaded_blocks, s.load_failed_blocks) == (8, 4, 0)
-        for a, b in zip([3, 1, 4, 0, 5, 9, 2, 6], spec.block_ids):
+        for a, b in zip([3, 1, 4, 0, 5, 9, 2, 6], spec.block_ids, strict=True):
             assert torch.equal(_bits(cons.cache[:, :, b]), _bits(prod.cache[:, :, a]))
         assert _used(c) == [0, 0]
         # with "ring", the handed-off blocks were never in the host pools

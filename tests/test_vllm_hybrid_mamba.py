@@ -131,7 +131,7 @@ def test_pd_handoff_loads_every_state_whole(model, broker, reference_and_produce
     ref = reference_and_producer["reference"]
     k = len(PD_PROMPTS)
     assert consumer["outputs"][:k] == ref["outputs"][:k]
-    for got, want in zip(consumer["logprobs"][:k], ref["logprobs"][:k]):
+    for got, want in zip(consumer["logprobs"][:k], ref["logprobs"][:k], strict=True):
         assert _same(got, want)
     assert not _same(consumer["logprobs"][k], ref["logprobs"][k])  # the zeroed states
     totals = consumer["connector"]["totals"]

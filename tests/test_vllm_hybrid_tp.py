@@ -112,7 +112,7 @@ def make_worker(socket: str, rank: int, tp: int, path: str, peers=()):
     vLLM's shapes (one int8 ``[blocks, 1, 1, bytes]`` tensor per layer)."""
     gs = groups(tp)
     content = sum(torch.empty(s, dtype=d).nbytes for s, d in
-                  zip(gdn_shapes(tp), (torch.bfloat16, torch.float32)))  # fmt: skip
+                  zip(gdn_shapes(tp), (torch.bfloat16, torch.float32), strict=True))  # fmt: skip
     caches = {f"state.{i}": torch.zeros(BLOCKS, 1, 1, content, dtype=torch.int8)
               for i in range(STATE_LAYERS)}  # fmt: skip
     caches["attn"] = torch.zeros(BLOCKS, HEADS // tp, B, 2 * DIM)

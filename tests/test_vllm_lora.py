@@ -49,7 +49,7 @@ def setup(tmp_path_factory):
         reference = engine_result(ref, ref_dir)["outputs"]
         engine_result(prod, prod_dir)
         yield {"base": base, "daemon": daemon,
-               "ref": dict(zip(["adapter-a", "adapter-b", None], reference))}  # fmt: skip
+               "ref": dict(zip(["adapter-a", "adapter-b", None], reference, strict=True))}  # fmt: skip
 
 
 def _consume(setup, lora, workdir):

@@ -107,7 +107,7 @@ def main(argv=None) -> None:
 
     summary = {k: {"client_p50_us": med(k, "client_p50_us"), "bare_p50_us": med(k, "bare_p50_us")}
                for k in ("interpreted", "compiled")}  # fmt: skip
-    ratio = {key: median([c[key] / i[key] for i, c in zip(rows[0::2], rows[1::2])])
+    ratio = {key: median([c[key] / i[key] for i, c in zip(rows[0::2], rows[1::2], strict=True)])
              for key in ("client_p50_us", "bare_p50_us")}  # fmt: skip
     import Cython
 
@@ -130,7 +130,7 @@ def main(argv=None) -> None:
             "| round | interpreted: Client / bare µs | compiled: Client / bare µs |",
             "|---|---|---|",
         ]  # fmt: skip
-        for i, c in zip(rows[0::2], rows[1::2]):
+        for i, c in zip(rows[0::2], rows[1::2], strict=True):
             lines.append(f"| {i['round']} | {i['client_p50_us']:.1f} / {i['bare_p50_us']:.1f} | "
                          f"{c['client_p50_us']:.1f} / {c['bare_p50_us']:.1f} |")
         lines += ["", f"Compiled over interpreted, median of the rounds' ratios: Client "

@@ -39,7 +39,7 @@ for ch in (256 << 10, 1 << 20, 4 << 20):
 for label, ts in (("1x2GiB", [big]), ("64x32MiB", list(big.view(64, -1)))):
     ms = do_bench(lambda: g.checksums(ts), warmup=20, rep=200, return_mode="median")
     print(f"checksums() {label}: {ms:.3f} ms {N / ms / 1e6:.0f} GB/s ok={g.checksums([big])[0] == ref}")
-print("int64 sum %.3f ms" % do_bench(lambda: big.view(torch.int64).sum(), rep=200, return_mode="median"))
+print(f"int64 sum {do_bench(lambda: big.view(torch.int64).sum(), rep=200, return_mode='median'):.3f} ms")
 
 
 def tm(f, reps=15):

@@ -106,7 +106,7 @@ def main() -> None:
                         raise AssertionError(f"{name}: bytes or checksum differ")
             per_round = {}
             turn = 0
-            for rnd in range(args.rounds):
+            for _rnd in range(args.rounds):
                 times = {(n, d): [] for n in vs for d in ("put", "get")}
                 after = {(n, d): [] for n in vs for d in ("put", "get")}
                 for _ in range(args.reps):

@@ -11,6 +11,7 @@ queued), in ms from the call's start. Usage: ``python benchmarks/experiments/pro
 
 from __future__ import annotations
 
+from itertools import pairwise
 import argparse
 import collections
 import os
@@ -209,7 +210,7 @@ def main() -> None:
             SPENT["last DMA queued after"] += last[0] - t0
             SPENT["DMA stream: first start to last end"] += first[1].elapsed_time(last[2]) / 1e3
             SPENT["DMA stream: busy"] += sum(s.elapsed_time(e) for _, s, e in TIMELINE) / 1e3
-            gaps = [a[2].elapsed_time(b[1]) / 1e3 for a, b in zip(TIMELINE, TIMELINE[1:])]
+            gaps = [a[2].elapsed_time(b[1]) / 1e3 for a, b in pairwise(TIMELINE)]
             SPENT["DMA stream: idle between DMAs"] += sum(gaps)
             SPENT["DMA stream: largest idle gap"] += max(gaps, default=0.0)
         _cuda.load_cuda(client, "ns", fmt, dst, hashes, list(range(nblk)), stream=stream,

@@ -1,4 +1,4 @@
-"""An SGLang "engine" for the tests: one process holding HiCache ranks, each a real host pool
+r"""An SGLang "engine" for the tests: one process holding HiCache ranks, each a real host pool
 and a storage backend built by SGLang's own factory, driven over stdin/stdout.
 
 ``python -m tests.sglang_helpers.engine`` reads one JSON command per line and answers one

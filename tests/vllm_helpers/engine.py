@@ -175,7 +175,7 @@ def run(spec: dict) -> dict:
         outputs += [list(o.outputs[0].token_ids) for o in got]
         if spec.get("logprobs") is not None:
             logprobs += [[[t, step[t].logprob] for t, step in zip(o.outputs[0].token_ids,
-                                                                    o.outputs[0].logprobs)]
+                                                                    o.outputs[0].logprobs, strict=True)]
                          for o in got]  # fmt: skip
     connector = _connector_facts() if spec.get("role") and spec.get("in_process", True) else None
     # An engine core in its own process (in_process False) is shut down here: os._exit below

@@ -58,7 +58,7 @@ class ThreadAgreement:
         def agree(counts: list[int]) -> list[int]:
             self._counts[rank] = list(counts)
             self._barrier.wait()
-            out = [min(c) for c in zip(*self._counts)]
+            out = [min(c) for c in zip(*self._counts, strict=True)]
             self._barrier.wait()  # every rank has read before the next step writes
             return out
 
