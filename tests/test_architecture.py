@@ -9,6 +9,14 @@
   but their own ``self`` (issue 37: ``client._mapping``, ``match._packed``... made
   ``_client``'s internals de facto API); besides its own package's, an adapter may import the
   adapters' shared modules (``kvbroker.integrations._link``), which obey the same rule;
+- the public faces (``kvbroker``, ``blocks``, ``kv``, ``prefix``, ``gpu``, ``errors``,
+  ``layout``) and the TUI never reach ``kvbroker._server``, counting what they import
+  transitively, lazily or for annotations only: the client library is not the daemon; nor do
+  the contract, the client side and the adapters;
+- the CLI is also the daemon's front (``kvbroker serve``, ``doctor``): its commands import the
+  daemon when they run, but importing the CLI reaches only the settings' declarations
+  (``kvbroker._server.config*``, which make ``serve``'s options), so ``kvbroker --help`` and
+  ``kvbroker stat`` do not load the daemon;
 - there is no import cycle among kvbroker's modules;
 - no module is over 600 lines and no class over 500 (issue 14): a larger one is split along
   a seam, one concept per private module.
@@ -17,6 +25,7 @@
 from __future__ import annotations
 
 import ast
+import functools
 import pathlib
 
 import pytest
@@ -34,17 +43,29 @@ def _module_name(path: pathlib.Path) -> str:
     return ".".join(parts)
 
 
-def _imports(path: pathlib.Path) -> set[str]:
+def _imports(path: pathlib.Path, *, typing: bool = False, lazy: bool = True) -> set[str]:
     """Absolute names of the kvbroker modules (or packages) that ``path`` imports, lazy
-    imports inside functions included, ``if TYPE_CHECKING:`` blocks left out."""
+    imports inside functions included (``lazy=False``: only those made when the module is
+    imported), ``if TYPE_CHECKING:`` blocks left out (``typing=True``: counted)."""
+    return set(_imports_of(path, path.read_text(), typing, lazy))
+
+
+@functools.cache
+def _imports_of(path: pathlib.Path, text: str, typing: bool, lazy: bool) -> frozenset[str]:
     name = _module_name(path)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     out: set[str] = set()
-    tree = ast.parse(path.read_text(), str(path))
-    typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
-                   and "TYPE_CHECKING" in ast.unparse(node.test) for n in ast.walk(node)}
+    tree = ast.parse(text, str(path))
+    skipped = set()
+    if not typing:  # annotations only: no import at run time
+        skipped |= {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+                    and "TYPE_CHECKING" in ast.unparse(node.test) for n in ast.walk(node)}
+    if not lazy:  # run when called, not when imported
+        skipped |= {id(n) for node in ast.walk(tree)
+                    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+                    for n in ast.walk(node)}
     for node in ast.walk(tree):
-        if id(node) in typing_only:  # annotations only: no import at run time
+        if id(node) in skipped:
             continue
         if isinstance(node, ast.Import):
             out.update(a.name for a in node.names if a.name.startswith("kvbroker"))
@@ -63,7 +84,7 @@ def _imports(path: pathlib.Path) -> set[str]:
                 sub = f"{mod}.{alias.name}"
                 if _path_of(sub) is not None:
                     out.add(sub)
-    return out
+    return frozenset(out)
 
 
 def _path_of(module: str) -> pathlib.Path | None:
@@ -186,6 +207,89 @@ def test_the_public_api_rule_sees_each_kind_of_reach():
         assert _private_uses(probe) == []
     finally:
         probe.unlink(missing_ok=True)
+
+
+def _reached(module: str, **which: bool) -> dict[str, list[str]]:
+    """Every kvbroker module that importing ``module`` can load, each with the chain of
+    imports that reaches it (``which``: as for :func:`_imports`). A module also loads the
+    packages above it."""
+    chains = {module: [module]}
+    todo = [module]
+    while todo:
+        at = todo.pop()
+        path = _path_of(at)
+        if path is None:
+            continue
+        found = _imports(path, **which)
+        for m in list(found):  # importing kvbroker.a.b runs kvbroker/a/__init__.py first
+            parts = m.split(".")
+            found.update(".".join(parts[:i]) for i in range(2, len(parts)))
+        for m in sorted(found):
+            if m not in chains and _path_of(m) is not None:
+                chains[m] = chains[at] + [m]
+                todo.append(m)
+    return chains
+
+
+def _reaches_server(module: str, **which: bool) -> list[str]:
+    return [" -> ".join(chain) for m, chain in sorted(_reached(module, **which).items())
+            if _within(m, "kvbroker._server")]
+
+
+PUBLIC_FACES = ["kvbroker", "kvbroker.blocks", "kvbroker.kv", "kvbroker.prefix", "kvbroker.gpu",
+                "kvbroker.errors", "kvbroker.layout"]
+NEVER_THE_SERVER = PUBLIC_FACES + sorted(
+    _module_name(p) for p in _sources("tui", "kvbroker/_wire", "kvbroker/_client",
+                                      "kvbroker/integrations"))
+
+
+@pytest.mark.parametrize("module", NEVER_THE_SERVER)
+def test_faces_never_reach_the_server_even_transitively(module):
+    bad = _reaches_server(module, typing=True, lazy=True)
+    assert not bad, f"{module} reaches the daemon's code:\n" + "\n".join(bad)
+
+
+# What importing the CLI may load of the daemon: the settings' declarations, from which
+# `kvbroker serve`'s options are made.
+CLI_SERVER_AT_IMPORT = {"kvbroker._server"}
+CLI_SERVER_AT_IMPORT_PREFIX = "kvbroker._server.config"
+
+
+@pytest.mark.parametrize("path", _sources("cli"), ids=lambda p: p.name)
+def test_importing_the_cli_loads_only_the_settings_of_the_daemon(path):
+    bad = [chain for chain in _reaches_server(_module_name(path), lazy=False)
+           if chain.rpartition(" -> ")[2] not in CLI_SERVER_AT_IMPORT
+           and not chain.rpartition(" -> ")[2].startswith(CLI_SERVER_AT_IMPORT_PREFIX)]
+    assert not bad, f"importing {path.name} loads the daemon:\n" + "\n".join(bad)
+
+
+def test_the_transitive_rules_see_a_reach_through_another_module():
+    """The checkers themselves, on probe modules: a face reaching the server through a
+    public module's lazy import, a module of its own package, or an annotation; the CLI
+    importing (not lazily) a daemon module through a helper."""
+    probes = [ROOT / "kvbroker" / "_probe_face.py", ROOT / "kvbroker" / "_probe_via.py",
+              ROOT / "cli" / "_probe_cli.py"]
+    face, via, cli = (_module_name(p) for p in probes)
+    try:
+        probes[0].write_text("from . import _probe_via\n")
+        for source in ("def f():\n    from kvbroker._server import broker\n",
+                       "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                       "    from ._server.handlers import Handlers\n",
+                       "import kvbroker._server.daemon\n"):
+            probes[1].write_text(source)
+            assert _reaches_server(face, typing=True, lazy=True), source
+        probes[1].write_text("from . import errors\n")
+        assert _reaches_server(face, typing=True, lazy=True) == []
+        probes[2].write_text("from kvbroker import _probe_via\n")
+        probes[1].write_text("from ._server.config import SETTINGS\n"
+                             "def serve():\n    from ._server.daemon import run_daemon\n")
+        test_importing_the_cli_loads_only_the_settings_of_the_daemon(probes[2])  # passes
+        probes[1].write_text("from ._server import daemon\n")
+        with pytest.raises(AssertionError, match="_probe_via -> kvbroker._server.daemon"):
+            test_importing_the_cli_loads_only_the_settings_of_the_daemon(probes[2])
+    finally:
+        for p in probes:
+            p.unlink(missing_ok=True)
 
 
 def test_no_import_cycle():
