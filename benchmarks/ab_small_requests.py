@@ -147,7 +147,7 @@ def main(argv=None) -> int:
     summary = []
     for size in sizes:
         of = {lab: [r for r in rows if r["size"] == size and r["build"] == lab] for lab in "AB"}
-        ratios = [b["put_get_p50_us"] / x["put_get_p50_us"] for x, b in zip(of["A"], of["B"])]
+        ratios = [b["put_get_p50_us"] / x["put_get_p50_us"] for x, b in zip(of["A"], of["B"], strict=True)]
         summary.append({"size": size, **{
             f"{lab}_{k}": statistics.median(r[k] for r in of[lab])
             for lab in "AB" for k in ("put_get_p50_us", "put_p50_us", "get_p50_us",

@@ -130,7 +130,7 @@ def promotion_throughput(d, keys: list[str], obj: int, threads: int) -> dict:
         except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
 
-    ts = [threading.Thread(target=claim_all, args=(c, s)) for c, s in zip(clients, shares)]
+    ts = [threading.Thread(target=claim_all, args=(c, s)) for c, s in zip(clients, shares, strict=True)]
     t0 = time.perf_counter()
     for t in ts:
         t.start()

@@ -164,7 +164,7 @@ class RawReader:
 
 
 def _median_ratio(num: list[float], den: list[float]) -> tuple[float, float, float]:
-    rs = [a / b for a, b in zip(num, den)]
+    rs = [a / b for a, b in zip(num, den, strict=True)]
     return statistics.median(rs), min(rs), max(rs)
 
 

@@ -465,5 +465,5 @@ def test_a_ring_object_whose_size_disagrees_with_its_meta_is_not_scattered(
         before = [t.clone() for t in out]
         assert load_runs(CpuRings(c, memory), NS, cuda_cache(out, "packed"), fmt, [4, 5],
                          runs, 0) == (0, 0)  # fmt: skip
-        assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(out, before))
+        assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(out, before, strict=True))
         assert _used(c)[0] == 0  # consumed and freed all the same

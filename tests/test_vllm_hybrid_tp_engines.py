@@ -60,7 +60,7 @@ def test_tp2_producer_hands_off_to_a_tp1_consumer(model, broker, tmp_path):
     assert consumer["outputs"] == reference["outputs"]
     for got, want in zip(consumer["logprobs"], reference["logprobs"], strict=True):
         assert [t for t, _ in got] == [t for t, _ in want]
-        assert max(abs(a - b) for (_, a), (_, b) in zip(got, want)) < 0.1
+        assert max(abs(a - b) for (_, a), (_, b) in zip(got, want, strict=True)) < 0.1
     totals = consumer["connector"]["totals"]
     assert totals["loads"] == len(PROMPTS) and totals.get("load_failed_blocks", 0) == 0
     assert totals["loaded_state_bytes"] > 0

@@ -100,13 +100,13 @@ def main() -> None:
                 samples["raw"].append(r)
                 samples["exact"].append(got["base"][2] and got["new"][2])
             med = statistics.median
-            ratio = med(s["claim_s"] / b["claim_s"] for s, b in zip(samples["new"], samples["base"]))
+            ratio = med(s["claim_s"] / b["claim_s"] for s, b in zip(samples["new"], samples["base"], strict=True))
             row = {"size": name, "nbytes": n, "rounds": rounds, "samples": samples,
                    "bit_exact": all(samples["exact"]) and raw.exact(name),
                    "new_over_base_claim_p50": ratio,
                    "raw_read_p50_s": med(samples["raw"])}
             for v in ("base", "new"):
-                rs = [r / s["claim_s"] for r, s in zip(samples["raw"], samples[v])]
+                rs = [r / s["claim_s"] for r, s in zip(samples["raw"], samples[v], strict=True)]
                 keys = samples[v][0].keys()
                 row[v] = {"claim_p50_s": med(s["claim_s"] for s in samples[v]),
                           "raw_over_claim_p50": med(rs), "raw_over_claim_min": min(rs),

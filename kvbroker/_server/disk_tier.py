@@ -408,7 +408,8 @@ class DiskTier(WriteBackPass, QuotaShares, Queries):
                 self.lru[e.ident] = e
         if good:
             seal(good)
-            for e, lease in zip(entries, good):  # (linked now)
+            # good: the chain up to its first failed read, a prefix of entries (linked now)
+            for e, lease in zip(entries, good, strict=False):
                 if not e.gone and lease.obj.linked:
                     self._pool_copy(e, lease.obj)
             self.counters["promoted"] += len(good)
