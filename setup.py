@@ -11,9 +11,11 @@ from setuptools import Extension, setup
 
 setup(
     ext_modules=[
-        Extension("kvbroker._copyhash", ["csrc/copyhash.c"], extra_compile_args=["-O3"],
-                  optional=True),
-        Extension("kvbroker._prefixscan", ["csrc/prefixscan.c"], extra_compile_args=["-O3"],
-                  optional=True),
+        Extension(
+            "kvbroker._copyhash", ["csrc/copyhash.c"], extra_compile_args=["-O3"], optional=True
+        ),
+        Extension(
+            "kvbroker._prefixscan", ["csrc/prefixscan.c"], extra_compile_args=["-O3"], optional=True
+        ),
     ],
 )

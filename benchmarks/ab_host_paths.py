@@ -39,14 +39,21 @@ ROOT = os.path.dirname(HERE)
 
 def _make_base(rev: str, out: str) -> None:
     os.makedirs(out, exist_ok=True)
-    archive = subprocess.run(["git", "-C", ROOT, "archive", rev, "kvbroker"], check=True,
-                             capture_output=True).stdout  # fmt: skip
+    archive = subprocess.run(
+        ["git", "-C", ROOT, "archive", rev, "kvbroker"], check=True, capture_output=True
+    ).stdout
     subprocess.run(["tar", "-x", "-C", out], input=archive, check=True)
     for so in glob.glob(os.path.join(ROOT, "kvbroker", "*.so")):
         shutil.copy(so, os.path.join(out, "kvbroker"))
     with open(os.path.join(out, "REV"), "w") as f:
-        f.write(subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", rev], check=True,
-                               capture_output=True, text=True).stdout)  # fmt: skip
+        f.write(
+            subprocess.run(
+                ["git", "-C", ROOT, "rev-parse", "--short", rev],
+                check=True,
+                capture_output=True,
+                text=True,
+            ).stdout
+        )
 
 
 def _one(tree: str, socket_path: str, repeats: int, load_tokens: int) -> None:
@@ -59,11 +66,20 @@ def _one(tree: str, socket_path: str, repeats: int, load_tokens: int) -> None:
 
     result = tp.run(socket_path, repeats)
     engine = default_engine()
-    print(json.dumps({"package": kvbroker.__file__, "threads": engine.threads,
-                      "gated": engine.split_while is not None,
-                      "load_GBps": _vllm_host_load(socket_path, repeats, load_tokens),
-                      "rows": [{k: r[k] for k in ("layout", "P", "D", "claim_GBps",
-                                                  "publish_GBps")} for r in result.rows]}))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "package": kvbroker.__file__,
+                "threads": engine.threads,
+                "gated": engine.split_while is not None,
+                "load_GBps": _vllm_host_load(socket_path, repeats, load_tokens),
+                "rows": [
+                    {k: r[k] for k in ("layout", "P", "D", "claim_GBps", "publish_GBps")}
+                    for r in result.rows
+                ],
+            }
+        )
+    )
 
 
 def _vllm_host_load(socket_path: str, repeats: int, tokens: int) -> float:
@@ -79,14 +95,23 @@ def _vllm_host_load(socket_path: str, repeats: int, tokens: int) -> float:
 
     layers, heads, dim, block = 32, 8, 128, 16
     blocks = tokens // block
-    fmt = BlockFormat(dtype="bfloat16", num_layers=layers, block_size=block, head_dim=dim,
-                      local_heads=heads, total_kv_heads=heads, tp_rank=0, tp_size=1,
-                      heads=(0, heads))  # fmt: skip
+    fmt = BlockFormat(
+        dtype="bfloat16",
+        num_layers=layers,
+        block_size=block,
+        head_dim=dim,
+        local_heads=heads,
+        total_kv_heads=heads,
+        tp_rank=0,
+        tp_size=1,
+        heads=(0, heads),
+    )
     shape = (layers, blocks, heads, block, 2 * dim)  # the CPU backend's [L][B][H][2·N... ]
     src_raw = torch.randint(-30000, 30000, (torch.Size(shape).numel(),), dtype=torch.int16)
     dst_raw = torch.zeros_like(src_raw)
-    src, dst = (host_cache(list(r.view(shape).view(torch.bfloat16)), "cpu")
-                for r in (src_raw, dst_raw))  # fmt: skip
+    src, dst = (
+        host_cache(list(r.view(shape).view(torch.bfloat16)), "cpu") for r in (src_raw, dst_raw)
+    )
     ns = f"vllm/ab-{os.getpid()}"
     hashes = [f"{os.getpid():016x}{i:016x}" for i in range(blocks)]
     items = [SaveItem(h, hashes[i - 1] if i else None, i) for i, h in enumerate(hashes)]
@@ -119,8 +144,9 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default=None, metavar="PREFIX")
     ap.add_argument("--load-tokens", type=int, default=4096)
-    ap.add_argument("--one", nargs=4, metavar=("TREE", "SOCKET", "REPEATS", "TOKENS"),
-                    help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--one", nargs=4, metavar=("TREE", "SOCKET", "REPEATS", "TOKENS"), help=argparse.SUPPRESS
+    )
     a = ap.parse_args(argv)
     if a.make_base:
         _make_base(*a.make_base)
@@ -141,38 +167,75 @@ def main(argv=None) -> int:
     with spawned_daemon("2G") as sock:
         for rnd in range(1, a.rounds + 1):
             for name, tree in variants.items():
-                out = subprocess.run([sys.executable, __file__, "--one", tree, sock,
-                                      str(a.repeats), str(a.load_tokens)], check=True,
-                                     capture_output=True, text=True).stdout  # fmt: skip
+                out = subprocess.run(
+                    [
+                        sys.executable,
+                        __file__,
+                        "--one",
+                        tree,
+                        sock,
+                        str(a.repeats),
+                        str(a.load_tokens),
+                    ],
+                    check=True,
+                    capture_output=True,
+                    text=True,
+                ).stdout
                 got = json.loads(out.strip().splitlines()[-1])
                 if tree and not got["package"].startswith(os.path.abspath(tree)):
                     raise RuntimeError(f"the base run imported {got['package']}")
                 runs.append({"round": rnd, "variant": name, **got})
-                print(f"round {rnd} {name}: vllm host load {got['load_GBps']:.2f} GB/s; " + "; ".join(
-                    f"{r['layout']} P={r['P']}→{r['D']} claim {r['claim_GBps']:.2f} publish "
-                    f"{r['publish_GBps']:.2f} GB/s" for r in got["rows"]), flush=True)  # fmt: skip
+                print(
+                    f"round {rnd} {name}: vllm host load {got['load_GBps']:.2f} GB/s; "
+                    + "; ".join(
+                        f"{r['layout']} P={r['P']}→{r['D']} claim {r['claim_GBps']:.2f} publish "
+                        f"{r['publish_GBps']:.2f} GB/s"
+                        for r in got["rows"]
+                    ),
+                    flush=True,
+                )
     base, new = list(variants)[1], list(variants)[0]
 
     def compare(value) -> dict:
         """``value(run)`` of each run: medians per variant, this code / base per round."""
         by = {(run["round"], run["variant"]): value(run) for run in runs}
-        return {"this code": median([v for (_, n), v in by.items() if n == new]),
-                "base": median([v for (_, n), v in by.items() if n == base]),
-                "x_base_per_round": [by[r, new] / by[r, base] for r in range(1, a.rounds + 1)]}
+        return {
+            "this code": median([v for (_, n), v in by.items() if n == new]),
+            "base": median([v for (_, n), v in by.items() if n == base]),
+            "x_base_per_round": [by[r, new] / by[r, base] for r in range(1, a.rounds + 1)],
+        }
 
     def row_of(run, cfg):
         return next(r for r in run["rows"] if (r["layout"], r["P"], r["D"]) == cfg)
 
-    summary = [{"layout": cfg[0], "P": cfg[1], "D": cfg[2],
-                **{what: compare(lambda run, cfg=cfg, what=what: row_of(run, cfg)[what])
-                   for what in ("claim_GBps", "publish_GBps")}}
-               for cfg in [(r["layout"], r["P"], r["D"]) for r in runs[0]["rows"]]]  # fmt: skip
+    summary = [
+        {
+            "layout": cfg[0],
+            "P": cfg[1],
+            "D": cfg[2],
+            **{
+                what: compare(lambda run, cfg=cfg, what=what: row_of(run, cfg)[what])
+                for what in ("claim_GBps", "publish_GBps")
+            },
+        }
+        for cfg in [(r["layout"], r["P"], r["D"]) for r in runs[0]["rows"]]
+    ]
     load = compare(lambda run: run["load_GBps"])
-    result = {"benchmark": "ab_host_paths", "commit": measured_commit(), "base": base_rev,
-              "command": invocation(), "machine": machine_info(), "rounds": a.rounds,
-              "repeats": a.repeats, "threads": runs[0]["threads"], "gated": runs[0]["gated"],
-              "load_tokens": a.load_tokens, "runs": runs, "summary": summary,
-              "vllm_host_load": load}  # fmt: skip
+    result = {
+        "benchmark": "ab_host_paths",
+        "commit": measured_commit(),
+        "base": base_rev,
+        "command": invocation(),
+        "machine": machine_info(),
+        "rounds": a.rounds,
+        "repeats": a.repeats,
+        "threads": runs[0]["threads"],
+        "gated": runs[0]["gated"],
+        "load_tokens": a.load_tokens,
+        "runs": runs,
+        "summary": summary,
+        "vllm_host_load": load,
+    }
     write_results(a.out, result, markdown(result))
     return 0
 
@@ -182,28 +245,38 @@ def markdown(result: dict) -> str:
 
     m = result["machine"]
 
-    out = [f"# Host paths of engine KV: this code against {result['base']} "
-           f"({m.get('cpu')}, {m.get('cores')} cores)", "",
-           f"commit {result['commit']}, {m.get('when')}; load {m.get('loadavg_1min'):.2f}; "
-           f"`{result['command']}`; the copy engine on {result['threads']} thread(s)"
-           f"{' (gated: a second only while a CPU is left idle)' if result['gated'] else ''}; "
-           f"{result['rounds']} rounds alternated, each the median of {result['repeats']} "
-           "requests of 256 MiB.", "",
-           "| decode layout | P→D | claim GB/s this / base | claim × base per round: median "
-           "(range) | publish GB/s this / base | publish × base per round |",
-           "|---|---|---|---|---|---|"]  # fmt: skip
+    out = [
+        f"# Host paths of engine KV: this code against {result['base']} "
+        f"({m.get('cpu')}, {m.get('cores')} cores)",
+        "",
+        f"commit {result['commit']}, {m.get('when')}; load {m.get('loadavg_1min'):.2f}; "
+        f"`{result['command']}`; the copy engine on {result['threads']} thread(s)"
+        f"{' (gated: a second only while a CPU is left idle)' if result['gated'] else ''}; "
+        f"{result['rounds']} rounds alternated, each the median of {result['repeats']} "
+        "requests of 256 MiB.",
+        "",
+        "| decode layout | P→D | claim GB/s this / base | claim × base per round: median "
+        "(range) | publish GB/s this / base | publish × base per round |",
+        "|---|---|---|---|---|---|",
+    ]
     for e in result["summary"]:
         c, p = e["claim_GBps"], e["publish_GBps"]
-        out.append(f"| {e['layout']} | {e['P']}→{e['D']} | {c['this code']:.2f} / {c['base']:.2f}"
-                   f" | {ratio_span(c['x_base_per_round'])} | "
-                   f"{p['this code']:.2f} / {p['base']:.2f} | "
-                   f"{ratio_span(p['x_base_per_round'])} |")  # fmt: skip
+        out.append(
+            f"| {e['layout']} | {e['P']}→{e['D']} | {c['this code']:.2f} / {c['base']:.2f}"
+            f" | {ratio_span(c['x_base_per_round'])} | "
+            f"{p['this code']:.2f} / {p['base']:.2f} | "
+            f"{ratio_span(p['x_base_per_round'])} |"
+        )
     ld = result["vllm_host_load"]
-    out += ["", f"vLLM connector, host load of {result['load_tokens']} tokens of a "
-            "Llama-3-8B-shaped KV (`_paged.load_host`, bit-exact): "
-            f"{ld['this code']:.2f} GB/s against {ld['base']:.2f}, × base per round "
-            f"{ratio_span(ld['x_base_per_round'])}.",
-            "", "× above 1: faster than the base; ratios cut to two decimals."]
+    out += [
+        "",
+        f"vLLM connector, host load of {result['load_tokens']} tokens of a "
+        "Llama-3-8B-shaped KV (`_paged.load_host`, bit-exact): "
+        f"{ld['this code']:.2f} GB/s against {ld['base']:.2f}, × base per round "
+        f"{ratio_span(ld['x_base_per_round'])}.",
+        "",
+        "× above 1: faster than the base; ratios cut to two decimals.",
+    ]
     return "\n".join(out) + "\n"
 
 

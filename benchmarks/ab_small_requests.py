@@ -80,21 +80,27 @@ def measure(size: int, reps: int) -> dict:
     magic, seed, _ = _header_of(data)
     records = _frames(data, magic, seed, start)[0]
     kinds = collections.Counter(e.get("t") for _, e in records)
-    return {"size": size, "reps": reps, "kvbroker": os.path.dirname(kvbroker.__file__),
-            "put_get_p50_us": statistics.median(both) * 1e6,
-            "put_p50_us": statistics.median(put_t) * 1e6,
-            "get_p50_us": statistics.median(get_t) * 1e6,
-            "writes_per_put_get": writes[0] / reps,
-            "journal_records_per_put_get": len(records) / reps,
-            "journal_by_kind": {k: n / reps for k, n in sorted(kinds.items())},
-            "before": before, "after": run_conditions()}  # fmt: skip
+    return {
+        "size": size,
+        "reps": reps,
+        "kvbroker": os.path.dirname(kvbroker.__file__),
+        "put_get_p50_us": statistics.median(both) * 1e6,
+        "put_p50_us": statistics.median(put_t) * 1e6,
+        "get_p50_us": statistics.median(get_t) * 1e6,
+        "writes_per_put_get": writes[0] / reps,
+        "journal_records_per_put_get": len(records) / reps,
+        "journal_by_kind": {k: n / reps for k, n in sorted(kinds.items())},
+        "before": before,
+        "after": run_conditions(),
+    }
 
 
 def build(rev: str, into: str) -> str:
     """The tree of ``rev`` in ``into``, with this checkout's compiled modules."""
     os.makedirs(into)
-    archive = subprocess.run(["git", "-C", ROOT, "archive", rev], check=True,
-                             capture_output=True).stdout  # fmt: skip
+    archive = subprocess.run(
+        ["git", "-C", ROOT, "archive", rev], check=True, capture_output=True
+    ).stdout
     subprocess.run(["tar", "-x", "-C", into], input=archive, check=True)
     for so in glob.glob(os.path.join(ROOT, "kvbroker", "*.so")):
         shutil.copy(so, os.path.join(into, "kvbroker"))
@@ -119,8 +125,12 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     revs = {}
     for label, rev in (("A", a.a), ("B", a.b)):
-        revs[label] = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", rev], check=True,
-                                     capture_output=True, text=True).stdout.strip()  # fmt: skip
+        revs[label] = subprocess.run(
+            ["git", "-C", ROOT, "rev-parse", "--short", rev],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
     if subprocess.run(["git", "-C", ROOT, "diff", "--quiet", a.a, a.b, "--", "csrc"]).returncode:
         raise SystemExit("csrc/ differs between the two commits: build each tree instead")
     sizes = [parse_size(s) for s in a.sizes.split(",")]
@@ -131,31 +141,68 @@ def main(argv=None) -> int:
             for size in sizes:
                 for label in ("A", "B"):
                     env = {**os.environ, "PYTHONPATH": trees[label]}
-                    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--measure",
-                                          str(size), str(a.reps)], env=env, check=True,
-                                         capture_output=True, text=True).stdout  # fmt: skip
-                    r = {"round": rnd, "build": label, "commit": revs[label],
-                         **json.loads(out.strip().splitlines()[-1])}  # fmt: skip
+                    out = subprocess.run(
+                        [
+                            sys.executable,
+                            os.path.abspath(__file__),
+                            "--measure",
+                            str(size),
+                            str(a.reps),
+                        ],
+                        env=env,
+                        check=True,
+                        capture_output=True,
+                        text=True,
+                    ).stdout
+                    r = {
+                        "round": rnd,
+                        "build": label,
+                        "commit": revs[label],
+                        **json.loads(out.strip().splitlines()[-1]),
+                    }
                     if not r["kvbroker"].startswith(trees[label]):
                         raise AssertionError(f"{label} ran {r['kvbroker']}, not its tree")
                     rows.append(r)
-                    print(f"round {rnd} {size >> 10} KiB {label} ({revs[label]}): put+get "
-                          f"{r['put_get_p50_us']:.1f} us (put {r['put_p50_us']:.1f}, get "
-                          f"{r['get_p50_us']:.1f}); {r['writes_per_put_get']:.2f} writes, "
-                          f"{r['journal_records_per_put_get']:.2f} journal records per put+get; "
-                          f"{r['after']['cpu_pressure']}", flush=True)  # fmt: skip
+                    print(
+                        f"round {rnd} {size >> 10} KiB {label} ({revs[label]}): put+get "
+                        f"{r['put_get_p50_us']:.1f} us (put {r['put_p50_us']:.1f}, get "
+                        f"{r['get_p50_us']:.1f}); {r['writes_per_put_get']:.2f} writes, "
+                        f"{r['journal_records_per_put_get']:.2f} journal records per put+get; "
+                        f"{r['after']['cpu_pressure']}",
+                        flush=True,
+                    )
     summary = []
     for size in sizes:
         of = {lab: [r for r in rows if r["size"] == size and r["build"] == lab] for lab in "AB"}
-        ratios = [b["put_get_p50_us"] / x["put_get_p50_us"] for x, b in zip(of["A"], of["B"], strict=True)]
-        summary.append({"size": size, **{
-            f"{lab}_{k}": statistics.median(r[k] for r in of[lab])
-            for lab in "AB" for k in ("put_get_p50_us", "put_p50_us", "get_p50_us",
-                                      "writes_per_put_get", "journal_records_per_put_get")},
-            "B_over_A_median_of_round_ratios": statistics.median(ratios),
-            "round_ratios": ratios})  # fmt: skip
-    result = {"scenario": "ab-small-requests", "commits": revs, "command": invocation(),
-              "machine": machine_info(), "rows": rows, "summary": summary}  # fmt: skip
+        ratios = [
+            b["put_get_p50_us"] / x["put_get_p50_us"] for x, b in zip(of["A"], of["B"], strict=True)
+        ]
+        summary.append(
+            {
+                "size": size,
+                **{
+                    f"{lab}_{k}": statistics.median(r[k] for r in of[lab])
+                    for lab in "AB"
+                    for k in (
+                        "put_get_p50_us",
+                        "put_p50_us",
+                        "get_p50_us",
+                        "writes_per_put_get",
+                        "journal_records_per_put_get",
+                    )
+                },
+                "B_over_A_median_of_round_ratios": statistics.median(ratios),
+                "round_ratios": ratios,
+            }
+        )
+    result = {
+        "scenario": "ab-small-requests",
+        "commits": revs,
+        "command": invocation(),
+        "machine": machine_info(),
+        "rows": rows,
+        "summary": summary,
+    }
     if a.out:
         with open(a.out + ".json", "w") as f:
             json.dump(result, f, indent=1)
@@ -167,27 +214,42 @@ def main(argv=None) -> int:
 
 def markdown(result: dict) -> str:
     m, revs = result["machine"], result["commits"]
-    out = [f"# Small requests, A/B ({m.get('cpu')}, {m.get('cores')} cores)", "",
-           f"A = `{revs['A']}`, B = `{revs['B']}`; `{result['command']}`; builds alternated "
-           "A, B per round and size; medians over rounds, the ratio the median of the per-round "
-           "B/A ratios (same rounds). Per-measurement load and PSI in the rows below.", "",
-           "| size | A put+get p50 µs | B put+get p50 µs | B/A | writes per put+get A → B "
-           "| journal records per put+get A → B |", "|---|---|---|---|---|---|"]  # fmt: skip
+    out = [
+        f"# Small requests, A/B ({m.get('cpu')}, {m.get('cores')} cores)",
+        "",
+        f"A = `{revs['A']}`, B = `{revs['B']}`; `{result['command']}`; builds alternated "
+        "A, B per round and size; medians over rounds, the ratio the median of the per-round "
+        "B/A ratios (same rounds). Per-measurement load and PSI in the rows below.",
+        "",
+        "| size | A put+get p50 µs | B put+get p50 µs | B/A | writes per put+get A → B "
+        "| journal records per put+get A → B |",
+        "|---|---|---|---|---|---|",
+    ]
     for s in result["summary"]:
-        out.append(f"| {s['size'] >> 10} KiB | {s['A_put_get_p50_us']:.1f} | "
-                   f"{s['B_put_get_p50_us']:.1f} | {s['B_over_A_median_of_round_ratios']:.2f} | "
-                   f"{s['A_writes_per_put_get']:.2f} → {s['B_writes_per_put_get']:.2f} | "
-                   f"{s['A_journal_records_per_put_get']:.2f} → "
-                   f"{s['B_journal_records_per_put_get']:.2f} |")  # fmt: skip
-    out += ["", "| round | size | build | put+get p50 µs | put | get | load before → after "
-            "| PSI some avg10 before → after |", "|---|---|---|---|---|---|---|---|"]
+        out.append(
+            f"| {s['size'] >> 10} KiB | {s['A_put_get_p50_us']:.1f} | "
+            f"{s['B_put_get_p50_us']:.1f} | {s['B_over_A_median_of_round_ratios']:.2f} | "
+            f"{s['A_writes_per_put_get']:.2f} → {s['B_writes_per_put_get']:.2f} | "
+            f"{s['A_journal_records_per_put_get']:.2f} → "
+            f"{s['B_journal_records_per_put_get']:.2f} |"
+        )
+    out += [
+        "",
+        "| round | size | build | put+get p50 µs | put | get | load before → after "
+        "| PSI some avg10 before → after |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in result["rows"]:
-        psi = [c["cpu_pressure"].split()[1].split("=")[1] if c["cpu_pressure"] else "?"
-               for c in (r["before"], r["after"])]  # fmt: skip
-        out.append(f"| {r['round']} | {r['size'] >> 10} KiB | {r['build']} | "
-                   f"{r['put_get_p50_us']:.1f} | {r['put_p50_us']:.1f} | {r['get_p50_us']:.1f} | "
-                   f"{r['before']['loadavg_1min']:.1f} → {r['after']['loadavg_1min']:.1f} | "
-                   f"{psi[0]} → {psi[1]} |")  # fmt: skip
+        psi = [
+            c["cpu_pressure"].split()[1].split("=")[1] if c["cpu_pressure"] else "?"
+            for c in (r["before"], r["after"])
+        ]
+        out.append(
+            f"| {r['round']} | {r['size'] >> 10} KiB | {r['build']} | "
+            f"{r['put_get_p50_us']:.1f} | {r['put_p50_us']:.1f} | {r['get_p50_us']:.1f} | "
+            f"{r['before']['loadavg_1min']:.1f} → {r['after']['loadavg_1min']:.1f} | "
+            f"{psi[0]} → {psi[1]} |"
+        )
     return "\n".join(out) + "\n"
 
 

@@ -111,14 +111,21 @@ def dying_waiters(engines: int) -> dict:
     with Daemon("--pool-size", "256M", "--page-size", "64K") as d:
         with d.client() as c:
             base_used = c.stat().pools[0].used
-            procs = [subprocess.Popen([sys.executable, "-c", ENGINE, d.socket_path, str(i)],
-                                      stdout=subprocess.PIPE) for i in range(engines)]
+            procs = [
+                subprocess.Popen(
+                    [sys.executable, "-c", ENGINE, d.socket_path, str(i)], stdout=subprocess.PIPE
+                )
+                for i in range(engines)
+            ]
             for p in procs:
                 p.stdout.readline()
             time.sleep(0.5)
             st = c.stat()
-            held = {"clients": len(st.clients) - 1, "arenas": st.arenas,
-                    "used_mib": mib(st.pools[0].used)}
+            held = {
+                "clients": len(st.clients) - 1,
+                "arenas": st.arenas,
+                "used_mib": mib(st.pools[0].used),
+            }
             t0 = time.monotonic()
             for p in procs:
                 p.send_signal(signal.SIGKILL)
@@ -133,9 +140,12 @@ def dying_waiters(engines: int) -> dict:
                 return len(s.clients) == 1 and s.arenas == 0 and used <= objects * 65536
 
             took = wait_until(clean, 60)
-    return {"engines": engines, "held_before_kill": held,
-            "cleanup_seconds_after_last_kill": None if took is None else round(took, 3),
-            "kill_seconds": round(killed, 3)}
+    return {
+        "engines": engines,
+        "held_before_kill": held,
+        "cleanup_seconds_after_last_kill": None if took is None else round(took, 3),
+        "kill_seconds": round(killed, 3),
+    }
 
 
 # -- 2. waits, unread replies, regexes: memory ----------------------------------------------
@@ -146,16 +156,22 @@ def waits(n: int = 2000, held: int = 400) -> dict:
             before = rss(d.proc.pid)
             for i in range(n):
                 s = raw(d.socket_path)
-                s.sendall(msgpack.packb({"id": 2, "op": "claim",
-                                         "args": {"key": f"gone-{i}", "wait": 600}}))
+                s.sendall(
+                    msgpack.packb(
+                        {"id": 2, "op": "claim", "args": {"key": f"gone-{i}", "wait": 600}}
+                    )
+                )
                 s.close()
             wait_until(lambda: len(c.stat().clients) == 1, 30)
             after_closed = rss(d.proc.pid)
             socks = []
             for i in range(held):
                 s = raw(d.socket_path)
-                s.sendall(msgpack.packb({"id": 2, "op": "claim",
-                                         "args": {"key": f"held-{i}", "wait": 600}}))
+                s.sendall(
+                    msgpack.packb(
+                        {"id": 2, "op": "claim", "args": {"key": f"held-{i}", "wait": 600}}
+                    )
+                )
                 socks.append(s)
             wait_until(lambda: len(c.stat().clients) == held + 1, 30)
             while_held = rss(d.proc.pid)
@@ -163,9 +179,13 @@ def waits(n: int = 2000, held: int = 400) -> dict:
                 s.close()
             wait_until(lambda: len(c.stat().clients) == 1, 30)
             after = rss(d.proc.pid)
-    return {"closed_waiters": n, "rss_growth_mib_after_closed_waiters": mib(after_closed - before),
-            "held_waiters": held, "rss_growth_mib_while_held": mib(while_held - before),
-            "rss_growth_mib_after_all_closed": mib(after - before)}
+    return {
+        "closed_waiters": n,
+        "rss_growth_mib_after_closed_waiters": mib(after_closed - before),
+        "held_waiters": held,
+        "rss_growth_mib_while_held": mib(while_held - before),
+        "rss_growth_mib_after_all_closed": mib(after - before),
+    }
 
 
 def unread(n: int = 20) -> dict:
@@ -206,9 +226,13 @@ def unread(n: int = 20) -> dict:
             cut = d.log().count("disconnected:")
             for s in socks:
                 s.close()
-    return {"connections": n, "rss_peak_growth_mib": mib(peak - before),
-            "flood_seconds": round(flooded, 1),
-            "disconnected_by_daemon": cut, "honest_lookup_ms_after": round(lookup_ms, 2)}
+    return {
+        "connections": n,
+        "rss_peak_growth_mib": mib(peak - before),
+        "flood_seconds": round(flooded, 1),
+        "disconnected_by_daemon": cut,
+        "honest_lookup_ms_after": round(lookup_ms, 2),
+    }
 
 
 def regexes(n: int = 600) -> dict:
@@ -246,8 +270,11 @@ while True:
 
 def percentiles(lat: list[float]) -> dict:
     lat = sorted(lat)
-    return {"p50_ms": round(lat[len(lat) // 2] * 1e3, 3),
-            "p99_ms": round(lat[int(len(lat) * 0.99)] * 1e3, 3), "n": len(lat)}
+    return {
+        "p50_ms": round(lat[len(lat) // 2] * 1e3, 3),
+        "p99_ms": round(lat[int(len(lat) * 0.99)] * 1e3, 3),
+        "n": len(lat),
+    }
 
 
 def fairness(n: int = 2000) -> dict:
@@ -267,11 +294,15 @@ def fairness(n: int = 2000) -> dict:
                 return percentiles(lat)
 
             out["quiet"] = measure()
-            for label, ns, limit in (("list_one_namespace_limit5", "tenant0", 5),
-                                     ("list_one_namespace_limit50", "tenant0", 50),
-                                     ("list_everything_3800_objects", "-", 10000)):
-                h = subprocess.Popen([sys.executable, "-c", HAMMER, d.socket_path, ns,
-                                      str(limit)], stderr=subprocess.DEVNULL)
+            for label, ns, limit in (
+                ("list_one_namespace_limit5", "tenant0", 5),
+                ("list_one_namespace_limit50", "tenant0", 50),
+                ("list_everything_3800_objects", "-", 10000),
+            ):
+                h = subprocess.Popen(
+                    [sys.executable, "-c", HAMMER, d.socket_path, ns, str(limit)],
+                    stderr=subprocess.DEVNULL,
+                )
                 time.sleep(1.0)
                 r = measure()
                 r["hammer_still_connected"] = h.poll() is None
@@ -286,7 +317,7 @@ def content(key: str, version: int, n: int) -> bytes:
     head = f"{key}:{version}:".encode()
     seed = int.from_bytes(hashlib.blake2b(head, digest_size=8).digest(), "little")
     body = np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
-    return (head + body)[:max(n, len(head))]
+    return (head + body)[: max(n, len(head))]
 
 
 def consistent(key: str, data: bytes) -> bool:
@@ -309,7 +340,7 @@ def damage(data: bytes, rng) -> tuple[bytes, str]:
         buf[at] ^= 1 << bit
         return bytes(buf), f"bit {bit} of byte {at} flipped"
     at = int(rng.integers(0, len(data) - 8))
-    buf[at:at + 8] = rng.integers(0, 256, 8, dtype=np.uint8).tobytes()
+    buf[at : at + 8] = rng.integers(0, 256, 8, dtype=np.uint8).tobytes()
     return bytes(buf), f"8 bytes overwritten at byte {at}"
 
 
@@ -329,8 +360,9 @@ def journal(restarts: int, seed: int = 16) -> dict:
                 continue
             version += 1
             n = int(rng.integers(100, 60000))
-            c.put(key, {"x": content(key, version, n)}, replace=True,
-                  checksum=bool(step % 2))  # half sealed without checksums
+            c.put(
+                key, {"x": content(key, version, n)}, replace=True, checksum=bool(step % 2)
+            )  # half sealed without checksums
         live = {o.key for o in c.list()}
     d.stop(signal.SIGKILL)
     jpath = journal_path(path)
@@ -365,12 +397,15 @@ def journal(restarts: int, seed: int = 16) -> dict:
             t["outcome"] = "wrong bytes" if wrong else "ok"
         except KVBrokerError as exc:
             t["outcome"] = f"hung or failed: {type(exc).__name__}: {exc}"
-        t.update({"kept": kept, "live_before": len(live), "resurrected": resurrected,
-                  "wrong": wrong})
+        t.update(
+            {"kept": kept, "live_before": len(live), "resurrected": resurrected, "wrong": wrong}
+        )
         log = dd.log()
-        t["logged"] = [ln.split(": ", 1)[-1][:400] for ln in log.splitlines()
-                       if ("WARNING" in ln or "ERROR" in ln) and "journal" in ln.lower()
-                       or "torn record" in ln][-3:]
+        t["logged"] = [
+            ln.split(": ", 1)[-1][:400]
+            for ln in log.splitlines()
+            if ("WARNING" in ln or "ERROR" in ln) and "journal" in ln.lower() or "torn record" in ln
+        ][-3:]
         dd.stop(signal.SIGKILL)  # keep the pools as they are for the next trial
         trials.append(t)
         del start
@@ -398,50 +433,77 @@ def machine() -> dict:
             cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
     except OSError:
         pass
-    return {"host": platform.node(), "cpus": os.cpu_count(), "cpu": cpu,
-            "python": platform.python_version(), "load_avg_at_start": os.getloadavg()}
+    return {
+        "host": platform.node(),
+        "cpus": os.cpu_count(),
+        "cpu": cpu,
+        "python": platform.python_version(),
+        "load_avg_at_start": os.getloadavg(),
+    }
 
 
 def markdown(res: dict) -> str:
-    lines = [f"# Issue 16 attacks, rerun (commit {res['commit']})", "",
-             f"`{res['command']}` on {res['machine']['cpus']} CPUs ({res['machine']['cpu']}), "
-             f"load average at start {res['machine']['load_avg_at_start']}", ""]
+    lines = [
+        f"# Issue 16 attacks, rerun (commit {res['commit']})",
+        "",
+        f"`{res['command']}` on {res['machine']['cpus']} CPUs ({res['machine']['cpu']}), "
+        f"load average at start {res['machine']['load_avg_at_start']}",
+        "",
+    ]
     r = res["results"]
     if "dying_waiters" in r:
         x = r["dying_waiters"]
-        lines.append(f"- **Dying waiters**: {x['engines']} engines holding "
-                     f"{x['held_before_kill']} SIGKILLed inside claim(wait=120): everything "
-                     f"freed {x['cleanup_seconds_after_last_kill']} s after the last kill.")
+        lines.append(
+            f"- **Dying waiters**: {x['engines']} engines holding "
+            f"{x['held_before_kill']} SIGKILLed inside claim(wait=120): everything "
+            f"freed {x['cleanup_seconds_after_last_kill']} s after the last kill."
+        )
     if "waits" in r:
         x = r["waits"]
-        lines.append(f"- **Waits**: {x['closed_waiters']} connections each dying in "
-                     f"claim(wait=600) on a distinct key: RSS +{x['rss_growth_mib_after_closed_waiters']} "
-                     f"MiB; {x['held_waiters']} held at once: +{x['rss_growth_mib_while_held']} MiB, "
-                     f"+{x['rss_growth_mib_after_all_closed']} MiB once closed.")
+        lines.append(
+            f"- **Waits**: {x['closed_waiters']} connections each dying in "
+            f"claim(wait=600) on a distinct key: RSS +{x['rss_growth_mib_after_closed_waiters']} "
+            f"MiB; {x['held_waiters']} held at once: +{x['rss_growth_mib_while_held']} MiB, "
+            f"+{x['rss_growth_mib_after_all_closed']} MiB once closed."
+        )
     if "unread" in r:
         x = r["unread"]
-        lines.append(f"- **Unread replies**: {x['connections']} connections pipelining stat, "
-                     f"never reading, for {x.get('flood_seconds')} s: peak RSS "
-                     f"+{x['rss_peak_growth_mib']} MiB, "
-                     f"{x['disconnected_by_daemon']} disconnected by the daemon.")
+        lines.append(
+            f"- **Unread replies**: {x['connections']} connections pipelining stat, "
+            f"never reading, for {x.get('flood_seconds')} s: peak RSS "
+            f"+{x['rss_peak_growth_mib']} MiB, "
+            f"{x['disconnected_by_daemon']} disconnected by the daemon."
+        )
     if "regexes" in r:
         x = r["regexes"]
-        lines.append(f"- **Regexes**: {x['regexes']} distinct heavy patterns: RSS "
-                     f"+{x['rss_growth_mib']} MiB ({x['seconds']} s).")
+        lines.append(
+            f"- **Regexes**: {x['regexes']} distinct heavy patterns: RSS "
+            f"+{x['rss_growth_mib']} MiB ({x['seconds']} s)."
+        )
     if "fairness" in r:
         x = r["fairness"]
         for k, v in x.items():
-            extra = (f", pipelining client still connected: {v['hammer_still_connected']}"
-                     if "hammer_still_connected" in v else "")
-            lines.append(f"- **Honest lookup, {k}**: p50 {v['p50_ms']} ms, p99 {v['p99_ms']} ms "
-                         f"({v['n']} lookups{extra})")
+            extra = (
+                f", pipelining client still connected: {v['hammer_still_connected']}"
+                if "hammer_still_connected" in v
+                else ""
+            )
+            lines.append(
+                f"- **Honest lookup, {k}**: p50 {v['p50_ms']} ms, p99 {v['p99_ms']} ms "
+                f"({v['n']} lookups{extra})"
+            )
     if "journal" in r:
         s = r["journal"]["summary"]
-        lines += [f"- **Damaged journals**: {s['restarts']} restarts: served wrong bytes "
-                  f"{s['served_wrong_bytes']}, hung {s['hung']}, refused {s['refused']}; "
-                  f"{s['objects_live_before']} objects live before, {s['objects_kept_mean']} "
-                  f"kept on average, {s['resurrected_total']} resurrected in all (correct "
-                  "bytes).", "", "| damage | outcome | kept | logged |", "|---|---|---|---|"]
+        lines += [
+            f"- **Damaged journals**: {s['restarts']} restarts: served wrong bytes "
+            f"{s['served_wrong_bytes']}, hung {s['hung']}, refused {s['refused']}; "
+            f"{s['objects_live_before']} objects live before, {s['objects_kept_mean']} "
+            f"kept on average, {s['resurrected_total']} resurrected in all (correct "
+            "bytes).",
+            "",
+            "| damage | outcome | kept | logged |",
+            "|---|---|---|---|",
+        ]
         for t in r["journal"]["trials"]:
             logged = " / ".join(t.get("logged", [])).replace("|", "\\|")
             lines.append(f"| {t['damage']} | {t['outcome']} | {t.get('kept', '')} | {logged} |")
@@ -453,13 +515,18 @@ def main() -> None:
     ap.add_argument("--only", nargs="*", choices=ATTACKS, default=list(ATTACKS))
     ap.add_argument("--restarts", type=int, default=60)
     ap.add_argument("--engines", type=int, default=50)
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
-                                                  "attacks-cpu"))
+    ap.add_argument(
+        "--out", default=os.path.join(os.path.dirname(__file__), "results", "attacks-cpu")
+    )
     a = ap.parse_args()
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 8192)), hard))
-    res = {"commit": measured_commit(), "machine": machine(),
-           "command": "python benchmarks/attacks.py " + " ".join(sys.argv[1:]), "results": {}}
+    res = {
+        "commit": measured_commit(),
+        "machine": machine(),
+        "command": "python benchmarks/attacks.py " + " ".join(sys.argv[1:]),
+        "results": {},
+    }
     if set(a.only) != set(ATTACKS) and os.path.exists(a.out + ".json"):  # update those rerun
         with open(a.out + ".json") as f:
             old = json.load(f)

@@ -37,8 +37,9 @@ DOCS = ROOT / "docs"
 ORDER = ("transfer", "rpc", "scale", "prefix", "tp", "peer")
 
 
-def commands(mooncake_python: str | None, lmcache_python: str | None = None,
-             kvcr_python: str | None = None) -> dict[str, list[str]]:  # fmt: skip
+def commands(
+    mooncake_python: str | None, lmcache_python: str | None = None, kvcr_python: str | None = None
+) -> dict[str, list[str]]:
     cmds = {
         "transfer": ["transfer"],
         "rpc": ["rpc"],
@@ -46,11 +47,18 @@ def commands(mooncake_python: str | None, lmcache_python: str | None = None,
         "prefix": ["prefix"],
         "tp": ["tp"],
     }
-    peers = [("--mooncake-python", mooncake_python), ("--lmcache-python", lmcache_python),
-             ("--kvcr-python", kvcr_python)]  # fmt: skip
+    peers = [
+        ("--mooncake-python", mooncake_python),
+        ("--lmcache-python", lmcache_python),
+        ("--kvcr-python", kvcr_python),
+    ]
     if any(python for _, python in peers):
-        cmds["peer"] = ["peer", *(a for opt, python in peers if python for a in (opt, python)),
-                        "--rounds", "3"]  # fmt: skip
+        cmds["peer"] = [
+            "peer",
+            *(a for opt, python in peers if python for a in (opt, python)),
+            "--rounds",
+            "3",
+        ]
     return cmds
 
 
@@ -69,8 +77,15 @@ def wait_for_quiet(max_load: float | None, patience: float = 600.0) -> None:
 
 def run(name: str, args: list[str]) -> None:
     out = RESULTS / f"bench-{name}-cpu.json"
-    argv = ["kvbroker", "bench", *args, "--json-out", str(out.relative_to(ROOT)), "--plot",
-            str(DOCS.relative_to(ROOT))]  # fmt: skip
+    argv = [
+        "kvbroker",
+        "bench",
+        *args,
+        "--json-out",
+        str(out.relative_to(ROOT)),
+        "--plot",
+        str(DOCS.relative_to(ROOT)),
+    ]
     print("$", shlex.join(argv), flush=True)
     subprocess.run([sys.executable, "-m", "kvbroker", *argv[1:]], cwd=ROOT, check=True)
     data = json.loads(out.read_text())
@@ -83,13 +98,18 @@ def plot_gpu() -> None:
     the H100 run (this round's code; the H200 x2 one is an earlier commit's, kept as a record)."""
     from kvbroker._bench import plot_result, scenario
 
-    path = next((p for p in (RESULTS / "gpu-h100.json", RESULTS / "gpu-h200.json") if p.exists()),
-                None)  # fmt: skip
+    path = next(
+        (p for p in (RESULTS / "gpu-h100.json", RESULTS / "gpu-h200.json") if p.exists()), None
+    )
     if path is not None:
         raw = json.loads(path.read_text())
         rows = scenario("gpu").rows_from(raw)
-        print("wrote", *plot_result({"scenario": "gpu", "rows": rows,
-                                     "params": {"device": raw["device"]}}, str(DOCS)))
+        print(
+            "wrote",
+            *plot_result(
+                {"scenario": "gpu", "rows": rows, "params": {"device": raw["device"]}}, str(DOCS)
+            ),
+        )
 
 
 def section(data: dict) -> list[str]:
@@ -112,8 +132,10 @@ def section(data: dict) -> list[str]:
     lines += ["```", ""]
     for t in data["targets"]:
         mark = "met" if t["met"] else "**missed**"
-        lines.append(f"- {t['name']}: {_measured(t)}{t['unit']} "
-                     f"(target {t['op']} {t['goal']:.3g}{t['unit']}) — {mark}")  # fmt: skip
+        lines.append(
+            f"- {t['name']}: {_measured(t)}{t['unit']} "
+            f"(target {t['op']} {t['goal']:.3g}{t['unit']}) — {mark}"
+        )
     lines += [f"- {n}" for n in data.get("notes", [])]
     return lines + [""]
 
@@ -124,8 +146,11 @@ def _measured(target: dict) -> str:
 
 
 def report(profiles: list[str]) -> str:
-    found = [json.loads((RESULTS / f"bench-{n}-cpu.json").read_text())
-             for n in ORDER if (RESULTS / f"bench-{n}-cpu.json").exists()]  # fmt: skip
+    found = [
+        json.loads((RESULTS / f"bench-{n}-cpu.json").read_text())
+        for n in ORDER
+        if (RESULTS / f"bench-{n}-cpu.json").exists()
+    ]
     if not found:
         return ""
     m = found[0]["machine"]
@@ -138,7 +163,7 @@ def report(profiles: list[str]) -> str:
         "figures move by ±20% between runs. Charts: docs/*.png (made by `--plot docs`).",
         "Rebuild everything: `.venv/bin/python benchmarks/bench_all.py "
         "--mooncake-python /tmp/mc/bin/python` (Mooncake's driver: benchmarks/mooncake_peer.py; "
-        "its set-up: docs/operating.md, \"Comparing with Mooncake\").",
+        'its set-up: docs/operating.md, "Comparing with Mooncake").',
         # (from the results, not this checkout: --report-only may run at a later commit)
         f"Commit measured: {', '.join(sorted({d.get('commit', 'unknown') for d in found}))}.",
         "",
@@ -163,8 +188,10 @@ def summary() -> str:
             mark = "" if t["met"] else " **(missed)**"
             unit = "×" if t["unit"] == "x" else t["unit"]
             op = t["op"].replace(">=", "≥").replace("<=", "≤")
-            lines.append(f"| {t['name']} | {_measured(t)}{unit}{mark} | "
-                         f"{op} {t['goal']:.3g}{unit} | `{cmd}` |")  # fmt: skip
+            lines.append(
+                f"| {t['name']} | {_measured(t)}{unit}{mark} | "
+                f"{op} {t['goal']:.3g}{unit} | `{cmd}` |"
+            )
     return "\n".join(lines)
 
 
@@ -200,8 +227,14 @@ def main() -> None:
                     missed.add("32M" if t["name"].startswith("32 MiB") else "256K")
     if missed and not a.no_profile:
         for size in sorted(missed):
-            cmd = [sys.executable, "benchmarks/profile_transfer.py", "--size", size,
-                   "--seconds", "4"]  # fmt: skip
+            cmd = [
+                sys.executable,
+                "benchmarks/profile_transfer.py",
+                "--size",
+                size,
+                "--seconds",
+                "4",
+            ]
             env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
             p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
             profiles.append(f"`{shlex.join(['python', *cmd[1:]])}`\n\n{p.stdout}")

@@ -45,7 +45,7 @@ def threads_pass(fd: int, region: mmap.mmap, n: int, size: int, depth: int, writ
     view = memoryview(region)
 
     def one(i: int) -> None:
-        buf = view[i * size:(i + 1) * size]
+        buf = view[i * size : (i + 1) * size]
         done = (os.pwritev if write else os.preadv)(fd, [buf], i * size)
         if done != size:
             raise OSError(f"short {'write' if write else 'read'}: {done} of {size}")
@@ -56,8 +56,9 @@ def threads_pass(fd: int, region: mmap.mmap, n: int, size: int, depth: int, writ
     return time.perf_counter() - t0
 
 
-def nixl_pass(agent, fd: int, region: mmap.mmap, n: int, size: int, depth: int,
-              write: bool) -> float:
+def nixl_pass(
+    agent, fd: int, region: mmap.mmap, n: int, size: int, depth: int, write: bool
+) -> float:
     import ctypes
 
     base = ctypes.addressof(ctypes.c_char.from_buffer(region))
@@ -95,9 +96,12 @@ def nixl_pass(agent, fd: int, region: mmap.mmap, n: int, size: int, depth: int,
 
 def dd_read(path: str, nbytes: int) -> float | None:
     bs = 4 << 20
-    proc = subprocess.run(["dd", f"if={path}", "of=/dev/null", f"bs={bs}",
-                           f"count={nbytes // bs}", "iflag=direct"],
-                          check=False, capture_output=True, text=True)
+    proc = subprocess.run(
+        ["dd", f"if={path}", "of=/dev/null", f"bs={bs}", f"count={nbytes // bs}", "iflag=direct"],
+        check=False,
+        capture_output=True,
+        text=True,
+    )
     m = re.search(r"copied, ([0-9.]+) s", proc.stderr)
     return float(m.group(1)) if proc.returncode == 0 and m else None
 
@@ -127,7 +131,7 @@ def main() -> None:
         src = mmap.mmap(-1, total)
         dst = mmap.mmap(-1, total)
         src[:] = os.urandom(total)
-        want = [xxhash.xxh3_64_intdigest(src[i * size:(i + 1) * size]) for i in range(n)]
+        want = [xxhash.xxh3_64_intdigest(src[i * size : (i + 1) * size]) for i in range(n)]
         engines = {"threads": None}
         with contextlib.suppress(Exception):
             from kvbroker._server.transfer import load_nixl
@@ -137,14 +141,12 @@ def main() -> None:
                 agent = api.nixl_agent(f"bench-{mode}", api.nixl_agent_config(backends=[]))
                 try:
                     agent.create_backend("POSIX", {mode: "true"})
-                    agent.register_memory(agent.get_reg_descs(
-                        [(0, total, fd, "")], "FILE"))
+                    agent.register_memory(agent.get_reg_descs([(0, total, fd, "")], "FILE"))
                     import ctypes
 
                     for region in (src, dst):
                         addr = ctypes.addressof(ctypes.c_char.from_buffer(region))
-                        agent.register_memory(agent.get_reg_descs([(addr, total, 0, "")],
-                                                                  "DRAM"))
+                        agent.register_memory(agent.get_reg_descs([(addr, total, 0, "")], "DRAM"))
                     engines["nixl-" + mode[4:]] = agent
                 except Exception as exc:  # noqa: BLE001 - a mode this kernel or build lacks
                     results["engines"]["nixl-" + mode[4:]] = {"error": str(exc)[:200]}
@@ -162,7 +164,7 @@ def main() -> None:
                     rec["read_s"].append(threads_pass(fd, dst, n, size, args.depth, False))
                 else:
                     rec["read_s"].append(nixl_pass(agent, fd, dst, n, size, args.depth, False))
-                got = [xxhash.xxh3_64_intdigest(dst[i * size:(i + 1) * size]) for i in range(n)]
+                got = [xxhash.xxh3_64_intdigest(dst[i * size : (i + 1) * size]) for i in range(n)]
                 rec["bit_exact"] &= got == want
             rec["read_gbps_best"] = total / min(rec["read_s"]) / 1e9
             rec["write_gbps_best"] = total / min(rec["write_s"]) / 1e9
@@ -177,19 +179,33 @@ def main() -> None:
         os.unlink(path)
     dd = results["dd_read_s"]
     results["dd_read_gbps_best"] = total / min(dd) / 1e9 if dd else None
-    out = {"scenario": "disk-io", "commit": measured_commit(), "machine": machine_info(),
-           "command": " ".join(sys.argv), "dir": args.dir, "objects": n,
-           "object_size": size, "depth": args.depth, "rounds": args.rounds,
-           "caches_dropped": drop_caches(), "conditions_before": before,
-           "conditions_after": run_conditions(), **results}
+    out = {
+        "scenario": "disk-io",
+        "commit": measured_commit(),
+        "machine": machine_info(),
+        "command": " ".join(sys.argv),
+        "dir": args.dir,
+        "objects": n,
+        "object_size": size,
+        "depth": args.depth,
+        "rounds": args.rounds,
+        "caches_dropped": drop_caches(),
+        "conditions_before": before,
+        "conditions_after": run_conditions(),
+        **results,
+    }
     for name, rec in results["engines"].items():
         if "error" in rec:
             print(f"{name:16s} unavailable: {rec['error']}")
         else:
-            print(f"{name:16s} write {rec['write_gbps_best']:.2f} GB/s  read "
-                  f"{rec['read_gbps_best']:.2f} GB/s  bit-exact {rec['bit_exact']}")
+            print(
+                f"{name:16s} write {rec['write_gbps_best']:.2f} GB/s  read "
+                f"{rec['read_gbps_best']:.2f} GB/s  bit-exact {rec['bit_exact']}"
+            )
     if results["dd_read_gbps_best"]:
-        print(f"{'dd iflag=direct':16s} read {results['dd_read_gbps_best']:.2f} GB/s (4 MiB blocks)")
+        print(
+            f"{'dd iflag=direct':16s} read {results['dd_read_gbps_best']:.2f} GB/s (4 MiB blocks)"
+        )
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(out, f, indent=1)

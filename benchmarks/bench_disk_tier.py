@@ -52,9 +52,15 @@ def recompute_model() -> dict:
         d = json.load(f)
     tokens, kv = d["prompt_tokens"], d["kv_bytes"]
     prefill_s = d["median"]["recompute_prefill_s"]
-    return {"source": os.path.relpath(TTFT, ROOT), "tokens": tokens, "kv_bytes": kv,
-            "prefill_s": prefill_s, "tokens_per_s": tokens / prefill_s,
-            "kv_bytes_per_token": kv / tokens, "seconds_per_byte": prefill_s / kv}
+    return {
+        "source": os.path.relpath(TTFT, ROOT),
+        "tokens": tokens,
+        "kv_bytes": kv,
+        "prefill_s": prefill_s,
+        "tokens_per_s": tokens / prefill_s,
+        "kv_bytes_per_token": kv / tokens,
+        "seconds_per_byte": prefill_s / kv,
+    }
 
 
 def drop_caches() -> bool:
@@ -92,16 +98,32 @@ def run_claims(c, payloads: dict, order: list[str], model_s: float) -> dict:
         hits += 1
         if not np.array_equal(got["past_key.0"], payloads[key]):
             wrong += 1
-    return {"claims": len(order), "hits": hits, "hit_rate": hits / len(order),
-            "p50_ms": percentile(lat, 0.5) * 1e3, "p99_ms": percentile(lat, 0.99) * 1e3,
-            "mean_ms": statistics.fmean(lat) * 1e3, "wrong_bytes": wrong}
+    return {
+        "claims": len(order),
+        "hits": hits,
+        "hit_rate": hits / len(order),
+        "p50_ms": percentile(lat, 0.5) * 1e3,
+        "p99_ms": percentile(lat, 0.99) * 1e3,
+        "mean_ms": statistics.fmean(lat) * 1e3,
+        "wrong_bytes": wrong,
+    }
 
 
 def dd_read(path: str, nbytes: int, bs: int) -> float | None:
     drop_caches()
-    proc = subprocess.run(["dd", f"if={path}", "of=/dev/null", f"bs={bs}",
-                           f"count={max(1, nbytes // bs)}", "iflag=direct"],
-                          check=False, capture_output=True, text=True)  # fmt: skip
+    proc = subprocess.run(
+        [
+            "dd",
+            f"if={path}",
+            "of=/dev/null",
+            f"bs={bs}",
+            f"count={max(1, nbytes // bs)}",
+            "iflag=direct",
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+    )
     m = re.search(r"copied, ([0-9.]+) s", proc.stderr)
     return max(1, nbytes // bs) * bs / float(m.group(1)) / 1e9 if m else None
 
@@ -130,7 +152,10 @@ def promotion_throughput(d, keys: list[str], obj: int, threads: int) -> dict:
         except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
 
-    ts = [threading.Thread(target=claim_all, args=(c, s)) for c, s in zip(clients, shares, strict=True)]
+    ts = [
+        threading.Thread(target=claim_all, args=(c, s))
+        for c, s in zip(clients, shares, strict=True)
+    ]
     t0 = time.perf_counter()
     for t in ts:
         t.start()
@@ -144,10 +169,16 @@ def promotion_throughput(d, keys: list[str], obj: int, threads: int) -> dict:
     if errors:
         raise errors[0]
     promoted = after.promoted - before.promoted
-    return {"objects": len(keys), "bytes": len(keys) * obj, "seconds": wall,
-            "gbps": len(keys) * obj / wall / 1e9, "promoted": promoted,
-            "promote_seconds_sum": after.promote_seconds - before.promote_seconds,
-            "caches_dropped": dropped, "threads": threads}
+    return {
+        "objects": len(keys),
+        "bytes": len(keys) * obj,
+        "seconds": wall,
+        "gbps": len(keys) * obj / wall / 1e9,
+        "promoted": promoted,
+        "promote_seconds_sum": after.promote_seconds - before.promote_seconds,
+        "caches_dropped": dropped,
+        "threads": threads,
+    }
 
 
 def main() -> None:
@@ -173,50 +204,96 @@ def main() -> None:
     obj = args.object_size
     n = args.factor * pool // obj
     keys = [f"obj{i:05d}" for i in range(n)]
-    payloads = {k: np.random.default_rng(i).integers(0, 256, obj, dtype=np.uint8)
-                for i, k in enumerate(keys)}  # fmt: skip
+    payloads = {
+        k: np.random.default_rng(i).integers(0, 256, obj, dtype=np.uint8)
+        for i, k in enumerate(keys)
+    }
     model = recompute_model()
     model_s = obj * model["seconds_per_byte"]
     rng = random.Random(args.seed)
-    orders = {"cycle": keys * args.passes,
-              "random": [rng.choice(keys) for _ in range(n * args.passes)]}
+    orders = {
+        "cycle": keys * args.passes,
+        "random": [rng.choice(keys) for _ in range(n * args.passes)],
+    }
     workdir = tempfile.mkdtemp(prefix="kvb-disk-bench-", dir=args.dir)
     disk_dir = os.path.join(workdir, "tier")
     disk_size = 2 * n * obj
-    out: dict = {"scenario": "disk-tier", "commit": measured_commit(),
-                 "machine": machine_info(), "command": " ".join(sys.argv),
-                 "pool_size": pool, "object_size": obj, "objects": n, "working_set": n * obj,
-                 "disk_dir": args.dir, "disk_size": disk_size, "recompute_model": model,
-                 "recompute_s_per_object": model_s, "conditions_before": before, "runs": {}}
+    out: dict = {
+        "scenario": "disk-tier",
+        "commit": measured_commit(),
+        "machine": machine_info(),
+        "command": " ".join(sys.argv),
+        "pool_size": pool,
+        "object_size": obj,
+        "objects": n,
+        "working_set": n * obj,
+        "disk_dir": args.dir,
+        "disk_size": disk_size,
+        "recompute_model": model,
+        "recompute_s_per_object": model_s,
+        "conditions_before": before,
+        "runs": {},
+    }
     try:
-        for label, env in (("disk", {"KVBROKER_TIER_DISK_DIRECTORIES": disk_dir,
-                                     "KVBROKER_TIER_DISK_SIZE": str(disk_size)}),
-                           ("dram", {})):  # fmt: skip
+        for label, env in (
+            (
+                "disk",
+                {
+                    "KVBROKER_TIER_DISK_DIRECTORIES": disk_dir,
+                    "KVBROKER_TIER_DISK_SIZE": str(disk_size),
+                },
+            ),
+            ("dram", {}),
+        ):
             with running_daemon(pool_size=args.pool_size, page_size="64K", env=env) as d:
                 with d.client() as c:
                     for k in keys:  # published once, in order
                         c.put(k, {"past_key.0": payloads[k]}, replace=True)
-                    runs = {name: run_claims(c, payloads, order, model_s)
-                            for name, order in orders.items()}  # fmt: skip
+                    runs = {
+                        name: run_claims(c, payloads, order, model_s)
+                        for name, order in orders.items()
+                    }
                     st = c.stat()
-                    runs["stat"] = {"evictions": st.counters.evictions,
-                                    "disk": None if st.disk is None else {
-                                        k: getattr(st.disk, k) for k in (
-                                            "objects", "only_on_disk", "promoted", "demoted",
-                                            "written_back", "skipped", "o_direct", "errors",
-                                            "dropped_damaged")}}  # fmt: skip
+                    runs["stat"] = {
+                        "evictions": st.counters.evictions,
+                        "disk": None
+                        if st.disk is None
+                        else {
+                            k: getattr(st.disk, k)
+                            for k in (
+                                "objects",
+                                "only_on_disk",
+                                "promoted",
+                                "demoted",
+                                "written_back",
+                                "skipped",
+                                "o_direct",
+                                "errors",
+                                "dropped_damaged",
+                            )
+                        },
+                    }
                 if label == "disk":
                     runs["promotion"] = promotion_throughput(d, keys, obj, args.threads)
                     slots = os.path.join(disk_dir, SLOTS_NAME)
-                    runs["dd_gbps"] = {f"{bs >> 20}MiB": dd_read(slots, n * obj, bs)
-                                       for bs in (4 << 20, obj)}  # fmt: skip
+                    runs["dd_gbps"] = {
+                        f"{bs >> 20}MiB": dd_read(slots, n * obj, bs) for bs in (4 << 20, obj)
+                    }
             out["runs"][label] = runs
     finally:
         subprocess.run(["rm", "-rf", workdir], check=False)
     lat = model_s * 1e3
-    out["runs"]["recompute"] = {name: {"claims": len(order), "hits": 0, "hit_rate": 0.0,
-                                       "p50_ms": lat, "p99_ms": lat, "mean_ms": lat}
-                                for name, order in orders.items()}  # fmt: skip
+    out["runs"]["recompute"] = {
+        name: {
+            "claims": len(order),
+            "hits": 0,
+            "hit_rate": 0.0,
+            "p50_ms": lat,
+            "p99_ms": lat,
+            "mean_ms": lat,
+        }
+        for name, order in orders.items()
+    }
     promo = out["runs"]["disk"]["promotion"]
     dd = out["runs"]["disk"]["dd_gbps"]
     raw = max(v for v in dd.values() if v) if any(dd.values()) else None
@@ -225,11 +302,15 @@ def main() -> None:
     for name in orders:
         for label in ("disk", "dram", "recompute"):
             r = out["runs"][label][name]
-            print(f"{name:7s} {label:10s} hit rate {r['hit_rate']:.2f}  p50 {r['p50_ms']:.2f} ms"
-                  f"  p99 {r['p99_ms']:.2f} ms")
-    print(f"promotion {promo['gbps']:.2f} GB/s ({promo['threads']} clients); dd iflag=direct "
-          + ", ".join(f"{k} {v:.2f} GB/s" for k, v in dd.items() if v)
-          + (f"; promotion / dd {out['promotion_vs_dd']:.2f}" if raw else ""))
+            print(
+                f"{name:7s} {label:10s} hit rate {r['hit_rate']:.2f}  p50 {r['p50_ms']:.2f} ms"
+                f"  p99 {r['p99_ms']:.2f} ms"
+            )
+    print(
+        f"promotion {promo['gbps']:.2f} GB/s ({promo['threads']} clients); dd iflag=direct "
+        + ", ".join(f"{k} {v:.2f} GB/s" for k, v in dd.items() if v)
+        + (f"; promotion / dd {out['promotion_vs_dd']:.2f}" if raw else "")
+    )
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(out, f, indent=1)

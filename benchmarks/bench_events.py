@@ -93,12 +93,17 @@ def daemon(src: str | None, events: dict):
     env = {"KVBROKER_TRANSFER_NODE": "bench", **events}
     launcher = None
     if src:  # ahead of the working directory, which ``python -m`` would put first
-        launcher = [sys.executable, "-c", f"import runpy, sys; sys.path.insert(0, {src!r}); "
-                    "runpy.run_module('kvbroker', run_name='__main__', alter_sys=True)"]
+        launcher = [
+            sys.executable,
+            "-c",
+            f"import runpy, sys; sys.path.insert(0, {src!r}); "
+            "runpy.run_module('kvbroker', run_name='__main__', alter_sys=True)",
+        ]
     return spawned_daemon("64M", "--page-size", "4K", env=env, launcher=launcher)
 
 
 # -- parts -------------------------------------------------------------------------------------
+
 
 def part_rate(args) -> dict:
     topic = ev.topic_for("bench", "m")
@@ -126,16 +131,27 @@ def part_rate(args) -> dict:
         dt = time.perf_counter() - t0
         st = pub.stats()
         sub.close(linger=0)
-    return {"events": 2 * n, "publish_us_wall": t_pub / (2 * n) * 1e6,
-            "publish_us_cpu": c_pub / (2 * n) * 1e6, "received": seen, "seconds": dt,
-            "events_per_s": seen / dt, "batches": st["batches_published"],
-            "dropped": st["events_dropped"]}
+    return {
+        "events": 2 * n,
+        "publish_us_wall": t_pub / (2 * n) * 1e6,
+        "publish_us_cpu": c_pub / (2 * n) * 1e6,
+        "received": seen,
+        "seconds": dt,
+        "events_per_s": seen / dt,
+        "batches": st["batches_published"],
+        "dropped": st["events_dropped"],
+    }
 
 
 def part_rss(args) -> dict:
     rep = free_port()
-    with daemon(args.daemon_src, {"KVBROKER_EVENTS_PUBLISH": f"tcp://*:{free_port()}",
-                                  "KVBROKER_EVENTS_REPLAY": f"tcp://127.0.0.1:{rep}"}) as path:
+    with daemon(
+        args.daemon_src,
+        {
+            "KVBROKER_EVENTS_PUBLISH": f"tcp://*:{free_port()}",
+            "KVBROKER_EVENTS_REPLAY": f"tcp://127.0.0.1:{rep}",
+        },
+    ) as path:
         with Client(path, map_pools=False) as c:
             pid = c.stat().pid
             settled(c)
@@ -147,18 +163,30 @@ def part_rss(args) -> dict:
             after = process_memory(pid)
             st = c.stat()
             e = st.events
-    return {"blocks": args.rss_blocks, "round": args.rss_round, "tokens_per_block": LONG,
-            "rss_before_MiB": before["VmRSS"] / MiB, "rss_after_MiB": after["VmRSS"] / MiB,
-            "peak_rss_MiB": after["VmHWM"] / MiB, "objects_after": st.objects,
-            "events_published": e.events_published, "batches": e.next_seq,
-            "replay_buffer_bytes": getattr(e, "buffered_bytes", None)}
+    return {
+        "blocks": args.rss_blocks,
+        "round": args.rss_round,
+        "tokens_per_block": LONG,
+        "rss_before_MiB": before["VmRSS"] / MiB,
+        "rss_after_MiB": after["VmRSS"] / MiB,
+        "peak_rss_MiB": after["VmHWM"] / MiB,
+        "objects_after": st.objects,
+        "events_published": e.events_published,
+        "batches": e.next_seq,
+        "replay_buffer_bytes": getattr(e, "buffered_bytes", None),
+    }
 
 
 def part_flood(args, read: bool) -> dict:
     pub_port, rep = free_port(), free_port()
     ctx = zmq.Context.instance()
-    with daemon(args.daemon_src, {"KVBROKER_EVENTS_PUBLISH": f"tcp://*:{pub_port}",
-                                  "KVBROKER_EVENTS_REPLAY": f"tcp://127.0.0.1:{rep}"}) as path:
+    with daemon(
+        args.daemon_src,
+        {
+            "KVBROKER_EVENTS_PUBLISH": f"tcp://*:{pub_port}",
+            "KVBROKER_EVENTS_REPLAY": f"tcp://127.0.0.1:{rep}",
+        },
+    ) as path:
         c = Client(path, map_pools=False)
         pid = c.stat().pid
         publish_long(c, 0, args.flood_fill)  # the replay buffer: as full as it gets
@@ -171,8 +199,9 @@ def part_flood(args, read: bool) -> dict:
         live = PrefixCache(c, namespace="live", block_size=16, checksum=False)
         probe = 10**8
         while not sub.poll(200):  # until the subscription is through
-            live.publish(list(range(probe, probe + 16)), lambda _i: {"kv": b"\0"},
-                         block_sizes={"kv": 1})
+            live.publish(
+                list(range(probe, probe + 16)), lambda _i: {"kv": b"\0"}, block_sizes={"kv": 1}
+            )
             probe += 16
         while sub.poll(500):
             sub.recv_multipart()
@@ -225,14 +254,21 @@ def part_flood(args, read: bool) -> dict:
         c.close()
         sub.close(linger=0)
     lat = sorted(arrived[h] - t for h, t in sent.items() if h in arrived)
-    return {"reads_replies": read, "fill_blocks": args.flood_fill, "live": args.live,
-            "live_arrived": len(lat), "wait_s": args.wait, "requests_sent": asked[0],
-            "replay_requests_answered": e.replay_requests,
-            "replay_refused": getattr(e, "replay_refused", None),
-            "latency_ms_p50": pct(lat, 0.5) * 1e3 if lat else None,
-            "latency_ms_p99": pct(lat, 0.99) * 1e3 if lat else None,
-            "latency_ms_max": lat[-1] * 1e3 if lat else None,
-            "rss_before_MiB": rss_before / MiB, "rss_during_MiB": rss_flood / MiB}
+    return {
+        "reads_replies": read,
+        "fill_blocks": args.flood_fill,
+        "live": args.live,
+        "live_arrived": len(lat),
+        "wait_s": args.wait,
+        "requests_sent": asked[0],
+        "replay_requests_answered": e.replay_requests,
+        "replay_refused": getattr(e, "replay_refused", None),
+        "latency_ms_p50": pct(lat, 0.5) * 1e3 if lat else None,
+        "latency_ms_p99": pct(lat, 0.99) * 1e3 if lat else None,
+        "latency_ms_max": lat[-1] * 1e3 if lat else None,
+        "rss_before_MiB": rss_before / MiB,
+        "rss_during_MiB": rss_flood / MiB,
+    }
 
 
 def main() -> None:
@@ -240,21 +276,38 @@ def main() -> None:
     ap.add_argument("--part", action="append", choices=("rate", "rss", "flood"))
     ap.add_argument("--blocks", type=int, default=100_000, help="rate: events of each kind")
     ap.add_argument("--rss-blocks", type=int, default=2000)
-    ap.add_argument("--rss-round", type=int, default=100,
-                    help="rss: blocks published before each eviction (alive at once)")
-    ap.add_argument("--flood-fill", type=int, default=400,
-                    help="flood: 16,384-token blocks published first (the replay buffer)")
+    ap.add_argument(
+        "--rss-round",
+        type=int,
+        default=100,
+        help="rss: blocks published before each eviction (alive at once)",
+    )
+    ap.add_argument(
+        "--flood-fill",
+        type=int,
+        default=400,
+        help="flood: 16,384-token blocks published first (the replay buffer)",
+    )
     ap.add_argument("--live", type=int, default=200)
-    ap.add_argument("--wait", type=float, default=30.0,
-                    help="flood: seconds the live events may take after the last publish")
+    ap.add_argument(
+        "--wait",
+        type=float,
+        default=30.0,
+        help="flood: seconds the live events may take after the last publish",
+    )
     ap.add_argument("--daemon-src", help="run the daemons from this source tree (a baseline)")
     ap.add_argument("--out", help="write PREFIX.json and PREFIX.md")
     args = ap.parse_args()
     parts = args.part or ["rate", "rss", "flood"]
     machine, psi_before = machine_info(), psi()
-    result: dict = {"benchmark": "events", "commit": measured_commit(), "command": invocation(),
-                    "daemon_src": args.daemon_src, "machine": machine,
-                    "psi_cpu_before": psi_before}
+    result: dict = {
+        "benchmark": "events",
+        "commit": measured_commit(),
+        "command": invocation(),
+        "daemon_src": args.daemon_src,
+        "machine": machine,
+        "psi_cpu_before": psi_before,
+    }
     if args.daemon_src:
         result["daemon_commit"] = checkout_commit(args.daemon_src)
     if "rate" in parts:
@@ -265,33 +318,45 @@ def main() -> None:
         result["flood"] = [part_flood(args, read=False), part_flood(args, read=True)]
     result["psi_cpu_after"], result["loadavg_after"] = psi(), os.getloadavg()[0]
     who = f"daemon from {args.daemon_src}" if args.daemon_src else "daemon from this tree"
-    lines = [f"# KV events ({machine['cpu']}, {machine['cores']} cores)", "",
-             f"Commit {result['commit']} ({who}); `{result['command']}`; {machine['when']}.",
-             f"Load average {machine['loadavg_1min']} before, {result['loadavg_after']:.2f} "
-             f"after; CPU pressure before `{psi_before}`, after `{result['psi_cpu_after']}`.",
-             ""]
+    lines = [
+        f"# KV events ({machine['cpu']}, {machine['cores']} cores)",
+        "",
+        f"Commit {result['commit']} ({who}); `{result['command']}`; {machine['when']}.",
+        f"Load average {machine['loadavg_1min']} before, {result['loadavg_after']:.2f} "
+        f"after; CPU pressure before `{psi_before}`, after `{result['psi_cpu_after']}`.",
+        "",
+    ]
     if "rate" in result:
         r = result["rate"]
-        lines.append(f"- rate: {r['events']} events, publish() {r['publish_us_wall']:.2f} µs "
-                     f"wall / {r['publish_us_cpu']:.2f} µs CPU a call; {r['received']} "
-                     f"received, {r['events_per_s']:,.0f} events/s; dropped {r['dropped']}.")
+        lines.append(
+            f"- rate: {r['events']} events, publish() {r['publish_us_wall']:.2f} µs "
+            f"wall / {r['publish_us_cpu']:.2f} µs CPU a call; {r['received']} "
+            f"received, {r['events_per_s']:,.0f} events/s; dropped {r['dropped']}."
+        )
     if "rss" in result:
         r = result["rss"]
-        lines.append(f"- rss: {r['blocks']} blocks of {r['tokens_per_block']} token ids "
-                     f"published and evicted {r['round']} at a time: daemon RSS "
-                     f"{r['rss_before_MiB']:.0f} → "
-                     f"{r['rss_after_MiB']:.0f} MiB (peak {r['peak_rss_MiB']:.0f}); replay "
-                     f"buffer {r['replay_buffer_bytes']} B; {r['objects_after']} objects left.")
+        lines.append(
+            f"- rss: {r['blocks']} blocks of {r['tokens_per_block']} token ids "
+            f"published and evicted {r['round']} at a time: daemon RSS "
+            f"{r['rss_before_MiB']:.0f} → "
+            f"{r['rss_after_MiB']:.0f} MiB (peak {r['peak_rss_MiB']:.0f}); replay "
+            f"buffer {r['replay_buffer_bytes']} B; {r['objects_after']} objects left."
+        )
     for f in result.get("flood", []):
-        lat = ("-" if f["latency_ms_p50"] is None else
-               f"{f['latency_ms_p50']:.1f} / {f['latency_ms_p99']:.1f} / "
-               f"{f['latency_ms_max']:.1f} ms")
-        lines.append(f"- flood ({'reading' if f['reads_replies'] else 'not reading'} its "
-                     f"replies; {f['requests_sent']} requests sent, "
-                     f"{f['replay_requests_answered']} taken): {f['live_arrived']} of "
-                     f"{f['live']} live events arrived within {f['wait_s']:g} s of the last; "
-                     f"latency p50 / p99 / max {lat}; daemon RSS {f['rss_before_MiB']:.0f} → "
-                     f"{f['rss_during_MiB']:.0f} MiB.")
+        lat = (
+            "-"
+            if f["latency_ms_p50"] is None
+            else f"{f['latency_ms_p50']:.1f} / {f['latency_ms_p99']:.1f} / "
+            f"{f['latency_ms_max']:.1f} ms"
+        )
+        lines.append(
+            f"- flood ({'reading' if f['reads_replies'] else 'not reading'} its "
+            f"replies; {f['requests_sent']} requests sent, "
+            f"{f['replay_requests_answered']} taken): {f['live_arrived']} of "
+            f"{f['live']} live events arrived within {f['wait_s']:g} s of the last; "
+            f"latency p50 / p99 / max {lat}; daemon RSS {f['rss_before_MiB']:.0f} → "
+            f"{f['rss_during_MiB']:.0f} MiB."
+        )
     write_results(args.out, result, "\n".join(lines) + "\n")
 
 

@@ -37,8 +37,9 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="also write the figures here")
     args = ap.parse_args()
     size = parse_size(args.size)
-    with running_daemon("--log-level", "warning", pool_size=str(max(8 * size, 256 << 20)),
-                        page_size=None) as daemon:  # fmt: skip
+    with running_daemon(
+        "--log-level", "warning", pool_size=str(max(8 * size, 256 << 20)), page_size=None
+    ) as daemon:
         c = daemon.client()
         src = np.random.default_rng(0).integers(0, 256, size, dtype=np.uint8)
         out = np.empty_like(src)
@@ -51,6 +52,7 @@ def main() -> None:
             def run(k):
                 with c.reserve(k, {"a": size}, checksum=checksum) as lease:
                     np.copyto(lease["a"], src)
+
             return run
 
         variants["reserve+seal hash"] = reserve_fill(True)
@@ -73,22 +75,31 @@ def main() -> None:
                             times[gname].append(time.perf_counter() - t)
                 c.evict(key)
         med = {k: statistics.median(v) for k, v in times.items()}
-        pairs = [("put+checksum", "put"), ("reserve+seal hash", "reserve+seal"),
-                 ("get+verify", "get")]  # fmt: skip
+        pairs = [
+            ("put+checksum", "put"),
+            ("reserve+seal hash", "reserve+seal"),
+            ("get+verify", "get"),
+        ]
         from kvbroker._bench._common import invocation, measured_commit
 
         report = {
-            "commit": measured_commit(), "command": invocation(),
-            "size": size, "reps": args.reps, "machine": platform.machine(),
-            "cpus": os.cpu_count(), "median_s": med,
+            "commit": measured_commit(),
+            "command": invocation(),
+            "size": size,
+            "reps": args.reps,
+            "machine": platform.machine(),
+            "cpus": os.cpu_count(),
+            "median_s": med,
             "gb_per_s": {k: size / v / 1e9 for k, v in med.items()},
             "ratio_with_over_without": {a: med[a] / med[b] for a, b in pairs},
-        }  # fmt: skip
+        }
         print(f"{format_size(size)} x {args.reps} reps, medians (one run, alternating)")
         for a, b in pairs:
-            print(f"  {a:<18} {med[a] * 1e3:8.2f} ms {size / med[a] / 1e9:6.2f} GB/s   "
-                  f"{b:<14} {med[b] * 1e3:8.2f} ms {size / med[b] / 1e9:6.2f} GB/s   "
-                  f"ratio {med[a] / med[b]:.3f}")  # fmt: skip
+            print(
+                f"  {a:<18} {med[a] * 1e3:8.2f} ms {size / med[a] / 1e9:6.2f} GB/s   "
+                f"{b:<14} {med[b] * 1e3:8.2f} ms {size / med[b] / 1e9:6.2f} GB/s   "
+                f"ratio {med[a] / med[b]:.3f}"
+            )
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(report, f, indent=2)

@@ -73,8 +73,12 @@ def machine() -> dict:
 
         return machine_info()
     except ImportError:  # a checkout without the client's dependencies (GPU part only)
-        return {"cpu": platform.processor(), "cores": os.cpu_count(),
-                "loadavg_1min": os.getloadavg()[0], "when": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+        return {
+            "cpu": platform.processor(),
+            "cores": os.cpu_count(),
+            "loadavg_1min": os.getloadavg()[0],
+            "when": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        }
 
 
 def median_time(fn, reps: int, sync=lambda: None) -> float:
@@ -112,6 +116,7 @@ def gpu_part(args, rows: list, notes: list) -> dict:
         def gtime(fn, reps=None):  # median of CUDA-event timings, in seconds
             return do_bench(fn, warmup=25, rep=200, return_mode="median") / 1e3
     else:
+
         def gtime(fn, reps=None):
             return median_time(fn, 3)
 
@@ -124,9 +129,16 @@ def gpu_part(args, rows: list, notes: list) -> dict:
     if not ok:
         notes.append("GPU CHECKSUM DIFFERS FROM THE CPU DEFINITION")
 
-    out: dict = {"device": torch.cuda.get_device_name() if cuda else "cpu (torch fallback)",
-                 "bytes": n, "backend": backend, "num_warps": G.NUM_WARPS, "group": G.GROUP,
-                 "chunk": cs.CHUNK, "correct": ok, "torch": torch.__version__}  # fmt: skip
+    out: dict = {
+        "device": torch.cuda.get_device_name() if cuda else "cpu (torch fallback)",
+        "bytes": n,
+        "backend": backend,
+        "num_warps": G.NUM_WARPS,
+        "group": G.GROUP,
+        "chunk": cs.CHUNK,
+        "correct": ok,
+        "torch": torch.__version__,
+    }
     if cuda:
         import triton
 
@@ -134,14 +146,16 @@ def gpu_part(args, rows: list, notes: list) -> dict:
         _, kernel = G._triton()
         count = -(-n // cs.CHUNK)
         starts = np.arange(count, dtype=np.int64) * cs.CHUNK
-        table = torch.from_numpy(np.stack([x.data_ptr() + starts,
-                                           np.minimum(n - starts, cs.CHUNK)])).to(dev)  # fmt: skip
+        table = torch.from_numpy(
+            np.stack([x.data_ptr() + starts, np.minimum(n - starts, cs.CHUNK)])
+        ).to(dev)
         digests = torch.empty(count, dtype=torch.int64, device=dev)
         keys = G._keys(dev)
 
         def launch(nw=G.NUM_WARPS, group=G.GROUP):
-            return lambda: kernel[(count,)](table[0], table[1], keys, digests, GROUP=group,
-                                            num_warps=nw)  # fmt: skip
+            return lambda: kernel[(count,)](
+                table[0], table[1], keys, digests, GROUP=group, num_warps=nw
+            )
 
         t_kernel = gtime(launch())
     else:
@@ -152,20 +166,39 @@ def gpu_part(args, rows: list, notes: list) -> dict:
     t_read = gtime(lambda: v64.sum())
     y = torch.empty_like(x)
     t_copy = gtime(lambda: y.copy_(x))
-    out.update(kernel_s=t_kernel, checksums_1_s=t_one, checksums_64_s=t_many, read_s=t_read,
-               d2d_copy_s=t_copy)  # fmt: skip
+    out.update(
+        kernel_s=t_kernel,
+        checksums_1_s=t_one,
+        checksums_64_s=t_many,
+        read_s=t_read,
+        d2d_copy_s=t_copy,
+    )
 
     def row(what, t, base, base_name):
-        rows.append({"part": "gpu", "what": what, "ms": t * 1e3, "GB/s": n / t / 1e9,
-                     "vs": f"{_ratio(base / t)}x of {base_name}"})  # fmt: skip
+        rows.append(
+            {
+                "part": "gpu",
+                "what": what,
+                "ms": t * 1e3,
+                "GB/s": n / t / 1e9,
+                "vs": f"{_ratio(base / t)}x of {base_name}",
+            }
+        )
 
     if t_kernel is not None:
         row("checksum kernel (shipped settings)", t_kernel, t_read, "read")
     row("checksums(), 1 tensor, end to end", t_one, t_read, "read")
     row("checksums(), 64 tensors, end to end", t_many, t_read, "read")
     row("read-only pass (int64 sum)", t_read, t_read, "read")
-    rows.append({"part": "gpu", "what": "D2D copy (reads as many bytes)", "ms": t_copy * 1e3,
-                 "GB/s": n / t_copy / 1e9, "vs": f"{_ratio(t_read / t_copy)}x of read"})  # fmt: skip
+    rows.append(
+        {
+            "part": "gpu",
+            "what": "D2D copy (reads as many bytes)",
+            "ms": t_copy * 1e3,
+            "GB/s": n / t_copy / 1e9,
+            "vs": f"{_ratio(t_read / t_copy)}x of read",
+        }
+    )
     if t_kernel is not None:
         rows[-1]["vs"] += f"; kernel is {_ratio(t_copy / t_kernel)}x faster"
 
@@ -197,22 +230,52 @@ def gpu_part(args, rows: list, notes: list) -> dict:
             G.checksums(parts)  # the claim's verify, once the bytes are on the GPU
             t4 = time.perf_counter()
             if rep >= 2:
-                for k, v in (("d2h", t1 - t0), ("d2h+hash", t2 - t1), ("h2d", t3 - t2),
-                             ("verify", t4 - t3)):  # fmt: skip
+                for k, v in (
+                    ("d2h", t1 - t0),
+                    ("d2h+hash", t2 - t1),
+                    ("h2d", t3 - t2),
+                    ("verify", t4 - t3),
+                ):
                     seg[k].append(v)
         med = {k: statistics.median(v) for k, v in seg.items()}
         t_d2h, t_pub, t_h2d, t_ver = med["d2h"], med["d2h+hash"], med["h2d"], med["verify"]
         out.update(d2h_s=t_d2h, d2h_with_hash_s=t_pub, h2d_s=t_h2d, verify_after_h2d_s=t_ver)
-        rows.append({"part": "gpu", "what": "pinned D2H alone", "ms": t_d2h * 1e3,
-                     "GB/s": n / t_d2h / 1e9, "vs": ""})  # fmt: skip
-        rows.append({"part": "gpu", "what": "pinned D2H + GPU checksum beside it (64 tensors)",
-                     "ms": t_pub * 1e3, "GB/s": n / t_pub / 1e9,
-                     "vs": f"{_ratio(t_d2h / t_pub)}x of D2H alone"})  # fmt: skip
-        rows.append({"part": "gpu", "what": "pinned H2D alone", "ms": t_h2d * 1e3,
-                     "GB/s": n / t_h2d / 1e9, "vs": ""})  # fmt: skip
-        rows.append({"part": "gpu", "what": "GPU verify after the H2D (64 tensors)",
-                     "ms": t_ver * 1e3, "GB/s": n / t_ver / 1e9,
-                     "vs": f"H2D + verify = {_ratio(t_h2d / (t_h2d + t_ver))}x of H2D alone"})
+        rows.append(
+            {
+                "part": "gpu",
+                "what": "pinned D2H alone",
+                "ms": t_d2h * 1e3,
+                "GB/s": n / t_d2h / 1e9,
+                "vs": "",
+            }
+        )
+        rows.append(
+            {
+                "part": "gpu",
+                "what": "pinned D2H + GPU checksum beside it (64 tensors)",
+                "ms": t_pub * 1e3,
+                "GB/s": n / t_pub / 1e9,
+                "vs": f"{_ratio(t_d2h / t_pub)}x of D2H alone",
+            }
+        )
+        rows.append(
+            {
+                "part": "gpu",
+                "what": "pinned H2D alone",
+                "ms": t_h2d * 1e3,
+                "GB/s": n / t_h2d / 1e9,
+                "vs": "",
+            }
+        )
+        rows.append(
+            {
+                "part": "gpu",
+                "what": "GPU verify after the H2D (64 tensors)",
+                "ms": t_ver * 1e3,
+                "GB/s": n / t_ver / 1e9,
+                "vs": f"H2D + verify = {_ratio(t_h2d / (t_h2d + t_ver))}x of H2D alone",
+            }
+        )
         if args.sweep:
             best = []
             for group in (1, 2, 4, 8):
@@ -221,8 +284,15 @@ def gpu_part(args, rows: list, notes: list) -> dict:
             best.sort()
             t, nw, group = best[0]
             out["sweep_best"] = {"s": t, "num_warps": nw, "group": group}
-            rows.append({"part": "gpu", "what": f"kernel, BEST-OF sweep (nw={nw}, group={group})",
-                         "ms": t * 1e3, "GB/s": n / t / 1e9, "vs": f"{_ratio(t_read / t)}x of read"})
+            rows.append(
+                {
+                    "part": "gpu",
+                    "what": f"kernel, BEST-OF sweep (nw={nw}, group={group})",
+                    "ms": t * 1e3,
+                    "GB/s": n / t / 1e9,
+                    "vs": f"{_ratio(t_read / t)}x of read",
+                }
+            )
     return out
 
 
@@ -244,7 +314,8 @@ def client_part(args, rows: list, notes: list) -> dict:
     for i in range(layers):  # separate allocations, as a DynamicCache's layers are
         for part in ("key", "value"):
             tensors[f"past_{part}.{i}"] = torch.randint(
-                -(2**15), 2**15, shape, dtype=torch.int16, device="cuda").view(torch.bfloat16)
+                -(2**15), 2**15, shape, dtype=torch.int16, device="cuda"
+            ).view(torch.bfloat16)
     out = {n: torch.empty_like(t) for n, t in tensors.items()}
     each = tensors["past_key.0"].nbytes
     total = each * len(tensors)
@@ -254,12 +325,30 @@ def client_part(args, rows: list, notes: list) -> dict:
     h2d = [(t.data_ptr(), base + i * each, each) for i, t in enumerate(out.values())]
     stream = torch.cuda.Stream()
     sync = torch.cuda.synchronize
-    names = ("d2h", "publish", "publish_nosum", "h2d", "claim", "claim_verify", "verify_tail",
-             "verify_alone")  # fmt: skip
+    names = (
+        "d2h",
+        "publish",
+        "publish_nosum",
+        "h2d",
+        "claim",
+        "claim_verify",
+        "verify_tail",
+        "verify_alone",
+    )
     seg: dict[str, list[float]] = {k: [] for k in names}
-    res: dict = {"shape": {"layers": layers, "kv": 2, "batch": 1, "heads": heads,
-                           "tokens": tokens, "head_dim": dim, "dtype": "bfloat16",
-                           "tensors": len(tensors), "bytes": total}}  # fmt: skip
+    res: dict = {
+        "shape": {
+            "layers": layers,
+            "kv": 2,
+            "batch": 1,
+            "heads": heads,
+            "tokens": tokens,
+            "head_dim": dim,
+            "dtype": "bfloat16",
+            "tensors": len(tensors),
+            "bytes": total,
+        }
+    }
     pool = f"{(total >> 20) + 256}M"
     with running_daemon("--log-level", "warning", pool_size=pool, page_size="2M") as daemon:
         t0 = time.perf_counter()
@@ -284,8 +373,10 @@ def client_part(args, rows: list, notes: list) -> dict:
                 assert g.publish(f"k{rep}", tensors)  # integrity on: the default
                 t["publish"] = time.perf_counter() - t0
                 if rep == 0:  # the recorded checksums are the CPU definition's
-                    want = {n: cs.encode(cs.digest(x.view(-1).view(torch.uint8).cpu().numpy()))
-                            for n, x in tensors.items()}  # fmt: skip
+                    want = {
+                        n: cs.encode(cs.digest(x.view(-1).view(torch.uint8).cpu().numpy()))
+                        for n, x in tensors.items()
+                    }
                     res["checksums_match_cpu"] = g.client.lookup(f"k{rep}").checksums == want
                     if not res["checksums_match_cpu"]:
                         notes.append("GPU PUBLISH CHECKSUMS DIFFER FROM THE CPU DEFINITION")
@@ -317,8 +408,9 @@ def client_part(args, rows: list, notes: list) -> dict:
                 if rep >= 2:
                     for k, v in t.items():
                         seg[k].append(v)
-            res["bit_exact"] = all(torch.equal(out[n].view(torch.int16),
-                                               tensors[n].view(torch.int16)) for n in tensors)
+            res["bit_exact"] = all(
+                torch.equal(out[n].view(torch.int16), tensors[n].view(torch.int16)) for n in tensors
+            )
             if not res["bit_exact"]:
                 notes.append("CLAIMED BYTES DIFFER FROM THE PUBLISHED ONES")
     from triton.testing import do_bench
@@ -326,36 +418,69 @@ def client_part(args, rows: list, notes: list) -> dict:
     flat = torch.empty(total, dtype=torch.uint8, device="cuda").view(torch.int64)
     flat.random_()
     t_read = do_bench(flat.sum, warmup=25, rep=200, return_mode="median") / 1e3
-    t_read64 = do_bench(lambda: [x.view(torch.int64).sum() for x in out.values()], warmup=25,
-                        rep=200, return_mode="median") / 1e3  # fmt: skip
+    t_read64 = (
+        do_bench(
+            lambda: [x.view(torch.int64).sum() for x in out.values()],
+            warmup=25,
+            rep=200,
+            return_mode="median",
+        )
+        / 1e3
+    )
     del flat
     med = {k: statistics.median(v) for k, v in seg.items()}
-    res.update({f"{k}_s": v for k, v in med.items()}, read_s=t_read, read_64_tensors_s=t_read64,
-               reps=args.reps)  # fmt: skip
+    res.update(
+        {f"{k}_s": v for k, v in med.items()},
+        read_s=t_read,
+        read_64_tensors_s=t_read64,
+        reps=args.reps,
+    )
 
     def row(what, key, vs):
         tt = med[key] if isinstance(key, str) else key
-        rows.append({"part": "client", "what": what, "ms": tt * 1e3, "GB/s": total / tt / 1e9,
-                     "vs": vs})  # fmt: skip
+        rows.append(
+            {"part": "client", "what": what, "ms": tt * 1e3, "GB/s": total / tt / 1e9, "vs": vs}
+        )
 
     row("pinned D2H, 64 tensors (the baseline)", "d2h", "")
-    row("GpuClient.publish, integrity on (GPU checksum beside the DMA)", "publish",
-        f"{_ratio(med['d2h'] / med['publish'])}x of pinned D2H (target >= 0.90)")
-    row("GpuClient.publish, checksum=False", "publish_nosum",
-        f"{_ratio(med['d2h'] / med['publish_nosum'])}x of pinned D2H")
+    row(
+        "GpuClient.publish, integrity on (GPU checksum beside the DMA)",
+        "publish",
+        f"{_ratio(med['d2h'] / med['publish'])}x of pinned D2H (target >= 0.90)",
+    )
+    row(
+        "GpuClient.publish, checksum=False",
+        "publish_nosum",
+        f"{_ratio(med['d2h'] / med['publish_nosum'])}x of pinned D2H",
+    )
     row("pinned H2D, 64 tensors (the baseline)", "h2d", "")
-    row("GpuClient.claim", "claim",
-        f"{_ratio(med['h2d'] / med['claim'])}x of pinned H2D (target >= 0.90)")
-    row("GpuClient.claim(verify=True)", "claim_verify",
-        f"{_ratio(med['h2d'] / med['claim_verify'])}x of pinned H2D")
+    row(
+        "GpuClient.claim",
+        "claim",
+        f"{_ratio(med['h2d'] / med['claim'])}x of pinned H2D (target >= 0.90)",
+    )
+    row(
+        "GpuClient.claim(verify=True)",
+        "claim_verify",
+        f"{_ratio(med['h2d'] / med['claim_verify'])}x of pinned H2D",
+    )
     row("read-only pass over 2 GiB in device memory (int64 sum)", t_read, "")
-    row("read-only pass over the 64 claimed tensors", t_read64,
-        f"{_ratio(t_read / t_read64)}x of the 2 GiB read")
-    row("GPU verify inside claim(verify=True): what it adds after the last copy "
-        "(last_verify_s; the groups before were hashed during the copies)", "verify_tail",
-        f"{_ratio(t_read / med['verify_tail'])}x of a D2D read of 2 GiB (target >= 0.80)")
-    row("GPU verify run alone on the claimed tensors (set-up not hidden)", "verify_alone",
-        f"{_ratio(t_read / med['verify_alone'])}x of a D2D read")
+    row(
+        "read-only pass over the 64 claimed tensors",
+        t_read64,
+        f"{_ratio(t_read / t_read64)}x of the 2 GiB read",
+    )
+    row(
+        "GPU verify inside claim(verify=True): what it adds after the last copy "
+        "(last_verify_s; the groups before were hashed during the copies)",
+        "verify_tail",
+        f"{_ratio(t_read / med['verify_tail'])}x of a D2D read of 2 GiB (target >= 0.80)",
+    )
+    row(
+        "GPU verify run alone on the claimed tensors (set-up not hidden)",
+        "verify_alone",
+        f"{_ratio(t_read / med['verify_alone'])}x of a D2D read",
+    )
     return res
 
 
@@ -372,8 +497,12 @@ def host_part(args, rows: list, notes: list) -> dict:
     saved = E._default
     times: dict[str, list[float]] = {}
     try:
-        with running_daemon("--log-level", "warning", pool_size=str(max(16 * size, 256 << 20)),
-                            page_size=None) as daemon, daemon.client() as c:  # fmt: skip
+        with (
+            running_daemon(
+                "--log-level", "warning", pool_size=str(max(16 * size, 256 << 20)), page_size=None
+            ) as daemon,
+            daemon.client() as c,
+        ):
             variants = {}
             for t, eng in engines.items():
                 variants[f"put+get, {t} thread(s)"] = (eng, False)
@@ -395,17 +524,20 @@ def host_part(args, rows: list, notes: list) -> dict:
                     eng.copy(out, scratch)
                     if rep >= 3:
                         times.setdefault(f"2x memcpy, {t} thread(s)", []).append(
-                            time.perf_counter() - t0)
+                            time.perf_counter() - t0
+                        )
                     t0 = time.perf_counter()
                     eng.copy_hashed(scratch, src)
                     if rep >= 3:
                         times.setdefault(f"copy_hashed alone, {t} thread(s)", []).append(
-                            time.perf_counter() - t0)
+                            time.perf_counter() - t0
+                        )
                     t0 = time.perf_counter()
                     eng.copy(scratch, src)
                     if rep >= 3:
                         times.setdefault(f"memcpy alone, {t} thread(s)", []).append(
-                            time.perf_counter() - t0)
+                            time.perf_counter() - t0
+                        )
             if not np.array_equal(out, src):
                 notes.append("HOST COPY DIFFERS")
     finally:
@@ -415,20 +547,47 @@ def host_part(args, rows: list, notes: list) -> dict:
     med = {k: statistics.median(v) for k, v in times.items()}
     for t in engines:
         base = med[f"2x memcpy, {t} thread(s)"]
-        for name in (f"put+get, {t} thread(s)", f"put+get(verify), {t} thread(s)",
-                     f"2x memcpy, {t} thread(s)"):  # fmt: skip
-            rows.append({"part": "host", "what": name, "ms": med[name] * 1e3,
-                         "GB/s": 2 * size / med[name] / 1e9,
-                         "vs": f"{_ratio(base / med[name])}x of 2x memcpy ({t} thread(s))"})
+        for name in (
+            f"put+get, {t} thread(s)",
+            f"put+get(verify), {t} thread(s)",
+            f"2x memcpy, {t} thread(s)",
+        ):
+            rows.append(
+                {
+                    "part": "host",
+                    "what": name,
+                    "ms": med[name] * 1e3,
+                    "GB/s": 2 * size / med[name] / 1e9,
+                    "vs": f"{_ratio(base / med[name])}x of 2x memcpy ({t} thread(s))",
+                }
+            )
         cp, ch = med[f"memcpy alone, {t} thread(s)"], med[f"copy_hashed alone, {t} thread(s)"]
-        rows.append({"part": "host", "what": f"copy_hashed alone, {t} thread(s)",
-                     "ms": ch * 1e3, "GB/s": size / ch / 1e9,
-                     "vs": f"{_ratio(cp / ch)}x of memcpy ({cp * 1e3:.2f} ms)"})  # fmt: skip
+        rows.append(
+            {
+                "part": "host",
+                "what": f"copy_hashed alone, {t} thread(s)",
+                "ms": ch * 1e3,
+                "GB/s": size / ch / 1e9,
+                "vs": f"{_ratio(cp / ch)}x of memcpy ({cp * 1e3:.2f} ms)",
+            }
+        )
     t1, tn = med["put+get, 1 thread(s)"], med[f"put+get, {threads} thread(s)"]
-    rows.append({"part": "host", "what": f"put+get: {threads} threads vs 1", "ms": tn * 1e3,
-                 "GB/s": 2 * size / tn / 1e9, "vs": f"{_ratio(t1 / tn)}x faster than 1 thread"})
-    return {"bytes": size, "threads": threads, "default_threads": E.default_threads(),
-            "median_s": med, "reps": args.reps}
+    rows.append(
+        {
+            "part": "host",
+            "what": f"put+get: {threads} threads vs 1",
+            "ms": tn * 1e3,
+            "GB/s": 2 * size / tn / 1e9,
+            "vs": f"{_ratio(t1 / tn)}x faster than 1 thread",
+        }
+    )
+    return {
+        "bytes": size,
+        "threads": threads,
+        "default_threads": E.default_threads(),
+        "median_s": med,
+        "reps": args.reps,
+    }
 
 
 def table(rows: list) -> str:
@@ -460,9 +619,13 @@ def main() -> None:
         args.host_size = min(args.host_size, 8 << 20)
     rows: list = []
     notes: list = []
-    report = {"commit": args.commit or measured_commit(),
-              "command": " ".join(shlex.quote(a) for a in sys.argv), "machine": machine(), "platform": platform.platform(),
-              "affinity_cpus": len(os.sched_getaffinity(0))}  # fmt: skip
+    report = {
+        "commit": args.commit or measured_commit(),
+        "command": " ".join(shlex.quote(a) for a in sys.argv),
+        "machine": machine(),
+        "platform": platform.platform(),
+        "affinity_cpus": len(os.sched_getaffinity(0)),
+    }
     if not args.no_gpu:
         try:
             report["gpu"] = gpu_part(args, rows, notes)
@@ -485,12 +648,18 @@ def main() -> None:
     dev = report.get("gpu", {}).get("device", "cpu")
     tag = "smoke" if args.smoke else "".join(ch if ch.isalnum() else "-" for ch in dev.lower())
     prefix = args.out or os.path.join(ROOT, "benchmarks", "results", f"integrity-gpu-{tag}")
-    md = [f"# bench_integrity_gpu: {dev}", "",
-          f"- commit: `{report['commit']}`", f"- command: `{report['command']}`",
-          f"- machine: {report['machine']['cpu']}, {report['affinity_cpus']} CPUs usable, "
-          f"load {report['machine']['loadavg_1min']}, {report['machine']['when']}",
-          f"- GPU settings: {json.dumps({k: report.get('gpu', {}).get(k) for k in ('num_warps', 'group', 'chunk', 'correct')})}",  # noqa: E501
-          "", table(rows), ""] + [f"- NOTE: {n}" for n in notes]  # fmt: skip
+    md = [
+        f"# bench_integrity_gpu: {dev}",
+        "",
+        f"- commit: `{report['commit']}`",
+        f"- command: `{report['command']}`",
+        f"- machine: {report['machine']['cpu']}, {report['affinity_cpus']} CPUs usable, "
+        f"load {report['machine']['loadavg_1min']}, {report['machine']['when']}",
+        f"- GPU settings: {json.dumps({k: report.get('gpu', {}).get(k) for k in ('num_warps', 'group', 'chunk', 'correct')})}",  # noqa: E501
+        "",
+        table(rows),
+        "",
+    ] + [f"- NOTE: {n}" for n in notes]
     with open(prefix + ".json", "w") as f:
         json.dump(report, f, indent=1, default=str)
     with open(prefix + ".md", "w") as f:

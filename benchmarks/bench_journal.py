@@ -61,19 +61,24 @@ def main() -> int:
     ap.add_argument("--size", type=int, default=4096)
     ap.add_argument("--ops", type=int, default=2000)
     ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
-                                                  "journal-cpu.json"))
-    ap.add_argument("--dir", default=None,
-                    help="where the sockets and the journal live (default: a temp dir; "
-                         "/run, where the service keeps them, is a tmpfs: try /dev/shm)")
+    ap.add_argument(
+        "--out", default=os.path.join(os.path.dirname(__file__), "results", "journal-cpu.json")
+    )
+    ap.add_argument(
+        "--dir",
+        default=None,
+        help="where the sockets and the journal live (default: a temp dir; "
+        "/run, where the service keeps them, is a tmpfs: try /dev/shm)",
+    )
     args = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="kvbj", dir=args.dir)
     where = f"{tmp} ({_fs_type(tmp)})"
     geometry = ("--pool-size", "64M", "--page-size", "4K")
     daemons = {
         "journal": DaemonProcess(os.path.join(tmp, "on.sock"), *geometry),
-        "no_journal": DaemonProcess(os.path.join(tmp, "off.sock"), *geometry,
-                                    env={"KVBROKER_JOURNAL": "false"}),
+        "no_journal": DaemonProcess(
+            os.path.join(tmp, "off.sock"), *geometry, env={"KVBROKER_JOURNAL": "false"}
+        ),
     }
     per_op: dict[str, list[float]] = {name: [] for name in daemons}
     try:

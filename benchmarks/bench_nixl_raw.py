@@ -43,8 +43,16 @@ async def run(args) -> dict:
     certs = tempfile.mkdtemp(prefix="kvb-certs-")
     files = peer_certificates(certs, {"bench": ["127.0.0.1"]})["bench"]
     sizes = {k: v for k, v in SIZES.items() if k in args.sizes}
-    cmd = [sys.executable, os.path.join(ROOT, "tests", "_nixl_peer.py"), "--cert",
-           files["cert_file"], "--key", files["key_file"], "--ca", files["ca_file"]]
+    cmd = [
+        sys.executable,
+        os.path.join(ROOT, "tests", "_nixl_peer.py"),
+        "--cert",
+        files["cert_file"],
+        "--key",
+        files["key_file"],
+        "--ca",
+        files["ca_file"],
+    ]
     for name, n in sizes.items():
         cmd += ["--object", f"{name}:{n}:1"]
     peer = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
@@ -77,13 +85,23 @@ async def run(args) -> dict:
             exact = xxhash.xxh3_64_intdigest(region[:n]) == r["checksum"]
             await c.release(r["lease"])
             p50 = statistics.median(times)
-            rows[name] = {"bytes": n, "reps": reps, "p50_s": p50, "min_s": min(times),
-                          "max_s": max(times), "GBps_p50": n / p50 / 1e9,
-                          "GBps_best": n / min(times) / 1e9, "bit_exact": exact,
-                          "samples_s": times}
-            print(f"{name:>7}  p50 {p50 * 1e3:9.3f} ms  best {min(times) * 1e3:9.3f} ms  "
-                  f"{n / p50 / 1e9:7.3f} GB/s p50  {n / min(times) / 1e9:7.3f} GB/s best  "
-                  f"bit-exact {exact}", flush=True)
+            rows[name] = {
+                "bytes": n,
+                "reps": reps,
+                "p50_s": p50,
+                "min_s": min(times),
+                "max_s": max(times),
+                "GBps_p50": n / p50 / 1e9,
+                "GBps_best": n / min(times) / 1e9,
+                "bit_exact": exact,
+                "samples_s": times,
+            }
+            print(
+                f"{name:>7}  p50 {p50 * 1e3:9.3f} ms  best {min(times) * 1e3:9.3f} ms  "
+                f"{n / p50 / 1e9:7.3f} GB/s p50  {n / min(times) / 1e9:7.3f} GB/s best  "
+                f"bit-exact {exact}",
+                flush=True,
+            )
         await c.close()
         ep.close()
         return rows
@@ -110,13 +128,19 @@ def main() -> None:
         "what": "raw NIXL READ between two processes (UCX), descriptor list -> done",
         "rows": rows,
         "env": {k: v for k, v in os.environ.items() if k.startswith("UCX_")},
-        "machine": {"node": platform.node(), "cpus": os.cpu_count(),
-                    "python": platform.python_version(), "kernel": platform.release()},
-        "loadavg_before": load0, "loadavg_after": os.getloadavg(),
+        "machine": {
+            "node": platform.node(),
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "kernel": platform.release(),
+        },
+        "loadavg_before": load0,
+        "loadavg_after": os.getloadavg(),
         "started_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(t0)),
     }
     try:
         from importlib.metadata import version
+
         out["versions"] = {p: version(p) for p in ("nixl-cu12", "numpy", "msgpack")}
     except Exception:  # noqa: BLE001
         pass

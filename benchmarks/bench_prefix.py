@@ -72,8 +72,10 @@ def _cache(rng, blocks: int, layers: int, heads: int, dim: int, block: int, fill
 def _baseline_blocks(cache: PagedKV, ids, blocks: int) -> np.ndarray:
     """The prompt's KV in the broker's block format, in this process: [block, layer, kv, head,
     token, dim]."""
-    out = np.empty((blocks, cache.num_layers, 2, cache.local_heads, cache.block_size,
-                    cache.head_dim), np.uint16)  # fmt: skip
+    out = np.empty(
+        (blocks, cache.num_layers, 2, cache.local_heads, cache.block_size, cache.head_dim),
+        np.uint16,
+    )
     for layer in range(cache.num_layers):
         for c in range(2):
             out[:, layer, c] = cache.component(layer, c)[ids].transpose(0, 2, 1, 3)
@@ -93,9 +95,18 @@ def _baseline_load(local: np.ndarray, cache: PagedKV, ids) -> int:
     return ops
 
 
-def run(socket_path: str, *, tokens: int = 8192, block: int = 16, reps: int = 200,
-        load_reps: int = 15, layers: int = 4, heads: int = 8, head_dim: int = 128,
-        seed: int = 0) -> dict[str, Any]:  # fmt: skip
+def run(
+    socket_path: str,
+    *,
+    tokens: int = 8192,
+    block: int = 16,
+    reps: int = 200,
+    load_reps: int = 15,
+    layers: int = 4,
+    heads: int = 8,
+    head_dim: int = 128,
+    seed: int = 0,
+) -> dict[str, Any]:
     """Both figures against ``socket_path``'s daemon (it needs ~4 × the prefix KV of pool:
     ``tokens`` × layers × 2 × heads × head_dim × 2 bytes, published once by TP=1 and once by
     TP=2). Returns a dict of plain numbers (see the module doc); the namespaces it uses are
@@ -105,15 +116,22 @@ def run(socket_path: str, *, tokens: int = 8192, block: int = 16, reps: int = 20
     nblocks = tokens // block
     ns_raw, ns_kv = f"bench-prefix-{seed}", f"bench-prefix-kv-{seed}"
     out: dict[str, Any] = {
-        "tokens": tokens, "blocks": nblocks, "block_tokens": block, "layers": layers,
-        "kv_heads": heads, "head_dim": head_dim, "dtype": "bfloat16 (as uint16 bits)",
-        "engine_layout": "blocks-first NHD " + str(AXES), "block_ids": "scattered",
-    }  # fmt: skip
+        "tokens": tokens,
+        "blocks": nblocks,
+        "block_tokens": block,
+        "layers": layers,
+        "kv_heads": heads,
+        "head_dim": head_dim,
+        "dtype": "bfloat16 (as uint16 bits)",
+        "engine_layout": "blocks-first NHD " + str(AXES),
+        "block_ids": "scattered",
+    }
     with Client(socket_path, name="bench-prefix") as c:
         try:
             out.update(_latency(c, prompt, nblocks, block, reps, ns_raw, heads))
-            out["reuse"] = _reuse(c, rng, prompt, nblocks, block, load_reps, layers, heads,
-                                  head_dim, ns_kv)  # fmt: skip
+            out["reuse"] = _reuse(
+                c, rng, prompt, nblocks, block, load_reps, layers, heads, head_dim, ns_kv
+            )
         finally:
             c.evict(namespace=ns_raw)
             c.evict(namespace=ns_kv)
@@ -125,8 +143,14 @@ def _latency(c: Client, prompt, nblocks, block, reps, ns, heads) -> dict[str, An
     sharded = PrefixCache(c, namespace=ns, block_size=block, total_kv_heads=heads)
     payload = np.zeros(16 * 1024 // 8, np.uint64)  # 16 KiB per block, 8 MiB in all
     for pc in (raw, sharded):
-        assert pc.publish(prompt, lambda i: {"past_key.0": payload},
-                          block_sizes={"past_key.0": payload.nbytes}) == nblocks  # fmt: skip
+        assert (
+            pc.publish(
+                prompt,
+                lambda i: {"past_key.0": payload},
+                block_sizes={"past_key.0": payload.nbytes},
+            )
+            == nblocks
+        )
     hashes = raw.hashes(prompt[: nblocks * block])
     small = b"x" * 4096
     base, match_t, match_kv_t = [], [], []
@@ -161,13 +185,16 @@ def _latency(c: Client, prompt, nblocks, block, reps, ns, heads) -> dict[str, An
     b, m, mk = (statistics.median(x) for x in (base, match_t, match_kv_t))
     return {
         "reps": reps,
-        "put_claim_p50_us": b * 1e6, "put_claim_p99_us": _pct(base, 0.99) * 1e6,
-        "match_p50_us": m * 1e6, "match_p99_us": _pct(match_t, 0.99) * 1e6,
+        "put_claim_p50_us": b * 1e6,
+        "put_claim_p99_us": _pct(base, 0.99) * 1e6,
+        "match_p50_us": m * 1e6,
+        "match_p99_us": _pct(match_t, 0.99) * 1e6,
         "match_vs_put_claim": m / b,
-        "match_kv_p50_us": mk * 1e6, "match_kv_p99_us": _pct(match_kv_t, 0.99) * 1e6,
+        "match_kv_p50_us": mk * 1e6,
+        "match_kv_p99_us": _pct(match_kv_t, 0.99) * 1e6,
         "match_kv_vs_put_claim": mk / b,
         "hash_p50_us": statistics.median(hash_t) * 1e6,
-    }  # fmt: skip
+    }
 
 
 def _reuse(c: Client, rng, prompt, nblocks, block, load_reps, layers, heads, dim, ns) -> list:
@@ -183,8 +210,9 @@ def _reuse(c: Client, rng, prompt, nblocks, block, load_reps, layers, heads, dim
         for r in range(source):
             mine = shard_heads(r, source, heads)
             views = [a[:, :, :, mine.start : mine.stop] for a in full_arrays]  # no copy
-            pc = PrefixCache(c, namespace=ns, block_size=block, tp_rank=r, tp_size=source,
-                             total_kv_heads=heads)  # fmt: skip
+            pc = PrefixCache(
+                c, namespace=ns, block_size=block, tp_rank=r, tp_size=source, total_kv_heads=heads
+            )
             pc.publish_kv(prompt, PagedKV(views, AXES), full_ids)
         reader = PrefixCache(c, namespace=ns, block_size=block, total_kv_heads=heads)
         broker_s, base_s, ops = [], [], set()
@@ -205,13 +233,21 @@ def _reuse(c: Client, rng, prompt, nblocks, block, load_reps, layers, heads, dim
                 base_s.append(t3 - t2)
                 ops.add(n)
         b, base = statistics.median(broker_s), statistics.median(base_s)
-        rows.append({
-            "published_by_tp": source, "loaded_by_tp": 1, "bytes": nbytes, "load_reps": load_reps,
-            "copy_ops": sorted(ops), "baseline_copy_ops": base_ops,
-            "broker_ms": b * 1e3, "baseline_ms": base * 1e3,
-            "broker_GBps": nbytes / b / 1e9, "baseline_GBps": nbytes / base / 1e9,
-            "broker_vs_baseline": base / b,
-        })  # fmt: skip
+        rows.append(
+            {
+                "published_by_tp": source,
+                "loaded_by_tp": 1,
+                "bytes": nbytes,
+                "load_reps": load_reps,
+                "copy_ops": sorted(ops),
+                "baseline_copy_ops": base_ops,
+                "broker_ms": b * 1e3,
+                "baseline_ms": base * 1e3,
+                "broker_GBps": nbytes / b / 1e9,
+                "baseline_GBps": nbytes / base / 1e9,
+                "broker_vs_baseline": base / b,
+            }
+        )
     del dst_arrays
     return rows
 
@@ -278,11 +314,14 @@ def main() -> None:
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "prefix-cpu.json"))
     args = ap.parse_args()
     with spawned_daemon("768M") as sock:
-        result = run(sock, tokens=args.tokens, block=args.block, reps=args.reps,
-                     load_reps=args.load_reps)  # fmt: skip
+        result = run(
+            sock, tokens=args.tokens, block=args.block, reps=args.reps, load_reps=args.load_reps
+        )
     result = {"scenario": "prefix", "machine": machine_info(), **result}
-    command = (f".venv/bin/python benchmarks/bench_prefix.py --reps {args.reps} "
-               f"--load-reps {args.load_reps}")  # fmt: skip
+    command = (
+        f".venv/bin/python benchmarks/bench_prefix.py --reps {args.reps} "
+        f"--load-reps {args.load_reps}"
+    )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")

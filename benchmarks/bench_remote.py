@@ -71,19 +71,29 @@ class Pair:
         files = certs["bench"]
         self.port = _port()
         self.address = f"127.0.0.1:{self.port}"
-        base = {"UCX_TLS": os.environ.get("UCX_TLS", "tcp"),
-                "KVBROKER_TRANSFER_CERT_FILE": files["cert_file"],
-                "KVBROKER_TRANSFER_KEY_FILE": files["key_file"],
-                "KVBROKER_TRANSFER_CA_FILE": files["ca_file"],
-                "KVBROKER_TRANSFER_PEERS": self.address}
-        self.env_a = {**base, "KVBROKER_TRANSFER_LISTEN": self.address,
-                      "KVBROKER_TRANSFER_NODE": "bench-a"}
+        base = {
+            "UCX_TLS": os.environ.get("UCX_TLS", "tcp"),
+            "KVBROKER_TRANSFER_CERT_FILE": files["cert_file"],
+            "KVBROKER_TRANSFER_KEY_FILE": files["key_file"],
+            "KVBROKER_TRANSFER_CA_FILE": files["ca_file"],
+            "KVBROKER_TRANSFER_PEERS": self.address,
+        }
+        self.env_a = {
+            **base,
+            "KVBROKER_TRANSFER_LISTEN": self.address,
+            "KVBROKER_TRANSFER_NODE": "bench-a",
+        }
         self.args_a = ["--pool-size", pool_a, *(["--keep-pools-on-exit"] if keep else [])]
         self.sock_a = os.path.join(folder, "a.sock")
         self.sock_b = os.path.join(folder, "b.sock")
         self.a = DaemonProcess(self.sock_a, *self.args_a, env=self.env_a, ready_timeout=120)
-        self.b = DaemonProcess(self.sock_b, "--pool-size", pool_b, env={
-            **base, "KVBROKER_TRANSFER_NODE": "bench-b"}, ready_timeout=120)
+        self.b = DaemonProcess(
+            self.sock_b,
+            "--pool-size",
+            pool_b,
+            env={**base, "KVBROKER_TRANSFER_NODE": "bench-b"},
+            ready_timeout=120,
+        )
 
     def restart_a(self) -> None:
         self.a.stop(signal.SIGKILL)
@@ -113,10 +123,19 @@ class RawReader:
         from kvbroker._server import transfer
         from kvbroker.testing import peer_certificates
 
-        files = peer_certificates(os.path.join(folder, "raw-certs"),
-                                  {"bench": ["127.0.0.1"]})["bench"]
-        cmd = [sys.executable, os.path.join(ROOT, "tests", "_nixl_peer.py"), "--cert",
-               files["cert_file"], "--key", files["key_file"], "--ca", files["ca_file"]]
+        files = peer_certificates(os.path.join(folder, "raw-certs"), {"bench": ["127.0.0.1"]})[
+            "bench"
+        ]
+        cmd = [
+            sys.executable,
+            os.path.join(ROOT, "tests", "_nixl_peer.py"),
+            "--cert",
+            files["cert_file"],
+            "--key",
+            files["key_file"],
+            "--ca",
+            files["ca_file"],
+        ]
         for name, n in sizes.items():
             cmd += ["--object", f"{name}:{n}:1"]
         self.peer = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
@@ -133,22 +152,25 @@ class RawReader:
         self.ep.register([(self.region.ctypes.data, self.region.nbytes)])
         tls = transfer.tls_contexts(files["cert_file"], files["key_file"], files["ca_file"])[1]
         self.loop = asyncio.new_event_loop()  # the control connection lives between calls
-        self.client = self.loop.run_until_complete(transfer.PeerClient(
-            f"127.0.0.1:{port}", tls=tls, node="bench").connect())
+        self.client = self.loop.run_until_complete(
+            transfer.PeerClient(f"127.0.0.1:{port}", tls=tls, node="bench").connect()
+        )
         self.agent = self.ep.add_peer(self.client.metadata)
-        self.pins = {name: self.loop.run_until_complete(self.client.pin(name, ttl=3600))
-                     for name in sizes}
+        self.pins = {
+            name: self.loop.run_until_complete(self.client.pin(name, ttl=3600)) for name in sizes
+        }
 
     def read(self, name: str) -> float:
         r = self.pins[name]
-        return self.ep.read(self.agent, [tuple(e) for e in r["extents"]],
-                            [(self.region.ctypes.data, r["nbytes"])]).seconds
+        return self.ep.read(
+            self.agent, [tuple(e) for e in r["extents"]], [(self.region.ctypes.data, r["nbytes"])]
+        ).seconds
 
     def exact(self, name: str) -> bool:
         import xxhash
 
         r = self.pins[name]
-        return xxhash.xxh3_64_intdigest(self.region[:r["nbytes"]]) == r["checksum"]
+        return xxhash.xxh3_64_intdigest(self.region[: r["nbytes"]]) == r["checksum"]
 
     def close(self) -> None:
         try:
@@ -168,8 +190,13 @@ def _median_ratio(num: list[float], den: list[float]) -> tuple[float, float, flo
     return statistics.median(rs), min(rs), max(rs)
 
 
-def throughput(pair: Pair, sizes: dict[str, int], reps: int,
-               raw: RawReader | None = None, big_reps: int | None = None) -> list[dict]:
+def throughput(
+    pair: Pair,
+    sizes: dict[str, int],
+    reps: int,
+    raw: RawReader | None = None,
+    big_reps: int | None = None,
+) -> list[dict]:
     """Per round: B's remote claim and, with ``raw``, the standalone raw READ of the same
     size (the order alternating round by round, so neither always runs first)."""
     rows = []
@@ -202,38 +229,62 @@ def throughput(pair: Pair, sizes: dict[str, int], reps: int,
             phases, raw_s = phases[1:], raw_s[1:]
             ratio = _median_ratio(read_s, claim_s)
             row = {
-                "size": name, "nbytes": n, "reps": n_reps, "bit_exact": all(exact),
-                "claim_s": claim_s, "raw_read_s": read_s, "pull_in_daemon_s": pull_s,
+                "size": name,
+                "nbytes": n,
+                "reps": n_reps,
+                "bit_exact": all(exact),
+                "claim_s": claim_s,
+                "raw_read_s": read_s,
+                "pull_in_daemon_s": pull_s,
                 "claim_p50_s": statistics.median(claim_s),
                 "raw_read_p50_s": statistics.median(read_s),
                 "claim_gbps_p50": n / statistics.median(claim_s) / 1e9,
                 "raw_read_gbps_p50": n / statistics.median(read_s) / 1e9,
-                "ratio_p50": ratio[0], "ratio_min": ratio[1], "ratio_max": ratio[2],
+                "ratio_p50": ratio[0],
+                "ratio_min": ratio[1],
+                "ratio_max": ratio[2],
                 "phases_s": phases,
-                "phases_p50_s": {k: statistics.median(p.get(k, 0.0) for p in phases)
-                                 for k in phases[0]} if phases else {},
+                "phases_p50_s": {
+                    k: statistics.median(p.get(k, 0.0) for p in phases) for k in phases[0]
+                }
+                if phases
+                else {},
             }
             if raw is not None:
                 sa = _median_ratio(raw_s, claim_s)
-                row.update({"standalone_read_s": raw_s,
-                            "standalone_read_p50_s": statistics.median(raw_s),
-                            "standalone_bit_exact": raw.exact(name),
-                            "standalone_ratio_p50": sa[0], "standalone_ratio_min": sa[1],
-                            "standalone_ratio_max": sa[2]})
+                row.update(
+                    {
+                        "standalone_read_s": raw_s,
+                        "standalone_read_p50_s": statistics.median(raw_s),
+                        "standalone_bit_exact": raw.exact(name),
+                        "standalone_ratio_p50": sa[0],
+                        "standalone_ratio_min": sa[1],
+                        "standalone_ratio_max": sa[2],
+                    }
+                )
             rows.append(row)
-            print(f"{name:>7}: remote claim p50 {row['claim_p50_s'] * 1e3:9.2f} ms "
-                  f"({row['claim_gbps_p50']:.3f} GB/s), READ in the pull p50 "
-                  f"{row['raw_read_p50_s'] * 1e3:9.2f} ms ({row['raw_read_gbps_p50']:.3f} GB/s),"
-                  f" ratio p50 {row['ratio_p50']:.2f} [{row['ratio_min']:.2f}, "
-                  f"{row['ratio_max']:.2f}], bit-exact {row['bit_exact']}", flush=True)
+            print(
+                f"{name:>7}: remote claim p50 {row['claim_p50_s'] * 1e3:9.2f} ms "
+                f"({row['claim_gbps_p50']:.3f} GB/s), READ in the pull p50 "
+                f"{row['raw_read_p50_s'] * 1e3:9.2f} ms ({row['raw_read_gbps_p50']:.3f} GB/s),"
+                f" ratio p50 {row['ratio_p50']:.2f} [{row['ratio_min']:.2f}, "
+                f"{row['ratio_max']:.2f}], bit-exact {row['bit_exact']}",
+                flush=True,
+            )
             if raw is not None:
-                print(f"{'':>7}  standalone raw READ p50 "
-                      f"{row['standalone_read_p50_s'] * 1e3:9.2f} ms, ratio p50 "
-                      f"{row['standalone_ratio_p50']:.2f} [{row['standalone_ratio_min']:.2f}, "
-                      f"{row['standalone_ratio_max']:.2f}], bit-exact "
-                      f"{row['standalone_bit_exact']}", flush=True)
-            print(f"{'':>7}  phases p50 (ms): " + ", ".join(
-                f"{k} {v * 1e3:.2f}" for k, v in row["phases_p50_s"].items()), flush=True)
+                print(
+                    f"{'':>7}  standalone raw READ p50 "
+                    f"{row['standalone_read_p50_s'] * 1e3:9.2f} ms, ratio p50 "
+                    f"{row['standalone_ratio_p50']:.2f} [{row['standalone_ratio_min']:.2f}, "
+                    f"{row['standalone_ratio_max']:.2f}], bit-exact "
+                    f"{row['standalone_bit_exact']}",
+                    flush=True,
+                )
+            print(
+                f"{'':>7}  phases p50 (ms): "
+                + ", ".join(f"{k} {v * 1e3:.2f}" for k, v in row["phases_p50_s"].items()),
+                flush=True,
+            )
             cb.evict(name)
             ca.evict(name)
             del src
@@ -307,13 +358,23 @@ def crash(pair: Pair, claims: int, seed: int) -> dict:
     with Client(pair.sock_a, map_pools=False) as ca:
         sa = ca.stat()
     out = {
-        "claims": claims, "ok_bit_exact": ok, "wrong_bytes_served": wrong, "failed": failed,
-        "failed_by_code": kinds, "kills": kills, "seconds": time.time() - t0,
-        "b_objects": sb.objects, "b_evictions": sb.counters.evictions,
-        "b_publishes": sb.counters.publishes, "b_pulls": sb.transfer.pulls,
-        "b_pending": sb.pending, "b_write_leases": sb.write_leases,
-        "b_objects_checked": len(held), "b_objects_bad": bad_on_b,
-        "a_objects_after_warm_restart": sa.objects, "a_read_leases_after_restart": sa.read_leases,
+        "claims": claims,
+        "ok_bit_exact": ok,
+        "wrong_bytes_served": wrong,
+        "failed": failed,
+        "failed_by_code": kinds,
+        "kills": kills,
+        "seconds": time.time() - t0,
+        "b_objects": sb.objects,
+        "b_evictions": sb.counters.evictions,
+        "b_publishes": sb.counters.publishes,
+        "b_pulls": sb.transfer.pulls,
+        "b_pending": sb.pending,
+        "b_write_leases": sb.write_leases,
+        "b_objects_checked": len(held),
+        "b_objects_bad": bad_on_b,
+        "a_objects_after_warm_restart": sa.objects,
+        "a_read_leases_after_restart": sa.read_leases,
         "a_leases_served_after_restart": sa.transfer.leases_served,
     }
     print(json.dumps(out), flush=True)
@@ -329,8 +390,11 @@ def main() -> None:
     ap.add_argument("--parts", nargs="+", default=["throughput", "latency", "crash"])
     ap.add_argument("--crash-claims", type=int, default=1000)
     ap.add_argument("--seed", type=int, default=18)
-    ap.add_argument("--no-standalone", action="store_true",
-                    help="skip the standalone raw NIXL READ beside each claim")
+    ap.add_argument(
+        "--no-standalone",
+        action="store_true",
+        help="skip the standalone raw NIXL READ beside each claim",
+    )
     ap.add_argument("--json-out")
     args = ap.parse_args()
     os.environ.setdefault("UCX_TLS", "tcp")
@@ -338,8 +402,10 @@ def main() -> None:
     before = run_conditions()
     t0 = time.time()
     commit = checkout_commit(ROOT)  # "+dirty": the code that runs is not the commit's
-    out: dict = {"what": "remote claim (B <- A through NIXL) vs the raw NIXL READ inside it",
-                 "command": " ".join([os.path.relpath(sys.executable, ROOT), *sys.argv])}
+    out: dict = {
+        "what": "remote claim (B <- A through NIXL) vs the raw NIXL READ inside it",
+        "command": " ".join([os.path.relpath(sys.executable, ROOT), *sys.argv]),
+    }
     folder = tempfile.mkdtemp(prefix="kvb-remote-")
     sizes = {k: v for k, v in SIZES.items() if k in args.sizes}
     biggest = max(sizes.values()) if "throughput" in args.parts else 64 << 20
@@ -349,9 +415,13 @@ def main() -> None:
         raw = None
         try:
             if not args.no_standalone:
-                raw = RawReader(folder, {**(sizes if "throughput" in args.parts else {}),
-                                         **({"256KiB": 256 << 10}
-                                            if "latency" in args.parts else {})})
+                raw = RawReader(
+                    folder,
+                    {
+                        **(sizes if "throughput" in args.parts else {}),
+                        **({"256KiB": 256 << 10} if "latency" in args.parts else {}),
+                    },
+                )
             if "throughput" in args.parts:
                 out["throughput"] = throughput(pair, sizes, args.reps, raw, args.big_reps)
             if "latency" in args.parts:
@@ -366,16 +436,23 @@ def main() -> None:
             out["crash"] = crash(pair, args.crash_claims, args.seed)
         finally:
             pair.close()
-    out.update({
-        "commit": commit,
-        "env": {k: v for k, v in os.environ.items() if k.startswith("UCX_")},
-        "machine": {"node": platform.node(), "cpus": os.cpu_count(),
-                    "cpu": _cpu_model(), "python": platform.python_version(),
-                    "kernel": platform.release()},
-        "loadavg_before": load0, "loadavg_after": os.getloadavg(),
-        "conditions": {"before": before, "after": run_conditions()},
-        "started_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(t0)),
-    })
+    out.update(
+        {
+            "commit": commit,
+            "env": {k: v for k, v in os.environ.items() if k.startswith("UCX_")},
+            "machine": {
+                "node": platform.node(),
+                "cpus": os.cpu_count(),
+                "cpu": _cpu_model(),
+                "python": platform.python_version(),
+                "kernel": platform.release(),
+            },
+            "loadavg_before": load0,
+            "loadavg_after": os.getloadavg(),
+            "conditions": {"before": before, "after": run_conditions()},
+            "started_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(t0)),
+        }
+    )
     try:
         from importlib.metadata import version
 

@@ -77,10 +77,17 @@ def make_model(path: str, layers: int, hidden: int, seed: int = 0) -> dict:
 
     torch.manual_seed(seed)
     heads = hidden // 64
-    cfg = {"vocab_size": VOCAB, "hidden_size": hidden, "intermediate_size": hidden * 3,
-           "num_hidden_layers": layers, "num_attention_heads": heads,
-           "num_key_value_heads": max(1, heads // 2), "head_dim": 64,
-           "max_position_embeddings": 8192, "torch_dtype": "float32"}  # fmt: skip
+    cfg = {
+        "vocab_size": VOCAB,
+        "hidden_size": hidden,
+        "intermediate_size": hidden * 3,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": max(1, heads // 2),
+        "head_dim": 64,
+        "max_position_embeddings": 8192,
+        "torch_dtype": "float32",
+    }
     model = LlamaForCausalLM(LlamaConfig(**cfg))
     model.save_pretrained(path)
     cfg["parameters"] = sum(p.numel() for p in model.parameters())
@@ -104,14 +111,26 @@ def worker(spec: dict) -> None:
     kw = {}
     if spec.get("role"):
         kw["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="KVBrokerConnector", kv_role=spec["role"],
+            kv_connector="KVBrokerConnector",
+            kv_role=spec["role"],
             kv_connector_module_path="kvbroker.integrations.vllm",
-            kv_connector_extra_config={"socket": spec["socket"]})  # fmt: skip
-    llm = LLM(model=spec["model"], skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
-              kv_cache_memory_bytes=spec["kv_cache_bytes"], block_size=spec["block_size"],
-              max_model_len=spec["max_model_len"], max_num_seqs=16, seed=0,
-              max_num_batched_tokens=spec["max_num_batched_tokens"],
-              enable_prefix_caching=True, distributed_executor_backend="uni", **kw)  # fmt: skip
+            kv_connector_extra_config={"socket": spec["socket"]},
+        )
+    llm = LLM(
+        model=spec["model"],
+        skip_tokenizer_init=True,
+        dtype="float32",
+        enforce_eager=True,
+        kv_cache_memory_bytes=spec["kv_cache_bytes"],
+        block_size=spec["block_size"],
+        max_model_len=spec["max_model_len"],
+        max_num_seqs=16,
+        seed=0,
+        max_num_batched_tokens=spec["max_num_batched_tokens"],
+        enable_prefix_caching=True,
+        distributed_executor_backend="uni",
+        **kw,
+    )
     engine = llm.llm_engine
     inbox: queue.Queue = queue.Queue()
 
@@ -133,8 +152,9 @@ def worker(spec: dict) -> None:
             if msg.get("stop"):
                 stopping = True
                 break
-            params = SamplingParams(max_tokens=msg["max_tokens"], temperature=0.0,
-                                    ignore_eos=True, detokenize=False)  # fmt: skip
+            params = SamplingParams(
+                max_tokens=msg["max_tokens"], temperature=0.0, ignore_eos=True, detokenize=False
+            )
             engine.add_request(msg["id"], {"prompt_token_ids": msg["prompt"]}, params)
         if stopping and not engine.has_unfinished_requests():
             break
@@ -146,10 +166,16 @@ def worker(spec: dict) -> None:
             if o.request_id not in first and o.outputs and o.outputs[0].token_ids:
                 first[o.request_id] = now
             if o.finished:
-                reply({"id": o.request_id, "first_token_at": first.pop(o.request_id, now),
-                       "finished_at": now, "cached": o.num_cached_tokens or 0,
-                       "prompt_tokens": len(o.prompt_token_ids or ()),
-                       "output": list(o.outputs[0].token_ids)})  # fmt: skip
+                reply(
+                    {
+                        "id": o.request_id,
+                        "first_token_at": first.pop(o.request_id, now),
+                        "finished_at": now,
+                        "cached": o.num_cached_tokens or 0,
+                        "prompt_tokens": len(o.prompt_token_ids or ()),
+                        "output": list(o.outputs[0].token_ids),
+                    }
+                )
     totals = None
     if spec.get("role"):
         from vllm.distributed.kv_transfer import get_kv_transfer_group
@@ -168,14 +194,27 @@ class Engine:
     def __init__(self, name: str, spec: dict, log_path: str, replies: queue.Queue):
         self.name = name
         self.log_path = log_path
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-               "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1",
-               "TRANSFORMERS_OFFLINE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}  # fmt: skip
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_LOGGING_LEVEL": "WARNING",
+        }
         self.log = open(self.log_path, "wb")  # noqa: SIM115  (the process's, until stop())
         self.proc = subprocess.Popen(
             [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(spec)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, env=env, cwd=ROOT,
-            text=True, bufsize=1)  # fmt: skip
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            env=env,
+            cwd=ROOT,
+            text=True,
+            bufsize=1,
+        )
         self.replies = replies
         self.ready = threading.Event()
         self.stopped: dict | None = None
@@ -195,8 +234,9 @@ class Engine:
         self.replies.put((self.name, {"exited": self.proc.wait()}))
 
     def send(self, rid: str, prompt: list[int], max_tokens: int) -> None:
-        self.proc.stdin.write(json.dumps({"id": rid, "prompt": prompt,
-                                          "max_tokens": max_tokens}) + "\n")  # fmt: skip
+        self.proc.stdin.write(
+            json.dumps({"id": rid, "prompt": prompt, "max_tokens": max_tokens}) + "\n"
+        )
         self.proc.stdin.flush()
 
     def wait_ready(self, timeout: float) -> None:
@@ -229,6 +269,7 @@ def make_trace(
 ) -> list[list[dict]]:
     """Per conversation, its turns: {"prompt": ids, "reply": the recorded answer's ids}."""
     rng = random.Random(seed)
+
     def ids(n):
         return [rng.randrange(1, VOCAB) for _ in range(n)]
 
@@ -261,8 +302,14 @@ def replay(
     def submit(c: int, t: int) -> None:
         index = t * conversations + c  # the trace's order: turn by turn, user by user
         rid = f"c{c}t{t}"
-        rec = {"id": rid, "conversation": c, "turn": t, "index": index,
-               "prompt_tokens": len(trace[c][t]["prompt"]), "arrived": time.time()}  # fmt: skip
+        rec = {
+            "id": rid,
+            "conversation": c,
+            "turn": t,
+            "index": index,
+            "prompt_tokens": len(trace[c][t]["prompt"]),
+            "arrived": time.time(),
+        }
         records[rid] = rec
         if mode == "pd":
             rec["engine"] = "producer"
@@ -284,18 +331,26 @@ def replay(
                 f"{mode}: {left} requests unanswered after {timeout:.0f} s"
             ) from None
         if "exited" in msg:
-            raise RuntimeError(f"{mode}: engine {name} exited ({msg['exited']}):\n"
-                               f"{engines[name].tail()}")  # fmt: skip
+            raise RuntimeError(
+                f"{mode}: engine {name} exited ({msg['exited']}):\n{engines[name].tail()}"
+            )
         rec = records[msg["id"]]
         c, t = rec["conversation"], rec["turn"]
         if mode == "pd" and name == "producer":
-            rec.update(producer_first_token=msg["first_token_at"] - rec["arrived"],
-                       producer_cached=msg["cached"], handed_off=time.time())  # fmt: skip
+            rec.update(
+                producer_first_token=msg["first_token_at"] - rec["arrived"],
+                producer_cached=msg["cached"],
+                handed_off=time.time(),
+            )
             engines["consumer"].send(rec["id"], trace[c][t]["prompt"], output)
             continue
-        rec.update(ttft=msg["first_token_at"] - rec["arrived"],
-                   latency=msg["finished_at"] - rec["arrived"], cached=msg["cached"],
-                   output=msg["output"], answered_by=name)  # fmt: skip
+        rec.update(
+            ttft=msg["first_token_at"] - rec["arrived"],
+            latency=msg["finished_at"] - rec["arrived"],
+            cached=msg["cached"],
+            output=msg["output"],
+            answered_by=name,
+        )
         recomputed = rec["prompt_tokens"] - msg["cached"]
         if mode == "pd":
             recomputed += rec["prompt_tokens"] - rec["producer_cached"]
@@ -316,24 +371,30 @@ def pct(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(q * len(s)))]
 
 
-def summarize(mode: str, recs: list[dict], walls: list[float], reference: list[dict] | None
-              ) -> dict:  # fmt: skip
+def summarize(
+    mode: str, recs: list[dict], walls: list[float], reference: list[dict] | None
+) -> dict:
     """One mode's figures over ``recs`` (every request of the rounds given) and the replays'
     wall times; ``reference``: plain vLLM's records of the same rounds, in the same order."""
     ttft = [r["ttft"] for r in recs]
     wall = sum(walls)
     outputs = sum(len(r["output"]) for r in recs)
     row = {
-        "mode": mode, "requests": len(recs), "wall_s": wall,
-        "ttft_p50_s": statistics.median(ttft), "ttft_p99_s": pct(ttft, 0.99),
+        "mode": mode,
+        "requests": len(recs),
+        "wall_s": wall,
+        "ttft_p50_s": statistics.median(ttft),
+        "ttft_p99_s": pct(ttft, 0.99),
         "ttft_mean_s": statistics.fmean(ttft),
-        "output_tokens_per_s": outputs / wall, "requests_per_s": len(recs) / wall,
+        "output_tokens_per_s": outputs / wall,
+        "requests_per_s": len(recs) / wall,
         "prompt_tokens": sum(r["prompt_tokens"] for r in recs),
         "recomputed_tokens": sum(r["recomputed"] for r in recs),
-    }  # fmt: skip
+    }
     if reference is not None:
-        row["outputs_equal_plain"] = sum(a["output"] == b["output"]
-                                         for a, b in zip(recs, reference, strict=True))  # fmt: skip
+        row["outputs_equal_plain"] = sum(
+            a["output"] == b["output"] for a, b in zip(recs, reference, strict=True)
+        )
     return row
 
 
@@ -348,18 +409,27 @@ def with_ratios(rows: list[dict]) -> list[dict]:
     return rows
 
 
-ROLES = {"plain": {"engine0": None, "engine1": None},
-         "kvbroker": {"engine0": "kv_both", "engine1": "kv_both"},
-         "pd": {"producer": "kv_producer", "consumer": "kv_consumer"}}  # fmt: skip
+ROLES = {
+    "plain": {"engine0": None, "engine1": None},
+    "kvbroker": {"engine0": "kv_both", "engine1": "kv_both"},
+    "pd": {"producer": "kv_producer", "consumer": "kv_consumer"},
+}
 
 
 def start_mode(mode: str, a, model: str, socket: str | None, workdir: str) -> dict:
-    spec = {"model": model, "block_size": a.block_size, "kv_cache_bytes": a.kv_cache_mib << 20,
-            "max_model_len": a.max_model_len, "max_num_batched_tokens": a.batched_tokens,
-            "socket": socket}  # fmt: skip
+    spec = {
+        "model": model,
+        "block_size": a.block_size,
+        "kv_cache_bytes": a.kv_cache_mib << 20,
+        "max_model_len": a.max_model_len,
+        "max_num_batched_tokens": a.batched_tokens,
+        "socket": socket,
+    }
     replies: queue.Queue = queue.Queue()
-    engines = {n: Engine(n, {**spec, "role": r}, os.path.join(workdir, f"{mode}-{n}.log"),
-                         replies) for n, r in ROLES[mode].items()}  # fmt: skip
+    engines = {
+        n: Engine(n, {**spec, "role": r}, os.path.join(workdir, f"{mode}-{n}.log"), replies)
+        for n, r in ROLES[mode].items()
+    }
     return {"engines": engines, "replies": replies}
 
 
@@ -374,8 +444,9 @@ def warm_up(mode: str, group: dict, a) -> None:
     for _ in engines:
         name, msg = replies.get(timeout=READY_TIMEOUT)
         if "exited" in msg:
-            raise RuntimeError(f"{mode}: engine {name} exited while warming up:\n"
-                               f"{engines[name].tail()}")  # fmt: skip
+            raise RuntimeError(
+                f"{mode}: engine {name} exited while warming up:\n{engines[name].tail()}"
+            )
 
 
 def markdown(res: dict) -> str:
@@ -466,7 +537,7 @@ def main(argv=None) -> int:
         worker(json.loads(a.worker))
         return 0
     from kvbroker._bench._common import (
-        invocation,  # fmt: skip
+        invocation,
         machine_info,
         measured_commit,
         run_conditions,
@@ -487,14 +558,26 @@ def main(argv=None) -> int:
         model_cfg = make_model(model, a.layers, a.hidden)
         with open(cfg_path, "w") as f:
             json.dump(model_cfg, f)
-    traces = [make_trace(a.conversations, a.turns, a.system_tokens, a.user_tokens,
-                         a.output_tokens, seed=1 + r) for r in range(a.rounds)]  # fmt: skip
+    traces = [
+        make_trace(
+            a.conversations, a.turns, a.system_tokens, a.user_tokens, a.output_tokens, seed=1 + r
+        )
+        for r in range(a.rounds)
+    ]
     if max(len(t["prompt"]) for c in traces[0] for t in c) + a.output_tokens > a.max_model_len:
         ap.error("the trace's longest prompt does not fit --max-model-len")
-    result = {"benchmark": "serving", "commit": measured_commit(), "command": invocation(),
-              "machine": machine_info(), "conditions_start": run_conditions(),
-              "params": {k: v for k, v in vars(a).items() if k != "worker"},
-              "model": model_cfg, "rounds": [], "requests": {m: [] for m in modes}}  # fmt: skip
+    result = {
+        "benchmark": "serving",
+        "commit": measured_commit(),
+        "command": invocation(),
+        "machine": machine_info(),
+        "conditions_start": run_conditions(),
+        "params": {k: v for k, v in vars(a).items() if k != "worker"},
+        "model": model_cfg,
+        "rounds": [],
+        "requests": {m: [] for m in modes},
+    }
+
     def note(text):
         print(f"[{time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
 
@@ -518,27 +601,39 @@ def main(argv=None) -> int:
                 note(f"round {r + 1}: {mode}")
                 g = groups[mode]
                 before = run_conditions()
-                recs[mode] = replay(mode, g["engines"], g["replies"], trace, a.output_tokens,
-                                    a.replay_timeout)  # fmt: skip
+                recs[mode] = replay(
+                    mode, g["engines"], g["replies"], trace, a.output_tokens, a.replay_timeout
+                )
                 conds[mode] = {"before": before, "after": run_conditions()}
-            rows = with_ratios([summarize(m, recs[m], [recs[m][0]["wall_s"]],
-                                          None if m == "plain" else recs["plain"])
-                                for m in modes])  # fmt: skip
-            result["rounds"].append({"round": r + 1, "order": order, "rows": rows,
-                                     "conditions": conds})  # fmt: skip
+            rows = with_ratios(
+                [
+                    summarize(
+                        m, recs[m], [recs[m][0]["wall_s"]], None if m == "plain" else recs["plain"]
+                    )
+                    for m in modes
+                ]
+            )
+            result["rounds"].append(
+                {"round": r + 1, "order": order, "rows": rows, "conditions": conds}
+            )
             for m in modes:
                 all_recs[m] += recs[m]
                 walls[m].append(recs[m][0]["wall_s"])
-                result["requests"][m] += [{k: v for k, v in x.items() if k != "output"}
-                                          for x in recs[m]]  # fmt: skip
+                result["requests"][m] += [
+                    {k: v for k, v in x.items() if k != "output"} for x in recs[m]
+                ]
             note(json.dumps(rows))
-        result["rows"] = with_ratios([summarize(m, all_recs[m], walls[m],
-                                                None if m == "plain" else all_recs["plain"])
-                                      for m in modes])  # fmt: skip
+        result["rows"] = with_ratios(
+            [
+                summarize(m, all_recs[m], walls[m], None if m == "plain" else all_recs["plain"])
+                for m in modes
+            ]
+        )
         result["connector"] = {}
         for mode in modes:  # the engines' connector totals, reported as they stop
-            result["connector"][mode] = {n: (e.stop() or {}).get("connector")
-                                         for n, e in groups[mode]["engines"].items()}  # fmt: skip
+            result["connector"][mode] = {
+                n: (e.stop() or {}).get("connector") for n, e in groups[mode]["engines"].items()
+            }
     result["conditions_end"] = run_conditions()
     write_results(a.out, result, markdown(result))
     return 0

@@ -42,13 +42,21 @@ BLOCK_TOKENS = 16
 BLOCK_BYTES = 16 << 10  # KV bytes of one 16-token block (a small model's, or one shard)
 
 
-def make_trace(sessions: int, turns: int, oneshots: int, first: int, per_turn: int,
-               oneshot_tokens: int, seed: int) -> list[tuple[str | None, list[int]]]:  # fmt: skip
+def make_trace(
+    sessions: int,
+    turns: int,
+    oneshots: int,
+    first: int,
+    per_turn: int,
+    oneshot_tokens: int,
+    seed: int,
+) -> list[tuple[str | None, list[int]]]:
     """(session or None, prompt tokens) in arrival order: rounds in which every conversation
     takes one turn (in a shuffled order), one-shot prompts spread between them."""
     rng = random.Random(seed)
-    prompts = {f"conv-{s}": [rng.randrange(1, 50_000) for _ in range(first)]
-               for s in range(sessions)}  # fmt: skip
+    prompts = {
+        f"conv-{s}": [rng.randrange(1, 50_000) for _ in range(first)] for s in range(sessions)
+    }
     trace: list[tuple[str | None, list[int]]] = []
     for _ in range(turns):
         order = list(prompts)
@@ -57,7 +65,9 @@ def make_trace(sessions: int, turns: int, oneshots: int, first: int, per_turn: i
         at = 0
         for i, name in enumerate(order):
             while at < len(slots) and slots[at] <= i:
-                trace.append((None, [rng.randrange(50_000, 100_000) for _ in range(oneshot_tokens)]))
+                trace.append(
+                    (None, [rng.randrange(50_000, 100_000) for _ in range(oneshot_tokens)])
+                )
                 at += 1
             trace.append((name, list(prompts[name])))
             # the answer and the user's next message join the conversation's prefix
@@ -69,8 +79,16 @@ def make_trace(sessions: int, turns: int, oneshots: int, first: int, per_turn: i
 
 def replay(socket: str, trace, retain: bool) -> dict:
     """Play the trace as an engine would; counts per kind of request."""
-    out = {"session_turns": 0, "session_tokens": 0, "session_hit_tokens": 0, "reusable_tokens": 0,
-           "oneshots": 0, "oneshot_tokens": 0, "recomputed_tokens": 0, "requests": 0}  # fmt: skip
+    out = {
+        "session_turns": 0,
+        "session_tokens": 0,
+        "session_hit_tokens": 0,
+        "reusable_tokens": 0,
+        "oneshots": 0,
+        "oneshot_tokens": 0,
+        "recomputed_tokens": 0,
+        "requests": 0,
+    }
     published: dict[str, int] = {}  # tokens of a conversation's blocks published so far
     kv = bytes(BLOCK_BYTES)
     t0 = time.perf_counter()
@@ -117,46 +135,78 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=41)
     ap.add_argument("--out", default=None, help="PREFIX: write PREFIX.json and PREFIX.md")
     a = ap.parse_args()
-    trace = make_trace(a.sessions, a.turns, a.oneshots, a.first, a.per_turn, a.oneshot_tokens,
-                       a.seed)  # fmt: skip
+    trace = make_trace(
+        a.sessions, a.turns, a.oneshots, a.first, a.per_turn, a.oneshot_tokens, a.seed
+    )
     before = run_conditions()
     modes = {}
     for mode, retain in (("plain LRU", False), ("sessions", True)):
-        with spawned_daemon(a.pool, "--page-size", "4K",
-                            env={"KVBROKER_READ_REPLICAS": "0"}) as socket:  # fmt: skip
+        with spawned_daemon(
+            a.pool, "--page-size", "4K", env={"KVBROKER_READ_REPLICAS": "0"}
+        ) as socket:
             modes[mode] = replay(socket, trace, retain)
     after = run_conditions()
     pool = parse_size(a.pool)
-    session_bytes = a.sessions * (a.first + (a.turns - 1) * a.per_turn) // BLOCK_TOKENS * BLOCK_BYTES
-    rows = [{"mode": m, "hit_rate": r["hit_rate"], "of_reusable": r["hit_of_reusable"],
-             "hit": r["session_hit_tokens"],
-             "asked": r["session_tokens"], "recomputed": r["recomputed_tokens"],
-             "evictions": r["evictions"], "seconds": r["seconds"]}
-            for m, r in modes.items()]  # fmt: skip
+    session_bytes = (
+        a.sessions * (a.first + (a.turns - 1) * a.per_turn) // BLOCK_TOKENS * BLOCK_BYTES
+    )
+    rows = [
+        {
+            "mode": m,
+            "hit_rate": r["hit_rate"],
+            "of_reusable": r["hit_of_reusable"],
+            "hit": r["session_hit_tokens"],
+            "asked": r["session_tokens"],
+            "recomputed": r["recomputed_tokens"],
+            "evictions": r["evictions"],
+            "seconds": r["seconds"],
+        }
+        for m, r in modes.items()
+    ]
     lru, kept = modes["plain LRU"], modes["sessions"]
     result = {
-        "commit": measured_commit(), "command": invocation(), "machine": machine_info(),
-        "conditions_before": before, "conditions_after": after,
-        "trace": {"sessions": a.sessions, "turns": a.turns, "oneshots_per_round": a.oneshots,
-                  "first_tokens": a.first, "tokens_per_turn": a.per_turn,
-                  "oneshot_tokens": a.oneshot_tokens, "block_tokens": BLOCK_TOKENS,
-                  "block_bytes": BLOCK_BYTES, "requests": len(trace), "seed": a.seed,
-                  "pool_bytes": pool, "session_bytes_at_the_end": session_bytes},
-        "modes": modes, "rows": rows,
+        "commit": measured_commit(),
+        "command": invocation(),
+        "machine": machine_info(),
+        "conditions_before": before,
+        "conditions_after": after,
+        "trace": {
+            "sessions": a.sessions,
+            "turns": a.turns,
+            "oneshots_per_round": a.oneshots,
+            "first_tokens": a.first,
+            "tokens_per_turn": a.per_turn,
+            "oneshot_tokens": a.oneshot_tokens,
+            "block_tokens": BLOCK_TOKENS,
+            "block_bytes": BLOCK_BYTES,
+            "requests": len(trace),
+            "seed": a.seed,
+            "pool_bytes": pool,
+            "session_bytes_at_the_end": session_bytes,
+        },
+        "modes": modes,
+        "rows": rows,
         "recomputed_saved": lru["recomputed_tokens"] - kept["recomputed_tokens"],
-    }  # fmt: skip
+    }
     md = [
         f"Sessions against plain LRU at commit `{result['commit']}`: {a.sessions} "
         f"conversations x {a.turns} turns ({a.first} tokens, then {a.per_turn} more a turn), "
         f"{a.oneshots} one-shot prompts of {a.oneshot_tokens} tokens a round; pool "
         f"{a.pool}, blocks of {BLOCK_TOKENS} tokens / {BLOCK_BYTES >> 10} KiB.",
         "",
-        format_table(rows, [("mode", "mode", "s"), ("hit_rate", "turn hit rate", ".1%"),
-                            ("of_reusable", "of reusable", ".1%"),
-                            ("hit", "hit tokens", ","), ("asked", "turn tokens", ","),
-                            ("recomputed", "recomputed tokens", ","),
-                            ("evictions", "evictions", ","),
-                            ("seconds", "seconds", ".1f")]),  # fmt: skip
+        format_table(
+            rows,
+            [
+                ("mode", "mode", "s"),
+                ("hit_rate", "turn hit rate", ".1%"),
+                ("of_reusable", "of reusable", ".1%"),
+                ("hit", "hit tokens", ","),
+                ("asked", "turn tokens", ","),
+                ("recomputed", "recomputed tokens", ","),
+                ("evictions", "evictions", ","),
+                ("seconds", "seconds", ".1f"),
+            ],
+        ),
         "",
         "Turn hit rate: the tokens of a conversation's later turns found on the node, of "
         "their prompts; of reusable: of the tokens its earlier turns had published.",

@@ -54,8 +54,9 @@ def start_daemon(tmp: str, pool: str) -> tuple[subprocess.Popen, str]:
     sock = os.path.join(tmp, "kvb.sock")
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvbroker", "serve", "--socket", sock, "--pool-size", pool],
-        stdout=open(os.path.join(tmp, "daemon.log"), "wb"), stderr=subprocess.STDOUT,
-    )  # fmt: skip
+        stdout=open(os.path.join(tmp, "daemon.log"), "wb"),
+        stderr=subprocess.STDOUT,
+    )
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         try:
@@ -74,8 +75,11 @@ def sync(device: str) -> None:
 
 @torch.no_grad()
 def decode_step(model, cache, token: int):
-    out = model(input_ids=torch.tensor([[token]], device=model.device), past_key_values=cache,
-                use_cache=True)  # fmt: skip
+    out = model(
+        input_ids=torch.tensor([[token]], device=model.device),
+        past_key_values=cache,
+        use_cache=True,
+    )
     logits = out.logits[0, -1]
     return int(logits.argmax()), logits
 
@@ -90,8 +94,14 @@ def via_broker(client, model, request: str, first: int, device: str, overlap: bo
     if cuda:
         start_event = torch.cuda.Event(enable_timing=True)
         start_event.record()
-    claimed = kvt.claim_cache(client, request, model=model, consume=False, device=device,
-                              overlap=overlap if cuda else None)  # fmt: skip
+    claimed = kvt.claim_cache(
+        client,
+        request,
+        model=model,
+        consume=False,
+        device=device,
+        overlap=overlap if cuda else None,
+    )
     if claimed.landing is None:
         sync(device)
         claim_s = time.perf_counter() - started
@@ -125,9 +135,15 @@ def machine(device: str) -> dict:
                 break
     except OSError:
         pass
-    info = {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "python": platform.python_version(), "torch": torch.__version__,
-            "transformers": transformers.__version__, "platform": platform.platform()}  # fmt: skip
+    info = {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "platform": platform.platform(),
+    }
     if device.startswith("cuda"):
         info["gpu"] = torch.cuda.get_device_name(device)
     return info
@@ -136,16 +152,24 @@ def machine(device: str) -> dict:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    p.add_argument("--dtype", default=None, choices=("bf16", "fp16", "fp32"),
-                   help="default: fp32 on CPU, bf16 on CUDA")  # fmt: skip
+    p.add_argument(
+        "--dtype",
+        default=None,
+        choices=("bf16", "fp16", "fp32"),
+        help="default: fp32 on CPU, bf16 on CUDA",
+    )
     p.add_argument("--prompt-len", type=int, default=4096)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument("--socket", default=None, help="a running daemon (default: start one)")
     p.add_argument("--pool-size", default="1G", help="pool of the private daemon")
     p.add_argument("--out", default=None, help="results stem (default benchmarks/results/ttft-DEV)")
-    p.add_argument("--model", default="bench", choices=("bench", "8b"),
-                   help="bench: ~110M Llama-style; 8b: Llama-3-8B's shape (GPU host)")
+    p.add_argument(
+        "--model",
+        default="bench",
+        choices=("bench", "8b"),
+        help="bench: ~110M Llama-style; 8b: Llama-3-8B's shape (GPU host)",
+    )
     p.add_argument("--max-positions", type=int, default=8192)
     p.add_argument("--commit", default=None, help="the commit measured (a checkout without git)")
     args = p.parse_args(argv)
@@ -155,16 +179,23 @@ def main(argv=None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    model = models.build(size=args.model, dtype=dtype, seed=0, device=device,
-                         max_positions=max(args.max_positions, args.prompt_len + 8))
+    model = models.build(
+        size=args.model,
+        dtype=dtype,
+        seed=0,
+        device=device,
+        max_positions=max(args.max_positions, args.prompt_len + 8),
+    )
     params = sum(t.numel() for t in model.parameters())
     prompt = models.prompt(args.prompt_len, seed=1, vocab=model.config.vocab_size)
     tmp = tempfile.mkdtemp(prefix="kvb-ttft-")
     daemon, sock = (None, args.socket) if args.socket else start_daemon(tmp, args.pool_size)
     request = f"ttft-{os.getpid()}"
     try:
-        with Client(sock, name="ttft-prefill") as prefill_plain, \
-                Client(sock, name="ttft-decode") as decode_plain:  # fmt: skip
+        with (
+            Client(sock, name="ttft-prefill") as prefill_plain,
+            Client(sock, name="ttft-decode") as decode_plain,
+        ):
             # On a GPU the engine's clients hold CUDA-registered pool mappings (kvbroker.gpu):
             # registered once per process, outside the timed region, as an engine would.
             prefill_client, decode_client = prefill_plain, decode_plain
@@ -180,8 +211,9 @@ def main(argv=None) -> None:
             first = int(last.argmax())
             sync(device)
             prefill_s = time.perf_counter() - t0
-            published = kvt.publish_cache(prefill_client, request, cache, config=model.config,
-                                          extra={"next_token": first})  # fmt: skip
+            published = kvt.publish_cache(
+                prefill_client, request, cache, config=model.config, extra={"next_token": first}
+            )
             rows = []
             # "broker": claim_cache as it is called by default (on CUDA through a GpuClient
             # the decode step overlaps the copies); "serial": overlap=False, claim then step
@@ -204,36 +236,55 @@ def main(argv=None) -> None:
                         name = f"{request}-{rep}-{path}"
                         sync(device)
                         t_pub = time.perf_counter()
-                        kvt.publish_cache(prefill_client, name, cache, config=model.config,
-                                          extra={"next_token": first})  # fmt: skip
+                        kvt.publish_cache(
+                            prefill_client,
+                            name,
+                            cache,
+                            config=model.config,
+                            extra={"next_token": first},
+                        )
                         publish_s = time.perf_counter() - t_pub
                         total, claim, token, logits, nbytes = via_broker(
-                            decode_client, model, name, first, device, path == "broker")  # fmt: skip
+                            decode_client, model, name, first, device, path == "broker"
+                        )
                         decode_plain.evict(name)
                         p = "broker" if path == "broker" else "serial"
-                        row.update({f"{p}_s": total, f"{p}_claim_s": claim,
-                                    f"{p}_token": token, f"{p}_logits": logits,
-                                    f"{p}_publish_s": publish_s,
-                                    f"{p}_handoff_s": publish_s + total})  # fmt: skip
+                        row.update(
+                            {
+                                f"{p}_s": total,
+                                f"{p}_claim_s": claim,
+                                f"{p}_token": token,
+                                f"{p}_logits": logits,
+                                f"{p}_publish_s": publish_s,
+                                f"{p}_handoff_s": publish_s + total,
+                            }
+                        )
                     else:
                         total, pre, token, logits = via_recompute(model, prompt, device)
-                        row.update(recompute_s=total, recompute_prefill_s=pre,
-                                   recompute_token=token, recompute_logits=logits)  # fmt: skip
+                        row.update(
+                            recompute_s=total,
+                            recompute_prefill_s=pre,
+                            recompute_token=token,
+                            recompute_logits=logits,
+                        )
                 row["claim_s"], row["publish_s"] = row["broker_claim_s"], row["broker_publish_s"]
                 row["handoff_s"] = row["broker_handoff_s"]
                 broker_paths = [p for p in paths if p != "recompute"]
-                row["same_token"] = all(row[f"{p}_token"] == row["recompute_token"]
-                                        for p in broker_paths)  # fmt: skip
+                row["same_token"] = all(
+                    row[f"{p}_token"] == row["recompute_token"] for p in broker_paths
+                )
                 reference = row.pop("recompute_logits")
                 logits = [row.pop(f"{p}_logits") for p in broker_paths]  # (JSON has no tensors)
                 if len(logits) == 2:  # the overlapped claim's step against the serial one's
                     row["overlap_logits_equal_serial"] = bool(torch.equal(*logits))
-                row["logits_bit_identical"] = all(bool(torch.equal(x, reference))
-                                                  for x in logits)  # fmt: skip
+                row["logits_bit_identical"] = all(bool(torch.equal(x, reference)) for x in logits)
                 rows.append(row)
-                print(f"repeat {rep}: broker {row['broker_s'] * 1e3:.1f} ms (claim "
-                      f"{row['claim_s'] * 1e3:.1f} ms), recompute {row['recompute_s']:.2f} s, "
-                      f"same token: {row['same_token']}", flush=True)  # fmt: skip
+                print(
+                    f"repeat {rep}: broker {row['broker_s'] * 1e3:.1f} ms (claim "
+                    f"{row['claim_s'] * 1e3:.1f} ms), recompute {row['recompute_s']:.2f} s, "
+                    f"same token: {row['same_token']}",
+                    flush=True,
+                )
             decode_plain.evict(request)
             for c in {prefill_client, decode_client} - {prefill_plain, decode_plain}:
                 c.close()  # unregisters the pools before the plain clients unmap them
@@ -255,10 +306,15 @@ def main(argv=None) -> None:
         "machine": machine(device),
         "device": device,
         "dtype": dtype,
-        "model": {"arch": "llama", "params": params, "layers": model.config.num_hidden_layers,
-                  "hidden": model.config.hidden_size, "heads": model.config.num_attention_heads,
-                  "kv_heads": model.config.num_key_value_heads,
-                  "head_dim": model.config.head_dim},  # fmt: skip
+        "model": {
+            "arch": "llama",
+            "params": params,
+            "layers": model.config.num_hidden_layers,
+            "hidden": model.config.hidden_size,
+            "heads": model.config.num_attention_heads,
+            "kv_heads": model.config.num_key_value_heads,
+            "head_dim": model.config.head_dim,
+        },
         "prompt_tokens": args.prompt_len,
         "kv_bytes": published.nbytes,
         "prefill_s": prefill_s,
@@ -279,8 +335,9 @@ def main(argv=None) -> None:
         "commit": args.commit or measured_commit(),
         "all_same_token": all(r["same_token"] for r in rows),
         "all_logits_bit_identical": all(r["logits_bit_identical"] for r in rows),
-        "overlap_logits_equal_serial": all(r.get("overlap_logits_equal_serial", True)
-                                           for r in rows) if cuda else None,
+        "overlap_logits_equal_serial": all(r.get("overlap_logits_equal_serial", True) for r in rows)
+        if cuda
+        else None,
         "repeats": rows,
     }
     stem = ROOT / "benchmarks" / "results" / f"ttft-{device.split(':')[0]}"
@@ -291,54 +348,56 @@ def main(argv=None) -> None:
     where = m.get("gpu") or f"{m['cpu']}, {m['cores']} cores ({m['torch_threads']} torch threads)"
     overlapped = claim_note = serial_rows = overlap_note = ""
     if cuda:
-        overlap_note = ("; the overlapped claim's first-step logits bit-identical to the serial "
-                        f"claim's in every repeat: {result['overlap_logits_equal_serial']}")
+        overlap_note = (
+            "; the overlapped claim's first-step logits bit-identical to the serial "
+            f"claim's in every repeat: {result['overlap_logits_equal_serial']}"
+        )
         overlapped = " (claim_cache's default there: the step runs while the copies land)"
         claim_note = ", from the request to its last copy landed (GPU clock)"
         serial_rows = f"""\
-| the same with `overlap=False`: claim, then the decode step | {med['serial_s'] * 1e3:.1f} ms \
-(claim {med['serial_claim_s'] * 1e3:.1f} ms) | {best['serial_s'] * 1e3:.1f} ms |
+| the same with `overlap=False`: claim, then the decode step | {med["serial_s"] * 1e3:.1f} ms \
+(claim {med["serial_claim_s"] * 1e3:.1f} ms) | {best["serial_s"] * 1e3:.1f} ms |
 | … speed-up vs recompute / whole handoff vs recompute | \
-{_ratio(result['serial_ttft_speedup'])}× / {_ratio(result['serial_handoff_speedup'])}× \
+{_ratio(result["serial_ttft_speedup"])}× / {_ratio(result["serial_handoff_speedup"])}× \
 (median/median) | |
 | **overlap: claim + step, serial / overlapped** | \
-**{_ratio(result['overlap_vs_serial'])}×** (median/median) | |
+**{_ratio(result["overlap_vs_serial"])}×** (median/median) | |
 """
     md = f"""# Time to first decode token: broker vs recompute ({device})
 
-Command: `{result['command']}` at commit {result['commit']}
+Command: `{result["command"]}` at commit {result["commit"]}
 
-Machine: {where}; Python {m['python']}, torch {m['torch']}, transformers {m['transformers']}.
-Model: Llama-style, {params / 1e6:.0f}M parameters ({result['model']['layers']} layers, \
-hidden {result['model']['hidden']}, {result['model']['heads']} query / \
-{result['model']['kv_heads']} KV heads), {dtype}, random weights from a config. \
+Machine: {where}; Python {m["python"]}, torch {m["torch"]}, transformers {m["transformers"]}.
+Model: Llama-style, {params / 1e6:.0f}M parameters ({result["model"]["layers"]} layers, \
+hidden {result["model"]["hidden"]}, {result["model"]["heads"]} query / \
+{result["model"]["kv_heads"]} KV heads), {dtype}, random weights from a config. \
 Prompt: {args.prompt_len} tokens; its KV cache is {published.nbytes / 2**20:.1f} MiB. \
 Medians over {args.repeats} alternating repeats.
 
 | decode instance, request arrives → first decode token | median | best |
 |---|---|---|
-| claim KV from the broker + 1 decode step{overlapped} | {med['broker_s'] * 1e3:.1f} ms | \
-{best['broker_s'] * 1e3:.1f} ms |
-| … the claim (into fresh tensors){claim_note} | {med['claim_s'] * 1e3:.1f} ms \
-({result['claim_GBps']:.2f} GB/s) | {best['claim_s'] * 1e3:.1f} ms \
-({result['claim_GBps_best']:.2f} GB/s) |
-| recompute the prefill + 1 decode step | {med['recompute_s'] * 1e3:.0f} ms | \
-{best['recompute_s'] * 1e3:.0f} ms |
-| **speed-up of the broker path** | **{_ratio(result['ttft_speedup'])}×** (median/median) | \
-{_ratio(best['recompute_s'] / best['broker_s'])}× (best/best) |
-| prefill side: publish the KV (checksums on) | {med['publish_s'] * 1e3:.1f} ms \
-({result['publish_GBps_median']:.2f} GB/s) | {best['publish_s'] * 1e3:.1f} ms |
+| claim KV from the broker + 1 decode step{overlapped} | {med["broker_s"] * 1e3:.1f} ms | \
+{best["broker_s"] * 1e3:.1f} ms |
+| … the claim (into fresh tensors){claim_note} | {med["claim_s"] * 1e3:.1f} ms \
+({result["claim_GBps"]:.2f} GB/s) | {best["claim_s"] * 1e3:.1f} ms \
+({result["claim_GBps_best"]:.2f} GB/s) |
+| recompute the prefill + 1 decode step | {med["recompute_s"] * 1e3:.0f} ms | \
+{best["recompute_s"] * 1e3:.0f} ms |
+| **speed-up of the broker path** | **{_ratio(result["ttft_speedup"])}×** (median/median) | \
+{_ratio(best["recompute_s"] / best["broker_s"])}× (best/best) |
+| prefill side: publish the KV (checksums on) | {med["publish_s"] * 1e3:.1f} ms \
+({result["publish_GBps_median"]:.2f} GB/s) | {best["publish_s"] * 1e3:.1f} ms |
 | **whole handoff: publish + claim + 1 decode step, vs recompute** | \
-**{_ratio(result['handoff_speedup'])}×** (median/median) | \
-{_ratio(best['recompute_s'] / best['handoff_s'])}× (best/best) |
+**{_ratio(result["handoff_speedup"])}×** (median/median) | \
+{_ratio(best["recompute_s"] / best["handoff_s"])}× (best/best) |
 {serial_rows}
 Per repeat (recompute / broker, measured back to back): \
-{', '.join(f"{_ratio(x)}×" for x in result['ttft_speedup_per_repeat'])}; whole handoff: \
-{', '.join(f"{_ratio(x)}×" for x in result['handoff_speedup_per_repeat'])}.
+{", ".join(f"{_ratio(x)}×" for x in result["ttft_speedup_per_repeat"])}; whole handoff: \
+{", ".join(f"{_ratio(x)}×" for x in result["handoff_speedup_per_repeat"])}.
 
 Prefill side: prefill {prefill_s * 1e3:.0f} ms, first publish (with the kernels' warm-up) \
-{published.seconds * 1e3:.1f} ms ({result['publish_GBps']:.2f} GB/s). Same first decode token on both paths in every repeat: \
-{result['all_same_token']}; first-step logits bit-identical: {result['all_logits_bit_identical']}\
+{published.seconds * 1e3:.1f} ms ({result["publish_GBps"]:.2f} GB/s). Same first decode token on both paths in every repeat: \
+{result["all_same_token"]}; first-step logits bit-identical: {result["all_logits_bit_identical"]}\
 {overlap_note}. One untimed warm-up repeat of every path ran first.
 """
     stem.with_suffix(".md").write_text(md)

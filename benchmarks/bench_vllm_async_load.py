@@ -55,10 +55,23 @@ NS = "vllm/bench-async"
 
 
 def worker(sock: str, a, caches) -> WorkerSide:
-    w = WorkerSide(link=BrokerLink(sock, name="bench-async", role="kv_both", map_pools=True,
-                                   timeout=60.0, warnings=Warnings()),
-                   namespace=NS, block_size=a.block_size, total_kv_heads=a.heads, latent=False,
-                   tp_rank=0, tp_size=1, warnings=Warnings())  # fmt: skip
+    w = WorkerSide(
+        link=BrokerLink(
+            sock,
+            name="bench-async",
+            role="kv_both",
+            map_pools=True,
+            timeout=60.0,
+            warnings=Warnings(),
+        ),
+        namespace=NS,
+        block_size=a.block_size,
+        total_kv_heads=a.heads,
+        latent=False,
+        tp_rank=0,
+        tp_size=1,
+        warnings=Warnings(),
+    )
     w.register({f"model.layers.{i}.self_attn.attn": t for i, t in enumerate(caches)}, "FLASH_ATTN")
     return w
 
@@ -115,9 +128,13 @@ def scenario(a, consumer: WorkerSide, forward: Forward, hashes, dst_ids, backgro
     assert not errors, f"blocks not loaded: {sorted(errors)[:5]}"
     quiet = steps[: a.arrive]
     during = steps[a.arrive : reported + 1]
-    return {"steps_s": steps, "quiet_step_s": statistics.median(quiet),
-            "longest_step_during_load_s": max(during),
-            "arrival_to_first_run_s": ran_end - arrive_t, "reported_at_step": reported}
+    return {
+        "steps_s": steps,
+        "quiet_step_s": statistics.median(quiet),
+        "longest_step_during_load_s": max(during),
+        "arrival_to_first_run_s": ran_end - arrive_t,
+        "reported_at_step": reported,
+    }
 
 
 def main() -> None:
@@ -152,12 +169,29 @@ def main() -> None:
         "commit": a.commit or checkout_commit(ROOT),
         "when": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
         "command": " ".join(shlex.quote(x) for x in ["python", *sys.argv]),
-        "machine": {"host": platform.node(), "cpus": os.cpu_count(),
-                    "python": platform.python_version(), "torch": torch.__version__,
-                    "cuda": torch.version.cuda, "device": torch.cuda.get_device_name(0)},
-        "params": {k: getattr(a, k) for k in ("reps", "tokens", "layers", "heads", "head_dim",
-                                              "block_size", "step_ms", "steps", "arrive")},
-    }  # fmt: skip
+        "machine": {
+            "host": platform.node(),
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "cuda": torch.version.cuda,
+            "device": torch.cuda.get_device_name(0),
+        },
+        "params": {
+            k: getattr(a, k)
+            for k in (
+                "reps",
+                "tokens",
+                "layers",
+                "heads",
+                "head_dim",
+                "block_size",
+                "step_ms",
+                "steps",
+                "arrive",
+            )
+        },
+    }
     src = vllm_cache(L, nblk + 8, H, page, D, device, "NHD")
     dst = vllm_cache(L, nblk + 8, H, page, D, device, "NHD", seed=1)
     d = tempfile.mkdtemp(prefix="kvb")
@@ -168,8 +202,19 @@ def main() -> None:
         producer, consumer = worker(sock, a, src), worker(sock, a, dst)
         hashes = [f"{i:032x}" for i in range(1, nblk + 1)]
         src_ids, dst_ids = list(range(8, nblk + 8)), list(range(nblk))[::-1]
-        producer.bind(StepPlan(saves=[SaveSpec("p", [(h, hashes[i - 1] if i else None, b)
-                                                     for i, (h, b) in enumerate(zip(hashes, src_ids, strict=True))])]))  # fmt: skip
+        producer.bind(
+            StepPlan(
+                saves=[
+                    SaveSpec(
+                        "p",
+                        [
+                            (h, hashes[i - 1] if i else None, b)
+                            for i, (h, b) in enumerate(zip(hashes, src_ids, strict=True))
+                        ],
+                    )
+                ]
+            )
+        )
         producer.wait_for_save()
         producer.unbind()
         assert producer.take_stats()["saved_blocks"] == nblk, "the KV was not published whole"
@@ -184,8 +229,10 @@ def main() -> None:
                 torch.cuda.synchronize()
                 got = scenario(a, consumer, forward, hashes, dst_ids, mode == "load_async")
                 sample = list(zip(src_ids, dst_ids, strict=True))[:: max(1, nblk // 64)]
-                assert all(torch.equal(s6[:, :, x].view(torch.int16), d6[:, :, y].view(torch.int16))
-                           for x, y in sample), f"{mode}: the loaded blocks differ"  # fmt: skip
+                assert all(
+                    torch.equal(s6[:, :, x].view(torch.int16), d6[:, :, y].view(torch.int16))
+                    for x, y in sample
+                ), f"{mode}: the loaded blocks differ"
                 if rep:
                     runs[mode].append(got)
                 print(mode, {k: v for k, v in got.items() if k != "steps_s"}, flush=True)
@@ -196,10 +243,13 @@ def main() -> None:
         proc.wait(30)
     r["kv_bytes"] = kv_bytes
     r["runs"] = runs
-    r["summary"] = {mode: {key: statistics.median(x[key] for x in rs)
-                           for key in ("quiet_step_s", "longest_step_during_load_s",
-                                       "arrival_to_first_run_s")}
-                    for mode, rs in runs.items()}  # fmt: skip
+    r["summary"] = {
+        mode: {
+            key: statistics.median(x[key] for x in rs)
+            for key in ("quiet_step_s", "longest_step_during_load_s", "arrival_to_first_run_s")
+        }
+        for mode, rs in runs.items()
+    }
     with open(os.path.join(a.out, f"{a.name}.json"), "w") as f:
         json.dump(r, f, indent=2)
     md = markdown(r)
@@ -211,31 +261,47 @@ def main() -> None:
 def markdown(r: dict) -> str:
     p, s = r["params"], r["summary"]
     ms = lambda x: f"{x * 1e3:.1f}"  # noqa: E731
-    lines = [f"# A 16k-token KV load beside the engine's steps ({r['machine']['device']})", "",
-             f"commit {r['commit']}, {r['when']}; `{r['command']}`", "",
-             f"{p['tokens']} tokens ({_ratio(r['kv_bytes'] / 2**30)} GiB, {p['layers']} layers, "
-             f"{p['heads']} KV heads, head_dim {p['head_dim']}, bf16, NHD, block size "
-             f"{p['block_size']}); a step: {r['forward_matmuls']} bf16 4096² matmuls (about "
-             f"{p['step_ms']:g} ms) and a host sync; the request arrives at step {p['arrive']}. "
-             f"Medians of {p['reps']} scenarios per mode, alternated.", "",
-             "| mode | step, no load (ms) | longest step while loading (ms) | arrival to the end "
-             "of the request's first step (ms) |", "|---|---|---|---|"]
+    lines = [
+        f"# A 16k-token KV load beside the engine's steps ({r['machine']['device']})",
+        "",
+        f"commit {r['commit']}, {r['when']}; `{r['command']}`",
+        "",
+        f"{p['tokens']} tokens ({_ratio(r['kv_bytes'] / 2**30)} GiB, {p['layers']} layers, "
+        f"{p['heads']} KV heads, head_dim {p['head_dim']}, bf16, NHD, block size "
+        f"{p['block_size']}); a step: {r['forward_matmuls']} bf16 4096² matmuls (about "
+        f"{p['step_ms']:g} ms) and a host sync; the request arrives at step {p['arrive']}. "
+        f"Medians of {p['reps']} scenarios per mode, alternated.",
+        "",
+        "| mode | step, no load (ms) | longest step while loading (ms) | arrival to the end "
+        "of the request's first step (ms) |",
+        "|---|---|---|---|",
+    ]
     for mode in ("sync", "load_async"):
         m = s[mode]
-        lines.append(f"| {mode} | {ms(m['quiet_step_s'])} | {ms(m['longest_step_during_load_s'])} "
-                     f"| {ms(m['arrival_to_first_run_s'])} |")
-    lines += ["", "Each scenario (longest step while loading / arrival to the end of the "
-              "request's first step, ms; the step whose end reported the load):"]
+        lines.append(
+            f"| {mode} | {ms(m['quiet_step_s'])} | {ms(m['longest_step_during_load_s'])} "
+            f"| {ms(m['arrival_to_first_run_s'])} |"
+        )
+    lines += [
+        "",
+        "Each scenario (longest step while loading / arrival to the end of the "
+        "request's first step, ms; the step whose end reported the load):",
+    ]
     for mode in ("sync", "load_async"):
-        each = "; ".join(f"{ms(x['longest_step_during_load_s'])} / "
-                         f"{ms(x['arrival_to_first_run_s'])} (step {x['reported_at_step']})"
-                         for x in r["runs"][mode])  # fmt: skip
+        each = "; ".join(
+            f"{ms(x['longest_step_during_load_s'])} / "
+            f"{ms(x['arrival_to_first_run_s'])} (step {x['reported_at_step']})"
+            for x in r["runs"][mode]
+        )
         lines.append(f"- {mode}: {each}")
     sync, asy = s["sync"], s["load_async"]
-    lines += ["", f"Longest step while a load runs, load_async / sync: "
-              f"{_ratio(asy['longest_step_during_load_s'] / sync['longest_step_during_load_s'])}; "
-              f"the request's own wait, load_async / sync: "
-              f"{_ratio(asy['arrival_to_first_run_s'] / sync['arrival_to_first_run_s'])}."]
+    lines += [
+        "",
+        f"Longest step while a load runs, load_async / sync: "
+        f"{_ratio(asy['longest_step_during_load_s'] / sync['longest_step_during_load_s'])}; "
+        f"the request's own wait, load_async / sync: "
+        f"{_ratio(asy['arrival_to_first_run_s'] / sync['arrival_to_first_run_s'])}.",
+    ]
     return "\n".join(lines) + "\n"
 
 

@@ -86,9 +86,22 @@ NS = "vllm/bench"
 
 def start_daemon(sock: str, pool_mib: int, *extra: str) -> subprocess.Popen:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvbroker", "serve", "--socket", sock, "--pool-size",
-         f"{pool_mib}M", "--page-size", "2M", "--log-level", "warning", *extra],
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "kvbroker",
+            "serve",
+            "--socket",
+            sock,
+            "--pool-size",
+            f"{pool_mib}M",
+            "--page-size",
+            "2M",
+            "--log-level",
+            "warning",
+            *extra,
+        ],
+    )
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -123,14 +136,28 @@ def vllm_cache(layers, blocks, heads, page, dim, device, order, seed=0):
 def bench_save_load(a, device) -> dict:
     L, H, D, page = a.layers, a.heads, a.head_dim, a.block_size
     nblk = a.tokens // page
-    fmt = BlockFormat(dtype="bfloat16", num_layers=L, block_size=page, head_dim=D, local_heads=H,
-                      total_kv_heads=H, tp_rank=0, tp_size=1, heads=(0, H))
+    fmt = BlockFormat(
+        dtype="bfloat16",
+        num_layers=L,
+        block_size=page,
+        head_dim=D,
+        local_heads=H,
+        total_kv_heads=H,
+        tp_rank=0,
+        tp_size=1,
+        heads=(0, H),
+    )
     nbytes = nblk * fmt.block_nbytes
     d = tempfile.mkdtemp(prefix="kvb")
     sock = os.path.join(d, "kvb.sock")
     proc = start_daemon(sock, (nbytes >> 20) + 512)
-    res: dict = {"tokens": a.tokens, "blocks": nblk, "block_bytes": fmt.block_nbytes,
-                 "kv_bytes": nbytes, "order": a.order}  # fmt: skip
+    res: dict = {
+        "tokens": a.tokens,
+        "blocks": nblk,
+        "block_bytes": fmt.block_nbytes,
+        "kv_bytes": nbytes,
+        "order": a.order,
+    }
     try:
         src6 = cuda_cache(vllm_cache(L, nblk + 8, H, page, D, device, a.order), "packed")
         dst6 = cuda_cache(vllm_cache(L, nblk + 8, H, page, D, device, a.order, seed=1), "packed")
@@ -149,8 +176,10 @@ def bench_save_load(a, device) -> dict:
         saves, loads = [], []
         for rep in range(a.reps + 1):
             hashes = [f"{rep:08x}{i:024x}" for i in range(nblk)]
-            items = [SaveItem(h, hashes[i - 1] if i else None, b)
-                     for i, (h, b) in enumerate(zip(hashes, src_ids, strict=True))]  # fmt: skip
+            items = [
+                SaveItem(h, hashes[i - 1] if i else None, b)
+                for i, (h, b) in enumerate(zip(hashes, src_ids, strict=True))
+            ]
             sync(device)
             t0 = time.perf_counter()
             new, _ = save_cuda(client, NS, fmt, src6, items, stream=stream, copier=copier)
@@ -161,8 +190,10 @@ def bench_save_load(a, device) -> dict:
             t2 = time.perf_counter()
             assert new == nblk and got == nblk, (new, got)
             if rep == 0:  # warm-up: check the bytes
-                ok = all(torch.equal(src6[:, :, s].view(torch.int16), dst6[:, :, t].view(torch.int16))
-                         for s, t in list(zip(src_ids, dst_ids, strict=True))[:: max(1, nblk // 64)])
+                ok = all(
+                    torch.equal(src6[:, :, s].view(torch.int16), dst6[:, :, t].view(torch.int16))
+                    for s, t in list(zip(src_ids, dst_ids, strict=True))[:: max(1, nblk // 64)]
+                )
                 res["bit_exact"] = bool(ok)
             else:
                 saves.append(t1 - t0)
@@ -217,16 +248,22 @@ def bench_ring(a) -> dict:
         ids0 = torch.arange(nblk, device=d0)
         ids1 = torch.arange(nblk, device=d1).flip(0)
         staging1 = torch.empty((nblk, L, 2, H, page, D), dtype=torch.bfloat16, device=d1)
-        with GpuClient(Client(sock), own_client=True, device=d0) as p, \
-                GpuClient(Client(sock), own_client=True, device=d1) as c:
+        with (
+            GpuClient(Client(sock), own_client=True, device=d0) as p,
+            GpuClient(Client(sock), own_client=True, device=d1) as c,
+        ):
             times = []
             for rep in range(a.reps + 1):
                 key = f"kv{rep}"
                 torch.cuda.synchronize(d0)
                 torch.cuda.synchronize(d1)
                 t0 = time.perf_counter()
-                region = p.ring_reserve(nbytes, key=key, ring=p.local_ring(d0), meta={
-                    "buffers": {"kv": [0, nbytes, "uint8", [nbytes]]}})
+                region = p.ring_reserve(
+                    nbytes,
+                    key=key,
+                    ring=p.local_ring(d0),
+                    meta={"buffers": {"kv": [0, nbytes, "uint8", [nbytes]]}},
+                )
                 st = region.tensor.view(torch.bfloat16).view(nblk, L, 2, H, page, D)
                 with torch.cuda.stream(p.stream):
                     st.copy_(src6.index_select(2, ids0).permute(2, 0, 1, 4, 3, 5))
@@ -239,8 +276,9 @@ def bench_ring(a) -> dict:
                     times.append(time.perf_counter() - t0)
             res["ring_handoff_s"] = statistics.median(times)
             res["ring_handoff_GBps"] = nbytes / res["ring_handoff_s"] / 1e9
-            ok = torch.equal(src6[:, :, 0].view(torch.int16).to(d1),
-                             dst6[:, :, nblk - 1].view(torch.int16))  # fmt: skip
+            ok = torch.equal(
+                src6[:, :, 0].view(torch.int16).to(d1), dst6[:, :, nblk - 1].view(torch.int16)
+            )
             res["bit_exact"] = bool(ok)
     finally:
         proc.terminate()
@@ -259,8 +297,11 @@ def bench_handoffs(a) -> dict:
     out: dict = {}
     try:
         out["one_gpu"] = bench_handoff(sock, a, "cuda:0", "cuda:0")
-        print("handoff, one GPU", {k: v for k, v in out["one_gpu"].items() if k != "rounds"},
-              flush=True)  # fmt: skip
+        print(
+            "handoff, one GPU",
+            {k: v for k, v in out["one_gpu"].items() if k != "rounds"},
+            flush=True,
+        )
         if torch.cuda.device_count() >= 2:
             out["two_gpus"] = bench_handoff(sock, a, "cuda:0", "cuda:1")
         else:
@@ -274,39 +315,58 @@ def bench_handoffs(a) -> dict:
 def markdown_handoff(r: dict) -> list[str]:
     h, s = r["handoff"], r.get("save_load")
     one = h["one_gpu"]
-    lines = ["", f"Same-node handoff (`--handoff`, {one['blocks']} blocks, {one['order']}; per round "
-             "the producer's publish + the consumer's lookup and scatter, two processes, the "
-             "ring mapped over CUDA IPC; ratios per round, median [range]):", "",
-             "| handoff | GB/s | against | GB/s | ratio | target |", "|---|---|---|---|---|---|",
-             f"| 2 processes on GPU 0 | {one['handoff_GBps']:.1f} | device-to-device copy on GPU 0 "
-             f"(one pass; the handoff makes two) | {one['copy_GBps']:.1f} | "
-             f"{_ratio(one['ratio'])} [{_ratio(one['ratio_range'][0])}-{_ratio(one['ratio_range'][1])}]"
-             " | (one GPU: no target) |"]  # fmt: skip
+    lines = [
+        "",
+        f"Same-node handoff (`--handoff`, {one['blocks']} blocks, {one['order']}; per round "
+        "the producer's publish + the consumer's lookup and scatter, two processes, the "
+        "ring mapped over CUDA IPC; ratios per round, median [range]):",
+        "",
+        "| handoff | GB/s | against | GB/s | ratio | target |",
+        "|---|---|---|---|---|---|",
+        f"| 2 processes on GPU 0 | {one['handoff_GBps']:.1f} | device-to-device copy on GPU 0 "
+        f"(one pass; the handoff makes two) | {one['copy_GBps']:.1f} | "
+        f"{_ratio(one['ratio'])} [{_ratio(one['ratio_range'][0])}-{_ratio(one['ratio_range'][1])}]"
+        " | (one GPU: no target) |",
+    ]
     if s:
         host = s["save_s"] + s["load_s"]
-        lines.append(f"| 2 processes on GPU 0 | {one['handoff_GBps']:.1f} | the host path (save + "
-                     f"load, medians above) | {s['kv_bytes'] / host / 1e9:.1f} | "
-                     f"{_ratio(host / one['handoff_s'])}x faster | |")  # fmt: skip
+        lines.append(
+            f"| 2 processes on GPU 0 | {one['handoff_GBps']:.1f} | the host path (save + "
+            f"load, medians above) | {s['kv_bytes'] / host / 1e9:.1f} | "
+            f"{_ratio(host / one['handoff_s'])}x faster | |"
+        )
     two = h.get("two_gpus")
     if two:
-        lines.append(f"| GPU 0 -> GPU 1 | {two['handoff_GBps']:.1f} | peer copy | "
-                     f"{two['copy_GBps']:.1f} | {_ratio(two['ratio'])} | >= 0.8 |")
+        lines.append(
+            f"| GPU 0 -> GPU 1 | {two['handoff_GBps']:.1f} | peer copy | "
+            f"{two['copy_GBps']:.1f} | {_ratio(two['ratio'])} | >= 0.8 |"
+        )
     else:
         lines.append(f"| GPU 0 -> GPU 1 | skipped: {h.get('two_gpus_skipped')} | | | | >= 0.8 |")
-    lines += ["", f"handoff bit-exact: {one.get('bit_exact')}"
-              + (f" (two GPUs: {two.get('bit_exact')})" if two else "")
-              + f"; rings after: {one.get('rings_after')}"]
+    lines += [
+        "",
+        f"handoff bit-exact: {one.get('bit_exact')}"
+        + (f" (two GPUs: {two.get('bit_exact')})" if two else "")
+        + f"; rings after: {one.get('rings_after')}",
+    ]
     return lines
 
 
 HYBRID = {
-    "gemma3": {"layers": 8, "sliding": 5, "window": 1024,
-               "attention": {"heads": 8, "block_size": 16, "head_dim": 256}},
-    "qwen3next": {"layers": 12, "state": 3,
-                  "attention": {"heads": 2, "block_size": 544, "head_dim": 256},
-                  "state_shapes": ((3, 8192), (32, 128, 128)),
-                  "state_dtypes": ("bfloat16", "bfloat16")},
-}  # fmt: skip
+    "gemma3": {
+        "layers": 8,
+        "sliding": 5,
+        "window": 1024,
+        "attention": {"heads": 8, "block_size": 16, "head_dim": 256},
+    },
+    "qwen3next": {
+        "layers": 12,
+        "state": 3,
+        "attention": {"heads": 2, "block_size": 544, "head_dim": 256},
+        "state_shapes": ((3, 8192), (32, 128, 128)),
+        "state_dtypes": ("bfloat16", "bfloat16"),
+    },
+}
 
 
 def hybrid_model(name: str, layers: int | None = None):
@@ -325,14 +385,31 @@ def hybrid_model(name: str, layers: int | None = None):
             shape = StateGroupShape(L, spec["state_shapes"], spec["state_dtypes"])
             shapes.append(shape)
             page = AttentionGroupShape(L, **att).page_nbytes()
-            groups.append(Group(i, STATE, att["block_size"], names,
-                                state_shapes=shape.shapes, state_dtypes=shape.dtypes,
-                                page_nbytes=page))  # fmt: skip
+            groups.append(
+                Group(
+                    i,
+                    STATE,
+                    att["block_size"],
+                    names,
+                    state_shapes=shape.shapes,
+                    state_dtypes=shape.dtypes,
+                    page_nbytes=page,
+                )
+            )
         else:
             shapes.append(AttentionGroupShape(L, **att))
-            groups.append(Group(i, kind, att["block_size"], names, "bfloat16", att["heads"],
-                                att["head_dim"],
-                                window=spec["window"] if kind == SLIDING else None))  # fmt: skip
+            groups.append(
+                Group(
+                    i,
+                    kind,
+                    att["block_size"],
+                    names,
+                    "bfloat16",
+                    att["heads"],
+                    att["head_dim"],
+                    window=spec["window"] if kind == SLIDING else None,
+                )
+            )
     return shapes, groups
 
 
@@ -367,31 +444,47 @@ def bench_hybrid(a, device) -> dict:
     sock = os.path.join(d, "kvb.sock")
     L = shapes[0].layers
     # the daemon's pages are 2 MiB: a block takes whole pages
-    pages_2m = sum(len(src[g.index]) * -(-(L * (s.content_nbytes() if g.kind == STATE
-                                                 else s.page_nbytes())) // (2 << 20))
-                   for g, s in zip(groups, shapes, strict=True))  # fmt: skip
+    pages_2m = sum(
+        len(src[g.index])
+        * -(-(L * (s.content_nbytes() if g.kind == STATE else s.page_nbytes())) // (2 << 20))
+        for g, s in zip(groups, shapes, strict=True)
+    )
     proc = start_daemon(sock, 2 * pages_2m + 512)
     worker = None
     try:
         from kvbroker.integrations.vllm._paged import copier_for
 
         link = BrokerLink(sock, name="bench-hybrid", role="kv_both", map_pools=True, timeout=60)
-        worker = HybridWorker(groups=groups, link=link, namespace=NS, block_size=bs, tp_rank=0,
-                              tp_size=1, warnings=Warnings(),
-                              staging_copier=copier_for("cpu") if device.type == "cpu" else None)
+        worker = HybridWorker(
+            groups=groups,
+            link=link,
+            namespace=NS,
+            block_size=bs,
+            tp_rank=0,
+            tp_size=1,
+            warnings=Warnings(),
+            staging_copier=copier_for("cpu") if device.type == "cpu" else None,
+        )
         worker.register(caches, "FLASH_ATTN")
         fmts = worker.formats
         save_bytes = sum(fmts[g.index].block_nbytes * len(src[g.index]) for g in groups)
         load_bytes = sum(fmts[g.index].block_nbytes * len(dst[g.index]) for g in groups)
         res: dict = {
-            "shape": a.hybrid, "tokens": hit, "order": a.order, "block_size": bs,
+            "shape": a.hybrid,
+            "tokens": hit,
+            "order": a.order,
+            "block_size": bs,
             "groups": [f"{g.kind} x{len(g.layer_names)} layers" for g in groups],
             "save_blocks": sum(len(v) for v in src.values()),
             "load_blocks": sum(len(v) for v in dst.values()),
-            "save_bytes": save_bytes, "load_bytes": load_bytes,
-            "state_page_bytes": sum(f.block_nbytes for g, f in zip(groups, fmts.values(), strict=True)
-                                    if g.kind == STATE),
-        }  # fmt: skip
+            "save_bytes": save_bytes,
+            "load_bytes": load_bytes,
+            "state_page_bytes": sum(
+                f.block_nbytes
+                for g, f in zip(groups, fmts.values(), strict=True)
+                if g.kind == STATE
+            ),
+        }
         cuda = device.type == "cuda"
         if cuda:
             big = max(save_bytes, load_bytes)
@@ -409,17 +502,26 @@ def bench_hybrid(a, device) -> dict:
                 if g.kind == STATE:
                     saves.append(GroupSave("r", g.index, [(k[-1], None, src[g.index][0])]))
                 else:
-                    saves.append(GroupSave("r", g.index, [(k[i], k[i - 1] if i else None, b)
-                                                          for i, b in enumerate(src[g.index])]))
+                    saves.append(
+                        GroupSave(
+                            "r",
+                            g.index,
+                            [
+                                (k[i], k[i - 1] if i else None, b)
+                                for i, b in enumerate(src[g.index])
+                            ],
+                        )
+                    )
             loads = []
             for g in groups:
                 k = [g.key(h) for h in keys.hashes[:nblk]]
-                k = k[-1:] if g.kind == STATE else k[first_load[g.index]:]
+                k = k[-1:] if g.kind == STATE else k[first_load[g.index] :]
                 loads.append(GroupLoad(g.index, k, dst[g.index]))
             row: dict = {}
             if cuda:
                 row["pinned_d2h_s"] = events_median(
-                    lambda: host_buf[:save_bytes].copy_(dev_buf[:save_bytes], non_blocking=True), 1)
+                    lambda: host_buf[:save_bytes].copy_(dev_buf[:save_bytes], non_blocking=True), 1
+                )
             before = worker.stats["saved_blocks"]
             sync(device)
             t0 = time.perf_counter()
@@ -431,7 +533,8 @@ def bench_hybrid(a, device) -> dict:
             saved = worker.stats["saved_blocks"] - before
             if cuda:
                 row["pinned_h2d_s"] = events_median(
-                    lambda: dev_buf[:load_bytes].copy_(host_buf[:load_bytes], non_blocking=True), 1)
+                    lambda: dev_buf[:load_bytes].copy_(host_buf[:load_bytes], non_blocking=True), 1
+                )
             spec = HybridLoad("q", loads, hit - 1)
             sync(device)
             t0 = time.perf_counter()
@@ -442,15 +545,26 @@ def bench_hybrid(a, device) -> dict:
             if rep == 0:  # warm-up: check the bytes of every group
                 ok = True
                 for g in groups:
-                    pairs = list(zip(src[g.index][first_load[g.index]:] if g.kind != STATE
-                                     else src[g.index], dst[g.index], strict=True))  # fmt: skip
+                    pairs = list(
+                        zip(
+                            src[g.index][first_load[g.index] :]
+                            if g.kind != STATE
+                            else src[g.index],
+                            dst[g.index],
+                            strict=True,
+                        )
+                    )
                     for name in g.layer_names[:: max(1, L // 4)]:
                         t = caches[name]
                         for s_id, d_id in pairs[:: max(1, len(pairs) // 16)]:
-                            ok = ok and torch.equal(t[s_id].view(torch.uint8) if t.dtype == torch.int8
-                                                    else t[s_id].view(torch.int16),
-                                                    t[d_id].view(torch.uint8) if t.dtype == torch.int8
-                                                    else t[d_id].view(torch.int16))  # fmt: skip
+                            ok = ok and torch.equal(
+                                t[s_id].view(torch.uint8)
+                                if t.dtype == torch.int8
+                                else t[s_id].view(torch.int16),
+                                t[d_id].view(torch.uint8)
+                                if t.dtype == torch.int8
+                                else t[d_id].view(torch.int16),
+                            )
                 res["bit_exact"] = bool(ok)
             else:
                 rows.append(row)
@@ -462,8 +576,12 @@ def bench_hybrid(a, device) -> dict:
         if cuda:
             res["save_vs_pinned"] = [r["pinned_d2h_s"] / r["save_s"] for r in rows]
             res["load_vs_pinned"] = [r["pinned_h2d_s"] / r["load_s"] for r in rows]
-            res["pinned_d2h_GBps"] = save_bytes / statistics.median(r["pinned_d2h_s"] for r in rows) / 1e9
-            res["pinned_h2d_GBps"] = load_bytes / statistics.median(r["pinned_h2d_s"] for r in rows) / 1e9
+            res["pinned_d2h_GBps"] = (
+                save_bytes / statistics.median(r["pinned_d2h_s"] for r in rows) / 1e9
+            )
+            res["pinned_h2d_GBps"] = (
+                load_bytes / statistics.median(r["pinned_h2d_s"] for r in rows) / 1e9
+            )
         res["rounds"] = rows
         res["skipped_save_blocks"] = worker.stats["skipped_save_blocks"]
     finally:
@@ -479,26 +597,38 @@ def markdown_hybrid(r: dict) -> str:
     from kvbroker._bench._common import ratio_span
 
     h = r["hybrid"]
-    lines = [f"# vLLM connector, hybrid {h['shape']} cache, on {r['machine']['device']}", "",
-             f"commit {r['commit']}, {r['when']}; `{r['command']}`", "",
-             f"{h['tokens']} tokens, block {h['block_size']}, groups: {', '.join(h['groups'])}; "
-             f"{h['order']} attention pages, bf16; save {h['save_blocks']} blocks "
-             f"({h['save_bytes'] / 2**20:.1f} MiB), load {h['load_blocks']} blocks "
-             f"({h['load_bytes'] / 2**20:.1f} MiB); medians of {r['reps']} rounds.", "",
-             "| path | GB/s | pinned GB/s | ratio per round: median (range) | target |",
-             "|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        f"# vLLM connector, hybrid {h['shape']} cache, on {r['machine']['device']}",
+        "",
+        f"commit {r['commit']}, {r['when']}; `{r['command']}`",
+        "",
+        f"{h['tokens']} tokens, block {h['block_size']}, groups: {', '.join(h['groups'])}; "
+        f"{h['order']} attention pages, bf16; save {h['save_blocks']} blocks "
+        f"({h['save_bytes'] / 2**20:.1f} MiB), load {h['load_blocks']} blocks "
+        f"({h['load_bytes'] / 2**20:.1f} MiB); medians of {r['reps']} rounds.",
+        "",
+        "| path | GB/s | pinned GB/s | ratio per round: median (range) | target |",
+        "|---|---|---|---|---|",
+    ]
     if "save_vs_pinned" in h:
-        lines.append(f"| save (wait_for_save, every group) | {h['save_GBps']:.1f} | D2H "
-                     f"{h['pinned_d2h_GBps']:.1f} | {ratio_span(h['save_vs_pinned'])} | >= 0.8 |")
-        lines.append(f"| load (every group of the hit) | {h['load_GBps']:.1f} | H2D "
-                     f"{h['pinned_h2d_GBps']:.1f} | {ratio_span(h['load_vs_pinned'])} | >= 0.8 |")
+        lines.append(
+            f"| save (wait_for_save, every group) | {h['save_GBps']:.1f} | D2H "
+            f"{h['pinned_d2h_GBps']:.1f} | {ratio_span(h['save_vs_pinned'])} | >= 0.8 |"
+        )
+        lines.append(
+            f"| load (every group of the hit) | {h['load_GBps']:.1f} | H2D "
+            f"{h['pinned_h2d_GBps']:.1f} | {ratio_span(h['load_vs_pinned'])} | >= 0.8 |"
+        )
     else:
         lines.append(f"| save | {h['save_GBps']:.2f} | (CPU run) | | |")
         lines.append(f"| load | {h['load_GBps']:.2f} | (CPU run) | | |")
     c = r["conditions"]
-    lines += ["", f"bit-exact: {h.get('bit_exact')}; saves skipped: {h['skipped_save_blocks']}; "
-              f"load average {c['before']['loadavg_1min']} -> {c['after']['loadavg_1min']}, "
-              f"CPU pressure `{c['before']['cpu_pressure']}` -> `{c['after']['cpu_pressure']}`"]
+    lines += [
+        "",
+        f"bit-exact: {h.get('bit_exact')}; saves skipped: {h['skipped_save_blocks']}; "
+        f"load average {c['before']['loadavg_1min']} -> {c['after']['loadavg_1min']}, "
+        f"CPU pressure `{c['before']['cpu_pressure']}` -> `{c['after']['cpu_pressure']}`",
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -506,31 +636,47 @@ def markdown(r: dict) -> str:
     if "hybrid" in r:
         return markdown_hybrid(r)
     s = r["save_load"]
-    lines = [f"# vLLM connector worker path on {r['machine']['device']}", "",
-             f"commit {r['commit']}, {r['when']}; `{r['command']}`", "",
-             f"{s['tokens']} tokens, {s['blocks']} blocks of {s['block_bytes']} B "
-             f"({_ratio(s['kv_bytes'] / 2**30)} GiB), {s['order']} cache, bf16; medians of "
-             f"{r['reps']}.", "", "| path | GB/s | vs | ratio | target |", "|---|---|---|---|---|"]
+    lines = [
+        f"# vLLM connector worker path on {r['machine']['device']}",
+        "",
+        f"commit {r['commit']}, {r['when']}; `{r['command']}`",
+        "",
+        f"{s['tokens']} tokens, {s['blocks']} blocks of {s['block_bytes']} B "
+        f"({_ratio(s['kv_bytes'] / 2**30)} GiB), {s['order']} cache, bf16; medians of "
+        f"{r['reps']}.",
+        "",
+        "| path | GB/s | vs | ratio | target |",
+        "|---|---|---|---|---|",
+    ]
     p = r.get("pinned")
     if p:
-        lines.append(f"| save (whole call) | {s['save_GBps']:.1f} | pinned D2H "
-                     f"{p['pinned_d2h_GBps']:.1f} | {_ratio(s['save_GBps'] / p['pinned_d2h_GBps'])} "
-                     f"| >= 0.8 |")
-        lines.append(f"| load (whole call) | {s['load_GBps']:.1f} | pinned H2D "
-                     f"{p['pinned_h2d_GBps']:.1f} | {_ratio(s['load_GBps'] / p['pinned_h2d_GBps'])} "
-                     f"| >= 0.8 |")
+        lines.append(
+            f"| save (whole call) | {s['save_GBps']:.1f} | pinned D2H "
+            f"{p['pinned_d2h_GBps']:.1f} | {_ratio(s['save_GBps'] / p['pinned_d2h_GBps'])} "
+            f"| >= 0.8 |"
+        )
+        lines.append(
+            f"| load (whole call) | {s['load_GBps']:.1f} | pinned H2D "
+            f"{p['pinned_h2d_GBps']:.1f} | {_ratio(s['load_GBps'] / p['pinned_h2d_GBps'])} "
+            f"| >= 0.8 |"
+        )
     else:
         lines.append(f"| save | {s['save_GBps']:.2f} | (CPU run) | | |")
         lines.append(f"| load | {s['load_GBps']:.2f} | (CPU run) | | |")
     ring = r.get("ring")
     if ring:
-        lines.append(f"| GPU0 -> GPU1 via ring | {ring['ring_handoff_GBps']:.1f} | peer copy "
-                     f"{ring['peer_copy_GBps']:.1f} | "
-                     f"{_ratio(ring['ring_handoff_GBps'] / ring['peer_copy_GBps'])} | >= 0.7 |")
+        lines.append(
+            f"| GPU0 -> GPU1 via ring | {ring['ring_handoff_GBps']:.1f} | peer copy "
+            f"{ring['peer_copy_GBps']:.1f} | "
+            f"{_ratio(ring['ring_handoff_GBps'] / ring['peer_copy_GBps'])} | >= 0.7 |"
+        )
     else:
         lines.append(f"| GPU0 -> GPU1 via ring | skipped: {r.get('ring_skipped', '')} | | | |")
-    lines += ["", f"bit-exact: save/load {s.get('bit_exact')}"
-              + (f", ring {ring.get('bit_exact')}" if ring else "")]
+    lines += [
+        "",
+        f"bit-exact: save/load {s.get('bit_exact')}"
+        + (f", ring {ring.get('bit_exact')}" if ring else ""),
+    ]
     if "handoff" in r:
         lines += markdown_handoff(r)
     return "\n".join(lines) + "\n"
@@ -542,22 +688,29 @@ def main() -> None:
     ap.add_argument("--name", default="vllm-gpu")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=16384)
-    ap.add_argument("--layers", type=int, default=None,
-                    help="layers (default 32); with --hybrid, layers per group (default the "
-                    "shape's)")
+    ap.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        help="layers (default 32); with --hybrid, layers per group (default the shape's)",
+    )
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--order", choices=("NHD", "HND"), default="NHD")
     ap.add_argument("--cpu", action="store_true", help="CPU tensors, memmove for the DMA")
-    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
-                    help="cpu: as --cpu")
-    ap.add_argument("--hybrid", choices=sorted(HYBRID),
-                    help="a hybrid model's cache (see the module docstring)")
-    ap.add_argument("--handoff", action="store_true",
-                    help="also the connector's same-node handoff through a GPU ring")
-    ap.add_argument("--commit", help="the commit measured, where the checkout has no usable git "
-                    "(a copied tree)")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: as --cpu")
+    ap.add_argument(
+        "--hybrid", choices=sorted(HYBRID), help="a hybrid model's cache (see the module docstring)"
+    )
+    ap.add_argument(
+        "--handoff",
+        action="store_true",
+        help="also the connector's same-node handoff through a GPU ring",
+    )
+    ap.add_argument(
+        "--commit", help="the commit measured, where the checkout has no usable git (a copied tree)"
+    )
     a = ap.parse_args()
     a.cpu = a.cpu or a.device == "cpu"
     if a.layers is None and not a.hybrid:
@@ -567,16 +720,23 @@ def main() -> None:
     r: dict = {
         "commit": a.commit or os.environ.get("KVBROKER_COMMIT") or checkout_commit(ROOT),
         "when": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-        "command": " ".join(shlex.quote(x) for x in [os.path.relpath(sys.executable, ROOT)
-                                                     if False else "python", *sys.argv]),
-        "machine": {"host": platform.node(), "cpu": platform.processor() or platform.machine(),
-                    "cpus": os.cpu_count(), "python": platform.python_version(),
-                    "torch": torch.__version__, "cuda": torch.version.cuda,
-                    "device": (torch.cuda.get_device_name(0) if not a.cpu else "CPU"),
-                    "gpus": torch.cuda.device_count() if not a.cpu else 0},
+        "command": " ".join(
+            shlex.quote(x)
+            for x in [os.path.relpath(sys.executable, ROOT) if False else "python", *sys.argv]
+        ),
+        "machine": {
+            "host": platform.node(),
+            "cpu": platform.processor() or platform.machine(),
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "cuda": torch.version.cuda,
+            "device": (torch.cuda.get_device_name(0) if not a.cpu else "CPU"),
+            "gpus": torch.cuda.device_count() if not a.cpu else 0,
+        },
         "reps": a.reps,
         "conditions": {"before": run_conditions()},
-    }  # fmt: skip
+    }
     if a.hybrid:
         r["hybrid"] = bench_hybrid(a, device)
         r["conditions"]["after"] = run_conditions()
@@ -592,8 +752,11 @@ def main() -> None:
         r["ring"] = bench_ring(a)
         print("ring", r["ring"], flush=True)
     else:
-        r["ring_skipped"] = ("CPU run" if a.cpu else
-                             f"{torch.cuda.device_count()} GPU visible, the ring handoff needs 2")
+        r["ring_skipped"] = (
+            "CPU run"
+            if a.cpu
+            else f"{torch.cuda.device_count()} GPU visible, the ring handoff needs 2"
+        )
         print("ring handoff skipped:", r["ring_skipped"], flush=True)
     if a.handoff and not a.cpu:
         r["handoff"] = bench_handoffs(a)

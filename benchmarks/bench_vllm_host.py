@@ -42,8 +42,9 @@ def _cache(blocks: int, seed: int):
     """Per-layer ``[blocks, heads, 2, page, dim]`` bf16 views of one allocation (the CPU
     backend's layout: each (block, head) holds its K rows, then its V rows)."""
     g = torch.Generator().manual_seed(seed)
-    raw = torch.randint(-30000, 30000, (LAYERS * blocks * HEADS * BLOCK * 2 * DIM,),
-                        generator=g, dtype=torch.int16)  # fmt: skip
+    raw = torch.randint(
+        -30000, 30000, (LAYERS * blocks * HEADS * BLOCK * 2 * DIM,), generator=g, dtype=torch.int16
+    )
     five = raw.view(LAYERS, blocks, HEADS, BLOCK, 2 * DIM).view(torch.bfloat16)
     return [five[i] for i in range(LAYERS)], raw
 
@@ -56,9 +57,17 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     torch.set_num_threads(1)  # the copies are numpy's and the copy engine's
     blocks = a.tokens // BLOCK
-    fmt = BlockFormat(dtype="bfloat16", num_layers=LAYERS, block_size=BLOCK, head_dim=DIM,
-                      local_heads=HEADS, total_kv_heads=HEADS, tp_rank=0, tp_size=1,
-                      heads=(0, HEADS))  # fmt: skip
+    fmt = BlockFormat(
+        dtype="bfloat16",
+        num_layers=LAYERS,
+        block_size=BLOCK,
+        head_dim=DIM,
+        local_heads=HEADS,
+        total_kv_heads=HEADS,
+        tp_rank=0,
+        tp_size=1,
+        heads=(0, HEADS),
+    )
     nbytes = blocks * fmt.block_nbytes
     src_layers, src_raw = _cache(blocks, 0)
     dst_layers, dst_raw = _cache(blocks, 1)
@@ -74,11 +83,11 @@ def main(argv=None) -> int:
             for v, variant in enumerate(VARIANTS):
                 ns = f"vllm/bench-{rnd}-{v}"
                 hashes = [f"{rnd:08x}{v:08x}{i:016x}" for i in range(blocks)]
-                items = [SaveItem(h, hashes[i - 1] if i else None, i)
-                         for i, h in enumerate(hashes)]  # fmt: skip
+                items = [SaveItem(h, hashes[i - 1] if i else None, i) for i, h in enumerate(hashes)]
                 t = time.perf_counter()
-                save = HostSave(client, ns, fmt, src, items,
-                                checksums=variant != "save_no_checksums")  # fmt: skip
+                save = HostSave(
+                    client, ns, fmt, src, items, checksums=variant != "save_no_checksums"
+                )
                 save.reserve()
                 for layer in range(LAYERS):
                     save.copy_layer(layer)
@@ -99,18 +108,29 @@ def main(argv=None) -> int:
                 copies.append(time.perf_counter() - t)
             row["copy"] = median(copies)
             rows.append(row)
-            print(f"round {rnd}: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in row.items()
-                                               if k != "round"), flush=True)  # fmt: skip
+            print(
+                f"round {rnd}: "
+                + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in row.items() if k != "round"),
+                flush=True,
+            )
     keys = [*VARIANTS, "load", "copy"]
     med = {k: median([r[k] for r in rows]) for k in keys}
-    result = {"benchmark": "bench_vllm_host", "commit": measured_commit(),
-              "command": invocation(), "machine": machine_info(), "tokens": a.tokens,
-              "nbytes": nbytes, "copy_threads": default_engine().threads, "rounds": rows,
-              "median_s": med,
-              "checksums_over_none_per_round": [r["save_checksums"] / r["save_no_checksums"]
-                                                for r in rows],
-              "copy_over_save_per_round": [r["copy"] / r["save_checksums"] for r in rows],
-              "copy_over_load_per_round": [r["copy"] / r["load"] for r in rows]}  # fmt: skip
+    result = {
+        "benchmark": "bench_vllm_host",
+        "commit": measured_commit(),
+        "command": invocation(),
+        "machine": machine_info(),
+        "tokens": a.tokens,
+        "nbytes": nbytes,
+        "copy_threads": default_engine().threads,
+        "rounds": rows,
+        "median_s": med,
+        "checksums_over_none_per_round": [
+            r["save_checksums"] / r["save_no_checksums"] for r in rows
+        ],
+        "copy_over_save_per_round": [r["copy"] / r["save_checksums"] for r in rows],
+        "copy_over_load_per_round": [r["copy"] / r["load"] for r in rows],
+    }
     write_results(a.out, result, markdown(result))
     return 0
 
@@ -119,22 +139,30 @@ def markdown(r: dict) -> str:
     m = r["machine"]
 
     med = r["median_s"]
-    return "\n".join([
-        f"# vLLM connector, host path: {r['tokens']} tokens of a Llama-3-8B-shaped KV "
-        f"({r['nbytes'] / 2**20:.0f} MiB; {m.get('cpu')}, {m.get('cores')} cores)", "",
-        f"commit {r['commit']}, {m.get('when')}; load {m.get('loadavg_1min'):.2f}; "
-        f"`{r['command']}`; the copy engine on {r['copy_threads']} thread(s); "
-        f"{len(r['rounds'])} rounds alternated.", "",
-        "| step | median ms | per round |", "|---|---|---|",
-        f"| save, checksums on (the default) | {med['save_checksums'] * 1e3:.1f} | × checksums "
-        "off: "
-        f"{ratio_span(r['checksums_over_none_per_round'])} |",
-        f"| save, checksums off | {med['save_no_checksums'] * 1e3:.1f} | |",
-        f"| load | {med['load'] * 1e3:.1f} | a copy / it: "
-        f"{ratio_span(r['copy_over_load_per_round'])} |",
-        f"| one copy of the bytes (numpy) | {med['copy'] * 1e3:.1f} | a copy / save with "
-        f"checksums: {ratio_span(r['copy_over_save_per_round'])} |",
-        "", "Ratios cut to two decimals.", ""])  # fmt: skip
+    return "\n".join(
+        [
+            f"# vLLM connector, host path: {r['tokens']} tokens of a Llama-3-8B-shaped KV "
+            f"({r['nbytes'] / 2**20:.0f} MiB; {m.get('cpu')}, {m.get('cores')} cores)",
+            "",
+            f"commit {r['commit']}, {m.get('when')}; load {m.get('loadavg_1min'):.2f}; "
+            f"`{r['command']}`; the copy engine on {r['copy_threads']} thread(s); "
+            f"{len(r['rounds'])} rounds alternated.",
+            "",
+            "| step | median ms | per round |",
+            "|---|---|---|",
+            f"| save, checksums on (the default) | {med['save_checksums'] * 1e3:.1f} | × checksums "
+            "off: "
+            f"{ratio_span(r['checksums_over_none_per_round'])} |",
+            f"| save, checksums off | {med['save_no_checksums'] * 1e3:.1f} | |",
+            f"| load | {med['load'] * 1e3:.1f} | a copy / it: "
+            f"{ratio_span(r['copy_over_load_per_round'])} |",
+            f"| one copy of the bytes (numpy) | {med['copy'] * 1e3:.1f} | a copy / save with "
+            f"checksums: {ratio_span(r['copy_over_save_per_round'])} |",
+            "",
+            "Ratios cut to two decimals.",
+            "",
+        ]
+    )
 
 
 if __name__ == "__main__":

@@ -52,13 +52,17 @@ def main(argv=None) -> None:
     p.add_argument("--pool-size", default="4G")
     p.add_argument("--commit", default=None)
     p.add_argument("--out", default=None, help="results stem (.json and .md)")
-    p.add_argument("--control", action="store_true",
-                   help="also claim with the layer guards taken off (each layer turned back "
-                        "into its own type at once, behind the GPU sleep): the step then "
-                        "reads before the copies land, which this check must show")  # fmt: skip
+    p.add_argument(
+        "--control",
+        action="store_true",
+        help="also claim with the layer guards taken off (each layer turned back "
+        "into its own type at once, behind the GPU sleep): the step then "
+        "reads before the copies land, which this check must show",
+    )
     args = p.parse_args(argv)
-    model = models.build(size=args.size, dtype="bf16", seed=0, device="cuda",
-                         max_positions=args.prompt_len + 8)  # fmt: skip
+    model = models.build(
+        size=args.size, dtype="bf16", seed=0, device="cuda", max_positions=args.prompt_len + 8
+    )
     # Two prompts, claimed in turn: a claim's tensors come from the caching allocator's blocks
     # the other prompt's claim just freed, so a read before its layer landed would see the
     # other prompt's keys and values, not by chance the same ones.
@@ -81,8 +85,9 @@ def main(argv=None) -> None:
             references = {}
             for name, (cache, first) in prompts.items():
                 kvt.publish_cache(g, name, cache, config=model.config)
-                claimed = kvt.claim_cache(g, name, model=model, device="cuda", consume=False,
-                                          overlap=False)  # fmt: skip
+                claimed = kvt.claim_cache(
+                    g, name, model=model, device="cuda", consume=False, overlap=False
+                )
                 references[name] = decode_step(model, claimed.cache, first)[1]
             del cache, claimed
             prompts = {name: first for name, (_, first) in prompts.items()}  # (caches freed)
@@ -95,9 +100,14 @@ def main(argv=None) -> None:
                         if kind in ("overlap_delayed", "unguarded_control"):
                             with torch.cuda.stream(g.stream):
                                 torch.cuda._sleep(int(2e7))  # ~10 ms of GPU clock, copy stream
-                        claimed = kvt.claim_cache(g, name, model=model, device="cuda",
-                                                  consume=False,
-                                                  overlap=kind != "serial")  # fmt: skip
+                        claimed = kvt.claim_cache(
+                            g,
+                            name,
+                            model=model,
+                            device="cuda",
+                            consume=False,
+                            overlap=kind != "serial",
+                        )
                         if kind == "unguarded_control":
                             for layer in claimed.cache.layers:
                                 _restore(layer)  # no wait: the step reads what is there
@@ -116,15 +126,20 @@ def main(argv=None) -> None:
         daemon.wait(30)
     spans = [(float(x.float().min()), float(x.float().max())) for x in references.values()]
     result = {
-        "benchmark": "check_overlap", "commit": args.commit or measured_commit(),
+        "benchmark": "check_overlap",
+        "commit": args.commit or measured_commit(),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-        "model": args.size, "prompt_tokens": args.prompt_len,
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "model": args.size,
+        "prompt_tokens": args.prompt_len,
         "when": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-        "claims": counts, "logits_differing_from_the_first_serial_claim": mismatches,
-        "max_abs_logit_difference": max_diff, "argmax_changed": argmax_changed,
+        "claims": counts,
+        "logits_differing_from_the_first_serial_claim": mismatches,
+        "max_abs_logit_difference": max_diff,
+        "argmax_changed": argmax_changed,
         "reference_logit_range": [min(lo for lo, _ in spans), max(hi for _, hi in spans)],
-    }  # fmt: skip
+    }
     print(json.dumps(result, indent=2))
     if args.out:
         Path(args.out).with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
@@ -134,11 +149,15 @@ def main(argv=None) -> None:
             f"torch {result['torch']}, model {args.size}, {args.prompt_len} prompt tokens.\n\n"
             "| claims | count | logits differing from the first serial claim's | largest "
             "logit difference | next token changed |\n|---|---|---|---|---|\n"
-            + "".join(f"| {k} | {counts[k]} | {mismatches[k]} | {max_diff[k]:.4g} | "
-                      f"{argmax_changed[k]} |\n" for k in counts)
+            + "".join(
+                f"| {k} | {counts[k]} | {mismatches[k]} | {max_diff[k]:.4g} | "
+                f"{argmax_changed[k]} |\n"
+                for k in counts
+            )
             + "\nThe reference's logits span {:.4g} to {:.4g}.\n".format(
-                *result["reference_logit_range"])
-        )  # fmt: skip
+                *result["reference_logit_range"]
+            )
+        )
     if os.environ.get("CHECK_OVERLAP_STRICT") and any(mismatches.values()):
         sys.exit(1)
 

@@ -23,8 +23,13 @@ import sys
 import numpy as np
 
 from kvbroker import Client
-from kvbroker._bench._common import (invocation, machine_info, measured_commit, run_conditions,
-                                     spawned_daemon)  # fmt: skip
+from kvbroker._bench._common import (
+    invocation,
+    machine_info,
+    measured_commit,
+    run_conditions,
+    spawned_daemon,
+)
 from kvbroker._server.journal import _frames, _header_of, journal_path
 from kvbroker._wire.paths import parse_size
 
@@ -53,24 +58,34 @@ def count(size: int, reps: int) -> dict:
     if damaged or torn:
         raise AssertionError(f"the journal read back damaged: {damaged}, torn {torn}")
     kinds = collections.Counter(entry.get("t") for _, entry in records)
-    return {"size": size, "reps": reps, "records": len(records),
-            "records_per_put_get": len(records) / reps,
-            "by_kind_per_put_get": {k: n / reps for k, n in sorted(kinds.items())}}  # fmt: skip
+    return {
+        "size": size,
+        "reps": reps,
+        "records": len(records),
+        "records_per_put_get": len(records) / reps,
+        "by_kind_per_put_get": {k: n / reps for k, n in sorted(kinds.items())},
+    }
 
 
 def markdown(result: dict) -> str:
     m, before, after = result["machine"], result["before"], result["after"]
-    out = [f"# Journal records per put+get ({m.get('cpu')}, {m.get('cores')} cores)", "",
-           f"commit {result['commit']}; `{result['command']}`; before: load "
-           f"{before['loadavg_1min']:.2f}, `{before['cpu_pressure']}`; after: load "
-           f"{after['loadavg_1min']:.2f}, `{after['cpu_pressure']}` (a count: load does not "
-           "move it)", "",
-           "| size | put+get rounds | records | per put+get | by kind, per put+get |",
-           "|---|---|---|---|---|"]  # fmt: skip
+    out = [
+        f"# Journal records per put+get ({m.get('cpu')}, {m.get('cores')} cores)",
+        "",
+        f"commit {result['commit']}; `{result['command']}`; before: load "
+        f"{before['loadavg_1min']:.2f}, `{before['cpu_pressure']}`; after: load "
+        f"{after['loadavg_1min']:.2f}, `{after['cpu_pressure']}` (a count: load does not "
+        "move it)",
+        "",
+        "| size | put+get rounds | records | per put+get | by kind, per put+get |",
+        "|---|---|---|---|---|",
+    ]
     for r in result["rows"]:
         kinds = ", ".join(f"`{k}` {v:.2f}" for k, v in r["by_kind_per_put_get"].items())
-        out.append(f"| {r['size'] >> 10} KiB | {r['reps']} | {r['records']} | "
-                   f"{r['records_per_put_get']:.2f} | {kinds} |")  # fmt: skip
+        out.append(
+            f"| {r['size'] >> 10} KiB | {r['reps']} | {r['records']} | "
+            f"{r['records_per_put_get']:.2f} | {kinds} |"
+        )
     return "\n".join(out) + "\n"
 
 
@@ -85,10 +100,19 @@ def main(argv=None) -> int:
     for size in (parse_size(s) for s in a.sizes.split(",")):
         rows.append(count(size, a.reps))
         r = rows[-1]
-        print(f"{size >> 10} KiB: {r['records_per_put_get']:.2f} records per put+get "
-              f"{r['by_kind_per_put_get']}", flush=True)
-    result = {"commit": measured_commit(), "command": invocation(), "machine": machine_info(),
-              "before": before, "after": run_conditions(), "rows": rows}  # fmt: skip
+        print(
+            f"{size >> 10} KiB: {r['records_per_put_get']:.2f} records per put+get "
+            f"{r['by_kind_per_put_get']}",
+            flush=True,
+        )
+    result = {
+        "commit": measured_commit(),
+        "command": invocation(),
+        "machine": machine_info(),
+        "before": before,
+        "after": run_conditions(),
+        "rows": rows,
+    }
     if a.out:
         with open(a.out + ".json", "w") as f:
             json.dump(result, f, indent=1)

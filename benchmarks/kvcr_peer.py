@@ -50,9 +50,13 @@ def stats(seconds, size):
     if not seconds:
         return None
     med = statistics.median(seconds)
-    return {"n": len(seconds), "median_ms": med * 1e3, "p90_ms": percentile(seconds, 0.9) * 1e3,
-            "p99_ms": percentile(seconds, 0.99) * 1e3,
-            "GBps_at_median": size / med / 1e9 if med > 0 else None}  # fmt: skip
+    return {
+        "n": len(seconds),
+        "median_ms": med * 1e3,
+        "p90_ms": percentile(seconds, 0.9) * 1e3,
+        "p99_ms": percentile(seconds, 0.99) * 1e3,
+        "GBps_at_median": size / med / 1e9 if med > 0 else None,
+    }
 
 
 def free_port() -> int:
@@ -95,16 +99,22 @@ def measure_size(size: int, ops: int, pool_objects: int, deadline: float) -> dic
     pool[::4096] = 0  # touched once, as kvbroker's pools are prefaulted
     scratch = np.empty_like(src)
     # no framework pinning in this loop: the engine's buffers are KVCR's sources directly
-    bindings = KVCRBindings(request_pin=lambda keys: 0, poll_pin_results=lambda: (),
-                            release_pin=lambda handle: True)  # fmt: skip
-    config = KVCRConfig(nixl_agent_name=name, pool_layouts=[("kv", size)],
-                        nixl_listen_port=free_port(), operation_timeout_ms=30_000,
-                        abandon_timeout_ms=60_000)  # fmt: skip
+    bindings = KVCRBindings(
+        request_pin=lambda keys: 0, poll_pin_results=lambda: (), release_pin=lambda handle: True
+    )
+    config = KVCRConfig(
+        nixl_agent_name=name,
+        pool_layouts=[("kv", size)],
+        nixl_listen_port=free_port(),
+        operation_timeout_ms=30_000,
+        abandon_timeout_ms=60_000,
+    )
     backends = KVCRBackendConfigs(
-        framework_regions=[RegionDescriptor(addr=engine.ctypes.data, stride=size, count=2,
-                                            size=size, label="kv")],
+        framework_regions=[
+            RegionDescriptor(addr=engine.ctypes.data, stride=size, count=2, size=size, label="kv")
+        ],
         local_dram=LocalDramOptions(pools=[("kv", pool.ctypes.data, pool.nbytes)]),
-    )  # fmt: skip
+    )
     kvcr = KVCR(config, bindings, backends)
     cp, put, get, errors = [], [], [], []
     data_ok = True
@@ -141,9 +151,15 @@ def measure_size(size: int, ops: int, pool_objects: int, deadline: float) -> dic
                 get.append(t3 - t2)
     finally:
         kvcr.close()
-    return {"size": size, "put": stats(put, size), "get": stats(get, size),
-            "memcpy": stats(cp, size), "data_ok": data_ok, "errors": errors[:5],
-            "pool_objects": pool_objects}  # fmt: skip
+    return {
+        "size": size,
+        "put": stats(put, size),
+        "get": stats(get, size),
+        "memcpy": stats(cp, size),
+        "data_ok": data_ok,
+        "errors": errors[:5],
+        "pool_objects": pool_objects,
+    }
 
 
 def parse_size(text: str) -> int:
@@ -172,8 +188,13 @@ def main(argv=None) -> int:
         deadline = time.time() + a.budget
         try:
             out = [measure_size(s, a.ops, a.pool_objects, deadline) for s in sizes]
-            result = {"mode": MODE, "setup_s": None, "kvcr": kvcr_version(), "sizes": out,
-                      "seconds": time.perf_counter() - t0}  # fmt: skip
+            result = {
+                "mode": MODE,
+                "setup_s": None,
+                "kvcr": kvcr_version(),
+                "sizes": out,
+                "seconds": time.perf_counter() - t0,
+            }
         except Exception as exc:  # noqa: BLE001  (reported in the JSON, as the contract says)
             result = {"mode": MODE, "error": f"{type(exc).__name__}: {exc}"}
     failed = "error" in result or any(z["errors"] for z in result["sizes"])

@@ -67,9 +67,13 @@ def stats(seconds, size):
     if not seconds:
         return None
     med = statistics.median(seconds)
-    return {"n": len(seconds), "median_ms": med * 1e3, "p90_ms": percentile(seconds, 0.9) * 1e3,
-            "p99_ms": percentile(seconds, 0.99) * 1e3,
-            "GBps_at_median": size / med / 1e9 if med > 0 else None}  # fmt: skip
+    return {
+        "n": len(seconds),
+        "median_ms": med * 1e3,
+        "p90_ms": percentile(seconds, 0.9) * 1e3,
+        "p99_ms": percentile(seconds, 0.99) * 1e3,
+        "GBps_at_median": size / med / 1e9 if med > 0 else None,
+    }
 
 
 def kv_shape(size: int, chunk: int) -> tuple[int, int, int]:
@@ -111,10 +115,29 @@ def server(chunk: int, l1_gb: float, workdir: str, patience: float = 180.0):
     port, http_port = free_port(), free_port()
     shm = f"kvb-peer-lmcache-{os.getpid()}"
     exe = os.path.join(os.path.dirname(sys.executable), "lmcache")
-    cmd = [exe, "server", "--host", "127.0.0.1", "--port", str(port), "--chunk-size", str(chunk),
-           "--supported-transfer-mode", MODE, "--shm-name", shm, "--l1-size-gb", str(l1_gb),
-           "--no-l1-use-lazy", "--eviction-policy", "LRU", "--max-workers", "1",
-           "--http-port", str(http_port)]  # fmt: skip
+    cmd = [
+        exe,
+        "server",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--chunk-size",
+        str(chunk),
+        "--supported-transfer-mode",
+        MODE,
+        "--shm-name",
+        shm,
+        "--l1-size-gb",
+        str(l1_gb),
+        "--no-l1-use-lazy",
+        "--eviction-policy",
+        "LRU",
+        "--max-workers",
+        "1",
+        "--http-port",
+        str(http_port),
+    ]
     log = open(os.path.join(workdir, "server.log"), "wb")  # noqa: SIM115  (the server's)
     # its own process group (stopped whole), and SIGTERM should this driver die first (killed
     # by the runner's timeout): a server outliving it would keep its segment and ports
@@ -129,8 +152,9 @@ def server(chunk: int, l1_gb: float, workdir: str, patience: float = 180.0):
         end = time.monotonic() + patience
         while True:  # ready when its port answers
             if proc.poll() is not None:
-                raise RuntimeError(f"lmcache server exited with {proc.returncode}: "
-                                   + tail(workdir))  # fmt: skip
+                raise RuntimeError(
+                    f"lmcache server exited with {proc.returncode}: " + tail(workdir)
+                )
             with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 1):
                 break
             if time.monotonic() > end:
@@ -176,17 +200,28 @@ def measure_size(client, size: int, chunk: int, ops: int, instance: int, deadlin
     blocks = chunk // BLOCK
     model = f"kvb-peer-{size}"
     # two chunks of blocks per layer: the put reads blocks [0, n), the get writes [n, 2n)
-    caches = {f"layer.{i}": torch.empty((2, 2 * blocks, BLOCK, heads, head), dtype=torch.float16)
-              for i in range(layers)}  # fmt: skip
+    caches = {
+        f"layer.{i}": torch.empty((2, 2 * blocks, BLOCK, heads, head), dtype=torch.float16)
+        for i in range(layers)
+    }
     for t in caches.values():
         t.view(torch.int16).random_(-30000, 30000)
     src_ids, dst_ids = list(range(blocks)), list(range(blocks, 2 * blocks))
     ctx = EngineDrivenTransferContext(instance, client)
-    ctx.register(caches, model, 1, blocks, 30.0, layout_hints={"kv_layout": "NHD"},
-                 engine_group_infos=[EngineGroupInfo(engine_group_id=0,
-                                                     layer_indices=tuple(range(layers)),
-                                                     tokens_per_block=BLOCK)],
-                 engine_type=EngineType.VLLM)  # fmt: skip
+    ctx.register(
+        caches,
+        model,
+        1,
+        blocks,
+        30.0,
+        layout_hints={"kv_layout": "NHD"},
+        engine_group_infos=[
+            EngineGroupInfo(
+                engine_group_id=0, layer_indices=tuple(range(layers)), tokens_per_block=BLOCK
+            )
+        ],
+        engine_type=EngineType.VLLM,
+    )
     flat = torch.empty(size // 2, dtype=torch.float16)  # the memcpy baseline's destination
     src_flat = torch.empty_like(flat).view(torch.int16).random_(-30000, 30000).view(torch.float16)
     cp, put, get, errors = [], [], [], []
@@ -201,9 +236,16 @@ def measure_size(client, size: int, chunk: int, ops: int, instance: int, deadlin
                 t[0, 0, 0, 0, 0] = float(i % 1000)
                 t[1, blocks - 1, BLOCK - 1, heads - 1, head - 1] = float(stamp % 1000)
                 t[:, blocks:].zero_()
-            key = IPCCacheServerKey(model_name=model, world_size=1, num_kv_readers=1,
-                                    worker_id=0, token_ids=(stamp,) + (7,) * (chunk - 1),
-                                    start=0, end=chunk, request_id=f"r{stamp}")  # fmt: skip
+            key = IPCCacheServerKey(
+                model_name=model,
+                world_size=1,
+                num_kv_readers=1,
+                worker_id=0,
+                token_ids=(stamp,) + (7,) * (chunk - 1),
+                start=0,
+                end=chunk,
+                request_id=f"r{stamp}",
+            )
             t0 = time.perf_counter()
             flat.copy_(src_flat)
             t1 = time.perf_counter()
@@ -216,8 +258,9 @@ def measure_size(client, size: int, chunk: int, ops: int, instance: int, deadlin
             # chunks), wait for the prefetch, then PREPARE/scatter/COMMIT the retrieve
             call(client.lookup(key, 1))
             hit = call(client.wait_prefetch_status(key.request_id, 30.0), 60.0)
-            ok_get = hit == 1 and call(ctx.submit_retrieve(key.request_id, key, caches,
-                                                           [dst_ids], None, blocks))  # fmt: skip
+            ok_get = hit == 1 and call(
+                ctx.submit_retrieve(key.request_id, key, caches, [dst_ids], None, blocks)
+            )
             t3 = time.perf_counter()
             if not ok_get:
                 errors.append(f"get {i}: lookup found {hit} chunks of 1, retrieve {ok_get}")
@@ -239,11 +282,22 @@ def measure_size(client, size: int, chunk: int, ops: int, instance: int, deadlin
         with contextlib.suppress(Exception):
             call(ctx.unregister())
         ctx.close()
-    return {"size": size, "put": stats(put, size), "get": stats(get, size),
-            "memcpy": stats(cp, size), "data_ok": data_ok, "errors": errors[:5],
-            "kv_shape": {"layers": layers, "heads": heads, "head_size": head,
-                         "block_tokens": BLOCK, "chunk_tokens": chunk,
-                         "dtype": "float16"}}  # fmt: skip
+    return {
+        "size": size,
+        "put": stats(put, size),
+        "get": stats(get, size),
+        "memcpy": stats(cp, size),
+        "data_ok": data_ok,
+        "errors": errors[:5],
+        "kv_shape": {
+            "layers": layers,
+            "heads": heads,
+            "head_size": head,
+            "block_tokens": BLOCK,
+            "chunk_tokens": chunk,
+            "dtype": "float16",
+        },
+    }
 
 
 def run(sizes, ops: int, chunk: int, l1_gb: float, budget: float, workdir: str) -> dict:
@@ -261,13 +315,20 @@ def run(sizes, ops: int, chunk: int, l1_gb: float, budget: float, workdir: str) 
             if int(got) != chunk:
                 raise RuntimeError(f"the server's chunk size is {got}, not {chunk}")
             setup = time.perf_counter() - t0
-            out = [measure_size(client, s, chunk, ops, INSTANCE_BASE + n, deadline)
-                   for n, s in enumerate(sizes)]  # fmt: skip
+            out = [
+                measure_size(client, s, chunk, ops, INSTANCE_BASE + n, deadline)
+                for n, s in enumerate(sizes)
+            ]
         finally:
             client.close()
             ctx.term()
-    return {"mode": MODE, "setup_s": setup, "lmcache": lmcache_version(), "server": cmd,
-            "sizes": out}  # fmt: skip
+    return {
+        "mode": MODE,
+        "setup_s": setup,
+        "lmcache": lmcache_version(),
+        "server": cmd,
+        "sizes": out,
+    }
 
 
 def parse_size(text: str) -> int:

@@ -91,9 +91,13 @@ def stats(seconds, size):
     if not seconds:
         return None
     med = statistics.median(seconds)
-    return {"n": len(seconds), "median_ms": med * 1e3, "p90_ms": percentile(seconds, 0.9) * 1e3,
-            "p99_ms": percentile(seconds, 0.99) * 1e3,
-            "GBps_at_median": size / med / 1e9 if med > 0 else None}  # fmt: skip
+    return {
+        "n": len(seconds),
+        "median_ms": med * 1e3,
+        "p90_ms": percentile(seconds, 0.9) * 1e3,
+        "p99_ms": percentile(seconds, 0.99) * 1e3,
+        "GBps_at_median": size / med / 1e9 if med > 0 else None,
+    }
 
 
 def _libc():
@@ -184,9 +188,16 @@ def measure(store, src, dst, sizes, ops, deadline=None, warmup=WARMUP, tag="peer
                 cp.append(t1 - t0)
                 put.append(t3 - t2)
                 get.append(t4 - t3)
-        out.append({"size": size, "put": stats(put, size), "get": stats(get, size),
-                    "memcpy": stats(cp, size), "data_ok": data_ok,
-                    "errors": errors[:5]})  # fmt: skip
+        out.append(
+            {
+                "size": size,
+                "put": stats(put, size),
+                "get": stats(get, size),
+                "memcpy": stats(cp, size),
+                "data_ok": data_ok,
+                "errors": errors[:5],
+            }
+        )
     return out
 
 
@@ -293,23 +304,28 @@ class Process:
         self.name, self.log_path = name, log_path
         self._log = open(log_path, "wb")  # noqa: SIM115 - open while the child runs
         # preexec_fn: this process starts its children from its only thread
-        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, env=env,
-                                     preexec_fn=_die_with_parent)  # noqa: PLW1509
+        self.proc = subprocess.Popen(
+            argv,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            preexec_fn=_die_with_parent,
+        )  # noqa: PLW1509
 
     def wait_listening(self, port, timeout):
         end = time.monotonic() + timeout
         while time.monotonic() < end:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}: "
-                                   f"{self.tail()}")  # fmt: skip
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}: {self.tail()}")
             try:
                 socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
                 return
             except OSError:
                 time.sleep(0.1)
-        raise RuntimeError(f"{self.name} did not listen on port {port} in {timeout:.0f} s: "
-                           f"{self.tail()}")  # fmt: skip
+        raise RuntimeError(
+            f"{self.name} did not listen on port {port} in {timeout:.0f} s: {self.tail()}"
+        )
 
     def tail(self, n=600):
         self._log.flush()
@@ -337,12 +353,14 @@ def library_env(deb_roots) -> dict:
         for sub in ("usr/lib", "lib"):
             base = os.path.join(root, sub)
             if os.path.isdir(base):
-                dirs += sorted(os.path.join(base, d) for d in os.listdir(base)
-                               if d.endswith("-linux-gnu"))  # fmt: skip
+                dirs += sorted(
+                    os.path.join(base, d) for d in os.listdir(base) if d.endswith("-linux-gnu")
+                )
                 dirs.append(base)
     if dirs:
-        env["LD_LIBRARY_PATH"] = os.pathsep.join(dirs + [p for p in
-                                                         [env.get("LD_LIBRARY_PATH")] if p])
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(
+            dirs + [p for p in [env.get("LD_LIBRARY_PATH")] if p]
+        )
     return env
 
 
@@ -356,26 +374,51 @@ def mooncake_binary(name) -> str:
     found = shutil.which(name, path=os.path.dirname(sys.executable))
     if found:
         return found
-    raise RuntimeError(f"{name} not found in the mooncake package ({folders}) nor beside "
-                       f"{sys.executable}")  # fmt: skip
+    raise RuntimeError(
+        f"{name} not found in the mooncake package ({folders}) nor beside {sys.executable}"
+    )
 
 
 def run_worker(mode, a, master, client, deadline, env) -> dict:
-    argv = [sys.executable, os.path.abspath(__file__), "--worker", mode, "--master", master,
-            "--client", client, "--sizes", ",".join(map(str, a.sizes)), "--ops", str(a.ops),
-            "--deadline", str(deadline - 2), "--segment", str(a.segment),
-            "--prefault", str(a.prefault), "--warmup", str(a.warmup)]  # fmt: skip
+    argv = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--worker",
+        mode,
+        "--master",
+        master,
+        "--client",
+        client,
+        "--sizes",
+        ",".join(map(str, a.sizes)),
+        "--ops",
+        str(a.ops),
+        "--deadline",
+        str(deadline - 2),
+        "--segment",
+        str(a.segment),
+        "--prefault",
+        str(a.prefault),
+        "--warmup",
+        str(a.warmup),
+    ]
     log_path = os.path.join(a.workdir, f"worker-{mode}.log")
     with open(log_path, "wb") as log:
         try:
-            p = subprocess.run(argv, stdout=subprocess.PIPE, stderr=log, env=env,
-                               timeout=max(5.0, deadline - time.time()),
-                               preexec_fn=_die_with_parent, check=False)  # fmt: skip
+            p = subprocess.run(
+                argv,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                env=env,
+                timeout=max(5.0, deadline - time.time()),
+                preexec_fn=_die_with_parent,
+                check=False,
+            )
         except subprocess.TimeoutExpired:
             return {"mode": mode, "error": "worker ran past the time budget"}
     for line in reversed(p.stdout.decode(errors="replace").splitlines()):
         if line.startswith(RESULT_TAG):
-            return json.loads(line[len(RESULT_TAG):])
+            return json.loads(line[len(RESULT_TAG) :])
     with open(log_path, "rb") as f:
         tail = f.read().decode(errors="replace").strip()[-600:]
     return {"mode": mode, "error": f"worker exited with {p.returncode}: {tail}"}
@@ -388,8 +431,10 @@ def fmt_size(n) -> str:
 
 
 def table(results) -> str:
-    header = (f"{'mode':9} {'size':>8} {'put ms':>9} {'get ms':>9} {'put+get ms':>11} "
-              f"{'GB/s':>7} {'memcpy ms':>10}  check")  # fmt: skip
+    header = (
+        f"{'mode':9} {'size':>8} {'put ms':>9} {'get ms':>9} {'put+get ms':>11} "
+        f"{'GB/s':>7} {'memcpy ms':>10}  check"
+    )
     lines = [header]
     for r in results:
         if "error" in r:
@@ -400,10 +445,12 @@ def table(results) -> str:
                 lines.append(f"{r['mode']:9} {fmt_size(z['size']):>8} -- {z['errors']}")
                 continue
             rt = z["put"]["median_ms"] + z["get"]["median_ms"]
-            lines.append(f"{r['mode']:9} {fmt_size(z['size']):>8} {z['put']['median_ms']:9.3f} "
-                         f"{z['get']['median_ms']:9.3f} {rt:11.3f} "
-                         f"{2 * z['size'] / rt / 1e6:7.2f} {z['memcpy']['median_ms']:10.3f}  "
-                         f"{'ok' if z['data_ok'] else 'BAD'} {'; '.join(z['errors'])}")  # fmt: skip
+            lines.append(
+                f"{r['mode']:9} {fmt_size(z['size']):>8} {z['put']['median_ms']:9.3f} "
+                f"{z['get']['median_ms']:9.3f} {rt:11.3f} "
+                f"{2 * z['size'] / rt / 1e6:7.2f} {z['memcpy']['median_ms']:10.3f}  "
+                f"{'ok' if z['data_ok'] else 'BAD'} {'; '.join(z['errors'])}"
+            )
     return "\n".join(lines)
 
 
@@ -415,25 +462,47 @@ def run_mode(mode, a, deadline, env) -> dict:
     master_addr, client_addr = f"127.0.0.1:{rpc_port}", f"127.0.0.1:{client_port}"
     started = []
     try:
-        master = Process("mooncake_master", [
-            mooncake_binary("mooncake_master"), "--rpc_address=127.0.0.1",
-            f"--rpc_port={rpc_port}", "--metrics_host=127.0.0.1", f"--metrics_port={metrics_port}",
-            "--enable_http_metadata_server=false", "--enable_metric_reporting=false",
-        ], os.path.join(a.workdir, f"master-{mode}.log"), env)  # fmt: skip
+        master = Process(
+            "mooncake_master",
+            [
+                mooncake_binary("mooncake_master"),
+                "--rpc_address=127.0.0.1",
+                f"--rpc_port={rpc_port}",
+                "--metrics_host=127.0.0.1",
+                f"--metrics_port={metrics_port}",
+                "--enable_http_metadata_server=false",
+                "--enable_metric_reporting=false",
+            ],
+            os.path.join(a.workdir, f"master-{mode}.log"),
+            env,
+        )
         started.append(master)
         master.wait_listening(rpc_port, 20)
-        print(f"[mooncake_peer] {mode}: mooncake_master pid {master.proc.pid} on {master_addr}",
-              flush=True)  # fmt: skip
+        print(
+            f"[mooncake_peer] {mode}: mooncake_master pid {master.proc.pid} on {master_addr}",
+            flush=True,
+        )
         if mode in ("dummy", "tcp"):
-            client = Process("mooncake_client", [
-                mooncake_binary("mooncake_client"), "--host=127.0.0.1", f"--port={client_port}",
-                f"--global_segment_size={a.segment}", f"--master_server_address={master_addr}",
-                "--metadata_server=P2PHANDSHAKE", "--protocol=tcp",
-            ], os.path.join(a.workdir, f"client-{mode}.log"), env)  # fmt: skip
+            client = Process(
+                "mooncake_client",
+                [
+                    mooncake_binary("mooncake_client"),
+                    "--host=127.0.0.1",
+                    f"--port={client_port}",
+                    f"--global_segment_size={a.segment}",
+                    f"--master_server_address={master_addr}",
+                    "--metadata_server=P2PHANDSHAKE",
+                    "--protocol=tcp",
+                ],
+                os.path.join(a.workdir, f"client-{mode}.log"),
+                env,
+            )
             started.append(client)
             client.wait_listening(client_port, 20)
-            print(f"[mooncake_peer] {mode}: mooncake_client pid {client.proc.pid} on "
-                  f"{client_addr}", flush=True)  # fmt: skip
+            print(
+                f"[mooncake_peer] {mode}: mooncake_client pid {client.proc.pid} on {client_addr}",
+                flush=True,
+            )
         return run_worker(mode, a, master_addr, client_addr, deadline, env)
     except RuntimeError as exc:
         return {"mode": mode, "error": with_hint(f"{exc} (logs in {a.workdir})")}
@@ -446,19 +515,27 @@ def orchestrate(a) -> int:
     start = time.time()
     deadline = start + a.budget
     if importlib.util.find_spec("mooncake") is None:
-        print(f"mooncake_peer: Mooncake is not installed for {sys.executable}: pip install "
-              "mooncake-transfer-engine-non-cuda (docs/operating.md, 'Comparing with Mooncake')",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"mooncake_peer: Mooncake is not installed for {sys.executable}: pip install "
+            "mooncake-transfer-engine-non-cuda (docs/operating.md, 'Comparing with Mooncake')",
+            file=sys.stderr,
+        )
         return 1
     os.makedirs(a.workdir, exist_ok=True)
     env = library_env(a.deb_root)
     # the libraries first, once, before anything is started
-    p = subprocess.run([sys.executable, "-c", "import mooncake.store"], env=env,
-                       capture_output=True, text=True, check=False)  # fmt: skip
+    p = subprocess.run(
+        [sys.executable, "-c", "import mooncake.store"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     if p.returncode != 0:
         why = (p.stderr.strip().splitlines() or [f"exit status {p.returncode}"])[-1]
-        print(f"mooncake_peer: {with_hint(f'import mooncake.store failed: {why}')}",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"mooncake_peer: {with_hint(f'import mooncake.store failed: {why}')}", file=sys.stderr
+        )
         return 1
     results = []
     for mode in a.modes:
@@ -497,22 +574,47 @@ def _modes(text):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--modes", type=_modes, default=["dummy", "embedded"],
-                    help=f"comma-separated, of {', '.join(MODES)} (default dummy,embedded)")
-    ap.add_argument("--sizes", type=_sizes, default=[256 * KiB, 4 * MiB, 32 * MiB],
-                    help="object sizes in bytes, comma-separated")
+    ap.add_argument(
+        "--modes",
+        type=_modes,
+        default=["dummy", "embedded"],
+        help=f"comma-separated, of {', '.join(MODES)} (default dummy,embedded)",
+    )
+    ap.add_argument(
+        "--sizes",
+        type=_sizes,
+        default=[256 * KiB, 4 * MiB, 32 * MiB],
+        help="object sizes in bytes, comma-separated",
+    )
     ap.add_argument("--ops", type=int, default=50, help="timed round trips per size")
     ap.add_argument("--warmup", type=int, default=WARMUP, help="untimed round trips first")
-    ap.add_argument("--segment", type=int, default=GiB,
-                    help="bytes of the segment that holds the objects (default 1 GiB)")
-    ap.add_argument("--prefault", type=int, choices=(0, 1), default=1,
-                    help="1: write the segment once, untimed, before timing (default)")
+    ap.add_argument(
+        "--segment",
+        type=int,
+        default=GiB,
+        help="bytes of the segment that holds the objects (default 1 GiB)",
+    )
+    ap.add_argument(
+        "--prefault",
+        type=int,
+        choices=(0, 1),
+        default=1,
+        help="1: write the segment once, untimed, before timing (default)",
+    )
     ap.add_argument("--budget", type=float, default=170.0, help="seconds for everything")
-    ap.add_argument("--workdir", help="logs of the master, the client and the workers "
-                    "(default: a new folder under the temporary directory)")  # fmt: skip
-    ap.add_argument("--deb-root", action="append", default=[], metavar="DIR",
-                    help="a folder where libibverbs1, libnl-3-200 and libnl-route-3-200 were "
-                    "unpacked (dpkg -x); its library folders go on LD_LIBRARY_PATH")  # fmt: skip
+    ap.add_argument(
+        "--workdir",
+        help="logs of the master, the client and the workers "
+        "(default: a new folder under the temporary directory)",
+    )
+    ap.add_argument(
+        "--deb-root",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="a folder where libibverbs1, libnl-3-200 and libnl-route-3-200 were "
+        "unpacked (dpkg -x); its library folders go on LD_LIBRARY_PATH",
+    )
     ap.add_argument("--json-out", metavar="FILE", help="write the results here")
     # the worker's own arguments (the orchestrator passes them)
     ap.add_argument("--worker", choices=MODES, help=argparse.SUPPRESS)

@@ -85,29 +85,39 @@ def main() -> int:
 
     folder = tempfile.mkdtemp(prefix="kvb-preauth-")
     port = _port()
-    env = {"UCX_TLS": "tcp", "KVBROKER_TRANSFER_LISTEN": f"127.0.0.1:{port}",
-           "KVBROKER_TRANSFER_NODE": "target"}
+    env = {
+        "UCX_TLS": "tcp",
+        "KVBROKER_TRANSFER_LISTEN": f"127.0.0.1:{port}",
+        "KVBROKER_TRANSFER_NODE": "target",
+    }
     if args.token:
         env["KVBROKER_TRANSFER_TOKEN_FILE"] = args.token
     else:
         from kvbroker.testing import peer_certificates
 
         files = peer_certificates(os.path.join(folder, "certs"), {"a": ["127.0.0.1"]})["a"]
-        env.update({"KVBROKER_TRANSFER_CERT_FILE": files["cert_file"],
-                    "KVBROKER_TRANSFER_KEY_FILE": files["key_file"],
-                    "KVBROKER_TRANSFER_CA_FILE": files["ca_file"],
-                    "KVBROKER_TRANSFER_PEERS": "127.0.0.1:1"})
+        env.update(
+            {
+                "KVBROKER_TRANSFER_CERT_FILE": files["cert_file"],
+                "KVBROKER_TRANSFER_KEY_FILE": files["key_file"],
+                "KVBROKER_TRANSFER_CA_FILE": files["ca_file"],
+                "KVBROKER_TRANSFER_PEERS": "127.0.0.1:1",
+            }
+        )
     load_before, psi_before = os.getloadavg(), _psi()
-    d = DaemonProcess(os.path.join(folder, "kvb.sock"), "--pool-size", "64M", env=env,
-                      ready_timeout=120)
+    d = DaemonProcess(
+        os.path.join(folder, "kvb.sock"), "--pool-size", "64M", env=env, ready_timeout=120
+    )
     results = {}
     try:
         pid = d.proc.pid
         time.sleep(1.0)
         rss0 = process_memory(pid)
         outcomes: list = [None] * args.conns
-        threads = [threading.Thread(target=_hello, args=(port, args.hello, outcomes, i))
-                   for i in range(args.conns)]
+        threads = [
+            threading.Thread(target=_hello, args=(port, args.hello, outcomes, i))
+            for i in range(args.conns)
+        ]
         for t in threads:
             t.start()
         time.sleep(3.0)  # what the daemon holds while the hellos are in flight
@@ -116,11 +126,15 @@ def main() -> int:
             t.join(300)
         rss1 = process_memory(pid)
         results["hellos"] = {
-            "connections": args.conns, "announced_bytes": args.hello,
-            "rss_before": rss0["VmRSS"], "rss_during": during["VmRSS"],
-            "rss_after": rss1["VmRSS"], "peak_rss": rss1["VmHWM"],
+            "connections": args.conns,
+            "announced_bytes": args.hello,
+            "rss_before": rss0["VmRSS"],
+            "rss_during": during["VmRSS"],
+            "rss_after": rss1["VmRSS"],
+            "peak_rss": rss1["VmHWM"],
             "rss_growth_peak": rss1["VmHWM"] - rss0["VmRSS"],
-            "attackers": outcomes}
+            "attackers": outcomes,
+        }
 
         rss0 = process_memory(pid)
         socks, closed = [], 0
@@ -140,31 +154,50 @@ def main() -> int:
         rss1 = process_memory(pid)
         for s in socks:
             s.close()
-        results["stalled"] = {"connections": args.stalled, "closed_at_once": closed,
-                              "rss_before": rss0["VmRSS"], "rss_after": rss1["VmRSS"]}
+        results["stalled"] = {
+            "connections": args.stalled,
+            "closed_at_once": closed,
+            "rss_before": rss0["VmRSS"],
+            "rss_after": rss1["VmRSS"],
+        }
     finally:
         d.stop()
         drop_leftover_pools(d.socket_path)
-    res = {"commit": measured_commit(), "machine": machine_info(), "command": invocation(),
-           "channel": "shared token (before issue 38)" if args.token else "mutual TLS",
-           "load_before": load_before, "load_after": os.getloadavg(),
-           "psi_before": psi_before, "psi_after": _psi(), "results": results}
+    res = {
+        "commit": measured_commit(),
+        "machine": machine_info(),
+        "command": invocation(),
+        "channel": "shared token (before issue 38)" if args.token else "mutual TLS",
+        "load_before": load_before,
+        "load_after": os.getloadavg(),
+        "psi_before": psi_before,
+        "psi_after": _psi(),
+        "results": results,
+    }
     h, st = results["hellos"], results["stalled"]
-    md = "\n".join([
-        f"# Unauthenticated peer connections ({res['channel']})", "",
-        f"commit {res['commit']}, {res['machine']['cpu']} x{res['machine']['cores']}, "
-        f"load {load_before[0]:.2f} before / {res['load_after'][0]:.2f} after, "
-        f"`{res['command']}`", "",
-        "| attack | RSS before | RSS after | peak RSS | attacker's view |",
-        "|---|---|---|---|---|",
-        f"| {h['connections']} hellos announcing {h['announced_bytes'] / MiB:.0f} MiB | "
-        f"{h['rss_before'] / MiB:.1f} MiB | {h['rss_after'] / MiB:.1f} MiB | "
-        f"{h['peak_rss'] / MiB:.1f} MiB (+{h['rss_growth_peak'] / MiB:.1f}) | "
-        f"{sorted(set(o['outcome'] for o in h['attackers']))}, at most "
-        f"{max(o['bytes_sent'] for o in h['attackers']) / MiB:.1f} MiB sent each |",
-        f"| {st['connections']} stalled handshakes | {st['rss_before'] / MiB:.1f} MiB | "
-        f"{st['rss_after'] / MiB:.1f} MiB | | {st['closed_at_once']} closed at once |",
-        "", f"PSI before: {psi_before}", f"PSI after: {res['psi_after']}", ""])
+    md = "\n".join(
+        [
+            f"# Unauthenticated peer connections ({res['channel']})",
+            "",
+            f"commit {res['commit']}, {res['machine']['cpu']} x{res['machine']['cores']}, "
+            f"load {load_before[0]:.2f} before / {res['load_after'][0]:.2f} after, "
+            f"`{res['command']}`",
+            "",
+            "| attack | RSS before | RSS after | peak RSS | attacker's view |",
+            "|---|---|---|---|---|",
+            f"| {h['connections']} hellos announcing {h['announced_bytes'] / MiB:.0f} MiB | "
+            f"{h['rss_before'] / MiB:.1f} MiB | {h['rss_after'] / MiB:.1f} MiB | "
+            f"{h['peak_rss'] / MiB:.1f} MiB (+{h['rss_growth_peak'] / MiB:.1f}) | "
+            f"{sorted(set(o['outcome'] for o in h['attackers']))}, at most "
+            f"{max(o['bytes_sent'] for o in h['attackers']) / MiB:.1f} MiB sent each |",
+            f"| {st['connections']} stalled handshakes | {st['rss_before'] / MiB:.1f} MiB | "
+            f"{st['rss_after'] / MiB:.1f} MiB | | {st['closed_at_once']} closed at once |",
+            "",
+            f"PSI before: {psi_before}",
+            f"PSI after: {res['psi_after']}",
+            "",
+        ]
+    )
     write_results(args.out, res, md)
     return 0
 

@@ -60,8 +60,9 @@ def load(name: str) -> dict | None:
     return json.loads(p.read_text()) if p.exists() else None
 
 
-def source(name: str, commit: str, machine: str, command: str, data: dict | None = None
-           ) -> list[str]:  # fmt: skip
+def source(
+    name: str, commit: str, machine: str, command: str, data: dict | None = None
+) -> list[str]:
     """Where a table comes from: commit, machine, command, file; with ``data`` (the results
     file), the load and CPU pressure it ran under, or that the file does not say."""
     where = f"Commit `{commit}`; {machine}; `{command}` (`benchmarks/results/{name}`)"
@@ -90,8 +91,10 @@ def conditions(d: dict) -> str:
         before, after = d["conditions_before"], d.get("conditions_after")
     elif "psi_cpu_before" in d:
         before = {"loadavg_1min": d.get("loadavg_before"), "cpu_pressure": d["psi_cpu_before"]}
-        after = {"loadavg_1min": (d.get("machine") or {}).get("loadavg_1min"),
-                 "cpu_pressure": d.get("psi_cpu_after")}  # fmt: skip
+        after = {
+            "loadavg_1min": (d.get("machine") or {}).get("loadavg_1min"),
+            "cpu_pressure": d.get("psi_cpu_after"),
+        }
     if before is None:
         m = d.get("machine")
         load = m.get("loadavg_1min") if isinstance(m, dict) else None
@@ -224,8 +227,12 @@ def honest_peer(data: dict) -> dict:
                 ]
                 r[f"{m}_memcpy_ms"] = statistics.median(got) if got else None
         rows.append(peer.derive(r, modes))
-    return {**data, "rows": rows, "columns": {"rows": peer.columns(modes)},
-            "targets": [t.as_dict() for t in peer.targets(rows, modes)]}  # fmt: skip
+    return {
+        **data,
+        "rows": rows,
+        "columns": {"rows": peer.columns(modes)},
+        "targets": [t.as_dict() for t in peer.targets(rows, modes)],
+    }
 
 
 def honest_scale(data: dict) -> dict:
@@ -233,8 +240,11 @@ def honest_scale(data: dict) -> dict:
     every burst (older files checked the quietest burst's, a best-of-N figure)."""
     from kvbroker._bench import scale
 
-    return {**data, "columns": {"rows": scale.COLUMNS},
-            "targets": [t.as_dict() for t in scale.targets(data["rows"])]}  # fmt: skip
+    return {
+        **data,
+        "columns": {"rows": scale.COLUMNS},
+        "targets": [t.as_dict() for t in scale.targets(data["rows"])],
+    }
 
 
 HONEST: dict[str, Callable[[dict], dict]] = {"peer": honest_peer, "scale": honest_scale}
@@ -612,13 +622,17 @@ def remote() -> list[str]:
     for r in runs:
         row = [r["size"], f"{r['claim_p50_s'] * 1e3:.2f} ms"]
         if standalone:
-            row += [f"{r['standalone_read_p50_s'] * 1e3:.2f} ms",
-                    f"{ratio(r['standalone_ratio_p50'])} ({ratio(r['standalone_ratio_min'])}"
-                    f"–{ratio(r['standalone_ratio_max'])})"]
-        row += [f"{r['raw_read_p50_s'] * 1e3:.2f} ms",
-                f"{ratio(r['ratio_p50'])} ({ratio(r['ratio_min'])}–{ratio(r['ratio_max'])})",
-                str(r["reps"]),
-                "yes" if r["bit_exact"] and r.get("standalone_bit_exact", True) else "NO"]
+            row += [
+                f"{r['standalone_read_p50_s'] * 1e3:.2f} ms",
+                f"{ratio(r['standalone_ratio_p50'])} ({ratio(r['standalone_ratio_min'])}"
+                f"–{ratio(r['standalone_ratio_max'])})",
+            ]
+        row += [
+            f"{r['raw_read_p50_s'] * 1e3:.2f} ms",
+            f"{ratio(r['ratio_p50'])} ({ratio(r['ratio_min'])}–{ratio(r['ratio_max'])})",
+            str(r["reps"]),
+            "yes" if r["bit_exact"] and r.get("standalone_bit_exact", True) else "NO",
+        ]
         rows.append(row)
     lines = [
         "### Across nodes: a remote claim against the raw NIXL READ",
@@ -630,8 +644,8 @@ def remote() -> list[str]:
             "this process and a serving process, nothing of the broker's), and the READ "
             "inside that very pull. Each ratio is the median (range) of the per-round ratios "
             "READ / claim, not the quotient of the two p50s beside it."
-            if standalone else
-            "Daemon B claims an object daemon A holds: pin, write lease, one NIXL READ, "
+            if standalone
+            else "Daemon B claims an object daemon A holds: pin, write lease, one NIXL READ, "
             "checksums, release, seal, local claim, timed in B's client; beside it the raw "
             "NIXL READ of the same bytes inside that very pull. READ / claim is the median "
             "(range) of the per-pull ratios, not the quotient of the two p50s beside it."
@@ -657,9 +671,13 @@ def remote() -> list[str]:
             "`client` B's request and reply around the pull):",
             "",
         ]
-        lines += table(["object", *names], [
-            [r["size"], *(f"{r['phases_p50_s'].get(k, 0.0) * 1e3:.2f}" for k in names)]
-            for r in phased])
+        lines += table(
+            ["object", *names],
+            [
+                [r["size"], *(f"{r['phases_p50_s'].get(k, 0.0) * 1e3:.2f}" for k in names)]
+                for r in phased
+            ],
+        )
     return lines
 
 
@@ -910,15 +928,35 @@ def sessions() -> list[str]:
     before, after = d["conditions_before"], d["conditions_after"]
     machine = cpu_machine({**m, "loadavg_1min": after["loadavg_1min"]})
     lines += source("sessions-cpu.json", d["commit"], machine, d["command"])
-    lines += [f"CPU pressure after the run: `{after['cpu_pressure']}` (load "
-              f"{before['loadavg_1min']:.1f} before).", ""]  # fmt: skip
+    lines += [
+        f"CPU pressure after the run: `{after['cpu_pressure']}` (load "
+        f"{before['loadavg_1min']:.1f} before).",
+        "",
+    ]
     rows = [
-        [r["mode"], f"{r['hit_rate']:.1%}", f"{r['of_reusable']:.1%}", f"{r['hit']:,}",
-         f"{r['asked']:,}", f"{r['recomputed']:,}", f"{r['evictions']:,}"]
+        [
+            r["mode"],
+            f"{r['hit_rate']:.1%}",
+            f"{r['of_reusable']:.1%}",
+            f"{r['hit']:,}",
+            f"{r['asked']:,}",
+            f"{r['recomputed']:,}",
+            f"{r['evictions']:,}",
+        ]
         for r in d["rows"]
-    ]  # fmt: skip
-    return lines + table(["mode", "turn hit rate", "of reusable", "hit tokens", "turn tokens",
-                          "recomputed tokens (all requests)", "evictions"], rows)  # fmt: skip
+    ]
+    return lines + table(
+        [
+            "mode",
+            "turn hit rate",
+            "of reusable",
+            "hit tokens",
+            "turn tokens",
+            "recomputed tokens (all requests)",
+            "evictions",
+        ],
+        rows,
+    )
 
 
 def sessions_vllm() -> list[str]:
@@ -945,12 +983,31 @@ def sessions_vllm() -> list[str]:
     before, after = d["conditions_before"], d["conditions_after"]
     machine = cpu_machine({**m, "loadavg_1min": after["loadavg_1min"]})
     lines += source("sessions-vllm-cpu.json", d["commit"], machine, d["command"])
-    lines += [f"CPU pressure after the run: `{after['cpu_pressure']}` (load "
-              f"{before['loadavg_1min']:.1f} before).", ""]  # fmt: skip
-    rows = [[r["mode"], f"{r['hit_rate']:.1%}", f"{r['cached']:,}", f"{r['asked']:,}",
-             f"{r['recomputed']:,}"] for r in d["rows"]]  # fmt: skip
-    return lines + table(["mode", "turn hit rate", "loaded tokens", "turn tokens",
-                          "recomputed tokens (all requests)"], rows)  # fmt: skip
+    lines += [
+        f"CPU pressure after the run: `{after['cpu_pressure']}` (load "
+        f"{before['loadavg_1min']:.1f} before).",
+        "",
+    ]
+    rows = [
+        [
+            r["mode"],
+            f"{r['hit_rate']:.1%}",
+            f"{r['cached']:,}",
+            f"{r['asked']:,}",
+            f"{r['recomputed']:,}",
+        ]
+        for r in d["rows"]
+    ]
+    return lines + table(
+        [
+            "mode",
+            "turn hit rate",
+            "loaded tokens",
+            "turn tokens",
+            "recomputed tokens (all requests)",
+        ],
+        rows,
+    )
 
 
 def disk_tier() -> list[str]:
@@ -975,15 +1032,24 @@ def disk_tier() -> list[str]:
         ),
         "",
     ]
-    lines += source("disk-tier-cpu.json", d["commit"], cpu_machine(d["machine"]), d["command"],
-                    d)
+    lines += source("disk-tier-cpu.json", d["commit"], cpu_machine(d["machine"]), d["command"], d)
     rows = []
     for order in ("cycle", "random"):
-        for label, what in (("disk", "disk tier"), ("dram", "DRAM only"),
-                            ("recompute", "recompute every time")):
+        for label, what in (
+            ("disk", "disk tier"),
+            ("dram", "DRAM only"),
+            ("recompute", "recompute every time"),
+        ):
             r = runs[label][order]
-            rows.append([order, what, f"{r['hit_rate']:.2f}", f"{r['p50_ms']:.2f} ms",
-                         f"{r['p99_ms']:.2f} ms"])
+            rows.append(
+                [
+                    order,
+                    what,
+                    f"{r['hit_rate']:.2f}",
+                    f"{r['p50_ms']:.2f} ms",
+                    f"{r['p99_ms']:.2f} ms",
+                ]
+            )
     lines += table(["order", "served by", "hit rate", "p50", "p99"], rows)
     p = runs["disk"]["promotion"]
     dd = runs["disk"]["dd_gbps"]
@@ -1026,12 +1092,20 @@ def disk_io() -> list[str]:
         "",
     ]
     lines += source("disk-io-cpu.json", d["commit"], cpu_machine(d["machine"]), d["command"], d)
-    rows = [[name, f"{r['write_gbps_best']:.2f} GB/s", f"{r['read_gbps_best']:.2f} GB/s",
-             str(r["bit_exact"])]
-            for name, r in d["engines"].items() if "error" not in r]  # fmt: skip
+    rows = [
+        [
+            name,
+            f"{r['write_gbps_best']:.2f} GB/s",
+            f"{r['read_gbps_best']:.2f} GB/s",
+            str(r["bit_exact"]),
+        ]
+        for name, r in d["engines"].items()
+        if "error" not in r
+    ]
     if d.get("dd_read_gbps_best"):
-        rows.append(["`dd iflag=direct` (4 MiB blocks)", "–",
-                     f"{d['dd_read_gbps_best']:.2f} GB/s", "–"])
+        rows.append(
+            ["`dd iflag=direct` (4 MiB blocks)", "–", f"{d['dd_read_gbps_best']:.2f} GB/s", "–"]
+        )
     return lines + table(["engine", "write", "read", "bit-exact"], rows)
 
 
@@ -1067,26 +1141,52 @@ def small_requests() -> list[str]:
             "",
         ]
         for x in d["summary"]:
-            rows.append([
-                size(x["size"]), f"{x['A_put_get_p50_us']:.1f} µs", f"{x['B_put_get_p50_us']:.1f} µs",
-                f"{ratio(x['B_over_A_median_of_round_ratios'])}× "
-                f"({ratio(min(x['round_ratios']))}–{ratio(max(x['round_ratios']))})",
-                f"{x['A_writes_per_put_get']:.2f} → {x['B_writes_per_put_get']:.2f}",
-                f"{x['A_journal_records_per_put_get']:.2f} → "
-                f"{x['B_journal_records_per_put_get']:.2f}",
-            ])  # fmt: skip
-        lines += table(["size", "A p50", "B p50", "B/A, per round: median (least–most)",
-                        "socket writes per put+get", "journal records per put+get"], rows)  # fmt: skip
+            rows.append(
+                [
+                    size(x["size"]),
+                    f"{x['A_put_get_p50_us']:.1f} µs",
+                    f"{x['B_put_get_p50_us']:.1f} µs",
+                    f"{ratio(x['B_over_A_median_of_round_ratios'])}× "
+                    f"({ratio(min(x['round_ratios']))}–{ratio(max(x['round_ratios']))})",
+                    f"{x['A_writes_per_put_get']:.2f} → {x['B_writes_per_put_get']:.2f}",
+                    f"{x['A_journal_records_per_put_get']:.2f} → "
+                    f"{x['B_journal_records_per_put_get']:.2f}",
+                ]
+            )
+        lines += table(
+            [
+                "size",
+                "A p50",
+                "B p50",
+                "B/A, per round: median (least–most)",
+                "socket writes per put+get",
+                "journal records per put+get",
+            ],
+            rows,
+        )
     d = load("journal-records-per-put-get-cpu.json")
     if d is not None:
-        lines += ["### Journal records per put+get", "",
-                  "Counted from the journal file itself (a count: load does not move it).", ""]
-        lines += source("journal-records-per-put-get-cpu.json", d["commit"],
-                        cpu_machine(d["machine"]), d["command"],
-                        {"conditions": {"before": d["before"], "after": d["after"]}})  # fmt: skip
-        rows = [[size(r["size"]), f"{r['records_per_put_get']:.2f}",
-                 ", ".join(f"`{k}` {v:.2f}" for k, v in r["by_kind_per_put_get"].items())]
-                for r in d["rows"]]  # fmt: skip
+        lines += [
+            "### Journal records per put+get",
+            "",
+            "Counted from the journal file itself (a count: load does not move it).",
+            "",
+        ]
+        lines += source(
+            "journal-records-per-put-get-cpu.json",
+            d["commit"],
+            cpu_machine(d["machine"]),
+            d["command"],
+            {"conditions": {"before": d["before"], "after": d["after"]}},
+        )
+        rows = [
+            [
+                size(r["size"]),
+                f"{r['records_per_put_get']:.2f}",
+                ", ".join(f"`{k}` {v:.2f}" for k, v in r["by_kind_per_put_get"].items()),
+            ]
+            for r in d["rows"]
+        ]
         lines += table(["size", "records per put+get", "by kind"], rows)
     return lines
 
@@ -1098,8 +1198,10 @@ SECTIONS: tuple[tuple[str, list[Callable[[], list[str]]]], ...] = (
     ("## Host scenarios, a GPU machine's CPU", [gpu_host]),
     ("## The small-request path, 2-core VM", [small_requests]),
     ("## SGLang", [sglang_storage]),
-    ("## Integrity, restarts, nodes", [integrity, journal, remote, peer_preauth, events, soak,
-                                       disk_tier, disk_io]),
+    (
+        "## Integrity, restarts, nodes",
+        [integrity, journal, remote, peer_preauth, events, soak, disk_tier, disk_io],
+    ),
     ("## Sessions (multi-turn retention)", [sessions, sessions_vllm]),
 )
 

@@ -88,18 +88,45 @@ class _Bare:
             _, base, _ = arena.extent
             dst = self.mapping.view(base, src.nbytes, True)
             digest = _cs.encode(self.engine.copy_hashed(dst, src))
-            r = self.call("publish", {
-                "arena": arena.id, "namespace": "default", "key": "k",
-                "buffers": {"kv": src.nbytes}, "meta": None, "replace": False, "consumers": 1,
-                "checksums": {"kv": digest}, "next_arena": arena.size})  # fmt: skip
+            r = self.call(
+                "publish",
+                {
+                    "arena": arena.id,
+                    "namespace": "default",
+                    "key": "k",
+                    "buffers": {"kv": src.nbytes},
+                    "meta": None,
+                    "replace": False,
+                    "consumers": 1,
+                    "checksums": {"kv": digest},
+                    "next_arena": arena.size,
+                },
+            )
             arena.id, arena.extent = r["lease"], r["arena"]
-            cl = self.call("claim", {"namespace": "default", "key": "k", "select": None,
-                                     "consume": True, "wait": None, "ttl": None, "peer": None})
+            cl = self.call(
+                "claim",
+                {
+                    "namespace": "default",
+                    "key": "k",
+                    "select": None,
+                    "consume": True,
+                    "wait": None,
+                    "ttl": None,
+                    "peer": None,
+                },
+            )
             _, offset, nbytes = cl["buffers"]["kv"]
             self.engine.copy_here(out, self.mapping.view(offset, nbytes, False))
             self.rid += 1
-            self.sock.sendall(self.pack({"id": self.rid, "op": "release",
-                                         "args": {"lease": cl["lease"], "consume": True}}))
+            self.sock.sendall(
+                self.pack(
+                    {
+                        "id": self.rid,
+                        "op": "release",
+                        "args": {"lease": cl["lease"], "consume": True},
+                    }
+                )
+            )
             times.append(time.perf_counter() - t)
         return times[WARMUP:]
 
@@ -138,30 +165,44 @@ def main(argv=None) -> None:
                 print(f"round {r + 1} {kind}: p50 {rows[-1]['p50_us']:.1f} us", flush=True)
     p50 = {k: median([x["p50_us"] for x in rows if x["kind"] == k]) for k in ("client", "bare")}
     result = {
-        "benchmark": "probe_protocol_floor", "commit": measured_commit(),
-        "command": invocation(), "machine": machine_info(), "size": size, "reps": args.reps,
-        "rounds": rows, "median_p50_us": p50, "client_over_bare": p50["client"] / p50["bare"],
-    }  # fmt: skip
-    print(f"median of the rounds' p50: client {p50['client']:.1f} us, bare {p50['bare']:.1f} us "
-          f"({result['client_over_bare']:.2f}x)")
+        "benchmark": "probe_protocol_floor",
+        "commit": measured_commit(),
+        "command": invocation(),
+        "machine": machine_info(),
+        "size": size,
+        "reps": args.reps,
+        "rounds": rows,
+        "median_p50_us": p50,
+        "client_over_bare": p50["client"] / p50["bare"],
+    }
+    print(
+        f"median of the rounds' p50: client {p50['client']:.1f} us, bare {p50['bare']:.1f} us "
+        f"({result['client_over_bare']:.2f}x)"
+    )
     if args.out:
         with open(args.out + ".json", "w") as f:
             json.dump(result, f, indent=2)
         m = result["machine"]
         lines = [
             f"# put+get against the bare protocol, {args.size} ({m.get('cpu')}, "
-            f"{m.get('cores')} cores)", "",
+            f"{m.get('cores')} cores)",
+            "",
             f"commit {result['commit']}, {m.get('when')}; load {m.get('loadavg_1min', 0):.2f}; "
-            f"`{result['command']}`", "",
-            "| round | client p50 µs | bare protocol p50 µs |", "|---|---|---|",
-        ]  # fmt: skip
+            f"`{result['command']}`",
+            "",
+            "| round | client p50 µs | bare protocol p50 µs |",
+            "|---|---|---|",
+        ]
         for r in range(args.rounds):
             c_, b_ = (x["p50_us"] for x in rows if x["round"] == r + 1)
             lines.append(f"| {r + 1} | {c_:.1f} | {b_:.1f} |")
         ratio = int(result["client_over_bare"] * 100) / 100  # cut, not rounded
-        lines += ["", f"Median of the rounds: client {p50['client']:.1f} µs, bare protocol "
-                      f"{p50['bare']:.1f} µs: the client library takes {ratio:.2f}× the bare "
-                      "protocol's time."]
+        lines += [
+            "",
+            f"Median of the rounds: client {p50['client']:.1f} µs, bare protocol "
+            f"{p50['bare']:.1f} µs: the client library takes {ratio:.2f}× the bare "
+            "protocol's time.",
+        ]
         with open(args.out + ".md", "w") as f:
             f.write("\n".join(lines) + "\n")
 

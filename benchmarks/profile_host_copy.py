@@ -139,8 +139,10 @@ def copy_variants(args) -> tuple[list[dict], dict]:
         variants["copy_hashed, 1 thread, C loops, two passes"] = two_passes(one.copy_hashed)
         variants[f"copy_hashed, {n} threads, C loops, two passes"] = two_passes(many.copy_hashed)
     if one.native:  # the Python loops beside them, in the same run
-        engines += [CopyEngine(1, split_min=CHUNK, native=False),
-                    CopyEngine(n, split_min=CHUNK, native=False)]  # fmt: skip
+        engines += [
+            CopyEngine(1, split_min=CHUNK, native=False),
+            CopyEngine(n, split_min=CHUNK, native=False),
+        ]
         variants["copy_hashed, 1 thread, Python loops"] = engines[2].copy_hashed
         variants[f"copy_hashed, {n} threads, Python loops"] = engines[3].copy_hashed
     variants |= {
@@ -181,14 +183,29 @@ def copy_variants(args) -> tuple[list[dict], dict]:
     finally:
         for engine in engines:
             engine.close()
-    rows = [{"what": name, "ms": statistics.median(medians[name]) * 1e3,
-             "x_memcpy_shm": statistics.median(ratios[name]),
-             "range": [min(ratios[name]), max(ratios[name])]} for name in variants]  # fmt: skip
+    rows = [
+        {
+            "what": name,
+            "ms": statistics.median(medians[name]) * 1e3,
+            "x_memcpy_shm": statistics.median(ratios[name]),
+            "range": [min(ratios[name]), max(ratios[name])],
+        }
+        for name in variants
+    ]
     # the measure: a checksummed copy against a memcpy over as many threads, per round
-    split = [m / h for m, h in zip(medians[f"memcpy, {n} threads"],
-                                   medians[f"copy_hashed, {n} threads, {loops}"], strict=True)]  # fmt: skip
-    return rows, {"load_1min": [min(loads), max(loads)], "loops": loops,
-                  "x_split_memcpy": [statistics.median(split), min(split), max(split)]}
+    split = [
+        m / h
+        for m, h in zip(
+            medians[f"memcpy, {n} threads"],
+            medians[f"copy_hashed, {n} threads, {loops}"],
+            strict=True,
+        )
+    ]
+    return rows, {
+        "load_1min": [min(loads), max(loads)],
+        "loops": loops,
+        "x_split_memcpy": [statistics.median(split), min(split), max(split)],
+    }
 
 
 def _parallel(fn, threads: int, calls: int) -> float:
@@ -240,16 +257,23 @@ def unit_costs(args) -> list[dict]:
         both = statistics.median(_parallel(fn, 2, calls) for _ in range(3))
         rows.append({"what": f"{name}, 1 thread", "us": alone})
         rows.append({"what": f"{name}, 2 threads at once (each)", "us": both})
-    rows.append({"what": f"xxh3_64 of {size >> 20} MiB just written, cold, per MiB",
-                 "us": statistics.median(cold_hash() for _ in range(args.reps)) * 1e6
-                 / (size / CHUNK)})  # fmt: skip
+    rows.append(
+        {
+            "what": f"xxh3_64 of {size >> 20} MiB just written, cold, per MiB",
+            "us": statistics.median(cold_hash() for _ in range(args.reps)) * 1e6 / (size / CHUNK),
+        }
+    )
     loop = []
     for _ in range(args.reps * 10):
         t = time.perf_counter()
         loop_only()
         loop.append(time.perf_counter() - t)
-    rows.append({"what": f"Python between chunks, all {size // CHUNK} chunks",
-                 "us": statistics.median(loop) * 1e6})  # fmt: skip
+    rows.append(
+        {
+            "what": f"Python between chunks, all {size // CHUNK} chunks",
+            "us": statistics.median(loop) * 1e6,
+        }
+    )
     return rows
 
 
@@ -267,21 +291,38 @@ def main() -> None:
     rows, extra = copy_variants(args)
     units = unit_costs(args)
     m = machine_info()
-    report = {"commit": measured_commit(), "command": " ".join(shlex.quote(a) for a in sys.argv),
-              "machine": m, "size": args.size, "rounds": args.rounds, "reps": args.reps,
-              "copies": rows, "units": units, **extra}  # fmt: skip
+    report = {
+        "commit": measured_commit(),
+        "command": " ".join(shlex.quote(a) for a in sys.argv),
+        "machine": m,
+        "size": args.size,
+        "rounds": args.rounds,
+        "reps": args.reps,
+        "copies": rows,
+        "units": units,
+        **extra,
+    }
     lo, hi = extra["load_1min"]
-    md = [f"# profile_host_copy: {m['cpu']}, {os.cpu_count()} CPUs", "",
-          f"- commit: `{report['commit']}`", f"- command: `{report['command']}`",
-          f"- {args.size >> 20} MiB, {args.rounds} rounds of {args.reps} steps; load (1 min) "
-          f"{lo:.2f}-{hi:.2f}; {m['when']}", "",
-          "| copy into /dev/shm | ms (median) | x memcpy -> shm (rounds) |", "|---|---:|---|"]
+    md = [
+        f"# profile_host_copy: {m['cpu']}, {os.cpu_count()} CPUs",
+        "",
+        f"- commit: `{report['commit']}`",
+        f"- command: `{report['command']}`",
+        f"- {args.size >> 20} MiB, {args.rounds} rounds of {args.reps} steps; load (1 min) "
+        f"{lo:.2f}-{hi:.2f}; {m['when']}",
+        "",
+        "| copy into /dev/shm | ms (median) | x memcpy -> shm (rounds) |",
+        "|---|---:|---|",
+    ]
     for r in rows:  # ratios cut to two decimals, never rounded up
         cut = [f"{int(v * 100 + 1e-9) / 100:.2f}" for v in (r["x_memcpy_shm"], *r["range"])]
         md.append(f"| {r['what']} | {r['ms']:.3f} | {cut[0]} ({cut[1]}-{cut[2]}) |")
     cut = [f"{int(v * 100 + 1e-9) / 100:.2f}" for v in extra["x_split_memcpy"]]
-    md += ["", f"copy_hashed on {args.threads} threads ({extra['loops']}) against a memcpy on "
-           f"as many threads, per round: **{cut[0]}x** ({cut[1]}-{cut[2]})"]
+    md += [
+        "",
+        f"copy_hashed on {args.threads} threads ({extra['loops']}) against a memcpy on "
+        f"as many threads, per round: **{cut[0]}x** ({cut[1]}-{cut[2]})",
+    ]
     md += ["", "| one thread unless said | us |", "|---|---:|"]
     md += [f"| {u['what']} | {u['us']:.1f} |" for u in units]
     with open(args.out + ".json", "w") as f:

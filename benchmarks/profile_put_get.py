@@ -37,7 +37,13 @@ from collections import defaultdict
 import numpy as np
 
 from kvbroker import Client
-from kvbroker._bench._common import invocation, machine_info, measured_commit, median, spawned_daemon
+from kvbroker._bench._common import (
+    invocation,
+    machine_info,
+    measured_commit,
+    median,
+    spawned_daemon,
+)
 from kvbroker._client import engine as _engine
 from kvbroker._client import ops as _ops
 from kvbroker._wire.paths import parse_size
@@ -88,8 +94,9 @@ def serve_timed(out_json: str, serve_argv: list[str]) -> None:
 
     def write() -> None:
         with open(out_json, "w") as f:
-            json.dump({op: {"calls": len(v), "p50_us": median(v) * 1e6}
-                       for op, v in times.items()}, f)  # fmt: skip
+            json.dump(
+                {op: {"calls": len(v), "p50_us": median(v) * 1e6} for op, v in times.items()}, f
+            )
 
     _broker.Broker.handle = timed
     atexit.register(write)
@@ -127,31 +134,46 @@ def measure(size: int, reps: int, env: dict[str, str]) -> dict:
             raise AssertionError("bytes differ")
     with open(handlers) as f:  # written as the daemon stopped (spawned_daemon waits for it)
         daemon = {op: v["p50_us"] for op, v in json.load(f).items()}
-    return {"size": size, "daemon_env": env, "reps": reps, "daemon_handler_p50_us": daemon,
-            "put_p50_us": median(put_t) * 1e6, "get_p50_us": median(get_t) * 1e6,
-            "steps_p50_us": {k: median(v) * 1e6 for k, v in steps.items()},
-            "steps_per_round_trip": {k: len(v) / reps for k, v in steps.items()},
-            "copy_threads": _engine.default_engine().threads}  # fmt: skip
+    return {
+        "size": size,
+        "daemon_env": env,
+        "reps": reps,
+        "daemon_handler_p50_us": daemon,
+        "put_p50_us": median(put_t) * 1e6,
+        "get_p50_us": median(get_t) * 1e6,
+        "steps_p50_us": {k: median(v) * 1e6 for k, v in steps.items()},
+        "steps_per_round_trip": {k: len(v) / reps for k, v in steps.items()},
+        "copy_threads": _engine.default_engine().threads,
+    }
 
 
 def markdown(result: dict) -> str:
     m = result["machine"]
-    out = [f"# put+get, request by request ({m.get('cpu')}, {m.get('cores')} cores)", "",
-           f"commit {result['commit']}, {m.get('when')}; load {m.get('loadavg_1min'):.2f}; "
-           f"`{result['command']}`", "",
-           "Medians in µs (client side; each request includes the daemon's wake-up). The last "
-           "column: the daemon's handler of each op alone (`Broker.handle`, timed in the daemon; "
-           "no framing, journal write or reply send).", "",
-           "| size | daemon env | round | put | get | step: p50 (per put+get) | daemon handler p50 |",
-           "|---|---|---|---|---|---|---|"]  # fmt: skip
+    out = [
+        f"# put+get, request by request ({m.get('cpu')}, {m.get('cores')} cores)",
+        "",
+        f"commit {result['commit']}, {m.get('when')}; load {m.get('loadavg_1min'):.2f}; "
+        f"`{result['command']}`",
+        "",
+        "Medians in µs (client side; each request includes the daemon's wake-up). The last "
+        "column: the daemon's handler of each op alone (`Broker.handle`, timed in the daemon; "
+        "no framing, journal write or reply send).",
+        "",
+        "| size | daemon env | round | put | get | step: p50 (per put+get) | daemon handler p50 |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in result["rows"]:
         env = " ".join(f"{k}={v}" for k, v in r["daemon_env"].items()) or "defaults"
-        steps = "; ".join(f"{k} {v:.1f} (×{r['steps_per_round_trip'][k]:g})"
-                          for k, v in r["steps_p50_us"].items())  # fmt: skip
-        handlers = "; ".join(f"{k} {v:.1f}" for k, v in r.get("daemon_handler_p50_us", {}).items()
-                             if k != "hello")  # fmt: skip
-        out.append(f"| {r['size'] >> 10} KiB | {env} | {r['round']} | {r['put_p50_us']:.1f} | "
-                   f"{r['get_p50_us']:.1f} | {steps} | {handlers} |")  # fmt: skip
+        steps = "; ".join(
+            f"{k} {v:.1f} (×{r['steps_per_round_trip'][k]:g})" for k, v in r["steps_p50_us"].items()
+        )
+        handlers = "; ".join(
+            f"{k} {v:.1f}" for k, v in r.get("daemon_handler_p50_us", {}).items() if k != "hello"
+        )
+        out.append(
+            f"| {r['size'] >> 10} KiB | {env} | {r['round']} | {r['put_p50_us']:.1f} | "
+            f"{r['get_p50_us']:.1f} | {steps} | {handlers} |"
+        )
     return "\n".join(out) + "\n"
 
 
@@ -164,8 +186,13 @@ def main(argv=None) -> int:
     ap.add_argument("--sizes", default="256K,32M")
     ap.add_argument("--reps", type=int, default=60)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--daemon-env", action="append", default=[], metavar="NAME=VALUE",
-                    help="a second configuration of the daemon, alternated with the defaults")
+    ap.add_argument(
+        "--daemon-env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a second configuration of the daemon, alternated with the defaults",
+    )
     ap.add_argument("--out", default=None, metavar="PREFIX")
     a = ap.parse_args(argv)
     sizes = [parse_size(s) for s in a.sizes.split(",")]
@@ -176,14 +203,24 @@ def main(argv=None) -> int:
             for size in sizes:
                 rows.append({"round": rnd, **measure(size, a.reps, env)})
                 r = rows[-1]
-                print(f"{size >> 10} KiB {env or 'defaults'} round {rnd}: put {r['put_p50_us']:.1f} "
-                      f"get {r['get_p50_us']:.1f} us; " + ", ".join(
-                          f"{k} {v:.1f}" for k, v in r["steps_p50_us"].items())
-                      + "; daemon handlers " + ", ".join(
-                          f"{k} {v:.1f}" for k, v in r["daemon_handler_p50_us"].items()
-                          if k != "hello"), flush=True)  # fmt: skip
-    result = {"commit": measured_commit(), "command": invocation(), "machine": machine_info(),
-              "rows": rows}  # fmt: skip
+                print(
+                    f"{size >> 10} KiB {env or 'defaults'} round {rnd}: put {r['put_p50_us']:.1f} "
+                    f"get {r['get_p50_us']:.1f} us; "
+                    + ", ".join(f"{k} {v:.1f}" for k, v in r["steps_p50_us"].items())
+                    + "; daemon handlers "
+                    + ", ".join(
+                        f"{k} {v:.1f}"
+                        for k, v in r["daemon_handler_p50_us"].items()
+                        if k != "hello"
+                    ),
+                    flush=True,
+                )
+    result = {
+        "commit": measured_commit(),
+        "command": invocation(),
+        "machine": machine_info(),
+        "rows": rows,
+    }
     if a.out:
         with open(a.out + ".json", "w") as f:
             json.dump(result, f, indent=1)

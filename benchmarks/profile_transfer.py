@@ -48,8 +48,10 @@ def top_frames(raw_path: str, n: int = 15) -> tuple[list, list]:
                 incl[fn] += k
     if not total:
         return [], []
-    return ([(c / total, f) for f, c in own.most_common(n)],
-            [(c / total, f) for f, c in incl.most_common(n)])
+    return (
+        [(c / total, f) for f, c in own.most_common(n)],
+        [(c / total, f) for f, c in incl.most_common(n)],
+    )
 
 
 def main() -> None:
@@ -69,10 +71,24 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as d:
             raw = os.path.join(d, "daemon.txt")
             spy = subprocess.Popen(
-                ["py-spy", "record", "--pid", str(c.server_pid), "--rate", "1000", "--duration",
-                 str(int(a.seconds + 0.999)), "--format", "raw", "--output", raw, "--nonblocking"],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            )  # fmt: skip
+                [
+                    "py-spy",
+                    "record",
+                    "--pid",
+                    str(c.server_pid),
+                    "--rate",
+                    "1000",
+                    "--duration",
+                    str(int(a.seconds + 0.999)),
+                    "--format",
+                    "raw",
+                    "--output",
+                    raw,
+                    "--nonblocking",
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
             time.sleep(0.5)  # py-spy attaches
             prof = Profiler(interval=0.0002)
             n, t0 = 0, time.perf_counter()
@@ -108,7 +124,7 @@ def main() -> None:
         *(f"{share:6.1%}  {frame}" for share, frame in kvb),
         "```",
         "",
-    ]  # fmt: skip
+    ]
     text = "\n".join(lines)
     print(text)
     if a.out:

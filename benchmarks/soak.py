@@ -62,7 +62,7 @@ def pattern(key: str, n: int) -> np.ndarray:
 def sizes_of(key: str) -> list[int]:
     h = hashlib.blake2b(key.encode(), digest_size=8).digest()
     nbuf = 2 + h[0] % 2
-    return [1024 + int.from_bytes(h[1 + 2 * i:3 + 2 * i], "little") * 2 for i in range(nbuf)]
+    return [1024 + int.from_bytes(h[1 + 2 * i : 3 + 2 * i], "little") * 2 for i in range(nbuf)]
 
 
 def prompt(tenant: int, p: int, n_tokens: int) -> list[int]:
@@ -88,8 +88,10 @@ class Worker:
         self.bytes_in = self.bytes_out = self.bytes_got = 0  # bytes_got: by get alone
         self.seq = 0
         salt = ["tenant-a", "tenant-b"]
-        self.caches = [PrefixCache(self.c, namespace="soak-prefix", block_size=BLOCK,
-                                   cache_salt=s) for s in salt]  # fmt: skip
+        self.caches = [
+            PrefixCache(self.c, namespace="soak-prefix", block_size=BLOCK, cache_salt=s)
+            for s in salt
+        ]
 
     def run(self) -> None:
         kinds = ["put"] * 4 + ["get"] * 4 + ["prefix"] * 2 + ["evict"]
@@ -104,8 +106,9 @@ class Worker:
             except Exception as exc:
                 self.error_count += 1
                 if len(self.errors) < 10:
-                    self.errors.append(f"{kind}: {type(exc).__name__}: {exc}\n"
-                                       + traceback.format_exc(limit=4))  # fmt: skip
+                    self.errors.append(
+                        f"{kind}: {type(exc).__name__}: {exc}\n" + traceback.format_exc(limit=4)
+                    )
         self.c.close()
 
     def _put(self) -> bool:
@@ -166,16 +169,35 @@ def _work(sock: str, wid: int, nclients: int, deadline: float, out) -> None:
     try:
         w = Worker(sock, wid, nclients, deadline)
         w.run()
-        out.put({"wid": wid, "ops": dict(w.ops), "tried": dict(w.tried),
-                 "expected": dict(w.expected),
-                 "errors": w.errors, "error_count": w.error_count,
-                 "mismatches": w.mismatches, "bytes_in": w.bytes_in, "bytes_out": w.bytes_out,
-                 "bytes_got": w.bytes_got})
+        out.put(
+            {
+                "wid": wid,
+                "ops": dict(w.ops),
+                "tried": dict(w.tried),
+                "expected": dict(w.expected),
+                "errors": w.errors,
+                "error_count": w.error_count,
+                "mismatches": w.mismatches,
+                "bytes_in": w.bytes_in,
+                "bytes_out": w.bytes_out,
+                "bytes_got": w.bytes_got,
+            }
+        )
     except BaseException as exc:  # a worker that cannot even start is an error too
-        out.put({"wid": wid, "ops": {}, "tried": {}, "expected": {}, "error_count": 1,
-                 "mismatches": [],
-                 "errors": [f"worker: {type(exc).__name__}: {exc}"], "bytes_in": 0,
-                 "bytes_out": 0, "bytes_got": 0})  # fmt: skip
+        out.put(
+            {
+                "wid": wid,
+                "ops": {},
+                "tried": {},
+                "expected": {},
+                "error_count": 1,
+                "mismatches": [],
+                "errors": [f"worker: {type(exc).__name__}: {exc}"],
+                "bytes_in": 0,
+                "bytes_out": 0,
+                "bytes_got": 0,
+            }
+        )
 
 
 def extent_bytes(sizes: list[int], page: int) -> int:
@@ -205,21 +227,39 @@ def audit(sock: str) -> dict:
             "leased_write_bytes": pools.leased_write,
             "leased_read_bytes": pools.leased_read,
             "quarantined_bytes": pools.quarantined,
-            "daemon_counters": {k: getattr(st.counters, k) for k in (
-                "publishes", "claims", "evictions", "evicted_bytes", "hits", "misses",
-                "prefix_queries", "prefix_hit_blocks", "expired_leases")},
-        }  # fmt: skip
+            "daemon_counters": {
+                k: getattr(st.counters, k)
+                for k in (
+                    "publishes",
+                    "claims",
+                    "evictions",
+                    "evicted_bytes",
+                    "hits",
+                    "misses",
+                    "prefix_queries",
+                    "prefix_hit_blocks",
+                    "expired_leases",
+                )
+            },
+        }
         c.evict(all=True)
         result["used_after_evict_all"] = c.stat().used
         result["exact"] = (
-            st.used == want and pools.leased_write == 0 and pools.quarantined == 0
-            and pools.leased_read == 0 and result["used_after_evict_all"] == 0
-        )  # fmt: skip
+            st.used == want
+            and pools.leased_write == 0
+            and pools.quarantined == 0
+            and pools.leased_read == 0
+            and result["used_after_evict_all"] == 0
+        )
     return result
 
 
-def run(clients: int = 16, duration: float = 600.0, pool_size: str = "64M",
-        socket_path: str | None = None) -> dict:  # fmt: skip
+def run(
+    clients: int = 16,
+    duration: float = 600.0,
+    pool_size: str = "64M",
+    socket_path: str | None = None,
+) -> dict:
     from conftest import DaemonProcess
 
     sock = socket_path or os.path.join(tempfile.mkdtemp(prefix="kvbsoak"), "kvb.sock")
@@ -229,8 +269,9 @@ def run(clients: int = 16, duration: float = 600.0, pool_size: str = "64M",
     before = run_conditions()
     t0 = time.monotonic()
     deadline = t0 + duration
-    procs = [ctx.Process(target=_work, args=(sock, w, clients, deadline, out))
-             for w in range(clients)]  # fmt: skip
+    procs = [
+        ctx.Process(target=_work, args=(sock, w, clients, deadline, out)) for w in range(clients)
+    ]
     for p in procs:
         p.start()
     reports = []
@@ -290,26 +331,38 @@ def main() -> int:
     ap.add_argument("--clients", type=int, default=16)
     ap.add_argument("--duration", type=float, default=600.0, help="seconds")
     ap.add_argument("--pool-size", default="64M")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
-                                                  "soak-cpu.json"))
+    ap.add_argument(
+        "--out", default=os.path.join(os.path.dirname(__file__), "results", "soak-cpu.json")
+    )
     args = ap.parse_args()
     res = run(args.clients, args.duration, args.pool_size)
     acc = res["accounting"]
-    print(f"{res['clients']} clients, {res['duration_s']} s: {res['ops']} ops "
-          f"({res['ops_per_s']}/s) {res['ops_by_kind']}; gets that found their key "
-          f"{res['gets_found']}, that found nothing {res['gets_missed']} (not counted)")
-    print(f"errors {res['errors']}, mismatches {res['mismatches']}, "
-          f"published {res['bytes_published']} B, claimed {res['bytes_claimed']} B, "
-          f"evictions {acc['daemon_counters']['evictions']}")
-    print(f"accounting exact: {acc['exact']} (used {acc['used_bytes']} B = objects "
-          f"{acc['objects_extent_bytes']} B; after evict all {acc['used_after_evict_all']} B)")
+    print(
+        f"{res['clients']} clients, {res['duration_s']} s: {res['ops']} ops "
+        f"({res['ops_per_s']}/s) {res['ops_by_kind']}; gets that found their key "
+        f"{res['gets_found']}, that found nothing {res['gets_missed']} (not counted)"
+    )
+    print(
+        f"errors {res['errors']}, mismatches {res['mismatches']}, "
+        f"published {res['bytes_published']} B, claimed {res['bytes_claimed']} B, "
+        f"evictions {acc['daemon_counters']['evictions']}"
+    )
+    print(
+        f"accounting exact: {acc['exact']} (used {acc['used_bytes']} B = objects "
+        f"{acc['objects_extent_bytes']} B; after evict all {acc['used_after_evict_all']} B)"
+    )
     for sample in res["error_samples"] + res["mismatch_samples"]:
         print("  ", sample)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(res, f, indent=2)
     print(f"wrote {args.out}")
-    ok = res["errors"] == 0 and res["mismatches"] == 0 and acc["exact"] and res["daemon_alive_at_end"]
+    ok = (
+        res["errors"] == 0
+        and res["mismatches"] == 0
+        and acc["exact"]
+        and res["daemon_alive_at_end"]
+    )
     return 0 if ok else 1
 
 

@@ -56,9 +56,13 @@ def _version(value: bool) -> None:
 @app.callback()
 def _main(
     version: bool = typer.Option(
-        False, "--version", "-V", callback=_version, is_eager=True,
+        False,
+        "--version",
+        "-V",
+        callback=_version,
+        is_eager=True,
         help="Print the version and exit.",
-    ),  # fmt: skip
+    ),
 ) -> None:
     """Node-local KV-cache broker for disaggregated LLM serving.
 
@@ -68,10 +72,14 @@ def _main(
 
 
 ConfigOpt = typer.Option(
-    None, "--config", "-c", envvar="KVBROKER_CONFIG", metavar="FILE",
+    None,
+    "--config",
+    "-c",
+    envvar="KVBROKER_CONFIG",
+    metavar="FILE",
     help="TOML configuration file (KVBROKER_* variables and flags override it).",
     show_default="/etc/kvbroker/kvbroker.toml if it exists",
-)  # fmt: skip
+)
 
 
 @app.command()
@@ -97,9 +105,10 @@ def serve(config: str | None = ConfigOpt, *, flags: dict) -> None:
         raise fail(f"configuration: {exc}", 2) from None
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(
-        JournalFormatter() if under_journal()
+        JournalFormatter()
+        if under_journal()
         else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
-    )  # fmt: skip
+    )
     logging.basicConfig(level=cfg.log_level.upper(), handlers=[handler])
     raise typer.Exit(run_daemon(cfg, reload_config))
 
@@ -108,7 +117,11 @@ def serve(config: str | None = ConfigOpt, *, flags: dict) -> None:
 def doctor(
     config: str | None = ConfigOpt,
     socket: str | None = typer.Option(
-        None, "--socket", "-s", metavar="PATH", help="Socket path to check.",
+        None,
+        "--socket",
+        "-s",
+        metavar="PATH",
+        help="Socket path to check.",
         show_default=user_default_socket(),
     ),
     as_json: bool = JsonOpt,
@@ -162,8 +175,9 @@ def tui(
 @app.command()
 def fetch(
     key: str = typer.Argument(..., help="Key of the object to pull."),
-    peer: str = typer.Option(..., "--peer", "-p", help="HOST:PORT of the broker holding it "
-                             "(its [transfer] listen)."),
+    peer: str = typer.Option(
+        ..., "--peer", "-p", help="HOST:PORT of the broker holding it (its [transfer] listen)."
+    ),
     namespace: str | None = namespace_opt("Namespace of the object (default: default)."),
     socket: str | None = SocketOpt,
     as_json: bool = JsonOpt,
@@ -177,11 +191,14 @@ def fetch(
     if as_json:
         typer.echo(json.dumps({**reply, "seconds": dt}))
     elif reply["fetched"]:
-        typer.echo(f"pulled {namespace}/{key} ({format_size(reply['nbytes'])}) from {peer} "
-                   f"in {dt * 1e3:.1f} ms")
+        typer.echo(
+            f"pulled {namespace}/{key} ({format_size(reply['nbytes'])}) from {peer} "
+            f"in {dt * 1e3:.1f} ms"
+        )
     else:
-        typer.echo(f"{namespace}/{key} is here already ({format_size(reply['nbytes'])}); "
-                   "nothing pulled")
+        typer.echo(
+            f"{namespace}/{key} is here already ({format_size(reply['nbytes'])}); nothing pulled"
+        )
 
 
 @app.command()
@@ -204,10 +221,15 @@ def verify(
     """
     from kvbroker._client.integrity import verify_objects
 
-    checks = run(socket, lambda c: list(verify_objects(c, match=match, namespace=namespace)),
-                 name="kvbroker-verify", timeout=30)  # fmt: skip
-    tally = {s: sum(1 for c in checks if c.status == s)
-             for s in ("ok", "mismatch", "unchecked", "gone")}  # fmt: skip
+    checks = run(
+        socket,
+        lambda c: list(verify_objects(c, match=match, namespace=namespace)),
+        name="kvbroker-verify",
+        timeout=30,
+    )
+    tally = {
+        s: sum(1 for c in checks if c.status == s) for s in ("ok", "mismatch", "unchecked", "gone")
+    }
     if as_json:
         typer.echo(json.dumps({"objects": [c.to_dict() for c in checks], **tally}, indent=2))
     else:
@@ -216,8 +238,9 @@ def verify(
             bad = [clean(b) for b in c.bad]
             bad = f" ({', '.join(bad[:4])}{', ...' if len(bad) > 4 else ''})" if bad else ""
             status = (c.status.upper() if c.bad else c.status) + bad
-            rows.append((c.namespace, c.key, [format_size(c.nbytes), str(c.buffers),
-                                              "  " + status]))  # fmt: skip
+            rows.append(
+                (c.namespace, c.key, [format_size(c.nbytes), str(c.buffers), "  " + status])
+            )
         lines = object_table(rows, [("SIZE", 11), ("BUFS", 6), ("  STATUS", 10)], wide=wide)
         typer.echo("\n".join(line.rstrip() for line in lines))
         typer.echo(", ".join(f"{n} {s}" for s, n in tally.items()))

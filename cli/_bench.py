@@ -31,10 +31,14 @@ bench_app = typer.Typer(
 )
 
 SocketOpt = typer.Option(
-    None, "--socket", "-s", envvar="KVBROKER_SOCKET", metavar="PATH",
+    None,
+    "--socket",
+    "-s",
+    envvar="KVBROKER_SOCKET",
+    metavar="PATH",
     help="Benchmark this daemon (it is left as found).",
     show_default="start a private daemon",
-)  # fmt: skip
+)
 JsonOutOpt = typer.Option(
     None, "--json-out", metavar="FILE", help="Write the results here as JSON."
 )
@@ -57,15 +61,17 @@ def _ints(text: str, what: str) -> tuple[int, ...]:
     try:
         out = tuple(int(float(s)) for s in text.split(",") if s.strip())
     except ValueError:
-        raise typer.BadParameter(f"expected numbers like 1,4,16 or 1e3, got {text!r}",
-                                 param_hint=what) from None  # fmt: skip
+        raise typer.BadParameter(
+            f"expected numbers like 1,4,16 or 1e3, got {text!r}", param_hint=what
+        ) from None
     if not out or any(n <= 0 for n in out):
         raise typer.BadParameter("give one or more numbers above 0", param_hint=what)
     return out
 
 
-def _execute(socket, json_out, plot, run, pool_size="1G", daemon_args=(), daemon=True,
-             daemon_env=None) -> None:  # fmt: skip
+def _execute(
+    socket, json_out, plot, run, pool_size="1G", daemon_args=(), daemon=True, daemon_env=None
+) -> None:
     """Run one scenario (``run(socket_path) -> Result``), print, write JSON and charts.
 
     ``daemon`` False: the scenario starts what it needs itself (``run`` gets None)."""
@@ -104,8 +110,9 @@ def _execute(socket, json_out, plot, run, pool_size="1G", daemon_args=(), daemon
 @bench_app.command()
 def transfer(
     socket: str | None = SocketOpt,
-    sizes: str = typer.Option("4K,16K,64K,256K,1M,4M,16M,32M,64M,256M",
-                              help="Object sizes, comma-separated."),
+    sizes: str = typer.Option(
+        "4K,16K,64K,256K,1M,4M,16M,32M,64M,256M", help="Object sizes, comma-separated."
+    ),
     budget: str = typer.Option("2G", help="About this many bytes moved per size."),
     pool_size: str = typer.Option("1G", help="Pool of the private daemon."),
     json_out: str | None = JsonOutOpt,
@@ -145,8 +152,15 @@ def scale(
     from kvbroker._bench import scale as s
 
     n = _ints(counts, "--counts")
-    _execute(socket, json_out, plot, lambda p: s.run(p, n, ops), s.pool_size_for(n),
-             ("--page-size", str(s.PAGE)), daemon_env=s.DAEMON_ENV)  # fmt: skip
+    _execute(
+        socket,
+        json_out,
+        plot,
+        lambda p: s.run(p, n, ops),
+        s.pool_size_for(n),
+        ("--page-size", str(s.PAGE)),
+        daemon_env=s.DAEMON_ENV,
+    )
 
 
 @bench_app.command()
@@ -207,37 +221,47 @@ def gpu(
 @bench_app.command()
 def peer(
     mooncake_python: str | None = typer.Option(
-        None, metavar="PYTHON",
+        None,
+        metavar="PYTHON",
         help="Python of the environment with Mooncake installed, e.g. /tmp/mc/bin/python.",
         show_default="Mooncake not run: kvbroker against memcpy only",
     ),
     peer_script: str | None = typer.Option(
-        None, metavar="FILE", envvar="KVBROKER_PEER_SCRIPT",
+        None,
+        metavar="FILE",
+        envvar="KVBROKER_PEER_SCRIPT",
         help="The peer's driver (it runs under --mooncake-python).",
         show_default="benchmarks/mooncake_peer.py of the source tree",
-    ),  # fmt: skip
+    ),
     lmcache_python: str | None = typer.Option(
-        None, metavar="PYTHON",
+        None,
+        metavar="PYTHON",
         help="Python of the environment with the lmcache wheel, e.g. /tmp/lmc/bin/python.",
         show_default="LMCache not run",
     ),
     lmcache_script: str | None = typer.Option(
-        None, metavar="FILE", help="LMCache's driver (it runs under --lmcache-python).",
+        None,
+        metavar="FILE",
+        help="LMCache's driver (it runs under --lmcache-python).",
         show_default="benchmarks/lmcache_peer.py of the source tree",
     ),
     kvcr_python: str | None = typer.Option(
-        None, metavar="PYTHON",
+        None,
+        metavar="PYTHON",
         help="Python of the environment with the kvcr wheel and NIXL.",
         show_default="KVCR not run",
     ),
     kvcr_script: str | None = typer.Option(
-        None, metavar="FILE", help="KVCR's driver (it runs under --kvcr-python).",
+        None,
+        metavar="FILE",
+        help="KVCR's driver (it runs under --kvcr-python).",
         show_default="benchmarks/kvcr_peer.py of the source tree",
     ),
     socket: str | None = SocketOpt,
     sizes: str = typer.Option("256K,4M,32M", help="Object sizes (the peer's defaults)."),
-    modes: str = typer.Option("dummy,embedded",
-                              help="Mooncake modes to run (with --mooncake-python)."),
+    modes: str = typer.Option(
+        "dummy,embedded", help="Mooncake modes to run (with --mooncake-python)."
+    ),
     ops: int = typer.Option(50, min=3, help="Timed operations per size, both sides."),
     rounds: int = typer.Option(1, min=1, help="Peer-then-kvbroker rounds (ranges reported)."),
     json_out: str | None = JsonOutOpt,
@@ -251,8 +275,9 @@ def peer(
     mode_list = tuple(m.strip() for m in modes.split(",") if m.strip())
     bad = set(mode_list) - {"dummy", "embedded", "tcp"}
     if not mode_list or bad:
-        raise typer.BadParameter(f"modes are dummy, embedded, tcp; got {modes!r}",
-                                 param_hint="--modes")  # fmt: skip
+        raise typer.BadParameter(
+            f"modes are dummy, embedded, tcp; got {modes!r}", param_hint="--modes"
+        )
     script = None
     try:
         if mooncake_python is not None:
@@ -267,9 +292,19 @@ def peer(
 
     def run(path):
         try:
-            return pr.run(path, mooncake_python, script, size_list, mode_list, ops, rounds,
-                          lmcache_python=lmcache_python, lmcache_script=lmcache_script,
-                          kvcr_python=kvcr_python, kvcr_script=kvcr_script)  # fmt: skip
+            return pr.run(
+                path,
+                mooncake_python,
+                script,
+                size_list,
+                mode_list,
+                ops,
+                rounds,
+                lmcache_python=lmcache_python,
+                lmcache_script=lmcache_script,
+                kvcr_python=kvcr_python,
+                kvcr_script=kvcr_script,
+            )
         except pr.PeerFailed as exc:
             typer.echo(f"kvbroker: {exc}", err=True)
             raise typer.Exit(1) from None

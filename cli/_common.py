@@ -23,6 +23,7 @@ EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_UNAVAILABLE, EXIT_UNSUPPORTED = 0, 1, 2, 3
 _UsageError = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "UsageError")
 _ClickException = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
 
+
 def to_json(value: Any, **kw: Any) -> str:
     """``value`` as valid JSON whatever clients put in their metas: bytes (and anything
     else JSON lacks) as their ``repr``, NaN and infinities as the strings ``"nan"``,
@@ -74,16 +75,18 @@ class OneLineGroup(TyperGroup):
     usage block, and an unexpected exception is one line too (``KVBROKER_DEBUG=1``: the
     traceback)."""
 
-    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True,
-             **extra: Any):  # fmt: skip
+    def main(
+        self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra: Any
+    ):
         if not standalone_mode:
             return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         try:
             rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         except _UsageError as exc:
             command = exc.ctx.command_path if exc.ctx is not None else "kvbroker"
-            typer.echo(f"{command}: {one_line(exc.format_message())} "
-                       f"(see '{command} --help')", err=True)  # fmt: skip
+            typer.echo(
+                f"{command}: {one_line(exc.format_message())} (see '{command} --help')", err=True
+            )
             sys.exit(exc.exit_code)
         except _ClickException as exc:
             typer.echo(f"kvbroker: {one_line(exc.format_message())}", err=True)
@@ -98,8 +101,11 @@ class OneLineGroup(TyperGroup):
         except Exception as exc:  # noqa: BLE001 - never a traceback for a user
             if os.environ.get("KVBROKER_DEBUG"):
                 raise
-            typer.echo(f"kvbroker: internal error: {type(exc).__name__}: {one_line(exc)} "
-                       "(KVBROKER_DEBUG=1 shows the traceback)", err=True)  # fmt: skip
+            typer.echo(
+                f"kvbroker: internal error: {type(exc).__name__}: {one_line(exc)} "
+                "(KVBROKER_DEBUG=1 shows the traceback)",
+                err=True,
+            )
             sys.exit(EXIT_ERROR)
         sys.exit(rv if isinstance(rv, int) else EXIT_OK)
 
@@ -116,9 +122,14 @@ def user_default_socket() -> str:
 
 
 SocketOpt = typer.Option(
-    None, "--socket", "-s", envvar="KVBROKER_SOCKET", metavar="PATH",
-    help="Daemon socket path.", show_default=user_default_socket(),
-)  # fmt: skip
+    None,
+    "--socket",
+    "-s",
+    envvar="KVBROKER_SOCKET",
+    metavar="PATH",
+    help="Daemon socket path.",
+    show_default=user_default_socket(),
+)
 JsonOpt = typer.Option(False, "--json", help="Print JSON for scripts.")
 
 

@@ -17,8 +17,10 @@ from importlib.machinery import PathFinder
 __all__ = ["python_here_check", "shadowing_directory", "shadowed_message"]
 
 NAME = "python here"
-FIX = ("start Python inside the clone or in any other directory, or with 'python -P' (the "
-       "current directory left off the path)")  # fmt: skip
+FIX = (
+    "start Python inside the clone or in any other directory, or with 'python -P' (the "
+    "current directory left off the path)"
+)
 
 
 def shadowing_directory() -> str | None:
@@ -31,8 +33,10 @@ def shadowing_directory() -> str | None:
 
 
 def shadowed_message(where: str) -> str:
-    return (f"kvbroker: warning: this Python took {where} (a directory without __init__.py: a "
-            f"clone of kvbroker?) for the kvbroker package; {FIX}")
+    return (
+        f"kvbroker: warning: this Python took {where} (a directory without __init__.py: a "
+        f"clone of kvbroker?) for the kvbroker package; {FIX}"
+    )
 
 
 def python_here_check(cwd: str | None = None):
@@ -50,16 +54,23 @@ def python_here_check(cwd: str | None = None):
     spec = PathFinder.find_spec("kvbroker", [cwd, *rest])
     if spec is not None and spec.origin is None and spec.submodule_search_locations:
         where = list(spec.submodule_search_locations)[0]
-        return Check(NAME, "warn",
-                     f"python started in {cwd} takes {where} (a directory without "
-                     f"__init__.py: a clone of kvbroker?) for the package: "
-                     f"'from kvbroker import Client' fails there (unknown location)", FIX)
+        return Check(
+            NAME,
+            "warn",
+            f"python started in {cwd} takes {where} (a directory without "
+            f"__init__.py: a clone of kvbroker?) for the package: "
+            f"'from kvbroker import Client' fails there (unknown location)",
+            FIX,
+        )
     if spec is not None and spec.origin is not None:
         found = os.path.dirname(os.path.abspath(spec.origin))
         if not os.path.exists(ours) or not os.path.samefile(found, ours):
-            return Check(NAME, "warn",
-                         f"python started in {cwd} imports kvbroker from {found}, not this "
-                         f"installation's ({ours})",
-                         "start Python in another directory, or install that copy into this "
-                         "environment ('pip install -e' in its clone)")
+            return Check(
+                NAME,
+                "warn",
+                f"python started in {cwd} imports kvbroker from {found}, not this "
+                f"installation's ({ours})",
+                "start Python in another directory, or install that copy into this "
+                "environment ('pip install -e' in its clone)",
+            )
     return Check(NAME, "ok", f"python started in {cwd} imports this kvbroker ({ours})")

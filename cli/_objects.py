@@ -50,8 +50,13 @@ def age(t: float, now: float | None = None) -> str:
     return f"{d:.0f}s"
 
 
-def object_table(rows: list[tuple[str, str, list[str]]], tail_headers: list[tuple[str, int]],
-                 *, header: bool = True, wide: bool = False) -> list[str]:  # fmt: skip
+def object_table(
+    rows: list[tuple[str, str, list[str]]],
+    tail_headers: list[tuple[str, int]],
+    *,
+    header: bool = True,
+    wide: bool = False,
+) -> list[str]:
     """Lines of a NAMESPACE KEY ... table. ``rows``: (namespace, key, right-aligned cells);
     ``tail_headers``: (header, width) of those cells. Names are shown whole unless stdout is a
     terminal too narrow for them (then cut with "…"; ``wide`` never cuts)."""
@@ -66,8 +71,9 @@ def object_table(rows: list[tuple[str, str, list[str]]], tail_headers: list[tupl
         key_w = max(22, spare - ns_w)
     lines = []
     if header:
-        lines.append(f"{'NAMESPACE':<{ns_w}}{'KEY':<{key_w}}"
-                     + "".join(f"{h:>{w}}" for h, w in tail_headers))  # fmt: skip
+        lines.append(
+            f"{'NAMESPACE':<{ns_w}}{'KEY':<{key_w}}" + "".join(f"{h:>{w}}" for h, w in tail_headers)
+        )
     for ns, key, cells in names:
         lines.append(
             f"{fit(ns, ns_w - 2):<{ns_w}}{fit(key, key_w - 2):<{key_w}}"
@@ -82,13 +88,17 @@ def ls_(
     ),
     namespace: str | None = namespace_opt("Only objects of this namespace."),
     limit: int = typer.Option(
-        DEFAULT_LIMIT, min=0, metavar="N", help="At most N objects; 0: every one.",
-    ),  # fmt: skip
+        DEFAULT_LIMIT,
+        min=0,
+        metavar="N",
+        help="At most N objects; 0: every one.",
+    ),
     sort: SortBy | None = typer.Option(
-        None, "--sort",
+        None,
+        "--sort",
         help="Order the objects listed (size, age, readers, buffers: largest/oldest first).",
         show_default="the order they were sealed in",
-    ),  # fmt: skip
+    ),
     reverse: bool = typer.Option(False, "--reverse", "-r", help="Reverse the --sort order."),
     no_header: bool = typer.Option(False, "--no-header", help="No header line (for scripts)."),
     wide: bool = typer.Option(
@@ -121,17 +131,27 @@ def ls_(
     else:
         now = time.time()
         lines = object_table(
-            [(o.namespace, o.key, [format_size(o.nbytes), str(o.buffers), str(o.readers),
-                                   age(o.created_at, now)]) for o in objs],
+            [
+                (
+                    o.namespace,
+                    o.key,
+                    [format_size(o.nbytes), str(o.buffers), str(o.readers), age(o.created_at, now)],
+                )
+                for o in objs
+            ],
             [("SIZE", 11), ("BUFS", 6), ("READERS", 8), ("AGE", 6)],
-            header=not no_header, wide=wide,
-        )  # fmt: skip
+            header=not no_header,
+            wide=wide,
+        )
         if lines:
             typer.echo("\n".join(lines))
     if listing.truncated:
-        typer.echo(f"kvbroker: listed the first {len(objs)} objects; more match (--limit "
-                   f"{limit} reached; --limit 0 lists every one, or narrow with --match or "
-                   "--namespace)", err=True)  # fmt: skip
+        typer.echo(
+            f"kvbroker: listed the first {len(objs)} objects; more match (--limit "
+            f"{limit} reached; --limit 0 lists every one, or narrow with --match or "
+            "--namespace)",
+            err=True,
+        )
 
 
 # ObjectInfo fields only `lookup` fills (`kvbroker show`); `list` leaves them None.
@@ -195,8 +215,7 @@ def show(
             f"  readers     {info.readers}",
         ]
         if info.consumers is not None:
-            lines.append(f"  consumers   {info.consumers} consume-claim(s) left before it "
-                         "is freed")  # fmt: skip
+            lines.append(f"  consumers   {info.consumers} consume-claim(s) left before it is freed")
         if info.meta:
             # JSON escapes control characters inside strings: each line is safe to print.
             meta = to_json(info.meta, indent=2, sort_keys=True).splitlines()
@@ -220,20 +239,32 @@ def show(
         lines.append(f"  buffers     {'NAME':<{width}}  {'BYTES':>12}  CHECKSUM")
         for shown, (name, nbytes) in zip(names, sizes.items(), strict=True):
             digest = checksum_text(sums[name]) if name in sums else "-"
-            lines.append(f"              {shown:<{width}}  "
-                         f"{'?' if nbytes is None else nbytes:>12}  {digest}")  # fmt: skip
-        lines.append("  checksums   " + ("recorded at seal (xxh3: of the whole buffer, xxh3c: "
-                                         "per 1 MiB chunk)" if sums else "none (sealed without)"))
+            lines.append(
+                f"              {shown:<{width}}  {'?' if nbytes is None else nbytes:>12}  {digest}"
+            )
+        lines.append(
+            "  checksums   "
+            + (
+                "recorded at seal (xxh3: of the whole buffer, xxh3c: per 1 MiB chunk)"
+                if sums
+                else "none (sealed without)"
+            )
+        )
         if leases:
             lines.append(f"  leases      {len(leases)}:")
-            lines += [f"    #{ls.lease} {ls.kind} by session {ls.session}, "
-                      f"expires in {ls.expires_in:.1f}s" for ls in leases]  # fmt: skip
+            lines += [
+                f"    #{ls.lease} {ls.kind} by session {ls.session}, "
+                f"expires in {ls.expires_in:.1f}s"
+                for ls in leases
+            ]
         else:
             lines.append("  leases      none")
         if info.readers > len(leases):  # prefix matches lease under their first block's key
-            lines.append(f"              ({info.readers - len(leases)} more read lease(s) not "
-                         "listed: stat names the latest 256, a prefix match by its first "
-                         "block)")  # fmt: skip
+            lines.append(
+                f"              ({info.readers - len(leases)} more read lease(s) not "
+                "listed: stat names the latest 256, a prefix match by its first "
+                "block)"
+            )
         blocks.append("\n".join(lines))
     typer.echo("\n\n".join(blocks))
 
@@ -250,8 +281,9 @@ def _confirm_on_terminal() -> bool:
 
 
 def evict(
-    key: str | None = typer.Argument(None, help="Evict this key (from every namespace "
-                                        "unless --namespace)."),  # fmt: skip
+    key: str | None = typer.Argument(
+        None, help="Evict this key (from every namespace unless --namespace)."
+    ),
     match: str | None = typer.Option(
         None, "--match", "-m", metavar="REGEX", help="Keys this regex (RE2) matches."
     ),
@@ -262,9 +294,13 @@ def evict(
     older_than: str | None = typer.Option(None, metavar="AGE", help="Age, e.g. 10m, 2h."),
     all_: bool = typer.Option(False, "--all", help="Every unleased object (nothing else)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Show what would go; free nothing."),
-    tier: str = typer.Option("all", "--tier", metavar="all|dram|disk",
-                             help="all: from the pools and the disk tier; dram: from the "
-                                  "pools only (kept on disk); disk: the disk copies only."),
+    tier: str = typer.Option(
+        "all",
+        "--tier",
+        metavar="all|dram|disk",
+        help="all: from the pools and the disk tier; dram: from the "
+        "pools only (kept on disk); disk: the disk copies only.",
+    ),
     yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask before --all."),
     socket: str | None = SocketOpt,
     as_json: bool = JsonOpt,
@@ -275,12 +311,19 @@ def evict(
     selector, and asks first on a terminal (--yes does not ask).
     """
     cmd = "kvbroker evict"
-    filters = {"KEY": key, "--match": match, "--namespace": namespace,
-               "--match-buffers": match_buffers, "--older-than": older_than}  # fmt: skip
+    filters = {
+        "KEY": key,
+        "--match": match,
+        "--namespace": namespace,
+        "--match-buffers": match_buffers,
+        "--older-than": older_than,
+    }
     given = [name for name, value in filters.items() if value is not None]
     if not (given or all_):
-        raise usage_error("say what to evict: KEY, --match, --namespace, --match-buffers, "
-                          "--older-than or --all", cmd)  # fmt: skip
+        raise usage_error(
+            "say what to evict: KEY, --match, --namespace, --match-buffers, --older-than or --all",
+            cmd,
+        )
     if all_ and given:
         raise usage_error(f"--all evicts every object; it takes no {' or '.join(given)}", cmd)
     if key is not None and match is not None:
@@ -296,25 +339,47 @@ def evict(
     if all_ and not dry_run and not yes and _confirm_on_terminal():
         if not typer.confirm("Evict every unleased object?", default=False, err=True):
             raise fail("nothing evicted", EXIT_ERROR)
-    res = run(socket, lambda c: c.evict(
-        key, match=match, namespace=namespace, match_buffers=match_buffers, older_than=age_s,
-        all=all_, dry_run=dry_run, tier=tier,
-    ), regex_option="--match or --match-buffers")  # fmt: skip
+    res = run(
+        socket,
+        lambda c: c.evict(
+            key,
+            match=match,
+            namespace=namespace,
+            match_buffers=match_buffers,
+            older_than=age_s,
+            all=all_,
+            dry_run=dry_run,
+            tier=tier,
+        ),
+        regex_option="--match or --match-buffers",
+    )
     if as_json:
-        typer.echo(to_json({
-            "count": res.count, "bytes": res.bytes, "skipped_leased": res.skipped_leased,
-            "dry_run": res.dry_run, "on_disk": res.on_disk,
-            "objects": [o.to_dict() for o in res.objects],
-        }, indent=2))  # fmt: skip
+        typer.echo(
+            to_json(
+                {
+                    "count": res.count,
+                    "bytes": res.bytes,
+                    "skipped_leased": res.skipped_leased,
+                    "dry_run": res.dry_run,
+                    "on_disk": res.on_disk,
+                    "objects": [o.to_dict() for o in res.objects],
+                },
+                indent=2,
+            )
+        )
     else:
         verb = "would evict" if dry_run else "evicted"
         for o in res.objects:
             typer.echo(f"{verb} {clean(o.namespace)}/{clean(o.key)} ({format_size(o.nbytes)})")
-        typer.echo(f"{verb} {res.count} object(s), {format_size(res.bytes)}"
-                   + (f"; {res.skipped_leased} leased object(s) kept"
-                      if res.skipped_leased else "")
-                   + (f"; {res.on_disk} disk cop{'y' if res.on_disk == 1 else 'ies'} dropped"
-                      if res.on_disk else ""))  # fmt: skip
+        typer.echo(
+            f"{verb} {res.count} object(s), {format_size(res.bytes)}"
+            + (f"; {res.skipped_leased} leased object(s) kept" if res.skipped_leased else "")
+            + (
+                f"; {res.on_disk} disk cop{'y' if res.on_disk == 1 else 'ies'} dropped"
+                if res.on_disk
+                else ""
+            )
+        )
     if key is not None and res.count == 0 and not res.skipped_leased:
         raise fail(f"no object {clean(key)!r}")
 

@@ -36,9 +36,11 @@ def ping(
             rtt = client.ping()
             rtts.append(rtt)
             if not as_json:
-                typer.echo(f"pong from kvbroker {pong['server_version']} (pid "
-                           f"{pong['server_pid']}) on {clean(client.socket_path)}: "
-                           f"{rtt * 1e3:.3f} ms")  # fmt: skip
+                typer.echo(
+                    f"pong from kvbroker {pong['server_version']} (pid "
+                    f"{pong['server_pid']}) on {clean(client.socket_path)}: "
+                    f"{rtt * 1e3:.3f} ms"
+                )
     except KeyboardInterrupt:
         pass
     except BrokerUnavailable as exc:
@@ -49,16 +51,27 @@ def ping(
         client.close()
     uptime = time.time() - pong["started_at"]
     if as_json:
-        typer.echo(json.dumps({
-            "socket": client.socket_path, "server_version": pong["server_version"],
-            "server_pid": pong["server_pid"], "uptime": uptime, "epoch": pong["epoch"],
-            "connect_ms": connect_s * 1e3, "rtt_ms": [r * 1e3 for r in rtts],
-        }, indent=2))  # fmt: skip
+        typer.echo(
+            json.dumps(
+                {
+                    "socket": client.socket_path,
+                    "server_version": pong["server_version"],
+                    "server_pid": pong["server_pid"],
+                    "uptime": uptime,
+                    "epoch": pong["epoch"],
+                    "connect_ms": connect_s * 1e3,
+                    "rtt_ms": [r * 1e3 for r in rtts],
+                },
+                indent=2,
+            )
+        )
         return
     ms = [r * 1e3 for r in rtts]
-    typer.echo(f"{len(ms)} ping(s): min/avg/max {min(ms):.3f}/{sum(ms) / len(ms):.3f}/"
-               f"{max(ms):.3f} ms; connected in {connect_s * 1e3:.1f} ms; daemon up "
-               f"{_duration(uptime)}")  # fmt: skip
+    typer.echo(
+        f"{len(ms)} ping(s): min/avg/max {min(ms):.3f}/{sum(ms) / len(ms):.3f}/"
+        f"{max(ms):.3f} ms; connected in {connect_s * 1e3:.1f} ms; daemon up "
+        f"{_duration(uptime)}"
+    )
 
 
 def _duration(s: float) -> str:
@@ -78,20 +91,38 @@ def daemon_check(socket_path: str):
     name = "daemon"
     try:
         t0 = time.perf_counter()
-        with Client(socket_path, name="kvbroker-doctor", role="admin", map_pools=False,
-                    timeout=5, reconnect=0) as c:  # fmt: skip
+        with Client(
+            socket_path,
+            name="kvbroker-doctor",
+            role="admin",
+            map_pools=False,
+            timeout=5,
+            reconnect=0,
+        ) as c:
             pong = c.ops.ping()
             rtt = c.ping()
             took = time.perf_counter() - t0
     except BrokerUnavailable as exc:
         if "permission denied" in str(exc):
-            return Check(name, "fail", str(exc),
-                         "add this user to the socket's group: 'usermod -aG kvbroker USER' "
-                         "(then log in again)")  # fmt: skip
-        return Check(name, "warn", f"{exc}",
-                     "start it: 'systemctl start kvbroker' (the service) or 'kvbroker serve'")
+            return Check(
+                name,
+                "fail",
+                str(exc),
+                "add this user to the socket's group: 'usermod -aG kvbroker USER' "
+                "(then log in again)",
+            )
+        return Check(
+            name,
+            "warn",
+            f"{exc}",
+            "start it: 'systemctl start kvbroker' (the service) or 'kvbroker serve'",
+        )
     except KVBrokerError as exc:
         return Check(name, "fail", f"the daemon on {socket_path} refused: {exc.code}: {exc}")
-    return Check(name, "ok", f"kvbroker {pong['server_version']} (pid {pong['server_pid']}) "
-                 f"answers on {socket_path}: ping {rtt * 1e3:.2f} ms, connect + hello "
-                 f"{(took - rtt) * 1e3:.1f} ms")  # fmt: skip
+    return Check(
+        name,
+        "ok",
+        f"kvbroker {pong['server_version']} (pid {pong['server_pid']}) "
+        f"answers on {socket_path}: ping {rtt * 1e3:.2f} ms, connect + hello "
+        f"{(took - rtt) * 1e3:.1f} ms",
+    )

@@ -25,10 +25,16 @@ def _parameter(key: Key) -> inspect.Parameter:
     else:
         annotation = key.text | None  # None: not given, the file or a variable decides
         shown = key.shown_default()
-        option = typer.Option(None, *key.flags, help=key.help, metavar=key.metavar,
-                              show_default=shown if shown is not None else False)  # fmt: skip
-    return inspect.Parameter(key.name, inspect.Parameter.POSITIONAL_OR_KEYWORD,
-                             default=option, annotation=annotation)  # fmt: skip
+        option = typer.Option(
+            None,
+            *key.flags,
+            help=key.help,
+            metavar=key.metavar,
+            show_default=shown if shown is not None else False,
+        )
+    return inspect.Parameter(
+        key.name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=option, annotation=annotation
+    )
 
 
 def with_setting_flags(command: Callable[..., Any]) -> Callable[..., Any]:
@@ -37,8 +43,11 @@ def with_setting_flags(command: Callable[..., Any]) -> Callable[..., Any]:
     given (what ``load_config(flags=...)`` takes)."""
     keys = [k for k in SETTINGS if k.flags]
     hints = typing.get_type_hints(command)
-    own = [p.replace(annotation=hints.get(p.name, p.annotation))
-           for p in inspect.signature(command).parameters.values() if p.name != "flags"]
+    own = [
+        p.replace(annotation=hints.get(p.name, p.annotation))
+        for p in inspect.signature(command).parameters.values()
+        if p.name != "flags"
+    ]
     params = own + [_parameter(k) for k in keys]
 
     @functools.wraps(command)

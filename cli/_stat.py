@@ -28,9 +28,12 @@ def stat(
     socket: str | None = SocketOpt,
     as_json: bool = JsonOpt,
     watch: bool = typer.Option(
-        False, "--watch", "-w", help="Print a new snapshot every --interval until Ctrl-C "
+        False,
+        "--watch",
+        "-w",
+        help="Print a new snapshot every --interval until Ctrl-C "
         "(the screen is redrawn on a terminal; --json: one object per line).",
-    ),  # fmt: skip
+    ),
     interval: float = typer.Option(
         2.0, "--interval", "-i", min=0.1, metavar="SECONDS", help="Seconds between snapshots."
     ),
@@ -69,12 +72,15 @@ def render(s) -> str:
     c = s.counters
     width = output_width()
     lines = [
-        f"kvbroker {clean(s.version)}  pid {s.pid}  socket {clean(s.socket)}  "
-        f"up {s.uptime:.0f} s",
+        f"kvbroker {clean(s.version)}  pid {s.pid}  socket {clean(s.socket)}  up {s.uptime:.0f} s",
         f"objects {s.objects}  pending {s.pending}  "
         f"leases: {s.read_leases} read, {s.write_leases} write  clients {len(s.clients)}"
-        + (f"  read replicas {s.read_replicas} (answered {c.replica_requests}, "
-           f"exited {c.replica_exits})" if s.read_replicas or c.replica_exits else ""),
+        + (
+            f"  read replicas {s.read_replicas} (answered {c.replica_requests}, "
+            f"exited {c.replica_exits})"
+            if s.read_replicas or c.replica_exits
+            else ""
+        ),
         "",
         f"{'POOL':<5}{'CAPACITY':>12}{'USED':>12}{'FREE':>12}{'LEASED':>12}"
         f"{'OBJECTS':>9}{'FRAG':>7}",
@@ -86,8 +92,11 @@ def render(s) -> str:
             f"{p.objects:>9}{p.fragmentation:>7.1%}"
         )
     if s.rings:
-        lines += ["", f"{'RING':<5}{'CAPACITY':>12}{'USED':>12}{'FREE':>12}{'LEASED':>12}"
-                      f"{'OBJECTS':>9}  DEVICE"]  # fmt: skip
+        lines += [
+            "",
+            f"{'RING':<5}{'CAPACITY':>12}{'USED':>12}{'FREE':>12}{'LEASED':>12}"
+            f"{'OBJECTS':>9}  DEVICE",
+        ]
         for r in s.rings:
             lines.append(
                 f"{r.index:<5}{format_size(r.capacity):>12}{format_size(r.used):>12}"
@@ -105,24 +114,29 @@ def render(s) -> str:
     lines += _render_fleet(s)
     r = s.retention
     if r is not None and (r.sessions or r.evicted or r.dropped):
-        held = "  ".join(f"pool {i} {format_size(b)} of {format_size(cap)}"
-                         for i, (b, cap) in enumerate(zip(r.retained_bytes, r.retained_cap, strict=True)))
+        held = "  ".join(
+            f"pool {i} {format_size(b)} of {format_size(cap)}"
+            for i, (b, cap) in enumerate(zip(r.retained_bytes, r.retained_cap, strict=True))
+        )
         lines += ["", f"sessions {r.sessions}  retained blocks {r.retained_objects}  {held}"]
         for why, what in (("evicted", r.evicted), ("lost retention", r.dropped)):
             if what:
-                lines.append(f"  retained blocks {why}: "
-                             + "  ".join(f"{clean(k)} {v:,}" for k, v in sorted(what.items())))
+                lines.append(
+                    f"  retained blocks {why}: "
+                    + "  ".join(f"{clean(k)} {v:,}" for k, v in sorted(what.items()))
+                )
     if s.namespaces:
         names = [clean(n.namespace) for n in s.namespaces]
         ns_w = max([9] + [len(x) for x in names]) + 2
         if width is not None:
             ns_w = min(ns_w, max(12, width - 45))
-        lines += ["", f"{'NAMESPACE':<{ns_w}}{'OBJECTS':>9}{'BYTES':>12}{'USED':>12}"
-                      f"{'QUOTA':>12}"]  # fmt: skip
+        lines += ["", f"{'NAMESPACE':<{ns_w}}{'OBJECTS':>9}{'BYTES':>12}{'USED':>12}{'QUOTA':>12}"]
         for name, n in zip(names, s.namespaces, strict=True):
             quota = format_size(n.quota) if n.quota is not None else "-"
-            lines.append(f"{fit(name, ns_w - 2):<{ns_w}}{n.objects:>9}{format_size(n.bytes):>12}"
-                         f"{format_size(n.used):>12}{quota:>12}")  # fmt: skip
+            lines.append(
+                f"{fit(name, ns_w - 2):<{ns_w}}{n.objects:>9}{format_size(n.bytes):>12}"
+                f"{format_size(n.used):>12}{quota:>12}"
+            )
     if s.clients:
         lines += ["", f"{'SESSION':<9}{'PID':>8}{'UID':>7}  {'ROLE':<10}{'LEASES':>7}  NAME"]
         for cl in s.clients:
@@ -142,34 +156,45 @@ def _render_fleet(s) -> list[str]:
     out = []
     t = s.transfer
     if t is not None:
-        out += ["", f"transfer: node {t.node}  "
-                    f"{'serving on ' + t.listen if t.listen else 'not serving'}  "
-                    f"peer connections {t.serving}  leases held for peers {t.leases_served}",
-                f"pulls {t.pulls} ({format_size(t.bytes_pulled)})  in flight {t.in_flight}  "
-                f"failures {t.failures}  served {t.pins_served} pins "
-                f"({format_size(t.bytes_served)})  refused {t.refused}"]  # fmt: skip
+        out += [
+            "",
+            f"transfer: node {t.node}  "
+            f"{'serving on ' + t.listen if t.listen else 'not serving'}  "
+            f"peer connections {t.serving}  leases held for peers {t.leases_served}",
+            f"pulls {t.pulls} ({format_size(t.bytes_pulled)})  in flight {t.in_flight}  "
+            f"failures {t.failures}  served {t.pins_served} pins "
+            f"({format_size(t.bytes_served)})  refused {t.refused}",
+        ]
         for p in t.peers:
-            out.append(f"  peer {clean(p.address)} ({clean(p.node or '?')}): "
-                       f"{'connected' if p.connected else 'disconnected'}")
+            out.append(
+                f"  peer {clean(p.address)} ({clean(p.node or '?')}): "
+                f"{'connected' if p.connected else 'disconnected'}"
+            )
         if t.last_failure:
             out.append(f"  last failure: {clean(t.last_failure)}")
     e = s.events
     if e is not None:
-        out += ["", f"events: {e.endpoint} topic {e.topic} ({e.format})  sent "
-                    f"{e.events_published}  dropped {e.events_dropped}  queued {e.queued}  "
-                    f"next seq {e.next_seq}"]  # fmt: skip
+        out += [
+            "",
+            f"events: {e.endpoint} topic {e.topic} ({e.format})  sent "
+            f"{e.events_published}  dropped {e.events_dropped}  queued {e.queued}  "
+            f"next seq {e.next_seq}",
+        ]
     d = s.disk
     if d is not None:
         why = clean(d.o_direct_problem or "o_direct = false")
         io = "O_DIRECT" if d.o_direct else f"buffered I/O ({why})"
-        out += ["", f"disk tier: {format_size(d.used)} of {format_size(d.capacity)} used  "
-                    f"objects {d.objects} ({d.only_on_disk} on disk only, "
-                    f"{format_size(d.bytes)})  policy {d.policy}  {io}",
-                f"  written {d.writes} ({format_size(d.written_bytes)}; write-back "
-                f"{d.written_back}, demoted {d.demoted})  promoted {d.promoted} "
-                f"({format_size(d.promoted_bytes)})  writing {format_size(d.writing_bytes)}  "
-                f"evicted {d.evicted}  skipped {d.skipped}  damaged {d.dropped_damaged}  "
-                f"errors {d.errors}",
-                f"  {', '.join(clean(x) for x in d.directories)}  (recovered at start "
-                f"{d.recovered}, dropped {d.recovered_dropped})"]  # fmt: skip
+        out += [
+            "",
+            f"disk tier: {format_size(d.used)} of {format_size(d.capacity)} used  "
+            f"objects {d.objects} ({d.only_on_disk} on disk only, "
+            f"{format_size(d.bytes)})  policy {d.policy}  {io}",
+            f"  written {d.writes} ({format_size(d.written_bytes)}; write-back "
+            f"{d.written_back}, demoted {d.demoted})  promoted {d.promoted} "
+            f"({format_size(d.promoted_bytes)})  writing {format_size(d.writing_bytes)}  "
+            f"evicted {d.evicted}  skipped {d.skipped}  damaged {d.dropped_damaged}  "
+            f"errors {d.errors}",
+            f"  {', '.join(clean(x) for x in d.directories)}  (recovered at start "
+            f"{d.recovered}, dropped {d.recovered_dropped})",
+        ]
     return out

@@ -45,8 +45,10 @@ def _prompts(args) -> tuple[list[int], list[int]]:
     from models import prompt
 
     system = prompt(args.system_len, seed=args.seed + 100)
-    return (system + prompt(args.user_len, seed=args.seed + 101),
-            system + prompt(args.user_len + 3, seed=args.seed + 102))  # fmt: skip
+    return (
+        system + prompt(args.user_len, seed=args.seed + 101),
+        system + prompt(args.user_len + 3, seed=args.seed + 102),
+    )
 
 
 def _setup(args):
@@ -61,8 +63,9 @@ def _prefix_cache(client, args):
     from kvbroker.prefix import PrefixCache
 
     # The namespace names the model: blocks of another model never match.
-    return PrefixCache(client, namespace=f"ex-{args.arch}-{args.dtype}-s{args.seed}",
-                       block_size=args.block_size)  # fmt: skip
+    return PrefixCache(
+        client, namespace=f"ex-{args.arch}-{args.dtype}-s{args.seed}", block_size=args.block_size
+    )
 
 
 def role_prefill(args) -> dict:
@@ -78,26 +81,38 @@ def role_prefill(args) -> dict:
     cache, last_logits = prefill(model, prompt_a)
     first = int(last_logits.argmax())
     compute = time.perf_counter() - started
-    report = {"role": "prefill", "prompt_tokens": len(prompt_a), "first_token": first,
-              "prefill_s": round(compute, 4)}  # fmt: skip
+    report = {
+        "role": "prefill",
+        "prompt_tokens": len(prompt_a),
+        "first_token": first,
+        "prefill_s": round(compute, 4),
+    }
     heads = kvt.KVSpec.from_model(model).num_kv_heads
     with Client(args.socket, name="example-prefill") as client:
         # The decode side waits on the plain request, so it is published last.
         if "prefix" in args.variants:
             pc = _prefix_cache(client, args)
-            report["prefix_blocks_new"] = kvt.publish_prefix(pc, prompt_a, cache,
-                                                             config=model.config)  # fmt: skip
+            report["prefix_blocks_new"] = kvt.publish_prefix(
+                pc, prompt_a, cache, config=model.config
+            )
         if "tp" in args.variants:
             for rank in range(args.prefill_tp):  # each emulated prefill TP rank holds its heads
                 shard = kvt.head_shard(cache, rank, args.prefill_tp, config=model.config)
-                kvt.publish_tp_shard(client, args.request, shard, tp_rank=rank,
-                                     tp_size=args.prefill_tp, total_kv_heads=heads,
-                                     decode_tp_size=args.decode_tp)  # fmt: skip
+                kvt.publish_tp_shard(
+                    client,
+                    args.request,
+                    shard,
+                    tp_rank=rank,
+                    tp_size=args.prefill_tp,
+                    total_kv_heads=heads,
+                    decode_tp_size=args.decode_tp,
+                )
             # The sampled token travels next to the KV (an engine's router would carry it).
             client.put(f"{args.request}/first", {"token": np.array([first], dtype=np.int64)})
         if "plain" in args.variants:
-            published = kvt.publish_cache(client, args.request, cache, config=model.config,
-                                          extra={"next_token": first})  # fmt: skip
+            published = kvt.publish_cache(
+                client, args.request, cache, config=model.config, extra={"next_token": first}
+            )
             report["plain_bytes"] = published.nbytes
             report["publish_s"] = round(published.seconds, 4)
     return report
@@ -129,29 +144,54 @@ def role_decode(args) -> dict:
             claimed = kvt.claim_cache(client, args.request, model=model, wait=args.wait)
             claim_s = time.perf_counter() - started
             tokens, logits = greedy(model, claimed.cache, claimed.meta["next_token"], args.steps)
-            report["plain"] = _save(out_dir, "plain", tokens, logits,
-                                    claimed_tokens=claimed.seq_len, claim_s=round(claim_s, 4),
-                                    bytes=claimed.nbytes)  # fmt: skip
+            report["plain"] = _save(
+                out_dir,
+                "plain",
+                tokens,
+                logits,
+                claimed_tokens=claimed.seq_len,
+                claim_s=round(claim_s, 4),
+                bytes=claimed.nbytes,
+            )
         if "tp" in args.variants:
             first = client.get(f"{args.request}/first", consume=True, wait=args.wait)["token"]
             first = int(np.frombuffer(first, dtype=np.int64)[0])
-            shards = [kvt.claim_tp_shard(client, args.request, tp_rank=rank, tp_size=args.decode_tp,
-                                         prefill_tp_size=args.prefill_tp, model=model,
-                                         wait=args.wait)  # fmt: skip
-                      for rank in range(args.decode_tp)]  # each emulated decode TP rank
-            cache = kvt.merge_head_shards([s.cache for s in shards], total_kv_heads=heads,
-                                          config=model.config)  # fmt: skip
+            shards = [
+                kvt.claim_tp_shard(
+                    client,
+                    args.request,
+                    tp_rank=rank,
+                    tp_size=args.decode_tp,
+                    prefill_tp_size=args.prefill_tp,
+                    model=model,
+                    wait=args.wait,
+                )
+                for rank in range(args.decode_tp)
+            ]  # each emulated decode TP rank
+            cache = kvt.merge_head_shards(
+                [s.cache for s in shards], total_kv_heads=heads, config=model.config
+            )
             tokens, logits = greedy(model, cache, first, args.steps)
-            report["tp"] = _save(out_dir, "tp", tokens, logits,
-                                 shards_read=[s.result.keys for s in shards],
-                                 local_heads=[s.cache.layers[0].keys.shape[1] for s in shards])
+            report["tp"] = _save(
+                out_dir,
+                "tp",
+                tokens,
+                logits,
+                shards_read=[s.result.keys for s in shards],
+                local_heads=[s.cache.layers[0].keys.shape[1] for s in shards],
+            )
         if "prefix" in args.variants:
             claimed = kvt.claim_prefix(_prefix_cache(client, args), prompt_b, model=model)
             cache, last_logits = prefill(model, prompt_b[claimed.seq_len :], claimed.cache)
             tokens, logits = greedy(model, cache, int(last_logits.argmax()), args.steps)
-            report["prefix"] = _save(out_dir, "prefix", tokens, logits,
-                                     reused_tokens=claimed.seq_len,
-                                     prefilled_tokens=len(prompt_b) - claimed.seq_len)  # fmt: skip
+            report["prefix"] = _save(
+                out_dir,
+                "prefix",
+                tokens,
+                logits,
+                reused_tokens=claimed.seq_len,
+                prefilled_tokens=len(prompt_b) - claimed.seq_len,
+            )
             import torch
 
             torch.save(last_logits.cpu(), out_dir / "prefix-last.pt")
@@ -170,8 +210,9 @@ def _daemon(socket_path: str | None):
     except BrokerUnavailable:
         pass
     path = os.path.join(tempfile.mkdtemp(prefix="kvb-demo-"), "kvb.sock")
-    proc = subprocess.Popen([sys.executable, "-m", "kvbroker", "serve", "--socket", path,
-                             "--pool-size", "256M"])  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvbroker", "serve", "--socket", path, "--pool-size", "256M"]
+    )
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline:
         try:
@@ -185,12 +226,32 @@ def _daemon(socket_path: str | None):
 
 
 def _role_command(role: str, args, extra: list[str]) -> list[str]:
-    common = ["--arch", args.arch, "--dtype", args.dtype, "--seed", str(args.seed),
-              "--system-len", str(args.system_len), "--user-len", str(args.user_len),
-              "--block-size", str(args.block_size), "--prefill-tp", str(args.prefill_tp),
-              "--decode-tp", str(args.decode_tp), "--steps", str(args.steps),
-              "--request", args.request, "--variants", ",".join(args.variants),
-              "--socket", args.socket]  # fmt: skip
+    common = [
+        "--arch",
+        args.arch,
+        "--dtype",
+        args.dtype,
+        "--seed",
+        str(args.seed),
+        "--system-len",
+        str(args.system_len),
+        "--user-len",
+        str(args.user_len),
+        "--block-size",
+        str(args.block_size),
+        "--prefill-tp",
+        str(args.prefill_tp),
+        "--decode-tp",
+        str(args.decode_tp),
+        "--steps",
+        str(args.steps),
+        "--request",
+        args.request,
+        "--variants",
+        ",".join(args.variants),
+        "--socket",
+        args.socket,
+    ]
     return [sys.executable, __file__, role, *common, *extra]
 
 
@@ -204,10 +265,12 @@ def role_demo(args) -> dict:
     out_dir = tempfile.mkdtemp(prefix="kvb-demo-out-")
     try:
         # Decode starts first and waits for the request to be published.
-        decode = subprocess.Popen(_role_command("decode", args, ["--out", out_dir]),
-                                  stdout=subprocess.PIPE, text=True)  # fmt: skip
-        prefill = subprocess.run(_role_command("prefill", args, []), stdout=subprocess.PIPE,
-                                 text=True, check=True)  # fmt: skip
+        decode = subprocess.Popen(
+            _role_command("decode", args, ["--out", out_dir]), stdout=subprocess.PIPE, text=True
+        )
+        prefill = subprocess.run(
+            _role_command("prefill", args, []), stdout=subprocess.PIPE, text=True, check=True
+        )
         decoded, _ = decode.communicate(timeout=300)
         if decode.returncode:
             raise SystemExit(f"decode failed ({decode.returncode})")
@@ -218,12 +281,16 @@ def role_demo(args) -> dict:
         ok = True
         for variant in args.variants:
             got = torch.load(Path(out_dir) / f"{variant}.pt")
-            tokens, logits = reference(model, prompt_b if variant == "prefix" else prompt_a,
-                                       args.steps)  # fmt: skip
+            tokens, logits = reference(
+                model, prompt_b if variant == "prefix" else prompt_a, args.steps
+            )
             same = got["tokens"] == tokens and torch.equal(got["logits"], logits)
             ok &= same
-            verdict = ("== single-process generation, first-step logits bit-identical" if same
-                       else "DIFFER from the single-process generation")  # fmt: skip
+            verdict = (
+                "== single-process generation, first-step logits bit-identical"
+                if same
+                else "DIFFER from the single-process generation"
+            )
             print(f"{variant:>6}: tokens {got['tokens']} {verdict}")
     finally:
         if daemon is not None:

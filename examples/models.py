@@ -13,38 +13,88 @@ import torch
 # The architectures exercised: different head layouts (GQA, MHA, MQA) and block structures.
 TINY = {
     # Llama: GQA, 4 query heads over 2 KV heads, RMSNorm, rotary on the whole head.
-    "llama": ("LlamaConfig", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                  num_attention_heads=4, num_key_value_heads=2)),
+    "llama": (
+        "LlamaConfig",
+        dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        ),
+    ),
     # GPT-NeoX: MHA (4 KV heads), fused QKV, parallel residual, rotary on a quarter of the head.
-    "gpt_neox": ("GPTNeoXConfig", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                       num_attention_heads=4)),
+    "gpt_neox": (
+        "GPTNeoXConfig",
+        dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4),
+    ),
     # Qwen2: MQA here (1 KV head), QKV biases.
-    "qwen2": ("Qwen2Config", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                  num_attention_heads=4, num_key_value_heads=1)),
+    "qwen2": (
+        "Qwen2Config",
+        dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+        ),
+    ),
     # Mistral: GQA, sliding-window layers (DynamicSlidingWindowLayer).
-    "mistral": ("MistralConfig", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2,
-                                      sliding_window=4096)),
-}  # fmt: skip
+    "mistral": (
+        "MistralConfig",
+        dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            sliding_window=4096,
+        ),
+    ),
+}
 
 # ~110M parameters (Llama-style, GQA 12/4): a prefill of a few thousand tokens costs seconds
 # on a CPU, so time to first token measures something.
-BENCH = ("LlamaConfig", dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
-                             num_attention_heads=12, num_key_value_heads=4,
-                             vocab_size=32000))  # fmt: skip
+BENCH = (
+    "LlamaConfig",
+    dict(
+        hidden_size=768,
+        intermediate_size=2048,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        vocab_size=32000,
+    ),
+)
 
 # Llama-3-8B's shape (32 layers, hidden 4096, 32 query / 8 KV heads, head_dim 128): a 16k-token
 # prompt's KV is 2 GiB in bf16. Only on a GPU host (16 GB of weights, built on the device).
-LLAMA_8B = ("LlamaConfig", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                                num_attention_heads=32, num_key_value_heads=8,
-                                vocab_size=128256))  # fmt: skip
+LLAMA_8B = (
+    "LlamaConfig",
+    dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+    ),
+)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 VOCAB = 256
 
 
-def build(arch: str = "llama", dtype: str = "fp32", *, seed: int = 0, size: str = "tiny",
-          max_positions: int = 8192, device: str = "cpu", **overrides):  # fmt: skip
+def build(
+    arch: str = "llama",
+    dtype: str = "fp32",
+    *,
+    seed: int = 0,
+    size: str = "tiny",
+    max_positions: int = 8192,
+    device: str = "cpu",
+    **overrides,
+):
     """A causal LM from a config, weights drawn from ``torch.manual_seed(seed)``, eval mode.
 
     ``overrides``: config fields to change (e.g. ``sliding_window=8``)."""

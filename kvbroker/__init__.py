@@ -53,7 +53,6 @@ __all__ = [
     "ObjectInfo",
     "NamespaceUsage",
     "KVBrokerError",
-
     "BadRequest",
     "ProtocolError",
     "NotFound",
@@ -78,5 +77,12 @@ __all__ = [
 from .kv import ClaimResult, PagedKV, PublishResult, claim_shards, publish_shard, shard_key  # noqa: E402
 from .layout import Layout  # noqa: E402
 
-__all__ += ["Layout", "PagedKV", "PublishResult", "ClaimResult", "publish_shard", "claim_shards",
-            "shard_key"]  # fmt: skip
+__all__ += [
+    "Layout",
+    "PagedKV",
+    "PublishResult",
+    "ClaimResult",
+    "publish_shard",
+    "claim_shards",
+    "shard_key",
+]

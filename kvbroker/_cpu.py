@@ -36,8 +36,11 @@ class CpuPressure:
 
     def __init__(self, max_waiting: float = 30.0) -> None:
         self.max_waiting = max_waiting
-        self.cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
-            os.cpu_count() or 1)  # fmt: skip
+        self.cpus = (
+            len(os.sched_getaffinity(0))
+            if hasattr(os, "sched_getaffinity")
+            else (os.cpu_count() or 1)
+        )
         try:
             self._fd: int | None = os.open("/proc/pressure/cpu", os.O_RDONLY | os.O_CLOEXEC)
         except OSError:

@@ -66,8 +66,7 @@ def _read_unit(path: str) -> str:
     return "\n".join(parts)
 
 
-def check_socket_unit(socket_path: str, unit_paths: Iterable[str] = UNIT_PATHS
-                      ) -> SocketUnitCheck:  # fmt: skip
+def check_socket_unit(socket_path: str, unit_paths: Iterable[str] = UNIT_PATHS) -> SocketUnitCheck:
     """Compare the configured ``socket_path`` with the first socket unit found."""
     for path in unit_paths:
         if os.path.isfile(path):
@@ -76,14 +75,17 @@ def check_socket_unit(socket_path: str, unit_paths: Iterable[str] = UNIT_PATHS
         return SocketUnitCheck("skip", "no kvbroker.socket unit installed")
     streams = listen_streams(_read_unit(path))
     if not streams:
-        return SocketUnitCheck("warn", f"{path} has no ListenStream=",
-                               f"add ListenStream={socket_path} to its [Socket] section")
+        return SocketUnitCheck(
+            "warn",
+            f"{path} has no ListenStream=",
+            f"add ListenStream={socket_path} to its [Socket] section",
+        )
     if socket_path in streams:
         return SocketUnitCheck("ok", f"socket {socket_path} is {path}'s ListenStream=")
     return SocketUnitCheck(
         "fail",
         f"the configuration says socket = {socket_path!r} but {path} listens on "
         f"{', '.join(streams)}: clients told the first would not find the daemon",
-        f"make them equal: socket = \"{streams[0]}\" in the configuration, or "
+        f'make them equal: socket = "{streams[0]}" in the configuration, or '
         f"ListenStream={socket_path} in a drop-in ('systemctl edit kvbroker.socket')",
     )

@@ -123,8 +123,9 @@ class ChecksumMismatch(KVBrokerError):
 
     code = "checksum_mismatch"
 
-    def __init__(self, message: str = "", *, code: str | None = None,
-                 buffers: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self, message: str = "", *, code: str | None = None, buffers: tuple[str, ...] = ()
+    ) -> None:
         super().__init__(message, code=code)
         self.buffers = tuple(buffers)
 

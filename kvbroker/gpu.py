@@ -65,5 +65,14 @@ from ._client.gpu_copy import coalesce, copy_runs
 from ._client.gpu_rings import RingRegion
 from ._client.gpu_shards import claim_shards_cuda, publish_shard_cuda
 
-__all__ = ["GpuClient", "RingRegion", "host_tensors", "cuda_available", "registered_segments",
-           "publish_shard_cuda", "claim_shards_cuda", "copy_runs", "coalesce"]
+__all__ = [
+    "GpuClient",
+    "RingRegion",
+    "host_tensors",
+    "cuda_available",
+    "registered_segments",
+    "publish_shard_cuda",
+    "claim_shards_cuda",
+    "copy_runs",
+    "coalesce",
+]

@@ -129,11 +129,20 @@ def publish_shard(
         return PublishResult(key, False, 0, seconds=time.perf_counter() - started)
     ids = _block_index(block_ids, num_tokens, cache.block_size, cache.num_blocks)
     spec = ShardSpec.build(
-        request, tp_rank=tp_rank, tp_size=tp_size, total_kv_heads=heads, heads=mine,
-        num_tokens=num_tokens, num_layers=cache.num_layers, components=cache.components,
-        dtype=cache.dtype, head_dim=cache.head_dim, infix=infix,
-        engine_layout=cache.layouts[0], decode_tp_size=decode_tp_size,
-    )  # fmt: skip
+        request,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        total_kv_heads=heads,
+        heads=mine,
+        num_tokens=num_tokens,
+        num_layers=cache.num_layers,
+        components=cache.components,
+        dtype=cache.dtype,
+        head_dim=cache.head_dim,
+        infix=infix,
+        engine_layout=cache.layouts[0],
+        decode_tp_size=decode_tp_size,
+    )
     names = spec.buffer_names()
     sizes = {name: spec.layout.nbytes for row in names for name in row}
     extra = dict(extra or {})
@@ -142,8 +151,15 @@ def publish_shard(
             raise BadRequest(f"extra buffer {name!r} collides with a KV buffer name")
         sizes[name] = nbytes_of(extra[name])
     ops = 0
-    with client.reserve(key, sizes, namespace=namespace, meta=spec.to_meta(), ttl=ttl,
-                        replace=replace, consumers=consumers) as lease:  # fmt: skip
+    with client.reserve(
+        key,
+        sizes,
+        namespace=namespace,
+        meta=spec.to_meta(),
+        ttl=ttl,
+        replace=replace,
+        consumers=consumers,
+    ) as lease:
         # One job per (layer, K/V) buffer over the copy engine's threads: each gathers its
         # blocks into the buffer, then hashes it while it is still in cache, so the seal
         # does not read every buffer again (kvbroker._client.engine.run_jobs).
@@ -152,15 +168,24 @@ def publish_shard(
         shape = (len(mine), num_tokens, cache.head_dim)
 
         def gather(layer: int, c: int, name: str) -> tuple[int, Any]:
-            n = _gather(cache.component(layer, c), ids, num_tokens,
-                        _split_view(views[name].view(cache.layer(0).dtype), shape))  # fmt: skip
+            n = _gather(
+                cache.component(layer, c),
+                ids,
+                num_tokens,
+                _split_view(views[name].view(cache.layer(0).dtype), shape),
+            )
             return n, None if kind is None else _integrity.digest_here(views[name], kind)
 
-        jobs = [functools.partial(gather, layer, c, name)
-                for layer, row in enumerate(names) for c, name in enumerate(row)]  # fmt: skip
+        jobs = [
+            functools.partial(gather, layer, c, name)
+            for layer, row in enumerate(names)
+            for c, name in enumerate(row)
+        ]
         done = default_engine().run_jobs(jobs, spec.layout.nbytes * len(jobs))
         ops = sum(n for n, _ in done)
-        sums = {name: d for (_, d), name in zip(done, (n for row in names for n in row), strict=True)}
+        sums = {
+            name: d for (_, d), name in zip(done, (n for row in names for n in row), strict=True)
+        }
         for name, value in extra.items():
             if not sizes[name]:
                 if kind is not None:
@@ -173,8 +198,9 @@ def publish_shard(
             ops += 1
         if kind is not None:
             lease.checksums = sums
-    return PublishResult(key, True, consumers, ops, sum(sizes.values()),
-                         time.perf_counter() - started)  # fmt: skip
+    return PublishResult(
+        key, True, consumers, ops, sum(sizes.values()), time.perf_counter() - started
+    )
 
 
 def claim_shards(
@@ -216,9 +242,15 @@ def claim_shards(
         specs = {}
         for key in keys:
             specs[key] = spec = ShardSpec.from_meta(pins[key].meta, key)
-            spec.check(key, components=cache.components, num_layers=cache.num_layers,
-                       total_kv_heads=heads, tp_size=prefill_tp_size, infix=infix,
-                       layout=cache.layouts[0])  # fmt: skip
+            spec.check(
+                key,
+                components=cache.components,
+                num_layers=cache.num_layers,
+                total_kv_heads=heads,
+                tp_size=prefill_tp_size,
+                infix=infix,
+                layout=cache.layouts[0],
+            )
         total = agreed_tokens(specs, num_tokens)
         ids = _block_index(block_ids, total, cache.block_size, cache.num_blocks)
         full_index = _as_index(ids[: total // cache.block_size])
@@ -236,14 +268,17 @@ def claim_shards(
             if missing:
                 raise LayoutMismatch(f"layout mismatch on buffers: {key} has no {missing[0]}")
             if any(extents[n][2] != stored.nbytes for row in names for n in row):
-                raise LayoutMismatch(f"layout mismatch on buffer sizes: {key} does not hold "
-                                     f"{stored.nbytes} bytes per buffer")  # fmt: skip
+                raise LayoutMismatch(
+                    f"layout mismatch on buffer sizes: {key} does not hold "
+                    f"{stored.nbytes} bytes per buffer"
+                )
             sources.append((piece, extents, run))
         # Read-only use of the pinned pool bytes, viewed straight from the mapping: one
         # constructor call per copy instead of view + slice + reshape.
         np = _np()
         maps = {e[0]: client.pool_view(e[0]) for _, ext, _ in sources for e in ext.values()}
         dim = cache.head_dim
+
         # (layer, K/V) outermost, shards innermost: the pieces of one destination component
         # land back to back while its cache lines are still hot (an NHD row is written by
         # every contributing shard; shard-outermost order went to DRAM once per shard).
@@ -253,13 +288,15 @@ def claim_shards(
             dst, ops = cache.component(layer, c), 0
             for piece, ext, (offset, _) in sources:
                 pool, start, _ = ext[name]
-                src = np.ndarray((piece.count, total, dim), int_dtype, maps[pool],
-                                 start + offset)  # fmt: skip
+                src = np.ndarray((piece.count, total, dim), int_dtype, maps[pool], start + offset)
                 ops += _scatter(src, dst, ids, full_index, total, piece.dst_head)
             return ops
 
-        jobs = [functools.partial(scatter, layer, c, name)
-                for layer, row in enumerate(names) for c, name in enumerate(row)]  # fmt: skip
+        jobs = [
+            functools.partial(scatter, layer, c, name)
+            for layer, row in enumerate(names)
+            for c, name in enumerate(row)
+        ]
         per_job = sum(nbytes for _, _, (_, nbytes) in sources)
         result.copy_ops += sum(default_engine().run_jobs(jobs, per_job * len(jobs)))
         result.source_runs += len(sources) * len(jobs)

@@ -34,18 +34,37 @@ from .errors import BadRequest, LayoutMismatch
 __all__ = ["Layout", "check_compatible", "dtype_name", "itemsize_of", "shard_storage"]
 
 _ITEMSIZE = {
-    "bool": 1, "uint8": 1, "int8": 1, "float8_e4m3fn": 1, "float8_e4m3fnuz": 1,
-    "float8_e5m2": 1, "float8_e5m2fnuz": 1, "float8_e8m0fnu": 1,
-    "int16": 2, "uint16": 2, "float16": 2, "bfloat16": 2,
-    "int32": 4, "uint32": 4, "float32": 4,
-    "int64": 8, "uint64": 8, "float64": 8, "complex64": 8, "complex128": 16,
-}  # fmt: skip
+    "bool": 1,
+    "uint8": 1,
+    "int8": 1,
+    "float8_e4m3fn": 1,
+    "float8_e4m3fnuz": 1,
+    "float8_e5m2": 1,
+    "float8_e5m2fnuz": 1,
+    "float8_e8m0fnu": 1,
+    "int16": 2,
+    "uint16": 2,
+    "float16": 2,
+    "bfloat16": 2,
+    "int32": 4,
+    "uint32": 4,
+    "float32": 4,
+    "int64": 8,
+    "uint64": 8,
+    "float64": 8,
+    "complex64": 8,
+    "complex128": 16,
+}
 
 # What a mismatch on an axis is called in an error message.
 _FIELD_NAMES = {
-    "layer": "layers", "kv": "K/V components", "block": "blocks", "token": "block size",
-    "head": "KV heads", "head_dim": "head_dim",
-}  # fmt: skip
+    "layer": "layers",
+    "kv": "K/V components",
+    "block": "blocks",
+    "token": "block size",
+    "head": "KV heads",
+    "head_dim": "head_dim",
+}
 
 
 def itemsize_of(dtype: str) -> int:
@@ -119,8 +138,15 @@ class Layout:
         for n in reversed(shape):
             strides.append(step)
             step *= n
-        return cls(dtype, tuple(shape), tuple(reversed(strides)), tuple(axes), tuple(iterated),
-                   sharded, offset)  # fmt: skip
+        return cls(
+            dtype,
+            tuple(shape),
+            tuple(reversed(strides)),
+            tuple(axes),
+            tuple(iterated),
+            sharded,
+            offset,
+        )
 
     @classmethod
     def from_tensor(
@@ -148,23 +174,38 @@ class Layout:
         if any(s < 0 for s in strides):
             raise BadRequest("layout: negative strides are not supported")
         return cls(
-            dtype_name(array), tuple(array.shape), strides, axes,
+            dtype_name(array),
+            tuple(array.shape),
+            strides,
+            axes,
             tuple(axes[:-1] if iterated is None else iterated),
-            sharded if sharded in axes else None, 0,
-        )  # fmt: skip
+            sharded if sharded in axes else None,
+            0,
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "dtype": self.dtype, "shape": list(self.shape), "strides": list(self.strides),
-            "axes": list(self.axes), "iterated": list(self.iterated), "sharded": self.sharded,
+            "dtype": self.dtype,
+            "shape": list(self.shape),
+            "strides": list(self.strides),
+            "axes": list(self.axes),
+            "iterated": list(self.iterated),
+            "sharded": self.sharded,
             "offset": self.offset,
-        }  # fmt: skip
+        }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Layout:
         try:
-            return cls(d["dtype"], tuple(d["shape"]), tuple(d["strides"]), tuple(d["axes"]),
-                       tuple(d.get("iterated", ())), d.get("sharded"), d.get("offset", 0))  # fmt: skip
+            return cls(
+                d["dtype"],
+                tuple(d["shape"]),
+                tuple(d["strides"]),
+                tuple(d["axes"]),
+                tuple(d.get("iterated", ())),
+                d.get("sharded"),
+                d.get("offset", 0),
+            )
         except (KeyError, TypeError) as exc:
             raise BadRequest(f"layout: malformed layout dict {d!r}: {exc}") from None
 
@@ -242,8 +283,15 @@ class Layout:
         iterated = list(self.iterated)
         if block in iterated:
             iterated.insert(iterated.index(block) + 1, "sub_block")
-        return Layout(self.dtype, tuple(shape), tuple(strides), tuple(axes), tuple(iterated),
-                      self.sharded, self.offset)  # fmt: skip
+        return Layout(
+            self.dtype,
+            tuple(shape),
+            tuple(strides),
+            tuple(axes),
+            tuple(iterated),
+            self.sharded,
+            self.offset,
+        )
 
     # -- transfer descriptors -----------------------------------------------------------------
     def descriptors(self, base: int = 0) -> list[tuple[int, int]]:
@@ -290,10 +338,12 @@ def shard_storage(
     (layer, kv) coalesces into one run.
     """
     return Layout.contiguous(
-        dtype, (num_layers, components, heads, tokens, head_dim),
-        ("layer", "kv", "head", "token", "head_dim"), iterated=("layer", "kv", "head"),
+        dtype,
+        (num_layers, components, heads, tokens, head_dim),
+        ("layer", "kv", "head", "token", "head_dim"),
+        iterated=("layer", "kv", "head"),
         sharded="head",
-    )  # fmt: skip
+    )
 
 
 def check_compatible(

@@ -156,11 +156,13 @@ class PrefixCache:
         self.sharded = total_kv_heads is not None or tp_size != 1
 
     def hashes(self, token_ids: Sequence[int]) -> list[str]:
-        return block_hashes(token_ids, self.block_size, namespace=self.namespace,
-                            cache_salt=self.cache_salt)  # fmt: skip
+        return block_hashes(
+            token_ids, self.block_size, namespace=self.namespace, cache_salt=self.cache_salt
+        )
 
-    def keys(self, hashes: Sequence[str], *, tp_rank: int | None = None,
-             tp_size: int | None = None) -> list[str]:  # fmt: skip
+    def keys(
+        self, hashes: Sequence[str], *, tp_rank: int | None = None, tp_size: int | None = None
+    ) -> list[str]:
         """The broker keys of ``hashes`` for one shard (default: this rank's)."""
         if not self.sharded:
             return list(hashes)
@@ -190,11 +192,13 @@ class PrefixCache:
         blocks other TP layouts can reshard). ``session``: see "Sessions" above.
         """
         kept = blocks_api.retention(session, retain, priority)
-        return self._publish(self.keys(self.hashes(token_ids)), blocks, block_sizes, meta,
-                             token_ids, kept)
+        return self._publish(
+            self.keys(self.hashes(token_ids)), blocks, block_sizes, meta, token_ids, kept
+        )
 
-    def _publish(self, keys: list[str], blocks, block_sizes, meta, token_ids=None,
-                 kept: dict | None = None) -> int:  # fmt: skip
+    def _publish(
+        self, keys: list[str], blocks, block_sizes, meta, token_ids=None, kept: dict | None = None
+    ) -> int:
         if not keys:
             return 0
         if callable(blocks):
@@ -206,25 +210,29 @@ class PrefixCache:
             if len(blocks) < len(keys):
                 raise ValueError(f"publish: {len(keys)} full blocks but {len(blocks)} given")
             get = blocks.__getitem__
-            sizes = [{name: nbytes_of(b) for name, b in blocks[i].items()}
-                     for i in range(len(keys))]  # fmt: skip
+            sizes = [
+                {name: nbytes_of(b) for name, b in blocks[i].items()} for i in range(len(keys))
+            ]
         toks = None
         if token_ids is not None:  # each block's token ids, for KV events (routers)
             toks = _token_list(token_ids[: len(keys) * self.block_size])
         # The usual case, one layout for every block: it goes once per request, not per block.
         shared = all(z == sizes[0] for z in sizes)
         layout_cost = sum(name_bytes(n) + 12 for n in sizes[0]) + _packed_size(meta)
-        costs = [48 + len(keys[i]) + (len(keys[i - 1]) if i else 0)
-                 + (0 if shared else sum(name_bytes(n) + 12 for n in sizes[i])
-                    + _packed_size(meta))
-                 + (5 * self.block_size if toks is not None else 0)
-                 for i in range(len(keys))]  # fmt: skip
+        costs = [
+            48
+            + len(keys[i])
+            + (len(keys[i - 1]) if i else 0)
+            + (0 if shared else sum(name_bytes(n) + 12 for n in sizes[i]) + _packed_size(meta))
+            + (5 * self.block_size if toks is not None else 0)
+            for i in range(len(keys))
+        ]
         # Parents first, in requests the daemon reads whole: at most MAX_BUFFERS blocks and
         # MAX_REQUEST bytes each.
-        runs = request_chunks(costs, MAX_REQUEST // 2 - (layout_cost if shared else 0),
-                              MAX_BUFFERS)  # fmt: skip
-        return sum(self._publish_run(keys, lo, hi, get, sizes, meta, toks, shared, kept)
-                   for lo, hi in runs)  # fmt: skip
+        runs = request_chunks(costs, MAX_REQUEST // 2 - (layout_cost if shared else 0), MAX_BUFFERS)
+        return sum(
+            self._publish_run(keys, lo, hi, get, sizes, meta, toks, shared, kept) for lo, hi in runs
+        )
 
     def _publish_run(self, keys, lo, hi, get, sizes, meta, toks, shared, kept=None) -> int:
         bs = self.block_size
@@ -234,11 +242,12 @@ class PrefixCache:
             if not shared:
                 blk["buffers"], blk["meta"] = sizes[i], meta
             if toks is not None:
-                blk["tokens"] = toks[i * bs:(i + 1) * bs]
+                blk["tokens"] = toks[i * bs : (i + 1) * bs]
             request.append(blk)
         if shared:
-            reserved = blocks_api.reserve(self.client, self.namespace, request, sizes[lo], meta,
-                                          retain=kept)  # fmt: skip
+            reserved = blocks_api.reserve(
+                self.client, self.namespace, request, sizes[lo], meta, retain=kept
+            )
         else:
             reserved = blocks_api.reserve(self.client, self.namespace, request, retain=kept)
         kind = self.client.checksum_kind if self.checksum else None
@@ -248,8 +257,12 @@ class PrefixCache:
             for i, lease in zip(range(lo, hi), reserved.leases, strict=True):
                 if lease is None:
                     continue
-                sums.append({name: blocks_api.copy(reserved.view(j, name), src, kind)
-                             for name, src in get(i).items()})  # fmt: skip
+                sums.append(
+                    {
+                        name: blocks_api.copy(reserved.view(j, name), src, kind)
+                        for name, src in get(i).items()
+                    }
+                )
                 j += 1
         except BaseException:
             reserved.abort()
@@ -286,23 +299,40 @@ class PrefixCache:
         usable = max(0, len(token_ids) - 1) // self.block_size
         if hashes is None:
             hashes = self.hashes(token_ids[: usable * self.block_size])
-        return blocks_api.match_keys(self.client, self.namespace, self.keys(hashes[:usable]),
-                                     block_tokens=self.block_size, ttl=ttl, hold=hold, peer=peer,
-                                     block_size=self.block_size,
-                                     retain=blocks_api.retention(session, retain, priority))  # fmt: skip
+        return blocks_api.match_keys(
+            self.client,
+            self.namespace,
+            self.keys(hashes[:usable]),
+            block_tokens=self.block_size,
+            ttl=ttl,
+            hold=hold,
+            peer=peer,
+            block_size=self.block_size,
+            retain=blocks_api.retention(session, retain, priority),
+        )
 
     # -- KV blocks that any TP layout can read -------------------------------------------------
     def _kv_heads(self, cache) -> int | None:
         if cache.latent:
             return None
         if self.total_kv_heads is None:
-            raise BadRequest("publish_kv/match_kv of a per-head cache need total_kv_heads "
-                             "(from the model config)")  # fmt: skip
+            raise BadRequest(
+                "publish_kv/match_kv of a per-head cache need total_kv_heads "
+                "(from the model config)"
+            )
         return self.total_kv_heads
 
-    def publish_kv(self, token_ids: Sequence[int], cache, block_ids: Any, *,
-                   infix: str | None = None, session: str | None = None,
-                   retain: float | str | None = None, priority: int | None = None) -> int:  # fmt: skip
+    def publish_kv(
+        self,
+        token_ids: Sequence[int],
+        cache,
+        block_ids: Any,
+        *,
+        infix: str | None = None,
+        session: str | None = None,
+        retain: float | str | None = None,
+        priority: int | None = None,
+    ) -> int:
         """Publish this TP rank's heads of every full block of ``token_ids``; returns how
         many blocks were new. ``cache``: a :class:`kvbroker.kv.PagedKV` whose block size is
         this cache's; ``block_ids``: the engine blocks holding the prompt, in order."""
@@ -314,22 +344,39 @@ class PrefixCache:
         if n == 0:
             return 0
         ids = _block_index(block_ids, n * self.block_size, cache.block_size, cache.num_blocks)
-        fmt = AttentionFormat(dtype=cache.dtype, num_layers=cache.num_layers,
-                              block_size=self.block_size, head_dim=cache.head_dim,
-                              local_heads=len(mine), total_kv_heads=heads,
-                              tp_rank=self.tp_rank, tp_size=self.tp_size,
-                              heads=(mine.start, mine.stop), packed=None, infix=infix)
+        fmt = AttentionFormat(
+            dtype=cache.dtype,
+            num_layers=cache.num_layers,
+            block_size=self.block_size,
+            head_dim=cache.head_dim,
+            local_heads=len(mine),
+            total_kv_heads=heads,
+            tp_rank=self.tp_rank,
+            tp_size=self.tp_size,
+            heads=(mine.start, mine.stop),
+            packed=None,
+            infix=infix,
+        )
         names = fmt.names
 
         def block(i: int) -> dict:
             # [token, head, dim] of engine block ids[i] seen as [head, token, dim]: copy_into
             # walks the strides while writing the pool, so each byte moves once.
-            return {name: cache.component(layer, c)[ids[i]].transpose(1, 0, 2)
-                    for layer, row in enumerate(names) for c, name in enumerate(row)}  # fmt: skip
+            return {
+                name: cache.component(layer, c)[ids[i]].transpose(1, 0, 2)
+                for layer, row in enumerate(names)
+                for c, name in enumerate(row)
+            }
 
         keys = [fmt.key(h) for h in self.hashes(token_ids[: n * self.block_size])]
-        return self._publish(keys, block, fmt.buffers(), fmt.meta(), token_ids,
-                             blocks_api.retention(session, retain, priority))  # fmt: skip
+        return self._publish(
+            keys,
+            block,
+            fmt.buffers(),
+            fmt.meta(),
+            token_ids,
+            blocks_api.retention(session, retain, priority),
+        )
 
     def match_kv(
         self,
@@ -364,11 +411,19 @@ class PrefixCache:
             sizes = [source_tp_size]
         else:
             sizes = [self.tp_size, *self.peer_tp_sizes]
-        return blocks_api.match_shards(self.client, self.namespace, hashes,
-                                       block_size=self.block_size, total_kv_heads=heads,
-                                       tp_rank=self.tp_rank, tp_size=self.tp_size,
-                                       source_tp_sizes=sizes, ttl=ttl, hold=hold,
-                                       retain=blocks_api.retention(session, retain, priority))  # fmt: skip
+        return blocks_api.match_shards(
+            self.client,
+            self.namespace,
+            hashes,
+            block_size=self.block_size,
+            total_kv_heads=heads,
+            tp_rank=self.tp_rank,
+            tp_size=self.tp_size,
+            source_tp_sizes=sizes,
+            ttl=ttl,
+            hold=hold,
+            retain=blocks_api.retention(session, retain, priority),
+        )
 
 
 def _packed_size(value: Any) -> int:

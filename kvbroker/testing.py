@@ -49,8 +49,9 @@ class DaemonProcess:
     Its output goes to ``SOCKET_PATH`` with the suffix ``.log`` (:meth:`log`).
     """
 
-    def __init__(self, socket_path: str, *args: str, env: dict | None = None,
-                 ready_timeout: float = 15.0) -> None:  # fmt: skip
+    def __init__(
+        self, socket_path: str, *args: str, env: dict | None = None, ready_timeout: float = 15.0
+    ) -> None:
         self.socket_path = socket_path
         self.log_path = Path(socket_path).with_suffix(".log")
         self._log = open(self.log_path, "wb")
@@ -125,8 +126,9 @@ def drop_leftover_pools(socket_path: str) -> list[str]:
     return removed
 
 
-def peer_certificates(folder: str | os.PathLike, names: dict[str, list[str]], *,
-                      ca_name: str = "kvbroker test CA") -> dict[str, dict[str, str]]:
+def peer_certificates(
+    folder: str | os.PathLike, names: dict[str, list[str]], *, ca_name: str = "kvbroker test CA"
+) -> dict[str, dict[str, str]]:
     """Throwaway certificates for a test fleet's peer channel (``[transfer] cert_file``,
     ``key_file``, ``ca_file``): one CA, and for each node of ``names`` a certificate signed
     by it whose subject alternative names are that node's hosts (IP addresses or DNS
@@ -146,23 +148,32 @@ def peer_certificates(folder: str | os.PathLike, names: dict[str, list[str]], *,
     now = datetime.datetime.now(datetime.timezone.utc)
 
     def write_key(path: Path, key) -> str:
-        path.write_bytes(key.private_bytes(serialization.Encoding.PEM,
-                                           serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))
+        path.write_bytes(
+            key.private_bytes(
+                serialization.Encoding.PEM,
+                serialization.PrivateFormat.PKCS8,
+                serialization.NoEncryption(),
+            )
+        )
         path.chmod(0o600)
         return str(path)
 
     def build(subject: str, key, issuer, issuer_key, ca: bool, sans=()):
-        b = (x509.CertificateBuilder()
-             .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
-             .issuer_name(issuer).public_key(key.public_key())
-             .serial_number(x509.random_serial_number())
-             .not_valid_before(now - datetime.timedelta(minutes=5))
-             .not_valid_after(now + datetime.timedelta(days=2))
-             .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+        b = (
+            x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
+            .issuer_name(issuer)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=2))
+            .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+        )
         if ca:
-            b = b.add_extension(x509.KeyUsage(True, False, False, False, False, True, True,
-                                              False, False), critical=True)
+            b = b.add_extension(
+                x509.KeyUsage(True, False, False, False, False, True, True, False, False),
+                critical=True,
+            )
         else:
             alt = []
             for host in sans:
@@ -171,9 +182,12 @@ def peer_certificates(folder: str | os.PathLike, names: dict[str, list[str]], *,
                 except ValueError:
                     alt.append(x509.DNSName(host))
             b = b.add_extension(x509.SubjectAlternativeName(alt), critical=False)
-            b = b.add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
-                                                       ExtendedKeyUsageOID.CLIENT_AUTH]),
-                                critical=False)
+            b = b.add_extension(
+                x509.ExtendedKeyUsage(
+                    [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
+                ),
+                critical=False,
+            )
         return b.sign(issuer_key, hashes.SHA256())
 
     ca_key = ec.generate_private_key(ec.SECP256R1())
@@ -187,14 +201,18 @@ def peer_certificates(folder: str | os.PathLike, names: dict[str, list[str]], *,
         cert = build(node, key, ca_subject, ca_key, False, hosts)
         cert_file = folder / f"{node}.pem"
         cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-        out[node] = {"cert_file": str(cert_file), "key_file": write_key(
-            folder / f"{node}.key", key), "ca_file": str(ca_file)}
+        out[node] = {
+            "cert_file": str(cert_file),
+            "key_file": write_key(folder / f"{node}.key", key),
+            "ca_file": str(ca_file),
+        }
     return out
 
 
 @contextlib.contextmanager
-def running_daemon(*args: str, pool_size: str = "64M", page_size: str | None = "4K",
-                   env: dict | None = None) -> Iterator[DaemonProcess]:  # fmt: skip
+def running_daemon(
+    *args: str, pool_size: str = "64M", page_size: str | None = "4K", env: dict | None = None
+) -> Iterator[DaemonProcess]:
     """A private daemon on a socket in a fresh temporary directory, stopped on exit.
 
     ``args`` are more ``kvbroker serve`` flags; ``page_size`` None keeps the daemon's default.
@@ -210,8 +228,9 @@ def running_daemon(*args: str, pool_size: str = "64M", page_size: str | None = "
     # Unix socket paths are limited to ~107 bytes: a short directory under /tmp.
     tmp = tempfile.mkdtemp(prefix="kvb-", dir="/tmp")
     sizes = ("--pool-size", pool_size) + (("--page-size", page_size) if page_size else ())
-    asked = any(a == "--read-replicas" or a.startswith("--read-replicas=") for a in args) or \
-        "KVBROKER_READ_REPLICAS" in {**os.environ, **(env or {})}
+    asked = any(
+        a == "--read-replicas" or a.startswith("--read-replicas=") for a in args
+    ) or "KVBROKER_READ_REPLICAS" in {**os.environ, **(env or {})}
     replicas = () if asked else ("--read-replicas", "0")
     daemon = DaemonProcess(os.path.join(tmp, "kvb.sock"), *sizes, *replicas, *args, env=env)
     try:

@@ -30,10 +30,13 @@ def main() -> int:
     os.makedirs(folder, exist_ok=True)
     sock = os.path.join(folder, "kvb.sock")
     data = np.random.default_rng(42).integers(0, 256, NBYTES, dtype=np.uint8)
-    env = {"UCX_TLS": "tcp", "KVBROKER_TRANSFER_NODE": f"ns-{mode}",
-           "KVBROKER_TRANSFER_CERT_FILE": os.path.join(certs, f"{mode}.pem"),
-           "KVBROKER_TRANSFER_KEY_FILE": os.path.join(certs, f"{mode}.key"),
-           "KVBROKER_TRANSFER_CA_FILE": os.path.join(certs, "ca.pem")}
+    env = {
+        "UCX_TLS": "tcp",
+        "KVBROKER_TRANSFER_NODE": f"ns-{mode}",
+        "KVBROKER_TRANSFER_CERT_FILE": os.path.join(certs, f"{mode}.pem"),
+        "KVBROKER_TRANSFER_KEY_FILE": os.path.join(certs, f"{mode}.key"),
+        "KVBROKER_TRANSFER_CA_FILE": os.path.join(certs, "ca.pem"),
+    }
     if mode == "serve":
         env["KVBROKER_TRANSFER_LISTEN"] = f"{address}:7070"
         env["KVBROKER_TRANSFER_PEERS"] = f"{other}:7070"
@@ -55,8 +58,11 @@ def main() -> int:
                 dt = time.perf_counter() - t0
                 ok = np.array_equal(lease["x"], data)
             st = c.stat().transfer
-            print(f"{'bit-exact' if ok else 'DIFFERENT'} {NBYTES} bytes in {dt * 1e3:.1f} ms "
-                  f"from {st.peers[0].node if st.peers else '?'}", flush=True)
+            print(
+                f"{'bit-exact' if ok else 'DIFFERENT'} {NBYTES} bytes in {dt * 1e3:.1f} ms "
+                f"from {st.peers[0].node if st.peers else '?'}",
+                flush=True,
+            )
             return 0 if ok else 1
     finally:
         d.stop()

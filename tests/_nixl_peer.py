@@ -53,7 +53,7 @@ class TableProvider:
                 if self.reuse:
                     for addr, n in self.objects[name]["extents"]:
                         off = addr - self.region.ctypes.data
-                        self.region[off:off + n] ^= 0xFF
+                        self.region[off : off + n] ^= 0xFF
 
     def lookup(self, peer, namespace, key):
         return None
@@ -70,8 +70,13 @@ class TableProvider:
             lid = self.next
             self.next += 1
             self.leases[lid] = (peer, key, time.monotonic() + ttl)
-            return {"lease": lid, "extents": obj["extents"], "checksum": obj["checksum"],
-                    "nbytes": obj["nbytes"], "meta": {"name": key}}
+            return {
+                "lease": lid,
+                "extents": obj["extents"],
+                "checksum": obj["checksum"],
+                "nbytes": obj["nbytes"],
+                "meta": {"name": key},
+            }
 
     def release(self, peer, lease, consumed):
         with self.lock:
@@ -111,7 +116,7 @@ def build(specs: list[str], seed: int):
         while left:
             n = min(step, left)
             extents.append([base + off, n])
-            h.update(region[off:off + n])
+            h.update(region[off : off + n])
             off += n + (GAP if pieces > 1 else 0)
             left -= n
         table[name] = {"extents": extents, "checksum": h.intdigest(), "nbytes": nbytes}
@@ -128,8 +133,9 @@ async def main() -> None:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--name", default=f"peer-a-{os.getpid()}")
-    ap.add_argument("--peer", action="append", default=["127.0.0.1"],
-                    help="a host whose certificate is served")
+    ap.add_argument(
+        "--peer", action="append", default=["127.0.0.1"], help="a host whose certificate is served"
+    )
     ap.add_argument("--reuse-on-expiry", action="store_true")
     args = ap.parse_args()
     region, table = build(args.object, args.seed)
@@ -137,8 +143,14 @@ async def main() -> None:
     endpoint.register([(region.ctypes.data, region.nbytes)])
     provider = TableProvider(region, table, args.reuse_on_expiry)
     tls, _ = transfer.tls_contexts(args.cert, args.key, args.ca)
-    server = transfer.PeerServer(provider, tls=tls, peers=args.peer, node="node-a",
-                                 metadata=endpoint.metadata(), agent=endpoint.name)
+    server = transfer.PeerServer(
+        provider,
+        tls=tls,
+        peers=args.peer,
+        node="node-a",
+        metadata=endpoint.metadata(),
+        agent=endpoint.name,
+    )
     host, port = await server.start(args.host, args.port)
     print(json.dumps({"port": port, "agent": endpoint.name}), flush=True)
     loop = asyncio.get_running_loop()

@@ -41,8 +41,10 @@ def pytest_sessionstart(session):
 
         found = vllm.__version__.split("+")[0]
         if found != VLLM_OVERLAY:
-            raise pytest.UsageError(f"TEST_VLLM_OVERLAY={VLLM_OVERLAY} but `import vllm` "
-                                    f"finds {vllm.__version__} at {vllm.__file__}")
+            raise pytest.UsageError(
+                f"TEST_VLLM_OVERLAY={VLLM_OVERLAY} but `import vllm` "
+                f"finds {vllm.__version__} at {vllm.__file__}"
+            )
 
 
 def pytest_report_header(config):

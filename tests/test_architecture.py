@@ -58,12 +58,19 @@ def _imports_of(path: pathlib.Path, text: str, typing: bool, lazy: bool) -> froz
     tree = ast.parse(text, str(path))
     skipped = set()
     if not typing:  # annotations only: no import at run time
-        skipped |= {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
-                    and "TYPE_CHECKING" in ast.unparse(node.test) for n in ast.walk(node)}
+        skipped |= {
+            id(n)
+            for node in ast.walk(tree)
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+            for n in ast.walk(node)
+        }
     if not lazy:  # run when called, not when imported
-        skipped |= {id(n) for node in ast.walk(tree)
-                    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
-                    for n in ast.walk(node)}
+        skipped |= {
+            id(n)
+            for node in ast.walk(tree)
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            for n in ast.walk(node)
+        }
     for node in ast.walk(tree):
         if id(node) in skipped:
             continue
@@ -121,8 +128,11 @@ def test_client_never_imports_server(path):
 @pytest.mark.parametrize("path", _sources("kvbroker/_server"), ids=lambda p: p.name)
 def test_server_never_imports_client(path):
     bad = {m for m in _imports(path) if _within(m, "kvbroker._client")}
-    bad |= {m for m in _imports(path) if m in ("kvbroker", "kvbroker.kv", "kvbroker.prefix",
-                                                  "kvbroker.gpu")}  # the client's faces
+    bad |= {
+        m
+        for m in _imports(path)
+        if m in ("kvbroker", "kvbroker.kv", "kvbroker.prefix", "kvbroker.gpu")
+    }  # the client's faces
     assert not bad, f"{path.name} imports {sorted(bad)}"
 
 
@@ -151,27 +161,45 @@ def _private_uses(path: pathlib.Path) -> list[str]:
         # held to this same rule)
         return _within(m, own) or m.rpartition(".")[0] == "kvbroker.integrations"
 
-    out = [f"imports {m}" for m in sorted(_imports(path)) if not allowed(m)
-           and any(part.startswith("_") for part in m.split(".")[1:])]  # fmt: skip
+    out = [
+        f"imports {m}"
+        for m in sorted(_imports(path))
+        if not allowed(m) and any(part.startswith("_") for part in m.split(".")[1:])
+    ]
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.ImportFrom):
-            base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level \
-                else []  # fmt: skip
+            base = (
+                package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+            )
             mod = ".".join(base + ([node.module] if node.module else []))
-            if mod.startswith("kvbroker") and not _within(mod, own) \
-                    and mod != "kvbroker.integrations":  # fmt: skip
-                out += [f"line {node.lineno}: imports {a.name} from {mod}" for a in node.names
-                        if a.name.startswith("_") and not a.name.startswith("__")]  # fmt: skip
+            if (
+                mod.startswith("kvbroker")
+                and not _within(mod, own)
+                and mod != "kvbroker.integrations"
+            ):
+                out += [
+                    f"line {node.lineno}: imports {a.name} from {mod}"
+                    for a in node.names
+                    if a.name.startswith("_") and not a.name.startswith("__")
+                ]
         attr = None
         if isinstance(node, ast.Attribute):
             target, attr = node.value, node.attr
-        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) \
-                and node.func.id in ("getattr", "setattr", "hasattr", "delattr") \
-                and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) \
-                and isinstance(node.args[1].value, str):  # fmt: skip
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "setattr", "hasattr", "delattr")
+            and len(node.args) >= 2
+            and isinstance(node.args[1], ast.Constant)
+            and isinstance(node.args[1].value, str)
+        ):
             target, attr = node.args[0], node.args[1].value
-        if attr and attr.startswith("_") and not (attr.startswith("__") and attr.endswith("__")) \
-                and not (isinstance(target, ast.Name) and target.id in ("self", "cls")):  # fmt: skip
+        if (
+            attr
+            and attr.startswith("_")
+            and not (attr.startswith("__") and attr.endswith("__"))
+            and not (isinstance(target, ast.Name) and target.id in ("self", "cls"))
+        ):
             out.append(f"line {node.lineno}: {ast.unparse(node)}")
     return out
 
@@ -179,8 +207,9 @@ def _private_uses(path: pathlib.Path) -> list[str]:
 @pytest.mark.parametrize("path", _sources("kvbroker/integrations"), ids=lambda p: p.name)
 def test_integrations_use_only_the_public_api(path):
     bad = _private_uses(path)
-    assert not bad, f"{path.relative_to(ROOT)} reaches below kvbroker's public API:\n" \
-        + "\n".join(bad)  # fmt: skip
+    assert not bad, f"{path.relative_to(ROOT)} reaches below kvbroker's public API:\n" + "\n".join(
+        bad
+    )
 
 
 def test_the_public_api_rule_sees_each_kind_of_reach():
@@ -194,16 +223,17 @@ def test_the_public_api_rule_sees_each_kind_of_reach():
         "def f(client):\n    return client._mapping(0)": "client._mapping",
         "def f(m):\n    return getattr(m, '_packed')": "getattr(m, '_packed')",
         "from ..sglang import _pages": "imports _pages from kvbroker.integrations.sglang",
-        "from kvbroker.integrations.sglang._pages import PageStore":
-            "imports kvbroker.integrations.sglang._pages",
+        "from kvbroker.integrations.sglang._pages import PageStore": "imports kvbroker.integrations.sglang._pages",
     }
     try:
         for source, found in cases.items():
             probe.write_text(source + "\n")
             assert any(found in line for line in _private_uses(probe)), source
-        probe.write_text("from kvbroker import blocks\nfrom . import _paged\n"
-                         "from .._link import BrokerLink\nfrom .. import _link\n"
-                         "class A:\n    def f(self):\n        return self._x, self.__dict__\n")
+        probe.write_text(
+            "from kvbroker import blocks\nfrom . import _paged\n"
+            "from .._link import BrokerLink\nfrom .. import _link\n"
+            "class A:\n    def f(self):\n        return self._x, self.__dict__\n"
+        )
         assert _private_uses(probe) == []
     finally:
         probe.unlink(missing_ok=True)
@@ -232,15 +262,26 @@ def _reached(module: str, **which: bool) -> dict[str, list[str]]:
 
 
 def _reaches_server(module: str, **which: bool) -> list[str]:
-    return [" -> ".join(chain) for m, chain in sorted(_reached(module, **which).items())
-            if _within(m, "kvbroker._server")]
+    return [
+        " -> ".join(chain)
+        for m, chain in sorted(_reached(module, **which).items())
+        if _within(m, "kvbroker._server")
+    ]
 
 
-PUBLIC_FACES = ["kvbroker", "kvbroker.blocks", "kvbroker.kv", "kvbroker.prefix", "kvbroker.gpu",
-                "kvbroker.errors", "kvbroker.layout"]
+PUBLIC_FACES = [
+    "kvbroker",
+    "kvbroker.blocks",
+    "kvbroker.kv",
+    "kvbroker.prefix",
+    "kvbroker.gpu",
+    "kvbroker.errors",
+    "kvbroker.layout",
+]
 NEVER_THE_SERVER = PUBLIC_FACES + sorted(
-    _module_name(p) for p in _sources("tui", "kvbroker/_wire", "kvbroker/_client",
-                                      "kvbroker/integrations"))
+    _module_name(p)
+    for p in _sources("tui", "kvbroker/_wire", "kvbroker/_client", "kvbroker/integrations")
+)
 
 
 @pytest.mark.parametrize("module", NEVER_THE_SERVER)
@@ -257,9 +298,12 @@ CLI_SERVER_AT_IMPORT_PREFIX = "kvbroker._server.config"
 
 @pytest.mark.parametrize("path", _sources("cli"), ids=lambda p: p.name)
 def test_importing_the_cli_loads_only_the_settings_of_the_daemon(path):
-    bad = [chain for chain in _reaches_server(_module_name(path), lazy=False)
-           if chain.rpartition(" -> ")[2] not in CLI_SERVER_AT_IMPORT
-           and not chain.rpartition(" -> ")[2].startswith(CLI_SERVER_AT_IMPORT_PREFIX)]
+    bad = [
+        chain
+        for chain in _reaches_server(_module_name(path), lazy=False)
+        if chain.rpartition(" -> ")[2] not in CLI_SERVER_AT_IMPORT
+        and not chain.rpartition(" -> ")[2].startswith(CLI_SERVER_AT_IMPORT_PREFIX)
+    ]
     assert not bad, f"importing {path.name} loads the daemon:\n" + "\n".join(bad)
 
 
@@ -267,22 +311,29 @@ def test_the_transitive_rules_see_a_reach_through_another_module():
     """The checkers themselves, on probe modules: a face reaching the server through a
     public module's lazy import, a module of its own package, or an annotation; the CLI
     importing (not lazily) a daemon module through a helper."""
-    probes = [ROOT / "kvbroker" / "_probe_face.py", ROOT / "kvbroker" / "_probe_via.py",
-              ROOT / "cli" / "_probe_cli.py"]
+    probes = [
+        ROOT / "kvbroker" / "_probe_face.py",
+        ROOT / "kvbroker" / "_probe_via.py",
+        ROOT / "cli" / "_probe_cli.py",
+    ]
     face, via, cli = (_module_name(p) for p in probes)
     try:
         probes[0].write_text("from . import _probe_via\n")
-        for source in ("def f():\n    from kvbroker._server import broker\n",
-                       "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
-                       "    from ._server.handlers import Handlers\n",
-                       "import kvbroker._server.daemon\n"):
+        for source in (
+            "def f():\n    from kvbroker._server import broker\n",
+            "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+            "    from ._server.handlers import Handlers\n",
+            "import kvbroker._server.daemon\n",
+        ):
             probes[1].write_text(source)
             assert _reaches_server(face, typing=True, lazy=True), source
         probes[1].write_text("from . import errors\n")
         assert _reaches_server(face, typing=True, lazy=True) == []
         probes[2].write_text("from kvbroker import _probe_via\n")
-        probes[1].write_text("from ._server.config import SETTINGS\n"
-                             "def serve():\n    from ._server.daemon import run_daemon\n")
+        probes[1].write_text(
+            "from ._server.config import SETTINGS\n"
+            "def serve():\n    from ._server.daemon import run_daemon\n"
+        )
         test_importing_the_cli_loads_only_the_settings_of_the_daemon(probes[2])  # passes
         probes[1].write_text("from ._server import daemon\n")
         with pytest.raises(AssertionError, match="_probe_via -> kvbroker._server.daemon"):
@@ -308,7 +359,7 @@ def test_no_import_cycle():
             if _within(node, nxt):  # a module importing its own package's face
                 continue
             if state.get(nxt) == 1:
-                cycle = stack[stack.index(nxt):] + [nxt]
+                cycle = stack[stack.index(nxt) :] + [nxt]
                 pytest.fail("import cycle: " + " -> ".join(cycle))
             if nxt not in state:
                 visit(nxt)
@@ -336,8 +387,7 @@ def _oversized(path: pathlib.Path, root: pathlib.Path = ROOT) -> list[str]:
         if isinstance(node, ast.ClassDef):
             n = node.end_lineno - node.lineno + 1
             if n > MAX_CLASS_LINES:
-                out.append(f"{where}: class {node.name} is {n} lines "
-                           f"(at most {MAX_CLASS_LINES})")
+                out.append(f"{where}: class {node.name} is {n} lines (at most {MAX_CLASS_LINES})")
     return out
 
 
@@ -349,8 +399,11 @@ def test_no_module_or_class_over_the_size_limits():
 def test_the_size_check_sees_an_oversized_module(tmp_path):
     """The checker itself: a module one line too long, holding a class one line too long."""
     long = tmp_path / "long.py"
-    long.write_text("class Big:\n" + "    x = 1\n" * MAX_CLASS_LINES
-                    + "\n" * (MAX_MODULE_LINES - MAX_CLASS_LINES))
+    long.write_text(
+        "class Big:\n"
+        + "    x = 1\n" * MAX_CLASS_LINES
+        + "\n" * (MAX_MODULE_LINES - MAX_CLASS_LINES)
+    )
     assert len(_oversized(long, tmp_path)) == 2
     long.write_text("class Small:\n" + "    x = 1\n" * (MAX_CLASS_LINES - 1))
     assert _oversized(long, tmp_path) == []
@@ -398,8 +451,14 @@ def _takes_a_coordinator(path: pathlib.Path) -> list[str]:
 # The one exception: how a setting reaches its consumers is declared with its Key, as a table
 # of functions of the running daemon (config_apply.py), which the start and the reload call.
 _APPLIERS = {
-    "config_apply.py": {"LIVE", "apply_owned", "set_policy", "set_write_buffers",
-                        "set_retention", "set_log_level"},
+    "config_apply.py": {
+        "LIVE",
+        "apply_owned",
+        "set_policy",
+        "set_write_buffers",
+        "set_retention",
+        "set_log_level",
+    },
     "config.py": {"reload_into", "apply_to_owners"},
 }
 
@@ -407,18 +466,28 @@ _APPLIERS = {
 def test_no_module_function_takes_the_broker_or_the_daemon():
     """Each owner makes its own transitions: handlers, eviction, prefix leases, statistics,
     restore and start-up are methods of an owner or take owners, never the coordinators."""
-    bad = [line for path in sorted(SERVER.glob("*.py")) for line in _takes_a_coordinator(path)
-           if line.split(": ", 1)[1].split("(")[0] not in _APPLIERS.get(path.name, ())]
+    bad = [
+        line
+        for path in sorted(SERVER.glob("*.py"))
+        for line in _takes_a_coordinator(path)
+        if line.split(": ", 1)[1].split("(")[0] not in _APPLIERS.get(path.name, ())
+    ]
     assert not bad, "module-level functions taking the Broker or the Daemon:\n" + "\n".join(bad)
 
 
 def test_the_coordinator_rule_sees_each_kind_of_argument(tmp_path):
     probe = tmp_path / "probe.py"
-    for source in ("def f(b: Broker): pass", "def f(x: 'Daemon | None'): pass",
-                   "def f(s, *, daemon): pass", "def f(x: Transitions) -> int: return 1"):
+    for source in (
+        "def f(b: Broker): pass",
+        "def f(x: 'Daemon | None'): pass",
+        "def f(s, *, daemon): pass",
+        "def f(x: Transitions) -> int: return 1",
+    ):
         probe.write_text(source + "\n")
         assert _takes_a_coordinator(probe), source
-    probe.write_text("class A:\n    def f(self, b: Broker): pass\ndef g(leases: LeaseTable): pass\n")
+    probe.write_text(
+        "class A:\n    def f(self, b: Broker): pass\ndef g(leases: LeaseTable): pass\n"
+    )
     assert _takes_a_coordinator(probe) == []
 
 
@@ -436,8 +505,9 @@ def test_no_import_cycle_in_the_server_counting_type_checking_imports():
 def test_the_structure_graph_counts_type_checking_and_lazy_imports(tmp_path):
     from kvbroker._server.structure import cycles, import_graph
 
-    (tmp_path / "a.py").write_text("from typing import TYPE_CHECKING\n"
-                                   "if TYPE_CHECKING:\n    from .b import X\n")
+    (tmp_path / "a.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .b import X\n"
+    )
     (tmp_path / "b.py").write_text("def f():\n    from . import a\n")
     (tmp_path / "c.py").write_text("from .a import Y\n")
     graph = import_graph(tmp_path)
@@ -451,5 +521,7 @@ def test_the_design_doc_draws_the_server_as_it_is():
 
     doc = (ROOT / "docs" / "design.md").read_text()
     drawn = "```mermaid\n" + mermaid(import_graph(SERVER)) + "\n```"
-    assert drawn in doc, ("docs/design.md's drawing of kvbroker/_server is out of date: "
-                          "paste `python -m kvbroker._server.structure` in")
+    assert drawn in doc, (
+        "docs/design.md's drawing of kvbroker/_server is out of date: "
+        "paste `python -m kvbroker._server.structure` in"
+    )

@@ -60,8 +60,10 @@ def assert_no_overlap(b):
     """Every page is owned by at most one object, arena, lease or quarantine entry, and the
     allocator's live extents are exactly those owners."""
     live = b.pools[0].allocator.live_extents()
-    owners = sorted((start, owner[1] if isinstance(owner, tuple) else owner.npages)
-                    for start, owner in b.pages.owners[0].items())  # fmt: skip
+    owners = sorted(
+        (start, owner[1] if isinstance(owner, tuple) else owner.npages)
+        for start, owner in b.pages.owners[0].items()
+    )
     assert live == owners
     for (s1, n1), (s2, _) in pairwise(live):
         assert s1 + n1 <= s2
@@ -77,12 +79,22 @@ def test_publish_carves_the_arena_front_and_keeps_the_rest(make_broker):
     assert a["arena"] == [0, a["arena"][1], 16 * PAGE]
     base = a["arena"][1]
     assert used(b) == 16
-    r = b.handle(s, "publish", {"arena": a["lease"], "key": "k",
-                                "buffers": {"x": 1000, "y": 2 * PAGE}, "next_arena": 16 * PAGE})
+    r = b.handle(
+        s,
+        "publish",
+        {
+            "arena": a["lease"],
+            "key": "k",
+            "buffers": {"x": 1000, "y": 2 * PAGE},
+            "next_arena": 16 * PAGE,
+        },
+    )
     # the object took the first pages, laid out exactly as reserve lays it out
     layout, span = _buffer_layout({"x": 1000, "y": 2 * PAGE}, None)
     assert (layout_of({"x": 1000, "y": 2 * PAGE})[0], span) == (
-        {n: off for n, (off, _) in layout.items()}, span)
+        {n: off for n, (off, _) in layout.items()},
+        span,
+    )
     c = b.handle(s, "claim", {"key": "k"})
     assert c["buffers"] == {"x": [0, base, 1000], "y": [0, base + 1024, 2 * PAGE]}
     # the rest (13 pages, at least half of 16) stays the arena, same id
@@ -97,8 +109,11 @@ def test_used_up_arena_is_replaced_and_whole_publish_ends_it(make_broker):
     b = make_broker()
     s = session(b)
     a = b.handle(s, "arena", {"nbytes": 8 * PAGE})
-    r = b.handle(s, "publish", {"arena": a["lease"], "key": "k1", "buffers": {"x": 5 * PAGE},
-                                "next_arena": 8 * PAGE})  # fmt: skip
+    r = b.handle(
+        s,
+        "publish",
+        {"arena": a["lease"], "key": "k1", "buffers": {"x": 5 * PAGE}, "next_arena": 8 * PAGE},
+    )
     # 3 pages left < half of 8: a fresh arena replaces them
     assert r["lease"] != a["lease"] and r["arena"][2] == 8 * PAGE
     with pytest.raises(LeaseExpired, match="used up"):
@@ -126,7 +141,9 @@ def test_failed_publish_changes_nothing(make_broker):
     s = session(b)
     a = b.handle(s, "arena", {"nbytes": 4 * PAGE})
     aid = a["lease"]
-    b.handle(s, "publish", {"arena": aid, "key": "old", "buffers": {"x": 1}, "next_arena": 4 * PAGE})
+    b.handle(
+        s, "publish", {"arena": aid, "key": "old", "buffers": {"x": 1}, "next_arena": 4 * PAGE}
+    )
     before = (used(b), dict(b.pools[0].allocator.live_extents()), b.arenas[aid].start)
     bad = [
         ({"key": "big", "buffers": {"x": 5 * PAGE}}, BadRequest, "do not fit"),
@@ -144,8 +161,11 @@ def test_failed_publish_changes_nothing(make_broker):
     with pytest.raises(NotFound):
         b.handle(s, "claim", {"key": "k"})
     # replace=True does replace, from the same arena
-    b.handle(s, "publish", {"arena": aid, "key": "old", "buffers": {"x": 2}, "replace": True,
-                            "next_arena": 4 * PAGE})  # fmt: skip
+    b.handle(
+        s,
+        "publish",
+        {"arena": aid, "key": "old", "buffers": {"x": 2}, "replace": True, "next_arena": 4 * PAGE},
+    )
     assert b.handle(s, "lookup", {"key": "old"})["nbytes"] == 2
     assert_no_overlap(b)
 
@@ -156,8 +176,9 @@ def test_pending_reservation_of_the_key_blocks_publish(make_broker):
     b.handle(t, "reserve", {"key": "k", "buffers": {"x": 1}})
     a = b.handle(s, "arena", {"nbytes": 4 * PAGE})
     with pytest.raises(Exists, match="another writer"):
-        b.handle(s, "publish", {"arena": a["lease"], "key": "k", "buffers": {"x": 1},
-                                "replace": True})  # fmt: skip
+        b.handle(
+            s, "publish", {"arena": a["lease"], "key": "k", "buffers": {"x": 1}, "replace": True}
+        )
 
 
 def test_arena_belongs_to_its_connection_and_goes_with_it(make_broker):
@@ -235,8 +256,11 @@ def test_publish_keeps_the_object_when_no_next_arena_fits(make_broker):
         r = b.handle(s, "reserve", {"key": f"o{i}", "buffers": {"x": PAGE}})
         b.handle(s, "seal", {"lease": r["lease"]})
         b.handle(s, "claim", {"key": f"o{i}"})  # leased: not evictable
-    r = b.handle(s, "publish", {"arena": a["lease"], "key": "k", "buffers": {"x": 2 * PAGE},
-                                "next_arena": 2 * PAGE})  # fmt: skip
+    r = b.handle(
+        s,
+        "publish",
+        {"arena": a["lease"], "key": "k", "buffers": {"x": 2 * PAGE}, "next_arena": 2 * PAGE},
+    )
     assert r["arena"] is None and b.handle(s, "lookup", {"key": "k"}) is not None
     assert used(b) == 32
 
@@ -255,13 +279,18 @@ def test_publish_obeys_the_high_watermark(make_broker):
 
 
 ops = st.lists(
-    st.tuples(st.sampled_from(["arena", "publish", "claim", "release", "abort", "close"]),
-              st.integers(0, 2), st.integers(1, 6 * PAGE)),  # fmt: skip
+    st.tuples(
+        st.sampled_from(["arena", "publish", "claim", "release", "abort", "close"]),
+        st.integers(0, 2),
+        st.integers(1, 6 * PAGE),
+    ),
     max_size=60,
 )
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(ops)
 def test_property_no_overlap_and_nothing_leaks(make_broker, script):
     b = make_broker(npages=64)
@@ -276,11 +305,21 @@ def test_property_no_overlap_and_nothing_leaks(make_broker, script):
             elif op == "publish" and s.arenas:
                 aid = next(iter(s.arenas))
                 n += 1
-                b.handle(s, "publish", {"arena": aid, "key": f"k{n}", "buffers": {"x": size},
-                                        "next_arena": size * (n % 3)})  # fmt: skip
+                b.handle(
+                    s,
+                    "publish",
+                    {
+                        "arena": aid,
+                        "key": f"k{n}",
+                        "buffers": {"x": size},
+                        "next_arena": size * (n % 3),
+                    },
+                )
             elif op == "claim" and b.objects:
                 key = next(iter(b.objects))[1]
-                reads[who].append(b.handle(s, "claim", {"key": key, "consume": size % 2 == 0})["lease"])
+                reads[who].append(
+                    b.handle(s, "claim", {"key": key, "consume": size % 2 == 0})["lease"]
+                )
             elif op == "release" and reads[who]:
                 b.handle(s, "release", {"lease": reads[who].pop()})
             elif op == "abort" and s.arenas:
@@ -357,8 +396,7 @@ def _bytes(c, key):
 def test_bigger_puts_grow_the_arena_then_take_one_round_trip(make_daemon):
     d = make_daemon("--pool-size", "256M", "--page-size", "4K")  # arenas up to 16 MiB
     d.wait_ready()
-    data = {n: np.random.default_rng(n).integers(0, 256, n << 20, dtype=np.uint8)
-            for n in (3, 12)}  # fmt: skip
+    data = {n: np.random.default_rng(n).integers(0, 256, n << 20, dtype=np.uint8) for n in (3, 12)}
     with d.client() as w, d.client(arena_size=0) as r:
         calls = _count_requests(w)
         assert w.put("small", {"x": b"s" * 1000})
@@ -478,6 +516,7 @@ def test_threads_growing_one_client_lose_nothing(make_daemon):
     errors: list[str] = []
     wins: dict[str, list[int]] = {}
     with d.client() as w:
+
         def worker(t):
             rng = np.random.default_rng(t)
             try:
@@ -692,8 +731,9 @@ def test_an_idle_arena_goes_back_while_its_client_waits_in_a_claim(make_daemon):
         assert w.put("after", {"x": b"a"}) and w.exists("after")
 
 
-def test_a_refused_reserve_waits_for_another_threads_put_then_gives_back(make_daemon, tmp_path,
-                                                                         monkeypatch):  # fmt: skip
+def test_a_refused_reserve_waits_for_another_threads_put_then_gives_back(
+    make_daemon, tmp_path, monkeypatch
+):
     """Another thread of the client holds the arena (a put in progress): a reserve refused
     for the room the grown arena holds waits for it, gives the arena back, and succeeds."""
     from kvbroker._client import arena as A
@@ -802,8 +842,7 @@ def test_an_arena_in_a_tenant_pool_grows_to_a_sixteenth_of_that_pool(make_daemon
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="a tenant pool owned by uid 0 (root)")
-def test_puts_into_a_namespace_of_another_pool_stop_copying_into_the_arena(make_daemon,
-                                                                            tmp_path):  # fmt: skip
+def test_puts_into_a_namespace_of_another_pool_stop_copying_into_the_arena(make_daemon, tmp_path):
     """A tenant's arena lives in its own pool: a publish into a shared namespace is refused
     after the copy. The client remembers the namespace and reserves first from then on."""
     conf = tmp_path / "k.toml"
@@ -936,6 +975,7 @@ def test_client_poll_returns_instead_of_waiting_for_the_timeout(tmp_path, monkey
         assert t._poll() is None  # nothing came: give up polling, do not wait 30 s
         assert t.timeout == 30.0  # the blocking recv keeps its timeout (the kernel's)
         import struct
+
         tv = t._sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.calcsize("@ll"))
         assert struct.unpack("@ll", tv) == (30, 0)
         peer.sendall(b"hello")

@@ -38,8 +38,9 @@ def load(path) -> dict:
     # pytest's: the CLI runs in this process)
     assert data["commit"] and data["commit"] != "unknown" and data["command"]
     for t in data["targets"]:
-        assert t["met"] == (t["measured"] >= t["goal"] if t["op"] == ">="
-                            else t["measured"] <= t["goal"])  # fmt: skip
+        assert t["met"] == (
+            t["measured"] >= t["goal"] if t["op"] == ">=" else t["measured"] <= t["goal"]
+        )
     return data
 
 
@@ -50,22 +51,42 @@ def positive(row: dict, *keys: str) -> None:
 
 def test_transfer_cli_json_and_plot(daemon, tmp_path):
     out, plots = tmp_path / "t.json", tmp_path / "plots"
-    res = invoke("transfer", "--socket", daemon.socket_path, "--sizes", "4K,64K",
-                 "--budget", "256K", "--json-out", str(out), "--plot", str(plots))  # fmt: skip
+    res = invoke(
+        "transfer",
+        "--socket",
+        daemon.socket_path,
+        "--sizes",
+        "4K,64K",
+        "--budget",
+        "256K",
+        "--json-out",
+        str(out),
+        "--plot",
+        str(plots),
+    )
     assert res.exit_code == 0, res.output
     assert "pub+claim GB/s" in res.output
     data = load(out)
     assert data["scenario"] == "transfer"
     assert [r["size"] for r in data["rows"]] == [4 * KiB, 64 * KiB]
     for r in data["rows"]:
-        positive(r, "memcpy_gbps", "publish_gbps", "claim_gbps", "publish_claim_gbps",
-                 "roundtrip_p50_us", "roundtrip_p99_us", "ratio_vs_memcpy")  # fmt: skip
+        positive(
+            r,
+            "memcpy_gbps",
+            "publish_gbps",
+            "claim_gbps",
+            "publish_claim_gbps",
+            "roundtrip_p50_us",
+            "roundtrip_p99_us",
+            "ratio_vs_memcpy",
+        )
         assert r["reps"] >= 20
         assert r["roundtrip_p99_us"] >= r["roundtrip_p50_us"]
         # ratios come from the medians measured in the same loop
         assert r["ratio_vs_memcpy"] == pytest.approx(2 * r["memcpy_p50_us"] / r["roundtrip_p50_us"])
         assert r["publish_claim_gbps"] == pytest.approx(
-            2 * r["size"] / (r["roundtrip_p50_us"] * 1e-6) / 1e9)
+            2 * r["size"] / (r["roundtrip_p50_us"] * 1e-6) / 1e9
+        )
     png = plots / "transfer.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -78,8 +99,17 @@ def test_transfer_target_from_the_32m_row():
 
 def test_rpc_cli(daemon, tmp_path):
     out = tmp_path / "r.json"
-    res = invoke("rpc", "--socket", daemon.socket_path, "--clients", "1,2", "--seconds", "0.3",
-                 "--json-out", str(out))  # fmt: skip
+    res = invoke(
+        "rpc",
+        "--socket",
+        daemon.socket_path,
+        "--clients",
+        "1,2",
+        "--seconds",
+        "0.3",
+        "--json-out",
+        str(out),
+    )
     assert res.exit_code == 0, res.output
     data = load(out)
     assert [r["clients"] for r in data["rows"]] == [1, 2]
@@ -92,8 +122,9 @@ def test_rpc_cli(daemon, tmp_path):
 
 def test_scale_cli(tmp_path):
     out, plots = tmp_path / "s.json", tmp_path / "p"
-    res = invoke("scale", "--counts", "200,1000", "--ops", "50", "--json-out", str(out),
-                 "--plot", str(plots))  # fmt: skip
+    res = invoke(
+        "scale", "--counts", "200,1000", "--ops", "50", "--json-out", str(out), "--plot", str(plots)
+    )
     assert res.exit_code == 0, res.output
     data = load(out)
     lo, hi = data["rows"]
@@ -102,7 +133,8 @@ def test_scale_cli(tmp_path):
         positive(r, "lookup_p50_us", "claim_p50_us", "rss_anon_bytes", "fill_objects_per_s")
     assert hi["rss_anon_bytes"] >= lo["rss_anon_bytes"] * 0.5
     assert hi["marginal_bytes_per_object"] == pytest.approx(
-        (hi["rss_anon_bytes"] - lo["rss_anon_bytes"]) / 800)
+        (hi["rss_anon_bytes"] - lo["rss_anon_bytes"]) / 800
+    )
     look, claim = data["targets"]  # from the p50 of every burst, never the quietest one
     assert look["measured"] == pytest.approx(hi["lookup_p50_us"] / lo["lookup_p50_us"])
     assert claim["measured"] == pytest.approx(hi["claim_p50_us"] / lo["claim_p50_us"])
@@ -114,14 +146,26 @@ def test_scale_cli(tmp_path):
 
 def test_prefix_cli(daemon, tmp_path):
     out = tmp_path / "p.json"
-    res = invoke("prefix", "--socket", daemon.socket_path, "--lengths", "32,128", "--reps", "5",
-                 "--prompts", "12", "--json-out", str(out))  # fmt: skip
+    res = invoke(
+        "prefix",
+        "--socket",
+        daemon.socket_path,
+        "--lengths",
+        "32,128",
+        "--reps",
+        "5",
+        "--prompts",
+        "12",
+        "--json-out",
+        str(out),
+    )
     assert res.exit_code == 0, res.output
     data = load(out)
     assert [(r["tokens"], r["blocks"]) for r in data["rows"]] == [(32, 2), (128, 8)]
     for r in data["rows"]:
-        positive(r, "match_p50_us", "put_claim_p50_us", "hash_p50_us", "load_gbps",
-                 "loaded_match_p50_us")
+        positive(
+            r, "match_p50_us", "put_claim_p50_us", "hash_p50_us", "load_gbps", "loaded_match_p50_us"
+        )
         assert r["match_vs_put_claim"] == pytest.approx(r["match_p50_us"] / r["put_claim_p50_us"])
     (hit,) = data["hit_rate"]
     assert hit["hit_rate"] == pytest.approx(hit["matched_tokens"] / hit["prompt_tokens"])
@@ -133,8 +177,9 @@ def test_prefix_cli(daemon, tmp_path):
 def test_tp_wraps_bench_tp(daemon):
     pytest.importorskip("torch")
     tp = _bench.scenario("tp")
-    res = tp.run(daemon.socket_path, repeats=1, layouts=["kv-first-HND"],
-                 shape={"LAYERS": 2, "TOKENS": 32})  # fmt: skip
+    res = tp.run(
+        daemon.socket_path, repeats=1, layouts=["kv-first-HND"], shape={"LAYERS": 2, "TOKENS": 32}
+    )
     rows = res.rows
     assert [(r["P"], r["D"]) for r in rows] == [(1, 1), (4, 1), (1, 4)]
     homo = rows[0]["claim_GBps"]
@@ -175,13 +220,23 @@ def test_gpu_rows(tmp_path):
 
 
 def test_gpu_rows_from_bench_gpu_json():
-    raw = {"pinned": {"pinned_d2h_GBps": 50.0, "pinned_h2d_GBps": 40.0},
-           "broker": {"publish_d2h_one_buffer_GBps": 45.0, "claim_h2d_one_buffer_GBps": 36.0,
-                      "publish_d2h_128_buffers_GBps": 25.0, "claim_h2d_128_buffers_GBps": 20.0},
-           "kernels": {"d2d_copy_GBps": 2000.0, "triton_gather_GBps": 1800.0,
-                       "triton_scatter_GBps": 1900.0, "torch_gather_GBps": 500.0,
-                       "torch_scatter_GBps": 400.0},
-           "rings": {"peer_copy_GBps": 400.0, "ring_claim_GBps": 300.0}}  # fmt: skip
+    raw = {
+        "pinned": {"pinned_d2h_GBps": 50.0, "pinned_h2d_GBps": 40.0},
+        "broker": {
+            "publish_d2h_one_buffer_GBps": 45.0,
+            "claim_h2d_one_buffer_GBps": 36.0,
+            "publish_d2h_128_buffers_GBps": 25.0,
+            "claim_h2d_128_buffers_GBps": 20.0,
+        },
+        "kernels": {
+            "d2d_copy_GBps": 2000.0,
+            "triton_gather_GBps": 1800.0,
+            "triton_scatter_GBps": 1900.0,
+            "torch_gather_GBps": 500.0,
+            "torch_scatter_GBps": 400.0,
+        },
+        "rings": {"peer_copy_GBps": 400.0, "ring_claim_GBps": 300.0},
+    }
     rows = {r["path"]: r for r in _bench.scenario("gpu").rows_from(raw)}
     assert rows["publish D2H, one_buffer"]["ratio"] == pytest.approx(0.9)
     assert rows["claim H2D, 128_buffers"]["ratio"] == pytest.approx(0.5)
@@ -190,7 +245,7 @@ def test_gpu_rows_from_bench_gpu_json():
     assert "ring publish + claim" not in rows  # not measured, not invented
 
 
-FAKE_PEER = textwrap.dedent('''
+FAKE_PEER = textwrap.dedent("""
     import argparse, json, sys
     ap = argparse.ArgumentParser()
     for a in ("--modes", "--sizes", "--ops", "--json-out", "--workdir", "--budget"):
@@ -209,16 +264,32 @@ FAKE_PEER = textwrap.dedent('''
                           "plain_remove_after_get_rc": -706, "data_ok": True, "errors": []})
         out.append({"mode": mode, "setup_s": 0.1, "sizes": sizes, "loopback_bytes": 0})
     json.dump(out, open(a.json_out, "w"))
-''')
+""")
 
 
 def test_peer_runner_with_a_fake_peer(daemon, tmp_path):
     script = tmp_path / "fake_peer.py"
     script.write_text(FAKE_PEER)
     out, plots = tmp_path / "peer.json", tmp_path / "plots"
-    res = invoke("peer", "--mooncake-python", sys.executable, "--peer-script", str(script),
-                 "--socket", daemon.socket_path, "--sizes", "256K,1M", "--ops", "5",
-                 "--rounds", "2", "--json-out", str(out), "--plot", str(plots))  # fmt: skip
+    res = invoke(
+        "peer",
+        "--mooncake-python",
+        sys.executable,
+        "--peer-script",
+        str(script),
+        "--socket",
+        daemon.socket_path,
+        "--sizes",
+        "256K,1M",
+        "--ops",
+        "5",
+        "--rounds",
+        "2",
+        "--json-out",
+        str(out),
+        "--plot",
+        str(plots),
+    )
     assert res.exit_code == 0, res.output
     data = load(out)
     assert data["params"]["modes"] == ["dummy", "embedded"]
@@ -246,8 +317,7 @@ def test_peer_runner_with_a_fake_peer(daemon, tmp_path):
     memcpy = sum(k["memcpy_p50_us"] for k in kvb) / 2e3
     assert row["kvb_vs_memcpy"] == pytest.approx(2 * memcpy / (put + get))
     assert row["memcpy_ms"] == pytest.approx(memcpy)
-    per_round = [(2 * 256 * KiB / 1e6) / ((k["put_p50_us"] + k["get_p50_us"]) / 1e3)
-                 for k in kvb]  # fmt: skip
+    per_round = [(2 * 256 * KiB / 1e6) / ((k["put_p50_us"] + k["get_p50_us"]) / 1e3) for k in kvb]
     assert row["speedup_vs_dummy_range"] == [min(per_round), max(per_round)]
     assert (plots / "peer.png").exists()
 
@@ -259,8 +329,17 @@ def test_peer_without_mooncake_against_memcpy_on_the_engines_threads(daemon, tmp
     saved, E._default = E._default, E.CopyEngine(3, split_min=cs.CHUNK)  # 3 threads from 3 MiB
     out = tmp_path / "peer.json"
     try:
-        res = invoke("peer", "--socket", daemon.socket_path, "--sizes", "1M,2M,4M",
-                     "--ops", "3", "--json-out", str(out))  # fmt: skip
+        res = invoke(
+            "peer",
+            "--socket",
+            daemon.socket_path,
+            "--sizes",
+            "1M,2M,4M",
+            "--ops",
+            "3",
+            "--json-out",
+            str(out),
+        )
     finally:
         E._default.close()
         E._default = saved
@@ -275,11 +354,14 @@ def test_peer_without_mooncake_against_memcpy_on_the_engines_threads(daemon, tmp
     for r, k in zip(data["rows"], rnd["kvbroker"], strict=True):
         positive(r, "split_memcpy2_ms", "split_memcpy_gbps", "kvb_vs_split_memcpy")
         assert r["kvb_vs_split_memcpy"] == pytest.approx(  # the two times of the table
-            k["split_memcpy2_p50_us"] / (k["put_p50_us"] + k["get_p50_us"]))
+            k["split_memcpy2_p50_us"] / (k["put_p50_us"] + k["get_p50_us"])
+        )
         assert r["kvb_vs_split_memcpy"] == pytest.approx(
-            r["split_memcpy2_ms"] / r["kvb_roundtrip_ms"])
+            r["split_memcpy2_ms"] / r["kvb_roundtrip_ms"]
+        )
         assert r["split_memcpy_gbps"] == pytest.approx(
-            2 * r["size"] / (r["split_memcpy2_ms"] / 1e3) / 1e9)
+            2 * r["size"] / (r["split_memcpy2_ms"] / 1e3) / 1e9
+        )
         cut = math.floor(round(r["kvb_vs_split_memcpy"] * 100, 6)) / 100
         assert f"{cut:.2f}" in res.output.splitlines()[1 + data["rows"].index(r)]
 
@@ -292,14 +374,21 @@ def test_peer_targets_against_memcpy_on_the_engines_threads():
     # two decimals, never rounded up: 0.799 is not shown as meeting 0.80
     assert "0.79x" in t[0].line() and "MISSED" in t[0].line()
     assert [x.name for x in peer.targets(rows, ())] == [
-        "32 MiB publish+claim vs memcpy", "32 MiB put+get vs multi-threaded memcpy, same threads"]
+        "32 MiB publish+claim vs memcpy",
+        "32 MiB put+get vs multi-threaded memcpy, same threads",
+    ]
 
 
 def test_ratio_format_cuts_to_two_decimals():
     from kvbroker._bench._common import format_value
 
     assert [format_value(v, "ratio") for v in (0.899, 0.29, 1.0, 0.805, 2.999)] == [
-        "0.89", "0.29", "1.00", "0.80", "2.99"]
+        "0.89",
+        "0.29",
+        "1.00",
+        "0.80",
+        "2.99",
+    ]
 
 
 def test_target_lines_print_ratios_cut_and_the_rpc_scaling_targets(monkeypatch):
@@ -312,8 +401,10 @@ def test_target_lines_print_ratios_cut_and_the_rpc_scaling_targets(monkeypatch):
     assert Target("m", 4.006, 2, op="<=").line() == "m: 4.00x (target <= 2x) MISSED"
     assert Target("m", 0.8996, 0.9).line() == "m: 0.89x (target >= 0.9x) MISSED"
     assert Target("n", 20123.4, 20000, unit=" ops/s").line().startswith("n: 2.01e+04 ops/s")
-    rows = [{"clients": 4, "ops_per_s": 50000.0, "p99_us": 150.0},
-            {"clients": 16, "ops_per_s": 60000.0, "p99_us": 812.34}]
+    rows = [
+        {"clients": 4, "ops_per_s": 50000.0, "p99_us": 150.0},
+        {"clients": 16, "ops_per_s": 60000.0, "p99_us": 812.34},
+    ]
     monkeypatch.setattr(rpc, "measure", lambda *a: rows)
     lines = [t.line() for t in rpc.run("unused", (4, 16)).targets]
     assert "ops/s of 16 clients vs 4 clients: 1.20x (target >= 1.5x) MISSED" in lines
@@ -323,11 +414,27 @@ def test_target_lines_print_ratios_cut_and_the_rpc_scaling_targets(monkeypatch):
 def test_peer_runner_reports_a_failing_peer(daemon, tmp_path):
     script = tmp_path / "fake_peer.py"
     script.write_text(FAKE_PEER)
-    res = invoke("peer", "--mooncake-python", sys.executable, "--peer-script", str(script),
-                 "--socket", daemon.socket_path, "--modes", "fail")  # fmt: skip
+    res = invoke(
+        "peer",
+        "--mooncake-python",
+        sys.executable,
+        "--peer-script",
+        str(script),
+        "--socket",
+        daemon.socket_path,
+        "--modes",
+        "fail",
+    )
     assert res.exit_code == 2  # not a mode the peer has
-    res = invoke("peer", "--mooncake-python", sys.executable,
-                 "--peer-script", str(tmp_path / "missing.py"), "--socket", daemon.socket_path)
+    res = invoke(
+        "peer",
+        "--mooncake-python",
+        sys.executable,
+        "--peer-script",
+        str(tmp_path / "missing.py"),
+        "--socket",
+        daemon.socket_path,
+    )
     assert res.exit_code == 1
     assert "peer script not found" in res.output
 
@@ -377,10 +484,29 @@ def test_peer_runner_with_lmcache_beside_mooncake(daemon, tmp_path):
     script = tmp_path / "fake_peer.py"
     script.write_text(FAKE_PEER)
     out = tmp_path / "peer.json"
-    res = invoke("peer", "--mooncake-python", sys.executable, "--peer-script", str(script),
-                 "--lmcache-python", sys.executable, "--lmcache-script", str(script),
-                 "--modes", "dummy", "--socket", daemon.socket_path, "--sizes", "256K",
-                 "--ops", "5", "--rounds", "2", "--json-out", str(out))  # fmt: skip
+    res = invoke(
+        "peer",
+        "--mooncake-python",
+        sys.executable,
+        "--peer-script",
+        str(script),
+        "--lmcache-python",
+        sys.executable,
+        "--lmcache-script",
+        str(script),
+        "--modes",
+        "dummy",
+        "--socket",
+        daemon.socket_path,
+        "--sizes",
+        "256K",
+        "--ops",
+        "5",
+        "--rounds",
+        "2",
+        "--json-out",
+        str(out),
+    )
     assert res.exit_code == 0, res.output
     assert "x LMCache" in res.output and "x Mooncake dummy" in res.output
     data = load(out)
@@ -389,7 +515,8 @@ def test_peer_runner_with_lmcache_beside_mooncake(daemon, tmp_path):
     (row,) = data["rows"]
     assert row["lmcache_roundtrip_ms"] == pytest.approx(2 * 256 * KiB / 1e6)  # the driver's
     assert row["speedup_vs_lmcache"] == pytest.approx(
-        row["lmcache_roundtrip_ms"] / row["kvb_roundtrip_ms"])
+        row["lmcache_roundtrip_ms"] / row["kvb_roundtrip_ms"]
+    )
     for rnd in data["raw_rounds"]:
         lm = [p for p in rnd["peer"] if p["mode"] == "lmcache"]
         assert len(lm) == 1 and lm[0]["driver_mode"] == "engine_driven"
@@ -427,15 +554,29 @@ def test_peer_runner_with_kvcr(daemon, tmp_path):
     script = tmp_path / "fake_peer.py"
     script.write_text(FAKE_PEER)
     out = tmp_path / "peer.json"
-    res = invoke("peer", "--kvcr-python", sys.executable, "--kvcr-script", str(script),
-                 "--socket", daemon.socket_path, "--sizes", "256K", "--ops", "5",
-                 "--json-out", str(out))  # fmt: skip
+    res = invoke(
+        "peer",
+        "--kvcr-python",
+        sys.executable,
+        "--kvcr-script",
+        str(script),
+        "--socket",
+        daemon.socket_path,
+        "--sizes",
+        "256K",
+        "--ops",
+        "5",
+        "--json-out",
+        str(out),
+    )
     assert res.exit_code == 0, res.output
     assert "x KVCR local DRAM" in res.output
     data = load(out)
     assert data["params"]["modes"] == ["kvcr"] and data["params"]["kvcr_script"] == str(script)
     (row,) = data["rows"]
-    assert row["speedup_vs_kvcr"] == pytest.approx(row["kvcr_roundtrip_ms"] / row["kvb_roundtrip_ms"])
+    assert row["speedup_vs_kvcr"] == pytest.approx(
+        row["kvcr_roundtrip_ms"] / row["kvb_roundtrip_ms"]
+    )
     (got,) = data["raw_rounds"][0]["peer"]
     assert got["mode"] == "kvcr" and got["driver_mode"] == "local_dram"
 
@@ -446,8 +587,12 @@ def test_kvcr_driver_refuses_other_modes(tmp_path):
 
     driver = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "kvcr_peer.py"
     out = tmp_path / "k.json"
-    p = subprocess.run([sys.executable, str(driver), "--modes", "remote", "--json-out", str(out)],
-                       capture_output=True, text=True, timeout=60)  # fmt: skip
+    p = subprocess.run(
+        [sys.executable, str(driver), "--modes", "remote", "--json-out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert p.returncode == 1
     (res,) = json.loads(out.read_text())
     assert res == {"mode": "remote", "error": "only the local_dram mode is driven"}

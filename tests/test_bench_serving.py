@@ -47,8 +47,9 @@ def test_summaries_pool_the_rounds_and_ratios_divide_the_rows():
 
     plain = [rec(2.0, 100, 100, [1, 2]), rec(4.0, 100, 60, [3, 4])]
     kvb = [rec(1.0, 100, 100, [1, 2]), rec(1.0, 100, 20, [3, 5])]
-    rows = b.with_ratios([b.summarize("plain", plain, [10.0], None),
-                          b.summarize("kvbroker", kvb, [4.0, 4.0], plain)])  # fmt: skip
+    rows = b.with_ratios(
+        [b.summarize("plain", plain, [10.0], None), b.summarize("kvbroker", kvb, [4.0, 4.0], plain)]
+    )
     p, k = rows
     assert p["ttft_p50_s"] == 3.0 and k["ttft_p50_s"] == 1.0
     assert p["recomputed_tokens"] == 160 and k["recomputed_tokens"] == 120
@@ -56,5 +57,6 @@ def test_summaries_pool_the_rounds_and_ratios_divide_the_rows():
     assert k["outputs_equal_plain"] == 1  # the second request's tokens differ
     assert k["ttft_p50_vs_plain"] == pytest.approx(k["ttft_p50_s"] / p["ttft_p50_s"])
     assert k["throughput_vs_plain"] == pytest.approx(
-        k["output_tokens_per_s"] / p["output_tokens_per_s"])
+        k["output_tokens_per_s"] / p["output_tokens_per_s"]
+    )
     assert b.pct([1.0, 2.0, 3.0, 4.0], 0.99) == 4.0

@@ -38,8 +38,15 @@ def fill(rng, reservation: blocks.Reservation, name: str) -> list[np.ndarray]:
 
 # -- formats --------------------------------------------------------------------------------
 def test_attention_format_sizes_names_and_the_meta_published_blocks_carry():
-    fmt = blocks.AttentionFormat.for_rank(dtype="bfloat16", num_layers=3, block_size=16,
-                                          head_dim=64, total_kv_heads=8, tp_rank=1, tp_size=4)
+    fmt = blocks.AttentionFormat.for_rank(
+        dtype="bfloat16",
+        num_layers=3,
+        block_size=16,
+        head_dim=64,
+        total_kv_heads=8,
+        tp_rank=1,
+        tp_size=4,
+    )
     assert (fmt.local_heads, fmt.heads) == (2, (2, 4))
     assert fmt.buffer_nbytes == 2 * 16 * 64 * 2
     assert fmt.block_nbytes == 3 * 2 * fmt.buffer_nbytes
@@ -49,60 +56,95 @@ def test_attention_format_sizes_names_and_the_meta_published_blocks_carry():
     assert fmt.key("abc") == "abc/h8.tp1of4"
     # the meta the vLLM connector's blocks were always published with: they still load
     assert fmt.meta() == {
-        "kvbroker.prefix.kv": 1, "tp_rank": 1, "tp_size": 4, "total_kv_heads": 8,
-        "heads": [2, 4], "num_layers": 3, "components": ["key", "value"], "infix": None,
-        "layout": fmt.buffer_layout.to_dict(), "packed": "kv",
-    }  # fmt: skip
-    named = blocks.AttentionFormat.for_rank(dtype="bfloat16", num_layers=3, block_size=16,
-                                            head_dim=64, total_kv_heads=8, tp_rank=1,
-                                            tp_size=4, packed=None)  # fmt: skip
+        "kvbroker.prefix.kv": 1,
+        "tp_rank": 1,
+        "tp_size": 4,
+        "total_kv_heads": 8,
+        "heads": [2, 4],
+        "num_layers": 3,
+        "components": ["key", "value"],
+        "infix": None,
+        "layout": fmt.buffer_layout.to_dict(),
+        "packed": "kv",
+    }
+    named = blocks.AttentionFormat.for_rank(
+        dtype="bfloat16",
+        num_layers=3,
+        block_size=16,
+        head_dim=64,
+        total_kv_heads=8,
+        tp_rank=1,
+        tp_size=4,
+        packed=None,
+    )
     assert named.buffers() == dict.fromkeys(fmt.flat_names, fmt.buffer_nbytes)
     assert "packed" not in named.meta()
     assert fmt.check(named.meta()).nbytes == fmt.buffer_nbytes  # either form loads
-    other = blocks.AttentionFormat.for_rank(dtype="float16", num_layers=3, block_size=16,
-                                            head_dim=64, total_kv_heads=8)
+    other = blocks.AttentionFormat.for_rank(
+        dtype="float16", num_layers=3, block_size=16, head_dim=64, total_kv_heads=8
+    )
     with pytest.raises(LayoutMismatch, match="dtype"):
         fmt.check(other.meta())
-    mla = blocks.AttentionFormat.for_rank(dtype="float16", num_layers=2, block_size=4,
-                                          head_dim=576, total_kv_heads=None, tp_rank=3, tp_size=4)
+    mla = blocks.AttentionFormat.for_rank(
+        dtype="float16",
+        num_layers=2,
+        block_size=4,
+        head_dim=576,
+        total_kv_heads=None,
+        tp_rank=3,
+        tp_size=4,
+    )
     assert (mla.components, mla.local_heads, mla.key("h")) == (("latent",), 1, "h/h0.tp3of4")
     assert mla.block_nbytes == 2 * 4 * 576 * 2
     with pytest.raises(BadRequest):
-        blocks.AttentionFormat.for_rank(dtype="nope", num_layers=1, block_size=1, head_dim=1,
-                                        total_kv_heads=1)  # fmt: skip
+        blocks.AttentionFormat.for_rank(
+            dtype="nope", num_layers=1, block_size=1, head_dim=1, total_kv_heads=1
+        )
 
 
 def test_a_sliding_window_format_is_the_same_bytes_and_names_the_reachable_blocks():
-    full = blocks.AttentionFormat.for_rank(dtype="float16", num_layers=2, block_size=16,
-                                           head_dim=8, total_kv_heads=2)
-    sliding = blocks.AttentionFormat.for_rank(dtype="float16", num_layers=2, block_size=16,
-                                              head_dim=8, total_kv_heads=2, window=32)
+    full = blocks.AttentionFormat.for_rank(
+        dtype="float16", num_layers=2, block_size=16, head_dim=8, total_kv_heads=2
+    )
+    sliding = blocks.AttentionFormat.for_rank(
+        dtype="float16", num_layers=2, block_size=16, head_dim=8, total_kv_heads=2, window=32
+    )
     assert (sliding.buffers(), sliding.meta()) == (full.buffers(), full.meta())
     assert full.reachable(200) == range(13)
     # 200 tokens, a window of 32: tokens 169.. are read, blocks 10..12 (vLLM's rule)
     assert sliding.reachable(200) == range(10, 13)
     assert sliding.reachable(20) == range(0, 2)
     with pytest.raises(BadRequest):
-        blocks.AttentionFormat.for_rank(dtype="float16", num_layers=2, block_size=16,
-                                        head_dim=8, total_kv_heads=2, window=0)  # fmt: skip
+        blocks.AttentionFormat.for_rank(
+            dtype="float16", num_layers=2, block_size=16, head_dim=8, total_kv_heads=2, window=0
+        )
 
 
 def test_state_format_sizes_offsets_and_checks():
-    fmt = blocks.StateFormat((blocks.StateBuffer("conv.0", "bfloat16", (3, 128)),
-                              blocks.StateBuffer("ssm.0", "float32", (4, 16, 8))),
-                             tp_rank=1, tp_size=2)  # fmt: skip
+    fmt = blocks.StateFormat(
+        (
+            blocks.StateBuffer("conv.0", "bfloat16", (3, 128)),
+            blocks.StateBuffer("ssm.0", "float32", (4, 16, 8)),
+        ),
+        tp_rank=1,
+        tp_size=2,
+    )
     assert fmt.block_nbytes == 3 * 128 * 2 + 4 * 16 * 8 * 4
     assert fmt.offset_of("ssm.0") == 3 * 128 * 2
     assert fmt.buffers() == {"state": fmt.block_nbytes}
     assert fmt.key("abc") == "abc/state.tp1of2"
     fmt.check(fmt.meta())
-    other = blocks.StateFormat((blocks.StateBuffer("conv.0", "bfloat16", (3, 128)),),
-                               tp_rank=0, tp_size=2)
+    other = blocks.StateFormat(
+        (blocks.StateBuffer("conv.0", "bfloat16", (3, 128)),), tp_rank=0, tp_size=2
+    )
     with pytest.raises(LayoutMismatch, match="parts"):
         fmt.check(other.meta())
     with pytest.raises(LayoutMismatch, match="not state pages"):
-        fmt.check(blocks.AttentionFormat.for_rank(dtype="float16", num_layers=1, block_size=1,
-                                                  head_dim=1, total_kv_heads=1).meta())
+        fmt.check(
+            blocks.AttentionFormat.for_rank(
+                dtype="float16", num_layers=1, block_size=1, head_dim=1, total_kv_heads=1
+            ).meta()
+        )
     with pytest.raises(BadRequest):
         blocks.StateFormat((blocks.StateBuffer("a", "float32", (1,)),) * 2)
 
@@ -115,9 +157,13 @@ def test_reserve_write_seal_and_the_checksums_are_verified_on_claim(bare):
     assert bare.stat().write_leases == 3
     kind = bare.checksum_kind
     data = fill(rng, res, "kv")
-    sums = [{"kv": blocks.checksum(res.view(j, "kv"), kind),
-             "extra": blocks.copy(res.view(j, "extra"), np.arange(7, dtype=np.uint8), kind)}
-            for j in range(3)]  # fmt: skip
+    sums = [
+        {
+            "kv": blocks.checksum(res.view(j, "kv"), kind),
+            "extra": blocks.copy(res.view(j, "extra"), np.arange(7, dtype=np.uint8), kind),
+        }
+        for j in range(3)
+    ]
     assert sums == res.checksums()  # hashed now, over the engine's threads: the same
     where = res.extents(1)["kv"]
     res.seal(sums)
@@ -152,8 +198,10 @@ def test_a_refused_batch_holds_nothing_and_abort_frees_the_pages(bare):
 
 
 def test_pipelined_reserve_and_seal(bare):
-    later = [blocks.reserve_later(bare, NS, chain(2), {"kv": 4096}),
-             blocks.reserve_later(bare, NS, [{"key": "x", "parent": None}], {"kv": 4096})]
+    later = [
+        blocks.reserve_later(bare, NS, chain(2), {"kv": 4096}),
+        blocks.reserve_later(bare, NS, [{"key": "x", "parent": None}], {"kv": 4096}),
+    ]
     res = later[0].result() + later[1].result()
     assert len(res) == 3 and res.names == ["kv"]
     fill(np.random.default_rng(2), res, "kv")
@@ -164,8 +212,10 @@ def test_pipelined_reserve_and_seal(bare):
 
 
 def test_blocks_of_differing_buffers_in_one_batch(bare):
-    request = [{"key": "a", "parent": None, "buffers": {"k": 10}},
-               {"key": "b", "parent": "a", "buffers": {"k": 10, "v": 20}}]
+    request = [
+        {"key": "a", "parent": None, "buffers": {"k": 10}},
+        {"key": "b", "parent": "a", "buffers": {"k": 10, "v": 20}},
+    ]
     res = blocks.reserve(bare, NS, request)
     assert res.rows is None and res.extents(1)["v"][2] == 20
     res.view(1, "v")[:] = 9
@@ -221,11 +271,14 @@ def test_abort_on_a_dead_connection_neither_sends_nor_reconnects(make_daemon):
 
 # -- readers --------------------------------------------------------------------------------
 def test_match_hands_out_extents_and_views_under_one_read_lease(bare):
-    fmt = blocks.AttentionFormat.for_rank(dtype="float16", num_layers=2, block_size=4,
-                                          head_dim=8, total_kv_heads=2)
+    fmt = blocks.AttentionFormat.for_rank(
+        dtype="float16", num_layers=2, block_size=4, head_dim=8, total_kv_heads=2
+    )
     hashes = block_hashes(list(range(13)), 4, namespace=NS)
-    request = [{"key": fmt.key(h), "parent": fmt.key(hashes[i - 1]) if i else None}
-               for i, h in enumerate(hashes[:2])]  # fmt: skip
+    request = [
+        {"key": fmt.key(h), "parent": fmt.key(hashes[i - 1]) if i else None}
+        for i, h in enumerate(hashes[:2])
+    ]
     res = blocks.reserve(bare, NS, request, fmt.buffers(), fmt.meta())
     data = fill(np.random.default_rng(3), res, "kv")
     res.seal(res.checksums())
@@ -249,12 +302,15 @@ def test_a_block_the_api_wrote_loads_through_match_kv_bit_for_bit(bare):
     rng = np.random.default_rng(4)
     layers, bs, heads, dim = 2, 4, 2, 8
     src = rng.integers(0, 1 << 16, (layers, 2, 3, bs, heads, dim), dtype=np.uint16)
-    fmt = blocks.AttentionFormat.for_rank(dtype="uint16", num_layers=layers, block_size=bs,
-                                          head_dim=dim, total_kv_heads=heads)
+    fmt = blocks.AttentionFormat.for_rank(
+        dtype="uint16", num_layers=layers, block_size=bs, head_dim=dim, total_kv_heads=heads
+    )
     tokens = list(range(3 * bs + 1))
     hashes = block_hashes(tokens, bs, namespace=NS)
-    request = [{"key": fmt.key(h), "parent": fmt.key(hashes[i - 1]) if i else None}
-               for i, h in enumerate(hashes)]  # fmt: skip
+    request = [
+        {"key": fmt.key(h), "parent": fmt.key(hashes[i - 1]) if i else None}
+        for i, h in enumerate(hashes)
+    ]
     res = blocks.reserve(bare, NS, request, fmt.buffers(), fmt.meta())
     for j in range(3):
         for layer in range(layers):
@@ -263,8 +319,9 @@ def test_a_block_the_api_wrote_loads_through_match_kv_bit_for_bit(bare):
                 blocks.copy(dst, src[layer, c, j].transpose(1, 0, 2))  # [head][token][dim]
     res.seal(res.checksums())
     out = np.zeros_like(src)
-    cache = PagedKV([out[layer] for layer in range(layers)],
-                    ("kv", "block", "token", "head", "head_dim"))
+    cache = PagedKV(
+        [out[layer] for layer in range(layers)], ("kv", "block", "token", "head", "head_dim")
+    )
     pc = PrefixCache(bare, namespace=NS, block_size=bs, total_kv_heads=heads)
     with pc.match_kv(tokens) as m:
         assert m.load(cache, [0, 1, 2]) > 0

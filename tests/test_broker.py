@@ -246,11 +246,19 @@ def test_sealing_a_chain_past_the_high_watermark_keeps_the_chain_whole(make_brok
     s = session(b)
 
     def chain(keys):
-        r = b.handle(s, "reserve_blocks", {"blocks": [
-            {"key": k, "parent": keys[i - 1] if i else None} for i, k in enumerate(keys)],
-            "buffers": {"x": PAGE}})  # fmt: skip
-        b.handle(s, "seal_many", {"leases": [res["lease"] for res in r["results"]],
-                                  "checksums": None})  # fmt: skip
+        r = b.handle(
+            s,
+            "reserve_blocks",
+            {
+                "blocks": [
+                    {"key": k, "parent": keys[i - 1] if i else None} for i, k in enumerate(keys)
+                ],
+                "buffers": {"x": PAGE},
+            },
+        )
+        b.handle(
+            s, "seal_many", {"leases": [res["lease"] for res in r["results"]], "checksums": None}
+        )
 
     old, new = [f"old{i}" for i in range(8)], [f"new{i}" for i in range(10)]
     chain(old)

@@ -26,8 +26,10 @@ def test_chunk_is_one_mib():
     assert cs.CHUNK == 1 << 20  # part of the definition: a change is a new kind
 
 
-@pytest.mark.parametrize("n", [0, 1, 240, 241, cs.CHUNK - 1, cs.CHUNK, cs.CHUNK + 1,
-                               2 * cs.CHUNK + 240, 3 * cs.CHUNK + 4097])
+@pytest.mark.parametrize(
+    "n",
+    [0, 1, 240, 241, cs.CHUNK - 1, cs.CHUNK, cs.CHUNK + 1, 2 * cs.CHUNK + 240, 3 * cs.CHUNK + 4097],
+)
 def test_digest_is_the_written_out_definition(n):
     data = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8).tobytes()
     assert cs.digest(data) == reference(data)
@@ -83,7 +85,9 @@ def test_it_catches_flips_swaps_truncation_and_extension():
 def test_legacy_kind_is_whole_buffer_xxh3():
     data = b"kv" * 100_000
     assert cs.legacy_digest(data) == xxhash.xxh3_64_intdigest(data)
-    assert cs.digest(data) != cs.legacy_digest(data)  # the two kinds never compare equal by accident
+    assert cs.digest(data) != cs.legacy_digest(
+        data
+    )  # the two kinds never compare equal by accident
     assert cs.matches(data, xxhash.xxh3_64_intdigest(data))
     assert cs.matches(data, [1, cs.digest(data)])
     assert not cs.matches(data, xxhash.xxh3_64_intdigest(data) ^ 1)
@@ -99,8 +103,22 @@ def test_wire_forms():
     assert cs.parse((1, 5)) == (cs.KIND_XXH3C, 5)
     with pytest.raises(ValueError):
         cs.encode(5, 9)
-    for bad in (-1, 1 << 64, True, 2.0, "5", None, [], [1], [0, 5], [1, -1], [1, 1 << 64],
-                [True, 5], [1, 5, 6], {"1": 5}):
+    for bad in (
+        -1,
+        1 << 64,
+        True,
+        2.0,
+        "5",
+        None,
+        [],
+        [1],
+        [0, 5],
+        [1, -1],
+        [1, 1 << 64],
+        [True, 5],
+        [1, 5, 6],
+        {"1": 5},
+    ):
         with pytest.raises(ValueError):
             cs.parse(bad)
     with pytest.raises(ValueError, match="unknown checksum kind 9"):

@@ -100,9 +100,19 @@ def test_real_processes_and_no_torch_on_fast_paths(loaded):
         "\nsys.exit(code)"
     )
     for args in (["--help"], ["stat"], ["ls"]):
-        r = subprocess.run([sys.executable, "-c", probe, *args], env=env,
-                           capture_output=True, text=True, timeout=30)  # fmt: skip
+        r = subprocess.run(
+            [sys.executable, "-c", probe, *args],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         assert r.returncode == 0, r.stderr
-    r = subprocess.run([sys.executable, "-m", "kvbroker", "evict", "--all"], env=env,
-                       capture_output=True, text=True, timeout=30)  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "-m", "kvbroker", "evict", "--all"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert r.returncode == 0 and "evicted 3 object" in r.stdout

@@ -26,8 +26,12 @@ def lines_of(text: str) -> list[str]:
 @pytest.fixture
 def loaded(daemon):
     with daemon.client() as c:
-        c.put("req-1", {"past_key.0": b"k" * 5000, "past_value.0": b"v" * 5000}, namespace="pd",
-              meta={"tokens": 812})  # fmt: skip
+        c.put(
+            "req-1",
+            {"past_key.0": b"k" * 5000, "past_value.0": b"v" * 5000},
+            namespace="pd",
+            meta={"tokens": 812},
+        )
         c.put("req-2", {"past_key.0": b"k" * 100}, namespace="pd")
         c.put("keep-4", {"x": b"x" * 10})
     return daemon
@@ -43,10 +47,15 @@ def test_evict_missing_key_exits_1_with_and_without_json(loaded):
     assert "no object 'nokey'" in r.stderr
 
 
-@pytest.mark.parametrize("args", [
-    ("ls", "--match", "("), ("evict", "--match", "("), ("evict", "--match-buffers", "("),
-    ("verify", "--match", "("),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("ls", "--match", "("),
+        ("evict", "--match", "("),
+        ("evict", "--match-buffers", "("),
+        ("verify", "--match", "("),
+    ],
+)
 def test_bad_regex_is_a_one_line_usage_error(loaded, args):
     r = run(*args, "-s", loaded.socket_path)
     assert r.exit_code == 2, r.output
@@ -55,8 +64,13 @@ def test_bad_regex_is_a_one_line_usage_error(loaded, args):
 
 
 def test_usage_errors_are_one_line(loaded):
-    for args in (["evict", "--older-than", "soon"], ["ls", "--limit", "x"], ["nosuch"],
-                 ["ls", "--sort", "colour"], ["evict"]):  # fmt: skip
+    for args in (
+        ["evict", "--older-than", "soon"],
+        ["ls", "--limit", "x"],
+        ["nosuch"],
+        ["ls", "--sort", "colour"],
+        ["evict"],
+    ):
         r = run(*args, "-s", loaded.socket_path) if args != ["nosuch"] else run(*args)
         assert r.exit_code == 2, (args, r.output)
         assert len(lines_of(r.stderr)) == 1, (args, r.stderr)
@@ -75,8 +89,12 @@ def test_conflicting_selectors_are_refused(loaded):
 def test_stat_refused_for_max_connections_is_one_line(make_daemon):
     d = make_daemon("--pool-size", "16M", "--page-size", "4K", "--max-connections", "1")
     with d.client():
-        r = subprocess.run([sys.executable, "-m", "kvbroker", "stat", "-s", d.socket_path],
-                           capture_output=True, text=True, timeout=30)  # fmt: skip
+        r = subprocess.run(
+            [sys.executable, "-m", "kvbroker", "stat", "-s", d.socket_path],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
     assert r.returncode == 1, r.stderr
     assert "Traceback" not in r.stderr
     assert len(lines_of(r.stderr)) == 1 and r.stderr.startswith("kvbroker: ")
@@ -89,9 +107,13 @@ def test_control_characters_are_escaped_everywhere(daemon):
         c.put(evil, {"buf\x1b[2J": b"x" * 10}, namespace="ns\x1b[31m", meta={"m": "a\x1b"})
     s = daemon.socket_path
     outputs = [
-        run("ls", "-s", s), run("show", evil, "-s", s), run("stat", "-s", s),
-        run("verify", "-s", s), run("evict", evil, "--dry-run", "-s", s),
-        run("show", "nothing\x1b[2J", "-s", s), run("evict", "nothing\x1b", "-s", s),
+        run("ls", "-s", s),
+        run("show", evil, "-s", s),
+        run("stat", "-s", s),
+        run("verify", "-s", s),
+        run("evict", evil, "--dry-run", "-s", s),
+        run("show", "nothing\x1b[2J", "-s", s),
+        run("evict", "nothing\x1b", "-s", s),
     ]
     for r in outputs:
         for text in (r.stdout, r.stderr):
@@ -170,8 +192,9 @@ def test_show_one_object(loaded):
 
 
 def test_stat_watch_prints_snapshots_until_count(loaded):
-    r = run("stat", "--watch", "--interval", "0.1", "--count", "3", "--json",
-            "-s", loaded.socket_path)  # fmt: skip
+    r = run(
+        "stat", "--watch", "--interval", "0.1", "--count", "3", "--json", "-s", loaded.socket_path
+    )
     assert r.exit_code == 0, r.output
     snaps = [json.loads(line) for line in lines_of(r.stdout)]
     assert len(snaps) == 3 and all(s["objects"] == 3 for s in snaps)
@@ -203,8 +226,21 @@ def test_version():
     assert r.exit_code == 0 and r.stdout.strip() == f"kvbroker {__version__}"
 
 
-@pytest.mark.parametrize("command", ["serve", "ls", "evict", "stat", "show", "verify", "doctor",
-                                     "bench rpc", "bench tp", "bench gpu"])  # fmt: skip
+@pytest.mark.parametrize(
+    "command",
+    [
+        "serve",
+        "ls",
+        "evict",
+        "stat",
+        "show",
+        "verify",
+        "doctor",
+        "bench rpc",
+        "bench tp",
+        "bench gpu",
+    ],
+)
 def test_help_fits_80_columns_and_names_no_repo_paths(command):
     r = run(*command.split(), "--help", env={"COLUMNS": "80"})
     assert r.exit_code == 0, r.output
@@ -234,8 +270,13 @@ def test_socket_default_in_help_is_the_real_one(monkeypatch):
     monkeypatch.undo()
     env = {k: v for k, v in os.environ.items() if k != "KVBROKER_SOCKET"}
     env["COLUMNS"] = "200"
-    r = subprocess.run([sys.executable, "-m", "kvbroker", "stat", "--help"], env=env,
-                       capture_output=True, text=True, timeout=30)  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "-m", "kvbroker", "stat", "--help"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert "$XDG_RUNTIME_DIR" not in r.stdout
     assert f"default: ({user_default_socket()})" in " ".join(r.stdout.split()), r.stdout
 
@@ -248,10 +289,13 @@ def test_shell_completion():
         pytest.skip("the kvbroker script is not installed beside this Python")
 
     def complete(words: str, cword: int, kind: str = "complete_bash") -> str:
-        env = {**os.environ, "_KVBROKER_COMPLETE": kind, "COMP_WORDS": words,
-               "COMP_CWORD": str(cword)}  # fmt: skip
-        return subprocess.run([exe], env=env, capture_output=True, text=True,
-                              timeout=30).stdout  # fmt: skip
+        env = {
+            **os.environ,
+            "_KVBROKER_COMPLETE": kind,
+            "COMP_WORDS": words,
+            "COMP_CWORD": str(cword),
+        }
+        return subprocess.run([exe], env=env, capture_output=True, text=True, timeout=30).stdout
 
     assert "_kvbroker_completion" in complete("", 0, "source_bash")  # the script to source
     assert complete("kvbroker st", 1).split() == ["stat"]
@@ -263,16 +307,18 @@ def test_shell_completion():
 def test_bench_rpc_honours_KVBROKER_SOCKET_and_leaves_nothing_behind(loaded):
     s = loaded.socket_path
     before = json.loads(run("stat", "--json", "-s", s).stdout)
-    keys = sorted((o["namespace"], o["key"])
-                  for o in json.loads(run("ls", "--json", "-s", s).stdout))  # fmt: skip
+    keys = sorted(
+        (o["namespace"], o["key"]) for o in json.loads(run("ls", "--json", "-s", s).stdout)
+    )
     r = run("bench", "rpc", "--clients", "1", "--seconds", "0.2", env={"KVBROKER_SOCKET": s})
     assert r.exit_code == 0, r.output
     after = json.loads(run("stat", "--json", "-s", s).stdout)
     # it measured this daemon (its lookups are counted here), and left no object behind
     assert after["counters"]["requests"] > before["counters"]["requests"] + 10
     assert after["objects"] == before["objects"] == 3
-    now = sorted((o["namespace"], o["key"])
-                 for o in json.loads(run("ls", "--json", "-s", s).stdout))  # fmt: skip
+    now = sorted(
+        (o["namespace"], o["key"]) for o in json.loads(run("ls", "--json", "-s", s).stdout)
+    )
     assert now == keys
 
 
@@ -296,8 +342,7 @@ def test_ping_answers_with_the_daemons_pid_and_version(daemon):
 def test_ping_and_doctor_without_a_daemon(tmp_path):
     r = run("ping", "-s", tmp_path / "none.sock")
     assert r.exit_code == 3 and "no kvbroker daemon" in r.stderr
-    r = run("doctor", "--socket", tmp_path / "none.sock", "--json",
-            env={"KVBROKER_CONFIG": ""})  # fmt: skip
+    r = run("doctor", "--socket", tmp_path / "none.sock", "--json", env={"KVBROKER_CONFIG": ""})
     checks = {c["name"]: c for c in json.loads(r.stdout)}
     assert checks["daemon"]["status"] == "warn" and "none.sock" in checks["daemon"]["detail"]
     assert "kvbroker serve" in checks["daemon"]["fix"]
@@ -347,9 +392,13 @@ def test_show_prints_each_buffer_size_and_the_consumers_left(daemon):
 
 def _seal_many_objects(client, n: int, namespace: str = "bulk") -> None:
     for first in range(0, n, 2000):
-        blocks = [{"key": f"o{i:06d}", "parent": None, "buffers": {"x": 1}}
-                  for i in range(first, min(n, first + 2000))]  # fmt: skip
-        leases = [r["lease"] for r in client.ops.reserve_blocks(blocks, namespace=namespace)["results"]]
+        blocks = [
+            {"key": f"o{i:06d}", "parent": None, "buffers": {"x": 1}}
+            for i in range(first, min(n, first + 2000))
+        ]
+        leases = [
+            r["lease"] for r in client.ops.reserve_blocks(blocks, namespace=namespace)["results"]
+        ]
         client.ops.seal_many(leases)
 
 
@@ -390,8 +439,11 @@ def test_json_output_is_valid_whatever_a_meta_holds(daemon):
     (evict's used to fail after it had evicted)."""
     s = daemon.socket_path
     with daemon.client() as c:
-        c.put("theirs", {"x": b"1"}, meta={"tag": b"\x01", "v": float("nan"),
-                                          "w": [float("inf"), 1.5]})  # fmt: skip
+        c.put(
+            "theirs",
+            {"x": b"1"},
+            meta={"tag": b"\x01", "v": float("nan"), "w": [float("inf"), 1.5]},
+        )
         c.put("mine", {"x": b"1"})
     listed = json.loads(run("ls", "--json", "-s", s).stdout)
     meta = next(o["meta"] for o in listed if o["key"] == "theirs")

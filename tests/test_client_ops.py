@@ -18,8 +18,11 @@ _LATER = {"abort_later": "abort", "release_later": "release"}  # pipelined varia
 
 
 def _stubs() -> dict[str, inspect.Signature]:
-    return {name: inspect.signature(fn) for name, fn in vars(Ops).items()
-            if callable(fn) and not name.startswith("_")}  # fmt: skip
+    return {
+        name: inspect.signature(fn)
+        for name, fn in vars(Ops).items()
+        if callable(fn) and not name.startswith("_")
+    }
 
 
 def test_one_stub_per_op():
@@ -45,8 +48,9 @@ def test_stub_sends_what_it_takes(stub):
     sent = []
     ops = Ops(lambda op, a: sent.append((op, a)), lambda op, a: sent.append((op, a)))
     params = list(_stubs()[stub].parameters.values())[1:]
-    args = {p.name: f"<{p.name}>" if p.default is inspect.Parameter.empty else p.default
-            for p in params}  # fmt: skip
+    args = {
+        p.name: f"<{p.name}>" if p.default is inspect.Parameter.empty else p.default for p in params
+    }
     if "buffers" in args:
         args["buffers"] = {}
     getattr(ops, stub)(**args)
@@ -68,8 +72,22 @@ def test_stub_sends_what_it_takes(stub):
 def _names_an_op(node: ast.Call) -> str | None:
     func = node.func
     name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
-    if name in ("_call", "_send_only", "call", "send_only", "_request", "request", "_post",
-                "post", "_submit", "submit") and node.args:
+    if (
+        name
+        in (
+            "_call",
+            "_send_only",
+            "call",
+            "send_only",
+            "_request",
+            "request",
+            "_post",
+            "post",
+            "_submit",
+            "submit",
+        )
+        and node.args
+    ):
         first = node.args[0]
         if isinstance(first, ast.Constant) and first.value in OPS:
             return first.value
@@ -78,14 +96,21 @@ def _names_an_op(node: ast.Call) -> str | None:
 
 @pytest.mark.parametrize(
     "path",
-    sorted(p for folder in ("kvbroker", "cli", "tui") for p in (ROOT / folder).rglob("*.py")
-           if "_server" not in p.parts and p.name != "ops.py"),  # fmt: skip
+    sorted(
+        p
+        for folder in ("kvbroker", "cli", "tui")
+        for p in (ROOT / folder).rglob("*.py")
+        if "_server" not in p.parts and p.name != "ops.py"
+    ),
     ids=lambda p: str(p.relative_to(ROOT)),
 )
 def test_only_the_stubs_name_an_op(path):
     tree = ast.parse(path.read_text(), str(path))
-    named = [(n.lineno, op) for n in ast.walk(tree) if isinstance(n, ast.Call)
-             and (op := _names_an_op(n))]  # fmt: skip
+    named = [
+        (n.lineno, op)
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Call) and (op := _names_an_op(n))
+    ]
     assert not named, f"{path.name} calls ops by name: {named}"
 
 

@@ -36,10 +36,15 @@ def _write(tmp_path, text: str) -> str:
 
 
 def test_file_then_env_then_flags(tmp_path):
-    path = _write(tmp_path, 'pool_size = "256M"\npools = 2\nlease_ttl = "1m"\n'
-                            'socket = "/tmp/from-file.sock"\n')
-    cfg = load_config(path, env={"KVBROKER_POOL_SIZE": "512M", "KVBROKER_LEASE_TTL": "90s"},
-                      flags={"lease_ttl": "2m", "pools": None})
+    path = _write(
+        tmp_path,
+        'pool_size = "256M"\npools = 2\nlease_ttl = "1m"\nsocket = "/tmp/from-file.sock"\n',
+    )
+    cfg = load_config(
+        path,
+        env={"KVBROKER_POOL_SIZE": "512M", "KVBROKER_LEASE_TTL": "90s"},
+        flags={"lease_ttl": "2m", "pools": None},
+    )
     assert cfg.pool_size == 512 << 20  # env beats the file
     assert cfg.lease_ttl == 120  # the flag beats both
     assert cfg.pools == 2  # a flag left unset (None) does not override
@@ -53,25 +58,30 @@ def test_defaults_without_a_file(tmp_path):
     assert cfg.metrics is None and cfg.log_level == "info"
 
 
-@pytest.mark.parametrize("text, message", [
-    ('pool_sise = "1G"\n', "unknown key 'pool_sise' (did you mean 'pool_size'?)"),
-    ('[serve]\npools = 2\n', "unknown key 'serve'"),
-    ('pools = "4"\n', "pools: expected an integer, got '4'"),
-    ("pools = 0\n", "pools: must be between 1 and 64, got 0"),
-    ('pool_size = "lots"\n', "pool_size: not a size: 'lots'"),
-    ("pool_size = 1.5\n", "pool_size: expected a size"),
-    ('page_size = "3K"\n', "page_size: must be a power of two of at least 4K"),
-    ('lease_ttl = "soon"\n', "lease_ttl: not a duration: 'soon'"),
-    ("lease_ttl = 0\n", "lease_ttl: must be more than 0 seconds"),
-    ("high_watermark = 1.5\n", "high_watermark: must be in (0, 1], got 1.5"),
-    ("high_watermark = 0.5\nlow_watermark = 0.7\n",
-     "low_watermark (0.7) must not exceed high_watermark (0.5"),
-    ('log_level = "loud"\n', "log_level: expected one of debug, info, warning, error"),
-    ('group = "no-such-group-kvb"\n', "group: no group 'no-such-group-kvb'"),
-    ('metrics = "localhost"\n', "metrics: expected HOST:PORT"),
-    ('pool_size = "4K"\npage_size = "64K"\n', "must hold at least one page"),
-    ("pools = [\n", "not valid TOML"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ('pool_sise = "1G"\n', "unknown key 'pool_sise' (did you mean 'pool_size'?)"),
+        ("[serve]\npools = 2\n", "unknown key 'serve'"),
+        ('pools = "4"\n', "pools: expected an integer, got '4'"),
+        ("pools = 0\n", "pools: must be between 1 and 64, got 0"),
+        ('pool_size = "lots"\n', "pool_size: not a size: 'lots'"),
+        ("pool_size = 1.5\n", "pool_size: expected a size"),
+        ('page_size = "3K"\n', "page_size: must be a power of two of at least 4K"),
+        ('lease_ttl = "soon"\n', "lease_ttl: not a duration: 'soon'"),
+        ("lease_ttl = 0\n", "lease_ttl: must be more than 0 seconds"),
+        ("high_watermark = 1.5\n", "high_watermark: must be in (0, 1], got 1.5"),
+        (
+            "high_watermark = 0.5\nlow_watermark = 0.7\n",
+            "low_watermark (0.7) must not exceed high_watermark (0.5",
+        ),
+        ('log_level = "loud"\n', "log_level: expected one of debug, info, warning, error"),
+        ('group = "no-such-group-kvb"\n', "group: no group 'no-such-group-kvb'"),
+        ('metrics = "localhost"\n', "metrics: expected HOST:PORT"),
+        ('pool_size = "4K"\npage_size = "64K"\n', "must hold at least one page"),
+        ("pools = [\n", "not valid TOML"),
+    ],
+)
 def test_bad_file_values_name_the_key(tmp_path, text, message):
     path = _write(tmp_path, text)
     with pytest.raises(ConfigError) as exc:
@@ -107,10 +117,20 @@ def test_listen_addresses_default_to_loopback():
 def test_serve_rejects_a_bad_config_before_starting(tmp_path):
     path = _write(tmp_path, "high_watermark = 2\n")
     res = subprocess.run(
-        [sys.executable, "-m", "kvbroker", "serve", "--config", path,
-         "--socket", str(tmp_path / "k.sock")],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "kvbroker",
+            "serve",
+            "--config",
+            path,
+            "--socket",
+            str(tmp_path / "k.sock"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert res.returncode == 2
     assert f"kvbroker: configuration: {path}: high_watermark: must be in (0, 1], got 2" in (
         res.stderr
@@ -119,8 +139,15 @@ def test_serve_rejects_a_bad_config_before_starting(tmp_path):
 
 
 def test_env_numbers_arrive_as_text():
-    cfg = load_config(None, env={"KVBROKER_POOLS": "3", "KVBROKER_HIGH_WATERMARK": "0.99",
-                                 "KVBROKER_METRICS": "9464", "KVBROKER_LOG_LEVEL": "DEBUG"})
+    cfg = load_config(
+        None,
+        env={
+            "KVBROKER_POOLS": "3",
+            "KVBROKER_HIGH_WATERMARK": "0.99",
+            "KVBROKER_METRICS": "9464",
+            "KVBROKER_LOG_LEVEL": "DEBUG",
+        },
+    )
     assert (cfg.pools, cfg.high_watermark, cfg.metrics) == (3, 0.99, ("127.0.0.1", 9464))
     assert cfg.log_level == "debug"
 
@@ -170,8 +197,9 @@ def test_serve_has_one_option_per_flagged_setting_and_no_other():
     r = CliRunner().invoke(app, ["serve", "--help"], env={"COLUMNS": "250"})
     assert r.exit_code == 0, r.output
     shown = set(re.findall(r"(?<![\w-])--[a-z][a-z-]+", r.output)) - {"--config", "--help"}
-    declared = {f for k in _FLAGGED for decl in k.flags for f in decl.split("/")
-                if f.startswith("--")}  # fmt: skip
+    declared = {
+        f for k in _FLAGGED for decl in k.flags for f in decl.split("/") if f.startswith("--")
+    }
     assert shown == declared
     assert {k.name for k in _FLAGGED} >= {"socket", "pool_size", "lease_ttl", "cold"}
 
@@ -246,7 +274,8 @@ def test_sighup_reaches_the_broker_and_the_connections(tmp_path):
         assert not missing, f"Broker has no attribute {missing}"  # setattr would invent one
         d.reload()
         assert {a: getattr(d.broker, a) for a in to_broker} == {
-            a: getattr(new, a) for a in to_broker}
+            a: getattr(new, a) for a in to_broker
+        }
         assert (d.broker.policy, d.broker.quotas) == (new.isolation, new.quotas)
         assert d.broker.retention.settings == new.retention_settings()  # [sessions]
         assert conn.transport.limit == new.max_write_buffer
@@ -258,36 +287,62 @@ def test_sighup_reaches_the_broker_and_the_connections(tmp_path):
 
 
 def test_an_unknown_toml_key_is_refused(tmp_path):
-    path = _write(tmp_path, 'max_conections = 10\n')
-    with pytest.raises(ConfigError, match=r"unknown key 'max_conections' \(did you mean "
-                                          r"'max_connections'\?\)"):  # fmt: skip
+    path = _write(tmp_path, "max_conections = 10\n")
+    with pytest.raises(
+        ConfigError,
+        match=r"unknown key 'max_conections' \(did you mean "
+        r"'max_connections'\?\)",
+    ):
         load_config(path, env={})
 
 
 def test_an_unknown_variable_is_refused_like_an_unknown_key():
     with pytest.raises(ConfigError) as exc:
         load_config(None, env={"KVBROKER_POOLSIZE": "1G"})
-    assert str(exc.value) == ("unknown variable 'KVBROKER_POOLSIZE' "
-                              "(did you mean 'KVBROKER_POOL_SIZE'?)")  # fmt: skip
+    assert str(exc.value) == (
+        "unknown variable 'KVBROKER_POOLSIZE' (did you mean 'KVBROKER_POOL_SIZE'?)"
+    )
     with pytest.raises(ConfigError, match=r"^unknown variable 'KVBROKER_XYZZY'$"):
         load_config(None, env={"KVBROKER_XYZZY": ""})
     # variables other parts of kvbroker read are not settings, and not unknown either
-    cfg = load_config(None, env={**dict.fromkeys(OTHER_VARIABLES, "1"), "KVBROKER_CONFIG": "",
-                                 "OTHER_PREFIX_POOLSIZE": "x"})  # fmt: skip
+    cfg = load_config(
+        None,
+        env={
+            **dict.fromkeys(OTHER_VARIABLES, "1"),
+            "KVBROKER_CONFIG": "",
+            "OTHER_PREFIX_POOLSIZE": "x",
+        },
+    )
     assert cfg == load_config(None, env={})
 
 
 def test_serve_and_doctor_refuse_an_unknown_variable(tmp_path):
     env = {**os.environ, "KVBROKER_POOLSIZE": "1G"}
-    res = subprocess.run([sys.executable, "-m", "kvbroker", "serve", "--config",
-                          _write(tmp_path, ""), "--socket", str(tmp_path / "k.sock")],
-                         capture_output=True, text=True, timeout=60, env=env)  # fmt: skip
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvbroker",
+            "serve",
+            "--config",
+            _write(tmp_path, ""),
+            "--socket",
+            str(tmp_path / "k.sock"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
     assert res.returncode == 2
-    assert ("kvbroker: configuration: unknown variable 'KVBROKER_POOLSIZE' (did you mean "
-            "'KVBROKER_POOL_SIZE'?)") in res.stderr
+    assert (
+        "kvbroker: configuration: unknown variable 'KVBROKER_POOLSIZE' (did you mean "
+        "'KVBROKER_POOL_SIZE'?)"
+    ) in res.stderr
     assert not (tmp_path / "k.sock").exists()
-    r = CliRunner().invoke(app, ["doctor", "--config", _write(tmp_path, "")],
-                           env={"KVBROKER_POOLSIZE": "1G"})  # fmt: skip
+    r = CliRunner().invoke(
+        app, ["doctor", "--config", _write(tmp_path, "")], env={"KVBROKER_POOLSIZE": "1G"}
+    )
     assert r.exit_code == 2 and "did you mean 'KVBROKER_POOL_SIZE'?" in r.output
 
 
@@ -301,16 +356,28 @@ def test_every_kvbroker_variable_in_the_repository_is_known():
     root = pathlib.Path(__file__).resolve().parent.parent
     known = {k.env for k in SETTINGS} | OTHER_VARIABLES.keys() | {env_name(k) for k in REMOVED}
     paths = [root / "README.md", root / "Makefile"] + [
-        p for folder in ("kvbroker", "cli", "tui", "tests", "benchmarks", "examples", "systemd",
-                         "docs")
+        p
+        for folder in (
+            "kvbroker",
+            "cli",
+            "tui",
+            "tests",
+            "benchmarks",
+            "examples",
+            "systemd",
+            "docs",
+        )
         for p in (root / folder).rglob("*")
         if p.suffix in (".py", ".md", ".toml", ".service", ".socket", ".sh")
         and p != pathlib.Path(__file__).resolve()  # this file names unknown ones on purpose
         # records of past runs (an experiment's setting that never landed, say), not knobs
         and "results" not in p.relative_to(root).parts
-    ]  # fmt: skip
-    found = {name: str(p.relative_to(root)) for p in paths
-             for name in re.findall(r"KVBROKER_[A-Z0-9_]*[A-Z0-9]", p.read_text())}  # fmt: skip
+    ]
+    found = {
+        name: str(p.relative_to(root))
+        for p in paths
+        for name in re.findall(r"KVBROKER_[A-Z0-9_]*[A-Z0-9]", p.read_text())
+    }
     unknown = {n: where for n, where in found.items() if n not in known}
     assert not unknown, f"undeclared KVBROKER_* variables: {unknown}"
     assert len(KEYS) == len(SETTINGS)
@@ -320,8 +387,11 @@ def test_a_removed_setting_is_refused_naming_what_to_set(tmp_path):
     """The shared-token peer channel is gone (issue 38): its key and variable are refused
     with the mutual TLS settings to set, not as unknown."""
     path = _write(tmp_path, '[transfer]\ntoken_file = "/etc/kvbroker/peer.token"\n')
-    with pytest.raises(ConfigError, match=r"\[transfer\] token_file: .*set \[transfer\] "
-                                          r"cert_file, key_file and ca_file"):
+    with pytest.raises(
+        ConfigError,
+        match=r"\[transfer\] token_file: .*set \[transfer\] "
+        r"cert_file, key_file and ca_file",
+    ):
         load_config(path, env={})
     with pytest.raises(ConfigError, match=r"^KVBROKER_TRANSFER_TOKEN_FILE: .*cert_file"):
         load_config(None, env={"KVBROKER_TRANSFER_TOKEN_FILE": "/x"})

@@ -76,8 +76,9 @@ def served(tmp_path, monkeypatch):
         def send(*requests, ok=True):
             """Feed ``requests`` ((op, args) pairs) to the connection as one read; return
             the results, in order (``ok`` False: the replies, failed ones included)."""
-            data = b"".join(msgpack.packb({"id": next(ids), "op": op, "args": args})
-                            for op, args in requests)  # fmt: skip
+            data = b"".join(
+                msgpack.packb({"id": next(ids), "op": op, "args": args}) for op, args in requests
+            )
             connection_module._RBUF[: len(data)] = data
             start = len(events)
             conn.buffer_updated(len(data))
@@ -98,8 +99,16 @@ def served(tmp_path, monkeypatch):
 
 
 def _publish(arena, key):
-    return ("publish", {"arena": arena, "key": key, "buffers": {"kv": 2 * PAGE},
-                        "checksums": {"kv": [1, 7]}, "next_arena": 16 * PAGE})  # fmt: skip
+    return (
+        "publish",
+        {
+            "arena": arena,
+            "key": key,
+            "buffers": {"kv": 2 * PAGE},
+            "checksums": {"kv": [1, 7]},
+            "next_arena": 16 * PAGE,
+        },
+    )
 
 
 def test_a_pipelined_slice_is_one_journal_write_then_one_reply_write(served):
@@ -109,8 +118,10 @@ def test_a_pipelined_slice_is_one_journal_write_then_one_reply_write(served):
     (claimed,) = send(("claim", {"key": "k0", "consume": True}))
     start = len(events)
     # What Client.get then Client.put send: the release, pipelined, and the next publish.
-    released, published = send(("release", {"lease": claimed["lease"], "consume": True}),
-                               _publish(published["lease"], "k1"))  # fmt: skip
+    released, published = send(
+        ("release", {"lease": claimed["lease"], "consume": True}),
+        _publish(published["lease"], "k1"),
+    )
     assert released == {} and published["key"] == "k1"
     kinds = [kind for kind, _ in events[start:]]
     # The release's unlink record and the publish's seal record, in one write, before the
@@ -119,7 +130,6 @@ def test_a_pipelined_slice_is_one_journal_write_then_one_reply_write(served):
     assert events[start][1] >= 2
     (gone,) = send(("claim", {"key": "k0"}), ok=False)
     assert gone["error"]["code"] == "not_found"  # consumed: the release took effect
-
 
 
 def test_the_busy_poll_window_runs_from_the_reply(served, monkeypatch):

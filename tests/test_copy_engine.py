@@ -59,7 +59,8 @@ NATIVE_MODES = [pytest.param(True, id="C-loops"), pytest.param(False, id="Python
 def _c_loops_where_asked(request):
     callspec = getattr(request.node, "callspec", None)
     if request.node.get_closest_marker("c_loops") is not None or (
-            callspec is not None and callspec.params.get("native") is True):
+        callspec is not None and callspec.params.get("native") is True
+    ):
         require_c_loops()
 
 
@@ -217,16 +218,19 @@ def test_others_busy_counts_only_the_cpus_this_process_may_run_on(monkeypatch, t
     from kvbroker import _cpu
 
     def stat(busy_ticks):  # cpu0/cpu1 idle, cpu2/cpu3 busy for busy_ticks each
-        lines = [f"cpu{i} {busy_ticks * (i >= 2)} 0 0 {busy_ticks * (i < 2)} 0 0 0 0 0 0"
-                 for i in range(4)]
+        lines = [
+            f"cpu{i} {busy_ticks * (i >= 2)} 0 0 {busy_ticks * (i < 2)} 0 0 0 0 0 0"
+            for i in range(4)
+        ]
         total = f"cpu  {2 * busy_ticks} 0 0 {2 * busy_ticks} 0 0 0 0 0 0"
         fake.write_text("\n".join([total, *lines, "intr 1 2 3", ""]))
 
     fake = tmp_path / "stat"
     stat(1000)
     real_open = os.open
-    monkeypatch.setattr(os, "open", lambda path, *a: real_open(
-        str(fake) if path == "/proc/stat" else path, *a))
+    monkeypatch.setattr(
+        os, "open", lambda path, *a: real_open(str(fake) if path == "/proc/stat" else path, *a)
+    )
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
     monkeypatch.setattr(os, "cpu_count", lambda: 4)
     monkeypatch.setattr(os, "times", lambda: os.times_result((1.0, 0.0, 0.0, 0.0, 0.0)))
@@ -357,7 +361,6 @@ def test_a_gated_engine_splits_only_while_its_gate_allows():
         e.close()
 
 
-
 def test_jobs_run_in_order_over_the_threads_a_split_allows():
     spare = [True]
     e = E.CopyEngine(3, split_min=cs.CHUNK, split_while=lambda: spare[0])
@@ -417,8 +420,16 @@ def test_the_first_failed_job_in_order_is_raised():
         raise ValueError(f"job {i} failed")
 
     try:
-        jobs = [lambda: None, lambda: None, lambda: fail(2), lambda: None,
-                lambda: None, lambda: None, lambda: fail(6), lambda: None]  # fmt: skip
+        jobs = [
+            lambda: None,
+            lambda: None,
+            lambda: fail(2),
+            lambda: None,
+            lambda: None,
+            lambda: None,
+            lambda: fail(6),
+            lambda: None,
+        ]
         with pytest.raises(ValueError, match="job 2 failed"):
             e.run_jobs(jobs, 8 * cs.CHUNK)
     finally:
@@ -444,8 +455,8 @@ def test_a_caller_never_waits_behind_another_callers_jobs():
             assert running.acquire(timeout=60)
         got = []
         caller = threading.Thread(
-            target=lambda: got.append(e.run_jobs([lambda i=i: i for i in range(3)],
-                                                 3 * cs.CHUNK)))  # fmt: skip
+            target=lambda: got.append(e.run_jobs([lambda i=i: i for i in range(3)], 3 * cs.CHUNK))
+        )
         caller.start()
         caller.join(60)  # a bound against a hang only: it returns at once, or never
         done = not caller.is_alive()
@@ -470,6 +481,7 @@ def test_hash_here_is_the_engines_hash_on_this_thread():
             e.close()
     assert integrity.digest_here(src) == integrity.digest(src) == cs.encode(cs.digest(src))
     assert integrity.digest_here(src, cs.KIND_XXH3) == integrity.digest(src, cs.KIND_XXH3)
+
 
 def _progress_during(call) -> int:
     """How many times another Python thread ran while ``call`` ran in a worker thread.
@@ -505,28 +517,33 @@ def _progress_during(call) -> int:
     return sum(start + margin < x < end - margin for x in ticks)
 
 
-@pytest.mark.parametrize("what", [
-    "xxh3_64 of a chunk", "numpy copyto",
-    pytest.param("C copy_hashed", marks=needs_native),
-    pytest.param("C copy_hashed, streaming stores", marks=needs_native),
-    pytest.param("C hash_chunks", marks=needs_native),
-    pytest.param("C copy", marks=needs_native),
-    pytest.param("C copy, streaming stores", marks=needs_native),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "what",
+    [
+        "xxh3_64 of a chunk",
+        "numpy copyto",
+        pytest.param("C copy_hashed", marks=needs_native),
+        pytest.param("C copy_hashed, streaming stores", marks=needs_native),
+        pytest.param("C hash_chunks", marks=needs_native),
+        pytest.param("C copy", marks=needs_native),
+        pytest.param("C copy, streaming stores", marks=needs_native),
+    ],
+)
 def test_the_hash_and_the_copy_release_the_gil(what):
     """The engine's threads only run in parallel if the calls it makes per range (C loops)
     or per chunk (Python loops) let go of the GIL; a call that held it would let the
     spinning main thread run zero times."""
     big = np.ones(256 << 20, dtype=np.uint8)
     other = np.empty_like(big)
-    call = {"xxh3_64 of a chunk": lambda: xxhash.xxh3_64_intdigest(big),
-            "numpy copyto": lambda: np.copyto(other, big),
-            "C copy_hashed": lambda: E._c_copy_hashed(other, big, cs.CHUNK),
-            "C copy_hashed, streaming stores":
-                lambda: E._c_copy_hashed(other, big, cs.CHUNK, 0, True),
-            "C hash_chunks": lambda: E._c_hash_chunks(big, cs.CHUNK),
-            "C copy": lambda: E._c_copy(other, big),
-            "C copy, streaming stores": lambda: E._c_copy(other, big, True)}[what]  # fmt: skip
+    call = {
+        "xxh3_64 of a chunk": lambda: xxhash.xxh3_64_intdigest(big),
+        "numpy copyto": lambda: np.copyto(other, big),
+        "C copy_hashed": lambda: E._c_copy_hashed(other, big, cs.CHUNK),
+        "C copy_hashed, streaming stores": lambda: E._c_copy_hashed(other, big, cs.CHUNK, 0, True),
+        "C hash_chunks": lambda: E._c_hash_chunks(big, cs.CHUNK),
+        "C copy": lambda: E._c_copy(other, big),
+        "C copy, streaming stores": lambda: E._c_copy(other, big, True),
+    }[what]
     # a loaded machine may not schedule the main thread in one window: a few tries
     assert any(_progress_during(call) > 0 for _ in range(5))
 
@@ -717,8 +734,10 @@ def test_get_refuses_destinations_that_share_memory(client):
     client.put("obj", {"a": data[:2048], "b": data[2048:], "c": data[:16]})
     whole = np.zeros(4096 + 16, dtype=np.uint8)
     spare = np.zeros(16, dtype=np.uint8)
-    for a, b in ((whole[:2048], whole[2047:4095]),  # one byte shared
-                 (whole[2047:4095], whole[:2048])):  # the other way round in memory
+    for a, b in (
+        (whole[:2048], whole[2047:4095]),  # one byte shared
+        (whole[2047:4095], whole[:2048]),
+    ):  # the other way round in memory
         with pytest.raises(BadRequest, match=r"out\['a'\] and out\['b'\]"):
             client.get("obj", {"a": a, "b": b, "c": spare})
     with pytest.raises(BadRequest, match=r"out\['a'\] and out\['c'\]"):
@@ -747,10 +766,12 @@ def test_get_refuses_destinations_that_are_no_plain_bytes_with_a_bad_request(cli
         with pytest.raises(BadRequest, match="numpy array, a torch tensor or a writable"):
             client.get("obj", {"a": what, "b": good})
     torch = pytest.importorskip("torch")
-    for t in (torch.zeros(8, dtype=torch.complex64).conj(),
-              torch._neg_view(torch.zeros(16, dtype=torch.float32)),
-              torch.zeros(16, dtype=torch.float32).to_sparse(),
-              torch.zeros(16, dtype=torch.float32).to_mkldnn()):  # fmt: skip
+    for t in (
+        torch.zeros(8, dtype=torch.complex64).conj(),
+        torch._neg_view(torch.zeros(16, dtype=torch.float32)),
+        torch.zeros(16, dtype=torch.float32).to_sparse(),
+        torch.zeros(16, dtype=torch.float32).to_mkldnn(),
+    ):
         with pytest.raises(BadRequest, match="plain strided tensor"):
             client.get("obj", {"a": t, "b": good})
     assert not good.any() and client.stat().read_leases == 0
@@ -777,9 +798,14 @@ def test_a_refused_destination_does_not_count_a_consume(client):
 
 @needs_native
 @settings(max_examples=80)
-@given(n=st.integers(0, 300_000), chunk=st.sampled_from([1, 240, 241, 4096, 65536, 1 << 20]),
-       piece=st.sampled_from([0, 1, 100, 240, 4096, 65536, 1 << 20]),
-       src_off=st.integers(0, 63), dst_off=st.integers(0, 63), seed=st.integers(0, 2**32 - 1))
+@given(
+    n=st.integers(0, 300_000),
+    chunk=st.sampled_from([1, 240, 241, 4096, 65536, 1 << 20]),
+    piece=st.sampled_from([0, 1, 100, 240, 4096, 65536, 1 << 20]),
+    src_off=st.integers(0, 63),
+    dst_off=st.integers(0, 63),
+    seed=st.integers(0, 2**32 - 1),
+)
 def test_c_loops_digest_each_chunk_as_python_xxhash_does(n, chunk, piece, src_off, dst_off, seed):
     """Every xxh3 input-length path (0, <=240 bytes, long inputs), any alignment, whole
     chunks (piece 0) or chunks copied and hashed a piece at a time."""
@@ -821,12 +847,17 @@ def passes(request):
 
 @pytest.mark.parametrize("passes", PASSES, indirect=True)
 @settings(max_examples=120, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(n=st.one_of(st.integers(0, 5000), st.integers(0, 2_200_000)),
-       chunk=st.sampled_from([240, 241, 1024, 1025, 4096, 65536, 1 << 20]),
-       stream=st.booleans(), src_off=st.integers(0, 63), dst_off=st.integers(0, 63),
-       seed=st.integers(0, 2**32 - 1))
+@given(
+    n=st.one_of(st.integers(0, 5000), st.integers(0, 2_200_000)),
+    chunk=st.sampled_from([240, 241, 1024, 1025, 4096, 65536, 1 << 20]),
+    stream=st.booleans(),
+    src_off=st.integers(0, 63),
+    dst_off=st.integers(0, 63),
+    seed=st.integers(0, 2**32 - 1),
+)
 def test_one_pass_and_two_pass_copies_digest_as_python_xxhash_does(
-        passes, n, chunk, stream, src_off, dst_off, seed):  # fmt: skip
+    passes, n, chunk, stream, src_off, dst_off, seed
+):
     """Every long-input case of xxh3 (a partial last stripe, whole 1 KiB blocks, a block and
     some stripes, one stripe past 240 bytes), short last chunks, streaming stores or not, any
     alignment of either side: the digests are xxHash's and the bytes land, nothing around."""
@@ -845,8 +876,10 @@ def test_one_pass_and_two_pass_copies_digest_as_python_xxhash_does(
 def _cpu_flags() -> set[str]:
     try:
         with open("/proc/cpuinfo") as f:
-            return next((set(line.split(":", 1)[1].split()) for line in f
-                         if line.startswith("flags")), set())  # fmt: skip
+            return next(
+                (set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")),
+                set(),
+            )
     except OSError:
         return set()
 
@@ -925,8 +958,9 @@ def test_c_loops_refuse_bad_buffers_and_write_nothing():
         _copyhash.bind_hash("/nonexistent/libxxhash.so")
     with pytest.raises(OSError, match="no XXH3_64bits"):
         _copyhash.bind_hash(_copyhash.__file__)
-    assert _copyhash.hash_chunks(src, 256) == [xxhash.xxh3_64_intdigest(src[a : a + 256])
-                                               for a in range(0, 1000, 256)]  # still bound
+    assert _copyhash.hash_chunks(src, 256) == [
+        xxhash.xxh3_64_intdigest(src[a : a + 256]) for a in range(0, 1000, 256)
+    ]  # still bound
 
 
 def test_the_c_loops_can_be_turned_off(monkeypatch):
@@ -935,8 +969,14 @@ def test_the_c_loops_can_be_turned_off(monkeypatch):
 
     code = "from kvbroker._client import engine as E; print(E.NATIVE, E.CopyEngine(2).native)"
     env = {**os.environ, "KVBROKER_NATIVE_COPY": "0"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         check=True, timeout=60).stdout.split()
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout.split()
     assert out == ["False", "False"]
     monkeypatch.setattr(E, "_c_copy_hashed", None)
     with pytest.raises(ValueError, match="C extension is not available"):
@@ -986,8 +1026,12 @@ def test_a_copy_split_over_threads_hashes_in_pieces(small_chunks, monkeypatch):
 
 @needs_native
 @settings(max_examples=150, deadline=None)
-@given(size=st.integers(0, 300_000), skew=st.integers(0, 63), chunk=st.integers(1, 1 << 17),
-       piece=st.sampled_from([0, 1, 4096, 65536]))  # fmt: skip
+@given(
+    size=st.integers(0, 300_000),
+    skew=st.integers(0, 63),
+    chunk=st.integers(1, 1 << 17),
+    piece=st.sampled_from([0, 1, 4096, 65536]),
+)
 def test_streaming_stores_copy_and_hash_the_same_bytes(size, skew, chunk, piece):
     """Non-temporal stores (the copies past the engine's stream_min) land every byte, at any alignment of
     the destination (they need a 16-byte aligned one: the head and tail go by memcpy), and
@@ -1011,8 +1055,9 @@ def test_copies_past_stream_min_store_non_temporally(small_chunks, monkeypatch):
     split or not, with or without a hash; smaller ones store as usual."""
     calls = []
     real_hashed, real_copy = E._c_copy_hashed, E._c_copy
-    monkeypatch.setattr(E, "_c_copy_hashed",
-                        lambda *a: calls.append(("hashed", a[-1])) or real_hashed(*a))
+    monkeypatch.setattr(
+        E, "_c_copy_hashed", lambda *a: calls.append(("hashed", a[-1])) or real_hashed(*a)
+    )
     monkeypatch.setattr(E, "_c_copy", lambda *a: calls.append(("copy", a[-1])) or real_copy(*a))
     src = np.random.default_rng(5).integers(0, 256, 6 * small_chunks + 7, dtype=np.uint8)
     dst = np.empty_like(src)
@@ -1036,8 +1081,12 @@ def test_copies_past_stream_min_store_non_temporally(small_chunks, monkeypatch):
 
 
 def test_streaming_starts_at_half_the_last_level_cache(tmp_path, monkeypatch):
-    for index, size in (("index0", "32K"), ("index2", "2048K"), ("index3", "307200K"),
-                        ("index4", "junk")):  # fmt: skip
+    for index, size in (
+        ("index0", "32K"),
+        ("index2", "2048K"),
+        ("index3", "307200K"),
+        ("index4", "junk"),
+    ):
         (tmp_path / index).mkdir()
         (tmp_path / index / "size").write_text(size + "\n")
     (tmp_path / "power").mkdir()  # no size: not a cache
@@ -1063,9 +1112,12 @@ def test_c_loops_refuse_overlapping_buffers(shift):
     n = 200_000
     src = whole[50_000 : 50_000 + n]
     dst = whole[50_000 + shift : 50_000 + shift + n]
-    for call in (lambda: _copyhash.copy_hashed(dst, src, 4096),
-                 lambda: _copyhash.copy_hashed(dst, src, 4096, 1024, True),
-                 lambda: _copyhash.copy(dst, src), lambda: _copyhash.copy(dst, src, True)):
+    for call in (
+        lambda: _copyhash.copy_hashed(dst, src, 4096),
+        lambda: _copyhash.copy_hashed(dst, src, 4096, 1024, True),
+        lambda: _copyhash.copy(dst, src),
+        lambda: _copyhash.copy(dst, src, True),
+    ):
         with pytest.raises(ValueError, match="overlap"):
             call()
     assert np.array_equal(whole, before)
@@ -1080,12 +1132,20 @@ def test_c_loops_take_plain_data_of_any_item_type_but_no_python_objects():
     Python objects is refused: its copy would duplicate references nobody counts."""
     from kvbroker import _copyhash
 
-    for dtype in (np.uint8, np.float16, np.float32, np.int64, np.complex128,
-                  np.dtype([("a", np.int32), ("b", np.float64)])):
+    for dtype in (
+        np.uint8,
+        np.float16,
+        np.float32,
+        np.int64,
+        np.complex128,
+        np.dtype([("a", np.int32), ("b", np.float64)]),
+    ):
         src = np.frombuffer(np.random.default_rng(2).bytes(48 * 1000), dtype=dtype)
         dst = np.zeros_like(src)
-        want = [xxhash.xxh3_64_intdigest(src.tobytes()[a : a + 4096])
-                for a in range(0, src.nbytes, 4096)]
+        want = [
+            xxhash.xxh3_64_intdigest(src.tobytes()[a : a + 4096])
+            for a in range(0, src.nbytes, 4096)
+        ]
         assert _copyhash.copy_hashed(dst, src, 4096) == want
         assert dst.tobytes() == src.tobytes()
         assert _copyhash.hash_chunks(src, 4096) == want
@@ -1093,10 +1153,12 @@ def test_c_loops_take_plain_data_of_any_item_type_but_no_python_objects():
     holds = np.zeros(8, dtype=[("n", np.int64), ("o", object)])
     for bad in (objects, holds):
         plain = np.zeros(bad.nbytes, dtype=np.uint8)
-        for call, args in ((_copyhash.copy_hashed, (np.empty_like(bad), bad, 64)),
-                           (_copyhash.copy, (np.empty_like(bad), bad)),
-                           (_copyhash.copy, (bad, plain)),
-                           (_copyhash.hash_chunks, (bad, 64))):
+        for call, args in (
+            (_copyhash.copy_hashed, (np.empty_like(bad), bad, 64)),
+            (_copyhash.copy, (np.empty_like(bad), bad)),
+            (_copyhash.copy, (bad, plain)),
+            (_copyhash.hash_chunks, (bad, 64)),
+        ):
             with pytest.raises(TypeError, match="Python objects"):
                 call(*args)
 
@@ -1113,8 +1175,11 @@ def test_the_engine_refuses_overlapping_views_with_either_loops(small_chunks, na
         for shift in (1, small_chunks, -3 * small_chunks - 5):
             a = 4 * small_chunks
             dst, src = whole[a + shift : a + shift + n], whole[a : a + n]
-            for call, args in ((e.copy, (dst, src)), (e.copy_hashed, (dst, src)),
-                               (e.copy_hashed, (whole[a + 1 : a + 101], whole[a : a + 100]))):
+            for call, args in (
+                (e.copy, (dst, src)),
+                (e.copy_hashed, (dst, src)),
+                (e.copy_hashed, (whole[a + 1 : a + 101], whole[a : a + 100])),
+            ):
                 with pytest.raises(ValueError, match="overlap"):
                     call(*args)
         assert np.array_equal(whole, before)

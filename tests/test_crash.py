@@ -58,14 +58,17 @@ def _writer(sock: str, rng: random.Random, report: int) -> None:
         mode = rng.random()
         try:
             if mode < 0.5:
-                c.put(key, {"kv": data[: n // 2], "tail": data[n // 2:]}, replace=rng.random() < 0.3)
+                c.put(
+                    key, {"kv": data[: n // 2], "tail": data[n // 2 :]}, replace=rng.random() < 0.3
+                )
             else:
                 # Write slowly, in pieces, so that a kill lands mid-write often.
-                with c.reserve(key, {"kv": n // 2, "tail": n - n // 2},
-                               replace=rng.random() < 0.3) as lease:  # fmt: skip
+                with c.reserve(
+                    key, {"kv": n // 2, "tail": n - n // 2}, replace=rng.random() < 0.3
+                ) as lease:
                     lease["kv"][:] = data[: n // 2]
                     time.sleep(rng.random() * 0.002)
-                    lease["tail"][:] = data[n // 2:]
+                    lease["tail"][:] = data[n // 2 :]
         except KVBrokerError:
             pass  # exists / pool full: the space of keys is small on purpose
 
@@ -154,8 +157,10 @@ def test_sigkill_writers_and_readers_leak_nothing(daemon_small, tmp_path):
             time.sleep(0.02)
         n = _check_pools(c)
         st = c.stat()
-        print(f"\n{kills} client kills in {elapsed:.1f} s; {n} objects left, "
-              f"{st.counters.publishes} publishes, {st.counters.claims} claims")
+        print(
+            f"\n{kills} client kills in {elapsed:.1f} s; {n} objects left, "
+            f"{st.counters.publishes} publishes, {st.counters.claims} claims"
+        )
         assert st.counters.publishes > CYCLES // 10  # the workers did real work
         c.evict(all=True)
         assert c.stat().used == 0
@@ -183,7 +188,9 @@ def _traffic(sock: str, wid: int, ops: int, done: int) -> None:
             key = f"w{wid}-{i}"
             n = 1 + rng.randrange(32 * 1024)
             try:
-                if c.put(key, {"kv": pattern(key, n // 2), "tail": pattern(key + "/t", n - n // 2)}):
+                if c.put(
+                    key, {"kv": pattern(key, n // 2), "tail": pattern(key + "/t", n - n // 2)}
+                ):
                     os.write(done, f"sealed {key} {n}\n".encode())
                     i += 1
                 back = c.get(f"w{wid}-{rng.randrange(i)}", verify=True) if i else None
@@ -234,8 +241,9 @@ def test_sigkill_daemon_mid_traffic_every_sealed_object_survives(socket_path):
     try:
         deadline = time.monotonic() + 30
         while sum(ln.startswith("sealed") for ln in lines) < 200:  # traffic flows
-            assert time.monotonic() < deadline and not any(
-                ln.startswith("fail") for ln in lines), lines[-5:]
+            assert time.monotonic() < deadline and not any(ln.startswith("fail") for ln in lines), (
+                lines[-5:]
+            )
             drain(0.1)
         sealed_before = [ln for ln in lines if ln.startswith("sealed")]
         with Client(socket_path, map_pools=False) as probe:
@@ -272,8 +280,11 @@ def test_sigkill_daemon_mid_traffic_every_sealed_object_survives(socket_path):
         assert st.counters.evictions == 0
         assert st.objects == len(sealed)
         assert st.pools[0].leased_write == 0
-        assert st.used == sum(extent_bytes([int(n) // 2, int(n) - int(n) // 2])
-                              for _, _, n in sealed)
-    print(f"\n{len(sealed_before)} objects sealed before the kill, {len(sealed)} in all, "
-          "all intact after the restart")
+        assert st.used == sum(
+            extent_bytes([int(n) // 2, int(n) - int(n) // 2]) for _, _, n in sealed
+        )
+    print(
+        f"\n{len(sealed_before)} objects sealed before the kill, {len(sealed)} in all, "
+        "all intact after the restart"
+    )
     assert d2.stop() == 0

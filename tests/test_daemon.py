@@ -215,7 +215,9 @@ def _hammer(sock, idx, n, errors):
 def test_concurrent_clients(daemon):
     ctx = mp.get_context("spawn")
     errors = ctx.Queue()
-    procs = [ctx.Process(target=_hammer, args=(daemon.socket_path, i, 150, errors)) for i in range(6)]
+    procs = [
+        ctx.Process(target=_hammer, args=(daemon.socket_path, i, 150, errors)) for i in range(6)
+    ]
     for p in procs:
         p.start()
     for p in procs:
@@ -280,7 +282,9 @@ def test_malformed_frames_never_hurt_the_daemon_or_others(daemon):
         except (BrokenPipeError, ConnectionResetError):
             pass
         r = _replies(s)
-        assert r and r[0]["error"]["code"] == "protocol" and "size limit" in r[0]["error"]["message"]
+        assert (
+            r and r[0]["error"]["code"] == "protocol" and "size limit" in r[0]["error"]["message"]
+        )
         s.close()
         # the good client and its lease are untouched
         assert bytes(lease["x"]) == b"safe"
@@ -309,10 +313,20 @@ def test_unavailable_names_the_socket(tmp_path):
 
 def test_second_daemon_refused_and_stale_socket_removed(daemon, tmp_path):
     r = subprocess.run(
-        [sys.executable, "-m", "kvbroker", "serve", "--socket", daemon.socket_path,
-         "--pool-size", "4M"],
-        capture_output=True, text=True, timeout=30,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "kvbroker",
+            "serve",
+            "--socket",
+            daemon.socket_path,
+            "--pool-size",
+            "4M",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert r.returncode == 1 and "another kvbroker daemon" in r.stderr
     # a stale socket file (no listener, no lock holder) is replaced
     stale = str(tmp_path / "stale.sock")
@@ -345,10 +359,22 @@ def test_sigterm_ends_leases_and_unlinks_segments(make_daemon):
 def test_a_refused_start_says_why_first_in_human_units_and_leaves_nothing(tmp_path):
     sock = str(tmp_path / "k.sock")
     r = subprocess.run(
-        [sys.executable, "-m", "kvbroker", "serve", "--config", "/dev/null", "--socket", sock,
-         "--pool-size", "900000G"],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "kvbroker",
+            "serve",
+            "--config",
+            "/dev/null",
+            "--socket",
+            sock,
+            "--pool-size",
+            "900000G",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 1, r.stderr
     lines = r.stderr.strip().splitlines()
     assert "ERROR" in lines[0] and "cannot reserve 878.9 TiB of shared memory" in lines[0]
@@ -361,10 +387,24 @@ def test_a_refused_start_says_why_first_in_human_units_and_leaves_nothing(tmp_pa
     taken.bind(("127.0.0.1", 0))
     taken.listen()
     r = subprocess.run(
-        [sys.executable, "-m", "kvbroker", "serve", "--config", "/dev/null", "--socket", sock,
-         "--pool-size", "4M", "--metrics", f"127.0.0.1:{taken.getsockname()[1]}"],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "kvbroker",
+            "serve",
+            "--config",
+            "/dev/null",
+            "--socket",
+            sock,
+            "--pool-size",
+            "4M",
+            "--metrics",
+            f"127.0.0.1:{taken.getsockname()[1]}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     taken.close()
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 1 and "internal error" not in r.stderr, r.stderr

@@ -31,9 +31,11 @@ def pattern(key: str, n: int = OBJ) -> np.ndarray:
 
 def tier_env(directory, **more: str) -> dict[str, str]:
     """[tier.disk] through its variables: directories, a 64M size, and ``more`` settings."""
-    return {env_name("tier_disk_directories"): str(directory),
-            env_name("tier_disk_size"): "64M",
-            **{env_name(f"tier_disk_{k}"): v for k, v in more.items()}}
+    return {
+        env_name("tier_disk_directories"): str(directory),
+        env_name("tier_disk_size"): "64M",
+        **{env_name(f"tier_disk_{k}"): v for k, v in more.items()},
+    }
 
 
 @pytest.fixture
@@ -82,8 +84,11 @@ def test_what_the_pool_evicts_is_claimed_back_from_disk(daemons, tmp_path):
 
         text = render(st)
         assert f"promoted {st.disk.promoted} " in text and "O_DIRECT" in text
-        metrics = {m.name: m.samples[0].value for m in BrokerCollector(lambda: st).collect()
-                   if m.name.startswith("kvbroker_disk")}  # fmt: skip
+        metrics = {
+            m.name: m.samples[0].value
+            for m in BrokerCollector(lambda: st).collect()
+            if m.name.startswith("kvbroker_disk")
+        }
         assert metrics["kvbroker_disk_promotions"] == st.disk.promoted
         assert metrics["kvbroker_disk_objects"] == st.disk.objects
         assert metrics["kvbroker_disk_o_direct"] == 1.0
@@ -183,8 +188,11 @@ def test_a_reboot_keeps_what_the_index_vouches_for(daemons, tmp_path, socket_pat
     keys = [f"k{i}" for i in range(10)]
     with d.client() as c:
         for k in keys:
-            c.put(k, {"past_key.0": pattern(k, 20000), "past_value.0": pattern(k + "v", 9000)},
-                  meta={"k": k})
+            c.put(
+                k,
+                {"past_key.0": pattern(k, 20000), "past_value.0": pattern(k + "v", 9000)},
+                meta={"k": k},
+            )
         wait_for(lambda: (st := c.stat().disk).objects == len(keys) and not st.index_pending)
     d.stop(signal.SIGKILL)
     drop_leftover_pools(socket_path)  # the pools die with the machine
@@ -198,10 +206,12 @@ def test_a_reboot_keeps_what_the_index_vouches_for(daemons, tmp_path, socket_pat
             with lease:
                 assert lease.meta == {"k": k}
                 assert lease.checksums  # the first seal's, carried through the disk
-                assert np.array_equal(np.frombuffer(lease["past_key.0"], np.uint8),
-                                      pattern(k, 20000))  # fmt: skip
-                assert np.array_equal(np.frombuffer(lease["past_value.0"], np.uint8),
-                                      pattern(k + "v", 9000))  # fmt: skip
+                assert np.array_equal(
+                    np.frombuffer(lease["past_key.0"], np.uint8), pattern(k, 20000)
+                )
+                assert np.array_equal(
+                    np.frombuffer(lease["past_value.0"], np.uint8), pattern(k + "v", 9000)
+                )
     d2.stop()
     # Damage one slot's bytes and one index record, then start again.
     from kvbroker._server.disk_store import DiskIndex

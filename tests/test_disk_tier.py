@@ -45,8 +45,14 @@ class _Lease:
 serials = iter(range(1, 1 << 30))
 
 
-def _object(pool: _Pool, buf: mmap.mmap, key: str, sizes: dict[str, int],
-            namespace: str = "ns", fill: bytes | None = None) -> StoredObject:  # fmt: skip
+def _object(
+    pool: _Pool,
+    buf: mmap.mmap,
+    key: str,
+    sizes: dict[str, int],
+    namespace: str = "ns",
+    fill: bytes | None = None,
+) -> StoredObject:
     span, layout = 0, {}
     for name, n in sizes.items():
         layout[name] = (span, n)
@@ -54,18 +60,26 @@ def _object(pool: _Pool, buf: mmap.mmap, key: str, sizes: dict[str, int],
     npages = -(-span // PAGE)
     start = pool.alloc(npages)
     base = start * PAGE
-    obj = StoredObject(namespace, key, pool, start, npages, sum(sizes.values()),
-                       {k: (base + off, n) for k, (off, n) in layout.items()}, {"m": key},
-                       next(serials))  # fmt: skip
+    obj = StoredObject(
+        namespace,
+        key,
+        pool,
+        start,
+        npages,
+        sum(sizes.values()),
+        {k: (base + off, n) for k, (off, n) in layout.items()},
+        {"m": key},
+        next(serials),
+    )
     data = fill if fill is not None else os.urandom(npages * PAGE)
-    buf[base:base + npages * PAGE] = data[:npages * PAGE]
+    buf[base : base + npages * PAGE] = data[: npages * PAGE]
     obj.sealed = obj.linked = True
     obj.checksums = {name: 7 for name in sizes}
     return obj
 
 
 def _bytes_of(buf: mmap.mmap, obj: StoredObject) -> dict[str, bytes]:
-    return {name: bytes(buf[off:off + n]) for name, (off, n) in obj.buffers.items()}
+    return {name: bytes(buf[off : off + n]) for name, (off, n) in obj.buffers.items()}
 
 
 class _Rig:
@@ -88,9 +102,17 @@ class _Rig:
         npages = -(-e.length // PAGE)
         start = self.pools[1].alloc(npages)
         base = start * PAGE
-        obj = StoredObject(e.ident[0], e.ident[1], self.pools[1], start, npages, rec["nbytes"],
-                           {k: (base + off, n) for k, (off, n) in rec["buffers"].items()},
-                           rec["meta"], next(serials))  # fmt: skip
+        obj = StoredObject(
+            e.ident[0],
+            e.ident[1],
+            self.pools[1],
+            start,
+            npages,
+            rec["nbytes"],
+            {k: (base + off, n) for k, (off, n) in rec["buffers"].items()},
+            rec["meta"],
+            next(serials),
+        )
         lease = _Lease(obj)
         self.reserved.append(lease)
         return lease
@@ -101,8 +123,9 @@ class _Rig:
         self.sealed.extend(leases)
 
     async def promote(self, *keys, namespace="ns"):
-        return await self.tier.promote([(namespace, k) for k in keys], self.reserve,
-                                       self.seal, self.discarded.append)  # fmt: skip
+        return await self.tier.promote(
+            [(namespace, k) for k in keys], self.reserve, self.seal, self.discarded.append
+        )
 
     def close(self):
         self.tier.close()
@@ -128,9 +151,12 @@ def dirs(tmp_path):
 def test_demoted_objects_come_back_bit_exact_and_their_digest_is_checked(dirs):
     async def main():
         rig = _Rig(dirs)
-        objs = [_object(rig.pools[0], rig.bufs[0], f"k{i}", {"past_key.0": 5000 + i,
-                                                             "past_value.0": 3000})
-                for i in range(4)]  # fmt: skip
+        objs = [
+            _object(
+                rig.pools[0], rig.bufs[0], f"k{i}", {"past_key.0": 5000 + i, "past_value.0": 3000}
+            )
+            for i in range(4)
+        ]
         want = {o.key: _bytes_of(rig.bufs[0], o) for o in objs}
         for o in objs:
             assert rig.tier.demote(o)  # copied out of its pages: they may be reused now
@@ -189,8 +215,9 @@ def test_a_damaged_slot_is_dropped_never_served(dirs):
 def test_a_new_daemon_reads_the_index_back_and_drops_what_it_cannot_vouch_for(dirs):
     async def first():
         rig = _Rig(dirs)
-        objs = [_object(rig.pools[0], rig.bufs[0], f"k{i}", {"past_key.0": 20000})
-                for i in range(6)]  # fmt: skip
+        objs = [
+            _object(rig.pools[0], rig.bufs[0], f"k{i}", {"past_key.0": 20000}) for i in range(6)
+        ]
         want = {o.key: _bytes_of(rig.bufs[0], o) for o in objs}
         for o in objs:
             rig.tier.demote(o)
@@ -242,10 +269,14 @@ def test_index_records_on_overlapping_slots_are_both_dropped(tmp_path):
     geometry = [[64, PAGE]]
     idx = disk_store.DiskIndex(os.path.join(d, INDEX_NAME), geometry)
     rec = {"l": PAGE, "d": 1, "ns": "ns", "sr": 1, "tn": [], "o": {"nbytes": 1, "buffers": {}}}
-    idx.rewrite([{"t": "p", "f": 0, "s": 0, "n": 4, "k": "a", **rec},
-                 {"t": "p", "f": 0, "s": 2, "n": 4, "k": "b", **rec},
-                 {"t": "p", "f": 0, "s": 10, "n": 1, "k": "c", **rec},
-                 {"t": "p", "f": 0, "s": 63, "n": 2, "k": "d", **rec}])  # past the end
+    idx.rewrite(
+        [
+            {"t": "p", "f": 0, "s": 0, "n": 4, "k": "a", **rec},
+            {"t": "p", "f": 0, "s": 2, "n": 4, "k": "b", **rec},
+            {"t": "p", "f": 0, "s": 10, "n": 1, "k": "c", **rec},
+            {"t": "p", "f": 0, "s": 63, "n": 2, "k": "d", **rec},
+        ]
+    )  # past the end
     idx.close()
     loaded = disk_store.DiskIndex(os.path.join(d, INDEX_NAME), geometry).load()
     assert [r["k"] for r in loaded.entries.values()] == ["c"]
@@ -333,18 +364,24 @@ def test_forgotten_while_being_written_leaves_nothing_behind(dirs):
 def test_each_tier_has_its_own_quota_share(dirs):
     # A namespace's pool quota of 2 pages, a disk 4x the pools: 8 pages of it on disk.
     async def main():
-        rig = _Rig(dirs, quota_of=lambda acct: 2 * PAGE if acct == "capped" else None,
-                   quota_scale=4.0)
-        objs = [_object(rig.pools[0], rig.bufs[0], f"k{i}", {"past_key.0": 2 * PAGE},
-                        namespace="capped") for i in range(6)]  # fmt: skip
+        rig = _Rig(
+            dirs, quota_of=lambda acct: 2 * PAGE if acct == "capped" else None, quota_scale=4.0
+        )
+        objs = [
+            _object(
+                rig.pools[0], rig.bufs[0], f"k{i}", {"past_key.0": 2 * PAGE}, namespace="capped"
+            )
+            for i in range(6)
+        ]
         for o in objs:
             assert rig.tier.demote(o)
             await rig.tier.drain()
         # Its own oldest went to make room; other namespaces are not limited.
         assert sorted(k for _, k in rig.tier.entries) == ["k2", "k3", "k4", "k5"]
         assert rig.tier.usage["capped"] == 8 * PAGE
-        big = _object(rig.pools[0], rig.bufs[0], "big", {"past_key.0": 9 * PAGE},
-                      namespace="capped")
+        big = _object(
+            rig.pools[0], rig.bufs[0], "big", {"past_key.0": 9 * PAGE}, namespace="capped"
+        )
         assert not rig.tier.demote(big)  # more than its whole share: not kept
         free = _object(rig.pools[0], rig.bufs[0], "f", {"past_key.0": 9 * PAGE}, namespace="x")
         assert rig.tier.demote(free)
@@ -357,15 +394,15 @@ def test_each_tier_has_its_own_quota_share(dirs):
 def test_a_full_disk_evicts_its_least_recently_used_first(dirs):
     async def main():
         rig = _Rig(dirs[:1], size=8 * PAGE)
-        objs = [_object(rig.pools[0], rig.bufs[0], f"k{i}", {"past_key.0": 2 * PAGE})
-                for i in range(4)]  # fmt: skip
+        objs = [
+            _object(rig.pools[0], rig.bufs[0], f"k{i}", {"past_key.0": 2 * PAGE}) for i in range(4)
+        ]
         for o in objs:  # (one at a time: the disk's LRU order is the writes' completion's)
             rig.tier.demote(o)
             await rig.tier.drain()
         assert await rig.promote("k0") == 1  # k0 is the most recently used now
         await rig.tier.drain()
-        assert rig.tier.demote(_object(rig.pools[0], rig.bufs[0], "k4",
-                                       {"past_key.0": 2 * PAGE}))  # fmt: skip
+        assert rig.tier.demote(_object(rig.pools[0], rig.bufs[0], "k4", {"past_key.0": 2 * PAGE}))
         await rig.tier.drain()
         assert sorted(k for _, k in rig.tier.entries) == ["k0", "k2", "k3", "k4"]
         assert rig.tier.statistics().evicted == 1

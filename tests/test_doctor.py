@@ -67,8 +67,11 @@ def _doctor(tmp_path, *args):
     env = {**os.environ, "KVBROKER_CONFIG": ""}
     return subprocess.run(
         [sys.executable, "-m", "kvbroker", "doctor", "--socket", str(tmp_path / "k.sock"), *args],
-        capture_output=True, text=True, timeout=120, env=env,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
 
 
 def test_doctor_command_exit_status(tmp_path):
@@ -81,17 +84,26 @@ def test_doctor_command_exit_status(tmp_path):
     ok = _doctor(tmp_path, "--config", str(conf), "--json")
     checks = {c["name"]: c for c in json.loads(ok.stdout)}
     assert checks["/dev/shm"]["status"] == "ok"
-    assert set(checks) >= {"memlock", "/dev/shm", "socket directory", "GPU visibility",
-                           "cudaHostRegister", "service user"}
+    assert set(checks) >= {
+        "memlock",
+        "/dev/shm",
+        "socket directory",
+        "GPU visibility",
+        "cudaHostRegister",
+        "service user",
+    }
     assert ok.returncode == (1 if any(c["status"] == "fail" for c in checks.values()) else 0)
 
 
 def test_doctor_imports_torch_only_for_a_gpu():
-    code = ("import sys; from kvbroker._server.doctor import run_checks; "
-            "from kvbroker._server.daemon import DaemonConfig; run_checks(DaemonConfig(pool_size=1<<20)); "
-            "import glob; print('torch' in sys.modules, bool(glob.glob('/dev/nvidia[0-9]*')))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=120, check=True).stdout.split()
+    code = (
+        "import sys; from kvbroker._server.doctor import run_checks; "
+        "from kvbroker._server.daemon import DaemonConfig; run_checks(DaemonConfig(pool_size=1<<20)); "
+        "import glob; print('torch' in sys.modules, bool(glob.glob('/dev/nvidia[0-9]*')))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    ).stdout.split()
     imported, gpu = (word == "True" for word in out)
     if not gpu:
         assert not imported, "torch imported on a host without a GPU"
@@ -136,10 +148,12 @@ def test_copy_engine_check_names_why_the_one_pass_loop_is_off(monkeypatch):
 
     pytest.importorskip("kvbroker._copyhash", reason="C loops not built here")
     monkeypatch.delenv("KVBROKER_NATIVE_COPY", raising=False)
-    for state, status, says in [("digests differ", "warn", "disagreed with xxHash"),
-                                ("no AVX2", "ok", "no AVX2 here"),
-                                ("one pass", "ok", "in one pass (AVX2)"),
-                                ("not built", "ok", "no one-pass loop for this architecture")]:
+    for state, status, says in [
+        ("digests differ", "warn", "disagreed with xxHash"),
+        ("no AVX2", "ok", "no AVX2 here"),
+        ("one pass", "ok", "in one pass (AVX2)"),
+        ("not built", "ok", "no one-pass loop for this architecture"),
+    ]:
         monkeypatch.setattr(_copyhash, "fused_state", lambda s=state: s)
         c = check_copy_engine(DaemonConfig())
         assert c.status == status and says in c.detail, (state, c)
@@ -221,7 +235,9 @@ def test_disk_tier_check_names_the_file_system_and_o_direct(tmp_path, monkeypatc
     fstype = doctor._filesystem(str(tmp_path))[1]
     assert fstype != "?" and fstype in c.detail
     # A file system that refuses O_DIRECT: the fallback is said, with a fix.
-    monkeypatch.setattr(disk_store, "probe_direct", lambda d: "open with O_DIRECT: Invalid argument")
+    monkeypatch.setattr(
+        disk_store, "probe_direct", lambda d: "open with O_DIRECT: Invalid argument"
+    )
     c = doctor.check_disk_tier(cfg)
     assert c.status == "warn" and "buffered I/O" in c.detail and "O_DIRECT" in c.fix
     # More than the file system has free: a failure.

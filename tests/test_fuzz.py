@@ -35,7 +35,17 @@ FRAMES = int(os.environ.get("KVBROKER_FUZZ_FRAMES", "100000"))
 PAGE = 4096
 KEYS = [f"f{i}" for i in range(16)] + ["", "x" * 600, "ключ", "a/b", "\x00"]
 NAMES = ["kv", "past_key.0", "past_value.1_P", "past_key.x", "a b", "", "k" * 600]
-REGEXES = [".*", "kv", "past_(key|value)\\.\\d+", "(", "[z-a]", "a{99999}", "\\", "(?P<x", "x" * 2000]
+REGEXES = [
+    ".*",
+    "kv",
+    "past_(key|value)\\.\\d+",
+    "(",
+    "[z-a]",
+    "a{99999}",
+    "\\",
+    "(?P<x",
+    "x" * 2000,
+]
 
 
 # -- generators ----------------------------------------------------------------------------
@@ -45,7 +55,9 @@ def junk(rng: random.Random, depth: int = 0):
     if r < 0.15:
         return rng.choice([None, True, False])
     if r < 0.35:
-        return rng.choice([0, -1, 1, 2**31, -(2**63), 2**63 - 1, 2**64 - 1, rng.randrange(-5, 1000)])
+        return rng.choice(
+            [0, -1, 1, 2**31, -(2**63), 2**63 - 1, 2**64 - 1, rng.randrange(-5, 1000)]
+        )
     if r < 0.45:
         return rng.choice([0.0, -0.0, 1e308, float("inf"), float("-inf"), float("nan"), 0.5])
     if r < 0.65:
@@ -56,8 +68,10 @@ def junk(rng: random.Random, depth: int = 0):
         return None
     if r < 0.86:
         return [junk(rng, depth + 1) for _ in range(rng.randrange(0, 5))]
-    return {rng.choice(["key", "lease", "buffers", "x", ""]): junk(rng, depth + 1)
-            for _ in range(rng.randrange(0, 4))}  # fmt: skip
+    return {
+        rng.choice(["key", "lease", "buffers", "x", ""]): junk(rng, depth + 1)
+        for _ in range(rng.randrange(0, 4))
+    }
 
 
 def plausible(rng: random.Random, name: str, types: tuple, leases: list[int]):
@@ -65,8 +79,10 @@ def plausible(rng: random.Random, name: str, types: tuple, leases: list[int]):
     if name in ("lease", "arena") and int in types:
         return rng.choice(leases) if leases and rng.random() < 0.7 else rng.randrange(-2, 10**6)
     if name == "leases":
-        return [rng.choice(leases) if leases and rng.random() < 0.7 else junk(rng)
-                for _ in range(rng.randrange(0, 4))]  # fmt: skip
+        return [
+            rng.choice(leases) if leases and rng.random() < 0.7 else junk(rng)
+            for _ in range(rng.randrange(0, 4))
+        ]
     if name == "namespace":
         return rng.choice(["fuzz", "fuzz2", "", "x" * 600, None])
     if name == "key":
@@ -76,12 +92,21 @@ def plausible(rng: random.Random, name: str, types: tuple, leases: list[int]):
     if name in ("select", "match", "match_buffers"):
         return rng.choice(REGEXES + [None])
     if name == "buffers":
-        return {rng.choice(NAMES): rng.choice([0, 1, 100, 4096, 70_000, 1 << 40, -5, 2**63 - 1])
-                for _ in range(rng.randrange(0, 4))}  # fmt: skip
+        return {
+            rng.choice(NAMES): rng.choice([0, 1, 100, 4096, 70_000, 1 << 40, -5, 2**63 - 1])
+            for _ in range(rng.randrange(0, 4))
+        }
     if name == "blocks":
-        return [{"key": rng.choice(KEYS), "parent": rng.choice(KEYS + [None]),
-                 "buffers": plausible(rng, "buffers", (dict,), leases)}
-                if rng.random() < 0.8 else junk(rng) for _ in range(rng.randrange(0, 4))]
+        return [
+            {
+                "key": rng.choice(KEYS),
+                "parent": rng.choice(KEYS + [None]),
+                "buffers": plausible(rng, "buffers", (dict,), leases),
+            }
+            if rng.random() < 0.8
+            else junk(rng)
+            for _ in range(rng.randrange(0, 4))
+        ]
     if name == "checksums":
         return rng.choice([None, {"kv": 1}, [1, 2], {}])
     if name == "wait":  # a claim waits on its own connection only: keep the waits short
@@ -144,17 +169,19 @@ def request(rng: random.Random, rid: int, leases: list[int]) -> dict:
 
 def fatal_frame(rng: random.Random) -> bytes:
     """Bytes after which the daemon must drop the connection (never crash)."""
-    return rng.choice([
-        b"\xc1",  # the one byte msgpack never uses
-        b"\xdb" + struct.pack(">I", 2**31) + b"xx",  # str32 claiming 2 GiB
-        b"\xdd" + struct.pack(">I", 2**30),  # array32 of a billion items
-        b"\xdf" + struct.pack(">I", 2**30),  # map32 likewise
-        b"\xc6" + struct.pack(">I", 2**31),  # bin32 of 2 GiB
-        b"\xd4\x01\x00",  # an ext type (not allowed)
-        b"\x91" * 2000 + b"\xc0",  # nesting 2000 deep
-        msgpack.packb({1: "int keys are refused", "id": 1}),
-        rng.randbytes(rng.randrange(1, 200)),  # noise (often fatal, sometimes not)
-    ])  # fmt: skip
+    return rng.choice(
+        [
+            b"\xc1",  # the one byte msgpack never uses
+            b"\xdb" + struct.pack(">I", 2**31) + b"xx",  # str32 claiming 2 GiB
+            b"\xdd" + struct.pack(">I", 2**30),  # array32 of a billion items
+            b"\xdf" + struct.pack(">I", 2**30),  # map32 likewise
+            b"\xc6" + struct.pack(">I", 2**31),  # bin32 of 2 GiB
+            b"\xd4\x01\x00",  # an ext type (not allowed)
+            b"\x91" * 2000 + b"\xc0",  # nesting 2000 deep
+            msgpack.packb({1: "int keys are refused", "id": 1}),
+            rng.randbytes(rng.randrange(1, 200)),  # noise (often fatal, sometimes not)
+        ]
+    )
 
 
 # -- the hostile connection ----------------------------------------------------------------
@@ -248,8 +275,9 @@ class Honest(threading.Thread):
                     n = 1 + (i * 7919) % 20000
                     i += 1
                     try:
-                        c.put(key, {"kv": pattern(key + str(i), n)}, namespace="honest",
-                              replace=True)
+                        c.put(
+                            key, {"kv": pattern(key + str(i), n)}, namespace="honest", replace=True
+                        )
                         lease = c.claim(key, namespace="honest")
                     except (NotFound, PoolFull):
                         # Fuzzed reservations fill the pool: eviction under pressure may
@@ -268,8 +296,15 @@ class Honest(threading.Thread):
 def fuzz_daemon(make_daemon):
     # Short TTLs so fuzzed reservations also expire (and quarantine) during the run; a
     # fuzzer cut off for a protocol error leaves its write pages quarantined for 1 s.
-    return make_daemon("--pool-size", "16M", "--page-size", "4K", "--lease-ttl", "2s",
-                       env={"KVBROKER_RESTART_QUARANTINE": "1"})  # fmt: skip
+    return make_daemon(
+        "--pool-size",
+        "16M",
+        "--page-size",
+        "4K",
+        "--lease-ttl",
+        "2s",
+        env={"KVBROKER_RESTART_QUARANTINE": "1"},
+    )
 
 
 def hello(rid: int = 0) -> bytes:
@@ -351,9 +386,11 @@ def test_random_frames_daemon_survives_and_honest_client_unaffected(fuzz_daemon)
     elapsed = time.monotonic() - t0
     honest.stop.set()
     honest.join(30)
-    print(f"\n{sent} frames ({fatal} fatal) in {elapsed:.1f} s, {replies} replies; "
-          f"honest client: {honest.ops} put+claim checked, {honest.pressure} lost to "
-          f"eviction under pressure, {len(honest.errors)} errors")
+    print(
+        f"\n{sent} frames ({fatal} fatal) in {elapsed:.1f} s, {replies} replies; "
+        f"honest client: {honest.ops} put+claim checked, {honest.pressure} lost to "
+        f"eviction under pressure, {len(honest.errors)} errors"
+    )
     assert not honest.errors, honest.errors[:5]
     assert honest.ops > 10 * honest.pressure
     assert fuzz_daemon.proc.poll() is None, fuzz_daemon.log()
@@ -365,11 +402,17 @@ def test_random_frames_daemon_survives_and_honest_client_unaffected(fuzz_daemon)
 
 # -- hypothesis: every well-framed request gets exactly one well-formed reply -------------
 _value = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats()
-    | st.text(max_size=40) | st.binary(max_size=40),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner, max_size=4),
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats()
+    | st.text(max_size=40)
+    | st.binary(max_size=40),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner, max_size=4)
+    ),
     max_leaves=12,
-)  # fmt: skip
+)
 
 
 @st.composite
@@ -377,8 +420,13 @@ def requests(draw):
     op = draw(st.sampled_from(sorted(OPS)) | st.text(max_size=12))
     spec = OPS.get(op)
     names = list(spec.args) if spec else []
-    args = draw(st.dictionaries(st.sampled_from(names) if names else st.text(max_size=8),
-                                _value, max_size=len(names) + 1))  # fmt: skip
+    args = draw(
+        st.dictionaries(
+            st.sampled_from(names) if names else st.text(max_size=8),
+            _value,
+            max_size=len(names) + 1,
+        )
+    )
     return op, tame(op, args)
 
 
@@ -386,8 +434,15 @@ def requests(draw):
 def shared_daemon(tmp_path_factory):
     from conftest import DaemonProcess
 
-    d = DaemonProcess(str(tmp_path_factory.mktemp("kvbf") / "kvb.sock"),
-                      "--pool-size", "16M", "--page-size", "4K", "--lease-ttl", "2s")  # fmt: skip
+    d = DaemonProcess(
+        str(tmp_path_factory.mktemp("kvbf") / "kvb.sock"),
+        "--pool-size",
+        "16M",
+        "--page-size",
+        "4K",
+        "--lease-ttl",
+        "2s",
+    )
     yield d
     assert d.stop() == 0, d.log()
 
@@ -398,8 +453,10 @@ def test_every_request_gets_one_wellformed_reply(shared_daemon, batch):
     conn = Hostile(shared_daemon.socket_path)
     try:
         conn.exchange(hello(0), 1)
-        frames = b"".join(msgpack.packb({"id": i + 1, "op": op, "args": args})
-                          for i, (op, args) in enumerate(batch))  # fmt: skip
+        frames = b"".join(
+            msgpack.packb({"id": i + 1, "op": op, "args": args})
+            for i, (op, args) in enumerate(batch)
+        )
         conn.exchange(frames, len(batch))
         assert not conn.closed, conn.replies[-1:]
         assert [m["id"] for m in conn.replies[1:]] == list(range(1, len(batch) + 1))

@@ -58,10 +58,11 @@ def test_host_tensors_refuse_an_ended_lease(client):
 def test_publish_claim_round_trip_bit_exact(daemon):
     with gpu.GpuClient(daemon.client(), own_client=True) as g:
         src = {
-            "k": torch.randint(-(2**15), 2**15, (4, 1024, 64), dtype=torch.int16,
-                               device="cuda").view(torch.bfloat16),  # NaN payloads included
+            "k": torch.randint(
+                -(2**15), 2**15, (4, 1024, 64), dtype=torch.int16, device="cuda"
+            ).view(torch.bfloat16),  # NaN payloads included
             "v": torch.randn(333, device="cuda", dtype=torch.float32),
-        }  # fmt: skip
+        }
         assert g.publish("req", src)
         assert not g.publish("req", src)  # exists: nothing copied
         out = {n: torch.empty_like(t) for n, t in src.items()}
@@ -128,7 +129,10 @@ def test_adjacent_buffers_move_in_one_dma(daemon):
 
 def test_coalesce_merges_only_runs_adjacent_on_both_sides():
     assert gpu.coalesce([(0, 100, 10), (10, 110, 5), (15, 200, 5), (30, 205, 1), (31, 0, 0)]) == [
-        (0, 100, 15), (15, 200, 5), (30, 205, 1)]
+        (0, 100, 15),
+        (15, 200, 5),
+        (30, 205, 1),
+    ]
 
 
 # ------------------------------------------------------------------------ daemon GPU rings
@@ -145,9 +149,10 @@ def test_ring_handoff_round_trip_on_one_gpu(gpu_ring_daemon):
     with gpu.GpuClient(gpu_ring_daemon.client(), own_client=True) as g:
         rings = g.rings()
         assert len(rings) == torch.cuda.device_count() and rings[0]["capacity"] == 64 << 20
-        src = {"k": torch.randint(-(2**31), 2**31 - 1, (1000, 33), dtype=torch.int32,
-                                  device="cuda"),
-               "v": torch.randn(777, device="cuda", dtype=torch.float16)}  # fmt: skip
+        src = {
+            "k": torch.randint(-(2**31), 2**31 - 1, (1000, 33), dtype=torch.int32, device="cuda"),
+            "v": torch.randn(777, device="cuda", dtype=torch.float16),
+        }
         g.ring_publish("h", src, meta={"model": "m"})
         snap = g.client.stat().rings[g.local_ring()]
         assert snap["objects"] == 1 and snap["used"] > 0
@@ -175,8 +180,12 @@ def test_ring_handoff_gpu0_to_gpu1_in_another_process(gpu_ring_daemon, tmp_path)
         "    g.ring_publish('req', {'kv': x})\n"
         "    print(int(x.to(torch.int64).sum()))\n"
     )
-    out = subprocess.run([sys.executable, str(script), gpu_ring_daemon.socket_path],
-                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, str(script), gpu_ring_daemon.socket_path],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     with gpu.GpuClient(gpu_ring_daemon.client(), own_client=True, device="cuda:1") as g:
         dst = torch.empty(1 << 20, dtype=torch.int16, device="cuda:1")
@@ -189,8 +198,9 @@ def test_ring_handoff_gpu0_to_gpu1_in_another_process(gpu_ring_daemon, tmp_path)
 
 
 def _paged(L, heads, blocks=64, page=16, dim=32, device="cuda"):
-    return torch.randint(-(2**15), 2**15, (L, 2, blocks, page, heads, dim), dtype=torch.int16,
-                         device=device).view(torch.bfloat16)  # fmt: skip
+    return torch.randint(
+        -(2**15), 2**15, (L, 2, blocks, page, heads, dim), dtype=torch.int16, device=device
+    ).view(torch.bfloat16)
 
 
 @CUDA
@@ -205,13 +215,23 @@ def test_heterogeneous_tp_p4_to_d1_on_cuda_matches_the_reference(ring, make_daem
         table = torch.randperm(64, device="cuda")[: -(-tokens // page)]
         for p in range(4):  # prefill ranks hold heads [2p, 2p+2)
             shard = full[:, :, :, :, 2 * p : 2 * p + 2].contiguous()
-            res = gpu.publish_shard_cuda(g, "r", shard, table, tokens, tp_rank=p, tp_size=4,
-                                         total_kv_heads=H, decode_tp_size=1)  # fmt: skip
+            res = gpu.publish_shard_cuda(
+                g,
+                "r",
+                shard,
+                table,
+                tokens,
+                tp_rank=p,
+                tp_size=4,
+                total_kv_heads=H,
+                decode_tp_size=1,
+            )
             assert res.published and res.copy_ops == 2  # one gather, one DMA
         dec = torch.zeros_like(full)
         dtable = torch.randperm(64, device="cuda")[: -(-tokens // page)]
-        res = gpu.claim_shards_cuda(g, "r", dec, dtable, tp_rank=0, tp_size=1,
-                                    prefill_tp_size=4, total_kv_heads=H)  # fmt: skip
+        res = gpu.claim_shards_cuda(
+            g, "r", dec, dtable, tp_rank=0, tp_size=1, prefill_tp_size=4, total_kv_heads=H
+        )
         assert res.copy_ops == 4 * 2  # per shard: one DMA, one scatter
         assert res.num_tokens == tokens
         t = torch.arange(tokens, device="cuda")
@@ -232,22 +252,41 @@ def test_cuda_publish_is_claimed_by_the_host_path_and_back(daemon):
     cache = _paged(L, H, page=page)
     table = torch.tensor([5, 2, 9], device="cuda")
     with gpu.GpuClient(daemon.client(), own_client=True) as g:
-        gpu.publish_shard_cuda(g, "x", cache, table, tokens, tp_rank=0, tp_size=1,
-                               total_kv_heads=H, decode_tp_size=2)  # fmt: skip
+        gpu.publish_shard_cuda(
+            g, "x", cache, table, tokens, tp_rank=0, tp_size=1, total_kv_heads=H, decode_tp_size=2
+        )
         host = torch.zeros((L, 8, page, 2, H // 2, 32), dtype=torch.bfloat16)  # rank 1 of D=2
         hc = kv.PagedKV(host, ("layer", "block", "token", "kv", "head", "head_dim"))
-        kv.claim_shards(g.client, "x", hc, [1, 0, 3], tp_rank=1, tp_size=2,
-                        prefill_tp_size=1, total_kv_heads=H)  # fmt: skip
+        kv.claim_shards(
+            g.client, "x", hc, [1, 0, 3], tp_rank=1, tp_size=2, prefill_tp_size=1, total_kv_heads=H
+        )
         t = torch.arange(tokens)
         want = cache.view(torch.int16).cpu()[:, :, table.cpu()[t // page], t % page, 2:4]
         ids = torch.tensor([1, 0, 3])
         got = host.view(torch.int16)[:, ids[t // page], t % page]
         assert torch.equal(got.permute(0, 2, 1, 3, 4), want)
         # and the host path's object claimed by the CUDA path
-        kv.publish_shard(g.client, "y", hc, [1, 0, 3], tokens, tp_rank=0, tp_size=1,
-                         total_kv_heads=H // 2, decode_tp_size=1)  # fmt: skip
+        kv.publish_shard(
+            g.client,
+            "y",
+            hc,
+            [1, 0, 3],
+            tokens,
+            tp_rank=0,
+            tp_size=1,
+            total_kv_heads=H // 2,
+            decode_tp_size=1,
+        )
         back = torch.zeros((L, 2, 8, page, H // 2, 32), dtype=torch.bfloat16, device="cuda")
-        gpu.claim_shards_cuda(g, "y", back, torch.tensor([7, 6, 5], device="cuda"), tp_rank=0,
-                              tp_size=1, prefill_tp_size=1, total_kv_heads=H // 2)  # fmt: skip
+        gpu.claim_shards_cuda(
+            g,
+            "y",
+            back,
+            torch.tensor([7, 6, 5], device="cuda"),
+            tp_rank=0,
+            tp_size=1,
+            prefill_tp_size=1,
+            total_kv_heads=H // 2,
+        )
         got = back.view(torch.int16).cpu()[:, :, torch.tensor([7, 6, 5])[t // page], t % page]
         assert torch.equal(got, want)

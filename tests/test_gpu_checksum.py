@@ -26,10 +26,15 @@ CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 _TRITON_ON_CPU = G.triton_available() and os.environ.get("TRITON_INTERPRET") == "1"
 BACKENDS = [
     "torch",
-    pytest.param("triton", marks=pytest.mark.skipif(
-        not _TRITON_ON_CPU,
-        reason="Triton is not installed" if not G.triton_available()
-        else "CPU tensors need TRITON_INTERPRET=1 for Triton (CUDA hosts test it on the GPU)")),
+    pytest.param(
+        "triton",
+        marks=pytest.mark.skipif(
+            not _TRITON_ON_CPU,
+            reason="Triton is not installed"
+            if not G.triton_available()
+            else "CPU tensors need TRITON_INTERPRET=1 for Triton (CUDA hosts test it on the GPU)",
+        ),
+    ),
 ]
 
 
@@ -53,8 +58,26 @@ def test_chunk_kernel_equals_xxh3_on_every_length_shape(backend):
     """Lengths cover no whole block, whole blocks with 0..3 left over after the groups of 4,
     partial last blocks of 0..15 stripes, and tails that are not a multiple of 8."""
     buf = _bytes(20_000, 1)
-    lengths = [241, 255, 256, 1023, 1024, 1025, 1088, 2047, 2048, 3073, 4096, 4097, 5119,
-               5120 + 7, 8 * 1024, 8 * 1024 + 65, 9 * 1024 + 1000, 12_345]  # fmt: skip
+    lengths = [
+        241,
+        255,
+        256,
+        1023,
+        1024,
+        1025,
+        1088,
+        2047,
+        2048,
+        3073,
+        4096,
+        4097,
+        5119,
+        5120 + 7,
+        8 * 1024,
+        8 * 1024 + 65,
+        9 * 1024 + 1000,
+        12_345,
+    ]
     starts = [(i * 136) % 4000 for i in range(len(lengths))]  # 8-aligned, overlapping
     got = G.segment_digests(buf, starts, lengths, backend=backend)
     raw = buf.numpy().tobytes()
@@ -87,11 +110,20 @@ def test_short_tails_and_dtypes(small_chunks, backend):
     """Tails of 1..240 bytes go to the host; every dtype's bytes are hashed as they lie (NaN
     and infinity bit patterns included)."""
     raw = _bytes(3 * 4096 + 240, 7)
-    cases = [raw[: 4096 + 1], raw[: 2 * 4096 + 240], raw[:240], raw[:0], raw[: 4096 + 241],
-             raw[: 3 * 4096 + 240].view(torch.bfloat16), raw[: 2 * 4096].view(torch.float32),
-             raw[: 4096 + 64].view(torch.int64).reshape(2, -1)]  # fmt: skip
-    want = [cs.digest(t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-            for t in cases]  # fmt: skip
+    cases = [
+        raw[: 4096 + 1],
+        raw[: 2 * 4096 + 240],
+        raw[:240],
+        raw[:0],
+        raw[: 4096 + 241],
+        raw[: 3 * 4096 + 240].view(torch.bfloat16),
+        raw[: 2 * 4096].view(torch.float32),
+        raw[: 4096 + 64].view(torch.int64).reshape(2, -1),
+    ]
+    want = [
+        cs.digest(t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        for t in cases
+    ]
     assert G.checksums(cases, backend=backend) == want
 
 
@@ -141,8 +173,10 @@ def test_cuda_start_on_a_side_stream_overlaps_a_copy():
 
 
 @CUDA
-@pytest.mark.parametrize("row_bytes", [
-    cs.CHUNK, 2 * cs.CHUNK + 64, 3 * cs.CHUNK + cs.SHORT_MAX + 8, cs.CHUNK // 2 + 8, 2048])
+@pytest.mark.parametrize(
+    "row_bytes",
+    [cs.CHUNK, 2 * cs.CHUNK + 64, 3 * cs.CHUNK + cs.SHORT_MAX + 8, cs.CHUNK // 2 + 8, 2048],
+)
 def test_start_rows_equals_the_definition_per_row(row_bytes):
     """start_rows (the vLLM save's batch of staged blocks): each row's value is the CPU
     definition's, whether the rows end on a chunk boundary, in a long last chunk or in a

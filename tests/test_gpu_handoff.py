@@ -20,8 +20,10 @@ import time
 import pytest
 import torch
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]  # fmt: skip
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 NS = "vllm/gpu-handoff"
@@ -96,8 +98,9 @@ def _consume(sock, order, ptp, dtp, device="cuda:0"):
             assert load_runs(g, NS, o6, fmt, dst_ids, runs, 0, stream=g.stream)[0] == 8
             torch.cuda.synchronize()
             for a, b in zip(SRC_IDS, dst_ids, strict=True):
-                assert torch.equal(_bits(o6[:, :, b].cpu()),
-                                   _bits(f6[:, :, a, :, r * per : (r + 1) * per]))  # fmt: skip
+                assert torch.equal(
+                    _bits(o6[:, :, b].cpu()), _bits(f6[:, :, a, :, r * per : (r + 1) * per])
+                )
             rest = [i for i in range(B) if i not in dst_ids]
             assert torch.equal(_bits(o6[:, :, rest]), _bits(before[:, :, rest]))
         return g.client.stat().rings
@@ -105,12 +108,26 @@ def _consume(sock, order, ptp, dtp, device="cuda:0"):
 
 @pytest.mark.parametrize("order", ["NHD", "HND"])
 @pytest.mark.parametrize(("ptp", "dtp"), [(1, 1), (2, 1), (1, 2)])
-def test_a_prefill_process_hands_off_to_a_decode_process_over_cuda_ipc(gpu_ring_daemon, order,
-                                                                       ptp, dtp):  # fmt: skip
+def test_a_prefill_process_hands_off_to_a_decode_process_over_cuda_ipc(
+    gpu_ring_daemon, order, ptp, dtp
+):
     script = _PRODUCER
-    out = subprocess.run([sys.executable, "-c", script, gpu_ring_daemon.socket_path, order,
-                          str(ptp), str(dtp), "cuda:0"], capture_output=True, text=True,
-                         timeout=300, env=_env())  # fmt: skip
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            script,
+            gpu_ring_daemon.socket_path,
+            order,
+            str(ptp),
+            str(dtp),
+            "cuda:0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=_env(),
+    )
     assert out.returncode == 0 and "published" in out.stdout, out.stderr[-3000:]
     rings = _consume(gpu_ring_daemon.socket_path, order, ptp, dtp)
     # every run was read once by the one decode rank it was for, and freed
@@ -148,8 +165,12 @@ def test_a_process_killed_mid_handoff_leaves_no_ring_space_held(gpu_ring_daemon,
             region.tensor.view(torch.int32).copy_(src)
             torch.cuda.synchronize()
             region.seal()
-        proc = subprocess.Popen([sys.executable, "-c", _HOLD, gpu_ring_daemon.socket_path, role,
-                                 key], stdout=subprocess.PIPE, text=True, env=_env())  # fmt: skip
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _HOLD, gpu_ring_daemon.socket_path, role, key],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=_env(),
+        )
         try:
             assert proc.stdout.readline().strip() == "holding"
             ring = g.client.stat().rings[g.local_ring()]
@@ -159,8 +180,10 @@ def test_a_process_killed_mid_handoff_leaves_no_ring_space_held(gpu_ring_daemon,
             proc.wait(60)
         deadline = time.monotonic() + 20
         busy = ("leased_write", "leased_read")
-        while any(g.client.stat().rings[g.local_ring()][k] for k in busy) \
-                and time.monotonic() < deadline:  # fmt: skip
+        while (
+            any(g.client.stat().rings[g.local_ring()][k] for k in busy)
+            and time.monotonic() < deadline
+        ):
             time.sleep(0.05)
         ring = g.client.stat().rings[g.local_ring()]
         assert (ring["leased_write"], ring["leased_read"]) == (0, 0)
@@ -192,8 +215,17 @@ def test_the_connector_worker_hands_off_on_cuda_then_loads_ring_first(gpu_ring_d
     fmt = _fmt(L, H, N, D, torch.bfloat16)
 
     def worker(cache):
-        w = WorkerSide(link=None, namespace=NS, block_size=N, total_kv_heads=H, latent=False,
-                       tp_rank=0, tp_size=1, warnings=Warnings(), handoff=HandoffConfig(mode))  # fmt: skip
+        w = WorkerSide(
+            link=None,
+            namespace=NS,
+            block_size=N,
+            total_kv_heads=H,
+            latent=False,
+            tp_rank=0,
+            tp_size=1,
+            warnings=Warnings(),
+            handoff=HandoffConfig(mode),
+        )
         w.fmt, w.cache = fmt, cuda_cache(cache, "packed")
         w.device, w.cuda_device = "cuda", cache[0].device
         return w
@@ -219,16 +251,21 @@ def test_the_connector_worker_hands_off_on_cuda_then_loads_ring_first(gpu_ring_d
             assert torch.equal(_bits(cons.cache[:, :, b]), _bits(prod.cache[:, :, a]))
         assert c.stat().rings[g.local_ring()]["used"] == 0
         assert bool(c.ops.match_prefix(HASHES[:1], namespace=NS, hold=False)["matched"]) == (
-            mode == "ring+host")  # the host pools keep a copy only with ring+host
+            mode == "ring+host"
+        )  # the host pools keep a copy only with ring+host
         cons._gpu.close()
         prod._gpu.close()
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_a_prefill_process_on_gpu0_hands_off_to_a_decode_rank_on_gpu1(gpu_ring_daemon):
-    out = subprocess.run([sys.executable, "-c", _PRODUCER, gpu_ring_daemon.socket_path, "NHD",
-                          "1", "1", "cuda:0"], capture_output=True, text=True, timeout=300,
-                         env=_env())  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", _PRODUCER, gpu_ring_daemon.socket_path, "NHD", "1", "1", "cuda:0"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=_env(),
+    )
     assert out.returncode == 0 and "published" in out.stdout, out.stderr[-3000:]
     rings = _consume(gpu_ring_daemon.socket_path, "NHD", 1, 1, device="cuda:1")
     assert all(r["used"] == 0 for r in rings)

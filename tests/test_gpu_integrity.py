@@ -32,8 +32,12 @@ CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 _TRITON_ON_CPU = G.triton_available() and os.environ.get("TRITON_INTERPRET") == "1"
 BACKENDS = [
     "torch",
-    pytest.param("triton", marks=pytest.mark.skipif(
-        not _TRITON_ON_CPU, reason="Triton on CPU tensors needs Triton and TRITON_INTERPRET=1")),
+    pytest.param(
+        "triton",
+        marks=pytest.mark.skipif(
+            not _TRITON_ON_CPU, reason="Triton on CPU tensors needs Triton and TRITON_INTERPRET=1"
+        ),
+    ),
 ]
 
 
@@ -78,9 +82,13 @@ def test_seal_kind_1_hashes_every_tensor_where_it_lies(small_chunks, backend):
     """Sizes: several chunks with a long tail, a short (host-hashed) tail, one chunk, empty;
     dtypes as they lie; a misaligned view. One start per device, values named as given."""
     raw = _bytes(3 * 4096 + 300, 1)
-    tensors = {"k.0": raw[: 3 * 4096 + 250], "v.0": raw[: 2 * 4096 + 100],
-               "k.1": raw[:4096].view(torch.bfloat16), "empty": raw[:0],
-               "odd": raw[5 : 5 + 4096 + 400]}  # fmt: skip
+    tensors = {
+        "k.0": raw[: 3 * 4096 + 250],
+        "v.0": raw[: 2 * 4096 + 100],
+        "k.1": raw[:4096].view(torch.bfloat16),
+        "empty": raw[:0],
+        "odd": raw[5 : 5 + 4096 + 400],
+    }
     streams = _Streams()
     sums = GI.start_seal(tensors, cs.KIND_XXH3C, streams)
     assert streams.asked == [torch.device("cpu")]  # one launch for the device's tensors
@@ -98,8 +106,10 @@ def test_seal_kind_0_hashes_the_pool_bytes_after_the_copy(small_chunks):
     sums = GI.start_seal(tensors, cs.KIND_XXH3, streams)
     assert streams.asked == []
     pool = {"a": np.full(5000, 9, dtype=np.uint8), "b": np.zeros(0, dtype=np.uint8)}
-    assert sums.values(pool) == {"a": xxhash.xxh3_64_intdigest(bytes([9]) * 5000),
-                                 "b": xxhash.xxh3_64_intdigest(b"")}  # fmt: skip
+    assert sums.values(pool) == {
+        "a": xxhash.xxh3_64_intdigest(bytes([9]) * 5000),
+        "b": xxhash.xxh3_64_intdigest(b""),
+    }
     with pytest.raises(ValueError, match="unknown checksum kind"):
         GI.start_seal(tensors, 7, streams)
 
@@ -110,14 +120,16 @@ def test_verify_checks_each_buffer_in_the_kind_it_was_sealed_with(small_chunks, 
     the corrupted ones."""
     data = {n: _bytes(2 * 4096 + 77 * i, 10 + i) for i, n in enumerate("abcde")}
     pool = {n: t.numpy().copy() for n, t in data.items()}
-    recorded = {"a": [1, cs.digest(pool["a"])], "b": [1, cs.digest(pool["b"])],
-                "c": xxhash.xxh3_64_intdigest(pool["c"]),
-                "d": xxhash.xxh3_64_intdigest(pool["d"])}  # fmt: skip  ("e": sealed without)
+    recorded = {
+        "a": [1, cs.digest(pool["a"])],
+        "b": [1, cs.digest(pool["b"])],
+        "c": xxhash.xxh3_64_intdigest(pool["c"]),
+        "d": xxhash.xxh3_64_intdigest(pool["d"]),
+    }  # ("e": sealed without)
     claimed = {n: t.clone() for n, t in data.items()}
 
     def check():
-        return GI.mismatched(GI.start_verify(claimed, recorded, _Streams()).values(pool),
-                             recorded)  # fmt: skip
+        return GI.mismatched(GI.start_verify(claimed, recorded, _Streams()).values(pool), recorded)
 
     assert check() == []
     claimed["b"][4096 + 3] ^= 1  # in transit, or in the pool before the copy: kind 1 sees it
@@ -147,12 +159,13 @@ def _gpu():
 
 def _tensors():
     return {
-        "k": torch.randint(-(2**15), 2**15, (4, 1024, 300), dtype=torch.int16,
-                           device="cuda").view(torch.bfloat16),  # 2.3 MiB: chunks and a tail
+        "k": torch.randint(-(2**15), 2**15, (4, 1024, 300), dtype=torch.int16, device="cuda").view(
+            torch.bfloat16
+        ),  # 2.3 MiB: chunks and a tail
         "v": torch.randn(333, device="cuda", dtype=torch.float32),
         "tail": _bytes(cs.CHUNK + 100, 5, "cuda"),  # a short last chunk (host-hashed)
         "empty": torch.empty(0, device="cuda"),
-    }  # fmt: skip
+    }
 
 
 @CUDA
@@ -225,8 +238,10 @@ def test_gpu_claim_verify_hashes_each_group_as_it_lands(daemon, monkeypatch):
     gpu = _gpu()
     monkeypatch.setattr(gpu_client, "VERIFY_GROUP_BYTES", cs.CHUNK)  # a group per buffer
     rng = np.random.default_rng(11)
-    src = {f"b{i}": torch.from_numpy(rng.integers(0, 256, cs.CHUNK + 7 * i, dtype=np.uint8)
-                                     ).cuda() for i in range(6)}  # fmt: skip
+    src = {
+        f"b{i}": torch.from_numpy(rng.integers(0, 256, cs.CHUNK + 7 * i, dtype=np.uint8)).cuda()
+        for i in range(6)
+    }
     with gpu.GpuClient(daemon.client(), own_client=True) as g:
         assert g.publish("req", src)
         out = {n: torch.empty_like(t) for n, t in src.items()}
@@ -259,11 +274,15 @@ def test_gpu_claim_verifies_kind_0_objects_from_the_pool(daemon):
         lease = g.client.reserve("old", {"a": data.nbytes, "b": 5})
         lease["a"][:] = data
         lease["b"][:] = np.frombuffer(b"small", dtype=np.uint8)
-        lease.checksums = {"a": xxhash.xxh3_64_intdigest(data),
-                           "b": xxhash.xxh3_64_intdigest(b"small")}  # fmt: skip
+        lease.checksums = {
+            "a": xxhash.xxh3_64_intdigest(data),
+            "b": xxhash.xxh3_64_intdigest(b"small"),
+        }
         lease.seal()
-        out = {"a": torch.empty(data.nbytes, dtype=torch.uint8, device="cuda"),
-               "b": torch.empty(5, dtype=torch.uint8, device="cuda")}  # fmt: skip
+        out = {
+            "a": torch.empty(data.nbytes, dtype=torch.uint8, device="cuda"),
+            "b": torch.empty(5, dtype=torch.uint8, device="cuda"),
+        }
         g.claim("old", out, verify=True)
         assert bytes(out["a"].cpu().numpy()) == data.tobytes()
         corrupt(g.client, "old", "a", at=cs.CHUNK + 5)
@@ -281,7 +300,8 @@ def test_gpu_publish_seals_kind_0_for_a_daemon_without_kind_1(daemon):
         g.client.checksum_kind = cs.KIND_XXH3  # what a hello without kind 1 makes it
         assert g.publish("req", src)
         assert g.client.lookup("req").checksums == {
-            n: xxhash.xxh3_64_intdigest(_raw(t.cpu())) for n, t in src.items()}
+            n: xxhash.xxh3_64_intdigest(_raw(t.cpu())) for n, t in src.items()
+        }
         g.claim("req", {n: torch.empty_like(t) for n, t in src.items()}, verify=True)
 
 
@@ -292,17 +312,21 @@ def test_publish_shard_cuda_records_the_staged_buffers_checksums(kind, make_daem
     gpu = _gpu()
     d = make_daemon("--pool-size", "256M", "--page-size", "64K", "--gpu-ring", "64M")
     L, H, page, tokens = 3, 4, 16, 1000
-    cache = torch.randint(-(2**15), 2**15, (L, 2, 80, page, H, 64), dtype=torch.int16,
-                          device="cuda").view(torch.bfloat16)  # fmt: skip
+    cache = torch.randint(
+        -(2**15), 2**15, (L, 2, 80, page, H, 64), dtype=torch.int16, device="cuda"
+    ).view(torch.bfloat16)
     table = torch.randperm(80, device="cuda")[: -(-tokens // page)]
     with gpu.GpuClient(d.client(), own_client=True) as g:
         g.client.checksum_kind = kind
-        res = gpu.publish_shard_cuda(g, "r", cache, table, tokens, tp_rank=0, tp_size=1,
-                                     total_kv_heads=H, decode_tp_size=1)  # fmt: skip
+        res = gpu.publish_shard_cuda(
+            g, "r", cache, table, tokens, tp_rank=0, tp_size=1, total_kv_heads=H, decode_tp_size=1
+        )
         key = res.key
         with g.client.claim(key) as lease:
-            want = {n: ([1, cs.digest(lease[n])] if kind else xxhash.xxh3_64_intdigest(lease[n]))
-                    for n in lease}  # fmt: skip
+            want = {
+                n: ([1, cs.digest(lease[n])] if kind else xxhash.xxh3_64_intdigest(lease[n]))
+                for n in lease
+            }
             assert lease.checksums == want and len(want) == 2 * L
         g.client.claim(key, verify=True).release()
         assert all(r["used"] == 0 for r in g.client.stat().rings)  # the staging went back
@@ -329,7 +353,8 @@ def test_start_checksums_for_a_lease_filled_by_the_caller(daemon):
         lease.checksums = sums.values(lease)
         lease.seal()
         assert g.client.lookup("own").checksums == {
-            n: [1, cs.digest(_raw(t.cpu()))] for n, t in src.items()}
+            n: [1, cs.digest(_raw(t.cpu()))] for n, t in src.items()
+        }
         g.client.checksum_kind = cs.KIND_XXH3
         lease = g.client.reserve("own0", {"a": src["k"].nbytes})
         sums = g.start_checksums({"a": src["k"]})
@@ -351,10 +376,16 @@ def test_transformers_publish_cache_through_a_gpu_client_seals_gpu_checksums(dae
 
     gpu = _gpu()
     g0 = torch.Generator(device="cuda").manual_seed(3)
-    layers = [(torch.randn(1, 2, 40, 32, device="cuda", generator=g0, dtype=torch.bfloat16),
-               torch.randn(1, 2, 40, 32, device="cuda", generator=g0, dtype=torch.bfloat16)
-               .transpose(2, 3).contiguous().transpose(2, 3))  # strided V, as some caches hold
-              for _ in range(3)]  # fmt: skip
+    layers = [
+        (
+            torch.randn(1, 2, 40, 32, device="cuda", generator=g0, dtype=torch.bfloat16),
+            torch.randn(1, 2, 40, 32, device="cuda", generator=g0, dtype=torch.bfloat16)
+            .transpose(2, 3)
+            .contiguous()
+            .transpose(2, 3),
+        )  # strided V, as some caches hold
+        for _ in range(3)
+    ]
     with gpu.GpuClient(daemon.client(), own_client=True) as g:
         publish_cache(g, "tf-gpu", layers)
         info = g.client.lookup("tf-gpu")

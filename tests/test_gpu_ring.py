@@ -44,14 +44,24 @@ def _service(size=64 * RING_ALIGN, devices=2, **kw) -> RingService:
 
 
 def _reserve(svc, s, nbytes, device=0, key=None, ttl=None):
-    return svc.handle(s, "ring_reserve", {"device": device, "nbytes": nbytes,
-                                          "namespace": "ns", "key": key, "meta": None,
-                                          "ttl": ttl})  # fmt: skip
+    return svc.handle(
+        s,
+        "ring_reserve",
+        {
+            "device": device,
+            "nbytes": nbytes,
+            "namespace": "ns",
+            "key": key,
+            "meta": None,
+            "ttl": ttl,
+        },
+    )
 
 
 def _claim(svc, s, key, consume=True):
-    return svc.handle(s, "ring_claim", {"namespace": "ns", "key": key, "consume": consume,
-                                        "wait": None})  # fmt: skip
+    return svc.handle(
+        s, "ring_claim", {"namespace": "ns", "key": key, "consume": consume, "wait": None}
+    )
 
 
 def _held_regions(svc, device=0):
@@ -60,10 +70,19 @@ def _held_regions(svc, device=0):
 
 # ------------------------------------------------------------------------ in-process service
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["scratch", "write", "seal", "claim", "read",
-                                           "release", "drop", "tick"]),
-                          st.integers(0, 2), st.integers(1, 40 * RING_ALIGN),
-                          st.integers(0, 10**6)), max_size=60))  # fmt: skip
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(
+                ["scratch", "write", "seal", "claim", "read", "release", "drop", "tick"]
+            ),
+            st.integers(0, 2),
+            st.integers(1, 40 * RING_ALIGN),
+            st.integers(0, 10**6),
+        ),
+        max_size=60,
+    )
+)
 def test_service_never_overlaps_and_every_path_frees(ops):
     clock = _Clock()
     svc = _service(clock=clock, object_ttl=5.0)
@@ -109,7 +128,8 @@ def test_service_never_overlaps_and_every_path_frees(ops):
         assert 0 <= snap["used"] <= snap["capacity"]
         assert snap["leased_write"] == sum(
             -(-v["nbytes"] // RING_ALIGN) * RING_ALIGN
-            for _, v in leases.values() if v["kind"] != "read" and v["device"] == 0
+            for _, v in leases.values()
+            if v["kind"] != "read" and v["device"] == 0
         )
     # every connection gone and every sealed object past its TTL: the ring is empty again
     for s in sessions:
@@ -250,15 +270,25 @@ def test_snapshot_occupancy_map():
     snap = svc.snapshot(occupancy_cells=8)[0]
     assert snap["occupancy"] == "wwrr...."
     assert (snap["objects"], snap["leased_read"], snap["leased_write"]) == (
-        1, 16 * RING_ALIGN, 16 * RING_ALIGN)
+        1,
+        16 * RING_ALIGN,
+        16 * RING_ALIGN,
+    )
     assert snap["largest_free"] == 32 * RING_ALIGN and snap["used"] == 32 * RING_ALIGN
 
 
 # -------------------------------------------------------------- through a daemon subprocess
 @pytest.fixture
 def ring_daemon(make_daemon):
-    return make_daemon("--pool-size", "16M", "--page-size", "64K", "--gpu-ring", "1M",
-                       env={"KVBROKER_FAKE_GPUS": "2"})  # fmt: skip
+    return make_daemon(
+        "--pool-size",
+        "16M",
+        "--page-size",
+        "64K",
+        "--gpu-ring",
+        "1M",
+        env={"KVBROKER_FAKE_GPUS": "2"},
+    )
 
 
 def test_rings_op_shares_one_handle_per_gpu(ring_daemon):
@@ -286,7 +316,11 @@ def test_daemon_reserve_seal_claim_release_and_stat(ring_daemon):
         w._call("ring_seal", lease=lease["lease"])
         got = r._call("ring_claim", key="req")
         assert (got["device"], got["offset"], got["nbytes"], got["meta"]) == (
-            1, lease["offset"], 300_000, {"x": 1})
+            1,
+            lease["offset"],
+            300_000,
+            {"x": 1},
+        )
         ring = r.stat().rings[1]
         assert ring["leased_read"] == 300_032 and ring["used"] == 300_032
         assert "r" in ring["occupancy"] and ring["device"] == "fake:01:00.0"
@@ -364,8 +398,9 @@ def test_client_without_a_gpu_cannot_map_rings_but_plumbing_works(ring_daemon):
     # the wire ops need no torch: an operator tool can read ring state on any host
     with Client(ring_daemon.socket_path, map_pools=False) as c:
         code = "import sys, kvbroker._server.rings; print('torch' in sys.modules)"
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                             timeout=60)  # fmt: skip
+        out = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=60
+        )
         assert out.stdout.strip() == "False", out.stderr
         assert len(c.stat().rings) == 2
 
@@ -377,14 +412,30 @@ def test_tui_draws_ring_snapshots_as_pool_panels():
     svc = _service(size=64 * RING_ALIGN, devices=2)
     w = _Session(1)
     _reserve(svc, w, 16 * RING_ALIGN, device=1)
-    snap = Statistics.from_dict({"taken_at": 0.0, "version": "x", "pid": 1, "started_at": 0.0,
-                                 "socket": "s", "objects": 0, "pending": 0, "read_leases": 0,
-                                 "write_leases": 0, "pools": [], "clients": [],
-                                 "counters": {}, "rings": svc.snapshot(occupancy_cells=4)})
+    snap = Statistics.from_dict(
+        {
+            "taken_at": 0.0,
+            "version": "x",
+            "pid": 1,
+            "started_at": 0.0,
+            "socket": "s",
+            "objects": 0,
+            "pending": 0,
+            "read_leases": 0,
+            "write_leases": 0,
+            "pools": [],
+            "clients": [],
+            "counters": {},
+            "rings": svc.snapshot(occupancy_cells=4),
+        }
+    )
     views = [PoolView.from_ring(i, r) for i, r in enumerate(snap.rings)]
     assert [v.key for v in views] == ["ring-0", "ring-1"]
     assert (views[1].capacity, views[1].used, views[1].leased_write) == (
-        64 * RING_ALIGN, 16 * RING_ALIGN, 16 * RING_ALIGN)
+        64 * RING_ALIGN,
+        16 * RING_ALIGN,
+        16 * RING_ALIGN,
+    )
     assert views[1].occupancy == "w..." and views[0].occupancy == "...."
     assert views[1].title == "ring 1  fake GPU (KVBROKER_FAKE_GPUS)"
 
@@ -399,7 +450,8 @@ def test_lookup_names_sealed_objects_only_and_takes_no_lease():
     assert found == {"objects": [{"device": 1, "nbytes": 1000, "meta": None}, None, None]}
     assert len(svc.leases) == 1  # the pending write lease only: a lookup holds nothing
     assert svc.handle(w, "ring_lookup", {"namespace": "other", "keys": ["sealed"]}) == {
-        "objects": [None]}
+        "objects": [None]
+    }
     with pytest.raises(BadRequest, match="strings"):
         svc.handle(w, "ring_lookup", {"namespace": "ns", "keys": [1]})
     with pytest.raises(BadRequest, match="at most"):

@@ -23,8 +23,11 @@ def raw(path: str, hello: bool = True) -> socket.socket:
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.connect(path)
     if hello:
-        s.sendall(msgpack.packb({"id": 1, "op": "hello",
-                                 "args": {"version": PROTOCOL_VERSION, "name": "raw"}}))
+        s.sendall(
+            msgpack.packb(
+                {"id": 1, "op": "hello", "args": {"version": PROTOCOL_VERSION, "name": "raw"}}
+            )
+        )
         assert recv_one(s)["ok"]
     return s
 
@@ -76,8 +79,10 @@ def test_a_waiter_that_dies_is_seen_at_once(daemon, client):
 def test_requests_pipelined_behind_a_wait_are_answered_in_order(daemon, client):
     s = raw(daemon.socket_path)
     before = client.stat().counters.requests  # (counts this stat itself)
-    s.sendall(msgpack.packb({"id": 2, "op": "claim", "args": {"key": "k", "wait": 30}})
-              + msgpack.packb({"id": 3, "op": "lookup", "args": {"key": "k"}}))
+    s.sendall(
+        msgpack.packb({"id": 2, "op": "claim", "args": {"key": "k", "wait": 30}})
+        + msgpack.packb({"id": 3, "op": "lookup", "args": {"key": "k"}})
+    )
     # Until the daemon has handled the claim (one request besides our stats): it waits then,
     # with the lookup queued behind it, and the put below is what ends the wait.
     polls = iter(range(1, 1 << 30))
@@ -109,8 +114,9 @@ def test_waiting_connections_hold_little_memory_and_free_it(daemon, client):
     socks = []
     for i in range(n):
         s = raw(daemon.socket_path)
-        s.sendall(msgpack.packb({"id": 2, "op": "claim",
-                                 "args": {"key": f"never-{i}", "wait": 600}}))
+        s.sendall(
+            msgpack.packb({"id": 2, "op": "claim", "args": {"key": f"never-{i}", "wait": 600}})
+        )
         socks.append(s)
     assert wait_until(lambda: n_clients(client) == n + 1, timeout=30)
     grown = rss(daemon.proc.pid) - before
@@ -134,8 +140,15 @@ def test_deeply_nested_meta_is_refused_at_reserve(daemon, client, depth):
     from kvbroker.errors import BadRequest
 
     s = raw(daemon.socket_path)
-    s.sendall(msgpack.packb({"id": 2, "op": "reserve", "args": {
-        "key": "deep", "buffers": {"x": 10}, "meta": nested(depth)}}))
+    s.sendall(
+        msgpack.packb(
+            {
+                "id": 2,
+                "op": "reserve",
+                "args": {"key": "deep", "buffers": {"x": 10}, "meta": nested(depth)},
+            }
+        )
+    )
     reply = recv_one(s)
     assert not reply["ok"] and reply["error"]["code"] == BadRequest.code, reply
     assert "nests deeper" in reply["error"]["message"]
@@ -161,9 +174,13 @@ def flood_unread(path: str, n_requests: int) -> socket.socket:
 
 
 def test_unread_replies_are_bounded_across_connections(make_daemon):
-    d = make_daemon("--pool-size", "8M", "--page-size", "4K",
-                    env={"KVBROKER_MAX_WRITE_BUFFER": "8M",
-                         "KVBROKER_MAX_WRITE_BUFFERS_TOTAL": "4M"})  # fmt: skip
+    d = make_daemon(
+        "--pool-size",
+        "8M",
+        "--page-size",
+        "4K",
+        env={"KVBROKER_MAX_WRITE_BUFFER": "8M", "KVBROKER_MAX_WRITE_BUFFERS_TOTAL": "4M"},
+    )
     with d.client() as c:
         for i in range(30):  # fatter stat replies
             c.put(f"k{i}", {"x": b"1"})
@@ -184,8 +201,9 @@ def test_unread_replies_are_bounded_across_connections(make_daemon):
 def test_connections_per_uid_are_limited(make_daemon):
     from kvbroker.errors import LimitExceeded
 
-    d = make_daemon("--pool-size", "8M", "--page-size", "4K",
-                    env={"KVBROKER_MAX_CONNECTIONS_PER_UID": "6"})
+    d = make_daemon(
+        "--pool-size", "8M", "--page-size", "4K", env={"KVBROKER_MAX_CONNECTIONS_PER_UID": "6"}
+    )
     socks = [raw(d.socket_path) for _ in range(5)]  # and wait_ready's probe has gone
     with d.client() as c:  # the sixth
         with pytest.raises(LimitExceeded, match="max_connections_per_uid"):
@@ -197,8 +215,7 @@ def test_connections_per_uid_are_limited(make_daemon):
 
 
 def test_half_a_hello_is_closed_after_hello_timeout(make_daemon):
-    d = make_daemon("--pool-size", "8M", "--page-size", "4K",
-                    env={"KVBROKER_HELLO_TIMEOUT": "1s"})
+    d = make_daemon("--pool-size", "8M", "--page-size", "4K", env={"KVBROKER_HELLO_TIMEOUT": "1s"})
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.connect(d.socket_path)
     s.sendall(msgpack.packb({"id": 1, "op": "hello", "args": {"version": 1}})[:5])
@@ -209,8 +226,7 @@ def test_half_a_hello_is_closed_after_hello_timeout(make_daemon):
 
 
 def test_idle_connections_holding_nothing_are_closed_and_clients_come_back(make_daemon):
-    d = make_daemon("--pool-size", "8M", "--page-size", "4K",
-                    env={"KVBROKER_IDLE_TIMEOUT": "1s"})
+    d = make_daemon("--pool-size", "8M", "--page-size", "4K", env={"KVBROKER_IDLE_TIMEOUT": "1s"})
     idle = raw(d.socket_path)
     holder = raw(d.socket_path)
     with d.client() as c:
@@ -282,8 +298,7 @@ def served_between(client, n=300):
     return counts[len(counts) // 2], counts[int(len(counts) * 0.99)]
 
 
-def test_an_honest_client_is_served_between_slices_of_another_that_pipelines_lists(
-        daemon, client):
+def test_an_honest_client_is_served_between_slices_of_another_that_pipelines_lists(daemon, client):
     """A client pipelining 64 KiB of lists at a time (3,000 requests a read) is served a slice
     of requests at a time (8, or 0.5 ms), the honest client's request between two slices:
     while it waits, the daemon serves a few dozen of the other's requests, not the rest of a
@@ -307,8 +322,10 @@ def test_an_honest_client_is_served_between_slices_of_another_that_pipelines_lis
     finally:
         hammer.kill()
         hammer.wait()
-    print(f"requests of the pipelining client served per honest round trip (lookup + stat): "
-          f"p50 {p50}, p99 {p99}")
+    print(
+        f"requests of the pipelining client served per honest round trip (lookup + stat): "
+        f"p50 {p50}, p99 {p99}"
+    )
     # A round trip waits for at most a slice or two per request; the rest is the honest
     # client's own time between them, the other's requests going on meanwhile.
     assert p50 < 300, (p50, p99)
@@ -325,8 +342,7 @@ def test_list_and_evict_of_one_namespace_do_not_scan_the_others(tmp_path):
         b.handle(s, "hello", {"version": 1})
         for ns, n in (("big", 300), ("small", 3)):
             for i in range(n):
-                r = b.handle(s, "reserve", {"namespace": ns, "key": f"k{i}",
-                                            "buffers": {"x": 10}})  # fmt: skip
+                r = b.handle(s, "reserve", {"namespace": ns, "key": f"k{i}", "buffers": {"x": 10}})
                 b.handle(s, "seal", {"lease": r["lease"]})
 
         class NoScan(dict):
@@ -391,8 +407,11 @@ def test_a_tenant_quota_holds_across_namespaces_and_arenas():
         s = b.open_session(1, 1000, 1000)
         b.handle(s, "hello", {"version": 1})
         for i in range(200):  # 20 MiB across 10 namespaces
-            r = b.handle(s, "reserve", {"namespace": f"1000/sub{i % 10}", "key": f"k{i}",
-                                        "buffers": {"x": 100 << 10}})  # fmt: skip
+            r = b.handle(
+                s,
+                "reserve",
+                {"namespace": f"1000/sub{i % 10}", "key": f"k{i}", "buffers": {"x": 100 << 10}},
+            )
             b.handle(s, "seal", {"lease": r["lease"]})
         held = sum(n for k, n in b.accounts.statistics().charged.items() if isinstance(k, str))
         assert held <= 1 << 20, f"a tenant with a 1 MiB quota holds {held} bytes"
@@ -404,17 +423,32 @@ def test_a_tenant_quota_holds_across_namespaces_and_arenas():
         # with 256 KiB lent, 800 KiB more do not fit once its objects go
         b.handle(s, "evict", {"all": True})
         ar = b.handle(s, "arena", {"nbytes": 768 << 10})
-        assert ar["arena"][2] == 256 << 10 and b.accounts.statistics().charged[("user", 1000)] == 256 << 10
+        assert (
+            ar["arena"][2] == 256 << 10
+            and b.accounts.statistics().charged[("user", 1000)] == 256 << 10
+        )
         with pytest.raises(QuotaExceeded, match="user"):
             b.handle(s, "reserve", {"namespace": "n", "key": "big", "buffers": {"x": 800 << 10}})
-        pub = b.handle(s, "publish", {"arena": ar["lease"], "namespace": "n", "key": "p",
-                                      "buffers": {"x": 256 << 10},
-                                      "next_arena": 512 << 10})  # fmt: skip
-        assert b.accounts.statistics().charged[("user", 1000)] == 512 << 10  # the object took over its pages' charge
+        pub = b.handle(
+            s,
+            "publish",
+            {
+                "arena": ar["lease"],
+                "namespace": "n",
+                "key": "p",
+                "buffers": {"x": 256 << 10},
+                "next_arena": 512 << 10,
+            },
+        )
+        assert (
+            b.accounts.statistics().charged[("user", 1000)] == 512 << 10
+        )  # the object took over its pages' charge
         b.handle(s, "abort", {"lease": pub["lease"]})
         assert b.accounts.statistics().charged[("user", 1000)] == 256 << 10
         b.close_session(s)
-        assert b.accounts.statistics().charged.get(("user", 1000)) == 256 << 10  # its sealed object stays charged
+        assert (
+            b.accounts.statistics().charged.get(("user", 1000)) == 256 << 10
+        )  # its sealed object stays charged
         b.handle(other, "evict", {"namespace": "n", "key": "p"})
         assert ("user", 1000) not in b.accounts.statistics().charged
         # a quota its objects fill leaves no room for an arena: refused, nothing evicted
@@ -443,9 +477,16 @@ def test_a_vanished_pool_is_noticed_and_clients_get_a_typed_error(daemon, client
     import sys
 
     fresh = subprocess.run(  # a new process maps the pool for its first get
-        [sys.executable, "-c", "import sys; from kvbroker import Client; "
-         "Client(sys.argv[1]).get('k')", daemon.socket_path],
-        capture_output=True, text=True, timeout=60)  # fmt: skip
+        [
+            sys.executable,
+            "-c",
+            "import sys; from kvbroker import Client; Client(sys.argv[1]).get('k')",
+            daemon.socket_path,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert fresh.returncode != 0
     last = fresh.stderr.strip().splitlines()[-1]
     assert last.startswith("kvbroker.errors.BrokerUnavailable") and "gone" in last, last
@@ -476,10 +517,10 @@ def test_a_tenant_pool_is_mapped_by_its_tenant_only(make_daemon, tmp_path):
     import sys
 
     conf = tmp_path / "kvbroker.toml"
-    conf.write_text('[tenant_pools.nobody]\nsize = "4M"\nuser = 65534\n'
-                    'namespaces = ["nobody", "nobody/*"]\n')
-    d = make_daemon("--pool-size", "8M", "--page-size", "4K",
-                    env={"KVBROKER_CONFIG": str(conf)})
+    conf.write_text(
+        '[tenant_pools.nobody]\nsize = "4M"\nuser = 65534\nnamespaces = ["nobody", "nobody/*"]\n'
+    )
+    d = make_daemon("--pool-size", "8M", "--page-size", "4K", env={"KVBROKER_CONFIG": str(conf)})
     with d.client() as c:
         shared, own = [p.name for p in c.stat().pools]
         c.put("k", {"x": b"tenant bytes"}, namespace="nobody/a")
@@ -491,11 +532,16 @@ def test_a_tenant_pool_is_mapped_by_its_tenant_only(make_daemon, tmp_path):
         assert c.get("k", namespace="nobody/a")["x"].tobytes() == b"tenant bytes"
     st = os.stat("/dev/shm" + own)
     assert st.st_uid == 65534 and stat.S_IMODE(st.st_mode) == 0o600
-    out = subprocess.run([sys.executable, "-c", OPEN_AS, "65534", shared, own],
-                         capture_output=True, text=True, timeout=60).stdout.split("\n")
+    out = subprocess.run(
+        [sys.executable, "-c", OPEN_AS, "65534", shared, own],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    ).stdout.split("\n")
     assert out[:2] == [f"denied {shared}", f"open {own}"], out
-    out = subprocess.run([sys.executable, "-c", OPEN_AS, "65533", own],
-                         capture_output=True, text=True, timeout=60).stdout.split("\n")
+    out = subprocess.run(
+        [sys.executable, "-c", OPEN_AS, "65533", own], capture_output=True, text=True, timeout=60
+    ).stdout.split("\n")
     assert out[0] == f"denied {own}", out
 
 
@@ -504,8 +550,10 @@ def test_a_waiter_with_a_full_backlog_that_dies_is_seen(daemon, client):
     hang-up is still seen (poll), not only when the wait ends."""
     s = raw(daemon.socket_path)
     before = client.stat().counters.requests  # (counts this stat itself)
-    s.sendall(msgpack.packb({"id": 2, "op": "claim", "args": {"key": "never", "wait": 600}})
-              + msgpack.packb({"id": 3, "op": "lookup", "args": {"key": "x"}}) * 2000)
+    s.sendall(
+        msgpack.packb({"id": 2, "op": "claim", "args": {"key": "never", "wait": 600}})
+        + msgpack.packb({"id": 3, "op": "lookup", "args": {"key": "x"}}) * 2000
+    )
     # Until the daemon has handled the claim (one request besides our stats): the lookups
     # read with it (more than the 256 a connection may queue) wait behind it, unread past
     # that, and the connection has stopped reading.

@@ -193,19 +193,37 @@ def test_a_record_hidden_in_a_meta_is_not_read_back_from_a_damaged_journal(socke
         shm = posix_ipc.SharedMemory(pools[pool]["name"])
         mm = mmap.mmap(shm.fd, shm.size)
         shm.close_fd()
-        mm[off:off + n] = b"M" * n
+        mm[off : off + n] = b"M" * n
         mm.close()
         sums = {"kv": encode(digest(b"M" * n))}
         call("seal", lease=r["lease"], checksums=sums)
-        body = msgpack.packb({"t": "s", "o": {
-            "serial": 10**9, "namespace": "default", "key": "victim-key", "pool": pool,
-            "start": off // pools[pool]["page_size"], "npages": 2, "nbytes": n,
-            "buffers": {"kv": [off, n]}, "meta": None, "created_at": time.time(),
-            "consumers": 1, "parent_key": None, "checksums": sums, "tokens": None,
-            "tenants": [], "parent": None}})  # fmt: skip
+        body = msgpack.packb(
+            {
+                "t": "s",
+                "o": {
+                    "serial": 10**9,
+                    "namespace": "default",
+                    "key": "victim-key",
+                    "pool": pool,
+                    "start": off // pools[pool]["page_size"],
+                    "npages": 2,
+                    "nbytes": n,
+                    "buffers": {"kv": [off, n]},
+                    "meta": None,
+                    "created_at": time.time(),
+                    "consumers": 1,
+                    "parent_key": None,
+                    "checksums": sums,
+                    "tokens": None,
+                    "tenants": [],
+                    "parent": None,
+                },
+            }
+        )
         frame = struct.pack("<4sII", magic, len(body), zlib.crc32(body)) + body
-        r = call("reserve", namespace="mallory", key="carrier", buffers={"kv": 1},
-                 meta={"x": frame})["result"]  # fmt: skip
+        r = call(
+            "reserve", namespace="mallory", key="carrier", buffers={"kv": 1}, meta={"x": frame}
+        )["result"]
         call("seal", lease=r["lease"])
         s.close()
         time.sleep(0.2)
@@ -234,10 +252,24 @@ def test_a_format_2_journal_is_still_read_and_rewritten_as_format_3(tmp_path):
             return struct.pack("<4sII", b"KVJ2", len(body), zlib.crc32(body)) + body
 
         header = frame({"t": "h", "v": 2, "epoch": 7, "pools": [pool.describe()], "ids": 5})
-        record = {"serial": 3, "namespace": "default", "key": "old", "pool": 0, "start": 0,
-                  "npages": 1, "nbytes": 10, "buffers": {"kv": [0, 10]}, "meta": None,
-                  "created_at": time.time(), "consumers": 1, "parent_key": None,
-                  "checksums": None, "tokens": None, "tenants": [], "parent": None}  # fmt: skip
+        record = {
+            "serial": 3,
+            "namespace": "default",
+            "key": "old",
+            "pool": 0,
+            "start": 0,
+            "npages": 1,
+            "nbytes": 10,
+            "buffers": {"kv": [0, 10]},
+            "meta": None,
+            "created_at": time.time(),
+            "consumers": 1,
+            "parent_key": None,
+            "checksums": None,
+            "tokens": None,
+            "tenants": [],
+            "parent": None,
+        }
         with open(path, "wb") as f:
             f.write(header + header + frame({"t": "s", "o": record}))
         rec = Journal.load(path)
@@ -259,13 +291,28 @@ def test_only_the_files_first_frames_can_be_its_header(tmp_path):
     pool = HostPool(0, f"/kvbt.{os.getpid()}.{secrets.token_hex(3)}", 64 * 4096, 4096)
     try:
         path = str(tmp_path / "j")
-        body = msgpack.packb({"t": "h", "v": 3, "epoch": 1, "pools": [pool.describe()],
-                              "ids": 5, "seed": 42})  # fmt: skip
+        body = msgpack.packb(
+            {"t": "h", "v": 3, "epoch": 1, "pools": [pool.describe()], "ids": 5, "seed": 42}
+        )
         hidden = struct.pack("<4sII", b"KVJ3", len(body), zlib.crc32(body)) + body
-        record = {"serial": 3, "namespace": "m", "key": "carrier", "pool": 0, "start": 0,
-                  "npages": 1, "nbytes": 1, "buffers": {"kv": [0, 1]}, "meta": {"x": hidden},
-                  "created_at": time.time(), "consumers": 1, "parent_key": None,
-                  "checksums": None, "tokens": None, "tenants": [], "parent": None}  # fmt: skip
+        record = {
+            "serial": 3,
+            "namespace": "m",
+            "key": "carrier",
+            "pool": 0,
+            "start": 0,
+            "npages": 1,
+            "nbytes": 1,
+            "buffers": {"kv": [0, 1]},
+            "meta": {"x": hidden},
+            "created_at": time.time(),
+            "consumers": 1,
+            "parent_key": None,
+            "checksums": None,
+            "tokens": None,
+            "tenants": [],
+            "parent": None,
+        }
         j = Journal(path, 8, [pool.describe()])
         j.rewrite([record], 10)
         j.close()
@@ -466,8 +513,7 @@ def test_a_format_2_journal_with_its_first_bytes_damaged_is_still_read(tmp_path)
     pool = HostPool(0, f"/kvbt.{os.getpid()}.{secrets.token_hex(3)}", 64 * 4096, 4096)
     try:
         path = str(tmp_path / "j")
-        body = msgpack.packb({"t": "h", "v": 2, "epoch": 7, "pools": [pool.describe()],
-                              "ids": 5})  # fmt: skip
+        body = msgpack.packb({"t": "h", "v": 2, "epoch": 7, "pools": [pool.describe()], "ids": 5})
         header = struct.pack("<4sII", b"KVJ2", len(body), zlib.crc32(body)) + body
         with open(path, "wb") as f:
             f.write(b"X" + header[1:] + header)
@@ -590,8 +636,7 @@ def test_a_child_forked_while_a_thread_is_mid_call_does_not_hang(daemon):
 
     with daemon.client() as c:
         c.put("present", {"a": b"x" * 16})
-        waiting = threading.Thread(target=lambda: pytest.raises(Timeout, c.claim, "never",
-                                                                wait=3))  # fmt: skip
+        waiting = threading.Thread(target=lambda: pytest.raises(Timeout, c.claim, "never", wait=3))
         waiting.start()
         time.sleep(0.3)  # the thread holds the session's lock, waiting for its reply
 

@@ -52,15 +52,25 @@ def _random_cache(layers=2, batch=2, heads=2, seq=37, dim=16, dtype=torch.bfloat
     info = torch.iinfo(ints)
     cache = transformers.DynamicCache()
     for i in range(layers):
-        k, v = (torch.randint(info.min, info.max, (batch, heads, seq, dim), generator=g,
-                              dtype=ints).view(dtype) for _ in range(2))  # fmt: skip
+        k, v = (
+            torch.randint(
+                info.min, info.max, (batch, heads, seq, dim), generator=g, dtype=ints
+            ).view(dtype)
+            for _ in range(2)
+        )
         cache.update(k, v, i)
     return cache
 
 
 def _config(**kw):
-    base = dict(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2)  # head_dim 16  # fmt: skip
+    base = dict(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )  # head_dim 16
     return transformers.LlamaConfig(**{**base, **kw})
 
 
@@ -68,8 +78,10 @@ def _config(**kw):
 
 
 def test_import_kvbroker_and_the_adapter_imports_neither_torch_nor_transformers():
-    code = ("import sys, kvbroker, kvbroker.integrations.transformers; "
-            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")  # fmt: skip
+    code = (
+        "import sys, kvbroker, kvbroker.integrations.transformers; "
+        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 
@@ -103,8 +115,9 @@ def test_cuda_cache_through_a_gpu_client_is_bit_exact(client):
         on_gpu.update(layer.keys.cuda(), layer.values.cuda(), i)
     with GpuClient(client) as g:  # registered pool mappings: the copies below are DMA
         kvt.publish_cache(g, "req-cuda", on_gpu)
-        claimed = kvt.claim_cache(g, "req-cuda", config=_config(head_dim=64),
-                                  dtype=torch.bfloat16, device="cuda")  # fmt: skip
+        claimed = kvt.claim_cache(
+            g, "req-cuda", config=_config(head_dim=64), dtype=torch.bfloat16, device="cuda"
+        )
     for mine, theirs in zip(cpu.layers, claimed.cache.layers, strict=True):
         assert theirs.keys.is_cuda and theirs.values.is_cuda
         assert torch.equal(_bits(theirs.keys.cpu()), _bits(mine.keys))
@@ -322,8 +335,13 @@ def test_a_claim_whose_extra_is_not_a_mapping_raises_before_any_copy_and_consume
     client.put("bad-extra", buffers, meta=meta)
     for target in (gated, client):  # the landing path and the serial one
         with pytest.raises(LayoutMismatch, match="extra is a list"):
-            kvt.claim_cache(target, "bad-extra", config=_config(), dtype=torch.bfloat16,
-                            device="cuda" if target is gated else None)  # fmt: skip
+            kvt.claim_cache(
+                target,
+                "bad-extra",
+                config=_config(),
+                dtype=torch.bfloat16,
+                device="cuda" if target is gated else None,
+            )
         assert client.exists("bad-extra")
     assert gated.landings == []
 
@@ -346,8 +364,13 @@ def test_a_landing_claim_returns_before_its_copies_and_every_read_waits_for_its_
         kvt.publish_cache(g, "req-land", _gpu_cache(cpu))
         with torch.cuda.stream(g.stream):
             torch.cuda._sleep(int(2e9))  # ~1 s of GPU clock ahead of the copies
-        claimed = kvt.claim_cache(g, "req-land", config=_config(head_dim=64, num_hidden_layers=3),
-                                  dtype=torch.bfloat16, device="cuda")  # fmt: skip
+        claimed = kvt.claim_cache(
+            g,
+            "req-land",
+            config=_config(head_dim=64, num_hidden_layers=3),
+            dtype=torch.bfloat16,
+            device="cuda",
+        )
         assert claimed.landing is not None and not claimed.landing.landed
         assert client.exists("req-land")  # counted only once the copies have landed
         assert isinstance(claimed.cache.layers[0], transformers.cache_utils.DynamicLayer)
@@ -402,8 +425,9 @@ def test_closing_the_gpu_client_waits_for_landings_then_releases_and_consumes(cl
     kvt.publish_cache(g, "req-close", _gpu_cache(cpu))
     with torch.cuda.stream(g.stream):
         torch.cuda._sleep(int(1e9))
-    claimed = kvt.claim_cache(g, "req-close", config=_config(head_dim=64), dtype=torch.float16,
-                              device="cuda")  # fmt: skip
+    claimed = kvt.claim_cache(
+        g, "req-close", config=_config(head_dim=64), dtype=torch.float16, device="cuda"
+    )
     g.close()  # must not unregister the pools under a copy still reading them
     assert claimed.landing.finished and claimed.landing.error is None
     assert not client.exists("req-close")
@@ -434,8 +458,9 @@ def test_claim_with_another_model_config_raises_layout_mismatch_and_consumes_not
 
 def test_publish_checks_the_cache_against_its_config(client):
     with pytest.raises(LayoutMismatch, match="layout mismatch on KV heads"):
-        kvt.publish_cache(client, "req-3", _random_cache(heads=2),
-                          config=_config(num_key_value_heads=1))  # fmt: skip
+        kvt.publish_cache(
+            client, "req-3", _random_cache(heads=2), config=_config(num_key_value_heads=1)
+        )
     assert not client.exists("req-3")
 
 
@@ -507,14 +532,29 @@ def test_tp_reshard_reassembles_the_cache_bit_exactly(client, prefill_tp, decode
     config = _config(num_key_value_heads=4, num_attention_heads=4)
     request = f"tp-{prefill_tp}-{decode_tp}"
     for rank in range(prefill_tp):
-        result = kvt.publish_tp_shard(client, request, kvt.head_shard(cache, rank, prefill_tp),
-                                      tp_rank=rank, tp_size=prefill_tp, total_kv_heads=4,
-                                      decode_tp_size=decode_tp)  # fmt: skip
+        result = kvt.publish_tp_shard(
+            client,
+            request,
+            kvt.head_shard(cache, rank, prefill_tp),
+            tp_rank=rank,
+            tp_size=prefill_tp,
+            total_kv_heads=4,
+            decode_tp_size=decode_tp,
+        )
         assert result.published
-    shards = [kvt.claim_tp_shard(client, request, tp_rank=d, tp_size=decode_tp,
-                                 prefill_tp_size=prefill_tp, config=config, dtype=torch.float16,
-                                 wait=5)  # fmt: skip
-              for d in range(decode_tp)]
+    shards = [
+        kvt.claim_tp_shard(
+            client,
+            request,
+            tp_rank=d,
+            tp_size=decode_tp,
+            prefill_tp_size=prefill_tp,
+            config=config,
+            dtype=torch.float16,
+            wait=5,
+        )
+        for d in range(decode_tp)
+    ]
     for d, shard in enumerate(shards):
         assert shard.cache.layers[0].keys.shape == (1, 4 // decode_tp, 21, 16)
         heads = slice(d * 4 // decode_tp, (d + 1) * 4 // decode_tp)
@@ -530,27 +570,57 @@ def test_tp_reshard_reassembles_the_cache_bit_exactly(client, prefill_tp, decode
 _TP_SIZES = st.sampled_from([1, 2, 4, 8])
 
 
-@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(heads=st.sampled_from([1, 2, 4, 8]), prefill_tp=_TP_SIZES, decode_tp=_TP_SIZES,
-       layers=st.integers(1, 3), seq=st.integers(1, 40), dim=st.sampled_from([8, 16]),
-       dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32]),
-       seed=st.integers(0, 2**16))  # fmt: skip
-def test_any_p_to_d_reshard_is_bit_exact(client, heads, prefill_tp, decode_tp, layers, seq,
-                                         dim, dtype, seed):  # fmt: skip
+@settings(
+    max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    heads=st.sampled_from([1, 2, 4, 8]),
+    prefill_tp=_TP_SIZES,
+    decode_tp=_TP_SIZES,
+    layers=st.integers(1, 3),
+    seq=st.integers(1, 40),
+    dim=st.sampled_from([8, 16]),
+    dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32]),
+    seed=st.integers(0, 2**16),
+)
+def test_any_p_to_d_reshard_is_bit_exact(
+    client, heads, prefill_tp, decode_tp, layers, seq, dim, dtype, seed
+):
     """Any head count, any P and D (split or replicated heads), any length: bit for bit."""
     assume(_divides(prefill_tp, heads) and _divides(decode_tp, heads))
-    cache = _random_cache(layers=layers, batch=1, heads=heads, seq=seq, dim=dim, dtype=dtype,
-                          seed=seed)  # fmt: skip
-    config = _config(num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=heads,
-                     hidden_size=8 * dim)  # fmt: skip
+    cache = _random_cache(
+        layers=layers, batch=1, heads=heads, seq=seq, dim=dim, dtype=dtype, seed=seed
+    )
+    config = _config(
+        num_hidden_layers=layers,
+        num_attention_heads=8,
+        num_key_value_heads=heads,
+        hidden_size=8 * dim,
+    )
     request = f"prop-{seed}-{heads}-{prefill_tp}-{decode_tp}-{layers}-{seq}"
     for rank in range(prefill_tp):
-        kvt.publish_tp_shard(client, request, kvt.head_shard(cache, rank, prefill_tp),
-                             tp_rank=rank, tp_size=prefill_tp, total_kv_heads=heads,
-                             decode_tp_size=decode_tp, replace=True)  # fmt: skip
-    shards = [kvt.claim_tp_shard(client, request, tp_rank=d, tp_size=decode_tp,
-                                 prefill_tp_size=prefill_tp, config=config, dtype=dtype)
-              for d in range(decode_tp)]  # fmt: skip
+        kvt.publish_tp_shard(
+            client,
+            request,
+            kvt.head_shard(cache, rank, prefill_tp),
+            tp_rank=rank,
+            tp_size=prefill_tp,
+            total_kv_heads=heads,
+            decode_tp_size=decode_tp,
+            replace=True,
+        )
+    shards = [
+        kvt.claim_tp_shard(
+            client,
+            request,
+            tp_rank=d,
+            tp_size=decode_tp,
+            prefill_tp_size=prefill_tp,
+            config=config,
+            dtype=dtype,
+        )
+        for d in range(decode_tp)
+    ]
     merged = kvt.merge_head_shards([s.cache for s in shards], total_kv_heads=heads)
     assert merged.get_seq_length() == seq
     for mine, theirs in zip(cache.layers, merged.layers, strict=True):
@@ -565,13 +635,28 @@ def _divides(tp, heads):
 
 def test_tp_claim_with_another_dtype_raises_and_consumes_nothing(client):
     cache = _random_cache(batch=1, heads=2, seq=9, dtype=torch.bfloat16)
-    kvt.publish_tp_shard(client, "tpm", cache, tp_rank=0, tp_size=1, total_kv_heads=2,
-                         decode_tp_size=1)  # fmt: skip
+    kvt.publish_tp_shard(
+        client, "tpm", cache, tp_rank=0, tp_size=1, total_kv_heads=2, decode_tp_size=1
+    )
     with pytest.raises(LayoutMismatch, match="dtype"):
-        kvt.claim_tp_shard(client, "tpm", tp_rank=0, tp_size=1, prefill_tp_size=1,
-                           config=_config(), dtype=torch.float32)  # fmt: skip
-    claimed = kvt.claim_tp_shard(client, "tpm", tp_rank=0, tp_size=1, prefill_tp_size=1,
-                                 config=_config(), dtype=torch.bfloat16)  # fmt: skip
+        kvt.claim_tp_shard(
+            client,
+            "tpm",
+            tp_rank=0,
+            tp_size=1,
+            prefill_tp_size=1,
+            config=_config(),
+            dtype=torch.float32,
+        )
+    claimed = kvt.claim_tp_shard(
+        client,
+        "tpm",
+        tp_rank=0,
+        tp_size=1,
+        prefill_tp_size=1,
+        config=_config(),
+        dtype=torch.bfloat16,
+    )
     assert torch.equal(_bits(claimed.cache.layers[0].keys), _bits(cache.layers[0].keys))
 
 
@@ -579,8 +664,15 @@ def test_discard_drops_a_request_and_its_shards(client):
     cache = _random_cache(batch=1, heads=2, seq=5, dtype=torch.float32)
     kvt.publish_cache(client, "ab", cache)
     for rank in range(2):
-        kvt.publish_tp_shard(client, "ab", kvt.head_shard(cache, rank, 2), tp_rank=rank,
-                             tp_size=2, total_kv_heads=2, decode_tp_size=1)  # fmt: skip
+        kvt.publish_tp_shard(
+            client,
+            "ab",
+            kvt.head_shard(cache, rank, 2),
+            tp_rank=rank,
+            tp_size=2,
+            total_kv_heads=2,
+            decode_tp_size=1,
+        )
     kvt.publish_cache(client, "abc", cache)  # another request sharing the prefix of the name
     assert kvt.discard(client, "ab") == 3
     assert [o.key for o in client.list()] == ["abc"]
@@ -620,17 +712,44 @@ def test_disaggregated_decode_equals_single_process_generation(
     daemon, tmp_path, arch, dtype, prefill_tp, decode_tp
 ):
     common = [
-        "--arch", arch, "--dtype", dtype, "--seed", "1", "--system-len", "40", "--user-len", "9",
-        "--block-size", "16", "--prefill-tp", str(prefill_tp), "--decode-tp", str(decode_tp),
-        "--steps", "6", "--request", f"e2e-{arch}", "--socket", daemon.socket_path,
-        "--wait", "120",
-    ]  # fmt: skip
+        "--arch",
+        arch,
+        "--dtype",
+        dtype,
+        "--seed",
+        "1",
+        "--system-len",
+        "40",
+        "--user-len",
+        "9",
+        "--block-size",
+        "16",
+        "--prefill-tp",
+        str(prefill_tp),
+        "--decode-tp",
+        str(decode_tp),
+        "--steps",
+        "6",
+        "--request",
+        f"e2e-{arch}",
+        "--socket",
+        daemon.socket_path,
+        "--wait",
+        "120",
+    ]
     # The decode process starts first and waits for the prefill process to publish.
-    decode = subprocess.Popen([sys.executable, str(EXAMPLE), "decode", *common, "--out",
-                               str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True)  # fmt: skip
-    prefill = subprocess.run([sys.executable, str(EXAMPLE), "prefill", *common],
-                             capture_output=True, text=True, timeout=240)  # fmt: skip
+    decode = subprocess.Popen(
+        [sys.executable, str(EXAMPLE), "decode", *common, "--out", str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    prefill = subprocess.run(
+        [sys.executable, str(EXAMPLE), "prefill", *common],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     out, err = decode.communicate(timeout=240)
     assert prefill.returncode == 0, prefill.stderr
     assert decode.returncode == 0, err
@@ -669,10 +788,18 @@ def test_disaggregated_decode_equals_single_process_generation(
 _MQA = {
     "falcon-multi-query": ("FalconConfig", "FalconForCausalLM", dict(multi_query=True), 1),
     "falcon-multi-head": ("FalconConfig", "FalconForCausalLM", dict(multi_query=False), 4),
-    "falcon-new-decoder": ("FalconConfig", "FalconForCausalLM",
-                           dict(new_decoder_architecture=True, num_kv_heads=2), 4),
-    "gpt-bigcode-multi-query": ("GPTBigCodeConfig", "GPTBigCodeForCausalLM",
-                                dict(multi_query=True), 1),
+    "falcon-new-decoder": (
+        "FalconConfig",
+        "FalconForCausalLM",
+        dict(new_decoder_architecture=True, num_kv_heads=2),
+        4,
+    ),
+    "gpt-bigcode-multi-query": (
+        "GPTBigCodeConfig",
+        "GPTBigCodeForCausalLM",
+        dict(multi_query=True),
+        1,
+    ),
 }
 
 
@@ -684,17 +811,24 @@ def test_multi_query_models_publish_and_claim_and_decode_like_the_reference(clie
     step's logits equal an uninterrupted generation's."""
     config_cls, model_cls, kw, cached_heads = _MQA[arch]
     torch.manual_seed(0)
-    config = getattr(transformers, config_cls)(vocab_size=128, hidden_size=64, num_hidden_layers=2,
-                                               num_attention_heads=4, bos_token_id=0,
-                                               eos_token_id=0, **kw)  # fmt: skip
+    config = getattr(transformers, config_cls)(
+        vocab_size=128,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        bos_token_id=0,
+        eos_token_id=0,
+        **kw,
+    )
     model = getattr(transformers, model_cls)(config).eval()
     assert kvt.KVSpec.from_model(model).num_kv_heads == cached_heads
     tokens = models.prompt(23, seed=1, vocab=128)
     ref_tokens, ref_logits = models.reference(model, tokens, 5)
     cache, last = models.prefill(model, tokens)
     assert cache.layers[0].keys.shape[1] == cached_heads
-    kvt.publish_cache(client, f"mqa-{arch}", cache, config=model.config,
-                      extra={"next_token": int(last.argmax())})  # fmt: skip
+    kvt.publish_cache(
+        client, f"mqa-{arch}", cache, config=model.config, extra={"next_token": int(last.argmax())}
+    )
     claimed = kvt.claim_cache(client, f"mqa-{arch}", model=model)
     assert claimed.spec.num_kv_heads == cached_heads
     got_tokens, got_logits = models.greedy(model, claimed.cache, claimed.meta["next_token"], 5)

@@ -142,7 +142,8 @@ def test_objects_sealed_with_legacy_whole_buffer_checksums_still_verify(daemon, 
     big = np.random.default_rng(5).integers(0, 256, 2 * CHUNK + 99, dtype=np.uint8).tobytes()
     _seal_legacy(client, "old", {"a": big, "b": b"small"})
     assert client.lookup("old").checksums == {
-        "a": xxhash.xxh3_64_intdigest(big), "b": xxhash.xxh3_64_intdigest(b"small")
+        "a": xxhash.xxh3_64_intdigest(big),
+        "b": xxhash.xxh3_64_intdigest(b"small"),
     }
     client.claim("old", verify=True).release()
     got = client.get("old", verify=True)
@@ -186,8 +187,9 @@ def test_a_swapped_chunk_pair_is_caught(client):
 
 
 def test_daemon_requiring_checksums_refuses_seal_without(make_daemon):
-    d = make_daemon("--pool-size", "8M", "--page-size", "4K",
-                    env={"KVBROKER_REQUIRE_CHECKSUMS": "true"})  # fmt: skip
+    d = make_daemon(
+        "--pool-size", "8M", "--page-size", "4K", env={"KVBROKER_REQUIRE_CHECKSUMS": "true"}
+    )
     with d.client() as c:
         with pytest.raises(BadRequest, match="require_checksums"):
             c.put("k", {"a": b"x"}, checksum=False)
@@ -218,7 +220,9 @@ def test_cli_verify_table_json_and_exit_code(daemon, client):
     report = json.loads(r.output)
     assert report["mismatch"] == 1 and report["ok"] == 1 and report["unchecked"] == 1
     assert {o["key"]: o["status"] for o in report["objects"]} == {
-        "good": "ok", "bad": "mismatch", "plain": "unchecked"
+        "good": "ok",
+        "bad": "mismatch",
+        "plain": "unchecked",
     }
     assert next(o for o in report["objects"] if o["key"] == "bad")["bad"] == ["a"]
     # Selecting around the bad object passes.
@@ -242,8 +246,9 @@ def test_checksum_mismatch_is_a_kvbroker_error():
 def test_prefix_blocks_carry_checksums_and_corruption_is_caught(make_daemon):
     from kvbroker.prefix import PrefixCache
 
-    d = make_daemon("--pool-size", "8M", "--page-size", "4K",
-                    env={"KVBROKER_REQUIRE_CHECKSUMS": "true"})  # fmt: skip
+    d = make_daemon(
+        "--pool-size", "8M", "--page-size", "4K", env={"KVBROKER_REQUIRE_CHECKSUMS": "true"}
+    )
     with d.client() as c:
         pc = PrefixCache(c, namespace="pfx", block_size=4)
         tokens = list(range(13))  # three full blocks
@@ -292,8 +297,11 @@ def old_daemon(daemon, monkeypatch):
     sealed: list = []
 
     def old_call(self, op, args):
-        maps = {"seal": [args.get("checksums")], "publish": [args.get("checksums")],
-                "seal_many": args.get("checksums") or []}.get(op, [])  # fmt: skip
+        maps = {
+            "seal": [args.get("checksums")],
+            "publish": [args.get("checksums")],
+            "seal_many": args.get("checksums") or [],
+        }.get(op, [])
         for sums in maps:
             if sums:
                 sealed.append(sums)
@@ -321,15 +329,19 @@ def test_against_a_daemon_without_kind_1_every_publish_seals_kind_0(old_daemon):
         with c.reserve("filled", {"a": 5000}) as lease:
             lease["a"][:] = 7
         pc = PrefixCache(c, namespace="pfx", block_size=4)
-        assert pc.publish(list(range(8)), [{"kv": np.full(300, i, dtype=np.uint8)}
-                                           for i in range(2)]) == 2  # fmt: skip
+        assert (
+            pc.publish(list(range(8)), [{"kv": np.full(300, i, dtype=np.uint8)} for i in range(2)])
+            == 2
+        )
         assert len(sealed) == 5 and all(isinstance(v, int) for s in sealed for v in s.values())
         want = {
             "small": {"a": xxhash.xxh3_64_intdigest(b"tiny"), "e": xxhash.xxh3_64_intdigest(b"")},
-            "big": {"a": xxhash.xxh3_64_intdigest(big.tobytes()),
-                    "strided": xxhash.xxh3_64_intdigest(big[::2].tobytes())},
+            "big": {
+                "a": xxhash.xxh3_64_intdigest(big.tobytes()),
+                "strided": xxhash.xxh3_64_intdigest(big[::2].tobytes()),
+            },
             "filled": {"a": xxhash.xxh3_64_intdigest(bytes([7]) * 5000)},
-        }  # fmt: skip
+        }
         for key, sums in want.items():
             assert c.lookup(key).checksums == sums, key
             c.claim(key, verify=True).release()

@@ -51,8 +51,10 @@ def put(b, s, ns, key, nbytes=100):
     b.handle(s, "seal", {"lease": lease["lease"]})
 
 
-TENANT = {"mode": "tenant", "shared": {"shared-prefix": {"read": ["*"], "write": [TEAM]},
-                                       "team/*": {"read": [TEAM]}}}  # fmt: skip
+TENANT = {
+    "mode": "tenant",
+    "shared": {"shared-prefix": {"read": ["*"], "write": [TEAM]}, "team/*": {"read": [TEAM]}},
+}
 
 
 def test_open_mode_lets_everyone_do_everything(broker):
@@ -75,8 +77,14 @@ def test_tenant_owns_its_namespaces_and_is_denied_others(broker):
     with pytest.raises(Forbidden, match="may not write"):
         b.handle(c, "reserve", {"namespace": f"{ALICE}/pd", "key": "x", "buffers": {"a": 1}})
     with pytest.raises(Forbidden):
-        b.handle(c, "reserve_blocks", {"namespace": str(ALICE), "blocks": [
-            {"key": "b0", "parent": None, "buffers": {"a": 1}}]})  # fmt: skip
+        b.handle(
+            c,
+            "reserve_blocks",
+            {
+                "namespace": str(ALICE),
+                "blocks": [{"key": "b0", "parent": None, "buffers": {"a": 1}}],
+            },
+        )
     with pytest.raises(Forbidden):  # "default" belongs to nobody: only admins may use it
         put(b, c, "default", "k")
     # A prefix of a namespace name is not ownership: 5000 does not own 50001.
@@ -135,7 +143,9 @@ def test_a_read_only_grant_cannot_free_through_a_consume_claim(broker):
     put(b, member, "shared-prefix", "sys")
     with pytest.raises(Forbidden, match="consume-claim: uid 50002 .* may not write"):
         b.handle(reader, "claim", {"namespace": "shared-prefix", "key": "sys", "consume": True})
-    lease = b.handle(reader, "claim", {"namespace": "shared-prefix", "key": "sys"})  # reading is fine
+    lease = b.handle(
+        reader, "claim", {"namespace": "shared-prefix", "key": "sys"}
+    )  # reading is fine
     b.handle(reader, "release", {"lease": lease["lease"]})
     assert ("shared-prefix", "sys") in b.objects
     lease = b.handle(member, "claim", {"namespace": "shared-prefix", "key": "sys", "consume": True})
@@ -150,15 +160,17 @@ def test_gpu_ring_ops_obey_the_namespace_policy(broker):
     b.attach_rings(RingService(FakeRings(1), 1 << 20, registry=b.registry))
     alice, bob = connect(b, ALICE), connect(b, BOB)
     mine = user_name(ALICE)
-    r = b.handle(alice, "ring_reserve", {"device": 0, "nbytes": 4096, "namespace": mine,
-                                         "key": "req1"})  # fmt: skip
+    r = b.handle(
+        alice, "ring_reserve", {"device": 0, "nbytes": 4096, "namespace": mine, "key": "req1"}
+    )
     b.handle(alice, "ring_seal", {"lease": r["lease"]})
     for consume in (False, True):
         with pytest.raises(Forbidden):
             b.handle(bob, "ring_claim", {"namespace": mine, "key": "req1", "consume": consume})
     with pytest.raises(Forbidden):  # no squatting, and no Exists telling which keys exist
-        b.handle(bob, "ring_reserve", {"device": 0, "nbytes": 4096, "namespace": mine,
-                                       "key": "req1"})  # fmt: skip
+        b.handle(
+            bob, "ring_reserve", {"device": 0, "nbytes": 4096, "namespace": mine, "key": "req1"}
+        )
     got = b.handle(alice, "ring_claim", {"namespace": mine, "key": "req1", "consume": True})
     b.handle(alice, "ring_release", {"lease": got["lease"]})
     r = b.handle(bob, "ring_reserve", {"device": 0, "nbytes": 4096})  # keyless scratch: allowed
@@ -192,16 +204,24 @@ def test_quota_enforced_at_reservation(broker):
     held = b.handle(s, "claim", {"namespace": "team/x", "key": "k"})  # not evictable now
     used = b.pools[0].allocator.used
     with pytest.raises(QuotaExceeded):
-        b.handle(s, "reserve_blocks", {"namespace": "team/x", "blocks": [
-            {"key": "b1", "parent": None, "buffers": {"a": 10}}]})  # fmt: skip
+        b.handle(
+            s,
+            "reserve_blocks",
+            {
+                "namespace": "team/x",
+                "blocks": [{"key": "b1", "parent": None, "buffers": {"a": 10}}],
+            },
+        )
     assert b.pools[0].allocator.used == used and b.accounts.statistics().charged["team/x"] == 4096
     b.handle(s, "release", {"lease": held["lease"]})
     # Unleased, the old block makes room: the namespace's own LRU object is evicted.
-    b.handle(s, "reserve_blocks", {"namespace": "team/x", "blocks": [
-        {"key": "b1", "parent": None, "buffers": {"a": 10}}]})  # fmt: skip
+    b.handle(
+        s,
+        "reserve_blocks",
+        {"namespace": "team/x", "blocks": [{"key": "b1", "parent": None, "buffers": {"a": 10}}]},
+    )
     assert ("team/x", "k") not in b.objects and ("team/y", "k") in b.objects
     put(b, s, "free", "k", 40 * PAGE)
-
 
 
 def test_quota_evicts_the_namespaces_own_lru_objects_first(broker):
@@ -225,8 +245,11 @@ def test_expired_write_leases_stay_charged_until_their_connection_ends(broker):
     b = broker(isolation={"mode": "tenant"}, quotas={str(ALICE): "32K"}, clock=lambda: now[0])
     alice = connect(b, ALICE)
     for i in range(8):  # the whole quota, reserved and then left to expire (quarantined)
-        b.handle(alice, "reserve", {"namespace": str(ALICE), "key": f"k{i}",
-                                    "buffers": {"x": PAGE}, "ttl": 1})  # fmt: skip
+        b.handle(
+            alice,
+            "reserve",
+            {"namespace": str(ALICE), "key": f"k{i}", "buffers": {"x": PAGE}, "ttl": 1},
+        )
     now[0] += 2
     b.expire()
     assert b.pools[0].allocator.used == 8  # quarantined, not reused
@@ -258,7 +281,8 @@ def test_quota_accounting_is_exact_after_churn(broker):
 
 def test_policy_and_quotas_from_the_config_file(tmp_path):
     path = tmp_path / "kvbroker.toml"
-    path.write_text(textwrap.dedent("""
+    path.write_text(
+        textwrap.dedent("""
         max_leases_per_client = 100
         max_write_buffer = "1M"
         require_checksums = true
@@ -271,7 +295,8 @@ def test_policy_and_quotas_from_the_config_file(tmp_path):
         [quotas]
         "prefix-cache" = "2G"
         "*" = "512M"
-    """))
+    """)
+    )
     cfg = load_config(str(path), env={})
     assert cfg.isolation.mode == "tenant" and cfg.isolation.admin_uids == {0}
     (grant,) = cfg.isolation.shared
@@ -282,15 +307,17 @@ def test_policy_and_quotas_from_the_config_file(tmp_path):
     assert Policy().open and not Quotas()
 
 
-
-@pytest.mark.parametrize("text, message", [
-    ('[isolation]\nmode = "closed"', "isolation: mode: expected one of open, tenant"),
-    ('[isolation]\nmodes = "open"', "isolation: modes: unknown key"),
-    ('[isolation.shared.x]\nread = ["no-such-group-xyz"]', "no group 'no-such-group-xyz'"),
-    ('[isolation.shared.x]\nreed = ["root"]', "expected read = [groups]"),
-    ('[quotas]\nx = "lots"', "quotas: 'x'"),
-    ('[limits]\nx = 1', "the only sections are [isolation] and [quotas]"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ('[isolation]\nmode = "closed"', "isolation: mode: expected one of open, tenant"),
+        ('[isolation]\nmodes = "open"', "isolation: modes: unknown key"),
+        ('[isolation.shared.x]\nread = ["no-such-group-xyz"]', "no group 'no-such-group-xyz'"),
+        ('[isolation.shared.x]\nreed = ["root"]', "expected read = [groups]"),
+        ('[quotas]\nx = "lots"', "quotas: 'x'"),
+        ("[limits]\nx = 1", "the only sections are [isolation] and [quotas]"),
+    ],
+)
 def test_bad_policy_names_the_key(tmp_path, text, message):
     path = tmp_path / "kvbroker.toml"
     path.write_text(text)
@@ -431,15 +458,18 @@ def test_another_uid_cannot_connect_or_map_a_private_daemon(open_dir_daemon):
         return out
 
     out = _as_user(NOBODY, NOBODY, try_it)
-    assert out == {"connect": "BrokerUnavailable", "shm": "PermissionsError"}, out  # posix_ipc's name
+    assert out == {"connect": "BrokerUnavailable", "shm": "PermissionsError"}, (
+        out
+    )  # posix_ipc's name
 
 
 @needs_root
 def test_another_uid_under_a_tenant_policy(open_dir_daemon, tmp_path):
     cfg = tmp_path / "iso.toml"
     cfg.write_text('[isolation]\nmode = "tenant"\n[quotas]\n"*" = "64K"\n')
-    d = open_dir_daemon("--config", str(cfg), "--pool-size", "4M", "--page-size", "4K",
-                        "--group", str(NOBODY))  # fmt: skip
+    d = open_dir_daemon(
+        "--config", str(cfg), "--pool-size", "4M", "--page-size", "4K", "--group", str(NOBODY)
+    )
 
     me = user_name(NOBODY)
     with d.client() as root:
@@ -532,16 +562,26 @@ def test_a_tenants_stat_names_nothing_of_another_tenant_failed_pulls_included(br
         with pytest.raises(NotFound):
             await fleet._pull(address, namespace, "pin", [key], False)
 
-    asyncio.run(failing_pull("10.0.0.9:7000", secret_ns, f"{secret}-2",
-                             f"{secret_ns}/{secret}-2 is not published on this broker"))
+    asyncio.run(
+        failing_pull(
+            "10.0.0.9:7000",
+            secret_ns,
+            f"{secret}-2",
+            f"{secret_ns}/{secret}-2 is not published on this broker",
+        )
+    )
     seen_by_bob = b.handle(c, "stat", {})
     assert secret not in repr(seen_by_bob) and "ns-of-alice" not in repr(seen_by_bob)
     snap = Statistics.from_dict(seen_by_bob)
     assert snap.transfer.failures == 1 and snap.transfer.last_failure == ""
     assert Statistics.from_dict(b.handle(a, "stat", {})).transfer.last_failure == (
-        f"10.0.0.9:7000: {secret_ns}/{secret}-2 is not published on this broker")
-    asyncio.run(failing_pull("10.0.0.9:7000", str(BOB), "gone",
-                             f"{BOB}/gone is not published on this broker"))
+        f"10.0.0.9:7000: {secret_ns}/{secret}-2 is not published on this broker"
+    )
+    asyncio.run(
+        failing_pull(
+            "10.0.0.9:7000", str(BOB), "gone", f"{BOB}/gone is not published on this broker"
+        )
+    )
     assert "gone" in Statistics.from_dict(b.handle(c, "stat", {})).transfer.last_failure
     assert secret in Statistics.from_dict(b.handle(a, "stat", {})).transfer.last_failure
     root = connect(b, 0)

@@ -46,7 +46,7 @@ def build(path: str, name: str, steps: int = 400, seed: int = 7):
             continue
         off = r["buffers"]["x"][1]
         data = rng.integers(0, 256, n, dtype=np.uint8).tobytes()
-        mm[off:off + n] = data
+        mm[off : off + n] = data
         sums = {"x": encode(digest(data))} if step % 2 else None  # half without: no re-check
         b.handle(s, "seal", {"lease": r["lease"], "checksums": sums})
         truth[b.objects[("default", key)].serial] = digest(data)
@@ -66,7 +66,7 @@ def damage(data: bytes, rng) -> tuple[bytes, str]:
         buf[at] ^= 1 << int(rng.integers(0, 8))
         return bytes(buf), f"bit flipped at {at}"
     at = int(rng.integers(0, len(data) - 8))
-    buf[at:at + 8] = rng.integers(0, 256, 8, dtype=np.uint8).tobytes()
+    buf[at : at + 8] = rng.integers(0, 256, 8, dtype=np.uint8).tobytes()
     return bytes(buf), f"8 bytes overwritten at {at}"
 
 
@@ -92,8 +92,12 @@ def test_restarts_from_damaged_journals_never_serve_wrong_bytes(tmp_path):
                 refused.append(how)
                 continue
             b2 = Broker([HostPool.adopt(0, name, pool.size, PAGE)])
-            b2.restore(rec.objects.values(), [(p, s, n) for (p, s), n in rec.lent.items()],
-                       dropped=rec.dropped_serials, verify=rec.suspect)
+            b2.restore(
+                rec.objects.values(),
+                [(p, s, n) for (p, s), n in rec.lent.items()],
+                dropped=rec.dropped_serials,
+                verify=rec.suspect,
+            )
             kept_total += len(b2.objects)
             # A cut exactly at a record boundary leaves a journal that reads as intact (no
             # torn record, nothing suspect): what it says is trusted, a documented limit
@@ -101,7 +105,7 @@ def test_restarts_from_damaged_journals_never_serve_wrong_bytes(tmp_path):
             boundary_cut = how.startswith("truncated") and not rec.suspect
             for obj in b2.objects.values():
                 off, n = obj.buffers["x"]
-                if digest(mm[off:off + n]) != truth[obj.serial]:
+                if digest(mm[off : off + n]) != truth[obj.serial]:
                     (boundary_wrong if boundary_cut else wrong).append((how, obj.key))
             # every page is the allocator's once: the index is consistent
             used = sum(o.npages for o in b2.objects.values())
@@ -180,6 +184,7 @@ def test_a_damaged_journal_is_kept_aside_and_explained(socket_path):
 
 # -- records rewritten with a valid checksum (issue 38, items 11 and 12) ----------------------
 
+
 def _journal_of_two(path: str, name: str, first: str, second: str):
     """A journal of two live objects of 8 pages each, ``first`` sealed first, each filled
     with its own byte; returns the pool."""
@@ -194,9 +199,12 @@ def _journal_of_two(path: str, name: str, first: str, second: str):
     for key in (first, second):
         r = b.handle(s, "reserve", {"key": key, "buffers": {"x": 8 * PAGE}})
         off = r["buffers"]["x"][1]
-        mm[off:off + 8 * PAGE] = key.encode()[:1] * (8 * PAGE)
-        b.handle(s, "seal", {"lease": r["lease"],
-                             "checksums": {"x": encode(digest(mm[off:off + 8 * PAGE]))}})
+        mm[off : off + 8 * PAGE] = key.encode()[:1] * (8 * PAGE)
+        b.handle(
+            s,
+            "seal",
+            {"lease": r["lease"], "checksums": {"x": encode(digest(mm[off : off + 8 * PAGE]))}},
+        )
     b.journal.close()
     mm.close()
     return pool
@@ -232,8 +240,13 @@ def _restart(path: str, pool: HostPool) -> tuple[Broker, dict]:
     rec = Journal.load(path)
     b2 = Broker([HostPool.adopt(0, pool.name, pool.size, PAGE)])
     report: dict = {}
-    b2.restore(rec.objects.values(), [(p, s, n) for (p, s), n in rec.lent.items()],
-               report=report, dropped=rec.dropped_serials, verify=rec.suspect)
+    b2.restore(
+        rec.objects.values(),
+        [(p, s, n) for (p, s), n in rec.lent.items()],
+        report=report,
+        dropped=rec.dropped_serials,
+        verify=rec.suspect,
+    )
     return b2, {**rec.dropped, **report}
 
 
@@ -267,13 +280,19 @@ def test_a_seal_record_moved_onto_another_live_objects_pages_drops_both(tmp_path
 
         def onto_a(o):
             o.update(start=a["start"])
-            o["buffers"] = {n: [off + shift * PAGE, size] for n, (off, size) in o["buffers"].items()}
+            o["buffers"] = {
+                n: [off + shift * PAGE, size] for n, (off, size) in o["buffers"].items()
+            }
 
         _rewrite_seal(path, "b", onto_a)
         b2, why = _restart(path, pool)
         assert b2.objects == {}, {k: o.serial for k, o in b2.objects.items()}
-        assert sorted(why["its pages are another live object's, sealed with no unlink and no "
-                          "lending between them"]) == ["default/a", "default/b"]
+        assert sorted(
+            why[
+                "its pages are another live object's, sealed with no unlink and no "
+                "lending between them"
+            ]
+        ) == ["default/a", "default/b"]
     finally:
         pool.unlink()
 
@@ -308,21 +327,35 @@ def test_a_reused_page_after_a_lost_unlink_keeps_the_later_object(tmp_path):
         from kvbroker._server import journal as J
 
         frame_at = at - J._FRAME.size
-        open(path, "wb").write(data[:frame_at] + data[at + len(unlink):])  # the unlink lost
+        open(path, "wb").write(data[:frame_at] + data[at + len(unlink) :])  # the unlink lost
         b2, why = _restart(path, pool)
         assert list(b2.objects) == [("default", "new")], why
         assert why["its pages were reused by a later record (its unlink was lost)"] == [
-            "default/old"]
+            "default/old"
+        ]
     finally:
         pool.unlink()
 
 
 def _record(serial: int, key: str, start: int, npages: int) -> dict:
-    return {"serial": serial, "namespace": "default", "key": key, "pool": 0, "start": start,
-            "npages": npages, "nbytes": npages * PAGE, "consumers": 1, "created_at": 0.0,
-            "buffers": {"x": [start * PAGE, npages * PAGE]}, "meta": None,
-            "checksums": None, "parent": None, "parent_key": None, "tokens": None,
-            "tenants": None}
+    return {
+        "serial": serial,
+        "namespace": "default",
+        "key": key,
+        "pool": 0,
+        "start": start,
+        "npages": npages,
+        "nbytes": npages * PAGE,
+        "consumers": 1,
+        "created_at": 0.0,
+        "buffers": {"x": [start * PAGE, npages * PAGE]},
+        "meta": None,
+        "checksums": None,
+        "parent": None,
+        "parent_key": None,
+        "tokens": None,
+        "tenants": None,
+    }
 
 
 @pytest.mark.parametrize("later_start", [0, 6, 3])

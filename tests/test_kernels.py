@@ -24,10 +24,15 @@ CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 _TRITON_ON_CPU = _kernels.triton_available() and os.environ.get("TRITON_INTERPRET") == "1"
 BACKENDS = [
     "torch",
-    pytest.param("triton", marks=pytest.mark.skipif(
-        not _TRITON_ON_CPU,
-        reason="Triton is not installed" if not _kernels.triton_available()
-        else "CPU tensors need TRITON_INTERPRET=1 for Triton (CUDA hosts test it on the GPU)")),
+    pytest.param(
+        "triton",
+        marks=pytest.mark.skipif(
+            not _TRITON_ON_CPU,
+            reason="Triton is not installed"
+            if not _kernels.triton_available()
+            else "CPU tensors need TRITON_INTERPRET=1 for Triton (CUDA hosts test it on the GPU)",
+        ),
+    ),
 ]
 
 # (layers, kv, blocks, page, heads, head_dim, dtype, tokens, head_start, nheads)
@@ -59,13 +64,16 @@ def _ref_gather(cache, table, tokens, h0, nh):
     out = torch.empty((L, C, nh, tokens, D), dtype=cache.dtype)
     for t in range(tokens):
         b, s = int(table[t // page]), t % page
-        out[:, :, :, t] = cache[:, :, b, s, h0:h0 + nh].cpu()
+        out[:, :, :, t] = cache[:, :, b, s, h0 : h0 + nh].cpu()
     return out
 
 
 def _bits(x):
-    return x.cpu().view(torch.uint8) if x.element_size() == 1 else x.cpu().view(
-        {2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()])
+    return (
+        x.cpu().view(torch.uint8)
+        if x.element_size() == 1
+        else x.cpu().view({2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()])
+    )
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -94,7 +102,7 @@ def test_scatter_writes_only_its_heads_and_blocks(backend, shape):
     table = _table(B, T, P, gen)
     expect = cache.clone()
     for t in range(T):
-        expect[:, :, int(table[t // P]), t % P, h0:h0 + nh] = staging[:, :, :, t]
+        expect[:, :, int(table[t // P]), t % P, h0 : h0 + nh] = staging[:, :, :, t]
     _kernels.scatter(staging, cache, table, T, head_start=h0, backend=backend)
     assert torch.equal(_bits(cache), _bits(expect))
 
@@ -125,8 +133,9 @@ def test_bad_shapes_fail_clearly():
     cache = torch.zeros((2, 2, 4, 4, 4, 8), dtype=torch.float16)
     table = torch.arange(4, dtype=torch.int32)
     with pytest.raises(KVBrokerError, match="heads"):
-        _kernels.gather(cache, table, 8, torch.zeros((2, 2, 2, 8, 8), dtype=torch.float16),
-                        head_start=3)  # fmt: skip
+        _kernels.gather(
+            cache, table, 8, torch.zeros((2, 2, 2, 8, 8), dtype=torch.float16), head_start=3
+        )
     with pytest.raises(KVBrokerError, match="dtype"):
         _kernels.gather(cache, table, 8, torch.zeros((2, 2, 2, 8, 8), dtype=torch.bfloat16))
     with pytest.raises(KVBrokerError, match="block ids"):
@@ -149,8 +158,9 @@ def test_cuda_kernels_match_reference(shape):
     cache = _random((L, C, B, P, H, D), dtype, gen, "cuda")
     table = _table(B, T, P, gen).cuda()
     staging = torch.zeros((L, C, nh, T, D), dtype=dtype, device="cuda")
-    assert _kernels.select_backend(cache, staging) == ("triton" if _kernels.triton_available()
-                                                       else "torch")  # fmt: skip
+    assert _kernels.select_backend(cache, staging) == (
+        "triton" if _kernels.triton_available() else "torch"
+    )
     _kernels.gather(cache, table, T, staging, head_start=h0)
     assert torch.equal(_bits(staging), _bits(_ref_gather(cache.cpu(), table.cpu(), T, h0, nh)))
     dst = torch.zeros_like(cache)

@@ -45,7 +45,9 @@ def _engine_cache(axes, blocks=5, slots=4, heads=6, dim=3):
     head_len=st.integers(1, 6),
     block=st.integers(0, 4),
 )
-def test_narrowed_head_range_addresses_exactly_the_sliced_elements(axes, head_start, head_len, block):
+def test_narrowed_head_range_addresses_exactly_the_sliced_elements(
+    axes, head_start, head_len, block
+):
     head_len = min(head_len, 6 - head_start)
     cache = _engine_cache(axes)
     layout = Layout.from_tensor(cache, axes, iterated=[a for a in axes if a != "head_dim"])
@@ -70,8 +72,9 @@ def test_storage_layout_any_head_range_is_one_run_per_layer_and_kv():
 def test_leaf_must_be_c_contiguous_and_narrow_rechecks():
     with pytest.raises(BadRequest, match="C-contiguous"):
         Layout("float16", (4, 8), (1, 4), ("token", "head_dim"))
-    lay = Layout.contiguous("float16", (4, 6, 8), ("token", "head", "head_dim"),
-                            iterated=("token",))  # fmt: skip
+    lay = Layout.contiguous(
+        "float16", (4, 6, 8), ("token", "head", "head_dim"), iterated=("token",)
+    )
     lay.narrow("head", 1, 2)  # an outer leaf axis may be narrowed
     with pytest.raises(BadRequest, match="head_dim"):
         lay.narrow("head_dim", 0, 4)
@@ -80,8 +83,13 @@ def test_leaf_must_be_c_contiguous_and_narrow_rechecks():
 
 
 def test_select_and_narrow_move_the_offset():
-    lay = Layout.contiguous("float32", (2, 3, 4), ("layer", "head", "head_dim"),
-                            iterated=("layer", "head"), sharded="head")  # fmt: skip
+    lay = Layout.contiguous(
+        "float32",
+        (2, 3, 4),
+        ("layer", "head", "head_dim"),
+        iterated=("layer", "head"),
+        sharded="head",
+    )
     sel = lay.select("layer", 1)
     assert sel.offset == 12 and sel.axes == ("head", "head_dim") and sel.iterated == ("head",)
     assert sel.narrow("head", 2, 1).descriptors(base=100) == [(100 + (12 + 8) * 4, 16)]

@@ -18,8 +18,11 @@ def raw_connect(path, rcvbuf=None):
     if rcvbuf:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
     s.connect(path)
-    s.sendall(msgpack.packb({"id": 1, "op": "hello", "args": {"version": PROTOCOL_VERSION,
-                                                              "name": "stuck"}}))  # fmt: skip
+    s.sendall(
+        msgpack.packb(
+            {"id": 1, "op": "hello", "args": {"version": PROTOCOL_VERSION, "name": "stuck"}}
+        )
+    )
     unpacker = msgpack.Unpacker(raw=False)
     while True:
         unpacker.feed(s.recv(65536))
@@ -42,8 +45,9 @@ def sessions(c):
 
 
 def test_pipelining_client_that_never_reads_is_cut_off(make_daemon):
-    d = make_daemon("--pool-size", "8M", "--page-size", "4K",
-                    env={"KVBROKER_MAX_WRITE_BUFFER": "64K"})  # fmt: skip
+    d = make_daemon(
+        "--pool-size", "8M", "--page-size", "4K", env={"KVBROKER_MAX_WRITE_BUFFER": "64K"}
+    )
     with d.client() as other:
         other.put("k", {"a": b"x" * 1000})
         stuck, sid = raw_connect(d.socket_path, rcvbuf=4096)
@@ -80,8 +84,9 @@ def test_pipelining_client_that_never_reads_is_cut_off(make_daemon):
 
 
 def test_watch_subscriber_that_stops_reading_is_cut_off(make_daemon):
-    d = make_daemon("--pool-size", "8M", "--page-size", "4K",
-                    env={"KVBROKER_MAX_WRITE_BUFFER": "64K"})  # fmt: skip
+    d = make_daemon(
+        "--pool-size", "8M", "--page-size", "4K", env={"KVBROKER_MAX_WRITE_BUFFER": "64K"}
+    )
     with d.client() as other:
         for i in range(64):  # big snapshots: 64 transfers, 200 leases listed in each
             other.put(f"k{i}", {"a": b"x"})
@@ -97,8 +102,9 @@ def test_watch_subscriber_that_stops_reading_is_cut_off(make_daemon):
 
 
 def test_a_slow_but_reading_watcher_is_kept(make_daemon):
-    d = make_daemon("--pool-size", "8M", "--page-size", "4K",
-                    env={"KVBROKER_MAX_WRITE_BUFFER": "64K"})  # fmt: skip
+    d = make_daemon(
+        "--pool-size", "8M", "--page-size", "4K", env={"KVBROKER_MAX_WRITE_BUFFER": "64K"}
+    )
     with d.client() as watcher, d.client() as other:
         stream = watcher.watch(0.05)
         for _ in range(10):
@@ -108,8 +114,9 @@ def test_a_slow_but_reading_watcher_is_kept(make_daemon):
 
 
 def test_lease_limit_per_client(make_daemon):
-    d = make_daemon("--pool-size", "8M", "--page-size", "4K",
-                    env={"KVBROKER_MAX_LEASES_PER_CLIENT": "3"})  # fmt: skip
+    d = make_daemon(
+        "--pool-size", "8M", "--page-size", "4K", env={"KVBROKER_MAX_LEASES_PER_CLIENT": "3"}
+    )
     with d.client() as c, d.client() as other:
         c.put("k", {"a": b"x"})
         leases = [c.claim("k") for _ in range(3)]
@@ -131,8 +138,9 @@ def test_lease_limit_per_uid_across_connections(make_daemon):
     """One uid's connections together hold at most max_leases_per_uid leases (each
     connection under its own max_leases_per_client): the next read or write lease of any of
     them is refused until one ends, released or with its connection."""
-    d = make_daemon("--pool-size", "8M", "--page-size", "4K",
-                    env={"KVBROKER_MAX_LEASES_PER_UID": "5"})  # fmt: skip
+    d = make_daemon(
+        "--pool-size", "8M", "--page-size", "4K", env={"KVBROKER_MAX_LEASES_PER_UID": "5"}
+    )
     with d.client() as a, d.client() as b, d.client() as c:
         a.put("k", {"a": b"x"})
         mine = [a.claim("k"), a.claim("k"), c.claim("k")]
@@ -160,8 +168,7 @@ def test_lease_limit_per_uid_across_connections(make_daemon):
 
 
 def test_connection_limit(make_daemon):
-    d = make_daemon("--pool-size", "8M", "--page-size", "4K",
-                    env={"KVBROKER_MAX_CONNECTIONS": "2"})  # fmt: skip
+    d = make_daemon("--pool-size", "8M", "--page-size", "4K", env={"KVBROKER_MAX_CONNECTIONS": "2"})
     a = b = None
     try:
         # The readiness probe's connection may still be closing: retry until two are ours.
@@ -187,8 +194,7 @@ def test_refused_connection_says_why_even_when_hello_goes_out_late(make_daemon, 
 
     from kvbroker._client import transport as _transport
 
-    d = make_daemon("--pool-size", "8M", "--page-size", "4K",
-                    env={"KVBROKER_MAX_CONNECTIONS": "1"})  # fmt: skip
+    d = make_daemon("--pool-size", "8M", "--page-size", "4K", env={"KVBROKER_MAX_CONNECTIONS": "1"})
     real_send = _transport.UnixTransport.send
 
     def send_after_the_refusal(self, data):

@@ -39,8 +39,9 @@ def _value(samples, name, **labels) -> float:
 
 
 def test_metrics_scraped_over_loopback(make_daemon):
-    d = make_daemon("--pool-size", "16M", "--page-size", "4K", "--pools", "2",
-                    "--metrics", ":0")  # a bare port: loopback, any free port for the test
+    d = make_daemon(
+        "--pool-size", "16M", "--page-size", "4K", "--pools", "2", "--metrics", ":0"
+    )  # a bare port: loopback, any free port for the test
     url = _metrics_url(d)
     assert url.startswith("http://127.0.0.1:")
     with d.client(arena_size=0) as c:  # no write arena: the pool holds the object alone
@@ -55,7 +56,8 @@ def test_metrics_scraped_over_loopback(make_daemon):
     assert _value(s, "kvbroker_leases", kind="read") == 1
     assert _value(s, "kvbroker_pool_capacity_bytes", pool="1") == 16 << 20
     used = _value(s, "kvbroker_pool_used_bytes", pool="0") + _value(
-        s, "kvbroker_pool_used_bytes", pool="1")
+        s, "kvbroker_pool_used_bytes", pool="1"
+    )
     assert used == 12288  # 10000 bytes in 4 KiB pages
     assert _value(s, "kvbroker_pool_high_watermark_ratio", pool="0") == 0.95
     assert _value(s, "kvbroker_read_replicas") == 0  # (tests/conftest.py: none by default)

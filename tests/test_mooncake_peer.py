@@ -139,9 +139,23 @@ def fake_mooncake(tmp_path, monkeypatch):
 
 def run_driver(tmp_path, *args):
     out = tmp_path / "peer.json"
-    p = subprocess.run([sys.executable, str(DRIVER), "--json-out", str(out), "--workdir",
-                        str(tmp_path / "run"), "--segment", str(1 << 20), *args],
-                       capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
+    p = subprocess.run(
+        [
+            sys.executable,
+            str(DRIVER),
+            "--json-out",
+            str(out),
+            "--workdir",
+            str(tmp_path / "run"),
+            "--segment",
+            str(1 << 20),
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     results = json.loads(out.read_text()) if out.exists() else None
     return p, results
 
@@ -155,8 +169,9 @@ def alive(pid: int) -> bool:
 
 
 def test_driver_speaks_the_peer_protocol(fake_mooncake, tmp_path):
-    p, results = run_driver(tmp_path, "--modes", "dummy,embedded,tcp",
-                            "--sizes", "4096,65536", "--ops", "5")  # fmt: skip
+    p, results = run_driver(
+        tmp_path, "--modes", "dummy,embedded,tcp", "--sizes", "4096,65536", "--ops", "5"
+    )
     assert p.returncode == 0, p.stdout + p.stderr
     assert [r["mode"] for r in results] == ["dummy", "embedded", "tcp"]
     for r in results:
@@ -175,8 +190,12 @@ def test_driver_speaks_the_peer_protocol(fake_mooncake, tmp_path):
     # all stopped (by process id) when the driver is done
     lines = {int(f.name): f.read_text() for f in fake_mooncake.iterdir()}
     assert sorted(line.split()[0].rsplit("/", 1)[1] for line in lines.values()) == [
-        "mooncake_client", "mooncake_client", "mooncake_master", "mooncake_master",
-        "mooncake_master"]  # fmt: skip
+        "mooncake_client",
+        "mooncake_client",
+        "mooncake_master",
+        "mooncake_master",
+        "mooncake_master",
+    ]
     assert not [pid for pid in lines if alive(pid)]
     assert "dummy" in p.stdout and "put+get ms" in p.stdout  # the table
 
@@ -217,19 +236,38 @@ def test_library_env_puts_the_unpacked_debs_first(tmp_path, monkeypatch):
     monkeypatch.setenv("LD_LIBRARY_PATH", "/opt/x")
     env = mod.library_env([str(tmp_path / "root")])
     assert env["LD_LIBRARY_PATH"].split(":") == [
-        str(tmp_path / "root/usr/lib/x86_64-linux-gnu"), str(tmp_path / "root/usr/lib"),
-        str(tmp_path / "root/lib/x86_64-linux-gnu"), str(tmp_path / "root/lib"), "/opt/x"]  # fmt: skip
+        str(tmp_path / "root/usr/lib/x86_64-linux-gnu"),
+        str(tmp_path / "root/usr/lib"),
+        str(tmp_path / "root/lib/x86_64-linux-gnu"),
+        str(tmp_path / "root/lib"),
+        "/opt/x",
+    ]
 
 
-def test_bench_peer_finds_the_driver_of_the_source_tree(fake_mooncake, daemon, tmp_path,
-                                                        monkeypatch):  # fmt: skip
+def test_bench_peer_finds_the_driver_of_the_source_tree(
+    fake_mooncake, daemon, tmp_path, monkeypatch
+):
     monkeypatch.delenv("KVBROKER_PEER_SCRIPT", raising=False)
     peer = _bench.scenario("peer")
     assert peer.default_peer_script() == str(DRIVER)
     out = tmp_path / "peer.json"
-    res = CliRunner().invoke(app, ["bench", "peer", "--mooncake-python", sys.executable,
-                                   "--socket", daemon.socket_path, "--sizes", "16K,64K",
-                                   "--ops", "3", "--json-out", str(out)])  # fmt: skip
+    res = CliRunner().invoke(
+        app,
+        [
+            "bench",
+            "peer",
+            "--mooncake-python",
+            sys.executable,
+            "--socket",
+            daemon.socket_path,
+            "--sizes",
+            "16K,64K",
+            "--ops",
+            "3",
+            "--json-out",
+            str(out),
+        ],
+    )
     assert res.exit_code == 0, res.output
     data = json.loads(out.read_text())
     assert data["params"]["peer_script"] == str(DRIVER)

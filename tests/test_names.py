@@ -30,9 +30,17 @@ def test_invalid_infixes_are_refused_clearly(infix):
 
 
 @pytest.mark.parametrize(
-    "name", ["past_key.0_", "past_key.1_a_b", "past_value.2_x.y", "past_key.x", "past_key.01",
-             "past_value.3_has space", "past_latent."],
-)  # fmt: skip
+    "name",
+    [
+        "past_key.0_",
+        "past_key.1_a_b",
+        "past_value.2_x.y",
+        "past_key.x",
+        "past_key.01",
+        "past_value.3_has space",
+        "past_latent.",
+    ],
+)
 def test_malformed_kv_names_are_refused(name):
     with pytest.raises(BadRequest, match="KV buffer"):
         check_buffer_name(name)
@@ -59,8 +67,11 @@ def test_daemon_refuses_a_bad_infix_at_reserve(client):
 
 
 def test_claim_by_kv_regex_leaves_other_buffers_alone(client):
-    kv = {kv_buffer_name(k, i, "P1"): np.full(16, i, np.int16) for i in range(3)
-          for k in ("key", "value")}  # fmt: skip
+    kv = {
+        kv_buffer_name(k, i, "P1"): np.full(16, i, np.int16)
+        for i in range(3)
+        for k in ("key", "value")
+    }
     other = {"vision_embeds": np.arange(32, dtype=np.float32), "past_key.0": b"unrelated"}
     assert client.put("req", {**kv, **other})
     with client.claim("req", select=kv_select_regex("P1")) as lease:

@@ -84,13 +84,21 @@ def test_a_draining_daemon_hands_out_no_lease():
             assert arg in op.args, (name, arg)
     assert REFUSED_WHILE_DRAINING == {n for n, op in OPS.items() if op.draining.refuse}
     assert not OPS["hello"].needs_hello and all(
-        op.needs_hello for n, op in OPS.items() if n != "hello")  # fmt: skip
+        op.needs_hello for n, op in OPS.items() if n != "hello"
+    )
 
 
 @pytest.fixture
 def ring_daemon(make_daemon):
-    return make_daemon("--pool-size", "16M", "--page-size", "4K", "--gpu-ring", "1M",
-                       env={"KVBROKER_FAKE_GPUS": "1"})  # fmt: skip
+    return make_daemon(
+        "--pool-size",
+        "16M",
+        "--page-size",
+        "4K",
+        "--gpu-ring",
+        "1M",
+        env={"KVBROKER_FAKE_GPUS": "1"},
+    )
 
 
 def test_every_reply_is_its_declared_type(ring_daemon):
@@ -124,17 +132,31 @@ def test_every_reply_is_its_declared_type(ring_daemon):
         assert call("list", after=page["next"])["next"] is None
         described = call("lookup", key="b")
         assert described["buffer_sizes"] == {"kv": 100} and described["consumers"] == 1
-        blocks = call("reserve_blocks", namespace="p", blocks=[
-            {"key": "p0", "parent": None, "buffers": {"kv": 64}},
-            {"key": "p1", "parent": "p0", "buffers": {"kv": 64}, "meta": {"n": 1}},
-        ])["results"]  # fmt: skip
+        blocks = call(
+            "reserve_blocks",
+            namespace="p",
+            blocks=[
+                {"key": "p0", "parent": None, "buffers": {"kv": 64}},
+                {"key": "p1", "parent": "p0", "buffers": {"kv": 64}, "meta": {"n": 1}},
+            ],
+        )["results"]
         call("seal_many", leases=[r["lease"] for r in blocks])
-        assert call("reserve_blocks", namespace="p", blocks=[
-            {"key": "p0", "buffers": {"kv": 64}}])["results"] == [{"exists": True}]  # fmt: skip
+        assert call("reserve_blocks", namespace="p", blocks=[{"key": "p0", "buffers": {"kv": 64}}])[
+            "results"
+        ] == [{"exists": True}]
         # Buffers and meta once for the batch, compact reply: a packed row per reserved block.
-        compact = call("reserve_blocks", namespace="p", blocks=[
-            {"key": "p0"}, {"key": "q1", "parent": "p0"}, {"key": "q2", "meta": {"own": 1}}],
-            buffers={"k": 32, "v": 32}, meta={"n": 2}, compact=True)  # fmt: skip
+        compact = call(
+            "reserve_blocks",
+            namespace="p",
+            blocks=[
+                {"key": "p0"},
+                {"key": "q1", "parent": "p0"},
+                {"key": "q2", "meta": {"own": 1}},
+            ],
+            buffers={"k": 32, "v": 32},
+            meta={"n": 2},
+            compact=True,
+        )
         assert compact["results"] == [] and compact["names"] == ["k", "v"]
         assert compact["leases"][0] is None and all(compact["leases"][1:])
         rows = struct.unpack(f"<{len(compact['packed']) // 8}q", compact["packed"])
@@ -153,8 +175,13 @@ def test_every_reply_is_its_declared_type(ring_daemon):
         varied = call("match_prefix", namespace="p", keys=["p1", "p2"])
         assert "packed" not in varied and len(varied["blocks"]) == 2
         call("release_many", leases=[varied["lease"]])
-        kept = call("match_prefix", namespace="p", keys=["p0"], hold=False,
-                    retain={"session": "conv", "for": 60, "priority": 1})  # fmt: skip
+        kept = call(
+            "match_prefix",
+            namespace="p",
+            keys=["p0"],
+            hold=False,
+            retain={"session": "conv", "for": 60, "priority": 1},
+        )
         assert kept["matched"] == 1
         listed = call("sessions", namespace="p")
         assert [x["name"] for x in listed["sessions"]] == ["conv"]
@@ -166,15 +193,16 @@ def test_every_reply_is_its_declared_type(ring_daemon):
         ring = call("ring_reserve", device=0, nbytes=1000, key="r", meta={"x": 1})
         call("ring_seal", lease=ring["lease"])
         assert call("ring_lookup", keys=["r", "none"])["objects"] == [
-            {"device": 0, "nbytes": 1000, "meta": {"x": 1}}, None]  # fmt: skip
+            {"device": 0, "nbytes": 1000, "meta": {"x": 1}},
+            None,
+        ]
         got = call("ring_claim", key="r")
         call("ring_release", lease=got["lease"])
         scratch = call("ring_reserve", device=0, nbytes=10)
         call("ring_release", lease=scratch["lease"])
         # an object already here is never pulled: no peer is contacted
         assert call("fetch", key="a", peer="127.0.0.1:9")["fetched"] is False
-        assert call("report", counters={"loaded_tokens": 32, "saved_tokens": 0}) == {
-            "counters": 2}  # fmt: skip
+        assert call("report", counters={"loaded_tokens": 32, "saved_tokens": 0}) == {"counters": 2}
         reported = [c for c in call("stat")["clients"] if c["reported"]]
         assert reported[0]["reported"] == {"loaded_tokens": 32, "saved_tokens": 0}
         for bad in ({"x": -1}, {"x": True}, {"": 1}, {f"c{i}": 1 for i in range(33)}):
@@ -207,18 +235,27 @@ class _Args(dict):
 
 
 _VALUES = st.one_of(
-    st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=False),
-    st.text(max_size=8), st.binary(max_size=8), st.lists(st.integers(), max_size=3),
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
+    st.floats(allow_nan=False),
+    st.text(max_size=8),
+    st.binary(max_size=8),
+    st.lists(st.integers(), max_size=3),
     st.dictionaries(st.text(max_size=4), st.integers(), max_size=3),
-)  # fmt: skip
+)
 
 
 _OF_CLASS = {
-    type(None): st.none(), bool: st.booleans(), int: st.integers(-(2**70), 2**70),
-    float: st.floats(allow_nan=False), str: st.text(max_size=8), bytes: st.binary(max_size=8),
+    type(None): st.none(),
+    bool: st.booleans(),
+    int: st.integers(-(2**70), 2**70),
+    float: st.floats(allow_nan=False),
+    str: st.text(max_size=8),
+    bytes: st.binary(max_size=8),
     list: st.lists(st.integers(), max_size=3),
     dict: st.dictionaries(st.text(max_size=4), st.integers(), max_size=3),
-}  # fmt: skip
+}
 
 
 @st.composite
@@ -230,8 +267,7 @@ def _requests(draw):
     for a, arg in OPS[name].args.items():
         if draw(st.integers(0, 19)):  # mostly there, mostly of a class the row accepts
             fitting = [_OF_CLASS[t] for t in arg.types if t in _OF_CLASS]
-            args[a] = draw(st.one_of(*fitting) if fitting and draw(st.integers(0, 5))
-                           else _VALUES)  # fmt: skip
+            args[a] = draw(st.one_of(*fitting) if fitting and draw(st.integers(0, 5)) else _VALUES)
     if draw(st.booleans()):
         args[draw(st.text(min_size=1, max_size=6))] = draw(_VALUES)
     return name, args
@@ -254,8 +290,15 @@ def test_validate_args_answers_as_the_table_says_whichever_way_it_checks(request
 
 
 def test_validate_args_takes_the_fast_path_for_what_clients_send():
-    raw = {"namespace": "default", "key": "k", "select": None, "consume": True, "wait": None,
-           "ttl": None, "peer": None}  # fmt: skip
+    raw = {
+        "namespace": "default",
+        "key": "k",
+        "select": None,
+        "consume": True,
+        "wait": None,
+        "ttl": None,
+        "peer": None,
+    }
     assert validate_args("claim", raw, _LIMITS) is raw
     # a bool where a count is meant is refused, whichever way
     with pytest.raises(errors.BadRequest, match="lease must be int"):

@@ -7,9 +7,16 @@ from kvbroker._wire.paths import default_socket_path, format_size, parse_duratio
 
 @pytest.mark.parametrize(
     "text,expected",
-    [("4096", 4096), ("4k", 4096), ("1G", 1 << 30), ("512MiB", 512 << 20), ("1GB", 10**9),
-     ("1.5g", 3 << 29), (7, 7)],
-)  # fmt: skip
+    [
+        ("4096", 4096),
+        ("4k", 4096),
+        ("1G", 1 << 30),
+        ("512MiB", 512 << 20),
+        ("1GB", 10**9),
+        ("1.5g", 3 << 29),
+        (7, 7),
+    ],
+)
 def test_parse_size(text, expected):
     assert parse_size(text) == expected
 
@@ -21,9 +28,9 @@ def test_parse_size_rejects(text):
 
 
 @pytest.mark.parametrize(
-    "text,expected", [("30s", 30), ("5m", 300), ("1h30m", 5400), ("2d", 172800), ("0.5", 0.5),
-                      ("250ms", 0.25)],
-)  # fmt: skip
+    "text,expected",
+    [("30s", 30), ("5m", 300), ("1h30m", 5400), ("2d", 172800), ("0.5", 0.5), ("250ms", 0.25)],
+)
 def test_parse_duration(text, expected):
     assert parse_duration(text) == pytest.approx(expected)
 
@@ -41,7 +48,10 @@ def test_default_socket_path(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
     assert default_socket_path() == str(tmp_path / "kvbroker.sock")
     monkeypatch.delenv("XDG_RUNTIME_DIR")
-    assert default_socket_path() in ("/run/kvbroker/kvbroker.sock", f"/tmp/kvbroker-{os.geteuid()}.sock")
+    assert default_socket_path() in (
+        "/run/kvbroker/kvbroker.sock",
+        f"/tmp/kvbroker-{os.geteuid()}.sock",
+    )
 
 
 def test_format_size():

@@ -89,12 +89,21 @@ def test_sglang_table_ratios_come_from_the_rounds(tmp_path, monkeypatch):
     machine = json.loads((ROOT / "benchmarks/results/bench-rpc-cpu.json").read_text())["machine"]
     seconds = {"memcpy_out": [1.0, 2.0, 4.0], "kvbroker_set": [2.0, 2.5, 4.4]}
     result = {
-        "benchmark": "sglang_storage", "commit": "abc1234", "command": "bench_sglang_storage.py",
-        "machine": machine, "tokens": 16384, "page_size": 64, "layout": "page_first",
-        "pages": 256, "bytes": 2 << 30, "rounds": 3, "bit_exact": True, "seconds": seconds,
+        "benchmark": "sglang_storage",
+        "commit": "abc1234",
+        "command": "bench_sglang_storage.py",
+        "machine": machine,
+        "tokens": 16384,
+        "page_size": 64,
+        "layout": "page_first",
+        "pages": 256,
+        "bytes": 2 << 30,
+        "rounds": 3,
+        "bit_exact": True,
+        "seconds": seconds,
         "median_GBps": {"memcpy_out": 1.07, "kvbroker_set": 0.86},
         "ratios": {"kvbroker_set / memcpy_out": [2.0, 1.25, 1.1]},
-    }  # fmt: skip
+    }
     (tmp_path / "sglang-storage-cpu.json").write_text(json.dumps(result))
     text = doc.markdown()
     assert "Commit `abc1234`" in text and "kvbroker's get bit-exact: yes" in text
@@ -108,7 +117,10 @@ def _cells(text: str, heading: str) -> list[dict[str, str]]:
     body = text.split(heading, 1)[1].split("\n### ", 1)[0]
     lines = [ln for ln in body.split("\n\n| ", 1)[1].split("\n\n", 1)[0].splitlines()]
     header = [h.strip() for h in lines[0].strip("| ").split("|")]
-    return [dict(zip(header, (c.strip() for c in ln.strip("|").split("|")), strict=True)) for ln in lines[2:]]
+    return [
+        dict(zip(header, (c.strip() for c in ln.strip("|").split("|")), strict=True))
+        for ln in lines[2:]
+    ]
 
 
 def _agrees(shown: str, num: str, den: str, factor: float = 1.0) -> bool:
@@ -127,19 +139,44 @@ def test_peer_ratios_are_quotients_of_the_times_beside_them(tmp_path, monkeypatc
     doc = _load("performance_doc")
     monkeypatch.setattr(doc, "RESULTS", tmp_path)
     machine = json.loads((ROOT / "benchmarks/results/bench-rpc-cpu.json").read_text())["machine"]
-    row = {"size": 256 << 10, "rounds": 3, "kvb_put_ms": 0.242, "kvb_get_ms": 0.128,
-           "kvb_roundtrip_ms": 0.370, "memcpy_gbps": 23.0, "kvb_vs_memcpy": 0.06,
-           "copy_threads": 1, "split_memcpy2_ms": 0.038, "kvb_vs_split_memcpy": 0.09,
-           "dummy_put_ms": 0.500, "dummy_get_ms": 0.618, "dummy_roundtrip_ms": 1.114,
-           "speedup_vs_dummy": 3.55, "time_vs_dummy": 0.28,
-           "speedup_vs_dummy_range": [2.15, 3.70]}  # fmt: skip
-    result = {"scenario": "peer", "commit": "abc1234", "command": "kvbroker bench peer",
-              "machine": machine, "params": {"modes": ["dummy"], "rounds": 3}, "rows": [row],
-              "columns": {"rows": [["size", "size", "size"],
-                                   ["speedup_vs_dummy", "x dummy", "ratio"]]},
-              "targets": [{"name": "256 KiB put+get time vs Mooncake dummy", "measured": 0.28,
-                           "goal": 1 / 3, "op": "<=", "unit": "x", "met": True}],
-              "notes": []}  # fmt: skip
+    row = {
+        "size": 256 << 10,
+        "rounds": 3,
+        "kvb_put_ms": 0.242,
+        "kvb_get_ms": 0.128,
+        "kvb_roundtrip_ms": 0.370,
+        "memcpy_gbps": 23.0,
+        "kvb_vs_memcpy": 0.06,
+        "copy_threads": 1,
+        "split_memcpy2_ms": 0.038,
+        "kvb_vs_split_memcpy": 0.09,
+        "dummy_put_ms": 0.500,
+        "dummy_get_ms": 0.618,
+        "dummy_roundtrip_ms": 1.114,
+        "speedup_vs_dummy": 3.55,
+        "time_vs_dummy": 0.28,
+        "speedup_vs_dummy_range": [2.15, 3.70],
+    }
+    result = {
+        "scenario": "peer",
+        "commit": "abc1234",
+        "command": "kvbroker bench peer",
+        "machine": machine,
+        "params": {"modes": ["dummy"], "rounds": 3},
+        "rows": [row],
+        "columns": {"rows": [["size", "size", "size"], ["speedup_vs_dummy", "x dummy", "ratio"]]},
+        "targets": [
+            {
+                "name": "256 KiB put+get time vs Mooncake dummy",
+                "measured": 0.28,
+                "goal": 1 / 3,
+                "op": "<=",
+                "unit": "x",
+                "met": True,
+            }
+        ],
+        "notes": [],
+    }
     (tmp_path / "bench-peer-cpu.json").write_text(json.dumps(result))
     text = doc.markdown()
     (r,) = _cells(text, "### `kvbroker bench peer`")

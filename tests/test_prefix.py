@@ -51,11 +51,18 @@ def test_hashes_chain_and_are_stable_across_processes():
     assert block_hashes(toks[:50], BLOCK, namespace="ns", cache_salt="s") == h[:3]
     assert block_hashes(toks, BLOCK, namespace="ns", cache_salt="t") != h
     assert block_hashes(toks, BLOCK, namespace="other", cache_salt="s") != h
-    code = ("from kvbroker.prefix import block_hashes; import sys;"
-            f"print(','.join(block_hashes({toks!r}, {BLOCK}, namespace='ns', cache_salt='s')))")
+    code = (
+        "from kvbroker.prefix import block_hashes; import sys;"
+        f"print(','.join(block_hashes({toks!r}, {BLOCK}, namespace='ns', cache_salt='s')))"
+    )
     for seed in ("1", "2"):
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                             env={**os.environ, "PYTHONHASHSEED": seed}, check=True)
+        out = subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PYTHONHASHSEED": seed},
+            check=True,
+        )
         assert out.stdout.strip().split(",") == h
 
 
@@ -108,9 +115,11 @@ def test_match_never_returns_the_whole_prompt(client):
 def test_salts_and_namespaces_isolate(client):
     toks = prompt(128, 4)
     PrefixCache(client, block_size=BLOCK, cache_salt="tenant-a").publish(toks, blocks_for(toks))
-    for pc in (PrefixCache(client, block_size=BLOCK, cache_salt="tenant-b"),
-               PrefixCache(client, block_size=BLOCK, cache_salt=""),
-               PrefixCache(client, block_size=BLOCK, cache_salt="tenant-a", namespace="x")):
+    for pc in (
+        PrefixCache(client, block_size=BLOCK, cache_salt="tenant-b"),
+        PrefixCache(client, block_size=BLOCK, cache_salt=""),
+        PrefixCache(client, block_size=BLOCK, cache_salt="tenant-a", namespace="x"),
+    ):
         with pc.match(toks + [0]) as m:
             assert m.num_tokens == 0
     with PrefixCache(client, block_size=BLOCK, cache_salt="tenant-a").match(toks + [0]) as m:
@@ -134,8 +143,16 @@ def test_publish_by_function_gathers_only_missing_blocks(client):
 
 def test_eviction_is_leaf_first_and_never_under_a_reader(make_daemon):
     # 12 pages of 4 KiB; every block object takes one page
-    d = make_daemon("--pool-size", "48K", "--page-size", "4K", "--high-watermark", "1.0",
-                    "--low-watermark", "1.0")
+    d = make_daemon(
+        "--pool-size",
+        "48K",
+        "--page-size",
+        "4K",
+        "--high-watermark",
+        "1.0",
+        "--low-watermark",
+        "1.0",
+    )
     with d.client() as c:
         pc = PrefixCache(c, block_size=BLOCK)
         chain = prompt(8 * BLOCK, 11)
@@ -195,7 +212,9 @@ def test_concurrent_matches_under_eviction_pressure(make_daemon):
         PrefixCache(c, block_size=BLOCK).publish(shared, blocks_for(shared))
     ctx = mp.get_context("spawn")
     errors = ctx.Queue()
-    procs = [ctx.Process(target=_matcher, args=(d.socket_path, shared, 200, errors)) for _ in range(2)]
+    procs = [
+        ctx.Process(target=_matcher, args=(d.socket_path, shared, 200, errors)) for _ in range(2)
+    ]
     procs.append(ctx.Process(target=_churner, args=(d.socket_path, 150, errors)))
     for p in procs:
         p.start()
@@ -219,8 +238,13 @@ _namespaces = itertools.count()
 
 @pytest.fixture(scope="module")
 def tp_daemon(tmp_path_factory):
-    d = DaemonProcess(str(tmp_path_factory.mktemp("pfxtp") / "kvb.sock"), "--pool-size", "64M",
-                      "--page-size", "4K")  # fmt: skip
+    d = DaemonProcess(
+        str(tmp_path_factory.mktemp("pfxtp") / "kvb.sock"),
+        "--pool-size",
+        "64M",
+        "--page-size",
+        "4K",
+    )
     yield d
     assert d.stop() == 0, d.log()
 
@@ -260,22 +284,50 @@ def publish_layout(client, full, tokens_ids, T, H, axes, ns, block=BLOCK, salt="
     new = []
     for r in range(T):
         cache, ids, _ = rank_cache(full, shard_heads(r, T, H), axes, block, rng)
-        pc = PrefixCache(client, namespace=ns, block_size=block, cache_salt=salt, tp_rank=r,
-                         tp_size=T, total_kv_heads=H)  # fmt: skip
+        pc = PrefixCache(
+            client,
+            namespace=ns,
+            block_size=block,
+            cache_salt=salt,
+            tp_rank=r,
+            tp_size=T,
+            total_kv_heads=H,
+        )
         new.append(pc.publish_kv(tokens_ids, cache, ids))
     return new
 
 
-def reuse(client, full, prompt_ids, T, H, axes, ns, *, block=BLOCK, peers=(), salt="",
-          source=None, per_buffer=False):  # fmt: skip
+def reuse(
+    client,
+    full,
+    prompt_ids,
+    T,
+    H,
+    axes,
+    ns,
+    *,
+    block=BLOCK,
+    peers=(),
+    salt="",
+    source=None,
+    per_buffer=False,
+):
     """Every TP rank of a DP rank matches and loads; returns [(match facts, rank bits ok)]."""
     rng = np.random.default_rng(100 + T)
     out = []
     for r in range(T):
         mine = shard_heads(r, T, H)
         cache, ids, bits = rank_cache(np.zeros_like(full), mine, axes, block, rng, fill=False)
-        pc = PrefixCache(client, namespace=ns, block_size=block, cache_salt=salt, tp_rank=r,
-                         tp_size=T, total_kv_heads=H, peer_tp_sizes=peers)  # fmt: skip
+        pc = PrefixCache(
+            client,
+            namespace=ns,
+            block_size=block,
+            cache_salt=salt,
+            tp_rank=r,
+            tp_size=T,
+            total_kv_heads=H,
+            peer_tp_sizes=peers,
+        )
         with pc.match_kv(prompt_ids, source_tp_size=source) as m:
             if per_buffer:  # as if the buffers were not back to back: one copy per buffer
                 m._starts = lambda *a, resolve=m._starts: (resolve(*a)[0], None)
@@ -304,8 +356,9 @@ def test_two_dp_ranks_with_tp2_reuse_shard_wise(tp_daemon):
         assert keys == {shard_block_key(h, r, T, H) for h in hashes for r in range(T)}
 
 
-@pytest.mark.parametrize("H,src,dst", [(8, 2, 1), (8, 1, 2), (8, 4, 2), (8, 2, 8), (4, 8, 2),
-                                       (2, 4, 1), (40, 8, 4)])  # fmt: skip
+@pytest.mark.parametrize(
+    "H,src,dst", [(8, 2, 1), (8, 1, 2), (8, 4, 2), (8, 2, 8), (4, 8, 2), (2, 4, 1), (40, 8, 4)]
+)
 def test_a_different_tp_layout_reuses_through_resharding(tp_daemon, H, src, dst):
     layers, dim, ns = 2, 8, f"tp{next(_namespaces)}"
     tokens = prompt(5 * BLOCK + 3, H * 100 + src * 10 + dst)
@@ -321,12 +374,21 @@ def test_a_different_tp_layout_reuses_through_resharding(tp_daemon, H, src, dst)
         assert len(ranks) == copies and set(ranks) <= set(want)
 
 
-@settings(max_examples=25, deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-@given(H=st.sampled_from([1, 2, 4, 8]), src=st.sampled_from([1, 2, 4, 8]),
-       dst=st.sampled_from([1, 2, 4, 8]), a=st.sampled_from(sorted(KV_LAYOUTS)),
-       b=st.sampled_from(sorted(KV_LAYOUTS)), block=st.sampled_from([1, 4, 16]),
-       n=st.integers(2, 40), seed=st.integers(0, 2**31))  # fmt: skip
+@settings(
+    max_examples=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(
+    H=st.sampled_from([1, 2, 4, 8]),
+    src=st.sampled_from([1, 2, 4, 8]),
+    dst=st.sampled_from([1, 2, 4, 8]),
+    a=st.sampled_from(sorted(KV_LAYOUTS)),
+    b=st.sampled_from(sorted(KV_LAYOUTS)),
+    block=st.sampled_from([1, 4, 16]),
+    n=st.integers(2, 40),
+    seed=st.integers(0, 2**31),
+)
 def test_resharded_prefix_is_bit_exact(tp_daemon, H, src, dst, a, b, block, n, seed):
     ns = f"tp{next(_namespaces)}"
     tokens = prompt(n, seed)
@@ -349,13 +411,24 @@ def test_shard_keys_never_collide_and_salts_isolate(tp_daemon):
         publish_layout(c, full, tokens, 2, H, KV_LAYOUTS["NHD"], ns, salt="tenant-a")
         for salt, other_ns in (("tenant-b", ns), ("", ns), ("tenant-a", ns + "x")):
             for T in (1, 2):
-                pc = PrefixCache(c, namespace=other_ns, block_size=BLOCK, cache_salt=salt,
-                                 tp_rank=0, tp_size=T, total_kv_heads=H,
-                                 peer_tp_sizes=(1, 2))  # fmt: skip
+                pc = PrefixCache(
+                    c,
+                    namespace=other_ns,
+                    block_size=BLOCK,
+                    cache_salt=salt,
+                    tp_rank=0,
+                    tp_size=T,
+                    total_kv_heads=H,
+                    peer_tp_sizes=(1, 2),
+                )
                 with pc.match_kv(tokens + [0]) as m:
                     assert m.num_tokens == 0
-        assert [g[0] for g in reuse(c, full, tokens + [0], 1, H, KV_LAYOUTS["NHD"], ns,
-                                    peers=(2,), salt="tenant-a")] == [4 * BLOCK]  # fmt: skip
+        assert [
+            g[0]
+            for g in reuse(
+                c, full, tokens + [0], 1, H, KV_LAYOUTS["NHD"], ns, peers=(2,), salt="tenant-a"
+            )
+        ] == [4 * BLOCK]
 
 
 def test_partial_availability_returns_the_common_length(tp_daemon):
@@ -374,16 +447,23 @@ def test_partial_availability_returns_the_common_length(tp_daemon):
         # rank loads the minimum in both.
         lengths = []
         for r in range(2):
-            pc = PrefixCache(c, namespace=ns, block_size=BLOCK, tp_rank=r, tp_size=2,
-                             total_kv_heads=H)  # fmt: skip
+            pc = PrefixCache(
+                c, namespace=ns, block_size=BLOCK, tp_rank=r, tp_size=2, total_kv_heads=H
+            )
             with pc.match_kv(tokens) as m:
                 lengths.append(m.num_blocks)
-                cache, ids, bits = rank_cache(np.zeros_like(full), shard_heads(r, 2, H),
-                                              KV_LAYOUTS["NHD"], BLOCK, np.random.default_rng(r),
-                                              fill=False)  # fmt: skip
+                cache, ids, bits = rank_cache(
+                    np.zeros_like(full),
+                    shard_heads(r, 2, H),
+                    KV_LAYOUTS["NHD"],
+                    BLOCK,
+                    np.random.default_rng(r),
+                    fill=False,
+                )
                 assert m.load(cache, ids, num_blocks=4) == 4 * 2  # blocks x layers
-                assert_loaded(full, shard_heads(r, 2, H), KV_LAYOUTS["NHD"], bits, ids, BLOCK,
-                              4 * BLOCK)  # fmt: skip
+                assert_loaded(
+                    full, shard_heads(r, 2, H), KV_LAYOUTS["NHD"], bits, ids, BLOCK, 4 * BLOCK
+                )
         assert lengths == [6, 4]
         # Rank 0's shard gone (a chain goes leaf first, so all of it): nothing is common,
         # even though rank 1 still holds 4 blocks.
@@ -401,12 +481,14 @@ def test_kv_match_errors_are_clear(tp_daemon):
         rng = np.random.default_rng(0)
         with pc.match_kv(tokens) as m:
             assert m.num_blocks == 3
-            wrong_dim, ids, _ = rank_cache(full_kv(0, 2, len(tokens), H, 4), range(H),
-                                           KV_LAYOUTS["NHD"], BLOCK, rng)  # fmt: skip
+            wrong_dim, ids, _ = rank_cache(
+                full_kv(0, 2, len(tokens), H, 4), range(H), KV_LAYOUTS["NHD"], BLOCK, rng
+            )
             with pytest.raises(LayoutMismatch, match="head_dim"):
                 m.load(wrong_dim, ids)
-            wrong_layers, ids, _ = rank_cache(full_kv(0, 3, len(tokens), H, 8), range(H),
-                                              KV_LAYOUTS["NHD"], BLOCK, rng)  # fmt: skip
+            wrong_layers, ids, _ = rank_cache(
+                full_kv(0, 3, len(tokens), H, 8), range(H), KV_LAYOUTS["NHD"], BLOCK, rng
+            )
             with pytest.raises(LayoutMismatch, match="layers"):
                 m.load(wrong_layers, ids)
             with pytest.raises(BadRequest, match="num_blocks"):
@@ -420,7 +502,8 @@ def test_kv_match_errors_are_clear(tp_daemon):
             PrefixCache(c, tp_rank=2, tp_size=2, total_kv_heads=H)
         with pytest.raises(LayoutMismatch, match="block size"):
             PrefixCache(c, namespace=ns, block_size=8, total_kv_heads=H).publish_kv(
-                tokens, good, ids)
+                tokens, good, ids
+            )
 
 
 @pytest.mark.parametrize("src,dst", [(1, 1), (2, 1), (1, 4)])
@@ -442,8 +525,7 @@ def test_whole_row_copies_are_exact(tp_daemon, src, per_buffer):
     full = full_kv(71, 2, len(tokens), H, 128)
     with tp_daemon.client() as c:
         publish_layout(c, full, tokens, src, H, KV_LAYOUTS["NHD"], ns)
-        got = reuse(c, full, tokens, 1, H, KV_LAYOUTS["NHD"], ns, source=src,
-                    per_buffer=per_buffer)  # fmt: skip
+        got = reuse(c, full, tokens, 1, H, KV_LAYOUTS["NHD"], ns, source=src, per_buffer=per_buffer)
     assert got == [(3 * BLOCK, src, list(range(src)))]
 
 
@@ -456,14 +538,16 @@ def _tp_rank_process(sock, ns, role, r, T, H, seed, queue):
         rng = np.random.default_rng(seed + 10 * r + (role == "reuse"))
         mine = shard_heads(r, T, H)
         with Client(sock, name=f"{role}{r}") as c:
-            pc = PrefixCache(c, namespace=ns, block_size=BLOCK, tp_rank=r, tp_size=T,
-                             total_kv_heads=H)  # fmt: skip
+            pc = PrefixCache(
+                c, namespace=ns, block_size=BLOCK, tp_rank=r, tp_size=T, total_kv_heads=H
+            )
             if role == "prefill":
                 cache, ids, _ = rank_cache(full, mine, KV_LAYOUTS["NHD"], BLOCK, rng)
                 queue.put((role, r, pc.publish_kv(tokens, cache, ids)))
                 return
-            cache, ids, bits = rank_cache(np.zeros_like(full), mine, KV_LAYOUTS["HND"], BLOCK,
-                                          rng, fill=False)  # fmt: skip
+            cache, ids, bits = rank_cache(
+                np.zeros_like(full), mine, KV_LAYOUTS["HND"], BLOCK, rng, fill=False
+            )
             with pc.match_kv(tokens[: 3 * BLOCK] + prompt(2 * BLOCK, seed + 1)) as m:
                 m.load(cache, ids)
                 assert_loaded(full, mine, KV_LAYOUTS["HND"], bits, ids, BLOCK, m.num_tokens)
@@ -477,9 +561,13 @@ def test_dp_rank_processes_with_tp2_reuse_shard_wise(tp_daemon):
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     for role in ("prefill", "reuse"):
-        procs = [ctx.Process(target=_tp_rank_process,
-                             args=(tp_daemon.socket_path, ns, role, r, T, H, seed, queue))
-                 for r in range(T)]  # fmt: skip
+        procs = [
+            ctx.Process(
+                target=_tp_rank_process,
+                args=(tp_daemon.socket_path, ns, role, r, T, H, seed, queue),
+            )
+            for r in range(T)
+        ]
         for p in procs:
             p.start()
         for p in procs:
@@ -498,10 +586,16 @@ def _decode_rank_over(c, seed, blocks, prefill_tp):
     H, ns = 4, f"tp{next(_namespaces)}"
     tokens = prompt(4 * BLOCK, seed)
     head = tokens[: blocks * BLOCK]
-    publish_layout(c, full_kv(seed, 1, len(head), H, 8), head, prefill_tp, H, KV_LAYOUTS["NHD"],
-                   ns)  # fmt: skip
-    return tokens, PrefixCache(c, namespace=ns, block_size=BLOCK, tp_rank=0, tp_size=1,
-                               total_kv_heads=H, peer_tp_sizes=(2,))  # fmt: skip
+    publish_layout(c, full_kv(seed, 1, len(head), H, 8), head, prefill_tp, H, KV_LAYOUTS["NHD"], ns)
+    return tokens, PrefixCache(
+        c,
+        namespace=ns,
+        block_size=BLOCK,
+        tp_rank=0,
+        tp_size=1,
+        total_kv_heads=H,
+        peer_tp_sizes=(2,),
+    )
 
 
 def test_match_kv_releases_the_best_match_when_a_later_layout_fails(tp_daemon, monkeypatch):
@@ -590,8 +684,9 @@ def test_a_big_load_copies_on_the_engines_threads(tp_daemon, monkeypatch, axes, 
     with tp_daemon.client() as c:
         publish_layout(c, full, tokens, 2, H, KV_LAYOUTS["HND"], ns)
         try:
-            got = reuse(c, full, tokens, 1, H, KV_LAYOUTS[axes], ns, source=2,
-                        per_buffer=per_buffer)  # fmt: skip
+            got = reuse(
+                c, full, tokens, 1, H, KV_LAYOUTS[axes], ns, source=2, per_buffer=per_buffer
+            )
         finally:
             c.evict(namespace=ns, all=True)  # 16 MiB of this module's 64 MiB pool
     assert got == [(32 * BLOCK, 2, [0, 1])]

@@ -63,29 +63,35 @@ def session(b):
 
 def write(b, extent, fill):
     _, off, n = extent
-    b.test_mm[off:off + n] = bytes([fill]) * n
+    b.test_mm[off : off + n] = bytes([fill]) * n
 
 
 def read(b, obj):
     off, n = obj.buffers["x"]
-    return bytes(b.test_mm[off:off + n])
+    return bytes(b.test_mm[off : off + n])
 
 
 def publish_chain(b, s, keys, fill=0x10, ns=NS):
     """One block per key (a page each), each the child of the one before; block i holds
     the byte fill + i."""
-    r = b.handle(s, "reserve_blocks", {"namespace": ns, "blocks": [
-        {"key": k, "parent": keys[i - 1] if i else None} for i, k in enumerate(keys)],
-        "buffers": {"x": PAGE}})  # fmt: skip
+    r = b.handle(
+        s,
+        "reserve_blocks",
+        {
+            "namespace": ns,
+            "blocks": [
+                {"key": k, "parent": keys[i - 1] if i else None} for i, k in enumerate(keys)
+            ],
+            "buffers": {"x": PAGE},
+        },
+    )
     for i, res in enumerate(r["results"]):
         write(b, res["buffers"]["x"], fill + i)
-    b.handle(s, "seal_many", {"leases": [res["lease"] for res in r["results"]],
-                              "checksums": None})  # fmt: skip
+    b.handle(s, "seal_many", {"leases": [res["lease"] for res in r["results"]], "checksums": None})
 
 
 def put(b, s, key, fill, ns=NS, pages=1, **kw):
-    r = b.handle(s, "reserve", {"namespace": ns, "key": key, "buffers": {"x": pages * PAGE},
-                                **kw})  # fmt: skip
+    r = b.handle(s, "reserve", {"namespace": ns, "key": key, "buffers": {"x": pages * PAGE}, **kw})
     write(b, r["buffers"]["x"], fill)
     b.handle(s, "seal", {"lease": r["lease"]})
 
@@ -219,7 +225,8 @@ def test_a_chain_matched_from_its_middle_holds_only_what_it_names(make_broker):
     fill_pool(b)
     assert (NS, "k0") not in b.objects
     assert [read(b, o) for o in b.leases[lease].objects()] == [
-        bytes([0x11 + i]) * PAGE for i in range(3)]  # fmt: skip
+        bytes([0x11 + i]) * PAGE for i in range(3)
+    ]
     b.handle(s, "release", {"lease": lease})
 
 
@@ -301,7 +308,12 @@ def test_list_and_evict_count_every_matched_block_nothing_materialized(make_brok
     assert set(lazy) == {whole, middle, again}
     listed = b.handle(s, "list", {"namespace": NS})["objects"]
     assert [(o["key"], o["readers"]) for o in listed] == [
-        ("k0", 1), ("k1", 3), ("k2", 3), ("k3", 1), ("k4", 0)]  # fmt: skip
+        ("k0", 1),
+        ("k1", 3),
+        ("k2", 3),
+        ("k3", 1),
+        ("k4", 0),
+    ]
     got = b.handle(s, "evict", {"namespace": NS, "dry_run": True})
     assert (got["count"], got["skipped_leased"], got["skipped_parents"]) == (1, 4, 0)
     got = b.handle(s, "evict", {"namespace": NS, "key": "k0"})
@@ -365,11 +377,18 @@ def test_blocks_of_other_sizes_or_names_reply_and_count_their_own(make_broker):
     b = make_broker()
     s = session(b)
     sizes = [PAGE, 100, PAGE, 200]
-    r = b.handle(s, "reserve_blocks", {"namespace": NS, "blocks": [
-        {"key": k, "parent": KEYS[i - 1] if i else None, "buffers": {"x": sizes[i]}}
-        for i, k in enumerate(KEYS)]})  # fmt: skip
-    b.handle(s, "seal_many", {"leases": [res["lease"] for res in r["results"]],
-                              "checksums": None})  # fmt: skip
+    r = b.handle(
+        s,
+        "reserve_blocks",
+        {
+            "namespace": NS,
+            "blocks": [
+                {"key": k, "parent": KEYS[i - 1] if i else None, "buffers": {"x": sizes[i]}}
+                for i, k in enumerate(KEYS)
+            ],
+        },
+    )
+    b.handle(s, "seal_many", {"leases": [res["lease"] for res in r["results"]], "checksums": None})
     y = b.handle(s, "reserve", {"namespace": NS, "key": "other-names", "buffers": {"y": 10}})
     b.handle(s, "seal", {"lease": y["lease"]})
     for _ in range(2):  # the first match builds the rows, the second reads them
@@ -407,11 +426,20 @@ def test_lookups_cost_no_scan_of_every_block_of_every_live_match(make_broker):
     short = [f"S{i}" for i in range(2)]
     other = [f"O{i}" for i in range(4)]  # a chain no match holds: its blocks have children
     for chain in (long, short, other):
-        r = b.handle(s, "reserve_blocks", {"namespace": NS, "blocks": [
-            {"key": k, "parent": chain[i - 1] if i else None} for i, k in enumerate(chain)],
-            "buffers": {"x": 64}})  # fmt: skip
-        b.handle(s, "seal_many", {"leases": [res["lease"] for res in r["results"]],
-                                  "checksums": None})  # fmt: skip
+        r = b.handle(
+            s,
+            "reserve_blocks",
+            {
+                "namespace": NS,
+                "blocks": [
+                    {"key": k, "parent": chain[i - 1] if i else None} for i, k in enumerate(chain)
+                ],
+                "buffers": {"x": 64},
+            },
+        )
+        b.handle(
+            s, "seal_many", {"leases": [res["lease"] for res in r["results"]], "checksums": None}
+        )
     put(b, s, "lone", 0x50)
 
     def beside(chain):  # lookups beside 256 matches of `chain`, then none
@@ -458,8 +486,11 @@ def test_a_match_that_holds_nothing_counts_the_run_and_takes_no_lease(make_broke
     publish_chain(b, s, KEYS)
     b.max_leases_per_client = 0  # a held match would be refused
     before = dict(b.counters)
-    reply = b.handle(s, "match_prefix", {"namespace": NS, "keys": KEYS[:3] + ["nope", "k3"],
-                                         "hold": False, "block_tokens": 16})  # fmt: skip
+    reply = b.handle(
+        s,
+        "match_prefix",
+        {"namespace": NS, "keys": KEYS[:3] + ["nope", "k3"], "hold": False, "block_tokens": 16},
+    )
     assert (reply["matched"], reply["lease"], reply["blocks"]) == (3, None, [])
     assert "packed" not in reply
     assert not b.leases and not b.lazy_leases
@@ -468,5 +499,8 @@ def test_a_match_that_holds_nothing_counts_the_run_and_takes_no_lease(make_broke
     assert b.counters["prefix_queries"] == before["prefix_queries"] + 1
     assert b.counters["prefix_hit_tokens"] == before["prefix_hit_tokens"] + 3 * 16
     with pytest.raises(BadRequest, match="peer needs hold"):
-        b.handle(s, "match_prefix", {"namespace": NS, "keys": KEYS, "hold": False,
-                                     "peer": "10.0.0.1:7000"})  # fmt: skip
+        b.handle(
+            s,
+            "match_prefix",
+            {"namespace": NS, "keys": KEYS, "hold": False, "peer": "10.0.0.1:7000"},
+        )

@@ -36,14 +36,23 @@ def publish_chains(b, s, rows=ROWS, chains=CHAINS):
     before it in its chain, filled by :func:`fill`."""
     for c in range(chains):
         keys = [key(r, c) for r in range(rows)]
-        r = b.handle(s, "reserve_blocks", {"namespace": NS, "blocks": [
-            {"key": k, "parent": keys[i - 1] if i else None} for i, k in enumerate(keys)],
-            "buffers": {"x": PAGE}})  # fmt: skip
+        r = b.handle(
+            s,
+            "reserve_blocks",
+            {
+                "namespace": NS,
+                "blocks": [
+                    {"key": k, "parent": keys[i - 1] if i else None} for i, k in enumerate(keys)
+                ],
+                "buffers": {"x": PAGE},
+            },
+        )
         for k, res in zip(keys, r["results"], strict=True):
             _, off, n = res["buffers"]["x"]
-            b.test_mm[off:off + n] = bytes([fill(k)]) * n
-        b.handle(s, "seal_many", {"leases": [res["lease"] for res in r["results"]],
-                                  "checksums": None})  # fmt: skip
+            b.test_mm[off : off + n] = bytes([fill(k)]) * n
+        b.handle(
+            s, "seal_many", {"leases": [res["lease"] for res in r["results"]], "checksums": None}
+        )
 
 
 def match(b, s, keys):
@@ -58,13 +67,17 @@ def intact(b, blocks):
 
 def settled(b):
     """No lease left, no reader counted, and every block without children in the LRU."""
-    return (not b.leases and not b.lazy_leases
-            and all(o.readers == 0 for o in b.objects.values())
-            and all(b.directory.is_evictable(o) == (o.children == 0) for o in b.objects.values()))
+    return (
+        not b.leases
+        and not b.lazy_leases
+        and all(o.readers == 0 for o in b.objects.values())
+        and all(b.directory.is_evictable(o) == (o.children == 0) for o in b.objects.values())
+    )
 
 
-@pytest.mark.parametrize("keys", [interleaved(), interleaved()[:-1]],
-                         ids=["whole rows", "a partial last row"])  # fmt: skip
+@pytest.mark.parametrize(
+    "keys", [interleaved(), interleaved()[:-1]], ids=["whole rows", "a partial last row"]
+)
 def test_a_match_over_interleaved_chains_pins_only_their_leaves(make_broker, keys):
     b = make_broker()
     s = session(b)
@@ -72,11 +85,9 @@ def test_a_match_over_interleaved_chains_pins_only_their_leaves(make_broker, key
     lease = match(b, s, keys)
     assert b.lazy_leases[lease].lazy == CHAINS
     leaves = set(keys[-CHAINS:])
-    assert {k: b.objects[NS, k].readers for k in keys} == {
-        k: int(k in leaves) for k in keys}  # fmt: skip
+    assert {k: b.objects[NS, k].readers for k in keys} == {k: int(k in leaves) for k in keys}
     listed = b.handle(s, "list", {"namespace": NS})["objects"]
-    assert {o["key"]: o["readers"] for o in listed} == {
-        k: int(k in keys) for k in interleaved()}  # fmt: skip
+    assert {o["key"]: o["readers"] for o in listed} == {k: int(k in keys) for k in interleaved()}
     b.handle(s, "release", {"lease": lease})
     assert settled(b)
 
@@ -139,7 +150,7 @@ def test_two_matches_of_one_span_count_twice_nothing_materialized(make_broker):
     s = session(b)
     publish_chains(b, s)
     keys = interleaved()
-    leases = [match(b, s, keys), match(b, s, keys), match(b, s, keys[:CHAINS * 2])]
+    leases = [match(b, s, keys), match(b, s, keys), match(b, s, keys[: CHAINS * 2])]
     listed = {o["key"]: o["readers"] for o in b.handle(s, "list", {"namespace": NS})["objects"]}
     assert listed == {k: 3 if i < CHAINS * 2 else 2 for i, k in enumerate(keys)}
     assert set(b.lazy_leases) == set(leases)  # reporting changed none of them
@@ -186,13 +197,19 @@ def true_readers(b):
     return out
 
 
-@pytest.mark.parametrize("two", [
-    # two chains each, partial last rows: the same first and last block, another chain 1
-    ([key(0, 0), key(0, 1), key(1, 0), key(1, 1), key(2, 0)],
-     [key(0, 0), key(0, 2), key(1, 0), key(1, 2), key(2, 0)]),
-    # one chain twice over against two chains: the same first and last block
-    ([key(0, 0), key(0, 1), key(1, 0)], [key(0, 0), key(0, 0), key(1, 0), key(1, 0)]),
-], ids=["another middle chain", "a chain twice over"])  # fmt: skip
+@pytest.mark.parametrize(
+    "two",
+    [
+        # two chains each, partial last rows: the same first and last block, another chain 1
+        (
+            [key(0, 0), key(0, 1), key(1, 0), key(1, 1), key(2, 0)],
+            [key(0, 0), key(0, 2), key(1, 0), key(1, 2), key(2, 0)],
+        ),
+        # one chain twice over against two chains: the same first and last block
+        ([key(0, 0), key(0, 1), key(1, 0)], [key(0, 0), key(0, 0), key(1, 0), key(1, 0)]),
+    ],
+    ids=["another middle chain", "a chain twice over"],
+)
 def test_list_and_evict_tell_apart_matches_that_share_their_ends(make_broker, two):
     # Reporting counts each lease's own blocks: two interleaved matches are one span only
     # when every chain of theirs is.

@@ -56,8 +56,13 @@ def blocks(draw):
     found = []
     for i in range(n):
         odd = draw(st.integers(0, 19)) == 0  # another layout, now and then
-        found.append(_block(i, NAMES[(NAMES.index(names) + 1) % len(NAMES)] if odd else names,
-                            size * 2 if odd and draw(st.booleans()) else size))  # fmt: skip
+        found.append(
+            _block(
+                i,
+                NAMES[(NAMES.index(names) + 1) % len(NAMES)] if odd else names,
+                size * 2 if odd and draw(st.booleans()) else size,
+            )
+        )
     for i, obj in enumerate(found):
         obj.parent = found[i - stride] if i >= stride else None
         if draw(st.integers(0, 9)) == 0 and n:  # a broken link
@@ -94,9 +99,14 @@ def test_lend_scan_on_known_blocks():
     assert c.lend_scan([], 1.0) == (0, None)
 
 
-keys = st.one_of(st.sampled_from([f"b{i}" for i in range(8)]), st.text(max_size=3),
-                 st.integers(), st.binary(max_size=3), st.lists(st.integers(), max_size=1),
-                 st.none())  # fmt: skip
+keys = st.one_of(
+    st.sampled_from([f"b{i}" for i in range(8)]),
+    st.text(max_size=3),
+    st.integers(),
+    st.binary(max_size=3),
+    st.lists(st.integers(), max_size=1),
+    st.none(),
+)
 
 
 @settings(max_examples=400, deadline=None)
@@ -146,8 +156,9 @@ def test_the_c_pass_is_built_where_a_compiler_is():
 
 def _run_alone(code: str) -> subprocess.CompletedProcess:
     """``code`` in a fresh interpreter: a crash there is a failed assertion here."""
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120
+    )
 
 
 def test_lend_scan_outlives_a_getter_that_empties_the_list():

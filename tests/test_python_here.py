@@ -31,8 +31,9 @@ def beside_a_clone(tmp_path):
 
 
 def _python(cwd, *args):
-    return subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=120, env=ENV)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=120, env=ENV
+    )
 
 
 def _imports_client(cwd) -> bool:
@@ -43,8 +44,14 @@ def _doctor_here(cwd, tmp_path) -> dict:
     script = shutil.which("kvbroker", path=os.path.dirname(sys.executable))
     if script is None:
         pytest.skip("no kvbroker script beside this Python")
-    r = subprocess.run([script, "doctor", "--json", "--socket", str(tmp_path / "none.sock")],
-                       cwd=cwd, capture_output=True, text=True, timeout=120, env=ENV)  # fmt: skip
+    r = subprocess.run(
+        [script, "doctor", "--json", "--socket", str(tmp_path / "none.sock")],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=ENV,
+    )
     checks = {c["name"]: c for c in json.loads(r.stdout)}
     return checks["python here"]
 
@@ -72,8 +79,9 @@ def test_doctor_is_quiet_elsewhere_and_names_another_copy(beside_a_clone):
 def test_python_m_kvbroker_beside_a_clone_says_why_in_one_line(beside_a_clone):
     if _imports_client(beside_a_clone):
         pytest.skip("this installation is not shadowed by a clone (not an editable install)")
-    r = _python(beside_a_clone, "-m", "kvbroker", "ls", "--socket",
-                str(beside_a_clone / "none.sock"))  # fmt: skip
+    r = _python(
+        beside_a_clone, "-m", "kvbroker", "ls", "--socket", str(beside_a_clone / "none.sock")
+    )
     assert r.returncode != 0
     first = r.stderr.splitlines()[0]
     assert first.startswith("kvbroker: warning: this Python took")
@@ -92,8 +100,13 @@ def test_make_serve_says_where_to_run_python_in_a_clone_named_kvbroker(tmp_path,
     clone = tmp_path / name
     clone.mkdir()
     shutil.copy(os.path.join(os.path.dirname(__file__), os.pardir, "Makefile"), clone)
-    r = subprocess.run([make, "-n", "serve", "SOCKET=/tmp/k.sock", "RUNTIME_STAMP="],
-                       cwd=clone, capture_output=True, text=True, timeout=60)  # fmt: skip
+    r = subprocess.run(
+        [make, "-n", "serve", "SOCKET=/tmp/k.sock", "RUNTIME_STAMP="],
+        cwd=clone,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 0, r.stderr
     trap = f"run Python in this clone or anywhere but {tmp_path}: there 'import kvbroker'"
     assert (trap in r.stdout) == (name == "kvbroker"), r.stdout

@@ -53,8 +53,12 @@ def exact(st) -> bool:
     """Every used page is a sealed object's (no lease, arena or quarantine left)."""
     objects = sum(-(-ns.used // PAGE) * PAGE for ns in st.namespaces)
     p = st.pools[0]
-    return (p.quarantined == 0 and p.leased_write == 0 and st.used == objects
-            and p.free == p.capacity - objects)  # fmt: skip
+    return (
+        p.quarantined == 0
+        and p.leased_write == 0
+        and st.used == objects
+        and p.free == p.capacity - objects
+    )
 
 
 @pytest.fixture
@@ -78,8 +82,9 @@ def test_pages_lent_at_a_crash_are_quarantined_not_given_to_the_next_writer(daem
     a = d.client(reconnect=0, arena_size=1 << 20)
     a.put("sealed", {"x": np.full(5000, 3, np.uint8)})  # also opens A's write arena
     la = a.reserve("a-obj", {"x": 1 << 20})  # A starts a long copy ...
-    blocks = a._call("reserve_blocks", namespace="default",
-                     blocks=[{"key": "blk", "buffers": {"k": 3 * PAGE}}])  # fmt: skip
+    blocks = a._call(
+        "reserve_blocks", namespace="default", blocks=[{"key": "blk", "buffers": {"k": 3 * PAGE}}]
+    )
     st = a.stat()
     lent = st.pools[0].leased_write
     assert lent >= (1 << 20) + 3 * PAGE + (1 << 20) // 2  # reservation, block, arena
@@ -263,20 +268,31 @@ def test_journal_replay_quarantines_exactly_what_was_lent(pool, tmp_path):
     aborted = b.handle(s, "reserve", {"key": "aborted", "buffers": {"x": 2 * PAGE}})
     b.handle(s, "abort", {"lease": aborted["lease"]})
     b.handle(s, "reserve", {"key": "open", "buffers": {"x": 3 * PAGE}})
-    b.handle(s, "reserve_blocks", {"namespace": "p", "blocks": [
-        {"key": "b0", "buffers": {"k": PAGE}}, {"key": "b1", "parent": "b0",
-                                                "buffers": {"k": PAGE}}]})  # fmt: skip
+    b.handle(
+        s,
+        "reserve_blocks",
+        {
+            "namespace": "p",
+            "blocks": [
+                {"key": "b0", "buffers": {"k": PAGE}},
+                {"key": "b1", "parent": "b0", "buffers": {"k": PAGE}},
+            ],
+        },
+    )
     # an arena: published in part (split), then in part with no further arena (the rest
     # goes back before the seal record), then a fresh one published in part and kept
     ar = b.handle(s, "arena", {"nbytes": 4 * PAGE})["lease"]
-    r = b.handle(s, "publish", {"arena": ar, "key": "p1", "buffers": {"x": PAGE},
-                                "next_arena": 4 * PAGE})  # fmt: skip
-    r = b.handle(s, "publish", {"arena": r["lease"], "key": "p2", "buffers": {"x": PAGE},
-                                "next_arena": 0})  # fmt: skip
+    r = b.handle(
+        s, "publish", {"arena": ar, "key": "p1", "buffers": {"x": PAGE}, "next_arena": 4 * PAGE}
+    )
+    r = b.handle(
+        s, "publish", {"arena": r["lease"], "key": "p2", "buffers": {"x": PAGE}, "next_arena": 0}
+    )
     assert r["lease"] is None
     ar = b.handle(s, "arena", {"nbytes": 4 * PAGE})["lease"]
-    b.handle(s, "publish", {"arena": ar, "key": "p3", "buffers": {"x": PAGE},
-                            "next_arena": 4 * PAGE})  # fmt: skip
+    b.handle(
+        s, "publish", {"arena": ar, "key": "p3", "buffers": {"x": PAGE}, "next_arena": 4 * PAGE}
+    )
 
     def lent(br):
         return sorted(br.journal_lent())
@@ -348,8 +364,9 @@ def test_a_client_that_stops_reading_is_cut_off_and_its_write_pages_quarantined(
     s.close()
 
 
-def test_a_requests_journal_records_go_out_in_one_write_even_when_it_fails(pool, tmp_path,
-                                                                           monkeypatch):
+def test_a_requests_journal_records_go_out_in_one_write_even_when_it_fails(
+    pool, tmp_path, monkeypatch
+):
     """A 10-block reserve journals 10 lent extents in one write(2), before its reply; a
     batch that fails part-way (the pool runs out) still writes what it lent and gave back,
     so a restart quarantines nothing it should not."""
@@ -368,16 +385,20 @@ def test_a_requests_journal_records_go_out_in_one_write_even_when_it_fails(pool,
 
     monkeypatch.setattr(journal_module.os, "write", counting_write)
     blocks = [{"key": f"b{i}", "parent": f"b{i - 1}" if i else None} for i in range(10)]
-    r = b.handle(s, "reserve_blocks", {"namespace": "p", "blocks": blocks,
-                                       "buffers": {"k": PAGE}, "compact": True})  # fmt: skip
+    r = b.handle(
+        s,
+        "reserve_blocks",
+        {"namespace": "p", "blocks": blocks, "buffers": {"k": PAGE}, "compact": True},
+    )
     assert len(writes) == 1
     assert len(b.journal_lent()) == 10
     b.handle(s, "seal_many", {"leases": r["leases"], "checksums": None})
     assert len(writes) == 2
     too_many = [{"key": f"c{i}"} for i in range(70)]  # 64 pages, even evicting b0..b9
     with pytest.raises(PoolFull):
-        b.handle(s, "reserve_blocks", {"namespace": "p", "blocks": too_many,
-                                       "buffers": {"k": PAGE}})  # fmt: skip
+        b.handle(
+            s, "reserve_blocks", {"namespace": "p", "blocks": too_many, "buffers": {"k": PAGE}}
+        )
     assert len(writes) == 3  # what the failed batch lent, and gave back, in one write
     b.journal.close()
     rec = Journal.load(path)

@@ -40,6 +40,7 @@ def test_calls_during_reconnect_wait_for_the_complete_connection(daemon):
                 fn()
             except BaseException as exc:  # surfaced by the assertion below
                 errors.append(exc)
+
         return threading.Thread(target=body)
 
     reconnecting = run(c.stat)

@@ -25,8 +25,11 @@ def _gone(client, key: str, within: float = 2.0) -> bool:
 
 
 def test_only_lease_ending_ops_pass_a_wait():
-    assert {name for name, op in OPS.items() if op.passes_a_wait} == {"release", "release_many",
-                                                                      "abort"}
+    assert {name for name, op in OPS.items() if op.passes_a_wait} == {
+        "release",
+        "release_many",
+        "abort",
+    }
 
 
 def test_the_daemon_serves_a_release_queued_behind_a_waiting_claim(daemon):
@@ -34,8 +37,17 @@ def test_the_daemon_serves_a_release_queued_behind_a_waiting_claim(daemon):
         c.put("held", {"x": b"abc"})
         lease = c.claim("held", consume=True)
         session = c._session
-        waiting = session.submit("claim", {"namespace": "default", "key": "later", "select": None,
-                                           "consume": False, "wait": 10.0, "ttl": None})  # fmt: skip
+        waiting = session.submit(
+            "claim",
+            {
+                "namespace": "default",
+                "key": "later",
+                "select": None,
+                "consume": False,
+                "wait": 10.0,
+                "ttl": None,
+            },
+        )
         lease._drop_views()
         session.post("release", {"lease": lease.id, "consume": True})
         lease.ended = True
@@ -90,9 +102,18 @@ def test_a_release_does_not_pass_a_deferred_request_sent_before_it(make_daemon):
             c.put(f"o{i}", {f"b{j}": b"x" for j in range(7500)})
         lease = c.claim("o0")
         session = c._session
-        evict = session.submit("evict", {"namespace": "default", "key": None, "match": None,
-                                         "match_buffers": "b7499", "older_than": None,
-                                         "all": False, "dry_run": False})  # fmt: skip
+        evict = session.submit(
+            "evict",
+            {
+                "namespace": "default",
+                "key": None,
+                "match": None,
+                "match_buffers": "b7499",
+                "older_than": None,
+                "all": False,
+                "dry_run": False,
+            },
+        )
         lease._drop_views()
         session.post("release", {"lease": lease.id, "consume": False})
         lease.ended = True

@@ -58,7 +58,9 @@ def _replicas_answer(d, n: int, timeout: float = 60.0) -> None:
             return False
 
     for i in range(n):
-        _wait(functools.partial(answers, f"{d.socket_path}.r{i}"), timeout, f"replica {i} to answer")
+        _wait(
+            functools.partial(answers, f"{d.socket_path}.r{i}"), timeout, f"replica {i} to answer"
+        )
 
 
 @pytest.fixture
@@ -73,7 +75,8 @@ def replicated(make_daemon):
 def test_every_acknowledged_change_is_seen_through_a_replica(replicated):
     with replicated.client() as reader, replicated.client() as writer:
         assert reader._replica is not None and reader._replica.path.startswith(
-            replicated.socket_path + ".r")  # fmt: skip
+            replicated.socket_path + ".r"
+        )
         assert not reader.exists("a")
         writer.put("a", {"x": b"1"})
         assert reader.exists("a")  # put acknowledged to another client: seen at once
@@ -102,8 +105,10 @@ def test_match_without_hold_through_a_replica_counts_and_agrees_with_the_daemon(
         before = c.stat().counters
         got = c.ops.match_prefix(keys, block_tokens=16, hold=False)
         assert got["matched"] == 7 and got["lease"] is None
-        assert c.ops.match_prefix(["blk0", "nope", "blk2"], block_tokens=16,
-                                  hold=False)["matched"] == 1  # fmt: skip
+        assert (
+            c.ops.match_prefix(["blk0", "nope", "blk2"], block_tokens=16, hold=False)["matched"]
+            == 1
+        )
         held = c.ops.match_prefix(keys, block_tokens=16)  # hold=True: the daemon answers
         assert held["matched"] == 7 and held["lease"] is not None
         c.ops.release(held["lease"])
@@ -112,6 +117,7 @@ def test_match_without_hold_through_a_replica_counts_and_agrees_with_the_daemon(
         def counted():
             now = c.stat().counters
             return now.prefix_queries - before.prefix_queries == 3
+
         _wait(counted, what="the replica's report")  # (it reports every REPORT_PERIOD)
         now = c.stat().counters
         assert now.prefix_hit_blocks - before.prefix_hit_blocks == 7 + 1 + 7
@@ -190,12 +196,14 @@ def test_hostile_bytes_to_a_replica_hurt_only_their_connection(replicated):
         s = socket.socket(socket.AF_UNIX)
         s.connect(path)
         s.settimeout(5)
-        for msg in ({"id": 1, "op": "exists", "args": {"key": "k"}},  # before hello
-                    {"id": 2, "op": "hello", "args": {"version": PROTOCOL_VERSION}},
-                    {"id": 3, "op": "claim", "args": {"key": "k"}},  # not a replica's
-                    {"id": 4, "op": "exists", "args": {"key": 7}},  # a bad argument
-                    {"id": 5, "op": "match_prefix", "args": {"keys": ["k"]}},  # hold=True
-                    {"id": 6, "op": "exists", "args": {"key": "k"}}):  # fmt: skip
+        for msg in (
+            {"id": 1, "op": "exists", "args": {"key": "k"}},  # before hello
+            {"id": 2, "op": "hello", "args": {"version": PROTOCOL_VERSION}},
+            {"id": 3, "op": "claim", "args": {"key": "k"}},  # not a replica's
+            {"id": 4, "op": "exists", "args": {"key": 7}},  # a bad argument
+            {"id": 5, "op": "match_prefix", "args": {"keys": ["k"]}},  # hold=True
+            {"id": 6, "op": "exists", "args": {"key": "k"}},
+        ):
             s.sendall(msgpack.packb(msg))
         replies = []
         while len(replies) < 6:
@@ -205,8 +213,10 @@ def test_hostile_bytes_to_a_replica_hurt_only_their_connection(replicated):
         by = {r["id"]: r for r in replies}
         assert by[1]["error"]["code"] == "protocol"
         assert by[2]["ok"] and by[2]["result"]["replica"] is True
-        assert by[3]["error"]["code"] == "bad_request" and "ask the daemon" in \
-            by[3]["error"]["message"]  # fmt: skip
+        assert (
+            by[3]["error"]["code"] == "bad_request"
+            and "ask the daemon" in by[3]["error"]["message"]
+        )
         assert by[4]["error"]["code"] == "bad_request"
         assert by[5]["error"]["code"] == "bad_request"
         assert by[6]["result"] is True
@@ -219,8 +229,9 @@ def test_a_draining_daemon_stops_its_replicas_and_answers_itself(replicated):
         assert c.exists("k")
         lease = holder.claim("k")  # the drain waits for it
         replicated.proc.send_signal(signal.SIGTERM)
-        _wait(lambda: not os.path.exists(replicated.socket_path + ".r0"),
-              what="the replicas to stop")  # fmt: skip
+        _wait(
+            lambda: not os.path.exists(replicated.socket_path + ".r0"), what="the replicas to stop"
+        )
         assert c.exists("k") and not c.exists("nope")  # the daemon, still draining
         assert c._replica.fallbacks >= 1
         lease.release()
@@ -228,8 +239,15 @@ def test_a_draining_daemon_stops_its_replicas_and_answers_itself(replicated):
 
 
 def test_no_replicas_without_a_journal(make_daemon):
-    d = make_daemon("--pool-size", "16M", "--page-size", "4K", "--read-replicas", "2",
-                    env={"KVBROKER_JOURNAL": "false"})  # fmt: skip
+    d = make_daemon(
+        "--pool-size",
+        "16M",
+        "--page-size",
+        "4K",
+        "--read-replicas",
+        "2",
+        env={"KVBROKER_JOURNAL": "false"},
+    )
     d.wait_ready()
     with d.client() as c:
         assert c._replica is None
@@ -270,8 +288,11 @@ def _followed(f: JournalFollower) -> set[tuple[str, str]]:
     return {(ns, k) for ns, space in f.by_namespace.items() for k in space}
 
 
-_op = st.tuples(st.sampled_from(["put", "replace", "evict", "consume"]),
-                st.sampled_from(["a", "b"]), st.integers(0, 5))  # fmt: skip
+_op = st.tuples(
+    st.sampled_from(["put", "replace", "evict", "consume"]),
+    st.sampled_from(["a", "b"]),
+    st.integers(0, 5),
+)
 _ops = st.lists(_op, max_size=30)
 
 
@@ -290,9 +311,16 @@ def test_the_follower_sees_what_the_broker_published_even_mid_record(ops, cuts, 
             key = f"k{i}"
             there = (ns, key) in b.objects
             if op in ("put", "replace") and (op == "replace" or not there):
-                r = b.handle(s, "reserve", {"namespace": ns, "key": key,
-                                            "buffers": {"x": 100 * (i + 1)},
-                                            "replace": op == "replace"})  # fmt: skip
+                r = b.handle(
+                    s,
+                    "reserve",
+                    {
+                        "namespace": ns,
+                        "key": key,
+                        "buffers": {"x": 100 * (i + 1)},
+                        "replace": op == "replace",
+                    },
+                )
                 b.handle(s, "seal", {"lease": r["lease"]})
             elif op == "evict":
                 b.handle(s, "evict", {"namespace": ns, "key": key})
@@ -312,7 +340,7 @@ def test_the_follower_sees_what_the_broker_published_even_mid_record(ops, cuts, 
         for cut in sorted({min(c, len(data)) for c in cuts} | {len(data)}):
             with open(grown, "r+b") as f:
                 f.seek(0, 2)
-                f.write(data[f.tell():cut])
+                f.write(data[f.tell() : cut])
             late.catch_up()
             with open(grown + ".copy", "wb") as f:
                 f.write(data[:cut])
@@ -376,8 +404,11 @@ def test_the_daemon_applies_a_replicas_report(journaled):
 
     reps = Replicas(_D())
     before = b.counters["prefix_queries"]
-    reps._apply(msgpack.packb({"c": {"prefix_queries": 2, "bogus": 5, "hits": -3},
-                               "t": {"default": ["a", "gone"]}}))  # fmt: skip
+    reps._apply(
+        msgpack.packb(
+            {"c": {"prefix_queries": 2, "bogus": 5, "hits": -3}, "t": {"default": ["a", "gone"]}}
+        )
+    )
     assert b.counters["prefix_queries"] == before + 2 and "bogus" not in b.counters
     assert [o.key for o in b.directory.evictable()] == ["b", "c", "a"]  # a: most recently matched
     reps._apply(b"\xc1not msgpack")  # ignored, logged
@@ -421,8 +452,10 @@ def test_a_report_of_many_long_keys_arrives_whole_and_later_ones_too(replicated)
         assert c.ops.match_prefix(keys, block_tokens=1, hold=False)["matched"] == 1500
         for _ in range(20):
             assert c.ops.match_prefix(keys[:2], block_tokens=1, hold=False)["matched"] == 2
-        _wait(lambda: c.stat().counters.prefix_queries - before.prefix_queries == 21,
-              what="every report")  # fmt: skip
+        _wait(
+            lambda: c.stat().counters.prefix_queries - before.prefix_queries == 21,
+            what="every report",
+        )
         assert c.stat().counters.prefix_hit_blocks - before.prefix_hit_blocks == 1500 + 40
         assert c._replica.fallbacks == 0
 
@@ -458,9 +491,15 @@ def test_a_hung_replica_sends_its_clients_to_the_daemon_within_a_second(replicat
 
 
 def test_a_replica_keeps_the_daemons_connection_limits(make_daemon):
-    d = make_daemon("--pool-size", "16M", "--page-size", "4K", "--read-replicas", "1",
-                    env={"KVBROKER_MAX_CONNECTIONS_PER_UID": "3",
-                         "KVBROKER_HELLO_TIMEOUT": "1s"})  # fmt: skip
+    d = make_daemon(
+        "--pool-size",
+        "16M",
+        "--page-size",
+        "4K",
+        "--read-replicas",
+        "1",
+        env={"KVBROKER_MAX_CONNECTIONS_PER_UID": "3", "KVBROKER_HELLO_TIMEOUT": "1s"},
+    )
     d.wait_ready()
     path = d.socket_path + ".r0"
     with d.client() as c:

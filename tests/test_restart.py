@@ -57,8 +57,7 @@ def test_sigkill_restart_keeps_sealed_objects_and_drops_unsealed(daemons):
     c = d.client(reconnect=0)
     keys = [f"obj-{i}" for i in range(30)]
     for i, k in enumerate(keys):
-        c.put(k, {"kv": pattern(k, 5000 + 999 * i), "tail": pattern(k + "t", 7)},
-              meta={"i": i})
+        c.put(k, {"kv": pattern(k, 5000 + 999 * i), "tail": pattern(k + "t", 7)}, meta={"i": i})
     c.put("replaced", {"kv": pattern("old", 100)})
     c.put("replaced", {"kv": pattern("new", 200)}, replace=True)
     c.put("shared", {"kv": pattern("shared", 300)}, consumers=2)
@@ -325,9 +324,14 @@ def test_journal_replays_to_the_same_index(tmp_path):
             op = rng.integers(0, 13)
             if op == 10:  # a prefix chain, sealed together: parents before children
                 keys = [f"p{rng.integers(0, 40)}" for _ in range(int(rng.integers(1, 5)))]
-                blocks = [{"key": k, "parent": keys[i - 1] if i else None,
-                           "buffers": {"k": int(rng.integers(1, 9000))}}
-                          for i, k in enumerate(keys)]  # fmt: skip
+                blocks = [
+                    {
+                        "key": k,
+                        "parent": keys[i - 1] if i else None,
+                        "buffers": {"k": int(rng.integers(1, 9000))},
+                    }
+                    for i, k in enumerate(keys)
+                ]
                 try:
                     r = b.handle(s, "reserve_blocks", {"namespace": "pfx", "blocks": blocks})
                 except PoolFull:
@@ -341,9 +345,17 @@ def test_journal_replays_to_the_same_index(tmp_path):
                     except PoolFull:
                         continue
                 try:
-                    r = b.handle(s, "publish", {"arena": arena, "key": key, "replace": True,
-                                                "buffers": {"x": int(rng.integers(1, 30000))},
-                                                "next_arena": 200_000})
+                    r = b.handle(
+                        s,
+                        "publish",
+                        {
+                            "arena": arena,
+                            "key": key,
+                            "replace": True,
+                            "buffers": {"x": int(rng.integers(1, 30000))},
+                            "next_arena": 200_000,
+                        },
+                    )
                     arena = r["lease"]
                 except PoolFull:
                     arena = None
@@ -351,9 +363,16 @@ def test_journal_replays_to_the_same_index(tmp_path):
                 b.handle(s, "evict", {"namespace": "pfx", "key": f"p{rng.integers(0, 40)}"})
             elif op < 6:
                 try:
-                    r = b.handle(s, "reserve", {"key": key, "replace": bool(rng.integers(0, 2)),
-                                                "buffers": {"x": int(rng.integers(1, 40000))},
-                                                "consumers": int(rng.integers(1, 3))})
+                    r = b.handle(
+                        s,
+                        "reserve",
+                        {
+                            "key": key,
+                            "replace": bool(rng.integers(0, 2)),
+                            "buffers": {"x": int(rng.integers(1, 40000))},
+                            "consumers": int(rng.integers(1, 3)),
+                        },
+                    )
                 except (PoolFull, Exists):  # full, or the key is published and replace=False
                     continue
                 if rng.integers(0, 8):
@@ -375,13 +394,25 @@ def test_journal_replays_to_the_same_index(tmp_path):
         pool2 = HostPool.adopt(0, name, pool.size, 4096)
         b2 = Broker([pool2])
         assert b2.restore(rec.objects.values()) == len(b.objects)
+
         def index(br):
-            return {k: (o.start, o.npages, o.buffers, o.consumers, o.children,
-                        o.parent.key if o.parent else None) for k, o in br.objects.items()}
+            return {
+                k: (
+                    o.start,
+                    o.npages,
+                    o.buffers,
+                    o.consumers,
+                    o.children,
+                    o.parent.key if o.parent else None,
+                )
+                for k, o in br.objects.items()
+            }
 
         assert index(b2) == index(b)
         assert any(o.children for o in b2.objects.values())  # chains were restored
-        assert {o.serial for o in b2.directory.evictable()} == {o.serial for o in b.directory.evictable()}  # the same objects are evictable
+        assert {o.serial for o in b2.directory.evictable()} == {
+            o.serial for o in b.directory.evictable()
+        }  # the same objects are evictable
         # Free space is the same once the (unsealed) arena's pages go back, as on a crash.
         if arena is not None:
             b.handle(s, "abort", {"lease": arena})
@@ -402,9 +433,17 @@ def test_a_journal_record_carries_every_persisted_field():
         b = Broker([pool])
         s = b.open_session()
         b.handle(s, "hello", {"version": 1})
-        b.handle(s, "reserve_blocks", {"namespace": "ns", "blocks": [
-            {"key": "p", "buffers": {"k": 10}},
-            {"key": "c", "parent": "p", "buffers": {"k": 10, "v": 20}, "tokens": [1, 2]}]})
+        b.handle(
+            s,
+            "reserve_blocks",
+            {
+                "namespace": "ns",
+                "blocks": [
+                    {"key": "p", "buffers": {"k": 10}},
+                    {"key": "c", "parent": "p", "buffers": {"k": 10, "v": 20}, "tokens": [1, 2]},
+                ],
+            },
+        )
         for lease in list(b.leases):
             b.handle(s, "seal", {"lease": lease, "checksums": None})
         obj = b.objects[("ns", "c")]

@@ -14,8 +14,10 @@ from kvbroker.errors import Timeout
 
 
 @settings(max_examples=300, deadline=None)
-@given(size=st.integers(1, 64), ops=st.lists(st.tuples(st.booleans(), st.integers(1, 80),
-                                                       st.integers(0, 1000)), max_size=60))  # fmt: skip
+@given(
+    size=st.integers(1, 64),
+    ops=st.lists(st.tuples(st.booleans(), st.integers(1, 80), st.integers(0, 1000)), max_size=60),
+)
 def test_never_overlaps_live_data(size, ops):
     ring = RingAllocator(size)
     live = []

@@ -19,8 +19,13 @@ OUTSIDE = ("../" + "shared", "shared" + "/peers")
 
 def _git_grep(root: pathlib.Path, needle: str) -> list[str]:
     """Lines of tracked files (text only) that contain ``needle``, as ``path:line:text``."""
-    p = subprocess.run(["git", "grep", "-n", "-I", "-F", "-e", needle], cwd=root,
-                       capture_output=True, text=True, check=False)  # fmt: skip
+    p = subprocess.run(
+        ["git", "grep", "-n", "-I", "-F", "-e", needle],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     if p.returncode not in (0, 1):  # 1: no match
         raise RuntimeError(p.stderr)
     return p.stdout.splitlines()

@@ -30,8 +30,11 @@ class ScriptedStream:
         last = self.sent[-1]
         if last["op"] == "hello" and len(self.sent) == 1 and not getattr(self, "_greeted", 0):
             self._greeted = 1
-            return {"id": last["id"], "ok": True,
-                    "result": {"version": PROTOCOL_VERSION, "session": 1}}  # fmt: skip
+            return {
+                "id": last["id"],
+                "ok": True,
+                "result": {"version": PROTOCOL_VERSION, "session": 1},
+            }
         return self._script(self)
 
     def close(self) -> None:
@@ -80,8 +83,10 @@ def test_a_pending_result_asked_twice_answers_again_without_waiting():
     session = Session(ScriptedStream(script))
     full = session.submit("reserve_blocks", blocks=[])
     ok = session.submit("ping")
-    replies += [{"id": full._rid, "ok": False, "error": {"code": "pool_full", "message": "x"}},
-                {"id": ok._rid, "ok": True, "result": {"pong": 1}}]  # fmt: skip
+    replies += [
+        {"id": full._rid, "ok": False, "error": {"code": "pool_full", "message": "x"}},
+        {"id": ok._rid, "ok": True, "result": {"pong": 1}},
+    ]
     for _ in range(2):
         with pytest.raises(PoolFull):
             full.result()
@@ -97,8 +102,15 @@ def test_a_connection_level_error_reaches_the_pending_result_as_the_daemon_said_
 
     from kvbroker.errors import ProtocolError
 
-    session = Session(ScriptedStream(lambda s: {"id": None, "ok": False, "error": {
-        "code": "protocol", "message": "frame exceeds the size limit"}}))  # fmt: skip
+    session = Session(
+        ScriptedStream(
+            lambda s: {
+                "id": None,
+                "ok": False,
+                "error": {"code": "protocol", "message": "frame exceeds the size limit"},
+            }
+        )
+    )
     pending = session.submit("lookup", key="k")
     with pytest.raises(ProtocolError, match="frame exceeds the size limit"):
         pending.result()
@@ -111,8 +123,7 @@ def test_replies_nobody_will_take_are_not_kept():
     import gc
 
     answered = iter(range(2, 103))  # the daemon answers in order: 100 pings, then the call
-    session = Session(ScriptedStream(lambda s: {"id": next(answered), "ok": True,
-                                                "result": None}))  # fmt: skip
+    session = Session(ScriptedStream(lambda s: {"id": next(answered), "ok": True, "result": None}))
     for _ in range(100):
         session.submit("ping")  # the Pending is dropped at once
     gc.collect()
@@ -138,9 +149,11 @@ def test_a_pipelined_reply_read_while_waiting_for_a_push_is_kept_for_its_result(
     messages = []
     session = Session(ScriptedStream(lambda s: messages.pop(0)))
     ok, clash = session.submit("ping"), session.submit("reserve", key="k")
-    messages += [{"id": ok._rid, "ok": True, "result": {"epoch": 1}},
-                 {"id": clash._rid, "ok": False, "error": {"code": "exists", "message": "k"}},
-                 {"push": "stats", "result": {}}]  # fmt: skip
+    messages += [
+        {"id": ok._rid, "ok": True, "result": {"epoch": 1}},
+        {"id": clash._rid, "ok": False, "error": {"code": "exists", "message": "k"}},
+        {"push": "stats", "result": {}},
+    ]
     assert session.next_push()["push"] == "stats"
     assert ok.result() == {"epoch": 1}
     with pytest.raises(Exists):
@@ -166,8 +179,10 @@ def test_a_call_that_timed_out_does_not_shift_every_later_reply():
     with pytest.raises(Timeout):
         session.call("ping")
     late = session._stream.sent[-1]["id"]
-    queue += [{"id": late, "ok": True, "result": "late"},
-              {"id": late + 1, "ok": True, "result": "a"}]  # fmt: skip
+    queue += [
+        {"id": late, "ok": True, "result": "late"},
+        {"id": late + 1, "ok": True, "result": "a"},
+    ]
     assert session.call("ping") == "a"
     queue += [{"id": late + 2, "ok": True, "result": "b"}]
     assert session.call("ping") == "b"
@@ -216,8 +231,10 @@ def test_request_sends_the_args_dict_it_is_given_and_call_is_the_same_by_keyword
     assert stream.sent[-1]["args"] == args
     session.post("release", {"lease": 3, "consume": True})
     session.send_only("release", lease=4, consume=True)
-    assert [m["args"] for m in stream.sent[-2:]] == [{"lease": 3, "consume": True},
-                                                     {"lease": 4, "consume": True}]
+    assert [m["args"] for m in stream.sent[-2:]] == [
+        {"lease": 3, "consume": True},
+        {"lease": 4, "consume": True},
+    ]
     assert session.submit("ping", {}).result() == 5
     assert session.submit("lookup", key="k").result() == 5
     assert stream.sent[-1]["args"] == {"key": "k"}

@@ -23,8 +23,10 @@ def make_broker():
     pools = []
 
     def make(npages=64, npools=1, **kw):
-        mine = [HostPool(i, f"/kvbs.{os.getpid()}.{secrets.token_hex(3)}.{i}", npages * PAGE, PAGE)
-                for i in range(npools)]  # fmt: skip
+        mine = [
+            HostPool(i, f"/kvbs.{os.getpid()}.{secrets.token_hex(3)}.{i}", npages * PAGE, PAGE)
+            for i in range(npools)
+        ]
         pools.extend(mine)
         b = Broker(mine, clock=Clock(), **kw)
         b.retention.clock = Clock()  # wall-clock in the daemon; still here until moved
@@ -43,8 +45,10 @@ def connect(b, uid=0):
 
 def chain(b, s, prefix, n, ns="default", retain=None):
     """Publish a chain of ``n`` one-page blocks ``prefix0..`` (parents first)."""
-    blocks = [{"key": f"{prefix}{i}", "parent": f"{prefix}{i - 1}" if i else None,
-               "buffers": {"x": PAGE}} for i in range(n)]  # fmt: skip
+    blocks = [
+        {"key": f"{prefix}{i}", "parent": f"{prefix}{i - 1}" if i else None, "buffers": {"x": PAGE}}
+        for i in range(n)
+    ]
     args = {"namespace": ns, "blocks": blocks}
     if retain is not None:
         args["retain"] = retain
@@ -81,8 +85,12 @@ def test_retained_blocks_outlive_a_burst_that_evicts_everything_else(make_broker
 
 
 def test_retained_go_last_lowest_priority_first_then_least_recent(make_broker):
-    b = make_broker(npages=32, high_watermark=1.0, low_watermark=1.0,
-                    retention=RetentionSettings(pool_share=1.0))  # fmt: skip
+    b = make_broker(
+        npages=32,
+        high_watermark=1.0,
+        low_watermark=1.0,
+        retention=RetentionSettings(pool_share=1.0),
+    )
     s = connect(b)
     low = chain(b, s, "low", 8, retain={"session": "low", "priority": 0})
     high = chain(b, s, "high", 8, retain={"session": "high", "priority": 5})
@@ -104,8 +112,9 @@ def test_each_request_renews_and_matched_blocks_are_retained(make_broker):
     s = connect(b)
     keys = chain(b, s, "shared", 6)  # published without a session (a system prompt)
     clock = b.retention.clock
-    r = b.handle(s, "match_prefix", {"keys": keys, "hold": False,
-                                     "retain": {"session": "chat", "for": 60}})  # fmt: skip
+    r = b.handle(
+        s, "match_prefix", {"keys": keys, "hold": False, "retain": {"session": "chat", "for": 60}}
+    )
     assert r["matched"] == 6
     clock.now += 50
     r = b.handle(s, "match_prefix", {"keys": keys[:2], "retain": {"session": "chat", "for": 60}})
@@ -233,10 +242,20 @@ def test_restart_keeps_retention_and_drops_what_expired(make_broker, tmp_path):
     assert held(b2, kept + more) == kept + more
 
 
-@pytest.mark.parametrize("bad", [
-    {"u": float("inf")}, {"u": True}, {"u": -1}, {"c": "yesterday"}, {"c": float("nan")},
-    {"x": float("nan")}, {"p": float("inf")}, {"p": 1000}, {"n": "x" * 600},
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"u": float("inf")},
+        {"u": True},
+        {"u": -1},
+        {"c": "yesterday"},
+        {"c": float("nan")},
+        {"x": float("nan")},
+        {"p": float("inf")},
+        {"p": 1000},
+        {"n": "x" * 600},
+    ],
+)
 def test_a_crafted_session_record_is_skipped_and_the_restart_keeps_the_rest(
     make_broker, tmp_path, bad
 ):
@@ -249,8 +268,19 @@ def test_a_crafted_session_record_is_skipped_and_the_restart_keeps_the_rest(
     s = connect(b, uid=1001)
     kept = chain(b, s, "keep", 3, retain={"session": "keep", "for": 600})
     now = b.retention.clock.now
-    b.journal.retention({"t": "r", "ns": "default", "n": "evil", "u": 1002, "p": 1,
-                         "x": now + 600, "c": now, "a": [], **bad})  # fmt: skip
+    b.journal.retention(
+        {
+            "t": "r",
+            "ns": "default",
+            "n": "evil",
+            "u": 1002,
+            "p": 1,
+            "x": now + 600,
+            "c": now,
+            "a": [],
+            **bad,
+        }
+    )
     b.journal.close()
     rec = Journal.load(path)
     pool2 = HostPool.adopt(0, b.pools[0].name, b.pools[0].size, PAGE)
@@ -274,16 +304,19 @@ def test_another_tenants_session_is_invisible(make_broker):
     chain(b, alice, "a", 3, ns=ns, retain={"session": "secret"})
     assert [x["name"] for x in b.handle(alice, "sessions", {})["sessions"]] == ["secret"]
     assert b.handle(bob, "sessions", {})["sessions"] == []
-    for op, args in (("retain", {"name": "secret", "seconds": 60}),
-                     ("unretain", {"name": "secret"}),
-                     ("retain", {"name": "secret", "seconds": 60, "namespace": ns})):  # fmt: skip
+    for op, args in (
+        ("retain", {"name": "secret", "seconds": 60}),
+        ("unretain", {"name": "secret"}),
+        ("retain", {"name": "secret", "seconds": 60, "namespace": ns}),
+    ):
         with pytest.raises(NotFound):
             b.handle(bob, op, args)
     assert b.statistics_for(bob).retention.largest == ()
     assert [x.name for x in b.statistics_for(alice).retention.largest] == ["secret"]
     with pytest.raises(Forbidden):  # naming a session in another tenant's namespace
-        b.handle(bob, "match_prefix", {"namespace": ns, "keys": ["a0"],
-                                       "retain": {"session": "secret"}})  # fmt: skip
+        b.handle(
+            bob, "match_prefix", {"namespace": ns, "keys": ["a0"], "retain": {"session": "secret"}}
+        )
     assert ("default", "secret") not in b.retention.sessions
     assert b.retention.sessions[(ns, "secret")].nbytes == 3 * PAGE
 
@@ -296,10 +329,15 @@ def test_another_uid_cannot_spend_a_sessions_quota_by_naming_it(make_broker):
     alice, bob = connect(b, uid=60021), connect(b, uid=60022)
     mine = chain(b, alice, "a", 4, retain={"session": "conv", "priority": 5})
     for op, args in (
-        ("reserve_blocks", {"blocks": [{"key": "b0", "buffers": {"x": PAGE}}],
-                            "retain": {"session": "conv", "priority": 0}}),
+        (
+            "reserve_blocks",
+            {
+                "blocks": [{"key": "b0", "buffers": {"x": PAGE}}],
+                "retain": {"session": "conv", "priority": 0},
+            },
+        ),
         ("match_prefix", {"keys": mine, "retain": {"session": "conv"}}),
-    ):  # fmt: skip
+    ):
         with pytest.raises(Forbidden, match="belongs to uid 60021"):
             b.handle(bob, op, args)
     entry = b.retention.sessions[("default", "conv")]
@@ -330,11 +368,19 @@ def test_operators_retain_and_release(make_broker):
     assert b.statistics().retention.dropped["released"] == 4
 
 
-@pytest.mark.parametrize("retain", [
-    {"session": ""}, {"session": 3}, {"session": "x", "for": -1}, {"session": "x", "for": True},
-    {"session": "x", "priority": 1000}, {"session": "x", "priority": 1.5},
-    {"session": "x", "until": 3}, {"session": "x" * 600},
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "retain",
+    [
+        {"session": ""},
+        {"session": 3},
+        {"session": "x", "for": -1},
+        {"session": "x", "for": True},
+        {"session": "x", "priority": 1000},
+        {"session": "x", "priority": 1.5},
+        {"session": "x", "until": 3},
+        {"session": "x" * 600},
+    ],
+)
 def test_a_bad_retain_is_refused_and_changes_nothing(make_broker, retain):
     b = make_broker()
     s = connect(b)
@@ -381,18 +427,25 @@ def test_a_request_extends_a_session_never_shortens_it_and_keeps_its_priority(ma
     b = make_broker()
     s = connect(b)
     chain(b, s, "c", 2, retain={"session": "x", "for": 3000, "priority": 4})
-    b.handle(s, "match_prefix", {"keys": ["c0"], "hold": False,
-                                 "retain": {"session": "x", "for": 60}})  # fmt: skip
+    b.handle(
+        s, "match_prefix", {"keys": ["c0"], "hold": False, "retain": {"session": "x", "for": 60}}
+    )
     (info,) = b.handle(s, "sessions", {})["sessions"]
     assert (info["expires_in"], info["priority"]) == (3000, 4)
-    assert b.handle(s, "retain", {"name": "x", "seconds": 60})["expires_in"] == 60  # an operator sets it
+    assert (
+        b.handle(s, "retain", {"name": "x", "seconds": 60})["expires_in"] == 60
+    )  # an operator sets it
 
 
 def test_prometheus_shows_retention_and_why_retained_blocks_went(make_broker):
     from kvbroker._server.metrics import BrokerCollector
 
-    b = make_broker(npages=16, high_watermark=1.0, low_watermark=1.0,
-                    retention=RetentionSettings(pool_share=0.75))  # fmt: skip
+    b = make_broker(
+        npages=16,
+        high_watermark=1.0,
+        low_watermark=1.0,
+        retention=RetentionSettings(pool_share=0.75),
+    )
     s = connect(b)
     chain(b, s, "a", 8, retain={"session": "a"})
     chain(b, s, "b", 6, retain={"session": "b"})  # 14 pages: a's 2 oldest lose retention
@@ -423,5 +476,4 @@ def test_a_match_naming_a_session_is_never_sent_to_a_read_replica():
     from kvbroker._client.replica import answers
 
     assert answers("match_prefix", {"keys": ["k"], "hold": False})  # the control
-    assert not answers("match_prefix", {"keys": ["k"], "hold": False,
-                                        "retain": {"session": "s"}})  # fmt: skip
+    assert not answers("match_prefix", {"keys": ["k"], "hold": False, "retain": {"session": "s"}})

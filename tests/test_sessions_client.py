@@ -34,10 +34,11 @@ def overflow(c, n=80):
 
 def test_prefix_cache_sessions_survive_overflow_cli_and_reload(tmp_path):
     cfg = tmp_path / "kvb.toml"
-    cfg.write_text("[sessions]\npool_share = 0.5\nretain = \"10m\"\n")
+    cfg.write_text('[sessions]\npool_share = 0.5\nretain = "10m"\n')
     sock = str(tmp_path / "kvb.sock")
-    d = DaemonProcess(sock, "--config", str(cfg), "--pool-size", "4M", "--page-size", "4K",
-                      ready_timeout=60)  # fmt: skip
+    d = DaemonProcess(
+        sock, "--config", str(cfg), "--pool-size", "4M", "--page-size", "4K", ready_timeout=60
+    )
     try:
         with d.client() as c:
             pc = PrefixCache(c, namespace="chat", block_size=BS, checksum=False)
@@ -51,7 +52,9 @@ def test_prefix_cache_sessions_survive_overflow_cli_and_reload(tmp_path):
             # the CLI
             r = cli("sessions", "-s", sock)
             assert r.exit_code == 0, r.output
-            assert "conv-42" in r.stdout and "chat" in r.stdout and "512.0 KiB" in r.stdout, r.stdout
+            assert "conv-42" in r.stdout and "chat" in r.stdout and "512.0 KiB" in r.stdout, (
+                r.stdout
+            )
             listed = json.loads(cli("sessions", "--json", "-s", sock).stdout)
             (row,) = listed["sessions"]
             assert (row["blocks"], row["priority"], row["namespace"]) == (8, 2, "chat")
@@ -125,8 +128,9 @@ def test_the_sessions_benchmark_keeps_every_reusable_token_that_lru_loses():
     trace = bench.make_trace(3, 3, 6, 256, 64, 1024, seed=1)
     got = {}
     for retain in (False, True):
-        with spawned_daemon("4M", "--page-size", "4K",
-                            env={"KVBROKER_READ_REPLICAS": "0"}) as socket:  # fmt: skip
+        with spawned_daemon(
+            "4M", "--page-size", "4K", env={"KVBROKER_READ_REPLICAS": "0"}
+        ) as socket:
             got[retain] = bench.replay(socket, trace, retain)
     assert got[True]["hit_of_reusable"] == 1.0
     assert got[False]["hit_of_reusable"] < 1.0

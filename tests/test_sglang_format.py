@@ -19,15 +19,19 @@ def mha_buffer(layout: str) -> tuple[np.ndarray, callable]:
     """An MHA host buffer as SGLang's init_kv_buffer shapes it (every byte distinct), and the
     page at a token as ``[K/V, layer, token, head, dim]``, read from the shape's definition."""
     size = PAGES * P
-    shapes = {"layer_first": (2, L, size, H, D), "page_first": (2, size, L, H, D),
-              "page_first_direct": (2, PAGES, L, P, H, D), "page_head": (2, PAGES, H, P, L, D)}
+    shapes = {
+        "layer_first": (2, L, size, H, D),
+        "page_first": (2, size, L, H, D),
+        "page_first_direct": (2, PAGES, L, P, H, D),
+        "page_head": (2, PAGES, H, P, L, D),
+    }
     buf = np.arange(np.prod(shapes[layout]), dtype=np.int32).reshape(shapes[layout])
 
     def page(t: int) -> np.ndarray:
         if layout == "layer_first":
-            return buf[:, :, t:t + P]
+            return buf[:, :, t : t + P]
         if layout == "page_first":
-            return buf[:, t:t + P].transpose(0, 2, 1, 3, 4)
+            return buf[:, t : t + P].transpose(0, 2, 1, 3, 4)
         if layout == "page_first_direct":
             return buf[:, t // P]
         return buf[:, t // P].transpose(0, 3, 2, 1, 4)
@@ -38,7 +42,7 @@ def mha_buffer(layout: str) -> tuple[np.ndarray, callable]:
 def gathered(buf: np.ndarray, g: PageGeometry, t: int, split: int = 1, j: int = 0) -> np.ndarray:
     flat = buf.reshape(-1).view(np.uint8)
     piece = g.run // split
-    runs = [flat[g.start(t) + r * g.outer_stride + j * piece:][:piece] for r in range(g.outer)]
+    runs = [flat[g.start(t) + r * g.outer_stride + j * piece :][:piece] for r in range(g.outer)]
     return np.concatenate(runs).view(np.int32)
 
 
@@ -53,9 +57,9 @@ def test_a_pages_runs_are_exactly_its_bytes_in_the_host_layouts_order(layout):
         assert sorted(got.tolist()) == sorted(page(t).reshape(-1).tolist())
         # in the layout's own order: what SGLang's get_data_page(flat=True) gives
         if layout == "layer_first":
-            flat = buf[:, :, t:t + P].reshape(-1)
+            flat = buf[:, :, t : t + P].reshape(-1)
         elif layout == "page_first":
-            flat = buf[:, t:t + P].reshape(-1)
+            flat = buf[:, t : t + P].reshape(-1)
         else:
             flat = buf[:, t // P].reshape(-1)
         assert np.array_equal(got, flat)
@@ -66,7 +70,7 @@ def test_page_head_shards_hold_one_head_range_each():
     g = PageGeometry.of("page_head", buf.shape, 4, P, PAGES * P, paired=True)
     for j in range(2):  # two shards of two heads
         got = gathered(buf, g, P, split=2, j=j)
-        want = page(P)[:, :, :, 2 * j:2 * j + 2]  # [K/V, layer, token, head, dim]
+        want = page(P)[:, :, :, 2 * j : 2 * j + 2]  # [K/V, layer, token, head, dim]
         assert sorted(got.tolist()) == sorted(want.reshape(-1).tolist())
 
 
@@ -81,10 +85,19 @@ def test_bad_layouts_and_indices_are_refused_clearly():
 
 
 def config(tp_rank=0, tp_size=1, lcm=None, split=False, mla=False, pp=(0, 1)):
-    return SimpleNamespace(tp_rank=tp_rank, tp_size=tp_size, tp_lcm_size=lcm,
-                           should_split_heads=split, is_mla_model=mla, pp_rank=pp[0],
-                           pp_size=pp[1], attn_cp_rank=0, attn_cp_size=1, dcp_rank=0,
-                           dcp_size=1)  # fmt: skip
+    return SimpleNamespace(
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        tp_lcm_size=lcm,
+        should_split_heads=split,
+        is_mla_model=mla,
+        pp_rank=pp[0],
+        pp_size=pp[1],
+        attn_cp_rank=0,
+        attn_cp_size=1,
+        dcp_rank=0,
+        dcp_size=1,
+    )
 
 
 def test_shard_suffixes_agree_across_tp_sizes_through_tp_lcm_size():
@@ -108,8 +121,9 @@ def test_page_keys_are_salted_by_namespace_and_cache_salt():
     assert base.blocks([h]) == PageKeys("sglang/m-1", "", ["/h8.tp0of1"]).blocks([h])
     assert base.page(h) != PageKeys("sglang/m-2", "", []).page(h)
     assert base.page(h) != PageKeys("sglang/m-1", "tenant", []).page(h)
-    assert base.blocks([h, h + "x"]) == [base.page(h) + "/h8.tp0of1", base.page(h + "x")
-                                         + "/h8.tp0of1"]  # fmt: skip
+    assert base.blocks([h, h + "x"]) == [
+        base.page(h) + "/h8.tp0of1",
+        base.page(h + "x") + "/h8.tp0of1",
+    ]
     two = PageKeys("sglang/m-1", "", ["/a", "/b"]).blocks(["p", "q"])
     assert [k[-2:] for k in two] == ["/a", "/b", "/a", "/b"]  # block-major, shard-minor
-

@@ -27,9 +27,15 @@ def store(socket: str, *, checksum: bool = True) -> tuple[PageStore, np.ndarray]
     buf = np.random.default_rng(7).integers(-(2**15), 2**15, shape, dtype=np.int16)
     geometry = PageGeometry.of("page_first", shape, 2, PAGE, PAGES * PAGE, paired=True)
     link = BrokerLink(socket, name="pages-test", role="kv_both", warnings=Warnings())
-    pages = PageStore(link, "sglang/pages-test", cache_salt="", sharding=Sharding(HEADS, 1, 0, 1),
-                      geometry=geometry, host=Source(buf.reshape(-1).view(np.uint8)),
-                      checksum=checksum)  # fmt: skip
+    pages = PageStore(
+        link,
+        "sglang/pages-test",
+        cache_salt="",
+        sharding=Sharding(HEADS, 1, 0, 1),
+        geometry=geometry,
+        host=Source(buf.reshape(-1).view(np.uint8)),
+        checksum=checksum,
+    )
     return pages, buf
 
 
@@ -73,15 +79,16 @@ def test_a_batch_write_is_one_round_trip(daemon):
     other, other_buf = store(daemon.socket_path)
     keys = hashes(4, "one-trip-2")
     assert other.read(keys, [other.host_page(t * PAGE) for t in range(4)]) == 4
-    assert np.array_equal(other_buf[:, :4 * PAGE], buf[:, 8 * PAGE:12 * PAGE])
+    assert np.array_equal(other_buf[:, : 4 * PAGE], buf[:, 8 * PAGE : 12 * PAGE])
     assert pages.totals().get("seal_failed", 0) == 0
     other.link.close()
     pages.link.close()
 
 
 def test_a_refused_seal_is_counted_its_leases_freed_and_the_next_write_goes_on(make_daemon):
-    d = make_daemon("--pool-size", "8M", "--page-size", "4K",
-                    env={"KVBROKER_REQUIRE_CHECKSUMS": "true"})  # fmt: skip
+    d = make_daemon(
+        "--pool-size", "8M", "--page-size", "4K", env={"KVBROKER_REQUIRE_CHECKSUMS": "true"}
+    )
     pages, _ = store(d.socket_path, checksum=False)  # this daemon refuses such seals
     first = hashes(3, "refused-a")
     assert pages.write(first, [pages.host_page(t * PAGE) for t in range(3)])  # sent
@@ -96,7 +103,6 @@ def test_a_refused_seal_is_counted_its_leases_freed_and_the_next_write_goes_on(m
         stat = c.stat()
         assert stat.used == 0 and stat.write_leases == 0, (stat.used, stat.write_leases)
     pages.link.close()
-
 
 
 def mamba_pool(slots: int, seed: int):
@@ -115,8 +121,9 @@ def mamba_pool(slots: int, seed: int):
 
 def state_store(socket: str, pool) -> StateStore:
     link = BrokerLink(socket, name="states-test", role="kv_both", warnings=Warnings())
-    return StateStore(link, "sglang/states-test", cache_salt="", pool=pool, tp_rank=0,
-                      tp_size=1, tag="@mamba")  # fmt: skip
+    return StateStore(
+        link, "sglang/states-test", cache_salt="", pool=pool, tp_rank=0, tp_size=1, tag="@mamba"
+    )
 
 
 @pytest.mark.parametrize("bad", ["truncated", "longer", "other_meta"])
@@ -138,8 +145,9 @@ def test_a_bad_state_page_mid_span_ends_the_read_keeping_the_pages_before_it(dae
         meta["parts"][1][1] = "float16"
     client = writer.link.get()
     (key,) = writer.keys.blocks(span[2:3])
-    r = blocks.reserve(client, writer.namespace, [{"key": key, "parent": None}],
-                       {fmt.packed: size}, meta)  # fmt: skip
+    r = blocks.reserve(
+        client, writer.namespace, [{"key": key, "parent": None}], {fmt.packed: size}, meta
+    )
     r.view(0, fmt.packed)[:] = 0x5A
     r.seal(r.checksums())
     assert writer.write(span, [0, 1, 2, 3, 4])  # pages 3 and 4; 2 is already there

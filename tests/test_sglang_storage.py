@@ -37,8 +37,9 @@ def page_hashes(n: int, tag: str = "") -> list[str]:
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory):
     d = tmp_path_factory.mktemp("sglang-kvb")
-    proc = DaemonProcess(str(d / "kvb.sock"), "--pool-size", "64M", "--page-size", "4K",
-                         ready_timeout=60)
+    proc = DaemonProcess(
+        str(d / "kvb.sock"), "--pool-size", "64M", "--page-size", "4K", ready_timeout=60
+    )
     yield proc
     assert proc.stop() == 0, proc.log()
 
@@ -53,13 +54,33 @@ def engines(tmp_path_factory):
         e.close()
 
 
-def create(engine: Engine, rank: str, socket: str, *, layout: str = "page_first",
-           tp_rank: int = 0, tp_size: int = 1, tp_lcm_size: int | None = None,
-           mla: bool = False, hybrid: bool = False, unsupported: dict | None = None,
-           **extra) -> dict:  # fmt: skip
-    return engine.call("create", rank=rank, layout=layout, tp_rank=tp_rank, tp_size=tp_size,
-                       tp_lcm_size=tp_lcm_size, mla=mla, extra={"socket": socket, **extra},
-                       hybrid=hybrid, unsupported=unsupported or {}, **GEOMETRY)  # fmt: skip
+def create(
+    engine: Engine,
+    rank: str,
+    socket: str,
+    *,
+    layout: str = "page_first",
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    tp_lcm_size: int | None = None,
+    mla: bool = False,
+    hybrid: bool = False,
+    unsupported: dict | None = None,
+    **extra,
+) -> dict:
+    return engine.call(
+        "create",
+        rank=rank,
+        layout=layout,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        tp_lcm_size=tp_lcm_size,
+        mla=mla,
+        extra={"socket": socket, **extra},
+        hybrid=hybrid,
+        unsupported=unsupported or {},
+        **GEOMETRY,
+    )
 
 
 def test_factory_loads_the_backend_from_the_documented_extra_config(daemon, engines):
@@ -92,13 +113,16 @@ def test_mla_latent_pages_are_shared_by_every_tp_size(daemon, engines, layout):
     """An MLA host pool (``MLATokenToKVPoolHost``): every TP rank holds the same latent rows,
     stored once (SGLang writes from one rank), read by an engine of any TP size."""
     a, b = engines
-    w = create(a, f"mla-w-{layout}", daemon.socket_path, layout=layout, tp_rank=0, tp_size=2,
-               mla=True)  # fmt: skip
-    r = create(b, f"mla-r-{layout}", daemon.socket_path, layout=layout, tp_rank=0, tp_size=1,
-               mla=True)  # fmt: skip
+    w = create(
+        a, f"mla-w-{layout}", daemon.socket_path, layout=layout, tp_rank=0, tp_size=2, mla=True
+    )
+    r = create(
+        b, f"mla-r-{layout}", daemon.socket_path, layout=layout, tp_rank=0, tp_size=1, mla=True
+    )
     assert w["namespace"] == r["namespace"]
-    assert w["namespace"] != create(b, f"mha-{layout}", daemon.socket_path,
-                                    layout=layout)["namespace"]  # fmt: skip
+    assert (
+        w["namespace"] != create(b, f"mha-{layout}", daemon.socket_path, layout=layout)["namespace"]
+    )
     hashes = page_hashes(4, "mla")
     assert a.call("set", rank=f"mla-w-{layout}", hashes=hashes, slot=1)["results"] == [True] * 4
     got = b.call("get", rank=f"mla-r-{layout}", hashes=hashes, slot=6)
@@ -117,7 +141,7 @@ def test_sglangs_own_controller_backs_up_and_prefetches_through_the_backend(daem
     prompt = list(range(1000, 1000 + 5 * page))  # SGLang backs up and prefetches whole pages
     backed = a.call("backup", rank="ctrl-a", tokens=prompt, slot=2)
     assert len(backed["hashes"]) == 5 and backed["completed_tokens"] == 5 * page
-    longer = prompt[:5 * page] + list(range(7, 7 + 2 * page))
+    longer = prompt[: 5 * page] + list(range(7, 7 + 2 * page))
     got = b.call("prefetch", rank="ctrl-b", tokens=longer, slot=9)
     assert got["hashes"] == backed["hashes"]  # SGLang's chain, the same in both processes
     assert got["hit_tokens"] == 5 * page and got["pages"] == 5
@@ -174,8 +198,7 @@ def test_heterogeneous_tp_reads_its_heads_through_tp_lcm_size(daemon, engines):
     one = create(a, "tp1", sock, layout="page_head", tp_lcm_size=2)
     assert one["split"]
     for r in (0, 1):
-        made = create(b, f"tp2-{r}", sock, layout="page_head", tp_rank=r, tp_size=2,
-                      tp_lcm_size=2)  # fmt: skip
+        made = create(b, f"tp2-{r}", sock, layout="page_head", tp_rank=r, tp_size=2, tp_lcm_size=2)
         assert made["namespace"] == one["namespace"]
     hashes = page_hashes(3, "tp1to2")
     assert a.call("set", rank="tp1", hashes=hashes, slot=0)["results"] == [True] * 3
@@ -210,17 +233,24 @@ def test_layouts_salts_and_models_do_not_share_pages(daemon, engines):
     sock = daemon.socket_path
     create(a, "iso-w", sock, cache_salt="tenant-a")
     created = {
-        "other layout": create(b, "iso-layout", sock, layout="page_first_direct",
-                               cache_salt="tenant-a"),
+        "other layout": create(
+            b, "iso-layout", sock, layout="page_first_direct", cache_salt="tenant-a"
+        ),
         "other salt": create(b, "iso-salt", sock, cache_salt="tenant-b"),
         "other model": create(b, "iso-model", sock, cache_salt="tenant-a", model_id="org/other"),
         "same": create(b, "iso-same", sock, cache_salt="tenant-a"),
-    }  # fmt: skip
+    }
     hashes = page_hashes(2, "iso")
     a.call("set", rank="iso-w", hashes=hashes, slot=0)
-    counts = {what: b.call("exists", rank=rank, hashes=hashes)["count"] for what, rank in
-              (("other layout", "iso-layout"), ("other salt", "iso-salt"),
-               ("other model", "iso-model"), ("same", "iso-same"))}  # fmt: skip
+    counts = {
+        what: b.call("exists", rank=rank, hashes=hashes)["count"]
+        for what, rank in (
+            ("other layout", "iso-layout"),
+            ("other salt", "iso-salt"),
+            ("other model", "iso-model"),
+            ("same", "iso-same"),
+        )
+    }
     assert counts == {"other layout": 0, "other salt": 0, "other model": 0, "same": 2}
     assert created["other salt"]["namespace"] == created["same"]["namespace"]  # the key differs
 
@@ -246,9 +276,18 @@ def test_a_host_pool_keeping_pages_elsewhere_is_refused_at_start(daemon, engines
     MXFP8 pool keeps its scales apart): kv_buffer alone would be restored with stale
     scales, so the backend refuses it at start, naming it (as an extra pool: a miss)."""
     a, _ = engines
-    got = a.call("create", rank="scaled", layout="page_first", tp_rank=0, tp_size=1,
-                 tp_lcm_size=None, extra={"socket": daemon.socket_path}, subclass=True,
-                 expect_error=True, **GEOMETRY)  # fmt: skip
+    got = a.call(
+        "create",
+        rank="scaled",
+        layout="page_first",
+        tp_rank=0,
+        tp_size=1,
+        tp_lcm_size=None,
+        extra={"socket": daemon.socket_path},
+        subclass=True,
+        expect_error=True,
+        **GEOMETRY,
+    )
     assert "ScaledMHAPool is not stored" in got["error"]
 
 
@@ -266,13 +305,13 @@ def test_hybrid_pools_written_by_one_engine_are_read_bit_exact_by_another(daemon
     create(a, "hy-w", daemon.socket_path, hybrid=True)
     create(b, "hy-r", daemon.socket_path, hybrid=True)
     hashes = page_hashes(6, "hybrid")
-    assert b.call("hybrid_exists", rank="hy-r", hashes=hashes, **span(0, 3, 10))[
-        "kv_hit_pages"] == 0  # fmt: skip
+    assert (
+        b.call("hybrid_exists", rank="hy-r", hashes=hashes, **span(0, 3, 10))["kv_hit_pages"] == 0
+    )
     stored = a.call("hybrid_set", rank="hy-w", hashes=hashes, **span(0, 3, 10))
     assert stored["results"] == {"kv": [True] * 6, "mamba": [True], "swa": [True, True]}
     found = b.call("hybrid_exists", rank="hy-r", hashes=hashes, **span(0, 3, 10))
-    assert found == {"kv_hit_pages": 6, "hits": {"kv": 6, "mamba": 6, "swa": 6},
-                     "restorable": [6]}  # fmt: skip
+    assert found == {"kv_hit_pages": 6, "hits": {"kv": 6, "mamba": 6, "swa": 6}, "restorable": [6]}
     # A shorter prefix has its KV pages, but no state was saved at its end: not restorable.
     short = b.call("hybrid_exists", rank="hy-r", hashes=hashes[:4], **span(0, 3, 10))
     assert short == {"kv_hit_pages": 0, "hits": {"kv": 4}, "restorable": []}
@@ -286,7 +325,10 @@ def test_hybrid_pools_written_by_one_engine_are_read_bit_exact_by_another(daemon
     # clear() drops every pool's pages of this rank
     assert a.call("clear", rank="hy-w")["cleared"]
     assert b.call("hybrid_exists", rank="hy-r", hashes=hashes, **span(0, 3, 10)) == {
-        "kv_hit_pages": 0, "hits": {}, "restorable": []}  # fmt: skip
+        "kv_hit_pages": 0,
+        "hits": {},
+        "restorable": [],
+    }
 
 
 def test_hybrid_spans_through_sglangs_hybrid_cache_controller(daemon, engines):
@@ -316,8 +358,9 @@ def test_hybrid_pools_are_misses_not_errors_when_they_cannot_be_served(tmp_path,
     hashes = page_hashes(3, "hy-down")
     down = a.call("hybrid_set", rank="hy-down", hashes=hashes, **span(0, 1, 4))
     assert down["results"] == {"kv": [False] * 3, "mamba": [False], "swa": [False, False]}
-    assert a.call("hybrid_exists", rank="hy-down", hashes=hashes, **span(0, 1, 4))[
-        "kv_hit_pages"] == 0  # fmt: skip
+    assert (
+        a.call("hybrid_exists", rank="hy-down", hashes=hashes, **span(0, 1, 4))["kv_hit_pages"] == 0
+    )
     got = a.call("hybrid_get", rank="hy-down", hashes=hashes, **span(0, 1, 4))
     assert got["results"] == {"kv": [False] * 3, "mamba": [False], "swa": [False, False]}
     # 16 pages of 4 KiB: a window of 17 pages never fits, the state (one page) does
@@ -326,11 +369,18 @@ def test_hybrid_pools_are_misses_not_errors_when_they_cannot_be_served(tmp_path,
         time.sleep(0.3)  # past the link's retry delay
         create(b, "hy-odd", sock, hybrid=True, unsupported={"deepseek_v4_c4": "paged"})
         odd = b.call("hybrid_set", rank="hy-odd", hashes=hashes, **span(0, 1, 4))
-        assert odd["results"] == {"kv": [True] * 3, "mamba": [True], "swa": [True, True],
-                                  "deepseek_v4_c4": [False]}  # fmt: skip
+        assert odd["results"] == {
+            "kv": [True] * 3,
+            "mamba": [True],
+            "swa": [True, True],
+            "deepseek_v4_c4": [False],
+        }
         # a hit needs every pool: one that is not stored leaves nothing restorable
         assert b.call("hybrid_exists", rank="hy-odd", hashes=hashes, **span(0, 1, 4)) == {
-            "kv_hit_pages": 0, "hits": {"kv": 3, "mamba": 3, "swa": 3}, "restorable": []}
+            "kv_hit_pages": 0,
+            "hits": {"kv": 3, "mamba": 3, "swa": 3},
+            "restorable": [],
+        }
         big = page_hashes(17, "hy-full")
         full = a.call("hybrid_set", rank="hy-down", hashes=big, **span(0, 2, 5, window=17))
         assert full["results"] == {"kv": [False] * 17, "mamba": [True], "swa": [False] * 17}
@@ -374,8 +424,9 @@ def test_daemon_down_then_up_costs_misses_and_skipped_writes_only(tmp_path, engi
         daemon.proc.send_signal(signal.SIGSTOP)  # hung: one call waits its timeout
         try:
             assert a.call("exists", rank="down", hashes=hashes)["count"] == 0
-            assert a.call("set", rank="down", hashes=page_hashes(1, "hung"),
-                          slot=0)["results"] == [False]
+            assert a.call("set", rank="down", hashes=page_hashes(1, "hung"), slot=0)["results"] == [
+                False
+            ]
             # the timeout took the link down: the set was not even tried
             assert a.call("stats", rank="down")["totals"]["errors"] == errors + 1
         finally:

@@ -44,8 +44,10 @@ def test_soak_short():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not os.environ.get("KVBROKER_SOAK_LONG"), reason="10-minute soak: set "
-                    "KVBROKER_SOAK_LONG=1 (or run benchmarks/soak.py)")
+@pytest.mark.skipif(
+    not os.environ.get("KVBROKER_SOAK_LONG"),
+    reason="10-minute soak: set KVBROKER_SOAK_LONG=1 (or run benchmarks/soak.py)",
+)
 @pytest.mark.timeout(900)
 def test_soak_ten_minutes():
     check(soak.run(clients=16, duration=600.0))

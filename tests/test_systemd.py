@@ -23,8 +23,10 @@ UNITS = Path(__file__).resolve().parent.parent / "systemd"
 
 
 # -- unit files ----------------------------------------------------------------------------
-@pytest.mark.skipif(shutil.which("systemd-analyze") is None,
-                    reason="systemd-analyze not installed (apt-get install systemd)")
+@pytest.mark.skipif(
+    shutil.which("systemd-analyze") is None,
+    reason="systemd-analyze not installed (apt-get install systemd)",
+)
 def test_units_verify_cleanly(tmp_path):
     # ExecStart must name an existing executable for verify; point it at this checkout's.
     kvbroker = shutil.which("kvbroker", path=os.path.dirname(sys.executable)) or "/bin/true"
@@ -33,10 +35,16 @@ def test_units_verify_cleanly(tmp_path):
     (tmp_path / "kvbroker.service").write_text(service.replace("/usr/bin/kvbroker", kvbroker))
     shutil.copy(UNITS / "kvbroker.socket", tmp_path)
     res = subprocess.run(
-        ["systemd-analyze", "verify", str(tmp_path / "kvbroker.service"),
-         str(tmp_path / "kvbroker.socket")],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        [
+            "systemd-analyze",
+            "verify",
+            str(tmp_path / "kvbroker.service"),
+            str(tmp_path / "kvbroker.socket"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     out = res.stdout + res.stderr
     # verify exits 0 on unknown keys and bad values, so its output is the verdict.
     assert res.returncode == 0, out
@@ -48,9 +56,10 @@ def test_units_say_what_the_service_needs():
     service = (UNITS / "kvbroker.service").read_text()
     sock = (UNITS / "kvbroker.socket").read_text()
     keys = dict(
-        line.split("=", 1) for line in service.splitlines()
+        line.split("=", 1)
+        for line in service.splitlines()
         if "=" in line and not line.startswith("#")
-    )  # fmt: skip
+    )
     assert keys["Type"] == "notify"
     assert keys["User"] == keys["Group"] == "kvbroker"
     assert keys["RuntimeDirectory"] == "kvbroker"
@@ -106,10 +115,22 @@ def test_notify_ready_status_watchdog_stopping(notify_socket, tmp_path):
     sock_path = str(tmp_path / "kvb.sock")
     env = {**os.environ, "NOTIFY_SOCKET": path, "WATCHDOG_USEC": "200000"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvbroker", "serve", "--socket", sock_path,
-         "--pool-size", "16M", "--page-size", "4K"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "kvbroker",
+            "serve",
+            "--socket",
+            sock_path,
+            "--pool-size",
+            "16M",
+            "--page-size",
+            "4K",
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     try:
         first = ns.recv(4096).decode().split("\n")
         assert first[0] == "READY=1", first
@@ -141,7 +162,7 @@ def test_notify_ready_status_watchdog_stopping(notify_socket, tmp_path):
     order = [lines.index(s) for s in ("READY=1", "WATCHDOG=1", "STOPPING=1")]
     assert order == sorted(order), lines
     assert sum(line == "WATCHDOG=1" for line in lines) >= 1
-    assert any(line.startswith("STATUS=draining") for line in lines[order[2]:]), lines
+    assert any(line.startswith("STATUS=draining") for line in lines[order[2] :]), lines
 
 
 def test_notifier_takes_its_variables_out_of_the_environment(monkeypatch, notify_socket):
@@ -154,8 +175,10 @@ def test_notifier_takes_its_variables_out_of_the_environment(monkeypatch, notify
     assert "NOTIFY_SOCKET" not in os.environ and "WATCHDOG_USEC" not in os.environ
     child = subprocess.run(
         [sys.executable, "-c", "import os; print(os.environ.get('NOTIFY_SOCKET'))"],
-        capture_output=True, text=True, check=True,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert child.stdout.strip() == "None"
     assert n.watchdog() and ns.recv(100) == b"WATCHDOG=1"
 
@@ -178,8 +201,10 @@ def test_listen_fds_is_for_our_pid_only(monkeypatch):
 
 
 # -- socket activation ---------------------------------------------------------------------
-@pytest.mark.skipif(shutil.which("systemd-socket-activate") is None,
-                    reason="systemd-socket-activate not installed (apt-get install systemd)")
+@pytest.mark.skipif(
+    shutil.which("systemd-socket-activate") is None,
+    reason="systemd-socket-activate not installed (apt-get install systemd)",
+)
 def _connect_or_none(path: str) -> Client | None:
     try:
         return Client(path, timeout=30)
@@ -194,10 +219,22 @@ def test_socket_activation_serves_on_the_passed_socket(tmp_path):
     log = open(tmp_path / "daemon.log", "wb")
     # --socket names another path on purpose: the passed socket wins.
     proc = subprocess.Popen(
-        ["systemd-socket-activate", "-l", sock_path, sys.executable, "-m", "kvbroker",
-         "serve", "--config", str(conf), "--socket", str(tmp_path / "unused.sock")],
-        stdout=log, stderr=subprocess.STDOUT,
-    )  # fmt: skip
+        [
+            "systemd-socket-activate",
+            "-l",
+            sock_path,
+            sys.executable,
+            "-m",
+            "kvbroker",
+            "serve",
+            "--config",
+            str(conf),
+            "--socket",
+            str(tmp_path / "unused.sock"),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     try:
         deadline = time.monotonic() + 10
         while not os.path.exists(sock_path):
@@ -319,9 +356,11 @@ def test_draining_refuses_every_lease_taking_op_by_its_real_name(make_daemon):
     lease = c.reserve("held", {"x": 4096})  # keeps the daemon draining
     d.proc.send_signal(signal.SIGTERM)
     _wait_until_draining(d)
-    for op, args in [("match_prefix", {"keys": ["k"]}),
-                     ("reserve_blocks", {"blocks": [{"key": "b", "buffers": {"x": 8}}]}),
-                     ("claim", {"key": "k"})]:  # fmt: skip
+    for op, args in [
+        ("match_prefix", {"keys": ["k"]}),
+        ("reserve_blocks", {"blocks": [{"key": "b", "buffers": {"x": 8}}]}),
+        ("claim", {"key": "k"}),
+    ]:
         with pytest.raises(BrokerUnavailable, match="shutting down"):
             c._call(op, **args)
     lease.abort()  # (a seal would be refused: SIGTERM frees the pools)
@@ -376,9 +415,11 @@ def test_sighup_reloads_what_can_change(make_daemon, tmp_path):
     conf.write_text('pool_size = "16M"\npage_size = "4K"\nlease_ttl = "30s"\n')
     d = make_daemon("--config", str(conf))
     assert _hello_ttl(d) == 30
-    conf.write_text('pool_size = "32M"\npage_size = "4K"\nlease_ttl = "5s"\n'
-                    "high_watermark = 0.8\nlow_watermark = 0.5\nlog_level = \"debug\"\n"
-                    'restart_quarantine = "45s"\n')
+    conf.write_text(
+        'pool_size = "32M"\npage_size = "4K"\nlease_ttl = "5s"\n'
+        'high_watermark = 0.8\nlow_watermark = 0.5\nlog_level = "debug"\n'
+        'restart_quarantine = "45s"\n'
+    )
     d.proc.send_signal(signal.SIGHUP)
     _wait_for(lambda: _hello_ttl(d) == 5)
     with d.client(map_pools=False) as c:
@@ -405,17 +446,20 @@ def test_unit_needs_no_network_and_documents_an_installed_file():
     readme = (UNITS.parent / "README.md").read_text()
     for unit in ("kvbroker.service", "kvbroker.socket"):
         text = (UNITS / unit).read_text()
-        docs = [line.split("=", 1)[1] for line in text.splitlines()
-                if line.startswith("Documentation=")]  # fmt: skip
+        docs = [
+            line.split("=", 1)[1] for line in text.splitlines() if line.startswith("Documentation=")
+        ]
         assert docs, unit
         for doc in docs:
             assert doc.startswith("file:/usr/share/doc/kvbroker/")
             # the README's install steps put that very file there
-            assert f"README.md {doc[len('file:'):]}" in readme, doc
+            assert f"README.md {doc[len('file:') :]}" in readme, doc
 
 
-@pytest.mark.skipif(shutil.which("systemd-analyze") is None,
-                    reason="systemd-analyze not installed (apt-get install systemd)")
+@pytest.mark.skipif(
+    shutil.which("systemd-analyze") is None,
+    reason="systemd-analyze not installed (apt-get install systemd)",
+)
 def test_shipped_drop_in_makes_verify_pass_with_kvbroker_elsewhere(tmp_path):
     # The shipped unit as is, with the drop-in pointing at where kvbroker really is (the
     # drop-in shipped for /usr/local/bin, with its path replaced by this checkout's).
@@ -428,8 +472,12 @@ def test_shipped_drop_in_makes_verify_pass_with_kvbroker_elsewhere(tmp_path):
     (tmp_path / "kvbroker.service.d" / "usr-local-bin.conf").write_text(
         drop.replace("/usr/local/bin/kvbroker", kvbroker)
     )
-    args = ["systemd-analyze", "verify", str(tmp_path / "kvbroker.service"),
-            str(tmp_path / "kvbroker.socket")]  # fmt: skip
+    args = [
+        "systemd-analyze",
+        "verify",
+        str(tmp_path / "kvbroker.service"),
+        str(tmp_path / "kvbroker.socket"),
+    ]
     res = subprocess.run(args, capture_output=True, text=True, timeout=60)
     out = res.stdout + res.stderr
     assert res.returncode == 0 and "kvbroker" not in out, out

@@ -161,8 +161,11 @@ def snapshot(d: DaemonProcess):
     with d.client(map_pools=False) as c:
         s = c.stat()
         names = [p.name for p in s.pools]
-        return (names, [(p.used, p.objects) for p in s.pools],
-                sorted((n.namespace, n.objects, n.bytes, n.used) for n in s.namespaces))
+        return (
+            names,
+            [(p.used, p.objects) for p in s.pools],
+            sorted((n.namespace, n.objects, n.bytes, n.used) for n in s.namespaces),
+        )
 
 
 def expected_owners():
@@ -276,8 +279,9 @@ def test_an_object_whose_namespace_moved_to_another_pool_is_not_restored(daemons
     d = daemons()  # the tenant pool holds the namespace A too now
     with d.client() as root:
         assert not root.exists("k1", namespace=A)
-        assert np.array_equal(root.get("k2", namespace=f"{A}/sub")["kv"],
-                              pattern(f"{A}/subk2", 8192))  # fmt: skip
+        assert np.array_equal(
+            root.get("k2", namespace=f"{A}/sub")["kv"], pattern(f"{A}/subk2", 8192)
+        )
         assert root.stat().pools[0].used == 0
     assert "its namespace lives in another pool now" in d.log() and f"{A}/k1" in d.log()
 
@@ -335,8 +339,10 @@ def test_a_damaged_journal_with_a_tenant_pool_the_daemon_cannot_read(tmp_path):
 
     prefix = segment_prefix()
     tenant = TenantPool("a", 8 << 12, NOBODY, None, (A,))
-    pools = [HostPool(0, prefix + ".0", 8 << 12, 4096, uid=DAEMON_UID),
-             HostPool(1, prefix + ".1", 8 << 12, 4096, uid=NOBODY, tenant=tenant)]
+    pools = [
+        HostPool(0, prefix + ".0", 8 << 12, 4096, uid=DAEMON_UID),
+        HostPool(1, prefix + ".1", 8 << 12, 4096, uid=NOBODY, tenant=tenant),
+    ]
     try:
         b = Broker(pools)
         s = b.open_session()
@@ -346,7 +352,7 @@ def test_a_damaged_journal_with_a_tenant_pool_the_daemon_cannot_read(tmp_path):
             pool, off, n = r["buffers"]["x"]
             shm = posix_ipc.SharedMemory(pools[pool].name)
             with mmap.mmap(shm.fd, pools[pool].size) as mm:
-                mm[off:off + n] = data = os.urandom(n)
+                mm[off : off + n] = data = os.urandom(n)
             shm.close_fd()
             b.handle(s, "seal", {"lease": r["lease"], "checksums": {"x": encode(digest(data))}})
         records = b.directory.records()
@@ -388,8 +394,10 @@ def work(sock: str, ns: str, other: int):
             for key, n in sizes.items():
                 c.put(key, {"kv": pattern(ns + key, n)}, namespace=ns)
             out["arena"] = c._arena.extent[0] if c._arena.extent else None
-            out["intact"] = [bool(np.array_equal(c.get(k, namespace=ns, verify=True)["kv"],
-                                                 pattern(ns + k, n))) for k, n in sizes.items()]
+            out["intact"] = [
+                bool(np.array_equal(c.get(k, namespace=ns, verify=True)["kv"], pattern(ns + k, n)))
+                for k, n in sizes.items()
+            ]
             with c.claim("big", namespace=ns) as lease:
                 out["pool"] = lease._extents["kv"][0]
             tokens = list(range(1, 50))
@@ -397,8 +405,9 @@ def work(sock: str, ns: str, other: int):
             pc = PrefixCache(c, namespace=ns, block_size=16)
             pc.publish(tokens, blocks)
             with pc.match(tokens + [0]) as m:
-                out["prefix"] = [bool(np.array_equal(b["k"], blocks[i]["k"]))
-                                 for i, b in enumerate(m.blocks)]  # fmt: skip
+                out["prefix"] = [
+                    bool(np.array_equal(b["k"], blocks[i]["k"])) for i, b in enumerate(m.blocks)
+                ]
             try:
                 c._mapping(other)
                 out["other"] = "mapped"
@@ -437,9 +446,12 @@ def test_hello_names_a_tenant_only_the_pools_it_may_map(daemons):
         assert out["doctor"][0] == "ok" and "2 pool(s) present" in out["doctor"][1], out
     with d.client() as root:
         assert [p.name for p in root.stat().pools] == names
-        assert sorted((o.namespace, o.key) for o in root.list()
-                      if o.key in ("small", "big")) == [(B, "big"), (B, "small"),
-                                                         (A, "big"), (A, "small")]  # fmt: skip
+        assert sorted((o.namespace, o.key) for o in root.list() if o.key in ("small", "big")) == [
+            (B, "big"),
+            (B, "small"),
+            (A, "big"),
+            (A, "small"),
+        ]
 
 
 def test_pools_made_as_configured_are_owned_as_configured():
@@ -452,21 +464,30 @@ def test_pools_made_as_configured_are_owned_as_configured():
     from kvbroker._server.startup import _owners_changed
 
     prefix = segment_prefix()
-    tenants = [TenantPool("u", 8192, NOBODY, None, ("u",)),
-               TenantPool("g", 8192, None, TEAM, ("g",))]
-    pools = [HostPool(0, prefix + ".0", 8192, 4096, mode=0o660, gid=TEAM),
-             HostPool(1, prefix + ".1", 8192, 4096, uid=NOBODY),
-             HostPool(2, prefix + ".2", 8192, 4096, mode=0o660, gid=TEAM)]
+    tenants = [
+        TenantPool("u", 8192, NOBODY, None, ("u",)),
+        TenantPool("g", 8192, None, TEAM, ("g",)),
+    ]
+    pools = [
+        HostPool(0, prefix + ".0", 8192, 4096, mode=0o660, gid=TEAM),
+        HostPool(1, prefix + ".1", 8192, 4096, uid=NOBODY),
+        HostPool(2, prefix + ".2", 8192, 4096, mode=0o660, gid=TEAM),
+    ]
     old = [p.describe() for p in pools]
     try:
         cfg = SimpleNamespace(pools=1, group=TEAM)
         assert _owners_changed(cfg, old, tenants) == []
         moved = [tenants[0], TenantPool("g", 8192, None, TEAM + 1, ("g",))]
         assert _owners_changed(SimpleNamespace(pools=1, group=None), old, moved) == [
-            ("pool 0 (shared) is owned by uid 0, gid 60001, mode 0660; the configuration asks "
-             "for uid 0, mode 0600"),
-            ("pool 2 (tenant_pools.g) is owned by uid 0, gid 60001, mode 0660; the "
-             "configuration asks for uid 0, gid 60002, mode 0660")]  # fmt: skip
+            (
+                "pool 0 (shared) is owned by uid 0, gid 60001, mode 0660; the configuration asks "
+                "for uid 0, mode 0600"
+            ),
+            (
+                "pool 2 (tenant_pools.g) is owned by uid 0, gid 60001, mode 0660; the "
+                "configuration asks for uid 0, gid 60002, mode 0660"
+            ),
+        ]
     finally:
         for p in pools:
             p.unlink()
@@ -524,8 +545,10 @@ def test_a_daemon_that_is_not_root_maps_a_tenants_pool_for_transfers():
     from kvbroker._server.pool import HostPool, segment_prefix
 
     prefix = segment_prefix()
-    pools = [HostPool(0, prefix + ".0", 8192, 4096, uid=DAEMON_UID),
-             HostPool(1, prefix + ".1", 8192, 4096, uid=NOBODY)]
+    pools = [
+        HostPool(0, prefix + ".0", 8192, 4096, uid=DAEMON_UID),
+        HostPool(1, prefix + ".1", 8192, 4096, uid=NOBODY),
+    ]
     try:
         shm = posix_ipc.SharedMemory(pools[1].name)  # as root: the tenant's bytes
         os.pwrite(shm.fd, b"tenant", 4096)
@@ -538,8 +561,11 @@ def test_a_daemon_that_is_not_root_maps_a_tenants_pool_for_transfers():
             return [bytes(m[4096:4102]).decode() for m in fleet._maps]
 
         assert _as_daemon_user(run) == ["\0" * 6, "tenant"]
-        assert owners([p.name for p in pools]) == before == [
-            (DAEMON_UID, 0, 0o600), (NOBODY, 0, 0o600)]  # fmt: skip
+        assert (
+            owners([p.name for p in pools])
+            == before
+            == [(DAEMON_UID, 0, 0o600), (NOBODY, 0, 0o600)]
+        )
     finally:
         for p in pools:
             p.unlink()

@@ -30,8 +30,7 @@ LAYOUTS = {
     "kv-first HND": ("kv", "block", "head", "token", "head_dim"),
 }
 CANONICAL = ("kv", "block", "token", "head", "head_dim")
-DTYPES = [("numpy", "float16"), ("numpy", "float32"), ("torch", "bfloat16"),
-          ("torch", "float16")]  # fmt: skip
+DTYPES = [("numpy", "float16"), ("numpy", "float32"), ("torch", "bfloat16"), ("torch", "float16")]
 if hasattr(torch, "float8_e4m3fn"):
     DTYPES.append(("torch", "float8_e4m3fn"))
 _ITEMSIZE = {"float16": 2, "float32": 4, "bfloat16": 2, "float8_e4m3fn": 1}
@@ -40,8 +39,9 @@ _requests = itertools.count()
 
 @pytest.fixture(scope="module")
 def shared_daemon(tmp_path_factory):
-    d = DaemonProcess(str(tmp_path_factory.mktemp("kvtp") / "kvb.sock"), "--pool-size", "64M",
-                      "--page-size", "4K")  # fmt: skip
+    d = DaemonProcess(
+        str(tmp_path_factory.mktemp("kvtp") / "kvb.sock"), "--pool-size", "64M", "--page-size", "4K"
+    )
     yield d
     assert d.stop() == 0, d.log()
 
@@ -55,7 +55,9 @@ def tp_client(shared_daemon):
 # -- reference construction ---------------------------------------------------------------------
 def random_bits(rng, shape, itemsize):
     """Random bit patterns (NaNs and all): the copies must not care what the bits mean."""
-    return rng.integers(0, 256, size=(*shape, itemsize), dtype=np.uint8).view(f"u{itemsize}")[..., 0]
+    return rng.integers(0, 256, size=(*shape, itemsize), dtype=np.uint8).view(f"u{itemsize}")[
+        ..., 0
+    ]
 
 
 def engine_cache(full, heads: range, axes, block_size, num_blocks, ids, rng, kind, dtype):
@@ -70,8 +72,9 @@ def engine_cache(full, heads: range, axes, block_size, num_blocks, ids, rng, kin
     for t in range(tokens):
         canon[:, :, ids[t // block_size], t % block_size] = full[:, :, t, heads.start : heads.stop]
     order = [1 + CANONICAL.index(a) for a in axes]
-    per_layer = [np.ascontiguousarray(canon[i].transpose([o - 1 for o in order]))
-                 for i in range(layers)]  # fmt: skip
+    per_layer = [
+        np.ascontiguousarray(canon[i].transpose([o - 1 for o in order])) for i in range(layers)
+    ]
     if kind == "torch":
         tensors = [torch.from_numpy(a).view(getattr(torch, dtype)) for a in per_layer]
     else:
@@ -102,7 +105,9 @@ def block_ids(rng, tokens, block_size, spare=2):
     return rng.permutation(num_blocks)[:needed].tolist(), num_blocks
 
 
-def run_handoff(client, H, P, D, kind, dtype, axes_p, axes_d, bs_p, bs_d, layers, tokens, dim, seed):
+def run_handoff(
+    client, H, P, D, kind, dtype, axes_p, axes_d, bs_p, bs_d, layers, tokens, dim, seed
+):
     """Publish from P ranks, claim into D ranks; check exactness, copy bound and freeing."""
     rng = np.random.default_rng(seed)
     request = f"req{next(_requests)}"
@@ -110,17 +115,39 @@ def run_handoff(client, H, P, D, kind, dtype, axes_p, axes_d, bs_p, bs_d, layers
     full = random_bits(rng, (layers, 2, tokens, H, dim), itemsize)
     for p in range(P):
         ids, nb = block_ids(rng, tokens, bs_p)
-        tensors, _ = engine_cache(full, shard_heads(p, P, H), axes_p, bs_p, nb, ids, rng, kind, dtype)
-        res = publish_shard(client, request, PagedKV(tensors, axes_p), ids, tokens, tp_rank=p,
-                            tp_size=P, total_kv_heads=H, decode_tp_size=D)  # fmt: skip
+        tensors, _ = engine_cache(
+            full, shard_heads(p, P, H), axes_p, bs_p, nb, ids, rng, kind, dtype
+        )
+        res = publish_shard(
+            client,
+            request,
+            PagedKV(tensors, axes_p),
+            ids,
+            tokens,
+            tp_rank=p,
+            tp_size=P,
+            total_kv_heads=H,
+            decode_tp_size=D,
+        )
         assert res.published == (readers_of(p, H, P, D) > 0)
         assert res.copy_ops <= 2 * layers * 2
     for d in range(D):
         mine = shard_heads(d, D, H)
         ids, nb = block_ids(rng, tokens, bs_d)
-        tensors, bits = engine_cache(np.zeros_like(full), mine, axes_d, bs_d, nb, ids, rng, kind, dtype)
-        res = claim_shards(client, request, PagedKV(tensors, axes_d), ids, tp_rank=d, tp_size=D,
-                           prefill_tp_size=P, total_kv_heads=H, wait=5)  # fmt: skip
+        tensors, bits = engine_cache(
+            np.zeros_like(full), mine, axes_d, bs_d, nb, ids, rng, kind, dtype
+        )
+        res = claim_shards(
+            client,
+            request,
+            PagedKV(tensors, axes_d),
+            ids,
+            tp_rank=d,
+            tp_size=D,
+            prefill_tp_size=P,
+            total_kv_heads=H,
+            wait=5,
+        )
         shards = len(res.keys)
         assert shards == len({p.prefill_rank for p in claim_plan(H, P, D, d)})
         assert shards == (max(1, P * len(mine) // H) if P <= H else len(mine))  # one copy per head
@@ -159,37 +186,98 @@ def test_plan_covers_each_needed_head_once_from_a_holder(H, P, D):
 
 
 # -- end to end ---------------------------------------------------------------------------------
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                                                   HealthCheck.too_slow])
+@settings(
+    max_examples=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 @given(
-    H=st.sampled_from(HEADS), P=st.sampled_from(TPS), D=st.sampled_from(TPS),
-    dtype=st.sampled_from(DTYPES), axes_p=st.sampled_from(sorted(LAYOUTS)),
-    axes_d=st.sampled_from(sorted(LAYOUTS)), bs_p=st.sampled_from([1, 4, 16]),
-    bs_d=st.sampled_from([1, 4, 16]), layers=st.integers(1, 3), tokens=st.integers(1, 40),
-    dim=st.sampled_from([1, 4, 8, 128]), seed=st.integers(0, 2**32 - 1),
-)  # fmt: skip
-def test_every_decode_rank_gets_exactly_its_heads(tp_client, H, P, D, dtype, axes_p, axes_d, bs_p,
-                                                  bs_d, layers, tokens, dim, seed):  # fmt: skip
+    H=st.sampled_from(HEADS),
+    P=st.sampled_from(TPS),
+    D=st.sampled_from(TPS),
+    dtype=st.sampled_from(DTYPES),
+    axes_p=st.sampled_from(sorted(LAYOUTS)),
+    axes_d=st.sampled_from(sorted(LAYOUTS)),
+    bs_p=st.sampled_from([1, 4, 16]),
+    bs_d=st.sampled_from([1, 4, 16]),
+    layers=st.integers(1, 3),
+    tokens=st.integers(1, 40),
+    dim=st.sampled_from([1, 4, 8, 128]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_every_decode_rank_gets_exactly_its_heads(
+    tp_client, H, P, D, dtype, axes_p, axes_d, bs_p, bs_d, layers, tokens, dim, seed
+):
     assume(H * tokens * dim * layers <= 64 * 40 * 4)  # keep each example small
     kind, name = dtype
-    run_handoff(tp_client, H, P, D, kind, name, LAYOUTS[axes_p], LAYOUTS[axes_d], bs_p, bs_d,
-                layers, tokens, dim, seed)  # fmt: skip
+    run_handoff(
+        tp_client,
+        H,
+        P,
+        D,
+        kind,
+        name,
+        LAYOUTS[axes_p],
+        LAYOUTS[axes_d],
+        bs_p,
+        bs_d,
+        layers,
+        tokens,
+        dim,
+        seed,
+    )
 
 
-@pytest.mark.parametrize("H,P,D", [(8, 4, 1), (8, 1, 4), (8, 2, 2), (2, 8, 8), (2, 8, 2),
-                                   (40, 8, 2), (1, 4, 2)])  # fmt: skip
+@pytest.mark.parametrize(
+    "H,P,D", [(8, 4, 1), (8, 1, 4), (8, 2, 2), (2, 8, 8), (2, 8, 2), (40, 8, 2), (1, 4, 2)]
+)
 def test_named_configurations(tp_client, H, P, D):
-    run_handoff(tp_client, H, P, D, "torch", "bfloat16", LAYOUTS["blocks-first NHD"],
-                LAYOUTS["kv-first HND"], 4, 16, 2, 37, 8, seed=H * 100 + P * 10 + D)  # fmt: skip
+    run_handoff(
+        tp_client,
+        H,
+        P,
+        D,
+        "torch",
+        "bfloat16",
+        LAYOUTS["blocks-first NHD"],
+        LAYOUTS["kv-first HND"],
+        4,
+        16,
+        2,
+        37,
+        8,
+        seed=H * 100 + P * 10 + D,
+    )
 
 
-@pytest.mark.parametrize("P,D,axes", [(1, 1, "blocks-first NHD"), (2, 1, "blocks-first NHD"),
-                                      (1, 2, "blocks-first NHD"), (1, 1, "kv-first HND")])  # fmt: skip
+@pytest.mark.parametrize(
+    "P,D,axes",
+    [
+        (1, 1, "blocks-first NHD"),
+        (2, 1, "blocks-first NHD"),
+        (1, 2, "blocks-first NHD"),
+        (1, 1, "kv-first HND"),
+    ],
+)
 def test_whole_row_and_head_major_scatters(tp_client, P, D, axes):
     # head_dim 128 x 8 heads x 2 bytes = 2 KiB rows: a full-row NHD claim copies in row order,
     # a partial one (or HND) head by head. Both must be bit-exact.
-    run_handoff(tp_client, 8, P, D, "torch", "bfloat16", LAYOUTS["blocks-first NHD"],
-                LAYOUTS[axes], 4, 16, 2, 37, 128, seed=P * 10 + D)  # fmt: skip
+    run_handoff(
+        tp_client,
+        8,
+        P,
+        D,
+        "torch",
+        "bfloat16",
+        LAYOUTS["blocks-first NHD"],
+        LAYOUTS[axes],
+        4,
+        16,
+        2,
+        37,
+        128,
+        seed=P * 10 + D,
+    )
 
 
 def test_copy_ops_do_not_grow_with_tokens(tp_client):
@@ -199,14 +287,42 @@ def test_copy_ops_do_not_grow_with_tokens(tp_client):
         full = random_bits(rng, (2, 2, tokens, 4, 8), 2)
         for p in range(2):
             ids, nb = block_ids(rng, tokens, 16)
-            t, _ = engine_cache(full, shard_heads(p, 2, 4), LAYOUTS["kv-first HND"], 16, nb, ids,
-                                rng, "numpy", "float16")  # fmt: skip
-            publish_shard(tp_client, f"grow{tokens}", PagedKV(t, LAYOUTS["kv-first HND"]), ids,
-                          tokens, tp_rank=p, tp_size=2, total_kv_heads=4, decode_tp_size=1)  # fmt: skip
+            t, _ = engine_cache(
+                full,
+                shard_heads(p, 2, 4),
+                LAYOUTS["kv-first HND"],
+                16,
+                nb,
+                ids,
+                rng,
+                "numpy",
+                "float16",
+            )
+            publish_shard(
+                tp_client,
+                f"grow{tokens}",
+                PagedKV(t, LAYOUTS["kv-first HND"]),
+                ids,
+                tokens,
+                tp_rank=p,
+                tp_size=2,
+                total_kv_heads=4,
+                decode_tp_size=1,
+            )
         ids, nb = block_ids(rng, tokens, 16)
-        t, _ = engine_cache(full, range(4), LAYOUTS["kv-first HND"], 16, nb, ids, rng, "numpy", "float16")
-        res = claim_shards(tp_client, f"grow{tokens}", PagedKV(t, LAYOUTS["kv-first HND"]), ids,
-                           tp_rank=0, tp_size=1, prefill_tp_size=2, total_kv_heads=4)  # fmt: skip
+        t, _ = engine_cache(
+            full, range(4), LAYOUTS["kv-first HND"], 16, nb, ids, rng, "numpy", "float16"
+        )
+        res = claim_shards(
+            tp_client,
+            f"grow{tokens}",
+            PagedKV(t, LAYOUTS["kv-first HND"]),
+            ids,
+            tp_rank=0,
+            tp_size=1,
+            prefill_tp_size=2,
+            total_kv_heads=4,
+        )
         ops.add(res.copy_ops)
     assert ops == {2 * 2 * 2}
 
@@ -219,14 +335,31 @@ def test_mla_latent_any_one_copy_serves_every_rank(tp_client):
     for p in range(P):
         ids, nb = block_ids(rng, tokens, 4)
         arrays = [a.view(np.float16) for a in latent_cache(full, 4, nb, ids, rng)]
-        res = publish_shard(tp_client, "mla", PagedKV(arrays, axes), ids, tokens, tp_rank=p,
-                            tp_size=P, total_kv_heads=None, decode_tp_size=D)  # fmt: skip
+        res = publish_shard(
+            tp_client,
+            "mla",
+            PagedKV(arrays, axes),
+            ids,
+            tokens,
+            tp_rank=p,
+            tp_size=P,
+            total_kv_heads=None,
+            decode_tp_size=D,
+        )
         assert res.published == (p < D)  # decode rank d reads copy d mod P; others are unused
     for d in range(D):
         ids, nb = block_ids(rng, tokens, 8)
         arrays = [np.zeros((nb, 8, dim), np.float16) for _ in range(layers)]
-        res = claim_shards(tp_client, "mla", PagedKV(arrays, axes), ids, tp_rank=d, tp_size=D,
-                           prefill_tp_size=P, total_kv_heads=None)  # fmt: skip
+        res = claim_shards(
+            tp_client,
+            "mla",
+            PagedKV(arrays, axes),
+            ids,
+            tp_rank=d,
+            tp_size=D,
+            prefill_tp_size=P,
+            total_kv_heads=None,
+        )
         assert res.keys == [shard_key("mla", d % P, P)] and res.copy_ops == layers * 2
         for t in range(tokens):
             got = np.stack([a[ids[t // 8], t % 8].view(np.uint16) for a in arrays])
@@ -235,34 +368,80 @@ def test_mla_latent_any_one_copy_serves_every_rank(tp_client):
 
 
 # -- errors and lifetimes -----------------------------------------------------------------------
-def _publish_simple(client, request, P=2, H=4, dim=8, layers=2, tokens=10, dtype=np.float16,
-                    ranks=None, decode_tp_size=1):  # fmt: skip
+def _publish_simple(
+    client,
+    request,
+    P=2,
+    H=4,
+    dim=8,
+    layers=2,
+    tokens=10,
+    dtype=np.float16,
+    ranks=None,
+    decode_tp_size=1,
+):
     axes = LAYOUTS["blocks-first NHD"]
     for p in range(P) if ranks is None else ranks:
         cache = [np.ones((3, 2, 4, H // P, dim), dtype) for _ in range(layers)]
-        publish_shard(client, request, PagedKV(cache, axes), [0, 1, 2], tokens, tp_rank=p,
-                      tp_size=P, total_kv_heads=H, decode_tp_size=decode_tp_size)  # fmt: skip
+        publish_shard(
+            client,
+            request,
+            PagedKV(cache, axes),
+            [0, 1, 2],
+            tokens,
+            tp_rank=p,
+            tp_size=P,
+            total_kv_heads=H,
+            decode_tp_size=decode_tp_size,
+        )
 
 
 def _decode_cache(H=4, dim=8, layers=2, dtype=np.float16):
-    return PagedKV([np.zeros((3, 2, 4, H, dim), dtype) for _ in range(layers)],
-                   LAYOUTS["blocks-first NHD"])  # fmt: skip
+    return PagedKV(
+        [np.zeros((3, 2, 4, H, dim), dtype) for _ in range(layers)], LAYOUTS["blocks-first NHD"]
+    )
 
 
 def test_unknown_request_is_not_found(tp_client):
     with pytest.raises(NotFound, match="unknown"):
-        claim_shards(tp_client, "nobody", _decode_cache(), [0, 1, 2], tp_rank=0, tp_size=1,
-                     prefill_tp_size=2, total_kv_heads=4, wait=0.2)  # fmt: skip
+        claim_shards(
+            tp_client,
+            "nobody",
+            _decode_cache(),
+            [0, 1, 2],
+            tp_rank=0,
+            tp_size=1,
+            prefill_tp_size=2,
+            total_kv_heads=4,
+            wait=0.2,
+        )
 
 
 def test_incomplete_request_waits_then_fails_and_consumes_nothing(tp_client):
     _publish_simple(tp_client, "half", ranks=[0])
     with pytest.raises(Incomplete, match=r"half/tp1of2"):
-        claim_shards(tp_client, "half", _decode_cache(), [0, 1, 2], tp_rank=0, tp_size=1,
-                     prefill_tp_size=2, total_kv_heads=4, wait=0.3)  # fmt: skip
+        claim_shards(
+            tp_client,
+            "half",
+            _decode_cache(),
+            [0, 1, 2],
+            tp_rank=0,
+            tp_size=1,
+            prefill_tp_size=2,
+            total_kv_heads=4,
+            wait=0.3,
+        )
     _publish_simple(tp_client, "half", ranks=[1])  # the late shard arrives; a retry succeeds
-    res = claim_shards(tp_client, "half", _decode_cache(), [0, 1, 2], tp_rank=0, tp_size=1,
-                       prefill_tp_size=2, total_kv_heads=4)  # fmt: skip
+    res = claim_shards(
+        tp_client,
+        "half",
+        _decode_cache(),
+        [0, 1, 2],
+        tp_rank=0,
+        tp_size=1,
+        prefill_tp_size=2,
+        total_kv_heads=4,
+    )
     assert res.num_tokens == 10 and tp_client.list(match="half/.*") == []
 
 
@@ -294,10 +473,19 @@ def test_freed_only_after_every_decode_rank_claimed(tp_client):
     _publish_simple(tp_client, "fan", P=P, H=H, decode_tp_size=D)
     for d in range(D):
         assert tp_client.exists(shard_key("fan", 0, P))
-        cache = PagedKV([np.zeros((3, 2, 4, 1, 8), np.float16) for _ in range(2)],
-                        LAYOUTS["blocks-first NHD"])  # fmt: skip
-        claim_shards(tp_client, "fan", cache, [0, 1, 2], tp_rank=d, tp_size=D, prefill_tp_size=P,
-                     total_kv_heads=H)  # fmt: skip
+        cache = PagedKV(
+            [np.zeros((3, 2, 4, 1, 8), np.float16) for _ in range(2)], LAYOUTS["blocks-first NHD"]
+        )
+        claim_shards(
+            tp_client,
+            "fan",
+            cache,
+            [0, 1, 2],
+            tp_rank=d,
+            tp_size=D,
+            prefill_tp_size=P,
+            total_kv_heads=H,
+        )
     assert not tp_client.exists(shard_key("fan", 0, P))
 
 
@@ -305,16 +493,26 @@ def test_unknown_decode_tp_leaves_freeing_to_eviction(tp_client):
     _publish_simple(tp_client, "ttl", decode_tp_size=None)
     info = tp_client.lookup(shard_key("ttl", 0, 2))
     assert info.meta["decode_tp_size"] is None
-    claim_shards(tp_client, "ttl", _decode_cache(), [0, 1, 2], tp_rank=0, tp_size=1,
-                 prefill_tp_size=2, total_kv_heads=4)  # fmt: skip
+    claim_shards(
+        tp_client,
+        "ttl",
+        _decode_cache(),
+        [0, 1, 2],
+        tp_rank=0,
+        tp_size=1,
+        prefill_tp_size=2,
+        total_kv_heads=4,
+    )
     assert len(tp_client.list(match="ttl/.*")) == 2  # still there for other readers
     assert tp_client.evict(match="ttl/.*").count == 2
     assert UNKNOWN_CONSUMERS == 1 << 16
 
 
 def test_importing_kvbroker_does_not_import_torch():
-    code = ("import sys, kvbroker, kvbroker.kv, kvbroker.layout, kvbroker.cli; "
-            "assert 'torch' not in sys.modules, 'torch imported'")  # fmt: skip
+    code = (
+        "import sys, kvbroker, kvbroker.kv, kvbroker.layout, kvbroker.cli; "
+        "assert 'torch' not in sys.modules, 'torch imported'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
@@ -324,11 +522,29 @@ def _prefill_process(socket_path, request, p, P, D, H, seed):
     full = random_bits(rng, (2, 2, 33, H, 8), 2)
     rng = np.random.default_rng(seed + 1 + p)
     ids, nb = block_ids(rng, 33, 4)
-    tensors, _ = engine_cache(full, shard_heads(p, P, H), LAYOUTS["blocks-first NHD"], 4, nb, ids,
-                              rng, "torch", "bfloat16")  # fmt: skip
+    tensors, _ = engine_cache(
+        full,
+        shard_heads(p, P, H),
+        LAYOUTS["blocks-first NHD"],
+        4,
+        nb,
+        ids,
+        rng,
+        "torch",
+        "bfloat16",
+    )
     with Client(socket_path) as c:
-        publish_shard(c, request, PagedKV(tensors, LAYOUTS["blocks-first NHD"]), ids, 33,
-                      tp_rank=p, tp_size=P, total_kv_heads=H, decode_tp_size=D)  # fmt: skip
+        publish_shard(
+            c,
+            request,
+            PagedKV(tensors, LAYOUTS["blocks-first NHD"]),
+            ids,
+            33,
+            tp_rank=p,
+            tp_size=P,
+            total_kv_heads=H,
+            decode_tp_size=D,
+        )
 
 
 def _decode_process(socket_path, request, d, P, D, H, seed, queue):
@@ -336,11 +552,21 @@ def _decode_process(socket_path, request, d, P, D, H, seed, queue):
     rng = np.random.default_rng(seed + 100 + d)
     mine = shard_heads(d, D, H)
     ids, nb = block_ids(rng, 33, 16)
-    tensors, bits = engine_cache(np.zeros_like(full), mine, LAYOUTS["kv-first HND"], 16, nb, ids,
-                                 rng, "torch", "bfloat16")  # fmt: skip
+    tensors, bits = engine_cache(
+        np.zeros_like(full), mine, LAYOUTS["kv-first HND"], 16, nb, ids, rng, "torch", "bfloat16"
+    )
     with Client(socket_path) as c:
-        res = claim_shards(c, request, PagedKV(tensors, LAYOUTS["kv-first HND"]), ids, tp_rank=d,
-                           tp_size=D, prefill_tp_size=P, total_kv_heads=H, wait=240)  # fmt: skip
+        res = claim_shards(
+            c,
+            request,
+            PagedKV(tensors, LAYOUTS["kv-first HND"]),
+            ids,
+            tp_rank=d,
+            tp_size=D,
+            prefill_tp_size=P,
+            total_kv_heads=H,
+            wait=240,
+        )
     assert_decode_rank_exact(full, mine, LAYOUTS["kv-first HND"], bits, 16, ids)
     queue.put((d, res.copy_ops, len(res.keys)))
 
@@ -351,10 +577,19 @@ def test_prefill_and_decode_in_separate_processes(shared_daemon, tp_client, P, D
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
     # Decode ranks start first and wait for the shards: the claim's bounded wait in action.
-    decoders = [ctx.Process(target=_decode_process, args=(shared_daemon.socket_path, request, d,
-                                                          P, D, H, seed, queue)) for d in range(D)]
-    prefills = [ctx.Process(target=_prefill_process, args=(shared_daemon.socket_path, request, p,
-                                                           P, D, H, seed)) for p in range(P)]
+    decoders = [
+        ctx.Process(
+            target=_decode_process,
+            args=(shared_daemon.socket_path, request, d, P, D, H, seed, queue),
+        )
+        for d in range(D)
+    ]
+    prefills = [
+        ctx.Process(
+            target=_prefill_process, args=(shared_daemon.socket_path, request, p, P, D, H, seed)
+        )
+        for p in range(P)
+    ]
     for proc in decoders + prefills:
         proc.start()
     # Bounds against a hang only: six spawned processes importing torch on a loaded 2-core
@@ -402,27 +637,51 @@ def test_claim_writes_do_not_grow_with_tokens_counted_independently(tp_client, a
         full = random_bits(rng, (layers, comps, tokens, kv_heads, 8), 2)
         for p in range(shards):
             ids, nb = block_ids(rng, tokens, 16)
-            t, _ = engine_cache(full, shard_heads(p, shards, kv_heads), LAYOUTS["kv-first HND"],
-                                16, nb, ids, rng, "numpy", "float16")  # fmt: skip
-            publish_shard(tp_client, f"count{axes}{tokens}", PagedKV(t, LAYOUTS["kv-first HND"]),
-                          ids, tokens, tp_rank=p, tp_size=shards, total_kv_heads=kv_heads,
-                          decode_tp_size=1)  # fmt: skip
+            t, _ = engine_cache(
+                full,
+                shard_heads(p, shards, kv_heads),
+                LAYOUTS["kv-first HND"],
+                16,
+                nb,
+                ids,
+                rng,
+                "numpy",
+                "float16",
+            )
+            publish_shard(
+                tp_client,
+                f"count{axes}{tokens}",
+                PagedKV(t, LAYOUTS["kv-first HND"]),
+                ids,
+                tokens,
+                tp_rank=p,
+                tp_size=shards,
+                total_kv_heads=kv_heads,
+                decode_tp_size=1,
+            )
         ids, nb = block_ids(rng, tokens, 16)
-        t, bits = engine_cache(full, range(kv_heads), LAYOUTS[axes], 16, nb, ids, rng, "numpy",
-                               "float16")  # fmt: skip
+        t, bits = engine_cache(
+            full, range(kv_heads), LAYOUTS[axes], 16, nb, ids, rng, "numpy", "float16"
+        )
         counted = [a.view(_CountingArray) for a in t]
         _CountingArray.writes = 0
-        claim_shards(tp_client, f"count{axes}{tokens}", PagedKV(counted, LAYOUTS[axes]), ids,
-                     tp_rank=0, tp_size=1, prefill_tp_size=shards, total_kv_heads=kv_heads)  # fmt: skip
+        claim_shards(
+            tp_client,
+            f"count{axes}{tokens}",
+            PagedKV(counted, LAYOUTS[axes]),
+            ids,
+            tp_rank=0,
+            tp_size=1,
+            prefill_tp_size=shards,
+            total_kv_heads=kv_heads,
+        )
         seen[tokens] = _CountingArray.writes
         assert_decode_rank_exact(full, range(kv_heads), LAYOUTS[axes], bits, 16, ids)
     # one write for the full blocks and one for the tail, per layer, component and shard
     assert seen == {n: layers * comps * shards * 2 for n in seen}, seen
 
 
-def test_a_big_handoff_copies_on_the_engines_threads_and_seals_their_hashes(
-    tp_client, monkeypatch
-):
+def test_a_big_handoff_copies_on_the_engines_threads_and_seals_their_hashes(tp_client, monkeypatch):
     """publish_shard gathers and hashes each (layer, K/V) buffer on the copy engine's threads
     (the seal hashes nothing again) and claim_shards scatters on them: the recorded checksums
     are the buffers' own, and the decode rank's cache is bit-exact."""
@@ -476,10 +735,20 @@ def test_a_big_handoff_copies_on_the_engines_threads_and_seals_their_hashes(
     axes = LAYOUTS["blocks-first NHD"]
     for p in range(P):
         ids, nb = block_ids(rng, tokens, bs)
-        tensors, _ = engine_cache(full, shard_heads(p, P, H), axes, bs, nb, ids, rng, "torch",
-                                  "bfloat16")  # fmt: skip
-        publish_shard(tp_client, request, PagedKV(tensors, axes), ids, tokens, tp_rank=p,
-                      tp_size=P, total_kv_heads=H, decode_tp_size=1)  # fmt: skip
+        tensors, _ = engine_cache(
+            full, shard_heads(p, P, H), axes, bs, nb, ids, rng, "torch", "bfloat16"
+        )
+        publish_shard(
+            tp_client,
+            request,
+            PagedKV(tensors, axes),
+            ids,
+            tokens,
+            tp_rank=p,
+            tp_size=P,
+            total_kv_heads=H,
+            decode_tp_size=1,
+        )
     assert hashed_again == []
     for p in range(P):
         with tp_client.claim(shard_key(request, p, P)) as lease:
@@ -488,10 +757,19 @@ def test_a_big_handoff_copies_on_the_engines_threads_and_seals_their_hashes(
             assert all(lease.checksums[n] == reference(lease[n]) for n in names)
             lease.release(consume=False)
     ids, nb = block_ids(rng, tokens, bs)
-    tensors, bits = engine_cache(np.zeros_like(full), range(H), axes, bs, nb, ids, rng, "torch",
-                                 "bfloat16")  # fmt: skip
-    claim_shards(tp_client, request, PagedKV(tensors, axes), ids, tp_rank=0, tp_size=1,
-                 prefill_tp_size=P, total_kv_heads=H)  # fmt: skip
+    tensors, bits = engine_cache(
+        np.zeros_like(full), range(H), axes, bs, nb, ids, rng, "torch", "bfloat16"
+    )
+    claim_shards(
+        tp_client,
+        request,
+        PagedKV(tensors, axes),
+        ids,
+        tp_rank=0,
+        tp_size=1,
+        prefill_tp_size=P,
+        total_kv_heads=H,
+    )
     assert_decode_rank_exact(full, range(H), axes, bits, bs, ids)
     for name, where in shares.items():  # split into shares of the engine, never outside
         assert None not in where and len(where) > 1, (name, where)

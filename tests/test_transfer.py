@@ -34,10 +34,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 # -- coalesce ----------------------------------------------------------------------------------
 
+
 def test_coalesce_merges_runs_on_both_sides():
     assert transfer.coalesce([(1000, 10), (1010, 20)], [(5000, 30)]) == [(1000, 5000, 30)]
     assert transfer.coalesce([(1000, 10), (2000, 10)], [(5000, 20)]) == [
-        (1000, 5000, 10), (2000, 5010, 10)]
+        (1000, 5000, 10),
+        (2000, 5010, 10),
+    ]
 
 
 def test_coalesce_splits_where_either_side_breaks():
@@ -72,6 +75,7 @@ def test_parse_address_and_key_mode(certs):
 
 # -- control channel, in process ---------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory):
     """node-a and node-b (both 127.0.0.1, as the peers list them), a certificate of the same
@@ -79,10 +83,10 @@ def certs(tmp_path_factory):
     from kvbroker.testing import peer_certificates
 
     d = tmp_path_factory.mktemp("certs")
-    out = peer_certificates(d / "fleet", {"node-a": ["127.0.0.1"], "node-b": ["127.0.0.1"],
-                                          "stranger": ["10.9.9.9"]})
-    out.update(peer_certificates(d / "other", {"intruder": ["127.0.0.1"]},
-                                 ca_name="another CA"))
+    out = peer_certificates(
+        d / "fleet", {"node-a": ["127.0.0.1"], "node-b": ["127.0.0.1"], "stranger": ["10.9.9.9"]}
+    )
+    out.update(peer_certificates(d / "other", {"intruder": ["127.0.0.1"]}, ca_name="another CA"))
     return out
 
 
@@ -137,8 +141,15 @@ async def _until(cond, seconds=20.0):
 
 
 async def _server(provider, certs, name="node-a", peers=("127.0.0.1",), **kw):
-    s = transfer.PeerServer(provider, tls=_tls(certs, name)[0], peers=peers, node="node-a",
-                            metadata=b"nixl-md", agent="agent-a", **kw)
+    s = transfer.PeerServer(
+        provider,
+        tls=_tls(certs, name)[0],
+        peers=peers,
+        node="node-a",
+        metadata=b"nixl-md",
+        agent="agent-a",
+        **kw,
+    )
     host, port = await s.start("127.0.0.1", 0)
     return s, f"{host}:{port}"
 
@@ -171,28 +182,31 @@ def test_handshake_pin_release_and_typed_errors(certs):
         assert s.served_pins == 1
         await c.close()
         await s.close()
+
     _run(go())
 
 
 def test_certificate_of_another_ca_refused_without_metadata(certs):
     """A client that trusts the fleet's CA, with a certificate another CA signed for the
     right address: the server refuses it before any frame."""
+
     async def go():
         p = _Provider()
         s, addr = await _server(p, certs)
         i = certs["intruder"]
-        tls = transfer.tls_contexts(i["cert_file"], i["key_file"],
-                                    certs["node-b"]["ca_file"])[1]
+        tls = transfer.tls_contexts(i["cert_file"], i["key_file"], certs["node-b"]["ca_file"])[1]
         with pytest.raises(transfer.PeerUnavailable, match="refused the TLS session"):
             await transfer.PeerClient(addr, tls=tls, node="intruder").connect()
         assert await _until(lambda: s.refused == 1)
         assert s.peers == 0 and p.leases == {}
         await s.close()
+
     _run(go())
 
 
 def test_certificate_naming_no_configured_peer_refused(certs):
     """Signed by the fleet's CA, but for a host that is not among this node's peers."""
+
     async def go():
         p = _Provider()
         s, addr = await _server(p, certs)
@@ -204,6 +218,7 @@ def test_certificate_naming_no_configured_peer_refused(certs):
         c = await _client(certs, addr, "stranger").connect()
         await c.close()
         await s.close()
+
     _run(go())
 
 
@@ -220,11 +235,12 @@ def test_disconnect_drops_the_peers_leases(certs):
         await c1.close()
         assert await _until(lambda: len(p.leases) == 1)
         assert len(p.dropped) == 1
-        await s.close()           # the server stopping ends c2's connection: its lease too
+        await s.close()  # the server stopping ends c2's connection: its lease too
         assert p.leases == {} and len(p.dropped) == 2
         with pytest.raises(transfer.PeerUnavailable):
             await c2.pin("k")
         await c2.close()
+
     _run(go())
 
 
@@ -234,19 +250,24 @@ def test_peer_down_is_peer_unavailable(certs):
         await s.close()
         with pytest.raises(transfer.PeerUnavailable, match=addr):
             await _client(certs, addr, connect_timeout=2).connect()
+
     _run(go())
 
 
 def test_server_must_hold_a_certificate_of_the_ca_naming_its_address(certs):
     """A listener with another CA's certificate, or with the fleet's certificate of another
     host, cannot pass itself off as the peer dialled."""
+
     async def go():
-        for name, why in (("intruder", "its certificate was refused"),
-                          ("stranger", "its certificate was refused.*IP address mismatch")):
+        for name, why in (
+            ("intruder", "its certificate was refused"),
+            ("stranger", "its certificate was refused.*IP address mismatch"),
+        ):
             s, addr = await _server(_Provider(), certs, name=name)
             with pytest.raises(transfer.PeerUnavailable, match=why):
                 await _client(certs, addr).connect()
             await s.close()
+
     _run(go())
 
 
@@ -298,27 +319,30 @@ def test_a_replayed_or_spliced_frame_is_refused(certs, mode):
     """Every frame after the handshake is authenticated by TLS: a relay that sends a pin
     request again, or one recorded on another connection to the same server, breaks the
     connection; the pin is not served again, and the connection's lease ends with it."""
+
     async def go():
         p = _Provider()
         s, addr = await _server(p, certs)
         other = _Relay(addr)
         c0 = await _client(certs, await other.start()).connect()
         await c0.pin("k")
-        recorded = other.last                            # c0's pin request, encrypted
+        recorded = other.last  # c0's pin request, encrypted
         relay = _Relay(addr)
         c = await _client(certs, await relay.start()).connect()
         r = await c.pin("k")
         assert p.pins == 2 and len(p.leases) == 2
         relay.inject = relay.last if mode == "replay" else recorded
         with pytest.raises(transfer.PeerUnavailable):
-            await c.pin("k")                            # what arrives is not this request
-        assert await _until(lambda: len(p.leases) == 1), \
+            await c.pin("k")  # what arrives is not this request
+        assert await _until(lambda: len(p.leases) == 1), (
             f"lease {r['lease']} outlived the broken connection"
+        )
         assert p.pins == 2, "a replayed or spliced pin was served"
         assert s.peers == 1  # c0 only
         await c0.close()
         await c.close()
         await s.close()
+
     _run(go())
 
 
@@ -326,6 +350,7 @@ def test_unauthenticated_connections_are_capped_and_buffer_nothing(certs):
     """No frame is read before the TLS handshake: a connection announcing a 63 MiB frame
     is dropped at its first bytes, and past MAX_HANDSHAKES connections that never finish
     their handshake, the next is closed unanswered."""
+
     async def go():
         s, addr = await _server(_Provider(), certs, max_handshakes=4)
         host, port = transfer.parse_address(addr)
@@ -347,6 +372,7 @@ def test_unauthenticated_connections_are_capped_and_buffer_nothing(certs):
         c = await _client(certs, addr).connect()  # the handshakes ended: served again
         await c.close()
         await s.close()
+
     _run(go())
 
 
@@ -355,11 +381,14 @@ def test_stalled_handshakes_of_one_host_do_not_keep_the_peers_out(certs):
     that address's share of the handshake slots, not all of them: a configured peer
     connecting from another address meanwhile is served (before, MAX_HANDSHAKES stalled
     connections from 127.0.0.2 made the server refuse every peer until they timed out)."""
+
     async def go():
         s, addr = await _server(_Provider(), certs, handshake_timeout=60.0)
         host, port = transfer.parse_address(addr)
-        stalled = [await asyncio.open_connection(host, port, local_addr=("127.0.0.2", 0))
-                   for _ in range(transfer.MAX_HANDSHAKES)]
+        stalled = [
+            await asyncio.open_connection(host, port, local_addr=("127.0.0.2", 0))
+            for _ in range(transfer.MAX_HANDSHAKES)
+        ]
         c = await _client(certs, addr).connect()  # from 127.0.0.1, while they still stall
         assert (await c.pin("k"))["lease"] >= 1
         await c.close()
@@ -369,10 +398,12 @@ def test_stalled_handshakes_of_one_host_do_not_keep_the_peers_out(certs):
         for _, w in stalled:
             w.close()
         await s.close()
+
     _run(go())
 
 
 # -- NIXL between two processes ------------------------------------------------------------------
+
 
 def _nixl_or_skip():
     try:
@@ -384,7 +415,7 @@ def _nixl_or_skip():
 @pytest.fixture(scope="module")
 def endpoint():
     _nixl_or_skip()
-    os.environ.setdefault("UCX_TLS", "tcp")   # before the first UCX context of this process
+    os.environ.setdefault("UCX_TLS", "tcp")  # before the first UCX context of this process
     np = pytest.importorskip("numpy")
     ep = transfer.NixlEndpoint(f"test-b-{os.getpid()}")
     region = np.zeros(64 << 20, dtype=np.uint8)
@@ -398,12 +429,21 @@ class _Peer:
     def __init__(self, certs, objects, extra=()):
         a = certs["node-a"]
         env = dict(os.environ, UCX_TLS=os.environ.get("UCX_TLS", "tcp"))
-        cmd = [sys.executable, os.path.join(HERE, "_nixl_peer.py"), "--cert", a["cert_file"],
-               "--key", a["key_file"], "--ca", a["ca_file"]]
+        cmd = [
+            sys.executable,
+            os.path.join(HERE, "_nixl_peer.py"),
+            "--cert",
+            a["cert_file"],
+            "--key",
+            a["key_file"],
+            "--ca",
+            a["ca_file"],
+        ]
         for o in objects:
             cmd += ["--object", o]
-        self.proc = subprocess.Popen([*cmd, *extra], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, env=env)
+        self.proc = subprocess.Popen(
+            [*cmd, *extra], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env
+        )
         while True:
             line = self.proc.stdout.readline()
             if not line:
@@ -430,8 +470,9 @@ async def _pin_and_read(ep, certs, address, key, **kw):
     agent = ep.add_peer(c.metadata, label=address)
     r = await c.pin(key)
     nbytes = r["nbytes"]
-    res = await asyncio.to_thread(ep.read, agent, [tuple(e) for e in r["extents"]],
-                                  [(ep.region.ctypes.data, nbytes)], **kw)
+    res = await asyncio.to_thread(
+        ep.read, agent, [tuple(e) for e in r["extents"]], [(ep.region.ctypes.data, nbytes)], **kw
+    )
     ok = xxhash.xxh3_64_intdigest(ep.region[:nbytes]) == r["checksum"]
     return c, agent, r, res, ok
 
@@ -439,22 +480,26 @@ async def _pin_and_read(ep, certs, address, key, **kw):
 def test_nixl_read_descriptor_list_bit_exact(endpoint, certs):
     peer = _Peer(certs, ["big:33554432:8", "small:262144:1"])
     try:
+
         async def go():
             c, agent, r, res, ok = await _pin_and_read(endpoint, certs, peer.address, "big")
             assert ok, "32 MiB read through NIXL does not match the peer's checksum"
-            assert res.nbytes == 32 << 20 and res.descriptors == 8   # 8 extents, one READ
+            assert res.nbytes == 32 << 20 and res.descriptors == 8  # 8 extents, one READ
             # the same bytes again, asked as 64 adjacent pieces: coalesced back to 8
             ext = [tuple(e) for e in r["extents"]]
             split = [(a + i * (n // 8), n // 8) for a, n in ext for i in range(8)]
             endpoint.region[: 32 << 20] = 0
-            res2 = await asyncio.to_thread(endpoint.read, agent, split,
-                                           [(endpoint.region.ctypes.data, 32 << 20)])
+            res2 = await asyncio.to_thread(
+                endpoint.read, agent, split, [(endpoint.region.ctypes.data, 32 << 20)]
+            )
             assert res2.descriptors == 8
             import xxhash
+
             assert xxhash.xxh3_64_intdigest(endpoint.region[: 32 << 20]) == r["checksum"]
             await c.release(r["lease"])
             endpoint.remove_peer(agent)
             await c.close()
+
         _run(go())
     finally:
         peer.stop()
@@ -466,6 +511,7 @@ def test_nixl_peer_killed_mid_read(endpoint, certs):
     reports PeerUnavailable."""
     peer = _Peer(certs, ["big:50331648:1"])
     try:
+
         async def go():
             c, agent, r, res, ok = await _pin_and_read(endpoint, certs, peer.address, "big")
             assert ok
@@ -496,6 +542,7 @@ def test_nixl_peer_killed_mid_read(endpoint, certs):
                 await c.release(r["lease"])
             endpoint.remove_peer(agent)
             await c.close()
+
         _run(go())
     finally:
         peer.stop()
@@ -506,6 +553,7 @@ def test_nixl_lease_expired_on_peer(endpoint, certs):
     fail their checksum, and the release says the lease had ended."""
     peer = _Peer(certs, ["obj:1048576:2"], ["--reuse-on-expiry"])
     try:
+
         async def go():
             import xxhash
 
@@ -514,14 +562,19 @@ def test_nixl_lease_expired_on_peer(endpoint, certs):
             r = await c.pin("obj", ttl=0.2)
             await asyncio.sleep(0.4)
             with pytest.raises(LeaseExpired):
-                await c.renew(r["lease"])        # expiry is noticed, pages rewritten
-            await asyncio.to_thread(endpoint.read, agent, [tuple(e) for e in r["extents"]],
-                                    [(endpoint.region.ctypes.data, r["nbytes"])])
+                await c.renew(r["lease"])  # expiry is noticed, pages rewritten
+            await asyncio.to_thread(
+                endpoint.read,
+                agent,
+                [tuple(e) for e in r["extents"]],
+                [(endpoint.region.ctypes.data, r["nbytes"])],
+            )
             assert xxhash.xxh3_64_intdigest(endpoint.region[: r["nbytes"]]) != r["checksum"]
             with pytest.raises(LeaseExpired):
                 await c.release(r["lease"])
             endpoint.remove_peer(agent)
             await c.close()
+
         _run(go())
     finally:
         peer.stop()
@@ -530,10 +583,12 @@ def test_nixl_lease_expired_on_peer(endpoint, certs):
 def test_importing_the_engines_imports_no_extra():
     """kvbroker, its CLI, and the two engine modules import neither NIXL, pyzmq nor torch:
     those load only when a daemon creates an endpoint or a publisher."""
-    code = ("import sys, kvbroker, kvbroker.cli, kvbroker._server.transfer, "
-            "kvbroker._server.events; "
-            "bad = [m for m in ('zmq', 'nixl', 'nixl_cu12', 'nixl_cu13', 'torch') "
-            "if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
+    code = (
+        "import sys, kvbroker, kvbroker.cli, kvbroker._server.transfer, "
+        "kvbroker._server.events; "
+        "bad = [m for m in ('zmq', 'nixl', 'nixl_cu12', 'nixl_cu13', 'torch') "
+        "if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
 

@@ -30,6 +30,8 @@ def run_async(test):
         asyncio.run(test(*args, **kwargs))
 
     return wrapper
+
+
 MIB = 1 << 20
 
 
@@ -43,10 +45,14 @@ async def until(pilot, condition, timeout: float = 5.0) -> None:
 
 
 def objects_source() -> FakeSource:
-    return FakeSource([
-        make_object("layer-1", 3 * MIB, age=30), make_object("layer-2", 1 * MIB, age=10),
-        make_object("layer-10", 2 * MIB, age=20), make_object("prompt", 5 * MIB, age=5),
-    ])  # fmt: skip
+    return FakeSource(
+        [
+            make_object("layer-1", 3 * MIB, age=30),
+            make_object("layer-2", 1 * MIB, age=10),
+            make_object("layer-10", 2 * MIB, age=20),
+            make_object("prompt", 5 * MIB, age=5),
+        ]
+    )
 
 
 def status_text(app) -> str:
@@ -99,8 +105,13 @@ async def test_tables_update_cells_in_place_without_clearing():
 async def test_ring_gets_its_own_panel():
     source = FakeSource()
     app = MonitorApp(source)
-    ring = {"index": 0, "device": "cuda:0", "capacity": 1 << 30, "used": 1 << 29,
-            "occupancy": "ssww" * 16}  # fmt: skip
+    ring = {
+        "index": 0,
+        "device": "cuda:0",
+        "capacity": 1 << 30,
+        "used": 1 << 29,
+        "occupancy": "ssww" * 16,
+    }
     async with app.run_test(size=SIZE) as pilot:
         source.feed(make_snapshot(0, rings=[ring]))
         await until(pilot, lambda: app.snapshots_seen == 1)

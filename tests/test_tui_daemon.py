@@ -39,8 +39,10 @@ def test_monitor_follows_a_live_daemon(daemon):
                 await until(pilot, lambda: app.latest is not None and app.latest.objects == 3)
                 await pilot.pause()
                 assert app.query_one("#pool-0", PoolPanel) is not None
-                names = [str(app.query_one(ClientsTable).get_cell(k, "name"))
-                         for k in app.query_one(ClientsTable).keys_shown]  # fmt: skip
+                names = [
+                    str(app.query_one(ClientsTable).get_cell(k, "name"))
+                    for k in app.query_one(ClientsTable).keys_shown
+                ]
                 assert "prefill-test" in names
                 assert any(name.startswith("kvbroker-tui:") for name in names)
                 assert app.query_one(TransfersTable).row_count >= 3

@@ -108,8 +108,9 @@ async def test_legend_rows_are_whole_items_on_screen(size):
     app = MonitorApp(source)
     async with app.run_test(size=size) as pilot:
         await fed(pilot, app, source)
-        legend = plain(app.query_one(OccupancyMap)).splitlines()[-len(legend_lines(
-            app.query_one(OccupancyMap).size.width)):]  # fmt: skip
+        legend = plain(app.query_one(OccupancyMap)).splitlines()[
+            -len(legend_lines(app.query_one(OccupancyMap).size.width)) :
+        ]
         for line in legend:
             for item in line.split("  "):
                 assert item.startswith("▇ ") and item[2:] in {n for _, n in STATES.values()}
@@ -146,7 +147,10 @@ async def test_every_rate_is_on_screen_however_many_pools(size, pools):
         assert len(rows) == len(SERIES)
         for row in rows:
             assert row.region.height >= 1 and inside.contains_region(row.region), (
-                row.id, row.region, inside)
+                row.id,
+                row.region,
+                inside,
+            )
         heights = [row.region.height for row in rows]
         assert max(heights) - min(heights) <= 1  # shared out evenly
         assert sum(heights) == inside.height  # and no row left blank
@@ -207,14 +211,24 @@ def _vllm_clients_snapshot():
     """Clients named as vLLM's connector and the monitor name themselves, with 7-digit pids
     and sizes of 10 characters: the widest rows the clients table meets."""
     snap = make_snapshot(3)
-    names = [("vllm-scheduler-4194301", "kv_both"), ("vllm-worker-tp0of8", "kv_producer"),
-             ("vllm-worker-tp1of8", "kv_consumer"), ("kvbroker-tui:4194304", "monitor")]
+    names = [
+        ("vllm-scheduler-4194301", "kv_both"),
+        ("vllm-worker-tp0of8", "kv_producer"),
+        ("vllm-worker-tp1of8", "kv_consumer"),
+        ("kvbroker-tui:4194304", "monitor"),
+    ]
     clients = tuple(
-        dataclasses.replace(snap.clients[0], session=100 + i, pid=4194301 + i, name=name,
-                            role=role, bytes_published=1023 * 2**30 + 2**29,
-                            bytes_claimed=1023 * 2**30 + 2**29)
+        dataclasses.replace(
+            snap.clients[0],
+            session=100 + i,
+            pid=4194301 + i,
+            name=name,
+            role=role,
+            bytes_published=1023 * 2**30 + 2**29,
+            bytes_claimed=1023 * 2**30 + 2**29,
+        )
         for i, (name, role) in enumerate(names)
-    )  # fmt: skip
+    )
     return dataclasses.replace(snap, clients=clients)
 
 
@@ -261,13 +275,22 @@ async def test_disconnected_banner_keeps_the_socket_path_at_80x24():
         assert source.label in text and "disconnected" in text and len(text) <= 78
 
 
-@pytest.mark.parametrize("label, reason, shown", [
-    ("/tmp/ops19/kvb.sock", "the daemon closed the connection", "whole"),
-    ("/run/kvbroker/kvbroker.sock", "lost the daemon: [Errno 104] Connection reset by peer",
-     "cut"),
-    ("/run/kvbroker/a-rather-long-directory/kvbroker.sock", "the daemon closed the connection",
-     "none"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "label, reason, shown",
+    [
+        ("/tmp/ops19/kvb.sock", "the daemon closed the connection", "whole"),
+        (
+            "/run/kvbroker/kvbroker.sock",
+            "lost the daemon: [Errno 104] Connection reset by peer",
+            "cut",
+        ),
+        (
+            "/run/kvbroker/a-rather-long-directory/kvbroker.sock",
+            "the daemon closed the connection",
+            "none",
+        ),
+    ],
+)
 @run_async
 async def test_disconnected_banner_says_why_at_80x24(label, reason, shown):
     # Captured in tmux: "✖ /tmp/ops19/kvb.sock  disconnected  retrying every 1s (attempt 4):"
@@ -310,8 +333,9 @@ async def test_disconnected_banner_from_a_missing_socket_fits_80_columns():
 
 def _hits_snapshot(step: int, hits_per_step: int, misses_per_step: int):
     snap = make_snapshot(step)
-    counters = dataclasses.replace(snap.counters, hits=hits_per_step * step,
-                                   misses=misses_per_step * step)  # fmt: skip
+    counters = dataclasses.replace(
+        snap.counters, hits=hits_per_step * step, misses=misses_per_step * step
+    )
     return dataclasses.replace(snap, counters=counters)
 
 
@@ -368,8 +392,9 @@ async def test_fast_typing_into_the_filter_after_backspaces_keeps_every_key():
     # Textual ran the binding of a backspace only after the key had bubbled up to the App,
     # while the letters behind it were inserted at once: "layer-1", 7 backspaces and "prompt"
     # in one read left "", not "prompt" (the backspaces deleted the new letters).
-    source = FakeSource([make_object(f"layer-{i}", MIB) for i in range(30)]
-                        + [make_object("prompt-7", MIB)])  # fmt: skip
+    source = FakeSource(
+        [make_object(f"layer-{i}", MIB) for i in range(30)] + [make_object("prompt-7", MIB)]
+    )
     app = MonitorApp(source)
     async with app.run_test(size=(80, 24)) as pilot:
         await fed(pilot, app, source, 1)
@@ -397,8 +422,9 @@ async def test_status_line_shows_read_replicas_only_where_they_run():
         await fed(pilot, app, source)
         assert "replicas" not in plain(app.query_one(StatusLine))  # none: no part
         snap = make_snapshot(3)
-        snap = dataclasses.replace(snap, read_replicas=4,
-                                   counters=dataclasses.replace(snap.counters, replica_exits=2))
+        snap = dataclasses.replace(
+            snap, read_replicas=4, counters=dataclasses.replace(snap.counters, replica_exits=2)
+        )
         source.feed(snap)
         await until(pilot, lambda: app.snapshots_seen == 4)
         await pilot.pause()

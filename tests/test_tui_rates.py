@@ -19,10 +19,30 @@ def with_counters(snap, at: float, **counters):
 
 def test_rates_between_two_snapshots():
     base = make_snapshot(0)
-    a = with_counters(base, 100.0, publishes=10, claims=5, bytes_in=10**9, bytes_out=0,
-                      hits=5, misses=0, evictions=1, requests=20)  # fmt: skip
-    b = with_counters(base, 102.0, publishes=30, claims=25, bytes_in=5 * 10**9,
-                      bytes_out=3 * 10**9, hits=20, misses=5, evictions=5, requests=80)  # fmt: skip
+    a = with_counters(
+        base,
+        100.0,
+        publishes=10,
+        claims=5,
+        bytes_in=10**9,
+        bytes_out=0,
+        hits=5,
+        misses=0,
+        evictions=1,
+        requests=20,
+    )
+    b = with_counters(
+        base,
+        102.0,
+        publishes=30,
+        claims=25,
+        bytes_in=5 * 10**9,
+        bytes_out=3 * 10**9,
+        hits=20,
+        misses=5,
+        evictions=5,
+        requests=80,
+    )
     r = Rates.between(a, b)
     assert r.publish_gbps == pytest.approx(2.0)
     assert r.claim_gbps == pytest.approx(1.5)
@@ -61,9 +81,10 @@ def test_counters_going_backwards_reset_the_history():
 @given(
     steps=st.lists(
         st.tuples(st.floats(0.05, 10.0), st.integers(0, 10**10), st.integers(0, 10**4)),
-        min_size=2, max_size=30,
+        min_size=2,
+        max_size=30,
     )
-)  # fmt: skip
+)
 def test_rates_integrate_back_to_the_counters(steps):
     """Summing rate x interval over the history gives back the counters' growth."""
     history = RateHistory(length=100)
@@ -71,8 +92,9 @@ def test_rates_integrate_back_to_the_counters(steps):
     at, total_bytes, total_ops = 0.0, 0, 0
     for dt, nbytes, ops in steps:
         at, total_bytes, total_ops = at + dt, total_bytes + nbytes, total_ops + ops
-        history.add(with_counters(base, at, bytes_in=total_bytes, publishes=total_ops,
-                                  requests=total_ops))  # fmt: skip
+        history.add(
+            with_counters(base, at, bytes_in=total_bytes, publishes=total_ops, requests=total_ops)
+        )
     dts = [dt for dt, _, _ in steps[1:]]
     grown_bytes = sum(nbytes for _, nbytes, _ in steps[1:])
     grown_ops = sum(ops for _, _, ops in steps[1:])

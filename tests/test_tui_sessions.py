@@ -32,7 +32,11 @@ async def test_sessions_tab_shows_the_largest_sessions_and_the_retained_cap():
         assert app.focused is table
         # largest first: conv-3 holds 16 MiB, conv-0 4 MiB
         assert [k.split("\x1f")[1] for k in table.keys_shown] == [
-            "conv-3", "conv-2", "conv-1", "conv-0"]  # fmt: skip
+            "conv-3",
+            "conv-2",
+            "conv-1",
+            "conv-0",
+        ]
         assert str(table.get_cell("chat\x1fconv-3", "bytes")) == "16.0 MiB"
         assert str(table.get_cell("chat\x1fconv-3", "idle")) == "30.0s"
         meter = app.query_one("#retained-0", Meter)

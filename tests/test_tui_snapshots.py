@@ -22,9 +22,9 @@ STEPS = 12  # enough history for the sparklines to show a shape
 
 
 def _app_with_history() -> tuple[MonitorApp, FakeSource]:
-    source = FakeSource([
-        make_object(f"llama/req-{i}", (i % 4 + 1) * 4 * MIB, age=60 - i * 5) for i in range(8)
-    ])  # fmt: skip
+    source = FakeSource(
+        [make_object(f"llama/req-{i}", (i % 4 + 1) * 4 * MIB, age=60 - i * 5) for i in range(8)]
+    )
     return MonitorApp(source), source
 
 
@@ -84,8 +84,12 @@ def test_sessions_tab(snap_compare, size):
     app, source = _app_with_history()
 
     async def run_before(pilot) -> None:
-        source.feed(*(make_snapshot(step, pools=2, retention=make_retention(step, pools=2))
-                      for step in range(STEPS)))  # fmt: skip
+        source.feed(
+            *(
+                make_snapshot(step, pools=2, retention=make_retention(step, pools=2))
+                for step in range(STEPS)
+            )
+        )
         for _ in range(250):
             if app.snapshots_seen == STEPS:
                 break

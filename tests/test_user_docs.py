@@ -31,6 +31,8 @@ def test_no_commit_hashes_in_the_users_documents():
 
 def test_the_pattern_finds_what_the_old_readme_carried():
     assert COMMIT.findall("at b7ae53a, 0.85× at 47469c5 and at 354800f") == [
-        "b7ae53a", "47469c5", "354800f",
-    ]  # fmt: skip
+        "b7ae53a",
+        "47469c5",
+        "354800f",
+    ]
     assert not COMMIT.findall("mode 0660, 1048576 bytes, deadbeef-free, cafe")

@@ -109,10 +109,17 @@ def _forget_lookups(cons, monkeypatch) -> None:
 
 @pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(1, 1), (1, 2)])
 def test_the_request_is_parked_while_its_blocks_load_then_runs_on_them(
-        model, broker, monkeypatch, prefill_tp, decode_tp):  # fmt: skip
+    model, broker, monkeypatch, prefill_tp, decode_tp
+):
     _produce(model, broker.socket_path, monkeypatch, [P], tp=prefill_tp)
-    cons = _engine(model, broker.socket_path, "kv_consumer", monkeypatch, tp=decode_tp,
-                   extra={**ASYNC, "peer_tp_sizes": [prefill_tp]})  # fmt: skip
+    cons = _engine(
+        model,
+        broker.socket_path,
+        "kv_consumer",
+        monkeypatch,
+        tp=decode_tp,
+        extra={**ASYNC, "peer_tp_sizes": [prefill_tp]},
+    )
     assert cons.connector.get_num_new_matched_tokens(_request(P), 0) == (99, True)
     req = cons.add(P)
     steps = cons.run()
@@ -135,8 +142,12 @@ def _request(tokens):
     from vllm import SamplingParams
     from vllm.v1.request import Request
 
-    return Request(request_id="probe", prompt_token_ids=list(tokens),
-                   sampling_params=SamplingParams(max_tokens=1), pooling_params=None)
+    return Request(
+        request_id="probe",
+        prompt_token_ids=list(tokens),
+        sampling_params=SamplingParams(max_tokens=1),
+        pooling_params=None,
+    )
 
 
 def test_the_other_requests_keep_stepping_while_a_load_is_held_up(model, broker, monkeypatch):
@@ -170,7 +181,8 @@ def test_the_other_requests_keep_stepping_while_a_load_is_held_up(model, broker,
 
 
 def test_a_block_evicted_before_the_load_is_reported_with_it_and_recomputed(
-        model, broker, monkeypatch):  # fmt: skip
+    model, broker, monkeypatch
+):
     _produce(model, broker.socket_path, monkeypatch, [P])
     cons = _engine(model, broker.socket_path, "kv_consumer", monkeypatch, extra=ASYNC)
 
@@ -191,7 +203,8 @@ def test_a_block_evicted_before_the_load_is_reported_with_it_and_recomputed(
 
 
 def test_a_daemon_killed_before_the_load_fails_it_whole_and_the_prompt_is_computed(
-        model, tmp_path, monkeypatch):  # fmt: skip
+    model, tmp_path, monkeypatch
+):
     from kvbroker.testing import DaemonProcess, drop_leftover_pools
 
     d = DaemonProcess(str(tmp_path / "kvb.sock"), "--pool-size", "64M", "--page-size", "4K")
@@ -240,14 +253,16 @@ def test_load_async_must_be_a_boolean(model, broker):
     from kvbroker.integrations.vllm.connector import KVBrokerConnector
     from tests.vllm_helpers.harness import kv_cache_config, vllm_config
 
-    config = vllm_config(model, role="kv_consumer", socket=broker.socket_path,
-                         extra={"load_async": "yes"})  # fmt: skip
+    config = vllm_config(
+        model, role="kv_consumer", socket=broker.socket_path, extra={"load_async": "yes"}
+    )
     with pytest.raises(ValueError, match="load_async must be true or false"):
         KVBrokerConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config(2, 64))
 
 
 def test_a_request_whose_background_load_failed_is_loaded_synchronously_next_time(
-        model, broker, monkeypatch):  # fmt: skip
+    model, broker, monkeypatch
+):
     """The worker cannot load at all (its link down) while the scheduler's lookups still find
     the blocks: vLLM requeues the request after its failed background load, the next lookup
     answers synchronously, that load fails too and vLLM computes the prompt in place; the
@@ -259,8 +274,11 @@ def test_a_request_whose_background_load_failed_is_loaded_synchronously_next_tim
     steps = cons.run(max_steps=20)
     (done,) = _reported(steps, req)
     assert len(steps[done]["invalid"]) == 4
-    parked = [i for i, s in enumerate(steps) if req not in s["output"].num_scheduled_tokens
-              and not s["output"].finished_req_ids]  # fmt: skip
+    parked = [
+        i
+        for i, s in enumerate(steps)
+        if req not in s["output"].num_scheduled_tokens and not s["output"].finished_req_ids
+    ]
     assert len(parked) <= 3, f"parked in steps {parked}"
     assert _stat(steps, "load_failed_blocks") == 8  # the background load, then the sync one
     # the whole prompt computed (after the failed synchronous load's step)
@@ -278,8 +296,14 @@ def test_a_hung_daemon_costs_one_timeout_not_one_per_queued_load(model, tmp_path
         _produce(model, d.socket_path, monkeypatch, prompts)
         # (all eight computed in one step: none reuses another's freed blocks before the KV
         # of every request is compared at the end)
-        cons = _engine(model, d.socket_path, "kv_consumer", monkeypatch, batched_tokens=1024,
-                       extra={**ASYNC, "timeout": 0.5})  # fmt: skip
+        cons = _engine(
+            model,
+            d.socket_path,
+            "kv_consumer",
+            monkeypatch,
+            batched_tokens=1024,
+            extra={**ASYNC, "timeout": 0.5},
+        )
         assert cons.workers[0]._worker.link.get() is not None  # connected before the hang
         reqs = [cons.add(p) for p in prompts]
         t = time.perf_counter()
@@ -303,8 +327,7 @@ def test_a_hung_daemon_costs_one_timeout_not_one_per_queued_load(model, tmp_path
         drop_leftover_pools(d.socket_path)
 
 
-def test_a_loader_thread_that_cannot_start_fails_its_loads_not_the_step(
-        model, broker, monkeypatch):  # fmt: skip
+def test_a_loader_thread_that_cannot_start_fails_its_loads_not_the_step(model, broker, monkeypatch):
     _produce(model, broker.socket_path, monkeypatch, [P])
     cons = _engine(model, broker.socket_path, "kv_consumer", monkeypatch, extra=ASYNC)
 
@@ -321,7 +344,8 @@ def test_a_loader_thread_that_cannot_start_fails_its_loads_not_the_step(
 
 
 def test_a_parked_request_whose_load_cannot_be_planned_is_reported_and_computed(
-        model, broker, monkeypatch):  # fmt: skip
+    model, broker, monkeypatch
+):
     """vLLM parks a request as soon as the lookup says asynchronous: if the scheduler side then
     cannot plan its load (here: its lookup forgotten), a load that fails whole still goes to
     the workers, so the request is reported and computed instead of waiting forever."""
@@ -384,7 +408,8 @@ def test_a_synchronous_load_whose_gpu_side_fails_is_counted_as_failed(model, bro
 
 
 def test_a_loader_thread_that_failed_to_start_is_replaced_for_the_next_load(
-        model, broker, monkeypatch):  # fmt: skip
+    model, broker, monkeypatch
+):
     q = _tokens(7, 100)
     _produce(model, broker.socket_path, monkeypatch, [P, q])
     cons = _engine(model, broker.socket_path, "kv_consumer", monkeypatch, extra=ASYNC)
@@ -437,7 +462,8 @@ def test_a_load_that_cannot_be_planned_fails_only_its_own_blocks(model, broker, 
 
 
 def test_kv_both_with_load_async_saves_only_recomputed_blocks_and_serves_exact_kv(
-        model, broker, monkeypatch):  # fmt: skip
+    model, broker, monkeypatch
+):
     """A kv_both engine loads in the background while it saves what it computes: a background
     load that misses blocks 2 and 3 (evicted since the lookup) leaves them to vLLM, which
     computes them; they are saved then, and a fresh consumer loads the exact KV. A prompt the

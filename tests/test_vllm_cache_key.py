@@ -59,8 +59,12 @@ def _lora(name: str, int_id: int):
 def _image(identifier: str, offset: int, length: int = 16):
     from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
 
-    return MultiModalFeatureSpec(data=None, modality="image", identifier=identifier,
-                                 mm_position=PlaceholderRange(offset=offset, length=length))
+    return MultiModalFeatureSpec(
+        data=None,
+        modality="image",
+        identifier=identifier,
+        mm_position=PlaceholderRange(offset=offset, length=length),
+    )
 
 
 _probes = 0
@@ -72,9 +76,14 @@ def _request(tokens, *, lora=None, images=None):
 
     global _probes
     _probes += 1
-    return Request(request_id=f"probe-{_probes}", prompt_token_ids=list(tokens),
-                   sampling_params=SamplingParams(max_tokens=1), pooling_params=None,
-                   lora_request=lora, mm_features=images)  # fmt: skip
+    return Request(
+        request_id=f"probe-{_probes}",
+        prompt_token_ids=list(tokens),
+        sampling_params=SamplingParams(max_tokens=1),
+        pooling_params=None,
+        lora_request=lora,
+        mm_features=images,
+    )
 
 
 def _matched(eng, request) -> int:
@@ -83,7 +92,8 @@ def _matched(eng, request) -> int:
 
 
 def test_kv_computed_under_one_lora_adapter_is_served_only_to_that_adapter(
-        model, broker, monkeypatch):  # fmt: skip
+    model, broker, monkeypatch
+):
     prod = _engine(model, broker.socket_path, "kv_producer", monkeypatch)
     prod.add(P, lora_request=_lora("adapter-a", 1))
     prod.run()
@@ -100,8 +110,7 @@ def test_kv_computed_under_one_lora_adapter_is_served_only_to_that_adapter(
     cons.close()
 
 
-def test_kv_of_the_bare_text_is_not_served_to_a_request_with_an_image(
-        model, broker, monkeypatch):  # fmt: skip
+def test_kv_of_the_bare_text_is_not_served_to_a_request_with_an_image(model, broker, monkeypatch):
     prod = _engine(model, broker.socket_path, "kv_producer", monkeypatch)
     prod.add(P)
     prod.run()

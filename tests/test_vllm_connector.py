@@ -107,8 +107,12 @@ def test_lookup_is_side_effect_free_and_holds_nothing(model, broker, monkeypatch
 
     _produce(model, broker.socket_path, monkeypatch, [P])
     cons = _engine(model, broker.socket_path, "kv_consumer", monkeypatch)
-    req = Request(request_id="x", prompt_token_ids=P, sampling_params=SamplingParams(max_tokens=1),
-                  pooling_params=None)  # fmt: skip
+    req = Request(
+        request_id="x",
+        prompt_token_ids=P,
+        sampling_params=SamplingParams(max_tokens=1),
+        pooling_params=None,
+    )
     with broker.client() as c:
         before = [(o.key, o.nbytes) for o in c.list()]
         leased_before = c.stat().counters.bytes_out
@@ -155,7 +159,8 @@ def test_block_evicted_between_lookup_and_load_is_recomputed(model, broker, monk
 
 
 def test_daemon_down_lookups_return_zero_saves_are_skipped_then_it_reconnects(
-        model, tmp_path, monkeypatch, caplog):  # fmt: skip
+    model, tmp_path, monkeypatch, caplog
+):
     from kvbroker.testing import running_daemon
 
     caplog.set_level(logging.WARNING, logger="kvbroker.integrations.vllm")
@@ -230,13 +235,20 @@ def test_request_aborted_mid_prefill_leaves_only_complete_blocks(model, broker, 
 
 
 @pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2)])
-def test_tp_shards_reshard_between_prefill_and_decode(model, broker, monkeypatch, prefill_tp,
-                                                      decode_tp):  # fmt: skip
+def test_tp_shards_reshard_between_prefill_and_decode(
+    model, broker, monkeypatch, prefill_tp, decode_tp
+):
     _produce(model, broker.socket_path, monkeypatch, [P], tp=prefill_tp)
     with broker.client() as c:
         assert len(c.list()) == 4 * prefill_tp  # each rank its own shard of each block
-    cons = _engine(model, broker.socket_path, "kv_consumer", monkeypatch, tp=decode_tp,
-                   extra={"peer_tp_sizes": [prefill_tp]})  # fmt: skip
+    cons = _engine(
+        model,
+        broker.socket_path,
+        "kv_consumer",
+        monkeypatch,
+        tp=decode_tp,
+        extra={"peer_tp_sizes": [prefill_tp]},
+    )
     req, steps = _consume(cons, P)
     assert steps[0]["output"].num_scheduled_tokens[req] == 1
     assert _stat(steps, "loaded_blocks") == 4 * decode_tp  # every rank loaded its heads
@@ -294,8 +306,9 @@ def test_worker_stats_travel_through_vllms_connector_stats_hook(model, broker, m
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogging
 
     _produce(model, broker.socket_path, monkeypatch, [P])
-    cons = _engine(model, broker.socket_path, "kv_consumer", monkeypatch, tp=2,
-                   extra={"peer_tp_sizes": [1]})
+    cons = _engine(
+        model, broker.socket_path, "kv_consumer", monkeypatch, tp=2, extra={"peer_tp_sizes": [1]}
+    )
     _req, steps = _consume(cons, P)
     logging_ = KVConnectorLogging(cons.config.kv_transfer_config)
     for step in steps:

@@ -66,15 +66,26 @@ def reference_and_producer(model, broker, tmp_path_factory):
     base = {"model": model, "socket": broker.socket_path, "block_size": BLOCK}
     ref_dir = tmp_path_factory.mktemp("reference")
     prod_dir = tmp_path_factory.mktemp("producer")
-    ref = engine_process({**base, "max_tokens": MAX_TOKENS,
-                          "prompts": PD_PROMPTS + [POISONED] + FIRST_TURN + SECOND_TURN},
-                         ref_dir)  # fmt: skip
-    prod = engine_process({**base, "max_tokens": 1, "role": "kv_producer",
-                           "prompts": PD_PROMPTS + [POISONED]}, prod_dir)  # fmt: skip
+    ref = engine_process(
+        {
+            **base,
+            "max_tokens": MAX_TOKENS,
+            "prompts": PD_PROMPTS + [POISONED] + FIRST_TURN + SECOND_TURN,
+        },
+        ref_dir,
+    )
+    prod = engine_process(
+        {**base, "max_tokens": 1, "role": "kv_producer", "prompts": PD_PROMPTS + [POISONED]},
+        prod_dir,
+    )
     reference = engine_result(ref, ref_dir)["outputs"]
     produced = engine_result(prod, prod_dir)
-    return {"pd": reference[: len(PD_PROMPTS)], "poisoned": reference[len(PD_PROMPTS)],
-            "turns": reference[len(PD_PROMPTS) + 1 :], "producer": produced}  # fmt: skip
+    return {
+        "pd": reference[: len(PD_PROMPTS)],
+        "poisoned": reference[len(PD_PROMPTS)],
+        "turns": reference[len(PD_PROMPTS) + 1 :],
+        "producer": produced,
+    }
 
 
 def _blocks_of(lengths) -> int:
@@ -107,17 +118,28 @@ def _poison(client, prompt) -> int:
 # meanwhile (load_async): the same tokens either way.
 @pytest.mark.parametrize("extra", [{}, {"load_async": True}], ids=["sync", "load_async"])
 def test_pd_handoff_matches_reference_and_loads_from_the_broker(
-        model, broker, reference_and_producer, tmp_path, extra):  # fmt: skip
+    model, broker, reference_and_producer, tmp_path, extra
+):
     with broker.client() as client:
         published = len(client.list())
         assert published == _blocks_of([len(p) for p in PD_PROMPTS + [POISONED]])
         # (zeros the first time; the second run finds them zeroed already)
         assert _poison(client, POISONED) == _blocks_of([len(POISONED)])
         before = client.stat().counters
-        consumer = run_engine({"model": model, "socket": broker.socket_path, "block_size": BLOCK,
-                               "max_tokens": MAX_TOKENS, "role": "kv_consumer", "extra": extra,
-                               "prompts": PD_PROMPTS + [POISONED], "in_process": False,
-                               "vllm_log_level": "DEBUG"}, tmp_path / "consumer")  # fmt: skip
+        consumer = run_engine(
+            {
+                "model": model,
+                "socket": broker.socket_path,
+                "block_size": BLOCK,
+                "max_tokens": MAX_TOKENS,
+                "role": "kv_consumer",
+                "extra": extra,
+                "prompts": PD_PROMPTS + [POISONED],
+                "in_process": False,
+                "vllm_log_level": "DEBUG",
+            },
+            tmp_path / "consumer",
+        )
         after = client.stat().counters
     outputs = consumer["outputs"]
     assert outputs[: len(PD_PROMPTS)] == reference_and_producer["pd"]
@@ -136,8 +158,14 @@ def test_pd_handoff_matches_reference_and_loads_from_the_broker(
 
 def test_prefix_reuse_across_engines(model, broker, reference_and_producer, tmp_path):
     # named by "kv_connector" alone: vLLM finds it through kvbroker's plugin entry point
-    base = {"model": model, "socket": broker.socket_path, "block_size": BLOCK,
-            "max_tokens": MAX_TOKENS, "role": "kv_both", "plugin": True}  # fmt: skip
+    base = {
+        "model": model,
+        "socket": broker.socket_path,
+        "block_size": BLOCK,
+        "max_tokens": MAX_TOKENS,
+        "role": "kv_both",
+        "plugin": True,
+    }
     first = run_engine({**base, "prompts": FIRST_TURN}, tmp_path / "first")
     with broker.client() as client:
         before = client.stat().counters

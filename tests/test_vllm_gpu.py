@@ -28,8 +28,13 @@ def vllm_like(layers, blocks, heads, page, dim, dtype, device, order="NHD", seed
     """Per-layer views ``[blocks, heads, page, 2*dim]`` of one allocation, like vLLM's."""
     g = torch.Generator().manual_seed(seed)
     c = 2 * dim
-    raw = torch.randint(-30000, 30000, (layers * blocks * heads * page * c,), generator=g,
-                        dtype=torch.int16).view(torch.bfloat16).to(dtype)  # fmt: skip
+    raw = (
+        torch.randint(
+            -30000, 30000, (layers * blocks * heads * page * c,), generator=g, dtype=torch.int16
+        )
+        .view(torch.bfloat16)
+        .to(dtype)
+    )
     raw = raw.to(device)
     if order == "NHD":  # physical [L][B][N][H][C]
         strides = (blocks * page * heads * c, page * heads * c, c, heads * c, 1)
@@ -41,13 +46,24 @@ def vllm_like(layers, blocks, heads, page, dim, dtype, device, order="NHD", seed
 
 def _fmt(layers, heads, page, dim, dtype, tp_rank=0, tp_size=1, total=None):
     total = total or heads * tp_size
-    return BlockFormat(dtype=str(dtype).removeprefix("torch."), num_layers=layers, block_size=page,
-                       head_dim=dim, local_heads=heads, total_kv_heads=total, tp_rank=tp_rank,
-                       tp_size=tp_size, heads=(tp_rank * heads, (tp_rank + 1) * heads))
+    return BlockFormat(
+        dtype=str(dtype).removeprefix("torch."),
+        num_layers=layers,
+        block_size=page,
+        head_dim=dim,
+        local_heads=heads,
+        total_kv_heads=total,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        heads=(tp_rank * heads, (tp_rank + 1) * heads),
+    )
 
 
 def _items(hashes, ids):
-    return [SaveItem(h, hashes[i - 1] if i else None, b) for i, (h, b) in enumerate(zip(hashes, ids, strict=True))]
+    return [
+        SaveItem(h, hashes[i - 1] if i else None, b)
+        for i, (h, b) in enumerate(zip(hashes, ids, strict=True))
+    ]
 
 
 def _bits(t):
@@ -72,12 +88,20 @@ def test_staging_path_round_trips_bit_exact_on_cpu_tensors(client, order):
     src_ids, dst_ids = [7, 2, 9, 0, 4, 11], [1, 3, 5, 6, 8, 10]
     memmove = copier_for("cpu")
     # a staging budget of two blocks: two halves of one block, six chunks each way
-    new, old = save_cuda(client, NS, fmt, s6, _items(HASHES, src_ids), copier=memmove,
-                         staging_bytes=2 * fmt.block_nbytes)  # fmt: skip
+    new, old = save_cuda(
+        client,
+        NS,
+        fmt,
+        s6,
+        _items(HASHES, src_ids),
+        copier=memmove,
+        staging_bytes=2 * fmt.block_nbytes,
+    )
     assert (new, old) == (6, 0)
     assert save_cuda(client, NS, fmt, s6, _items(HASHES, src_ids), copier=memmove) == (0, 6)
-    got = load_cuda(client, NS, fmt, d6, HASHES, dst_ids, copier=memmove,
-                    staging_bytes=2 * fmt.block_nbytes)  # fmt: skip
+    got = load_cuda(
+        client, NS, fmt, d6, HASHES, dst_ids, copier=memmove, staging_bytes=2 * fmt.block_nbytes
+    )
     assert got == 6
     for a, b in zip(src_ids, dst_ids, strict=True):
         assert torch.equal(_bits(s6[:, :, a]), _bits(d6[:, :, b]))
@@ -107,8 +131,15 @@ def test_a_save_failing_mid_way_seals_whole_chunks_and_aborts_the_rest(client):
         return memmove(runs, stream)
 
     with pytest.raises(OSError, match="DMA failed"):
-        save_cuda(client, NS, fmt, cuda_cache(src, "packed"), _items(HASHES, [0, 1, 2, 3, 4, 5]),
-                  copier=failing, staging_bytes=2 * fmt.block_nbytes)  # fmt: skip
+        save_cuda(
+            client,
+            NS,
+            fmt,
+            cuda_cache(src, "packed"),
+            _items(HASHES, [0, 1, 2, 3, 4, 5]),
+            copier=failing,
+            staging_bytes=2 * fmt.block_nbytes,
+        )
     published = {o.key for o in client.list(namespace=NS)}
     # chunks 0 and 1 were sealed once their copies ended; chunk 2 (its copy failed) and
     # chunks 3-5 (reserved, queued in the daemon) were aborted
@@ -173,8 +204,10 @@ def test_a_prefix_of_named_and_packed_blocks_loads_whole(client, packed_first):
         assert pc.publish_kv(tokens, host, [6, 7, 2, 3]) == 2
     else:  # blocks 0-1 named, 2-3 packed
         assert pc.publish_kv(tokens[: 2 * N + 1], host, [0, 1]) == 2
-        assert save_cuda(client, NS, fmt, s6, _items(hashes, [6, 7, 2, 3]),
-                         copier=memmove) == (2, 2)  # fmt: skip
+        assert save_cuda(client, NS, fmt, s6, _items(hashes, [6, 7, 2, 3]), copier=memmove) == (
+            2,
+            2,
+        )
     dst, _ = vllm_like(L, B, H, N, D, torch.float32, "cpu", "NHD", seed=5)
     d6 = cuda_cache(dst, "packed")
     assert load_cuda(client, NS, fmt, d6, hashes, [4, 5, 6, 7], copier=memmove) == 4
@@ -182,8 +215,13 @@ def test_a_prefix_of_named_and_packed_blocks_loads_whole(client, packed_first):
     out = host_cache(out_layout, "cpu")
     assert load_host(client, NS, fmt, out, hashes, [4, 5, 6, 7]) == 4  # the host path too
     for j, b in enumerate([4, 5, 6, 7]):
-        want = [s6[layer, :, j] for layer in range(L)] if (j < 2) == packed_first else [
-            cpu_layout[layer].view(B, H, 2, N, D)[j].permute(1, 2, 0, 3) for layer in range(L)]
+        want = (
+            [s6[layer, :, j] for layer in range(L)]
+            if (j < 2) == packed_first
+            else [
+                cpu_layout[layer].view(B, H, 2, N, D)[j].permute(1, 2, 0, 3) for layer in range(L)
+            ]
+        )
         for layer in range(L):  # [K/V, token, head, dim]
             assert torch.equal(_bits(d6[layer, :, b]), _bits(want[layer]))
             got = out_layout[layer].view(B, H, 2, N, D)[b].permute(1, 2, 0, 3)
@@ -194,16 +232,23 @@ def test_a_host_save_whose_seal_is_refused_holds_nothing(make_daemon):
     """The host path's seal refused (a daemon requiring checksums, a save told to seal
     without): its reservations are aborted, not left leased until their TTL, holding pool
     pages, every step."""
-    daemon = make_daemon("--pool-size", "8M", "--page-size", "4K",
-                         env={"KVBROKER_REQUIRE_CHECKSUMS": "true"})  # fmt: skip
+    daemon = make_daemon(
+        "--pool-size", "8M", "--page-size", "4K", env={"KVBROKER_REQUIRE_CHECKSUMS": "true"}
+    )
     from kvbroker.errors import BadRequest
 
     L, B, H, N, D = 2, 8, 2, 16, 32
     layers, _ = vllm_like(L, B, H, N, D, torch.float32, "cpu", "HND")
     fmt = _fmt(L, H, N, D, torch.float32)
     with daemon.client() as client:
-        save = HostSave(client, NS, fmt, host_cache(layers, "cpu"), _items(HASHES[:3], [0, 1, 2]),
-                        checksums=False)  # fmt: skip
+        save = HostSave(
+            client,
+            NS,
+            fmt,
+            host_cache(layers, "cpu"),
+            _items(HASHES[:3], [0, 1, 2]),
+            checksums=False,
+        )
         save.reserve()
         for layer in range(L):
             save.copy_layer(layer)
@@ -221,15 +266,17 @@ def test_a_host_save_seals_each_block_with_its_checksum(make_daemon, monkeypatch
     from kvbroker._client.integrity import verify_objects
 
     monkeypatch.setattr(_engine, "_default", _engine.CopyEngine(threads=3))
-    daemon = make_daemon("--pool-size", "64M", "--page-size", "4K",
-                         env={"KVBROKER_REQUIRE_CHECKSUMS": "true"})  # fmt: skip
+    daemon = make_daemon(
+        "--pool-size", "64M", "--page-size", "4K", env={"KVBROKER_REQUIRE_CHECKSUMS": "true"}
+    )
     L, B, H, N, D = 4, 24, 4, 16, 128  # 256 KiB blocks, 16 saved: 4 MiB over the threads
     layers, _ = vllm_like(L, B, H, N, D, torch.float32, "cpu", "HND")
     fmt = _fmt(L, H, N, D, torch.float32)
     hashes = [f"{i:032x}" for i in range(100, 116)]
     with daemon.client() as client:
-        save = HostSave(client, NS, fmt, host_cache(layers, "cpu"),
-                        _items(hashes, list(range(2, 18))))  # fmt: skip
+        save = HostSave(
+            client, NS, fmt, host_cache(layers, "cpu"), _items(hashes, list(range(2, 18)))
+        )
         save.reserve()
         for layer in range(L):
             save.copy_layer(layer)
@@ -240,8 +287,10 @@ def test_a_host_save_seals_each_block_with_its_checksum(make_daemon, monkeypatch
         assert load_host(client, NS, fmt, host_cache(out, "cpu"), hashes, list(range(16))) == 16
         for j in range(16):
             for layer in range(L):
-                assert torch.equal(out[layer].view(torch.int32).view(B, H, 2, N, D)[j],
-                                   layers[layer].view(torch.int32).view(B, H, 2, N, D)[j + 2])  # fmt: skip
+                assert torch.equal(
+                    out[layer].view(torch.int32).view(B, H, 2, N, D)[j],
+                    layers[layer].view(torch.int32).view(B, H, 2, N, D)[j + 2],
+                )
 
 
 def test_a_long_host_save_seals_a_chunk_of_blocks_per_request(make_daemon, monkeypatch):
@@ -253,8 +302,14 @@ def test_a_long_host_save_seals_a_chunk_of_blocks_per_request(make_daemon, monke
 
     sealed = []
     real = blocks.seal
-    monkeypatch.setattr(blocks, "seal", lambda c, leases, sums=None: (
-        sealed.append((len(leases), len(sums))), real(c, leases, sums))[1])  # fmt: skip
+    monkeypatch.setattr(
+        blocks,
+        "seal",
+        lambda c, leases, sums=None: (
+            sealed.append((len(leases), len(sums))),
+            real(c, leases, sums),
+        )[1],
+    )
     daemon = make_daemon("--pool-size", "16M", "--page-size", "4K")
     n = 2 * RESERVE_CHUNK + 44
     L, B, H, N, D = 1, n + 2, 1, 16, 8
@@ -356,15 +411,32 @@ def test_staging_path_reshards_between_tp_sizes(client, prefill_tp, decode_tp):
         for layer in range(L):
             mine[layer].copy_(full[layer][:, r * per : (r + 1) * per])
         fmt = _fmt(L, per, N, D, torch.bfloat16, r, prefill_tp, total=H)
-        save_cuda(client, NS, fmt, cuda_cache(mine, "packed"), _items(HASHES[:4], [0, 1, 2, 3]),
-                  copier=memmove)  # fmt: skip
+        save_cuda(
+            client,
+            NS,
+            fmt,
+            cuda_cache(mine, "packed"),
+            _items(HASHES[:4], [0, 1, 2, 3]),
+            copier=memmove,
+        )
     per = H // decode_tp
     for r in range(decode_tp):
         out, _ = vllm_like(L, B, per, N, D, torch.bfloat16, "cpu", "NHD", seed=5)
         o6 = cuda_cache(out, "packed")
         fmt = _fmt(L, per, N, D, torch.bfloat16, r, decode_tp, total=H)
-        assert load_cuda(client, NS, fmt, o6, HASHES[:4], [5, 4, 3, 2],
-                         peer_tp_sizes=(prefill_tp,), copier=memmove) == 4  # fmt: skip
+        assert (
+            load_cuda(
+                client,
+                NS,
+                fmt,
+                o6,
+                HASHES[:4],
+                [5, 4, 3, 2],
+                peer_tp_sizes=(prefill_tp,),
+                copier=memmove,
+            )
+            == 4
+        )
         for a, b in zip([0, 1, 2, 3], [5, 4, 3, 2], strict=True):
             assert torch.equal(_bits(o6[:, :, b]), _bits(f6[:, :, a, :, r * per : (r + 1) * per]))
 
@@ -386,10 +458,28 @@ def test_cuda_save_and_load_are_bit_exact(client, order):
     src_ids = list(range(20, 36))
     dst_ids = [3 * i % B for i in range(16)]
     with GpuClient(client, own_client=False) as g:
-        assert save_cuda(g.client, NS, fmt, s6, _items(hashes, src_ids), stream=g.stream,
-                         staging_bytes=5 * fmt.block_nbytes) == (16, 0)  # fmt: skip
-        assert load_cuda(g.client, NS, fmt, d6, hashes, dst_ids, stream=g.stream,
-                         staging_bytes=5 * fmt.block_nbytes) == 16  # fmt: skip
+        assert save_cuda(
+            g.client,
+            NS,
+            fmt,
+            s6,
+            _items(hashes, src_ids),
+            stream=g.stream,
+            staging_bytes=5 * fmt.block_nbytes,
+        ) == (16, 0)
+        assert (
+            load_cuda(
+                g.client,
+                NS,
+                fmt,
+                d6,
+                hashes,
+                dst_ids,
+                stream=g.stream,
+                staging_bytes=5 * fmt.block_nbytes,
+            )
+            == 16
+        )
         torch.cuda.synchronize()
     for a, b in zip(src_ids, dst_ids, strict=True):
         assert torch.equal(s6[:, :, a].view(torch.int16), d6[:, :, b].view(torch.int16))
@@ -426,10 +516,28 @@ def test_cuda_save_of_many_one_block_chunks_is_bit_exact(client):
     src_ids = [(7 * i + 3) % B for i in range(count)]
     dst_ids = [(11 * i + 5) % B for i in range(count)]
     with GpuClient(client, own_client=False) as g:
-        assert save_cuda(g.client, NS, fmt, s6, _items(hashes, src_ids), stream=g.stream,
-                         staging_bytes=2 * fmt.block_nbytes) == (count, 0)  # fmt: skip
-        assert load_cuda(g.client, NS, fmt, d6, hashes, dst_ids, stream=g.stream,
-                         staging_bytes=2 * fmt.block_nbytes) == count  # fmt: skip
+        assert save_cuda(
+            g.client,
+            NS,
+            fmt,
+            s6,
+            _items(hashes, src_ids),
+            stream=g.stream,
+            staging_bytes=2 * fmt.block_nbytes,
+        ) == (count, 0)
+        assert (
+            load_cuda(
+                g.client,
+                NS,
+                fmt,
+                d6,
+                hashes,
+                dst_ids,
+                stream=g.stream,
+                staging_bytes=2 * fmt.block_nbytes,
+            )
+            == count
+        )
         torch.cuda.synchronize()
     a = torch.tensor(src_ids, device="cuda")
     b = torch.tensor(dst_ids, device="cuda")
@@ -454,8 +562,15 @@ def test_cuda_save_over_blocks_partly_held_gathers_only_the_new_ones(client):
         first = _items(hashes[:4], src_ids[:4])  # blocks 0-3 held before the second save
         assert save_cuda(g.client, NS, fmt, s6, first, stream=g.stream) == (4, 0)
         # chunks of 1, 1, 3, 3, 2, 1, 1 blocks: the third holds blocks 2 and 3, not 4
-        assert save_cuda(g.client, NS, fmt, s6, _items(hashes, src_ids), stream=g.stream,
-                         staging_bytes=6 * fmt.block_nbytes) == (8, 4)  # fmt: skip
+        assert save_cuda(
+            g.client,
+            NS,
+            fmt,
+            s6,
+            _items(hashes, src_ids),
+            stream=g.stream,
+            staging_bytes=6 * fmt.block_nbytes,
+        ) == (8, 4)
         assert load_cuda(g.client, NS, fmt, d6, hashes, list(range(12)), stream=g.stream) == 12
         torch.cuda.synchronize()
     a = torch.tensor(src_ids, device="cuda")
@@ -476,9 +591,17 @@ def test_mla_latent_blocks_are_replicated_not_split(client):
     layers = list(raw.view(L, B, 1, N, C))
 
     def fmt(rank, size):
-        return BlockFormat(dtype="bfloat16", num_layers=L, block_size=N, head_dim=C,
-                           local_heads=1, total_kv_heads=None, tp_rank=rank, tp_size=size,
-                           heads=(0, 1))  # fmt: skip
+        return BlockFormat(
+            dtype="bfloat16",
+            num_layers=L,
+            block_size=N,
+            head_dim=C,
+            local_heads=1,
+            total_kv_heads=None,
+            tp_rank=rank,
+            tp_size=size,
+            heads=(0, 1),
+        )
 
     host = host_cache(layers, "latent")
     for rank in range(2):  # prefill TP 2: both ranks hold (and publish) the whole latent
@@ -490,8 +613,12 @@ def test_mla_latent_blocks_are_replicated_not_split(client):
     assert len(client.list(namespace=NS)) == 6
     out = list(torch.zeros(L * B * N * C, dtype=torch.bfloat16).view(L, B, 1, N, C))
     o6 = cuda_cache(out, "latent")
-    assert load_cuda(client, NS, fmt(0, 1), o6, HASHES[:3], [3, 4, 5], peer_tp_sizes=(2,),
-                     copier=memmove) == 3  # fmt: skip
+    assert (
+        load_cuda(
+            client, NS, fmt(0, 1), o6, HASHES[:3], [3, 4, 5], peer_tp_sizes=(2,), copier=memmove
+        )
+        == 3
+    )
     for a, b in zip([0, 1, 2], [3, 4, 5], strict=True):
         assert torch.equal(_bits(out[0][b]), _bits(layers[0][a]))
         assert torch.equal(_bits(out[1][b]), _bits(layers[1][a]))
@@ -505,9 +632,11 @@ def test_importing_kvbroker_and_the_connector_package_imports_neither_vllm_nor_t
     import subprocess
     import sys
 
-    code = ("import sys, kvbroker, kvbroker.integrations.vllm, kvbroker.integrations.vllm._paged, "
-            "kvbroker.integrations.vllm._worker, kvbroker.integrations.vllm._scheduler; "
-            "print(sorted(m for m in ('vllm', 'torch') if m in sys.modules))")
+    code = (
+        "import sys, kvbroker, kvbroker.integrations.vllm, kvbroker.integrations.vllm._paged, "
+        "kvbroker.integrations.vllm._worker, kvbroker.integrations.vllm._scheduler; "
+        "print(sorted(m for m in ('vllm', 'torch') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 
@@ -529,8 +658,15 @@ def test_a_save_refused_for_room_raises_at_once_and_leaves_nothing_leased(make_d
     with daemon.client(timeout=10) as client:
         started = time.monotonic()
         with pytest.raises(PoolFull):  # one block a chunk: the fourth reservation is refused
-            save_cuda(client, NS, fmt, cuda_cache(src, "packed"), _items(HASHES, range(6)),
-                      copier=copier_for("cpu"), staging_bytes=2 * fmt.block_nbytes)  # fmt: skip
+            save_cuda(
+                client,
+                NS,
+                fmt,
+                cuda_cache(src, "packed"),
+                _items(HASHES, range(6)),
+                copier=copier_for("cpu"),
+                staging_bytes=2 * fmt.block_nbytes,
+            )
         assert time.monotonic() - started < 5
         assert [c.write_leases for c in client.stat().clients] == [0]
 
@@ -562,8 +698,15 @@ def test_a_save_when_the_daemon_dies_raises_at_once(make_daemon):
     with daemon.client(reconnect=10) as client:
         started = time.monotonic()
         with pytest.raises(BrokerUnavailable):
-            save_cuda(client, NS, fmt, cuda_cache(src, "packed"), _items(HASHES, range(6)),
-                      copier=dying, staging_bytes=2 * fmt.block_nbytes)  # fmt: skip
+            save_cuda(
+                client,
+                NS,
+                fmt,
+                cuda_cache(src, "packed"),
+                _items(HASHES, range(6)),
+                copier=dying,
+                staging_bytes=2 * fmt.block_nbytes,
+            )
         assert time.monotonic() - started < 5
 
 
@@ -596,8 +739,15 @@ def test_a_save_when_the_daemon_stalls_raises_after_one_timeout(make_daemon):
         with daemon.client(timeout=1, reconnect=0) as client:
             started = time.monotonic()
             with pytest.raises(Timeout):
-                save_cuda(client, NS, fmt, cuda_cache(src, "packed"), _items(hashes, range(40)),
-                          copier=stalling, staging_bytes=16 * fmt.block_nbytes)  # fmt: skip
+                save_cuda(
+                    client,
+                    NS,
+                    fmt,
+                    cuda_cache(src, "packed"),
+                    _items(hashes, range(40)),
+                    copier=stalling,
+                    staging_bytes=16 * fmt.block_nbytes,
+                )
             took = time.monotonic() - started
             daemon.proc.send_signal(signal.SIGCONT)
     finally:
@@ -611,10 +761,18 @@ def _worker(socket_path, L, H, N, D, caches):
     from kvbroker.integrations._link import BrokerLink, Warnings
     from kvbroker.integrations.vllm._worker import WorkerSide
 
-    w = WorkerSide(link=BrokerLink(socket_path, name="gpu-test", role="kv_both", map_pools=True,
-                                   warnings=Warnings()),
-                   namespace=NS, block_size=N, total_kv_heads=H, latent=False, tp_rank=0,
-                   tp_size=1, warnings=Warnings())  # fmt: skip
+    w = WorkerSide(
+        link=BrokerLink(
+            socket_path, name="gpu-test", role="kv_both", map_pools=True, warnings=Warnings()
+        ),
+        namespace=NS,
+        block_size=N,
+        total_kv_heads=H,
+        latent=False,
+        tp_rank=0,
+        tp_size=1,
+        warnings=Warnings(),
+    )
     w.register({f"model.layers.{i}.self_attn.attn": t for i, t in enumerate(caches)}, "FLASH_ATTN")
     return w
 
@@ -635,8 +793,19 @@ def test_cuda_background_load_lands_after_the_engines_queued_work(daemon, order)
     hashes = [f"{i:032x}" for i in range(1, 17)]
     src_ids, dst_ids = list(range(20, 36)), [3 * i % B for i in range(16)]
     producer = _worker(daemon.socket_path, L, H, N, D, src)
-    producer.bind(StepPlan(saves=[SaveSpec("p", [(h, hashes[i - 1] if i else None, b)
-                                                 for i, (h, b) in enumerate(zip(hashes, src_ids, strict=True))])]))
+    producer.bind(
+        StepPlan(
+            saves=[
+                SaveSpec(
+                    "p",
+                    [
+                        (h, hashes[i - 1] if i else None, b)
+                        for i, (h, b) in enumerate(zip(hashes, src_ids, strict=True))
+                    ],
+                )
+            ]
+        )
+    )
     producer.wait_for_save()
     producer.unbind()
     assert producer.take_stats()["saved_blocks"] == 16
@@ -692,12 +861,20 @@ def test_staging_path_reserves_each_requests_blocks_for_its_session(client):
     src, _ = vllm_like(L, B, H, N, D, torch.bfloat16, "cpu", "NHD")
     fmt = _fmt(L, H, N, D, torch.bfloat16)
     a, b = [f"a{i:031x}" for i in range(4)], [f"b{i:031x}" for i in range(3)]
-    items = [SaveItem(h, a[i - 1] if i else None, i, blocks.retention("conv-a"))
-             for i, h in enumerate(a)]
+    items = [
+        SaveItem(h, a[i - 1] if i else None, i, blocks.retention("conv-a")) for i, h in enumerate(a)
+    ]
     items += [SaveItem(h, b[i - 1] if i else None, 4 + i) for i, h in enumerate(b)]
     items += [SaveItem(f"c{0:031x}", None, 9, blocks.retention("conv-c", 60, 3))]
-    new, _ = save_cuda(client, NS, fmt, cuda_cache(src, "packed"), items,
-                       copier=copier_for("cpu"), staging_bytes=6 * fmt.block_nbytes)  # fmt: skip
+    new, _ = save_cuda(
+        client,
+        NS,
+        fmt,
+        cuda_cache(src, "packed"),
+        items,
+        copier=copier_for("cpu"),
+        staging_bytes=6 * fmt.block_nbytes,
+    )
     assert new == 8
     got = {s["name"]: s for s in client.ops.sessions()["sessions"]}
     assert {n: s["blocks"] for n, s in got.items()} == {"conv-a": 4, "conv-c": 1}

@@ -67,11 +67,17 @@ class CpuRings:
     def local_ring(self) -> int:
         return self.ring
 
-    def ring_reserve(self, nbytes, *, key=None, ring=None, namespace="default", meta=None,
-                     ttl=None, wait=5.0):  # fmt: skip
-        reply = self.client.ops.ring_reserve(self.ring if ring is None else ring, nbytes,
-                                             namespace=namespace, key=key, meta=meta,
-                                             ttl=ttl)  # fmt: skip
+    def ring_reserve(
+        self, nbytes, *, key=None, ring=None, namespace="default", meta=None, ttl=None, wait=5.0
+    ):
+        reply = self.client.ops.ring_reserve(
+            self.ring if ring is None else ring,
+            nbytes,
+            namespace=namespace,
+            key=key,
+            meta=meta,
+            ttl=ttl,
+        )
         return _Region(self, reply, reply["kind"])
 
     def ring_read(self, key, *, namespace="default", consume=True, wait=None):
@@ -81,8 +87,15 @@ class CpuRings:
 
 @pytest.fixture
 def ring_daemon(make_daemon):
-    return make_daemon("--pool-size", "16M", "--page-size", "64K", "--gpu-ring", "1M",
-                       env={"KVBROKER_FAKE_GPUS": "2"})  # fmt: skip
+    return make_daemon(
+        "--pool-size",
+        "16M",
+        "--page-size",
+        "64K",
+        "--gpu-ring",
+        "1M",
+        env={"KVBROKER_FAKE_GPUS": "2"},
+    )
 
 
 @pytest.fixture
@@ -94,7 +107,10 @@ HASHES = [f"{i:032x}" for i in range(1, 9)]
 
 
 def _items(hashes, ids):
-    return [SaveItem(h, hashes[i - 1] if i else None, b) for i, (h, b) in enumerate(zip(hashes, ids, strict=True))]
+    return [
+        SaveItem(h, hashes[i - 1] if i else None, b)
+        for i, (h, b) in enumerate(zip(hashes, ids, strict=True))
+    ]
 
 
 def _used(client):
@@ -104,7 +120,8 @@ def _used(client):
 @pytest.mark.parametrize("order", ["NHD", "HND"])
 @pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(1, 1), (2, 1), (1, 2), (2, 4)])
 def test_runs_hand_off_bit_exact_across_tp_layouts_and_free_the_rings(
-        ring_daemon, memory, order, prefill_tp, decode_tp, monkeypatch):  # fmt: skip
+    ring_daemon, memory, order, prefill_tp, decode_tp, monkeypatch
+):
     from kvbroker.integrations.vllm import _handoff
 
     # gathers and scatters of 1, 2 or 3 blocks at a time: runs of 4 and 2 cut unevenly
@@ -115,7 +132,9 @@ def test_runs_hand_off_bit_exact_across_tp_layouts_and_free_the_rings(
     src_ids = [7, 2, 9, 0, 4, 1]
     # two steps of a chunked prefill: two runs per producer rank and decode rank
     steps = [(HASHES[:4], src_ids[:4]), (HASHES[4:6], src_ids[4:6])]
-    config = HandoffConfig("ring", consumer_tp=decode_tp, rings=tuple(r % 2 for r in range(decode_tp)))
+    config = HandoffConfig(
+        "ring", consumer_tp=decode_tp, rings=tuple(r % 2 for r in range(decode_tp))
+    )
     per = H // prefill_tp
     with ring_daemon.client(map_pools=False) as p, ring_daemon.client(map_pools=False) as c:
         for r in range(prefill_tp):
@@ -126,15 +145,24 @@ def test_runs_hand_off_bit_exact_across_tp_layouts_and_free_the_rings(
             offset = 0
             for hashes, _ids in steps:
                 items = _items(HASHES[: offset + len(hashes)], src_ids[: offset + len(hashes)])
-                done, n, _ = publish_runs(CpuRings(p, memory), NS, cuda_cache(mine, "packed"),
-                                          fmt, [("req", items[offset:])], config)  # fmt: skip
+                done, n, _ = publish_runs(
+                    CpuRings(p, memory),
+                    NS,
+                    cuda_cache(mine, "packed"),
+                    fmt,
+                    [("req", items[offset:])],
+                    config,
+                )
                 assert done == ["req"] and n == len(hashes)
                 offset += len(hashes)
         assert sum(_used(c)) > 0
-        runs = find_runs(c, NS, HASHES[:6], heads=H, consumer_tp=decode_tp,
-                         producer_tps=[decode_tp, prefill_tp])  # fmt: skip
-        assert [(x.start, x.count, x.producer_tp) for x in runs] == [(0, 4, prefill_tp),
-                                                                       (4, 2, prefill_tp)]
+        runs = find_runs(
+            c, NS, HASHES[:6], heads=H, consumer_tp=decode_tp, producer_tps=[decode_tp, prefill_tp]
+        )
+        assert [(x.start, x.count, x.producer_tp) for x in runs] == [
+            (0, 4, prefill_tp),
+            (4, 2, prefill_tp),
+        ]
         per = H // decode_tp
         dst_ids = [5, 3, 8, 6, 2, 0]
         for r in range(decode_tp):
@@ -144,7 +172,9 @@ def test_runs_hand_off_bit_exact_across_tp_layouts_and_free_the_rings(
             loaded, nbytes = load_runs(CpuRings(c, memory), NS, o6, fmt, dst_ids, runs, 0)
             assert loaded == 6 and nbytes == 6 * fmt.block_nbytes
             for a, b in zip(src_ids, dst_ids, strict=True):
-                assert torch.equal(_bits(o6[:, :, b]), _bits(f6[:, :, a, :, r * per : (r + 1) * per]))
+                assert torch.equal(
+                    _bits(o6[:, :, b]), _bits(f6[:, :, a, :, r * per : (r + 1) * per])
+                )
         # every run was consume-read by the one decode rank it was for: the rings are empty
         assert _used(c) == [0, 0] and c.stat().rings[0]["objects"] == 0
 
@@ -155,8 +185,14 @@ def test_a_consumer_with_a_local_prefix_loads_only_the_rest_of_the_run(ring_daem
     s6 = cuda_cache(src, "packed")
     fmt = _fmt(L, H, N, D, torch.bfloat16)
     with ring_daemon.client(map_pools=False) as p, ring_daemon.client(map_pools=False) as c:
-        publish_runs(CpuRings(p, memory), NS, s6, fmt, [("r", _items(HASHES[:5], [0, 1, 2, 3, 4]))],
-                     HandoffConfig("ring"))  # fmt: skip
+        publish_runs(
+            CpuRings(p, memory),
+            NS,
+            s6,
+            fmt,
+            [("r", _items(HASHES[:5], [0, 1, 2, 3, 4]))],
+            HandoffConfig("ring"),
+        )
         runs = find_runs(c, NS, HASHES[:5], heads=H, consumer_tp=1, producer_tps=[1])
         out, _ = vllm_like(L, B, H, N, D, torch.bfloat16, "cpu", "NHD", seed=3)
         o6 = cuda_cache(out, "packed")
@@ -175,15 +211,28 @@ def test_lookup_finds_only_whole_runs_of_this_prompt_for_every_rank(ring_daemon,
         cache, _ = vllm_like(L, B, 2, N, D, torch.bfloat16, "cpu", "NHD")
         fmt = _fmt(L, 2, N, D, torch.bfloat16, 0, 2, total=H)
         # only producer rank 0 of 2 handed its heads off: decode TP 1 needs both
-        publish_runs(CpuRings(p, memory), NS, cuda_cache(cache, "packed"), fmt,
-                     [("r", _items(HASHES[:3], [0, 1, 2]))], HandoffConfig("ring", 1))  # fmt: skip
+        publish_runs(
+            CpuRings(p, memory),
+            NS,
+            cuda_cache(cache, "packed"),
+            fmt,
+            [("r", _items(HASHES[:3], [0, 1, 2]))],
+            HandoffConfig("ring", 1),
+        )
         assert find_runs(c, NS, HASHES[:3], heads=H, consumer_tp=1, producer_tps=[1, 2]) == []
         # a prompt that shares the first block's hash but not the run: not this prompt's run
         fmt1 = _fmt(L, 2, N, D, torch.bfloat16, 1, 2, total=H)
-        publish_runs(CpuRings(p, memory), NS, cuda_cache(cache, "packed"), fmt1,
-                     [("r", _items(HASHES[:3], [0, 1, 2]))], HandoffConfig("ring", 1))  # fmt: skip
-        assert [x.count for x in find_runs(c, NS, HASHES[:3], heads=H, consumer_tp=1,
-                                           producer_tps=[2])] == [3]  # fmt: skip
+        publish_runs(
+            CpuRings(p, memory),
+            NS,
+            cuda_cache(cache, "packed"),
+            fmt1,
+            [("r", _items(HASHES[:3], [0, 1, 2]))],
+            HandoffConfig("ring", 1),
+        )
+        assert [
+            x.count for x in find_runs(c, NS, HASHES[:3], heads=H, consumer_tp=1, producer_tps=[2])
+        ] == [3]
         other = [HASHES[0], "f" * 32, HASHES[2]]
         assert find_runs(c, NS, other, heads=H, consumer_tp=1, producer_tps=[2]) == []
         assert find_runs(c, NS, HASHES[:2], heads=H, consumer_tp=1, producer_tps=[2]) == []
@@ -196,15 +245,25 @@ def test_a_full_ring_sends_the_request_to_the_host_path_holding_nothing(ring_dae
     hashes = [f"{i:032x}" for i in range(100, 140)]
     with ring_daemon.client(map_pools=False) as p:
         rings = CpuRings(p, memory)
-        big = [("big", _items(hashes[:33], list(range(33)))), ("small", _items(hashes[33:35], [33, 34]))]
-        done, n, nbytes = publish_runs(rings, NS, cuda_cache(cache, "packed"), fmt, big,
-                                       HandoffConfig("ring"))  # fmt: skip
+        big = [
+            ("big", _items(hashes[:33], list(range(33)))),
+            ("small", _items(hashes[33:35], [33, 34])),
+        ]
+        done, n, nbytes = publish_runs(
+            rings, NS, cuda_cache(cache, "packed"), fmt, big, HandoffConfig("ring")
+        )
         assert done == ["small"] and n == 2 and nbytes == 2 * fmt.block_nbytes
         # heterogeneous TP: the second decode rank's run does not fit, the first's is released
         filler = rings.ring_reserve(RING - 2 * fmt.block_nbytes - fmt.block_nbytes // 2 * 3)
         tp2 = HandoffConfig("ring", consumer_tp=2)  # 2 blocks x 2 heads: 32 KiB per rank
-        done, _, _ = publish_runs(rings, NS, cuda_cache(cache, "packed"), fmt,
-                                  [("two", _items(hashes[35:37], [35, 36]))], tp2)  # fmt: skip
+        done, _, _ = publish_runs(
+            rings,
+            NS,
+            cuda_cache(cache, "packed"),
+            fmt,
+            [("two", _items(hashes[35:37], [35, 36]))],
+            tp2,
+        )
         assert done == []
         stat = p.stat().rings[0]
         assert stat["leased_write"] == filler.nbytes  # only the filler is held
@@ -227,8 +286,12 @@ def test_a_run_gone_since_the_lookup_stops_the_load_there(ring_daemon, memory):
         # another consumer took the second run meanwhile
         CpuRings(p, memory).ring_read(run_key(HASHES[2], 0, 1, 0, 1), namespace=NS).release()
         out, _ = vllm_like(L, B, H, N, D, torch.bfloat16, "cpu", "NHD", seed=2)
-        assert load_runs(CpuRings(c, memory), NS, cuda_cache(out, "packed"), fmt, [4, 5, 6, 7],
-                         runs, 0)[0] == 2  # fmt: skip
+        assert (
+            load_runs(
+                CpuRings(c, memory), NS, cuda_cache(out, "packed"), fmt, [4, 5, 6, 7], runs, 0
+            )[0]
+            == 2
+        )
         with pytest.raises(NotFound):
             c.ops.ring_claim(run_key(HASHES[0], 0, 1, 0, 1), namespace=NS)
         assert _used(c)[0] == 0
@@ -238,8 +301,14 @@ def test_runs_never_claimed_expire(ring_daemon, memory):
     L, B, H, N, D = 1, 4, 2, 16, 8
     src, _ = vllm_like(L, B, H, N, D, torch.bfloat16, "cpu", "NHD")
     with ring_daemon.client(map_pools=False) as p:
-        publish_runs(CpuRings(p, memory), NS, cuda_cache(src, "packed"), _fmt(L, H, N, D, torch.bfloat16),
-                     [("r", _items(HASHES[:2], [0, 1]))], HandoffConfig("ring", ttl=0.3))  # fmt: skip
+        publish_runs(
+            CpuRings(p, memory),
+            NS,
+            cuda_cache(src, "packed"),
+            _fmt(L, H, N, D, torch.bfloat16),
+            [("r", _items(HASHES[:2], [0, 1]))],
+            HandoffConfig("ring", ttl=0.3),
+        )
         assert _used(p)[0] > 0
         deadline = time.monotonic() + 10
         while _used(p)[0] and time.monotonic() < deadline:
@@ -271,8 +340,12 @@ def test_a_process_killed_mid_handoff_leaves_no_ring_space_held(ring_daemon, rol
             lease = admin.ops.ring_reserve(0, 300_000, namespace=NS, key="run-y", ttl=600)
             admin.ops.ring_seal(lease["lease"])
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-        proc = subprocess.Popen([sys.executable, str(script), ring_daemon.socket_path, role],
-                                stdout=subprocess.PIPE, text=True, env=env)  # fmt: skip
+        proc = subprocess.Popen(
+            [sys.executable, str(script), ring_daemon.socket_path, role],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
         try:
             assert proc.stdout.readline().strip() == "holding"
             held = admin.stat().rings[0]
@@ -299,12 +372,19 @@ def test_a_process_killed_mid_handoff_leaves_no_ring_space_held(ring_daemon, rol
 
 def test_handoff_config_is_checked():
     assert HandoffConfig.from_extra({}) == HandoffConfig()
-    cfg = HandoffConfig.from_extra({"handoff": "ring+host", "handoff_tp_size": 2,
-                                    "handoff_rings": [1, 0], "handoff_ttl": 5})  # fmt: skip
+    cfg = HandoffConfig.from_extra(
+        {"handoff": "ring+host", "handoff_tp_size": 2, "handoff_rings": [1, 0], "handoff_ttl": 5}
+    )
     assert cfg.on and cfg.host_too and cfg.rings == (1, 0) and cfg.ttl == 5.0
-    for bad in ({"handoff": "nvlink"}, {"handoff_tp_size": 0}, {"handoff_rings": "0"},
-                {"handoff_tp_size": 2, "handoff_rings": [0]}, {"handoff_ttl": -1},
-                {"handoff_ttl": float("inf")}, {"handoff_tp_size": True}):  # fmt: skip
+    for bad in (
+        {"handoff": "nvlink"},
+        {"handoff_tp_size": 0},
+        {"handoff_rings": "0"},
+        {"handoff_tp_size": 2, "handoff_rings": [0]},
+        {"handoff_ttl": -1},
+        {"handoff_ttl": float("inf")},
+        {"handoff_tp_size": True},
+    ):
         with pytest.raises(ValueError):
             HandoffConfig.from_extra(bad)
 
@@ -313,18 +393,36 @@ def test_handoff_config_is_checked():
 def _request(tokens):
     from types import SimpleNamespace
 
-    return SimpleNamespace(request_id="r1", prompt_token_ids=tokens, cache_salt=None,
-                           lora_request=None, mm_features=None, prompt_embeds=None)  # fmt: skip
+    return SimpleNamespace(
+        request_id="r1",
+        prompt_token_ids=tokens,
+        cache_salt=None,
+        lora_request=None,
+        mm_features=None,
+        prompt_embeds=None,
+    )
 
 
 def _scheduler(socket, handoff, tp_size=1, peers=()):
     from kvbroker.integrations._link import BrokerLink, Warnings
     from kvbroker.integrations.vllm._scheduler import SchedulerSide
 
-    link = BrokerLink(socket, name="sched", role="kv_consumer", map_pools=False, warnings=Warnings())
-    return SchedulerSide(link=link, namespace=NS, block_size=16, total_kv_heads=4, latent=False,
-                         tp_size=tp_size, peer_tp_sizes=peers, save=False, load=True,
-                         warnings=Warnings(), handoff=handoff)  # fmt: skip
+    link = BrokerLink(
+        socket, name="sched", role="kv_consumer", map_pools=False, warnings=Warnings()
+    )
+    return SchedulerSide(
+        link=link,
+        namespace=NS,
+        block_size=16,
+        total_kv_heads=4,
+        latent=False,
+        tp_size=tp_size,
+        peer_tp_sizes=peers,
+        save=False,
+        load=True,
+        warnings=Warnings(),
+        handoff=handoff,
+    )
 
 
 class _Blocks:
@@ -344,8 +442,14 @@ def test_the_scheduler_picks_the_ring_per_request_and_plans_its_runs(ring_daemon
     keys = st.keys.keys
     assert len(keys) == 6
     with ring_daemon.client(map_pools=False) as p:
-        publish_runs(CpuRings(p, memory), NS, cuda_cache(cache, "packed"), _fmt(L, H, N, D, torch.bfloat16),
-                     [("r1", _items(keys, [0, 1, 2, 3, 4, 5]))], HandoffConfig("ring"))  # fmt: skip
+        publish_runs(
+            CpuRings(p, memory),
+            NS,
+            cuda_cache(cache, "packed"),
+            _fmt(L, H, N, D, torch.bfloat16),
+            [("r1", _items(keys, [0, 1, 2, 3, 4, 5]))],
+            HandoffConfig("ring"),
+        )
     # the engine's own prefix cache computed the first block: load the rest
     got = side.get_num_new_matched_tokens(_request(list(range(1, 16 * 5 + 6))), 16)
     if mode == "off":  # the host pools hold nothing, the rings are not looked in
@@ -368,10 +472,19 @@ def test_the_scheduler_takes_the_host_pools_where_they_hold_more(ring_daemon, me
     side = _scheduler(ring_daemon.socket_path, HandoffConfig("ring"))
     keys = side.state(_request(list(range(1, 16 * 6 + 1)))).keys.keys
     with ring_daemon.client() as p:
-        publish_runs(CpuRings(p, memory), NS, c6, fmt, [("r1", _items(keys, [0, 1])[:2])],
-                     HandoffConfig("ring"))  # fmt: skip
+        publish_runs(
+            CpuRings(p, memory),
+            NS,
+            c6,
+            fmt,
+            [("r1", _items(keys, [0, 1])[:2])],
+            HandoffConfig("ring"),
+        )
         save_cuda(p, NS, fmt, c6, _items(keys[:5], [0, 1, 2, 3, 4]), copier=copier_for("cpu"))
-        assert side.get_num_new_matched_tokens(_request(list(range(1, 16 * 6 + 1))), 0) == (80, False)
+        assert side.get_num_new_matched_tokens(_request(list(range(1, 16 * 6 + 1))), 0) == (
+            80,
+            False,
+        )
         side.update_state_after_alloc(_request(None), _Blocks([1, 2, 3, 4, 5, 6]), 80)
         (spec,) = side.pending_loads
         # the ring's run first (2 blocks), the host path for the 3 after it
@@ -392,8 +505,17 @@ def test_the_worker_hands_off_loads_the_ring_then_the_host_and_counts(ring_daemo
     fmt = _fmt(L, H, N, D, torch.bfloat16)
 
     def worker(cache, rings):
-        w = WorkerSide(link=None, namespace=NS, block_size=N, total_kv_heads=H, latent=False,
-                       tp_rank=0, tp_size=1, warnings=Warnings(), handoff=HandoffConfig(mode))  # fmt: skip
+        w = WorkerSide(
+            link=None,
+            namespace=NS,
+            block_size=N,
+            total_kv_heads=H,
+            latent=False,
+            tp_rank=0,
+            tp_size=1,
+            warnings=Warnings(),
+            handoff=HandoffConfig(mode),
+        )
         w.fmt, w.cache, w._gpu = fmt, cuda_cache(cache, "packed"), rings
         return w
 
@@ -403,7 +525,10 @@ def test_the_worker_hands_off_loads_the_ring_then_the_host_and_counts(ring_daemo
         prod = worker(src, rings)
         # a second request's run finds the ring full: it goes to the host path
         filler = rings.ring_reserve(RING - 4 * fmt.block_nbytes)
-        requests = [("a", _items(HASHES[:4], [3, 1, 4, 0])), ("b", _items(HASHES[4:8], [5, 9, 2, 6]))]
+        requests = [
+            ("a", _items(HASHES[:4], [3, 1, 4, 0])),
+            ("b", _items(HASHES[4:8], [5, 9, 2, 6])),
+        ]
         flat = [it for _, its in requests for it in its]
         host = prod._hand_off(rings, requests, flat)
         assert host == (flat if mode == "ring+host" else flat[4:])
@@ -417,7 +542,9 @@ def test_the_worker_hands_off_loads_the_ring_then_the_host_and_counts(ring_daemo
         out, _ = vllm_like(L, B, H, N, D, torch.bfloat16, "cpu", "HND", seed=4)
         cons = worker(out, CpuRings(c, memory))
         # a whole 8-block prompt: the first 4 blocks from the ring, the rest from the host
-        spec = LoadSpec("a", HASHES[:8], [11, 10, 9, 8, 7, 6, 5, 4], ring=(Run(HASHES[0], 0, 4, 1),))
+        spec = LoadSpec(
+            "a", HASHES[:8], [11, 10, 9, 8, 7, 6, 5, 4], ring=(Run(HASHES[0], 0, 4, 1),)
+        )
         assert cons._load_cuda(spec, c, None) == 8
         cons._account(spec, 8)
         s = SimpleNamespace(**cons.take_stats())
@@ -434,10 +561,25 @@ def load_cuda_count(client, fmt, hashes):
     from kvbroker.integrations.vllm._cuda import load_cuda
     from kvbroker.integrations.vllm._paged import copier_for
 
-    scratch, _ = vllm_like(fmt.num_layers, 8, fmt.local_heads, fmt.block_size, fmt.head_dim,
-                           torch.bfloat16, "cpu", "NHD")  # fmt: skip
-    return load_cuda(client, NS, fmt, cuda_cache(scratch, "packed"), hashes, list(range(len(hashes))),
-                     copier=copier_for("cpu"))  # fmt: skip
+    scratch, _ = vllm_like(
+        fmt.num_layers,
+        8,
+        fmt.local_heads,
+        fmt.block_size,
+        fmt.head_dim,
+        torch.bfloat16,
+        "cpu",
+        "NHD",
+    )
+    return load_cuda(
+        client,
+        NS,
+        fmt,
+        cuda_cache(scratch, "packed"),
+        hashes,
+        list(range(len(hashes))),
+        copier=copier_for("cpu"),
+    )
 
 
 @pytest.mark.parametrize("delta", [-64, 64])
@@ -463,7 +605,8 @@ def test_a_ring_object_whose_size_disagrees_with_its_meta_is_not_scattered(
         assert len(runs) == 1
         out, _ = vllm_like(L, B, H, N, D, torch.bfloat16, "cpu", "NHD", seed=2)
         before = [t.clone() for t in out]
-        assert load_runs(CpuRings(c, memory), NS, cuda_cache(out, "packed"), fmt, [4, 5],
-                         runs, 0) == (0, 0)  # fmt: skip
+        assert load_runs(
+            CpuRings(c, memory), NS, cuda_cache(out, "packed"), fmt, [4, 5], runs, 0
+        ) == (0, 0)
         assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(out, before, strict=True))
         assert _used(c)[0] == 0  # consumed and freed all the same

@@ -90,30 +90,40 @@ def test_per_group_block_sizes(model, broker, tmp_path):
     base = {"model": model, "socket": broker.socket_path, "block_size": None}
     published = PD_PROMPTS + [OUT_OF_WINDOW, IN_WINDOW, PUBLISHED]
     consumed = PD_PROMPTS + [OUT_OF_WINDOW, IN_WINDOW]
-    ref = engine_process({**base, "max_tokens": MAX_TOKENS, "prompts": consumed + [REUSING]},
-                         tmp_path / "reference")  # fmt: skip
-    prod = engine_process({**base, "max_tokens": 1, "role": "kv_producer",
-                           "prompts": published}, tmp_path / "producer")  # fmt: skip
+    ref = engine_process(
+        {**base, "max_tokens": MAX_TOKENS, "prompts": consumed + [REUSING]}, tmp_path / "reference"
+    )
+    prod = engine_process(
+        {**base, "max_tokens": 1, "role": "kv_producer", "prompts": published},
+        tmp_path / "producer",
+    )
     reference = engine_result(ref, tmp_path / "reference")["outputs"]
     produced = engine_result(prod, tmp_path / "producer")
     facts = produced["connector"]
     assert facts["groups"] == [["sliding", SLIDING_BLOCK, 1]] * SLIDING_GROUPS + [
-        ["full", FULL_BLOCK, 1]]  # fmt: skip
+        ["full", FULL_BLOCK, 1]
+    ]
     assert HMA_OFF not in produced["log"]
     lengths = [len(p) for p in published]
     assert facts["totals"]["saved_blocks"] == sum(
-        SLIDING_GROUPS * _keys(n, SLIDING_BLOCK) + _keys(n, FULL_BLOCK) for n in lengths)
+        SLIDING_GROUPS * _keys(n, SLIDING_BLOCK) + _keys(n, FULL_BLOCK) for n in lengths
+    )
     n = len(IN_WINDOW)
     first = max(0, n - 1 - WINDOW + 1) // SLIDING_BLOCK  # the window's first sliding block
     assert first >= 1
     with broker.client() as client:
         ns = facts["namespace"]
-        assert _zero(client, ns, OUT_OF_WINDOW, groups=range(SLIDING_GROUPS),
-                     blocks=range(first)) == SLIDING_GROUPS * first  # fmt: skip
-        assert _zero(client, ns, IN_WINDOW, groups=[0],
-                     blocks=range(first, _keys(n, SLIDING_BLOCK))) == _window(n - 1)  # fmt: skip
-    consumer = run_engine({**base, "max_tokens": MAX_TOKENS, "role": "kv_consumer",
-                           "batches": [consumed, [REUSING]]}, tmp_path / "consumer")  # fmt: skip
+        assert (
+            _zero(client, ns, OUT_OF_WINDOW, groups=range(SLIDING_GROUPS), blocks=range(first))
+            == SLIDING_GROUPS * first
+        )
+        assert _zero(
+            client, ns, IN_WINDOW, groups=[0], blocks=range(first, _keys(n, SLIDING_BLOCK))
+        ) == _window(n - 1)
+    consumer = run_engine(
+        {**base, "max_tokens": MAX_TOKENS, "role": "kv_consumer", "batches": [consumed, [REUSING]]},
+        tmp_path / "consumer",
+    )
     outputs = consumer["outputs"]
     k = len(PD_PROMPTS)
     assert outputs[:k] == reference[:k]
@@ -123,7 +133,8 @@ def test_per_group_block_sizes(model, broker, tmp_path):
     totals = consumer["connector"]["totals"]
     hits = [len(p) - 1 for p in consumed] + [len(SYSTEM)]
     assert totals["loaded_tokens"] == sum(hits)
-    assert totals["loaded_blocks"] == sum(-(-h // FULL_BLOCK) + SLIDING_GROUPS * _window(h)
-                                          for h in hits)  # fmt: skip
+    assert totals["loaded_blocks"] == sum(
+        -(-h // FULL_BLOCK) + SLIDING_GROUPS * _window(h) for h in hits
+    )
     assert totals["loads"] == len(hits) and totals.get("load_failed_blocks", 0) == 0
     assert HMA_OFF not in consumer["log"] and "could not load" not in consumer["log"]

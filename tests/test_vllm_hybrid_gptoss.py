@@ -66,15 +66,18 @@ def broker():
 
 @pytest.fixture(scope="module")
 def runs(model, broker, tmp_path_factory):
-    base = {"model": model, "socket": broker.socket_path, "block_size": BLOCK,
-            "dtype": "bfloat16"}  # fmt: skip
+    base = {"model": model, "socket": broker.socket_path, "block_size": BLOCK, "dtype": "bfloat16"}
     ref_dir, prod_dir = tmp_path_factory.mktemp("reference"), tmp_path_factory.mktemp("producer")
     prompts = PD_PROMPTS + [OUT_OF_WINDOW, IN_WINDOW]
     ref = engine_process({**base, "max_tokens": MAX_TOKENS, "prompts": prompts}, ref_dir)
-    prod = engine_process({**base, "max_tokens": 1, "role": "kv_producer", "prompts": prompts},
-                          prod_dir)  # fmt: skip
-    return {"base": base, "reference": engine_result(ref, ref_dir, timeout=600),
-            "producer": engine_result(prod, prod_dir, timeout=600)}  # fmt: skip
+    prod = engine_process(
+        {**base, "max_tokens": 1, "role": "kv_producer", "prompts": prompts}, prod_dir
+    )
+    return {
+        "base": base,
+        "reference": engine_result(ref, ref_dir, timeout=600),
+        "producer": engine_result(prod, prod_dir, timeout=600),
+    }
 
 
 def _zero(client, prompt, *, group: int, blocks) -> int:
@@ -106,13 +109,30 @@ def test_pd_handoff_equals_a_plain_engine_and_loads_only_the_window(broker, runs
     window = _window_blocks(len(IN_WINDOW))
     first_in_window = _keys(len(IN_WINDOW)) - window
     with broker.client() as client:
-        assert _zero(client, OUT_OF_WINDOW, group=sliding,
-                     blocks=range(first_in_window)) == first_in_window  # fmt: skip
-        assert _zero(client, IN_WINDOW, group=sliding,
-                     blocks=range(first_in_window, first_in_window + window)) == window  # fmt: skip
-    consumer = run_engine({**runs["base"], "max_tokens": MAX_TOKENS, "role": "kv_consumer",
-                           "prompts": PD_PROMPTS + [OUT_OF_WINDOW, IN_WINDOW],
-                           "vllm_log_level": "DEBUG"}, tmp_path / "consumer", timeout=600)  # fmt: skip
+        assert (
+            _zero(client, OUT_OF_WINDOW, group=sliding, blocks=range(first_in_window))
+            == first_in_window
+        )
+        assert (
+            _zero(
+                client,
+                IN_WINDOW,
+                group=sliding,
+                blocks=range(first_in_window, first_in_window + window),
+            )
+            == window
+        )
+    consumer = run_engine(
+        {
+            **runs["base"],
+            "max_tokens": MAX_TOKENS,
+            "role": "kv_consumer",
+            "prompts": PD_PROMPTS + [OUT_OF_WINDOW, IN_WINDOW],
+            "vllm_log_level": "DEBUG",
+        },
+        tmp_path / "consumer",
+        timeout=600,
+    )
     reference = runs["reference"]["outputs"]
     outputs = consumer["outputs"]
     assert outputs[: len(PD_PROMPTS)] == reference[: len(PD_PROMPTS)]

@@ -33,12 +33,23 @@ from kvbroker.integrations.vllm._paged import copier_for
 from kvbroker.integrations.vllm._scheduler import StepPlan
 
 CUDA = torch.cuda.is_available()
-DEVICES = ["cpu", pytest.param("cuda", marks=[
-    pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs CUDA (torch sees no CUDA device)")])]  # fmt: skip
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(not CUDA, reason="needs CUDA (torch sees no CUDA device)"),
+        ],
+    ),
+]
 B, HEADS, DIM, BLOCKS = 16, 2, 32, 24
 NS = "vllm/unit-hybrid-staged"
-SHAPES = [AttentionGroupShape(2, HEADS, B, DIM), AttentionGroupShape(2, HEADS, B, DIM),
-          StateGroupShape(2, ((3, 40), (2, 8, 16)), ("bfloat16", "float32"))]  # fmt: skip
+SHAPES = [
+    AttentionGroupShape(2, HEADS, B, DIM),
+    AttentionGroupShape(2, HEADS, B, DIM),
+    StateGroupShape(2, ((3, 40), (2, 8, 16)), ("bfloat16", "float32")),
+]
 PAGE = SHAPES[0].page_nbytes()
 STATE_PAGE = 2 * SHAPES[2].content_nbytes()  # a broker page: both layers' state tensors
 
@@ -50,9 +61,16 @@ def _names(g: int) -> tuple[str, ...]:
 GROUPS = [
     Group(0, SLIDING, B, _names(0), "bfloat16", HEADS, DIM, window=40),
     Group(1, FULL, B, _names(1), "bfloat16", HEADS, DIM),
-    Group(2, STATE, B, _names(2), state_shapes=SHAPES[2].shapes, state_dtypes=SHAPES[2].dtypes,
-          page_nbytes=PAGE),
-]  # fmt: skip
+    Group(
+        2,
+        STATE,
+        B,
+        _names(2),
+        state_shapes=SHAPES[2].shapes,
+        state_dtypes=SHAPES[2].dtypes,
+        page_nbytes=PAGE,
+    ),
+]
 PROMPT = list(range(1, 4 * B + 6))  # 4 full blocks and a tail
 KEYS = prompt_keys(PROMPT, B, namespace=NS, cache_salt="")
 
@@ -68,9 +86,16 @@ def broker():
 def _worker(socket: str, device: str, order: str):
     caches, raw = hybrid_pool(SHAPES, BLOCKS, device, order)
     link = BrokerLink(socket, name="unit-staged", role="kv_both", map_pools=True)
-    worker = HybridWorker(groups=GROUPS, link=link, namespace=NS, block_size=B, tp_rank=0,
-                          tp_size=1, warnings=Warnings(),
-                          staging_copier=copier_for("cpu") if device == "cpu" else None)  # fmt: skip
+    worker = HybridWorker(
+        groups=GROUPS,
+        link=link,
+        namespace=NS,
+        block_size=B,
+        tp_rank=0,
+        tp_size=1,
+        warnings=Warnings(),
+        staging_copier=copier_for("cpu") if device == "cpu" else None,
+    )
     worker.register(caches, "FLASH_ATTN")
     assert worker.staged
     return worker, caches, raw
@@ -118,8 +143,9 @@ def _save_all(worker):
     saves = []
     for g, first in ((0, 1), (1, 6)):
         k = [GROUPS[g].key(h) for h in KEYS.keys]
-        saves.append(GroupSave("r", g, [(k[i], k[i - 1] if i else None, first + i)
-                                        for i in range(len(k))]))  # fmt: skip
+        saves.append(
+            GroupSave("r", g, [(k[i], k[i - 1] if i else None, first + i) for i in range(len(k))])
+        )
     saves.append(GroupSave("r", 2, [(GROUPS[2].key(KEYS.hashes[3]), None, 11)]))
     _step(worker, StepPlan(saves=saves))
 
@@ -139,17 +165,26 @@ def test_every_group_round_trips_bit_exact_and_nothing_else_moves(broker, device
         before = raw.clone()
         # the window of a 69-token hit (sliding blocks 2, 3 and the tail), the full group's
         # five blocks and the state, each into other engine blocks
-        load = HybridLoad("q", [
-            GroupLoad(0, [GROUPS[0].key(h) for h in KEYS.keys[2:]], [12, 13, 14]),
-            GroupLoad(1, [GROUPS[1].key(h) for h in KEYS.keys], [15, 16, 17, 18, 19]),
-            GroupLoad(2, [GROUPS[2].key(KEYS.hashes[3])], [20]),
-        ], tokens=len(PROMPT) - 1)  # fmt: skip
+        load = HybridLoad(
+            "q",
+            [
+                GroupLoad(0, [GROUPS[0].key(h) for h in KEYS.keys[2:]], [12, 13, 14]),
+                GroupLoad(1, [GROUPS[1].key(h) for h in KEYS.keys], [15, 16, 17, 18, 19]),
+                GroupLoad(2, [GROUPS[2].key(KEYS.hashes[3])], [20]),
+            ],
+            tokens=len(PROMPT) - 1,
+        )
         _step(worker, StepPlan(loads=[load]))
         _finish(worker, "q")
         assert worker.failed_loads() == set()
         assert worker.stats["loaded_state_bytes"] == STATE_PAGE
-        want = _moved(before, caches, [(0, 3, 12), (0, 4, 13), (0, 5, 14)]
-                      + [(1, 6 + i, 15 + i) for i in range(5)] + [(2, 11, 20)])  # fmt: skip
+        want = _moved(
+            before,
+            caches,
+            [(0, 3, 12), (0, 4, 13), (0, 5, 14)]
+            + [(1, 6 + i, 15 + i) for i in range(5)]
+            + [(2, 11, 20)],
+        )
         assert not torch.equal(want, before)  # (the loads move something)
         assert torch.equal(raw, want)  # every loaded byte, and not one byte more
         for layer in range(2):  # the null block of every layer region, by name
@@ -167,8 +202,11 @@ def test_a_plan_naming_the_null_block_is_refused_and_the_block_untouched(broker,
     try:
         _save_all(worker)
         before = raw.clone()
-        bad = HybridLoad("n", [GroupLoad(0, [GROUPS[0].key(h) for h in KEYS.keys[2:]],
-                                         [0, 13, 14])], tokens=len(PROMPT) - 1)  # fmt: skip
+        bad = HybridLoad(
+            "n",
+            [GroupLoad(0, [GROUPS[0].key(h) for h in KEYS.keys[2:]], [0, 13, 14])],
+            tokens=len(PROMPT) - 1,
+        )
         _step(worker, StepPlan(loads=[bad]))
         _finish(worker, "n")
         assert worker.failed_loads() == {"n"}
@@ -194,10 +232,31 @@ def test_the_hybrid_benchmark_runs_on_cpu_tensors(tmp_path, shape):
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {k: v for k, v in os.environ.items() if k != "KVBROKER_SOCKET"}
-    proc = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "bench_vllm_gpu.py"),
-                           "--device", "cpu", "--hybrid", shape, "--layers", "1", "--tokens",
-                           "1100", "--reps", "1", "--out", str(tmp_path), "--name", "h"],
-                          check=False, capture_output=True, text=True, timeout=600, env=env)  # fmt: skip
+    proc = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(root, "benchmarks", "bench_vllm_gpu.py"),
+            "--device",
+            "cpu",
+            "--hybrid",
+            shape,
+            "--layers",
+            "1",
+            "--tokens",
+            "1100",
+            "--reps",
+            "1",
+            "--out",
+            str(tmp_path),
+            "--name",
+            "h",
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     with open(tmp_path / "h.json") as f:
         r = json.load(f)

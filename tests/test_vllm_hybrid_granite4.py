@@ -70,10 +70,13 @@ def test_mamba2_pd_and_multi_turn(model, broker, tmp_path):
     base = {**BASE, "model": model, "socket": broker.socket_path}
     published = PD_PROMPTS + [ZEROED, FIRST_TURN]
     consumed = PD_PROMPTS + [ZEROED, SECOND_TURN]
-    ref = engine_process({**base, "max_tokens": MAX_TOKENS, "prompts": consumed},
-                         tmp_path / "reference")  # fmt: skip
-    prod = engine_process({**base, "max_tokens": 1, "role": "kv_producer", "prompts": published},
-                          tmp_path / "producer")  # fmt: skip
+    ref = engine_process(
+        {**base, "max_tokens": MAX_TOKENS, "prompts": consumed}, tmp_path / "reference"
+    )
+    prod = engine_process(
+        {**base, "max_tokens": 1, "role": "kv_producer", "prompts": published},
+        tmp_path / "producer",
+    )
     reference = engine_result(ref, tmp_path / "reference")
     produced = engine_result(prod, tmp_path / "producer")
     facts = produced["connector"]
@@ -101,8 +104,10 @@ def test_mamba2_pd_and_multi_turn(model, broker, tmp_path):
                         view.zero_()
                 hit += 1
         assert hit == STATE_GROUPS
-    consumer = run_engine({**base, "max_tokens": MAX_TOKENS, "role": "kv_consumer",
-                           "prompts": consumed}, tmp_path / "consumer")  # fmt: skip
+    consumer = run_engine(
+        {**base, "max_tokens": MAX_TOKENS, "role": "kv_consumer", "prompts": consumed},
+        tmp_path / "consumer",
+    )
     k = len(PD_PROMPTS)
     for i in (*range(k), k + 1):  # P/D, and the second turn
         assert consumer["outputs"][i] == reference["outputs"][i]

@@ -75,10 +75,12 @@ def reference_and_producer(model, broker, tmp_path_factory):
     base = {**BASE, "model": model, "socket": broker.socket_path}
     ref_dir, prod_dir = tmp_path_factory.mktemp("reference"), tmp_path_factory.mktemp("producer")
     prompts = PD_PROMPTS + [ZEROED]
-    ref = engine_process({**base, "max_tokens": MAX_TOKENS,
-                          "prompts": prompts + [FIRST_TURN, SECOND_TURN]}, ref_dir)  # fmt: skip
-    prod = engine_process({**base, "max_tokens": 1, "role": "kv_producer", "prompts": prompts},
-                          prod_dir)  # fmt: skip
+    ref = engine_process(
+        {**base, "max_tokens": MAX_TOKENS, "prompts": prompts + [FIRST_TURN, SECOND_TURN]}, ref_dir
+    )
+    prod = engine_process(
+        {**base, "max_tokens": 1, "role": "kv_producer", "prompts": prompts}, prod_dir
+    )
     return {"reference": engine_result(ref, ref_dir), "producer": engine_result(prod, prod_dir)}
 
 
@@ -124,10 +126,18 @@ def test_pd_handoff_loads_every_state_whole(model, broker, reference_and_produce
                         view.zero_()
                 hit += 1
         assert hit == STATE_GROUPS
-    consumer = run_engine({**BASE, "model": model, "socket": broker.socket_path,
-                           "max_tokens": MAX_TOKENS, "role": "kv_consumer",
-                           "prompts": PD_PROMPTS + [ZEROED], "vllm_log_level": "DEBUG"},
-                          tmp_path / "consumer")  # fmt: skip
+    consumer = run_engine(
+        {
+            **BASE,
+            "model": model,
+            "socket": broker.socket_path,
+            "max_tokens": MAX_TOKENS,
+            "role": "kv_consumer",
+            "prompts": PD_PROMPTS + [ZEROED],
+            "vllm_log_level": "DEBUG",
+        },
+        tmp_path / "consumer",
+    )
     ref = reference_and_producer["reference"]
     k = len(PD_PROMPTS)
     assert consumer["outputs"][:k] == ref["outputs"][:k]
@@ -143,10 +153,14 @@ def test_pd_handoff_loads_every_state_whole(model, broker, reference_and_produce
     assert consumer["log"].count("Finished recving KV transfer for request") == len(lengths)
 
 
-def test_multi_turn_reuses_the_first_turns_state(model, broker, reference_and_producer,
-                                                  tmp_path):  # fmt: skip
-    base = {**BASE, "model": model, "socket": broker.socket_path, "max_tokens": MAX_TOKENS,
-            "role": "kv_both"}  # fmt: skip
+def test_multi_turn_reuses_the_first_turns_state(model, broker, reference_and_producer, tmp_path):
+    base = {
+        **BASE,
+        "model": model,
+        "socket": broker.socket_path,
+        "max_tokens": MAX_TOKENS,
+        "role": "kv_both",
+    }
     first = run_engine({**base, "prompts": [FIRST_TURN]}, tmp_path / "first")
     second = run_engine({**base, "prompts": [SECOND_TURN]}, tmp_path / "second")
     ref = reference_and_producer["reference"]

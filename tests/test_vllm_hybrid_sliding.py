@@ -76,16 +76,23 @@ def reference_and_producer(model, broker, tmp_path_factory):
     base = {"model": model, "socket": broker.socket_path, "block_size": BLOCK}
     ref_dir, prod_dir = tmp_path_factory.mktemp("reference"), tmp_path_factory.mktemp("producer")
     prompts = PD_PROMPTS + [OUT_OF_WINDOW, IN_WINDOW]
-    ref = engine_process({**base, "max_tokens": MAX_TOKENS,
-                          "prompts": prompts + FIRST_TURN + SECOND_TURN}, ref_dir)  # fmt: skip
-    prod = engine_process({**base, "max_tokens": 1, "role": "kv_producer", "prompts": prompts},
-                          prod_dir)  # fmt: skip
+    ref = engine_process(
+        {**base, "max_tokens": MAX_TOKENS, "prompts": prompts + FIRST_TURN + SECOND_TURN}, ref_dir
+    )
+    prod = engine_process(
+        {**base, "max_tokens": 1, "role": "kv_producer", "prompts": prompts}, prod_dir
+    )
     reference = engine_result(ref, ref_dir)
     produced = engine_result(prod, prod_dir)
     outs = reference["outputs"]
     k = len(prompts)
-    return {"pd": outs[: len(PD_PROMPTS)], "zeroed": outs[len(PD_PROMPTS) : k],
-            "turns": outs[k:], "producer": produced, "reference": reference}  # fmt: skip
+    return {
+        "pd": outs[: len(PD_PROMPTS)],
+        "zeroed": outs[len(PD_PROMPTS) : k],
+        "turns": outs[k:],
+        "producer": produced,
+        "reference": reference,
+    }
 
 
 def _zero(client, prompt, *, groups, blocks) -> int:
@@ -111,7 +118,8 @@ def test_pd_handoff_loads_only_the_window(model, broker, reference_and_producer,
     produced = reference_and_producer["producer"]
     assert HMA_OFF not in produced["log"]
     assert produced["connector"]["groups"] == [["sliding", BLOCK, 1]] * SLIDING_GROUPS + [
-        ["full", BLOCK, 1]]  # fmt: skip
+        ["full", BLOCK, 1]
+    ]
     lengths = [len(p) for p in PD_PROMPTS] + [len(OUT_OF_WINDOW), len(IN_WINDOW)]
     groups = SLIDING_GROUPS + 1
     # Every group's blocks were saved, each in the step that computed it.
@@ -122,14 +130,31 @@ def test_pd_handoff_loads_only_the_window(model, broker, reference_and_producer,
     with broker.client() as client:
         assert len(client.list()) == groups * sum(map(_keys, lengths))
         # blocks before the window, in every sliding group; the in-window ones of one group
-        assert _zero(client, OUT_OF_WINDOW, groups=sliding,
-                     blocks=range(first_in_window)) == SLIDING_GROUPS * first_in_window  # fmt: skip
-        assert _zero(client, IN_WINDOW, groups=[1],
-                     blocks=range(first_in_window, first_in_window + window)) == window  # fmt: skip
-    consumer = run_engine({"model": model, "socket": broker.socket_path, "block_size": BLOCK,
-                           "max_tokens": MAX_TOKENS, "role": "kv_consumer",
-                           "prompts": PD_PROMPTS + [OUT_OF_WINDOW, IN_WINDOW],
-                           "vllm_log_level": "DEBUG"}, tmp_path / "consumer")  # fmt: skip
+        assert (
+            _zero(client, OUT_OF_WINDOW, groups=sliding, blocks=range(first_in_window))
+            == SLIDING_GROUPS * first_in_window
+        )
+        assert (
+            _zero(
+                client,
+                IN_WINDOW,
+                groups=[1],
+                blocks=range(first_in_window, first_in_window + window),
+            )
+            == window
+        )
+    consumer = run_engine(
+        {
+            "model": model,
+            "socket": broker.socket_path,
+            "block_size": BLOCK,
+            "max_tokens": MAX_TOKENS,
+            "role": "kv_consumer",
+            "prompts": PD_PROMPTS + [OUT_OF_WINDOW, IN_WINDOW],
+            "vllm_log_level": "DEBUG",
+        },
+        tmp_path / "consumer",
+    )
     outputs = consumer["outputs"]
     assert outputs[: len(PD_PROMPTS)] == reference_and_producer["pd"]
     out_ref, in_ref = reference_and_producer["zeroed"]
@@ -137,8 +162,9 @@ def test_pd_handoff_loads_only_the_window(model, broker, reference_and_producer,
     assert outputs[len(PD_PROMPTS) + 1] != in_ref  # zeroed inside: the engine used them
     totals = consumer["connector"]["totals"]
     # Each prompt: every full-attention block, and each sliding group's window only.
-    assert totals["loaded_blocks"] == sum(_keys(n) + SLIDING_GROUPS * _window_blocks(n)
-                                          for n in lengths)  # fmt: skip
+    assert totals["loaded_blocks"] == sum(
+        _keys(n) + SLIDING_GROUPS * _window_blocks(n) for n in lengths
+    )
     assert totals["loaded_tokens"] == sum(n - 1 for n in lengths)
     assert totals["loads"] == len(lengths) and totals.get("load_failed_blocks", 0) == 0
     assert HMA_OFF not in consumer["log"] and "could not load" not in consumer["log"]
@@ -147,8 +173,13 @@ def test_pd_handoff_loads_only_the_window(model, broker, reference_and_producer,
 
 
 def test_prefix_reuse_across_engines(model, broker, reference_and_producer, tmp_path):
-    base = {"model": model, "socket": broker.socket_path, "block_size": BLOCK,
-            "max_tokens": MAX_TOKENS, "role": "kv_both"}  # fmt: skip
+    base = {
+        "model": model,
+        "socket": broker.socket_path,
+        "block_size": BLOCK,
+        "max_tokens": MAX_TOKENS,
+        "role": "kv_both",
+    }
     first = run_engine({**base, "prompts": FIRST_TURN}, tmp_path / "first")
     second = run_engine({**base, "batches": [[p] for p in SECOND_TURN]}, tmp_path / "second")
     turns = reference_and_producer["turns"]

@@ -43,8 +43,12 @@ CONV = (HK * DK, HK * DK, HV * DV)  # q, k, v channels
 SPLITS = ((1, ((HK, DK), (HK, DK), (HV, DV))), (0, ((HV, 1),)))
 STATE_LAYERS = 2
 NS = "vllm/unit-hybrid-tp"
-HF = SimpleNamespace(linear_num_key_heads=HK, linear_num_value_heads=HV, linear_key_head_dim=DK,
-                     linear_value_head_dim=DV)  # fmt: skip
+HF = SimpleNamespace(
+    linear_num_key_heads=HK,
+    linear_num_value_heads=HV,
+    linear_key_head_dim=DK,
+    linear_value_head_dim=DV,
+)
 GDN = SimpleNamespace(name="GDN_ATTN")
 PROMPT = list(range(1, 11))  # blocks 0, 1 and a tail; the state at 8
 KEYS = prompt_keys(PROMPT, B, namespace=NS, cache_salt="")
@@ -65,15 +69,27 @@ def gdn_shapes(tp: int):
 
 def kv_config(tp: int, mamba_type=GDN, shapes=None):
     shapes = shapes or gdn_shapes(tp)
-    state = MambaSpec(block_size=B, shapes=shapes, dtypes=(torch.bfloat16, torch.float32),
-                      page_size_bytes=4096, mamba_cache_mode="align", mamba_type=mamba_type,
-                      num_speculative_blocks=0, tp_replicated=False)  # fmt: skip
-    attn = FullAttentionSpec(block_size=B, num_kv_heads=HEADS // tp, head_size=DIM,
-                             dtype=torch.float32)  # fmt: skip
-    return SimpleNamespace(kv_cache_groups=[
-        SimpleNamespace(layer_names=[f"state.{i}" for i in range(STATE_LAYERS)],
-                        kv_cache_spec=state),
-        SimpleNamespace(layer_names=["attn"], kv_cache_spec=attn)])  # fmt: skip
+    state = MambaSpec(
+        block_size=B,
+        shapes=shapes,
+        dtypes=(torch.bfloat16, torch.float32),
+        page_size_bytes=4096,
+        mamba_cache_mode="align",
+        mamba_type=mamba_type,
+        num_speculative_blocks=0,
+        tp_replicated=False,
+    )
+    attn = FullAttentionSpec(
+        block_size=B, num_kv_heads=HEADS // tp, head_size=DIM, dtype=torch.float32
+    )
+    return SimpleNamespace(
+        kv_cache_groups=[
+            SimpleNamespace(
+                layer_names=[f"state.{i}" for i in range(STATE_LAYERS)], kv_cache_spec=state
+            ),
+            SimpleNamespace(layer_names=["attn"], kv_cache_spec=attn),
+        ]
+    )
 
 
 def groups(tp: int):
@@ -84,8 +100,13 @@ def groups(tp: int):
 def whole():
     """The model's state at one position (per layer: conv, ssm) and its attention blocks."""
     g = torch.Generator().manual_seed(7)
-    states = [(torch.randn(KERNEL - 1, sum(CONV), generator=g).to(torch.bfloat16),
-               torch.randn(HV, DV, DK, generator=g)) for _ in range(STATE_LAYERS)]  # fmt: skip
+    states = [
+        (
+            torch.randn(KERNEL - 1, sum(CONV), generator=g).to(torch.bfloat16),
+            torch.randn(HV, DV, DK, generator=g),
+        )
+        for _ in range(STATE_LAYERS)
+    ]
     attn = torch.randn(3, HEADS, B, 2 * DIM, generator=g)  # blocks 0, 1 and the tail
     return states, attn
 
@@ -111,15 +132,27 @@ def make_worker(socket: str, rank: int, tp: int, path: str, peers=()):
     """A worker of TP rank ``rank`` of ``tp``: a zeroed attention cache and state layers of
     vLLM's shapes (one int8 ``[blocks, 1, 1, bytes]`` tensor per layer)."""
     gs = groups(tp)
-    content = sum(torch.empty(s, dtype=d).nbytes for s, d in
-                  zip(gdn_shapes(tp), (torch.bfloat16, torch.float32), strict=True))  # fmt: skip
-    caches = {f"state.{i}": torch.zeros(BLOCKS, 1, 1, content, dtype=torch.int8)
-              for i in range(STATE_LAYERS)}  # fmt: skip
+    content = sum(
+        torch.empty(s, dtype=d).nbytes
+        for s, d in zip(gdn_shapes(tp), (torch.bfloat16, torch.float32), strict=True)
+    )
+    caches = {
+        f"state.{i}": torch.zeros(BLOCKS, 1, 1, content, dtype=torch.int8)
+        for i in range(STATE_LAYERS)
+    }
     caches["attn"] = torch.zeros(BLOCKS, HEADS // tp, B, 2 * DIM)
     link = BrokerLink(socket, name=f"unit-tp{rank}of{tp}", role="kv_both", map_pools=True)
-    worker = HybridWorker(groups=gs, link=link, namespace=NS, block_size=B, tp_rank=rank,
-                          tp_size=tp, peer_tp_sizes=peers, warnings=Warnings(),
-                          staging_copier=copier_for("cpu") if path == "staged" else None)  # fmt: skip
+    worker = HybridWorker(
+        groups=gs,
+        link=link,
+        namespace=NS,
+        block_size=B,
+        tp_rank=rank,
+        tp_size=tp,
+        peer_tp_sizes=peers,
+        warnings=Warnings(),
+        staging_copier=copier_for("cpu") if path == "staged" else None,
+    )
     worker.register(caches, "CPU_ATTN" if path == "host" else "FLASH_ATTN")
     return worker, caches
 
@@ -135,9 +168,14 @@ def put(caches, states, attn, rank: int, tp: int, state_block: int, attn_blocks)
 def save(worker) -> None:
     gs = worker.groups
     k = [gs[1].key(h) for h in KEYS.keys]
-    worker.bind(StepPlan(saves=[
-        GroupSave("r", 1, [(k[i], k[i - 1] if i else None, 1 + i) for i in range(3)]),
-        GroupSave("r", 0, [(gs[0].key(KEYS.hashes[1]), None, 4)])]))  # fmt: skip
+    worker.bind(
+        StepPlan(
+            saves=[
+                GroupSave("r", 1, [(k[i], k[i - 1] if i else None, 1 + i) for i in range(3)]),
+                GroupSave("r", 0, [(gs[0].key(KEYS.hashes[1]), None, 4)]),
+            ]
+        )
+    )
     worker.save_layer("attn")
     worker.wait_for_save()
     worker.unbind()
@@ -146,8 +184,14 @@ def save(worker) -> None:
 
 def load(worker) -> None:
     gs = worker.groups
-    spec = HybridLoad("q", [GroupLoad(1, [gs[1].key(h) for h in KEYS.keys], [7, 8, 9]),
-                            GroupLoad(0, [gs[0].key(KEYS.hashes[1])], [10])], tokens=9)  # fmt: skip
+    spec = HybridLoad(
+        "q",
+        [
+            GroupLoad(1, [gs[1].key(h) for h in KEYS.keys], [7, 8, 9]),
+            GroupLoad(0, [gs[0].key(KEYS.hashes[1])], [10]),
+        ],
+        tokens=9,
+    )
     worker.bind(StepPlan(loads=[spec]))
     worker.start_load()
     worker.wait_for_save()
@@ -213,12 +257,25 @@ def test_tp1_pages_load_resharded_into_each_tp2_rank(broker, whole, path):
 def test_the_lookup_needs_every_rank_of_the_other_layout(broker, whole):
     states, attn = whole
     producers = [make_worker(broker.socket_path, r, 2, "host") for r in range(2)]
-    link = BrokerLink(broker.socket_path, name="unit-tp-scheduler", role="kv_both",
-                      map_pools=False)  # fmt: skip
-    scheduler = HybridScheduler(link=link, namespace=NS, groups=groups(1), tp_size=1,
-                                peer_tp_sizes=(2,), save=True, load=True, warnings=Warnings())
-    request = SimpleNamespace(request_id="a", prompt_token_ids=PROMPT, cache_salt=None,
-                              lora_request=None, mm_features=None, prompt_embeds=None)  # fmt: skip
+    link = BrokerLink(broker.socket_path, name="unit-tp-scheduler", role="kv_both", map_pools=False)
+    scheduler = HybridScheduler(
+        link=link,
+        namespace=NS,
+        groups=groups(1),
+        tp_size=1,
+        peer_tp_sizes=(2,),
+        save=True,
+        load=True,
+        warnings=Warnings(),
+    )
+    request = SimpleNamespace(
+        request_id="a",
+        prompt_token_ids=PROMPT,
+        cache_salt=None,
+        lora_request=None,
+        mm_features=None,
+        prompt_embeds=None,
+    )
     try:
         for r, (w, c) in enumerate(producers):
             put(c, states, attn, r, 2, 4, [1, 2, 3])
@@ -240,8 +297,12 @@ def test_every_tp_layout_of_a_reshardable_model_shares_the_namespace():
     assert two[0].state_splits == one[0].state_splits == SPLITS
     assert hybrid_namespace("m", one) == hybrid_namespace("m", two)
     # a state this cannot reshard keeps its layout in the namespace
-    odd = groups_of(kv_config(2, mamba_type=SimpleNamespace(name="SHORT_CONV")), tp_size=2,
-                    total_kv_heads=HEADS, hf_config=HF)  # fmt: skip
+    odd = groups_of(
+        kv_config(2, mamba_type=SimpleNamespace(name="SHORT_CONV")),
+        tp_size=2,
+        total_kv_heads=HEADS,
+        hf_config=HF,
+    )
     assert odd[0].state_splits == ()
     assert hybrid_namespace("m", odd) != hybrid_namespace("m", two)
 
@@ -250,16 +311,19 @@ def test_what_cannot_be_resharded_is_refused_by_name():
     check_peer_layouts(groups(2), [1, 2])
     with pytest.raises(ValueError, match="group 0.*TP 4"):  # 2 key heads over 4 ranks
         check_peer_layouts(groups(2), [4])
-    short = groups_of(kv_config(2, mamba_type=SimpleNamespace(name="SHORT_CONV")), tp_size=2,
-                      total_kv_heads=HEADS, hf_config=HF)  # fmt: skip
+    short = groups_of(
+        kv_config(2, mamba_type=SimpleNamespace(name="SHORT_CONV")),
+        tp_size=2,
+        total_kv_heads=HEADS,
+        hf_config=HF,
+    )
     with pytest.raises(ValueError, match="cannot be resharded between TP 2 and TP 1"):
         check_peer_layouts(short, [1])
     check_peer_layouts(short, [2])  # the same layout reads it
     # Mamba2 (Granite-4 tiny's sizes): one group over 2 ranks is replicated by vLLM (each
     # rank's conv state then holds the whole group: 4*64/2 + 2*16 channels), not resharded;
     # read at TP 1, it cannot be laid out for TP 2 either
-    mamba2 = SimpleNamespace(mamba_n_heads=4, mamba_n_groups=1, mamba_d_state=16,
-                             mamba_d_head=64)  # fmt: skip
+    mamba2 = SimpleNamespace(mamba_n_heads=4, mamba_n_groups=1, mamba_d_state=16, mamba_d_head=64)
     m2 = SimpleNamespace(name="MAMBA2")
     assert state_splits(m2, ((3, 128 + 32), (2, 64, 16)), mamba2, 2) == ()
     tp1 = state_splits(m2, ((3, 256 + 32), (4, 64, 16)), mamba2, 1)
@@ -270,6 +334,8 @@ def test_what_cannot_be_resharded_is_refused_by_name():
         check_peer_layouts(granite, [2])
     mamba2.mamba_n_groups = 2  # two groups split over 2 ranks: resharded
     assert state_splits(m2, ((3, 128 + 32), (2, 64, 16)), mamba2, 2) == (
-        (1, ((4, 64), (2, 16), (2, 16))), (0, ((4, 1),)))  # fmt: skip
+        (1, ((4, 64), (2, 16), (2, 16))),
+        (0, ((4, 1),)),
+    )
     # shapes that are not the layout the config says: not resharded
     assert state_splits(GDN, ((3, 40), (2, DV, DK)), HF, 2) == ()

@@ -46,17 +46,27 @@ def broker():
 def test_tp2_producer_hands_off_to_a_tp1_consumer(model, broker, tmp_path):
     base = {**BASE, "model": model, "socket": broker.socket_path, "prompts": PROMPTS}
     ref = engine_process({**base, "max_tokens": MAX_TOKENS}, tmp_path / "reference")
-    prod = engine_process({**base, "max_tokens": 1, "role": "kv_producer", "in_process": False,
-                           "tensor_parallel_size": 2}, tmp_path / "producer")  # fmt: skip
+    prod = engine_process(
+        {
+            **base,
+            "max_tokens": 1,
+            "role": "kv_producer",
+            "in_process": False,
+            "tensor_parallel_size": 2,
+        },
+        tmp_path / "producer",
+    )
     reference = engine_result(ref, tmp_path / "reference", timeout=900)
     engine_result(prod, tmp_path / "producer", timeout=900)
     with broker.client() as client:
         keys = [o.key for o in client.list()]
     assert any(k.endswith("/state.tp1of2") for k in keys)  # both ranks published states
     assert any(k.endswith("/state.tp0of2") for k in keys)
-    consumer = run_engine({**base, "max_tokens": MAX_TOKENS, "role": "kv_consumer",
-                           "extra": {"peer_tp_sizes": [2]}}, tmp_path / "consumer",
-                          timeout=900)  # fmt: skip
+    consumer = run_engine(
+        {**base, "max_tokens": MAX_TOKENS, "role": "kv_consumer", "extra": {"peer_tp_sizes": [2]}},
+        tmp_path / "consumer",
+        timeout=900,
+    )
     assert consumer["outputs"] == reference["outputs"]
     for got, want in zip(consumer["logprobs"], reference["logprobs"], strict=True):
         assert [t for t, _ in got] == [t for t, _ in want]

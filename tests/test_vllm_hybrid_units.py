@@ -37,9 +37,10 @@ NS = "vllm/unit-hybrid"
 GROUPS = [
     Group(0, SLIDING, B, ("sliding",), "float32", HEADS, DIM, window=5),
     Group(1, FULL, B, ("full",), "float32", HEADS, DIM),
-    Group(2, STATE, B, ("state",), state_shapes=((3, 5),), state_dtypes=("float32",),
-          page_nbytes=60),
-]  # fmt: skip
+    Group(
+        2, STATE, B, ("state",), state_shapes=((3, 5),), state_dtypes=("float32",), page_nbytes=60
+    ),
+]
 PROMPT = list(range(1, 11))  # 10 tokens: blocks 0, 1 (full) and a tail
 KEYS = prompt_keys(PROMPT, B, namespace=NS, cache_salt="")
 
@@ -54,12 +55,21 @@ def broker():
 
 def _worker(socket: str):
     gen = torch.Generator().manual_seed(0)
-    caches = {"sliding": torch.randn(BLOCKS, HEADS, B, 2 * DIM, generator=gen),
-              "full": torch.randn(BLOCKS, HEADS, B, 2 * DIM, generator=gen),
-              "state": torch.randn(BLOCKS, 3, 5, generator=gen)}  # fmt: skip
+    caches = {
+        "sliding": torch.randn(BLOCKS, HEADS, B, 2 * DIM, generator=gen),
+        "full": torch.randn(BLOCKS, HEADS, B, 2 * DIM, generator=gen),
+        "state": torch.randn(BLOCKS, 3, 5, generator=gen),
+    }
     link = BrokerLink(socket, name="unit", role="kv_both", map_pools=True)
-    worker = HybridWorker(groups=GROUPS, link=link, namespace=NS, block_size=B, tp_rank=0,
-                          tp_size=1, warnings=Warnings())  # fmt: skip
+    worker = HybridWorker(
+        groups=GROUPS,
+        link=link,
+        namespace=NS,
+        block_size=B,
+        tp_rank=0,
+        tp_size=1,
+        warnings=Warnings(),
+    )
     worker.register(caches, "CPU_ATTN")
     return worker, caches
 
@@ -86,8 +96,10 @@ def _save(worker) -> None:
     """Blocks 0, 1 and the tail of the sliding and full groups (engine blocks 1, 2, 3), the
     state after 8 tokens (block 1's position, engine block 4)."""
     k = [GROUPS[0].key(h) for h in KEYS.keys], [GROUPS[1].key(h) for h in KEYS.keys]
-    saves = [GroupSave("r", g, [(k[g][i], k[g][i - 1] if i else None, 1 + i)
-                                for i in range(3)]) for g in (0, 1)]  # fmt: skip
+    saves = [
+        GroupSave("r", g, [(k[g][i], k[g][i - 1] if i else None, 1 + i) for i in range(3)])
+        for g in (0, 1)
+    ]
     saves.append(GroupSave("r", 2, [(GROUPS[2].key(KEYS.hashes[1]), None, 4)]))
     _step(worker, StepPlan(saves=saves))
 
@@ -103,11 +115,15 @@ def test_groups_round_trip_and_a_missing_state_fails_the_request(broker):
         assert len(keys) == 7 and all(".g0/" in k or ".g1/" in k or ".g2/" in k for k in keys)
         # Load the window (sliding block 1 and the tail), the full group's three blocks and
         # the state into other engine blocks.
-        load = HybridLoad("q", [
-            GroupLoad(0, [GROUPS[0].key(h) for h in KEYS.keys[1:]], [8, 9]),
-            GroupLoad(1, [GROUPS[1].key(h) for h in KEYS.keys], [10, 11, 12]),
-            GroupLoad(2, [GROUPS[2].key(KEYS.hashes[1])], [13]),
-        ], tokens=9)  # fmt: skip
+        load = HybridLoad(
+            "q",
+            [
+                GroupLoad(0, [GROUPS[0].key(h) for h in KEYS.keys[1:]], [8, 9]),
+                GroupLoad(1, [GROUPS[1].key(h) for h in KEYS.keys], [10, 11, 12]),
+                GroupLoad(2, [GROUPS[2].key(KEYS.hashes[1])], [13]),
+            ],
+            tokens=9,
+        )
         _step(worker, StepPlan(loads=[load]))
         _finish(worker, "q")
         assert worker.failed_loads() == set()
@@ -118,9 +134,9 @@ def test_groups_round_trip_and_a_missing_state_fails_the_request(broker):
         assert worker.stats["loaded_state_bytes"] == 60
         # The same load with a state no one saved: the attention groups load, the request
         # is reported failed as a whole, and no block id is reported.
-        missing = HybridLoad("q2", [*load.groups[:2],
-                                    GroupLoad(2, [GROUPS[2].key(KEYS.hashes[0])], [14])],
-                             tokens=9)  # fmt: skip
+        missing = HybridLoad(
+            "q2", [*load.groups[:2], GroupLoad(2, [GROUPS[2].key(KEYS.hashes[0])], [14])], tokens=9
+        )
         _step(worker, StepPlan(loads=[missing]))
         _finish(worker, "q2")
         assert worker.failed_loads() == {"q2"}
@@ -132,13 +148,20 @@ def test_groups_round_trip_and_a_missing_state_fails_the_request(broker):
 
 def _scheduler(socket: str) -> HybridScheduler:
     link = BrokerLink(socket, name="unit-scheduler", role="kv_both", map_pools=False)
-    return HybridScheduler(link=link, namespace=NS, groups=GROUPS, tp_size=1, save=True,
-                           load=True, warnings=Warnings())  # fmt: skip
+    return HybridScheduler(
+        link=link, namespace=NS, groups=GROUPS, tp_size=1, save=True, load=True, warnings=Warnings()
+    )
 
 
 def _request(req_id: str, tokens) -> SimpleNamespace:
-    return SimpleNamespace(request_id=req_id, prompt_token_ids=list(tokens), cache_salt=None,
-                           lora_request=None, mm_features=None, prompt_embeds=None)  # fmt: skip
+    return SimpleNamespace(
+        request_id=req_id,
+        prompt_token_ids=list(tokens),
+        cache_salt=None,
+        lora_request=None,
+        mm_features=None,
+        prompt_embeds=None,
+    )
 
 
 def test_lookup_lands_where_every_group_can_serve(broker):
@@ -161,8 +184,7 @@ def test_lookup_lands_where_every_group_can_serve(broker):
         _save(worker)
         longer = _request("c", PROMPT[:8] + [99] * 7)
         assert scheduler.get_num_new_matched_tokens(longer, 0) == (8, True)
-        ids = SimpleNamespace(get_block_ids=lambda: ([0, 5, 6, 7], [1, 2, 3, 4],
-                                                     [0, 9, 10, 11]))  # fmt: skip
+        ids = SimpleNamespace(get_block_ids=lambda: ([0, 5, 6, 7], [1, 2, 3, 4], [0, 9, 10, 11]))
         scheduler.update_state_after_alloc(longer, ids, 8)
         (plan,) = scheduler.pending_loads
         got = {g.group: (g.keys, g.block_ids) for g in plan.groups}
@@ -185,8 +207,12 @@ def test_a_requests_session_retains_its_saved_blocks_and_state_and_what_its_look
     try:
         conv = blocks.retention("conv-h", 600, 1)
         k = [GROUPS[0].key(h) for h in KEYS.keys], [GROUPS[1].key(h) for h in KEYS.keys]
-        saves = [GroupSave("r", g, [(k[g][i], k[g][i - 1] if i else None, 1 + i)
-                                    for i in range(3)], conv) for g in (0, 1)]  # fmt: skip
+        saves = [
+            GroupSave(
+                "r", g, [(k[g][i], k[g][i - 1] if i else None, 1 + i) for i in range(3)], conv
+            )
+            for g in (0, 1)
+        ]
         saves.append(GroupSave("r", 2, [(GROUPS[2].key(KEYS.hashes[1]), None, 4)], conv))
         _step(worker, StepPlan(saves=saves))
         with broker.client() as client:

@@ -41,8 +41,9 @@ def _evict_blocks(broker, prompt, first, *, only_suffix: str | None = None) -> i
         keys = prompt_keys(prompt, BLOCK, namespace=ns, cache_salt="").keys
         for key in reversed(keys[first:]):
             for o in c.list(namespace=ns):
-                if o.key.split("/")[0] == key and (only_suffix is None
-                                                   or o.key.endswith(only_suffix)):  # fmt: skip
+                if o.key.split("/")[0] == key and (
+                    only_suffix is None or o.key.endswith(only_suffix)
+                ):
                     evicted += c.evict(o.key, namespace=ns).count
     return evicted
 
@@ -65,7 +66,8 @@ def _consumer_gets_truth(model, broker, monkeypatch, *prompts, tp: int = 1) -> N
 
 
 def test_a_request_sharing_the_failed_blocks_in_the_same_step_does_not_publish_them(
-        model, broker, monkeypatch):  # fmt: skip
+    model, broker, monkeypatch
+):
     """A's load fails for blocks 1..; B, scheduled in the same step, hits A's (unloaded)
     blocks in vLLM's prefix cache and would save them and its own blocks after them."""
     from tests.vllm_helpers.harness import FakeModel
@@ -85,7 +87,8 @@ def test_a_request_sharing_the_failed_blocks_in_the_same_step_does_not_publish_t
 
 
 def test_async_scheduling_does_not_publish_the_next_chunk_of_a_failed_load(
-        model, broker, monkeypatch):  # fmt: skip
+    model, broker, monkeypatch
+):
     """Under async scheduling step t+1 is planned before step t's failure is known: A's next
     chunk, computed from the unloaded blocks, must not be sealed."""
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -97,9 +100,12 @@ def test_async_scheduling_does_not_publish_the_next_chunk_of_a_failed_load(
     _produce(model, broker.socket_path, monkeypatch, [base + [3]])
     eng = _engine(model, broker.socket_path, "kv_both", monkeypatch, batched_tokens=32)
     eng.scheduler = AsyncScheduler(
-        vllm_config=eng.config, kv_cache_config=eng.scheduler.kv_cache_config, log_stats=True,
-        structured_output_manager=StructuredOutputManager(eng.config), block_size=BLOCK,
-    )  # fmt: skip
+        vllm_config=eng.config,
+        kv_cache_config=eng.scheduler.kv_cache_config,
+        log_stats=True,
+        structured_output_manager=StructuredOutputManager(eng.config),
+        block_size=BLOCK,
+    )
     _garbage(eng)
     tokens = base + _tokens(22, 200)
     a = eng.add(tokens)
@@ -131,8 +137,9 @@ def test_tp_ranks_agree_on_a_load_that_failed_on_one_of_them(model, broker, monk
     _garbage(eng)
     q = base + _tokens(32, 100)
     eng.add(q)
-    first = eng.step(before_load=lambda _o: _evict_blocks(broker, base + [5], 2,
-                                                          only_suffix="tp1of2"))  # fmt: skip
+    first = eng.step(
+        before_load=lambda _o: _evict_blocks(broker, base + [5], 2, only_suffix="tp1of2")
+    )
     assert first["invalid"]
     rank0, rank1 = (s.data for s in first["stats"])
     assert rank0["load_failed_blocks"] == 0 and rank1["load_failed_blocks"] > 0
@@ -163,11 +170,21 @@ def test_a_failure_taints_saves_until_a_plan_acknowledges_it():
     from kvbroker.integrations.vllm._scheduler import SaveSpec, StepPlan
     from kvbroker.integrations.vllm._worker import FAILURE_MEMORY, WorkerSide, _LoadFailure
 
-    w = WorkerSide(link=None, namespace="ns", block_size=16, total_kv_heads=2, latent=False,
-                   tp_rank=0, tp_size=1, warnings=Warnings())  # fmt: skip
-    saves = [SaveSpec("a", [("a0", None, 10), ("a1", "a0", 11)]),
-             SaveSpec("b", [("b0", None, 20), ("b1", "b0", 11), ("b2", "b1", 21)]),
-             SaveSpec("c", [("c0", None, 30)])]  # fmt: skip
+    w = WorkerSide(
+        link=None,
+        namespace="ns",
+        block_size=16,
+        total_kv_heads=2,
+        latent=False,
+        tp_rank=0,
+        tp_size=1,
+        warnings=Warnings(),
+    )
+    saves = [
+        SaveSpec("a", [("a0", None, 10), ("a1", "a0", 11)]),
+        SaveSpec("b", [("b0", None, 20), ("b1", "b0", 11), ("b2", "b1", 21)]),
+        SaveSpec("c", [("c0", None, 30)]),
+    ]
     w.bind(StepPlan())
     w._failures.append(_LoadFailure("a", frozenset({11}), w._step))
     for _ in range(3):  # plans that do not acknowledge it
@@ -189,8 +206,7 @@ def _agree_in_rank(rank: int, port: int, counts: list[int], out) -> None:
 
     from kvbroker.integrations.vllm.connector import _tp_agreement
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=2)  # fmt: skip
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
         ps.get_tp_group = lambda: type("TP", (), {"cpu_group": dist.group.WORLD})()
         out.put((rank, _tp_agreement(2)(counts)))
@@ -211,8 +227,10 @@ def test_the_agreement_is_a_min_all_reduce_over_the_tp_group():
         port = s.getsockname()[1]
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=_agree_in_rank, args=(r, port, c, out))
-             for r, c in enumerate([[4, 0, 7], [4, 3, 2]])]  # fmt: skip
+    procs = [
+        ctx.Process(target=_agree_in_rank, args=(r, port, c, out))
+        for r, c in enumerate([[4, 0, 7], [4, 3, 2]])
+    ]
     for p in procs:
         p.start()
     got = dict(out.get(timeout=120) for _ in procs)
@@ -230,24 +248,39 @@ def test_a_request_id_reused_after_an_abort_keeps_its_new_state():
     from kvbroker.integrations._link import Warnings
     from kvbroker.integrations.vllm._scheduler import SchedulerSide
 
-    side = SchedulerSide(link=None, namespace="ns", block_size=16, total_kv_heads=2,
-                         latent=False, tp_size=1, save=True, load=False,
-                         warnings=Warnings())  # fmt: skip
+    side = SchedulerSide(
+        link=None,
+        namespace="ns",
+        block_size=16,
+        total_kv_heads=2,
+        latent=False,
+        tp_size=1,
+        save=True,
+        load=False,
+        warnings=Warnings(),
+    )
 
     def request(tokens):
-        return SimpleNamespace(request_id="r1", prompt_token_ids=tokens, cache_salt=None,
-                               lora_request=None, mm_features=None, prompt_embeds=None)  # fmt: skip
+        return SimpleNamespace(
+            request_id="r1",
+            prompt_token_ids=tokens,
+            cache_salt=None,
+            lora_request=None,
+            mm_features=None,
+            prompt_embeds=None,
+        )
 
     side.state(request(list(range(1, 65))))
     side.finished("r1")  # request_finished of the aborted request
     side.state(request(list(range(100, 164))))  # a new request, the same id
     output = SimpleNamespace(
-        finished_req_ids={"r1"}, num_scheduled_tokens={"r1": 64},
-        scheduled_new_reqs=[SimpleNamespace(req_id="r1", block_ids=([7, 8, 9, 10],),
-                                            num_computed_tokens=0)],
-        scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[],
-                                              num_computed_tokens=[]),
-    )  # fmt: skip
+        finished_req_ids={"r1"},
+        num_scheduled_tokens={"r1": 64},
+        scheduled_new_reqs=[
+            SimpleNamespace(req_id="r1", block_ids=([7, 8, 9, 10],), num_computed_tokens=0)
+        ],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[], num_computed_tokens=[]),
+    )
     plan = side.build(output)
     assert [len(s.items) for s in plan.saves] == [4]
 
@@ -260,8 +293,16 @@ def test_a_save_left_open_by_a_step_that_never_finished_is_aborted_at_the_next()
     from kvbroker.integrations.vllm._scheduler import StepPlan
     from kvbroker.integrations.vllm._worker import WorkerSide
 
-    w = WorkerSide(link=None, namespace="ns", block_size=16, total_kv_heads=2, latent=False,
-                   tp_rank=0, tp_size=1, warnings=Warnings())  # fmt: skip
+    w = WorkerSide(
+        link=None,
+        namespace="ns",
+        block_size=16,
+        total_kv_heads=2,
+        latent=False,
+        tp_rank=0,
+        tp_size=1,
+        warnings=Warnings(),
+    )
     stale = mock.Mock(spec=HostSave, done=False, items=[1, 2])
     w.bind(StepPlan())
     w._save = stale  # reserved at its first layer; the step then died before wait_for_save
@@ -277,9 +318,17 @@ def test_every_rank_reaches_the_agreement_whatever_its_loads_raise():
     from kvbroker.integrations.vllm._worker import WorkerSide
 
     asked = []
-    w = WorkerSide(link=None, namespace="ns", block_size=16, total_kv_heads=2, latent=False,
-                   tp_rank=0, tp_size=2, warnings=Warnings(),
-                   agree=lambda counts: asked.append(list(counts)) or counts)  # fmt: skip
+    w = WorkerSide(
+        link=None,
+        namespace="ns",
+        block_size=16,
+        total_kv_heads=2,
+        latent=False,
+        tp_rank=0,
+        tp_size=2,
+        warnings=Warnings(),
+        agree=lambda counts: asked.append(list(counts)) or counts,
+    )
     w.fmt = object()  # registered
 
     def load(spec):

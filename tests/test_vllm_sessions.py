@@ -27,7 +27,8 @@ def _sessions(broker) -> dict[str, dict]:
 
 
 def test_saved_and_looked_up_blocks_are_retained_by_the_requests_session(
-        model, broker, monkeypatch, caplog):  # fmt: skip
+    model, broker, monkeypatch, caplog
+):
     prod = _engine(model, broker.socket_path, "kv_producer", monkeypatch, batched_tokens=64)
     prod.add(P, extra_args={"kvbroker": {"session": "conv-42", "retain": "10m", "priority": 2}})
     steps = prod.run()

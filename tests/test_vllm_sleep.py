@@ -79,13 +79,15 @@ def _leased_reads(broker) -> int:
 
 
 def test_unregister_waits_for_a_background_load_and_it_is_reported_failed_after_wake(
-        model, broker, monkeypatch):  # fmt: skip
+    model, broker, monkeypatch
+):
     """vLLM's pause cannot finish with a load in flight (its prefix-cache reset refuses while
     a parked request holds blocks), so it unregisters none; the hook is still safe if one is:
     it returns after the load's last copy, and the load is reported failed."""
     _produce(model, broker.socket_path, monkeypatch)
-    cons = _engine(model, broker.socket_path, "kv_consumer", monkeypatch,
-                   extra={"load_async": True})  # fmt: skip
+    cons = _engine(
+        model, broker.socket_path, "kv_consumer", monkeypatch, extra={"load_async": True}
+    )
     connector = cons.workers[0]
     worker = connector._worker
     gate, copying, order = threading.Event(), threading.Event(), []
@@ -125,9 +127,11 @@ def test_unregister_waits_for_a_background_load_and_it_is_reported_failed_after_
     # again (synchronously, as after any failed background load) into the restored cache.
     (done,) = [i for i, s in enumerate(steps) if req in s["loaded"]]
     assert len(steps[done]["invalid"]) == 4
-    assert [_stat([s], "load_failed_blocks") for s in steps[done:]] == [4] + [0] * len(steps[done + 1:])
+    assert [_stat([s], "load_failed_blocks") for s in steps[done:]] == [4] + [0] * len(
+        steps[done + 1 :]
+    )
     first = next(i for i, s in enumerate(steps) if req in s["output"].num_scheduled_tokens)
-    assert first > done and _stat(steps[first:first + 1], "loaded_blocks") == 4
+    assert first > done and _stat(steps[first : first + 1], "loaded_blocks") == 4
     assert _stat(steps, "loaded_blocks") == 4
     assert steps[first]["output"].num_scheduled_tokens[req] == 1  # 99 tokens loaded
     _assert_exact(cons, req, P)
@@ -150,10 +154,12 @@ def _sleep_as_vllm_does(eng, *, around) -> None:
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_a_request_kept_through_a_sleep_loads_its_prompt_again_and_runs_on(
-        model, broker, monkeypatch, tp):  # fmt: skip
+    model, broker, monkeypatch, tp
+):
     _produce(model, broker.socket_path, monkeypatch)
-    cons = _engine(model, broker.socket_path, "kv_consumer", monkeypatch, tp=tp,
-                   extra={"peer_tp_sizes": [1]})  # fmt: skip
+    cons = _engine(
+        model, broker.socket_path, "kv_consumer", monkeypatch, tp=tp, extra={"peer_tp_sizes": [1]}
+    )
     req = cons.add(P, max_tokens=6)
     steps = [cons.step() for _ in range(3)]  # its load, then decoding
     assert _stat(steps, "loaded_blocks") == 4 * tp
@@ -188,13 +194,18 @@ def test_the_connector_overrides_the_hooks_vllm_calls_around_sleep():
     from kvbroker.integrations.vllm import KVBrokerConnector
 
     if not hasattr(KVConnectorBase_V1, "supports_sleep_mode"):
-        pytest.skip("this vLLM has no sleep-mode hooks for connectors (0.32): the 0.33 pass "
-                    "of `make test` runs this")
+        pytest.skip(
+            "this vLLM has no sleep-mode hooks for connectors (0.32): the 0.33 pass "
+            "of `make test` runs this"
+        )
     for name in ("unregister_kv_caches", "restore_kv_caches"):
         assert name in vars(KVConnectorBase_V1), name
         assert getattr(KVBrokerConnector, name) is not getattr(KVConnectorBase_V1, name), name
     from vllm.config import KVTransferConfig
 
-    config = KVTransferConfig(kv_connector="KVBrokerConnector", kv_role="kv_both",
-                              kv_connector_module_path="kvbroker.integrations.vllm")
+    config = KVTransferConfig(
+        kv_connector="KVBrokerConnector",
+        kv_role="kv_both",
+        kv_connector_module_path="kvbroker.integrations.vllm",
+    )
     assert KVBrokerConnector.supports_sleep_mode(config)

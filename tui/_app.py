@@ -28,8 +28,12 @@ from ._throughput import ThroughputPanel
 __all__ = ["MonitorApp"]
 
 # Which widget takes the keys when a tab is shown.
-_TAB_FOCUS = {"tab-pools": "#pools", "tab-clients": "#clients", "tab-objects": "#objects-table",
-              "tab-sessions": "#sessions-table"}
+_TAB_FOCUS = {
+    "tab-pools": "#pools",
+    "tab-clients": "#clients",
+    "tab-objects": "#objects-table",
+    "tab-sessions": "#sessions-table",
+}
 
 
 class MonitorApp(App):
@@ -81,8 +85,11 @@ class MonitorApp(App):
         yield Footer()
 
     def on_mount(self) -> None:
-        for table_id, title in (("clients", "clients"), ("leases", "active leases"),
-                                ("transfers", "recent transfers")):  # fmt: skip
+        for table_id, title in (
+            ("clients", "clients"),
+            ("leases", "active leases"),
+            ("transfers", "recent transfers"),
+        ):
             self.query_one(f"#{table_id}").border_title = title
         self.query_one(StatusLine).connecting(self.source.label)
         # Tab moves between the widgets of a tab (the filter and the objects table), never to

@@ -13,20 +13,26 @@ __all__ = ["ConfirmScreen", "HelpScreen", "HELP"]
 
 # What the help screen lists; kept beside the screen so the two cannot drift apart.
 HELP = (
-    ("Everywhere", (
-        ("1 / 2 / 3 / 4", "pools · clients & leases · objects · sessions"),
-        ("p", "pause / resume the display (snapshots keep arriving)"),
-        ("?", "this help"),
-        ("q", "quit"),
-    )),
-    ("Objects", (
-        ("/", "edit the key filter (a regex, as in kvbroker ls --match)"),
-        ("escape", "leave the filter for the table"),
-        ("s", "sort by the next column: key, size, age, readers"),
-        ("r", "reverse the sort"),
-        ("d / delete", "evict the selected object (asks first)"),
-    )),
-)  # fmt: skip
+    (
+        "Everywhere",
+        (
+            ("1 / 2 / 3 / 4", "pools · clients & leases · objects · sessions"),
+            ("p", "pause / resume the display (snapshots keep arriving)"),
+            ("?", "this help"),
+            ("q", "quit"),
+        ),
+    ),
+    (
+        "Objects",
+        (
+            ("/", "edit the key filter (a regex, as in kvbroker ls --match)"),
+            ("escape", "leave the filter for the table"),
+            ("s", "sort by the next column: key, size, age, readers"),
+            ("r", "reverse the sort"),
+            ("d / delete", "evict the selected object (asks first)"),
+        ),
+    ),
+)
 
 
 class ConfirmScreen(ModalScreen[bool]):

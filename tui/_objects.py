@@ -48,9 +48,14 @@ def _sort_value(value: object) -> object:
 
 class ObjectsTable(KeyedTable):
     COLUMNS = (
-        ("namespace", "NAMESPACE"), ("key", "KEY"), ("size", "SIZE"), ("buffers", "BUFS"),
-        ("readers", "READERS"), ("pool", "POOL"), ("age", "AGE"),
-    )  # fmt: skip
+        ("namespace", "NAMESPACE"),
+        ("key", "KEY"),
+        ("size", "SIZE"),
+        ("buffers", "BUFS"),
+        ("readers", "READERS"),
+        ("pool", "POOL"),
+        ("age", "AGE"),
+    )
     BINDINGS = [
         Binding("s", "cycle_sort", "sort"),
         Binding("r", "reverse_sort", "reverse"),
@@ -67,12 +72,20 @@ class ObjectsTable(KeyedTable):
     def show(self, objects: list[ObjectInfo], now: float) -> None:
         self.infos = {f"{o.namespace}\x00{o.key}": o for o in objects}
         ns_w, key_w = name_widths(self.app.size.width)
-        self.sync({
-            k: (plain(_cut(o.namespace, ns_w)), plain(_cut(o.key, key_w)),
-                Bytes(o.nbytes), o.buffers, o.readers, o.pool,
-                Seconds(max(0.0, now - o.created_at)))
-            for k, o in self.infos.items()
-        })  # fmt: skip
+        self.sync(
+            {
+                k: (
+                    plain(_cut(o.namespace, ns_w)),
+                    plain(_cut(o.key, key_w)),
+                    Bytes(o.nbytes),
+                    o.buffers,
+                    o.readers,
+                    o.pool,
+                    Seconds(max(0.0, now - o.created_at)),
+                )
+                for k, o in self.infos.items()
+            }
+        )
         self.apply_sort()
 
     def apply_sort(self) -> None:

@@ -23,7 +23,6 @@ STATES = {
 }
 
 
-
 def legend_lines(width: int) -> list[list[tuple[str, str]]]:
     """The legend's (component class, name) items, line by line: an item is never split."""
     lines: list[list[tuple[str, str]]] = [[]]

@@ -25,22 +25,35 @@ __all__ = ["SessionsTable", "SessionsView"]
 
 class SessionsTable(KeyedTable):
     COLUMNS = (
-        ("namespace", "NAMESPACE"), ("session", "SESSION"), ("bytes", "RETAINED"),
-        ("blocks", "BLOCKS"), ("priority", "PRIO"), ("idle", "IDLE"),
-        ("expires", "EXPIRES IN"), ("uid", "UID"),
-    )  # fmt: skip
+        ("namespace", "NAMESPACE"),
+        ("session", "SESSION"),
+        ("bytes", "RETAINED"),
+        ("blocks", "BLOCKS"),
+        ("priority", "PRIO"),
+        ("idle", "IDLE"),
+        ("expires", "EXPIRES IN"),
+        ("uid", "UID"),
+    )
     ORDER_BY = "bytes"
     ORDER_DESCENDING = True  # the largest first
 
     def show(self, snap: Statistics) -> None:
         r = snap.retention
-        self.sync({
-            f"{s.namespace}\x1f{s.name}": (
-                plain(s.namespace), plain(s.name), Bytes(s.bytes), s.blocks, s.priority,
-                Seconds(max(0.0, snap.taken_at - s.last_use)), Seconds(s.expires_in), s.uid,
-            )
-            for s in (r.largest if r is not None else ())
-        })  # fmt: skip
+        self.sync(
+            {
+                f"{s.namespace}\x1f{s.name}": (
+                    plain(s.namespace),
+                    plain(s.name),
+                    Bytes(s.bytes),
+                    s.blocks,
+                    s.priority,
+                    Seconds(max(0.0, snap.taken_at - s.last_use)),
+                    Seconds(s.expires_in),
+                    s.uid,
+                )
+                for s in (r.largest if r is not None else ())
+            }
+        )
 
 
 class SessionsView(Vertical):
@@ -58,17 +71,20 @@ class SessionsView(Vertical):
         pools = snap.pools if r is not None else ()
         for i, pool in enumerate(pools):
             if i >= len(meters):
-                meters.append(Meter(f"pool {pool.index} kept", f"p{pool.index}",
-                                    id=f"retained-{pool.index}"))  # fmt: skip
+                meters.append(
+                    Meter(f"pool {pool.index} kept", f"p{pool.index}", id=f"retained-{pool.index}")
+                )
                 box.mount(meters[-1])
             used = r.retained_bytes[i] if i < len(r.retained_bytes) else 0
             cap = r.retained_cap[i] if i < len(r.retained_cap) else 0
             share = cap / pool.capacity if pool.capacity else 0.0
             of_cap = f" ({used / cap:.0%})" if cap else ""
-            meters[i].show(used / pool.capacity if pool.capacity else 0.0,
-                           f"{format_size(used)} of {format_size(cap)}{of_cap}",
-                           (share, share))  # fmt: skip
-        for gone in meters[len(pools):]:
+            meters[i].show(
+                used / pool.capacity if pool.capacity else 0.0,
+                f"{format_size(used)} of {format_size(cap)}{of_cap}",
+                (share, share),
+            )
+        for gone in meters[len(pools) :]:
             gone.remove()
         self.query_one("#sessions-summary", Static).update(_summary(snap))
         self.query_one(SessionsTable).show(snap)
@@ -79,8 +95,7 @@ def _summary(snap: Statistics) -> Text:
     if r is None:
         return Text("this daemon keeps no sessions")
     quota = format_size(r.tenant_quota) if r.tenant_quota is not None else "off"
-    parts = [f"{r.sessions} sessions, {r.retained_objects} retained blocks, "
-             f"tenant quota {quota}"]  # fmt: skip
+    parts = [f"{r.sessions} sessions, {r.retained_objects} retained blocks, tenant quota {quota}"]
     for what, counts in (("evicted", r.evicted), ("lost retention", r.dropped)):
         if counts:
             parts.append(f"{what}: " + ", ".join(f"{k} {v:,}" for k, v in sorted(counts.items())))

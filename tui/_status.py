@@ -23,7 +23,7 @@ def _shorten_path(path: str, width: int) -> str:
     """``path`` with its start replaced by "…" to fit ``width`` (the socket's name stays)."""
     if len(path) <= width:
         return path
-    return "…" + path[len(path) - max(1, width - 1):]
+    return "…" + path[len(path) - max(1, width - 1) :]
 
 
 MIN_CUT = 12  # a cuttable part shorter than this once cut is left out instead
@@ -83,8 +83,9 @@ class StatusLine(Static):
             (6, f"pending {snap.pending}", ""),
         ]
         if snap.read_replicas or snap.counters.replica_exits:  # (daemons without: no part)
-            parts.append((6, f"replicas {snap.read_replicas}"
-                             f" ({snap.counters.replica_exits} exited)", ""))  # fmt: skip
+            parts.append(
+                (6, f"replicas {snap.read_replicas} ({snap.counters.replica_exits} exited)", "")
+            )
         parts += [
             (7, f"up {Seconds(snap.uptime)}", ""),
             (8, f"daemon {snap.pid} v{snap.version}", ""),
@@ -92,25 +93,39 @@ class StatusLine(Static):
         ]
         t = snap.transfer
         if t is not None:  # [transfer]: peers, pulls in flight, bytes pulled and served
-            parts.append((5, f"fleet {t.node}: peers {sum(p.connected for p in t.peers)}/"
-                             f"{len(t.peers)} pulled {format_size(t.bytes_pulled)} "
-                             f"({t.in_flight} in flight, {t.failures} failed)", ""))  # fmt: skip
+            parts.append(
+                (
+                    5,
+                    f"fleet {t.node}: peers {sum(p.connected for p in t.peers)}/"
+                    f"{len(t.peers)} pulled {format_size(t.bytes_pulled)} "
+                    f"({t.in_flight} in flight, {t.failures} failed)",
+                    "",
+                )
+            )
         d = snap.disk
         if d is not None:  # [tier.disk]: how full, how many on disk only, promotions
-            parts.append((3, f"disk {format_size(d.used)} of {format_size(d.capacity)}: "
-                             f"{d.objects} objects ({d.only_on_disk} on disk only), promoted "
-                             f"{d.promoted}" + ("" if d.o_direct else ", buffered I/O")
-                             + (f", {d.dropped_damaged} damaged" if d.dropped_damaged else ""),
-                          "bold red" if d.dropped_damaged or d.errors else ""))  # fmt: skip
+            parts.append(
+                (
+                    3,
+                    f"disk {format_size(d.used)} of {format_size(d.capacity)}: "
+                    f"{d.objects} objects ({d.only_on_disk} on disk only), promoted "
+                    f"{d.promoted}"
+                    + ("" if d.o_direct else ", buffered I/O")
+                    + (f", {d.dropped_damaged} damaged" if d.dropped_damaged else ""),
+                    "bold red" if d.dropped_damaged or d.errors else "",
+                )
+            )
         self._show(parts)
 
     def disconnected(self, label: str, reason: str, retry_in: float, attempt: int) -> None:
         # The path comes first and whole; then why, cut with "…" before it is left out; the
         # retrying note only where there is room after both.
         self.set_classes("-disconnected")
-        self._show([
-            (0, f"✖ {label}", "bold"),
-            (1, "disconnected", "bold"),
-            (2, reason, "", True),
-            (3, f"retrying every {retry_in:g}s (attempt {attempt})", ""),
-        ])  # fmt: skip
+        self._show(
+            [
+                (0, f"✖ {label}", "bold"),
+                (1, "disconnected", "bold"),
+                (2, reason, "", True),
+                (3, f"retrying every {retry_in:g}s (attempt {attempt})", ""),
+            ]
+        )

@@ -63,10 +63,16 @@ class ClientsTable(KeyedTable):
     # up to CLAIMED fits; what the table scrolls to is the role and the uid (`kvbroker stat`
     # prints both). A CLAIMED cut to "48" had read as 48 bytes.
     COLUMNS = (
-        ("session", "SESSION"), ("pid", "PID"), ("name", "NAME"), ("age", "CONNECTED"),
-        ("leases", "LEASES"), ("published", "PUBLISHED"), ("claimed", "CLAIMED"),
-        ("role", "ROLE"), ("uid", "UID"),
-    )  # fmt: skip
+        ("session", "SESSION"),
+        ("pid", "PID"),
+        ("name", "NAME"),
+        ("age", "CONNECTED"),
+        ("leases", "LEASES"),
+        ("published", "PUBLISHED"),
+        ("claimed", "CLAIMED"),
+        ("role", "ROLE"),
+        ("uid", "UID"),
+    )
     ORDER_BY = "session"
     WIDE = 100  # columns: from here on client names are never cut
     MIN_NAME = 12
@@ -74,19 +80,29 @@ class ClientsTable(KeyedTable):
     def show(self, snap: Statistics) -> None:
         rows = {
             c.session: (
-                c.session, c.pid, c.name, Seconds(snap.taken_at - c.connected_at),
-                c.read_leases + c.write_leases, Bytes(c.bytes_published),
-                Bytes(c.bytes_claimed), c.role or "-", c.uid,
+                c.session,
+                c.pid,
+                c.name,
+                Seconds(snap.taken_at - c.connected_at),
+                c.read_leases + c.write_leases,
+                Bytes(c.bytes_published),
+                Bytes(c.bytes_claimed),
+                c.role or "-",
+                c.uid,
             )
             for c in snap.clients
-        }  # fmt: skip
+        }
         width = self.name_width(list(rows.values()))
         name = [key for key, _ in self.COLUMNS].index("name")
-        self.sync({
-            k: tuple(plain(_cut(v, width)) if i == name else plain(v) if isinstance(v, str)
-                     else v for i, v in enumerate(cells))
-            for k, cells in rows.items()
-        })  # fmt: skip
+        self.sync(
+            {
+                k: tuple(
+                    plain(_cut(v, width)) if i == name else plain(v) if isinstance(v, str) else v
+                    for i, v in enumerate(cells)
+                )
+                for k, cells in rows.items()
+            }
+        )
 
     def name_width(self, rows: list[tuple]) -> int | None:
         """How long a name may be so that every column up to CLAIMED stays on screen (None:
@@ -108,34 +124,56 @@ def _cut(text: str, width: int | None) -> str:
 
 class LeasesTable(KeyedTable):
     COLUMNS = (
-        ("lease", "LEASE"), ("kind", "KIND"), ("session", "SESSION"),
-        ("namespace", "NAMESPACE"), ("key", "KEY"), ("size", "SIZE"), ("expires", "EXPIRES IN"),
-    )  # fmt: skip
+        ("lease", "LEASE"),
+        ("kind", "KIND"),
+        ("session", "SESSION"),
+        ("namespace", "NAMESPACE"),
+        ("key", "KEY"),
+        ("size", "SIZE"),
+        ("expires", "EXPIRES IN"),
+    )
     ORDER_BY = "lease"
 
     def show(self, snap: Statistics) -> None:
-        self.sync({
-            ls.lease: (
-                ls.lease, plain(ls.kind), ls.session, plain(ls.namespace), plain(ls.key),
-                Bytes(ls.nbytes), Seconds(ls.expires_in),
-            )
-            for ls in snap.leases
-        })  # fmt: skip
+        self.sync(
+            {
+                ls.lease: (
+                    ls.lease,
+                    plain(ls.kind),
+                    ls.session,
+                    plain(ls.namespace),
+                    plain(ls.key),
+                    Bytes(ls.nbytes),
+                    Seconds(ls.expires_in),
+                )
+                for ls in snap.leases
+            }
+        )
 
 
 class TransfersTable(KeyedTable):
     COLUMNS = (
-        ("age", "AGO"), ("op", "OP"), ("session", "SESSION"), ("namespace", "NAMESPACE"),
-        ("key", "KEY"), ("size", "SIZE"),
-    )  # fmt: skip
+        ("age", "AGO"),
+        ("op", "OP"),
+        ("session", "SESSION"),
+        ("namespace", "NAMESPACE"),
+        ("key", "KEY"),
+        ("size", "SIZE"),
+    )
     ORDER_BY = "age"  # newest first
 
     def show(self, snap: Statistics) -> None:
         # Transfers carry no id; when and what together name one.
-        self.sync({
-            f"{t.at!r}/{t.op}/{t.session}/{t.namespace}/{t.key}": (
-                Seconds(max(0.0, snap.taken_at - t.at)), plain(t.op), t.session,
-                plain(t.namespace), plain(t.key), Bytes(t.nbytes),
-            )
-            for t in snap.transfers
-        })  # fmt: skip
+        self.sync(
+            {
+                f"{t.at!r}/{t.op}/{t.session}/{t.namespace}/{t.key}": (
+                    Seconds(max(0.0, snap.taken_at - t.at)),
+                    plain(t.op),
+                    t.session,
+                    plain(t.namespace),
+                    plain(t.key),
+                    Bytes(t.nbytes),
+                )
+                for t in snap.transfers
+            }
+        )

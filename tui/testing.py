@@ -92,29 +92,71 @@ class FakeSource(MonitorSource):
         pass
 
 
-def make_object(key: str, nbytes: int, *, namespace: str = "default", age: float = 10.0,
-                readers: int = 0, pool: int = 0, at: float = T0) -> ObjectInfo:  # fmt: skip
+def make_object(
+    key: str,
+    nbytes: int,
+    *,
+    namespace: str = "default",
+    age: float = 10.0,
+    readers: int = 0,
+    pool: int = 0,
+    at: float = T0,
+) -> ObjectInfo:
     return ObjectInfo(
-        namespace=namespace, key=key, nbytes=nbytes, buffers=2, pool=pool, readers=readers,
-        created_at=at - age, last_access=at - age / 2,
-    )  # fmt: skip
+        namespace=namespace,
+        key=key,
+        nbytes=nbytes,
+        buffers=2,
+        pool=pool,
+        readers=readers,
+        created_at=at - age,
+        last_access=at - age / 2,
+    )
 
 
-def make_ring(index: int = 0, *, capacity: int = 1 << 30, used: int = 0, device: str = "",
-              name: str = "", occupancy: str = "", **rest) -> RingStatistics:  # fmt: skip
+def make_ring(
+    index: int = 0,
+    *,
+    capacity: int = 1 << 30,
+    used: int = 0,
+    device: str = "",
+    name: str = "",
+    occupancy: str = "",
+    **rest,
+) -> RingStatistics:
     """A GPU ring's statistics from the few figures a test cares about; the rest follow
     (free space is one free extent, nothing leased)."""
-    figures = dict(free=capacity - used, leased_read=0, leased_write=0, quarantined=0,
-                   objects=0, largest_free=capacity - used, fragmentation=0.0,
-                   high_watermark=1.0, low_watermark=1.0)  # fmt: skip
+    figures = dict(
+        free=capacity - used,
+        leased_read=0,
+        leased_write=0,
+        quarantined=0,
+        objects=0,
+        largest_free=capacity - used,
+        fragmentation=0.0,
+        high_watermark=1.0,
+        low_watermark=1.0,
+    )
     figures.update(rest)
-    return RingStatistics(index=index, device=device, name=name, capacity=capacity,
-                          used=used, occupancy=occupancy, **figures)  # fmt: skip
+    return RingStatistics(
+        index=index,
+        device=device,
+        name=name,
+        capacity=capacity,
+        used=used,
+        occupancy=occupancy,
+        **figures,
+    )
 
 
-def make_snapshot(step: int = 0, *, interval: float = 1.0, pools: int = 1,
-                  rings: Iterable[RingStatistics | dict] = (),
-                  retention: RetentionStatistics | None = None) -> Statistics:  # fmt: skip
+def make_snapshot(
+    step: int = 0,
+    *,
+    interval: float = 1.0,
+    pools: int = 1,
+    rings: Iterable[RingStatistics | dict] = (),
+    retention: RetentionStatistics | None = None,
+) -> Statistics:
     """Snapshot number ``step`` of a made-up workload: claims move twice what publishes do.
 
     Everything follows from ``step``, so two runs draw the very same screen.
@@ -126,50 +168,116 @@ def make_snapshot(step: int = 0, *, interval: float = 1.0, pools: int = 1,
     occupancy = ("sssswwrr.." * 7)[:64] if step % 2 == 0 else ("ssrrww...." * 7)[:64]
     pool_stats = tuple(
         PoolStatistics(
-            index=i, name=f"/kvbroker-{i}", capacity=capacity, page_size=64 * 1024,
-            used=(96 + 8 * (step % 4)) * mib, free=capacity - (96 + 8 * (step % 4)) * mib,
-            leased_read=16 * mib, leased_write=8 * mib, quarantined=0, objects=40 + step,
-            largest_free=120 * mib, fragmentation=0.125, high_watermark=0.95,
-            low_watermark=0.90, occupancy=occupancy,
+            index=i,
+            name=f"/kvbroker-{i}",
+            capacity=capacity,
+            page_size=64 * 1024,
+            used=(96 + 8 * (step % 4)) * mib,
+            free=capacity - (96 + 8 * (step % 4)) * mib,
+            leased_read=16 * mib,
+            leased_write=8 * mib,
+            quarantined=0,
+            objects=40 + step,
+            largest_free=120 * mib,
+            fragmentation=0.125,
+            high_watermark=0.95,
+            low_watermark=0.90,
+            occupancy=occupancy,
         )
         for i in range(pools)
-    )  # fmt: skip
+    )
     clients = (
-        ClientStatistics(session=1, pid=4101, uid=1000, gid=1000, name="prefill-0",
-                         role="producer", connected_at=T0 - 120, read_leases=0,
-                         write_leases=1, bytes_published=step * 10**9, bytes_claimed=0),
-        ClientStatistics(session=2, pid=4102, uid=1000, gid=1000, name="decode-0",
-                         role="consumer", connected_at=T0 - 60, read_leases=2,
-                         write_leases=0, bytes_published=0, bytes_claimed=step * 2 * 10**9),
-    )  # fmt: skip
+        ClientStatistics(
+            session=1,
+            pid=4101,
+            uid=1000,
+            gid=1000,
+            name="prefill-0",
+            role="producer",
+            connected_at=T0 - 120,
+            read_leases=0,
+            write_leases=1,
+            bytes_published=step * 10**9,
+            bytes_claimed=0,
+        ),
+        ClientStatistics(
+            session=2,
+            pid=4102,
+            uid=1000,
+            gid=1000,
+            name="decode-0",
+            role="consumer",
+            connected_at=T0 - 60,
+            read_leases=2,
+            write_leases=0,
+            bytes_published=0,
+            bytes_claimed=step * 2 * 10**9,
+        ),
+    )
     leases = (
-        LeaseInfo(lease=11, kind="write", session=1, namespace="llama", key=f"req-{step}",
-                  nbytes=8 * mib, expires_in=29.5),
-        LeaseInfo(lease=12, kind="read", session=2, namespace="llama", key=f"req-{step - 1}",
-                  nbytes=8 * mib, expires_in=28.0),
-    )  # fmt: skip
+        LeaseInfo(
+            lease=11,
+            kind="write",
+            session=1,
+            namespace="llama",
+            key=f"req-{step}",
+            nbytes=8 * mib,
+            expires_in=29.5,
+        ),
+        LeaseInfo(
+            lease=12,
+            kind="read",
+            session=2,
+            namespace="llama",
+            key=f"req-{step - 1}",
+            nbytes=8 * mib,
+            expires_in=28.0,
+        ),
+    )
     transfers = tuple(
-        TransferRecord(at=T0 + (step - k) * interval, op=op, session=s, namespace="llama",
-                       key=f"req-{step - k}", nbytes=8 * mib)
-        for k in range(3, -1, -1) if step - k >= 0
+        TransferRecord(
+            at=T0 + (step - k) * interval,
+            op=op,
+            session=s,
+            namespace="llama",
+            key=f"req-{step - k}",
+            nbytes=8 * mib,
+        )
+        for k in range(3, -1, -1)
+        if step - k >= 0
         for op, s in (("publish", 1), ("claim", 2))
-    )  # fmt: skip
+    )
     # Per-interval load rises and falls (0.5..1.25 GB in), so sparklines have a shape.
     load = [0.5 + 0.25 * (k % 4) for k in range(1, step + 1)]
     counters = Counters(
-        publishes=sum(round(125 * x) for x in load), claims=sum(round(250 * x) for x in load),
-        bytes_in=round(sum(load) * 10**9), bytes_out=round(sum(load) * 2 * 10**9),
-        hits=250 * step, misses=sum(25 * (k % 3) for k in range(1, step + 1)),
+        publishes=sum(round(125 * x) for x in load),
+        claims=sum(round(250 * x) for x in load),
+        bytes_in=round(sum(load) * 10**9),
+        bytes_out=round(sum(load) * 2 * 10**9),
+        hits=250 * step,
+        misses=sum(25 * (k % 3) for k in range(1, step + 1)),
         evictions=sum(3 * (k % 3) for k in range(1, step + 1)),
-        evicted_bytes=3 * step * 8 * mib, requests=1000 * step,
-    )  # fmt: skip
+        evicted_bytes=3 * step * 8 * mib,
+        requests=1000 * step,
+    )
     return Statistics(
-        taken_at=at, version="0.1.0", pid=4000, started_at=T0 - 3600, socket="fake.sock",
-        objects=40 + step, pending=1, read_leases=2, write_leases=1, pools=pool_stats,
-        clients=clients, counters=counters, leases=leases, transfers=transfers,
+        taken_at=at,
+        version="0.1.0",
+        pid=4000,
+        started_at=T0 - 3600,
+        socket="fake.sock",
+        objects=40 + step,
+        pending=1,
+        read_leases=2,
+        write_leases=1,
+        pools=pool_stats,
+        clients=clients,
+        counters=counters,
+        leases=leases,
+        transfers=transfers,
         rings=tuple(r if isinstance(r, RingStatistics) else make_ring(**r) for r in rings),
         retention=retention,
-    )  # fmt: skip
+    )
 
 
 def make_retention(step: int = 0, *, pools: int = 1, sessions: int = 5) -> RetentionStatistics:
@@ -178,15 +286,27 @@ def make_retention(step: int = 0, *, pools: int = 1, sessions: int = 5) -> Reten
     mib = 1 << 20
     at = T0 + step
     largest = tuple(
-        SessionInfo(namespace="chat", name=f"conv-{k}", uid=1000, priority=k % 3,
-                    blocks=(k + 1) * 64, bytes=(k + 1) * 4 * mib, last_use=at - 10 * k,
-                    expires_in=600.0 - 10 * k, created_at=T0 - 600)
+        SessionInfo(
+            namespace="chat",
+            name=f"conv-{k}",
+            uid=1000,
+            priority=k % 3,
+            blocks=(k + 1) * 64,
+            bytes=(k + 1) * 4 * mib,
+            last_use=at - 10 * k,
+            expires_in=600.0 - 10 * k,
+            created_at=T0 - 600,
+        )
         for k in range(sessions)
-    )  # fmt: skip
+    )
     held = sum(s.bytes for s in largest)
     return RetentionStatistics(
-        sessions=sessions, retained_objects=sum(s.blocks for s in largest),
-        retained_bytes=(held,) + (0,) * (pools - 1), retained_cap=(128 * mib,) * pools,
-        tenant_quota=None, largest=largest, evicted={"pool_full": step},
+        sessions=sessions,
+        retained_objects=sum(s.blocks for s in largest),
+        retained_bytes=(held,) + (0,) * (pools - 1),
+        retained_cap=(128 * mib,) * pools,
+        tenant_quota=None,
+        largest=largest,
+        evicted={"pool_full": step},
         dropped={"expired": 2 * step},
-    )  # fmt: skip
+    )

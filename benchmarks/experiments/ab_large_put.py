@@ -68,8 +68,10 @@ def main(argv=None) -> int:
     out = np.empty_like(src)
     rows = []
     with spawned_daemon("2G") as sock:
-        clients = {True: Client(sock, arena_size=arena),  # grown: the default arena_max
-                   False: Client(sock, arena_size=arena, arena_max=arena)}  # fmt: skip
+        clients = {
+            True: Client(sock, arena_size=arena),  # grown: the default arena_max
+            False: Client(sock, arena_size=arena, arena_max=arena),
+        }
         try:
             from kvbroker import _copyhash
 
@@ -79,12 +81,17 @@ def main(argv=None) -> int:
                     if fused:
                         _copyhash.use_fused(one_pass)
                     for grown in (True, False):
-                        name = (f"{'one pass' if one_pass else 'two passes'}, "
-                                f"{'grown' if grown else 'not grown'}")  # fmt: skip
+                        name = (
+                            f"{'one pass' if one_pass else 'two passes'}, "
+                            f"{'grown' if grown else 'not grown'}"
+                        )
                         row[name] = _loop(clients[grown], src, out, a.reps) * 1e3
                 rows.append(row)
-                print(f"round {rnd}: " + ", ".join(f"{k} {v:.3f}" for k, v in row.items()
-                                                   if k != "round"), flush=True)  # fmt: skip
+                print(
+                    f"round {rnd}: "
+                    + ", ".join(f"{k} {v:.3f}" for k, v in row.items() if k != "round"),
+                    flush=True,
+                )
         finally:
             if fused:
                 _copyhash.use_fused(True)
@@ -92,14 +99,23 @@ def main(argv=None) -> int:
                 c.close()
     names = [k for k in rows[0] if k not in ("round", "memcpy_x2_ms")]
     base = "two passes, not grown"
-    result = {"commit": measured_commit(), "command": invocation(), "machine": machine_info(),
-              "size": size, "reps": a.reps, "copy_threads": _engine.default_engine().threads,
-              "rows": rows,
-              "summary": {n: {"p50_ms_median": median([r[n] for r in rows]),
-                              "x_before_per_round": [r[base] / r[n] for r in rows],
-                              "memcpy_x2_over_it_per_round": [r["memcpy_x2_ms"] / r[n]
-                                                              for r in rows]}
-                          for n in names}}  # fmt: skip
+    result = {
+        "commit": measured_commit(),
+        "command": invocation(),
+        "machine": machine_info(),
+        "size": size,
+        "reps": a.reps,
+        "copy_threads": _engine.default_engine().threads,
+        "rows": rows,
+        "summary": {
+            n: {
+                "p50_ms_median": median([r[n] for r in rows]),
+                "x_before_per_round": [r[base] / r[n] for r in rows],
+                "memcpy_x2_over_it_per_round": [r["memcpy_x2_ms"] / r[n] for r in rows],
+            }
+            for n in names
+        },
+    }
     write_results(a.out, result, markdown(result, names, base))
     return 0
 
@@ -107,19 +123,29 @@ def main(argv=None) -> int:
 def markdown(result: dict, names: list[str], base: str) -> str:
     m = result["machine"]
 
-    out = [f"# A {result['size'] >> 20} MiB put+get: one pass or two, arena grown or not "
-           f"({m.get('cpu')}, {m.get('cores')} cores)", "",
-           f"commit {result['commit']}, {m.get('when')}; load {m.get('loadavg_1min'):.2f}; "
-           f"`{result['command']}`; the copy engine on {result['copy_threads']} thread(s); "
-           f"{len(result['rows'])} rounds alternated, p50 of {result['reps']} each.", "",
-           f"| variant | put+get p50 ms (median of rounds) | × `{base}` (the code before "
-           "this round) per round: median (range) | two memcpys / it |", "|---|---|---|---|"]
+    out = [
+        f"# A {result['size'] >> 20} MiB put+get: one pass or two, arena grown or not "
+        f"({m.get('cpu')}, {m.get('cores')} cores)",
+        "",
+        f"commit {result['commit']}, {m.get('when')}; load {m.get('loadavg_1min'):.2f}; "
+        f"`{result['command']}`; the copy engine on {result['copy_threads']} thread(s); "
+        f"{len(result['rows'])} rounds alternated, p50 of {result['reps']} each.",
+        "",
+        f"| variant | put+get p50 ms (median of rounds) | × `{base}` (the code before "
+        "this round) per round: median (range) | two memcpys / it |",
+        "|---|---|---|---|",
+    ]
     for n in names:
         s = result["summary"][n]
-        out.append(f"| {n} | {s['p50_ms_median']:.3f} | {ratio_span(s['x_before_per_round'])} | "
-                   f"{ratio_span(s['memcpy_x2_over_it_per_round'])} |")
-    out += ["", "× above 1: faster than the code before; two memcpys / it: one `numpy.copyto` of "
-            "the bytes each way, on one thread, over the variant's time."]
+        out.append(
+            f"| {n} | {s['p50_ms_median']:.3f} | {ratio_span(s['x_before_per_round'])} | "
+            f"{ratio_span(s['memcpy_x2_over_it_per_round'])} |"
+        )
+    out += [
+        "",
+        "× above 1: faster than the code before; two memcpys / it: one `numpy.copyto` of "
+        "the bytes each way, on one thread, over the variant's time.",
+    ]
     return "\n".join(out) + "\n"
 
 

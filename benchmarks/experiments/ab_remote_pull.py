@@ -75,8 +75,10 @@ def main() -> None:
     sizes = {k: v for k, v in SIZES.items() if k in args.sizes}
     pool = f"{(max(sizes.values()) + (256 << 20)) >> 20}M"
     folder = tempfile.mkdtemp(prefix="kvb-ab-remote-")
-    pairs = {"base": _pair(os.path.join(folder, "base"), pool, os.path.abspath(args.base)),
-             "new": _pair(os.path.join(folder, "new"), pool, None)}
+    pairs = {
+        "base": _pair(os.path.join(folder, "base"), pool, os.path.abspath(args.base)),
+        "new": _pair(os.path.join(folder, "new"), pool, None),
+    }
     raw = RawReader(folder, sizes)
     rows = []
     try:
@@ -100,28 +102,46 @@ def main() -> None:
                 samples["raw"].append(r)
                 samples["exact"].append(got["base"][2] and got["new"][2])
             med = statistics.median
-            ratio = med(s["claim_s"] / b["claim_s"] for s, b in zip(samples["new"], samples["base"], strict=True))
-            row = {"size": name, "nbytes": n, "rounds": rounds, "samples": samples,
-                   "bit_exact": all(samples["exact"]) and raw.exact(name),
-                   "new_over_base_claim_p50": ratio,
-                   "raw_read_p50_s": med(samples["raw"])}
+            ratio = med(
+                s["claim_s"] / b["claim_s"]
+                for s, b in zip(samples["new"], samples["base"], strict=True)
+            )
+            row = {
+                "size": name,
+                "nbytes": n,
+                "rounds": rounds,
+                "samples": samples,
+                "bit_exact": all(samples["exact"]) and raw.exact(name),
+                "new_over_base_claim_p50": ratio,
+                "raw_read_p50_s": med(samples["raw"]),
+            }
             for v in ("base", "new"):
                 rs = [r / s["claim_s"] for r, s in zip(samples["raw"], samples[v], strict=True)]
                 keys = samples[v][0].keys()
-                row[v] = {"claim_p50_s": med(s["claim_s"] for s in samples[v]),
-                          "raw_over_claim_p50": med(rs), "raw_over_claim_min": min(rs),
-                          "raw_over_claim_max": max(rs),
-                          "phases_p50_s": {k: med(s.get(k, 0.0) for s in samples[v])
-                                           for k in keys if k != "claim_s"}}
+                row[v] = {
+                    "claim_p50_s": med(s["claim_s"] for s in samples[v]),
+                    "raw_over_claim_p50": med(rs),
+                    "raw_over_claim_min": min(rs),
+                    "raw_over_claim_max": max(rs),
+                    "phases_p50_s": {
+                        k: med(s.get(k, 0.0) for s in samples[v]) for k in keys if k != "claim_s"
+                    },
+                }
             rows.append(row)
-            print(f"{name}: claim p50 base {row['base']['claim_p50_s'] * 1e3:.1f} ms, new "
-                  f"{row['new']['claim_p50_s'] * 1e3:.1f} ms (new/base {ratio:.2f}); raw READ "
-                  f"p50 {row['raw_read_p50_s'] * 1e3:.1f} ms; raw/claim base "
-                  f"{row['base']['raw_over_claim_p50']:.2f}, new "
-                  f"{row['new']['raw_over_claim_p50']:.2f}", flush=True)
+            print(
+                f"{name}: claim p50 base {row['base']['claim_p50_s'] * 1e3:.1f} ms, new "
+                f"{row['new']['claim_p50_s'] * 1e3:.1f} ms (new/base {ratio:.2f}); raw READ "
+                f"p50 {row['raw_read_p50_s'] * 1e3:.1f} ms; raw/claim base "
+                f"{row['base']['raw_over_claim_p50']:.2f}, new "
+                f"{row['new']['raw_over_claim_p50']:.2f}",
+                flush=True,
+            )
             for v in ("base", "new"):
-                print(f"  {v} phases p50 (ms): " + ", ".join(
-                    f"{k} {x * 1e3:.2f}" for k, x in row[v]["phases_p50_s"].items()), flush=True)
+                print(
+                    f"  {v} phases p50 (ms): "
+                    + ", ".join(f"{k} {x * 1e3:.2f}" for k, x in row[v]["phases_p50_s"].items()),
+                    flush=True,
+                )
             for ca, cb in clients.values():
                 cb.evict(name)
                 ca.evict(name)
@@ -133,11 +153,16 @@ def main() -> None:
         raw.close()
         for p in pairs.values():
             p.close()
-    out = {"what": "remote pull A/B (base tree vs this tree), the raw NIXL READ beside",
-           "command": " ".join([os.path.relpath(sys.executable, ROOT), *sys.argv]),
-           "commit": checkout_commit(ROOT), "base": args.base, "machine": machine_info(),
-           "env": {k: v for k, v in os.environ.items() if k.startswith("UCX_")},
-           "conditions": {"before": before, "after": run_conditions()}, "rows": rows}
+    out = {
+        "what": "remote pull A/B (base tree vs this tree), the raw NIXL READ beside",
+        "command": " ".join([os.path.relpath(sys.executable, ROOT), *sys.argv]),
+        "commit": checkout_commit(ROOT),
+        "base": args.base,
+        "machine": machine_info(),
+        "env": {k: v for k, v in os.environ.items() if k.startswith("UCX_")},
+        "conditions": {"before": before, "after": run_conditions()},
+        "rows": rows,
+    }
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(out, f, indent=1)

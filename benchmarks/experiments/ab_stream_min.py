@@ -34,8 +34,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--reps", type=int, default=60)
     ap.add_argument("--pool-size", default="2G")
-    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results",
-                                                  "stream-stores", "ab"))  # fmt: skip
+    ap.add_argument(
+        "--out", default=os.path.join(ROOT, "benchmarks", "results", "stream-stores", "ab")
+    )
     a = ap.parse_args()
     sizes = [parse_size(s) for s in a.sizes.split(",")]
     arms = [(v, NEVER if v == "never" else parse_size(v)) for v in a.stream_min.split(",")]
@@ -46,22 +47,34 @@ def main() -> None:
                 E.default_engine().stream_min = stream_min
                 for r in transfer.measure(sock, sizes, reps=a.reps, split_baseline=True):
                     rows.append({"round": rnd, "stream_min": label, **r})
-                    print(f"round {rnd} stream_min {label:6s} {r['size'] >> 20} MiB: "
-                          f"x memcpy {r['ratio_vs_memcpy']:.2f}, x memcpy same threads "
-                          f"{r['ratio_vs_split_memcpy']:.2f} ({r['copy_threads']} threads), "
-                          f"put {r['put_p50_us']:.0f} get {r['get_p50_us']:.0f} us", flush=True)
-    result = {"commit": measured_commit(), "machine": machine_info(),
-              "command": "python " + " ".join(shlex.quote(x) for x in sys.argv), "rows": rows}
+                    print(
+                        f"round {rnd} stream_min {label:6s} {r['size'] >> 20} MiB: "
+                        f"x memcpy {r['ratio_vs_memcpy']:.2f}, x memcpy same threads "
+                        f"{r['ratio_vs_split_memcpy']:.2f} ({r['copy_threads']} threads), "
+                        f"put {r['put_p50_us']:.0f} get {r['get_p50_us']:.0f} us",
+                        flush=True,
+                    )
+    result = {
+        "commit": measured_commit(),
+        "machine": machine_info(),
+        "command": "python " + " ".join(shlex.quote(x) for x in sys.argv),
+        "rows": rows,
+    }
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     with open(a.out + ".json", "w") as f:
         json.dump(result, f, indent=1)
     m = result["machine"]
-    lines = [f"# Streaming-store threshold, put+get A/B ({m.get('cpu')}, {m.get('cores')} cores)",
-             "", f"commit {result['commit']}, {m.get('when')}; `{result['command']}`", "",
-             "Per size and threshold: the median over rounds of each round's ratio (range in "
-             "brackets), put and get p50.", "",
-             "| size | stream_min | × memcpy | × memcpy, same threads | put µs | get µs |",
-             "|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        f"# Streaming-store threshold, put+get A/B ({m.get('cpu')}, {m.get('cores')} cores)",
+        "",
+        f"commit {result['commit']}, {m.get('when')}; `{result['command']}`",
+        "",
+        "Per size and threshold: the median over rounds of each round's ratio (range in "
+        "brackets), put and get p50.",
+        "",
+        "| size | stream_min | × memcpy | × memcpy, same threads | put µs | get µs |",
+        "|---|---|---|---|---|---|",
+    ]
     for size in sizes:
         for label, _ in arms:
             rs = [r for r in rows if r["size"] == size and r["stream_min"] == label]
@@ -71,9 +84,11 @@ def main() -> None:
                 return statistics.median(xs), min(xs), max(xs)
 
             x, s = med("ratio_vs_memcpy"), med("ratio_vs_split_memcpy")
-            lines.append(f"| {size >> 20} MiB | {label} | {x[0]:.2f} ({x[1]:.2f}–{x[2]:.2f}) | "
-                         f"{s[0]:.2f} ({s[1]:.2f}–{s[2]:.2f}) | {med('put_p50_us')[0]:.0f} | "
-                         f"{med('get_p50_us')[0]:.0f} |")  # fmt: skip
+            lines.append(
+                f"| {size >> 20} MiB | {label} | {x[0]:.2f} ({x[1]:.2f}–{x[2]:.2f}) | "
+                f"{s[0]:.2f} ({s[1]:.2f}–{s[2]:.2f}) | {med('put_p50_us')[0]:.0f} | "
+                f"{med('get_p50_us')[0]:.0f} |"
+            )
     with open(a.out + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
 

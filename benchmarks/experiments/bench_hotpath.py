@@ -90,19 +90,31 @@ def main() -> None:
             for size in map(_size, a.sizes.split(",")):
                 reps = int(max(30, min(2000, a.budget // (2 * size))))
                 rows.append(measure(path, size, reps, checksum))
-    head = (f"{'size':>8} {'cksum':>5} {'memcpy GB/s':>11} | {'reserve+seal p50/p99 us':>23} "
-            f"{'x memcpy':>8} | {'arena p50/p99 us':>19} {'x memcpy':>8}")  # fmt: skip
+    head = (
+        f"{'size':>8} {'cksum':>5} {'memcpy GB/s':>11} | {'reserve+seal p50/p99 us':>23} "
+        f"{'x memcpy':>8} | {'arena p50/p99 us':>19} {'x memcpy':>8}"
+    )
     print(head)
     for r in rows:
-        print(f"{_common.human_size(r['size']):>8} "
-              f"{'on' if r['checksum'] else 'off':>5} {r['memcpy_gbps']:11.2f} | "
-              f"    {r['reserve_seal_p50_us']:9.1f}/{r['reserve_seal_p99_us']:9.1f} "
-              f"{r['reserve_seal_x_memcpy']:8.2f} | "
-              f"{r['arena_p50_us']:9.1f}/{r['arena_p99_us']:9.1f} {r['arena_x_memcpy']:8.2f}")
+        print(
+            f"{_common.human_size(r['size']):>8} "
+            f"{'on' if r['checksum'] else 'off':>5} {r['memcpy_gbps']:11.2f} | "
+            f"    {r['reserve_seal_p50_us']:9.1f}/{r['reserve_seal_p99_us']:9.1f} "
+            f"{r['reserve_seal_x_memcpy']:8.2f} | "
+            f"{r['arena_p50_us']:9.1f}/{r['arena_p99_us']:9.1f} {r['arena_x_memcpy']:8.2f}"
+        )
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"scenario": "hotpath", "machine": machine_info(), "rows": rows,
-                       "load_avg": os.getloadavg()}, f, indent=2)  # fmt: skip
+            json.dump(
+                {
+                    "scenario": "hotpath",
+                    "machine": machine_info(),
+                    "rows": rows,
+                    "load_avg": os.getloadavg(),
+                },
+                f,
+                indent=2,
+            )
 
 
 if __name__ == "__main__":

@@ -33,13 +33,21 @@ for ch in (256 << 10, 1 << 20, 4 << 20):
     ln = torch.full_like(a, ch)
     out = torch.empty_like(a)
     for G, nw in ((4, 1), (8, 1), (4, 2), (2, 1)):
-        ms = do_bench(lambda: kern[(a.numel(),)](a, ln, keys, out, GROUP=G, num_warps=nw),
-                      warmup=30, rep=150, return_mode="median")
+        ms = do_bench(
+            lambda: kern[(a.numel(),)](a, ln, keys, out, GROUP=G, num_warps=nw),
+            warmup=30,
+            rep=150,
+            return_mode="median",
+        )
         print(f"chunk {ch >> 10}K G={G} nw={nw}: {ms:.3f} ms {N / ms / 1e6:.0f} GB/s")
 for label, ts in (("1x2GiB", [big]), ("64x32MiB", list(big.view(64, -1)))):
     ms = do_bench(lambda: g.checksums(ts), warmup=20, rep=200, return_mode="median")
-    print(f"checksums() {label}: {ms:.3f} ms {N / ms / 1e6:.0f} GB/s ok={g.checksums([big])[0] == ref}")
-print(f"int64 sum {do_bench(lambda: big.view(torch.int64).sum(), rep=200, return_mode='median'):.3f} ms")
+    print(
+        f"checksums() {label}: {ms:.3f} ms {N / ms / 1e6:.0f} GB/s ok={g.checksums([big])[0] == ref}"
+    )
+print(
+    f"int64 sum {do_bench(lambda: big.view(torch.int64).sum(), rep=200, return_mode='median'):.3f} ms"
+)
 
 
 def tm(f, reps=15):
@@ -61,7 +69,13 @@ for ch in (256 << 10, 1 << 20, 2 << 20, 4 << 20):
     for th in (1, 4, 8, 16):
         e = E.CopyEngine(th, split_min=ch)
         assert e.copy_hashed(d, s) == r
-        c, chh, hh = tm(lambda: e.copy(d, s)), tm(lambda: e.copy_hashed(d, s)), tm(lambda: e.hash(s))
-        print(f"chunk {ch >> 10}K t={th}: memcpy {n / c / 1e9:.1f} copy_hashed {n / chh / 1e9:.1f} "
-              f"({c / chh:.2f}x) hash {n / hh / 1e9:.1f} GB/s")
+        c, chh, hh = (
+            tm(lambda: e.copy(d, s)),
+            tm(lambda: e.copy_hashed(d, s)),
+            tm(lambda: e.hash(s)),
+        )
+        print(
+            f"chunk {ch >> 10}K t={th}: memcpy {n / c / 1e9:.1f} copy_hashed {n / chh / 1e9:.1f} "
+            f"({c / chh:.2f}x) hash {n / hh / 1e9:.1f} GB/s"
+        )
         e.close()

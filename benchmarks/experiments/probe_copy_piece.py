@@ -36,9 +36,11 @@ def engine_with_piece(threads: int, piece: int) -> E.CopyEngine:
 
     class Engine(E.CopyEngine):  # every range in pieces of `piece` bytes (0: whole chunks)
         def copy_hashed(self, dst, src) -> int:
-            parts = self._run(lambda d, s, a, b: _copyhash.copy_hashed(d[a:b], s[a:b], cs.CHUNK,
-                                                                       piece),
-                              (dst, src), self.ranges(src.nbytes))  # fmt: skip
+            parts = self._run(
+                lambda d, s, a, b: _copyhash.copy_hashed(d[a:b], s[a:b], cs.CHUNK, piece),
+                (dst, src),
+                self.ranges(src.nbytes),
+            )
             return cs.combine(src.nbytes, [d for part in parts for d in part])
 
     return Engine(threads, split_min=cs.CHUNK, native=True)
@@ -60,7 +62,10 @@ def main() -> None:
         engines[f"memcpy, {n} thread(s)"] = (E.CopyEngine(n, split_min=cs.CHUNK), "copy")
         for piece in (0, 64 << 10, 128 << 10, 256 << 10):
             label = "1 MiB chunk in one piece" if not piece else f"pieces of {piece >> 10} KiB"
-            engines[f"copy_hashed, {n} thread(s), {label}"] = (engine_with_piece(n, piece), "hashed")
+            engines[f"copy_hashed, {n} thread(s), {label}"] = (
+                engine_with_piece(n, piece),
+                "hashed",
+            )
     turn = 0
     for name, (e, kind) in engines.items():
         if kind == "hashed" and e.copy_hashed(regions[0], src) != want:
@@ -84,18 +89,38 @@ def main() -> None:
             ratios[name].append(base / medians[name][-1])
     for e, _ in engines.values():
         e.close()
-    rows = [{"what": k, "ms": statistics.median(medians[k]) * 1e3,
-             "x_memcpy_same_threads": statistics.median(ratios[k]),
-             "range": [min(ratios[k]), max(ratios[k])]} for k in engines]  # fmt: skip
+    rows = [
+        {
+            "what": k,
+            "ms": statistics.median(medians[k]) * 1e3,
+            "x_memcpy_same_threads": statistics.median(ratios[k]),
+            "range": [min(ratios[k]), max(ratios[k])],
+        }
+        for k in engines
+    ]
     m = machine_info()
-    report = {"commit": measured_commit(), "command": shlex.join(sys.argv), "machine": m,
-              "rounds": args.rounds, "reps": args.reps, "rows": rows}
-    md = [f"# probe_copy_piece: {m['cpu']}, {os.cpu_count()} CPUs", "",
-          f"- commit: `{report['commit']}`", f"- command: `{report['command']}`",
-          f"- 32 MiB into /dev/shm, {args.rounds} rounds of {args.reps} steps; {m['when']}", "",
-          "| variant | ms (median) | x memcpy same threads (rounds) |", "|---|---:|---|"]
+    report = {
+        "commit": measured_commit(),
+        "command": shlex.join(sys.argv),
+        "machine": m,
+        "rounds": args.rounds,
+        "reps": args.reps,
+        "rows": rows,
+    }
+    md = [
+        f"# probe_copy_piece: {m['cpu']}, {os.cpu_count()} CPUs",
+        "",
+        f"- commit: `{report['commit']}`",
+        f"- command: `{report['command']}`",
+        f"- 32 MiB into /dev/shm, {args.rounds} rounds of {args.reps} steps; {m['when']}",
+        "",
+        "| variant | ms (median) | x memcpy same threads (rounds) |",
+        "|---|---:|---|",
+    ]
     for r in rows:
-        cut = [f"{int(v * 100 + 1e-9) / 100:.2f}" for v in (r["x_memcpy_same_threads"], *r["range"])]
+        cut = [
+            f"{int(v * 100 + 1e-9) / 100:.2f}" for v in (r["x_memcpy_same_threads"], *r["range"])
+        ]
         md.append(f"| {r['what']} | {r['ms']:.3f} | {cut[0]} ({cut[1]}-{cut[2]}) |")
     with open(args.out + ".json", "w") as f:
         json.dump(report, f, indent=1)

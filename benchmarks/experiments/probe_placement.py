@@ -57,8 +57,9 @@ def main(argv=None) -> None:
         for placed in (False, True):
             us = _socket_pair_echo(False, args.reps * 5, pins if placed else None)
             rows.append({"round": r + 1, "what": "pingpong", "pinned": placed, "p50_us": us})
-            print(f"round {r + 1} pingpong {'pinned' if placed else 'free'}: {us:.1f} us",
-                  flush=True)  # fmt: skip
+            print(
+                f"round {r + 1} pingpong {'pinned' if placed else 'free'}: {us:.1f} us", flush=True
+            )
     src = np.random.default_rng(0).integers(0, 256, 256 * 1024, dtype=np.uint8)
     out = np.zeros_like(src)
     with spawned_daemon("1G") as sock, Client(sock, name="probe-placement") as c:
@@ -77,46 +78,78 @@ def main(argv=None) -> None:
                     bare.drain()
                     if not np.array_equal(out, src):
                         raise AssertionError("the bytes read back differ")
-                    rows.append({"round": r + 1, "what": "put+get", "pinned": placed,
-                                 "client_p50_us": client_us, "bare_p50_us": bare_us})
-                    print(f"round {r + 1} put+get {'pinned' if placed else 'free'}: client "
-                          f"{client_us:.1f} us, bare {bare_us:.1f} us", flush=True)
+                    rows.append(
+                        {
+                            "round": r + 1,
+                            "what": "put+get",
+                            "pinned": placed,
+                            "client_p50_us": client_us,
+                            "bare_p50_us": bare_us,
+                        }
+                    )
+                    print(
+                        f"round {r + 1} put+get {'pinned' if placed else 'free'}: client "
+                        f"{client_us:.1f} us, bare {bare_us:.1f} us",
+                        flush=True,
+                    )
         finally:
             os.sched_setaffinity(0, set(cpus))
 
     def med(what, placed, key):
         return median([x[key] for x in rows if x["what"] == what and x["pinned"] == placed])
 
-    summary = {f"{'pinned' if placed else 'free'}": {
-        "pingpong_us": med("pingpong", placed, "p50_us"),
-        "client_us": med("put+get", placed, "client_p50_us"),
-        "bare_us": med("put+get", placed, "bare_p50_us")} for placed in (False, True)}  # fmt: skip
-    result = {"benchmark": "probe_placement", "commit": measured_commit(),
-              "command": invocation(), "machine": machine_info(), "pins": pins,
-              "reps": args.reps, "rounds": rows, "median": summary}  # fmt: skip
+    summary = {
+        f"{'pinned' if placed else 'free'}": {
+            "pingpong_us": med("pingpong", placed, "p50_us"),
+            "client_us": med("put+get", placed, "client_p50_us"),
+            "bare_us": med("put+get", placed, "bare_p50_us"),
+        }
+        for placed in (False, True)
+    }
+    result = {
+        "benchmark": "probe_placement",
+        "commit": measured_commit(),
+        "command": invocation(),
+        "machine": machine_info(),
+        "pins": pins,
+        "reps": args.reps,
+        "rounds": rows,
+        "median": summary,
+    }
     print(json.dumps(summary, indent=1))
     if args.out:
         with open(args.out + ".json", "w") as f:
             json.dump(result, f, indent=2)
         m = result["machine"]
         lines = [
-            f"# Placement and the small round trip ({m.get('cpu')}, {m.get('cores')} cores)", "",
+            f"# Placement and the small round trip ({m.get('cpu')}, {m.get('cores')} cores)",
+            "",
             f"commit {result['commit']}, {m.get('when')}; load {m.get('loadavg_1min', 0):.2f}; "
             f"`{result['command']}`; pinned: CPUs {pins[0]} (daemon / echo) and {pins[1]} "
-            "(client)", "",
+            "(client)",
+            "",
             "| round | placement | ping-pong p50 µs | Client put+get p50 µs | bare p50 µs |",
             "|---|---|---|---|---|",
-        ]  # fmt: skip
+        ]
         for r in range(args.rounds):
             for placed in (False, True):
                 pp = [x for x in rows if x["round"] == r + 1 and x["pinned"] == placed]
                 ping = next(x["p50_us"] for x in pp if x["what"] == "pingpong")
                 pg = next(x for x in pp if x["what"] == "put+get")
-                lines.append(f"| {r + 1} | {'pinned' if placed else 'free'} | {ping:.1f} | "
-                             f"{pg['client_p50_us']:.1f} | {pg['bare_p50_us']:.1f} |")
-        lines += ["", "Medians of the rounds: " + "; ".join(
-            f"{k}: ping-pong {v['pingpong_us']:.1f} µs, Client {v['client_us']:.1f} µs, bare "
-            f"{v['bare_us']:.1f} µs" for k, v in summary.items()) + "."]  # fmt: skip
+                lines.append(
+                    f"| {r + 1} | {'pinned' if placed else 'free'} | {ping:.1f} | "
+                    f"{pg['client_p50_us']:.1f} | {pg['bare_p50_us']:.1f} |"
+                )
+        lines += [
+            "",
+            "Medians of the rounds: "
+            + "; ".join(
+                f"{k}: ping-pong {v['pingpong_us']:.1f} µs, Client {v['client_us']:.1f} µs, bare "
+                f"{v['bare_us']:.1f} µs"
+                for k, v in summary.items()
+            )
+            + ".",
+        ]
         with open(args.out + ".md", "w") as f:
             f.write("\n".join(lines) + "\n")
 

@@ -44,16 +44,33 @@ from kvbroker._bench._common import median  # noqa: E402
 
 _SEQ = struct.Struct("<Q")
 _SLOT = 4096  # one slot per direction: [seq: 8 bytes][length: 8 bytes][message]
-_REQUEST = {"id": 1 << 20, "op": "claim", "args": {
-    "namespace": "default", "key": "request-0123456789abcdef", "select": None,
-    "consume": True, "wait": None, "ttl": None, "peer": None}}  # fmt: skip
-_REPLY = {"id": 1 << 20, "ok": True, "result": {
-    "lease": 123456, "ttl": 30.0, "buffers": {"kv": [0, 1 << 30, 262144]}, "meta": None,
-    "checksums": {"kv": [1, (1 << 63) + 12345]}}}  # fmt: skip
+_REQUEST = {
+    "id": 1 << 20,
+    "op": "claim",
+    "args": {
+        "namespace": "default",
+        "key": "request-0123456789abcdef",
+        "select": None,
+        "consume": True,
+        "wait": None,
+        "ttl": None,
+        "peer": None,
+    },
+}
+_REPLY = {
+    "id": 1 << 20,
+    "ok": True,
+    "result": {
+        "lease": 123456,
+        "ttl": 30.0,
+        "buffers": {"kv": [0, 1 << 30, 262144]},
+        "meta": None,
+        "checksums": {"kv": [1, (1 << 63) + 12345]},
+    },
+}
 
 
-def _socket_pair_echo(msgpack_mode: bool, reps: int,
-                      pins: tuple[int, int] | None = None) -> float:
+def _socket_pair_echo(msgpack_mode: bool, reps: int, pins: tuple[int, int] | None = None) -> float:
     """p50 µs of a round trip to a forked echo process over a Unix socket pair, both sides
     polling; ``pins``: the CPUs of the echo side and of this one (``probe_placement.py``)."""
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -106,7 +123,7 @@ def _socket_pair_echo(msgpack_mode: bool, reps: int,
         a.close()
         os.waitpid(pid, 0)
         os.sched_setaffinity(0, before)
-    return median(times[reps // 10:]) * 1e6
+    return median(times[reps // 10 :]) * 1e6
 
 
 def _ring_echo(msgpack_mode: bool, reps: int) -> float:
@@ -127,11 +144,11 @@ def _ring_echo(msgpack_mode: bool, reps: int) -> float:
                 seen = seq
                 n = _SEQ.unpack_from(view, to_server + 8)[0]
                 if msgpack_mode:
-                    msgpack.unpackb(view[to_server + 16:to_server + 16 + n])
+                    msgpack.unpackb(view[to_server + 16 : to_server + 16 + n])
                     out = reply
                 else:
-                    out = bytes(view[to_server + 16:to_server + 16 + n])
-                view[to_client + 16:to_client + 16 + len(out)] = out
+                    out = bytes(view[to_server + 16 : to_server + 16 + n])
+                view[to_client + 16 : to_client + 16 + len(out)] = out
                 _SEQ.pack_into(view, to_client + 8, len(out))
                 _SEQ.pack_into(view, to_client, seq)  # last: the reader polls this
         finally:
@@ -142,21 +159,21 @@ def _ring_echo(msgpack_mode: bool, reps: int) -> float:
         for seq in range(1, reps + reps // 10 + 1):
             t = time.perf_counter()
             out = pack(_REQUEST) if msgpack_mode else raw
-            view[to_server + 16:to_server + 16 + len(out)] = out
+            view[to_server + 16 : to_server + 16 + len(out)] = out
             _SEQ.pack_into(view, to_server + 8, len(out))
             _SEQ.pack_into(view, to_server, seq)
             while _SEQ.unpack_from(view, to_client)[0] != seq:
                 pass
             n = _SEQ.unpack_from(view, to_client + 8)[0]
             if msgpack_mode:
-                unpack(view[to_client + 16:to_client + 16 + n])
+                unpack(view[to_client + 16 : to_client + 16 + n])
             times.append(time.perf_counter() - t)
     finally:
         _SEQ.pack_into(view, to_server, (1 << 64) - 1)
         os.waitpid(pid, 0)
         view.release()
         shared.close()
-    return median(times[reps // 10:]) * 1e6
+    return median(times[reps // 10 :]) * 1e6
 
 
 def main(argv=None) -> None:
@@ -174,20 +191,26 @@ def main(argv=None) -> None:
         for framing in ("raw", "msgpack"):
             for carrier, fn in (("socket", _socket_pair_echo), ("ring", _ring_echo)):
                 us = fn(framing == "msgpack", args.reps)
-                rows.append({"round": r + 1, "framing": framing, "carrier": carrier,
-                             "p50_us": us})  # fmt: skip
+                rows.append({"round": r + 1, "framing": framing, "carrier": carrier, "p50_us": us})
                 print(f"round {r + 1} {framing} {carrier}: {us:.2f} us", flush=True)
 
     def med(framing, carrier):
-        return median([x["p50_us"] for x in rows
-                       if x["framing"] == framing and x["carrier"] == carrier])  # fmt: skip
+        return median(
+            [x["p50_us"] for x in rows if x["framing"] == framing and x["carrier"] == carrier]
+        )
 
     summary = {f: {c: med(f, c) for c in ("socket", "ring")} for f in ("raw", "msgpack")}
-    result = {"benchmark": "probe_ring_floor", "commit": measured_commit(),
-              "command": invocation(), "machine": machine_info(), "reps": args.reps,
-              "request_bytes": len(msgpack.packb(_REQUEST)),
-              "reply_bytes": len(msgpack.packb(_REPLY)), "rounds": rows,
-              "median": summary}  # fmt: skip
+    result = {
+        "benchmark": "probe_ring_floor",
+        "commit": measured_commit(),
+        "command": invocation(),
+        "machine": machine_info(),
+        "reps": args.reps,
+        "request_bytes": len(msgpack.packb(_REQUEST)),
+        "reply_bytes": len(msgpack.packb(_REPLY)),
+        "rounds": rows,
+        "median": summary,
+    }
     print(json.dumps(summary, indent=1))
     if args.out:
         with open(args.out + ".json", "w") as f:
@@ -195,25 +218,32 @@ def main(argv=None) -> None:
         m = result["machine"]
         lines = [
             f"# A round trip's floor, Unix socket against a shared-memory ring ({m.get('cpu')}, "
-            f"{m.get('cores')} cores, Python {m.get('python')})", "",
+            f"{m.get('cores')} cores, Python {m.get('python')})",
+            "",
             f"commit {result['commit']}, {m.get('when')}; load {m.get('loadavg_1min', 0):.2f}; "
             f"`{result['command']}`; both sides polling; msgpack: a {result['request_bytes']}-"
             f"byte `claim` request and a {result['reply_bytes']}-byte reply, packed and "
-            "unpacked on both sides.", "",
+            "unpacked on both sides.",
+            "",
             "| round | raw: socket µs | raw: ring µs | msgpack: socket µs | msgpack: ring µs |",
             "|---|---|---|---|---|",
-        ]  # fmt: skip
+        ]
         for r in range(args.rounds):
             v = {(x["framing"], x["carrier"]): x["p50_us"] for x in rows if x["round"] == r + 1}
-            lines.append(f"| {r + 1} | {v['raw', 'socket']:.2f} | {v['raw', 'ring']:.2f} | "
-                         f"{v['msgpack', 'socket']:.2f} | {v['msgpack', 'ring']:.2f} |")
+            lines.append(
+                f"| {r + 1} | {v['raw', 'socket']:.2f} | {v['raw', 'ring']:.2f} | "
+                f"{v['msgpack', 'socket']:.2f} | {v['msgpack', 'ring']:.2f} |"
+            )
         saved = summary["msgpack"]["socket"] - summary["msgpack"]["ring"]
-        lines += ["", f"Medians of the rounds (p50 of {args.reps} round trips each): raw "
-                      f"{summary['raw']['socket']:.2f} µs over the socket against "
-                      f"{summary['raw']['ring']:.2f} µs through the ring; with the framing "
-                      f"{summary['msgpack']['socket']:.2f} against "
-                      f"{summary['msgpack']['ring']:.2f} µs: {saved:.2f} µs per round trip "
-                      "is the most a ring could save."]  # fmt: skip
+        lines += [
+            "",
+            f"Medians of the rounds (p50 of {args.reps} round trips each): raw "
+            f"{summary['raw']['socket']:.2f} µs over the socket against "
+            f"{summary['raw']['ring']:.2f} µs through the ring; with the framing "
+            f"{summary['msgpack']['socket']:.2f} against "
+            f"{summary['msgpack']['ring']:.2f} µs: {saved:.2f} µs per round trip "
+            "is the most a ring could save.",
+        ]
         with open(args.out + ".md", "w") as f:
             f.write("\n".join(lines) + "\n")
 

@@ -47,16 +47,23 @@ def variants(threads: int):
 
     def c_copy(stream):
         def fn(e, dst, src):
-            e._run(lambda d, s, a, b: _copyhash.copy(d[a:b], s[a:b], stream), (dst, src),
-                   e.ranges(src.nbytes))  # fmt: skip
+            e._run(
+                lambda d, s, a, b: _copyhash.copy(d[a:b], s[a:b], stream),
+                (dst, src),
+                e.ranges(src.nbytes),
+            )
+
         return fn
 
     def c_hashed(stream):
         def fn(e, dst, src):
-            parts = e._run(lambda d, s, a, b: _copyhash.copy_hashed(d[a:b], s[a:b], cs.CHUNK,
-                                                                    piece, stream),
-                           (dst, src), e.ranges(src.nbytes))  # fmt: skip
+            parts = e._run(
+                lambda d, s, a, b: _copyhash.copy_hashed(d[a:b], s[a:b], cs.CHUNK, piece, stream),
+                (dst, src),
+                e.ranges(src.nbytes),
+            )
             return cs.combine(src.nbytes, [d for part in parts for d in part])
+
         return fn
 
     native = E.CopyEngine(threads, split_min=cs.CHUNK, native=True)
@@ -84,8 +91,9 @@ def main() -> None:
     ap.add_argument("--sizes", default="4M,32M")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--reps", type=int, default=15)
-    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results",
-                                                  "stream-stores", "probe"))  # fmt: skip
+    ap.add_argument(
+        "--out", default=os.path.join(ROOT, "benchmarks", "results", "stream-stores", "probe")
+    )
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     table = {f"key-{i:06d}": [i, str(i)] for i in range(8000)}
@@ -124,40 +132,59 @@ def main() -> None:
                     base = statistics.median(times["memcpy (numpy copyto per thread)", direction])
                     m = statistics.median(xs)
                     per_round.setdefault((name, direction), []).append(
-                        (m, base / m, statistics.median(after[name, direction])))
+                        (m, base / m, statistics.median(after[name, direction]))
+                    )
             for (name, direction), vals in per_round.items():
-                rows.append({
-                    "size": size, "threads": threads, "variant": name, "direction": direction,
-                    "p50_us_per_round": [v[0] * 1e6 for v in vals],
-                    "vs_memcpy_per_round": [v[1] for v in vals],
-                    "python_after_us_per_round": [v[2] * 1e6 for v in vals],
-                })  # fmt: skip
+                rows.append(
+                    {
+                        "size": size,
+                        "threads": threads,
+                        "variant": name,
+                        "direction": direction,
+                        "p50_us_per_round": [v[0] * 1e6 for v in vals],
+                        "vs_memcpy_per_round": [v[1] for v in vals],
+                        "python_after_us_per_round": [v[2] * 1e6 for v in vals],
+                    }
+                )
                 r = rows[-1]
-                print(f"{size >> 20} MiB {threads} thr {direction} {name:34s} "
-                      f"x memcpy {statistics.median(r['vs_memcpy_per_round']):.2f} "
-                      f"({min(r['vs_memcpy_per_round']):.2f}-{max(r['vs_memcpy_per_round']):.2f})"
-                      f"  python after {statistics.median(r['python_after_us_per_round']):.0f} us",
-                      flush=True)  # fmt: skip
+                print(
+                    f"{size >> 20} MiB {threads} thr {direction} {name:34s} "
+                    f"x memcpy {statistics.median(r['vs_memcpy_per_round']):.2f} "
+                    f"({min(r['vs_memcpy_per_round']):.2f}-{max(r['vs_memcpy_per_round']):.2f})"
+                    f"  python after {statistics.median(r['python_after_us_per_round']):.0f} us",
+                    flush=True,
+                )
             for e in {id(e): e for e, _ in vs.values()}.values():  # the engines this count used
                 e.close()
-    result = {"commit": measured_commit(), "machine": machine_info(),
-              "command": "python " + " ".join(shlex.quote(a) for a in sys.argv), "rows": rows}
+    result = {
+        "commit": measured_commit(),
+        "machine": machine_info(),
+        "command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
+        "rows": rows,
+    }
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out + ".json", "w") as f:
         json.dump(result, f, indent=1)
     m = result["machine"]
-    lines = [f"# Ordinary against streaming stores ({m.get('cpu')}, {m.get('cores')} cores)", "",
-             f"commit {result['commit']}, {m.get('when')}; `{result['command']}`", "",
-             "Per variant: the median over rounds of the per-round ratio to the memcpy on the "
-             "same threads (range in brackets), and the median time of the Python work done "
-             "right after the copy.", "",
-             "| size | threads | direction | variant | × memcpy | Python after, µs |",
-             "|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        f"# Ordinary against streaming stores ({m.get('cpu')}, {m.get('cores')} cores)",
+        "",
+        f"commit {result['commit']}, {m.get('when')}; `{result['command']}`",
+        "",
+        "Per variant: the median over rounds of the per-round ratio to the memcpy on the "
+        "same threads (range in brackets), and the median time of the Python work done "
+        "right after the copy.",
+        "",
+        "| size | threads | direction | variant | × memcpy | Python after, µs |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in rows:
         v = r["vs_memcpy_per_round"]
-        lines.append(f"| {r['size'] >> 20} MiB | {r['threads']} | {r['direction']} | "
-                     f"{r['variant']} | {statistics.median(v):.2f} ({min(v):.2f}–{max(v):.2f}) "
-                     f"| {statistics.median(r['python_after_us_per_round']):.0f} |")  # fmt: skip
+        lines.append(
+            f"| {r['size'] >> 20} MiB | {r['threads']} | {r['direction']} | "
+            f"{r['variant']} | {statistics.median(v):.2f} ({min(v):.2f}–{max(v):.2f}) "
+            f"| {statistics.median(r['python_after_us_per_round']):.0f} |"
+        )
     with open(args.out + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
 

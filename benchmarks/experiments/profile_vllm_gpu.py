@@ -118,27 +118,60 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--cpu", action="store_true")
     p.add_argument("--daemon-profile", action="store_true", help="run the daemon under cProfile")
-    p.add_argument("--no-checksums", action="store_true",
-                   help="seal without the GPU checksums (what they cost, side by side)")
-    p.add_argument("--timeline", type=int, default=0, metavar="N",
-                   help="print the first N steps of the last save on the Python thread")
+    p.add_argument(
+        "--no-checksums",
+        action="store_true",
+        help="seal without the GPU checksums (what they cost, side by side)",
+    )
+    p.add_argument(
+        "--timeline",
+        type=int,
+        default=0,
+        metavar="N",
+        help="print the first N steps of the last save on the Python thread",
+    )
     a = p.parse_args()
     m = machine_info()
-    print(f"commit {measured_commit()}; {m['cpu']}, {m['cores']} CPUs, {m['when']}; "
-          f"`python benchmarks/experiments/{invocation()}`")
+    print(
+        f"commit {measured_commit()}; {m['cpu']}, {m['cores']} CPUs, {m['when']}; "
+        f"`python benchmarks/experiments/{invocation()}`"
+    )
     device = torch.device("cpu" if a.cpu else "cuda")
     L, H, D, page = 32, 8, 128, 16
     nblk = a.tokens // page
-    fmt = BlockFormat(dtype="bfloat16", num_layers=L, block_size=page, head_dim=D, local_heads=H,
-                      total_kv_heads=H, tp_rank=0, tp_size=1, heads=(0, H))  # fmt: skip
+    fmt = BlockFormat(
+        dtype="bfloat16",
+        num_layers=L,
+        block_size=page,
+        head_dim=D,
+        local_heads=H,
+        total_kv_heads=H,
+        tp_rank=0,
+        tp_size=1,
+        heads=(0, H),
+    )
     nbytes = nblk * fmt.block_nbytes
     d = tempfile.mkdtemp(prefix="kvb")
     sock = os.path.join(d, "kvb.sock")
     prof = os.path.join(d, "daemon.prof")
     profiled = ["-m", "cProfile", "-o", prof] if a.daemon_profile else []
-    daemon = subprocess.Popen([sys.executable, *profiled, "-m", "kvbroker", "serve", "--socket", sock, "--pool-size",
-                               f"{(nbytes >> 20) + 512}M", "--page-size", "2M", "--log-level",
-                               "warning"])  # fmt: skip
+    daemon = subprocess.Popen(
+        [
+            sys.executable,
+            *profiled,
+            "-m",
+            "kvbroker",
+            "serve",
+            "--socket",
+            sock,
+            "--pool-size",
+            f"{(nbytes >> 20) + 512}M",
+            "--page-size",
+            "2M",
+            "--log-level",
+            "warning",
+        ]
+    )
     for _ in range(600):
         try:
             Client(sock, map_pools=False).close()
@@ -169,8 +202,9 @@ def main() -> None:
         copier = timed("dma queue", counted)
     else:
         stream, copier = None, timed("memmove", copier_for("cpu"))
-    blocks.PendingReservation.result = timed("wait for a reservation",
-                                             blocks.PendingReservation.result)
+    blocks.PendingReservation.result = timed(
+        "wait for a reservation", blocks.PendingReservation.result
+    )
     blocks.seal_later = timed("queue a seal", blocks.seal_later)
     _paged.match = timed("match round trip", _paged.match)
     _cuda.match = _paged.match
@@ -178,11 +212,11 @@ def main() -> None:
         torch.cuda.Event.synchronize = timed("wait for a chunk's DMA", torch.cuda.Event.synchronize)
     if a.timeline:
         blocks.reserve_later = stepped("reservation sent", blocks.reserve_later)
-        blocks.PendingReservation.result = stepped("reservation answered",
-                                                   blocks.PendingReservation.result)
+        blocks.PendingReservation.result = stepped(
+            "reservation answered", blocks.PendingReservation.result
+        )
         _cuda._ids_on = stepped("block ids to the GPU", _cuda._ids_on)
-        blocks.start_device_checksums = stepped("checksums set up",
-                                                blocks.start_device_checksums)
+        blocks.start_device_checksums = stepped("checksums set up", blocks.start_device_checksums)
         _cuda._seal_later = stepped("seal queued", _cuda._seal_later)
         copier = stepped("DMA queued", copier)
     for rep in range(a.reps + 1):
@@ -197,8 +231,16 @@ def main() -> None:
         STEPS.clear()
         t0 = time.perf_counter()
         last_start = t0
-        _cuda.save_cuda(client, "ns", fmt, src, items, stream=stream, copier=copier,
-                        checksums=not a.no_checksums)  # fmt: skip
+        _cuda.save_cuda(
+            client,
+            "ns",
+            fmt,
+            src,
+            items,
+            stream=stream,
+            copier=copier,
+            checksums=not a.no_checksums,
+        )
         if a.timeline:  # (the load's steps are not the save's)
             saved_steps = list(STEPS)
         if device.type == "cuda":
@@ -213,8 +255,9 @@ def main() -> None:
             gaps = [a[2].elapsed_time(b[1]) / 1e3 for a, b in pairwise(TIMELINE)]
             SPENT["DMA stream: idle between DMAs"] += sum(gaps)
             SPENT["DMA stream: largest idle gap"] += max(gaps, default=0.0)
-        _cuda.load_cuda(client, "ns", fmt, dst, hashes, list(range(nblk)), stream=stream,
-                        copier=copier)  # fmt: skip
+        _cuda.load_cuda(
+            client, "ns", fmt, dst, hashes, list(range(nblk)), stream=stream, copier=copier
+        )
         if device.type == "cuda":
             torch.cuda.synchronize()
         t2 = time.perf_counter()
@@ -229,10 +272,14 @@ def main() -> None:
         for name, begin, end in saved_steps[: a.timeline]:
             begin, end = (begin - last_start) * 1e3, (end - last_start) * 1e3
             print(f"  {name:24s} {begin:8.3f} - {end:8.3f}")
-    print(f"{nblk} blocks, {nbytes / 2**30:.2f} GiB, per save/load (mean of {a.reps}); "
-          f"{CALLS.pop('dma runs', 0) / a.reps / 2:.0f} DMA runs per save or load:")
+    print(
+        f"{nblk} blocks, {nbytes / 2**30:.2f} GiB, per save/load (mean of {a.reps}); "
+        f"{CALLS.pop('dma runs', 0) / a.reps / 2:.0f} DMA runs per save or load:"
+    )
     for name, s in sorted(SPENT.items(), key=lambda kv: -kv[1]):
-        print(f"  {name:28s} {s / a.reps * 1e3:8.1f} ms  ({CALLS.get(name, a.reps) // a.reps} calls)")
+        print(
+            f"  {name:28s} {s / a.reps * 1e3:8.1f} ms  ({CALLS.get(name, a.reps) // a.reps} calls)"
+        )
     client.close()
     daemon.send_signal(signal.SIGINT)
     daemon.wait(60)

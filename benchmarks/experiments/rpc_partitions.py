@@ -47,9 +47,14 @@ def measure(sockets: list[str], clients: int, seconds: float) -> dict:
             c.put(probe, {"x": b"1"}, namespace=PROBE_NAMESPACE, replace=True)
         targets.append((path, probe))
     lat = run_clients(targets, seconds)
-    return {"clients": clients, "ops": len(lat), "seconds": seconds,
-            "ops_per_s": len(lat) / seconds, "p50_us": pct(lat, 0.5) * 1e6,
-            "p99_us": pct(lat, 0.99) * 1e6}  # fmt: skip
+    return {
+        "clients": clients,
+        "ops": len(lat),
+        "seconds": seconds,
+        "ops_per_s": len(lat) / seconds,
+        "p50_us": pct(lat, 0.5) * 1e6,
+        "p99_us": pct(lat, 0.99) * 1e6,
+    }
 
 
 def main() -> None:
@@ -69,12 +74,21 @@ def main() -> None:
                 for n in args.clients:
                     row = {"round": rnd, "partitions": parts, **measure(sockets, n, args.seconds)}
                     rows.append(row)
-                    print(f"round {rnd} partitions {parts} clients {n}: "
-                          f"{row['ops_per_s']:,.0f} ops/s, p50 {row['p50_us']:.1f} us, "
-                          f"p99 {row['p99_us']:.1f} us", flush=True)  # fmt: skip
-    record = {"experiment": "rpc over P independent daemons (partitions), client i on i mod P",
-              "commit": measured_commit(), "machine": machine_info(), "command": invocation(),
-              "started": started, "load_avg": os.getloadavg(), "rows": rows}  # fmt: skip
+                    print(
+                        f"round {rnd} partitions {parts} clients {n}: "
+                        f"{row['ops_per_s']:,.0f} ops/s, p50 {row['p50_us']:.1f} us, "
+                        f"p99 {row['p99_us']:.1f} us",
+                        flush=True,
+                    )
+    record = {
+        "experiment": "rpc over P independent daemons (partitions), client i on i mod P",
+        "commit": measured_commit(),
+        "machine": machine_info(),
+        "command": invocation(),
+        "started": started,
+        "load_avg": os.getloadavg(),
+        "rows": rows,
+    }
     if args.out:
         with open(args.out + ".json", "w") as f:
             json.dump(record, f, indent=1)
@@ -85,16 +99,21 @@ def main() -> None:
 
 def markdown(record: dict, clients: list[int]) -> str:
     m = record["machine"]
-    lines = [f"commit {record['commit']}, {record['started']}; {m.get('cpu')}, "
-             f"{m.get('cores')} CPUs; `{record['command']}`", "",
-             "| round | partitions | clients | ops/s | p50 us | p99 us | ops/s vs 4 clients |",
-             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        f"commit {record['commit']}, {record['started']}; {m.get('cpu')}, "
+        f"{m.get('cores')} CPUs; `{record['command']}`",
+        "",
+        "| round | partitions | clients | ops/s | p50 us | p99 us | ops/s vs 4 clients |",
+        "|---|---|---|---|---|---|---|",
+    ]
     by = {(r["round"], r["partitions"], r["clients"]): r for r in record["rows"]}
     for r in record["rows"]:
         four = by.get((r["round"], r["partitions"], 4))
         ratio = f"{r['ops_per_s'] / four['ops_per_s']:.2f}" if four else "—"
-        lines.append(f"| {r['round']} | {r['partitions']} | {r['clients']} | "
-                     f"{r['ops_per_s']:,.0f} | {r['p50_us']:.1f} | {r['p99_us']:.1f} | {ratio} |")
+        lines.append(
+            f"| {r['round']} | {r['partitions']} | {r['clients']} | "
+            f"{r['ops_per_s']:,.0f} | {r['p50_us']:.1f} | {r['p99_us']:.1f} | {ratio} |"
+        )
     return "\n".join(lines) + "\n"
 
 

@@ -32,12 +32,23 @@ def engine(role: str | None, args: dict, prompts: list[list[int]], max_tokens: i
     kw = {}
     if role:
         kw["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="KVBrokerConnector", kv_connector_module_path="kvbroker.integrations.vllm",
-            kv_role=role, kv_connector_extra_config={"socket": args["socket"]})
-    llm = LLM(model=args["model"], skip_tokenizer_init=True, enforce_eager=True,
-              block_size=args["block_size"], max_model_len=2048, **args["engine"], **kw)
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, detokenize=False,
-                            ignore_eos=True)
+            kv_connector="KVBrokerConnector",
+            kv_connector_module_path="kvbroker.integrations.vllm",
+            kv_role=role,
+            kv_connector_extra_config={"socket": args["socket"]},
+        )
+    llm = LLM(
+        model=args["model"],
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        block_size=args["block_size"],
+        max_model_len=2048,
+        **args["engine"],
+        **kw,
+    )
+    params = SamplingParams(
+        max_tokens=max_tokens, temperature=0.0, detokenize=False, ignore_eos=True
+    )
     started = time.perf_counter()
     got = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     out.put((role, [list(o.outputs[0].token_ids) for o in got], time.perf_counter() - started))
@@ -59,9 +70,17 @@ def tiny_model(directory: str) -> str:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         head_dim=32, max_position_embeddings=2048, torch_dtype="float32")
+    config = LlamaConfig(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=2048,
+        torch_dtype="float32",
+    )
     LlamaForCausalLM(config).save_pretrained(directory)
     return directory
 
@@ -81,8 +100,9 @@ def main() -> None:
         a.model = tiny_model(os.path.join(tmp, "tiny-llama"))
         engine_kw = {"dtype": "float32", "kv_cache_memory_bytes": 64 << 20}
     rng = random.Random(0)
-    prompts = [[rng.randrange(1, 500) for _ in range(rng.randrange(40, 300))]
-               for _ in range(a.prompts)]  # fmt: skip
+    prompts = [
+        [rng.randrange(1, 500) for _ in range(rng.randrange(40, 300))] for _ in range(a.prompts)
+    ]
     daemon = None
     if a.socket is None:
         from kvbroker.testing import running_daemon
@@ -107,8 +127,10 @@ def main() -> None:
 
         with Client(a.socket, map_pools=False) as c:
             s = c.stat()
-            print(f"broker: {sum(p.objects for p in s.pools)} blocks, prefix hits "
-                  f"{s.counters.prefix_hit_blocks} blocks ({s.counters.prefix_queries} queries)")
+            print(
+                f"broker: {sum(p.objects for p in s.pools)} blocks, prefix hits "
+                f"{s.counters.prefix_hit_blocks} blocks ({s.counters.prefix_queries} queries)"
+            )
     finally:
         if daemon is not None:
             daemon.__exit__(None, None, None)

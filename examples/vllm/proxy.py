@@ -31,8 +31,10 @@ def make_app(prefill: str, decode: str) -> web.Application:
                 if r.status != 200:  # the prefill failed: let decode compute it all
                     await r.read()
             async with s.post(decode + request.path, json=body) as r:
-                out = web.StreamResponse(status=r.status, headers={
-                    "Content-Type": r.headers.get("Content-Type", "application/json")})
+                out = web.StreamResponse(
+                    status=r.status,
+                    headers={"Content-Type": r.headers.get("Content-Type", "application/json")},
+                )
                 await out.prepare(request)
                 async for chunk in r.content.iter_any():
                     await out.write(chunk)

@@ -19,9 +19,18 @@ from ._common import (
     spawned_daemon,
 )
 
-__all__ = ["SCENARIOS", "Result", "Target", "checkout_commit", "format_table", "machine_info",
-           "spawned_daemon",
-           "scenario", "plot_result", "MissingMatplotlib"]  # fmt: skip
+__all__ = [
+    "SCENARIOS",
+    "Result",
+    "Target",
+    "checkout_commit",
+    "format_table",
+    "machine_info",
+    "spawned_daemon",
+    "scenario",
+    "plot_result",
+    "MissingMatplotlib",
+]
 
 SCENARIOS = ("transfer", "rpc", "scale", "prefix", "tp", "gpu", "peer")
 

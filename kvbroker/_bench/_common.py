@@ -32,11 +32,23 @@ def checkout_commit(root: str | None = None) -> str:
     root = root or os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     git = ["git", "-C", root]
     try:
-        sha = subprocess.run([*git, "rev-parse", "--short", "HEAD"], check=True,
-                             capture_output=True, text=True).stdout.strip()  # fmt: skip
-        dirty = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no", "--", ".",
-                                ":(exclude)benchmarks/results", ":(exclude)docs"],
-                               capture_output=True, text=True).stdout.strip()  # fmt: skip
+        sha = subprocess.run(
+            [*git, "rev-parse", "--short", "HEAD"], check=True, capture_output=True, text=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            [
+                *git,
+                "status",
+                "--porcelain",
+                "--untracked-files=no",
+                "--",
+                ".",
+                ":(exclude)benchmarks/results",
+                ":(exclude)docs",
+            ],
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return sha + ("+dirty" if dirty else "")
@@ -68,7 +80,11 @@ def run_conditions() -> dict[str, Any]:
     with contextlib.suppress(OSError):
         with open("/proc/pressure/cpu") as f:
             psi = f.readline().strip()
-    return {"loadavg_1min": load, "cpu_pressure": psi, "when": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+    return {
+        "loadavg_1min": load,
+        "cpu_pressure": psi,
+        "when": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+    }
 
 
 def machine_info() -> dict[str, Any]:
@@ -106,15 +122,17 @@ def machine_info() -> dict[str, Any]:
         "msgpack": ".".join(map(str, msgpack.version)),
         # the host checksum's speed: a build without run-time AVX2 / AVX-512 hashes 2.7x slower
         # on an H100 host's Xeon (benchmarks/results/xxhash-ab/)
-        "xxhash": xxhash.VERSION, "xxhash_simd_dispatch": simd_dispatch(),
+        "xxhash": xxhash.VERSION,
+        "xxhash_simd_dispatch": simd_dispatch(),
         "kvbroker": __version__,
         "when": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
     }
 
 
 @contextlib.contextmanager
-def spawned_daemon(pool_size: str = "1G", *extra: str, env: dict | None = None,
-                   launcher: list[str] | None = None) -> Iterator[str]:
+def spawned_daemon(
+    pool_size: str = "1G", *extra: str, env: dict | None = None, launcher: list[str] | None = None
+) -> Iterator[str]:
     """A private daemon for the benchmark, stopped on exit; yields its socket path.
     ``env``: extra environment (``KVBROKER_*`` settings). ``launcher``: what runs
     ``serve ...`` (default ``python -m kvbroker``)."""
@@ -123,11 +141,19 @@ def spawned_daemon(pool_size: str = "1G", *extra: str, env: dict | None = None,
     d = tempfile.mkdtemp(prefix="kvb-bench-")
     path = os.path.join(d, "kvb.sock")
     proc = subprocess.Popen(
-        [*(launcher or [sys.executable, "-m", "kvbroker"]), "serve", "--socket", path,
-         "--pool-size", pool_size,
-         "--log-level", "warning", *extra],
+        [
+            *(launcher or [sys.executable, "-m", "kvbroker"]),
+            "serve",
+            "--socket",
+            path,
+            "--pool-size",
+            pool_size,
+            "--log-level",
+            "warning",
+            *extra,
+        ],
         env={**os.environ, **(env or {})},
-    )  # fmt: skip
+    )
     try:
         deadline = time.monotonic() + 120  # a big pool is pre-faulted before the socket opens
         while True:
@@ -190,14 +216,22 @@ class Target:
         return self.measured >= self.goal if self.op == ">=" else self.measured <= self.goal
 
     def as_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "measured": self.measured, "goal": self.goal, "op": self.op,
-                "unit": self.unit, "met": self.met}  # fmt: skip
+        return {
+            "name": self.name,
+            "measured": self.measured,
+            "goal": self.goal,
+            "op": self.op,
+            "unit": self.unit,
+            "met": self.met,
+        }
 
     def line(self) -> str:
         mark = "met" if self.met else "MISSED"
         fmt = self.fmt or ("ratio" if self.unit == "x" else ".3g")
-        return (f"{self.name}: {format_value(self.measured, fmt)}{self.unit} "
-                f"(target {self.op} {self.goal:.3g}{self.unit}) {mark}")
+        return (
+            f"{self.name}: {format_value(self.measured, fmt)}{self.unit} "
+            f"(target {self.op} {self.goal:.3g}{self.unit}) {mark}"
+        )
 
 
 @dataclass

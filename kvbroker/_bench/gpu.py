@@ -17,8 +17,13 @@ import tempfile
 
 from ._common import Result, Target, save_figure
 
-COLUMNS = [("path", "path", "s"), ("GBps", "GB/s", ".1f"), ("limit", "limit", "s"),
-           ("limit_GBps", "limit GB/s", ".1f"), ("ratio", "x limit", "ratio")]  # fmt: skip
+COLUMNS = [
+    ("path", "path", "s"),
+    ("GBps", "GB/s", ".1f"),
+    ("limit", "limit", "s"),
+    ("limit_GBps", "limit GB/s", ".1f"),
+    ("ratio", "x limit", "ratio"),
+]
 
 
 class NoCuda(RuntimeError):
@@ -42,27 +47,44 @@ def rows_from(r: dict) -> list[dict]:
     p = r["pinned"]
 
     def add(path, value, limit_name, limit):
-        rows.append({"path": path, "GBps": value, "limit": limit_name, "limit_GBps": limit,
-                     "ratio": value / limit})  # fmt: skip
+        rows.append(
+            {
+                "path": path,
+                "GBps": value,
+                "limit": limit_name,
+                "limit_GBps": limit,
+                "ratio": value / limit,
+            }
+        )
 
     add("pinned D2H", p["pinned_d2h_GBps"], "pinned D2H", p["pinned_d2h_GBps"])
     add("pinned H2D", p["pinned_h2d_GBps"], "pinned H2D", p["pinned_h2d_GBps"])
     b = r.get("broker")
     if b:
         for label in ("one_buffer", "128_buffers"):
-            add(f"publish D2H, {label}", b[f"publish_d2h_{label}_GBps"], "pinned D2H",
-                p["pinned_d2h_GBps"])  # fmt: skip
-            add(f"claim H2D, {label}", b[f"claim_h2d_{label}_GBps"], "pinned H2D",
-                p["pinned_h2d_GBps"])  # fmt: skip
+            add(
+                f"publish D2H, {label}",
+                b[f"publish_d2h_{label}_GBps"],
+                "pinned D2H",
+                p["pinned_d2h_GBps"],
+            )
+            add(
+                f"claim H2D, {label}",
+                b[f"claim_h2d_{label}_GBps"],
+                "pinned H2D",
+                p["pinned_h2d_GBps"],
+            )
     k = r.get("kernels")
     if k:
         for name in ("triton_gather", "triton_scatter", "torch_gather", "torch_scatter"):
             add(name.replace("_", " "), k[f"{name}_GBps"], "D2D copy", k["d2d_copy_GBps"])
     g = r.get("rings")
     if g and "peer_copy_GBps" in g:  # GPU0 -> GPU1 through the daemon's staging rings
-        for key, label in (("ring_claim_GBps", "ring claim on the peer GPU"),
-                           ("ring_zero_copy_handoff_GBps", "ring handoff, written in place"),
-                           ("ring_end_to_end_GBps", "ring publish + claim")):  # fmt: skip
+        for key, label in (
+            ("ring_claim_GBps", "ring claim on the peer GPU"),
+            ("ring_zero_copy_handoff_GBps", "ring handoff, written in place"),
+            ("ring_end_to_end_GBps", "ring publish + claim"),
+        ):
             if key in g:
                 add(label, g[key], "peer copy", g["peer_copy_GBps"])
     return rows
@@ -72,13 +94,24 @@ def run(socket_path: str | None = None, reps: int = 10, timeout: float = 900.0) 
     """``socket_path`` is unused: gpu_run starts a daemon sized for its 1 GiB transfers."""
     device = cuda_device()
     with tempfile.TemporaryDirectory(prefix="kvb-gpu-") as d:
-        cmd = [sys.executable, "-m", "kvbroker._bench.gpu_run", "--out", d, "--reps", str(reps),
-               "--name", "gpu"]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "kvbroker._bench.gpu_run",
+            "--out",
+            d,
+            "--reps",
+            str(reps),
+            "--name",
+            "gpu",
+        ]
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
         path = os.path.join(d, "gpu.json")
         if p.returncode != 0 or not os.path.isfile(path):
-            raise RuntimeError(f"kvbroker._bench.gpu_run exited with {p.returncode}:\n"
-                               f"{(p.stdout + p.stderr)[-2000:]}")  # fmt: skip
+            raise RuntimeError(
+                f"kvbroker._bench.gpu_run exited with {p.returncode}:\n"
+                f"{(p.stdout + p.stderr)[-2000:]}"
+            )
         with open(path) as f:
             raw = json.load(f)
     rows = rows_from(raw)
@@ -88,9 +121,14 @@ def run(socket_path: str | None = None, reps: int = 10, timeout: float = 900.0) 
             targets.append(Target(f"{row['path']} vs pinned", row["ratio"], 0.9))
         elif row["path"].startswith("triton"):
             targets.append(Target(f"{row['path']} vs D2D", row["ratio"], 0.8))
-    return Result("gpu", rows, COLUMNS, params={"device": device, "reps": reps,
-                                                "source": "kvbroker._bench.gpu_run"},
-                  targets=targets, extra={"raw": raw})  # fmt: skip
+    return Result(
+        "gpu",
+        rows,
+        COLUMNS,
+        params={"device": device, "reps": reps, "source": "kvbroker._bench.gpu_run"},
+        targets=targets,
+        extra={"raw": raw},
+    )
 
 
 def plot(result: dict, plt, out_dir: str) -> list[str]:

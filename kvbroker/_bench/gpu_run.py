@@ -75,15 +75,31 @@ def bench_pinned(nbytes: int, reps: int) -> dict:
     pageable = torch.empty(nbytes, dtype=torch.uint8)
     d2h_pageable = events_median(partial(pageable.copy_, dev, non_blocking=True), 3)
     del dev, host, pageable
-    return {"pinned_d2h_GBps": nbytes / d2h / 1e9, "pinned_h2d_GBps": nbytes / h2d / 1e9,
-            "pageable_d2h_GBps": nbytes / d2h_pageable / 1e9}  # fmt: skip
+    return {
+        "pinned_d2h_GBps": nbytes / d2h / 1e9,
+        "pinned_h2d_GBps": nbytes / h2d / 1e9,
+        "pageable_d2h_GBps": nbytes / d2h_pageable / 1e9,
+    }
 
 
 def start_daemon(sock: str, pool_size: str, *extra: str) -> subprocess.Popen:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvbroker", "serve", "--socket", sock, "--pool-size", pool_size,
-         "--page-size", "2M", "--log-level", "warning", *extra],
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "kvbroker",
+            "serve",
+            "--socket",
+            sock,
+            "--pool-size",
+            pool_size,
+            "--page-size",
+            "2M",
+            "--log-level",
+            "warning",
+            *extra,
+        ],
+    )
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -112,17 +128,23 @@ def bench_broker(nbytes: int, reps: int) -> dict:
             # 64 layers x K/V of 8 MiB each = 1 GiB in 128 buffers: one DMA per buffer
             n = 128
             src = torch.randint(0, 256, (n, nbytes // n), dtype=torch.uint8, device="cuda")
-            tensors = {f"past_key.{i // 2}" if i % 2 == 0 else f"past_value.{i // 2}": src[i]
-                       for i in range(n)}  # fmt: skip
+            tensors = {
+                f"past_key.{i // 2}" if i % 2 == 0 else f"past_value.{i // 2}": src[i]
+                for i in range(n)
+            }
             out = {k: torch.empty_like(v) for k, v in tensors.items()}
             one_src, one_out = {"kv": src.view(-1)}, {"kv": torch.empty_like(src.view(-1))}
             # the same 128 buffers as separate allocations: no two adjacent, 128 DMAs each way
-            apart = {k: torch.empty(v.numel() + 4096, dtype=torch.uint8, device="cuda")[4096:]
-                     for k, v in tensors.items()}  # fmt: skip
+            apart = {
+                k: torch.empty(v.numel() + 4096, dtype=torch.uint8, device="cuda")[4096:]
+                for k, v in tensors.items()
+            }
             for k, v in apart.items():
                 v.copy_(tensors[k])
-            apart_out = {k: torch.empty(v.numel() + 4096, dtype=torch.uint8,
-                                        device="cuda")[4096:] for k, v in apart.items()}
+            apart_out = {
+                k: torch.empty(v.numel() + 4096, dtype=torch.uint8, device="cuda")[4096:]
+                for k, v in apart.items()
+            }
             counter = iter(range(10**6))
             copies: dict = {}
 
@@ -140,8 +162,11 @@ def bench_broker(nbytes: int, reps: int) -> dict:
                 pub_times.append(t1 - t0)
                 claim_times.append(t2 - t1)
 
-            cases = (("one_buffer", one_src, one_out), ("128_buffers", tensors, out),
-                     ("128_separate", apart, apart_out))
+            cases = (
+                ("one_buffer", one_src, one_out),
+                ("128_buffers", tensors, out),
+                ("128_separate", apart, apart_out),
+            )
             for label, ts, os_ in cases:
                 pubs, claims = [], []
                 cycle(ts, os_, [], [])  # warm-up
@@ -158,10 +183,12 @@ def bench_broker(nbytes: int, reps: int) -> dict:
             with client.reserve("raw", {"b": nbytes}) as lease:
                 view = gpu.host_tensors(lease)["b"]
                 flat = src.view(-1)
-                res["registered_d2h_GBps"] = nbytes / events_median(
-                    partial(view.copy_, flat, non_blocking=True), reps) / 1e9
-                res["registered_h2d_GBps"] = nbytes / events_median(
-                    partial(flat.copy_, view, non_blocking=True), reps) / 1e9
+                res["registered_d2h_GBps"] = (
+                    nbytes / events_median(partial(view.copy_, flat, non_blocking=True), reps) / 1e9
+                )
+                res["registered_h2d_GBps"] = (
+                    nbytes / events_median(partial(flat.copy_, view, non_blocking=True), reps) / 1e9
+                )
                 del view
             del src, tensors, out, one_src, one_out, apart, apart_out
     finally:
@@ -177,14 +204,25 @@ def bench_kernels(reps: int) -> dict:
     tokens, h0, nh = 8192, 2, 4
     blocks = tokens // P + 64
     dtype = torch.bfloat16
-    cache = torch.randint(-(2**15), 2**15, (L, C, blocks, P, H, D), dtype=torch.int16,
-                          device="cuda").view(dtype)  # fmt: skip
+    cache = torch.randint(
+        -(2**15), 2**15, (L, C, blocks, P, H, D), dtype=torch.int16, device="cuda"
+    ).view(dtype)
     table = torch.randperm(blocks, device="cuda")[: tokens // P].to(torch.int32)
     staging = torch.empty((L, C, nh, tokens, D), dtype=dtype, device="cuda")
     moved = staging.numel() * staging.element_size() * 2  # read + written
-    res: dict = {"shape": {"layers": L, "kv": C, "page": P, "heads": H, "head_dim": D,
-                           "tokens": tokens, "head_range": [h0, h0 + nh], "dtype": str(dtype),
-                           "bytes_read_plus_written": moved}}  # fmt: skip
+    res: dict = {
+        "shape": {
+            "layers": L,
+            "kv": C,
+            "page": P,
+            "heads": H,
+            "head_dim": D,
+            "tokens": tokens,
+            "head_range": [h0, h0 + nh],
+            "dtype": str(dtype),
+            "bytes_read_plus_written": moved,
+        }
+    }
 
     def ms(fn):
         return do_bench(fn, warmup=50, rep=max(100, reps * 20), return_mode="median") / 1e3
@@ -193,14 +231,27 @@ def bench_kernels(reps: int) -> dict:
     dst = torch.empty_like(staging)
     res["d2d_copy_GBps"] = moved / ms(lambda: dst.copy_(src)) / 1e9
     contiguous_blocks = cache[:, :, : tokens // P]
-    res["torch_strided_copy_GBps"] = moved / ms(
-        lambda: staging.view(L, C, nh, tokens // P, P, D).copy_(
-            contiguous_blocks[:, :, :, :, h0:h0 + nh].permute(0, 1, 4, 2, 3, 5))) / 1e9
-    res["torch_gather_GBps"] = moved / ms(
-        lambda: _kernels.gather(cache, table, tokens, staging, head_start=h0, backend="torch")) / 1e9
-    res["torch_scatter_GBps"] = moved / ms(
-        lambda: _kernels.scatter(staging, cache, table, tokens, head_start=h0,
-                                 backend="torch")) / 1e9  # fmt: skip
+    res["torch_strided_copy_GBps"] = (
+        moved
+        / ms(
+            lambda: staging.view(L, C, nh, tokens // P, P, D).copy_(
+                contiguous_blocks[:, :, :, :, h0 : h0 + nh].permute(0, 1, 4, 2, 3, 5)
+            )
+        )
+        / 1e9
+    )
+    res["torch_gather_GBps"] = (
+        moved
+        / ms(lambda: _kernels.gather(cache, table, tokens, staging, head_start=h0, backend="torch"))
+        / 1e9
+    )
+    res["torch_scatter_GBps"] = (
+        moved
+        / ms(
+            lambda: _kernels.scatter(staging, cache, table, tokens, head_start=h0, backend="torch")
+        )
+        / 1e9
+    )
     # correctness on this data, then the tile sweep
     ref = torch.empty_like(staging)
     _kernels.gather(cache, table, tokens, ref, head_start=h0, backend="torch")
@@ -210,19 +261,35 @@ def bench_kernels(reps: int) -> dict:
     for tile in (4096, 8192, 16384, 32768, 65536):
         for warps in (4, 8, 16):
             _kernels.TILE_BYTES, _kernels.NUM_WARPS = tile, warps
-            g = moved / ms(lambda: _kernels.gather(cache, table, tokens, staging,
-                                                   head_start=h0, backend="triton")) / 1e9
-            s = moved / ms(lambda: _kernels.scatter(staging, cache, table, tokens,
-                                                    head_start=h0, backend="triton")) / 1e9
-            sweep.append({"tile_bytes": tile, "num_warps": warps, "gather_GBps": g,
-                          "scatter_GBps": s})  # fmt: skip
+            g = (
+                moved
+                / ms(
+                    lambda: _kernels.gather(
+                        cache, table, tokens, staging, head_start=h0, backend="triton"
+                    )
+                )
+                / 1e9
+            )
+            s = (
+                moved
+                / ms(
+                    lambda: _kernels.scatter(
+                        staging, cache, table, tokens, head_start=h0, backend="triton"
+                    )
+                )
+                / 1e9
+            )
+            sweep.append(
+                {"tile_bytes": tile, "num_warps": warps, "gather_GBps": g, "scatter_GBps": s}
+            )
     res["triton_sweep"] = sweep
     best_g = max(sweep, key=lambda r: r["gather_GBps"])
     best_s = max(sweep, key=lambda r: r["scatter_GBps"])
     res["triton_gather_GBps"] = best_g["gather_GBps"]
     res["triton_scatter_GBps"] = best_s["scatter_GBps"]
     res["triton_gather_default_GBps"] = next(
-        r["gather_GBps"] for r in sweep if (r["tile_bytes"], r["num_warps"]) == (16384, 4))
+        r["gather_GBps"] for r in sweep if (r["tile_bytes"], r["num_warps"]) == (16384, 4)
+    )
     res["best_gather_config"] = [best_g["tile_bytes"], best_g["num_warps"]]
     res["best_scatter_config"] = [best_s["tile_bytes"], best_s["num_warps"]]
     return res
@@ -240,8 +307,10 @@ def bench_rings(nbytes: int, reps: int) -> dict:
         b1 = torch.empty(nbytes, dtype=torch.uint8, device="cuda:1")
         res["peer_access"] = bool(torch.cuda.can_device_access_peer(1, 0))
         res["peer_copy_GBps"] = nbytes / events_median(partial(b1.copy_, a0), reps) / 1e9
-        with gpu.GpuClient(Client(sock), own_client=True, device="cuda:0") as prefill, \
-                gpu.GpuClient(Client(sock), own_client=True, device="cuda:1") as decode:
+        with (
+            gpu.GpuClient(Client(sock), own_client=True, device="cuda:0") as prefill,
+            gpu.GpuClient(Client(sock), own_client=True, device="cuda:1") as decode,
+        ):
             res["rings"] = prefill.rings()
             counter = iter(range(10**6))
             pubs, claims, ends = [], [], []
@@ -267,9 +336,9 @@ def bench_rings(nbytes: int, reps: int) -> dict:
                 key = f"z{next(counter)}"
                 torch.cuda.synchronize(0)
                 t0 = time.perf_counter()
-                region = prefill.ring_reserve(nbytes, key=key,
-                                              meta={"buffers": {"kv": [0, nbytes, "uint8",
-                                                                       [nbytes]]}})
+                region = prefill.ring_reserve(
+                    nbytes, key=key, meta={"buffers": {"kv": [0, nbytes, "uint8", [nbytes]]}}
+                )
                 t1 = time.perf_counter()
                 region.tensor.copy_(a0)  # stands for the producer's own write (not timed)
                 torch.cuda.synchronize(0)
@@ -303,21 +372,41 @@ def bench_hetero(reps: int, per_token: bool = True) -> dict:
     d = tempfile.mkdtemp(prefix="kvb")
     sock = os.path.join(d, "kvb.sock")
     proc = start_daemon(sock, "1G", "--gpu-ring", "1G")
-    res: dict = {"shape": {"layers": L, "kv_heads": H, "head_dim": D, "page": page,
-                           "tokens": tokens, "prefill_tp": P, "decode_tp": 1, "dtype": str(dtype)}}
+    res: dict = {
+        "shape": {
+            "layers": L,
+            "kv_heads": H,
+            "head_dim": D,
+            "page": page,
+            "tokens": tokens,
+            "prefill_tp": P,
+            "decode_tp": 1,
+            "dtype": str(dtype),
+        }
+    }
     try:
         blocks = tokens // page + 8
         with gpu.GpuClient(Client(sock), own_client=True) as g:
-            full = torch.randint(-(2**15), 2**15, (L, 2, blocks, page, H, D), dtype=torch.int16,
-                                 device="cuda").view(dtype)  # fmt: skip
+            full = torch.randint(
+                -(2**15), 2**15, (L, 2, blocks, page, H, D), dtype=torch.int16, device="cuda"
+            ).view(dtype)
             table = torch.randperm(blocks, device="cuda")[: tokens // page]
             pubs = []
             for p in range(P):
-                shard = full[:, :, :, :, 2 * p:2 * p + 2].contiguous()
+                shard = full[:, :, :, :, 2 * p : 2 * p + 2].contiguous()
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
-                r = gpu.publish_shard_cuda(g, "req", shard, table, tokens, tp_rank=p, tp_size=P,
-                                           total_kv_heads=H, decode_tp_size=1)  # fmt: skip
+                r = gpu.publish_shard_cuda(
+                    g,
+                    "req",
+                    shard,
+                    table,
+                    tokens,
+                    tp_rank=p,
+                    tp_size=P,
+                    total_kv_heads=H,
+                    decode_tp_size=1,
+                )
                 pubs.append(time.perf_counter() - t0)
                 res["publish_copy_ops_per_shard"] = r.copy_ops
                 del shard
@@ -329,16 +418,26 @@ def bench_hetero(reps: int, per_token: bool = True) -> dict:
             for _ in range(reps):
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
-                c = gpu.claim_shards_cuda(g, "req", dec, dtable, tp_rank=0, tp_size=1,
-                                          prefill_tp_size=P, total_kv_heads=H, consume=False)
+                c = gpu.claim_shards_cuda(
+                    g,
+                    "req",
+                    dec,
+                    dtable,
+                    tp_rank=0,
+                    tp_size=1,
+                    prefill_tp_size=P,
+                    total_kv_heads=H,
+                    consume=False,
+                )
                 torch.cuda.synchronize()
                 times.append(time.perf_counter() - t0)
             res["kernel_path_copy_ops"] = c.copy_ops
             res["kernel_path_s"] = statistics.median(times)
             t = torch.arange(tokens, device="cuda")
             want = full[:, :, table[t // page], t % page].view(torch.int16)
-            res["kernel_path_bit_exact"] = bool(torch.equal(
-                dec[:, :, dtable[t // page], t % page].view(torch.int16), want))
+            res["kernel_path_bit_exact"] = bool(
+                torch.equal(dec[:, :, dtable[t // page], t % page].view(torch.int16), want)
+            )
             if per_token:
                 # The seed's path: one H2D copy per (token, layer, K/V, head) straight from the
                 # pool into the decode cache's slot (heads are outermost in a stored buffer, so
@@ -367,16 +466,21 @@ def bench_hetero(reps: int, per_token: bool = True) -> dict:
                                     sh = src0 + h * tokens * row
                                     dh = dl + (2 * p + h) * st[4]
                                     for tok in range(tokens):
-                                        copy(dh + dt[tok // page] * st[2] + (tok % page) * st[3],
-                                             sh + tok * row, row, stream)
+                                        copy(
+                                            dh + dt[tok // page] * st[2] + (tok % page) * st[3],
+                                            sh + tok * row,
+                                            row,
+                                            stream,
+                                        )
                                         ops += 1
                 g.stream.synchronize()
                 res["per_token_s"] = time.perf_counter() - t0
                 res["per_token_copy_ops"] = ops
                 for lease in leases:
                     lease.release()
-                res["per_token_bit_exact"] = bool(torch.equal(
-                    dec2[:, :, dtable[t // page], t % page].view(torch.int16), want))
+                res["per_token_bit_exact"] = bool(
+                    torch.equal(dec2[:, :, dtable[t // page], t % page].view(torch.int16), want)
+                )
                 res["speedup"] = res["per_token_s"] / res["kernel_path_s"]
             del full, dec
     finally:
@@ -400,16 +504,20 @@ def markdown(r: dict) -> str:
         f"| pageable D2H | {p['pageable_d2h_GBps']:.1f} | {_ratio(p['pageable_d2h_GBps'] / p['pinned_d2h_GBps'])} |",
         f"| registered pool D2H (DMA only) | {b['registered_d2h_GBps']:.1f} | {_ratio(b['registered_d2h_GBps'] / p['pinned_d2h_GBps'])} |",
         f"| registered pool H2D (DMA only) | {b['registered_h2d_GBps']:.1f} | {_ratio(b['registered_h2d_GBps'] / p['pinned_h2d_GBps'])} |",
-    ]  # fmt: skip
+    ]
     for label in ("one_buffer", "128_buffers", "128_separate"):
         if f"publish_d2h_{label}_GBps" not in b:
             continue
         pub, cl = b[f"publish_d2h_{label}_GBps"], b[f"claim_h2d_{label}_GBps"]
         n = b.get(f"copies_{label}", "?")  # publish/claim DMAs after merging adjacent runs
-        lines.append(f"| kvbroker publish D2H, {label} (whole call, {n} DMA) | {pub:.1f} | "
-                     f"{_ratio(pub / p['pinned_d2h_GBps'])} |")  # fmt: skip
-        lines.append(f"| kvbroker claim H2D, {label} (whole call, {n} DMA) | {cl:.1f} | "
-                     f"{_ratio(cl / p['pinned_h2d_GBps'])} |")  # fmt: skip
+        lines.append(
+            f"| kvbroker publish D2H, {label} (whole call, {n} DMA) | {pub:.1f} | "
+            f"{_ratio(pub / p['pinned_d2h_GBps'])} |"
+        )
+        lines.append(
+            f"| kvbroker claim H2D, {label} (whole call, {n} DMA) | {cl:.1f} | "
+            f"{_ratio(cl / p['pinned_h2d_GBps'])} |"
+        )
     lines += [
         "",
         f"Pool map {b['map_s'] * 1e3:.0f} ms, cudaHostRegister {b['register_s'] * 1e3:.0f} ms "
@@ -421,25 +529,38 @@ def markdown(r: dict) -> str:
         "|---|---|---|",
     ]
     d2d = k["d2d_copy_GBps"]
-    for name in ("d2d_copy_GBps", "triton_gather_GBps", "triton_scatter_GBps",
-                 "triton_gather_default_GBps", "torch_strided_copy_GBps", "torch_gather_GBps",
-                 "torch_scatter_GBps"):  # fmt: skip
+    for name in (
+        "d2d_copy_GBps",
+        "triton_gather_GBps",
+        "triton_scatter_GBps",
+        "triton_gather_default_GBps",
+        "torch_strided_copy_GBps",
+        "torch_gather_GBps",
+        "torch_scatter_GBps",
+    ):
         lines.append(f"| {name[:-5]} | {k[name]:.0f} | {_ratio(k[name] / d2d)} |")
-    lines += ["", f"Best gather config (tile bytes, warps) {k['best_gather_config']}, "
-              f"scatter {k['best_scatter_config']}; gather bit-exact: {k['gather_bit_exact']}.",
-              "", "Against torch's strided copy of the same selection (`torch_strided_copy`: "
-              "the head slice of the same tokens' blocks copied into the staging layout): "
-              f"gather {_ratio(k['triton_gather_GBps'] / k['torch_strided_copy_GBps'])}x, "
-              f"scatter {_ratio(k['triton_scatter_GBps'] / k['torch_strided_copy_GBps'])}x; "
-              f"against the torch fallback (block table): gather "
-              f"{k['triton_gather_GBps'] / k['torch_gather_GBps']:.1f}x, scatter "
-              f"{k['triton_scatter_GBps'] / k['torch_scatter_GBps']:.1f}x."]
+    lines += [
+        "",
+        f"Best gather config (tile bytes, warps) {k['best_gather_config']}, "
+        f"scatter {k['best_scatter_config']}; gather bit-exact: {k['gather_bit_exact']}.",
+        "",
+        "Against torch's strided copy of the same selection (`torch_strided_copy`: "
+        "the head slice of the same tokens' blocks copied into the staging layout): "
+        f"gather {_ratio(k['triton_gather_GBps'] / k['torch_strided_copy_GBps'])}x, "
+        f"scatter {_ratio(k['triton_scatter_GBps'] / k['torch_strided_copy_GBps'])}x; "
+        f"against the torch fallback (block table): gather "
+        f"{k['triton_gather_GBps'] / k['torch_gather_GBps']:.1f}x, scatter "
+        f"{k['triton_scatter_GBps'] / k['torch_scatter_GBps']:.1f}x.",
+    ]
     if "rings" in r:
         g = r["rings"]
         lines += [
-            "", f"## GPU0 -> GPU1 handoff through the daemon's ring ({g['nbytes'] >> 20} MiB, "
-            f"ring {g['ring_size']}, peer access {g['peer_access']})", "",
-            "| path | GB/s | × peer copy |", "|---|---|---|",
+            "",
+            f"## GPU0 -> GPU1 handoff through the daemon's ring ({g['nbytes'] >> 20} MiB, "
+            f"ring {g['ring_size']}, peer access {g['peer_access']})",
+            "",
+            "| path | GB/s | × peer copy |",
+            "|---|---|---|",
             f"| torch peer copy cuda:0 -> cuda:1 (CUDA events) | {g['peer_copy_GBps']:.1f} | 1.00 |",
             f"| ring_claim on GPU 1 (whole call: RPC, {g['claim_copies']} peer copy, release) | "
             f"{g['ring_claim_GBps']:.1f} | {_ratio(g['ring_claim_GBps'] / g['peer_copy_GBps'])} |",
@@ -450,23 +571,36 @@ def markdown(r: dict) -> str:
             f"| producer writes into the reserved ring region: reserve + seal + claim "
             f"(the producer's own write not counted) | {g['ring_zero_copy_handoff_GBps']:.1f} | "
             f"{_ratio(g['ring_zero_copy_handoff_GBps'] / g['peer_copy_GBps'])} |",
-            "", f"Bit-exact: {g['bit_exact']}; ring occupancy after: "
+            "",
+            f"Bit-exact: {g['bit_exact']}; ring occupancy after: "
             f"{[x['used'] for x in g['ring_stat_after']]} bytes used.",
-        ]  # fmt: skip
+        ]
     if "hetero" in r:
         h = r["hetero"]
-        lines += ["", f"## Heterogeneous claim, P=4 -> D=1, {h['shape']}", "",
-                  "| path | copy operations | time (ms) |", "|---|---|---|",
-                  f"| gpu.claim_shards_cuda (DMA per shard into a ring scratch + one Triton "
-                  f"scatter per shard) | {h['kernel_path_copy_ops']} | "
-                  f"{h['kernel_path_s'] * 1e3:.2f} |"]  # fmt: skip
+        lines += [
+            "",
+            f"## Heterogeneous claim, P=4 -> D=1, {h['shape']}",
+            "",
+            "| path | copy operations | time (ms) |",
+            "|---|---|---|",
+            f"| gpu.claim_shards_cuda (DMA per shard into a ring scratch + one Triton "
+            f"scatter per shard) | {h['kernel_path_copy_ops']} | "
+            f"{h['kernel_path_s'] * 1e3:.2f} |",
+        ]
         if "per_token_s" in h:
-            lines.append(f"| per-token path (one H2D per token, layer, K/V, head) | "
-                         f"{h['per_token_copy_ops']} | {h['per_token_s'] * 1e3:.0f} |")
-            lines += ["", f"Speed-up {h['speedup']:.0f}x; both bit-exact: "
-                      f"{h['kernel_path_bit_exact']} / {h['per_token_bit_exact']}."]
-        lines += [f"Publish per shard (one gather + {h['publish_copy_ops_per_shard'] - 1} DMA): "
-                  f"{h['publish_s_per_shard'] * 1e3:.2f} ms for {h['shard_bytes'] >> 20} MiB."]
+            lines.append(
+                f"| per-token path (one H2D per token, layer, K/V, head) | "
+                f"{h['per_token_copy_ops']} | {h['per_token_s'] * 1e3:.0f} |"
+            )
+            lines += [
+                "",
+                f"Speed-up {h['speedup']:.0f}x; both bit-exact: "
+                f"{h['kernel_path_bit_exact']} / {h['per_token_bit_exact']}.",
+            ]
+        lines += [
+            f"Publish per shard (one gather + {h['publish_copy_ops_per_shard'] - 1} DMA): "
+            f"{h['publish_s_per_shard'] * 1e3:.2f} ms for {h['shard_bytes'] >> 20} MiB."
+        ]
     if "pytest" in r:
         lines += ["", "CUDA tests: `" + r["pytest"]["summary"] + "`"]
     return "\n".join(lines) + "\n"
@@ -478,9 +612,14 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--pytest", action="store_true")
     ap.add_argument("--name", default="gpu", help="output file stem")
-    ap.add_argument("--commit", default=None,
-                    help="the commit measured (a copied tree without git; default: the checkout's)")
-    ap.add_argument("--skip", default="", help="comma list of: broker,kernels,rings,hetero,per_token")
+    ap.add_argument(
+        "--commit",
+        default=None,
+        help="the commit measured (a copied tree without git; default: the checkout's)",
+    )
+    ap.add_argument(
+        "--skip", default="", help="comma list of: broker,kernels,rings,hetero,per_token"
+    )
     a = ap.parse_args()
     skip = set(filter(None, a.skip.split(",")))
     import triton
@@ -488,9 +627,14 @@ def main() -> None:
     os.makedirs(a.out, exist_ok=True)
     from ._common import invocation, measured_commit
 
-    r: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-               "triton": triton.__version__, "cuda": torch.version.cuda,
-               "commit": a.commit or measured_commit(), "command": invocation()}  # fmt: skip
+    r: dict = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+        "commit": a.commit or measured_commit(),
+        "command": invocation(),
+    }
     r["pinned"] = bench_pinned(GiB, a.reps)
     print("pinned", r["pinned"], flush=True)
     import traceback
@@ -504,8 +648,7 @@ def main() -> None:
             r[name + "_error"] = traceback.format_exc()
             print(name, "failed:", exc, flush=True)
         torch.cuda.empty_cache()
-        print(name, {k: v for k, v in r.get(name, {}).items() if k != "triton_sweep"},
-              flush=True)  # fmt: skip
+        print(name, {k: v for k, v in r.get(name, {}).items() if k != "triton_sweep"}, flush=True)
 
     section("broker", lambda: bench_broker(GiB, a.reps))
     section("kernels", lambda: bench_kernels(a.reps))
@@ -514,11 +657,22 @@ def main() -> None:
     section("hetero", lambda: bench_hetero(a.reps, per_token="per_token" not in skip))
     if a.pytest:
         p = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-             "tests/test_kernels.py", "tests/test_gpu.py", "tests/test_gpu_ring.py",
-             "tests/test_ring.py"],
-            capture_output=True, text=True, timeout=240,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                "-q",
+                "-p",
+                "no:cacheprovider",
+                "tests/test_kernels.py",
+                "tests/test_gpu.py",
+                "tests/test_gpu_ring.py",
+                "tests/test_ring.py",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
         tail = p.stdout.strip().splitlines()
         r["pytest"] = {"rc": p.returncode, "summary": tail[-1] if tail else p.stderr[-300:]}
         with open(os.path.join(a.out, "pytest.txt"), "w") as f:

@@ -49,8 +49,17 @@ def vllm_cache(layers, blocks, heads, page, dim, device, order, seed=0):
 def _fmt(L, H, D, page):
     from kvbroker.integrations.vllm._format import BlockFormat
 
-    return BlockFormat(dtype="bfloat16", num_layers=L, block_size=page, head_dim=D,
-                       local_heads=H, total_kv_heads=H, tp_rank=0, tp_size=1, heads=(0, H))  # fmt: skip
+    return BlockFormat(
+        dtype="bfloat16",
+        num_layers=L,
+        block_size=page,
+        head_dim=D,
+        local_heads=H,
+        total_kv_heads=H,
+        tp_rank=0,
+        tp_size=1,
+        heads=(0, H),
+    )
 
 
 def _hashes(rep: int, nblk: int) -> list[str]:
@@ -70,7 +79,9 @@ def _sample(nblk: int) -> list[int]:
     return list(range(0, nblk, max(1, nblk // 16)))
 
 
-def produce(sock: str, L: int, H: int, D: int, page: int, nblk: int, order: str, device: str) -> None:
+def produce(
+    sock: str, L: int, H: int, D: int, page: int, nblk: int, order: str, device: str
+) -> None:
     import torch
 
     from kvbroker import Client
@@ -83,21 +94,37 @@ def produce(sock: str, L: int, H: int, D: int, page: int, nblk: int, order: str,
     src6 = cuda_cache(vllm_cache(L, nblk + FIRST, H, page, D, dev, order), "packed")
     fmt = _fmt(L, H, D, page)
     with GpuClient(Client(sock), own_client=True, device=dev) as g:
-        print(json.dumps({"ready": True, "digest": _digest(src6, [FIRST + i for i in _sample(nblk)])}),
-              flush=True)  # fmt: skip
+        print(
+            json.dumps(
+                {"ready": True, "digest": _digest(src6, [FIRST + i for i in _sample(nblk)])}
+            ),
+            flush=True,
+        )
         for line in sys.stdin:
             cmd = line.split()
             if not cmd or cmd[0] == "quit":
                 break
             hashes = _hashes(int(cmd[1]), nblk)
-            items = [SaveItem(h, hashes[i - 1] if i else None, FIRST + i) for i, h in enumerate(hashes)]
+            items = [
+                SaveItem(h, hashes[i - 1] if i else None, FIRST + i) for i, h in enumerate(hashes)
+            ]
             torch.cuda.synchronize(dev)
             t0 = time.perf_counter()
-            done, n, nbytes = publish_runs(g, NS, src6, fmt, [("req", items)],
-                                           HandoffConfig("ring"), stream=g.stream)  # fmt: skip
+            done, n, nbytes = publish_runs(
+                g, NS, src6, fmt, [("req", items)], HandoffConfig("ring"), stream=g.stream
+            )
             t1 = time.perf_counter()
-            print(json.dumps({"publish_s": t1 - t0, "blocks": n, "bytes": nbytes,
-                              "handed_off": done == ["req"]}), flush=True)  # fmt: skip
+            print(
+                json.dumps(
+                    {
+                        "publish_s": t1 - t0,
+                        "blocks": n,
+                        "bytes": nbytes,
+                        "handed_off": done == ["req"],
+                    }
+                ),
+                flush=True,
+            )
 
 
 def bench_handoff(sock: str, a, producer_device: str, consumer_device: str) -> dict:
@@ -116,12 +143,33 @@ def bench_handoff(sock: str, a, producer_device: str, consumer_device: str) -> d
     nbytes = nblk * fmt.block_nbytes
     root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, *sys.path])}
-    prod = subprocess.Popen([sys.executable, "-m", "kvbroker._bench.handoff", "produce", sock,
-                             str(L), str(H), str(D), str(page), str(nblk), a.order,
-                             producer_device], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            text=True, env=env)  # fmt: skip
-    res: dict = {"kv_bytes": nbytes, "blocks": nblk, "order": a.order,
-                 "producer": producer_device, "consumer": consumer_device}  # fmt: skip
+    prod = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvbroker._bench.handoff",
+            "produce",
+            sock,
+            str(L),
+            str(H),
+            str(D),
+            str(page),
+            str(nblk),
+            a.order,
+            producer_device,
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    res: dict = {
+        "kv_bytes": nbytes,
+        "blocks": nblk,
+        "order": a.order,
+        "producer": producer_device,
+        "consumer": consumer_device,
+    }
     try:
         hello = json.loads(prod.stdout.readline())
         dev = torch.device(consumer_device)
@@ -140,8 +188,9 @@ def bench_handoff(sock: str, a, producer_device: str, consumer_device: str) -> d
                 assert p["handed_off"], f"the ring did not take the run: {p}"
                 torch.cuda.synchronize(dev)
                 t0 = time.perf_counter()
-                runs = find_runs(g.client, NS, _hashes(rep, nblk), heads=H, consumer_tp=1,
-                                 producer_tps=[1])  # fmt: skip
+                runs = find_runs(
+                    g.client, NS, _hashes(rep, nblk), heads=H, consumer_tp=1, producer_tps=[1]
+                )
                 loaded, _ = load_runs(g, NS, dst6, fmt, dst_ids, runs, 0, stream=g.stream)
                 torch.cuda.synchronize(dev)
                 t1 = time.perf_counter()
@@ -152,11 +201,18 @@ def bench_handoff(sock: str, a, producer_device: str, consumer_device: str) -> d
                     res["bit_exact"] = got == hello["digest"]
                     continue
                 handoff = p["publish_s"] + (t1 - t0)
-                rounds.append({"publish_s": p["publish_s"], "load_s": t1 - t0,
-                               "handoff_s": handoff, "copy_s": copy_s,
-                               "ratio": copy_s / handoff})  # fmt: skip
-            res["rings_after"] = [{k: r[k] for k in ("used", "objects")}
-                                  for r in g.client.stat().rings]  # fmt: skip
+                rounds.append(
+                    {
+                        "publish_s": p["publish_s"],
+                        "load_s": t1 - t0,
+                        "handoff_s": handoff,
+                        "copy_s": copy_s,
+                        "ratio": copy_s / handoff,
+                    }
+                )
+            res["rings_after"] = [
+                {k: r[k] for k in ("used", "objects")} for r in g.client.stat().rings
+            ]
         res["rounds"] = rounds
         for k in ("publish_s", "load_s", "handoff_s", "copy_s", "ratio"):
             res[k] = statistics.median(r[k] for r in rounds)

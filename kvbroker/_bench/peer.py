@@ -43,16 +43,24 @@ DEFAULT_SIZES = (256 * KiB, 4 * MiB, 32 * MiB)
 DEFAULT_MODES = ("dummy", "embedded")
 LMCACHE_MODE = "engine_driven"  # the driver's one mode; its columns are named "lmcache"
 KVCR_MODE = "local_dram"  # the driver's one mode; its columns are named "kvcr"
-LABELS = {"dummy": "Mooncake dummy", "embedded": "Mooncake embedded", "tcp": "Mooncake tcp",
-          "lmcache": "LMCache", "kvcr": "KVCR local DRAM"}  # fmt: skip
+LABELS = {
+    "dummy": "Mooncake dummy",
+    "embedded": "Mooncake embedded",
+    "tcp": "Mooncake tcp",
+    "lmcache": "LMCache",
+    "kvcr": "KVCR local DRAM",
+}
 COLUMNS = [
-    ("size", "size", "size"), ("kvb_put_ms", "kvb put ms", ".3f"),
-    ("kvb_get_ms", "kvb get ms", ".3f"), ("kvb_roundtrip_ms", "kvb put+get ms", ".3f"),
-    ("memcpy_ms", "memcpy ms", ".3f"), ("kvb_vs_memcpy", "kvb x memcpy", "ratio"),
+    ("size", "size", "size"),
+    ("kvb_put_ms", "kvb put ms", ".3f"),
+    ("kvb_get_ms", "kvb get ms", ".3f"),
+    ("kvb_roundtrip_ms", "kvb put+get ms", ".3f"),
+    ("memcpy_ms", "memcpy ms", ".3f"),
+    ("kvb_vs_memcpy", "kvb x memcpy", "ratio"),
     ("copy_threads", "threads", ".0f"),
     ("split_memcpy2_ms", "2 memcpys, same threads ms", ".3f"),
     ("kvb_vs_split_memcpy", "kvb x memcpy same threads", "ratio"),
-]  # fmt: skip
+]
 # The times a row is made of; every other figure of a row is derived from them (derive).
 TIMES = ("kvb_put_ms", "kvb_get_ms", "memcpy_ms", "split_memcpy2_ms")
 
@@ -62,11 +70,13 @@ def columns(modes) -> list[tuple[str, str, str]]:
     cols = list(COLUMNS)
     for mode in modes:
         label = LABELS.get(mode, mode)
-        cols += [(f"{mode}_roundtrip_ms", f"{label} put+get ms", ".3f"),
-                 (f"speedup_vs_{mode}", f"x {label}", "ratio"),
-                 # the memcpy its driver timed in its own loop: what the machine gave that
-                 # peer's turn, beside kvbroker's "memcpy ms" (load moves between turns)
-                 (f"{mode}_memcpy_ms", f"{label}'s turn: memcpy ms", ".3f")]  # fmt: skip
+        cols += [
+            (f"{mode}_roundtrip_ms", f"{label} put+get ms", ".3f"),
+            (f"speedup_vs_{mode}", f"x {label}", "ratio"),
+            # the memcpy its driver timed in its own loop: what the machine gave that
+            # peer's turn, beside kvbroker's "memcpy ms" (load moves between turns)
+            (f"{mode}_memcpy_ms", f"{label}'s turn: memcpy ms", ".3f"),
+        ]
     return cols
 
 
@@ -77,8 +87,11 @@ class PeerFailed(RuntimeError):
 PEER_SCRIPT = os.path.join("benchmarks", "mooncake_peer.py")  # in the source tree
 LMCACHE_SCRIPT = os.path.join("benchmarks", "lmcache_peer.py")
 KVCR_SCRIPT = os.path.join("benchmarks", "kvcr_peer.py")
-OPTIONS = {PEER_SCRIPT: "--peer-script", LMCACHE_SCRIPT: "--lmcache-script",
-           KVCR_SCRIPT: "--kvcr-script"}  # fmt: skip
+OPTIONS = {
+    PEER_SCRIPT: "--peer-script",
+    LMCACHE_SCRIPT: "--lmcache-script",
+    KVCR_SCRIPT: "--kvcr-script",
+}
 
 
 def default_peer_script(name: str = PEER_SCRIPT) -> str:
@@ -91,8 +104,10 @@ def default_peer_script(name: str = PEER_SCRIPT) -> str:
     path = os.path.join(root, name)
     if not os.path.isfile(path):
         option = OPTIONS.get(name, "--peer-script")
-        raise PeerFailed(f"no {name} beside this kvbroker ({root} is not a source tree): "
-                         f"pass {option} FILE, the driver from kvbroker's repository")  # fmt: skip
+        raise PeerFailed(
+            f"no {name} beside this kvbroker ({root} is not a source tree): "
+            f"pass {option} FILE, the driver from kvbroker's repository"
+        )
     return path
 
 
@@ -102,9 +117,22 @@ def run_peer(python: str, script: str, sizes, modes, ops: int, timeout: float) -
         raise PeerFailed(f"peer script not found: {script}")
     with tempfile.TemporaryDirectory(prefix="kvb-peer-") as d:
         out = os.path.join(d, "peer.json")
-        cmd = [python, script, "--modes", ",".join(modes), "--sizes",
-               ",".join(str(s) for s in sizes), "--ops", str(ops), "--json-out", out,
-               "--workdir", os.path.join(d, "run"), "--budget", str(max(10.0, timeout - 10))]
+        cmd = [
+            python,
+            script,
+            "--modes",
+            ",".join(modes),
+            "--sizes",
+            ",".join(str(s) for s in sizes),
+            "--ops",
+            str(ops),
+            "--json-out",
+            out,
+            "--workdir",
+            os.path.join(d, "run"),
+            "--budget",
+            str(max(10.0, timeout - 10)),
+        ]
         try:
             p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
         except (OSError, subprocess.TimeoutExpired) as exc:
@@ -155,10 +183,14 @@ def compare(peer: list[dict], kvb_rows: list[dict], modes) -> list[dict]:
     rows = []
     for k in kvb_rows:
         size = k["size"]
-        row = {"size": size, "kvb_put_ms": k["put_p50_us"] / 1e3,
-               "kvb_get_ms": k["get_p50_us"] / 1e3, "memcpy_ms": k["memcpy_p50_us"] / 1e3,
-               "copy_threads": k["copy_threads"],
-               "split_memcpy2_ms": k["split_memcpy2_p50_us"] / 1e3}  # fmt: skip
+        row = {
+            "size": size,
+            "kvb_put_ms": k["put_p50_us"] / 1e3,
+            "kvb_get_ms": k["get_p50_us"] / 1e3,
+            "memcpy_ms": k["memcpy_p50_us"] / 1e3,
+            "copy_threads": k["copy_threads"],
+            "split_memcpy2_ms": k["split_memcpy2_p50_us"] / 1e3,
+        }
         for mode in modes:
             z = by_mode[mode][size]
             row[f"{mode}_put_ms"] = z["put"]["median_ms"]
@@ -173,8 +205,11 @@ def _median_rows(rounds: list[list[dict]], modes) -> list[dict]:
     quotient of the times beside it); the per-round ratios' least and most as ``KEY_range``."""
     out = []
     for per_size in zip(*rounds, strict=True):
-        row = {"size": per_size[0]["size"], "rounds": len(per_size),
-               "copy_threads": statistics.median_low([r["copy_threads"] for r in per_size])}  # fmt: skip
+        row = {
+            "size": per_size[0]["size"],
+            "rounds": len(per_size),
+            "copy_threads": statistics.median_low([r["copy_threads"] for r in per_size]),
+        }
         keys = list(TIMES) + [f"{m}_{op}_ms" for m in modes for op in ("put", "get")]
         for key in keys:
             row[key] = statistics.median([r[key] for r in per_size])
@@ -195,21 +230,41 @@ def targets(rows: list[dict], modes) -> list[Target]:
     for row in rows:
         if row["size"] == 32 * MiB:
             out.append(Target("32 MiB publish+claim vs memcpy", row["kvb_vs_memcpy"], 0.9))
-            out.append(Target("32 MiB put+get vs multi-threaded memcpy, same threads",
-                              row["kvb_vs_split_memcpy"], 0.8, fmt="ratio"))  # fmt: skip
+            out.append(
+                Target(
+                    "32 MiB put+get vs multi-threaded memcpy, same threads",
+                    row["kvb_vs_split_memcpy"],
+                    0.8,
+                    fmt="ratio",
+                )
+            )
             if "dummy" in modes:
-                out.append(Target("32 MiB publish+claim GB/s vs Mooncake dummy",
-                                  row["speedup_vs_dummy"], 1.2))  # fmt: skip
+                out.append(
+                    Target(
+                        "32 MiB publish+claim GB/s vs Mooncake dummy", row["speedup_vs_dummy"], 1.2
+                    )
+                )
         if row["size"] == 256 * KiB and "dummy" in modes:
-            out.append(Target("256 KiB put+get time vs Mooncake dummy",
-                              row["time_vs_dummy"], 1 / 3, "<="))  # fmt: skip
+            out.append(
+                Target("256 KiB put+get time vs Mooncake dummy", row["time_vs_dummy"], 1 / 3, "<=")
+            )
     return out
 
 
-def run(socket_path: str, python: str | None, script: str | None = None, sizes=DEFAULT_SIZES,
-        modes=DEFAULT_MODES, ops: int = 50, rounds: int = 1, peer_timeout: float = 180.0,
-        lmcache_python: str | None = None, lmcache_script: str | None = None,
-        kvcr_python: str | None = None, kvcr_script: str | None = None) -> Result:  # fmt: skip
+def run(
+    socket_path: str,
+    python: str | None,
+    script: str | None = None,
+    sizes=DEFAULT_SIZES,
+    modes=DEFAULT_MODES,
+    ops: int = 50,
+    rounds: int = 1,
+    peer_timeout: float = 180.0,
+    lmcache_python: str | None = None,
+    lmcache_script: str | None = None,
+    kvcr_python: str | None = None,
+    kvcr_script: str | None = None,
+) -> Result:
     """``python`` None: Mooncake is not run (``modes`` ignored); ``lmcache_python`` None:
     LMCache is not run; ``kvcr_python`` None: KVCR is not run; none: kvbroker against memcpy
     only."""
@@ -226,14 +281,26 @@ def run(socket_path: str, python: str | None, script: str | None = None, sizes=D
     # a paged cache takes ~1 s, so it gets more time than Mooncake
     others = []
     if lmcache_python is not None:
-        others.append(("lmcache", LMCACHE_MODE, lmcache_python,
-                       lmcache_script or default_peer_script(LMCACHE_SCRIPT),
-                       max(peer_timeout, 900.0)))  # fmt: skip
+        others.append(
+            (
+                "lmcache",
+                LMCACHE_MODE,
+                lmcache_python,
+                lmcache_script or default_peer_script(LMCACHE_SCRIPT),
+                max(peer_timeout, 900.0),
+            )
+        )
         lmcache_script = others[-1][3]
     if kvcr_python is not None:
-        others.append(("kvcr", KVCR_MODE, kvcr_python,
-                       kvcr_script or default_peer_script(KVCR_SCRIPT),
-                       max(peer_timeout, 300.0)))  # fmt: skip
+        others.append(
+            (
+                "kvcr",
+                KVCR_MODE,
+                kvcr_python,
+                kvcr_script or default_peer_script(KVCR_SCRIPT),
+                max(peer_timeout, 300.0),
+            )
+        )
         kvcr_script = others[-1][3]
     all_modes = modes + tuple(name for name, *_ in others)
     rounds_rows, raw = [], []
@@ -246,46 +313,71 @@ def run(socket_path: str, python: str | None, script: str | None = None, sizes=D
         raw.append({"peer": peer, "kvbroker": kvb})
         rounds_rows.append(compare(peer, kvb, all_modes))
     rows = _median_rows(rounds_rows, all_modes)
-    peer_versions = {r["mode"]: {"setup_s": r.get("setup_s"), "mooncake": r.get("mooncake"),
-                                 "lmcache": r.get("lmcache"), "kvcr": r.get("kvcr"),
-                                 "server": r.get("server")}
-                     for r in raw[-1]["peer"]}  # fmt: skip
-    notes = ["x memcpy same threads: two memcpys of the bytes, each split over that many "
-             "threads as the copy engine splits it / kvbroker's put+get time."]  # fmt: skip
+    peer_versions = {
+        r["mode"]: {
+            "setup_s": r.get("setup_s"),
+            "mooncake": r.get("mooncake"),
+            "lmcache": r.get("lmcache"),
+            "kvcr": r.get("kvcr"),
+            "server": r.get("server"),
+        }
+        for r in raw[-1]["peer"]
+    }
+    notes = [
+        "x memcpy same threads: two memcpys of the bytes, each split over that many "
+        "threads as the copy engine splits it / kvbroker's put+get time."
+    ]
     if all_modes:
-        notes.append("x PEER: the peer's put+get time / kvbroker's (above 1: kvbroker is "
-                     "faster); every ratio is the quotient of the two times beside it.")  # fmt: skip
+        notes.append(
+            "x PEER: the peer's put+get time / kvbroker's (above 1: kvbroker is "
+            "faster); every ratio is the quotient of the two times beside it."
+        )
     if lmcache_python:
-        notes.append("LMCache: one chunk of a paged float16 KV cache of the object's size "
-                     "(its unit of storage); its get is LOOKUP + prefetch wait + retrieve.")  # fmt: skip
+        notes.append(
+            "LMCache: one chunk of a paged float16 KV cache of the object's size "
+            "(its unit of storage); its get is LOOKUP + prefetch wait + retrieve."
+        )
     if kvcr_python:
-        notes.append("KVCR: its local DRAM tier in the engine's process (a library, not a "
-                     "daemon), deposit and deliver through NIXL (UCX); no per-key remove, its "
-                     "pool evicts.")  # fmt: skip
+        notes.append(
+            "KVCR: its local DRAM tier in the engine's process (a library, not a "
+            "daemon), deposit and deliver through NIXL (UCX); no per-key remove, its "
+            "pool evicts."
+        )
     if not all_modes:
-        notes.append("Mooncake not run (no --mooncake-python), LMCache not run (no "
-                     "--lmcache-python), KVCR not run (no --kvcr-python): kvbroker against "
-                     "memcpy only.")  # fmt: skip
+        notes.append(
+            "Mooncake not run (no --mooncake-python), LMCache not run (no "
+            "--lmcache-python), KVCR not run (no --kvcr-python): kvbroker against "
+            "memcpy only."
+        )
     return Result(
-        "peer", rows, columns(all_modes),
-        params={"sizes": list(sizes), "modes": list(all_modes), "ops": ops, "rounds": rounds,
-                "peer_script": os.path.abspath(script) if modes else None, "peer_python": python,
-                "lmcache_script": os.path.abspath(lmcache_script) if lmcache_python else None,
-                "lmcache_python": lmcache_python,
-                "kvcr_script": os.path.abspath(kvcr_script) if kvcr_python else None,
-                "kvcr_python": kvcr_python,
-                "copy_engine_threads": default_engine().threads},
+        "peer",
+        rows,
+        columns(all_modes),
+        params={
+            "sizes": list(sizes),
+            "modes": list(all_modes),
+            "ops": ops,
+            "rounds": rounds,
+            "peer_script": os.path.abspath(script) if modes else None,
+            "peer_python": python,
+            "lmcache_script": os.path.abspath(lmcache_script) if lmcache_python else None,
+            "lmcache_python": lmcache_python,
+            "kvcr_script": os.path.abspath(kvcr_script) if kvcr_python else None,
+            "kvcr_python": kvcr_python,
+            "copy_engine_threads": default_engine().threads,
+        },
         targets=targets(rows, all_modes),
         extra={"raw_rounds": raw, "peer_modes": peer_versions},
         notes=notes,
-    )  # fmt: skip
+    )
 
 
 def plot(result: dict, plt, out_dir: str) -> list[str]:
     rows = result["rows"]
     modes = result["params"]["modes"]
-    labels = [f"{r['size'] >> 10} KiB" if r["size"] < MiB else f"{r['size'] >> 20} MiB"
-              for r in rows]  # fmt: skip
+    labels = [
+        f"{r['size'] >> 10} KiB" if r["size"] < MiB else f"{r['size'] >> 20} MiB" for r in rows
+    ]
     series = [("kvbroker", "kvb_gbps")] + [(LABELS.get(m, m), f"{m}_gbps") for m in modes]
     # put+get copies each byte twice, and so does the "GB/s" here: the limit is memcpy's rate
     series.append(("memcpy, same run (the limit)", "memcpy_gbps"))

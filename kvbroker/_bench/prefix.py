@@ -26,19 +26,25 @@ from ._common import Result, Target, median, pct, save_figure, timed
 DEFAULT_LENGTHS = (64, 256, 1024, 4096, 8192)
 _RUN = 20  # timed operations of one kind in a row (latency_rows)
 COLUMNS = [
-    ("tokens", "tokens", "d"), ("blocks", "blocks", "d"),
-    ("put_claim_p50_us", "put+claim p50 us", ".1f"), ("match_p50_us", "match p50 us", ".1f"),
-    ("match_p99_us", "match p99 us", ".1f"), ("match_vs_put_claim", "x put+claim", "ratio"),
+    ("tokens", "tokens", "d"),
+    ("blocks", "blocks", "d"),
+    ("put_claim_p50_us", "put+claim p50 us", ".1f"),
+    ("match_p50_us", "match p50 us", ".1f"),
+    ("match_p99_us", "match p99 us", ".1f"),
+    ("match_vs_put_claim", "x put+claim", "ratio"),
     ("loaded_match_p50_us", "match p50 after a load", ".1f"),
-    ("hash_p50_us", "hash p50 us", ".1f"), ("load_gbps", "load GB/s", ".2f"),
-]  # fmt: skip
+    ("hash_p50_us", "hash p50 us", ".1f"),
+    ("load_gbps", "load GB/s", ".2f"),
+]
 HIT_COLUMNS = [
-    ("requests", "requests", "d"), ("prompt_tokens", "prompt tokens", "d"),
-    ("hit_rate", "hit rate", ".3f"), ("expected_hit_rate", "workload allows", ".3f"),
+    ("requests", "requests", "d"),
+    ("prompt_tokens", "prompt tokens", "d"),
+    ("hit_rate", "hit rate", ".3f"),
+    ("expected_hit_rate", "workload allows", ".3f"),
     ("hit_match_p50_us", "hit match p50 us", ".1f"),
     ("miss_match_p50_us", "miss match p50 us", ".1f"),
     ("publish_p50_us", "publish p50 us", ".1f"),
-]  # fmt: skip
+]
 
 
 def latency_rows(c, lengths, block: int, reps: int, layers: int, block_bytes: int) -> list[dict]:
@@ -56,8 +62,10 @@ def latency_rows(c, lengths, block: int, reps: int, layers: int, block_bytes: in
     sink = np.empty_like(data)
     pc = PrefixCache(c, namespace=ns, block_size=block)
     t = time.perf_counter()
-    pc.publish(toks[: nblocks * block],
-               [{f"past_key.{j}": data[b, j] for j in range(layers)} for b in range(nblocks)])
+    pc.publish(
+        toks[: nblocks * block],
+        [{f"past_key.{j}": data[b, j] for j in range(layers)} for b in range(nblocks)],
+    )
     publish_s = time.perf_counter() - t
     small = b"x" * 4096
     rows = []
@@ -100,24 +108,35 @@ def latency_rows(c, lengths, block: int, reps: int, layers: int, block_bytes: in
         if not np.array_equal(sink[:want], data[:want]):
             raise AssertionError("loaded prefix differs from the published one")
         mb, mm, ml = (median(x) for x in (base, match_t, load_t))
-        rows.append({
-            "tokens": length, "blocks": want, "block_tokens": block,
-            "prefix_bytes": int(data[:want].nbytes),
-            "put_claim_p50_us": mb * 1e6,
-            "match_p50_us": mm * 1e6,
-            "match_p99_us": pct(match_t, 0.99) * 1e6,
-            "match_vs_put_claim": mm / mb,
-            "loaded_match_p50_us": median(loaded_t) * 1e6,
-            "hash_p50_us": median(hash_t) * 1e6,
-            "load_gbps": data[:want].nbytes / ml / 1e9,
-            "publish_all_ms": publish_s * 1e3,
-        })  # fmt: skip
+        rows.append(
+            {
+                "tokens": length,
+                "blocks": want,
+                "block_tokens": block,
+                "prefix_bytes": int(data[:want].nbytes),
+                "put_claim_p50_us": mb * 1e6,
+                "match_p50_us": mm * 1e6,
+                "match_p99_us": pct(match_t, 0.99) * 1e6,
+                "match_vs_put_claim": mm / mb,
+                "loaded_match_p50_us": median(loaded_t) * 1e6,
+                "hash_p50_us": median(hash_t) * 1e6,
+                "load_gbps": data[:want].nbytes / ml / 1e9,
+                "publish_all_ms": publish_s * 1e3,
+            }
+        )
     c.evict(namespace=ns)
     return rows
 
 
-def hit_rate_row(c, systems: int, system_tokens: int, user_tokens: int, prompts: int,
-                 block: int, block_bytes: int) -> dict:  # fmt: skip
+def hit_rate_row(
+    c,
+    systems: int,
+    system_tokens: int,
+    user_tokens: int,
+    prompts: int,
+    block: int,
+    block_bytes: int,
+) -> dict:
     import numpy as np
 
     from ..prefix import PrefixCache
@@ -147,25 +166,39 @@ def hit_rate_row(c, systems: int, system_tokens: int, user_tokens: int, prompts:
             matched += m.num_tokens
         (hit_t if m.num_blocks else miss_t).append(t1 - t0)
         t0 = time.perf_counter()
-        pc.publish(prompt, lambda i: {"past_key.0": payload},
-                   block_sizes={"past_key.0": block_bytes})
+        pc.publish(
+            prompt, lambda i: {"past_key.0": payload}, block_sizes={"past_key.0": block_bytes}
+        )
         pub_t.append(time.perf_counter() - t0)
     c.evict(namespace=ns)
     return {
-        "requests": prompts, "systems": systems, "system_tokens": system_tokens,
-        "user_tokens": user_tokens, "block_tokens": block, "prompt_tokens": total,
-        "matched_tokens": matched, "hit_rate": matched / total,
+        "requests": prompts,
+        "systems": systems,
+        "system_tokens": system_tokens,
+        "user_tokens": user_tokens,
+        "block_tokens": block,
+        "prompt_tokens": total,
+        "matched_tokens": matched,
+        "hit_rate": matched / total,
         "expected_hit_rate": allowed / total,
         "hit_match_p50_us": median(hit_t) * 1e6 if hit_t else None,
         "miss_match_p50_us": median(miss_t) * 1e6 if miss_t else None,
         "publish_p50_us": median(pub_t) * 1e6,
-    }  # fmt: skip
+    }
 
 
-def run(socket_path: str, lengths=DEFAULT_LENGTHS, block: int = 16, reps: int = 200,
-        layers: int = 2, block_bytes: int = 16 * 1024, systems: int = 8,
-        system_tokens: int = 1024, user_tokens: int = 256,
-        prompts: int = 200) -> Result:  # fmt: skip
+def run(
+    socket_path: str,
+    lengths=DEFAULT_LENGTHS,
+    block: int = 16,
+    reps: int = 200,
+    layers: int = 2,
+    block_bytes: int = 16 * 1024,
+    systems: int = 8,
+    system_tokens: int = 1024,
+    user_tokens: int = 256,
+    prompts: int = 200,
+) -> Result:
     from .. import Client
 
     with Client(socket_path, name="bench-prefix", role="bench") as c:
@@ -173,16 +206,32 @@ def run(socket_path: str, lengths=DEFAULT_LENGTHS, block: int = 16, reps: int = 
         hits = hit_rate_row(c, systems, system_tokens, user_tokens, prompts, block, 4096)
     longest = rows[-1]
     targets = [
-        Target(f"match_prefix of {longest['tokens']} tokens vs a 4 KiB put+claim",
-               longest["match_vs_put_claim"], 2.0, "<="),
-        Target("hit rate vs what the workload allows",
-               hits["hit_rate"] / hits["expected_hit_rate"] if hits["expected_hit_rate"] else 1.0,
-               1.0),
-    ]  # fmt: skip
-    return Result("prefix", rows, COLUMNS,
-                  params={"lengths": list(lengths), "block_tokens": block, "reps": reps,
-                          "layers": layers, "block_bytes": block_bytes},
-                  targets=targets, tables={"hit_rate": ([hits], HIT_COLUMNS)})  # fmt: skip
+        Target(
+            f"match_prefix of {longest['tokens']} tokens vs a 4 KiB put+claim",
+            longest["match_vs_put_claim"],
+            2.0,
+            "<=",
+        ),
+        Target(
+            "hit rate vs what the workload allows",
+            hits["hit_rate"] / hits["expected_hit_rate"] if hits["expected_hit_rate"] else 1.0,
+            1.0,
+        ),
+    ]
+    return Result(
+        "prefix",
+        rows,
+        COLUMNS,
+        params={
+            "lengths": list(lengths),
+            "block_tokens": block,
+            "reps": reps,
+            "layers": layers,
+            "block_bytes": block_bytes,
+        },
+        targets=targets,
+        tables={"hit_rate": ([hits], HIT_COLUMNS)},
+    )
 
 
 def plot(result: dict, plt, out_dir: str) -> list[str]:
@@ -199,7 +248,9 @@ def plot(result: dict, plt, out_dir: str) -> list[str]:
     ax.set_ylabel("µs")
     hit = result.get("hit_rate", [{}])[0]
     if hit:
-        ax.set_title(f"prefix match; hit rate {hit['hit_rate']:.2f} "
-                     f"(workload allows {hit['expected_hit_rate']:.2f})")  # fmt: skip
+        ax.set_title(
+            f"prefix match; hit rate {hit['hit_rate']:.2f} "
+            f"(workload allows {hit['expected_hit_rate']:.2f})"
+        )
     ax.legend(fontsize=8)
     return [save_figure(fig, plt, out_dir, "prefix.png")]

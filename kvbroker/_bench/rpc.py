@@ -16,9 +16,13 @@ import uuid
 from ._common import Result, Target, pct, save_figure
 
 DEFAULT_CLIENTS = (1, 4, 16)
-COLUMNS = [("clients", "clients", "d"), ("ops_per_s", "ops/s", ".0f"),
-           ("per_client_ops_per_s", "ops/s/client", ".0f"),
-           ("p50_us", "p50 us", ".1f"), ("p99_us", "p99 us", ".1f")]  # fmt: skip
+COLUMNS = [
+    ("clients", "clients", "d"),
+    ("ops_per_s", "ops/s", ".0f"),
+    ("per_client_ops_per_s", "ops/s/client", ".0f"),
+    ("p50_us", "p50 us", ".1f"),
+    ("p99_us", "p99 us", ".1f"),
+]
 
 
 PROBE_NAMESPACE = "kvbroker-bench"
@@ -60,8 +64,10 @@ def run_clients(targets: list[tuple[str, str]], seconds: float) -> list[float]:
 
     ctx = mp.get_context("spawn")
     barrier, results = ctx.Barrier(len(targets)), ctx.Queue()
-    procs = [ctx.Process(target=_client_process, args=(path, seconds, barrier, results, probe))
-             for path, probe in targets]  # fmt: skip
+    procs = [
+        ctx.Process(target=_client_process, args=(path, seconds, barrier, results, probe))
+        for path, probe in targets
+    ]
     for p in procs:
         p.start()
     got = [results.get(timeout=120 + seconds) for _ in procs]
@@ -78,30 +84,44 @@ def _measure(socket_path: str, clients, seconds: float, probe: str) -> list[dict
     for n in clients:
         lat = run_clients([(socket_path, probe)] * n, seconds)
         ops = len(lat) / seconds
-        rows.append({
-            "clients": n,
-            "ops": len(lat),
-            "seconds": seconds,
-            "ops_per_s": ops,
-            "per_client_ops_per_s": ops / n,
-            "p50_us": pct(lat, 0.5) * 1e6,
-            "p99_us": pct(lat, 0.99) * 1e6,
-        })  # fmt: skip
+        rows.append(
+            {
+                "clients": n,
+                "ops": len(lat),
+                "seconds": seconds,
+                "ops_per_s": ops,
+                "per_client_ops_per_s": ops / n,
+                "p50_us": pct(lat, 0.5) * 1e6,
+                "p99_us": pct(lat, 0.99) * 1e6,
+            }
+        )
     return rows
 
 
 def run(socket_path: str, clients=DEFAULT_CLIENTS, seconds: float = 2.0) -> Result:
     rows = measure(socket_path, clients, seconds)
     by = {r["clients"]: r for r in rows}
-    targets = [Target("control ops/s with 4 clients", r["ops_per_s"], 20000, unit=" ops/s")
-               for r in rows if r["clients"] == 4]  # fmt: skip
+    targets = [
+        Target("control ops/s with 4 clients", r["ops_per_s"], 20000, unit=" ops/s")
+        for r in rows
+        if r["clients"] == 4
+    ]
     if 4 in by and 16 in by:  # issue 17: throughput grows with clients, latency stays low
-        targets.append(Target("ops/s of 16 clients vs 4 clients",
-                              by[16]["ops_per_s"] / by[4]["ops_per_s"], 1.5))
-        targets.append(Target("p99 of 16 clients", by[16]["p99_us"], 200, op="<=", unit=" us",
-                              fmt=".1f"))  # fmt: skip
-    return Result("rpc", rows, COLUMNS, params={"clients": list(clients), "seconds": seconds,
-                                                "op": "exists (lookup)"}, targets=targets)
+        targets.append(
+            Target(
+                "ops/s of 16 clients vs 4 clients", by[16]["ops_per_s"] / by[4]["ops_per_s"], 1.5
+            )
+        )
+        targets.append(
+            Target("p99 of 16 clients", by[16]["p99_us"], 200, op="<=", unit=" us", fmt=".1f")
+        )
+    return Result(
+        "rpc",
+        rows,
+        COLUMNS,
+        params={"clients": list(clients), "seconds": seconds, "op": "exists (lookup)"},
+        targets=targets,
+    )
 
 
 def plot(result: dict, plt, out_dir: str) -> list[str]:

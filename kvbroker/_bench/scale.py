@@ -29,15 +29,18 @@ PAGE = 4096
 BATCH = 8192
 DAEMON_ENV = {"KVBROKER_BUSY_POLL": "0"}
 COLUMNS = [
-    ("objects", "objects", ",d"), ("lookup_p50_us", "lookup p50 us", ".1f"),
+    ("objects", "objects", ",d"),
+    ("lookup_p50_us", "lookup p50 us", ".1f"),
     ("lookup_best_p50_us", "lookup p50 us, quietest burst (best of N)", ".1f"),
-    ("lookup_p99_us", "lookup p99 us", ".1f"), ("claim_p50_us", "claim+rel p50 us", ".1f"),
+    ("lookup_p99_us", "lookup p99 us", ".1f"),
+    ("claim_p50_us", "claim+rel p50 us", ".1f"),
     ("claim_best_p50_us", "claim+rel p50 us, quietest burst (best of N)", ".1f"),
-    ("claim_p99_us", "claim+rel p99 us", ".1f"), ("rss_anon_mib", "daemon heap MiB", ".1f"),
+    ("claim_p99_us", "claim+rel p99 us", ".1f"),
+    ("rss_anon_mib", "daemon heap MiB", ".1f"),
     ("bytes_per_object", "bytes/object", ".0f"),
     ("marginal_bytes_per_object", "bytes/added obj", ".0f"),
     ("fill_objects_per_s", "fill obj/s", ".0f"),
-]  # fmt: skip
+]
 
 
 def pool_size_for(counts) -> str:
@@ -55,9 +58,14 @@ def _fill(client, namespace: str, start: int, stop: int) -> None:
         client.ops.seal_many(leases)
 
 
-def measure(socket_path: str, counts=DEFAULT_COUNTS, ops: int = 2000,
-            busy_poll: float = 0.0, bursts: int = 10,
-            pause: float = 0.2) -> list[dict]:  # fmt: skip
+def measure(
+    socket_path: str,
+    counts=DEFAULT_COUNTS,
+    ops: int = 2000,
+    busy_poll: float = 0.0,
+    bursts: int = 10,
+    pause: float = 0.2,
+) -> list[dict]:
     """One row per directory size. The ``ops`` timed operations run in ``bursts`` bursts
     ``pause`` seconds apart; besides the p50 of all, the p50 of the quietest burst."""
     from .. import Client
@@ -65,8 +73,9 @@ def measure(socket_path: str, counts=DEFAULT_COUNTS, ops: int = 2000,
     ns = "bench-scale"
     rng = random.Random(0)
     rows = []
-    with Client(socket_path, map_pools=False, name="bench-scale", role="bench",
-                busy_poll=busy_poll) as c:  # fmt: skip
+    with Client(
+        socket_path, map_pools=False, name="bench-scale", role="bench", busy_poll=busy_poll
+    ) as c:
         c.evict(namespace=ns)
         pid = c.server_pid
         base = process_memory(pid)
@@ -102,26 +111,28 @@ def measure(socket_path: str, counts=DEFAULT_COUNTS, ops: int = 2000,
             c.stat()  # one more round trip: the last release has been processed
             mem = process_memory(pid)
             anon = mem.get("RssAnon", 0)
-            rows.append({
-                "objects": n,
-                "lookup_p50_us": median(look) * 1e6,
-                "lookup_p99_us": pct(look, 0.99) * 1e6,
-                "claim_p50_us": median(claim) * 1e6,
-                "claim_p99_us": pct(claim, 0.99) * 1e6,
-                # the quietest burst: other work on a shared host only ever adds time
-                "lookup_best_p50_us": min(look_bursts) * 1e6,
-                "claim_best_p50_us": min(claim_bursts) * 1e6,
-                "rss_bytes": mem.get("VmRSS", 0),
-                "rss_anon_bytes": mem.get("RssAnon", 0),
-                "rss_anon_mib": mem.get("RssAnon", 0) / (1 << 20),
-                "bytes_per_object": (anon - base.get("RssAnon", 0)) / n,
-                # growth since the previous level over the objects added: fixed tables
-                # (bounded histories, code) drop out of it
-                "marginal_bytes_per_object": (anon - prev_anon) / added,
-                "fill_seconds": fill_s,
-                "rss_shmem_bytes": mem.get("RssShmem", 0),
-                "fill_objects_per_s": added / fill_s if fill_s > 0 else None,
-            })  # fmt: skip
+            rows.append(
+                {
+                    "objects": n,
+                    "lookup_p50_us": median(look) * 1e6,
+                    "lookup_p99_us": pct(look, 0.99) * 1e6,
+                    "claim_p50_us": median(claim) * 1e6,
+                    "claim_p99_us": pct(claim, 0.99) * 1e6,
+                    # the quietest burst: other work on a shared host only ever adds time
+                    "lookup_best_p50_us": min(look_bursts) * 1e6,
+                    "claim_best_p50_us": min(claim_bursts) * 1e6,
+                    "rss_bytes": mem.get("VmRSS", 0),
+                    "rss_anon_bytes": mem.get("RssAnon", 0),
+                    "rss_anon_mib": mem.get("RssAnon", 0) / (1 << 20),
+                    "bytes_per_object": (anon - base.get("RssAnon", 0)) / n,
+                    # growth since the previous level over the objects added: fixed tables
+                    # (bounded histories, code) drop out of it
+                    "marginal_bytes_per_object": (anon - prev_anon) / added,
+                    "fill_seconds": fill_s,
+                    "rss_shmem_bytes": mem.get("RssShmem", 0),
+                    "fill_objects_per_s": added / fill_s if fill_s > 0 else None,
+                }
+            )
             prev_anon = anon
         t0 = time.perf_counter()
         c.evict(namespace=ns)
@@ -138,39 +149,60 @@ def targets(rows: list[dict]) -> list[Target]:
     # the p50 of every burst, never the quietest one's: a best-of-N figure is no headline
     return [
         Target(f"lookup p50, {label}", hi["lookup_p50_us"] / lo["lookup_p50_us"], 1.5, "<="),
-        Target(f"claim+release p50, {label}", hi["claim_p50_us"] / lo["claim_p50_us"], 1.5,
-               "<="),
-    ]  # fmt: skip
+        Target(f"claim+release p50, {label}", hi["claim_p50_us"] / lo["claim_p50_us"], 1.5, "<="),
+    ]
 
 
-def run(socket_path: str, counts=DEFAULT_COUNTS, ops: int = 2000,
-        busy_poll: float = 0.0, bursts: int = 10) -> Result:  # fmt: skip
+def run(
+    socket_path: str,
+    counts=DEFAULT_COUNTS,
+    ops: int = 2000,
+    busy_poll: float = 0.0,
+    bursts: int = 10,
+) -> Result:
     rows = measure(socket_path, counts, ops, busy_poll, bursts)
     ts = targets(rows)
     notes = []
     if rows:
         last = rows[-1]
-        notes.append(f"daemon heap per object at {last['objects']:,} objects: "
-                     f"{last['bytes_per_object']:.0f} bytes "
-                     f"({last['marginal_bytes_per_object']:.0f} "
-                     "per object added at the last step; RssAnon, the pool's shared memory "
-                     "excluded; includes the expiry-heap entries of the fill's write leases, "
-                     "dropped when their TTL passes)")  # fmt: skip
-    return Result("scale", rows, COLUMNS, params={"counts": list(counts), "ops": ops,
-                                                  "page_size": PAGE, "batch": BATCH,
-                                                  "client_busy_poll": busy_poll,
-                                                  "bursts": bursts},
-                  targets=ts, notes=notes)  # fmt: skip
+        notes.append(
+            f"daemon heap per object at {last['objects']:,} objects: "
+            f"{last['bytes_per_object']:.0f} bytes "
+            f"({last['marginal_bytes_per_object']:.0f} "
+            "per object added at the last step; RssAnon, the pool's shared memory "
+            "excluded; includes the expiry-heap entries of the fill's write leases, "
+            "dropped when their TTL passes)"
+        )
+    return Result(
+        "scale",
+        rows,
+        COLUMNS,
+        params={
+            "counts": list(counts),
+            "ops": ops,
+            "page_size": PAGE,
+            "batch": BATCH,
+            "client_busy_poll": busy_poll,
+            "bursts": bursts,
+        },
+        targets=ts,
+        notes=notes,
+    )
 
 
 def plot(result: dict, plt, out_dir: str) -> list[str]:
     rows = result["rows"]
     n = [r["objects"] for r in rows]
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
-    a.plot(n, [r["lookup_best_p50_us"] for r in rows], marker="o",
-           label="lookup p50, quietest burst")
-    a.plot(n, [r["claim_best_p50_us"] for r in rows], marker="o",
-           label="claim+release p50, quietest burst")
+    a.plot(
+        n, [r["lookup_best_p50_us"] for r in rows], marker="o", label="lookup p50, quietest burst"
+    )
+    a.plot(
+        n,
+        [r["claim_best_p50_us"] for r in rows],
+        marker="o",
+        label="claim+release p50, quietest burst",
+    )
     a.plot(n, [r["lookup_p50_us"] for r in rows], ls="--", label="lookup p50, all")
     a.plot(n, [r["claim_p50_us"] for r in rows], ls="--", label="claim+release p50, all")
     a.set_xscale("log")
@@ -180,8 +212,12 @@ def plot(result: dict, plt, out_dir: str) -> list[str]:
     a.set_title("per-operation latency (no busy-polling)")
     a.legend(fontsize=8)
     b.plot(n, [r["bytes_per_object"] for r in rows], marker="o", label="heap / objects")
-    b.plot(n, [r["marginal_bytes_per_object"] for r in rows], marker="x",
-           label="growth / objects added")
+    b.plot(
+        n,
+        [r["marginal_bytes_per_object"] for r in rows],
+        marker="x",
+        label="growth / objects added",
+    )
     b.legend(fontsize=8)
     b.set_xscale("log")
     b.set_ylim(bottom=0)

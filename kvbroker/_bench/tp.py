@@ -14,11 +14,15 @@ import importlib.util
 from ._common import Result, Target, save_figure
 
 COLUMNS = [
-    ("layout", "decode layout", "s"), ("P", "P", "d"), ("D", "D", "d"),
-    ("copy_ops", "copies/claim", "s"), ("source_runs", "runs/claim", "s"),
-    ("claim_GBps", "claim GB/s", ".2f"), ("claim_vs_homogeneous", "x P=D=1", "ratio"),
+    ("layout", "decode layout", "s"),
+    ("P", "P", "d"),
+    ("D", "D", "d"),
+    ("copy_ops", "copies/claim", "s"),
+    ("source_runs", "runs/claim", "s"),
+    ("claim_GBps", "claim GB/s", ".2f"),
+    ("claim_vs_homogeneous", "x P=D=1", "ratio"),
     ("publish_GBps", "publish GB/s", ".2f"),
-]  # fmt: skip
+]
 
 
 class NoTorch(RuntimeError):
@@ -59,25 +63,37 @@ def run(socket_path: str, repeats: int = 5, layouts=None, shape: dict | None = N
                     got = [bt.run_config(c, P, D, axes, repeats, rng) for P, D in bt.CONFIGS]
                 homo = next(r for r in got if r["P"] == r["D"] == 1)["claim_GBps"]
                 for r in got:
-                    rows.append({
-                        "layout": layout, "P": r["P"], "D": r["D"],
-                        "bytes_per_request": r["bytes_per_request"],
-                        "copy_ops": "/".join(map(str, r["copy_ops_per_claim"])),
-                        "source_runs": "/".join(map(str, r["source_runs_per_claim"])),
-                        "copy_ops_per_claim": r["copy_ops_per_claim"],
-                        "claim_GBps": r["claim_GBps"],
-                        "claim_vs_homogeneous": r["claim_GBps"] / homo,
-                        "publish_GBps": r["publish_GBps"],
-                    })  # fmt: skip
+                    rows.append(
+                        {
+                            "layout": layout,
+                            "P": r["P"],
+                            "D": r["D"],
+                            "bytes_per_request": r["bytes_per_request"],
+                            "copy_ops": "/".join(map(str, r["copy_ops_per_claim"])),
+                            "source_runs": "/".join(map(str, r["source_runs_per_claim"])),
+                            "copy_ops_per_claim": r["copy_ops_per_claim"],
+                            "claim_GBps": r["claim_GBps"],
+                            "claim_vs_homogeneous": r["claim_GBps"] / homo,
+                            "publish_GBps": r["publish_GBps"],
+                        }
+                    )
     finally:
         torch.set_num_threads(threads)
-    targets = [Target(f"{r['layout']} P={r['P']}→D={r['D']} claim vs P=D=1",
-                      r["claim_vs_homogeneous"], 0.8)
-               for r in rows if (r["P"], r["D"]) != (1, 1)]  # fmt: skip
+    targets = [
+        Target(
+            f"{r['layout']} P={r['P']}→D={r['D']} claim vs P=D=1", r["claim_vs_homogeneous"], 0.8
+        )
+        for r in rows
+        if (r["P"], r["D"]) != (1, 1)
+    ]
     request = {k: getattr(bt, k) for k in ("LAYERS", "HEADS", "DIM", "TOKENS", "BLOCK")}
-    return Result("tp", rows, COLUMNS, params={"repeats": repeats, "request": request,
-                                               "source": "kvbroker._bench.tp_request"},
-                  targets=targets)  # fmt: skip
+    return Result(
+        "tp",
+        rows,
+        COLUMNS,
+        params={"repeats": repeats, "request": request, "source": "kvbroker._bench.tp_request"},
+        targets=targets,
+    )
 
 
 def plot(result: dict, plt, out_dir: str) -> list[str]:
@@ -88,8 +104,12 @@ def plot(result: dict, plt, out_dir: str) -> list[str]:
     width = 0.8 / max(1, len(layouts))
     for i, layout in enumerate(layouts):
         by = {(r["P"], r["D"]): r["claim_GBps"] for r in rows if r["layout"] == layout}
-        ax.bar([j + i * width for j in range(len(configs))], [by.get(c, 0) for c in configs],
-               width, label=layout)  # fmt: skip
+        ax.bar(
+            [j + i * width for j in range(len(configs))],
+            [by.get(c, 0) for c in configs],
+            width,
+            label=layout,
+        )
     ax.set_xticks([j + width * (len(layouts) - 1) / 2 for j in range(len(configs))])
     ax.set_xticklabels([f"P={p}→D={d}" for p, d in configs])
     ax.set_ylabel("claim GB/s")

@@ -64,25 +64,54 @@ def run_layout(client, axes, repeats, rng):
     def ranks(side, tp):
         if (side, tp) not in caches:
             fill = side == "prefill"
-            caches[side, tp] = [make_cache(axes, len(shard_heads(r, tp, HEADS)), rng, fill)
-                                for r in range(tp)]  # fmt: skip
+            caches[side, tp] = [
+                make_cache(axes, len(shard_heads(r, tp, HEADS)), rng, fill) for r in range(tp)
+            ]
         return caches[side, tp]
 
-    rows = {cfg: {"P": cfg[0], "D": cfg[1], "claim_s": [], "publish_s": [], "ops": set(),
-                  "runs": set(), "shards": set(), "nbytes": 0} for cfg in CONFIGS}  # fmt: skip
+    rows = {
+        cfg: {
+            "P": cfg[0],
+            "D": cfg[1],
+            "claim_s": [],
+            "publish_s": [],
+            "ops": set(),
+            "runs": set(),
+            "shards": set(),
+            "nbytes": 0,
+        }
+        for cfg in CONFIGS
+    }
     for rep in range(repeats + 1):  # the first round warms page mappings and is dropped
         for P, D in CONFIGS:
             row = rows[P, D]
             request = f"bench-P{P}-D{D}-{rep}"
             t0 = time.perf_counter()
             for p, (cache, ids) in enumerate(ranks("prefill", P)):
-                publish_shard(client, request, cache, ids, TOKENS, tp_rank=p, tp_size=P,
-                              total_kv_heads=HEADS, decode_tp_size=D)  # fmt: skip
+                publish_shard(
+                    client,
+                    request,
+                    cache,
+                    ids,
+                    TOKENS,
+                    tp_rank=p,
+                    tp_size=P,
+                    total_kv_heads=HEADS,
+                    decode_tp_size=D,
+                )
             t1 = time.perf_counter()
             total = 0
             for d, (cache, ids) in enumerate(ranks("decode", D)):
-                res = claim_shards(client, request, cache, ids, tp_rank=d, tp_size=D,
-                                   prefill_tp_size=P, total_kv_heads=HEADS)  # fmt: skip
+                res = claim_shards(
+                    client,
+                    request,
+                    cache,
+                    ids,
+                    tp_rank=d,
+                    tp_size=D,
+                    prefill_tp_size=P,
+                    total_kv_heads=HEADS,
+                )
                 row["ops"].add(res.copy_ops)
                 row["runs"].add(res.source_runs)
                 row["shards"].add(len(res.keys))
@@ -97,16 +126,26 @@ def run_layout(client, axes, repeats, rng):
                 row["nbytes"] = total
     out = []
     for row in rows.values():
-        claim, publish, nbytes = (statistics.median(row["claim_s"]),
-                                  statistics.median(row["publish_s"]), row["nbytes"])  # fmt: skip
-        out.append({
-            "P": row["P"], "D": row["D"], "bytes_per_request": nbytes,
-            "copy_ops_per_claim": sorted(row["ops"]), "source_runs_per_claim": sorted(row["runs"]),
-            "shards_per_claim": sorted(row["shards"]),
-            "claim_seconds_median": claim, "claim_GBps": nbytes / claim / 1e9,
-            "claim_seconds_all": row["claim_s"],
-            "publish_seconds_median": publish, "publish_GBps": nbytes / publish / 1e9,
-        })  # fmt: skip
+        claim, publish, nbytes = (
+            statistics.median(row["claim_s"]),
+            statistics.median(row["publish_s"]),
+            row["nbytes"],
+        )
+        out.append(
+            {
+                "P": row["P"],
+                "D": row["D"],
+                "bytes_per_request": nbytes,
+                "copy_ops_per_claim": sorted(row["ops"]),
+                "source_runs_per_claim": sorted(row["runs"]),
+                "shards_per_claim": sorted(row["shards"]),
+                "claim_seconds_median": claim,
+                "claim_GBps": nbytes / claim / 1e9,
+                "claim_seconds_all": row["claim_s"],
+                "publish_seconds_median": publish,
+                "publish_GBps": nbytes / publish / 1e9,
+            }
+        )
     return out
 
 
@@ -142,21 +181,35 @@ def main(default_out: str = "tp-cpu.json") -> None:
                 homo = rows[0]["claim_GBps"]
                 for row in rows:
                     row["claim_vs_homogeneous"] = row["claim_GBps"] / homo
-                    print(f"{layout:17s} P={row['P']} D={row['D']}: "
-                          f"{row['copy_ops_per_claim']} copy ops/claim, "
-                          f"{row['source_runs_per_claim']} runs/claim, claim "
-                          f"{row['claim_GBps']:.2f} GB/s ({row['claim_vs_homogeneous']:.2f}x), "
-                          f"publish {row['publish_GBps']:.2f} GB/s", flush=True)  # fmt: skip
+                    print(
+                        f"{layout:17s} P={row['P']} D={row['D']}: "
+                        f"{row['copy_ops_per_claim']} copy ops/claim, "
+                        f"{row['source_runs_per_claim']} runs/claim, claim "
+                        f"{row['claim_GBps']:.2f} GB/s ({row['claim_vs_homogeneous']:.2f}x), "
+                        f"publish {row['publish_GBps']:.2f} GB/s",
+                        flush=True,
+                    )
                 results[layout] = rows
     report = {
-        "request": {"tokens": TOKENS, "layers": LAYERS, "kv_heads": HEADS, "head_dim": DIM,
-                    "dtype": "bfloat16", "block_size": BLOCK, "block_ids": "scattered"},
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                    "python": platform.python_version(), "numpy": np.__version__,
-                    "torch": torch.__version__},
+        "request": {
+            "tokens": TOKENS,
+            "layers": LAYERS,
+            "kv_heads": HEADS,
+            "head_dim": DIM,
+            "dtype": "bfloat16",
+            "block_size": BLOCK,
+            "block_ids": "scattered",
+        },
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "numpy": np.__version__,
+            "torch": torch.__version__,
+        },
         "repeats": args.repeats,
         "results": results,
-    }  # fmt: skip
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {args.out}")

@@ -23,11 +23,15 @@ from ._common import KiB, MiB, Result, Target, median, pct, save_figure
 # Powers of 4 from 4 KiB to 256 MiB, and 32 MiB (the size of the targets).
 DEFAULT_SIZES = tuple(sorted({4 * KiB * 4**i for i in range(9)} | {32 * MiB}))
 COLUMNS = [
-    ("size", "size", "size"), ("memcpy_gbps", "memcpy GB/s", ".2f"),
-    ("publish_gbps", "publish GB/s", ".2f"), ("claim_gbps", "claim GB/s", ".2f"),
-    ("publish_claim_gbps", "pub+claim GB/s", ".2f"), ("ratio_vs_memcpy", "x memcpy", "ratio"),
-    ("roundtrip_p50_us", "p50 us", ".1f"), ("roundtrip_p99_us", "p99 us", ".1f"),
-]  # fmt: skip
+    ("size", "size", "size"),
+    ("memcpy_gbps", "memcpy GB/s", ".2f"),
+    ("publish_gbps", "publish GB/s", ".2f"),
+    ("claim_gbps", "claim GB/s", ".2f"),
+    ("publish_claim_gbps", "pub+claim GB/s", ".2f"),
+    ("ratio_vs_memcpy", "x memcpy", "ratio"),
+    ("roundtrip_p50_us", "p50 us", ".1f"),
+    ("roundtrip_p99_us", "p99 us", ".1f"),
+]
 
 
 class SplitMemcpy:
@@ -58,9 +62,14 @@ class SplitMemcpy:
             self._pool.shutdown(wait=True)
 
 
-def measure(socket_path: str, sizes=DEFAULT_SIZES, budget_bytes: int = 2 << 30,
-            min_reps: int = 20, reps: int | None = None, split_baseline: bool = False
-            ) -> list[dict]:  # fmt: skip
+def measure(
+    socket_path: str,
+    sizes=DEFAULT_SIZES,
+    budget_bytes: int = 2 << 30,
+    min_reps: int = 20,
+    reps: int | None = None,
+    split_baseline: bool = False,
+) -> list[dict]:
     """One row per size; the bytes claimed are checked against the bytes published.
 
     ``reps`` fixes the timed round trips per size; by default about ``budget_bytes`` are
@@ -115,31 +124,36 @@ def measure(socket_path: str, sizes=DEFAULT_SIZES, budget_bytes: int = 2 << 30,
             if not np.array_equal(dst, src):
                 raise AssertionError(f"bytes differ at size {size}")
             m, p, g, r = (median(x) for x in (memcpy, put_t, get_t, rt))
-            rows.append({
-                "size": size, "reps": reps,
-                "memcpy_gbps": size / m / 1e9,
-                "publish_gbps": size / p / 1e9,
-                "claim_gbps": size / g / 1e9,
-                "publish_claim_gbps": 2 * size / r / 1e9,
-                # put+get moves the bytes twice; memcpy once: 2 memcpys is the physical limit.
-                "ratio_vs_memcpy": (2 * m) / r,
-                "memcpy_p50_us": m * 1e6,
-                "roundtrip_p50_us": r * 1e6,
-                "roundtrip_p99_us": pct(rt, 0.99) * 1e6,
-                "put_p50_us": p * 1e6,
-                "put_p99_us": pct(put_t, 0.99) * 1e6,
-                "get_p50_us": g * 1e6,
-                "get_p99_us": pct(get_t, 0.99) * 1e6,
-            })  # fmt: skip
+            rows.append(
+                {
+                    "size": size,
+                    "reps": reps,
+                    "memcpy_gbps": size / m / 1e9,
+                    "publish_gbps": size / p / 1e9,
+                    "claim_gbps": size / g / 1e9,
+                    "publish_claim_gbps": 2 * size / r / 1e9,
+                    # put+get moves the bytes twice; memcpy once: 2 memcpys is the physical limit.
+                    "ratio_vs_memcpy": (2 * m) / r,
+                    "memcpy_p50_us": m * 1e6,
+                    "roundtrip_p50_us": r * 1e6,
+                    "roundtrip_p99_us": pct(rt, 0.99) * 1e6,
+                    "put_p50_us": p * 1e6,
+                    "put_p99_us": pct(put_t, 0.99) * 1e6,
+                    "get_p50_us": g * 1e6,
+                    "get_p99_us": pct(get_t, 0.99) * 1e6,
+                }
+            )
             if split is not None:
                 s2 = median(split2)
-                rows[-1].update({
-                    # what most round trips used (an engine gated on spare CPU may vary)
-                    "copy_threads": statistics.median_low(split_threads),
-                    "split_memcpy2_p50_us": s2 * 1e6,
-                    # both sides copy the bytes twice, over the same number of threads
-                    "ratio_vs_split_memcpy": s2 / r,
-                })  # fmt: skip
+                rows[-1].update(
+                    {
+                        # what most round trips used (an engine gated on spare CPU may vary)
+                        "copy_threads": statistics.median_low(split_threads),
+                        "split_memcpy2_p50_us": s2 * 1e6,
+                        # both sides copy the bytes twice, over the same number of threads
+                        "ratio_vs_split_memcpy": s2 / r,
+                    }
+                )
     return rows
 
 
@@ -153,18 +167,25 @@ def targets(rows: list[dict]) -> list[Target]:
 
 def run(socket_path: str, sizes=DEFAULT_SIZES, budget_bytes: int = 2 << 30) -> Result:
     rows = measure(socket_path, sizes, budget_bytes)
-    return Result("transfer", rows, COLUMNS,
-                  params={"sizes": list(sizes), "budget_bytes": budget_bytes},
-                  targets=targets(rows))  # fmt: skip
+    return Result(
+        "transfer",
+        rows,
+        COLUMNS,
+        params={"sizes": list(sizes), "budget_bytes": budget_bytes},
+        targets=targets(rows),
+    )
 
 
 def plot(result: dict, plt, out_dir: str) -> list[str]:
     rows = result["rows"]
     sizes = [r["size"] for r in rows]
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    for key, label in (("memcpy_gbps", "memcpy (same loop)"),
-                       ("publish_claim_gbps", "publish+claim (2 copies)"),
-                       ("publish_gbps", "publish"), ("claim_gbps", "claim")):  # fmt: skip
+    for key, label in (
+        ("memcpy_gbps", "memcpy (same loop)"),
+        ("publish_claim_gbps", "publish+claim (2 copies)"),
+        ("publish_gbps", "publish"),
+        ("claim_gbps", "claim"),
+    ):
         a.plot(sizes, [r[key] for r in rows], marker="o", label=label)
     a.set_xscale("log", base=2)
     a.set_xlabel("object size (bytes)")
@@ -181,4 +202,3 @@ def plot(result: dict, plt, out_dir: str) -> list[str]:
     b.set_title("put+get latency")
     b.legend(fontsize=8)
     return [save_figure(fig, plt, out_dir, "transfer.png")]
-

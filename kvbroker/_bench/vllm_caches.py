@@ -44,8 +44,10 @@ class StateGroupShape:
 
         import torch
 
-        return sum(math.prod(s) * torch.empty((), dtype=getattr(torch, d)).element_size()
-                   for s, d in zip(self.shapes, self.dtypes, strict=True))  # fmt: skip
+        return sum(
+            math.prod(s) * torch.empty((), dtype=getattr(torch, d)).element_size()
+            for s, d in zip(self.shapes, self.dtypes, strict=True)
+        )
 
 
 def hybrid_pool(groups, num_blocks: int, device, order: str = "NHD", seed: int = 0):
@@ -71,8 +73,12 @@ def hybrid_pool(groups, num_blocks: int, device, order: str = "NHD", seed: int =
             name = f"g{i}.l{layer}"
             if isinstance(g, StateGroupShape):
                 content = g.content_nbytes()
-                caches[name] = torch.as_strided(raw.view(torch.int8), (num_blocks, 1, 1, content),
-                                                (page, content, content, 1), at)  # fmt: skip
+                caches[name] = torch.as_strided(
+                    raw.view(torch.int8),
+                    (num_blocks, 1, 1, content),
+                    (page, content, content, 1),
+                    at,
+                )
                 continue
             dtype = getattr(torch, g.dtype)
             elems = raw.view(dtype)

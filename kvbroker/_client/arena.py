@@ -142,9 +142,18 @@ class WriteArena:
         extent = self.extent
         return self.size > self.base or (extent is not None and extent[2] > self.base)
 
-    def put(self, key: str, buffers: Mapping[str, Any], sizes: Mapping[str, int], *,
-            namespace: str, meta: dict | None, replace: bool, consumers: int,
-            checksum: bool) -> bool | None:  # fmt: skip
+    def put(
+        self,
+        key: str,
+        buffers: Mapping[str, Any],
+        sizes: Mapping[str, int],
+        *,
+        namespace: str,
+        meta: dict | None,
+        replace: bool,
+        consumers: int,
+        checksum: bool,
+    ) -> bool | None:
         """Copy ``buffers`` into the arena and publish them as ``key``: True, or False when
         the key exists. None when the arena cannot take this put (busy in another thread,
         too small, none to be had): the caller uses reserve + seal."""
@@ -203,9 +212,16 @@ class WriteArena:
             del dst
         try:
             reply = client.ops.publish(
-                self.id, key, sizes, namespace=namespace, meta=meta, replace=replace,
-                consumers=consumers, checksums=sums, next_arena=self.size,
-            )  # fmt: skip
+                self.id,
+                key,
+                sizes,
+                namespace=namespace,
+                meta=meta,
+                replace=replace,
+                consumers=consumers,
+                checksums=sums,
+                next_arena=self.size,
+            )
         except Exists:
             if replace:
                 raise

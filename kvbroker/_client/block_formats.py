@@ -17,8 +17,15 @@ from .._wire.names import kv_buffer_name
 from ..errors import BadRequest, LayoutMismatch
 from ..layout import Layout, itemsize_of
 
-__all__ = ["AttentionFormat", "StateBuffer", "StateFormat", "PACKED_KV", "PACKED_STATE",
-           "STATE_META_TAG", "shard_block_key"]  # fmt: skip
+__all__ = [
+    "AttentionFormat",
+    "StateBuffer",
+    "StateFormat",
+    "PACKED_KV",
+    "PACKED_STATE",
+    "STATE_META_TAG",
+    "shard_block_key",
+]
 
 PACKED_KV = "kv"  # the one buffer of a packed attention block
 PACKED_STATE = "state"  # the one buffer of a packed state page
@@ -59,21 +66,39 @@ class AttentionFormat:
         for what in ("num_layers", "block_size", "head_dim", "local_heads"):
             value = getattr(self, what)
             if not isinstance(value, int) or value < 1:
-                raise BadRequest(f"an attention format's {what} must be a positive int, "
-                                 f"not {value!r}")  # fmt: skip
+                raise BadRequest(
+                    f"an attention format's {what} must be a positive int, not {value!r}"
+                )
         itemsize_of(self.dtype)  # a known dtype, else BadRequest
 
     @classmethod
-    def for_rank(cls, *, dtype: str, num_layers: int, block_size: int, head_dim: int,
-                 total_kv_heads: int | None, tp_rank: int = 0, tp_size: int = 1,
-                 **more: Any) -> AttentionFormat:  # fmt: skip
+    def for_rank(
+        cls,
+        *,
+        dtype: str,
+        num_layers: int,
+        block_size: int,
+        head_dim: int,
+        total_kv_heads: int | None,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        **more: Any,
+    ) -> AttentionFormat:
         """The format of TP rank ``tp_rank`` of ``tp_size``: its heads from
         :func:`shard_heads` (a latent cache, ``total_kv_heads`` None: one head row)."""
         span = shard_heads(tp_rank, tp_size, total_kv_heads)
-        return cls(dtype=dtype, num_layers=num_layers, block_size=block_size, head_dim=head_dim,
-                   local_heads=1 if total_kv_heads is None else len(span),
-                   total_kv_heads=total_kv_heads, tp_rank=tp_rank, tp_size=tp_size,
-                   heads=(span.start, span.stop), **more)  # fmt: skip
+        return cls(
+            dtype=dtype,
+            num_layers=num_layers,
+            block_size=block_size,
+            head_dim=head_dim,
+            local_heads=1 if total_kv_heads is None else len(span),
+            total_kv_heads=total_kv_heads,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            heads=(span.start, span.stop),
+            **more,
+        )
 
     @property
     def latent(self) -> bool:
@@ -86,8 +111,10 @@ class AttentionFormat:
     @property
     def names(self) -> list[list[str]]:
         """``names[layer][component]``."""
-        return [[kv_buffer_name(c, layer, self.infix) for c in self.components]
-                for layer in range(self.num_layers)]  # fmt: skip
+        return [
+            [kv_buffer_name(c, layer, self.infix) for c in self.components]
+            for layer in range(self.num_layers)
+        ]
 
     @property
     def flat_names(self) -> list[str]:
@@ -97,9 +124,13 @@ class AttentionFormat:
     @property
     def buffer_layout(self) -> Layout:
         """One (layer, component) buffer: ``[head][token][head_dim]`` of this rank's heads."""
-        return Layout.contiguous(self.dtype, (self.local_heads, self.block_size, self.head_dim),
-                                 ("head", "token", "head_dim"), iterated=("head",),
-                                 sharded="head")  # fmt: skip
+        return Layout.contiguous(
+            self.dtype,
+            (self.local_heads, self.block_size, self.head_dim),
+            ("head", "token", "head_dim"),
+            iterated=("head",),
+            sharded="head",
+        )
 
     @property
     def buffer_nbytes(self) -> int:
@@ -122,11 +153,16 @@ class AttentionFormat:
     def meta(self) -> dict:
         """What a reader checks (:meth:`check`; :meth:`KVPrefixMatch.load` reads it too)."""
         meta = {
-            SHARD_META_TAG: 1, "tp_rank": self.tp_rank, "tp_size": self.tp_size,
-            "total_kv_heads": self.total_kv_heads, "heads": list(self.heads),
-            "num_layers": self.num_layers, "components": list(self.components),
-            "infix": self.infix, "layout": self.buffer_layout.to_dict(),
-        }  # fmt: skip
+            SHARD_META_TAG: 1,
+            "tp_rank": self.tp_rank,
+            "tp_size": self.tp_size,
+            "total_kv_heads": self.total_kv_heads,
+            "heads": list(self.heads),
+            "num_layers": self.num_layers,
+            "components": list(self.components),
+            "infix": self.infix,
+            "layout": self.buffer_layout.to_dict(),
+        }
         if self.packed is not None:
             meta["packed"] = self.packed
         return meta
@@ -140,20 +176,25 @@ class AttentionFormat:
         model, after checking it fits this format; LayoutMismatch naming the field if not."""
         if not isinstance(meta, dict) or meta.get(SHARD_META_TAG) != 1:
             raise LayoutMismatch("matched blocks were not published in the prefix block format")
-        for what, published, local in (("layers", meta["num_layers"], self.num_layers),
-                                       ("components", meta["components"], list(self.components)),
-                                       ("total KV heads", meta["total_kv_heads"],
-                                        self.total_kv_heads)):  # fmt: skip
+        for what, published, local in (
+            ("layers", meta["num_layers"], self.num_layers),
+            ("components", meta["components"], list(self.components)),
+            ("total KV heads", meta["total_kv_heads"], self.total_kv_heads),
+        ):
             if published != local:
-                raise LayoutMismatch(f"layout mismatch on {what}: published {published!r}, "
-                                     f"local {local!r}")  # fmt: skip
+                raise LayoutMismatch(
+                    f"layout mismatch on {what}: published {published!r}, local {local!r}"
+                )
         stored = Layout.from_dict(meta["layout"])
-        for what, published, local in (("dtype", stored.dtype, self.dtype),
-                                       ("block size", stored.size("token"), self.block_size),
-                                       ("head_dim", stored.size("head_dim"), self.head_dim)):
+        for what, published, local in (
+            ("dtype", stored.dtype, self.dtype),
+            ("block size", stored.size("token"), self.block_size),
+            ("head_dim", stored.size("head_dim"), self.head_dim),
+        ):
             if published != local:
-                raise LayoutMismatch(f"layout mismatch on {what}: published {published!r}, "
-                                     f"local {local!r}")  # fmt: skip
+                raise LayoutMismatch(
+                    f"layout mismatch on {what}: published {published!r}, local {local!r}"
+                )
         return stored
 
     def reachable(self, num_tokens: int) -> range:
@@ -232,9 +273,13 @@ class StateFormat:
         return {p.name: p.nbytes for p in self.parts}
 
     def meta(self) -> dict:
-        return {STATE_META_TAG: 1, "tp_rank": self.tp_rank, "tp_size": self.tp_size,
-                "parts": [[p.name, p.dtype, list(p.shape)] for p in self.parts],
-                "packed": self.packed}  # fmt: skip
+        return {
+            STATE_META_TAG: 1,
+            "tp_rank": self.tp_rank,
+            "tp_size": self.tp_size,
+            "parts": [[p.name, p.dtype, list(p.shape)] for p in self.parts],
+            "packed": self.packed,
+        }
 
     def key(self, block_hash: str) -> str:
         return f"{block_hash}/state.tp{self.tp_rank}of{self.tp_size}"
@@ -246,5 +291,7 @@ class StateFormat:
         mine = self.meta()
         for what in ("tp_size", "parts", "packed"):
             if meta.get(what) != mine[what]:
-                raise LayoutMismatch(f"layout mismatch on state {what}: published "
-                                     f"{meta.get(what)!r}, local {mine[what]!r}")  # fmt: skip
+                raise LayoutMismatch(
+                    f"layout mismatch on state {what}: published "
+                    f"{meta.get(what)!r}, local {mine[what]!r}"
+                )

@@ -18,14 +18,33 @@ from .._wire import checksum as _cs
 from .._wire.protocol import name_bytes, request_chunks
 from ..errors import BadRequest, KVBrokerError, LayoutMismatch
 
-__all__ = ["ring_lookup", "Reservation", "PendingReservation", "reserve", "reserve_later", "seal", "seal_later",
-           "abort", "view", "pool_address", "pool_runs", "copy", "checksum", "empty_checksum",
-           "device_checksums_available", "start_device_checksums", "match", "match_shards",
-           "match_keys", "retention"]  # fmt: skip
+__all__ = [
+    "ring_lookup",
+    "Reservation",
+    "PendingReservation",
+    "reserve",
+    "reserve_later",
+    "seal",
+    "seal_later",
+    "abort",
+    "view",
+    "pool_address",
+    "pool_runs",
+    "copy",
+    "checksum",
+    "empty_checksum",
+    "device_checksums_available",
+    "start_device_checksums",
+    "match",
+    "match_shards",
+    "match_keys",
+    "retention",
+]
 
 
-def retention(session: str | None, retain: float | str | None = None,
-              priority: int | None = None) -> dict | None:
+def retention(
+    session: str | None, retain: float | str | None = None, priority: int | None = None
+) -> dict | None:
     """What a request names of a session (the ``retain`` argument of :func:`reserve` and the
     matches): blocks it publishes or matches are kept past plain LRU while the session lasts,
     renewed by each request (``retain``: seconds or "10m"; None: the daemon's default), and
@@ -63,8 +82,9 @@ class Reservation:
 
     __slots__ = ("client", "leases", "names", "rows", "_maps")
 
-    def __init__(self, client, leases: list, names: list[str], rows,
-                 maps: list[dict] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, client, leases: list, names: list[str], rows, maps: list[dict] | None = None
+    ) -> None:
         self.client, self.leases, self.names, self.rows = client, leases, names, rows
         self._maps = maps
 
@@ -88,7 +108,9 @@ class Reservation:
             return dict(self._maps[j])
         row = self.rows[j]
         pool = int(row[0])
-        return {n: (pool, int(row[1 + 2 * i]), int(row[2 + 2 * i])) for i, n in enumerate(self.names)}
+        return {
+            n: (pool, int(row[1 + 2 * i]), int(row[2 + 2 * i])) for i, n in enumerate(self.names)
+        }
 
     def view(self, j: int, name: str, offset: int = 0, nbytes: int | None = None):
         """A writable numpy uint8 view of buffer ``name`` of the j-th reserved block (from
@@ -100,8 +122,9 @@ class Reservation:
             raise ValueError(f"({offset}, {nbytes}) runs past buffer {name} ({size} bytes)")
         return self.client.pool_view(pool, at + offset, nbytes, writable=True)
 
-    def runs(self, order: list[str], nbytes: int, bases: dict[int, int], stage: int,
-             stride: int) -> list[tuple[int, int, int]]:  # fmt: skip
+    def runs(
+        self, order: list[str], nbytes: int, bases: dict[int, int], stage: int, stride: int
+    ) -> list[tuple[int, int, int]]:
         """:func:`pool_runs` of the reserved blocks."""
         if self.rows is None:
             raise LayoutMismatch("reserved blocks of one batch differ in their buffers")
@@ -134,31 +157,49 @@ class Reservation:
             return self
         if not self.leases:
             return other
-        if self.rows is None or other.rows is None or (
-                other.names != self.names and len(other.rows) and len(self.rows)):  # fmt: skip
+        if (
+            self.rows is None
+            or other.rows is None
+            or (other.names != self.names and len(other.rows) and len(self.rows))
+        ):
             maps = [self.extents(j) for j in range(len(self))]
             maps += [other.extents(j) for j in range(len(other))]
             return Reservation(self.client, self.leases + other.leases, self.names, None, maps)
         names = self.names if len(self.rows) else other.names
-        return Reservation(self.client, self.leases + other.leases, names,
-                           np.concatenate([self.rows, other.rows]))  # fmt: skip
+        return Reservation(
+            self.client, self.leases + other.leases, names, np.concatenate([self.rows, other.rows])
+        )
 
 
 def _digests(names: list[str], views: list, kind: int) -> dict:
     return {n: _integrity.digest_here(v, kind) for n, v in zip(names, views, strict=True)}
 
 
-def reserve(client, namespace: str, blocks: list[dict], buffers: dict[str, int] | None = None,
-            meta: dict | None = None, *, ttl: float | None = None,
-            retain: dict | None = None) -> Reservation:  # fmt: skip
+def reserve(
+    client,
+    namespace: str,
+    blocks: list[dict],
+    buffers: dict[str, int] | None = None,
+    meta: dict | None = None,
+    *,
+    ttl: float | None = None,
+    retain: dict | None = None,
+) -> Reservation:
     """Reserve the blocks ``[{"key", "parent", "tokens"?}]`` that the node lacks, each with
     ``buffers`` (``{name: nbytes}``) and ``meta`` (None: each block's own ``"buffers"`` and
     ``"meta"``), in one round trip with a compact reply. All or nothing: a refused batch
     (PoolFull, QuotaExceeded...) holds no pages. At most 8192 blocks and a 1 MiB request.
     ``retain``: the session the blocks are published for (:func:`retention`): once sealed,
     it retains them; those already here too."""
-    reply = client.ops.reserve_blocks(blocks, namespace=namespace, ttl=ttl, buffers=buffers,
-                                      meta=meta, compact=True, retain=retain)  # fmt: skip
+    reply = client.ops.reserve_blocks(
+        blocks,
+        namespace=namespace,
+        ttl=ttl,
+        buffers=buffers,
+        meta=meta,
+        compact=True,
+        retain=retain,
+    )
     return _reservation(client, reply, list(buffers or ()))
 
 
@@ -176,13 +217,26 @@ class PendingReservation:
         return _reservation(self._client, self._pending.result(), self._names)
 
 
-def reserve_later(client, namespace: str, blocks: list[dict],
-                  buffers: dict[str, int] | None = None, meta: dict | None = None, *,
-                  ttl: float | None = None, retain: dict | None = None) -> PendingReservation:  # fmt: skip
+def reserve_later(
+    client,
+    namespace: str,
+    blocks: list[dict],
+    buffers: dict[str, int] | None = None,
+    meta: dict | None = None,
+    *,
+    ttl: float | None = None,
+    retain: dict | None = None,
+) -> PendingReservation:
     """:func:`reserve`, sent without waiting for the reply."""
-    pending = client.ops.pipelined.reserve_blocks(blocks, namespace=namespace, ttl=ttl,
-                                                  buffers=buffers, meta=meta, compact=True,
-                                                  retain=retain)  # fmt: skip
+    pending = client.ops.pipelined.reserve_blocks(
+        blocks,
+        namespace=namespace,
+        ttl=ttl,
+        buffers=buffers,
+        meta=meta,
+        compact=True,
+        retain=retain,
+    )
     return PendingReservation(client, pending, list(buffers or ()))
 
 
@@ -195,7 +249,7 @@ def _reservation(client, reply: dict, names: list[str]) -> Reservation:
         return Reservation(client, list(reply["leases"]), names, rows)
     leases, maps = [], []
     for res in reply["results"]:  # nothing reserved (every block exists), or buffers that
-        if res.get("exists"):      # differ between blocks: one map per block
+        if res.get("exists"):  # differ between blocks: one map per block
             leases.append(None)
             continue
         leases.append(res["lease"])
@@ -223,8 +277,9 @@ def seal(client, leases: list[int], checksums: list[dict | None] | None = None) 
     for lo, hi in request_chunks(costs):
         chunk = sums[lo:hi]
         try:
-            client.ops.seal_many(list(leases[lo:hi]),
-                                 None if all(s is None for s in chunk) else chunk)  # fmt: skip
+            client.ops.seal_many(
+                list(leases[lo:hi]), None if all(s is None for s in chunk) else chunk
+            )
         except KVBrokerError:  # refused whole (a batch is all or nothing): none of these
             abort(client, leases[lo:])
             raise
@@ -261,8 +316,15 @@ def pool_address(client, pool: int) -> int:
     return client.pool_address(pool)
 
 
-def pool_runs(rows, names: list[str], order: list[str], nbytes: int, bases: dict[int, int],
-              stage: int, stride: int) -> list[tuple[int, int, int]]:  # fmt: skip
+def pool_runs(
+    rows,
+    names: list[str],
+    order: list[str],
+    nbytes: int,
+    bases: dict[int, int],
+    stage: int,
+    stride: int,
+) -> list[tuple[int, int, int]]:
     """The byte runs between pool extents and a staging buffer, vectorized: block ``j`` of
     ``rows`` (see :class:`Reservation`) holds the buffers ``order`` (each ``nbytes`` long, a
     permutation of ``names``) at staging address ``stage + j·stride``, back to back. Returns
@@ -284,14 +346,24 @@ def pool_runs(rows, names: list[str], order: list[str], nbytes: int, bases: dict
     for pool in set(rows[:, 0].tolist()):
         base_of[pool] = bases[pool]
     pool_addr = (base_of[rows[:, 0]][:, None] + rows[:, [1 + 2 * c for c in cols]]).ravel()
-    stage_addr = (stage + np.arange(m, dtype=np.int64)[:, None] * stride
-                  + np.arange(k, dtype=np.int64)[None, :] * nbytes).ravel()  # fmt: skip
+    stage_addr = (
+        stage
+        + np.arange(m, dtype=np.int64)[:, None] * stride
+        + np.arange(k, dtype=np.int64)[None, :] * nbytes
+    ).ravel()
     # a run starts where either side does not continue the previous buffer
-    breaks = np.flatnonzero((pool_addr[1:] != pool_addr[:-1] + nbytes)
-                            | (stage_addr[1:] != stage_addr[:-1] + nbytes)) + 1  # fmt: skip
+    breaks = (
+        np.flatnonzero(
+            (pool_addr[1:] != pool_addr[:-1] + nbytes)
+            | (stage_addr[1:] != stage_addr[:-1] + nbytes)
+        )
+        + 1
+    )
     starts = np.concatenate(([0], breaks))
     lengths = np.diff(np.concatenate((starts, [len(pool_addr)]))) * nbytes
-    return list(zip(pool_addr[starts].tolist(), stage_addr[starts].tolist(), lengths.tolist(), strict=True))
+    return list(
+        zip(pool_addr[starts].tolist(), stage_addr[starts].tolist(), lengths.tolist(), strict=True)
+    )
 
 
 def copy(dst, src: Any, checksum_kind: int | None = None) -> Any:
@@ -361,9 +433,18 @@ def ring_lookup(client, namespace: str, keys: Sequence[str]) -> list[dict | None
         raise
 
 
-def match_keys(client, namespace: str, keys: list[str], *, block_tokens: int = 0,
-               ttl: float | None = None, hold: bool = True, peer: str | None = None,
-               block_size: int = 1, retain: dict | None = None) -> PrefixMatch:  # fmt: skip
+def match_keys(
+    client,
+    namespace: str,
+    keys: list[str],
+    *,
+    block_tokens: int = 0,
+    ttl: float | None = None,
+    hold: bool = True,
+    peer: str | None = None,
+    block_size: int = 1,
+    retain: dict | None = None,
+) -> PrefixMatch:
     """One read lease over the longest run of leading ``keys`` the node holds (``peer``:
     ``"HOST:PORT"`` of another node's broker, whose blocks after this node's run are pulled
     first). ``block_tokens``: tokens a key stands for, in the daemon's hit statistics;
@@ -373,12 +454,21 @@ def match_keys(client, namespace: str, keys: list[str], *, block_tokens: int = 0
 
     asked_at = time.monotonic()
     if peer is None:
-        reply = client.ops.match_prefix(keys, namespace=namespace, block_tokens=block_tokens,
-                                        ttl=ttl, hold=hold, retain=retain)  # fmt: skip
+        reply = client.ops.match_prefix(
+            keys, namespace=namespace, block_tokens=block_tokens, ttl=ttl, hold=hold, retain=retain
+        )
     else:
-        reply = client._peer_call(True, client.ops.match_prefix, keys, namespace=namespace,
-                                  block_tokens=block_tokens, ttl=ttl, peer=peer,
-                                  hold=hold, retain=retain)  # fmt: skip
+        reply = client._peer_call(
+            True,
+            client.ops.match_prefix,
+            keys,
+            namespace=namespace,
+            block_tokens=block_tokens,
+            ttl=ttl,
+            peer=peer,
+            hold=hold,
+            retain=retain,
+        )
     return PrefixMatch(client, reply, block_size, asked_at)
 
 
@@ -389,10 +479,20 @@ def _plan(heads: int | None, source: int, tp_size: int, tp_rank: int) -> tuple:
     return plan, ranks, [shard_block_key("", r, source, heads) for r in ranks]
 
 
-def match_shards(client, namespace: str, hashes: Sequence[str], *, block_size: int,
-                 total_kv_heads: int | None, tp_rank: int = 0, tp_size: int = 1,
-                 source_tp_sizes: Sequence[int] | None = None, ttl: float | None = None,
-                 hold: bool = True, retain: dict | None = None) -> KVPrefixMatch:  # fmt: skip
+def match_shards(
+    client,
+    namespace: str,
+    hashes: Sequence[str],
+    *,
+    block_size: int,
+    total_kv_heads: int | None,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    source_tp_sizes: Sequence[int] | None = None,
+    ttl: float | None = None,
+    hold: bool = True,
+    retain: dict | None = None,
+) -> KVPrefixMatch:
     """The longest run of ``hashes`` every shard TP rank ``tp_rank`` of ``tp_size`` needs
     holds, in the layout of each of ``source_tp_sizes`` in turn (default: its own), keeping
     the longest (one round trip each, stopping at the first that covers every hash), under
@@ -401,9 +501,19 @@ def match_shards(client, namespace: str, hashes: Sequence[str], *, block_size: i
     best: KVPrefixMatch | None = None
     try:
         for source in dict.fromkeys(sizes):
-            found = _match_layout(client, namespace, list(hashes), block_size, source,
-                                  total_kv_heads, tp_rank, tp_size, ttl, hold,
-                                  retain)  # fmt: skip
+            found = _match_layout(
+                client,
+                namespace,
+                list(hashes),
+                block_size,
+                source,
+                total_kv_heads,
+                tp_rank,
+                tp_size,
+                ttl,
+                hold,
+                retain,
+            )
             if best is None or found.num_blocks > best.num_blocks:
                 if best is not None:
                     best.release()
@@ -421,8 +531,9 @@ def match_shards(client, namespace: str, hashes: Sequence[str], *, block_size: i
     return best
 
 
-def _match_layout(client, namespace, hashes, block_size, source, heads, tp_rank, tp_size,
-                  ttl, hold, retain=None) -> KVPrefixMatch:  # fmt: skip
+def _match_layout(
+    client, namespace, hashes, block_size, source, heads, tp_rank, tp_size, ttl, hold, retain=None
+) -> KVPrefixMatch:
     import time
 
     plan, ranks, suffixes = _plan(heads, source, tp_size, tp_rank)
@@ -435,29 +546,62 @@ def _match_layout(client, namespace, hashes, block_size, source, heads, tp_rank,
         keys = [h + suffix for h in hashes for suffix in suffixes]
     asked_at = time.monotonic()
     # The broker counts hit tokens per key found: a key is 1/len(ranks) of a block here.
-    reply = client.ops.match_prefix(keys, namespace=namespace,
-                                    block_tokens=block_size // len(ranks), ttl=ttl,
-                                    hold=hold, retain=retain)  # fmt: skip
-    return KVPrefixMatch(client, reply, block_size, asked_at, source=source, heads=heads,
-                         ranks=ranks, plan=plan, tp_rank=tp_rank, tp_size=tp_size)
+    reply = client.ops.match_prefix(
+        keys,
+        namespace=namespace,
+        block_tokens=block_size // len(ranks),
+        ttl=ttl,
+        hold=hold,
+        retain=retain,
+    )
+    return KVPrefixMatch(
+        client,
+        reply,
+        block_size,
+        asked_at,
+        source=source,
+        heads=heads,
+        ranks=ranks,
+        plan=plan,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+    )
 
 
-def match(client, namespace: str, fmt: AttentionFormat | StateFormat, hashes: Sequence[str],
-          *, peer_tp_sizes: Sequence[int] = (), ttl: float | None = None,
-          hold: bool = True, retain: dict | None = None) -> PrefixMatch:  # fmt: skip
+def match(
+    client,
+    namespace: str,
+    fmt: AttentionFormat | StateFormat,
+    hashes: Sequence[str],
+    *,
+    peer_tp_sizes: Sequence[int] = (),
+    ttl: float | None = None,
+    hold: bool = True,
+    retain: dict | None = None,
+) -> PrefixMatch:
     """One read lease on the longest run of ``hashes`` whose blocks of format ``fmt`` the
     node holds. Attention: every shard this rank's heads come from, in its own TP layout
     first, then ``peer_tp_sizes`` (a :class:`KVPrefixMatch`: ``load`` it, or read its
     ``extents()`` and ``plan``). State pages: this rank's own pages (a :class:`PrefixMatch`,
     its ``meta`` checked by ``fmt.check``)."""
     if isinstance(fmt, AttentionFormat):
-        return match_shards(client, namespace, hashes, block_size=fmt.block_size,
-                            total_kv_heads=fmt.total_kv_heads, tp_rank=fmt.tp_rank,
-                            tp_size=fmt.tp_size, source_tp_sizes=[fmt.tp_size, *peer_tp_sizes],
-                            ttl=ttl, hold=hold, retain=retain)  # fmt: skip
+        return match_shards(
+            client,
+            namespace,
+            hashes,
+            block_size=fmt.block_size,
+            total_kv_heads=fmt.total_kv_heads,
+            tp_rank=fmt.tp_rank,
+            tp_size=fmt.tp_size,
+            source_tp_sizes=[fmt.tp_size, *peer_tp_sizes],
+            ttl=ttl,
+            hold=hold,
+            retain=retain,
+        )
     if isinstance(fmt, StateFormat):
-        found = match_keys(client, namespace, [fmt.key(h) for h in hashes], ttl=ttl, hold=hold,
-                           retain=retain)  # fmt: skip
+        found = match_keys(
+            client, namespace, [fmt.key(h) for h in hashes], ttl=ttl, hold=hold, retain=retain
+        )
         if found.num_blocks and found.meta is not None:
             try:
                 fmt.check(found.meta)

@@ -171,9 +171,11 @@ class Client(PoolAccess):
         if generation:  # replacing a connection: say why, for LeaseExpired messages
             if hello["server_pid"] != self.server_pid or hello.get("epoch") != self.epoch:
                 self.restarts += 1
-                self._lost = (f"the daemon restarted (pid {self.server_pid} -> "
-                              f"{hello['server_pid']}, epoch {self.epoch} -> "
-                              f"{hello.get('epoch')})")  # fmt: skip
+                self._lost = (
+                    f"the daemon restarted (pid {self.server_pid} -> "
+                    f"{hello['server_pid']}, epoch {self.epoch} -> "
+                    f"{hello.get('epoch')})"
+                )
             else:
                 self._lost = "the connection to the daemon was lost"
         self.session_id: int = hello["session"]
@@ -186,8 +188,9 @@ class Client(PoolAccess):
         self.generation = generation
         # The daemon's read replicas answer exists and match_prefix(hold=False) (replica.py).
         old_replica, paths = self._replica, hello.get("replicas") or []
-        self._replica = ReadReplica(paths, name=self._name,
-                                    busy_poll=self._busy_poll) if paths else None  # fmt: skip
+        self._replica = (
+            ReadReplica(paths, name=self._name, busy_poll=self._busy_poll) if paths else None
+        )
         if old_replica is not None:
             old_replica.close()
         self._session = session  # publish: last
@@ -300,8 +303,15 @@ class Client(PoolAccess):
         read of the written bytes; False skips it, and a daemon with require_checksums then
         refuses the seal).
         """
-        reply = self.ops.reserve(key, sizes, namespace=namespace, meta=meta, replace=replace,
-                                 ttl=ttl, consumers=consumers)  # fmt: skip
+        reply = self.ops.reserve(
+            key,
+            sizes,
+            namespace=namespace,
+            meta=meta,
+            replace=replace,
+            ttl=ttl,
+            consumers=consumers,
+        )
         return WriteLease(self, namespace, key, reply, checksum)
 
     def put(
@@ -328,19 +338,36 @@ class Client(PoolAccess):
         sizes = {name: nbytes_of(b) for name, b in buffers.items()}
         if checksum and len(sizes) > 128 and seal_size(sizes) > MAX_REQUEST:
             # Refused before anything is reserved or copied: the daemon reads no longer seal.
-            raise BadRequest(f"put: the seal of {len(sizes)} buffers' names and checksums "
-                             f"packs to more than the {MAX_REQUEST} bytes a daemon reads; "
-                             "use fewer or shorter buffer names")  # fmt: skip
+            raise BadRequest(
+                f"put: the seal of {len(sizes)} buffers' names and checksums "
+                f"packs to more than the {MAX_REQUEST} bytes a daemon reads; "
+                "use fewer or shorter buffer names"
+            )
         if self._arena.fits(sum(sizes.values()), namespace):
-            done = self._arena.put(key, buffers, sizes, namespace=namespace, meta=meta,
-                                   replace=replace, consumers=consumers, checksum=checksum)
+            done = self._arena.put(
+                key,
+                buffers,
+                sizes,
+                namespace=namespace,
+                meta=meta,
+                replace=replace,
+                consumers=consumers,
+                checksum=checksum,
+            )
             if done is not None:
                 return done
         for last in (False, True):
             try:
-                lease = self.reserve(key, sizes, namespace=namespace, meta=meta,
-                                     replace=replace, ttl=ttl, consumers=consumers,
-                                     checksum=checksum)  # fmt: skip
+                lease = self.reserve(
+                    key,
+                    sizes,
+                    namespace=namespace,
+                    meta=meta,
+                    replace=replace,
+                    ttl=ttl,
+                    consumers=consumers,
+                    checksum=checksum,
+                )
                 break
             except Exists:
                 if replace:
@@ -359,9 +386,10 @@ class Client(PoolAccess):
                 kind = self.checksum_kind
                 lease.checksums = {
                     name: _integrity.copy_hashed(lease[name], src, copy_into, kind)
-                    if sizes[name] else _integrity.empty_digest(kind)
+                    if sizes[name]
+                    else _integrity.empty_digest(kind)
                     for name, src in buffers.items()
-                }  # fmt: skip
+                }
             else:
                 for name, src in buffers.items():
                     if sizes[name]:
@@ -398,8 +426,15 @@ class Client(PoolAccess):
             self._session.settimeout(self._timeout + longer)
         asked_at = time.monotonic()
         try:
-            reply = self.ops.claim(key, namespace=namespace, select=select, consume=consume,
-                                   wait=wait, ttl=ttl, peer=peer)  # fmt: skip
+            reply = self.ops.claim(
+                key,
+                namespace=namespace,
+                select=select,
+                consume=consume,
+                wait=wait,
+                ttl=ttl,
+                peer=peer,
+            )
         finally:
             if longer and self._timeout is not None:
                 self._session.settimeout(self._timeout)
@@ -411,7 +446,6 @@ class Client(PoolAccess):
                 lease.__exit__(*sys.exc_info())
                 raise
         return lease
-
 
     def get(
         self,
@@ -438,8 +472,9 @@ class Client(PoolAccess):
         engine = default_engine()
         # below two ranges' worth the engine would copy on this thread anyway: skip its set-up
         split_from = 2 * engine.split_min if engine.threads > 1 else None
-        with self.claim(key, namespace=namespace, select=select, consume=consume,
-                        wait=wait, peer=peer) as lease:  # fmt: skip
+        with self.claim(
+            key, namespace=namespace, select=select, consume=consume, wait=wait, peer=peer
+        ) as lease:
             # every destination checked before any byte is copied: a bad one loses nothing (an
             # exception here ends the lease without counting a consume: ReadLease.__exit__)
             targets, returned = get_destinations(lease, out, namespace, key, select)
@@ -465,13 +500,17 @@ class Client(PoolAccess):
         nothing is pulled)."""
         if peer is None and self._replica is not None:  # (_call picks replica or daemon)
             return self.ops.exists(key, namespace=namespace)
-        return self._peer_call(peer is not None, self.ops.lookup, key, namespace=namespace,
-                               peer=peer) is not None  # fmt: skip
+        return (
+            self._peer_call(peer is not None, self.ops.lookup, key, namespace=namespace, peer=peer)
+            is not None
+        )
 
-    def lookup(self, key: str, *, namespace: str = "default",
-               peer: str | None = None) -> ObjectInfo | None:
-        info = self._peer_call(peer is not None, self.ops.lookup, key, namespace=namespace,
-                               peer=peer)  # fmt: skip
+    def lookup(
+        self, key: str, *, namespace: str = "default", peer: str | None = None
+    ) -> ObjectInfo | None:
+        info = self._peer_call(
+            peer is not None, self.ops.lookup, key, namespace=namespace, peer=peer
+        )
         return None if info is None else ObjectInfo.from_dict(info)
 
     def fetch(self, key: str, peer: str, *, namespace: str = "default") -> dict:
@@ -503,9 +542,13 @@ class Client(PoolAccess):
         return out
 
     def list_pages(
-        self, match: str | None = None, *, namespace: str | None = None,
-        limit: int | None = None, page_size: int | None = None,
-    ) -> Iterator[Listing]:  # fmt: skip
+        self,
+        match: str | None = None,
+        *,
+        namespace: str | None = None,
+        limit: int | None = None,
+        page_size: int | None = None,
+    ) -> Iterator[Listing]:
         """:meth:`list` one reply at a time (the daemon sends at most 10,000 objects, and
         about 4 MiB of them, a reply, or ``page_size``): each page a :class:`Listing`, the
         last one's ``truncated`` as
@@ -536,16 +579,25 @@ class Client(PoolAccess):
         match_buffers: str | None = None,
         older_than: float | None = None,
         all: bool = False,
-        dry_run: bool = False, tier: str = "all",
+        dry_run: bool = False,
+        tier: str = "all",
     ) -> EvictResult:
         """Free sealed objects matching every filter given; leased ones are skipped.
 
         With ``key`` and no ``namespace``, the key is evicted from every namespace. ``tier``
         (a disk tier's daemon): all, dram (kept on disk) or disk (the disk copies only)."""
-        return EvictResult(self.ops.evict(
-            key=key, match=match, namespace=namespace, match_buffers=match_buffers,
-            older_than=older_than, all=all, dry_run=dry_run, tier=tier,
-        ))  # fmt: skip
+        return EvictResult(
+            self.ops.evict(
+                key=key,
+                match=match,
+                namespace=namespace,
+                match_buffers=match_buffers,
+                older_than=older_than,
+                all=all,
+                dry_run=dry_run,
+                tier=tier,
+            )
+        )
 
     def ping(self) -> float:
         """Seconds one round trip to the daemon takes (an op that does nothing)."""
@@ -578,7 +630,9 @@ class Client(PoolAccess):
 def _default_name() -> str:
     import os
 
-    return f"{os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else 'python'}:{os.getpid()}"
+    return (
+        f"{os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else 'python'}:{os.getpid()}"
+    )
 
 
 _clients: weakref.WeakSet[Client] = weakref.WeakSet()

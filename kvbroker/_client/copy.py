@@ -75,8 +75,10 @@ def destination(dst: Any, nbytes: int, what: str, name: str | None = None):
         torch = sys.modules["torch"]
         # torch refuses the raw bytes of these (a RuntimeError), or they are no such bytes
         if dst.layout is not torch.strided or dst.is_conj() or dst.is_neg():
-            raise BadRequest(f"{what} must be a plain strided tensor (not sparse, MKL-DNN, "
-                             "or a conjugate or negative view)")  # fmt: skip
+            raise BadRequest(
+                f"{what} must be a plain strided tensor (not sparse, MKL-DNN, "
+                "or a conjugate or negative view)"
+            )
     elif getattr(getattr(dst, "dtype", None), "hasobject", False):  # elements are pointers
         raise BadRequest(f"{what} must be {kinds}, not an array of Python objects")
     try:
@@ -88,9 +90,11 @@ def destination(dst: Any, nbytes: int, what: str, name: str | None = None):
     except ValueError:  # a released memoryview
         target = None
     if target is None:
-        raise BadRequest(f"{what} must be contiguous and in CPU memory (a strided array or a "
-                         "GPU tensor would receive a copy, and the bytes would be lost; "
-                         "GpuClient.claim copies into CUDA tensors)")  # fmt: skip
+        raise BadRequest(
+            f"{what} must be contiguous and in CPU memory (a strided array or a "
+            "GPU tensor would receive a copy, and the bytes would be lost; "
+            "GpuClient.claim copies into CUDA tensors)"
+        )
     if not target.flags.writeable:
         raise BadRequest(f"{what} is read-only")
     if target.nbytes != nbytes:
@@ -118,12 +122,15 @@ def refuse_overlaps(targets: dict[str, Any], what: str) -> None:
             from ..errors import BadRequest
 
             first, second = (name, other) if i < j else (other, name)
-            raise BadRequest(f"{what}: out[{first!r}] and out[{second!r}] share memory (the "
-                             "second copy would overwrite the first): give each buffer its own")
+            raise BadRequest(
+                f"{what}: out[{first!r}] and out[{second!r}] share memory (the "
+                "second copy would overwrite the first): give each buffer its own"
+            )
 
 
-def get_destinations(lease: Any, out: Any, namespace: str, key: str,
-                     select: str | None) -> tuple[dict[str, Any], dict[str, Any]]:
+def get_destinations(
+    lease: Any, out: Any, namespace: str, key: str, select: str | None
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """Where ``get`` copies each buffer its read ``lease`` of ``namespace/key`` holds, and
     what it returns: ``(targets, returned)``, by buffer name in the lease's order. A target
     is the flat uint8 view of ``out[name]`` (returned as ``out[name]`` itself), or a fresh
@@ -140,9 +147,11 @@ def get_destinations(lease: Any, out: Any, namespace: str, key: str,
     if unknown:
         from ..errors import BadRequest
 
-        raise BadRequest(f"get: out names buffer(s) {sorted(unknown)} that this claim of "
-                         f"{namespace}/{key} does not return (it has {sorted(lease)}"
-                         f"{'' if select is None else f', select={select!r}'})")  # fmt: skip
+        raise BadRequest(
+            f"get: out names buffer(s) {sorted(unknown)} that this claim of "
+            f"{namespace}/{key} does not return (it has {sorted(lease)}"
+            f"{'' if select is None else f', select={select!r}'})"
+        )
     targets, returned, named = {}, {}, []
     for name in lease:
         nbytes = lease[name].nbytes

@@ -68,8 +68,19 @@ import xxhash
 
 from .._wire import checksum as _cs
 
-__all__ = ["CopyEngine", "default_engine", "default_threads", "default_gate", "fused_loop",
-           "MAX_THREADS", "NATIVE", "SHARED_CPUS", "SPLIT_MIN", "last_level_cache", "stream_min"]
+__all__ = [
+    "CopyEngine",
+    "default_engine",
+    "default_threads",
+    "default_gate",
+    "fused_loop",
+    "MAX_THREADS",
+    "NATIVE",
+    "SHARED_CPUS",
+    "SPLIT_MIN",
+    "last_level_cache",
+    "stream_min",
+]
 
 
 # Past 8 threads, GIL hand-offs cost more than the extra bandwidth (16 threads lost to 8 on
@@ -156,22 +167,36 @@ def _bind_c_loops():
         return None, None, None, f"python-xxhash's xxh3_64 cannot be bound: {exc}"
     # every xxh3 input-length path (0-16, 17-128, 129-240 bytes, long inputs), hashed in
     # place and copied (the one-pass loop where it runs), in ~2 ms
-    for probe, chunk in ((bytes(range(256)) * 5, 7), (bytes(range(256)) * 5, 240),
-                         (bytes(range(256)) * 5, 1000),
-                         (bytes(range(251)) * 4200, 1 << 20)):  # fmt: skip
+    for probe, chunk in (
+        (bytes(range(256)) * 5, 7),
+        (bytes(range(256)) * 5, 240),
+        (bytes(range(256)) * 5, 1000),
+        (bytes(range(251)) * 4200, 1 << 20),
+    ):
         want = [_hash(probe[at : at + chunk]) for at in range(0, len(probe), chunk)]
         landed = bytearray(len(probe))
-        if hash_chunks(probe, chunk) != want or copy_hashed(landed, probe, chunk) != want \
-                or landed != probe:  # fmt: skip
-            return None, None, None, (f"csrc/copyhash.c's digests of {len(probe)} bytes in "
-                                      f"chunks of {chunk} are not xxhash's xxh3_64")
+        if (
+            hash_chunks(probe, chunk) != want
+            or copy_hashed(landed, probe, chunk) != want
+            or landed != probe
+        ):
+            return (
+                None,
+                None,
+                None,
+                (
+                    f"csrc/copyhash.c's digests of {len(probe)} bytes in "
+                    f"chunks of {chunk} are not xxhash's xxh3_64"
+                ),
+            )
     return copy_hashed, hash_chunks, copy, None
 
 
 _c_copy_hashed, _c_hash_chunks, _c_copy, C_LOOPS_REFUSED = _bind_c_loops()
 if C_LOOPS_REFUSED not in (None, "not built"):  # built, yet not used: say so once
-    logging.getLogger("kvbroker").warning("the copy engine runs its Python loops: %s",
-                                          C_LOOPS_REFUSED)
+    logging.getLogger("kvbroker").warning(
+        "the copy engine runs its Python loops: %s", C_LOOPS_REFUSED
+    )
 _stream_min = functools.cache(stream_min)  # engines' default: sysfs read once per process
 
 # Whether engines copy and hash through csrc/copyhash.c by default (else the Python loops;
@@ -204,7 +229,9 @@ def default_threads() -> int:
         try:
             n = int(env)
         except ValueError:
-            raise ValueError(f"KVBROKER_COPY_THREADS must be a positive integer, not {env!r}") from None
+            raise ValueError(
+                f"KVBROKER_COPY_THREADS must be a positive integer, not {env!r}"
+            ) from None
         if n < 1:
             raise ValueError(f"KVBROKER_COPY_THREADS must be a positive integer, not {env!r}")
         return n
@@ -284,17 +311,24 @@ class CopyEngine:
     many bytes store non-temporally (the C loops only; default: :func:`stream_min`).
     """
 
-    def __init__(self, threads: int | None = None, split_min: int = SPLIT_MIN,
-                 split_while: Callable[[], bool] | None = None,
-                 native: bool | None = None, stream_min: int | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        threads: int | None = None,
+        split_min: int = SPLIT_MIN,
+        split_while: Callable[[], bool] | None = None,
+        native: bool | None = None,
+        stream_min: int | None = None,
+    ) -> None:
         self.threads = default_threads() if threads is None else int(threads)
         if self.threads < 1:
             raise ValueError("threads must be >= 1")
         self.split_min = max(_cs.CHUNK, int(split_min))
         self.split_while = split_while
         if native and _c_copy_hashed is None:
-            raise ValueError("the copy engine's C extension is not available here "
-                             "(not built, or KVBROKER_NATIVE_COPY=0)")  # fmt: skip
+            raise ValueError(
+                "the copy engine's C extension is not available here "
+                "(not built, or KVBROKER_NATIVE_COPY=0)"
+            )
         self.native = NATIVE if native is None else bool(native)
         self.stream_min = _stream_min() if stream_min is None else int(stream_min)
         self._pool: ThreadPoolExecutor | None = None
@@ -307,7 +341,9 @@ class CopyEngine:
         with self._lock:
             if self._pool is None or self._pid != os.getpid():
                 # after a fork the parent's workers do not exist here: start fresh ones
-                self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="kvbroker-copy")
+                self._pool = ThreadPoolExecutor(
+                    self.threads - 1, thread_name_prefix="kvbroker-copy"
+                )
                 self._pid = os.getpid()
             return self._pool
 
@@ -410,8 +446,9 @@ class CopyEngine:
         ranges = self.ranges(n)
         if self.native:  # pieces only when split over threads: see PIECE
             piece = PIECE if len(ranges) > 1 else 0
-            parts = self._run(_copy_hash_range_native, (dst, src, piece, n >= self.stream_min),
-                              ranges)  # fmt: skip
+            parts = self._run(
+                _copy_hash_range_native, (dst, src, piece, n >= self.stream_min), ranges
+            )
         else:
             _refuse_overlap(dst, src)
             parts = self._run(_copy_hash_range, (dst, src), ranges)
@@ -445,7 +482,7 @@ class CopyEngine:
         if parts <= 1:
             return [job() for job in jobs]
         bounds = [len(jobs) * i // parts for i in range(parts + 1)]
-        shares = [(_run_share, jobs[bounds[i]:bounds[i + 1]]) for i in range(parts)]
+        shares = [(_run_share, jobs[bounds[i] : bounds[i + 1]]) for i in range(parts)]
         return [r for part in self._spread(shares) for r in part]
 
     def close(self) -> None:

@@ -40,8 +40,20 @@ from .kernels import _interpret, select_backend, triton_available
 from .._wire import checksum as _cs
 from ..errors import KVBrokerError
 
-__all__ = ["GROUP", "NUM_WARPS", "Pending", "Prepared", "checksum", "checksums", "prepare",
-           "segment_digests", "select_backend", "start", "start_rows", "triton_available"]
+__all__ = [
+    "GROUP",
+    "NUM_WARPS",
+    "Pending",
+    "Prepared",
+    "checksum",
+    "checksums",
+    "prepare",
+    "segment_digests",
+    "select_backend",
+    "start",
+    "start_rows",
+    "triton_available",
+]
 
 # Shipped launch settings (benchmarks/bench_integrity_gpu.py records what it ran with).
 NUM_WARPS = 1  # measured on an H100: 1 warp per program 0.725 ms for 2 GiB, 4 warps 2.9 ms
@@ -272,7 +284,9 @@ class Pending:
         plan = self._plan
         out, at, tail_at = [], 0, 0
         le64, h = _LE64.pack, xxhash.xxh3_64_intdigest
-        for n, count, short in zip(plan.sizes.tolist(), plan.longs.tolist(), plan.shorts.tolist(), strict=True):
+        for n, count, short in zip(
+            plan.sizes.tolist(), plan.longs.tolist(), plan.shorts.tolist(), strict=True
+        ):
             digests = raw[8 * at : 8 * (at + count)]
             at += count
             if short:
@@ -306,8 +320,14 @@ def start_rows(tensor: Any, *, stream: Any = None) -> Pending:
 
     rows = tensor.shape[0] if tensor.dim() else 0
     n = tensor.nbytes // rows if rows else 0
-    if (not rows or not tensor.is_contiguous() or tensor.device.type != "cuda"
-            or tensor.data_ptr() % 8 or n % 8 or select_backend(tensor) != "triton"):  # fmt: skip
+    if (
+        not rows
+        or not tensor.is_contiguous()
+        or tensor.device.type != "cuda"
+        or tensor.data_ptr() % 8
+        or n % 8
+        or select_backend(tensor) != "triton"
+    ):
         return start([tensor[j] for j in range(rows)], stream=stream)
     with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
         plan = _Plan(np.full(rows, n, dtype=np.int64))
@@ -318,8 +338,7 @@ def start_rows(tensor: Any, *, stream: Any = None) -> Pending:
         return _to_host([tensor], plan, longs, tails)
 
 
-def prepare(tensors: Sequence[Any], *, backend: str | None = None,
-            stream: Any = None) -> Prepared:  # fmt: skip
+def prepare(tensors: Sequence[Any], *, backend: str | None = None, stream: Any = None) -> Prepared:
     """Set up the checksums of ``tensors`` without starting them: the table of their chunks
     goes to the device on ``stream`` now; :meth:`Prepared.launch` queues the kernel later, on
     another stream if wanted. For hashing bytes that a DMA will write: the table's small
@@ -360,8 +379,7 @@ class Prepared:
         import torch
 
         cuda = self.device.type == "cuda"
-        ctx = (torch.cuda.stream(stream) if cuda and stream is not None
-               else contextlib.nullcontext())  # fmt: skip
+        ctx = torch.cuda.stream(stream) if cuda and stream is not None else contextlib.nullcontext()
         with ctx:
             if self._table is not None:
                 kept, sizes, plan, table = self._table
@@ -370,12 +388,14 @@ class Prepared:
                 kept, sizes, ptrs = _prepare(self.tensors)
                 plan = _Plan(sizes)
                 if self.backend == "triton":
-                    longs = _launch_long(plan, _upload_table(plan, ptrs, self.device),
-                                         self.device)  # fmt: skip
+                    longs = _launch_long(plan, _upload_table(plan, ptrs, self.device), self.device)
                 else:
                     longs = torch_long_all(kept, plan, self.device, _keys(self.device))
-            shorts = [_flat(t)[n - k :] for t, n, k in zip(kept, sizes, plan.shorts.tolist(), strict=True)
-                      if k]  # fmt: skip
+            shorts = [
+                _flat(t)[n - k :]
+                for t, n, k in zip(kept, sizes, plan.shorts.tolist(), strict=True)
+                if k
+            ]
             tails = torch.cat(shorts) if shorts else None
             self._table = None
             if not cuda:
@@ -413,8 +433,9 @@ def checksum(tensor: Any, *, backend: str | None = None) -> int:
     return checksums([tensor], backend=backend)[0]
 
 
-def segment_digests(tensor: Any, starts: Sequence[int], lengths: Sequence[int], *,
-                    backend: str | None = None):  # fmt: skip
+def segment_digests(
+    tensor: Any, starts: Sequence[int], lengths: Sequence[int], *, backend: str | None = None
+):
     """xxh3_64 of byte ranges ``[start, start + length)`` of a contiguous tensor, each longer
     than SHORT_MAX bytes and starting 8-byte aligned in memory: what the kernel computes per
     chunk, for any chunk length (tests and benchmarks). A uint64 numpy array."""
@@ -435,14 +456,19 @@ def segment_digests(tensor: Any, starts: Sequence[int], lengths: Sequence[int], 
         table = torch.from_numpy(np.stack([ptr + starts, lengths])).to(t.device)
         out = torch.empty(len(starts), dtype=torch.int64, device=t.device)
         if len(starts):
-            kernel[(len(starts),)](table[0], table[1], _keys(t.device), out, GROUP=GROUP,
-                                   num_warps=NUM_WARPS)  # fmt: skip
+            kernel[(len(starts),)](
+                table[0], table[1], _keys(t.device), out, GROUP=GROUP, num_warps=NUM_WARPS
+            )
     else:
         f = _flat(t)
         keys = _keys(t.device)
-        out = torch.cat([torch_long(f[a : a + n].view(1, -1), keys)
-                         for a, n in zip(starts.tolist(), lengths.tolist(), strict=True)]
-                        or [torch.empty(0, dtype=torch.int64, device=t.device)])  # fmt: skip
+        out = torch.cat(
+            [
+                torch_long(f[a : a + n].view(1, -1), keys)
+                for a, n in zip(starts.tolist(), lengths.tolist(), strict=True)
+            ]
+            or [torch.empty(0, dtype=torch.int64, device=t.device)]
+        )
     return out.cpu().numpy().view(np.uint64)
 
 

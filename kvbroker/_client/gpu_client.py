@@ -75,8 +75,11 @@ def _register(torch, name: str, mm, size: int) -> None:
 def _unregister_address(addr: int, size: int) -> None:
     import torch
 
-    _cuda_check(torch, torch.cuda.cudart().cudaHostUnregister(addr),
-                f"cudaHostUnregister of {size} bytes at {addr:#x}")  # fmt: skip
+    _cuda_check(
+        torch,
+        torch.cuda.cudart().cudaHostUnregister(addr),
+        f"cudaHostUnregister of {size} bytes at {addr:#x}",
+    )
 
 
 def registered_segments() -> dict[str, int]:
@@ -164,8 +167,11 @@ class GpuClient(RingClient):
     ) -> None:
         torch = _require_cuda()
         self._torch = torch
-        self.device = torch.device("cuda", torch.cuda.current_device()) if device is None \
-            else torch.device(device)  # fmt: skip
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if device is None
+            else torch.device(device)
+        )
         self._own = client is None if own_client is None else own_client
         self.client = client if client is not None else Client(**client_kw)
         self._names: list[str] = []
@@ -212,8 +218,9 @@ class GpuClient(RingClient):
         for s in getattr(self, "_sum_streams", {}).values():
             s.synchronize()
         for m in getattr(self, "_ring_held", {}).values():
-            _ring_maps.release(bytes(next(r["handle"] for r in self._rings
-                                          if r["index"] == m.index)))  # fmt: skip
+            _ring_maps.release(
+                bytes(next(r["handle"] for r in self._rings if r["index"] == m.index))
+            )
         self._ring_held = {}
         names, self._names = self._names, []
         for name in names:
@@ -291,9 +298,14 @@ class GpuClient(RingClient):
         flat = {name: _span(t) for name, t in tensors.items()}
         try:
             lease = self.client.reserve(
-                key, {n: f[1] for n, f in flat.items()}, namespace=namespace, meta=meta,
-                replace=replace, ttl=ttl, consumers=consumers,
-            )  # fmt: skip
+                key,
+                {n: f[1] for n, f in flat.items()},
+                namespace=namespace,
+                meta=meta,
+                replace=replace,
+                ttl=ttl,
+                consumers=consumers,
+            )
         except Exists:
             if replace:
                 raise
@@ -313,8 +325,9 @@ class GpuClient(RingClient):
                     self.stream,
                 )
                 if checksum:  # queued while the DMA runs, on their own stream: beside it
-                    sums = _gi.start_seal(tensors, self.client.checksum_kind,
-                                          self._sum_streams_after(ready))  # fmt: skip
+                    sums = _gi.start_seal(
+                        tensors, self.client.checksum_kind, self._sum_streams_after(ready)
+                    )
             finally:
                 # the bytes are in the pool before the seal publishes them (and no copy
                 # writes into the pages once an abort has given them back)
@@ -358,8 +371,9 @@ class GpuClient(RingClient):
             select = None
         flat = {name: _span(t) for name, t in out.items()}
         caller = self._caller_stream(stream)
-        with self.client.claim(key, namespace=namespace, select=select, consume=consume,
-                               wait=wait) as lease:  # fmt: skip
+        with self.client.claim(
+            key, namespace=namespace, select=select, consume=consume, wait=wait
+        ) as lease:
             _check_destinations(lease, flat)
             srcs = _host_addresses(lease)
             ready = torch.cuda.Event()
@@ -376,8 +390,9 @@ class GpuClient(RingClient):
                 landed = []
                 for group in _verify_groups(flat) if checking else [list(flat)]:
                     if checking:  # its chunk table goes to the GPU ahead of its copies
-                        ready = _gi.prepare_verify({n: out[n] for n in group},
-                                                   lease.checksums, self.stream)  # fmt: skip
+                        ready = _gi.prepare_verify(
+                            {n: out[n] for n in group}, lease.checksums, self.stream
+                        )
                     self.last_copies += copy_runs(
                         [(flat[name][0], srcs[name], flat[name][1]) for name in group],
                         self.stream,
@@ -436,9 +451,11 @@ class GpuClient(RingClient):
         # After what is queued on the caller's stream, and on each destination GPU's current
         # stream (where their memory was allocated: it may be a block freed there and still
         # read by work queued before).
-        waits = {s.cuda_stream: s for s in [self._caller_stream(stream)] + [
-            torch.cuda.current_stream(d) for d in {t.device for g in groups for t in g.values()}
-        ]}  # fmt: skip
+        waits = {
+            s.cuda_stream: s
+            for s in [self._caller_stream(stream)]
+            + [torch.cuda.current_stream(d) for d in {t.device for g in groups for t in g.values()}]
+        }
         for waited in waits.values():
             ready = torch.cuda.Event()
             ready.record(waited)

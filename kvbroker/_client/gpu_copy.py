@@ -43,8 +43,12 @@ def _driver():
         from .._cuda import load_libcuda
 
         lib = load_libcuda()
-        lib.cuMemcpyAsync.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t,
-                                      ctypes.c_void_p]  # fmt: skip
+        lib.cuMemcpyAsync.argtypes = [
+            ctypes.c_uint64,
+            ctypes.c_uint64,
+            ctypes.c_size_t,
+            ctypes.c_void_p,
+        ]
         _LIBCUDA = lib
     return _LIBCUDA
 
@@ -116,6 +120,10 @@ class _DeviceSpan:
 
     def __init__(self, ptr: int, nbytes: int) -> None:
         self.__cuda_array_interface__ = {
-            "shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 3,
-            "strides": None, "stream": None,
-        }  # fmt: skip
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (ptr, False),
+            "version": 3,
+            "strides": None,
+            "stream": None,
+        }

@@ -41,8 +41,9 @@ class Sums:
     and the names whose checksum is a kind-0 hash of the pool's bytes, computed by
     :meth:`values` (or :meth:`host_values`)."""
 
-    def __init__(self, order: list[str], kind1: list[tuple[list[str], Any]],
-                 kind0: list[str]) -> None:  # fmt: skip
+    def __init__(
+        self, order: list[str], kind1: list[tuple[list[str], Any]], kind0: list[str]
+    ) -> None:
         self._order = order  # the names, in the caller's order
         self._pending = kind1  # [(names, gpu_checksum.Pending)], one per device
         self._kind0 = kind0
@@ -55,8 +56,10 @@ class Sums:
     def host_values(self, host_views: Any) -> dict[str, Any]:
         """The kind-0 checksums, hashed now on this thread from ``host_views`` (the pool's
         bytes: a lease, or any mapping of name to a uint8 view)."""
-        return {name: _cs.encode(_cs.legacy_digest(host_views[name]), _cs.KIND_XXH3)
-                for name in self._kind0}  # fmt: skip
+        return {
+            name: _cs.encode(_cs.legacy_digest(host_views[name]), _cs.KIND_XXH3)
+            for name in self._kind0
+        }
 
     def device_values(self) -> dict[str, Any]:
         """The kind-1 checksums, once their kernels are done (waits for them)."""
@@ -82,8 +85,9 @@ class Sums:
             pending.wait()
 
 
-def _start(tensors: Mapping[str, Any], kind1: list[str], kind0: list[str],
-           stream_for: Callable[[Any], Any]) -> Sums:  # fmt: skip
+def _start(
+    tensors: Mapping[str, Any], kind1: list[str], kind0: list[str], stream_for: Callable[[Any], Any]
+) -> Sums:
     pending = []
     chosen = {n: tensors[n] for n in kind1}
     for device, names in _by_device(chosen).items():
@@ -104,8 +108,9 @@ def start_seal(tensors: Mapping[str, Any], kind: int, stream_for: Callable[[Any]
     raise ValueError(f"unknown checksum kind {kind!r}")
 
 
-def start_verify(tensors: Mapping[str, Any], recorded: Mapping[str, Any] | None,
-                 stream_for: Callable[[Any], Any]) -> Sums:  # fmt: skip
+def start_verify(
+    tensors: Mapping[str, Any], recorded: Mapping[str, Any] | None, stream_for: Callable[[Any], Any]
+) -> Sums:
     """Start recomputing the checksums recorded for the buffers claimed into ``tensors``:
     each buffer in the kind it was sealed with (buffers without one are not checked). Kind 1
     is hashed from ``tensors`` on their devices, on ``stream_for(device)`` (waiting for the
@@ -117,31 +122,39 @@ def start_verify(tensors: Mapping[str, Any], recorded: Mapping[str, Any] | None,
 class PreparedVerify:
     """A verify set up by :func:`prepare_verify`: :meth:`launch` starts it."""
 
-    def __init__(self, order: list[str], kind1: list[tuple[list[str], Any]],
-                 kind0: list[str]) -> None:  # fmt: skip
+    def __init__(
+        self, order: list[str], kind1: list[tuple[list[str], Any]], kind0: list[str]
+    ) -> None:
         self._order, self._kind1, self._kind0 = order, kind1, kind0
 
     def launch(self, stream_for: Callable[[Any], Any]) -> Sums:
         """Queue the kind-1 kernels on ``stream_for(device)`` (a stream waiting for the
         bytes); returns the :class:`Sums` under way."""
-        return Sums(self._order, [(names, p.launch(stream_for(p.device)))
-                                  for names, p in self._kind1], self._kind0)  # fmt: skip
+        return Sums(
+            self._order,
+            [(names, p.launch(stream_for(p.device))) for names, p in self._kind1],
+            self._kind0,
+        )
 
 
-def prepare_verify(tensors: Mapping[str, Any], recorded: Mapping[str, Any] | None,
-                   upload_stream: Any) -> PreparedVerify:  # fmt: skip
+def prepare_verify(
+    tensors: Mapping[str, Any], recorded: Mapping[str, Any] | None, upload_stream: Any
+) -> PreparedVerify:
     """:func:`start_verify` in two steps, for tensors a DMA is about to fill: the kind-1
     set-up (each device's chunk table, copied to it on ``upload_stream`` now, before the DMA
     is queued there) here, the kernels by :meth:`PreparedVerify.launch` once it is queued."""
     kind1, kind0 = _split_by_kind(tensors, recorded)
     chosen = {n: tensors[n] for n in kind1}
-    prepared = [(names, _gc.prepare([chosen[n] for n in names], stream=upload_stream))
-                for names in _by_device(chosen).values()]  # fmt: skip
+    prepared = [
+        (names, _gc.prepare([chosen[n] for n in names], stream=upload_stream))
+        for names in _by_device(chosen).values()
+    ]
     return PreparedVerify([n for n in tensors if n in chosen or n in kind0], prepared, kind0)
 
 
-def _split_by_kind(tensors: Mapping[str, Any],
-                   recorded: Mapping[str, Any] | None) -> tuple[list[str], list[str]]:  # fmt: skip
+def _split_by_kind(
+    tensors: Mapping[str, Any], recorded: Mapping[str, Any] | None
+) -> tuple[list[str], list[str]]:
     """The names with a recorded checksum: (kind 1, kind 0)."""
     kind1, kind0 = [], []
     for name in tensors:

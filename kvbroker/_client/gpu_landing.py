@@ -56,8 +56,9 @@ class Landing:
     blocks until the lease is released and ``after`` has run, raising what failed.
     """
 
-    def __init__(self, lease: Any, events: Sequence[Any], done: Any,
-                 after: Callable[[], None] | None) -> None:  # fmt: skip
+    def __init__(
+        self, lease: Any, events: Sequence[Any], done: Any, after: Callable[[], None] | None
+    ) -> None:
         self.lease = lease
         self.done = done
         self._events = list(events)
@@ -142,8 +143,7 @@ class Finisher:
             if self._closed:
                 raise KVBrokerError("the GpuClient is closed")
             if self._thread is None:
-                thread = threading.Thread(target=self._run, name="kvbroker-landing",
-                                          daemon=True)  # fmt: skip
+                thread = threading.Thread(target=self._run, name="kvbroker-landing", daemon=True)
                 thread.start()  # may raise (no thread to be had): nothing queued then
                 self._thread = thread
             self._queue.put(landing)
@@ -155,8 +155,12 @@ class Finisher:
 
                 torch.cuda.set_device(self._device)
             except Exception as exc:  # never fatal: a landing left unfinished hangs finish()
-                log.warning("kvbroker-landing: cannot make %s current (%s); the copies are "
-                            "waited for from the default device", self._device, exc)  # fmt: skip
+                log.warning(
+                    "kvbroker-landing: cannot make %s current (%s); the copies are "
+                    "waited for from the default device",
+                    self._device,
+                    exc,
+                )
         while True:
             landing = self._queue.get()
             if landing is None:

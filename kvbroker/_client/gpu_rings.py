@@ -64,9 +64,17 @@ class RingClient:
                 return r["index"]
         raise KVBrokerError(f"the daemon has no GPU ring on {dev} (PCI {bus})")
 
-    def ring_reserve(self, nbytes: int, *, key: str | None = None, ring: int | None = None,
-                     namespace: str = "default", meta: dict | None = None,
-                     ttl: float | None = None, wait: float = 5.0) -> RingRegion:  # fmt: skip
+    def ring_reserve(
+        self,
+        nbytes: int,
+        *,
+        key: str | None = None,
+        ring: int | None = None,
+        namespace: str = "default",
+        meta: dict | None = None,
+        ttl: float | None = None,
+        wait: float = 5.0,
+    ) -> RingRegion:
         """A ring region of ``nbytes``: scratch, or (``key``) a ring object to seal.
 
         A full ring is retried, with short sleeps, for at most ``wait`` seconds (regions free
@@ -81,8 +89,9 @@ class RingClient:
         pause = 0.0005
         while True:
             try:
-                reply = self.client.ops.ring_reserve(index, nbytes, namespace=namespace, key=key,
-                                                     meta=meta, ttl=ttl)  # fmt: skip
+                reply = self.client.ops.ring_reserve(
+                    index, nbytes, namespace=namespace, key=key, meta=meta, ttl=ttl
+                )
                 break
             except PoolFull as exc:
                 if "never fits" in str(exc) or time.monotonic() + pause > deadline:
@@ -101,9 +110,18 @@ class RingClient:
             self.client.ops.ring_release(reply["lease"])
             raise
 
-    def ring_publish(self, key: str, tensors: Mapping[str, Any], *, ring: int | None = None,
-                     stream: Any = None, namespace: str = "default", meta: dict | None = None,
-                     ttl: float | None = None, wait: float = 5.0) -> dict:  # fmt: skip
+    def ring_publish(
+        self,
+        key: str,
+        tensors: Mapping[str, Any],
+        *,
+        ring: int | None = None,
+        stream: Any = None,
+        namespace: str = "default",
+        meta: dict | None = None,
+        ttl: float | None = None,
+        wait: float = 5.0,
+    ) -> dict:
         """Publish contiguous CUDA tensors into a GPU ring (the ring of this client's GPU by
         default): one device-to-device copy per tensor (merged when adjacent), no host round
         trip. A claimer on any GPU of the ring's NVLink domain reads it with
@@ -113,12 +131,17 @@ class RingClient:
         flat = {name: _span(t) for name, t in tensors.items()}
         layout, at = {}, 0
         for name, (_, n) in flat.items():
-            layout[name] = [at, n, str(tensors[name].dtype).removeprefix("torch."),
-                            list(tensors[name].shape)]  # fmt: skip
+            layout[name] = [
+                at,
+                n,
+                str(tensors[name].dtype).removeprefix("torch."),
+                list(tensors[name].shape),
+            ]
             at += aligned(n)
         full_meta = {"kvbroker.ring": 1, "buffers": layout, "user": meta}
-        region = self.ring_reserve(max(at, 1), key=key, ring=ring, namespace=namespace,
-                                   meta=full_meta, ttl=ttl, wait=wait)  # fmt: skip
+        region = self.ring_reserve(
+            max(at, 1), key=key, ring=ring, namespace=namespace, meta=full_meta, ttl=ttl, wait=wait
+        )
         try:
             ready = torch.cuda.Event()
             ready.record(self._caller_stream(stream))
@@ -135,26 +158,37 @@ class RingClient:
             raise
         return layout
 
-    def ring_read(self, key: str, *, namespace: str = "default", consume: bool = True,
-                  wait: float | None = None) -> RingRegion:  # fmt: skip
+    def ring_read(
+        self,
+        key: str,
+        *,
+        namespace: str = "default",
+        consume: bool = True,
+        wait: float | None = None,
+    ) -> RingRegion:
         """A read lease on a sealed ring object, its bytes lent as ``region.tensor`` (uint8,
         on the ring's GPU, mapped over CUDA IPC) for the caller's own kernels to read (a
         scatter into a paged cache): no copy is made here. The caller releases it (``with``)
         once every kernel reading it has run; ``consume``: the object is freed then, and no
         one else may claim it meanwhile. Not found (and no ``wait``): NotFound."""
-        reply = self.client.ops.ring_claim(key, namespace=namespace, consume=consume,
-                                           wait=wait)  # fmt: skip
+        reply = self.client.ops.ring_claim(key, namespace=namespace, consume=consume, wait=wait)
         return self._region(reply, "read", key)
 
-    def ring_claim(self, key: str, out: Mapping[str, Any], *, stream: Any = None,
-                   namespace: str = "default", consume: bool = True,
-                   wait: float | None = None) -> dict[str, Any]:  # fmt: skip
+    def ring_claim(
+        self,
+        key: str,
+        out: Mapping[str, Any],
+        *,
+        stream: Any = None,
+        namespace: str = "default",
+        consume: bool = True,
+        wait: float | None = None,
+    ) -> dict[str, Any]:
         """Copy each buffer named in ``out`` from a ring object into its CUDA tensor: one copy
         each (a peer copy over NVLink when the ring is on another GPU), ordered like
         :meth:`claim`. Returns ``out``."""
         torch = self._torch
-        reply = self.client.ops.ring_claim(key, namespace=namespace, consume=consume,
-                                           wait=wait)  # fmt: skip
+        reply = self.client.ops.ring_claim(key, namespace=namespace, consume=consume, wait=wait)
         with self._region(reply, "read", key) as region:
             layout = (region.meta or {}).get("buffers", {})
             missing = [n for n in out if n not in layout]
@@ -163,8 +197,9 @@ class RingClient:
             flat = {name: _span(t) for name, t in out.items()}
             for name, (_, n) in flat.items():
                 if layout[name][1] != n:
-                    raise KVBrokerError(f"buffer {name!r} holds {layout[name][1]} bytes, the "
-                                        f"destination {n}")  # fmt: skip
+                    raise KVBrokerError(
+                        f"buffer {name!r} holds {layout[name][1]} bytes, the destination {n}"
+                    )
             caller = self._caller_stream(stream)
             ready = torch.cuda.Event()
             ready.record(caller)
@@ -214,11 +249,16 @@ class _RingMapping:
             torch.empty(1, device=self.device)  # the primary context exists and is current
             ptr = ctypes.c_uint64()
             if len(info["handle"]) != ctypes.sizeof(IpcHandle):
-                raise KVBrokerError(f"GPU ring {self.index}: the daemon sent a "
-                                    f"{len(info['handle'])}-byte IPC handle, not 64")
+                raise KVBrokerError(
+                    f"GPU ring {self.index}: the daemon sent a "
+                    f"{len(info['handle'])}-byte IPC handle, not 64"
+                )
             handle = IpcHandle.from_buffer_copy(bytes(info["handle"]))
-            _check(lib, lib.cuIpcOpenMemHandle_v2(ctypes.byref(ptr), handle, 1),
-                   f"cuIpcOpenMemHandle of GPU ring {self.index}")  # fmt: skip
+            _check(
+                lib,
+                lib.cuIpcOpenMemHandle_v2(ctypes.byref(ptr), handle, 1),
+                f"cuIpcOpenMemHandle of GPU ring {self.index}",
+            )
         self.ptr = ptr.value
         self.tensor = torch.as_tensor(_DeviceSpan(self.ptr, self.capacity), device=self.device)
         self._torch = torch

@@ -34,18 +34,23 @@ _AXES6 = ("layer", "kv", "block", "token", "head", "head_dim")
 def _paged_facts(cache, total_kv_heads):
     """(components, heads total or None) of a 6-axis paged CUDA cache (see kvbroker._client.kernels)."""
     if not getattr(cache, "is_cuda", False) or cache.dim() != 6:
-        raise BadRequest("the CUDA shard path takes one CUDA tensor with axes (layer, kv, block, "
-                         "token, head, head_dim); a host cache goes through kvbroker.kv")  # fmt: skip
+        raise BadRequest(
+            "the CUDA shard path takes one CUDA tensor with axes (layer, kv, block, "
+            "token, head, head_dim); a host cache goes through kvbroker.kv"
+        )
     kv = cache.shape[1]
     if kv == 2:
         if total_kv_heads is None:
-            raise BadRequest("total_kv_heads (from the model config) is required for a "
-                             "per-head cache")  # fmt: skip
+            raise BadRequest(
+                "total_kv_heads (from the model config) is required for a per-head cache"
+            )
         return ("key", "value"), total_kv_heads
     if kv == 1 and cache.shape[4] == 1:
         return ("latent",), None
-    raise BadRequest(f"the kv axis must be 2 (K, V) or 1 (an MLA latent with one head), "
-                     f"got shape {tuple(cache.shape)}")  # fmt: skip
+    raise BadRequest(
+        f"the kv axis must be 2 (K, V) or 1 (an MLA latent with one head), "
+        f"got shape {tuple(cache.shape)}"
+    )
 
 
 class _Staging:
@@ -61,8 +66,11 @@ class _Staging:
                 self.in_ring = True
         except KVBrokerError:  # no ring on that GPU, or full: do not wait, use torch memory
             self.region = None
-        self.tensor = (self.region.tensor if self.region is not None
-                       else g._torch.empty(nbytes, dtype=g._torch.uint8, device=device))
+        self.tensor = (
+            self.region.tensor
+            if self.region is not None
+            else g._torch.empty(nbytes, dtype=g._torch.uint8, device=device)
+        )
 
     def close(self) -> None:
         self.tensor = None
@@ -124,18 +132,33 @@ def publish_shard_cuda(
     if consumers == 0:
         return PublishResult(key, False, 0, seconds=time.perf_counter() - started)
     spec = ShardSpec.build(
-        request, tp_rank=tp_rank, tp_size=tp_size, total_kv_heads=heads, heads=mine,
-        num_tokens=num_tokens, num_layers=L, components=components, dtype=dtype_name(cache),
-        head_dim=dim, infix=infix, decode_tp_size=decode_tp_size,
+        request,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        total_kv_heads=heads,
+        heads=mine,
+        num_tokens=num_tokens,
+        num_layers=L,
+        components=components,
+        dtype=dtype_name(cache),
+        head_dim=dim,
+        infix=infix,
+        decode_tp_size=decode_tp_size,
         engine_layout=Layout.from_tensor(cache, _AXES6, iterated=_AXES6[:-1]).select("layer", 0),
-    )  # fmt: skip
+    )
     names = [name for row in spec.buffer_names() for name in row]
     B = spec.layout.nbytes
     item = cache.element_size()
     table = torch.as_tensor(block_table, device=cache.device)
-    lease = g.client.reserve(key, dict.fromkeys(names, B), namespace=namespace,
-                             meta=spec.to_meta(), ttl=ttl, replace=replace,
-                             consumers=consumers)  # fmt: skip
+    lease = g.client.reserve(
+        key,
+        dict.fromkeys(names, B),
+        namespace=namespace,
+        meta=spec.to_meta(),
+        ttl=ttl,
+        replace=replace,
+        consumers=consumers,
+    )
     lease.checksum = checksum  # with checksum, lease.checksums is set below (GpuClient.publish)
     with lease:
         addrs = _host_addresses(lease)
@@ -147,8 +170,10 @@ def publish_shard_cuda(
         sums = None
         try:
             st = staging.tensor[:span].view(cache.dtype)
-            st = st.as_strided((L, C, len(mine), num_tokens, dim),
-                               (C * slot // item, slot // item, num_tokens * dim, dim, 1))
+            st = st.as_strided(
+                (L, C, len(mine), num_tokens, dim),
+                (C * slot // item, slot // item, num_tokens * dim, dim, 1),
+            )
             ready = torch.cuda.Event()
             ready.record(g._caller_stream(stream))
             g.stream.wait_event(ready)
@@ -159,8 +184,9 @@ def publish_shard_cuda(
                 gathered = torch.cuda.Event()
                 gathered.record(g.stream)
                 slices = {n: staging.tensor[i * slot : i * slot + B] for i, n in enumerate(names)}
-                sums = _gi.start_seal(slices, g.client.checksum_kind,
-                                      g._sum_streams_after(gathered))  # fmt: skip
+                sums = _gi.start_seal(
+                    slices, g.client.checksum_kind, g._sum_streams_after(gathered)
+                )
                 del slices
             base = staging.tensor.data_ptr()
             if spacing is not None:
@@ -177,8 +203,9 @@ def publish_shard_cuda(
             if sums is not None:
                 sums.wait()  # no kernel reads the staging region once it is given back
             staging.close()
-    return PublishResult(key, True, consumers, 1 + copies, B * len(names),
-                         time.perf_counter() - started)  # fmt: skip
+    return PublishResult(
+        key, True, consumers, 1 + copies, B * len(names), time.perf_counter() - started
+    )
 
 
 def claim_shards_cuda(
@@ -225,8 +252,15 @@ def claim_shards_cuda(
             specs = {}
             for k in keys:
                 specs[k] = spec = ShardSpec.from_meta(pins[k].meta, k)
-                spec.check(k, components=components, num_layers=L, total_kv_heads=heads,
-                           tp_size=prefill_tp_size, infix=infix, layout=engine)  # fmt: skip
+                spec.check(
+                    k,
+                    components=components,
+                    num_layers=L,
+                    total_kv_heads=heads,
+                    tp_size=prefill_tp_size,
+                    infix=infix,
+                    layout=engine,
+                )
             total = agreed_tokens(specs, num_tokens)
             names = [name for row in specs[keys[0]].buffer_names() for name in row]
             table = torch.as_tensor(block_table, device=cache.device)
@@ -241,8 +275,9 @@ def claim_shards_cuda(
                 if missing:
                     raise LayoutMismatch(f"layout mismatch on buffers: {key} has no {missing[0]}")
                 stored = specs[key].layout
-                (run_off, run_len), = stored.narrow("head", piece.src_head,
-                                                    piece.count).descriptors()  # fmt: skip
+                ((run_off, run_len),) = stored.narrow(
+                    "head", piece.src_head, piece.count
+                ).descriptors()
                 addrs = _host_addresses(lease)
                 order = [addrs[n] for n in names]
                 spacing = _uniform_spacing(order, stored.nbytes, item)
@@ -257,9 +292,14 @@ def claim_shards_cuda(
                 )
                 result.source_runs += len(order)
                 result.nbytes += run_len * len(order)
-                st = staging.tensor[:span].view(cache.dtype).as_strided(
-                    (L, C, piece.count, total, dim),
-                    (C * slot // item, slot // item, total * dim, dim, 1))  # fmt: skip
+                st = (
+                    staging.tensor[:span]
+                    .view(cache.dtype)
+                    .as_strided(
+                        (L, C, piece.count, total, dim),
+                        (C * slot // item, slot // item, total * dim, dim, 1),
+                    )
+                )
                 with torch.cuda.stream(g.stream):
                     _kernels.scatter(st, cache, table, total, head_start=piece.dst_head)
                 result.copy_ops += 1

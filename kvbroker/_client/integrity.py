@@ -180,8 +180,14 @@ class ObjectCheck:
     bad: tuple[str, ...] = field(default=())
 
     def to_dict(self) -> dict[str, Any]:
-        return {"namespace": self.namespace, "key": self.key, "nbytes": self.nbytes,
-                "buffers": self.buffers, "status": self.status, "bad": list(self.bad)}  # fmt: skip
+        return {
+            "namespace": self.namespace,
+            "key": self.key,
+            "nbytes": self.nbytes,
+            "buffers": self.buffers,
+            "status": self.status,
+            "bad": list(self.bad),
+        }
 
 
 def verify_objects(

@@ -53,10 +53,29 @@ def _triton():
         return None
 
     @triton.jit
-    def _move(cache, staging, table, num_tokens, page, head_start, heads,
-              c_l, c_c, c_b, c_t, c_h, s_l, s_c, s_h, s_t,
-              kv: tl.constexpr, dim: tl.constexpr, block_t: tl.constexpr,
-              block_d: tl.constexpr, to_staging: tl.constexpr):  # fmt: skip
+    def _move(
+        cache,
+        staging,
+        table,
+        num_tokens,
+        page,
+        head_start,
+        heads,
+        c_l,
+        c_c,
+        c_b,
+        c_t,
+        c_h,
+        s_l,
+        s_c,
+        s_h,
+        s_t,
+        kv: tl.constexpr,
+        dim: tl.constexpr,
+        block_t: tl.constexpr,
+        block_d: tl.constexpr,
+        to_staging: tl.constexpr,
+    ):
         pid = tl.program_id(0)  # one (layer, kv, head) run of the staging region
         tile = tl.program_id(1)  # one tile of block_t tokens
         h = pid % heads
@@ -68,8 +87,9 @@ def _triton():
         t_ok = t < num_tokens
         blk = tl.load(table + t // page, mask=t_ok, other=0).to(tl.int64)
         slot = (t % page).to(tl.int64)
-        c_row = (layer.to(tl.int64) * c_l + c.to(tl.int64) * c_c
-                 + (head_start + h).to(tl.int64) * c_h)  # fmt: skip
+        c_row = (
+            layer.to(tl.int64) * c_l + c.to(tl.int64) * c_c + (head_start + h).to(tl.int64) * c_h
+        )
         c_off = c_row + blk * c_b + slot * c_t
         s_row = layer.to(tl.int64) * s_l + c.to(tl.int64) * s_c + h.to(tl.int64) * s_h
         s_off = s_row + t.to(tl.int64) * s_t
@@ -93,7 +113,7 @@ def _interpret() -> bool:
 
 
 def select_backend(*tensors: Any) -> str:
-    """"triton" where Triton can run on these tensors (CUDA, or the interpreter), else "torch"."""
+    """ "triton" where Triton can run on these tensors (CUDA, or the interpreter), else "torch"."""
     if _triton() is None:
         return "torch"
     if all(t.is_cuda for t in tensors):
@@ -197,12 +217,29 @@ def _run(cache, staging, block_table, num_tokens, head_start, backend, to_stagin
     block_t = min(block_t, triton.next_power_of_2(num_tokens))
     grid = (layers * kv * heads, triton.cdiv(num_tokens, block_t))
     kernel[grid](
-        c, s, table, num_tokens, page, head_start, heads,
-        c.stride(0), c.stride(1), c.stride(2), c.stride(3), c.stride(4),
-        s.stride(0), s.stride(1), s.stride(2), s.stride(3),
-        kv=kv, dim=dim, block_t=block_t, block_d=block_d, to_staging=to_staging,
+        c,
+        s,
+        table,
+        num_tokens,
+        page,
+        head_start,
+        heads,
+        c.stride(0),
+        c.stride(1),
+        c.stride(2),
+        c.stride(3),
+        c.stride(4),
+        s.stride(0),
+        s.stride(1),
+        s.stride(2),
+        s.stride(3),
+        kv=kv,
+        dim=dim,
+        block_t=block_t,
+        block_d=block_d,
+        to_staging=to_staging,
         num_warps=NUM_WARPS,
-    )  # fmt: skip
+    )
 
 
 def _torch_move(cache, staging, block_table, num_tokens, head_start, page, to_staging) -> None:
@@ -223,13 +260,15 @@ def _torch_move(cache, staging, block_table, num_tokens, head_start, page, to_st
         c[:, :, blk, slot, hs] = s.permute(0, 1, 3, 2, 4)
 
 
-def gather(cache, block_table, num_tokens: int, staging, *, head_start: int = 0,
-           backend: str | None = None) -> None:  # fmt: skip
+def gather(
+    cache, block_table, num_tokens: int, staging, *, head_start: int = 0, backend: str | None = None
+) -> None:
     """Copy the request's tokens and heads ``[head_start, +staging heads)`` into ``staging``."""
     _run(cache, staging, block_table, num_tokens, head_start, backend, True)
 
 
-def scatter(staging, cache, block_table, num_tokens: int, *, head_start: int = 0,
-            backend: str | None = None) -> None:  # fmt: skip
+def scatter(
+    staging, cache, block_table, num_tokens: int, *, head_start: int = 0, backend: str | None = None
+) -> None:
     """Copy ``staging`` into heads ``[head_start, +staging heads)`` of the request's blocks."""
     _run(cache, staging, block_table, num_tokens, head_start, backend, False)

@@ -119,8 +119,9 @@ class WriteLease(_Lease):
 
     _writable = True
 
-    def __init__(self, client: Client, namespace: str, key: str, reply: dict,
-                 checksum: bool = True) -> None:  # fmt: skip
+    def __init__(
+        self, client: Client, namespace: str, key: str, reply: dict, checksum: bool = True
+    ) -> None:
         super().__init__(client, namespace, key, reply)
         self.checksum = checksum
         # {buffer: checksum in its wire form}, set by whoever filled the views (None: hash
@@ -230,8 +231,10 @@ def seal_many(leases: Sequence[WriteLease]) -> None:
     for lo, hi in request_chunks(costs):
         chunk = sums[lo:hi]
         try:
-            client.ops.seal_many([lease.id for lease in leases[lo:hi]],
-                                 None if all(s is None for s in chunk) else chunk)  # fmt: skip
+            client.ops.seal_many(
+                [lease.id for lease in leases[lo:hi]],
+                None if all(s is None for s in chunk) else chunk,
+            )
         except KVBrokerError:  # refused whole (batches are all or nothing): none of these
             for lease in leases[lo:]:
                 try:

@@ -55,8 +55,9 @@ class PoolMapping:
         """A uint8 numpy array over ``nbytes`` of the pool from ``offset`` (read-only unless
         ``writable``); ValueError when that runs past the pool."""
         if offset < 0 or nbytes < 0 or offset + nbytes > self.size:
-            raise ValueError(f"extent ({offset}, {nbytes}) runs past pool {self.index} "
-                             f"({self.size} bytes)")  # fmt: skip
+            raise ValueError(
+                f"extent ({offset}, {nbytes}) runs past pool {self.index} ({self.size} bytes)"
+            )
         whole = self._writable if writable else self._readonly
         if whole is None:
             import numpy as np
@@ -105,8 +106,10 @@ class ClientMappings:
             if m is None:
                 p = pools[index]
                 if p.get("hidden"):
-                    raise Forbidden(f"pool {index} belongs to another tenant ([tenant_pools]): "
-                                    f"uid {os.getuid()} may not map it")  # fmt: skip
+                    raise Forbidden(
+                        f"pool {index} belongs to another tenant ([tenant_pools]): "
+                        f"uid {os.getuid()} may not map it"
+                    )
                 m = self._held[index] = process_maps.acquire(
                     p["name"], lambda: PoolMapping(index, p["name"], p["size"])
                 )

@@ -68,14 +68,17 @@ class PagedKV:
                 raise BadRequest("PagedKV: a list of per-layer tensors has no 'layer' axis")
             tensors, layer_axes = list(layers), axes
             views = [_int_view(t) for t in tensors]
-            self.layouts = [Layout.from_tensor(t, axes, iterated=self._iterated(axes))
-                            for t in tensors]  # fmt: skip
+            self.layouts = [
+                Layout.from_tensor(t, axes, iterated=self._iterated(axes)) for t in tensors
+            ]
         else:
             if "layer" not in axes:
                 raise BadRequest("PagedKV: one tensor for all layers needs a 'layer' axis")
             li = axes.index("layer")
             layer_axes = axes[:li] + axes[li + 1 :]
-            whole = Layout.from_tensor(layers, axes, iterated=("layer", *self._iterated(layer_axes)))
+            whole = Layout.from_tensor(
+                layers, axes, iterated=("layer", *self._iterated(layer_axes))
+            )
             n = layers.shape[li]
             full = _int_view(layers)
             views = [full[(slice(None),) * li + (i,)] for i in range(n)]
@@ -99,8 +102,10 @@ class PagedKV:
         first = self.layouts[0]
         for i, lay in enumerate(self.layouts):
             if (lay.dtype, lay.shape) != (first.dtype, first.shape):
-                raise BadRequest(f"PagedKV: layer {i} is {lay.dtype}{lay.shape}, layer 0 is "
-                                 f"{first.dtype}{first.shape}")  # fmt: skip
+                raise BadRequest(
+                    f"PagedKV: layer {i} is {lay.dtype}{lay.shape}, layer 0 is "
+                    f"{first.dtype}{first.shape}"
+                )
         if not self.latent and first.size("kv") != 2:
             raise BadRequest(f"PagedKV: the 'kv' axis must have size 2, not {first.size('kv')}")
         self.axes = layer_axes
@@ -155,7 +160,11 @@ def _block_index(block_ids: Any, num_tokens: int, block_size: int, num_blocks: i
 
 def _as_index(ids):
     """A slice when the ids are consecutive (no gather index, no temporary), else the ids."""
-    if len(ids) and ids[-1] - ids[0] == len(ids) - 1 and (len(ids) == 1 or (ids[1:] > ids[:-1]).all()):
+    if (
+        len(ids)
+        and ids[-1] - ids[0] == len(ids) - 1
+        and (len(ids) == 1 or (ids[1:] > ids[:-1]).all())
+    ):
         return slice(int(ids[0]), int(ids[-1]) + 1)
     return ids
 
@@ -192,8 +201,12 @@ def _whole_rows(dst, heads: int) -> bool:
     from strided sources runs numpy 1.5-2.5x slower."""
     _, _, n, dim = dst.shape
     size = dst.itemsize
-    return (heads == n and dst.strides[3] == size and dst.strides[2] == dim * size
-            and n * dim * size >= WHOLE_ROW_MIN_BYTES)  # fmt: skip
+    return (
+        heads == n
+        and dst.strides[3] == size
+        and dst.strides[2] == dim * size
+        and n * dim * size >= WHOLE_ROW_MIN_BYTES
+    )
 
 
 def _scatter(src, dst, ids, full_index, num_tokens: int, dst_head: int) -> int:
@@ -215,4 +228,3 @@ def _scatter(src, dst, ids, full_index, num_tokens: int, dst_head: int) -> int:
         dst[ids[full], :tail, h, :] = src[:, full * slots :].transpose(1, 0, 2)
         ops += 1
     return ops
-

@@ -27,8 +27,9 @@ class PoolAccess:
         client closes (or a cold restart names new pools)."""
         return self._maps.get(index, self.pools)  # type: ignore[attr-defined]
 
-    def pool_view(self, pool: int, offset: int = 0, nbytes: int | None = None, *,
-                  writable: bool = False) -> Any:  # fmt: skip
+    def pool_view(
+        self, pool: int, offset: int = 0, nbytes: int | None = None, *, writable: bool = False
+    ) -> Any:
         """A numpy uint8 array over ``nbytes`` (default: to the end) of pool ``pool`` from
         ``offset`` in this process's mapping, read-only unless ``writable``. Its bytes are
         the caller's only while a lease lends them; ValueError when it runs past the pool."""

@@ -99,8 +99,10 @@ class PrefixMatch:
     @property
     def blocks(self) -> list[MatchedBlock]:
         if self.lease is None and self._count:
-            raise KVBrokerError("this prefix match was asked with hold=False: it holds no "
-                                "lease and has no blocks to read; match with hold=True")
+            raise KVBrokerError(
+                "this prefix match was asked with hold=False: it holds no "
+                "lease and has no blocks to read; match with hold=True"
+            )
         if self._blocks is None:  # built on first use: a caller may only want the count
             out = []
             for raw in self._raw:
@@ -108,8 +110,9 @@ class PrefixMatch:
                     ext = {n: tuple(e) for n, e in raw.items()}
                 else:
                     pool = raw[0]
-                    ext = {n: (pool, raw[1 + 2 * i], raw[2 + 2 * i])
-                           for i, n in enumerate(self._names)}  # fmt: skip
+                    ext = {
+                        n: (pool, raw[1 + 2 * i], raw[2 + 2 * i]) for i, n in enumerate(self._names)
+                    }
                 out.append(MatchedBlock(self, ext))
             self._blocks = out
         return self._blocks
@@ -151,15 +154,21 @@ class PrefixMatch:
 
 
 def _names(cache, infix: str | None) -> list[list[str]]:
-    return [[kv_buffer_name(kind, layer, infix) for kind in cache.components]
-            for layer in range(cache.num_layers)]  # fmt: skip
+    return [
+        [kv_buffer_name(kind, layer, infix) for kind in cache.components]
+        for layer in range(cache.num_layers)
+    ]
 
 
 def _block_layout(cache, heads: int) -> Layout:
     """One published block buffer: ``[head][token][head_dim]`` of one (layer, K/V)."""
-    return Layout.contiguous(cache.dtype, (heads, cache.block_size, cache.head_dim),
-                             ("head", "token", "head_dim"), iterated=("head",),
-                             sharded="head")  # fmt: skip
+    return Layout.contiguous(
+        cache.dtype,
+        (heads, cache.block_size, cache.head_dim),
+        ("head", "token", "head_dim"),
+        iterated=("head",),
+        sharded="head",
+    )
 
 
 def _check_kv_cache(cache, block_size: int, heads: int, tp_rank: int, tp_size: int) -> None:
@@ -194,9 +203,20 @@ class KVPrefixMatch(PrefixMatch):
     :meth:`load` before releasing; the views die with the lease. Asked with ``hold=False``,
     only the count: nothing to load."""
 
-    def __init__(self, client: Client, reply: dict, block_size: int, asked_at: float, *,
-                 source: int, heads: int | None, ranks: list[int], plan: list[Piece],
-                 tp_rank: int, tp_size: int) -> None:  # fmt: skip
+    def __init__(
+        self,
+        client: Client,
+        reply: dict,
+        block_size: int,
+        asked_at: float,
+        *,
+        source: int,
+        heads: int | None,
+        ranks: list[int],
+        plan: list[Piece],
+        tp_rank: int,
+        tp_size: int,
+    ) -> None:
         super().__init__(client, reply, block_size, asked_at)
         self.source_tp_size = source
         self.total_kv_heads = heads
@@ -222,16 +242,21 @@ class KVPrefixMatch(PrefixMatch):
             ("TP size", meta["tp_size"], self.source_tp_size),
             ("total KV heads", meta["total_kv_heads"], self.total_kv_heads),
             ("layers", meta["num_layers"], cache.num_layers),
-            ("K/V components (latent vs per-head cache)", meta["components"],
-             list(cache.components)),
+            (
+                "K/V components (latent vs per-head cache)",
+                meta["components"],
+                list(cache.components),
+            ),
             ("buffer infix", meta["infix"], infix),
-        ):  # fmt: skip
+        ):
             if published != local:
-                raise LayoutMismatch(f"layout mismatch on {what} ({where}): published "
-                                     f"{published!r}, local {local!r}")  # fmt: skip
+                raise LayoutMismatch(
+                    f"layout mismatch on {what} ({where}): published {published!r}, local {local!r}"
+                )
         stored = Layout.from_dict(meta["layout"])
-        check_compatible(stored, _block_layout(cache, stored.size("head")),
-                         ("token", "head_dim"), what=where)  # fmt: skip
+        check_compatible(
+            stored, _block_layout(cache, stored.size("head")), ("token", "head_dim"), what=where
+        )
         return stored
 
     def _starts(self, count: int, names: list[str], nbytes: int) -> tuple[list, int | None]:
@@ -247,17 +272,23 @@ class KVPrefixMatch(PrefixMatch):
         for i in range(count):
             raw = self._raw[i]
             whole = _packed_extent(raw, packed, where)
-            if whole is None and isinstance(raw, dict) and len(raw) == 1 \
-                    and not next(iter(raw)).startswith("past_"):  # fmt: skip
+            if (
+                whole is None
+                and isinstance(raw, dict)
+                and len(raw) == 1
+                and not next(iter(raw)).startswith("past_")
+            ):
                 # a packed block in a chain that starts with named ones (whose meta is the
                 # one the reply carries): its one buffer, not a KV name, holds them all
                 whole = tuple(next(iter(raw.values())))
             if whole is not None:
                 pool, offset, size = whole
                 if size != nbytes * len(names):
-                    raise LayoutMismatch(f"layout mismatch on buffer size of "
-                                         f"{packed or 'a packed block'}: {size} bytes, "
-                                         f"{nbytes * len(names)} expected")  # fmt: skip
+                    raise LayoutMismatch(
+                        f"layout mismatch on buffer size of "
+                        f"{packed or 'a packed block'}: {size} bytes, "
+                        f"{nbytes * len(names)} expected"
+                    )
                 out.append((pool, [offset + k * nbytes for k in range(len(names))]))
                 strides.add(nbytes)
                 continue
@@ -268,12 +299,14 @@ class KVPrefixMatch(PrefixMatch):
                 else:
                     ext = None if j is None else (raw[0], raw[1 + 2 * j], raw[2 + 2 * j])
                 if ext is None:
-                    raise LayoutMismatch(f"layout mismatch on buffers: a matched block has no "
-                                         f"{name}")  # fmt: skip
+                    raise LayoutMismatch(
+                        f"layout mismatch on buffers: a matched block has no {name}"
+                    )
                 pool, offset, size = ext
                 if size != nbytes:
-                    raise LayoutMismatch(f"layout mismatch on buffer size of {name}: {size} "
-                                         f"bytes, {nbytes} expected")  # fmt: skip
+                    raise LayoutMismatch(
+                        f"layout mismatch on buffer size of {name}: {size} bytes, {nbytes} expected"
+                    )
                 pools.add(pool)
                 offsets.append(offset)
             steps = {b - a for a, b in itertools.pairwise(offsets)}
@@ -282,8 +315,9 @@ class KVPrefixMatch(PrefixMatch):
         stride = strides.pop() if len(strides) == 1 else None
         return out, stride if stride is not None and stride >= nbytes else None
 
-    def load(self, cache, block_ids: Any, *, num_blocks: int | None = None,
-             infix: str | None = None) -> int:  # fmt: skip
+    def load(
+        self, cache, block_ids: Any, *, num_blocks: int | None = None, infix: str | None = None
+    ) -> int:
         """Write this rank's heads of the first ``num_blocks`` matched blocks (default all)
         into ``cache`` (a :class:`kvbroker.kv.PagedKV`) at engine blocks ``block_ids``, bit
         for bit. Returns the number of copy operations: blocks × layers × contributing shards
@@ -295,8 +329,10 @@ class KVPrefixMatch(PrefixMatch):
         if n == 0:
             return 0
         if self.lease is None:
-            raise KVBrokerError("this prefix match was asked with hold=False: it holds no "
-                                "lease and has no blocks to load; match with hold=True")
+            raise KVBrokerError(
+                "this prefix match was asked with hold=False: it holds no "
+                "lease and has no blocks to load; match with hold=True"
+            )
         if self.released:
             raise KVBrokerError("the prefix match was released; its blocks are gone")
         check_infix(infix)
@@ -317,8 +353,14 @@ class KVPrefixMatch(PrefixMatch):
         pieces = []  # (shard, byte offset of its head range in a buffer, heads, dst heads)
         for piece in self.plan:
             (offset, _) = stored.narrow("head", piece.src_head, piece.count).descriptors()[0]
-            pieces.append((self.ranks.index(piece.prefill_rank), offset, piece.count,
-                           slice(piece.dst_head, piece.dst_head + piece.count)))  # fmt: skip
+            pieces.append(
+                (
+                    self.ranks.index(piece.prefill_rank),
+                    offset,
+                    piece.count,
+                    slice(piece.dst_head, piece.dst_head + piece.count),
+                )
+            )
         bs, dim = self.block_size, cache.head_dim
         if stride is not None:
             # Buffers back to back: one strided view reaches a block's whole shard, [layer, K/V,
@@ -333,11 +375,27 @@ class KVPrefixMatch(PrefixMatch):
             plans = []
             for shard, first, count, heads in pieces:
                 if _whole_rows(cache.component(0, 0), count):  # [layer, kv, tok, head, dim]
-                    plans.append((shard, first, heads, by_row, (layers, kinds, bs, count, dim),
-                                  (kinds * stride, stride, dim * isz, bs * dim * isz, isz)))
+                    plans.append(
+                        (
+                            shard,
+                            first,
+                            heads,
+                            by_row,
+                            (layers, kinds, bs, count, dim),
+                            (kinds * stride, stride, dim * isz, bs * dim * isz, isz),
+                        )
+                    )
                 else:  # [layer, kv, head, tok, dim]
-                    plans.append((shard, first, heads, by_head, (layers, kinds, count, bs, dim),
-                                  (kinds * stride, stride, bs * dim * isz, dim * isz, isz)))
+                    plans.append(
+                        (
+                            shard,
+                            first,
+                            heads,
+                            by_head,
+                            (layers, kinds, count, bs, dim),
+                            (kinds * stride, stride, bs * dim * isz, dim * isz, isz),
+                        )
+                    )
             sources = []  # (engine block, heads, whole rows, the shard's [layer, ...] view)
             for row in range(n):
                 for shard, first, heads, canon, shape, steps in plans:
@@ -355,6 +413,7 @@ class KVPrefixMatch(PrefixMatch):
 
             ops = n * len(plans) * layers
         else:
+
             def load_layer(layer: int) -> None:
                 for c in range(kinds):
                     k = layer * kinds + c
@@ -363,14 +422,19 @@ class KVPrefixMatch(PrefixMatch):
                         dst = comp[ids[row]]  # [token, head, dim] of this engine block
                         for shard, first, count, heads in pieces:
                             pool, offsets = starts[row * shards + shard]
-                            dst[:, heads] = np.ndarray((bs, count, dim), int_dtype, maps[pool],
-                                                       offsets[k] + first,
-                                                       (dim * isz, bs * dim * isz, isz))  # fmt: skip
+                            dst[:, heads] = np.ndarray(
+                                (bs, count, dim),
+                                int_dtype,
+                                maps[pool],
+                                offsets[k] + first,
+                                (dim * isz, bs * dim * isz, isz),
+                            )
 
             ops = n * layers * kinds * len(pieces)
         # One job per layer over the copy engine's threads: each writes its own layer's
         # blocks (whatever the block ids), in the order one thread would.
         moved = n * layers * kinds * bs * dim * isz * sum(p[2] for p in pieces)
-        default_engine().run_jobs([functools.partial(load_layer, layer)
-                                   for layer in range(layers)], moved)  # fmt: skip
+        default_engine().run_jobs(
+            [functools.partial(load_layer, layer) for layer in range(layers)], moved
+        )
         return ops

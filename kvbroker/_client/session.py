@@ -49,8 +49,7 @@ class Session:
         self.on_push: Callable[[dict], None] | None = None
         self.broken = False  # the connection failed: the client may replace this session
         self._stalled = False  # the last wait for a reply timed out: close does not drain
-        self.hello: HelloReply = Ops(self.request, self.post).hello(PROTOCOL_VERSION, name,
-                                                                     role)  # fmt: skip
+        self.hello: HelloReply = Ops(self.request, self.post).hello(PROTOCOL_VERSION, name, role)
 
     def after_fork(self) -> None:
         """In a forked child: the lock may be held by a thread the child does not have, and
@@ -157,8 +156,9 @@ class Session:
                     elif msg.get("id") is None and msg.get("ok") is False:
                         raise error_of(msg)  # about the connection (a frame it could not read)
                     else:
-                        raise ProtocolError(f"reply {msg.get('id')} answers no request of "
-                                            "this session")  # fmt: skip
+                        raise ProtocolError(
+                            f"reply {msg.get('id')} answers no request of this session"
+                        )
             except BrokerUnavailable:
                 self.broken = True
                 raise
@@ -263,8 +263,12 @@ class Session:
         self._abandoned.discard(msg["id"])
         if not msg.get("ok"):
             err = msg.get("error") or {}
-            log.warning("request %s failed after the fact: %s: %s",
-                        msg["id"], err.get("code"), err.get("message"))
+            log.warning(
+                "request %s failed after the fact: %s: %s",
+                msg["id"],
+                err.get("code"),
+                err.get("message"),
+            )
 
     def next_push(self) -> dict:
         """Block until the daemon pushes a message (after ``watch``)."""
@@ -302,7 +306,8 @@ class Session:
         if self._lock.acquire(blocking=False):
             try:
                 if (self._unanswered - self._abandoned or self._submitted) and not (
-                        self.broken or self._stalled):  # fmt: skip
+                    self.broken or self._stalled
+                ):
                     self._drain(drain_timeout)
             finally:
                 self._lock.release()
@@ -325,8 +330,7 @@ class Session:
                 elif is_push(msg):
                     self._deliver(msg)
         except Exception as exc:  # closing regardless: the daemon ends what is left
-            log.debug("closing without the replies to %d requests: %s", len(self._unanswered),
-                      exc)
+            log.debug("closing without the replies to %d requests: %s", len(self._unanswered), exc)
 
 
 class Pending:

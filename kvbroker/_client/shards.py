@@ -29,9 +29,20 @@ if TYPE_CHECKING:
     from .client import Client
     from .leases import ReadLease
 
-__all__ = ["ShardSpec", "PublishResult", "ClaimResult", "shard_key", "own_heads",
-           "consumers_of", "needed_shards", "pinned_shards", "agreed_tokens", "META_TAG",
-           "UNKNOWN_CONSUMERS", "SELECT_NOTHING"]  # fmt: skip
+__all__ = [
+    "ShardSpec",
+    "PublishResult",
+    "ClaimResult",
+    "shard_key",
+    "own_heads",
+    "consumers_of",
+    "needed_shards",
+    "pinned_shards",
+    "agreed_tokens",
+    "META_TAG",
+    "UNKNOWN_CONSUMERS",
+    "SELECT_NOTHING",
+]
 
 META_TAG = "kvbroker.kv"  # meta key marking (and versioning) a shard published by kvbroker.kv
 UNKNOWN_CONSUMERS = 1 << 16  # the broker's maximum: consume-claims never free it, eviction does
@@ -96,16 +107,41 @@ class ShardSpec:
     decode_tp_size: int | None = None
 
     @classmethod
-    def build(cls, request: str, *, tp_rank: int, tp_size: int, total_kv_heads: int | None,
-              heads: range, num_tokens: int, num_layers: int, components: Sequence[str],
-              dtype: str, head_dim: int, infix: str | None, engine_layout: Layout,
-              decode_tp_size: int | None) -> ShardSpec:  # fmt: skip
+    def build(
+        cls,
+        request: str,
+        *,
+        tp_rank: int,
+        tp_size: int,
+        total_kv_heads: int | None,
+        heads: range,
+        num_tokens: int,
+        num_layers: int,
+        components: Sequence[str],
+        dtype: str,
+        head_dim: int,
+        infix: str | None,
+        engine_layout: Layout,
+        decode_tp_size: int | None,
+    ) -> ShardSpec:
         """The spec of a shard about to be published, its buffer layout derived."""
-        storage = shard_storage(dtype, num_layers, len(components), len(heads), num_tokens,
-                                head_dim)  # fmt: skip
-        return cls(request, tp_rank, tp_size, total_kv_heads, heads, num_tokens, num_layers,
-                   tuple(components), infix, storage.select("layer", 0).select("kv", 0),
-                   engine_layout.to_dict(), decode_tp_size)  # fmt: skip
+        storage = shard_storage(
+            dtype, num_layers, len(components), len(heads), num_tokens, head_dim
+        )
+        return cls(
+            request,
+            tp_rank,
+            tp_size,
+            total_kv_heads,
+            heads,
+            num_tokens,
+            num_layers,
+            tuple(components),
+            infix,
+            storage.select("layer", 0).select("kv", 0),
+            engine_layout.to_dict(),
+            decode_tp_size,
+        )
 
     @property
     def key(self) -> str:
@@ -113,8 +149,10 @@ class ShardSpec:
 
     def buffer_names(self) -> list[list[str]]:
         """Per layer, the names of its buffers in component order."""
-        return [[kv_buffer_name(kind, i, self.infix) for kind in self.components]
-                for i in range(self.num_layers)]  # fmt: skip
+        return [
+            [kv_buffer_name(kind, i, self.infix) for kind in self.components]
+            for i in range(self.num_layers)
+        ]
 
     def to_meta(self) -> dict[str, Any]:
         return {
@@ -138,18 +176,35 @@ class ShardSpec:
         """The spec in a claimed shard's meta; LayoutMismatch if ``key`` was not published
         by kvbroker.kv."""
         if not isinstance(meta, dict) or meta.get(META_TAG) != 1:
-            raise LayoutMismatch(f"{key} was not published by kvbroker.kv (no shard layout in "
-                                 "meta)")  # fmt: skip
+            raise LayoutMismatch(
+                f"{key} was not published by kvbroker.kv (no shard layout in meta)"
+            )
         return cls(
-            meta.get("request"), meta.get("tp_rank"), meta["tp_size"], meta["total_kv_heads"],
-            range(*meta.get("heads", (0, 0))), int(meta["num_tokens"]), meta["num_layers"],
-            tuple(meta["components"]), meta["infix"], Layout.from_dict(meta["layout"]),
-            meta.get("engine_layout"), meta.get("decode_tp_size"),
-        )  # fmt: skip
+            meta.get("request"),
+            meta.get("tp_rank"),
+            meta["tp_size"],
+            meta["total_kv_heads"],
+            range(*meta.get("heads", (0, 0))),
+            int(meta["num_tokens"]),
+            meta["num_layers"],
+            tuple(meta["components"]),
+            meta["infix"],
+            Layout.from_dict(meta["layout"]),
+            meta.get("engine_layout"),
+            meta.get("decode_tp_size"),
+        )
 
-    def check(self, key: str, *, components: Sequence[str], num_layers: int,
-              total_kv_heads: int | None, tp_size: int, infix: str | None,
-              layout: Layout) -> None:  # fmt: skip
+    def check(
+        self,
+        key: str,
+        *,
+        components: Sequence[str],
+        num_layers: int,
+        total_kv_heads: int | None,
+        tp_size: int,
+        infix: str | None,
+        layout: Layout,
+    ) -> None:
         """Raise LayoutMismatch, naming the field, unless a claimer whose cache has
         ``components``, ``num_layers`` and one layer laid out as ``layout`` can read this
         shard of a prefill TP size ``tp_size`` layout of ``total_kv_heads`` heads."""
@@ -160,8 +215,9 @@ class ShardSpec:
             )
 
         if self.components != tuple(components):
-            raise mismatch("K/V components (latent vs per-head cache)", list(self.components),
-                           list(components))  # fmt: skip
+            raise mismatch(
+                "K/V components (latent vs per-head cache)", list(self.components), list(components)
+            )
         if self.tp_size != tp_size:
             raise mismatch("prefill TP size", self.tp_size, tp_size)
         if self.total_kv_heads != total_kv_heads:
@@ -173,8 +229,9 @@ class ShardSpec:
         check_compatible(self.layout, layout, ("head_dim",), what=key)
 
 
-def own_heads(tp_rank: int, tp_size: int, total_kv_heads: int | None, local_heads: int, *,
-              claiming: bool) -> range:  # fmt: skip
+def own_heads(
+    tp_rank: int, tp_size: int, total_kv_heads: int | None, local_heads: int, *, claiming: bool
+) -> range:
     """The heads TP rank ``tp_rank`` holds (publishing) or needs (``claiming``); raises
     LayoutMismatch when its cache has another number of heads."""
     mine = shard_heads(tp_rank, tp_size, total_kv_heads)
@@ -191,8 +248,9 @@ def own_heads(tp_rank: int, tp_size: int, total_kv_heads: int | None, local_head
     return mine
 
 
-def consumers_of(tp_rank: int, total_kv_heads: int | None, tp_size: int,
-                 decode_tp_size: int | None) -> int:  # fmt: skip
+def consumers_of(
+    tp_rank: int, total_kv_heads: int | None, tp_size: int, decode_tp_size: int | None
+) -> int:
     """How many consume-claims free prefill rank ``tp_rank``'s shard: the decode ranks that
     read it, or :data:`UNKNOWN_CONSUMERS` when the decode TP size is not known (0: nobody
     reads it, so it is not published)."""
@@ -201,12 +259,12 @@ def consumers_of(tp_rank: int, total_kv_heads: int | None, tp_size: int,
     return readers_of(tp_rank, total_kv_heads, tp_size, decode_tp_size)
 
 
-def needed_shards(request: str, total_kv_heads: int | None, prefill_tp_size: int,
-                  tp_size: int, tp_rank: int) -> tuple[list[Piece], list[str]]:  # fmt: skip
+def needed_shards(
+    request: str, total_kv_heads: int | None, prefill_tp_size: int, tp_size: int, tp_rank: int
+) -> tuple[list[Piece], list[str]]:
     """Decode rank ``tp_rank``'s claim plan and the keys of the shards it reads, in order."""
     plan = claim_plan(total_kv_heads, prefill_tp_size, tp_size, tp_rank)
-    keys = list(dict.fromkeys(shard_key(request, p.prefill_rank, prefill_tp_size)
-                              for p in plan))  # fmt: skip
+    keys = list(dict.fromkeys(shard_key(request, p.prefill_rank, prefill_tp_size) for p in plan))
     return plan, keys
 
 
@@ -217,14 +275,16 @@ def agreed_tokens(specs: dict[str, ShardSpec], num_tokens: int | None) -> int:
         raise LayoutMismatch(f"layout mismatch on num_tokens across shards: {tokens}")
     total = next(iter(tokens.values()))
     if num_tokens is not None and num_tokens != total:
-        raise LayoutMismatch(f"layout mismatch on num_tokens: published {total}, "
-                             f"local {num_tokens}")  # fmt: skip
+        raise LayoutMismatch(
+            f"layout mismatch on num_tokens: published {total}, local {num_tokens}"
+        )
     return total
 
 
 @contextmanager
-def pinned_shards(client: Client, request: str, keys: list[str], namespace: str,
-                  wait: float | None, consume: bool) -> Iterator[dict[str, ReadLease]]:
+def pinned_shards(
+    client: Client, request: str, keys: list[str], namespace: str, wait: float | None, consume: bool
+) -> Iterator[dict[str, ReadLease]]:
     """Read leases (consume claims if ``consume``) on every key, for the ``with`` block.
 
     Waits at most ``wait`` seconds in all; NotFound/Incomplete (and every pin released
@@ -241,8 +301,9 @@ def pinned_shards(client: Client, request: str, keys: list[str], namespace: str,
         _release(pins.values(), counted=claimed)
 
 
-def _pin(client: Client, request: str, keys: list[str], namespace: str, wait: float | None,
-         consume: bool) -> dict[str, ReadLease]:  # fmt: skip
+def _pin(
+    client: Client, request: str, keys: list[str], namespace: str, wait: float | None, consume: bool
+) -> dict[str, ReadLease]:
     deadline = None if not wait else time.monotonic() + wait
     pins: dict[str, ReadLease] = {}
     missing: list[str] = []

@@ -91,10 +91,13 @@ def claim_plan(heads: int | None, prefill_tp: int, decode_tp: int, decode_rank: 
     return pieces
 
 
-def contributing_ranks(heads: int | None, prefill_tp: int, decode_tp: int, decode_rank: int) -> list[int]:
+def contributing_ranks(
+    heads: int | None, prefill_tp: int, decode_tp: int, decode_rank: int
+) -> list[int]:
     """The prefill ranks decode rank ``decode_rank`` reads, in order, without repeats."""
-    return list(dict.fromkeys(p.prefill_rank for p in claim_plan(heads, prefill_tp, decode_tp,
-                                                                    decode_rank)))  # fmt: skip
+    return list(
+        dict.fromkeys(p.prefill_rank for p in claim_plan(heads, prefill_tp, decode_tp, decode_rank))
+    )
 
 
 def readers_of(prefill_rank: int, heads: int | None, prefill_tp: int, decode_tp: int) -> int:

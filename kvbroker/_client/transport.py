@@ -128,8 +128,10 @@ class UnixTransport:
 
 
 def forked_error() -> BrokerUnavailable:
-    return BrokerUnavailable("this connection was opened by the process this one forked from; "
-                             "a forked process uses a connection of its own")
+    return BrokerUnavailable(
+        "this connection was opened by the process this one forked from; "
+        "a forked process uses a connection of its own"
+    )
 
 
 _transports: weakref.WeakSet[UnixTransport] = weakref.WeakSet()

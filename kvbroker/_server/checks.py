@@ -44,9 +44,7 @@ def check_name(what: str, value: str) -> str:
     return value
 
 
-def buffer_layout(
-    buffers: dict, meta: dict | None
-) -> tuple[dict[str, tuple[int, int]], int]:
+def buffer_layout(buffers: dict, meta: dict | None) -> tuple[dict[str, tuple[int, int]], int]:
     """Offsets of the named buffers inside one extent (aligned), and the extent's span."""
     if not buffers:
         raise BadRequest("reserve: an object needs at least one buffer")
@@ -61,9 +59,7 @@ def buffer_layout(
         check_name("buffer name", name)
         check_buffer_name(name)  # malformed KV names would never match a claim
         if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
-            raise BadRequest(
-                f"reserve: size of buffer {name!r} must be a non-negative int"
-            )
+            raise BadRequest(f"reserve: size of buffer {name!r} must be a non-negative int")
     offsets, span = buffer_offsets(buffers)
     return {name: (offsets[name], nbytes) for name, nbytes in buffers.items()}, span
 
@@ -97,9 +93,7 @@ def parent_problem(parent: Any) -> str | None:
     return None
 
 
-def checked_checksums(
-    obj: StoredObject, checksums: dict | None, required: bool
-) -> dict | None:
+def checked_checksums(obj: StoredObject, checksums: dict | None, required: bool) -> dict | None:
     """``checksums`` as ``obj`` keeps them; BadRequest when they do not fit its buffers, or
     are missing where the daemon requires them (``required``: require_checksums)."""
     if checksums is not None:
@@ -115,9 +109,7 @@ def checked_checksums(
     return None
 
 
-def block_plans(
-    namespace: str, blocks: list, buffers: dict | None, meta: dict | None
-) -> list:
+def block_plans(namespace: str, blocks: list, buffers: dict | None, meta: dict | None) -> list:
     """``reserve_blocks``' blocks checked, each as ``(ident, parent, layout, span, meta,
     tokens, footprint)`` (``state.index_footprint``, the parts given once for the batch
     counted once): every block validated before anything is reserved."""
@@ -130,9 +122,7 @@ def block_plans(
     plans = []
     for i, blk in enumerate(blocks):
         if not isinstance(blk, dict) or not isinstance(blk.get("key"), str):
-            raise BadRequest(
-                f"reserve_blocks: block {i} must be a map with a string key"
-            )
+            raise BadRequest(f"reserve_blocks: block {i} must be a map with a string key")
         parent = blk.get("parent")
         if (problem := parent_problem(parent)) is not None:
             raise BadRequest(f"reserve_blocks: block {i}: {problem}")
@@ -164,9 +154,7 @@ def block_plans(
     return plans
 
 
-def extents(
-    obj: StoredObject, chosen: dict[str, tuple[int, int]]
-) -> dict[str, list[int]]:
+def extents(obj: StoredObject, chosen: dict[str, tuple[int, int]]) -> dict[str, list[int]]:
     """The reply's form of buffers: name -> [pool, offset, nbytes]."""
     idx = obj.pool.index
     return {name: [idx, off, n] for name, (off, n) in chosen.items()}

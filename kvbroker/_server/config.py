@@ -33,8 +33,17 @@ from .config_values import parse_listen_address
 if TYPE_CHECKING:
     from .config_apply import Daemon
 
-__all__ = ["DEFAULT_CONFIG_PATH", "ConfigError", "DaemonConfig", "Key", "KEYS", "SETTINGS",
-           "load_config", "parse_listen_address", "reload_into"]
+__all__ = [
+    "DEFAULT_CONFIG_PATH",
+    "ConfigError",
+    "DaemonConfig",
+    "Key",
+    "KEYS",
+    "SETTINGS",
+    "load_config",
+    "parse_listen_address",
+    "reload_into",
+]
 
 DEFAULT_CONFIG_PATH = "/etc/kvbroker/kvbroker.toml"
 CONFIG_ENV = "KVBROKER_CONFIG"
@@ -47,7 +56,7 @@ OTHER_VARIABLES = {
     "KVBROKER_FAKE_GPUS": "fake GPUs for the ring tests (_server/rings.py)",
     "KVBROKER_PEER_SCRIPT": "the Mooncake peer script (_bench/peer.py)",
     "KVBROKER_COMMIT": "the commit a results file records, for a tree copied without git "
-                       "(_bench/_common.py)",
+    "(_bench/_common.py)",
     "KVBROKER_CRASH_CYCLES": "tests/test_crash.py",
     "KVBROKER_FUZZ_FRAMES": "tests/test_fuzz.py",
     "KVBROKER_SOAK_LONG": "tests/test_soak.py",
@@ -62,8 +71,6 @@ OTHER_VARIABLES = {
 
 class ConfigError(ValueError):
     """A configuration value is missing, unknown or invalid; the message says where."""
-
-
 
 
 @dataclass(frozen=True, eq=False)
@@ -99,7 +106,7 @@ class Key:
     @property
     def toml_name(self) -> str:
         """Its name inside its section (``listen``), or its name at the top."""
-        return self.name[len(self.section) + 1:] if self.section else self.name
+        return self.name[len(self.section) + 1 :] if self.section else self.name
 
     @property
     def where(self) -> str:
@@ -377,13 +384,13 @@ SETTINGS: tuple[Key, ...] = (
              "start; false: buffered I/O)."),
     Key("tier_disk_io_threads", parse.IO_THREADS, 4, section="tier.disk", text=int,
         example=8, help="Threads doing the disk tier's reads and writes."),
-)
+)  # fmt: skip
 KEYS: dict[str, Key] = {k.name: k for k in SETTINGS}
 # Settings that are gone, and what to set instead: refused with that, not as unknown keys.
 REMOVED: dict[str, str] = {
     "transfer_token_file": "the shared-token peer channel is gone (a relay could splice "
-                           "its frames); brokers now authenticate with mutual TLS: set "
-                           "[transfer] cert_file, key_file and ca_file (docs/fleet.md)",
+    "its frames); brokers now authenticate with mutual TLS: set "
+    "[transfer] cert_file, key_file and ca_file (docs/fleet.md)",
 }
 SECTIONS: frozenset[str] = frozenset(k.section for k in SETTINGS if k.section)
 
@@ -408,11 +415,11 @@ DaemonConfig = dataclasses.make_dataclass(
     + [("config_path", "str | None", dataclasses.field(default=None))],  # re-read on SIGHUP
     namespace={
         "__doc__": "Every setting of one daemon: a field per :data:`SETTINGS` key (``socket`` "
-                   "is ``socket_path``), plus the file it came from.",
+        "is ``socket_path``), plus the file it came from.",
         "__module__": __name__,
         "resolved_pool_size": _resolved_pool_size,
     },
-)  # fmt: skip
+)
 _resolved_pool_size.__qualname__ = "DaemonConfig.resolved_pool_size"
 
 
@@ -420,10 +427,13 @@ def _retention_settings(self: DaemonConfig) -> Any:
     """The [sessions] table as the broker's retention takes it."""
     from .retention import RetentionSettings
 
-    return RetentionSettings(retain=self.sessions_retain, max_retain=self.sessions_max_retain,
-                             pool_share=self.sessions_pool_share,
-                             tenant_quota=self.sessions_tenant_quota,
-                             max_per_uid=self.sessions_max_per_uid)  # fmt: skip
+    return RetentionSettings(
+        retain=self.sessions_retain,
+        max_retain=self.sessions_max_retain,
+        pool_share=self.sessions_pool_share,
+        tenant_quota=self.sessions_tenant_quota,
+        max_per_uid=self.sessions_max_per_uid,
+    )
 
 
 DaemonConfig.retention_settings = _retention_settings
@@ -439,7 +449,7 @@ def flag_name(key: str) -> str:
 
 
 def _did_you_mean(name: str, known, prefix: str = "") -> str:
-    """" (did you mean 'pool_size'?)", comparing names without their common ``prefix``."""
+    """ " (did you mean 'pool_size'?)", comparing names without their common ``prefix``."""
     import difflib
 
     cut = len(prefix)
@@ -452,7 +462,7 @@ def _env_layer(env: Mapping[str, str]) -> dict[str, str]:
     unknown TOML key (a misspelt variable is a typo, not a wish to be ignored)."""
     known = {k.env for k in SETTINGS} | OTHER_VARIABLES.keys()
     for var in sorted(env):
-        removed = REMOVED.get(var[len(ENV_PREFIX):].lower())
+        removed = REMOVED.get(var[len(ENV_PREFIX) :].lower())
         if var.startswith(ENV_PREFIX) and removed is not None:
             raise ConfigError(f"{var}: {removed}")
         if var.startswith(ENV_PREFIX) and var not in known:
@@ -493,8 +503,9 @@ def _read_file(path: str, required: bool) -> dict[str, Any]:
                     raise ConfigError(f"{path}: [{key}] {sub}: {REMOVED[full]}")
                 if full not in KEYS or KEYS[full].section != key:
                     names = [k.toml_name for k in SETTINGS if k.section == key]
-                    raise ConfigError(f"{path}: unknown key {sub!r} in [{key}]"
-                                      f"{_did_you_mean(sub, names)}")
+                    raise ConfigError(
+                        f"{path}: unknown key {sub!r} in [{key}]{_did_you_mean(sub, names)}"
+                    )
                 flat[full] = v
             continue
         if key not in KEYS or KEYS[key].section:

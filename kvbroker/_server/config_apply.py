@@ -30,6 +30,7 @@ class Daemon(Protocol):
     fleet: Any
     connections: set[Any]
 
+
 __all__ = [
     "LIVE",
     "OWNERS",

@@ -18,13 +18,36 @@ from typing import Any
 from .._wire.paths import parse_duration, parse_size
 
 __all__ = [
-    "CONNECTIONS", "LEASES", "LOG_LEVELS", "POOLS", "boolean", "duration", "event_format",
-    "gpu_ring", "group", "int_in", "isolation", "log_level", "model_name", "node_name",
-    "optional_path", "page_size", "parse_listen_address", "peers", "positive_duration", "quotas",
-    "ratio", "replicas", "serve_rules", "size", "socket_path", "tenant_pools", "write_buffer",
+    "CONNECTIONS",
+    "LEASES",
+    "LOG_LEVELS",
+    "POOLS",
+    "boolean",
+    "duration",
+    "event_format",
+    "gpu_ring",
+    "group",
+    "int_in",
+    "isolation",
+    "log_level",
+    "model_name",
+    "node_name",
+    "optional_path",
+    "page_size",
+    "parse_listen_address",
+    "peers",
+    "positive_duration",
+    "quotas",
+    "ratio",
+    "replicas",
+    "serve_rules",
+    "size",
+    "socket_path",
+    "tenant_pools",
+    "write_buffer",
     "zmq_endpoint",
     "optional_size",
-]  # fmt: skip
+]
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -96,9 +119,9 @@ def replicas(value: Any) -> int | None:
     if isinstance(value, str) and value.strip().isdigit():
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"expected \"auto\" or a number of replicas, got {value!r}")
+        raise ValueError(f'expected "auto" or a number of replicas, got {value!r}')
     if not 0 <= value <= 64:
-        raise ValueError(f"must be \"auto\" or between 0 and 64, got {value}")
+        raise ValueError(f'must be "auto" or between 0 and 64, got {value}')
     return value
 
 
@@ -128,7 +151,16 @@ def group(value: Any) -> int | None:
 def boolean(value: Any) -> bool:
     if isinstance(value, bool):
         return value
-    if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+    if isinstance(value, str) and value.lower() in (
+        "1",
+        "true",
+        "yes",
+        "on",
+        "0",
+        "false",
+        "no",
+        "off",
+    ):
         return value.lower() in ("1", "true", "yes", "on")
     raise ValueError(f"expected true or false, got {value!r}")
 
@@ -153,8 +185,10 @@ def tenant_pools(value: Any):
     from .policy import parse_tenant_pools
 
     if not isinstance(value, dict):
-        raise ValueError("set it as a [tenant_pools] table ([tenant_pools.NAME] tables) in the "
-                         "configuration file")
+        raise ValueError(
+            "set it as a [tenant_pools] table ([tenant_pools.NAME] tables) in the "
+            "configuration file"
+        )
     return parse_tenant_pools(value, size, where="")
 
 
@@ -230,8 +264,10 @@ def serve_rules(value: Any) -> tuple[tuple[str | None, str], ...]:
     if isinstance(value, str):
         value = [v for v in (p.strip() for p in value.split(",")) if v]
     if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
-        raise ValueError(f"expected a list of namespace globs (\"prefix\", \"team-a/*\", "
-                         f"\"HOST=GLOB\" for one peer), got {value!r}")
+        raise ValueError(
+            f'expected a list of namespace globs ("prefix", "team-a/*", '
+            f'"HOST=GLOB" for one peer), got {value!r}'
+        )
     rules = []
     for v in value:
         host, sep, glob = v.rpartition("=")
@@ -258,8 +294,10 @@ def directories(value: Any) -> tuple[str, ...]:
 
 def disk_policy(value: Any) -> str:
     if value not in ("evicted", "sealed"):
-        raise ValueError(f"expected \"evicted\" (write back what the pools would evict) or "
-                         f"\"sealed\" (every sealed object), got {value!r}")
+        raise ValueError(
+            f'expected "evicted" (write back what the pools would evict) or '
+            f'"sealed" (every sealed object), got {value!r}'
+        )
     return value
 
 

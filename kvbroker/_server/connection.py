@@ -126,11 +126,15 @@ class Connection(asyncio.BufferedProtocol):
         limit, per_uid = cfg.max_connections, cfg.max_connections_per_uid
         refusal = None
         if len(self.daemon.connections) >= limit:
-            refusal = (f"kvbroker serves at most {limit} connections (max_connections); "
-                       "try again when one closes")
+            refusal = (
+                f"kvbroker serves at most {limit} connections (max_connections); "
+                "try again when one closes"
+            )
         elif self.daemon.per_uid.get(uid, 0) >= per_uid:
-            refusal = (f"uid {uid} already holds {per_uid} connections, the most one uid may "
-                       "hold (max_connections_per_uid); close some first")
+            refusal = (
+                f"uid {uid} already holds {per_uid} connections, the most one uid may "
+                "hold (max_connections_per_uid); close some first"
+            )
         if refusal is not None:
             log.warning("refused a connection of pid %d uid %d: %s", pid, uid, refusal)
             self._send(self.encoder.error(None, LimitExceeded.code, refusal))
@@ -170,9 +174,14 @@ class Connection(asyncio.BufferedProtocol):
         s = self.session
         log.warning(
             "session %d (pid %d, uid %d, %s): disconnected: %d bytes of replies left unread "
-            "(max_write_buffer %d)", s.id, s.pid, s.uid, s.name or "unnamed",
-            self.transport.get_write_buffer_size(), self.daemon.config.max_write_buffer,
-        )  # fmt: skip
+            "(max_write_buffer %d)",
+            s.id,
+            s.pid,
+            s.uid,
+            s.name or "unnamed",
+            self.transport.get_write_buffer_size(),
+            self.daemon.config.max_write_buffer,
+        )
         self.closed = self.cut_off = True
         self.transport.abort()
 
@@ -260,15 +269,21 @@ class Connection(asyncio.BufferedProtocol):
         row = OPS.get(op)
         if self.daemon.draining and row is not None:  # it hands out no new leases
             if row.draining.refuse:
-                self._error(rid, BrokerUnavailable.code,
-                            "kvbroker is shutting down: finish what you hold, take new leases "
-                            "from the next daemon")
+                self._error(
+                    rid,
+                    BrokerUnavailable.code,
+                    "kvbroker is shutting down: finish what you hold, take new leases "
+                    "from the next daemon",
+                )
                 return
             if row.draining.publishes and not self.daemon.keeps_pools:
                 self.broker.end_unpublished(self.session, args, "kvbroker is stopping")
-                self._error(rid, BrokerUnavailable.code,
-                            "kvbroker is stopping and frees its pools: nothing published now "
-                            "would be kept (the write lease or arena named ended)")
+                self._error(
+                    rid,
+                    BrokerUnavailable.code,
+                    "kvbroker is stopping and frees its pools: nothing published now "
+                    "would be kept (the write lease or arena named ended)",
+                )
                 return
             if row.draining.args and isinstance(args, dict):
                 args = {**args, **dict(row.draining.args)}  # e.g. publish: no fresh arena
@@ -341,10 +356,14 @@ class Connection(asyncio.BufferedProtocol):
         self._end_wait()
         asked = args.get("wait") if isinstance(args, dict) else None
         limit = self.daemon.config.max_wait
-        cap = (f" (this daemon waits at most {limit:g} s: max_wait)"
-               if isinstance(asked, (int, float)) and asked > limit else "")  # fmt: skip
-        self._error(rid, Timeout.code, f"{key[0]}/{key[1]} was not published within "
-                                       f"{timeout:g} s{cap}")  # fmt: skip
+        cap = (
+            f" (this daemon waits at most {limit:g} s: max_wait)"
+            if isinstance(asked, (int, float)) and asked > limit
+            else ""
+        )
+        self._error(
+            rid, Timeout.code, f"{key[0]}/{key[1]} was not published within {timeout:g} s{cap}"
+        )
         self._wait_done()
 
     def sealed(self) -> None:
@@ -467,15 +486,28 @@ class Connection(asyncio.BufferedProtocol):
     def holds_nothing(self) -> bool:
         """No lease, arena, wait, watch or request in progress: closing it loses nothing."""
         s = self.session
-        return (s is not None and not s.leases and not s.arenas and self.wait is None
-                and not self.busy and not self.queue and self.watch_interval <= 0
-                and not self.decoder.buffered)  # fmt: skip
+        return (
+            s is not None
+            and not s.leases
+            and not s.arenas
+            and self.wait is None
+            and not self.busy
+            and not self.queue
+            and self.watch_interval <= 0
+            and not self.decoder.buffered
+        )
 
     def close_quietly(self, why: str) -> None:
         """The daemon closes a connection that holds nothing (idle, or never said hello)."""
         s = self.session
-        log.info("session %d (pid %d, uid %d, %s): closed: %s", s.id, s.pid, s.uid,
-                 s.name or "unnamed", why)  # fmt: skip
+        log.info(
+            "session %d (pid %d, uid %d, %s): closed: %s",
+            s.id,
+            s.pid,
+            s.uid,
+            s.name or "unnamed",
+            why,
+        )
         self._error(None, LimitExceeded.code, f"kvbroker closed this connection: {why}")
         self.closed = True
         self.transport.close()
@@ -486,10 +518,15 @@ class Connection(asyncio.BufferedProtocol):
         log.warning(
             "session %d (pid %d, uid %d, %s): disconnected: it leaves %d bytes of replies "
             "unread, the most of any connection, and all together leave %d "
-            "(max_write_buffers_total %d)", s.id, s.pid, s.uid, s.name or "unnamed",
-            self.transport.get_write_buffer_size(), total,
+            "(max_write_buffers_total %d)",
+            s.id,
+            s.pid,
+            s.uid,
+            s.name or "unnamed",
+            self.transport.get_write_buffer_size(),
+            total,
             self.daemon.config.max_write_buffers_total,
-        )  # fmt: skip
+        )
         self.closed = self.cut_off = True
         self.transport.abort()
 

@@ -44,8 +44,6 @@ _STATUS_PERIOD = 5.0  # seconds between STATUS= updates to systemd
 RESTART_SIGNAL = signal.SIGUSR1
 
 
-
-
 class Daemon:
     """Owns the pools, the broker and the listening socket for one ``serve``."""
 
@@ -159,12 +157,13 @@ class Daemon:
             if not conn.reading and conn.peer_gone():  # it stopped reading, its peer left
                 log.info("session %d: its peer hung up while it was not reading", s.id)
                 conn.transport.abort()
-            elif not s.greeted and now - conn.connected_at > cfg.hello_timeout and (
-                    not s.leases):  # fmt: skip
+            elif not s.greeted and now - conn.connected_at > cfg.hello_timeout and (not s.leases):
                 conn.close_quietly(f"no hello within {cfg.hello_timeout:g} s (hello_timeout)")
             elif cfg.idle_timeout > 0 and quiet > cfg.idle_timeout and conn.holds_nothing():
-                conn.close_quietly(f"it held nothing and sent nothing for {quiet:.0f} s "
-                                   "(idle_timeout); reconnect when needed")  # fmt: skip
+                conn.close_quietly(
+                    f"it held nothing and sent nothing for {quiet:.0f} s "
+                    "(idle_timeout); reconnect when needed"
+                )
 
     def check_pools(self) -> list[str]:
         """Check every pool's segment (one stat each); say loudly, once, when one vanished
@@ -179,9 +178,14 @@ class Daemon:
             if pool.lost is None:
                 pool.lost = problem
                 held = sum(1 for o in self.broker.objects.values() if o.pool is pool)
-                log.error("POOL LOST: %s. Nothing new goes into pool %d; its %d object(s) "
-                          "can no longer be mapped by new clients; restart the daemon "
-                          "(its objects in that pool are lost)", problem, pool.index, held)
+                log.error(
+                    "POOL LOST: %s. Nothing new goes into pool %d; its %d object(s) "
+                    "can no longer be mapped by new clients; restart the daemon "
+                    "(its objects in that pool are lost)",
+                    problem,
+                    pool.index,
+                    held,
+                )
         return problems
 
     def add_waiter(self, key: tuple[str, str], conn: Connection) -> None:
@@ -226,8 +230,11 @@ class Daemon:
         journal = self.broker.journal if self.broker is not None else None
         # A start that fails after adopting pools leaves them as it found them.
         wanted = self._restart or self.config.keep_pools_on_exit
-        return ((wanted or (self.startup.adopted and not self._serving))
-                and journal is not None and not journal.failed)  # fmt: skip
+        return (
+            (wanted or (self.startup.adopted and not self._serving))
+            and journal is not None
+            and not journal.failed
+        )
 
     async def serve(
         self,
@@ -269,21 +276,23 @@ class Daemon:
                 from .metrics import MetricsServer
 
                 try:
-                    self._metrics = MetricsServer(self.config.metrics,
-                                                  self.statistics_threadsafe)  # fmt: skip
+                    self._metrics = MetricsServer(self.config.metrics, self.statistics_threadsafe)
                 except OSError as exc:  # a refusal to start like any other, said as one
                     host, port = self.config.metrics
-                    raise DaemonError(f"cannot serve metrics on {host}:{port}: "
-                                      f"{exc.strerror or exc}") from None  # fmt: skip
+                    raise DaemonError(
+                        f"cannot serve metrics on {host}:{port}: {exc.strerror or exc}"
+                    ) from None
                 log.info("metrics on %s", self._metrics.url)
             tasks.append(loop.create_task(self._expiry_loop()))
             tasks.append(loop.create_task(self._status_loop()))
             if self.notifier.watchdog_interval:
                 tasks.append(loop.create_task(self._watchdog_loop()))
             log.info(
-                "serving on %s: %s, pages of %s", self.config.socket_path,
-                pools_summary(self.pools), format_size(self.config.page_size),
-            )  # fmt: skip
+                "serving on %s: %s, pages of %s",
+                self.config.socket_path,
+                pools_summary(self.pools),
+                format_size(self.config.page_size),
+            )
             self.replicas.start()  # last: a start refused before this leaves no process
             # Only now: the socket is listening and the pools exist, so clients may come.
             self.notifier.ready(self.summary())
@@ -320,24 +329,41 @@ class Daemon:
         disk = disk_link.start(self.config, b.pools, quota_of)
         s = b.open_session(os.getpid(), os.getuid(), os.getgid())
         s.name, s.role, s.greeted = "disk tier", "promoter", True
-        disk.bind(disk_link.DiskLink(
-            directory=b.directory, free_object=b._free_object, reserve_extent=b.reserve_extent,
-            seal=b.seal_all, live=b.leases.__contains__,
-            discard=lambda ls: b.abort(ls, "its promotion from disk failed"),
-            session=s, ttl=b.leases.max_lease_ttl))  # fmt: skip
+        disk.bind(
+            disk_link.DiskLink(
+                directory=b.directory,
+                free_object=b._free_object,
+                reserve_extent=b.reserve_extent,
+                seal=b.seal_all,
+                live=b.leases.__contains__,
+                discard=lambda ls: b.abort(ls, "its promotion from disk failed"),
+                session=s,
+                ttl=b.leases.max_lease_ttl,
+            )
+        )
         disk.adopt_pool_objects(b.directory.in_namespace(None))
         b.pages.tier = disk
         st = disk.statistics()
-        log.info("disk tier: %s in %s (%s), %d object(s) on disk", format_size(st.capacity),
-                 ", ".join(st.directories), "O_DIRECT" if st.o_direct else
-                 f"buffered: {st.o_direct_problem or 'o_direct = false'}", st.objects)
+        log.info(
+            "disk tier: %s in %s (%s), %d object(s) on disk",
+            format_size(st.capacity),
+            ", ".join(st.directories),
+            "O_DIRECT" if st.o_direct else f"buffered: {st.o_direct_problem or 'o_direct = false'}",
+            st.objects,
+        )
 
     async def _start_fleet(self) -> None:
         """Peer pulls and serving ([transfer]) and KV events ([events]), when configured
         (kvbroker._server.fleet): NIXL and pyzmq are imported only then."""
         cfg = self.config
-        if not (cfg.transfer_cert_file or cfg.transfer_key_file or cfg.transfer_ca_file
-                or cfg.transfer_listen or cfg.transfer_peers or cfg.events_publish):
+        if not (
+            cfg.transfer_cert_file
+            or cfg.transfer_key_file
+            or cfg.transfer_ca_file
+            or cfg.transfer_listen
+            or cfg.transfer_peers
+            or cfg.events_publish
+        ):
             return
         from .fleet import Fleet
 
@@ -346,7 +372,6 @@ class Daemon:
             await self.fleet.start()
         except KVBrokerError as exc:
             raise DaemonError(str(exc)) from None
-
 
     def summary(self) -> str:
         """One line for systemd's STATUS= (shown by ``systemctl status``)."""
@@ -401,21 +426,33 @@ class Daemon:
         held = len(self.broker.leases) if self.broker else 0
         self.notifier.stopping(self.summary())
         if self._restart and not self.keeps_pools:
-            log.warning("stopping for a restart, but without a journal (journal = false, or "
-                        "it failed): the pools are freed")  # fmt: skip
-        keep = ("keeping the pools for the next daemon" if self.keeps_pools
-                else "then freeing the pools")
+            log.warning(
+                "stopping for a restart, but without a journal (journal = false, or "
+                "it failed): the pools are freed"
+            )
+        keep = (
+            "keeping the pools for the next daemon"
+            if self.keeps_pools
+            else "then freeing the pools"
+        )
         if not held or self.config.drain_timeout <= 0:
             log.info("stopping (%s)", keep)
             return
-        log.info("stopping: waiting up to %gs for %d lease(s) to end (%s)",
-                 self.config.drain_timeout, held, keep)
+        log.info(
+            "stopping: waiting up to %gs for %d lease(s) to end (%s)",
+            self.config.drain_timeout,
+            held,
+            keep,
+        )
         deadline = self._loop.time() + self.config.drain_timeout
         while self.broker.leases and not self._force_stop.is_set():
             remaining = deadline - self._loop.time()
             if remaining <= 0:
-                log.warning("drain timed out after %gs: ending %d lease(s) still held",
-                            self.config.drain_timeout, len(self.broker.leases))
+                log.warning(
+                    "drain timed out after %gs: ending %d lease(s) still held",
+                    self.config.drain_timeout,
+                    len(self.broker.leases),
+                )
                 return
             try:
                 await asyncio.wait_for(self._force_stop.wait(), min(0.05, remaining))
@@ -429,7 +466,9 @@ class Daemon:
     def reload(self) -> None:
         """SIGHUP: re-read the configuration; apply what can change while running."""
         if self._reload_config is None:
-            log.warning("SIGHUP: this daemon was not started from a configuration; nothing to reload")
+            log.warning(
+                "SIGHUP: this daemon was not started from a configuration; nothing to reload"
+            )
             return
         self.notifier.reloading()
         try:
@@ -440,13 +479,21 @@ class Daemon:
             return
         old = self.config
         # What changes where is declared with each setting (kvbroker._server.config).
-        changed, restart = reload_into(old, new, self,
-                                       keep=("socket_path",) if self.startup.activated else ())
+        changed, restart = reload_into(
+            old, new, self, keep=("socket_path",) if self.startup.activated else ()
+        )
         for name, before, after in restart:  # the socket under activation is kvbroker.socket's
-            log.warning("reload: %s changed (%r -> %r) but needs a restart to take effect",
-                        name, before, after)
-        log.info("reloaded %s: %s", old.config_path or "the configuration",
-                 "; ".join(changed) if changed else "nothing changed")
+            log.warning(
+                "reload: %s changed (%r -> %r) but needs a restart to take effect",
+                name,
+                before,
+                after,
+            )
+        log.info(
+            "reloaded %s: %s",
+            old.config_path or "the configuration",
+            "; ".join(changed) if changed else "nothing changed",
+        )
         self.replicas.reconcile()  # a policy that is no longer open: no replicas
         self.notifier.ready(self.summary())
 
@@ -519,8 +566,11 @@ class Daemon:
             # Every lease has ended: what is left is the sealed objects, for the next daemon.
             self.broker.compact_journal()
             journal.close()
-            log.info("kept %d pool(s) and %d object(s) for the next daemon",
-                     len(self.pools), len(self.broker.objects))
+            log.info(
+                "kept %d pool(s) and %d object(s) for the next daemon",
+                len(self.pools),
+                len(self.broker.objects),
+            )
         else:
             if journal is not None:
                 journal.remove()

@@ -14,13 +14,35 @@ class DiskEntry:
     """One object on disk: its slot, the digest of what was written, and what a pool needs
     to seal it again (its record)."""
 
-    __slots__ = ("ident", "file", "start", "units", "length", "digest", "record", "serial",
-                 "written", "writing", "reading", "gone", "charged", "tenants", "obj",
-                 "last_access")  # fmt: skip
+    __slots__ = (
+        "ident",
+        "file",
+        "start",
+        "units",
+        "length",
+        "digest",
+        "record",
+        "serial",
+        "written",
+        "writing",
+        "reading",
+        "gone",
+        "charged",
+        "tenants",
+        "obj",
+        "last_access",
+    )
 
-    def __init__(self, ident: tuple[str, str], slot: tuple[int, int, int], length: int,
-                 record: dict[str, Any], serial: int, charged: int,
-                 tenants: tuple[tuple[str, int], ...]) -> None:  # fmt: skip
+    def __init__(
+        self,
+        ident: tuple[str, str],
+        slot: tuple[int, int, int],
+        length: int,
+        record: dict[str, Any],
+        serial: int,
+        charged: int,
+        tenants: tuple[tuple[str, int], ...],
+    ) -> None:
         self.ident = ident
         self.file, self.start, self.units = slot
         self.length = length  # bytes written from the extent's first byte (page-aligned)
@@ -46,33 +68,59 @@ class DiskEntry:
     def info(self) -> dict[str, Any]:
         """As ``list`` and ``evict`` describe objects; pool -1: on disk only."""
         rec = self.record
-        return {"namespace": self.ident[0], "key": self.ident[1], "nbytes": self.nbytes,
-                "buffers": len(rec["buffers"]), "pool": -1, "readers": 0,
-                "created_at": rec.get("created_at") or 0.0, "last_access": self.last_access,
-                "meta": rec.get("meta")}  # fmt: skip
+        return {
+            "namespace": self.ident[0],
+            "key": self.ident[1],
+            "nbytes": self.nbytes,
+            "buffers": len(rec["buffers"]),
+            "pool": -1,
+            "readers": 0,
+            "created_at": rec.get("created_at") or 0.0,
+            "last_access": self.last_access,
+            "meta": rec.get("meta"),
+        }
 
     def lookup(self) -> dict[str, Any]:
         """``lookup``'s answer: the info, its checksums, buffer sizes and consumers left."""
         rec = self.record
-        return {**self.info(), "checksums": rec.get("checksums"),
-                "buffer_sizes": {name: n for name, (_, n) in rec["buffers"].items()},
-                "consumers": rec.get("consumers") or 1}  # fmt: skip
+        return {
+            **self.info(),
+            "checksums": rec.get("checksums"),
+            "buffer_sizes": {name: n for name, (_, n) in rec["buffers"].items()},
+            "consumers": rec.get("consumers") or 1,
+        }
 
     def to_record(self) -> dict[str, Any]:
         """Its ``p`` record in the index."""
-        return {"t": "p", "f": self.file, "s": self.start, "n": self.units, "l": self.length,
-                "d": self.digest, "ns": self.ident[0], "k": self.ident[1], "sr": self.serial,
-                "tn": [list(t) for t in self.tenants], "o": self.record}  # fmt: skip
+        return {
+            "t": "p",
+            "f": self.file,
+            "s": self.start,
+            "n": self.units,
+            "l": self.length,
+            "d": self.digest,
+            "ns": self.ident[0],
+            "k": self.ident[1],
+            "sr": self.serial,
+            "tn": [list(t) for t in self.tenants],
+            "o": self.record,
+        }
 
 
 def object_record(obj: Any) -> dict[str, Any]:
     """What promotion needs of a pool object to seal it again (buffers relative to its
     extent)."""
     base = obj.start * obj.pool.page_size
-    return {"nbytes": obj.nbytes, "meta": obj.meta, "checksums": obj.checksums,
-            "parent_key": obj.parent_key, "tokens": obj.tokens, "consumers": obj.consumers,
-            "created_at": obj.created_at,
-            "buffers": {name: [off - base, n] for name, (off, n) in obj.buffers.items()}}
+    return {
+        "nbytes": obj.nbytes,
+        "meta": obj.meta,
+        "checksums": obj.checksums,
+        "parent_key": obj.parent_key,
+        "tokens": obj.tokens,
+        "consumers": obj.consumers,
+        "created_at": obj.created_at,
+        "buffers": {name: [off - base, n] for name, (off, n) in obj.buffers.items()},
+    }
 
 
 def written_length(obj: Any, unit: int) -> int:

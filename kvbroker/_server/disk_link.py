@@ -54,9 +54,16 @@ class DiskLink:
             raise BadRequest(f"{entry.ident[0]}/{entry.ident[1]} is in a pool already")
         rec = entry.record
         layout = {name: (int(off), int(n)) for name, (off, n) in rec["buffers"].items()}
-        ls = self.reserve_extent(self.session, entry.ident, layout, entry.length,
-                                 rec.get("meta"), self.ttl, rec.get("tokens"),
-                                 tenants=entry.tenants)  # fmt: skip
+        ls = self.reserve_extent(
+            self.session,
+            entry.ident,
+            layout,
+            entry.length,
+            rec.get("meta"),
+            self.ttl,
+            rec.get("tokens"),
+            tenants=entry.tenants,
+        )
         o = ls.obj
         o.checksums, o.parent_key = rec.get("checksums"), rec.get("parent_key")
         o.consumers, o.created_at = rec.get("consumers") or 1, rec.get("created_at") or 0
@@ -73,14 +80,23 @@ def start(cfg: Any, pools: list, quota_of: Callable[[Any], int | None]) -> Any:
     from .disk_store import DiskStore
     from .disk_tier import DiskTier
 
-    store = DiskStore(list(cfg.tier_disk_directories), cfg.tier_disk_size,
-                      pools[0].page_size, direct=cfg.tier_disk_o_direct,
-                      threads=cfg.tier_disk_io_threads)  # fmt: skip
+    store = DiskStore(
+        list(cfg.tier_disk_directories),
+        cfg.tier_disk_size,
+        pools[0].page_size,
+        direct=cfg.tier_disk_o_direct,
+        threads=cfg.tier_disk_io_threads,
+    )
     try:
-        tier = DiskTier(store, map_pools(pools), policy=cfg.tier_disk_policy,
-                        writeback_watermark=cfg.tier_disk_writeback_watermark,
-                        writeback_inflight=cfg.tier_disk_writeback_inflight, quota_of=quota_of,
-                        quota_scale=store.capacity / max(1, sum(p.size for p in pools)))
+        tier = DiskTier(
+            store,
+            map_pools(pools),
+            policy=cfg.tier_disk_policy,
+            writeback_watermark=cfg.tier_disk_writeback_watermark,
+            writeback_inflight=cfg.tier_disk_writeback_inflight,
+            quota_of=quota_of,
+            quota_scale=store.capacity / max(1, sum(p.size for p in pools)),
+        )
         tier.open()
     except BaseException:
         store.close()
@@ -99,8 +115,9 @@ def map_pools(pools: list) -> list[memoryview]:
         try:
             shm = open_segment(pool.name)  # a tenant's pool too
         except (OSError, posix_ipc.Error) as exc:
-            raise KVBrokerError(f"[tier.disk] cannot map pool {pool.index} ({pool.name}): "
-                                f"{exc}") from None  # fmt: skip
+            raise KVBrokerError(
+                f"[tier.disk] cannot map pool {pool.index} ({pool.name}): {exc}"
+            ) from None
         try:
             mm = mmap.mmap(shm.fd, pool.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:

@@ -117,8 +117,9 @@ class SlotFile:
             os.posix_fallocate(self.fd, 0, self.size)
         except OSError as exc:
             os.close(self.fd)
-            raise KVBrokerError(f"[tier.disk] cannot reserve {self.size} bytes in {path}: "
-                                f"{exc.strerror}") from None
+            raise KVBrokerError(
+                f"[tier.disk] cannot reserve {self.size} bytes in {path}: {exc.strerror}"
+            ) from None
         self.allocator = ExtentAllocator(units)
 
     def close(self) -> None:
@@ -163,8 +164,7 @@ class DiskIndex:
             out.reset = "the index has no readable header"
             return out
         if head.get("g") != self.geometry:
-            out.reset = (f"the slot files' geometry changed ({head.get('g')} -> "
-                         f"{self.geometry})")
+            out.reset = f"the slot files' geometry changed ({head.get('g')} -> {self.geometry})"
             return out
         live = out.entries
         for rec in records[1:]:
@@ -187,8 +187,13 @@ class DiskIndex:
         for slot, rec in list(live.items()):
             f, s = slot
             n = rec.get("n")
-            if (f >= len(self.geometry) or n.__class__ is not int or n <= 0 or s < 0
-                    or s + n > self.geometry[f][0]):  # fmt: skip
+            if (
+                f >= len(self.geometry)
+                or n.__class__ is not int
+                or n <= 0
+                or s < 0
+                or s + n > self.geometry[f][0]
+            ):
                 del live[slot]
                 out.dropped += 1
                 continue
@@ -211,9 +216,13 @@ class DiskIndex:
         pos, seed, first = 0, 0, True
         while pos + _FRAME.size <= len(data):
             magic, length, crc = _FRAME.unpack_from(data, pos)
-            body = data[pos + _FRAME.size:pos + _FRAME.size + length]
-            if (magic != MAGIC or length > _MAX_RECORD or len(body) != length
-                    or zlib.crc32(body, seed if not first else 0) != crc):  # fmt: skip
+            body = data[pos + _FRAME.size : pos + _FRAME.size + length]
+            if (
+                magic != MAGIC
+                or length > _MAX_RECORD
+                or len(body) != length
+                or zlib.crc32(body, seed if not first else 0) != crc
+            ):
                 if len(body) != length and magic == MAGIC:
                     break  # a torn last record
                 out.damaged += 1
@@ -244,8 +253,9 @@ class DiskIndex:
         temporary file, synced, then renamed over the old one."""
         self.seed = secrets.randbits(32)
         tmp = self.path + ".tmp"
-        buf = bytearray(self._frame({"t": "h", "v": FORMAT, "g": self.geometry,
-                                     "seed": self.seed}, 0))
+        buf = bytearray(
+            self._frame({"t": "h", "v": FORMAT, "g": self.geometry, "seed": self.seed}, 0)
+        )
         for rec in live:
             buf += self._frame(rec, self.seed)
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -298,15 +308,17 @@ class DiskIndex:
 class DiskStore:
     """The slot files, the index and the I/O threads of one disk tier."""
 
-    def __init__(self, directories: list[str], size: int, unit: int, *, direct: bool = True,
-                 threads: int = 4) -> None:  # fmt: skip
+    def __init__(
+        self, directories: list[str], size: int, unit: int, *, direct: bool = True, threads: int = 4
+    ) -> None:
         if not directories:
             raise KVBrokerError("[tier.disk] directories: name at least one directory")
         self.unit = max(unit, MIN_UNIT)
         per_file = size // len(directories) // self.unit
         if per_file < 1:
-            raise KVBrokerError(f"[tier.disk] size {size} is less than one slot "
-                                f"({self.unit} bytes) per directory")
+            raise KVBrokerError(
+                f"[tier.disk] size {size} is less than one slot ({self.unit} bytes) per directory"
+            )
         self.directories = [os.path.abspath(d) for d in directories]
         self.direct_problem: str | None = None
         for d in self.directories:
@@ -320,18 +332,22 @@ class DiskStore:
                 self.direct_problem = probe_direct(d)
         self.direct = direct and self.direct_problem is None
         if direct and not self.direct:
-            log.warning("[tier.disk] O_DIRECT is not available (%s): buffered I/O, "
-                        "synced with fdatasync", self.direct_problem)
+            log.warning(
+                "[tier.disk] O_DIRECT is not available (%s): buffered I/O, synced with fdatasync",
+                self.direct_problem,
+            )
         self.files: list[SlotFile] = []
         try:
             for i, d in enumerate(self.directories):
-                self.files.append(SlotFile(i, os.path.join(d, SLOTS_NAME), per_file,
-                                           self.unit, self.direct))
+                self.files.append(
+                    SlotFile(i, os.path.join(d, SLOTS_NAME), per_file, self.unit, self.direct)
+                )
         except BaseException:
             self.close()
             raise
-        self.index = DiskIndex(os.path.join(self.directories[0], INDEX_NAME),
-                               [[f.units, f.unit] for f in self.files])
+        self.index = DiskIndex(
+            os.path.join(self.directories[0], INDEX_NAME), [[f.units, f.unit] for f in self.files]
+        )
         self.pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="kvbroker-disk")
 
     @property

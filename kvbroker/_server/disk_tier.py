@@ -66,10 +66,17 @@ PROMOTE_TIMEOUT = 120.0  # a request waiting for its promotion: reads of a few s
 class DiskTier(WriteBackPass, QuotaShares, Queries):
     """The disk tier's entries, LRU, quota shares, I/O in flight and counters."""
 
-    def __init__(self, store: DiskStore, pool_views: list[memoryview], *, policy: str = "evicted",
-                 writeback_watermark: float = 0.8, writeback_inflight: int = 256 << 20,
-                 quota_of: Callable[[Any], int | None] = lambda account: None,
-                 quota_scale: float = 1.0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        store: DiskStore,
+        pool_views: list[memoryview],
+        *,
+        policy: str = "evicted",
+        writeback_watermark: float = 0.8,
+        writeback_inflight: int = 256 << 20,
+        quota_of: Callable[[Any], int | None] = lambda account: None,
+        quota_scale: float = 1.0,
+    ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}")
         self.store = store
@@ -107,16 +114,28 @@ class DiskTier(WriteBackPass, QuotaShares, Queries):
                 o = rec["o"]
                 length, digest = int(rec["l"]), rec["d"]
                 tenants = tuple((str(k), int(i)) for k, i in rec.get("tn") or ())
-                if (digest.__class__ is not int or not isinstance(o, dict) or length <= 0
-                        or length > rec["n"] * self.store.unit or ident in self.entries
-                        or not isinstance(o.get("buffers"), dict)):  # fmt: skip
+                if (
+                    digest.__class__ is not int
+                    or not isinstance(o, dict)
+                    or length <= 0
+                    or length > rec["n"] * self.store.unit
+                    or ident in self.entries
+                    or not isinstance(o.get("buffers"), dict)
+                ):
                     raise ValueError
                 int(o["nbytes"])
             except (KeyError, TypeError, ValueError):
                 loaded.dropped += 1
                 continue
-            e = DiskEntry(ident, (f, s, rec["n"]), length, o, int(rec.get("sr") or 0),
-                          rec["n"] * self.store.unit, tenants)
+            e = DiskEntry(
+                ident,
+                (f, s, rec["n"]),
+                length,
+                o,
+                int(rec.get("sr") or 0),
+                rec["n"] * self.store.unit,
+                tenants,
+            )
             e.digest, e.written = digest, True
             self.entries[ident] = e
             self.lru[ident] = e
@@ -126,8 +145,13 @@ class DiskTier(WriteBackPass, QuotaShares, Queries):
         self.store.index.rewrite([e.to_record() for e in self.entries.values()])
         self.loaded = loaded
         if self.entries or loaded.damaged or loaded.dropped:
-            log.info("[tier.disk] %d object(s) on disk; dropped %d damaged and %d unvouched "
-                     "index record(s)", len(self.entries), loaded.damaged, loaded.dropped)
+            log.info(
+                "[tier.disk] %d object(s) on disk; dropped %d damaged and %d unvouched "
+                "index record(s)",
+                len(self.entries),
+                loaded.damaged,
+                loaded.dropped,
+            )
         return loaded
 
     def adopt_pool_objects(self, objects: Iterable[Any]) -> None:
@@ -194,8 +218,9 @@ class DiskTier(WriteBackPass, QuotaShares, Queries):
         if slot is None:
             self.counters["skipped_full"] += 1
             return None
-        e = DiskEntry(ident, slot, length, object_record(obj), obj.serial, nbytes,
-                      tuple(obj.tenants))
+        e = DiskEntry(
+            ident, slot, length, object_record(obj), obj.serial, nbytes, tuple(obj.tenants)
+        )
         self.entries[ident] = e
         self._charge(e)
         self._pool_copy(e, obj)
@@ -211,7 +236,7 @@ class DiskTier(WriteBackPass, QuotaShares, Queries):
         e = self._reserve(obj, length)
         if e is None:
             return False
-        view = self.views[obj.pool.index][obj.start * obj.pool.page_size:][:length]
+        view = self.views[obj.pool.index][obj.start * obj.pool.page_size :][:length]
         self._start_write(e, view, done)
         self.counters["written_back"] += 1
         return True
@@ -235,7 +260,7 @@ class DiskTier(WriteBackPass, QuotaShares, Queries):
         buf = mmap.mmap(-1, length)  # page-aligned, as O_DIRECT wants
         src = self.views[obj.pool.index]
         start = obj.start * obj.pool.page_size
-        buf[:] = src[start:start + length]
+        buf[:] = src[start : start + length]
         self._pool_copy(e, None)
         self._start_write(e, memoryview(buf), buf.close)
         self.counters["demoted"] += 1
@@ -282,17 +307,24 @@ class DiskTier(WriteBackPass, QuotaShares, Queries):
         fut.add_done_callback(finished)
 
     # ------------------------------------------------------------------ promotion
-    async def promote(self, idents: list[tuple[str, str]], reserve: Callable[[DiskEntry], Any],
-                      seal: Callable[[list[Any]], None],
-                      discard: Callable[[Any], None]) -> int:  # fmt: skip
+    async def promote(
+        self,
+        idents: list[tuple[str, str]],
+        reserve: Callable[[DiskEntry], Any],
+        seal: Callable[[list[Any]], None],
+        discard: Callable[[Any], None],
+    ) -> int:
         """Bring ``idents`` (a chain's blocks in order, or one key) from disk into the pools:
         ``reserve(entry)`` gives a write lease on fresh pages laid out as the entry's
         object, ``seal(leases)`` seals them (parents first), ``discard(lease)`` gives back
         one that was not sealed. Requests for a key already being promoted wait for that
         read. Returns how many of ``idents`` are in a pool now; raises NotFound only when
         the first is neither here nor promoted."""
-        writes = [e.writing for e in map(self.entries.get, idents)
-                  if e is not None and not e.written and e.writing is not None]  # fmt: skip
+        writes = [
+            e.writing
+            for e in map(self.entries.get, idents)
+            if e is not None and not e.written and e.writing is not None
+        ]
         if writes:  # evicted a moment ago: read once written
             await asyncio.gather(*map(asyncio.shield, writes), return_exceptions=True)
         mine: list[DiskEntry] = []
@@ -313,8 +345,7 @@ class DiskTier(WriteBackPass, QuotaShares, Queries):
             task = loop.create_task(self._read_and_seal(mine, reserve, seal, discard))
             for e in mine:
                 self._promotions[e.ident] = task
-            task.add_done_callback(lambda _t: [self._promotions.pop(e.ident, None)
-                                               for e in mine])  # fmt: skip
+            task.add_done_callback(lambda _t: [self._promotions.pop(e.ident, None) for e in mine])
             waits.append(task)
         promoted = 0
         errors: list[BaseException] = []
@@ -326,13 +357,20 @@ class DiskTier(WriteBackPass, QuotaShares, Queries):
         if promoted == 0 and errors:
             raise errors[0]
         if promoted == 0:
-            what = "was dropped from disk (unreadable or damaged)" if waits else \
-                "is not on disk either"
+            what = (
+                "was dropped from disk (unreadable or damaged)"
+                if waits
+                else "is not on disk either"
+            )
             raise NotFound(f"{idents[0][0]}/{idents[0][1]} {what}")
         return promoted
 
-    def promotion(self, idents: list[tuple[str, str]], present: Callable[[tuple], bool],
-                  again: Callable[[], Any]) -> Deferred:  # fmt: skip
+    def promotion(
+        self,
+        idents: list[tuple[str, str]],
+        present: Callable[[tuple], bool],
+        again: Callable[[], Any],
+    ) -> Deferred:
         """A request that found its object (or its prefix's next blocks) on disk only,
         answered once :meth:`promote` ends (through the pools' side it was bound to) by
         ``again()``: the request run again with this tier out of sight, so that what could
@@ -375,10 +413,12 @@ class DiskTier(WriteBackPass, QuotaShares, Queries):
             e.reading += 1
             if self.lru.get(e.ident) is e:
                 del self.lru[e.ident]  # not evicted from disk under its read
-        entries = entries[:len(leases)]
+        entries = entries[: len(leases)]
         t0 = time.perf_counter()
-        reads = [loop.run_in_executor(self.store.pool, self._read_one, e, lease)
-                 for e, lease in zip(entries, leases, strict=True)]  # fmt: skip
+        reads = [
+            loop.run_in_executor(self.store.pool, self._read_one, e, lease)
+            for e, lease in zip(entries, leases, strict=True)
+        ]
         results = await asyncio.gather(*reads, return_exceptions=True)
         good: list[Any] = []
         failed = False  # a chain is served up to its first block that cannot be
@@ -398,8 +438,11 @@ class DiskTier(WriteBackPass, QuotaShares, Queries):
                 self.forget(e.ident)
             elif ok is False:
                 self.counters["dropped_damaged"] += 1
-                log.warning("[tier.disk] %s/%s: its slot does not hash to the digest "
-                            "written; dropped, never served", *e.ident)
+                log.warning(
+                    "[tier.disk] %s/%s: its slot does not hash to the digest "
+                    "written; dropped, never served",
+                    *e.ident,
+                )
                 self.forget(e.ident)
             if e.gone:
                 if e.units and e.reading == 0:
@@ -421,7 +464,7 @@ class DiskTier(WriteBackPass, QuotaShares, Queries):
         """In an I/O thread: read the slot into the lease's pages; whether they hash to the
         digest written."""
         obj = lease.obj
-        view = self.views[obj.pool.index][obj.start * obj.pool.page_size:][:e.length]
+        view = self.views[obj.pool.index][obj.start * obj.pool.page_size :][: e.length]
         try:
             self.store.read(e.file, e.start, view)
             return xxhash.xxh3_64_intdigest(view) == e.digest
@@ -520,8 +563,7 @@ class DiskTier(WriteBackPass, QuotaShares, Queries):
     async def drain(self) -> None:
         """Wait for every write and index sync in flight (a stop)."""
         while self._tasks or self._promotions:
-            await asyncio.gather(*self._tasks, *self._promotions.values(),
-                                 return_exceptions=True)  # fmt: skip
+            await asyncio.gather(*self._tasks, *self._promotions.values(), return_exceptions=True)
             await asyncio.sleep(0)
 
     def close(self) -> None:
@@ -532,22 +574,32 @@ class DiskTier(WriteBackPass, QuotaShares, Queries):
         c = self.counters
         store = self.store
         return DiskTierStatistics(
-            directories=tuple(store.directories), capacity=store.capacity, used=store.used,
+            directories=tuple(store.directories),
+            capacity=store.capacity,
+            used=store.used,
             objects=sum(1 for e in self.entries.values() if e.written),
             index_pending=len(self._unsynced) + len(self._in_sync),
             only_on_disk=sum(1 for e in self.entries.values() if e.obj is None),
             bytes=sum(e.nbytes for e in self.entries.values()),
-            policy=self.policy, o_direct=store.direct, o_direct_problem=store.direct_problem,
-            writing_bytes=self.inflight, promoting=len(self._promotions),
-            writes=c["writes"], written_bytes=c["written_bytes"],
-            written_back=c["written_back"], demoted=c["demoted"], promoted=c["promoted"],
-            promoted_bytes=c["promoted_bytes"], promote_seconds=c["promote_us"] / 1e6,
-            evicted=c["evicted"], dropped_damaged=c["dropped_damaged"],
+            policy=self.policy,
+            o_direct=store.direct,
+            o_direct_problem=store.direct_problem,
+            writing_bytes=self.inflight,
+            promoting=len(self._promotions),
+            writes=c["writes"],
+            written_bytes=c["written_bytes"],
+            written_back=c["written_back"],
+            demoted=c["demoted"],
+            promoted=c["promoted"],
+            promoted_bytes=c["promoted_bytes"],
+            promote_seconds=c["promote_us"] / 1e6,
+            evicted=c["evicted"],
+            dropped_damaged=c["dropped_damaged"],
             skipped=c["skipped_full"] + c["skipped_quota"] + c["skipped_busy"],
             errors=c["write_errors"] + c["read_errors"] + c["index_errors"],
-            recovered=c["recovered"], recovered_dropped=self.loaded.damaged
-            + self.loaded.dropped,
-        )  # fmt: skip
+            recovered=c["recovered"],
+            recovered_dropped=self.loaded.damaged + self.loaded.dropped,
+        )
 
 
 def on_disk_only(tier: DiskTier | None, ident: tuple[str, str]) -> bool:

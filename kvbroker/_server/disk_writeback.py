@@ -169,8 +169,15 @@ class Queries:
             n += 1
         return n
 
-    def run_after(self, namespace: str, keys: list, start: int, present: Callable[[tuple], bool],
-                  hold: bool, again: Callable[[], Any]) -> int:  # fmt: skip
+    def run_after(
+        self,
+        namespace: str,
+        keys: list,
+        start: int,
+        present: Callable[[tuple], bool],
+        hold: bool,
+        again: Callable[[], Any],
+    ) -> int:
         """A prefix match's run past its first ``start`` blocks (in a pool): how many of the
         next ``keys`` are here or in a pool (``present``). Held, those here only are promoted
         first: a :meth:`promotion` raised, answered by ``again``."""
@@ -179,6 +186,7 @@ class Queries:
         rest = keys[start:]
         n = self.run(namespace, rest, present)
         if n and hold:
-            raise self.promotion([(namespace, k) for k in rest[:n] if not present((namespace, k))],
-                                 present, again)  # fmt: skip
+            raise self.promotion(
+                [(namespace, k) for k in rest[:n] if not present((namespace, k))], present, again
+            )
         return n

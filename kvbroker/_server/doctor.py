@@ -51,9 +51,11 @@ def _gpu_nodes() -> list[str]:
 def check_memlock(cfg: DaemonConfig) -> Check:
     soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     need = _pool_bytes(cfg)
-    fix = ("the unit sets LimitMEMLOCK=infinity; for a shell or container: "
-           "'ulimit -l unlimited', '* - memlock unlimited' in /etc/security/limits.d/kvbroker.conf, "
-           "or 'docker run --ulimit memlock=-1'")  # fmt: skip
+    fix = (
+        "the unit sets LimitMEMLOCK=infinity; for a shell or container: "
+        "'ulimit -l unlimited', '* - memlock unlimited' in /etc/security/limits.d/kvbroker.conf, "
+        "or 'docker run --ulimit memlock=-1'"
+    )
     if soft == resource.RLIM_INFINITY:
         return Check("memlock", "ok", "unlimited")
     detail = f"{format_size(soft)} for this process, pools need {format_size(need)}"
@@ -64,19 +66,24 @@ def check_memlock(cfg: DaemonConfig) -> Check:
 
 
 def check_shm(cfg: DaemonConfig) -> Check:
-    fix = ("grow it: 'mount -o remount,size=64G /dev/shm' (and the size= option in /etc/fstab), "
-           "or 'docker run --shm-size=64g'; or lower pool_size")  # fmt: skip
+    fix = (
+        "grow it: 'mount -o remount,size=64G /dev/shm' (and the size= option in /etc/fstab), "
+        "or 'docker run --shm-size=64g'; or lower pool_size"
+    )
     try:
         st = os.statvfs("/dev/shm")
     except OSError as exc:
         return Check("/dev/shm", "fail", f"not usable: {exc.strerror}", "mount a tmpfs on /dev/shm")
     total, free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
     need = _pool_bytes(cfg)
-    detail = (f"{format_size(free)} free of {format_size(total)}, "
-              f"pools need {format_size(need)} ({cfg.pools} x {format_size(need // cfg.pools)})")
+    detail = (
+        f"{format_size(free)} free of {format_size(total)}, "
+        f"pools need {format_size(need)} ({cfg.pools} x {format_size(need // cfg.pools)})"
+    )
     if not os.access("/dev/shm", os.W_OK | os.X_OK):
-        return Check("/dev/shm", "fail", detail + "; not writable by this user",
-                     "chmod 1777 /dev/shm")
+        return Check(
+            "/dev/shm", "fail", detail + "; not writable by this user", "chmod 1777 /dev/shm"
+        )
     if free < need:
         return Check("/dev/shm", "fail", detail, fix)
     return Check("/dev/shm", "ok", detail)
@@ -99,28 +106,45 @@ def check_socket_dir(cfg: DaemonConfig) -> Check:
         base = _nearest_existing(sdir)
         if os.access(base, os.W_OK | os.X_OK):
             return Check(name, "ok", f"{sdir} will be created (under {base})")
-        return Check(name, "fail", f"{sdir} does not exist and {base} is not writable",
-                     "the unit's RuntimeDirectory=kvbroker creates /run/kvbroker; by hand: "
-                     f"'install -d -o {SERVICE_USER} -g {SERVICE_USER} -m 0755 {sdir}'")
+        return Check(
+            name,
+            "fail",
+            f"{sdir} does not exist and {base} is not writable",
+            "the unit's RuntimeDirectory=kvbroker creates /run/kvbroker; by hand: "
+            f"'install -d -o {SERVICE_USER} -g {SERVICE_USER} -m 0755 {sdir}'",
+        )
     st = os.stat(sdir)
     mode = stat.S_IMODE(st.st_mode)
     detail = f"{sdir} mode {mode:04o} owner {_user(st.st_uid)}:{_group(st.st_gid)}"
     if mode & 0o002 and not mode & stat.S_ISVTX:
-        return Check(name, "fail", detail + ": anyone may replace the socket",
-                     f"chmod o-w {sdir} (or +t)")
+        return Check(
+            name, "fail", detail + ": anyone may replace the socket", f"chmod o-w {sdir} (or +t)"
+        )
     if not os.path.exists(path) and not os.access(sdir, os.W_OK | os.X_OK):
-        return Check(name, "fail", detail + ": this user cannot create the socket there",
-                     f"chown {SERVICE_USER} {sdir}, or run as its owner")
+        return Check(
+            name,
+            "fail",
+            detail + ": this user cannot create the socket there",
+            f"chown {SERVICE_USER} {sdir}, or run as its owner",
+        )
     if os.path.exists(path):
         sst = os.stat(path)
         smode = stat.S_IMODE(sst.st_mode)
         detail += f"; socket mode {smode:04o} group {_group(sst.st_gid)}"
         if smode & 0o006:
-            return Check(name, "fail", detail + ": every user may connect",
-                         "serve with group = \"kvbroker\" (mode 0660), or SocketMode=0660")
+            return Check(
+                name,
+                "fail",
+                detail + ": every user may connect",
+                'serve with group = "kvbroker" (mode 0660), or SocketMode=0660',
+            )
         if cfg.group is not None and sst.st_gid != cfg.group:
-            return Check(name, "warn", detail + f": configured group is {_group(cfg.group)}",
-                         "restart the daemon, or fix SocketGroup= in kvbroker.socket")
+            return Check(
+                name,
+                "warn",
+                detail + f": configured group is {_group(cfg.group)}",
+                "restart the daemon, or fix SocketGroup= in kvbroker.socket",
+            )
     return Check(name, "ok", detail)
 
 
@@ -129,16 +153,24 @@ def check_service_user(cfg: DaemonConfig) -> Check:
     try:
         pw = pwd.getpwnam(SERVICE_USER)
     except KeyError:
-        return Check(name, "warn", f"no user {SERVICE_USER!r} (needed by kvbroker.service)",
-                     "systemd-sysusers /usr/lib/sysusers.d/kvbroker.conf, or "
-                     f"'useradd --system --no-create-home --shell /usr/sbin/nologin {SERVICE_USER}'")
+        return Check(
+            name,
+            "warn",
+            f"no user {SERVICE_USER!r} (needed by kvbroker.service)",
+            "systemd-sysusers /usr/lib/sysusers.d/kvbroker.conf, or "
+            f"'useradd --system --no-create-home --shell /usr/sbin/nologin {SERVICE_USER}'",
+        )
     limit = _sys_uid_max()
     detail = f"{SERVICE_USER} uid {pw.pw_uid}"
     if pw.pw_uid > limit:
         # logind's RemoveIPC=yes deletes a regular user's POSIX shm when they log out.
-        return Check(name, "fail", f"{detail} is not a system user (> {limit}): logind would "
-                     "remove its shared memory at logout",
-                     f"recreate it with 'useradd --system' (uid <= {limit})")
+        return Check(
+            name,
+            "fail",
+            f"{detail} is not a system user (> {limit}): logind would "
+            "remove its shared memory at logout",
+            f"recreate it with 'useradd --system' (uid <= {limit})",
+        )
     return Check(name, "ok", f"{detail} (system user)")
 
 
@@ -159,15 +191,26 @@ def check_gpu(cfg: DaemonConfig) -> Check:
     name = "GPU visibility"
     if not nodes and not os.path.exists("/dev/nvidiactl"):
         return Check(name, "skip", "no /dev/nvidia* on this host: host pools only")
-    blocked = [n for n in nodes + ["/dev/nvidiactl", "/dev/nvidia-uvm"]
-               if os.path.exists(n) and not os.access(n, os.R_OK | os.W_OK)]
+    blocked = [
+        n
+        for n in nodes + ["/dev/nvidiactl", "/dev/nvidia-uvm"]
+        if os.path.exists(n) and not os.access(n, os.R_OK | os.W_OK)
+    ]
     if blocked:
-        return Check(name, "fail", f"cannot open {', '.join(blocked)}",
-                     "add the user to the group owning them (often 'video'), and keep "
-                     "DeviceAllow=char-nvidia* rwm in the unit")
+        return Check(
+            name,
+            "fail",
+            f"cannot open {', '.join(blocked)}",
+            "add the user to the group owning them (often 'video'), and keep "
+            "DeviceAllow=char-nvidia* rwm in the unit",
+        )
     if not os.path.exists("/dev/nvidia-uvm"):
-        return Check(name, "fail", "/dev/nvidia-uvm is missing: CUDA cannot start",
-                     "run 'nvidia-modprobe -u -c=0' at boot, or enable nvidia-persistenced")
+        return Check(
+            name,
+            "fail",
+            "/dev/nvidia-uvm is missing: CUDA cannot start",
+            "run 'nvidia-modprobe -u -c=0' at boot, or enable nvidia-persistenced",
+        )
     smi = shutil.which("nvidia-smi")
     if smi is None:
         return Check(name, "ok", f"{len(nodes)} device node(s); nvidia-smi not installed")
@@ -177,8 +220,12 @@ def check_gpu(cfg: DaemonConfig) -> Check:
         return Check(name, "fail", "nvidia-smi -L hung for 20 s", "check the driver (dmesg)")
     gpus = [line for line in out.stdout.splitlines() if line.startswith("GPU ")]
     if out.returncode != 0 or not gpus:
-        return Check(name, "fail", f"nvidia-smi failed: {(out.stderr or out.stdout).strip()}",
-                     "check that the driver is loaded and matches its user-space libraries")
+        return Check(
+            name,
+            "fail",
+            f"nvidia-smi failed: {(out.stderr or out.stdout).strip()}",
+            "check that the driver is loaded and matches its user-space libraries",
+        )
     return Check(name, "ok", f"{len(gpus)} GPU(s): " + "; ".join(g.split(" (")[0] for g in gpus))
 
 
@@ -191,8 +238,12 @@ def check_host_register(cfg: DaemonConfig) -> Check:
     import torch  # only now: it takes seconds to import
 
     if not torch.cuda.is_available():
-        return Check(name, "fail", "torch sees no CUDA device although /dev/nvidia* exist",
-                     "check CUDA_VISIBLE_DEVICES and that torch is a CUDA build")
+        return Check(
+            name,
+            "fail",
+            "torch sees no CUDA device although /dev/nvidia* exist",
+            "check CUDA_VISIBLE_DEVICES and that torch is a CUDA build",
+        )
     size = 64 << 20
     # A /dev/shm mapping, like the clients' view of a pool.
     buf = mmap.mmap(-1, size, flags=mmap.MAP_SHARED)
@@ -203,8 +254,12 @@ def check_host_register(cfg: DaemonConfig) -> Check:
         err = cudart.cudaHostRegister(ptr, size, 0)
         took = time.perf_counter() - t0
         if int(err) != 0:
-            return Check(name, "fail", f"cudaHostRegister of {format_size(size)} failed: {err}",
-                         "raise the memlock limit (LimitMEMLOCK=infinity) and check IOMMU settings")
+            return Check(
+                name,
+                "fail",
+                f"cudaHostRegister of {format_size(size)} failed: {err}",
+                "raise the memlock limit (LimitMEMLOCK=infinity) and check IOMMU settings",
+            )
         cudart.cudaHostUnregister(ptr)
     finally:
         buf.close()
@@ -231,10 +286,13 @@ def check_checksum_hash(cfg: DaemonConfig) -> Check:
     detail = f"python-xxhash {xxhash.VERSION}, xxh3 at {rate:.1f} GB/s on one core"
     dispatch = simd_dispatch()
     if dispatch is False:
-        return Check(name, "warn",
-                     detail + ": built for SSE2 only, without the run-time choice of AVX2 / "
-                     "AVX-512 (2.7x slower on an H100 host's Xeon than a build with it)",
-                     "pip install -U 'xxhash>=4.1' where the clients and the daemon run")
+        return Check(
+            name,
+            "warn",
+            detail + ": built for SSE2 only, without the run-time choice of AVX2 / "
+            "AVX-512 (2.7x slower on an H100 host's Xeon than a build with it)",
+            "pip install -U 'xxhash>=4.1' where the clients and the daemon run",
+        )
     return Check(name, "ok", detail + (", AVX2 / AVX-512 chosen at run time" if dispatch else ""))
 
 
@@ -245,14 +303,21 @@ def check_copy_engine(cfg: DaemonConfig) -> Check:
     try:
         from .._copyhash import STREAM_STORES
     except ImportError:
-        return Check(name, "warn",
-                     "Python loops: the optional C extension kvbroker._copyhash was not built "
-                     "when kvbroker was installed (no C compiler or Python headers); "
-                     "checksummed copies over several threads are slower",
-                     "install gcc and the Python headers (python3-dev), then reinstall kvbroker")
+        return Check(
+            name,
+            "warn",
+            "Python loops: the optional C extension kvbroker._copyhash was not built "
+            "when kvbroker was installed (no C compiler or Python headers); "
+            "checksummed copies over several threads are slower",
+            "install gcc and the Python headers (python3-dev), then reinstall kvbroker",
+        )
     if os.environ.get("KVBROKER_NATIVE_COPY", "1") == "0":
-        return Check(name, "warn", "Python loops: KVBROKER_NATIVE_COPY=0 turns the C loops off",
-                     "unset KVBROKER_NATIVE_COPY")  # fmt: skip
+        return Check(
+            name,
+            "warn",
+            "Python loops: KVBROKER_NATIVE_COPY=0 turns the C loops off",
+            "unset KVBROKER_NATIVE_COPY",
+        )
     # as the clients' engine binds it (the daemon never imports the client's modules)
     import xxhash
     from xxhash import _xxhash
@@ -262,35 +327,52 @@ def check_copy_engine(cfg: DaemonConfig) -> Check:
     try:
         bind_hash(_xxhash.__file__)
     except OSError as exc:
-        return Check(name, "warn", f"C loops cannot use python-xxhash's library ({exc}): "
-                     "Python loops", "reinstall xxhash (python-xxhash 4.1 or later)")  # fmt: skip
+        return Check(
+            name,
+            "warn",
+            f"C loops cannot use python-xxhash's library ({exc}): Python loops",
+            "reinstall xxhash (python-xxhash 4.1 or later)",
+        )
     from .._copyhash import copy_hashed, hash_chunks
 
     # as the clients' engine checks them at import (kvbroker._client.engine): wrong digests
     # make every client fall back to the Python loops
     probe = bytes(range(251)) * 40
-    want = [xxhash.xxh3_64_intdigest(probe[at:at + 1000]) for at in range(0, len(probe), 1000)]
-    if hash_chunks(probe, 1000) != want or copy_hashed(bytearray(len(probe)), probe,
-                                                       1000) != want:  # fmt: skip
-        return Check(name, "warn", "Python loops: the C loops' digests are not xxhash's "
-                     "xxh3_64 (a broken build of csrc/copyhash.c), so the clients do not use "
-                     "them", "rebuild kvbroker (pip install --force-reinstall) and report the "
-                     "compiler and CPU (`lscpu`) to kvbroker")  # fmt: skip
-    stores = ("copies of half the last-level cache (16 MiB at least) or more store "
-              "non-temporally" if STREAM_STORES else "no streaming stores on this architecture")
+    want = [xxhash.xxh3_64_intdigest(probe[at : at + 1000]) for at in range(0, len(probe), 1000)]
+    if hash_chunks(probe, 1000) != want or copy_hashed(bytearray(len(probe)), probe, 1000) != want:
+        return Check(
+            name,
+            "warn",
+            "Python loops: the C loops' digests are not xxhash's "
+            "xxh3_64 (a broken build of csrc/copyhash.c), so the clients do not use "
+            "them",
+            "rebuild kvbroker (pip install --force-reinstall) and report the "
+            "compiler and CPU (`lscpu`) to kvbroker",
+        )
+    stores = (
+        "copies of half the last-level cache (16 MiB at least) or more store non-temporally"
+        if STREAM_STORES
+        else "no streaming stores on this architecture"
+    )
     state = fused_state()
     if state == "digests differ":  # the one-pass loop is wrong on this CPU: it stays off
-        return Check(name, "warn", "C loops, each chunk copied, then hashed: the one-pass "
-                     "copy+hash disagreed with xxHash's digests on this CPU when checked, so it "
-                     "is off (copies that hash read each chunk twice); " + stores,
-                     "report the CPU (`lscpu`) and python-xxhash's version to kvbroker")  # fmt: skip
-    passes = {"one pass": "each chunk copied and hashed in one pass (AVX2)",
-              "no AVX2": "each chunk copied, then hashed (no AVX2 here: two passes)",
-              "not built": "each chunk copied, then hashed (no one-pass loop for this "
-                           "architecture: two passes)"}.get(
-        state, f"each chunk copied, then hashed (one-pass loop: {state})")  # fmt: skip
-    return Check(name, "ok", f"C loops (csrc/copyhash.c), one GIL release per range; {passes}; "
-                 + stores)
+        return Check(
+            name,
+            "warn",
+            "C loops, each chunk copied, then hashed: the one-pass "
+            "copy+hash disagreed with xxHash's digests on this CPU when checked, so it "
+            "is off (copies that hash read each chunk twice); " + stores,
+            "report the CPU (`lscpu`) and python-xxhash's version to kvbroker",
+        )
+    passes = {
+        "one pass": "each chunk copied and hashed in one pass (AVX2)",
+        "no AVX2": "each chunk copied, then hashed (no AVX2 here: two passes)",
+        "not built": "each chunk copied, then hashed (no one-pass loop for this "
+        "architecture: two passes)",
+    }.get(state, f"each chunk copied, then hashed (one-pass loop: {state})")
+    return Check(
+        name, "ok", f"C loops (csrc/copyhash.c), one GIL release per range; {passes}; " + stores
+    )
 
 
 def check_prefix_scan(cfg: DaemonConfig) -> Check:
@@ -301,11 +383,14 @@ def check_prefix_scan(cfg: DaemonConfig) -> Check:
     try:
         from .._prefixscan import lend_scan  # noqa: F401
     except ImportError:
-        return Check(name, "warn",
-                     "Python passes: the optional C extension kvbroker._prefixscan was not "
-                     "built when kvbroker was installed (no C compiler or Python headers); "
-                     "prefix matches of many blocks are slower",
-                     "install gcc and the Python headers (python3-dev), then reinstall kvbroker")
+        return Check(
+            name,
+            "warn",
+            "Python passes: the optional C extension kvbroker._prefixscan was not "
+            "built when kvbroker was installed (no C compiler or Python headers); "
+            "prefix matches of many blocks are slower",
+            "install gcc and the Python headers (python3-dev), then reinstall kvbroker",
+        )
     return Check(name, "ok", "C pass (csrc/prefixscan.c), one read of each matched block")
 
 
@@ -376,12 +461,19 @@ def check_pools(cfg: DaemonConfig) -> Check:
         if size != p["size"]:
             bad.append(f"pool {p['index']} ({p['name']}) holds {size} bytes, not {p['size']}")
     if bad:
-        return Check(name, "fail", "; ".join(bad) + ": new clients cannot map it",
-                     "restart the daemon (the objects in that pool are lost); find what "
-                     "removes files in /dev/shm (systemd-logind RemoveIPC=, a cleanup job)")
-    return Check(name, "ok", f"{len(pools)} pool(s) present at their size"
-                 + (f" ({hidden} of other tenants not named to uid {os.getuid()})"
-                    if hidden else ""))  # fmt: skip
+        return Check(
+            name,
+            "fail",
+            "; ".join(bad) + ": new clients cannot map it",
+            "restart the daemon (the objects in that pool are lost); find what "
+            "removes files in /dev/shm (systemd-logind RemoveIPC=, a cleanup job)",
+        )
+    return Check(
+        name,
+        "ok",
+        f"{len(pools)} pool(s) present at their size"
+        + (f" ({hidden} of other tenants not named to uid {os.getuid()})" if hidden else ""),
+    )
 
 
 def _tls_with_itself(server, client) -> dict:
@@ -412,38 +504,59 @@ def check_peer_tls(cfg: DaemonConfig) -> Check:
     """[transfer]: the mutual TLS files load, the certificate is valid now, and it names a
     host (the one its peers list this node under)."""
     name = "peer-tls"
-    files = {"cert_file": cfg.transfer_cert_file, "key_file": cfg.transfer_key_file,
-             "ca_file": cfg.transfer_ca_file}
+    files = {
+        "cert_file": cfg.transfer_cert_file,
+        "key_file": cfg.transfer_key_file,
+        "ca_file": cfg.transfer_ca_file,
+    }
     if not any(files.values()) and cfg.transfer_listen is None and not cfg.transfer_peers:
-        return Check(name, "skip", "no [transfer] peers: this node pulls from and serves no "
-                                   "broker")
+        return Check(name, "skip", "no [transfer] peers: this node pulls from and serves no broker")
     missing = [k for k, v in files.items() if not v]
     if missing:
-        return Check(name, "fail", f"[transfer] {' and '.join(missing)} not set: brokers "
-                                   "authenticate each other with mutual TLS",
-                     "set cert_file, key_file and ca_file in [transfer] (a certificate of "
-                     "the fleet's CA naming this node's host)")
+        return Check(
+            name,
+            "fail",
+            f"[transfer] {' and '.join(missing)} not set: brokers "
+            "authenticate each other with mutual TLS",
+            "set cert_file, key_file and ca_file in [transfer] (a certificate of "
+            "the fleet's CA naming this node's host)",
+        )
     if not cfg.transfer_peers:
-        return Check(name, "fail", "[transfer] peers is empty",
-                     "list the brokers (HOST:PORT) this node pulls from and serves")
+        return Check(
+            name,
+            "fail",
+            "[transfer] peers is empty",
+            "list the brokers (HOST:PORT) this node pulls from and serves",
+        )
     import ssl
 
     from .transfer import certificate_names, tls_contexts
 
     try:
-        info = _tls_with_itself(*tls_contexts(files["cert_file"], files["key_file"],
-                                              files["ca_file"]))
+        info = _tls_with_itself(
+            *tls_contexts(files["cert_file"], files["key_file"], files["ca_file"])
+        )
     except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
-        return Check(name, "fail", f"[transfer] TLS files: {exc}",
-                     "check the paths, that the key is the certificate's (mode 0600) and "
-                     "that ca_file signed the certificate")
+        return Check(
+            name,
+            "fail",
+            f"[transfer] TLS files: {exc}",
+            "check the paths, that the key is the certificate's (mode 0600) and "
+            "that ca_file signed the certificate",
+        )
     left = ssl.cert_time_to_seconds(info["notAfter"]) - time.time()
     names = certificate_names(info)
-    detail = (f"{files['cert_file']} names {', '.join(names[:4]) or 'no host'}, valid "
-              f"{left / 86400:.0f} more day(s); {len(cfg.transfer_peers)} peer(s)")
+    detail = (
+        f"{files['cert_file']} names {', '.join(names[:4]) or 'no host'}, valid "
+        f"{left / 86400:.0f} more day(s); {len(cfg.transfer_peers)} peer(s)"
+    )
     if left <= 0:
-        return Check(name, "fail", detail.replace("valid", "expired:"),
-                     "renew the certificate (peers refuse it)")
+        return Check(
+            name,
+            "fail",
+            detail.replace("valid", "expired:"),
+            "renew the certificate (peers refuse it)",
+        )
     if left < 14 * 86400:
         return Check(name, "warn", detail, "renew the certificate before it expires")
     return Check(name, "ok", detail)
@@ -498,29 +611,44 @@ def check_disk_tier(cfg: DaemonConfig) -> Check:
         have = os.path.getsize(kept) if os.path.isfile(kept) else 0
         free = st.f_bavail * st.f_frsize + have
         problem = probe_direct(d)
-        note = f"{d}: {fstype} on {mnt}, {format_size(free)} free for {format_size(share)}, " + \
-            ("O_DIRECT" if problem is None else f"no O_DIRECT ({problem}): buffered I/O")
+        note = f"{d}: {fstype} on {mnt}, {format_size(free)} free for {format_size(share)}, " + (
+            "O_DIRECT" if problem is None else f"no O_DIRECT ({problem}): buffered I/O"
+        )
         said.append(note)
         if free < share:
             fail = True
             fixes.append(f"free space on {mnt} or lower [tier.disk] size")
         if problem is not None and cfg.tier_disk_o_direct:
             warn = True
-            fixes.append(f"put {d} on a file system with O_DIRECT (ext4, xfs) for reads that "
-                         "bypass the page cache")
+            fixes.append(
+                f"put {d} on a file system with O_DIRECT (ext4, xfs) for reads that "
+                "bypass the page cache"
+            )
         if fstype in ("tmpfs", "ramfs"):
             warn = True
-            fixes.append(f"{d} is in memory ({fstype}): it takes RAM and does not survive a "
-                         "reboot; use a directory on a local SSD")
+            fixes.append(
+                f"{d} is in memory ({fstype}): it takes RAM and does not survive a "
+                "reboot; use a directory on a local SSD"
+            )
     status = "fail" if fail else "warn" if warn else "ok"
     return Check("disk_tier", status, "; ".join(said), "; ".join(fixes))
 
 
 CHECKS: tuple[Callable[[DaemonConfig], Check], ...] = (
-    check_memlock, check_shm, check_socket_dir, check_socket_unit, check_service_user,
-    check_gpu, check_host_register, check_checksum_hash, check_copy_engine, check_prefix_scan,
-    check_pools, check_peer_tls, check_disk_tier,
-)  # fmt: skip
+    check_memlock,
+    check_shm,
+    check_socket_dir,
+    check_socket_unit,
+    check_service_user,
+    check_gpu,
+    check_host_register,
+    check_checksum_hash,
+    check_copy_engine,
+    check_prefix_scan,
+    check_pools,
+    check_peer_tls,
+    check_disk_tier,
+)
 
 
 def run_checks(cfg: DaemonConfig) -> list[Check]:

@@ -49,15 +49,19 @@ class CurveKeys:
         except OSError as exc:
             raise ValueError(f"curve key {secret_file}: {exc.strerror}") from None
         if st.st_mode & 0o077:
-            raise ValueError(f"curve key {secret_file}: a secret key must not be accessible by "
-                             "group or others (chmod 600)")
+            raise ValueError(
+                f"curve key {secret_file}: a secret key must not be accessible by "
+                "group or others (chmod 600)"
+            )
         try:
             public, secret = zmq.auth.load_certificate(secret_file)
         except (OSError, ValueError) as exc:
             raise ValueError(f"curve key {secret_file}: {exc}") from None
         if not secret:
-            raise ValueError(f"curve key {secret_file}: no secret-key in it (give the "
-                             "*.key_secret file zmq.auth.create_certificates wrote)")
+            raise ValueError(
+                f"curve key {secret_file}: no secret-key in it (give the "
+                "*.key_secret file zmq.auth.create_certificates wrote)"
+            )
         if not os.path.isdir(clients_dir):
             raise ValueError(f"curve clients {clients_dir}: not a directory")
         try:
@@ -65,8 +69,10 @@ class CurveKeys:
         except (OSError, ValueError) as exc:
             raise ValueError(f"curve clients {clients_dir}: {exc}") from None
         if not clients:
-            raise ValueError(f"curve clients {clients_dir}: no public certificate (*.key) in "
-                             "it: no subscriber could connect")
+            raise ValueError(
+                f"curve clients {clients_dir}: no public certificate (*.key) in "
+                "it: no subscriber could connect"
+            )
         self.public, self.secret = public, secret
         self.clients_dir = clients_dir
         self.clients = len(clients)

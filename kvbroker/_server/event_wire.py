@@ -126,9 +126,16 @@ def _wire_event(ev: Event, fmt: str) -> list | dict:
     if fmt == "positional":
         if type(ev) is BlockStored:
             p = ev.parent_block_hash
-            return ["BlockStored", _ints(ev.block_hashes), None if p is None else int(p),
-                    _ints(ev.token_ids), int(ev.block_size), ev.lora_id, ev.medium,
-                    ev.lora_name]
+            return [
+                "BlockStored",
+                _ints(ev.block_hashes),
+                None if p is None else int(p),
+                _ints(ev.token_ids),
+                int(ev.block_size),
+                ev.lora_id,
+                ev.medium,
+                ev.lora_name,
+            ]
         if type(ev) is BlockRemoved:
             return ["BlockRemoved", _ints(ev.block_hashes), ev.medium]
         if type(ev) is AllBlocksCleared:
@@ -142,8 +149,15 @@ def _wire_event(ev: Event, fmt: str) -> list | dict:
 
 # vLLM's declaration order, which the positional layout follows
 _FIELDS = {
-    "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
-                    "medium", "lora_name"),
+    "BlockStored": (
+        "block_hashes",
+        "parent_block_hash",
+        "token_ids",
+        "block_size",
+        "lora_id",
+        "medium",
+        "lora_name",
+    ),
     "BlockRemoved": ("block_hashes", "medium"),
     "AllBlocksCleared": (),
 }
@@ -154,10 +168,12 @@ def encode_event(ev: Event, fmt: str = "positional") -> bytes:
     return msgpack.packb(_wire_event(ev, fmt), use_bin_type=True)
 
 
-def encode_batch(ts: float, events: Iterable[Event], dp_rank: int = 0,
-                 fmt: str = "positional") -> bytes:
+def encode_batch(
+    ts: float, events: Iterable[Event], dp_rank: int = 0, fmt: str = "positional"
+) -> bytes:
     """The payload frame: ``[ts, [events], dp_rank]``."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown event format {fmt!r} (one of {', '.join(FORMATS)})")
-    return msgpack.packb([float(ts), [_wire_event(e, fmt) for e in events], int(dp_rank)],
-                         use_bin_type=True)
+    return msgpack.packb(
+        [float(ts), [_wire_event(e, fmt) for e in events], int(dp_rank)], use_bin_type=True
+    )

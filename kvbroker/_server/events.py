@@ -136,8 +136,7 @@ class _Warnings:
         self._last[kind] = now
         held = self._held.pop(kind, 0)
         if held:
-            msg, args = msg + " (and %d more like it in the last %.0f s)", (*args, held,
-                                                                              now - last)
+            msg, args = msg + " (and %d more like it in the last %.0f s)", (*args, held, now - last)
         log.warning(msg, *args, exc_info=exc_info)
 
 
@@ -260,7 +259,9 @@ class EventPublisher:
 
     def _attach(self, sock, endpoint: str, bind: bool | None = None) -> str:
         if bind is None:
-            bind = "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+            bind = (
+                "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+            )
         if not bind:
             sock.connect(endpoint)
             return endpoint
@@ -300,11 +301,23 @@ class EventPublisher:
             self._cond.notify()
         return True
 
-    def stored(self, block_hashes: Sequence[int], parent_block_hash: int | None,
-               token_ids: Sequence[int], block_size: int, *, medium: str | None = MEDIUM_CPU,
-               lora_name: str | None = None) -> bool:
-        return self.publish([BlockStored(block_hashes, parent_block_hash, token_ids, block_size,
-                                         None, medium, lora_name)])
+    def stored(
+        self,
+        block_hashes: Sequence[int],
+        parent_block_hash: int | None,
+        token_ids: Sequence[int],
+        block_size: int,
+        *,
+        medium: str | None = MEDIUM_CPU,
+        lora_name: str | None = None,
+    ) -> bool:
+        return self.publish(
+            [
+                BlockStored(
+                    block_hashes, parent_block_hash, token_ids, block_size, None, medium, lora_name
+                )
+            ]
+        )
 
     def removed(self, block_hashes: Sequence[int], *, medium: str | None = MEDIUM_CPU) -> bool:
         return self.publish([BlockRemoved(block_hashes, medium)])
@@ -326,16 +339,24 @@ class EventPublisher:
 
     def stats(self) -> dict:
         return {
-            "endpoint": self.endpoint, "replay_endpoint": self.replay_endpoint,
-            "topic": self.topic, "format": self.fmt, "next_seq": self._seq,
+            "endpoint": self.endpoint,
+            "replay_endpoint": self.replay_endpoint,
+            "topic": self.topic,
+            "format": self.fmt,
+            "next_seq": self._seq,
             "authenticated": self.authenticated,
             "events_published": self.events_published,
             "batches_published": self.batches_published,
-            "events_dropped": self.events_dropped, "overflows": self.overflows,
-            "replay_requests": self.replay_requests, "replay_refused": self.replay_refused,
-            "replays_in_progress": len(self._replays), "encode_errors": self.encode_errors,
-            "send_errors": self.send_errors, "queued": len(self._queue),
-            "buffered_batches": len(self._buffer), "buffered_bytes": self._buffered,
+            "events_dropped": self.events_dropped,
+            "overflows": self.overflows,
+            "replay_requests": self.replay_requests,
+            "replay_refused": self.replay_refused,
+            "replays_in_progress": len(self._replays),
+            "encode_errors": self.encode_errors,
+            "send_errors": self.send_errors,
+            "queued": len(self._queue),
+            "buffered_batches": len(self._buffer),
+            "buffered_bytes": self._buffered,
         }
 
     def flush(self, timeout: float = 5.0) -> bool:
@@ -474,8 +495,12 @@ class EventPublisher:
             except (TypeError, ValueError, OverflowError) as exc:
                 self.encode_errors += 1
                 self.events_dropped += 1
-                self._warnings.warn("encode", "dropped a KV event that cannot be encoded "
-                                              "(%s: %s)", type(exc).__name__, exc)
+                self._warnings.warn(
+                    "encode",
+                    "dropped a KV event that cannot be encoded (%s: %s)",
+                    type(exc).__name__,
+                    exc,
+                )
                 if type(ev) is not BlockStored:
                     with self._cond:
                         if not self._overflowed:
@@ -506,9 +531,12 @@ class EventPublisher:
                 return
             if len(frames) != 3 or frames[1] or len(frames[2]) != 8:
                 self.replay_refused += 1
-                self._warnings.warn("request", "invalid KV event replay request (%d frames, "
-                                               "sizes %s)", len(frames),
-                                    [len(f) for f in frames[1:4]])
+                self._warnings.warn(
+                    "request",
+                    "invalid KV event replay request (%d frames, sizes %s)",
+                    len(frames),
+                    [len(f) for f in frames[1:4]],
+                )
                 continue
             client, _empty, start = frames
             self.replay_requests += 1
@@ -516,8 +544,11 @@ class EventPublisher:
                 del self._replays[client]  # the new request replaces it, at the back
             elif len(self._replays) >= MAX_REPLAYS:
                 self.replay_refused += 1
-                self._warnings.warn("busy", "%d KV event replays in progress: a request "
-                                            "answered with the end marker", MAX_REPLAYS)
+                self._warnings.warn(
+                    "busy",
+                    "%d KV event replays in progress: a request answered with the end marker",
+                    MAX_REPLAYS,
+                )
                 self._send_end(client)
                 continue
             self._replays[client] = _Replay(int.from_bytes(start, "big"))
@@ -536,8 +567,9 @@ class EventPublisher:
             try:
                 while rep.next_seq < self._seq and sent < REPLAY_SLICE:
                     seq, payload = self._buffer[rep.next_seq - oldest]
-                    self._replay.send_multipart((*head, seq.to_bytes(8, "big"), payload),
-                                                flags=zmq.NOBLOCK, copy=False)
+                    self._replay.send_multipart(
+                        (*head, seq.to_bytes(8, "big"), payload), flags=zmq.NOBLOCK, copy=False
+                    )
                     rep.next_seq += 1
                     sent += len(payload) + 1
                 if rep.next_seq >= self._seq and self._send_end(client, raise_full=True):
@@ -554,8 +586,11 @@ class EventPublisher:
             elif rep.blocked_since is None:
                 rep.blocked_since = now
             elif now - rep.blocked_since > REPLAY_STALL:
-                self._warnings.warn("stall", "dropped a KV event replay whose requester read "
-                                             "nothing for %.0f s", REPLAY_STALL)
+                self._warnings.warn(
+                    "stall",
+                    "dropped a KV event replay whose requester read nothing for %.0f s",
+                    REPLAY_STALL,
+                )
                 continue
             self._replays[client] = rep  # its next turn comes after the others'
         return progressed

@@ -164,9 +164,19 @@ def tiered(disk: Any, tier: str, chosen: list[StoredObject], reply: dict, dry_ru
             disk.demote(obj)
 
 
-def on_disk(disk: Any, directory: Directory, session: Session, namespace: str | None,
-            key: str | None, match: str | None, match_buffers: str | None,
-            older_than: float | None, tier: str, reply: dict, dry_run: bool) -> None:  # fmt: skip
+def on_disk(
+    disk: Any,
+    directory: Directory,
+    session: Session,
+    namespace: str | None,
+    key: str | None,
+    match: str | None,
+    match_buffers: str | None,
+    older_than: float | None,
+    tier: str,
+    reply: dict,
+    dry_run: bool,
+) -> None:
     """Drop the disk copies (``disk``: kvbroker._server.disk_tier.DiskTier) the filter names
     that ``session`` may evict: all of them (``tier`` disk), or those of objects no pool
     holds now (all). Counted in ``reply``: in ``on_disk`` all, as objects those no pool
@@ -178,13 +188,20 @@ def on_disk(disk: Any, directory: Directory, session: Session, namespace: str | 
     def picked(e: Any) -> bool:
         ns, k = e.ident
         rec = e.record
-        return ((namespace is None or ns == namespace) and can(ns, write=True)
-                and (key is None or k == key) and (key_re is None or key_re.search(k))
-                and (older_than is None or now - (rec.get("created_at") or 0) >= older_than)
-                and (buf_re is None or any(buf_re.search(n) for n in rec["buffers"])))  # fmt: skip
+        return (
+            (namespace is None or ns == namespace)
+            and can(ns, write=True)
+            and (key is None or k == key)
+            and (key_re is None or key_re.search(k))
+            and (older_than is None or now - (rec.get("created_at") or 0) >= older_than)
+            and (buf_re is None or any(buf_re.search(n) for n in rec["buffers"]))
+        )
 
-    gone = [e for e in list(disk.entries.values())
-            if disk.live(e) and picked(e) and (tier == "disk" or e.ident not in directory)]
+    gone = [
+        e
+        for e in list(disk.entries.values())
+        if disk.live(e) and picked(e) and (tier == "disk" or e.ident not in directory)
+    ]
     alone = [e for e in gone if e.ident not in directory]
     if not dry_run:
         ids = {id(e) for e in gone}

@@ -73,6 +73,7 @@ log = logging.getLogger("kvbroker.fleet")
 
 # -- the daemon's fleet ----------------------------------------------------------------------------
 
+
 class _Peer:
     """Our connection to one peer broker, and its NIXL agent."""
 
@@ -131,24 +132,33 @@ class Fleet:
         self.broker.fleet = self
         if cfg.events_publish:
             self.events = EventFeed(self.daemon, self.node)
-        files = {"cert_file": cfg.transfer_cert_file, "key_file": cfg.transfer_key_file,
-                 "ca_file": cfg.transfer_ca_file}
+        files = {
+            "cert_file": cfg.transfer_cert_file,
+            "key_file": cfg.transfer_key_file,
+            "ca_file": cfg.transfer_ca_file,
+        }
         if not any(files.values()):
             if cfg.transfer_listen is not None or cfg.transfer_peers:
-                raise KVBrokerError("[transfer] listen and peers need cert_file, key_file "
-                                    "and ca_file: brokers authenticate each other with "
-                                    "mutual TLS")
+                raise KVBrokerError(
+                    "[transfer] listen and peers need cert_file, key_file "
+                    "and ca_file: brokers authenticate each other with "
+                    "mutual TLS"
+                )
             return
         missing = [k for k, v in files.items() if not v]
         if missing:
-            raise KVBrokerError(f"[transfer] needs cert_file, key_file and ca_file; "
-                                f"{' and '.join(missing)} not set")
+            raise KVBrokerError(
+                f"[transfer] needs cert_file, key_file and ca_file; {' and '.join(missing)} not set"
+            )
         if not cfg.transfer_peers:
-            raise KVBrokerError("[transfer] peers is empty: list the brokers (HOST:PORT) "
-                                "this node pulls from and serves")
+            raise KVBrokerError(
+                "[transfer] peers is empty: list the brokers (HOST:PORT) "
+                "this node pulls from and serves"
+            )
         try:
             self._server_tls, self._client_tls = transfer.tls_contexts(
-                files["cert_file"], files["key_file"], files["ca_file"])
+                files["cert_file"], files["key_file"], files["ca_file"]
+            )
         except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
             raise KVBrokerError(f"[transfer] TLS files: {exc}") from None
         self._configured = {}
@@ -169,13 +179,21 @@ class Fleet:
             host, port = cfg.transfer_listen
             self.provider = BrokerProvider(self.broker, self.bases, cfg.transfer_serve)
             self.server = transfer.PeerServer(
-                self.provider, tls=self._server_tls, node=self.node,
-                metadata=self.endpoint.metadata(), agent=self.endpoint.name,
-                peers=[transfer.parse_address(p)[0] for p in cfg.transfer_peers])
+                self.provider,
+                tls=self._server_tls,
+                node=self.node,
+                metadata=self.endpoint.metadata(),
+                agent=self.endpoint.name,
+                peers=[transfer.parse_address(p)[0] for p in cfg.transfer_peers],
+            )
             host, port = await self.server.start(host, port)
             self.listen = f"{host}:{port}"
-            log.info("serving peers on %s as %s (NIXL agent %s)", self.listen, self.node,
-                     self.endpoint.name)
+            log.info(
+                "serving peers on %s as %s (NIXL agent %s)",
+                self.listen,
+                self.node,
+                self.endpoint.name,
+            )
 
     def _map_pools(self) -> None:
         import mmap
@@ -187,12 +205,13 @@ class Fleet:
             try:
                 shm = open_segment(pool.name)  # a tenant's pool too
             except (OSError, posix_ipc.Error) as exc:
-                raise KVBrokerError(f"[transfer] cannot map pool {pool.index} ({pool.name}): "
-                                    f"{exc} (a daemon that is not root needs CAP_CHOWN for "
-                                    "a pool owned by a tenant's user)") from None  # fmt: skip
+                raise KVBrokerError(
+                    f"[transfer] cannot map pool {pool.index} ({pool.name}): "
+                    f"{exc} (a daemon that is not root needs CAP_CHOWN for "
+                    "a pool owned by a tenant's user)"
+                ) from None
             try:
-                mm = mmap.mmap(shm.fd, pool.size, mmap.MAP_SHARED,
-                               mmap.PROT_READ | mmap.PROT_WRITE)
+                mm = mmap.mmap(shm.fd, pool.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             finally:
                 shm.close_fd()
             view = np.frombuffer(mm, dtype=np.uint8)
@@ -230,8 +249,9 @@ class Fleet:
         found = self._configured.get(ident)
         if found is None:
             known = ", ".join(list(self._configured.values())[:8])
-            raise Forbidden(f"peer {address[:300]!r} is not one of this daemon's [transfer] "
-                            f"peers ({known})")
+            raise Forbidden(
+                f"peer {address[:300]!r} is not one of this daemon's [transfer] peers ({known})"
+            )
         return found
 
     async def _peer(self, address: str) -> _Peer:
@@ -249,16 +269,19 @@ class Fleet:
         return await asyncio.shield(task)
 
     async def _connect(self, address: str) -> _Peer:
-        client = transfer.PeerClient(address, tls=self._client_tls, node=self.node,
-                                     connect_timeout=min(5.0, self.timeout),
-                                     request_timeout=self.timeout)
+        client = transfer.PeerClient(
+            address,
+            tls=self._client_tls,
+            node=self.node,
+            connect_timeout=min(5.0, self.timeout),
+            request_timeout=self.timeout,
+        )
         await client.connect()
         if not client.metadata or not client.agent:
             await client.close()
             raise PeerUnavailable(f"peer {address} ({client.peer_node}) serves no NIXL agent")
         try:
-            agent = self.endpoint.add_peer(client.metadata, label=f"{client.peer_node} "
-                                                                  f"({address})")
+            agent = self.endpoint.add_peer(client.metadata, label=f"{client.peer_node} ({address})")
         except Exception as exc:  # noqa: BLE001 - NIXL's own errors
             await client.close()
             raise PeerUnavailable(f"peer {address}: NIXL refused its metadata: {exc}") from exc
@@ -278,8 +301,10 @@ class Fleet:
         a configured peer (returned as configured), and the names are ones a local op
         would take."""
         if self.closed or self.endpoint is None:
-            raise BadRequest("this daemon pulls from no peer (set [transfer] peers, "
-                             "cert_file, key_file and ca_file)")
+            raise BadRequest(
+                "this daemon pulls from no peer (set [transfer] peers, "
+                "cert_file, key_file and ca_file)"
+            )
         address = self.configured(address)
         check_name("namespace", namespace)
         for key in keys:
@@ -297,30 +322,38 @@ class Fleet:
         try:  # the client is given the object asked, well formed, or an error
             return looked_up(info, namespace, key)
         except ValueError as exc:
-            raise TransferFailed(f"peer {address} answered a lookup of {namespace}/{key[:80]} "
-                                 f"with a bad description: {exc}") from None
+            raise TransferFailed(
+                f"peer {address} answered a lookup of {namespace}/{key[:80]} "
+                f"with a bad description: {exc}"
+            ) from None
 
-    async def fetch(self, address: str, namespace: str, key: str, consume: bool,
-                    asker: Session | None = None) -> bool:
+    async def fetch(
+        self, address: str, namespace: str, key: str, consume: bool, asker: Session | None = None
+    ) -> bool:
         """Pull ``namespace/key`` from the peer unless it is here; True when it moved.
         What it pulls is charged to the tenants of ``asker`` (the session that asked)."""
         address = self._check(address, namespace, (key,))
         if (namespace, key) in self.broker.objects:
             return False
         tenants = self._tenants(asker)
-        return await self._shared((address, namespace, key), lambda: self._pull(
-            address, namespace, "pin", [key], consume, tenants))
+        return await self._shared(
+            (address, namespace, key),
+            lambda: self._pull(address, namespace, "pin", [key], consume, tenants),
+        )
 
-    async def fetch_prefix(self, address: str, namespace: str, keys: list[str],
-                           asker: Session | None = None) -> bool:
+    async def fetch_prefix(
+        self, address: str, namespace: str, keys: list[str], asker: Session | None = None
+    ) -> bool:
         """Pull the leading run of ``keys`` that the peer holds (one READ for all)."""
         address = self._check(address, namespace, keys)
         keys = [k for k in keys if (namespace, k) not in self.broker.objects]
         if not keys:
             return False
         tenants = self._tenants(asker)
-        return await self._shared((address, namespace, tuple(keys)), lambda: self._pull(
-            address, namespace, "pin_prefix", keys, False, tenants))
+        return await self._shared(
+            (address, namespace, tuple(keys)),
+            lambda: self._pull(address, namespace, "pin_prefix", keys, False, tenants),
+        )
 
     def _tenants(self, asker: Session | None) -> tuple:
         # A pull takes pages as a put of the asker's would: its tenants' quotas (issue 38).
@@ -335,13 +368,19 @@ class Fleet:
         # A waiter that gives up (its connection closed, its timeout) leaves the pull going.
         return await asyncio.shield(task)
 
-    async def _pull(self, address: str, namespace: str, how: str, keys: list[str],
-                    consume: bool, tenants: tuple = ()) -> bool:
+    async def _pull(
+        self,
+        address: str,
+        namespace: str,
+        how: str,
+        keys: list[str],
+        consume: bool,
+        tenants: tuple = (),
+    ) -> bool:
         t0 = time.perf_counter()
         phases: dict[str, float] = {}
         try:
-            moved = await self._pull_inner(address, namespace, how, keys, consume, tenants,
-                                           phases)
+            moved = await self._pull_inner(address, namespace, how, keys, consume, tenants, phases)
         except KVBrokerError as exc:
             self.failures[exc.code] += 1
             self.recent_failures.append((namespace, f"{address}: {exc.message or exc}"[:300]))
@@ -350,17 +389,30 @@ class Fleet:
             self.failures["internal"] += 1
             self.recent_failures.append((namespace, f"{address}: {type(exc).__name__}"))
             log.exception("pull from %s failed", address)
-            raise TransferFailed(f"pull from {address} failed: {type(exc).__name__}: "
-                                 f"{exc}") from exc
+            raise TransferFailed(
+                f"pull from {address} failed: {type(exc).__name__}: {exc}"
+            ) from exc
         if moved:
             self.last_pull = (moved, self._read_seconds, time.perf_counter() - t0)
             self.last_phases = phases
-            log.debug("pulled %d byte(s) from %s in %.1f ms", moved, address,
-                      (time.perf_counter() - t0) * 1e3)
+            log.debug(
+                "pulled %d byte(s) from %s in %.1f ms",
+                moved,
+                address,
+                (time.perf_counter() - t0) * 1e3,
+            )
         return moved > 0
 
-    async def _pull_inner(self, address: str, namespace: str, how: str, keys: list[str],
-                          consume: bool, tenants: tuple, phases: dict[str, float]) -> int:
+    async def _pull_inner(
+        self,
+        address: str,
+        namespace: str,
+        how: str,
+        keys: list[str],
+        consume: bool,
+        tenants: tuple,
+        phases: dict[str, float],
+    ) -> int:
         clock = time.perf_counter
         t = clock()
         peer = await self._peer(address)
@@ -368,8 +420,9 @@ class Fleet:
         phases["connect"], t = clock() - t, clock()
         try:
             if how == "pin":
-                pinned = await client.pin(keys[0], namespace=namespace, ttl=self.pin_ttl,
-                                          consume=consume)
+                pinned = await client.pin(
+                    keys[0], namespace=namespace, ttl=self.pin_ttl, consume=consume
+                )
             else:
                 pinned = await client.pin_prefix(keys, namespace=namespace, ttl=self.pin_ttl)
         except PeerUnavailable:
@@ -385,8 +438,9 @@ class Fleet:
         released = False
         try:
             if remote_lease.__class__ is not int:
-                raise TransferFailed(f"peer {address} answered a pin without a lease; "
-                                     "nothing was sealed")
+                raise TransferFailed(
+                    f"peer {address} answered a pin without a lease; nothing was sealed"
+                )
             # Every description checked before anything is reserved: a reply describes
             # exactly the objects asked, each as a local seal would have to be.
             described = self._described(pinned, address, namespace, how, keys)
@@ -408,8 +462,9 @@ class Fleet:
             if plans:
                 read_started = True
                 loop = asyncio.get_running_loop()
-                await loop.run_in_executor(None, self._read_and_verify, peer, address,
-                                           plans, phases)
+                await loop.run_in_executor(
+                    None, self._read_and_verify, peer, address, plans, phases
+                )
             # the executor's hand-offs: thread start and the loop's wake-up after it
             phases["handoff"] = clock() - t - phases.get("read", 0) - phases.get("verify", 0)
             t = clock()
@@ -419,9 +474,11 @@ class Fleet:
             try:
                 await client.release(remote_lease, consumed=consume and bool(plans))
             except LeaseExpired as exc:
-                raise TransferFailed(f"pull from {address}: the peer's lease ended before "
-                                     f"the copy was released ({exc.message}); discarded "
-                                     "what was read") from None
+                raise TransferFailed(
+                    f"pull from {address}: the peer's lease ended before "
+                    f"the copy was released ({exc.message}); discarded "
+                    "what was read"
+                ) from None
             except PeerUnavailable:
                 self._drop(address)
                 raise
@@ -453,29 +510,35 @@ class Fleet:
                     pass  # the peer ends it with its TTL or with our connection
             raise
 
-    def _described(self, pinned: Any, address: str, namespace: str, how: str,
-                   keys: list[str]) -> list[Described]:
+    def _described(
+        self, pinned: Any, address: str, namespace: str, how: str, keys: list[str]
+    ) -> list[Described]:
         """The objects of a pin reply, each checked as a local seal is checked; exactly the
         one key asked (``pin``), or a leading run of the keys asked (``pin_prefix``)."""
         objects = pinned.get("objects") if isinstance(pinned, dict) else None
         if not isinstance(objects, list) or not objects:
             raise TransferFailed(f"peer {address} described no object; nothing was sealed")
         if len(objects) > (1 if how == "pin" else len(keys)):
-            raise TransferFailed(f"peer {address} described {len(objects)} objects for "
-                                 f"{len(keys) if how != 'pin' else 1} asked; nothing was "
-                                 "sealed")
+            raise TransferFailed(
+                f"peer {address} described {len(objects)} objects for "
+                f"{len(keys) if how != 'pin' else 1} asked; nothing was "
+                "sealed"
+            )
         out = []
         for i, desc in enumerate(objects):
             try:
                 d = Described.check(desc, namespace, self.broker.require_checksums)
             except (BadRequest, ValueError, TypeError) as exc:
                 msg = exc.message if isinstance(exc, KVBrokerError) else str(exc)
-                raise TransferFailed(f"peer {address} described a bad object: {msg}; "
-                                     "nothing was sealed") from None
+                raise TransferFailed(
+                    f"peer {address} described a bad object: {msg}; nothing was sealed"
+                ) from None
             if d.key != keys[i]:
-                raise TransferFailed(f"peer {address} described {namespace}/{d.key[:80]} "
-                                     f"where {namespace}/{keys[i][:80]} was asked; nothing "
-                                     "was sealed")
+                raise TransferFailed(
+                    f"peer {address} described {namespace}/{d.key[:80]} "
+                    f"where {namespace}/{keys[i][:80]} was asked; nothing "
+                    "was sealed"
+                )
             out.append(d)
         return out
 
@@ -484,11 +547,18 @@ class Fleet:
         session that asked for the pull (not to the daemon's own)."""
         # Outlives the pull: each of pin, READ and release is bounded by the timeout.
         ttl = 3 * self.timeout + self.pin_ttl
-        return self.broker.reserve_extent(self.session, (d.namespace, d.key), d.layout,
-                                          d.span, d.meta, ttl, d.tokens, tenants=tenants)
+        return self.broker.reserve_extent(
+            self.session,
+            (d.namespace, d.key),
+            d.layout,
+            d.span,
+            d.meta,
+            ttl,
+            d.tokens,
+            tenants=tenants,
+        )
 
-    def _read_and_verify(self, peer: _Peer, address: str, plans,
-                         phases: dict[str, float]) -> None:
+    def _read_and_verify(self, peer: _Peer, address: str, plans, phases: dict[str, float]) -> None:
         """In a worker thread: one NIXL READ, then every buffer's checksum."""
         remote, local = [], []
         for lease, d in plans:
@@ -504,14 +574,19 @@ class Fleet:
                 continue  # sealed there without checksums: the fenced release still guards
             obj = lease.obj
             base = obj.pool.index
-            bad = [name for name, (off, n) in obj.buffers.items()
-                   if name not in sums or not checksum.matches(self._maps[base][off:off + n],
-                                                               sums[name])]  # fmt: skip
+            bad = [
+                name
+                for name, (off, n) in obj.buffers.items()
+                if name not in sums
+                or not checksum.matches(self._maps[base][off : off + n], sums[name])
+            ]
             if bad:
                 raise ChecksumMismatch(
                     f"{obj.namespace}/{obj.key} pulled from peer {address}: buffer(s) "
                     f"{', '.join(bad[:5])} do not match the checksums sealed there; "
-                    "nothing was sealed", buffers=tuple(bad))
+                    "nothing was sealed",
+                    buffers=tuple(bad),
+                )
         phases["verify"] = time.perf_counter() - t
 
     def _discard(self, lease: Lease, quarantine: bool) -> None:
@@ -535,19 +610,27 @@ class Fleet:
         if self.endpoint is not None:
             pv = self.provider
             t = TransferStatistics(
-                node=self.node, listen=self.listen,
-                peers=tuple(PeerInfo(address=a, node=p.client.peer_node or "",
-                                     connected=p.client.connected)
-                            for a, p in self._peers.items()),
+                node=self.node,
+                listen=self.listen,
+                peers=tuple(
+                    PeerInfo(address=a, node=p.client.peer_node or "", connected=p.client.connected)
+                    for a, p in self._peers.items()
+                ),
                 serving=self.server.peers if self.server is not None else 0,
                 leases_served=pv.leases if pv is not None else 0,
-                in_flight=len(self._pulls), pulls=self.pulls, bytes_pulled=self.bytes_pulled,
+                in_flight=len(self._pulls),
+                pulls=self.pulls,
+                bytes_pulled=self.bytes_pulled,
                 pins_served=pv.pins_served if pv is not None else 0,
                 bytes_served=pv.bytes_served if pv is not None else 0,
-                failures=sum(self.failures.values()), failures_by_code=dict(self.failures),
+                failures=sum(self.failures.values()),
+                failures_by_code=dict(self.failures),
                 refused=self.server.refused if self.server is not None else 0,
-                last_failure=self.last_failure(), last_pull_bytes=self.last_pull[0],
-                last_read_seconds=self.last_pull[1], last_pull_seconds=self.last_pull[2],
-                last_pull_phases=dict(self.last_phases))
+                last_failure=self.last_failure(),
+                last_pull_bytes=self.last_pull[0],
+                last_read_seconds=self.last_pull[1],
+                last_pull_seconds=self.last_pull[2],
+                last_pull_phases=dict(self.last_phases),
+            )
         e = self.events.statistics() if self.events is not None else None
         return t, e

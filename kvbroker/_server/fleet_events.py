@@ -75,8 +75,10 @@ class EventFeed:
         curve = None
         if cfg.events_curve_key or cfg.events_curve_clients:
             if not (cfg.events_curve_key and cfg.events_curve_clients):
-                raise KVBrokerError("[events] curve_key and curve_clients go together: the "
-                                    "daemon's secret certificate and its subscribers' keys")
+                raise KVBrokerError(
+                    "[events] curve_key and curve_clients go together: the "
+                    "daemon's secret certificate and its subscribers' keys"
+                )
             try:
                 curve = CurveKeys(cfg.events_curve_key, cfg.events_curve_clients)
             except ValueError as exc:
@@ -85,23 +87,33 @@ class EventFeed:
                 raise KVBrokerError(str(exc)) from None
         try:
             self.publisher = EventPublisher(
-                cfg.events_publish, topic=topic_for(node, cfg.events_model),
-                replay_endpoint=cfg.events_replay, fmt=cfg.events_format,
-                buffer_bytes=cfg.events_replay_buffer, curve=curve,
-                on_overflow=self._announce_all_threadsafe)
+                cfg.events_publish,
+                topic=topic_for(node, cfg.events_model),
+                replay_endpoint=cfg.events_replay,
+                fmt=cfg.events_format,
+                buffer_bytes=cfg.events_replay_buffer,
+                curve=curve,
+                on_overflow=self._announce_all_threadsafe,
+            )
         except ImportError as exc:
             raise KVBrokerError(str(exc)) from None
         if curve is None and not self.broker.policy.open:
-            log.warning("KV events without [events] curve_key under tenant isolation: only "
-                        "namespaces every user may read are published")
+            log.warning(
+                "KV events without [events] curve_key under tenant isolation: only "
+                "namespaces every user may read are published"
+            )
         # A router forgets what it knew of this node, then learns what is here (a warm
         # restart keeps blocks, with their token ids).
         self.publisher.publish([AllBlocksCleared()])
         self._announce_all()
         self.broker.on_block = self._on_block
-        log.info("KV events on %s (topic %s, %s%s)", self.publisher.endpoint,
-                 self.publisher.topic, cfg.events_format,
-                 f", CURVE: {curve.clients} subscriber keys" if curve else "")
+        log.info(
+            "KV events on %s (topic %s, %s%s)",
+            self.publisher.endpoint,
+            self.publisher.topic,
+            cfg.events_format,
+            f", CURVE: {curve.clients} subscriber keys" if curve else "",
+        )
 
     def in_stream(self, namespace: str) -> bool:
         """Whether the events of ``namespace`` may go to every subscriber of the stream."""
@@ -128,8 +140,9 @@ class EventFeed:
     def _announce_all(self) -> None:
         from .events import BlockStored
 
-        objs = [o for o in self.broker.objects.values()
-                if announced(o) and self.in_stream(o.namespace)]
+        objs = [
+            o for o in self.broker.objects.values() if announced(o) and self.in_stream(o.namespace)
+        ]
         objs.sort(key=lambda o: o.serial)  # parents were sealed before their children
         self.publisher.publish([self._stored(o, BlockStored) for o in objs])
 
@@ -162,9 +175,17 @@ class EventFeed:
     def statistics(self) -> EventStatistics:
         p = self.publisher
         return EventStatistics(
-            endpoint=p.endpoint, replay_endpoint=p.replay_endpoint or "", topic=p.topic,
-            format=p.fmt, next_seq=p.next_seq, events_published=p.events_published,
-            events_dropped=p.events_dropped, overflows=p.overflows,
-            replay_requests=p.replay_requests, queued=p.queued,
-            replay_refused=p.replay_refused, buffered_bytes=p.buffered_bytes,
-            authenticated=p.authenticated)
+            endpoint=p.endpoint,
+            replay_endpoint=p.replay_endpoint or "",
+            topic=p.topic,
+            format=p.fmt,
+            next_seq=p.next_seq,
+            events_published=p.events_published,
+            events_dropped=p.events_dropped,
+            overflows=p.overflows,
+            replay_requests=p.replay_requests,
+            queued=p.queued,
+            replay_refused=p.replay_refused,
+            buffered_bytes=p.buffered_bytes,
+            authenticated=p.authenticated,
+        )

@@ -40,8 +40,12 @@ class BrokerProvider:
     """What a :class:`~kvbroker._server.transfer.PeerServer` serves: the broker's sealed
     objects, pinned by read leases of one session per peer connection."""
 
-    def __init__(self, broker: Broker, bases: Sequence[int],
-                 serve: Sequence[tuple[str | None, str]] = ((None, "*"),)) -> None:
+    def __init__(
+        self,
+        broker: Broker,
+        bases: Sequence[int],
+        serve: Sequence[tuple[str | None, str]] = ((None, "*"),),
+    ) -> None:
         self.broker = broker
         self.bases = list(bases)  # address of each pool in this process
         self.serve = tuple(serve)  # [transfer] serve: (peer host or None, namespace glob)
@@ -71,9 +75,11 @@ class BrokerProvider:
                 continue
             if fnmatch.fnmatchcase(namespace, glob):
                 return
-        raise Forbidden(f"namespace {namespace!r} is not served to peer {who or '?'}"
-                        f"{' (a tenant pool)' if tenant_pool else ''}: see [transfer] serve "
-                        "on that node")
+        raise Forbidden(
+            f"namespace {namespace!r} is not served to peer {who or '?'}"
+            f"{' (a tenant pool)' if tenant_pool else ''}: see [transfer] serve "
+            "on that node"
+        )
 
     def _check_lease_limit(self, peer: int, s: Session) -> None:
         """The broker's limits, and one client's budget for a peer in all: its sessions,
@@ -82,12 +88,15 @@ class BrokerProvider:
         b = self.broker
         b.leases.check_limit(s)
         who = self.identities.get(peer, "")
-        held = sum(len(x.leases) for p, x in self.sessions.items()
-                   if self.identities.get(p, "") == who)
+        held = sum(
+            len(x.leases) for p, x in self.sessions.items() if self.identities.get(p, "") == who
+        )
         if held >= b.max_leases_per_client:
-            raise LimitExceeded(f"peer {who or '?'} holds {held} leases on its connections "
-                                "together, the most one client may hold "
-                                "(max_leases_per_client): release some first")
+            raise LimitExceeded(
+                f"peer {who or '?'} holds {held} leases on its connections "
+                "together, the most one client may hold "
+                "(max_leases_per_client): release some first"
+            )
 
     def _session(self, peer: int) -> Session:
         s = self.sessions.get(peer)
@@ -100,12 +109,17 @@ class BrokerProvider:
         base = self.bases[obj.pool.index]
         first = obj.start * obj.pool.page_size
         return {
-            "namespace": obj.namespace, "key": obj.key, "nbytes": obj.nbytes,
+            "namespace": obj.namespace,
+            "key": obj.key,
+            "nbytes": obj.nbytes,
             "buffers": {n: [off - first, size] for n, (off, size) in obj.buffers.items()},
             "extents": [[base + off, size] for off, size in obj.buffers.values() if size],
-            "meta": obj.meta, "checksums": obj.checksums, "consumers": obj.consumers,
-            "parent": obj.parent_key, "tokens": obj.tokens,
-        }  # fmt: skip
+            "meta": obj.meta,
+            "checksums": obj.checksums,
+            "consumers": obj.consumers,
+            "parent": obj.parent_key,
+            "tokens": obj.tokens,
+        }
 
     @property
     def max_lease_ttl(self) -> float:

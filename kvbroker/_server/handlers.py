@@ -64,9 +64,7 @@ class Handlers:
             if op.service is Service.BROKER
         }
 
-    def handle(
-        self, session: Session, op: str, raw_args: Any, daemon: Any = None
-    ) -> Any:
+    def handle(self, session: Session, op: str, raw_args: Any, daemon: Any = None) -> Any:
         """Run one request; returns its result or raises a KVBrokerError (or WouldWait).
         ``daemon``: what answers the ops the table gives the daemon (the connection)."""
         b = self.b
@@ -88,9 +86,7 @@ class Handlers:
                 journal.flush()
         if row.service is Service.RINGS:
             if b.rings is None:
-                raise BadRequest(
-                    f"{op}: this daemon has no GPU rings (serve --gpu-ring SIZE)"
-                )
+                raise BadRequest(f"{op}: this daemon has no GPU rings (serve --gpu-ring SIZE)")
             return b.rings.handle(session, op, args)
         if daemon is None:
             raise BadRequest(f"{op}: only a daemon's connection answers it")
@@ -107,9 +103,7 @@ class Handlers:
         session.greeted = True
         # Another tenant's pool keeps its index (extents name pools by index), not its segment.
         pools = [
-            p.describe()
-            if b.pages.named_to(p, session)
-            else {"index": p.index, "hidden": True}
+            p.describe() if b.pages.named_to(p, session) else {"index": p.index, "hidden": True}
             for p in b.pools
         ]
         return {
@@ -125,31 +119,24 @@ class Handlers:
         }
 
     # -------------------------------------------------------------------------- claim
-    def op_claim(
-        self, session, namespace, key, select, consume, wait, ttl, peer=None
-    ) -> R.Claimed:
+    def op_claim(self, session, namespace, key, select, consume, wait, ttl, peer=None) -> R.Claimed:
         b = self.b
         # A consume-claim frees the object when released: as much a write as evict is.
-        session.access.check(
-            namespace, bool(consume), "consume-claim" if consume else "claim"
-        )
+        session.access.check(namespace, bool(consume), "consume-claim" if consume else "claim")
         ident = (namespace, key)
         obj = b.directory.get(ident)
         if obj is None and on_disk_only(b.pages.tier, ident):  # promote it, then claim it
-            raise b.pages.tier.promotion([ident], b.directory.__contains__, lambda: self.op_claim(
-                session, namespace, key, select, consume, None, ttl))  # fmt: skip
-        if (
-            obj is None and peer is not None
-        ):  # pull it from the peer, then claim it here
-            session.access.check(
-                namespace, True, "claim from a peer"
-            )  # it writes our pools
+            raise b.pages.tier.promotion(
+                [ident],
+                b.directory.__contains__,
+                lambda: self.op_claim(session, namespace, key, select, consume, None, ttl),
+            )
+        if obj is None and peer is not None:  # pull it from the peer, then claim it here
+            session.access.check(namespace, True, "claim from a peer")  # it writes our pools
             fleet = self._fleet("claim")
             raise Deferred(
                 lambda: fleet.fetch(peer, namespace, key, consume, session),
-                lambda _: self.op_claim(
-                    session, namespace, key, select, consume, None, ttl
-                ),
+                lambda _: self.op_claim(session, namespace, key, select, consume, None, ttl),
                 fleet.timeout,
             )
         if obj is None:
@@ -200,21 +187,27 @@ class Handlers:
         ttl = b.leases.ttl(ttl)
         if len(keys) > MAX_BUFFERS:
             raise BadRequest(f"match_prefix: at most {MAX_BUFFERS} keys per request")
-        if (
-            not 0 <= block_tokens <= MAX_TOKENS
-        ):  # it is added into counters every stat packs
+        if not 0 <= block_tokens <= MAX_TOKENS:  # it is added into counters every stat packs
             raise BadRequest(f"match_prefix: block_tokens must be in [0, {MAX_TOKENS}]")
         if peer is not None and not hold:
-            raise BadRequest(
-                "match_prefix: a pull from a peer needs hold (it holds what it pulls)"
-            )
+            raise BadRequest("match_prefix: a pull from a peer needs hold (it holds what it pulls)")
         if not session.access.can(namespace):  # another tenant's prefixes: invisible
             keys = ()
         found = matched_run(b.directory, namespace, keys)
-        on_disk = 0 if b.pages.tier is None else b.pages.tier.run_after(  # [tier.disk]
-            namespace, keys, len(found), b.directory.__contains__, hold,
-            lambda: self.op_match_prefix(session, namespace, keys, block_tokens, ttl, peer, hold,
-                                         retain))  # fmt: skip
+        on_disk = (
+            0
+            if b.pages.tier is None
+            else b.pages.tier.run_after(  # [tier.disk]
+                namespace,
+                keys,
+                len(found),
+                b.directory.__contains__,
+                hold,
+                lambda: self.op_match_prefix(
+                    session, namespace, keys, block_tokens, ttl, peer, hold, retain
+                ),
+            )
+        )
         if peer is not None and len(found) < len(keys):
             # Pull the blocks after the local run that the peer holds, then match here.
             session.access.check(namespace, True, "match_prefix from a peer")
@@ -229,12 +222,8 @@ class Handlers:
                     fleet.timeout,
                 )
         count_query(b.counters, len(keys), len(found) + on_disk, block_tokens)
-        kept = self.sessions.session_of_request(
-            session, namespace, retain, "match_prefix"
-        )
-        if (
-            kept is not None
-        ):  # each request renews its session; what it matched is retained
+        kept = self.sessions.session_of_request(session, namespace, retain, "match_prefix")
+        if kept is not None:  # each request renews its session; what it matched is retained
             b.retention.retain(kept, found)
         if not found or not hold:
             b.directory.touch(found)
@@ -272,9 +261,7 @@ class Handlers:
         ttl = table.ttl(ttl) if ttl is not None else None
         # all checked first
         held = leases_named(table, session, "renew", leases, None, repeats=True)
-        for ls in {
-            ls.id: ls for ls in held
-        }.values():  # a lease named twice is renewed once
+        for ls in {ls.id: ls for ls in held}.values():  # a lease named twice is renewed once
             table.renew(ls, ls.ttl if ttl is None else ttl)
         return {"expires_in": [(ls.id, ls.ttl) for ls in held]}
 
@@ -300,8 +287,9 @@ class Handlers:
         return info
 
     def op_exists(self, session, namespace, key) -> bool:
-        here = (namespace, key) in self.b.directory or on_disk_only(self.b.pages.tier,
-                                                                     (namespace, key))
+        here = (namespace, key) in self.b.directory or on_disk_only(
+            self.b.pages.tier, (namespace, key)
+        )
         return here and session.access.can(namespace)
 
     def op_list(self, session, namespace, match, limit, after) -> R.Listed:
@@ -407,11 +395,7 @@ class Handlers:
         if len(counters) > MAX_REPORTED:
             raise BadRequest(f"report: at most {MAX_REPORTED} counters")
         for name, value in counters.items():
-            if (
-                not isinstance(name, str)
-                or not 0 < len(name) <= 64
-                or not name.isprintable()
-            ):
+            if not isinstance(name, str) or not 0 < len(name) <= 64 or not name.isprintable():
                 raise BadRequest(
                     "report: counter names must be printable strings of 1-64 characters"
                 )

@@ -191,20 +191,28 @@ class Journal:
                 if t != "h":
                     continue  # records before any readable header cannot be placed
                 try:
-                    rec = Recovered(int(entry["epoch"]), list(entry["pools"]),
-                                    next_id=int(entry.get("ids", 1)))  # fmt: skip
+                    rec = Recovered(
+                        int(entry["epoch"]), list(entry["pools"]), next_id=int(entry.get("ids", 1))
+                    )
                 except (KeyError, TypeError, ValueError):
                     damaged.append((pos, pos + 1))
                 continue
             try:
                 _apply(rec, t, entry, seq, history, seal_seq, live_keys)
             except (KeyError, TypeError, ValueError, AttributeError) as exc:
-                log.warning("%s: record at byte %d does not make sense (%s: %s): dropped",
-                            path, pos, type(exc).__name__, exc)
+                log.warning(
+                    "%s: record at byte %d does not make sense (%s: %s): dropped",
+                    path,
+                    pos,
+                    type(exc).__name__,
+                    exc,
+                )
                 damaged.append((pos, pos + 1))
         if rec is None:
-            raise JournalError(f"{path}: no readable header (not a kvbroker journal of format "
-                               f"{FORMAT}, or its header is damaged)")
+            raise JournalError(
+                f"{path}: no readable header (not a kvbroker journal of format "
+                f"{FORMAT}, or its header is damaged)"
+            )
         rec.torn_bytes = torn
         rec.damaged = damaged
         if damaged:
@@ -214,8 +222,12 @@ class Journal:
         return rec
 
     # -- writing ---------------------------------------------------------------------------
-    def rewrite(self, records: Iterable[dict[str, Any]], next_id: int,
-                lent: Iterable[tuple[int, int, int]] = ()) -> None:  # fmt: skip
+    def rewrite(
+        self,
+        records: Iterable[dict[str, Any]],
+        next_id: int,
+        lent: Iterable[tuple[int, int, int]] = (),
+    ) -> None:
         """Replace the file with the header, ``records`` (the live objects), ``lent``
         (``(pool, start, npages)`` lent for writing or quarantined) and the sessions' ``r``
         records (``sessions()``, set by the retention that journals here), atomically."""
@@ -227,16 +239,31 @@ class Journal:
         except OSError as exc:
             self._fail(exc)
 
-    def _rewrite(self, records: Iterable[dict[str, Any]], next_id: int,
-                 lent: Iterable[tuple[int, int, int]],
-                 sessions: Iterable[dict[str, Any]] = ()) -> None:  # fmt: skip
+    def _rewrite(
+        self,
+        records: Iterable[dict[str, Any]],
+        next_id: int,
+        lent: Iterable[tuple[int, int, int]],
+        sessions: Iterable[dict[str, Any]] = (),
+    ) -> None:
         tmp = self.path + ".tmp"
         pack = self._packer.pack
         live = 0
         self.id_limit = next_id + ID_BLOCK
         seed = int.from_bytes(os.urandom(4), "little")
-        header = _frame(pack({"t": "h", "v": FORMAT, "epoch": self.epoch, "pools": self.pools,
-                              "ids": self.id_limit, "seed": seed}), 0)  # fmt: skip
+        header = _frame(
+            pack(
+                {
+                    "t": "h",
+                    "v": FORMAT,
+                    "epoch": self.epoch,
+                    "pools": self.pools,
+                    "ids": self.id_limit,
+                    "seed": seed,
+                }
+            ),
+            0,
+        )
         chunks = [header, header]  # twice: one damaged copy leaves the other
         for r in records:
             chunks.append(_frame(pack({"t": "s", "o": r}), seed))
@@ -301,8 +328,12 @@ class Journal:
         """A journal missing a record could bring back objects whose pages were reused:
         rather than that, no journal at all (the next start is cold)."""
         self.failed = f"{exc.strerror or exc}"
-        log.error("cannot write the journal %s (%s): warm restart is off until the daemon "
-                  "restarts; the next start will be cold", self.path, self.failed)
+        log.error(
+            "cannot write the journal %s (%s): warm restart is off until the daemon "
+            "restarts; the next start will be cold",
+            self.path,
+            self.failed,
+        )
         self.remove()
 
     def sealed(self, record: dict[str, Any]) -> None:
@@ -365,10 +396,10 @@ def _header_of(data: bytes) -> tuple[bytes, int, int]:
     if data[: len(_LEGACY_MAGIC)] == _LEGACY_MAGIC:
         return _LEGACY_MAGIC, 0, 0
     for pos in (0, data.find(MAGIC, 1)):
-        if pos < 0 or data[pos:pos + len(MAGIC)] != MAGIC:
+        if pos < 0 or data[pos : pos + len(MAGIC)] != MAGIC:
             continue
         _, n, crc = _FRAME.unpack_from(data, pos) if pos + _FRAME.size <= len(data) else (0, 0, 0)
-        body = data[pos + _FRAME.size:pos + _FRAME.size + n]
+        body = data[pos + _FRAME.size : pos + _FRAME.size + n]
         if len(body) != n or zlib.crc32(body) != crc:
             continue
         try:
@@ -382,8 +413,9 @@ def _header_of(data: bytes) -> tuple[bytes, int, int]:
     return MAGIC, 0, len(data)  # no readable header: Journal.load says so
 
 
-def _frames(data: bytes, magic_of: bytes = MAGIC, seed: int = 0,
-            start: int = 0) -> tuple[list[tuple[int, Any]], list[tuple[int, int]], int]:  # fmt: skip
+def _frames(
+    data: bytes, magic_of: bytes = MAGIC, seed: int = 0, start: int = 0
+) -> tuple[list[tuple[int, Any]], list[tuple[int, int]], int]:
     """The records of ``data`` from ``start`` whose checksum (from ``seed``; a header's
     from 0) holds, as (offset, entry); the damaged stretches skipped in between (and at the
     end); the bytes of a torn tail: the start of a record the file ends inside (a crash
@@ -396,7 +428,7 @@ def _frames(data: bytes, magic_of: bytes = MAGIC, seed: int = 0,
             magic, n, crc = _FRAME.unpack_from(data, pos)
             end = pos + hdr + n
             if magic == magic_of and n <= _MAX_RECORD:
-                body = data[pos + hdr:end]
+                body = data[pos + hdr : end]
                 keyed = end <= size and zlib.crc32(body, seed) == crc
                 if keyed or (end <= size and zlib.crc32(body) == crc):
                     try:
@@ -412,7 +444,7 @@ def _frames(data: bytes, magic_of: bytes = MAGIC, seed: int = 0,
                     continue
                 if end > size and data.find(magic_of, pos + 1) < 0:
                     return out, damaged, size - pos  # torn: the file ends inside it
-        elif magic_of.startswith(bytes(data[pos:pos + len(magic_of)])):
+        elif magic_of.startswith(bytes(data[pos : pos + len(magic_of)])):
             return out, damaged, size - pos  # torn inside its frame header
         nxt = data.find(magic_of, pos + 1)
         nxt = size if nxt < 0 else nxt
@@ -421,9 +453,15 @@ def _frames(data: bytes, magic_of: bytes = MAGIC, seed: int = 0,
     return out, damaged, 0
 
 
-def _apply(rec: Recovered, t: Any, entry: dict, seq: int,
-           history: list[tuple[int, int, int, int, int]], seal_seq: dict[int, int],
-           live_keys: dict[tuple[str, str], int]) -> None:
+def _apply(
+    rec: Recovered,
+    t: Any,
+    entry: dict,
+    seq: int,
+    history: list[tuple[int, int, int, int, int]],
+    seal_seq: dict[int, int],
+    live_keys: dict[tuple[str, str], int],
+) -> None:
     """Replay one checked record into ``rec``."""
     if t == "h":
         return  # the second copy of the header
@@ -488,8 +526,9 @@ def _end_lent(rec: Recovered, o: dict) -> None:
         rec.lent[(where[0], where[1] + o["npages"])] = n - o["npages"]
 
 
-def _drop_stale(rec: Recovered, history: list[tuple[int, int, int, int, int]],
-                seal_seq: dict[int, int]) -> None:
+def _drop_stale(
+    rec: Recovered, history: list[tuple[int, int, int, int, int]], seal_seq: dict[int, int]
+) -> None:
     """Drop the objects whose pages a later record put something else on. Pages lent for
     writing after an object's seal: its unlink record was lost and its pages reused (the
     broker lends pages before any seal on them): the object is stale, the later one stands.
@@ -509,10 +548,10 @@ def _drop_stale(rec: Recovered, history: list[tuple[int, int, int, int, int]],
     for seq, p, st, n, serial in history:  # in journal order: each page keeps its latest
         if 0 <= p < len(lent_at) and n > 0 and st >= 0:
             if serial < 0:
-                lent_at[p][st:st + n] = seq
+                lent_at[p][st : st + n] = seq
             else:
-                sealed_at[p][st:st + n] = seq
-                sealer[p][st:st + n] = serial
+                sealed_at[p][st : st + n] = seq
+                sealer[p][st : st + n] = serial
     contradicted: dict[int, None] = {}
     for serial, o in list(rec.objects.items()):
         try:
@@ -520,19 +559,28 @@ def _drop_stale(rec: Recovered, history: list[tuple[int, int, int, int, int]],
             if not (0 <= p < len(lent_at) and n > 0 and st >= 0):
                 continue  # restore checks the record itself
             q = seal_seq[serial]
-            relent = int(lent_at[p][st:st + n].max(initial=-1)) > q
-            later = sealed_at[p][st:st + n] > q
+            relent = int(lent_at[p][st : st + n].max(initial=-1)) > q
+            later = sealed_at[p][st : st + n] > q
         except (KeyError, TypeError, ValueError):
             continue
         if relent:
             del rec.objects[serial]
-            rec.drop("its pages were reused by a later record (its unlink was lost)",
-                     f"{o.get('namespace')}/{o.get('key')}", serial)
+            rec.drop(
+                "its pages were reused by a later record (its unlink was lost)",
+                f"{o.get('namespace')}/{o.get('key')}",
+                serial,
+            )
         elif later.any():
             contradicted[serial] = None
-            contradicted.update(dict.fromkeys(int(x) for x in np.unique(sealer[p][st:st + n][later])))
+            contradicted.update(
+                dict.fromkeys(int(x) for x in np.unique(sealer[p][st : st + n][later]))
+            )
     for serial in contradicted:
         o = rec.objects.pop(serial, None)
         if o is not None:
-            rec.drop("its pages are another live object's, sealed with no unlink and no "
-                     "lending between them", f"{o.get('namespace')}/{o.get('key')}", serial)
+            rec.drop(
+                "its pages are another live object's, sealed with no unlink and no "
+                "lending between them",
+                f"{o.get('namespace')}/{o.get('key')}",
+                serial,
+            )

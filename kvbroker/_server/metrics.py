@@ -41,10 +41,14 @@ _COUNTERS = {
     "expired_leases": ("kvbroker_expired_leases", "Leases ended by their TTL."),
     "requests": ("kvbroker_requests", "Requests handled."),
     "errors": ("kvbroker_errors", "Requests answered with an error."),
-    "replica_requests": ("kvbroker_replica_requests",
-                         "Requests answered by read replicas (in kvbroker_requests_total too)."),
-    "replica_exits": ("kvbroker_replica_exits",
-                      "Read replicas that exited (each is started again, with backoff)."),
+    "replica_requests": (
+        "kvbroker_replica_requests",
+        "Requests answered by read replicas (in kvbroker_requests_total too).",
+    ),
+    "replica_exits": (
+        "kvbroker_replica_exits",
+        "Read replicas that exited (each is started again, with backoff).",
+    ),
 }
 
 # PoolStatistics field -> (metric name, help)
@@ -52,14 +56,16 @@ _POOL_GAUGES = {
     "capacity": ("kvbroker_pool_capacity_bytes", "Size of the pool."),
     "used": ("kvbroker_pool_used_bytes", "Bytes allocated to objects and leases."),
     "free": ("kvbroker_pool_free_bytes", "Bytes free."),
-    "quarantined": ("kvbroker_pool_quarantined_bytes",
-                    "Bytes held back from expired write leases of live writers."),
+    "quarantined": (
+        "kvbroker_pool_quarantined_bytes",
+        "Bytes held back from expired write leases of live writers.",
+    ),
     "largest_free": ("kvbroker_pool_largest_free_bytes", "Largest free extent."),
     "fragmentation": ("kvbroker_pool_fragmentation_ratio", "1 - largest free extent / free."),
     "objects": ("kvbroker_pool_objects", "Sealed objects in the pool."),
     "high_watermark": ("kvbroker_pool_high_watermark_ratio", "Eviction starts above this use."),
     "low_watermark": ("kvbroker_pool_low_watermark_ratio", "Eviction stops at this use."),
-}  # fmt: skip
+}
 
 
 class BrokerCollector(Collector):
@@ -74,16 +80,18 @@ class BrokerCollector(Collector):
         info.add_metric([], {"version": s.version, "socket": s.socket})
         yield info
         yield GaugeMetricFamily(
-            "kvbroker_start_time_seconds", "When the daemon started (Unix time).",
+            "kvbroker_start_time_seconds",
+            "When the daemon started (Unix time).",
             value=s.started_at,
-        )  # fmt: skip
+        )
         yield GaugeMetricFamily("kvbroker_objects", "Sealed objects.", value=s.objects)
         yield GaugeMetricFamily(
             "kvbroker_pending_objects", "Objects reserved, not sealed yet.", value=s.pending
         )
         yield GaugeMetricFamily("kvbroker_clients", "Connected clients.", value=len(s.clients))
-        yield GaugeMetricFamily("kvbroker_read_replicas", "Read replicas serving.",
-                                value=s.read_replicas)  # fmt: skip
+        yield GaugeMetricFamily(
+            "kvbroker_read_replicas", "Read replicas serving.", value=s.read_replicas
+        )
         leases = GaugeMetricFamily("kvbroker_leases", "Leases held.", labels=["kind"])
         leases.add_metric(["read"], s.read_leases)
         leases.add_metric(["write"], s.write_leases)
@@ -113,26 +121,36 @@ def _retention(s: Statistics) -> Iterator[Metric]:
     if r is None:
         return
     yield GaugeMetricFamily("kvbroker_sessions", "Sessions retaining blocks.", value=r.sessions)
-    yield GaugeMetricFamily("kvbroker_retained_objects", "Objects sessions retain.",
-                            value=r.retained_objects)  # fmt: skip
+    yield GaugeMetricFamily(
+        "kvbroker_retained_objects", "Objects sessions retain.", value=r.retained_objects
+    )
     for name, doc, values in (
         ("kvbroker_retained_bytes", "Bytes sessions retain in the pool.", r.retained_bytes),
-        ("kvbroker_retained_cap_bytes", "The most sessions may retain in the pool "
-         "([sessions] pool_share).", r.retained_cap),
-    ):  # fmt: skip
+        (
+            "kvbroker_retained_cap_bytes",
+            "The most sessions may retain in the pool ([sessions] pool_share).",
+            r.retained_cap,
+        ),
+    ):
         g = GaugeMetricFamily(name, doc, labels=["pool"])
         for i, v in enumerate(values):
             g.add_metric([str(i)], v)
         yield g
-    evicted = CounterMetricFamily("kvbroker_retained_evictions", "Retained objects evicted, "
-                                  "by why (pool_full, watermark, quota, operator).",
-                                  labels=["reason"])  # fmt: skip
+    evicted = CounterMetricFamily(
+        "kvbroker_retained_evictions",
+        "Retained objects evicted, by why (pool_full, watermark, quota, operator).",
+        labels=["reason"],
+    )
     for why, n in sorted(r.evicted.items()):
         evicted.add_metric([why], n)
     yield evicted
-    dropped = CounterMetricFamily("kvbroker_retention_dropped", "Objects that lost a session's "
-                                  "retention, by why (expired, released, tenant_quota, "
-                                  "pool_share).", labels=["reason"])  # fmt: skip
+    dropped = CounterMetricFamily(
+        "kvbroker_retention_dropped",
+        "Objects that lost a session's "
+        "retention, by why (expired, released, tenant_quota, "
+        "pool_share).",
+        labels=["reason"],
+    )
     for why, n in sorted(r.dropped.items()):
         dropped.add_metric([why], n)
     yield dropped
@@ -155,8 +173,10 @@ _EVENT_COUNTERS = {
     "events_published": ("kvbroker_kv_events", "KV events sent to subscribers."),
     "events_dropped": ("kvbroker_kv_events_dropped", "KV events dropped (queue full)."),
     "replay_requests": ("kvbroker_kv_event_replays", "Replay requests answered."),
-    "replay_refused": ("kvbroker_kv_event_replays_refused",
-                       "Replay requests refused (malformed, or too many at once)."),
+    "replay_refused": (
+        "kvbroker_kv_event_replays_refused",
+        "Replay requests refused (malformed, or too many at once).",
+    ),
 }
 
 
@@ -177,8 +197,10 @@ _DISK_COUNTERS = {
     "promoted_bytes": ("kvbroker_disk_promoted_bytes", "Bytes read back from disk."),
     "promote_seconds": ("kvbroker_disk_promote_seconds", "Seconds of promotions' reads."),
     "evicted": ("kvbroker_disk_evictions", "Objects dropped from disk (room, quota, evict)."),
-    "dropped_damaged": ("kvbroker_disk_damaged", "Disk slots dropped for not hashing to "
-                                                 "their digest (never served)."),
+    "dropped_damaged": (
+        "kvbroker_disk_damaged",
+        "Disk slots dropped for not hashing to their digest (never served).",
+    ),
     "skipped": ("kvbroker_disk_skipped", "Evictions from a pool not kept on disk."),
     "errors": ("kvbroker_disk_errors", "Failed disk reads, writes and index syncs."),
 }
@@ -201,14 +223,19 @@ def _transfer(s: Statistics) -> Iterator[Metric]:
             yield GaugeMetricFamily(name, doc, value=getattr(t, field))
         for field, (name, doc) in _TRANSFER_COUNTERS.items():
             yield CounterMetricFamily(name, doc, value=getattr(t, field))
-        fails = CounterMetricFamily("kvbroker_pull_failures",
-                                    "Pulls that failed (nothing sealed), by error code.",
-                                    labels=["code"])  # fmt: skip
+        fails = CounterMetricFamily(
+            "kvbroker_pull_failures",
+            "Pulls that failed (nothing sealed), by error code.",
+            labels=["code"],
+        )
         for code, n in sorted((t.failures_by_code or {}).items()):
             fails.add_metric([code], n)
         yield fails
-        peers = GaugeMetricFamily("kvbroker_peer_up", "Peer brokers this one pulls from "
-                                  "(1: connected).", labels=["peer", "node"])  # fmt: skip
+        peers = GaugeMetricFamily(
+            "kvbroker_peer_up",
+            "Peer brokers this one pulls from (1: connected).",
+            labels=["peer", "node"],
+        )
         for p in t.peers:
             peers.add_metric([p.address, p.node], 1 if p.connected else 0)
         yield peers
@@ -216,11 +243,14 @@ def _transfer(s: Statistics) -> Iterator[Metric]:
     if e is not None:
         for field, (name, doc) in _EVENT_COUNTERS.items():
             yield CounterMetricFamily(name, doc, value=getattr(e, field))
-        yield GaugeMetricFamily("kvbroker_kv_events_queued", "KV events waiting to be sent.",
-                                value=e.queued)
-        yield GaugeMetricFamily("kvbroker_kv_event_replay_buffer_bytes",
-                                "Payload bytes of past batches kept for replay.",
-                                value=e.buffered_bytes)
+        yield GaugeMetricFamily(
+            "kvbroker_kv_events_queued", "KV events waiting to be sent.", value=e.queued
+        )
+        yield GaugeMetricFamily(
+            "kvbroker_kv_event_replay_buffer_bytes",
+            "Payload bytes of past batches kept for replay.",
+            value=e.buffered_bytes,
+        )
 
 
 class MetricsServer:

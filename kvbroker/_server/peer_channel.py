@@ -46,8 +46,17 @@ from .._wire.peer import PEER_OPS, PEER_PROTOCOL, validate_peer_args
 from .._wire.protocol import check_args
 from ..errors import KVBrokerError, PeerUnavailable, ProtocolError, error_for_code
 
-__all__ = ["MAX_HANDSHAKES", "MAX_HANDSHAKES_PER_SOURCE", "PeerClient", "PeerServer", "Provider", "certificate_names",
-           "identity", "parse_address", "tls_contexts"]
+__all__ = [
+    "MAX_HANDSHAKES",
+    "MAX_HANDSHAKES_PER_SOURCE",
+    "PeerClient",
+    "PeerServer",
+    "Provider",
+    "certificate_names",
+    "identity",
+    "parse_address",
+    "tls_contexts",
+]
 
 log = logging.getLogger("kvbroker.transfer")
 
@@ -64,15 +73,17 @@ MAX_HANDSHAKES = 16
 MAX_HANDSHAKES_PER_SOURCE = 4
 
 
-def tls_contexts(cert_file: str, key_file: str, ca_file: str
-                 ) -> tuple[ssl.SSLContext, ssl.SSLContext]:
+def tls_contexts(
+    cert_file: str, key_file: str, ca_file: str
+) -> tuple[ssl.SSLContext, ssl.SSLContext]:
     """The peer channel's (serving, pulling) TLS contexts: TLS 1.3, this node's certificate
     and key, and only certificates signed by ``ca_file`` accepted, on both sides (mutual
     TLS). Raises ValueError (a key others can read) or OSError / ssl.SSLError."""
     st = os.stat(key_file)
     if st.st_mode & 0o077:
-        raise ValueError(f"{key_file}: a private key must not be accessible by group or "
-                         "others (chmod 600)")
+        raise ValueError(
+            f"{key_file}: a private key must not be accessible by group or others (chmod 600)"
+        )
     server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     client = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # check_hostname: the peer's address
     for ctx in (server, client):
@@ -114,8 +125,9 @@ def certificate_names(cert: dict | None) -> list[str]:
         return []
     names = [identity(v) for k, v in cert.get("subjectAltName", ()) if k in ("DNS", "IP Address")]
     if not names:
-        names = [identity(v) for rdn in cert.get("subject", ()) for k, v in rdn
-                 if k == "commonName"]
+        names = [
+            identity(v) for rdn in cert.get("subject", ()) for k, v in rdn if k == "commonName"
+        ]
     return names
 
 
@@ -183,10 +195,19 @@ class PeerServer:
     """Serves pins of this daemon's objects and its NIXL metadata to the configured peers,
     over mutual TLS (see the module doc)."""
 
-    def __init__(self, provider: Provider, *, tls: ssl.SSLContext, peers: Iterable[str],
-                 node: str, metadata: bytes | None, agent: str | None,
-                 handshake_timeout: float = 5.0, max_handshakes: int = MAX_HANDSHAKES,
-                 max_handshakes_per_source: int = MAX_HANDSHAKES_PER_SOURCE) -> None:
+    def __init__(
+        self,
+        provider: Provider,
+        *,
+        tls: ssl.SSLContext,
+        peers: Iterable[str],
+        node: str,
+        metadata: bytes | None,
+        agent: str | None,
+        handshake_timeout: float = 5.0,
+        max_handshakes: int = MAX_HANDSHAKES,
+        max_handshakes_per_source: int = MAX_HANDSHAKES_PER_SOURCE,
+    ) -> None:
         self.provider = provider
         self.node = node
         self._tls = tls
@@ -246,12 +267,17 @@ class PeerServer:
                 await asyncio.sleep(1.0)
                 continue
             source = _source(addr[0])
-            if (self._handshaking >= self._max_handshakes
-                    or self._handshaking_from[source] >= self._max_per_source):
+            if (
+                self._handshaking >= self._max_handshakes
+                or self._handshaking_from[source] >= self._max_per_source
+            ):
                 self.refused += 1
-                log.warning("peer connection from %s refused: %d TLS handshakes in progress "
-                            "(%d from it)", addr[0], self._handshaking,
-                            self._handshaking_from[source])
+                log.warning(
+                    "peer connection from %s refused: %d TLS handshakes in progress (%d from it)",
+                    addr[0],
+                    self._handshaking,
+                    self._handshaking_from[source],
+                )
                 conn.close()
                 continue
             self._handshaking += 1
@@ -281,11 +307,15 @@ class PeerServer:
                 reader = asyncio.StreamReader()
                 protocol = asyncio.StreamReaderProtocol(reader)
                 transport, _ = await loop.connect_accepted_socket(
-                    lambda: protocol, conn, ssl=self._tls,
-                    ssl_handshake_timeout=self._handshake_timeout)
+                    lambda: protocol,
+                    conn,
+                    ssl=self._tls,
+                    ssl_handshake_timeout=self._handshake_timeout,
+                )
                 writer = asyncio.StreamWriter(transport, protocol, reader, loop)
                 who, node = await asyncio.wait_for(
-                    self._identify(reader, writer, peer_addr), self._handshake_timeout)
+                    self._identify(reader, writer, peer_addr), self._handshake_timeout
+                )
             except BaseException:
                 self.refused += 1  # not admitted: a failed handshake, a refused certificate
                 raise
@@ -309,10 +339,18 @@ class PeerServer:
                 writer.write(_pack(self._handle(pid, req)))
                 await writer.drain()
         except ssl.SSLError as e:
-            log.info("peer connection from %s refused: TLS: %s", peer_addr[0],
-                     getattr(e, "verify_message", None) or e.reason or e)
-        except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError,
-                ProtocolError, OSError) as e:
+            log.info(
+                "peer connection from %s refused: TLS: %s",
+                peer_addr[0],
+                getattr(e, "verify_message", None) or e.reason or e,
+            )
+        except (
+            asyncio.TimeoutError,
+            asyncio.IncompleteReadError,
+            ConnectionError,
+            ProtocolError,
+            OSError,
+        ) as e:
             log.info("peer connection from %s ended: %r", peer_addr[0], e)
         finally:
             if pid is not None:
@@ -330,12 +368,22 @@ class PeerServer:
         names = certificate_names(writer.get_extra_info("peercert"))
         who = next((n for n in names if n in self._peers), None)
         if who is None:
-            log.warning("peer connection from %s refused: its certificate names %s, none "
-                        "of [transfer] peers", peer_addr[0], names[:4])
-            writer.write(_pack({"error": "forbidden", "message":
-                                f"{self.node} refused a certificate naming "
-                                f"{', '.join(names[:4]) or 'nothing'}: not one of its "
-                                "[transfer] peers"}))
+            log.warning(
+                "peer connection from %s refused: its certificate names %s, none "
+                "of [transfer] peers",
+                peer_addr[0],
+                names[:4],
+            )
+            writer.write(
+                _pack(
+                    {
+                        "error": "forbidden",
+                        "message": f"{self.node} refused a certificate naming "
+                        f"{', '.join(names[:4]) or 'nothing'}: not one of its "
+                        "[transfer] peers",
+                    }
+                )
+            )
             await writer.drain()
             return None, ""
         hello = await _Frames(reader, 4096).recv()
@@ -349,8 +397,17 @@ class PeerServer:
             writer.write(_pack({"error": e.code, "message": e.message or str(e)}))
             await writer.drain()
             return None, ""
-        writer.write(_pack({"ok": True, "proto": PEER_PROTOCOL, "node": self.node,
-                            "agent": self._agent, "metadata": self._metadata}))
+        writer.write(
+            _pack(
+                {
+                    "ok": True,
+                    "proto": PEER_PROTOCOL,
+                    "node": self.node,
+                    "agent": self._agent,
+                    "metadata": self._metadata,
+                }
+            )
+        )
         await writer.drain()
         return who, args["node"][:255]
 
@@ -363,18 +420,20 @@ class PeerServer:
             op = req.get("op")
             args = validate_peer_args(op, req.get("args"), self.provider)
             if op == "pin":
-                out = self.provider.pin(pid, args["namespace"], args["key"], args["ttl"],
-                                        args["consume"])
+                out = self.provider.pin(
+                    pid, args["namespace"], args["key"], args["ttl"], args["consume"]
+                )
                 self.served_pins += 1
                 return {"ok": True, **out}
             if op == "pin_prefix":
-                out = self.provider.pin_prefix(pid, args["namespace"], args["keys"],
-                                               args["ttl"])
+                out = self.provider.pin_prefix(pid, args["namespace"], args["keys"], args["ttl"])
                 self.served_pins += 1
                 return {"ok": True, **out}
             if op == "lookup":
-                return {"ok": True,
-                        "info": self.provider.lookup(pid, args["namespace"], args["key"])}
+                return {
+                    "ok": True,
+                    "info": self.provider.lookup(pid, args["namespace"], args["key"]),
+                }
             if op == "release":
                 self.provider.release(pid, args["lease"], args["consumed"])
                 return {"ok": True}
@@ -389,8 +448,15 @@ class PeerClient:
     TLS: the peer's certificate must be signed by our CA and name the host we connect
     to)."""
 
-    def __init__(self, address: str, *, tls: ssl.SSLContext, node: str,
-                 connect_timeout: float = 5.0, request_timeout: float = 30.0) -> None:
+    def __init__(
+        self,
+        address: str,
+        *,
+        tls: ssl.SSLContext,
+        node: str,
+        connect_timeout: float = 5.0,
+        request_timeout: float = 30.0,
+    ) -> None:
         self.address = address
         self.host, self.port = parse_address(address)
         self.node = node
@@ -406,12 +472,20 @@ class PeerClient:
 
     async def connect(self) -> PeerClient:
         try:
-            reader, self._writer = await asyncio.wait_for(asyncio.open_connection(
-                self.host, self.port, ssl=self._tls, server_hostname=self.host,
-                ssl_handshake_timeout=self._connect_timeout), self._connect_timeout)
+            reader, self._writer = await asyncio.wait_for(
+                asyncio.open_connection(
+                    self.host,
+                    self.port,
+                    ssl=self._tls,
+                    server_hostname=self.host,
+                    ssl_handshake_timeout=self._connect_timeout,
+                ),
+                self._connect_timeout,
+            )
             self._frames = _Frames(reader, MAX_PEER_REPLY)
-            self._writer.write(_pack({"op": "hello", "args": {"proto": PEER_PROTOCOL,
-                                                              "node": self.node}}))
+            self._writer.write(
+                _pack({"op": "hello", "args": {"proto": PEER_PROTOCOL, "node": self.node}})
+            )
             await self._writer.drain()
             reply = await asyncio.wait_for(self._frames.recv(), self._connect_timeout)
             if not isinstance(reply, dict):
@@ -425,19 +499,23 @@ class PeerClient:
             raise
         except ssl.SSLCertVerificationError as e:
             await self.close()
-            raise PeerUnavailable(f"peer {self.address}: its certificate was refused "
-                                  f"({e.verify_message})") from None
+            raise PeerUnavailable(
+                f"peer {self.address}: its certificate was refused ({e.verify_message})"
+            ) from None
         except (ssl.SSLError, asyncio.IncompleteReadError, ConnectionResetError) as e:
             # TLS 1.3: a server that refuses our certificate does so after our side of the
             # handshake ended; we learn it as an alert, or as the connection closing.
             await self.close()
             why = getattr(e, "reason", None) or "closed before its hello"
-            raise PeerUnavailable(f"peer {self.address} refused the TLS session (not our "
-                                  f"CA's certificate, or not one of its peers?): {why}") from None
+            raise PeerUnavailable(
+                f"peer {self.address} refused the TLS session (not our "
+                f"CA's certificate, or not one of its peers?): {why}"
+            ) from None
         except (OSError, asyncio.TimeoutError, ProtocolError, ValueError) as e:
             await self.close()
-            raise PeerUnavailable(f"peer {self.address} unavailable: "
-                                  f"{type(e).__name__}: {e}") from e
+            raise PeerUnavailable(
+                f"peer {self.address} unavailable: {type(e).__name__}: {e}"
+            ) from e
         self.peer_node = str(reply.get("node"))[:255]
         agent, metadata = reply.get("agent"), reply.get("metadata")
         self.agent = agent if isinstance(agent, str) else None
@@ -456,28 +534,31 @@ class PeerClient:
                 self._writer.write(_pack(req))
                 await self._writer.drain()
                 reply = await asyncio.wait_for(self._frames.recv(), self._request_timeout)
-            except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError,
-                    ProtocolError) as e:
+            except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, ProtocolError) as e:
                 await self.close()
-                raise PeerUnavailable(f"peer {self.address} ({self.peer_node}) went away: "
-                                      f"{type(e).__name__}: {e}") from e
+                raise PeerUnavailable(
+                    f"peer {self.address} ({self.peer_node}) went away: {type(e).__name__}: {e}"
+                ) from e
         if not isinstance(reply, dict):
             await self.close()
             raise PeerUnavailable(f"peer {self.address} answered with a non-map")
         if "error" in reply:
-            raise error_for_code(str(reply["error"]), f"peer {self.address}: "
-                                                      f"{str(reply.get('message', ''))[:500]}")
+            raise error_for_code(
+                str(reply["error"]), f"peer {self.address}: {str(reply.get('message', ''))[:500]}"
+            )
         return reply
 
     async def call(self, op: str, **args: Any) -> dict:
         return await self.request({"op": op, "args": args})
 
-    async def pin(self, key: str, *, namespace: str = "default", ttl: float = 30.0,
-                  consume: bool = False) -> dict:
+    async def pin(
+        self, key: str, *, namespace: str = "default", ttl: float = 30.0, consume: bool = False
+    ) -> dict:
         return await self.call("pin", namespace=namespace, key=key, ttl=ttl, consume=consume)
 
-    async def pin_prefix(self, keys: list[str], *, namespace: str = "default",
-                         ttl: float = 30.0) -> dict:
+    async def pin_prefix(
+        self, keys: list[str], *, namespace: str = "default", ttl: float = 30.0
+    ) -> dict:
         return await self.call("pin_prefix", namespace=namespace, keys=keys, ttl=ttl)
 
     async def lookup(self, key: str, *, namespace: str = "default") -> dict | None:

@@ -51,8 +51,11 @@ class Described:
             raise ValueError("buffers and meta must be maps")
         placed = {}
         for name, v in bufs.items():
-            if not (isinstance(v, list) and len(v) == 2
-                    and all(x.__class__ is int and 0 <= x < 1 << 62 for x in v)):
+            if not (
+                isinstance(v, list)
+                and len(v) == 2
+                and all(x.__class__ is int and 0 <= x < 1 << 62 for x in v)
+            ):
                 raise ValueError(f"buffer {str(name)[:80]!r} must be [offset, size]")
             placed[name] = (v[0], v[1])
         layout, span = buffer_layout({n: size for n, (_, size) in placed.items()}, meta)
@@ -72,8 +75,14 @@ class Described:
             raise ValueError("its extents do not match its buffers")
         bases, remote = set(), []
         for e, (off, size) in zip(extents, want, strict=True):
-            if not (isinstance(e, list) and len(e) == 2 and e[0].__class__ is int
-                    and e[1].__class__ is int and e[1] == size and off <= e[0] < 1 << 64):
+            if not (
+                isinstance(e, list)
+                and len(e) == 2
+                and e[0].__class__ is int
+                and e[1].__class__ is int
+                and e[1] == size
+                and off <= e[0] < 1 << 64
+            ):
                 raise ValueError("its extents do not match its buffers")
             bases.add(e[0] - off)
             remote.append((e[0], size))
@@ -83,12 +92,16 @@ class Described:
         if sums is not None:
             sums = checksum.validate(sums, layout)  # as a seal here: every buffer, well formed
         elif require_checksums:
-            raise ValueError("it has no checksums, and this daemon requires a checksum per "
-                             "buffer (require_checksums)")
-        consumers, parent, tokens = (desc.get("consumers", 1), desc.get("parent"),
-                                     desc.get("tokens"))
-        problem = (consumers_problem(consumers) or parent_problem(parent)
-                   or tokens_problem(tokens))
+            raise ValueError(
+                "it has no checksums, and this daemon requires a checksum per "
+                "buffer (require_checksums)"
+            )
+        consumers, parent, tokens = (
+            desc.get("consumers", 1),
+            desc.get("parent"),
+            desc.get("tokens"),
+        )
+        problem = consumers_problem(consumers) or parent_problem(parent) or tokens_problem(tokens)
         if problem is not None:
             raise ValueError(problem)
         return cls(namespace, key, layout, span, meta, remote, sums, consumers, parent, tokens)
@@ -96,11 +109,19 @@ class Described:
 
 # The fields of a peer's lookup answer (ObjectInfo's) and the types each must have.
 _INFO_TYPES: dict[str, tuple[type, ...]] = {
-    "namespace": (str,), "key": (str,), "nbytes": (int,), "buffers": (int,), "pool": (int,),
-    "readers": (int,), "created_at": (int, float), "last_access": (int, float),
-    "meta": (dict, type(None)), "checksums": (dict, type(None)),
-    "buffer_sizes": (dict, type(None)), "consumers": (int, type(None)),
-}  # fmt: skip
+    "namespace": (str,),
+    "key": (str,),
+    "nbytes": (int,),
+    "buffers": (int,),
+    "pool": (int,),
+    "readers": (int,),
+    "created_at": (int, float),
+    "last_access": (int, float),
+    "meta": (dict, type(None)),
+    "checksums": (dict, type(None)),
+    "buffer_sizes": (dict, type(None)),
+    "consumers": (int, type(None)),
+}
 
 
 def looked_up(info: Any, namespace: str, key: str) -> dict | None:

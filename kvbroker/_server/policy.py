@@ -46,8 +46,15 @@ from typing import Any
 
 from ..errors import Forbidden
 
-__all__ = ["Policy", "Access", "Quotas", "forget_accounts", "parse_isolation", "parse_quotas",
-           "user_name"]
+__all__ = [
+    "Policy",
+    "Access",
+    "Quotas",
+    "forget_accounts",
+    "parse_isolation",
+    "parse_quotas",
+    "user_name",
+]
 
 MODES = ("open", "tenant")
 
@@ -158,8 +165,9 @@ class Access:
         user = self.user
         if namespace == user or namespace.startswith(user + "/"):
             return True
-        return any(g.allows(self.uid, self.gids, write) for g in self.policy.shared
-                   if g.matches(namespace))  # fmt: skip
+        return any(
+            g.allows(self.uid, self.gids, write) for g in self.policy.shared if g.matches(namespace)
+        )
 
     def check(self, namespace: str, write: bool, op: str) -> None:
         """Raise Forbidden unless this client may read (or write) ``namespace``."""
@@ -333,8 +341,7 @@ def parse_isolation(table: Any, where: str = "isolation") -> Policy:
     admin_gids = frozenset(_gid(g, at) for g in _list(table.get("admin_groups", []), at))
     shared_table = table.get("shared", {})
     if not isinstance(shared_table, dict):
-        raise ValueError(f"{_at(where, 'shared')}: expected tables like "
-                         '[isolation.shared."name"]')
+        raise ValueError(f'{_at(where, "shared")}: expected tables like [isolation.shared."name"]')
     grants = []
     for pattern, spec in shared_table.items():
         at = f"{_at(where, 'shared')}.{pattern!r}"
@@ -358,8 +365,10 @@ def parse_quotas(table: Any, parse_size, where: str = "quotas") -> Quotas:
     every_user = None
     for pattern, size in table.items():
         if isinstance(size, dict):
-            raise ValueError(f"{_at(where, repr(pattern))}: expected a size like \"8G\"; "
-                             "quote names that contain dots or slashes")  # fmt: skip
+            raise ValueError(
+                f'{_at(where, repr(pattern))}: expected a size like "8G"; '
+                "quote names that contain dots or slashes"
+            )
         try:
             n = parse_size(size)
         except ValueError as exc:

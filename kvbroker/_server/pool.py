@@ -51,8 +51,9 @@ class HostPool:
         if page_size <= 0 or page_size & (page_size - 1):
             raise KVBrokerError(f"page size must be a power of two, got {page_size}")
         if size < page_size:
-            raise KVBrokerError(f"pool size {format_size(size)} is smaller than one page "
-                                f"({format_size(page_size)})")
+            raise KVBrokerError(
+                f"pool size {format_size(size)} is smaller than one page ({format_size(page_size)})"
+            )
         size -= size % page_size
         self.index = index
         self.name = name
@@ -92,8 +93,10 @@ class HostPool:
         except OSError as exc:
             return f"shared memory {self.name} of pool {self.index}: {exc.strerror}"
         if st.st_size != self.size:
-            return (f"shared memory {self.name} of pool {self.index} holds {st.st_size} bytes, "
-                    f"not {self.size} (truncated?)")
+            return (
+                f"shared memory {self.name} of pool {self.index} holds {st.st_size} bytes, "
+                f"not {self.size} (truncated?)"
+            )
         return None
 
     @classmethod
@@ -125,15 +128,24 @@ class HostPool:
         self.allocator = ExtentAllocator.with_live(self.allocator.capacity, live)
 
     def describe(self) -> dict:
-        return {"index": self.index, "name": self.name, "size": self.size, "page_size": self.page_size}
+        return {
+            "index": self.index,
+            "name": self.name,
+            "size": self.size,
+            "page_size": self.page_size,
+        }
 
     def unlink(self) -> None:
         try:
             unlink_segment(self.name)
         except (OSError, posix_ipc.Error) as exc:
-            log.warning("cannot remove shared memory %s of pool %d (%s): it stays in /dev/shm "
-                        "until removed by hand or the machine restarts", self.name, self.index,
-                        exc)  # fmt: skip
+            log.warning(
+                "cannot remove shared memory %s of pool %d (%s): it stays in /dev/shm "
+                "until removed by hand or the machine restarts",
+                self.name,
+                self.index,
+                exc,
+            )
 
 
 def pools_summary(pools: list[HostPool]) -> str:
@@ -145,8 +157,9 @@ def pools_summary(pools: list[HostPool]) -> str:
     if not tenants:
         return f"{len(pools)} pool(s) of {format_size(pools[0].size)}"
     sizes = "/".join(format_size(n) for n in sorted({p.size for p in shared})) or "-"
-    return (f"{len(shared)} shared pool(s) of {sizes}, tenant pools "
-            + ", ".join(f"{p.tenant.name} {format_size(p.size)}" for p in tenants))
+    return f"{len(shared)} shared pool(s) of {sizes}, tenant pools " + ", ".join(
+        f"{p.tenant.name} {format_size(p.size)}" for p in tenants
+    )
 
 
 def open_segment(name: str) -> posix_ipc.SharedMemory:

@@ -70,14 +70,10 @@ class PublishOps:
         check_name("namespace", namespace)
         session.access.check(namespace, True, "reserve_blocks")
         plans = block_plans(namespace, blocks, buffers, meta)
-        kept = self.sessions.session_of_request(
-            session, namespace, retain, "reserve_blocks"
-        )
+        kept = self.sessions.session_of_request(session, namespace, retain, "reserve_blocks")
         slots = b.reserve_all(session, plans, ttl)
         taken = [ls for ls in slots if ls is not None]
-        if (
-            kept is not None
-        ):  # the session's blocks: those here already now, the rest at seal
+        if kept is not None:  # the session's blocks: those here already now, the rest at seal
             here = [b.directory.get(p[0]) for p, ls in zip(plans, slots, strict=True) if ls is None]
             b.retention.retain(kept, [o for o in here if o is not None])
             for lease in taken:
@@ -110,16 +106,12 @@ class PublishOps:
 
     def op_seal_many(self, session, leases, checksums) -> R.SealedMany:
         if checksums is not None and len(checksums) != len(leases):
-            raise BadRequest(
-                "seal_many: checksums must have one entry (map or null) per lease"
-            )
+            raise BadRequest("seal_many: checksums must have one entry (map or null) per lease")
         # All or nothing: every lease and checksum checked before the first seal.
         held = leases_named(self.b.leases, session, "seal_many", leases, "write")
         required = self.b.require_checksums
         sums = [
-            checked_checksums(
-                ls.obj, None if checksums is None else checksums[i], required
-            )
+            checked_checksums(ls.obj, None if checksums is None else checksums[i], required)
             for i, ls in enumerate(held)
         ]
         for ls, checked in zip(held, sums, strict=True):
@@ -153,9 +145,7 @@ class PublishOps:
     ) -> R.Published:
         b = self.b
         ar = b.arenas.of(session, arena)
-        if (
-            ar.pool.lost is not None
-        ):  # new clients could not map what is published there
+        if ar.pool.lost is not None:  # new clients could not map what is published there
             b.arenas.end(ar, "its pool's shared memory is gone")
             raise PoolFull(f"publish: {ar.pool.lost} (restart the daemon)")
         if (problem := consumers_problem(consumers)) is not None:
@@ -164,9 +154,7 @@ class PublishOps:
             raise BadRequest("publish: next_arena must be a size in bytes, or 0")
         ident = (check_name("namespace", namespace), check_name("key", key))
         session.access.check(namespace, True, "publish")
-        if ar.pool not in b.pages.pools_for(
-            namespace
-        ):  # another tenant's or the shared ones
+        if ar.pool not in b.pages.pools_for(namespace):  # another tenant's or the shared ones
             raise PoolFull(
                 f"publish: namespace {namespace!r} lives in another pool than arena "
                 f"{arena}'s; reserve instead"
@@ -181,9 +169,7 @@ class PublishOps:
         # An object occupies the daemon memory of its index entry at least (reserve_extent).
         npages = max(1, -(-max(span, index_footprint(layout, meta)) // ps))
         if npages > ar.npages:  # the client falls back to reserve + seal
-            raise PoolFull(
-                f"publish: names and meta take more than arena {arena}; reserve instead"
-            )
+            raise PoolFull(f"publish: names and meta take more than arena {arena}; reserve instead")
         self._check_free(ident, replace)
         obj = b.directory.new_object(ident, ar.pool, ar.start, npages, layout, meta)
         self._accept_checksums(obj, checksums)

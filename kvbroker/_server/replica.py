@@ -122,7 +122,7 @@ class JournalFollower:
         if not chunks or (len(chunks) == 1 and self._pending):
             return
         data = b"".join(chunks)
-        self._pending = data[self._apply_frames(data):]
+        self._pending = data[self._apply_frames(data) :]
 
     def _apply_frames(self, data: bytes) -> int:
         """Apply the whole records of ``data``; returns where the first incomplete one
@@ -135,7 +135,7 @@ class JournalFollower:
             end = pos + head + n
             if end > size:
                 break  # the daemon is still writing it
-            body = data[pos + head:end]
+            body = data[pos + head : end]
             # Records are checksummed from the file's seed, its header from 0.
             header = crc != zlib.crc32(body, self._seed)
             if header and crc != zlib.crc32(body):
@@ -247,7 +247,8 @@ class _Replica:
         hello, idle = self.settings["hello_timeout"], self.settings["idle_timeout"]
         for conn in list(self.connections):
             if (not conn.greeted and now - conn.connected_at > hello) or (
-                    idle > 0 and now - conn.last_active > idle):  # fmt: skip
+                idle > 0 and now - conn.last_active > idle
+            ):
                 conn.transport.abort()
 
 
@@ -270,8 +271,10 @@ class _ReplicaConnection(asyncio.Protocol):
             uid = struct.unpack("3i", raw)[1]
         except OSError:
             uid = -1
-        if (len(r.connections) >= limits["max_connections"]
-                or r.per_uid[uid] >= limits["max_connections_per_uid"]):  # fmt: skip
+        if (
+            len(r.connections) >= limits["max_connections"]
+            or r.per_uid[uid] >= limits["max_connections_per_uid"]
+        ):
             transport.abort()  # the client asks the daemon, which says why if it must
             return
         self.uid = uid
@@ -314,12 +317,14 @@ class _ReplicaConnection(asyncio.Protocol):
         try:
             rid, op, raw_args = as_request(msg)
             if op not in REPLICA_OPS:
-                raise BadRequest(f"{op}: a read replica answers only {sorted(REPLICA_OPS)}; "
-                                 "ask the daemon")  # fmt: skip
+                raise BadRequest(
+                    f"{op}: a read replica answers only {sorted(REPLICA_OPS)}; ask the daemon"
+                )
             args = validate_args(op, raw_args, self.replica)
             if not answered_by_a_replica(op, args):
-                raise BadRequest(f"{op}: a read replica answers it only with "
-                                 f"{_when(op)}; ask the daemon")
+                raise BadRequest(
+                    f"{op}: a read replica answers it only with {_when(op)}; ask the daemon"
+                )
             if op != "hello" and not self.greeted:
                 raise ProtocolError("the first request on a connection must be hello")
             result = getattr(self, "op_" + op)(**args)
@@ -339,8 +344,10 @@ class _ReplicaConnection(asyncio.Protocol):
 
     def op_hello(self, version: int, name: str, role: str) -> dict:
         if version != PROTOCOL_VERSION:
-            raise ProtocolError(f"protocol version {version} is not supported (a read replica "
-                                f"speaks {PROTOCOL_VERSION})")  # fmt: skip
+            raise ProtocolError(
+                f"protocol version {version} is not supported (a read replica "
+                f"speaks {PROTOCOL_VERSION})"
+            )
         self.greeted = True
         return {"version": PROTOCOL_VERSION, "replica": True, "server_pid": os.getpid()}
 

@@ -43,8 +43,18 @@ __all__ = ["Replicas", "auto_count"]
 log = logging.getLogger("kvbroker.daemon")
 
 # Counters a replica reports; anything else in a report is ignored.
-_COUNTERS = frozenset({"requests", "errors", "prefix_queries", "prefix_hit_blocks",
-                       "prefix_miss_blocks", "prefix_hit_tokens", "hits", "misses"})  # fmt: skip
+_COUNTERS = frozenset(
+    {
+        "requests",
+        "errors",
+        "prefix_queries",
+        "prefix_hit_blocks",
+        "prefix_miss_blocks",
+        "prefix_hit_tokens",
+        "hits",
+        "misses",
+    }
+)
 _MOST = 64  # read_replicas' upper bound: stale sockets up to this index are removed
 _SHORT_LIFE = 10.0  # a replica that dies sooner than this after its start backs off
 _BACKOFF_MAX = 60.0
@@ -89,11 +99,22 @@ class Replicas:
         journal, policy = self.daemon.broker.journal, self.daemon.broker.policy
         disk = self.daemon.broker.pages.tier is not None  # [tier.disk]
         if n and (journal is None or journal.failed or not policy.open or disk):
-            why = ("journal = false" if journal is None else "the journal failed" if journal.failed
-                   else "[tier.disk] is on" if disk else f"isolation = {policy.mode!r}")  # fmt: skip
+            why = (
+                "journal = false"
+                if journal is None
+                else "the journal failed"
+                if journal.failed
+                else "[tier.disk] is on"
+                if disk
+                else f"isolation = {policy.mode!r}"
+            )
             if not auto:
-                log.warning("read_replicas = %d: none started (%s: replicas follow the journal "
-                            "and serve only an open policy)", n, why)  # fmt: skip
+                log.warning(
+                    "read_replicas = %d: none started (%s: replicas follow the journal "
+                    "and serve only an open policy)",
+                    n,
+                    why,
+                )
             return 0
         return n
 
@@ -116,8 +137,7 @@ class Replicas:
                 self._slots.append(slot)
                 self._spawn(slot)
         except OSError as exc:  # (a socket path too long for .rN, no fds, no fork ...)
-            log.error("cannot start read replicas (%s): serving without them",
-                      exc.strerror or exc)  # fmt: skip
+            log.error("cannot start read replicas (%s): serving without them", exc.strerror or exc)
             self.stop()
             return
         self._publish_paths()
@@ -127,18 +147,29 @@ class Replicas:
         d, cfg = self.daemon, self.daemon.config
         if slot.sock is None:
             slot.sock = _bind_like(slot.path, cfg.socket_path)
-        settings = {"max_connections": cfg.max_connections,
-                    "max_connections_per_uid": cfg.max_connections_per_uid,
-                    "hello_timeout": cfg.hello_timeout, "idle_timeout": cfg.idle_timeout,
-                    "lease_ttl": d.broker.lease_ttl,
-                    "max_lease_ttl": d.broker.max_lease_ttl}  # fmt: skip
+        settings = {
+            "max_connections": cfg.max_connections,
+            "max_connections_per_uid": cfg.max_connections_per_uid,
+            "hello_timeout": cfg.hello_timeout,
+            "idle_timeout": cfg.idle_timeout,
+            "lease_ttl": d.broker.lease_ttl,
+            "max_lease_ttl": d.broker.max_lease_ttl,
+        }
         fd = slot.sock.fileno()
         slot.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvbroker._server.replica", str(fd),
-             journal_path(cfg.socket_path), str(self._report_w), str(os.getpid()),
-             json.dumps(settings)],
-            pass_fds=(fd, self._report_w), stdin=subprocess.DEVNULL,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "kvbroker._server.replica",
+                str(fd),
+                journal_path(cfg.socket_path),
+                str(self._report_w),
+                str(os.getpid()),
+                json.dumps(settings),
+            ],
+            pass_fds=(fd, self._report_w),
+            stdin=subprocess.DEVNULL,
+        )
         slot.started = time.monotonic()
 
     def check(self) -> None:
@@ -159,9 +190,13 @@ class Replicas:
                     short = now - slot.started < _SHORT_LIFE
                     slot.failures = slot.failures + 1 if short else 1
                     slot.due = now + min(_BACKOFF_MAX, 2.0 ** (slot.failures - 1))
-                    log.warning("read replica %d (pid %d) exited with %s: starting another in "
-                                "%.0f s", i, slot.proc.pid, slot.proc.returncode,
-                                slot.due - now)  # fmt: skip
+                    log.warning(
+                        "read replica %d (pid %d) exited with %s: starting another in %.0f s",
+                        i,
+                        slot.proc.pid,
+                        slot.proc.returncode,
+                        slot.due - now,
+                    )
                     slot.proc = None
                     self.daemon.broker.counters["replica_exits"] += 1
                     _close(slot)  # clients find no socket and ask the daemon meanwhile
@@ -173,8 +208,12 @@ class Replicas:
                     except OSError as exc:
                         slot.failures += 1
                         slot.due = now + min(_BACKOFF_MAX, 2.0 ** (slot.failures - 1))
-                        log.error("cannot start read replica %d (%s): trying again in %.0f s",
-                                  i, exc.strerror or exc, slot.due - now)  # fmt: skip
+                        log.error(
+                            "cannot start read replica %d (%s): trying again in %.0f s",
+                            i,
+                            exc.strerror or exc,
+                            slot.due - now,
+                        )
             if changed:
                 self._publish_paths()
         except Exception:  # never take the housekeeping loop down
@@ -241,8 +280,8 @@ class Replicas:
                 break
             if len(buf) < 4 + n:
                 break
-            self._apply(buf[4:4 + n])
-            buf = buf[4 + n:]
+            self._apply(buf[4 : 4 + n])
+            buf = buf[4 + n :]
         self._buf = buf
 
     def _apply(self, raw: bytes) -> None:

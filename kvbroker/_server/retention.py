@@ -74,8 +74,17 @@ class RetentionSettings:
 class Retained:
     """One session: its name, its owner's uid, its priority and expiry, what it retains."""
 
-    __slots__ = ("namespace", "name", "uid", "priority", "expires_at", "last_use",
-                 "created_at", "objects", "nbytes")  # fmt: skip
+    __slots__ = (
+        "namespace",
+        "name",
+        "uid",
+        "priority",
+        "expires_at",
+        "last_use",
+        "created_at",
+        "objects",
+        "nbytes",
+    )
 
     def __init__(self, namespace: str, name: str, uid: int, now: float) -> None:
         self.namespace, self.name, self.uid = namespace, name, uid
@@ -86,10 +95,17 @@ class Retained:
         self.nbytes = 0  # the pages of those objects
 
     def info(self, now: float) -> SessionInfo:
-        return SessionInfo(namespace=self.namespace, name=self.name, uid=self.uid,
-                           priority=self.priority, blocks=len(self.objects), bytes=self.nbytes,
-                           last_use=self.last_use, expires_in=max(0.0, self.expires_at - now),
-                           created_at=self.created_at)  # fmt: skip
+        return SessionInfo(
+            namespace=self.namespace,
+            name=self.name,
+            uid=self.uid,
+            priority=self.priority,
+            blocks=len(self.objects),
+            bytes=self.nbytes,
+            last_use=self.last_use,
+            expires_in=max(0.0, self.expires_at - now),
+            created_at=self.created_at,
+        )
 
 
 def _finite(value: Any) -> bool:
@@ -117,8 +133,15 @@ def _restorable(rec: Any) -> tuple[str, str, int, float, int, float | None, set[
         return None
     if not isinstance(serials, (list, tuple)):
         return None
-    return (ns, name, uid, float(expires), prio, None if created is None else float(created),
-            {s for s in serials if isinstance(s, int) and not isinstance(s, bool)})  # fmt: skip
+    return (
+        ns,
+        name,
+        uid,
+        float(expires),
+        prio,
+        None if created is None else float(created),
+        {s for s in serials if isinstance(s, int) and not isinstance(s, bool)},
+    )
 
 
 def _footprint(obj: StoredObject) -> int:
@@ -128,9 +151,13 @@ def _footprint(obj: StoredObject) -> int:
 class Retention:
     """The sessions, the objects they retain, and the order those objects are evicted in."""
 
-    def __init__(self, capacities: list[int], lru: OrderedDict[int, StoredObject],
-                 settings: RetentionSettings | None = None,
-                 clock: Callable[[], float] = time.time) -> None:  # fmt: skip
+    def __init__(
+        self,
+        capacities: list[int],
+        lru: OrderedDict[int, StoredObject],
+        settings: RetentionSettings | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.settings = settings or RetentionSettings()
         self.clock = clock  # wall-clock: an expiry survives a restart in the journal
         self.capacities = capacities  # bytes per pool index
@@ -157,20 +184,31 @@ class Retention:
         """(session, for, priority) of a request's ``retain`` map, or BadRequest."""
         name, for_, prio = retain.get("session"), retain.get("for"), retain.get("priority")
         if set(retain) - {"session", "for", "priority"}:
-            raise BadRequest(f"retain: unknown fields {sorted(set(retain) - {'session', 'for', 'priority'})}"
-                             "; it takes session, for and priority")  # fmt: skip
+            raise BadRequest(
+                f"retain: unknown fields {sorted(set(retain) - {'session', 'for', 'priority'})}"
+                "; it takes session, for and priority"
+            )
         if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME:
             raise BadRequest(f"retain: session must be a name of 1 to {MAX_NAME} characters")
-        if for_ is not None and (isinstance(for_, bool) or not isinstance(for_, (int, float))
-                                 or not 0 < for_ < math.inf):  # fmt: skip
+        if for_ is not None and (
+            isinstance(for_, bool) or not isinstance(for_, (int, float)) or not 0 < for_ < math.inf
+        ):
             raise BadRequest("retain: for must be a number of seconds, more than 0")
-        if prio is not None and (isinstance(prio, bool) or not isinstance(prio, int)
-                                 or not 0 <= prio <= MAX_PRIORITY):  # fmt: skip
+        if prio is not None and (
+            isinstance(prio, bool) or not isinstance(prio, int) or not 0 <= prio <= MAX_PRIORITY
+        ):
             raise BadRequest(f"retain: priority must be an integer from 0 to {MAX_PRIORITY}")
         return name, for_, prio
 
-    def renew(self, namespace: str, name: str, uid: int, for_: float | None = None,
-              priority: int | None = None, exactly: bool = False) -> Retained:
+    def renew(
+        self,
+        namespace: str,
+        name: str,
+        uid: int,
+        for_: float | None = None,
+        priority: int | None = None,
+        exactly: bool = False,
+    ) -> Retained:
         """The session ``(namespace, name)``, created for ``uid`` if new, renewed from now for
         ``for_`` seconds (the default when None; never past ``max_retain``). A request only
         extends (a turn without ``for`` does not cut an hour an operator granted short);
@@ -182,7 +220,8 @@ class Retention:
             if self.per_uid[uid] >= self.settings.max_per_uid:
                 raise LimitExceeded(
                     f"uid {uid} has {self.per_uid[uid]} sessions, the most one uid may have "
-                    "([sessions] max_per_uid): release some (kvbroker release SESSION)")
+                    "([sessions] max_per_uid): release some (kvbroker release SESSION)"
+                )
             entry = self.sessions[key] = Retained(namespace, name, uid, now)
             self.per_uid[uid] += 1
         s = self.settings
@@ -260,7 +299,9 @@ class Retention:
             self._remove(entry, obj, back_to_lru=False)
 
     # ------------------------------------------------------------------ operators
-    def find(self, namespace: str | None, name: str, visible: Callable[[str], bool]) -> Retained | None:
+    def find(
+        self, namespace: str | None, name: str, visible: Callable[[str], bool]
+    ) -> Retained | None:
         """The session ``name`` (in ``namespace``, or in the one namespace among those
         ``visible`` that has it); None when there is none the caller may see."""
         if namespace is not None:
@@ -268,8 +309,10 @@ class Retention:
             return entry if entry is not None and visible(namespace) else None
         found = [e for (ns, n), e in self.sessions.items() if n == name and visible(ns)]
         if len(found) > 1:
-            raise BadRequest(f"session {name!r} exists in namespaces "
-                             f"{sorted(e.namespace for e in found)}: name one (--namespace)")
+            raise BadRequest(
+                f"session {name!r} exists in namespaces "
+                f"{sorted(e.namespace for e in found)}: name one (--namespace)"
+            )
         return found[0] if found else None
 
     def release(self, entry: Retained, why: str = "released") -> None:
@@ -314,7 +357,9 @@ class Retention:
         self.enforce()
 
     # ------------------------------------------------------------------ bounds
-    def enforce(self, uids: Iterable[int] | None = None, pools: Iterable[int] | None = None) -> None:
+    def enforce(
+        self, uids: Iterable[int] | None = None, pools: Iterable[int] | None = None
+    ) -> None:
         """Drop retention (lowest priority, least recently used first) until every tenant in
         ``uids`` and every pool in ``pools`` (None: all) is within its bound."""
         quota = self.settings.tenant_quota
@@ -326,8 +371,11 @@ class Retention:
         for idx in range(len(self.capacities)) if pools is None else pools:
             cap = share * self.capacities[idx]
             if self.pool_bytes[idx] > cap:
-                self._shed(lambda o, i=idx: o.pool.index == i,
-                           lambda i=idx, c=cap: self.pool_bytes[i] <= c, "pool_share")
+                self._shed(
+                    lambda o, i=idx: o.pool.index == i,
+                    lambda i=idx, c=cap: self.pool_bytes[i] <= c,
+                    "pool_share",
+                )
 
     def _shed_tenant(self, uid: int, quota: int) -> None:
         # The tenant's own retained objects in eviction order (their tier, then when each
@@ -335,8 +383,12 @@ class Retention:
         # tenant retains, never a walk of what every other tenant retains (a tenant at the
         # recent end of a big tier made each of its requests, and so every other client's
         # wait on the event loop, cost a scan of all of it).
-        own = {serial: obj for e in self.sessions.values() if e.uid == uid
-               for serial, obj in e.objects.items()}  # fmt: skip
+        own = {
+            serial: obj
+            for e in self.sessions.values()
+            if e.uid == uid
+            for serial, obj in e.objects.items()
+        }
         order = sorted(own.values(), key=lambda o: (self._priority(o), self.placed[o.serial]))
         for obj in order:
             if self.tenant_bytes[uid] <= quota:
@@ -351,13 +403,23 @@ class Retention:
         holders = self.holders[obj.serial]
         return holders[0].priority if len(holders) == 1 else max(e.priority for e in holders)
 
-    def _shed(self, chosen: Callable[[StoredObject], bool], done: Callable[[], bool],
-              why: str) -> None:
+    def _shed(
+        self, chosen: Callable[[StoredObject], bool], done: Callable[[], bool], why: str
+    ) -> None:
         # In batches from the front of the order: a request past a bound sheds a few blocks,
         # and must not cost a walk of everything retained (the tiers change as it sheds).
         while not done():
-            batch = list(islice((o for prio in sorted(self.tiers)
-                                 for o in self.tiers[prio].values() if chosen(o)), 64))  # fmt: skip
+            batch = list(
+                islice(
+                    (
+                        o
+                        for prio in sorted(self.tiers)
+                        for o in self.tiers[prio].values()
+                        if chosen(o)
+                    ),
+                    64,
+                )
+            )
             if not batch:
                 return
             for obj in batch:
@@ -446,9 +508,16 @@ class Retention:
 
     @staticmethod
     def _record(entry: Retained, serials: list[int]) -> dict[str, Any]:
-        return {"t": "r", "ns": entry.namespace, "n": entry.name, "u": entry.uid,
-                "p": entry.priority, "x": entry.expires_at, "c": entry.created_at,
-                "a": serials}  # fmt: skip
+        return {
+            "t": "r",
+            "ns": entry.namespace,
+            "n": entry.name,
+            "u": entry.uid,
+            "p": entry.priority,
+            "x": entry.expires_at,
+            "c": entry.created_at,
+            "a": serials,
+        }
 
     def records(self) -> list[dict[str, Any]]:
         """Every session as one journal record (a compaction's)."""
@@ -499,12 +568,16 @@ class Retention:
             dropped=dict(self.dropped),
         )
 
-    def listing(self, visible: Callable[[str], bool], namespace: str | None = None,
-                limit: int = 1000) -> tuple[list[SessionInfo], bool]:
+    def listing(
+        self, visible: Callable[[str], bool], namespace: str | None = None, limit: int = 1000
+    ) -> tuple[list[SessionInfo], bool]:
         """The sessions a caller may see (largest first), at most ``limit``; and whether
         more were left out."""
         now = self.clock()
-        rows = [e for e in self.sessions.values()
-                if (namespace is None or e.namespace == namespace) and visible(e.namespace)]
+        rows = [
+            e
+            for e in self.sessions.values()
+            if (namespace is None or e.namespace == namespace) and visible(e.namespace)
+        ]
         rows.sort(key=lambda e: (-e.nbytes, e.namespace, e.name))
         return [e.info(now) for e in rows[:limit]], len(rows) > limit

@@ -71,12 +71,17 @@ class CudaDriverRings:
         dev = ctypes.c_int()
         _check(lib, lib.cuDeviceGet(ctypes.byref(dev), ordinal), "cuDeviceGet")
         ctx = ctypes.c_void_p()
-        _check(lib, lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
+        _check(
+            lib, lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain"
+        )
         _check(lib, lib.cuCtxPushCurrent_v2(ctx), "cuCtxPushCurrent")
         try:
             ptr = ctypes.c_uint64()
-            _check(lib, lib.cuMemAlloc_v2(ctypes.byref(ptr), ctypes.c_size_t(size)),
-                   f"cuMemAlloc of a {size}-byte ring on GPU {ordinal}")  # fmt: skip
+            _check(
+                lib,
+                lib.cuMemAlloc_v2(ctypes.byref(ptr), ctypes.c_size_t(size)),
+                f"cuMemAlloc of a {size}-byte ring on GPU {ordinal}",
+            )
             handle = IpcHandle()
             try:
                 _check(lib, lib.cuIpcGetMemHandle(ctypes.byref(handle), ptr), "cuIpcGetMemHandle")
@@ -215,19 +220,26 @@ class RingService:
         return getattr(self, "op_" + op)(session, **args)
 
     def op_rings(self, session) -> R.Rings:
-        return {"rings": [
-            {"index": r.index, "device": r.bus_id, "name": r.name, "capacity": self.size,
-             "align": RING_ALIGN, "handle": r.handle}
-            for r in self.rings
-        ]}  # fmt: skip
+        return {
+            "rings": [
+                {
+                    "index": r.index,
+                    "device": r.bus_id,
+                    "name": r.name,
+                    "capacity": self.size,
+                    "align": RING_ALIGN,
+                    "handle": r.handle,
+                }
+                for r in self.rings
+            ]
+        }
 
     def _ring(self, device: int) -> _Ring:
         if not 0 <= device < len(self.rings):
             raise BadRequest(f"no GPU ring {device}: this daemon has {len(self.rings)}")
         return self.rings[device]
 
-    def op_ring_reserve(self, session, device, nbytes, namespace, key, meta,
-                        ttl) -> R.RingRegion:  # fmt: skip
+    def op_ring_reserve(self, session, device, nbytes, namespace, key, meta, ttl) -> R.RingRegion:
         ring = self._ring(device)
         if nbytes <= 0:
             raise BadRequest(f"ring_reserve: nbytes must be positive, not {nbytes}")
@@ -251,18 +263,31 @@ class RingService:
         try:
             region = ring.allocator.alloc(_align(nbytes), timeout=0)
         except RingOversize as exc:
-            raise PoolFull(f"ring {device}: {exc} (never fits: publish through a host pool)") from None
+            raise PoolFull(
+                f"ring {device}: {exc} (never fits: publish through a host pool)"
+            ) from None
         except KVBrokerError as exc:  # Timeout: no contiguous space now; the client may wait
             raise PoolFull(f"ring {device} is full for now: {exc}") from None
-        lease = _RingLease(self.registry.next_id(), "scratch" if ident is None else "write",
-                           session.id, ring, region, nbytes=nbytes)  # fmt: skip
+        lease = _RingLease(
+            self.registry.next_id(),
+            "scratch" if ident is None else "write",
+            session.id,
+            ring,
+            region,
+            nbytes=nbytes,
+        )
         if ident is not None:
             lease.obj = _RingObject(namespace, key, ring, region, nbytes, meta, ttl)
             self.pending[ident] = lease.obj
         self._add(lease)
         self.counters["reserves"] += 1
-        return {"lease": lease.id, "device": device, "offset": region.offset, "nbytes": nbytes,
-                "kind": lease.kind}  # fmt: skip
+        return {
+            "lease": lease.id,
+            "device": device,
+            "offset": region.offset,
+            "nbytes": nbytes,
+            "kind": lease.kind,
+        }
 
     def op_ring_seal(self, session, lease) -> R.Sealed:
         ls = self._lease(session, lease)
@@ -283,8 +308,9 @@ class RingService:
 
     def op_ring_claim(self, session, namespace, key, consume, wait) -> R.RingClaimed:
         # As for host objects: reading needs read access, a consume-claim (it frees) write.
-        session.access.check(namespace, bool(consume), "ring consume-claim" if consume
-                             else "ring_claim")  # fmt: skip
+        session.access.check(
+            namespace, bool(consume), "ring consume-claim" if consume else "ring_claim"
+        )
         ident = (namespace, key)
         obj = self.objects.get(ident)
         if obj is None:
@@ -295,12 +321,25 @@ class RingService:
         if consume:
             # one-shot handoff: nobody else may claim it; it goes once this reader is done
             self._unlink(obj)
-        ls = _RingLease(self.registry.next_id(), "read", session.id, obj.ring, obj.region, obj,
-                        consume, obj.nbytes)  # fmt: skip
+        ls = _RingLease(
+            self.registry.next_id(),
+            "read",
+            session.id,
+            obj.ring,
+            obj.region,
+            obj,
+            consume,
+            obj.nbytes,
+        )
         self._add(ls)
         self.counters["claims"] += 1
-        return {"lease": ls.id, "device": obj.ring.index, "offset": obj.region.offset,
-                "nbytes": obj.nbytes, "meta": obj.meta}  # fmt: skip
+        return {
+            "lease": ls.id,
+            "device": obj.ring.index,
+            "offset": obj.region.offset,
+            "nbytes": obj.nbytes,
+            "meta": obj.meta,
+        }
 
     def op_ring_lookup(self, session, namespace, keys) -> R.RingFound:
         session.access.check(namespace, False, "ring_lookup")
@@ -311,8 +350,11 @@ class RingService:
         found = []
         for key in keys:
             obj = self.objects.get((namespace, key))
-            found.append(None if obj is None else
-                         {"device": obj.ring.index, "nbytes": obj.nbytes, "meta": obj.meta})
+            found.append(
+                None
+                if obj is None
+                else {"device": obj.ring.index, "nbytes": obj.nbytes, "meta": obj.meta}
+            )
         return {"objects": found}
 
     def op_ring_release(self, session, lease) -> R.Empty:
@@ -342,7 +384,9 @@ class RingService:
             raise self.registry.foreign(lid, "ring lease")
         return ls
 
-    def _end(self, ls: _RingLease, why: str, *, free: bool = True, consume: bool | None = None) -> None:
+    def _end(
+        self, ls: _RingLease, why: str, *, free: bool = True, consume: bool | None = None
+    ) -> None:
         """End a lease; ``free``: give back what it holds (a discarded write, a scratch region,
         a read lease's share of its object)."""
         ls.done = True
@@ -393,8 +437,12 @@ class RingService:
             self._unlink(obj)
             obj.ring.allocator.free(obj.region)
             self.counters["expired"] += 1
-            log.info("ring object %s/%s was not claimed within %g s: freed",
-                     obj.namespace, obj.key, obj.ttl)
+            log.info(
+                "ring object %s/%s was not claimed within %g s: freed",
+                obj.namespace,
+                obj.key,
+                obj.ttl,
+            )
 
     # ---------------------------------------------------------------- statistics
     def snapshot(self, occupancy_cells: int = _OCCUPANCY_CELLS) -> list[dict[str, Any]]:
@@ -423,18 +471,28 @@ class RingService:
                     states.setdefault(obj.region.offset, "s")
             a = ring.allocator
             used = a.used
-            out.append(RingStatistics(
-                index=ring.index, device=ring.bus_id, name=ring.name,
-                capacity=self.size, used=used, free=self.size - used,
-                leased_read=read, leased_write=write,
-                # freed regions the FIFO frontier has not passed yet: not reusable until it does
-                quarantined=used - sum(r.size for r in a.live()),
-                objects=objects, largest_free=a.largest_free,
-                fragmentation=0.0 if used == self.size else
-                              1.0 - a.largest_free / (self.size - used),
-                high_watermark=1.0, low_watermark=1.0,
-                occupancy=self._occupancy(a, states, occupancy_cells),
-            ))  # fmt: skip
+            out.append(
+                RingStatistics(
+                    index=ring.index,
+                    device=ring.bus_id,
+                    name=ring.name,
+                    capacity=self.size,
+                    used=used,
+                    free=self.size - used,
+                    leased_read=read,
+                    leased_write=write,
+                    # freed regions the FIFO frontier has not passed yet: not reusable until it does
+                    quarantined=used - sum(r.size for r in a.live()),
+                    objects=objects,
+                    largest_free=a.largest_free,
+                    fragmentation=0.0
+                    if used == self.size
+                    else 1.0 - a.largest_free / (self.size - used),
+                    high_watermark=1.0,
+                    low_watermark=1.0,
+                    occupancy=self._occupancy(a, states, occupancy_cells),
+                )
+            )
         return tuple(out)
 
     def _occupancy(self, a: RingAllocator, states: dict[int, str], cells: int) -> str:

@@ -142,8 +142,18 @@ from .._wire.stats import ClientStatistics
 from .policy import Access, Policy
 from .pool import HostPool
 
-__all__ = ["Session", "StoredObject", "Lease", "Arena", "WouldWait", "Deferred", "OPEN_POLICY",
-           "index_footprint", "names_footprint", "value_footprint"]
+__all__ = [
+    "Session",
+    "StoredObject",
+    "Lease",
+    "Arena",
+    "WouldWait",
+    "Deferred",
+    "OPEN_POLICY",
+    "index_footprint",
+    "names_footprint",
+    "value_footprint",
+]
 
 OPEN_POLICY = Policy()  # every namespace open to everyone: the default
 
@@ -178,10 +188,23 @@ class Session:
     """One client connection, as the broker sees it."""
 
     __slots__ = (
-        "id", "pid", "uid", "gid", "name", "role", "connected_at", "leases", "quarantine",
-        "bytes_published", "bytes_claimed", "greeted", "arenas", "access", "quarantine_charges",
+        "id",
+        "pid",
+        "uid",
+        "gid",
+        "name",
+        "role",
+        "connected_at",
+        "leases",
+        "quarantine",
+        "bytes_published",
+        "bytes_claimed",
+        "greeted",
+        "arenas",
+        "access",
+        "quarantine_charges",
         "reported",
-    )  # fmt: skip
+    )
 
     def __init__(self, sid: int, pid: int, uid: int, gid: int) -> None:
         self.id = sid
@@ -266,11 +289,33 @@ class StoredObject:
     # What a prefix match reads of every block comes first: adjacent slots, one or two
     # cache lines per block (kvbroker._server.prefix_leases).
     __slots__ = (
-        "parent", "shape", "row", "nbytes", "last_access", "readers", "children", "serial",
-        "linked", "namespace", "key", "pool", "start", "npages", "buffers", "meta",
-        "created_at", "sealed", "consumers", "parent_key", "checksums", "charged", "seq",
-        "tokens", "tenants", "depth",
-    )  # fmt: skip
+        "parent",
+        "shape",
+        "row",
+        "nbytes",
+        "last_access",
+        "readers",
+        "children",
+        "serial",
+        "linked",
+        "namespace",
+        "key",
+        "pool",
+        "start",
+        "npages",
+        "buffers",
+        "meta",
+        "created_at",
+        "sealed",
+        "consumers",
+        "parent_key",
+        "checksums",
+        "charged",
+        "seq",
+        "tokens",
+        "tenants",
+        "depth",
+    )
 
     def __init__(self, namespace, key, pool, start, npages, nbytes, buffers, meta, serial):
         self.namespace: str = namespace
@@ -329,9 +374,20 @@ class StoredObject:
     # The fields that survive a warm restart (kvbroker._server.journal). A new per-object field that a
     # restarted daemon must still know goes here; ``pool`` and ``parent`` travel as indices.
     PERSISTED = (
-        "serial", "namespace", "key", "start", "npages", "nbytes", "meta", "created_at",
-        "consumers", "parent_key", "checksums", "tokens", "tenants",
-    )  # fmt: skip
+        "serial",
+        "namespace",
+        "key",
+        "start",
+        "npages",
+        "nbytes",
+        "meta",
+        "created_at",
+        "consumers",
+        "parent_key",
+        "checksums",
+        "tokens",
+        "tenants",
+    )
 
     def to_record(self) -> dict[str, Any]:
         """This sealed object as a journal record (msgpack-able)."""
@@ -339,21 +395,40 @@ class StoredObject:
         # same fields, tests/test_restart.py checks that they agree)
         parent = self.parent
         return {
-            "serial": self.serial, "namespace": self.namespace, "key": self.key,
-            "start": self.start, "npages": self.npages, "nbytes": self.nbytes,
-            "meta": self.meta, "created_at": self.created_at, "consumers": self.consumers,
-            "parent_key": self.parent_key, "checksums": self.checksums, "tokens": self.tokens,
-            "tenants": self.tenants, "pool": self.pool.index, "buffers": self.buffers,
+            "serial": self.serial,
+            "namespace": self.namespace,
+            "key": self.key,
+            "start": self.start,
+            "npages": self.npages,
+            "nbytes": self.nbytes,
+            "meta": self.meta,
+            "created_at": self.created_at,
+            "consumers": self.consumers,
+            "parent_key": self.parent_key,
+            "checksums": self.checksums,
+            "tokens": self.tokens,
+            "tenants": self.tenants,
+            "pool": self.pool.index,
+            "buffers": self.buffers,
             "parent": None if parent is None else parent.serial,
-        }  # fmt: skip
+        }
 
     @classmethod
     def from_record(cls, rec: dict[str, Any], pools: list[HostPool]) -> StoredObject:
         """A sealed object back from its journal record; ``parent`` is resolved by the
         caller (it names a serial)."""
         buffers = {name: (int(off), int(n)) for name, (off, n) in rec["buffers"].items()}
-        obj = cls(rec["namespace"], rec["key"], pools[rec["pool"]], rec["start"],
-                  rec["npages"], rec["nbytes"], buffers, rec["meta"], rec["serial"])  # fmt: skip
+        obj = cls(
+            rec["namespace"],
+            rec["key"],
+            pools[rec["pool"]],
+            rec["start"],
+            rec["npages"],
+            rec["nbytes"],
+            buffers,
+            rec["meta"],
+            rec["serial"],
+        )
         for name in cls.PERSISTED:
             if name in rec:
                 setattr(obj, name, rec[name])

@@ -117,9 +117,12 @@ class JournalFormatter(logging.Formatter):
     syslog priority prefix so ``journalctl -p warning`` works."""
 
     _PRIORITY = {
-        logging.CRITICAL: 2, logging.ERROR: 3, logging.WARNING: 4,
-        logging.INFO: 6, logging.DEBUG: 7,
-    }  # fmt: skip
+        logging.CRITICAL: 2,
+        logging.ERROR: 3,
+        logging.WARNING: 4,
+        logging.INFO: 6,
+        logging.DEBUG: 7,
+    }
 
     def __init__(self) -> None:
         super().__init__("%(name)s: %(message)s")

@@ -64,8 +64,8 @@ log = logging.getLogger("kvbroker.transfer")
 EXTRA = "transfer"  # pip install 'kvbroker[transfer]'
 
 
-
 # -- NIXL ------------------------------------------------------------------------------------
+
 
 def load_nixl():
     """The NIXL Python API module. The backend wheels (``nixl_cu12`` ...) are imported
@@ -88,8 +88,9 @@ def load_nixl():
     )
 
 
-def coalesce(remote: Sequence[tuple[int, int]], local: Sequence[tuple[int, int]]
-             ) -> list[tuple[int, int, int]]:
+def coalesce(
+    remote: Sequence[tuple[int, int]], local: Sequence[tuple[int, int]]
+) -> list[tuple[int, int, int]]:
     """Pair ``remote`` extents ``(addr, len)`` with ``local`` ones holding the same bytes in
     the same order, split where either side breaks and merged where both sides run on.
     Returns ``(remote_addr, local_addr, len)`` triples: the descriptors of one READ."""
@@ -139,11 +140,13 @@ class NixlEndpoint:
     daemon's event loop. Agent calls are serialised by NIXL (``NIXL_THREAD_SYNC_STRICT``).
     """
 
-    def __init__(self, name: str, *, backends: Sequence[str] = ("UCX",),
-                 progress_thread: bool = True) -> None:
+    def __init__(
+        self, name: str, *, backends: Sequence[str] = ("UCX",), progress_thread: bool = True
+    ) -> None:
         self._api = api = load_nixl()
         conf = api.nixl_agent_config(
-            enable_prog_thread=progress_thread, enable_listen_thread=False,
+            enable_prog_thread=progress_thread,
+            enable_listen_thread=False,
             backends=list(backends),
             sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
         )
@@ -151,8 +154,9 @@ class NixlEndpoint:
         self.agent = api.nixl_agent(name, conf)
         missing = [b for b in backends if b not in self.agent.backends]
         if missing:
-            raise RuntimeError(f"NIXL backend(s) {missing} unavailable (plugins: "
-                               f"{self.agent.plugin_list})")
+            raise RuntimeError(
+                f"NIXL backend(s) {missing} unavailable (plugins: {self.agent.plugin_list})"
+            )
         self._registered: list = []
         self._peers: dict[str, str] = {}  # agent name -> label (for messages)
         self._lock = threading.Lock()
@@ -184,8 +188,14 @@ class NixlEndpoint:
             except Exception:  # noqa: BLE001 - the peer may be gone already
                 log.debug("removing NIXL peer %s failed", name, exc_info=True)
 
-    def read(self, peer: str, remote: Sequence[tuple[int, int]],
-             local: Sequence[tuple[int, int]], *, timeout: float = 30.0) -> ReadResult:
+    def read(
+        self,
+        peer: str,
+        remote: Sequence[tuple[int, int]],
+        local: Sequence[tuple[int, int]],
+        *,
+        timeout: float = 30.0,
+    ) -> ReadResult:
         """Copy the bytes of ``remote`` extents of ``peer`` into ``local`` extents (this
         agent's registered memory) with one NIXL READ. Raises :class:`TransferFailed`."""
         label = self._peers.get(peer, peer)
@@ -212,8 +222,10 @@ class NixlEndpoint:
                 spins = 0
                 while state == "PROC":
                     if time.perf_counter() > deadline:
-                        raise TransferFailed(f"NIXL READ of {nbytes} bytes from {label} did "
-                                             f"not finish in {timeout:.1f}s")
+                        raise TransferFailed(
+                            f"NIXL READ of {nbytes} bytes from {label} did "
+                            f"not finish in {timeout:.1f}s"
+                        )
                     spins += 1
                     if spins > 200:
                         time.sleep(0.0002 if spins < 2000 else 0.002)
@@ -221,11 +233,13 @@ class NixlEndpoint:
             except TransferFailed:
                 raise
             except Exception as e:  # nixlRemoteDisconnectError & co. (the peer died)
-                raise TransferFailed(f"NIXL READ of {nbytes} bytes from {label} failed: "
-                                     f"{type(e).__name__}: {e}") from e
+                raise TransferFailed(
+                    f"NIXL READ of {nbytes} bytes from {label} failed: {type(e).__name__}: {e}"
+                ) from e
             if state != "DONE":
-                raise TransferFailed(f"NIXL READ of {nbytes} bytes from {label} failed "
-                                     f"(state {state})")
+                raise TransferFailed(
+                    f"NIXL READ of {nbytes} bytes from {label} failed (state {state})"
+                )
         finally:
             try:
                 self.agent.release_xfer_handle(handle)
@@ -251,5 +265,3 @@ def _numpy():
     import numpy
 
     return numpy
-
-

@@ -73,9 +73,23 @@ from typing import Any
 import xxhash
 
 __all__ = [
-    "CHUNK", "KIND_XXH3", "KIND_XXH3C", "KINDS", "SHORT_MAX",
-    "chunk_count", "chunk_digest", "chunk_digests", "combine", "digest", "legacy_digest",
-    "encode", "parse", "matches", "validate", "seal_kind", "simd_dispatch",
+    "CHUNK",
+    "KIND_XXH3",
+    "KIND_XXH3C",
+    "KINDS",
+    "SHORT_MAX",
+    "chunk_count",
+    "chunk_digest",
+    "chunk_digests",
+    "combine",
+    "digest",
+    "legacy_digest",
+    "encode",
+    "parse",
+    "matches",
+    "validate",
+    "seal_kind",
+    "simd_dispatch",
 ]
 
 # Bytes per chunk of the kind-1 checksum. Part of the definition: changing it is a new kind.
@@ -133,15 +147,17 @@ def combine(nbytes: int, digests: Any) -> int:
     ints, or their little-endian uint64 bytes (a numpy ``<u8`` array, bytes)."""
     if isinstance(digests, (list, tuple)):
         if len(digests) != -(-nbytes // CHUNK):
-            raise ValueError(f"{len(digests)} chunk digests for {nbytes} bytes; "
-                             f"expected {chunk_count(nbytes)}")  # fmt: skip
+            raise ValueError(
+                f"{len(digests)} chunk digests for {nbytes} bytes; expected {chunk_count(nbytes)}"
+            )
         return xxhash.xxh3_64_intdigest(struct.pack(f"<{1 + len(digests)}Q", nbytes, *digests))
     if getattr(digests, "dtype", None) is not None and digests.dtype.byteorder == ">":
         raise ValueError("chunk digests must be little-endian")
     raw = memoryview(digests).cast("B")
     if raw.nbytes != 8 * chunk_count(nbytes):
-        raise ValueError(f"{raw.nbytes // 8} chunk digests for {nbytes} bytes; "
-                         f"expected {chunk_count(nbytes)}")  # fmt: skip
+        raise ValueError(
+            f"{raw.nbytes // 8} chunk digests for {nbytes} bytes; expected {chunk_count(nbytes)}"
+        )
     h = xxhash.xxh3_64(struct.pack("<Q", nbytes))
     h.update(raw)
     return h.intdigest()

@@ -35,14 +35,18 @@ PEER_OPS: dict[str, dict[str, Arg]] = {
     # certificate says who it is; this names it in logs and stat).
     "hello": {"proto": _a(str, required=True), "node": _a(str, default="")},
     # A read lease held for the asking broker, and the object's description in the reply.
-    "pin": {"namespace": _NAMESPACE, "key": _a(str, required=True), "ttl": _TTL,
-            "consume": _a(bool, default=False)},
+    "pin": {
+        "namespace": _NAMESPACE,
+        "key": _a(str, required=True),
+        "ttl": _TTL,
+        "consume": _a(bool, default=False),
+    },
     # The leading run of ``keys`` held here, one lease for all of them.
     "pin_prefix": {"namespace": _NAMESPACE, "keys": _a(list, required=True), "ttl": _TTL},
     "lookup": {"namespace": _NAMESPACE, "key": _a(str, required=True)},
     "release": {"lease": _a(int, required=True), "consumed": _a(bool, default=False)},
     "renew": {"lease": _a(int, required=True), "ttl": _TTL},
-}  # fmt: skip
+}
 
 
 def validate_peer_args(op: Any, raw: Any, limits: Any) -> dict[str, Any]:

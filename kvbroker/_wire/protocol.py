@@ -109,8 +109,9 @@ def publish_size(names: Iterable[str], checksums: bool) -> int:
     return 512 + sum((1 + int(checksums)) * (name_bytes(n) + 3) + per_name for n in names)
 
 
-def request_chunks(costs: list[int], budget: int = MAX_REQUEST // 2,
-                   most: int = 1 << 30) -> list[tuple[int, int]]:  # fmt: skip
+def request_chunks(
+    costs: list[int], budget: int = MAX_REQUEST // 2, most: int = 1 << 30
+) -> list[tuple[int, int]]:
     """``[lo, hi)`` ranges of a batch whose items cost ``costs[i]`` packed bytes each, so
     that every range's request stays within ``budget`` (half a request: room for the rest
     of it) and ``most`` items: how a client splits a batch the daemon would refuse whole."""
@@ -482,7 +483,7 @@ OPS: dict[str, Op] = {
         "Statistics} every `interval` seconds); interval 0 stops the stream.",
         service=Service.DAEMON,
     ),
-}
+}  # fmt: skip
 
 
 def ops_where(test: Callable[[Op], bool]) -> frozenset[str]:
@@ -578,8 +579,7 @@ def markdown_table() -> str:
         served = "served"
         if op.draining.args:
             served += " with " + ", ".join(f"{k}={v!r}" for k, v in op.draining.args)
-        return served + (" if the pools are kept, else refused" if op.draining.publishes
-                         else "")  # fmt: skip
+        return served + (" if the pools are kept, else refused" if op.draining.publishes else "")
 
     def replica(op: Op) -> str:
         if op.replica is None:
@@ -588,11 +588,15 @@ def markdown_table() -> str:
             return "its own"
         return "answers" + "".join(f", {k}={v!r}" for k, v in op.replica.when)
 
-    rows = ["| op | args (`required`) | reply | handler | lease | while draining | replica |",
-            "|---|---|---|---|---|---|---|"]
+    rows = [
+        "| op | args (`required`) | reply | handler | lease | while draining | replica |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for name, op in OPS.items():
         reply = getattr(op.reply, "__name__", None) or str(op.reply).rpartition(".")[2]
         reply = reply.replace(" | ", " or ")  # a bar would end the Markdown cell
-        rows.append(f"| `{name}` | {args(op)} | `{reply}` | `{_HANDLER[op.service].format(name)}`"
-                    f" | {lease(op)} | {draining(op)} | {replica(op)} |")
+        rows.append(
+            f"| `{name}` | {args(op)} | `{reply}` | `{_HANDLER[op.service].format(name)}`"
+            f" | {lease(op)} | {draining(op)} | {replica(op)} |"
+        )
     return "\n".join(rows) + "\n"

@@ -16,11 +16,36 @@ from typing import Any, Literal, NotRequired, TypedDict
 from .stats import ObjectInfo, SessionInfo
 
 __all__ = [
-    "Extent", "Empty", "PoolInfo", "HiddenPool", "Hello", "Reserved", "Sealed", "ArenaLent",
-    "Published", "Claimed", "Renewed", "Listed", "Evicted", "BlockReserved", "BlockExists",
-    "BlocksReserved", "SealedMany", "PrefixMatch", "RingInfo", "Rings", "RingRegion",
-    "RingClaimed", "RingFound", "Watching", "Pong", "Reported", "Fetched", "Sessions", "mismatch",
-]  # fmt: skip
+    "Extent",
+    "Empty",
+    "PoolInfo",
+    "HiddenPool",
+    "Hello",
+    "Reserved",
+    "Sealed",
+    "ArenaLent",
+    "Published",
+    "Claimed",
+    "Renewed",
+    "Listed",
+    "Evicted",
+    "BlockReserved",
+    "BlockExists",
+    "BlocksReserved",
+    "SealedMany",
+    "PrefixMatch",
+    "RingInfo",
+    "Rings",
+    "RingRegion",
+    "RingClaimed",
+    "RingFound",
+    "Watching",
+    "Pong",
+    "Reported",
+    "Fetched",
+    "Sessions",
+    "mismatch",
+]
 
 # [pool, offset, nbytes]: a byte range of pool `pool` (an index into hello's `pools`).
 Extent = list[int]
@@ -233,11 +258,14 @@ def mismatch(value: Any, tp: Any, where: str = "reply") -> str | None:
         return _mapping(value, hints, tp.__required_keys__, where)
     if dataclasses.is_dataclass(tp):
         hints = typing.get_type_hints(tp)
-        required = {f.name for f in dataclasses.fields(tp)
-                    if f.default is dataclasses.MISSING
-                    and f.default_factory is dataclasses.MISSING}  # fmt: skip
-        return _mapping(value, {f.name: hints[f.name] for f in dataclasses.fields(tp)},
-                        required, where)  # fmt: skip
+        required = {
+            f.name
+            for f in dataclasses.fields(tp)
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        }
+        return _mapping(
+            value, {f.name: hints[f.name] for f in dataclasses.fields(tp)}, required, where
+        )
     if origin in (list, tuple):
         if not isinstance(value, (list, tuple)):
             return f"{where}: {type(value).__name__} is not a list"

@@ -77,13 +77,24 @@ class BrokerLink:
     with ``words``.
     """
 
-    def __init__(self, socket: str | None, *, name: str, role: str, map_pools: bool = True,
-                 timeout: float = 5.0, retry_min: float = 1.0, retry_max: float = 30.0,
-                 warnings: Warnings | None = None,
-                 words: LinkWords = LinkWords()) -> None:  # fmt: skip
+    def __init__(
+        self,
+        socket: str | None,
+        *,
+        name: str,
+        role: str,
+        map_pools: bool = True,
+        timeout: float = 5.0,
+        retry_min: float = 1.0,
+        retry_max: float = 30.0,
+        warnings: Warnings | None = None,
+        words: LinkWords = LinkWords(),
+    ) -> None:
         if not (timeout > 0 and 0 < retry_min <= retry_max):
-            raise ValueError(f"kvbroker: timeout ({timeout}) and retry_min <= retry_max "
-                             f"({retry_min}, {retry_max}) must be positive seconds")  # fmt: skip
+            raise ValueError(
+                f"kvbroker: timeout ({timeout}) and retry_min <= retry_max "
+                f"({retry_min}, {retry_max}) must be positive seconds"
+            )
         self.socket, self.name, self.role = socket, name, role
         self.map_pools, self.timeout = map_pools, timeout
         self.retry_min, self.retry_max = retry_min, retry_max
@@ -113,17 +124,26 @@ class BrokerLink:
             if now < self._next_try:
                 return None
             try:
-                self._client = Client(self.socket, name=self.name, role=self.role,
-                                      timeout=self.timeout, map_pools=self.map_pools,
-                                      reconnect=0, arena_size=0)  # fmt: skip
+                self._client = Client(
+                    self.socket,
+                    name=self.name,
+                    role=self.role,
+                    timeout=self.timeout,
+                    map_pools=self.map_pools,
+                    reconnect=0,
+                    arena_size=0,
+                )
             except (KVBrokerError, OSError) as exc:
                 self._down(exc, now)
                 return None
             self.connects += 1
             if self.down_since is not None:
-                self.warnings.log.warning("kvbroker: broker at %s is reachable again after "
-                                          "%.1f s; %s", self._where(), now - self.down_since,
-                                          self.words.back)  # fmt: skip
+                self.warnings.log.warning(
+                    "kvbroker: broker at %s is reachable again after %.1f s; %s",
+                    self._where(),
+                    now - self.down_since,
+                    self.words.back,
+                )
             self.down_since = None
             self._delay = self.retry_min
             return self._client
@@ -157,9 +177,14 @@ class BrokerLink:
         if self.down_since is None:
             self.down_since = now
             self.failures += 1
-            self.warnings.warn("broker_down", "broker at %s unavailable (%s): %s and retries "
-                               "in %.0f s", self._where(), exc, self.words.down,
-                               self._delay)  # fmt: skip
+            self.warnings.warn(
+                "broker_down",
+                "broker at %s unavailable (%s): %s and retries in %.0f s",
+                self._where(),
+                exc,
+                self.words.down,
+                self._delay,
+            )
         self._next_try = now + self._delay
         self._delay = min(self._delay * 2, self.retry_max)
 

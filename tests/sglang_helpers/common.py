@@ -30,14 +30,17 @@ def sglang_skip_reason() -> str | None:
             have = f"torch {torch.__version__}"
         except ImportError:
             have = "no torch"
-        return (f"SGLang is not installed ({have}): `make test` installs sglang==0.5.23 "
-                "(without its CUDA requirements) only beside the CPU build of torch, so a GPU "
-                "host keeps its own torch; install SGLang yourself to run these tests there")
+        return (
+            f"SGLang is not installed ({have}): `make test` installs sglang==0.5.23 "
+            "(without its CUDA requirements) only beside the CPU build of torch, so a GPU "
+            "host keeps its own torch; install SGLang yourself to run these tests there"
+        )
     return None
 
 
-needs_sglang = pytest.mark.skipif(sglang_skip_reason() is not None,
-                                  reason=sglang_skip_reason() or "")
+needs_sglang = pytest.mark.skipif(
+    sglang_skip_reason() is not None, reason=sglang_skip_reason() or ""
+)
 
 
 class Engine:
@@ -47,11 +50,20 @@ class Engine:
         self.log_path = log_path
         self.log = open(log_path, "wb")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.sglang_helpers.engine"], cwd=ROOT,
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
-            env={**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-                 "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **(env or {})},
-        )  # fmt: skip
+            [sys.executable, "-m", "tests.sglang_helpers.engine"],
+            cwd=ROOT,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            env={
+                **os.environ,
+                "OMP_NUM_THREADS": "1",
+                "TOKENIZERS_PARALLELISM": "false",
+                "HF_HUB_OFFLINE": "1",
+                "TRANSFORMERS_OFFLINE": "1",
+                **(env or {}),
+            },
+        )
         self._buffer = b""
         assert self._reply(start_timeout).get("ready"), self.tail()
 
@@ -83,8 +95,9 @@ class Engine:
         self.proc.stdin.flush()
         reply = self._reply(timeout)
         if not reply.pop("ok"):
-            pytest.fail(f"engine {op} failed: {reply['error']}\n{reply['traceback']}\n"
-                        f"{self.tail()}")
+            pytest.fail(
+                f"engine {op} failed: {reply['error']}\n{reply['traceback']}\n{self.tail()}"
+            )
         return reply
 
     def close(self) -> None:

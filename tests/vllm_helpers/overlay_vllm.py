@@ -53,8 +53,14 @@ def installed_base() -> tuple[str | None, Path | None, str | None]:
     try:
         base = importlib.metadata.version(BASE_DIST)
     except importlib.metadata.PackageNotFoundError:
-        return None, None, (f"the installed vLLM is not the {BASE_DIST} build (a host with its "
-                            "own vLLM): its Python is tested as installed, not overlaid")
+        return (
+            None,
+            None,
+            (
+                f"the installed vLLM is not the {BASE_DIST} build (a host with its "
+                "own vLLM): its Python is tested as installed, not overlaid"
+            ),
+        )
     return base, Path(next(iter(spec.submodule_search_locations))), None
 
 
@@ -84,8 +90,12 @@ def _unpack(wheel: Path, into: Path) -> int:
     with zipfile.ZipFile(wheel) as zf:
         for info in zf.infolist():
             name = info.filename
-            if (not name.startswith("vllm/") or info.is_dir() or name in BINARIES
-                    or name.endswith(COMPILED)):
+            if (
+                not name.startswith("vllm/")
+                or info.is_dir()
+                or name in BINARIES
+                or name.endswith(COMPILED)
+            ):
                 continue
             zf.extract(info, into)
             count += 1
@@ -124,13 +134,29 @@ def prepare(version: str, target: Path) -> int:
     started = time.monotonic()
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="vllm-wheel-") as dl:
-        done = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps",
-                               "--only-binary", ":all:", "-d", dl, f"vllm=={version}"],
-                              check=False)  # fmt: skip
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "-q",
+                "--no-deps",
+                "--only-binary",
+                ":all:",
+                "-d",
+                dl,
+                f"vllm=={version}",
+            ],
+            check=False,
+        )
         wheels = sorted(Path(dl).glob("vllm-*.whl"))
         if done.returncode or not wheels:
-            print(f"downloading vllm=={version} failed (pip exited {done.returncode}): the "
-                  "vLLM tests cannot run on its sources", file=sys.stderr)
+            print(
+                f"downloading vllm=={version} failed (pip exited {done.returncode}): the "
+                "vLLM tests cannot run on its sources",
+                file=sys.stderr,
+            )
             return done.returncode or 1
         staging = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
         try:
@@ -139,15 +165,24 @@ def prepare(version: str, target: Path) -> int:
                 print(f"{wheels[0].name} holds no vllm package", file=sys.stderr)
                 return 1
             linked = _link_compiled(base_pkg, staging / "vllm")
-            probe = ("import vllm, vllm.distributed.kv_transfer.kv_connector.v1.base; "
-                     "print(vllm.__version__, vllm.__file__)")
-            check = subprocess.run([sys.executable, "-c", probe], check=False,
-                                   env=overlay_env(staging, version), capture_output=True,
-                                   text=True)  # fmt: skip
+            probe = (
+                "import vllm, vllm.distributed.kv_transfer.kv_connector.v1.base; "
+                "print(vllm.__version__, vllm.__file__)"
+            )
+            check = subprocess.run(
+                [sys.executable, "-c", probe],
+                check=False,
+                env=overlay_env(staging, version),
+                capture_output=True,
+                text=True,
+            )
             got = check.stdout.split()
             if check.returncode or not got or got[0].split("+")[0] != version:
-                print(f"the vLLM {version} overlay does not import as {version}: "
-                      f"{check.stdout}{check.stderr[-3000:]}", file=sys.stderr)
+                print(
+                    f"the vLLM {version} overlay does not import as {version}: "
+                    f"{check.stdout}{check.stderr[-3000:]}",
+                    file=sys.stderr,
+                )
                 return 1
             (staging / STAMP).write_text(json.dumps(_stamp_for(version, base, wheels[0].name)))
             if target.exists():
@@ -156,9 +191,11 @@ def prepare(version: str, target: Path) -> int:
         finally:
             if staging.exists():
                 shutil.rmtree(staging)
-    print(f"vLLM {version} overlay over {BASE_DIST} {base}: {count} files of {wheels[0].name} "
-          f"and {len(linked)} compiled extensions of {BASE_DIST} ({', '.join(linked)}) in "
-          f"{target}, {time.monotonic() - started:.0f} s")
+    print(
+        f"vLLM {version} overlay over {BASE_DIST} {base}: {count} files of {wheels[0].name} "
+        f"and {len(linked)} compiled extensions of {BASE_DIST} ({', '.join(linked)}) in "
+        f"{target}, {time.monotonic() - started:.0f} s"
+    )
     return 0
 
 
@@ -169,8 +206,11 @@ def run_pytest(version: str, target: Path, args: list[str]) -> int:
         return 0
     base, _pkg, _ = installed_base()
     if not _current(target, version, base):
-        print(f"no vLLM {version} overlay over {BASE_DIST} {base} in {target}, and one was due: "
-              f"run `overlay_vllm.py prepare {version} {target}` first", file=sys.stderr)
+        print(
+            f"no vLLM {version} overlay over {BASE_DIST} {base} in {target}, and one was due: "
+            f"run `overlay_vllm.py prepare {version} {target}` first",
+            file=sys.stderr,
+        )
         return 1
     print(f"vLLM-facing tests again, on vLLM {version}'s Python over {BASE_DIST} {base}")
     cmd = [sys.executable, "-m", "pytest", "-m", "vllm", *args]
@@ -189,8 +229,11 @@ def main(argv: list[str]) -> int:
         if rest and rest[0] == "--":
             rest = rest[1:]
         return run_pytest(argv[1], Path(argv[2]), rest)
-    print("usage: overlay_vllm.py prepare VERSION DIR | overlay_vllm.py pytest VERSION DIR "
-          "[-- PYTEST_ARGS...]", file=sys.stderr)
+    print(
+        "usage: overlay_vllm.py prepare VERSION DIR | overlay_vllm.py pytest VERSION DIR "
+        "[-- PYTEST_ARGS...]",
+        file=sys.stderr,
+    )
     return 2
 
 

@@ -42,8 +42,12 @@ FORMAT_VERSION = 1
 PAGE = "page"  # the one buffer of a block
 # Where a layout puts the token axis (sliced [t, t + page_size)) or the page axis (indexed
 # t // page_size) in one component's shape; an MHA pool's buffer has a leading K/V axis.
-_AXES = {"layer_first": (1, "token"), "page_first": (0, "token"),
-         "page_first_direct": (0, "page"), "page_head": (0, "page")}  # fmt: skip
+_AXES = {
+    "layer_first": (1, "token"),
+    "page_first": (0, "token"),
+    "page_first_direct": (0, "page"),
+    "page_head": (0, "page"),
+}
 
 
 @dataclass(frozen=True)
@@ -57,26 +61,33 @@ class Sharding:
     extra: str = ""  # .pp / .cp / .dcp suffix
 
     def suffixes(self) -> list[str]:
-        return [shard_block_key("", self.first + j, self.shards, self.total_kv_heads) + self.extra
-                for j in range(self.per_rank)]  # fmt: skip
+        return [
+            shard_block_key("", self.first + j, self.shards, self.total_kv_heads) + self.extra
+            for j in range(self.per_rank)
+        ]
 
     @classmethod
     def of(cls, config, head_num: int | None) -> Sharding:
         """From SGLang's ``HiCacheStorageConfig`` and the host pool's heads per rank."""
         extra = ""
-        for name, rank, size in (("pp", config.pp_rank, config.pp_size),
-                                 ("cp", config.attn_cp_rank, config.attn_cp_size),
-                                 ("dcp", config.dcp_rank, config.dcp_size)):  # fmt: skip
+        for name, rank, size in (
+            ("pp", config.pp_rank, config.pp_size),
+            ("cp", config.attn_cp_rank, config.attn_cp_size),
+            ("dcp", config.dcp_rank, config.dcp_size),
+        ):
             if size > 1:
                 extra += f".{name}{rank}of{size}"
         if config.is_mla_model or head_num is None:
             return cls(None, 1, 0, 1, extra)
         split = config.tp_lcm_size // config.tp_size if config.should_split_heads else 1
         if head_num % split:
-            raise ValueError(f"kvbroker: {head_num} KV heads per rank do not split into "
-                             f"tp_lcm_size / tp_size = {split} shards")  # fmt: skip
-        return cls(head_num * config.tp_size, config.tp_size * split, config.tp_rank * split,
-                   split, extra)  # fmt: skip
+            raise ValueError(
+                f"kvbroker: {head_num} KV heads per rank do not split into "
+                f"tp_lcm_size / tp_size = {split} shards"
+            )
+        return cls(
+            head_num * config.tp_size, config.tp_size * split, config.tp_rank * split, split, extra
+        )
 
 
 @dataclass(frozen=True)
@@ -98,42 +109,79 @@ class PageGeometry:
     nbytes: int  # the whole buffer
 
     @classmethod
-    def of(cls, layout: str, shape: tuple[int, ...], itemsize: int, page_size: int,
-           size: int, *, paired: bool) -> PageGeometry:  # fmt: skip
+    def of(
+        cls,
+        layout: str,
+        shape: tuple[int, ...],
+        itemsize: int,
+        page_size: int,
+        size: int,
+        *,
+        paired: bool,
+    ) -> PageGeometry:
         """``shape``: the host pool's buffer; ``paired``: it has a leading K/V axis (MHA)."""
         if layout not in _AXES:
-            raise ValueError(f"kvbroker: SGLang host layout {layout!r} is not supported "
-                             f"(supported: {', '.join(_AXES)})")  # fmt: skip
+            raise ValueError(
+                f"kvbroker: SGLang host layout {layout!r} is not supported "
+                f"(supported: {', '.join(_AXES)})"
+            )
         axis, kind = _AXES[layout]
         axis += 1 if paired else 0
         expect = size if kind == "token" else size // page_size
         if len(shape) <= axis or shape[axis] != expect:
-            raise ValueError(f"kvbroker: host pool buffer of shape {tuple(shape)} does "
-                             f"not match layout {layout!r} ({kind} axis {axis} of "
-                             f"{expect})")  # fmt: skip
-        per_position = math.prod(shape[axis + 1:]) * itemsize
-        return cls(layout, page_size, math.prod(shape[:axis]),
-                   math.prod(shape[axis:]) * itemsize,
-                   per_position * (page_size if kind == "token" else 1), per_position,
-                   kind == "page", math.prod(shape) * itemsize)  # fmt: skip
+            raise ValueError(
+                f"kvbroker: host pool buffer of shape {tuple(shape)} does "
+                f"not match layout {layout!r} ({kind} axis {axis} of "
+                f"{expect})"
+            )
+        per_position = math.prod(shape[axis + 1 :]) * itemsize
+        return cls(
+            layout,
+            page_size,
+            math.prod(shape[:axis]),
+            math.prod(shape[axis:]) * itemsize,
+            per_position * (page_size if kind == "token" else 1),
+            per_position,
+            kind == "page",
+            math.prod(shape) * itemsize,
+        )
 
     def start(self, token: int) -> int:
         if token % self.page_size:
-            raise ValueError(f"kvbroker: host index {token} is not at a page boundary "
-                             f"(page size {self.page_size})")  # fmt: skip
+            raise ValueError(
+                f"kvbroker: host index {token} is not at a page boundary "
+                f"(page size {self.page_size})"
+            )
         return (token // self.page_size if self.by_page else token) * self.per_position
 
     def block_nbytes(self, split: int) -> int:
         return self.outer * self.run // split
 
 
-def namespace_for(model: str, *, pool: str, layout: str, dtype: str, geometry: list,
-                  total_kv_heads: int | None, page_size: int, format_tag: str | None,
-                  prefix: str = "sglang") -> str:  # fmt: skip
+def namespace_for(
+    model: str,
+    *,
+    pool: str,
+    layout: str,
+    dtype: str,
+    geometry: list,
+    total_kv_heads: int | None,
+    page_size: int,
+    format_tag: str | None,
+    prefix: str = "sglang",
+) -> str:
     """The broker namespace of a model's pages in one host cache layout."""
-    facts = [FORMAT_VERSION, model, pool, layout, dtype, geometry, total_kv_heads, page_size,
-             format_tag]  # fmt: skip
+    facts = [
+        FORMAT_VERSION,
+        model,
+        pool,
+        layout,
+        dtype,
+        geometry,
+        total_kv_heads,
+        page_size,
+        format_tag,
+    ]
     fingerprint = hashlib.blake2b(json.dumps(facts).encode(), digest_size=8).hexdigest()
     name = re.sub(r"[^A-Za-z0-9._-]+", "_", model.rstrip("/").rsplit("/", 1)[-1])[:48] or "model"
     return f"{prefix}/{name}-{fingerprint}"
-

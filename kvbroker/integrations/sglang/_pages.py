@@ -80,10 +80,15 @@ class Source:
         import torch
 
         nbytes = geometry.outer * geometry.run
-        if tensor is None or tensor.device.type != "cpu" or not tensor.is_contiguous() \
-                or tensor.numel() * tensor.element_size() != nbytes:  # fmt: skip
-            raise ValueError(f"kvbroker: a flat page must be a contiguous CPU tensor of "
-                             f"{nbytes} bytes")  # fmt: skip
+        if (
+            tensor is None
+            or tensor.device.type != "cpu"
+            or not tensor.is_contiguous()
+            or tensor.numel() * tensor.element_size() != nbytes
+        ):
+            raise ValueError(
+                f"kvbroker: a flat page must be a contiguous CPU tensor of {nbytes} bytes"
+            )
         return PageRef(tensor.detach().reshape(-1).view(torch.uint8).numpy(), 0, geometry.run)
 
 
@@ -91,11 +96,12 @@ class PageKeys:
     """Broker keys of SGLang page hashes: salted per namespace and ``cache_salt``, then one
     per shard this rank holds (see :mod:`._format`)."""
 
-    def __init__(self, namespace: str, cache_salt: str, suffixes: list[str],
-                 tag: str = "") -> None:  # fmt: skip
-        self._base = hashlib.blake2b(digest_size=16, person=b"kvbroker-sglang",
-                                     key=hashlib.blake2b(cache_salt.encode(),
-                                                         digest_size=32).digest())  # fmt: skip
+    def __init__(self, namespace: str, cache_salt: str, suffixes: list[str], tag: str = "") -> None:
+        self._base = hashlib.blake2b(
+            digest_size=16,
+            person=b"kvbroker-sglang",
+            key=hashlib.blake2b(cache_salt.encode(), digest_size=32).digest(),
+        )
         raw = namespace.encode()
         self._base.update(len(raw).to_bytes(4, "little") + raw)
         self.suffixes, self.tag = suffixes, tag
@@ -116,8 +122,15 @@ class BlockStore:
     sent without waiting, counters, what a failure does. Thread-safe (SGLang's storage
     threads share it)."""
 
-    def __init__(self, link: BrokerLink, namespace: str, keys: PageKeys, *,
-                 checksum: bool = True, warnings: Warnings | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        link: BrokerLink,
+        namespace: str,
+        keys: PageKeys,
+        *,
+        checksum: bool = True,
+        warnings: Warnings | None = None,
+    ) -> None:
         self.link, self.namespace, self.keys, self.checksum = link, namespace, keys, checksum
         self.warnings = warnings or link.warnings
         self._counts: Counter[str] = Counter()
@@ -132,17 +145,26 @@ class BlockStore:
         if client is None or not page_hashes:
             return [False] * len(page_hashes)
         try:
-            asked = [client.ops.pipelined.exists(k, namespace=self.namespace)
-                     for k in self.keys.blocks(page_hashes)]  # fmt: skip
+            asked = [
+                client.ops.pipelined.exists(k, namespace=self.namespace)
+                for k in self.keys.blocks(page_hashes)
+            ]
             found = [bool(a.result()) for a in asked]
         except Exception as exc:  # noqa: BLE001 - SGLang's thread must go on
             self._failed(client, exc, "exists")
             return [False] * len(page_hashes)
         n = len(self.keys.suffixes)
-        return [all(found[i * n:(i + 1) * n]) for i in range(len(page_hashes))]
+        return [all(found[i * n : (i + 1) * n]) for i in range(len(page_hashes))]
 
-    def _publish(self, client, page_hashes: list[str], request: list[dict], buffers: dict,
-                 meta: dict | None, fill) -> bool:  # fmt: skip
+    def _publish(
+        self,
+        client,
+        page_hashes: list[str],
+        request: list[dict],
+        buffers: dict,
+        meta: dict | None,
+        fill,
+    ) -> bool:
         """Reserve ``request`` (one round trip), ``fill(reservation, checksum kind)`` the
         reserved blocks (returning their checksums, or None), send their seal without
         waiting. False when nothing was stored (refused, or the broker failed)."""
@@ -161,8 +183,12 @@ class BlockStore:
         except _FULL as exc:
             self._settle(earlier)
             self._count("write_skipped", len(page_hashes))
-            self.warnings.warn("full", "the broker refused %d HiCache pages (%s): they are "
-                               "not stored", len(page_hashes), exc)  # fmt: skip
+            self.warnings.warn(
+                "full",
+                "the broker refused %d HiCache pages (%s): they are not stored",
+                len(page_hashes),
+                exc,
+            )
             return False
         except Exception as exc:  # noqa: BLE001
             if reservation is not None:
@@ -207,8 +233,12 @@ class BlockStore:
         client = self.link.get()
         if client is None:
             return False
-        pattern = re.escape(self.keys.tag) + "(" + "|".join(re.escape(s) for s in
-                                                            self.keys.suffixes) + ")$"  # fmt: skip
+        pattern = (
+            re.escape(self.keys.tag)
+            + "("
+            + "|".join(re.escape(s) for s in self.keys.suffixes)
+            + ")$"
+        )
         try:
             client.evict(namespace=self.namespace, match=pattern)
         except Exception as exc:  # noqa: BLE001
@@ -230,21 +260,45 @@ class BlockStore:
         self._count("errors")
         if isinstance(exc, (KVBrokerError, OSError)):
             self.link.fail(exc, client)
-            self.warnings.warn(f"error_{what}", "HiCache %s failed (%s: %s): served as a miss "
-                               "or an unwritten page", what, type(exc).__name__, exc)  # fmt: skip
+            self.warnings.warn(
+                f"error_{what}",
+                "HiCache %s failed (%s: %s): served as a miss or an unwritten page",
+                what,
+                type(exc).__name__,
+                exc,
+            )
         else:
-            log.error("kvbroker: HiCache %s failed with an unexpected error; served as a miss "
-                      "or an unwritten page", what, exc_info=exc)  # fmt: skip
+            log.error(
+                "kvbroker: HiCache %s failed with an unexpected error; served as a miss "
+                "or an unwritten page",
+                what,
+                exc_info=exc,
+            )
 
 
 class PageStore(BlockStore):
     """One rank's pages of a host pool (the KV pool, or a sliding-window pool: ``tag``)."""
 
-    def __init__(self, link: BrokerLink, namespace: str, *, cache_salt: str, sharding: Sharding,
-                 geometry: PageGeometry, host: Source, checksum: bool = True,
-                 warnings: Warnings | None = None, tag: str = "") -> None:  # fmt: skip
-        super().__init__(link, namespace, PageKeys(namespace, cache_salt, sharding.suffixes(), tag),
-                         checksum=checksum, warnings=warnings)  # fmt: skip
+    def __init__(
+        self,
+        link: BrokerLink,
+        namespace: str,
+        *,
+        cache_salt: str,
+        sharding: Sharding,
+        geometry: PageGeometry,
+        host: Source,
+        checksum: bool = True,
+        warnings: Warnings | None = None,
+        tag: str = "",
+    ) -> None:
+        super().__init__(
+            link,
+            namespace,
+            PageKeys(namespace, cache_salt, sharding.suffixes(), tag),
+            checksum=checksum,
+            warnings=warnings,
+        )
         self.geometry, self.sharding, self.host = geometry, sharding, host
         self.split = sharding.per_rank
         self.piece = geometry.run // self.split  # bytes of one run a shard holds
@@ -261,8 +315,9 @@ class PageStore(BlockStore):
         if client is None:
             return 0
         try:
-            match = blocks.match_keys(client, self.namespace, self.keys.blocks(page_hashes),
-                                      hold=False)  # fmt: skip
+            match = blocks.match_keys(
+                client, self.namespace, self.keys.blocks(page_hashes), hold=False
+            )
             return match.num_blocks // self.split
         except Exception as exc:  # noqa: BLE001 - SGLang's thread must go on (module docstring)
             self._failed(client, exc, "exists")
@@ -276,8 +331,9 @@ class PageStore(BlockStore):
             return 0
         split, piece = self.split, self.piece
         try:
-            with blocks.match_keys(client, self.namespace, self.keys.blocks(page_hashes),
-                                   hold=True) as match:  # fmt: skip
+            with blocks.match_keys(
+                client, self.namespace, self.keys.blocks(page_hashes), hold=True
+            ) as match:
                 found = match.num_blocks // split
                 for i in range(found):
                     ref = pages[i]
@@ -291,8 +347,9 @@ class PageStore(BlockStore):
         self._count("read_missed", len(page_hashes) - found)
         return found
 
-    def write(self, page_hashes: list[str], pages: list[PageRef], *,
-              parent: str | None = None) -> bool:  # fmt: skip
+    def write(
+        self, page_hashes: list[str], pages: list[PageRef], *, parent: str | None = None
+    ) -> bool:
         """Store the pages the node lacks; True when every page is stored (now or before)."""
         client = self.link.get()
         if client is None:
@@ -302,8 +359,10 @@ class PageStore(BlockStore):
         split = self.split
         # Each shard's chain is its own: the parent of shard j of page i is shard j of i - 1.
         first = self.keys.blocks([parent]) if parent is not None else [None] * split
-        request = [{"key": k, "parent": keys[b - split] if b >= split else first[b]}
-                   for b, k in enumerate(keys)]  # fmt: skip
+        request = [
+            {"key": k, "parent": keys[b - split] if b >= split else first[b]}
+            for b, k in enumerate(keys)
+        ]
         piece, outer = self.piece, self.geometry.outer
 
         def fill(reservation, kind):
@@ -311,8 +370,14 @@ class PageStore(BlockStore):
             for b, lease in enumerate(reservation.leases):
                 if lease is None:
                     continue  # the node holds it already
-                digest = _gather(reservation.view(j, PAGE), pages[b // split],
-                                 (b % split) * piece, piece, outer, kind)  # fmt: skip
+                digest = _gather(
+                    reservation.view(j, PAGE),
+                    pages[b // split],
+                    (b % split) * piece,
+                    piece,
+                    outer,
+                    kind,
+                )
                 sums.append({PAGE: digest})
                 j += 1
             return sums if kind is not None else None
@@ -327,10 +392,11 @@ def _gather(dst, ref: PageRef, offset: int, piece: int, outer: int, kind):
 
     start = ref.start + offset
     if outer == 1:
-        src = ref.array[start:start + piece]
+        src = ref.array[start : start + piece]
     else:
-        src = np.lib.stride_tricks.as_strided(ref.array[start:], shape=(outer, piece),
-                                              strides=(ref.stride, 1), writeable=False)  # fmt: skip
+        src = np.lib.stride_tricks.as_strided(
+            ref.array[start:], shape=(outer, piece), strides=(ref.stride, 1), writeable=False
+        )
     return blocks.copy(dst, src, kind)
 
 
@@ -338,4 +404,4 @@ def _scatter(src, ref: PageRef, offset: int, piece: int, outer: int) -> None:
     """Copy a block's bytes ``src`` back into the ``outer`` pieces of page ``ref``."""
     for r in range(outer):
         at = ref.start + r * ref.stride + offset
-        blocks.copy_into(ref.array[at:at + piece], src[r * piece:(r + 1) * piece])
+        blocks.copy_into(ref.array[at : at + piece], src[r * piece : (r + 1) * piece])

@@ -32,8 +32,10 @@ def state_rows(pool) -> list[tuple[str, object]]:
     """``(part name, tensor [slot, ...])`` of a Mamba host pool, in its page order; ValueError
     when a slot is not one contiguous row of each buffer."""
     if getattr(pool, "layout", None) not in ("page_first", "page_first_direct"):
-        raise ValueError(f"the Mamba host pool's layout {getattr(pool, 'layout', None)!r} "
-                         "is not a slot-major one (page_first, page_first_direct)")  # fmt: skip
+        raise ValueError(
+            f"the Mamba host pool's layout {getattr(pool, 'layout', None)!r} "
+            "is not a slot-major one (page_first, page_first_direct)"
+        )
     named = [("temporal", pool.temporal_buffer)]
     named += [(f"conv{i}", b) for i, b in enumerate(pool.conv_buffer)]
     named += [(f"slot{i}", b) for i, b in enumerate(getattr(pool, "slot_state_buffers", ()))]
@@ -42,8 +44,9 @@ def state_rows(pool) -> list[tuple[str, object]]:
         if tensor.numel() == 0:
             continue  # a conv-only model has no SSM state
         if tensor.device.type != "cpu" or not tensor.is_contiguous():
-            raise ValueError(f"the Mamba host pool's {name} buffer is not one contiguous CPU "
-                             "tensor")  # fmt: skip
+            raise ValueError(
+                f"the Mamba host pool's {name} buffer is not one contiguous CPU tensor"
+            )
         out.append((name, tensor))
     if not out:
         raise ValueError("the Mamba host pool has no state buffers")
@@ -53,21 +56,40 @@ def state_rows(pool) -> list[tuple[str, object]]:
 class StateStore(BlockStore):
     """One rank's state pages of a Mamba host pool."""
 
-    def __init__(self, link: BrokerLink, namespace: str, *, cache_salt: str, pool,
-                 tp_rank: int, tp_size: int, tag: str, checksum: bool = True,
-                 warnings: Warnings | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        link: BrokerLink,
+        namespace: str,
+        *,
+        cache_salt: str,
+        pool,
+        tp_rank: int,
+        tp_size: int,
+        tag: str,
+        checksum: bool = True,
+        warnings: Warnings | None = None,
+    ) -> None:
         import torch
 
         rows = state_rows(pool)
         self.format = blocks.StateFormat(
-            tuple(blocks.StateBuffer(name, str(t.dtype).removeprefix("torch."), tuple(t.shape[1:]))
-                  for name, t in rows), tp_rank=tp_rank, tp_size=tp_size)  # fmt: skip
+            tuple(
+                blocks.StateBuffer(name, str(t.dtype).removeprefix("torch."), tuple(t.shape[1:]))
+                for name, t in rows
+            ),
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+        )
         suffix = self.format.key("")
-        super().__init__(link, namespace, PageKeys(namespace, cache_salt, [suffix], tag),
-                         checksum=checksum, warnings=warnings)  # fmt: skip
+        super().__init__(
+            link,
+            namespace,
+            PageKeys(namespace, cache_salt, [suffix], tag),
+            checksum=checksum,
+            warnings=warnings,
+        )
         # each buffer as uint8 rows, one per slot
-        self.rows = [t.detach().reshape(t.shape[0], -1).view(torch.uint8).numpy()
-                     for _, t in rows]  # fmt: skip
+        self.rows = [t.detach().reshape(t.shape[0], -1).view(torch.uint8).numpy() for _, t in rows]
         self.slots = self.rows[0].shape[0]
         self.page_nbytes = self.format.block_nbytes
 
@@ -98,7 +120,7 @@ class StateStore(BlockStore):
                     src, at = match.blocks[found][self.format.packed], 0
                     for rows in self.rows:
                         dst = rows[slots[found]]
-                        blocks.copy_into(dst, src[at:at + dst.size])
+                        blocks.copy_into(dst, src[at : at + dst.size])
                         at += dst.size
                     found += 1
         except Exception as exc:  # noqa: BLE001 - SGLang's thread must go on
@@ -115,12 +137,17 @@ class StateStore(BlockStore):
             self.format.check(match.meta_of(i))
             got = {name: match.blocks[i][name].size for name in match.blocks[i]}
             if got != {self.format.packed: self.page_nbytes}:
-                raise LayoutMismatch(f"a state page holds buffers {got}, not "
-                                     f"{{{self.format.packed!r}: {self.page_nbytes}}}")  # fmt: skip
+                raise LayoutMismatch(
+                    f"a state page holds buffers {got}, not "
+                    f"{{{self.format.packed!r}: {self.page_nbytes}}}"
+                )
         except LayoutMismatch as exc:
             self._count("read_bad_pages")
-            self.warnings.warn("bad_state_page", "a stored Mamba state page does not match "
-                               "this pool (%s): read as a miss", exc)  # fmt: skip
+            self.warnings.warn(
+                "bad_state_page",
+                "a stored Mamba state page does not match this pool (%s): read as a miss",
+                exc,
+            )
             return False
         return True
 
@@ -151,5 +178,6 @@ class StateStore(BlockStore):
                 j += 1
             return reservation.checksums() if kind is not None else None
 
-        return self._publish(client, page_hashes, request, self.format.buffers(),
-                             self.format.meta(), fill)  # fmt: skip
+        return self._publish(
+            client, page_hashes, request, self.format.buffers(), self.format.meta(), fill
+        )

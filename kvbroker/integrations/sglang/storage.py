@@ -93,11 +93,15 @@ class KVBrokerStorage(HiCacheStorage):
         if storage_config.pp_size > 1:
             rank += f"-pp{storage_config.pp_rank}"
         self.link = BrokerLink(
-            socket, name=f"sglang-{rank}-{os.getpid()}", role="kv_both",
-            timeout=float(extra.get("timeout", 5.0)), retry_min=float(extra.get("retry_min", 1.0)),
-            retry_max=float(extra.get("retry_max", 30.0)), warnings=self.warnings,
+            socket,
+            name=f"sglang-{rank}-{os.getpid()}",
+            role="kv_both",
+            timeout=float(extra.get("timeout", 5.0)),
+            retry_min=float(extra.get("retry_min", 1.0)),
+            retry_max=float(extra.get("retry_max", 30.0)),
+            warnings=self.warnings,
             words=_LINK_WORDS,
-        )  # fmt: skip
+        )
         self.store: PageStore | None = None
         self.namespace: str | None = None
         self.mem_pool_host = None
@@ -105,8 +109,11 @@ class KVBrokerStorage(HiCacheStorage):
         self.unsupported: dict[str, str] = {}  # its pools not stored, and why
         self._stats_lock = threading.Lock()
         self._metrics: dict[str, list] = {
-            "prefetch_pgs": [], "backup_pgs": [], "prefetch_bandwidth": [], "backup_bandwidth": [],
-        }  # fmt: skip
+            "prefetch_pgs": [],
+            "backup_pgs": [],
+            "prefetch_bandwidth": [],
+            "backup_bandwidth": [],
+        }
 
     # -- set-up ------------------------------------------------------------------------------
     def register_mem_pool_host(self, mem_pool_host) -> None:
@@ -115,11 +122,18 @@ class KVBrokerStorage(HiCacheStorage):
         self.store = self._page_store(pool)
         self.namespace = self.store.namespace
         sharding = self.store.sharding
-        log.info("kvbroker: HiCache storage for %s, namespace %s, layout %s, %d shard(s) of "
-                 "%s per page, socket %s", self.model, self.namespace, pool.layout,
-                 sharding.per_rank, "all heads" if sharding.total_kv_heads is None else
-                 f"{sharding.total_kv_heads // sharding.shards} head(s)",
-                 self.link.socket or "default")  # fmt: skip
+        log.info(
+            "kvbroker: HiCache storage for %s, namespace %s, layout %s, %d shard(s) of "
+            "%s per page, socket %s",
+            self.model,
+            self.namespace,
+            pool.layout,
+            sharding.per_rank,
+            "all heads"
+            if sharding.total_kv_heads is None
+            else f"{sharding.total_kv_heads // sharding.shards} head(s)",
+            self.link.socket or "default",
+        )
 
     def _page_store(self, pool, name: str = "") -> PageStore:
         """The store of a host pool of attention pages: the KV pool, or (``name``) a hybrid
@@ -130,38 +144,69 @@ class KVBrokerStorage(HiCacheStorage):
         # Exactly these: a subclass may keep part of a page outside kv_buffer (the MXFP8
         # pool's scales), which storing kv_buffer alone would restore stale.
         if type(pool) not in (MHATokenToKVPoolHost, MLATokenToKVPoolHost):
-            raise ValueError(f"kvbroker: HiCache host pool {type(pool).__name__} is not "
-                             "stored (only MHATokenToKVPoolHost and MLATokenToKVPoolHost "
-                             "pages, whose kv_buffer holds them whole)")  # fmt: skip
+            raise ValueError(
+                f"kvbroker: HiCache host pool {type(pool).__name__} is not "
+                "stored (only MHATokenToKVPoolHost and MLATokenToKVPoolHost "
+                "pages, whose kv_buffer holds them whole)"
+            )
         buffer = pool.kv_buffer
-        if not hasattr(buffer, "data_ptr") or buffer.device.type != "cpu" \
-                or not buffer.is_contiguous():  # fmt: skip
-            raise ValueError("kvbroker: the HiCache host pool must be one contiguous CPU "
-                             f"tensor (kv_buffer); {type(pool).__name__} has another "
-                             "form")  # fmt: skip
+        if (
+            not hasattr(buffer, "data_ptr")
+            or buffer.device.type != "cpu"
+            or not buffer.is_contiguous()
+        ):
+            raise ValueError(
+                "kvbroker: the HiCache host pool must be one contiguous CPU "
+                f"tensor (kv_buffer); {type(pool).__name__} has another "
+                "form"
+            )
         mla = bool(self.config.is_mla_model)
         head_num = None if mla else int(pool.head_num)
         if not mla and getattr(pool, "v_head_dim", pool.head_dim) != pool.head_dim:
-            raise ValueError("kvbroker: K and V head sizes differ; the host pool's layout "
-                             "for that is not supported")  # fmt: skip
-        geometry = PageGeometry.of(pool.layout, tuple(buffer.shape), buffer.element_size(),
-                                   pool.page_size, pool.size, paired=not mla)  # fmt: skip
+            raise ValueError(
+                "kvbroker: K and V head sizes differ; the host pool's layout "
+                "for that is not supported"
+            )
+        geometry = PageGeometry.of(
+            pool.layout,
+            tuple(buffer.shape),
+            buffer.element_size(),
+            pool.page_size,
+            pool.size,
+            paired=not mla,
+        )
         sharding = Sharding.of(self.config, head_num)
         if sharding.per_rank > 1 and pool.layout != "page_head":
-            raise ValueError("kvbroker: splitting heads (tp_lcm_size) needs the page_head "
-                             f"host layout, not {pool.layout!r}")  # fmt: skip
-        facts = [getattr(pool, attr, None) for attr in
-                 ("layer_num", "head_dim", "v_head_dim", "kv_cache_dim")]  # fmt: skip
+            raise ValueError(
+                "kvbroker: splitting heads (tp_lcm_size) needs the page_head "
+                f"host layout, not {pool.layout!r}"
+            )
+        facts = [
+            getattr(pool, attr, None)
+            for attr in ("layer_num", "head_dim", "v_head_dim", "kv_cache_dim")
+        ]
         namespace = namespace_for(
-            self.model, pool=type(pool).__name__ + (f".{name}" if name else ""),
-            layout=pool.layout, dtype=str(pool.dtype).removeprefix("torch."), geometry=facts,
-            total_kv_heads=sharding.total_kv_heads, page_size=pool.page_size,
-            format_tag=getattr(pool, "storage_format_tag", None), prefix=self.prefix,
-        )  # fmt: skip
-        return PageStore(self.link, namespace, cache_salt=self.cache_salt, sharding=sharding,
-                         geometry=geometry, host=Source.of_tensor(buffer),
-                         checksum=self.checksum, warnings=self.warnings,
-                         tag=f".{name}" if name else "")  # fmt: skip
+            self.model,
+            pool=type(pool).__name__ + (f".{name}" if name else ""),
+            layout=pool.layout,
+            dtype=str(pool.dtype).removeprefix("torch."),
+            geometry=facts,
+            total_kv_heads=sharding.total_kv_heads,
+            page_size=pool.page_size,
+            format_tag=getattr(pool, "storage_format_tag", None),
+            prefix=self.prefix,
+        )
+        return PageStore(
+            self.link,
+            namespace,
+            cache_salt=self.cache_salt,
+            sharding=sharding,
+            geometry=geometry,
+            host=Source.of_tensor(buffer),
+            checksum=self.checksum,
+            warnings=self.warnings,
+            tag=f".{name}" if name else "",
+        )
 
     def _store(self) -> PageStore:
         if self.store is None:
@@ -171,9 +216,13 @@ class KVBrokerStorage(HiCacheStorage):
     def _starts(self, n: int, host_indices) -> list[int] | None:
         page = self._store().geometry.page_size
         if host_indices is None or host_indices.numel() != n * page:
-            self.warnings.warn("bad_call", "host_indices hold %s tokens for %d pages of %d: "
-                               "the batch is skipped", None if host_indices is None else
-                               host_indices.numel(), n, page)  # fmt: skip
+            self.warnings.warn(
+                "bad_call",
+                "host_indices hold %s tokens for %d pages of %d: the batch is skipped",
+                None if host_indices is None else host_indices.numel(),
+                n,
+                page,
+            )
             return None
         return host_indices[::page].tolist()
 
@@ -202,8 +251,9 @@ class KVBrokerStorage(HiCacheStorage):
         store = self._store()
         prefix = getattr(extra_info, "prefix_keys", None)
         began = time.perf_counter()
-        ok = store.write(keys, [store.host_page(t) for t in starts],
-                         parent=prefix[-1] if prefix else None)  # fmt: skip
+        ok = store.write(
+            keys, [store.host_page(t) for t in starts], parent=prefix[-1] if prefix else None
+        )
         self._record("backup", len(keys) if ok else 0, began)
         return [ok] * len(keys)
 
@@ -225,25 +275,48 @@ class KVBrokerStorage(HiCacheStorage):
                 store = self._page_store(host_pool, name)
         except ValueError as exc:
             self.unsupported[name] = str(exc)
-            log.warning("kvbroker: HiCache pool %r is not stored (%s): a hit that needs it is "
-                        "a miss", name, exc)  # fmt: skip
+            log.warning(
+                "kvbroker: HiCache pool %r is not stored (%s): a hit that needs it is a miss",
+                name,
+                exc,
+            )
             return
         self.pools[name] = store
         log.info("kvbroker: HiCache pool %r stored in namespace %s", name, store.namespace)
 
     def _state_store(self, pool, name: str) -> StateStore:
         sharding = Sharding.of(self.config, None)  # its pp / cp suffix
-        probe = StateStore(self.link, "-", cache_salt="", pool=pool, tp_rank=self.config.tp_rank,
-                           tp_size=self.config.tp_size, tag="")  # fmt: skip
+        probe = StateStore(
+            self.link,
+            "-",
+            cache_salt="",
+            pool=pool,
+            tp_rank=self.config.tp_rank,
+            tp_size=self.config.tp_size,
+            tag="",
+        )
         namespace = namespace_for(
-            self.model, pool=f"{type(pool).__name__}.{name}", layout=pool.layout,
-            dtype="state", geometry=probe.format.meta()["parts"], total_kv_heads=None,
-            page_size=1, format_tag=None, prefix=self.prefix,
-        )  # fmt: skip
-        return StateStore(self.link, namespace, cache_salt=self.cache_salt, pool=pool,
-                          tp_rank=self.config.tp_rank, tp_size=self.config.tp_size,
-                          tag=f".{name}{sharding.extra}", checksum=self.checksum,
-                          warnings=self.warnings)  # fmt: skip
+            self.model,
+            pool=f"{type(pool).__name__}.{name}",
+            layout=pool.layout,
+            dtype="state",
+            geometry=probe.format.meta()["parts"],
+            total_kv_heads=None,
+            page_size=1,
+            format_tag=None,
+            prefix=self.prefix,
+        )
+        return StateStore(
+            self.link,
+            namespace,
+            cache_salt=self.cache_salt,
+            pool=pool,
+            tp_rank=self.config.tp_rank,
+            tp_size=self.config.tp_size,
+            tag=f".{name}{sharding.extra}",
+            checksum=self.checksum,
+            warnings=self.warnings,
+        )
 
     def _pool(self, name) -> PageStore | StateStore | None:
         name = str(name)
@@ -251,9 +324,12 @@ class KVBrokerStorage(HiCacheStorage):
             return self.store
         store = self.pools.get(name)
         if store is None:
-            self.warnings.warn(f"v2_{name}", "HiCache pool %r is not stored by kvbroker (%s): "
-                               "served as a miss", name, self.unsupported.get(
-                                   name, "it was never registered"))  # fmt: skip
+            self.warnings.warn(
+                f"v2_{name}",
+                "HiCache pool %r is not stored by kvbroker (%s): served as a miss",
+                name,
+                self.unsupported.get(name, "it was never registered"),
+            )
         return store
 
     def _slots(self, store, n: int, host_indices) -> list[int] | None:
@@ -261,9 +337,13 @@ class KVBrokerStorage(HiCacheStorage):
         states), or None (said) when ``host_indices`` does not hold ``n`` pages."""
         page = store.geometry.page_size if isinstance(store, PageStore) else 1
         if host_indices is None or host_indices.numel() != n * page:
-            self.warnings.warn("bad_call", "host_indices hold %s entries for %d pages of %d: "
-                               "the batch is skipped", None if host_indices is None else
-                               host_indices.numel(), n, page)  # fmt: skip
+            self.warnings.warn(
+                "bad_call",
+                "host_indices hold %s entries for %d pages of %d: the batch is skipped",
+                None if host_indices is None else host_indices.numel(),
+                n,
+                page,
+            )
             return None
         return host_indices[::page].tolist()
 
@@ -290,12 +370,15 @@ class KVBrokerStorage(HiCacheStorage):
             elif transfer.hit_policy == PoolHitPolicy.TRAILING_PAGES:
                 window = max(1, len(transfer.keys or ()))
                 held = store.present(keys[:kv])
-                serves = {p for p in range(1, kv + 1) if all(held[max(0, p - window):p])}
+                serves = {p for p in range(1, kv + 1) if all(held[max(0, p - window) : p])}
                 boundary = max(serves, default=0)
             else:  # BLOCK_GROUPS (DeepSeek V4's compressed pools): not stored
-                self.warnings.warn(f"policy_{name}", "HiCache pool %r asks hit policy %s, "
-                                   "which kvbroker does not serve: a miss", name,
-                                   transfer.hit_policy)  # fmt: skip
+                self.warnings.warn(
+                    f"policy_{name}",
+                    "HiCache pool %r asks hit policy %s, which kvbroker does not serve: a miss",
+                    name,
+                    transfer.hit_policy,
+                )
                 restorable = []
                 break
             if boundary:
@@ -315,8 +398,11 @@ class KVBrokerStorage(HiCacheStorage):
         try:
             return self._move(transfer, keys, extra_info, write=write)
         except Exception:  # noqa: BLE001 - an exception would end SGLang's backup thread
-            log.exception("kvbroker: HiCache %s of pool %r failed; served as a miss",
-                          "set" if write else "get", str(transfer.name))  # fmt: skip
+            log.exception(
+                "kvbroker: HiCache %s of pool %r failed; served as a miss",
+                "set" if write else "get",
+                str(transfer.name),
+            )
             return [False] * len(keys)
 
     def _move(self, transfer, keys: list[str], extra_info, *, write: bool) -> list[bool]:
@@ -359,8 +445,9 @@ class KVBrokerStorage(HiCacheStorage):
     def set(self, key: str, value=None, target_location=None, target_sizes=None) -> bool:
         return self.batch_set([key], [value])
 
-    def batch_set(self, keys: list[str], values=None, target_locations=None,
-                  target_sizes=None) -> bool:  # fmt: skip
+    def batch_set(
+        self, keys: list[str], values=None, target_locations=None, target_sizes=None
+    ) -> bool:
         if not keys:
             return True
         store = self._store()
@@ -419,4 +506,3 @@ class KVBrokerStorage(HiCacheStorage):
 
     def __repr__(self) -> str:
         return f"KVBrokerStorage(namespace={self.namespace!r})"
-

@@ -189,23 +189,40 @@ def publish_cache(
     for (kname, vname), layer in zip(names, layers, strict=True):
         tensors[kname], tensors[vname] = layer.keys, layer.values
     sizes = {name: t.numel() * t.element_size() for name, t in tensors.items()}
-    if gpu is not None and all(t.is_cuda and n for t, n in zip(tensors.values(), sizes.values(), strict=True)):
+    if gpu is not None and all(
+        t.is_cuda and n for t, n in zip(tensors.values(), sizes.values(), strict=True)
+    ):
         # DMA into the pool and the checksums computed on the GPU beside it (GpuClient.publish):
         # the seal does not hash 2 GiB on one CPU core. A strided layer is made contiguous on
         # the device first (device memory; the host still sees each byte once).
-        if not gpu.publish(request, {n: t.contiguous() for n, t in tensors.items()},
-                           namespace=namespace, meta=meta, replace=replace, ttl=ttl,
-                           consumers=consumers):  # fmt: skip
+        if not gpu.publish(
+            request,
+            {n: t.contiguous() for n, t in tensors.items()},
+            namespace=namespace,
+            meta=meta,
+            replace=replace,
+            ttl=ttl,
+            consumers=consumers,
+        ):
             raise Exists(f"{namespace}/{request} is already published")
-        return PublishedCache(request, layers[0].seen, sum(sizes.values()),
-                              time.perf_counter() - started)  # fmt: skip
-    with client.reserve(request, sizes, namespace=namespace, meta=meta, replace=replace, ttl=ttl,
-                        consumers=consumers) as lease:  # fmt: skip
+        return PublishedCache(
+            request, layers[0].seen, sum(sizes.values()), time.perf_counter() - started
+        )
+    with client.reserve(
+        request,
+        sizes,
+        namespace=namespace,
+        meta=meta,
+        replace=replace,
+        ttl=ttl,
+        consumers=consumers,
+    ) as lease:
         for name, t in tensors.items():
             if sizes[name]:
                 copy_into(lease[name], _copy_source(t))  # strided or CUDA: still one pass
-    return PublishedCache(request, layers[0].seen, sum(sizes.values()),
-                          time.perf_counter() - started)  # fmt: skip
+    return PublishedCache(
+        request, layers[0].seen, sum(sizes.values()), time.perf_counter() - started
+    )
 
 
 def _gpu_of(client: Any):
@@ -260,28 +277,34 @@ def claim_cache(
     local, config = _local_spec(model, config, dtype)
     cuda = device is not None and torch.device(device).type == "cuda"
     if overlap and not (gpu is not None and cuda):
-        raise BadRequest("claim_cache(overlap=True) needs a CUDA device and a kvbroker.gpu."
-                         "GpuClient (its DMA lands while the model computes)")  # fmt: skip
+        raise BadRequest(
+            "claim_cache(overlap=True) needs a CUDA device and a kvbroker.gpu."
+            "GpuClient (its DMA lands while the model computes)"
+        )
     overlapping = overlap is not False and gpu is not None and cuda
     lease = client.claim(request, namespace=namespace, select=kv_select_regex(), wait=wait)
     landed = None
     try:
         meta = lease.meta
         if not isinstance(meta, dict) or meta.get(META_TAG) != 1:
-            raise LayoutMismatch(f"{request!r} was not published by {__name__} (no model facts "
-                                 "in its meta)")  # fmt: skip
+            raise LayoutMismatch(
+                f"{request!r} was not published by {__name__} (no model facts in its meta)"
+            )
         published = KVSpec.from_meta(meta)
         local.check_published(published, request)
         extra = meta.get("extra") or {}
         if not isinstance(extra, Mapping):
-            raise LayoutMismatch(f"{request!r}: its meta's extra is a {type(extra).__name__}, "
-                                 "not the mapping publish_cache records")  # fmt: skip
+            raise LayoutMismatch(
+                f"{request!r}: its meta's extra is a {type(extra).__name__}, "
+                "not the mapping publish_cache records"
+            )
         batch, heads, dim = int(meta["batch"]), local.num_kv_heads, local.head_dim
         dt = _torch_dtype(local.dtype)
         kvs, groups, nbytes = [], [], 0
         for i, (kname, vname) in enumerate(_buffer_names(local.num_layers)):
-            both = torch.empty((2, batch, heads, int(meta["layer_tokens"][i]), dim), dtype=dt,
-                               device=device)  # fmt: skip
+            both = torch.empty(
+                (2, batch, heads, int(meta["layer_tokens"][i]), dim), dtype=dt, device=device
+            )
             for c, name in enumerate((kname, vname)):
                 if name not in lease:
                     raise LayoutMismatch(f"layout mismatch on buffers: {request!r} has no {name}")
@@ -308,8 +331,11 @@ def claim_cache(
             # lease once they have landed; a claim that raised counts no consume, unless the
             # finisher counted it already.
             if not landed.cancel_after() and consume:
-                log.warning("claim_cache of %r was interrupted after its copies had landed: "
-                            "its consume was counted", request)  # fmt: skip
+                log.warning(
+                    "claim_cache of %r was interrupted after its copies had landed: "
+                    "its consume was counted",
+                    request,
+                )
             raise
         try:
             lease.release(consume=False)
@@ -350,19 +376,29 @@ def publish_tp_shard(
     if k0.shape[0] != 1:
         raise BadRequest(f"a TP shard holds one request: batch must be 1, not {k0.shape[0]}")
     if any(layer.stored != layer.seen for layer in layers):
-        raise BadRequest("a TP shard needs full-attention layers (a sliding-window layer has "
-                         "dropped tokens); publish it with publish_cache")  # fmt: skip
+        raise BadRequest(
+            "a TP shard needs full-attention layers (a sliding-window layer has "
+            "dropped tokens); publish it with publish_cache"
+        )
     torch = _torch()
-    staged = torch.empty((len(layers), 2, 1, k0.shape[1], k0.shape[2], k0.shape[3]),
-                         dtype=k0.dtype)  # fmt: skip
+    staged = torch.empty((len(layers), 2, 1, k0.shape[1], k0.shape[2], k0.shape[3]), dtype=k0.dtype)
     for i, layer in enumerate(layers):
         _np_copyto(_ints(staged[i, 0]).numpy(), _copy_source(layer.keys.cpu()))
         _np_copyto(_ints(staged[i, 1]).numpy(), _copy_source(layer.values.cpu()))
     return publish_shard(
-        client, request, PagedKV(staged, _STAGED_AXES), [0], layers[0].seen, tp_rank=tp_rank,
-        tp_size=tp_size, total_kv_heads=total_kv_heads, decode_tp_size=decode_tp_size,
-        namespace=namespace, ttl=ttl, replace=replace,
-    )  # fmt: skip
+        client,
+        request,
+        PagedKV(staged, _STAGED_AXES),
+        [0],
+        layers[0].seen,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        total_kv_heads=total_kv_heads,
+        decode_tp_size=decode_tp_size,
+        namespace=namespace,
+        ttl=ttl,
+        replace=replace,
+    )
 
 
 def claim_tp_shard(
@@ -393,24 +429,40 @@ def claim_tp_shard(
     mine = shard_heads(tp_rank, tp_size, spec.num_kv_heads)
     if num_tokens is None:
         first = claim_plan(spec.num_kv_heads, prefill_tp_size, tp_size, tp_rank)[0].prefill_rank
-        with client.claim(shard_key(request, first, prefill_tp_size), namespace=namespace,
-                          select=SELECT_NOTHING, wait=wait) as peek:  # fmt: skip
+        with client.claim(
+            shard_key(request, first, prefill_tp_size),
+            namespace=namespace,
+            select=SELECT_NOTHING,
+            wait=wait,
+        ) as peek:
             if not isinstance(peek.meta, dict) or "num_tokens" not in peek.meta:
                 raise LayoutMismatch(f"{request!r}: shard meta has no num_tokens")
             num_tokens = int(peek.meta["num_tokens"])
-    staged = torch.empty((spec.num_layers, 2, 1, len(mine), num_tokens, spec.head_dim),
-                         dtype=_torch_dtype(spec.dtype))  # fmt: skip
+    staged = torch.empty(
+        (spec.num_layers, 2, 1, len(mine), num_tokens, spec.head_dim),
+        dtype=_torch_dtype(spec.dtype),
+    )
     result = claim_shards(
-        client, request, PagedKV(staged, _STAGED_AXES), [0], tp_rank=tp_rank, tp_size=tp_size,
-        prefill_tp_size=prefill_tp_size, total_kv_heads=spec.num_kv_heads,
-        num_tokens=num_tokens, namespace=namespace, wait=wait, consume=consume,
-    )  # fmt: skip
+        client,
+        request,
+        PagedKV(staged, _STAGED_AXES),
+        [0],
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        prefill_tp_size=prefill_tp_size,
+        total_kv_heads=spec.num_kv_heads,
+        num_tokens=num_tokens,
+        namespace=namespace,
+        wait=wait,
+        consume=consume,
+    )
     if device is not None and torch.device(device).type != "cpu":
         staged = staged.to(device)
     kvs = [(staged[i, 0], staged[i, 1]) for i in range(spec.num_layers)]  # [1, heads, seq, dim]
     rebuilt = _build_cache(config, kvs, num_tokens)
-    return ClaimedCache(rebuilt, num_tokens, spec, {}, result.nbytes,
-                        time.perf_counter() - started, result)  # fmt: skip
+    return ClaimedCache(
+        rebuilt, num_tokens, spec, {}, result.nbytes, time.perf_counter() - started, result
+    )
 
 
 def head_shard(cache: Any, tp_rank: int, tp_size: int, *, config: Any = None):
@@ -419,8 +471,10 @@ def head_shard(cache: Any, tp_rank: int, tp_size: int, *, config: Any = None):
     layers = _read_layers(cache)
     total = layers[0].keys.shape[1]
     heads = shard_heads(tp_rank, tp_size, total)
-    kvs = [(layer.keys[:, heads.start : heads.stop], layer.values[:, heads.start : heads.stop])
-           for layer in layers]  # fmt: skip
+    kvs = [
+        (layer.keys[:, heads.start : heads.stop], layer.values[:, heads.start : heads.stop])
+        for layer in layers
+    ]
     return _build_cache(config, kvs, layers[0].seen)
 
 
@@ -459,8 +513,9 @@ def _check_prefix_cache(layers: list[_Layer]) -> None:
             f"prefix blocks come from one sequence: batch must be 1, not {k0.shape[0]}"
         )
     if any(layer.stored != layer.seen for layer in layers):
-        raise BadRequest("prefix blocks need full-attention layers (a sliding-window layer has "
-                         "dropped tokens)")  # fmt: skip
+        raise BadRequest(
+            "prefix blocks need full-attention layers (a sliding-window layer has dropped tokens)"
+        )
 
 
 def publish_prefix(
@@ -514,22 +569,25 @@ def claim_prefix(
     with prefix_cache.match(token_ids) as m:
         total = m.num_tokens
         if total == 0:
-            return ClaimedCache(_empty_cache(config), 0, spec, {}, 0,
-                                time.perf_counter() - started)  # fmt: skip
+            return ClaimedCache(_empty_cache(config), 0, spec, {}, 0, time.perf_counter() - started)
         meta = m.meta
         if not isinstance(meta, dict) or meta.get(META_TAG) != 1:
-            raise LayoutMismatch("the matched prefix blocks were not published by "
-                                 f"{__name__} (no model facts in their meta)")  # fmt: skip
+            raise LayoutMismatch(
+                "the matched prefix blocks were not published by "
+                f"{__name__} (no model facts in their meta)"
+            )
         spec.check_published(KVSpec.from_meta(meta), f"prefix namespace {prefix_cache.namespace!r}")
         if meta.get("block_size") != bs:
-            raise LayoutMismatch(f"layout mismatch on block size: published "
-                                 f"{meta.get('block_size')}, local {bs}")  # fmt: skip
+            raise LayoutMismatch(
+                f"layout mismatch on block size: published {meta.get('block_size')}, local {bs}"
+            )
         names = _buffer_names(spec.num_layers)
         dt = _torch_dtype(spec.dtype)
         kvs = []
         for _ in names:
-            both = torch.empty((2, 1, spec.num_kv_heads, total, spec.head_dim), dtype=dt,
-                               device=device)  # fmt: skip
+            both = torch.empty(
+                (2, 1, spec.num_kv_heads, total, spec.head_dim), dtype=dt, device=device
+            )
             kvs.append((both[0], both[1]))
         for b, blk in enumerate(m.blocks):
             span = slice(b * bs, (b + 1) * bs)
@@ -537,8 +595,9 @@ def claim_prefix(
                 _copy_from_pool(k[0, :, span], blk[kname])
                 _copy_from_pool(v[0, :, span], blk[vname])
                 nbytes += 2 * blk[kname].nbytes
-    return ClaimedCache(_build_cache(config, kvs, total), total, spec, {}, nbytes,
-                        time.perf_counter() - started)  # fmt: skip
+    return ClaimedCache(
+        _build_cache(config, kvs, total), total, spec, {}, nbytes, time.perf_counter() - started
+    )
 
 
 def _empty_cache(config: Any):

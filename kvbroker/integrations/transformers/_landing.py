@@ -91,8 +91,11 @@ class _LandingLayer:
 def _landing_class(kind: type) -> type:
     cls = _classes.get(kind)
     if cls is None:
-        members = {k: v for k, v in vars(_LandingLayer).items()
-                   if k not in ("__dict__", "__weakref__", "__doc__")}  # fmt: skip
+        members = {
+            k: v
+            for k, v in vars(_LandingLayer).items()
+            if k not in ("__dict__", "__weakref__", "__doc__")
+        }
         members.update(__module__=__name__, __qualname__=kind.__qualname__)
         cls = _classes[kind] = type(kind.__name__, (kind,), members)
         _bases[cls] = kind

@@ -15,8 +15,13 @@ from ...errors import BadRequest, LayoutMismatch
 from ...layout import itemsize_of
 from ._landing import settle
 
-_DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32",
-                  "float": "float32"}  # fmt: skip
+_DTYPE_ALIASES = {
+    "bf16": "bfloat16",
+    "fp16": "float16",
+    "half": "float16",
+    "fp32": "float32",
+    "float": "float32",
+}
 
 
 def _torch():
@@ -153,8 +158,13 @@ class KVSpec:
             dtype = getattr(text, "dtype", None) or getattr(text, "torch_dtype", None)
             if dtype is None:
                 raise BadRequest("KVSpec.from_config: the config names no dtype; pass dtype=")
-        return cls(layers, kv_heads, head_dim, _dtype_name(dtype),
-                   str(getattr(text, "model_type", "") or ""))  # fmt: skip
+        return cls(
+            layers,
+            kv_heads,
+            head_dim,
+            _dtype_name(dtype),
+            str(getattr(text, "model_type", "") or ""),
+        )
 
     @classmethod
     def from_model(cls, model: Any) -> KVSpec:
@@ -162,19 +172,31 @@ class KVSpec:
 
     def to_meta(self) -> dict[str, Any]:
         return {
-            "num_layers": self.num_layers, "num_kv_heads": self.num_kv_heads,
-            "head_dim": self.head_dim, "dtype": self.dtype, "model_type": self.model_type,
-        }  # fmt: skip
+            "num_layers": self.num_layers,
+            "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "dtype": self.dtype,
+            "model_type": self.model_type,
+        }
 
     @classmethod
     def from_meta(cls, meta: Mapping[str, Any]) -> KVSpec:
-        return cls(int(meta["num_layers"]), int(meta["num_kv_heads"]), int(meta["head_dim"]),
-                   str(meta["dtype"]), str(meta.get("model_type", "")))  # fmt: skip
+        return cls(
+            int(meta["num_layers"]),
+            int(meta["num_kv_heads"]),
+            int(meta["head_dim"]),
+            str(meta["dtype"]),
+            str(meta.get("model_type", "")),
+        )
 
     def check_published(self, published: KVSpec, what: str) -> None:
         """Raise LayoutMismatch naming the first fact where ``published`` differs from self."""
-        for label, attr in (("layers", "num_layers"), ("KV heads", "num_kv_heads"),
-                            ("head_dim", "head_dim"), ("dtype", "dtype")):  # fmt: skip
+        for label, attr in (
+            ("layers", "num_layers"),
+            ("KV heads", "num_kv_heads"),
+            ("head_dim", "head_dim"),
+            ("dtype", "dtype"),
+        ):
             theirs, mine = getattr(published, attr), getattr(self, attr)
             if theirs != mine:
                 model = published.model_type and f", published by a {published.model_type!r} model"
@@ -222,8 +244,11 @@ def _read_layers(cache: Any) -> list[_Layer]:
             if not layer.is_initialized or layer.keys is None or layer.keys.numel() == 0:
                 raise BadRequest(f"layer {i} of the cache is empty: run the prefill first")
             seen = getattr(layer, "cumulative_length", None)
-            layers.append(_Layer(layer.keys, layer.values,
-                                 layer.keys.shape[-2] if seen is None else int(seen)))  # fmt: skip
+            layers.append(
+                _Layer(
+                    layer.keys, layer.values, layer.keys.shape[-2] if seen is None else int(seen)
+                )
+            )
     else:
         for pair in cache:
             k, v = pair[0], pair[1]
@@ -239,8 +264,11 @@ def _read_layers(cache: Any) -> list[_Layer]:
                 "[batch, kv_heads, seq, head_dim]"
             )
         f = first.keys
-        if (k.dtype, k.shape[:2], k.shape[3]) != (f.dtype, f.shape[:2], f.shape[3]) \
-                or v.dtype != k.dtype:  # fmt: skip
+        if (k.dtype, k.shape[:2], k.shape[3]) != (
+            f.dtype,
+            f.shape[:2],
+            f.shape[3],
+        ) or v.dtype != k.dtype:
             raise BadRequest(
                 f"layer {i} is {k.dtype} {tuple(k.shape)}, layer 0 is {first.keys.dtype} "
                 f"{tuple(first.keys.shape)}: every layer must share dtype, batch, heads, head_dim"
@@ -258,8 +286,11 @@ def _spec_of(layers: list[_Layer], config: Any) -> KVSpec:
         # The cache must be the config's: catches a config from another model at publish time.
         said = KVSpec.from_config(config, k.dtype)
         model_type = said.model_type
-        for label, attr in (("layers", "num_layers"), ("KV heads", "num_kv_heads"),
-                            ("head_dim", "head_dim")):  # fmt: skip
+        for label, attr in (
+            ("layers", "num_layers"),
+            ("KV heads", "num_kv_heads"),
+            ("head_dim", "head_dim"),
+        ):
             if getattr(mine, attr) != getattr(said, attr):
                 raise LayoutMismatch(
                     f"layout mismatch on {label}: the cache has {getattr(mine, attr)}, its "
@@ -285,8 +316,10 @@ def _build_cache(config: Any, kvs: Sequence[tuple[Any, Any]], seq_len: int):
     for i, (layer, (k, v)) in enumerate(zip(cache.layers, kvs, strict=True)):
         kind = type(layer)
         if kind not in (DynamicLayer, DynamicSlidingWindowLayer):
-            raise BadRequest(f"the local config makes layer {i} a {kind.__name__}, which this "
-                             "adapter cannot fill")  # fmt: skip
+            raise BadRequest(
+                f"the local config makes layer {i} a {kind.__name__}, which this "
+                "adapter cannot fill"
+            )
         stored = k.shape[-2]
         if kind is DynamicLayer and stored != seq_len:
             raise LayoutMismatch(

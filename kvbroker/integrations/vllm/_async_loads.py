@@ -60,8 +60,9 @@ class AsyncLoads:
     def _new_pool(self) -> ThreadPoolExecutor:
         # One thread: the loads share the host's copy bandwidth and the DMA engines anyway,
         # and one at a time they finish in the order vLLM parked their requests.
-        return ThreadPoolExecutor(1, thread_name_prefix="kvbroker-load",
-                                  initializer=self._initializer)  # fmt: skip
+        return ThreadPoolExecutor(
+            1, thread_name_prefix="kvbroker-load", initializer=self._initializer
+        )
 
     def submit(self, spec: Any, client: Any, fn: Callable[..., Any], *args: Any) -> None:
         """Run ``fn(*args)`` for ``spec`` after the loads submitted before it. A thread that

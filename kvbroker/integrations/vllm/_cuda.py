@@ -90,9 +90,18 @@ def _side_stream(torch, cache, stream):
     return stream
 
 
-def save_cuda(client, namespace: str, fmt: BlockFormat | blocks.StateFormat, cache,
-              items: Sequence[SaveItem], *, stream=None, copier=None,
-              staging_bytes: int = STAGING_BYTES, checksums: bool = True) -> tuple[int, int]:  # fmt: skip
+def save_cuda(
+    client,
+    namespace: str,
+    fmt: BlockFormat | blocks.StateFormat,
+    cache,
+    items: Sequence[SaveItem],
+    *,
+    stream=None,
+    copier=None,
+    staging_bytes: int = STAGING_BYTES,
+    checksums: bool = True,
+) -> tuple[int, int]:
     """Publish ``items`` from ``cache``: attention blocks from a ``(layer, kv, block, token,
     head, head_dim)`` view (:func:`._paged.cuda_cache`), or a state group's pages from its
     :class:`._state.StatePages` (``fmt`` a StateFormat; items without parents). Returns
@@ -121,8 +130,12 @@ def save_cuda(client, namespace: str, fmt: BlockFormat | blocks.StateFormat, cac
     def ask_up_to(k: int) -> None:
         while len(asked) < min(k + 1, len(parts)):
             part = parts[len(asked)]
-            asked.append(blocks.reserve_later(client, namespace, _requests(fmt, part), buffers,
-                                              meta, retain=part[0].retain))  # fmt: skip
+            asked.append(
+                blocks.reserve_later(
+                    client, namespace, _requests(fmt, part), buffers, meta, retain=part[0].retain
+                )
+            )
+
     unsealed: list[int] = []  # reserved, not known sealed: aborted if anything fails
     sealing: list[tuple] = []  # (pending seal_many, its leases)
     copying: collections.deque = collections.deque()  # (DMA done event or None, leases)
@@ -142,12 +155,20 @@ def save_cuda(client, namespace: str, fmt: BlockFormat | blocks.StateFormat, cac
             new += len(leases)
             if leases:
                 if staging is None:
-                    staging = torch.empty((2, min(chunk, len(items)), *block_shape),
-                                          dtype=staging_dtype, device=cache.device)  # fmt: skip
+                    staging = torch.empty(
+                        (2, min(chunk, len(items)), *block_shape),
+                        dtype=staging_dtype,
+                        device=cache.device,
+                    )
                 half = staging[k % 2][: len(leases)]
                 chosen = [it.block_id for it, ls in zip(part, res.leases, strict=True) if ls]
-                runs = res.runs([fmt.packed], per_block, _map_pools(client, bases, res.rows),
-                                half.data_ptr(), per_block)  # fmt: skip
+                runs = res.runs(
+                    [fmt.packed],
+                    per_block,
+                    _map_pools(client, bases, res.rows),
+                    half.data_ptr(),
+                    per_block,
+                )
                 done = None
                 if cuda:
                     with torch.cuda.stream(gather):
@@ -256,9 +277,19 @@ def _forget(unsealed: list[int], sealed: list[int]) -> None:
     unsealed[:] = [lease for lease in unsealed if lease not in done]
 
 
-def load_cuda(client, namespace: str, fmt: BlockFormat, cache, hashes: Sequence[str],
-              block_ids: Sequence[int], peer_tp_sizes: Sequence[int] = (), *, stream=None,
-              copier=None, staging_bytes: int = STAGING_BYTES) -> int:  # fmt: skip
+def load_cuda(
+    client,
+    namespace: str,
+    fmt: BlockFormat,
+    cache,
+    hashes: Sequence[str],
+    block_ids: Sequence[int],
+    peer_tp_sizes: Sequence[int] = (),
+    *,
+    stream=None,
+    copier=None,
+    staging_bytes: int = STAGING_BYTES,
+) -> int:
     """Load the leading blocks of ``hashes`` the node holds into ``cache`` at ``block_ids``;
     returns how many (this rank's heads, resharded from the publisher's TP layout)."""
     import numpy as np
@@ -282,13 +313,13 @@ def load_cuda(client, namespace: str, fmt: BlockFormat, cache, hashes: Sequence[
         if isinstance(rows, list):  # the keys' buffers differ (both block forms in one
             # chain): every block as its named buffers, a packed one's cut in its order
             read = fmt.flat_names
-            rows = np.asarray([_named_row(r, read, per_block) for r in rows[: n * shards]],
-                              dtype=np.int64)  # fmt: skip
+            rows = np.asarray(
+                [_named_row(r, read, per_block) for r in rows[: n * shards]], dtype=np.int64
+            )
             names = read
         rows = rows[: n * shards]
         nbytes = per_block // len(read)
-        pieces = [(m.ranks.index(p.prefill_rank), p.src_head, p.count, p.dst_head)
-                  for p in m.plan]  # fmt: skip
+        pieces = [(m.ranks.index(p.prefill_rank), p.src_head, p.count, p.dst_head) for p in m.plan]
         bases = _map_pools(client, {}, rows)
         caller = torch.cuda.current_stream(cache.device) if cuda else None
         dma = _side_stream(torch, cache, stream)
@@ -297,18 +328,29 @@ def load_cuda(client, namespace: str, fmt: BlockFormat, cache, hashes: Sequence[
         if cuda:
             scatter.wait_stream(caller)  # do not overwrite blocks the engine still reads
         chunk = max(1, staging_bytes // (2 * per_block * shards))
-        staging = torch.empty((2, min(chunk, n), shards, L, C, hs, N, D), dtype=cache.dtype,
-                              device=cache.device)  # fmt: skip
+        staging = torch.empty(
+            (2, min(chunk, n), shards, L, C, hs, N, D), dtype=cache.dtype, device=cache.device
+        )
         with torch.cuda.stream(scatter) if cuda else contextlib.nullcontext():
-            ids_all = (_ids_on(torch, list(block_ids[:n]), cache.device) if cuda
-                       else torch.tensor(list(block_ids[:n])))  # fmt: skip
+            ids_all = (
+                _ids_on(torch, list(block_ids[:n]), cache.device)
+                if cuda
+                else torch.tensor(list(block_ids[:n]))
+            )
         free_again: list = [None, None]  # per half: the event its last scatter ends at
         try:
             for k, at in enumerate(range(0, n, chunk)):
                 count = min(chunk, n - at)
                 half = staging[k % 2][:count]
-                runs = blocks.pool_runs(rows[at * shards : (at + count) * shards], names, read,
-                                        nbytes, bases, half.data_ptr(), per_block)  # fmt: skip
+                runs = blocks.pool_runs(
+                    rows[at * shards : (at + count) * shards],
+                    names,
+                    read,
+                    nbytes,
+                    bases,
+                    half.data_ptr(),
+                    per_block,
+                )
                 if cuda and free_again[k % 2] is not None:  # the scatter that read this half ran
                     dma.wait_event(free_again[k % 2])
                 copier([(stage, pool, size) for pool, stage, size in runs], dma)
@@ -332,9 +374,17 @@ def load_cuda(client, namespace: str, fmt: BlockFormat, cache, hashes: Sequence[
     return n
 
 
-def load_state_cuda(client, namespace: str, fmt: blocks.StateFormat, pages: StatePages,
-                    keys: Sequence[str], block_ids: Sequence[int], *, stream=None,
-                    copier=None) -> int:  # fmt: skip
+def load_state_cuda(
+    client,
+    namespace: str,
+    fmt: blocks.StateFormat,
+    pages: StatePages,
+    keys: Sequence[str],
+    block_ids: Sequence[int],
+    *,
+    stream=None,
+    copier=None,
+) -> int:
     """Load the leading state pages of ``keys`` (group keys) the node holds into engine blocks
     ``block_ids`` of ``pages``, each whole: one DMA of the matched pages into device staging,
     then one scatter per state tensor, queued after the engine's pending work and
@@ -353,18 +403,29 @@ def load_state_cuda(client, namespace: str, fmt: blocks.StateFormat, pages: Stat
         rows = rows[:n]
         per_page = fmt.block_nbytes
         if pages.page_nbytes != per_page:
-            raise LayoutMismatch(f"the engine's state pages hold {pages.page_nbytes} bytes, "
-                                 f"the format {per_page}")  # fmt: skip
+            raise LayoutMismatch(
+                f"the engine's state pages hold {pages.page_nbytes} bytes, the format {per_page}"
+            )
         caller = torch.cuda.current_stream(pages.device) if cuda else None
         dma = _side_stream(torch, pages, stream)  # after the engine's reads of these pages
         staging = torch.empty((n, per_page), dtype=torch.uint8, device=pages.device)
-        runs = blocks.pool_runs(rows, names, [fmt.packed], per_page,
-                                _map_pools(client, {}, rows), staging.data_ptr(), per_page)
+        runs = blocks.pool_runs(
+            rows,
+            names,
+            [fmt.packed],
+            per_page,
+            _map_pools(client, {}, rows),
+            staging.data_ptr(),
+            per_page,
+        )
         try:
             copier([(stage, pool, size) for pool, stage, size in runs], dma)
             with torch.cuda.stream(dma) if cuda else contextlib.nullcontext():
-                ids = (_ids_on(torch, list(block_ids[:n]), pages.device) if cuda
-                       else torch.tensor(list(block_ids[:n])))  # fmt: skip
+                ids = (
+                    _ids_on(torch, list(block_ids[:n]), pages.device)
+                    if cuda
+                    else torch.tensor(list(block_ids[:n]))
+                )
                 pages.scatter(ids, staging)  # after the DMA: the same stream
         finally:
             if cuda:  # also when it failed: the lease and the staging outlive the copies
@@ -383,8 +444,9 @@ def _named_row(extents: dict, names: list[str], per_block: int) -> list[int]:
     if whole is not None:
         pool, offset, size = whole
         if size != per_block:
-            raise LayoutMismatch(f"layout mismatch on buffer size of {PACKED}: {size} bytes, "
-                                 f"{per_block} expected")  # fmt: skip
+            raise LayoutMismatch(
+                f"layout mismatch on buffer size of {PACKED}: {size} bytes, {per_block} expected"
+            )
         return [pool] + [v for i in range(len(names)) for v in (offset + i * nbytes, nbytes)]
     missing = [x for x in names if x not in extents]
     if missing:

@@ -43,12 +43,28 @@ FORMAT_VERSION = 2  # 2: one packed buffer per block
 PACKED = PACKED_KV  # the one buffer of a block
 
 
-def namespace_for(model: str, *, dtype: str, block_size: int, num_layers: int,
-                  total_kv_heads: int | None, head_size: int, latent: bool,
-                  prefix: str = "vllm") -> str:  # fmt: skip
+def namespace_for(
+    model: str,
+    *,
+    dtype: str,
+    block_size: int,
+    num_layers: int,
+    total_kv_heads: int | None,
+    head_size: int,
+    latent: bool,
+    prefix: str = "vllm",
+) -> str:
     """The broker namespace of a model's blocks in one cache layout."""
-    facts = [FORMAT_VERSION, model, dtype, block_size, num_layers,
-             None if latent else total_kv_heads, head_size, bool(latent)]  # fmt: skip
+    facts = [
+        FORMAT_VERSION,
+        model,
+        dtype,
+        block_size,
+        num_layers,
+        None if latent else total_kv_heads,
+        head_size,
+        bool(latent),
+    ]
     fingerprint = hashlib.blake2b(json.dumps(facts).encode(), digest_size=8).hexdigest()
     name = re.sub(r"[^A-Za-z0-9._-]+", "_", model.rstrip("/").rsplit("/", 1)[-1])[:48] or "model"
     return f"{prefix}/{name}-{fingerprint}"
@@ -87,8 +103,9 @@ class PromptKeys:
         return min(num_blocks * self.block_size, max(0, self.num_tokens - 1))
 
 
-def prompt_keys(tokens: Sequence[int], block_size: int, *, namespace: str,
-                cache_salt: str) -> PromptKeys:  # fmt: skip
+def prompt_keys(
+    tokens: Sequence[int], block_size: int, *, namespace: str, cache_salt: str
+) -> PromptKeys:
     """Hashes of every full block of ``tokens`` and, when ``n - 1`` tokens end inside a
     block, the tail key of that block."""
     n = len(tokens)
@@ -96,8 +113,12 @@ def prompt_keys(tokens: Sequence[int], block_size: int, *, namespace: str,
     k = n // block_size
     tail = None
     if n > 1 and (n - 1) % block_size and n % block_size:
-        tail = tail_hash(hashes[-1] if hashes else None, tokens[k * block_size : n - 1],
-                         namespace=namespace, cache_salt=cache_salt)  # fmt: skip
+        tail = tail_hash(
+            hashes[-1] if hashes else None,
+            tokens[k * block_size : n - 1],
+            namespace=namespace,
+            cache_salt=cache_salt,
+        )
     return PromptKeys(n, block_size, hashes, tail)
 
 

@@ -47,8 +47,17 @@ from kvbroker.errors import LayoutMismatch
 
 from ._format import FORMAT_VERSION
 
-__all__ = ["FULL", "SLIDING", "STATE", "Group", "alignment", "check_peer_layouts", "groups_of",
-           "hybrid_namespace", "state_splits"]  # fmt: skip
+__all__ = [
+    "FULL",
+    "SLIDING",
+    "STATE",
+    "Group",
+    "alignment",
+    "check_peer_layouts",
+    "groups_of",
+    "hybrid_namespace",
+    "state_splits",
+]
 
 FULL, SLIDING, STATE = "full", "sliding", "state"
 
@@ -105,16 +114,24 @@ class Group:
         if tp_size == self.tp_size:
             return self.state_shapes
         if not self.reshardable:
-            raise LayoutMismatch(f"the state of group {self.index} cannot be resharded between "
-                                 f"TP {self.tp_size} and TP {tp_size}")  # fmt: skip
+            raise LayoutMismatch(
+                f"the state of group {self.index} cannot be resharded between "
+                f"TP {self.tp_size} and TP {tp_size}"
+            )
         out = []
         for shape, (axis, segments) in zip(self.state_shapes, self.state_splits, strict=True):
             if any(units % tp_size for units, _ in segments):
-                raise LayoutMismatch(f"group {self.index}: state blocks of "
-                                     f"{[units for units, _ in segments]} heads or groups do "
-                                     f"not split over TP {tp_size}")  # fmt: skip
-            out.append(tuple(sum(u // tp_size * w for u, w in segments) if i == axis else n
-                             for i, n in enumerate(shape)))  # fmt: skip
+                raise LayoutMismatch(
+                    f"group {self.index}: state blocks of "
+                    f"{[units for units, _ in segments]} heads or groups do "
+                    f"not split over TP {tp_size}"
+                )
+            out.append(
+                tuple(
+                    sum(u // tp_size * w for u, w in segments) if i == axis else n
+                    for i, n in enumerate(shape)
+                )
+            )
         return tuple(out)
 
     def facts(self) -> list:
@@ -124,9 +141,18 @@ class Group:
         shapes, page = self.state_shapes, self.page_nbytes
         if self.kind == STATE and self.reshardable:
             shapes, page = self.shapes_for(1), 0
-        return [self.kind, self.block_size, len(self.layer_names), self.dtype, self.num_kv_heads,
-                self.head_size, self.window, [list(s) for s in shapes],
-                list(self.state_dtypes), page]  # fmt: skip
+        return [
+            self.kind,
+            self.block_size,
+            len(self.layer_names),
+            self.dtype,
+            self.num_kv_heads,
+            self.head_size,
+            self.window,
+            [list(s) for s in shapes],
+            list(self.state_dtypes),
+            page,
+        ]
 
 
 def _dtype(d: Any) -> str:
@@ -204,11 +230,18 @@ def check_peer_layouts(groups: Sequence[Group], peer_tp_sizes: Sequence[int]) ->
                     "a Mamba / linear-attention state per TP rank; kvbroker reshards GDN, "
                     "Mamba2 (groups divisible by the TP size) and Mamba1 states, read from the "
                     "model's config; this group's state is read only by an engine of the same "
-                    "TP size") from None  # fmt: skip
+                    "TP size"
+                ) from None
 
 
-def groups_of(kv_cache_config: Any, *, tp_size: int = 1, total_kv_heads: int = 0,
-              use_mla: bool = False, hf_config: Any = None) -> list[Group]:  # fmt: skip
+def groups_of(
+    kv_cache_config: Any,
+    *,
+    tp_size: int = 1,
+    total_kv_heads: int = 0,
+    use_mla: bool = False,
+    hf_config: Any = None,
+) -> list[Group]:
     """The groups of vLLM's ``KVCacheConfig``; raises ValueError for a kind of group the
     connector cannot store. ``total_kv_heads``: the model's, for the attention groups under
     TP (a group's spec counts one rank's heads); ``hf_config``: the model's (text) config,
@@ -222,37 +255,78 @@ def groups_of(kv_cache_config: Any, *, tp_size: int = 1, total_kv_heads: int = 0
         heads = getattr(spec, "num_kv_heads", 0) if tp_size == 1 else total_kv_heads
         names = tuple(g.layer_names)
         if kind in ("FullAttentionSpec", "MLAAttentionSpec"):
-            out.append(Group(i, FULL, spec.block_size, names, _dtype(spec.dtype), heads,
-                             spec.head_size, tp_size=tp_size))  # fmt: skip
+            out.append(
+                Group(
+                    i,
+                    FULL,
+                    spec.block_size,
+                    names,
+                    _dtype(spec.dtype),
+                    heads,
+                    spec.head_size,
+                    tp_size=tp_size,
+                )
+            )
         elif kind == "SlidingWindowSpec":
             if getattr(spec, "extra_retained_tokens", 0):
-                raise ValueError("KVBrokerConnector does not serve sliding-window groups that "
-                                 "retain extra tokens (multi-module speculative decoding)")
-            out.append(Group(i, SLIDING, spec.block_size, names, _dtype(spec.dtype), heads,
-                             spec.head_size, window=spec.sliding_window,
-                             tp_size=tp_size))  # fmt: skip
+                raise ValueError(
+                    "KVBrokerConnector does not serve sliding-window groups that "
+                    "retain extra tokens (multi-module speculative decoding)"
+                )
+            out.append(
+                Group(
+                    i,
+                    SLIDING,
+                    spec.block_size,
+                    names,
+                    _dtype(spec.dtype),
+                    heads,
+                    spec.head_size,
+                    window=spec.sliding_window,
+                    tp_size=tp_size,
+                )
+            )
         elif kind == "MambaSpec":
             if getattr(spec, "mamba_cache_mode", "none") != "align":
                 raise ValueError(
                     "KVBrokerConnector stores Mamba / linear-attention state only with "
                     f"mamba_cache_mode='align' (this engine has {spec.mamba_cache_mode!r}): "
-                    "enable prefix caching")
+                    "enable prefix caching"
+                )
             if getattr(spec, "num_speculative_blocks", 0):
-                raise ValueError("KVBrokerConnector does not serve Mamba groups with "
-                                 "speculative decoding blocks")
-            splits = () if getattr(spec, "tp_replicated", False) else state_splits(
-                getattr(spec, "mamba_type", None), spec.shapes, hf_config, tp_size)  # fmt: skip
-            out.append(Group(i, STATE, spec.block_size, names,
-                             state_shapes=tuple(tuple(s) for s in spec.shapes),
-                             state_dtypes=tuple(_dtype(d) for d in spec.dtypes),
-                             page_nbytes=spec.page_size_bytes, tp_size=tp_size,
-                             state_splits=splits))  # fmt: skip
+                raise ValueError(
+                    "KVBrokerConnector does not serve Mamba groups with speculative decoding blocks"
+                )
+            splits = (
+                ()
+                if getattr(spec, "tp_replicated", False)
+                else state_splits(
+                    getattr(spec, "mamba_type", None), spec.shapes, hf_config, tp_size
+                )
+            )
+            out.append(
+                Group(
+                    i,
+                    STATE,
+                    spec.block_size,
+                    names,
+                    state_shapes=tuple(tuple(s) for s in spec.shapes),
+                    state_dtypes=tuple(_dtype(d) for d in spec.dtypes),
+                    page_nbytes=spec.page_size_bytes,
+                    tp_size=tp_size,
+                    state_splits=splits,
+                )
+            )
         else:
-            raise ValueError(f"KVBrokerConnector does not serve KV cache groups of kind {kind} "
-                             f"(group {i}, layers {', '.join(names[:3])}...)")
+            raise ValueError(
+                f"KVBrokerConnector does not serve KV cache groups of kind {kind} "
+                f"(group {i}, layers {', '.join(names[:3])}...)"
+            )
         if not getattr(g, "enable_kv_transfer", True) or getattr(g, "host_resident", False):
-            raise ValueError(f"KVBrokerConnector does not serve group {i}: vLLM marks it "
-                             "host-resident or not transferable")
+            raise ValueError(
+                f"KVBrokerConnector does not serve group {i}: vLLM marks it "
+                "host-resident or not transferable"
+            )
     return out
 
 

@@ -44,8 +44,18 @@ from typing import Any
 from kvbroker import blocks
 from kvbroker.errors import KVBrokerError, LayoutMismatch, NotFound, PoolFull
 
-__all__ = ["HANDOFF_MODES", "HANDOFF_STATS", "HandoffConfig", "HandoffWorker", "Run",
-           "find_runs", "load_runs", "publish_runs", "run_digest", "run_key"]  # fmt: skip
+__all__ = [
+    "HANDOFF_MODES",
+    "HANDOFF_STATS",
+    "HandoffConfig",
+    "HandoffWorker",
+    "Run",
+    "find_runs",
+    "load_runs",
+    "publish_runs",
+    "run_digest",
+    "run_key",
+]
 
 HANDOFF_MODES = ("off", "ring", "ring+host")
 RUN_TAG = "kvbroker.handoff"  # in every run's meta, with its format version
@@ -80,13 +90,15 @@ class HandoffConfig:
             raise ValueError(f"handoff_tp_size must be a positive int, not {tp!r}")
         rings = extra.get("handoff_rings", ())
         if not isinstance(rings, (list, tuple)) or not all(
-                isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in rings):
+            isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in rings
+        ):
             raise ValueError(f"handoff_rings must be a list of ring indices, not {rings!r}")
         if rings and tp is not None and len(rings) != tp:
             raise ValueError(f"handoff_rings names {len(rings)} rings for {tp} decode ranks")
         ttl = extra.get("handoff_ttl")
-        if ttl is not None and (not isinstance(ttl, (int, float)) or isinstance(ttl, bool)
-                                or not 0 < ttl < float("inf")):  # fmt: skip
+        if ttl is not None and (
+            not isinstance(ttl, (int, float)) or isinstance(ttl, bool) or not 0 < ttl < float("inf")
+        ):
             raise ValueError(f"handoff_ttl must be a positive number of seconds, not {ttl!r}")
         return cls(mode, tp, tuple(rings), None if ttl is None else float(ttl))
 
@@ -101,8 +113,11 @@ def run_digest(hashes: Sequence[str]) -> str:
 
 def _pairs(heads: int | None, producer_tp: int, consumer_tp: int):
     """(decode rank, its piece from each producer rank) for every decode rank."""
-    return [(d, p) for d in range(consumer_tp)
-            for p in blocks.claim_plan(heads, producer_tp, consumer_tp, d)]  # fmt: skip
+    return [
+        (d, p)
+        for d in range(consumer_tp)
+        for p in blocks.claim_plan(heads, producer_tp, consumer_tp, d)
+    ]
 
 
 @dataclass(frozen=True)
@@ -117,8 +132,15 @@ class Run:
 
 
 # ------------------------------------------------------------------------ scheduler side
-def find_runs(client, namespace: str, keys: Sequence[str], *, heads: int | None,
-              consumer_tp: int, producer_tps: Sequence[int]) -> list[Run]:  # fmt: skip
+def find_runs(
+    client,
+    namespace: str,
+    keys: Sequence[str],
+    *,
+    heads: int | None,
+    consumer_tp: int,
+    producer_tps: Sequence[int],
+) -> list[Run]:
     """The leading runs of ``keys`` (a prompt's block keys from its first block) the rings
     hold for EVERY decode rank of this engine: one ring_lookup per run, no lease."""
     for producer_tp in dict.fromkeys(producer_tps):
@@ -126,8 +148,9 @@ def find_runs(client, namespace: str, keys: Sequence[str], *, heads: int | None,
         runs: list[Run] = []
         at = 0
         while at < len(keys):
-            names = [run_key(keys[at], d, consumer_tp, p.prefill_rank, producer_tp)
-                     for d, p in pairs]  # fmt: skip
+            names = [
+                run_key(keys[at], d, consumer_tp, p.prefill_rank, producer_tp) for d, p in pairs
+            ]
             found = blocks.ring_lookup(client, namespace, names)
             counts = {_run_count(f, keys, at) for f in found}
             if len(counts) != 1 or 0 in counts:
@@ -155,8 +178,16 @@ def _shape(cache, count: int, n: int) -> tuple[int, ...]:
     return (n, L, C, count, N, D)
 
 
-def publish_runs(rings: Any, namespace: str, cache, fmt, requests: Sequence[tuple[str, list]],
-                 config: HandoffConfig, *, stream=None) -> tuple[list[str], int, int]:  # fmt: skip
+def publish_runs(
+    rings: Any,
+    namespace: str,
+    cache,
+    fmt,
+    requests: Sequence[tuple[str, list]],
+    config: HandoffConfig,
+    *,
+    stream=None,
+) -> tuple[list[str], int, int]:
     """Publish each request's save items (``[(req_id, [SaveItem...])]``) as ring runs, one per
     decode rank fed by this rank. Returns ``(request ids handed off, blocks, bytes)``; a
     request whose rings have no room (or that fails otherwise) is not in the list, and holds
@@ -167,8 +198,9 @@ def publish_runs(rings: Any, namespace: str, cache, fmt, requests: Sequence[tupl
 
     consumer_tp = config.consumer_tp or fmt.tp_size
     heads = fmt.total_kv_heads
-    mine = [(d, p) for d, p in _pairs(heads, fmt.tp_size, consumer_tp)
-            if p.prefill_rank == fmt.tp_rank]  # fmt: skip
+    mine = [
+        (d, p) for d, p in _pairs(heads, fmt.tp_size, consumer_tp) if p.prefill_rank == fmt.tp_rank
+    ]
     if not mine:
         return [], 0, 0
     own_ring = None
@@ -179,8 +211,12 @@ def publish_runs(rings: Any, namespace: str, cache, fmt, requests: Sequence[tupl
             continue
         hashes = [it.block_hash for it in items]
         ids = [it.block_id for it in items]
-        meta_base = {RUN_TAG: RUN_VERSION, "blocks": len(items), "digest": run_digest(hashes),
-                     "dtype": fmt.dtype}  # fmt: skip
+        meta_base = {
+            RUN_TAG: RUN_VERSION,
+            "blocks": len(items),
+            "digest": run_digest(hashes),
+            "dtype": fmt.dtype,
+        }
         regions = []
         try:
             for d, p in mine:
@@ -193,15 +229,29 @@ def publish_runs(rings: Any, namespace: str, cache, fmt, requests: Sequence[tupl
                 nbytes = cache.element_size()
                 for x in shape:
                     nbytes *= x
-                meta = {**meta_base, "shape": list(shape),
-                        "heads": [fmt.heads[0] + p.src_head, p.count]}  # fmt: skip
-                regions.append((p, rings.ring_reserve(
-                    nbytes, key=run_key(hashes[0], d, consumer_tp, fmt.tp_rank, fmt.tp_size),
-                    ring=ring, namespace=namespace, meta=meta, ttl=config.ttl, wait=0.0)))
+                meta = {
+                    **meta_base,
+                    "shape": list(shape),
+                    "heads": [fmt.heads[0] + p.src_head, p.count],
+                }
+                regions.append(
+                    (
+                        p,
+                        rings.ring_reserve(
+                            nbytes,
+                            key=run_key(hashes[0], d, consumer_tp, fmt.tp_rank, fmt.tp_size),
+                            ring=ring,
+                            namespace=namespace,
+                            meta=meta,
+                            ttl=config.ttl,
+                            wait=0.0,
+                        ),
+                    )
+                )
             side = stream
             if cuda and side is not None:  # (asked before the context makes `side` current)
                 side.wait_stream(torch.cuda.current_stream(cache.device))  # the KV is written
-            with (torch.cuda.stream(side) if cuda and side is not None else _nothing()):
+            with torch.cuda.stream(side) if cuda and side is not None else _nothing():
                 idx = torch.tensor(ids, dtype=torch.int64).to(cache.device, non_blocking=True)
                 step = _chunk(cache)  # the gather's temporaries stay small beside vLLM's cache
                 for at in range(0, len(ids), step):
@@ -273,8 +323,17 @@ class _nothing:
 
 
 # ------------------------------------------------------------------------- consumer side
-def load_runs(rings: Any, namespace: str, cache, fmt, block_ids: Sequence[int],
-              runs: Sequence[Run], first: int, *, stream=None) -> tuple[int, int]:  # fmt: skip
+def load_runs(
+    rings: Any,
+    namespace: str,
+    cache,
+    fmt,
+    block_ids: Sequence[int],
+    runs: Sequence[Run],
+    first: int,
+    *,
+    stream=None,
+) -> tuple[int, int]:
     """Scatter ``runs`` (positions in the prompt's keys) into ``cache`` at ``block_ids``, the
     engine blocks of the prompt's blocks ``first, first + 1, ...``. Consume-reads every run
     this rank needs (one per producer rank feeding it). Returns ``(leading blocks loaded,
@@ -297,14 +356,27 @@ def load_runs(rings: Any, namespace: str, cache, fmt, block_ids: Sequence[int],
         regions = []
         try:
             for p in pieces:
-                regions.append((p, rings.ring_read(
-                    run_key(run.first_hash, fmt.tp_rank, fmt.tp_size, p.prefill_rank,
-                            run.producer_tp), namespace=namespace, consume=True)))  # fmt: skip
+                regions.append(
+                    (
+                        p,
+                        rings.ring_read(
+                            run_key(
+                                run.first_hash,
+                                fmt.tp_rank,
+                                fmt.tp_size,
+                                p.prefill_rank,
+                                run.producer_tp,
+                            ),
+                            namespace=namespace,
+                            consume=True,
+                        ),
+                    )
+                )
             for p, region in regions:
                 _check_run(region, run, cache, p, fmt)
             if cuda and stream is not None:  # (asked before the context makes `stream` current)
                 stream.wait_stream(torch.cuda.current_stream(cache.device))  # blocks' readers
-            with (torch.cuda.stream(stream) if cuda and stream is not None else _nothing()):
+            with torch.cuda.stream(stream) if cuda and stream is not None else _nothing():
                 ids = torch.tensor(list(block_ids[lo - first : hi - first]), dtype=torch.int64)
                 ids = ids.to(cache.device, non_blocking=True)
                 step = _chunk(cache)  # the scatter's temporaries stay small
@@ -343,13 +415,17 @@ def _check_run(region, run: Run, cache, piece, fmt) -> None:
     if meta.get(RUN_TAG) != RUN_VERSION or meta.get("blocks") != run.count:
         raise LayoutMismatch(f"ring run {run.first_hash} is not the run the lookup found")
     if meta.get("shape") != shape or meta.get("dtype") != fmt.dtype:
-        raise LayoutMismatch(f"ring run {run.first_hash} holds {meta.get('dtype')} "
-                             f"{meta.get('shape')}, this rank needs {fmt.dtype} {shape}")  # fmt: skip
+        raise LayoutMismatch(
+            f"ring run {run.first_hash} holds {meta.get('dtype')} "
+            f"{meta.get('shape')}, this rank needs {fmt.dtype} {shape}"
+        )
     need = math.prod(shape) * cache.element_size()
     if region.tensor.numel() * region.tensor.element_size() != need:
-        raise LayoutMismatch(f"ring run {run.first_hash} holds "
-                             f"{region.tensor.numel() * region.tensor.element_size()} bytes, "
-                             f"its shape {need}")  # fmt: skip
+        raise LayoutMismatch(
+            f"ring run {run.first_hash} holds "
+            f"{region.tensor.numel() * region.tensor.element_size()} bytes, "
+            f"its shape {need}"
+        )
 
 
 # --------------------------------------------------------------------- the worker's hooks
@@ -367,21 +443,37 @@ class HandoffWorker:
         loaded = 0
         if getattr(spec, "ring", ()) and self.handoff.on:
             g = self._gpu if self._gpu is not None else self._gpu_client(client)
-            loaded, _ = load_runs(g, self.namespace, self.cache, self.fmt, spec.block_ids,
-                                  spec.ring, spec.first, stream=stream)  # fmt: skip
+            loaded, _ = load_runs(
+                g,
+                self.namespace,
+                self.cache,
+                self.fmt,
+                spec.block_ids,
+                spec.ring,
+                spec.first,
+                stream=stream,
+            )
             spec.ring_loaded = loaded
             if loaded == len(spec.block_ids):
                 return loaded
-        return loaded + load_cuda(client, self.namespace, self.fmt, self.cache,
-                                  spec.hashes[loaded:], spec.block_ids[loaded:],
-                                  self.peer_tp_sizes, stream=stream)  # fmt: skip
+        return loaded + load_cuda(
+            client,
+            self.namespace,
+            self.fmt,
+            self.cache,
+            spec.hashes[loaded:],
+            spec.block_ids[loaded:],
+            self.peer_tp_sizes,
+            stream=stream,
+        )
 
     def _hand_off(self, g: Any, requests: list, items: list) -> list:
         """Publish each request's blocks of the step into the GPU rings; returns what goes to
         the host pools: every block with ``ring+host``, else the requests the rings had no
         room for."""
-        handed, n_blocks, _ = publish_runs(g, self.namespace, self.cache, self.fmt, requests,
-                                           self.handoff, stream=g.stream)  # fmt: skip
+        handed, n_blocks, _ = publish_runs(
+            g, self.namespace, self.cache, self.fmt, requests, self.handoff, stream=g.stream
+        )
         rest = [item for req, its in requests if req not in handed for item in its]
         self.stats["handoff_saved_blocks"] += n_blocks
         self.stats["handoff_fallback_blocks"] += len(rest)

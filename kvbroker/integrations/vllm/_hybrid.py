@@ -106,9 +106,18 @@ class _Req:
 
 
 class HybridScheduler:
-    def __init__(self, *, link: BrokerLink, namespace: str, groups: list[Group],
-                 tp_size: int, peer_tp_sizes: tuple[int, ...] = (), save: bool, load: bool,
-                 warnings: Warnings) -> None:  # fmt: skip
+    def __init__(
+        self,
+        *,
+        link: BrokerLink,
+        namespace: str,
+        groups: list[Group],
+        tp_size: int,
+        peer_tp_sizes: tuple[int, ...] = (),
+        save: bool,
+        load: bool,
+        warnings: Warnings,
+    ) -> None:
         self.link, self.namespace, self.groups = link, namespace, groups
         self.tp_size = tp_size
         # (a state group that cannot be resharded reads this TP layout only)
@@ -130,15 +139,20 @@ class HybridScheduler:
                 st = _Req(None)
             else:
                 tokens, salt = list(tokens), request_salt(request)
-                st = _Req({b: prompt_keys(tokens, b, namespace=self.namespace, cache_salt=salt)
-                           for b in sorted({g.block_size for g in self.groups})})  # fmt: skip
+                st = _Req(
+                    {
+                        b: prompt_keys(tokens, b, namespace=self.namespace, cache_salt=salt)
+                        for b in sorted({g.block_size for g in self.groups})
+                    }
+                )
             k = len(self.groups)
             st.block_ids, st.saved, st.tail_saved = [[] for _ in range(k)], [0] * k, [False] * k
             try:
                 st.retain = request_session(request)
             except KVBrokerError as exc:  # served, its blocks not retained
-                self.warnings.warn("bad_session", "request %s: %s; not retained",
-                                   request.request_id, exc)  # fmt: skip
+                self.warnings.warn(
+                    "bad_session", "request %s: %s; not retained", request.request_id, exc
+                )
             self.reqs[request.request_id] = st
         return st
 
@@ -156,26 +170,45 @@ class HybridScheduler:
         self.lookups += 1
         if group.kind == STATE:  # rank 0's pages of this TP layout, or every rank's of another
             fmt = state_format(group, 0, self.tp_size)
-            best = blocks.match(client, self.namespace, fmt, keys, hold=False,
-                                retain=retain).num_blocks  # fmt: skip
+            best = blocks.match(
+                client, self.namespace, fmt, keys, hold=False, retain=retain
+            ).num_blocks
             for source in self.layouts if group.reshardable else ():
                 if best == len(keys) or source == self.tp_size:
                     continue
                 fmts = [state_format(group, q, source) for q in range(source)]
                 wanted = [f.key(k) for k in keys for f in fmts]  # block-major, rank-minor
-                found = blocks.match_keys(client, self.namespace, wanted, hold=False,
-                                          retain=retain).num_blocks  # fmt: skip
+                found = blocks.match_keys(
+                    client, self.namespace, wanted, hold=False, retain=retain
+                ).num_blocks
                 best = max(best, found // source)
             return best
-        pc = PrefixCache(client, namespace=self.namespace, block_size=group.block_size,
-                         tp_rank=0, tp_size=1, total_kv_heads=group.num_kv_heads)  # fmt: skip
+        pc = PrefixCache(
+            client,
+            namespace=self.namespace,
+            block_size=group.block_size,
+            tp_rank=0,
+            tp_size=1,
+            total_kv_heads=group.num_kv_heads,
+        )
         best = 0
-        named = {} if retain is None else {"session": retain["session"],
-                                           "retain": retain.get("for"),
-                                           "priority": retain.get("priority")}  # fmt: skip
+        named = (
+            {}
+            if retain is None
+            else {
+                "session": retain["session"],
+                "retain": retain.get("for"),
+                "priority": retain.get("priority"),
+            }
+        )
         for source in self.layouts:
-            m = pc.match_kv(range(len(keys) * group.block_size + 1), hashes=keys,
-                            source_tp_size=source, hold=False, **named)  # fmt: skip
+            m = pc.match_kv(
+                range(len(keys) * group.block_size + 1),
+                hashes=keys,
+                source_tp_size=source,
+                hold=False,
+                **named,
+            )
             best = max(best, m.num_blocks)
             if best == len(keys):
                 break
@@ -226,7 +259,9 @@ class HybridScheduler:
                     return hit - g.block_size
         return hit
 
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int, bool]:
         if not self.load:
             return 0, False
         st = self.state(request)
@@ -239,8 +274,9 @@ class HybridScheduler:
             self.lookup_errors += 1
             self.link.fail(exc)
             if self.link.up:
-                self.warnings.warn("lookup_failed", "prefix lookup failed (%s): computing the "
-                                   "prompt instead", exc)  # fmt: skip
+                self.warnings.warn(
+                    "lookup_failed", "prefix lookup failed (%s): computing the prompt instead", exc
+                )
             return 0, False
         external = hit - num_computed_tokens
         if external <= 0:
@@ -260,9 +296,12 @@ class HybridScheduler:
             # vLLM parked the request for a load this side did not plan: fail it whole, so
             # vLLM recomputes it (not reached with vLLM 0.32, which allocates right after a
             # positive lookup)
-            self.warnings.warn("plan_mismatch", "request %s: %d external tokens were not "
-                               "looked up here; not loading", request.request_id,
-                               num_external_tokens)  # fmt: skip
+            self.warnings.warn(
+                "plan_mismatch",
+                "request %s: %d external tokens were not looked up here; not loading",
+                request.request_id,
+                num_external_tokens,
+            )
             self.pending_loads.append(HybridLoad(request.request_id, [], 0))
             if st is not None:
                 st.no_load = True
@@ -276,12 +315,21 @@ class HybridScheduler:
             last = -(-hit // g.block_size)
             if g.kind == STATE:
                 first = last - 1  # the state at the hit; the ones before it are superseded
-            pairs = [(g.key(keys.keys[b]), ids[b]) for b in range(first, min(last, len(ids)))
-                     if ids[b] != NULL_BLOCK]  # fmt: skip
+            pairs = [
+                (g.key(keys.keys[b]), ids[b])
+                for b in range(first, min(last, len(ids)))
+                if ids[b] != NULL_BLOCK
+            ]
             if last > len(ids) or len(pairs) != last - first:
-                self.warnings.warn("plan_mismatch", "request %s, group %d: blocks %d..%d to "
-                                   "load, vLLM allocated %s; not loading", request.request_id,
-                                   g.index, first, last, ids[first:last])  # fmt: skip
+                self.warnings.warn(
+                    "plan_mismatch",
+                    "request %s, group %d: blocks %d..%d to load, vLLM allocated %s; not loading",
+                    request.request_id,
+                    g.index,
+                    first,
+                    last,
+                    ids[first:last],
+                )
                 self.pending_loads.append(HybridLoad(request.request_id, [], 0))
                 st.no_load = True
                 return
@@ -314,8 +362,9 @@ class HybridScheduler:
             if st is None:
                 continue
             st.block_ids = [list(ids) for ids in new.block_ids]
-            self._plan_save(new.req_id, st, new.num_computed_tokens,
-                            scheduled.get(new.req_id, 0), plan)  # fmt: skip
+            self._plan_save(
+                new.req_id, st, new.num_computed_tokens, scheduled.get(new.req_id, 0), plan
+            )
         cached = scheduler_output.scheduled_cached_reqs
         resumed = getattr(cached, "resumed_req_ids", set())
         for i, req_id in enumerate(cached.req_ids):
@@ -324,17 +373,20 @@ class HybridScheduler:
                 continue
             new_ids = cached.new_block_ids[i]
             if req_id in resumed:
-                st.block_ids = [list(ids) for ids in new_ids] if new_ids else [
-                    [] for _ in self.groups]  # fmt: skip
+                st.block_ids = (
+                    [list(ids) for ids in new_ids] if new_ids else [[] for _ in self.groups]
+                )
             elif new_ids:
                 for mine, more in zip(st.block_ids, new_ids, strict=True):
                     mine.extend(more)
-            self._plan_save(req_id, st, cached.num_computed_tokens[i],
-                            scheduled.get(req_id, 0), plan)  # fmt: skip
+            self._plan_save(
+                req_id, st, cached.num_computed_tokens[i], scheduled.get(req_id, 0), plan
+            )
         return plan
 
-    def _plan_save(self, req_id: str, st: _Req, before: int, scheduled: int,
-                   plan: StepPlan) -> None:  # fmt: skip
+    def _plan_save(
+        self, req_id: str, st: _Req, before: int, scheduled: int, plan: StepPlan
+    ) -> None:
         if st.keys is None:
             return
         n = st.num_tokens
@@ -356,14 +408,20 @@ class HybridScheduler:
                 full = min(min(computed, n) // bs, len(ids))
                 for b in range(st.saved[g.index], full):
                     if ids[b] != NULL_BLOCK:  # (a local hit outside the window)
-                        items.append((g.key(keys.hashes[b]),
-                                      g.key(keys.hashes[b - 1]) if b else None, ids[b]))  # fmt: skip
+                        items.append(
+                            (
+                                g.key(keys.hashes[b]),
+                                g.key(keys.hashes[b - 1]) if b else None,
+                                ids[b],
+                            )
+                        )
                 st.saved[g.index] = max(st.saved[g.index], full)
                 if keys.tail and not st.tail_saved[g.index] and computed >= n:
                     k = n // bs
                     if k < len(ids) and ids[k] != NULL_BLOCK:
-                        items.append((g.key(keys.tail),
-                                      g.key(keys.hashes[k - 1]) if k else None, ids[k]))  # fmt: skip
+                        items.append(
+                            (g.key(keys.tail), g.key(keys.hashes[k - 1]) if k else None, ids[k])
+                        )
                     st.tail_saved[g.index] = True
             if items:
                 plan.saves.append(GroupSave(req_id, g.index, items, st.retain))

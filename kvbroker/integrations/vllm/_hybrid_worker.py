@@ -82,23 +82,32 @@ class HybridWorker(WorkerSide):
     # -- registration ----------------------------------------------------------------------
     def register(self, kv_caches: dict[str, Any], backend: str) -> None:
         how = interpret(backend, latent=False)
-        devices = {t.device for g in self.groups for name in g.layer_names if name in kv_caches
-                   for t in (kv_caches[name] if isinstance(kv_caches[name], (list, tuple))
-                             else [kv_caches[name]])}  # fmt: skip
+        devices = {
+            t.device
+            for g in self.groups
+            for name in g.layer_names
+            if name in kv_caches
+            for t in (
+                kv_caches[name] if isinstance(kv_caches[name], (list, tuple)) else [kv_caches[name]]
+            )
+        }
         if len(devices) > 1:
-            raise KVBrokerError(f"register_kv_caches: the groups' caches lie on {len(devices)} "
-                                "devices")  # fmt: skip
+            raise KVBrokerError(
+                f"register_kv_caches: the groups' caches lie on {len(devices)} devices"
+            )
         device = next(iter(devices), None)
         self.device = "cpu" if device is None else device.type
         if self.device not in ("cpu", "cuda"):
-            raise KVBrokerError(f"kvbroker's vLLM connector serves host (CPU) and CUDA caches, "
-                                f"not {self.device}")  # fmt: skip
+            raise KVBrokerError(
+                f"kvbroker's vLLM connector serves host (CPU) and CUDA caches, not {self.device}"
+            )
         self.staged = self.device == "cuda" or self._staging_copier is not None
         for g in self.groups:
             missing = [n for n in g.layer_names if n not in kv_caches]
             if missing:
-                raise KVBrokerError(f"register_kv_caches: no cache for layer(s) {missing} "
-                                    f"of group {g.index}")  # fmt: skip
+                raise KVBrokerError(
+                    f"register_kv_caches: no cache for layer(s) {missing} of group {g.index}"
+                )
             if g.kind == STATE:
                 self._register_state(g, kv_caches)
             else:
@@ -107,18 +116,29 @@ class HybridWorker(WorkerSide):
         self.cache = self.caches  # (WorkerSide's checks: not released for sleep mode)
         self.cuda_device = device if self.device == "cuda" else None
         total = sum(f.block_nbytes for f in self.formats.values())
-        log.info("kvbroker: hybrid model, %d KV cache groups (%s) on %s, %d B per block of "
-                 "every group, namespace %s", len(self.groups),
-                 ", ".join(f"{g.kind}/{g.block_size}" for g in self.groups), self.device, total,
-                 self.namespace)  # fmt: skip
+        log.info(
+            "kvbroker: hybrid model, %d KV cache groups (%s) on %s, %d B per block of "
+            "every group, namespace %s",
+            len(self.groups),
+            ", ".join(f"{g.kind}/{g.block_size}" for g in self.groups),
+            self.device,
+            total,
+            self.namespace,
+        )
 
     def _register_attention(self, g: Group, kv_caches: dict[str, Any], how: str) -> None:
         tensors, index = distinct_layers((name, kv_caches[name]) for name in g.layer_names)
         for name, i in index.items():
             self.layer_of[name] = None if i is None else (g.index, i)
         self.formats[g.index] = attention_format(
-            tensors, how, block_size=g.block_size, total_kv_heads=g.num_kv_heads,
-            tp_rank=self.tp_rank, tp_size=self.tp_size, what=f"group {g.index}")  # fmt: skip
+            tensors,
+            how,
+            block_size=g.block_size,
+            total_kv_heads=g.num_kv_heads,
+            tp_rank=self.tp_rank,
+            tp_size=self.tp_size,
+            what=f"group {g.index}",
+        )
         # the staging path reads the group's layers as one view (vLLM lays them out at one
         # stride in the pool); LayoutMismatch where they are not
         self.caches[g.index] = cuda_cache(tensors, how) if self.staged else host_cache(tensors, how)
@@ -167,8 +187,9 @@ class HybridWorker(WorkerSide):
         the copies stop at the first group that lacks a block)."""
         for load in spec.groups:  # the plan never names it; a plan that did is a bug
             if NULL_BLOCK in load.block_ids:
-                raise LayoutMismatch(f"request {spec.req_id}: a load into vLLM's null block "
-                                     f"(group {load.group})")  # fmt: skip
+                raise LayoutMismatch(
+                    f"request {spec.req_id}: a load into vLLM's null block (group {load.group})"
+                )
         if self.staged:
             return self._copy_in_staged(spec, client, stream)
         done = 0
@@ -177,14 +198,17 @@ class HybridWorker(WorkerSide):
             fmt, cache = self.formats[g.index], self.caches[g.index]
             if g.kind == STATE:
                 for key, block in zip(load.keys, load.block_ids, strict=True):
-                    if not (load_state(client, self.namespace, fmt, cache, key, block)
-                            or self._load_resharded(client, g, key, block)):  # fmt: skip
+                    if not (
+                        load_state(client, self.namespace, fmt, cache, key, block)
+                        or self._load_resharded(client, g, key, block)
+                    ):
                         return done
                     done += 1
                     self.stats["loaded_state_bytes"] += fmt.block_nbytes
                 continue
-            n = load_host(client, self.namespace, fmt, cache, load.keys, load.block_ids,
-                          self.peer_tp_sizes)  # fmt: skip
+            n = load_host(
+                client, self.namespace, fmt, cache, load.keys, load.block_ids, self.peer_tp_sizes
+            )
             done += n
             if n < len(load.block_ids):
                 return done
@@ -194,8 +218,16 @@ class HybridWorker(WorkerSide):
         """The state at ``key`` from another TP layout's pages (``peer_tp_sizes``)."""
         if not self.peer_tp_sizes or not g.reshardable:
             return False
-        return load_state_resharded(client, self.namespace, g, self.caches[g.index], key, block,
-                                    self.tp_rank, self.peer_tp_sizes)  # fmt: skip
+        return load_state_resharded(
+            client,
+            self.namespace,
+            g,
+            self.caches[g.index],
+            key,
+            block,
+            self.tp_rank,
+            self.peer_tp_sizes,
+        )
 
     def _copy_in_staged(self, spec: Any, client: Any, stream: Any) -> int:
         from ._cuda import load_cuda, load_state_cuda
@@ -205,34 +237,60 @@ class HybridWorker(WorkerSide):
             g = self.groups[load.group]
             fmt, cache = self.formats[g.index], self.caches[g.index]
             if g.kind == STATE:
-                n = load_state_cuda(client, self.namespace, fmt, cache, load.keys,
-                                    load.block_ids, stream=stream, copier=copier)  # fmt: skip
+                n = load_state_cuda(
+                    client,
+                    self.namespace,
+                    fmt,
+                    cache,
+                    load.keys,
+                    load.block_ids,
+                    stream=stream,
+                    copier=copier,
+                )
                 while n < len(load.block_ids) and self._load_resharded(
-                        client, g, load.keys[n], load.block_ids[n]):  # fmt: skip
+                    client, g, load.keys[n], load.block_ids[n]
+                ):
                     n += 1
                 self.stats["loaded_state_bytes"] += n * fmt.block_nbytes
             else:
-                n = load_cuda(client, self.namespace, fmt, cache, load.keys, load.block_ids,
-                              self.peer_tp_sizes, stream=stream, copier=copier)  # fmt: skip
+                n = load_cuda(
+                    client,
+                    self.namespace,
+                    fmt,
+                    cache,
+                    load.keys,
+                    load.block_ids,
+                    self.peer_tp_sizes,
+                    stream=stream,
+                    copier=copier,
+                )
             done += n
             if n < len(load.block_ids):
                 return done
         return done
 
-    def _account(self, spec: Any, loaded: int, why: str = "blocks were evicted since the "
-                 "lookup") -> int:  # fmt: skip
+    def _account(
+        self, spec: Any, loaded: int, why: str = "blocks were evicted since the lookup"
+    ) -> int:
         n_want = len(spec.block_ids)
         self.stats["loads"] += 1
         if loaded >= n_want and spec.groups:  # (a load the scheduler could not plan failed)
             self.stats["loaded_blocks"] += loaded
             self.stats["loaded_tokens"] += spec.tokens
-            self.stats["loaded_bytes"] += sum(self._nbytes(g.group) * len(g.block_ids)
-                                              for g in spec.groups)  # fmt: skip
+            self.stats["loaded_bytes"] += sum(
+                self._nbytes(g.group) * len(g.block_ids) for g in spec.groups
+            )
             return loaded
         self.stats["load_failed_blocks"] += n_want
-        self.warnings.warn("load_failed", "could not load request %s whole (%d of %d blocks "
-                           "over its groups; %s): vLLM recomputes it", spec.req_id, loaded,
-                           n_want, why)  # fmt: skip
+        self.warnings.warn(
+            "load_failed",
+            "could not load request %s whole (%d of %d blocks "
+            "over its groups; %s): vLLM recomputes it",
+            spec.req_id,
+            loaded,
+            n_want,
+            why,
+        )
         return loaded
 
     def _nbytes(self, group: int) -> int:
@@ -272,8 +330,9 @@ class HybridWorker(WorkerSide):
         save = self._group_saves.get(group)
         if save is not None:
             return None if isinstance(save, _Skipped) else save
-        items = [(k, parent, b, s.retain) for s in self._saves_of(group)
-                 for k, parent, b in s.items]  # fmt: skip
+        items = [
+            (k, parent, b, s.retain) for s in self._saves_of(group) for k, parent, b in s.items
+        ]
         client = self._client()
         g = self.groups[group]
         if client is None:
@@ -282,10 +341,17 @@ class HybridWorker(WorkerSide):
             return None
         fmt, cache = self.formats[group], self.caches[group]
         if g.kind == STATE:
-            save = StateSave(client, self.namespace, fmt, cache, [(k, b, r) for k, _, b, r in items])
+            save = StateSave(
+                client, self.namespace, fmt, cache, [(k, b, r) for k, _, b, r in items]
+            )
         else:
-            save = HostSave(client, self.namespace, fmt, cache,
-                            [SaveItem(k, parent, b, r) for k, parent, b, r in items])  # fmt: skip
+            save = HostSave(
+                client,
+                self.namespace,
+                fmt,
+                cache,
+                [SaveItem(k, parent, b, r) for k, parent, b, r in items],
+            )
         try:
             save.reserve()
         except (PoolFull, QuotaExceeded) as exc:
@@ -317,8 +383,9 @@ class HybridWorker(WorkerSide):
         try:
             save.copy_layer(index)
         except Exception as exc:  # noqa: BLE001
-            self._abort_group_saves(f"copying layer {index} of group {group} failed: "
-                                    f"{type(exc).__name__}: {exc}")  # fmt: skip
+            self._abort_group_saves(
+                f"copying layer {index} of group {group} failed: {type(exc).__name__}: {exc}"
+            )
 
     def _abort_group_saves(self, why: str) -> None:
         for group, save in list(self._group_saves.items()):
@@ -332,8 +399,10 @@ class HybridWorker(WorkerSide):
         if plan is None or not plan.saves or not self.formats:
             return
         if self._hooks_active and len(self._layers_seen) < self._attention_layers:
-            why = (f"only {len(self._layers_seen)} of {self._attention_layers} attention layers "
-                   "ran this step")  # fmt: skip
+            why = (
+                f"only {len(self._layers_seen)} of {self._attention_layers} attention layers "
+                "ran this step"
+            )
             for group in {s.group for s in plan.saves} - set(self._group_saves):
                 self._skip(sum(len(s.items) for s in self._saves_of(group)), why)
             self._abort_group_saves(why)
@@ -368,8 +437,11 @@ class HybridWorker(WorkerSide):
         from ._cuda import save_cuda
 
         for group in groups:
-            items = [SaveItem(k, parent, b, s.retain) for s in self._saves_of(group)
-                     for k, parent, b in s.items]  # fmt: skip
+            items = [
+                SaveItem(k, parent, b, s.retain)
+                for s in self._saves_of(group)
+                for k, parent, b in s.items
+            ]
             if any(it.block_id == NULL_BLOCK for it in items):  # (never planned: a bug)
                 self._skip(len(items), f"a save from vLLM's null block (group {group})")
                 continue
@@ -379,9 +451,15 @@ class HybridWorker(WorkerSide):
                 continue
             try:
                 stream = self._gpu_client(client).stream if self.device == "cuda" else None
-                new, existing = save_cuda(client, self.namespace, self.formats[group],
-                                          self.caches[group], items, stream=stream,
-                                          copier=self._staging_copier)  # fmt: skip
+                new, existing = save_cuda(
+                    client,
+                    self.namespace,
+                    self.formats[group],
+                    self.caches[group],
+                    items,
+                    stream=stream,
+                    copier=self._staging_copier,
+                )
             except (PoolFull, QuotaExceeded) as exc:
                 self._skip(len(items), f"{type(exc).__name__}: {exc}")
                 continue

@@ -54,12 +54,21 @@ __all__ = [
     "host_cache",
     "interpret",
     "load_host",
-]  # fmt: skip
+]
 
 INTERPRETATIONS = ("packed", "cpu", "latent")
 # Backends whose per-token row is K then V (vLLM 0.32 names); the CPU one has its own layout.
-_PACKED = {"FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "FLEX_ATTENTION", "ROCM_ATTN",
-           "ROCM_AITER_FA", "ROCM_AITER_UNIFIED_ATTN", "TREE_ATTN", "XFORMERS"}  # fmt: skip
+_PACKED = {
+    "FLASH_ATTN",
+    "FLASHINFER",
+    "TRITON_ATTN",
+    "FLEX_ATTENTION",
+    "ROCM_ATTN",
+    "ROCM_AITER_FA",
+    "ROCM_AITER_UNIFIED_ATTN",
+    "TREE_ATTN",
+    "XFORMERS",
+}
 STAGING_BYTES = 256 << 20  # CUDA staging per chunk of blocks
 RESERVE_CHUNK = 128  # blocks per reserve_blocks request (keeps frames far below 1 MiB)
 
@@ -85,8 +94,10 @@ def _views(tensors: Sequence, how: str):
     out = []
     for t in tensors:
         if t.dim() != 4:
-            raise LayoutMismatch(f"expected a 4-d [blocks, heads, block_size, C] cache per layer, "
-                                 f"got shape {tuple(t.shape)}")  # fmt: skip
+            raise LayoutMismatch(
+                f"expected a 4-d [blocks, heads, block_size, C] cache per layer, "
+                f"got shape {tuple(t.shape)}"
+            )
         b, h, n, c = t.shape
         if how == "latent":
             if h != 1:
@@ -160,27 +171,43 @@ def distinct_layers(named) -> tuple[list, dict[str, int | None]]:
     return tensors, index
 
 
-def attention_format(tensors: Sequence, how: str, *, block_size: int,
-                     total_kv_heads: int | None, tp_rank: int, tp_size: int,
-                     what: str = "the cache") -> BlockFormat:  # fmt: skip
+def attention_format(
+    tensors: Sequence,
+    how: str,
+    *,
+    block_size: int,
+    total_kv_heads: int | None,
+    tp_rank: int,
+    tp_size: int,
+    what: str = "the cache",
+) -> BlockFormat:
     """The block format of one rank's layers ``tensors`` (``[blocks, heads, block_size, C]``,
     read as ``how``), after checking them against vLLM's block size and this rank's share of
     ``total_kv_heads`` (None: an MLA latent cache); LayoutMismatch naming ``what`` if not."""
     first = tensors[0]
     _blocks, heads, slots, content = first.shape
     if slots != block_size:
-        raise LayoutMismatch(f"{what} pages {slots} tokens per block, its block size is "
-                             f"{block_size}")  # fmt: skip
+        raise LayoutMismatch(
+            f"{what} pages {slots} tokens per block, its block size is {block_size}"
+        )
     latent = how == "latent"
     span = blocks.shard_heads(tp_rank, tp_size, None if latent else total_kv_heads)
     if not latent and heads != len(span):
-        raise LayoutMismatch(f"TP rank {tp_rank} of {tp_size} should hold {len(span)} of "
-                             f"{what}'s {total_kv_heads} KV heads, it has {heads}")  # fmt: skip
-    return BlockFormat(dtype=str(first.dtype).removeprefix("torch."), num_layers=len(tensors),
-                       block_size=block_size, head_dim=content if latent else content // 2,
-                       local_heads=1 if latent else heads,
-                       total_kv_heads=None if latent else total_kv_heads, tp_rank=tp_rank,
-                       tp_size=tp_size, heads=(span.start, span.stop))  # fmt: skip
+        raise LayoutMismatch(
+            f"TP rank {tp_rank} of {tp_size} should hold {len(span)} of "
+            f"{what}'s {total_kv_heads} KV heads, it has {heads}"
+        )
+    return BlockFormat(
+        dtype=str(first.dtype).removeprefix("torch."),
+        num_layers=len(tensors),
+        block_size=block_size,
+        head_dim=content if latent else content // 2,
+        local_heads=1 if latent else heads,
+        total_kv_heads=None if latent else total_kv_heads,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        heads=(span.start, span.stop),
+    )
 
 
 # ------------------------------------------------------------------------------ host path
@@ -207,16 +234,18 @@ def by_session(parts: list) -> list:
     return out
 
 
-def _reserve(client, namespace: str, fmt: BlockFormat,
-             items: Sequence[SaveItem]) -> blocks.Reservation:  # fmt: skip
+def _reserve(
+    client, namespace: str, fmt: BlockFormat, items: Sequence[SaveItem]
+) -> blocks.Reservation:
     """Reserve ``items`` in chunks; on failure, abort what the earlier chunks reserved."""
     buffers, meta = fmt.buffers(), fmt.meta()
     whole = blocks.Reservation.empty(client, list(buffers))
     try:
         chunks = [items[at : at + RESERVE_CHUNK] for at in range(0, len(items), RESERVE_CHUNK)]
         for part in by_session(chunks):
-            whole = whole + blocks.reserve(client, namespace, _requests(fmt, part), buffers,
-                                           meta, retain=part[0].retain)  # fmt: skip
+            whole = whole + blocks.reserve(
+                client, namespace, _requests(fmt, part), buffers, meta, retain=part[0].retain
+            )
     except BaseException:
         whole.abort()
         raise
@@ -224,8 +253,10 @@ def _reserve(client, namespace: str, fmt: BlockFormat,
 
 
 def _requests(fmt: BlockFormat, items: Sequence[SaveItem]) -> list[dict]:
-    return [{"key": fmt.key(it.block_hash), "parent": fmt.key(it.parent) if it.parent else None}
-            for it in items]  # fmt: skip
+    return [
+        {"key": fmt.key(it.block_hash), "parent": fmt.key(it.parent) if it.parent else None}
+        for it in items
+    ]
 
 
 class HostSave:
@@ -240,8 +271,15 @@ class HostSave:
     the copy engine's threads: the layers of a block are written one forward step apart,
     so the hash reads the block once more, where the CUDA path hashes on the GPU."""
 
-    def __init__(self, client, namespace: str, fmt: BlockFormat, cache: PagedKV,
-                 items: Sequence[SaveItem], checksums: bool = True) -> None:  # fmt: skip
+    def __init__(
+        self,
+        client,
+        namespace: str,
+        fmt: BlockFormat,
+        cache: PagedKV,
+        items: Sequence[SaveItem],
+        checksums: bool = True,
+    ) -> None:
         self.client, self.namespace, self.fmt, self.cache = client, namespace, fmt, cache
         self.checksums = checksums
         self.items = list(items)
@@ -293,18 +331,22 @@ class HostSave:
 
     def seal(self) -> None:
         if not self.complete():
-            raise KVBrokerError(f"only {len(self._copied)} of {self.fmt.num_layers} layers "
-                                "were copied; refusing to seal")  # fmt: skip
+            raise KVBrokerError(
+                f"only {len(self._copied)} of {self.fmt.num_layers} layers "
+                "were copied; refusing to seal"
+            )
         self.done = True
         try:
             # each block's {PACKED: checksum}, one block per job over the copy engine's threads
-            sums = self._reserved.checksums([PACKED]) if self.checksums and self._targets \
-                else None  # fmt: skip
+            sums = self._reserved.checksums([PACKED]) if self.checksums and self._targets else None
             # a chunk of blocks per request, as they were reserved: one seal of a whole long
             # prefill's blocks and their checksums would outgrow a request frame
             for at in range(0, len(self.leases), RESERVE_CHUNK):
-                blocks.seal(self.client, self.leases[at : at + RESERVE_CHUNK],
-                            None if sums is None else sums[at : at + RESERVE_CHUNK])  # fmt: skip
+                blocks.seal(
+                    self.client,
+                    self.leases[at : at + RESERVE_CHUNK],
+                    None if sums is None else sums[at : at + RESERVE_CHUNK],
+                )
         except BaseException:  # refused (or cut short): none is left leased until its TTL
             blocks.abort(self.client, self.leases)
             raise
@@ -315,15 +357,27 @@ class HostSave:
             blocks.abort(self.client, self.leases)
 
 
-def match(client, namespace: str, fmt: BlockFormat, hashes: Sequence[str],
-          peer_tp_sizes: Sequence[int] = ()):  # fmt: skip
+def match(
+    client,
+    namespace: str,
+    fmt: BlockFormat,
+    hashes: Sequence[str],
+    peer_tp_sizes: Sequence[int] = (),
+):
     """One read lease on the longest run of ``hashes`` every shard this rank needs holds
     (own TP size first, then ``peer_tp_sizes``): a :class:`kvbroker.blocks.KVPrefixMatch`."""
     return blocks.match(client, namespace, fmt, hashes, peer_tp_sizes=peer_tp_sizes)
 
 
-def load_host(client, namespace: str, fmt: BlockFormat, cache: PagedKV, hashes: Sequence[str],
-              block_ids: Sequence[int], peer_tp_sizes: Sequence[int] = ()) -> int:  # fmt: skip
+def load_host(
+    client,
+    namespace: str,
+    fmt: BlockFormat,
+    cache: PagedKV,
+    hashes: Sequence[str],
+    block_ids: Sequence[int],
+    peer_tp_sizes: Sequence[int] = (),
+) -> int:
     """Load the leading blocks of ``hashes`` the node holds into engine blocks ``block_ids``;
     returns how many were loaded (the rest were not found and were not touched)."""
     with match(client, namespace, fmt, hashes, peer_tp_sizes) as m:

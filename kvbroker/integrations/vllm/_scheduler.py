@@ -106,14 +106,19 @@ def request_session(request: Any) -> dict | None:
     ``kvbroker`` map, or their flat ``kvbroker_session``, ``kvbroker_retain``,
     ``kvbroker_priority`` (what an OpenAI server's ``vllm_xargs`` can carry: no maps).
     BadRequest when it names one badly."""
-    for params in (getattr(request, "kv_transfer_params", None),
-                   getattr(getattr(request, "sampling_params", None), "extra_args", None)):
+    for params in (
+        getattr(request, "kv_transfer_params", None),
+        getattr(getattr(request, "sampling_params", None), "extra_args", None),
+    ):
         if not isinstance(params, dict):
             continue
         asked = params.get("kvbroker")
         if asked is None and "kvbroker_session" in params:
-            asked = {k: params[f"kvbroker_{k}"] for k in ("session", "retain", "priority")
-                     if f"kvbroker_{k}" in params}  # fmt: skip
+            asked = {
+                k: params[f"kvbroker_{k}"]
+                for k in ("session", "retain", "priority")
+                if f"kvbroker_{k}" in params
+            }
         if asked is None:
             continue
         if not isinstance(asked, dict) or set(asked) - {"session", "retain", "priority"}:
@@ -131,17 +136,30 @@ def request_salt(request: Any) -> str:
     if lora is not None:
         extra.append(f"lora={getattr(lora, 'lora_name', None) or getattr(lora, 'name', '')}")
     for feature in getattr(request, "mm_features", None) or ():
-        extra.append(f"mm={getattr(feature, 'identifier', '')}@"
-                     f"{getattr(getattr(feature, 'mm_position', None), 'offset', '')}")
+        extra.append(
+            f"mm={getattr(feature, 'identifier', '')}@"
+            f"{getattr(getattr(feature, 'mm_position', None), 'offset', '')}"
+        )
     return salt if not extra else "\x1f".join([salt, *extra])
 
 
 class SchedulerSide:
-    def __init__(self, *, link: BrokerLink, namespace: str, block_size: int,
-                 total_kv_heads: int | None, latent: bool, tp_size: int,
-                 peer_tp_sizes: tuple[int, ...] = (), save: bool, load: bool,
-                 warnings: Warnings, load_async: bool = False,
-                 handoff: HandoffConfig | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        *,
+        link: BrokerLink,
+        namespace: str,
+        block_size: int,
+        total_kv_heads: int | None,
+        latent: bool,
+        tp_size: int,
+        peer_tp_sizes: tuple[int, ...] = (),
+        save: bool,
+        load: bool,
+        warnings: Warnings,
+        load_async: bool = False,
+        handoff: HandoffConfig | None = None,
+    ) -> None:
         self.link, self.namespace, self.block_size = link, namespace, block_size
         self.handoff = handoff or HandoffConfig()
         self.tp_size = tp_size
@@ -165,13 +183,20 @@ class SchedulerSide:
             if getattr(request, "prompt_embeds", None) is not None or not tokens:
                 st = _Req(None)
             else:
-                st = _Req(prompt_keys(list(tokens), self.block_size, namespace=self.namespace,
-                                      cache_salt=request_salt(request)))  # fmt: skip
+                st = _Req(
+                    prompt_keys(
+                        list(tokens),
+                        self.block_size,
+                        namespace=self.namespace,
+                        cache_salt=request_salt(request),
+                    )
+                )
             try:
                 st.retain = request_session(request)
             except BadRequest as exc:  # the request is served, its blocks are not retained
-                self.warnings.warn("bad_session", "request %s: %s; not retained",
-                                   request.request_id, exc)  # fmt: skip
+                self.warnings.warn(
+                    "bad_session", "request %s: %s; not retained", request.request_id, exc
+                )
             self.reqs[request.request_id] = st
         return st
 
@@ -187,18 +212,35 @@ class SchedulerSide:
         if client is None or not hashes:
             return 0
         self.lookups += 1
-        pc = PrefixCache(client, namespace=self.namespace, block_size=self.block_size,
-                         tp_rank=0, tp_size=1, total_kv_heads=self.total_kv_heads)  # fmt: skip
+        pc = PrefixCache(
+            client,
+            namespace=self.namespace,
+            block_size=self.block_size,
+            tp_rank=0,
+            tp_size=1,
+            total_kv_heads=self.total_kv_heads,
+        )
         best = 0
-        named = {} if retain is None else {"session": retain["session"],
-                                           "retain": retain.get("for"),
-                                           "priority": retain.get("priority")}  # fmt: skip
+        named = (
+            {}
+            if retain is None
+            else {
+                "session": retain["session"],
+                "retain": retain.get("for"),
+                "priority": retain.get("priority"),
+            }
+        )
         try:
             for source in self.layouts:
                 # Only a count: the worker takes its own lease when it loads.
-                m = pc.match_kv(range(len(hashes) * self.block_size + 1), hashes=hashes,
-                                source_tp_size=source, latent=self.latent,
-                                hold=False, **named)  # fmt: skip
+                m = pc.match_kv(
+                    range(len(hashes) * self.block_size + 1),
+                    hashes=hashes,
+                    source_tp_size=source,
+                    latent=self.latent,
+                    hold=False,
+                    **named,
+                )
                 best = max(best, m.num_blocks)
                 if best == len(hashes):
                     break
@@ -206,8 +248,9 @@ class SchedulerSide:
             self.lookup_errors += 1
             self.link.fail(exc)
             if self.link.up:  # not a connection problem: say what it was
-                self.warnings.warn("lookup_failed", "prefix lookup failed (%s): computing the "
-                                   "prompt instead", exc)  # fmt: skip
+                self.warnings.warn(
+                    "lookup_failed", "prefix lookup failed (%s): computing the prompt instead", exc
+                )
             return 0
         return best
 
@@ -219,17 +262,28 @@ class SchedulerSide:
         if client is None or not keys:
             return []
         try:
-            return find_runs(client, self.namespace, keys, heads=self.total_kv_heads,
-                             consumer_tp=self.tp_size, producer_tps=self.layouts)  # fmt: skip
+            return find_runs(
+                client,
+                self.namespace,
+                keys,
+                heads=self.total_kv_heads,
+                consumer_tp=self.tp_size,
+                producer_tps=self.layouts,
+            )
         except KVBrokerError as exc:
             self.lookup_errors += 1
             self.link.fail(exc)
             if self.link.up:
-                self.warnings.warn("ring_lookup_failed", "ring lookup failed (%s): looking in "
-                                   "the host pools only", exc)  # fmt: skip
+                self.warnings.warn(
+                    "ring_lookup_failed",
+                    "ring lookup failed (%s): looking in the host pools only",
+                    exc,
+                )
             return []
 
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int, bool]:
         if not self.load:
             return 0, False
         st = self.state(request)
@@ -287,15 +341,28 @@ class SchedulerSide:
         hashes = st.keys.keys[first:last]
         ids = block_ids[first:last]
         if len(ids) != len(hashes):
-            self.warnings.warn("plan_mismatch", "request %s: %d blocks allocated for %d blocks "
-                               "to load; not loading", request.request_id, len(ids), len(hashes))
+            self.warnings.warn(
+                "plan_mismatch",
+                "request %s: %d blocks allocated for %d blocks to load; not loading",
+                request.request_id,
+                len(ids),
+                len(hashes),
+            )
             self._plan_load(request.request_id, st, [], ids or block_ids[first:], background)
             return
         self._plan_load(request.request_id, st, hashes, ids, background, st.ring, first)
         st.ring = ()
 
-    def _plan_load(self, req_id: str, st: _Req | None, hashes: list[str], ids: list[int],
-                   background: bool, ring: tuple = (), first: int = 0) -> None:  # fmt: skip
+    def _plan_load(
+        self,
+        req_id: str,
+        st: _Req | None,
+        hashes: list[str],
+        ids: list[int],
+        background: bool,
+        ring: tuple = (),
+        first: int = 0,
+    ) -> None:
         self.pending_loads.append(LoadSpec(req_id, hashes, ids, background, ring, first))
         if background and st is not None:
             st.loading = frozenset(ids)
@@ -319,7 +386,11 @@ class SchedulerSide:
             hit = [i for i, b in enumerate(st.block_ids) if b in invalid_block_ids]
             if hit:
                 st.saved = min(st.saved, hit[0])
-                if st.keys is not None and st.keys.tail and hit[0] <= st.keys.num_tokens // self.block_size:
+                if (
+                    st.keys is not None
+                    and st.keys.tail
+                    and hit[0] <= st.keys.num_tokens // self.block_size
+                ):
                     st.tail_saved = False
 
     # -- the step's plan ------------------------------------------------------------------
@@ -336,8 +407,9 @@ class SchedulerSide:
             if st is None:  # never seen by on_new_request/lookup: nothing known about it
                 continue
             st.block_ids = list(new.block_ids[0])
-            self._plan_save(new.req_id, st, new.num_computed_tokens + scheduled.get(new.req_id, 0),
-                            plan)  # fmt: skip
+            self._plan_save(
+                new.req_id, st, new.num_computed_tokens + scheduled.get(new.req_id, 0), plan
+            )
         cached = scheduler_output.scheduled_cached_reqs
         resumed = getattr(cached, "resumed_req_ids", set())
         for i, req_id in enumerate(cached.req_ids):
@@ -349,8 +421,9 @@ class SchedulerSide:
                 st.block_ids = list(new_ids[0]) if new_ids else []
             elif new_ids:
                 st.block_ids.extend(new_ids[0])
-            self._plan_save(req_id, st, cached.num_computed_tokens[i] + scheduled.get(req_id, 0),
-                            plan)  # fmt: skip
+            self._plan_save(
+                req_id, st, cached.num_computed_tokens[i] + scheduled.get(req_id, 0), plan
+            )
         return plan
 
     def _plan_save(self, req_id: str, st: _Req, computed: int, plan: StepPlan) -> None:

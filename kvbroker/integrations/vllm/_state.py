@@ -28,17 +28,26 @@ from kvbroker.errors import LayoutMismatch
 
 from ._groups import Group
 
-__all__ = ["StatePages", "StateSave", "load_state", "load_state_resharded", "reshard_page",
-           "state_format", "state_pieces"]  # fmt: skip
+__all__ = [
+    "StatePages",
+    "StateSave",
+    "load_state",
+    "load_state_resharded",
+    "reshard_page",
+    "state_format",
+    "state_pieces",
+]
 
 
 def state_format(group: Group, tp_rank: int, tp_size: int) -> blocks.StateFormat:
     """TP rank ``tp_rank`` of ``tp_size``'s state page of ``group``: every layer's state
     tensors (another TP size than the engine's: as :meth:`Group.shapes_for` lays them out)."""
     shapes = group.shapes_for(tp_size)
-    parts = [blocks.StateBuffer(f"l{layer}.s{i}", dtype, shape)
-             for layer in range(len(group.layer_names))
-             for i, (shape, dtype) in enumerate(zip(shapes, group.state_dtypes, strict=True))]  # fmt: skip
+    parts = [
+        blocks.StateBuffer(f"l{layer}.s{i}", dtype, shape)
+        for layer in range(len(group.layer_names))
+        for i, (shape, dtype) in enumerate(zip(shapes, group.state_dtypes, strict=True))
+    ]
     return blocks.StateFormat(tuple(parts), tp_rank=tp_rank, tp_size=tp_size)
 
 
@@ -53,8 +62,9 @@ def state_pieces(tensor) -> list:
         if not isinstance(t, torch.Tensor):
             raise LayoutMismatch(f"a Mamba state must be a tensor, not {type(t).__name__}")
         if not t[0].is_contiguous():
-            raise LayoutMismatch(f"a Mamba state tensor of shape {tuple(t.shape)} is not "
-                                 "contiguous per block")  # fmt: skip
+            raise LayoutMismatch(
+                f"a Mamba state tensor of shape {tuple(t.shape)} is not contiguous per block"
+            )
         raw = t.view(torch.uint8) if t.dtype != torch.uint8 else t
         out.append(raw.reshape(t.shape[0], -1))
     return out
@@ -100,8 +110,9 @@ def check_pages(fmt: blocks.StateFormat, pages: StatePages) -> None:
     for layer, pieces in enumerate(pages.layers):
         got = sum(p.shape[1] for p in pieces)
         if got != per_layer:
-            raise LayoutMismatch(f"state layer {layer} holds {got} bytes per block, vLLM's "
-                                 f"spec says {per_layer}")  # fmt: skip
+            raise LayoutMismatch(
+                f"state layer {layer} holds {got} bytes per block, vLLM's spec says {per_layer}"
+            )
 
 
 def _engine_bytes(pages: StatePages, block: int):
@@ -114,9 +125,15 @@ class StateSave:
     session its request named or None) in one step: ``reserve()``, ``copy()``, ``seal()`` or
     ``abort()``."""
 
-    def __init__(self, client, namespace: str, fmt: blocks.StateFormat, pages: StatePages,
-                 items: Sequence[tuple[str, int, dict | None]],
-                 checksums: bool = True) -> None:  # fmt: skip
+    def __init__(
+        self,
+        client,
+        namespace: str,
+        fmt: blocks.StateFormat,
+        pages: StatePages,
+        items: Sequence[tuple[str, int, dict | None]],
+        checksums: bool = True,
+    ) -> None:
         self.client, self.namespace, self.fmt, self.pages = client, namespace, fmt, pages
         self.items = list(items)
         self.checksums = checksums
@@ -132,10 +149,12 @@ class StateSave:
             at = 0
             for i in range(1, len(self.items) + 1):
                 if i == len(self.items) or self.items[i][2] != self.items[at][2]:
-                    wanted = [{"key": self.fmt.key(key), "parent": None}
-                              for key, _, _ in self.items[at:i]]  # fmt: skip
-                    whole = whole + blocks.reserve(self.client, self.namespace, wanted, buffers,
-                                                   meta, retain=self.items[at][2])  # fmt: skip
+                    wanted = [
+                        {"key": self.fmt.key(key), "parent": None} for key, _, _ in self.items[at:i]
+                    ]
+                    whole = whole + blocks.reserve(
+                        self.client, self.namespace, wanted, buffers, meta, retain=self.items[at][2]
+                    )
                     at = i
         except BaseException:
             whole.abort()
@@ -175,8 +194,9 @@ class StateSave:
                 self.reservation.abort()
 
 
-def load_state(client, namespace: str, fmt: blocks.StateFormat, pages: StatePages,
-               group_key: str, block: int) -> bool:  # fmt: skip
+def load_state(
+    client, namespace: str, fmt: blocks.StateFormat, pages: StatePages, group_key: str, block: int
+) -> bool:
     """Copy the state page at ``group_key`` into engine block ``block`` of every layer, whole;
     False (nothing written) when the node does not hold it."""
     import numpy as np
@@ -206,8 +226,9 @@ def reshard_page(group: Group, sources: Sequence, tp_rank: int, tp_size: int):
         axis, segments = group.state_splits[int(part.name.rsplit(".s", 1)[1])]
         dtype = getattr(torch, part.dtype)
         at = src_fmt.offset_of(part.name)
-        shards = [src[at : at + part.nbytes].clone().view(dtype).view(part.shape)
-                  for src in sources]  # fmt: skip
+        shards = [
+            src[at : at + part.nbytes].clone().view(dtype).view(part.shape) for src in sources
+        ]
         mine, start = [], 0  # (offsets along the axis, in a source rank's tensor)
         for units, width in segments:
             per_source, per_rank = units // source_size * width, units // tp_size * width
@@ -221,9 +242,16 @@ def reshard_page(group: Group, sources: Sequence, tp_rank: int, tp_size: int):
     return out
 
 
-def load_state_resharded(client, namespace: str, group: Group, pages: StatePages,
-                         group_key: str, block: int, tp_rank: int,
-                         source_tp_sizes: Sequence[int]) -> bool:  # fmt: skip
+def load_state_resharded(
+    client,
+    namespace: str,
+    group: Group,
+    pages: StatePages,
+    group_key: str,
+    block: int,
+    tp_rank: int,
+    source_tp_sizes: Sequence[int],
+) -> bool:
     """Load the state at ``group_key`` into engine block ``block`` from the pages of another TP
     layout (the first of ``source_tp_sizes`` whose every rank's page the node holds, under one
     read lease), resharded (:func:`reshard_page`); False (nothing written) when none does.
@@ -239,7 +267,9 @@ def load_state_resharded(client, namespace: str, group: Group, pages: StatePages
             if m.num_blocks < source:
                 continue
             fmts[0].check(m.meta)
-            sources = [torch.from_numpy(np.array(b[f.packed])) for b, f in zip(m.blocks, fmts, strict=True)]
+            sources = [
+                torch.from_numpy(np.array(b[f.packed])) for b, f in zip(m.blocks, fmts, strict=True)
+            ]
         page = reshard_page(group, sources, tp_rank, group.tp_size).to(pages.device)
         pages.scatter(torch.tensor([block], device=pages.device), page[None])
         if pages.device.type == "cuda":

@@ -73,10 +73,22 @@ __all__ = ["WorkerSide"]
 
 _UNPLANNED = "the scheduler side could not plan its load"
 REPORT_EVERY = 2.0  # seconds between the worker's counter reports to the daemon
-STAT_KEYS = ("loads", "loaded_blocks", "loaded_tokens", "loaded_bytes", "load_failed_blocks",
-             "saved_blocks", "saved_tokens", "saved_bytes", "existing_blocks",
-             "skipped_save_blocks", "broker_errors",
-             "loaded_state_bytes", "saved_state_bytes", *HANDOFF_STATS)  # fmt: skip
+STAT_KEYS = (
+    "loads",
+    "loaded_blocks",
+    "loaded_tokens",
+    "loaded_bytes",
+    "load_failed_blocks",
+    "saved_blocks",
+    "saved_tokens",
+    "saved_bytes",
+    "existing_blocks",
+    "skipped_save_blocks",
+    "broker_errors",
+    "loaded_state_bytes",
+    "saved_state_bytes",
+    *HANDOFF_STATS,
+)
 # Steps a failed load taints saves for when no plan acknowledges it (a backstop: vLLM reports
 # every step's invalid blocks to the scheduler side, whose next plan acknowledges them).
 FAILURE_MEMORY = 16
@@ -94,11 +106,21 @@ class _LoadFailure:
 
 
 class WorkerSide(HandoffWorker):
-    def __init__(self, *, link: BrokerLink, namespace: str, block_size: int,
-                 total_kv_heads: int | None, latent: bool, tp_rank: int, tp_size: int,
-                 peer_tp_sizes: tuple[int, ...] = (), warnings: Warnings,
-                 agree: Agreement | None = None,
-                 handoff: HandoffConfig | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        *,
+        link: BrokerLink,
+        namespace: str,
+        block_size: int,
+        total_kv_heads: int | None,
+        latent: bool,
+        tp_rank: int,
+        tp_size: int,
+        peer_tp_sizes: tuple[int, ...] = (),
+        warnings: Warnings,
+        agree: Agreement | None = None,
+        handoff: HandoffConfig | None = None,
+    ) -> None:
         self.link, self.namespace, self.block_size = link, namespace, block_size
         self.handoff = handoff or HandoffConfig()  # same-node P/D through the GPU rings
         self.agree = agree  # None: this rank's loads are the only ones (TP 1)
@@ -137,16 +159,27 @@ class WorkerSide(HandoffWorker):
         if not tensors:
             raise KVBrokerError("register_kv_caches: no KV cache tensors")
         how = interpret(backend, latent=self.latent)
-        self.fmt = attention_format(tensors, how, block_size=self.block_size,
-                                    total_kv_heads=self.total_kv_heads, tp_rank=self.tp_rank,
-                                    tp_size=self.tp_size)  # fmt: skip
+        self.fmt = attention_format(
+            tensors,
+            how,
+            block_size=self.block_size,
+            total_kv_heads=self.total_kv_heads,
+            tp_rank=self.tp_rank,
+            tp_size=self.tp_size,
+        )
         first = tensors[0]
         self.device = first.device.type
         self.cache = host_cache(tensors, how) if self.device == "cpu" else cuda_cache(tensors, how)
         self.cuda_device = None if self.device == "cpu" else first.device
-        log.info("kvbroker: %d layer(s) of %s cache (%s, %s), %d B per block, namespace %s",
-                 len(tensors), self.device, how, self.fmt.dtype, self.fmt.block_nbytes,
-                 self.namespace)  # fmt: skip
+        log.info(
+            "kvbroker: %d layer(s) of %s cache (%s, %s), %d B per block, namespace %s",
+            len(tensors),
+            self.device,
+            how,
+            self.fmt.dtype,
+            self.fmt.block_nbytes,
+            self.namespace,
+        )
 
     def release_cache(self) -> None:
         """Let go of the engine's KV cache: vLLM's sleep mode is about to discard it (its
@@ -179,9 +212,11 @@ class WorkerSide(HandoffWorker):
     def bind(self, plan: Any) -> None:
         if self._released and (getattr(plan, "loads", None) or getattr(plan, "saves", None)):
             # vLLM steps no engine between unregister_kv_caches and restore_kv_caches
-            raise KVBrokerError("KVBrokerConnector: a step with loads or saves came while the "
-                                "KV cache was released for sleep mode (restore_kv_caches was "
-                                "not called)")  # fmt: skip
+            raise KVBrokerError(
+                "KVBrokerConnector: a step with loads or saves came while the "
+                "KV cache was released for sleep mode (restore_kv_caches was "
+                "not called)"
+            )
         if self._save is not None and not self._save.done:  # a step that never finalized
             self._abort_save("the step ended before its save was sealed")
         self._plan = plan
@@ -189,8 +224,9 @@ class WorkerSide(HandoffWorker):
         self._layers_seen = set()
         self._step += 1
         self._ready = None
-        if self.device != "cpu" and any(getattr(s, "background", False)
-                                        for s in getattr(plan, "loads", ())):
+        if self.device != "cpu" and any(
+            getattr(s, "background", False) for s in getattr(plan, "loads", ())
+        ):
             # vLLM binds after the step's block zeroing and copy-on-write copies and before
             # its forward, which never touches a parked request's blocks: the background
             # loads of this step wait for what is queued now, and not for the forward.
@@ -199,9 +235,11 @@ class WorkerSide(HandoffWorker):
             except Exception:  # noqa: BLE001 - start_load tries again, and fails the loads
                 self._ready = None
         acknowledged = getattr(plan, "acknowledged", None) or set()
-        self._failures = [f for f in self._failures
-                          if not f.blocks <= acknowledged
-                          and self._step - f.step <= FAILURE_MEMORY]  # fmt: skip
+        self._failures = [
+            f
+            for f in self._failures
+            if not f.blocks <= acknowledged and self._step - f.step <= FAILURE_MEMORY
+        ]
 
     def unbind(self) -> None:
         if self._save is not None and not self._save.done:
@@ -241,27 +279,41 @@ class WorkerSide(HandoffWorker):
                 own.append(self._load(spec))
             except Exception as exc:  # noqa: BLE001 - _load catches the expected ones
                 own.append(0)
-                self.warnings.warn("load_failed", "could not load request %s (%s: %s): vLLM "
-                                   "recomputes it", spec.req_id, type(exc).__name__, exc)  # fmt: skip
+                self.warnings.warn(
+                    "load_failed",
+                    "could not load request %s (%s: %s): vLLM recomputes it",
+                    spec.req_id,
+                    type(exc).__name__,
+                    exc,
+                )
         agreed = own
         if self.agree is not None:
             try:
                 agreed = [min(a, b) for a, b in zip(own, self.agree(own), strict=True)]
             except Exception as exc:  # noqa: BLE001 - unknown: treat every load as failed
                 agreed = [0] * len(own)
-                self.warnings.warn("agree_failed", "could not compare loads with the other "
-                                   "TP ranks (%s: %s): treating them as failed",
-                                   type(exc).__name__, exc)  # fmt: skip
+                self.warnings.warn(
+                    "agree_failed",
+                    "could not compare loads with the other "
+                    "TP ranks (%s: %s): treating them as failed",
+                    type(exc).__name__,
+                    exc,
+                )
         for spec, mine, n in zip(loads, own, agreed, strict=True):
             if n < len(spec.block_ids):
                 failed = spec.block_ids[n:]
                 self._invalid.update(failed)
                 self._failures.append(_LoadFailure(spec.req_id, frozenset(failed), self._step))
                 if mine >= len(spec.block_ids):
-                    self.warnings.warn("load_failed_elsewhere", "another TP rank could not "
-                                       "load %d of %d blocks of request %s: vLLM recomputes "
-                                       "them", len(failed), len(spec.block_ids),
-                                       spec.req_id)  # fmt: skip
+                    self.warnings.warn(
+                        "load_failed_elsewhere",
+                        "another TP rank could not "
+                        "load %d of %d blocks of request %s: vLLM recomputes "
+                        "them",
+                        len(failed),
+                        len(spec.block_ids),
+                        spec.req_id,
+                    )
 
     def _load(self, spec: Any) -> int:
         """Load ``spec`` into this rank's cache now; returns how many leading blocks loaded."""
@@ -279,8 +331,15 @@ class WorkerSide(HandoffWorker):
 
     def _copy_in(self, spec: Any, client: Any, stream: Any) -> int:
         if self.device == "cpu":
-            return load_host(client, self.namespace, self.fmt, self.cache, spec.hashes,
-                             spec.block_ids, self.peer_tp_sizes)  # fmt: skip
+            return load_host(
+                client,
+                self.namespace,
+                self.fmt,
+                self.cache,
+                spec.hashes,
+                spec.block_ids,
+                self.peer_tp_sizes,
+            )
         return self._load_cuda(spec, client, stream)  # (._handoff: the rings first, if any)
 
     def _load_failed(self, spec: Any, client: Any, exc: BaseException) -> int:
@@ -289,8 +348,9 @@ class WorkerSide(HandoffWorker):
             self._link_failed(exc, client)
         return self._account(spec, 0, f"{type(exc).__name__}: {exc}")
 
-    def _account(self, spec: Any, loaded: int, why: str = "blocks were evicted since the "
-                 "lookup") -> int:  # fmt: skip
+    def _account(
+        self, spec: Any, loaded: int, why: str = "blocks were evicted since the lookup"
+    ) -> int:
         """Count a load that is over (``loaded`` of its blocks; ``why`` the rest did not)."""
         n_want = len(spec.block_ids)
         self.stats["loads"] += 1
@@ -301,9 +361,14 @@ class WorkerSide(HandoffWorker):
         if loaded < n_want:
             failed = n_want - loaded
             self.stats["load_failed_blocks"] += failed
-            self.warnings.warn("load_failed", "could not load %d of %d blocks of request %s "
-                               "(%s): vLLM recomputes them", failed, n_want, spec.req_id,
-                               why)  # fmt: skip
+            self.warnings.warn(
+                "load_failed",
+                "could not load %d of %d blocks of request %s (%s): vLLM recomputes them",
+                failed,
+                n_want,
+                spec.req_id,
+                why,
+            )
         return loaded
 
     def _link_failed(self, exc: BaseException, client: Any = None) -> None:
@@ -322,8 +387,10 @@ class WorkerSide(HandoffWorker):
         client = self._client()
         if self._loads is None:
             self._loads = AsyncLoads(self._loader_started)
-            log.info("kvbroker: load_async: requests wait parked while their blocks load on "
-                     "this worker's loader thread")  # fmt: skip
+            log.info(
+                "kvbroker: load_async: requests wait parked while their blocks load on "
+                "this worker's loader thread"
+            )
         ready = None
         if client is not None and self.device != "cpu":
             try:
@@ -453,8 +520,9 @@ class WorkerSide(HandoffWorker):
 
     def _skip(self, blocks: int, why: str) -> None:
         self.stats["skipped_save_blocks"] += blocks
-        self.warnings.warn("save_skipped", "skipped saving %d block(s) (%s); the engine "
-                           "keeps serving", blocks, why)  # fmt: skip
+        self.warnings.warn(
+            "save_skipped", "skipped saving %d block(s) (%s); the engine keeps serving", blocks, why
+        )
 
     def save_layer(self, layer_name: str) -> None:
         index = self.layer_index.get(layer_name)
@@ -534,8 +602,9 @@ class WorkerSide(HandoffWorker):
             g = self._gpu_client(client)
             if self.handoff.on and items:  # (._handoff) the GPU rings first
                 items = self._hand_off(g, self._items(by_request=True), items)
-            new, existing = save_cuda(client, self.namespace, self.fmt, self.cache, items,
-                                      stream=g.stream)  # fmt: skip
+            new, existing = save_cuda(
+                client, self.namespace, self.fmt, self.cache, items, stream=g.stream
+            )
         except (PoolFull, QuotaExceeded) as exc:
             self._skip(len(items), f"{type(exc).__name__}: {exc}")
             return

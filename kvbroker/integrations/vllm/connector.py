@@ -157,8 +157,11 @@ def _tp_agreement(tp_size: int):
 
 # Parallelisms whose ranks hold KV that the keys (which name only the TP rank) cannot tell
 # apart: pipeline stages hold different layers, context-parallel ranks different tokens.
-_UNSUPPORTED_PARALLEL = ("pipeline_parallel_size", "decode_context_parallel_size",
-                         "prefill_context_parallel_size")  # fmt: skip
+_UNSUPPORTED_PARALLEL = (
+    "pipeline_parallel_size",
+    "decode_context_parallel_size",
+    "prefill_context_parallel_size",
+)
 
 
 def _check_parallelism(parallel_config: Any) -> None:
@@ -185,8 +188,12 @@ class KVBrokerConnector(KVConnectorBase_V1, SupportsHMA):
 
     _cache_hit_source = CacheHitSource.HOST
 
-    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
-                 kv_cache_config: KVCacheConfig | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
+    ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         config = self._kv_transfer_config
         extra = dict(config.kv_connector_extra_config or {})
@@ -206,15 +213,23 @@ class KVBrokerConnector(KVConnectorBase_V1, SupportsHMA):
         if _is_classic(groups):
             spec = groups[0].kv_cache_spec
             self._namespace = namespace_for(
-                model_id, dtype=str(spec.dtype).removeprefix("torch."),
-                block_size=self._block_size, num_layers=len(groups[0].layer_names),
-                total_kv_heads=total_heads, head_size=spec.head_size, latent=self._latent,
+                model_id,
+                dtype=str(spec.dtype).removeprefix("torch."),
+                block_size=self._block_size,
+                num_layers=len(groups[0].layer_names),
+                total_kv_heads=total_heads,
+                head_size=spec.head_size,
+                latent=self._latent,
                 prefix=prefix,
-            )  # fmt: skip
+            )
         else:
-            self._groups = groups_of(kv_cache_config, tp_size=tp_size,
-                                     total_kv_heads=total_heads, use_mla=self._latent,
-                                     hf_config=getattr(model_config, "hf_text_config", None))  # fmt: skip
+            self._groups = groups_of(
+                kv_cache_config,
+                tp_size=tp_size,
+                total_kv_heads=total_heads,
+                use_mla=self._latent,
+                hf_config=getattr(model_config, "hf_text_config", None),
+            )
             self._namespace = hybrid_namespace(model_id, self._groups, prefix=prefix)
         self._tp_size = vllm_config.parallel_config.tensor_parallel_size
         peers = tuple(int(p) for p in extra.get("peer_tp_sizes", ()))
@@ -222,8 +237,10 @@ class KVBrokerConnector(KVConnectorBase_V1, SupportsHMA):
             check_peer_layouts(self._groups, peers)  # ValueError naming a group it cannot
         socket = extra.get("socket") or os.environ.get("KVBROKER_SOCKET") or None
         timeout = float(extra.get("timeout", 5.0))
-        retry = {"retry_min": float(extra.get("retry_min", 1.0)),
-                 "retry_max": float(extra.get("retry_max", 30.0))}
+        retry = {
+            "retry_min": float(extra.get("retry_min", 1.0)),
+            "retry_max": float(extra.get("retry_max", 30.0)),
+        }
         self._warnings = Warnings(log)
         kv_role = config.kv_role
         # vLLM fails a request whose KV did not load by default ("fail"): right for a P/D
@@ -231,57 +248,104 @@ class KVBrokerConnector(KVConnectorBase_V1, SupportsHMA):
         # is a miss. The blocks are recomputed instead, unless the extra config insists.
         policy = extra.get("kv_load_failure_policy", "recompute")
         if policy not in ("recompute", "fail"):
-            raise ValueError(f"kv_load_failure_policy must be 'recompute' or 'fail', not {policy!r}")
+            raise ValueError(
+                f"kv_load_failure_policy must be 'recompute' or 'fail', not {policy!r}"
+            )
         config.kv_load_failure_policy = policy
         load_async = extra.get("load_async", False)
         if not isinstance(load_async, bool):
             raise ValueError(f"load_async must be true or false, not {load_async!r}")
         handoff = HandoffConfig.from_extra(extra)
         if handoff.on and self._groups:
-            raise ValueError("KVBrokerConnector: handoff serves models with one full-attention "
-                             "KV cache group; this model's groups go through the host pools")
+            raise ValueError(
+                "KVBrokerConnector: handoff serves models with one full-attention "
+                "KV cache group; this model's groups go through the host pools"
+            )
         save, load = kv_role in ("kv_producer", "kv_both"), kv_role in ("kv_consumer", "kv_both")
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self._registered: tuple[dict[str, Any], str] | None = None  # (kv caches, backend)
         if role == KVConnectorRole.SCHEDULER:
-            link = BrokerLink(socket, name=f"vllm-scheduler-{os.getpid()}", role=kv_role,
-                              map_pools=False, timeout=timeout, **retry,
-                              warnings=self._warnings, words=_LINK_WORDS)  # fmt: skip
+            link = BrokerLink(
+                socket,
+                name=f"vllm-scheduler-{os.getpid()}",
+                role=kv_role,
+                map_pools=False,
+                timeout=timeout,
+                **retry,
+                warnings=self._warnings,
+                words=_LINK_WORDS,
+            )
             if self._groups:
                 self._scheduler = HybridScheduler(
-                    link=link, namespace=self._namespace, groups=self._groups,
-                    tp_size=self._tp_size, peer_tp_sizes=peers, save=save, load=load,
+                    link=link,
+                    namespace=self._namespace,
+                    groups=self._groups,
+                    tp_size=self._tp_size,
+                    peer_tp_sizes=peers,
+                    save=save,
+                    load=load,
                     warnings=self._warnings,
-                )  # fmt: skip
+                )
             else:
                 self._scheduler = SchedulerSide(
-                    link=link, namespace=self._namespace, block_size=self._block_size,
-                    total_kv_heads=self._total_kv_heads, latent=self._latent,
-                    tp_size=self._tp_size, peer_tp_sizes=peers, save=save, load=load,
-                    warnings=self._warnings, load_async=load_async, handoff=handoff,
-                )  # fmt: skip
+                    link=link,
+                    namespace=self._namespace,
+                    block_size=self._block_size,
+                    total_kv_heads=self._total_kv_heads,
+                    latent=self._latent,
+                    tp_size=self._tp_size,
+                    peer_tp_sizes=peers,
+                    save=save,
+                    load=load,
+                    warnings=self._warnings,
+                    load_async=load_async,
+                    handoff=handoff,
+                )
         else:
             tp_rank = _tp_rank()
-            link = BrokerLink(socket, name=f"vllm-worker-tp{tp_rank}of{self._tp_size}",
-                              role=kv_role, map_pools=True, timeout=timeout, **retry,
-                              warnings=self._warnings, words=_LINK_WORDS)  # fmt: skip
+            link = BrokerLink(
+                socket,
+                name=f"vllm-worker-tp{tp_rank}of{self._tp_size}",
+                role=kv_role,
+                map_pools=True,
+                timeout=timeout,
+                **retry,
+                warnings=self._warnings,
+                words=_LINK_WORDS,
+            )
             if self._groups:
                 self._worker = HybridWorker(
-                    groups=self._groups, link=link, namespace=self._namespace,
-                    block_size=self._block_size, tp_rank=tp_rank, tp_size=self._tp_size,
-                    peer_tp_sizes=peers, warnings=self._warnings,
-                )  # fmt: skip
+                    groups=self._groups,
+                    link=link,
+                    namespace=self._namespace,
+                    block_size=self._block_size,
+                    tp_rank=tp_rank,
+                    tp_size=self._tp_size,
+                    peer_tp_sizes=peers,
+                    warnings=self._warnings,
+                )
             else:
                 self._worker = WorkerSide(
-                    link=link, namespace=self._namespace, block_size=self._block_size,
-                    total_kv_heads=self._total_kv_heads, latent=self._latent,
-                    tp_rank=tp_rank, tp_size=self._tp_size, peer_tp_sizes=peers,
-                    warnings=self._warnings, agree=_tp_agreement(self._tp_size),
+                    link=link,
+                    namespace=self._namespace,
+                    block_size=self._block_size,
+                    total_kv_heads=self._total_kv_heads,
+                    latent=self._latent,
+                    tp_rank=tp_rank,
+                    tp_size=self._tp_size,
+                    peer_tp_sizes=peers,
+                    warnings=self._warnings,
+                    agree=_tp_agreement(self._tp_size),
                     handoff=handoff,
-                )  # fmt: skip
-        log.info("kvbroker: %s connector, role %s, namespace %s, socket %s", role.name.lower(),
-                 kv_role, self._namespace, socket or "default")  # fmt: skip
+                )
+        log.info(
+            "kvbroker: %s connector, role %s, namespace %s, socket %s",
+            role.name.lower(),
+            kv_role,
+            self._namespace,
+            socket or "default",
+        )
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -314,8 +378,9 @@ class KVBrokerConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler.finished(request.request_id)
         return False, None
 
-    def request_finished_all_groups(self, request, block_ids: tuple[list[int], ...]
-                                    ) -> tuple[bool, dict[str, Any] | None]:  # fmt: skip
+    def request_finished_all_groups(
+        self, request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
         # (SupportsHMA) saves complete within their step: no group's blocks are held
         self._scheduler.finished(request.request_id)
         return False, None
