@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ...errors import BadRequest, LayoutMismatch
+from ...kv import ClaimResult, kv_buffer_name
 from ...layout import itemsize_of
 from ._landing import settle
 
@@ -338,3 +339,39 @@ def _build_cache(config: Any, kvs: Sequence[tuple[Any, Any]], seq_len: int):
                 )
             layer.cumulative_length = seq_len
     return cache
+
+
+META_TAG = "kvbroker.transformers"  # meta key marking (and versioning) what this module published
+
+
+@dataclass
+class PublishedCache:
+    """What :func:`publish_cache` published: the key, bytes copied, wall time."""
+
+    key: str
+    seq_len: int
+    nbytes: int
+    seconds: float
+
+
+@dataclass
+class ClaimedCache:
+    """A rebuilt ``DynamicCache`` (owned by the caller) and what came with it.
+
+    ``seq_len``: tokens the cache has seen (the position of the next token). ``meta``: the
+    publisher's ``extra`` meta. ``result``: kvbroker.kv's ClaimResult for TP claims.
+    """
+
+    cache: Any
+    seq_len: int
+    spec: KVSpec
+    meta: dict = field(default_factory=dict)
+    nbytes: int = 0
+    seconds: float = 0.0
+    result: ClaimResult | None = None
+    # claim_cache(overlap): the copies still landing; finish() waits for the lease's release
+    landing: Any = None
+
+
+def _buffer_names(num_layers: int) -> list[tuple[str, str]]:
+    return [(kv_buffer_name("key", i), kv_buffer_name("value", i)) for i in range(num_layers)]
