@@ -77,6 +77,7 @@ from .event_wire import (
     import_zmq,
     topic_for,
 )
+from .log_limits import RateLimitedWarnings
 
 __all__ = [
     "AllBlocksCleared",
@@ -116,28 +117,6 @@ MAX_REPLAYS = 64  # replays in progress at once (one per requester)
 REPLAY_SLICE = 256 << 10  # bytes a replay may send a turn, one batch at least
 REPLAY_STALL = 30.0  # seconds a replay may wait for a requester that does not read
 WARN_INTERVAL = 10.0  # seconds between two warnings of one kind (bad requests...)
-
-
-class _Warnings:
-    """At most one warning per kind every ``interval`` seconds, saying how many were held back:
-    a peer sending garbage in a loop must not fill the log."""
-
-    def __init__(self, interval: float) -> None:
-        self.interval = interval
-        self._last: dict[str, float] = {}
-        self._held: dict[str, int] = {}
-
-    def warn(self, kind: str, msg: str, *args, exc_info: bool = False) -> None:
-        now = time.monotonic()
-        last = self._last.get(kind)
-        if last is not None and now - last < self.interval:
-            self._held[kind] = self._held.get(kind, 0) + 1
-            return
-        self._last[kind] = now
-        held = self._held.pop(kind, 0)
-        if held:
-            msg, args = msg + " (and %d more like it in the last %.0f s)", (*args, held, now - last)
-        log.warning(msg, *args, exc_info=exc_info)
 
 
 @dataclass(slots=True)
@@ -231,7 +210,7 @@ class EventPublisher:
         self._buffer: deque[tuple[int, bytes]] = deque()
         self._buffered = 0  # payload bytes in _buffer
         self._replays: dict[bytes, _Replay] = {}  # requester identity -> its replay, in turn
-        self._warnings = _Warnings(WARN_INTERVAL)
+        self._warnings = RateLimitedWarnings(log, WARN_INTERVAL)
         self._cond = threading.Condition()
         self._queue: deque[Event] = deque()
         self._overflowed = False
