@@ -76,20 +76,17 @@ from ._client.block_ops import (
     copy,
     device_checksums_available,
     empty_checksum,
-    match,
-    match_keys,
-    match_shards,
     pool_address,
     retention,
     pool_runs,
     reserve,
     reserve_later,
-    ring_lookup,
     seal,
     seal_later,
     start_device_checksums,
     view,
 )
+from ._client.block_match import match, match_keys, match_shards, ring_lookup
 from ._client.copy import copy_into
 from ._client.prefix_match import SHARD_META_TAG, KVPrefixMatch, MatchedBlock, PrefixMatch
 from ._client.tp import Piece, claim_plan, shard_heads

@@ -602,7 +602,7 @@ def test_match_kv_releases_the_best_match_when_a_later_layout_fails(tp_daemon, m
     with tp_daemon.client() as c:
         # TP=1 shards of the first 2 of 4 blocks: the TP=2 layout is tried next
         tokens, pc = _decode_rank_over(c, 51, 2, 1)
-        from kvbroker._client import block_ops as blocks
+        from kvbroker._client import block_match as blocks
 
         real, calls = blocks._match_layout, []
 
