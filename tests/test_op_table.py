@@ -219,7 +219,7 @@ def test_the_design_doc_shows_the_current_op_table():
     import pathlib
     import re
 
-    from kvbroker._wire.protocol import markdown_table
+    from kvbroker._wire.protocol_doc import markdown_table
 
     doc = (pathlib.Path(__file__).resolve().parent.parent / "docs" / "design.md").read_text()
     m = re.search(r"<!-- op-table[^\n]*-->\n(.*?)<!-- /op-table -->", doc, re.S)
