@@ -40,13 +40,11 @@ import ssl
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from .._wire import checksum
 from .._wire.stats import EventStatistics, PeerInfo, TransferStatistics
 from ..errors import (
     BadRequest,
-    ChecksumMismatch,
     Exists,
     Forbidden,
     KVBrokerError,
@@ -57,8 +55,9 @@ from ..errors import (
 from . import transfer
 from .checks import check_name
 from .fleet_events import EventFeed, announced, block_event_hash
+from .fleet_pull import PullSteps, _Peer
 from .fleet_serving import BrokerProvider
-from .pin_reply import Described, looked_up
+from .pin_reply import looked_up
 from .pool import open_segment
 
 if TYPE_CHECKING:
@@ -74,15 +73,7 @@ log = logging.getLogger("kvbroker.fleet")
 # -- the daemon's fleet ----------------------------------------------------------------------------
 
 
-class _Peer:
-    """Our connection to one peer broker, and its NIXL agent."""
-
-    def __init__(self, client: transfer.PeerClient, agent: str) -> None:
-        self.client = client
-        self.agent = agent
-
-
-class Fleet:
+class Fleet(PullSteps):
     """NIXL endpoint, peer server, pulls and events of one daemon (see the module doc)."""
 
     def __init__(self, daemon: DaemonView) -> None:
@@ -509,93 +500,6 @@ class Fleet:
                 except (KVBrokerError, OSError):
                     pass  # the peer ends it with its TTL or with our connection
             raise
-
-    def _described(
-        self, pinned: Any, address: str, namespace: str, how: str, keys: list[str]
-    ) -> list[Described]:
-        """The objects of a pin reply, each checked as a local seal is checked; exactly the
-        one key asked (``pin``), or a leading run of the keys asked (``pin_prefix``)."""
-        objects = pinned.get("objects") if isinstance(pinned, dict) else None
-        if not isinstance(objects, list) or not objects:
-            raise TransferFailed(f"peer {address} described no object; nothing was sealed")
-        if len(objects) > (1 if how == "pin" else len(keys)):
-            raise TransferFailed(
-                f"peer {address} described {len(objects)} objects for "
-                f"{len(keys) if how != 'pin' else 1} asked; nothing was "
-                "sealed"
-            )
-        out = []
-        for i, desc in enumerate(objects):
-            try:
-                d = Described.check(desc, namespace, self.broker.require_checksums)
-            except (BadRequest, ValueError, TypeError) as exc:
-                msg = exc.message if isinstance(exc, KVBrokerError) else str(exc)
-                raise TransferFailed(
-                    f"peer {address} described a bad object: {msg}; nothing was sealed"
-                ) from None
-            if d.key != keys[i]:
-                raise TransferFailed(
-                    f"peer {address} described {namespace}/{d.key[:80]} "
-                    f"where {namespace}/{keys[i][:80]} was asked; nothing "
-                    "was sealed"
-                )
-            out.append(d)
-        return out
-
-    def _reserve(self, d: Described, tenants: tuple) -> Lease:
-        """A write lease here for one described object, charged to the tenants of the
-        session that asked for the pull (not to the daemon's own)."""
-        # Outlives the pull: each of pin, READ and release is bounded by the timeout.
-        ttl = 3 * self.timeout + self.pin_ttl
-        return self.broker.reserve_extent(
-            self.session,
-            (d.namespace, d.key),
-            d.layout,
-            d.span,
-            d.meta,
-            ttl,
-            d.tokens,
-            tenants=tenants,
-        )
-
-    def _read_and_verify(self, peer: _Peer, address: str, plans, phases: dict[str, float]) -> None:
-        """In a worker thread: one NIXL READ, then every buffer's checksum."""
-        remote, local = [], []
-        for lease, d in plans:
-            base = self.bases[lease.obj.pool.index]
-            remote += d.extents
-            local += [(base + off, n) for off, n in lease.obj.buffers.values() if n]
-        res = self.endpoint.read(peer.agent, remote, local, timeout=self.timeout)
-        self._read_seconds = phases["read"] = res.seconds
-        t = time.perf_counter()
-        for lease, d in plans:
-            sums = d.checksums
-            if sums is None:
-                continue  # sealed there without checksums: the fenced release still guards
-            obj = lease.obj
-            base = obj.pool.index
-            bad = [
-                name
-                for name, (off, n) in obj.buffers.items()
-                if name not in sums
-                or not checksum.matches(self._maps[base][off : off + n], sums[name])
-            ]
-            if bad:
-                raise ChecksumMismatch(
-                    f"{obj.namespace}/{obj.key} pulled from peer {address}: buffer(s) "
-                    f"{', '.join(bad[:5])} do not match the checksums sealed there; "
-                    "nothing was sealed",
-                    buffers=tuple(bad),
-                )
-        phases["verify"] = time.perf_counter() - t
-
-    def _discard(self, lease: Lease, quarantine: bool) -> None:
-        b = self.broker
-        if quarantine:  # a READ that may still land: the pages wait out the quarantine
-            b.abort_held(lease, "its pull failed")
-        else:
-            b.abort(lease, "its pull failed")
-        b.counters["aborts"] += 1
 
     # -- statistics ----------------------------------------------------------------------------
     def last_failure(self, can: Callable[[str], bool] | None = None) -> str:
