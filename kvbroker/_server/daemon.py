@@ -22,6 +22,7 @@ from .broker import Broker
 from .connection import Connection
 from .._cpu import cpu_spare
 from .config import DaemonConfig, apply_to_owners, reload_into
+from .daemon_optional import OptionalParts
 from .replicas import Replicas
 from .systemd import Notifier
 from .._wire.paths import format_size
@@ -44,7 +45,7 @@ _STATUS_PERIOD = 5.0  # seconds between STATUS= updates to systemd
 RESTART_SIGNAL = signal.SIGUSR1
 
 
-class Daemon:
+class Daemon(OptionalParts):
     """Owns the pools, the broker and the listening socket for one ``serve``."""
 
     def __init__(
@@ -311,67 +312,6 @@ class Daemon:
                 task.cancel()
             self.replicas.stop()
             await self._shutdown()
-
-    def _start_disk(self) -> None:
-        """The disk tier ([tier.disk], kvbroker._server.disk_tier), when configured: its
-        index read back, the pools' objects it holds a copy of (a warm restart) known."""
-        if not self.config.tier_disk_directories:
-            return
-        from . import disk_link
-
-        b = self.broker
-        quotas = b.accounts
-
-        def quota_of(account: Any) -> int | None:  # its share of the pools ([quotas])
-            q = quotas.quotas
-            return q.limit(account) if isinstance(account, str) else q.tenant_limit(account)
-
-        disk = disk_link.start(self.config, b.pools, quota_of)
-        s = b.open_session(os.getpid(), os.getuid(), os.getgid())
-        s.name, s.role, s.greeted = "disk tier", "promoter", True
-        disk.bind(
-            disk_link.DiskLink(
-                directory=b.directory,
-                free_object=b._free_object,
-                reserve_extent=b.reserve_extent,
-                seal=b.seal_all,
-                live=b.leases.__contains__,
-                discard=lambda ls: b.abort(ls, "its promotion from disk failed"),
-                session=s,
-                ttl=b.leases.max_lease_ttl,
-            )
-        )
-        disk.adopt_pool_objects(b.directory.in_namespace(None))
-        b.pages.tier = disk
-        st = disk.statistics()
-        log.info(
-            "disk tier: %s in %s (%s), %d object(s) on disk",
-            format_size(st.capacity),
-            ", ".join(st.directories),
-            "O_DIRECT" if st.o_direct else f"buffered: {st.o_direct_problem or 'o_direct = false'}",
-            st.objects,
-        )
-
-    async def _start_fleet(self) -> None:
-        """Peer pulls and serving ([transfer]) and KV events ([events]), when configured
-        (kvbroker._server.fleet): NIXL and pyzmq are imported only then."""
-        cfg = self.config
-        if not (
-            cfg.transfer_cert_file
-            or cfg.transfer_key_file
-            or cfg.transfer_ca_file
-            or cfg.transfer_listen
-            or cfg.transfer_peers
-            or cfg.events_publish
-        ):
-            return
-        from .fleet import Fleet
-
-        self.fleet = Fleet(self)
-        try:
-            await self.fleet.start()
-        except KVBrokerError as exc:
-            raise DaemonError(str(exc)) from None
 
     def summary(self) -> str:
         """One line for systemd's STATUS= (shown by ``systemctl status``)."""
