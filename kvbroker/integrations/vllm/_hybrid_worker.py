@@ -57,7 +57,8 @@ from ._state import (
     state_format,
     state_pieces,
 )
-from ._worker import WorkerSide, _Skipped
+from ._worker import WorkerSide
+from ._worker_save import _Skipped
 
 NULL_BLOCK = 0  # vLLM's null block (a sliding group's skipped positions): never read or written
 
