@@ -1,7 +1,7 @@
 # Two commands do all the set-up on a fresh machine:
 #   make serve   install the runtime dependencies only, run a daemon on embedded defaults
 #   make test    install the test dependencies too, run the test suite
-# (and `make lint`: ruff with the project's settings, as CI runs it)
+# (and `make lint`: ruff check and ruff format --check with the project's settings, as CI runs)
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -63,6 +63,7 @@ test: $(TEST_STAMP)
 
 lint: $(TEST_STAMP)
 	$(BIN)/python -m ruff check .
+	$(BIN)/python -m ruff format --check .
 
 bench: $(TEST_STAMP)
 	$(BIN)/kvbroker bench transfer
