@@ -477,7 +477,7 @@ def test_the_scheduler_takes_the_host_pools_where_they_hold_more(ring_daemon, me
             NS,
             c6,
             fmt,
-            [("r1", _items(keys, [0, 1])[:2])],
+            [("r1", _items(keys[:2], [0, 1]))],
             HandoffConfig("ring"),
         )
         save_cuda(p, NS, fmt, c6, _items(keys[:5], [0, 1, 2, 3, 4]), copier=copier_for("cpu"))
