@@ -36,13 +36,23 @@ def built(tmp_path):
         pool.unlink()
 
 
+# Owners a configuration may leave out: the fixture builds none of them, so their copies are
+# not reachable here (Into skips an absent owner; the disk tier's own tests reload it).
+_OPTIONAL_OWNERS = {"disk"}
+
+
 def _places(daemon):
-    """Every copy of a setting its Key declares: (key, owner object, attribute)."""
-    return [
-        (key, OWNERS[owner](daemon), attr)
-        for key in _OWNED
-        for owner, attr in key.reload.places(key.attr)
-    ]
+    """Every copy of a setting its Key declares whose owner this daemon has:
+    (key, owner object, attribute). An absent owner must be an optional one."""
+    places = []
+    for key in _OWNED:
+        for owner, attr in key.reload.places(key.attr):
+            obj = OWNERS[owner](daemon)
+            if obj is None:
+                assert owner in _OPTIONAL_OWNERS, f"{key.name}: owner {owner} is missing"
+                continue
+            places.append((key, obj, attr))
+    return places
 
 
 def test_lease_ttl_declares_the_rings_as_a_consumer():
