@@ -68,6 +68,12 @@ def replicated(make_daemon):
     d = make_daemon("--pool-size", "64M", "--page-size", "4K", "--read-replicas", "2")
     d.wait_ready()
     _replicas_answer(d, 2)
+
+    def hellos_reported() -> bool:  # a replica reports its counts every REPORT_PERIOD: a test's
+        with d.client() as c:  # "before" taken ahead of that report would count these hellos
+            return c.stat().counters.replica_requests >= 2
+
+    _wait(hellos_reported, 60.0, "the replicas to report the readiness hellos")
     return d
 
 
