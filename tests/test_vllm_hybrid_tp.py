@@ -339,3 +339,58 @@ def test_what_cannot_be_resharded_is_refused_by_name():
     )
     # shapes that are not the layout the config says: not resharded
     assert state_splits(GDN, ((3, 40), (2, DV, DK)), HF, 2) == ()
+
+
+def test_a_rank_page_of_another_layout_is_refused_not_resharded(broker, whole):
+    """Every rank's page of the other TP layout is checked against its own format: a rank-1
+    page some other writer stored with different parts (a dtype here; same size) fails the
+    load, so vLLM recomputes, and the engine's state block is left as it was."""
+    from kvbroker import blocks
+    from kvbroker.integrations.vllm._state import state_format
+
+    states, attn = whole
+    producers = [make_worker(broker.socket_path, r, 2, "host") for r in range(2)]
+    reader, caches = make_worker(broker.socket_path, 0, 1, "host", peers=(2,))
+    try:
+        for r, (w, c) in enumerate(producers):
+            put(c, states, attn, r, 2, 4, [1, 2, 3])
+            save(w)
+        fmt = state_format(groups(2)[0], 1, 2)
+        key = fmt.key(groups(2)[0].key(KEYS.hashes[1]))
+        meta = fmt.meta()
+        first = meta["parts"][0]
+        meta["parts"][0] = [first[0], "float16" if first[1] != "float16" else "bfloat16", first[2]]
+        with broker.client() as client:
+            client.evict(key, namespace=NS)
+            r = blocks.reserve(client, NS, [{"key": key, "parent": None}], fmt.buffers(), meta)
+            r.view(0, fmt.packed)[:] = 1
+            blocks.seal(client, r.taken)
+        gs = reader.groups
+        reader.bind(
+            StepPlan(
+                loads=[
+                    HybridLoad(
+                        "q",
+                        [
+                            GroupLoad(1, [gs[1].key(h) for h in KEYS.keys], [7, 8, 9]),
+                            GroupLoad(0, [gs[0].key(KEYS.hashes[1])], [10]),
+                        ],
+                        tokens=9,
+                    )
+                ]
+            )
+        )
+        reader.start_load()
+        reader.wait_for_save()
+        reader.unbind()
+        deadline = time.monotonic() + 60
+        while "q" not in (reader.finished_loads() or set()):
+            assert time.monotonic() < deadline, "load never reported"
+            time.sleep(0.01)
+        assert reader.failed_loads() == {"q"}
+        for i in range(STATE_LAYERS):
+            assert not caches[f"state.{i}"][10].any()
+    finally:
+        reader.close()
+        for w, _ in producers:
+            w.close()

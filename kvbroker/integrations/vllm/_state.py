@@ -266,7 +266,8 @@ def load_state_resharded(
         with blocks.match_keys(client, namespace, [f.key(group_key) for f in fmts]) as m:
             if m.num_blocks < source:
                 continue
-            fmts[0].check(m.meta)
+            for i, fmt in enumerate(fmts):  # each rank's page was a writer's own choice
+                fmt.check(m.meta_of(i))
             sources = [
                 torch.from_numpy(np.array(b[f.packed])) for b, f in zip(m.blocks, fmts, strict=True)
             ]
