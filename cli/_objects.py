@@ -307,8 +307,8 @@ def evict(
 ) -> None:
     """Free sealed objects matching every filter given (leased ones are never evicted).
 
-    Exit status 1 when KEY names no object, with or without --json. --all takes no other
-    selector, and asks first on a terminal (--yes does not ask).
+    Exit status 1 when KEY names no object (with --tier disk: no disk copy), with or without
+    --json. --all takes no other selector, and asks first on a terminal (--yes does not ask).
     """
     cmd = "kvbroker evict"
     filters = {
@@ -380,8 +380,11 @@ def evict(
                 else ""
             )
         )
-    if key is not None and res.count == 0 and not res.skipped_leased:
-        raise fail(f"no object {clean(key)!r}")
+    # --tier disk frees no object a pool still holds: dropping its disk copy (on_disk) is
+    # what it was asked to do, not "no object".
+    if key is not None and res.count == 0 and not res.skipped_leased and not res.on_disk:
+        where = "no disk copy of" if tier == "disk" else "no object"
+        raise fail(f"{where} {clean(key)!r}")
 
 
 __all__ = ["ls_", "show", "evict", "object_table", "age", "EXIT_USAGE"]

@@ -163,6 +163,29 @@ def test_evict_by_tier(daemons, tmp_path):
         assert not any(c.exists(k) for k in "abc") and c.stat().disk.objects == 0
 
 
+def test_cli_evict_tier_disk_of_a_key_reports_the_copy_it_dropped(daemons, tmp_path):
+    """`kvbroker evict --tier disk KEY` drops the key's disk copy and keeps it in the pool:
+    that is success (exit 0), not "no object"; a key with no disk copy exits 1 saying so."""
+    from typer.testing import CliRunner
+
+    from kvbroker.cli import app
+
+    d = daemons(tier_env(tmp_path / "disk", policy="sealed", o_direct="false"))
+    with d.client() as c:
+        for k in ("a", "b"):
+            c.put(k, {"past_key.0": pattern(k, 8192)})
+        wait_for(lambda: c.stat().disk.objects == 2)  # policy sealed: both written back
+        assert c.evict("b", tier="disk").on_disk == 1  # b: in the pool only from now on
+        s = ["--socket", d.socket_path]
+        r = CliRunner().invoke(app, ["evict", "a", "--tier", "disk", *s])
+        assert r.exit_code == 0, r.output
+        assert "1 disk copy dropped" in r.output and "no object" not in r.output
+        assert c.stat().disk.objects == 0 and c.list(match="^a$")  # still in the pool
+        r = CliRunner().invoke(app, ["evict", "b", "--tier", "disk", *s])
+        assert r.exit_code == 1 and "no disk copy of 'b'" in r.output, r.output
+        assert c.list(match="^b$")
+
+
 def _drop_caches() -> bool:
     try:
         os.sync()
