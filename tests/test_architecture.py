@@ -544,30 +544,12 @@ def _takes_a_coordinator(path: pathlib.Path) -> list[str]:
     return out
 
 
-# The one exception: how a setting reaches its consumers is declared with its Key, as a table
-# of functions of the running daemon (config_apply.py), which the start and the reload call.
-_APPLIERS = {
-    "config_apply.py": {
-        "LIVE",
-        "apply_owned",
-        "set_policy",
-        "set_write_buffers",
-        "set_retention",
-        "set_log_level",
-    },
-    "config.py": {"reload_into", "apply_to_owners"},
-}
-
-
 def test_no_module_function_takes_the_broker_or_the_daemon():
     """Each owner makes its own transitions: handlers, eviction, prefix leases, statistics,
-    restore and start-up are methods of an owner or take owners, never the coordinators."""
-    bad = [
-        line
-        for path in sorted(SERVER.glob("*.py"))
-        for line in _takes_a_coordinator(path)
-        if line.split(": ", 1)[1].split("(")[0] not in _APPLIERS.get(path.name, ())
-    ]
+    restore, start-up and a setting's reload are methods of an owner or take owners, never
+    the coordinators. No exemption: a setting's ``Key`` names owners' attributes and methods
+    (config_apply), which the daemon resolves itself."""
+    bad = [line for path in sorted(SERVER.glob("*.py")) for line in _takes_a_coordinator(path)]
     assert not bad, "module-level functions taking the Broker or the Daemon:\n" + "\n".join(bad)
 
 

@@ -21,17 +21,13 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .._wire.paths import default_socket_path
 from . import config_values as parse
-from .config_apply import LIVE, TO_BROKER, Into, apply_owned, set_log_level, set_policy
-from .config_apply import set_retention, set_write_buffers
+from .config_apply import LIVE, TO_BROKER, Call, Into, Owners, apply_owned
 from .config_key import ENV_PREFIX, Key, env_name, flag_name
 from .config_values import parse_listen_address
-
-if TYPE_CHECKING:
-    from .config_apply import Daemon
 
 __all__ = [
     "DEFAULT_CONFIG_PATH",
@@ -82,6 +78,13 @@ def _socket_for_this_user() -> str:
         if saved is not None:
             os.environ["KVBROKER_SOCKET"] = saved
 
+
+# Consumers several settings share, each called once by a reload.
+# Both tables at once: every connection's access is recomputed from its next request on, and
+# the event feed re-decides what an unauthenticated stream carries.
+POLICY = Call("broker.set_policy", "isolation", "quotas").then("events.policy_changed")
+# The whole [sessions] table at once: lowered bounds are enforced at once.
+RETENTION = Call("retention.configure", "retention_settings")
 
 # -- THE settings: one declaration each ----------------------------------------------------
 SETTINGS: tuple[Key, ...] = (
@@ -137,8 +140,8 @@ SETTINGS: tuple[Key, ...] = (
              "connection holding the most is disconnected (see max_write_buffer)."),
     Key("drain_timeout", parse.duration, "10s", reload=LIVE, flag=(), metavar="DURATION",
         example="1m", help="On SIGTERM, wait this long for held leases to end."),
-    Key("log_level", parse.log_level, "info", reload=set_log_level, flag=(), metavar="LEVEL",
-        example="debug", help="debug, info, warning, error."),
+    Key("log_level", parse.log_level, "info", reload=Call("daemon.set_log_level", "log_level"),
+        flag=(), metavar="LEVEL", example="debug", help="debug, info, warning, error."),
     # (host, port) of the Prometheus endpoint, None when off.
     Key("metrics", parse_listen_address, "off", flag=(), metavar="HOST:PORT",
         example="127.0.0.1:9464",
@@ -153,13 +156,14 @@ SETTINGS: tuple[Key, ...] = (
         help="Leases the connections of one uid may hold at once, together (each costs the "
              "daemon ~400 B of memory that no quota counts); peers' pins count as the "
              "daemon's own uid."),
-    Key("max_write_buffer", parse.write_buffer, "32M", reload=set_write_buffers, example="64M",
+    Key("max_write_buffer", parse.write_buffer, "32M", example="64M",
+        reload=Call("daemon.set_write_buffer_limit", "max_write_buffer"),
         help="Bytes of replies and pushes a peer may leave unread before it is disconnected "
              "(above the largest reply: 16 MiB frames)."),
     # Who may use which namespace, and namespace byte quotas (kvbroker._server.policy).
-    Key("isolation", parse.isolation, {}, reload=set_policy, example={"mode": "tenant"},
+    Key("isolation", parse.isolation, {}, reload=POLICY, example={"mode": "tenant"},
         help="[isolation] namespace access policy."),
-    Key("quotas", parse.quotas, {}, reload=set_policy, example={"team/*": "1G"},
+    Key("quotas", parse.quotas, {}, reload=POLICY, example={"team/*": "1G"},
         help="[quotas] namespace = byte limit."),
     # Pools of one tenant's own, which only its uid (or group) can map (issue 16).
     Key("tenant_pools", parse.tenant_pools, {},
@@ -224,23 +228,23 @@ SETTINGS: tuple[Key, ...] = (
     Key("transfer_timeout", parse.positive_duration, "60s", section="transfer", example="2m",
         help="Give up a pull (connect, pin, NIXL READ) after this long."),
     # Sessions: the blocks agents and chats come back to (kvbroker._server.retention).
-    Key("sessions_retain", parse.positive_duration, "10m", section="sessions", reload=set_retention,
+    Key("sessions_retain", parse.positive_duration, "10m", section="sessions", reload=RETENTION,
         example="30m", help="How long a request naming a session without `for` keeps its "
                             "blocks retained (renewed by each request)."),
     Key("sessions_max_retain", parse.positive_duration, "1h", section="sessions",
-        reload=set_retention, example="4h",
+        reload=RETENTION, example="4h",
         help="The longest retention a request or `kvbroker retain` may ask for."),
-    Key("sessions_pool_share", parse.ratio, 0.5, section="sessions", reload=set_retention,
+    Key("sessions_pool_share", parse.ratio, 0.5, section="sessions", reload=RETENTION,
         text=float, example=0.3,
         help="The part of each pool sessions' retained blocks may hold, all tenants together; "
              "past it the lowest priority, least recently used lose retention first."),
     Key("sessions_tenant_quota", parse.optional_size, "off", section="sessions",
-        reload=set_retention, example="4G",
+        reload=RETENTION, example="4G",
         help="Bytes one uid's sessions may retain together; past it that uid's own lowest "
              "priority, least recently used retained blocks lose retention (off: no limit "
              "but pool_share)."),
     Key("sessions_max_per_uid", parse.int_in(1, 1 << 20), 4096, section="sessions",
-        reload=set_retention, text=int, example=64,
+        reload=RETENTION, text=int, example=64,
         help="Sessions one uid may have at once."),
     # KV events for cache-aware routers (kvbroker._server.events).
     Key("events_publish", parse.zmq_endpoint, "off", section="events", example="tcp://*:5557",
@@ -463,12 +467,13 @@ def load_config(
 
 
 def reload_into(
-    running: DaemonConfig, new: DaemonConfig, daemon: Daemon, *, keep: tuple[str, ...] = ()
+    running: DaemonConfig, new: DaemonConfig, owners: Owners, *, keep: tuple[str, ...] = ()
 ) -> tuple[list[str], list[tuple[str, Any, Any]]]:
-    """SIGHUP: copy the reloadable settings of ``new`` into ``running`` and apply them (each
-    key's ``reload``, each function once). Returns what changed ("lease_ttl 30.0 -> 5.0"), and
-    (field, old, new) for settings that changed but need a restart; ``keep`` names fields
-    whose difference is not a change (the socket path under socket activation)."""
+    """SIGHUP: copy the reloadable settings of ``new`` into ``running`` and apply each key's
+    ``reload`` to the daemon's ``owners`` (``Daemon.owners()``; a declaration several keys
+    share, once). Returns what changed ("lease_ttl 30.0 -> 5.0"), and (field, old, new) for
+    settings that changed but need a restart; ``keep`` names fields whose difference is not
+    a change (the socket path under socket activation)."""
     changed, restart = [], []
     for key in SETTINGS:
         before, after = getattr(running, key.attr), getattr(new, key.attr)
@@ -481,16 +486,15 @@ def reload_into(
             restart.append((key.attr, before, after))
     done: set[Any] = set()
     for key in SETTINGS:  # unchanged values too: the daemon's copies always match the config
-        if key.reload is None:
+        if key.reload is None or key.reload.once(key.attr) in done:
             continue
-        once = (key.reload, key.attr) if isinstance(key.reload, Into) else key.reload
-        if once not in done:  # one set_policy for [isolation] and [quotas]
-            done.add(once)
-            key.reload(daemon, running, key.attr)
+        done.add(key.reload.once(key.attr))  # one set_policy for [isolation] and [quotas]
+        key.reload.apply(running, key.attr, owners)
     return changed, restart
 
 
-def apply_to_owners(daemon: Daemon) -> None:
-    """At the start, once the daemon's owners are built: every copy of a setting its ``Key``
-    declares (``Into``), as a reload sets them (:mod:`~kvbroker._server.config_apply`)."""
-    apply_owned(daemon, SETTINGS)
+def apply_to_owners(config: DaemonConfig, owners: Owners) -> None:
+    """At the start, once the daemon's ``owners`` are built (``Daemon.owners()``): every copy
+    of a setting its ``Key`` declares (``Into``), as a reload sets them
+    (:mod:`~kvbroker._server.config_apply`)."""
+    apply_owned(SETTINGS, config, owners)

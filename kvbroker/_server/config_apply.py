@@ -2,61 +2,60 @@
 :data:`~kvbroker._server.config.SETTINGS` declares it (``reload=``), and both the start and
 every SIGHUP reload follow that declaration, so no consumer is wired by hand.
 
-A setting is read where it is needed (:data:`LIVE`: ``daemon.config.<field>``), copied into
-attributes of the daemon's owners (:class:`Into`: ``"broker.lease_ttl"``,
-``"rings.object_ttl"``; :data:`OWNERS` says how each owner is reached), or applied by a
-function of its own (a policy recomputed, a log level set). :func:`apply_owned` sets every
-:class:`Into` target from the running configuration: the start calls it once the owners are
-built, and the reload after each one (``reload_into``).
+A declaration names the daemon's owners (:data:`OWNERS`), not code of its own: a setting is
+read where it is needed (:data:`LIVE`: ``config.<field>`` each time), copied into attributes
+of owners (:class:`Into`: ``"broker.lease_ttl"``, ``"rings.object_ttl"``), or passed to
+methods of owners (:class:`Call`: ``"broker.set_policy"`` with the running ``isolation`` and
+``quotas``). The running daemon resolves the names (``Daemon.owners()``: name -> the object,
+None for a part it does not run), and each declaration applies itself to what that resolves
+(``apply(config, field, owners)``): :func:`apply_owned` sets every :class:`Into` copy at the
+start, once the owners are built; ``config.reload_into`` applies every declaration after a
+reload.
 """
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable
-from typing import Any, Protocol
+import inspect
+from collections.abc import Mapping
+from typing import Any
 
 # The running kvbroker._server.config.DaemonConfig (which imports this module: named, not
 # imported, so that the two make no circle).
 DaemonConfig = Any
+# What the daemon's Daemon.owners() gives: an OWNERS name -> the object (None: not running).
+Owners = Mapping[str, Any]
 
+__all__ = ["LIVE", "OWNERS", "TO_BROKER", "Apply", "Call", "Into", "Live", "Owners", "apply_owned"]
 
-class Daemon(Protocol):
-    """The running daemon as a setting reaches it (:class:`~kvbroker._server.daemon.Daemon`;
-    declared here: the configuration, which the daemon imports, imports no daemon)."""
-
-    config: DaemonConfig
-    broker: Any
-    fleet: Any
-    connections: set[Any]
-
-
-__all__ = [
-    "LIVE",
-    "OWNERS",
-    "TO_BROKER",
-    "Apply",
-    "Into",
-    "apply_owned",
-    "set_log_level",
-    "set_policy",
-    "set_retention",
-    "set_write_buffers",
-]
-
-# f(daemon, running configuration, field): how SIGHUP applies a setting.
-Apply = Callable[["Daemon", "DaemonConfig", str], None]
-
-# The daemon's owners an Into may name, and how each is reached (None: not running here).
-OWNERS: dict[str, Callable[[Daemon], Any]] = {
-    "broker": lambda d: d.broker,
-    "rings": lambda d: d.broker.rings if d.broker is not None else None,
-    "disk": lambda d: d.broker.pages.tier if d.broker is not None else None,  # [tier.disk]
+# The names a declaration may use, and what the daemon resolves each to (Daemon.owners()).
+OWNERS: dict[str, str] = {
+    "daemon": "the daemon itself: its open connections, the process's logging",
+    "broker": "the broker (kvbroker._server.broker.Broker)",
+    "retention": "the broker's sessions' retention (kvbroker._server.retention.Retention)",
+    "rings": "the GPU staging rings (kvbroker._server.rings.RingService), with gpu_ring",
+    "disk": "the disk tier (kvbroker._server.disk_tier.DiskTier), with [tier.disk]",
+    "events": "the KV event feed (kvbroker._server.fleet_events.EventFeed), with [events]",
 }
 
 
-def LIVE(daemon: Daemon, cfg: DaemonConfig, field: str) -> None:
-    """Nothing to push: the daemon reads ``daemon.config.<field>`` each time it needs it."""
+def _target(kind: str, target: str, what: str) -> tuple[str, str]:
+    owner, _, name = target.partition(".")
+    if owner not in OWNERS or not name:
+        raise ValueError(f"{kind}({target!r}): not OWNER.{what} of {sorted(OWNERS)}")
+    return owner, name
+
+
+class Live:
+    """Nothing to push: the daemon reads ``config.<field>`` each time it needs it."""
+
+    def once(self, field: str) -> Any:
+        return self
+
+    def apply(self, cfg: DaemonConfig, field: str, owners: Owners) -> None:
+        pass
+
+
+LIVE = Live()
 
 
 class Into:
@@ -65,21 +64,20 @@ class Into:
     not run (no GPU rings) is passed over."""
 
     def __init__(self, *targets: str) -> None:
-        self.targets: tuple[tuple[str, str], ...] = ()
-        for target in targets:
-            owner, _, attr = target.partition(".")
-            if owner not in OWNERS or not attr:
-                raise ValueError(f"Into({target!r}): not OWNER.attribute of {sorted(OWNERS)}")
-            self.targets += ((owner, attr),)
+        self.targets = tuple(_target("Into", t, "attribute") for t in targets)
 
     def places(self, field: str) -> list[tuple[str, str]]:
         """``(owner, attribute)`` of every copy of ``field``."""
         return [(owner, attr.format(field)) for owner, attr in self.targets]
 
-    def __call__(self, daemon: Daemon, cfg: DaemonConfig, field: str) -> None:
+    def once(self, field: str) -> Any:
+        """Shared by several settings (TO_BROKER), it copies each one."""
+        return (self, field)
+
+    def apply(self, cfg: DaemonConfig, field: str, owners: Owners) -> None:
         value = getattr(cfg, field)
         for owner, attr in self.places(field):
-            obj = OWNERS[owner](daemon)
+            obj = owners[owner]
             if obj is not None:
                 setattr(obj, attr, value)
 
@@ -88,36 +86,47 @@ class Into:
 TO_BROKER = Into("broker.{}")
 
 
-def apply_owned(daemon: Daemon, settings: Any) -> None:
-    """Every :class:`Into` copy of ``settings`` (the Keys) from ``daemon.config``."""
+class Call:
+    """``owner.method(*values)`` with values of the running configuration: each argument
+    names a field (``"isolation"``) or a method without arguments (``"retention_settings"``)
+    of it. :meth:`then` adds another owner's method to the same call. Several settings may
+    share one (``[isolation]`` and ``[quotas]``): a reload makes it once. An owner the daemon
+    does not run is passed over."""
+
+    def __init__(self, target: str, *args: str) -> None:
+        owner, method = _target("Call", target, "method")
+        self.steps: tuple[tuple[str, str, tuple[str, ...]], ...] = ((owner, method, args),)
+
+    def then(self, target: str, *args: str) -> Call:
+        more = Call(target, *args)
+        more.steps = self.steps + more.steps
+        return more
+
+    def calls(self) -> list[tuple[str, str]]:
+        """``(owner, method)`` of every method it calls, in order."""
+        return [(owner, method) for owner, method, _ in self.steps]
+
+    @staticmethod
+    def values(cfg: DaemonConfig, args: tuple[str, ...]) -> list[Any]:
+        out = [getattr(cfg, name) for name in args]
+        return [v() if inspect.ismethod(v) else v for v in out]
+
+    def once(self, field: str) -> Any:
+        return self
+
+    def apply(self, cfg: DaemonConfig, field: str, owners: Owners) -> None:
+        for owner, method, args in self.steps:
+            obj = owners[owner]
+            if obj is not None:
+                getattr(obj, method)(*self.values(cfg, args))
+
+
+# How SIGHUP applies a setting (a Key's ``reload``).
+Apply = Live | Into | Call
+
+
+def apply_owned(settings: Any, cfg: DaemonConfig, owners: Owners) -> None:
+    """Every :class:`Into` copy of ``settings`` (the Keys) from ``cfg``, into ``owners``."""
     for key in settings:
         if isinstance(key.reload, Into):
-            key.reload(daemon, daemon.config, key.attr)
-
-
-def set_policy(daemon: Daemon, cfg: DaemonConfig, field: str) -> None:
-    # One call for both tables (the reload calls each function once): every connection's
-    # access is recomputed from its next request on.
-    if daemon.broker is not None:
-        daemon.broker.set_policy(cfg.isolation, cfg.quotas)
-    events = getattr(daemon.fleet, "events", None)
-    if events is not None:  # which namespaces an unauthenticated event stream carries
-        events.policy_changed()
-
-
-def set_write_buffers(daemon: Daemon, cfg: DaemonConfig, field: str) -> None:
-    if daemon.broker is None:
-        return
-    for conn in daemon.connections:  # the new bound applies to every open connection
-        if conn.transport is not None and not conn.closed:
-            conn.transport.set_write_buffer_limits(high=cfg.max_write_buffer)
-
-
-def set_retention(daemon: Daemon, cfg: DaemonConfig, field: str) -> None:
-    # One call for the whole [sessions] table: lowered bounds are enforced at once.
-    if daemon.broker is not None:
-        daemon.broker.retention.configure(cfg.retention_settings())
-
-
-def set_log_level(daemon: Daemon, cfg: DaemonConfig, field: str) -> None:
-    logging.getLogger().setLevel(cfg.log_level.upper())
+            key.reload.apply(cfg, key.attr, owners)

@@ -24,7 +24,8 @@ class Key:
     # None stays None; a callable is a default factory; a table ({}) is parsed per instance.
     default: Any
     help: str
-    # How SIGHUP applies a new value (LIVE, TO_BROKER or a function); None: needs a restart.
+    # How SIGHUP applies a new value (LIVE, or the owners' attributes and methods it names:
+    # Into, TO_BROKER, Call; kvbroker._server.config_apply); None: needs a restart.
     reload: Apply | None = None
     # ``serve``'s option declarations: () is --<name-with-dashes>; None: no flag (file and
     # environment only). A bool key with one declaration is a switch (--cold): absent means

@@ -263,7 +263,7 @@ class Daemon(OptionalParts):
             self._start_disk()
             if self.config.gpu_ring:
                 start.open_rings(self.broker, self._on_sealed)
-            apply_to_owners(self)  # each owner's copy of a setting, as its Key declares
+            apply_to_owners(self.config, self.owners())  # each copy its Key declares
             await self._start_fleet()
             if start.lock_fd is not None:
                 start.write_lock_record()
@@ -403,6 +403,28 @@ class Daemon(OptionalParts):
         else:
             log.info("drained: every lease ended")
 
+    def owners(self) -> dict[str, Any]:
+        """The owners a setting's Key names (config_apply.OWNERS), as this daemon runs them
+        now; None for a part it does not run (yet)."""
+        b = self.broker
+        return {
+            "daemon": self,
+            "broker": b,
+            "retention": b.retention if b is not None else None,
+            "rings": b.rings if b is not None else None,
+            "disk": b.pages.tier if b is not None else None,
+            "events": getattr(self.fleet, "events", None),
+        }
+
+    def set_write_buffer_limit(self, high: int) -> None:
+        """A new max_write_buffer applies to every open connection (new ones read it)."""
+        for conn in self.connections:
+            if conn.transport is not None and not conn.closed:
+                conn.transport.set_write_buffer_limits(high=high)
+
+    def set_log_level(self, level: str) -> None:
+        logging.getLogger().setLevel(level.upper())
+
     def reload(self) -> None:
         """SIGHUP: re-read the configuration; apply what can change while running."""
         if self._reload_config is None:
@@ -420,7 +442,7 @@ class Daemon(OptionalParts):
         old = self.config
         # What changes where is declared with each setting (kvbroker._server.config).
         changed, restart = reload_into(
-            old, new, self, keep=("socket_path",) if self.startup.activated else ()
+            old, new, self.owners(), keep=("socket_path",) if self.startup.activated else ()
         )
         for name, before, after in restart:  # the socket under activation is kvbroker.socket's
             log.warning(
