@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import re
 
 import pytest
 
@@ -12,7 +13,7 @@ pytest.importorskip("textual")
 from kvbroker.errors import BrokerUnavailable  # noqa: E402
 from kvbroker.tui._app import MonitorApp  # noqa: E402
 from kvbroker.tui._meter import Meter  # noqa: E402
-from kvbroker.tui._modals import ConfirmScreen, HelpScreen  # noqa: E402
+from kvbroker.tui._modals import HELP, ConfirmScreen, HelpScreen  # noqa: E402
 from kvbroker.tui._objects import ObjectsTable  # noqa: E402
 from kvbroker.tui._pool_panel import PoolPanel  # noqa: E402
 from kvbroker.tui._status import StatusLine  # noqa: E402
@@ -263,9 +264,18 @@ async def test_help_screen_lists_keys_and_closes():
     async with app.run_test(size=SIZE) as pilot:
         await pilot.press("question_mark")
         await until(pilot, lambda: isinstance(app.screen, HelpScreen))
-        help_text = str(app.screen.query_one("#help-box Static").render())
+        await pilot.pause()  # laid out
+        shown = app.screen.query_one("#help-box Static")
+        help_text = str(shown.render())
         for key in ("pause", "evict", "regex", "quit"):
             assert key in help_text
+        lines = help_text.splitlines()
+        for _, keys in HELP:  # each key apart from what it does, on a line of its own
+            for key, what in keys:
+                assert any(
+                    re.fullmatch(rf"  {re.escape(key)}  +{re.escape(what)}", line) for line in lines
+                ), (key, lines)
+        assert shown.content_size.width >= max(map(len, lines))  # no line wraps
         await pilot.press("escape")
         await until(pilot, lambda: not isinstance(app.screen, HelpScreen))
 

@@ -70,10 +70,11 @@ class HelpScreen(ModalScreen[None]):
 
     def compose(self) -> ComposeResult:
         text = Text()
+        width = max(len(key) for _, keys in HELP for key, _ in keys) + 2  # the key column
         for section, keys in HELP:
             text.append(f"{section}\n", "bold")
             for key, what in keys:
-                text.append(f"  {key:<12}", "bold")
+                text.append(f"  {key:<{width}}", "bold")
                 text.append(f"{what}\n")
             text.append("\n")
         text.append("escape closes this help", "dim")
