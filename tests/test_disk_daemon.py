@@ -273,3 +273,20 @@ def test_a_consumed_or_replaced_object_takes_its_disk_copy_with_it(daemons, tmp_
         c.evict("twice", tier="dram")  # the pool's copy out: what is on disk is v2 only
         assert np.array_equal(c.get("twice")["past_key.0"], pattern("v2", 8192))
         wait_for(lambda: (st := c.stat().disk).objects == 1 and st.only_on_disk == 0)
+
+
+def test_a_prefix_key_that_is_not_a_string_ends_the_run_past_the_disk_blocks(daemons, tmp_path):
+    # A match's keys are a list of anything on the wire; a key that is not a string is never
+    # published, so the run ends there (as it does in the pools), whichever tier the blocks
+    # before it are in: never an internal error for the asker.
+    d = daemons(tier_env(tmp_path / "disk"))
+    with d.client() as c:
+        c.put("cold", {"past_key.0": pattern("cold", 8192)})
+        assert c.evict("cold", tier="dram").count == 1 and c.exists("cold")
+        for hold in (False, True):
+            r = c.ops.match_prefix(["cold", ["not", "a", "key"], {"x": 1}], hold=hold)
+            assert r["matched"] == 1, r
+            if r["lease"] is not None:
+                c.ops.release(r["lease"])
+        assert np.array_equal(c.get("cold")["past_key.0"], pattern("cold", 8192))
+        assert c.ping()

@@ -160,11 +160,12 @@ class Queries:
         return self.entries[ident].lookup()
 
     def run(self, namespace: str, keys: Iterable[str], in_pool: Callable[[tuple], bool]) -> int:
-        """How many of ``keys``, from the first, are in a pool or here."""
+        """How many of ``keys``, from the first, are in a pool or here (a key that is not a
+        string never is: a request's keys are whatever its sender put in the list)."""
         n = 0
         for key in keys:
             ident = (namespace, key)
-            if not (in_pool(ident) or self.has(ident)):
+            if key.__class__ is not str or not (in_pool(ident) or self.has(ident)):
                 break
             n += 1
         return n
