@@ -10,6 +10,7 @@ import asyncio
 import errno
 import mmap
 import os
+import zlib
 from pathlib import Path
 
 import pytest
@@ -409,3 +410,77 @@ def test_a_full_disk_evicts_its_least_recently_used_first(dirs):
         rig.close()
 
     _run(main())
+
+
+def test_a_crafted_index_neither_stops_the_start_nor_gets_a_record_served(dirs):
+    # Records whose frame checks out (anyone who can write the index can compute its crc)
+    # but whose fields are not what the tier writes: each is dropped on its own, the start
+    # goes on for every other object, and nothing a record says lies past the bytes its
+    # digest vouches for (a layout reaching past them would lease pool bytes never read
+    # from the slot: another object's, in a pool).
+    index = os.path.join(dirs[0], INDEX_NAME)
+
+    async def first():
+        rig = _Rig(dirs)
+        good = _object(rig.pools[0], rig.bufs[0], "good", {"past_key.0": 5000})
+        bad = _object(rig.pools[0], rig.bufs[0], "bad", {"past_key.0": 5000})
+        for o in (good, bad):
+            assert rig.tier.demote(o)
+        await rig.tier.drain()
+        rig.close()
+        return _bytes_of(rig.bufs[0], good)
+
+    want = _run(first())
+    geometry = [[128, PAGE], [128, PAGE]]
+    records = {r["k"]: r for r in disk_store.DiskIndex(index, geometry).load().entries.values()}
+    good, bad = records["good"], records["bad"]
+    spare = {**good, "k": "spare", "f": 0, "s": 100, "n": 1, "l": PAGE}
+
+    def with_object(**o):
+        return {**spare, "o": {**good["o"], **o}}
+
+    crafted = [
+        {**bad, "o": {**bad["o"], "buffers": {"past_key.0": [0, 64 * PAGE]}}},
+        {**spare, "f": float("inf")},
+        {**spare, "s": float("-inf")},
+        {**spare, "f": -1},
+        {**spare, "f": True},
+        {**spare, "f": 0.5},
+        {**spare, "n": 2**64 - 1},
+        {**spare, "ns": ["not", "a", "name"]},
+        {**spare, "tn": [["user", "x"]]},
+        {**spare, "sr": "x"},
+        with_object(buffers={"past_key.0": "zz"}),
+        with_object(buffers={"past_key.0": [-PAGE, 10]}),
+        with_object(buffers={"past_key.0": [0, 10, 3]}),
+        with_object(buffers={7: [0, 10]}),
+        with_object(nbytes=-1),
+        with_object(meta=[1, 2]),
+        with_object(tokens="abc"),
+        with_object(checksums=5),
+        with_object(consumers=0),
+        with_object(parent_key=7),
+        {"t": "x", "f": float("nan"), "s": 0},
+    ]
+    for i, rec in enumerate(crafted[1:], 1):  # each on a slot of its own
+        if rec["s"] == spare["s"]:
+            rec["s"] += i
+    idx = disk_store.DiskIndex(index, geometry)
+    idx.rewrite([good, *crafted])
+    body = b"\x81\x90\x01"  # a map whose key is a list: no dict can hold it
+    idx.write_out(disk_store._FRAME.pack(disk_store.MAGIC, len(body), zlib.crc32(body, idx.seed)))
+    idx.write_out(body)
+    idx.close()
+
+    async def second():
+        rig = _Rig(dirs)  # (a crash here stopped the daemon's start, for every tenant)
+        assert list(rig.tier.entries) == [("ns", "good")]
+        assert rig.loaded.damaged + rig.loaded.dropped >= len(crafted)
+        assert await rig.promote("good") == 1
+        assert _bytes_of(rig.bufs[1], rig.sealed[0].obj) == want
+        with pytest.raises(NotFound):
+            await rig.promote("bad")
+        assert rig.reserved == rig.sealed  # nothing but good was laid out in a pool
+        rig.close()
+
+    _run(second())

@@ -4,10 +4,15 @@ slot, the digest of what was written there, and what a pool needs to seal it aga
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from typing import Any
 
-__all__ = ["DiskEntry", "object_record", "written_length"]
+from .._wire import checksum as _checksum
+from .._wire.protocol import meta_problem
+from .checks import tokens_problem
+
+__all__ = ["DiskEntry", "entry_of_record", "object_record", "written_length"]
 
 
 class DiskEntry:
@@ -129,3 +134,79 @@ def written_length(obj: Any, unit: int) -> int:
     base = obj.start * obj.pool.page_size
     end = max((off - base + n for off, n in obj.buffers.values()), default=0)
     return max(unit, -(-end // unit) * unit)
+
+
+def _count(value: Any, least: int = 0) -> bool:
+    return value.__class__ is int and value >= least
+
+
+def entry_of_record(slot: tuple[int, int], rec: dict[str, Any], unit: int) -> DiskEntry | None:
+    """The written entry an index ``p`` record on ``slot`` (file, start) describes, or None
+    when a field is not what :meth:`DiskEntry.to_record` writes. The index is read at start
+    for every tenant: a record anyone crafted or damaged (its frame's crc is no secret) is
+    dropped on its own, never a crash of the start; and nothing it says may reach past the
+    bytes its digest vouches for (a buffer past them would lease pool bytes never read from
+    its slot, another object's)."""
+    ns, key, units, length, o = (
+        rec.get("ns"),
+        rec.get("k"),
+        rec.get("n"),
+        rec.get("l"),
+        rec.get("o"),
+    )
+    serial, tenants = rec.get("sr") or 0, rec.get("tn") or ()
+    if not (
+        ns.__class__ is str
+        and key.__class__ is str
+        and _count(units, 1)
+        and _count(length, 1)
+        and length <= units * unit
+        and _count(rec.get("d"))
+        and _count(serial)
+        and isinstance(tenants, list | tuple)
+        and all(
+            isinstance(t, list | tuple) and len(t) == 2 and t[0].__class__ is str and _count(t[1])
+            for t in tenants
+        )
+        and isinstance(o, dict)
+        and _count(o.get("nbytes"))
+        and isinstance(o.get("buffers"), dict)
+    ):
+        return None
+    for name, extent in o["buffers"].items():
+        if not (
+            name.__class__ is str
+            and isinstance(extent, list | tuple)
+            and len(extent) == 2
+            and _count(extent[0])
+            and _count(extent[1])
+            and extent[0] + extent[1] <= length
+        ):
+            return None
+    meta, sums, created = o.get("meta"), o.get("checksums"), o.get("created_at")
+    consumers, parent = o.get("consumers"), o.get("parent_key")
+    if (
+        not (meta is None or isinstance(meta, dict))
+        or meta_problem(meta) is not None
+        or tokens_problem(o.get("tokens")) is not None
+        or not (consumers is None or _count(consumers, 1))
+        or not (parent is None or parent.__class__ is str)
+        or not (created is None or (created.__class__ in (int, float) and math.isfinite(created)))
+    ):
+        return None
+    if sums is not None:
+        try:
+            _checksum.validate(sums, o["buffers"])
+        except ValueError:
+            return None
+    e = DiskEntry(
+        (ns, key),
+        (*slot, units),
+        length,
+        o,
+        serial,
+        units * unit,
+        tuple((k, i) for k, i in tenants),
+    )
+    e.digest, e.written = rec["d"], True
+    return e

@@ -168,11 +168,9 @@ class DiskIndex:
             return out
         live = out.entries
         for rec in records[1:]:
-            try:
-                kind = rec["t"]
-                slot = (int(rec["f"]), int(rec["s"]))
-            except (KeyError, TypeError, ValueError):
-                out.damaged += 1
+            kind, slot = rec.get("t"), (rec.get("f"), rec.get("s"))
+            if kind not in ("p", "x") or not all(v.__class__ is int for v in slot):
+                out.damaged += 1  # (a float, a bool, a huge or negative number: not ours)
                 continue
             if kind == "p":
                 if slot in live:  # a second object on a live slot: which is whose?
@@ -188,7 +186,7 @@ class DiskIndex:
             f, s = slot
             n = rec.get("n")
             if (
-                f >= len(self.geometry)
+                not 0 <= f < len(self.geometry)
                 or n.__class__ is not int
                 or n <= 0
                 or s < 0
@@ -234,7 +232,7 @@ class DiskIndex:
             pos += _FRAME.size + length
             try:
                 rec = msgpack.unpackb(body, raw=False, strict_map_key=False)
-            except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError):
+            except Exception:  # noqa: BLE001 - any body msgpack refuses (a list as a map key: TypeError)
                 out.damaged += 1
                 continue
             if not isinstance(rec, dict):

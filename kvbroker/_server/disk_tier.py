@@ -48,7 +48,7 @@ from typing import Any
 import xxhash
 
 from .._wire.stats import DiskTierStatistics
-from .disk_entry import DiskEntry, object_record, written_length
+from .disk_entry import DiskEntry, entry_of_record, object_record, written_length
 from .disk_promotion import Promotion
 from .disk_store import DiskStore, Loaded
 from .disk_writeback import Queries, QuotaShares, WriteBackPass
@@ -105,37 +105,13 @@ class DiskTier(WriteBackPass, QuotaShares, Queries, Promotion):
         loaded = self.store.index.load()
         if loaded.reset:
             log.warning("[tier.disk] starting empty: %s", loaded.reset)
-        for (f, s), rec in loaded.entries.items():
-            try:
-                ident = (str(rec["ns"]), str(rec["k"]))
-                o = rec["o"]
-                length, digest = int(rec["l"]), rec["d"]
-                tenants = tuple((str(k), int(i)) for k, i in rec.get("tn") or ())
-                if (
-                    digest.__class__ is not int
-                    or not isinstance(o, dict)
-                    or length <= 0
-                    or length > rec["n"] * self.store.unit
-                    or ident in self.entries
-                    or not isinstance(o.get("buffers"), dict)
-                ):
-                    raise ValueError
-                int(o["nbytes"])
-            except (KeyError, TypeError, ValueError):
+        for slot, rec in loaded.entries.items():
+            e = entry_of_record(slot, rec, self.store.unit)
+            if e is None or e.ident in self.entries:
                 loaded.dropped += 1
                 continue
-            e = DiskEntry(
-                ident,
-                (f, s, rec["n"]),
-                length,
-                o,
-                int(rec.get("sr") or 0),
-                rec["n"] * self.store.unit,
-                tenants,
-            )
-            e.digest, e.written = digest, True
-            self.entries[ident] = e
-            self.lru[ident] = e
+            self.entries[e.ident] = e
+            self.lru[e.ident] = e
             self._charge(e)
         self.counters["recovered"] = len(self.entries)
         self.store.adopt([(e.file, e.start, e.units) for e in self.entries.values()])
