@@ -477,3 +477,35 @@ def test_a_match_naming_a_session_is_never_sent_to_a_read_replica():
 
     assert answers("match_prefix", {"keys": ["k"], "hold": False})  # the control
     assert not answers("match_prefix", {"keys": ["k"], "hold": False, "retain": {"session": "s"}})
+
+
+def test_another_uid_cannot_steer_a_session_in_a_namespace_both_write(make_broker):
+    # Both may write the shared namespace "chat", so both see and reach each other's session
+    # names; but a shared namespace shares names, not sessions: bob may neither end alice's
+    # conversation (her blocks to the oldest end of the LRU, the first a burst evicts), nor
+    # lower its priority or cut its time, nor raise them at her quota's expense. An admin
+    # (root here) still steers any session.
+    policy = parse_isolation(
+        {"mode": "tenant", "shared": {"chat": {"read": ["*"], "write": ["*"]}}}
+    )
+    b = make_broker(npages=64, policy=policy)
+    alice, bob, root = connect(b, uid=60041), connect(b, uid=60042), connect(b, uid=0)
+    mine = chain(b, alice, "a", 4, ns="chat", retain={"session": "conv", "for": 600, "priority": 5})
+    entry = b.retention.sessions[("chat", "conv")]
+    before = (entry.priority, entry.expires_at, len(entry.objects))
+    for op, args in (
+        ("unretain", {"name": "conv", "namespace": "chat"}),
+        ("unretain", {"name": "conv"}),
+        ("retain", {"name": "conv", "seconds": 0.001, "priority": 0, "namespace": "chat"}),
+        ("retain", {"name": "conv", "seconds": 3600, "priority": 100}),
+    ):
+        with pytest.raises(Forbidden, match="belongs to uid 60041"):
+            b.handle(bob, op, args)
+    assert b.retention.sessions[("chat", "conv")] is entry
+    assert (entry.priority, entry.expires_at, len(entry.objects)) == before
+    burst(b, bob, 200, ns="chat")  # plain traffic: alice's conversation is still there
+    assert held(b, mine, ns="chat") == mine
+    assert (
+        b.handle(alice, "retain", {"name": "conv", "seconds": 60, "priority": 6})["priority"] == 6
+    )
+    assert b.handle(root, "unretain", {"name": "conv", "namespace": "chat"})["blocks"] == 4

@@ -4,8 +4,9 @@
 :class:`SessionOps` holds them: each checks what the request asks and makes one call on the
 :class:`~kvbroker._server.retention.Retention`. A session is scoped by its namespace: one the
 caller may not read is invisible (``sessions`` leaves it out, ``retain`` and ``unretain``
-answer not_found, as for a name that does not exist); changing one needs write access. A
-request's ``retain`` may name only a session of the caller's uid (or a new one).
+answer not_found, as for a name that does not exist); changing one needs write access, and
+to be its uid or an admin. A request's ``retain`` may name only a session of the caller's uid
+(or a new one).
 """
 
 from __future__ import annotations
@@ -92,4 +93,12 @@ class SessionOps:
             where = f" in namespace {namespace!r}" if namespace is not None else ""
             raise NotFound(f"{op}: no session {name!r}{where} (kvbroker sessions lists them)")
         session.access.check(entry.namespace, True, op)
+        if entry.uid != session.uid and not session.access.admin:
+            # Write access to a namespace several uids write shares its names, not their
+            # sessions: another tenant would end one's conversation (its blocks to the
+            # oldest end of the LRU) or reorder it against everyone's. Operators may.
+            raise Forbidden(
+                f"{op}: session {entry.name!r} in namespace {entry.namespace!r} belongs to "
+                f"uid {entry.uid}; only it or an admin ([isolation] admins) may change it"
+            )
         return entry
