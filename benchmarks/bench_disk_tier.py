@@ -43,6 +43,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from kvbroker._bench._common import machine_info, measured_commit, run_conditions  # noqa: E402
+from latency_stats import percentile  # benchmarks/latency_stats.py, beside this file
 
 TTFT = os.path.join(ROOT, "benchmarks", "results", "ttft-cuda-8b-h100-run1.json")
 
@@ -71,11 +72,6 @@ def drop_caches() -> bool:
         return True
     except OSError:
         return False
-
-
-def percentile(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
 
 
 def run_claims(c, payloads: dict, order: list[str], model_s: float) -> dict:

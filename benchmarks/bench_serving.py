@@ -62,6 +62,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from kvbroker._bench._common import pct
 
 RESULT_TAG = "SERVING-RESULT "  # a worker's reply lines; vLLM's own logs go around them
 MODES = ("plain", "kvbroker", "pd")
@@ -363,12 +364,6 @@ def replay(
     for r in out:
         r["wall_s"] = wall
     return out
-
-
-def pct(xs: list[float], q: float) -> float:
-    """The q-quantile of ``xs``, nearest rank."""
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(q * len(s)))]
 
 
 def summarize(

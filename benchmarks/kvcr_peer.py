@@ -32,31 +32,15 @@ import contextlib
 import json
 import os
 import socket
-import statistics
 import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # also when imported by file path
+from latency_stats import stats  # benchmarks/latency_stats.py, beside this file
 
 KiB, MiB = 1 << 10, 1 << 20
 MODE = "local_dram"
 WARMUP = 3
-
-
-def percentile(values, q):
-    s = sorted(values)
-    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
-
-
-def stats(seconds, size):
-    if not seconds:
-        return None
-    med = statistics.median(seconds)
-    return {
-        "n": len(seconds),
-        "median_ms": med * 1e3,
-        "p90_ms": percentile(seconds, 0.9) * 1e3,
-        "p99_ms": percentile(seconds, 0.99) * 1e3,
-        "GBps_at_median": size / med / 1e9 if med > 0 else None,
-    }
 
 
 def free_port() -> int:

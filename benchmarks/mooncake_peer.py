@@ -56,11 +56,13 @@ import os
 import shutil
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # also when imported by file path
+from latency_stats import stats  # benchmarks/latency_stats.py, beside this file
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 MODES = ("dummy", "embedded", "tcp")
@@ -81,23 +83,6 @@ def with_hint(message: str) -> str:
 
 
 # ------------------------------------------------------------------------------ measuring
-def percentile(values, q):
-    """Nearest-rank percentile of ``values`` (q in 0..1)."""
-    s = sorted(values)
-    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
-
-
-def stats(seconds, size):
-    if not seconds:
-        return None
-    med = statistics.median(seconds)
-    return {
-        "n": len(seconds),
-        "median_ms": med * 1e3,
-        "p90_ms": percentile(seconds, 0.9) * 1e3,
-        "p99_ms": percentile(seconds, 0.99) * 1e3,
-        "GBps_at_median": size / med / 1e9 if med > 0 else None,
-    }
 
 
 def _libc():
