@@ -71,6 +71,18 @@ def source(
     return [where + ".", ""]
 
 
+def source_after_load(name: str, data: dict) -> list[str]:
+    """:func:`source` of a run that recorded the host's conditions before and after it: the
+    machine with the load after the run, then the CPU pressure after it."""
+    before, after = data["conditions_before"], data["conditions_after"]
+    machine = cpu_machine({**data["machine"], "loadavg_1min": after["loadavg_1min"]})
+    return source(name, data["commit"], machine, data["command"]) + [
+        f"CPU pressure after the run: `{after['cpu_pressure']}` (load "
+        f"{before['loadavg_1min']:.1f} before).",
+        "",
+    ]
+
+
 def psi_avg60(line: str | None) -> str | None:
     """The 60-second average of a ``/proc/pressure/cpu`` "some" line, in %."""
     for part in (line or "").split():
@@ -908,7 +920,7 @@ def sessions() -> list[str]:
     d = load("sessions-cpu.json")
     if d is None:
         return []
-    t, m = d["trace"], d["machine"]
+    t = d["trace"]
     lines = [
         "### Sessions against plain LRU (`benchmarks/bench_sessions.py`)",
         "",
@@ -925,14 +937,7 @@ def sessions() -> list[str]:
         ),
         "",
     ]
-    before, after = d["conditions_before"], d["conditions_after"]
-    machine = cpu_machine({**m, "loadavg_1min": after["loadavg_1min"]})
-    lines += source("sessions-cpu.json", d["commit"], machine, d["command"])
-    lines += [
-        f"CPU pressure after the run: `{after['cpu_pressure']}` (load "
-        f"{before['loadavg_1min']:.1f} before).",
-        "",
-    ]
+    lines += source_after_load("sessions-cpu.json", d)
     rows = [
         [
             r["mode"],
@@ -963,7 +968,7 @@ def sessions_vllm() -> list[str]:
     d = load("sessions-vllm-cpu.json")
     if d is None:
         return []
-    t, m, cfg = d["trace"], d["machine"], d["model"]
+    t, cfg = d["trace"], d["model"]
     lines = [
         "### Sessions against plain LRU through a vLLM CPU engine "
         "(`benchmarks/bench_sessions_vllm.py`)",
@@ -980,14 +985,7 @@ def sessions_vllm() -> list[str]:
         ),
         "",
     ]
-    before, after = d["conditions_before"], d["conditions_after"]
-    machine = cpu_machine({**m, "loadavg_1min": after["loadavg_1min"]})
-    lines += source("sessions-vllm-cpu.json", d["commit"], machine, d["command"])
-    lines += [
-        f"CPU pressure after the run: `{after['cpu_pressure']}` (load "
-        f"{before['loadavg_1min']:.1f} before).",
-        "",
-    ]
+    lines += source_after_load("sessions-vllm-cpu.json", d)
     rows = [
         [
             r["mode"],
