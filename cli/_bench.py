@@ -20,7 +20,7 @@ import typer
 
 from kvbroker._wire.paths import parse_size
 
-EXIT_UNSUPPORTED = 4
+from ._common import EXIT_ERROR, EXIT_UNAVAILABLE, EXIT_UNSUPPORTED, fail
 
 bench_app = typer.Typer(
     rich_markup_mode=None,
@@ -45,6 +45,23 @@ JsonOutOpt = typer.Option(
 PlotOpt = typer.Option(
     None, "--plot", metavar="DIR", help="Write PNG charts into this folder (matplotlib)."
 )
+
+
+def _peer_python_opt(help: str, show_default: str):
+    """``--X-python``: the interpreter of the environment that has peer X installed."""
+    return typer.Option(None, metavar="PYTHON", help=help, show_default=show_default)
+
+
+def _peer_driver_opt(peer: str, python_flag: str, driver: str, **option):
+    """``--X-script``: peer X's driver, run under ``python_flag``; by default ``driver`` in
+    the source tree's benchmarks/."""
+    return typer.Option(
+        None,
+        metavar="FILE",
+        help=f"{peer}'s driver (it runs under {python_flag}).",
+        show_default=f"benchmarks/{driver} of the source tree",
+        **option,
+    )
 
 
 def _sizes(text: str, what: str = "--sizes") -> tuple[int, ...]:
@@ -92,8 +109,7 @@ def _execute(
         with context as path:
             result = run(path)
     except BrokerUnavailable as exc:
-        typer.echo(f"kvbroker: {exc}", err=True)
-        raise typer.Exit(3) from None
+        raise fail(str(exc), EXIT_UNAVAILABLE) from None
     result.extra.setdefault("conditions", {"before": before, "after": run_conditions()})
     typer.echo(result.text())
     data = result.as_dict()
@@ -193,8 +209,7 @@ def tp(
     try:
         t.load_bench_tp()
     except t.NoTorch as exc:
-        typer.echo(f"kvbroker: {exc}", err=True)
-        raise typer.Exit(EXIT_UNSUPPORTED) from None
+        raise fail(str(exc), EXIT_UNSUPPORTED) from None
     _execute(socket, json_out, plot, lambda p: t.run(p, repeats, layout), "2G")
 
 
@@ -213,50 +228,28 @@ def gpu(
     try:
         g.cuda_device()
     except g.NoCuda as exc:
-        typer.echo(f"kvbroker: {exc}", err=True)
-        raise typer.Exit(EXIT_UNSUPPORTED) from None
+        raise fail(str(exc), EXIT_UNSUPPORTED) from None
     _execute(None, json_out, plot, lambda _: g.run(None, reps), daemon=False)
 
 
 @bench_app.command()
 def peer(
-    mooncake_python: str | None = typer.Option(
-        None,
-        metavar="PYTHON",
-        help="Python of the environment with Mooncake installed, e.g. /tmp/mc/bin/python.",
-        show_default="Mooncake not run: kvbroker against memcpy only",
+    mooncake_python: str | None = _peer_python_opt(
+        "Python of the environment with Mooncake installed, e.g. /tmp/mc/bin/python.",
+        "Mooncake not run: kvbroker against memcpy only",
     ),
-    peer_script: str | None = typer.Option(
-        None,
-        metavar="FILE",
-        envvar="KVBROKER_PEER_SCRIPT",
-        help="The peer's driver (it runs under --mooncake-python).",
-        show_default="benchmarks/mooncake_peer.py of the source tree",
+    peer_script: str | None = _peer_driver_opt(
+        "The peer", "--mooncake-python", "mooncake_peer.py", envvar="KVBROKER_PEER_SCRIPT"
     ),
-    lmcache_python: str | None = typer.Option(
-        None,
-        metavar="PYTHON",
-        help="Python of the environment with the lmcache wheel, e.g. /tmp/lmc/bin/python.",
-        show_default="LMCache not run",
+    lmcache_python: str | None = _peer_python_opt(
+        "Python of the environment with the lmcache wheel, e.g. /tmp/lmc/bin/python.",
+        "LMCache not run",
     ),
-    lmcache_script: str | None = typer.Option(
-        None,
-        metavar="FILE",
-        help="LMCache's driver (it runs under --lmcache-python).",
-        show_default="benchmarks/lmcache_peer.py of the source tree",
+    lmcache_script: str | None = _peer_driver_opt("LMCache", "--lmcache-python", "lmcache_peer.py"),
+    kvcr_python: str | None = _peer_python_opt(
+        "Python of the environment with the kvcr wheel and NIXL.", "KVCR not run"
     ),
-    kvcr_python: str | None = typer.Option(
-        None,
-        metavar="PYTHON",
-        help="Python of the environment with the kvcr wheel and NIXL.",
-        show_default="KVCR not run",
-    ),
-    kvcr_script: str | None = typer.Option(
-        None,
-        metavar="FILE",
-        help="KVCR's driver (it runs under --kvcr-python).",
-        show_default="benchmarks/kvcr_peer.py of the source tree",
-    ),
+    kvcr_script: str | None = _peer_driver_opt("KVCR", "--kvcr-python", "kvcr_peer.py"),
     socket: str | None = SocketOpt,
     sizes: str = typer.Option("256K,4M,32M", help="Object sizes (the peer's defaults)."),
     modes: str = typer.Option(
@@ -287,8 +280,7 @@ def peer(
         if kvcr_python is not None:
             kvcr_script = kvcr_script or pr.default_peer_script(pr.KVCR_SCRIPT)
     except pr.PeerFailed as exc:
-        typer.echo(f"kvbroker: {exc}", err=True)
-        raise typer.Exit(1) from None
+        raise fail(str(exc), EXIT_ERROR) from None
 
     def run(path):
         try:
@@ -305,8 +297,8 @@ def peer(
                 kvcr_python=kvcr_python,
                 kvcr_script=kvcr_script,
             )
-        except pr.PeerFailed as exc:
+        except pr.PeerFailed as exc:  # not fail(): the peer's stderr tail keeps its lines
             typer.echo(f"kvbroker: {exc}", err=True)
-            raise typer.Exit(1) from None
+            raise typer.Exit(EXIT_ERROR) from None
 
     _execute(socket, json_out, plot, run, "1G")
