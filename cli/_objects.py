@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import enum
+import heapq
+import itertools
 import sys
 import time
 
@@ -82,6 +85,32 @@ def object_table(
     return lines
 
 
+def _first_sorted(pages, order: str | None, reverse: bool, limit: int) -> tuple[list, bool]:
+    """The first ``limit`` (0: all) objects of every page in ``order`` (a SORTS name; None:
+    the order they were sealed in, which ``reverse`` makes newest first), and whether more
+    matched: the whole listing is ordered, not the first ``limit`` sealed. Only ``limit`` of
+    them are held at a time; ties keep the order they were sealed in."""
+    seen = 0
+
+    def counted(page):
+        nonlocal seen
+        seen += len(page)
+        return page
+
+    if order is None:  # reverse: the last `limit` sealed, newest first
+        last = collections.deque((o for page in pages for o in counted(page)), maxlen=limit or None)
+        return list(reversed(last)), bool(limit) and seen > limit
+    key, largest_first = SORTS[order]
+    descending = largest_first != reverse
+    if not limit:
+        return sorted((o for page in pages for o in page), key=key, reverse=descending), False
+    first = heapq.nlargest if descending else heapq.nsmallest
+    top: list = []
+    for page in pages:
+        top = first(limit, itertools.chain(top, counted(page)), key=key)
+    return top, seen > limit
+
+
 def ls_(
     match: str | None = typer.Option(
         None, "--match", "-m", metavar="REGEX", help="Only keys this regex (RE2) matches."
@@ -96,10 +125,16 @@ def ls_(
     sort: SortBy | None = typer.Option(
         None,
         "--sort",
-        help="Order the objects listed (size, age, readers, buffers: largest/oldest first).",
+        help="Order every matching object, then list the first N (size, age, readers, "
+        "buffers: largest/oldest first).",
         show_default="the order they were sealed in",
     ),
-    reverse: bool = typer.Option(False, "--reverse", "-r", help="Reverse the --sort order."),
+    reverse: bool = typer.Option(
+        False,
+        "--reverse",
+        "-r",
+        help="Reverse the --sort order (without --sort: the newest sealed first).",
+    ),
     no_header: bool = typer.Option(False, "--no-header", help="No header line (for scripts)."),
     wide: bool = typer.Option(
         False, "--wide", "-w", help="Never cut namespaces and keys to fit the terminal."
@@ -113,13 +148,17 @@ def ls_(
     a pipe gets them whole. When more objects match than were listed, a note on stderr
     says so.
     """
-    listing = run(socket, lambda c: c.list(match, namespace=namespace, limit=limit or None))
-    objs = list(listing)
-    if sort is not None:
-        key, largest_first = SORTS[sort.value]
-        objs.sort(key=key, reverse=largest_first != reverse)
-    elif reverse:
-        objs.reverse()
+    if sort is None and not reverse:  # the first `limit` sealed
+        listing = run(socket, lambda c: c.list(match, namespace=namespace, limit=limit or None))
+        objs, truncated = list(listing), listing.truncated
+    else:  # every match ordered, then the first `limit` of them
+        order = None if sort is None else sort.value
+        objs, truncated = run(
+            socket,
+            lambda c: _first_sorted(
+                c.list_pages(match, namespace=namespace), order, reverse, limit
+            ),
+        )
     if as_json:
         out = []
         for o in objs:
@@ -145,7 +184,7 @@ def ls_(
         )
         if lines:
             typer.echo("\n".join(lines))
-    if listing.truncated:
+    if truncated:
         typer.echo(
             f"kvbroker: listed the first {len(objs)} objects; more match (--limit "
             f"{limit} reached; --limit 0 lists every one, or narrow with --match or "

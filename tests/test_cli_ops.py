@@ -164,6 +164,33 @@ def test_ls_sort_reverse_and_no_header(loaded):
     assert [o["key"] for o in json.loads(r.stdout)] == ["keep-4", "req-1", "req-2"]
 
 
+def test_ls_sort_and_reverse_order_every_match_before_the_limit(daemon):
+    """--sort size --limit 2 lists the two largest objects, not the first two sealed in
+    size order; --reverse alone the newest sealed. Past the daemon's 10,000-object reply too:
+    the largest was sealed last."""
+    with daemon.client(map_pools=False) as c:
+        _seal_many_objects(c, 10_003)  # one byte each, o000000 ... o010002
+        for i, n in enumerate((300, 100, 200)):
+            c.put(f"big-{i}", {"x": b"x" * n}, namespace="bulk")
+    s = daemon.socket_path
+
+    def keys(*args):
+        r = run("ls", "--no-header", "-n", "bulk", "-s", s, *args)
+        assert r.exit_code == 0, r.output
+        return [line.split()[1] for line in lines_of(r.stdout)], r.stderr
+
+    listed, note = keys("--sort", "size", "--limit", "2")
+    assert listed == ["big-0", "big-2"] and "more match" in note and "--limit 2" in note
+    listed, _ = keys("--sort", "size", "--reverse", "--limit", "2")
+    assert listed == ["o000000", "o000001"]  # smallest first; ties in the order sealed
+    listed, note = keys("--reverse", "--limit", "3")
+    assert listed == ["big-2", "big-1", "big-0"] and "more match" in note
+    listed, note = keys("--sort", "size", "--limit", "0")
+    assert listed[:3] == ["big-0", "big-2", "big-1"] and len(listed) == 10_006 and note == ""
+    listed, note = keys("--sort", "size", "--limit", "10006")
+    assert len(listed) == 10_006 and note == ""
+
+
 def test_ls_json_has_no_made_up_checksums(loaded):
     # `list` does not carry checksums: ls --json must not claim "null" (= sealed without).
     for obj in json.loads(run("ls", "--json", "-s", loaded.socket_path).stdout):
