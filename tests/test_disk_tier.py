@@ -10,6 +10,7 @@ import asyncio
 import errno
 import mmap
 import os
+import threading
 import zlib
 from pathlib import Path
 
@@ -468,9 +469,10 @@ def test_a_crafted_index_neither_stops_the_start_nor_gets_a_record_served(dirs):
     idx = disk_store.DiskIndex(index, geometry)
     idx.rewrite([good, *crafted])
     body = b"\x81\x90\x01"  # a map whose key is a list: no dict can hold it
-    idx.write_out(disk_store._FRAME.pack(disk_store.MAGIC, len(body), zlib.crc32(body, idx.seed)))
-    idx.write_out(body)
     idx.close()
+    with open(index, "ab") as f:
+        f.write(disk_store._FRAME.pack(disk_store.MAGIC, len(body), zlib.crc32(body, idx.seed)))
+        f.write(body)
 
     async def second():
         rig = _Rig(dirs)  # (a crash here stopped the daemon's start, for every tenant)
@@ -484,3 +486,94 @@ def test_a_crafted_index_neither_stops_the_start_nor_gets_a_record_served(dirs):
         rig.close()
 
     _run(second())
+
+
+def _index_writes_fail(monkeypatch, rig, times: int = 1) -> list[int]:
+    """The next ``times`` writes to the index file stop with ENOSPC (a full disk) after
+    half their bytes went in (a short write first, as the kernel does); returns a list that
+    counts the failures."""
+    real_write, failed = os.write, []
+
+    def write(fd, data):
+        if fd != rig.store.index.fd or len(failed) >= times:
+            return real_write(fd, data)
+        failed.append(fd)
+        real_write(fd, bytes(data)[: len(data) // 2])
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(disk_store.os, "write", write)
+    return failed
+
+
+def test_a_full_disk_under_the_index_never_brings_a_forgotten_object_back(dirs, monkeypatch):
+    # A consumed (or replaced, or evicted) object's x record hits ENOSPC: the record is
+    # written once there is room again, after what the failed write left is cut off, so a
+    # restart never finds the object's p record standing alone and serves it again, nor
+    # drops the next object written to its slot (two p records on one slot: both dropped).
+    async def main():
+        rig = _Rig(dirs)
+        a = _object(rig.pools[0], rig.bufs[0], "a", {"past_key.0": 5000})
+        assert rig.tier.demote(a)
+        await rig.tier.drain()
+        failed = _index_writes_fail(monkeypatch, rig)
+        assert rig.tier.forget(("ns", "a"))  # consumed: gone for good
+        await rig.tier.drain()
+        assert failed and rig.tier.statistics().errors == 1
+        monkeypatch.undo()  # room again
+        rig.tier.sweep()  # (the daemon's tick, once a second): the records are tried again
+        await rig.tier.drain()
+        b = _object(  # a's slot, free again: b's record must not meet a's alone there
+            rig.pools[0], rig.bufs[0], "b", {"past_key.0": 5000}
+        )
+        assert rig.tier.demote(b)
+        await rig.tier.drain()
+        rig.close()
+        rig = _Rig(dirs)  # (the machine restarted)
+        assert list(rig.tier.entries) == [("ns", "b")] and rig.loaded.damaged == 0
+        with pytest.raises(NotFound):
+            await rig.promote("a")
+        rig.close()
+
+    _run(main())
+
+
+def test_records_appended_during_a_compaction_are_kept(dirs):
+    # The index is compacted in an I/O thread while the loop keeps appending: what it
+    # appends meanwhile (a forgotten object's x, a new object's p) is written after the
+    # compacted file, under that file's seed, never dropped.
+    async def main():
+        rig = _Rig(dirs)
+        a = _object(rig.pools[0], rig.bufs[0], "a", {"past_key.0": 5000})
+        assert rig.tier.demote(a)
+        await rig.tier.drain()
+        index = rig.store.index
+        entered, go = threading.Event(), threading.Event()
+        real_rewrite = index.rewrite
+
+        def rewrite(live):
+            entered.set()
+            assert go.wait(60)
+            real_rewrite(live)
+
+        index.rewrite = rewrite
+        index.records = 10**6  # due for a compaction at the next sync
+        b = _object(rig.pools[0], rig.bufs[0], "b", {"past_key.0": 5000})
+        assert rig.tier.demote(b)
+        for _ in range(6000):  # b's write, then its sync: the compaction, held
+            if entered.is_set():
+                break
+            await asyncio.sleep(0.01)
+        assert entered.is_set()
+        assert rig.tier.forget(("ns", "a"))
+        c = _object(rig.pools[0], rig.bufs[0], "c", {"past_key.0": 5000})
+        assert rig.tier.demote(c)
+        await asyncio.shield(rig.tier.entries[("ns", "c")].writing)
+        go.set()
+        await rig.tier.drain()
+        rig.close()
+        rig = _Rig(dirs)
+        assert sorted(k for _, k in rig.tier.entries) == ["b", "c"]
+        assert (rig.loaded.damaged, rig.loaded.dropped) == (0, 0)
+        rig.close()
+
+    _run(main())

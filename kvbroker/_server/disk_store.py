@@ -147,7 +147,7 @@ class DiskIndex:
         self.geometry = geometry  # [[units, unit], ...] per slot file
         self.seed = 0
         self.fd = -1
-        self.pending = bytearray()  # records not yet written
+        self.pending: list[dict[str, Any]] = []  # records appended, not yet written
         self.records = 0  # records in the file (compaction when > 2x live + 1024)
 
     # -- reading -------------------------------------------------------------------------
@@ -246,23 +246,27 @@ class DiskIndex:
             yield rec
 
     # -- writing -------------------------------------------------------------------------
+    # The loop appends records and takes them for a write; the I/O thread frames them (under
+    # the seed of the file they go to) and writes them, one write or rewrite at a time. So a
+    # compaction's new seed never frames a record the old file gets, nor the other way round,
+    # and what the loop appends while a rewrite runs stays pending for the next write.
     def rewrite(self, live: list[dict[str, Any]]) -> None:
         """Start a fresh file holding ``live`` only (at open, and to compact): written to a
-        temporary file, synced, then renamed over the old one."""
-        self.seed = secrets.randbits(32)
+        temporary file, synced, then renamed over the old one. A failure leaves the old
+        file, and its seed, as they were."""
+        seed = secrets.randbits(32)
         tmp = self.path + ".tmp"
-        buf = bytearray(
-            self._frame({"t": "h", "v": FORMAT, "g": self.geometry, "seed": self.seed}, 0)
-        )
+        buf = bytearray(self._frame({"t": "h", "v": FORMAT, "g": self.geometry, "seed": seed}, 0))
         for rec in live:
-            buf += self._frame(rec, self.seed)
+            buf += self._frame(rec, seed)
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
-            os.write(fd, bytes(buf))
+            _write_all(fd, buf)
             os.fsync(fd)
         finally:
             os.close(fd)
         os.rename(tmp, self.path)
+        self.seed = seed
         dirfd = os.open(os.path.dirname(self.path) or ".", os.O_RDONLY)
         try:
             os.fsync(dirfd)
@@ -271,26 +275,34 @@ class DiskIndex:
         if self.fd >= 0:
             os.close(self.fd)
         self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
-        self.pending.clear()
-        self.records = len(live) + 1
 
     def append(self, rec: dict[str, Any]) -> None:
-        self.pending += self._frame(rec, self.seed)
+        self.pending.append(rec)
         self.records += 1
 
-    def take(self) -> bytes:
+    def take(self) -> list[dict[str, Any]]:
         """The records appended since the last take, for one :meth:`write_out`."""
-        data = bytes(self.pending)
-        self.pending.clear()
-        return data
+        recs, self.pending = self.pending, []
+        return recs
 
-    def write_out(self, data: bytes) -> None:
-        """In an I/O thread: append ``data`` (records :meth:`take` handed over) and fsync."""
-        view = memoryview(data)
-        while view:
-            n = os.write(self.fd, view)
-            view = view[n:]
-        os.fsync(self.fd)
+    def put_back(self, recs: list[dict[str, Any]]) -> None:
+        """Records a write could not make durable: first again, in their order (an ``x``
+        lost would let a restart serve what its ``p`` names)."""
+        self.pending[:0] = recs
+
+    def write_out(self, recs: list[dict[str, Any]]) -> None:
+        """In an I/O thread: append ``recs`` (what :meth:`take` handed over) and fsync. On
+        an error (ENOSPC) the file is cut back to where it ended, so the records can be
+        written again whole, then it raises."""
+        data = b"".join(self._frame(rec, self.seed) for rec in recs)
+        end = os.lseek(self.fd, 0, os.SEEK_END)
+        try:
+            _write_all(self.fd, data)
+            os.fsync(self.fd)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self.fd, end)
+            raise
 
     @staticmethod
     def _frame(rec: dict[str, Any], seed: int) -> bytes:
@@ -301,6 +313,12 @@ class DiskIndex:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+
+def _write_all(fd: int, data: bytes | bytearray) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
 
 
 class DiskStore:

@@ -116,6 +116,7 @@ class DiskTier(WriteBackPass, QuotaShares, Queries, Promotion):
         self.counters["recovered"] = len(self.entries)
         self.store.adopt([(e.file, e.start, e.units) for e in self.entries.values()])
         self.store.index.rewrite([e.to_record() for e in self.entries.values()])
+        self.store.index.records = len(self.entries) + 1
         self.loaded = loaded
         if self.entries or loaded.damaged or loaded.dropped:
             log.info(
@@ -153,9 +154,11 @@ class DiskTier(WriteBackPass, QuotaShares, Queries, Promotion):
         return not e.gone
 
     def sweep(self) -> None:
-        """Drop the disk copies of pool objects unlinked since (the daemon's tick)."""
+        """Drop the disk copies of pool objects unlinked since, and try again the index
+        records a failed sync left (the daemon's tick, once a second)."""
         for e in [e for e in self._pooled if not e.obj.linked]:
             self._drop(e)
+        self._sync_index()  # records a failed sync (a full disk) left pending: again
 
     def _pool_copy(self, e: DiskEntry, obj: Any) -> None:
         """``e`` is a copy of pool object ``obj`` from now on (None: on disk only)."""
@@ -332,14 +335,15 @@ class DiskTier(WriteBackPass, QuotaShares, Queries, Promotion):
     # ------------------------------------------------------------------ the index
     def _sync_index(self) -> None:
         """Write and fsync the records appended, in an I/O thread, one sync at a time
-        (compacted when it grew to twice the live entries)."""
+        (compacted when it grew to twice the live entries). Records a sync could not write
+        (a full disk) are tried again first by the next one (:meth:`sweep`, a later write)."""
         if self._syncing or not self.store.index.pending:
             return
         self._syncing = True
         index = self.store.index
         compact = index.records > 2 * len(self.entries) + 1024
         live = [e.to_record() for e in self.entries.values() if e.written] if compact else None
-        data = index.take()
+        recs = index.take()  # (a compaction's live stands for them)
         batch, self._unsynced = self._unsynced, []
         self._in_sync = batch
 
@@ -347,7 +351,7 @@ class DiskTier(WriteBackPass, QuotaShares, Queries, Promotion):
             if live is not None:
                 index.rewrite(live)
             else:
-                index.write_out(data)
+                index.write_out(recs)
 
         fut = asyncio.get_running_loop().run_in_executor(self.store.pool, sync)
         self._tasks.add(fut)
@@ -358,12 +362,15 @@ class DiskTier(WriteBackPass, QuotaShares, Queries, Promotion):
             self._in_sync = []
             if f.cancelled() or f.exception() is not None:
                 self.counters["index_errors"] += 1
-                log.error("[tier.disk] index write failed: %s", f.exception())
-                for e in batch:  # their records again, for the next sync to try
-                    if not e.gone:
-                        index.append(e.to_record())
-                        self._unsynced.append(e)
+                log.error(
+                    "[tier.disk] index write failed (tried again): %s",
+                    "cancelled" if f.cancelled() else f.exception(),
+                )
+                index.put_back(recs)
+                self._unsynced[:0] = batch
                 return
+            if live is not None:  # (what was appended meanwhile is still pending)
+                index.records = len(live) + 1 + len(index.pending)
             self._sync_index()
 
         fut.add_done_callback(synced)
