@@ -284,18 +284,25 @@ def _sub(endpoint: str, topic: str):
 
 def _wait_connected(pub: ev.EventPublisher, sub, timeout=60.0):
     """PUB/SUB drops what is sent before the subscription arrives: probe with
-    AllBlocksCleared until one is seen, then return the next expected sequence number."""
+    AllBlocksCleared until one is seen, then return the next expected sequence number.
+
+    Every probe sent after the first one seen reaches the subscriber: they are read up to
+    the last one sent, by its sequence number. (A quiet spell of 200 ms is no sign that the
+    last probe arrived: on a loaded machine it came later, and the test read it as its own.)"""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    while True:
         pub.cleared()
         if sub.poll(100):
-            while sub.poll(100):
-                _topic, seq, _payload = sub.recv_multipart()
-            pub.flush()
-            while sub.poll(200):
-                _topic, seq, _payload = sub.recv_multipart()
-            return int.from_bytes(seq, "big") + 1
-    raise AssertionError("subscriber never connected")
+            break
+        assert time.monotonic() < deadline, "subscriber never connected"
+    assert pub.flush(timeout), "the publisher thread did not send the probes"
+    last = pub.next_seq - 1
+    seq = -1
+    while seq < last:
+        assert sub.poll(max(1, int(1000 * (deadline - time.monotonic())))), f"probe {last} lost"
+        _topic, raw, _payload = sub.recv_multipart()
+        seq = int.from_bytes(raw, "big")
+    return last + 1
 
 
 def _replay(endpoint: str, start: int) -> list[list[bytes]]:
@@ -307,7 +314,7 @@ def _replay(endpoint: str, start: int) -> list[list[bytes]]:
         d.send_multipart((b"", start.to_bytes(8, "big")))
         out = []
         while True:
-            assert d.poll(5000), "no replay reply"
+            assert d.poll(60_000), "no replay reply"
             frames = d.recv_multipart()
             assert frames[0] == b""
             out.append(frames[1:])
@@ -372,7 +379,7 @@ def test_replay_fills_a_gap(fmt):
         # nobody subscribed: these batches are lost on PUB, but kept for replay
         for i in range(50):
             pub.stored([1000 + i], None, [i], 1)
-        assert pub.flush()
+        assert pub.flush(60)
         assert pub.next_seq == 50
         replies = _replay(pub.replay_endpoint, 20)
         *batches, end = replies
@@ -400,7 +407,7 @@ def test_replay_with_vllm_decoder():
     ) as pub:
         for i in range(5):
             pub.stored([i + 1], i or None, [i] * 2, 2)
-        assert pub.flush()
+        assert pub.flush(60)
         decoder = msgspec.msgpack.Decoder(type=kv.KVEventBatch)
         seen = []
         for _t, seq_bytes, payload in _replay(pub.replay_endpoint, 0):
@@ -433,8 +440,8 @@ def test_publish_never_blocks_and_overflow_clears():
             assert pub.publish([ev.BlockRemoved([3])]) is False
             assert pub.events_dropped == 11 and pub.queued == 0
         assert pub.publish([ev.BlockStored([77], None, [7], 1)])
-        assert pub.flush()
-        assert called.wait(5)
+        assert pub.flush(60)
+        assert called.wait(60)
         assert pub.overflows == 1
         seen = [
             e
@@ -590,7 +597,7 @@ def test_oversized_replay_frame_disconnects_its_sender():
         "tcp://*:0", topic=topic, replay_endpoint="tcp://127.0.0.1:0", max_batch=1
     ) as pub:
         pub.stored([1], None, [1], 1)
-        assert pub.flush()
+        assert pub.flush(60)
         d = zmq.Context.instance().socket(zmq.DEALER)
         mon = d.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         d.connect(pub.replay_endpoint)
@@ -618,7 +625,7 @@ def test_bad_replay_requests_warn_once(monkeypatch, caplog):
         ) as pub,
     ):
         pub.stored([1], None, [1], 1)
-        assert pub.flush()
+        assert pub.flush(60)
         d = zmq.Context.instance().socket(zmq.DEALER)
         d.connect(pub.replay_endpoint)
         try:
@@ -651,7 +658,7 @@ def test_undecodable_event_is_dropped_not_the_thread():
             [ev.BlockStored([1], None, ["x", "y"], 2), ev.BlockStored([2], None, [5, 6], 2)]
         )
         pub.stored([3], 2, [7, 8], 2)
-        assert pub.flush(), "the publisher thread died"
+        assert pub.flush(60), "the publisher thread died"
         seen = [e for _s, p in _replayed(pub.replay_endpoint) for e in _decode(p, "positional")]
         assert seen == [("BlockStored", [2]), ("BlockStored", [3])]
         assert pub.encode_errors == 1 and pub.events_dropped == 1
@@ -767,12 +774,14 @@ def test_a_withdrawn_grant_takes_its_blocks_out_of_the_replay_buffer(tmp_path):
     token ids for as long as the buffer keeps them (before: every one of them)."""
     import signal
 
-    replay = f"tcp://127.0.0.1:{_free_port()}"
+    # The daemon binds the replay port itself (a port found free here could be taken before
+    # it binds) and says which one.
     proc, cfg = _tenant_daemon(
-        tmp_path, f'publish = "tcp://127.0.0.1:{_free_port()}"\nreplay = "{replay}"\n'
+        tmp_path, f'publish = "tcp://127.0.0.1:{_free_port()}"\nreplay = "tcp://127.0.0.1:*"\n'
     )
     try:
         with proc.client(map_pools=False) as c:
+            replay = c.stat().events.replay_endpoint
             _blocks(c, "pub", 2_000_000, n=3)
             deadline = time.monotonic() + 60
             while c.stat().events.next_seq < 2 and time.monotonic() < deadline:
@@ -845,11 +854,10 @@ def test_curve_only_listed_subscribers_get_the_stream(tmp_path):
     thief.bind("tcp://127.0.0.1:*")
     thief.setsockopt_string(zmq.SUBSCRIBE, "")
     port = thief.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1]
-    replay_port = _free_port()
     proc, _cfg = _tenant_daemon(
         tmp_path,
         (
-            f'publish = "tcp://127.0.0.1:{port}"\nreplay = "tcp://127.0.0.1:{replay_port}"\n'
+            f'publish = "tcp://127.0.0.1:{port}"\nreplay = "tcp://127.0.0.1:*"\n'
             f'curve_key = "{tmp_path / "server" / "server.key_secret"}"\n'
             f'curve_clients = "{tmp_path / "clients"}"\n'
         ),
@@ -861,6 +869,7 @@ def test_curve_only_listed_subscribers_get_the_stream(tmp_path):
             tenant = _blocks(c, TENANT_NS, 1_000_000, n=3)
             public = _blocks(c, "pub", 2_000_000, n=2)
             assert c.stat().events.authenticated
+            replay = c.stat().events.replay_endpoint  # the port the daemon bound
 
         def dealer(secret_file=None):
             d = ctx.socket(zmq.DEALER)
@@ -868,7 +877,7 @@ def test_curve_only_listed_subscribers_get_the_stream(tmp_path):
             if secret_file is not None:
                 d.curve_publickey, d.curve_secretkey = zmq.auth.load_certificate(secret_file)
                 d.curve_serverkey = server_public
-            d.connect(f"tcp://127.0.0.1:{replay_port}")
+            d.connect(replay)
             socks.extend((d, mon))
             return d, mon
 
