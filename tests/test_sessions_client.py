@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 
 from kvbroker.cli import app
 from kvbroker.prefix import PrefixCache
-from kvbroker.testing import DaemonProcess
+from kvbroker.testing import DaemonProcess, drop_leftover_pools
 
 runner = CliRunner()
 BS = 16
@@ -136,3 +136,35 @@ def test_the_sessions_benchmark_keeps_every_reusable_token_that_lru_loses():
     assert got[False]["hit_of_reusable"] < 1.0
     assert got[True]["recomputed_tokens"] < got[False]["recomputed_tokens"]
     assert got[True]["retained_evicted"] == {}
+
+
+def test_a_restart_keeps_what_the_tenant_quota_took(tmp_path):
+    """A session that lost its retention to the tenant quota does not get it back from a
+    warm restart after a crash, although the quota has room again by then: the journal says
+    it was taken. (A SIGKILL: a clean restart rewrites the journal from what is retained.)"""
+    cfg = tmp_path / "kvb.toml"
+    cfg.write_text('[sessions]\ntenant_quota = "512K"\n')  # 8 blocks, not 12
+    sock = str(tmp_path / "kvb.sock")
+    args = ("--config", str(cfg), "--pool-size", "4M", "--page-size", "4K")
+    d = DaemonProcess(sock, *args, ready_timeout=60)
+    try:
+        with d.client() as c:
+            pc = PrefixCache(c, namespace="agent", block_size=BS, checksum=False)
+            conversation(pc, 0, 4, session="important", priority=3)
+            conversation(pc, 100_000, 4, session="old", priority=1)
+            conversation(pc, 200_000, 4, session="new", priority=1)
+            blocks = {r["name"]: r["blocks"] for r in c.ops.sessions()["sessions"]}
+            assert blocks == {"important": 4, "old": 0, "new": 4}
+            c.ops.unretain("new")  # the quota has room again; "old" stays unretained
+    finally:
+        d.stop(signal.SIGKILL)  # the pools and the journal stay for the next daemon
+    try:
+        d2 = DaemonProcess(sock, *args, ready_timeout=60)
+        try:
+            with d2.client() as c:
+                blocks = {r["name"]: r["blocks"] for r in c.ops.sessions()["sessions"]}
+                assert blocks == {"important": 4, "old": 0}
+        finally:
+            assert d2.stop() == 0, d2.log()
+    finally:
+        drop_leftover_pools(sock)

@@ -29,9 +29,12 @@ rewritten as format 3 at once.)
 - ``{"t": "r", "ns", "n", "u", "p", "x", "c", "a": [serials]}`` — a session
   (:mod:`kvbroker._server.retention`) was named or renewed: its owner's uid, priority, expiry
   (wall-clock) and creation time, and the serials it retains from now on (``a``, added to
-  those of its earlier records); ``{"t": "R", "ns", "n"}`` — it was released or expired.
+  those of its earlier records; an ``r`` with no serials also records a shortened expiry,
+  a reload's ``max_retain``); ``{"t": "d", "ns", "n", "a": [serials]}`` — a bound (the
+  tenant quota, the pool share) took those serials from it: no longer retained unless a
+  later ``r`` names them again; ``{"t": "R", "ns", "n"}`` — it was released or expired.
   A restarted daemon keeps the sessions not expired, over the objects still there, and
-  enforces their bounds again (what lost retention to a bound since is not recorded);
+  enforces their bounds again;
 - ``{"t": "w", "p": pool, "s": start, "n": npages}`` — pages were lent for writing (a
   reservation or a write arena): a client may be copying into them;
 - ``{"t": "e", "p": pool, "s": start}`` — pages lent for writing came back (aborted,
@@ -115,7 +118,7 @@ class Recovered:
     dropped: dict[str, list[str]] = field(default_factory=dict)
 
     dropped_serials: set[int] = field(default_factory=set)  # their children go too
-    # (namespace, name) -> a session's last "r" record, "a" holding every serial it retained
+    # (namespace, name) -> a session's last "r" record, "a" every serial it still retains
     sessions: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
 
     def drop(self, reason: str, what: str, serial: int | None = None) -> None:
@@ -511,6 +514,11 @@ def _apply(
         prior = rec.sessions.get(key)
         entry = dict(entry, a=(prior["a"] if prior is not None else []) + serials)
         rec.sessions[key] = entry
+    elif t == "d":
+        prior = rec.sessions.get((str(entry["ns"]), str(entry["n"])))
+        if prior is not None:
+            lost = {s for s in entry["a"] if isinstance(s, int)}
+            prior["a"] = [s for s in prior["a"] if s not in lost]
     elif t == "R":
         rec.sessions.pop((str(entry["ns"]), str(entry["n"])), None)
     else:

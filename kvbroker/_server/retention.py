@@ -32,8 +32,9 @@ under pressure, by an operator, replaced) leaves every session that retained it;
 Owned by the broker (:class:`~kvbroker._server.broker.Broker` composes it and calls its hooks
 where objects enter or leave the eviction order); its state is its own: sessions, which
 session retains which object, retained bytes per pool and per tenant, and the order retained
-objects are evicted in. What it journals lets a restart keep it (``records``; a restarted
-daemon enforces the bounds again). No I/O.
+objects are evicted in. What it journals lets a restart keep it (``records``): a session
+named, renewed or shortened (a reload's ``max_retain``), the objects it retains, those a
+bound took from it, its end; a restarted daemon enforces the bounds again. No I/O.
 """
 
 from __future__ import annotations
@@ -354,6 +355,7 @@ class Retention:
             if entry.expires_at > now + settings.max_retain:
                 entry.expires_at = now + settings.max_retain
                 heapq.heappush(self._expiry, (entry.expires_at, entry.namespace, entry.name))
+                self._journal(entry, ())  # a restart must not give the time back
         self.enforce()
 
     # ------------------------------------------------------------------ bounds
@@ -362,11 +364,12 @@ class Retention:
     ) -> None:
         """Drop retention (lowest priority, least recently used first) until every tenant in
         ``uids`` and every pool in ``pools`` (None: all) is within its bound."""
+        lost: dict[Retained, list[int]] = {}  # what each session lost, for the journal
         quota = self.settings.tenant_quota
         if quota is not None:
             for uid in list(self.tenant_bytes) if uids is None else uids:
                 if self.tenant_bytes[uid] > quota:
-                    self._shed_tenant(uid, quota)
+                    self._shed_tenant(uid, quota, lost)
         share = self.settings.pool_share
         for idx in range(len(self.capacities)) if pools is None else pools:
             cap = share * self.capacities[idx]
@@ -375,9 +378,18 @@ class Retention:
                     lambda o, i=idx: o.pool.index == i,
                     lambda i=idx, c=cap: self.pool_bytes[i] <= c,
                     "pool_share",
+                    lost,
                 )
+        if lost and self.journal is not None:
+            # A restart replays these: what a bound took stays taken (the bound may have
+            # room again by then, and the live daemon would not have given it back).
+            for entry, serials in lost.items():
+                if self.sessions.get((entry.namespace, entry.name)) is entry:
+                    self.journal.retention(
+                        {"t": "d", "ns": entry.namespace, "n": entry.name, "a": serials}
+                    )
 
-    def _shed_tenant(self, uid: int, quota: int) -> None:
+    def _shed_tenant(self, uid: int, quota: int, lost: dict[Retained, list[int]]) -> None:
         # The tenant's own retained objects in eviction order (their tier, then when each
         # went to its tier's recent end): a request past its quota costs a sort of what its
         # tenant retains, never a walk of what every other tenant retains (a tenant at the
@@ -396,6 +408,7 @@ class Retention:
             for entry in self.holders.get(obj.serial, ())[:]:
                 if entry.uid == uid:
                     self._remove(entry, obj, back_to_lru=True)
+                    lost.setdefault(entry, []).append(obj.serial)
             self.dropped["tenant_quota"] += 1
 
     def _priority(self, obj: StoredObject) -> int:
@@ -404,7 +417,11 @@ class Retention:
         return holders[0].priority if len(holders) == 1 else max(e.priority for e in holders)
 
     def _shed(
-        self, chosen: Callable[[StoredObject], bool], done: Callable[[], bool], why: str
+        self,
+        chosen: Callable[[StoredObject], bool],
+        done: Callable[[], bool],
+        why: str,
+        lost: dict[Retained, list[int]],
     ) -> None:
         # In batches from the front of the order: a request past a bound sheds a few blocks,
         # and must not cost a walk of everything retained (the tiers change as it sheds).
@@ -427,6 +444,7 @@ class Retention:
                     return
                 for entry in self.holders.get(obj.serial, ())[:]:
                     self._remove(entry, obj, back_to_lru=True)
+                    lost.setdefault(entry, []).append(obj.serial)
                 self.dropped[why] += 1
 
     # ------------------------------------------------------------------ the tables
