@@ -49,16 +49,15 @@ from itertools import islice
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .._wire.protocol import MAX_NAME
+from .._wire.protocol import MAX_NAME, MAX_PRIORITY
 from .._wire.stats import RetentionStatistics, SessionInfo
 from ..errors import BadRequest, LimitExceeded
+from .retention_records import ended_record, named_record, restorable, shed_record
 
 if TYPE_CHECKING:
     from .state import StoredObject
 
 __all__ = ["Retention", "RetentionSettings", "Retained"]
-
-MAX_PRIORITY = 100  # priorities are 0 (the default) to this
 
 
 @dataclass(frozen=True)
@@ -107,42 +106,6 @@ class Retained:
             expires_in=max(0.0, self.expires_at - now),
             created_at=self.created_at,
         )
-
-
-def _finite(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _restorable(rec: Any) -> tuple[str, str, int, float, int, float | None, set[int]] | None:
-    """A journal's session record as (namespace, name, uid, expiry, priority, created,
-    serials), or None when it is malformed. Checked whole before anything is restored: a
-    NaN expiry would never end and would disorder every other session's in the expiry heap;
-    one bad record must neither stop the warm restart of every tenant's objects nor leave a
-    session half made."""
-    if not isinstance(rec, dict):
-        return None
-    ns, name, uid = rec.get("ns"), rec.get("n"), rec.get("u")
-    expires, prio, created = rec.get("x"), rec.get("p", 0), rec.get("c")
-    serials = rec.get("a", ())
-    if not (isinstance(ns, str) and isinstance(name, str) and 0 < len(name) <= MAX_NAME):
-        return None
-    if isinstance(uid, bool) or not isinstance(uid, int) or not 0 <= uid < 2**32:
-        return None
-    if not _finite(expires) or not (created is None or _finite(created)):
-        return None
-    if isinstance(prio, bool) or not isinstance(prio, int) or not 0 <= prio <= MAX_PRIORITY:
-        return None
-    if not isinstance(serials, (list, tuple)):
-        return None
-    return (
-        ns,
-        name,
-        uid,
-        float(expires),
-        prio,
-        None if created is None else float(created),
-        {s for s in serials if isinstance(s, int) and not isinstance(s, bool)},
-    )
 
 
 def _footprint(obj: StoredObject) -> int:
@@ -328,7 +291,7 @@ class Retention:
         if self.per_uid[entry.uid] <= 0:
             del self.per_uid[entry.uid]
         if self.journal is not None:
-            self.journal.retention({"t": "R", "ns": entry.namespace, "n": entry.name})
+            self.journal.retention(ended_record(entry))
 
     def expire(self, now: float | None = None) -> int:
         """Release the sessions whose time passed without a request; returns how many."""
@@ -385,9 +348,7 @@ class Retention:
             # room again by then, and the live daemon would not have given it back).
             for entry, serials in lost.items():
                 if self.sessions.get((entry.namespace, entry.name)) is entry:
-                    self.journal.retention(
-                        {"t": "d", "ns": entry.namespace, "n": entry.name, "a": serials}
-                    )
+                    self.journal.retention(shed_record(entry, serials))
 
     def _shed_tenant(self, uid: int, quota: int, lost: dict[Retained, list[int]]) -> None:
         # The tenant's own retained objects in eviction order (their tier, then when each
@@ -510,7 +471,7 @@ class Retention:
     # ------------------------------------------------------------------ journal, restart
     def _journal(self, entry: Retained, added: Iterable[int]) -> None:
         if self.journal is not None:
-            self.journal.retention(self._record(entry, list(added)))
+            self.journal.retention(named_record(entry, list(added)))
 
     @property
     def journal(self) -> Any:
@@ -524,22 +485,9 @@ class Retention:
         if journal is not None:
             journal.sessions = self.records
 
-    @staticmethod
-    def _record(entry: Retained, serials: list[int]) -> dict[str, Any]:
-        return {
-            "t": "r",
-            "ns": entry.namespace,
-            "n": entry.name,
-            "u": entry.uid,
-            "p": entry.priority,
-            "x": entry.expires_at,
-            "c": entry.created_at,
-            "a": serials,
-        }
-
     def records(self) -> list[dict[str, Any]]:
         """Every session as one journal record (a compaction's)."""
-        return [self._record(e, list(e.objects)) for e in self.sessions.values()]
+        return [named_record(e, list(e.objects)) for e in self.sessions.values()]
 
     def restore(self, sessions: Iterable[dict[str, Any]], objects: dict[int, StoredObject]) -> int:
         """Sessions of a previous daemon (``Recovered.sessions``) over its restored objects
@@ -548,7 +496,7 @@ class Retention:
         now = self.clock()
         n = 0
         for rec in sessions:
-            fields = _restorable(rec)
+            fields = restorable(rec)
             if fields is None:
                 continue  # a malformed record retains nothing; the others still come back
             ns, name, uid, expires, prio, created, serials = fields

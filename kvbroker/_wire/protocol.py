@@ -49,6 +49,7 @@ MAX_ARRAY = 1 << 20
 MAX_MAP = 1 << 16
 MAX_BUFFERS = 8192
 MAX_NAME = 512
+MAX_PRIORITY = 100  # a session's priority: 0 (the default) to this
 MAX_REPORTED = 32  # counters a client may report (the report op)
 MAX_META = 64 * 1024
 MAX_META_DEPTH = 32  # maps and lists inside an object's meta: replies nest it a few deeper
