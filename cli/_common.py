@@ -22,6 +22,9 @@ EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_UNAVAILABLE, EXIT_UNSUPPORTED = 0, 1, 2, 3
 # Click's exceptions as Typer raises them (recent Typer versions carry their own Click).
 _UsageError = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "UsageError")
 _ClickException = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
+# A group run without a command (`kvbroker`, `kvbroker bench`): its help, which is not an
+# error to fold into one line (Click 8.2 and later raise it; older ones print the help).
+_NoArgsIsHelp = getattr(sys.modules[_UsageError.__module__], "NoArgsIsHelpError", ())
 
 
 def to_json(value: Any, **kw: Any) -> str:
@@ -72,7 +75,7 @@ def usage_error(message: str, command: str = "kvbroker") -> typer.Exit:
 class OneLineGroup(TyperGroup):
     """Click's group with every error on one line of stderr: usage errors (exit 2) read
     ``kvbroker ls: Invalid value for '--limit': ... (see 'kvbroker ls --help')`` instead of a
-    usage block, and an unexpected exception is one line too (``KVBROKER_DEBUG=1``: the
+    usage block (a group run without a command still prints its help), and an unexpected exception is one line too (``KVBROKER_DEBUG=1``: the
     traceback)."""
 
     def main(
@@ -82,6 +85,9 @@ class OneLineGroup(TyperGroup):
             return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         try:
             rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except _NoArgsIsHelp as exc:
+            exc.show()  # the group's whole help, as Click prints it
+            sys.exit(exc.exit_code)
         except _UsageError as exc:
             command = exc.ctx.command_path if exc.ctx is not None else "kvbroker"
             typer.echo(

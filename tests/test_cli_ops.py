@@ -77,6 +77,19 @@ def test_usage_errors_are_one_line(loaded):
         assert "--help" in r.stderr and "Usage:" not in r.stderr
 
 
+@pytest.mark.parametrize("group", [[], ["bench"]])
+def test_a_group_without_a_command_prints_its_help_whole(group):
+    """`kvbroker` (or `kvbroker bench`) alone: the help as Click lays it out, a command a
+    line, not folded into one line of usage error."""
+    r = run(*group)
+    assert r.exit_code == 2, r.output
+    lines = r.stderr.splitlines()
+    assert lines[0] == f"Usage: {' '.join(['kvbroker', *group])} [OPTIONS] COMMAND [ARGS]..."
+    commands = lines[lines.index("Commands:") + 1 :]
+    named = {line.split()[0] for line in commands if line.strip()}
+    assert ({"serve", "stat", "ls", "evict", "tui"} if not group else {"transfer", "peer"}) <= named
+
+
 def test_conflicting_selectors_are_refused(loaded):
     s = loaded.socket_path
     for args in (["keep-4", "--all"], ["--all", "--namespace", "pd"], ["req-1", "-m", "req"]):
