@@ -7,10 +7,10 @@ import pathlib
 import re
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-USER_DOCS = ["README.md"] + [
-    f"docs/{name}.md"
-    for name in ("engines", "operating", "security", "fleet", "configuration", "design")
-]
+# every page of docs/ but performance.md, whose tables name the commit they were measured at
+USER_DOCS = ["README.md"] + sorted(
+    f"docs/{page.name}" for page in (ROOT / "docs").glob("*.md") if page.name != "performance.md"
+)
 # a git commit as the repository's texts cite one: 7 to 40 hex digits, letters and digits mixed
 COMMIT = re.compile(r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}\b")
 
