@@ -164,3 +164,42 @@ def test_a_bad_state_page_mid_span_ends_the_read_keeping_the_pages_before_it(dae
     assert reader.totals()["read_missed"] == 3
     reader.link.close()
     writer.link.close()
+
+
+@pytest.mark.parametrize("bad", ["truncated", "longer", "other_buffer"])
+def test_a_malformed_kv_page_mid_chain_ends_the_read_keeping_the_pages_before_it(daemon, bad):
+    """Another engine of the namespace stored page 2 of a 5-page chain with fewer bytes, more
+    bytes or another buffer: every read through it loaded nothing (a ValueError of the copy,
+    logged as an unexpected error with its traceback on every read). The read loads pages 0
+    and 1, counts and warns of page 2 (rate-limited), and copies nothing of it or after it."""
+    writer, written = store(daemon.socket_path)
+    chain = hashes(5, f"malformed-{bad}")
+    assert writer.write(chain[:2], [writer.host_page(t * PAGE) for t in range(2)])
+    n = writer.block_nbytes
+    buffers = {
+        "truncated": {"page": n - 8},
+        "longer": {"page": n + 4096},
+        "other_buffer": {"kv": n},
+    }[bad]
+    client = writer.link.get()
+    keys = writer.keys.blocks(chain)
+    r = blocks.reserve(client, writer.namespace, [{"key": keys[2], "parent": keys[1]}], buffers)
+    for name in buffers:
+        r.view(0, name)[:] = 0x5A
+    r.seal(r.checksums())
+    assert writer.write(chain, [writer.host_page(t * PAGE) for t in range(5)])  # 3 and 4
+    assert writer.count(chain) == 5
+
+    reader, read = store(daemon.socket_path)
+    read[:] = 0
+    for _ in range(3):
+        assert reader.read(chain, [reader.host_page(t * PAGE) for t in range(5)]) == 2
+    assert np.array_equal(read[:, : 2 * PAGE], written[:, : 2 * PAGE])
+    assert not read[:, 2 * PAGE :].any()  # the bad page and those after it: not a byte
+    totals = reader.totals()
+    assert totals["read_bad_pages"] == 3 and totals["read_pages"] == 6
+    assert totals.get("errors", 0) == 0
+    assert reader.link.warnings.counts["bad_kv_page"] == 3
+    assert reader.link.up  # the broker is fine: the link stays
+    reader.link.close()
+    writer.link.close()

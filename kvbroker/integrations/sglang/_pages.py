@@ -18,7 +18,8 @@ No SGLang import; torch is touched only through the host pool's tensor (as numpy
   (block-major, shard-minor) takes one read lease on the leading run the node holds; each
   matched block's runs are copied from its pool extent straight into the host pool; the
   lease is released before the call returns. Pages count only when every shard of them
-  matched.
+  matched; a block that is not what this store writes (another buffer or size: another
+  writer of the namespace) ends the run there, counted (``read_bad_pages``) and warned of.
 - **Count** (``batch_exists``): the same match with ``hold=False``: one round trip (to a read
   replica where the daemon runs them), nothing held.
 
@@ -334,18 +335,39 @@ class PageStore(BlockStore):
             with blocks.match_keys(
                 client, self.namespace, self.keys.blocks(page_hashes), hold=True
             ) as match:
-                found = match.num_blocks // split
-                for i in range(found):
-                    ref = pages[i]
+                found = 0
+                # Each page's blocks are checked before a byte is copied: one another writer
+                # stored with other buffers or sizes ends the run, the pages before it count.
+                while (found + 1) * split <= match.num_blocks and self._intact(match, found):
+                    ref = pages[found]
                     for j in range(split):
-                        view = match.blocks[i * split + j][PAGE]
+                        view = match.blocks[found * split + j][PAGE]
                         _scatter(view, ref, j * piece, piece, self.geometry.outer)
+                    found += 1
         except Exception as exc:  # noqa: BLE001
             self._failed(client, exc, "get")
             return 0
         self._count("read_pages", found)
         self._count("read_missed", len(page_hashes) - found)
         return found
+
+    def _intact(self, match, page: int) -> bool:
+        """Whether every block of matched ``page`` is one this store writes (its one buffer
+        of ``block_nbytes``); a page that is not is counted and warned of, never copied."""
+        want = {PAGE: self.block_nbytes}
+        for b in range(page * self.split, (page + 1) * self.split):
+            got = {name: match.blocks[b][name].size for name in match.blocks[b]}
+            if got != want:
+                self._count("read_bad_pages")
+                self.warnings.warn(
+                    "bad_kv_page",
+                    "a stored HiCache page holds buffers %s, not %s (another writer of the "
+                    "namespace): it and the pages after it are read as misses",
+                    got,
+                    want,
+                )
+                return False
+        return True
 
     def write(
         self, page_hashes: list[str], pages: list[PageRef], *, parent: str | None = None
