@@ -30,6 +30,7 @@ from ._common import (
 )
 
 DEFAULT_LIMIT = 1000
+TIERS = ("all", "dram", "disk")  # what --tier picks: ls and evict alike
 # What each --sort orders by, and whether larger comes first by default.
 SORTS = {
     "namespace": (lambda o: (o.namespace, o.key), False),
@@ -39,6 +40,7 @@ SORTS = {
     "readers": (lambda o: o.readers, True),
     "buffers": (lambda o: o.buffers, True),
     "pool": (lambda o: o.pool, False),
+    "tier": (lambda o: o.tier or "", False),
 }
 
 
@@ -139,24 +141,37 @@ def ls_(
     wide: bool = typer.Option(
         False, "--wide", "-w", help="Never cut namespaces and keys to fit the terminal."
     ),
+    tier: str = typer.Option(
+        "all",
+        "--tier",
+        metavar="all|dram|disk",
+        help="all: every object; dram: those in the pools; disk: those with a copy on the "
+        "disk tier (as evict --tier picks them).",
+    ),
     socket: str | None = SocketOpt,
     as_json: bool = JsonOpt,
 ) -> None:
-    """List sealed objects.
+    """List sealed objects, in the pools and on the disk tier.
 
-    On a terminal, names too long for it end in "…" (use --wide or --json for whole names);
-    a pipe gets them whole. When more objects match than were listed, a note on stderr
-    says so.
+    TIER: dram (in a pool), disk (on the disk tier only: a claim brings it back first) or
+    dram+disk (in a pool, with a copy on disk). On a terminal, names too long for it end in
+    "…" (use --wide or --json for whole names); a pipe gets them whole. When more objects
+    match than were listed, a note on stderr says so.
     """
+    if tier not in TIERS:
+        raise usage_error(f"--tier must be all, dram or disk, not {tier!r}", "kvbroker ls")
     if sort is None and not reverse:  # the first `limit` sealed
-        listing = run(socket, lambda c: c.list(match, namespace=namespace, limit=limit or None))
+        listing = run(
+            socket,
+            lambda c: c.list(match, namespace=namespace, limit=limit or None, tier=tier),
+        )
         objs, truncated = list(listing), listing.truncated
     else:  # every match ordered, then the first `limit` of them
         order = None if sort is None else sort.value
         objs, truncated = run(
             socket,
             lambda c: _first_sorted(
-                c.list_pages(match, namespace=namespace), order, reverse, limit
+                c.list_pages(match, namespace=namespace, tier=tier), order, reverse, limit
             ),
         )
     if as_json:
@@ -174,11 +189,17 @@ def ls_(
                 (
                     o.namespace,
                     o.key,
-                    [format_size(o.nbytes), str(o.buffers), str(o.readers), age(o.created_at, now)],
+                    [
+                        format_size(o.nbytes),
+                        str(o.buffers),
+                        str(o.readers),
+                        age(o.created_at, now),
+                        o.tier or "dram",
+                    ],
                 )
                 for o in objs
             ],
-            [("SIZE", 11), ("BUFS", 6), ("READERS", 8), ("AGE", 6)],
+            [("SIZE", 11), ("BUFS", 6), ("READERS", 8), ("AGE", 6), ("TIER", 11)],
             header=not no_header,
             wide=wide,
         )
@@ -367,7 +388,7 @@ def evict(
         raise usage_error(f"--all evicts every object; it takes no {' or '.join(given)}", cmd)
     if key is not None and match is not None:
         raise usage_error("give KEY or --match, not both", cmd)
-    if tier not in ("all", "dram", "disk"):
+    if tier not in TIERS:
         raise usage_error(f"--tier must be all, dram or disk, not {tier!r}", cmd)
     age_s = None
     if older_than is not None:

@@ -93,7 +93,7 @@ def test_what_the_pool_evicts_is_claimed_back_from_disk(daemons, tmp_path):
         assert metrics["kvbroker_disk_objects"] == st.disk.objects
         assert metrics["kvbroker_disk_o_direct"] == 1.0
         # A put over a key that is on disk only needs replace, and replaces the disk copy.
-        only_disk = next(k for k in keys if not c.list(match=f"^{k}$"))
+        only_disk = next(k for k in keys if not c.list(match=f"^{k}$", tier="dram"))
         assert not c.put(only_disk, {"past_key.0": pattern("other")})
         assert c.put(only_disk, {"past_key.0": pattern("other")}, replace=True)
         c.evict(match=".", tier="dram")  # everything to disk; the new version goes there
@@ -111,7 +111,7 @@ def test_a_prefix_chain_spanning_both_tiers_is_counted_and_leased(daemons, tmp_p
         # The chain's last 5 blocks go to disk (leaves first: a parent goes after its children).
         for h in reversed(hashes[3:]):
             assert c.evict(h, namespace="prefix", tier="dram").count == 1
-        assert len(c.list(namespace="prefix")) == 3
+        assert len(c.list(namespace="prefix", tier="dram")) == 3
         assert cache.match(tokens + [0], hold=False).num_blocks == 8  # both tiers counted
         with cache.match(tokens + [0]) as m:  # one lease over the chain, promoted first
             assert m.num_blocks == 8
@@ -155,9 +155,9 @@ def test_evict_by_tier(daemons, tmp_path):
             c.put(k, {"past_key.0": pattern(k, 8192)})
         wait_for(lambda: c.stat().disk.objects == 3)  # policy sealed: all written back
         r = c.evict("a", tier="disk")  # its disk copy only: still in the pool
-        assert (r.count, r.on_disk) == (0, 1) and c.list(match="^a$")
+        assert (r.count, r.on_disk) == (0, 1) and c.list(match="^a$", tier="dram")
         r = c.evict("b", tier="dram")  # from the pool only: still claimable
-        assert r.count == 1 and not c.list(match="^b$") and c.exists("b")
+        assert r.count == 1 and not c.list(match="^b$", tier="dram") and c.exists("b")
         r = c.evict(all=True)  # everywhere
         assert r.count == 3 and r.on_disk == 2  # c had a copy, b was on disk only
         assert not any(c.exists(k) for k in "abc") and c.stat().disk.objects == 0

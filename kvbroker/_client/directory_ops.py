@@ -78,13 +78,21 @@ class DirectoryOps:
             self._session.settimeout(self._timeout)
 
     def list(
-        self, match: str | None = None, *, namespace: str | None = None, limit: int | None = None
+        self,
+        match: str | None = None,
+        *,
+        namespace: str | None = None,
+        limit: int | None = None,
+        tier: str = "all",
     ) -> Listing:
         """Sealed objects (a regex ``match`` over keys, one ``namespace``), in the order they
         were sealed: all of them, or at most ``limit``. The list's ``truncated`` says
-        whether more matched than it holds (only ever with a ``limit``)."""
+        whether more matched than it holds (only ever with a ``limit``). Each object's
+        ``tier`` says where it is: dram (a pool), disk (the disk tier only) or dram+disk;
+        ``tier`` lists all of them, those in a pool (dram) or those with a copy on disk
+        (disk), as ``evict``'s ``tier`` picks them."""
         out = Listing()
-        for page in self.list_pages(match, namespace=namespace, limit=limit):
+        for page in self.list_pages(match, namespace=namespace, limit=limit, tier=tier):
             out.extend(page)
             out.truncated = page.truncated
         return out
@@ -96,6 +104,7 @@ class DirectoryOps:
         namespace: str | None = None,
         limit: int | None = None,
         page_size: int | None = None,
+        tier: str = "all",
     ) -> Iterator[Listing]:
         """:meth:`list` one reply at a time (the daemon sends at most 10,000 objects, and
         about 4 MiB of them, a reply, or ``page_size``): each page a :class:`Listing`, the
@@ -108,7 +117,9 @@ class DirectoryOps:
         left = limit
         while True:
             ask = page_size if left is None else min(left, page_size or left)
-            reply = self.ops.list(namespace=namespace, match=match, limit=ask, after=after)
+            reply = self.ops.list(
+                namespace=namespace, match=match, limit=ask, after=after, tier=tier
+            )
             page = Listing(ObjectInfo.from_dict(o) for o in reply["objects"])
             page.truncated = bool(reply["truncated"])
             if left is not None:

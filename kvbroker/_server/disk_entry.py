@@ -36,6 +36,8 @@ class DiskEntry:
         "tenants",
         "obj",
         "last_access",
+        "seq",
+        "announced",
     )
 
     def __init__(
@@ -65,6 +67,12 @@ class DiskEntry:
         # disk copy with it (DiskTier.live).
         self.obj: Any = None
         self.last_access = time.time()
+        # Its place in ``list``'s order (kvbroker._server.listing): the seq of the pool
+        # object it was demoted from; negative for one found on disk at start.
+        self.seq = 0
+        # The KV event feed (kvbroker._server.fleet_events) announced it as on disk
+        # (medium STORAGE): its removal from disk is announced too.
+        self.announced = False
 
     @property
     def nbytes(self) -> int:

@@ -113,6 +113,9 @@ class DiskTier(WriteBackPass, QuotaShares, Queries, Promotion):
             self.entries[e.ident] = e
             self.lru[e.ident] = e
             self._charge(e)
+        found = sorted(self.entries.values(), key=lambda e: e.record.get("created_at") or 0)
+        for at, e in enumerate(found):  # before every object sealed from now on, for list
+            e.seq = at - len(found)
         self.counters["recovered"] = len(self.entries)
         self.store.adopt([(e.file, e.start, e.units) for e in self.entries.values()])
         self.store.index.rewrite([e.to_record() for e in self.entries.values()])
@@ -222,6 +225,7 @@ class DiskTier(WriteBackPass, QuotaShares, Queries, Promotion):
         was written, or is being written from a copy of its pages made now)."""
         e = self.copy_of(obj)
         if e is not None:
+            e.seq = obj.seq
             self._pool_copy(e, None)
             e.record["consumers"] = obj.consumers  # consume-claims released since the write
             self.counters["demoted"] += 1
@@ -237,6 +241,7 @@ class DiskTier(WriteBackPass, QuotaShares, Queries, Promotion):
         src = self.views[obj.pool.index]
         start = obj.start * obj.pool.page_size
         buf[:] = src[start : start + length]
+        e.seq = obj.seq
         self._pool_copy(e, None)
         self._start_write(e, memoryview(buf), buf.close)
         self.counters["demoted"] += 1

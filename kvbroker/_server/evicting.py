@@ -25,7 +25,16 @@ from .directory import Directory
 from .patterns import client_regex
 from .state import Deferred, Session, StoredObject
 
-__all__ = ["MAX_LISTED_BYTES", "MAX_REPORTED", "SLICE_NAMES", "info_size", "select", "victims"]
+__all__ = [
+    "MAX_LISTED_BYTES",
+    "MAX_REPORTED",
+    "SLICE_NAMES",
+    "TIERS",
+    "check_tier",
+    "info_size",
+    "select",
+    "victims",
+]
 
 MAX_REPORTED = 10_000  # objects an evict reply lists (it counts them all)
 # Bytes of objects' infos a list page or an evict reply carries at most: an info carries its
@@ -142,12 +151,13 @@ def victims(
 TIERS = ("all", "dram", "disk")  # what evict frees: everywhere, the pools only, the disk only
 
 
-def check_tier(disk: Any, tier: str) -> Any:
-    """``evict``'s ``tier``, checked; returns the disk tier (None: the daemon has none)."""
+def check_tier(disk: Any, tier: str, op: str = "evict") -> Any:
+    """``evict``'s (or ``list``'s) ``tier``, checked; returns the disk tier (None: the daemon
+    has none)."""
     if tier not in TIERS:
-        raise BadRequest(f"evict: tier must be one of {', '.join(TIERS)}, not {tier!r}")
+        raise BadRequest(f"{op}: tier must be one of {', '.join(TIERS)}, not {tier!r}")
     if tier == "disk" and disk is None:
-        raise BadRequest("evict: this daemon has no disk tier ([tier.disk] directories)")
+        raise BadRequest(f"{op}: this daemon has no disk tier ([tier.disk] directories)")
     return disk
 
 

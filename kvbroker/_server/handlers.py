@@ -32,7 +32,8 @@ from .checks import (
     leases_named,
 )
 from .disk_tier import on_disk_only
-from .evicting import MAX_LISTED_BYTES, check_tier, info_size, on_disk, select, tiered, victims
+from .evicting import check_tier, on_disk, select, tiered, victims
+from .listing import list_objects
 from .patterns import client_regex as _regex
 from .prefix_leases import count_query, matched_run
 from .publish_ops import PublishOps
@@ -41,8 +42,6 @@ from .state import Deferred, Session, StoredObject, WouldWait
 from .transitions import Transitions
 
 __all__ = ["HANDLERS", "Handlers"]
-
-_MAX_LIST = 10_000
 
 
 class Handlers:
@@ -292,35 +291,19 @@ class Handlers:
         )
         return here and session.access.can(namespace)
 
-    def op_list(self, session, namespace, match, limit, after) -> R.Listed:
-        limit = _MAX_LIST if limit is None else max(0, min(limit, _MAX_LIST))
-        pattern = _regex(match) if match is not None else None
-        out, last, truncated = [], None, False
-        can = session.access.can
-        if namespace is not None and not can(namespace):
-            return {"objects": [], "truncated": False, "next": None}
-        lazy = self.b.lazy_readers()  # readers reported, nothing changed
-        # Objects iterate in link order (StoredObject.seq rises along it): a page resumes
-        # after the last object the previous one listed, whatever was sealed or freed since.
-        objects = iter(self.b.directory.in_namespace(namespace))
-        if after is not None:
-            objects = (o for o in objects if o.seq > after)
-        size = 0
-        for obj in objects:
-            if namespace is None and not can(obj.namespace):
-                continue
-            if pattern is not None and not pattern.search(obj.key):
-                continue
-            size += info_size(obj)
-            if len(out) == limit or (out and size > MAX_LISTED_BYTES):
-                truncated = True
-                break
-            out.append(info := obj.info())
-            if lazy:
-                info["readers"] += lazy[obj]
-            last = obj.seq
-        following = (last if last is not None else after or 0) if truncated else None
-        return {"objects": out, "truncated": truncated, "next": following}
+    def op_list(self, session, namespace, match, limit, after, tier) -> R.Listed:
+        b = self.b
+        return list_objects(
+            b.directory,
+            b.pages.tier,
+            b.lazy_readers(),  # readers reported, nothing changed
+            session,
+            namespace,
+            match,
+            limit,
+            after,
+            tier,
+        )
 
     def op_evict(
         self, session, namespace, key, match, match_buffers, older_than, all, dry_run, tier

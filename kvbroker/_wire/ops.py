@@ -180,9 +180,12 @@ class Ops:
         match: str | None = None,
         limit: int | None = None,
         after: int | None = None,
+        tier: str = "all",
     ) -> R.Listed:
         """One page of objects; ``after``: the ``next`` of the previous page."""
-        return self._call("list", dict(namespace=namespace, match=match, limit=limit, after=after))
+        return self._call(
+            "list", dict(namespace=namespace, match=match, limit=limit, after=after, tier=tier)
+        )
 
     def evict(
         self,

@@ -319,13 +319,16 @@ OPS: dict[str, Op] = {
             "match": _a(*_OPT_STR),
             "limit": _a(int, type(None)),
             "after": _a(int, type(None)),
+            "tier": _a(str, default="all"),
         },
         R.Listed,
         "Sealed objects, optionally filtered by namespace and a regex over keys, at most "
         "`limit` (and 10,000, and about 4 MiB of them) a reply, in the order they were "
         "sealed. `truncated`: more "
         "match; pass the reply's `next` as `after` for the next page (every object sealed "
-        "before the first page and still there is listed once).",
+        "before the first page and still there is listed once). Each object's `tier`: dram "
+        "(in a pool), disk (on the disk tier only) or dram+disk; `tier` filters as evict's: "
+        "all, dram (in a pool) or disk (with a copy on disk).",
     ),
     "evict": Op(
         {

@@ -373,6 +373,9 @@ class ObjectInfo:
     # still to be released before the object is freed.
     buffer_sizes: dict | None = None
     consumers: int | None = None
+    # Only ``list`` fills it: "dram" (in a pool), "disk" (on the disk tier only: a claim
+    # brings it back first) or "dram+disk" (in a pool, with a copy on disk).
+    tier: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
