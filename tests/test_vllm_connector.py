@@ -335,3 +335,21 @@ def test_workers_report_their_totals_to_the_daemon_for_kvbroker_stat(model, brok
     assert loaded and loaded[0]["loaded_blocks"] == 4 and loaded[0]["loaded_tokens"] == 4 * 32
     assert "reports: " in render(stat) and "loaded_blocks 4" in render(stat)
     cons.close()
+
+
+def test_an_unknown_extra_config_key_is_logged_at_start(model, broker, caplog):
+    """A misspelt key ("sock", "load_asnyc") silently meant the default; the connector now
+    names it at start, with the key it was probably meant to be. Known keys are not named."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvbroker.integrations.vllm.connector import KVBrokerConnector
+    from tests.vllm_helpers.harness import kv_cache_config, vllm_config
+
+    caplog.set_level(logging.WARNING, logger="kvbroker.integrations.vllm")
+    extra = {"load_asnyc": True, "sock": "/nowhere", "timeout": 5, "namespace": "vllm"}
+    config = vllm_config(model, role="kv_consumer", socket=broker.socket_path, extra=extra)
+    KVBrokerConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config(2, 64)).shutdown()
+    said = [r.getMessage() for r in caplog.records if "kv_connector_extra_config" in r.getMessage()]
+    assert len(said) == 2, said
+    assert "'load_asnyc' (did you mean 'load_async'?) is ignored" in said[0]
+    assert "'sock' (did you mean 'socket'?) is ignored" in said[1]

@@ -49,6 +49,7 @@ import time
 
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
 
+from .._extra import unknown_keys
 from .._link import BrokerLink, LinkWords, Warnings
 from ._format import PageGeometry, Sharding, namespace_for
 from ._pages import PageStore, Source
@@ -57,6 +58,19 @@ from ._states import StateStore
 log = logging.getLogger("kvbroker.integrations.sglang")
 
 __all__ = ["KVBrokerStorage"]
+
+# The extra config keys this backend reads (the module docstring says each). The dict holds
+# SGLang's own keys too, so only a key close to one of these is logged, as a misspelling.
+EXTRA_KEYS = (
+    "socket",
+    "namespace",
+    "model_id",
+    "cache_salt",
+    "checksum",
+    "timeout",
+    "retry_min",
+    "retry_max",
+)
 
 # What the broker being down means for SGLang (kvbroker.integrations._link).
 _LINK_WORDS = LinkWords(
@@ -80,6 +94,8 @@ class KVBrokerStorage(HiCacheStorage):
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict | None = None) -> None:
         self.config = storage_config
         extra = dict(storage_config.extra_config or {})
+        for unknown in unknown_keys(extra, EXTRA_KEYS, shared=True):
+            log.warning("kvbroker: HiCache storage extra config key %s is ignored", unknown)
         self.prefix = str(extra.get("namespace", "sglang"))
         self.model = str(extra.get("model_id") or storage_config.model_name or "model")
         self.cache_salt = str(extra.get("cache_salt", ""))

@@ -45,6 +45,7 @@ from kvbroker import blocks
 from kvbroker.errors import KVBrokerError, LayoutMismatch, NotFound, PoolFull
 
 __all__ = [
+    "HANDOFF_KEYS",
     "HANDOFF_MODES",
     "HANDOFF_STATS",
     "HandoffConfig",
@@ -58,6 +59,8 @@ __all__ = [
 ]
 
 HANDOFF_MODES = ("off", "ring", "ring+host")
+# The kv_connector_extra_config keys HandoffConfig.from_extra reads.
+HANDOFF_KEYS = ("handoff", "handoff_tp_size", "handoff_rings", "handoff_ttl")
 RUN_TAG = "kvbroker.handoff"  # in every run's meta, with its format version
 RUN_VERSION = 1
 # The worker's counters (._worker.STAT_KEYS): blocks handed off through the rings each way,

@@ -71,11 +71,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from .._extra import unknown_keys
 from .._link import BrokerLink, LinkWords, Warnings
 from . import log
 from ._format import namespace_for
 from ._groups import check_peer_layouts, groups_of, hybrid_namespace
-from ._handoff import HandoffConfig
+from ._handoff import HANDOFF_KEYS, HandoffConfig
 from ._hybrid import HybridScheduler
 from ._hybrid_worker import HybridWorker
 from ._scheduler import SchedulerSide, StepPlan
@@ -92,6 +93,21 @@ _LINK_WORDS = LinkWords(
 )
 
 __all__ = ["KVBrokerConnector", "KVBrokerMetadata", "KVBrokerStats"]
+
+# Every kv_connector_extra_config key the connector reads (the module docstring says each);
+# another is logged at start as unknown (a misspelling would silently mean the default).
+EXTRA_KEYS = (
+    "socket",
+    "namespace",
+    "model_id",
+    "peer_tp_sizes",
+    "timeout",
+    "retry_min",
+    "retry_max",
+    "load_async",
+    "kv_load_failure_policy",
+    *HANDOFF_KEYS,
+)
 
 
 class KVBrokerMetadata(KVConnectorMetadata):
@@ -197,6 +213,8 @@ class KVBrokerConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config, role, kv_cache_config)
         config = self._kv_transfer_config
         extra = dict(config.kv_connector_extra_config or {})
+        for unknown in unknown_keys(extra, EXTRA_KEYS):
+            log.warning("KVBrokerConnector: kv_connector_extra_config key %s is ignored", unknown)
         _check_parallelism(vllm_config.parallel_config)
         model_config = vllm_config.model_config
         groups = kv_cache_config.kv_cache_groups if kv_cache_config is not None else []
