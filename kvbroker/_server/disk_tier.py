@@ -97,6 +97,9 @@ class DiskTier(WriteBackPass, QuotaShares, Queries, Promotion):
         self.hidden = False  # a request run again after its promotion: has() is False
         self._unsynced: list[DiskEntry] = []  # written; their p record not synced yet
         self._in_sync: list[DiskEntry] = []  # ... being synced
+        # Told of an entry announced on the KV event stream as it leaves the disk (the
+        # daemon's EventFeed, kvbroker._server.fleet_events; None without one).
+        self.on_dropped: Callable[[DiskEntry], None] | None = None
 
     # ------------------------------------------------------------------ start
     def open(self) -> Loaded:
@@ -301,6 +304,10 @@ class DiskTier(WriteBackPass, QuotaShares, Queries, Promotion):
         if e.gone:
             return
         e.gone = True
+        if e.announced:
+            e.announced = False
+            if self.on_dropped is not None:
+                self.on_dropped(e)
         self._pooled.discard(e)
         if self.entries.get(e.ident) is e:
             del self.entries[e.ident]

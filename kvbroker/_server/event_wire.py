@@ -21,7 +21,9 @@ Block hashes are unsigned 64-bit integers: the last 8 bytes, big endian, of kvbr
 hash (:func:`external_hash`) — the same reduction llm-d applies to vLLM's byte hashes, and what
 ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`` makes vLLM send. Every ``BlockStored`` carries the
 block's token ids, so a router that computes its own hashes from tokens (llm-d does) needs
-nothing of kvbroker's hashing. ``medium`` is ``"CPU"`` (host pools) unless told otherwise.
+nothing of kvbroker's hashing. ``medium`` is ``"CPU"`` (host pools) unless told otherwise;
+``"STORAGE"`` is the disk tier (vLLM's ``MEDIUM_STORAGE``, what its file-system offloading
+tier announces).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ __all__ = [
     "Event",
     "FORMATS",
     "MEDIUM_CPU",
+    "MEDIUM_STORAGE",
     "encode_batch",
     "encode_event",
     "external_hash",
@@ -46,7 +49,8 @@ __all__ = [
     "topic_for",
 ]
 
-MEDIUM_CPU = "CPU"
+MEDIUM_CPU = "CPU"  # the pools (host memory), as vLLM's CPU offloading tier says it
+MEDIUM_STORAGE = "STORAGE"  # the disk tier, as vLLM's fs / storage offloading tiers say it
 FORMATS = ("positional", "tagged")
 END_SEQ = (-1).to_bytes(8, "big", signed=True)  # a replay's end marker
 EXTRA = "events"  # the stream travels on pyzmq: pip install 'kvbroker[events]'

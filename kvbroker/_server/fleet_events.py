@@ -8,6 +8,16 @@ pulled), ``BlockRemoved`` when it is unlinked (evicted, consumed, replaced),
 ``AllBlocksCleared`` at start and after ``evict --all``; after a queue overflow (from the
 publisher's thread, through the loop) every block is announced again.
 
+The disk tier ([tier.disk]): a block is announced in the medium the node serves it from, as
+vLLM's offloading tiers announce theirs: ``CPU`` while it is in a pool, ``STORAGE`` while it is
+on disk only. A demotion is ``BlockRemoved(CPU)`` then ``BlockStored(STORAGE)`` (in that
+order, in one batch: a router that ignores the medium ends with the block stored too), a
+promotion ``BlockRemoved(STORAGE)`` then ``BlockStored(CPU)``; the block leaves the stream
+for good only with the node's last copy (dropped from disk, or evicted with no room on
+disk). The disk copy of a block still in a pool is not announced: the pool serves it, and
+each block is in one medium at a time, so a router that counts the stores and removals of a
+medium always gets them in pairs.
+
 Which blocks: every one when the policy is open or the stream is authenticated (``[events]
 curve_key``: only subscribers holding a listed key complete the handshake,
 :mod:`kvbroker._server.event_auth`). Under ``isolation.mode = "tenant"`` without it, only
@@ -53,9 +63,13 @@ def block_event_hash(key: str) -> int:
 def announced(obj: StoredObject) -> bool:
     """Whether a block's seal and removal are announced: blocks with token ids, and of a TP
     sharded prefix cache only the shard of TP rank 0 (every shard names the same tokens)."""
-    if obj.tokens is None:
+    return _announced_key(obj.key, obj.tokens)
+
+
+def _announced_key(key: str, tokens: Any) -> bool:
+    if tokens is None:
         return False
-    _, sep, shard = obj.key.partition("/")
+    _, sep, shard = key.partition("/")
     return not sep or ".tp0of" in shard
 
 
@@ -107,6 +121,8 @@ class EventFeed:
         self.publisher.publish([AllBlocksCleared()])
         self._announce_all()
         self.broker.on_block = self._on_block
+        if self._disk is not None:
+            self._disk.on_dropped = self._on_disk_dropped
         log.info(
             "KV events on %s (topic %s, %s%s)",
             self.publisher.endpoint,
@@ -137,14 +153,25 @@ class EventFeed:
             self.publisher.publish([AllBlocksCleared()])
             self._announce_all()
 
-    def _announce_all(self) -> None:
-        from .events import BlockStored
+    @property
+    def _disk(self) -> Any:
+        return self.broker.pages.tier  # [tier.disk] (kvbroker._server.disk_tier), or None
 
+    def _announce_all(self) -> None:
         objs = [
-            o for o in self.broker.objects.values() if announced(o) and self.in_stream(o.namespace)
+            (o.serial, self._stored(o))
+            for o in self.broker.objects.values()
+            if announced(o) and self.in_stream(o.namespace)
         ]
-        objs.sort(key=lambda o: o.serial)  # parents were sealed before their children
-        self.publisher.publish([self._stored(o, BlockStored) for o in objs])
+        disk = self._disk
+        for e in () if disk is None else list(disk.entries.values()):
+            # Blocks on disk only, as STORAGE: every entry is marked again (the stream was
+            # cleared, so only what is announced now needs its removal announced later).
+            e.announced = self._on_disk_only(e) and self.in_stream(e.ident[0])
+            if e.announced:
+                objs.append((e.serial, self._stored_on_disk(e)))
+        objs.sort(key=lambda row: row[0])  # parents were sealed before their children
+        self.publisher.publish([event for _, event in objs])
 
     def _announce_all_threadsafe(self) -> None:
         loop = self.daemon.loop
@@ -152,24 +179,78 @@ class EventFeed:
             loop.call_soon_threadsafe(self._announce_all)
 
     @staticmethod
-    def _stored(obj: StoredObject, cls) -> Any:
+    def _stored(obj: StoredObject) -> Any:
+        from .events import BlockStored
+
         parent = block_event_hash(obj.parent_key) if obj.parent_key is not None else None
-        return cls([block_event_hash(obj.key)], parent, obj.tokens, len(obj.tokens))
+        return BlockStored([block_event_hash(obj.key)], parent, obj.tokens, len(obj.tokens))
+
+    @staticmethod
+    def _stored_on_disk(e: Any) -> Any:
+        from .events import MEDIUM_STORAGE, BlockStored
+
+        rec = e.record
+        parent = rec.get("parent_key")
+        tokens = rec["tokens"]
+        return BlockStored(
+            [block_event_hash(e.ident[1])],
+            None if parent is None else block_event_hash(parent),
+            tokens,
+            len(tokens),
+            medium=MEDIUM_STORAGE,
+        )
+
+    def _on_disk_only(self, e: Any) -> bool:
+        """Whether disk entry ``e`` is a block this node serves from disk alone."""
+        return (
+            e.obj is None
+            and not e.gone
+            and _announced_key(e.ident[1], e.record.get("tokens"))
+            and e.ident not in self.broker.directory
+        )
 
     def _on_block(self, what: str, obj: StoredObject | None) -> None:
-        from .events import AllBlocksCleared, BlockRemoved, BlockStored
+        from .events import MEDIUM_STORAGE, AllBlocksCleared, BlockRemoved
 
         if what == "cleared":
             self.publisher.publish([AllBlocksCleared()])
+            if self._disk is not None:  # the router forgot them all
+                for e in self._disk.entries.values():
+                    e.announced = False
         elif obj is not None and announced(obj) and self.in_stream(obj.namespace):
+            disk = self._disk
+            e = None if disk is None else disk.entries.get((obj.namespace, obj.key))
             if what == "stored":
-                self.publisher.publish([self._stored(obj, BlockStored)])
-            else:
-                self.publisher.publish([BlockRemoved([block_event_hash(obj.key)])])
+                events = [self._stored(obj)]
+                if e is not None and e.announced:  # promoted (or replaced): no longer STORAGE
+                    e.announced = False
+                    events.insert(0, BlockRemoved([block_event_hash(obj.key)], MEDIUM_STORAGE))
+                self.publisher.publish(events)
+                return
+            events = [BlockRemoved([block_event_hash(obj.key)])]
+            if (
+                e is not None
+                and e.serial == obj.serial
+                and not e.announced
+                and e.obj is None
+                and disk.live(e)
+            ):  # demoted: served from disk from now on
+                e.announced = True
+                events.append(self._stored_on_disk(e))
+            self.publisher.publish(events)
+
+    def _on_disk_dropped(self, e: Any) -> None:
+        """A block announced as on disk left it: the node can no longer serve it."""
+        from .events import MEDIUM_STORAGE, BlockRemoved
+
+        if not self.closed:
+            self.publisher.publish([BlockRemoved([block_event_hash(e.ident[1])], MEDIUM_STORAGE)])
 
     async def close(self) -> None:
         self.closed = True
         self.broker.on_block = None
+        if self._disk is not None:
+            self._disk.on_dropped = None
         await asyncio.get_running_loop().run_in_executor(None, self.publisher.close)
 
     def statistics(self) -> EventStatistics:
