@@ -127,12 +127,12 @@ def notify_socket(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("ntf") / "notify")
     s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     s.bind(path)
-    s.settimeout(15)
+    s.settimeout(60)  # READY=1 comes after the daemon's start: seconds on a loaded machine
     yield path, s
     s.close()
 
 
-def _states(sock: socket.socket, until: str, timeout: float = 15) -> list[str]:
+def _states(sock: socket.socket, until: str, timeout: float = 60) -> list[str]:
     lines: list[str] = []
     deadline = time.monotonic() + timeout
     while until not in lines:
@@ -166,26 +166,26 @@ def test_notify_ready_status_watchdog_stopping(notify_socket, tmp_path):
         first = ns.recv(4096).decode().split("\n")
         assert first[0] == "READY=1", first
         # READY=1 means clients can connect now: no retry loop.
-        with Client(sock_path, map_pools=False, timeout=5) as c:
+        with Client(sock_path, map_pools=False, timeout=30) as c:
             assert c.server_pid == proc.pid
         assert first[1].startswith("STATUS=serving: ") and "of 16.0 MiB used" in first[1]
-        after = _states(ns, "WATCHDOG=1", timeout=5)
+        after = _states(ns, "WATCHDOG=1")
         # The watchdog keeps pinging (every WATCHDOG_USEC/2 = 0.1 s), not just once: a daemon
-        # whose pings stop is restarted by systemd although it serves.
+        # whose pings stop is restarted by systemd although it serves. Pings are read until
+        # they span 0.7 s (a loaded machine may delay some: no fixed window to count them in).
         pings = [time.monotonic()]
-        deadline = pings[0] + 1.5
-        while time.monotonic() < deadline:
+        deadline = pings[0] + 60
+        while len(pings) < 4 or pings[-1] - pings[0] < 0.7:
             ns.settimeout(max(0.01, deadline - time.monotonic()))
             try:
                 got = ns.recv(4096).decode().split("\n")
             except TimeoutError:
-                break
+                raise AssertionError(f"the pings stopped: {len(pings)} {after}") from None
             after += got
             pings += [time.monotonic()] * got.count("WATCHDOG=1")
-        assert len(pings) >= 4 and pings[-1] - pings[0] >= 0.7, (len(pings), after)
         proc.send_signal(signal.SIGTERM)
-        after += _states(ns, "STOPPING=1", timeout=10)
-        assert proc.wait(15) == 0
+        after += _states(ns, "STOPPING=1")
+        assert proc.wait(60) == 0
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -267,13 +267,13 @@ def test_socket_activation_serves_on_the_passed_socket(tmp_path):
         stderr=subprocess.STDOUT,
     )
     try:
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60
         while not os.path.exists(sock_path):
             assert proc.poll() is None and time.monotonic() < deadline
             time.sleep(0.02)
         # The first connection starts the daemon; it waits in the backlog meanwhile. The path
         # exists from bind(), a moment before listen(): refused until then.
-        c = _wait_for(lambda: _connect_or_none(sock_path), timeout=10)
+        c = _wait_for(lambda: _connect_or_none(sock_path))
         with c:
             data = np.arange(1024, dtype=np.int64)
             c.put("k", {"x": data})
@@ -286,7 +286,7 @@ def test_socket_activation_serves_on_the_passed_socket(tmp_path):
         proc.send_signal(signal.SIGHUP)  # the unit's path is not a configuration change
         _wait_for(lambda: "reloaded" in (tmp_path / "daemon.log").read_text())
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(15) == 0
+        assert proc.wait(60) == 0
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -306,7 +306,9 @@ def _wait_until_draining(d: DaemonProcess) -> None:
 
 
 def test_sigterm_drains_a_held_lease_then_exits_0(make_daemon):
-    d = make_daemon("--pool-size", "16M", "--page-size", "4K", "--drain-timeout", "20s")
+    # A drain timeout far longer than the test's steps take on a loaded machine: the exit
+    # right after the release is told apart from one at the timeout by the time and the log.
+    d = make_daemon("--pool-size", "16M", "--page-size", "4K", "--drain-timeout", "300s")
     writer, reader = d.client(), d.client()
     writer.put("k", {"x": b"k"})
     read = reader.claim("k")
@@ -320,8 +322,8 @@ def test_sigterm_drains_a_held_lease_then_exits_0(make_daemon):
         writer.reserve("other", {"x": 4096})  # no new leases while draining
     assert bytes(read["x"]) == b"k"
     read.release()  # the in-flight lease finishes...
-    assert d.proc.wait(10) == 0  # ...and the daemon ends at once
-    assert time.monotonic() - t0 < 8
+    assert d.proc.wait(120) == 0  # ...and the daemon ends at once...
+    assert time.monotonic() - t0 < 300  # ...not at the drain timeout
     writer.close(), reader.close()
     assert "drained: every lease ended" in d.log()
 
@@ -330,7 +332,7 @@ def test_a_stop_refuses_to_publish_what_it_would_free(make_daemon):
     """SIGTERM frees the pools: a publish while it drains is refused (its write lease or
     arena ends), never acknowledged and then lost. Issue 19: a small put through the arena
     was acknowledged, then dropped with the pool, while a 3 MiB put was refused."""
-    d = make_daemon("--pool-size", "64M", "--page-size", "4K", "--drain-timeout", "20s")
+    d = make_daemon("--pool-size", "64M", "--page-size", "4K", "--drain-timeout", "300s")
     c = d.client()
     assert c.put("before", {"x": b"a" * 4096})  # opens this client's write arena
     assert c._arena.id is not None
@@ -348,13 +350,13 @@ def test_a_stop_refuses_to_publish_what_it_would_free(make_daemon):
     with pytest.raises(BrokerUnavailable, match="frees its pools"):
         lease.seal()
     # every write lease it named ended with the refusal: nothing left to wait for
-    assert d.proc.wait(10) == 0
+    assert d.proc.wait(60) == 0
     c.close()
     assert "drained: every lease ended" in d.log()
 
 
 def test_a_restart_keeps_what_is_published_while_it_drains(make_daemon):
-    d = make_daemon("--pool-size", "64M", "--page-size", "4K", "--drain-timeout", "20s")
+    d = make_daemon("--pool-size", "64M", "--page-size", "4K", "--drain-timeout", "300s")
     c = d.client()
     assert c.put("before", {"x": b"a" * 4096})  # opens this client's write arena
     lease = c.reserve("held", {"x": 4096})  # keeps the daemon draining
@@ -366,7 +368,7 @@ def test_a_restart_keeps_what_is_published_while_it_drains(make_daemon):
         c.put("big", {"x": b"c" * (3 << 20)})  # a new lease: refused
     lease["x"][:] = 7
     lease.seal()
-    assert d.proc.wait(10) == 0
+    assert d.proc.wait(60) == 0
     c.close()
     d2 = DaemonProcess(d.socket_path, "--pool-size", "64M", "--page-size", "4K")
     with d2.client() as c2:
@@ -381,7 +383,7 @@ def test_draining_refuses_every_lease_taking_op_by_its_real_name(make_daemon):
     from kvbroker._wire.protocol import OPS
 
     assert _LEASE_TAKING_OPS <= set(OPS)  # a misspelt op name would silently not be refused
-    d = make_daemon("--pool-size", "16M", "--page-size", "4K", "--drain-timeout", "20s")
+    d = make_daemon("--pool-size", "16M", "--page-size", "4K", "--drain-timeout", "300s")
     c = d.client()
     assert c.put("k", {"x": b"abc"})
     lease = c.reserve("held", {"x": 4096})  # keeps the daemon draining
@@ -395,7 +397,7 @@ def test_draining_refuses_every_lease_taking_op_by_its_real_name(make_daemon):
         with pytest.raises(BrokerUnavailable, match="shutting down"):
             c._call(op, **args)
     lease.abort()  # (a seal would be refused: SIGTERM frees the pools)
-    assert d.proc.wait(10) == 0
+    assert d.proc.wait(60) == 0
     c.close()
 
 
@@ -406,8 +408,9 @@ def test_drain_is_bounded_by_drain_timeout(make_daemon):
     held = c.claim("k")  # never released
     t0 = time.monotonic()
     d.proc.send_signal(signal.SIGTERM)
-    assert d.proc.wait(10) == 0
-    assert 0.9 < time.monotonic() - t0 < 6
+    assert d.proc.wait(60) == 0
+    # it waited for the drain timeout, and no longer than a loaded machine takes to stop
+    assert 0.9 < time.monotonic() - t0 < 60
     assert re.search(r"drain timed out after 1s: ending 1 lease", d.log())
     del held
     c.close()
@@ -422,7 +425,7 @@ def test_second_sigterm_stops_without_waiting(make_daemon):
     # signal is not queued twice): wait until the daemon is draining.
     _wait_until_draining(d)
     d.proc.send_signal(signal.SIGTERM)
-    assert d.proc.wait(10) == 0
+    assert d.proc.wait(60) == 0
     c.close()
 
 
@@ -432,7 +435,7 @@ def _hello_ttl(d: DaemonProcess) -> float:
         return c._session.hello["lease_ttl"]
 
 
-def _wait_for(predicate, timeout: float = 10):
+def _wait_for(predicate, timeout: float = 60):
     """The first truthy value of ``predicate()``, polled until ``timeout``."""
     deadline = time.monotonic() + timeout
     while not (value := predicate()):
