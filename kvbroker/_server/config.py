@@ -112,7 +112,7 @@ SETTINGS: tuple[Key, ...] = (
         help="Group whose members may connect (socket and pools mode 0660)."),
     # While the host has a CPU to spare (kvbroker._cpu): a wake-up across CPUs costs more
     # than serving a request.
-    Key("busy_poll", parse.duration, 100e-6, reload=LIVE, example="1ms",
+    Key("busy_poll", parse.duration, "0.1ms", reload=LIVE, example="1ms",
         help="Keep the loop polling this long after the last request or reply instead of "
              "sleeping in epoll; 0 turns it off."),
     # Read replicas (kvbroker._server.replica): processes that follow the journal and answer
