@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from conftest import DaemonProcess, drop_leftover_pools
-from kvbroker import NotFound
+from kvbroker import KVBrokerError, NotFound
 from kvbroker import blocks as kvblocks
 from kvbroker._server.config import env_name
 from kvbroker._server.disk_store import INDEX_NAME, SLOTS_NAME
@@ -290,3 +290,32 @@ def test_a_prefix_key_that_is_not_a_string_ends_the_run_past_the_disk_blocks(dae
                 c.ops.release(r["lease"])
         assert np.array_equal(c.get("cold")["past_key.0"], pattern("cold", 8192))
         assert c.ping()
+
+
+def test_a_pool_truncated_under_the_disk_tier_does_not_kill_the_daemon(daemons, tmp_path):
+    # Whoever may map a pool may ftruncate it (a tenant owns its tenant pool; a group member
+    # opens a shared one read-write): its own engines then read past the end and die of
+    # SIGBUS. The daemon moves pool pages for the disk tier (demotion, write-back,
+    # promotion): through the kernel (a short read, a refused write), never by loads and
+    # stores into a mapping, or the SIGBUS kills it and every tenant's service with it.
+    d = daemons(tier_env(tmp_path / "disk"))
+    with d.client() as c:
+        for k in ("a", "b", "cold"):
+            assert c.put(k, {"past_key.0": pattern(k)})
+        assert c.evict("cold", tier="dram").count == 1  # on disk only, before the attack
+        name = c.pools[0]["name"]
+    fd = os.open("/dev/shm" + name, os.O_RDWR)
+    try:
+        os.ftruncate(fd, 4096)  # the attacker's whole act
+    finally:
+        os.close(fd)
+    with d.client(map_pools=False) as c:
+        c.evict("a", tier="dram")  # its pages cannot be read: not demoted (it is lost)
+        assert d.proc.poll() is None and not c.exists("a")
+        with pytest.raises(KVBrokerError):
+            c.claim("cold")  # its pool cannot take it: refused, its disk copy kept
+        assert d.proc.poll() is None and c.exists("cold")
+        st = c.stat()
+        assert st.disk.demoted == 1 and st.disk.errors >= 2 and st.disk.dropped_damaged == 0
+        c.evict("b", tier="dram")  # and the daemon goes on answering
+        assert c.ping() and d.proc.poll() is None

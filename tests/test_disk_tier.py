@@ -1,7 +1,7 @@
 """The disk tier's owner on its own (kvbroker._server.disk_tier, disk_store): slots written
 and read back bit-exact, one read shared by concurrent promotions, a damaged slot or index
 record dropped and never served, the index read back by a new daemon, the O_DIRECT fallback,
-and each tier's own quota share. Pools are plain anonymous mappings here; the daemon's use
+and each tier's own quota share. Pools are memfd segments here; the daemon's use
 of the tier is tests/test_disk_daemon.py."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from kvbroker._server import disk_store
-from kvbroker._server.disk_store import INDEX_NAME, SLOTS_NAME, DiskStore
+from kvbroker._server.disk_store import INDEX_NAME, SLOTS_NAME, DiskStore, PoolPages
 from kvbroker._server.disk_tier import DiskTier
 from kvbroker._server.state import StoredObject
 from kvbroker.errors import NotFound
@@ -85,15 +85,19 @@ def _bytes_of(buf: mmap.mmap, obj: StoredObject) -> dict[str, bytes]:
 
 
 class _Rig:
-    """A tier over two pools' worth of anonymous memory: pool 0 is where objects are made,
+    """A tier over two pools (memfd segments): pool 0 is where objects are made,
     pool 1 where promotions land."""
 
     def __init__(self, dirs, size=1 << 20, direct=True, **kw) -> None:
         self.dirs = dirs
-        self.bufs = [mmap.mmap(-1, POOL_PAGES * PAGE) for _ in range(2)]
+        fds = [os.memfd_create(f"pool{i}") for i in range(2)]  # (segments, as /dev/shm's)
+        for fd in fds:
+            os.ftruncate(fd, POOL_PAGES * PAGE)
+        self.bufs = [mmap.mmap(fd, POOL_PAGES * PAGE) for fd in fds]
         self.pools = [_Pool(0), _Pool(1)]
         self.store = DiskStore(dirs, size, PAGE, direct=direct, threads=2)
-        self.tier = DiskTier(self.store, [memoryview(b) for b in self.bufs], **kw)
+        pages = [PoolPages(i, fd, POOL_PAGES * PAGE) for i, fd in enumerate(fds)]
+        self.tier = DiskTier(self.store, pages, **kw)
         self.loaded = self.tier.open()
         self.reserved: list[_Lease] = []
         self.sealed: list[_Lease] = []

@@ -10,14 +10,13 @@ demotes, an unlink forgets, a seal replaces a disk copy).
 
 from __future__ import annotations
 
-import mmap
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from ..errors import BadRequest, KVBrokerError
 
-__all__ = ["DiskLink", "map_pools", "start"]
+__all__ = ["DiskLink", "open_pools", "start"]
 
 
 @dataclass(eq=False)
@@ -75,8 +74,8 @@ class DiskLink:
 
 
 def start(cfg: Any, pools: list, quota_of: Callable[[Any], int | None]) -> Any:
-    """The tier ``[tier.disk]`` configures, over ``pools`` (mapped here, writable: the tier
-    reads into them and writes from them), its index read back."""
+    """The tier ``[tier.disk]`` configures, over ``pools`` (their segments opened here: the
+    tier reads from them and writes into them), its index read back."""
     from .disk_store import DiskStore
     from .disk_tier import DiskTier
 
@@ -88,39 +87,48 @@ def start(cfg: Any, pools: list, quota_of: Callable[[Any], int | None]) -> Any:
         threads=cfg.tier_disk_io_threads,
     )
     try:
-        tier = DiskTier(
-            store,
-            map_pools(pools),
-            policy=cfg.tier_disk_policy,
-            writeback_watermark=cfg.tier_disk_writeback_watermark,
-            writeback_inflight=cfg.tier_disk_writeback_inflight,
-            quota_of=quota_of,
-            quota_scale=store.capacity / max(1, sum(p.size for p in pools)),
-        )
-        tier.open()
+        pages = open_pools(pools)
+        try:
+            tier = DiskTier(
+                store,
+                pages,
+                policy=cfg.tier_disk_policy,
+                writeback_watermark=cfg.tier_disk_writeback_watermark,
+                writeback_inflight=cfg.tier_disk_writeback_inflight,
+                quota_of=quota_of,
+                quota_scale=store.capacity / max(1, sum(p.size for p in pools)),
+            )
+            tier.open()
+        except BaseException:
+            for p in pages:
+                p.close()
+            raise
     except BaseException:
         store.close()
         raise
     return tier
 
 
-def map_pools(pools: list) -> list[memoryview]:
-    """A writable view of each pool's shared memory, by pool index."""
+def open_pools(pools: list) -> list[Any]:
+    """Each pool's pages, read and written through its segment's descriptor
+    (:class:`~kvbroker._server.disk_store.PoolPages`), by pool index."""
     import posix_ipc
 
+    from .disk_store import PoolPages
     from .pool import open_segment
 
-    views = []
-    for pool in pools:
-        try:
-            shm = open_segment(pool.name)  # a tenant's pool too
-        except (OSError, posix_ipc.Error) as exc:
-            raise KVBrokerError(
-                f"[tier.disk] cannot map pool {pool.index} ({pool.name}): {exc}"
-            ) from None
-        try:
-            mm = mmap.mmap(shm.fd, pool.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            shm.close_fd()
-        views.append(memoryview(mm))
-    return views
+    opened: list[Any] = []
+    try:
+        for pool in pools:
+            try:
+                shm = open_segment(pool.name)  # a tenant's pool too
+            except (OSError, posix_ipc.Error) as exc:
+                raise KVBrokerError(
+                    f"[tier.disk] cannot open pool {pool.index} ({pool.name}): {exc}"
+                ) from None
+            opened.append(PoolPages(pool.index, shm.fd, pool.size))
+    except BaseException:
+        for p in opened:
+            p.close()
+        raise
+    return opened

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import mmap
 import time
 from collections.abc import Callable
 from typing import Any
@@ -13,6 +14,7 @@ import xxhash
 
 from ..errors import KVBrokerError, NotFound
 from .disk_entry import DiskEntry
+from .disk_store import PoolUnusable
 from .state import Deferred
 
 
@@ -140,6 +142,7 @@ class Promotion:
         results = await asyncio.gather(*reads, return_exceptions=True)
         good: list[Any] = []
         failed = False  # a chain is served up to its first block that cannot be
+        unusable: PoolUnusable | None = None
         for e, lease, ok in zip(entries, leases, results, strict=True):
             e.reading -= 1
             if not failed and ok is True and not e.gone:
@@ -150,7 +153,11 @@ class Promotion:
                 continue
             failed = True
             discard(lease)
-            if isinstance(ok, BaseException):
+            if isinstance(ok, PoolUnusable):  # the pool's fault: the disk copy stays
+                self.counters["pool_errors"] += 1
+                unusable = unusable or ok
+                log.error("[tier.disk] %s/%s not promoted: %s", *e.ident, ok)
+            elif isinstance(ok, BaseException):
                 self.counters["read_errors"] += 1
                 log.warning("[tier.disk] read of %s/%s failed: %s", *e.ident, ok)
                 self.forget(e.ident)
@@ -176,15 +183,22 @@ class Promotion:
             self.counters["promoted"] += len(good)
             self.counters["promoted_bytes"] += sum(ls.obj.nbytes for ls in good)
             self.counters["promote_us"] += int((time.perf_counter() - t0) * 1e6)
+        elif unusable is not None:
+            raise NotFound(f"{entries[0].ident[0]}/{entries[0].ident[1]}: {unusable}")
         return len(good)
 
     def _read_one(self, e: DiskEntry, lease: Any) -> bool:
-        """In an I/O thread: read the slot into the lease's pages; whether they hash to the
-        digest written."""
+        """In an I/O thread: read the slot, and put its bytes in the lease's pages if they
+        hash to the digest written (whether they did). Through a buffer of the daemon's own,
+        never a mapping of the pool (:class:`~kvbroker._server.disk_store.PoolPages`)."""
         obj = lease.obj
-        view = self.views[obj.pool.index][obj.start * obj.pool.page_size :][: e.length]
+        buf = mmap.mmap(-1, e.length)  # page-aligned, as O_DIRECT wants
         try:
-            self.store.read(e.file, e.start, view)
-            return xxhash.xxh3_64_intdigest(view) == e.digest
+            with memoryview(buf) as view:
+                self.store.read(e.file, e.start, view)
+                if xxhash.xxh3_64_intdigest(view) != e.digest:
+                    return False
+                self.pools[obj.pool.index].write(obj.start * obj.pool.page_size, view)
+                return True
         finally:
-            view.release()
+            buf.close()

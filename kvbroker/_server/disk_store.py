@@ -6,8 +6,11 @@ later, and carved into slots of whole units (the pools' page size, at least 4 Ki
 :class:`~kvbroker._server.allocator.ExtentAllocator` per file. The files are opened with
 ``O_DIRECT`` where the file system takes it (:func:`probe_direct`, run at start: tmpfs and
 some FUSE file systems refuse it; then buffered I/O and ``fdatasync``, said in ``doctor``
-and ``stat``). Every transfer is page-aligned at both ends (pool extents start on a page),
-so ``O_DIRECT`` reads and writes go straight between a pool's pages and the device.
+and ``stat``). Every transfer is page-aligned (slots are whole units), to or from a buffer
+of the daemon's own: pool pages are read and written with ``pread``/``pwrite`` on the
+pool's segment (:class:`PoolPages`), never through a mapping a client could truncate under
+the daemon (a SIGBUS would end every tenant's service); one copy more per object, in the
+kernel, beside the device's transfer.
 
 The I/O is ``os.pwritev``/``os.preadv`` from a small thread pool (both release the GIL), not
 NIXL's POSIX backend: ``benchmarks/bench_disk_io.py`` (one request per 2 MiB object, 4 in
@@ -59,6 +62,8 @@ __all__ = [
     "DiskIndex",
     "DiskStore",
     "Loaded",
+    "PoolPages",
+    "PoolUnusable",
     "probe_direct",
 ]
 
@@ -100,6 +105,46 @@ def probe_direct(directory: str) -> str | None:
         with contextlib.suppress(OSError):
             os.unlink(path)
         buf.close()
+
+
+class PoolUnusable(OSError):
+    """A pool's segment is not what the daemon made (truncated): its pages cannot be moved;
+    the disk copies are not at fault."""
+
+
+class PoolPages:
+    """One pool's pages as the disk tier moves them: ``pread``/``pwrite`` on the pool's
+    segment (``fd``, the daemon's to close), never loads and stores into a mapping of it.
+    Whoever may map a pool may ``ftruncate`` it (a tenant its tenant pool, a group member a
+    shared one); a load past its new end is a SIGBUS, which would kill the daemon and every
+    tenant's service with it, where a read past it is just short and a write is refused.
+    (The daemon still maps no KV bytes: one copy more per object moved, in the kernel.)"""
+
+    def __init__(self, index: int, fd: int, size: int) -> None:
+        self.index, self.fd, self.size = index, fd, size
+
+    def _lost(self, what: str) -> PoolUnusable:
+        size = os.fstat(self.fd).st_size
+        return PoolUnusable(f"pool {self.index} {what}: it holds {size} of its {self.size} bytes")
+
+    def read(self, offset: int, view: memoryview) -> None:
+        """Fill ``view`` from the pool's bytes at ``offset``; PoolUnusable when they are not
+        all there (the segment was truncated)."""
+        if _transfer(os.preadv, self.fd, view, offset) != len(view):
+            raise self._lost(f"cannot be read at {offset}")
+
+    def write(self, offset: int, view: memoryview) -> None:
+        """Write ``view`` into the pool at ``offset``; PoolUnusable when the segment is not
+        its size (a write past the end of a truncated one would grow it again)."""
+        if os.fstat(self.fd).st_size != self.size:
+            raise self._lost("is truncated")
+        if _transfer(os.pwritev, self.fd, view, offset) != len(view):
+            raise self._lost(f"cannot be written at {offset}")
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 class SlotFile:
@@ -315,6 +360,21 @@ class DiskIndex:
             self.fd = -1
 
 
+def _transfer(call: Any, fd: int, view: memoryview, offset: int) -> int:
+    """The bytes ``call`` (``os.preadv`` or ``os.pwritev``) moved between ``view`` and
+    ``fd`` from ``offset``, continued after short transfers until it moves none. No slice
+    of ``view`` outlives it, an error's traceback included: the caller closes the buffer
+    under ``view`` after an error too."""
+    done, total = 0, len(view)
+    while done < total:
+        with view[done:] as rest:
+            n = call(fd, [rest], offset + done)
+        if n <= 0:
+            break
+        done += n
+    return done
+
+
 def _write_all(fd: int, data: bytes | bytearray) -> None:
     view = memoryview(data)
     while view:
@@ -402,23 +462,16 @@ class DiskStore:
         f = self.files[file]
         offset = start * f.unit
         for view in views:
-            while len(view):
-                n = os.pwritev(f.fd, [view], offset)
-                if n <= 0:
-                    raise OSError(f"short write to {f.path}")
-                offset += n
-                view = view[n:]
+            if _transfer(os.pwritev, f.fd, view, offset) != len(view):
+                raise OSError(f"short write to {f.path}")
+            offset += len(view)
         os.fdatasync(f.fd)
 
     def read(self, file: int, start: int, view: memoryview) -> None:
         f = self.files[file]
         offset = start * f.unit
-        while len(view):
-            n = os.preadv(f.fd, [view], offset)
-            if n <= 0:
-                raise OSError(f"short read from {f.path} at {offset}")
-            offset += n
-            view = view[n:]
+        if _transfer(os.preadv, f.fd, view, offset) != len(view):
+            raise OSError(f"short read from {f.path} at {offset}")
 
     def close(self) -> None:
         pool = getattr(self, "pool", None)

@@ -10,7 +10,7 @@ broker calls it through a few hooks and gives it narrow callables; it never sees
 How an object moves
 -------------------
 - *Write-back* (:meth:`write_back`): a sealed object in a pool is copied to a slot while it
-  stays in the pool, straight from the pool's pages (the broker holds it as a reader for the
+  stays in the pool, read from its pages (the broker holds it as a reader for the
   write, then puts it back at the old end of its LRU: it is the cheapest to evict now). The
   broker asks for it above ``[tier.disk] writeback_watermark`` (policy ``evicted``, the
   least recently used first) or for every seal (policy ``sealed``, so all of the pools
@@ -21,8 +21,8 @@ How an object moves
   budget is left, the object is dropped as before the tier existed (counted).
 - *Promotion* (:meth:`promote`, from a claim, a prefix match or ``get`` that finds the key
   only here): fresh pages are reserved in a pool (a write lease of the daemon, charged to the
-  asker's quotas), the slot is read straight into them, and the bytes are hashed and
-  compared with the digest recorded at the write. Only then is the object sealed and the
+  asker's quotas), the slot is read, its bytes hashed and compared with the digest
+  recorded at the write, and written into them. Only then is the object sealed and the
   request answered; a slot that does not hash to its digest is dropped, never served.
   Concurrent requests for one object share its one read. The disk copy stays (the tiers are
   inclusive): evicting a promoted object again costs no write.
@@ -50,7 +50,7 @@ import xxhash
 from .._wire.stats import DiskTierStatistics
 from .disk_entry import DiskEntry, entry_of_record, object_record, written_length
 from .disk_promotion import Promotion
-from .disk_store import DiskStore, Loaded
+from .disk_store import DiskStore, Loaded, PoolPages
 from .disk_writeback import Queries, QuotaShares, WriteBackPass
 
 __all__ = ["POLICIES", "DiskEntry", "DiskTier"]
@@ -66,7 +66,7 @@ class DiskTier(WriteBackPass, QuotaShares, Queries, Promotion):
     def __init__(
         self,
         store: DiskStore,
-        pool_views: list[memoryview],
+        pools: list[PoolPages],
         *,
         policy: str = "evicted",
         writeback_watermark: float = 0.8,
@@ -77,7 +77,7 @@ class DiskTier(WriteBackPass, QuotaShares, Queries, Promotion):
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}")
         self.store = store
-        self.views = pool_views  # a writable view of each pool's segment, by pool index
+        self.pools = pools  # each pool's pages (read and written, never mapped), by index
         self.policy = policy
         self.writeback_watermark = writeback_watermark
         self.writeback_inflight = writeback_inflight
@@ -218,8 +218,9 @@ class DiskTier(WriteBackPass, QuotaShares, Queries, Promotion):
         e = self._reserve(obj, length)
         if e is None:
             return False
-        view = self.views[obj.pool.index][obj.start * obj.pool.page_size :][:length]
-        self._start_write(e, view, done)
+        pages, offset = self.pools[obj.pool.index], obj.start * obj.pool.page_size
+        # (read in the I/O thread: the caller holds the object while it is written)
+        self._start_write(e, lambda view: pages.read(offset, view), done)
         self.counters["written_back"] += 1
         return True
 
@@ -237,27 +238,50 @@ class DiskTier(WriteBackPass, QuotaShares, Queries, Promotion):
         if self.inflight + length > self.writeback_inflight:
             self.counters["skipped_busy"] += 1
             return False
+        buf = mmap.mmap(-1, length)  # page-aligned, as O_DIRECT wants
+        try:  # copied now: its pages are reused once it is evicted
+            with memoryview(buf) as view:
+                self.pools[obj.pool.index].read(obj.start * obj.pool.page_size, view)
+        except OSError as exc:
+            buf.close()
+            self.counters["pool_errors"] += 1
+            log.error("[tier.disk] %s/%s not demoted: %s", obj.namespace, obj.key, exc)
+            return False
         e = self._reserve(obj, length)
         if e is None:
+            buf.close()
             return False
-        buf = mmap.mmap(-1, length)  # page-aligned, as O_DIRECT wants
-        src = self.views[obj.pool.index]
-        start = obj.start * obj.pool.page_size
-        buf[:] = src[start : start + length]
         e.seq = obj.seq
         self._pool_copy(e, None)
-        self._start_write(e, memoryview(buf), buf.close)
+        self._start_write(e, None, buf.close, buf)
         self.counters["demoted"] += 1
         return True
 
-    def _start_write(self, e: DiskEntry, view: memoryview, done: Callable[[], None]) -> None:
+    def _start_write(
+        self,
+        e: DiskEntry,
+        fill: Callable[[memoryview], None] | None,
+        done: Callable[[], None],
+        filled: mmap.mmap | None = None,
+    ) -> None:
+        """Write ``e``'s bytes to its slot: those of ``filled``, or those ``fill`` puts in a
+        buffer of its length in the I/O thread; ``done`` is called on the loop when the
+        write ended."""
         self.inflight += e.length
         loop = asyncio.get_running_loop()
 
         def write() -> int:
-            digest = xxhash.xxh3_64_intdigest(view)
-            self.store.write(e.file, e.start, [view])
-            return digest
+            buf = filled if filled is not None else mmap.mmap(-1, e.length)  # page-aligned
+            try:
+                with memoryview(buf) as view:
+                    if fill is not None:
+                        fill(view)
+                    digest = xxhash.xxh3_64_intdigest(view)
+                    self.store.write(e.file, e.start, [view])
+                return digest
+            finally:
+                if filled is None:
+                    buf.close()
 
         fut = loop.run_in_executor(self.store.pool, write)
         self._tasks.add(fut)
@@ -266,7 +290,6 @@ class DiskTier(WriteBackPass, QuotaShares, Queries, Promotion):
         def finished(f: asyncio.Future) -> None:
             self._tasks.discard(f)
             self.inflight -= e.length
-            view.release()
             done()
             exc = f.exception() if not f.cancelled() else RuntimeError("cancelled")
             if exc is not None:
@@ -395,6 +418,8 @@ class DiskTier(WriteBackPass, QuotaShares, Queries, Promotion):
 
     def close(self) -> None:
         self.store.close()
+        for pages in self.pools:
+            pages.close()
 
     # ------------------------------------------------------------------ statistics
     def statistics(self) -> DiskTierStatistics:
@@ -423,7 +448,7 @@ class DiskTier(WriteBackPass, QuotaShares, Queries, Promotion):
             evicted=c["evicted"],
             dropped_damaged=c["dropped_damaged"],
             skipped=c["skipped_full"] + c["skipped_quota"] + c["skipped_busy"],
-            errors=c["write_errors"] + c["read_errors"] + c["index_errors"],
+            errors=c["write_errors"] + c["read_errors"] + c["index_errors"] + c["pool_errors"],
             recovered=c["recovered"],
             recovered_dropped=self.loaded.damaged + self.loaded.dropped,
         )

@@ -32,7 +32,7 @@ class WriteBackPass:
     writeback_watermark: float
     writeback_inflight: int
     inflight: int
-    views: list
+    pools: list
     entries: dict
     # and its methods copy_of, write_back and forget
 
@@ -92,7 +92,7 @@ class WriteBackPass:
                 left = (a.used - int(self.writeback_watermark * a.capacity)) * pool.page_size
             if left <= 0:  # this pool's share is covered (or it is below the watermark)
                 above[pool.index] = 0
-                if len(above) == len(self.views) and not any(above.values()):
+                if len(above) == len(self.pools) and not any(above.values()):
                     break
                 continue
             above[pool.index] = max(0, left - obj.npages * pool.page_size)
