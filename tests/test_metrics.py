@@ -109,3 +109,51 @@ def test_counter_families_equal_the_stat_counters(make_daemon):
         want = getattr(stat, counter)
         assert want > 0, f"the test did not exercise {counter}"
         assert _value(s, family) == want, (family, counter)
+
+
+def test_every_metric_the_docs_name_is_exposed():
+    """A metric the documents name (README.md, docs/) is one a scrape exposes, as exposed:
+    a counter with its _total. Every optional part configured, so each family is there."""
+    import dataclasses
+    from pathlib import Path
+
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from kvbroker._server.metrics import BrokerCollector
+    from kvbroker._wire.stats import (
+        DiskTierStatistics,
+        EventStatistics,
+        PeerInfo,
+        TransferStatistics,
+    )
+    from kvbroker.tui.testing import make_retention, make_snapshot
+
+    snap = dataclasses.replace(
+        make_snapshot(1, retention=make_retention()),
+        transfer=TransferStatistics(
+            "node-a",
+            "127.0.0.1:7070",
+            (PeerInfo("10.0.0.2:7070", "node-b", True),),
+            failures_by_code={"peer_unavailable": 1},
+        ),
+        events=EventStatistics("tcp://*:5557", "tcp://*:5558", "kv@node-a@m", "positional"),
+        disk=DiskTierStatistics(("/var/lib/kvbroker/nvme0",), 1 << 30, 0, 0),
+    )
+    registry = CollectorRegistry()
+    registry.register(BrokerCollector(lambda: snap))
+    exposed = {
+        family.name + ("_total" if family.type == "counter" else "")
+        for family in text_string_to_metric_families(generate_latest(registry).decode())
+    } | {"kvbroker_info"}
+    root = Path(__file__).resolve().parent.parent
+    # kvbroker_* words of the documents that are not metrics: pytest fixtures, vLLM's flat
+    # request arguments
+    not_metrics = {"kvbroker_daemon", "kvbroker_client", "kvbroker_session", "kvbroker_retain",
+                   "kvbroker_priority"}  # fmt: skip
+    named = {
+        name
+        for page in [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+        if page.name != "performance.md"  # its table rows name benchmark paths
+        for name in re.findall(r"`(kvbroker_[a-z_]*[a-z])[`{ ]", page.read_text())
+    } - not_metrics
+    assert len(named) > 15 and not named - exposed, sorted(named - exposed)

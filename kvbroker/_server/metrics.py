@@ -167,7 +167,10 @@ _TRANSFER_COUNTERS = {
     "bytes_pulled": ("kvbroker_pulled_bytes", "Bytes pulled from peer brokers (NIXL READ)."),
     "pins_served": ("kvbroker_peer_pins", "Pins of this broker's objects for peers."),
     "bytes_served": ("kvbroker_served_bytes", "Bytes of objects peers read and released."),
-    "refused": ("kvbroker_peer_refused", "Peer connections refused (token, address)."),
+    "refused": (
+        "kvbroker_peer_refused",
+        "Peer connections refused (too many handshakes, a failed TLS handshake or certificate, not a peer).",
+    ),
 }
 _EVENT_COUNTERS = {
     "events_published": ("kvbroker_kv_events", "KV events sent to subscribers."),

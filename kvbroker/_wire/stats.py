@@ -189,7 +189,7 @@ class TransferStatistics:
     bytes_served: int = 0
     failures: int = 0  # pulls that ended in an error (nothing sealed)
     failures_by_code: dict[str, int] | None = None  # error code -> count
-    refused: int = 0  # peer connections refused (wrong token, address not a peer)
+    refused: int = 0  # peer connections refused (handshake limits, TLS or certificate, not a peer)
     last_failure: str = ""
     # The latest pull: its bytes, the seconds of its one NIXL READ, of the whole pull
     last_pull_bytes: int = 0
