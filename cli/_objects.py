@@ -329,6 +329,11 @@ def show(
     typer.echo("\n\n".join(blocks))
 
 
+def _copies_dropped(n: int, dry_run: bool) -> str:
+    copies = f"{n} disk cop{'y' if n == 1 else 'ies'}"
+    return f"; would drop {copies}" if dry_run else f"; {copies} dropped"
+
+
 def _exact_regex(text: str) -> str:
     """An RE2 pattern matching exactly ``text`` (every character not a letter or digit
     written as an escape, so no key is read as regex syntax)."""
@@ -434,11 +439,7 @@ def evict(
         typer.echo(
             f"{verb} {res.count} object(s), {format_size(res.bytes)}"
             + (f"; {res.skipped_leased} leased object(s) kept" if res.skipped_leased else "")
-            + (
-                f"; {res.on_disk} disk cop{'y' if res.on_disk == 1 else 'ies'} dropped"
-                if res.on_disk
-                else ""
-            )
+            + (_copies_dropped(res.on_disk, dry_run) if res.on_disk else "")
         )
     # --tier disk frees no object a pool still holds: dropping its disk copy (on_disk) is
     # what it was asked to do, not "no object".

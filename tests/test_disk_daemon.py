@@ -177,6 +177,9 @@ def test_cli_evict_tier_disk_of_a_key_reports_the_copy_it_dropped(daemons, tmp_p
         wait_for(lambda: c.stat().disk.objects == 2)  # policy sealed: both written back
         assert c.evict("b", tier="disk").on_disk == 1  # b: in the pool only from now on
         s = ["--socket", d.socket_path]
+        r = CliRunner().invoke(app, ["evict", "a", "--tier", "disk", "--dry-run", *s])
+        assert r.exit_code == 0 and "would drop 1 disk copy" in r.output, r.output
+        assert c.stat().disk.objects == 1  # a dry run drops nothing
         r = CliRunner().invoke(app, ["evict", "a", "--tier", "disk", *s])
         assert r.exit_code == 0, r.output
         assert "1 disk copy dropped" in r.output and "no object" not in r.output
