@@ -114,6 +114,38 @@ def test_listen_addresses_default_to_loopback():
         parse_listen_address(":70000")
 
 
+def test_read_replicas_beside_a_disk_tier_is_a_config_error(tmp_path):
+    """Replicas answer from the journal, which lists the pools' objects only: beside a disk
+    tier they would call a block on disk absent. Asked for both, the start stops, naming
+    where each came from; auto (and 0) run none beside a disk tier."""
+    path = _write(
+        tmp_path,
+        f'read_replicas = 2\npool_size = "4M"\n[tier.disk]\ndirectories = ["{tmp_path}"]\n'
+        'size = "1M"\n',
+    )
+    with pytest.raises(ConfigError) as exc:
+        load_config(path, env={}, flags={})
+    msg = str(exc.value)
+    assert msg.startswith(f"{path}: read_replicas: read_replicas = 2 cannot run beside [tier.disk]")
+    assert "from the journal, which lists the pools' objects only" in msg
+    assert "set read_replicas to 0 or auto" in msg
+    env = {"KVBROKER_TIER_DISK_DIRECTORIES": str(tmp_path)}
+    with pytest.raises(ConfigError, match=r"^--read-replicas: read_replicas = 1 cannot run"):
+        load_config(None, env=env, flags={"read_replicas": "1"})
+    for replicas in ("auto", "0"):
+        cfg = load_config(None, env=env, flags={"read_replicas": replicas})
+        assert cfg.tier_disk_directories and not cfg.read_replicas
+    res = subprocess.run(
+        [sys.executable, "-m", "kvbroker", "serve", "--config", path, "--read-replicas", "2"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "KVBROKER_SOCKET": str(tmp_path / "k.sock")},
+    )
+    assert res.returncode == 2, res.stderr
+    assert "--read-replicas: read_replicas = 2 cannot run beside [tier.disk]" in res.stderr
+
+
 def test_serve_rejects_a_bad_config_before_starting(tmp_path):
     path = _write(tmp_path, "high_watermark = 2\n")
     res = subprocess.run(

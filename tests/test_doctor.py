@@ -232,6 +232,7 @@ def test_disk_tier_check_names_the_file_system_and_o_direct(tmp_path, monkeypatc
     c = doctor.check_disk_tier(cfg)
     assert c.status == "ok", c
     assert "O_DIRECT" in c.detail and "missing (the daemon creates it)" in c.detail
+    assert "no read replicas beside it" in c.detail  # and why
     fstype = doctor._filesystem(str(tmp_path))[1]
     assert fstype != "?" and fstype in c.detail
     # A file system that refuses O_DIRECT: the fallback is said, with a fix.

@@ -119,7 +119,8 @@ SETTINGS: tuple[Key, ...] = (
     # exists and match_prefix(hold=False), so those stop queueing on this one loop.
     Key("read_replicas", parse.replicas, "auto", flag=(), metavar="N", example=2,
         help="Processes answering exists and match_prefix(hold=False) from the journal; "
-             "auto: one per 4 CPUs from 8 CPUs up, at most 4; 0: none.",
+             "auto: one per 4 CPUs from 8 CPUs up, at most 4; 0: none. None beside "
+             "[tier.disk] (the journal lists the pools' objects only).",
         shown="auto"),
     Key("max_connections", parse.CONNECTIONS, 1024, reload=LIVE, flag=(), metavar="N", text=int,
         help="Most client connections at once.", example=16),
@@ -461,6 +462,14 @@ def load_config(
         raise ConfigError(
             f"{where['pool_size']}: a pool ({cfg.pool_size} bytes) must hold at least one page "
             f"({cfg.page_size} bytes)"
+        )
+    if cfg.read_replicas and cfg.tier_disk_directories:
+        raise ConfigError(
+            f"{where['read_replicas']}: read_replicas = {cfg.read_replicas} cannot run beside "
+            f"[tier.disk] (directories from {where['tier_disk_directories']}): a replica "
+            "answers exists and match_prefix(hold=false) from the journal, which lists the "
+            "pools' objects only, so it would call a block on disk absent; set read_replicas "
+            "to 0 or auto (none with a disk tier)"
         )
     cfg.config_path = path if os.path.exists(path) else None
     return cfg

@@ -492,6 +492,10 @@ def check_disk_tier(cfg: DaemonConfig) -> Check:
                 f"{d} is in memory ({fstype}): it takes RAM and does not survive a "
                 "reboot; use a directory on a local SSD"
             )
+    said.append(
+        "no read replicas beside it (they answer exists and match_prefix(hold=false) from the "
+        "journal, which lists the pools' objects only: every request goes to the daemon)"
+    )
     status = "fail" if fail else "warn" if warn else "ok"
     return Check("disk_tier", status, "; ".join(said), "; ".join(fixes))
 

@@ -108,7 +108,12 @@ class Replicas:
                 if disk
                 else f"isolation = {policy.mode!r}"
             )
-            if not auto:
+            if auto and disk:
+                log.info(
+                    "read_replicas = auto: none beside [tier.disk] (replicas follow the "
+                    "journal, which lists the pools' objects only)"
+                )
+            elif not auto:
                 log.warning(
                     "read_replicas = %d: none started (%s: replicas follow the journal "
                     "and serve only an open policy)",
