@@ -61,6 +61,11 @@ def test_stub_sends_what_it_takes(stub):
         want["consume"] = True
     if stub in ("match_prefix", "reserve_blocks"):  # retain only when given (as hold)
         assert want.pop("retain") is None
+    if stub in ("list", "evict"):  # tier only when not all: a daemon from before it lacks it
+        assert want.pop("tier") == "all"
+        sent.clear()
+        getattr(ops, stub)(**{**args, "tier": "dram"})
+        assert sent[0][1] == {**want, "tier": "dram"}
     if stub == "match_prefix":  # hold only when false: a daemon from before it lacks it
         assert want.pop("hold") is True
         sent.clear()

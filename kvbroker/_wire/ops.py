@@ -183,8 +183,10 @@ class Ops:
         tier: str = "all",
     ) -> R.Listed:
         """One page of objects; ``after``: the ``next`` of the previous page."""
+        # `tier` only when not all: a daemon from before the disk tier refuses it
+        more = {} if tier == "all" else {"tier": tier}
         return self._call(
-            "list", dict(namespace=namespace, match=match, limit=limit, after=after, tier=tier)
+            "list", dict(namespace=namespace, match=match, limit=limit, after=after, **more)
         )
 
     def evict(
@@ -209,7 +211,7 @@ class Ops:
                 older_than=older_than,
                 all=all,
                 dry_run=dry_run,
-                tier=tier,
+                **({} if tier == "all" else {"tier": tier}),  # (as list's)
             ),
         )
 
