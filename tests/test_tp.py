@@ -105,6 +105,39 @@ def block_ids(rng, tokens, block_size, spare=2):
     return rng.permutation(num_blocks)[:needed].tolist(), num_blocks
 
 
+def rank_cache(full, heads: range, axes, block_size, rng, kind="numpy", dtype="float16"):
+    """One rank's fresh cache holding ``full``'s ``heads`` at new random block ids (see
+    :func:`engine_cache`): (the engine's per-layer tensors, their bit views, the block ids)."""
+    ids, num_blocks = block_ids(rng, full.shape[2], block_size)
+    tensors, bits = engine_cache(full, heads, axes, block_size, num_blocks, ids, rng, kind, dtype)
+    return tensors, bits, ids
+
+
+def publish_prefill_ranks(
+    client, request, full, P, axes, block_size, rng, kind="numpy", dtype="float16", decode_tp_size=1
+):
+    """Each of ``P`` prefill ranks publishes its shard of ``full``'s heads from a fresh cache in
+    ``axes`` order; their results, rank by rank."""
+    tokens, H = full.shape[2], full.shape[3]
+    results = []
+    for p in range(P):
+        tensors, _, ids = rank_cache(full, shard_heads(p, P, H), axes, block_size, rng, kind, dtype)
+        results.append(
+            publish_shard(
+                client,
+                request,
+                PagedKV(tensors, axes),
+                ids,
+                tokens,
+                tp_rank=p,
+                tp_size=P,
+                total_kv_heads=H,
+                decode_tp_size=decode_tp_size,
+            )
+        )
+    return results
+
+
 def run_handoff(
     client, H, P, D, kind, dtype, axes_p, axes_d, bs_p, bs_d, layers, tokens, dim, seed
 ):
@@ -113,30 +146,13 @@ def run_handoff(
     request = f"req{next(_requests)}"
     itemsize = _ITEMSIZE[dtype]
     full = random_bits(rng, (layers, 2, tokens, H, dim), itemsize)
-    for p in range(P):
-        ids, nb = block_ids(rng, tokens, bs_p)
-        tensors, _ = engine_cache(
-            full, shard_heads(p, P, H), axes_p, bs_p, nb, ids, rng, kind, dtype
-        )
-        res = publish_shard(
-            client,
-            request,
-            PagedKV(tensors, axes_p),
-            ids,
-            tokens,
-            tp_rank=p,
-            tp_size=P,
-            total_kv_heads=H,
-            decode_tp_size=D,
-        )
+    published = publish_prefill_ranks(client, request, full, P, axes_p, bs_p, rng, kind, dtype, D)
+    for p, res in enumerate(published):
         assert res.published == (readers_of(p, H, P, D) > 0)
         assert res.copy_ops <= 2 * layers * 2
     for d in range(D):
         mine = shard_heads(d, D, H)
-        ids, nb = block_ids(rng, tokens, bs_d)
-        tensors, bits = engine_cache(
-            np.zeros_like(full), mine, axes_d, bs_d, nb, ids, rng, kind, dtype
-        )
+        tensors, bits, ids = rank_cache(np.zeros_like(full), mine, axes_d, bs_d, rng, kind, dtype)
         res = claim_shards(
             client,
             request,
@@ -285,34 +301,8 @@ def test_copy_ops_do_not_grow_with_tokens(tp_client):
     for tokens in (16, 160, 1600):
         rng = np.random.default_rng(tokens)
         full = random_bits(rng, (2, 2, tokens, 4, 8), 2)
-        for p in range(2):
-            ids, nb = block_ids(rng, tokens, 16)
-            t, _ = engine_cache(
-                full,
-                shard_heads(p, 2, 4),
-                LAYOUTS["kv-first HND"],
-                16,
-                nb,
-                ids,
-                rng,
-                "numpy",
-                "float16",
-            )
-            publish_shard(
-                tp_client,
-                f"grow{tokens}",
-                PagedKV(t, LAYOUTS["kv-first HND"]),
-                ids,
-                tokens,
-                tp_rank=p,
-                tp_size=2,
-                total_kv_heads=4,
-                decode_tp_size=1,
-            )
-        ids, nb = block_ids(rng, tokens, 16)
-        t, _ = engine_cache(
-            full, range(4), LAYOUTS["kv-first HND"], 16, nb, ids, rng, "numpy", "float16"
-        )
+        publish_prefill_ranks(tp_client, f"grow{tokens}", full, 2, LAYOUTS["kv-first HND"], 16, rng)
+        t, _, ids = rank_cache(full, range(4), LAYOUTS["kv-first HND"], 16, rng)
         res = claim_shards(
             tp_client,
             f"grow{tokens}",
@@ -521,17 +511,8 @@ def _prefill_process(socket_path, request, p, P, D, H, seed):
     rng = np.random.default_rng(seed)
     full = random_bits(rng, (2, 2, 33, H, 8), 2)
     rng = np.random.default_rng(seed + 1 + p)
-    ids, nb = block_ids(rng, 33, 4)
-    tensors, _ = engine_cache(
-        full,
-        shard_heads(p, P, H),
-        LAYOUTS["blocks-first NHD"],
-        4,
-        nb,
-        ids,
-        rng,
-        "torch",
-        "bfloat16",
+    tensors, _, ids = rank_cache(
+        full, shard_heads(p, P, H), LAYOUTS["blocks-first NHD"], 4, rng, "torch", "bfloat16"
     )
     with Client(socket_path) as c:
         publish_shard(
@@ -551,9 +532,8 @@ def _decode_process(socket_path, request, d, P, D, H, seed, queue):
     full = random_bits(np.random.default_rng(seed), (2, 2, 33, H, 8), 2)
     rng = np.random.default_rng(seed + 100 + d)
     mine = shard_heads(d, D, H)
-    ids, nb = block_ids(rng, 33, 16)
-    tensors, bits = engine_cache(
-        np.zeros_like(full), mine, LAYOUTS["kv-first HND"], 16, nb, ids, rng, "torch", "bfloat16"
+    tensors, bits, ids = rank_cache(
+        np.zeros_like(full), mine, LAYOUTS["kv-first HND"], 16, rng, "torch", "bfloat16"
     )
     with Client(socket_path) as c:
         res = claim_shards(
@@ -635,34 +615,10 @@ def test_claim_writes_do_not_grow_with_tokens_counted_independently(tp_client, a
     for tokens in (31, 175, 1711):
         rng = np.random.default_rng(tokens)
         full = random_bits(rng, (layers, comps, tokens, kv_heads, 8), 2)
-        for p in range(shards):
-            ids, nb = block_ids(rng, tokens, 16)
-            t, _ = engine_cache(
-                full,
-                shard_heads(p, shards, kv_heads),
-                LAYOUTS["kv-first HND"],
-                16,
-                nb,
-                ids,
-                rng,
-                "numpy",
-                "float16",
-            )
-            publish_shard(
-                tp_client,
-                f"count{axes}{tokens}",
-                PagedKV(t, LAYOUTS["kv-first HND"]),
-                ids,
-                tokens,
-                tp_rank=p,
-                tp_size=shards,
-                total_kv_heads=kv_heads,
-                decode_tp_size=1,
-            )
-        ids, nb = block_ids(rng, tokens, 16)
-        t, bits = engine_cache(
-            full, range(kv_heads), LAYOUTS[axes], 16, nb, ids, rng, "numpy", "float16"
+        publish_prefill_ranks(
+            tp_client, f"count{axes}{tokens}", full, shards, LAYOUTS["kv-first HND"], 16, rng
         )
+        t, bits, ids = rank_cache(full, range(kv_heads), LAYOUTS[axes], 16, rng)
         counted = [a.view(_CountingArray) for a in t]
         _CountingArray.writes = 0
         claim_shards(
@@ -733,22 +689,7 @@ def test_a_big_handoff_copies_on_the_engines_threads_and_seals_their_hashes(tp_c
     request = f"req{next(_requests)}"
     full = random_bits(rng, (layers, 2, tokens, H, dim), 2)
     axes = LAYOUTS["blocks-first NHD"]
-    for p in range(P):
-        ids, nb = block_ids(rng, tokens, bs)
-        tensors, _ = engine_cache(
-            full, shard_heads(p, P, H), axes, bs, nb, ids, rng, "torch", "bfloat16"
-        )
-        publish_shard(
-            tp_client,
-            request,
-            PagedKV(tensors, axes),
-            ids,
-            tokens,
-            tp_rank=p,
-            tp_size=P,
-            total_kv_heads=H,
-            decode_tp_size=1,
-        )
+    publish_prefill_ranks(tp_client, request, full, P, axes, bs, rng, "torch", "bfloat16")
     assert hashed_again == []
     for p in range(P):
         with tp_client.claim(shard_key(request, p, P)) as lease:
@@ -756,9 +697,8 @@ def test_a_big_handoff_copies_on_the_engines_threads_and_seals_their_hashes(tp_c
             assert len(names) == layers * 2
             assert all(lease.checksums[n] == reference(lease[n]) for n in names)
             lease.release(consume=False)
-    ids, nb = block_ids(rng, tokens, bs)
-    tensors, bits = engine_cache(
-        np.zeros_like(full), range(H), axes, bs, nb, ids, rng, "torch", "bfloat16"
+    tensors, bits, ids = rank_cache(
+        np.zeros_like(full), range(H), axes, bs, rng, "torch", "bfloat16"
     )
     claim_shards(
         tp_client,
