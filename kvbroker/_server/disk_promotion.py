@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import mmap
 import time
 from collections.abc import Callable
 from typing import Any
@@ -192,13 +191,9 @@ class Promotion:
         hash to the digest written (whether they did). Through a buffer of the daemon's own,
         never a mapping of the pool (:class:`~kvbroker._server.disk_store.PoolPages`)."""
         obj = lease.obj
-        buf = mmap.mmap(-1, e.length)  # page-aligned, as O_DIRECT wants
-        try:
-            with memoryview(buf) as view:
-                self.store.read(e.file, e.start, view)
-                if xxhash.xxh3_64_intdigest(view) != e.digest:
-                    return False
-                self.pools[obj.pool.index].write(obj.start * obj.pool.page_size, view)
-                return True
-        finally:
-            buf.close()
+        with self.store.scratch(e.length) as view:
+            self.store.read(e.file, e.start, view)
+            if xxhash.xxh3_64_intdigest(view) != e.digest:
+                return False
+            self.pools[obj.pool.index].write(obj.start * obj.pool.page_size, view)
+            return True

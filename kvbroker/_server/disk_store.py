@@ -44,6 +44,7 @@ import mmap
 import os
 import secrets
 import struct
+import threading
 import zlib
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -76,6 +77,9 @@ MAGIC = b"KVD1"
 FORMAT = 1
 _FRAME = struct.Struct("<4sII")
 _MAX_RECORD = 1 << 24
+# The buffer each I/O thread keeps for the objects it moves between a pool and a slot (a
+# larger object gets one of its own): no mapping, page faults and zeroing per object.
+SCRATCH_KEPT = 16 << 20
 
 
 def probe_direct(directory: str) -> str | None:
@@ -425,6 +429,26 @@ class DiskStore:
             os.path.join(self.directories[0], INDEX_NAME), [[f.units, f.unit] for f in self.files]
         )
         self.pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="kvbroker-disk")
+        self._local = threading.local()
+
+    @contextlib.contextmanager
+    def scratch(self, nbytes: int) -> Iterator[memoryview]:
+        """In an I/O thread: a page-aligned buffer of ``nbytes`` of the daemon's own (as
+        ``O_DIRECT`` wants), the thread's kept one when it fits."""
+        buf = getattr(self._local, "buf", None)
+        own = None
+        if nbytes > SCRATCH_KEPT:
+            buf = own = mmap.mmap(-1, nbytes)
+        elif buf is None or len(buf) < nbytes:
+            if buf is not None:
+                buf.close()
+            buf = self._local.buf = mmap.mmap(-1, min(SCRATCH_KEPT, max(nbytes, 1 << 20)))
+        try:
+            with memoryview(buf) as whole, whole[:nbytes] as view:
+                yield view
+        finally:
+            if own is not None:
+                own.close()
 
     @property
     def capacity(self) -> int:

@@ -271,17 +271,12 @@ class DiskTier(WriteBackPass, QuotaShares, Queries, Promotion):
         loop = asyncio.get_running_loop()
 
         def write() -> int:
-            buf = filled if filled is not None else mmap.mmap(-1, e.length)  # page-aligned
-            try:
-                with memoryview(buf) as view:
-                    if fill is not None:
-                        fill(view)
-                    digest = xxhash.xxh3_64_intdigest(view)
-                    self.store.write(e.file, e.start, [view])
-                return digest
-            finally:
-                if filled is None:
-                    buf.close()
+            with memoryview(filled) if filled is not None else self.store.scratch(e.length) as view:
+                if fill is not None:
+                    fill(view)
+                digest = xxhash.xxh3_64_intdigest(view)
+                self.store.write(e.file, e.start, [view])
+            return digest
 
         fut = loop.run_in_executor(self.store.pool, write)
         self._tasks.add(fut)
