@@ -581,3 +581,33 @@ def test_records_appended_during_a_compaction_are_kept(dirs):
         rig.close()
 
     _run(main())
+
+
+def test_an_object_on_disk_occupies_at_least_its_index_entry_scaled_to_the_pools(dirs):
+    # In a pool an object occupies at least the daemon memory its index entry takes (names,
+    # meta, tokens), so what clients make the daemon hold is bounded by the pools. A slot
+    # sized by the bytes alone broke that: 4096 names of empty buffers (~500 KiB of entry)
+    # in one 4 KiB slot, so a disk of N bytes could make the daemon hold ~100 N of memory.
+    # A slot holds at least the entry's footprint times disk/pools (``quota_scale``): the
+    # disk tier's entries then take no more memory than the pools' could.
+    from kvbroker._server.state import index_footprint
+
+    async def main():
+        rig = _Rig(dirs[:1], size=1 << 20, quota_scale=0.5)  # the disk is half the pools
+        names = {f"b{j:05d}" + "x" * 40: 0 for j in range(2048)}
+        o = _object(rig.pools[0], rig.bufs[0], "wide", names)
+        entry = index_footprint(o.buffers, o.meta, o.tokens)
+        assert entry > 64 * PAGE
+        assert rig.tier.demote(o)
+        await rig.tier.drain()
+        assert rig.store.used >= entry * 0.5
+        assert await rig.promote("wide") == 1  # and it comes back as it was
+        assert rig.sealed[0].obj.buffers.keys() == o.buffers.keys()
+        thin = _object(rig.pools[0], rig.bufs[0], "thin", {"past_key.0": 5000})
+        before = rig.store.used
+        assert rig.tier.demote(thin)
+        await rig.tier.drain()
+        assert rig.store.used - before == 2 * PAGE  # an ordinary object: its bytes only
+        rig.close()
+
+    _run(main())

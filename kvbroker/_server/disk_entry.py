@@ -11,8 +11,9 @@ from typing import Any
 from .._wire import checksum as _checksum
 from .._wire.protocol import meta_problem
 from .checks import tokens_problem
+from .state import index_footprint
 
-__all__ = ["DiskEntry", "entry_of_record", "object_record", "written_length"]
+__all__ = ["DiskEntry", "entry_of_record", "object_record", "slot_units", "written_length"]
 
 
 class DiskEntry:
@@ -148,13 +149,25 @@ def _count(value: Any, least: int = 0) -> bool:
     return value.__class__ is int and value >= least
 
 
-def entry_of_record(slot: tuple[int, int], rec: dict[str, Any], unit: int) -> DiskEntry | None:
+def slot_units(length: int, footprint: int, scale: float, unit: int) -> int:
+    """The units of the slot of an object of ``length`` bytes written whose index entry
+    takes ``footprint`` bytes of daemon memory (``state.index_footprint``): at least the
+    footprint times ``scale`` (disk size / pool size). A pool object occupies at least its
+    footprint, so the daemon's memory is bounded by the pools; a slot sized by the bytes
+    alone let 4096 names of empty buffers (~500 KiB of entry) sit in one 4 KiB slot."""
+    return -(-max(length, math.ceil(footprint * scale)) // unit)
+
+
+def entry_of_record(
+    slot: tuple[int, int], rec: dict[str, Any], unit: int, scale: float
+) -> DiskEntry | None:
     """The written entry an index ``p`` record on ``slot`` (file, start) describes, or None
     when a field is not what :meth:`DiskEntry.to_record` writes. The index is read at start
     for every tenant: a record anyone crafted or damaged (its frame's crc is no secret) is
     dropped on its own, never a crash of the start; and nothing it says may reach past the
     bytes its digest vouches for (a buffer past them would lease pool bytes never read from
-    its slot, another object's)."""
+    its slot, another object's), nor take more memory than its slot pays for
+    (:func:`slot_units`, ``scale``: disk size / pool size)."""
     ns, key, units, length, o = (
         rec.get("ns"),
         rec.get("k"),
@@ -207,6 +220,10 @@ def entry_of_record(slot: tuple[int, int], rec: dict[str, Any], unit: int) -> Di
             _checksum.validate(sums, o["buffers"])
         except ValueError:
             return None
+    if units < slot_units(
+        length, index_footprint(o["buffers"], meta, o.get("tokens")), scale, unit
+    ):
+        return None  # an entry bigger than its slot pays for
     e = DiskEntry(
         (ns, key),
         (*slot, units),

@@ -34,6 +34,11 @@ the pools, scaled by ``disk size / pool size``: a tenant's cold objects on disk 
 push its hot ones out of the pools (as one quota over both tiers would, DRAM being 10-100x
 scarcer), and one tenant cannot fill the disk either. Over its disk share, an account's own
 oldest disk objects go first; past that, the demotion is skipped.
+
+Memory: a slot takes at least its object's index entry (names, meta, tokens) scaled by the
+same ratio (:func:`~kvbroker._server.disk_entry.slot_units`), so the entries of a full disk
+take no more of the daemon's memory than those of full pools; an ordinary KV object's slot
+is its bytes.
 """
 
 from __future__ import annotations
@@ -48,10 +53,11 @@ from typing import Any
 import xxhash
 
 from .._wire.stats import DiskTierStatistics
-from .disk_entry import DiskEntry, entry_of_record, object_record, written_length
+from .disk_entry import DiskEntry, entry_of_record, object_record, slot_units, written_length
 from .disk_promotion import Promotion
 from .disk_store import DiskStore, Loaded, PoolPages
 from .disk_writeback import Queries, QuotaShares, WriteBackPass
+from .state import index_footprint
 
 __all__ = ["POLICIES", "DiskEntry", "DiskTier"]
 
@@ -109,7 +115,7 @@ class DiskTier(WriteBackPass, QuotaShares, Queries, Promotion):
         if loaded.reset:
             log.warning("[tier.disk] starting empty: %s", loaded.reset)
         for slot, rec in loaded.entries.items():
-            e = entry_of_record(slot, rec, self.store.unit)
+            e = entry_of_record(slot, rec, self.store.unit, self.quota_scale)
             if e is None or e.ident in self.entries:
                 loaded.dropped += 1
                 continue
@@ -186,17 +192,18 @@ class DiskTier(WriteBackPass, QuotaShares, Queries, Promotion):
         old = self.entries.get(ident)
         if old is not None:
             self.forget(ident)
-        units = -(-length // self.store.unit)
+        footprint = index_footprint(obj.buffers, obj.meta, obj.tokens)
+        units = slot_units(length, footprint, self.quota_scale, self.store.unit)
         nbytes = units * self.store.unit
         accounts = [obj.namespace, *obj.tenants]
         for account in accounts:
             if not self._make_room(account, nbytes):
                 self.counters["skipped_quota"] += 1
                 return None
-        slot = self.store.allocate(length)
+        slot = self.store.allocate(nbytes)
         while slot is None and self.lru:
             self._evict_oldest()
-            slot = self.store.allocate(length)
+            slot = self.store.allocate(nbytes)
         if slot is None:
             self.counters["skipped_full"] += 1
             return None
