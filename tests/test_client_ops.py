@@ -59,7 +59,7 @@ def test_stub_sends_what_it_takes(stub):
     want = dict(args)
     if stub == "release_later":
         want["consume"] = True
-    if stub in ("match_prefix", "reserve_blocks"):  # retain only when given (as hold)
+    if stub in ("match_prefix", "reserve_blocks", "reserve", "publish"):  # retain if given
         assert want.pop("retain") is None
     if stub in ("list", "evict"):  # tier only when not all: a daemon from before it lacks it
         assert want.pop("tier") == "all"

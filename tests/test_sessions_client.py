@@ -168,3 +168,30 @@ def test_a_restart_keeps_what_the_tenant_quota_took(tmp_path):
             assert d2.stop() == 0, d2.log()
     finally:
         drop_leftover_pools(sock)
+
+
+def test_client_put_and_reserve_take_a_session_as_prefix_cache_does(tmp_path):
+    """Client.put (through the write arena and through reserve + seal), Client.reserve and
+    a put that finds its key: the objects their session retains outlive one-shot prompts
+    that overflow the pool; the same objects without a session do not."""
+    sock = str(tmp_path / "kvb.sock")
+    d = DaemonProcess(sock, "--pool-size", "4M", "--page-size", "4K", ready_timeout=60)
+    try:
+        with d.client() as c, d.client(arena_size=0) as direct:
+            assert c.put("arena-put", {"x": bytes(BLOCK)}, session="agent", retain="30m")
+            assert direct.put("reserved-put", {"x": bytes(BLOCK)}, session="agent", priority=3)
+            with direct.reserve("lease", {"x": BLOCK}, session="agent") as lease:
+                lease["x"][:] = 7
+            direct.put("found", {"x": bytes(BLOCK)})
+            assert not c.put("found", {"x": bytes(BLOCK)}, session="agent")  # retained as is
+            c.put("plain", {"x": bytes(BLOCK)})
+            (row,) = c.ops.sessions()["sessions"]
+            assert (row["name"], row["blocks"], row["priority"]) == ("agent", 4, 3)
+            assert 1790 < row["expires_in"] <= 1800
+            overflow(c)
+            kept = ["arena-put", "reserved-put", "lease", "found"]
+            assert [k for k in kept + ["plain"] if c.exists(k)] == kept
+            with c.claim("lease") as got:
+                assert bytes(got["x"][:2]) == b"\x07\x07"
+    finally:
+        assert d.stop() == 0, d.log()

@@ -153,18 +153,22 @@ class WriteArena:
         replace: bool,
         consumers: int,
         checksum: bool,
+        retain: dict | None = None,
     ) -> bool | None:
         """Copy ``buffers`` into the arena and publish them as ``key``: True, or False when
         the key exists. None when the arena cannot take this put (busy in another thread,
-        too small, none to be had): the caller uses reserve + seal."""
+        too small, none to be had): the caller uses reserve + seal. ``retain``: the session
+        that retains the object (``kvbroker.blocks.retention``)."""
         if not self._lock.acquire(blocking=False):
             return None
         try:
-            return self._put(key, buffers, sizes, namespace, meta, replace, consumers, checksum)
+            return self._put(
+                key, buffers, sizes, namespace, meta, replace, consumers, checksum, retain
+            )
         finally:
             self._lock.release()
 
-    def _put(self, key, buffers, sizes, namespace, meta, replace, consumers, checksum):
+    def _put(self, key, buffers, sizes, namespace, meta, replace, consumers, checksum, retain):
 
         client = self.client
         if len(sizes) > _FEW_BUFFERS and _publish_size(sizes, meta, checksum) > MAX_REQUEST:
@@ -221,6 +225,7 @@ class WriteArena:
                 consumers=consumers,
                 checksums=sums,
                 next_arena=self.size,
+                retain=retain,
             )
         except Exists:
             if replace:

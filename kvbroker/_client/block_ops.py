@@ -12,7 +12,7 @@ from . import integrity as _integrity
 from .copy import copy_into
 from .engine import default_engine
 from .._wire import checksum as _cs
-from .._wire.protocol import name_bytes, request_chunks
+from .._wire.protocol import name_bytes, request_chunks, retain_problem
 from ..errors import BadRequest, KVBrokerError, LayoutMismatch
 
 __all__ = [
@@ -46,8 +46,6 @@ def retention(
         if retain is not None or priority is not None:
             raise BadRequest("retain and priority need a session name")
         return None
-    if not isinstance(session, str) or not session:
-        raise BadRequest(f"a session is a non-empty name, not {session!r}")
     out: dict[str, Any] = {"session": session}
     if retain is not None:
         from .._wire.paths import parse_duration
@@ -56,12 +54,10 @@ def retention(
             out["for"] = parse_duration(retain)
         except (TypeError, ValueError) as exc:
             raise BadRequest(f"retain: {exc}") from None
-        if not out["for"] > 0:
-            raise BadRequest(f"retain must be more than 0 seconds, not {retain!r}")
     if priority is not None:
-        if isinstance(priority, bool) or not isinstance(priority, int) or not 0 <= priority <= 100:
-            raise BadRequest(f"priority must be an integer from 0 to 100, not {priority!r}")
         out["priority"] = priority
+    if (problem := retain_problem(out)) is not None:  # the op table's rule, before sending
+        raise BadRequest(problem)
     return out
 
 

@@ -33,6 +33,7 @@ from .session import Session
 from .._wire.protocol import MAX_REQUEST, seal_size
 from .._wire.stats import Statistics
 from .arena import WriteArena
+from .block_ops import retention
 from .replica import ASK_DAEMON, ReadReplica, answers
 from .copy import copy_into, get_destinations, nbytes_of
 from .engine import default_engine
@@ -269,13 +270,18 @@ class Client(PoolAccess, DirectoryOps):
         ttl: float | None = None,
         consumers: int = 1,
         checksum: bool = True,
+        session: str | None = None,
+        retain: float | str | None = None,
+        priority: int | None = None,
     ) -> WriteLease:
         """A write lease with one writable view per named buffer; raises Exists if published.
 
         ``consumers``: how many consume-claims must be released before the object is freed.
         ``checksum``: hash the buffers at seal so claimers can verify them (costs one extra
         read of the written bytes; False skips it, and a daemon with require_checksums then
-        refuses the seal).
+        refuses the seal). ``session``, ``retain``, ``priority``: the session that retains
+        the object once sealed, as :class:`kvbroker.prefix.PrefixCache` takes them (see
+        ``docs/sessions.md``); on Exists it retains the object already published.
         """
         reply = self.ops.reserve(
             key,
@@ -285,6 +291,7 @@ class Client(PoolAccess, DirectoryOps):
             replace=replace,
             ttl=ttl,
             consumers=consumers,
+            retain=retention(session, retain, priority),
         )
         return WriteLease(self, namespace, key, reply, checksum)
 
@@ -299,6 +306,9 @@ class Client(PoolAccess, DirectoryOps):
         ttl: float | None = None,
         consumers: int = 1,
         checksum: bool = True,
+        session: str | None = None,
+        retain: float | str | None = None,
+        priority: int | None = None,
     ) -> bool:
         """Publish ``buffers`` (numpy arrays, torch CPU tensors or bytes-like) under ``key``.
 
@@ -308,7 +318,10 @@ class Client(PoolAccess, DirectoryOps):
         once bigger puts grew it), which is copied into this client's arena first and
         published in one round trip (see _arena.py). ``checksum``: hash each
         chunk right after copying it (still one pass over memory) and record the digests.
+        ``session``, ``retain``, ``priority``: the session that retains the object (the one
+        already published, when this returns False), as :meth:`reserve` takes them.
         """
+        kept = retention(session, retain, priority)  # checked before anything is copied
         sizes = {name: nbytes_of(b) for name, b in buffers.items()}
         if checksum and len(sizes) > 128 and seal_size(sizes) > MAX_REQUEST:
             # Refused before anything is reserved or copied: the daemon reads no longer seal.
@@ -327,6 +340,7 @@ class Client(PoolAccess, DirectoryOps):
                 replace=replace,
                 consumers=consumers,
                 checksum=checksum,
+                retain=kept,
             )
             if done is not None:
                 return done
@@ -341,6 +355,9 @@ class Client(PoolAccess, DirectoryOps):
                     ttl=ttl,
                     consumers=consumers,
                     checksum=checksum,
+                    session=session,
+                    retain=retain,
+                    priority=priority,
                 )
                 break
             except Exists:

@@ -283,6 +283,9 @@ class GpuClient(RingClient):
         ttl: float | None = None,
         consumers: int = 1,
         checksum: bool = True,
+        session: str | None = None,
+        retain: float | str | None = None,
+        priority: int | None = None,
     ) -> bool:
         """Publish contiguous CUDA tensors, one device→host DMA each; returns once sealed.
 
@@ -293,6 +296,7 @@ class GpuClient(RingClient):
         stream while the DMA runs (kind 1; ``benchmarks/bench_integrity_gpu.py`` measures
         what it costs). Against a daemon that accepts only kind 0 it is hashed on the CPU
         from the pool after the copy instead (one more read of every byte, on one core).
+        ``session``, ``retain``, ``priority``: as :meth:`kvbroker.Client.reserve` takes them.
         """
         torch = self._torch
         flat = {name: _span(t) for name, t in tensors.items()}
@@ -305,6 +309,9 @@ class GpuClient(RingClient):
                 replace=replace,
                 ttl=ttl,
                 consumers=consumers,
+                session=session,
+                retain=retain,
+                priority=priority,
             )
         except Exists:
             if replace:

@@ -21,6 +21,7 @@ from .checks import (
     extents,
     leases_named,
 )
+from .retention import Retained
 from .session_ops import SessionOps
 from .state import StoredObject, index_footprint
 from .transitions import Transitions
@@ -37,7 +38,7 @@ class PublishOps:
 
     # -------------------------------------------------------------------------- publish
     def op_reserve(
-        self, session, namespace, key, buffers, meta, replace, ttl, consumers
+        self, session, namespace, key, buffers, meta, replace, ttl, consumers, retain=None
     ) -> R.Reserved:
         if (problem := consumers_problem(consumers)) is not None:
             raise BadRequest(f"reserve: {problem}")
@@ -45,9 +46,12 @@ class PublishOps:
         ident = (check_name("namespace", namespace), check_name("key", key))
         session.access.check(namespace, True, "reserve")
         layout, span = buffer_layout(buffers, meta)
-        self._check_free(ident, replace)
+        kept = self.sessions.session_of_request(session, namespace, retain, "reserve")
+        self._check_free(ident, replace, kept)
         lease = self.b.reserve_extent(session, ident, layout, span, meta, ttl)
         lease.obj.consumers = consumers
+        if kept is not None:  # retained once sealed (Directory.link)
+            self.b.retention.pending[lease.obj.serial] = kept
         return {
             "lease": lease.id,
             "ttl": ttl,
@@ -142,6 +146,7 @@ class PublishOps:
         consumers,
         checksums,
         next_arena,
+        retain=None,
     ) -> R.Published:
         b = self.b
         ar = b.arenas.of(session, arena)
@@ -170,12 +175,18 @@ class PublishOps:
         npages = max(1, -(-max(span, index_footprint(layout, meta)) // ps))
         if npages > ar.npages:  # the client falls back to reserve + seal
             raise PoolFull(f"publish: names and meta take more than arena {arena}; reserve instead")
-        self._check_free(ident, replace)
+        retained = self.sessions.session_of_request(session, namespace, retain, "publish")
+        self._check_free(ident, replace, retained)
         obj = b.directory.new_object(ident, ar.pool, ar.start, npages, layout, meta)
         self._accept_checksums(obj, checksums)
         obj.consumers = consumers
         obj.charged = b.accounts.charge(ident[0], npages * ps)
-        sealed, kept = b.publish(session, ar, obj, next_arena)
+        if retained is not None:  # retained as it is sealed (Directory.link)
+            b.retention.pending[obj.serial] = retained
+        try:
+            sealed, kept = b.publish(session, ar, obj, next_arena)
+        finally:
+            b.retention.pending.pop(obj.serial, None)  # sealed, or never to be
         return {
             **sealed,
             "lease": None if kept is None else kept.id,
@@ -196,9 +207,14 @@ class PublishOps:
         if checked is not None:
             obj.checksums = checked
 
-    def _check_free(self, ident: tuple[str, str], replace: bool) -> None:
+    def _check_free(self, ident: tuple[str, str], replace: bool, kept: Retained | None) -> None:
+        """Exists unless ``ident`` may be published; a session the request names (``kept``)
+        retains the object already published there, as it would have retained this one."""
         namespace, key = ident
         if ident in self.b.directory.pending:
             raise Exists(f"{namespace}/{key} is being published by another writer")
         if not replace and (ident in self.b.directory or on_disk_only(self.b.pages.tier, ident)):
+            there = self.b.directory.get(ident)
+            if kept is not None and there is not None:
+                self.b.retention.retain(kept, (there,))
             raise Exists(f"{namespace}/{key} is already published")

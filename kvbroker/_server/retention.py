@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import math
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Iterator
@@ -49,7 +48,6 @@ from itertools import islice
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .._wire.protocol import MAX_NAME, MAX_PRIORITY
 from .._wire.stats import RetentionStatistics, SessionInfo
 from ..errors import BadRequest, LimitExceeded
 from .retention_records import ended_record, named_record, restorable, shed_record
@@ -144,25 +142,11 @@ class Retention:
         self._journal_file: Any = None  # kvbroker._server.journal.Journal, when kept
 
     # ------------------------------------------------------------------ requests
-    def check_request(self, retain: dict) -> tuple[str, float | None, int | None]:
-        """(session, for, priority) of a request's ``retain`` map, or BadRequest."""
-        name, for_, prio = retain.get("session"), retain.get("for"), retain.get("priority")
-        if set(retain) - {"session", "for", "priority"}:
-            raise BadRequest(
-                f"retain: unknown fields {sorted(set(retain) - {'session', 'for', 'priority'})}"
-                "; it takes session, for and priority"
-            )
-        if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME:
-            raise BadRequest(f"retain: session must be a name of 1 to {MAX_NAME} characters")
-        if for_ is not None and (
-            isinstance(for_, bool) or not isinstance(for_, (int, float)) or not 0 < for_ < math.inf
-        ):
-            raise BadRequest("retain: for must be a number of seconds, more than 0")
-        if prio is not None and (
-            isinstance(prio, bool) or not isinstance(prio, int) or not 0 <= prio <= MAX_PRIORITY
-        ):
-            raise BadRequest(f"retain: priority must be an integer from 0 to {MAX_PRIORITY}")
-        return name, for_, prio
+    @staticmethod
+    def request(retain: dict) -> tuple[str, float | None, int | None]:
+        """(session, for, priority) of a request's ``retain`` map (checked by the op table's
+        rule, ``kvbroker._wire.protocol.retain_problem``)."""
+        return retain["session"], retain.get("for"), retain.get("priority")
 
     def renew(
         self,

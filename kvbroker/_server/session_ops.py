@@ -16,7 +16,7 @@ from typing import Any
 
 from .._wire import replies as R
 from ..errors import BadRequest, Forbidden, NotFound
-from .retention import MAX_PRIORITY, Retained, Retention
+from .retention import Retained, Retention
 from .state import Session
 
 __all__ = ["SessionOps"]
@@ -37,7 +37,7 @@ class SessionOps:
         when new); None without one. Retaining changes eviction: it needs write access."""
         if retain is None:
             return None
-        name, for_, priority = self.retention.check_request(retain)
+        name, for_, priority = self.retention.request(retain)
         session.access.check(namespace, True, f"{op} with retain")
         entry = self.retention.sessions.get((namespace, name))
         if entry is not None and entry.uid != session.uid:
@@ -73,8 +73,6 @@ class SessionOps:
     ) -> dict[str, Any]:
         if isinstance(seconds, bool) or not 0 < seconds < math.inf:
             raise BadRequest("retain: seconds must be more than 0")
-        if priority is not None and not 0 <= priority <= MAX_PRIORITY:
-            raise BadRequest(f"retain: priority must be from 0 to {MAX_PRIORITY}")
         entry = self._find(session, namespace, name, "retain")
         entry = self.retention.renew(
             entry.namespace, entry.name, entry.uid, seconds, priority, exactly=True

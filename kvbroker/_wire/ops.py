@@ -72,7 +72,11 @@ class Ops:
         replace: bool = False,
         ttl: float | None = None,
         consumers: int = 1,
+        retain: dict | None = None,
     ) -> R.Reserved:
+        """``retain``: ``{session, for?, priority?}`` (sent only when given: a daemon from
+        before it refuses an argument it lacks)."""
+        more = {} if retain is None else {"retain": retain}
         return self._call(
             "reserve",
             dict(
@@ -83,6 +87,7 @@ class Ops:
                 replace=replace,
                 ttl=ttl,
                 consumers=consumers,
+                **more,
             ),
         )
 
@@ -111,7 +116,10 @@ class Ops:
         consumers: int = 1,
         checksums: dict[str, int] | None = None,
         next_arena: int = 0,
+        retain: dict | None = None,
     ) -> R.Published:
+        """``retain``: as in :meth:`reserve` (sent only when given)."""
+        more = {} if retain is None else {"retain": retain}
         return self._call(
             "publish",
             dict(
@@ -124,6 +132,7 @@ class Ops:
                 consumers=consumers,
                 checksums=checksums,
                 next_arena=next_arena,
+                **more,
             ),
         )
 

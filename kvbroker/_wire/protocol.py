@@ -22,6 +22,7 @@ the ``pools`` list of the hello reply); the client maps each pool once and views
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -29,7 +30,7 @@ from typing import Any
 from . import replies as R
 from ..errors import ERROR_CLASSES, BadRequest
 from .replies import mismatch
-from .rules import LEASE_TTL, Arg, Replica, check_args, check_rules, replica_answers, ruled
+from .rules import LEASE_TTL, Arg, Replica, Rule, check_args, check_rules, replica_answers, ruled
 from .stats import ObjectInfo, SessionInfo, Statistics
 
 PROTOCOL_VERSION = 1
@@ -192,6 +193,41 @@ def _a(*types: type, required: bool = False, default: Any = None, rule: Any = No
 _TTL = _a(int, float, type(None), rule=LEASE_TTL)  # a lease TTL; None: the daemon's default
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def priority_problem(priority: Any, limits: Any = None) -> str | None:
+    """Why ``priority`` is no session priority (an integer, 0 to MAX_PRIORITY), or None."""
+    if priority is None or (_is_int(priority) and 0 <= priority <= MAX_PRIORITY):
+        return None
+    return f"priority must be an integer from 0 to {MAX_PRIORITY}, not {priority!r}"
+
+
+def retain_problem(retain: Any, limits: Any = None) -> str | None:
+    """Why ``retain`` is not a request's session (``{session, for?, priority?}``: a name of 1
+    to MAX_NAME characters, seconds more than 0, a priority), or None. The client checks
+    what it builds with it too (``kvbroker.blocks.retention``)."""
+    if retain is None:
+        return None
+    if extra := sorted(set(retain) - {"session", "for", "priority"}):
+        return f"retain: unknown fields {extra}; it takes session, for and priority"
+    name, for_ = retain.get("session"), retain.get("for")
+    if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME:
+        return f"retain: session must be a name of 1 to {MAX_NAME} characters"
+    if for_ is not None and (
+        isinstance(for_, bool) or not isinstance(for_, (int, float)) or not 0 < for_ < math.inf
+    ):
+        return "retain: for must be a number of seconds, more than 0"
+    problem = priority_problem(retain.get("priority"))
+    return None if problem is None else f"retain: {problem}"
+
+
+# The session a publish or a match names (kvbroker._server.retention): one rule for every op.
+_RETAIN = _a(dict, type(None), rule=Rule("{session, for?, priority?}", retain_problem))
+_PRIORITY = _a(int, type(None), rule=Rule("0 to MAX_PRIORITY", priority_problem))
+
+
 _TAKES, _NAMES = LeaseRole.TAKES, LeaseRole.NAMES
 
 # The one table: every operation, its arguments (name -> accepted types, default), its reply
@@ -218,10 +254,13 @@ OPS: dict[str, Op] = {
             "replace": _a(bool, default=False),
             "ttl": _TTL,
             "consumers": _a(int, default=1),
+            "retain": _RETAIN,
         },
         R.Reserved,
         "Write lease on fresh extents for a new object; nothing is visible until seal. "
-        "`consumers`: how many releases of consume-claims free the object (default 1).",
+        "`consumers`: how many releases of consume-claims free the object (default 1). "
+        "`retain`: {session, for?, priority?}: that session, renewed, retains the object once "
+        "sealed (or the one already published, when this answers exists).",
         lease=_TAKES, draining=REFUSE,
     ),
     "seal": Op(
@@ -258,12 +297,13 @@ OPS: dict[str, Op] = {
             "consumers": _a(int, default=1),
             "checksums": _a(dict, type(None)),
             "next_arena": _a(int, default=0),
+            "retain": _RETAIN,
         },
         R.Published,
         "Seal the arena's first pages as a new object, buffers laid out as `reserve` lays "
         "them out; the rest stays the arena. `next_arena` bytes: the arena to hold next "
         "(the rest, while it is at least half that size, else a fresh one of that size; 0 "
-        "frees the rest). Exists leaves the arena untouched.",
+        "frees the rest). Exists leaves the arena untouched. `retain`: as in reserve.",
         lease=_NAMES | _TAKES, draining=Drain(args=(("next_arena", 0),), publishes=True),
     ),
     "claim": Op(
@@ -349,7 +389,7 @@ OPS: dict[str, Op] = {
             "ttl": _TTL,
             "buffers": _a(dict, type(None)),
             "meta": _a(dict, type(None)),
-            "compact": _a(bool, default=False), "retain": _a(dict, type(None)),
+            "compact": _a(bool, default=False), "retain": _RETAIN,
         },
         R.BlocksReserved,
         "Write leases for many prefix blocks in one round trip. Each block is "
@@ -375,7 +415,7 @@ OPS: dict[str, Op] = {
             "keys": _a(list, required=True),
             "block_tokens": _a(int, default=0),
             "ttl": _TTL, "peer": _a(*_OPT_STR),
-            "hold": _a(bool, default=True), "retain": _a(dict, type(None)),
+            "hold": _a(bool, default=True), "retain": _RETAIN,
         },
         R.PrefixMatch,
         "Longest run of leading `keys` that are published, all under one read lease. When "
@@ -462,7 +502,7 @@ OPS: dict[str, Op] = {
     "sessions": Op({"namespace": _a(*_OPT_STR), "limit": _a(int, type(None))}, R.Sessions,
                    "Sessions the caller may see (kvbroker._server.retention), largest first."),
     "retain": Op({"name": _a(str, required=True), "seconds": _a(*_NUMBER, required=True),
-                  "namespace": _a(*_OPT_STR), "priority": _a(int, type(None))}, SessionInfo,
+                  "namespace": _a(*_OPT_STR), "priority": _PRIORITY}, SessionInfo,
                  "Keep session `name` retained `seconds` from now; set its priority."),
     "unretain": Op({"name": _a(str, required=True), "namespace": _a(*_OPT_STR)}, SessionInfo,
                    "End session `name`: its blocks fall back to the plain LRU."),
