@@ -224,6 +224,23 @@ def test_peer_tls_check_handshakes_with_itself(tmp_path):
     assert c.status == "fail" and "certificate verify failed" in c.detail, c
 
 
+def test_disk_tier_settings_without_directories_are_said(make_daemon):
+    """[tier.disk] size (or another of its keys) set but no directories: the operator asked
+    for a disk tier and gets none. doctor warns, naming the keys, and so does the daemon's
+    log at start; unset, nothing is said."""
+    from kvbroker._server import doctor
+
+    cfg = DaemonConfig(tier_disk_size=512 << 30, tier_disk_policy="sealed")
+    c = doctor.check_disk_tier(cfg)
+    assert c.status == "warn" and c.fix, c
+    assert c.detail.startswith("[tier.disk] size, [tier.disk] policy set, but no [tier.disk] ")
+    assert doctor.check_disk_tier(DaemonConfig()).status == "skip"
+    d = make_daemon("--pool-size", "4M", env={"KVBROKER_TIER_DISK_SIZE": "1G"})
+    with d.client() as client:
+        assert client.stat().disk is None
+    assert "[tier.disk] size set, but no [tier.disk] directories: no disk tier" in d.log()
+
+
 def test_disk_tier_check_names_the_file_system_and_o_direct(tmp_path, monkeypatch):
     from kvbroker._server import disk_store, doctor
 

@@ -346,6 +346,23 @@ DaemonConfig.retention_settings = _retention_settings
 _retention_settings.__qualname__ = "DaemonConfig.retention_settings"
 
 
+def _disk_settings_unused(self: DaemonConfig) -> list[str]:
+    """The [tier.disk] settings given other values than their defaults while no directories
+    are: a disk tier asked for that does not run (the daemon says so at start)."""
+    if self.tier_disk_directories:
+        return []
+    default = DaemonConfig()
+    return [
+        k.where
+        for k in SETTINGS
+        if k.section == "tier.disk" and getattr(self, k.attr) != getattr(default, k.attr)
+    ]
+
+
+DaemonConfig.disk_settings_unused = _disk_settings_unused
+_disk_settings_unused.__qualname__ = "DaemonConfig.disk_settings_unused"
+
+
 def _did_you_mean(name: str, known, prefix: str = "") -> str:
     """ " (did you mean 'pool_size'?)", comparing names without their common ``prefix``."""
     import difflib

@@ -22,6 +22,11 @@ class OptionalParts:
         """The disk tier ([tier.disk], kvbroker._server.disk_tier), when configured: its
         index read back, the pools' objects it holds a copy of (a warm restart) known."""
         if not self.config.tier_disk_directories:
+            unused = self.config.disk_settings_unused()
+            if unused:  # asked for a tier, silently getting none would mislead
+                log.warning(
+                    "%s set, but no [tier.disk] directories: no disk tier", ", ".join(unused)
+                )
             return
         from . import disk_link
 

@@ -449,6 +449,14 @@ def check_disk_tier(cfg: DaemonConfig) -> Check:
 
     dirs = cfg.tier_disk_directories
     if not dirs:
+        unused = cfg.disk_settings_unused()
+        if unused:  # a tier asked for that will not run
+            return Check(
+                "disk_tier",
+                "warn",
+                f"{', '.join(unused)} set, but no [tier.disk] directories: no disk tier",
+                "set [tier.disk] directories (one per device), or drop those settings",
+            )
         return Check("disk_tier", "skip", "no [tier.disk] directories (no disk tier)")
     share = cfg.tier_disk_size // len(dirs)
     said, warn, fail, fixes = [], False, False, []
