@@ -79,7 +79,11 @@ class WriteBackPass:
         self._kicked = False
         while self._to_write and self.inflight < self.writeback_inflight:
             obj = self._to_write.popleft()
-            if obj.linked and self.link.directory.is_evictable(obj) and self.copy_of(obj) is None:
+            # Any linked object, not only those in the LRU: a chain's parents (out of it
+            # while they have children) and sessions' retained blocks must survive a reboot
+            # too. Holding one as a reader is safe whatever it is (a lease's, a parent, a
+            # retained block): releasing it puts back only what belongs in the LRU.
+            if obj.linked and self.copy_of(obj) is None:
                 self._write_held(obj, oldest=False)
         above: dict[int, int] = {}
         for obj in self.link.evictable():
