@@ -176,7 +176,11 @@ def tui(
 def fetch(
     key: str = typer.Argument(..., help="Key of the object to pull."),
     peer: str = typer.Option(
-        ..., "--peer", "-p", help="HOST:PORT of the broker holding it (its [transfer] listen)."
+        ...,
+        "--peer",
+        "-p",
+        metavar="HOST:PORT",
+        help="HOST:PORT of the broker holding it (its [transfer] listen).",
     ),
     namespace: str | None = namespace_opt("Namespace of the object (default: default)."),
     socket: str | None = SocketOpt,

@@ -127,10 +127,12 @@ def _execute(
 def transfer(
     socket: str | None = SocketOpt,
     sizes: str = typer.Option(
-        "4K,16K,64K,256K,1M,4M,16M,32M,64M,256M", help="Object sizes, comma-separated."
+        "4K,16K,64K,256K,1M,4M,16M,32M,64M,256M",
+        metavar="SIZE,SIZE,...",
+        help="Object sizes, comma-separated.",
     ),
-    budget: str = typer.Option("2G", help="About this many bytes moved per size."),
-    pool_size: str = typer.Option("1G", help="Pool of the private daemon."),
+    budget: str = typer.Option("2G", metavar="SIZE", help="About this many bytes moved per size."),
+    pool_size: str = typer.Option("1G", metavar="SIZE", help="Pool of the private daemon."),
     json_out: str | None = JsonOutOpt,
     plot: str | None = PlotOpt,
 ) -> None:
@@ -144,7 +146,9 @@ def transfer(
 @bench_app.command()
 def rpc(
     socket: str | None = SocketOpt,
-    clients: str = typer.Option("1,4,16", help="Concurrent client processes, per run."),
+    clients: str = typer.Option(
+        "1,4,16", metavar="N,N,...", help="Concurrent client processes, per run."
+    ),
     seconds: float = typer.Option(2.0, min=0.05, help="Measuring window per run."),
     json_out: str | None = JsonOutOpt,
     plot: str | None = PlotOpt,
@@ -159,7 +163,9 @@ def rpc(
 @bench_app.command()
 def scale(
     socket: str | None = SocketOpt,
-    counts: str = typer.Option("1e3,1e4,1e5,1e6", help="Directory sizes, filled in turn."),
+    counts: str = typer.Option(
+        "1e3,1e4,1e5,1e6", metavar="N,N,...", help="Directory sizes, filled in turn."
+    ),
     ops: int = typer.Option(2000, min=10, help="Operations timed at each size."),
     json_out: str | None = JsonOutOpt,
     plot: str | None = PlotOpt,
@@ -182,7 +188,9 @@ def scale(
 @bench_app.command()
 def prefix(
     socket: str | None = SocketOpt,
-    lengths: str = typer.Option("64,256,1024,4096,8192", help="Prefix lengths in tokens."),
+    lengths: str = typer.Option(
+        "64,256,1024,4096,8192", metavar="N,N,...", help="Prefix lengths in tokens."
+    ),
     reps: int = typer.Option(200, min=1, help="Matches timed per length."),
     prompts: int = typer.Option(200, min=2, help="Requests of the hit-rate workload."),
     json_out: str | None = JsonOutOpt,
@@ -251,9 +259,11 @@ def peer(
     ),
     kvcr_script: str | None = _peer_driver_opt("KVCR", "--kvcr-python", "kvcr_peer.py"),
     socket: str | None = SocketOpt,
-    sizes: str = typer.Option("256K,4M,32M", help="Object sizes (the peer's defaults)."),
+    sizes: str = typer.Option(
+        "256K,4M,32M", metavar="SIZE,SIZE,...", help="Object sizes (the peer's defaults)."
+    ),
     modes: str = typer.Option(
-        "dummy,embedded", help="Mooncake modes to run (with --mooncake-python)."
+        "dummy,embedded", metavar="MODE,...", help="Mooncake modes to run (with --mooncake-python)."
     ),
     ops: int = typer.Option(50, min=3, help="Timed operations per size, both sides."),
     rounds: int = typer.Option(1, min=1, help="Peer-then-kvbroker rounds (ranges reported)."),

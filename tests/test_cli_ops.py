@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import typer
 from typer.testing import CliRunner
 
 from kvbroker.cli import app
@@ -88,6 +89,20 @@ def test_a_group_without_a_command_prints_its_help_whole(group):
     commands = lines[lines.index("Commands:") + 1 :]
     named = {line.split()[0] for line in commands if line.strip()}
     assert ({"serve", "stat", "ls", "evict", "tui"} if not group else {"transfer", "peer"}) <= named
+
+
+def test_every_option_of_every_command_names_what_it_takes():
+    """No --help shows an option with Click's bare type for its value (`--sizes <str>`): each
+    says what to give (SIZE, N,N,..., HOST:PORT...)."""
+    group = typer.main.get_command(app)
+    commands = [[name] for name in group.commands]
+    commands += [["bench", name] for name in group.commands["bench"].commands]
+    for words in commands:
+        r = run(*words, "--help")
+        assert r.exit_code == 0, (words, r.output)
+        bare = re.search(r"^ +(-\w, )?--[\w-]+ <(str|int|float|path)>", r.output, re.M)
+        assert not bare, (words, bare.group(0))
+    assert len(commands) > 15
 
 
 def test_conflicting_selectors_are_refused(loaded):
