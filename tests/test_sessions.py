@@ -192,7 +192,7 @@ def test_a_tenant_over_its_quota_sheds_without_walking_the_others_retention(make
     more = chain(b, bob, "c", 2, retain={"session": "b"})  # past his quota by two blocks
     assert Counting.looked == 0
     kept = b.retention.sessions[("default", "b")].objects.values()
-    assert sorted(o.key for o in kept) == sorted(mine[2:] + more)  # his oldest went
+    assert sorted(o.key for o in kept) == sorted(mine[:1] + more)  # his oldest, leaf first
     assert b.retention.tenant_bytes == {60031: 3 * PAGE, 60032: 3 * PAGE}
 
 
@@ -588,3 +588,43 @@ def test_a_reload_shortening_max_retain_is_kept_by_a_restart(make_broker, tmp_pa
     b2 = restarted(b, path, now=t0 + 50, retention=RetentionSettings(max_retain=60))
     assert b2.retention.sessions[("default", "conv")].expires_at == pytest.approx(t0 + 60)
     assert b2.retention.expire(t0 + 61) == 1
+
+
+def test_a_chain_loses_retention_from_its_leaf_so_the_pool_share_holds_in_fact(make_broker):
+    # A block with a retained child cannot be evicted before it: had the roots of a chain
+    # lost their retention first, its retained leaves would keep them all, and the pool
+    # would hold far more than its share for the sessions.
+    b = make_broker(npages=64, retention=RetentionSettings(pool_share=0.25))  # 16 pages
+    s = connect(b)
+    first = chain(b, s, "a", 12, retain={"session": "a"})
+    second = chain(b, s, "b", 12, retain={"session": "b"})
+    assert retained_keys(b, "a") == sorted(first[:4])
+    burst(b, s, 200)
+    assert held(b, first) == first[:4] and held(b, second) == second
+
+
+def test_a_tenant_over_its_quota_sheds_a_chain_from_its_leaf(make_broker):
+    b = make_broker(npages=64, retention=RetentionSettings(tenant_quota=8 * PAGE))
+    alice, bob = connect(b, uid=1001), connect(b, uid=1002)
+    old = chain(b, alice, "old", 6, retain={"session": "old", "priority": 1})
+    new = chain(b, alice, "new", 6, retain={"session": "new", "priority": 1})
+    assert retained_keys(b, "old") == sorted(old[:2])
+    burst(b, bob, 200)
+    assert held(b, old) == old[:2] and held(b, new) == new
+
+
+def test_a_later_turn_extending_its_chain_loses_its_own_blocks_first(make_broker):
+    # Turn 2 finds turn 1's blocks (retained again, most recent) and publishes the blocks
+    # that extend them. A lowered share then takes turn 2's leaf end, never the blocks its
+    # retained children would keep anyway.
+    b = make_broker(npages=64)
+    s = connect(b)
+    turn1 = chain(b, s, "t", 4, retain={"session": "conv"})
+    b.handle(s, "match_prefix", {"keys": turn1, "hold": False, "retain": {"session": "conv"}})
+    blocks = [{"key": f"t{i}", "parent": f"t{i - 1}", "buffers": {"x": PAGE}} for i in range(4, 8)]
+    r = b.handle(s, "reserve_blocks", {"blocks": blocks, "retain": {"session": "conv"}})
+    b.handle(s, "seal_many", {"leases": [x["lease"] for x in r["results"]]})
+    b.retention.configure(RetentionSettings(pool_share=6 / 64))  # 6 pages
+    assert retained_keys(b, "conv") == [f"t{i}" for i in range(6)]
+    burst(b, s, 200)
+    assert held(b, [f"t{i}" for i in range(8)]) == [f"t{i}" for i in range(6)]

@@ -148,12 +148,14 @@ class Directory:
         obj.last_access = time.time()
         obj.seq = next(self._link_seq)
         self._index(obj)
-        self.retention.adopt(obj)  # retained by the session it was reserved for, or the LRU's
         if obj.parent_key is not None:
             # An absent parent (evicted while we wrote) leaves nothing to keep whole.
             parent = self.objects.get((obj.namespace, obj.parent_key))
             if parent is not None and parent is not obj:
                 self._adopt_child(parent, obj)
+        # Retained by the session it was reserved for, or the LRU's (under its parent
+        # already: a chain loses retention from its leaf).
+        self.retention.adopt(obj)
 
     def adopt(self, obj: StoredObject, parent: StoredObject | None) -> None:
         """Owns: a restored sealed object (its link order continues from the last), under

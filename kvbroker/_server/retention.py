@@ -21,6 +21,8 @@ Retention is bounded, and what gives way is retention, never a request or its by
 - *pool share* (``[sessions] pool_share``): the part of each pool retained blocks may hold,
   all tenants together; past it, the pool's lowest priority, least recently used retained
   blocks lose their retention (whoever retains them), so plain traffic always keeps the rest.
+  Either bound sheds a chain from its leaf (``children``): a block is kept by its retained
+  children whatever its own retention says.
 - *time* (``[sessions] max_retain``), and ``[sessions] max_per_uid`` sessions per uid
   (:class:`~kvbroker.errors.LimitExceeded` past it: a name costs the daemon memory).
 
@@ -140,6 +142,9 @@ class Retention:
         self.evicted: Counter[str] = Counter()  # why retained objects were evicted
         self.dropped: Counter[str] = Counter()  # why objects lost their retention
         self._journal_file: Any = None  # kvbroker._server.journal.Journal, when kept
+        # serial -> how many of its children (``obj.parent``) sessions retain: a block with
+        # one is kept by it, so it loses retention only after them (a chain from its leaf)
+        self.children: Counter[int] = Counter()
 
     # ------------------------------------------------------------------ requests
     @staticmethod
@@ -245,6 +250,7 @@ class Retention:
         self.pending.pop(obj.serial, None)
         for entry in self.holders.get(obj.serial, ())[:]:
             self._remove(entry, obj, back_to_lru=False)
+        self.children.pop(obj.serial, None)
 
     # ------------------------------------------------------------------ operators
     def find(
@@ -347,14 +353,17 @@ class Retention:
             for serial, obj in e.objects.items()
         }
         order = sorted(own.values(), key=lambda o: (self._priority(o), self.placed[o.serial]))
-        for obj in order:
-            if self.tenant_bytes[uid] <= quota:
-                return
+
+        def drop(obj: StoredObject) -> None:
             for entry in self.holders.get(obj.serial, ())[:]:
                 if entry.uid == uid:
                     self._remove(entry, obj, back_to_lru=True)
                     lost.setdefault(entry, []).append(obj.serial)
             self.dropped["tenant_quota"] += 1
+
+        deferred: dict[int, StoredObject] = {}
+        self._shed_leaves_first(order, lambda: self.tenant_bytes[uid] <= quota, drop, deferred)
+        self._shed_rest(deferred, lambda: self.tenant_bytes[uid] <= quota, drop, uid)
 
     def _priority(self, obj: StoredObject) -> int:
         """The tier ``obj`` is in: the highest priority of the sessions retaining it."""
@@ -370,6 +379,13 @@ class Retention:
     ) -> None:
         # In batches from the front of the order: a request past a bound sheds a few blocks,
         # and must not cost a walk of everything retained (the tiers change as it sheds).
+        def drop(obj: StoredObject) -> None:
+            for entry in self.holders.get(obj.serial, ())[:]:
+                self._remove(entry, obj, back_to_lru=True)
+                lost.setdefault(entry, []).append(obj.serial)
+            self.dropped[why] += 1
+
+        deferred: dict[int, StoredObject] = {}
         while not done():
             batch = list(
                 islice(
@@ -377,20 +393,62 @@ class Retention:
                         o
                         for prio in sorted(self.tiers)
                         for o in self.tiers[prio].values()
-                        if chosen(o)
+                        if o.serial not in deferred and chosen(o)
                     ),
                     64,
                 )
             )
             if not batch:
+                break
+            self._shed_leaves_first(batch, done, drop, deferred)
+        self._shed_rest(deferred, done, drop)
+
+    def _shed_leaves_first(
+        self,
+        order: Iterable[StoredObject],
+        done: Callable[[], bool],
+        drop: Callable[[StoredObject], None],
+        deferred: dict[int, StoredObject],
+    ) -> None:
+        """Drop retention in ``order``, a chain from its leaf: a block whose child is still
+        retained is deferred (its child keeps it unevictable, so dropping its retention
+        first would free nothing and let a bound be passed in fact), and dropped as soon as
+        its last retained child was."""
+        for obj in order:
+            if done():
                 return
-            for obj in batch:
-                if done():
-                    return
-                for entry in self.holders.get(obj.serial, ())[:]:
-                    self._remove(entry, obj, back_to_lru=True)
-                    lost.setdefault(entry, []).append(obj.serial)
-                self.dropped[why] += 1
+            if obj.serial in deferred or not self.keeps(obj):
+                continue  # dropped already, up a chain
+            if self.children[obj.serial]:
+                deferred[obj.serial] = obj
+                continue
+            drop(obj)
+            up = obj.parent
+            while (
+                up is not None
+                and up.serial in deferred
+                and not self.children[up.serial]
+                and not done()
+            ):
+                del deferred[up.serial]
+                drop(up)
+                up = up.parent
+
+    def _shed_rest(
+        self,
+        deferred: dict[int, StoredObject],
+        done: Callable[[], bool],
+        drop: Callable[[StoredObject], None],
+        uid: int | None = None,
+    ) -> None:
+        """Past what leaves could give (blocks kept by children beyond the bound's reach:
+        another pool's, another tenant's), the bound still holds: the deferred go too."""
+        for obj in deferred.values():
+            if done():
+                return
+            holders = self.holders.get(obj.serial, ())
+            if any(uid is None or e.uid == uid for e in holders):
+                drop(obj)
 
     # ------------------------------------------------------------------ the tables
     def _add(self, entry: Retained, obj: StoredObject) -> None:
@@ -400,6 +458,8 @@ class Retention:
             holders = self.holders[obj.serial] = []
             self.pool_bytes[obj.pool.index] += size
             self._lru.pop(obj.serial, None)  # retained: out of the plain order
+            if obj.parent is not None:
+                self.children[obj.parent.serial] += 1
         if all(e.uid != entry.uid for e in holders):
             self.tenant_bytes[entry.uid] += size
         holders.append(entry)
@@ -422,6 +482,8 @@ class Retention:
             return
         del self.holders[obj.serial]
         self.placed.pop(obj.serial, None)
+        if obj.parent is not None:
+            self._uncount(self.children, obj.parent.serial, 1)
         self._uncount(self.pool_bytes, obj.pool.index, size)
         for tier in self.tiers.values():
             tier.pop(obj.serial, None)
