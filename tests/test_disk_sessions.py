@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 
 from kvbroker.prefix import PrefixCache
+from test_sessions import burst, chain, connect, held, make_broker  # noqa: F401 (a fixture)
 from test_disk_daemon import daemons, tier_env, wait_for  # noqa: F401 (a fixture)
 
 BS = 16
@@ -72,3 +73,46 @@ def test_policy_sealed_writes_every_block_a_chains_parents_and_a_sessions_too(
         wait_for(lambda: {o.key for o in c.list(namespace="chat", tier="disk")} == keys)
         assert {o.tier for o in c.list(namespace="chat")} == {"dram+disk"}
         assert c.stat().retention.retained_objects == 4  # still retained, still in a pool
+
+
+class _WritingBack:
+    """The disk tier as the pools see it: what it holds as readers while their copies are
+    written (DiskTier.writing_back), and what it is asked to demote."""
+
+    def __init__(self) -> None:
+        self.writing_back: set = set()
+        self.demoted: list[str] = []
+
+    def demote(self, obj) -> bool:
+        self.demoted.append(obj.key)
+        return True
+
+    def has(self, ident) -> bool:  # nothing is on disk only here
+        return False
+
+
+def test_the_watermark_waits_for_written_back_objects_rather_than_take_a_retained_one(
+    make_broker,  # noqa: F811
+):
+    """Write-back holds the pools' least recently used objects as readers while their copies
+    are written (out of the LRU). A seal above the high watermark then found the LRU empty
+    and demoted a session's block, with every unretained object coming back to the LRU a
+    moment later (and a demotion refused when the writes in flight use the budget drops it
+    outright)."""
+    b = make_broker(npages=64)  # high watermark 0.95: 61 pages; low 0.90: 58
+    tier = b.pages.tier = _WritingBack()
+    s = connect(b)
+    kept = chain(b, s, "conv", 8, retain={"session": "conv-1", "for": 600})
+    burst(b, s, 50)  # 58 pages: below the high watermark
+    for obj in [o for o in b.objects.values() if o.key.startswith("burst")]:
+        b.directory.pin(obj)  # as DiskLink.hold does for a write-back
+        tier.writing_back.add(obj)
+    burst(b, s, 3, prefix="late")  # 61 pages: the 3 in the LRU go, the pool stays at 58
+    assert tier.demoted == ["late0", "late1", "late2"]
+    assert held(b, kept) == kept
+    for obj in list(tier.writing_back):  # the writes end: back in the LRU, oldest first
+        tier.writing_back.discard(obj)
+        b.directory.unpin_oldest(obj)
+    burst(b, s, 4, prefix="next")  # they go first, never the session's blocks
+    assert held(b, kept) == kept and not set(kept) & set(tier.demoted)
+    assert all(k.startswith(("late", "burst")) for k in tier.demoted)

@@ -42,6 +42,9 @@ class WriteBackPass:
         self._release: Callable[[Any, bool], None] = lambda obj, oldest: None
         self._kicked = False
         self._to_write: deque[Any] = deque()  # policy sealed: sealed, not written yet
+        # Pool objects held as readers while their copies are written (out of the LRU until
+        # then): the pools' watermark waits for them rather than take a retained object.
+        self.writing_back: set[Any] = set()
         self._pass_queue: list[Any] = []
 
     def bind(self, link: Any) -> None:
@@ -108,8 +111,14 @@ class WriteBackPass:
 
     def _write_held(self, obj: Any, oldest: bool) -> None:
         self._hold(obj)
-        if not self.write_back(obj, lambda: self._release(obj, oldest)):
+        self.writing_back.add(obj)
+
+        def done() -> None:
+            self.writing_back.discard(obj)
             self._release(obj, oldest)
+
+        if not self.write_back(obj, done):
+            done()
 
 
 class QuotaShares:

@@ -200,12 +200,26 @@ class Pages:
         while a.used > target:
             obj = next(self._directory.evictable(pool), None)
             if obj is None:  # the LRU has nothing left here: sessions' retained objects
+                if self._back_to_lru_soon(pool):
+                    break  # ... after those out of it only while their disk copy is written
                 obj = next(self._directory.retained(pool), None)
                 if obj is not None:
                     self._directory.evicting(obj, "watermark")
             if obj is None:
                 break
             self.give_way(obj)
+
+    def _back_to_lru_soon(self, pool: HostPool) -> bool:
+        """Whether unretained objects of ``pool`` are out of the LRU only while the disk tier
+        writes their copies: they come back to it when the write ends (and go to disk
+        before any retained object, with no write left to make). A watermark is a target,
+        not a need: it waits for them rather than take a retained object now."""
+        held = () if self.tier is None else self.tier.writing_back
+        keeps = self._directory.retention.keeps
+        return any(
+            o.pool is pool and o.linked and o.readers == 1 and not o.children and not keeps(o)
+            for o in held
+        )
 
     def give_way(self, obj: StoredObject) -> None:
         """Evict ``obj`` to make room (for an extent, under a watermark or a quota): kept on
