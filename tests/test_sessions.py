@@ -628,3 +628,23 @@ def test_a_later_turn_extending_its_chain_loses_its_own_blocks_first(make_broker
     assert retained_keys(b, "conv") == [f"t{i}" for i in range(6)]
     burst(b, s, 200)
     assert held(b, [f"t{i}" for i in range(8)]) == [f"t{i}" for i in range(6)]
+
+
+def test_a_tenant_sees_its_own_largest_sessions_however_many_others_have(make_broker):
+    # stat and the TUI show the largest sessions the caller may see: not the daemon's 64
+    # largest with other tenants' left out (then nothing, for a tenant whose sessions are
+    # smaller than 64 of another's).
+    b = make_broker(
+        npages=256,
+        policy=parse_isolation({"mode": "tenant"}),
+        retention=RetentionSettings(pool_share=1.0),
+    )
+    from kvbroker._server.policy import user_name
+
+    alice, bob = connect(b, uid=60061), connect(b, uid=60062)
+    for i in range(70):
+        chain(b, alice, f"a{i}-", 2, ns=user_name(60061), retain={"session": f"big{i}"})
+    chain(b, bob, "b", 1, ns=user_name(60062), retain={"session": "small"})
+    assert [x.name for x in b.statistics_for(bob).retention.largest] == ["small"]
+    seen = b.statistics_for(alice).retention.largest
+    assert len(seen) == 64 and {x.namespace for x in seen} == {user_name(60061)}

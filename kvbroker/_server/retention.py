@@ -1,7 +1,7 @@
 """Sessions: the KV that agents and multi-turn chats come back to, kept past plain LRU.
 
-A *session* is a name a request gives (``retain: {session, for, priority}`` on
-``reserve_blocks`` and ``match_prefix``), scoped by its namespace like every other name:
+A *session* is a name a request gives (``retain: {session, for, priority}`` on ``reserve``,
+``publish``, ``reserve_blocks`` and ``match_prefix``), scoped by its namespace like every other name:
 ``(namespace, name)``, visible only to clients that may read that namespace. The blocks a
 session publishes or matches are *retained* while the session lasts: eviction takes them only
 after every unretained object, and among retained objects the lowest priority first (an
@@ -13,11 +13,8 @@ Retention is bounded, and what gives way is retention, never a request or its by
 
 - *tenant quota* (``[sessions] tenant_quota``): the bytes one uid's sessions retain together.
   Past it the tenant's own lowest priority, least recently used retained blocks lose their
-  retention (they stay cached, as the oldest end of the plain LRU) until it fits again; a
-  block of lower priority than everything the tenant retains is simply not retained. Why
-  not refuse: a publish carries KV an engine already computed; refusing it would lose that
-  work to protect a bound that only concerns protection. Why its own: another tenant's
-  retention is no business of this one's requests.
+  retention (they stay cached, as the oldest end of the plain LRU) until it fits again
+  (docs/sessions.md says why it yields rather than refuses, and why its own).
 - *pool share* (``[sessions] pool_share``): the part of each pool retained blocks may hold,
   all tenants together; past it, the pool's lowest priority, least recently used retained
   blocks lose their retention (whoever retains them), so plain traffic always keeps the rest.
@@ -34,13 +31,13 @@ under pressure, by an operator, replaced) leaves every session that retained it;
 Owned by the broker (:class:`~kvbroker._server.broker.Broker` composes it and calls its hooks
 where objects enter or leave the eviction order); its state is its own: sessions, which
 session retains which object, retained bytes per pool and per tenant, and the order retained
-objects are evicted in. What it journals lets a restart keep it (``records``): a session
-named, renewed or shortened (a reload's ``max_retain``), the objects it retains, those a
-bound took from it, its end; a restarted daemon enforces the bounds again. No I/O.
+objects are evicted in. What it journals (:mod:`~kvbroker._server.retention_records`) lets
+a restart keep it, the bounds enforced again. No I/O.
 """
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 import time
@@ -106,6 +103,10 @@ class Retained:
             expires_in=max(0.0, self.expires_at - now),
             created_at=self.created_at,
         )
+
+
+def _size_then_use(entry: Retained) -> tuple[int, float]:
+    return entry.nbytes, entry.last_use
 
 
 def _footprint(obj: StoredObject) -> int:
@@ -353,14 +354,7 @@ class Retention:
             for serial, obj in e.objects.items()
         }
         order = sorted(own.values(), key=lambda o: (self._priority(o), self.placed[o.serial]))
-
-        def drop(obj: StoredObject) -> None:
-            for entry in self.holders.get(obj.serial, ())[:]:
-                if entry.uid == uid:
-                    self._remove(entry, obj, back_to_lru=True)
-                    lost.setdefault(entry, []).append(obj.serial)
-            self.dropped["tenant_quota"] += 1
-
+        drop = functools.partial(self._drop, why="tenant_quota", lost=lost, uid=uid)
         deferred: dict[int, StoredObject] = {}
         self._shed_leaves_first(order, lambda: self.tenant_bytes[uid] <= quota, drop, deferred)
         self._shed_rest(deferred, lambda: self.tenant_bytes[uid] <= quota, drop, uid)
@@ -379,12 +373,7 @@ class Retention:
     ) -> None:
         # In batches from the front of the order: a request past a bound sheds a few blocks,
         # and must not cost a walk of everything retained (the tiers change as it sheds).
-        def drop(obj: StoredObject) -> None:
-            for entry in self.holders.get(obj.serial, ())[:]:
-                self._remove(entry, obj, back_to_lru=True)
-                lost.setdefault(entry, []).append(obj.serial)
-            self.dropped[why] += 1
-
+        drop = functools.partial(self._drop, why=why, lost=lost)
         deferred: dict[int, StoredObject] = {}
         while not done():
             batch = list(
@@ -402,6 +391,16 @@ class Retention:
                 break
             self._shed_leaves_first(batch, done, drop, deferred)
         self._shed_rest(deferred, done, drop)
+
+    def _drop(
+        self, obj: StoredObject, why: str, lost: dict[Retained, list[int]], uid: int | None = None
+    ) -> None:
+        """``obj`` loses the retention of every session (of ``uid``'s, when given)."""
+        for entry in self.holders.get(obj.serial, ())[:]:
+            if uid is None or entry.uid == uid:
+                self._remove(entry, obj, back_to_lru=True)
+                lost.setdefault(entry, []).append(obj.serial)
+        self.dropped[why] += 1
 
     def _shed_leaves_first(
         self,
@@ -563,11 +562,17 @@ class Retention:
         return n
 
     # ------------------------------------------------------------------ statistics
+    def largest(
+        self, top: int = 64, visible: Callable[[str], bool] | None = None
+    ) -> tuple[SessionInfo, ...]:
+        """The ``top`` largest sessions (of the namespaces ``visible`` admits, when given)."""
+        now, see = self.clock(), visible or (lambda ns: True)
+        rows = (e for e in self.sessions.values() if see(e.namespace))
+        return tuple(e.info(now) for e in heapq.nlargest(top, rows, key=_size_then_use))
+
     def statistics(self, top: int = 64) -> RetentionStatistics:
         """Frozen: the largest sessions, bytes retained per pool against its cap, why
         retention was dropped and why retained objects were evicted."""
-        now = self.clock()
-        largest = heapq.nlargest(top, self.sessions.values(), key=lambda e: (e.nbytes, e.last_use))
         share = self.settings.pool_share
         return RetentionStatistics(
             sessions=len(self.sessions),
@@ -575,7 +580,7 @@ class Retention:
             retained_bytes=tuple(self.pool_bytes.get(i, 0) for i in range(len(self.capacities))),
             retained_cap=tuple(int(share * c) for c in self.capacities),
             tenant_quota=self.settings.tenant_quota,
-            largest=tuple(e.info(now) for e in largest),
+            largest=self.largest(top),
             evicted=dict(self.evicted),
             dropped=dict(self.dropped),
         )

@@ -27,6 +27,7 @@ from .._wire.stats import (
     PoolStatistics,
     RetentionStatistics,
     RingStatistics,
+    SessionInfo,
     Statistics,
     TransferRecord,
     TransferStatistics,
@@ -94,12 +95,16 @@ def as_seen_by(
     directory: DirectoryStatistics,
     named: Callable[[int], bool],
     last_failure: Callable[[Callable[[str], bool]], str] | None,
+    largest_sessions: Callable[[Callable[[str], bool]], tuple[SessionInfo, ...]],
 ) -> Statistics:
     """The statistics as this connection may see them: under a tenant policy, the names of
     namespaces it cannot read (their objects, leases, transfers, usage) and other users'
     connections are left out, and so is the segment name of another tenant's pool
     (``named``: whether it may know pool i's, as in hello); pool-wide figures and counters
-    stay. ``last_failure``: the fleet's latest failed pull a namespace filter admits."""
+    stay. ``last_failure``: the fleet's latest failed pull a namespace filter admits;
+    ``largest_sessions``: the largest sessions of the namespaces a filter admits (not the
+    daemon's largest with the others' left out: a tenant would see none of its own behind
+    another's many bigger ones)."""
     access = session.access
     if access.admin:
         return snap
@@ -110,8 +115,7 @@ def as_seen_by(
         transfer = dataclasses.replace(transfer, last_failure=last_failure(can))
     retention = snap.retention
     if retention is not None:  # another tenant's sessions are invisible, like its names
-        largest = tuple(x for x in retention.largest if can(x.namespace))
-        retention = dataclasses.replace(retention, largest=largest)
+        retention = dataclasses.replace(retention, largest=largest_sessions(can))
     return dataclasses.replace(
         snap,
         retention=retention,

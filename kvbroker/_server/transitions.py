@@ -180,6 +180,7 @@ class Transitions:
             self.directory.statistics(),
             lambda i: self.pages.named_to(self.pools[i], session),
             fleet.last_failure if fleet is not None else None,
+            lambda visible: self.retention.largest(visible=visible),
         )
 
     def snapshot(self, occupancy_cells: int = 64) -> dict[str, Any]:
