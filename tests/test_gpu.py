@@ -74,6 +74,20 @@ def test_publish_claim_round_trip_bit_exact(daemon):
 
 @CUDA
 @pytest.mark.gpu
+def test_a_cuda_publish_takes_a_session_as_client_put_does(daemon):
+    # GpuClient.publish(session=...) is retained by that session once sealed, and a publish
+    # that finds its key retains the object there (docs/sessions.md).
+    with gpu.GpuClient(daemon.client(), own_client=True) as g:
+        x = torch.arange(4096, device="cuda", dtype=torch.int32)
+        assert g.publish("s1", {"x": x}, session="conv", retain="10m", priority=4)
+        g.client.put("s2", {"x": b"abcd"})
+        assert not g.publish("s2", {"x": x}, session="conv")
+        (row,) = g.client.ops.sessions()["sessions"]
+        assert (row["name"], row["blocks"], row["priority"]) == ("conv", 2, 4)
+
+
+@CUDA
+@pytest.mark.gpu
 def test_registration_once_per_process_and_unregistered_at_close(daemon):
     c1, c2 = daemon.client(), daemon.client()
     names = {c1._mapping(p["index"]).name for p in c1.pools}
