@@ -322,3 +322,45 @@ def test_a_pool_truncated_under_the_disk_tier_does_not_kill_the_daemon(daemons, 
         assert st.disk.demoted == 1 and st.disk.errors >= 2 and st.disk.dropped_damaged == 0
         c.evict("b", tier="dram")  # and the daemon goes on answering
         assert c.ping() and d.proc.poll() is None
+
+
+def test_an_evict_that_reads_every_disk_buffer_name_does_not_stall_other_clients(daemons, tmp_path):
+    """match_buffers over the disk tier's objects of many buffers: seconds of regex searches
+    (a tenant may put that many names on disk, as in its pools), read in slices of the loop
+    as the pools' are (the pools' first, then the disk's), so another client's requests are
+    answered meanwhile."""
+    import threading
+
+    d = daemons(tier_env(tmp_path / "disk"), "--pool-size", "256M")
+    with d.client() as c:
+        names = {f"b{j:05d}" + "x" * 40: 0 for j in range(4096)}
+        for i in range(80):
+            c.reserve(f"k{i}", names, checksum=False).seal()
+        c.reserve("target", {"zzz-kv": 16}, checksum=False).seal()
+        assert c.evict(match="^(k[0-9]+|target)$", tier="dram").count == 81
+        assert c.stat().disk.only_on_disk == 81
+        for i in range(8):  # and names enough in the pool to read them in slices too
+            c.reserve(f"p{i}", names, checksum=False).seal()
+        waits: list[float] = []
+        done = threading.Event()
+
+        def honest():
+            with d.client() as h:
+                while not done.is_set():
+                    t = time.perf_counter()
+                    h.ping()
+                    waits.append(time.perf_counter() - t)
+                    time.sleep(0.01)
+
+        th = threading.Thread(target=honest)
+        th.start()
+        time.sleep(0.2)
+        t = time.perf_counter()
+        result = c.evict(match_buffers="zzz")  # the pools' names, then the disk's
+        took = time.perf_counter() - t
+        done.set()
+        th.join()
+        assert (result.count, result.on_disk) == (1, 1)
+        assert not c.exists("target") and c.exists("k0") and c.exists("p0")
+    assert took > 0.2, "the scan was too quick to show anything: make it bigger"
+    assert max(waits) < took / 3, f"a ping waited {max(waits):.2f} s of the {took:.2f} s evict"

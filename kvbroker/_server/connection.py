@@ -396,11 +396,18 @@ class Connection(asyncio.BufferedProtocol):
 
     async def _deferred(self, rid: int, op: str, d: Deferred) -> None:
         try:
-            try:
-                done = await asyncio.wait_for(d.work(), d.timeout)
-            except asyncio.TimeoutError:
-                raise Timeout(f"{op}: no answer from the peer within {d.timeout:g} s") from None
-            self._reply(rid, d.then(done))
+            while True:
+                try:
+                    done = await asyncio.wait_for(d.work(), d.timeout)
+                except asyncio.TimeoutError:
+                    raise Timeout(f"{op}: no answer from the peer within {d.timeout:g} s") from None
+                try:
+                    result = d.then(done)
+                except Deferred as more:  # its answer needs more work first (the pools' part
+                    d = more  # of an evict read in slices, then the disk's)
+                    continue
+                break
+            self._reply(rid, result)
         except KVBrokerError as exc:
             self._error(rid, exc.code, exc.message or str(exc))
         except asyncio.CancelledError:

@@ -6,7 +6,8 @@ would stall every other client on the loop. Past :data:`SLICE_NAMES` names in al
 candidates are therefore read in slices of that many names, the loop serving other requests
 in between (the request is answered as a deferred one, :class:`~.state.Deferred`), and the
 objects found are checked again before they go: one unlinked, claimed or held lazily by a
-prefix lease meanwhile is not evicted.
+prefix lease meanwhile is not evicted. The disk tier's entries are read the same way, after
+the pools' objects (:func:`disk_candidates`).
 """
 
 from __future__ import annotations
@@ -28,9 +29,12 @@ from .state import Deferred, Session, StoredObject
 __all__ = [
     "MAX_LISTED_BYTES",
     "MAX_REPORTED",
+    "SCAN_TIMEOUT",
     "SLICE_NAMES",
     "TIERS",
     "check_tier",
+    "disk_candidates",
+    "disk_filter",
     "info_size",
     "select",
     "victims",
@@ -41,7 +45,7 @@ MAX_REPORTED = 10_000  # objects an evict reply lists (it counts them all)
 # meta (up to 64 KiB), and a reply of 10,000 of them would pass a reader's write buffer.
 MAX_LISTED_BYTES = 4 << 20
 SLICE_NAMES = 20_000  # buffer names a match_buffers filter reads per turn of the loop
-_DEFERRED_TIMEOUT = 3600.0  # (the slices are bounded; this only bounds the deferral)
+SCAN_TIMEOUT = 3600.0  # (the slices are bounded; this only bounds the deferral)
 
 
 def select(
@@ -112,7 +116,7 @@ def select(
                 await asyncio.sleep(0)  # the other connections' turn
             return found
 
-        raise Deferred(scan, finish_later, _DEFERRED_TIMEOUT)
+        raise Deferred(scan, finish_later, SCAN_TIMEOUT)
     return finish(chosen(candidates))
 
 
@@ -174,23 +178,15 @@ def tiered(disk: Any, tier: str, chosen: list[StoredObject], reply: dict, dry_ru
             disk.demote(obj)
 
 
-def on_disk(
-    disk: Any,
-    directory: Directory,
+def disk_filter(
     session: Session,
     namespace: str | None,
     key: str | None,
     match: str | None,
     match_buffers: str | None,
     older_than: float | None,
-    tier: str,
-    reply: dict,
-    dry_run: bool,
-) -> None:
-    """Drop the disk copies (``disk``: kvbroker._server.disk_tier.DiskTier) the filter names
-    that ``session`` may evict: all of them (``tier`` disk), or those of objects no pool
-    holds now (all). Counted in ``reply``: in ``on_disk`` all, as objects those no pool
-    holds."""
+) -> Callable[[Any], bool]:
+    """Whether a disk entry is one the filter names that ``session`` may evict."""
     key_re = client_regex(match) if match is not None else None
     buf_re = client_regex(match_buffers) if match_buffers is not None else None
     can, now = session.access.can, time.time()
@@ -207,11 +203,47 @@ def on_disk(
             and (buf_re is None or any(buf_re.search(n) for n in rec["buffers"]))
         )
 
-    gone = [
-        e
-        for e in list(disk.entries.values())
-        if disk.live(e) and picked(e) and (tier == "disk" or e.ident not in directory)
-    ]
+    return picked
+
+
+def disk_candidates(
+    disk: Any, picked: Callable[[Any], bool], reads_names: bool
+) -> list[Any] | Callable[[], Any]:
+    """The disk entries ``picked`` names; or, when it reads every buffer name
+    (``reads_names``) of more than :data:`SLICE_NAMES` in all, a coroutine function finding
+    them in slices of the loop (as :func:`select` does for the pools' objects: a tenant's
+    disk entries of thousands of names each would stall every other client)."""
+    entries = list(disk.entries.values())
+    if not reads_names or sum(len(e.record["buffers"]) for e in entries) <= SLICE_NAMES:
+        return [e for e in entries if picked(e)]
+
+    async def scan() -> list[Any]:
+        found, names = [], 0
+        for e in entries:
+            if picked(e):
+                found.append(e)
+            names += len(e.record["buffers"])
+            if names >= SLICE_NAMES:
+                names = 0
+                await asyncio.sleep(0)  # the other connections' turn
+        return found
+
+    return scan
+
+
+def on_disk(
+    disk: Any,
+    directory: Directory,
+    found: list[Any],
+    tier: str,
+    reply: dict,
+    dry_run: bool,
+) -> None:
+    """Drop the disk copies (``disk``: kvbroker._server.disk_tier.DiskTier) ``found``
+    (:func:`disk_candidates`) that are still there: all of them (``tier`` disk), or those of
+    objects no pool holds now (all). Counted in ``reply``: in ``on_disk`` all, as objects
+    those no pool holds."""
+    gone = [e for e in found if disk.live(e) and (tier == "disk" or e.ident not in directory)]
     alone = [e for e in gone if e.ident not in directory]
     if not dry_run:
         ids = {id(e) for e in gone}

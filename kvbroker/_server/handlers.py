@@ -32,7 +32,16 @@ from .checks import (
     leases_named,
 )
 from .disk_tier import on_disk_only
-from .evicting import check_tier, on_disk, select, tiered, victims
+from .evicting import (
+    SCAN_TIMEOUT,
+    check_tier,
+    disk_candidates,
+    disk_filter,
+    on_disk,
+    select,
+    tiered,
+    victims,
+)
 from .listing import list_objects
 from .patterns import client_regex as _regex
 from .prefix_leases import count_query, matched_run
@@ -313,14 +322,28 @@ class Handlers:
         disk = check_tier(b.pages.tier, tier)
         filters = (namespace, key, match, match_buffers, older_than, all)
 
-        def finish(found: list[StoredObject]) -> R.Evicted:
+        def evict_now(found: list[StoredObject], on_disk_found: list) -> R.Evicted:
             reply, chosen = victims([] if tier == "disk" else found, b.lazy_readers(), dry_run)
             tiered(disk, tier, chosen, reply, dry_run)  # demoted (dram), or their copies counted
             if not dry_run:
                 b.evict_all(chosen, cleared and tier == "all")  # (a router forgets the node)
             if disk is not None and tier != "dram":
-                on_disk(disk, b.directory, session, *filters[:5], tier, reply, dry_run)
+                on_disk(disk, b.directory, on_disk_found, tier, reply, dry_run)
             return reply
+
+        def finish(found: list[StoredObject]) -> R.Evicted:
+            if disk is None or tier == "dram":
+                return evict_now(found, [])
+            picked = disk_filter(session, *filters[:5])
+            on_disk_found = disk_candidates(disk, picked, match_buffers is not None)
+            if isinstance(on_disk_found, list):
+                return evict_now(found, on_disk_found)
+            scan = on_disk_found  # the disk's names, read in slices of the loop first
+            raise Deferred(
+                scan,
+                lambda entries: b.in_batch(lambda: evict_now(found, entries)),
+                SCAN_TIMEOUT,
+            )
 
         def finish_later(found: list[StoredObject]) -> R.Evicted:
             # Outside handle's batch: one journal write for the unlinks, as it would be.
