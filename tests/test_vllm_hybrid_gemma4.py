@@ -18,41 +18,34 @@ One consumer engine shows, for prompts a producer engine published:
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
-from tests.vllm_helpers.common import engine_process, engine_result, needs_vllm, run_engine
+from tests.vllm_helpers.common import (
+    module_daemon,
+    needs_vllm,
+    random_prompts,
+    run_engine,
+    run_reference_and_producer,
+)
+from tests.vllm_helpers.hybrid import HMA_OFF, group_blocks, window_blocks, zero_blocks
 
 pytestmark = [needs_vllm, pytest.mark.timeout(900)]
 
 FULL_BLOCK, SLIDING_BLOCK = 128, 256  # vLLM's choice for this model (block_size left to it)
 WINDOW = 48
 SLIDING_GROUPS = 3
-HMA_OFF = "Turning off hybrid kv cache manager"
 
-
-def _prompts(seed: int, lengths) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(1, 512) for _ in range(n)] for n in lengths]
-
-
-PD_PROMPTS = _prompts(33, (600, 300, 100))
-OUT_OF_WINDOW, IN_WINDOW = _prompts(34, (600, 600))
-SYSTEM = _prompts(35, (512,))[0]
-PUBLISHED = SYSTEM + _prompts(36, (100,))[0]  # the producer's
-REUSING = SYSTEM + _prompts(37, (80,))[0]  # the consumer's, after the others
+PD_PROMPTS = random_prompts(33, (600, 300, 100))
+OUT_OF_WINDOW, IN_WINDOW = random_prompts(34, (600, 600))
+SYSTEM = random_prompts(35, (512,))[0]
+PUBLISHED = SYSTEM + random_prompts(36, (100,))[0]  # the producer's
+REUSING = SYSTEM + random_prompts(37, (80,))[0]  # the consumer's, after the others
 MAX_TOKENS = 8
-
-
-def _keys(n: int, block: int) -> int:
-    """Blocks (full ones and the tail) of a prompt of n tokens in a group of ``block``."""
-    return n // block + (1 if (n - 1) % block and n % block else 0)
 
 
 def _window(hit: int) -> int:
     """Blocks of one sliding group a hit of ``hit`` tokens needs."""
-    return -(-hit // SLIDING_BLOCK) - max(0, hit - WINDOW + 1) // SLIDING_BLOCK
+    return window_blocks(hit, SLIDING_BLOCK, WINDOW)
 
 
 @pytest.fixture(scope="module")
@@ -62,43 +55,17 @@ def model(tmp_path_factory):
     return tiny_model(tmp_path_factory.mktemp("vllm-gemma4"), arch="gemma4")
 
 
-@pytest.fixture(scope="module")
-def broker():
-    from kvbroker.testing import running_daemon
-
-    with running_daemon(pool_size="256M") as daemon:
-        yield daemon
-
-
-def _zero(client, namespace, prompt, *, groups, blocks) -> int:
-    from kvbroker.gpu import host_tensors
-    from kvbroker.integrations.vllm._format import prompt_keys
-
-    keys = prompt_keys(prompt, SLIDING_BLOCK, namespace=namespace, cache_salt="").keys
-    wanted = {f"{keys[b]}.g{g}" for g in groups for b in blocks}
-    hit = 0
-    for obj in client.list(namespace=namespace):
-        if obj.key.split("/")[0] in wanted:
-            with client.claim(obj.key, namespace=namespace) as lease:
-                for view in host_tensors(lease).values():  # writable on purpose
-                    view.zero_()
-            hit += 1
-    return hit
+broker = module_daemon()
 
 
 def test_per_group_block_sizes(model, broker, tmp_path):
     base = {"model": model, "socket": broker.socket_path, "block_size": None}
     published = PD_PROMPTS + [OUT_OF_WINDOW, IN_WINDOW, PUBLISHED]
     consumed = PD_PROMPTS + [OUT_OF_WINDOW, IN_WINDOW]
-    ref = engine_process(
-        {**base, "max_tokens": MAX_TOKENS, "prompts": consumed + [REUSING]}, tmp_path / "reference"
+    reference, produced = run_reference_and_producer(
+        base, consumed + [REUSING], published, tmp_path, max_tokens=MAX_TOKENS
     )
-    prod = engine_process(
-        {**base, "max_tokens": 1, "role": "kv_producer", "prompts": published},
-        tmp_path / "producer",
-    )
-    reference = engine_result(ref, tmp_path / "reference")["outputs"]
-    produced = engine_result(prod, tmp_path / "producer")
+    reference = reference["outputs"]
     facts = produced["connector"]
     assert facts["groups"] == [["sliding", SLIDING_BLOCK, 1]] * SLIDING_GROUPS + [
         ["full", FULL_BLOCK, 1]
@@ -106,7 +73,8 @@ def test_per_group_block_sizes(model, broker, tmp_path):
     assert HMA_OFF not in produced["log"]
     lengths = [len(p) for p in published]
     assert facts["totals"]["saved_blocks"] == sum(
-        SLIDING_GROUPS * _keys(n, SLIDING_BLOCK) + _keys(n, FULL_BLOCK) for n in lengths
+        SLIDING_GROUPS * group_blocks(n, SLIDING_BLOCK) + group_blocks(n, FULL_BLOCK)
+        for n in lengths
     )
     n = len(IN_WINDOW)
     first = max(0, n - 1 - WINDOW + 1) // SLIDING_BLOCK  # the window's first sliding block
@@ -114,11 +82,23 @@ def test_per_group_block_sizes(model, broker, tmp_path):
     with broker.client() as client:
         ns = facts["namespace"]
         assert (
-            _zero(client, ns, OUT_OF_WINDOW, groups=range(SLIDING_GROUPS), blocks=range(first))
+            zero_blocks(
+                client,
+                OUT_OF_WINDOW,
+                SLIDING_BLOCK,
+                groups=range(SLIDING_GROUPS),
+                blocks=range(first),
+                namespace=ns,
+            )
             == SLIDING_GROUPS * first
         )
-        assert _zero(
-            client, ns, IN_WINDOW, groups=[0], blocks=range(first, _keys(n, SLIDING_BLOCK))
+        assert zero_blocks(
+            client,
+            IN_WINDOW,
+            SLIDING_BLOCK,
+            groups=[0],
+            blocks=range(first, group_blocks(n, SLIDING_BLOCK)),
+            namespace=ns,
         ) == _window(n - 1)
     consumer = run_engine(
         {**base, "max_tokens": MAX_TOKENS, "role": "kv_consumer", "batches": [consumed, [REUSING]]},

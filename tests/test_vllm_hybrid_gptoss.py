@@ -15,38 +15,35 @@ full), block size 32.
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
-from tests.vllm_helpers.common import engine_process, engine_result, needs_vllm, run_engine
+from tests.vllm_helpers.common import (
+    module_daemon,
+    needs_vllm,
+    random_prompts,
+    run_engine,
+    run_reference_and_producer,
+)
+from tests.vllm_helpers.hybrid import HMA_OFF, group_blocks, window_blocks, zero_blocks
 
 pytestmark = [needs_vllm, pytest.mark.timeout(1200)]
 
 BLOCK = 32
 WINDOW = 32
-HMA_OFF = "Turning off hybrid kv cache manager"
 
-
-def _prompts(seed: int, lengths) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(1, 512) for _ in range(n)] for n in lengths]
-
-
-PD_PROMPTS = _prompts(23, (200, 64, 31, 100))  # a tail, n % B == 0, under a block, a tail
-OUT_OF_WINDOW, IN_WINDOW = _prompts(24, (200, 200))
+PD_PROMPTS = random_prompts(23, (200, 64, 31, 100))  # a tail, n % B == 0, under a block, a tail
+OUT_OF_WINDOW, IN_WINDOW = random_prompts(24, (200, 200))
 MAX_TOKENS = 8
 
 
 def _keys(n: int) -> int:
     """Blocks (full ones and the tail) a prompt of n tokens has in each group."""
-    return n // BLOCK + (1 if (n - 1) % BLOCK and n % BLOCK else 0)
+    return group_blocks(n, BLOCK)
 
 
 def _window_blocks(n: int) -> int:
     """Blocks of the sliding group a hit of the whole prompt but its last token needs."""
-    hit = n - 1
-    return -(-hit // BLOCK) - max(0, hit - WINDOW + 1) // BLOCK
+    return window_blocks(n - 1, BLOCK, WINDOW)
 
 
 @pytest.fixture(scope="module")
@@ -56,46 +53,22 @@ def model(tmp_path_factory):
     return tiny_model(tmp_path_factory.mktemp("vllm-gpt-oss"), arch="gpt_oss")
 
 
-@pytest.fixture(scope="module")
-def broker():
-    from kvbroker.testing import running_daemon
-
-    with running_daemon(pool_size="256M") as daemon:
-        yield daemon
+broker = module_daemon()
 
 
 @pytest.fixture(scope="module")
 def runs(model, broker, tmp_path_factory):
     base = {"model": model, "socket": broker.socket_path, "block_size": BLOCK, "dtype": "bfloat16"}
-    ref_dir, prod_dir = tmp_path_factory.mktemp("reference"), tmp_path_factory.mktemp("producer")
     prompts = PD_PROMPTS + [OUT_OF_WINDOW, IN_WINDOW]
-    ref = engine_process({**base, "max_tokens": MAX_TOKENS, "prompts": prompts}, ref_dir)
-    prod = engine_process(
-        {**base, "max_tokens": 1, "role": "kv_producer", "prompts": prompts}, prod_dir
+    reference, produced = run_reference_and_producer(
+        base,
+        prompts,
+        prompts,
+        tmp_path_factory.mktemp("engines"),
+        max_tokens=MAX_TOKENS,
+        timeout=600,
     )
-    return {
-        "base": base,
-        "reference": engine_result(ref, ref_dir, timeout=600),
-        "producer": engine_result(prod, prod_dir, timeout=600),
-    }
-
-
-def _zero(client, prompt, *, group: int, blocks) -> int:
-    """Overwrite with zeros blocks ``blocks`` (indices) of ``prompt`` in group ``group``."""
-    from kvbroker.gpu import host_tensors
-    from kvbroker.integrations.vllm._format import prompt_keys
-
-    (namespace,) = {o.namespace for o in client.list()}
-    keys = prompt_keys(prompt, BLOCK, namespace=namespace, cache_salt="").keys
-    wanted = {f"{keys[b]}.g{group}" for b in blocks}
-    hit = 0
-    for obj in client.list(namespace=namespace):
-        if obj.key.split("/")[0] in wanted:
-            with client.claim(obj.key, namespace=namespace) as lease:
-                for view in host_tensors(lease).values():  # writable on purpose
-                    view.zero_()
-            hit += 1
-    return hit
+    return {"base": base, "reference": reference, "producer": produced}
 
 
 def test_pd_handoff_equals_a_plain_engine_and_loads_only_the_window(broker, runs, tmp_path):
@@ -110,14 +83,17 @@ def test_pd_handoff_equals_a_plain_engine_and_loads_only_the_window(broker, runs
     first_in_window = _keys(len(IN_WINDOW)) - window
     with broker.client() as client:
         assert (
-            _zero(client, OUT_OF_WINDOW, group=sliding, blocks=range(first_in_window))
+            zero_blocks(
+                client, OUT_OF_WINDOW, BLOCK, groups=[sliding], blocks=range(first_in_window)
+            )
             == first_in_window
         )
         assert (
-            _zero(
+            zero_blocks(
                 client,
                 IN_WINDOW,
-                group=sliding,
+                BLOCK,
+                groups=[sliding],
                 blocks=range(first_in_window, first_in_window + window),
             )
             == window

@@ -16,39 +16,34 @@ One consumer engine shows, for prompts a producer engine published:
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
-from tests.vllm_helpers.common import engine_process, engine_result, needs_vllm, run_engine
+from tests.vllm_helpers.common import (
+    module_daemon,
+    needs_vllm,
+    random_prompts,
+    run_engine,
+    run_reference_and_producer,
+)
+from tests.vllm_helpers.hybrid import HMA_OFF, group_blocks
 
 pytestmark = [needs_vllm, pytest.mark.timeout(900)]
 
 BLOCK = 128
 STATE_GROUPS = 3
-HMA_OFF = "Turning off hybrid kv cache manager"
 BASE = {"block_size": None, "logprobs": 1, "max_num_batched_tokens": 64}
 
 
-def _prompts(seed: int, lengths) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(1, 512) for _ in range(n)] for n in lengths]
-
-
-PD_PROMPTS = _prompts(43, (300, 150))
-ZEROED = _prompts(44, (200,))[0]
-FIRST_TURN = _prompts(45, (140,))[0]
-SECOND_TURN = FIRST_TURN + _prompts(46, (100,))[0]  # the first turn's prompt, extended
+PD_PROMPTS = random_prompts(43, (300, 150))
+ZEROED = random_prompts(44, (200,))[0]
+FIRST_TURN = random_prompts(45, (140,))[0]
+SECOND_TURN = FIRST_TURN + random_prompts(46, (100,))[0]  # the first turn's prompt, extended
 MAX_TOKENS = 6
 
 
 def _states(n: int) -> int:
     """States a prefill of n tokens leaves (one per block boundary below n)."""
     return (n - 1) // BLOCK
-
-
-def _keys(n: int) -> int:
-    return n // BLOCK + (1 if (n - 1) % BLOCK and n % BLOCK else 0)
 
 
 @pytest.fixture(scope="module")
@@ -58,33 +53,22 @@ def model(tmp_path_factory):
     return tiny_model(tmp_path_factory.mktemp("vllm-granite4"), arch="granite4")
 
 
-@pytest.fixture(scope="module")
-def broker():
-    from kvbroker.testing import running_daemon
-
-    with running_daemon(pool_size="256M") as daemon:
-        yield daemon
+broker = module_daemon()
 
 
 def test_mamba2_pd_and_multi_turn(model, broker, tmp_path):
     base = {**BASE, "model": model, "socket": broker.socket_path}
     published = PD_PROMPTS + [ZEROED, FIRST_TURN]
     consumed = PD_PROMPTS + [ZEROED, SECOND_TURN]
-    ref = engine_process(
-        {**base, "max_tokens": MAX_TOKENS, "prompts": consumed}, tmp_path / "reference"
+    reference, produced = run_reference_and_producer(
+        base, consumed, published, tmp_path, max_tokens=MAX_TOKENS
     )
-    prod = engine_process(
-        {**base, "max_tokens": 1, "role": "kv_producer", "prompts": published},
-        tmp_path / "producer",
-    )
-    reference = engine_result(ref, tmp_path / "reference")
-    produced = engine_result(prod, tmp_path / "producer")
     facts = produced["connector"]
     assert facts["groups"] == [["state", BLOCK, 1]] * STATE_GROUPS + [["full", BLOCK, 1]]
     assert HMA_OFF not in produced["log"]
     saved = facts["totals"]
     states = sum(_states(len(p)) for p in published) * STATE_GROUPS
-    assert saved["saved_blocks"] == states + sum(_keys(len(p)) for p in published)
+    assert saved["saved_blocks"] == states + sum(group_blocks(len(p), BLOCK) for p in published)
     page = saved["saved_state_bytes"] // states
     assert page > 0 and saved["saved_state_bytes"] == page * states
     from kvbroker.gpu import host_tensors

@@ -20,39 +20,34 @@ chunk ended: vLLM ends a prompt's first chunk at ``(n - 1) // B * B``, its one c
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
-from tests.vllm_helpers.common import engine_process, engine_result, needs_vllm, run_engine
+from tests.vllm_helpers.common import (
+    module_daemon,
+    needs_vllm,
+    random_prompts,
+    run_engine,
+    run_reference_and_producer,
+)
+from tests.vllm_helpers.hybrid import HMA_OFF, group_blocks
 
 pytestmark = [needs_vllm, pytest.mark.timeout(900)]
 
 BLOCK = 128  # vLLM's choice for this model (the attention page holds a state page)
 STATE_GROUPS = 3
-HMA_OFF = "Turning off hybrid kv cache manager"
 BASE = {"dtype": "bfloat16", "block_size": None, "logprobs": 1}
 
 
-def _prompts(seed: int, lengths) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(1, 512) for _ in range(n)] for n in lengths]
-
-
 # checkpoints at 256, 128 (n % B == 1: the checkpoint is n - 1), 256
-PD_PROMPTS = _prompts(23, (300, 129, 383))
-ZEROED = _prompts(24, (300,))[0]
-FIRST_TURN = _prompts(25, (200,))[0]
-SECOND_TURN = FIRST_TURN + _prompts(26, (150,))[0]  # the first turn's prompt, extended
+PD_PROMPTS = random_prompts(23, (300, 129, 383))
+ZEROED = random_prompts(24, (300,))[0]
+FIRST_TURN = random_prompts(25, (200,))[0]
+SECOND_TURN = FIRST_TURN + random_prompts(26, (150,))[0]  # the first turn's prompt, extended
 MAX_TOKENS = 8
 
 
 def _checkpoint(n: int) -> int:
     return (n - 1) // BLOCK * BLOCK
-
-
-def _attention_keys(n: int) -> int:
-    return n // BLOCK + (1 if (n - 1) % BLOCK and n % BLOCK else 0)
 
 
 @pytest.fixture(scope="module")
@@ -62,26 +57,21 @@ def model(tmp_path_factory):
     return tiny_model(tmp_path_factory.mktemp("vllm-qwen3-next"), arch="qwen3_next")
 
 
-@pytest.fixture(scope="module")
-def broker():
-    from kvbroker.testing import running_daemon
-
-    with running_daemon(pool_size="256M") as daemon:
-        yield daemon
+broker = module_daemon()
 
 
 @pytest.fixture(scope="module")
 def reference_and_producer(model, broker, tmp_path_factory):
     base = {**BASE, "model": model, "socket": broker.socket_path}
-    ref_dir, prod_dir = tmp_path_factory.mktemp("reference"), tmp_path_factory.mktemp("producer")
     prompts = PD_PROMPTS + [ZEROED]
-    ref = engine_process(
-        {**base, "max_tokens": MAX_TOKENS, "prompts": prompts + [FIRST_TURN, SECOND_TURN]}, ref_dir
+    reference, produced = run_reference_and_producer(
+        base,
+        prompts + [FIRST_TURN, SECOND_TURN],
+        prompts,
+        tmp_path_factory.mktemp("engines"),
+        max_tokens=MAX_TOKENS,
     )
-    prod = engine_process(
-        {**base, "max_tokens": 1, "role": "kv_producer", "prompts": prompts}, prod_dir
-    )
-    return {"reference": engine_result(ref, ref_dir), "producer": engine_result(prod, prod_dir)}
+    return {"reference": reference, "producer": produced}
 
 
 def _state_keys(client, prompt, namespace):
@@ -107,7 +97,7 @@ def test_pd_handoff_loads_every_state_whole(model, broker, reference_and_produce
     lengths = [len(p) for p in PD_PROMPTS + [ZEROED]]
     saved = facts["totals"]
     # one state per state group and prompt (at its checkpoint), every attention block
-    assert saved["saved_blocks"] == sum(STATE_GROUPS + _attention_keys(n) for n in lengths)
+    assert saved["saved_blocks"] == sum(STATE_GROUPS + group_blocks(n, BLOCK) for n in lengths)
     state_page = saved["saved_state_bytes"] // (STATE_GROUPS * len(lengths))
     assert state_page > 0 and saved["saved_state_bytes"] == state_page * STATE_GROUPS * len(lengths)
     with broker.client() as client:

@@ -17,43 +17,40 @@ vLLM makes 4 KV cache groups of the model (one per layer: 3 sliding, 1 full), bl
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
-from tests.vllm_helpers.common import engine_process, engine_result, needs_vllm, run_engine
+from tests.vllm_helpers.common import (
+    module_daemon,
+    needs_vllm,
+    random_prompts,
+    run_engine,
+    run_reference_and_producer,
+)
+from tests.vllm_helpers.hybrid import HMA_OFF, group_blocks, window_blocks, zero_blocks
 
 pytestmark = [needs_vllm, pytest.mark.timeout(900)]
 
 BLOCK = 32
 WINDOW = 32
 SLIDING_GROUPS = 3
-HMA_OFF = "Turning off hybrid kv cache manager"
-
-
-def _prompts(seed: int, lengths) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(1, 512) for _ in range(n)] for n in lengths]
-
 
 # a tail after full blocks, n % B == 0, shorter than a block, several blocks and a tail
-PD_PROMPTS = _prompts(13, (200, 64, 31, 100))
-OUT_OF_WINDOW, IN_WINDOW = _prompts(14, (200, 200))  # zeroed in the broker, in part
-SYSTEM = _prompts(15, (96,))[0]
-FIRST_TURN = [SYSTEM + q for q in _prompts(16, (40,))]
-SECOND_TURN = [SYSTEM + q for q in _prompts(17, (21, 50))]
+PD_PROMPTS = random_prompts(13, (200, 64, 31, 100))
+OUT_OF_WINDOW, IN_WINDOW = random_prompts(14, (200, 200))  # zeroed in the broker, in part
+SYSTEM = random_prompts(15, (96,))[0]
+FIRST_TURN = [SYSTEM + q for q in random_prompts(16, (40,))]
+SECOND_TURN = [SYSTEM + q for q in random_prompts(17, (21, 50))]
 MAX_TOKENS = 8
 
 
 def _keys(n: int) -> int:
     """Blocks (full ones and the tail) a prompt of n tokens has in each group."""
-    return n // BLOCK + (1 if (n - 1) % BLOCK and n % BLOCK else 0)
+    return group_blocks(n, BLOCK)
 
 
 def _window_blocks(n: int) -> int:
     """Blocks of one sliding group a hit of the whole prompt but its last token needs."""
-    hit = n - 1
-    return -(-hit // BLOCK) - max(0, hit - WINDOW + 1) // BLOCK
+    return window_blocks(n - 1, BLOCK, WINDOW)
 
 
 @pytest.fixture(scope="module")
@@ -63,27 +60,20 @@ def model(tmp_path_factory):
     return tiny_model(tmp_path_factory.mktemp("vllm-gemma3"), arch="gemma3")
 
 
-@pytest.fixture(scope="module")
-def broker():
-    from kvbroker.testing import running_daemon
-
-    with running_daemon(pool_size="256M") as daemon:
-        yield daemon
+broker = module_daemon()
 
 
 @pytest.fixture(scope="module")
 def reference_and_producer(model, broker, tmp_path_factory):
     base = {"model": model, "socket": broker.socket_path, "block_size": BLOCK}
-    ref_dir, prod_dir = tmp_path_factory.mktemp("reference"), tmp_path_factory.mktemp("producer")
     prompts = PD_PROMPTS + [OUT_OF_WINDOW, IN_WINDOW]
-    ref = engine_process(
-        {**base, "max_tokens": MAX_TOKENS, "prompts": prompts + FIRST_TURN + SECOND_TURN}, ref_dir
+    reference, produced = run_reference_and_producer(
+        base,
+        prompts + FIRST_TURN + SECOND_TURN,
+        prompts,
+        tmp_path_factory.mktemp("engines"),
+        max_tokens=MAX_TOKENS,
     )
-    prod = engine_process(
-        {**base, "max_tokens": 1, "role": "kv_producer", "prompts": prompts}, prod_dir
-    )
-    reference = engine_result(ref, ref_dir)
-    produced = engine_result(prod, prod_dir)
     outs = reference["outputs"]
     k = len(prompts)
     return {
@@ -93,25 +83,6 @@ def reference_and_producer(model, broker, tmp_path_factory):
         "producer": produced,
         "reference": reference,
     }
-
-
-def _zero(client, prompt, *, groups, blocks) -> int:
-    """Overwrite with zeros blocks ``blocks`` (indices) of ``prompt`` in groups ``groups``;
-    returns how many objects were overwritten."""
-    from kvbroker.gpu import host_tensors
-    from kvbroker.integrations.vllm._format import prompt_keys
-
-    (namespace,) = {o.namespace for o in client.list()}
-    keys = prompt_keys(prompt, BLOCK, namespace=namespace, cache_salt="").keys
-    wanted = {f"{keys[b]}.g{g}" for g in groups for b in blocks}
-    hit = 0
-    for obj in client.list(namespace=namespace):
-        if obj.key.split("/")[0] in wanted:
-            with client.claim(obj.key, namespace=namespace) as lease:
-                for view in host_tensors(lease).values():  # writable on purpose
-                    view.zero_()
-            hit += 1
-    return hit
 
 
 def test_pd_handoff_loads_only_the_window(model, broker, reference_and_producer, tmp_path):
@@ -131,13 +102,14 @@ def test_pd_handoff_loads_only_the_window(model, broker, reference_and_producer,
         assert len(client.list()) == groups * sum(map(_keys, lengths))
         # blocks before the window, in every sliding group; the in-window ones of one group
         assert (
-            _zero(client, OUT_OF_WINDOW, groups=sliding, blocks=range(first_in_window))
+            zero_blocks(client, OUT_OF_WINDOW, BLOCK, groups=sliding, blocks=range(first_in_window))
             == SLIDING_GROUPS * first_in_window
         )
         assert (
-            _zero(
+            zero_blocks(
                 client,
                 IN_WINDOW,
+                BLOCK,
                 groups=[1],
                 blocks=range(first_in_window, first_in_window + window),
             )
@@ -189,7 +161,7 @@ def test_prefix_reuse_across_engines(model, broker, reference_and_producer, tmp_
     # blocks and, of each sliding group, the one block in the window; its next prompt found
     # them in vLLM's own prefix cache.
     shared = len(SYSTEM)
-    window = -(-shared // BLOCK) - (shared - WINDOW + 1) // BLOCK
+    window = window_blocks(shared, BLOCK, WINDOW)
     totals = second["connector"]["totals"]
     assert totals["loaded_blocks"] == shared // BLOCK + SLIDING_GROUPS * window
     assert totals["loaded_tokens"] == shared

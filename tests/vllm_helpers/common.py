@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import random
 import subprocess
 import sys
 import tempfile
@@ -85,6 +86,52 @@ def engine_result(proc: subprocess.Popen, workdir: str | os.PathLike, timeout: f
 
 def run_engine(spec: dict, workdir: str | os.PathLike, timeout: float = 240) -> dict:
     return engine_result(engine_process(spec, workdir), workdir, timeout)
+
+
+def module_daemon(pool_size: str = "256M"):
+    """A module-scoped fixture: one daemon (a ``pool_size`` pool) that the module's engines
+    share; bind it to the fixture's name, e.g. ``broker = module_daemon()``."""
+
+    @pytest.fixture(scope="module")
+    def daemon():
+        from kvbroker.testing import running_daemon
+
+        with running_daemon(pool_size=pool_size) as running:
+            yield running
+
+    return daemon
+
+
+def run_reference_and_producer(
+    base: dict,
+    reference_prompts: list,
+    producer_prompts: list,
+    workdir: str | os.PathLike,
+    *,
+    max_tokens: int,
+    timeout: float = 240,
+) -> tuple[dict, dict]:
+    """A plain engine making ``max_tokens`` for ``reference_prompts`` and a ``kv_producer``
+    engine running ``producer_prompts`` (max_tokens=1), both on ``base`` and side by side, in
+    reference/ and producer/ of ``workdir``: their results (the producer fills the broker)."""
+    workdir = Path(workdir)
+    ref = engine_process(
+        {**base, "max_tokens": max_tokens, "prompts": reference_prompts}, workdir / "reference"
+    )
+    prod = engine_process(
+        {**base, "max_tokens": 1, "role": "kv_producer", "prompts": producer_prompts},
+        workdir / "producer",
+    )
+    return (
+        engine_result(ref, workdir / "reference", timeout),
+        engine_result(prod, workdir / "producer", timeout),
+    )
+
+
+def random_prompts(seed: int, lengths) -> list[list[int]]:
+    """Prompts of random token ids (1..511), one of each length, the same for a seed."""
+    rng = random.Random(seed)
+    return [[rng.randrange(1, 512) for _ in range(n)] for n in lengths]
 
 
 def tiny_model(directory: str | os.PathLike, arch: str = "llama") -> str:
