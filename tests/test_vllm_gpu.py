@@ -66,6 +66,14 @@ def _items(hashes, ids):
     ]
 
 
+def _host_block(layer_cache, block):
+    """Block ``block`` of one layer of a CPU-backend cache (``vllm_like(..., "HND")``: each
+    (block, head) holds its K rows, then its V rows) as ``[K/V, token, head, dim]``, the
+    order of a packed block."""
+    blocks, heads, page, c = layer_cache.shape
+    return layer_cache.view(blocks, heads, 2, page, c // 2)[block].permute(1, 2, 0, 3)
+
+
 def _bits(t):
     """The bytes as integers: NaN payloads compare too."""
     ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -176,8 +184,7 @@ def test_blocks_of_named_buffers_load_like_packed_ones(client):
     assert load_cuda(client, NS, fmt, p6, hashes, [5, 0, 4], copier=copier_for("cpu")) == 3
     for a, b in zip([1, 2, 3], [5, 0, 4], strict=True):
         for layer in range(L):
-            kv = cpu_layout[layer].view(B, H, 2, N, D)[a]  # [head, K/V, token, dim]
-            assert torch.equal(_bits(kv.permute(1, 2, 0, 3)), _bits(p6[layer, :, b]))
+            assert torch.equal(_bits(_host_block(cpu_layout[layer], a)), _bits(p6[layer, :, b]))
 
 
 @pytest.mark.parametrize("packed_first", [False, True])
@@ -218,14 +225,11 @@ def test_a_prefix_of_named_and_packed_blocks_loads_whole(client, packed_first):
         want = (
             [s6[layer, :, j] for layer in range(L)]
             if (j < 2) == packed_first
-            else [
-                cpu_layout[layer].view(B, H, 2, N, D)[j].permute(1, 2, 0, 3) for layer in range(L)
-            ]
+            else [_host_block(cpu_layout[layer], j) for layer in range(L)]
         )
         for layer in range(L):  # [K/V, token, head, dim]
             assert torch.equal(_bits(d6[layer, :, b]), _bits(want[layer]))
-            got = out_layout[layer].view(B, H, 2, N, D)[b].permute(1, 2, 0, 3)
-            assert torch.equal(_bits(got), _bits(want[layer]))
+            assert torch.equal(_bits(_host_block(out_layout[layer], b)), _bits(want[layer]))
 
 
 def test_a_host_save_whose_seal_is_refused_holds_nothing(make_daemon):
@@ -383,8 +387,7 @@ def test_staging_and_host_paths_read_each_others_blocks(client):
     assert load_host(client, NS, fmt, host, HASHES[:3], [5, 6, 7]) == 3
     for a, b in zip([1, 2, 3], [5, 6, 7], strict=True):
         for layer in range(L):
-            kv = cpu_layout[layer].view(B, H, 2, N, D)[b]  # [head, K/V, token, dim]
-            assert torch.equal(_bits(kv.permute(1, 2, 0, 3)), _bits(p6[layer, :, a]))
+            assert torch.equal(_bits(_host_block(cpu_layout[layer], b)), _bits(p6[layer, :, a]))
     other = ["f" * 32, "e" * 32]
     save = HostSave(client, NS, fmt, host, _items(other, [5, 6]))
     save.reserve()

@@ -162,24 +162,33 @@ def test_parallelisms_the_keys_cannot_tell_apart_are_refused(model, broker, name
             KVBrokerConnector(config, role, kv_cache_config(2, 8))
 
 
-def test_a_failure_taints_saves_until_a_plan_acknowledges_it():
-    """The worker's memory of a failed load, driven directly: it lasts across plans built
-    before the scheduler heard of it, ends with the plan that acknowledges it, and (a
-    backstop) after FAILURE_MEMORY steps without one."""
+def _unlinked_worker(tp_size: int = 1, **options):
+    """A worker side without a broker link (namespace "ns", blocks of 16 tokens, 2 KV heads,
+    rank 0), driven directly; ``options``: WorkerSide's other arguments."""
     from kvbroker.integrations._link import Warnings
-    from kvbroker.integrations.vllm._scheduler import SaveSpec, StepPlan
-    from kvbroker.integrations.vllm._worker import FAILURE_MEMORY, WorkerSide, _LoadFailure
+    from kvbroker.integrations.vllm._worker import WorkerSide
 
-    w = WorkerSide(
+    return WorkerSide(
         link=None,
         namespace="ns",
         block_size=16,
         total_kv_heads=2,
         latent=False,
         tp_rank=0,
-        tp_size=1,
+        tp_size=tp_size,
         warnings=Warnings(),
+        **options,
     )
+
+
+def test_a_failure_taints_saves_until_a_plan_acknowledges_it():
+    """The worker's memory of a failed load, driven directly: it lasts across plans built
+    before the scheduler heard of it, ends with the plan that acknowledges it, and (a
+    backstop) after FAILURE_MEMORY steps without one."""
+    from kvbroker.integrations.vllm._scheduler import SaveSpec, StepPlan
+    from kvbroker.integrations.vllm._worker import FAILURE_MEMORY, _LoadFailure
+
+    w = _unlinked_worker()
     saves = [
         SaveSpec("a", [("a0", None, 10), ("a1", "a0", 11)]),
         SaveSpec("b", [("b0", None, 20), ("b1", "b0", 11), ("b2", "b1", 21)]),
@@ -288,21 +297,10 @@ def test_a_request_id_reused_after_an_abort_keeps_its_new_state():
 def test_a_save_left_open_by_a_step_that_never_finished_is_aborted_at_the_next():
     from unittest import mock
 
-    from kvbroker.integrations._link import Warnings
     from kvbroker.integrations.vllm._paged import HostSave
     from kvbroker.integrations.vllm._scheduler import StepPlan
-    from kvbroker.integrations.vllm._worker import WorkerSide
 
-    w = WorkerSide(
-        link=None,
-        namespace="ns",
-        block_size=16,
-        total_kv_heads=2,
-        latent=False,
-        tp_rank=0,
-        tp_size=1,
-        warnings=Warnings(),
-    )
+    w = _unlinked_worker()
     stale = mock.Mock(spec=HostSave, done=False, items=[1, 2])
     w.bind(StepPlan())
     w._save = stale  # reserved at its first layer; the step then died before wait_for_save
@@ -313,22 +311,10 @@ def test_a_save_left_open_by_a_step_that_never_finished_is_aborted_at_the_next()
 
 def test_every_rank_reaches_the_agreement_whatever_its_loads_raise():
     """agree() is a collective: a rank that skipped it would leave the others blocked."""
-    from kvbroker.integrations._link import Warnings
     from kvbroker.integrations.vllm._scheduler import LoadSpec, StepPlan
-    from kvbroker.integrations.vllm._worker import WorkerSide
 
     asked = []
-    w = WorkerSide(
-        link=None,
-        namespace="ns",
-        block_size=16,
-        total_kv_heads=2,
-        latent=False,
-        tp_rank=0,
-        tp_size=2,
-        warnings=Warnings(),
-        agree=lambda counts: asked.append(list(counts)) or counts,
-    )
+    w = _unlinked_worker(tp_size=2, agree=lambda counts: asked.append(list(counts)) or counts)
     w.fmt = object()  # registered
 
     def load(spec):
