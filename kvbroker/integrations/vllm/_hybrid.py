@@ -41,7 +41,7 @@ from kvbroker.prefix import PrefixCache
 from .._link import BrokerLink, Warnings
 from ._format import PromptKeys, prompt_keys
 from ._groups import FULL, SLIDING, STATE, Group, alignment
-from ._scheduler import StepPlan, request_salt, request_session
+from ._scheduler import StepPlan, match_count, request_salt, request_session
 from ._state import state_format
 
 __all__ = ["GroupLoad", "GroupSave", "HybridLoad", "HybridScheduler"]
@@ -191,28 +191,7 @@ class HybridScheduler:
             tp_size=1,
             total_kv_heads=group.num_kv_heads,
         )
-        best = 0
-        named = (
-            {}
-            if retain is None
-            else {
-                "session": retain["session"],
-                "retain": retain.get("for"),
-                "priority": retain.get("priority"),
-            }
-        )
-        for source in self.layouts:
-            m = pc.match_kv(
-                range(len(keys) * group.block_size + 1),
-                hashes=keys,
-                source_tp_size=source,
-                hold=False,
-                **named,
-            )
-            best = max(best, m.num_blocks)
-            if best == len(keys):
-                break
-        return best
+        return match_count(pc, keys, self.layouts, retain)
 
     def _hit(self, st: _Req, local: int) -> int:
         """The longest hit (tokens) every group can serve after ``local`` computed tokens."""

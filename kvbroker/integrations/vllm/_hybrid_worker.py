@@ -33,7 +33,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvbroker import blocks
-from kvbroker.errors import KVBrokerError, LayoutMismatch, PoolFull, QuotaExceeded
+from kvbroker.errors import KVBrokerError, LayoutMismatch
 
 from . import log
 from ._format import BlockFormat
@@ -355,13 +355,8 @@ class HybridWorker(WorkerSide):
             )
         try:
             save.reserve()
-        except (PoolFull, QuotaExceeded) as exc:
-            self._skip(len(items), f"{type(exc).__name__}: {exc}")
-            save = _Skipped()
         except KVBrokerError as exc:
-            self.stats["broker_errors"] += 1
-            self._link_failed(exc)
-            self._skip(len(items), f"{type(exc).__name__}: {exc}")
+            self._save_refused(len(items), exc)
             save = _Skipped()
         self._group_saves[group] = save
         return None if isinstance(save, _Skipped) else save
@@ -461,13 +456,8 @@ class HybridWorker(WorkerSide):
                     stream=stream,
                     copier=self._staging_copier,
                 )
-            except (PoolFull, QuotaExceeded) as exc:
-                self._skip(len(items), f"{type(exc).__name__}: {exc}")
-                continue
             except KVBrokerError as exc:
-                self.stats["broker_errors"] += 1
-                self._link_failed(exc)
-                self._skip(len(items), f"{type(exc).__name__}: {exc}")
+                self._save_refused(len(items), exc)
                 continue
             except Exception as exc:  # noqa: BLE001 - a save never fails the step
                 self._skip(len(items), f"{type(exc).__name__}: {exc}")

@@ -143,6 +143,38 @@ def request_salt(request: Any) -> str:
     return salt if not extra else "\x1f".join([salt, *extra])
 
 
+def match_count(
+    pc: PrefixCache, hashes: list[str], layouts, retain: dict | None, *, latent: bool = False
+) -> int:
+    """Leading blocks of ``hashes`` that every shard of some TP layout of ``layouts`` (tried in
+    order) holds, through ``pc`` (rank 0 of TP 1): only a count, the worker takes its own lease
+    when it loads. ``retain``: the request's session (:func:`request_session`), renewed; it
+    retains what is found. Raises KVBrokerError."""
+    session = (
+        {}
+        if retain is None
+        else {
+            "session": retain["session"],
+            "retain": retain.get("for"),
+            "priority": retain.get("priority"),
+        }
+    )
+    best = 0
+    for source in layouts:
+        m = pc.match_kv(
+            range(len(hashes) * pc.block_size + 1),
+            hashes=hashes,
+            source_tp_size=source,
+            latent=latent,
+            hold=False,
+            **session,
+        )
+        best = max(best, m.num_blocks)
+        if best == len(hashes):
+            break
+    return best
+
+
 class SchedulerSide:
     def __init__(
         self,
@@ -220,30 +252,8 @@ class SchedulerSide:
             tp_size=1,
             total_kv_heads=self.total_kv_heads,
         )
-        best = 0
-        named = (
-            {}
-            if retain is None
-            else {
-                "session": retain["session"],
-                "retain": retain.get("for"),
-                "priority": retain.get("priority"),
-            }
-        )
         try:
-            for source in self.layouts:
-                # Only a count: the worker takes its own lease when it loads.
-                m = pc.match_kv(
-                    range(len(hashes) * self.block_size + 1),
-                    hashes=hashes,
-                    source_tp_size=source,
-                    latent=self.latent,
-                    hold=False,
-                    **named,
-                )
-                best = max(best, m.num_blocks)
-                if best == len(hashes):
-                    break
+            best = match_count(pc, hashes, self.layouts, retain, latent=self.latent)
         except KVBrokerError as exc:
             self.lookup_errors += 1
             self.link.fail(exc)

@@ -52,14 +52,8 @@ class WorkerSaves:
             save = HostSave(client, self.namespace, self.fmt, self.cache, self._items())
             try:
                 save.reserve()
-            except (PoolFull, QuotaExceeded) as exc:
-                self._skip(len(save.items), f"{type(exc).__name__}: {exc}")
-                self._save = _Skipped()
-                return None
             except KVBrokerError as exc:
-                self.stats["broker_errors"] += 1
-                self._link_failed(exc)
-                self._skip(len(save.items), f"{type(exc).__name__}: {exc}")
+                self._save_refused(len(save.items), exc)
                 self._save = _Skipped()
                 return None
             self._save = save
@@ -70,6 +64,14 @@ class WorkerSaves:
         self.warnings.warn(
             "save_skipped", "skipped saving %d block(s) (%s); the engine keeps serving", blocks, why
         )
+
+    def _save_refused(self, blocks: int, exc: KVBrokerError) -> None:
+        """The broker refused a save of ``blocks`` blocks: they are skipped. No room (PoolFull,
+        QuotaExceeded) is only that; any other broker error is counted and tells the link."""
+        if not isinstance(exc, (PoolFull, QuotaExceeded)):
+            self.stats["broker_errors"] += 1
+            self._link_failed(exc)
+        self._skip(blocks, f"{type(exc).__name__}: {exc}")
 
     def save_layer(self, layer_name: str) -> None:
         index = self.layer_index.get(layer_name)
