@@ -611,3 +611,28 @@ def test_an_object_on_disk_occupies_at_least_its_index_entry_scaled_to_the_pools
         rig.close()
 
     _run(main())
+
+
+def test_consume_claims_released_since_the_write_are_kept_across_a_restart(dirs):
+    # An object sealed for 3 consume-claims is written to disk (policy sealed, or ahead of
+    # its eviction), then one is released in the pool. A restart after a reboot read the
+    # count written with the slot, 3: the object could be consumed 3 more times (4 in all).
+    # The count goes to the index as it changes (the daemon's once-a-second sweep, and a
+    # demotion).
+    async def main():
+        rig = _Rig(dirs)
+        o = _object(rig.pools[0], rig.bufs[0], "k", {"past_key.0": 5000})
+        o.consumers = 3
+        ended = []
+        assert rig.tier.write_back(o, lambda: ended.append(1))
+        await rig.tier.drain()
+        assert ended and rig.tier.copy_of(o) is not None
+        o.consumers = 2  # one consume-claim released, in the pool
+        rig.tier.sweep()  # (the daemon's tick)
+        await rig.tier.drain()
+        rig.close()
+        rig = _Rig(dirs)  # a reboot
+        assert rig.tier.entries[("ns", "k")].record["consumers"] == 2
+        rig.close()
+
+    _run(main())

@@ -24,9 +24,9 @@ agent, and no transfer handle to build and release per promotion.
 The index (:class:`DiskIndex`, ``kvbroker-tier.index`` in the first directory) is a log of
 framed records, as the warm-restart journal's are (``KVD1`` | u32 length | u32 crc32 with the
 file's random seed | msgpack body): a header naming the slot files' geometry, ``p`` (an
-object's bytes are in a slot: written and ``fdatasync``ed before the record is appended) and
-``x`` (a slot's object is gone), appended by the loop and written with one ``fsync`` per
-batch by an I/O thread (:meth:`DiskIndex.write_out`). A freed slot is reused at once: a crash
+object's bytes are in a slot: written and ``fdatasync``ed before the record is appended),
+``x`` (a slot's object is gone) and ``c`` (its consume-claims left, as they are released),
+appended by the loop and written with one ``fsync`` per batch by an I/O thread (:meth:`DiskIndex.write_out`). A freed slot is reused at once: a crash
 can leave a ``p`` record naming a slot another object wrote since, and its digest catches
 that (below). Loading
 drops what it cannot vouch for: a damaged record (its checksum), a slot outside its file, two
@@ -218,7 +218,7 @@ class DiskIndex:
         live = out.entries
         for rec in records[1:]:
             kind, slot = rec.get("t"), (rec.get("f"), rec.get("s"))
-            if kind not in ("p", "x") or not all(v.__class__ is int for v in slot):
+            if kind not in ("p", "x", "c") or not all(v.__class__ is int for v in slot):
                 out.damaged += 1  # (a float, a bool, a huge or negative number: not ours)
                 continue
             if kind == "p":
@@ -229,6 +229,10 @@ class DiskIndex:
                 live[slot] = rec
             elif kind == "x":
                 live.pop(slot, None)
+            elif slot in live:  # "c": consume-claims released since the p record
+                o, consumers = live[slot].get("o"), rec.get("c")
+                if isinstance(o, dict) and consumers.__class__ is int and consumers >= 1:
+                    o["consumers"] = consumers
         # Slots outside their file, or overlapping another live slot: both dropped.
         by_file: dict[int, list[tuple[int, int, tuple[int, int]]]] = {}
         for slot, rec in list(live.items()):

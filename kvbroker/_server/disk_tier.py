@@ -166,11 +166,25 @@ class DiskTier(WriteBackPass, QuotaShares, Queries, Promotion):
         return not e.gone
 
     def sweep(self) -> None:
-        """Drop the disk copies of pool objects unlinked since, and try again the index
-        records a failed sync left (the daemon's tick, once a second)."""
-        for e in [e for e in self._pooled if not e.obj.linked]:
-            self._drop(e)
+        """Drop the disk copies of pool objects unlinked since, note the consume-claims
+        released since, and try again the index records a failed sync left (the daemon's
+        tick, once a second)."""
+        for e in list(self._pooled):
+            if not e.obj.linked:
+                self._drop(e)
+            else:
+                self._consumers(e, e.obj.consumers)
         self._sync_index()  # records a failed sync (a full disk) left pending: again
+
+    def _consumers(self, e: DiskEntry, consumers: int) -> None:
+        """Consume-claims released since ``e`` was written: in its record and the index (a
+        ``c`` record), or a restart after a reboot would let the object be consumed again
+        as often as when it was written."""
+        if consumers == (e.record.get("consumers") or 1):
+            return
+        e.record["consumers"] = consumers
+        if e.written:
+            self.store.index.append({"t": "c", "f": e.file, "s": e.start, "c": consumers})
 
     def _pool_copy(self, e: DiskEntry, obj: Any) -> None:
         """``e`` is a copy of pool object ``obj`` from now on (None: on disk only)."""
@@ -238,7 +252,8 @@ class DiskTier(WriteBackPass, QuotaShares, Queries, Promotion):
         if e is not None:
             e.seq = obj.seq
             self._pool_copy(e, None)
-            e.record["consumers"] = obj.consumers  # consume-claims released since the write
+            self._consumers(e, obj.consumers)  # consume-claims released since the write
+            self._sync_index()
             self.counters["demoted"] += 1
             return True
         length = written_length(obj, self.store.unit)
