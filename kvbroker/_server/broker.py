@@ -16,6 +16,7 @@ from typing import Any
 
 from .handlers import Handlers
 from .restore import plan as restore_plan
+from .snapshot import BriefStatistics
 from .state import Lease, Session, StoredObject, WouldWait
 from .transitions import Transitions
 
@@ -52,6 +53,17 @@ class Broker(Transitions):
     @property
     def epoch(self) -> int:
         return self.registry.epoch
+
+    def brief_statistics(self) -> BriefStatistics:
+        """The counts of :meth:`statistics` a status line shows, without its walks."""
+        used, capacity = self.pages.usage()
+        return BriefStatistics(
+            clients=len(self.sessions),
+            objects=len(self.directory.objects),
+            leases=len(self.leases),
+            used=used,
+            capacity=capacity,
+        )
 
     # ------------------------------------------------------------------ requests
     def handle(self, session: Session, op: str, raw_args: Any, daemon: Any = None) -> Any:

@@ -1,10 +1,11 @@
 """The daemon: one asyncio process serving the broker on a Unix socket.
 
-It owns the pools, the broker and the listening socket: start (lock, warm restart from the
-journal, pools), the periodic work (lease expiry, journal compaction, systemd status and
-watchdog), drain and shutdown, SIGHUP reload. Each connection is a
-:class:`~kvbroker._server.connection.Connection` (transport and framing); the state lives in
-:class:`~kvbroker._server.broker.Broker`.
+It serves what its start built (:class:`~kvbroker._server.startup.Started`: the pools, the
+broker, the listening socket; :class:`~kvbroker._server.startup.Startup` builds and frees
+them) and owns the rest: the connections, the fleet and the read replicas, the periodic work
+(lease expiry, journal compaction, systemd status and watchdog), drain and shutdown, SIGHUP
+reload. Each connection is a :class:`~kvbroker._server.connection.Connection` (transport and
+framing); the state lives in :class:`~kvbroker._server.broker.Broker`.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from .systemd import Notifier
 from .._wire.paths import format_size
 from .._wire.stats import Statistics
 from .pool import HostPool, pools_summary
-from .startup import DaemonError, Startup
+from .startup import DaemonError, Started, Startup
 from ..errors import BrokerUnavailable, KVBrokerError
 
 __all__ = ["DaemonConfig", "Daemon", "DaemonError", "run_daemon"]
@@ -46,7 +47,7 @@ RESTART_SIGNAL = signal.SIGUSR1
 
 
 class Daemon(OptionalParts):
-    """Owns the pools, the broker and the listening socket for one ``serve``."""
+    """Serves what its start built (the pools, the broker, the socket) for one ``serve``."""
 
     def __init__(
         self,
@@ -56,8 +57,9 @@ class Daemon(OptionalParts):
         reload_config: Callable[[], DaemonConfig] | None = None,
     ) -> None:
         self.config = config
-        self.startup = Startup(config)  # the lock, the pools, the socket file: its own
-        self.broker: Broker | None = None
+        self.startup = Startup(config)  # builds what the daemon serves from, and frees it
+        self.started: Started | None = None  # what it built, once the start got through
+        self.broker: Broker | None = None  # the started one
         self.connections: set[Connection] = set()
         # Connections waiting in a blocking claim, by the key they wait for; a connection
         # removes itself when its wait ends (answered, timed out, its peer gone).
@@ -88,9 +90,9 @@ class Daemon(OptionalParts):
         return self._loop
 
     @property
-    def pools(self) -> list[HostPool]:
+    def pools(self) -> tuple[HostPool, ...]:
         """The host pools this daemon serves (adopted or created by its start)."""
-        return self.startup.pools
+        return self.started.pools if self.started is not None else ()
 
     def note_activity(self) -> None:
         if self.config.busy_poll <= 0 or not self._cpu_spare:
@@ -178,7 +180,7 @@ class Daemon(OptionalParts):
             problems.append(problem)
             if pool.lost is None:
                 pool.lost = problem
-                held = sum(1 for o in self.broker.objects.values() if o.pool is pool)
+                held = self.broker.statistics(occupancy_cells=0).pools[pool.index].objects
                 log.error(
                     "POOL LOST: %s. Nothing new goes into pool %d; its %d object(s) "
                     "can no longer be mapped by new clients; restart the daemon "
@@ -204,7 +206,7 @@ class Daemon(OptionalParts):
         return sum(len(c) for c in self._waiters.values())
 
     def _on_sealed(self, key: tuple[str, str]) -> None:
-        disk, obj = self.broker.pages.tier, self.broker.objects.get(key)
+        disk, obj = self.started.disk, self.broker.objects.get(key)
         if disk is not None and obj is not None:  # a disk copy of an older object goes
             disk.sealed(obj)  # (evicted already by its own seal: its demotion replaced it)
         # Called inside the seal's request: the waiters claim from the loop, just after.
@@ -228,14 +230,8 @@ class Daemon(OptionalParts):
     def keeps_pools(self) -> bool:
         """Whether this daemon, once stopped, leaves its pools and their journal to the next
         one (a restart, or keep_pools_on_exit) rather than freeing them."""
-        journal = self.broker.journal if self.broker is not None else None
-        # A start that fails after adopting pools leaves them as it found them.
         wanted = self._restart or self.config.keep_pools_on_exit
-        return (
-            (wanted or (self.startup.adopted and not self._serving))
-            and journal is not None
-            and not journal.failed
-        )
+        return self.startup.keeps(wanted, serving=self._serving)
 
     async def serve(
         self,
@@ -252,23 +248,13 @@ class Daemon(OptionalParts):
         self._force_stop = asyncio.Event()
         tasks: list[asyncio.Task] = []
         try:
-            lock = listen_socket is None
-            start = self.startup
-            if listen_socket is None:
-                listen_socket = start.activated_socket()
-            if lock:
-                start.acquire_lock()
-            self.broker = start.start_broker()
-            self.broker.on_sealed = self._on_sealed
-            self._start_disk()
-            if self.config.gpu_ring:
-                start.open_rings(self.broker, self._on_sealed)
+            started = self.startup.start(listen_socket, self._on_sealed)
+            self.started, self.broker = started, started.broker  # what it serves from
             apply_to_owners(self.config, self.owners())  # each copy its Key declares
             await self._start_fleet()
-            if start.lock_fd is not None:
-                start.write_lock_record()
-            sock = listen_socket if listen_socket is not None else start.bind()
-            self._server = await loop.create_unix_server(lambda: Connection(self), sock=sock)
+            self._server = await loop.create_unix_server(
+                lambda: Connection(self), sock=started.sock
+            )
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self.request_stop)
             loop.add_signal_handler(RESTART_SIGNAL, self.request_stop, True)
@@ -315,16 +301,17 @@ class Daemon(OptionalParts):
 
     def summary(self) -> str:
         """One line for systemd's STATUS= (shown by ``systemctl status``)."""
-        b = self.broker
-        if b is None:
+        if self.broker is None:
             return "starting"
-        used = sum(p.allocator.used * p.page_size for p in self.pools)
-        cap = sum(p.size for p in self.pools)
+        s = self.broker.brief_statistics()
         state = "draining" if self.draining else "serving"
         return (
-            f"{state}: {len(b.sessions)} client(s), {len(b.objects)} object(s), "
-            f"{len(b.leases)} lease(s), {format_size(used)} of {format_size(cap)} used"
+            f"{state}: {s.clients} client(s), {s.objects} object(s), {s.leases} lease(s), "
+            f"{format_size(s.used)} of {format_size(s.capacity)} used"
         )
+
+    def _leases(self) -> int:
+        return self.broker.brief_statistics().leases if self.broker is not None else 0
 
     def statistics_threadsafe(self, timeout: float = 5.0) -> Statistics:
         """Broker.statistics() taken on the event loop, for callers in other threads
@@ -363,7 +350,7 @@ class Daemon(OptionalParts):
         self.replicas.stop()
         for conn in list(self.connections):
             conn.cancel_wait(BrokerUnavailable.code, "kvbroker is shutting down")
-        held = len(self.broker.leases) if self.broker else 0
+        held = self._leases()
         self.notifier.stopping(self.summary())
         if self._restart and not self.keeps_pools:
             log.warning(
@@ -385,21 +372,21 @@ class Daemon(OptionalParts):
             keep,
         )
         deadline = self._loop.time() + self.config.drain_timeout
-        while self.broker.leases and not self._force_stop.is_set():
+        while self._leases() and not self._force_stop.is_set():
             remaining = deadline - self._loop.time()
             if remaining <= 0:
                 log.warning(
                     "drain timed out after %gs: ending %d lease(s) still held",
                     self.config.drain_timeout,
-                    len(self.broker.leases),
+                    self._leases(),
                 )
                 return
             try:
                 await asyncio.wait_for(self._force_stop.wait(), min(0.05, remaining))
             except asyncio.TimeoutError:
                 pass
-        if self.broker.leases:
-            log.warning("stopping now: ending %d lease(s) still held", len(self.broker.leases))
+        if self._leases():
+            log.warning("stopping now: ending %d lease(s) still held", self._leases())
         else:
             log.info("drained: every lease ended")
 
@@ -441,8 +428,9 @@ class Daemon(OptionalParts):
             return
         old = self.config
         # What changes where is declared with each setting (kvbroker._server.config).
+        activated = self.started is not None and self.started.activated
         changed, restart = reload_into(
-            old, new, self.owners(), keep=("socket_path",) if self.startup.activated else ()
+            old, new, self.owners(), keep=("socket_path",) if activated else ()
         )
         for name, before, after in restart:  # the socket under activation is kvbroker.socket's
             log.warning(
@@ -479,7 +467,7 @@ class Daemon(OptionalParts):
                 self.broker.retention.expire()  # sessions whose time passed
             except Exception:
                 log.exception("lease expiry failed")
-            disk = self.broker.pages.tier
+            disk = self.started.disk
             if disk is not None:  # write back what the pools will evict next
                 disk.kick()
                 if ticks % 10 == 0:
@@ -506,39 +494,15 @@ class Daemon(OptionalParts):
             conn.connection_lost(None)
         if self._server is not None:
             await self._server.wait_closed()
+        elif self.started is not None:  # a start refused before serving on it
+            self.started.sock.close()
         if self.fleet is not None:  # before the pools go: NIXL has them registered
             try:
                 await self.fleet.close()
             except Exception:
                 log.exception("stopping the fleet service failed")
             self.fleet = None
-        disk = self.broker.pages.tier if self.broker is not None else None
-        if disk is not None:  # writes in flight end (they read the pools), the index synced
-            try:
-                await disk.drain()
-            except Exception:
-                log.exception("finishing the disk tier's writes failed")
-            disk.close()
-        if self.broker is not None and self.broker.rings is not None:
-            self.broker.rings.close()  # every connection is gone: no lease holds a region
-            self.broker.attach_rings(None)
-        journal = self.broker.journal if self.broker is not None else None
-        kept = self.keeps_pools
-        if kept:
-            # Every lease has ended: what is left is the sealed objects, for the next daemon.
-            self.broker.compact_journal()
-            journal.close()
-            log.info(
-                "kept %d pool(s) and %d object(s) for the next daemon",
-                len(self.pools),
-                len(self.broker.objects),
-            )
-        else:
-            if journal is not None:
-                journal.remove()
-            for pool in self.pools:
-                pool.unlink()
-        self.startup.release_lock(kept)
+        await self.startup.stop(self.keeps_pools)  # what the start built: pools, broker...
         log.info("stopped")
 
 

@@ -271,6 +271,11 @@ class Pages:
             yield idx, start, charges
 
     # ------------------------------------------------------------------ statistics
+    def usage(self) -> tuple[int, int]:
+        """Bytes in use and bytes in all, over every pool (no walk over pages)."""
+        used = sum(p.allocator.used * p.page_size for p in self.pools)
+        return used, sum(p.size for p in self.pools)
+
     def statistics(
         self, occupancy_cells: int = 64, pinned: set[int] = frozenset()
     ) -> tuple[PoolStatistics, ...]:

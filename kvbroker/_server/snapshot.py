@@ -38,9 +38,22 @@ from .directory import DirectoryStatistics
 from .leases import LeaseStatistics
 from .state import Session
 
-__all__ = ["as_seen_by", "compose"]
+__all__ = ["BriefStatistics", "as_seen_by", "compose"]
 
 _MAX_NAMESPACES = 1000  # rows of per-namespace usage in a snapshot
+
+
+@dataclasses.dataclass(frozen=True)
+class BriefStatistics:
+    """A few figures of :class:`Statistics`, each owner's count taken in constant time: for
+    systemd's status line every few seconds, where ``statistics()`` walks every object
+    (0.2 s for 200,000 of them)."""
+
+    clients: int  # sessions, the daemon's own (the disk tier's promoter) included
+    objects: int  # sealed
+    leases: int  # read and write
+    used: int  # bytes of the pools in use
+    capacity: int  # bytes of the pools
 
 
 def compose(

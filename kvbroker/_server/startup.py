@@ -1,10 +1,12 @@
 """How a daemon starts: the socket's lock, the warm restart from a journal (or a cold start),
-the pools, the GPU rings and the listening socket (bound, or passed by systemd).
+the pools, the broker, the disk tier, the GPU rings and the listening socket (bound, or passed
+by systemd), and how what a start built is freed.
 
 :class:`Startup` owns what a start sets up until the daemon's shutdown undoes it: the lock
-file (and what the previous daemon left in it), the pools, whether they were adopted, the
-socket file. ``Daemon.serve`` calls its steps in order and takes what each returns (the
-broker, the rings, the listening socket); it reads the rest through its attributes.
+file (and what the previous daemon left in it), the pools, the broker and its journal, the
+disk tier, the rings, the socket file. :meth:`Startup.start` returns them as one
+:class:`Started`, which ``Daemon.serve`` takes in one place and serves from;
+:meth:`Startup.stop` frees them (all of them, or what a start that failed half-way built).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import os
 import socket
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .._wire.paths import format_size
@@ -28,7 +31,7 @@ from .systemd import listen_fds
 if TYPE_CHECKING:
     from .config import DaemonConfig
 
-__all__ = ["KEPT", "DaemonError", "Startup"]
+__all__ = ["KEPT", "DaemonError", "Started", "Startup"]
 
 log = logging.getLogger("kvbroker.daemon")
 
@@ -42,10 +45,26 @@ class DaemonError(Exception):
 KEPT = "kept"
 
 
+@dataclass(frozen=True)
+class Started:
+    """What a start built, which the daemon serves from (:meth:`Startup.start`); the
+    :class:`Startup` that built it frees it (:meth:`Startup.stop`)."""
+
+    broker: Broker  # with its journal when the daemon holds the socket's lock
+    pools: tuple[HostPool, ...]  # the broker's, adopted or created
+    # The clients' socket: bound by the start (not listening yet: a client that comes before
+    # the daemon serves is refused, not kept waiting), or passed by systemd or the caller.
+    sock: socket.socket
+    adopted: bool  # the pools and objects are a previous daemon's (a warm restart)
+    activated: bool  # the socket is systemd's: its path is not ours to set
+    rings: Any = None  # kvbroker._server.rings.RingService, with gpu_ring
+    disk: Any = None  # kvbroker._server.disk_tier.DiskTier, with [tier.disk]
+
+
 class Startup:
     """What a daemon's start sets up, and owns until its shutdown: the socket's lock (and
     what the previous daemon left in the lock file), the pools (adopted or created), the
-    socket file it bound."""
+    broker and its journal, the disk tier, the GPU rings, the socket file it bound."""
 
     def __init__(self, config: DaemonConfig) -> None:
         self.config = config
@@ -56,8 +75,78 @@ class Startup:
         self.adopted = False  # this daemon took over a previous one's pools
         self.activated = False  # serving a socket systemd passed: its path is not ours to set
         self.owns_socket_file = False
+        self.broker: Broker | None = None
+        self.disk: Any = None
+        self.rings: Any = None
+
+    def start(
+        self,
+        listen_socket: socket.socket | None,
+        on_sealed: Callable[[tuple[str, str]], None],
+    ) -> Started:
+        """Owns, until :meth:`stop` (also when it raises half-way): the socket's lock (unless
+        the caller passes ``listen_socket``), the pools, the broker and its journal, the disk
+        tier, the GPU rings, the socket file it binds; ``on_sealed`` hears every seal."""
+        lock = listen_socket is None
+        if listen_socket is None:
+            listen_socket = self.activated_socket()
+        if lock:
+            self.acquire_lock()
+        broker = self.broker = self.start_broker()
+        broker.on_sealed = on_sealed
+        self.disk = self.start_disk(broker)
+        if self.config.gpu_ring:
+            self.rings = self.open_rings(broker, on_sealed)
+        if self.lock_fd is not None:
+            self.write_lock_record()
+        sock = listen_socket if listen_socket is not None else self.bind()
+        return Started(
+            broker, tuple(self.pools), sock, self.adopted, self.activated, self.rings, self.disk
+        )
+
+    def keeps(self, wanted: bool, serving: bool) -> bool:
+        """Whether :meth:`stop` leaves the pools and their journal to the next daemon: when
+        ``wanted`` (a restart, keep_pools_on_exit), or when it adopted them and never got to
+        ``serving`` (a start that fails leaves them as it found them); only with a journal
+        that works."""
+        journal = self.broker.journal if self.broker is not None else None
+        keep = wanted or (self.adopted and not serving)
+        return keep and journal is not None and not journal.failed
+
+    async def stop(self, kept: bool) -> None:
+        """Frees what the start built (every connection gone): the disk tier's writes and
+        files, the rings, the journal (``kept``: compacted and closed for the next daemon,
+        else removed), the pools (unless ``kept``), the lock and the socket file."""
+        broker, disk, rings = self.broker, self.disk, self.rings
+        self.disk = self.rings = None
+        if disk is not None:  # writes in flight end (they read the pools), the index synced
+            try:
+                await disk.drain()
+            except Exception:
+                log.exception("finishing the disk tier's writes failed")
+            disk.close()
+        if rings is not None:
+            rings.close()  # no lease holds a region any more
+            broker.attach_rings(None)
+        journal = broker.journal if broker is not None else None
+        if kept:
+            # Every lease has ended: what is left is the sealed objects, for the next daemon.
+            broker.compact_journal()
+            journal.close()
+            log.info(
+                "kept %d pool(s) and %d object(s) for the next daemon",
+                len(self.pools),
+                broker.brief_statistics().objects,
+            )
+        else:
+            if journal is not None:
+                journal.remove()
+            for pool in self.pools:
+                pool.unlink()
+        self.release_lock(kept)
 
     def acquire_lock(self) -> None:
+        """Owns: the socket's lock (``<socket>.lock``), and what its last holder left in it."""
         path = self.config.socket_path
         parent = os.path.dirname(os.path.abspath(path))
         os.makedirs(parent, exist_ok=True)
@@ -91,6 +180,7 @@ class Startup:
         self.lock_fd = fd
 
     def drop_segments(self, names, keep=()) -> None:
+        """Frees: the shared memory segments ``names`` a previous daemon left (not ``keep``)."""
         for name in names:
             if name in keep or not os.path.exists("/dev/shm" + name):
                 continue
@@ -113,8 +203,9 @@ class Startup:
         raise DaemonError(refusal)
 
     def start_broker(self) -> Broker:
-        """Pools and broker: adopted from the journal a previous daemon left (warm restart),
-        or fresh. Only a daemon holding the socket's lock keeps a journal."""
+        """Owns: the pools and the broker (with its journal), adopted from the journal a previous
+        daemon left (warm restart), or fresh. Only a daemon holding the socket's lock keeps a
+        journal."""
         cfg = self.config
         recovered = None
         cold = cfg.cold or not cfg.journal
@@ -213,8 +304,9 @@ class Startup:
         return broker
 
     def adopt_pools(self, rec) -> bool:
-        """Map the recovered geometry onto pools; False (start cold) when the segments are
-        gone, DaemonError when the configuration asks for different pools."""
+        """Owns: the previous daemon's pools, mapped from the recovered geometry; False (start
+        cold) when the segments are gone, DaemonError when the configuration asks for
+        different pools."""
         cfg = self.config
         tenants = list(cfg.tenant_pools)
         old = rec.pools
@@ -274,11 +366,13 @@ class Startup:
         return True
 
     def write_lock_record(self) -> None:
+        """The lock file says who holds it and which segments are its (for a successor)."""
         record = "\n".join([str(os.getpid())] + [p.name for p in self.pools]) + "\n"
         os.ftruncate(self.lock_fd, 0)
         os.pwrite(self.lock_fd, record.encode(), 0)
 
     def bind(self) -> socket.socket:
+        """Owns: the socket file, bound at the configured path (a stale one is replaced)."""
         path = self.config.socket_path
         if os.path.exists(path):
             probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -301,11 +395,12 @@ class Startup:
         if self.config.group is not None:
             os.chown(path, -1, self.config.group)
             os.chmod(path, 0o660)
-        sock.listen(512)
+        # No listen() here: the daemon's server listens once everything else has started.
         sock.setblocking(False)
         return sock
 
     def create_pools(self) -> None:
+        """Owns: new pools (the shared ones, then one per tenant pool)."""
         cfg = self.config
         size = cfg.resolved_pool_size()
         prefix = segment_prefix()
@@ -329,13 +424,59 @@ class Startup:
                 )
             )
 
+    def start_disk(self, broker: Broker) -> Any:
+        """Owns: the disk tier ([tier.disk], kvbroker._server.disk_tier) when configured (else
+        None), linked to ``broker``: its index read back, the pools' objects it holds a copy
+        of (a warm restart) known."""
+        if not self.config.tier_disk_directories:
+            unused = self.config.disk_settings_unused()
+            if unused:  # asked for a tier, silently getting none would mislead
+                log.warning(
+                    "%s set, but no [tier.disk] directories: no disk tier", ", ".join(unused)
+                )
+            return None
+        from . import disk_link
+
+        quotas = broker.accounts
+
+        def quota_of(account: Any) -> int | None:  # its share of the pools ([quotas])
+            q = quotas.quotas
+            return q.limit(account) if isinstance(account, str) else q.tenant_limit(account)
+
+        disk = disk_link.start(self.config, broker.pools, quota_of)
+        s = broker.open_session(os.getpid(), os.getuid(), os.getgid())
+        s.name, s.role, s.greeted = "disk tier", "promoter", True
+        disk.bind(
+            disk_link.DiskLink(
+                directory=broker.directory,
+                free_object=broker._free_object,
+                reserve_extent=broker.reserve_extent,
+                seal=broker.seal_all,
+                live=broker.leases.__contains__,
+                discard=lambda ls: broker.abort(ls, "its promotion from disk failed"),
+                session=s,
+                ttl=broker.leases.max_lease_ttl,
+            )
+        )
+        disk.adopt_pool_objects(broker.directory.in_namespace(None))
+        broker.pages.tier = disk
+        st = disk.statistics()
+        log.info(
+            "disk tier: %s in %s (%s), %d object(s) on disk",
+            format_size(st.capacity),
+            ", ".join(st.directories),
+            "O_DIRECT" if st.o_direct else f"buffered: {st.o_direct_problem or 'o_direct = false'}",
+            st.objects,
+        )
+        return disk
+
     def open_rings(self, broker: Broker, on_sealed: Callable[[tuple[str, str]], None]) -> Any:
-        """The GPU staging rings (kvbroker._server.rings.RingService), lending ids from
+        """Owns: the GPU staging rings (kvbroker._server.rings.RingService), lending ids from
         ``broker``'s registry, attached to it."""
         from .rings import RingService, open_backend
 
         backend = open_backend()
-        # (its settings, object_ttl among them, come from their Keys: config.apply_to_owners)
+        # (its settings, object_ttl among them, come from their Keys: the daemon applies them)
         rings = RingService(
             backend, self.config.gpu_ring, on_sealed=on_sealed, registry=broker.registry
         )
@@ -370,6 +511,7 @@ class Startup:
         self.lock_fd = None
 
     def activated_socket(self) -> socket.socket | None:
+        """The socket systemd passed (socket activation), if any; the others it closes."""
         socks = listen_fds()
         if not socks:
             return None
