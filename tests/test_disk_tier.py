@@ -636,3 +636,42 @@ def test_consume_claims_released_since_the_write_are_kept_across_a_restart(dirs)
         rig.close()
 
     _run(main())
+
+
+@pytest.mark.parametrize("kind", [0, 1])
+def test_pool_pages_hash_what_a_mapping_would_and_refuse_a_truncated_pool(tmp_path, kind):
+    """PoolPages.matches (what the daemon checks pulled and restored bytes with, never
+    through a mapping) agrees with checksum.matches over chunk edges for both kinds, sees a
+    flipped bit, and says PoolUnusable, not SIGBUS, for bytes a truncation took."""
+    from kvbroker._wire import checksum
+    from kvbroker._server.disk_store import PoolUnusable
+
+    chunk = checksum.CHUNK
+    data = bytearray(os.urandom(3 * chunk + 4096))
+    path = tmp_path / "segment"
+    path.write_bytes(data)
+    pages = PoolPages(0, os.open(path, os.O_RDWR), len(data))
+    try:
+        for off, n in [(0, 0), (5, 1), (0, chunk), (4096, chunk + 241), (1, 3 * chunk)]:
+            value = (checksum.legacy_digest if kind == 0 else checksum.digest)(data[off : off + n])
+            recorded = checksum.encode(value, kind)
+            assert checksum.matches(data[off : off + n], recorded)
+            assert pages.matches(off, n, recorded)
+            if n:
+                flipped = bytearray(data[off : off + n])
+                flipped[n // 2] ^= 1
+                assert not pages.matches(
+                    off,
+                    n,
+                    checksum.encode(
+                        (checksum.legacy_digest if kind == 0 else checksum.digest)(flipped), kind
+                    ),
+                )
+        os.truncate(path, 2 * chunk)
+        recorded = checksum.encode(checksum.digest(data[chunk : 3 * chunk]))
+        with pytest.raises(PoolUnusable, match="pool 0 cannot be read at"):
+            pages.matches(chunk, 2 * chunk, recorded)
+        with pytest.raises(PoolUnusable, match="truncated"):
+            pages.check()
+    finally:
+        pages.close()

@@ -377,3 +377,72 @@ def test_restore_keeps_the_later_of_two_overlapping_records(tmp_path, later_star
         assert allocator.used == 8 and allocator.free == 24  # the earlier one's pages freed
     finally:
         pool.unlink()
+
+
+_TRUNCATED_RESTORE = """
+import json, mmap, os, sys
+import posix_ipc
+from kvbroker._server.broker import Broker
+from kvbroker._server.journal import Journal
+from kvbroker._server.pool import HostPool
+from kvbroker._wire.checksum import digest, encode
+
+name, path, size = sys.argv[1], sys.argv[2], 32 * 4096
+pool = HostPool(0, name, 1 << 20, 4096)
+try:
+    b = Broker([pool])
+    b.attach_journal(Journal(path, 1, [pool.describe()]), 1)
+    s = b.open_session()
+    b.handle(s, "hello", {"version": 1})
+    shm = posix_ipc.SharedMemory(name)
+    mm = mmap.mmap(shm.fd, pool.size)
+    shm.close_fd()
+    inside = []  # the keys whose bytes lie before the end the pool is truncated to
+    for i in range(6):
+        r = b.handle(s, "reserve", {"key": f"k{i}", "buffers": {"x": size}})
+        off = r["buffers"]["x"][1]
+        if off + size <= 3 * size:
+            inside.append(f"k{i}")
+        mm[off : off + size] = bytes([i + 1]) * size
+        sums = {"x": encode(digest(mm[off : off + size]))}
+        b.handle(s, "seal", {"lease": r["lease"], "checksums": sums})
+    b.journal.close()
+    mm.close()
+    rec = Journal.load(path)
+    adopted = HostPool.adopt(0, name, pool.size, 4096)  # its size is checked here...
+    os.truncate("/dev/shm" + name, 3 * size)  # ...then a member of its group truncates it
+    b2 = Broker([adopted])
+    report = {}
+    b2.restore(rec.objects.values(), [], report=report, verify=True)
+    kept = sorted(k for _, k in b2.objects)
+    print(json.dumps({"kept": kept, "inside": inside, "report": report}))
+finally:
+    pool.unlink()
+"""
+
+
+def test_a_pool_truncated_under_a_verifying_restore_does_not_kill_the_daemon(tmp_path):
+    """A damaged journal's restore hashes the objects' bytes again. A group member may
+    truncate a shared pool after the daemon adopted it (its size checked): the bytes are
+    read with pread, so the objects past the new end are dropped, explained, and the others
+    kept; the daemon starts. Before, it mapped the segment: the mapping of a segment
+    truncated already failed (ValueError: the daemon refused to start, its journal called
+    inconsistent), one truncated while it hashed was a SIGBUS."""
+    import json
+    import subprocess
+    import sys
+
+    name = segment_prefix() + ".truncated"
+    run = subprocess.run(
+        [sys.executable, "-c", _TRUNCATED_RESTORE, name, str(tmp_path / "j")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, (run.returncode, run.stderr[-2000:])
+    out = json.loads(run.stdout)
+    assert 0 < len(out["inside"]) < 6 and out["kept"] == out["inside"]
+    (why,) = out["report"]
+    assert why == "its pool was truncated, so its bytes cannot be read", why
+    outside = sorted(f"default/k{i}" for i in range(6) if f"k{i}" not in out["inside"])
+    assert sorted(out["report"][why]) == outside

@@ -52,7 +52,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
+import xxhash
 
+from .._wire import checksum
 from ..errors import KVBrokerError
 from .allocator import ExtentAllocator
 
@@ -131,6 +133,12 @@ class PoolPages:
         size = os.fstat(self.fd).st_size
         return PoolUnusable(f"pool {self.index} {what}: it holds {size} of its {self.size} bytes")
 
+    def check(self) -> None:
+        """PoolUnusable when the segment is not its size (truncated). Only a check at this
+        moment: what goes through a mapping afterwards can still meet a truncation."""
+        if os.fstat(self.fd).st_size != self.size:
+            raise self._lost("is truncated")
+
     def read(self, offset: int, view: memoryview) -> None:
         """Fill ``view`` from the pool's bytes at ``offset``; PoolUnusable when they are not
         all there (the segment was truncated)."""
@@ -140,10 +148,29 @@ class PoolPages:
     def write(self, offset: int, view: memoryview) -> None:
         """Write ``view`` into the pool at ``offset``; PoolUnusable when the segment is not
         its size (a write past the end of a truncated one would grow it again)."""
-        if os.fstat(self.fd).st_size != self.size:
-            raise self._lost("is truncated")
+        self.check()
         if _transfer(os.pwritev, self.fd, view, offset) != len(view):
             raise self._lost(f"cannot be written at {offset}")
+
+    def matches(self, offset: int, nbytes: int, recorded: Any) -> bool:
+        """Whether the pool's ``nbytes`` at ``offset`` hash to ``recorded`` (a checksum's
+        wire form, either kind): read a chunk at a time into a buffer of the caller's
+        thread's own, hashed while it is in cache. PoolUnusable when the bytes are not all
+        there; ValueError for a malformed ``recorded``."""
+        kind, value = checksum.parse(recorded)
+        legacy = xxhash.xxh3_64() if kind == checksum.KIND_XXH3 else None
+        digests = []
+        buf = bytearray(min(nbytes, checksum.CHUNK))
+        with memoryview(buf) as whole:
+            for at in range(0, nbytes, checksum.CHUNK):
+                with whole[: min(checksum.CHUNK, nbytes - at)] as chunk:
+                    self.read(offset + at, chunk)
+                    if legacy is not None:
+                        legacy.update(chunk)
+                    else:
+                        digests.append(checksum.chunk_digest(chunk))
+        got = legacy.intdigest() if legacy is not None else checksum.combine(nbytes, digests)
+        return got == value
 
     def close(self) -> None:
         if self.fd >= 0:

@@ -161,13 +161,13 @@ def _verify(objs: list, drop: Callable[..., None]) -> list:
     """The objects whose checksummed bytes still match (each buffer hashed again). Objects
     without checksums cannot be vouched for after a damaged journal (a lost unlink record
     leaves no trace when the pages' later owner is gone too): dropped."""
-    import mmap
-
     import posix_ipc
 
-    from .._wire.checksum import matches
+    from .disk_store import PoolPages, PoolUnusable
 
-    maps: dict[int, Any] = {}
+    # pread on the segment, never a mapping: a group member may truncate a shared pool,
+    # and a load past its end would be a SIGBUS that keeps the daemon from starting
+    opened: dict[int, PoolPages | None] = {}
     out = []
     try:
         for obj, parent in objs:
@@ -178,20 +178,15 @@ def _verify(objs: list, drop: Callable[..., None]) -> list:
                     obj.serial,
                 )
                 continue
-            m = maps.get(obj.pool.index)
-            if m is None:
+            if obj.pool.index not in opened:
                 try:
                     shm = posix_ipc.SharedMemory(obj.pool.name, posix_ipc.O_RDONLY, read_only=True)
                 except posix_ipc.PermissionsError:  # a tenant's pool, its user's alone
-                    m = maps[obj.pool.index] = None
+                    opened[obj.pool.index] = None
                 else:
-                    try:
-                        m = maps[obj.pool.index] = mmap.mmap(
-                            shm.fd, obj.pool.size, prot=mmap.PROT_READ
-                        )
-                    finally:
-                        shm.close_fd()
-            if m is None:
+                    opened[obj.pool.index] = PoolPages(obj.pool.index, shm.fd, obj.pool.size)
+            pages = opened[obj.pool.index]
+            if pages is None:
                 drop(
                     "its pool cannot be read by the daemon (a tenant pool owned by its "
                     "user), so its bytes cannot be checked",
@@ -199,14 +194,18 @@ def _verify(objs: list, drop: Callable[..., None]) -> list:
                     obj.serial,
                 )
                 continue
-            view = memoryview(m)
             try:
                 ok = all(
-                    _matches(matches, view[off : off + n], obj.checksums[name])
+                    _matches(pages, off, n, obj.checksums[name])
                     for name, (off, n) in obj.buffers.items()
                 )
-            finally:
-                view.release()
+            except PoolUnusable:
+                drop(
+                    "its pool was truncated, so its bytes cannot be read",
+                    f"{obj.namespace}/{obj.key}",
+                    obj.serial,
+                )
+                continue
             if ok:
                 out.append((obj, parent))
             else:
@@ -216,9 +215,9 @@ def _verify(objs: list, drop: Callable[..., None]) -> list:
                     obj.serial,
                 )
     finally:
-        for m in maps.values():
-            if m is not None:
-                m.close()
+        for pages in opened.values():
+            if pages is not None:
+                pages.close()
     return out
 
 
@@ -249,10 +248,10 @@ def _disjoint(
     return out
 
 
-def _matches(matches, view, recorded) -> bool:
-    """Whether ``view`` hashes to ``recorded`` (either checksum kind); a malformed record
-    does not vouch for anything."""
+def _matches(pages, offset: int, nbytes: int, recorded) -> bool:
+    """Whether the pool's bytes hash to ``recorded`` (either checksum kind); a malformed
+    record does not vouch for anything."""
     try:
-        return matches(view, recorded)
+        return pages.matches(offset, nbytes, recorded)
     except ValueError:
         return False
