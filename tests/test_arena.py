@@ -30,6 +30,9 @@ from kvbroker.errors import BadRequest, Exists, Forbidden, LeaseExpired, NotFoun
 from kvbroker.errors import QuotaExceeded
 
 PAGE = 4096
+# An idle grown arena goes back after about _IDLE_GROWN (0.5 s); a loaded machine takes
+# longer, so the tests wait for it up to this bound.
+GIVE_BACK_BOUND = 60.0
 
 
 @pytest.fixture
@@ -382,6 +385,18 @@ def test_put_takes_one_round_trip_and_another_process_reads_it(daemon):
         assert calls == ["arena", "publish"] and bytes(r.get("k3")["x"]) == b"3"
 
 
+@pytest.fixture
+def no_idle_give_back(monkeypatch):
+    """For a test that counts a client's requests around a grown arena: the idle give-back
+    (after _IDLE_GROWN, 0.5 s, without a put) stays out of it, as a loaded machine can take
+    that long between two puts (an extra abort, or no abort where one was due)."""
+    from kvbroker._client import arena as A
+
+    # (not _IDLE_GROWN: the process's give-back thread sleeps a quarter of it between rounds,
+    # and would sleep on through the next tests)
+    monkeypatch.setattr(A.WriteArena, "give_back_if_idle", lambda arena, now: False)
+
+
 def _count_requests(client) -> list[str]:
     calls: list[str] = []
     real = client._session.request
@@ -393,7 +408,7 @@ def _bytes(c, key):
     return np.frombuffer(c.get(key, consume=True)["x"], np.uint8)
 
 
-def test_bigger_puts_grow_the_arena_then_take_one_round_trip(make_daemon):
+def test_bigger_puts_grow_the_arena_then_take_one_round_trip(make_daemon, no_idle_give_back):
     d = make_daemon("--pool-size", "256M", "--page-size", "4K")  # arenas up to 16 MiB
     d.wait_ready()
     data = {n: np.random.default_rng(n).integers(0, 256, n << 20, dtype=np.uint8) for n in (3, 12)}
@@ -450,7 +465,7 @@ def test_a_grown_arena_shrinks_back_after_a_run_of_small_puts(make_daemon):
         assert r.stat().pools[0].leased_write <= 2 << 20
 
 
-def test_growth_refused_keeps_an_arena_of_the_asked_size(make_daemon):
+def test_growth_refused_keeps_an_arena_of_the_asked_size(make_daemon, no_idle_give_back):
     """Arenas all together are at most 1/4 of the pools: a client whose bigger arena is
     refused goes back to one of arena_size (it gave its own back first), and asks to grow
     again only after a while."""
@@ -542,7 +557,9 @@ def test_threads_growing_one_client_lose_nothing(make_daemon):
                 assert np.array_equal(got, _data(i + n, n)), key
 
 
-def test_a_reserve_refused_for_room_gives_back_the_grown_arena(make_daemon, tmp_path):
+def test_a_reserve_refused_for_room_gives_back_the_grown_arena(
+    make_daemon, no_idle_give_back, tmp_path
+):
     """Under a 100 MiB quota, a 12 MiB put grows the arena to 24 MiB (12 MiB left, charged to
     the tenant); a 90 MiB put's reserve is refused (QuotaExceeded): the client gives its arena
     back and the reserve is asked again, and succeeds."""
@@ -573,7 +590,6 @@ def test_grown_arenas_of_idle_clients_go_back(make_daemon):
     and another client's 900 MiB put, which needs that room (arenas are not evictable; only
     896 MiB are not arenas), succeeds. An idle client's next put opens an arena of
     arena_size again."""
-    from kvbroker._client import arena as A
 
     d = make_daemon("--pool-size", "1G", "--page-size", "4K")
     d.wait_ready()
@@ -583,7 +599,7 @@ def test_grown_arenas_of_idle_clients_go_back(make_daemon):
             assert w.put(f"w{i}", {"x": np.ones(32 << 20, np.uint8)})
         other = stack.enter_context(d.client(arena_size=0))
         assert other.stat().pools[0].leased_write == 4 * (32 << 20)
-        deadline = time.monotonic() + 10 * A._IDLE_GROWN + 5
+        deadline = time.monotonic() + GIVE_BACK_BOUND
         while other.stat().pools[0].leased_write and time.monotonic() < deadline:
             time.sleep(0.05)
         assert other.stat().pools[0].leased_write == 0
@@ -593,7 +609,7 @@ def test_grown_arenas_of_idle_clients_go_back(make_daemon):
         assert calls == ["arena", "publish"] and writers[0]._arena.size == 2 << 20
 
 
-def test_a_put_of_an_existing_big_key_copies_at_most_once(make_daemon):
+def test_a_put_of_an_existing_big_key_copies_at_most_once(make_daemon, no_idle_give_back):
     """A put whose key exists learns it after copying into the arena: after one such put
     bigger than half of arena_size, puts that big reserve first (Exists, no copy)."""
     d = make_daemon("--pool-size", "512M", "--page-size", "4K")
@@ -651,7 +667,7 @@ def test_the_idle_give_back_survives_a_daemon_restart(tmp_path):
             time.sleep(4 * A._IDLE_GROWN)  # the give-back meets the broken connection
             assert w.put("big2", {"x": np.ones(6 << 20, np.uint8)})  # reconnects, grows
             with d.client(arena_size=0, map_pools=False) as r:
-                deadline = time.monotonic() + 10 * A._IDLE_GROWN + 5
+                deadline = time.monotonic() + GIVE_BACK_BOUND
                 while r.stat().pools[0].leased_write and time.monotonic() < deadline:
                     time.sleep(0.05)
                 assert r.stat().pools[0].leased_write == 0
@@ -665,7 +681,6 @@ def test_the_idle_give_back_survives_a_daemon_restart(tmp_path):
 def test_the_idle_give_back_never_reaches_a_newer_connection(tmp_path, monkeypatch):
     """The give-back of an arena whose connection was replaced meanwhile goes to the old
     connection (and fails there), never to the new one, where the same id may be a lease."""
-    from kvbroker._client import arena as A
     from kvbroker._client.session import Session
     from kvbroker.testing import DaemonProcess, drop_leftover_pools
 
@@ -687,7 +702,7 @@ def test_the_idle_give_back_never_reaches_a_newer_connection(tmp_path, monkeypat
                 return real(session, op, args)
 
             monkeypatch.setattr(Session, "post", post)
-            assert posted.wait(10 * A._IDLE_GROWN + 5)
+            assert posted.wait(GIVE_BACK_BOUND)
             assert d.stop() == 0
             drop_leftover_pools(sock)
             d = DaemonProcess(sock, *args)
@@ -708,7 +723,6 @@ def test_the_idle_give_back_never_reaches_a_newer_connection(tmp_path, monkeypat
 def test_an_idle_arena_goes_back_while_its_client_waits_in_a_claim(make_daemon):
     """``abort`` passes a waiting claim of the same connection, as releases do: a grown arena
     goes back while its client waits for a key another client has yet to put."""
-    from kvbroker._client import arena as A
 
     d = make_daemon("--pool-size", "256M", "--page-size", "4K")
     d.wait_ready()
@@ -717,7 +731,7 @@ def test_an_idle_arena_goes_back_while_its_client_waits_in_a_claim(make_daemon):
         held: list[int] = []
 
         def put_later():
-            deadline = time.monotonic() + 10 * A._IDLE_GROWN + 5
+            deadline = time.monotonic() + GIVE_BACK_BOUND
             while other.stat().pools[0].leased_write and time.monotonic() < deadline:
                 time.sleep(0.05)
             held.append(other.stat().pools[0].leased_write)
@@ -791,7 +805,7 @@ def test_a_forked_child_grows_and_gives_back_its_own_arenas(make_daemon):
                     assert c.put("child-small", {"x": b"s"})
                     assert c._arena.extent[2] <= 2 << 20
                     assert c.put("child-big", {"x": np.ones(6 << 20, np.uint8)})
-                    deadline = time.monotonic() + 10 * A._IDLE_GROWN + 5
+                    deadline = time.monotonic() + GIVE_BACK_BOUND
                     while c._arena.grown and time.monotonic() < deadline:
                         time.sleep(0.05)
                     assert not c._arena.grown
@@ -908,7 +922,9 @@ def test_sigkill_frees_the_arena(daemon):
         assert mid.pools[0].leased_write > 0  # the arena
         os.kill(p.pid, signal.SIGKILL)
         p.join(10)
-        deadline = time.monotonic() + 1.0
+        # The daemon ends the dead connection's arena when it reads the EOF: soon, but on a
+        # loaded machine not within any fixed second.
+        deadline = time.monotonic() + 60
         while c.stat().pools[0].leased_write and time.monotonic() < deadline:
             time.sleep(0.01)
         after = c.stat()

@@ -318,10 +318,10 @@ def extent_bytes(sizes: list[int]) -> int:
 
 def check_accounting(c: Client) -> None:
     """No lease, reservation or quarantine left; used pages are exactly the objects'."""
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60  # (bounds for a loaded machine, not expectations)
     while len(c.stat().clients) > 1 and time.monotonic() < deadline:
         time.sleep(0.02)  # the daemon is still closing the fuzzers' connections
-    while c.stat().pools[0].quarantined and time.monotonic() < deadline + 5:
+    while c.stat().pools[0].quarantined and time.monotonic() < deadline + 60:
         time.sleep(0.02)  # pages of fuzzers it cut off wait out restart_quarantine
     st = c.stat()
     assert len(st.clients) == 1

@@ -395,7 +395,10 @@ def test_an_evict_that_reads_every_buffer_name_does_not_stall_other_clients(make
 
         th = threading.Thread(target=honest)
         th.start()
-        time.sleep(0.2)
+        deadline = time.monotonic() + 60
+        while not waits:  # the honest client is answered before the evict starts
+            assert time.monotonic() < deadline, "the honest client got no answer"
+            time.sleep(0.01)
         t = time.perf_counter()
         result = c.evict(match_buffers="zzz")
         took = time.perf_counter() - t

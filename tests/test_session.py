@@ -61,7 +61,9 @@ def test_close_is_bounded_when_only_pushes_arrive():
     session.send_only("release", lease=7)
     started = time.monotonic()
     session.close(drain_timeout=0.2)
-    assert time.monotonic() - started < 2
+    # bounded (without the bound the pushes keep it reading forever); the margin is for a
+    # loaded machine, which can take longer than 2 s over a 0.2 s bound
+    assert time.monotonic() - started < 30
     assert session._stream.closed
 
 

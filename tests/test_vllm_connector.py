@@ -165,7 +165,10 @@ def test_daemon_down_lookups_return_zero_saves_are_skipped_then_it_reconnects(
 
     caplog.set_level(logging.WARNING, logger="kvbroker.integrations.vllm")
     socket = str(tmp_path / "none.sock")
-    both = _engine(model, socket, "kv_both", monkeypatch)
+    # Each failed connect doubles the links' backoff (from retry_min, 0.05 s): the longer a
+    # loaded machine takes over the steps while the daemon is down, the longer the wait
+    # before the next try. Capped at 0.1 s, the 0.2 s below is past it whatever that took.
+    both = _engine(model, socket, "kv_both", monkeypatch, extra={"retry_max": 0.1})
     started = time.monotonic()
     req, steps = _consume(both, P)
     assert time.monotonic() - started < 10
@@ -178,7 +181,7 @@ def test_daemon_down_lookups_return_zero_saves_are_skipped_then_it_reconnects(
         monkeypatch.setattr(both.connector._scheduler.link, "socket", d.socket_path)
         for w in both.workers:
             monkeypatch.setattr(w._worker.link, "socket", d.socket_path)
-        time.sleep(0.2)
+        time.sleep(0.2)  # past the links' backoff (retry_max)
         q = _tokens(3, 70)
         _req2, steps2 = _consume(both, q)
         assert _stat(steps2, "saved_blocks") == 3  # 2 blocks + tail
