@@ -369,7 +369,7 @@ def test_jobs_run_in_order_over_the_threads_a_split_allows():
 
         def job(i):
             if meet[0] and i in (0, 2, 4):
-                together.wait(timeout=5)  # the 3 shares' first jobs: passes if all run at once
+                together.wait(timeout=60)  # the 3 shares' first jobs: passes if all run at once
             return i, threading.get_ident()
 
         jobs = [lambda i=i: job(i) for i in range(7)]
@@ -384,7 +384,7 @@ def test_jobs_run_in_order_over_the_threads_a_split_allows():
             assert {t for _, t in e.run_jobs(jobs, nbytes)} == {threading.get_ident()}
         spare[0] = True
         pair = threading.Barrier(2)
-        two = [lambda: pair.wait(timeout=5) is not None and threading.get_ident()] * 2
+        two = [lambda: pair.wait(timeout=60) is not None and threading.get_ident()] * 2
         assert len(set(e.run_jobs(two, 7 * cs.CHUNK))) == 2  # as many shares as jobs, no more
         assert e.run_jobs([], 7 * cs.CHUNK) == []
     finally:

@@ -477,7 +477,7 @@ def test_another_uid_under_a_tenant_policy(open_dir_daemon, tmp_path):
 
     def tenant():
         out = {}
-        with Client(d.socket_path, timeout=5) as c:
+        with Client(d.socket_path, timeout=30) as c:
             out["own"] = c.put("k", {"a": b"mine"}, namespace=me)
             out["own_sub"] = c.put("k", {"a": b"mine"}, namespace=f"{me}/pd")
             out["got"] = bytes(c.get("k", namespace=me, verify=True)["a"]).decode()

@@ -26,7 +26,7 @@ def test_calls_during_reconnect_wait_for_the_complete_connection(daemon):
         if armed[0]:
             armed[0] = False
             in_window.set()
-            go_on.wait(10)
+            go_on.wait(60)
         return mapping(index)
 
     c._mapping = held_mapping
@@ -45,7 +45,7 @@ def test_calls_during_reconnect_wait_for_the_complete_connection(daemon):
 
     reconnecting = run(c.stat)
     reconnecting.start()
-    assert in_window.wait(10)
+    assert in_window.wait(60)
 
     got: dict = {}
 
@@ -57,8 +57,8 @@ def test_calls_during_reconnect_wait_for_the_complete_connection(daemon):
     other.start()
     other.join(0.5)  # with the bug it finishes here, on the half-made connection
     go_on.set()
-    reconnecting.join(15)
-    other.join(15)
+    reconnecting.join(60)
+    other.join(60)
     assert not errors, errors
     assert c.generation == 1
 
