@@ -1382,3 +1382,35 @@ def test_a_key_no_local_op_takes_is_never_pulled(forged, key):
             cb.claim(key, peer=owner.address)
         assert cb.stat().objects == 0
     assert owner.pins == pins
+
+
+@pytest.mark.parametrize("victim", ["owner", "puller"])
+def test_a_pool_truncated_under_a_pull_does_not_kill_either_daemon(fleet_dir, victim):
+    """A client that may map a pool may ftruncate it (a tenant its own tenant pool). NIXL
+    reads the owner's and writes the puller's pool through the daemons' mappings: the
+    owner refuses to pin an object of a truncated pool, the puller to read into one (both
+    TransferFailed, nothing sealed), and both daemons keep serving their other clients.
+    Before, the daemon whose pool was truncated died of SIGBUS (the owner under the peer's
+    READ, the puller under its own)."""
+    pa, pb = _free_port(), _free_port()
+    a = Node(fleet_dir, f"trunc-a-{victim}", port=pa, peers=[f"127.0.0.1:{pb}"], pool="16M")
+    b = Node(fleet_dir, f"trunc-b-{victim}", port=pb, peers=[a.address], pool="16M")
+    try:
+        x = _data(1 << 20, 9)
+        with a.client() as ca, b.client() as cb:
+            ca.put("k", {"x": x})
+            for p in (ca if victim == "owner" else cb).pools:
+                os.truncate("/dev/shm" + p["name"], 0)
+            match = "is not served: pool 0" if victim == "owner" else "pool 0 is truncated"
+            with pytest.raises(TransferFailed, match=match):
+                cb.claim("k", peer=a.address)
+        for node in (a, b):
+            assert node.proc.proc.poll() is None, node.proc.log()[-3000:]
+            with node.client(map_pools=False) as c:  # a client that comes after
+                assert c.ping()
+                assert c.exists("k") == (node is a)
+        assert b.stat().pending == 0 and b.stat().write_leases == 0
+        assert a.stat().transfer.leases_served == 0
+    finally:
+        assert b.stop() == 0, b.proc.log()[-3000:]
+        assert a.stop() == 0, a.proc.log()[-3000:]

@@ -58,6 +58,7 @@ from .fleet_events import EventFeed, announced, block_event_hash
 from .fleet_pull import PullSteps, _Peer
 from .fleet_serving import BrokerProvider
 from .pin_reply import looked_up
+from .disk_store import PoolPages
 from .pool import open_segment
 
 if TYPE_CHECKING:
@@ -92,7 +93,8 @@ class Fleet(PullSteps):
         self.server: transfer.PeerServer | None = None
         self.provider: BrokerProvider | None = None
         self.events: EventFeed | None = None
-        self._maps: list = []
+        self._maps: list = []  # each pool's mapping, registered with NIXL; never read here
+        self.pages: list[PoolPages] = []  # each pool's segment, read with pread
         self.bases: list[int] = []
         self._peers: dict[str, _Peer] = {}
         self._connecting: dict[str, asyncio.Task] = {}
@@ -168,7 +170,7 @@ class Fleet(PullSteps):
         self.session = s
         if cfg.transfer_listen is not None:
             host, port = cfg.transfer_listen
-            self.provider = BrokerProvider(self.broker, self.bases, cfg.transfer_serve)
+            self.provider = BrokerProvider(self.broker, self.bases, cfg.transfer_serve, self.pages)
             self.server = transfer.PeerServer(
                 self.provider,
                 tls=self._server_tls,
@@ -203,8 +205,12 @@ class Fleet(PullSteps):
                 ) from None
             try:
                 mm = mmap.mmap(shm.fd, pool.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-            finally:
+            except BaseException:
                 shm.close_fd()
+                raise
+            # The mapping is NIXL's (registered); the daemon's own reads go through the
+            # segment (a client may truncate it: a load past its end is a SIGBUS).
+            self.pages.append(PoolPages(pool.index, shm.fd, pool.size))
             view = np.frombuffer(mm, dtype=np.uint8)
             self._maps.append(view)
             self.bases.append(int(view.ctypes.data))
@@ -227,6 +233,9 @@ class Fleet(PullSteps):
             await self.events.close()
         self.broker.fleet = None
         self._maps.clear()
+        for pages in self.pages:
+            pages.close()
+        self.pages.clear()
 
     # -- peers ---------------------------------------------------------------------------------
     def configured(self, address: str) -> str:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from .._wire import checksum
 from ..errors import (
     BadRequest,
     ChecksumMismatch,
@@ -14,6 +13,7 @@ from ..errors import (
     TransferFailed,
 )
 from . import transfer
+from .disk_store import PoolUnusable
 from .pin_reply import Described
 
 
@@ -84,6 +84,12 @@ class PullSteps:
         """In a worker thread: one NIXL READ, then every buffer's checksum."""
         remote, local = [], []
         for lease, d in plans:
+            try:  # NIXL writes through the mapping: not into a pool a client truncated
+                self.pages[lease.obj.pool.index].check()
+            except PoolUnusable as exc:
+                raise TransferFailed(
+                    f"pull from peer {address}: {exc}; nothing was sealed"
+                ) from None
             base = self.bases[lease.obj.pool.index]
             remote += d.extents
             local += [(base + off, n) for off, n in lease.obj.buffers.values() if n]
@@ -95,13 +101,18 @@ class PullSteps:
             if sums is None:
                 continue  # sealed there without checksums: the fenced release still guards
             obj = lease.obj
-            base = obj.pool.index
-            bad = [
-                name
-                for name, (off, n) in obj.buffers.items()
-                if name not in sums
-                or not checksum.matches(self._maps[base][off : off + n], sums[name])
-            ]
+            pages = self.pages[obj.pool.index]
+            try:  # read from the segment, not the mapping: see PoolPages
+                bad = [
+                    name
+                    for name, (off, n) in obj.buffers.items()
+                    if name not in sums or not pages.matches(off, n, sums[name])
+                ]
+            except PoolUnusable as exc:
+                raise TransferFailed(
+                    f"{obj.namespace}/{obj.key} pulled from peer {address}: {exc}; "
+                    "nothing was sealed"
+                ) from None
             if bad:
                 raise ChecksumMismatch(
                     f"{obj.namespace}/{obj.key} pulled from peer {address}: buffer(s) "

@@ -19,8 +19,9 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from .._wire.protocol import MAX_BUFFERS
-from ..errors import BadRequest, Forbidden, LimitExceeded, NotFound
+from ..errors import BadRequest, Forbidden, LimitExceeded, NotFound, TransferFailed
 from .checks import check_name
+from .disk_store import PoolPages, PoolUnusable
 
 if TYPE_CHECKING:
     from .broker import Broker
@@ -45,9 +46,11 @@ class BrokerProvider:
         broker: Broker,
         bases: Sequence[int],
         serve: Sequence[tuple[str | None, str]] = ((None, "*"),),
+        pages: Sequence[PoolPages] = (),
     ) -> None:
         self.broker = broker
         self.bases = list(bases)  # address of each pool in this process
+        self.pages = list(pages)  # each pool's segment, to see that it was not truncated
         self.serve = tuple(serve)  # [transfer] serve: (peer host or None, namespace glob)
         self.sessions: dict[int, Session] = {}
         self.identities: dict[int, str] = {}  # connection -> the peer its certificate names
@@ -105,6 +108,24 @@ class BrokerProvider:
             s = self.sessions[peer]
         return s
 
+    def _usable(self, objs: list[StoredObject]) -> list[StoredObject]:
+        """The leading run of ``objs`` whose pools are whole; TransferFailed when the first
+        one's is not. The peer's NIXL READ goes through this daemon's mapping: a pool a
+        client truncated (a tenant may truncate its own) would be a SIGBUS here. Checked at
+        the pin only: a truncation during the READ still is (docs/security.md)."""
+        for i, obj in enumerate(objs):
+            if obj.pool.index >= len(self.pages):
+                continue
+            try:
+                self.pages[obj.pool.index].check()
+            except PoolUnusable as exc:
+                if i == 0:
+                    raise TransferFailed(
+                        f"{obj.namespace}/{obj.key} is not served: {exc}"
+                    ) from None
+                return objs[:i]
+        return objs
+
     def _describe(self, obj: StoredObject) -> dict:
         base = self.bases[obj.pool.index]
         first = obj.start * obj.pool.page_size
@@ -150,6 +171,7 @@ class BrokerProvider:
         if obj is None:
             b.counters["misses"] += 1
             raise NotFound(f"{namespace}/{key} is not published on this broker")
+        self._usable([obj])
         self._check_lease_limit(peer, s)
         b.directory.pin(obj)
         lease = b.leases.lend("read", s, obj, ttl, consume=consume)
@@ -173,6 +195,7 @@ class BrokerProvider:
             found.append(obj)
         if not found:
             return {"lease": None, "ttl": 0.0, "objects": []}
+        found = self._usable(found)
         self._check_lease_limit(peer, s)
         lease = b.match(s, found, ttl)[0]
         self.pins_served += 1
