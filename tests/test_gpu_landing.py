@@ -54,7 +54,7 @@ def test_the_lease_is_released_after_the_copies_land_then_after_runs():
     with pytest.raises(TimeoutError):
         landing.finish(timeout=0.05)
     done.gate.set()
-    landing.finish(timeout=5)
+    landing.finish(timeout=60)
     assert landing.landed and landing.finished
     assert log == [("release", "a", True), ("after", "a")]
     f.close()
@@ -67,7 +67,7 @@ def test_a_failed_copy_releases_without_consuming_skips_after_and_finish_raises(
     f.submit(landing)
     done.gate.set()
     with pytest.raises(RuntimeError, match="illegal memory access"):
-        landing.finish(timeout=5)
+        landing.finish(timeout=60)
     assert log == [("release", "bad", False)]
     f.close()
 
@@ -81,9 +81,9 @@ def test_a_failed_release_is_kept_for_finish_and_the_next_landing_still_complete
     f.submit(second)
     d1.gate.set()
     d2.gate.set()
-    second.finish(timeout=5)
+    second.finish(timeout=60)
     with pytest.raises(KVBrokerError, match="went away"):
-        first.finish(timeout=5)
+        first.finish(timeout=60)
     assert ("after", "first") not in log  # not counted: its release failed
     assert log[-2:] == [("release", "second", True), ("after", "second")]
     f.close()
@@ -101,7 +101,7 @@ def test_close_completes_every_queued_landing_in_order_and_refuses_new_ones():
     assert closer.is_alive()  # close waits: the copies still read the pools
     for _, done in reversed(landings):
         done.gate.set()
-    closer.join(5)
+    closer.join(60)
     assert not closer.is_alive()
     assert [e[1] for e in log if e[0] == "release"] == ["x", "y", "z"]
     assert all(landing.finished for landing, _ in landings)
@@ -124,12 +124,12 @@ def test_cancel_after_drops_what_has_not_run_yet_and_says_when_it_is_too_late():
     f.submit(first)
     assert first.cancel_after() is True  # the caller failed after handing the lease over
     d1.gate.set()
-    first.finish(timeout=5)
+    first.finish(timeout=60)
     assert log == [("release", "cancelled", True)]  # released once landed, nothing counted
     second, d2 = _landing(log, "ran")
     f.submit(second)
     d2.gate.set()
-    second.finish(timeout=5)
+    second.finish(timeout=60)
     assert second.cancel_after() is False  # too late: it ran
     assert log[-1] == ("after", "ran")
     f.close()
@@ -141,7 +141,7 @@ def test_a_finisher_that_cannot_make_its_device_current_still_completes_every_la
     landing, done = _landing(log, "still")
     f.submit(landing)
     done.gate.set()
-    landing.finish(timeout=5)  # a finisher thread that died here would leave this hanging
+    landing.finish(timeout=60)  # a finisher thread that died here would leave this hanging
     assert log == [("release", "still", True), ("after", "still")]
     assert "cannot make cuda:99 current" in caplog.text
     f.close()
@@ -166,6 +166,6 @@ def test_a_finisher_whose_thread_could_not_start_starts_one_at_the_next_landing(
     second, done = _landing(log, "served")
     f.submit(second)
     done.gate.set()
-    second.finish(timeout=5)
+    second.finish(timeout=60)
     assert log == [("release", "served", True), ("after", "served")]
     f.close()  # joins the thread that did start
