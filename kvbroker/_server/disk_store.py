@@ -113,6 +113,9 @@ def probe_direct(directory: str) -> str | None:
         buf.close()
 
 
+_hash_buffers = threading.local()  # PoolPages.matches' chunk buffer, per thread
+
+
 class PoolUnusable(OSError):
     """A pool's segment is not what the daemon made (truncated): its pages cannot be moved;
     the disk copies are not at fault."""
@@ -160,7 +163,9 @@ class PoolPages:
         kind, value = checksum.parse(recorded)
         legacy = xxhash.xxh3_64() if kind == checksum.KIND_XXH3 else None
         digests = []
-        buf = bytearray(min(nbytes, checksum.CHUNK))
+        buf = getattr(_hash_buffers, "buf", None)
+        if buf is None:  # one per thread, kept: a fresh one is a page fault per 4 KiB
+            buf = _hash_buffers.buf = bytearray(checksum.CHUNK)
         with memoryview(buf) as whole:
             for at in range(0, nbytes, checksum.CHUNK):
                 with whole[: min(checksum.CHUNK, nbytes - at)] as chunk:
