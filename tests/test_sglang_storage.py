@@ -354,7 +354,8 @@ def test_hybrid_pools_are_misses_not_errors_when_they_cannot_be_served(tmp_path,
     in SGLang's v2 calls, never an exception in its storage threads."""
     a, b = engines
     sock = str(tmp_path / "hy.sock")
-    create(a, "hy-down", sock, hybrid=True, retry_min=0.2, retry_max=0.2, timeout=1)
+    # (the call timeout is no part of this test: a down daemon is refused at connect)
+    create(a, "hy-down", sock, hybrid=True, retry_min=0.2, retry_max=0.2, timeout=30)
     hashes = page_hashes(3, "hy-down")
     down = a.call("hybrid_set", rank="hy-down", hashes=hashes, **span(0, 1, 4))
     assert down["results"] == {"kv": [False] * 3, "mamba": [False], "swa": [False, False]}
@@ -409,7 +410,9 @@ def test_stats_and_clear(daemon, engines):
 def test_daemon_down_then_up_costs_misses_and_skipped_writes_only(tmp_path, engines):
     a, _ = engines
     sock = str(tmp_path / "later.sock")
-    create(a, "down", sock, retry_min=0.2, retry_max=0.2, timeout=1)
+    # A call timeout of 1 s was one a loaded machine's daemon could miss when it was up (a
+    # miss where a hit is expected); the stopped daemon below costs one call of 10 s.
+    create(a, "down", sock, retry_min=0.2, retry_max=0.2, timeout=10)
     hashes = page_hashes(2, "down")
     assert a.call("exists", rank="down", hashes=hashes)["count"] == 0
     assert a.call("set", rank="down", hashes=hashes, slot=0)["results"] == [False, False]
