@@ -310,7 +310,7 @@ def test_runs_never_claimed_expire(ring_daemon, memory):
             HandoffConfig("ring", ttl=0.3),
         )
         assert _used(p)[0] > 0
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60  # (a bound for a loaded machine)
         while _used(p)[0] and time.monotonic() < deadline:
             time.sleep(0.05)
         assert _used(p)[0] == 0
@@ -354,7 +354,7 @@ def test_a_process_killed_mid_handoff_leaves_no_ring_space_held(ring_daemon, rol
         finally:
             proc.send_signal(signal.SIGKILL)
             proc.wait(30)
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60  # (a bound for a loaded machine)
         busy = ("leased_read", "leased_write")
         while any(admin.stat().rings[0][k] for k in busy) and time.monotonic() < deadline:
             time.sleep(0.05)
