@@ -36,7 +36,7 @@ def run_async(test):
 MIB = 1 << 20
 
 
-async def until(pilot, condition, timeout: float = 5.0) -> None:
+async def until(pilot, condition, timeout: float = 60.0) -> None:
     """Let the app run until ``condition()`` holds (snapshots and lists are asynchronous)."""
     for _ in range(int(timeout / 0.02)):
         if condition():

@@ -21,7 +21,7 @@ from kvbroker.tui._tables import ClientsTable, TransfersTable  # noqa: E402
 MIB = 1 << 20
 
 
-async def until(pilot, condition, timeout: float = 10.0) -> None:
+async def until(pilot, condition, timeout: float = 60.0) -> None:
     for _ in range(int(timeout / 0.05)):
         if condition():
             return

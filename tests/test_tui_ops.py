@@ -39,7 +39,7 @@ def run_async(test):
     return wrapper
 
 
-async def until(pilot, condition, timeout: float = 5.0, message=lambda: "") -> None:
+async def until(pilot, condition, timeout: float = 60.0, message=lambda: "") -> None:
     for _ in range(int(timeout / 0.02)):
         if condition():
             return
