@@ -361,6 +361,8 @@ def hybrid(rank: dict, op: str, cmd: dict) -> dict:
     call = backend.batch_set_v2 if op == "hybrid_set" else backend.batch_get_v2
     for extra_info, group in _trailing_chain_groups(prefix, hashes, moves):
         results.update({str(k): v for k, v in call(group, extra_info=extra_info).items()})
+    if op == "hybrid_set" and any(results["kv"]):
+        sealed(backend, hashes, HiCacheStorageExtraInfo(prefix))
     return {
         "results": results,
         "exact_kv": exact(rank, hashes, cmd["slot"]),
@@ -537,6 +539,14 @@ def hybrid_through_controller(rank: dict, op: str, cmd: dict) -> dict:
     }
 
 
+def sealed(backend, hashes: list[str], info) -> None:
+    """Return once what a write of ``hashes`` stored is visible to every engine. A batch write
+    returns when its seal is sent, without waiting for the reply (one round trip per batch),
+    so another engine asking at once may miss it; the writer's next call on its connection is
+    answered after the seal, as SGLang's next storage call would be."""
+    backend.batch_exists(hashes, info)
+
+
 def handle(cmd: dict) -> dict:
     op = cmd["op"]
     if op == "create":
@@ -551,7 +561,10 @@ def handle(cmd: dict) -> dict:
     if op == "set":
         if cmd.get("fill", True):
             fill(rank, hashes, slot)
-        return {"results": backend.batch_set_v1(hashes, indices(rank, slot, len(hashes)), info)}
+        results = backend.batch_set_v1(hashes, indices(rank, slot, len(hashes)), info)
+        if any(results):
+            sealed(backend, hashes, info)
+        return {"results": results}
     if op == "get":
         zero(rank, slot, len(hashes))
         results = backend.batch_get_v1(hashes, indices(rank, slot, len(hashes)), info)
@@ -564,7 +577,10 @@ def handle(cmd: dict) -> dict:
             pool.get_data_page((slot + i) * rank["page_size"], flat=True).clone()
             for i in range(len(hashes))
         ]
-        return {"stored": backend.batch_set(hashes, pages)}
+        stored = backend.batch_set(hashes, pages)
+        if stored:
+            sealed(backend, hashes, info)
+        return {"stored": stored}
     if op == "legacy_get":
         targets = [pool.get_dummy_flat_data_page() for _ in hashes]
         found = backend.batch_get(hashes, targets)
