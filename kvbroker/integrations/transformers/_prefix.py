@@ -8,17 +8,13 @@ from collections.abc import Sequence
 from typing import Any
 from ...errors import BadRequest, LayoutMismatch
 from ...prefix import PrefixCache
-from ._spec import (  # noqa: F401  (copy_into, KVSpec... stay importable from here)
+from ._spec import (
     KVSpec,
     _build_cache,
-    _check_size,
     _copy_from_pool,
     _copy_source,
-    _dtype_name,
-    _ints,
     _Layer,
     _local_spec,
-    _np_copyto,
     _read_layers,
     _spec_of,
     _torch,
